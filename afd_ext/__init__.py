@@ -1,0 +1,10 @@
+"""afd_ext: the transport for Attention-FFN Disaggregation (AFD) of LLM inference.
+
+The compiled core (``afd_ext.ops``, torch ops in the ``afd_ext`` namespace)
+moves row ranges of tensors between attention ranks and FFN ranks over NCCL;
+the Python layer (connector, control plane, topology, factory) drives it once
+per step and per (layer, stage). Importing this package loads nothing heavy:
+import the submodule you need.
+"""
+
+__version__ = "0.1.0"
