@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The GPU tier in one call on a 2-GPU machine (nvidia-h200-x2): build against the
+# machine's torch, run the `gpu`-marked tests, the timing scripts, the benchmark
+# and the demo; logs and JSON land in $OUT (or ./gpu-out).
+#
+#   bash scripts/gpu_tier.sh [phase ...]     phases: build tests time bench demo (default: all)
+set -uo pipefail
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+# NVLink multicast stays off on shared machines (see docs/gpu-test-results.md).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
+phases=${*:-build tests time bench demo}
+PY=${PY:-python3}
+status=0
+run() {  # run NAME CMD...: log to $OUT/NAME.log, remember failures, keep going
+  local name=$1; shift
+  echo "=== $name: $*"
+  local t0=$SECONDS
+  "$@" 2>&1 | tee "$OUT/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name: rc=$rc in $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
+  [ "$rc" = 0 ] || status=1
+}
+{
+  echo "commit: $(git rev-parse HEAD 2>/dev/null || echo unknown)"
+  nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
+  $PY -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version(), "gpus", torch.cuda.device_count())'
+  $PY -c 'import transformers; print("transformers", transformers.__version__)' 2>&1
+} | tee "$OUT/summary.txt"
+for phase in $phases; do
+  case $phase in
+    build) run build $PY -m pip install --no-build-isolation --no-deps -e . && run info $PY -m afd_ext info ;;
+    tests) run gpu-tests $PY -m pytest -m gpu tests/gpu -v -rA --timeout 300 --junitxml "$OUT/gpu-junit.xml" ;;
+    time) [ -f tests/gpu/time_exchange.py ] && run time-exchange $PY tests/gpu/time_exchange.py --out "$OUT/time_exchange.json"
+          [ -f tests/gpu/time_graph_exchange.py ] && run time-graph $PY tests/gpu/time_graph_exchange.py --out "$OUT/time_graph.json" ;;
+    bench) run bench $PY -m afd_ext bench --out "$OUT/bench" ;;
+    demo) run demo-1a1f $PY -m afd_ext demo --backend nccl --attention-ranks 1 --ffn-ranks 1 --dims deepseek-v2-lite --json "$OUT/demo-1a1f.json"
+          run demo-2a1f $PY -m afd_ext demo --backend nccl --attention-ranks 2 --ffn-ranks 1 --json "$OUT/demo-2a1f.json" ;;
+    *) echo "unknown phase $phase"; status=2 ;;
+  esac
+done
+cat "$OUT/summary.txt"
+exit $status
