@@ -1,0 +1,1067 @@
+"""CUDA graphs across the whole AFD exchange, on both roles.
+
+What this module gives the runtime (the attention runner and the FFN loop):
+
+* :class:`GraphKey` — what a captured graph depends on: the full per-stage,
+  per-attention-rank row-count vector, the wire dtypes, which optional tensors
+  travel, the wire format per stage, the layer count and the topology. Never a
+  total: per-peer counts ``[4, 4]`` and ``[7, 1]`` give different keys (the
+  reference keyed FFN graphs so that both collided and replayed the wrong graph
+  during an eager prefill, its issue #261).
+* :func:`decide_step_mode` — one rule per control-payload flag, identical on
+  both roles: ``is_warmup`` → eager with real traffic on every edge;
+  ``is_graph_capturing`` → capture on both sides at once;
+  ``is_graph_replaying`` → replay on both sides (a key that was not captured is
+  refused with :class:`GraphKeyMismatchError`, never replayed); otherwise eager.
+* Padding: :func:`capture_size_for` / :func:`pad_stage_counts` pick, per stage,
+  the smallest capture size (vLLM style list) that holds every peer's count;
+  in graph mode the attention side pads every peer to it. :func:`pad_rows_into`
+  copies real rows into a static buffer and zeroes the padding rows;
+  the reply's padding rows are dropped by slicing ``[:n]``. The FFN side treats
+  padding rows as ordinary rows (its compute is row-independent), so the
+  padding is carried and dropped consistently.
+* :class:`StaticArena` — every buffer a captured graph touches (fan-in targets,
+  wire buffers, reply buffers, static inputs) is allocated here, before
+  capture, at the captured capacity. After :meth:`StaticArena.freeze` no buffer
+  can be added, and :meth:`StaticArena.check_stable` asserts the addresses,
+  shapes and storage sizes did not change. Eager steps use their own buffers.
+* :class:`GraphCache` — a bounded LRU of :class:`CapturedGraph` entries; an
+  entry owns its graph *and* its arena, so eviction drops both together and
+  never while the entry is replaying. :meth:`GraphCache.memory` reports bytes.
+* :class:`GraphController` — the per-rank driver: ``decide`` (flags + warm-up
+  bookkeeping), ``new_arena``, ``capture`` (one graph per key around a user
+  callable: the attention-side layer loop, or the FFN-side per-step loop over
+  all layers x all stages), ``replay``.
+
+Why capture works at all: every ``afd_ext`` op runs on the current CUDA stream,
+and ``torch.cuda.graph`` makes its capture stream current, so the NCCL kernels
+of fan-in, split-back and exchange are recorded. Capture moves no data; both
+roles must therefore capture the same step (same key) and replay in lockstep,
+which the control payload's flags arrange. NCCL connects an edge lazily on its
+first use, which must not happen inside a capture: :meth:`GraphController.decide`
+refuses a capture before a warm-up step with rows on every peer.
+
+Control-plane traffic is host-side and never captured; the attention side
+sends each step's payload (with the replay flag) before replaying.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import enum
+import logging
+import threading
+from collections import OrderedDict
+from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "DEFAULT_CAPTURE_SIZES",
+    "GraphError",
+    "GraphKeyMismatchError",
+    "GraphModeError",
+    "GraphBufferError",
+    "GraphKey",
+    "make_graph_key",
+    "StepMode",
+    "decide_step_mode",
+    "capture_size_for",
+    "pad_stage_counts",
+    "pad_rows_into",
+    "StaticArena",
+    "CapturedGraph",
+    "GraphCache",
+    "GraphMemoryReport",
+    "GraphBackend",
+    "CudaGraphBackend",
+    "EagerRecordingBackend",
+    "GraphController",
+]
+
+# vLLM's default cudagraph capture sizes: 1, 2, 4, then every 8 up to 512.
+DEFAULT_CAPTURE_SIZES: tuple[int, ...] = (1, 2, 4) + tuple(range(8, 513, 8))
+
+
+class GraphError(RuntimeError):
+    """Base class of the graph-mode errors."""
+
+
+class GraphKeyMismatchError(GraphError):
+    """A replay was asked for a key that has no captured graph (refused, never replayed)."""
+
+
+class GraphModeError(GraphError):
+    """The control payload's flags cannot be acted on (conflicting flags, graphs off, no warm-up)."""
+
+
+class GraphBufferError(GraphError):
+    """A static buffer of a captured graph is missing, misshaped, or moved."""
+
+
+# ---------------------------------------------------------------------------
+# The key
+# ---------------------------------------------------------------------------
+
+
+def _dtype_name(dtype: torch.dtype | str | None) -> str | None:
+    if dtype is None:
+        return None
+    if isinstance(dtype, torch.dtype):
+        return str(dtype).removeprefix("torch.")
+    if isinstance(dtype, str):
+        name = dtype.removeprefix("torch.")
+        if not isinstance(getattr(torch, name, None), torch.dtype):
+            raise ValueError(f"unknown dtype name {dtype!r}; pass a torch.dtype such as torch.bfloat16")
+        return name
+    raise TypeError(f"dtype must be a torch.dtype or its name, got {type(dtype).__name__}")
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphKey:
+    """Everything a captured exchange graph depends on (hashable, comparable).
+
+    Attributes:
+        stage_counts: per stage, sorted by stage id: ``(stage_id, counts)`` where
+            ``counts[a]`` is the number of rows attention rank ``a`` sends in that
+            stage (after graph padding). The full vector, never a total.
+        num_layers: exchanges per stage per step (layer loop length).
+        hidden_size: columns of the hidden states on the wire.
+        hidden_dtype: wire dtype name of the hidden states, e.g. ``"bfloat16"``.
+        router_logits: ``(width, dtype name)`` when router logits travel, else None.
+        token_ids: dtype name of the token ids when they travel, else None.
+        wire_formats: per stage (same order as ``stage_counts``): ``"packed"`` or
+            ``"per_tensor"``; empty when not known.
+        topology: ``(num_attention_ranks, num_ffn_ranks, tp_size)`` or ``()``.
+    """
+
+    stage_counts: tuple[tuple[int, tuple[int, ...]], ...]
+    num_layers: int
+    hidden_size: int
+    hidden_dtype: str
+    router_logits: tuple[int, str] | None = None
+    token_ids: str | None = None
+    wire_formats: tuple[str, ...] = ()
+    topology: tuple[int, ...] = ()
+
+    @property
+    def stages(self) -> tuple[int, ...]:
+        """Stage ids, ascending."""
+        return tuple(s for s, _ in self.stage_counts)
+
+    def counts(self, stage: int) -> tuple[int, ...]:
+        """Per-attention-rank row counts of ``stage``; ``KeyError`` if the key has no such stage."""
+        for s, c in self.stage_counts:
+            if s == stage:
+                return c
+        raise KeyError(f"graph key has no stage {stage}; stages are {self.stages}")
+
+    def differences(self, other: "GraphKey") -> list[str]:
+        """Human-readable list of the fields in which ``other`` differs from this key."""
+        out = []
+        for f in dataclasses.fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if a != b:
+                out.append(f"{f.name}: {a!r} != {b!r}")
+        return out
+
+    def describe(self) -> str:
+        """Short one-line description for logs and errors."""
+        stages = ", ".join(f"stage {s}: {list(c)}" for s, c in self.stage_counts)
+        extra = []
+        if self.router_logits:
+            extra.append(f"logits[{self.router_logits[0]}]:{self.router_logits[1]}")
+        if self.token_ids:
+            extra.append(f"ids:{self.token_ids}")
+        return (
+            f"GraphKey({stages}; layers={self.num_layers}; hidden[{self.hidden_size}]:{self.hidden_dtype}"
+            + ("; " + ", ".join(extra) if extra else "")
+            + (f"; wire={list(self.wire_formats)}" if self.wire_formats else "")
+            + (f"; topology={self.topology}" if self.topology else "")
+            + ")"
+        )
+
+
+def make_graph_key(
+    stage_counts: Mapping[int, Sequence[int]],
+    *,
+    num_layers: int,
+    hidden_size: int,
+    hidden_dtype: torch.dtype | str,
+    router_logits_width: int | None = None,
+    router_logits_dtype: torch.dtype | str | None = None,
+    token_ids_dtype: torch.dtype | str | None = None,
+    wire_formats: Mapping[int, str] | Sequence[str] | None = None,
+    topology: Sequence[int] = (),
+) -> GraphKey:
+    """Build a :class:`GraphKey`, validating every field.
+
+    Args:
+        stage_counts: stage id -> per-attention-rank row counts (ints >= 0, one
+            per attention rank, the same length in every stage). Row counts are
+            the ones that travel (after graph padding).
+        num_layers: layer exchanges per stage per step, >= 1.
+        hidden_size: hidden columns, >= 1.
+        hidden_dtype: wire dtype of the hidden states.
+        router_logits_width / router_logits_dtype: both given when router logits
+            travel, both None otherwise.
+        token_ids_dtype: dtype of the token ids when they travel (int32 for the
+            reference's wire), else None.
+        wire_formats: per stage ``"packed"`` / ``"per_tensor"`` (mapping by stage
+            id, or a sequence in ascending stage order), or None.
+        topology: ``(A, F[, tp])`` when known.
+
+    Returns:
+        The key.
+
+    Raises:
+        ValueError: a field is out of range or inconsistent (the message names it).
+    """
+    if not stage_counts:
+        raise ValueError("stage_counts is empty; a step has at least one stage")
+    items = []
+    width = None
+    for stage in sorted(stage_counts):
+        if isinstance(stage, bool) or not isinstance(stage, int) or stage < 0:
+            raise ValueError(f"stage ids must be ints >= 0, got {stage!r}")
+        counts = tuple(stage_counts[stage])
+        if not counts:
+            raise ValueError(f"stage {stage}: counts are empty; give one count per attention rank")
+        for c in counts:
+            if isinstance(c, bool) or not isinstance(c, int) or c < 0:
+                raise ValueError(f"stage {stage}: counts must be ints >= 0, got {list(counts)!r}")
+        if width is None:
+            width = len(counts)
+        elif len(counts) != width:
+            raise ValueError(
+                f"stage {stage} has {len(counts)} counts but an earlier stage has {width}; "
+                "every stage lists every attention rank"
+            )
+        items.append((stage, counts))
+    if topology and topology[0] != width:
+        raise ValueError(f"counts list {width} attention ranks but topology says A={topology[0]}")
+    if num_layers < 1:
+        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+    if hidden_size < 1:
+        raise ValueError(f"hidden_size must be >= 1, got {hidden_size}")
+    if (router_logits_width is None) != (router_logits_dtype is None):
+        raise ValueError("router_logits_width and router_logits_dtype must be given together (or neither)")
+    logits = None
+    if router_logits_width is not None:
+        if router_logits_width < 1:
+            raise ValueError(f"router_logits_width must be >= 1, got {router_logits_width}")
+        logits = (int(router_logits_width), _dtype_name(router_logits_dtype))
+    formats: tuple[str, ...] = ()
+    if wire_formats is not None:
+        if isinstance(wire_formats, Mapping):
+            missing = [s for s, _ in items if s not in wire_formats]
+            if missing:
+                raise ValueError(f"wire_formats lacks stages {missing}")
+            formats = tuple(wire_formats[s] for s, _ in items)
+        else:
+            formats = tuple(wire_formats)
+            if len(formats) != len(items):
+                raise ValueError(f"wire_formats has {len(formats)} entries for {len(items)} stages")
+        bad = [f for f in formats if f not in ("packed", "per_tensor")]
+        if bad:
+            raise ValueError(f"wire formats must be 'packed' or 'per_tensor', got {bad}")
+    return GraphKey(
+        stage_counts=tuple(items),
+        num_layers=int(num_layers),
+        hidden_size=int(hidden_size),
+        hidden_dtype=_dtype_name(hidden_dtype),
+        router_logits=logits,
+        token_ids=_dtype_name(token_ids_dtype),
+        wire_formats=formats,
+        topology=tuple(int(t) for t in topology),
+    )
+
+
+# ---------------------------------------------------------------------------
+# The decision rule
+# ---------------------------------------------------------------------------
+
+
+class StepMode(str, enum.Enum):
+    """What a rank does with one step, decided from the control payload's flags."""
+
+    EAGER = "eager"
+    WARMUP = "warmup"
+    CAPTURE = "capture"
+    REPLAY = "replay"
+
+
+def decide_step_mode(payload: Any, *, graphs_enabled: bool = True) -> StepMode:
+    """Map a control payload's flags to a :class:`StepMode` — the same rule on both roles.
+
+    ``is_warmup`` → WARMUP (eager, real traffic on every edge);
+    ``is_graph_capturing`` → CAPTURE; ``is_graph_replaying`` → REPLAY; none → EAGER.
+    ``is_profile`` does not change the mode.
+
+    Args:
+        payload: an ``AFDControlPayload`` (or anything with the three bool flags).
+        graphs_enabled: whether this rank runs in graph mode.
+
+    Returns:
+        The step mode.
+
+    Raises:
+        GraphModeError: more than one of the three flags is set, or a capture or
+            replay is asked for while graphs are disabled on this rank (enable graph
+            mode on both roles, or stop setting the flag on the attention side).
+    """
+    flags = {
+        name: bool(getattr(payload, name, False))
+        for name in ("is_warmup", "is_graph_capturing", "is_graph_replaying")
+    }
+    on = [n for n, v in flags.items() if v]
+    if len(on) > 1:
+        raise GraphModeError(f"control payload sets conflicting flags {on}; at most one may be set per step")
+    if not on:
+        return StepMode.EAGER
+    mode = {
+        "is_warmup": StepMode.WARMUP,
+        "is_graph_capturing": StepMode.CAPTURE,
+        "is_graph_replaying": StepMode.REPLAY,
+    }[on[0]]
+    if mode in (StepMode.CAPTURE, StepMode.REPLAY) and not graphs_enabled:
+        raise GraphModeError(
+            f"control payload sets {on[0]} but graphs are disabled on this rank; "
+            "enable graph mode on both roles (graph_cache_size > 0) or clear the flag on the attention side"
+        )
+    return mode
+
+
+# ---------------------------------------------------------------------------
+# Padding
+# ---------------------------------------------------------------------------
+
+
+def _check_capture_sizes(capture_sizes: Sequence[int]) -> tuple[int, ...]:
+    sizes = tuple(capture_sizes)
+    if not sizes:
+        raise ValueError("capture_sizes is empty; give at least one size, e.g. [1, 2, 4, 8]")
+    if any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
+        raise ValueError(f"capture sizes must be ints >= 1, got {list(sizes)}")
+    if list(sizes) != sorted(set(sizes)):
+        raise ValueError(f"capture sizes must be strictly increasing, got {list(sizes)}")
+    return sizes
+
+
+def capture_size_for(count: int, capture_sizes: Sequence[int] = DEFAULT_CAPTURE_SIZES) -> int | None:
+    """Smallest capture size >= ``max(count, 1)``, or None when ``count`` exceeds the largest.
+
+    Args:
+        count: the largest per-peer row count of a stage (>= 0).
+        capture_sizes: strictly increasing positive sizes.
+
+    Raises:
+        ValueError: ``count`` < 0 or a malformed size list.
+    """
+    sizes = _check_capture_sizes(capture_sizes)
+    if count < 0:
+        raise ValueError(f"count must be >= 0, got {count}")
+    i = bisect.bisect_left(sizes, max(count, 1))
+    return sizes[i] if i < len(sizes) else None
+
+
+def pad_stage_counts(
+    stage_counts: Mapping[int, Sequence[int]], capture_sizes: Sequence[int] = DEFAULT_CAPTURE_SIZES
+) -> dict[int, tuple[int, ...]] | None:
+    """Pad every attention rank of each stage to that stage's common capture size.
+
+    A stage whose counts are ``[3, 0]`` with sizes ``[1, 2, 4, 8]`` becomes
+    ``[4, 4]``: a zero-token peer carries padding rows only, so every edge of a
+    captured step has rows and the set of graphs is the capture-size list.
+
+    Args:
+        stage_counts: stage id -> per-attention-rank real row counts.
+        capture_sizes: strictly increasing positive sizes.
+
+    Returns:
+        stage id -> padded counts, or None when some stage does not fit the largest
+        capture size (run that step eagerly).
+    """
+    out = {}
+    for stage, counts in stage_counts.items():
+        counts = tuple(int(c) for c in counts)
+        if not counts:
+            raise ValueError(f"stage {stage}: counts are empty")
+        size = capture_size_for(max(counts), capture_sizes)
+        if size is None:
+            return None
+        out[stage] = (size,) * len(counts)
+    return out
+
+
+def pad_rows_into(src: torch.Tensor, dst: torch.Tensor, *, zero_padding: bool = True) -> torch.Tensor:
+    """Copy ``src`` into the first rows of the static buffer ``dst``; zero the rest.
+
+    Args:
+        src: ``[n, ...]`` real rows, any device; ``n <= dst.shape[0]``.
+        dst: ``[capacity, ...]`` static buffer (mutated), same trailing shape and dtype.
+        zero_padding: zero rows ``n:`` so the padding rows are finite and deterministic.
+
+    Returns:
+        ``dst[:n]``, a view of the real rows.
+
+    Raises:
+        ValueError: trailing shape or dtype differ, or ``n`` exceeds the capacity.
+    """
+    if src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype:
+        raise ValueError(
+            f"src {tuple(src.shape)}:{src.dtype} does not fit static buffer {tuple(dst.shape)}:{dst.dtype}; "
+            "trailing shape and dtype must match"
+        )
+    n = src.shape[0]
+    if n > dst.shape[0]:
+        raise ValueError(f"src has {n} rows but the static buffer holds {dst.shape[0]}; pick a larger capture size")
+    if n:
+        dst[:n].copy_(src)
+    if zero_padding and n < dst.shape[0]:
+        dst[n:].zero_()
+    return dst[:n]
+
+
+# ---------------------------------------------------------------------------
+# Static buffers
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Slot:
+    tensor: torch.Tensor
+    data_ptr: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    storage_nbytes: int
+
+
+class StaticArena:
+    """The static buffers of one captured graph, allocated before capture and never moved.
+
+    Buffers are named by any hashable (e.g. ``("fan_in_hidden", stage)``). Before
+    :meth:`freeze`, :meth:`buffer` allocates on first request and returns the same
+    tensor afterwards; after it, only existing buffers are returned (a request for
+    a new name or a different shape raises), which is how a connector asked for a
+    buffer inside a capture learns it forgot to reserve it.
+
+    Args:
+        device: device of every buffer (``torch.device`` or string).
+        label: text used in error messages (e.g. the graph key's description).
+    """
+
+    def __init__(self, device: torch.device | str, label: str = ""):
+        self.device = torch.device(device)
+        self.label = label
+        self._slots: dict[Hashable, _Slot] = {}
+        self._frozen = False
+
+    @property
+    def frozen(self) -> bool:
+        """True once :meth:`freeze` was called."""
+        return self._frozen
+
+    def freeze(self) -> None:
+        """Forbid new buffers (called right before capture)."""
+        self._frozen = True
+
+    def buffer(
+        self,
+        name: Hashable,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        *,
+        zero: bool = True,
+    ) -> torch.Tensor:
+        """Return the static buffer ``name``, allocating it (zeroed) on first request.
+
+        Args:
+            name: any hashable identifying the buffer in this arena.
+            shape: its shape at the captured capacity.
+            dtype: its dtype.
+            zero: fill a new buffer with zeros (finite padding rows).
+
+        Returns:
+            A contiguous tensor on the arena's device, the same object on every call.
+
+        Raises:
+            GraphBufferError: the name exists with another shape or dtype, or the
+                arena is frozen and the name is unknown.
+        """
+        shape = tuple(int(s) for s in shape)
+        slot = self._slots.get(name)
+        if slot is not None:
+            if slot.shape != shape or slot.dtype != dtype:
+                raise GraphBufferError(
+                    f"static buffer {name!r} of {self.label or 'this arena'} is {slot.shape}:{slot.dtype}, "
+                    f"asked for {shape}:{dtype}; a captured graph's buffers cannot change shape"
+                )
+            return slot.tensor
+        if self._frozen:
+            raise GraphBufferError(
+                f"static buffer {name!r} {shape}:{dtype} was not reserved before capture of "
+                f"{self.label or 'this graph'}; allocate every buffer the graph touches before capturing"
+            )
+        t = (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=self.device)
+        self._slots[name] = _Slot(t, t.data_ptr(), shape, dtype, t.untyped_storage().nbytes())
+        return t
+
+    def __contains__(self, name: Hashable) -> bool:
+        return name in self._slots
+
+    def get(self, name: Hashable) -> torch.Tensor:
+        """The existing buffer ``name``; ``GraphBufferError`` when absent."""
+        slot = self._slots.get(name)
+        if slot is None:
+            raise GraphBufferError(f"no static buffer {name!r} in {self.label or 'this arena'}; known: {list(self._slots)}")
+        return slot.tensor
+
+    def names(self) -> list[Hashable]:
+        """Buffer names in allocation order."""
+        return list(self._slots)
+
+    def addresses(self) -> dict[Hashable, int]:
+        """Name -> ``data_ptr()`` recorded at allocation."""
+        return {n: s.data_ptr for n, s in self._slots.items()}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the buffers' storages."""
+        return sum(s.storage_nbytes for s in self._slots.values())
+
+    def check_stable(self) -> None:
+        """Assert every buffer still has its address, shape, dtype and storage size.
+
+        Raises:
+            GraphBufferError: naming the buffer that moved or changed.
+        """
+        for name, s in self._slots.items():
+            t = s.tensor
+            if (
+                t.data_ptr() != s.data_ptr
+                or tuple(t.shape) != s.shape
+                or t.dtype != s.dtype
+                or t.untyped_storage().nbytes() != s.storage_nbytes
+            ):
+                raise GraphBufferError(
+                    f"static buffer {name!r} of {self.label or 'this arena'} moved or changed "
+                    f"(ptr {s.data_ptr:#x} -> {t.data_ptr():#x}, shape {s.shape} -> {tuple(t.shape)}); "
+                    "a captured graph would read or write freed memory"
+                )
+
+    def release(self) -> None:
+        """Drop every buffer (only the owning :class:`CapturedGraph` calls this)."""
+        self._slots.clear()
+
+
+# ---------------------------------------------------------------------------
+# Graph backends: real CUDA graphs, or an eager recorder for CPU tests
+# ---------------------------------------------------------------------------
+
+
+class GraphBackend:
+    """How graphs are captured and replayed; :class:`CudaGraphBackend` in production."""
+
+    def new_pool(self) -> Any:
+        """A memory-pool handle shared by every capture of one controller."""
+        raise NotImplementedError
+
+    def capture(self, body: Callable[[], Any], pool: Any) -> tuple[Any, Any, int]:
+        """Capture ``body()``; return ``(graph, body's return value, bytes allocated during capture)``."""
+        raise NotImplementedError
+
+    def replay(self, graph: Any) -> Any:
+        """Launch ``graph`` on the current stream; return None (or fresh outputs, for stand-ins)."""
+        raise NotImplementedError
+
+    def release(self, graph: Any) -> None:
+        """Free ``graph`` (called only when it cannot be running)."""
+
+    def synchronize(self) -> None:
+        """Wait until every launched replay finished (before a graph is freed)."""
+
+    def pool_bytes(self, pool: Any) -> int | None:
+        """Bytes reserved by the shared pool, or None when not measurable."""
+        return None
+
+
+class CudaGraphBackend(GraphBackend):
+    """``torch.cuda.CUDAGraph`` capture on a private side stream, one shared pool.
+
+    Capture uses ``capture_error_mode="thread_local"`` so a watchdog thread that
+    queries events during a capture does not invalidate it.
+
+    Args:
+        device: the CUDA device the graphs run on.
+    """
+
+    def __init__(self, device: torch.device | str | int | None = None):
+        if not torch.cuda.is_available():
+            raise GraphError("CUDA graphs need a CUDA device; none is available (use eager mode)")
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        if self.device.type != "cuda":
+            raise ValueError(f"CudaGraphBackend needs a cuda device, got {self.device}")
+
+    def new_pool(self) -> Any:
+        return torch.cuda.graph_pool_handle()
+
+    def capture(self, body, pool):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.device(self.device):
+            before = torch.cuda.memory_allocated(self.device)
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                out = body()
+            after = torch.cuda.memory_allocated(self.device)
+        return graph, out, max(0, after - before)
+
+    def replay(self, graph):
+        graph.replay()
+
+    def release(self, graph):
+        graph.reset()
+
+    def synchronize(self):
+        torch.cuda.synchronize(self.device)
+
+    def pool_bytes(self, pool):
+        try:
+            segments = torch.cuda.memory._snapshot(self.device)["segments"]
+        except Exception:  # noqa: BLE001 - the snapshot API differs across torch versions
+            return None
+        want = tuple(pool)
+        total = 0
+        for seg in segments:
+            pid = seg.get("segment_pool_id")
+            if pid is not None and tuple(pid) == want:
+                total += int(seg.get("total_size", 0))
+        return total
+
+
+class EagerRecordingBackend(GraphBackend):
+    """A stand-in for CPU tests: "capture" records the callable, "replay" re-runs it.
+
+    It exercises every decision, cache and buffer rule of :class:`GraphController`
+    without a GPU (and, over gloo, with real traffic on replay), but it is not a
+    CUDA graph: capture runs nothing and moves no data, exactly like a real capture.
+    """
+
+    def __init__(self):
+        self.captures = 0
+        self.replays = 0
+        self.released = 0
+
+    def new_pool(self):
+        return ("eager-pool", id(self))
+
+    def capture(self, body, pool):
+        self.captures += 1
+        return body, None, 0
+
+    def replay(self, graph):
+        self.replays += 1
+        return graph()
+
+    def release(self, graph):
+        self.released += 1
+
+
+# ---------------------------------------------------------------------------
+# Captured graphs and the cache
+# ---------------------------------------------------------------------------
+
+
+class CapturedGraph:
+    """One captured graph and the arena it reads and writes, owned together.
+
+    Attributes:
+        key: the :class:`GraphKey` it was captured for.
+        arena: its :class:`StaticArena` (frozen).
+        outputs: whatever the captured callable returned (static output tensors).
+        capture_bytes: device bytes allocated during capture (graph-pool tensors kept alive).
+        replays: how many times it was replayed.
+    """
+
+    def __init__(self, key: GraphKey, graph: Any, arena: StaticArena, outputs: Any, capture_bytes: int, backend: GraphBackend):
+        self.key = key
+        self.graph = graph
+        self.arena = arena
+        self.outputs = outputs
+        self.capture_bytes = int(capture_bytes)
+        self.replays = 0
+        self._backend = backend
+        self._in_use = 0
+        self._released = False
+
+    @property
+    def in_use(self) -> bool:
+        """True while a replay of this graph is being issued."""
+        return self._in_use > 0
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    @property
+    def static_bytes(self) -> int:
+        """Bytes of the arena's buffers."""
+        return self.arena.nbytes
+
+    def replay(self, *, check_addresses: bool = True) -> Any:
+        """Replay on the current stream and return the static outputs.
+
+        Raises:
+            GraphError: the graph was released.
+            GraphBufferError: a static buffer moved (checked before launching).
+        """
+        if self._released:
+            raise GraphError(f"graph for {self.key.describe()} was released; capture it again")
+        if check_addresses:
+            self.arena.check_stable()
+        self._in_use += 1
+        try:
+            fresh = self._backend.replay(self.graph)
+            self.replays += 1
+        finally:
+            self._in_use -= 1
+        return self.outputs if fresh is None else fresh
+
+    def release(self) -> None:
+        """Free the graph, then its buffers, after every launched replay finished.
+
+        Raises:
+            GraphError: a replay of this graph is being issued right now.
+        """
+        if self._released:
+            return
+        if self._in_use:
+            raise GraphError(f"cannot release graph {self.key.describe()} while it is replaying")
+        # The GPU may still be running an earlier replay; freeing its buffers or
+        # graph-pool memory now could let the next allocation overwrite them.
+        self._backend.synchronize()
+        self._backend.release(self.graph)
+        self.graph = None
+        self.outputs = None
+        self.arena.release()
+        self._released = True
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphMemoryReport:
+    """Memory held by a :class:`GraphCache`.
+
+    Attributes:
+        entries: number of captured graphs held.
+        static_bytes: bytes of every entry's static buffers (arenas).
+        capture_bytes: bytes allocated during the captures and kept alive (sum over entries).
+        pool_bytes: bytes reserved by the shared graph pool, or None when not measurable.
+        evictions: graphs evicted so far.
+    """
+
+    entries: int
+    static_bytes: int
+    capture_bytes: int
+    pool_bytes: int | None
+    evictions: int
+
+    @property
+    def total_bytes(self) -> int:
+        """Static buffers plus the pool (or the capture-time bytes when the pool is not measurable)."""
+        return self.static_bytes + (self.pool_bytes if self.pool_bytes is not None else self.capture_bytes)
+
+
+class GraphCache:
+    """A bounded LRU of :class:`CapturedGraph` entries.
+
+    Args:
+        max_entries: the most graphs held at once (>= 1).
+        pool_bytes: optional callable returning the shared pool's bytes (for reports).
+
+    Eviction releases the least recently used entry that is not replaying,
+    graph and buffers together; if every entry is replaying, :meth:`put` raises.
+    """
+
+    def __init__(self, max_entries: int, *, pool_bytes: Callable[[], int | None] | None = None):
+        if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
+            raise ValueError(f"graph cache size must be an int >= 1, got {max_entries!r}")
+        self.max_entries = max_entries
+        self._entries: OrderedDict[GraphKey, CapturedGraph] = OrderedDict()
+        self._pool_bytes = pool_bytes
+        self.evictions = 0
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: GraphKey) -> bool:
+        return key in self._entries
+
+    def keys(self) -> list[GraphKey]:
+        """Keys from least to most recently used."""
+        return list(self._entries)
+
+    def get(self, key: GraphKey) -> CapturedGraph | None:
+        """The entry for ``key`` (marked most recently used), or None."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key)
+            return entry
+
+    def put(self, entry: CapturedGraph) -> list[GraphKey]:
+        """Insert ``entry`` (replacing and releasing an older entry of the same key).
+
+        Returns:
+            The keys evicted to stay within ``max_entries``.
+
+        Raises:
+            GraphError: the cache is full of entries that are replaying.
+        """
+        with self._lock:
+            old = self._entries.pop(entry.key, None)
+            if old is not None and old is not entry:
+                old.release()
+            self._entries[entry.key] = entry
+            evicted = []
+            while len(self._entries) > self.max_entries:
+                victim = next((k for k, e in self._entries.items() if not e.in_use and e is not entry), None)
+                if victim is None:
+                    raise GraphError(
+                        f"graph cache is full ({self.max_entries}) and every entry is replaying; "
+                        "raise graph_cache_size"
+                    )
+                self._entries.pop(victim).release()
+                self.evictions += 1
+                evicted.append(victim)
+                logger.info("evicted CUDA graph %s", victim.describe())
+            return evicted
+
+    def evict(self, key: GraphKey) -> bool:
+        """Release and drop ``key``; False when absent. Raises ``GraphError`` if it is replaying."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return False
+            entry.release()
+            del self._entries[key]
+            self.evictions += 1
+            return True
+
+    def clear(self) -> None:
+        """Release every entry (e.g. in the connector's ``close``)."""
+        with self._lock:
+            while self._entries:
+                _, entry = self._entries.popitem(last=False)
+                entry.release()
+
+    def memory(self) -> GraphMemoryReport:
+        """Bytes held by the cached graphs (see :class:`GraphMemoryReport`)."""
+        with self._lock:
+            entries = list(self._entries.values())
+        return GraphMemoryReport(
+            entries=len(entries),
+            static_bytes=sum(e.static_bytes for e in entries),
+            capture_bytes=sum(e.capture_bytes for e in entries),
+            pool_bytes=self._pool_bytes() if self._pool_bytes is not None else None,
+            evictions=self.evictions,
+        )
+
+
+# ---------------------------------------------------------------------------
+# The per-rank driver
+# ---------------------------------------------------------------------------
+
+
+class GraphController:
+    """Graph mode for one rank (attention or FFN): decisions, arenas, capture, replay.
+
+    Typical FFN-side step::
+
+        payload = connector.control_plane.recv_dp_metadata_list()
+        mode = ctl.decide(payload, key)              # key from the step's schedule
+        if mode is StepMode.REPLAY:
+            ctl.replay(key)                          # raises GraphKeyMismatchError if not captured
+        elif mode is StepMode.CAPTURE:
+            arena = ctl.new_arena(key)
+            ...apply the payload with buffers taken from ``arena``...
+            ctl.capture(key, arena, ffn_step_loop)   # all layers x all stages, one graph
+        else:                                        # EAGER or WARMUP: eager buffers, real traffic
+            ffn_step_loop()
+            ctl.note_eager_step(mode, key)
+
+    The attention side runs the same rule on the same payload (it built it), with
+    the layer loop over static inputs as the captured callable.
+
+    Args:
+        role: ``"attention"`` or ``"ffn"`` (for messages).
+        cache_size: most graphs held (``graph_cache_size``), >= 1.
+        backend: a :class:`GraphBackend`; default :class:`CudaGraphBackend` on ``device``.
+        device: device of the static buffers (default: the backend's, or the current CUDA device).
+        capture_sizes: strictly increasing per-peer capture sizes (vLLM style).
+        require_warmup: refuse a capture until a warm-up step has put rows on every
+            attention rank of every stage (NCCL connects edges lazily; a first
+            connection inside a capture fails or hangs).
+        check_addresses: check the arena's addresses before every replay (cheap host check).
+    """
+
+    def __init__(
+        self,
+        *,
+        role: str,
+        cache_size: int,
+        backend: GraphBackend | None = None,
+        device: torch.device | str | None = None,
+        capture_sizes: Sequence[int] = DEFAULT_CAPTURE_SIZES,
+        require_warmup: bool = True,
+        check_addresses: bool = True,
+    ):
+        if role not in ("attention", "ffn"):
+            raise ValueError(f"role must be 'attention' or 'ffn', got {role!r}")
+        self.role = role
+        self.capture_sizes = _check_capture_sizes(capture_sizes)
+        if backend is None:
+            backend = CudaGraphBackend(device)
+        self.backend = backend
+        if device is None:
+            device = getattr(backend, "device", None) or "cpu"
+        self.device = torch.device(device)
+        self._pool = backend.new_pool()
+        self.cache = GraphCache(cache_size, pool_bytes=lambda: backend.pool_bytes(self._pool))
+        self.require_warmup = require_warmup
+        self.check_addresses = check_addresses
+        self.warmed_up = False
+        self.last_mode: StepMode | None = None
+
+    @property
+    def pool(self) -> Any:
+        """The memory-pool handle shared by every capture of this controller."""
+        return self._pool
+
+    # -- decisions --------------------------------------------------------
+
+    def decide(self, payload: Any, key: GraphKey | None = None) -> StepMode:
+        """Decide this step's mode from the payload's flags; validate it against the cache.
+
+        Args:
+            payload: the step's control payload.
+            key: the step's :class:`GraphKey` (required for CAPTURE and REPLAY).
+
+        Returns:
+            The mode (the same on every rank that saw the same payload).
+
+        Raises:
+            GraphModeError: conflicting flags; capture/replay without a key; a capture
+                before any warm-up step (when ``require_warmup``).
+            GraphKeyMismatchError: a replay whose key was never captured (or was
+                evicted); the message lists the captured keys and the closest one's
+                differences. Nothing is replayed.
+        """
+        mode = decide_step_mode(payload, graphs_enabled=True)
+        if mode in (StepMode.CAPTURE, StepMode.REPLAY) and key is None:
+            raise GraphModeError(f"{self.role} rank: a {mode.value} step needs the step's graph key")
+        if mode is StepMode.CAPTURE and self.require_warmup and not self.warmed_up:
+            raise GraphModeError(
+                f"{self.role} rank: capture of {key.describe()} before any warm-up step; send a payload "
+                "with is_warmup=True and rows on every peer first (NCCL connects edges lazily)"
+            )
+        if mode is StepMode.REPLAY and key not in self.cache:
+            raise GraphKeyMismatchError(self._mismatch_message(key))
+        self.last_mode = mode
+        return mode
+
+    def _mismatch_message(self, key: GraphKey) -> str:
+        keys = self.cache.keys()
+        msg = f"{self.role} rank: refusing to replay {key.describe()}: no graph was captured for it"
+        if not keys:
+            return msg + " (no graph captured yet; send a capture step first)"
+        closest = min(keys, key=lambda k: len(k.differences(key)))
+        return (
+            msg
+            + f"; {len(keys)} captured, closest {closest.describe()} differs in "
+            + "; ".join(closest.differences(key))
+        )
+
+    def note_eager_step(self, mode: StepMode, key: GraphKey | None) -> None:
+        """Record an eager step; a WARMUP step whose every count is > 0 warms every edge.
+
+        Args:
+            mode: the step's mode (EAGER or WARMUP).
+            key: the step's key (its counts tell which attention ranks had rows).
+        """
+        if mode is StepMode.WARMUP and key is not None:
+            if all(c > 0 for _, counts in key.stage_counts for c in counts):
+                self.warmed_up = True
+            else:
+                logger.warning(
+                    "%s rank: warm-up step %s has zero-row peers; edges stay cold", self.role, key.describe()
+                )
+
+    def pad_counts(self, stage_counts: Mapping[int, Sequence[int]]) -> dict[int, tuple[int, ...]] | None:
+        """:func:`pad_stage_counts` with this controller's capture sizes."""
+        return pad_stage_counts(stage_counts, self.capture_sizes)
+
+    # -- buffers, capture, replay ----------------------------------------
+
+    def new_arena(self, key: GraphKey) -> StaticArena:
+        """A fresh arena for ``key`` on this controller's device (fill it before :meth:`capture`)."""
+        return StaticArena(self.device, label=f"{self.role} graph {key.describe()}")
+
+    def capture(self, key: GraphKey, arena: StaticArena, body: Callable[[], Any]) -> CapturedGraph:
+        """Capture ``body()`` into one graph for ``key`` and cache it with ``arena``.
+
+        ``body`` is the attention-side layer loop (sends and receives on the current
+        stream, reading and writing only ``arena``'s buffers) or the FFN-side whole
+        step (all layers x all stages: fan-in, compute, split-back). It runs once,
+        under capture: nothing executes and no data moves. The arena is frozen
+        first; after capture its addresses are checked.
+
+        Returns:
+            The cached :class:`CapturedGraph` (``outputs`` = body's return value).
+
+        Raises:
+            GraphBufferError: ``body`` asked the arena for an unreserved buffer, or a
+                buffer moved during capture.
+            GraphError: the capture failed (the backend's error is chained).
+        """
+        if arena.device != self.device:
+            raise GraphBufferError(f"arena is on {arena.device}, graphs of this rank run on {self.device}")
+        arena.freeze()
+        before = arena.addresses()
+        graph, outputs, capture_bytes = self.backend.capture(body, self._pool)
+        arena.check_stable()
+        if arena.addresses() != before:
+            raise GraphBufferError(f"buffers were added to the arena of {key.describe()} during capture")
+        entry = CapturedGraph(key, graph, arena, outputs, capture_bytes, self.backend)
+        evicted = self.cache.put(entry)
+        logger.debug(
+            "%s rank: captured %s (%d static bytes, %d capture bytes, evicted %d)",
+            self.role, key.describe(), arena.nbytes, capture_bytes, len(evicted),
+        )
+        return entry
+
+    def replay(self, key: GraphKey) -> Any:
+        """Replay the graph captured for ``key`` on the current stream; return its static outputs.
+
+        Raises:
+            GraphKeyMismatchError: no graph for ``key`` (refused, nothing launched).
+            GraphBufferError: one of its buffers moved.
+        """
+        entry = self.cache.get(key)
+        if entry is None:
+            raise GraphKeyMismatchError(self._mismatch_message(key))
+        return entry.replay(check_addresses=self.check_addresses)
+
+    def entry(self, key: GraphKey) -> CapturedGraph | None:
+        """The cached entry for ``key`` or None."""
+        return self.cache.get(key)
+
+    def memory(self) -> GraphMemoryReport:
+        """Memory held by this rank's graphs."""
+        return self.cache.memory()
+
+    def close(self) -> None:
+        """Release every graph and its buffers (safe to call twice)."""
+        self.cache.clear()

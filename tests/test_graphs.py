@@ -1,0 +1,406 @@
+"""CPU tier for afd_ext.graphs: graph keys, the per-flag decision, padding, arena, cache.
+
+The capture/replay flow is exercised with ``EagerRecordingBackend`` (capture
+records the callable, replay re-runs it), so every rule of ``GraphController``
+runs here without a GPU; the real CUDA graphs are in tests/gpu/test_graphs_gpu.py.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from afd_ext import graphs
+from afd_ext.graphs import (
+    EagerRecordingBackend,
+    GraphBufferError,
+    GraphCache,
+    GraphController,
+    GraphError,
+    GraphKeyMismatchError,
+    GraphModeError,
+    StaticArena,
+    StepMode,
+    capture_size_for,
+    decide_step_mode,
+    make_graph_key,
+    pad_rows_into,
+    pad_stage_counts,
+)
+
+
+def key(counts, **kw):
+    """A key with defaults; ``counts`` is a list (one stage) or a dict stage -> list."""
+    if not isinstance(counts, dict):
+        counts = {0: counts}
+    base = dict(num_layers=2, hidden_size=16, hidden_dtype=torch.bfloat16)
+    base.update(kw)
+    return make_graph_key(counts, **base)
+
+
+def payload(**flags):
+    try:
+        from afd_ext.metadata import AFDControlPayload, AFDDPMetadata
+    except ImportError:  # metadata.py not there yet: the rule only reads the flags
+        return types.SimpleNamespace(**flags)
+    return AFDControlPayload(dp_metadata_list={0: AFDDPMetadata(torch.tensor([1], dtype=torch.int32))}, **flags)
+
+
+# --- the key ----------------------------------------------------------------
+
+
+def test_key_keeps_per_peer_counts_not_totals():
+    a, b = key([4, 4]), key([7, 1])
+    assert sum(a.counts(0)) == sum(b.counts(0)) == 8
+    assert a != b and hash(a) != hash(b)
+    assert "stage_counts" in a.differences(b)[0]
+    assert key([4, 4]) == key([4, 4]) and hash(key([4, 4])) == hash(key([4, 4]))
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        dict(hidden_dtype=torch.float16),
+        dict(router_logits_width=8, router_logits_dtype=torch.float32),
+        dict(token_ids_dtype=torch.int32),
+        dict(num_layers=3),
+        dict(hidden_size=32),
+        dict(wire_formats=["packed"]),
+        dict(topology=(2, 1)),
+    ],
+)
+def test_key_differs_on_every_field(other):
+    base = key([2, 2])
+    changed = key([2, 2], **other)
+    assert base != changed
+    assert len(base.differences(changed)) == 1
+
+
+def test_key_stage_vector_order_and_stages():
+    k = key({1: [3, 5], 0: [1, 2]})
+    assert k.stages == (0, 1)
+    assert k.counts(1) == (3, 5)
+    with pytest.raises(KeyError, match="stage 2"):
+        k.counts(2)
+    # Swapping which stage carries which counts is a different key.
+    assert k != key({0: [3, 5], 1: [1, 2]})
+    assert "stage 0: [1, 2]" in k.describe()
+
+
+@pytest.mark.parametrize(
+    "counts,kw,match",
+    [
+        ({}, {}, "empty"),
+        ({0: []}, {}, "empty"),
+        ({0: [1, -1]}, {}, ">= 0"),
+        ({0: [1, 2], 1: [1]}, {}, "every stage"),
+        ({-1: [1]}, {}, "stage ids"),
+        ({0: [1]}, dict(num_layers=0), "num_layers"),
+        ({0: [1]}, dict(router_logits_width=4), "together"),
+        ({0: [1]}, dict(wire_formats=["zip"]), "packed"),
+        ({0: [1]}, dict(wire_formats=["packed", "packed"]), "entries"),
+        ({0: [1]}, dict(topology=(2, 1)), "A=2"),
+        ({0: [1]}, dict(hidden_dtype="float99"), "unknown dtype"),
+    ],
+)
+def test_key_rejects_bad_fields(counts, kw, match):
+    base = dict(num_layers=1, hidden_size=4, hidden_dtype=torch.float32)
+    base.update(kw)
+    with pytest.raises(ValueError, match=match):
+        make_graph_key(counts, **base)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    a=st.lists(st.integers(0, 9), min_size=1, max_size=4),
+    b=st.lists(st.integers(0, 9), min_size=1, max_size=4),
+)
+def test_key_equal_iff_counts_equal(a, b):
+    assert (key(a) == key(b)) == (a == b)
+
+
+# --- the decision rule ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "flags,mode",
+    [
+        ({}, StepMode.EAGER),
+        ({"is_warmup": True}, StepMode.WARMUP),
+        ({"is_graph_capturing": True}, StepMode.CAPTURE),
+        ({"is_graph_replaying": True}, StepMode.REPLAY),
+        ({"is_profile": True}, StepMode.EAGER),
+    ],
+)
+def test_one_rule_per_flag(flags, mode):
+    assert decide_step_mode(payload(**flags)) is mode
+
+
+def test_conflicting_flags_are_refused():
+    with pytest.raises(GraphModeError, match="conflicting"):
+        decide_step_mode(payload(is_warmup=True, is_graph_replaying=True))
+
+
+def test_graph_flags_refused_when_graphs_disabled():
+    with pytest.raises(GraphModeError, match="disabled"):
+        decide_step_mode(payload(is_graph_replaying=True), graphs_enabled=False)
+    with pytest.raises(GraphModeError, match="disabled"):
+        decide_step_mode(payload(is_graph_capturing=True), graphs_enabled=False)
+    assert decide_step_mode(payload(is_warmup=True), graphs_enabled=False) is StepMode.WARMUP
+
+
+# --- padding --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("count,size", [(0, 1), (1, 1), (2, 2), (3, 4), (5, 8), (8, 8), (9, None)])
+def test_capture_size_for(count, size):
+    assert capture_size_for(count, [1, 2, 4, 8]) == size
+
+
+def test_default_capture_sizes_are_vllm_style():
+    assert graphs.DEFAULT_CAPTURE_SIZES[:4] == (1, 2, 4, 8)
+    assert capture_size_for(9) == 16 and capture_size_for(512) == 512 and capture_size_for(513) is None
+
+
+@pytest.mark.parametrize("sizes", [[], [0, 1], [2, 1], [1, 1], [1.5]])
+def test_capture_sizes_validated(sizes):
+    with pytest.raises(ValueError):
+        capture_size_for(1, sizes)
+
+
+def test_pad_stage_counts_pads_every_peer_per_stage():
+    assert pad_stage_counts({0: [3, 0], 1: [7, 1]}, [1, 2, 4, 8]) == {0: (4, 4), 1: (8, 8)}
+    assert pad_stage_counts({0: [0, 0]}, [1, 2]) == {0: (1, 1)}
+    assert pad_stage_counts({0: [1, 9]}, [1, 2, 4, 8]) is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 64), min_size=1, max_size=6))
+def test_padded_counts_hold_every_peer_and_are_capture_sizes(counts):
+    sizes = [1, 2, 4, 8, 16, 32, 64]
+    padded = pad_stage_counts({0: counts}, sizes)[0]
+    assert len(set(padded)) == 1 and padded[0] in sizes
+    assert all(p >= c for p, c in zip(padded, counts))
+    smaller = [s for s in sizes if s < padded[0]]
+    assert not smaller or max(counts) > smaller[-1]
+
+
+def test_pad_rows_into_copies_and_zeroes_padding():
+    dst = torch.full((4, 3), 7.0)
+    src = torch.arange(6.0).reshape(2, 3)
+    view = pad_rows_into(src, dst)
+    assert torch.equal(view, src) and view.data_ptr() == dst.data_ptr()
+    assert torch.equal(dst[2:], torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="larger capture size"):
+        pad_rows_into(torch.zeros(5, 3), dst)
+    with pytest.raises(ValueError, match="dtype"):
+        pad_rows_into(torch.zeros(1, 3, dtype=torch.float64), dst)
+
+
+# --- static arena ----------------------------------------------------------------
+
+
+def test_arena_returns_same_buffer_and_refuses_changes():
+    arena = StaticArena("cpu", label="test")
+    t = arena.buffer(("fan_in", 0), (4, 8), torch.float32)
+    assert arena.buffer(("fan_in", 0), (4, 8), torch.float32) is t
+    assert torch.count_nonzero(t) == 0
+    assert arena.nbytes == 4 * 8 * 4
+    with pytest.raises(GraphBufferError, match="cannot change shape"):
+        arena.buffer(("fan_in", 0), (5, 8), torch.float32)
+    arena.freeze()
+    with pytest.raises(GraphBufferError, match="not reserved before capture"):
+        arena.buffer("reply", (4, 8), torch.float32)
+    assert arena.buffer(("fan_in", 0), (4, 8), torch.float32) is t
+
+
+def test_arena_detects_moved_buffer():
+    arena = StaticArena("cpu")
+    t = arena.buffer("x", (2, 2), torch.float32)
+    arena.check_stable()
+    t.set_(torch.zeros(2, 2))  # same shape, new storage: what a reallocation looks like
+    with pytest.raises(GraphBufferError, match="moved"):
+        arena.check_stable()
+
+
+def test_arena_detects_resize():
+    arena = StaticArena("cpu")
+    t = arena.buffer("x", (2, 2), torch.float32)
+    t.resize_(64, 64)
+    with pytest.raises(GraphBufferError, match="'x'"):
+        arena.check_stable()
+
+
+# --- the cache ---------------------------------------------------------------------
+
+
+def _entry(k, backend, nbytes_rows=4):
+    arena = StaticArena("cpu", label=k.describe())
+    arena.buffer("buf", (nbytes_rows, 4), torch.float32)
+    arena.freeze()
+    return graphs.CapturedGraph(k, lambda: None, arena, None, 10, backend)
+
+
+def test_cache_lru_eviction_releases_graph_and_buffers_together():
+    backend = EagerRecordingBackend()
+    cache = GraphCache(2)
+    e1, e2, e3 = (_entry(key([n]), backend) for n in (1, 2, 4))
+    assert cache.put(e1) == [] and cache.put(e2) == []
+    assert cache.get(e1.key) is e1  # e1 becomes most recently used
+    assert cache.put(e3) == [e2.key]
+    assert e2.released and e2.arena.names() == [] and e2.graph is None
+    assert not e1.released and e1.key in cache and e3.key in cache
+    mem = cache.memory()
+    assert (mem.entries, mem.static_bytes, mem.capture_bytes, mem.evictions) == (2, 2 * 64, 20, 1)
+    assert mem.total_bytes == 2 * 64 + 20
+    with pytest.raises(GraphError, match="released"):
+        e2.replay()
+
+
+def test_cache_never_evicts_a_replaying_graph():
+    backend = EagerRecordingBackend()
+    cache = GraphCache(1)
+    e1, e2 = _entry(key([1]), backend), _entry(key([2]), backend)
+    cache.put(e1)
+    e1._in_use = 1  # a replay of e1 is being issued
+    with pytest.raises(GraphError, match="every entry is replaying"):
+        cache.put(e2)
+    assert not e1.released
+    with pytest.raises(GraphError, match="while it is replaying"):
+        cache.evict(e1.key)
+    e1._in_use = 0
+    assert cache.evict(e1.key) and e1.released
+    assert not cache.evict(e1.key)
+
+
+def test_cache_size_validated():
+    with pytest.raises(ValueError, match="cache size"):
+        GraphCache(0)
+
+
+# --- the controller ----------------------------------------------------------------
+
+
+def _controller(cache_size=4, **kw):
+    return GraphController(role="ffn", cache_size=cache_size, backend=EagerRecordingBackend(), device="cpu", **kw)
+
+
+def _capture_doubler(ctl, k, rows):
+    """Capture a body that doubles the static input into the static output."""
+    arena = ctl.new_arena(k)
+    x = arena.buffer("x", (rows, 2), torch.float32)
+    y = arena.buffer("y", (rows, 2), torch.float32)
+
+    def body():
+        torch.mul(x, 2, out=y)
+        return y
+
+    return ctl.capture(k, arena, body), x, y
+
+
+def test_replay_refused_when_key_not_captured():
+    ctl = _controller()
+    ctl.note_eager_step(StepMode.WARMUP, key([4, 4]))
+    assert ctl.decide(payload(is_graph_capturing=True), key([4, 4])) is StepMode.CAPTURE
+    _capture_doubler(ctl, key([4, 4]), 8)
+    # [7, 1] has the same total as [4, 4]: the FFN side must not replay [4, 4] for it.
+    with pytest.raises(GraphKeyMismatchError, match=r"\[7, 1\].*closest.*\[4, 4\]"):
+        ctl.decide(payload(is_graph_replaying=True), key([7, 1]))
+    with pytest.raises(GraphKeyMismatchError):
+        ctl.replay(key([7, 1]))
+    assert ctl.backend.replays == 0
+    assert ctl.decide(payload(is_graph_replaying=True), key([4, 4])) is StepMode.REPLAY
+    assert ctl.decide(payload(), key([7, 1])) is StepMode.EAGER
+
+
+def test_capture_refused_before_warmup_with_rows_on_every_peer():
+    ctl = _controller()
+    with pytest.raises(GraphModeError, match="warm-up"):
+        ctl.decide(payload(is_graph_capturing=True), key([2, 2]))
+    ctl.note_eager_step(StepMode.WARMUP, key([2, 0]))  # a cold edge stays cold
+    with pytest.raises(GraphModeError, match="warm-up"):
+        ctl.decide(payload(is_graph_capturing=True), key([2, 2]))
+    ctl.note_eager_step(StepMode.EAGER, key([2, 2]))  # an eager step is not a warm-up
+    assert not ctl.warmed_up
+    ctl.note_eager_step(StepMode.WARMUP, key([2, 2]))
+    assert ctl.decide(payload(is_graph_capturing=True), key([2, 2])) is StepMode.CAPTURE
+    with pytest.raises(GraphModeError, match="needs the step's graph key"):
+        ctl.decide(payload(is_graph_replaying=True))
+
+
+def test_capture_then_replay_with_fresh_inputs_and_stable_addresses():
+    ctl = _controller()
+    ctl.warmed_up = True
+    entry, x, y = _capture_doubler(ctl, key([2, 2]), 4)
+    assert ctl.backend.captures == 1 and ctl.backend.replays == 0  # capture executes nothing
+    addresses = entry.arena.addresses()
+    for step in range(5):
+        fresh = torch.randn(3, 2)
+        pad_rows_into(fresh, x)
+        # An eager step with other sizes between replays uses its own buffers.
+        eager = torch.randn(1000, 2) * 2
+        out = ctl.replay(key([2, 2]))
+        assert out is y and torch.equal(out[:3], fresh * 2) and torch.equal(out[3:], torch.zeros(1, 2))
+        assert eager.shape == (1000, 2)
+    assert entry.replays == 5 and entry.arena.addresses() == addresses
+
+
+def test_replay_refused_when_a_buffer_moved():
+    ctl = _controller()
+    entry, x, _ = _capture_doubler(ctl, key([1]), 1)
+    x.set_(torch.zeros(1, 2))
+    with pytest.raises(GraphBufferError, match="'x'"):
+        ctl.replay(key([1]))
+    assert ctl.backend.replays == 0
+
+
+class _CapturingBackend(EagerRecordingBackend):
+    """Capture runs the body once, so a body that allocates inside capture is caught."""
+
+    def capture(self, body, pool):
+        self.captures += 1
+        return body, body(), 0
+
+
+def test_capture_refuses_a_body_that_asks_for_a_new_buffer():
+    ctl = GraphController(role="attention", cache_size=2, backend=_CapturingBackend(), device="cpu")
+    arena = ctl.new_arena(key([1]))
+    with pytest.raises(GraphBufferError, match="not reserved before capture"):
+        ctl.capture(key([1]), arena, lambda: arena.buffer("late", (1,), torch.float32))
+    assert key([1]) not in ctl.cache
+
+
+def test_controller_evicts_lru_and_reports_memory():
+    ctl = _controller(cache_size=2)
+    entries = [_capture_doubler(ctl, key([n]), n)[0] for n in (1, 2, 4)]
+    assert entries[0].released and not entries[1].released and not entries[2].released
+    assert ctl.backend.released == 1
+    mem = ctl.memory()
+    assert mem.entries == 2 and mem.evictions == 1
+    assert mem.static_bytes == sum(e.arena.nbytes for e in entries[1:]) == 2 * (2 + 4) * 2 * 4
+    with pytest.raises(GraphKeyMismatchError, match="no graph was captured"):
+        ctl.replay(key([1]))
+    # Recapturing a key replaces (and releases) the old entry.
+    old = entries[2]
+    new, _, _ = _capture_doubler(ctl, key([4]), 4)
+    assert old.released and ctl.entry(key([4])) is new
+    ctl.close()
+    assert new.released and len(ctl.cache) == 0
+    ctl.close()
+
+
+def test_controller_arguments_validated():
+    with pytest.raises(ValueError, match="role"):
+        GraphController(role="moe", cache_size=1, backend=EagerRecordingBackend(), device="cpu")
+    with pytest.raises(ValueError, match="cache size"):
+        GraphController(role="ffn", cache_size=0, backend=EagerRecordingBackend(), device="cpu")
+    with pytest.raises(ValueError, match="increasing"):
+        GraphController(role="ffn", cache_size=1, backend=EagerRecordingBackend(), device="cpu", capture_sizes=[4, 2])
+    ctl = _controller()
+    assert ctl.pad_counts({0: [3, 1]}) == {0: (4, 4)}
+    with pytest.raises(GraphBufferError, match="arena is on"):
+        ctl.capture(key([1]), StaticArena("meta"), lambda: None)
