@@ -1,0 +1,422 @@
+"""AFD configuration: the reference's fields and aliases, plus our connector's typed extra config.
+
+Pure Python (no torch). :class:`AFDConfig` parses what a vLLM user passes as
+``--additional-config '{"afd": {...}}'`` to the reference plugin: the same
+fields, aliases, coercion rules and errors. ``connector_extra_config`` is an
+envelope handed to the connector; for our connector (``"AfdExtConnector"``,
+or the reference's name ``"P2pNcclAFDConnector"``, which maps to it) it is
+parsed into :class:`AfdExtConnectorConfig` up front, so a typo fails at
+configuration time, not at the first step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+__all__ = [
+    "DEFAULT_CONNECTOR",
+    "REFERENCE_CONNECTOR",
+    "BUILTIN_CONNECTOR_NAMES",
+    "AFDConfig",
+    "AfdExtConnectorConfig",
+    "coerce_bool",
+    "coerce_int",
+    "parse_afd_config",
+    "parse_optional_afd_config",
+    "has_afd_config",
+]
+
+#: Our connector's registry name.
+DEFAULT_CONNECTOR = "AfdExtConnector"
+#: The reference's connector name; accepted as an alias of ours.
+REFERENCE_CONNECTOR = "P2pNcclAFDConnector"
+BUILTIN_CONNECTOR_NAMES = (DEFAULT_CONNECTOR, REFERENCE_CONNECTOR)
+
+_ROLES = ("attention", "ffn")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def coerce_bool(value: Any, name: str) -> bool:
+    """The reference's bool rule: a bool, 0/1, or "1/true/yes/on" / "0/false/no/off".
+
+    Raises:
+        TypeError: anything else.
+    """
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        v = value.strip().lower()
+        if v in _TRUE:
+            return True
+        if v in _FALSE:
+            return False
+    raise TypeError(f"{name} must be a bool (true/false, 1/0, yes/no, on/off), got {value!r}")
+
+
+def coerce_int(value: Any, name: str) -> int:
+    """An int, or a string of decimal digits; bools and floats are rejected.
+
+    Raises:
+        TypeError: anything else.
+    """
+    if isinstance(value, bool) or isinstance(value, float):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        v = value.strip()
+        if v.lstrip("+-").isdigit() and v.isascii():
+            return int(v)
+    raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+
+
+def coerce_float(value: Any, name: str) -> float:
+    """An int, a float or a numeric string; bools, NaN and infinities are rejected.
+
+    Raises:
+        TypeError: not a number. ValueError: not finite.
+    """
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    if isinstance(value, (int, float)):
+        out = float(value)
+    elif isinstance(value, str):
+        try:
+            out = float(value.strip())
+        except ValueError:
+            raise TypeError(f"{name} must be a number, got {value!r}") from None
+    else:
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(out):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return out
+
+
+def _one_of(value: Any, name: str, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+    return value
+
+
+# ---------------------------------------------------------------------------
+# Our connector's extra config
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AfdExtConnectorConfig:
+    """Typed ``connector_extra_config`` of ``AfdExtConnector``.
+
+    Every field is optional in the mapping; see ``docs/configuration.md``.
+
+    Attributes:
+        wire_format: ``"auto"``, ``"packed"`` or ``"per_tensor"`` (a2f messages).
+        packed_max_bytes: ``"auto"`` packs a stage when its largest a2f
+            message is at most this many bytes.
+        strict: put a header (layer, stage, tensor, dtype, rows) on every
+            message and check it on receipt.
+        clamp_idle_to_one: reference compatibility: a zero token count is
+            treated as one (the runtime runs a one-token dummy batch).
+        init_timeout_s: rendezvous / connector init deadline, seconds
+            (generous: the FFN side may load a large model first).
+        step_timeout_s: deadline of one in-flight operation or host wait
+            inside a step, seconds.
+        heartbeat_interval_s: how often an idle peer says it is alive, seconds.
+        heartbeat_timeout_s: silence after which a peer is declared dead, seconds.
+        transport: ``"nccl"`` (CUDA tensors) or ``"gloo"`` (CPU tensors).
+        control_channel: ``"auto"`` (shared memory on one host, else TCP),
+            ``"shm"`` or ``"tcp"``.
+        max_stages: most stages per step (checked at handshake and per step).
+        graph_cache_size: most CUDA graphs / graph buffer sets kept per rank.
+    """
+
+    wire_format: str = "auto"
+    packed_max_bytes: int = 256 * 1024
+    strict: bool = False
+    clamp_idle_to_one: bool = False
+    init_timeout_s: float = 600.0
+    step_timeout_s: float = 60.0
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 30.0
+    transport: str = "nccl"
+    control_channel: str = "auto"
+    max_stages: int = 4
+    graph_cache_size: int = 32
+
+    def __post_init__(self) -> None:
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
+        _one_of(self.wire_format, "connector_extra_config.wire_format", ("auto", "packed", "per_tensor"))
+        _one_of(self.transport, "connector_extra_config.transport", ("nccl", "gloo"))
+        _one_of(self.control_channel, "connector_extra_config.control_channel", ("auto", "shm", "tcp"))
+        for name in ("strict", "clamp_idle_to_one"):
+            set_(name, coerce_bool(getattr(self, name), f"connector_extra_config.{name}"))
+        for name, lo in (("packed_max_bytes", 0), ("max_stages", 1), ("graph_cache_size", 0)):
+            v = coerce_int(getattr(self, name), f"connector_extra_config.{name}")
+            if v < lo:
+                raise ValueError(f"connector_extra_config.{name} must be >= {lo}, got {v}")
+            set_(name, v)
+        for name in ("init_timeout_s", "step_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s"):
+            v = coerce_float(getattr(self, name), f"connector_extra_config.{name}")
+            if v <= 0:
+                raise ValueError(f"connector_extra_config.{name} must be > 0 seconds, got {v}")
+            set_(name, v)
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ValueError(
+                f"connector_extra_config.heartbeat_timeout_s ({self.heartbeat_timeout_s}) must be larger "
+                f"than heartbeat_interval_s ({self.heartbeat_interval_s})"
+            )
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any] | None) -> "AfdExtConnectorConfig":
+        """Parse a ``connector_extra_config`` mapping (``None`` or empty: defaults).
+
+        Raises:
+            TypeError: ``raw`` is not a mapping, or a value has the wrong type.
+            ValueError: unknown key (the message lists the known ones) or a
+                value out of range.
+        """
+        if raw is None:
+            return cls()
+        if not isinstance(raw, Mapping):
+            raise TypeError("connector_extra_config must be a mapping")
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(k for k in raw if k not in known)
+        if unknown:
+            raise ValueError(
+                f"unknown connector_extra_config field(s) {unknown} for {DEFAULT_CONNECTOR}; "
+                f"known fields: {known}"
+            )
+        return cls(**dict(raw))
+
+    def to_mapping(self) -> dict[str, Any]:
+        """All fields as a plain dict (round-trips through :meth:`from_mapping`)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+# ---------------------------------------------------------------------------
+# AFDConfig
+# ---------------------------------------------------------------------------
+
+# canonical field -> accepted spellings (canonical first), as the reference
+_ALIASES: dict[str, tuple[str, ...]] = {
+    "connector": ("connector", "afd_connector"),
+    "async_dp": ("async_dp", "async"),
+    "role": ("role", "afd_role"),
+    "port": ("port", "afd_port"),
+    "host": ("host", "afd_host"),
+    "num_attention_ranks": ("num_attention_ranks",),
+    "num_ffn_ranks": ("num_ffn_ranks",),
+    "compute_gate_on_attention": ("compute_gate_on_attention",),
+    "connector_extra_config": ("connector_extra_config",),
+}
+_SPELLING_TO_FIELD = {s: canon for canon, spellings in _ALIASES.items() for s in spellings}
+
+
+@dataclass(frozen=True)
+class AFDConfig:
+    """AFD configuration, field-compatible with the reference's ``AFDConfig``.
+
+    Attributes:
+        connector: registry name (alias ``afd_connector``); default ours,
+            ``"P2pNcclAFDConnector"`` maps to ours, third-party names are
+            resolved by the factory.
+        async_dp: asynchronous DP connector (alias ``async``); ours is synchronous.
+        role: ``"attention"`` or ``"ffn"`` (alias ``afd_role``).
+        port: rendezvous port on ``host`` (alias ``afd_port``), 1..65535.
+        host: host of FFN rank 0, which serves the rendezvous store (alias ``afd_host``).
+        num_attention_ranks: ``A`` >= 1 (attention worker processes, DP x TP).
+        num_ffn_ranks: ``F`` >= 1.
+        compute_gate_on_attention: the attention side computes router logits
+            and sends them; only MoE layers go to the FFN side.
+        connector_extra_config: connector-owned mapping (see
+            :class:`AfdExtConnectorConfig` for ours).
+        extra: the parsed extra config of our connector (``None`` for a
+            third-party connector). Not a constructor argument.
+
+    Raises:
+        ValueError / TypeError: see :meth:`from_dict`.
+    """
+
+    connector: str = DEFAULT_CONNECTOR
+    async_dp: bool = False
+    role: str = "attention"
+    port: int = 1239
+    host: str = "127.0.0.1"
+    num_attention_ranks: int = 1
+    num_ffn_ranks: int = 1
+    compute_gate_on_attention: bool = False
+    connector_extra_config: Mapping[str, Any] = field(default_factory=dict)
+    extra: AfdExtConnectorConfig | None = field(default=None, init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
+        if not isinstance(self.connector, str) or not self.connector.strip():
+            raise ValueError(f"connector must be a non-empty connector name, got {self.connector!r}")
+        set_("async_dp", coerce_bool(self.async_dp, "async_dp"))
+        set_("compute_gate_on_attention", coerce_bool(self.compute_gate_on_attention, "compute_gate_on_attention"))
+        if self.role not in _ROLES:
+            raise ValueError(f"unknown AFD role {self.role!r}; expected 'attention' or 'ffn'")
+        if self.async_dp and self.connector in BUILTIN_CONNECTOR_NAMES:
+            raise ValueError(
+                f"async_dp=True requires an asynchronous connector; {self.connector} is synchronous "
+                "(set async_dp to false or choose an asynchronous connector)"
+            )
+        if not isinstance(self.host, str) or not self.host.strip():
+            raise ValueError(f"host must be a non-empty host name or address, got {self.host!r}")
+        port = coerce_int(self.port, "port")
+        if not 0 < port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {port}")
+        set_("port", port)
+        for name in ("num_attention_ranks", "num_ffn_ranks"):
+            v = coerce_int(getattr(self, name), name)
+            if v <= 0:
+                raise ValueError(f"{name} must be positive, got {v}")
+            set_(name, v)
+        extra = self.connector_extra_config
+        if extra is None:
+            extra = {}
+        if not isinstance(extra, Mapping):
+            raise TypeError("connector_extra_config must be a mapping")
+        set_("connector_extra_config", dict(extra))
+        if self.connector in BUILTIN_CONNECTOR_NAMES:
+            set_("extra", AfdExtConnectorConfig.from_mapping(extra))
+
+    def __hash__(self) -> int:
+        return hash(json.dumps(self.to_dict(), sort_keys=True, default=str))
+
+    # -- parsing ---------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any], *, expected_role: str | None = None) -> "AFDConfig":
+        """Parse a mapping that may use the reference's aliases.
+
+        Args:
+            raw: the ``"afd"`` section, e.g. ``{"afd_role": "ffn", "num_attention_ranks": 2}``.
+            expected_role: when given, the parsed role must equal it.
+
+        Raises:
+            TypeError: ``raw`` or ``connector_extra_config`` not a mapping, a
+                bool/int field of the wrong type.
+            ValueError: unknown field ("put connector-specific values under
+                'connector_extra_config'"), a field given under two spellings,
+                role mismatch, port out of range, non-positive counts, a bad
+                extra config.
+        """
+        if not isinstance(raw, Mapping):
+            raise TypeError(f"AFD config must be a mapping, got {type(raw).__name__}")
+        seen: dict[str, str] = {}
+        kwargs: dict[str, Any] = {}
+        for key, value in raw.items():
+            canon = _SPELLING_TO_FIELD.get(key)
+            if canon is None:
+                raise ValueError(
+                    f"unknown AFD config field {key!r}; put connector-specific values under "
+                    f"'connector_extra_config' (known fields: {sorted(_SPELLING_TO_FIELD)})"
+                )
+            if canon in seen:
+                raise ValueError(
+                    f"duplicate AFD config field {canon!r}: given as both {seen[canon]!r} and {key!r}"
+                )
+            seen[canon] = key
+            kwargs[canon] = value
+        if "connector_extra_config" in kwargs and not isinstance(kwargs["connector_extra_config"], Mapping):
+            raise TypeError("connector_extra_config must be a mapping")
+        cfg = cls(**kwargs)
+        if expected_role is not None and cfg.role != expected_role:
+            raise ValueError(f"AFD config role is {cfg.role!r} but this process runs the {expected_role!r} role")
+        return cfg
+
+    @classmethod
+    def from_json(cls, text: str | bytes, *, expected_role: str | None = None) -> "AFDConfig":
+        """Parse JSON text: either the ``"afd"`` section or a whole additional config ``{"afd": {...}}``.
+
+        Raises:
+            ValueError: invalid JSON, plus everything :meth:`from_dict` raises.
+        """
+        try:
+            doc = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"AFD config is not valid JSON: {e}") from None
+        if isinstance(doc, Mapping) and set(doc) == {"afd"}:
+            doc = doc["afd"]
+        return cls.from_dict(doc, expected_role=expected_role)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Canonical field names -> values (round-trips through :meth:`from_dict`)."""
+        return {name: getattr(self, name) for name in _ALIASES if name != "connector_extra_config"} | {
+            "connector_extra_config": dict(self.connector_extra_config)
+        }
+
+    # -- reference properties ------------------------------------------------------
+
+    @property
+    def afd_connector(self) -> str:
+        return self.connector
+
+    @property
+    def afd_role(self) -> str:
+        return self.role
+
+    @property
+    def afd_port(self) -> int:
+        return self.port
+
+    @property
+    def afd_host(self) -> str:
+        return self.host
+
+    @property
+    def is_attention_server(self) -> bool:
+        return self.role == "attention"
+
+    @property
+    def is_ffn_server(self) -> bool:
+        return self.role == "ffn"
+
+    def compute_hash(self) -> str:
+        """sha256 hex of ``[connector, async_dp, role, A, F]`` (the reference's fields)."""
+        factors = [self.connector, self.async_dp, self.role, self.num_attention_ranks, self.num_ffn_ranks]
+        return hashlib.sha256(str(factors).encode()).hexdigest()
+
+    def extra_config(self) -> AfdExtConnectorConfig:
+        """Our connector's typed extra config (defaults for a third-party connector's name).
+
+        Raises:
+            ValueError: the connector is a third-party one and its extra config
+                does not parse as ours.
+        """
+        return self.extra if self.extra is not None else AfdExtConnectorConfig.from_mapping(
+            self.connector_extra_config
+        )
+
+
+def has_afd_config(additional_config: Mapping[str, Any] | None) -> bool:
+    """True when ``additional_config`` has an ``"afd"`` section (AFD enabled)."""
+    return isinstance(additional_config, Mapping) and "afd" in additional_config
+
+
+def parse_afd_config(additional_config: Mapping[str, Any], *, expected_role: str | None = None) -> AFDConfig:
+    """Parse ``additional_config["afd"]``.
+
+    Raises:
+        ValueError: no ``"afd"`` section, plus everything :meth:`AFDConfig.from_dict` raises.
+    """
+    if not has_afd_config(additional_config):
+        raise ValueError('AFD is not configured: additional_config has no "afd" section')
+    return AFDConfig.from_dict(additional_config["afd"], expected_role=expected_role)
+
+
+def parse_optional_afd_config(
+    additional_config: Mapping[str, Any] | None, *, expected_role: str | None = None
+) -> AFDConfig | None:
+    """Like :func:`parse_afd_config`, but ``None`` when there is no ``"afd"`` section."""
+    if not has_afd_config(additional_config):
+        return None
+    return parse_afd_config(additional_config, expected_role=expected_role)

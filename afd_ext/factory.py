@@ -1,0 +1,312 @@
+"""Connector registry: by name, lazy import, third-party connectors via entry points.
+
+Importing this module imports no torch and no connector: a registration stores
+``(module_path, class_name)`` and the module is imported on first use.
+
+Built-ins: ``"AfdExtConnector"`` -> ``afd_ext.connector:AFDConnector``, and
+the reference's name ``"P2pNcclAFDConnector"`` as an alias of it, so a
+reference configuration works unchanged.
+
+Third-party connectors need no change to ``afd_ext``: declare an entry point
+in the group ``afd_ext.connectors`` whose value is ``"pkg.mod:ClassName"``::
+
+    # pyproject.toml of the third-party package
+    [project.entry-points."afd_ext.connectors"]
+    MyConnector = "my_pkg.connector:MyConnector"
+
+or call :func:`register_connector` before the connector is created.
+
+Construction contract: a connector class is called as
+``cls(rank, local_rank, afd_config, role_rank=role_rank, **kwargs)``, where
+``afd_config`` is an :class:`~afd_ext.config.AFDConfig`; a runtime config
+object (e.g. vLLM's ``VllmConfig``) given to :func:`create_connector` is
+passed on as the keyword ``runtime_config``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from .config import AFDConfig, DEFAULT_CONNECTOR, REFERENCE_CONNECTOR
+from .topology import validate_role_rank
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "REQUIRED_CONNECTOR_METHODS",
+    "AFDConnectorFactory",
+    "register_connector",
+    "get_connector_class",
+    "create_connector",
+    "known_connectors",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Python entry-point group scanned for third-party connectors.
+ENTRY_POINT_GROUP = "afd_ext.connectors"
+
+#: Members a connector class must have (the reference's connector contract).
+REQUIRED_CONNECTOR_METHODS = (
+    "init_afd_connector",
+    "close",
+    "is_initialized",
+    "send_attn_output",
+    "recv_ffn_output",
+    "recv_attn_output",
+    "send_ffn_output",
+)
+
+
+@dataclass(frozen=True)
+class _Spec:
+    module_path: str
+    class_name: str
+    source: str  # "builtin", "register_connector" or "entry point <dist>"
+
+
+def _check_name(name: Any, what: str) -> str:
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"{what} must be a non-empty string, got {name!r}")
+    return name
+
+
+class AFDConnectorFactory:
+    """Class-level connector registry (reference name). Module functions wrap it."""
+
+    _registry: dict[str, _Spec] = {}
+    _classes: dict[str, type] = {}
+    _entry_points_loaded = False
+    _lock = threading.RLock()
+
+    @classmethod
+    def register_connector(cls, name: str, module_path: str, class_name: str, *, replace: bool = False) -> None:
+        """Register ``module_path.class_name`` under ``name``; imported on first use.
+
+        Args:
+            name: registry name (the value of the config field ``connector``).
+            module_path: importable module, e.g. ``"my_pkg.connector"``.
+            class_name: class in that module.
+            replace: overwrite an existing registration.
+
+        Raises:
+            ValueError: ``name`` is already registered and ``replace`` is False,
+                or an argument is empty.
+        """
+        cls._register(name, module_path, class_name, replace=replace, source="register_connector")
+
+    @classmethod
+    def _register(cls, name: str, module_path: str, class_name: str, *, replace: bool, source: str) -> None:
+        _check_name(name, "connector name")
+        _check_name(module_path, "module_path")
+        _check_name(class_name, "class_name")
+        with cls._lock:
+            if name in cls._registry and not replace:
+                raise ValueError(f"connector {name!r} is already registered")
+            cls._registry[name] = _Spec(module_path, class_name, source)
+            cls._classes.pop(name, None)
+
+    @classmethod
+    def load_entry_points(cls, *, refresh: bool = False) -> None:
+        """Register every connector of the ``afd_ext.connectors`` entry-point group.
+
+        Called lazily by lookups; names already registered win (a warning is
+        logged). A malformed entry point value is logged and skipped.
+        """
+        with cls._lock:
+            if cls._entry_points_loaded and not refresh:
+                return
+            cls._entry_points_loaded = True
+            try:
+                eps = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+            except Exception as e:  # noqa: BLE001 - broken metadata must not break lookups
+                logger.warning("could not read entry points of group %s: %s", ENTRY_POINT_GROUP, e)
+                return
+            for ep in eps:
+                module_path, sep, class_name = ep.value.partition(":")
+                module_path, class_name = module_path.strip(), class_name.strip()
+                dist = getattr(getattr(ep, "dist", None), "name", None) or "unknown distribution"
+                if not sep or not class_name.isidentifier() or not all(p.isidentifier() for p in module_path.split(".")):
+                    logger.warning(
+                        "ignoring entry point %s = %r of %s: expected 'pkg.module:ClassName'", ep.name, ep.value, dist
+                    )
+                    continue
+                existing = cls._registry.get(ep.name)
+                if existing is not None:
+                    if (existing.module_path, existing.class_name) != (module_path, class_name):
+                        logger.warning(
+                            "entry point %s = %r of %s ignored: the name is already registered (%s:%s, %s)",
+                            ep.name, ep.value, dist, existing.module_path, existing.class_name, existing.source,
+                        )
+                    continue
+                cls._registry[ep.name] = _Spec(module_path, class_name, f"entry point of {dist}")
+
+    @classmethod
+    def known_connectors(cls) -> tuple[str, ...]:
+        """Sorted names of every registered connector (built-ins, registrations, entry points)."""
+        cls.load_entry_points()
+        with cls._lock:
+            return tuple(sorted(cls._registry))
+
+    @classmethod
+    def get_connector_class(cls, name: str) -> type:
+        """Import (once) and return the class registered under ``name``.
+
+        Raises:
+            ValueError: unknown name (the message lists the known names).
+            ImportError: the module cannot be imported.
+            TypeError: the attribute is missing, not a class, or lacks a
+                member of the connector contract.
+        """
+        _check_name(name, "connector name")
+        with cls._lock:
+            klass = cls._classes.get(name)
+            if klass is not None:
+                return klass
+            spec = cls._registry.get(name)
+        if spec is None:
+            cls.load_entry_points()
+            with cls._lock:
+                spec = cls._registry.get(name)
+        if spec is None:
+            raise ValueError(
+                f"unsupported AFD connector type: {name!r}; known connectors: {list(cls.known_connectors())}. "
+                f"Register one with afd_ext.factory.register_connector or an entry point in group "
+                f"{ENTRY_POINT_GROUP!r}"
+            )
+        try:
+            module = importlib.import_module(spec.module_path)
+        except ImportError as e:
+            raise ImportError(
+                f"connector {name!r} ({spec.source}): cannot import module {spec.module_path!r}: {e}"
+            ) from e
+        klass = vars(module).get(spec.class_name)
+        if klass is None:
+            raise TypeError(f"connector {name!r}: module {spec.module_path!r} has no attribute {spec.class_name!r}")
+        if not isinstance(klass, type):
+            raise TypeError(f"{spec.module_path}.{spec.class_name} is not a class (connector {name!r})")
+        missing = [m for m in REQUIRED_CONNECTOR_METHODS if not hasattr(klass, m)]
+        if missing:
+            raise TypeError(
+                f"{spec.module_path}.{spec.class_name} is not an AFD connector: it lacks {missing}"
+            )
+        with cls._lock:
+            cls._classes[name] = klass
+        return klass
+
+    @classmethod
+    def create_connector(
+        cls,
+        rank: int,
+        local_rank: int,
+        config: Any,
+        afd_config: AFDConfig | Mapping[str, Any] | None = None,
+        *,
+        role_rank: int | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Build the configured connector (no communication happens here).
+
+        Accepts the reference's call ``create_connector(rank, local_rank,
+        vllm_config, afd_config=None)`` as well as ``create_connector(rank,
+        local_rank, afd_config)``.
+
+        Args:
+            rank: the runtime's world rank of this process.
+            local_rank: CUDA device index of this process.
+            config: an :class:`AFDConfig`, a mapping (the ``"afd"`` section),
+                or a runtime config object; a runtime config supplies the AFD
+                config through ``additional_config["afd"]`` unless
+                ``afd_config`` is given, and is passed to the connector as
+                ``runtime_config``.
+            afd_config: the AFD config when ``config`` is a runtime config.
+            role_rank: this process's index inside its role. May be omitted
+                only when the role has a single rank.
+            **kwargs: passed to the connector's constructor.
+
+        Returns:
+            The connector instance (not initialised; call ``init_afd_connector``).
+
+        Raises:
+            ValueError: no AFD config found, unknown connector name, missing or
+                out-of-range ``role_rank``.
+            TypeError / ImportError: see :meth:`get_connector_class`.
+        """
+        runtime = None
+        if afd_config is not None:
+            runtime = config
+            afd = _as_afd_config(afd_config)
+        elif isinstance(config, (AFDConfig, Mapping)):
+            afd = _as_afd_config(config)
+        else:
+            runtime = config
+            additional = getattr(config, "additional_config", None)
+            if not isinstance(additional, Mapping) or "afd" not in additional:
+                raise ValueError(
+                    "no AFD config: pass an AFDConfig or a mapping, or a runtime config whose "
+                    'additional_config has an "afd" section'
+                )
+            afd = AFDConfig.from_dict(additional["afd"])
+        size = afd.num_attention_ranks if afd.role == "attention" else afd.num_ffn_ranks
+        if role_rank is None:
+            if size != 1:
+                raise ValueError(
+                    f"role_rank is required: the {afd.role} role has {size} ranks; pass this process's "
+                    f"index in 0..{size - 1}"
+                )
+            role_rank = 0
+        validate_role_rank(afd.role, role_rank, afd.num_attention_ranks, afd.num_ffn_ranks)
+        klass = cls.get_connector_class(afd.connector)
+        if runtime is not None:
+            kwargs.setdefault("runtime_config", runtime)
+        return klass(rank, local_rank, afd, role_rank=role_rank, **kwargs)
+
+
+def _as_afd_config(value: Any) -> AFDConfig:
+    if isinstance(value, AFDConfig):
+        return value
+    if isinstance(value, Mapping):
+        return AFDConfig.from_dict(value)
+    raise TypeError(f"afd_config must be an AFDConfig or a mapping, got {type(value).__name__}")
+
+
+def _register_builtins() -> None:
+    for name in (DEFAULT_CONNECTOR, REFERENCE_CONNECTOR):
+        AFDConnectorFactory._register(name, "afd_ext.connector", "AFDConnector", replace=True, source="builtin")
+
+
+_register_builtins()
+
+
+def register_connector(name: str, module_path: str, class_name: str, replace: bool = False) -> None:
+    """Module-level :meth:`AFDConnectorFactory.register_connector`."""
+    AFDConnectorFactory.register_connector(name, module_path, class_name, replace=replace)
+
+
+def get_connector_class(name: str) -> type:
+    """Module-level :meth:`AFDConnectorFactory.get_connector_class`."""
+    return AFDConnectorFactory.get_connector_class(name)
+
+
+def create_connector(
+    rank: int,
+    local_rank: int,
+    config: Any,
+    afd_config: AFDConfig | Mapping[str, Any] | None = None,
+    *,
+    role_rank: int | None = None,
+    **kwargs: Any,
+) -> Any:
+    """Module-level :meth:`AFDConnectorFactory.create_connector`."""
+    return AFDConnectorFactory.create_connector(
+        rank, local_rank, config, afd_config, role_rank=role_rank, **kwargs
+    )
+
+
+def known_connectors() -> tuple[str, ...]:
+    """Module-level :meth:`AFDConnectorFactory.known_connectors`."""
+    return AFDConnectorFactory.known_connectors()

@@ -1,0 +1,829 @@
+"""DP metadata, the control payload and its codec, and the transfer types.
+
+The names and fields follow the reference vLLM AFD plugin
+(``afd_plugin.connectors.metadata``) so that runtimes written against it work
+unchanged. Where the reference is limited, this module goes further:
+
+* zero is a valid token count everywhere (an idle attention rank, an empty
+  stage, a zero-row edge); negative counts are rejected;
+* the control payload carries a ``format_version`` (``CONTROL_FORMAT_VERSION``);
+  a payload without one is read as the reference's format (version 1);
+* :func:`decode_control_payload` treats its input as untrusted: bounded size,
+  bounded stage and rank counts, exact types, and every failure is a
+  ``ValueError`` (never an unbounded allocation, never a hang).
+
+The wire framing of the reference (an int64 size message, then a uint8 data
+message, both from the same rank) is available as :func:`frame_control_payload`,
+:func:`control_frame_size` and :func:`unframe_control_payload` for channels
+built on tensor send/recv, and as :func:`pack_frame_header` /
+:func:`unpack_frame_header` for byte-stream channels (TCP, shared memory).
+
+:class:`StepCountAgreement` lets the attention ranks agree on each step's
+per-rank token counts through an injected all-gather, for runtimes that do not
+already gather DP metadata.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import struct
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
+
+import torch
+
+__all__ = [
+    "CONTROL_FORMAT_VERSION",
+    "REFERENCE_FORMAT_VERSION",
+    "DEFAULT_MAX_CONTROL_BYTES",
+    "DEFAULT_MAX_STAGES",
+    "DEFAULT_MAX_RANKS",
+    "MAX_TOKEN_COUNT",
+    "AFDDPMetadata",
+    "AFDSingleDPMetadata",
+    "AFDControlPayload",
+    "AFDTransferMetadata",
+    "AFDTransferState",
+    "AFDTransferContext",
+    "AFDA2FTransferPayload",
+    "AFDF2ATransferPayload",
+    "AFDExpertRoutingSpec",
+    "encode_control_payload",
+    "decode_control_payload",
+    "frame_control_payload",
+    "control_frame_size",
+    "unframe_control_payload",
+    "FRAME_HEADER_BYTES",
+    "pack_frame_header",
+    "unpack_frame_header",
+    "StepCountAgreement",
+]
+
+#: The control-payload format this package writes. Version 1 is the
+#: reference's format (no ``format_version`` key, flags ``is_graph_capturing``
+#: and ``is_warmup``, optionally ``is_graph_replaying`` and ``is_profile``).
+#: Version 2 adds the ``format_version`` key and always writes all four flags.
+CONTROL_FORMAT_VERSION = 2
+REFERENCE_FORMAT_VERSION = 1
+_READABLE_VERSIONS = (REFERENCE_FORMAT_VERSION, CONTROL_FORMAT_VERSION)
+
+#: Default bound on an encoded control payload, in bytes. A payload for 2
+#: stages and 4096 ranks of 10-digit counts is about 90 KB.
+DEFAULT_MAX_CONTROL_BYTES = 1 << 20
+#: Default bound on the number of stages in one payload.
+DEFAULT_MAX_STAGES = 64
+#: Default bound on the number of DP ranks in one stage's count vector.
+DEFAULT_MAX_RANKS = 4096
+#: Counts travel as int32 (as in the reference); the largest representable count.
+MAX_TOKEN_COUNT = 2**31 - 1
+
+_FLAG_NAMES = ("is_graph_capturing", "is_warmup", "is_graph_replaying", "is_profile")
+_STAGE_KEY_RE = re.compile(r"0|[1-9][0-9]{0,8}")
+
+
+def _check_count(value: Any, what: str) -> int:
+    """Return ``value`` as an int in ``[0, MAX_TOKEN_COUNT]`` or raise ``ValueError``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{what} must be an int, got {type(value).__name__} {value!r}")
+    if value < 0:
+        raise ValueError(f"{what} must be >= 0, got {value}")
+    if value > MAX_TOKEN_COUNT:
+        raise ValueError(f"{what} must fit in int32 (<= {MAX_TOKEN_COUNT}), got {value}")
+    return value
+
+
+def _as_count_tensor(value: Any, what: str) -> torch.Tensor:
+    """Coerce ``value`` to a 1-D CPU int32 tensor of non-negative counts."""
+    if isinstance(value, torch.Tensor):
+        if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+            raise ValueError(f"{what} must hold integer token counts, got dtype {value.dtype}")
+        t = value.detach().to(device="cpu", dtype=torch.int64).flatten()
+        if t.numel() and int(t.min()) < 0:
+            raise ValueError(f"{what} must be >= 0, got {t.tolist()}")
+        if t.numel() and int(t.max()) > MAX_TOKEN_COUNT:
+            raise ValueError(f"{what} must fit in int32, got max {int(t.max())}")
+        return t.to(torch.int32)
+    if isinstance(value, (list, tuple)):
+        counts = [_check_count(v, f"{what}[{i}]") for i, v in enumerate(value)]
+        return torch.tensor(counts, dtype=torch.int32)
+    raise ValueError(
+        f"{what} must be a tensor or a list of ints, got {type(value).__name__}"
+    )
+
+
+# ---------------------------------------------------------------------------
+# DP metadata and the control payload
+# ---------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class AFDDPMetadata:
+    """Token counts of every attention (DP) rank for one stage of one step.
+
+    Mirrors the reference's ``AFDDPMetadata`` and is duck-compatible with the
+    parts of vLLM's ``DPMetadata`` that MoE code reads on the FFN side.
+
+    Attributes:
+        num_tokens_across_dp_cpu: CPU int32 tensor ``[num_dp_ranks]``, the token
+            count of each DP rank (zero for an idle rank). Lists and other
+            integer tensors are coerced.
+        max_tokens_across_dp_cpu: CPU int32 0-d tensor, the largest count
+            (computed when ``None``; 0 for an empty vector).
+        local_sizes: per-rank chunk sizes set by the context managers below,
+            else ``None``.
+
+    Raises:
+        ValueError: a count is negative, not an integer, or exceeds int32.
+    """
+
+    num_tokens_across_dp_cpu: torch.Tensor
+    max_tokens_across_dp_cpu: torch.Tensor | None = None
+    local_sizes: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        self.num_tokens_across_dp_cpu = _as_count_tensor(
+            self.num_tokens_across_dp_cpu, "num_tokens_across_dp_cpu"
+        )
+        if self.max_tokens_across_dp_cpu is None:
+            t = self.num_tokens_across_dp_cpu
+            self.max_tokens_across_dp_cpu = (
+                t.max() if t.numel() else torch.zeros((), dtype=torch.int32)
+            )
+        else:
+            m = torch.as_tensor(self.max_tokens_across_dp_cpu).detach().to("cpu")
+            if m.numel() != 1 or m.dtype.is_floating_point or m.dtype == torch.bool:
+                raise ValueError(
+                    f"max_tokens_across_dp_cpu must be one integer, got {m.tolist()!r}"
+                )
+            if int(m) < 0:
+                raise ValueError(f"max_tokens_across_dp_cpu must be >= 0, got {int(m)}")
+            self.max_tokens_across_dp_cpu = m.reshape(()).to(torch.int32)
+
+    @property
+    def counts(self) -> tuple[int, ...]:
+        """The per-DP-rank counts as a tuple of Python ints."""
+        return tuple(self.num_tokens_across_dp_cpu.tolist())
+
+    # -- vLLM DPMetadata-compatible helpers ---------------------------------
+
+    @contextlib.contextmanager
+    def sp_local_sizes(self, sequence_parallel_size: int) -> Iterator[list[int]]:
+        """Set ``local_sizes`` to ``ceil(n / sp)`` per rank, repeated ``sp`` times.
+
+        Args:
+            sequence_parallel_size: sequence-parallel degree, >= 1.
+
+        Yields:
+            The local sizes (list of ints, length ``num_dp_ranks * sp``);
+            ``local_sizes`` is reset to ``None`` on exit.
+        """
+        self.local_sizes = self._sp_sizes(sequence_parallel_size)
+        try:
+            yield self.local_sizes
+        finally:
+            self.local_sizes = None
+
+    def _sp_sizes(self, sp: int) -> list[int]:
+        if isinstance(sp, bool) or not isinstance(sp, int) or sp < 1:
+            raise ValueError(f"sequence_parallel_size must be an int >= 1, got {sp!r}")
+        return [-(-n // sp) for n in self.counts for _ in range(sp)]
+
+    def get_chunk_sizes_across_dp_rank(self) -> list[int] | None:
+        """Return ``local_sizes`` (set inside the context managers), else ``None``."""
+        return self.local_sizes
+
+    def cu_tokens_across_sp(self, sp_size: int) -> torch.Tensor:
+        """Cumulative sum of the sequence-parallel local sizes (CPU int32 tensor)."""
+        sizes = self._sp_sizes(sp_size)
+        return torch.cumsum(torch.tensor(sizes, dtype=torch.int32), dim=0, dtype=torch.int32)
+
+    @contextlib.contextmanager
+    def chunked_sizes(
+        self, sequence_parallel_size: int, max_chunk_size_per_rank: int, chunk_idx: int
+    ) -> Iterator[list[int]]:
+        """Set ``local_sizes`` to each rank's size in chunk ``chunk_idx``.
+
+        As vLLM's helper: ``max(1, min(max_chunk, size - max_chunk * chunk_idx))``
+        over the sequence-parallel sizes (vLLM's MoE code expects >= 1).
+
+        Yields:
+            The local sizes; ``local_sizes`` is reset to ``None`` on exit.
+        """
+        sizes = self._sp_sizes(sequence_parallel_size)
+        self.local_sizes = [
+            max(1, min(max_chunk_size_per_rank, s - max_chunk_size_per_rank * chunk_idx))
+            for s in sizes
+        ]
+        try:
+            yield self.local_sizes
+        finally:
+            self.local_sizes = None
+
+
+#: Reference alias.
+AFDSingleDPMetadata = AFDDPMetadata
+
+
+def _to_dp_metadata(value: Any, stage: Any) -> AFDDPMetadata:
+    if isinstance(value, AFDDPMetadata):
+        return value
+    counts = getattr(value, "num_tokens_across_dp_cpu", None)
+    if counts is not None:  # vLLM DPMetadata: only the counts survive, as in the reference
+        return AFDDPMetadata(num_tokens_across_dp_cpu=counts)
+    if isinstance(value, (list, tuple, torch.Tensor)):
+        return AFDDPMetadata(num_tokens_across_dp_cpu=value)
+    raise ValueError(
+        f"dp_metadata_list[{stage!r}] must be AFDDPMetadata, a DPMetadata or a list of counts, "
+        f"got {type(value).__name__}"
+    )
+
+
+@dataclass(slots=True)
+class AFDControlPayload:
+    """What the attention side tells the FFN side once per step.
+
+    Attributes:
+        dp_metadata_list: stage index (>= 0) -> DP metadata of that stage. The
+            FFN side runs the stages in sorted order. vLLM ``DPMetadata``
+            values and plain count lists are converted to :class:`AFDDPMetadata`.
+        is_graph_capturing: this step is captured into a CUDA graph.
+        is_warmup: this step is a warm-up run before capture.
+        is_graph_replaying: this step replays a captured graph (the FFN side
+            must replay only when this is set; reference issue #261).
+        is_profile: this step is a profiling run.
+
+    Raises:
+        ValueError: a stage key is not a non-negative int, a flag is not a
+            bool, or a value cannot be converted.
+    """
+
+    dp_metadata_list: dict[int, AFDDPMetadata]
+    is_graph_capturing: bool = False
+    is_warmup: bool = False
+    is_graph_replaying: bool = False
+    is_profile: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dp_metadata_list, Mapping):
+            raise ValueError(
+                f"dp_metadata_list must be a dict stage -> AFDDPMetadata, "
+                f"got {type(self.dp_metadata_list).__name__}"
+            )
+        converted: dict[int, AFDDPMetadata] = {}
+        for stage, value in self.dp_metadata_list.items():
+            if isinstance(stage, bool) or not isinstance(stage, int) or stage < 0:
+                raise ValueError(f"dp_metadata_list keys must be stage ints >= 0, got {stage!r}")
+            converted[stage] = _to_dp_metadata(value, stage)
+        self.dp_metadata_list = converted
+        for name in _FLAG_NAMES:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    def stage_counts(self) -> dict[int, tuple[int, ...]]:
+        """Return ``{stage: per-DP-rank counts}`` in sorted stage order."""
+        return {s: self.dp_metadata_list[s].counts for s in sorted(self.dp_metadata_list)}
+
+
+# ---------------------------------------------------------------------------
+# Transfer types
+# ---------------------------------------------------------------------------
+
+
+def _is_plain_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass(slots=True)
+class AFDTransferMetadata:
+    """Rows of one (layer, stage) exchange, one entry per peer.
+
+    On the attention side ``seq_lens`` is ``[rows this rank sends]``; on the
+    FFN side it is the rows received from each attention peer in fan-in order.
+    Unlike the reference, a zero entry is valid (a zero-token peer); an empty
+    list is not (every rank has at least one peer).
+
+    Attributes:
+        layer_idx: layer index (>= 0).
+        stage_idx: stage index (>= 0).
+        seq_lens: rows per peer, each >= 0. Symbolic ints (``torch.SymInt``,
+            inside ``torch.compile``) pass through unchecked so that building a
+            context does not add guards.
+
+    Raises:
+        ValueError: ``seq_lens`` empty, an entry negative or not an int.
+    """
+
+    layer_idx: int
+    stage_idx: int
+    seq_lens: list[int]
+
+    def __post_init__(self) -> None:
+        if len(self.seq_lens) == 0:
+            raise ValueError(
+                "seq_lens cannot be empty: give one entry per peer (0 for a zero-token peer)"
+            )
+        for i, n in enumerate(self.seq_lens):
+            if _is_plain_int(n):
+                if n < 0:
+                    raise ValueError(f"seq_lens[{i}] must be >= 0, got {n}")
+            elif not isinstance(n, torch.SymInt):
+                raise ValueError(f"seq_lens[{i}] must be an int, got {type(n).__name__} {n!r}")
+
+    @property
+    def total_tokens(self) -> int:
+        """Sum of ``seq_lens``: the rows of the (concatenated) tensor."""
+        return sum(self.seq_lens)
+
+    def validate_tensor_shape(self, tensor_shape: tuple[int, ...]) -> bool:
+        """True when ``tensor_shape`` has a leading dimension equal to ``total_tokens``."""
+        return len(tensor_shape) > 0 and tensor_shape[0] == self.total_tokens
+
+    @classmethod
+    def create_attention_metadata(
+        cls, *, layer_idx: int, stage_idx: int, seq_len: int
+    ) -> "AFDTransferMetadata":
+        """Metadata of an attention rank sending ``seq_len`` rows (may be 0)."""
+        return cls(layer_idx=layer_idx, stage_idx=stage_idx, seq_lens=[seq_len])
+
+    @classmethod
+    def create_ffn_metadata(
+        cls, *, layer_idx: int, stage_idx: int, seq_lens: Sequence[int]
+    ) -> "AFDTransferMetadata":
+        """Metadata of an FFN rank that received ``seq_lens[i]`` rows from peer ``i``."""
+        return cls(layer_idx=layer_idx, stage_idx=stage_idx, seq_lens=list(seq_lens))
+
+
+@dataclass(slots=True)
+class AFDTransferState:
+    """Base class for backend state carried from a receive to its send (empty)."""
+
+
+@dataclass(slots=True)
+class AFDTransferContext:
+    """Context of one exchange. ``states`` defaults to ``None`` (not a
+    ``default_factory``) so that Dynamo can trace the generated ``__init__``."""
+
+    metadata: AFDTransferMetadata
+    states: AFDTransferState | None = None
+
+
+@dataclass(slots=True)
+class AFDA2FTransferPayload:
+    """What an FFN rank receives for one (layer, stage).
+
+    Attributes:
+        hidden_states: ``[total_tokens, hidden]`` every peer's rows concatenated
+            in fan-in order.
+        context: the transfer context (pass it back to ``send_ffn_output``).
+        router_logits: ``[total_tokens, num_experts]`` when the gate runs on the
+            attention side, else ``None``.
+        input_ids: ``[total_tokens]`` int32 token ids when they travel, else ``None``.
+    """
+
+    hidden_states: torch.Tensor
+    context: AFDTransferContext
+    router_logits: torch.Tensor | None = None
+    input_ids: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class AFDF2ATransferPayload:
+    """FFN output for one exchange: ``routed_output`` ``[rows, hidden]`` and an
+    optional ``shared_output`` of the same shape (asynchronous connectors)."""
+
+    routed_output: torch.Tensor
+    shared_output: torch.Tensor | None = None
+
+
+class AFDExpertRoutingSpec(NamedTuple):
+    """Receive contract for router logits: ``[tokens, router_logits_width]`` of
+    ``router_logits_dtype``."""
+
+    router_logits_width: int
+    router_logits_dtype: torch.dtype
+
+
+# ---------------------------------------------------------------------------
+# Codec
+# ---------------------------------------------------------------------------
+
+
+def encode_control_payload(payload: AFDControlPayload) -> bytes:
+    """Encode ``payload`` as compact, key-sorted UTF-8 JSON.
+
+    Layout (the reference's keys plus ``format_version``)::
+
+        {"dp_metadata_list":{"<stage>":{"max_tokens_across_dp_cpu":<int>,
+                                        "num_tokens_across_dp_cpu":[<int>,...]}},
+         "format_version":2,"is_graph_capturing":<bool>,"is_graph_replaying":<bool>,
+         "is_profile":<bool>,"is_warmup":<bool>}
+
+    A reference decoder reads it (it ignores the keys it does not know).
+
+    Args:
+        payload: the control payload.
+
+    Returns:
+        The encoded bytes.
+
+    Raises:
+        ValueError: ``payload`` is not an :class:`AFDControlPayload`.
+    """
+    if not isinstance(payload, AFDControlPayload):
+        raise ValueError(f"expected AFDControlPayload, got {type(payload).__name__}")
+    stages = {}
+    for stage, md in payload.dp_metadata_list.items():
+        stages[str(stage)] = {
+            "max_tokens_across_dp_cpu": int(md.max_tokens_across_dp_cpu),
+            "num_tokens_across_dp_cpu": md.num_tokens_across_dp_cpu.tolist(),
+        }
+    doc = {
+        "dp_metadata_list": stages,
+        "format_version": CONTROL_FORMAT_VERSION,
+        "is_graph_capturing": payload.is_graph_capturing,
+        "is_graph_replaying": payload.is_graph_replaying,
+        "is_profile": payload.is_profile,
+        "is_warmup": payload.is_warmup,
+    }
+    return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode("utf-8")
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"control payload: duplicate JSON key {k!r}")
+        out[k] = v
+    return out
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"control payload: non-finite number {name} is not allowed")
+
+
+def decode_control_payload(
+    data: bytes | bytearray | memoryview,
+    *,
+    max_bytes: int = DEFAULT_MAX_CONTROL_BYTES,
+    max_stages: int = DEFAULT_MAX_STAGES,
+    max_ranks: int = DEFAULT_MAX_RANKS,
+) -> AFDControlPayload:
+    """Decode bytes written by :func:`encode_control_payload` or by the reference.
+
+    Input is treated as untrusted. A payload without ``format_version`` is the
+    reference's format (version 1): unknown top-level keys are ignored there,
+    as the reference does. In version 2, unknown keys are rejected.
+
+    Args:
+        data: the encoded payload.
+        max_bytes: largest accepted input, in bytes (checked before parsing).
+        max_stages: largest accepted number of stages.
+        max_ranks: largest accepted length of a stage's count vector.
+
+    Returns:
+        The payload; counts as CPU int32 tensors.
+
+    Raises:
+        ValueError: oversized input, invalid UTF-8 or JSON (including nesting
+            too deep to parse), duplicate keys, wrong types, negative or
+            non-int32 counts, too many stages or ranks, a non-canonical stage
+            key, or an unknown ``format_version``.
+    """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ValueError(f"control payload must be bytes, got {type(data).__name__}")
+    if len(data) > max_bytes:
+        raise ValueError(
+            f"control payload of {len(data)} bytes exceeds max_bytes={max_bytes}; "
+            "raise the limit on both sides if the topology really needs it"
+        )
+    try:
+        text = bytes(data).decode("utf-8")
+        doc = json.loads(
+            text, object_pairs_hook=_no_duplicate_keys, parse_constant=_reject_constant
+        )
+    except RecursionError:
+        raise ValueError("control payload: JSON nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, int digit limit
+        raise ValueError(f"control payload is not valid UTF-8 JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"control payload must be a JSON object, got {type(doc).__name__}")
+
+    version = doc.get("format_version", REFERENCE_FORMAT_VERSION)
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise ValueError(f"control payload: format_version must be an int, got {version!r}")
+    if version not in _READABLE_VERSIONS:
+        raise ValueError(
+            f"control payload format_version {version} is not supported; this afd_ext reads "
+            f"versions {list(_READABLE_VERSIONS)}; run the same afd_ext version on every rank"
+        )
+    if version >= 2:
+        unknown = set(doc) - {"dp_metadata_list", "format_version", *_FLAG_NAMES}
+        if unknown:
+            raise ValueError(f"control payload: unknown keys {sorted(unknown)}")
+
+    if "dp_metadata_list" not in doc:
+        raise ValueError("control payload: missing key 'dp_metadata_list'")
+    stages_doc = doc["dp_metadata_list"]
+    if not isinstance(stages_doc, dict):
+        raise ValueError("control payload: dp_metadata_list must be a JSON object")
+    if len(stages_doc) > max_stages:
+        raise ValueError(
+            f"control payload: {len(stages_doc)} stages exceed max_stages={max_stages}"
+        )
+    stages: dict[int, AFDDPMetadata] = {}
+    for key, entry in stages_doc.items():
+        if not _STAGE_KEY_RE.fullmatch(key):
+            raise ValueError(f"control payload: stage key {key!r} is not a canonical int >= 0")
+        where = f"dp_metadata_list[{key}]"
+        if not isinstance(entry, dict):
+            raise ValueError(f"control payload: {where} must be a JSON object")
+        extra = set(entry) - {"max_tokens_across_dp_cpu", "num_tokens_across_dp_cpu"}
+        if extra and version >= 2:
+            raise ValueError(f"control payload: {where} has unknown keys {sorted(extra)}")
+        counts = entry.get("num_tokens_across_dp_cpu")
+        if not isinstance(counts, list):
+            raise ValueError(
+                f"control payload: {where}.num_tokens_across_dp_cpu must be a list of ints"
+            )
+        if len(counts) > max_ranks:
+            raise ValueError(
+                f"control payload: {where} has {len(counts)} ranks, exceeding max_ranks={max_ranks}"
+            )
+        for i, c in enumerate(counts):
+            _check_count(c, f"control payload: {where}.num_tokens_across_dp_cpu[{i}]")
+        mx = entry.get("max_tokens_across_dp_cpu")
+        if mx is not None:
+            _check_count(mx, f"control payload: {where}.max_tokens_across_dp_cpu")
+        stages[int(key)] = AFDDPMetadata(
+            num_tokens_across_dp_cpu=torch.tensor(counts, dtype=torch.int32),
+            max_tokens_across_dp_cpu=None if mx is None else torch.tensor(mx, dtype=torch.int32),
+        )
+    flags = {}
+    for name in _FLAG_NAMES:
+        v = doc.get(name, False)
+        if not isinstance(v, bool):
+            raise ValueError(f"control payload: {name} must be true or false, got {v!r}")
+        flags[name] = v
+    return AFDControlPayload(dp_metadata_list=stages, **flags)
+
+
+# ---------------------------------------------------------------------------
+# Framing
+# ---------------------------------------------------------------------------
+
+
+def frame_control_payload(data: bytes) -> tuple[torch.Tensor, torch.Tensor]:
+    """Frame encoded bytes as the reference's two messages.
+
+    Args:
+        data: an encoded control payload.
+
+    Returns:
+        ``(size_tensor, data_tensor)``: CPU int64 ``[1]`` holding ``len(data)``,
+        and a CPU uint8 ``[len(data)]`` copy of the bytes. Send them in this
+        order to every destination; move them to the channel's device first if
+        it needs one.
+
+    Raises:
+        ValueError: ``data`` is not bytes-like.
+    """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ValueError(f"data must be bytes, got {type(data).__name__}")
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    if len(data) == 0:
+        return size, torch.empty(0, dtype=torch.uint8)
+    return size, torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def control_frame_size(
+    size_tensor: torch.Tensor, *, max_bytes: int = DEFAULT_MAX_CONTROL_BYTES
+) -> int:
+    """Read and bound the size message before allocating the data buffer.
+
+    Args:
+        size_tensor: the received int64 ``[1]`` tensor (CPU; a CUDA tensor is
+            read with a device sync).
+        max_bytes: largest accepted payload, in bytes.
+
+    Returns:
+        The payload size in bytes.
+
+    Raises:
+        ValueError: wrong shape/dtype, negative size, or size above ``max_bytes``.
+    """
+    if size_tensor.dtype != torch.int64 or size_tensor.numel() != 1:
+        raise ValueError(
+            f"control frame size must be an int64 tensor of one element, "
+            f"got {size_tensor.dtype} {tuple(size_tensor.shape)}"
+        )
+    n = int(size_tensor.reshape(()).item())
+    if n < 0 or n > max_bytes:
+        raise ValueError(
+            f"control frame announces {n} bytes; expected 0..{max_bytes} (max_bytes)"
+        )
+    return n
+
+
+def unframe_control_payload(
+    size: int,
+    data_tensor: torch.Tensor,
+    *,
+    size_src: int | None = None,
+    data_src: int | None = None,
+) -> bytes:
+    """Check the two received messages belong together and return the bytes.
+
+    Args:
+        size: the value returned by :func:`control_frame_size`.
+        data_tensor: the received uint8 ``[size]`` tensor.
+        size_src: rank the size message came from (e.g. the return of
+            ``torch.distributed.recv``), or ``None`` when the channel knows it.
+        data_src: rank the data message came from.
+
+    Returns:
+        The payload bytes, ready for :func:`decode_control_payload`.
+
+    Raises:
+        RuntimeError: the two messages came from different ranks (the
+            reference's error text).
+        ValueError: ``data_tensor`` is not uint8 ``[size]``.
+    """
+    if size_src is not None and data_src is not None and size_src != data_src:
+        raise RuntimeError(
+            f"received AFD DP metadata fragments from different ranks "
+            f"(size from rank {size_src}, data from rank {data_src})"
+        )
+    if data_tensor.dtype != torch.uint8 or tuple(data_tensor.shape) != (size,):
+        raise ValueError(
+            f"control frame data must be uint8 [{size}], "
+            f"got {data_tensor.dtype} {tuple(data_tensor.shape)}"
+        )
+    return data_tensor.detach().cpu().numpy().tobytes()
+
+
+_FRAME_HEADER = struct.Struct("<q")
+#: Size of the byte-stream frame header (little-endian int64 length).
+FRAME_HEADER_BYTES = _FRAME_HEADER.size
+
+
+def pack_frame_header(n: int) -> bytes:
+    """Byte-stream frame header: ``n`` as a little-endian int64 (8 bytes)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"frame length must be an int >= 0, got {n!r}")
+    return _FRAME_HEADER.pack(n)
+
+
+def unpack_frame_header(header: bytes, *, max_bytes: int = DEFAULT_MAX_CONTROL_BYTES) -> int:
+    """Parse an 8-byte frame header and bound the length.
+
+    Raises:
+        ValueError: header not 8 bytes, negative length, or length above ``max_bytes``.
+    """
+    if len(header) != FRAME_HEADER_BYTES:
+        raise ValueError(f"frame header must be {FRAME_HEADER_BYTES} bytes, got {len(header)}")
+    (n,) = _FRAME_HEADER.unpack(bytes(header))
+    if n < 0 or n > max_bytes:
+        raise ValueError(f"frame announces {n} bytes; expected 0..{max_bytes} (max_bytes)")
+    return n
+
+
+# ---------------------------------------------------------------------------
+# Step count agreement
+# ---------------------------------------------------------------------------
+
+
+class StepCountAgreement:
+    """Let the attention ranks agree on each step's per-rank token counts.
+
+    For runtimes that do not already gather DP metadata: every attention rank
+    calls :meth:`agree` once per step with its own per-stage counts; the
+    injected ``all_gather`` exchanges them, and every rank gets the same
+    :class:`AFDControlPayload` (counts in rank order). The step number and the
+    flags are gathered too, so ranks that are out of step, disagree on the
+    stages, or disagree on a flag get a ``ValueError`` naming the ranks
+    instead of a mismatched data plane later.
+
+    Args:
+        num_ranks: number of participants (the attention ranks, or the DP
+            ranks when the counts are expanded over TP later).
+        rank: this participant's index in ``0..num_ranks-1``.
+        all_gather: ``f(obj) -> list`` returning every participant's ``obj``
+            in rank order; must be a collective with its own deadline. See
+            :meth:`from_process_group`.
+
+    Example:
+        >>> agreement = StepCountAgreement.from_process_group(gloo_group)  # doctest: +SKIP
+        >>> payload = agreement.agree({0: n0, 1: n1})                       # doctest: +SKIP
+    """
+
+    def __init__(self, num_ranks: int, rank: int, all_gather: Callable[[Any], list[Any]]):
+        if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
+            raise ValueError(f"num_ranks must be an int >= 1, got {num_ranks!r}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_ranks:
+            raise ValueError(f"rank must be in 0..{num_ranks - 1}, got {rank!r}")
+        if not callable(all_gather):
+            raise ValueError("all_gather must be callable: f(obj) -> list of every rank's obj")
+        self.num_ranks = num_ranks
+        self.rank = rank
+        self._all_gather = all_gather
+        self._step = 0
+
+    @classmethod
+    def from_process_group(cls, group: Any = None) -> "StepCountAgreement":
+        """Build one over ``torch.distributed.all_gather_object`` on ``group``.
+
+        Use a gloo (CPU) group so no device sync happens; the group's timeout
+        bounds the wait.
+        """
+        import torch.distributed as dist
+
+        n = dist.get_world_size(group)
+        r = dist.get_rank(group)
+
+        def gather(obj: Any) -> list[Any]:
+            out: list[Any] = [None] * n
+            dist.all_gather_object(out, obj, group=group)
+            return out
+
+        return cls(n, r, gather)
+
+    @property
+    def step(self) -> int:
+        """Number of completed agreements."""
+        return self._step
+
+    def agree(
+        self,
+        local_counts: Mapping[int, int] | Sequence[int],
+        *,
+        is_graph_capturing: bool = False,
+        is_warmup: bool = False,
+        is_graph_replaying: bool = False,
+        is_profile: bool = False,
+    ) -> AFDControlPayload:
+        """Exchange this rank's per-stage counts and build the step's payload.
+
+        Args:
+            local_counts: ``{stage: rows on this rank}``, or a sequence whose
+                index is the stage. Zero is valid.
+            is_graph_capturing, is_warmup, is_graph_replaying, is_profile:
+                the step's flags; every rank must pass the same values.
+
+        Returns:
+            The same payload on every rank: stage -> counts of every rank.
+
+        Raises:
+            ValueError: bad local counts, or the ranks disagree on the step
+                number, the stages or a flag (the message names the ranks).
+        """
+        if isinstance(local_counts, Mapping):
+            items = dict(local_counts)
+        elif isinstance(local_counts, (list, tuple)):
+            items = dict(enumerate(local_counts))
+        else:
+            raise ValueError(
+                f"local_counts must be a dict stage -> count or a list, "
+                f"got {type(local_counts).__name__}"
+            )
+        for stage, n in items.items():
+            if isinstance(stage, bool) or not isinstance(stage, int) or stage < 0:
+                raise ValueError(f"stage keys must be ints >= 0, got {stage!r}")
+            _check_count(n, f"local_counts[{stage}]")
+        flags = (is_graph_capturing, is_warmup, is_graph_replaying, is_profile)
+        mine = (self._step, tuple(sorted(items.items())), flags)
+        gathered = self._all_gather(mine)
+        if not isinstance(gathered, (list, tuple)) or len(gathered) != self.num_ranks:
+            raise ValueError(
+                f"all_gather returned {len(gathered) if hasattr(gathered, '__len__') else gathered!r} "
+                f"entries, expected {self.num_ranks}"
+            )
+        steps = [g[0] for g in gathered]
+        if len(set(steps)) != 1:
+            raise ValueError(f"attention ranks are out of step: step numbers by rank {steps}")
+        stage_sets = [tuple(s for s, _ in g[1]) for g in gathered]
+        if len(set(stage_sets)) != 1:
+            detail = ", ".join(f"rank {r}: {list(s)}" for r, s in enumerate(stage_sets))
+            raise ValueError(f"attention ranks disagree on this step's stages ({detail})")
+        flag_sets = [g[2] for g in gathered]
+        if len(set(flag_sets)) != 1:
+            bad = [r for r, f in enumerate(flag_sets) if f != flag_sets[0]]
+            raise ValueError(
+                f"attention ranks disagree on the step flags (capturing, warmup, replaying, "
+                f"profile): rank 0 {flag_sets[0]}, ranks {bad} differ"
+            )
+        dp = {
+            stage: AFDDPMetadata(
+                num_tokens_across_dp_cpu=[dict(g[1])[stage] for g in gathered]
+            )
+            for stage in stage_sets[0]
+        }
+        self._step += 1
+        return AFDControlPayload(
+            dp_metadata_list=dp,
+            is_graph_capturing=is_graph_capturing,
+            is_warmup=is_warmup,
+            is_graph_replaying=is_graph_replaying,
+            is_profile=is_profile,
+        )

@@ -1,0 +1,681 @@
+"""The one schedule: a pure function of (topology, control payload, config).
+
+:func:`build_step_schedule` says, for every (layer, stage, edge, direction) of
+a step, how many rows travel, whether the message is skipped (zero rows) and
+the wire format. Both roles call it with the same inputs and get the same
+answer; neither decides from its own tensors. It validates the whole step up
+front (stages, count vector lengths, negative counts, padding), so a bad
+payload fails before the first byte of the step moves.
+
+Terms: direction ``"a2f"`` carries the wire tensors (hidden states, optional
+router logits, optional int32 token ids) from an attention rank to an FFN
+rank; ``"f2a"`` carries the FFN output (hidden states) back. Wire format
+``"per_tensor"`` sends each wire tensor as its own NCCL message; ``"packed"``
+sends one uint8 wire row per token (``ops.pack_rows``: hidden, logits, ids,
+each part at a 16-byte aligned offset, :func:`packed_row_bytes`). Packing only
+matters when more than one wire tensor travels, so a stage carrying hidden
+states alone is always ``"per_tensor"``, and so is every ``"f2a"`` message.
+
+NCCL issue order (the connector and transports follow it; it cannot deadlock
+at any message size):
+
+A large NCCL send blocks its stream until the peer posts the matching
+receive, and NCCL serialises all operations of one communicator in issue
+order. So:
+
+1. Communicators: one per direction for each edge set (``a2f`` and ``f2a``;
+   per edge or per FFN subgroup, as the reference). A direction's messages
+   never share a communicator with the other direction's.
+2. Both roles issue a step's exchanges layer-major, stage-minor
+   (``for layer: for stage in schedule.stages``), so on every communicator
+   the matching operations are issued in the same order on both sides.
+3. Attention rank, per (layer, stage), on that stage's stream: first one
+   NCCL group sending the rows to all of its FFN peers on the ``a2f``
+   communicators (``split_back``), then, as a separate call, one group
+   receiving the reply from the same peers on the ``f2a`` communicators
+   (``fan_in`` into the caller's tensor). With several stages in flight,
+   stage ``s+1``'s send is issued on stage ``s+1``'s stream, never behind
+   stage ``s``'s reply receive; cross-stage dependencies are CUDA events.
+   The fused ``exchange`` op (send and receive in one group) is only used
+   when one stage is in flight: in a group, the next stage's send on the same
+   ``a2f`` communicator would wait for this stage's whole round trip.
+4. FFN rank, per (layer, stage): one group receiving every peer's rows on
+   the ``a2f`` communicators (``fan_in``, peers in fan-in order, into
+   consecutive row ranges), the FFN compute, then one group sending each peer
+   its rows on the ``f2a`` communicators (``split_back``). One stream is
+   enough; per-stage streams with events also work.
+5. Zero-row messages are left out of the groups on both sides identically,
+   since both read :meth:`StepSchedule.message`.
+
+Why no deadlock: every FFN operation, in issue order, waits only for an
+attention operation that sits at the head of an attention stream whose
+earlier operations (the same stage's earlier layers, or this stage's send)
+have already been matched; a stage's reply receive never queues behind the
+next stage's send on either side, because those are on different streams
+(attention) or issued after the reply (FFN), and on different communicators.
+
+Graph padding (``ScheduleConfig.pad_to``): every attention rank sends
+``pad_to[stage]`` rows for that stage whatever its real count; the real rows
+come first and the padded rows after them are carried through the FFN and
+dropped by the attention caller. ``valid_rows`` in the plans says how many
+rows of each range are real. :func:`graph_key` identifies the captured graph
+by the full per-stage, per-rank wire row vector (never a total), the wire
+dtypes and which optional tensors travel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping, NamedTuple, Sequence
+
+import torch
+
+from .metadata import AFDControlPayload
+from .topology import Topology
+
+__all__ = [
+    "A2F",
+    "F2A",
+    "DIRECTIONS",
+    "PER_TENSOR",
+    "PACKED",
+    "WIRE_FORMATS",
+    "DEFAULT_PACKED_MAX_BYTES",
+    "WIRE_ALIGN_BYTES",
+    "TOKEN_IDS_DTYPE",
+    "packed_row_bytes",
+    "ScheduleConfig",
+    "Message",
+    "FanInPlan",
+    "SendPlan",
+    "StepSchedule",
+    "build_step_schedule",
+    "graph_key",
+    "pad_sizes",
+    "warmup_payload",
+]
+
+A2F = "a2f"
+F2A = "f2a"
+DIRECTIONS = (A2F, F2A)
+PER_TENSOR = "per_tensor"
+PACKED = "packed"
+AUTO = "auto"
+WIRE_FORMATS = (AUTO, PACKED, PER_TENSOR)
+
+#: ``wire_format="auto"`` packs a stage when its largest a2f message, packed,
+#: is at most this many bytes. Packing saves a message per extra tensor
+#: (about 2-3 us each at small sizes, docs/performance.md) but costs a pack
+#: and an unpack copy, which wins only for small messages. Placeholder until
+#: tuned from GPU measurements; overridable via ``packed_max_bytes``.
+DEFAULT_PACKED_MAX_BYTES = 256 * 1024
+#: Each part of a packed wire row starts at a multiple of this many bytes.
+WIRE_ALIGN_BYTES = 16
+#: Token ids travel as int32 (the reference's wire dtype).
+TOKEN_IDS_DTYPE = torch.int32
+
+_HIDDEN_DTYPES = tuple(
+    d
+    for d in (
+        torch.bfloat16,
+        torch.float16,
+        torch.float32,
+        getattr(torch, "float8_e4m3fn", None),
+        getattr(torch, "float8_e5m2", None),
+    )
+    if d is not None
+)
+
+
+def _round_up(n: int, k: int) -> int:
+    return (n + k - 1) // k * k
+
+
+def packed_row_bytes(
+    hidden_size: int,
+    hidden_dtype: torch.dtype,
+    router_logits_width: int | None = None,
+    router_logits_dtype: torch.dtype = torch.float32,
+    send_token_ids: bool = False,
+) -> int:
+    """Bytes of one packed wire row (same rule as ``ops.wire_row_bytes``).
+
+    Hidden part, then router logits, then the int32 token id, each rounded up
+    to :data:`WIRE_ALIGN_BYTES`.
+    """
+    n = _round_up(hidden_size * hidden_dtype.itemsize, WIRE_ALIGN_BYTES)
+    if router_logits_width is not None:
+        n += _round_up(router_logits_width * router_logits_dtype.itemsize, WIRE_ALIGN_BYTES)
+    if send_token_ids:
+        n += _round_up(TOKEN_IDS_DTYPE.itemsize, WIRE_ALIGN_BYTES)
+    return n
+
+
+def _pos_int(v: Any, name: str, *, allow_zero: bool = False) -> int:
+    lo = 0 if allow_zero else 1
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+    return v
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """Static facts of the exchange that both roles must agree on.
+
+    Args:
+        num_layers: exchanges per stage per step (layers that go to the FFN side), >= 1.
+        hidden_size: hidden states width, >= 1.
+        hidden_dtype: wire dtype of hidden states (bf16, fp16, fp32, fp8).
+        router_logits_width: router logits width when they travel (gate on
+            the attention side), else ``None``.
+        router_logits_dtype: floating dtype of router logits.
+        send_token_ids: whether ``[rows]`` int32 token ids travel.
+        wire_format: ``"auto"`` (packed when a stage's largest a2f message is
+            at most ``packed_max_bytes``), ``"packed"`` or ``"per_tensor"``.
+        clamp_idle_to_one: reference compatibility: a zero count becomes 1
+            (the runtime runs a one-token dummy batch on idle ranks).
+        pad_to: ``{stage: rows}``: every attention rank sends this many rows
+            for the stage (CUDA graph capture size), or ``None``.
+        packed_max_bytes: the ``"auto"`` threshold, bytes per message.
+        max_stages: largest accepted number of stages per step, or ``None``.
+
+    Raises:
+        ValueError: a field out of range or of the wrong type.
+    """
+
+    num_layers: int
+    hidden_size: int
+    hidden_dtype: torch.dtype
+    router_logits_width: int | None = None
+    router_logits_dtype: torch.dtype = torch.float32
+    send_token_ids: bool = False
+    wire_format: str = AUTO
+    clamp_idle_to_one: bool = False
+    pad_to: Mapping[int, int] | None = None
+    packed_max_bytes: int = DEFAULT_PACKED_MAX_BYTES
+    max_stages: int | None = None
+
+    def __post_init__(self) -> None:
+        _pos_int(self.num_layers, "num_layers")
+        _pos_int(self.hidden_size, "hidden_size")
+        if self.hidden_dtype not in _HIDDEN_DTYPES:
+            raise ValueError(
+                f"hidden_dtype must be one of {[str(d) for d in _HIDDEN_DTYPES]}, got {self.hidden_dtype!r}"
+            )
+        if self.router_logits_width is not None:
+            _pos_int(self.router_logits_width, "router_logits_width")
+        if not isinstance(self.router_logits_dtype, torch.dtype) or not self.router_logits_dtype.is_floating_point:
+            raise ValueError(f"router_logits_dtype must be a floating torch.dtype, got {self.router_logits_dtype!r}")
+        if not isinstance(self.send_token_ids, bool):
+            raise ValueError(f"send_token_ids must be a bool, got {self.send_token_ids!r}")
+        if self.wire_format not in WIRE_FORMATS:
+            raise ValueError(f"wire_format must be one of {WIRE_FORMATS}, got {self.wire_format!r}")
+        if not isinstance(self.clamp_idle_to_one, bool):
+            raise ValueError(f"clamp_idle_to_one must be a bool, got {self.clamp_idle_to_one!r}")
+        _pos_int(self.packed_max_bytes, "packed_max_bytes", allow_zero=True)
+        if self.max_stages is not None:
+            _pos_int(self.max_stages, "max_stages")
+        if self.pad_to is not None:
+            if not isinstance(self.pad_to, Mapping):
+                raise ValueError(f"pad_to must be a dict stage -> rows or None, got {type(self.pad_to).__name__}")
+            pad = {}
+            for s, p in self.pad_to.items():
+                _pos_int(s, "pad_to stage", allow_zero=True)
+                _pos_int(p, f"pad_to[{s}]", allow_zero=True)
+                pad[s] = p
+            object.__setattr__(self, "pad_to", dict(sorted(pad.items())))
+
+    def __hash__(self) -> int:
+        pad = None if self.pad_to is None else tuple(self.pad_to.items())
+        return hash(
+            (
+                self.num_layers, self.hidden_size, self.hidden_dtype, self.router_logits_width,
+                self.router_logits_dtype, self.send_token_ids, self.wire_format,
+                self.clamp_idle_to_one, pad, self.packed_max_bytes, self.max_stages,
+            )
+        )
+
+    @property
+    def num_wire_tensors(self) -> int:
+        """Wire tensors per a2f message: hidden states, plus logits and ids when they travel."""
+        return 1 + (self.router_logits_width is not None) + self.send_token_ids
+
+    @property
+    def packed_row_bytes(self) -> int:
+        """Bytes of one packed wire row (:func:`packed_row_bytes`)."""
+        return packed_row_bytes(
+            self.hidden_size, self.hidden_dtype, self.router_logits_width,
+            self.router_logits_dtype, self.send_token_ids,
+        )
+
+
+class Message(NamedTuple):
+    """One message of one (layer, stage, edge, direction)."""
+
+    rows: int
+    skipped: bool
+    wire_format: str
+
+
+class FanInPlan(NamedTuple):
+    """An FFN rank's view of one stage.
+
+    Attributes:
+        peers: attention role ranks in fan-in order.
+        rows: rows from each peer (wire rows; padded under ``pad_to``).
+        offsets: first row of each peer in the concatenated tensor.
+        total: rows of the concatenated tensor (``sum(rows)``).
+        valid_rows: real (unpadded) rows at the start of each peer's range.
+    """
+
+    peers: tuple[int, ...]
+    rows: tuple[int, ...]
+    offsets: tuple[int, ...]
+    total: int
+    valid_rows: tuple[int, ...]
+
+
+class SendPlan(NamedTuple):
+    """An attention rank's view of one stage.
+
+    Attributes:
+        peers: FFN role ranks, ascending.
+        rows: rows to each FFN peer (contiguous ranges of this rank's tensor).
+        offsets: first row of each range in this rank's tensor.
+        total: this rank's wire rows (``sum(rows)``).
+        valid_rows: real (unpadded) rows at the start of each range.
+    """
+
+    peers: tuple[int, ...]
+    rows: tuple[int, ...]
+    offsets: tuple[int, ...]
+    total: int
+    valid_rows: tuple[int, ...]
+
+
+def _fmt_shape(shape: Sequence[int]) -> str:
+    return "[" + ", ".join(str(int(s)) for s in shape) + "]"
+
+
+class StepSchedule:
+    """The rows of every message of one step. Build with :func:`build_step_schedule`.
+
+    Attributes:
+        topology: the :class:`~afd_ext.topology.Topology`.
+        config: the :class:`ScheduleConfig`.
+        payload: the step's :class:`~afd_ext.metadata.AFDControlPayload`.
+        stages: sorted stage ids.
+    """
+
+    __slots__ = ("topology", "config", "payload", "stages", "_counts", "_rows", "_formats",
+                 "_ffn_plans", "_attn_plans")
+
+    def __init__(self, topology: Topology, config: ScheduleConfig, payload: AFDControlPayload,
+                 stages: tuple[int, ...], counts: dict[int, tuple[int, ...]],
+                 rows: dict[int, tuple[int, ...]], formats: dict[int, str]):
+        self.topology = topology
+        self.config = config
+        self.payload = payload
+        self.stages = stages
+        self._counts = counts
+        self._rows = rows
+        self._formats = formats
+        self._ffn_plans: dict[tuple[int, int], FanInPlan] = {}
+        self._attn_plans: dict[tuple[int, int], SendPlan] = {}
+
+    def __repr__(self) -> str:
+        return (f"StepSchedule(A={self.topology.num_attention_ranks}, F={self.topology.num_ffn_ranks}, "
+                f"rows={self._rows}, formats={self._formats})")
+
+    # -- lookups ---------------------------------------------------------------
+
+    def _stage(self, stage: int) -> None:
+        if stage not in self._rows:
+            raise ValueError(f"stage {stage!r} is not in this step; stages are {list(self.stages)}")
+
+    def counts(self, stage: int) -> tuple[int, ...]:
+        """Real token counts of every attention rank for ``stage`` (expanded, clamped if configured)."""
+        self._stage(stage)
+        return self._counts[stage]
+
+    def rows_vector(self, stage: int) -> tuple[int, ...]:
+        """Wire rows of every attention rank for ``stage`` (padded under ``pad_to``)."""
+        self._stage(stage)
+        return self._rows[stage]
+
+    def real_rows(self, stage: int, a: int) -> int:
+        """Real (unpadded) rows of attention rank ``a`` in ``stage``."""
+        self._stage(stage)
+        self.topology.check_role_rank("attention", a)
+        return self._counts[stage][a]
+
+    def attention_rows(self, stage: int, a: int) -> int:
+        """Wire rows of attention rank ``a`` in ``stage``: the leading dim of its tensors."""
+        self._stage(stage)
+        self.topology.check_role_rank("attention", a)
+        return self._rows[stage][a]
+
+    def attention_plan(self, stage: int, a: int) -> SendPlan:
+        """How attention rank ``a``'s rows in ``stage`` go over its FFN peers."""
+        key = (stage, a)
+        plan = self._attn_plans.get(key)
+        if plan is None:
+            n = self.attention_rows(stage, a)
+            real = self._counts[stage][a]
+            split = self.topology.split_rows(a, n)
+            plan = SendPlan(
+                peers=tuple(f for f, _, _ in split),
+                rows=tuple(c for _, _, c in split),
+                offsets=tuple(s for _, s, _ in split),
+                total=n,
+                valid_rows=tuple(max(0, min(c, real - s)) for _, s, c in split),
+            )
+            self._attn_plans[key] = plan
+        return plan
+
+    def edge_rows(self, stage: int, a: int, f: int) -> int:
+        """Rows on edge (attention rank ``a``, FFN rank ``f``) in ``stage`` (same both directions)."""
+        return self._edge(stage, a, f)[0]
+
+    def edge_valid_rows(self, stage: int, a: int, f: int) -> int:
+        """Real rows at the start of the edge's range."""
+        return self._edge(stage, a, f)[1]
+
+    def _edge(self, stage: int, a: int, f: int) -> tuple[int, int]:
+        plan = self.attention_plan(stage, a)
+        for peer, r, v in zip(plan.peers, plan.rows, plan.valid_rows):
+            if peer == f:
+                return r, v
+        self.topology.check_role_rank("ffn", f)
+        raise ValueError(
+            f"attention rank {a} and FFN rank {f} are not peers; attention rank {a} "
+            f"exchanges with FFN ranks {list(plan.peers)}"
+        )
+
+    def ffn_plan(self, stage: int, f: int) -> FanInPlan:
+        """FFN rank ``f``'s fan-in for ``stage``: peers in order, rows and offsets."""
+        key = (stage, f)
+        plan = self._ffn_plans.get(key)
+        if plan is None:
+            self._stage(stage)
+            peers = self.topology.ffn_peers(f)
+            rows, valid, offsets = [], [], []
+            off = 0
+            for a in peers:
+                r, v = self._edge(stage, a, f)
+                rows.append(r)
+                valid.append(v)
+                offsets.append(off)
+                off += r
+            plan = FanInPlan(peers, tuple(rows), tuple(offsets), off, tuple(valid))
+            self._ffn_plans[key] = plan
+        return plan
+
+    def ffn_rows(self, stage: int, f: int) -> int:
+        """Rows of FFN rank ``f``'s concatenated tensor in ``stage``."""
+        return self.ffn_plan(stage, f).total
+
+    def wire_format(self, stage: int) -> str:
+        """``"packed"`` or ``"per_tensor"`` for the a2f messages of ``stage``."""
+        self._stage(stage)
+        return self._formats[stage]
+
+    def message(self, layer: int, stage: int, a: int, f: int, direction: str) -> Message:
+        """The message of one (layer, stage, edge, direction).
+
+        Raises:
+            ValueError: layer out of range, unknown stage or direction, or
+                ``(a, f)`` not an edge.
+        """
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.config.num_layers:
+            raise ValueError(f"layer must be in 0..{self.config.num_layers - 1}, got {layer!r}")
+        if direction not in DIRECTIONS:
+            raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+        rows = self.edge_rows(stage, a, f)
+        fmt = self._formats[stage] if direction == A2F else PER_TENSOR
+        return Message(rows, rows == 0, fmt)
+
+    def messages(self) -> Iterator[tuple[int, int, int, int, str, Message]]:
+        """Every ``(layer, stage, a, f, direction, message)`` in issue order (layer-major, stage-minor)."""
+        edges = self.topology.edges()
+        for layer in range(self.config.num_layers):
+            for stage in self.stages:
+                for direction in DIRECTIONS:
+                    for a, f in edges:
+                        yield layer, stage, a, f, direction, self.message(layer, stage, a, f, direction)
+
+    # -- input checks ------------------------------------------------------------
+
+    def _check(self, name: str, t: Any, shape: tuple[int, ...], dtype: torch.dtype, who: str,
+               device: torch.device | str | None, fix: str = "") -> None:
+        want = f"{_fmt_shape(shape)} {dtype}"
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor {want} for {who}, got {type(t).__name__}")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape {_fmt_shape(shape)} for {who} (from the step's "
+                             f"control payload), got {_fmt_shape(t.shape)}")
+        if t.dtype != dtype:
+            raise ValueError(f"{name} must be {dtype} for {who}, got {t.dtype}{fix}")
+        if device is not None and t.device != torch.device(device):
+            raise ValueError(f"{name} must be on {torch.device(device)} for {who}, got {t.device}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous for {who}; call .contiguous()")
+
+    def check_attention_tensors(
+        self,
+        stage: int,
+        a: int,
+        hidden_states: Any,
+        router_logits: Any = None,
+        token_ids: Any = None,
+        *,
+        device: torch.device | str | None = None,
+    ) -> None:
+        """Check attention rank ``a``'s wire tensors for ``stage`` before anything is sent.
+
+        Args:
+            stage: stage id.
+            a: attention role rank.
+            hidden_states: ``[attention_rows(stage, a), hidden_size]`` of
+                ``hidden_dtype``, contiguous.
+            router_logits: ``[rows, router_logits_width]`` of
+                ``router_logits_dtype`` iff router logits are configured, else ``None``.
+            token_ids: ``[rows]`` int32 iff ``send_token_ids``, else ``None``.
+            device: when given, every tensor must be on it.
+
+        Raises:
+            ValueError: naming the tensor, what was expected and what to do.
+        """
+        rows = self.attention_rows(stage, a)
+        cfg = self.config
+        who = f"attention rank {a}, stage {stage}"
+        self._check("hidden_states", hidden_states, (rows, cfg.hidden_size), cfg.hidden_dtype, who, device,
+                    f"; cast with .to({cfg.hidden_dtype})")
+        if cfg.router_logits_width is None:
+            if router_logits is not None:
+                raise ValueError(
+                    f"router_logits given for {who} but the connector is configured without them "
+                    "(router_logits_width=None, compute_gate_on_attention=False); configure them on both roles"
+                )
+        else:
+            if router_logits is None:
+                raise ValueError(
+                    f"router_logits missing for {who}: the connector is configured to send "
+                    f"[{rows}, {cfg.router_logits_width}] {cfg.router_logits_dtype} router logits"
+                )
+            self._check("router_logits", router_logits, (rows, cfg.router_logits_width),
+                        cfg.router_logits_dtype, who, device, f"; cast with .to({cfg.router_logits_dtype})")
+        if cfg.send_token_ids:
+            if token_ids is None:
+                raise ValueError(f"token_ids (input_ids) missing for {who}: the connector is configured "
+                                 f"to send [{rows}] int32 token ids")
+            self._check("token_ids", token_ids, (rows,), TOKEN_IDS_DTYPE, who, device,
+                        "; cast with .to(torch.int32)")
+        elif token_ids is not None:
+            raise ValueError(f"token_ids (input_ids) given for {who} but the connector is configured without "
+                             "them (send_token_ids=False); configure them on both roles")
+
+    def check_attention_reply(self, stage: int, a: int, ref_tensor: Any, *,
+                              device: torch.device | str | None = None) -> None:
+        """Check the tensor the reply lands in: ``[attention_rows, hidden_size]`` ``hidden_dtype``.
+
+        Raises:
+            ValueError: naming ``ref_tensor`` and what was expected.
+        """
+        rows = self.attention_rows(stage, a)
+        self._check("ref_tensor", ref_tensor, (rows, self.config.hidden_size), self.config.hidden_dtype,
+                    f"attention rank {a}, stage {stage}", device)
+
+    def check_ffn_output(self, stage: int, f: int, ffn_output: Any, *,
+                         device: torch.device | str | None = None) -> None:
+        """Check FFN rank ``f``'s output: ``[ffn_rows(stage, f), hidden_size]`` ``hidden_dtype``.
+
+        Raises:
+            ValueError: naming ``ffn_output`` and what was expected.
+        """
+        rows = self.ffn_rows(stage, f)
+        self._check("ffn_output", ffn_output, (rows, self.config.hidden_size), self.config.hidden_dtype,
+                     f"FFN rank {f}, stage {stage}", device, f"; cast with .to({self.config.hidden_dtype})")
+
+
+def build_step_schedule(
+    topology: Topology, payload: AFDControlPayload, config: ScheduleConfig
+) -> StepSchedule:
+    """Derive every message of one step from (topology, payload, config).
+
+    Args:
+        topology: the A/F topology.
+        payload: the step's control payload; each stage's count vector has
+            ``A`` entries or one per DP rank (expanded over TP, see
+            :meth:`Topology.expand_counts`).
+        config: the static exchange facts.
+
+    Returns:
+        The :class:`StepSchedule` (plans are computed lazily and cached).
+
+    Raises:
+        ValueError: wrong argument types, more stages than ``max_stages``, a
+            count vector of the wrong length, a negative count, ``pad_to``
+            not covering exactly the step's stages, or a padded size smaller
+            than a rank's count. The message names the stage and the rank.
+    """
+    if not isinstance(topology, Topology):
+        raise ValueError(f"topology must be a Topology, got {type(topology).__name__}")
+    if not isinstance(payload, AFDControlPayload):
+        raise ValueError(f"payload must be an AFDControlPayload, got {type(payload).__name__}")
+    if not isinstance(config, ScheduleConfig):
+        raise ValueError(f"config must be a ScheduleConfig, got {type(config).__name__}")
+    stages = tuple(sorted(payload.dp_metadata_list))
+    if config.max_stages is not None and len(stages) > config.max_stages:
+        raise ValueError(f"step has {len(stages)} stages {list(stages)}, more than max_stages={config.max_stages}")
+    counts: dict[int, tuple[int, ...]] = {}
+    for s in stages:
+        try:
+            counts[s] = topology.expand_counts(
+                payload.dp_metadata_list[s].counts, clamp_idle_to_one=config.clamp_idle_to_one
+            )
+        except ValueError as e:
+            raise ValueError(f"stage {s}: {e}") from None
+    if config.pad_to is None:
+        rows = counts
+    else:
+        if set(config.pad_to) != set(stages):
+            raise ValueError(f"pad_to covers stages {sorted(config.pad_to)} but the step has stages {list(stages)}")
+        rows = {}
+        for s in stages:
+            p = config.pad_to[s]
+            for a, n in enumerate(counts[s]):
+                if n > p:
+                    raise ValueError(
+                        f"stage {s}: attention rank {a} has {n} tokens, more than the padded size "
+                        f"pad_to[{s}]={p}; pick a larger capture size or run the step eagerly"
+                    )
+            rows[s] = (p,) * topology.num_attention_ranks
+    formats = {s: _choose_format(topology, config, rows[s]) for s in stages}
+    return StepSchedule(topology, config, payload, stages, counts, rows, formats)
+
+
+def _choose_format(topology: Topology, config: ScheduleConfig, rows: tuple[int, ...]) -> str:
+    if config.num_wire_tensors == 1:
+        return PER_TENSOR
+    if config.wire_format != AUTO:
+        return config.wire_format
+    if topology.num_attention_ranks >= topology.num_ffn_ranks:
+        largest = max(rows)
+    else:  # the first FFN peer of each attention rank gets ceil(n / k) rows
+        largest = max(-(-n // len(topology.attention_peers(a))) for a, n in enumerate(rows))
+    return PACKED if largest * config.packed_row_bytes <= config.packed_max_bytes else PER_TENSOR
+
+
+def graph_key(schedule: StepSchedule) -> tuple:
+    """A hashable key identifying the CUDA graph a step can be captured in or replayed from.
+
+    Holds ``A``, ``F``, the number of layers, the wire dtypes, which optional
+    tensors travel, and per stage the full wire row vector (one entry per
+    attention rank; never a total, so 4+4 and 7+1 differ) and wire format.
+    Real counts under padding are not part of it: a padded graph serves any
+    real counts up to the padded size.
+    """
+    cfg = schedule.config
+    topo = schedule.topology
+    return (
+        "afd-graph",
+        topo.num_attention_ranks,
+        topo.num_ffn_ranks,
+        cfg.num_layers,
+        cfg.hidden_size,
+        str(cfg.hidden_dtype),
+        None if cfg.router_logits_width is None else (cfg.router_logits_width, str(cfg.router_logits_dtype)),
+        cfg.send_token_ids,
+        tuple((s, schedule.rows_vector(s), schedule.wire_format(s)) for s in schedule.stages),
+    )
+
+
+def pad_sizes(
+    topology: Topology,
+    payload: AFDControlPayload,
+    capture_sizes: Sequence[int],
+    *,
+    clamp_idle_to_one: bool = False,
+) -> dict[int, int] | None:
+    """Pick ``pad_to`` for a step: per stage, the smallest capture size >= every rank's count.
+
+    Both roles can call it with the same payload and capture sizes.
+
+    Returns:
+        ``{stage: size}``, or ``None`` when some stage exceeds the largest
+        capture size (run the step eagerly) or there are no capture sizes.
+
+    Raises:
+        ValueError: a capture size is not an int >= 0, or the payload is invalid.
+    """
+    sizes = sorted(set(capture_sizes))
+    for c in sizes:
+        _pos_int(c, "capture size", allow_zero=True)
+    if not sizes:
+        return None
+    out = {}
+    for s in sorted(payload.dp_metadata_list):
+        try:
+            n = max(topology.expand_counts(payload.dp_metadata_list[s].counts,
+                                           clamp_idle_to_one=clamp_idle_to_one))
+        except ValueError as e:
+            raise ValueError(f"stage {s}: {e}") from None
+        fit = next((c for c in sizes if c >= n), None)
+        if fit is None:
+            return None
+        out[s] = fit
+    return out
+
+
+def warmup_payload(topology: Topology, num_stages: int = 1, *, is_warmup: bool = True) -> AFDControlPayload:
+    """A payload whose step carries at least one row over every edge and direction.
+
+    Used before any capture so NCCL's lazily built connections exist. Each
+    attention rank sends as many rows as it has FFN peers (one per edge).
+    """
+    _pos_int(num_stages, "num_stages")
+    per_rank = [len(topology.attention_peers(a)) for a in range(topology.num_attention_ranks)]
+    return AFDControlPayload(
+        dp_metadata_list={s: list(per_rank) for s in range(num_stages)}, is_warmup=is_warmup
+    )
