@@ -1,0 +1,94 @@
+"""The one module that reads ``AFD_*`` environment variables.
+
+Every variable is declared once here with its default and meaning, and read
+through :func:`get`, so ``python -m afd_ext info`` (or :func:`describe`) can
+list them all. To add one, append a ``register(...)`` line below.
+
+``setup.py`` cannot import the package before it is built, so it parses the
+build-time variables (``AFD_USE_CUDA``) itself; they are declared here too so
+the list is complete.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+__all__ = ["EnvVar", "register", "get", "describe", "parse_bool"]
+
+
+def parse_bool(value: str) -> bool:
+    """``1/true/yes/on`` -> True, ``0/false/no/off/""`` -> False (case-insensitive).
+
+    Raises:
+        ValueError: any other value.
+    """
+    v = value.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected a boolean (0/1, true/false), got {value!r}")
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One ``AFD_*`` variable: name, default (when unset), parser and meaning."""
+
+    name: str
+    default: Any
+    parse: Callable[[str], Any]
+    help: str
+
+
+_REGISTRY: dict[str, EnvVar] = {}
+
+
+def register(name: str, default: Any, help: str, parse: Callable[[str], Any] = str) -> EnvVar:
+    """Declare a variable (module import time). Names must start with ``AFD_`` and be unique."""
+    if not name.startswith("AFD_"):
+        raise ValueError(f"environment variable {name!r} must start with AFD_")
+    if name in _REGISTRY:
+        raise ValueError(f"environment variable {name} declared twice")
+    var = EnvVar(name, default, parse, help)
+    _REGISTRY[name] = var
+    return var
+
+
+def get(name: str) -> Any:
+    """The parsed value of a declared variable, or its default when unset.
+
+    Raises:
+        KeyError: ``name`` was never declared here.
+        ValueError: the value does not parse; the message names the variable.
+    """
+    try:
+        var = _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"{name} is not declared in afd_ext.envs; add a register() entry") from None
+    raw = os.environ.get(name)
+    if raw is None:
+        return var.default
+    try:
+        return var.parse(raw)
+    except ValueError as e:
+        raise ValueError(f"environment variable {name}={raw!r}: {e}") from None
+
+
+def describe() -> list[dict]:
+    """Every declared variable: ``[{"name", "default", "value", "help"}]`` (value = raw string or None)."""
+    return [
+        {"name": v.name, "default": v.default, "value": os.environ.get(v.name), "help": v.help}
+        for v in _REGISTRY.values()
+    ]
+
+
+# --- build time (read by setup.py itself) -----------------------------------
+register(
+    "AFD_USE_CUDA",
+    None,
+    "build time: 1 requires a CUDA build of afd_ext._C, 0 forces a CPU-only build; "
+    "unset: CUDA when torch is a CUDA build and a toolkit is found (CUDA_HOME or /usr/local/cuda)",
+    parse_bool,
+)

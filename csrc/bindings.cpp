@@ -1,0 +1,94 @@
+// Every afd_ext op schema, in one TORCH_LIBRARY block.
+//
+// Communication ops declare each tensor they touch as mutated (Tensor(a!),
+// distinct alias sets) and return (): an op that returns nothing and mutates
+// nothing is dead code to torch.compile, and a declared mutation also keeps
+// the ops in program order. Dispatch-key impls are registered beside their
+// code (cpu/, cuda/); the Python fakes are in afd_ext/ops.py.
+#include <Python.h>
+#include <torch/library.h>
+
+#include "ops.h"
+
+#ifdef AFD_WITH_CUDA
+#include <nccl.h>
+#endif
+
+#ifndef AFD_ARCH_LIST
+#define AFD_ARCH_LIST ""
+#endif
+
+TORCH_LIBRARY(afd_ext, m) {
+  // NCCL version loaded at run time (ncclGetVersion, e.g. 22807); 0 in a CPU-only build.
+  m.def("nccl_version() -> int");
+  // Fills `out` (CPU uint8 [128]) with a fresh ncclUniqueId; rank 0 makes it, the others receive it.
+  m.def("nccl_unique_id(Tensor(a!) out) -> ()");
+  // Creates an NCCL communicator on CUDA `device`; returns an int handle into the C++ table (>= 1).
+  m.def("comm_create(Tensor unique_id, int world_size, int rank, int device) -> int");
+  // Destroys a communicator (waits for its queued work); idempotent for handles once issued.
+  m.def("comm_destroy(int handle) -> ()");
+  // Aborts a communicator (in-flight NCCL work is cancelled); idempotent for handles once issued.
+  m.def("comm_abort(int handle) -> ()");
+  // ncclCommGetAsyncError of a live communicator: 0 ok, 7 in progress, other codes are errors.
+  m.def("comm_async_error(int handle) -> int");
+  // Sends all of `t` to `peer` on communicator `comm`, on the current CUDA stream.
+  m.def("send(Tensor(a!) t, int comm, int peer) -> ()");
+  // Receives all of `t` from `peer` on communicator `comm`, on the current CUDA stream.
+  m.def("recv(Tensor(a!) t, int comm, int peer) -> ()");
+  // One NCCL group: receives rows[i] rows from peers[i] on comms[i] into consecutive row ranges of each given tensor.
+  m.def(
+      "fan_in(Tensor(a!) hidden_states, Tensor(b!)? router_logits, Tensor(c!)? token_ids, "
+      "int[] comms, int[] peers, int[] rows) -> ()");
+  // One NCCL group: sends consecutive row ranges of each given tensor, rows[i] rows to peers[i] on comms[i].
+  m.def(
+      "split_back(Tensor(a!) hidden_states, Tensor(b!)? router_logits, Tensor(c!)? token_ids, "
+      "int[] comms, int[] peers, int[] rows) -> ()");
+  // One NCCL group: split_back of the wire tensors on send_comms and fan_in of `reply` on recv_comms.
+  m.def(
+      "exchange(Tensor(a!) hidden_states, Tensor(b!)? router_logits, Tensor(c!)? token_ids, "
+      "Tensor(d!) reply, int[] send_comms, int[] recv_comms, int[] peers, int[] rows) -> ()");
+  // Packs each token's hidden states, router logits and token id into one uint8 wire row (16-byte aligned parts).
+  m.def(
+      "pack_rows(Tensor hidden_states, Tensor? router_logits, Tensor? token_ids, Tensor(a!) wire) -> ()");
+  // Inverse of pack_rows: scatters each wire row into the given output tensors.
+  m.def(
+      "unpack_rows(Tensor wire, Tensor(a!) hidden_states, Tensor(b!)? router_logits, "
+      "Tensor(c!)? token_ids) -> ()");
+}
+
+// The communicator-management ops take no CUDA tensor (unique_id lives on the
+// CPU), so one kernel serves every dispatch key.
+TORCH_LIBRARY_IMPL(afd_ext, CompositeExplicitAutograd, m) {
+  m.impl("nccl_version", &afd::nccl_version);
+  m.impl("nccl_unique_id", &afd::nccl_unique_id);
+  m.impl("comm_create", &afd::comm_create);
+  m.impl("comm_destroy", &afd::comm_destroy);
+  m.impl("comm_abort", &afd::comm_abort);
+  m.impl("comm_async_error", &afd::comm_async_error);
+}
+
+// `import afd_ext._C` loads the library (running the registrations above) and
+// exposes the build facts that no op can report.
+static struct PyModuleDef afd_module = {
+    PyModuleDef_HEAD_INIT, "_C",
+    "afd_ext compiled core: registers the torch.ops.afd_ext.* operators.", -1, nullptr,
+    nullptr, nullptr, nullptr, nullptr};
+
+PyMODINIT_FUNC PyInit__C(void) {
+  PyObject* mod = PyModule_Create(&afd_module);
+  if (mod == nullptr) return nullptr;
+#ifdef AFD_WITH_CUDA
+  const long cuda_built = 1;
+  const long nccl_compiled = NCCL_VERSION_CODE;
+#else
+  const long cuda_built = 0;
+  const long nccl_compiled = 0;
+#endif
+  if (PyModule_AddIntConstant(mod, "CUDA_BUILT", cuda_built) < 0 ||
+      PyModule_AddIntConstant(mod, "NCCL_VERSION_CODE", nccl_compiled) < 0 ||
+      PyModule_AddStringConstant(mod, "ARCH_LIST", AFD_ARCH_LIST) < 0) {
+    Py_DECREF(mod);
+    return nullptr;
+  }
+  return mod;
+}

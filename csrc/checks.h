@@ -1,0 +1,63 @@
+// Error macros and tensor checks shared by every op.
+//
+// Caller errors use TORCH_CHECK with a message that names the op, the tensor
+// and what was expected (surfacing in Python as RuntimeError/ValueError).
+// Library errors (CUDA, NCCL) use AFD_CHECK_CUDA / AFD_CHECK_NCCL, which throw
+// c10::Error carrying file, line, the failing expression, the error string and,
+// for NCCL, ncclGetLastError. Nothing here calls exit() or printf.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <cstdint>
+#include <string>
+
+#ifdef AFD_WITH_CUDA
+#include <cuda_runtime.h>
+#include <nccl.h>
+#endif
+
+namespace afd {
+
+// Rounds n up to a multiple of the wire alignment (16 bytes).
+inline int64_t round_up16(int64_t n) { return (n + 15) / 16 * 16; }
+
+// True for the dtypes allowed on the wire (NCCL moves them as bytes).
+bool is_wire_dtype(c10::ScalarType t);
+
+// "bfloat16, float16, float32, float8_e4m3fn, float8_e5m2, int32, int64, uint8".
+const char* wire_dtype_names();
+
+// Bytes of one row (dim 0 index) of a tensor: prod(sizes[1:]) * element size.
+int64_t row_bytes_of(const at::Tensor& t);
+
+[[noreturn]] void throw_cuda_error(const char* expr, int err, const char* err_str,
+                                   const char* file, int line);
+
+#ifdef AFD_WITH_CUDA
+[[noreturn]] void throw_nccl_error(const char* expr, ncclResult_t res, ncclComm_t comm,
+                                   const char* file, int line);
+#endif
+
+}  // namespace afd
+
+#ifdef AFD_WITH_CUDA
+#define AFD_CHECK_CUDA(expr)                                                                  \
+  do {                                                                                        \
+    cudaError_t afd_cuda_err_ = (expr);                                                       \
+    if (afd_cuda_err_ != cudaSuccess) {                                                       \
+      ::afd::throw_cuda_error(#expr, static_cast<int>(afd_cuda_err_),                        \
+                              cudaGetErrorString(afd_cuda_err_), __FILE__, __LINE__);         \
+    }                                                                                         \
+  } while (0)
+
+// `comm` may be nullptr (then ncclGetLastError reports the thread's last error).
+#define AFD_CHECK_NCCL(expr, comm)                                                            \
+  do {                                                                                        \
+    ncclResult_t afd_nccl_res_ = (expr);                                                      \
+    if (afd_nccl_res_ != ncclSuccess) {                                                       \
+      ::afd::throw_nccl_error(#expr, afd_nccl_res_, (comm), __FILE__, __LINE__);              \
+    }                                                                                         \
+  } while (0)
+#endif

@@ -1,0 +1,62 @@
+// CPU-only build: the communicator-management ops and the CUDA-key impls
+// exist (so every schema is callable and fakes/tests work) but say clearly
+// that the library was built without CUDA.
+#include <torch/library.h>
+
+#include "../checks.h"
+#include "../ops.h"
+
+namespace afd {
+
+namespace {
+
+[[noreturn]] void no_cuda(const char* op) {
+  TORCH_CHECK(false, "afd_ext.", op,
+              ": afd_ext was built without CUDA, so the NCCL ops are unavailable; rebuild "
+              "with a CUDA build of torch and a CUDA toolkit (AFD_USE_CUDA=1, CUDA_HOME) or "
+              "use the gloo transport for CPU tensors");
+}
+
+void send_no_cuda(const at::Tensor&, int64_t, int64_t) { no_cuda("send"); }
+void recv_no_cuda(const at::Tensor&, int64_t, int64_t) { no_cuda("recv"); }
+void fan_in_no_cuda(const at::Tensor&, const OptTensor&, const OptTensor&, c10::IntArrayRef,
+                    c10::IntArrayRef, c10::IntArrayRef) {
+  no_cuda("fan_in");
+}
+void split_back_no_cuda(const at::Tensor&, const OptTensor&, const OptTensor&,
+                        c10::IntArrayRef, c10::IntArrayRef, c10::IntArrayRef) {
+  no_cuda("split_back");
+}
+void exchange_no_cuda(const at::Tensor&, const OptTensor&, const OptTensor&, const at::Tensor&,
+                      c10::IntArrayRef, c10::IntArrayRef, c10::IntArrayRef, c10::IntArrayRef) {
+  no_cuda("exchange");
+}
+void pack_rows_no_cuda(const at::Tensor&, const OptTensor&, const OptTensor&,
+                       const at::Tensor&) {
+  no_cuda("pack_rows");
+}
+void unpack_rows_no_cuda(const at::Tensor&, const at::Tensor&, const OptTensor&,
+                         const OptTensor&) {
+  no_cuda("unpack_rows");
+}
+
+}  // namespace
+
+int64_t nccl_version() { return 0; }
+void nccl_unique_id(const at::Tensor&) { no_cuda("nccl_unique_id"); }
+int64_t comm_create(const at::Tensor&, int64_t, int64_t, int64_t) { no_cuda("comm_create"); }
+void comm_destroy(int64_t) { no_cuda("comm_destroy"); }
+void comm_abort(int64_t) { no_cuda("comm_abort"); }
+int64_t comm_async_error(int64_t) { no_cuda("comm_async_error"); }
+
+TORCH_LIBRARY_IMPL(afd_ext, CUDA, m) {
+  m.impl("send", &send_no_cuda);
+  m.impl("recv", &recv_no_cuda);
+  m.impl("fan_in", &fan_in_no_cuda);
+  m.impl("split_back", &split_back_no_cuda);
+  m.impl("exchange", &exchange_no_cuda);
+  m.impl("pack_rows", &pack_rows_no_cuda);
+  m.impl("unpack_rows", &unpack_rows_no_cuda);
+}
+
+}  // namespace afd

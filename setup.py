@@ -1,0 +1,151 @@
+"""Build of afd_ext._C, the compiled core, against the installed torch.
+
+Install with ``pip install --no-build-isolation -e .`` so the torch already in
+the environment is the one compiled against.
+
+CUDA sources are compiled when torch is a CUDA build (``torch.version.cuda``)
+and a CUDA toolkit is found (``CUDA_HOME``/``CUDA_PATH``, else
+``/usr/local/cuda``); whether a GPU is visible plays no part. Environment:
+
+* ``AFD_USE_CUDA=0|1``: force a CPU-only build, or require a CUDA build (error if impossible).
+* ``TORCH_CUDA_ARCH_LIST``: GPU architectures, default ``9.0`` (H100/H200).
+* ``MAX_JOBS``: parallel compile jobs for ninja (torch's default is every core).
+
+NCCL headers and ``libnccl.so.2`` come from the ``nvidia-nccl-cu*`` wheel that
+torch itself loads, linked with an rpath to that wheel's ``lib/``.
+
+The source list is ``csrc/sources.txt``, shared with ``CMakeLists.txt``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+from setuptools import setup
+
+ROOT = Path(__file__).resolve().parent
+DEFAULT_ARCH_LIST = "9.0"
+
+
+def read_sources(path: Path = ROOT / "csrc" / "sources.txt") -> dict[str, list[str]]:
+    """Parse ``csrc/sources.txt`` into ``{section: [paths relative to the repo root]}``."""
+    sections: dict[str, list[str]] = {}
+    current = None
+    for lineno, raw in enumerate(path.read_text().splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            current = line[1:-1]
+            sections.setdefault(current, [])
+        elif current is None:
+            raise SystemExit(f"{path}:{lineno}: source {line!r} before any [section]")
+        else:
+            sections[current].append(line)
+    for name in ("cpu", "cuda", "no_cuda"):
+        sections.setdefault(name, [])
+    return sections
+
+
+def find_cuda_home() -> str | None:
+    """The CUDA toolkit root: CUDA_HOME/CUDA_PATH, else /usr/local/cuda; None if absent.
+
+    `nvcc` on PATH is deliberately not consulted: a wrapper script there would
+    send torch.utils.cpp_extension to the wrong root.
+    """
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        home = os.environ.get(var)
+        if home:
+            if not Path(home, "bin", "nvcc").exists():
+                raise SystemExit(f"{var}={home} has no bin/nvcc; point it at a CUDA toolkit")
+            return home
+    if Path("/usr/local/cuda/bin/nvcc").exists():
+        return "/usr/local/cuda"
+    return None
+
+
+def find_nccl() -> tuple[str, str]:
+    """(include dir, lib dir) of the nvidia-nccl-cu* wheel (the NCCL torch loads)."""
+    spec = importlib.util.find_spec("nvidia.nccl")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(
+            "afd_ext: CUDA build needs the nvidia-nccl-cu* wheel that torch uses "
+            "(module nvidia.nccl not found); `pip install nvidia-nccl-cu13` (or -cu12, matching "
+            "torch.version.cuda), or build CPU-only with AFD_USE_CUDA=0"
+        )
+    for root in spec.submodule_search_locations:
+        inc, lib = Path(root, "include"), Path(root, "lib")
+        if (inc / "nccl.h").exists() and (lib / "libnccl.so.2").exists():
+            return str(inc), str(lib)
+    raise SystemExit(
+        f"afd_ext: nvidia.nccl at {list(spec.submodule_search_locations)} lacks include/nccl.h "
+        "or lib/libnccl.so.2; reinstall the nvidia-nccl-cu* wheel"
+    )
+
+
+def decide_cuda(torch_cuda: str | None, cuda_home: str | None) -> bool:
+    """CUDA build or not, from the torch build, the toolkit and AFD_USE_CUDA."""
+    force = os.environ.get("AFD_USE_CUDA", "").strip()
+    if force not in ("", "0", "1"):
+        raise SystemExit(f"AFD_USE_CUDA must be 0 or 1, got {force!r}")
+    if force == "0":
+        return False
+    possible = torch_cuda is not None and cuda_home is not None
+    if force == "1" and not possible:
+        why = "torch is not a CUDA build" if torch_cuda is None else "no CUDA toolkit found"
+        raise SystemExit(f"AFD_USE_CUDA=1 but {why} (set CUDA_HOME to the toolkit root)")
+    return possible
+
+
+def extensions():
+    import torch
+
+    cuda_home = find_cuda_home()
+    use_cuda = decide_cuda(torch.version.cuda, cuda_home)
+    if use_cuda:
+        # Must be set before cpp_extension is imported: it resolves CUDA_HOME at import.
+        os.environ["CUDA_HOME"] = cuda_home
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
+    arch_list = os.environ["TORCH_CUDA_ARCH_LIST"] if use_cuda else ""
+    from torch.utils.cpp_extension import CppExtension, CUDAExtension
+
+    src = read_sources()
+    sources = src["cpu"] + (src["cuda"] if use_cuda else src["no_cuda"])
+    # Quoted for the compiler command line; spaces would split the argument.
+    macros = [("AFD_ARCH_LIST", '"' + arch_list.replace(" ", ";") + '"')]
+    cxx = ["-O3"]
+    kwargs: dict = {}
+    if use_cuda:
+        nccl_inc, nccl_lib = find_nccl()
+        macros.append(("AFD_WITH_CUDA", "1"))
+        kwargs = dict(
+            include_dirs=[nccl_inc],
+            library_dirs=[nccl_lib],
+            extra_link_args=["-l:libnccl.so.2", f"-Wl,-rpath,{nccl_lib}"],
+            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "--use_fast_math"]},
+        )
+        print(f"afd_ext: CUDA build (torch CUDA {torch.version.cuda}, toolkit {cuda_home}, "
+              f"arch {arch_list}, NCCL {nccl_lib})", file=sys.stderr)
+        ext_cls = CUDAExtension
+    else:
+        kwargs = dict(extra_compile_args={"cxx": cxx})
+        print("afd_ext: CPU-only build (NCCL ops will raise 'built without CUDA')", file=sys.stderr)
+        ext_cls = CppExtension
+    return [ext_cls(name="afd_ext._C", sources=sources, define_macros=macros, **kwargs)]
+
+
+def main():
+    ext_modules = extensions()  # first: it fixes CUDA_HOME before cpp_extension is imported
+    from torch.utils.cpp_extension import BuildExtension
+
+    setup(
+        ext_modules=ext_modules,
+        cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    )
+
+
+if __name__ == "__main__":
+    main()
