@@ -1,0 +1,367 @@
+"""Metadata types, the control-payload codec, framing and StepCountAgreement (CPU, pure)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from afd_ext import metadata as md
+from afd_ext.metadata import (
+    CONTROL_FORMAT_VERSION,
+    AFDA2FTransferPayload,
+    AFDControlPayload,
+    AFDDPMetadata,
+    AFDExpertRoutingSpec,
+    AFDF2ATransferPayload,
+    AFDTransferContext,
+    AFDTransferMetadata,
+    StepCountAgreement,
+    decode_control_payload,
+    encode_control_payload,
+)
+
+# ---------------------------------------------------------------- types
+
+
+def test_dp_metadata_coerces_to_cpu_int32_and_computes_max():
+    m = AFDDPMetadata(num_tokens_across_dp_cpu=[3, 0, 7])
+    assert m.num_tokens_across_dp_cpu.dtype == torch.int32
+    assert m.num_tokens_across_dp_cpu.device.type == "cpu"
+    assert int(m.max_tokens_across_dp_cpu) == 7
+    assert m.counts == (3, 0, 7)
+    m2 = AFDDPMetadata(torch.tensor([[1, 2]], dtype=torch.int64), max_tokens_across_dp_cpu=9)
+    assert m2.counts == (1, 2) and int(m2.max_tokens_across_dp_cpu) == 9
+
+
+@pytest.mark.parametrize("bad", [[-1, 2], [1.5], [True], torch.tensor([1.0]), "12", [2**31]])
+def test_dp_metadata_rejects_bad_counts(bad):
+    with pytest.raises(ValueError):
+        AFDDPMetadata(num_tokens_across_dp_cpu=bad)
+
+
+def test_dp_metadata_vllm_helpers():
+    m = AFDDPMetadata([5, 2])
+    with m.sp_local_sizes(2) as sizes:
+        assert sizes == [3, 3, 1, 1]
+        assert m.get_chunk_sizes_across_dp_rank() == [3, 3, 1, 1]
+    assert m.get_chunk_sizes_across_dp_rank() is None
+    assert m.cu_tokens_across_sp(2).tolist() == [3, 6, 7, 8]
+    with m.chunked_sizes(1, 3, 1) as sizes:
+        assert sizes == [2, 1]  # 5-3=2; 2-3<1 -> 1
+    assert m.local_sizes is None
+
+
+def test_control_payload_converts_dpmetadata_like_and_lists():
+    class FakeVllmDPMetadata:
+        num_tokens_across_dp_cpu = torch.tensor([4, 4])
+
+    p = AFDControlPayload({0: FakeVllmDPMetadata(), 1: [1, 0]})
+    assert isinstance(p.dp_metadata_list[0], AFDDPMetadata)
+    assert p.stage_counts() == {0: (4, 4), 1: (1, 0)}
+    with pytest.raises(ValueError, match="stage ints"):
+        AFDControlPayload({-1: [1]})
+    with pytest.raises(ValueError, match="is_warmup"):
+        AFDControlPayload({0: [1]}, is_warmup=1)
+
+
+def test_transfer_metadata_allows_zero_rejects_negative_and_empty():
+    m = AFDTransferMetadata.create_ffn_metadata(layer_idx=1, stage_idx=0, seq_lens=[0, 3, 0])
+    assert m.total_tokens == 3
+    assert m.validate_tensor_shape((3, 16))
+    assert not m.validate_tensor_shape((4, 16))
+    assert not m.validate_tensor_shape(())
+    assert AFDTransferMetadata.create_ffn_metadata(layer_idx=0, stage_idx=0, seq_lens=[0, 0]).total_tokens == 0
+    a = AFDTransferMetadata.create_attention_metadata(layer_idx=0, stage_idx=1, seq_len=0)
+    assert a.seq_lens == [0] and a.validate_tensor_shape((0, 8))
+    with pytest.raises(ValueError, match="empty"):
+        AFDTransferMetadata(0, 0, [])
+    with pytest.raises(ValueError, match=">= 0"):
+        AFDTransferMetadata(0, 0, [2, -1])
+    with pytest.raises(ValueError, match="int"):
+        AFDTransferMetadata(0, 0, [1.0])
+
+
+def test_payload_types_defaults():
+    ctx = AFDTransferContext(AFDTransferMetadata(0, 0, [2]))
+    assert ctx.states is None
+    h = torch.zeros(2, 4)
+    p = AFDA2FTransferPayload(h, ctx)
+    assert p.router_logits is None and p.input_ids is None
+    assert AFDF2ATransferPayload(h).shared_output is None
+    spec = AFDExpertRoutingSpec(8, torch.float32)
+    assert spec.router_logits_width == 8 and spec.router_logits_dtype is torch.float32
+
+
+def test_transfer_context_is_dynamo_traceable():
+    def f(x):
+        ctx = AFDTransferContext(AFDTransferMetadata.create_attention_metadata(layer_idx=0, stage_idx=0, seq_len=4))
+        return x * ctx.metadata.total_tokens
+
+    out = torch.compile(f, backend="eager", fullgraph=True)(torch.ones(4))
+    assert out.tolist() == [4.0] * 4
+
+
+# ---------------------------------------------------------------- codec
+
+REFERENCE_BYTES = (
+    b'{"dp_metadata_list":{"0":{"max_tokens_across_dp_cpu":5,"num_tokens_across_dp_cpu":[3,5]},'
+    b'"1":{"max_tokens_across_dp_cpu":4,"num_tokens_across_dp_cpu":[4,1]}},'
+    b'"is_graph_capturing":true,"is_warmup":false}'
+)
+
+
+def test_reference_format_decodes():
+    p = decode_control_payload(REFERENCE_BYTES)
+    assert p.stage_counts() == {0: (3, 5), 1: (4, 1)}
+    assert int(p.dp_metadata_list[0].max_tokens_across_dp_cpu) == 5
+    assert p.is_graph_capturing and not p.is_warmup and not p.is_graph_replaying and not p.is_profile
+    assert p.dp_metadata_list[1].num_tokens_across_dp_cpu.dtype == torch.int32
+
+
+def test_reference_format_with_newer_flags_and_unknown_keys_decodes():
+    doc = json.loads(REFERENCE_BYTES)
+    doc.update(is_graph_replaying=True, is_profile=True, extension={"x": 1})
+    p = decode_control_payload(json.dumps(doc).encode())
+    assert p.is_graph_replaying and p.is_profile
+
+
+def test_encode_layout_is_reference_keys_plus_version():
+    p = AFDControlPayload({1: [4, 1], 0: [3, 5]}, is_graph_capturing=True)
+    b = encode_control_payload(p)
+    doc = json.loads(b)
+    assert doc["format_version"] == CONTROL_FORMAT_VERSION
+    assert set(doc) == {"dp_metadata_list", "format_version", "is_graph_capturing", "is_warmup",
+                        "is_graph_replaying", "is_profile"}
+    # compact and sorted, as the reference
+    assert b == json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
+    ref = json.loads(REFERENCE_BYTES)
+    assert doc["dp_metadata_list"] == ref["dp_metadata_list"]
+
+
+def test_round_trip_zero_counts_and_empty_step():
+    p = AFDControlPayload({0: [0, 0, 3], 2: [0, 0, 0]}, is_warmup=True, is_profile=True)
+    q = decode_control_payload(encode_control_payload(p))
+    assert q.stage_counts() == p.stage_counts()
+    assert (q.is_warmup, q.is_profile, q.is_graph_capturing) == (True, True, False)
+    e = decode_control_payload(encode_control_payload(AFDControlPayload({})))
+    assert e.dp_metadata_list == {}
+
+
+def _doc(**over):
+    doc = json.loads(encode_control_payload(AFDControlPayload({0: [1, 2]})))
+    doc.update(over)
+    return json.dumps(doc).encode()
+
+
+@pytest.mark.parametrize(
+    "data, match",
+    [
+        (b"", "JSON"),
+        (b"\xff\xfe", "UTF-8|JSON"),
+        (b"[1, 2]", "JSON object"),
+        (b'{"format_version": 2}', "dp_metadata_list"),
+        (_doc(format_version=3), "format_version 3"),
+        (_doc(format_version="2"), "format_version"),
+        (_doc(format_version=True), "format_version"),
+        (_doc(is_warmup=1), "is_warmup"),
+        (_doc(surprise=1), "unknown keys"),
+        (_doc(dp_metadata_list=[1]), "JSON object"),
+        (_doc(dp_metadata_list={"0": {"num_tokens_across_dp_cpu": [-1]}}), ">= 0"),
+        (_doc(dp_metadata_list={"0": {"num_tokens_across_dp_cpu": [1.0]}}), "int"),
+        (_doc(dp_metadata_list={"0": {"num_tokens_across_dp_cpu": [True]}}), "int"),
+        (_doc(dp_metadata_list={"0": {"num_tokens_across_dp_cpu": [2**31]}}), "int32"),
+        (_doc(dp_metadata_list={"0": {"num_tokens_across_dp_cpu": "12"}}), "list"),
+        (_doc(dp_metadata_list={"0": {}}), "list"),
+        (_doc(dp_metadata_list={"0": [1]}), "JSON object"),
+        (_doc(dp_metadata_list={"01": {"num_tokens_across_dp_cpu": [1]}}), "canonical"),
+        (_doc(dp_metadata_list={"-1": {"num_tokens_across_dp_cpu": [1]}}), "canonical"),
+        (_doc(dp_metadata_list={" 1": {"num_tokens_across_dp_cpu": [1]}}), "canonical"),
+        (_doc(dp_metadata_list={"0": {"num_tokens_across_dp_cpu": [1], "max_tokens_across_dp_cpu": -2}}), ">= 0"),
+        (_doc(dp_metadata_list={"0": {"num_tokens_across_dp_cpu": [1], "x": 1}}), "unknown keys"),
+        (b'{"dp_metadata_list":{},"dp_metadata_list":{}}', "duplicate"),
+        (b'{"dp_metadata_list":{"0":{"num_tokens_across_dp_cpu":[NaN]}}}', "non-finite"),
+        (b"[" * 100000 + b"]" * 100000, "nested|JSON"),
+        (b'{"dp_metadata_list":{"0":{"num_tokens_across_dp_cpu":[' + b"9" * 5000 + b"]}}}", "JSON|int"),
+    ],
+)
+def test_malformed_inputs_raise_value_error(data, match):
+    with pytest.raises(ValueError, match=match):
+        decode_control_payload(data)
+
+
+def test_limits():
+    big = encode_control_payload(AFDControlPayload({0: list(range(100))}))
+    with pytest.raises(ValueError, match="max_bytes"):
+        decode_control_payload(big, max_bytes=len(big) - 1)
+    assert decode_control_payload(big, max_bytes=len(big)).stage_counts()[0] == tuple(range(100))
+    with pytest.raises(ValueError, match="max_ranks"):
+        decode_control_payload(big, max_ranks=99)
+    many = encode_control_payload(AFDControlPayload({s: [1] for s in range(5)}))
+    with pytest.raises(ValueError, match="max_stages"):
+        decode_control_payload(many, max_stages=4)
+    with pytest.raises(ValueError, match="bytes"):
+        decode_control_payload("not bytes")  # type: ignore[arg-type]
+
+
+payloads = st.builds(
+    lambda stages, flags: AFDControlPayload(stages, *flags),
+    st.dictionaries(
+        st.integers(0, 1000),
+        st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=16),
+        max_size=6,
+    ),
+    st.tuples(st.booleans(), st.booleans(), st.booleans(), st.booleans()),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(payloads)
+def test_property_round_trip(p):
+    q = decode_control_payload(encode_control_payload(p))
+    assert q.stage_counts() == p.stage_counts()
+    for s in p.dp_metadata_list:
+        assert int(q.dp_metadata_list[s].max_tokens_across_dp_cpu) == int(p.dp_metadata_list[s].max_tokens_across_dp_cpu)
+    for f in ("is_graph_capturing", "is_warmup", "is_graph_replaying", "is_profile"):
+        assert getattr(q, f) == getattr(p, f)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=512))
+def test_property_random_bytes_only_value_error(data):
+    try:
+        p = decode_control_payload(data)
+    except ValueError:
+        return
+    assert isinstance(p, AFDControlPayload)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 2**33) | st.floats(allow_nan=False) | st.text(max_size=4),
+    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=3), c, max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.dictionaries(
+        st.sampled_from(["dp_metadata_list", "format_version", "is_warmup", "is_profile", "x"]),
+        json_values | st.dictionaries(st.sampled_from(["0", "1", "x"]), st.dictionaries(
+            st.sampled_from(["num_tokens_across_dp_cpu", "max_tokens_across_dp_cpu"]), json_values)),
+    )
+)
+def test_property_structured_garbage_only_value_error(doc):
+    try:
+        p = decode_control_payload(json.dumps(doc).encode())
+    except ValueError:
+        return
+    # whatever decoded must re-encode and decode to the same thing
+    q = decode_control_payload(encode_control_payload(p))
+    assert q.stage_counts() == p.stage_counts()
+
+
+# ---------------------------------------------------------------- framing
+
+
+def test_tensor_framing_round_trip():
+    data = encode_control_payload(AFDControlPayload({0: [1, 2, 3]}))
+    size, t = md.frame_control_payload(data)
+    assert size.dtype == torch.int64 and size.tolist() == [len(data)]
+    assert t.dtype == torch.uint8 and t.numel() == len(data)
+    n = md.control_frame_size(size)
+    assert md.unframe_control_payload(n, t, size_src=3, data_src=3) == data
+    with pytest.raises(RuntimeError, match="different ranks"):
+        md.unframe_control_payload(n, t, size_src=3, data_src=4)
+    with pytest.raises(ValueError, match="uint8"):
+        md.unframe_control_payload(n + 1, t)
+    s0, t0 = md.frame_control_payload(b"")
+    assert md.control_frame_size(s0) == 0 and md.unframe_control_payload(0, t0) == b""
+
+
+@pytest.mark.parametrize("size", [torch.tensor([-1]), torch.tensor([2**40]), torch.tensor([1, 2]), torch.tensor([1], dtype=torch.int32)])
+def test_frame_size_bounded(size):
+    with pytest.raises(ValueError):
+        md.control_frame_size(size, max_bytes=1 << 20)
+
+
+def test_byte_frame_header():
+    h = md.pack_frame_header(1234)
+    assert len(h) == md.FRAME_HEADER_BYTES
+    assert md.unpack_frame_header(h) == 1234
+    with pytest.raises(ValueError):
+        md.unpack_frame_header(h, max_bytes=100)
+    with pytest.raises(ValueError):
+        md.unpack_frame_header(md.pack_frame_header(1)[:-1])
+    with pytest.raises(ValueError):
+        md.unpack_frame_header((-5).to_bytes(8, "little", signed=True))
+    with pytest.raises(ValueError):
+        md.pack_frame_header(-1)
+
+
+# ---------------------------------------------------------------- agreement
+
+
+def test_step_count_agreement_builds_same_payload():
+    gathered = []
+
+    def make(r):
+        def gather(obj):
+            gathered.append((r, obj))
+            return [(0, ((0, 3), (1, 0)), (False,) * 4), (0, ((0, 0), (1, 5)), (False,) * 4)]
+        return gather
+
+    a0 = StepCountAgreement(2, 0, make(0))
+    p = a0.agree({0: 3, 1: 0})
+    assert p.stage_counts() == {0: (3, 0), 1: (0, 5)}
+    assert gathered[0] == (0, (0, ((0, 3), (1, 0)), (False,) * 4))
+    assert a0.step == 1
+
+
+def test_step_count_agreement_detects_disagreement():
+    def gather_with(*contribs):
+        return lambda obj: list(contribs)
+
+    ok = (0, ((0, 1),), (False,) * 4)
+    with pytest.raises(ValueError, match="out of step"):
+        StepCountAgreement(2, 0, gather_with(ok, (1, ((0, 1),), (False,) * 4))).agree([1])
+    with pytest.raises(ValueError, match="stages"):
+        StepCountAgreement(2, 0, gather_with(ok, (0, ((1, 1),), (False,) * 4))).agree([1])
+    with pytest.raises(ValueError, match="flags"):
+        StepCountAgreement(2, 0, gather_with(ok, (0, ((0, 1),), (True, False, False, False)))).agree([1])
+    with pytest.raises(ValueError, match="expected 2"):
+        StepCountAgreement(2, 0, gather_with(ok)).agree([1])
+    with pytest.raises(ValueError, match=">= 0"):
+        StepCountAgreement(1, 0, gather_with(ok)).agree([-1])
+    with pytest.raises(ValueError):
+        StepCountAgreement(2, 2, gather_with(ok))
+
+
+def _agreement_worker(rank, nprocs, port):
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=nprocs,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        ag = StepCountAgreement.from_process_group()
+        out = []
+        for step in range(2):
+            p = ag.agree({0: rank + step, 1: 0}, is_warmup=step == 0)
+            out.append((p.stage_counts(), p.is_warmup))
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_step_count_agreement_over_gloo():
+    from afd_ext.testing import find_free_port, run_workers
+
+    res = run_workers(_agreement_worker, 3, (find_free_port(),), timeout_s=90)
+    expected = [({0: (0, 1, 2), 1: (0, 0, 0)}, True), ({0: (1, 2, 3), 1: (0, 0, 0)}, False)]
+    assert res == [expected] * 3
