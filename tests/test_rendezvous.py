@@ -1,0 +1,208 @@
+"""Rendezvous store, unique-id exchange, handshake, barrier and the step-abort signal."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from afd_ext import rendezvous as rdzv
+from afd_ext.testing import find_free_port, run_workers
+
+HOST = "127.0.0.1"
+
+
+def _fields(rank: int, bad_field: str | None, bad_rank: int) -> dict:
+    fields = {"format_version": 2, "num_attention_ranks": 2, "num_ffn_ranks": 1,
+              "hidden_size": 64, "hidden_dtype": "torch.bfloat16", "max_stages": 2}
+    if bad_field is not None and rank == bad_rank:
+        fields[bad_field] = fields[bad_field] * 2 if isinstance(fields[bad_field], int) else "torch.float16"
+    return fields
+
+
+def _rendezvous_worker(rank, nprocs, port, bad_field, bad_rank):
+    store = rdzv.connect(HOST, port, rank, nprocs, 30.0, num_ffn_ranks=1)
+    # FFN rank 0 creates the id of each (edge, direction); attention ranks read it.
+    uids = {}
+    for a in range(nprocs - 1):
+        for direction in ("a2f", "f2a"):
+            key = f"{direction}/{a}/0"
+            if rank in (0, 1 + a):
+                uids[key] = rdzv.exchange_unique_id(
+                    store, key, rank == 0, lambda k=key: f"uid:{k}".encode() + bytes(120), 30.0,
+                    creator_rank=0)
+    try:
+        everyone = rdzv.handshake(store, rank, nprocs, _fields(rank, bad_field, bad_rank), 30.0)
+    except ValueError as e:
+        return {"uids": uids, "error": str(e), "field": getattr(e, "field", None)}
+    rdzv.barrier(store, rank, nprocs, "after-handshake", 30.0)
+    rdzv.barrier(store, rank, nprocs, "after-handshake", 30.0)  # same name, matched by order
+    return {"uids": uids, "peers": sorted(everyone), "generation": store.generation}
+
+
+@pytest.mark.timeout(90)
+def test_rendezvous_uid_exchange_and_handshake_2a1f():
+    port = find_free_port(HOST)
+    res = run_workers(_rendezvous_worker, 3, (port, None, -1), timeout_s=60)
+    for rank, r in enumerate(res):
+        assert "error" not in r, r
+        assert r["peers"] == [0, 1, 2]
+        assert r["generation"] == 1
+    # Both ends of every communicator got the creator's bytes.
+    for a in range(2):
+        for d in ("a2f", "f2a"):
+            key = f"{d}/{a}/0"
+            want = f"uid:{key}".encode() + bytes(120)
+            assert res[0]["uids"][key] == want
+            assert res[1 + a]["uids"][key] == want
+    assert "a2f/1/0" not in res[1]["uids"]
+
+
+@pytest.mark.timeout(90)
+def test_handshake_mismatch_names_field_values_and_ranks():
+    port = find_free_port(HOST)
+    # attention rank 1 (world rank 2) is started with hidden_size 128 instead of 64.
+    res = run_workers(_rendezvous_worker, 3, (port, "hidden_size", 2), timeout_s=60)
+    for rank, r in enumerate(res):
+        assert r["field"] == "hidden_size", r
+        msg = r["error"]
+        assert "'hidden_size'" in msg and "64" in msg and "128" in msg
+        assert "attention rank 1 (world rank 2)" in msg
+    # The odd rank names itself and a peer holding the other value.
+    assert "FFN rank 0 (world rank 0) has 64" in res[0]["error"]
+    assert "attention rank 1 (world rank 2) has 128" in res[2]["error"]
+
+
+@pytest.mark.timeout(90)
+def test_handshake_version_mismatch_is_reported_first():
+    port = find_free_port(HOST)
+    res = run_workers(_rendezvous_worker, 2, (port, "format_version", 1), timeout_s=60)
+    assert res[0]["field"] == "format_version"
+    assert "has 2" in res[0]["error"] and "has 4" in res[0]["error"]
+
+
+def _timeout_worker(rank, nprocs, port):
+    store = rdzv.connect(HOST, port, rank, 3, 30.0, num_ffn_ranks=1)  # world of 3, only 2 started
+    t0 = time.monotonic()
+    try:
+        rdzv.handshake(store, rank, 3, {"x": 1}, 1.5)
+    except rdzv.RendezvousTimeoutError as e:
+        out = {"msg": str(e), "missing": e.missing, "elapsed": time.monotonic() - t0}
+    else:
+        out = {"msg": None}
+    rdzv.barrier(store, rank, 3, "done", 30.0, ranks=[0, 1])  # rank 0 hosts the store: leave last
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_wait_deadline_names_missing_rank():
+    port = find_free_port(HOST)
+    res = run_workers(_timeout_worker, 2, (port,), timeout_s=40)
+    for r in res:
+        assert r["msg"] is not None
+        assert r["missing"] == (2,)
+        assert "attention rank 1 (world rank 2)" in r["msg"]
+        assert "the AFD handshake" in r["msg"]
+        assert 1.4 <= r["elapsed"] < 10
+
+
+def _abort_worker(rank, nprocs, port):
+    store = rdzv.connect(HOST, port, rank, nprocs, 30.0, num_ffn_ranks=1)
+    rdzv.barrier(store, rank, nprocs, "start", 30.0)
+    if rank == 1:
+        time.sleep(0.3)
+        assert rdzv.check_abort(store) is None
+        posted = rdzv.post_abort(store, "send_attn_output layer 3 stage 0 failed", by=store.label())
+        second = rdzv.post_abort(store, "a later failure")
+        out = {"posted": posted, "second": second, "seen": rdzv.check_abort(store)}
+        return out
+    t0 = time.monotonic()
+    try:
+        # Rank 1 never arrives at this barrier: only the abort can end the wait early.
+        rdzv.barrier(store, rank, nprocs, "never", 60.0)
+    except rdzv.StepAbortedError as e:
+        return {"msg": str(e), "by": e.by, "reason": e.reason, "elapsed": time.monotonic() - t0}
+    return {"msg": None}
+
+
+@pytest.mark.timeout(60)
+def test_abort_signal_wakes_a_waiter():
+    port = find_free_port(HOST)
+    res = run_workers(_abort_worker, 2, (port,), timeout_s=40)
+    assert res[1]["posted"] is True and res[1]["second"] is False
+    assert "layer 3 stage 0" in res[1]["seen"]
+    assert res[0]["msg"] is not None
+    assert res[0]["by"] == "attention rank 0 (world rank 1)"
+    assert "layer 3 stage 0" in res[0]["reason"]
+    assert "re-initialised" in res[0]["msg"]
+    assert res[0]["elapsed"] < 5
+
+
+def _generation_worker(rank, nprocs, port):
+    out = []
+    for _ in range(2):
+        store = rdzv.connect(HOST, port, rank, nprocs, 30.0, num_ffn_ranks=1)
+        rdzv.barrier(store, rank, nprocs, "joined", 30.0)
+        out.append((store.generation, rdzv.check_abort(store)))
+        rdzv.barrier(store, rank, nprocs, "checked", 30.0)
+        if store.generation == 1:
+            # Generation 1 is aborted mid-step; every rank sees it.
+            if rank == 0:
+                rdzv.post_abort(store, "boom")
+            t0 = time.monotonic()
+            while rdzv.check_abort(store) is None and time.monotonic() - t0 < 10:
+                time.sleep(0.01)
+            out.append(rdzv.check_abort(store))
+            try:  # every unfinished wait of an aborted generation raises at once
+                rdzv.wait_for_keys(store, {"never-set": 0}, 30.0, "a key nobody sets")
+                out.append("no error")
+            except rdzv.StepAbortedError as e:
+                out.append(e.reason)
+            continue
+        uid = rdzv.exchange_unique_id(store, "x", rank == 0, lambda g=store.generation: f"g{g}".encode(), 30.0)
+        out.append(uid)
+        rdzv.barrier(store, rank, nprocs, "done", 30.0)
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_reinitialising_opens_a_fresh_generation():
+    port = find_free_port(HOST)
+    res = run_workers(_generation_worker, 2, (port,), timeout_s=40)
+    for r in res:
+        assert r[0] == (1, None)
+        assert r[1].startswith("boom (by FFN rank 0")
+        assert r[2] == "boom"
+        assert r[3] == (2, None)  # the abort of generation 1 is not visible in generation 2
+        assert r[4] == b"g2"
+
+
+def test_connect_validates_arguments():
+    with pytest.raises(ValueError, match="world_rank"):
+        rdzv.connect(HOST, 1234, 5, 2)
+    with pytest.raises(ValueError, match="port"):
+        rdzv.connect(HOST, 0, 0, 2)
+    with pytest.raises(ValueError, match="host"):
+        rdzv.connect("", 1234, 0, 2)
+
+
+def test_rank0_refuses_a_host_that_is_not_local():
+    # 192.0.2.1 is TEST-NET-1: never an address of this machine.
+    with pytest.raises(rdzv.RendezvousError, match="not an address of this machine"):
+        rdzv.connect("192.0.2.1", find_free_port(HOST), 0, 2, 5.0)
+
+
+@pytest.mark.timeout(30)
+def test_client_times_out_naming_ffn_rank0():
+    port = find_free_port(HOST)
+    t0 = time.monotonic()
+    with pytest.raises(rdzv.RendezvousTimeoutError, match="FFN rank 0"):
+        rdzv.connect(HOST, port, 1, 2, 1.0)
+    assert time.monotonic() - t0 < 15
+
+
+def test_rank_label():
+    assert rdzv.rank_label(0, 2) == "FFN rank 0 (world rank 0)"
+    assert rdzv.rank_label(3, 2) == "attention rank 1 (world rank 3)"
+    assert rdzv.rank_label(3) == "world rank 3"
+
