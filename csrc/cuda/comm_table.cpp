@@ -1,0 +1,161 @@
+// NCCL communicator table and the communicator-management ops.
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <mutex>
+#include <sstream>
+#include <unordered_map>
+
+#include "../checks.h"
+#include "../ops.h"
+#include "comm_table.h"
+
+namespace afd {
+
+void throw_nccl_error(const char* expr, ncclResult_t res, ncclComm_t comm, const char* file,
+                      int line) {
+  std::ostringstream os;
+  os << "afd_ext: NCCL error " << static_cast<int>(res) << " (" << ncclGetErrorString(res)
+     << ") from `" << expr << "` at " << file << ":" << line;
+  const char* last = ncclGetLastError(comm);
+  if (last != nullptr && last[0] != '\0') os << "; ncclGetLastError: " << last;
+  TORCH_CHECK(false, os.str());
+}
+
+namespace {
+
+struct Table {
+  std::mutex mu;
+  std::unordered_map<int64_t, std::shared_ptr<Comm>> live;
+  int64_t next_handle = 1;  // handles are never reused; 0 is never valid
+};
+
+Table& table() {
+  static Table* t = new Table();  // leaked on purpose: no destruction-order races at exit
+  return *t;
+}
+
+// Removes `handle` from the table; nullptr when it is not live. TORCH_CHECK
+// error when it was never issued (a typo, not a double destroy).
+std::shared_ptr<Comm> take(int64_t handle, const char* op) {
+  Table& t = table();
+  std::lock_guard<std::mutex> lock(t.mu);
+  TORCH_CHECK(handle >= 1 && handle < t.next_handle, "afd_ext.", op, ": handle ", handle,
+              " was never issued by comm_create in this process");
+  auto it = t.live.find(handle);
+  if (it == t.live.end()) return nullptr;
+  auto c = it->second;
+  t.live.erase(it);
+  return c;
+}
+
+void check_version() {
+  int runtime = 0;
+  AFD_CHECK_NCCL(ncclGetVersion(&runtime), nullptr);
+  // Codes: major*10000 + minor*100 + patch for NCCL >= 2.9.
+  const int compiled = NCCL_VERSION_CODE;
+  TORCH_CHECK(runtime / 10000 == compiled / 10000, "afd_ext: compiled against NCCL ", compiled,
+              " but the loaded libnccl.so.2 is ", runtime,
+              " (major versions differ); reinstall the nvidia-nccl-cu* wheel torch uses and "
+              "rebuild afd_ext");
+  if (runtime / 100 < compiled / 100) {
+    TORCH_WARN_ONCE("afd_ext: compiled against NCCL ", compiled,
+                    " but the loaded libnccl.so.2 is older (", runtime,
+                    "); rebuild afd_ext against the NCCL that torch loads");
+  }
+}
+
+}  // namespace
+
+std::shared_ptr<Comm> comm_get(int64_t handle, const char* op, const char* arg_name) {
+  Table& t = table();
+  std::lock_guard<std::mutex> lock(t.mu);
+  auto it = t.live.find(handle);
+  if (it != t.live.end()) return it->second;
+  TORCH_CHECK(false, "afd_ext.", op, ": ", arg_name, "=", handle, " is not a live communicator ",
+              handle >= 1 && handle < t.next_handle ? "(it was destroyed or aborted)"
+                                                     : "(never issued by comm_create)",
+              "; create one with afd_ext.ops.comm_create");
+}
+
+int64_t nccl_version() {
+  int v = 0;
+  AFD_CHECK_NCCL(ncclGetVersion(&v), nullptr);
+  return v;
+}
+
+void nccl_unique_id(const at::Tensor& out) {
+  TORCH_CHECK(out.is_cpu() && out.scalar_type() == c10::ScalarType::Byte &&
+                  out.numel() == NCCL_UNIQUE_ID_BYTES && out.is_contiguous(),
+              "afd_ext.nccl_unique_id: out must be a contiguous CPU uint8 tensor of ",
+              NCCL_UNIQUE_ID_BYTES, " elements, got ", out.scalar_type(), " ", out.sizes(),
+              " on ", out.device());
+  ncclUniqueId id;
+  AFD_CHECK_NCCL(ncclGetUniqueId(&id), nullptr);
+  std::memcpy(out.data_ptr(), id.internal, NCCL_UNIQUE_ID_BYTES);
+}
+
+int64_t comm_create(const at::Tensor& unique_id, int64_t world_size, int64_t rank,
+                    int64_t device) {
+  TORCH_CHECK(unique_id.is_cpu() && unique_id.scalar_type() == c10::ScalarType::Byte &&
+                  unique_id.numel() == NCCL_UNIQUE_ID_BYTES && unique_id.is_contiguous(),
+              "afd_ext.comm_create: unique_id must be a contiguous CPU uint8 tensor of ",
+              NCCL_UNIQUE_ID_BYTES, " elements (from nccl_unique_id), got ",
+              unique_id.scalar_type(), " ", unique_id.sizes(), " on ", unique_id.device());
+  TORCH_CHECK(world_size >= 1, "afd_ext.comm_create: world_size must be >= 1, got ", world_size);
+  TORCH_CHECK(rank >= 0 && rank < world_size, "afd_ext.comm_create: rank must be in [0, ",
+              world_size, "), got ", rank);
+  const int64_t ndev = c10::cuda::device_count();
+  TORCH_CHECK(device >= 0 && device < ndev, "afd_ext.comm_create: device must be in [0, ", ndev,
+              ") (visible CUDA devices), got ", device);
+  check_version();
+
+  ncclUniqueId id;
+  std::memcpy(id.internal, unique_id.data_ptr(), NCCL_UNIQUE_ID_BYTES);
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  // Blocking init: returns once every rank joined. Callers rendezvous first
+  // (a store exchange with a deadline) so all ranks reach this call.
+  config.blocking = 1;
+  ncclComm_t comm = nullptr;
+  AFD_CHECK_NCCL(ncclCommInitRankConfig(&comm, static_cast<int>(world_size), id,
+                                        static_cast<int>(rank), &config),
+                 comm);
+
+  auto c = std::make_shared<Comm>();
+  c->comm = comm;
+  c->device = static_cast<int>(device);
+  c->size = static_cast<int>(world_size);
+  c->rank = static_cast<int>(rank);
+  Table& t = table();
+  std::lock_guard<std::mutex> lock(t.mu);
+  c->handle = t.next_handle++;
+  t.live.emplace(c->handle, c);
+  return c->handle;
+}
+
+void comm_destroy(int64_t handle) {
+  auto c = take(handle, "comm_destroy");
+  if (!c) return;  // already destroyed or aborted
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(c->device));
+  AFD_CHECK_NCCL(ncclCommDestroy(c->comm), nullptr);
+}
+
+void comm_abort(int64_t handle) {
+  auto c = take(handle, "comm_abort");
+  if (!c) return;
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(c->device));
+  AFD_CHECK_NCCL(ncclCommAbort(c->comm), nullptr);
+}
+
+int64_t comm_async_error(int64_t handle) {
+  auto c = comm_get(handle, "comm_async_error", "handle");
+  ncclResult_t state = ncclSuccess;
+  AFD_CHECK_NCCL(ncclCommGetAsyncError(c->comm, &state), c->comm);
+  return static_cast<int64_t>(state);
+}
+
+}  // namespace afd

@@ -1,0 +1,244 @@
+// Point-to-point ops over NCCL: send, recv, fan_in, split_back, exchange.
+//
+// Every argument is checked before the first NCCL call, so a bad input
+// raises and leaves the communicators usable. Each op issues one NCCL group
+// on the current stream of the communicators' device: no allocation, no host
+// synchronisation, so a CUDA graph can capture it. Bytes move as ncclUint8
+// (point-to-point needs no reduction type), which covers fp8 as well.
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <memory>
+#include <vector>
+
+#include "../checks.h"
+#include "../ops.h"
+#include "comm_table.h"
+
+namespace afd {
+
+namespace {
+
+struct Edge {
+  std::shared_ptr<Comm> comm;
+  int peer;
+  int64_t rows;
+  int64_t first_row;
+};
+
+// Checks the per-peer lists and resolves the handles; all communicators
+// must live on one device (returned through `device`).
+std::vector<Edge> resolve_edges(const char* op, const char* comms_name, c10::IntArrayRef comms,
+                                c10::IntArrayRef peers, c10::IntArrayRef rows, int* device) {
+  TORCH_CHECK(comms.size() == peers.size() && peers.size() == rows.size(), "afd_ext.", op, ": ",
+              comms_name, ", peers and rows must have equal lengths (one entry per peer), got ",
+              comms.size(), ", ", peers.size(), " and ", rows.size());
+  std::vector<Edge> edges;
+  edges.reserve(comms.size());
+  int64_t first = 0;
+  for (size_t i = 0; i < comms.size(); ++i) {
+    auto c = comm_get(comms[i], op, comms_name);
+    TORCH_CHECK(peers[i] >= 0 && peers[i] < c->size && peers[i] != c->rank, "afd_ext.", op,
+                ": peers[", i, "]=", peers[i], " must be a rank of communicator ", comms[i],
+                " in [0, ", c->size, ") other than this rank (", c->rank, ")");
+    TORCH_CHECK(rows[i] >= 0, "afd_ext.", op, ": rows[", i, "]=", rows[i], " must be >= 0");
+    if (*device < 0) *device = c->device;
+    TORCH_CHECK(c->device == *device, "afd_ext.", op, ": ", comms_name, "[", i, "]=", comms[i],
+                " is on cuda:", c->device, " but earlier communicators are on cuda:", *device,
+                "; one call works on one device");
+    edges.push_back(Edge{c, static_cast<int>(peers[i]), rows[i], first});
+    first += rows[i];
+  }
+  return edges;
+}
+
+int64_t total_rows(const std::vector<Edge>& edges) {
+  int64_t n = 0;
+  for (const auto& e : edges) n += e.rows;
+  return n;
+}
+
+void check_tensor(const char* op, const char* name, const at::Tensor& t, int device,
+                  int64_t rows, bool need_rows) {
+  TORCH_CHECK(t.defined(), "afd_ext.", op, ": ", name, " is undefined");
+  TORCH_CHECK(t.is_cuda() && t.get_device() == device, "afd_ext.", op, ": ", name,
+              " must be a CUDA tensor on cuda:", device, " (the communicator's device), got ",
+              t.device(), "; move it with .to('cuda:", device, "')");
+  TORCH_CHECK(is_wire_dtype(t.scalar_type()), "afd_ext.", op, ": ", name, " has dtype ",
+              t.scalar_type(), ", expected one of ", wire_dtype_names());
+  TORCH_CHECK(t.is_contiguous(), "afd_ext.", op, ": ", name,
+              " must have contiguous rows (row-major; row slices t[a:b] are fine), got strides ",
+              t.strides(), " for shape ", t.sizes(), "; pass .contiguous()");
+  if (need_rows) {
+    TORCH_CHECK(t.dim() >= 1, "afd_ext.", op, ": ", name,
+                " must have a row dimension, got a 0-d tensor");
+    TORCH_CHECK(t.size(0) == rows, "afd_ext.", op, ": ", name, " has ", t.size(0),
+                " rows but rows add up to ", rows, " (one row range per peer, in peer order)");
+  }
+}
+
+// Wire tensors of fan_in / split_back / exchange, in the order they travel.
+std::vector<at::Tensor> wire_tensors(const char* op, const at::Tensor& hidden_states,
+                                     const OptTensor& router_logits,
+                                     const OptTensor& token_ids, int device, int64_t rows) {
+  std::vector<at::Tensor> ts;
+  check_tensor(op, "hidden_states", hidden_states, device, rows, true);
+  ts.push_back(hidden_states);
+  if (router_logits.has_value()) {
+    check_tensor(op, "router_logits", *router_logits, device, rows, true);
+    ts.push_back(*router_logits);
+  }
+  if (token_ids.has_value()) {
+    check_tensor(op, "token_ids", *token_ids, device, rows, true);
+    ts.push_back(*token_ids);
+  }
+  return ts;
+}
+
+enum class Dir { kSend, kRecv };
+
+struct P2p {
+  Dir dir;
+  char* ptr;
+  size_t bytes;
+  ncclComm_t comm;
+  int peer;
+};
+
+// Appends one message per (edge, tensor) with bytes > 0, in edge order.
+void plan(std::vector<P2p>& out, Dir dir, const std::vector<Edge>& edges,
+          const std::vector<at::Tensor>& ts) {
+  for (const auto& e : edges) {
+    if (e.rows == 0) continue;
+    for (const auto& t : ts) {
+      const int64_t rb = row_bytes_of(t);
+      const size_t bytes = static_cast<size_t>(e.rows * rb);
+      if (bytes == 0) continue;
+      out.push_back(P2p{dir, static_cast<char*>(t.data_ptr()) + e.first_row * rb, bytes,
+                        e.comm->comm, e.peer});
+    }
+  }
+}
+
+// Issues the messages in one NCCL group on the current stream of `device`.
+// The group is always closed, even when a call inside it fails.
+void launch(const char* op, int device, const std::vector<P2p>& msgs) {
+  if (msgs.empty()) return;
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
+  AFD_CHECK_NCCL(ncclGroupStart(), nullptr);
+  ncclResult_t first_err = ncclSuccess;
+  ncclComm_t err_comm = nullptr;
+  for (const auto& m : msgs) {
+    ncclResult_t r = m.dir == Dir::kSend
+                         ? ncclSend(m.ptr, m.bytes, ncclUint8, m.peer, m.comm, stream)
+                         : ncclRecv(m.ptr, m.bytes, ncclUint8, m.peer, m.comm, stream);
+    if (r != ncclSuccess) {
+      first_err = r;
+      err_comm = m.comm;
+      break;
+    }
+  }
+  ncclResult_t end = ncclGroupEnd();
+  if (first_err != ncclSuccess) {
+    throw_nccl_error(op, first_err, err_comm, __FILE__, __LINE__);
+  }
+  if (end != ncclSuccess) throw_nccl_error(op, end, msgs.front().comm, __FILE__, __LINE__);
+}
+
+}  // namespace
+
+void send_cuda(const at::Tensor& t, int64_t comm, int64_t peer) {
+  int device = -1;
+  const int64_t rows = 1;
+  auto edges = resolve_edges("send", "comm", {comm}, {peer}, {rows}, &device);
+  check_tensor("send", "t", t, device, 0, false);
+  if (t.numel() == 0) return;  // the matching recv skips too
+  std::vector<P2p> msgs{P2p{Dir::kSend, static_cast<char*>(t.data_ptr()),
+                            static_cast<size_t>(t.numel()) * t.element_size(),
+                            edges[0].comm->comm, edges[0].peer}};
+  launch("send", device, msgs);
+}
+
+void recv_cuda(const at::Tensor& t, int64_t comm, int64_t peer) {
+  int device = -1;
+  const int64_t rows = 1;
+  auto edges = resolve_edges("recv", "comm", {comm}, {peer}, {rows}, &device);
+  check_tensor("recv", "t", t, device, 0, false);
+  if (t.numel() == 0) return;
+  std::vector<P2p> msgs{P2p{Dir::kRecv, static_cast<char*>(t.data_ptr()),
+                            static_cast<size_t>(t.numel()) * t.element_size(),
+                            edges[0].comm->comm, edges[0].peer}};
+  launch("recv", device, msgs);
+}
+
+namespace {
+
+void grouped(const char* op, Dir dir, const at::Tensor& hidden_states,
+             const OptTensor& router_logits, const OptTensor& token_ids,
+             c10::IntArrayRef comms, c10::IntArrayRef peers, c10::IntArrayRef rows) {
+  int device = -1;
+  auto edges = resolve_edges(op, "comms", comms, peers, rows, &device);
+  if (edges.empty()) {
+    // No peer: nothing to move, but the tensors must still be empty.
+    TORCH_CHECK(hidden_states.dim() >= 1 && hidden_states.size(0) == 0, "afd_ext.", op,
+                ": no peers given but hidden_states has shape ", hidden_states.sizes(),
+                " (expected 0 rows)");
+    return;
+  }
+  auto ts = wire_tensors(op, hidden_states, router_logits, token_ids, device, total_rows(edges));
+  std::vector<P2p> msgs;
+  msgs.reserve(edges.size() * ts.size());
+  plan(msgs, dir, edges, ts);
+  launch(op, device, msgs);
+}
+
+}  // namespace
+
+void fan_in_cuda(const at::Tensor& hidden_states, const OptTensor& router_logits,
+                 const OptTensor& token_ids, c10::IntArrayRef comms, c10::IntArrayRef peers,
+                 c10::IntArrayRef rows) {
+  grouped("fan_in", Dir::kRecv, hidden_states, router_logits, token_ids, comms, peers, rows);
+}
+
+void split_back_cuda(const at::Tensor& hidden_states, const OptTensor& router_logits,
+                     const OptTensor& token_ids, c10::IntArrayRef comms,
+                     c10::IntArrayRef peers, c10::IntArrayRef rows) {
+  grouped("split_back", Dir::kSend, hidden_states, router_logits, token_ids, comms, peers, rows);
+}
+
+void exchange_cuda(const at::Tensor& hidden_states, const OptTensor& router_logits,
+                   const OptTensor& token_ids, const at::Tensor& reply,
+                   c10::IntArrayRef send_comms, c10::IntArrayRef recv_comms,
+                   c10::IntArrayRef peers, c10::IntArrayRef rows) {
+  const char* op = "exchange";
+  int device = -1;
+  auto send_edges = resolve_edges(op, "send_comms", send_comms, peers, rows, &device);
+  auto recv_edges = resolve_edges(op, "recv_comms", recv_comms, peers, rows, &device);
+  if (send_edges.empty()) {
+    TORCH_CHECK(hidden_states.dim() >= 1 && hidden_states.size(0) == 0 && reply.dim() >= 1 &&
+                    reply.size(0) == 0,
+                "afd_ext.exchange: no peers given but hidden_states/reply have shapes ",
+                hidden_states.sizes(), "/", reply.sizes(), " (expected 0 rows)");
+    return;
+  }
+  const int64_t n = total_rows(send_edges);
+  auto ts = wire_tensors(op, hidden_states, router_logits, token_ids, device, n);
+  check_tensor(op, "reply", reply, device, n, true);
+  std::vector<P2p> msgs;
+  msgs.reserve(send_edges.size() * (ts.size() + 1));
+  plan(msgs, Dir::kSend, send_edges, ts);
+  plan(msgs, Dir::kRecv, recv_edges, {reply});
+  launch(op, device, msgs);
+}
+
+TORCH_LIBRARY_IMPL(afd_ext, CUDA, m) {
+  m.impl("send", &send_cuda);
+  m.impl("recv", &recv_cuda);
+  m.impl("fan_in", &fan_in_cuda);
+  m.impl("split_back", &split_back_cuda);
+  m.impl("exchange", &exchange_cuda);
+}
+
+}  // namespace afd
