@@ -1,0 +1,1079 @@
+"""``afd-ext demo``: a real transformers MoE decoder served AFD-style, checked against the whole model.
+
+What it does, in order:
+
+1. Builds a Hugging Face ``transformers`` mixture-of-experts decoder from a
+   config kept in this package (``afd_ext/data/models/*.json``; Qwen3-MoE by
+   default, ``--dims deepseek-v2-lite`` for DeepSeek-V2-Lite's MoE shapes) with
+   weights drawn from a fixed seed, identical in every process (each
+   parameter has its own generator seeded from its name).
+2. Starts ``A`` attention processes and ``F`` FFN processes on this machine
+   (AFD world order: FFN ranks first). Attention processes keep embeddings,
+   attention, norms, the LM head and their own KV cache; FFN processes hold
+   the MLP / MoE blocks (:mod:`afd_ext.integrations.transformers`).
+3. Each attention rank serves its own requests (prompts from
+   ``afd_ext/data/prompts.txt``, UTF-8 bytes, different lengths, different
+   numbers of tokens to generate): one prefill step, then greedy decoding with
+   a KV cache. Requests leave the batch when done, so later steps see ranks
+   with zero tokens. The attention ranks agree on every step's per-rank
+   counts with :class:`afd_ext.metadata.StepCountAgreement`; the control plane
+   carries them to the FFN ranks.
+4. Checks itself: the whole model, in one process, runs on the same token
+   sequences (teacher forcing) and the logits at every position must agree
+   within a named tolerance; greedy tokens must be identical wherever the
+   gap between the top two logits exceeds it. A mismatch exits non-zero
+   and names the rank, request and position.
+5. Prints a summary (topology, backend, model, steps, tokens, tokens/s,
+   per-layer exchange latency p50 / p99, bytes per step); ``--json PATH``
+   writes the same as JSON.
+
+Run: ``afd-ext demo`` (or ``python -m afd_ext demo``); ``afd-ext demo --help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import importlib.resources
+import json
+import logging
+import math
+import os
+import pickle
+import sys
+import time
+import zlib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+logger = logging.getLogger("afd_ext.demo")
+
+__all__ = [
+    "LOGIT_ATOL_FP32",
+    "LOGIT_ATOL_BF16",
+    "PAD_ID",
+    "BOS_ID",
+    "EOS_ID",
+    "Request",
+    "DemoPlan",
+    "CheckResult",
+    "available_dims",
+    "load_model_config",
+    "load_prompts",
+    "encode_prompt",
+    "make_requests",
+    "construct_model",
+    "init_weights",
+    "build_model",
+    "generate_attention_rank",
+    "reference_logits",
+    "self_check",
+    "build_plan",
+    "run_demo",
+    "format_summary",
+    "parse_args",
+    "main",
+]
+
+# ---------------------------------------------------------------------------
+# Tolerances of the self-check (absolute, on logits)
+# ---------------------------------------------------------------------------
+
+#: fp32 on CPU: the split computes exactly the whole model's operations; the
+#: only differences come from GEMM shapes (the FFN rank multiplies the
+#: concatenated rows of every attention rank, the whole model one request's
+#: rows), i.e. summation order, about 1e-6 on logits of order 1. 1e-4 leaves
+#: two orders of magnitude of headroom and still catches any real error (a
+#: wrong row, layer or expert moves logits by 1e-2 or more).
+LOGIT_ATOL_FP32 = 1e-4
+#: bf16 on GPU: the fan-in changes GEMM shapes and with them cuBLAS kernels
+#: and accumulation order; every intermediate is rounded to bf16 (relative
+#: step 2**-8), across 4+ layers of residual stream and a router whose top-k
+#: can flip on a near tie (an expert of weight ~1/num_experts swapped). On
+#: logits of order 1 that is a few hundredths; 0.25 is loose enough for that
+#: and still far below the spread of wrong results (a misrouted row or a
+#: swapped request moves logits by order 1).
+LOGIT_ATOL_BF16 = 0.25
+
+# Byte vocabulary: 256 byte values + specials.
+PAD_ID = 256
+BOS_ID = 257
+EOS_ID = 258
+
+_DATA = "afd_ext.data"
+
+
+# ---------------------------------------------------------------------------
+# Model config, prompts, requests
+# ---------------------------------------------------------------------------
+
+
+def available_dims() -> list[str]:
+    """Names of the model configs shipped in ``afd_ext/data/models`` (without ``.json``)."""
+    root = importlib.resources.files(_DATA).joinpath("models")
+    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".json"))
+
+
+def load_model_config(name_or_path: str, *, num_layers: int | None = None) -> dict[str, Any]:
+    """Load a model config: a shipped name (``tiny``, ``small``, ``deepseek-v2-lite``) or a JSON path.
+
+    Args:
+        name_or_path: see :func:`available_dims`, or a path to a JSON file with
+            ``model_type`` and the config fields of that transformers class.
+        num_layers: override ``num_hidden_layers`` (>= 1).
+
+    Returns:
+        The config as a dict (``_comment`` keys dropped), with ``model_type``.
+
+    Raises:
+        ValueError: unknown name, unreadable or invalid JSON, no ``model_type``,
+            bad ``num_layers``.
+    """
+    p = Path(name_or_path)
+    if p.suffix == ".json" and p.exists():
+        text = p.read_text(encoding="utf-8")
+        where = str(p)
+    else:
+        names = available_dims()
+        if name_or_path not in names:
+            raise ValueError(f"unknown model dims {name_or_path!r}: choose one of {names} or give a .json path")
+        text = importlib.resources.files(_DATA).joinpath("models").joinpath(f"{name_or_path}.json").read_text("utf-8")
+        where = name_or_path
+    try:
+        cfg = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"model config {where} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("model_type"), str):
+        raise ValueError(f"model config {where} must be a JSON object with a 'model_type' string")
+    cfg = {k: v for k, v in cfg.items() if not k.startswith("_")}
+    if num_layers is not None:
+        if num_layers < 1:
+            raise ValueError(f"--layers must be >= 1, got {num_layers}")
+        cfg["num_hidden_layers"] = num_layers
+    return cfg
+
+
+def load_prompts(path: str | None = None) -> list[str]:
+    """Prompts, one per line (blank lines and ``#`` comments skipped); default the shipped file.
+
+    Raises:
+        ValueError: the file has no prompt.
+    """
+    if path is None:
+        text = importlib.resources.files(_DATA).joinpath("prompts.txt").read_text("utf-8")
+    else:
+        text = Path(path).read_text(encoding="utf-8")
+    prompts = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    if not prompts:
+        raise ValueError(f"no prompts in {path or 'afd_ext/data/prompts.txt'}")
+    return prompts
+
+
+def encode_prompt(text: str, max_len: int) -> list[int]:
+    """``[BOS] + UTF-8 bytes of text``, truncated to ``max_len`` token ids (>= 2)."""
+    if max_len < 2:
+        raise ValueError(f"max prompt length must be >= 2, got {max_len}")
+    return ([BOS_ID] + list(text.encode("utf-8")))[:max_len]
+
+
+def decode_tokens(ids: Sequence[int]) -> str:
+    """Bytes back to text (specials dropped, invalid UTF-8 replaced)."""
+    return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request of one attention rank.
+
+    Attributes:
+        rid: request id, ``"a<rank>r<j>"``.
+        rank: attention role rank serving it.
+        prompt_ids: token ids (BOS + bytes).
+        max_new_tokens: tokens to generate (>= 1) unless EOS comes first.
+    """
+
+    rid: str
+    rank: int
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+
+
+def make_requests(
+    num_attention: int,
+    requests_per_rank: int,
+    max_new_tokens: int,
+    *,
+    prompts: Sequence[str],
+    max_prompt_len: int = 32,
+) -> dict[int, list[Request]]:
+    """Deterministic requests for every attention rank.
+
+    Request ``j`` of rank ``a`` takes prompt ``(a + j * A) % len(prompts)`` and
+    generates ``max(1, max_new_tokens - 2*j - 3*a)`` tokens, so requests leave
+    the batch at different steps and higher ranks run out first (their later
+    steps carry zero tokens).
+    """
+    if num_attention < 1 or requests_per_rank < 1 or max_new_tokens < 1:
+        raise ValueError("num_attention, requests_per_rank and max_new_tokens must be >= 1")
+    out: dict[int, list[Request]] = {}
+    for a in range(num_attention):
+        reqs = []
+        for j in range(requests_per_rank):
+            text = prompts[(a + j * num_attention) % len(prompts)]
+            reqs.append(
+                Request(
+                    rid=f"a{a}r{j}",
+                    rank=a,
+                    prompt_ids=tuple(encode_prompt(text, max_prompt_len)),
+                    max_new_tokens=max(1, max_new_tokens - 2 * j - 3 * a),
+                )
+            )
+        out[a] = reqs
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Model construction and deterministic weights
+# ---------------------------------------------------------------------------
+
+
+def _no_init_context():
+    """transformers' ``no_init_weights`` when available (skips its random init; ours follows)."""
+    for mod in ("transformers.initialization", "transformers.modeling_utils"):
+        try:
+            m = __import__(mod, fromlist=["no_init_weights"])
+        except Exception:  # noqa: BLE001 - optional speed-up only
+            continue
+        ctx = getattr(m, "no_init_weights", None)
+        if ctx is not None:
+            try:
+                return ctx()
+            except TypeError:  # older signature no_init_weights(_enable=True)
+                return ctx(True)
+    return contextlib.nullcontext()
+
+
+def construct_model(model_config: Mapping[str, Any]):
+    """Construct the transformers model of ``model_config`` on CPU, weights not initialised.
+
+    Uses ``AutoConfig.for_model`` and ``AutoModelForCausalLM.from_config`` with
+    eager attention: with left padding, eager attention's finite mask keeps
+    padded rows finite on every transformers version (SDPA may give NaN rows).
+
+    Returns:
+        The model in eval mode (float32, CPU). Call :func:`init_weights` next
+        (after splitting, so the attention side never initialises experts).
+
+    Raises:
+        ValueError: unknown ``model_type`` for the installed transformers.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(model_config)
+    model_type = cfg.pop("model_type")
+    try:
+        config = AutoConfig.for_model(model_type, **cfg)
+    except (KeyError, ValueError) as e:
+        raise ValueError(
+            f"transformers {__import__('transformers').__version__} does not know model_type "
+            f"{model_type!r}: {e}"
+        ) from None
+    config.use_cache = True
+    with _no_init_context(), torch.no_grad():
+        try:
+            model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+        except TypeError:
+            config._attn_implementation = "eager"
+            model = AutoModelForCausalLM.from_config(config)
+    return model.float().eval()
+
+
+def _param_seed(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
+
+
+def init_weights(model, seed: int, *, device: str = "cpu", dtype=None) -> None:
+    """Draw every parameter of ``model`` from its own generator, seeded by ``(seed, name)``.
+
+    The values depend only on the seed, the parameter's name and shape and the
+    device type, never on construction order or on which parameters exist,
+    so an attention process (experts removed), an FFN process and the
+    whole-model reference get identical weights wherever they share a
+    parameter. Scheme: 1-D weights (norms) ``1 + 0.1 * N(0, 1)``; biases 0;
+    embeddings ``N(0, 1)``; other matrices ``N(0, 1/fan_in)`` (fan-in = last
+    dim), so activations and logits are of order 1 and the self-check's
+    tolerances mean something.
+
+    Args:
+        model: an ``nn.Module``; parameters are replaced in place.
+        seed: the demo seed.
+        device: where to draw and keep the weights (``"cpu"`` or ``"cuda"``);
+            values differ between device types, so compare runs on one type.
+        dtype: cast to this dtype after drawing in float32 (``None``: keep float32).
+    """
+    import torch
+
+    dev = torch.device(device)
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    emb_w = getattr(emb, "weight", None)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            g = torch.Generator(device=dev)
+            g.manual_seed(_param_seed(seed, name))
+            shape = tuple(p.shape)
+            if name.endswith("bias") or "bias" in name.rsplit(".", 1)[-1]:
+                v = torch.zeros(shape, device=dev)
+            elif p.dim() == 1:
+                v = 1.0 + 0.1 * torch.randn(shape, generator=g, device=dev)
+            elif p is emb_w:
+                v = torch.randn(shape, generator=g, device=dev)
+            else:
+                v = torch.randn(shape, generator=g, device=dev) / math.sqrt(shape[-1])
+            p.data = v.to(dtype) if dtype is not None else v
+        model.to(device=dev)
+        if dtype is not None:
+            model.to(dtype=dtype)
+
+
+def build_model(model_config: Mapping[str, Any], seed: int, *, device: str = "cpu", dtype=None):
+    """Whole model: :func:`construct_model` then :func:`init_weights`."""
+    model = construct_model(model_config)
+    init_weights(model, seed, device=device, dtype=dtype)
+    return model
+
+
+def _forward_kwargs(model) -> tuple[str, bool]:
+    """Name of the KV-cache keyword (``cache`` in transformers >= 5.x, else ``past_key_values``)."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    return ("cache" if "cache" in params else "past_key_values"), ("position_ids" in params)
+
+
+def _new_cache(model):
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:
+        return DynamicCache()
+
+
+def reference_logits(model, token_ids: Sequence[int], device: str = "cpu"):
+    """Whole-model logits for one sequence, teacher forced (no cache, no padding).
+
+    Returns:
+        ``[len(token_ids), vocab]`` float32 CPU tensor.
+    """
+    import torch
+
+    with torch.no_grad():
+        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=device)
+        return model(input_ids=ids, use_cache=False).logits[0].float().cpu()
+
+
+# ---------------------------------------------------------------------------
+# Attention rank: prefill + greedy decoding through the split model
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class RankResult:
+    """What an attention rank reports back (picklable)."""
+
+    rank: int
+    requests: list[dict[str, Any]]
+    step_counts: list[list[int]]  # per step: agreed total count of every attention rank
+    wall_s: float
+    latency_ns: dict[int, list[int]]
+    bytes_sent: int
+    bytes_received: int
+    steps: int
+
+
+def generate_attention_rank(
+    model,
+    exchange,
+    agree: Callable[[list[int]], Any],
+    requests: Sequence[Request],
+    *,
+    rank: int,
+    num_stages: int = 1,
+    device: str = "cpu",
+    progress: Any = None,
+) -> RankResult:
+    """Serve ``requests`` on one attention rank of a split model.
+
+    Left-padded batch, one prefill step, then one decode step per generated
+    token; a finished request stays in the batch masked out (its rows are not
+    sent), so the KV cache never has to be re-packed. A step in which this
+    rank has no live request runs only the exchanges, with zero rows
+    (``exchange.idle_forward``). The loop ends when the agreed counts of all
+    ranks are zero; then the FFN side is told to stop.
+
+    Args:
+        model: the attention role (after ``split_attention_role``), on ``device``.
+        exchange: its ``AttentionExchange``.
+        agree: ``f(local per-stage counts) -> AFDControlPayload`` (the step's
+            agreement among attention ranks).
+        requests: this rank's requests (may be empty).
+        rank: this rank's DP index.
+        num_stages: micro-batches per step.
+        device: the model's device.
+        progress: optional tqdm-like object (``update(1)``).
+
+    Returns:
+        :class:`RankResult` with, per request, the prompt, the generated tokens
+        and the logits at every fed position (``[T, vocab]`` float32 CPU).
+    """
+    import torch
+
+    from afd_ext.integrations.transformers import stage_split
+
+    cache_kw, _ = _forward_kwargs(model)
+    dtype = next(model.parameters()).dtype
+    B = len(requests)
+    lens = [len(r.prompt_ids) for r in requests]
+    L = max(lens) if lens else 0
+    ids = torch.full((B, L), PAD_ID, dtype=torch.long)
+    mask = torch.zeros(B, L, dtype=torch.long)
+    for b, r in enumerate(requests):
+        ids[b, L - lens[b] :] = torch.tensor(r.prompt_ids)
+        mask[b, L - lens[b] :] = 1
+    generated: list[list[int]] = [[] for _ in range(B)]
+    logits_rec: list[list[torch.Tensor]] = [[] for _ in range(B)]
+    done = [False] * B
+    cache = _new_cache(model) if B else None
+    step_counts: list[list[int]] = []
+    t0 = time.perf_counter()
+    step = 0
+    with torch.no_grad():
+        while True:
+            prefill = step == 0
+            if prefill:
+                row_mask = mask.bool()
+            else:
+                row_mask = torch.tensor([[not d] for d in done], dtype=torch.bool).reshape(B, 1)
+            n_local = int(row_mask.sum()) if B else 0
+            payload = agree(stage_split(n_local, num_stages))
+            totals = [sum(c) for c in zip(*payload.stage_counts().values())]
+            if sum(totals) == 0:
+                break
+            step_counts.append(totals)
+            exchange.begin_step(payload, dp_rank=rank, row_mask=row_mask if n_local else None)
+            try:
+                if n_local == 0:
+                    exchange.idle_forward(device, dtype)
+                else:
+                    if prefill:
+                        inp, am = ids, mask
+                        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+                    else:
+                        last = [g[-1] if (g and not d) else PAD_ID for g, d in zip(generated, done)]
+                        inp = torch.tensor(last, dtype=torch.long).reshape(B, 1)
+                        pos = mask.sum(-1, keepdim=True)  # index of the new token among the valid ones
+                        col = row_mask.long()
+                        mask = torch.cat([mask, col], dim=1)
+                        am = mask
+                    out = model(
+                        input_ids=inp.to(device),
+                        attention_mask=am.to(device),
+                        position_ids=pos.to(device),
+                        use_cache=True,
+                        **{cache_kw: cache},
+                    )
+                    logits = out.logits.float().cpu()
+                    for b in range(B):
+                        if done[b]:
+                            continue
+                        if prefill:
+                            lg = logits[b, L - lens[b] :]
+                        else:
+                            lg = logits[b, -1:]
+                        logits_rec[b].append(lg)
+                        tok = int(lg[-1].argmax())
+                        generated[b].append(tok)
+                        if len(generated[b]) >= requests[b].max_new_tokens or tok == EOS_ID:
+                            done[b] = True
+            finally:
+                exchange.end_step()
+            step += 1
+            if progress is not None:
+                progress.update(1)
+    wall = time.perf_counter() - t0
+    exchange.shutdown()
+    reqs_out = []
+    for b, r in enumerate(requests):
+        lg = torch.cat(logits_rec[b], 0) if logits_rec[b] else torch.empty(0)
+        # The last generated token is never fed back, so rows = prompt + generated - 1.
+        reqs_out.append(
+            {
+                "rid": r.rid,
+                "rank": rank,
+                "prompt_ids": list(r.prompt_ids),
+                "generated": generated[b],
+                "logits": lg[: len(r.prompt_ids) + len(generated[b]) - 1].contiguous(),
+            }
+        )
+    st = exchange.stats
+    return RankResult(
+        rank=rank,
+        requests=reqs_out,
+        step_counts=step_counts,
+        wall_s=wall,
+        latency_ns={k: list(v) for k, v in st.latency_ns.items()},
+        bytes_sent=st.bytes_sent,
+        bytes_received=st.bytes_received,
+        steps=step,
+    )
+
+
+# ---------------------------------------------------------------------------
+# Self-check
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class CheckResult:
+    """Outcome of :func:`self_check`.
+
+    Attributes:
+        ok: every position within tolerance and every decisive greedy token equal.
+        tolerance: the absolute logit tolerance used.
+        max_abs_diff: largest |split - whole| logit difference over all positions.
+        positions: positions compared.
+        worst: where the largest difference is (rank, request, position).
+        failures: human-readable descriptions of the failures (first 20).
+    """
+
+    ok: bool
+    tolerance: float
+    max_abs_diff: float
+    positions: int
+    worst: str
+    failures: list[str] = field(default_factory=list)
+
+
+def self_check(
+    results: Sequence[dict[str, Any]],
+    whole_logits: Callable[[Sequence[int]], Any],
+    tolerance: float,
+) -> CheckResult:
+    """Compare the split model's logits with the whole model's, teacher forced.
+
+    Args:
+        results: per request ``{"rid", "rank", "prompt_ids", "generated",
+            "logits" [T, vocab]}`` from the attention ranks.
+        whole_logits: ``f(token_ids) -> [len, vocab]`` of the whole model.
+        tolerance: absolute logit tolerance.
+
+    Returns:
+        :class:`CheckResult`. A position fails when its largest difference
+        exceeds ``tolerance``, or when its greedy token (argmax) differs from
+        the whole model's while the whole model's top-2 gap exceeds ``tolerance``.
+    """
+    import torch
+
+    max_diff = 0.0
+    worst = "-"
+    failures: list[str] = []
+    positions = 0
+    for r in results:
+        seq = list(r["prompt_ids"]) + list(r["generated"][:-1])
+        split = r["logits"].float()
+        where0 = f"attention rank {r['rank']}, request {r['rid']}"
+        if split.shape[0] != len(seq):
+            failures.append(f"{where0}: {split.shape[0]} logit rows for {len(seq)} fed tokens")
+            continue
+        ref = whole_logits(seq).float()
+        diff = (split - ref).abs().amax(dim=-1)
+        top2 = ref.topk(2, dim=-1).values
+        gap = top2[:, 0] - top2[:, 1]
+        same = split.argmax(-1) == ref.argmax(-1)
+        positions += len(seq)
+        i = int(diff.argmax())
+        if float(diff[i]) > max_diff:
+            max_diff = float(diff[i])
+            worst = f"{where0}, position {i}"
+        for p in range(len(seq)):
+            d = float(diff[p])
+            if not math.isfinite(d) or d > tolerance:
+                failures.append(f"{where0}, position {p}: max |logit diff| {d:.3g} > tolerance {tolerance:g}")
+            elif not bool(same[p]) and float(gap[p]) > tolerance:
+                failures.append(
+                    f"{where0}, position {p}: greedy token {int(split[p].argmax())} != whole model's "
+                    f"{int(ref[p].argmax())} (top-2 gap {float(gap[p]):.3g})"
+                )
+    return CheckResult(
+        ok=not failures, tolerance=tolerance, max_abs_diff=max_diff, positions=positions,
+        worst=worst, failures=failures[:20],
+    )
+
+
+# ---------------------------------------------------------------------------
+# Processes
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class DemoPlan:
+    """Everything a worker needs (picklable).
+
+    Attributes:
+        num_attention / num_ffn: ``A`` and ``F``.
+        backend: ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA tensors).
+        dims: model config name or path; model_config: the loaded config.
+        dtype: ``"float32"`` or ``"bfloat16"``.
+        seed: weight seed.
+        stages: micro-batches per step.
+        gate_on_attention: router logits computed on the attention side.
+        requests: ``{attention rank: [Request]}``.
+        host / port: rendezvous of the connector; agree_port: the attention
+            ranks' count agreement store (hosted by attention rank 0).
+        step_timeout_s / init_timeout_s: connector deadlines.
+        progress: show a progress bar on attention rank 0.
+        threads: torch intra-op threads per process.
+    """
+
+    num_attention: int
+    num_ffn: int
+    backend: str
+    dims: str
+    model_config: dict[str, Any]
+    dtype: str
+    seed: int
+    stages: int
+    gate_on_attention: bool
+    requests: dict[int, list[Request]]
+    host: str
+    port: int
+    agree_port: int
+    step_timeout_s: float = 60.0
+    init_timeout_s: float = 120.0
+    progress: bool = True
+    threads: int = 1
+    timing: bool = True
+
+    @property
+    def device_type(self) -> str:
+        return "cuda" if self.backend == "nccl" else "cpu"
+
+    @property
+    def max_steps(self) -> int:
+        return max((r.max_new_tokens for rs in self.requests.values() for r in rs), default=0)
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+class _StoreAllGather:
+    """All-gather of small picklable objects among the attention ranks over a TCPStore.
+
+    Every wait is bounded by ``timeout_s`` (the store's timeout), and the
+    error names the missing ranks.
+    """
+
+    def __init__(self, host: str, port: int, rank: int, size: int, timeout_s: float):
+        import torch.distributed as dist
+
+        self.rank, self.size, self.timeout_s = rank, size, timeout_s
+        self.store = dist.TCPStore(
+            host, port, size, is_master=(rank == 0),
+            timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
+        )
+        self.round = 0
+
+    def __call__(self, obj: Any) -> list[Any]:
+        r = self.round
+        self.round += 1
+        self.store.set(f"agree/{r}/{self.rank}", pickle.dumps(obj))
+        keys = [f"agree/{r}/{i}" for i in range(self.size)]
+        try:
+            self.store.wait(keys, datetime.timedelta(seconds=self.timeout_s))
+        except Exception as e:  # noqa: BLE001 - re-raised with the ranks named
+            missing = [i for i, k in enumerate(keys) if not self.store.check([k])]
+            raise TimeoutError(
+                f"attention rank {self.rank}: step count agreement round {r} timed out after "
+                f"{self.timeout_s:.0f} s waiting for attention ranks {missing}: {e}"
+            ) from None
+        out = [pickle.loads(self.store.get(k)) for k in keys]
+        if r >= 2:  # keep the store small; every rank has read round r-2 by now
+            with contextlib.suppress(Exception):
+                self.store.delete_key(f"agree/{r - 2}/{self.rank}")
+        return out
+
+
+def _make_connector(plan: DemoPlan, role: str, role_rank: int, world_rank: int, model) -> Any:
+    """Create (not initialise) this process's connector through the factory."""
+    from afd_ext.config import AFDConfig
+    from afd_ext.factory import create_connector
+    from afd_ext.integrations.transformers import describe_layers, remote_layer_indices
+
+    afd = AFDConfig(
+        role=role,
+        host=plan.host,
+        port=plan.port,
+        num_attention_ranks=plan.num_attention,
+        num_ffn_ranks=plan.num_ffn,
+        compute_gate_on_attention=plan.gate_on_attention,
+        connector_extra_config={
+            "transport": plan.backend,
+            "step_timeout_s": plan.step_timeout_s,
+            "init_timeout_s": plan.init_timeout_s,
+            "max_stages": max(4, plan.stages),
+        },
+    )
+    infos = describe_layers(model)
+    moe = [li for li in infos if li.is_moe]
+    model_info = {
+        "num_layers": len(infos),
+        "layer_indices": remote_layer_indices(model, gate_on_attention=plan.gate_on_attention),
+        "hidden_size": infos[0].hidden_size,
+        "dtype": _torch_dtype(plan.dtype),
+        "router_logits_width": moe[0].num_experts if (plan.gate_on_attention and moe) else None,
+    }
+    return create_connector(world_rank, 0, afd, role_rank=role_rank, model_info=model_info)
+
+
+def _worker(rank: int, nprocs: int, plan: DemoPlan) -> dict[str, Any]:
+    """One AFD process: FFN ranks are world ranks ``0..F-1``, attention ranks follow."""
+    import torch
+
+    from afd_ext.integrations.transformers import FFNServer, split_attention_role
+
+    torch.set_num_threads(max(1, plan.threads))
+    F_ = plan.num_ffn
+    role = "ffn" if rank < F_ else "attention"
+    role_rank = rank if role == "ffn" else rank - F_
+    device = "cuda:0" if plan.device_type == "cuda" else "cpu"
+    if plan.device_type == "cuda":
+        torch.cuda.set_device(0)  # CUDA_VISIBLE_DEVICES already binds this process to its GPU
+    dtype = _torch_dtype(plan.dtype)
+    model = construct_model(plan.model_config)
+    if role == "ffn":
+        init_weights(model, plan.seed, device=plan.device_type, dtype=dtype)
+        connector = _make_connector(plan, role, role_rank, rank, model)
+        server = FFNServer.from_model(model, connector, gate_on_attention=plan.gate_on_attention)
+        connector.init_afd_connector()
+        try:
+            steps = server.serve()
+        finally:
+            connector.close()
+        return {"role": "ffn", "rank": role_rank, "steps": steps, "rows": server.rows_served}
+
+    connector = _make_connector(plan, role, role_rank, rank, model)
+    exchange = split_attention_role(
+        model, connector, gate_on_attention=plan.gate_on_attention, num_stages=plan.stages,
+        timing=plan.timing,
+    )
+    init_weights(model, plan.seed, device=plan.device_type, dtype=dtype)
+    from afd_ext.metadata import StepCountAgreement
+
+    gather = _StoreAllGather(plan.host, plan.agree_port, role_rank, plan.num_attention, plan.step_timeout_s)
+    agreement = StepCountAgreement(plan.num_attention, role_rank, gather)
+    connector.init_afd_connector()
+    bar = None
+    if plan.progress and role_rank == 0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=plan.max_steps, desc="afd demo steps", unit="step", file=sys.stderr, leave=False)
+    try:
+        res = generate_attention_rank(
+            model, exchange, agreement.agree, plan.requests.get(role_rank, []), rank=role_rank,
+            num_stages=plan.stages, device=device, progress=bar,
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+        connector.close()
+    return {"role": "attention", "rank": role_rank, "result": res}
+
+
+def _gpu_env(plan: DemoPlan, n_gpus: int) -> list[dict[str, str]]:
+    """CUDA_VISIBLE_DEVICES per world rank: each process sees exactly its GPU.
+
+    With at least ``A + F`` GPUs every process gets its own (attention ranks
+    first); otherwise every attention rank shares GPU 0 and FFN ranks use GPU
+    1 (``2A1F`` on two GPUs: correctness, not speed).
+    """
+    A, F_ = plan.num_attention, plan.num_ffn
+    envs = []
+    for w in range(A + F_):
+        if w < F_:
+            gpu = A + w if n_gpus >= A + F_ else 1 + (w % max(1, n_gpus - 1))
+        else:
+            gpu = (w - F_) if n_gpus >= A + F_ else 0
+        envs.append({"CUDA_VISIBLE_DEVICES": str(gpu)})
+    return envs
+
+
+def run_demo(plan: DemoPlan, *, timeout_s: float = 600.0) -> dict[str, Any]:
+    """Run the processes of ``plan`` and the self-check; return the summary dict.
+
+    Raises:
+        afd_ext.testing.WorkerError / TimeoutError: a process failed or hung.
+    """
+    import torch
+
+    from afd_ext.testing import run_workers
+
+    per_rank_env = None
+    if plan.device_type == "cuda":
+        n = torch.cuda.device_count()
+        if n < 2:
+            raise RuntimeError(f"--backend nccl needs 2 GPUs (attention on GPU 0, FFN on GPU 1); found {n}")
+        per_rank_env = _gpu_env(plan, n)
+    env = {"OMP_NUM_THREADS": str(plan.threads), "TOKENIZERS_PARALLELISM": "false"}
+    t0 = time.perf_counter()
+    outs = run_workers(
+        _worker, plan.num_attention + plan.num_ffn, (plan,), timeout_s=timeout_s, env=env,
+        per_rank_env=per_rank_env,
+    )
+    run_s = time.perf_counter() - t0
+    att = sorted((o["result"] for o in outs if o["role"] == "attention"), key=lambda r: r.rank)
+    ffn = [o for o in outs if o["role"] == "ffn"]
+
+    # Whole model, one process, same sequences (teacher forcing).
+    ref_device = "cuda:0" if plan.device_type == "cuda" else "cpu"
+    dtype = _torch_dtype(plan.dtype)
+    whole = build_model(plan.model_config, plan.seed, device=plan.device_type, dtype=dtype)
+    tol = LOGIT_ATOL_FP32 if dtype == torch.float32 else LOGIT_ATOL_BF16
+    results = [r for a in att for r in a.requests]
+    check = self_check(results, lambda seq: reference_logits(whole, seq, ref_device), tol)
+    return summarize(plan, att, ffn, check, run_s)
+
+
+def _pct(xs: Sequence[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    k = min(len(s) - 1, max(0, math.ceil(q / 100.0 * len(s)) - 1))
+    return s[k]
+
+
+def summarize(plan: DemoPlan, att: Sequence[RankResult], ffn: Sequence[Mapping[str, Any]],
+              check: CheckResult, run_s: float) -> dict[str, Any]:
+    """The summary as a JSON-able dict (see :func:`format_summary`)."""
+    mc = plan.model_config
+    steps = max((a.steps for a in att), default=0)
+    gen_tokens = sum(len(r["generated"]) for a in att for r in a.requests)
+    prompt_tokens = sum(len(r["prompt_ids"]) for a in att for r in a.requests)
+    wall = max((a.wall_s for a in att), default=0.0)
+    per_layer: dict[int, list[float]] = {}
+    for a in att:
+        for layer, v in a.latency_ns.items():
+            per_layer.setdefault(int(layer), []).extend(ns / 1e3 for ns in v)
+    all_us = [x for v in per_layer.values() for x in v]
+    bytes_a2f = sum(a.bytes_sent for a in att)
+    bytes_f2a = sum(a.bytes_received for a in att)
+    step_counts = att[0].step_counts if att else []
+    zero_rank_steps = sum(1 for c in step_counts if any(x == 0 for x in c))
+    return {
+        "topology": f"{plan.num_attention}A{plan.num_ffn}F",
+        "num_attention_ranks": plan.num_attention,
+        "num_ffn_ranks": plan.num_ffn,
+        "backend": plan.backend,
+        "device": plan.device_type,
+        "model": {
+            "model_type": mc.get("model_type"),
+            "dims": plan.dims,
+            "layers": mc.get("num_hidden_layers"),
+            "hidden_size": mc.get("hidden_size"),
+            "num_experts": mc.get("num_experts", mc.get("num_local_experts", mc.get("n_routed_experts"))),
+            "top_k": mc.get("num_experts_per_tok"),
+            "moe_intermediate_size": mc.get("moe_intermediate_size", mc.get("intermediate_size")),
+            "vocab_size": mc.get("vocab_size"),
+            "dtype": plan.dtype,
+        },
+        "stages": plan.stages,
+        "gate": "attention" if plan.gate_on_attention else "ffn",
+        "requests": sum(len(v) for v in plan.requests.values()),
+        "steps": steps,
+        "steps_with_zero_token_rank": zero_rank_steps,
+        "step_counts": step_counts,
+        "prompt_tokens": prompt_tokens,
+        "generated_tokens": gen_tokens,
+        "generation_s": wall,
+        "tokens_per_s": gen_tokens / wall if wall > 0 else float("nan"),
+        "total_s": run_s,
+        "exchange_latency_us": {
+            "p50": _pct(all_us, 50),
+            "p99": _pct(all_us, 99),
+            "count": len(all_us),
+            "per_layer": {
+                str(k): {"p50": _pct(v, 50), "p99": _pct(v, 99), "count": len(v)}
+                for k, v in sorted(per_layer.items())
+            },
+        },
+        "bytes": {
+            "attention_to_ffn": bytes_a2f,
+            "ffn_to_attention": bytes_f2a,
+            "per_step": (bytes_a2f + bytes_f2a) / steps if steps else 0.0,
+        },
+        "ffn_rows_served": [int(o["rows"]) for o in sorted(ffn, key=lambda o: o["rank"])],
+        "self_check": asdict(check),
+    }
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
+        n /= 1024.0
+    return f"{n:.1f} GiB"
+
+
+def format_summary(s: Mapping[str, Any]) -> str:
+    """Human-readable summary of :func:`summarize`'s dict."""
+    m = s["model"]
+    lat = s["exchange_latency_us"]
+    ck = s["self_check"]
+    lines = [
+        "afd_ext demo summary",
+        f"  topology        {s['topology']} ({s['num_attention_ranks']} attention, {s['num_ffn_ranks']} FFN ranks), "
+        f"stages {s['stages']}, gate on {s['gate']}",
+        f"  backend         {s['backend']} ({s['device']})",
+        f"  model           {m['model_type']} '{m['dims']}': {m['layers']} layers, hidden {m['hidden_size']}, "
+        f"{m['num_experts']} experts top-{m['top_k']}, moe_intermediate {m['moe_intermediate_size']}, "
+        f"vocab {m['vocab_size']}, {m['dtype']}",
+        f"  requests        {s['requests']}, steps {s['steps']} (with a zero-token attention rank: "
+        f"{s['steps_with_zero_token_rank']})",
+        f"  tokens          prompt {s['prompt_tokens']}, generated {s['generated_tokens']} in "
+        f"{s['generation_s']:.2f} s = {s['tokens_per_s']:.1f} tokens/s",
+        f"  layer exchange  p50 {lat['p50']:.1f} us, p99 {lat['p99']:.1f} us over {lat['count']} exchanges "
+        "(attention side, send+recv)",
+    ]
+    for layer, v in lat["per_layer"].items():
+        lines.append(f"    layer {layer:>3}     p50 {v['p50']:.1f} us, p99 {v['p99']:.1f} us ({v['count']})")
+    b = s["bytes"]
+    lines.append(
+        f"  bytes moved     {_fmt_bytes(b['per_step'])} per step "
+        f"(attention->FFN {_fmt_bytes(b['attention_to_ffn'])}, FFN->attention {_fmt_bytes(b['ffn_to_attention'])} in total)"
+    )
+    verdict = "PASS" if ck["ok"] else "FAIL"
+    lines.append(
+        f"  self-check      {verdict}: max |logit diff| {ck['max_abs_diff']:.3g} (tolerance {ck['tolerance']:g}) "
+        f"over {ck['positions']} positions vs the whole model; worst at {ck['worst']}"
+    )
+    for f in ck["failures"]:
+        lines.append(f"    mismatch: {f}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------
+
+
+def _topology(text: str) -> tuple[int, int]:
+    t = text.strip().upper()
+    try:
+        a, f = t.rstrip("F").split("A")
+        A, F_ = int(a), int(f)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"topology must look like 2A1F, got {text!r}") from None
+    if A < 1 or F_ < 1:
+        raise argparse.ArgumentTypeError(f"topology needs >= 1 attention and >= 1 FFN rank, got {text!r}")
+    return A, F_
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse ``afd-ext demo`` arguments (see ``--help``)."""
+    p = argparse.ArgumentParser(
+        prog="afd-ext demo",
+        description="Serve a transformers MoE decoder AFD-style (attention and FFN in separate "
+        "processes) and check it against the whole model.",
+    )
+    p.add_argument("--topology", type=_topology, default=(2, 1), metavar="AxF",
+                   help="attention and FFN ranks, e.g. 2A1F (default), 1A1F, 3A2F")
+    p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
+                   help="gloo: CPU tensors; nccl: CUDA tensors, attention on GPU 0 and FFN on GPU 1; "
+                   "auto: nccl when 2 GPUs are visible, else gloo")
+    p.add_argument("--dims", default="small",
+                   help=f"model config: one of {available_dims()} or a path to a .json config")
+    p.add_argument("--layers", type=int, default=None, help="override the number of decoder layers")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="auto: float32 on CPU, bfloat16 on GPU")
+    p.add_argument("--stages", type=int, default=1, help="micro-batches per step (1 or 2)")
+    p.add_argument("--gate-on-attention", action="store_true",
+                   help="compute router logits on the attention side and send them with the hidden states")
+    p.add_argument("--requests-per-rank", type=int, default=3)
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--max-prompt-len", type=int, default=32, help="prompt tokens (bytes + BOS) kept per request")
+    p.add_argument("--prompts", default=None, help="prompts file (default: the shipped afd_ext/data/prompts.txt)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="rendezvous port (0: pick a free one)")
+    p.add_argument("--timeout", type=float, default=600.0, help="deadline for the whole run, seconds")
+    p.add_argument("--step-timeout", type=float, default=60.0, help="connector per-operation deadline, seconds")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--json", dest="json_path", default=None, help="write the summary as JSON to this path")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("-v", "--verbose", action="store_true")
+    args = p.parse_args(argv)
+    if args.stages < 1:
+        p.error("--stages must be >= 1")
+    if args.requests_per_rank < 1 or args.max_new_tokens < 1:
+        p.error("--requests-per-rank and --max-new-tokens must be >= 1")
+    return args
+
+
+def build_plan(args: argparse.Namespace) -> DemoPlan:
+    """Resolve arguments into a :class:`DemoPlan` (backend, dtype, ports, requests)."""
+    from afd_ext.testing import find_free_port
+
+    backend = args.backend
+    if backend == "auto":
+        import torch
+
+        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "gloo"
+    dtype = args.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if backend == "nccl" else "float32"
+    A, F_ = args.topology
+    model_config = load_model_config(args.dims, num_layers=args.layers)
+    prompts = load_prompts(args.prompts)
+    requests = make_requests(A, args.requests_per_rank, args.max_new_tokens, prompts=prompts,
+                             max_prompt_len=args.max_prompt_len)
+    port = args.port or find_free_port(args.host)
+    agree_port = find_free_port(args.host)
+    while agree_port == port:
+        agree_port = find_free_port(args.host)
+    return DemoPlan(
+        num_attention=A, num_ffn=F_, backend=backend, dims=args.dims, model_config=model_config,
+        dtype=dtype, seed=args.seed, stages=args.stages, gate_on_attention=args.gate_on_attention,
+        requests=requests, host=args.host, port=port, agree_port=agree_port,
+        step_timeout_s=args.step_timeout, init_timeout_s=max(args.step_timeout, 120.0),
+        progress=not args.no_progress, threads=args.threads,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``afd-ext demo``; returns the exit code (0: self-check passed)."""
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        plan = build_plan(args)
+    except ValueError as e:
+        print(f"afd-ext demo: {e}", file=sys.stderr)
+        return 2
+    summary = run_demo(plan, timeout_s=args.timeout)
+    print(format_summary(summary))
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(summary, indent=2, default=str) + "\n", encoding="utf-8")
+    if not summary["self_check"]["ok"]:
+        print(f"afd-ext demo: self-check FAILED ({len(summary['self_check']['failures'])} shown); "
+              "see the mismatches above", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

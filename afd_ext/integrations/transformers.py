@@ -1,0 +1,845 @@
+"""Split a Hugging Face ``transformers`` decoder into attention and FFN roles.
+
+Attention side (:func:`split_attention_role`): every remote decoder layer's
+MLP / MoE block is replaced, in place, by a :class:`RemoteMLP` proxy. The
+model keeps its embeddings, attention, norms, LM head and KV cache and is
+called exactly as before (``model(input_ids=..., ...)``); each proxy sends its
+rows through ``connector.send_attn_output`` and takes the FFN output from
+``connector.recv_ffn_output``. An :class:`AttentionExchange` holds the per-step
+state the proxies share (which rows are real, how they split into stages,
+timing and byte counters) and drives the control plane once per step.
+
+FFN side (:class:`FFNServer`): holds the MLP / MoE block of every remote layer
+and serves steps: per step ``recv_dp_metadata_list()`` then
+``update_state_from_dp_metadata``, then for each remote layer and each stage
+``recv_attn_output`` -> MLP -> ``send_ffn_output``. A control payload with no
+stages (:func:`make_shutdown_payload`) ends the loop.
+
+Which layers are remote (:func:`remote_layer_indices`): every layer when the
+gate runs on the FFN side (the default, as in the reference plugin); only the
+mixture-of-experts layers when the gate runs on the attention side
+(``gate_on_attention=True``), whose router logits then travel with the hidden
+states and are used by the FFN side for routing.
+
+The code finds the pieces by feature detection, not by class: the decoder
+layers (``model.model.layers`` and a few other spellings), the MLP attribute
+(``mlp``, ``block_sparse_moe``, ``feed_forward``), the router (``gate`` or
+``router`` with a ``[num_experts, hidden]`` weight), and whether the block
+returns ``(hidden_states, router_logits)`` (transformers 4.x) or a tensor
+(5.x). It works with the transformers MoE decoders (Qwen3-MoE, Qwen2-MoE,
+Mixtral, DeepSeek-V2, ...) and any user model laid out the same way.
+
+Example (attention rank)::
+
+    exchange = split_attention_role(model, connector, num_stages=1)
+    payload = agreement.agree({0: n_rows})          # StepCountAgreement
+    exchange.begin_step(payload, dp_rank=my_rank, row_mask=mask)
+    logits = model(input_ids=ids, attention_mask=am, ...).logits
+    ...
+    exchange.shutdown()
+
+Example (FFN rank)::
+
+    server = FFNServer.from_model(model, connector)
+    server.serve()
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from afd_ext.metadata import (
+    AFDControlPayload,
+    AFDExpertRoutingSpec,
+    AFDTransferContext,
+    AFDTransferMetadata,
+)
+
+__all__ = [
+    "MLP_ATTRS",
+    "GATE_ATTRS",
+    "LayerInfo",
+    "decoder_layers",
+    "describe_layers",
+    "remote_layer_indices",
+    "router_logits_from_gate",
+    "stage_split",
+    "make_shutdown_payload",
+    "is_shutdown_payload",
+    "ExchangeStats",
+    "AttentionExchange",
+    "RemoteMLP",
+    "split_attention_role",
+    "extract_ffn_modules",
+    "ReceivedLogitsGate",
+    "FFNServer",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Attribute names under which decoder layers keep their MLP / MoE block.
+MLP_ATTRS = ("mlp", "block_sparse_moe", "feed_forward", "moe")
+#: Attribute names under which MoE blocks keep their router.
+GATE_ATTRS = ("gate", "router")
+_LAYER_PATHS = ("model.layers", "layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers")
+
+
+# ---------------------------------------------------------------------------
+# Model structure (feature detection)
+# ---------------------------------------------------------------------------
+
+
+def _get_path(obj: Any, path: str) -> Any:
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """Return the decoder layers of ``model``.
+
+    Looks at ``model.model.layers``, ``model.layers``, ``model.model.decoder.layers``,
+    ``model.transformer.h`` and ``model.gpt_neox.layers``, in that order.
+
+    Raises:
+        ValueError: none of them is an ``nn.ModuleList``; pass a model laid out
+            like the transformers decoders or wrap yours so one of them exists.
+    """
+    for path in _LAYER_PATHS:
+        layers = _get_path(model, path)
+        if isinstance(layers, nn.ModuleList) and len(layers) > 0:
+            return layers
+    raise ValueError(
+        f"cannot find the decoder layers of {type(model).__name__}: looked for "
+        f"{', '.join(_LAYER_PATHS)} (an nn.ModuleList); expose the layers under one of these names"
+    )
+
+
+def _mlp_attr(layer: nn.Module, idx: int) -> str:
+    for name in MLP_ATTRS:
+        m = getattr(layer, name, None)
+        if isinstance(m, nn.Module):
+            return name
+    raise ValueError(
+        f"decoder layer {idx} ({type(layer).__name__}) has no MLP under any of {MLP_ATTRS}"
+    )
+
+
+def _find_gate(mlp: nn.Module) -> tuple[str, nn.Module] | None:
+    """The router of an MoE block: an attribute in GATE_ATTRS with a 2-D ``weight``."""
+    if not hasattr(mlp, "experts"):
+        return None
+    for name in GATE_ATTRS:
+        g = getattr(mlp, name, None)
+        if isinstance(g, ReceivedLogitsGate):
+            return name, g.original
+        w = getattr(g, "weight", None)
+        if isinstance(g, nn.Module) and isinstance(w, torch.Tensor) and w.dim() == 2:
+            return name, g
+    return None
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """What the split needs to know about one decoder layer.
+
+    Attributes:
+        index: decoder layer index.
+        mlp_attr: attribute of the layer holding the MLP / MoE block.
+        is_moe: the block has experts and a router.
+        gate_attr: attribute of the block holding the router (MoE only).
+        num_experts: router width (MoE only).
+        hidden_size: width of the block's input and output.
+    """
+
+    index: int
+    mlp_attr: str
+    is_moe: bool
+    gate_attr: str | None
+    num_experts: int | None
+    hidden_size: int
+
+
+def _hidden_size(model: nn.Module) -> int:
+    cfg = getattr(model, "config", None)
+    for c in (getattr(cfg, "text_config", None), cfg):
+        h = getattr(c, "hidden_size", None)
+        if isinstance(h, int):
+            return h
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if emb is not None:
+        return int(emb.weight.shape[1])
+    raise ValueError(f"cannot tell the hidden size of {type(model).__name__}: no config.hidden_size")
+
+
+def describe_layers(model: nn.Module) -> list[LayerInfo]:
+    """Describe every decoder layer of ``model`` (see :class:`LayerInfo`).
+
+    Works on an unsplit model and on one already split by
+    :func:`split_attention_role` (the proxies remember what they replaced).
+
+    Raises:
+        ValueError: the layers or an MLP cannot be found.
+    """
+    hidden = _hidden_size(model)
+    out = []
+    for i, layer in enumerate(decoder_layers(model)):
+        attr = _mlp_attr(layer, i)
+        mlp = getattr(layer, attr)
+        if isinstance(mlp, RemoteMLP):
+            out.append(mlp.info)
+            continue
+        g = _find_gate(mlp)
+        if g is None:
+            out.append(LayerInfo(i, attr, False, None, None, hidden))
+        else:
+            out.append(LayerInfo(i, attr, True, g[0], int(g[1].weight.shape[0]), hidden))
+    return out
+
+
+def remote_layer_indices(model: nn.Module, *, gate_on_attention: bool = False) -> list[int]:
+    """Indices of the layers whose MLP runs on the FFN side, in exchange order.
+
+    Every layer when ``gate_on_attention`` is False; only the MoE layers when
+    it is True (dense MLPs then stay on the attention side, as in the
+    reference plugin). Both roles call this on the same model description and
+    get the same list.
+    """
+    infos = describe_layers(model)
+    if gate_on_attention:
+        return [li.index for li in infos if li.is_moe]
+    return [li.index for li in infos]
+
+
+def router_logits_from_gate(gate: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Compute router logits the way the transformers routers do, in float32.
+
+    Args:
+        gate: an ``nn.Linear`` or a router module with a ``weight``
+            ``[num_experts, hidden]`` (and optionally a ``bias``).
+        hidden_states: ``[n, hidden]`` any float dtype, on the gate's device.
+
+    Returns:
+        ``[n, num_experts]`` float32, same device. Float32 because routers
+        softmax in float32 and DeepSeek's routers compute their logits in it.
+    """
+    w = gate.weight
+    b = getattr(gate, "bias", None)
+    b = b.float() if isinstance(b, torch.Tensor) else None
+    return F.linear(hidden_states.reshape(-1, w.shape[1]).float(), w.float(), b)
+
+
+def stage_split(n: int, num_stages: int) -> list[int]:
+    """Split ``n`` rows into ``num_stages`` contiguous stages (earlier stages get the remainder).
+
+    >>> stage_split(5, 2)
+    [3, 2]
+    >>> stage_split(0, 2)
+    [0, 0]
+    """
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+    if n < 0:
+        raise ValueError(f"row count must be >= 0, got {n}")
+    base, rem = divmod(n, num_stages)
+    return [base + (1 if s < rem else 0) for s in range(num_stages)]
+
+
+def make_shutdown_payload() -> AFDControlPayload:
+    """The control payload that ends an :class:`FFNServer` loop: a step with no stages."""
+    return AFDControlPayload(dp_metadata_list={})
+
+
+def is_shutdown_payload(payload: AFDControlPayload) -> bool:
+    """True for the payload of :func:`make_shutdown_payload` (no stages)."""
+    return len(payload.dp_metadata_list) == 0
+
+
+# ---------------------------------------------------------------------------
+# Attention side
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class ExchangeStats:
+    """Counters of one attention rank.
+
+    Attributes:
+        latency_ns: ``layer_idx -> [ns per exchange]`` measured around
+            send + receive of one (layer, stage) on this rank (device work
+            included: on CUDA the proxy synchronizes before and after).
+        bytes_sent / bytes_received: wire payload bytes (hidden states, router
+            logits) this rank sent to / received from FFN ranks, in total.
+        steps: steps begun.
+    """
+
+    latency_ns: dict[int, list[int]] = field(default_factory=dict)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    steps: int = 0
+
+    def all_latencies_us(self) -> list[float]:
+        """Every recorded exchange latency in µs."""
+        return [ns / 1e3 for v in self.latency_ns.values() for ns in v]
+
+
+class AttentionExchange:
+    """State shared by the :class:`RemoteMLP` proxies of one attention rank.
+
+    Args:
+        connector: an initialised connector (``send_attn_output``,
+            ``recv_ffn_output``, ``control_plane``).
+        hidden_size: width of the exchanged hidden states.
+        num_stages: micro-batches per step (1 or more).
+        timing: record per-exchange latency (adds a device sync per exchange on CUDA).
+    """
+
+    def __init__(self, connector: Any, *, hidden_size: int, num_stages: int = 1, timing: bool = True):
+        if num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+        self.connector = connector
+        self.hidden_size = hidden_size
+        self.num_stages = num_stages
+        self.timing = timing
+        self.stats = ExchangeStats()
+        self.proxies: list[RemoteMLP] = []
+        self._stage_rows: list[int] | None = None
+        self._row_mask: torch.Tensor | None = None
+
+    # -- per step ----------------------------------------------------------
+
+    def begin_step(
+        self,
+        payload: AFDControlPayload,
+        *,
+        dp_rank: int,
+        row_mask: torch.Tensor | None = None,
+        send: bool = True,
+    ) -> list[int]:
+        """Start a step: apply ``payload`` locally, send it to the FFN side, set the rows.
+
+        Args:
+            payload: the step's control payload, the same on every attention
+                rank (e.g. from ``StepCountAgreement.agree``); must have
+                exactly ``num_stages`` stages.
+            dp_rank: this rank's index in the payload's count vectors.
+            row_mask: ``[batch, seq]`` bool (any device) selecting the rows the
+                next forward sends (left padding and finished requests are
+                False); ``None`` sends every row.
+            send: call ``control_plane.send_dp_metadata_list`` (it is a no-op on
+                ranks that are not control senders).
+
+        Returns:
+            This rank's rows per stage.
+
+        Raises:
+            ValueError: the payload's stages do not match ``num_stages`` or
+                ``dp_rank`` is out of range.
+        """
+        stages = sorted(payload.dp_metadata_list)
+        if stages != list(range(self.num_stages)):
+            raise ValueError(
+                f"payload stages {stages} do not match num_stages={self.num_stages} "
+                f"(expected {list(range(self.num_stages))})"
+            )
+        rows = []
+        for s in stages:
+            counts = payload.dp_metadata_list[s].counts
+            if not 0 <= dp_rank < len(counts):
+                raise ValueError(f"dp_rank {dp_rank} out of range for stage {s} counts {counts}")
+            rows.append(int(counts[dp_rank]))
+        if row_mask is not None:
+            n = int(row_mask.sum())
+            if n != sum(rows):
+                raise ValueError(
+                    f"row_mask selects {n} rows but the payload gives this rank {sum(rows)} "
+                    f"(per stage {rows})"
+                )
+        cp = self.connector.control_plane
+        cp.update_state_from_dp_metadata(payload)
+        if send:
+            cp.send_dp_metadata_list(payload)
+        self._stage_rows = rows
+        self._row_mask = row_mask
+        self.stats.steps += 1
+        return rows
+
+    def end_step(self) -> None:
+        """Forget the step's rows (a forward outside a step then fails clearly)."""
+        self._stage_rows = None
+        self._row_mask = None
+
+    def idle_forward(self, device: torch.device | str, dtype: torch.dtype) -> None:
+        """Run a step's exchanges with zero rows, without running the model.
+
+        For an attention rank that carries no tokens this step: the proxies
+        are called in layer order with ``[0, hidden]`` inputs, so the rank
+        takes part in every (layer, stage) exchange of the step.
+        """
+        empty = torch.empty(0, self.hidden_size, device=device, dtype=dtype)
+        for proxy in self.proxies:
+            proxy(empty)
+
+    def shutdown(self) -> None:
+        """Tell the FFN side to leave its serving loop (sends :func:`make_shutdown_payload`)."""
+        self.connector.control_plane.send_dp_metadata_list(make_shutdown_payload())
+
+    # -- per exchange ------------------------------------------------------
+
+    def _rows_for(self, n: int) -> list[int]:
+        if self._stage_rows is None:
+            raise RuntimeError(
+                "RemoteMLP called outside a step: call AttentionExchange.begin_step(payload, ...) "
+                "before the model forward"
+            )
+        if sum(self._stage_rows) != n:
+            raise RuntimeError(
+                f"the forward has {n} rows to send but the step's payload gives this rank "
+                f"{sum(self._stage_rows)} (per stage {self._stage_rows}); pass the right row_mask"
+            )
+        return self._stage_rows
+
+    def exchange(
+        self, layer_idx: int, rows: torch.Tensor, router_logits: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Send ``rows`` stage by stage and return the FFN output.
+
+        Args:
+            layer_idx: decoder layer index.
+            rows: ``[n, hidden]`` contiguous, the model's dtype and device.
+            router_logits: ``[n, num_experts]`` float32 or ``None``.
+
+        Returns:
+            ``[n, hidden]`` FFN output, same dtype and device.
+        """
+        stage_rows = self._rows_for(rows.shape[0])
+        conn = self.connector
+        outs = []
+        start = 0
+        cuda = rows.is_cuda and self.timing
+        for s, n in enumerate(stage_rows):
+            x = rows[start : start + n]
+            lg = router_logits[start : start + n] if router_logits is not None else None
+            start += n
+            ctx = AFDTransferContext(
+                metadata=AFDTransferMetadata.create_attention_metadata(
+                    layer_idx=layer_idx, stage_idx=s, seq_len=n
+                )
+            )
+            if cuda:
+                torch.cuda.synchronize(rows.device)
+            t0 = time.perf_counter_ns()
+            if lg is not None:
+                conn.send_attn_output(x, ctx, router_logits=lg)
+            else:
+                conn.send_attn_output(x, ctx)
+            y = conn.recv_ffn_output(ref_tensor=x, ubatch_idx=s)
+            if cuda:
+                torch.cuda.synchronize(rows.device)
+            if self.timing:
+                self.stats.latency_ns.setdefault(layer_idx, []).append(time.perf_counter_ns() - t0)
+            sent = x.numel() * x.element_size()
+            if lg is not None:
+                sent += lg.numel() * lg.element_size()
+            self.stats.bytes_sent += sent
+            self.stats.bytes_received += y.numel() * y.element_size()
+            if tuple(y.shape) != tuple(x.shape):
+                raise RuntimeError(
+                    f"layer {layer_idx} stage {s}: FFN output has shape {tuple(y.shape)}, "
+                    f"expected {tuple(x.shape)}"
+                )
+            outs.append(y)
+        return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+
+
+class RemoteMLP(nn.Module):
+    """Attention-side stand-in for one decoder layer's MLP / MoE block.
+
+    ``forward(hidden_states)`` takes ``[..., hidden]`` (usually ``[batch, seq,
+    hidden]``), picks the rows of the step's ``row_mask`` (all rows when
+    none), sends them through the connector (with router logits computed by
+    the kept ``gate`` when the gate runs on the attention side), and returns
+    a tensor of the input's shape holding the FFN output in those rows and
+    zeros elsewhere (padding rows never reach the FFN side). When the replaced
+    block returned ``(hidden_states, router_logits)`` (transformers 4.x MoE
+    blocks) the proxy does too.
+    """
+
+    def __init__(
+        self,
+        exchange: AttentionExchange,
+        info: LayerInfo,
+        *,
+        gate: nn.Module | None = None,
+        returns_tuple: bool = False,
+    ):
+        super().__init__()
+        self.exchange = exchange
+        self.info = info
+        self.layer_idx = info.index
+        self.gate = gate
+        self.returns_tuple = returns_tuple
+
+    def forward(self, hidden_states: torch.Tensor) -> Any:  # noqa: D102
+        h = hidden_states.shape[-1]
+        if h != self.info.hidden_size:
+            raise ValueError(
+                f"layer {self.layer_idx}: hidden_states last dim is {h}, expected {self.info.hidden_size}"
+            )
+        mask = self.exchange._row_mask
+        lead = hidden_states.shape[:-1]
+        if mask is not None and hidden_states.dim() >= 2 and tuple(mask.shape) == tuple(lead):
+            m = mask.to(hidden_states.device)
+            rows = hidden_states[m]
+        else:
+            m = None
+            rows = hidden_states.reshape(-1, h)
+        rows = rows.contiguous()
+        logits = router_logits_from_gate(self.gate, rows) if self.gate is not None else None
+        y = self.exchange.exchange(self.layer_idx, rows, logits)
+        if m is not None:
+            out = hidden_states.new_zeros(hidden_states.shape)
+            out[m] = y
+        else:
+            out = y.reshape(hidden_states.shape)
+        if self.returns_tuple:
+            n_exp = self.info.num_experts or 1
+            full_logits = out.new_zeros(out.reshape(-1, h).shape[0], n_exp, dtype=torch.float32)
+            if logits is not None:
+                if m is not None:
+                    full_logits[m.reshape(-1)] = logits
+                else:
+                    full_logits.copy_(logits)
+            return out, full_logits
+        return out
+
+
+def _returns_tuple(mlp: nn.Module, hidden_size: int) -> bool:
+    """Whether ``mlp(x)`` returns a tuple (probe on one zero token, on CPU float32 copies)."""
+    try:
+        p = next(mlp.parameters())
+    except StopIteration:
+        return False
+    try:
+        with torch.no_grad():
+            x = torch.zeros(1, 1, hidden_size, dtype=p.dtype, device=p.device)
+            return isinstance(mlp(x), tuple)
+    except Exception as e:  # noqa: BLE001 - a probe; a plain tensor is the 5.x convention
+        logger.debug("MLP probe failed (%s); assuming it returns a tensor", e)
+        return False
+
+
+def split_attention_role(
+    model: nn.Module,
+    connector: Any,
+    *,
+    gate_on_attention: bool = False,
+    num_stages: int = 1,
+    timing: bool = True,
+) -> AttentionExchange:
+    """Turn ``model`` into its attention role, in place.
+
+    The MLP / MoE block of every remote layer (:func:`remote_layer_indices`)
+    is replaced by a :class:`RemoteMLP`; the replaced blocks are dropped (their
+    memory is freed unless referenced elsewhere). With ``gate_on_attention``
+    the router of each MoE layer stays on this side, inside the proxy.
+
+    Call it before moving the model to its device so the experts are never
+    copied there.
+
+    Args:
+        model: a transformers decoder (``...ForCausalLM``) or alike.
+        connector: the attention rank's connector (initialised before the
+            first forward).
+        gate_on_attention: compute router logits here and send them.
+        num_stages: micro-batches per step.
+        timing: record per-exchange latency.
+
+    Returns:
+        The :class:`AttentionExchange` that drives the proxies.
+
+    Raises:
+        ValueError: the model's layout is not recognised; ``gate_on_attention``
+            with a model that has no MoE layer.
+    """
+    infos = describe_layers(model)
+    remote = remote_layer_indices(model, gate_on_attention=gate_on_attention)
+    if gate_on_attention and not remote:
+        raise ValueError("gate_on_attention=True but the model has no MoE layer (no experts + router)")
+    exchange = AttentionExchange(
+        connector, hidden_size=_hidden_size(model), num_stages=num_stages, timing=timing
+    )
+    layers = decoder_layers(model)
+    for i in remote:
+        info = infos[i]
+        mlp = getattr(layers[i], info.mlp_attr)
+        if isinstance(mlp, RemoteMLP):
+            raise ValueError(f"layer {i} is already split (its MLP is a RemoteMLP)")
+        gate = getattr(mlp, info.gate_attr) if (gate_on_attention and info.gate_attr) else None
+        proxy = RemoteMLP(exchange, info, gate=gate, returns_tuple=_returns_tuple(mlp, info.hidden_size))
+        setattr(layers[i], info.mlp_attr, proxy)
+        exchange.proxies.append(proxy)
+    return exchange
+
+
+# ---------------------------------------------------------------------------
+# FFN side
+# ---------------------------------------------------------------------------
+
+
+def _identity_router(gate: nn.Module) -> nn.Module:
+    """A shallow copy of a router whose linear part is the identity.
+
+    transformers 5.x routers begin with ``F.linear(hidden.view(-1, hidden_dim),
+    weight)``; with ``weight = I`` and ``hidden_dim = num_experts`` they turn
+    received logits into exactly the outputs (scores, top-k) the original
+    router would give for those logits. Checked by :class:`ReceivedLogitsGate`.
+    """
+    e = int(gate.weight.shape[0])
+    r = copy.copy(gate)
+    r._parameters = dict(gate._parameters)
+    r._buffers = dict(gate._buffers)
+    r._modules = dict(gate._modules)
+    r._parameters["weight"] = nn.Parameter(
+        torch.eye(e, dtype=gate.weight.dtype, device=gate.weight.device), requires_grad=False
+    )
+    if "bias" in r._parameters:
+        r._parameters["bias"] = None
+    for attr in ("hidden_dim", "hidden_size", "in_features"):
+        if isinstance(getattr(r, attr, None), int):
+            setattr(r, attr, e)
+    return r
+
+
+def _flatten(x: Any) -> list[Any]:
+    if isinstance(x, (tuple, list)):
+        return [y for v in x for y in _flatten(v)]
+    return [x]
+
+
+class ReceivedLogitsGate(nn.Module):
+    """FFN-side replacement of a router: routes with logits received from the attention side.
+
+    Set :attr:`pending` to the received ``[n, num_experts]`` logits before
+    calling the MoE block; the block then calls this module instead of its
+    router and gets what its router would have returned for those logits
+    (the logits themselves for an ``nn.Linear`` gate; ``(logits, scores,
+    indices)`` via an identity-weight copy for 5.x router modules). The
+    logits are cast to the router's weight dtype, as the router would have
+    produced them.
+
+    Raises:
+        NotImplementedError: at construction, when a float32 probe shows that
+            this router cannot be driven by received logits.
+    """
+
+    def __init__(self, original: nn.Module):
+        super().__init__()
+        self.original = original
+        self.is_linear = isinstance(original, nn.Linear)
+        self.router = None if self.is_linear else _identity_router(original)
+        self.pending: torch.Tensor | None = None
+        self._self_check()
+
+    def forward(self, hidden_states: torch.Tensor) -> Any:  # noqa: D102
+        logits = self.pending
+        if logits is None:
+            raise RuntimeError(
+                "ReceivedLogitsGate called without received router logits: the FFN side must "
+                "set .pending (recv_attn_output with routing_spec) when the gate runs on attention"
+            )
+        n = hidden_states.reshape(-1, hidden_states.shape[-1]).shape[0]
+        if logits.shape[0] != n:
+            raise RuntimeError(f"received router logits have {logits.shape[0]} rows, the block has {n}")
+        logits = logits.to(self.original.weight.dtype)
+        if self.is_linear:
+            return logits
+        return self.router(logits)
+
+    def _self_check(self) -> None:
+        g32 = copy.deepcopy(self.original).float().cpu()
+        gen = torch.Generator().manual_seed(1234)
+        x = torch.randn(7, g32.weight.shape[1], generator=gen)
+        with torch.no_grad():
+            ref = _flatten(g32(x))
+            probe = ReceivedLogitsGate.__new__(ReceivedLogitsGate)
+            nn.Module.__init__(probe)
+            probe.original = g32
+            probe.is_linear = self.is_linear
+            probe.router = None if self.is_linear else _identity_router(g32)
+            probe.pending = router_logits_from_gate(g32, x)
+            got = _flatten(probe(x))
+        ok = len(ref) == len(got)
+        for a, b in zip(ref, got):
+            if not ok:
+                break
+            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+                ok = a.shape == b.shape and (
+                    torch.allclose(a.float(), b.float(), atol=1e-5, rtol=1e-5)
+                    if a.is_floating_point()
+                    else torch.equal(a, b)
+                )
+            else:
+                ok = a == b
+        if not ok:
+            raise NotImplementedError(
+                f"router {type(self.original).__name__} cannot be driven by received router logits "
+                "(its outputs differ from the original's on a probe); run with the gate on the "
+                "FFN side (gate_on_attention=False)"
+            )
+
+
+def extract_ffn_modules(model: nn.Module, *, gate_on_attention: bool = False) -> dict[int, nn.Module]:
+    """The FFN role of ``model``: ``{layer_idx: MLP / MoE block}`` of every remote layer.
+
+    With ``gate_on_attention`` each block's router is replaced, in place, by a
+    :class:`ReceivedLogitsGate`.
+
+    Raises:
+        NotImplementedError: a router cannot be driven by received logits.
+    """
+    infos = describe_layers(model)
+    layers = decoder_layers(model)
+    out = {}
+    for i in remote_layer_indices(model, gate_on_attention=gate_on_attention):
+        info = infos[i]
+        mlp = getattr(layers[i], info.mlp_attr)
+        if gate_on_attention:
+            g = getattr(mlp, info.gate_attr)
+            if not isinstance(g, ReceivedLogitsGate):
+                setattr(mlp, info.gate_attr, ReceivedLogitsGate(g))
+        out[i] = mlp
+    return out
+
+
+class FFNServer:
+    """Serve the MLP / MoE blocks of every remote layer for the attention ranks.
+
+    Args:
+        connector: the FFN rank's initialised connector.
+        modules: ``{layer_idx: block}`` (see :func:`extract_ffn_modules`), in
+            exchange order when sorted by layer index.
+        gate_on_attention: router logits arrive with the hidden states.
+        num_experts: router width (required with ``gate_on_attention``).
+        router_logits_dtype: dtype of the received logits (float32).
+        on_step: optional callback ``f(payload)`` after each served step.
+    """
+
+    def __init__(
+        self,
+        connector: Any,
+        modules: Mapping[int, nn.Module],
+        *,
+        gate_on_attention: bool = False,
+        num_experts: int | None = None,
+        router_logits_dtype: torch.dtype = torch.float32,
+        on_step: Callable[[AFDControlPayload], None] | None = None,
+    ):
+        if not modules:
+            raise ValueError("FFNServer needs at least one layer's MLP")
+        if gate_on_attention and not num_experts:
+            raise ValueError("gate_on_attention=True needs num_experts (the router logits width)")
+        self.connector = connector
+        self.modules = dict(sorted(modules.items()))
+        self.gate_on_attention = gate_on_attention
+        self.routing_spec = (
+            AFDExpertRoutingSpec(int(num_experts), router_logits_dtype) if gate_on_attention else None
+        )
+        self.on_step = on_step
+        self.steps = 0
+        self.rows_served = 0
+
+    @classmethod
+    def from_model(
+        cls, model: nn.Module, connector: Any, *, gate_on_attention: bool = False, **kw: Any
+    ) -> "FFNServer":
+        """Build from a whole model (its attention parts are not used and may be dropped)."""
+        modules = extract_ffn_modules(model, gate_on_attention=gate_on_attention)
+        num_experts = None
+        if gate_on_attention:
+            num_experts = next(li.num_experts for li in describe_layers(model) if li.is_moe)
+        return cls(connector, modules, gate_on_attention=gate_on_attention, num_experts=num_experts, **kw)
+
+    @property
+    def layer_indices(self) -> list[int]:
+        """Remote layers, in exchange order."""
+        return list(self.modules)
+
+    def compute(
+        self, layer_idx: int, hidden_states: torch.Tensor, router_logits: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Run layer ``layer_idx``'s block on ``[n, hidden]`` rows and return ``[n, hidden]``.
+
+        Zero rows return an empty tensor without calling the block.
+
+        Raises:
+            KeyError: ``layer_idx`` is not a remote layer.
+            ValueError: router logits missing or present against the configuration.
+        """
+        mlp = self.modules[layer_idx]
+        n, h = hidden_states.shape
+        if self.gate_on_attention and router_logits is None:
+            raise ValueError(f"layer {layer_idx}: the gate runs on attention but no router logits arrived")
+        if n == 0:
+            return hidden_states.new_empty(0, h)
+        x = hidden_states.reshape(1, n, h)
+        gate = None
+        if self.gate_on_attention:
+            gate = next((g for g in mlp.children() if isinstance(g, ReceivedLogitsGate)), None)
+            if gate is None:
+                raise ValueError(f"layer {layer_idx}: block has no ReceivedLogitsGate; use extract_ffn_modules")
+            gate.pending = router_logits
+        try:
+            with torch.no_grad():
+                y = mlp(x)
+        finally:
+            if gate is not None:
+                gate.pending = None
+        if isinstance(y, tuple):
+            y = y[0]
+        return y.reshape(n, h)
+
+    def serve_step(self, payload: AFDControlPayload) -> None:
+        """Serve one step: every remote layer, every stage of ``payload`` in sorted order."""
+        conn = self.connector
+        conn.control_plane.update_state_from_dp_metadata(payload)
+        stages = sorted(payload.dp_metadata_list)
+        kwargs = {"routing_spec": self.routing_spec} if self.routing_spec is not None else {}
+        for layer_idx in self.modules:
+            for s in stages:
+                p = conn.recv_attn_output(ubatch_idx=s, **kwargs)
+                ctx = p.context
+                ctx.metadata.layer_idx = layer_idx
+                ctx.metadata.stage_idx = s
+                y = self.compute(layer_idx, p.hidden_states, p.router_logits)
+                self.rows_served += int(p.hidden_states.shape[0])
+                conn.send_ffn_output(y, ctx)
+        self.steps += 1
+        if self.on_step is not None:
+            self.on_step(payload)
+
+    def serve(self, *, max_steps: int | None = None) -> int:
+        """Serve steps until a shutdown payload (or ``max_steps``); return the steps served.
+
+        Every wait is bounded by the connector's deadlines (``recv_dp_metadata_list``
+        raises when no payload arrives in time).
+        """
+        served = 0
+        while max_steps is None or served < max_steps:
+            payload = self.connector.control_plane.recv_dp_metadata_list()
+            if is_shutdown_payload(payload):
+                break
+            self.serve_step(payload)
+            served += 1
+        return served
