@@ -1,0 +1,247 @@
+"""torch.compile of an attention-side forward that calls the afd_ext communication ops.
+
+Checks, for the ``aot_eager`` and ``inductor`` backends, with ``fullgraph=True``
+(a graph break is an error):
+
+* Dynamo's graph holds every send and receive, in program order (counted);
+* the compiled code, when run, still issues every one of them in program
+  order — no op dropped (even when its result is unused), none reordered,
+  none duplicated.
+
+CI has no GPU and the CPU build's NCCL ops raise, so the test swaps in a CPU
+kernel that records each call (a ``torch.library`` IMPL registration, removed
+after the test, which restores the compiled core's kernel). The schemas, the
+fakes (used while compiling) and the compiler passes are the real ones.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+ops = pytest.importorskip("afd_ext.ops", reason="afd_ext._C is not built")
+
+COMM_OPS = ("send", "recv", "fan_in", "split_back", "exchange")
+BACKENDS = ("aot_eager", "inductor")
+LAYERS = 3
+
+
+@pytest.fixture
+def comm_log():
+    """Replace the CPU kernels of the communication ops with recorders for this test."""
+    log: list[tuple[str, int]] = []
+    lib = torch.library.Library("afd_ext", "IMPL")
+
+    def recorder(name):
+        def kernel(*args):
+            # The communicator handle identifies the call: every call site below uses its own.
+            comm = {"send": 1, "recv": 1, "exchange": 4}.get(name, 3)
+            comm = args[comm]
+            log.append((name, comm if isinstance(comm, int) else tuple(comm)))
+            if name == "exchange":  # the reply lands in the caller's tensor
+                args[3].copy_(args[0] * 2)
+            elif name in ("fan_in", "recv"):
+                args[0].fill_(1)
+
+        return kernel
+
+    for name in COMM_OPS:
+        lib.impl(name, recorder(name), "CPU")
+    try:
+        yield log
+    finally:
+        lib._destroy()
+
+
+def _counting(backend: str, seen: list):
+    """A backend that records the afd_ext calls of Dynamo's graph, then compiles with ``backend``."""
+    inner = torch._dynamo.lookup_backend(backend)
+
+    def compile_fn(gm: torch.fx.GraphModule, example_inputs):
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and str(node.target).startswith("afd_ext."):
+                seen.append(str(node.target).split(".")[1])
+        return inner(gm, example_inputs)
+
+    return compile_fn
+
+
+def attention_forward_one_stage(h, w_attn, w_gate, token_ids):
+    """1 stage, A >= F: per layer, one fused exchange (send wire tensors, receive the reply)."""
+    for layer in range(LAYERS):
+        h = torch.nn.functional.rms_norm(h, (h.shape[-1],))
+        h = h + torch.tanh(h @ w_attn)
+        logits = (h @ w_gate).float()
+        reply = torch.empty_like(h)
+        ops.exchange(h, logits, token_ids, reply, [10 + layer], [20 + layer], [0], [h.shape[0]])
+        h = h + reply
+    return h
+
+
+def attention_forward_two_stages(h0, h1, w_attn):
+    """2 stages (DBO): per layer and stage, split_back then fan_in (separate calls, as the schedule says)."""
+    hs = [h0, h1]
+    for layer in range(LAYERS):
+        for stage in range(2):
+            h = torch.tanh(hs[stage] @ w_attn)
+            reply = torch.empty_like(h)
+            n = h.shape[0]
+            ops.split_back(h, None, None, [100 + 10 * layer + stage], [0], [n])
+            ops.fan_in(reply, None, None, [200 + 10 * layer + stage], [0], [n])
+            hs[stage] = h + reply
+    return torch.cat(hs)
+
+
+def attention_forward_unused(h):
+    """Sends whose tensors are never read again and receives whose results are dropped."""
+    buf = torch.empty_like(h)
+    ops.send(h * 3, 300, 0)
+    ops.recv(buf, 301, 0)  # result unused
+    ops.send(h + 1, 302, 0)
+    return h * 2
+
+
+def _expected_one_stage():
+    return [("exchange", (10 + layer,)) for layer in range(LAYERS)]
+
+
+def _expected_two_stages():
+    out = []
+    for layer in range(LAYERS):
+        for stage in range(2):
+            out += [("split_back", (100 + 10 * layer + stage,)), ("fan_in", (200 + 10 * layer + stage,))]
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_stage_forward_keeps_every_exchange_in_order(backend, comm_log):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    h = torch.randn(4, 16)
+    w_attn, w_gate = torch.randn(16, 16) * 0.1, torch.randn(16, 8)
+    ids = torch.arange(4, dtype=torch.int32)
+    eager = attention_forward_one_stage(h, w_attn, w_gate, ids)
+    assert comm_log == _expected_one_stage()
+    comm_log.clear()
+    seen: list[str] = []
+    compiled = torch.compile(attention_forward_one_stage, backend=_counting(backend, seen), fullgraph=True)
+    out = compiled(h, w_attn, w_gate, ids)
+    assert seen == ["exchange"] * LAYERS
+    assert comm_log == _expected_one_stage()
+    torch.testing.assert_close(out, eager)
+    comm_log.clear()
+    compiled(h, w_attn, w_gate, ids)  # the cached code issues them again, once each
+    assert comm_log == _expected_one_stage()
+
+
+# Known defect of the op registration (reported to the owner of ops.py): nothing
+# orders two data-independent chains of communication ops, and inductor's
+# scheduler emits all of stage 0's layers before stage 1's. On NCCL that issues
+# the sends of one communicator in another order than the FFN side receives
+# them (wrong rows or a hang). A shared mutated ordering token on every
+# communication op fixes it (see test_ordering_token_keeps_order_and_calls).
+_REORDER = pytest.mark.xfail(
+    strict=True, reason="afd_ext comm ops carry no ordering token: inductor reorders independent stages"
+)
+_DROPPED = pytest.mark.xfail(
+    strict=True, reason="afd_ext comm ops on dead temporaries are dead code after functionalization"
+)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=_REORDER)])
+def test_two_stage_forward_keeps_send_receive_order(backend, comm_log):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    h0, h1, w = torch.randn(3, 8), torch.randn(5, 8), torch.randn(8, 8) * 0.1
+    seen: list[str] = []
+    compiled = torch.compile(attention_forward_two_stages, backend=_counting(backend, seen), fullgraph=True)
+    out = compiled(h0, h1, w)
+    assert seen == [name for name, _ in _expected_two_stages()]
+    assert comm_log == _expected_two_stages()
+    comm_log.clear()
+    torch.testing.assert_close(out, attention_forward_two_stages(h0, h1, w))
+    assert comm_log == _expected_two_stages()
+
+
+@pytest.mark.parametrize("backend", [pytest.param(b, marks=_DROPPED) for b in BACKENDS])
+def test_unused_sends_and_receives_survive(backend, comm_log):
+    torch._dynamo.reset()
+    seen: list[str] = []
+    compiled = torch.compile(attention_forward_unused, backend=_counting(backend, seen), fullgraph=True)
+    out = compiled(torch.ones(2, 4))
+    assert seen == ["send", "recv", "send"]
+    assert comm_log == [("send", 300), ("recv", 301), ("send", 302)]
+    assert torch.equal(out, torch.full((2, 4), 2.0))
+
+
+def test_no_graph_break_reported(comm_log):
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(attention_forward_two_stages)(torch.randn(3, 8), torch.randn(5, 8), torch.randn(8, 8))
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+    assert len([op for op in explained.ops_per_graph[0] if "afd_ext" in str(op)]) == 4 * LAYERS
+
+
+_token_log: list = []
+
+
+@torch.library.custom_op("afd_ext_test::send_ordered", mutates_args=("t", "token"))
+def _send_ordered(t: torch.Tensor, token: torch.Tensor, comm: int) -> None:
+    _token_log.append(("send", comm))
+
+
+@torch.library.custom_op("afd_ext_test::recv_ordered", mutates_args=("t", "token"))
+def _recv_ordered(t: torch.Tensor, token: torch.Tensor, comm: int) -> None:
+    _token_log.append(("recv", comm))
+    t.fill_(1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ordering_token_keeps_order_and_calls(backend):
+    """The fix for the two xfails above, shown on stand-in ops: one shared mutated token."""
+    token = torch.zeros(1)
+
+    def forward(h0, h1, w):
+        hs = [h0, h1]
+        for layer in range(LAYERS):
+            for stage in range(2):
+                h = torch.tanh(hs[stage] @ w)
+                reply = torch.empty_like(h)
+                _send_ordered(h, token, 100 + 10 * layer + stage)
+                _recv_ordered(reply, token, 200 + 10 * layer + stage)
+                hs[stage] = h + reply
+        dead = torch.empty_like(h0)
+        _send_ordered(h0 * 3, token, 300)  # a dead temporary
+        _recv_ordered(dead, token, 301)  # a result nobody reads
+        return torch.cat(hs)
+
+    torch._dynamo.reset()
+    _token_log.clear()
+    torch.compile(forward, backend=backend, fullgraph=True)(torch.randn(3, 8), torch.randn(5, 8), torch.randn(8, 8))
+    expected = [(("send" if n == "split_back" else "recv"), c[0] + 0) for n, c in _expected_two_stages()]
+    assert _token_log == expected + [("send", 300), ("recv", 301)]
+
+
+def test_compiled_ops_on_fake_tensors_check_rows():
+    """The fakes check row counts while compiling, so a mis-sized call fails at compile time."""
+    torch._dynamo.reset()
+
+    def bad(h):
+        reply = torch.empty_like(h)
+        ops.fan_in(reply, None, None, [1], [0], [h.shape[0] + 1])
+        return reply
+
+    with pytest.raises(Exception, match="rows"):
+        torch.compile(bad, backend="aot_eager", fullgraph=True)(torch.randn(2, 4))
+
+
+def test_compile_time_is_bounded():
+    """Guard the CI budget: compiling the two-stage forward with inductor stays well under a minute."""
+    torch._dynamo.reset()
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError):  # without recorders the CPU build's NCCL ops raise at run time
+        torch.compile(attention_forward_two_stages, backend="inductor", fullgraph=True)(
+            torch.randn(3, 8), torch.randn(5, 8), torch.randn(8, 8)
+        )
+    assert time.monotonic() - t0 < 120
