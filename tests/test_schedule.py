@@ -273,3 +273,17 @@ def test_property_views_agree(case):
         for a in range(topo.num_attention_ranks):
             assert sum(s.attention_plan(stage, a).valid_rows) == real[a]
         assert sum(sum(s.ffn_plan(stage, f).valid_rows) for f in range(topo.num_ffn_ranks)) == sum(real)
+
+
+def test_packed_row_bytes_matches_ops():
+    try:
+        from afd_ext import ops
+    except (ImportError, OSError) as e:  # the compiled core is not built here
+        pytest.skip(f"afd_ext.ops unavailable: {e}")
+    for hidden, hdt, width, ldt, ids in [
+        (16, torch.bfloat16, None, torch.float32, False),
+        (7168, torch.bfloat16, 256, torch.float32, True),
+        (5, torch.float32, 3, torch.float16, True),
+        (33, torch.float8_e4m3fn, None, torch.float32, True),
+    ]:
+        assert packed_row_bytes(hidden, hdt, width, ldt, ids) == ops.wire_row_bytes(hidden, hdt, width, ldt, ids)
