@@ -67,6 +67,10 @@ __all__ = [
     "GraphBufferError",
     "GraphKey",
     "make_graph_key",
+    "graph_key_from_schedule",
+    "cold_edges",
+    "reserve_ffn_buffers",
+    "reserve_attention_buffers",
     "StepMode",
     "decide_step_mode",
     "capture_size_for",
@@ -278,6 +282,111 @@ def make_graph_key(
         wire_formats=formats,
         topology=tuple(int(t) for t in topology),
     )
+
+
+def graph_key_from_schedule(schedule: Any) -> GraphKey:
+    """The :class:`GraphKey` of a :class:`~afd_ext.schedule.StepSchedule`.
+
+    Uses the wire row vector of every stage (padded under ``pad_to``; never a
+    total), the per-stage wire format, the layer count, the wire dtypes, which
+    optional tensors travel, and ``(A, F, tp)``. Both roles get the same key from
+    the same payload and config. Real counts under padding are not part of it:
+    a padded graph serves any real counts up to the padded size.
+    """
+    cfg = schedule.config
+    topo = schedule.topology
+    logits_dtype = cfg.router_logits_dtype if cfg.router_logits_width is not None else None
+    return make_graph_key(
+        {s: schedule.rows_vector(s) for s in schedule.stages},
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        hidden_dtype=cfg.hidden_dtype,
+        router_logits_width=cfg.router_logits_width,
+        router_logits_dtype=logits_dtype,
+        token_ids_dtype=torch.int32 if cfg.send_token_ids else None,
+        wire_formats={s: schedule.wire_format(s) for s in schedule.stages},
+        topology=(topo.num_attention_ranks, topo.num_ffn_ranks, getattr(topo, "tp_size", 1)),
+    )
+
+
+def cold_edges(schedule: Any, role: str, role_rank: int) -> list[tuple[int, int]]:
+    """Edges of ``role_rank`` that carry no row in any stage of ``schedule``.
+
+    A warm-up step must leave this empty: NCCL connects an edge on its first
+    message, which must not happen inside a capture.
+
+    Returns:
+        ``(attention rank, FFN rank)`` pairs, empty when every edge of the rank has rows.
+    """
+    topo = schedule.topology
+    if role == "attention":
+        edges = [(role_rank, f) for f in topo.attention_peers(role_rank)]
+    elif role == "ffn":
+        edges = [(a, role_rank) for a in topo.ffn_peers(role_rank)]
+    else:
+        raise ValueError(f"role must be 'attention' or 'ffn', got {role!r}")
+    return [e for e in edges if all(schedule.edge_rows(s, *e) == 0 for s in schedule.stages)]
+
+
+def reserve_ffn_buffers(arena: "StaticArena", schedule: Any, ffn_rank: int) -> dict[int, dict[str, torch.Tensor]]:
+    """Reserve an FFN rank's static buffers for every stage of ``schedule``.
+
+    Per stage ``s`` (``T = schedule.ffn_rows(s, ffn_rank)``): ``"hidden"``
+    ``[T, hidden]`` fan-in target, ``"router_logits"`` ``[T, width]`` and
+    ``"token_ids"`` ``[T]`` int32 when they travel, ``"output"`` ``[T, hidden]``
+    split-back source, and ``"wire"`` ``[T, packed_row_bytes]`` uint8 when the
+    stage is packed. Names in the arena are ``(name, stage)``.
+
+    Returns:
+        stage -> name -> tensor (absent optional tensors map to None).
+    """
+    cfg = schedule.config
+    out = {}
+    for s in schedule.stages:
+        t = schedule.ffn_rows(s, ffn_rank)
+        out[s] = _reserve_wire(arena, cfg, s, t, schedule.wire_format(s))
+        out[s]["output"] = arena.buffer(("output", s), (t, cfg.hidden_size), cfg.hidden_dtype)
+    return out
+
+
+def reserve_attention_buffers(
+    arena: "StaticArena", schedule: Any, attention_rank: int
+) -> dict[int, dict[str, torch.Tensor]]:
+    """Reserve an attention rank's static buffers for every stage of ``schedule``.
+
+    Per stage (``n = schedule.attention_rows(s, attention_rank)``, padded rows
+    included): ``"hidden"`` ``[n, hidden]`` (static input / what is sent),
+    ``"router_logits"``, ``"token_ids"`` and ``"wire"`` as in
+    :func:`reserve_ffn_buffers`, and ``"reply"`` ``[n, hidden]`` (the FFN output lands here).
+
+    Returns:
+        stage -> name -> tensor.
+    """
+    cfg = schedule.config
+    out = {}
+    for s in schedule.stages:
+        n = schedule.attention_rows(s, attention_rank)
+        out[s] = _reserve_wire(arena, cfg, s, n, schedule.wire_format(s))
+        out[s]["reply"] = arena.buffer(("reply", s), (n, cfg.hidden_size), cfg.hidden_dtype)
+    return out
+
+
+def _reserve_wire(arena: "StaticArena", cfg: Any, s: int, rows: int, fmt: str) -> dict[str, torch.Tensor | None]:
+    bufs: dict[str, torch.Tensor | None] = {
+        "hidden": arena.buffer(("hidden", s), (rows, cfg.hidden_size), cfg.hidden_dtype),
+        "router_logits": None,
+        "token_ids": None,
+        "wire": None,
+    }
+    if cfg.router_logits_width is not None:
+        bufs["router_logits"] = arena.buffer(
+            ("router_logits", s), (rows, cfg.router_logits_width), cfg.router_logits_dtype
+        )
+    if cfg.send_token_ids:
+        bufs["token_ids"] = arena.buffer(("token_ids", s), (rows,), torch.int32)
+    if fmt == "packed":
+        bufs["wire"] = arena.buffer(("wire", s), (rows, cfg.packed_row_bytes), torch.uint8)
+    return bufs
 
 
 # ---------------------------------------------------------------------------
@@ -984,14 +1093,28 @@ class GraphController:
             + "; ".join(closest.differences(key))
         )
 
-    def note_eager_step(self, mode: StepMode, key: GraphKey | None) -> None:
-        """Record an eager step; a WARMUP step whose every count is > 0 warms every edge.
+    def note_eager_step(
+        self, mode: StepMode, key: GraphKey | None, *, schedule: Any = None, role_rank: int | None = None
+    ) -> None:
+        """Record an eager step; a WARMUP step with rows on every edge warms the edges.
 
         Args:
             mode: the step's mode (EAGER or WARMUP).
-            key: the step's key (its counts tell which attention ranks had rows).
+            key: the step's key (without a schedule: every count must be > 0).
+            schedule: the step's schedule; with ``role_rank``, the exact test is
+                that every edge of this rank carried rows (:func:`cold_edges`).
+            role_rank: this rank's role rank (with ``schedule``).
         """
-        if mode is StepMode.WARMUP and key is not None:
+        if mode is not StepMode.WARMUP:
+            return
+        if schedule is not None and role_rank is not None:
+            cold = cold_edges(schedule, self.role, role_rank)
+            if not cold:
+                self.warmed_up = True
+            else:
+                logger.warning("%s rank %d: warm-up step left edges %s cold", self.role, role_rank, cold)
+            return
+        if key is not None:
             if all(c > 0 for _, counts in key.stage_counts for c in counts):
                 self.warmed_up = True
             else:

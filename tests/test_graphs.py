@@ -404,3 +404,65 @@ def test_controller_arguments_validated():
     assert ctl.pad_counts({0: [3, 1]}) == {0: (4, 4)}
     with pytest.raises(GraphBufferError, match="arena is on"):
         ctl.capture(key([1]), StaticArena("meta"), lambda: None)
+
+
+# --- with the real schedule ----------------------------------------------------------
+
+schedule_mod = pytest.importorskip("afd_ext.schedule")
+topology_mod = pytest.importorskip("afd_ext.topology")
+
+
+def _schedule(counts, A=2, F=1, pad=None, **cfg):
+    from afd_ext.metadata import AFDControlPayload
+
+    base = dict(num_layers=2, hidden_size=16, hidden_dtype=torch.bfloat16)
+    base.update(cfg)
+    config = schedule_mod.ScheduleConfig(pad_to=pad, **base)
+    payload = AFDControlPayload(dp_metadata_list={s: list(c) for s, c in counts.items()})
+    return schedule_mod.build_step_schedule(topology_mod.Topology(A, F), payload, config)
+
+
+def test_key_from_schedule_uses_per_peer_rows():
+    k44 = graphs.graph_key_from_schedule(_schedule({0: [4, 4]}))
+    k71 = graphs.graph_key_from_schedule(_schedule({0: [7, 1]}))
+    assert k44 != k71 and k44.counts(0) == (4, 4) and k44.topology == (2, 1, 1)
+    # Under padding the key is the padded vector: any real counts up to it share the graph.
+    p1 = graphs.graph_key_from_schedule(_schedule({0: [3, 0]}, pad={0: 4}))
+    p2 = graphs.graph_key_from_schedule(_schedule({0: [1, 4]}, pad={0: 4}))
+    assert p1 == p2 == k44
+    kl = graphs.graph_key_from_schedule(
+        _schedule({0: [4, 4]}, router_logits_width=8, send_token_ids=True, wire_format="packed")
+    )
+    assert kl.router_logits == (8, "float32") and kl.token_ids == "int32" and kl.wire_formats == ("packed",)
+    assert kl != k44
+
+
+def test_cold_edges_and_warmup_from_schedule():
+    sched = _schedule({0: [2, 0], 1: [0, 0]}, A=2, F=1)
+    assert graphs.cold_edges(sched, "ffn", 0) == [(1, 0)]
+    assert graphs.cold_edges(sched, "attention", 0) == []
+    ctl = _controller()
+    ctl.note_eager_step(StepMode.WARMUP, None, schedule=sched, role_rank=0)
+    assert not ctl.warmed_up
+    warm = schedule_mod.build_step_schedule(
+        topology_mod.Topology(1, 2), schedule_mod.warmup_payload(topology_mod.Topology(1, 2)),
+        schedule_mod.ScheduleConfig(num_layers=1, hidden_size=4, hidden_dtype=torch.float32),
+    )
+    assert graphs.cold_edges(warm, "attention", 0) == []
+    ctl.note_eager_step(StepMode.WARMUP, None, schedule=warm, role_rank=0)
+    assert ctl.warmed_up
+
+
+def test_reserve_buffers_at_captured_capacity():
+    sched = _schedule({0: [3, 0], 1: [2, 2]}, pad={0: 4, 1: 2}, router_logits_width=8, send_token_ids=True,
+                      wire_format="packed")
+    arena = StaticArena("cpu")
+    ffn = graphs.reserve_ffn_buffers(arena, sched, 0)
+    assert ffn[0]["hidden"].shape == (8, 16) and ffn[1]["output"].shape == (4, 16)
+    assert ffn[0]["router_logits"].shape == (8, 8) and ffn[0]["token_ids"].dtype == torch.int32
+    assert ffn[0]["wire"].shape == (8, sched.config.packed_row_bytes)
+    att = graphs.reserve_attention_buffers(StaticArena("cpu"), sched, 1)
+    assert att[0]["hidden"].shape == (4, 16) and att[0]["reply"].shape == (4, 16)
+    # Reserving again returns the very same tensors (the arena never reallocates).
+    again = graphs.reserve_ffn_buffers(arena, sched, 0)
+    assert all(again[s][n] is ffn[s][n] for s in ffn for n in ffn[s] if ffn[s][n] is not None)
