@@ -1,0 +1,341 @@
+"""``afd-ext bench``: the layer exchange against the reference call pattern and raw NCCL.
+
+Entry point :func:`main` (``python -m afd_ext bench ...`` dispatches here;
+``python -m afd_ext.bench ...`` works too). See ``docs/benchmarks.md`` for
+the method and the published numbers.
+
+Typical runs on the two-GPU machine::
+
+    python -m afd_ext bench --check --out out/check          # bit-exact self-check, every variant
+    python -m afd_ext bench --out out/bench                  # default sweep, ~3-5 min
+    python -m afd_ext bench --quick --out out/quick          # 1, 128, 8192 tokens
+    python -m afd_ext bench --merge a/bench.json b/bench.json --out out/merged
+
+Without GPUs (CI) the same commands run the gloo path at tiny sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from typing import Any, Sequence
+
+from afd_ext.bench.plan import (
+    ALL_VARIANTS,
+    DIRECTIONS,
+    MODES,
+    Case,
+    Reps,
+    RunConfig,
+    check_cases,
+    default_cases,
+    gloo_cases,
+    make_layout,
+    parse_int_list,
+    quick_cases,
+)
+
+__all__ = ["main", "build_parser", "run"]
+
+logger = logging.getLogger("afd_ext.bench")
+
+
+def build_parser(prog: str = "afd-ext bench") -> argparse.ArgumentParser:
+    """The ``afd-ext bench`` argument parser."""
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Benchmark the AFD layer exchange (this package vs the reference connector's call "
+                    "pattern, raw NCCL, bare NCCL and torch.distributed); JSON + markdown + PNG.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--out", default="bench-out",
+                   help="output directory (bench.json, bench.md, bench.png) or a .json path")
+    p.add_argument("--quick", action="store_true",
+                   help="small sweep (GPU: 1, 128, 8192 tokens at hidden 7168 with logits+ids; CPU: tiny gloo sizes)")
+    p.add_argument("--check", action="store_true",
+                   help="verify every variant's received data bit-exactly at a few sizes (no timing)")
+    p.add_argument("--merge", nargs="+", metavar="JSON", help="merge earlier results into one report and exit")
+    p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
+                   help="nccl: CUDA tensors over this package's NCCL ops; gloo: CPU tensors (smoke test)")
+    p.add_argument("--attention-ranks", type=int, default=1, help="A: attention processes")
+    p.add_argument("--ffn-ranks", type=int, default=1, help="F: FFN processes")
+    p.add_argument("--gpu-map", default=None,
+                   help="GPU index per process, attention ranks first then FFN ranks (e.g. 0,0,1 for 2A1F)")
+    p.add_argument("--allow-shared", action="store_true",
+                   help="time even when processes share a GPU (results are flagged as not meaningful)")
+    p.add_argument("--hidden", default=None, help="hidden sizes, e.g. 7168 or 2048,7168 (overrides the sweep)")
+    p.add_argument("--tokens", default=None, help="tokens per attention rank, e.g. 1,128,8192 (overrides the sweep)")
+    p.add_argument("--extras", choices=("both", "on", "off"), default="both",
+                   help="with --hidden/--tokens: fp32 router logits [n, 256] + int32 ids on, off or both")
+    p.add_argument("--variants", default=",".join(ALL_VARIANTS), help="comma list of " + ", ".join(ALL_VARIANTS))
+    p.add_argument("--modes", default=",".join(MODES), help="eager and/or graph (graph needs CUDA)")
+    p.add_argument("--directions", default=",".join(DIRECTIONS), help="round_trip, a2f, f2a")
+    p.add_argument("--time-per-point", type=float, default=None,
+                   help="timed seconds per (case, variant, mode, direction); default 0.05 (0.02 with --quick)")
+    p.add_argument("--rounds", type=int, default=None, help="blocks per measurement, variants alternated per block")
+    p.add_argument("--max-iters", type=int, default=None, help="cap on timed iterations per measurement")
+    p.add_argument("--graph-iters", type=int, default=10, help="iterations captured per CUDA graph")
+    p.add_argument("--control-iters", type=int, default=300, help="control-plane steps measured")
+    p.add_argument("--no-control", action="store_true", help="skip the control-plane measurement")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="deadline for the whole run, seconds (default 540; 300 with --check)")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    return p
+
+
+def _csv(text: str, allowed: Sequence[str], what: str) -> tuple[str, ...]:
+    items = tuple(x.strip() for x in text.split(",") if x.strip())
+    bad = [x for x in items if x not in allowed]
+    if bad or not items:
+        raise ValueError(f"{what}: {bad or 'empty'} not in {', '.join(allowed)}")
+    return items
+
+
+def _gpu_count() -> int:
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return 0
+        from afd_ext import ops
+
+        if not ops.is_cuda_built():
+            logger.warning("GPUs are visible but afd_ext was built without CUDA; using the gloo path")
+            return 0
+        return torch.cuda.device_count()
+    except Exception as e:  # noqa: BLE001 - no usable GPU path
+        logger.warning("no usable GPU path (%s: %s); using the gloo path", type(e).__name__, e)
+        return 0
+
+
+def _git_commit() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        r = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
+        if r.returncode == 0:
+            commit = r.stdout.strip()
+            d = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=5)
+            return commit + ("-dirty" if d.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return "unknown"
+
+
+def _meta(args: argparse.Namespace, cfg: RunConfig, argv: Sequence[str]) -> dict:
+    import torch
+
+    meta: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": _git_commit(),
+        "host": socket.gethostname(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "backend": cfg.backend,
+        "layout": cfg.layout.to_dict(),
+        "shared_gpu": cfg.layout.shared,
+        "reps": cfg.reps.to_dict(),
+        "modes": list(cfg.modes),
+        "directions": list(cfg.directions),
+        "variants": list(cfg.variants),
+        "quick": bool(args.quick),
+        "argv": list(argv),
+        "env": {k: v for k, v in sorted(os.environ.items())
+                if k.startswith(("NCCL_", "AFD_", "TORCH_NCCL", "CUDA_VISIBLE", "TORCH_SYMM"))},
+    }
+    try:
+        from afd_ext import ops
+
+        info = ops.build_info()
+        meta["build_info"] = info
+        meta["nccl_runtime"] = info.get("nccl_runtime")
+        meta["nccl_compiled"] = info.get("nccl_compiled")
+    except Exception as e:  # noqa: BLE001 - informative only
+        meta["build_info"] = {"error": f"{type(e).__name__}: {e}"}
+    if cfg.backend == "nccl":
+        try:
+            meta["torch_nccl"] = ".".join(str(x) for x in torch.cuda.nccl.version())
+        except Exception:  # noqa: BLE001
+            pass
+    return meta
+
+
+def _config(args: argparse.Namespace) -> RunConfig:
+    from afd_ext.testing import find_free_port
+
+    if args.backend == "gloo":
+        ngpu = 0
+    else:
+        ngpu = _gpu_count()
+        if args.backend == "nccl" and ngpu == 0:
+            raise ValueError("--backend nccl needs a visible GPU and a CUDA build of afd_ext")
+    backend = "nccl" if ngpu > 0 else "gloo"
+    gpu_map = parse_int_list(args.gpu_map, "--gpu-map") if args.gpu_map else None
+    layout = make_layout(args.attention_ranks, args.ffn_ranks, ngpu, gpu_map)
+    cuda = backend == "nccl"
+    if args.hidden or args.tokens:
+        hiddens = parse_int_list(args.hidden or "7168", "--hidden")
+        tokens = parse_int_list(args.tokens or "1,128,8192", "--tokens")
+        extras = {"both": (True, False), "on": (True,), "off": (False,)}[args.extras]
+        lw = 256 if cuda else 16
+        cases = [Case(h, t, e, logits_width=lw) for h in hiddens for t in tokens for e in extras]
+    elif args.check:
+        cases = check_cases(cuda)
+    elif not cuda:
+        cases = gloo_cases()
+    elif args.quick:
+        cases = quick_cases()
+    else:
+        cases = default_cases()
+    variants = _csv(args.variants, ALL_VARIANTS, "--variants")
+    modes = _csv(args.modes, MODES, "--modes")
+    if not cuda:
+        modes = tuple(m for m in modes if m == "eager") or ("eager",)
+    directions = _csv(args.directions, DIRECTIONS, "--directions")
+    if cuda:
+        reps = Reps(target_s=args.time_per_point or (0.02 if args.quick else 0.05),
+                    rounds=args.rounds or 2, max_iters=args.max_iters or 400, graph_iters=args.graph_iters)
+    else:
+        reps = Reps(target_s=args.time_per_point or 0.005, min_iters=4, max_iters=args.max_iters or 20,
+                    warmup=1, rounds=args.rounds or 1, graph_iters=args.graph_iters)
+    timeout = args.timeout or (300.0 if args.check else 540.0)
+    return RunConfig(
+        backend=backend, layout=layout, cases=cases, variants=variants, modes=modes, directions=directions,
+        reps=reps, master_port=find_free_port(), check=bool(args.check), control=not args.no_control,
+        control_iters=max(10, args.control_iters if cuda else min(args.control_iters, 30)),
+        timeout_s=max(30.0, timeout - 15.0), progress=not args.no_progress,
+    )
+
+
+def run(cfg: RunConfig, timeout_s: float) -> list[dict]:
+    """Start one worker per AFD world rank and return their results (indexed by world rank).
+
+    Raises:
+        afd_ext.testing.WorkerError / TimeoutError / RuntimeError: as ``run_workers``.
+    """
+    from afd_ext.bench.runner import bench_worker
+    from afd_ext.testing import run_workers
+
+    return run_workers(bench_worker, cfg.layout.world_size, (cfg,), timeout_s=timeout_s,
+                       per_rank_env=cfg.layout.per_rank_env())
+
+
+def _assemble(meta: dict, cfg: RunConfig, results: list[dict], ours_cp: dict | None) -> dict:
+    from afd_ext.bench.control import summarize_latencies
+    from afd_ext.bench.report import SCHEMA, default_wire_format, evaluate_targets
+
+    records, skipped, notes, checks = [], [], [], []
+    devices = []
+    for r in results:
+        records += r["records"]
+        checks += r["checks"]
+        for s in r["skipped"]:
+            if s not in skipped:
+                skipped.append(s)
+        for n in r["notes"]:
+            if n not in notes:
+                notes.append(n)
+        if r.get("device"):
+            devices.append(f"{r['role']}{r['role_rank']}: {r['device']} (GPU {r.get('cuda_visible_devices')})")
+    meta["devices"] = "; ".join(devices) if devices else "CPU"
+    ref_cp = summarize_latencies([r.get("control") for r in results]) if cfg.control and not cfg.check else None
+    A, F = cfg.layout.num_attention_ranks, cfg.layout.num_ffn_ranks
+    doc = {
+        "schema": SCHEMA, "meta": meta, "records": records, "skipped": skipped, "notes": notes,
+        "control_plane": {"reference": ref_cp, "ours": ours_cp},
+        "default_wire_format": {c.key(): default_wire_format(c.to_dict(), A, F) for c in cfg.cases},
+        "targets": [],
+    }
+    if cfg.check:
+        doc["checks"] = checks
+    else:
+        doc["targets"] = evaluate_targets(doc)
+    return doc
+
+
+def _print_checks(checks: list[dict]) -> int:
+    bad = [c for c in checks if not c["ok"]]
+    groups: dict[tuple, list[dict]] = {}
+    for c in checks:
+        groups.setdefault((c["variant"], c["mode"], c["direction"]), []).append(c)
+    print(f"{'variant':<16} {'mode':<6} {'direction':<10} {'checks':>6}  result")
+    for (v, m, d), cs in sorted(groups.items()):
+        nbad = sum(1 for c in cs if not c["ok"])
+        print(f"{v:<16} {m:<6} {d:<10} {len(cs):>6}  {'OK' if nbad == 0 else f'FAILED ({nbad})'}")
+    for c in bad[:20]:
+        print(f"FAIL {c['case_key']} {c['variant']}/{c['mode']}/{c['direction']} at {c['role']} "
+              f"{c['role_rank']}: {'; '.join(c['errors'])}")
+    print(f"check: {len(checks) - len(bad)} of {len(checks)} passed")
+    return len(bad)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``afd-ext bench``; returns the process exit code (0 ok, 1 failed check/run, 2 bad usage)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
+    from afd_ext.bench import report
+
+    if args.merge:
+        try:
+            doc = report.merge_documents(report.load_documents(args.merge))
+        except (OSError, ValueError) as e:
+            print(f"afd-ext bench --merge: {e}", file=sys.stderr)
+            return 2
+        paths = report.write_outputs(doc, args.out, plot=not args.no_plot)
+        print(report.render_markdown(doc))
+        print("wrote " + ", ".join(paths.values()))
+        return 0
+    try:
+        cfg = _config(args)
+    except ValueError as e:
+        print(f"afd-ext bench: {e}", file=sys.stderr)
+        return 2
+    if cfg.layout.shared and not cfg.check:
+        msg = (f"processes share a GPU ({cfg.layout.describe()}): the driver time-slices them (about 2.2 ms "
+               "per round trip whatever the size), so timings would be meaningless. Give every process its "
+               "own GPU, use --check for correctness, or pass --allow-shared to time anyway (flagged).")
+        if not args.allow_shared:
+            print(f"afd-ext bench: refusing to time: {msg}", file=sys.stderr)
+            return 2
+        logger.warning("WARNING: %s", msg)
+    what = "check" if cfg.check else "sweep"
+    logger.info("afd-ext bench %s: backend %s, %s, %d cases, variants %s, modes %s", what, cfg.backend,
+                cfg.layout.describe(), len(cfg.cases), ",".join(cfg.variants), ",".join(cfg.modes))
+    meta = _meta(args, cfg, argv)
+    t0 = time.monotonic()
+    deadline_s = cfg.timeout_s + 10.0
+    try:
+        results = run(cfg, deadline_s)
+    except Exception as e:  # noqa: BLE001 - one clear line, then the worker's traceback
+        print(f"afd-ext bench: the {what} failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    ours_cp = None
+    if cfg.control and not cfg.check:
+        from afd_ext.bench.control import ours_control_plane
+
+        ours_cp = ours_control_plane(cfg.control_iters * 4 if cfg.backend == "nccl" else cfg.control_iters,
+                                     timeout_s=min(120.0, max(30.0, cfg.timeout_s)))
+    meta["elapsed_s"] = round(time.monotonic() - t0, 1)
+    doc = _assemble(meta, cfg, results, ours_cp)
+    paths = report.write_outputs(doc, args.out, plot=not args.no_plot and not cfg.check)
+    if cfg.check:
+        nbad = _print_checks(doc["checks"])
+        for s in doc["skipped"]:
+            print(f"skipped {s['case_key']} {s['variant']}: {s['reason']}")
+        print("wrote " + ", ".join(paths.values()))
+        return 1 if nbad or not doc["checks"] else 0
+    print(report.render_markdown(doc))
+    print("wrote " + ", ".join(paths.values()))
+    return 0

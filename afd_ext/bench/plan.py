@@ -1,0 +1,324 @@
+"""What a benchmark run measures: cases, sweeps, process layout, repetition policy.
+
+Pure Python (no torch import), so the CLI can validate a request and print
+the plan before any process starts.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Iterable, Sequence
+
+__all__ = [
+    "Case",
+    "Layout",
+    "DIRECTIONS",
+    "MODES",
+    "ALL_VARIANTS",
+    "DEFAULT_TOKENS",
+    "default_cases",
+    "quick_cases",
+    "check_cases",
+    "gloo_cases",
+    "make_layout",
+    "parse_int_list",
+    "Reps",
+    "RunConfig",
+]
+
+#: Round trip (attention -> FFN -> attention) and each direction alone.
+DIRECTIONS = ("round_trip", "a2f", "f2a")
+MODES = ("eager", "graph")
+#: Variant names, in the order they are alternated inside a case.
+ALL_VARIANTS = ("ours_per_tensor", "ours_packed", "reference", "raw", "bare", "torch_dist")
+DEFAULT_TOKENS = (1, 8, 32, 128, 512, 2048, 8192)
+DEFAULT_SIDE_TOKENS = (1, 128, 2048)
+ROUTER_LOGITS_WIDTH = 256
+
+
+@dataclass(frozen=True, order=True)
+class Case:
+    """One payload shape of a layer exchange, per attention rank.
+
+    Attributes:
+        hidden: hidden size (bf16 elements per token).
+        tokens: tokens per attention rank.
+        extras: True when fp32 router logits ``[tokens, logits_width]`` and
+            int32 token ids ``[tokens]`` travel with the hidden states.
+        logits_width: router-logits width (experts).
+    """
+
+    hidden: int
+    tokens: int
+    extras: bool
+    logits_width: int = ROUTER_LOGITS_WIDTH
+
+    def __post_init__(self) -> None:
+        for name in ("hidden", "tokens", "logits_width"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"Case.{name} must be a positive int, got {v!r}")
+
+    def a2f_row_bytes(self) -> int:
+        """Unpadded bytes per token attention -> FFN (hidden bf16, plus logits fp32 and id int32)."""
+        n = 2 * self.hidden
+        if self.extras:
+            n += 4 * self.logits_width + 4
+        return n
+
+    def f2a_row_bytes(self) -> int:
+        """Bytes per token FFN -> attention (the bf16 FFN output)."""
+        return 2 * self.hidden
+
+    def a2f_bytes(self, rows: int | None = None) -> int:
+        """Bytes attention -> FFN for ``rows`` tokens (default: ``tokens``)."""
+        return (self.tokens if rows is None else rows) * self.a2f_row_bytes()
+
+    def f2a_bytes(self, rows: int | None = None) -> int:
+        """Bytes FFN -> attention for ``rows`` tokens (default: ``tokens``)."""
+        return (self.tokens if rows is None else rows) * self.f2a_row_bytes()
+
+    def key(self) -> str:
+        """Stable label, e.g. ``h7168-t128-extras``."""
+        return f"h{self.hidden}-t{self.tokens}-{'extras' if self.extras else 'hidden'}"
+
+    def to_dict(self) -> dict:
+        """Plain dict for JSON."""
+        return asdict(self)
+
+
+def _cases(hiddens_tokens: Iterable[tuple[int, Sequence[int]]], extras: Sequence[bool]) -> list[Case]:
+    out = []
+    for hidden, tokens in hiddens_tokens:
+        for t in tokens:
+            for e in extras:
+                out.append(Case(hidden, t, e))
+    return out
+
+
+def default_cases() -> list[Case]:
+    """The default sweep: 1..8192 tokens at hidden 7168, three sizes at 2048 and 4096; with and without extras."""
+    return _cases(
+        [(7168, DEFAULT_TOKENS), (2048, DEFAULT_SIDE_TOKENS), (4096, DEFAULT_SIDE_TOKENS)],
+        (True, False),
+    )
+
+
+def quick_cases() -> list[Case]:
+    """``--quick`` on GPUs: 1, 128 and 8192 tokens at hidden 7168 with extras."""
+    return _cases([(7168, (1, 128, 8192))], (True,))
+
+
+def gloo_cases() -> list[Case]:
+    """The CPU/gloo smoke sweep: tiny sizes (hidden 64, 16 experts)."""
+    return [Case(64, t, e, logits_width=16) for t in (1, 5) for e in (True, False)]
+
+
+def check_cases(cuda: bool) -> list[Case]:
+    """Sizes for ``--check``: odd row counts and a multi-MB message, with and without extras."""
+    if not cuda:
+        return [Case(48, t, e, logits_width=8) for t in (1, 7) for e in (True, False)]
+    return _cases([(7168, (1, 127, 1000))], (True, False)) + [Case(2048, 3, True)]
+
+
+def parse_int_list(text: str, what: str) -> tuple[int, ...]:
+    """Parse ``"1,8,32"`` into positive ints.
+
+    Raises:
+        ValueError: an entry is not a positive integer (names ``what``).
+    """
+    out = []
+    for part in str(text).split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            v = int(part)
+        except ValueError:
+            raise ValueError(f"{what}: {part!r} is not an integer (expected e.g. 1,8,128)") from None
+        if v < 1:
+            raise ValueError(f"{what}: entries must be >= 1, got {v}")
+        out.append(v)
+    if not out:
+        raise ValueError(f"{what}: empty list")
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which GPU each process uses.
+
+    Attributes:
+        num_attention_ranks, num_ffn_ranks: ``A`` and ``F``.
+        gpus: physical GPU label per AFD world rank (FFN ranks first, then
+            attention ranks), as written into ``CUDA_VISIBLE_DEVICES``;
+            empty for the CPU/gloo path.
+        shared: True when two processes use the same GPU (the driver then
+            time-slices them and latencies are meaningless).
+    """
+
+    num_attention_ranks: int
+    num_ffn_ranks: int
+    gpus: tuple[str, ...] = ()
+    shared: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.num_attention_ranks + self.num_ffn_ranks
+
+    def per_rank_env(self) -> list[dict[str, str]] | None:
+        """``CUDA_VISIBLE_DEVICES`` per world rank (``None`` on the CPU path)."""
+        if not self.gpus:
+            return None
+        return [{"CUDA_VISIBLE_DEVICES": g} for g in self.gpus]
+
+    def describe(self) -> str:
+        """E.g. ``1A1F: ffn0->GPU1 attn0->GPU0``."""
+        a, f = self.num_attention_ranks, self.num_ffn_ranks
+        if not self.gpus:
+            return f"{a}A{f}F on CPU (gloo)"
+        parts = [f"ffn{i}->GPU{self.gpus[i]}" for i in range(f)]
+        parts += [f"attn{i}->GPU{self.gpus[f + i]}" for i in range(a)]
+        return f"{a}A{f}F: " + " ".join(parts) + (" (GPUs SHARED)" if self.shared else "")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["gpus"] = list(self.gpus)
+        d["description"] = self.describe()
+        return d
+
+
+def _visible_labels(num_gpus: int) -> list[str]:
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None and env.strip():
+        labels = [x.strip() for x in env.split(",") if x.strip()]
+        return labels[:num_gpus]
+    return [str(i) for i in range(num_gpus)]
+
+
+def make_layout(num_attention_ranks: int, num_ffn_ranks: int, num_gpus: int,
+                gpu_map: Sequence[int] | None = None) -> Layout:
+    """Assign GPUs to processes.
+
+    With enough GPUs every process gets its own: attention ranks on the first
+    GPUs, FFN ranks on the next (1A1F: attention on GPU 0, FFN on GPU 1).
+    With too few, the FFN ranks take the last GPUs and the attention ranks
+    share the remaining ones round-robin (2A1F on two GPUs: both attention
+    ranks on GPU 0), and the layout is marked shared.
+
+    Args:
+        num_attention_ranks, num_ffn_ranks: ``A``, ``F`` >= 1.
+        num_gpus: GPUs visible to this process (0: the CPU/gloo path).
+        gpu_map: optional explicit GPU index per process, attention ranks
+            first then FFN ranks (indices into the visible GPUs).
+
+    Raises:
+        ValueError: a bad size, or a ``gpu_map`` of the wrong length or with
+            an index not below ``num_gpus``.
+    """
+    A, F = num_attention_ranks, num_ffn_ranks
+    if A < 1 or F < 1:
+        raise ValueError(f"need at least one attention and one FFN rank, got A={A}, F={F}")
+    if num_gpus <= 0:
+        if gpu_map:
+            raise ValueError("--gpu-map given but no GPU is visible")
+        return Layout(A, F)
+    labels = _visible_labels(num_gpus)
+    if gpu_map:
+        if len(gpu_map) != A + F:
+            raise ValueError(f"--gpu-map needs {A + F} entries (attention ranks then FFN ranks), got {len(gpu_map)}")
+        bad = [g for g in gpu_map if not 0 <= g < num_gpus]
+        if bad:
+            raise ValueError(f"--gpu-map entries must be in [0, {num_gpus}), got {bad}")
+        attn = list(gpu_map[:A])
+        ffn = list(gpu_map[A:])
+    elif A + F <= num_gpus:
+        attn = list(range(A))
+        ffn = list(range(A, A + F))
+    elif num_gpus == 1:
+        attn, ffn = [0] * A, [0] * F
+    else:
+        n_ffn_gpus = min(F, num_gpus - 1)
+        ffn = [num_gpus - n_ffn_gpus + (i % n_ffn_gpus) for i in range(F)]
+        n_attn_gpus = num_gpus - n_ffn_gpus
+        attn = [i % n_attn_gpus for i in range(A)]
+    world = ffn + attn  # AFD world order: FFN ranks first
+    shared = len(set(world)) < len(world)
+    return Layout(A, F, tuple(labels[g] for g in world), shared)
+
+
+@dataclass(frozen=True)
+class Reps:
+    """Repetition policy: how many timed iterations for a message of a given size.
+
+    The count aims at ``target_s`` seconds of timed work per measurement,
+    estimated from a simple model (``base_us`` plus bytes at ``model_gbps``),
+    clamped to ``[min_iters, max_iters]``; both processes compute it from the
+    same inputs, so they agree without talking.
+
+    Attributes:
+        target_s: timed seconds per (variant, mode, direction) measurement.
+        min_iters, max_iters: clamp of the sample count.
+        warmup: untimed iterations (eager) or replays (graph) before each block.
+        rounds: each measurement is split into this many blocks, and the
+            variants are alternated block by block (drift hits all alike).
+        graph_iters: iterations captured per graph (reduced for big messages
+            so one replay stays near 2 ms).
+    """
+
+    target_s: float = 0.05
+    min_iters: int = 20
+    max_iters: int = 400
+    warmup: int = 3
+    rounds: int = 2
+    graph_iters: int = 10
+    base_us: float = 30.0
+    model_gbps: float = 250.0
+
+    def estimate_us(self, nbytes: int, eager: bool) -> float:
+        """Model time of one iteration moving ``nbytes`` in total, µs."""
+        return self.base_us + (40.0 if eager else 0.0) + nbytes / (self.model_gbps * 1e3)
+
+    def iters(self, nbytes: int, eager: bool) -> int:
+        """Timed samples per measurement (all rounds together)."""
+        est = self.estimate_us(nbytes, eager)
+        n = int(self.target_s * 1e6 / est)
+        return max(self.min_iters, min(self.max_iters, n))
+
+    def per_round(self, nbytes: int, eager: bool) -> int:
+        """Timed samples per round (>= 2)."""
+        return max(2, self.iters(nbytes, eager) // max(1, self.rounds))
+
+    def graph_k(self, nbytes: int) -> int:
+        """Iterations per captured graph."""
+        est = self.estimate_us(nbytes, eager=False)
+        return max(2, min(self.graph_iters, int(2000.0 / est)))
+
+    def graph_replays_per_round(self, nbytes: int) -> int:
+        """Timed replays per round (>= 3)."""
+        k = self.graph_k(nbytes)
+        return max(3, self.iters(nbytes, eager=False) // (k * max(1, self.rounds)))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class RunConfig:
+    """Everything a worker needs (picklable)."""
+
+    backend: str                     # "nccl" or "gloo"
+    layout: Layout
+    cases: list[Case]
+    variants: tuple[str, ...]
+    modes: tuple[str, ...]
+    directions: tuple[str, ...]
+    reps: Reps
+    master_port: int
+    check: bool = False
+    control: bool = True
+    control_iters: int = 200
+    timeout_s: float = 120.0
+    progress: bool = True
+    extra: dict = field(default_factory=dict)

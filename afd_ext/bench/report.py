@@ -1,0 +1,546 @@
+"""Benchmark results: the JSON document, the markdown tables, the PNG plot, targets, merge.
+
+JSON document (``schema: "afd-ext-bench/1"``)::
+
+    {"schema", "meta": {...machine, versions, date, commit, layout, settings},
+     "records": [{"case", "case_key", "A", "F", "variant", "mode", "direction",
+                  "role", "role_rank", "peers", "rows", "bytes_a2f", "bytes_f2a",
+                  "stats_us": {"median","p10","p90","mean","min","n"},
+                  "one_way_us"?: {...}, "gbps"?, "graph_iters"?, ...}],
+     "skipped": [{"case_key", "variant", "reason"}], "notes": [...],
+     "control_plane": {"reference": {...µs} | null, "ours": {...µs} | null},
+     "default_wire_format": {case_key: "packed" | "per_tensor"},
+     "targets": [{"target", "value", "goal", "ratio", "met", "detail"}],
+     "checks": [...]  (``--check`` runs only)}
+
+Ratios: ``speed-up vs reference = reference median / variant median`` (above
+1: faster than the reference pattern); ``x raw = variant median / raw
+median`` (how far above the one-message floor).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Iterable, Sequence
+
+__all__ = [
+    "SCHEMA",
+    "validate_document",
+    "merge_documents",
+    "attention_records",
+    "lookup",
+    "evaluate_targets",
+    "render_markdown",
+    "render_plot",
+    "write_outputs",
+    "default_wire_format",
+]
+
+SCHEMA = "afd-ext-bench/1"
+RECORD_KEYS = ("case", "case_key", "A", "F", "variant", "mode", "direction", "role", "role_rank",
+               "bytes_a2f", "bytes_f2a", "stats_us")
+STATS_KEYS = ("median", "p10", "p90", "mean", "min", "n")
+
+LABELS = {
+    "ours_default": "ours (default)",
+    "ours_per_tensor": "ours per-tensor",
+    "ours_packed": "ours packed",
+    "reference": "reference pattern",
+    "raw": "raw NCCL (1 msg)",
+    "bare": "bare NCCL (ctypes)",
+    "torch_dist": "torch.dist batch",
+}
+
+
+def default_wire_format(case_dict: dict, A: int, F: int) -> str | None:
+    """The wire format this package's schedule picks for a case (``"packed"``/``"per_tensor"``), or None."""
+    try:
+        import torch
+
+        from afd_ext.metadata import AFDControlPayload, AFDDPMetadata
+        from afd_ext.schedule import ScheduleConfig, build_step_schedule
+        from afd_ext.topology import Topology
+
+        extras = bool(case_dict["extras"])
+        cfg = ScheduleConfig(num_layers=1, hidden_size=int(case_dict["hidden"]), hidden_dtype=torch.bfloat16,
+                             router_logits_width=int(case_dict["logits_width"]) if extras else None,
+                             send_token_ids=extras)
+        payload = AFDControlPayload(dp_metadata_list={0: AFDDPMetadata(
+            torch.tensor([int(case_dict["tokens"])] * A, dtype=torch.int32))})
+        return str(build_step_schedule(Topology(A, F), payload, cfg).wire_format(0))
+    except Exception:  # noqa: BLE001 - the schedule may not be importable in a partial install
+        return None
+
+
+# ---------------------------------------------------------------------------
+# Validation and merge
+# ---------------------------------------------------------------------------
+
+
+def validate_document(doc: Any) -> None:
+    """Check a benchmark JSON document's structure.
+
+    Raises:
+        ValueError: naming the first missing or malformed field.
+    """
+    if not isinstance(doc, dict):
+        raise ValueError(f"benchmark document must be a JSON object, got {type(doc).__name__}")
+    if doc.get("schema") != SCHEMA:
+        raise ValueError(f"benchmark document schema must be {SCHEMA!r}, got {doc.get('schema')!r}")
+    for key, typ in (("meta", dict), ("records", list), ("skipped", list), ("control_plane", dict),
+                     ("targets", list)):
+        if not isinstance(doc.get(key), typ):
+            raise ValueError(f"benchmark document field {key!r} must be a {typ.__name__}")
+    for i, r in enumerate(doc["records"]):
+        for k in RECORD_KEYS:
+            if k not in r:
+                raise ValueError(f"records[{i}] lacks {k!r}")
+        for k in STATS_KEYS:
+            v = r["stats_us"].get(k)
+            if not isinstance(v, (int, float)) or (isinstance(v, float) and not math.isfinite(v)):
+                raise ValueError(f"records[{i}].stats_us.{k} must be a finite number, got {v!r}")
+        if r["direction"] not in ("round_trip", "a2f", "f2a", "flag"):
+            raise ValueError(f"records[{i}].direction {r['direction']!r} is not round_trip, a2f, f2a or flag")
+        if r["mode"] not in ("eager", "graph"):
+            raise ValueError(f"records[{i}].mode {r['mode']!r} is not eager or graph")
+
+
+def _rkey(r: dict) -> tuple:
+    return (r["case_key"], r["A"], r["F"], r["variant"], r["mode"], r["direction"], r["role"], r["role_rank"])
+
+
+def merge_documents(docs: Sequence[dict]) -> dict:
+    """Merge several runs into one document (later documents win on identical measurements).
+
+    Raises:
+        ValueError: no documents, or one fails :func:`validate_document`.
+    """
+    if not docs:
+        raise ValueError("nothing to merge")
+    for i, d in enumerate(docs):
+        try:
+            validate_document(d)
+        except ValueError as e:
+            raise ValueError(f"document {i}: {e}") from None
+    recs: dict[tuple, dict] = {}
+    skipped: dict[tuple, dict] = {}
+    notes: list[str] = []
+    dwf: dict[str, str] = {}
+    control: dict[str, Any] = {"reference": None, "ours": None}
+    for d in docs:
+        for r in d["records"]:
+            recs[_rkey(r)] = r
+        for s in d["skipped"]:
+            skipped[(s.get("case_key"), s.get("variant"))] = s
+        notes += [n for n in d.get("notes", []) if n not in notes]
+        dwf.update(d.get("default_wire_format", {}))
+        for k in ("reference", "ours"):
+            if d["control_plane"].get(k):
+                control[k] = d["control_plane"][k]
+    meta = dict(docs[-1]["meta"])
+    meta["merged_from"] = [d["meta"].get("date") for d in docs]
+    out = {"schema": SCHEMA, "meta": meta, "records": list(recs.values()), "skipped": list(skipped.values()),
+           "notes": notes, "control_plane": control, "default_wire_format": dwf, "targets": []}
+    out["targets"] = evaluate_targets(out)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Lookups
+# ---------------------------------------------------------------------------
+
+
+def attention_records(doc: dict) -> list[dict]:
+    """Records measured on attention ranks (the round trip is seen from there)."""
+    return [r for r in doc["records"] if r["role"] == "attention"]
+
+
+def lookup(doc: dict, case_key: str, variant: str, mode: str, direction: str,
+           role_rank: int = 0, A: int | None = None, F: int | None = None) -> dict | None:
+    """The attention-rank record for one measurement, resolving ``ours_default`` through the schedule."""
+    if variant == "ours_default":
+        fmt = doc.get("default_wire_format", {}).get(case_key)
+        variant = "ours_packed" if fmt == "packed" else "ours_per_tensor"
+        r = lookup(doc, case_key, variant, mode, direction, role_rank, A, F)
+        if r is None and variant == "ours_packed":
+            r = lookup(doc, case_key, "ours_per_tensor", mode, direction, role_rank, A, F)
+        return r
+    for r in doc["records"]:
+        if (r["role"] == "attention" and r["case_key"] == case_key and r["variant"] == variant
+                and r["mode"] == mode and r["direction"] == direction and r["role_rank"] == role_rank
+                and (A is None or r["A"] == A) and (F is None or r["F"] == F)):
+            return r
+    return None
+
+
+def _med(r: dict | None, one_way: bool = False) -> float | None:
+    if r is None:
+        return None
+    if one_way and "one_way_us" in r:
+        return float(r["one_way_us"]["median"])
+    return float(r["stats_us"]["median"])
+
+
+def _cases(doc: dict) -> list[dict]:
+    seen: dict[str, dict] = {}
+    for r in doc["records"]:
+        seen.setdefault(r["case_key"], dict(r["case"], A=r["A"], F=r["F"]))
+    return sorted(seen.values(), key=lambda c: (c["A"], c["F"], c["hidden"], not c["extras"], c["tokens"]))
+
+
+# ---------------------------------------------------------------------------
+# Targets (docs/../performance.md)
+# ---------------------------------------------------------------------------
+
+
+def _target(name: str, value: float | None, goal: str, ok: bool | None, detail: str,
+            ratio: float | None = None) -> dict:
+    return {"target": name, "value": value, "goal": goal, "ratio": ratio, "met": ok, "detail": detail}
+
+
+def evaluate_targets(doc: dict) -> list[dict]:
+    """Measured value, goal and verdict for every ``performance.md`` NCCL-path target that the data covers.
+
+    Uses 1A1F, hidden 7168, router logits + token ids, attention rank 0.
+    ``met`` is None when the data for a target is missing.
+    """
+    out: list[dict] = []
+    one_a_one_f = [c for c in _cases(doc) if c["A"] == 1 and c["F"] == 1 and c["hidden"] == 7168 and c["extras"]]
+    toks = sorted(c["tokens"] for c in one_a_one_f)
+
+    def key(t: int) -> str:
+        return f"h7168-t{t}-extras"
+
+    for mode, goal in (("graph", 1.8), ("eager", 2.0)):
+        for t in [t for t in toks if t <= 128]:
+            ref = _med(lookup(doc, key(t), "reference", mode, "round_trip", A=1, F=1))
+            ours = _med(lookup(doc, key(t), "ours_default", mode, "round_trip", A=1, F=1))
+            ratio = ref / ours if ref and ours else None
+            out.append(_target(f"vs reference pattern, {mode}, {t} tokens", ours, f">= {goal}x",
+                               None if ratio is None else ratio >= goal,
+                               f"reference {ref and round(ref, 2)} µs / ours {ours and round(ours, 2)} µs", ratio))
+    for mode in ("graph", "eager"):
+        if 8192 in toks:
+            ref = _med(lookup(doc, key(8192), "reference", mode, "round_trip", A=1, F=1))
+            ours = _med(lookup(doc, key(8192), "ours_default", mode, "round_trip", A=1, F=1))
+            ratio = ref / ours if ref and ours else None
+            out.append(_target(f"vs reference pattern, {mode}, 8192 tokens", ours, ">= 1.15x",
+                               None if ratio is None else ratio >= 1.15,
+                               f"reference {ref and round(ref, 2)} µs / ours {ours and round(ours, 2)} µs", ratio))
+    for mode in ("graph", "eager"):
+        for t in toks:
+            ours = _med(lookup(doc, key(t), "ours_per_tensor", mode, "round_trip", A=1, F=1))
+            bare = _med(lookup(doc, key(t), "bare", mode, "round_trip", A=1, F=1))
+            if ours is None or bare is None:
+                continue
+            over = ours - bare
+            if t < 128:
+                ok, goal = over <= 1.0, "<= 1 µs"
+            else:
+                ok, goal = over <= 0.02 * bare, "<= 2 %"
+            out.append(_target(f"overhead over bare NCCL, {mode}, {t} tokens", over, goal, ok,
+                               f"ours per-tensor {ours:.2f} µs - bare {bare:.2f} µs ({100 * over / bare:+.1f} %)"))
+    if 8192 in toks:
+        for d in ("a2f", "f2a"):
+            r = lookup(doc, key(8192), "ours_default", "graph", d, A=1, F=1) or \
+                lookup(doc, key(8192), "ours_default", "eager", d, A=1, F=1)
+            g = r.get("gbps") if r else None
+            raw = lookup(doc, key(8192), "raw", r["mode"] if r else "graph", d, A=1, F=1)
+            rg = raw.get("gbps") if raw else None
+            out.append(_target(f"one-way bandwidth {d}, 8192 tokens ({r['mode'] if r else '-'})", g, ">= 335 GB/s",
+                               None if g is None else g >= 335.0,
+                               f"raw NCCL floor {rg:.1f} GB/s" if rg else "", None))
+    cp = doc.get("control_plane", {})
+    ours_cp = (cp.get("ours") or {}).get("median")
+    ref_cp = (cp.get("reference") or {}).get("median")
+    out.append(_target("control plane per step (median)", ours_cp, "<= 10 µs",
+                       None if ours_cp is None else ours_cp <= 10.0,
+                       f"reference pattern {ref_cp:.1f} µs" if ref_cp else "reference pattern not measured",
+                       (ref_cp / ours_cp) if ref_cp and ours_cp else None))
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Markdown
+# ---------------------------------------------------------------------------
+
+
+def _fmt_us(r: dict | None, one_way: bool = False) -> str:
+    if r is None:
+        return "–"
+    s = r["one_way_us"] if one_way and "one_way_us" in r else r["stats_us"]
+    return f"{s['median']:.1f} ({s['p10']:.1f}–{s['p90']:.1f})"
+
+
+def _fmt(v: float | None, spec: str = ".2f", suffix: str = "") -> str:
+    return "–" if v is None else f"{v:{spec}}{suffix}"
+
+
+def render_markdown(doc: dict) -> str:
+    """Markdown: round-trip tables per (layout, hidden, payload, mode), one-way table, control plane, targets."""
+    meta = doc.get("meta", {})
+    lines = ["# afd-ext bench results", ""]
+    lines.append(f"- date: {meta.get('date', '?')}, commit: {meta.get('commit', '?')}")
+    lines.append(f"- machine: {meta.get('devices', '?')}; layout: {meta.get('layout', {}).get('description', '?')}")
+    lines.append(f"- torch {meta.get('torch', '?')}, NCCL runtime {meta.get('nccl_runtime', '?')}, "
+                 f"backend {meta.get('backend', '?')}")
+    if meta.get("shared_gpu"):
+        lines.append("- **WARNING: processes share a GPU; the driver time-slices them, so these times are "
+                     "not meaningful (correctness only).**")
+    lines.append("- times: median µs (p10–p90), per iteration; ratios from medians measured side by side; "
+                 "`vs ref` = reference / ours-default (higher is better), `x raw` = ours-default / raw NCCL.")
+    lines.append("")
+    variants_present = []
+    for v in ("ours_per_tensor", "ours_packed", "reference", "raw", "bare", "torch_dist"):
+        if any(r["variant"] == v for r in doc["records"]):
+            variants_present.append(v)
+    dwf = doc.get("default_wire_format", {})
+    cases = _cases(doc)
+    groups: dict[tuple, list[dict]] = {}
+    for c in cases:
+        groups.setdefault((c["A"], c["F"], c["hidden"], c["extras"]), []).append(c)
+    for (A, F, hidden, extras), cs in groups.items():
+        for mode in ("graph", "eager"):
+            rows = []
+            for c in cs:
+                ck = f"h{c['hidden']}-t{c['tokens']}-{'extras' if c['extras'] else 'hidden'}"
+                cells = {v: lookup(doc, ck, v, mode, "round_trip", A=A, F=F) for v in variants_present}
+                if not any(cells.values()):
+                    continue
+                ours = lookup(doc, ck, "ours_default", mode, "round_trip", A=A, F=F)
+                ref, raw = cells.get("reference"), cells.get("raw")
+                vs_ref = _med(ref) / _med(ours) if ref and ours else None
+                x_raw = _med(ours) / _med(raw) if raw and ours else None
+                gbps = ours.get("gbps") if ours else None
+                row = [str(c["tokens"]), dwf.get(ck, "?")] + [_fmt_us(cells[v]) for v in variants_present]
+                row += [_fmt(vs_ref, ".2f", "×"), _fmt(x_raw, ".2f", "×"), _fmt(gbps, ".1f")]
+                rows.append(row)
+            if not rows:
+                continue
+            payload = "hidden + fp32 logits [n, 256] + int32 ids" if extras else "hidden only"
+            lines.append(f"## Round trip, {A}A{F}F, hidden {hidden} bf16, {payload}, {mode}")
+            lines.append("")
+            head = ["tokens", "default"] + [LABELS[v] for v in variants_present] + ["vs ref", "x raw", "GB/s (rt)"]
+            lines.append("| " + " | ".join(head) + " |")
+            lines.append("|" + "|".join(["---"] * len(head)) + "|")
+            lines += ["| " + " | ".join(r) + " |" for r in rows]
+            lines.append("")
+    # One-way
+    ow_rows = []
+    for c in cases:
+        ck = f"h{c['hidden']}-t{c['tokens']}-{'extras' if c['extras'] else 'hidden'}"
+        for mode in ("graph", "eager"):
+            for v in ["ours_default", "reference", "raw"]:
+                a = lookup(doc, ck, v, mode, "a2f", A=c["A"], F=c["F"])
+                f = lookup(doc, ck, v, mode, "f2a", A=c["A"], F=c["F"])
+                if a is None and f is None:
+                    continue
+                ow_rows.append([f"{c['A']}A{c['F']}F", ck, mode, LABELS[v], _fmt_us(a, True),
+                                _fmt(a.get("gbps") if a else None, ".1f"), _fmt_us(f, True),
+                                _fmt(f.get("gbps") if f else None, ".1f")])
+    if ow_rows:
+        lines.append("## One way (ping-pong with a 16-byte flag back, minus half the flag ping-pong)")
+        lines.append("")
+        head = ["layout", "case", "mode", "variant", "a2f µs", "a2f GB/s", "f2a µs", "f2a GB/s"]
+        lines.append("| " + " | ".join(head) + " |")
+        lines.append("|" + "|".join(["---"] * len(head)) + "|")
+        lines += ["| " + " | ".join(r) + " |" for r in ow_rows]
+        lines.append("")
+    # Fan-in summary (several attention ranks)
+    fan = _fan_in_rows(doc)
+    if fan:
+        lines.append("## Fan-in (several attention ranks per FFN rank)")
+        lines.append("")
+        head = ["layout", "case", "mode", "variant", "rt median per attention rank (µs)", "spread (µs)",
+                "FFN ingress GB/s"]
+        lines.append("| " + " | ".join(head) + " |")
+        lines.append("|" + "|".join(["---"] * len(head)) + "|")
+        lines += ["| " + " | ".join(r) + " |" for r in fan]
+        lines.append("")
+    cp = doc.get("control_plane", {})
+    if cp.get("reference") or cp.get("ours"):
+        lines.append("## Control plane per step (attention call start -> FFN receive returns)")
+        lines.append("")
+        lines.append("| pattern | median µs | p90 µs | n |")
+        lines.append("|---|---|---|---|")
+        for k, label in (("ours", "this package (host channel, no device sync)"),
+                         ("reference", "reference (2 NCCL messages + .item())")):
+            s = cp.get(k) or {}
+            if "error" in s:
+                lines.append(f"| {label} | error: {s['error']} | | |")
+            elif s:
+                lines.append(f"| {label} | {_fmt(s.get('median'), '.1f')} | {_fmt(s.get('p90'), '.1f')} | "
+                             f"{s.get('n', '–')} |")
+        lines.append("")
+    if doc.get("targets"):
+        lines.append("## performance.md targets")
+        lines.append("")
+        lines.append("| target | measured | goal | ratio | met | detail |")
+        lines.append("|---|---|---|---|---|---|")
+        for t in doc["targets"]:
+            met = {True: "yes", False: "**no**", None: "n/a"}[t["met"]]
+            lines.append(f"| {t['target']} | {_fmt(t['value'], '.2f')} | {t['goal']} | "
+                         f"{_fmt(t['ratio'], '.2f', '×')} | {met} | {t['detail']} |")
+        lines.append("")
+    if doc.get("skipped"):
+        reasons: dict[tuple[str, str], int] = {}
+        for s in doc["skipped"]:
+            reasons[(s["variant"], s["reason"])] = reasons.get((s["variant"], s["reason"]), 0) + 1
+        lines.append("## Skipped")
+        lines.append("")
+        for (v, why), n in sorted(reasons.items()):
+            lines.append(f"- {v} ({n} cases): {why}")
+        lines.append("")
+    for n in doc.get("notes", []):
+        lines.append(f"- note: {n}")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _fan_in_rows(doc: dict) -> list[list[str]]:
+    out = []
+    groups: dict[tuple, list[dict]] = {}
+    for r in attention_records(doc):
+        if r["A"] > 1 and r["direction"] in ("round_trip", "a2f"):
+            groups.setdefault((r["A"], r["F"], r["case_key"], r["mode"], r["variant"], r["direction"]), []).append(r)
+    for (A, F, ck, mode, v, d), rs in sorted(groups.items()):
+        if d != "round_trip":
+            continue
+        meds = [float(r["stats_us"]["median"]) for r in sorted(rs, key=lambda r: r["role_rank"])]
+        a2f = groups.get((A, F, ck, mode, v, "a2f"), [])
+        ingress = None
+        if a2f:
+            worst = max(float(r["one_way_us"]["median"]) for r in a2f if "one_way_us" in r)
+            per_ffn = sum(r["bytes_a2f"] for r in a2f) / F
+            ingress = per_ffn / (worst * 1e3) if worst > 0 else None
+        out.append([f"{A}A{F}F", ck, mode, LABELS.get(v, v), ", ".join(f"{m:.1f}" for m in meds),
+                    f"{max(meds) - min(meds):.1f}", _fmt(ingress, ".1f")])
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Plot
+# ---------------------------------------------------------------------------
+
+
+def render_plot(doc: dict, path: str) -> str | None:
+    """PNG: round-trip latency and one-way bandwidth vs tokens (hidden 7168, extras, 1A1F; else the first group).
+
+    Returns:
+        ``path``, or None when there is nothing to plot.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = _cases(doc)
+    if not cases:
+        return None
+    pick = [c for c in cases if c["A"] == 1 and c["F"] == 1 and c["hidden"] == 7168 and c["extras"]]
+    if not pick:
+        c0 = cases[0]
+        pick = [c for c in cases if (c["A"], c["F"], c["hidden"], c["extras"]) == (c0["A"], c0["F"], c0["hidden"],
+                                                                                    c0["extras"])]
+    A, F, hidden, extras = pick[0]["A"], pick[0]["F"], pick[0]["hidden"], pick[0]["extras"]
+    toks = sorted(c["tokens"] for c in pick)
+
+    def ck(t: int) -> str:
+        return f"h{hidden}-t{t}-{'extras' if extras else 'hidden'}"
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    variants = ["ours_default", "reference", "raw", "bare", "torch_dist"]
+    for mode, style in (("graph", "-"), ("eager", "--")):
+        for v in variants:
+            xs, ys, lo, hi = [], [], [], []
+            for t in toks:
+                r = lookup(doc, ck(t), v, mode, "round_trip", A=A, F=F)
+                if r:
+                    xs.append(t)
+                    ys.append(r["stats_us"]["median"])
+                    lo.append(r["stats_us"]["p10"])
+                    hi.append(r["stats_us"]["p90"])
+            if xs:
+                line, = ax1.plot(xs, ys, style, marker="o", ms=3, label=f"{LABELS[v]}, {mode}")
+                ax1.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.15)
+            xs, ys = [], []
+            for t in toks:
+                r = lookup(doc, ck(t), v, mode, "a2f", A=A, F=F)
+                if r and r.get("gbps"):
+                    xs.append(t)
+                    ys.append(r["gbps"])
+            if xs:
+                ax2.plot(xs, ys, style, marker="o", ms=3, label=f"{LABELS[v]}, {mode}")
+    payload = "hidden+logits+ids" if extras else "hidden"
+    ax1.set(xscale="log", yscale="log", xlabel="tokens per attention rank", ylabel="round trip, µs (median, p10–p90)",
+            title=f"{A}A{F}F round trip, hidden {hidden} bf16, {payload}")
+    ax2.set(xscale="log", xlabel="tokens per attention rank", ylabel="one-way attention→FFN, GB/s",
+            title="one-way bandwidth (attention → FFN)")
+    ax2.axhline(335, color="gray", lw=0.8, ls=":")
+    for ax in (ax1, ax2):
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    if doc.get("meta", {}).get("shared_gpu"):
+        fig.suptitle("WARNING: processes share a GPU (times not meaningful)", color="red")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------
+# Output
+# ---------------------------------------------------------------------------
+
+
+def write_outputs(doc: dict, out: str, plot: bool = True) -> dict[str, str]:
+    """Write ``bench.json``, ``bench.md`` and ``bench.png`` (``out`` a directory, or a ``.json`` path).
+
+    Returns:
+        ``{"json": path, "markdown": path, "plot": path}`` (plot absent when not drawn).
+    """
+    if out.endswith(".json"):
+        base = out[:-5]
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    else:
+        os.makedirs(out, exist_ok=True)
+        base = os.path.join(out, "bench")
+    paths = {"json": base + ".json", "markdown": base + ".md"}
+    with open(paths["json"], "w") as fh:
+        json.dump(doc, fh, indent=1, default=_json_default)
+        fh.write("\n")
+    with open(paths["markdown"], "w") as fh:
+        fh.write(render_markdown(doc))
+    if plot and doc["records"]:
+        p = render_plot(doc, base + ".png")
+        if p:
+            paths["plot"] = p
+    return paths
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, (set, tuple)):
+        return list(o)
+    return str(o)
+
+
+def load_documents(paths: Iterable[str]) -> list[dict]:
+    """Read benchmark JSON files.
+
+    Raises:
+        ValueError: a file is not a valid benchmark document (names the file).
+    """
+    docs = []
+    for p in paths:
+        with open(p) as fh:
+            try:
+                d = json.load(fh)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{p}: not JSON: {e}") from None
+        try:
+            validate_document(d)
+        except ValueError as e:
+            raise ValueError(f"{p}: {e}") from None
+        docs.append(d)
+    return docs

@@ -1,0 +1,539 @@
+"""The per-process benchmark loop: set up links, alternate variants, time, check.
+
+One process per AFD world rank (FFN ranks first), started by
+:func:`afd_ext.testing.run_workers` with ``CUDA_VISIBLE_DEVICES`` bound per
+rank before the first CUDA call. Processes meet through a ``TCPStore`` hosted
+by world rank 0 and a gloo process group (barriers, agreement, unique ids);
+the data plane uses one pair of 2-rank NCCL communicators (one per direction)
+per edge, created with our ``comm_create``.
+
+Lockstep: every rank walks the same list of measurements in the same order.
+Before each timed block every rank drains its stream (an event polled with a
+deadline) and meets the others at a gloo barrier, so variants never overlap.
+Attention ranks time the loop with CUDA events (the round trip from the
+attention side); FFN ranks time their own loop too (reported separately).
+
+One-way times: a direction alone is timed as a ping-pong whose other
+direction is a 16-byte flag (our raw send/recv), and half of the flag-only
+ping-pong of the same case and mode is subtracted:
+``one_way(a2f) = T(payload a2f, flag f2a) - T(flag, flag) / 2``. Bandwidth is
+the direction's bytes over that one-way time.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import time
+import zlib
+from typing import Any
+
+from afd_ext.bench.plan import Case, RunConfig
+from afd_ext.bench.timing import capture_graph, summarize, time_eager, time_graph, wait_event
+
+logger = logging.getLogger("afd_ext.bench")
+
+ATTENTION = "attention"
+FFN = "ffn"
+
+
+# ---------------------------------------------------------------------------
+# Process setup
+# ---------------------------------------------------------------------------
+
+
+class _Env:
+    """Everything set up once per process."""
+
+    def __init__(self, rank: int, nprocs: int, cfg: RunConfig):
+        import torch
+        import torch.distributed as dist
+
+        from afd_ext.topology import Topology
+
+        self.cfg = cfg
+        self.rank = rank
+        self.nprocs = nprocs
+        self.topo = Topology(cfg.layout.num_attention_ranks, cfg.layout.num_ffn_ranks)
+        self.role, self.role_rank = self.topo.role_of(rank)
+        self.cuda = cfg.backend == "nccl"
+        if self.cuda:
+            if not torch.cuda.is_available():
+                raise RuntimeError(f"world rank {rank}: backend nccl but no CUDA device is visible "
+                                   f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+            torch.cuda.set_device(0)
+            self.device = torch.device("cuda", 0)
+        else:
+            self.device = torch.device("cpu")
+        td = datetime.timedelta(seconds=cfg.timeout_s)
+        self.store = dist.TCPStore("127.0.0.1", cfg.master_port, nprocs, rank == 0, timeout=td)
+        dist.init_process_group("gloo", store=self.store, rank=rank, world_size=nprocs, timeout=td)
+        self.comms: dict[tuple[int, int, str], int] = {}
+        self.bare = None
+        self.bare_comms: dict[tuple[int, int, str], Any] = {}
+        self.nccl_group = None
+        self.gloo_transport = None
+        self.notes: list[str] = []
+        if self.cuda:
+            self._create_comms()
+            if "bare" in cfg.variants and not cfg.extra.get("no_bare"):
+                self._create_bare_comms()
+            if "torch_dist" in cfg.variants or cfg.control:
+                self.nccl_group = dist.new_group(backend="nccl")
+        else:
+            self.gloo_transport = self._make_gloo_transport()
+
+    # -- helpers -------------------------------------------------------------
+
+    def label(self) -> str:
+        return f"{self.role} rank {self.role_rank} (world rank {self.rank})"
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+    def drain(self, what: str) -> None:
+        if self.cuda:
+            import torch
+
+            ev = torch.cuda.Event()
+            ev.record()
+            wait_event(ev, self.cfg.timeout_s, f"{self.label()}: {what}")
+
+    def agree(self, value: Any) -> list[Any]:
+        """All ranks' ``value`` (gloo all_gather_object)."""
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.nprocs
+        dist.all_gather_object(out, value)
+        return out
+
+    def _my_edges(self) -> list[tuple[int, int]]:
+        me_a = self.role_rank if self.role == ATTENTION else None
+        me_f = self.role_rank if self.role == FFN else None
+        return [(a, f) for a, f in self.topo.edges() if a == me_a or f == me_f]
+
+    def _create_comms(self) -> None:
+        import torch
+
+        from afd_ext import ops
+
+        # Global edge order on every rank: each 2-rank comm_create blocks until
+        # both ends arrive, and a total order cannot deadlock.
+        for a, f in self._my_edges():
+            for d in ("a2f", "f2a"):
+                key = f"afd-bench/uid/{a}/{f}/{d}"
+                if self.role == FFN:
+                    uid = ops.nccl_unique_id()
+                    self.store.set(key, bytes(uid.numpy().tobytes()))
+                else:
+                    raw = self.store.get(key)  # bounded by the store timeout
+                    uid = torch.frombuffer(bytearray(raw), dtype=torch.uint8).clone()
+                self.comms[(a, f, d)] = ops.comm_create(uid, 2, 0 if self.role == FFN else 1, 0)
+
+    def _create_bare_comms(self) -> None:
+        from afd_ext.bench.variants import BareNccl
+
+        try:
+            lib = BareNccl()
+            ok = ""
+        except OSError as e:
+            lib, ok = None, f"cannot load libnccl through ctypes: {e}"
+        if any(self.agree(ok)):
+            self.notes.append(f"bare variant skipped: {ok or 'a peer could not load libnccl'}")
+            return
+        self.bare = lib
+        for a, f in self._my_edges():
+            for d in ("a2f", "f2a"):
+                key = f"afd-bench/bare-uid/{a}/{f}/{d}"
+                if self.role == FFN:
+                    uid = lib.unique_id()
+                    self.store.set(key, uid)
+                else:
+                    uid = bytes(self.store.get(key))
+                self.bare_comms[(a, f, d)] = lib.comm_init(uid, 2, 0 if self.role == FFN else 1)
+
+    def _make_gloo_transport(self) -> Any:
+        try:
+            from afd_ext.transport.gloo import GlooTransport  # noqa: F401
+        except ImportError as e:
+            self.notes.append(f"this package's gloo transport not importable: {e}")
+            return None
+        try:
+            return _gloo_transport(self)
+        except Exception as e:  # noqa: BLE001 - reported, the variant is skipped
+            self.notes.append(f"this package's gloo transport could not be created: {type(e).__name__}: {e}")
+            return None
+
+    def links(self, case: Case) -> list:
+        """This rank's edges for ``case`` (rows per edge from the topology)."""
+        from afd_ext.bench.variants import Link
+
+        topo, n = self.topo, case.tokens
+        out = []
+        if self.role == ATTENTION:
+            a = self.role_rank
+            for f, start, count in topo.split_rows(a, n):
+                out.append(self._link(a, f, peer=f, peer_world=topo.world_rank(FFN, f), start=start,
+                                      count=count, offset=start, nccl_peer=0))
+        else:
+            f = self.role_rank
+            off = 0
+            for a in topo.ffn_peers(f):
+                start, count = next((s, c) for ff, s, c in topo.split_rows(a, n) if ff == f)
+                out.append(self._link(a, f, peer=a, peer_world=topo.world_rank(ATTENTION, a), start=start,
+                                      count=count, offset=off, nccl_peer=1))
+                off += count
+        return out
+
+    def _link(self, a: int, f: int, **kw: Any):
+        from afd_ext.bench.variants import Link
+
+        return Link(
+            comm_a2f=self.comms.get((a, f, "a2f"), 0), comm_f2a=self.comms.get((a, f, "f2a"), 0),
+            bare_a2f=self.bare_comms.get((a, f, "a2f")), bare_f2a=self.bare_comms.get((a, f, "f2a")), **kw,
+        )
+
+    def ctx(self, case: Case):
+        from afd_ext.bench.variants import Ctx
+
+        return Ctx(role=self.role, role_rank=self.role_rank, world_rank=self.rank, backend=self.cfg.backend,
+                   device=self.device, links=self.links(case), nccl_group=self.nccl_group, bare=self.bare,
+                   gloo_transport=self.gloo_transport)
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        try:
+            self.drain("close")
+        finally:
+            if self.cuda:
+                from afd_ext import ops
+
+                for h in self.comms.values():
+                    try:
+                        ops.comm_destroy(h)
+                    except Exception:  # noqa: BLE001 - best effort at exit
+                        pass
+                if self.bare is not None:
+                    for c in self.bare_comms.values():
+                        self.bare.destroy(c)
+            dist.destroy_process_group()
+
+
+def _gloo_transport(env: _Env) -> Any:
+    """Build this package's gloo transport over the default group (adapter: see transport/gloo.py)."""
+    from afd_ext.transport.gloo import GlooTransport
+
+    return GlooTransport(topology=env.topo, role=env.role, role_rank=env.role_rank)
+
+
+# ---------------------------------------------------------------------------
+# Variants for one case, agreed by every rank
+# ---------------------------------------------------------------------------
+
+
+def _setup_variants(env: _Env, case: Case, ctx) -> tuple[list, dict[str, str]]:
+    from afd_ext.bench.variants import make_variant, variant_applicable
+
+    local: dict[str, Any] = {}
+    reasons: dict[str, str] = {}
+    for name in env.cfg.variants:
+        why = variant_applicable(name, case, env.cfg.backend)
+        if why is None:
+            try:
+                local[name] = make_variant(name, ctx, case)
+            except Exception as e:  # noqa: BLE001 - agreed below, reported in the JSON
+                why = f"{type(e).__name__}: {e}"
+        if why is not None:
+            reasons[name] = why
+    merged: dict[str, str] = {}
+    for r in env.agree(reasons):
+        for k, v in r.items():
+            merged.setdefault(k, v)
+    variants = [local[n] for n in env.cfg.variants if n in local and n not in merged]
+    for n in merged:
+        if n in local:
+            local[n].close()
+    return variants, merged
+
+
+def _directions_for(v, cfg: RunConfig) -> list[str]:
+    return list(cfg.directions)
+
+
+def _seed(*parts: Any) -> int:
+    return zlib.crc32("/".join(str(p) for p in parts).encode()) & 0x7FFFFFFF
+
+
+# ---------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------
+
+
+def _nbytes(case: Case, d: str) -> int:
+    if d == "round_trip":
+        return case.a2f_bytes() + case.f2a_bytes()
+    if d == "a2f":
+        return case.a2f_bytes()
+    if d == "f2a":
+        return case.f2a_bytes()
+    return 32
+
+
+def _time_case(env: _Env, case: Case, ctx, variants: list, bar) -> list[dict]:
+    from afd_ext.bench.variants import FlagPingPong
+
+    cfg, reps = env.cfg, env.cfg.reps
+    flag = FlagPingPong(ctx, case)
+    records: list[dict] = []
+    for mode in cfg.modes:
+        if mode == "graph" and not env.cuda:
+            continue
+        ctx.graph_mode = mode == "graph"
+        vlist = [v for v in variants if mode == "eager" or v.graph_ok]
+        items = [(flag, "flag")] + [(v, d) for v in vlist for d in _directions_for(v, cfg)]
+        # Eager warm-up of every edge and direction (NCCL connects lazily, never inside a capture).
+        for v, d in items:
+            env.drain("warm-up")
+            env.barrier()
+            v.bind_stream()
+            time_eager(v.step(d), iters=reps.warmup, warmup=0, cuda=env.cuda, timed=False,
+                       timeout_s=cfg.timeout_s, what=f"{env.label()} warm-up {v.name}/{d}")
+        graphs: dict[tuple[str, str], Any] = {}
+        ks: dict[tuple[str, str], int] = {}
+        if mode == "graph":
+            for v, d in items:
+                k = reps.graph_k(_nbytes(case, d))
+                env.drain("before capture")
+                env.barrier()
+                graphs[(v.name, d)] = capture_graph(v.step(d), k, before_capture=v.bind_stream)
+                ks[(v.name, d)] = k
+        samples: dict[tuple[str, str], list[float]] = {key: [] for key in ((v.name, d) for v, d in items)}
+        for _ in range(reps.rounds):
+            for v, d in items:
+                env.drain("between variants")
+                env.barrier()
+                what = f"{env.label()} {case.key()} {v.name}/{d}/{mode}"
+                if mode == "eager":
+                    v.bind_stream()
+                    s = time_eager(v.step(d), iters=reps.per_round(_nbytes(case, d), True), warmup=reps.warmup,
+                                   cuda=env.cuda, timeout_s=cfg.timeout_s, what=what)
+                else:
+                    k = ks[(v.name, d)]
+                    s = time_graph(graphs[(v.name, d)], reps.graph_replays_per_round(_nbytes(case, d)),
+                                   warmup=1, graph_iters=k, timeout_s=cfg.timeout_s, what=what)
+                samples[(v.name, d)].extend(s)
+                if bar is not None:
+                    bar.update(1)
+        env.drain("end of mode")
+        graphs.clear()
+        ctx.graph_mode = False
+        flag_stats = summarize(samples[("flag", "flag")])
+        for (name, d), s in samples.items():
+            st = summarize(s)
+            rec = _record(env, case, name, mode, d, st, ctx)
+            if d in ("a2f", "f2a"):
+                ow = st.shifted(-flag_stats.median / 2.0)
+                rec["one_way_us"] = ow.to_dict()
+                rec["flag_round_trip_median_us"] = flag_stats.median
+                nb = rec["bytes_a2f"] if d == "a2f" else rec["bytes_f2a"]
+                rec["gbps"] = nb / (ow.median * 1e3) if ow.median > 0 else None
+            elif d == "round_trip":
+                rec["gbps"] = (rec["bytes_a2f"] + rec["bytes_f2a"]) / (st.median * 1e3)
+            if mode == "graph":
+                rec["graph_iters"] = ks.get((name, d))
+            records.append(rec)
+    flag.close()
+    return records
+
+
+def _record(env: _Env, case: Case, name: str, mode: str, d: str, st, ctx) -> dict:
+    rows = ctx.rows
+    return {
+        "case": case.to_dict(),
+        "case_key": case.key(),
+        "A": env.topo.num_attention_ranks,
+        "F": env.topo.num_ffn_ranks,
+        "variant": name,
+        "mode": mode,
+        "direction": d,
+        "role": env.role,
+        "role_rank": env.role_rank,
+        "peers": [l.peer for l in ctx.links if l.count > 0],
+        "rows": rows,
+        "bytes_a2f": case.a2f_bytes(rows),
+        "bytes_f2a": case.f2a_bytes(rows),
+        "stats_us": st.to_dict(),
+    }
+
+
+def _count_items(env: _Env, cfg: RunConfig) -> int:
+    n = 0
+    for case in cfg.cases:
+        for mode in cfg.modes:
+            if mode == "graph" and not env.cuda:
+                continue
+            nv = sum(1 for v in cfg.variants if mode == "eager" or v != "torch_dist")
+            n += (1 + nv * len(cfg.directions)) * cfg.reps.rounds
+    return n
+
+
+# ---------------------------------------------------------------------------
+# Check
+# ---------------------------------------------------------------------------
+
+
+def _check_case(env: _Env, case: Case, ctx, variants: list) -> list[dict]:
+    import torch
+
+    from afd_ext.bench.variants import XOR_BYTE, pattern_bytes, rows_bytes
+
+    cfg = env.cfg
+    out: list[dict] = []
+    hb = case.f2a_row_bytes()
+    for mode in cfg.modes:
+        if mode == "graph" and not env.cuda:
+            continue
+        ctx.graph_mode = mode == "graph"
+        for v in variants:
+            if mode == "graph" and not v.graph_ok:
+                continue
+            v.check = True
+            for d in cfg.directions:
+                step = v.step(d)
+                env.drain("check warm-up")
+                env.barrier()
+                v.bind_stream()
+                step()  # eager warm-up of this edge and direction
+                env.drain("check warm-up")
+                graph = None
+                if mode == "graph":
+                    env.barrier()
+                    graph = capture_graph(step, 1, before_capture=v.bind_stream)
+                errors: list[str] = []
+                for it in range(2):
+                    seed = _seed(case.key(), v.name, d, mode, it)
+                    expected = None
+                    if env.role == ATTENTION:
+                        for k, t in enumerate(v.attn_inputs()):
+                            rows_bytes(t).copy_(pattern_bytes(t.shape[0], rows_bytes(t).shape[1], seed,
+                                                              env.role_rank * 8 + k, env.device))
+                        expected = torch.bitwise_xor(rows_bytes(v.attn_inputs()[0])[:, :hb], XOR_BYTE)
+                        reply = v.attn_reply()
+                        if all(reply.data_ptr() != t.data_ptr() for t in v.attn_inputs()):
+                            reply.zero_()
+                    elif d == "f2a":
+                        dst = rows_bytes(v.ffn_static_out())
+                        cols0 = v.input_cols()[0]
+                        for l in ctx.links:
+                            if l.count == 0:
+                                continue
+                            pat = pattern_bytes(case.tokens, cols0, seed, l.peer * 8, env.device)
+                            dst[l.offset:l.offset + l.count].copy_(
+                                torch.bitwise_xor(pat[l.start:l.start + l.count, :hb], XOR_BYTE))
+                    env.drain("check fill")
+                    env.barrier()
+                    v.bind_stream()
+                    if graph is None:
+                        step()
+                    else:
+                        graph.replay()
+                    env.drain(f"check {v.name}/{d}/{mode}")
+                    if env.role == ATTENTION and d in ("round_trip", "f2a"):
+                        got = rows_bytes(v.attn_reply())
+                        errors += _compare(got, expected, f"reply at {env.label()}")
+                    if env.role == FFN and d in ("round_trip", "a2f"):
+                        snap = v.snapshot()
+                        if snap is None:
+                            errors.append("the FFN check hook did not run")
+                        else:
+                            cols = v.input_cols()
+                            if len(snap) != len(cols):
+                                errors.append(f"received {len(snap)} tensors, expected {len(cols)}")
+                            for k, t in enumerate(snap):
+                                got = rows_bytes(t)
+                                for l in ctx.links:
+                                    if l.count == 0:
+                                        continue
+                                    pat = pattern_bytes(case.tokens, cols[k], seed, l.peer * 8 + k, env.device)
+                                    errors += _compare(got[l.offset:l.offset + l.count],
+                                                       pat[l.start:l.start + l.count],
+                                                       f"tensor {k} rows of attention rank {l.peer} at {env.label()}")
+                del graph
+                out.append({"case": case.to_dict(), "case_key": case.key(), "variant": v.name, "mode": mode,
+                            "direction": d, "role": env.role, "role_rank": env.role_rank,
+                            "ok": not errors, "errors": errors[:5]})
+            v.check = False
+        ctx.graph_mode = False
+    return out
+
+
+def _compare(got, expected, what: str) -> list[str]:
+    import torch
+
+    if tuple(got.shape) != tuple(expected.shape):
+        return [f"{what}: shape {tuple(got.shape)} != expected {tuple(expected.shape)}"]
+    if torch.equal(got, expected):
+        return []
+    bad = (got != expected)
+    nbad = int(bad.sum().item())
+    first = bad.nonzero()[0].tolist()
+    return [f"{what}: {nbad} of {got.numel()} bytes differ, first at row {first[0]} byte {first[1]}"]
+
+
+# ---------------------------------------------------------------------------
+# Entry
+# ---------------------------------------------------------------------------
+
+
+def bench_worker(rank: int, nprocs: int, cfg: RunConfig) -> dict:
+    """Worker body for :func:`afd_ext.testing.run_workers` (one process per AFD world rank).
+
+    Returns:
+        ``{"rank", "role", "role_rank", "records", "checks", "skipped", "notes", "device", "control"}``.
+    """
+    logging.basicConfig(level=logging.INFO, format=f"[bench r{rank}] %(message)s")
+    env = _Env(rank, nprocs, cfg)
+    info: dict[str, Any] = {"rank": rank, "role": env.role, "role_rank": env.role_rank, "records": [],
+                            "checks": [], "skipped": [], "notes": env.notes, "control": None}
+    if env.cuda:
+        import torch
+
+        info["device"] = torch.cuda.get_device_name(0)
+        info["cuda_visible_devices"] = os.environ.get("CUDA_VISIBLE_DEVICES")
+    bar = None
+    show = cfg.progress and env.role == ATTENTION and env.role_rank == 0
+    try:
+        if show and not cfg.check:
+            from tqdm import tqdm
+
+            bar = tqdm(total=_count_items(env, cfg), desc="afd-ext bench", unit="block", mininterval=1.0)
+        for ci, case in enumerate(cfg.cases):
+            ctx = env.ctx(case)
+            variants, skipped = _setup_variants(env, case, ctx)
+            for name, why in skipped.items():
+                info["skipped"].append({"case_key": case.key(), "variant": name, "reason": why})
+            if cfg.check:
+                info["checks"] += _check_case(env, case, ctx, variants)
+                if show:
+                    logger.info("checked %s (%d/%d)", case.key(), ci + 1, len(cfg.cases))
+            else:
+                info["records"] += _time_case(env, case, ctx, variants, bar)
+            for v in variants:
+                v.close()
+            del variants
+            env.drain("end of case")
+        if cfg.control and not cfg.check:
+            from afd_ext.bench.control import reference_control_plane
+
+            env.barrier()
+            info["control"] = reference_control_plane(env, cfg.control_iters)
+    finally:
+        if bar is not None:
+            bar.close()
+    env.barrier()
+    env.close()
+    return info

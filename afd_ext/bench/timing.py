@@ -1,0 +1,319 @@
+"""The timing harness: warm-up, per-iteration timers, CUDA-graph capture and replay, statistics.
+
+Method (``docs/benchmarks.md`` has the long form):
+
+* **Eager**: the timed loop runs ``iters`` back-to-back iterations of a step
+  function after ``warmup`` untimed ones. A timing event (a CUDA event on the
+  current stream, or the host clock on CPU) is recorded before every iteration
+  and after the last, so every iteration yields one sample: the time between
+  the stream reaching the start of this iteration and the start of the next.
+  On a launch-bound loop that includes the host's launch cost, on a
+  device-bound loop it is the device time; both are what a layer loop pays.
+* **CUDA graph**: ``graph_iters`` iterations are captured into one graph
+  (after an eager warm-up of every edge and direction, as NCCL requires), the
+  graph is replayed ``warmup`` times untimed and then ``replays`` times with
+  an event between replays; one sample is one replay's time divided by
+  ``graph_iters``. p10/p90 are therefore over K-iteration means (narrower
+  than per-iteration spread); the median is unaffected in practice.
+* **Statistics**: median, p10, p90, mean, min and the sample count, in µs.
+
+Every wait here has a deadline: :func:`wait_event` polls instead of blocking
+in ``cudaEventSynchronize``, so a peer that never posts its half of an NCCL
+exchange becomes a :class:`TimeoutError` naming the operation, not a hang.
+
+The core engineer's GPU timing scripts reuse :class:`CudaTimer`,
+:func:`time_eager`, :func:`capture_graph` and :func:`time_graph`.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Sequence
+
+__all__ = [
+    "Stats",
+    "summarize",
+    "percentile",
+    "wait_event",
+    "CudaTimer",
+    "HostTimer",
+    "time_eager",
+    "capture_graph",
+    "time_graph",
+]
+
+#: Deadline, in seconds, for the device to finish one timed block.
+DEFAULT_WAIT_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Summary of timing samples, all in microseconds.
+
+    Attributes:
+        median, p10, p90, mean, min: statistics of the samples (µs).
+        n: number of samples.
+    """
+
+    median: float
+    p10: float
+    p90: float
+    mean: float
+    min: float
+    n: int
+
+    def to_dict(self) -> dict[str, float]:
+        """Plain dict for JSON (keys ``median, p10, p90, mean, min, n``)."""
+        return asdict(self)
+
+    def shifted(self, delta_us: float) -> "Stats":
+        """The same statistics with ``delta_us`` added to every time (``n`` unchanged)."""
+        return Stats(
+            self.median + delta_us, self.p10 + delta_us, self.p90 + delta_us,
+            self.mean + delta_us, self.min + delta_us, self.n,
+        )
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile ``q`` in [0, 100] of already sorted values (numpy's default).
+
+    Raises:
+        ValueError: empty input or ``q`` outside [0, 100].
+    """
+    if not sorted_values:
+        raise ValueError("percentile of an empty sample")
+    if not 0.0 <= q <= 100.0:
+        raise ValueError(f"percentile q must be within [0, 100], got {q}")
+    pos = (len(sorted_values) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    frac = pos - lo
+    return float(sorted_values[lo] * (1.0 - frac) + sorted_values[hi] * frac)
+
+
+def summarize(samples_us: Sequence[float]) -> Stats:
+    """Median, p10, p90, mean and min of timing samples in µs.
+
+    Raises:
+        ValueError: no samples, or a sample that is not a finite number.
+    """
+    values = [float(v) for v in samples_us]
+    if not values:
+        raise ValueError("cannot summarize an empty list of timing samples")
+    if not all(math.isfinite(v) for v in values):
+        raise ValueError("timing samples must be finite numbers")
+    s = sorted(values)
+    return Stats(
+        median=float(statistics.median(s)),
+        p10=percentile(s, 10.0),
+        p90=percentile(s, 90.0),
+        mean=float(sum(s) / len(s)),
+        min=float(s[0]),
+        n=len(s),
+    )
+
+
+def wait_event(event: Any, timeout_s: float, what: str, poll_s: float = 0.0005) -> None:
+    """Wait until a CUDA event has completed, polling with a deadline.
+
+    Args:
+        event: a recorded ``torch.cuda.Event``.
+        timeout_s: deadline in seconds.
+        what: names the operation and the peer for the error message.
+        poll_s: sleep between polls, seconds.
+
+    Raises:
+        TimeoutError: the event did not complete within ``timeout_s`` (a peer
+            most likely never posted its half of an NCCL call).
+    """
+    deadline = time.monotonic() + timeout_s
+    while not event.query():
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"{what}: the device did not finish within {timeout_s:.0f} s; "
+                "the peer most likely never posted the matching NCCL call"
+            )
+        time.sleep(poll_s)
+
+
+class CudaTimer:
+    """Per-iteration CUDA events on the current stream.
+
+    Create it before the timed loop (events are allocated up front), call
+    :meth:`mark` before every iteration and once after the last, then
+    :meth:`samples_us` (which waits, with a deadline, for the last event).
+
+    Args:
+        marks: number of :meth:`mark` calls that will be made (iterations + 1).
+    """
+
+    def __init__(self, marks: int):
+        import torch
+
+        if marks < 2:
+            raise ValueError(f"a CudaTimer needs at least 2 marks, got {marks}")
+        self._events = [torch.cuda.Event(enable_timing=True) for _ in range(marks)]
+        self._n = 0
+
+    def mark(self) -> None:
+        """Record the next event on the current stream."""
+        self._events[self._n].record()
+        self._n += 1
+
+    def samples_us(self, timeout_s: float = DEFAULT_WAIT_TIMEOUT_S, what: str = "timed loop",
+                   divide_by: int = 1) -> list[float]:
+        """Elapsed time between consecutive marks, µs, each divided by ``divide_by``.
+
+        Raises:
+            RuntimeError: fewer than 2 marks were recorded.
+            TimeoutError: the last event did not complete in time.
+        """
+        if self._n < 2:
+            raise RuntimeError(f"CudaTimer: {self._n} marks recorded, need at least 2")
+        wait_event(self._events[self._n - 1], timeout_s, what)
+        return [
+            self._events[i].elapsed_time(self._events[i + 1]) * 1000.0 / divide_by
+            for i in range(self._n - 1)
+        ]
+
+
+class HostTimer:
+    """Per-iteration host clock (``time.perf_counter_ns``) for the CPU/gloo path; same API as CudaTimer."""
+
+    def __init__(self, marks: int):
+        if marks < 2:
+            raise ValueError(f"a HostTimer needs at least 2 marks, got {marks}")
+        self._t = [0] * marks
+        self._n = 0
+
+    def mark(self) -> None:
+        """Read the clock."""
+        self._t[self._n] = time.perf_counter_ns()
+        self._n += 1
+
+    def samples_us(self, timeout_s: float = DEFAULT_WAIT_TIMEOUT_S, what: str = "timed loop",
+                   divide_by: int = 1) -> list[float]:
+        """Elapsed time between consecutive marks, µs, each divided by ``divide_by``."""
+        del timeout_s, what  # host work is already complete
+        if self._n < 2:
+            raise RuntimeError(f"HostTimer: {self._n} marks recorded, need at least 2")
+        return [(self._t[i + 1] - self._t[i]) / 1000.0 / divide_by for i in range(self._n - 1)]
+
+
+def time_eager(step: Callable[[], Any], iters: int, warmup: int, *, cuda: bool,
+               timeout_s: float = DEFAULT_WAIT_TIMEOUT_S, what: str = "eager loop",
+               timed: bool = True) -> list[float]:
+    """Run ``warmup`` untimed then ``iters`` timed iterations of ``step``; per-iteration µs.
+
+    Args:
+        step: one iteration (issues work on the current stream).
+        iters: timed iterations, >= 1.
+        warmup: untimed iterations first, >= 0.
+        cuda: CUDA events (True) or the host clock (False).
+        timeout_s: deadline for the device to finish the loop.
+        what: names the loop in a timeout error.
+        timed: False on the side that only keeps lockstep (runs the same
+            number of iterations, records nothing, waits for completion).
+
+    Returns:
+        ``iters`` samples in µs (empty when ``timed`` is False).
+
+    Raises:
+        ValueError: ``iters < 1`` or ``warmup < 0``.
+        TimeoutError: the device did not finish within ``timeout_s``.
+    """
+    if iters < 1 or warmup < 0:
+        raise ValueError(f"time_eager needs iters >= 1 and warmup >= 0, got {iters}, {warmup}")
+    for _ in range(warmup):
+        step()
+    if not timed:
+        for _ in range(iters):
+            step()
+        _drain(cuda, timeout_s, what)
+        return []
+    timer = CudaTimer(iters + 1) if cuda else HostTimer(iters + 1)
+    for _ in range(iters):
+        timer.mark()
+        step()
+    timer.mark()
+    return timer.samples_us(timeout_s, what)
+
+
+def _drain(cuda: bool, timeout_s: float, what: str) -> None:
+    if not cuda:
+        return
+    import torch
+
+    ev = torch.cuda.Event()
+    ev.record()
+    wait_event(ev, timeout_s, what)
+
+
+def capture_graph(step: Callable[[], Any], graph_iters: int,
+                  before_capture: Callable[[], Any] | None = None) -> Any:
+    """Capture ``graph_iters`` iterations of ``step`` into one ``torch.cuda.CUDAGraph``.
+
+    Both processes of an exchange must capture their halves around the same
+    time, after every edge and direction has run once eagerly (NCCL sets up
+    its connections on first use, which cannot happen inside a capture).
+    Buffers the step uses must already be allocated; anything the step
+    allocates comes from the graph's private pool and keeps its address.
+
+    Args:
+        step: one iteration, issuing work on the current stream.
+        graph_iters: iterations per graph, >= 1.
+        before_capture: called inside the capture context before the first
+            iteration (e.g. to bind the capture stream for raw NCCL calls).
+
+    Returns:
+        The captured graph; ``graph.replay()`` runs all iterations on the current stream.
+    """
+    import torch
+
+    if graph_iters < 1:
+        raise ValueError(f"graph_iters must be >= 1, got {graph_iters}")
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: NCCL's proxy thread may touch CUDA while this thread captures.
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        if before_capture is not None:
+            before_capture()
+        for _ in range(graph_iters):
+            step()
+    return graph
+
+
+def time_graph(graph: Any, replays: int, warmup: int, graph_iters: int, *,
+               timeout_s: float = DEFAULT_WAIT_TIMEOUT_S, what: str = "graph replay",
+               timed: bool = True) -> list[float]:
+    """Replay a captured graph; per-iteration µs (one sample per replay, divided by ``graph_iters``).
+
+    Args:
+        graph: a ``torch.cuda.CUDAGraph`` from :func:`capture_graph`.
+        replays: timed replays, >= 1.
+        warmup: untimed replays first.
+        graph_iters: iterations captured in the graph.
+        timeout_s: deadline for the device.
+        what: names the loop in a timeout error.
+        timed: False on the lockstep-only side (replays, waits, returns ``[]``).
+
+    Raises:
+        TimeoutError: the device did not finish within ``timeout_s``.
+    """
+    if replays < 1 or warmup < 0:
+        raise ValueError(f"time_graph needs replays >= 1 and warmup >= 0, got {replays}, {warmup}")
+    for _ in range(warmup):
+        graph.replay()
+    if not timed:
+        for _ in range(replays):
+            graph.replay()
+        _drain(True, timeout_s, what)
+        return []
+    timer = CudaTimer(replays + 1)
+    for _ in range(replays):
+        timer.mark()
+        graph.replay()
+    timer.mark()
+    return timer.samples_us(timeout_s, what, divide_by=graph_iters)

@@ -1,0 +1,882 @@
+"""The transports under comparison, each as the same four half-steps on both roles.
+
+Every variant moves one layer exchange's wire tensors for one :class:`Case`
+between this process and its peers (the :class:`Link` list of this rank):
+
+======================  ==========================================================
+``ours_per_tensor``     this package: attention ``exchange`` (split_back of hidden,
+                        logits, ids + fan_in of the reply in one NCCL group); FFN
+                        ``fan_in`` then ``split_back``. Three messages per edge
+                        in one group.
+``ours_packed``         this package, packed wire rows: ``pack_rows`` + one
+                        message per edge + ``unpack_rows`` on the FFN rank.
+``reference``           the reference connector's call pattern over the same NCCL
+                        (our ``send``/``recv`` ops): one call per tensor per peer,
+                        peers received one after another, fresh receive tensors
+                        when not in graph mode (preallocated hidden/ids buffers
+                        and fresh logits in graph mode), ``torch.cat`` of the
+                        peers' tensors when several, row-slice sends back, the
+                        reply received into the sent hidden tensor.
+``raw``                 one flat uint8 message of the same (unpadded) bytes per
+                        edge and direction: the floor NCCL can reach.
+``bare``                the same NCCL calls as ``ours_per_tensor`` issued through
+                        ``ctypes`` straight into ``libnccl`` (no torch op, no
+                        dispatcher, no checks): the op path's overhead is
+                        ``ours_per_tensor - bare``.
+``torch_dist``          ``torch.distributed.batch_isend_irecv`` over an NCCL (GPU)
+                        or gloo (CPU) process group; eager only.
+======================  ==========================================================
+
+On the CPU/gloo path ``ours_*`` use this package's gloo transport when it is
+installed, ``reference``/``raw``/``torch_dist`` use ``torch.distributed``.
+
+One-way directions replace the other direction by a 16-byte flag message over
+our raw ``send``/``recv`` (see :mod:`afd_ext.bench.runner` for how one-way
+times are derived).
+
+Check mode (``--check``): the attention rank fills its wire tensors with a
+per-rank byte pattern, the FFN rank snapshots what it received (verified
+bit-exactly against the pattern of each peer's rows) and replies with the
+received hidden-state bytes XOR ``0x55``; the attention rank verifies the
+reply bit-exactly. :func:`pattern_bytes` is the shared pattern.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from afd_ext.bench.plan import Case
+
+__all__ = [
+    "FLAG_BYTES",
+    "XOR_BYTE",
+    "Link",
+    "Ctx",
+    "Variant",
+    "VARIANTS",
+    "FlagPingPong",
+    "make_variant",
+    "variant_applicable",
+    "pattern_bytes",
+    "rows_bytes",
+    "BareNccl",
+]
+
+ATTENTION = "attention"
+FFN = "ffn"
+#: Bytes of the flag message used for one-way timing.
+FLAG_BYTES = 16
+#: The check-mode FFN replies with every received hidden byte XOR this.
+XOR_BYTE = 0x55
+
+
+@dataclass
+class Link:
+    """One edge seen from this rank, for one case.
+
+    Attributes:
+        peer: the peer's role rank.
+        peer_world: the peer's AFD world rank (torch.distributed rank).
+        start: first row of the attention rank's rows that travel on this edge.
+        count: rows on this edge.
+        offset: row offset of these rows in this rank's tensors (attention:
+            ``start``; FFN: position in the concatenated fan-in tensor).
+        comm_a2f, comm_f2a: our NCCL communicator handles (0 on the CPU path).
+        nccl_peer: the peer's rank inside those 2-rank communicators.
+        bare_a2f, bare_f2a: ``ncclComm_t`` values of the ``bare`` variant's own
+            communicators (None when not created).
+    """
+
+    peer: int
+    peer_world: int
+    start: int
+    count: int
+    offset: int
+    comm_a2f: int = 0
+    comm_f2a: int = 0
+    nccl_peer: int = 0
+    bare_a2f: Any = None
+    bare_f2a: Any = None
+
+    def comm(self, direction: str) -> int:
+        return self.comm_a2f if direction == "a2f" else self.comm_f2a
+
+
+@dataclass
+class Ctx:
+    """This process's side of the benchmark for one case.
+
+    Attributes:
+        role: ``"attention"`` or ``"ffn"``.
+        role_rank, world_rank: ranks of this process.
+        backend: ``"nccl"`` (CUDA tensors, our ops) or ``"gloo"`` (CPU tensors).
+        device: where tensors live.
+        links: edges of this rank, in fan-in order (FFN) or peer order (attention).
+        nccl_group: torch.distributed NCCL group (``torch_dist`` on GPUs), else None.
+        bare: :class:`BareNccl` library handle for the ``bare`` variant, or None.
+        gloo_transport: this package's gloo transport on the CPU path, or None.
+        graph_mode: set by the runner while a variant is captured/replayed
+            (the reference pattern then uses its preallocated receive buffers).
+    """
+
+    role: str
+    role_rank: int
+    world_rank: int
+    backend: str
+    device: torch.device
+    links: list[Link]
+    nccl_group: Any = None
+    bare: Any = None
+    gloo_transport: Any = None
+    graph_mode: bool = False
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def rows(self) -> int:
+        """Rows of this rank's tensors: the attention rank's tokens, or the FFN rank's fan-in total."""
+        if self.role == ATTENTION:
+            return max((l.offset + l.count for l in self.links), default=0)
+        return sum(l.count for l in self.links)
+
+    @property
+    def is_attention(self) -> bool:
+        return self.role == ATTENTION
+
+
+# ---------------------------------------------------------------------------
+# Byte patterns and views (check mode)
+# ---------------------------------------------------------------------------
+
+
+def rows_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (contiguous, first dim = rows) as a uint8 ``[rows, bytes_per_row]`` view."""
+    return t.view(torch.uint8).reshape(t.shape[0], -1)
+
+
+def pattern_bytes(rows: int, cols: int, seed: int, salt: int, device: torch.device) -> torch.Tensor:
+    """Deterministic pseudo-random uint8 ``[rows, cols]`` pattern on ``device``.
+
+    Both roles compute the same bytes from ``(seed, salt)``: the FFN rank
+    regenerates an attention rank's pattern to verify what it received.
+    """
+    x = torch.arange(rows * cols, device=device, dtype=torch.int64)
+    x = x * 1103515245 + (seed * 7919 + salt * 104729 + 12345)
+    x = x ^ (x >> 13)
+    x = (x * 2654435761) >> 7
+    return (x & 255).to(torch.uint8).reshape(rows, cols)
+
+
+# ---------------------------------------------------------------------------
+# Transport primitives shared by the variants
+# ---------------------------------------------------------------------------
+
+
+def _ops():
+    from afd_ext import ops
+
+    return ops
+
+
+def p2p_send(ctx: Ctx, t: torch.Tensor, link: Link, direction: str) -> None:
+    """One message on one edge: our ``send`` op (NCCL) or ``torch.distributed.send`` (gloo)."""
+    if ctx.backend == "nccl":
+        _ops().send(t, link.comm(direction), link.nccl_peer)
+    else:
+        import torch.distributed as dist
+
+        dist.send(t, dst=link.peer_world)
+
+
+def p2p_recv(ctx: Ctx, t: torch.Tensor, link: Link, direction: str) -> None:
+    """Receive one message on one edge (see :func:`p2p_send`)."""
+    if ctx.backend == "nccl":
+        _ops().recv(t, link.comm(direction), link.nccl_peer)
+    else:
+        import torch.distributed as dist
+
+        dist.recv(t, src=link.peer_world)
+
+
+class Variant:
+    """Base class: buffers for one case, the four half-steps, flags, check hooks.
+
+    Subclasses allocate in ``__init__`` and implement ``attn_send``,
+    ``attn_recv``, ``ffn_recv``, ``ffn_send`` (and may override
+    ``attn_round``), plus the check accessors ``attn_inputs``, ``attn_reply``,
+    ``ffn_received``, ``ffn_out``.
+    """
+
+    name = "base"
+    graph_ok = True
+    needs_extras = False
+    backends = ("nccl", "gloo")
+
+    def __init__(self, ctx: Ctx, case: Case):
+        self.ctx = ctx
+        self.case = case
+        self.check = False
+        self.dev = ctx.device
+        self.live = [l for l in ctx.links if l.count > 0]
+        self.flag_tx = torch.zeros(FLAG_BYTES, dtype=torch.uint8, device=self.dev)
+        self.flag_rx = [torch.zeros(FLAG_BYTES, dtype=torch.uint8, device=self.dev) for _ in self.live]
+        self._snap: list[torch.Tensor] | None = None
+
+    # -- helpers ---------------------------------------------------------------
+
+    def _wire(self, rows: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        c = self.case
+        h = torch.zeros(rows, c.hidden, dtype=torch.bfloat16, device=self.dev)
+        l = torch.zeros(rows, c.logits_width, dtype=torch.float32, device=self.dev) if c.extras else None
+        i = torch.zeros(rows, dtype=torch.int32, device=self.dev) if c.extras else None
+        return h, l, i
+
+    def _lists(self, direction: str) -> tuple[list[int], list[int], list[int]]:
+        comms = [l.comm(direction) for l in self.live]
+        return comms, [l.nccl_peer for l in self.live], [l.count for l in self.live]
+
+    # -- half-steps ------------------------------------------------------------
+
+    def attn_send(self) -> None:
+        raise NotImplementedError
+
+    def attn_recv(self) -> None:
+        raise NotImplementedError
+
+    def attn_round(self) -> None:
+        self.attn_send()
+        self.attn_recv()
+
+    def ffn_recv(self) -> None:
+        raise NotImplementedError
+
+    def ffn_send(self) -> None:
+        raise NotImplementedError
+
+    def ffn_send_static(self) -> None:
+        """FFN -> attention alone (no receive before it): sends :meth:`ffn_out`."""
+        self.ffn_send()
+
+    def flag_send(self) -> None:
+        d = "a2f" if self.ctx.is_attention else "f2a"
+        for l in self.live:
+            p2p_send(self.ctx, self.flag_tx, l, d)
+
+    def flag_recv(self) -> None:
+        d = "f2a" if self.ctx.is_attention else "a2f"
+        for l, buf in zip(self.live, self.flag_rx):
+            p2p_recv(self.ctx, buf, l, d)
+
+    def bind_stream(self) -> None:
+        """Called before each timed block and inside each capture (raw NCCL calls need the stream)."""
+
+    def close(self) -> None:
+        """Release anything beyond tensors (nothing by default)."""
+
+    # -- check hooks -----------------------------------------------------------
+
+    def attn_inputs(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def attn_reply(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def ffn_received(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def ffn_out(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def ffn_static_out(self) -> torch.Tensor:
+        """The tensor the FFN -> attention-only step sends (filled by the check before the step)."""
+        return self.ffn_out()
+
+    def input_cols(self) -> list[int]:
+        """Bytes per row of each attention input, in :meth:`attn_inputs` order."""
+        c = self.case
+        cols = [c.f2a_row_bytes()]
+        if c.extras:
+            cols += [4 * c.logits_width, 4]
+        return cols
+
+    def _check_hook(self, xor: bool) -> None:
+        rec = self.ffn_received()
+        self._snap = [t.clone() for t in rec]
+        if xor:
+            hb = self.case.f2a_row_bytes()
+            src = rows_bytes(rec[0])[:, :hb]
+            dst = rows_bytes(self.ffn_out())
+            torch.bitwise_xor(src, XOR_BYTE, out=dst)
+
+    def snapshot(self) -> list[torch.Tensor] | None:
+        """What the FFN rank received in the last checked iteration (clones), or None."""
+        return self._snap
+
+    # -- steps -------------------------------------------------------------------
+
+    def step(self, direction: str) -> Callable[[], None]:
+        """The iteration this rank runs for ``direction`` (``round_trip``, ``a2f``, ``f2a``)."""
+        chk = self.check
+        if self.ctx.is_attention:
+            if direction == "round_trip":
+                return self.attn_round
+
+            if direction == "a2f":
+                def a2f() -> None:
+                    self.attn_send()
+                    self.flag_recv()
+                return a2f
+
+            if direction == "f2a":
+                def f2a() -> None:
+                    self.flag_send()
+                    self.attn_recv()
+                return f2a
+        else:
+            if direction == "round_trip":
+                def rt() -> None:
+                    self.ffn_recv()
+                    if chk:
+                        self._check_hook(xor=True)
+                    self.ffn_send()
+                return rt
+
+            if direction == "a2f":
+                def fa2f() -> None:
+                    self.ffn_recv()
+                    if chk:
+                        self._check_hook(xor=False)
+                    self.flag_send()
+                return fa2f
+
+            if direction == "f2a":
+                def ff2a() -> None:
+                    self.flag_recv()
+                    self.ffn_send_static()
+                return ff2a
+        raise ValueError(f"unknown direction {direction!r}; expected round_trip, a2f or f2a")
+
+
+class FlagPingPong(Variant):
+    """16-byte message each way: the baseline subtracted to get one-way times."""
+
+    name = "flag"
+
+    def step(self, direction: str) -> Callable[[], None]:
+        if self.ctx.is_attention:
+            def s() -> None:
+                self.flag_send()
+                self.flag_recv()
+        else:
+            def s() -> None:
+                self.flag_recv()
+                self.flag_send()
+        return s
+
+
+# ---------------------------------------------------------------------------
+# This package
+# ---------------------------------------------------------------------------
+
+
+class OursPerTensor(Variant):
+    """This package's ops, one message per tensor per edge, all in one NCCL group."""
+
+    name = "ours_per_tensor"
+
+    def __init__(self, ctx: Ctx, case: Case):
+        super().__init__(ctx, case)
+        n = ctx.rows
+        self.h, self.l, self.i = self._wire(n)
+        if ctx.is_attention:
+            self.reply = torch.zeros(n, case.hidden, dtype=torch.bfloat16, device=self.dev)
+        self.a2f = self._lists("a2f")
+        self.f2a = self._lists("f2a")
+        self.tr = ctx.gloo_transport if ctx.backend == "gloo" else None
+        if ctx.backend == "gloo" and self.tr is None:
+            raise RuntimeError("this package's gloo transport (afd_ext.transport.gloo) is not available")
+
+    def _peers(self) -> list[int]:
+        return [l.peer for l in self.live]
+
+    def attn_round(self) -> None:
+        if self.tr is not None:
+            self.tr.exchange((self.h, self.l, self.i), self.reply, self._peers(), self.a2f[2], tag=0)
+            return
+        sc, peers, rows = self.a2f
+        rc = self.f2a[0]
+        _ops().exchange(self.h, self.l, self.i, self.reply, sc, rc, peers, rows)
+
+    def attn_send(self) -> None:
+        if self.tr is not None:
+            self.tr.split_back((self.h, self.l, self.i), self._peers(), self.a2f[2], tag=0)
+            return
+        _ops().split_back(self.h, self.l, self.i, *self.a2f)
+
+    def attn_recv(self) -> None:
+        if self.tr is not None:
+            self.tr.fan_in((self.reply, None, None), self._peers(), self.f2a[2], tag=1)
+            return
+        _ops().fan_in(self.reply, None, None, *self.f2a)
+
+    def ffn_recv(self) -> None:
+        if self.tr is not None:
+            self.tr.fan_in((self.h, self.l, self.i), self._peers(), self.a2f[2], tag=0)
+            return
+        _ops().fan_in(self.h, self.l, self.i, *self.a2f)
+
+    def ffn_send(self) -> None:
+        if self.tr is not None:
+            self.tr.split_back((self.h, None, None), self._peers(), self.f2a[2], tag=1)
+            return
+        _ops().split_back(self.h, None, None, *self.f2a)
+
+    def attn_inputs(self):
+        return [t for t in (self.h, self.l, self.i) if t is not None]
+
+    def attn_reply(self):
+        return self.reply
+
+    def ffn_received(self):
+        return [t for t in (self.h, self.l, self.i) if t is not None]
+
+    def ffn_out(self):
+        return self.h
+
+
+class OursPacked(OursPerTensor):
+    """This package's packed wire rows: ``pack_rows``, one message per edge, ``unpack_rows``."""
+
+    name = "ours_packed"
+    needs_extras = True
+    backends = ("nccl",)
+
+    def __init__(self, ctx: Ctx, case: Case):
+        super().__init__(ctx, case)
+        ops = _ops()
+        self.row_bytes = ops.wire_row_bytes(case.hidden, torch.bfloat16, case.logits_width,
+                                            torch.float32, True)
+        self.wire = torch.zeros(ctx.rows, self.row_bytes, dtype=torch.uint8, device=self.dev)
+
+    def attn_round(self) -> None:
+        ops = _ops()
+        ops.pack_rows(self.h, self.l, self.i, self.wire)
+        sc, peers, rows = self.a2f
+        ops.exchange(self.wire, None, None, self.reply, sc, self.f2a[0], peers, rows)
+
+    def attn_send(self) -> None:
+        ops = _ops()
+        ops.pack_rows(self.h, self.l, self.i, self.wire)
+        ops.split_back(self.wire, None, None, *self.a2f)
+
+    def ffn_recv(self) -> None:
+        ops = _ops()
+        ops.fan_in(self.wire, None, None, *self.a2f)
+        ops.unpack_rows(self.wire, self.h, self.l, self.i)
+
+
+# ---------------------------------------------------------------------------
+# The reference connector's call pattern
+# ---------------------------------------------------------------------------
+
+
+class Reference(Variant):
+    """The reference P2P connector's call pattern over the same NCCL (our send/recv ops)."""
+
+    name = "reference"
+
+    def __init__(self, ctx: Ctx, case: Case):
+        super().__init__(ctx, case)
+        n = ctx.rows
+        c = case
+        if ctx.is_attention:
+            self.h, self.l, self.i = self._wire(n)
+        else:
+            # Graph mode: the reference preallocates per-peer hidden and id
+            # buffers outside capture (logits stay freshly allocated).
+            self.hp = [torch.zeros(l.count, c.hidden, dtype=torch.bfloat16, device=self.dev) for l in self.live]
+            self.ip = [torch.zeros(l.count, dtype=torch.int32, device=self.dev) for l in self.live] if c.extras else None
+            self.static_out = torch.zeros(n, c.hidden, dtype=torch.bfloat16, device=self.dev)
+            self._rec: list[torch.Tensor] = []
+            self._out = self.static_out
+
+    def attn_send(self) -> None:
+        ctx = self.ctx
+        for l in self.live:
+            s, e = l.offset, l.offset + l.count
+            p2p_send(ctx, self.h[s:e], l, "a2f")
+            if self.case.extras:
+                p2p_send(ctx, self.l[s:e], l, "a2f")
+                p2p_send(ctx, self.i[s:e], l, "a2f")
+
+    def attn_recv(self) -> None:
+        # The reference receives the FFN output into ref_tensor, the sent hidden states.
+        for l in self.live:
+            p2p_recv(self.ctx, self.h[l.offset:l.offset + l.count], l, "f2a")
+
+    def ffn_recv(self) -> None:
+        ctx, c = self.ctx, self.case
+        hs, ls, ids = [], [], []
+        for k, l in enumerate(self.live):  # peers one after another, no group
+            hb = self.hp[k] if ctx.graph_mode else torch.empty(l.count, c.hidden, dtype=torch.bfloat16,
+                                                               device=self.dev)
+            p2p_recv(ctx, hb, l, "a2f")
+            hs.append(hb)
+            if c.extras:
+                lb = torch.empty(l.count, c.logits_width, dtype=torch.float32, device=self.dev)
+                p2p_recv(ctx, lb, l, "a2f")
+                ls.append(lb)
+                ib = self.ip[k] if ctx.graph_mode else torch.empty(l.count, dtype=torch.int32, device=self.dev)
+                p2p_recv(ctx, ib, l, "a2f")
+                ids.append(ib)
+        rec = [torch.cat(hs, 0) if len(hs) > 1 else hs[0]]
+        if c.extras:
+            rec.append(torch.cat(ls, 0) if len(ls) > 1 else ls[0])
+            rec.append(torch.cat(ids, 0) if len(ids) > 1 else ids[0])
+        self._rec = rec
+        self._out = rec[0]
+
+    def ffn_send(self) -> None:
+        out = self._out
+        if len(self.live) == 1:
+            p2p_send(self.ctx, out, self.live[0], "f2a")
+            return
+        for l in self.live:
+            p2p_send(self.ctx, out[l.offset:l.offset + l.count], l, "f2a")
+
+    def ffn_send_static(self) -> None:
+        self._out = self.static_out
+        self.ffn_send()
+
+    def ffn_static_out(self):
+        return self.static_out
+
+    def attn_inputs(self):
+        return [t for t in (self.h, self.l, self.i) if t is not None]
+
+    def attn_reply(self):
+        return self.h
+
+    def ffn_received(self):
+        return self._rec
+
+    def ffn_out(self):
+        return self._out
+
+
+# ---------------------------------------------------------------------------
+# The floor: one raw message of the same bytes
+# ---------------------------------------------------------------------------
+
+
+class Raw(Variant):
+    """One flat uint8 message per edge and direction, of the unpadded wire bytes."""
+
+    name = "raw"
+
+    def __init__(self, ctx: Ctx, case: Case):
+        super().__init__(ctx, case)
+        n = ctx.rows
+        self.a2f_buf = torch.zeros(n, case.a2f_row_bytes(), dtype=torch.uint8, device=self.dev)
+        self.f2a_buf = torch.zeros(n, case.f2a_row_bytes(), dtype=torch.uint8, device=self.dev)
+        self.a2f = self._lists("a2f")
+        self.f2a = self._lists("f2a")
+        # Several peers on NCCL: one group (fan_in/split_back on the flat bytes),
+        # so the floor keeps every peer in flight at once.
+        self.grouped = ctx.backend == "nccl" and len(self.live) > 1
+
+    def _send_rows(self, buf: torch.Tensor, direction: str) -> None:
+        if self.grouped:
+            _ops().split_back(buf, None, None, *(self.a2f if direction == "a2f" else self.f2a))
+            return
+        for l in self.live:
+            p2p_send(self.ctx, buf[l.offset:l.offset + l.count], l, direction)
+
+    def _recv_rows(self, buf: torch.Tensor, direction: str) -> None:
+        if self.grouped:
+            _ops().fan_in(buf, None, None, *(self.a2f if direction == "a2f" else self.f2a))
+            return
+        for l in self.live:
+            p2p_recv(self.ctx, buf[l.offset:l.offset + l.count], l, direction)
+
+    def attn_send(self) -> None:
+        self._send_rows(self.a2f_buf, "a2f")
+
+    def attn_recv(self) -> None:
+        self._recv_rows(self.f2a_buf, "f2a")
+
+    def ffn_recv(self) -> None:
+        self._recv_rows(self.a2f_buf, "a2f")
+
+    def ffn_send(self) -> None:
+        self._send_rows(self.f2a_buf, "f2a")
+
+    def attn_inputs(self):
+        return [self.a2f_buf]
+
+    def attn_reply(self):
+        return self.f2a_buf
+
+    def ffn_received(self):
+        return [self.a2f_buf]
+
+    def ffn_out(self):
+        return self.f2a_buf
+
+    def input_cols(self):
+        return [self.case.a2f_row_bytes()]
+
+
+# ---------------------------------------------------------------------------
+# Bare NCCL through ctypes
+# ---------------------------------------------------------------------------
+
+
+class _UniqueId(ctypes.Structure):
+    _fields_ = [("internal", ctypes.c_byte * 128)]
+
+
+_NCCL_UINT8 = 1  # ncclUint8 in ncclDataType_t
+
+
+class BareNccl:
+    """Just enough of ``libnccl.so.2`` through ctypes: ids, comms, send/recv, groups.
+
+    Loads the library the process already uses (the ``nvidia-nccl`` wheel's,
+    which torch and our ops load), so the calls hit the same NCCL.
+
+    Raises:
+        OSError: the library cannot be loaded.
+    """
+
+    def __init__(self, path: str | None = None):
+        self.path = path or self._find()
+        lib = ctypes.CDLL(self.path)
+        res = ctypes.c_int
+        comm_t = ctypes.c_void_p
+        lib.ncclGetErrorString.restype = ctypes.c_char_p
+        lib.ncclGetErrorString.argtypes = [res]
+        lib.ncclGetUniqueId.restype = res
+        lib.ncclGetUniqueId.argtypes = [ctypes.POINTER(_UniqueId)]
+        lib.ncclCommInitRank.restype = res
+        lib.ncclCommInitRank.argtypes = [ctypes.POINTER(comm_t), ctypes.c_int, _UniqueId, ctypes.c_int]
+        lib.ncclCommDestroy.restype = res
+        lib.ncclCommDestroy.argtypes = [comm_t]
+        lib.ncclSend.restype = res
+        lib.ncclSend.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, comm_t,
+                                 ctypes.c_void_p]
+        lib.ncclRecv.restype = res
+        lib.ncclRecv.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, comm_t,
+                                 ctypes.c_void_p]
+        lib.ncclGroupStart.restype = res
+        lib.ncclGroupStart.argtypes = []
+        lib.ncclGroupEnd.restype = res
+        lib.ncclGroupEnd.argtypes = []
+        self.lib = lib
+
+    @staticmethod
+    def _find() -> str:
+        try:
+            import nvidia.nccl as nn  # the wheel torch uses
+
+            for base in list(getattr(nn, "__path__", [])):
+                cand = os.path.join(base, "lib", "libnccl.so.2")
+                if os.path.exists(cand):
+                    return cand
+        except ImportError:
+            pass
+        return "libnccl.so.2"
+
+    def check(self, rc: int, what: str) -> None:
+        """Raise ``RuntimeError`` naming ``what`` when ``rc`` is not ncclSuccess."""
+        if rc != 0:
+            msg = self.lib.ncclGetErrorString(rc).decode(errors="replace")
+            raise RuntimeError(f"bare NCCL {what} failed: {msg} (code {rc})")
+
+    def unique_id(self) -> bytes:
+        uid = _UniqueId()
+        self.check(self.lib.ncclGetUniqueId(ctypes.byref(uid)), "ncclGetUniqueId")
+        return bytes(bytearray(uid.internal))
+
+    def comm_init(self, uid: bytes, nranks: int, rank: int) -> ctypes.c_void_p:
+        """Blocking, like ``ncclCommInitRank``: every rank must call it."""
+        if len(uid) != 128:
+            raise ValueError(f"an ncclUniqueId has 128 bytes, got {len(uid)}")
+        u = _UniqueId()
+        ctypes.memmove(ctypes.addressof(u), uid, 128)
+        comm = ctypes.c_void_p()
+        self.check(self.lib.ncclCommInitRank(ctypes.byref(comm), nranks, u, rank), "ncclCommInitRank")
+        return comm
+
+    def destroy(self, comm: Any) -> None:
+        if comm:
+            self.lib.ncclCommDestroy(comm)
+
+
+class Bare(OursPerTensor):
+    """The same NCCL calls as ``ours_per_tensor`` through ctypes (no op, no dispatcher, no checks)."""
+
+    name = "bare"
+    backends = ("nccl",)
+
+    def __init__(self, ctx: Ctx, case: Case):
+        super().__init__(ctx, case)
+        if ctx.bare is None or any(l.bare_a2f is None for l in self.live):
+            raise RuntimeError("bare NCCL communicators are not available")
+        self.lib = ctx.bare.lib
+        self.stream = ctypes.c_void_p(0)
+
+        def calls(tensors, direction, op):
+            out = []
+            for l in self.live:
+                comm = l.bare_a2f if direction == "a2f" else l.bare_f2a
+                for t in tensors:
+                    if t is None:
+                        continue
+                    rb = t.element_size() * t.stride(0)  # bytes per row (contiguous)
+                    ptr = t.data_ptr() + l.offset * rb
+                    out.append((op, ctypes.c_void_p(ptr), ctypes.c_size_t(l.count * rb), l.nccl_peer, comm))
+            return out
+
+        send, recv = self.lib.ncclSend, self.lib.ncclRecv
+        if ctx.is_attention:
+            self.c_send = calls((self.h, self.l, self.i), "a2f", send)
+            self.c_recv = calls((self.reply,), "f2a", recv)
+        else:
+            self.c_recv = calls((self.h, self.l, self.i), "a2f", recv)
+            self.c_send = calls((self.h,), "f2a", send)
+
+    def bind_stream(self) -> None:
+        self.stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+
+    def _group(self, *lists) -> None:
+        lib, st = self.lib, self.stream
+        rc = lib.ncclGroupStart()
+        if rc:
+            self.ctx.bare.check(rc, "ncclGroupStart")
+        for calls in lists:
+            for fn, ptr, nbytes, peer, comm in calls:
+                rc = fn(ptr, nbytes, _NCCL_UINT8, peer, comm, st)
+                if rc:
+                    lib.ncclGroupEnd()
+                    self.ctx.bare.check(rc, "ncclSend/ncclRecv")
+        rc = lib.ncclGroupEnd()
+        if rc:
+            self.ctx.bare.check(rc, "ncclGroupEnd")
+
+    def attn_round(self) -> None:
+        self._group(self.c_send, self.c_recv)
+
+    def attn_send(self) -> None:
+        self._group(self.c_send)
+
+    def attn_recv(self) -> None:
+        self._group(self.c_recv)
+
+    def ffn_recv(self) -> None:
+        self._group(self.c_recv)
+
+    def ffn_send(self) -> None:
+        self._group(self.c_send)
+
+
+# ---------------------------------------------------------------------------
+# torch.distributed batch_isend_irecv
+# ---------------------------------------------------------------------------
+
+
+class TorchDist(OursPerTensor):
+    """``torch.distributed.batch_isend_irecv`` of the same tensors (eager only)."""
+
+    name = "torch_dist"
+    graph_ok = False
+
+    def __init__(self, ctx: Ctx, case: Case):
+        Variant.__init__(self, ctx, case)
+        import torch.distributed as dist
+
+        if len(self.live) != 1:
+            # Several peers in one batch would make ProcessGroupNCCL build a
+            # communicator over the whole group (and refuse GPUs shared by ranks).
+            raise RuntimeError("torch_dist is measured with one peer per rank only (A == F)")
+        n = ctx.rows
+        self.h, self.l, self.i = self._wire(n)
+        if ctx.is_attention:
+            self.reply = torch.zeros(n, case.hidden, dtype=torch.bfloat16, device=self.dev)
+        group = ctx.nccl_group if ctx.backend == "nccl" else None
+        if ctx.backend == "nccl" and group is None:
+            raise RuntimeError("no NCCL process group for torch_dist")
+        self.tr = None
+
+        def ops(tensors, op):
+            out = []
+            for l in self.live:
+                for t in tensors:
+                    if t is not None:
+                        out.append(dist.P2POp(op, t[l.offset:l.offset + l.count], l.peer_world, group))
+            return out
+
+        if ctx.is_attention:
+            self.o_send = ops((self.h, self.l, self.i), dist.isend)
+            self.o_recv = ops((self.reply,), dist.irecv)
+        else:
+            self.o_recv = ops((self.h, self.l, self.i), dist.irecv)
+            self.o_send = ops((self.h,), dist.isend)
+
+    @staticmethod
+    def _run(p2p_ops) -> None:
+        import torch.distributed as dist
+
+        for w in dist.batch_isend_irecv(p2p_ops):
+            w.wait()  # NCCL: makes the current stream wait, no host block
+
+    def attn_round(self) -> None:
+        self._run(self.o_send + self.o_recv)
+
+    def attn_send(self) -> None:
+        self._run(self.o_send)
+
+    def attn_recv(self) -> None:
+        self._run(self.o_recv)
+
+    def ffn_recv(self) -> None:
+        self._run(self.o_recv)
+
+    def ffn_send(self) -> None:
+        self._run(self.o_send)
+
+
+VARIANTS: dict[str, type[Variant]] = {
+    "ours_per_tensor": OursPerTensor,
+    "ours_packed": OursPacked,
+    "reference": Reference,
+    "raw": Raw,
+    "bare": Bare,
+    "torch_dist": TorchDist,
+}
+
+
+def variant_applicable(name: str, case: Case, backend: str) -> str | None:
+    """``None`` when variant ``name`` applies to ``case`` on ``backend``, else the reason it is skipped."""
+    cls = VARIANTS.get(name)
+    if cls is None:
+        return f"unknown variant {name!r}; expected one of {', '.join(VARIANTS)}"
+    if backend not in cls.backends:
+        return f"{name} runs on {'/'.join(cls.backends)} only"
+    if cls.needs_extras and not case.extras:
+        return f"{name} equals ours_per_tensor without router logits and token ids"
+    return None
+
+
+def make_variant(name: str, ctx: Ctx, case: Case) -> Variant:
+    """Allocate variant ``name`` for ``case`` on this rank.
+
+    Raises:
+        KeyError: unknown name.
+        RuntimeError: the variant cannot run here (missing library, layout).
+    """
+    return VARIANTS[name](ctx, case)
