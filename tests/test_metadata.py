@@ -96,13 +96,17 @@ def test_payload_types_defaults():
     assert spec.router_logits_width == 8 and spec.router_logits_dtype is torch.float32
 
 
-def test_transfer_context_is_dynamo_traceable():
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_transfer_context_is_dynamo_traceable(dynamic):
     def f(x):
-        ctx = AFDTransferContext(AFDTransferMetadata.create_attention_metadata(layer_idx=0, stage_idx=0, seq_len=4))
+        md_ = AFDTransferMetadata.create_attention_metadata(layer_idx=0, stage_idx=0, seq_len=x.shape[0])
+        ctx = AFDTransferContext(md_)
+        assert ctx.metadata.validate_tensor_shape(tuple(x.shape))
         return x * ctx.metadata.total_tokens
 
-    out = torch.compile(f, backend="eager", fullgraph=True)(torch.ones(4))
-    assert out.tolist() == [4.0] * 4
+    g = torch.compile(f, backend="eager", fullgraph=True, dynamic=dynamic)
+    assert g(torch.ones(4)).tolist() == [4.0] * 4
+    assert g(torch.ones(3)).tolist() == [3.0] * 3
 
 
 # ---------------------------------------------------------------- codec
