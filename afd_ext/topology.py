@@ -122,9 +122,10 @@ class Topology:
     Args:
         num_attention_ranks: ``A >= 1``, attention worker processes (DP x TP).
         num_ffn_ranks: ``F >= 1``.
-        tp_size: tensor-parallel size of the attention side, ``A % tp_size == 0``.
+        tp_size: attention workers per DP rank (TP x PCP), ``A % tp_size == 0``.
             Only used to check per-DP count vectors in :meth:`expand_counts`;
-            1 means "not declared" (the reference's rule then applies).
+            1 means "not declared" (the reference's rule then applies: any
+            vector length that divides ``A``).
 
     Raises:
         ValueError: a size is not a positive int, or ``A`` is not a multiple
