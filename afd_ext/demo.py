@@ -583,7 +583,7 @@ def self_check(
     positions = 0
     for r in results:
         seq = list(r["prompt_ids"]) + list(r["generated"][:-1])
-        split = r["logits"].float()
+        split = torch.as_tensor(r["logits"]).float()
         where0 = f"attention rank {r['rank']}, request {r['rid']}"
         if split.shape[0] != len(seq):
             failures.append(f"{where0}: {split.shape[0]} logit rows for {len(seq)} fed tokens")
@@ -636,6 +636,9 @@ class DemoPlan:
         step_timeout_s / init_timeout_s: connector deadlines.
         progress: show a progress bar on attention rank 0.
         threads: torch intra-op threads per process.
+        timing: measure each layer exchange (a device sync per exchange on CUDA).
+        connector: a connector registry name, or ``"module:Class"`` for a
+            class that is not registered (it is registered under that string).
     """
 
     num_attention: int
@@ -656,6 +659,7 @@ class DemoPlan:
     progress: bool = True
     threads: int = 1
     timing: bool = True
+    connector: str = "AfdExtConnector"
 
     @property
     def device_type(self) -> str:
@@ -708,14 +712,29 @@ class _StoreAllGather:
                 self.store.delete_key(f"agree/{r - 2}/{self.rank}")
         return out
 
+    def close(self) -> None:
+        """Leave: rank 0 hosts the store, so it waits (bounded) until every rank has left."""
+        self.store.set(f"fin/{self.rank}", b"1")
+        if self.rank == 0:
+            keys = [f"fin/{i}" for i in range(self.size)]
+            try:
+                self.store.wait(keys, datetime.timedelta(seconds=self.timeout_s))
+            except Exception:  # noqa: BLE001 - leaving anyway; say who did not finish
+                missing = [i for i, k in enumerate(keys) if not self.store.check([k])]
+                logger.warning("attention ranks %s did not finish the count agreement", missing)
+
 
 def _make_connector(plan: DemoPlan, role: str, role_rank: int, world_rank: int, model) -> Any:
     """Create (not initialise) this process's connector through the factory."""
     from afd_ext.config import AFDConfig
-    from afd_ext.factory import create_connector
+    from afd_ext.factory import create_connector, known_connectors, register_connector
     from afd_ext.integrations.transformers import describe_layers, remote_layer_indices
 
+    if ":" in plan.connector and plan.connector not in known_connectors():
+        module, _, cls = plan.connector.partition(":")
+        register_connector(plan.connector, module, cls)
     afd = AFDConfig(
+        connector=plan.connector,
         role=role,
         host=plan.host,
         port=plan.port,
@@ -788,6 +807,11 @@ def _worker(rank: int, nprocs: int, plan: DemoPlan) -> dict[str, Any]:
             model, exchange, agreement.agree, plan.requests.get(role_rank, []), rank=role_rank,
             num_stages=plan.stages, device=device, progress=bar,
         )
+        gather.close()
+        # numpy, not torch: torch tensors cross a multiprocessing queue as shared-memory
+        # handles that die with this process.
+        for r in res.requests:
+            r["logits"] = r["logits"].numpy()
     finally:
         if bar is not None:
             bar.close()
@@ -1007,6 +1031,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--max-prompt-len", type=int, default=32, help="prompt tokens (bytes + BOS) kept per request")
     p.add_argument("--prompts", default=None, help="prompts file (default: the shipped afd_ext/data/prompts.txt)")
+    p.add_argument("--connector", default="AfdExtConnector",
+                   help="connector registry name, or module:Class of your own connector")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="rendezvous port (0: pick a free one)")
@@ -1050,7 +1076,7 @@ def build_plan(args: argparse.Namespace) -> DemoPlan:
         dtype=dtype, seed=args.seed, stages=args.stages, gate_on_attention=args.gate_on_attention,
         requests=requests, host=args.host, port=port, agree_port=agree_port,
         step_timeout_s=args.step_timeout, init_timeout_s=max(args.step_timeout, 120.0),
-        progress=not args.no_progress, threads=args.threads,
+        progress=not args.no_progress, threads=args.threads, connector=args.connector,
     )
 
 
