@@ -1,0 +1,265 @@
+"""The gloo transport: CPU tensors over ``torch.distributed`` (what CI runs the protocol on).
+
+One ``ProcessGroupGloo`` over the whole AFD world (FFN ranks first), built on
+the rendezvous store of this generation (no second port). Messages of one
+direction use one gloo tag (``a2f`` 1, ``f2a`` 2), so, like the NCCL
+transport's one communicator per edge and direction, the messages of one
+(edge, direction) are matched in issue order and the two directions never
+interfere.
+
+Sends are asynchronous (``isend``); the returned
+:class:`~afd_ext.transport.base.PendingSend` keeps the sent memory alive and
+is waited on by the connector once the exchange is known to be complete.
+Receives block until the data is in the caller's tensors.
+
+Bounded waits: a gloo wait that times out closes the pair it waits on, so
+waits cannot be sliced with short gloo timeouts. Instead a daemon waiter
+thread calls ``work.wait(deadline)`` while the calling thread polls its
+completion in short slices and checks the rendezvous abort signal between
+slices (:func:`afd_ext.watchdog.host_wait`). A peer that dies surfaces at
+once (gloo reports the closed connection) as an
+:class:`~afd_ext.transport.base.AFDPeerError` naming the peer, the layer and
+the stage; a peer that is alive but silent becomes an
+:class:`~afd_ext.transport.base.AFDTimeoutError` at the deadline.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import datetime
+import logging
+import queue
+import threading
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..watchdog import host_wait
+from .base import (
+    HEADER_WORDS,
+    AFDPeerError,
+    AFDTimeoutError,
+    AFDTransportError,
+    MessageTag,
+    PeerMap,
+    PendingSend,
+    Transport,
+    check_headers,
+    encode_headers,
+    message_tensors,
+    row_offsets,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["GlooTransport"]
+
+_TAGS = {"a2f": 1, "f2a": 2}
+# A waiter-thread wait gets this much longer than the caller's deadline, so the
+# caller always reports the (named) timeout first.
+_WAIT_MARGIN_S = 5.0
+
+
+class _Waiter:
+    """A daemon thread that runs blocking gloo waits so the caller can poll with a deadline."""
+
+    def __init__(self, name: str):
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._t = threading.Thread(target=self._run, name=name, daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            fn, fut = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(e)
+
+    def submit(self, fn: Callable[[], Any]) -> cf.Future:
+        fut: cf.Future = cf.Future()
+        self._q.put((fn, fut))
+        return fut
+
+    def stop(self) -> None:
+        self._q.put(None)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A uint8 view of a contiguous tensor (gloo then needs no dtype support, e.g. for fp8)."""
+    if t.dim() == 0:
+        t = t.reshape(1)
+    return t.view(torch.uint8) if t.dtype != torch.uint8 else t
+
+
+class GlooTransport(Transport):
+    """Moves row ranges of CPU tensors between attention and FFN ranks over gloo.
+
+    Args:
+        store: a ``torch.distributed.Store`` shared by the AFD world (the
+            generation's prefix store from :func:`afd_ext.rendezvous.connect`).
+        peers: the :class:`~afd_ext.transport.base.PeerMap` of this rank.
+        strict: strict-mode headers on every message.
+        timeout_s: deadline of every wait inside a step, seconds (> 0).
+        init_timeout_s: deadline for building the process group, seconds.
+        abort_check: callable raising when the rendezvous abort signal is
+            posted (``rendezvous.raise_if_aborted``), or None.
+
+    Raises:
+        RuntimeError: the process group could not be built (a rank did not join in time).
+    """
+
+    kind = "gloo"
+
+    def __init__(self, store: Any, peers: PeerMap, *, strict: bool, timeout_s: float,
+                 init_timeout_s: float, abort_check: Callable[[str], None] | None = None):
+        super().__init__(peers, torch.device("cpu"), strict=strict, timeout_s=timeout_s)
+        import torch.distributed as dist
+
+        self._abort_check = abort_check
+        world = peers.num_attention_ranks + peers.num_ffn_ranks
+        # The constructor connects the full mesh (collective), bounded by the store timeout.
+        self._pg = dist.ProcessGroupGloo(
+            dist.PrefixStore("gloo/", store), peers.world_rank, world,
+            datetime.timedelta(seconds=max(init_timeout_s, timeout_s)),
+        )
+        self._waiter = _Waiter(f"afd-gloo-wait {peers.me}")
+
+    # -- waits -------------------------------------------------------------------
+
+    def _wait(self, works: Sequence[Any], tag: MessageTag, what: str, peer: str) -> None:
+        """Wait for gloo works with the deadline, the abort signal and named errors."""
+        if not works:
+            return
+        waiter = self._waiter
+        if waiter is None:
+            self._check_open(tag)
+        timeout = datetime.timedelta(seconds=self.timeout_s + _WAIT_MARGIN_S)
+
+        def wait_all() -> None:
+            for w in works:
+                w.wait(timeout)
+
+        fut = waiter.submit(wait_all)
+
+        def done(slice_s: float) -> bool:
+            try:
+                fut.result(timeout=slice_s)
+                return True
+            except cf.TimeoutError:
+                return False
+
+        describe = lambda: f"{tag.op}: {what} with {peer} at {tag.where()} on {self.peers.me}"  # noqa: E731
+        abort = None
+        if self._abort_check is not None:
+            abort = lambda: self._abort_check(f"{tag.op} ({what} with {peer} at {tag.where()})")  # noqa: E731
+        try:
+            host_wait(done, timeout_s=self.timeout_s, describe=describe, abort_check=abort,
+                      op=tag.op, peer=peer, layer=tag.layer, stage=tag.stage)
+        except AFDTimeoutError as e:
+            self._closed = e
+            raise
+        except AFDTransportError:
+            raise
+        except RuntimeError as e:
+            text = str(e)
+            self._closed = e
+            if "Connection closed by peer" in text or "Connection reset" in text or "closed" in text.lower():
+                raise AFDPeerError(
+                    f"AFD {describe()} failed: the peer went away ({text.splitlines()[0]}). It probably "
+                    "crashed or was killed; check its log. Close and re-initialise the connector.",
+                    op=tag.op, peer=peer, layer=tag.layer, stage=tag.stage,
+                ) from None
+            raise AFDPeerError(
+                f"AFD {describe()} failed: {text.splitlines()[0] if text else type(e).__name__}",
+                op=tag.op, peer=peer, layer=tag.layer, stage=tag.stage,
+            ) from None
+
+    # -- data --------------------------------------------------------------------
+
+    def split_back(self, tensors, peers, rows, *, tag: MessageTag) -> PendingSend:
+        self._check_open(tag)
+        msgs = message_tensors(tensors)
+        gtag = _TAGS[tag.direction]
+        works: list[Any] = []
+        keep: list[torch.Tensor] = []
+        names: list[str] = []
+        try:
+            for peer, off, r in zip(peers, row_offsets(rows), rows):
+                if r == 0:
+                    continue
+                dst = self.peers.peer_world_rank(peer)
+                names.append(self.peers.label(dst))
+                if self.strict:
+                    h = encode_headers(tag, self.peers.world_rank, dst, r, msgs)
+                    keep.append(h)
+                    works.append(self._pg.send([h], dst, gtag))
+                for _, t in msgs:
+                    view = _bytes(t.narrow(0, off, r))
+                    keep.append(view)
+                    works.append(self._pg.send([view], dst, gtag))
+        except RuntimeError as e:
+            self._closed = e
+            raise AFDPeerError(f"AFD {tag.op}: send to {', '.join(names) or 'peers'} at {tag.where()} failed: {e}",
+                               op=tag.op, peer=", ".join(names) or None, layer=tag.layer, stage=tag.stage) from None
+        if not works:
+            return PendingSend()
+        peer_text = ", ".join(names)
+        return PendingSend(lambda: self._wait(works, tag, "send", peer_text), keep)
+
+    def fan_in(self, tensors, peers, rows, *, tag: MessageTag) -> None:
+        self._check_open(tag)
+        msgs = message_tensors(tensors)
+        gtag = _TAGS[tag.direction]
+        live = [(p, off, r) for p, off, r in zip(peers, row_offsets(rows), rows) if r > 0]
+        if not live:
+            return
+        names = [self.peers.peer_label(p) for p, _, _ in live]
+        if self.strict:
+            blocks = []
+            for p, _, r in live:
+                h = torch.empty(len(msgs), HEADER_WORDS, dtype=torch.int64)
+                blocks.append(h)
+            works = [self._pg.recv([h], self.peers.peer_world_rank(p), gtag) for h, (p, _, _) in zip(blocks, live)]
+            self._wait(works, tag, "header receive", ", ".join(names))
+            for h, (p, _, r) in zip(blocks, live):
+                src = self.peers.peer_world_rank(p)
+                want = encode_headers(tag, src, self.peers.world_rank, r, msgs)
+                check_headers(h, want, tag=tag, receiver_label=self.peers.me,
+                              sender_label=self.peers.label(src), label=self.peers.label)
+        works = []
+        for p, off, r in live:
+            src = self.peers.peer_world_rank(p)
+            for _, t in msgs:
+                works.append(self._pg.recv([_bytes(t.narrow(0, off, r))], src, gtag))
+        self._wait(works, tag, "receive", ", ".join(names))
+
+    # -- collective / lifecycle ----------------------------------------------------
+
+    def barrier(self) -> None:
+        self._check_open()
+        tag = MessageTag("barrier", "a2f", -1, -1, -1)
+        self._wait([self._pg.barrier()], tag, "barrier", "every rank")
+
+    def abort(self, reason: str) -> None:
+        if self._closed is None:
+            self._closed = AFDTransportError(f"aborted: {reason}")
+        try:
+            self._pg.abort()
+        except Exception:  # noqa: BLE001 - best effort
+            pass
+
+    def close(self) -> None:
+        if self._closed is None:
+            self._closed = AFDTransportError("closed")
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            waiter.stop()
+        # Dropping the group object releases its sockets; a waiter stuck on an
+        # aborted pair ends at its own (bounded) gloo timeout.
+        self._pg = None

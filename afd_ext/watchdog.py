@@ -1,0 +1,317 @@
+"""No hang: follow in-flight work against a deadline and turn a stall into a named error.
+
+Two tools:
+
+* :class:`Watchdog` - a daemon thread for the NCCL transport. Every NCCL
+  operation the connector issues is recorded with a CUDA event (recorded on
+  the stage stream right after the operation) and a description (op, peer,
+  layer, stage). The thread polls the events, ``comm_async_error`` of every
+  communicator and the rendezvous abort signal. When an operation is older
+  than the deadline, a communicator reports an error, or another rank posted
+  the abort signal, the watchdog records the failure, calls ``on_failure``
+  (the connector posts the abort signal and aborts its communicators, which
+  ends the stuck NCCL kernels) and the next connector call raises the recorded
+  error: :class:`~afd_ext.transport.base.AFDTimeoutError` naming the op, the
+  peer, the layer and the stage, an
+  :class:`~afd_ext.transport.base.AFDPeerError`, or the abort.
+* :func:`host_wait` - a bounded host-side wait used by the gloo transport and
+  by strict-mode header checks: it polls a completion test in short slices,
+  checks the abort signal between slices, and raises a named
+  :class:`~afd_ext.transport.base.AFDTimeoutError` at the deadline.
+
+CUDA-graph note: ``cudaEventQuery`` is not allowed from any thread while a
+stream is being captured in the (default) global capture mode, so wrap a
+capture in :meth:`Watchdog.suspended`; operations issued during capture are
+not tracked (they move no data until replay). To watch a replay, record an
+event on the replay stream after ``graph.replay()`` and :meth:`Watchdog.track` it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator
+
+from .transport.base import AFDPeerError, AFDTimeoutError, AFDTransportError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TrackedOp", "Watchdog", "host_wait", "DEFAULT_POLL_INTERVAL_S", "NCCL_IN_PROGRESS"]
+
+#: How often the watchdog thread polls, in seconds.
+DEFAULT_POLL_INTERVAL_S = 0.005
+#: ``ncclInProgress``: an asynchronous communicator operation is still running (not an error).
+NCCL_IN_PROGRESS = 7
+_NCCL_ERRORS = {
+    1: "ncclUnhandledCudaError", 2: "ncclSystemError", 3: "ncclInternalError",
+    4: "ncclInvalidArgument", 5: "ncclInvalidUsage", 6: "ncclRemoteError",
+}
+
+
+@dataclass
+class TrackedOp:
+    """One in-flight operation.
+
+    Attributes:
+        done: callable returning True once the operation completed (e.g. ``event.query``).
+        what: the operation, e.g. ``"recv_attn_output: fan-in receive"``.
+        peers: labels of the peers involved.
+        layer, stage: the exchange (layer ordinal, stage id); ``where`` the full position text.
+        started: ``time.monotonic()`` when it was issued.
+    """
+
+    done: Callable[[], bool]
+    what: str
+    peers: tuple[str, ...]
+    layer: int | None
+    stage: int | None
+    where: str
+    started: float = field(default_factory=time.monotonic)
+
+    def describe(self) -> str:
+        peers = ", ".join(self.peers) if self.peers else "no peer"
+        return f"{self.what} with {peers} at {self.where}"
+
+
+class Watchdog:
+    """Follows in-flight operations, communicator errors and the abort signal.
+
+    Args:
+        deadline_s: an operation older than this is declared stuck, seconds (> 0).
+        owner: label of this rank (for messages).
+        on_failure: called once, from the watchdog thread, with the failure
+            exception; it should abort the communicators (ending stuck kernels)
+            and post the rendezvous abort signal. Exceptions it raises are logged.
+        comms: callable returning ``[(handle, description)]`` of the live
+            communicators, polled with ``async_error``; or None.
+        async_error: callable ``handle -> int`` (``ops.comm_async_error``); or None.
+        abort_check: callable returning the posted abort (text or a ready
+            exception), or None (``rendezvous.check_abort``); polled every ``abort_poll_s``.
+        abort_error: callable ``text -> exception`` building the error for a
+            posted abort (default: :class:`AFDPeerError`).
+        poll_interval_s: polling period of events and communicators, seconds.
+        abort_poll_s: polling period of ``abort_check``, seconds (a store round trip).
+
+    The thread starts with :meth:`start` and ends with :meth:`stop`.
+    """
+
+    def __init__(
+        self,
+        deadline_s: float,
+        *,
+        owner: str = "",
+        on_failure: Callable[[BaseException], None] | None = None,
+        comms: Callable[[], Iterable[tuple[int, str]]] | None = None,
+        async_error: Callable[[int], int] | None = None,
+        abort_check: Callable[[], str | BaseException | None] | None = None,
+        abort_error: Callable[[str], BaseException] | None = None,
+        poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
+        abort_poll_s: float = 0.1,
+    ):
+        if not deadline_s or deadline_s <= 0:
+            raise ValueError(f"deadline_s must be > 0 seconds, got {deadline_s!r}")
+        self.deadline_s = float(deadline_s)
+        self.owner = owner
+        self._on_failure = on_failure
+        self._comms = comms
+        self._async_error = async_error
+        self._abort_check = abort_check
+        self._abort_error = abort_error or (lambda text: AFDPeerError(f"AFD step aborted: {text}"))
+        self._poll = float(poll_interval_s)
+        self._abort_poll = float(abort_poll_s)
+        self._lock = threading.Lock()
+        self._ops: list[TrackedOp] = []
+        self._failure: BaseException | None = None
+        self._suspended = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle -------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the polling thread (idempotent)."""
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name=f"afd-watchdog {self.owner}", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop the thread and forget tracked operations (idempotent)."""
+        self._stop.set()
+        t, self._thread = self._thread, None
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout_s)
+        with self._lock:
+            self._ops.clear()
+
+    # -- tracking ----------------------------------------------------------------
+
+    def track(self, done: Callable[[], bool], what: str, *, peers: Iterable[str] = (),
+              layer: int | None = None, stage: int | None = None, where: str = "") -> None:
+        """Record an in-flight operation (e.g. ``done=event.query`` of an event recorded after it)."""
+        op = TrackedOp(done, what, tuple(peers), layer, stage, where)
+        with self._lock:
+            self._ops.append(op)
+
+    @property
+    def in_flight(self) -> list[TrackedOp]:
+        """A snapshot of the tracked operations not yet seen complete."""
+        with self._lock:
+            return list(self._ops)
+
+    @property
+    def failure(self) -> BaseException | None:
+        """The recorded failure, or None."""
+        return self._failure
+
+    def check(self) -> None:
+        """Raise the recorded failure, if any (call at the start of every connector call)."""
+        f = self._failure
+        if f is not None:
+            raise f
+
+    def fail(self, exc: BaseException) -> None:
+        """Record ``exc`` as the failure (first one wins) and run ``on_failure`` once."""
+        with self._lock:
+            if self._failure is not None:
+                return
+            self._failure = exc
+        logger.error("%s: %s", self.owner or "AFD watchdog", exc)
+        if self._on_failure is not None:
+            try:
+                self._on_failure(exc)
+            except Exception:  # noqa: BLE001 - the failure itself is what matters
+                logger.exception("AFD watchdog on_failure callback raised")
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """Pause event polling (around a CUDA-graph capture); deadlines keep running."""
+        with self._lock:
+            self._suspended += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._suspended -= 1
+
+    # -- the thread ---------------------------------------------------------------
+
+    def poll_once(self, now: float | None = None) -> None:
+        """One polling round (the thread calls it; tests may call it directly)."""
+        if self._failure is not None:
+            return
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            suspended = self._suspended > 0
+            ops = list(self._ops)
+        if not suspended and ops:
+            still = []
+            for op in ops:
+                try:
+                    finished = bool(op.done())
+                except Exception as e:  # noqa: BLE001 - a failed query is a failed op
+                    self.fail(AFDPeerError(
+                        f"AFD {self.owner}: {op.describe()} failed: {e}",
+                        op=op.what, peer=", ".join(op.peers) or None, layer=op.layer, stage=op.stage))
+                    return
+                if not finished:
+                    still.append(op)
+            done_ids = {id(op) for op in ops} - {id(op) for op in still}
+            with self._lock:
+                self._ops = [op for op in self._ops if id(op) not in done_ids]
+            for op in still:
+                age = now - op.started
+                if age > self.deadline_s:
+                    self.fail(AFDTimeoutError(
+                        f"AFD {self.owner}: {op.describe()} did not complete within the deadline of "
+                        f"{self.deadline_s:g} s (in flight {age:.1f} s): the peer is dead, stuck, or not "
+                        "making the matching call. The communicators were aborted; close and re-initialise "
+                        "the connector on every rank. Raise step_timeout_s if the peer is only slow.",
+                        op=op.what, peer=", ".join(op.peers) or None, layer=op.layer, stage=op.stage))
+                    return
+        if self._comms is not None and self._async_error is not None:
+            for handle, desc in list(self._comms()):
+                try:
+                    code = int(self._async_error(handle))
+                except Exception as e:  # noqa: BLE001
+                    code, err = -1, str(e)
+                else:
+                    err = _NCCL_ERRORS.get(code, f"NCCL error {code}")
+                if code not in (0, NCCL_IN_PROGRESS):
+                    last = self.in_flight
+                    ctx = f"; in flight: {last[0].describe()}" if last else ""
+                    op0 = last[0] if last else None
+                    self.fail(AFDPeerError(
+                        f"AFD {self.owner}: communicator {desc} reported {err}{ctx}. The peer probably died "
+                        "or its network failed; close and re-initialise the connector.",
+                        op=op0.what if op0 else None, peer=desc, layer=op0.layer if op0 else None,
+                        stage=op0.stage if op0 else None))
+                    return
+
+    def _run(self) -> None:
+        next_abort = 0.0
+        while not self._stop.wait(self._poll):
+            try:
+                self.poll_once()
+                now = time.monotonic()
+                if self._abort_check is not None and self._failure is None and now >= next_abort:
+                    next_abort = now + self._abort_poll
+                    found = self._abort_check()
+                    if isinstance(found, BaseException):
+                        self.fail(found)
+                    elif found:
+                        self.fail(self._abort_error(found))
+            except Exception as e:  # noqa: BLE001 - never let the thread die silently
+                if self._failure is None:
+                    self.fail(AFDTransportError(f"AFD {self.owner}: watchdog check failed: {e}"))
+            if self._failure is not None:
+                return
+
+
+def host_wait(
+    done: Callable[[float], bool],
+    *,
+    timeout_s: float,
+    describe: Callable[[], str],
+    abort_check: Callable[[], None] | None = None,
+    slice_s: float = 0.05,
+    op: str | None = None,
+    peer: str | None = None,
+    layer: int | None = None,
+    stage: int | None = None,
+) -> None:
+    """Wait for ``done`` with a deadline, checking the abort signal between slices.
+
+    Args:
+        done: ``done(slice_s) -> bool``: wait up to ``slice_s`` seconds and say
+            whether the awaited thing completed (it may raise the awaited
+            operation's own error, which propagates).
+        timeout_s: the deadline, seconds.
+        describe: returns the text naming the op, peer, layer and stage.
+        abort_check: raises when the abort signal is posted (e.g.
+            ``rendezvous.raise_if_aborted``); called between slices, at most
+            every ~``slice_s``.
+        slice_s: slice length, seconds.
+        op, peer, layer, stage: copied into the timeout error.
+
+    Raises:
+        AFDTimeoutError: the deadline passed.
+        Whatever ``done`` or ``abort_check`` raise.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        if done(max(0.0, min(slice_s, left))):
+            return
+        if abort_check is not None:
+            abort_check()
+        if time.monotonic() >= deadline:
+            raise AFDTimeoutError(
+                f"AFD {describe()} did not complete within the deadline of {timeout_s:g} s: the peer is "
+                "dead, stuck, or not making the matching call. Close and re-initialise the connector on "
+                "every rank; raise step_timeout_s if the peer is only slow.",
+                op=op, peer=peer, layer=layer, stage=stage,
+            )
