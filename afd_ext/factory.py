@@ -20,7 +20,7 @@ Construction contract: a connector class is called as
 ``cls(rank, local_rank, afd_config, role_rank=role_rank, **kwargs)``, where
 ``afd_config`` is an :class:`~afd_ext.config.AFDConfig`; a runtime config
 object (e.g. vLLM's ``VllmConfig``) given to :func:`create_connector` is
-passed on as the keyword ``runtime_config``.
+passed on as the keyword ``vllm_config`` (the reference's name).
 """
 
 from __future__ import annotations
@@ -222,7 +222,7 @@ class AFDConnectorFactory:
                 or a runtime config object; a runtime config supplies the AFD
                 config through ``additional_config["afd"]`` unless
                 ``afd_config`` is given, and is passed to the connector as
-                ``runtime_config``.
+                ``vllm_config``.
             afd_config: the AFD config when ``config`` is a runtime config.
             role_rank: this process's index inside its role. May be omitted
                 only when the role has a single rank.
@@ -262,7 +262,7 @@ class AFDConnectorFactory:
         validate_role_rank(afd.role, role_rank, afd.num_attention_ranks, afd.num_ffn_ranks)
         klass = cls.get_connector_class(afd.connector)
         if runtime is not None:
-            kwargs.setdefault("runtime_config", runtime)
+            kwargs.setdefault("vllm_config", runtime)
         return klass(rank, local_rank, afd, role_rank=role_rank, **kwargs)
 
 

@@ -148,9 +148,9 @@ def test_create_connector_config_forms(fresh_registry, plugin_pkg):
 
     runtime = VllmConfigLike()
     c = factory.create_connector(5, 0, runtime, role_rank=1)
-    assert c.args[2].num_attention_ranks == 2 and c.args[4] == {"runtime_config": runtime}
+    assert c.args[2].num_attention_ranks == 2 and c.args[4] == {"vllm_config": runtime}
     c = factory.create_connector(5, 0, runtime, {"connector": "Mine"}, extra=7)
-    assert c.args[2].num_attention_ranks == 1 and c.args[4] == {"runtime_config": runtime, "extra": 7}
+    assert c.args[2].num_attention_ranks == 1 and c.args[4] == {"vllm_config": runtime, "extra": 7}
     with pytest.raises(ValueError, match="role_rank is required"):
         factory.create_connector(0, 0, {"connector": "Mine", "num_attention_ranks": 2})
     with pytest.raises(ValueError, match="within attention size 2"):
@@ -159,3 +159,12 @@ def test_create_connector_config_forms(fresh_registry, plugin_pkg):
         factory.create_connector(0, 0, object())
     with pytest.raises(ValueError, match="unsupported AFD connector type"):
         factory.create_connector(0, 0, {"connector": "Nope"})
+
+
+def test_builtin_names_resolve_to_our_connector():
+    try:
+        cls = factory.get_connector_class("AfdExtConnector")
+    except ImportError as e:  # the connector module or the compiled core is not available here
+        pytest.skip(f"afd_ext.connector not importable: {e}")
+    assert cls.__module__ == "afd_ext.connector" and cls.__name__ == "AFDConnector"
+    assert factory.get_connector_class("P2pNcclAFDConnector") is cls
