@@ -1,0 +1,1360 @@
+"""The control plane: once per step, the DP metadata travels attention -> FFN on the host.
+
+Per step, before the layer loop, every attention rank applies the control
+payload locally (:meth:`AFDControlPlane.update_state_from_dp_metadata`, which
+validates the whole step up front) and calls
+:meth:`AFDControlPlane.send_dp_metadata_list` (a no-op on ranks that are not
+control senders); every FFN rank blocks in
+:meth:`AFDControlPlane.recv_dp_metadata_list`, which returns the decoded
+:class:`~afd_ext.metadata.AFDControlPayload`. Who sends to whom comes from the
+topology alone (:meth:`Topology.control_destinations` /
+:meth:`Topology.control_source`): attention rank ``a < min(A, F)`` sends to FFN
+ranks ``a, a + min(A, F), ...``; every FFN rank has exactly one source and
+receives the whole per-rank count vector.
+
+Channels: host memory only
+--------------------------
+Unlike the reference (two blocking NCCL messages per step and a ``.item()``
+device sync on the FFN side), the payload never touches a GPU. Each
+(source, FFN rank) pair has one :class:`ControlChannel`:
+
+* ``shm`` (both ends on one host): a single-producer/single-consumer ring in
+  POSIX shared-memory segment (``/dev/shm``). Layout, little-endian::
+
+      header (256 B): magic u64 | version u32 | nslots u32 | slot_bytes u64 |
+                      sender pid u64 | sender start time u64 | receiver pid u64 |
+                      receiver start time u64 | ... ;
+                      [64]  read_count u64   (receiver: slots consumed)
+                      [128] heartbeat_ns u64 (sender: CLOCK_MONOTONIC) |
+                            sender_state u64 (0 new, 1 attached, 2 closed)
+      slot i (stride 64-byte aligned): seq u64 | total_len u64 | frag_len u32 |
+                      sender u32 | crc u32 | pad u32 | payload[slot_bytes]
+
+  Message ``k`` (counted in slots) uses slot ``k % nslots`` as a seqlock: the
+  sender waits until ``k - read_count < nslots`` (flow control), stores
+  ``seq = 2k+1``, writes the fields and the payload, then stores ``seq =
+  2k+2``. The receiver waits for ``seq == 2k+2``, copies the fields and the
+  payload, re-reads ``seq`` and checks a CRC-32 over fields and payload; any
+  change or mismatch is a torn read and is retried, so a reader never returns
+  half-written bytes even on a weakly ordered CPU (on x86-64 the store order
+  alone suffices; the CRC is the safety net elsewhere). 8-byte fields are
+  single aligned loads/stores (``memoryview.cast("Q")``). Messages larger
+  than one slot are split over consecutive slots; the receiver bounds the
+  total by ``max_message_bytes`` before allocating. The receiver spins for
+  ``spin_s`` (default 2 ms) and then backs off with sleeps growing from 20 µs
+  to 1 ms. The FFN end creates the segment under a fresh random name tied to
+  the store's generation, the sender attaches, and as soon as both are
+  attached the name is unlinked: nothing is left in ``/dev/shm`` even if a
+  process is killed later, and a stale segment is never reused.
+
+* ``tcp`` (across hosts): the FFN end listens on the address through which it
+  reaches the rendezvous host (never a hard-coded loopback; override with
+  ``AFD_CONTROL_ADDR``), publishes ``addr:port`` through the store; the
+  sender connects (``TCP_NODELAY``) and introduces itself. Frames are
+  ``magic u32 | type u32 | sender world rank u32 | length u64 | bytes``.
+
+``auto`` (the default) picks ``shm`` when both ends report the same
+:func:`~afd_ext.rendezvous.host_identity` (host name, boot id, mount and pid
+namespaces) through the store, else ``tcp``. Every frame carries the sender's
+world rank and the receiver checks it is the one the topology names (the
+reference checks its two messages came from the same rank).
+
+Liveness: idle is not dead
+--------------------------
+An FFN rank waiting for the next step may wait indefinitely while the
+attention side is idle. The sender therefore publishes a heartbeat from a
+daemon thread every ``heartbeat_interval_s`` (a CLOCK_MONOTONIC timestamp in
+the shared segment, or a small heartbeat frame over TCP). The receiver raises
+:class:`PeerDeadError` naming the peer and ``recv_dp_metadata_list`` when the
+heartbeat is older than ``heartbeat_timeout_s``, at once when the sender's
+process is gone (same host: its pid and start time are checked) or its socket
+closed without a goodbye, and :class:`~afd_ext.rendezvous.StepAbortedError`
+when some rank posted the step-abort signal. A live idle peer is waited for
+forever, or until the optional ``recv_timeout_s``. A sender that closes its
+channel cleanly makes the receiver raise :class:`ControlChannelClosed`, so an
+FFN serving loop can end.
+
+Measured cost
+-------------
+:func:`measure_control_plane` measures attention ``send_dp_metadata_list``
+call start -> FFN ``recv_dp_metadata_list`` return (encode, channel, decode)
+in two processes on one host; see docs/configuration.md for the numbers.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import logging
+import math
+import os
+import secrets
+import select
+import socket
+import struct
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from afd_ext import rendezvous as rdzv
+from afd_ext.rendezvous import AFDStore, StepAbortedError
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "DEFAULT_HEARTBEAT_INTERVAL_S",
+    "DEFAULT_HEARTBEAT_TIMEOUT_S",
+    "DEFAULT_SPIN_S",
+    "CHANNEL_KINDS",
+    "PeerDeadError",
+    "ControlChannelClosed",
+    "ControlRecvTimeout",
+    "ChannelOptions",
+    "ControlChannel",
+    "ShmControlChannel",
+    "TcpControlChannel",
+    "open_control_channels",
+    "AFDControlPlane",
+    "ChannelControlPlane",
+    "measure_control_plane",
+]
+
+#: How often a sender publishes its heartbeat, in seconds.
+DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
+#: Heartbeat age after which the receiver declares the sender dead, in seconds.
+DEFAULT_HEARTBEAT_TIMEOUT_S = 30.0
+#: How long a receiver busy-polls before it starts sleeping, in seconds.
+DEFAULT_SPIN_S = 0.002
+#: Payload bytes per shared-memory slot; larger messages span several slots.
+DEFAULT_SLOT_BYTES = 16384
+#: Slots per shared-memory ring.
+DEFAULT_NSLOTS = 8
+#: Largest message a channel accepts, in bytes (bounded before allocation).
+DEFAULT_MAX_MESSAGE_BYTES = 16 << 20
+#: Channel kinds accepted by :func:`open_control_channels`.
+CHANNEL_KINDS = ("auto", "shm", "tcp")
+
+# How often a waiting receiver looks at the heartbeat / peer process, and at the
+# store's abort key (a store round trip), in seconds.
+_LIVENESS_EVERY_S = 0.05
+_ABORT_EVERY_S = 0.1
+_MAX_SLEEP_S = 0.001
+_MIN_SLEEP_S = 20e-6
+
+_OP_RECV = "recv_dp_metadata_list"
+_OP_SEND = "send_dp_metadata_list"
+
+
+class PeerDeadError(RuntimeError):
+    """The peer at the other end of a control channel is gone.
+
+    Attributes:
+        peer: label of the peer rank (e.g. ``"attention rank 0 (world rank 1)"``).
+        op: the operation that noticed (``"recv_dp_metadata_list"`` ...).
+    """
+
+    def __init__(self, peer: str, op: str, detail: str):
+        super().__init__(f"{op}: peer {peer} is dead: {detail}")
+        self.peer = peer
+        self.op = op
+
+
+class ControlChannelClosed(ConnectionError):
+    """The sender closed the channel cleanly (shutdown); no more payloads will come."""
+
+
+class ControlRecvTimeout(TimeoutError):
+    """``recv`` passed its ``timeout_s`` while the peer was alive (idle)."""
+
+
+@dataclass(frozen=True)
+class ChannelOptions:
+    """Tuning of the control channels (all times in seconds).
+
+    Attributes:
+        heartbeat_interval_s: how often the sender publishes a heartbeat.
+        heartbeat_timeout_s: heartbeat age that makes the receiver raise
+            :class:`PeerDeadError`; must exceed ``heartbeat_interval_s``.
+        spin_s: receiver busy-poll time before sleeping (shm, and tcp before
+            blocking); 0 disables spinning.
+        slot_bytes: shm payload bytes per slot (>= 64).
+        nslots: shm ring slots (>= 2).
+        max_message_bytes: largest message accepted by a receiver.
+    """
+
+    heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
+    heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
+    spin_s: float = DEFAULT_SPIN_S
+    slot_bytes: int = DEFAULT_SLOT_BYTES
+    nslots: int = DEFAULT_NSLOTS
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+
+    def __post_init__(self) -> None:
+        if not self.heartbeat_interval_s > 0:
+            raise ValueError(f"heartbeat_interval_s must be > 0, got {self.heartbeat_interval_s!r}")
+        if not self.heartbeat_timeout_s > self.heartbeat_interval_s:
+            raise ValueError(
+                f"heartbeat_timeout_s ({self.heartbeat_timeout_s!r}) must exceed "
+                f"heartbeat_interval_s ({self.heartbeat_interval_s!r})"
+            )
+        if self.spin_s < 0:
+            raise ValueError(f"spin_s must be >= 0, got {self.spin_s!r}")
+        if not (isinstance(self.slot_bytes, int) and self.slot_bytes >= 64):
+            raise ValueError(f"slot_bytes must be an int >= 64, got {self.slot_bytes!r}")
+        if not (isinstance(self.nslots, int) and self.nslots >= 2):
+            raise ValueError(f"nslots must be an int >= 2, got {self.nslots!r}")
+        if not (isinstance(self.max_message_bytes, int) and self.max_message_bytes >= 1):
+            raise ValueError(f"max_message_bytes must be an int >= 1, got {self.max_message_bytes!r}")
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> "ChannelOptions":
+        """Options from the ``AFD_*`` environment variables (see :mod:`afd_ext.envs`), then ``overrides``."""
+        kw: dict[str, Any] = {}
+        try:
+            from afd_ext import envs
+        except ImportError:  # pragma: no cover - envs.py is part of the package
+            envs = None
+        if envs is not None:
+            for name, attr in (("heartbeat_interval_s", "AFD_HEARTBEAT_INTERVAL_S"),
+                               ("heartbeat_timeout_s", "AFD_HEARTBEAT_TIMEOUT_S")):
+                v = getattr(envs, attr, None)
+                if callable(v):
+                    v = v()
+                if v is not None:
+                    kw[name] = float(v)
+            spin_us = getattr(envs, "AFD_CONTROL_SPIN_US", None)
+            if callable(spin_us):
+                spin_us = spin_us()
+            if spin_us is not None:
+                kw["spin_s"] = float(spin_us) * 1e-6
+        kw.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**kw)
+
+
+def _proc_start_time(pid: int) -> int | None:
+    """Start time (clock ticks since boot) of ``pid``, or None if it is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    rest = stat[stat.rfind(b")") + 2:].split()
+    if not rest or rest[0] in (b"Z", b"X", b"x"):
+        return None
+    try:
+        return int(rest[19])
+    except (IndexError, ValueError):
+        return None
+
+
+class ControlChannel(abc.ABC):
+    """One direction of one (attention rank, FFN rank) control link.
+
+    Attributes:
+        kind: ``"shm"`` or ``"tcp"``.
+        is_sender: True on the attention (sending) end.
+        peer_rank: world rank of the other end; ``peer``: its label.
+    """
+
+    kind: str = ""
+
+    def __init__(self, *, is_sender: bool, local_rank: int, peer_rank: int, peer: str,
+                 options: ChannelOptions, abort_check: Callable[[str], None] | None):
+        self.is_sender = is_sender
+        self.local_rank = local_rank
+        self.peer_rank = peer_rank
+        self.peer = peer
+        self.options = options
+        self._abort_check = abort_check
+        self._closed = False
+
+    @abc.abstractmethod
+    def send(self, data: bytes) -> None:
+        """Send one message (sender end only).
+
+        Args:
+            data: the message bytes (e.g. an encoded control payload), at most
+                ``options.max_message_bytes``.
+
+        Raises:
+            ValueError: message too large; RuntimeError: wrong end or closed channel;
+            PeerDeadError: the receiver is gone.
+        """
+
+    @abc.abstractmethod
+    def recv(self, timeout_s: float | None = None, op: str = _OP_RECV) -> bytes:
+        """Receive the next message (receiver end only), in send order.
+
+        Args:
+            timeout_s: give up after this many seconds while the peer is alive;
+                None waits as long as the peer's heartbeat is fresh.
+            op: the operation named in errors.
+
+        Returns:
+            The message bytes.
+
+        Raises:
+            PeerDeadError: the sender died (process gone, socket reset, heartbeat older
+                than ``heartbeat_timeout_s``).
+            ControlChannelClosed: the sender closed the channel.
+            ControlRecvTimeout: ``timeout_s`` passed.
+            StepAbortedError: some rank posted the step-abort signal.
+            RuntimeError: a frame from an unexpected sender.
+        """
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the channel (idempotent). On the sender, tell the receiver (clean shutdown)."""
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_len(self, n: int) -> None:
+        if n > self.options.max_message_bytes:
+            raise ValueError(
+                f"control message of {n} bytes exceeds max_message_bytes="
+                f"{self.options.max_message_bytes}; raise it on both ends"
+            )
+
+    def _require(self, sender: bool, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"{what} on a closed {self.kind} control channel to {self.peer}")
+        if self.is_sender != sender:
+            end = "sending (attention)" if self.is_sender else "receiving (FFN)"
+            raise RuntimeError(f"{what} called on the {end} end of the control channel to {self.peer}")
+
+
+# ---------------------------------------------------------------------------
+# Shared-memory ring
+# ---------------------------------------------------------------------------
+
+_SHM_MAGIC = 0x4C525443_44464141  # b"AAFDCTRL" as little-endian u64
+_SHM_VERSION = 1
+_HDR_BYTES = 256
+# u64 word indices in the header
+_W_MAGIC, _W_VER_NSLOTS, _W_SLOT_BYTES = 0, 1, 2
+_W_SENDER_PID, _W_SENDER_START, _W_RECEIVER_PID, _W_RECEIVER_START = 3, 4, 5, 6
+_W_READ_COUNT = 8  # byte 64: own cache line
+_W_HEARTBEAT, _W_SENDER_STATE = 16, 17  # byte 128: own cache line
+_SLOT_HDR = 32
+_SLOT_FIELDS = struct.Struct("<QIII")  # total_len, frag_len, sender, crc (at slot offset 8)
+_CRC_FIELDS = struct.Struct("<QQII")  # seq, total_len, frag_len, sender
+_STATE_NEW, _STATE_ATTACHED, _STATE_CLOSED = 0, 1, 2
+
+
+def _slot_stride(slot_bytes: int) -> int:
+    return (_SLOT_HDR + slot_bytes + 63) // 64 * 64
+
+
+class _ShmSegment:
+    """A POSIX shared-memory segment (``/dev/shm``) mapped into this process.
+
+    ``multiprocessing.shared_memory.SharedMemory`` registers every attach with
+    the resource tracker on Python < 3.13, which makes a tracker shared by
+    spawned processes unlink or complain about segments it does not own. Here
+    only the creator registers the name (the tracker then unlinks it if the
+    creator dies before both ends attached) and unregisters it when it unlinks.
+    """
+
+    def __init__(self, name: str, create: bool, size: int = 0):
+        import mmap
+
+        import _posixshmem
+
+        self.name = name
+        self._path = "/" + name
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = _posixshmem.shm_open(self._path, flags, mode=0o600)
+        self._created = create
+        self._tracked = False
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            size = os.fstat(fd).st_size
+            self._mmap = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            if create:
+                _posixshmem.shm_unlink(self._path)
+            raise
+        os.close(fd)
+        if create:
+            from multiprocessing import resource_tracker
+
+            resource_tracker.register(self._path, "shared_memory")
+            self._tracked = True
+        self.buf = memoryview(self._mmap)
+
+    def unlink(self) -> None:
+        import _posixshmem
+
+        try:
+            _posixshmem.shm_unlink(self._path)
+        except FileNotFoundError:
+            pass
+        if self._tracked:
+            from multiprocessing import resource_tracker
+
+            self._tracked = False
+            resource_tracker.unregister(self._path, "shared_memory")
+
+    def close(self) -> None:
+        self.buf.release()
+        self._mmap.close()
+
+
+class ShmControlChannel(ControlChannel):
+    """Shared-memory SPSC ring between two processes on one host (see the module doc).
+
+    Build it with :meth:`create` (receiver / FFN end) and :meth:`attach`
+    (sender / attention end), or through :func:`open_control_channels`.
+    """
+
+    kind = "shm"
+
+    def __init__(self, shm, *, owner: bool, **kw):
+        super().__init__(**kw)
+        self._shm = shm
+        self._owner = owner
+        buf = shm.buf
+        self._buf = buf
+        self._hdr = buf[:_HDR_BYTES].cast("Q")
+        ver_nslots = self._hdr[_W_VER_NSLOTS]
+        self._nslots = ver_nslots >> 32
+        self._slot_bytes = self._hdr[_W_SLOT_BYTES]
+        self._stride = _slot_stride(self._slot_bytes)
+        self._seq = [buf[_HDR_BYTES + i * self._stride:_HDR_BYTES + i * self._stride + 8].cast("Q")
+                     for i in range(self._nslots)]
+        self._count = 0  # slots sent (sender) / consumed (receiver)
+        self._hb_stop = threading.Event()
+        self._hb_thread: threading.Thread | None = None
+        self._peer_pid = 0
+        self._peer_start = 0
+        self._unlinked = False
+
+    # -- construction -----------------------------------------------------------
+
+    @classmethod
+    def create(cls, name_prefix: str, *, local_rank: int, peer_rank: int, peer: str,
+               options: ChannelOptions, abort_check=None) -> "ShmControlChannel":
+        """Create the ring (receiver end). The name is ``name_prefix`` + random hex."""
+        size = _HDR_BYTES + options.nslots * _slot_stride(options.slot_bytes)
+        for _ in range(16):
+            name = f"{name_prefix}-{secrets.token_hex(6)}"
+            try:
+                shm = _ShmSegment(name, create=True, size=size)
+                break
+            except FileExistsError:
+                continue
+        else:  # pragma: no cover - 16 random collisions
+            raise RuntimeError(f"could not create a shared-memory segment named {name_prefix}-*")
+        hdr = shm.buf[:_HDR_BYTES].cast("Q")
+        hdr[_W_VER_NSLOTS] = (options.nslots << 32) | _SHM_VERSION
+        hdr[_W_SLOT_BYTES] = options.slot_bytes
+        hdr[_W_RECEIVER_PID] = os.getpid()
+        hdr[_W_RECEIVER_START] = _proc_start_time(os.getpid()) or 0
+        hdr[_W_MAGIC] = _SHM_MAGIC  # last: the segment is initialised
+        hdr.release()
+        return cls(shm, owner=True, is_sender=False, local_rank=local_rank, peer_rank=peer_rank,
+                   peer=peer, options=options, abort_check=abort_check)
+
+    @classmethod
+    def attach(cls, name: str, *, local_rank: int, peer_rank: int, peer: str,
+               options: ChannelOptions, abort_check=None) -> "ShmControlChannel":
+        """Attach to a ring created by the receiver (sender end) and start the heartbeat.
+
+        Raises:
+            RuntimeError: the segment is missing (the two ends do not share
+                ``/dev/shm``: use kind ``"tcp"``) or not an AFD control ring.
+        """
+        try:
+            shm = _ShmSegment(name, create=False)
+        except FileNotFoundError:
+            raise RuntimeError(
+                f"shared-memory control segment {name!r} of {peer} not found: the two ranks do "
+                "not share /dev/shm (different hosts or containers); set the control channel "
+                "kind to 'tcp' (AFD_CONTROL_CHANNEL=tcp)"
+            ) from None
+        hdr = shm.buf[:_HDR_BYTES].cast("Q")
+        ok = False
+        try:
+            if hdr[_W_MAGIC] != _SHM_MAGIC or (hdr[_W_VER_NSLOTS] & 0xFFFFFFFF) != _SHM_VERSION:
+                raise RuntimeError(f"shared-memory segment {name!r} is not an AFD control ring v{_SHM_VERSION}")
+            hdr[_W_SENDER_PID] = os.getpid()
+            hdr[_W_SENDER_START] = _proc_start_time(os.getpid()) or 0
+            hdr[_W_HEARTBEAT] = time.monotonic_ns()
+            hdr[_W_SENDER_STATE] = _STATE_ATTACHED
+            ok = True
+        finally:
+            hdr.release()
+            if not ok:
+                shm.close()
+        ch = cls(shm, owner=False, is_sender=True, local_rank=local_rank, peer_rank=peer_rank,
+                 peer=peer, options=options, abort_check=abort_check)
+        ch._peer_pid = ch._hdr[_W_RECEIVER_PID]
+        ch._peer_start = ch._hdr[_W_RECEIVER_START]
+        ch._start_heartbeat()
+        return ch
+
+    def wait_attached(self, deadline: float, store: AFDStore | None = None) -> None:
+        """Receiver: wait until the sender attached, then unlink the name (nothing can leak)."""
+        sleep = 0.001
+        while self._hdr[_W_SENDER_STATE] == _STATE_NEW:
+            if store is not None:
+                rdzv.raise_if_aborted(store, op=f"waiting for {self.peer} to attach the control ring")
+            if time.monotonic() > deadline:
+                raise rdzv.RendezvousTimeoutError(
+                    f"{self.peer} did not attach the shared-memory control ring in time",
+                    missing=(self.peer_rank,), what="control channel attach",
+                )
+            time.sleep(sleep)
+            sleep = min(2 * sleep, 0.05)
+        self._peer_pid = self._hdr[_W_SENDER_PID]
+        self._peer_start = self._hdr[_W_SENDER_START]
+        self._unlink()
+
+    def _unlink(self) -> None:
+        if self._owner and not self._unlinked:
+            self._unlinked = True
+            try:
+                self._shm.unlink()
+            except FileNotFoundError:
+                pass
+
+    @property
+    def name(self) -> str:
+        """The segment's name (unlinked from ``/dev/shm`` once both ends attached)."""
+        return self._shm.name
+
+    # -- heartbeat -----------------------------------------------------------------
+
+    def _start_heartbeat(self) -> None:
+        def beat() -> None:
+            interval = self.options.heartbeat_interval_s
+            while not self._hb_stop.wait(interval):
+                try:
+                    self._hdr[_W_HEARTBEAT] = time.monotonic_ns()
+                except (ValueError, TypeError):  # released during close
+                    return
+
+        self._hb_thread = threading.Thread(target=beat, name=f"afd-ctrl-heartbeat-{self.peer_rank}",
+                                           daemon=True)
+        self._hb_thread.start()
+
+    def _peer_gone(self) -> bool:
+        if not self._peer_pid:
+            return False
+        start = _proc_start_time(int(self._peer_pid))
+        return start is None or (self._peer_start and start != self._peer_start)
+
+    # -- data path -------------------------------------------------------------------
+
+    def send(self, data: bytes) -> None:
+        self._require(True, "send")
+        n = len(data)
+        self._check_len(n)
+        sb = self._slot_bytes
+        nfrag = max(1, -(-n // sb))
+        mv = memoryview(data)
+        hdr = self._hdr
+        hdr[_W_HEARTBEAT] = time.monotonic_ns()
+        for i in range(nfrag):
+            k = self._count
+            if k - hdr[_W_READ_COUNT] >= self._nslots:
+                self._wait_space(k)
+            frag = mv[i * sb:min(n, (i + 1) * sb)]
+            fl = len(frag)
+            slot = k % self._nslots
+            base = _HDR_BYTES + slot * self._stride
+            seq = self._seq[slot]
+            seq[0] = 2 * k + 1
+            crc = zlib.crc32(frag, zlib.crc32(_CRC_FIELDS.pack(2 * k + 2, n, fl, self.local_rank)))
+            _SLOT_FIELDS.pack_into(self._buf, base + 8, n, fl, self.local_rank, crc)
+            self._buf[base + _SLOT_HDR:base + _SLOT_HDR + fl] = frag
+            seq[0] = 2 * k + 2  # publish
+            self._count = k + 1
+
+    def _wait_space(self, k: int) -> None:
+        deadline = time.monotonic() + self.options.heartbeat_timeout_s
+        sleep = _MIN_SLEEP_S
+        while k - self._hdr[_W_READ_COUNT] >= self._nslots:
+            if self._peer_gone():
+                raise PeerDeadError(self.peer, _OP_SEND, "its process exited (control ring full)")
+            if time.monotonic() > deadline:
+                raise PeerDeadError(
+                    self.peer, _OP_SEND,
+                    f"it consumed no control payload for {self.options.heartbeat_timeout_s:.1f} s "
+                    f"with {self._nslots} ring slots full",
+                )
+            time.sleep(sleep)
+            sleep = min(2 * sleep, _MAX_SLEEP_S)
+
+    def _wait_slot(self, k: int, timeout_s: float | None, op: str) -> None:
+        seq = self._seq[k % self._nslots]
+        want = 2 * k + 2
+        if seq[0] == want:
+            return
+        now = time.monotonic()
+        spin_until = now + self.options.spin_s
+        deadline = None if timeout_s is None else now + timeout_s
+        next_live = now + _LIVENESS_EVERY_S
+        next_abort = now + _ABORT_EVERY_S
+        while seq[0] != want and time.monotonic() < spin_until:
+            pass
+        sleep = _MIN_SLEEP_S
+        hb_timeout_ns = int(self.options.heartbeat_timeout_s * 1e9)
+        while seq[0] != want:
+            now = time.monotonic()
+            if now >= next_live:
+                next_live = now + _LIVENESS_EVERY_S
+                if seq[0] == want:
+                    break
+                state = self._hdr[_W_SENDER_STATE]
+                if state == _STATE_CLOSED:
+                    raise ControlChannelClosed(f"{op}: {self.peer} closed the control channel")
+                if self._peer_gone():
+                    raise PeerDeadError(self.peer, op, "its process exited")
+                age = time.monotonic_ns() - self._hdr[_W_HEARTBEAT]
+                if age > hb_timeout_ns:
+                    raise PeerDeadError(
+                        self.peer, op,
+                        f"no heartbeat for {age / 1e9:.1f} s (heartbeat_timeout_s="
+                        f"{self.options.heartbeat_timeout_s:g}); the process is hung or stopped",
+                    )
+            if self._abort_check is not None and now >= next_abort:
+                next_abort = now + _ABORT_EVERY_S
+                self._abort_check(op)
+            if deadline is not None and now >= deadline:
+                raise ControlRecvTimeout(
+                    f"{op}: no control payload from {self.peer} within {timeout_s:g} s "
+                    "(the peer is alive but idle)"
+                )
+            time.sleep(sleep)
+            sleep = min(2 * sleep, _MAX_SLEEP_S)
+
+    def _read_slot(self, k: int, expect_total: int | None, op: str) -> tuple[int, memoryview | bytes]:
+        slot = k % self._nslots
+        base = _HDR_BYTES + slot * self._stride
+        seq = self._seq[slot]
+        want = 2 * k + 2
+        for attempt in range(1_000_000):
+            total, fl, sender, crc = _SLOT_FIELDS.unpack_from(self._buf, base + 8)
+            if fl <= self._slot_bytes:
+                frag = bytes(self._buf[base + _SLOT_HDR:base + _SLOT_HDR + fl])
+                ok = (seq[0] == want and zlib.crc32(
+                    frag, zlib.crc32(_CRC_FIELDS.pack(want, total, fl, sender))) == crc)
+                if ok:
+                    break
+            if attempt > 1000:
+                time.sleep(_MIN_SLEEP_S)
+        else:  # pragma: no cover - would mean a broken writer
+            raise RuntimeError(f"{op}: control ring slot {slot} from {self.peer} never became consistent")
+        if sender != self.peer_rank:
+            raise RuntimeError(
+                f"{op}: received AFD DP metadata from world rank {sender}, expected {self.peer}"
+            )
+        if total > self.options.max_message_bytes:
+            raise ValueError(
+                f"{op}: {self.peer} announced a {total}-byte control message, above "
+                f"max_message_bytes={self.options.max_message_bytes}"
+            )
+        if expect_total is not None and total != expect_total:
+            raise RuntimeError(f"{op}: control message fragments from {self.peer} disagree on the length")
+        return total, frag
+
+    def recv(self, timeout_s: float | None = None, op: str = _OP_RECV) -> bytes:
+        self._require(False, "recv")
+        k = self._count
+        self._wait_slot(k, timeout_s, op)
+        total, frag = self._read_slot(k, None, op)
+        self._count = k + 1
+        self._hdr[_W_READ_COUNT] = self._count
+        if len(frag) == total:
+            return frag
+        out = bytearray(total)
+        got = len(frag)
+        out[:got] = frag
+        while got < total:
+            k = self._count
+            self._wait_slot(k, None, op)  # the rest of a started message is already on its way
+            _, frag = self._read_slot(k, total, op)
+            if got + len(frag) > total:
+                raise RuntimeError(f"{op}: control message fragments from {self.peer} overflow the length")
+            out[got:got + len(frag)] = frag
+            got += len(frag)
+            self._count = k + 1
+            self._hdr[_W_READ_COUNT] = self._count
+        return bytes(out)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._hb_stop.set()
+        if self._hb_thread is not None:
+            self._hb_thread.join(timeout=5)
+        try:
+            if self.is_sender:
+                self._hdr[_W_SENDER_STATE] = _STATE_CLOSED
+        except (ValueError, TypeError):
+            pass
+        for v in self._seq:
+            v.release()
+        self._hdr.release()
+        self._buf = None  # type: ignore[assignment]
+        self._unlink()
+        try:
+            self._shm.close()
+        except BufferError:  # pragma: no cover - a view still exported
+            logger.warning("control ring %s still has exported views at close", self._shm.name)
+
+
+# ---------------------------------------------------------------------------
+# TCP
+# ---------------------------------------------------------------------------
+
+_TCP_MAGIC = 0xAFDC7C01
+_TCP_HDR = struct.Struct("<IIIQ")  # magic, type, sender world rank, length
+_T_HELLO, _T_DATA, _T_HEARTBEAT, _T_CLOSE = 1, 2, 3, 4
+
+
+def _advertise_address(store: AFDStore) -> str:
+    """The local address peers should connect to: the one routing to the rendezvous host."""
+    override = os.environ.get("AFD_CONTROL_ADDR")
+    if override:
+        return override
+    try:
+        infos = socket.getaddrinfo(store.host, store.port, type=socket.SOCK_DGRAM)
+    except socket.gaierror:
+        return socket.gethostbyname(socket.gethostname())
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(addr)  # no packet is sent; the kernel picks the route and source address
+            return s.getsockname()[0]
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())
+
+
+class TcpControlChannel(ControlChannel):
+    """Length-prefixed frames over one TCP connection (``TCP_NODELAY``), heartbeat frames from the sender."""
+
+    kind = "tcp"
+
+    def __init__(self, sock: socket.socket, **kw):
+        super().__init__(**kw)
+        self._sock = sock
+        self._lock = threading.Lock()
+        self._rbuf = bytearray()
+        self._last_seen = time.monotonic()
+        self._hb_stop = threading.Event()
+        self._hb_thread: threading.Thread | None = None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    @staticmethod
+    def listen(store: AFDStore) -> socket.socket:
+        """Receiver: a listening socket on the advertised address, port chosen by the kernel."""
+        addr = _advertise_address(store)
+        infos = socket.getaddrinfo(addr, 0, type=socket.SOCK_STREAM)
+        family, stype, proto, _, sa = infos[0]
+        ls = socket.socket(family, stype, proto)
+        ls.bind(sa)
+        ls.listen(16)
+        return ls
+
+    @classmethod
+    def accept(cls, ls: socket.socket, deadline: float, *, local_rank: int, peer_rank: int, peer: str,
+               options: ChannelOptions, abort_check=None, store: AFDStore | None = None) -> "TcpControlChannel":
+        """Receiver: accept the sender's connection and check its hello frame."""
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise rdzv.RendezvousTimeoutError(
+                    f"{peer} did not connect its TCP control channel in time",
+                    missing=(peer_rank,), what="control channel connect",
+                )
+            r, _, _ = select.select([ls], [], [], min(left, 0.1))
+            if store is not None:
+                rdzv.raise_if_aborted(store, op=f"waiting for {peer} to connect the control channel")
+            if not r:
+                continue
+            conn, _ = ls.accept()
+            conn.settimeout(max(0.1, deadline - time.monotonic()))
+            try:
+                hdr = _recv_exact(conn, _TCP_HDR.size)
+                magic, typ, sender, n = _TCP_HDR.unpack(hdr)
+                token = _recv_exact(conn, n) if magic == _TCP_MAGIC and typ == _T_HELLO and n < 256 else b""
+            except (OSError, ConnectionError):
+                conn.close()
+                continue
+            if magic != _TCP_MAGIC or typ != _T_HELLO or sender != peer_rank:
+                logger.warning("control channel: rejected a connection (sender %d, expected %s)", sender, peer)
+                conn.close()
+                continue
+            conn.setblocking(True)
+            conn.settimeout(None)
+            ch = cls(conn, is_sender=False, local_rank=local_rank, peer_rank=peer_rank, peer=peer,
+                     options=options, abort_check=abort_check)
+            ch._token = token
+            return ch
+
+    @classmethod
+    def connect(cls, addr: tuple[str, int], deadline: float, token: bytes, *, local_rank: int,
+                peer_rank: int, peer: str, options: ChannelOptions, abort_check=None) -> "TcpControlChannel":
+        """Sender: connect to the receiver, introduce itself, start the heartbeat."""
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            try:
+                sock = socket.create_connection(addr, timeout=max(0.1, min(5.0, deadline - time.monotonic())))
+                break
+            except OSError as e:
+                last = e
+                time.sleep(0.05)
+        else:
+            raise rdzv.RendezvousTimeoutError(
+                f"could not connect the TCP control channel to {peer} at {addr[0]}:{addr[1]}: {last}",
+                missing=(peer_rank,), what="control channel connect",
+            )
+        ch = cls(sock, is_sender=True, local_rank=local_rank, peer_rank=peer_rank, peer=peer,
+                 options=options, abort_check=abort_check)
+        # Sends time out so a receiver that stopped reading cannot block the sender forever.
+        sock.settimeout(options.heartbeat_timeout_s)
+        ch._send_frame(_T_HELLO, token)
+        ch._start_heartbeat()
+        return ch
+
+    def _send_frame(self, typ: int, data: bytes | memoryview = b"") -> None:
+        frame = _TCP_HDR.pack(_TCP_MAGIC, typ, self.local_rank, len(data))
+        with self._lock:
+            if len(data) <= 65536:
+                self._sock.sendall(frame + bytes(data))
+            else:
+                self._sock.sendall(frame)
+                self._sock.sendall(data)
+
+    def _start_heartbeat(self) -> None:
+        def beat() -> None:
+            while not self._hb_stop.wait(self.options.heartbeat_interval_s):
+                try:
+                    self._send_frame(_T_HEARTBEAT)
+                except OSError:
+                    return
+
+        self._hb_thread = threading.Thread(target=beat, name=f"afd-ctrl-heartbeat-{self.peer_rank}",
+                                           daemon=True)
+        self._hb_thread.start()
+
+    def send(self, data: bytes) -> None:
+        self._require(True, "send")
+        self._check_len(len(data))
+        try:
+            self._send_frame(_T_DATA, data)
+        except socket.timeout:
+            raise PeerDeadError(
+                self.peer, _OP_SEND,
+                f"it read nothing for {self.options.heartbeat_timeout_s:g} s (TCP send buffer full)",
+            ) from None
+        except OSError as e:
+            raise PeerDeadError(self.peer, _OP_SEND, f"connection lost ({e})") from None
+
+    def _fill(self, need: int, deadline: float | None, op: str) -> None:
+        """Read from the socket until ``need`` bytes are buffered, watching liveness."""
+        sock = self._sock
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        hb = self.options.heartbeat_timeout_s
+        next_abort = time.monotonic() + _ABORT_EVERY_S
+        spin_until = time.monotonic() + self.options.spin_s
+        while len(self._rbuf) < need:
+            now = time.monotonic()
+            if now < spin_until:
+                wait_ms = 0
+            else:
+                wait_ms = int(1000 * min(_ABORT_EVERY_S, max(0.0, self._last_seen + hb - now) + 0.001))
+                if deadline is not None:
+                    wait_ms = min(wait_ms, max(0, int(1000 * (deadline - now)) + 1))
+            events = poller.poll(wait_ms)
+            if events:
+                try:
+                    chunk = sock.recv(max(65536, need - len(self._rbuf)))
+                except (ConnectionResetError, OSError) as e:
+                    raise PeerDeadError(self.peer, op, f"connection lost ({e})") from None
+                if not chunk:
+                    raise PeerDeadError(self.peer, op, "its connection closed without a goodbye (process exited)")
+                self._rbuf += chunk
+                self._last_seen = time.monotonic()
+                continue
+            now = time.monotonic()
+            if now - self._last_seen > hb:
+                raise PeerDeadError(
+                    self.peer, op,
+                    f"no heartbeat for {now - self._last_seen:.1f} s (heartbeat_timeout_s={hb:g}); "
+                    "the process or its host is hung or unreachable",
+                )
+            if self._abort_check is not None and now >= next_abort:
+                next_abort = now + _ABORT_EVERY_S
+                self._abort_check(op)
+            if deadline is not None and now >= deadline:
+                raise ControlRecvTimeout(
+                    f"{op}: no control payload from {self.peer} within the timeout (the peer is alive but idle)"
+                )
+
+    def recv(self, timeout_s: float | None = None, op: str = _OP_RECV) -> bytes:
+        self._require(False, "recv")
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            self._fill(_TCP_HDR.size, deadline, op)
+            magic, typ, sender, n = _TCP_HDR.unpack_from(self._rbuf, 0)
+            if magic != _TCP_MAGIC:
+                raise RuntimeError(f"{op}: corrupt control frame from {self.peer} (bad magic {magic:#x})")
+            if sender != self.peer_rank:
+                raise RuntimeError(
+                    f"{op}: received AFD DP metadata from world rank {sender}, expected {self.peer}"
+                )
+            if n > self.options.max_message_bytes:
+                raise ValueError(
+                    f"{op}: {self.peer} announced a {n}-byte control message, above "
+                    f"max_message_bytes={self.options.max_message_bytes}"
+                )
+            end = _TCP_HDR.size + n
+            self._fill(end, None, op)  # the rest of a started frame is already on its way
+            body = bytes(self._rbuf[_TCP_HDR.size:end])
+            del self._rbuf[:end]
+            if typ == _T_DATA:
+                return body
+            if typ == _T_CLOSE:
+                raise ControlChannelClosed(f"{op}: {self.peer} closed the control channel")
+            if typ != _T_HEARTBEAT:
+                raise RuntimeError(f"{op}: unexpected control frame type {typ} from {self.peer}")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._hb_stop.set()
+        if self.is_sender:
+            try:
+                self._send_frame(_T_CLOSE)
+            except OSError:
+                pass
+        if self._hb_thread is not None:
+            self._hb_thread.join(timeout=5)
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("connection closed")
+        buf += chunk
+    return bytes(buf)
+
+
+# ---------------------------------------------------------------------------
+# Opening the channels of one rank
+# ---------------------------------------------------------------------------
+
+
+def _normalise_role(role: Any) -> str:
+    r = getattr(role, "value", role)
+    r = str(r).lower()
+    if r not in ("attention", "ffn"):
+        raise ValueError(f"role must be 'attention' or 'ffn', got {role!r}")
+    return r
+
+
+def _store_abort_check(store: AFDStore | None) -> Callable[[str], None] | None:
+    if store is None:
+        return None
+    return lambda op: rdzv.raise_if_aborted(store, op=op)
+
+
+def open_control_channels(
+    store: AFDStore,
+    topology: Any,
+    role: str,
+    role_rank: int,
+    kind: str = "auto",
+    timeout_s: float | None = None,
+    *,
+    options: ChannelOptions | None = None,
+) -> dict[int, ControlChannel]:
+    """Open this rank's control channels (collective over the control senders and FFN ranks).
+
+    Attention rank ``a`` gets one sending channel per FFN rank in
+    ``topology.control_destinations(a)`` (none when it is not a sender); FFN
+    rank ``f`` gets one receiving channel from ``topology.control_source(f)``.
+    Ranks without channels return at once.
+
+    Args:
+        store: this generation's store (:func:`afd_ext.rendezvous.connect`).
+        topology: an :class:`afd_ext.topology.Topology`.
+        role: ``"attention"`` or ``"ffn"``.
+        role_rank: this rank inside its role.
+        kind: ``"auto"`` (shm when both ends share a host, else tcp), ``"shm"`` or ``"tcp"``.
+        timeout_s: deadline for the whole setup in seconds (None: the store's default).
+        options: channel tuning (default :meth:`ChannelOptions.from_env`).
+
+    Returns:
+        peer role rank (FFN rank for a sender, attention rank for a receiver) -> channel.
+
+    Raises:
+        ValueError: unknown ``kind`` or role.
+        RendezvousTimeoutError: a peer did not show up in time (named).
+        RuntimeError: ``shm`` forced across hosts.
+        StepAbortedError: an abort was posted meanwhile.
+    """
+    if kind not in CHANNEL_KINDS:
+        raise ValueError(f"control channel kind must be one of {CHANNEL_KINDS}, got {kind!r}")
+    role = _normalise_role(role)
+    opts = options or ChannelOptions.from_env()
+    timeout = store.timeout_s if timeout_s is None else float(timeout_s)
+    deadline = time.monotonic() + timeout
+    F = topology.num_ffn_ranks
+    me = topology.world_rank(role, role_rank)
+    abort_check = _store_abort_check(store)
+    if role == "attention":
+        pairs = [(role_rank, f) for f in topology.control_destinations(role_rank)]
+    else:
+        pairs = [(topology.control_source(role_rank), role_rank)]
+    if not pairs:
+        return {}
+    store.set(f"ctrl/host/{me}", rdzv.host_identity().encode("utf-8"))
+
+    def pair_kind(a: int, f: int) -> str:
+        if kind != "auto":
+            return kind
+        other = F + a if role == "ffn" else f
+        rdzv.wait_for_keys(store, {f"ctrl/host/{other}": other}, deadline - time.monotonic(),
+                           "the control channel host identity")
+        theirs = store.get(f"ctrl/host/{other}").decode("utf-8")
+        return "shm" if theirs == rdzv.host_identity() else "tcp"
+
+    channels: dict[int, ControlChannel] = {}
+    try:
+        if role == "ffn":
+            (a, f), = pairs
+            peer_rank = F + a
+            peer = store.label(peer_rank) if store.num_ffn_ranks else rdzv.rank_label(peer_rank, F)
+            k = pair_kind(a, f)
+            base = f"ctrl/{a}/{f}"
+            if k == "shm":
+                prefix = f"afd-{os.getpid()}-{store.generation_key}-{a}-{f}"
+                ch = ShmControlChannel.create(prefix, local_rank=me, peer_rank=peer_rank, peer=peer,
+                                              options=opts, abort_check=abort_check)
+                try:
+                    store.set(f"{base}/shm", ch.name.encode("utf-8"))
+                    ch.wait_attached(deadline, store)
+                except BaseException:
+                    ch.close()
+                    raise
+                channels[a] = ch
+            else:
+                ls = TcpControlChannel.listen(store)
+                try:
+                    host, port = ls.getsockname()[:2]
+                    token = secrets.token_bytes(16)
+                    store.set(f"{base}/tcp", json.dumps(
+                        {"host": host, "port": port, "token": token.hex()}).encode("utf-8"))
+                    channels[a] = TcpControlChannel.accept(
+                        ls, deadline, local_rank=me, peer_rank=peer_rank, peer=peer,
+                        options=opts, abort_check=abort_check, store=store)
+                finally:
+                    ls.close()
+                if channels[a]._token != token:  # noqa: SLF001
+                    raise RuntimeError(f"control channel: {peer} presented a stale token")
+        else:
+            for a, f in pairs:
+                peer_rank = f
+                peer = rdzv.rank_label(peer_rank, F)
+                k = pair_kind(a, f)
+                base = f"ctrl/{a}/{f}"
+                rdzv.wait_for_keys(store, {f"{base}/{k}": peer_rank}, deadline - time.monotonic(),
+                                   f"the {k} control channel of {peer}")
+                info = store.get(f"{base}/{k}").decode("utf-8")
+                if k == "shm":
+                    channels[f] = ShmControlChannel.attach(info, local_rank=me, peer_rank=peer_rank, peer=peer,
+                                                           options=opts, abort_check=abort_check)
+                else:
+                    d = json.loads(info)
+                    channels[f] = TcpControlChannel.connect(
+                        (d["host"], int(d["port"])), deadline, bytes.fromhex(d["token"]),
+                        local_rank=me, peer_rank=peer_rank, peer=peer, options=opts, abort_check=abort_check)
+    except BaseException:
+        for ch in channels.values():
+            ch.close()
+        raise
+    return channels
+
+
+# ---------------------------------------------------------------------------
+# Control plane
+# ---------------------------------------------------------------------------
+
+
+class AFDControlPlane(abc.ABC):
+    """The reference's DP-metadata control plane contract."""
+
+    @abc.abstractmethod
+    def update_state_from_dp_metadata(self, payload: Any) -> None:
+        """Apply ``payload`` locally (no network): store the step's DP metadata and flags,
+        derive the step's schedule, validate it. Attention: before every send; FFN: after
+        each receive (by the runner)."""
+
+    @abc.abstractmethod
+    def send_dp_metadata_list(self, payload: Any) -> None:
+        """Attention -> FFN, once per step. A no-op on ranks that are not control senders."""
+
+    @abc.abstractmethod
+    def recv_dp_metadata_list(self) -> Any:
+        """FFN side: block until the next step's payload arrives and return it."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release channels (idempotent)."""
+
+
+class ChannelControlPlane(AFDControlPlane):
+    """Control plane over :class:`ControlChannel` objects (host memory only, no device sync).
+
+    Args:
+        connector_state_callback: ``callback(payload)`` applying a payload to the
+            connector (called by :meth:`update_state_from_dp_metadata`).
+        topology: the :class:`~afd_ext.topology.Topology`.
+        role: ``"attention"`` or ``"ffn"``; role_rank: this rank inside its role.
+        channels: from :func:`open_control_channels` (peer role rank -> channel).
+        store: the generation's store, to watch the step-abort signal while receiving.
+        recv_timeout_s: optional step timeout for :meth:`recv_dp_metadata_list`
+            (None: wait as long as the sender's heartbeat is fresh).
+        max_payload_bytes: bound passed to the decoder.
+
+    Raises:
+        ValueError: channels do not match the topology's control routing.
+    """
+
+    def __init__(
+        self,
+        connector_state_callback: Callable[[Any], None],
+        topology: Any,
+        role: str,
+        role_rank: int,
+        channels: Mapping[int, ControlChannel],
+        *,
+        store: AFDStore | None = None,
+        recv_timeout_s: float | None = None,
+        max_payload_bytes: int | None = None,
+    ):
+        self._callback = connector_state_callback
+        self.topology = topology
+        self.role = _normalise_role(role)
+        self.role_rank = role_rank
+        self.channels = dict(channels)
+        self.store = store
+        self.recv_timeout_s = recv_timeout_s
+        from afd_ext import metadata as md
+
+        self._md = md
+        self.max_payload_bytes = max_payload_bytes or md.DEFAULT_MAX_CONTROL_BYTES
+        if self.role == "attention":
+            self.destinations = tuple(topology.control_destinations(role_rank))
+            self.source = None
+            expected = set(self.destinations)
+        else:
+            self.destinations = ()
+            self.source = topology.control_source(role_rank)
+            expected = {self.source}
+        if set(self.channels) != expected:
+            raise ValueError(
+                f"{self.role} rank {role_rank}: control channels to {sorted(self.channels)} do not match "
+                f"the topology's control routing {sorted(expected)}; build them with open_control_channels"
+            )
+
+    @property
+    def is_sender(self) -> bool:
+        """Whether this rank sends control payloads (attention rank ``< min(A, F)``)."""
+        return bool(self.destinations)
+
+    def update_state_from_dp_metadata(self, payload: Any) -> None:
+        """Apply ``payload`` to the connector through the callback (no network).
+
+        Raises:
+            whatever the callback raises for an invalid step (e.g. ``ValueError``).
+        """
+        self._callback(payload)
+
+    def send_dp_metadata_list(self, payload: Any) -> None:
+        """Encode ``payload`` and send it to every control destination (no-op elsewhere).
+
+        Args:
+            payload: an :class:`~afd_ext.metadata.AFDControlPayload`.
+
+        Raises:
+            ValueError: not a control payload, or larger than the channel's limit.
+            PeerDeadError: a destination FFN rank is gone.
+        """
+        if not self.destinations:
+            return
+        data = self._md.encode_control_payload(payload)
+        for f in self.destinations:
+            self.channels[f].send(data)
+
+    def recv_dp_metadata_list(self) -> Any:
+        """Block until the next step's payload arrives; return it decoded.
+
+        Returns:
+            The :class:`~afd_ext.metadata.AFDControlPayload` (counts as CPU int32 tensors).
+
+        Raises:
+            RuntimeError: called on an attention rank.
+            PeerDeadError: the source attention rank died (its heartbeat stopped).
+            ControlChannelClosed: the source closed its channel (clean shutdown).
+            ControlRecvTimeout: ``recv_timeout_s`` passed.
+            StepAbortedError: some rank posted the step-abort signal.
+            ValueError: the payload is malformed (names the source).
+        """
+        if self.role != "ffn":
+            raise RuntimeError("recv_dp_metadata_list is called on FFN ranks only")
+        ch = self.channels[self.source]
+        data = ch.recv(self.recv_timeout_s, op=_OP_RECV)
+        try:
+            return self._md.decode_control_payload(data, max_bytes=self.max_payload_bytes)
+        except ValueError as e:
+            raise ValueError(f"{_OP_RECV}: malformed control payload from {ch.peer}: {e}") from None
+
+    def close(self) -> None:
+        """Close every channel (idempotent; the sender's close tells its FFN ranks)."""
+        for ch in self.channels.values():
+            try:
+                ch.close()
+            except Exception as e:  # noqa: BLE001 - close must not raise
+                logger.warning("closing control channel to %s: %s", ch.peer, e)
+
+
+# ---------------------------------------------------------------------------
+# Measurement
+# ---------------------------------------------------------------------------
+
+
+def _measure_worker(rank: int, nprocs: int, host: str, port: int, kind: str, iterations: int,
+                    warmup: int, gap_s: float, num_attention_ranks: int, stages: int, raw: bool,
+                    spin_s: float) -> dict:
+    import torch
+
+    from afd_ext.metadata import AFDControlPayload, AFDDPMetadata
+    from afd_ext.topology import Topology
+
+    topo = Topology(1, 1)
+    role = "ffn" if rank == 0 else "attention"
+    store = rdzv.connect(host, port, rank, 2, 60.0, num_ffn_ranks=1)
+    channels = open_control_channels(store, topo, role, 0, kind, 60.0,
+                                     options=ChannelOptions(spin_s=spin_s))
+    cp = ChannelControlPlane(lambda p: None, topo, role, 0, channels, store=store)
+    used = next(iter(channels.values())).kind
+    rdzv.barrier(store, rank, 2, "measure-start", 60.0)
+    total = warmup + iterations
+    stamps: list[int] = []
+    try:
+        if role == "attention":
+            counts = [(7 * i + 3) % 64 for i in range(num_attention_ranks)]
+            payload = AFDControlPayload(
+                dp_metadata_list={s: AFDDPMetadata(torch.tensor(counts, dtype=torch.int32))
+                                  for s in range(stages)})
+            from afd_ext.metadata import encode_control_payload
+
+            data = encode_control_payload(payload)
+            ch = channels[0]
+            for _ in range(total):
+                t0 = time.perf_counter_ns()
+                if raw:
+                    ch.send(data)
+                else:
+                    cp.send_dp_metadata_list(payload)
+                stamps.append(t0)
+                # Sleep (not spin): on a machine with few cores a spinning sender
+                # would starve the receiver it is measuring.
+                time.sleep(gap_s)
+            rdzv.barrier(store, rank, 2, "measure-end", 60.0)
+        else:
+            ch = channels[0]
+            for _ in range(total):
+                if raw:
+                    ch.recv(30.0)
+                else:
+                    cp.recv_dp_metadata_list()
+                stamps.append(time.perf_counter_ns())
+            rdzv.barrier(store, rank, 2, "measure-end", 60.0)
+    finally:
+        cp.close()
+    return {"kind": used, "stamps": stamps[warmup:]}
+
+
+def measure_control_plane(
+    kind: str = "auto",
+    iterations: int = 2000,
+    *,
+    warmup: int = 200,
+    gap_us: float = 200.0,
+    num_attention_ranks: int = 8,
+    stages: int = 2,
+    raw: bool = False,
+    spin_s: float = DEFAULT_SPIN_S,
+    timeout_s: float = 120.0,
+) -> dict[str, Any]:
+    """Measure the control plane end to end in two processes on this host.
+
+    An attention process calls ``send_dp_metadata_list`` every ``gap_us``; an
+    FFN process loops on ``recv_dp_metadata_list``. Latency of message ``i`` is
+    the FFN return time minus the attention call start, both
+    ``time.perf_counter_ns`` (CLOCK_MONOTONIC, shared by processes on one host).
+
+    Args:
+        kind: ``"shm"``, ``"tcp"`` or ``"auto"``.
+        iterations: measured messages (after ``warmup``).
+        warmup: discarded first messages.
+        gap_us: pause between sends in µs (keep it above the latency so nothing queues).
+        num_attention_ranks: length of the count vector in the payload (payload size).
+        stages: stages in the payload.
+        raw: measure the channel alone (pre-encoded bytes, no decode) instead of the
+            control-plane calls.
+        spin_s: receiver busy-poll window (a gap longer than it measures the sleeping path).
+        timeout_s: deadline for the whole measurement.
+
+    Returns:
+        ``{"kind", "n", "p50_us", "p90_us", "p99_us", "mean_us", "min_us", "max_us",
+        "payload_bytes"}``.
+    """
+    from afd_ext.testing import find_free_port, run_workers
+
+    if iterations < 1:
+        raise ValueError(f"iterations must be >= 1, got {iterations}")
+    host = "127.0.0.1"
+    port = find_free_port(host)
+    res = run_workers(_measure_worker, 2, (host, port, kind, iterations, warmup, gap_us * 1e-6,
+                                           num_attention_ranks, stages, raw, spin_s),
+                      timeout_s=timeout_s)
+    recv_ns, send_ns = res[0]["stamps"], res[1]["stamps"]
+    lat = sorted((r - s) / 1000.0 for r, s in zip(recv_ns, send_ns))
+
+    def pct(p: float) -> float:
+        return lat[min(len(lat) - 1, max(0, math.ceil(p / 100.0 * len(lat)) - 1))]
+
+    import torch
+
+    from afd_ext.metadata import AFDControlPayload, AFDDPMetadata, encode_control_payload
+
+    size = len(encode_control_payload(AFDControlPayload(dp_metadata_list={
+        s: AFDDPMetadata(torch.tensor([(7 * i + 3) % 64 for i in range(num_attention_ranks)],
+                                      dtype=torch.int32)) for s in range(stages)})))
+    return {
+        "kind": res[0]["kind"], "raw": raw, "n": len(lat),
+        "p50_us": pct(50), "p90_us": pct(90), "p99_us": pct(99),
+        "mean_us": sum(lat) / len(lat), "min_us": lat[0], "max_us": lat[-1],
+        "payload_bytes": size,
+    }
