@@ -466,3 +466,123 @@ def test_reserve_buffers_at_captured_capacity():
     # Reserving again returns the very same tensors (the arena never reallocates).
     again = graphs.reserve_ffn_buffers(arena, sched, 0)
     assert all(again[s][n] is ffn[s][n] for s in ffn for n in ffn[s] if ffn[s][n] is not None)
+
+
+# --- the GPU tier's scripts, run on CPU ------------------------------------------------
+#
+# tests/gpu/test_graphs_gpu.py drives both roles through scripted steps (warm-up,
+# capture, replays with fresh inputs, eager steps of other sizes, refused replays).
+# Here the same scripts run with every rank in a thread, queues standing in for
+# NCCL and the recording backend standing in for CUDA graphs, so the protocol —
+# decisions, keys, padding, buffers, what comes back — is checked in CI too.
+
+import importlib.util  # noqa: E402
+import pathlib  # noqa: E402
+import queue  # noqa: E402
+import threading  # noqa: E402
+
+
+def _gpu_module():
+    path = pathlib.Path(__file__).parent / "gpu" / "test_graphs_gpu.py"
+    spec = importlib.util.spec_from_file_location("_graphs_gpu_scripts", path)
+    mod = importlib.util.module_from_spec(spec)
+    import sys
+
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class _QueueOps:
+    """split_back / fan_in over in-process FIFO queues (one per communicator), real pack/unpack."""
+
+    def __init__(self, queues, corrupt=()):
+        from afd_ext import ops
+
+        self.q = queues
+        self.corrupt = set(corrupt)  # communicators whose messages arrive with their rows reversed
+        self.pack_rows, self.unpack_rows = ops.pack_rows, ops.unpack_rows
+
+    def split_back(self, t, lg, ids, comms, peers, rows):
+        off = 0
+        for c, r in zip(comms, rows):
+            if r:
+                msg = tuple(None if x is None else x[off:off + r].clone() for x in (t, lg, ids))
+                if c in self.corrupt:
+                    msg = tuple(None if x is None else x.flip(0) for x in msg)
+                self.q[c].put(msg)
+            off += r
+
+    def fan_in(self, t, lg, ids, comms, peers, rows):
+        off = 0
+        for c, r in zip(comms, rows):
+            if r:
+                got = self.q[c].get(timeout=30)
+                for dst, src in zip((t, lg, ids), got):
+                    assert (dst is None) == (src is None), "optional tensors differ between the roles"
+                    if dst is not None:
+                        assert src.shape[0] == r and src.dtype == dst.dtype, (tuple(src.shape), r, src.dtype)
+                        dst[off:off + r].copy_(src)
+            off += r
+
+
+def _run_gpu_script_on_cpu(mod, setup, script, corrupt_replies=False):
+    pytest.importorskip("afd_ext.ops")
+    topo = topology_mod.Topology(setup.A, setup.F)
+    handles, queues = {}, {}
+    for a, f in topo.edges():
+        for d in ("a2f", "f2a"):
+            handles[(a, f, d)] = len(handles)
+            queues[handles[(a, f, d)]] = queue.Queue()
+
+    class Ctx(mod._Ctx):
+        def __init__(self, rank):  # no NCCL: queues and the recording backend
+            corrupt = [h for (a, f, d), h in handles.items() if d == "f2a"] if corrupt_replies else ()
+            self.ops, self.graphs, self.setup, self.topo = _QueueOps(queues, corrupt), graphs, setup, topo
+            self.role, self.rr = ("ffn", rank) if rank < setup.F else ("attention", rank - setup.F)
+            self.device, self.comms = torch.device("cpu"), handles
+            self.ctl = GraphController(role=self.role, cache_size=8, backend=EagerRecordingBackend(),
+                                       device="cpu", capture_sizes=mod.CAPTURE_SIZES)
+
+    n = setup.A + setup.F
+    reports, errors = [None] * n, []
+
+    def go(rank):
+        try:
+            reports[rank] = mod.run_script(Ctx(rank), setup, script)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append((rank, repr(e)))
+
+    threads = [threading.Thread(target=go, args=(r,), daemon=True) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert all(r is not None for r in reports), "a rank did not finish"
+    for r in reports:
+        assert not r["failures"], r["failures"][:5]
+    return reports
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("script,A,F,stages", [
+    ("mismatch", 2, 1, 1), ("big_eager", 2, 1, 1), ("zero_peer", 2, 1, 2), ("sizes", 2, 1, 2),
+])
+def test_gpu_scripts_pass_on_cpu(script, A, F, stages):
+    mod = _gpu_module()
+    setup = mod.Setup(A, F, stages=stages)
+    reports = _run_gpu_script_on_cpu(mod, setup, script)
+    ffn = reports[0]
+    expected_replays = {"mismatch": 3, "big_eager": 7, "zero_peer": 3, "sizes": 4 * mod.REPLAYS}[script]
+    assert all(r["replays"] == expected_replays for r in reports)
+    assert sum(ffn["entry_replays"].values()) == expected_replays
+    if script == "mismatch":
+        assert all(r["refused"] == 1 for r in reports)
+
+
+def test_gpu_script_catches_a_wrong_reply():
+    """The scripts can fail: an FFN that replies with the wrong rows is reported by the attention side."""
+    mod = _gpu_module()
+    with pytest.raises(AssertionError, match="max diff"):
+        _run_gpu_script_on_cpu(mod, mod.Setup(2, 1), "mismatch", corrupt_replies=True)
