@@ -193,6 +193,9 @@ def _visible_labels(num_gpus: int) -> list[str]:
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env is not None and env.strip():
         labels = [x.strip() for x in env.split(",") if x.strip()]
+        if len(labels) < num_gpus:
+            raise ValueError(f"CUDA_VISIBLE_DEVICES={env!r} names {len(labels)} GPUs but {num_gpus} are visible; "
+                             "set it to a plain comma list of the GPUs to use")
         return labels[:num_gpus]
     return [str(i) for i in range(num_gpus)]
 

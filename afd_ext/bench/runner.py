@@ -225,9 +225,12 @@ class _Env:
 
 def _gloo_transport(env: _Env) -> Any:
     """Build this package's gloo transport over the default group (adapter: see transport/gloo.py)."""
+    from afd_ext.transport.base import PeerMap
     from afd_ext.transport.gloo import GlooTransport
 
-    return GlooTransport(topology=env.topo, role=env.role, role_rank=env.role_rank)
+    peers = PeerMap(env.role, env.role_rank, env.topo.num_attention_ranks, env.topo.num_ffn_ranks)
+    return GlooTransport(env.store, peers, strict=False, timeout_s=env.cfg.timeout_s,
+                         init_timeout_s=env.cfg.timeout_s)
 
 
 # ---------------------------------------------------------------------------
@@ -510,7 +513,10 @@ def bench_worker(rank: int, nprocs: int, cfg: RunConfig) -> dict:
         if show and not cfg.check:
             from tqdm import tqdm
 
-            bar = tqdm(total=_count_items(env, cfg), desc="afd-ext bench", unit="block", mininterval=1.0)
+            import sys
+
+            bar = tqdm(total=_count_items(env, cfg), desc="afd-ext bench", unit="block",
+                       mininterval=1.0 if sys.stderr.isatty() else 15.0)
         for ci, case in enumerate(cfg.cases):
             ctx = env.ctx(case)
             variants, skipped = _setup_variants(env, case, ctx)

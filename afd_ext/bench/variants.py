@@ -384,7 +384,12 @@ class FlagPingPong(Variant):
 
 
 class OursPerTensor(Variant):
-    """This package's ops, one message per tensor per edge, all in one NCCL group."""
+    """This package's ops, one message per tensor per edge, all in one NCCL group.
+
+    On the CPU path the same calls go through this package's gloo transport
+    (``split_back`` / ``fan_in``; its ``PendingSend`` is waited before the
+    buffers are reused).
+    """
 
     name = "ours_per_tensor"
 
@@ -397,41 +402,57 @@ class OursPerTensor(Variant):
         self.a2f = self._lists("a2f")
         self.f2a = self._lists("f2a")
         self.tr = ctx.gloo_transport if ctx.backend == "gloo" else None
-        if ctx.backend == "gloo" and self.tr is None:
-            raise RuntimeError("this package's gloo transport (afd_ext.transport.gloo) is not available")
+        if ctx.backend == "gloo":
+            if self.tr is None:
+                raise RuntimeError("this package's gloo transport (afd_ext.transport.gloo) is not available")
+            from afd_ext.transport.base import MessageTag
 
-    def _peers(self) -> list[int]:
-        return [l.peer for l in self.live]
+            self.tag_a2f = MessageTag("bench", "a2f", 0, 0, 0)
+            self.tag_f2a = MessageTag("bench", "f2a", 0, 0, 0)
+            self.peer_ids = [l.peer for l in self.live]
+
+    def _a2f_tensors(self) -> tuple:
+        return (self.h, self.l, self.i)
+
+    # gloo transport calls
+    def _g_send(self, tensors: tuple, d: str):
+        return self.tr.split_back(tensors, self.peer_ids, (self.a2f if d == "a2f" else self.f2a)[2],
+                                  tag=self.tag_a2f if d == "a2f" else self.tag_f2a)
+
+    def _g_recv(self, tensors: tuple, d: str) -> None:
+        self.tr.fan_in(tensors, self.peer_ids, (self.a2f if d == "a2f" else self.f2a)[2],
+                       tag=self.tag_a2f if d == "a2f" else self.tag_f2a)
 
     def attn_round(self) -> None:
         if self.tr is not None:
-            self.tr.exchange((self.h, self.l, self.i), self.reply, self._peers(), self.a2f[2], tag=0)
+            pending = self._g_send(self._a2f_tensors(), "a2f")
+            self._g_recv((self.reply, None, None), "f2a")
+            pending.wait()
             return
         sc, peers, rows = self.a2f
-        rc = self.f2a[0]
-        _ops().exchange(self.h, self.l, self.i, self.reply, sc, rc, peers, rows)
+        _ops().exchange(self.h, self.l, self.i, self.reply, sc, self.f2a[0], peers, rows)
 
     def attn_send(self) -> None:
         if self.tr is not None:
-            self.tr.split_back((self.h, self.l, self.i), self._peers(), self.a2f[2], tag=0)
+            self._g_send(self._a2f_tensors(), "a2f").wait()
             return
         _ops().split_back(self.h, self.l, self.i, *self.a2f)
 
     def attn_recv(self) -> None:
         if self.tr is not None:
-            self.tr.fan_in((self.reply, None, None), self._peers(), self.f2a[2], tag=1)
+            self._g_recv((self.reply, None, None), "f2a")
             return
         _ops().fan_in(self.reply, None, None, *self.f2a)
 
     def ffn_recv(self) -> None:
         if self.tr is not None:
-            self.tr.fan_in((self.h, self.l, self.i), self._peers(), self.a2f[2], tag=0)
+            self._g_recv(self._a2f_tensors(), "a2f")
             return
         _ops().fan_in(self.h, self.l, self.i, *self.a2f)
 
     def ffn_send(self) -> None:
         if self.tr is not None:
-            self.tr.split_back((self.h, None, None), self._peers(), self.f2a[2], tag=1)
+            self._g_send((self.h, None, None), "f2a").wait()
             return
         _ops().split_back(self.h, None, None, *self.f2a)
 
@@ -453,7 +474,6 @@ class OursPacked(OursPerTensor):
 
     name = "ours_packed"
     needs_extras = True
-    backends = ("nccl",)
 
     def __init__(self, ctx: Ctx, case: Case):
         super().__init__(ctx, case)
@@ -462,20 +482,34 @@ class OursPacked(OursPerTensor):
                                             torch.float32, True)
         self.wire = torch.zeros(ctx.rows, self.row_bytes, dtype=torch.uint8, device=self.dev)
 
+    def _a2f_tensors(self) -> tuple:
+        return (self.wire,)
+
     def attn_round(self) -> None:
         ops = _ops()
         ops.pack_rows(self.h, self.l, self.i, self.wire)
+        if self.tr is not None:
+            pending = self._g_send((self.wire,), "a2f")
+            self._g_recv((self.reply, None, None), "f2a")
+            pending.wait()
+            return
         sc, peers, rows = self.a2f
         ops.exchange(self.wire, None, None, self.reply, sc, self.f2a[0], peers, rows)
 
     def attn_send(self) -> None:
         ops = _ops()
         ops.pack_rows(self.h, self.l, self.i, self.wire)
+        if self.tr is not None:
+            self._g_send((self.wire,), "a2f").wait()
+            return
         ops.split_back(self.wire, None, None, *self.a2f)
 
     def ffn_recv(self) -> None:
         ops = _ops()
-        ops.fan_in(self.wire, None, None, *self.a2f)
+        if self.tr is not None:
+            self._g_recv((self.wire,), "a2f")
+        else:
+            ops.fan_in(self.wire, None, None, *self.a2f)
         ops.unpack_rows(self.wire, self.h, self.l, self.i)
 
 

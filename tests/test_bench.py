@@ -1,0 +1,380 @@
+"""afd-ext bench: timing statistics, layout, report logic, and the gloo smoke runs.
+
+CPU tier: the harness end to end over gloo (2 processes, tiny sizes) must
+emit a valid JSON document, the bit-exact self-check must pass and must fail
+when one side corrupts the data. GPU tier (``-m gpu``, 2 GPUs): the same
+self-check and a quick sweep over NCCL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from afd_ext.bench import main
+from afd_ext.bench import report
+from afd_ext.bench.plan import Case, Reps, RunConfig, make_layout
+from afd_ext.bench.timing import HostTimer, percentile, summarize, time_eager
+from afd_ext.bench.variants import pattern_bytes, rows_bytes
+from afd_ext.testing import find_free_port, run_workers
+
+# ---------------------------------------------------------------------------
+# Statistics and timing
+# ---------------------------------------------------------------------------
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.floats(min_value=0.0, max_value=1e6, allow_nan=False), min_size=1, max_size=60),
+       st.sampled_from([0.0, 10.0, 50.0, 90.0, 100.0]))
+def test_percentile_matches_numpy(values, q):
+    assert percentile(sorted(values), q) == pytest.approx(float(np.percentile(values, q)), rel=1e-9, abs=1e-9)
+
+
+def test_summarize_values():
+    s = summarize([5.0, 1.0, 3.0, 2.0, 4.0])
+    assert (s.median, s.min, s.n) == (3.0, 1.0, 5)
+    assert s.mean == pytest.approx(3.0)
+    assert s.p10 == pytest.approx(1.4) and s.p90 == pytest.approx(4.6)
+    assert s.shifted(-1.0).median == 2.0 and s.shifted(-1.0).n == 5
+
+
+@pytest.mark.parametrize("bad", [[], [1.0, float("nan")], [float("inf")]])
+def test_summarize_rejects_bad_samples(bad):
+    with pytest.raises(ValueError):
+        summarize(bad)
+
+
+def test_time_eager_host_counts_iterations():
+    calls = []
+    samples = time_eager(lambda: calls.append(1), iters=7, warmup=2, cuda=False)
+    assert len(calls) == 9 and len(samples) == 7 and all(s >= 0 for s in samples)
+    with pytest.raises(ValueError):
+        time_eager(lambda: None, iters=0, warmup=0, cuda=False)
+    t = HostTimer(2)
+    with pytest.raises(RuntimeError):
+        t.samples_us()
+
+
+def test_reps_policy_is_bounded_and_monotonic():
+    r = Reps(target_s=0.05, min_iters=20, max_iters=400, rounds=2, graph_iters=10)
+    small, mid, big = r.iters(1000, True), r.iters(200_000_000, True), r.iters(2_000_000_000, True)
+    assert small == 400 and 20 < mid < 400 and big == 20
+    assert r.per_round(1000, True) == 200
+    assert r.graph_k(1000) == 10 and r.graph_k(200_000_000) == 2
+    assert r.graph_replays_per_round(200_000_000) >= 3
+
+
+# ---------------------------------------------------------------------------
+# Plan and layout
+# ---------------------------------------------------------------------------
+
+
+def test_case_bytes():
+    c = Case(7168, 128, True)
+    assert c.a2f_row_bytes() == 7168 * 2 + 256 * 4 + 4
+    assert c.f2a_bytes() == 128 * 7168 * 2
+    assert Case(7168, 1, False).a2f_bytes() == 14336
+    with pytest.raises(ValueError, match="tokens"):
+        Case(7168, 0, True)
+
+
+def test_layout_one_gpu_per_process(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    lay = make_layout(1, 1, 2)
+    # AFD world order: FFN first. Attention on GPU 0, FFN on GPU 1.
+    assert lay.gpus == ("1", "0") and not lay.shared
+    assert lay.per_rank_env() == [{"CUDA_VISIBLE_DEVICES": "1"}, {"CUDA_VISIBLE_DEVICES": "0"}]
+
+
+def test_layout_detects_sharing(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    lay = make_layout(2, 1, 2)
+    assert lay.shared and lay.gpus == ("5", "4", "4")  # FFN alone on the last GPU
+    assert "SHARED" in lay.describe()
+    with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES"):
+        make_layout(2, 2, 4)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert not make_layout(2, 2, 4).shared
+    assert make_layout(1, 1, 2, gpu_map=(0, 0)).shared
+    with pytest.raises(ValueError, match="gpu-map"):
+        make_layout(1, 1, 2, gpu_map=(0, 2))
+
+
+def test_timing_refused_when_gpus_shared(monkeypatch, tmp_path, capsys):
+    import afd_ext.bench as bench
+
+    monkeypatch.setattr(bench, "_gpu_count", lambda: 2)
+    rc = main(["--attention-ranks", "2", "--out", str(tmp_path / "x")])
+    assert rc == 2
+    assert "share a GPU" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_bad_variant_name_is_usage_error(tmp_path, capsys):
+    assert main(["--backend", "gloo", "--variants", "ours,nope", "--out", str(tmp_path)]) == 2
+    assert "--variants" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------
+# Check patterns
+# ---------------------------------------------------------------------------
+
+
+def test_pattern_is_deterministic_and_salted():
+    a = pattern_bytes(5, 33, seed=7, salt=1, device=torch.device("cpu"))
+    assert a.dtype == torch.uint8 and tuple(a.shape) == (5, 33)
+    assert torch.equal(a, pattern_bytes(5, 33, seed=7, salt=1, device=torch.device("cpu")))
+    assert not torch.equal(a, pattern_bytes(5, 33, seed=7, salt=2, device=torch.device("cpu")))
+    assert not torch.equal(a, pattern_bytes(5, 33, seed=8, salt=1, device=torch.device("cpu")))
+    # every byte value shows up in a large pattern (not stuck bits)
+    assert pattern_bytes(64, 64, 1, 0, torch.device("cpu")).unique().numel() == 256
+
+
+def test_rows_bytes_views():
+    t = torch.zeros(3, 4, dtype=torch.bfloat16)
+    assert tuple(rows_bytes(t).shape) == (3, 8)
+    ids = torch.zeros(3, dtype=torch.int32)
+    assert tuple(rows_bytes(ids).shape) == (3, 4)
+    rows_bytes(ids)[1].fill_(1)
+    assert ids.tolist() == [0, 0x01010101, 0]
+
+
+# ---------------------------------------------------------------------------
+# Report logic on a synthetic document
+# ---------------------------------------------------------------------------
+
+
+def _rec(tokens, variant, mode, direction, median, extras=True, **kw):
+    c = Case(7168, tokens, extras)
+    r = {"case": c.to_dict(), "case_key": c.key(), "A": 1, "F": 1, "variant": variant, "mode": mode,
+         "direction": direction, "role": "attention", "role_rank": 0, "peers": [0], "rows": tokens,
+         "bytes_a2f": c.a2f_bytes(), "bytes_f2a": c.f2a_bytes(),
+         "stats_us": {"median": median, "p10": median * 0.9, "p90": median * 1.1, "mean": median,
+                      "min": median * 0.8, "n": 10}}
+    r.update(kw)
+    return r
+
+
+def _synthetic_doc():
+    recs = []
+    for t, ref_g, ours_g, ref_e, ours_e in ((1, 50.0, 20.0, 150.0, 50.0), (128, 72.0, 45.0, 160.0, 70.0),
+                                            (8192, 840.0, 700.0, 800.0, 760.0)):
+        recs += [_rec(t, "reference", "graph", "round_trip", ref_g), _rec(t, "ours_packed", "graph", "round_trip", ours_g),
+                 _rec(t, "reference", "eager", "round_trip", ref_e), _rec(t, "ours_packed", "eager", "round_trip", ours_e),
+                 _rec(t, "ours_per_tensor", "graph", "round_trip", ours_g + 3),
+                 _rec(t, "bare", "graph", "round_trip", ours_g + 2.5),
+                 _rec(t, "raw", "graph", "round_trip", ours_g * 0.9)]
+    recs.append(_rec(8192, "ours_per_tensor", "graph", "a2f", 350.0, gbps=340.0,
+                     one_way_us={"median": 345.0, "p10": 340.0, "p90": 350.0, "mean": 345.0, "min": 339.0, "n": 10}))
+    recs.append(_rec(8192, "ours_per_tensor", "graph", "f2a", 352.0, gbps=330.0,
+                     one_way_us={"median": 347.0, "p10": 340.0, "p90": 350.0, "mean": 345.0, "min": 339.0, "n": 10}))
+    return {"schema": report.SCHEMA, "meta": {"date": "d"}, "records": recs, "skipped": [], "notes": [],
+            "control_plane": {"reference": {"median": 120.0}, "ours": {"median": 8.0}},
+            "default_wire_format": {"h7168-t1-extras": "packed", "h7168-t128-extras": "packed",
+                                    "h7168-t8192-extras": "per_tensor"},
+            "targets": []}
+
+
+def _target(targets, name):
+    (t,) = [t for t in targets if t["target"] == name]
+    return t
+
+
+def test_targets_from_synthetic_results():
+    doc = _synthetic_doc()
+    report.validate_document(doc)
+    ts = report.evaluate_targets(doc)
+    t = _target(ts, "vs reference pattern, graph, 1 tokens")
+    assert t["ratio"] == pytest.approx(2.5) and t["met"] is True
+    t = _target(ts, "vs reference pattern, graph, 128 tokens")
+    assert t["ratio"] == pytest.approx(72 / 45) and t["met"] is False
+    t = _target(ts, "vs reference pattern, eager, 1 tokens")
+    assert t["ratio"] == pytest.approx(3.0) and t["met"] is True
+    # 8192 tokens: the schedule's default there is per-tensor, so ours = ours_per_tensor (703 µs)
+    t = _target(ts, "vs reference pattern, graph, 8192 tokens")
+    assert t["ratio"] == pytest.approx(840 / 703) and t["met"] is True
+    t = _target(ts, "overhead over bare NCCL, graph, 1 tokens")
+    assert t["value"] == pytest.approx(0.5) and t["met"] is True
+    t = _target(ts, "one-way bandwidth f2a, 8192 tokens (graph)")
+    assert t["value"] == pytest.approx(330.0) and t["met"] is False
+    t = _target(ts, "control plane per step (median)")
+    assert t["met"] is True and t["ratio"] == pytest.approx(15.0)
+
+
+def test_markdown_and_plot(tmp_path):
+    doc = _synthetic_doc()
+    doc["targets"] = report.evaluate_targets(doc)
+    md = report.render_markdown(doc)
+    assert "## Round trip, 1A1F, hidden 7168 bf16, hidden + fp32 logits" in md
+    assert "2.50×" in md  # graph, 1 token: 50 / 20
+    assert "performance.md targets" in md
+    paths = report.write_outputs(doc, str(tmp_path / "o"))
+    assert os.path.getsize(paths["plot"]) > 1000
+    with open(paths["plot"], "rb") as fh:
+        assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_merge_later_wins_and_validates(tmp_path):
+    a, b = _synthetic_doc(), _synthetic_doc()
+    b["records"] = [_rec(1, "reference", "graph", "round_trip", 60.0), _rec(2, "raw", "graph", "round_trip", 9.0)]
+    b["control_plane"] = {"reference": None, "ours": {"median": 7.0}}
+    m = report.merge_documents([a, b])
+    report.validate_document(m)
+    assert report.lookup(m, "h7168-t1-extras", "reference", "graph", "round_trip")["stats_us"]["median"] == 60.0
+    assert report.lookup(m, "h7168-t2-extras", "raw", "graph", "round_trip") is not None
+    assert len(m["records"]) == len(a["records"]) + 1
+    assert m["control_plane"]["ours"]["median"] == 7.0 and m["control_plane"]["reference"]["median"] == 120.0
+    bad = dict(a, records=[dict(a["records"][0], stats_us={"median": "x"})])
+    with pytest.raises(ValueError, match="document 1"):
+        report.merge_documents([a, bad])
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    pa.write_text(json.dumps(a))
+    pb.write_text(json.dumps(b))
+    assert main(["--merge", str(pa), str(pb), "--out", str(tmp_path / "m"), "--no-plot"]) == 0
+    merged = json.loads((tmp_path / "m" / "bench.json").read_text())
+    assert len(merged["records"]) == len(a["records"]) + 1
+
+
+# ---------------------------------------------------------------------------
+# The gloo path end to end (2 processes)
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(240)
+def test_quick_gloo_emits_valid_json(tmp_path):
+    out = tmp_path / "quick"
+    rc = main(["--quick", "--backend", "gloo", "--out", str(out), "--no-progress", "--control-iters", "10"])
+    assert rc == 0
+    doc = json.loads((out / "bench.json").read_text())
+    report.validate_document(doc)
+    assert (out / "bench.md").read_text().startswith("# afd-ext bench results")
+    assert (out / "bench.png").exists()
+    assert doc["meta"]["backend"] == "gloo" and doc["meta"]["shared_gpu"] is False
+    recs = report.attention_records(doc)
+    case_keys = {r["case_key"] for r in recs}
+    assert case_keys == {"h64-t1-extras", "h64-t5-extras", "h64-t1-hidden", "h64-t5-hidden"}
+    for ck in case_keys:
+        for v in ("ours_per_tensor", "reference", "raw", "torch_dist"):
+            r = report.lookup(doc, ck, v, "eager", "round_trip")
+            assert r is not None, (ck, v)
+            s = r["stats_us"]
+            assert 0 < s["min"] <= s["p10"] <= s["median"] <= s["p90"] and s["n"] >= 4
+        assert report.lookup(doc, ck, "ours_per_tensor", "eager", "a2f")["one_way_us"]["n"] >= 4
+    # packed exists where there are logits and ids; bare is NCCL-only and reported as skipped
+    assert report.lookup(doc, "h64-t1-extras", "ours_packed", "eager", "round_trip") is not None
+    assert {s["variant"] for s in doc["skipped"]} >= {"bare"}
+    assert doc["default_wire_format"]["h64-t1-hidden"] == "per_tensor"
+    cp = doc["control_plane"]
+    assert cp["reference"]["n"] == 10 and cp["reference"]["median"] > 0
+    assert cp["ours"] and (cp["ours"].get("median", 0) > 0 or "error" in cp["ours"])
+    ffn = [r for r in doc["records"] if r["role"] == "ffn"]
+    assert ffn, "the FFN rank's own loop times are recorded too"
+
+
+def _check_cfg(port: int) -> RunConfig:
+    return RunConfig(backend="gloo", layout=make_layout(1, 1, 0), cases=[Case(40, 3, True, logits_width=8)],
+                     variants=("ours_per_tensor", "ours_packed", "reference", "raw", "torch_dist"),
+                     modes=("eager",), directions=("round_trip", "a2f", "f2a"), reps=Reps(),
+                     master_port=port, check=True, control=False, timeout_s=60.0, progress=False)
+
+
+def _corrupting_worker(rank, nprocs, cfg, corrupt):
+    import afd_ext.bench.variants as v
+    from afd_ext.bench.runner import bench_worker
+
+    if corrupt == "reply" and rank == 0:  # the FFN rank replies with the wrong transform
+        v.XOR_BYTE = 0x33
+    if corrupt == "payload" and rank == 1:  # the attention rank sends other bytes than the FFN expects
+        orig = v.pattern_bytes
+        v.pattern_bytes = lambda rows, cols, seed, salt, device: orig(rows, cols, seed + 1, salt, device)
+    return bench_worker(rank, nprocs, cfg)
+
+
+def _checks(results):
+    return [c for r in results for c in r["checks"]]
+
+
+@pytest.mark.timeout(180)
+def test_check_passes_and_detects_corruption():
+    ok = run_workers(_corrupting_worker, 2, (_check_cfg(find_free_port()), None), timeout_s=120)
+    cs = _checks(ok)
+    assert cs and all(c["ok"] for c in cs), [c for c in cs if not c["ok"]]
+    assert {c["variant"] for c in cs} == {"ours_per_tensor", "ours_packed", "reference", "raw", "torch_dist"}
+
+    bad = _checks(run_workers(_corrupting_worker, 2, (_check_cfg(find_free_port()), "reply"), timeout_s=120))
+    failed = {(c["variant"], c["direction"]) for c in bad if not c["ok"]}
+    for v in ("ours_per_tensor", "ours_packed", "reference", "raw", "torch_dist"):
+        assert (v, "round_trip") in failed and (v, "f2a") in failed
+        assert (v, "a2f") not in failed
+    assert all(c["role"] == "attention" for c in bad if not c["ok"])
+
+    bad = _checks(run_workers(_corrupting_worker, 2, (_check_cfg(find_free_port()), "payload"), timeout_s=120))
+    failed = [c for c in bad if not c["ok"]]
+    assert {c["direction"] for c in failed if c["role"] == "ffn"} == {"round_trip", "a2f"}
+    assert any("differ" in e for c in failed for e in c["errors"])
+
+
+# ---------------------------------------------------------------------------
+# GPU tier: 2 GPUs, a CUDA build of afd_ext
+# ---------------------------------------------------------------------------
+
+
+def _two_gpus() -> bool:
+    try:
+        from afd_ext import ops
+
+        return torch.cuda.is_available() and torch.cuda.device_count() >= 2 and ops.is_cuda_built()
+    except Exception:  # noqa: BLE001
+        return False
+
+
+gpu = pytest.mark.gpu
+needs_gpus = pytest.mark.skipif(not _two_gpus(), reason="needs 2 CUDA GPUs and a CUDA build of afd_ext")
+
+
+@gpu
+@needs_gpus
+@pytest.mark.timeout(300)
+def test_gpu_check_1a1f(tmp_path):
+    rc = main(["--check", "--out", str(tmp_path / "c"), "--timeout", "280"])
+    doc = json.loads((tmp_path / "c" / "bench.json").read_text())
+    bad = [c for c in doc["checks"] if not c["ok"]]
+    assert rc == 0 and not bad, bad
+    seen = {(c["variant"], c["mode"]) for c in doc["checks"]}
+    for v in ("ours_per_tensor", "ours_packed", "reference", "raw", "bare"):
+        assert (v, "eager") in seen and (v, "graph") in seen, v
+    assert ("torch_dist", "eager") in seen
+
+
+@gpu
+@needs_gpus
+@pytest.mark.timeout(300)
+def test_gpu_check_2a1f_fan_in(tmp_path):
+    rc = main(["--check", "--attention-ranks", "2", "--tokens", "1,127", "--out", str(tmp_path / "c"),
+               "--timeout", "280"])
+    doc = json.loads((tmp_path / "c" / "bench.json").read_text())
+    bad = [c for c in doc["checks"] if not c["ok"]]
+    assert rc == 0 and not bad, bad
+    assert {c["role_rank"] for c in doc["checks"] if c["role"] == "attention"} == {0, 1}
+
+
+@gpu
+@needs_gpus
+@pytest.mark.timeout(420)
+def test_gpu_quick_sweep(tmp_path):
+    rc = main(["--tokens", "1,128", "--extras", "on", "--time-per-point", "0.01", "--out", str(tmp_path / "q"),
+               "--no-progress"])
+    assert rc == 0
+    doc = json.loads((tmp_path / "q" / "bench.json").read_text())
+    report.validate_document(doc)
+    for mode in ("eager", "graph"):
+        for v in ("ours_per_tensor", "reference", "raw"):
+            r = report.lookup(doc, "h7168-t128-extras", v, mode, "round_trip")
+            assert r is not None and r["stats_us"]["median"] > 0, (v, mode)
