@@ -833,10 +833,11 @@ class TorchDist(OursPerTensor):
         Variant.__init__(self, ctx, case)
         import torch.distributed as dist
 
-        if len(self.live) != 1:
-            # Several peers in one batch would make ProcessGroupNCCL build a
-            # communicator over the whole group (and refuse GPUs shared by ranks).
-            raise RuntimeError("torch_dist is measured with one peer per rank only (A == F)")
+        if len(self.live) != 1 or (ctx.backend == "nccl" and dist.get_world_size() != 2):
+            # batch_isend_irecv's first call on an NCCL group must include every
+            # rank of the group, and several peers in one batch would build a
+            # communicator over the whole group (refused for GPUs shared by ranks).
+            raise RuntimeError("torch_dist is measured in 1A1F only (one peer, a 2-rank group) on NCCL")
         n = ctx.rows
         self.h, self.l, self.i = self._wire(n)
         if ctx.is_attention:
