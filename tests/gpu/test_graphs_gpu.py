@@ -62,6 +62,7 @@ class Setup:
     hidden: int = HIDDEN
     layers: int = LAYERS
     dtype: str = "bfloat16"
+    logits_width: int = LOGITS_WIDTH
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +171,7 @@ def fresh_inputs(setup: Setup, seed: int, rank: int, stage: int, n: int, device)
     g = torch.Generator().manual_seed(seed * 1009 + rank * 31 + stage)
     dtype = getattr(torch, setup.dtype)
     h = torch.randn(n, setup.hidden, generator=g).to(dtype)
-    lg = torch.randn(n, LOGITS_WIDTH, generator=g) if setup.router_logits else None
+    lg = torch.randn(n, setup.logits_width, generator=g) if setup.router_logits else None
     ids = torch.randint(0, 50000, (n,), generator=g, dtype=torch.int32) if setup.token_ids else None
     return tuple(None if t is None else t.to(device) for t in (h, lg, ids))
 
@@ -252,7 +253,7 @@ class _Ctx:
             raise AssertionError(f"step {step} does not fit the capture sizes")
         config = sch.ScheduleConfig(
             num_layers=s.layers, hidden_size=s.hidden, hidden_dtype=getattr(torch, s.dtype),
-            router_logits_width=LOGITS_WIDTH if s.router_logits else None,
+            router_logits_width=s.logits_width if s.router_logits else None,
             send_token_ids=s.token_ids, wire_format=s.wire_format, pad_to=pad,
         )
         sched = sch.build_step_schedule(self.topo, payload, config)
