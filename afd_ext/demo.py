@@ -660,6 +660,7 @@ class DemoPlan:
     threads: int = 1
     timing: bool = True
     connector: str = "AfdExtConnector"
+    verbose: bool = False
 
     @property
     def device_type(self) -> str:
@@ -748,16 +749,20 @@ def _make_connector(plan: DemoPlan, role: str, role_rank: int, world_rank: int, 
             "max_stages": max(4, plan.stages),
         },
     )
+    import torch
+
     infos = describe_layers(model)
     moe = [li for li in infos if li.is_moe]
-    model_info = {
-        "num_layers": len(infos),
-        "layer_indices": remote_layer_indices(model, gate_on_attention=plan.gate_on_attention),
+    remote = remote_layer_indices(model, gate_on_attention=plan.gate_on_attention)
+    facts = {
+        # layer exchanges per stage per step: every layer, or only the MoE layers (gate on attention)
+        "num_layers": len(remote),
         "hidden_size": infos[0].hidden_size,
         "dtype": _torch_dtype(plan.dtype),
         "router_logits_width": moe[0].num_experts if (plan.gate_on_attention and moe) else None,
+        "router_logits_dtype": torch.float32,
     }
-    return create_connector(world_rank, 0, afd, role_rank=role_rank, model_info=model_info)
+    return create_connector(world_rank, 0, afd, role_rank=role_rank, **facts)
 
 
 def _worker(rank: int, nprocs: int, plan: DemoPlan) -> dict[str, Any]:
@@ -770,6 +775,8 @@ def _worker(rank: int, nprocs: int, plan: DemoPlan) -> dict[str, Any]:
     F_ = plan.num_ffn
     role = "ffn" if rank < F_ else "attention"
     role_rank = rank if role == "ffn" else rank - F_
+    logging.basicConfig(level=logging.INFO if plan.verbose else logging.WARNING,
+                        format=f"%(asctime)s {role} {role_rank} %(name)s %(levelname)s %(message)s")
     device = "cuda:0" if plan.device_type == "cuda" else "cpu"
     if plan.device_type == "cuda":
         torch.cuda.set_device(0)  # CUDA_VISIBLE_DEVICES already binds this process to its GPU
@@ -779,11 +786,15 @@ def _worker(rank: int, nprocs: int, plan: DemoPlan) -> dict[str, Any]:
         init_weights(model, plan.seed, device=plan.device_type, dtype=dtype)
         connector = _make_connector(plan, role, role_rank, rank, model)
         server = FFNServer.from_model(model, connector, gate_on_attention=plan.gate_on_attention)
+        logger.info("model built; initialising the connector")
         connector.init_afd_connector()
+        logger.info("connector ready; serving")
         try:
             steps = server.serve()
+            logger.info("served %d steps", steps)
         finally:
             connector.close()
+            logger.info("connector closed")
         return {"role": "ffn", "rank": role_rank, "steps": steps, "rows": server.rows_served}
 
     connector = _make_connector(plan, role, role_rank, rank, model)
@@ -796,7 +807,9 @@ def _worker(rank: int, nprocs: int, plan: DemoPlan) -> dict[str, Any]:
 
     gather = _StoreAllGather(plan.host, plan.agree_port, role_rank, plan.num_attention, plan.step_timeout_s)
     agreement = StepCountAgreement(plan.num_attention, role_rank, gather)
+    logger.info("model built; initialising the connector")
     connector.init_afd_connector()
+    logger.info("connector ready; generating")
     bar = None
     if plan.progress and role_rank == 0:
         from tqdm import tqdm
@@ -807,6 +820,7 @@ def _worker(rank: int, nprocs: int, plan: DemoPlan) -> dict[str, Any]:
             model, exchange, agreement.agree, plan.requests.get(role_rank, []), rank=role_rank,
             num_stages=plan.stages, device=device, progress=bar,
         )
+        logger.info("generated in %.2f s (%d steps)", res.wall_s, res.steps)
         gather.close()
         # numpy, not torch: torch tensors cross a multiprocessing queue as shared-memory
         # handles that die with this process.
@@ -816,6 +830,7 @@ def _worker(rank: int, nprocs: int, plan: DemoPlan) -> dict[str, Any]:
         if bar is not None:
             bar.close()
         connector.close()
+        logger.info("connector closed")
     return {"role": "attention", "rank": role_rank, "result": res}
 
 
@@ -855,6 +870,7 @@ def run_demo(plan: DemoPlan, *, timeout_s: float = 600.0) -> dict[str, Any]:
         per_rank_env = _gpu_env(plan, n)
     env = {"OMP_NUM_THREADS": str(plan.threads), "TOKENIZERS_PARALLELISM": "false"}
     t0 = time.perf_counter()
+    logger.info("starting %d processes", plan.num_attention + plan.num_ffn)
     outs = run_workers(
         _worker, plan.num_attention + plan.num_ffn, (plan,), timeout_s=timeout_s, env=env,
         per_rank_env=per_rank_env,
@@ -863,6 +879,7 @@ def run_demo(plan: DemoPlan, *, timeout_s: float = 600.0) -> dict[str, Any]:
     att = sorted((o["result"] for o in outs if o["role"] == "attention"), key=lambda r: r.rank)
     ffn = [o for o in outs if o["role"] == "ffn"]
 
+    logger.info("processes done in %.1f s; running the whole model for the self-check", run_s)
     # Whole model, one process, same sequences (teacher forcing).
     ref_device = "cuda:0" if plan.device_type == "cuda" else "cpu"
     dtype = _torch_dtype(plan.dtype)
@@ -1077,6 +1094,7 @@ def build_plan(args: argparse.Namespace) -> DemoPlan:
         requests=requests, host=args.host, port=port, agree_port=agree_port,
         step_timeout_s=args.step_timeout, init_timeout_s=max(args.step_timeout, 120.0),
         progress=not args.no_progress, threads=args.threads, connector=args.connector,
+        verbose=args.verbose,
     )
 
 
