@@ -86,7 +86,7 @@ def build_parser(prog: str = "afd-ext bench") -> argparse.ArgumentParser:
     p.add_argument("--control-iters", type=int, default=300, help="control-plane steps measured")
     p.add_argument("--no-control", action="store_true", help="skip the control-plane measurement")
     p.add_argument("--timeout", type=float, default=None,
-                   help="deadline for the whole run, seconds (default 540; 300 with --check)")
+                   help="deadline for the whole run, seconds (default 420; 240 with --check)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -209,13 +209,35 @@ def _config(args: argparse.Namespace) -> RunConfig:
     else:
         reps = Reps(target_s=args.time_per_point or 0.005, min_iters=4, max_iters=args.max_iters or 20,
                     warmup=1, rounds=args.rounds or 1, graph_iters=args.graph_iters)
-    timeout = args.timeout or (300.0 if args.check else 540.0)
+    timeout = args.timeout or (240.0 if args.check else 420.0)
     return RunConfig(
         backend=backend, layout=layout, cases=cases, variants=variants, modes=modes, directions=directions,
         reps=reps, master_port=find_free_port(), check=bool(args.check), control=not args.no_control,
         control_iters=max(10, args.control_iters if cuda else min(args.control_iters, 30)),
         timeout_s=max(30.0, timeout - 15.0), progress=not args.no_progress,
     )
+
+
+def estimate_timed_s(cfg: RunConfig) -> float:
+    """Rough seconds of timed loops in a sweep (from the repetition policy's own model)."""
+    from afd_ext.bench.runner import _nbytes
+
+    total = 0.0
+    r = cfg.reps
+    for case in cfg.cases:
+        for mode in cfg.modes:
+            if mode == "graph" and cfg.backend != "nccl":
+                continue
+            eager = mode == "eager"
+            nv = sum(1 for v in cfg.variants if eager or v != "torch_dist")
+            for d in cfg.directions:
+                nb = _nbytes(case, d)
+                if eager:
+                    n = r.per_round(nb, True) * r.rounds
+                else:
+                    n = r.graph_replays_per_round(nb) * r.graph_k(nb) * r.rounds
+                total += nv * n * r.estimate_us(nb, eager) * 1e-6
+    return total
 
 
 def run(cfg: RunConfig, timeout_s: float) -> list[dict]:
@@ -313,6 +335,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     what = "check" if cfg.check else "sweep"
     logger.info("afd-ext bench %s: backend %s, %s, %d cases, variants %s, modes %s", what, cfg.backend,
                 cfg.layout.describe(), len(cfg.cases), ",".join(cfg.variants), ",".join(cfg.modes))
+    if not cfg.check:
+        logger.info("estimated timed work %.0f s (plus start-up, warm-up, graph capture and barriers)",
+                    estimate_timed_s(cfg))
     meta = _meta(args, cfg, argv)
     t0 = time.monotonic()
     deadline_s = cfg.timeout_s + 10.0

@@ -164,11 +164,12 @@ def pattern_bytes(rows: int, cols: int, seed: int, salt: int, device: torch.devi
     Both roles compute the same bytes from ``(seed, salt)``: the FFN rank
     regenerates an attention rank's pattern to verify what it received.
     """
+    # int64 arithmetic that never overflows (rows * cols < 2**31), so CPU and CUDA agree.
     x = torch.arange(rows * cols, device=device, dtype=torch.int64)
-    x = x * 1103515245 + (seed * 7919 + salt * 104729 + 12345)
+    x = (x * 1103515245 + ((seed * 7919 + salt * 104729 + 12345) & 0x7FFFFFFF)) & 0x7FFFFFFF
     x = x ^ (x >> 13)
-    x = (x * 2654435761) >> 7
-    return (x & 255).to(torch.uint8).reshape(rows, cols)
+    x = (x * 40503) & 0xFFFFFFFF
+    return ((x >> 11) & 255).to(torch.uint8).reshape(rows, cols)
 
 
 # ---------------------------------------------------------------------------
