@@ -36,6 +36,7 @@ __all__ = [
     "render_plot",
     "write_outputs",
     "default_wire_format",
+    "headline",
 ]
 
 SCHEMA = "afd-ext-bench/1"
@@ -374,6 +375,18 @@ def render_markdown(doc: dict) -> str:
                 lines.append(f"| {label} | {_fmt(s.get('median'), '.1f')} | {_fmt(s.get('p90'), '.1f')} | "
                              f"{s.get('n', '–')} |")
         lines.append("")
+    head = headline(doc)
+    if head:
+        lines.append("## Headline: ours (default) vs the reference pattern and raw NCCL, 1A1F, hidden 7168, "
+                     "logits + ids, round trip")
+        lines.append("")
+        lines.append("| tokens | graph µs | graph vs ref | graph x raw | eager µs | eager vs ref | eager x raw |")
+        lines.append("|---|---|---|---|---|---|---|")
+        for h in head:
+            lines.append(f"| {h['tokens']} | {_fmt(h['graph_us'], '.1f')} | {_fmt(h['graph_vs_ref'], '.2f', '×')} | "
+                         f"{_fmt(h['graph_x_raw'], '.2f', '×')} | {_fmt(h['eager_us'], '.1f')} | "
+                         f"{_fmt(h['eager_vs_ref'], '.2f', '×')} | {_fmt(h['eager_x_raw'], '.2f', '×')} |")
+        lines.append("")
     if doc.get("targets"):
         lines.append("## performance.md targets")
         lines.append("")
@@ -396,6 +409,26 @@ def render_markdown(doc: dict) -> str:
     for n in doc.get("notes", []):
         lines.append(f"- note: {n}")
     return "\n".join(lines).rstrip() + "\n"
+
+
+def headline(doc: dict, tokens: Sequence[int] = (1, 128, 8192)) -> list[dict]:
+    """Ours-default vs reference and raw at the headline sizes (1A1F, hidden 7168, extras, round trip)."""
+    out = []
+    for t in tokens:
+        ck = f"h7168-t{t}-extras"
+        row: dict[str, Any] = {"tokens": t}
+        any_data = False
+        for mode in ("graph", "eager"):
+            ours = _med(lookup(doc, ck, "ours_default", mode, "round_trip", A=1, F=1))
+            ref = _med(lookup(doc, ck, "reference", mode, "round_trip", A=1, F=1))
+            raw = _med(lookup(doc, ck, "raw", mode, "round_trip", A=1, F=1))
+            row[f"{mode}_us"] = ours
+            row[f"{mode}_vs_ref"] = ref / ours if ref and ours else None
+            row[f"{mode}_x_raw"] = ours / raw if raw and ours else None
+            any_data = any_data or ours is not None
+        if any_data:
+            out.append(row)
+    return out
 
 
 def _fan_in_rows(doc: dict) -> list[list[str]]:
