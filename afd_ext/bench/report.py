@@ -484,6 +484,7 @@ def render_plot(doc: dict, path: str) -> str | None:
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
     variants = ["ours_default", "reference", "raw", "bare", "torch_dist"]
+    colors = dict(zip(variants, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")))
     for mode, style in (("graph", "-"), ("eager", "--")):
         for v in variants:
             xs, ys, lo, hi = [], [], [], []
@@ -495,8 +496,8 @@ def render_plot(doc: dict, path: str) -> str | None:
                     lo.append(r["stats_us"]["p10"])
                     hi.append(r["stats_us"]["p90"])
             if xs:
-                line, = ax1.plot(xs, ys, style, marker="o", ms=3, label=f"{LABELS[v]}, {mode}")
-                ax1.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.15)
+                ax1.plot(xs, ys, style, marker="o", ms=3, color=colors[v], label=f"{LABELS[v]}, {mode}")
+                ax1.fill_between(xs, lo, hi, color=colors[v], alpha=0.12)
             xs, ys = [], []
             for t in toks:
                 r = lookup(doc, ck(t), v, mode, "a2f", A=A, F=F)
@@ -504,7 +505,7 @@ def render_plot(doc: dict, path: str) -> str | None:
                     xs.append(t)
                     ys.append(r["gbps"])
             if xs:
-                ax2.plot(xs, ys, style, marker="o", ms=3, label=f"{LABELS[v]}, {mode}")
+                ax2.plot(xs, ys, style, marker="o", ms=3, color=colors[v], label=f"{LABELS[v]}, {mode}")
     payload = "hidden+logits+ids" if extras else "hidden"
     ax1.set(xscale="log", yscale="log", xlabel="tokens per attention rank", ylabel="round trip, µs (median, p10–p90)",
             title=f"{A}A{F}F round trip, hidden {hidden} bf16, {payload}")
