@@ -52,6 +52,7 @@ import dataclasses
 import enum
 import logging
 import threading
+import time
 from collections import OrderedDict
 from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
 
@@ -84,6 +85,9 @@ __all__ = [
     "CudaGraphBackend",
     "EagerRecordingBackend",
     "GraphController",
+    "padded_payload",
+    "AttentionGraphRunner",
+    "FFNGraphServer",
 ]
 
 # vLLM's default cudagraph capture sizes: 1, 2, 4, then every 8 up to 512.
@@ -783,6 +787,10 @@ class EagerRecordingBackend(GraphBackend):
 # ---------------------------------------------------------------------------
 
 
+class _GraphParts(tuple):
+    """Several graphs of one key, replayed one at a time (e.g. one per attention layer)."""
+
+
 class CapturedGraph:
     """One captured graph and the arena it reads and writes, owned together.
 
@@ -819,20 +827,36 @@ class CapturedGraph:
         """Bytes of the arena's buffers."""
         return self.arena.nbytes
 
-    def replay(self, *, check_addresses: bool = True) -> Any:
+    @property
+    def num_parts(self) -> int:
+        """Number of separately replayable graphs (1 unless captured with :meth:`GraphController.capture_parts`)."""
+        return len(self.graph) if isinstance(self.graph, _GraphParts) else 1
+
+    def replay(self, *, check_addresses: bool = True, part: int | None = None) -> Any:
         """Replay on the current stream and return the static outputs.
 
+        Args:
+            check_addresses: check the arena's buffers first (a cheap host check).
+            part: for an entry captured in parts, which one to replay (required then).
+
         Raises:
-            GraphError: the graph was released.
+            GraphError: the graph was released, or ``part`` is missing / out of range.
             GraphBufferError: a static buffer moved (checked before launching).
         """
         if self._released:
             raise GraphError(f"graph for {self.key.describe()} was released; capture it again")
-        if check_addresses:
+        graph = self.graph
+        if isinstance(graph, _GraphParts):
+            if part is None or not 0 <= part < len(graph):
+                raise GraphError(f"graph for {self.key.describe()} has {len(graph)} parts; pass part=0..{len(graph) - 1}")
+            graph = graph[part]
+        elif part not in (None, 0):
+            raise GraphError(f"graph for {self.key.describe()} has one part, got part={part}")
+        if check_addresses and (part is None or part == 0):
             self.arena.check_stable()
         self._in_use += 1
         try:
-            fresh = self._backend.replay(self.graph)
+            fresh = self._backend.replay(graph)
             self.replays += 1
         finally:
             self._in_use -= 1
@@ -851,7 +875,8 @@ class CapturedGraph:
         # The GPU may still be running an earlier replay; freeing its buffers or
         # graph-pool memory now could let the next allocation overwrite them.
         self._backend.synchronize()
-        self._backend.release(self.graph)
+        for g in self.graph if isinstance(self.graph, _GraphParts) else (self.graph,):
+            self._backend.release(g)
         self.graph = None
         self.outputs = None
         self.arena.release()
@@ -1165,8 +1190,50 @@ class GraphController:
         )
         return entry
 
-    def replay(self, key: GraphKey) -> Any:
-        """Replay the graph captured for ``key`` on the current stream; return its static outputs.
+    def capture_parts(
+        self, key: GraphKey, arena: StaticArena, bodies: Sequence[Callable[[], Any]], *, outputs: Any = None
+    ) -> CapturedGraph:
+        """Capture each of ``bodies`` into its own graph, all cached together under ``key``.
+
+        For the attention side, whose model runs eagerly between its layer
+        exchanges: one graph per layer, replayed in layer order with
+        ``replay(key, part=layer)``. The graphs share ``arena`` and the pool.
+
+        Returns:
+            The cached entry (``outputs`` as given).
+
+        Raises:
+            ValueError: no bodies.
+            GraphBufferError, GraphError: as :meth:`capture`.
+        """
+        if not bodies:
+            raise ValueError("capture_parts needs at least one body")
+        if arena.device != self.device:
+            raise GraphBufferError(f"arena is on {arena.device}, graphs of this rank run on {self.device}")
+        arena.freeze()
+        before = arena.addresses()
+        graphs_, total = [], 0
+        try:
+            for body in bodies:
+                g, _, nbytes = self.backend.capture(body, self._pool)
+                graphs_.append(g)
+                total += nbytes
+        except BaseException:
+            for g in graphs_:
+                self.backend.release(g)
+            raise
+        arena.check_stable()
+        if arena.addresses() != before:
+            raise GraphBufferError(f"buffers were added to the arena of {key.describe()} during capture")
+        entry = CapturedGraph(key, _GraphParts(graphs_), arena, outputs, total, self.backend)
+        self.cache.put(entry)
+        return entry
+
+    def replay(self, key: GraphKey, *, part: int | None = None) -> Any:
+        """Replay the graph captured for ``key`` (or its ``part``) on the current stream.
+
+        Returns:
+            The entry's static outputs.
 
         Raises:
             GraphKeyMismatchError: no graph for ``key`` (refused, nothing launched).
@@ -1175,7 +1242,7 @@ class GraphController:
         entry = self.cache.get(key)
         if entry is None:
             raise GraphKeyMismatchError(self._mismatch_message(key))
-        return entry.replay(check_addresses=self.check_addresses)
+        return entry.replay(check_addresses=self.check_addresses, part=part)
 
     def entry(self, key: GraphKey) -> CapturedGraph | None:
         """The cached entry for ``key`` or None."""
@@ -1188,3 +1255,293 @@ class GraphController:
     def close(self) -> None:
         """Release every graph and its buffers (safe to call twice)."""
         self.cache.clear()
+
+
+# ---------------------------------------------------------------------------
+# Runners over the connector: graph mode for a serving loop, on both roles
+# ---------------------------------------------------------------------------
+
+
+def padded_payload(payload: Any, pad: Mapping[int, int], **flags: bool) -> Any:
+    """``payload`` with every DP rank's count of stage ``s`` replaced by ``pad[s]`` (vLLM-style DP padding).
+
+    The FFN side then derives every peer's rows from the padded counts; each
+    attention rank carries its real rows first and padding rows after them.
+    ``flags`` set the payload's graph flags (``is_warmup``, ...).
+    """
+    from .metadata import AFDControlPayload
+
+    return AFDControlPayload(
+        dp_metadata_list={s: [int(pad[s])] * len(md.counts) for s, md in payload.dp_metadata_list.items()},
+        **flags,
+    )
+
+
+def _step_key(connector: Any, payload: Any) -> tuple[GraphKey, Any]:
+    from .schedule import build_step_schedule
+
+    sched = build_step_schedule(connector.topology, payload, connector.schedule_config)
+    return graph_key_from_schedule(sched), sched
+
+
+class AttentionGraphRunner:
+    """Graph mode for an attention rank whose model runs eagerly between its layer exchanges.
+
+    Every step whose per-stage counts fit the capture sizes is padded (every
+    DP rank of stage ``s`` to one capture size ``S_s``) and replayed: the
+    exchanges of each layer (every stage: send the padded wire tensors, receive
+    the reply in place) are one captured graph over static buffers, replayed in
+    layer order from the model's forward. The first time a padded shape is
+    seen, every attention rank (they all see the same agreed payload, so they
+    decide alike) runs two dummy steps first: a warm-up step (``is_warmup``,
+    eager, zeros, real traffic on every edge) and a capture step
+    (``is_graph_capturing``: the connector's buffers come from the graph's
+    arena, each layer's exchanges are captured, no data moves). Steps that do
+    not fit run eagerly through the connector, unchanged.
+
+    Use with ``afd_ext.integrations.transformers.AttentionExchange``: set
+    ``exchange.graph_runner = AttentionGraphRunner(exchange, connector, ...)``;
+    ``begin_step`` and ``exchange`` then go through this runner.
+
+    Args:
+        exchange: the rank's ``AttentionExchange`` (rows per stage, row mask, stats).
+        connector: its initialised connector (``topology``, ``schedule_config``,
+            ``control_plane``, ``use_static_arena``, ``send_attn_output``,
+            ``recv_ffn_output``, ``device``, ``dtype``).
+        capture_sizes: per-peer capture sizes (strictly increasing).
+        cache_size: graphs kept (``graph_cache_size``).
+        backend: graph backend (default: CUDA graphs on the connector's device).
+    """
+
+    def __init__(self, exchange: Any, connector: Any, *, capture_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32),
+                 cache_size: int = 8, backend: GraphBackend | None = None):
+        self.exchange = exchange
+        self.connector = connector
+        self.ctl = GraphController(role="attention", cache_size=cache_size, backend=backend,
+                                   device=connector.device, capture_sizes=capture_sizes)
+        # init_afd_connector warms every edge and direction unless told not to.
+        self.ctl.warmed_up = bool(getattr(connector, "warmup_on_init", False))
+        self.active = False
+        self.replayed_steps = 0
+        self.eager_steps = 0
+        self._key: GraphKey | None = None
+        self._layer = 0
+
+    def _static(self, key: GraphKey) -> dict[int, dict[str, torch.Tensor | None]]:
+        return self.ctl.entry(key).outputs
+
+    def begin_step(self, payload: Any, *, dp_rank: int, row_mask: torch.Tensor | None = None,
+                   send: bool = True) -> list[int]:
+        """Start a step (same contract as ``AttentionExchange.begin_step``), in graph mode when it fits."""
+        from .schedule import pad_sizes
+
+        pad = pad_sizes(self.connector.topology, payload, self.ctl.capture_sizes)
+        if pad is None or not send:
+            self.active = False
+            self.eager_steps += 1
+            return self.exchange._begin_step_eager(payload, dp_rank=dp_rank, row_mask=row_mask, send=send)
+        rows = [int(payload.dp_metadata_list[s].counts[dp_rank]) for s in sorted(payload.dp_metadata_list)]
+        if row_mask is not None and int(row_mask.sum()) != sum(rows):
+            raise ValueError(f"row_mask selects {int(row_mask.sum())} rows but the payload gives this rank {sum(rows)}")
+        key, _ = _step_key(self.connector, padded_payload(payload, pad))
+        if key not in self.ctl.cache:
+            self._warmup_and_capture(payload, pad, key)
+        replay = padded_payload(payload, pad, is_graph_replaying=True)
+        self.ctl.decide(replay, key)
+        cp = self.connector.control_plane
+        cp.update_state_from_dp_metadata(replay)
+        cp.send_dp_metadata_list(replay)
+        self.active, self._key, self._layer = True, key, 0
+        self.exchange._stage_rows = rows
+        self.exchange._row_mask = row_mask
+        self.exchange.stats.steps += 1
+        self.replayed_steps += 1
+        return rows
+
+    def _dummy_layers(self, static: Mapping[int, Mapping[str, torch.Tensor | None]], layers: int) -> None:
+        for layer in range(layers):
+            self._dummy_layer(static, layer)
+
+    def _alloc_static(self, arena: StaticArena, pad: Mapping[int, int]) -> dict[int, dict[str, torch.Tensor | None]]:
+        cfg = self.connector.schedule_config
+        out = {}
+        for s, n in sorted(pad.items()):
+            out[s] = {
+                "hidden": arena.buffer(("attention_hidden", s), (n, cfg.hidden_size), cfg.hidden_dtype),
+                "router_logits": None if cfg.router_logits_width is None else arena.buffer(
+                    ("attention_router_logits", s), (n, cfg.router_logits_width), cfg.router_logits_dtype),
+                "token_ids": arena.buffer(("attention_token_ids", s), (n,), torch.int32)
+                if cfg.send_token_ids else None,
+            }
+        return out
+
+    def _warmup_and_capture(self, payload: Any, pad: Mapping[int, int], key: GraphKey) -> None:
+        conn, cp = self.connector, self.connector.control_plane
+        layers = conn.schedule_config.num_layers
+        # 1. warm-up step: eager, zeros, real traffic on every edge of the padded shape.
+        warm = padded_payload(payload, pad, is_warmup=True)
+        mode = self.ctl.decide(warm, key)
+        cp.update_state_from_dp_metadata(warm)
+        cp.send_dp_metadata_list(warm)
+        self._dummy_layers(self._alloc_static(StaticArena(conn.device, label="warm-up"), pad), layers)
+        self.ctl.note_eager_step(mode, key, schedule=conn.step_schedule, role_rank=conn.role_rank)
+        # 2. capture step: buffers from the graph's arena, one graph per layer.
+        cap = padded_payload(payload, pad, is_graph_capturing=True)
+        self.ctl.decide(cap, key)
+        arena = self.ctl.new_arena(key)
+        static = self._alloc_static(arena, pad)
+        conn.use_static_arena(arena)
+        try:
+            cp.update_state_from_dp_metadata(cap)
+            cp.send_dp_metadata_list(cap)
+            bodies = [lambda layer=layer: self._dummy_layer(static, layer) for layer in range(layers)]
+            self.ctl.capture_parts(key, arena, bodies, outputs=static)
+        finally:
+            conn.use_static_arena(None)
+
+    def _dummy_layer(self, static, layer: int) -> None:
+        from .metadata import AFDTransferContext, AFDTransferMetadata
+
+        conn = self.connector
+        for s in sorted(static):
+            b = static[s]
+            ctx = AFDTransferContext(AFDTransferMetadata.create_attention_metadata(
+                layer_idx=layer, stage_idx=s, seq_len=b["hidden"].shape[0]))
+            kw = {}
+            if b["router_logits"] is not None:
+                kw["router_logits"] = b["router_logits"]
+            if b["token_ids"] is not None:
+                kw["input_ids"] = b["token_ids"]
+            conn.send_attn_output(b["hidden"], ctx, **kw)
+            conn.recv_ffn_output(ref_tensor=b["hidden"], ubatch_idx=s)
+
+    def exchange_rows(self, layer_idx: int, rows: torch.Tensor, router_logits: torch.Tensor | None,
+                      token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Replay this layer's exchange graph on ``rows`` (real rows, ``[n, hidden]``); return the FFN output.
+
+        The real rows of each stage are copied into the stage's static buffer,
+        the padding rows zeroed, the layer's graph replayed, and the real rows of
+        the reply (which lands in the same buffer) copied out.
+        """
+        if not self.active or self._key is None:
+            raise GraphError("AttentionGraphRunner.exchange_rows outside a graph step; call begin_step first")
+        layers = self.connector.schedule_config.num_layers
+        part = self._layer % layers
+        self._layer += 1
+        stage_rows = self.exchange._rows_for(rows.shape[0])
+        static = self._static(self._key)
+        start = 0
+        for s, n in zip(sorted(static), stage_rows):
+            b = static[s]
+            pad_rows_into(rows[start:start + n], b["hidden"])
+            if b["router_logits"] is not None:
+                if router_logits is None:
+                    raise ValueError(f"layer {layer_idx}: router logits are configured but none were given")
+                pad_rows_into(router_logits[start:start + n].to(b["router_logits"].dtype), b["router_logits"])
+            if b["token_ids"] is not None:
+                if token_ids is None:
+                    raise ValueError(f"layer {layer_idx}: token ids are configured but none were given")
+                pad_rows_into(token_ids[start:start + n].to(torch.int32), b["token_ids"])
+            start += n
+        ex = self.exchange
+        timing = getattr(ex, "timing", False)
+        cuda = rows.is_cuda and timing
+        if cuda:
+            torch.cuda.synchronize(rows.device)
+        t0 = time.perf_counter_ns()
+        self.ctl.replay(self._key, part=part)
+        if cuda:
+            torch.cuda.synchronize(rows.device)
+        if timing:
+            ex.stats.latency_ns.setdefault(layer_idx, []).append(time.perf_counter_ns() - t0)
+        outs = []
+        for s, n in zip(sorted(static), stage_rows):
+            outs.append(static[s]["hidden"][:n].clone())
+        # Bytes of real rows only; the padding rows travel too but carry nothing.
+        ex.stats.bytes_sent += rows.numel() * rows.element_size() + (
+            0 if router_logits is None else router_logits.numel() * router_logits.element_size())
+        ex.stats.bytes_received += rows.numel() * rows.element_size()
+        return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+
+    def end_step(self) -> None:
+        """Leave graph mode for this step."""
+        self.active = False
+        self._key = None
+
+    def close(self) -> None:
+        """Release every captured graph and its buffers."""
+        self.ctl.close()
+
+
+class FFNGraphServer:
+    """Graph mode for an FFN rank's serving loop (wraps an ``FFNServer``).
+
+    Per step it acts on the payload's flags through :meth:`GraphController.decide`:
+    REPLAY replays the step's graph (refused with :class:`GraphKeyMismatchError`
+    when its key was never captured); CAPTURE applies the payload with the
+    connector's buffers taken from the graph's arena and captures the whole
+    step — every layer x every stage: fan-in, the MLP / MoE block, split-back
+    — into one graph; WARMUP and EAGER serve eagerly with the connector's own
+    buffers.
+
+    Args:
+        server: an ``FFNServer`` (``connector``, ``serve_exchanges(payload)``,
+            ``serve_step(payload)``, counters ``steps`` and ``rows_served``).
+        cache_size: graphs kept (``graph_cache_size``).
+        capture_sizes: only used to report; the attention side picks the sizes.
+        backend: graph backend (default: CUDA graphs on the connector's device).
+    """
+
+    def __init__(self, server: Any, *, cache_size: int = 8, capture_sizes: Sequence[int] = DEFAULT_CAPTURE_SIZES,
+                 backend: GraphBackend | None = None):
+        self.server = server
+        conn = server.connector
+        self.ctl = GraphController(role="ffn", cache_size=cache_size, backend=backend, device=conn.device,
+                                   capture_sizes=capture_sizes)
+        self.ctl.warmed_up = bool(getattr(conn, "warmup_on_init", False))
+        self.modes: dict[str, int] = {m.value: 0 for m in StepMode}
+
+    def serve_step(self, payload: Any) -> StepMode:
+        """Serve one step in the mode its flags ask for; return the mode."""
+        srv, conn = self.server, self.server.connector
+        key, sched = _step_key(conn, payload)
+        mode = self.ctl.decide(payload, key)
+        self.modes[mode.value] += 1
+        if mode is StepMode.REPLAY:
+            # Applying the payload keeps the connector's step bookkeeping in step
+            # with the attention side; the graph itself reads only its arena.
+            conn.control_plane.update_state_from_dp_metadata(payload)
+            self.ctl.replay(key)
+            srv.steps += 1
+            srv.rows_served += conn.schedule_config.num_layers * sum(
+                sched.ffn_rows(s, conn.role_rank) for s in sched.stages)
+        elif mode is StepMode.CAPTURE:
+            arena = self.ctl.new_arena(key)
+            conn.use_static_arena(arena)
+            rows_before = srv.rows_served
+            try:
+                conn.control_plane.update_state_from_dp_metadata(payload)
+                self.ctl.capture(key, arena, lambda: srv.serve_exchanges(payload))
+            finally:
+                conn.use_static_arena(None)
+                srv.rows_served = rows_before  # a capture moves nothing
+        else:
+            srv.serve_step(payload)
+            self.ctl.note_eager_step(mode, key, schedule=sched, role_rank=conn.role_rank)
+        return mode
+
+    def serve(self, *, max_steps: int | None = None) -> int:
+        """Serve steps until a shutdown payload (no stages) or ``max_steps``; return the steps served."""
+        served = 0
+        conn = self.server.connector
+        while max_steps is None or served < max_steps:
+            payload = conn.control_plane.recv_dp_metadata_list()
+            if not payload.dp_metadata_list:
+                break
+            self.serve_step(payload)
+            served += 1
+        return served
+
+    def close(self) -> None:
+        """Release every captured graph and its buffers."""
+        self.ctl.close()

@@ -316,10 +316,26 @@ class AttentionExchange:
         self.proxies: list[RemoteMLP] = []
         self._stage_rows: list[int] | None = None
         self._row_mask: torch.Tensor | None = None
+        #: Optional ``afd_ext.graphs.AttentionGraphRunner``: steps that fit its
+        #: capture sizes replay captured exchange graphs (``afd-ext demo --graph``).
+        self.graph_runner: Any = None
 
     # -- per step ----------------------------------------------------------
 
     def begin_step(
+        self,
+        payload: AFDControlPayload,
+        *,
+        dp_rank: int,
+        row_mask: torch.Tensor | None = None,
+        send: bool = True,
+    ) -> list[int]:
+        """Start a step (through ``graph_runner`` when set, which pads and replays what fits)."""
+        if self.graph_runner is not None:
+            return self.graph_runner.begin_step(payload, dp_rank=dp_rank, row_mask=row_mask, send=send)
+        return self._begin_step_eager(payload, dp_rank=dp_rank, row_mask=row_mask, send=send)
+
+    def _begin_step_eager(
         self,
         payload: AFDControlPayload,
         *,
@@ -379,6 +395,8 @@ class AttentionExchange:
         """Forget the step's rows (a forward outside a step then fails clearly)."""
         self._stage_rows = None
         self._row_mask = None
+        if self.graph_runner is not None:
+            self.graph_runner.end_step()
 
     def idle_forward(self, device: torch.device | str, dtype: torch.dtype) -> None:
         """Run a step's exchanges with zero rows, without running the model.
@@ -423,6 +441,8 @@ class AttentionExchange:
         Returns:
             ``[n, hidden]`` FFN output, same dtype and device.
         """
+        if self.graph_runner is not None and self.graph_runner.active:
+            return self.graph_runner.exchange_rows(layer_idx, rows, router_logits)
         stage_rows = self._rows_for(rows.shape[0])
         conn = self.connector
         outs = []
@@ -812,8 +832,15 @@ class FFNServer:
 
     def serve_step(self, payload: AFDControlPayload) -> None:
         """Serve one step: every remote layer, every stage of ``payload`` in sorted order."""
+        self.connector.control_plane.update_state_from_dp_metadata(payload)
+        self.serve_exchanges(payload)
+        self.steps += 1
+        if self.on_step is not None:
+            self.on_step(payload)
+
+    def serve_exchanges(self, payload: AFDControlPayload) -> None:
+        """The step's exchanges only (payload already applied); what a CUDA graph of the step captures."""
         conn = self.connector
-        conn.control_plane.update_state_from_dp_metadata(payload)
         stages = sorted(payload.dp_metadata_list)
         kwargs = {"routing_spec": self.routing_spec} if self.routing_spec is not None else {}
         for layer_idx in self.modules:
@@ -825,9 +852,6 @@ class FFNServer:
                 y = self.compute(layer_idx, p.hidden_states, p.router_logits)
                 self.rows_served += int(p.hidden_states.shape[0])
                 conn.send_ffn_output(y, ctx)
-        self.steps += 1
-        if self.on_step is not None:
-            self.on_step(payload)
 
     def serve(self, *, max_steps: int | None = None) -> int:
         """Serve steps until a shutdown payload (or ``max_steps``); return the steps served.
