@@ -210,25 +210,14 @@ class ChannelOptions:
 
     @classmethod
     def from_env(cls, **overrides: Any) -> "ChannelOptions":
-        """Options from the ``AFD_*`` environment variables (see :mod:`afd_ext.envs`), then ``overrides``."""
-        kw: dict[str, Any] = {}
-        try:
-            from afd_ext import envs
-        except ImportError:  # pragma: no cover - envs.py is part of the package
-            envs = None
-        if envs is not None:
-            for name, attr in (("heartbeat_interval_s", "AFD_HEARTBEAT_INTERVAL_S"),
-                               ("heartbeat_timeout_s", "AFD_HEARTBEAT_TIMEOUT_S")):
-                v = getattr(envs, attr, None)
-                if callable(v):
-                    v = v()
-                if v is not None:
-                    kw[name] = float(v)
-            spin_us = getattr(envs, "AFD_CONTROL_SPIN_US", None)
-            if callable(spin_us):
-                spin_us = spin_us()
-            if spin_us is not None:
-                kw["spin_s"] = float(spin_us) * 1e-6
+        """Defaults, ``AFD_CONTROL_SPIN_US`` from the environment, then ``overrides`` (None ignored).
+
+        The connector passes ``heartbeat_interval_s``/``heartbeat_timeout_s`` from
+        ``connector_extra_config``.
+        """
+        from afd_ext import envs
+
+        kw: dict[str, Any] = {"spin_s": float(envs.get("AFD_CONTROL_SPIN_US")) * 1e-6}
         kw.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**kw)
 
@@ -723,7 +712,9 @@ _T_HELLO, _T_DATA, _T_HEARTBEAT, _T_CLOSE = 1, 2, 3, 4
 
 def _advertise_address(store: AFDStore) -> str:
     """The local address peers should connect to: the one routing to the rendezvous host."""
-    override = os.environ.get("AFD_CONTROL_ADDR")
+    from afd_ext import envs
+
+    override = envs.get("AFD_CONTROL_ADDR")
     if override:
         return override
     try:

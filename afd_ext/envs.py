@@ -92,3 +92,31 @@ register(
     "unset: CUDA when torch is a CUDA build and a toolkit is found (CUDA_HOME or /usr/local/cuda)",
     parse_bool,
 )
+
+
+# --- process launch (set by `afd-ext launch`, read by afd_ext.launch.config_from_env) ---
+def _non_negative_int(value: str) -> int:
+    v = int(value)
+    if v < 0:
+        raise ValueError(f"expected an int >= 0, got {v}")
+    return v
+
+
+register("AFD_ROLE", None, "launch: this process's role, 'attention' or 'ffn'")
+register("AFD_ROLE_RANK", None, "launch: this process's rank inside its role (0-based)", _non_negative_int)
+register("AFD_NUM_ATTENTION_RANKS", None, "launch: number of attention ranks A", _non_negative_int)
+register("AFD_NUM_FFN_RANKS", None, "launch: number of FFN ranks F", _non_negative_int)
+register("AFD_HOST", None, "launch: rendezvous host (FFN rank 0's address)")
+register("AFD_PORT", None, "launch: rendezvous port on AFD_HOST", _non_negative_int)
+register("AFD_DEVICE", None, "launch: CUDA device index to use inside this process "
+         "(0 when the launcher restricted CUDA_VISIBLE_DEVICES to one GPU)", _non_negative_int)
+register("AFD_CONNECTOR_EXTRA_CONFIG", None,
+         "launch: JSON object merged into connector_extra_config by config_from_env")
+
+# --- control plane (afd_ext.control_plane) -------------------------------------------
+register("AFD_CONTROL_ADDR", None,
+         "control plane: address an FFN rank listens on and advertises for its TCP control channel "
+         "(default: the local address that routes to the rendezvous host)")
+register("AFD_CONTROL_SPIN_US", 2000.0,
+         "control plane: how long a receiver busy-polls before sleeping, in microseconds "
+         "(0 disables spinning; lower it on machines with few cores)", float)
