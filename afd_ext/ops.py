@@ -24,6 +24,10 @@ Conventions shared by every communication op:
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
+import sys
+import warnings
 from typing import Optional, Sequence
 
 import torch
@@ -555,3 +559,105 @@ def unpack_rows(
 @torch.library.register_fake("afd_ext::unpack_rows")
 def _unpack_rows_fake(wire, hidden_states, router_logits, token_ids) -> None:
     _fake_check_wire("unpack_rows", hidden_states, router_logits, token_ids, wire)
+
+
+# ---------------------------------------------------------------------------
+# Keeping the communication ops in program order under Inductor.
+#
+# The declared mutations keep every call (nothing is dead code) and order the
+# calls that touch the same tensor, but two calls on different tensors (e.g.
+# stage 0's split_back and stage 1's fan_in) are independent to Inductor's
+# scheduler, and its reorder_for_peak_memory pass did reorder them (measured
+# with torch 2.14.1). Reordered NCCL calls can deadlock against the peer's
+# order, so each comm op gets an Inductor lowering that is torch's own
+# fallback plus a scheduler dependency (StarDep) on the previous side-effecting
+# op, the same chain torch builds for ordered effectful ops (with_effects).
+# torch._inductor.lowering costs ~3 s to import, so the lowerings are
+# registered when Inductor itself is imported (an import hook), not here.
+# ---------------------------------------------------------------------------
+
+_COMM_OPS = ("send", "recv", "fan_in", "split_back", "exchange")
+_ordering_registered = False
+
+# A comm op on a temporary that nothing reads afterwards (``send(h * 3, ...)``)
+# becomes an auto_functionalized node with unused outputs; FX dead-code
+# elimination keeps such a node only when its op is registered as side-effectful.
+for _name in _COMM_OPS:
+    torch.fx.node.has_side_effect(getattr(_ops, _name).default)
+
+
+def _register_inductor_ordering() -> bool:
+    """Register the ordered lowerings; True when done (idempotent)."""
+    global _ordering_registered
+    if _ordering_registered:
+        return True
+    try:
+        from torch._inductor import lowering as L
+        from torch._inductor.virtualized import V
+
+    except Exception as e:  # pragma: no cover - depends on the torch version
+        warnings.warn(f"afd_ext: cannot order communication ops under Inductor ({e!r})")
+        return False
+    key = "afd_ext.comm_order"  # our own chain in graph.effectful_ops
+
+    def order_deps(prev) -> list:
+        # The previous comm op returns nothing; the buffers that carry it in
+        # the scheduler are its mutation outputs.
+        names = [m.get_name() for m in getattr(prev, "mutation_outputs", ()) or ()]
+        return names or [prev.get_name()]
+
+    def ordered(op):
+        fallback = L.fallback_handler(op)
+
+        def lower(*args, **kwargs):
+            graph = V.graph
+            n0 = len(graph.operations)
+            result = fallback(*args, **kwargs)
+            new_ops = graph.operations[n0:]
+            prev = graph.effectful_ops.get(key)
+            for node in new_ops:
+                node.has_side_effects = lambda: True  # never eliminated
+                if prev is not None and prev is not node:
+                    graph.additional_star_deps[node.get_operation_name()].update(order_deps(prev))
+            if new_ops:
+                graph.effectful_ops[key] = new_ops[-1]
+            return result
+
+        return lower
+
+    for name in _COMM_OPS:
+        op = getattr(_ops, name).default
+        L.register_lowering(op, type_promotion_kind=None)(ordered(op))
+    _ordering_registered = True
+    return True
+
+
+class _InductorImportHook(importlib.abc.MetaPathFinder):
+    """Runs :func:`_register_inductor_ordering` right after ``torch._inductor.lowering`` loads."""
+
+    target = "torch._inductor.lowering"
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.target:
+            return None
+        try:
+            sys.meta_path.remove(self)
+        except ValueError:
+            pass
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_register(module):
+            exec_module(module)
+            _register_inductor_ordering()
+
+        spec.loader.exec_module = exec_then_register
+        return spec
+
+
+if _InductorImportHook.target in sys.modules:
+    _register_inductor_ordering()
+elif not any(isinstance(f, _InductorImportHook) for f in sys.meta_path):
+    sys.meta_path.insert(0, _InductorImportHook())
