@@ -36,8 +36,8 @@ for phase in $phases; do
     time) [ -f tests/gpu/time_exchange.py ] && run time-exchange $PY tests/gpu/time_exchange.py --out "$OUT/time_exchange.json"
           [ -f tests/gpu/time_graph_exchange.py ] && run time-graph $PY tests/gpu/time_graph_exchange.py --out "$OUT/time_graph.json" ;;
     bench) run bench $PY -m afd_ext bench --out "$OUT/bench" ;;
-    demo) run demo-1a1f $PY -m afd_ext demo --backend nccl --attention-ranks 1 --ffn-ranks 1 --dims deepseek-v2-lite --json "$OUT/demo-1a1f.json"
-          run demo-2a1f $PY -m afd_ext demo --backend nccl --attention-ranks 2 --ffn-ranks 1 --json "$OUT/demo-2a1f.json" ;;
+    demo) run demo-1a1f $PY -m afd_ext demo --backend nccl --topology 1A1F --dims deepseek-v2-lite --json "$OUT/demo-1a1f.json"
+          run demo-2a1f $PY -m afd_ext demo --backend nccl --topology 2A1F --json "$OUT/demo-2a1f.json" ;;
     *) echo "unknown phase $phase"; status=2 ;;
   esac
 done
