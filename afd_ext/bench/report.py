@@ -444,7 +444,7 @@ def _fan_in_rows(doc: dict) -> list[list[str]]:
         a2f = groups.get((A, F, ck, mode, v, "a2f"), [])
         ingress = None
         if a2f:
-            worst = max(float(r["one_way_us"]["median"]) for r in a2f if "one_way_us" in r)
+            worst = max((float(r["one_way_us"]["median"]) for r in a2f if "one_way_us" in r), default=0.0)
             per_ffn = sum(r["bytes_a2f"] for r in a2f) / F
             ingress = per_ffn / (worst * 1e3) if worst > 0 else None
         out.append([f"{A}A{F}F", ck, mode, LABELS.get(v, v), ", ".join(f"{m:.1f}" for m in meds),

@@ -44,6 +44,7 @@ reply bit-exactly. :func:`pattern_bytes` is the shared pattern.
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -155,7 +156,8 @@ class Ctx:
 
 def rows_bytes(t: torch.Tensor) -> torch.Tensor:
     """``t`` (contiguous, first dim = rows) as a uint8 ``[rows, bytes_per_row]`` view."""
-    return t.view(torch.uint8).reshape(t.shape[0], -1)
+    row_bytes = math.prod(t.shape[1:]) * t.element_size()
+    return t.view(torch.uint8).reshape(t.shape[0], row_bytes)
 
 
 def pattern_bytes(rows: int, cols: int, seed: int, salt: int, device: torch.device) -> torch.Tensor:
@@ -555,6 +557,13 @@ class Reference(Variant):
 
     def ffn_recv(self) -> None:
         ctx, c = self.ctx, self.case
+        if not self.live:  # an FFN rank with no rows this step (A < F, few tokens)
+            self._rec = [self.static_out]
+            if c.extras:
+                self._rec += [torch.zeros(0, c.logits_width, dtype=torch.float32, device=self.dev),
+                              torch.zeros(0, dtype=torch.int32, device=self.dev)]
+            self._out = self.static_out
+            return
         hs, ls, ids = [], [], []
         for k, l in enumerate(self.live):  # peers one after another, no group
             hb = self.hp[k] if ctx.graph_mode else torch.empty(l.count, c.hidden, dtype=torch.bfloat16,
