@@ -281,8 +281,8 @@ def test_quick_gloo_emits_valid_json(tmp_path):
     assert ffn, "the FFN rank's own loop times are recorded too"
 
 
-def _check_cfg(port: int) -> RunConfig:
-    return RunConfig(backend="gloo", layout=make_layout(1, 1, 0), cases=[Case(40, 3, True, logits_width=8)],
+def _check_cfg(port: int, A: int = 1, F: int = 1, cases=None) -> RunConfig:
+    return RunConfig(backend="gloo", layout=make_layout(A, F, 0), cases=cases or [Case(40, 3, True, logits_width=8)],
                      variants=("ours_per_tensor", "ours_packed", "reference", "raw", "torch_dist"),
                      modes=("eager",), directions=("round_trip", "a2f", "f2a"), reps=Reps(),
                      master_port=port, check=True, control=False, timeout_s=60.0, progress=False)
@@ -381,3 +381,16 @@ def test_gpu_quick_sweep(tmp_path):
         for v in ("ours_per_tensor", "reference", "raw"):
             r = report.lookup(doc, "h7168-t128-extras", v, mode, "round_trip")
             assert r is not None and r["stats_us"]["median"] > 0, (v, mode)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("A,F", [(2, 1), (1, 2)])
+def test_check_fan_in_and_split_gloo(A, F):
+    # 1A2F with 1 token: the second FFN rank gets zero rows (skipped on both sides).
+    cases = [Case(40, 5, True, logits_width=8), Case(40, 1, False)]
+    res = run_workers(_corrupting_worker, A + F, (_check_cfg(find_free_port(), A, F, cases), None), timeout_s=150)
+    cs = _checks(res)
+    assert cs and all(c["ok"] for c in cs), [c for c in cs if not c["ok"]]
+    assert {(c["role"], c["role_rank"]) for c in cs} == (
+        {("attention", a) for a in range(A)} | {("ffn", f) for f in range(F)})
+    assert {"ours_per_tensor", "reference", "raw"} <= {c["variant"] for c in cs}
