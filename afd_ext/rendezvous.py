@@ -618,9 +618,7 @@ def handshake(
         everyone[r] = json.loads(store.get(f"handshake/{r}").decode("utf-8"))
     # Everyone has read every fingerprint before anyone may raise and exit: FFN rank 0
     # hosts the store, and its exit would turn the peers' mismatch error into a lost store.
-    store.set(f"handshake_read/{world_rank}", b"1")
-    wait_for_keys(store, {f"handshake_read/{r}": r for r in range(world_size)}, timeout_s,
-                  "the AFD handshake (read)")
+    barrier(store, world_rank, world_size, "handshake-read", timeout_s)
     missing = object()
     for r in range(world_size):
         if r == world_rank:
@@ -653,6 +651,8 @@ def barrier(
     """Wait until every rank (or every rank in ``ranks``) reached the barrier ``name``.
 
     The same ``name`` may be used again; calls are matched by their order.
+    World rank 0 (the store's host) returns only after every other member has
+    left the barrier, so any rank may exit right after it.
 
     Args:
         store: the generation's store.
@@ -670,6 +670,13 @@ def barrier(
         raise ValueError(f"world rank {world_rank} is not among the barrier's ranks {members}")
     seq = store._barrier_seq.get(name, 0)
     store._barrier_seq[name] = seq + 1
-    store.set(f"barrier/{name}/{seq}/{world_rank}", b"1")
-    wait_for_keys(store, {f"barrier/{name}/{seq}/{r}": r for r in members}, timeout_s,
-                  f"barrier {name!r}")
+    key = f"barrier/{name}/{seq}"
+    store.set(f"{key}/{world_rank}", b"1")
+    wait_for_keys(store, {f"{key}/{r}": r for r in members}, timeout_s, f"barrier {name!r}")
+    # World rank 0 hosts the store and leaves last, so a rank that returns from a
+    # barrier and exits never takes the store away from a peer still polling it.
+    if world_rank != 0:
+        store.set(f"{key}/left/{world_rank}", b"1")
+    elif len(members) > 1:
+        wait_for_keys(store, {f"{key}/left/{r}": r for r in members if r != 0}, timeout_s,
+                      f"barrier {name!r} (peers leaving)")
