@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 
 import numpy as np
 import pytest

@@ -25,7 +25,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import time
 import zlib
 from typing import Any
 
@@ -169,7 +168,6 @@ class _Env:
 
     def links(self, case: Case) -> list:
         """This rank's edges for ``case`` (rows per edge from the topology)."""
-        from afd_ext.bench.variants import Link
 
         topo, n = self.topo, case.tokens
         out = []
