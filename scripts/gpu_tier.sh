@@ -32,7 +32,7 @@ run() {  # run NAME CMD...: log to $OUT/NAME.log, remember failures, keep going
 for phase in $phases; do
   case $phase in
     build) run build $PY -m pip install --no-build-isolation --no-deps -e . && run info $PY -m afd_ext info ;;
-    tests) run gpu-tests $PY -m pytest -m gpu tests/gpu -v -rA --timeout 300 --junitxml "$OUT/gpu-junit.xml" ;;
+    tests) run gpu-tests $PY -m pytest -m gpu tests -v -rA --timeout 300 --junitxml "$OUT/gpu-junit.xml" ;;
     time) [ -f tests/gpu/time_exchange.py ] && run time-exchange $PY tests/gpu/time_exchange.py --out "$OUT/time_exchange.json"
           [ -f tests/gpu/time_graph_exchange.py ] && run time-graph $PY tests/gpu/time_graph_exchange.py --out "$OUT/time_graph.json" ;;
     bench) run bench $PY -m afd_ext bench --out "$OUT/bench" ;;
