@@ -639,6 +639,10 @@ class DemoPlan:
         timing: measure each layer exchange (a device sync per exchange on CUDA).
         connector: a connector registry name, or ``"module:Class"`` for a
             class that is not registered (it is registered under that string).
+        graph: graph mode (``--graph``): steps that fit the capture sizes are
+            padded and replayed from captured graphs on both roles
+            (:mod:`afd_ext.graphs`); on CPU/gloo a stand-in re-runs the
+            captured exchanges instead (the same protocol, no CUDA graph).
     """
 
     num_attention: int
@@ -660,6 +664,7 @@ class DemoPlan:
     threads: int = 1
     timing: bool = True
     connector: str = "AfdExtConnector"
+    graph: bool = False
     verbose: bool = False
 
     @property
@@ -789,13 +794,19 @@ def _worker(rank: int, nprocs: int, plan: DemoPlan) -> dict[str, Any]:
         logger.info("model built; initialising the connector")
         connector.init_afd_connector()
         logger.info("connector ready; serving")
+        graph_server = _graph_server(plan, server) if plan.graph else None
         try:
-            steps = server.serve()
+            steps = (graph_server or server).serve()
             logger.info("served %d steps", steps)
         finally:
+            if graph_server is not None:
+                graph_server.close()
             connector.close()
             logger.info("connector closed")
-        return {"role": "ffn", "rank": role_rank, "steps": steps, "rows": server.rows_served}
+        out = {"role": "ffn", "rank": role_rank, "steps": steps, "rows": server.rows_served}
+        if graph_server is not None:
+            out["graph_modes"] = dict(graph_server.modes)
+        return out
 
     connector = _make_connector(plan, role, role_rank, rank, model)
     exchange = split_attention_role(
@@ -809,6 +820,8 @@ def _worker(rank: int, nprocs: int, plan: DemoPlan) -> dict[str, Any]:
     agreement = StepCountAgreement(plan.num_attention, role_rank, gather)
     logger.info("model built; initialising the connector")
     connector.init_afd_connector()
+    if plan.graph:
+        exchange.graph_runner = _graph_runner(plan, exchange, connector)
     logger.info("connector ready; generating")
     bar = None
     if plan.progress and role_rank == 0:
@@ -829,9 +842,36 @@ def _worker(rank: int, nprocs: int, plan: DemoPlan) -> dict[str, Any]:
     finally:
         if bar is not None:
             bar.close()
+        if exchange.graph_runner is not None:
+            exchange.graph_runner.close()
         connector.close()
         logger.info("connector closed")
     return {"role": "attention", "rank": role_rank, "result": res}
+
+
+#: Per-peer capture sizes of ``--graph`` (decode batches of the demo are small;
+#: larger steps, e.g. long prefills, run eagerly).
+GRAPH_CAPTURE_SIZES = (1, 2, 4, 8, 16, 32)
+
+
+def _graph_backend(plan: DemoPlan):
+    from afd_ext import graphs
+
+    # CUDA graphs on GPU; on CPU the stand-in re-runs the captured exchanges (same protocol).
+    return None if plan.device_type == "cuda" else graphs.EagerRecordingBackend()
+
+
+def _graph_runner(plan: DemoPlan, exchange, connector):
+    from afd_ext import graphs
+
+    return graphs.AttentionGraphRunner(exchange, connector, capture_sizes=GRAPH_CAPTURE_SIZES,
+                                       backend=_graph_backend(plan))
+
+
+def _graph_server(plan: DemoPlan, server):
+    from afd_ext import graphs
+
+    return graphs.FFNGraphServer(server, capture_sizes=GRAPH_CAPTURE_SIZES, backend=_graph_backend(plan))
 
 
 def _gpu_env(plan: DemoPlan, n_gpus: int) -> list[dict[str, str]]:
@@ -958,6 +998,8 @@ def summarize(plan: DemoPlan, att: Sequence[RankResult], ffn: Sequence[Mapping[s
             "per_step": (bytes_a2f + bytes_f2a) / steps if steps else 0.0,
         },
         "ffn_rows_served": [int(o["rows"]) for o in sorted(ffn, key=lambda o: o["rank"])],
+        "graph": plan.graph,
+        "ffn_graph_modes": [o.get("graph_modes") for o in sorted(ffn, key=lambda o: o["rank"])],
         "self_check": asdict(check),
     }
 
@@ -1057,6 +1099,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--step-timeout", type=float, default=60.0, help="connector per-operation deadline, seconds")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--json", dest="json_path", default=None, help="write the summary as JSON to this path")
+    p.add_argument("--graph", action="store_true",
+                   help="graph mode: steps whose per-rank counts fit the capture sizes "
+                        f"{list(GRAPH_CAPTURE_SIZES)} are padded and replayed from CUDA graphs on both roles "
+                        "(on CPU/gloo the same protocol runs with eager re-execution instead of graphs)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
@@ -1094,7 +1140,7 @@ def build_plan(args: argparse.Namespace) -> DemoPlan:
         requests=requests, host=args.host, port=port, agree_port=agree_port,
         step_timeout_s=args.step_timeout, init_timeout_s=max(args.step_timeout, 120.0),
         progress=not args.no_progress, threads=args.threads, connector=args.connector,
-        verbose=args.verbose,
+        verbose=args.verbose, graph=args.graph,
     )
 
 

@@ -586,3 +586,34 @@ def test_gpu_script_catches_a_wrong_reply():
     mod = _gpu_module()
     with pytest.raises(AssertionError, match="max diff"):
         _run_gpu_script_on_cpu(mod, mod.Setup(2, 1), "mismatch", corrupt_replies=True)
+
+
+# --- the demo's --graph mode, end to end on CPU --------------------------------------------
+
+
+@pytest.mark.timeout(400)
+def test_demo_graph_mode_on_cpu_matches_whole_model():
+    """``afd-ext demo --graph`` over gloo: the graph protocol (pad, warm-up, capture, replay) on both roles.
+
+    On CPU the recording backend re-runs the captured exchanges instead of a CUDA
+    graph, so this checks the protocol and its bookkeeping; tests/gpu checks graphs.
+    """
+    pytest.importorskip("transformers")
+    pytest.importorskip("afd_ext.connector")
+    from afd_ext import demo
+
+    plan = demo.build_plan(demo.parse_args([
+        "--dims", "tiny", "--backend", "gloo", "--no-progress", "--topology", "2A1F",
+        "--requests-per-rank", "2", "--max-new-tokens", "5", "--stages", "2", "--graph",
+    ]))
+    s = demo.run_demo(plan, timeout_s=300)
+    assert s["self_check"]["ok"], "\n".join(s["self_check"]["failures"])
+    assert s["graph"] is True
+    modes = s["ffn_graph_modes"][0]
+    # Every step fits the capture sizes here (two stages halve the prefill) and replays;
+    # each new padded shape first gets one warm-up and one capture step, on both roles.
+    assert modes["replay"] == s["steps"] and modes["eager"] == 0
+    assert modes["capture"] == modes["warmup"] == 2  # the prefill's padded shape and the decode steps'
+    # Padding rows travel and are served: more FFN rows than real tokens.
+    layers = s["model"]["layers"]
+    assert s["ffn_rows_served"][0] > layers * sum(sum(c) for c in s["step_counts"])
