@@ -491,6 +491,9 @@ def _expected_wire_shape(hidden_states, router_logits, token_ids) -> tuple:
 
 
 def _fake_check_wire(op, hidden_states, router_logits, token_ids, wire) -> None:
+    for name, t in (("hidden_states", hidden_states), ("router_logits", router_logits), ("token_ids", token_ids)):
+        if t is not None and t.device != wire.device:
+            raise RuntimeError(f"afd_ext.{op}: {name} must be on the wire tensor's device {wire.device}, got {t.device}")
     if hidden_states.dim() != 2:
         raise RuntimeError(f"afd_ext.{op}: hidden_states must be 2-D [num_tokens, hidden], got {tuple(hidden_states.shape)}")
     if router_logits is not None and router_logits.dim() != 2:

@@ -1,0 +1,132 @@
+"""The afd_ext op registry: exact schemas, one fake per op, kernels per key, build facts."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+ops = pytest.importorskip("afd_ext.ops", reason="afd_ext._C is not built")
+
+SCHEMAS = {
+    "nccl_version": "afd_ext::nccl_version() -> int",
+    "nccl_unique_id": "afd_ext::nccl_unique_id(Tensor(a!) out) -> ()",
+    "comm_create": "afd_ext::comm_create(Tensor unique_id, int world_size, int rank, int device) -> int",
+    "comm_destroy": "afd_ext::comm_destroy(int handle) -> ()",
+    "comm_abort": "afd_ext::comm_abort(int handle) -> ()",
+    "comm_async_error": "afd_ext::comm_async_error(int handle) -> int",
+    "send": "afd_ext::send(Tensor(a!) t, int comm, int peer) -> ()",
+    "recv": "afd_ext::recv(Tensor(a!) t, int comm, int peer) -> ()",
+    "fan_in": (
+        "afd_ext::fan_in(Tensor(a!) hidden_states, Tensor(b!)? router_logits, Tensor(c!)? token_ids, "
+        "int[] comms, int[] peers, int[] rows) -> ()"
+    ),
+    "split_back": (
+        "afd_ext::split_back(Tensor(a!) hidden_states, Tensor(b!)? router_logits, Tensor(c!)? token_ids, "
+        "int[] comms, int[] peers, int[] rows) -> ()"
+    ),
+    "exchange": (
+        "afd_ext::exchange(Tensor(a!) hidden_states, Tensor(b!)? router_logits, Tensor(c!)? token_ids, "
+        "Tensor(d!) reply, int[] send_comms, int[] recv_comms, int[] peers, int[] rows) -> ()"
+    ),
+    "pack_rows": (
+        "afd_ext::pack_rows(Tensor hidden_states, Tensor? router_logits, Tensor? token_ids, "
+        "Tensor(a!) wire) -> ()"
+    ),
+    "unpack_rows": (
+        "afd_ext::unpack_rows(Tensor wire, Tensor(a!) hidden_states, Tensor(b!)? router_logits, "
+        "Tensor(c!)? token_ids) -> ()"
+    ),
+}
+COMM_OPS = ("send", "recv", "fan_in", "split_back", "exchange")
+TENSOR_OPS = COMM_OPS + ("pack_rows", "unpack_rows")
+
+
+def _registered() -> set[str]:
+    return {n.split("::", 1)[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names() if n.startswith("afd_ext::")}
+
+
+def test_every_op_has_its_exact_schema():
+    assert set(SCHEMAS) <= _registered()
+    for name, schema in SCHEMAS.items():
+        assert str(getattr(torch.ops.afd_ext, name).default._schema) == schema, name
+
+
+def test_no_unlisted_op():
+    assert _registered() == set(SCHEMAS)
+
+
+@pytest.mark.parametrize("name", COMM_OPS)
+def test_comm_ops_declare_every_tensor_mutated_and_return_nothing(name):
+    schema = getattr(torch.ops.afd_ext, name).default._schema
+    assert schema.returns == [] or len(schema.returns) == 0
+    tensor_args = [a for a in schema.arguments if "Tensor" in str(a.type)]
+    assert tensor_args and all(a.alias_info is not None and a.alias_info.is_write for a in tensor_args)
+    alias_sets = [frozenset(a.alias_info.before_set) for a in tensor_args]
+    assert len(set(alias_sets)) == len(alias_sets), "distinct alias sets"
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_every_op_has_a_python_fake(name):
+    entry = torch._library.simple_registry.singleton.find(f"afd_ext::{name}")
+    assert entry.fake_impl.kernel is not None, f"afd_ext::{name} has no register_fake"
+
+
+def test_exactly_one_register_fake_per_op_directly_under_its_wrapper():
+    import inspect
+
+    src = inspect.getsource(ops)
+    fakes = re.findall(r'@torch\.library\.register_fake\("afd_ext::(\w+)"\)', src)
+    assert sorted(fakes) == sorted(SCHEMAS)
+    for name in SCHEMAS:
+        # The wrapper `def name(` comes before its fake, with no other def in between.
+        wrapper = src.index(f"\ndef {name}(")
+        fake = src.index(f'@torch.library.register_fake("afd_ext::{name}")')
+        between = src[wrapper + 1 : fake]
+        assert wrapper < fake and between.count("\ndef ") == 0, name
+
+
+@pytest.mark.parametrize("name", TENSOR_OPS)
+def test_tensor_ops_have_cpu_and_cuda_kernels(name):
+    # The CUDA key is registered in every build (a CPU-only build registers
+    # stubs that raise "built without CUDA"), so no call falls through to a
+    # dispatcher error.
+    for key in ("CPU", "CUDA"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"afd_ext::{name}", key), (name, key)
+
+
+@pytest.mark.parametrize("name", ["nccl_version", "nccl_unique_id", "comm_create", "comm_destroy", "comm_abort", "comm_async_error"])
+def test_management_ops_serve_every_key(name):
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(f"afd_ext::{name}", "CompositeExplicitAutograd")
+
+
+def test_build_info_report():
+    info = ops.build_info()
+    assert set(info) == {"cuda", "nccl_compiled", "nccl_runtime", "torch", "arch_list"}
+    assert info["torch"] == torch.__version__
+    assert info["cuda"] is ops.is_cuda_built()
+    if info["cuda"]:
+        # NCCL codes are major*10000 + minor*100 + patch; compiled and loaded share the major.
+        assert info["nccl_compiled"] >= 21400 and info["nccl_runtime"] >= 21400
+        assert info["nccl_compiled"] // 10000 == info["nccl_runtime"] // 10000
+        assert info["nccl_runtime"] == ops.nccl_version()
+        assert info["arch_list"]
+        assert all(re.fullmatch(r"\d+\.\d+[a-z]?(\+PTX)?", a) for a in info["arch_list"].split())
+        loaded = torch.cuda.nccl.version()
+        loaded_code = loaded[0] * 10000 + loaded[1] * 100 + loaded[2]
+        assert info["nccl_runtime"] == loaded_code, "afd_ext and torch must use the same libnccl"
+    else:
+        assert info["nccl_compiled"] is None and info["nccl_runtime"] is None
+        assert ops.nccl_version() == 0
+
+
+def test_wire_row_bytes():
+    # hidden 7168 bf16 = 14336 B; logits 256 fp32 = 1024 B; id 4 B -> 16.
+    assert ops.wire_row_bytes(7168, torch.bfloat16, 256, torch.float32, True) == 14336 + 1024 + 16
+    assert ops.wire_row_bytes(7, torch.bfloat16) == 16
+    assert ops.wire_row_bytes(7, torch.float8_e4m3fn, 3, torch.bfloat16, False) == 16 + 16
+    assert ops.wire_row_bytes(8, torch.float32, None, torch.float32, True) == 32 + 16
+    assert ops.wire_row_bytes(0, torch.float32, 0, torch.float32, False) == 0
+    with pytest.raises(ValueError, match="widths"):
+        ops.wire_row_bytes(-1, torch.float32)
