@@ -435,6 +435,19 @@ class AFDConnector:
         """True between a successful :meth:`init_afd_connector` and :meth:`close`."""
         return self._initialized
 
+    @property
+    def data_timeout_s(self) -> float:
+        """Deadline of one data-plane wait or in-flight operation on this rank, seconds.
+
+        FFN ranks use ``step_timeout_s``; attention ranks ``step_timeout_s +
+        min(5, step_timeout_s / 2)``. An FFN rank waits on the attention ranks
+        themselves and every attention rank waits on an FFN rank, so when an
+        attention rank goes silent the FFN rank expires first, names it, and
+        posts the abort that the other attention ranks then report.
+        """
+        t = self.extra.step_timeout_s
+        return t if self.role == "ffn" else t + min(5.0, t / 2)
+
     def handshake_fields(self) -> dict[str, Any]:
         """What every rank must agree on at init (checked field by field, both values named on mismatch)."""
         return {
@@ -486,11 +499,12 @@ class AFDConnector:
                                  timeout_s=extra.init_timeout_s, num_ffn_ranks=self.ffn_size)
             self._store = store
             rdzv.handshake(store, self.world_rank, self.world_size, self.handshake_fields(), extra.init_timeout_s)
+            timeout = self.data_timeout_s
             if self.transport_kind == "gloo":
                 from .transport.gloo import GlooTransport
 
                 self._transport = GlooTransport(
-                    store.store, self.peer_map, strict=extra.strict, timeout_s=extra.step_timeout_s,
+                    store.store, self.peer_map, strict=extra.strict, timeout_s=timeout,
                     init_timeout_s=extra.init_timeout_s, abort_check=self._raise_if_aborted)
             else:
                 from .transport.nccl import NcclTransport
@@ -499,7 +513,7 @@ class AFDConnector:
                     torch.cuda.set_device(self.device)
                 self._transport = NcclTransport(
                     store, self.topology, self.peer_map, self.device, strict=extra.strict,
-                    timeout_s=extra.step_timeout_s, init_timeout_s=extra.init_timeout_s,
+                    timeout_s=timeout, init_timeout_s=extra.init_timeout_s,
                     abort_check=self._abort_probe, on_failure=self._on_transport_failure)
             channels = cpl.open_control_channels(
                 store, self.topology, self.role, self.role_rank, extra.control_channel, extra.init_timeout_s,
@@ -526,10 +540,17 @@ class AFDConnector:
     # ------------------------------------------------------------------ internals: lifecycle
 
     def _teardown(self) -> None:
+        if self._initialized and self._broken is None and self._transport is not None:
+            # Healthy close: the last replies may still be in flight (gloo sends
+            # asynchronously); let the peers take them (bounded by the deadline).
+            try:
+                self._settle_reply_sends()
+            except Exception as e:  # noqa: BLE001 - close must not raise
+                logger.warning("%s: last replies not delivered at close: %s", self.peer_map.me, e)
         self._initialized = False
         self._step = None
         for ps in list(self._reply_sends.values()):
-            ps.done = True  # never wait on a closing transport
+            ps.done = True  # never wait on a broken transport
         self._reply_sends.clear()
         self._bufs.clear()
         self._arena = None

@@ -227,8 +227,15 @@ def _setup_device(sc: Scenario) -> None:
         torch.cuda.set_device(0)
 
 
-def scenario_worker(rank: int, nprocs: int, sc: Scenario, port: int) -> dict:
-    """Run every step of ``sc``; return what this rank checked."""
+def scenario_worker(rank: int, nprocs: int, sc: Scenario | tuple, port: int) -> dict | list:
+    """Run every step of ``sc``; return what this rank checked.
+
+    ``sc`` may be a tuple of scenarios with the same ``A``/``F``: they run one
+    after the other in the same processes (a fresh connector each, i.e. a new
+    rendezvous generation on the same store), which saves process start-ups.
+    """
+    if isinstance(sc, tuple):
+        return [scenario_worker(rank, nprocs, one, port) for one in sc]
     _setup_device(sc)
     conn = make_connector(sc, rank, port)
     try:

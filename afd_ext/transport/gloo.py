@@ -16,7 +16,11 @@ Bounded waits: a gloo wait that times out closes the pair it waits on, so
 waits cannot be sliced with short gloo timeouts. Instead a daemon waiter
 thread calls ``work.wait(deadline)`` while the calling thread polls its
 completion in short slices and checks the rendezvous abort signal between
-slices (:func:`afd_ext.watchdog.host_wait`). A peer that dies surfaces at
+slices (:func:`afd_ext.watchdog.host_wait`). A gloo wait cannot be
+interrupted, so :meth:`GlooTransport.close` joins the waiter (bounded by the
+deadline): after an abort the peers tear down their pairs, which ends the
+wait at once; a process that exited with a wait still blocked would abort in
+gloo's destructors. A peer that dies surfaces at
 once (gloo reports the closed connection) as an
 :class:`~afd_ext.transport.base.AFDPeerError` naming the peer, the layer and
 the stage; a peer that is alive but silent becomes an
@@ -57,7 +61,7 @@ __all__ = ["GlooTransport"]
 _TAGS = {"a2f": 1, "f2a": 2}
 # A waiter-thread wait gets this much longer than the caller's deadline, so the
 # caller always reports the (named) timeout first.
-_WAIT_MARGIN_S = 5.0
+_WAIT_MARGIN_S = 1.0
 
 
 class _Waiter:
@@ -86,8 +90,15 @@ class _Waiter:
         self._q.put((fn, fut))
         return fut
 
-    def stop(self) -> None:
+    def stop(self, join_timeout_s: float) -> bool:
+        """Stop the thread; wait up to ``join_timeout_s`` for a wait in progress to end.
+
+        Returns False if the thread is still blocked in gloo (a process exiting
+        then would abort in gloo's destructors, hence the join).
+        """
         self._q.put(None)
+        self._t.join(join_timeout_s)
+        return not self._t.is_alive()
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -169,6 +180,10 @@ class GlooTransport(Transport):
         except RuntimeError as e:
             text = str(e)
             self._closed = e
+            if self._abort_check is not None:
+                # A rank that aborts the step also tears down its gloo pairs; report
+                # the abort (the root cause), not the closed connection.
+                self._abort_check(f"{tag.op} ({what} with {peer} at {tag.where()})")
             if "Connection closed by peer" in text or "Connection reset" in text or "closed" in text.lower():
                 raise AFDPeerError(
                     f"AFD {describe()} failed: the peer went away ({text.splitlines()[0]}). It probably "
@@ -258,8 +273,9 @@ class GlooTransport(Transport):
         if self._closed is None:
             self._closed = AFDTransportError("closed")
         waiter, self._waiter = self._waiter, None
-        if waiter is not None:
-            waiter.stop()
+        if waiter is not None and not waiter.stop(self.timeout_s + _WAIT_MARGIN_S):
+            logger.warning("%s: a gloo wait is still blocked at close; exiting now may abort the process",
+                           self.peers.me)
         # Dropping the group object releases its sockets; a waiter stuck on an
         # aborted pair ends at its own (bounded) gloo timeout.
         self._pg = None

@@ -1,0 +1,244 @@
+"""The whole connector protocol over gloo, in several processes, strict mode on (CPU tier).
+
+Every reply is checked against ``ffn_fn`` applied to the attention rank's own
+rows (see ``tests/connector_scenarios.py``); the FFN ranks' row totals are
+checked against the scenario's counts computed without afd_ext.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import connector_scenarios as cs  # noqa: E402
+from afd_ext.testing import find_free_port, run_workers  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _run(sc, timeout_s: float = 90.0):
+    """Run one scenario, or a tuple of scenarios with the same A/F in the same processes."""
+    scs = sc if isinstance(sc, tuple) else (sc,)
+    results = run_workers(cs.scenario_worker, scs[0].nprocs, (scs, find_free_port()), timeout_s=timeout_s)
+    for i, one in enumerate(scs):
+        cs.check_scenario_results(one, [r[i] for r in results])
+    return [[r[i] for r in results] for i in range(len(scs))]
+
+
+def _bf16_mixed(A: int, F: int, **kw) -> cs.Scenario:
+    """bf16 wire, logits + ids, one stage small (packed under auto) and one large (per-tensor)."""
+    steps = ({0: [2] * A}, {0: [1] + [0] * (A - 1), 1: [300] * A})
+    return cs.Scenario(A=A, F=F, steps=steps, dtype="bfloat16", logits_width=4, send_ids=True, hidden=16,
+                       extra=(("packed_max_bytes", 4096),), **kw)
+
+
+# -- topologies, counts, stages, optional tensors, wire formats -----------------
+# Each test starts A + F processes once and runs several scenarios in them.
+
+def test_1a1f():
+    _run((
+        cs.Scenario(A=1, F=1, steps=cs.default_steps(1)),
+        cs.Scenario(A=1, F=1, steps=cs.default_steps(1), logits_width=6, send_ids=True, wire_format="packed",
+                    overlap=False),
+        _bf16_mixed(1, 1),
+    ))
+
+
+def test_2a1f():
+    res = _run((
+        cs.Scenario(A=2, F=1, steps=cs.default_steps(2), logits_width=6, send_ids=True, wire_format="packed"),
+        cs.Scenario(A=2, F=1, steps=cs.default_steps(2), logits_width=6, wire_format="per_tensor"),
+        _bf16_mixed(2, 1, overlap=False),
+        # Reference compatibility switch: an idle rank sends a one-row dummy batch.
+        cs.Scenario(A=2, F=1, steps=({0: [0, 3]}, {0: [2, 0]}), extra=(("clamp_idle_to_one", True),)),
+    ))
+    clamp = res[3]
+    assert sorted(r["checked"] for r in clamp if r["role"] == "attention") == [[2, 4], [6, 2]]
+
+
+def test_4a2f():
+    _run(cs.Scenario(A=4, F=2, steps=cs.default_steps(4), logits_width=6, send_ids=True, wire_format="per_tensor"))
+
+
+def test_3a2f():
+    _run((
+        cs.Scenario(A=3, F=2, steps=cs.default_steps(3), send_ids=True),
+        cs.Scenario(A=3, F=2, steps=cs.default_steps(3), logits_width=6, wire_format="packed"),
+    ))
+
+
+def test_1a2f():
+    _run((
+        cs.Scenario(A=1, F=2, steps=cs.default_steps(1), logits_width=6, send_ids=True, wire_format="per_tensor"),
+        cs.Scenario(A=1, F=2, steps=({0: [7]}, {0: [1]}, {0: [0], 1: [5]}), logits_width=6, wire_format="packed"),
+    ))
+
+
+def test_2a2f_dp1_tp2():
+    # Per-DP count vectors, expanded over the TP workers of the DP rank.
+    steps = ({0: [5]}, {0: [0]}, {0: [3], 1: [2]}, {0: [1]})
+    res = _run((
+        cs.Scenario(A=2, F=2, tp_size=2, steps=steps, logits_width=6, send_ids=True, wire_format="packed"),
+        cs.Scenario(A=2, F=2, tp_size=2, steps=steps),
+    ))
+    for one in res:
+        attn = sorted((r for r in one if r["role"] == "attention"), key=lambda r: r["rank"])
+        assert attn[0]["checked"] == attn[1]["checked"] == [10, 0, 10, 2]
+
+
+# -- failures -----------------------------------------------------------------
+
+def test_handshake_mismatch_names_field_and_values():
+    sc = cs.Scenario(A=2, F=1)
+    res = run_workers(cs.handshake_mismatch_worker, sc.nprocs, (sc, find_free_port()), timeout_s=60)
+    for r in res:
+        assert r["field"] == "hidden_size"
+        assert "8" in r["message"] and "16" in r["message"]
+        assert not r["initialized"]
+
+
+@pytest.mark.parametrize("retry", [False, True], ids=["next-step", "retry"])
+def test_bad_first_input_is_rejected_and_next_step_works(retry):
+    steps = ({0: [2, 3]}, {0: [4, 1]}, {0: [3, 3], 1: [1, 2]})
+    sc = cs.Scenario(A=2, F=1, steps=steps)
+    res = run_workers(cs.bad_first_input_worker, sc.nprocs, (sc, find_free_port(), 0, 1, retry), timeout_s=60)
+    bad = res[1]  # world rank 1 = attention rank 0 (the control sender)
+    assert len(bad["rejections"]) == 1 and "float64" in bad["rejections"][0]
+    assert bad["checked"][0] == 2 * 2 and bad["checked"][2] == (3 + 1) * 2
+    assert bad["checked"][1] == (4 * 2 if retry else 0)
+    other = res[2]
+    assert other["rejections"] == [] and other["checked"] == [3 * 2, 1 * 2, (3 + 2) * 2]
+    assert res[0]["rows"] == [5 * 2, 5 * 2, 9 * 2]
+
+
+def test_mid_step_failure_aborts_every_rank_then_reinit_works():
+    steps = ({0: [2, 3]}, {0: [1, 2]}, {0: [3, 1]})
+    sc = cs.Scenario(A=2, F=1, steps=steps, step_timeout_s=10.0)
+    res = run_workers(cs.mid_step_failure_worker, sc.nprocs, (sc, find_free_port(), 1), timeout_s=90)
+    ffn, a0, a1 = res
+    assert a1["error"][0] == "ValueError" and "aborted on every rank" in a1["error"][1]
+    for r in (ffn, a0):
+        kind, msg = r["error"]
+        assert kind == "StepAbortedError", r["error"]
+        assert "attention rank 1" in msg
+        assert r["elapsed"] < sc.step_timeout_s, r
+    assert all(r["usable_after"] for r in res)
+    assert ffn["after"] == 4 * 2 and a0["after"] == 3 * 2 and a1["after"] == 1 * 2
+
+
+@pytest.mark.parametrize("mode", ["kill", "stall"])
+def test_peer_loss_mid_step_is_a_named_error_within_the_deadline(mode):
+    steps = ({0: [2, 3]}, {0: [2, 2]})
+    deadline = 3.0
+    sc = cs.Scenario(A=2, F=1, steps=steps, step_timeout_s=deadline)
+    victim = 2  # attention rank 1
+    t0 = time.monotonic()
+    out = cs.run_tolerating_death(cs.peer_loss_worker, sc.nprocs, (sc, find_free_port(), victim, mode),
+                                  timeout_s=90, may_die=[victim] if mode == "kill" else [])
+    ffn, a0 = out[0], out[1]
+    for r in (ffn, a0):
+        assert "error" in r, r
+        msg = r["error"][1]
+        assert "attention rank 1" in msg and "layer 1" in msg and "stage 0" in msg, r["error"]
+        limit = deadline + 2.0 if mode == "stall" else 2.0
+        assert r["elapsed"] < limit, r
+    if mode == "kill":
+        assert ffn["error"][0] == "AFDPeerError", ffn["error"]
+        assert out["exitcodes"][victim] != 0
+    else:
+        assert ffn["error"][0] == "AFDTimeoutError", ffn["error"]
+        # The stalled rank wakes up to an aborted step (or a store already gone with FFN rank 0).
+        assert "error" in out[victim], out[victim]
+    assert out["exitcodes"][0] == 0 and out["exitcodes"][1] == 0
+    assert time.monotonic() - t0 < 60
+
+
+def test_strict_header_mismatch_names_both_sides():
+    res = run_workers(cs.strict_mismatch_worker, 2, (find_free_port(),), timeout_s=60)
+    err = res[0]["error"]
+    assert err is not None and res[0]["field_layer"]
+    assert "FFN rank 0" in err and "attention rank 0" in err
+    assert "layer 0" in err and "layer 1" in err
+
+
+# -- single-process checks --------------------------------------------------------
+
+def test_constructor_is_device_light_and_validates():
+    from afd_ext.config import AFDConfig
+    from afd_ext.connector import AFDConnector, ConnectorStateError
+
+    cfg = AFDConfig(role="attention", num_attention_ranks=2, num_ffn_ranks=1,
+                    connector_extra_config={"transport": "gloo"})
+    c = AFDConnector(0, 0, cfg, 1, hidden_size=8, num_layers=2)
+    assert c.world_rank == 2 and c.device == torch.device("cpu") and not c.is_initialized
+    with pytest.raises(ConnectorStateError, match="not initialized"):
+        c.send_attn_output(torch.zeros(1, 8, dtype=torch.bfloat16), None)
+    with pytest.raises(ConnectorStateError, match="not initialized"):
+        c.control_plane.send_dp_metadata_list(None)
+    c.close()
+    c.close()
+    with pytest.raises(TypeError, match="unknown keyword"):
+        AFDConnector(0, 0, cfg, 0, hidden_size=8, num_layers=2, hiden_size=3)
+    with pytest.raises(ValueError, match="hidden_size"):
+        AFDConnector(0, 0, cfg, 0, num_layers=2)
+    with pytest.raises(ValueError):
+        AFDConnector(0, 0, cfg, 2, hidden_size=8, num_layers=2)  # role rank out of range
+
+
+def test_watchdog_names_op_peer_layer_stage_and_aborts():
+    from afd_ext.transport.base import AFDPeerError, AFDTimeoutError
+    from afd_ext.watchdog import Watchdog
+
+    failures = []
+    wd = Watchdog(0.05, owner="FFN rank 0", on_failure=failures.append)
+    wd.track(lambda: False, "recv_attn_output: receive (fan-in)", peers=["attention rank 1"], layer=3, stage=1,
+             where="step 2, layer 3, stage 1")
+    wd.track(lambda: True, "done op")
+    wd.poll_once()
+    assert wd.failure is None and len(wd.in_flight) == 1
+    time.sleep(0.06)
+    wd.poll_once()
+    assert isinstance(wd.failure, AFDTimeoutError) and failures == [wd.failure]
+    msg = str(wd.failure)
+    assert "attention rank 1" in msg and "layer 3" in msg and "stage 1" in msg and "recv_attn_output" in msg
+    with pytest.raises(AFDTimeoutError):
+        wd.check()
+
+    wd2 = Watchdog(10, owner="x", comms=lambda: [(5, "a2f a0-f0")], async_error=lambda h: 6)
+    wd2.poll_once()
+    assert isinstance(wd2.failure, AFDPeerError) and "a2f a0-f0" in str(wd2.failure)
+    wd3 = Watchdog(10, owner="x", comms=lambda: [(5, "a2f a0-f0")], async_error=lambda h: 7)
+    wd3.poll_once()
+    assert wd3.failure is None  # ncclInProgress is not an error
+
+    wd4 = Watchdog(10, owner="x", abort_check=lambda: "bad input (by attention rank 1)", poll_interval_s=0.001,
+                   abort_poll_s=0.001)
+    wd4.start()
+    t0 = time.monotonic()
+    while wd4.failure is None and time.monotonic() - t0 < 5:
+        time.sleep(0.01)
+    wd4.stop()
+    assert wd4.failure is not None and "attention rank 1" in str(wd4.failure)
+
+
+def test_headers_round_trip_and_mismatch():
+    from afd_ext.transport.base import AFDProtocolError, MessageTag, PeerMap, check_headers, encode_headers
+
+    pm = PeerMap("ffn", 0, 2, 1)
+    h = torch.zeros(3, 8)
+    ids = torch.zeros(3, dtype=torch.int32)
+    tag = MessageTag("recv_attn_output", "a2f", 4, 2, 1)
+    msgs = [(0, h), (2, ids)]
+    block = encode_headers(tag, 2, 0, 3, msgs)
+    check_headers(block.clone(), block, tag=tag, receiver_label="r", sender_label="s", label=pm.label)
+    other = encode_headers(tag, 2, 0, 4, msgs)
+    with pytest.raises(AFDProtocolError, match="'rows'") as ei:
+        check_headers(other, block, tag=tag, receiver_label="FFN rank 0", sender_label="attention rank 1",
+                      label=pm.label)
+    assert "[3, 8]" in str(ei.value) and "[4, 8]" in str(ei.value)
