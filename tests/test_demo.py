@@ -131,3 +131,19 @@ def test_a_failed_self_check_exits_non_zero_and_says_where(monkeypatch, capsys):
     assert "self-check      FAIL" in out.out
     assert "attention rank 1, request a1r0, position 2" in out.out
     assert "FAILED" in out.err
+
+
+def test_cli_dispatch(capsys):
+    from afd_ext import cli
+
+    assert cli.main(["info", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert {"afd_ext", "cuda", "torch"} <= set(info)
+    assert cli.main([]) == 2  # no command: help, usage error
+    assert "demo" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main(["no-such-command"])
+    with pytest.raises(SystemExit) as e:
+        cli.main(["demo", "--help"])  # forwarded to the demo's own parser
+    assert e.value.code == 0
+    assert "--gate-on-attention" in capsys.readouterr().out
