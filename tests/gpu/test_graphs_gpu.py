@@ -488,3 +488,45 @@ def test_zero_token_peers_in_captured_two_stage_step():
         assert r["replays"] == 3
         if r["role"] == "attention":
             assert r["eager_compared"] == 2
+
+
+# ---------------------------------------------------------------------------
+# The demo with --graph (decode steps replay captured graphs on both roles)
+# ---------------------------------------------------------------------------
+
+
+def _demo_graph(tmp_path, *args: str) -> dict:
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "summary.json"
+    cmd = [sys.executable, "-m", "afd_ext", "demo", "--backend", "nccl", "--no-progress", "--graph",
+           "--json", str(out), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=os.getcwd())
+    print(" ".join(cmd[1:]))
+    print(proc.stdout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-5000:]
+    s = json.loads(out.read_text())
+    assert s["graph"] is True and s["device"] == "cuda"
+    assert s["self_check"]["ok"], s["self_check"]["failures"]
+    modes = s["ffn_graph_modes"][0]
+    assert modes["replay"] >= 1 and modes["capture"] >= 1 and modes["capture"] == modes["warmup"]
+    assert modes["replay"] + modes["eager"] == s["steps"]
+    return s
+
+
+@pytest.mark.timeout(TIMEOUT_S + 60)
+def test_demo_graph_1a1f_deepseek_v2_lite_dims(tmp_path):
+    _need_cuda_build()
+    pytest.importorskip("transformers")
+    s = _demo_graph(tmp_path, "--topology", "1A1F", "--dims", "deepseek-v2-lite")
+    assert s["model"]["hidden_size"] == 2048
+
+
+@pytest.mark.timeout(TIMEOUT_S + 60)
+def test_demo_graph_2a1f(tmp_path):
+    _need_cuda_build()
+    pytest.importorskip("transformers")
+    s = _demo_graph(tmp_path, "--topology", "2A1F")
+    assert s["steps_with_zero_token_rank"] > 0
