@@ -1175,7 +1175,7 @@ class AFDConnector:
                 sent = {}
                 for s in st.schedule.stages:
                     n = st.schedule.attention_rows(s, self.role_rank)
-                    h = (torch.arange(n * hs, device=self.device) % 7 + 1 + self.role_rank).to(cfg.hidden_dtype)
+                    h = (torch.arange(n * hs, device=self.device) % 7 + 1 + self.role_rank).float().to(cfg.hidden_dtype)
                     h = h.reshape(n, hs)
                     lg = None if cfg.router_logits_width is None else torch.zeros(
                         n, cfg.router_logits_width, dtype=cfg.router_logits_dtype, device=self.device)
@@ -1198,6 +1198,41 @@ class AFDConnector:
                 self._step = None
         if self._cuda:
             torch.cuda.current_stream(self.device).synchronize()
+
+    def synchronize(self) -> None:
+        """Wait until every exchange this rank issued has completed (bounded), then return.
+
+        NCCL: joins the stage streams into the current stream and waits for it
+        on the host with the data deadline, so a stall or a peer failure
+        becomes the watchdog's named error instead of a hang in
+        ``torch.cuda.synchronize()``. gloo: receives are already complete.
+
+        Raises:
+            AFDTransportError, StepAbortedError: the named failure (the step is aborted everywhere).
+        """
+        tr = self._check_usable("synchronize")
+        if not self._cuda:
+            return
+        self._join(list(self._streams))
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        tag = MessageTag("synchronize", "a2f", self._step_counter, -1, -1)
+        self._transport_call(tr.wait_event, ev, "in-flight exchanges", ["every peer"], tag)
+
+    @contextlib.contextmanager
+    def watchdog_suspended(self) -> Iterator[None]:
+        """Pause the NCCL watchdog's event polling around a CUDA-graph capture.
+
+        ``cudaEventQuery`` from the watchdog thread is not allowed while a
+        stream captures in the global capture mode (it would invalidate the
+        capture). Deadlines of work issued before keep running. No-op on gloo.
+        """
+        wd = getattr(self._transport, "watchdog", None)
+        if wd is None:
+            yield
+            return
+        with wd.suspended():
+            yield
 
     # ------------------------------------------------------------------ introspection
 

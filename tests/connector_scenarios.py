@@ -118,16 +118,16 @@ def expected_rows(sc: Scenario, counts: Sequence[int], a: int) -> int:
 def make_inputs(sc: Scenario, step: int, layer: int, stage: int, a: int, n: int):
     """Deterministic wire tensors of attention rank ``a`` (small exact values, any dtype)."""
     dev = device_for(sc)
-    base = torch.arange(n * sc.hidden, dtype=torch.float32).reshape(n, sc.hidden)
+    base = torch.arange(n * sc.hidden, dtype=torch.float32, device=dev).reshape(n, sc.hidden)
     h = ((base * (a + 1) + 7 * step + 3 * layer + stage) % 17 - 8) / 4
-    hidden = h.to(_dt(sc.dtype)).to(dev)
+    hidden = h.to(_dt(sc.dtype))
     logits = None
     if sc.logits_width is not None:
-        lb = torch.arange(n * sc.logits_width, dtype=torch.float32).reshape(n, sc.logits_width)
-        logits = (((lb + a * 5 + layer) % 11) - 5).to(_dt(sc.logits_dtype)).to(dev)
+        lb = torch.arange(n * sc.logits_width, dtype=torch.float32, device=dev).reshape(n, sc.logits_width)
+        logits = (((lb + a * 5 + layer) % 11) - 5).to(_dt(sc.logits_dtype))
     ids = None
     if sc.send_ids:
-        ids = (torch.arange(n, dtype=torch.int32) + 1000 * a + 10 * step + layer).to(dev)
+        ids = torch.arange(n, dtype=torch.int32, device=dev) + 1000 * a + 10 * step + layer
     return hidden, logits, ids
 
 
@@ -187,7 +187,7 @@ def _check_reply(conn, sc, step_i, layer, s, h, want) -> int:
     if out is not h:
         raise AssertionError("recv_ffn_output must return ref_tensor itself")
     if sc.transport == "nccl":
-        torch.cuda.current_stream().synchronize()
+        conn.synchronize()  # bounded: a stall becomes the watchdog's named error
     if not torch.equal(out, want):
         bad = (out != want).nonzero()[:5].tolist()
         raise AssertionError(
@@ -219,6 +219,8 @@ def ffn_step(conn, sc: Scenario) -> tuple[int, list]:
             conn.send_ffn_output(out, p.context)
             rows += int(p.hidden_states.shape[0])
             seen.append((layer, s, list(md.seq_lens)))
+    if sc.transport == "nccl":
+        conn.synchronize()  # as the reference FFN loop syncs after every step; bounded here
     return rows, seen
 
 

@@ -150,7 +150,8 @@ class NcclTransport(Transport):
         self.watchdog.track(ev.query, f"{tag.op}: {what}", peers=names, layer=tag.layer, stage=tag.stage,
                             where=tag.where())
 
-    def _wait_event(self, ev: torch.cuda.Event, what: str, names: Sequence[str], tag: MessageTag) -> None:
+    def wait_event(self, ev: torch.cuda.Event, what: str, names: Sequence[str], tag: MessageTag) -> None:
+        """Host wait for ``ev`` with the deadline; raises the watchdog's failure or a named timeout."""
         def done(slice_s: float) -> bool:
             end = time.monotonic() + slice_s
             while True:
@@ -203,7 +204,7 @@ class NcclTransport(Transport):
             self._ops.fan_in(hdr, None, None, hcomms, [self._peer_index()] * len(live), [len(msgs)] * len(live))
             ev = torch.cuda.Event()
             ev.record()
-            self._wait_event(ev, "header receive", names, tag)
+            self.wait_event(ev, "header receive", names, tag)
             got = hdr.cpu()
             for i, (p, r) in enumerate(live):
                 src = self.peers.peer_world_rank(p)
@@ -223,7 +224,7 @@ class NcclTransport(Transport):
         self.check_health()
         ev = torch.cuda.Event()
         ev.record()
-        self._wait_event(ev, "drain", ["every peer"], MessageTag("barrier", "a2f", -1, -1, -1))
+        self.wait_event(ev, "drain", ["every peer"], MessageTag("barrier", "a2f", -1, -1, -1))
 
     def _abort_comms(self) -> None:
         comms, self._comms = dict(self._comms), {}

@@ -1,0 +1,143 @@
+"""The connector scenarios of the CPU tier, over NCCL on two GPUs (GPU tier).
+
+Attention processes on GPU 0, FFN processes on GPU 1 (several processes share
+a GPU; one size-2 communicator per edge and direction makes that legal).
+
+Run on the 2-GPU machine (after ``pip install --no-build-isolation -e .``):
+
+    pytest -m gpu tests/gpu/test_connector_nccl.py -v
+
+Needs a CUDA build of afd_ext (``afd_ext.ops.is_cuda_built()``) and two GPUs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+
+import connector_scenarios as cs  # noqa: E402
+from afd_ext.testing import find_free_port, run_workers  # noqa: E402
+
+
+def _cuda_ready() -> bool:
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        return False
+    try:
+        from afd_ext import ops
+
+        return bool(ops.is_cuda_built())
+    except Exception:  # noqa: BLE001
+        return False
+
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.timeout(600),
+    pytest.mark.skipif(not _cuda_ready(), reason="needs a CUDA build of afd_ext and 2 GPUs"),
+]
+
+
+def _env(sc: cs.Scenario) -> list[dict]:
+    """FFN ranks (world ranks 0..F-1) on GPU 1, attention ranks on GPU 0."""
+    return [{"CUDA_VISIBLE_DEVICES": "1" if r < sc.F else "0"} for r in range(sc.nprocs)]
+
+
+def _nccl(sc: cs.Scenario) -> cs.Scenario:
+    return cs.replace(sc, transport="nccl")
+
+
+def _run(scs, timeout_s: float = 300.0):
+    scs = tuple(_nccl(s) for s in (scs if isinstance(scs, tuple) else (scs,)))
+    results = run_workers(cs.scenario_worker, scs[0].nprocs, (scs, find_free_port()), timeout_s=timeout_s,
+                          per_rank_env=_env(scs[0]))
+    for i, one in enumerate(scs):
+        cs.check_scenario_results(one, [r[i] for r in results])
+    return [[r[i] for r in results] for i in range(len(scs))]
+
+
+@pytest.mark.parametrize(
+    "A,F,tp",
+    [(1, 1, 1), (2, 1, 1), (4, 2, 1), (3, 2, 1), (1, 2, 1), (2, 2, 2)],
+    ids=["1A1F", "2A1F", "4A2F", "3A2F", "1A2F", "2A2F-DP1xTP2"],
+)
+def test_topologies_nccl(A, F, tp):
+    if tp == 1:
+        steps = cs.default_steps(A)
+    else:
+        steps = ({0: [5]}, {0: [0]}, {0: [3], 1: [2]}, {0: [1]})
+    _run((
+        cs.Scenario(A=A, F=F, tp_size=tp, steps=steps, dtype="bfloat16", hidden=64),
+        cs.Scenario(A=A, F=F, tp_size=tp, steps=steps, dtype="bfloat16", hidden=64, logits_width=16,
+                    send_ids=True, wire_format="packed"),
+        cs.Scenario(A=A, F=F, tp_size=tp, steps=steps, dtype="bfloat16", hidden=64, logits_width=16,
+                    send_ids=True, wire_format="per_tensor", overlap=False, strict=False),
+    ))
+
+
+def test_two_stages_8192_rows_hidden_7168_finish():
+    """Large enough to defeat NCCL's internal buffering: a stage's reply must not queue behind the
+    next stage's send (DBO pattern: send stage 0, send stage 1, then receive both)."""
+    n = 8192
+    sc = cs.Scenario(A=2, F=1, steps=({0: [n, n], 1: [n, n]},), hidden=7168, dtype="bfloat16", layers=2,
+                     strict=False, overlap=True, step_timeout_s=120.0)
+    t0 = time.monotonic()
+    _run(sc, timeout_s=500)
+    assert time.monotonic() - t0 < 500
+
+
+def test_two_stages_8192_rows_with_logits_and_ids_per_tensor():
+    n = 8192
+    sc = cs.Scenario(A=1, F=1, steps=({0: [n], 1: [n]},), hidden=7168, dtype="bfloat16", layers=2,
+                     logits_width=256, send_ids=True, wire_format="per_tensor", strict=False,
+                     step_timeout_s=120.0)
+    _run(sc, timeout_s=500)
+
+
+def test_handshake_mismatch_nccl():
+    sc = _nccl(cs.Scenario(A=2, F=1))
+    res = run_workers(cs.handshake_mismatch_worker, sc.nprocs, (sc, find_free_port()), timeout_s=120,
+                      per_rank_env=_env(sc))
+    assert all(r["field"] == "hidden_size" for r in res)
+
+
+def test_bad_first_input_then_next_step_nccl():
+    steps = ({0: [2, 3]}, {0: [4, 1]}, {0: [3, 3], 1: [1, 2]})
+    sc = _nccl(cs.Scenario(A=2, F=1, steps=steps))
+    res = run_workers(cs.bad_first_input_worker, sc.nprocs, (sc, find_free_port(), 0, 1, False), timeout_s=180,
+                      per_rank_env=_env(sc))
+    assert len(res[1]["rejections"]) == 1
+    assert res[2]["checked"] == [6, 2, 10]
+
+
+def test_mid_step_failure_then_reinit_nccl():
+    steps = ({0: [2, 3]}, {0: [1, 2]}, {0: [3, 1]})
+    sc = _nccl(cs.Scenario(A=2, F=1, steps=steps, step_timeout_s=10.0))
+    res = run_workers(cs.mid_step_failure_worker, sc.nprocs, (sc, find_free_port(), 1), timeout_s=240,
+                      per_rank_env=_env(sc))
+    ffn, a0, a1 = res
+    assert a1["error"][0] == "ValueError"
+    for r in (ffn, a0):
+        assert "attention rank 1" in r["error"][1], r["error"]
+    assert ffn["after"] == 8 and a0["after"] == 6 and a1["after"] == 2
+
+
+@pytest.mark.parametrize("mode", ["kill", "stall"])
+def test_peer_loss_nccl_watchdog(mode):
+    """NCCL does not notice a dead peer by itself: the watchdog must turn the stall into a named error."""
+    deadline = 5.0
+    sc = _nccl(cs.Scenario(A=2, F=1, steps=({0: [2, 3]}, {0: [2, 2]}), step_timeout_s=deadline, strict=False))
+    victim = 2
+    out = cs.run_tolerating_death(cs.peer_loss_worker, sc.nprocs, (sc, find_free_port(), victim, mode),
+                                  timeout_s=240, may_die=[victim] if mode == "kill" else [],
+                                  per_rank_env=_env(sc))
+    for r in (out[0], out[1]):
+        assert "error" in r, r
+        assert "attention rank 1" in r["error"][1] and "layer 1" in r["error"][1], r["error"]
+        assert r["elapsed"] < deadline * 2 + 10, r
+    assert out["exitcodes"][0] == 0 and out["exitcodes"][1] == 0
