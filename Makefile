@@ -1,0 +1,57 @@
+# Two entry points on a fresh machine with Python 3.10+ and pip:
+#   make test   set up .venv (torch, build tools, afd_ext in place) and run the CPU test tier
+#   make demo   same setup, then run the demo (python -m afd_ext demo)
+# Other targets: setup, cmake-check (CMake compiles the CPU part of the same sources), clean.
+#
+# Variables: PYTHON (interpreter that creates .venv), VENV, MAX_JOBS (parallel compile jobs),
+# TORCH_CUDA_ARCH_LIST (default 9.0), AFD_USE_CUDA=0/1 (force CPU-only / require CUDA),
+# PYTEST_ARGS (extra pytest arguments), DEMO_ARGS (extra demo arguments).
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+MAX_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+TORCH_CUDA_ARCH_LIST ?= 9.0
+CUDA_HOME ?= $(shell [ -x /usr/local/cuda/bin/nvcc ] && echo /usr/local/cuda)
+PYTEST_ARGS ?=
+DEMO_ARGS ?=
+
+export MAX_JOBS TORCH_CUDA_ARCH_LIST
+ifneq ($(strip $(CUDA_HOME)),)
+export CUDA_HOME
+endif
+
+.PHONY: test demo setup cmake-check clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+
+# torch first (the build compiles against it), then the build tools, then the
+# package in place without build isolation so that same torch is used.
+setup: $(PY)
+	$(PIP) install "torch>=2.11"
+	$(PIP) install setuptools wheel ninja pybind11
+	$(PIP) install --no-build-isolation -e ".[test]"
+	$(PY) -c "import json, afd_ext.ops as o; print('afd_ext build:', json.dumps(o.build_info()))"
+
+# The CPU tier; pytest exits 5 when no test ran, which fails the target.
+test: setup
+	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS) || { rc=$$?; \
+	  [ $$rc -eq 5 ] && echo "make test: no tests ran (pytest exit 5) -- that is a failure"; exit $$rc; }
+
+demo: setup
+	$(PY) -m afd_ext demo $(DEMO_ARGS)
+
+# CMake compiles the CPU part of csrc/sources.txt (the list setup.py builds)
+# and the result registers exactly the ops of the pip build.
+cmake-check: setup
+	cmake -S . -B build/cmake -DPython_EXECUTABLE=$(abspath $(PY)) -DAFD_USE_CUDA=OFF
+	cmake --build build/cmake -j $(MAX_JOBS)
+	$(PY) -c "import glob, torch; torch.ops.load_library(glob.glob('build/cmake/_C*.so')[0]); \
+	  names = sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith('afd_ext::')); \
+	  print('cmake build registers', len(names), 'ops'); assert len(names) == 13, names"
+
+clean:
+	rm -rf build afd_ext/_C*.so *.egg-info
