@@ -44,9 +44,9 @@ test: setup
 demo: setup
 	$(PY) -m afd_ext demo $(DEMO_ARGS)
 
-# CMake compiles the CPU part of csrc/sources.txt (the list setup.py builds)
+# CMake compiles the CPU part of csrc/sources.txt (the list setup.py builds; run after setup)
 # and the result registers exactly the ops of the pip build.
-cmake-check: setup
+cmake-check: $(PY)
 	cmake -S . -B build/cmake -DPython_EXECUTABLE=$(abspath $(PY)) -DAFD_USE_CUDA=OFF
 	cmake --build build/cmake -j $(MAX_JOBS)
 	$(PY) -c "import glob, torch; torch.ops.load_library(glob.glob('build/cmake/_C*.so')[0]); \
