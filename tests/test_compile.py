@@ -136,18 +136,11 @@ def test_one_stage_forward_keeps_every_exchange_in_order(backend, comm_log):
     assert comm_log == _expected_one_stage()
 
 
-# Known defect of the op registration (reported to the owner of ops.py): nothing
-# orders two data-independent chains of communication ops, and inductor's
-# scheduler emits all of stage 0's layers before stage 1's. On NCCL that issues
-# the sends of one communicator in another order than the FFN side receives
-# them (wrong rows or a hang). A shared mutated ordering token on every
-# communication op fixes it (see test_ordering_token_keeps_order_and_calls).
-_REORDER = pytest.mark.xfail(
-    strict=True, reason="afd_ext comm ops carry no ordering token: inductor reorders independent stages"
-)
-_DROPPED = pytest.mark.xfail(
-    strict=True, reason="afd_ext comm ops on dead temporaries are dead code after functionalization"
-)
+# Formerly strict xfails: afd_ext.ops now keeps the communication ops in
+# program order under Inductor (ordered fallback lowerings) and registers them
+# as side-effectful, so calls on dead temporaries survive FX dead-code removal.
+_REORDER = ()
+_DROPPED = ()
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=_REORDER)])
