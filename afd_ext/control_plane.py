@@ -41,8 +41,13 @@ device sync on the FFN side), the payload never touches a GPU. Each
   single aligned loads/stores (``memoryview.cast("Q")``). Messages larger
   than one slot are split over consecutive slots; the receiver bounds the
   total by ``max_message_bytes`` before allocating. The receiver spins for
-  ``spin_s`` (default 2 ms) and then backs off with sleeps growing from 20 µs
-  to 1 ms. The FFN end creates the segment under a fresh random name tied to
+  ``spin_s`` (default 2 ms, ``AFD_CONTROL_SPIN_US``); then it raises a
+  ``waiting`` flag in the header and blocks on a doorbell (an abstract
+  ``AF_UNIX`` datagram socket named after the segment), which the sender
+  rings after publishing when it sees the flag (a lock's atomic instruction
+  orders the publish before that read; the receiver's drain syscall orders
+  its side), so an idle FFN rank burns no CPU and still wakes within tens of
+  µs. The doorbell wait is sliced (50 ms) for the liveness checks. The FFN end creates the segment under a fresh random name tied to
   the store's generation, the sender attaches, and as soon as both are
   attached the name is unlinked: nothing is left in ``/dev/shm`` even if a
   process is killed later, and a stale segment is never reused.
@@ -328,6 +333,7 @@ _W_MAGIC, _W_VER_NSLOTS, _W_SLOT_BYTES = 0, 1, 2
 _W_SENDER_PID, _W_SENDER_START, _W_RECEIVER_PID, _W_RECEIVER_START = 3, 4, 5, 6
 _W_READ_COUNT = 8  # byte 64: own cache line
 _W_HEARTBEAT, _W_SENDER_STATE = 16, 17  # byte 128: own cache line
+_W_WAITING = 24  # byte 192: receiver blocked on the doorbell (1) or spinning/busy (0)
 _SLOT_HDR = 32
 _SLOT_FIELDS = struct.Struct("<QIII")  # total_len, frag_len, sender, crc (at slot offset 8)
 _CRC_FIELDS = struct.Struct("<QQII")  # seq, total_len, frag_len, sender
@@ -395,6 +401,29 @@ class _ShmSegment:
         self._mmap.close()
 
 
+def _bind_doorbell(addr: str) -> socket.socket | None:
+    """Receiver's wake-up socket (abstract AF_UNIX datagram); None where unavailable."""
+    try:
+        bell = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        return None
+    try:
+        bell.bind(addr)
+    except OSError:  # pragma: no cover - no abstract namespace
+        bell.close()
+        return None
+    bell.setblocking(False)
+    return bell
+
+
+def _drain(bell: socket.socket) -> None:
+    try:
+        while True:
+            bell.recv(64)
+    except (BlockingIOError, InterruptedError):
+        pass
+
+
 class ShmControlChannel(ControlChannel):
     """Shared-memory SPSC ring between two processes on one host (see the module doc).
 
@@ -423,6 +452,9 @@ class ShmControlChannel(ControlChannel):
         self._peer_pid = 0
         self._peer_start = 0
         self._unlinked = False
+        self._bell: socket.socket | None = None  # receiver: bound doorbell; sender: unbound
+        self._bell_addr = "\0" + shm.name + "-bell"
+        self._fence = threading.Lock()
 
     # -- construction -----------------------------------------------------------
 
@@ -447,8 +479,10 @@ class ShmControlChannel(ControlChannel):
         hdr[_W_RECEIVER_START] = _proc_start_time(os.getpid()) or 0
         hdr[_W_MAGIC] = _SHM_MAGIC  # last: the segment is initialised
         hdr.release()
-        return cls(shm, owner=True, is_sender=False, local_rank=local_rank, peer_rank=peer_rank,
-                   peer=peer, options=options, abort_check=abort_check)
+        ch = cls(shm, owner=True, is_sender=False, local_rank=local_rank, peer_rank=peer_rank,
+                 peer=peer, options=options, abort_check=abort_check)
+        ch._bell = _bind_doorbell(ch._bell_addr)
+        return ch
 
     @classmethod
     def attach(cls, name: str, *, local_rank: int, peer_rank: int, peer: str,
@@ -485,6 +519,11 @@ class ShmControlChannel(ControlChannel):
                  peer=peer, options=options, abort_check=abort_check)
         ch._peer_pid = ch._hdr[_W_RECEIVER_PID]
         ch._peer_start = ch._hdr[_W_RECEIVER_START]
+        try:
+            ch._bell = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            ch._bell.setblocking(False)
+        except OSError:  # pragma: no cover - no AF_UNIX: the receiver falls back to sleeping
+            ch._bell = None
         ch._start_heartbeat()
         return ch
 
@@ -565,6 +604,20 @@ class ShmControlChannel(ControlChannel):
             self._buf[base + _SLOT_HDR:base + _SLOT_HDR + fl] = frag
             seq[0] = 2 * k + 2  # publish
             self._count = k + 1
+            # A full fence (the lock's atomic instruction) orders the publish before
+            # the read of the receiver's waiting flag (store->load, Dekker style);
+            # the receiver's side is ordered by its drain syscall.
+            with self._fence:
+                pass
+            if hdr[_W_WAITING]:
+                self._ring()
+
+    def _ring(self) -> None:
+        if self._bell is not None:
+            try:
+                self._bell.sendto(b"\x01", self._bell_addr)
+            except OSError:  # full (a wake-up is pending anyway) or receiver gone
+                pass
 
     def _wait_space(self, k: int) -> None:
         deadline = time.monotonic() + self.options.heartbeat_timeout_s
@@ -593,36 +646,51 @@ class ShmControlChannel(ControlChannel):
         next_abort = now + _ABORT_EVERY_S
         while seq[0] != want and time.monotonic() < spin_until:
             pass
+        if seq[0] == want:
+            return
         sleep = _MIN_SLEEP_S
         hb_timeout_ns = int(self.options.heartbeat_timeout_s * 1e9)
-        while seq[0] != want:
-            now = time.monotonic()
-            if now >= next_live:
-                next_live = now + _LIVENESS_EVERY_S
+        bell = self._bell
+        hdr = self._hdr
+        hdr[_W_WAITING] = 1
+        try:
+            while True:
+                if bell is not None:
+                    _drain(bell)  # a syscall: orders the waiting flag before the seq load
                 if seq[0] == want:
-                    break
-                state = self._hdr[_W_SENDER_STATE]
-                if state == _STATE_CLOSED:
-                    raise ControlChannelClosed(f"{op}: {self.peer} closed the control channel")
-                if self._peer_gone():
-                    raise PeerDeadError(self.peer, op, "its process exited")
-                age = time.monotonic_ns() - self._hdr[_W_HEARTBEAT]
-                if age > hb_timeout_ns:
-                    raise PeerDeadError(
-                        self.peer, op,
-                        f"no heartbeat for {age / 1e9:.1f} s (heartbeat_timeout_s="
-                        f"{self.options.heartbeat_timeout_s:g}); the process is hung or stopped",
+                    return
+                now = time.monotonic()
+                if now >= next_live:
+                    next_live = now + _LIVENESS_EVERY_S
+                    if hdr[_W_SENDER_STATE] == _STATE_CLOSED:
+                        raise ControlChannelClosed(f"{op}: {self.peer} closed the control channel")
+                    if self._peer_gone():
+                        raise PeerDeadError(self.peer, op, "its process exited")
+                    age = time.monotonic_ns() - hdr[_W_HEARTBEAT]
+                    if age > hb_timeout_ns:
+                        raise PeerDeadError(
+                            self.peer, op,
+                            f"no heartbeat for {age / 1e9:.1f} s (heartbeat_timeout_s="
+                            f"{self.options.heartbeat_timeout_s:g}); the process is hung or stopped",
+                        )
+                if self._abort_check is not None and now >= next_abort:
+                    next_abort = now + _ABORT_EVERY_S
+                    self._abort_check(op)
+                if deadline is not None and now >= deadline:
+                    raise ControlRecvTimeout(
+                        f"{op}: no control payload from {self.peer} within {timeout_s:g} s "
+                        "(the peer is alive but idle)"
                     )
-            if self._abort_check is not None and now >= next_abort:
-                next_abort = now + _ABORT_EVERY_S
-                self._abort_check(op)
-            if deadline is not None and now >= deadline:
-                raise ControlRecvTimeout(
-                    f"{op}: no control payload from {self.peer} within {timeout_s:g} s "
-                    "(the peer is alive but idle)"
-                )
-            time.sleep(sleep)
-            sleep = min(2 * sleep, _MAX_SLEEP_S)
+                if bell is not None:
+                    wait = min(next_live, next_abort) - now
+                    if deadline is not None:
+                        wait = min(wait, deadline - now)
+                    select.select([bell], [], [], max(0.0, wait))
+                else:
+                    time.sleep(sleep)
+                    sleep = min(2 * sleep, _MAX_SLEEP_S)
+        finally:
+            hdr[_W_WAITING] = 0
 
     def _read_slot(self, k: int, expect_total: int | None, op: str) -> tuple[int, memoryview | bytes]:
         slot = k % self._nslots
@@ -688,8 +756,12 @@ class ShmControlChannel(ControlChannel):
         try:
             if self.is_sender:
                 self._hdr[_W_SENDER_STATE] = _STATE_CLOSED
+                self._ring()
         except (ValueError, TypeError):
             pass
+        if self._bell is not None:
+            self._bell.close()
+            self._bell = None
         for v in self._seq:
             v.release()
         self._hdr.release()
@@ -1349,3 +1421,34 @@ def measure_control_plane(
         "mean_us": sum(lat) / len(lat), "min_us": lat[0], "max_us": lat[-1],
         "payload_bytes": size,
     }
+
+
+def _main(argv: list[str] | None = None) -> int:
+    """``python -m afd_ext.control_plane``: print :func:`measure_control_plane` results as JSON lines."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m afd_ext.control_plane",
+                                description="Measure the AFD control plane end to end on this host.")
+    p.add_argument("--kinds", default="shm,tcp", help="comma-separated channel kinds (default shm,tcp)")
+    p.add_argument("--iterations", type=int, default=3000)
+    p.add_argument("--gaps-us", default="200,5000",
+                   help="pauses between sends, µs: below the spin window measures the spinning receiver, "
+                        "above it the blocked one (default 200,5000)")
+    p.add_argument("--num-attention-ranks", type=int, default=8, help="count-vector length (payload size)")
+    p.add_argument("--stages", type=int, default=2)
+    args = p.parse_args(argv)
+    for kind in args.kinds.split(","):
+        for gap in (float(g) for g in args.gaps_us.split(",")):
+            for raw in (True, False):
+                it = args.iterations if gap <= 1000 else max(50, args.iterations // 10)
+                r = measure_control_plane(kind, it, warmup=min(200, it // 5), gap_us=gap, raw=raw,
+                                          num_attention_ranks=args.num_attention_ranks, stages=args.stages)
+                r["gap_us"] = gap
+                r["what"] = "channel only" if raw else "send_dp_metadata_list -> recv_dp_metadata_list"
+                print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()}),
+                      flush=True)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(_main())

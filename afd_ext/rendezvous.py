@@ -151,12 +151,12 @@ def rank_label(world_rank: int, num_ffn_ranks: int | None = None) -> str:
 
 
 def host_identity() -> str:
-    """A string equal for two processes that share a kernel, a mount and a pid namespace.
+    """A string equal for two processes that share a kernel and mount, pid and network namespaces.
 
     Made of the host name, the kernel boot id and the inode numbers of this
-    process's mount and pid namespaces: two processes with the same identity
-    see the same ``/dev/shm`` and each other's process ids, which is what the
-    shared-memory control channel needs.
+    process's mount, pid and network namespaces: two processes with the same
+    identity see the same ``/dev/shm``, each other's process ids and abstract
+    UNIX sockets, which is what the shared-memory control channel needs.
     """
     parts = [socket.gethostname()]
     try:
@@ -164,7 +164,7 @@ def host_identity() -> str:
             parts.append(f.read().strip())
     except OSError:
         parts.append("no-boot-id")
-    for ns in ("mnt", "pid"):
+    for ns in ("mnt", "pid", "net"):
         try:
             parts.append(str(os.stat(f"/proc/self/ns/{ns}").st_ino))
         except OSError:

@@ -310,6 +310,35 @@ def test_ring_wraps_and_flow_control_blocks_only_when_full():
         rx.close()
 
 
+def test_blocked_receiver_is_woken_by_the_doorbell(monkeypatch):
+    # Long liveness/abort slices: only the doorbell can end the blocking wait early.
+    monkeypatch.setattr(cp, "_LIVENESS_EVERY_S", 20.0)
+    monkeypatch.setattr(cp, "_ABORT_EVERY_S", 20.0)
+    rx, tx = _ring(spin_s=0.0, heartbeat_timeout_s=60.0)
+    out: list[tuple[bytes, float]] = []
+    try:
+        def reader():
+            data = rx.recv(30.0)
+            out.append((data, time.monotonic()))
+
+        t = threading.Thread(target=reader)
+        t.start()
+        deadline = time.monotonic() + 5
+        while not rx._hdr[cp._W_WAITING] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert rx._hdr[cp._W_WAITING] == 1  # blocked, not spinning
+        time.sleep(0.1)
+        t_send = time.monotonic()
+        tx.send(b"wake up")
+        t.join(10)
+        assert out and out[0][0] == b"wake up"
+        assert out[0][1] - t_send < 5.0  # far below the 20 s slice
+        assert rx._hdr[cp._W_WAITING] == 0
+    finally:
+        tx.close()
+        rx.close()
+
+
 def test_torn_slot_is_never_returned():
     """A slot whose sequence number is published before its bytes are visible is retried, not returned."""
     rx, tx = _ring(slot_bytes=64, nslots=4)
