@@ -548,7 +548,7 @@ def strict_mismatch_worker(rank: int, nprocs: int, port: int) -> dict:
     """Two gloo transports (FFN rank 0, attention rank 0): the sender claims layer 1, the receiver
     expects layer 0 -> the receiver raises AFDProtocolError naming both sides."""
     from afd_ext import rendezvous as rdzv
-    from afd_ext.transport.base import AFDProtocolError, MessageTag, PeerMap
+    from afd_ext.transport.base import AFDProtocolError, AFDTransportError, MessageTag, PeerMap
     from afd_ext.transport.gloo import GlooTransport
 
     store = rdzv.connect("127.0.0.1", port, rank, 2, timeout_s=30, num_ffn_ranks=1)
@@ -557,9 +557,11 @@ def strict_mismatch_worker(rank: int, nprocs: int, port: int) -> dict:
     try:
         h = torch.arange(12, dtype=torch.float32).reshape(3, 4)
         if role == "attention":
-            tr.split_back((h, None, None), [0], [3], tag=MessageTag("send_attn_output", "a2f", 1, 1, 0)).wait()
-            # A correct second message must still go through after the receiver's error? No: the
-            # receiver aborts; we only report what we sent.
+            pending = tr.split_back((h, None, None), [0], [3], tag=MessageTag("send_attn_output", "a2f", 1, 1, 0))
+            try:
+                pending.wait()  # the receiver rejects the header and never takes the data
+            except AFDTransportError as e:
+                return {"sent": False, "error": type(e).__name__}
             return {"sent": True}
         buf = torch.empty(3, 4)
         try:
