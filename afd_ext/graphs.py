@@ -48,6 +48,7 @@ sends each step's payload (with the replay flag) before replaying.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import enum
 import logging
@@ -1277,6 +1278,12 @@ def padded_payload(payload: Any, pad: Mapping[int, int], **flags: bool) -> Any:
     )
 
 
+def _watchdog_paused(connector: Any):
+    """The connector's ``watchdog_suspended()`` context (event polling paused during a capture), if it has one."""
+    fn = getattr(connector, "watchdog_suspended", None)
+    return fn() if fn is not None else contextlib.nullcontext()
+
+
 def _step_key(connector: Any, payload: Any) -> tuple[GraphKey, Any]:
     from .schedule import build_step_schedule
 
@@ -1395,7 +1402,8 @@ class AttentionGraphRunner:
             cp.update_state_from_dp_metadata(cap)
             cp.send_dp_metadata_list(cap)
             bodies = [lambda layer=layer: self._dummy_layer(static, layer) for layer in range(layers)]
-            self.ctl.capture_parts(key, arena, bodies, outputs=static)
+            with _watchdog_paused(conn):
+                self.ctl.capture_parts(key, arena, bodies, outputs=static)
         finally:
             conn.use_static_arena(None)
 
@@ -1521,7 +1529,8 @@ class FFNGraphServer:
             rows_before = srv.rows_served
             try:
                 conn.control_plane.update_state_from_dp_metadata(payload)
-                self.ctl.capture(key, arena, lambda: srv.serve_exchanges(payload))
+                with _watchdog_paused(conn):
+                    self.ctl.capture(key, arena, lambda: srv.serve_exchanges(payload))
             finally:
                 conn.use_static_arena(None)
                 srv.rows_served = rows_before  # a capture moves nothing
