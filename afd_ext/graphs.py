@@ -31,7 +31,18 @@ What this module gives the runtime (the attention runner and the FFN loop):
 * :class:`GraphController` — the per-rank driver: ``decide`` (flags + warm-up
   bookkeeping), ``new_arena``, ``capture`` (one graph per key around a user
   callable: the attention-side layer loop, or the FFN-side per-step loop over
-  all layers x all stages), ``replay``.
+  all layers x all stages), ``capture_parts`` (one graph per layer, for an
+  attention side whose model runs eagerly between exchanges), ``replay``.
+* :class:`AttentionGraphRunner` and :class:`FFNGraphServer` — graph mode for a
+  serving loop over the connector (``afd-ext demo --graph``): the attention
+  side pads, warms up, captures and replays; the FFN side follows the flags.
+
+The reference saw illegal memory accesses inside FFN graph replay (its issue
+#290): a graph keeps raw device addresses, so any buffer it touches that is
+reallocated (an eager step of another size growing a shared fan-in buffer) or
+freed (a ``torch.cat`` output) turns the next replay into a write to freed
+memory. Here a graph only ever touches its own arena's buffers, which eager
+steps never see, and the arena is checked before each replay.
 
 Why capture works at all: every ``afd_ext`` op runs on the current CUDA stream,
 and ``torch.cuda.graph`` makes its capture stream current, so the NCCL kernels
@@ -55,7 +66,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Hashable, Mapping, Sequence
 
 import torch
 
