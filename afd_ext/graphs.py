@@ -1295,6 +1295,19 @@ def _watchdog_paused(connector: Any):
     return fn() if fn is not None else contextlib.nullcontext()
 
 
+def _cache_size(connector: Any, cache_size: int | None) -> int:
+    """``cache_size``, else the connector's ``connector_extra_config.graph_cache_size`` (0 = graphs disabled)."""
+    if cache_size is not None:
+        return cache_size
+    n = getattr(getattr(connector, "extra", None), "graph_cache_size", 8)
+    if n < 1:
+        raise GraphModeError(
+            "graph mode asked for but connector_extra_config.graph_cache_size is 0 (graphs disabled); "
+            "set it to the number of graphs to keep, e.g. 8"
+        )
+    return n
+
+
 def _step_key(connector: Any, payload: Any) -> tuple[GraphKey, Any]:
     from .schedule import build_step_schedule
 
@@ -1317,6 +1330,11 @@ class AttentionGraphRunner:
     arena, each layer's exchanges are captured, no data moves). Steps that do
     not fit run eagerly through the connector, unchanged.
 
+    Both roles must keep the same number of graphs (the same
+    ``graph_cache_size``): their caches then see the same captures and replays
+    in the same order and evict the same keys, so the FFN side never lacks a
+    graph the attention side replays (and if it did, it refuses the replay).
+
     Use with ``afd_ext.integrations.transformers.AttentionExchange``: set
     ``exchange.graph_runner = AttentionGraphRunner(exchange, connector, ...)``;
     ``begin_step`` and ``exchange`` then go through this runner.
@@ -1327,15 +1345,18 @@ class AttentionGraphRunner:
             ``control_plane``, ``use_static_arena``, ``send_attn_output``,
             ``recv_ffn_output``, ``device``, ``dtype``).
         capture_sizes: per-peer capture sizes (strictly increasing).
-        cache_size: graphs kept (``graph_cache_size``).
+        cache_size: graphs kept (default: the connector's ``graph_cache_size``).
         backend: graph backend (default: CUDA graphs on the connector's device).
+
+    Raises:
+        GraphModeError: the connector's ``graph_cache_size`` is 0 and no ``cache_size`` was given.
     """
 
     def __init__(self, exchange: Any, connector: Any, *, capture_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32),
-                 cache_size: int = 8, backend: GraphBackend | None = None):
+                 cache_size: int | None = None, backend: GraphBackend | None = None):
         self.exchange = exchange
         self.connector = connector
-        self.ctl = GraphController(role="attention", cache_size=cache_size, backend=backend,
+        self.ctl = GraphController(role="attention", cache_size=_cache_size(connector, cache_size), backend=backend,
                                    device=connector.device, capture_sizes=capture_sizes)
         # init_afd_connector warms every edge and direction unless told not to.
         self.ctl.warmed_up = bool(getattr(connector, "warmup_on_init", False))
@@ -1506,16 +1527,17 @@ class FFNGraphServer:
     Args:
         server: an ``FFNServer`` (``connector``, ``serve_exchanges(payload)``,
             ``serve_step(payload)``, counters ``steps`` and ``rows_served``).
-        cache_size: graphs kept (``graph_cache_size``).
+        cache_size: graphs kept (default: the connector's ``graph_cache_size``).
         capture_sizes: only used to report; the attention side picks the sizes.
         backend: graph backend (default: CUDA graphs on the connector's device).
     """
 
-    def __init__(self, server: Any, *, cache_size: int = 8, capture_sizes: Sequence[int] = DEFAULT_CAPTURE_SIZES,
-                 backend: GraphBackend | None = None):
+    def __init__(self, server: Any, *, cache_size: int | None = None,
+                 capture_sizes: Sequence[int] = DEFAULT_CAPTURE_SIZES, backend: GraphBackend | None = None):
         self.server = server
         conn = server.connector
-        self.ctl = GraphController(role="ffn", cache_size=cache_size, backend=backend, device=conn.device,
+        self.ctl = GraphController(role="ffn", cache_size=_cache_size(conn, cache_size), backend=backend,
+                                   device=conn.device,
                                    capture_sizes=capture_sizes)
         self.ctl.warmed_up = bool(getattr(conn, "warmup_on_init", False))
         self.modes: dict[str, int] = {m.value: 0 for m in StepMode}
