@@ -815,6 +815,9 @@ class TcpControlChannel(ControlChannel):
         self._last_seen = time.monotonic()
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
+        self._token = b""
+        self._poller = select.poll()
+        self._poller.register(sock, select.POLLIN)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     @staticmethod
@@ -926,8 +929,7 @@ class TcpControlChannel(ControlChannel):
     def _fill(self, need: int, deadline: float | None, op: str) -> None:
         """Read from the socket until ``need`` bytes are buffered, watching liveness."""
         sock = self._sock
-        poller = select.poll()
-        poller.register(sock, select.POLLIN)
+        poller = self._poller
         hb = self.options.heartbeat_timeout_s
         next_abort = time.monotonic() + _ABORT_EVERY_S
         spin_until = time.monotonic() + self.options.spin_s
@@ -1109,6 +1111,7 @@ def open_control_channels(
             peer = store.label(peer_rank) if store.num_ffn_ranks else rdzv.rank_label(peer_rank, F)
             k = pair_kind(a, f)
             base = f"ctrl/{a}/{f}"
+            store.set(f"{base}/kind", k.encode("utf-8"))
             if k == "shm":
                 prefix = f"afd-{os.getpid()}-{store.generation_key}-{a}-{f}"
                 ch = ShmControlChannel.create(prefix, local_rank=me, peer_rank=peer_rank, peer=peer,
@@ -1140,6 +1143,15 @@ def open_control_channels(
                 peer = rdzv.rank_label(peer_rank, F)
                 k = pair_kind(a, f)
                 base = f"ctrl/{a}/{f}"
+                rdzv.wait_for_keys(store, {f"{base}/kind": peer_rank}, deadline - time.monotonic(),
+                                   f"the control channel of {peer}")
+                theirs = store.get(f"{base}/kind").decode("utf-8")
+                if theirs != k:
+                    msg = (f"control channel kind mismatch: {peer} opened a {theirs!r} channel, "
+                           f"{store.label()} expects {k!r}; set connector_extra_config.control_channel "
+                           "to the same value on every rank (or 'auto')")
+                    rdzv.post_abort(store, msg)  # the FFN end stops waiting for us at once
+                    raise ValueError(msg)
                 rdzv.wait_for_keys(store, {f"{base}/{k}": peer_rank}, deadline - time.monotonic(),
                                    f"the {k} control channel of {peer}")
                 info = store.get(f"{base}/{k}").decode("utf-8")

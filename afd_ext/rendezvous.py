@@ -203,6 +203,8 @@ class AFDStore:
 
     def label(self, world_rank: int | None = None) -> str:
         """Name of ``world_rank`` (default: this rank), e.g. ``"FFN rank 0 (world rank 0)"``."""
+        if world_rank is not None and world_rank < 0:
+            return "the creating rank"
         return rank_label(self.world_rank if world_rank is None else world_rank, self.num_ffn_ranks)
 
     # Store operations that turn a lost connection into StoreUnavailableError.

@@ -129,6 +129,31 @@ def test_control_plane_routing_and_payloads(A, F, kind):
             assert r["sender"] == bool(topo.control_destinations(r["role_rank"]))
 
 
+def _kind_mismatch_worker(rank, nprocs, port):
+    store = rdzv.connect(HOST, port, rank, 2, 30.0, num_ffn_ranks=1)
+    role = "ffn" if rank == 0 else "attention"
+    try:
+        cp.open_control_channels(store, Topology(1, 1), role, 0, "tcp" if rank == 0 else "shm", 20.0)
+    except Exception as e:  # noqa: BLE001 - classified by the test
+        out = (type(e).__name__, str(e))
+    else:
+        out = ("no error", "")
+    # Leave through plain polling: waits of this aborted generation raise.
+    store.set(f"left/{rank}", b"1")
+    while rank == 0 and not store.check(["left/1"]):
+        time.sleep(0.01)
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_channel_kind_mismatch_is_named_on_both_ends():
+    t0 = time.monotonic()
+    res = run_workers(_kind_mismatch_worker, 2, (find_free_port(HOST),), timeout_s=60)
+    assert time.monotonic() - t0 < 45  # not the 20 s init deadline twice over
+    assert res[1][0] == "ValueError" and "opened a 'tcp' channel" in res[1][1] and "expects 'shm'" in res[1][1]
+    assert res[0][0] == "StepAbortedError" and "control channel kind mismatch" in res[0][1]
+
+
 # ---------------------------------------------------------------------------
 # Liveness: dead, hung, idle, aborted, closed
 # ---------------------------------------------------------------------------
