@@ -198,6 +198,12 @@ class _Exchange:
 
 
 @dataclass
+class _ReplySend:
+    pending: PendingSend
+    output: torch.Tensor
+
+
+@dataclass
 class _Step:
     step: int
     schedule: StepSchedule
@@ -370,7 +376,7 @@ class AFDConnector:
         self._bufs: dict[Hashable, torch.Tensor] = {}
         self._arena: Any = None
         self._streams: dict[int, Any] = {}
-        self._reply_sends: dict[int, PendingSend] = {}
+        self._reply_sends: dict[int, _ReplySend] = {}
 
     # ------------------------------------------------------------------ facts
 
@@ -549,8 +555,8 @@ class AFDConnector:
                 logger.warning("%s: last replies not delivered at close: %s", self.peer_map.me, e)
         self._initialized = False
         self._step = None
-        for ps in list(self._reply_sends.values()):
-            ps.done = True  # never wait on a broken transport
+        for rs in list(self._reply_sends.values()):
+            rs.pending.done = True  # never wait on a broken transport
         self._reply_sends.clear()
         self._bufs.clear()
         self._arena = None
@@ -719,7 +725,7 @@ class AFDConnector:
         self._check_usable(op)
         prev = self._step
         if prev is not None and not self._step_complete(prev):
-            if self._nothing_moved(prev):
+            if self._nothing_moved(prev) and not (prev.abandoned and self.role == "ffn"):
                 if prev.abandoned:
                     self._drain(prev)
                 else:
@@ -789,14 +795,17 @@ class AFDConnector:
         for s in list(self._reply_sends):
             self._wait_reply_send(s)
 
-    def _wait_reply_send(self, stage: int) -> None:
-        ps = self._reply_sends.pop(stage, None)
-        if ps is not None:
-            try:
-                ps.wait()
-            except BaseException as e:
-                self._fail_step(e)
-                raise
+    def _wait_reply_send(self, stage: int, *, release: bool = True) -> None:
+        rs = self._reply_sends.get(stage)
+        if rs is None:
+            return
+        try:
+            rs.pending.wait()
+        except BaseException as e:
+            self._fail_step(e)
+            raise
+        if release:
+            del self._reply_sends[stage]
 
     def _tag(self, st: _Step, op: str, direction: str, layer: int, stage: int, layer_idx: int = -1) -> MessageTag:
         return MessageTag(op, direction, st.step, layer, stage, layer_idx)
@@ -1072,7 +1081,7 @@ class AFDConnector:
         # The previous reply of this stage may still be sending from memory the
         # caller computed in place in this buffer (gloo); it completes as soon as
         # the peer posts its receive, which it does without waiting for us.
-        self._wait_reply_send(stage)
+        self._wait_reply_send(stage, release=False)
         tr.strict = st.strict
         with self._on_stage(stage):
             if sch.wire_format(stage) == PACKED:
@@ -1085,6 +1094,7 @@ class AFDConnector:
             else:
                 self._transport_call(tr.fan_in, (hidden, logits, ids), plan.peers, plan.rows, tag=tag)
         self._join((stage,))
+        self._reply_sends.pop(stage, None)  # the previous reply's memory is free for the caller again
         st.recv_pos += 1
         meta = AFDTransferMetadata.create_ffn_metadata(layer_idx=layer, stage_idx=stage, seq_lens=list(plan.rows))
         ctx = AFDTransferContext(meta, AfdExtTransferState(st.step, layer, stage))
@@ -1140,7 +1150,11 @@ class AFDConnector:
         tr.strict = st.strict
         with self._on_stage(stage):
             pending = self._transport_call(tr.split_back, (ffn_output, None, None), plan.peers, plan.rows, tag=tag)
-        self._reply_sends[stage] = pending
+        # Keep ffn_output alive until the stage stream is joined again (next
+        # recv_attn_output of this stage, or the end of the step): the caching
+        # allocator must not hand its memory to the caller's stream while the
+        # stage stream still sends from it.
+        self._reply_sends[stage] = _ReplySend(pending, ffn_output)
         st.send_pos += 1
         if st.send_pos >= st.total:
             self._join(st.schedule.stages)
@@ -1184,8 +1198,9 @@ class AFDConnector:
                         layer_idx=0, stage_idx=s, seq_len=n))
                     self.send_attn_output(h, ctx, router_logits=lg, input_ids=ids)
                     sent[s] = h
-                for s in st.schedule.stages:
-                    out = self.recv_ffn_output(torch.empty_like(sent[s]), ubatch_idx=s)
+                outs = {s: self.recv_ffn_output(torch.empty_like(sent[s]), ubatch_idx=s) for s in st.schedule.stages}
+                self.synchronize()  # bounded (NCCL): a dead peer is a named error, not a hang
+                for s, out in outs.items():
                     if not torch.equal(out, sent[s]):
                         raise RuntimeError(f"{op} on {self.peer_map.me}: stage {s} echo differs from what was sent")
             else:
@@ -1193,11 +1208,10 @@ class AFDConnector:
                     p = self.recv_attn_output(ubatch_idx=s)
                     self.send_ffn_output(p.hidden_states, p.context)
                 self._settle_reply_sends()
+                self.synchronize()
         finally:
             if self._step is st:
                 self._step = None
-        if self._cuda:
-            torch.cuda.current_stream(self.device).synchronize()
 
     def synchronize(self) -> None:
         """Wait until every exchange this rank issued has completed (bounded), then return.
