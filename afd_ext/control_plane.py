@@ -453,6 +453,7 @@ class ShmControlChannel(ControlChannel):
         self._peer_start = 0
         self._unlinked = False
         self._bell: socket.socket | None = None  # receiver: bound doorbell; sender: unbound
+        self._bell_poll: Any = None
         self._bell_addr = "\0" + shm.name + "-bell"
         self._fence = threading.Lock()
 
@@ -482,6 +483,10 @@ class ShmControlChannel(ControlChannel):
         ch = cls(shm, owner=True, is_sender=False, local_rank=local_rank, peer_rank=peer_rank,
                  peer=peer, options=options, abort_check=abort_check)
         ch._bell = _bind_doorbell(ch._bell_addr)
+        if ch._bell is not None:
+            # poll, not select: select fails for descriptors >= 1024 (large serving processes).
+            ch._bell_poll = select.poll()
+            ch._bell_poll.register(ch._bell, select.POLLIN)
         return ch
 
     @classmethod
@@ -685,7 +690,7 @@ class ShmControlChannel(ControlChannel):
                     wait = min(next_live, next_abort) - now
                     if deadline is not None:
                         wait = min(wait, deadline - now)
-                    select.select([bell], [], [], max(0.0, wait))
+                    self._bell_poll.poll(max(0, int(wait * 1000) + 1))
                 else:
                     time.sleep(sleep)
                     sleep = min(2 * sleep, _MAX_SLEEP_S)
