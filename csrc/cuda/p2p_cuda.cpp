@@ -91,6 +91,9 @@ std::vector<at::Tensor> wire_tensors(const char* op, const at::Tensor& hidden_st
   }
   if (token_ids.has_value()) {
     check_tensor(op, "token_ids", *token_ids, device, rows, true);
+    TORCH_CHECK(token_ids->scalar_type() == c10::ScalarType::Int, "afd_ext.", op,
+                ": token_ids must be int32, got ", token_ids->scalar_type(),
+                "; cast with .to(torch.int32)");
     ts.push_back(*token_ids);
   }
   return ts;
