@@ -126,6 +126,7 @@ import torch
 
 from . import rendezvous as rdzv
 from .config import AFDConfig
+from .control_plane import AFDControlPlane
 from .metadata import (
     AFDA2FTransferPayload,
     AFDControlPayload,
@@ -235,7 +236,7 @@ def _as_dtype(value: Any, name: str) -> torch.dtype:
     raise ValueError(f"{name} must be a torch.dtype or its name (e.g. 'bfloat16'), got {value!r}")
 
 
-class _ConnectorControlPlane:
+class _ConnectorControlPlane(AFDControlPlane):
     """The ``control_plane`` attribute: the reference's three methods over this connector.
 
     ``update_state_from_dp_metadata`` applies a payload to the connector (no
@@ -376,6 +377,7 @@ class AFDConnector:
         self._bufs: dict[Hashable, torch.Tensor] = {}
         self._arena: Any = None
         self._streams: dict[int, Any] = {}
+        self._stream_events: dict[int, tuple[Any, Any]] = {}
         self._reply_sends: dict[int, _ReplySend] = {}
 
     # ------------------------------------------------------------------ facts
@@ -561,6 +563,7 @@ class AFDConnector:
         self._bufs.clear()
         self._arena = None
         self._streams.clear()
+        self._stream_events.clear()
         cp, self._cp = self._cp, None
         if cp is not None:
             try:
@@ -654,8 +657,12 @@ class AFDConnector:
     def _stage_stream(self, stage: int):
         s = self._streams.get(stage)
         if s is None:
+            # One stream per stage plus two reusable events (fork: caller -> stage,
+            # join: stage -> caller); created when a payload is applied, never inside
+            # a capture. Re-recording an event does not affect earlier waits on it.
             s = torch.cuda.Stream(device=self.device)
             self._streams[stage] = s
+            self._stream_events[stage] = (torch.cuda.Event(), torch.cuda.Event())
         return s
 
     @contextlib.contextmanager
@@ -665,7 +672,9 @@ class AFDConnector:
             yield
             return
         ss = self._stage_stream(stage)
-        ss.wait_stream(torch.cuda.current_stream(self.device))
+        fork, _ = self._stream_events[stage]
+        fork.record(torch.cuda.current_stream(self.device))
+        ss.wait_event(fork)
         with torch.cuda.stream(ss):
             yield
 
@@ -677,7 +686,9 @@ class AFDConnector:
         for s in stages:
             ss = self._streams.get(s)
             if ss is not None:
-                cur.wait_stream(ss)
+                _, join = self._stream_events[s]
+                join.record(ss)
+                cur.wait_event(join)
 
     def use_static_arena(self, arena: Any) -> None:
         """Take every buffer from ``arena`` (a :class:`afd_ext.graphs.StaticArena`) from now on, or stop (None).

@@ -70,6 +70,7 @@ class TrackedOp:
     stage: int | None
     where: str
     started: float = field(default_factory=time.monotonic)
+    on_done: Callable[[], None] | None = None
 
     def describe(self) -> str:
         peers = ", ".join(self.peers) if self.peers else "no peer"
@@ -150,9 +151,14 @@ class Watchdog:
     # -- tracking ----------------------------------------------------------------
 
     def track(self, done: Callable[[], bool], what: str, *, peers: Iterable[str] = (),
-              layer: int | None = None, stage: int | None = None, where: str = "") -> None:
-        """Record an in-flight operation (e.g. ``done=event.query`` of an event recorded after it)."""
-        op = TrackedOp(done, what, tuple(peers), layer, stage, where)
+              layer: int | None = None, stage: int | None = None, where: str = "",
+              on_done: Callable[[], None] | None = None) -> None:
+        """Record an in-flight operation (e.g. ``done=event.query`` of an event recorded after it).
+
+        ``on_done`` is called (from the watchdog thread) once the operation is
+        seen complete, e.g. to return its event to a pool.
+        """
+        op = TrackedOp(done, what, tuple(peers), layer, stage, where, on_done=on_done)
         with self._lock:
             self._ops.append(op)
 
@@ -222,6 +228,9 @@ class Watchdog:
             done_ids = {id(op) for op in ops} - {id(op) for op in still}
             with self._lock:
                 self._ops = [op for op in self._ops if id(op) not in done_ids]
+            for op in ops:
+                if id(op) in done_ids and op.on_done is not None:
+                    op.on_done()
             for op in still:
                 age = now - op.started
                 if age > self.deadline_s:

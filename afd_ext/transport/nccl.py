@@ -97,6 +97,7 @@ class NcclTransport(Transport):
 
         self._ops = ops
         self._comms: dict[tuple[int, int, str], int] = {}  # (a, f, direction) -> handle
+        self._event_pool: list[torch.cuda.Event] = []  # list append/pop are atomic in CPython
         self._aborted = False
         self._extra_on_failure = on_failure
         self.watchdog = Watchdog(
@@ -145,10 +146,14 @@ class NcclTransport(Transport):
     def _track(self, what: str, names: Sequence[str], tag: MessageTag) -> None:
         if _capturing():
             return
-        ev = torch.cuda.Event()
+        # Events are reused: the watchdog hands an event back once it saw it complete.
+        try:
+            ev = self._event_pool.pop()
+        except IndexError:
+            ev = torch.cuda.Event()
         ev.record()
         self.watchdog.track(ev.query, f"{tag.op}: {what}", peers=names, layer=tag.layer, stage=tag.stage,
-                            where=tag.where())
+                            where=tag.where(), on_done=lambda: self._event_pool.append(ev))
 
     def wait_event(self, ev: torch.cuda.Event, what: str, names: Sequence[str], tag: MessageTag) -> None:
         """Host wait for ``ev`` with the deadline; raises the watchdog's failure or a named timeout."""
