@@ -146,6 +146,7 @@ CHANNEL_KINDS = ("auto", "shm", "tcp")
 _LIVENESS_EVERY_S = 0.05
 _ABORT_EVERY_S = 0.1
 _MAX_SLEEP_S = 0.001
+_STORE_LOSS_GRACE_S = 1.0
 _MIN_SLEEP_S = 20e-6
 
 _OP_RECV = "recv_dp_metadata_list"
@@ -263,6 +264,7 @@ class ControlChannel(abc.ABC):
         self.options = options
         self._abort_check = abort_check
         self._closed = False
+        self._store_lost_at: float | None = None
 
     @abc.abstractmethod
     def send(self, data: bytes) -> None:
@@ -305,6 +307,24 @@ class ControlChannel(abc.ABC):
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def _poll_abort(self, op: str) -> None:
+        """Look at the store's abort signal; tolerate a lost store for a short grace.
+
+        At a clean shutdown FFN rank 0 (the store's host) may exit a moment
+        before this channel's sender closes; the grace lets the close (or the
+        sender's death) be reported instead of the lost store.
+        """
+        try:
+            self._abort_check(op)
+        except rdzv.StoreUnavailableError:
+            now = time.monotonic()
+            if self._store_lost_at is None:
+                self._store_lost_at = now
+                logger.warning("%s: rendezvous store lost while waiting on the control channel of %s",
+                               op, self.peer)
+            if now - self._store_lost_at > _STORE_LOSS_GRACE_S:
+                raise
 
     def _check_len(self, n: int) -> None:
         if n > self.options.max_message_bytes:
@@ -680,7 +700,7 @@ class ShmControlChannel(ControlChannel):
                         )
                 if self._abort_check is not None and now >= next_abort:
                     next_abort = now + _ABORT_EVERY_S
-                    self._abort_check(op)
+                    self._poll_abort(op)
                 if deadline is not None and now >= deadline:
                     raise ControlRecvTimeout(
                         f"{op}: no control payload from {self.peer} within {timeout_s:g} s "
@@ -966,7 +986,7 @@ class TcpControlChannel(ControlChannel):
                 )
             if self._abort_check is not None and now >= next_abort:
                 next_abort = now + _ABORT_EVERY_S
-                self._abort_check(op)
+                self._poll_abort(op)
             if deadline is not None and now >= deadline:
                 raise ControlRecvTimeout(
                     f"{op}: no control payload from {self.peer} within the timeout (the peer is alive but idle)"

@@ -154,6 +154,42 @@ def test_channel_kind_mismatch_is_named_on_both_ends():
     assert res[0][0] == "StepAbortedError" and "control channel kind mismatch" in res[0][1]
 
 
+def _store_host_exits_first_worker(rank, nprocs, port):
+    topo = Topology(1, 2)  # attention rank 0 sends to FFN ranks 0 and 1
+    role, role_rank = topo.role_of(rank)
+    store = rdzv.connect(HOST, port, rank, 3, 30.0, num_ffn_ranks=2)
+    chans = cp.open_control_channels(store, topo, role, role_rank, "shm", 30.0,
+                                     options=cp.ChannelOptions(**FAST))
+    plane = cp.ChannelControlPlane(lambda p: None, topo, role, role_rank, chans, store=store)
+    rdzv.barrier(store, rank, 3, "ready", 30.0)
+    if role == "attention":
+        plane.send_dp_metadata_list(_payload(0, 1))
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # until FFN rank 0 (the store's host) has exited
+            try:
+                store.check(["x"])
+            except rdzv.StoreUnavailableError:
+                break
+            time.sleep(0.02)
+        time.sleep(0.3)  # FFN rank 1 has seen the lost store by now (it polls every 0.1 s)
+        plane.close()
+        return "closed"
+    plane.recv_dp_metadata_list()
+    if role_rank == 0:
+        return "exiting"  # takes the store with it
+    try:
+        plane.recv_dp_metadata_list()
+        return "no error"
+    except Exception as e:  # noqa: BLE001 - classified by the test
+        return type(e).__name__
+
+
+@pytest.mark.timeout(90)
+def test_clean_shutdown_after_the_store_host_exits_is_a_close_not_a_lost_store():
+    res = run_workers(_store_host_exits_first_worker, 3, (find_free_port(HOST),), timeout_s=60)
+    assert res == ["exiting", "ControlChannelClosed", "closed"]
+
+
 # ---------------------------------------------------------------------------
 # Liveness: dead, hung, idle, aborted, closed
 # ---------------------------------------------------------------------------
