@@ -616,14 +616,17 @@ def _register_inductor_ordering() -> bool:
             graph = V.graph
             n0 = len(graph.operations)
             result = fallback(*args, **kwargs)
-            new_ops = graph.operations[n0:]
-            prev = graph.effectful_ops.get(key)
-            for node in new_ops:
-                node.has_side_effects = lambda: True  # never eliminated
-                if prev is not None and prev is not node:
-                    graph.additional_star_deps[node.get_operation_name()].update(order_deps(prev))
-            if new_ops:
-                graph.effectful_ops[key] = new_ops[-1]
+            try:
+                new_ops = graph.operations[n0:]
+                prev = graph.effectful_ops.get(key)
+                for node in new_ops:
+                    node.has_side_effects = lambda: True  # never eliminated
+                    if prev is not None and prev is not node:
+                        graph.additional_star_deps[node.get_operation_name()].update(order_deps(prev))
+                if new_ops:
+                    graph.effectful_ops[key] = new_ops[-1]
+            except AttributeError as e:  # pragma: no cover - Inductor internals of another torch
+                warnings.warn(f"afd_ext: cannot order {op} under Inductor on torch {torch.__version__} ({e!r})")
             return result
 
         return lower

@@ -17,6 +17,12 @@ void run(const char* op, const at::Tensor& hidden_states, const OptTensor& route
               wire.device());
   WireLayout layout =
       make_wire_layout(op, hidden_states, router_logits, token_ids, wire, pack);
+  // The kernel reads and writes wire elements at their natural alignment.
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(layout.wire) % 16 == 0 &&
+                  (layout.rows <= 1 || layout.wire_row_stride % 16 == 0),
+              "afd_ext.", op, ": wire rows must start at 16-byte aligned addresses (got data_ptr ",
+              layout.wire, ", row stride ", layout.wire_row_stride,
+              " bytes); allocate the wire as its own [n, row_bytes] tensor or take row slices of one");
   if (layout.rows == 0) return;
   c10::cuda::CUDAGuard guard(wire.device());
   void* stream = c10::cuda::getCurrentCUDAStream(wire.get_device()).stream();
