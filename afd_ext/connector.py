@@ -144,7 +144,6 @@ from .schedule import (
 )
 from .topology import Topology
 from .transport.base import (
-    DTYPE_CODES,
     HEADER_VERSION,
     AFDTransportError,
     MessageTag,
@@ -1274,7 +1273,3 @@ class AFDConnector:
     def __repr__(self) -> str:
         return (f"AFDConnector({self.peer_map.me}, A={self.attn_size}, F={self.ffn_size}, "
                 f"transport={self.transport_kind}, initialized={self._initialized})")
-
-
-# Referenced by the handshake docs; keep the dtype codes importable from here too.
-WIRE_DTYPE_CODES = DTYPE_CODES
