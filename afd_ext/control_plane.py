@@ -858,8 +858,10 @@ class TcpControlChannel(ControlChannel):
 
     @classmethod
     def accept(cls, ls: socket.socket, deadline: float, *, local_rank: int, peer_rank: int, peer: str,
-               options: ChannelOptions, abort_check=None, store: AFDStore | None = None) -> "TcpControlChannel":
-        """Receiver: accept the sender's connection and check its hello frame."""
+               options: ChannelOptions, abort_check=None, store: AFDStore | None = None,
+               token: bytes | None = None) -> "TcpControlChannel":
+        """Receiver: accept the sender's connection; a hello from another rank, or with a token
+        other than ``token`` (a stale sender of an earlier generation), is refused and waited past."""
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -877,19 +879,21 @@ class TcpControlChannel(ControlChannel):
             try:
                 hdr = _recv_exact(conn, _TCP_HDR.size)
                 magic, typ, sender, n = _TCP_HDR.unpack(hdr)
-                token = _recv_exact(conn, n) if magic == _TCP_MAGIC and typ == _T_HELLO and n < 256 else b""
+                body = _recv_exact(conn, n) if magic == _TCP_MAGIC and typ == _T_HELLO and n < 256 else b""
             except (OSError, ConnectionError):
                 conn.close()
                 continue
-            if magic != _TCP_MAGIC or typ != _T_HELLO or sender != peer_rank:
-                logger.warning("control channel: rejected a connection (sender %d, expected %s)", sender, peer)
+            if magic != _TCP_MAGIC or typ != _T_HELLO or sender != peer_rank or (
+                    token is not None and body != token):
+                logger.warning("control channel: refused a connection (world rank %d, expected %s)",
+                               sender, peer)
                 conn.close()
                 continue
             conn.setblocking(True)
             conn.settimeout(None)
             ch = cls(conn, is_sender=False, local_rank=local_rank, peer_rank=peer_rank, peer=peer,
                      options=options, abort_check=abort_check)
-            ch._token = token
+            ch._token = body
             return ch
 
     @classmethod
@@ -1157,11 +1161,9 @@ def open_control_channels(
                         {"host": host, "port": port, "token": token.hex()}).encode("utf-8"))
                     channels[a] = TcpControlChannel.accept(
                         ls, deadline, local_rank=me, peer_rank=peer_rank, peer=peer,
-                        options=opts, abort_check=abort_check, store=store)
+                        options=opts, abort_check=abort_check, store=store, token=token)
                 finally:
                     ls.close()
-                if channels[a]._token != token:  # noqa: SLF001
-                    raise RuntimeError(f"control channel: {peer} presented a stale token")
         else:
             for a, f in pairs:
                 peer_rank = f
