@@ -14,10 +14,14 @@ bits whatever the batch composition).
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
+import logging
 import multiprocessing as mp
 import os
 import queue as queue_mod
 import signal
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field, replace
@@ -229,6 +233,84 @@ def _setup_device(sc: Scenario) -> None:
         torch.cuda.set_device(0)
 
 
+# ---------------------------------------------------------------------------
+# Hang diagnostics (phase log + stack dumps), armed in every worker
+# ---------------------------------------------------------------------------
+
+#: Seconds after which a worker still inside its scenario dumps every thread's
+#: stack to stderr (and again every as many seconds); ``AFD_TEST_STACK_DUMP_S``.
+DEFAULT_STACK_DUMP_S = 90.0
+_T0 = [time.monotonic()]
+
+
+def phase(rank: int, what: str) -> None:
+    """One timestamped line on stderr: ``[afd-test 12:00:01.234 +3.21s world rank 2 pid 77] what``."""
+    now = time.time()
+    stamp = time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now % 1 * 1000):03d}"
+    print(f"[afd-test {stamp} +{time.monotonic() - _T0[0]:.2f}s world rank {rank} pid {os.getpid()}] {what}",
+          file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def hang_diagnostics(rank: int, name: str):
+    """Arm stack dumps for the body: every ``AFD_TEST_STACK_DUMP_S`` seconds (default
+    :data:`DEFAULT_STACK_DUMP_S`) and when the harness terminates the worker (SIGTERM), all
+    threads' stacks go to stderr, so a stuck rank shows where it is (the NCCL helper
+    threads are named after the communicator they release or create). Also sets the log
+    level of ``afd_ext`` from ``AFD_TEST_LOG_LEVEL`` (default WARNING)."""
+    _T0[0] = time.monotonic()
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("afd_ext").setLevel(os.environ.get("AFD_TEST_LOG_LEVEL", "WARNING").upper())
+    after = float(os.environ.get("AFD_TEST_STACK_DUMP_S", DEFAULT_STACK_DUMP_S))
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+    faulthandler.dump_traceback_later(after, repeat=True, file=sys.stderr, exit=False)
+    sigterm = hasattr(faulthandler, "register")
+    if sigterm:
+        faulthandler.register(signal.SIGTERM, file=sys.stderr, all_threads=True, chain=True)
+    phase(rank, f"{name}: start (stack dump every {after:g} s while running, and on SIGTERM)")
+    try:
+        yield
+    except BaseException as e:
+        phase(rank, f"{name}: raised {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+        raise
+    else:
+        phase(rank, f"{name}: done")
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        if sigterm:
+            faulthandler.unregister(signal.SIGTERM)
+
+
+def diagnosed(fn: Callable) -> Callable:
+    """Decorator for a worker ``fn(rank, nprocs, ...)``: runs it under :func:`hang_diagnostics`."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(rank: int, nprocs: int, *args: Any) -> Any:
+        with hang_diagnostics(rank, fn.__name__):
+            return fn(rank, nprocs, *args)
+
+    return wrapper
+
+
+def logged_init(conn) -> None:
+    """``conn.init_afd_connector()`` between two phase lines (with the generation it got)."""
+    phase(conn.world_rank, "init start")
+    t0 = time.monotonic()
+    conn.init_afd_connector()
+    gen = getattr(getattr(conn, "_store", None), "generation", "?")
+    phase(conn.world_rank, f"init end ({time.monotonic() - t0:.2f} s, generation {gen})")
+
+
+def logged_close(conn) -> None:
+    """``conn.close()`` between two phase lines."""
+    phase(conn.world_rank, "close start")
+    t0 = time.monotonic()
+    conn.close()
+    phase(conn.world_rank, f"close end ({time.monotonic() - t0:.2f} s)")
+
+
 def scenario_worker(rank: int, nprocs: int, sc: Scenario | tuple, port: int) -> dict | list:
     """Run every step of ``sc``; return what this rank checked.
 
@@ -237,11 +319,17 @@ def scenario_worker(rank: int, nprocs: int, sc: Scenario | tuple, port: int) -> 
     rendezvous generation on the same store), which saves process start-ups.
     """
     if isinstance(sc, tuple):
-        return [scenario_worker(rank, nprocs, one, port) for one in sc]
+        with hang_diagnostics(rank, f"scenario_worker x{len(sc)}"):
+            return [_scenario_one(rank, one, port) for one in sc]
+    with hang_diagnostics(rank, "scenario_worker"):
+        return _scenario_one(rank, sc, port)
+
+
+def _scenario_one(rank: int, sc: Scenario, port: int) -> dict:
     _setup_device(sc)
     conn = make_connector(sc, rank, port)
     try:
-        conn.init_afd_connector()
+        logged_init(conn)
         conn.init_afd_connector()  # idempotent
         assert conn.is_initialized
         if conn.role == "attention":
@@ -254,7 +342,7 @@ def scenario_worker(rank: int, nprocs: int, sc: Scenario | tuple, port: int) -> 
             seen.append(s)
         return {"role": "ffn", "rank": conn.role_rank, "rows": rows, "seen": seen}
     finally:
-        conn.close()
+        logged_close(conn)
         conn.close()  # idempotent
         assert not conn.is_initialized
 
@@ -277,6 +365,7 @@ def check_scenario_results(sc: Scenario, results: list[dict]) -> None:
 # ---------------------------------------------------------------------------
 
 
+@diagnosed
 def handshake_mismatch_worker(rank: int, nprocs: int, sc: Scenario, port: int) -> dict:
     """The FFN ranks use ``hidden`` and the attention ranks ``2 * hidden``: init must fail, naming the field."""
     from afd_ext.rendezvous import HandshakeMismatchError
@@ -298,6 +387,7 @@ def handshake_mismatch_worker(rank: int, nprocs: int, sc: Scenario, port: int) -
 # ---------------------------------------------------------------------------
 
 
+@diagnosed
 def bad_first_input_worker(rank: int, nprocs: int, sc: Scenario, port: int, bad_rank: int, bad_step: int,
                            retry: bool) -> dict:
     """Attention rank ``bad_rank`` passes a wrong-dtype tensor at the first exchange of step ``bad_step``.
@@ -367,6 +457,7 @@ def _finish_step(conn, sc: Scenario, step_i: int, step: dict) -> int:
 # ---------------------------------------------------------------------------
 
 
+@diagnosed
 def mid_step_failure_worker(rank: int, nprocs: int, sc: Scenario, port: int, bad_rank: int) -> dict:
     """Attention rank ``bad_rank`` passes a bad tensor at layer 1 of step 1 (layer 0 already sent).
 
@@ -379,13 +470,14 @@ def mid_step_failure_worker(rank: int, nprocs: int, sc: Scenario, port: int, bad
     out: dict = {"rank": rank}
     t0 = time.monotonic()
     try:
-        conn.init_afd_connector()
+        logged_init(conn)
         if conn.role == "ffn":
             ffn_step(conn, sc)
             try:
                 ffn_step(conn, sc)
             except Exception as e:  # noqa: BLE001 - reported to the test
                 out["error"] = (type(e).__name__, str(e))
+                phase(rank, f"step 1 failed as expected: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
         else:
             attention_step(conn, sc, 0, sc.steps[0])
 
@@ -399,17 +491,19 @@ def mid_step_failure_worker(rank: int, nprocs: int, sc: Scenario, port: int, bad
                 attention_step(conn, sc, 1, sc.steps[1], bad=bad)
             except Exception as e:  # noqa: BLE001
                 out["error"] = (type(e).__name__, str(e))
+                phase(rank, f"step 1 failed as expected: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
         out["elapsed"] = time.monotonic() - t0
         out["usable_after"] = _call_fails(conn)
-        conn.close()
-        conn.init_afd_connector()
+        logged_close(conn)
+        logged_init(conn)
         if conn.role == "ffn":
             out["after"] = ffn_step(conn, sc)[0]
         else:
             out["after"] = attention_step(conn, sc, 2, sc.steps[2])
+        phase(rank, f"step 2 after re-init done ({out['after']} rows)")
         return out
     finally:
-        conn.close()
+        logged_close(conn)
 
 
 def _call_fails(conn) -> bool:
@@ -429,6 +523,7 @@ def _call_fails(conn) -> bool:
 # ---------------------------------------------------------------------------
 
 
+@diagnosed
 def peer_loss_worker(rank: int, nprocs: int, sc: Scenario, port: int, victim: int, mode: str) -> dict:
     """World rank ``victim`` (an attention rank) dies (``mode="kill"``: SIGKILL) or stalls
     (``mode="stall"``: sleeps past the deadline) after layer 0 of step 1.
@@ -544,6 +639,7 @@ def run_tolerating_death(fn: Callable, nprocs: int, args: Sequence[Any], *, time
 # ---------------------------------------------------------------------------
 
 
+@diagnosed
 def strict_mismatch_worker(rank: int, nprocs: int, port: int) -> dict:
     """Two gloo transports (FFN rank 0, attention rank 0): the sender claims layer 1, the receiver
     expects layer 0 -> the receiver raises AFDProtocolError naming both sides."""

@@ -2,12 +2,31 @@
 
 Communicators: one per edge and direction, of size 2 (FFN end rank 0,
 attention end rank 1), created from unique ids that the FFN end makes and
-publishes through the rendezvous store (``uid/<direction>/<a>/<f>``). Every
-rank walks the global edge list in one sorted order (by attention rank, then
-FFN rank, then ``a2f`` before ``f2a``) and creates the communicators it is
-part of, so the blocking ``ncclCommInitRank`` calls cannot wait on each other
-in a cycle. Size-2 communicators also let several attention processes share a
-GPU (NCCL refuses two ranks of one communicator on one device).
+publishes through the rendezvous store (``uid/<direction>/<a>/<f>``). An FFN
+rank publishes the unique ids of *all* its communicators before it
+initialises any of them (so no attention rank waits for an id behind another
+edge's initialisation); then every rank walks the global edge list in one
+sorted order (by attention rank, then FFN rank, then ``a2f`` before ``f2a``)
+and creates the communicators it is part of, so the blocking
+``ncclCommInitRank`` calls cannot wait on each other in a cycle. Each
+``ncclCommInitRank`` runs in a helper thread and is bounded by the init
+deadline (one deadline for the whole transport): a peer that never arrives is
+a :class:`~afd_ext.rendezvous.RendezvousTimeoutError` naming it and the
+communicator, never a hang. Size-2 communicators also let several attention
+processes share a GPU (NCCL refuses two ranks of one communicator on one device).
+
+Teardown never waits unboundedly (see :meth:`NcclTransport.close`): after a
+failure or with work still in flight the communicators are *aborted*, all of
+them concurrently (one thread each), because the kernels of one NCCL group
+over several communicators run one after the other on one stream: aborting
+communicator X first may wait for X's internal streams, which wait for the
+stuck kernel of communicator Y, which only ends once Y's abort flag is set.
+``ncclCommDestroy`` (which waits for queued work) is only used after a clean
+drain, and is itself bounded (the remaining communicators are aborted when it
+overruns). A release that overruns its bound is logged with the communicator
+it is stuck on, and the next :class:`NcclTransport` of this process waits for
+it (bounded) and then refuses to start, naming it, instead of hanging inside
+``ncclCommInitRank``.
 
 Every data call is one NCCL group over all peers (``ops.split_back`` /
 ``ops.fan_in``), issued on the *current* CUDA stream. The connector makes its
@@ -29,6 +48,7 @@ captured (headers cannot be read inside a graph).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -49,9 +69,73 @@ from .base import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NcclTransport", "DIRECTIONS"]
+__all__ = ["NcclTransport", "DIRECTIONS", "RELEASE_TIMEOUT_S", "pending_releases"]
 
 DIRECTIONS = ("a2f", "f2a")
+
+#: Bound of one teardown (drain, destroy or abort of this transport's communicators), seconds.
+RELEASE_TIMEOUT_S = 15.0
+
+# NCCL management calls that overran their bound and may still be running in a
+# helper thread (thread, description); a new transport waits for them first.
+_PENDING_LOCK = threading.Lock()
+_PENDING: list[tuple[threading.Thread, str]] = []
+
+
+def pending_releases() -> list[str]:
+    """Descriptions of NCCL management calls (abort/destroy/init) still running in helper threads."""
+    with _PENDING_LOCK:
+        _PENDING[:] = [(t, d) for t, d in _PENDING if t.is_alive()]
+        return [d for _, d in _PENDING]
+
+
+def _start(fn: Callable[[], Any], what: str, *, register: bool = True) -> tuple[threading.Thread, dict]:
+    """Run ``fn`` in a daemon thread (registered in the pending list unless ``register=False``).
+
+    The returned ``box`` gets ``"result"`` or ``"error"``.
+    """
+    box: dict = {}
+
+    def body() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as e:  # noqa: BLE001 - reported by the waiter
+            box["error"] = e
+
+    t = threading.Thread(target=body, name=f"afd-nccl {what}", daemon=True)
+    if register:
+        with _PENDING_LOCK:
+            _PENDING.append((t, what))
+    t.start()
+    return t, box
+
+
+def _join_all(threads: Sequence[tuple[threading.Thread, str]], deadline: float) -> list[str]:
+    """Join every thread until ``deadline`` (monotonic); return the descriptions still running."""
+    for t, _ in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return [d for t, d in threads if t.is_alive()]
+
+
+def _wait_pending(timeout_s: float, owner: str) -> None:
+    """Wait (bounded) for earlier overrunning NCCL management calls of this process.
+
+    Raises:
+        RuntimeError: some are still running after ``timeout_s``; names them.
+    """
+    deadline = time.monotonic() + timeout_s
+    left = pending_releases()
+    if left:
+        logger.warning("%s: waiting up to %.0f s for earlier NCCL calls still running: %s",
+                       owner, timeout_s, "; ".join(left))
+    while left and time.monotonic() < deadline:
+        time.sleep(0.01)
+        left = pending_releases()
+    if left:
+        raise RuntimeError(
+            f"AFD {owner}: earlier NCCL calls of this process are still running after {timeout_s:.0f} s: "
+            f"{'; '.join(left)}. A new communicator would queue behind them on the GPU and hang; restart "
+            "this process (its GPU work is stuck; see the stack dump / NCCL_DEBUG=INFO output).")
 
 
 def _capturing() -> bool:
@@ -68,15 +152,22 @@ class NcclTransport(Transport):
         device: this rank's CUDA device.
         strict: strict-mode headers (forces a host wait per message).
         timeout_s: deadline of an in-flight operation, seconds.
-        init_timeout_s: deadline of the unique-id exchange, seconds.
+        init_timeout_s: one deadline for the whole setup (unique-id exchange and every
+            ``ncclCommInitRank``), seconds.
         abort_check: callable returning the posted abort text or None (polled by the watchdog).
         on_failure: extra callback run by the watchdog on failure (after the
-            communicators were aborted), e.g. posting the rendezvous abort signal.
+            communicators' aborts were started, before they are awaited), e.g.
+            posting the rendezvous abort signal.
         abort_error: callable ``text -> exception`` for a posted abort.
 
     Raises:
-        RendezvousTimeoutError: a peer did not publish its unique id in time.
-        RuntimeError: NCCL failed to create a communicator (CPU-only build, version mismatch...).
+        RendezvousTimeoutError: a peer did not publish its unique id, or did not join
+            a communicator, within ``init_timeout_s`` (names the peer and the communicator).
+        StepAbortedError: another rank's init failed meanwhile (it posted the abort signal).
+        RuntimeError: NCCL failed to create a communicator (CPU-only build, version
+            mismatch...); an earlier teardown of this process is still stuck in NCCL.
+        On failure this rank posts the abort signal of the generation (so peers
+        blocked with it fail fast) and aborts what it created.
     """
 
     kind = "nccl"
@@ -105,24 +196,111 @@ class NcclTransport(Transport):
             comms=lambda: [(h, f"{d} a{a}-f{f}") for (a, f, d), h in list(self._comms.items())],
             async_error=ops.comm_async_error, abort_check=abort_check, abort_error=abort_error,
         )
-        me_role, me = peers.role, peers.role_rank
-        try:
-            for a, f in topology.edges():
-                if not ((me_role == "attention" and a == me) or (me_role == "ffn" and f == me)):
-                    continue
-                for d in DIRECTIONS:
-                    uid = rdzv.exchange_unique_id(
-                        store, f"{d}/{a}/{f}", me_role == "ffn",
-                        lambda: ops.nccl_unique_id().numpy().tobytes(),
-                        init_timeout_s, creator_rank=f,
-                    )
-                    uid_t = torch.frombuffer(bytearray(uid), dtype=torch.uint8)
-                    rank_in_comm = 0 if me_role == "ffn" else 1
-                    self._comms[(a, f, d)] = ops.comm_create(uid_t, 2, rank_in_comm, device.index)
-        except BaseException:
-            self._abort_comms()
-            raise
+        self._store = store
+        t0 = time.monotonic()
+        self._init_comms(store, topology, init_timeout_s, rdzv)
+        logger.info("%s: %d NCCL communicators ready in %.2f s (generation %s)", peers.me, len(self._comms),
+                    time.monotonic() - t0, getattr(store, "generation", "?"))
         self.watchdog.start()
+
+    def _init_comms(self, store: Any, topology: Any, init_timeout_s: float, rdzv: Any) -> None:
+        """Create this rank's communicators under one deadline (see the module doc)."""
+        ops, peers, device = self._ops, self.peers, self.device
+        me_role, me = peers.role, peers.role_rank
+        deadline = time.monotonic() + init_timeout_s
+        gen = getattr(store, "generation", "?")
+        mine = [(a, f, d) for a, f in topology.edges()
+                if (me_role == "attention" and a == me) or (me_role == "ffn" and f == me)
+                for d in DIRECTIONS]
+        try:
+            _wait_pending(max(1.0, min(init_timeout_s, RELEASE_TIMEOUT_S * 2)), peers.me)
+            uids: dict[tuple[int, int, str], bytes] = {}
+            if me_role == "ffn":
+                # Publish every id first: no attention rank waits for its id behind
+                # another edge's (blocking) initialisation.
+                for a, f, d in mine:
+                    uids[(a, f, d)] = rdzv.exchange_unique_id(
+                        store, f"{d}/{a}/{f}", True, lambda: ops.nccl_unique_id().numpy().tobytes(),
+                        init_timeout_s, creator_rank=f)
+            for a, f, d in mine:
+                peer = f if me_role == "attention" else a
+                what = f"NCCL communicator {d} a{a}-f{f} (generation {gen})"
+                if (a, f, d) not in uids:
+                    left = max(0.001, deadline - time.monotonic())
+                    uids[(a, f, d)] = rdzv.exchange_unique_id(
+                        store, f"{d}/{a}/{f}", False, lambda: b"", left, creator_rank=f)
+                uid_t = torch.frombuffer(bytearray(uids[(a, f, d)]), dtype=torch.uint8)
+                rank_in_comm = 0 if me_role == "ffn" else 1
+                logger.debug("%s: creating %s", peers.me, what)
+                self._comms[(a, f, d)] = self._create_comm(uid_t, rank_in_comm, peer, what, deadline,
+                                                           init_timeout_s, store, rdzv)
+        except BaseException as e:
+            # Tell the peers (they may be blocked in ncclCommInitRank with us), then release.
+            if store is not None and not isinstance(e, rdzv.StepAbortedError):
+                try:
+                    rdzv.post_abort(store, f"NCCL transport init failed on {peers.me}: "
+                                    f"{str(e).splitlines()[0][:500] if str(e) else type(e).__name__}",
+                                    by=peers.me)
+                except Exception:  # noqa: BLE001 - best effort
+                    pass
+            self._release(abort=True, timeout_s=RELEASE_TIMEOUT_S)
+            raise
+
+    def _create_comm(self, uid_t: torch.Tensor, rank_in_comm: int, peer: int, what: str, deadline: float,
+                     init_timeout_s: float, store: Any, rdzv: Any) -> int:
+        """``ops.comm_create`` in a helper thread, bounded by ``deadline``, watching the abort signal.
+
+        Raises:
+            RendezvousTimeoutError: the peer did not join in time (the helper thread
+                stays blocked in ``ncclCommInitRank``; a late success is aborted).
+            StepAbortedError: another rank posted the abort signal meanwhile.
+            RuntimeError: NCCL failed.
+        """
+        ops, index = self._ops, self.device.index
+        lock = threading.Lock()
+        state: dict = {"cancelled": False, "handle": None}
+
+        def create() -> int:
+            h = ops.comm_create(uid_t, 2, rank_in_comm, index)
+            with lock:
+                orphan = state["cancelled"]
+                state["handle"] = None if orphan else h
+            if orphan:  # the waiter gave up: nobody owns it
+                ops.comm_abort(h)
+            return h
+
+        # Not registered as pending: an abandoned init holds no GPU work of ours.
+        t, box = _start(create, f"ncclCommInitRank of {what} on {self.peers.me}", register=False)
+        next_abort = 0.0
+        while True:
+            t.join(0.005)
+            if not t.is_alive():
+                if "error" in box:
+                    raise box["error"]
+                return int(box["result"])
+            now = time.monotonic()
+            try:
+                if now >= next_abort:
+                    next_abort = now + 0.1
+                    rdzv.raise_if_aborted(store, op=f"creating {what}")
+                if now >= deadline:
+                    peer_label = self.peers.peer_label(peer)
+                    raise rdzv.RendezvousTimeoutError(
+                        f"{self.peers.me} timed out after {init_timeout_s:.0f} s (the init deadline) in "
+                        f"ncclCommInitRank of {what} with {peer_label}: that rank did not join this "
+                        "communicator. It is probably stuck earlier (a previous generation's teardown, "
+                        "another communicator's init) or not running; its stack dump / log says where. "
+                        "Every rank creates its communicators in the same order (by attention rank, FFN "
+                        "rank, a2f before f2a).",
+                        missing=(self.peers.peer_world_rank(peer),), what=what)
+            except BaseException:
+                with lock:
+                    state["cancelled"] = True
+                    h = state["handle"]
+                    state["handle"] = None
+                if h is not None:
+                    ops.comm_abort(h)
+                raise
 
     # -- helpers -------------------------------------------------------------------
 
@@ -231,40 +409,102 @@ class NcclTransport(Transport):
         ev.record()
         self.wait_event(ev, "drain", ["every peer"], MessageTag("barrier", "a2f", -1, -1, -1))
 
-    def _abort_comms(self) -> None:
+    def _release(self, *, abort: bool, timeout_s: float, wait: bool = True) -> list[tuple[threading.Thread, str]]:
+        """Release every communicator of this transport, bounded (never raises).
+
+        ``abort=True``: ``comm_abort`` of every communicator at once, one thread
+        each (see the module doc for why not one after the other). Else
+        ``comm_destroy`` one after the other in one thread; if that overruns
+        ``timeout_s``, every communicator not yet destroyed is aborted (which
+        ends whatever the destroy waits for).
+
+        Returns:
+            The helper threads (already joined unless ``wait=False``).
+        """
         comms, self._comms = dict(self._comms), {}
-        for h in comms.values():
-            try:
-                self._ops.comm_abort(h)
-            except Exception as e:  # noqa: BLE001 - best effort, keep aborting the others
-                logger.warning("aborting NCCL communicator %d: %s", h, e)
+        if not comms:
+            return []
+        me = self.peers.me
+        desc = {k: f"{d} a{a}-f{f} (handle {h})" for k, h in comms.items() for (a, f, d) in [k]}
+
+        def call(fn, h, name):
+            def run():
+                try:
+                    fn(h)
+                except Exception as e:  # noqa: BLE001 - keep releasing the others
+                    logger.warning("%s: %s of NCCL communicator %s: %s", me, name, h, e)
+            return run
+
+        deadline = time.monotonic() + timeout_s
+        if not abort:
+            def destroy_all():
+                for k, h in comms.items():
+                    call(self._ops.comm_destroy, h, "destroy")()
+            threads = [_start(destroy_all, f"ncclCommDestroy of {len(comms)} communicators on {me}")[0]]
+            threads = [(threads[0], f"ncclCommDestroy of {', '.join(desc.values())} on {me}")]
+            left = _join_all(threads, deadline)
+            if not left:
+                return threads
+            logger.error("%s: destroying the NCCL communicators did not finish within %.0f s (queued work "
+                         "that never completes?); aborting them", me, timeout_s)
+            deadline = time.monotonic() + timeout_s
+        threads = []
+        for k, h in comms.items():
+            what = f"ncclCommAbort of {desc[k]} on {me}"
+            threads.append((_start(call(self._ops.comm_abort, h, "abort"), what)[0], what))
+        if wait:
+            left = _join_all(threads, deadline)
+            if left:
+                logger.error("%s: NCCL abort did not return within %.0f s: %s. The next connector "
+                             "init of this process will wait for it and then refuse to start.",
+                             me, timeout_s, "; ".join(left))
+        return threads
 
     def _on_watchdog_failure(self, exc: BaseException) -> None:
         self._aborted = True
         if self._closed is None:
             self._closed = exc
-        self._abort_comms()
+        # Start the aborts first (a dead store host must not delay them), then tell
+        # the peers (posting the abort signal), then wait for the aborts (bounded).
+        threads = self._release(abort=True, timeout_s=RELEASE_TIMEOUT_S, wait=False)
         if self._extra_on_failure is not None:
             self._extra_on_failure(exc)
+        left = _join_all(threads, time.monotonic() + RELEASE_TIMEOUT_S)
+        if left:
+            logger.error("%s: NCCL abort did not return within %.0f s: %s", self.peers.me,
+                         RELEASE_TIMEOUT_S, "; ".join(left))
 
     def abort(self, reason: str) -> None:
+        """Abort every communicator now (concurrently, bounded); later calls raise. Idempotent."""
         self._aborted = True
         if self._closed is None:
             self._closed = AFDTransportError(f"aborted: {reason}")
         self.watchdog.stop()
-        self._abort_comms()
+        self._release(abort=True, timeout_s=RELEASE_TIMEOUT_S)
 
     def close(self) -> None:
+        """Release the communicators, bounded in time in every state; never raises.
+
+        Healthy (no failure, no abort): wait for the tracked in-flight operations
+        to complete (bounded by ``min(timeout_s, RELEASE_TIMEOUT_S)``), then
+        ``comm_destroy`` (bounded; overrun -> abort). After a failure, an abort,
+        or with work still in flight: ``comm_abort`` of every communicator
+        concurrently (bounded). Nothing here waits on a CUDA stream.
+        """
         if self._closed is None:
             self._closed = AFDTransportError("closed")
-        stuck = bool(self.watchdog.in_flight) or self.watchdog.failure is not None or self._aborted
-        self.watchdog.stop()
-        if stuck:
-            self._abort_comms()
-            return
-        comms, self._comms = dict(self._comms), {}
-        for h in comms.values():
-            try:
-                self._ops.comm_destroy(h)
-            except Exception as e:  # noqa: BLE001 - close must not raise
-                logger.warning("destroying NCCL communicator %d: %s", h, e)
+        drain_end = time.monotonic() + min(self.timeout_s, RELEASE_TIMEOUT_S)
+        wd = self.watchdog
+        while wd.in_flight and wd.failure is None and not self._aborted and time.monotonic() < drain_end:
+            time.sleep(0.001)
+        in_flight = wd.in_flight
+        stuck = bool(in_flight) or wd.failure is not None or self._aborted
+        if in_flight and wd.failure is None and not self._aborted:
+            logger.warning("%s: closing with NCCL work still in flight (%s); aborting the communicators",
+                           self.peers.me, in_flight[0].describe())
+        wd.stop()
+        t0 = time.monotonic()
+        n = len(self._comms)
+        self._release(abort=stuck, timeout_s=RELEASE_TIMEOUT_S)
+        logger.info("%s: closed (%s of %d NCCL communicators) in %.2f s", self.peers.me,
+                    "abort" if stuck else "destroy", n, time.monotonic() - t0)

@@ -5,7 +5,10 @@ a GPU; one size-2 communicator per edge and direction makes that legal).
 
 Run on the 2-GPU machine (after ``pip install --no-build-isolation -e .``):
 
-    pytest -m gpu tests/gpu/test_connector_nccl.py -v
+    pytest -m gpu tests/gpu/test_connector_nccl.py -v -s
+
+(``-s`` shows the workers' phase lines, ``[afd-test ...] init start/end,
+close start/end``, and any stack dump of a stuck worker as they happen.)
 
 Needs a CUDA build of afd_ext (``afd_ext.ops.is_cuda_built()``) and two GPUs.
 """
@@ -44,8 +47,17 @@ pytestmark = [
 
 
 def _env(sc: cs.Scenario) -> list[dict]:
-    """FFN ranks (world ranks 0..F-1) on GPU 1, attention ranks on GPU 0."""
-    return [{"CUDA_VISIBLE_DEVICES": "1" if r < sc.F else "0"} for r in range(sc.nprocs)]
+    """FFN ranks (world ranks 0..F-1) on GPU 1, attention ranks on GPU 0.
+
+    Diagnostics: afd_ext logs at INFO (communicator setup/teardown times) and
+    every worker dumps all thread stacks to stderr when it is still running
+    after ``AFD_TEST_STACK_DUMP_S`` seconds or is terminated by the harness
+    (see ``connector_scenarios.hang_diagnostics``); both can be overridden
+    from the environment of the pytest run.
+    """
+    diag = {"AFD_TEST_LOG_LEVEL": os.environ.get("AFD_TEST_LOG_LEVEL", "INFO"),
+            "AFD_TEST_STACK_DUMP_S": os.environ.get("AFD_TEST_STACK_DUMP_S", "90")}
+    return [{"CUDA_VISIBLE_DEVICES": "1" if r < sc.F else "0", **diag} for r in range(sc.nprocs)]
 
 
 def _nccl(sc: cs.Scenario) -> cs.Scenario:
