@@ -312,10 +312,19 @@ def _open_tcp_store(host: str, port: int, world_rank: int, timeout_s: float):
     if world_rank == 0:
         fd = _listen_socket(host, port)
         try:
-            return dist.TCPStore(host, port, None, True, _timedelta(timeout_s),
-                                 wait_for_workers=False, master_listen_fd=fd, use_libuv=True)
+            try:
+                return dist.TCPStore(host, port, None, True, _timedelta(timeout_s),
+                                     wait_for_workers=False, master_listen_fd=fd, use_libuv=True)
+            except (RuntimeError, ValueError) as e:
+                # Older libuv backends refuse an inherited listening socket; the classic one takes it.
+                logger.debug("TCPStore(libuv) refused master_listen_fd (%s); using the classic backend", e)
+                return dist.TCPStore(host, port, None, True, _timedelta(timeout_s),
+                                     wait_for_workers=False, master_listen_fd=fd, use_libuv=False)
         except Exception:
-            os.close(fd)
+            try:
+                os.close(fd)
+            except OSError:
+                pass
             raise
     try:
         return dist.TCPStore(host, port, None, False, _timedelta(timeout_s), wait_for_workers=False)
