@@ -104,7 +104,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from afd_ext import rendezvous as rdzv
-from afd_ext.rendezvous import AFDStore, StepAbortedError
+from afd_ext.rendezvous import AFDStore, StepAbortedError  # noqa: F401 - re-exported: recv raises it
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +114,7 @@ __all__ = [
     "DEFAULT_SPIN_S",
     "CHANNEL_KINDS",
     "PeerDeadError",
+    "StepAbortedError",
     "ControlChannelClosed",
     "ControlRecvTimeout",
     "ChannelOptions",
