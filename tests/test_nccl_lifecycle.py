@@ -1,0 +1,203 @@
+"""NcclTransport setup and teardown on the CPU, against a fake NCCL (no GPU needed).
+
+The fake's ``comm_create`` blocks until both ranks of a unique id joined (like
+a blocking ``ncclCommInitRank``); its ``comm_abort`` can be made to wait for
+another communicator's abort, which is what a real abort does when the kernels
+of one NCCL group over several communicators share a stream (the GPU hang of
+the mid-step-failure re-init test). Ranks are threads of this process sharing
+one real rendezvous store.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from afd_ext import ops
+from afd_ext import rendezvous as rdzv
+from afd_ext.testing import find_free_port
+from afd_ext.topology import Topology
+from afd_ext.transport import nccl as nccl_mod
+from afd_ext.transport.base import AFDTransportClosedError, PeerMap
+from afd_ext.transport.nccl import NcclTransport
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class FakeNccl:
+    """Communicator table + blocking init, recording every management call."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.joined: dict[bytes, set[int]] = {}
+        self.next = 1
+        self.owner: dict[int, bytes] = {}
+        self.aborted: list[int] = []
+        self.destroyed: list[int] = []
+        self.abort_hooks: dict[int, callable] = {}
+        self.stop = threading.Event()  # ends blocked inits at test teardown
+
+    def nccl_unique_id(self, out=None):
+        with self.cond:
+            n = self.next
+            self.next += 1
+        return torch.tensor(list(n.to_bytes(8, "little")) * 16, dtype=torch.uint8)
+
+    def comm_create(self, uid, size, rank, device):
+        key = bytes(uid.numpy().tobytes())
+        with self.cond:
+            self.joined.setdefault(key, set()).add(rank)
+            self.cond.notify_all()
+            while len(self.joined[key]) < size:
+                if self.stop.is_set():
+                    raise RuntimeError("fake NCCL: test over")
+                self.cond.wait(0.05)
+            h = self.next
+            self.next += 1
+            self.owner[h] = key
+            return h
+
+    def comm_abort(self, h):
+        hook = self.abort_hooks.get(h)
+        if hook is not None:
+            hook()
+        with self.cond:
+            self.aborted.append(h)
+
+    def comm_destroy(self, h):
+        with self.cond:
+            self.destroyed.append(h)
+
+    def comm_async_error(self, h):
+        return 0
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    f = FakeNccl()
+    for name in ("nccl_unique_id", "comm_create", "comm_abort", "comm_destroy", "comm_async_error"):
+        monkeypatch.setattr(ops, name, getattr(f, name))
+    yield f
+    f.stop.set()
+
+
+def _build(A: int, F: int, port: int, world_rank: int, *, init_timeout_s: float = 20.0, timeout_s: float = 5.0):
+    topo = Topology(A, F, 1)
+    role = "ffn" if world_rank < F else "attention"
+    rr = world_rank if role == "ffn" else world_rank - F
+    store = rdzv.connect("127.0.0.1", port, world_rank, A + F, timeout_s=init_timeout_s, num_ffn_ranks=F)
+    return NcclTransport(store, topo, PeerMap(role, rr, A, F), torch.device("cuda", 0), strict=False,
+                         timeout_s=timeout_s, init_timeout_s=init_timeout_s)
+
+
+def _build_all(A: int, F: int, ranks=None, **kw):
+    """Build the transports of ``ranks`` (default all) in threads; returns {rank: transport or exception}."""
+    port = find_free_port()
+    out: dict[int, object] = {}
+
+    def one(r):
+        try:
+            out[r] = _build(A, F, port, r, **kw)
+        except BaseException as e:  # noqa: BLE001
+            out[r] = e
+
+    ths = [threading.Thread(target=one, args=(r,)) for r in (ranks if ranks is not None else range(A + F))]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join(60)
+    assert not any(t.is_alive() for t in ths), "transport init hung"
+    return out
+
+
+def test_init_pairs_every_edge_and_healthy_close_destroys(fake):
+    out = _build_all(2, 2)
+    assert all(isinstance(t, NcclTransport) for t in out.values()), out
+    edges = Topology(2, 2, 1).edges()
+    for t in out.values():
+        # one communicator per (edge, direction) of this rank; both ends got the same one
+        me = t.peers.role_rank
+        mine = {(a, f, d) for a, f in edges for d in ("a2f", "f2a")
+                if (a if t.peers.role == "attention" else f) == me}
+        assert set(t._comms) == mine
+        for (a, f, d), h in t._comms.items():
+            other = out[2 + a] if t.peers.role == "ffn" else out[f]
+            assert fake.owner[other._comms[(a, f, d)]] == fake.owner[h]
+    handles = [h for t in out.values() for h in t._comms.values()]
+    for t in out.values():
+        t.close()
+        t.close()  # idempotent
+    assert sorted(fake.destroyed) == sorted(handles) and fake.aborted == []
+    with pytest.raises(AFDTransportClosedError):
+        out[0].check_health()
+
+
+def test_abort_is_concurrent_so_a_cross_communicator_wait_cannot_deadlock(fake):
+    """Aborting communicator X waits until communicator Y's abort started (shared stream): sequential
+    aborts would wait for the 10 s safety; concurrent ones finish at once."""
+    out = _build_all(2, 1)
+    ffn = out[0]
+    x, y = ffn._comms[(0, 0, "a2f")], ffn._comms[(1, 0, "a2f")]
+    y_started = threading.Event()
+    fake.abort_hooks[y] = y_started.set
+    fake.abort_hooks[x] = lambda: y_started.wait(10.0)
+    t0 = time.monotonic()
+    ffn.abort("test")
+    assert time.monotonic() - t0 < 5.0
+    assert y_started.is_set() and x in fake.aborted and y in fake.aborted
+    assert nccl_mod.pending_releases() == []
+    for t in out.values():
+        t.close()
+    assert x not in fake.destroyed and y not in fake.destroyed
+
+
+def test_close_with_stuck_work_aborts_within_its_bound(fake, monkeypatch):
+    monkeypatch.setattr(nccl_mod, "RELEASE_TIMEOUT_S", 0.5)
+    out = _build_all(1, 1)
+    att = out[1]
+    mine = sorted(att._comms.values())
+    att.watchdog.track(lambda: False, "recv_ffn_output: fan-in receive", peers=["FFN rank 0"], layer=0, stage=0)
+    t0 = time.monotonic()
+    att.close()
+    assert time.monotonic() - t0 < 3.0  # drain bound (0.5 s) + abort
+    assert sorted(fake.aborted) == mine and fake.destroyed == []
+    out[0].close()
+
+
+def test_a_rank_that_never_joins_is_a_named_timeout_and_peers_hear_of_it(fake):
+    """Attention rank 1 never starts: FFN rank 0 times out in the init of a2f a1-f0 naming it, posts the
+    abort; attention rank 0 (whose communicators come first) initialises fine."""
+    t0 = time.monotonic()
+    out = _build_all(2, 1, ranks=[0, 1], init_timeout_s=2.0)
+    assert time.monotonic() - t0 < 10.0
+    err = out[0]
+    assert isinstance(err, rdzv.RendezvousTimeoutError), err
+    assert "attention rank 1" in str(err) and "a2f a1-f0" in str(err) and err.missing == (2,)
+    assert isinstance(out[1], NcclTransport)
+    # the FFN aborted what it had created (edge 0), and posted the abort for the peers
+    assert len(fake.aborted) == 2
+    store = out[1]._store
+    assert "NCCL transport init failed on FFN rank 0" in (rdzv.check_abort(store) or "")
+    out[1].close()
+
+
+def test_an_overrunning_abort_is_named_and_blocks_the_next_init(fake, monkeypatch):
+    monkeypatch.setattr(nccl_mod, "RELEASE_TIMEOUT_S", 0.3)
+    out = _build_all(1, 1)
+    release = threading.Event()
+    h = out[0]._comms[(0, 0, "a2f")]
+    fake.abort_hooks[h] = lambda: release.wait(20.0)
+    out[0].abort("test")  # returns after its bound although one abort is still running
+    left = nccl_mod.pending_releases()
+    assert len(left) == 1 and "ncclCommAbort of a2f a0-f0" in left[0] and "FFN rank 0" in left[0]
+    with pytest.raises(RuntimeError, match="still running"):
+        _build(1, 1, find_free_port(), 0, init_timeout_s=0.2)
+    release.set()
+    deadline = time.monotonic() + 5
+    while nccl_mod.pending_releases() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert nccl_mod.pending_releases() == []
+    out[1].close()
