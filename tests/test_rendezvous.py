@@ -186,10 +186,73 @@ def test_connect_validates_arguments():
         rdzv.connect("", 1234, 0, 2)
 
 
+def _non_local_address() -> str | None:
+    import socket
+
+    for addr in ("203.0.113.77", "198.51.100.77", "192.0.2.177"):  # documentation ranges
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((addr, 0))
+            except OSError:
+                return addr
+    return None
+
+
 def test_rank0_refuses_a_host_that_is_not_local():
-    # 192.0.2.1 is TEST-NET-1: never an address of this machine.
+    addr = _non_local_address()
+    if addr is None:
+        pytest.skip("every candidate documentation address is local here")
     with pytest.raises(rdzv.RendezvousError, match="not an address of this machine"):
-        rdzv.connect("192.0.2.1", find_free_port(HOST), 0, 2, 5.0)
+        rdzv.connect(addr, find_free_port(HOST), 0, 2, 5.0)
+
+
+def _routable_local_address() -> str | None:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # no packet is sent; picks the outgoing interface
+            addr = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if addr.startswith("127.") else addr
+
+
+def _non_loopback_worker(rank, nprocs, host, port):
+    import socket
+
+    from afd_ext import control_plane as cp
+    from afd_ext.topology import Topology
+
+    store = rdzv.connect(host, port, rank, 2, 30.0, num_ffn_ranks=1)
+    loopback_refused = None
+    if rank == 1:
+        # The store is bound to `host` only: the same port on loopback is closed.
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.settimeout(5)
+            loopback_refused = s.connect_ex(("127.0.0.1", port)) != 0
+    chans = cp.open_control_channels(store, Topology(1, 1), "ffn" if rank == 0 else "attention", 0, "tcp", 30.0)
+    ch = chans[0]
+    local_addr = ch._sock.getsockname()[0]
+    if rank == 1:
+        ch.send(b"over the routable address")
+        out = None
+    else:
+        out = ch.recv(30.0)
+    rdzv.barrier(store, rank, 2, "done", 30.0)
+    ch.close()
+    return {"loopback_refused": loopback_refused, "local_addr": local_addr, "got": out}
+
+
+@pytest.mark.timeout(90)
+def test_nothing_binds_to_loopback_when_host_is_routable():
+    addr = _routable_local_address()
+    if addr is None:
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    res = run_workers(_non_loopback_worker, 2, (addr, find_free_port(addr)), timeout_s=60)
+    assert res[1]["loopback_refused"] is True
+    assert res[0]["local_addr"] == addr and res[1]["local_addr"] == addr  # control channel too
+    assert res[0]["got"] == b"over the routable address"
 
 
 @pytest.mark.timeout(30)
