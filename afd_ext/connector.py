@@ -475,6 +475,8 @@ class AFDConnector:
             "strict": self.extra.strict,
             "transport": self.transport_kind,
             "max_stages": self.extra.max_stages,
+            # Both roles' graph caches must evict the same graphs (same captures, same replays).
+            "graph_cache_size": self.extra.graph_cache_size,
         }
 
     def init_afd_connector(self) -> None:

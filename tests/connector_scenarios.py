@@ -366,20 +366,30 @@ def check_scenario_results(sc: Scenario, results: list[dict]) -> None:
 
 
 @diagnosed
-def handshake_mismatch_worker(rank: int, nprocs: int, sc: Scenario, port: int) -> dict:
-    """The FFN ranks use ``hidden`` and the attention ranks ``2 * hidden``: init must fail, naming the field."""
+def handshake_mismatch_worker(rank: int, nprocs: int, sc: Scenario, port: int, field: str = "hidden_size") -> dict:
+    """The FFN ranks and the attention ranks differ in ``field``: init must fail, naming the field.
+
+    ``field`` is ``"hidden_size"`` (FFN ``hidden``, attention ``2 * hidden``) or
+    ``"graph_cache_size"`` (FFN 8, attention 16).
+    """
     from afd_ext.rendezvous import HandshakeMismatchError
 
     _setup_device(sc)
-    hidden = sc.hidden if rank < sc.F else sc.hidden * 2
-    conn = make_connector(sc, rank, port, hidden_size=hidden)
+    attention = rank >= sc.F
+    if field == "hidden_size":
+        conn = make_connector(sc, rank, port, hidden_size=sc.hidden * 2 if attention else sc.hidden)
+    elif field == "graph_cache_size":
+        conn = make_connector(replace(sc, extra=sc.extra + (("graph_cache_size", 16 if attention else 8),)),
+                              rank, port)
+    else:
+        raise ValueError(f"handshake_mismatch_worker: unknown field {field!r}")
     try:
-        conn.init_afd_connector()
+        logged_init(conn)
     except HandshakeMismatchError as e:
         return {"field": e.field, "message": str(e), "initialized": conn.is_initialized}
     finally:
         conn.close()
-    raise AssertionError("init_afd_connector succeeded despite a hidden_size mismatch")
+    raise AssertionError(f"init_afd_connector succeeded despite a {field} mismatch")
 
 
 # ---------------------------------------------------------------------------

@@ -103,6 +103,16 @@ def test_handshake_mismatch_names_field_and_values():
         assert not r["initialized"]
 
 
+def test_handshake_mismatch_graph_cache_size():
+    """Both roles' graph caches must be the same size (they must evict the same graphs)."""
+    sc = cs.Scenario(A=1, F=1)
+    res = run_workers(cs.handshake_mismatch_worker, sc.nprocs, (sc, find_free_port(), "graph_cache_size"),
+                      timeout_s=60)
+    for r in res:
+        assert r["field"] == "graph_cache_size", r
+        assert "8" in r["message"] and "16" in r["message"] and not r["initialized"]
+
+
 @pytest.mark.parametrize("retry", [False, True], ids=["next-step", "retry"])
 def test_bad_first_input_is_rejected_and_next_step_works(retry):
     steps = ({0: [2, 3]}, {0: [4, 1]}, {0: [3, 3], 1: [1, 2]})
