@@ -171,6 +171,10 @@ _MODEL_KWARGS = (
 )
 
 
+# Buffers of a generation whose NCCL abort overran its bound (see _teardown); never freed.
+_STUCK_BUFFERS: list[torch.Tensor] = []
+
+
 class ConnectorStateError(RuntimeError):
     """The connector cannot serve the call in its state (not initialised, aborted, wrong role, order)."""
 
@@ -561,7 +565,7 @@ class AFDConnector:
         for rs in list(self._reply_sends.values()):
             rs.pending.done = True  # never wait on a broken transport
         self._reply_sends.clear()
-        self._bufs.clear()
+        old_bufs, self._bufs = self._bufs, {}
         self._arena = None
         self._streams.clear()
         self._stream_events.clear()
@@ -577,6 +581,16 @@ class AFDConnector:
                 tr.close()
             except Exception as e:  # noqa: BLE001
                 logger.warning("closing AFD %s transport: %s", tr.kind, e)
+            if tr.kind == "nccl":
+                from .transport.nccl import pending_releases
+
+                if pending_releases():
+                    # An NCCL abort overran its bound: its kernels may still write into
+                    # these buffers; never hand their memory to the next generation.
+                    _STUCK_BUFFERS.extend(old_bufs.values())
+                    logger.error("%s: keeping %d fan-in/reply buffers alive: NCCL teardown still running (%s)",
+                                 self.peer_map.me, len(old_bufs), "; ".join(pending_releases()))
+        old_bufs.clear()
         self._store = None
 
     def _raise_if_aborted(self, op: str = "") -> None:

@@ -440,8 +440,8 @@ class NcclTransport(Transport):
             def destroy_all():
                 for k, h in comms.items():
                     call(self._ops.comm_destroy, h, "destroy")()
-            threads = [_start(destroy_all, f"ncclCommDestroy of {len(comms)} communicators on {me}")[0]]
-            threads = [(threads[0], f"ncclCommDestroy of {', '.join(desc.values())} on {me}")]
+            what = f"ncclCommDestroy of {', '.join(desc.values())} on {me}"
+            threads = [(_start(destroy_all, what)[0], what)]
             left = _join_all(threads, deadline)
             if not left:
                 return threads
