@@ -38,6 +38,14 @@ No hang: after each group an event is recorded on the stream and handed to the
 stage); on expiry or an asynchronous communicator error the watchdog aborts
 every communicator of this transport and the next call raises the named error.
 
+The fused ``ops.exchange`` (split-back and the reply's fan-in in one group) is
+deliberately not used: the connector API is two calls (``send_attn_output``,
+later ``recv_ffn_output``), so fusing would mean holding the send back until the
+receive call. That moves the FFN side's start behind whatever the caller runs
+in between (shared experts, the other stage's attention), which costs far more
+than the one kernel launch it saves, and strict-mode headers must be checked
+before the data receive is posted anyway.
+
 Strict mode: before each data group, one group carries the header blocks
 (:mod:`afd_ext.transport.base`); the receiver waits for them on the host (a
 bounded wait) and checks them before it issues the data receive. Strict mode
