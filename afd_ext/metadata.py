@@ -94,46 +94,56 @@ def _check_count(value: Any, what: str) -> int:
         raise ValueError(f"{what} must be >= 0, got {value}")
     if value > MAX_TOKEN_COUNT:
         raise ValueError(f"{what} must fit in int32 (<= {MAX_TOKEN_COUNT}), got {value}")
-    return value
+    return int(value)
 
 
-def _check_counts(counts: list, what: str) -> None:
-    """Validate a list of counts; the fast path skips per-entry message formatting."""
-    if all(type(c) is int for c in counts) and (
+_INT_ONLY = frozenset((int,))
+
+
+def _checked_counts(counts: Sequence[Any], what: str) -> tuple[int, ...]:
+    """Validate counts and return them as a tuple of exact Python ints.
+
+    The fast path (every entry an exact ``int``, all in range) costs well under
+    a microsecond for a few ranks and formats no message.
+    """
+    if set(map(type, counts)) <= _INT_ONLY and (
         not counts or (min(counts) >= 0 and max(counts) <= MAX_TOKEN_COUNT)
     ):
-        return
-    for i, c in enumerate(counts):
-        _check_count(c, f"{what}[{i}]")
+        return tuple(counts)
+    return tuple(_check_count(c, f"{what}[{i}]") for i, c in enumerate(counts))
 
 
-def _count_tensor_from_ints(counts: list[int]) -> torch.Tensor:
+def _count_tensor_from_ints(counts: Sequence[int]) -> torch.Tensor:
     # frombuffer: about 1.5 us less than torch.tensor on the per-step path
     if not counts:
         return torch.empty(0, dtype=torch.int32)
     return torch.frombuffer(array.array("i", counts), dtype=torch.int32)
 
 
-def _as_count_tensor(value: Any, what: str) -> torch.Tensor:
-    """Coerce ``value`` to a 1-D CPU int32 tensor of non-negative counts."""
-    if isinstance(value, torch.Tensor):
-        if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
-            raise ValueError(f"{what} must hold integer token counts, got dtype {value.dtype}")
-        t = value.detach().to(device="cpu").flatten()
-        if t.numel():
-            lo, hi = torch.aminmax(t)
-            if int(lo) < 0:
-                raise ValueError(f"{what} must be >= 0, got {t.tolist()}")
-            if int(hi) > MAX_TOKEN_COUNT:
-                raise ValueError(f"{what} must fit in int32, got max {int(hi)}")
-        return t.to(torch.int32)
-    if isinstance(value, (list, tuple)):
-        counts = list(value)
-        _check_counts(counts, what)
-        return _count_tensor_from_ints(counts)
-    raise ValueError(
-        f"{what} must be a tensor or a list of ints, got {type(value).__name__}"
-    )
+def _counts_from_tensor(value: torch.Tensor, what: str) -> tuple[tuple[int, ...], torch.Tensor]:
+    """Validate an integer tensor of counts; return ``(counts, 1-D CPU int32 tensor)``.
+
+    The returned tensor aliases ``value`` when it already is a CPU int32 tensor.
+    """
+    if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+        raise ValueError(f"{what} must hold integer token counts, got dtype {value.dtype}")
+    t = value.detach().to(device="cpu").flatten()
+    counts = t.tolist()
+    if counts:
+        lo, hi = min(counts), max(counts)
+        if lo < 0:
+            raise ValueError(f"{what} must be >= 0, got {counts}")
+        if hi > MAX_TOKEN_COUNT:
+            raise ValueError(f"{what} must fit in int32, got max {hi}")
+    return tuple(counts), t.to(torch.int32)
+
+
+def _version_of(t: torch.Tensor) -> int | None:
+    """The tensor's in-place modification counter; None for an inference tensor (it has none)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 # ---------------------------------------------------------------------------
@@ -141,55 +151,190 @@ def _as_count_tensor(value: Any, what: str) -> torch.Tensor:
 # ---------------------------------------------------------------------------
 
 
-@dataclass(slots=True)
 class AFDDPMetadata:
     """Token counts of every attention (DP) rank for one stage of one step.
 
-    Mirrors the reference's ``AFDDPMetadata`` and is duck-compatible with the
-    parts of vLLM's ``DPMetadata`` that MoE code reads on the FFN side.
+    Mirrors the reference's ``AFDDPMetadata`` (same constructor, attribute names
+    and types) and is duck-compatible with the parts of vLLM's ``DPMetadata``
+    that MoE code reads on the FFN side.
+
+    The counts are held as a tuple of Python ints (:attr:`counts`); the two
+    tensors are built on first access only, so the per-step path (codec,
+    schedule, connector) never pays for a tensor. A tensor handed out (or
+    passed in) stays the source of truth: modifying it in place is seen by
+    :attr:`counts`, the encoder and the schedule (through the tensor's version
+    counter; an inference tensor, which has none, is re-read on each access).
+
+    Args:
+        num_tokens_across_dp_cpu: the token count of each DP rank (zero for an
+            idle rank): a list/tuple of ints or an integer tensor of any shape
+            and device (flattened, moved to the CPU, cast to int32; a CPU int32
+            tensor is kept as is, not copied).
+        max_tokens_across_dp_cpu: the largest count (an int, or a one-element
+            integer tensor); ``None`` computes it (0 for an empty vector).
+        local_sizes: per-rank chunk sizes, normally set by the context managers below.
 
     Attributes:
-        num_tokens_across_dp_cpu: CPU int32 tensor ``[num_dp_ranks]``, the token
-            count of each DP rank (zero for an idle rank). Lists and other
-            integer tensors are coerced.
-        max_tokens_across_dp_cpu: CPU int32 0-d tensor, the largest count
-            (computed when ``None``; 0 for an empty vector).
-        local_sizes: per-rank chunk sizes set by the context managers below,
-            else ``None``.
+        num_tokens_across_dp_cpu: CPU int32 tensor ``[num_dp_ranks]`` (built lazily).
+        max_tokens_across_dp_cpu: CPU int32 0-d tensor (built lazily).
+        local_sizes: per-rank chunk sizes set by the context managers below, else ``None``.
 
     Raises:
-        ValueError: a count is negative, not an integer, or exceeds int32.
+        ValueError: a count is negative, not an integer, or exceeds int32; the
+            maximum is not one integer in ``[0, 2**31 - 1]``.
     """
 
-    num_tokens_across_dp_cpu: torch.Tensor
-    max_tokens_across_dp_cpu: torch.Tensor | None = None
-    local_sizes: list[int] | None = None
+    __slots__ = ("_counts", "_max", "_t", "_tv", "_mt", "_mtv", "_frag", "local_sizes")
+    __match_args__ = ("num_tokens_across_dp_cpu", "max_tokens_across_dp_cpu", "local_sizes")
 
-    def __post_init__(self) -> None:
-        raw = self.num_tokens_across_dp_cpu
-        self.num_tokens_across_dp_cpu = _as_count_tensor(raw, "num_tokens_across_dp_cpu")
-        if self.max_tokens_across_dp_cpu is None:
-            t = self.num_tokens_across_dp_cpu
-            if isinstance(raw, (list, tuple)):
-                self.max_tokens_across_dp_cpu = torch.scalar_tensor(max(raw, default=0), dtype=torch.int32)
-            else:
-                self.max_tokens_across_dp_cpu = (
-                    t.max() if t.numel() else torch.zeros((), dtype=torch.int32)
-                )
+    def __init__(
+        self,
+        num_tokens_across_dp_cpu: torch.Tensor | Sequence[int],
+        max_tokens_across_dp_cpu: torch.Tensor | int | None = None,
+        local_sizes: list[int] | None = None,
+    ) -> None:
+        self._t = self._mt = self._frag = None
+        self._tv = self._mtv = None
+        self.local_sizes = local_sizes
+        self._set_counts(num_tokens_across_dp_cpu)
+        self._set_max(max_tokens_across_dp_cpu)
+
+    @classmethod
+    def _trusted(cls, counts: tuple[int, ...], max_tokens: int) -> "AFDDPMetadata":
+        """Build from already validated exact ints (the decoder), without re-validation."""
+        md = object.__new__(cls)
+        md._counts = counts
+        md._max = max_tokens
+        md._t = md._mt = md._frag = None
+        md._tv = md._mtv = None
+        md.local_sizes = None
+        return md
+
+    # -- counts -------------------------------------------------------------
+
+    def _set_counts(self, value: Any) -> None:
+        what = "num_tokens_across_dp_cpu"
+        if isinstance(value, torch.Tensor):
+            counts, t = _counts_from_tensor(value, what)
+            self._t, self._tv = t, _version_of(t)
+        elif isinstance(value, (list, tuple)):
+            counts = _checked_counts(value, what)
+            self._t = self._tv = None
         else:
-            m = torch.as_tensor(self.max_tokens_across_dp_cpu).detach().to("cpu")
-            if m.numel() != 1 or m.dtype.is_floating_point or m.dtype == torch.bool:
-                raise ValueError(
-                    f"max_tokens_across_dp_cpu must be one integer, got {m.tolist()!r}"
-                )
-            if int(m) < 0:
-                raise ValueError(f"max_tokens_across_dp_cpu must be >= 0, got {int(m)}")
-            self.max_tokens_across_dp_cpu = m.reshape(()).to(torch.int32)
+            raise ValueError(f"{what} must be a tensor or a list of ints, got {type(value).__name__}")
+        self._counts = counts
+        self._frag = None
+
+    def _sync(self) -> None:
+        """Pick up in-place modifications of the handed-out tensors (cheap when there are none)."""
+        t = self._t
+        if t is not None:
+            v = _version_of(t)
+            if v is None or v != self._tv:
+                counts, _ = _counts_from_tensor(t, "num_tokens_across_dp_cpu (modified in place)")
+                self._tv = v
+                if counts != self._counts:
+                    self._counts, self._frag = counts, None
+        mt = self._mt
+        if mt is not None:
+            v = _version_of(mt)
+            if v is None or v != self._mtv:
+                m = _check_count(int(mt), "max_tokens_across_dp_cpu (modified in place)")
+                self._mtv = v
+                if m != self._max:
+                    self._max, self._frag = m, None
 
     @property
     def counts(self) -> tuple[int, ...]:
-        """The per-DP-rank counts as a tuple of Python ints."""
-        return tuple(self.num_tokens_across_dp_cpu.tolist())
+        """The per-DP-rank counts as a tuple of Python ints (no tensor is built)."""
+        if self._t is not None or self._mt is not None:
+            self._sync()
+        return self._counts
+
+    @property
+    def max_tokens(self) -> int:
+        """``max_tokens_across_dp_cpu`` as a Python int (no tensor is built)."""
+        if self._t is not None or self._mt is not None:
+            self._sync()
+        return self._max
+
+    @property
+    def num_tokens_across_dp_cpu(self) -> torch.Tensor:
+        """CPU int32 tensor ``[num_dp_ranks]`` of the counts (built on first access)."""
+        t = self._t
+        if t is None:
+            t = _count_tensor_from_ints(self._counts)
+            self._t, self._tv = t, _version_of(t)
+        return t
+
+    @num_tokens_across_dp_cpu.setter
+    def num_tokens_across_dp_cpu(self, value: torch.Tensor | Sequence[int]) -> None:
+        self._set_counts(value)
+
+    # -- max ----------------------------------------------------------------
+
+    def _set_max(self, value: Any) -> None:
+        what = "max_tokens_across_dp_cpu"
+        self._mt = self._mtv = None
+        if value is None:
+            self._max = max(self._counts, default=0)
+        elif isinstance(value, int) and not isinstance(value, bool):
+            self._max = _check_count(value, what)
+        else:
+            try:
+                m = torch.as_tensor(value).detach()
+            except (TypeError, ValueError, RuntimeError) as e:
+                raise ValueError(f"{what} must be one integer, got {value!r} ({e})") from None
+            if m.numel() != 1 or m.dtype.is_floating_point or m.dtype.is_complex or m.dtype == torch.bool:
+                raise ValueError(f"{what} must be one integer, got {m.tolist()!r}")
+            self._max = _check_count(int(m.reshape(()).item()), what)
+            if isinstance(value, torch.Tensor) and m.dtype == torch.int32 and m.device.type == "cpu":
+                mt = m.reshape(())
+                self._mt, self._mtv = mt, _version_of(mt)
+        self._frag = None
+
+    @property
+    def max_tokens_across_dp_cpu(self) -> torch.Tensor:
+        """CPU int32 0-d tensor, the largest count (built on first access)."""
+        mt = self._mt
+        if mt is None:
+            mt = torch.scalar_tensor(self._max, dtype=torch.int32)
+            self._mt, self._mtv = mt, _version_of(mt)
+        return mt
+
+    @max_tokens_across_dp_cpu.setter
+    def max_tokens_across_dp_cpu(self, value: torch.Tensor | int | None) -> None:
+        self._set_max(value)
+
+    # -- codec support ------------------------------------------------------
+
+    def _json_fragment(self) -> str:
+        """``"max_tokens_across_dp_cpu":M,"num_tokens_across_dp_cpu":[...]``, cached until a change."""
+        if self._t is not None or self._mt is not None:
+            self._sync()
+        frag = self._frag
+        if frag is None:
+            frag = (f'"max_tokens_across_dp_cpu":{self._max},'
+                    f'"num_tokens_across_dp_cpu":[{",".join(map(str, self._counts))}]')
+            self._frag = frag
+        return frag
+
+    # -- object protocol ----------------------------------------------------
+
+    def __repr__(self) -> str:
+        return (f"AFDDPMetadata(num_tokens_across_dp_cpu={list(self.counts)}, "
+                f"max_tokens_across_dp_cpu={self.max_tokens}, local_sizes={self.local_sizes!r})")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, AFDDPMetadata):
+            return NotImplemented
+        return (self.counts == other.counts and self.max_tokens == other.max_tokens
+                and self.local_sizes == other.local_sizes)
+
+    __hash__ = None  # type: ignore[assignment] - mutable, as the reference's dataclass
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (list(self.counts), self.max_tokens, self.local_sizes))
 
     # -- vLLM DPMetadata-compatible helpers ---------------------------------
 
@@ -300,7 +445,7 @@ class AFDControlPayload:
         for stage, value in self.dp_metadata_list.items():
             if isinstance(stage, bool) or not isinstance(stage, int) or stage < 0:
                 raise ValueError(f"dp_metadata_list keys must be stage ints >= 0, got {stage!r}")
-            converted[stage] = _to_dp_metadata(value, stage)
+            converted[int(stage)] = _to_dp_metadata(value, stage)
         self.dp_metadata_list = converted
         for name in _FLAG_NAMES:
             if not isinstance(getattr(self, name), bool):
@@ -435,6 +580,19 @@ class AFDExpertRoutingSpec(NamedTuple):
 # ---------------------------------------------------------------------------
 
 
+def _flags_json(capturing: bool, replaying: bool, profile: bool, warmup: bool) -> str:
+    b = {True: "true", False: "false"}
+    return (f'"format_version":{CONTROL_FORMAT_VERSION},"is_graph_capturing":{b[capturing]},'
+            f'"is_graph_replaying":{b[replaying]},"is_profile":{b[profile]},"is_warmup":{b[warmup]}')
+
+
+# (is_graph_capturing, is_graph_replaying, is_profile, is_warmup) -> the sorted tail of the document
+_FLAGS_JSON = {
+    (c, r, p, w): _flags_json(c, r, p, w)
+    for c in (False, True) for r in (False, True) for p in (False, True) for w in (False, True)
+}
+
+
 def encode_control_payload(payload: AFDControlPayload) -> bytes:
     """Encode ``payload`` as compact, key-sorted UTF-8 JSON.
 
@@ -445,7 +603,12 @@ def encode_control_payload(payload: AFDControlPayload) -> bytes:
          "format_version":2,"is_graph_capturing":<bool>,"is_graph_replaying":<bool>,
          "is_profile":<bool>,"is_warmup":<bool>}
 
-    A reference decoder reads it (it ignores the keys it does not know).
+    The bytes equal ``json.dumps(doc, separators=(",", ":"), sort_keys=True)``
+    (stage keys sorted as strings). A reference decoder reads them (it ignores
+    the keys it does not know). Each stage's JSON text is cached on its
+    :class:`AFDDPMetadata` until its counts change, so sending the same
+    payload again (or a payload reusing a stage's metadata) costs about a
+    microsecond.
 
     Args:
         payload: the control payload.
@@ -454,38 +617,106 @@ def encode_control_payload(payload: AFDControlPayload) -> bytes:
         The encoded bytes.
 
     Raises:
-        ValueError: ``payload`` is not an :class:`AFDControlPayload`.
+        ValueError: ``payload`` is not an :class:`AFDControlPayload`, or was
+            modified after construction into something invalid (a non-bool
+            flag, a non-int stage key, invalid counts).
     """
     if not isinstance(payload, AFDControlPayload):
         raise ValueError(f"expected AFDControlPayload, got {type(payload).__name__}")
-    stages = {}
-    for stage, md in payload.dp_metadata_list.items():
-        stages[str(stage)] = {
-            "max_tokens_across_dp_cpu": int(md.max_tokens_across_dp_cpu),
-            "num_tokens_across_dp_cpu": md.num_tokens_across_dp_cpu.tolist(),
-        }
-    doc = {
-        "dp_metadata_list": stages,
-        "format_version": CONTROL_FORMAT_VERSION,
-        "is_graph_capturing": payload.is_graph_capturing,
-        "is_graph_replaying": payload.is_graph_replaying,
-        "is_profile": payload.is_profile,
-        "is_warmup": payload.is_warmup,
-    }
-    return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode("utf-8")
+    flags = (payload.is_graph_capturing, payload.is_graph_replaying, payload.is_profile, payload.is_warmup)
+    if not (type(flags[0]) is bool and type(flags[1]) is bool and type(flags[2]) is bool
+            and type(flags[3]) is bool):
+        raise ValueError(f"control payload flags must be bools, got {flags!r}")
+    dp = payload.dp_metadata_list
+    try:
+        keys = sorted(dp)
+    except TypeError:
+        raise ValueError(f"dp_metadata_list keys must be stage ints >= 0, got {list(dp)!r}") from None
+    if keys and not (type(keys[0]) is int and keys[0] >= 0 and type(keys[-1]) is int and keys[-1] < 10):
+        for s in keys:
+            if type(s) is not int or s < 0:
+                raise ValueError(f"dp_metadata_list keys must be stage ints >= 0, got {s!r}")
+        keys.sort(key=str)  # JSON sort_keys order: "10" < "2"
+    parts = []
+    for s in keys:
+        m = dp[s]
+        if type(m) is not AFDDPMetadata:
+            m = _to_dp_metadata(m, s)
+        parts.append(f'"{s}":{{{m._json_fragment()}}}')
+    return f'{{"dp_metadata_list":{{{",".join(parts)}}},{_FLAGS_JSON[flags]}}}'.encode()
 
 
 def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"control payload: duplicate JSON key {k!r}")
-        out[k] = v
+    out = dict(pairs)  # C; the Python loop below runs only for a bad document
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise ValueError(f"control payload: duplicate JSON key {k!r}")
+            seen.add(k)
     return out
 
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"control payload: non-finite number {name} is not allowed")
+
+
+_json_decoder = json.JSONDecoder(object_pairs_hook=_no_duplicate_keys, parse_constant=_reject_constant)
+_stage_key_ok = _STAGE_KEY_RE.fullmatch
+
+# Fast path of the decoder: the exact canonical layout encode_control_payload writes.
+_CANON_HEAD = b'{"dp_metadata_list":{'
+_CANON_TAIL_AT = b'},"format_version":'
+# "},<flags>}" -> flags in _FLAG_NAMES order (capturing, warmup, replaying, profile)
+_CANON_TAILS = {
+    ("},%s}" % text).encode(): (c, w, r, p) for (c, r, p, w), text in _FLAGS_JSON.items()
+}
+_CANON_NUM = rb"(?:0|[1-9][0-9]{0,9})"
+_canon_stage = re.compile(
+    rb'"(0|[1-9][0-9]{0,8})":\{"max_tokens_across_dp_cpu":(' + _CANON_NUM
+    + rb'),"num_tokens_across_dp_cpu":\[((?:' + _CANON_NUM + rb"(?:," + _CANON_NUM + rb")*)?)\]\}"
+).match
+
+
+def _decode_canonical(data: bytes, max_stages: int, max_ranks: int) -> AFDControlPayload | None:
+    """Decode the canonical layout without a JSON parser; None if ``data`` is not exactly that.
+
+    Accepts a strict subset of what the general path accepts (compact, keys in
+    sorted order, stage keys strictly increasing so no duplicates, canonical
+    ints of at most 10 digits, every bound checked) and builds the same
+    payload; anything else, valid or not, goes to the general path, which
+    gives the error message.
+    """
+    end = data.rfind(_CANON_TAIL_AT)
+    flags = _CANON_TAILS.get(data[end:]) if end > 0 else None
+    if flags is None or not data.startswith(_CANON_HEAD):
+        return None
+    pos = len(_CANON_HEAD)
+    stages: dict[int, AFDDPMetadata] = {}
+    prev = b""
+    while pos < end:
+        m = _canon_stage(data, pos, end)
+        if m is None:
+            return None
+        key, mx, body = m.groups()
+        if key <= prev:
+            return None  # not strictly increasing in JSON (string) order: duplicates or unsorted
+        prev = key
+        counts = tuple(map(int, body.split(b","))) if body else ()
+        mx = int(mx)
+        if (len(counts) > max_ranks or mx > MAX_TOKEN_COUNT
+                or (counts and max(counts) > MAX_TOKEN_COUNT) or len(stages) >= max_stages):
+            return None
+        stages[int(key)] = AFDDPMetadata._trusted(counts, mx)
+        pos = m.end()
+        if pos < end:
+            if data[pos] != 0x2C or pos + 1 == end:  # ","
+                return None
+            pos += 1
+    payload = object.__new__(AFDControlPayload)
+    payload.dp_metadata_list = stages
+    payload.is_graph_capturing, payload.is_warmup, payload.is_graph_replaying, payload.is_profile = flags
+    return payload
 
 
 def decode_control_payload(
@@ -499,7 +730,10 @@ def decode_control_payload(
 
     Input is treated as untrusted. A payload without ``format_version`` is the
     reference's format (version 1): unknown top-level keys are ignored there,
-    as the reference does. In version 2, unknown keys are rejected.
+    as the reference does. In version 2, unknown keys are rejected. Every
+    value is checked once here; the returned objects are built without
+    re-validation and hold the counts as ints (the tensors are built only if
+    read).
 
     Args:
         data: the encoded payload.
@@ -508,7 +742,8 @@ def decode_control_payload(
         max_ranks: largest accepted length of a stage's count vector.
 
     Returns:
-        The payload; counts as CPU int32 tensors.
+        The payload (its ``num_tokens_across_dp_cpu`` / ``max_tokens_across_dp_cpu``
+        are CPU int32 tensors on access).
 
     Raises:
         ValueError: oversized input, invalid UTF-8 or JSON (including nesting
@@ -523,34 +758,42 @@ def decode_control_payload(
             f"control payload of {len(data)} bytes exceeds max_bytes={max_bytes}; "
             "raise the limit on both sides if the topology really needs it"
         )
+    if type(data) is not bytes:
+        data = bytes(data)
+    payload = _decode_canonical(data, max_stages, max_ranks)
+    if payload is not None:
+        return payload
+    return _decode_general(data, max_stages, max_ranks)
+
+
+def _decode_general(data: bytes, max_stages: int, max_ranks: int) -> AFDControlPayload:
+    """Any JSON the reference or this package may write; every failure is a ValueError."""
     try:
-        text = bytes(data).decode("utf-8")
-        doc = json.loads(
-            text, object_pairs_hook=_no_duplicate_keys, parse_constant=_reject_constant
-        )
+        text = data.decode("utf-8")
+        doc = _json_decoder.decode(text)
     except RecursionError:
         raise ValueError("control payload: JSON nested too deeply") from None
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, int digit limit
         raise ValueError(f"control payload is not valid UTF-8 JSON: {e}") from None
-    if not isinstance(doc, dict):
+    if type(doc) is not dict:
         raise ValueError(f"control payload must be a JSON object, got {type(doc).__name__}")
 
     version = doc.get("format_version", REFERENCE_FORMAT_VERSION)
-    if isinstance(version, bool) or not isinstance(version, int):
+    if type(version) is not int:
         raise ValueError(f"control payload: format_version must be an int, got {version!r}")
     if version not in _READABLE_VERSIONS:
         raise ValueError(
             f"control payload format_version {version} is not supported; this afd_ext reads "
             f"versions {list(_READABLE_VERSIONS)}; run the same afd_ext version on every rank"
         )
-    if version >= 2:
-        if not doc.keys() <= _TOP_KEYS_V2:
-            raise ValueError(f"control payload: unknown keys {sorted(set(doc) - _TOP_KEYS_V2)}")
+    strict = version >= 2
+    if strict and not doc.keys() <= _TOP_KEYS_V2:
+        raise ValueError(f"control payload: unknown keys {sorted(set(doc) - _TOP_KEYS_V2)}")
 
-    if "dp_metadata_list" not in doc:
+    stages_doc = doc.get("dp_metadata_list")
+    if stages_doc is None and "dp_metadata_list" not in doc:
         raise ValueError("control payload: missing key 'dp_metadata_list'")
-    stages_doc = doc["dp_metadata_list"]
-    if not isinstance(stages_doc, dict):
+    if type(stages_doc) is not dict:
         raise ValueError("control payload: dp_metadata_list must be a JSON object")
     if len(stages_doc) > max_stages:
         raise ValueError(
@@ -558,11 +801,11 @@ def decode_control_payload(
         )
     stages: dict[int, AFDDPMetadata] = {}
     for key, entry in stages_doc.items():
-        if not _STAGE_KEY_RE.fullmatch(key):
+        if _stage_key_ok(key) is None:
             raise ValueError(f"control payload: stage key {key!r} is not a canonical int >= 0")
         if type(entry) is not dict:
             raise ValueError(f"control payload: dp_metadata_list[{key}] must be a JSON object")
-        if version >= 2 and not entry.keys() <= _STAGE_ENTRY_KEYS:
+        if strict and not entry.keys() <= _STAGE_ENTRY_KEYS:
             raise ValueError(
                 f"control payload: dp_metadata_list[{key}] has unknown keys "
                 f"{sorted(set(entry) - _STAGE_ENTRY_KEYS)}"
@@ -577,34 +820,24 @@ def decode_control_payload(
                 f"control payload: dp_metadata_list[{key}] has {len(counts)} ranks, "
                 f"exceeding max_ranks={max_ranks}"
             )
-        _check_counts(counts, f"control payload: dp_metadata_list[{key}].num_tokens_across_dp_cpu")
+        counts_t = _checked_counts(counts, f"control payload: dp_metadata_list[{key}].num_tokens_across_dp_cpu")
         mx = entry.get("max_tokens_across_dp_cpu")
         if mx is None:
-            mx = max(counts, default=0)
-        else:
-            _check_count(mx, f"control payload: dp_metadata_list[{key}].max_tokens_across_dp_cpu")
-        stages[int(key)] = _validated_dp_metadata(counts, mx)
-    flags = {}
+            mx = max(counts_t, default=0)
+        elif type(mx) is not int or mx < 0 or mx > MAX_TOKEN_COUNT:
+            mx = _check_count(mx, f"control payload: dp_metadata_list[{key}].max_tokens_across_dp_cpu")
+        stages[int(key)] = AFDDPMetadata._trusted(counts_t, mx)
+    flags = []
     for name in _FLAG_NAMES:
         v = doc.get(name, False)
-        if not isinstance(v, bool):
+        if v is not True and v is not False:
             raise ValueError(f"control payload: {name} must be true or false, got {v!r}")
-        flags[name] = v
-    # Everything is validated above; skip __post_init__ (it costs tens of us per step).
+        flags.append(v)
+    # Everything is validated above; skip __post_init__ (it re-checks every stage).
     payload = object.__new__(AFDControlPayload)
     payload.dp_metadata_list = stages
-    for name, v in flags.items():
-        setattr(payload, name, v)
+    payload.is_graph_capturing, payload.is_warmup, payload.is_graph_replaying, payload.is_profile = flags
     return payload
-
-
-def _validated_dp_metadata(counts: list[int], max_tokens: int) -> AFDDPMetadata:
-    """Build AFDDPMetadata from already validated ints without re-validation."""
-    md = object.__new__(AFDDPMetadata)
-    md.num_tokens_across_dp_cpu = _count_tensor_from_ints(counts)
-    md.max_tokens_across_dp_cpu = torch.scalar_tensor(max_tokens, dtype=torch.int32)
-    md.local_sizes = None
-    return md
 
 
 # ---------------------------------------------------------------------------

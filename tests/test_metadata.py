@@ -268,6 +268,145 @@ def test_property_structured_garbage_only_value_error(doc):
     assert q.stage_counts() == p.stage_counts()
 
 
+# ---------------------------------------------------------------- lazy tensors, fast paths
+
+
+def _eager_tensors(counts, mx=None):
+    """What the reference builds eagerly: CPU int32 [n] and a CPU int32 0-d maximum."""
+    t = torch.as_tensor(list(counts), dtype=torch.int32).reshape(-1)
+    m = torch.tensor(max(counts, default=0) if mx is None else mx, dtype=torch.int32)
+    return t, m
+
+
+def _assert_same_tensor(got, want):
+    assert isinstance(got, torch.Tensor)
+    assert got.dtype == torch.int32 and got.device.type == "cpu"
+    assert got.shape == want.shape and torch.equal(got, want)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 2**31 - 1), max_size=12), st.sampled_from(["list", "tuple", "tensor64", "decoded"]))
+def test_property_lazy_tensors_equal_eager_ones(counts, source):
+    if source == "decoded":
+        m = decode_control_payload(encode_control_payload(AFDControlPayload({0: counts}))).dp_metadata_list[0]
+    elif source == "tensor64":
+        m = AFDDPMetadata(torch.tensor(counts, dtype=torch.int64))
+    else:
+        m = AFDDPMetadata(counts if source == "list" else tuple(counts))
+    t, mx = _eager_tensors(counts)
+    assert m.counts == tuple(counts) and all(type(c) is int for c in m.counts)
+    _assert_same_tensor(m.num_tokens_across_dp_cpu, t)
+    _assert_same_tensor(m.max_tokens_across_dp_cpu, mx)
+    assert m.num_tokens_across_dp_cpu.is_contiguous() and m.max_tokens_across_dp_cpu.dim() == 0
+    assert m.num_tokens_across_dp_cpu is m.num_tokens_across_dp_cpu  # built once
+
+
+def test_lazy_tensors_not_built_by_the_per_step_path():
+    p = decode_control_payload(encode_control_payload(AFDControlPayload({0: [3, 0], 1: [1, 2]})))
+    assert p.stage_counts() == {0: (3, 0), 1: (1, 2)}
+    encode_control_payload(p)
+    assert all(m._t is None and m._mt is None for m in p.dp_metadata_list.values())
+
+
+def test_in_place_modification_of_a_tensor_is_seen_and_checked():
+    m = AFDDPMetadata([3, 5])
+    before = encode_control_payload(AFDControlPayload({0: m}))
+    m.num_tokens_across_dp_cpu[1] = 9  # handed-out tensor: still the source of truth
+    assert m.counts == (3, 9)
+    m.max_tokens_across_dp_cpu.fill_(9)
+    after = json.loads(encode_control_payload(AFDControlPayload({0: m})))
+    assert after["dp_metadata_list"]["0"] == {"max_tokens_across_dp_cpu": 9, "num_tokens_across_dp_cpu": [3, 9]}
+    assert before != encode_control_payload(AFDControlPayload({0: m}))
+    caller = torch.tensor([1, 2], dtype=torch.int32)
+    m2 = AFDDPMetadata(caller)
+    caller[0] = 7
+    assert m2.counts == (7, 2)
+    caller[0] = -1
+    with pytest.raises(ValueError, match="modified in place"):
+        m2.counts
+    m3 = AFDDPMetadata([4])
+    m3.num_tokens_across_dp_cpu = [1, 2, 3]  # setter validates like the constructor
+    assert m3.counts == (1, 2, 3)
+    with pytest.raises(ValueError):
+        m3.num_tokens_across_dp_cpu = [-1]
+    with torch.inference_mode():  # inference tensors have no version counter: re-read each time
+        t = torch.tensor([5, 6], dtype=torch.int32)
+        m4 = AFDDPMetadata(t)
+        t[0] = 8
+        assert m4.counts == (8, 6)
+
+
+def test_dp_metadata_max_argument_forms_and_object_protocol():
+    import pickle
+
+    assert AFDDPMetadata([1], 7).max_tokens == 7
+    assert AFDDPMetadata([1], torch.tensor([7])).max_tokens == 7
+    assert AFDDPMetadata([], None).max_tokens == 0
+    for bad in (-1, 2**31, 1.5, True, torch.tensor([1, 2]), torch.tensor(1.0), "x"):
+        with pytest.raises(ValueError, match="max_tokens_across_dp_cpu"):
+            AFDDPMetadata([1], bad)
+    m = AFDDPMetadata([3, 4], local_sizes=[1])
+    assert m == AFDDPMetadata(torch.tensor([3, 4]), local_sizes=[1]) and m != AFDDPMetadata([3, 5])
+    assert pickle.loads(pickle.dumps(m)) == m
+    assert "[3, 4]" in repr(m)
+
+
+def test_encode_matches_json_dumps_for_many_stages():
+    p = AFDControlPayload({s: [s, 0] for s in (0, 2, 10, 11, 100)}, is_profile=True)
+    b = encode_control_payload(p)
+    assert b == json.dumps(json.loads(b), separators=(",", ":"), sort_keys=True).encode()
+    assert decode_control_payload(b).stage_counts() == p.stage_counts()
+    p.is_warmup = 1  # modified after construction into something invalid
+    with pytest.raises(ValueError, match="bools"):
+        encode_control_payload(p)
+
+
+@settings(max_examples=300, deadline=None)
+@given(payloads, st.integers(0, 400), st.binary(min_size=0, max_size=3))
+def test_property_fast_decoder_agrees_with_general_one(p, cut, insert):
+    """The canonical fast path accepts a subset of the general path and returns the same payload."""
+    good = encode_control_payload(p)
+    for data in (good, good[:cut] + insert + good[cut:], good[:cut] + good[cut + 1:]):
+        try:
+            want = md._decode_general(data, md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS)
+        except ValueError:
+            want = None
+        fast = md._decode_canonical(data, md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS)
+        if fast is not None:
+            assert want is not None, data
+            assert fast == want
+        if want is None:
+            with pytest.raises(ValueError):
+                decode_control_payload(data)
+        else:
+            assert decode_control_payload(data) == want
+    assert md._decode_canonical(good, md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS) is not None
+
+
+@pytest.mark.parametrize("data", [
+    b'{"dp_metadata_list":{"0":{"max_tokens_across_dp_cpu":1,"num_tokens_across_dp_cpu":[1]},'
+    b'"0":{"max_tokens_across_dp_cpu":1,"num_tokens_across_dp_cpu":[1]}},"format_version":2,'
+    b'"is_graph_capturing":false,"is_graph_replaying":false,"is_profile":false,"is_warmup":false}',
+    b'{"dp_metadata_list":{"0":{"max_tokens_across_dp_cpu":1,"num_tokens_across_dp_cpu":[9999999999]}},'
+    b'"format_version":2,"is_graph_capturing":false,"is_graph_replaying":false,"is_profile":false,"is_warmup":false}',
+    b'{"dp_metadata_list":{"0":{"max_tokens_across_dp_cpu":1,"num_tokens_across_dp_cpu":[01]}},'
+    b'"format_version":2,"is_graph_capturing":false,"is_graph_replaying":false,"is_profile":false,"is_warmup":false}',
+])
+def test_canonical_looking_but_malformed_inputs_raise(data):
+    assert md._decode_canonical(data, md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS) is None
+    with pytest.raises(ValueError):
+        decode_control_payload(data)
+
+
+def test_fast_path_bounds_stages_and_ranks():
+    b = encode_control_payload(AFDControlPayload({s: [1, 2, 3] for s in range(3)}))
+    with pytest.raises(ValueError, match="max_stages"):
+        decode_control_payload(b, max_stages=2)
+    with pytest.raises(ValueError, match="max_ranks"):
+        decode_control_payload(b, max_ranks=2)
+    assert decode_control_payload(b, max_stages=3, max_ranks=3).stage_counts()[2] == (1, 2, 3)
+
+
 # ---------------------------------------------------------------- framing
 
 
