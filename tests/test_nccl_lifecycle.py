@@ -82,6 +82,7 @@ def fake(monkeypatch):
         monkeypatch.setattr(ops, name, getattr(f, name))
     yield f
     f.stop.set()
+    rdzv.forget_cached_stores()  # the stores' servers live in this process
 
 
 def _build(A: int, F: int, port: int, world_rank: int, *, init_timeout_s: float = 20.0, timeout_s: float = 5.0):
