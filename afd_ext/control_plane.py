@@ -1347,7 +1347,7 @@ class ChannelControlPlane(AFDControlPlane):
 
 def _measure_worker(rank: int, nprocs: int, host: str, port: int, kind: str, iterations: int,
                     warmup: int, gap_s: float, num_attention_ranks: int, stages: int, raw: bool,
-                    spin_s: float) -> dict:
+                    spin_s: float, distinct: bool = False) -> dict:
     import torch
 
     from afd_ext.metadata import AFDControlPayload, AFDDPMetadata
@@ -1365,15 +1365,20 @@ def _measure_worker(rank: int, nprocs: int, host: str, port: int, kind: str, ite
     stamps: list[int] = []
     try:
         if role == "attention":
+            from afd_ext.metadata import encode_control_payload
+
             counts = [(7 * i + 3) % 64 for i in range(num_attention_ranks)]
             payload = AFDControlPayload(
                 dp_metadata_list={s: AFDDPMetadata(torch.tensor(counts, dtype=torch.int32))
                                   for s in range(stages)})
-            from afd_ext.metadata import encode_control_payload
-
             data = encode_control_payload(payload)
             ch = channels[0]
-            for _ in range(total):
+            for i in range(total):
+                if distinct:  # a new payload per step, as a serving loop builds it (before the call)
+                    payload = AFDControlPayload(dp_metadata_list={
+                        s: AFDDPMetadata([i + s] + counts[1:]) for s in range(stages)})
+                    if raw:
+                        data = encode_control_payload(payload)
                 t0 = time.perf_counter_ns()
                 if raw:
                     ch.send(data)
@@ -1386,12 +1391,15 @@ def _measure_worker(rank: int, nprocs: int, host: str, port: int, kind: str, ite
             rdzv.barrier(store, rank, 2, "measure-end", 60.0)
         else:
             ch = channels[0]
-            for _ in range(total):
+            for i in range(total):
                 if raw:
                     ch.recv(30.0)
                 else:
-                    cp.recv_dp_metadata_list()
+                    p = cp.recv_dp_metadata_list()
                 stamps.append(time.perf_counter_ns())
+                if distinct and not raw and p.dp_metadata_list[0].counts[0] != i:
+                    raise RuntimeError(f"measurement: step {i} received the counts of step "
+                                       f"{p.dp_metadata_list[0].counts[0]}")
             rdzv.barrier(store, rank, 2, "measure-end", 60.0)
     finally:
         cp.close()
@@ -1409,6 +1417,7 @@ def measure_control_plane(
     raw: bool = False,
     spin_s: float = DEFAULT_SPIN_S,
     timeout_s: float = 120.0,
+    distinct: bool = False,
 ) -> dict[str, Any]:
     """Measure the control plane end to end in two processes on this host.
 
@@ -1428,6 +1437,9 @@ def measure_control_plane(
             control-plane calls.
         spin_s: receiver busy-poll window (a gap longer than it measures the sleeping path).
         timeout_s: deadline for the whole measurement.
+        distinct: send a new payload (new counts) every step, built before the timed
+            call, so no encode/decode cache can hit; False repeats one payload (a
+            steady decode batch).
 
     Returns:
         ``{"kind", "n", "p50_us", "p90_us", "p99_us", "mean_us", "min_us", "max_us",
@@ -1440,7 +1452,7 @@ def measure_control_plane(
     host = "127.0.0.1"
     port = find_free_port(host)
     res = run_workers(_measure_worker, 2, (host, port, kind, iterations, warmup, gap_us * 1e-6,
-                                           num_attention_ranks, stages, raw, spin_s),
+                                           num_attention_ranks, stages, raw, spin_s, distinct),
                       timeout_s=timeout_s)
     recv_ns, send_ns = res[0]["stamps"], res[1]["stamps"]
     lat = sorted((r - s) / 1000.0 for r, s in zip(recv_ns, send_ns))
@@ -1456,7 +1468,7 @@ def measure_control_plane(
         s: AFDDPMetadata(torch.tensor([(7 * i + 3) % 64 for i in range(num_attention_ranks)],
                                       dtype=torch.int32)) for s in range(stages)})))
     return {
-        "kind": res[0]["kind"], "raw": raw, "n": len(lat),
+        "kind": res[0]["kind"], "raw": raw, "distinct": distinct, "n": len(lat),
         "p50_us": pct(50), "p90_us": pct(90), "p99_us": pct(99),
         "mean_us": sum(lat) / len(lat), "min_us": lat[0], "max_us": lat[-1],
         "payload_bytes": size,
@@ -1476,17 +1488,25 @@ def _main(argv: list[str] | None = None) -> int:
                         "above it the blocked one (default 200,5000)")
     p.add_argument("--num-attention-ranks", type=int, default=8, help="count-vector length (payload size)")
     p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--payloads", default="same,distinct",
+                   help="'same' repeats one payload (steady batch), 'distinct' sends new counts every step "
+                        "(no cache hit); comma-separated (default both)")
+    p.add_argument("--no-raw", action="store_true", help="skip the channel-only measurement")
     args = p.parse_args(argv)
     for kind in args.kinds.split(","):
         for gap in (float(g) for g in args.gaps_us.split(",")):
-            for raw in (True, False):
-                it = args.iterations if gap <= 1000 else max(50, args.iterations // 10)
-                r = measure_control_plane(kind, it, warmup=min(200, it // 5), gap_us=gap, raw=raw,
-                                          num_attention_ranks=args.num_attention_ranks, stages=args.stages)
-                r["gap_us"] = gap
-                r["what"] = "channel only" if raw else "send_dp_metadata_list -> recv_dp_metadata_list"
-                print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()}),
-                      flush=True)
+            for which in args.payloads.split(","):
+                if which not in ("same", "distinct"):
+                    p.error(f"--payloads: expected same and/or distinct, got {which!r}")
+                for raw in (False,) if args.no_raw else (True, False):
+                    it = args.iterations if gap <= 1000 else max(50, args.iterations // 10)
+                    r = measure_control_plane(kind, it, warmup=min(200, it // 5), gap_us=gap, raw=raw,
+                                              num_attention_ranks=args.num_attention_ranks, stages=args.stages,
+                                              distinct=which == "distinct")
+                    r["gap_us"] = gap
+                    r["what"] = "channel only" if raw else "send_dp_metadata_list -> recv_dp_metadata_list"
+                    print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()}),
+                          flush=True)
     return 0
 
 

@@ -493,8 +493,9 @@ def test_control_plane_rejects_channels_that_do_not_match_the_topology():
 
 
 @pytest.mark.timeout(120)
-def test_measure_control_plane_reports_percentiles():
-    r = cp.measure_control_plane("shm", 200, warmup=20)
-    assert r["kind"] == "shm" and r["n"] == 200
+@pytest.mark.parametrize("distinct", [False, True])
+def test_measure_control_plane_reports_percentiles(distinct):
+    r = cp.measure_control_plane("shm", 200, warmup=20, distinct=distinct)
+    assert r["kind"] == "shm" and r["n"] == 200 and r["distinct"] is distinct
     assert 0 < r["min_us"] <= r["p50_us"] <= r["p90_us"] <= r["p99_us"] <= r["max_us"]
     assert r["payload_bytes"] > 0
