@@ -440,13 +440,21 @@ def exchange(
     peers: Sequence[int],
     rows: Sequence[int],
 ) -> None:
-    """Attention side's half of a layer exchange, in one NCCL group.
+    """Attention side's half of a layer exchange.
 
     Sends ``rows[i]`` consecutive rows of each wire tensor to ``peers[i]`` on
     ``send_comms[i]`` (as :func:`split_back`) and receives the same rows of
     ``reply`` from ``peers[i]`` on ``recv_comms[i]`` (as :func:`fan_in`).
     ``peers[i]`` is the FFN rank's rank in both communicators (they may be
     the same communicator). Usable inside a CUDA graph.
+
+    With one wire tensor (hidden states alone, or a packed wire from
+    :func:`pack_rows`) the sends and the reply receive are one NCCL group, one
+    launch. With router logits or token ids as separate tensors the sends are
+    one group and the receive a second one on the same stream: inside one
+    group NCCL pairs the k-th send and receive of a peer, so the reply receive
+    would wait beside the first send while the FFN rank still waits for the
+    later ones (a hang seen on 2x H200 with NCCL 2.28.9).
 
     Args:
         hidden_states: ``[sum(rows), hidden]`` to send.

@@ -229,11 +229,25 @@ void exchange_cuda(const at::Tensor& hidden_states, const OptTensor& router_logi
   const int64_t n = total_rows(send_edges);
   auto ts = wire_tensors(op, hidden_states, router_logits, token_ids, device, n);
   check_tensor(op, "reply", reply, device, n, true);
-  std::vector<P2p> msgs;
-  msgs.reserve(send_edges.size() * (ts.size() + 1));
-  plan(msgs, Dir::kSend, send_edges, ts);
-  plan(msgs, Dir::kRecv, recv_edges, {reply});
-  launch(op, device, msgs);
+  std::vector<P2p> sends;
+  std::vector<P2p> recvs;
+  sends.reserve(send_edges.size() * ts.size());
+  plan(sends, Dir::kSend, send_edges, ts);
+  plan(recvs, Dir::kRecv, recv_edges, {reply});
+  if (ts.size() == 1) {
+    // One wire message per peer: the send and the reply receive share one group
+    // (one launch), like ncclSend/ncclRecv pairs in an all-to-all.
+    sends.insert(sends.end(), recvs.begin(), recvs.end());
+    launch(op, device, sends);
+  } else {
+    // Several messages to the same peer: NCCL pairs the k-th send with the k-th
+    // receive of a peer inside one group, so the reply receive would be scheduled
+    // beside the first send while the peer still waits for the later ones
+    // (seen as a hang on 2x H200, NCCL 2.28.9). Two groups on the same stream
+    // keep the order safe; pack the wire tensors (pack_rows) to get one launch.
+    launch(op, device, sends);
+    launch(op, device, recvs);
+  }
 }
 
 TORCH_LIBRARY_IMPL(afd_ext, CUDA, m) {
