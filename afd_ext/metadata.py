@@ -28,6 +28,7 @@ from __future__ import annotations
 import array
 import contextlib
 import json
+import json.scanner
 import re
 import struct
 from dataclasses import dataclass
@@ -144,6 +145,18 @@ def _version_of(t: torch.Tensor) -> int | None:
         return t._version
     except RuntimeError:
         return None
+
+
+def _frag_format(n: int) -> str:
+    """%-format of one stage's JSON members for ``n`` counts (cached for small ``n``)."""
+    fmt = ('"max_tokens_across_dp_cpu":%d,"num_tokens_across_dp_cpu":['
+           + ",".join(("%d",) * n) + "]")
+    if n <= 256:
+        _FRAG_FORMATS[n] = fmt
+    return fmt
+
+
+_FRAG_FORMATS: dict[int, str] = {}
 
 
 # ---------------------------------------------------------------------------
@@ -320,9 +333,12 @@ class AFDDPMetadata:
             self._sync()
         frag = self._frag
         if frag is None:
-            frag = (f'"max_tokens_across_dp_cpu":{self._max},'
-                    f'"num_tokens_across_dp_cpu":[{",".join(map(str, self._counts))}]')
-            self._frag = frag
+            counts = self._counts
+            fmt = _FRAG_FORMATS.get(len(counts))
+            if fmt is None:
+                fmt = _frag_format(len(counts))
+            # %d of exact ints (validated): the same digits as json.dumps
+            frag = self._frag = fmt % (self._max, *counts)
         return frag
 
     # -- object protocol ----------------------------------------------------
@@ -671,58 +687,69 @@ _json_decoder = json.JSONDecoder(object_pairs_hook=_no_duplicate_keys, parse_con
 _stage_key_ok = _STAGE_KEY_RE.fullmatch
 
 # Fast path of the decoder: the exact canonical layout encode_control_payload writes.
-_CANON_HEAD = b'{"dp_metadata_list":{'
-_CANON_TAIL_AT = b'},"format_version":'
+_CANON_HEAD = '{"dp_metadata_list":{'
+_CANON_TAIL_AT = '},"format_version":'
 # "},<flags>}" -> flags in _FLAG_NAMES order (capturing, warmup, replaying, profile)
-_CANON_TAILS = {
-    ("},%s}" % text).encode(): (c, w, r, p) for (c, r, p, w), text in _FLAGS_JSON.items()
-}
+_CANON_TAILS = {"},%s}" % text: (c, w, r, p) for (c, r, p, w), text in _FLAGS_JSON.items()}
 # At most 9 digits (< 10**9 < 2**31): a count the fast path accepts is always in
 # range; larger ones (never seen in practice) take the general path.
-_CANON_NUM = rb"(?:0|[1-9][0-9]{0,8})"
+_CANON_NUM = r"(?:0|[1-9][0-9]{0,8})"
 _canon_stage = re.compile(
-    rb'"(0|[1-9][0-9]{0,8})":\{"max_tokens_across_dp_cpu":(' + _CANON_NUM
-    + rb'),"num_tokens_across_dp_cpu":\[((?:' + _CANON_NUM + rb"(?:," + _CANON_NUM + rb")*)?)\]\}"
+    r'"(0|[1-9][0-9]{0,8})":\{"max_tokens_across_dp_cpu":(' + _CANON_NUM
+    + r'),"num_tokens_across_dp_cpu":(\[(?:' + _CANON_NUM + r"(?:," + _CANON_NUM + r")*)?\])\}",
+    re.ASCII,
 ).match
+# The C JSON scanner without hooks, for count lists the regex has already checked.
+_scan_json = json.scanner.make_scanner(json.JSONDecoder())
 
 
 def _decode_canonical(data: bytes, max_stages: int, max_ranks: int) -> AFDControlPayload | None:
-    """Decode the canonical layout without a JSON parser; None if ``data`` is not exactly that.
+    """The payload :func:`_canonical_parts` reads, or None."""
+    parts = _canonical_parts(data, max_stages, max_ranks)
+    return None if parts is None else _payload_from_parts(parts)
 
-    Accepts a strict subset of what the general path accepts (compact, keys in
-    sorted order, stage keys strictly increasing so no duplicates, canonical
-    ints of at most 10 digits, every bound checked) and builds the same
-    payload; anything else, valid or not, goes to the general path, which
-    gives the error message.
+
+def _canonical_parts(data: bytes, max_stages: int, max_ranks: int) -> tuple | None:
+    """Read the canonical layout into ``(((stage, counts, max), ...), flags)``; None if
+    ``data`` is not exactly that layout.
+
+    A regular expression checks every stage member character by character
+    (compact, keys in order, canonical ints of at most 9 digits, so always in
+    int32); the already checked count lists are read by the C JSON scanner.
+    Stage keys must be strictly increasing in JSON (string) order, so there
+    are no duplicates; every bound is checked. This accepts a strict subset
+    of what the general path accepts and builds the same payload; anything
+    else, valid or not, goes to the general path, which gives the error message.
     """
-    end = data.rfind(_CANON_TAIL_AT)
-    flags = _CANON_TAILS.get(data[end:]) if end > 0 else None
-    if flags is None or not data.startswith(_CANON_HEAD):
+    try:
+        text = data.decode("ascii")
+    except UnicodeDecodeError:
+        return None
+    end = text.rfind(_CANON_TAIL_AT)
+    flags = _CANON_TAILS.get(text[end:]) if end > 0 else None
+    if flags is None or not text.startswith(_CANON_HEAD):
         return None
     pos = len(_CANON_HEAD)
-    stages: dict[int, AFDDPMetadata] = {}
-    prev = b""
+    stages: list[tuple[int, tuple[int, ...], int]] = []
+    prev = ""
     while pos < end:
-        m = _canon_stage(data, pos, end)
+        m = _canon_stage(text, pos, end)
         if m is None:
             return None
-        key, mx, body = m.groups()
-        if key <= prev:
+        key = m[1]
+        if key <= prev or len(stages) >= max_stages:
             return None  # not strictly increasing in JSON (string) order: duplicates or unsorted
         prev = key
-        counts = tuple(map(int, body.split(b","))) if body else ()
-        if len(counts) > max_ranks or len(stages) >= max_stages:
+        counts = _scan_json(text, m.start(3))[0]
+        if len(counts) > max_ranks:
             return None
-        stages[int(key)] = AFDDPMetadata._trusted(counts, int(mx))
+        stages.append((int(key), tuple(counts), int(m[2])))
         pos = m.end()
         if pos < end:
-            if data[pos] != 0x2C or pos + 1 == end:  # ","
+            if text[pos] != "," or pos + 1 == end:
                 return None
             pos += 1
-    payload = object.__new__(AFDControlPayload)
-    payload.dp_metadata_list = stages
-    payload.is_graph_capturing, payload.is_warmup, payload.is_graph_replaying, payload.is_profile = flags
-    return payload
+    return tuple(stages), flags
 
 
 def decode_control_payload(
@@ -770,21 +797,20 @@ def decode_control_payload(
     if type(data) is not bytes:
         data = bytes(data)
     key = (data, max_stages, max_ranks) if len(data) <= _DECODE_CACHE_MAX_BYTES else None
-    if key is not None:
-        parts = _decode_cache.get(key)
-        if parts is not None:
-            return _payload_from_parts(parts)
-    payload = _decode_canonical(data, max_stages, max_ranks)
-    if payload is None:
-        payload = _decode_general(data, max_stages, max_ranks)
-    if key is not None:
-        if len(_decode_cache) >= _DECODE_CACHE_ENTRIES:
-            _decode_cache.clear()
-        _decode_cache[key] = (
-            tuple((s, m._counts, m._max) for s, m in payload.dp_metadata_list.items()),
-            (payload.is_graph_capturing, payload.is_warmup, payload.is_graph_replaying, payload.is_profile),
-        )
-    return payload
+    parts = None if key is None else _decode_cache.get(key)
+    if parts is None:
+        parts = _canonical_parts(data, max_stages, max_ranks)
+        if parts is None:
+            payload = _decode_general(data, max_stages, max_ranks)  # raises for anything malformed
+            parts = (
+                tuple((s, m._counts, m._max) for s, m in payload.dp_metadata_list.items()),
+                (payload.is_graph_capturing, payload.is_warmup, payload.is_graph_replaying, payload.is_profile),
+            )
+        if key is not None:
+            if len(_decode_cache) >= _DECODE_CACHE_ENTRIES:
+                _decode_cache.clear()
+            _decode_cache[key] = parts
+    return _payload_from_parts(parts)
 
 
 # Steady serving repeats payloads (a stable decode batch; CUDA-graph capture
