@@ -282,6 +282,8 @@ class AFDDPMetadata:
         """CPU int32 tensor ``[num_dp_ranks]`` of the counts (built on first access)."""
         t = self._t
         if t is None:
+            if torch.compiler.is_compiling():  # traceable, not cached (no side effect in a graph)
+                return torch.tensor(self._counts, dtype=torch.int32)
             t = _count_tensor_from_ints(self._counts)
             self._t, self._tv = t, _version_of(t)
         return t
@@ -317,6 +319,8 @@ class AFDDPMetadata:
         """CPU int32 0-d tensor, the largest count (built on first access)."""
         mt = self._mt
         if mt is None:
+            if torch.compiler.is_compiling():
+                return torch.tensor(self._max, dtype=torch.int32)
             mt = torch.scalar_tensor(self._max, dtype=torch.int32)
             self._mt, self._mtv = mt, _version_of(mt)
         return mt

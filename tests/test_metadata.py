@@ -301,6 +301,18 @@ def test_property_lazy_tensors_equal_eager_ones(counts, source):
     assert m.num_tokens_across_dp_cpu is m.num_tokens_across_dp_cpu  # built once
 
 
+def test_lazy_tensors_readable_in_compiled_code():
+    m = AFDDPMetadata([3, 4])
+
+    def f(x):
+        return x * m.num_tokens_across_dp_cpu.sum() + m.max_tokens_across_dp_cpu
+
+    g = torch.compile(f, backend="eager", fullgraph=True)
+    assert g(torch.ones(2)).tolist() == [11.0, 11.0]
+    assert m.num_tokens_across_dp_cpu.tolist() == [3, 4]  # eager access after: built and cached
+    assert g(torch.ones(2)).tolist() == [11.0, 11.0]
+
+
 def test_lazy_tensors_not_built_by_the_per_step_path():
     p = decode_control_payload(encode_control_payload(AFDControlPayload({0: [3, 0], 1: [1, 2]})))
     assert p.stage_counts() == {0: (3, 0), 1: (1, 2)}
