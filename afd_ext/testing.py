@@ -41,7 +41,16 @@ def _entry(fn, rank, nprocs, args, env, q):
         q.put((rank, True, result))
     except BaseException:  # noqa: BLE001 - forwarded to the parent verbatim
         q.put((rank, False, traceback.format_exc()))
+        _flush(q)
         raise SystemExit(1)
+    _flush(q)
+
+
+def _flush(q) -> None:
+    # Queue.put hands the item to a feeder thread: wait until it is written, so a
+    # crash later in interpreter teardown cannot swallow an already-made report.
+    q.close()
+    q.join_thread()
 
 
 def run_workers(
