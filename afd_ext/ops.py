@@ -448,12 +448,10 @@ def exchange(
     ``peers[i]`` is the FFN rank's rank in both communicators (they may be
     the same communicator). Usable inside a CUDA graph.
 
-    With one wire tensor (hidden states alone, or a packed wire from
-    :func:`pack_rows`) the sends and the reply receive are one NCCL group, one
-    launch. With router logits or token ids as separate tensors the sends are
-    one group and the receive a second one on the same stream: inside one
-    group NCCL pairs the k-th send and receive of a peer, so the reply receive
-    would wait beside the first send while the FFN rank still waits for the
+    The sends are one NCCL group and the reply receive a second one on the
+    same stream (two launches, one op call): inside one group NCCL pairs the
+    k-th send and receive of a peer, so a reply receive grouped with several
+    sends waited beside the first send while the FFN rank still waited for the
     later ones (a hang seen on 2x H200 with NCCL 2.28.9).
 
     Args:

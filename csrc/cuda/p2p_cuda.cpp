@@ -234,20 +234,14 @@ void exchange_cuda(const at::Tensor& hidden_states, const OptTensor& router_logi
   sends.reserve(send_edges.size() * ts.size());
   plan(sends, Dir::kSend, send_edges, ts);
   plan(recvs, Dir::kRecv, recv_edges, {reply});
-  if (ts.size() == 1) {
-    // One wire message per peer: the send and the reply receive share one group
-    // (one launch), like ncclSend/ncclRecv pairs in an all-to-all.
-    sends.insert(sends.end(), recvs.begin(), recvs.end());
-    launch(op, device, sends);
-  } else {
-    // Several messages to the same peer: NCCL pairs the k-th send with the k-th
-    // receive of a peer inside one group, so the reply receive would be scheduled
-    // beside the first send while the peer still waits for the later ones
-    // (seen as a hang on 2x H200, NCCL 2.28.9). Two groups on the same stream
-    // keep the order safe; pack the wire tensors (pack_rows) to get one launch.
-    launch(op, device, sends);
-    launch(op, device, recvs);
-  }
+  // Sends first, then the reply receive, as two groups on the same stream.
+  // Inside one group NCCL pairs the k-th send and receive with a peer, so with
+  // several wire tensors the reply receive waited beside the first send while
+  // the peer still waited for the later ones (a hang on 2x H200, NCCL 2.28.9);
+  // the one-group form with a single wire tensor was never seen to work there
+  // either (the FFN side crashed in its fan_in), so it is not used.
+  launch(op, device, sends);
+  launch(op, device, recvs);
 }
 
 TORCH_LIBRARY_IMPL(afd_ext, CUDA, m) {
