@@ -58,7 +58,7 @@ Graph padding (``ScheduleConfig.pad_to``): every attention rank sends
 ``pad_to[stage]`` rows for that stage whatever its real count; the real rows
 come first and the padded rows after them are carried through the FFN and
 dropped by the attention caller. ``valid_rows`` in the plans says how many
-rows of each range are real. :func:`graph_key` identifies the captured graph
+rows of each range are real. :func:`afd_ext.graphs.graph_key_from_schedule` identifies the captured graph
 by the full per-stage, per-rank wire row vector (never a total), the wire
 dtypes and which optional tensors travel.
 """
@@ -90,7 +90,6 @@ __all__ = [
     "SendPlan",
     "StepSchedule",
     "build_step_schedule",
-    "graph_key",
     "pad_sizes",
     "warmup_payload",
 ]
@@ -605,30 +604,6 @@ def _choose_format(topology: Topology, config: ScheduleConfig, rows: tuple[int, 
     else:  # the first FFN peer of each attention rank gets ceil(n / k) rows
         largest = max(-(-n // len(topology.attention_peers(a))) for a, n in enumerate(rows))
     return PACKED if largest * config.packed_row_bytes <= config.packed_max_bytes else PER_TENSOR
-
-
-def graph_key(schedule: StepSchedule) -> tuple:
-    """A hashable key identifying the CUDA graph a step can be captured in or replayed from.
-
-    Holds ``A``, ``F``, the number of layers, the wire dtypes, which optional
-    tensors travel, and per stage the full wire row vector (one entry per
-    attention rank; never a total, so 4+4 and 7+1 differ) and wire format.
-    Real counts under padding are not part of it: a padded graph serves any
-    real counts up to the padded size.
-    """
-    cfg = schedule.config
-    topo = schedule.topology
-    return (
-        "afd-graph",
-        topo.num_attention_ranks,
-        topo.num_ffn_ranks,
-        cfg.num_layers,
-        cfg.hidden_size,
-        str(cfg.hidden_dtype),
-        None if cfg.router_logits_width is None else (cfg.router_logits_width, str(cfg.router_logits_dtype)),
-        cfg.send_token_ids,
-        tuple((s, schedule.rows_vector(s), schedule.wire_format(s)) for s in schedule.stages),
-    )
 
 
 def pad_sizes(
