@@ -393,3 +393,75 @@ def test_check_fan_in_and_split_gloo(A, F):
     assert {(c["role"], c["role_rank"]) for c in cs} == (
         {("attention", a) for a in range(A)} | {("ffn", f) for f in range(F)})
     assert {"ours_per_tensor", "reference", "raw"} <= {c["variant"] for c in cs}
+
+
+# ---------------------------------------------------------------------------
+# Deadlines: a hung variant is named, the sweep goes on without it, partial output
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(150)
+def test_hung_variant_is_named_and_sweep_moves_on(tmp_path, capfd):
+    """An injected hang in ``raw`` (FFN rank, first case) ends that process at its phase deadline;
+    the run restarts without ``raw`` and the output holds every other variant and the failure."""
+    import json
+
+    from afd_ext.bench import _config, build_parser, run_guarded
+
+    args = build_parser().parse_args(["--backend", "gloo", "--tokens", "1,3", "--hidden", "16", "--extras", "off",
+                                      "--variants", "ours_per_tensor,raw", "--no-control", "--no-progress",
+                                      "--case-timeout", "4", "--time-per-point", "0.001"])
+    cfg = _config(args)
+    cfg.hard_grace_s = 2.0
+    cfg.extra["inject_hang"] = {"variant": "raw", "rank": 0, "case": cfg.cases[0].key()}
+    out = run_guarded(cfg, 120.0, parts_root=str(tmp_path / "parts"))
+    printed = capfd.readouterr()
+    assert len(out["failures"]) == 1, out["failures"]
+    f = out["failures"][0]
+    assert f["kind"] == "hung" and f["variant"] == "raw" and f["rank"] == 0, f
+    assert f["case"] == cfg.cases[0].key() and f["phase"] == "warm-up", f
+    assert "variant raw" in f["message"] and "ffn0" in f["message"]
+    assert out["attempts"] == 2 and out["complete"]
+    recs = [r for res in out["results"] for r in res["records"]]
+    assert {r["variant"] for r in recs} == {"flag", "ours_per_tensor"}
+    assert {r["case_key"] for r in recs} == {c.key() for c in cfg.cases}
+    skipped = [s for res in out["results"] for s in res["skipped"]]
+    assert {(s["case_key"], s["variant"]) for s in skipped} == {(c.key(), "raw") for c in cfg.cases}
+    # faulthandler printed the hung rank's stack; progress lines named the phase first.
+    assert "_maybe_inject" in printed.err or "_maybe_inject" in printed.out
+    assert "start warm-up variant raw" in printed.out
+    # The phase file of the hung attempt says where it was.
+    ph = json.loads((tmp_path / "parts" / "attempt0" / "rank0.phase.json").read_text())
+    assert ph["variant"] == "raw" and ph["what"] == "warm-up"
+
+
+@pytest.mark.timeout(150)
+def test_no_retry_writes_partial_outputs(tmp_path, capsys):
+    """--no-retry: the first case finishes, the second hangs; bench.json keeps case 1 and the failure."""
+    import json
+
+    import afd_ext.bench as bench
+
+    orig = bench._config
+
+    def cfg_with_hang(args):
+        cfg = orig(args)
+        cfg.hard_grace_s = 2.0
+        cfg.extra["inject_hang"] = {"variant": "ours_per_tensor", "rank": 1, "case": cfg.cases[1].key()}
+        return cfg
+
+    out = tmp_path / "o"
+    try:
+        bench._config = cfg_with_hang
+        rc = bench.main(["--backend", "gloo", "--tokens", "1,3", "--hidden", "16", "--extras", "off",
+                         "--variants", "ours_per_tensor", "--no-control", "--no-progress", "--no-plot",
+                         "--case-timeout", "4", "--time-per-point", "0.001", "--no-retry", "--out", str(out)])
+    finally:
+        bench._config = orig
+    assert rc == 1
+    doc = json.loads((out / "bench.json").read_text())
+    assert {r["case_key"] for r in doc["records"]} == {"h16-t1-hidden"}
+    assert len(doc["failures"]) == 1 and doc["failures"][0]["variant"] == "ours_per_tensor"
+    assert doc["failures"][0]["case"] == "h16-t3-hidden"
+    assert doc["meta"]["complete"] is False
+    assert "INCOMPLETE" in (out / "bench.md").read_text()

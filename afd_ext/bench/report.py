@@ -290,6 +290,12 @@ def render_markdown(doc: dict) -> str:
     if meta.get("shared_gpu"):
         lines.append("- **WARNING: processes share a GPU; the driver time-slices them, so these times are "
                      "not meaningful (correctness only).**")
+    fails = doc.get("failures") or meta.get("failures") or []
+    if fails or meta.get("complete") is False:
+        lines.append(f"- **INCOMPLETE: {len(fails)} failure(s) in {meta.get('attempts', '?')} attempt(s); the tables "
+                     "hold only what finished:**")
+        for f in fails:
+            lines.append(f"  - attempt {f.get('attempt', '?')}: {f.get('message', '?')}")
     lines.append("- times: median µs (p10–p90), per iteration; ratios from medians measured side by side; "
                  "`vs ref` = reference / ours-default (higher is better), `x raw` = ours-default / raw NCCL.")
     lines.append("")

@@ -28,6 +28,7 @@ import os
 import zlib
 from typing import Any
 
+from afd_ext.bench.guard import HARD_GRACE_S, WorkerGuard
 from afd_ext.bench.plan import Case, RunConfig
 from afd_ext.bench.timing import capture_graph, summarize, time_eager, time_graph, wait_event
 
@@ -45,7 +46,7 @@ FFN = "ffn"
 class _Env:
     """Everything set up once per process."""
 
-    def __init__(self, rank: int, nprocs: int, cfg: RunConfig):
+    def __init__(self, rank: int, nprocs: int, cfg: RunConfig, guard: WorkerGuard | None = None):
         import torch
         import torch.distributed as dist
 
@@ -57,6 +58,10 @@ class _Env:
         self.topo = Topology(cfg.layout.num_attention_ranks, cfg.layout.num_ffn_ranks)
         self.role, self.role_rank = self.topo.role_of(rank)
         self.cuda = cfg.backend == "nccl"
+        self.guard = guard or WorkerGuard(rank, f"{self.role}{self.role_rank}", "", cfg.case_timeout_s,
+                                          verbose=False)
+        g = self.guard
+        g.enter("set-up: CUDA device, TCPStore and gloo group", op="TCPStore/init_process_group")
         if self.cuda:
             if not torch.cuda.is_available():
                 raise RuntimeError(f"world rank {rank}: backend nccl but no CUDA device is visible "
@@ -65,9 +70,13 @@ class _Env:
             self.device = torch.device("cuda", 0)
         else:
             self.device = torch.device("cpu")
-        td = datetime.timedelta(seconds=cfg.timeout_s)
+        # Waits on peers (store, gloo barrier) outlast a peer's hard phase deadline,
+        # so a hung rank is ended by its own faulthandler before its peers give up
+        # and the parent names the right rank.
+        td = datetime.timedelta(seconds=cfg.peer_wait_s)
         self.store = dist.TCPStore("127.0.0.1", cfg.master_port, nprocs, rank == 0, timeout=td)
         dist.init_process_group("gloo", store=self.store, rank=rank, world_size=nprocs, timeout=td)
+        g.leave()
         self.comms: dict[tuple[int, int, str], int] = {}
         self.bare = None
         self.bare_comms: dict[tuple[int, int, str], Any] = {}
@@ -75,13 +84,21 @@ class _Env:
         self.gloo_transport = None
         self.notes: list[str] = []
         if self.cuda:
+            g.enter("set-up: this package's NCCL communicators", op="ops.comm_create")
             self._create_comms()
+            g.leave()
             if "bare" in cfg.variants and not cfg.extra.get("no_bare"):
+                g.enter("set-up: bare NCCL communicators (ctypes)", variant="bare", op="ncclCommInitRank")
                 self._create_bare_comms()
-            if "torch_dist" in cfg.variants or cfg.control:
-                self.nccl_group = dist.new_group(backend="nccl")
+                g.leave(note=f" (libnccl: {self.bare.path if self.bare else 'not loaded'})")
+            if "torch_dist" in cfg.variants or (cfg.control and not cfg.check):
+                g.enter("set-up: torch.distributed NCCL group", variant="torch_dist", op="dist.new_group")
+                self.nccl_group = dist.new_group(backend="nccl", timeout=td)
+                g.leave()
         else:
+            g.enter("set-up: this package's gloo transport", op="GlooTransport")
             self.gloo_transport = self._make_gloo_transport()
+            g.leave()
 
     # -- helpers -------------------------------------------------------------
 
@@ -99,7 +116,7 @@ class _Env:
 
             ev = torch.cuda.Event()
             ev.record()
-            wait_event(ev, self.cfg.timeout_s, f"{self.label()}: {what}")
+            wait_event(ev, self.cfg.case_timeout_s, f"{self.label()}: {what}")
 
     def agree(self, value: Any) -> list[Any]:
         """All ranks' ``value`` (gloo all_gather_object)."""
@@ -227,8 +244,8 @@ def _gloo_transport(env: _Env) -> Any:
     from afd_ext.transport.gloo import GlooTransport
 
     peers = PeerMap(env.role, env.role_rank, env.topo.num_attention_ranks, env.topo.num_ffn_ranks)
-    return GlooTransport(env.store, peers, strict=False, timeout_s=env.cfg.timeout_s,
-                         init_timeout_s=env.cfg.timeout_s)
+    return GlooTransport(env.store, peers, strict=False, timeout_s=env.cfg.peer_wait_s,
+                         init_timeout_s=env.cfg.peer_wait_s)
 
 
 # ---------------------------------------------------------------------------
@@ -287,9 +304,10 @@ def _nbytes(case: Case, d: str) -> int:
 def _time_case(env: _Env, case: Case, ctx, variants: list, bar) -> list[dict]:
     from afd_ext.bench.variants import FlagPingPong
 
-    cfg, reps = env.cfg, env.cfg.reps
+    cfg, reps, g = env.cfg, env.cfg.reps, env.guard
     flag = FlagPingPong(ctx, case)
     records: list[dict] = []
+    ck = case.key()
     for mode in cfg.modes:
         if mode == "graph" and not env.cuda:
             continue
@@ -297,38 +315,55 @@ def _time_case(env: _Env, case: Case, ctx, variants: list, bar) -> list[dict]:
         vlist = [v for v in variants if mode == "eager" or v.graph_ok]
         items = [(flag, "flag")] + [(v, d) for v in vlist for d in _directions_for(v, cfg)]
         # Eager warm-up of every edge and direction (NCCL connects lazily, never inside a capture).
+        # One line per variant and direction: the first contact is where a transport hangs or crashes.
         for v, d in items:
+            fields = dict(case=ck, variant=v.name, mode=mode, direction=d, op=step_ops(v.name, d, env.role))
+            g.enter("barrier before warm-up", quiet=True, **fields)
             env.drain("warm-up")
             env.barrier()
+            g.enter("warm-up", **fields)
             v.bind_stream()
+            _maybe_inject(env, case, v.name, "warm-up")
             time_eager(v.step(d), iters=reps.warmup, warmup=0, cuda=env.cuda, timed=False,
-                       timeout_s=cfg.timeout_s, what=f"{env.label()} warm-up {v.name}/{d}")
+                       timeout_s=cfg.case_timeout_s, what=f"{env.label()} warm-up {v.name}/{d}")
+            g.leave()
         graphs: dict[tuple[str, str], Any] = {}
         ks: dict[tuple[str, str], int] = {}
         if mode == "graph":
             for v, d in items:
+                fields = dict(case=ck, variant=v.name, mode=mode, direction=d, op=step_ops(v.name, d, env.role))
                 k = reps.graph_k(_nbytes(case, d))
+                g.enter("barrier before capture", quiet=True, **fields)
                 env.drain("before capture")
                 env.barrier()
+                g.enter("capture", **fields)
                 graphs[(v.name, d)] = capture_graph(v.step(d), k, before_capture=v.bind_stream)
                 ks[(v.name, d)] = k
+                g.leave()
         samples: dict[tuple[str, str], list[float]] = {key: [] for key in ((v.name, d) for v, d in items)}
-        for _ in range(reps.rounds):
+        for r in range(reps.rounds):
+            t_round = g.elapsed()
             for v, d in items:
+                fields = dict(case=ck, variant=v.name, mode=mode, direction=d, op=step_ops(v.name, d, env.role))
+                g.enter("barrier before timed block", quiet=True, **fields)
                 env.drain("between variants")
                 env.barrier()
-                what = f"{env.label()} {case.key()} {v.name}/{d}/{mode}"
+                g.enter("timed block", quiet=True, **fields)
+                what = f"{env.label()} {ck} {v.name}/{d}/{mode}"
                 if mode == "eager":
                     v.bind_stream()
                     s = time_eager(v.step(d), iters=reps.per_round(_nbytes(case, d), True), warmup=reps.warmup,
-                                   cuda=env.cuda, timeout_s=cfg.timeout_s, what=what)
+                                   cuda=env.cuda, timeout_s=cfg.case_timeout_s, what=what)
                 else:
                     k = ks[(v.name, d)]
                     s = time_graph(graphs[(v.name, d)], reps.graph_replays_per_round(_nbytes(case, d)),
-                                   warmup=1, graph_iters=k, timeout_s=cfg.timeout_s, what=what)
+                                   warmup=1, graph_iters=k, timeout_s=cfg.case_timeout_s, what=what)
                 samples[(v.name, d)].extend(s)
                 if bar is not None:
                     bar.update(1)
+            g.say(f"case {ck} mode {mode}: timed round {r + 1}/{reps.rounds} of {len(items)} blocks "
+                  f"in {g.elapsed() - t_round:.2f} s")
+        g.enter("drain end of mode", quiet=True, case=ck, mode=mode)
         env.drain("end of mode")
         graphs.clear()
         ctx.graph_mode = False
@@ -349,6 +384,44 @@ def _time_case(env: _Env, case: Case, ctx, variants: list, bar) -> list[dict]:
             records.append(rec)
     flag.close()
     return records
+
+
+#: What a variant's step calls, per role (named in progress lines and hang reports).
+_STEP_OPS = {
+    "flag": ("send, recv", "recv, send"),
+    "ours_per_tensor": ("exchange | split_back | fan_in", "fan_in, split_back"),
+    "ours_packed": ("pack_rows, exchange | split_back | fan_in", "fan_in, unpack_rows, split_back"),
+    "reference": ("send per tensor, recv", "recv per tensor, send"),
+    "raw": ("send | split_back, recv | fan_in", "recv | fan_in, send | split_back"),
+    "bare": ("ctypes ncclGroupStart/ncclSend/ncclRecv/ncclGroupEnd", "ctypes ncclRecv group, ncclSend group"),
+    "torch_dist": ("dist.batch_isend_irecv", "dist.batch_isend_irecv"),
+}
+
+
+def step_ops(name: str, direction: str, role: str) -> str:
+    """The ops one step of variant ``name`` issues on ``role`` (words for progress and hang reports)."""
+    pair = _STEP_OPS.get(name)
+    if pair is None:
+        return f"{name} step"
+    return f"{name}.{direction}: {pair[0] if role == ATTENTION else pair[1]}"
+
+
+def _maybe_inject(env: _Env, case: Case, variant: str, where: str) -> None:
+    """Test hook: ``cfg.extra["inject_hang"] = {"variant", "rank", "case"}`` sleeps forever there.
+
+    Used by the CPU test of the deadline path (a hang in one variant must be
+    named, the sweep must move on without it and keep what finished).
+    """
+    spec = env.cfg.extra.get("inject_hang")
+    if not spec or spec.get("variant") != variant or spec.get("rank") != env.rank:
+        return
+    if spec.get("case") not in (None, case.key()) or spec.get("where", "warm-up") != where:
+        return
+    import time
+
+    env.guard.say(f"test hook: hanging on purpose in {variant} {where} of {case.key()}")
+    while True:
+        time.sleep(1.0)
 
 
 def _record(env: _Env, case: Case, name: str, mode: str, d: str, st, ctx) -> dict:
@@ -404,6 +477,9 @@ def _check_case(env: _Env, case: Case, ctx, variants: list) -> list[dict]:
                 continue
             v.check = True
             for d in cfg.directions:
+                env.guard.enter("check", case=case.key(), variant=v.name, mode=mode, direction=d,
+                                op=step_ops(v.name, d, env.role))
+                _maybe_inject(env, case, v.name, "warm-up")
                 step = v.step(d)
                 env.drain("check warm-up")
                 env.barrier()
@@ -467,6 +543,7 @@ def _check_case(env: _Env, case: Case, ctx, variants: list) -> list[dict]:
                 out.append({"case": case.to_dict(), "case_key": case.key(), "variant": v.name, "mode": mode,
                             "direction": d, "role": env.role, "role_rank": env.role_rank,
                             "ok": not errors, "errors": errors[:5]})
+                env.guard.leave(note="" if not errors else f" ({len(errors)} errors)")
             v.check = False
         ctx.graph_mode = False
     return out
@@ -493,11 +570,26 @@ def _compare(got, expected, what: str) -> list[str]:
 def bench_worker(rank: int, nprocs: int, cfg: RunConfig) -> dict:
     """Worker body for :func:`afd_ext.testing.run_workers` (one process per AFD world rank).
 
+    Every step runs under a phase deadline (:class:`afd_ext.bench.guard.WorkerGuard`):
+    progress lines go to stdout, the current phase to ``cfg.parts_dir``, each
+    finished case is appended there too, and a phase that overruns
+    ``cfg.case_timeout_s`` (+ grace) dumps every thread's stack and ends the process.
+
     Returns:
         ``{"rank", "role", "role_rank", "records", "checks", "skipped", "notes", "device", "control"}``.
     """
+    import time
+
     logging.basicConfig(level=logging.INFO, format=f"[bench r{rank}] %(message)s")
-    env = _Env(rank, nprocs, cfg)
+    from afd_ext.topology import Topology
+
+    role, role_rank = Topology(cfg.layout.num_attention_ranks, cfg.layout.num_ffn_ranks).role_of(rank)
+    guard = WorkerGuard(rank, f"{role}{role_rank}", cfg.parts_dir, cfg.case_timeout_s,
+                        verbose=cfg.progress_lines, t0=time.monotonic(), grace_s=cfg.hard_grace_s)
+    guard.say(f"worker start (pid {os.getpid()}, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}, "
+              f"attempt {cfg.attempt}, {len(cfg.cases)} cases, variants {','.join(cfg.variants)}, "
+              f"phase deadline {cfg.case_timeout_s:.0f} s)")
+    env = _Env(rank, nprocs, cfg, guard)
     info: dict[str, Any] = {"rank": rank, "role": env.role, "role_rank": env.role_rank, "records": [],
                             "checks": [], "skipped": [], "notes": env.notes, "control": None}
     if env.cuda:
@@ -516,28 +608,47 @@ def bench_worker(rank: int, nprocs: int, cfg: RunConfig) -> dict:
             bar = tqdm(total=_count_items(env, cfg), desc="afd-ext bench", unit="block",
                        mininterval=1.0 if sys.stderr.isatty() else 15.0)
         for ci, case in enumerate(cfg.cases):
+            t_case = time.monotonic()
+            ck = case.key()
+            guard.enter(f"case {ci + 1}/{len(cfg.cases)}: set up variants", case=ck, op="allocate, agree")
             ctx = env.ctx(case)
             variants, skipped = _setup_variants(env, case, ctx)
-            for name, why in skipped.items():
-                info["skipped"].append({"case_key": case.key(), "variant": name, "reason": why})
+            guard.leave(note=f": {','.join(v.name for v in variants) or 'none'}"
+                        + (f"; skipped {','.join(skipped)}" if skipped else ""))
+            case_skipped = [{"case_key": ck, "variant": name, "reason": why} for name, why in skipped.items()]
+            info["skipped"] += case_skipped
             if cfg.check:
-                info["checks"] += _check_case(env, case, ctx, variants)
+                checks = _check_case(env, case, ctx, variants)
+                info["checks"] += checks
+                recs: list[dict] = []
                 if show:
-                    logger.info("checked %s (%d/%d)", case.key(), ci + 1, len(cfg.cases))
+                    logger.info("checked %s (%d/%d)", ck, ci + 1, len(cfg.cases))
             else:
-                info["records"] += _time_case(env, case, ctx, variants, bar)
+                checks = []
+                recs = _time_case(env, case, ctx, variants, bar)
+                info["records"] += recs
+            guard.enter("close variants", quiet=True, case=ck)
             for v in variants:
                 v.close()
             del variants
             env.drain("end of case")
+            guard.save_part({"kind": "case", "case_key": ck, "records": recs, "checks": checks,
+                             "skipped": case_skipped})
+            guard.say(f"case {ci + 1}/{len(cfg.cases)} {ck} done in {time.monotonic() - t_case:.1f} s")
         if cfg.control and not cfg.check:
             from afd_ext.bench.control import reference_control_plane
 
+            guard.enter("control plane (reference pattern)", op="broadcast_object_list")
             env.barrier()
             info["control"] = reference_control_plane(env, cfg.control_iters)
+            guard.save_part({"kind": "control", "control": info["control"]})
+            guard.leave()
     finally:
         if bar is not None:
             bar.close()
+    guard.enter("close", op="barrier, comm_destroy, destroy_process_group")
     env.barrier()
     env.close()
+    guard.leave()
+    guard.disarm()
     return info
