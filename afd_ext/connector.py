@@ -111,13 +111,36 @@ Errors and resynchronisation (what happens after a failure)
 * Nothing waits forever: NCCL work is followed by the
   :class:`~afd_ext.watchdog.Watchdog` against ``step_timeout_s``; gloo waits
   and strict header waits are bounded and check the abort signal.
+* Which peer: a timeout names the operation, its layer and stage, and the
+  peer(s) it is still waiting on ("waiting on attention rank 1 (world rank
+  2): ..."). gloo knows it per peer. On NCCL a group over several peers
+  completes as a whole, so every rank publishes its step progress (exchanges
+  sent / received, and whether it is waiting on an operation or idle in its
+  caller) to the rendezvous store, only once it has been waiting or idle
+  mid-step for :attr:`AFDConnector.publish_after_s` (nothing on the healthy
+  path); the rank whose operation expires reads its peers' reports: a peer
+  that reported sending is cleared, one that reports being idle in its caller
+  is named as stalled, one that reported nothing is named as probably dead.
+* Outcome on the other ranks: the rank that detects the failure posts the abort
+  signal before it aborts its communicators, so every other rank's pending or
+  next call raises :class:`~afd_ext.rendezvous.StepAbortedError` carrying that
+  message. An attention rank whose own exchanges of the step all completed
+  (its FFN peer is alive; a sibling attention rank died) still ends the step
+  with that error in :meth:`AFDConnector.synchronize` (which checks the abort
+  signal after its wait): its last replies came from an FFN batch that missed
+  the dead rank's rows, and the step is lost on every rank anyway. Without a
+  ``synchronize`` it learns of the abort at its next call (NCCL is
+  asynchronous: returned replies are only known good once ``synchronize``
+  returned).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Hashable, Iterator
@@ -382,6 +405,8 @@ class AFDConnector:
         self._streams: dict[int, Any] = {}
         self._stream_events: dict[int, tuple[Any, Any]] = {}
         self._reply_sends: dict[int, _ReplySend] = {}
+        self._last_call = time.monotonic()
+        self._published: tuple | None = None
 
     # ------------------------------------------------------------------ facts
 
@@ -459,6 +484,15 @@ class AFDConnector:
         t = self.extra.step_timeout_s
         return t if self.role == "ffn" else t + min(5.0, t / 2)
 
+    @property
+    def publish_after_s(self) -> float:
+        """Seconds of waiting (or idling mid-step) after which this rank publishes its progress (NCCL).
+
+        ``0.4 * data_timeout_s``: below every rank's deadline, so a peer's
+        report is there when an operation waiting on it expires.
+        """
+        return 0.4 * self.data_timeout_s
+
     def handshake_fields(self) -> dict[str, Any]:
         """What every rank must agree on at init (checked field by field, both values named on mismatch)."""
         return {
@@ -508,6 +542,8 @@ class AFDConnector:
             self._broken = None
             self._step = None
             self._step_counter = 0
+            self._published = None
+            self._last_call = time.monotonic()
             store = rdzv.connect(self.config.host, self.config.port, self.world_rank, self.world_size,
                                  timeout_s=extra.init_timeout_s, num_ffn_ranks=self.ffn_size)
             self._store = store
@@ -527,7 +563,8 @@ class AFDConnector:
                 self._transport = NcclTransport(
                     store, self.topology, self.peer_map, self.device, strict=extra.strict,
                     timeout_s=timeout, init_timeout_s=extra.init_timeout_s,
-                    abort_check=self._abort_probe, on_failure=self._on_transport_failure)
+                    abort_check=self._abort_probe, on_failure=self._on_transport_failure,
+                    blame=self._blame, on_tick=self._progress_tick)
             channels = cpl.open_control_channels(
                 store, self.topology, self.role, self.role_rank, extra.control_channel, extra.init_timeout_s,
                 options=cpl.ChannelOptions.from_env(heartbeat_interval_s=extra.heartbeat_interval_s,
@@ -620,6 +657,81 @@ class AFDConnector:
         if not isinstance(exc, rdzv.StepAbortedError) and self._store is not None:
             rdzv.post_abort(self._store, str(exc), by=self.peer_map.me)
 
+    # ------------------------------------------------------------------ internals: who is stuck (NCCL)
+
+    def _progress_tick(self, now: float, oldest: Any) -> None:
+        """Watchdog thread: publish this rank's progress once it waits or idles mid-step for long.
+
+        Cheap when healthy (no store traffic): publishes only when this rank has
+        an operation in flight for more than :attr:`publish_after_s`, or is
+        mid-step with nothing in flight and no connector call for that long
+        (its caller is stalled), and only when the report changed.
+        """
+        st, store = self._step, self._store
+        if st is None or store is None or not self._initialized:
+            return
+        thr = self.publish_after_s
+        if oldest is not None and now - oldest.started > thr:
+            state, detail = "waiting", f"waiting {now - oldest.started:.1f} s on {oldest.describe()}"
+            key = (st.step, st.send_pos, st.recv_pos, "waiting", id(oldest))
+        elif oldest is None and not self._step_complete(st) and now - self._last_call > thr:
+            state = "idle"
+            detail = (f"idle in its caller mid-step for {now - self._last_call:.1f} s (no connector call; "
+                      f"{self._progress(st)}): the process is alive but stalled outside the connector")
+            key = (st.step, st.send_pos, st.recv_pos, "idle")
+        else:
+            return
+        if key == self._published:
+            return
+        rec = {"step": st.step, "sent": st.send_pos, "received": st.recv_pos, "total": st.total,
+               "state": state, "detail": detail, "time": time.time()}
+        store.set(f"progress/{self.world_rank}", json.dumps(rec))
+        self._published = key
+
+    def _read_progress(self, world_rank: int) -> dict | None:
+        store = self._store
+        key = f"progress/{world_rank}"
+        if store is None or not store.check([key]):
+            return None
+        return json.loads(store.get(key).decode("utf-8"))
+
+    def _blame(self, op: Any) -> tuple[str, list[str]] | None:
+        """Watchdog thread, when ``op`` expired: which of its peers did not make the matching call.
+
+        Returns ``(text, culprit labels)`` from the peers' published progress
+        (see :meth:`_progress_tick`), or None when ``op`` carries no exchange.
+        """
+        tag, st = op.tag, self._step
+        if tag is None or not op.peer_ranks or tag.layer < 0:
+            return None
+        need = None
+        if st is not None and st.step == tag.step and (tag.layer, tag.stage) in st.seq:
+            need = st.seq.index((tag.layer, tag.stage)) + 1
+        is_send = op.what.endswith("send (split-back)")
+        field, call = ("received", "receive") if is_send else ("sent", "send")
+        culprits: list[str] = []
+        notes: list[str] = []
+        for wr, label in zip(op.peer_ranks, op.peers):
+            try:
+                rec = self._read_progress(wr)
+            except Exception as e:  # noqa: BLE001 - the store may be gone with FFN rank 0
+                notes.append(f"{label}: progress unknown ({e})")
+                continue
+            if rec is None or int(rec.get("step", -1)) < tag.step:
+                why = ("it published no progress report (nothing in flight, not idle mid-step: it is "
+                       "probably dead)") if rec is None else                     f"its last progress report is from step {rec.get('step')}: {rec.get('detail')}"
+                culprits.append(label)
+                notes.append(f"waiting on {label}: it has not issued the matching {call} ({why})")
+            elif need is not None and int(rec["step"]) == tag.step and int(rec.get(field, 0)) < need:
+                culprits.append(label)
+                notes.append(f"waiting on {label}: it has not issued the matching {call} (step {rec['step']}: "
+                             f"{rec.get(field)} of {rec.get('total')} exchanges {field}; {rec.get('detail')})")
+            else:
+                notes.append(f"{label} issued the matching {call} ({rec.get('detail')})")
+        if not notes:
+            return None
+        return "; ".join(notes) + ".", culprits
+
     def _fail_step(self, exc: BaseException) -> None:
         """Abort the step on every rank: post the abort signal, abort our transport."""
         if self._broken is None:
@@ -633,6 +745,7 @@ class AFDConnector:
                 logger.warning("aborting AFD transport: %s", e)
 
     def _check_usable(self, op: str) -> Transport:
+        self._last_call = time.monotonic()
         if not self._initialized or self._transport is None:
             raise ConnectorStateError(
                 f"AFD connector ({self.peer_map.me}) is not initialized; call init_afd_connector() before {op}"
@@ -1247,17 +1360,39 @@ class AFDConnector:
         becomes the watchdog's named error instead of a hang in
         ``torch.cuda.synchronize()``. gloo: receives are already complete.
 
+        Then (NCCL) it checks the abort signal once (one store round trip): when
+        another rank aborted the step, the replies just completed may come
+        from an incomplete fan-in (see the module doc), so the step ends with
+        the abort here too.
+
         Raises:
             AFDTransportError, StepAbortedError: the named failure (the step is aborted everywhere).
         """
-        tr = self._check_usable("synchronize")
+        op = "synchronize"
+        tr = self._check_usable(op)
         if not self._cuda:
             return
         self._join(list(self._streams))
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(self.device))
-        tag = MessageTag("synchronize", "a2f", self._step_counter, -1, -1)
-        self._transport_call(tr.wait_event, ev, "in-flight exchanges", ["every peer"], tag)
+        wd = getattr(tr, "watchdog", None)
+        names: list[str] = []
+        ranks: list[int] = []
+        for o in (wd.in_flight if wd is not None else ()):
+            for name, r in zip(o.peers, o.peer_ranks):
+                if r not in ranks:
+                    names.append(name)
+                    ranks.append(r)
+        st = self._step
+        where = self._progress(st) if st is not None else "no step"
+        tag = MessageTag(op, "a2f", self._step_counter, -1, -1)
+        self._transport_call(tr.wait_event, ev, f"wait for every exchange issued ({where})",
+                             names or ["no peer (nothing in flight)"], tag, ranks)
+        try:
+            self._raise_if_aborted(op)
+        except BaseException as e:
+            self._fail_step(e)
+            raise
 
     @contextlib.contextmanager
     def watchdog_suspended(self) -> Iterator[None]:

@@ -14,6 +14,16 @@ Two tools:
   error: :class:`~afd_ext.transport.base.AFDTimeoutError` naming the op, the
   peer, the layer and the stage, an
   :class:`~afd_ext.transport.base.AFDPeerError`, or the abort.
+
+  Which peer: an NCCL group over several peers (a fan-in) completes as a
+  whole, so its event cannot say whose rows are missing. Two hooks answer
+  that without any cost on the healthy path: ``on_tick`` runs in the thread
+  every ``abort_poll_s`` (the connector publishes this rank's step progress to
+  the rendezvous store there, but only while it has been waiting or idle
+  mid-step for a while), and ``blame(op)`` runs once when an operation
+  expires (the connector reads the peers' published progress and names the
+  peer(s) that did not send: a dead peer publishes nothing, a stalled one
+  says it has been idle in its caller).
 * :func:`host_wait` - a bounded host-side wait used by the gloo transport and
   by strict-mode header checks: it polls a completion test in short slices,
   checks the abort signal between slices, and raises a named
@@ -33,7 +43,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from .transport.base import AFDPeerError, AFDTimeoutError, AFDTransportError
 
@@ -61,6 +71,10 @@ class TrackedOp:
         peers: labels of the peers involved.
         layer, stage: the exchange (layer ordinal, stage id); ``where`` the full position text.
         started: ``time.monotonic()`` when it was issued.
+        on_done: called once the operation is seen complete (e.g. return its event to a pool).
+        tag: the exchange's :class:`~afd_ext.transport.base.MessageTag` (op, direction, step,
+            layer, stage), or None; used by ``blame``.
+        peer_ranks: world ranks of ``peers`` (same order), for ``blame``.
     """
 
     done: Callable[[], bool]
@@ -71,6 +85,8 @@ class TrackedOp:
     where: str
     started: float = field(default_factory=time.monotonic)
     on_done: Callable[[], None] | None = None
+    tag: Any = None
+    peer_ranks: tuple[int, ...] = ()
 
     def describe(self) -> str:
         peers = ", ".join(self.peers) if self.peers else "no peer"
@@ -94,7 +110,14 @@ class Watchdog:
         abort_error: callable ``text -> exception`` building the error for a
             posted abort (default: :class:`AFDPeerError`).
         poll_interval_s: polling period of events and communicators, seconds.
-        abort_poll_s: polling period of ``abort_check``, seconds (a store round trip).
+        abort_poll_s: polling period of ``abort_check`` and ``on_tick``, seconds.
+        blame: callable ``op -> (text, culprits) | None`` run (in the thread) when
+            ``op`` expires: ``text`` is appended to the timeout message (which
+            peer did not send, what it reported), ``culprits`` (peer labels)
+            become the error's ``peer``. Exceptions it raises are logged and ignored.
+        on_tick: callable ``(now, oldest) -> None`` run in the thread every
+            ``abort_poll_s`` with ``time.monotonic()`` and the oldest in-flight
+            :class:`TrackedOp` (or None); exceptions are logged and ignored.
 
     The thread starts with :meth:`start` and ends with :meth:`stop`.
     """
@@ -111,6 +134,8 @@ class Watchdog:
         abort_error: Callable[[str], BaseException] | None = None,
         poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
         abort_poll_s: float = 0.1,
+        blame: Callable[[TrackedOp], tuple[str, Iterable[str]] | None] | None = None,
+        on_tick: Callable[[float, TrackedOp | None], None] | None = None,
     ):
         if not deadline_s or deadline_s <= 0:
             raise ValueError(f"deadline_s must be > 0 seconds, got {deadline_s!r}")
@@ -123,6 +148,8 @@ class Watchdog:
         self._abort_error = abort_error or (lambda text: AFDPeerError(f"AFD step aborted: {text}"))
         self._poll = float(poll_interval_s)
         self._abort_poll = float(abort_poll_s)
+        self._blame = blame
+        self._on_tick = on_tick
         self._lock = threading.Lock()
         self._ops: list[TrackedOp] = []
         self._failure: BaseException | None = None
@@ -152,15 +179,20 @@ class Watchdog:
 
     def track(self, done: Callable[[], bool], what: str, *, peers: Iterable[str] = (),
               layer: int | None = None, stage: int | None = None, where: str = "",
-              on_done: Callable[[], None] | None = None) -> None:
+              on_done: Callable[[], None] | None = None, tag: Any = None,
+              peer_ranks: Iterable[int] = ()) -> TrackedOp:
         """Record an in-flight operation (e.g. ``done=event.query`` of an event recorded after it).
 
         ``on_done`` is called (from the watchdog thread) once the operation is
-        seen complete, e.g. to return its event to a pool.
+        seen complete, e.g. to return its event to a pool. ``tag`` and
+        ``peer_ranks`` (world ranks of ``peers``) let ``blame`` find the peer
+        that did not make the matching call. Returns the :class:`TrackedOp`.
         """
-        op = TrackedOp(done, what, tuple(peers), layer, stage, where, on_done=on_done)
+        op = TrackedOp(done, what, tuple(peers), layer, stage, where, on_done=on_done, tag=tag,
+                       peer_ranks=tuple(peer_ranks))
         with self._lock:
             self._ops.append(op)
+        return op
 
     @property
     def in_flight(self) -> list[TrackedOp]:
@@ -234,12 +266,7 @@ class Watchdog:
             for op in still:
                 age = now - op.started
                 if age > self.deadline_s:
-                    self.fail(AFDTimeoutError(
-                        f"AFD {self.owner}: {op.describe()} did not complete within the deadline of "
-                        f"{self.deadline_s:g} s (in flight {age:.1f} s): the peer is dead, stuck, or not "
-                        "making the matching call. The communicators were aborted; close and re-initialise "
-                        "the connector on every rank. Raise step_timeout_s if the peer is only slow.",
-                        op=op.what, peer=", ".join(op.peers) or None, layer=op.layer, stage=op.stage))
+                    self.fail(self.timeout_error(op, age))
                     return
         if self._comms is not None and self._async_error is not None:
             for handle, desc in list(self._comms()):
@@ -260,19 +287,49 @@ class Watchdog:
                         stage=op0.stage if op0 else None))
                     return
 
+    def timeout_error(self, op: TrackedOp, age: float) -> AFDTimeoutError:
+        """The error of an expired ``op`` (in flight ``age`` seconds), with ``blame``'s verdict."""
+        extra, culprits = "", ()
+        if self._blame is not None:
+            try:
+                verdict = self._blame(op)
+            except Exception:  # noqa: BLE001 - the timeout itself is what matters
+                logger.exception("AFD watchdog blame callback raised")
+                verdict = None
+            if verdict:
+                extra, culprits = verdict[0], tuple(verdict[1])
+        peer = ", ".join(culprits) or ", ".join(op.peers) or None
+        return AFDTimeoutError(
+            f"AFD {self.owner}: {op.describe()} did not complete within the deadline of "
+            f"{self.deadline_s:g} s (in flight {age:.1f} s): the peer is dead, stuck, or not making the "
+            f"matching call.{' ' + extra if extra else ''} The communicators were aborted; close and "
+            "re-initialise the connector on every rank. Raise step_timeout_s if the peer is only slow.",
+            op=op.what, peer=peer, layer=op.layer, stage=op.stage)
+
+    def oldest(self) -> TrackedOp | None:
+        """The oldest tracked operation not yet seen complete, or None."""
+        with self._lock:
+            return min(self._ops, key=lambda o: o.started) if self._ops else None
+
     def _run(self) -> None:
         next_abort = 0.0
         while not self._stop.wait(self._poll):
             try:
                 self.poll_once()
                 now = time.monotonic()
+                if self._on_tick is not None and self._failure is None and now >= next_abort:
+                    try:
+                        self._on_tick(now, self.oldest())
+                    except Exception:  # noqa: BLE001 - diagnostics only
+                        logger.exception("AFD watchdog on_tick callback raised")
                 if self._abort_check is not None and self._failure is None and now >= next_abort:
-                    next_abort = now + self._abort_poll
                     found = self._abort_check()
                     if isinstance(found, BaseException):
                         self.fail(found)
                     elif found:
                         self.fail(self._abort_error(found))
+                if now >= next_abort:
+                    next_abort = now + self._abort_poll
             except Exception as e:  # noqa: BLE001 - never let the thread die silently
                 if self._failure is None:
                     self.fail(AFDTransportError(f"AFD {self.owner}: watchdog check failed: {e}"))

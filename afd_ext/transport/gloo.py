@@ -101,6 +101,14 @@ class _Waiter:
         return not self._t.is_alive()
 
 
+def _completed_ok(work: Any) -> bool:
+    """Whether a gloo work finished successfully (False while pending or after an error)."""
+    try:
+        return bool(work.is_completed()) and bool(work.is_success())
+    except Exception:  # noqa: BLE001 - treat an unanswerable work as not done
+        return False
+
+
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """A uint8 view of a contiguous tensor (gloo then needs no dtype support, e.g. for fp8)."""
     if t.dim() == 0:
@@ -143,8 +151,14 @@ class GlooTransport(Transport):
 
     # -- waits -------------------------------------------------------------------
 
-    def _wait(self, works: Sequence[Any], tag: MessageTag, what: str, peer: str) -> None:
-        """Wait for gloo works with the deadline, the abort signal and named errors."""
+    def _wait(self, works: Sequence[Any], tag: MessageTag, what: str, peer: str,
+              by_peer: Sequence[tuple[str, Sequence[Any]]] = ()) -> None:
+        """Wait for gloo works with the deadline, the abort signal and named errors.
+
+        ``by_peer`` (``[(peer label, its works)]``) lets a failure name the
+        peer(s) whose messages did not complete ("waiting on attention rank 1
+        (world rank 2)") instead of every peer of the exchange.
+        """
         if not works:
             return
         waiter = self._waiter
@@ -169,12 +183,26 @@ class GlooTransport(Transport):
         abort = None
         if self._abort_check is not None:
             abort = lambda: self._abort_check(f"{tag.op} ({what} with {peer} at {tag.where()})")  # noqa: E731
+        def culprits() -> tuple[str, str]:
+            """(text naming the peers whose works did not complete, their labels)."""
+            stuck = [label for label, ws in by_peer if not all(_completed_ok(w) for w in ws)]
+            if not stuck or len(by_peer) < 2:
+                return "", peer
+            done_ = [label for label, _ in by_peer if label not in stuck]
+            text = "; ".join(f"waiting on {label}: its message of this exchange did not arrive" for label in stuck)
+            if done_:
+                text += f" ({', '.join(done_)}: complete)"
+            return text + ".", ", ".join(stuck)
+
         try:
             host_wait(done, timeout_s=self.timeout_s, describe=describe, abort_check=abort,
                       op=tag.op, peer=peer, layer=tag.layer, stage=tag.stage)
         except AFDTimeoutError as e:
+            text, who = culprits()
+            if text:
+                e = AFDTimeoutError(f"{e} {text}", op=tag.op, peer=who, layer=tag.layer, stage=tag.stage)
             self._closed = e
-            raise
+            raise e from None
         except AFDTransportError:
             raise
         except RuntimeError as e:
@@ -184,15 +212,17 @@ class GlooTransport(Transport):
                 # A rank that aborts the step also tears down its gloo pairs; report
                 # the abort (the root cause), not the closed connection.
                 self._abort_check(f"{tag.op} ({what} with {peer} at {tag.where()})")
+            blame, who = culprits()
+            blame = f" {blame}" if blame else ""
             if "Connection closed by peer" in text or "Connection reset" in text or "closed" in text.lower():
                 raise AFDPeerError(
-                    f"AFD {describe()} failed: the peer went away ({text.splitlines()[0]}). It probably "
+                    f"AFD {describe()} failed: the peer went away ({text.splitlines()[0]}).{blame} It probably "
                     "crashed or was killed; check its log. Close and re-initialise the connector.",
-                    op=tag.op, peer=peer, layer=tag.layer, stage=tag.stage,
+                    op=tag.op, peer=who, layer=tag.layer, stage=tag.stage,
                 ) from None
             raise AFDPeerError(
-                f"AFD {describe()} failed: {text.splitlines()[0] if text else type(e).__name__}",
-                op=tag.op, peer=peer, layer=tag.layer, stage=tag.stage,
+                f"AFD {describe()} failed: {text.splitlines()[0] if text else type(e).__name__}.{blame}",
+                op=tag.op, peer=who, layer=tag.layer, stage=tag.stage,
             ) from None
 
     # -- data --------------------------------------------------------------------
@@ -204,20 +234,24 @@ class GlooTransport(Transport):
         works: list[Any] = []
         keep: list[torch.Tensor] = []
         names: list[str] = []
+        by_peer: list[tuple[str, list[Any]]] = []
         try:
             for peer, off, r in zip(peers, row_offsets(rows), rows):
                 if r == 0:
                     continue
                 dst = self.peers.peer_world_rank(peer)
                 names.append(self.peers.label(dst))
+                mine: list[Any] = []
+                by_peer.append((names[-1], mine))
                 if self.strict:
                     h = encode_headers(tag, self.peers.world_rank, dst, r, msgs)
                     keep.append(h)
-                    works.append(self._pg.send([h], dst, gtag))
+                    mine.append(self._pg.send([h], dst, gtag))
                 for _, t in msgs:
                     view = _bytes(t.narrow(0, off, r))
                     keep.append(view)
-                    works.append(self._pg.send([view], dst, gtag))
+                    mine.append(self._pg.send([view], dst, gtag))
+                works.extend(mine)
         except RuntimeError as e:
             self._closed = e
             raise AFDPeerError(f"AFD {tag.op}: send to {', '.join(names) or 'peers'} at {tag.where()} failed: {e}",
@@ -225,7 +259,7 @@ class GlooTransport(Transport):
         if not works:
             return PendingSend()
         peer_text = ", ".join(names)
-        return PendingSend(lambda: self._wait(works, tag, "send", peer_text), keep)
+        return PendingSend(lambda: self._wait(works, tag, "send", peer_text, by_peer), keep)
 
     def fan_in(self, tensors, peers, rows, *, tag: MessageTag) -> None:
         self._check_open(tag)
@@ -241,18 +275,21 @@ class GlooTransport(Transport):
                 h = torch.empty(len(msgs), HEADER_WORDS, dtype=torch.int64)
                 blocks.append(h)
             works = [self._pg.recv([h], self.peers.peer_world_rank(p), gtag) for h, (p, _, _) in zip(blocks, live)]
-            self._wait(works, tag, "header receive", ", ".join(names))
+            self._wait(works, tag, "header receive", ", ".join(names),
+                       [(name, [w]) for name, w in zip(names, works)])
             for h, (p, _, r) in zip(blocks, live):
                 src = self.peers.peer_world_rank(p)
                 want = encode_headers(tag, src, self.peers.world_rank, r, msgs)
                 check_headers(h, want, tag=tag, receiver_label=self.peers.me,
                               sender_label=self.peers.label(src), label=self.peers.label)
         works = []
-        for p, off, r in live:
+        by_peer = []
+        for name, (p, off, r) in zip(names, live):
             src = self.peers.peer_world_rank(p)
-            for _, t in msgs:
-                works.append(self._pg.recv([_bytes(t.narrow(0, off, r))], src, gtag))
-        self._wait(works, tag, "receive", ", ".join(names))
+            mine = [self._pg.recv([_bytes(t.narrow(0, off, r))], src, gtag) for _, t in msgs]
+            by_peer.append((name, mine))
+            works.extend(mine)
+        self._wait(works, tag, "receive", ", ".join(names), by_peer)
 
     # -- collective / lifecycle ----------------------------------------------------
 

@@ -35,8 +35,17 @@ per-stage stream current around each call, so the ordering rules of
 
 No hang: after each group an event is recorded on the stream and handed to the
 :class:`~afd_ext.watchdog.Watchdog` with a description (op, peers, layer,
-stage); on expiry or an asynchronous communicator error the watchdog aborts
-every communicator of this transport and the next call raises the named error.
+stage, the exchange's tag); on expiry or an asynchronous communicator error
+the watchdog posts the abort signal (through ``on_failure``, bounded, *before*
+the communicators are aborted: aborting releases queued sends, so a peer that
+receives one afterwards finds the abort already posted), aborts every
+communicator of this transport, and the next call raises the named error.
+Host waits (:meth:`NcclTransport.wait_event`: ``synchronize``, strict headers,
+``barrier``) are tracked like any operation, so the watchdog is the one clock:
+the error names the *oldest* unfinished operation (its op, peers, layer and
+stage), not the wait that noticed it; the host wait itself only has a backstop
+deadline a little later. Which peer of a multi-peer group did not send is
+decided by the watchdog's ``blame`` hook (the connector's published progress).
 
 The fused ``ops.exchange`` (split-back and the reply's fan-in in one group) is
 deliberately not used: the connector API is two calls (``send_attn_output``,
@@ -65,6 +74,7 @@ import torch
 from ..watchdog import Watchdog, host_wait
 from .base import (
     HEADER_WORDS,
+    AFDTimeoutError,
     AFDTransportError,
     MessageTag,
     PeerMap,
@@ -77,12 +87,16 @@ from .base import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NcclTransport", "DIRECTIONS", "RELEASE_TIMEOUT_S", "pending_releases"]
+__all__ = ["NcclTransport", "DIRECTIONS", "RELEASE_TIMEOUT_S", "WAIT_BACKSTOP_S", "POST_ABORT_WAIT_S", "pending_releases"]
 
 DIRECTIONS = ("a2f", "f2a")
 
 #: Bound of one teardown (drain, destroy or abort of this transport's communicators), seconds.
 RELEASE_TIMEOUT_S = 15.0
+#: A host wait on an event gives up this long after the deadline if the watchdog did not report first.
+WAIT_BACKSTOP_S = 2.0
+#: How long a failing rank waits for its abort post (store round trip) before aborting its communicators.
+POST_ABORT_WAIT_S = 1.0
 
 # NCCL management calls that overran their bound and may still be running in a
 # helper thread (thread, description); a new transport waits for them first.
@@ -167,6 +181,7 @@ class NcclTransport(Transport):
             communicators' aborts were started, before they are awaited), e.g.
             posting the rendezvous abort signal.
         abort_error: callable ``text -> exception`` for a posted abort.
+        blame, on_tick: the watchdog's hooks (see :class:`~afd_ext.watchdog.Watchdog`).
 
     Raises:
         RendezvousTimeoutError: a peer did not publish its unique id, or did not join
@@ -184,7 +199,9 @@ class NcclTransport(Transport):
                  timeout_s: float, init_timeout_s: float,
                  abort_check: Callable[[], str | None] | None = None,
                  on_failure: Callable[[BaseException], None] | None = None,
-                 abort_error: Callable[[str], BaseException] | None = None):
+                 abort_error: Callable[[str], BaseException] | None = None,
+                 blame: Callable[[Any], Any] | None = None,
+                 on_tick: Callable[[float, Any], None] | None = None):
         device = torch.device(device)
         if device.type != "cuda":
             raise ValueError(f"the NCCL transport needs a CUDA device, got {device}")
@@ -203,6 +220,7 @@ class NcclTransport(Transport):
             timeout_s, owner=peers.me, on_failure=self._on_watchdog_failure,
             comms=lambda: [(h, f"{d} a{a}-f{f}") for (a, f, d), h in list(self._comms.items())],
             async_error=ops.comm_async_error, abort_check=abort_check, abort_error=abort_error,
+            blame=blame, on_tick=on_tick,
         )
         self._store = store
         t0 = time.monotonic()
@@ -329,7 +347,8 @@ class NcclTransport(Transport):
         self.watchdog.check()
         self._check_open(tag)
 
-    def _track(self, what: str, names: Sequence[str], tag: MessageTag) -> None:
+    def _track(self, what: str, live: Sequence[int], tag: MessageTag) -> None:
+        """Follow the group just issued on the current stream (``live``: its peers' role ranks)."""
         if _capturing():
             return
         # Events are reused: the watchdog hands an event back once it saw it complete.
@@ -338,25 +357,53 @@ class NcclTransport(Transport):
         except IndexError:
             ev = torch.cuda.Event()
         ev.record()
-        self.watchdog.track(ev.query, f"{tag.op}: {what}", peers=names, layer=tag.layer, stage=tag.stage,
-                            where=tag.where(), on_done=lambda: self._event_pool.append(ev))
+        self.watchdog.track(ev.query, f"{tag.op}: {what}", peers=[self.peers.peer_label(p) for p in live],
+                            layer=tag.layer, stage=tag.stage, where=tag.where(),
+                            on_done=lambda: self._event_pool.append(ev), tag=tag,
+                            peer_ranks=[self.peers.peer_world_rank(p) for p in live])
 
-    def wait_event(self, ev: torch.cuda.Event, what: str, names: Sequence[str], tag: MessageTag) -> None:
-        """Host wait for ``ev`` with the deadline; raises the watchdog's failure or a named timeout."""
+    def wait_event(self, ev: torch.cuda.Event, what: str, names: Sequence[str], tag: MessageTag,
+                   peer_ranks: Sequence[int] = ()) -> None:
+        """Host wait for ``ev`` (recorded on the current stream) with the deadline.
+
+        The wait is tracked by the watchdog like any operation, so when it
+        cannot finish the error is the watchdog's: the oldest unfinished
+        operation (which may be an exchange issued before this wait), named
+        with its op, peers, layer and stage. The host loop itself gives up
+        only :data:`WAIT_BACKSTOP_S` later (a dead watchdog thread), with the
+        same kind of error.
+
+        Raises:
+            AFDTimeoutError / AFDPeerError / StepAbortedError: the watchdog's failure.
+        """
+        wd = self.watchdog
+        exchange = tag.layer >= 0
+        where = tag.where() if exchange else f"step {tag.step}"
+        wd.track(ev.query, f"{tag.op}: {what}", peers=names, layer=tag.layer if exchange else None,
+                 stage=tag.stage if exchange else None, where=where, tag=tag, peer_ranks=peer_ranks)
+
         def done(slice_s: float) -> bool:
             end = time.monotonic() + slice_s
             while True:
                 if ev.query():
                     return True
-                self.watchdog.check()
+                wd.check()
                 if time.monotonic() >= end:
                     return False
                 time.sleep(min(0.0005, slice_s))
 
         peer = ", ".join(names)
-        host_wait(done, timeout_s=self.timeout_s,
-                  describe=lambda: f"{tag.op}: {what} with {peer} at {tag.where()} on {self.peers.me}",
-                  abort_check=self.watchdog.check, op=tag.op, peer=peer, layer=tag.layer, stage=tag.stage)
+        try:
+            host_wait(done, timeout_s=self.timeout_s + WAIT_BACKSTOP_S,
+                      describe=lambda: f"{tag.op}: {what} with {peer} at {where} on {self.peers.me}",
+                      abort_check=wd.check, op=tag.op, peer=peer, layer=tag.layer, stage=tag.stage)
+        except AFDTimeoutError:
+            # The watchdog did not report in time (its thread is gone?): report what it would have.
+            oldest = wd.oldest()
+            if oldest is not None and wd.failure is None:
+                wd.fail(wd.timeout_error(oldest, time.monotonic() - oldest.started))
+            wd.check()
+            raise
 
     # -- data --------------------------------------------------------------------
 
@@ -366,7 +413,6 @@ class NcclTransport(Transport):
         live = [(p, r) for p, r in zip(peers, rows) if r > 0]
         if not live:
             return PendingSend()
-        names = [self.peers.peer_label(p) for p, _ in live]
         comms = [self._comm(p, tag.direction) for p in peers]
         ranks = [self._peer_index()] * len(peers)
         keep: list[torch.Tensor] = []
@@ -379,7 +425,7 @@ class NcclTransport(Transport):
             self._ops.split_back(hdr, None, None, hcomms, [self._peer_index()] * len(live), [len(msgs)] * len(live))
         full = list(tensors) + [None] * (3 - len(tensors))
         self._ops.split_back(full[0], full[1], full[2], comms, ranks, list(rows))
-        self._track("send (split-back)", names, tag)
+        self._track("send (split-back)", [p for p, _ in live], tag)
         return PendingSend(None, keep)
 
     def fan_in(self, tensors, peers, rows, *, tag: MessageTag) -> None:
@@ -395,7 +441,8 @@ class NcclTransport(Transport):
             self._ops.fan_in(hdr, None, None, hcomms, [self._peer_index()] * len(live), [len(msgs)] * len(live))
             ev = torch.cuda.Event()
             ev.record()
-            self.wait_event(ev, "header receive", names, tag)
+            self.wait_event(ev, "header receive", names, tag,
+                            [self.peers.peer_world_rank(p) for p, _ in live])
             got = hdr.cpu()
             for i, (p, r) in enumerate(live):
                 src = self.peers.peer_world_rank(p)
@@ -406,7 +453,7 @@ class NcclTransport(Transport):
         comms = [self._comm(p, tag.direction) for p in peers]
         full = list(tensors) + [None] * (3 - len(tensors))
         self._ops.fan_in(full[0], full[1], full[2], comms, [self._peer_index()] * len(peers), list(rows))
-        self._track("receive (fan-in)", names, tag)
+        self._track("receive (fan-in)", [p for p, _ in live], tag)
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -472,11 +519,17 @@ class NcclTransport(Transport):
         self._aborted = True
         if self._closed is None:
             self._closed = exc
-        # Start the aborts first (a dead store host must not delay them), then tell
-        # the peers (posting the abort signal), then wait for the aborts (bounded).
-        threads = self._release(abort=True, timeout_s=RELEASE_TIMEOUT_S, wait=False)
+        # Tell the peers first (posting the abort signal), bounded by POST_ABORT_WAIT_S
+        # so a dead store host cannot delay the aborts much: aborting our communicators
+        # lets sends queued behind the stuck operation through, and a peer that
+        # receives one of them must find the abort already posted (its synchronize()
+        # then reports the aborted step instead of returning replies computed from
+        # an incomplete fan-in). Then abort, and wait for the aborts (bounded).
         if self._extra_on_failure is not None:
-            self._extra_on_failure(exc)
+            poster, _ = _start(lambda: self._extra_on_failure(exc), f"posting the abort of {self.peers.me}",
+                               register=False)
+            poster.join(POST_ABORT_WAIT_S)
+        threads = self._release(abort=True, timeout_s=RELEASE_TIMEOUT_S, wait=False)
         left = _join_all(threads, time.monotonic() + RELEASE_TIMEOUT_S)
         if left:
             logger.error("%s: NCCL abort did not return within %.0f s: %s", self.peers.me,
