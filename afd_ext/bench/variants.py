@@ -5,9 +5,9 @@ between this process and its peers (the :class:`Link` list of this rank):
 
 ======================  ==========================================================
 ``ours_per_tensor``     this package: attention ``exchange`` (split_back of hidden,
-                        logits, ids + fan_in of the reply in one NCCL group); FFN
-                        ``fan_in`` then ``split_back``. Three messages per edge
-                        in one group.
+                        logits, ids, then fan_in of the reply: two NCCL groups);
+                        FFN ``fan_in`` then ``split_back``. Three messages per
+                        edge in one group.
 ``ours_packed``         this package, packed wire rows: ``pack_rows`` + one
                         message per edge + ``unpack_rows`` on the FFN rank.
 ``reference``           the reference connector's call pattern over the same NCCL
@@ -723,7 +723,26 @@ class BareNccl:
         self.lib = lib
 
     @staticmethod
+    def _loaded() -> str | None:
+        """Path of the ``libnccl.so*`` already mapped into this process (Linux), if any."""
+        try:
+            with open("/proc/self/maps") as f:
+                for line in f:
+                    fields = line.rstrip("\n").split(maxsplit=5)
+                    path = fields[5] if len(fields) == 6 else ""
+                    if os.path.basename(path).startswith("libnccl.so") and os.path.exists(path):
+                        return path
+        except OSError:
+            pass
+        return None
+
+    @staticmethod
     def _find() -> str:
+        # The library torch / our ops already loaded first: a second copy of NCCL
+        # in one process (another file) would have its own state and threads.
+        loaded = BareNccl._loaded()
+        if loaded:
+            return loaded
         try:
             import nvidia.nccl as nn  # the wheel torch uses
 
@@ -813,7 +832,10 @@ class Bare(OursPerTensor):
             self.ctx.bare.check(rc, "ncclGroupEnd")
 
     def attn_round(self) -> None:
-        self._group(self.c_send, self.c_recv)
+        # Two groups, like the ``exchange`` op: sends, then the reply receive. One
+        # group holding the sends and the receive hung/crashed on 2x H200 (NCCL 2.28.9).
+        self._group(self.c_send)
+        self._group(self.c_recv)
 
     def attn_send(self) -> None:
         self._group(self.c_send)
@@ -880,7 +902,11 @@ class TorchDist(OursPerTensor):
             w.wait()  # NCCL: makes the current stream wait, no host block
 
     def attn_round(self) -> None:
-        self._run(self.o_send + self.o_recv)
+        # Sends, then the reply receive, as two batches (one NCCL group each), as the
+        # ``exchange`` op does: a batch of several sends plus the receive from the same
+        # peer on one communicator is the pattern that hung on 2x H200 (NCCL 2.28.9).
+        self._run(self.o_send)
+        self._run(self.o_recv)
 
     def attn_send(self) -> None:
         self._run(self.o_send)
