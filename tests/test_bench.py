@@ -465,3 +465,22 @@ def test_no_retry_writes_partial_outputs(tmp_path, capsys):
     assert doc["failures"][0]["case"] == "h16-t3-hidden"
     assert doc["meta"]["complete"] is False
     assert "INCOMPLETE" in (out / "bench.md").read_text()
+
+
+def test_diagnose_names_crash_and_hang():
+    from afd_ext.bench.guard import diagnose
+
+    now = 1000.0
+    ffn = {"what": "warm-up", "rank": 0, "label": "ffn0", "variant": "ours_per_tensor", "case": "h16-t1-hidden",
+           "mode": "eager", "direction": "round_trip", "op": "fan_in", "wall_start": now - 3, "timeout_s": 60,
+           "hard_timeout_s": 75}
+    attn = {"what": "barrier before warm-up", "rank": 1, "label": "attention0", "wall_start": now - 3,
+            "timeout_s": 60, "hard_timeout_s": 75}
+    d = diagnose(RuntimeError("worker rank 0 died with exit code -11 without reporting"), [ffn, attn], now)
+    assert d["kind"] == "crashed" and d["variant"] == "ours_per_tensor" and d["rank"] == 0
+    assert "SIGSEGV" in d["message"] and "attention0" in d["message"]
+    late = dict(ffn, wall_start=now - 80)
+    d = diagnose(RuntimeError("worker rank 0 died with exit code 1 without reporting"), [late, attn], now)
+    assert d["kind"] == "hung" and "deadline" in d["message"]
+    d = diagnose(RuntimeError("worker rank 1 died with exit code 1 without reporting"), [None, None], now)
+    assert d["variant"] is None and "no phase recorded" in d["message"]

@@ -28,7 +28,7 @@ import os
 import zlib
 from typing import Any
 
-from afd_ext.bench.guard import HARD_GRACE_S, WorkerGuard
+from afd_ext.bench.guard import WorkerGuard
 from afd_ext.bench.plan import Case, RunConfig
 from afd_ext.bench.timing import capture_graph, summarize, time_eager, time_graph, wait_event
 
