@@ -683,10 +683,13 @@ class AFDConnector:
             return
         if key == self._published:
             return
+        self._published = key  # once per report, even if the store is gone (no retry storm)
         rec = {"step": st.step, "sent": st.send_pos, "received": st.recv_pos, "total": st.total,
                "state": state, "detail": detail, "time": time.time()}
-        store.set(f"progress/{self.world_rank}", json.dumps(rec))
-        self._published = key
+        try:
+            store.set(f"progress/{self.world_rank}", json.dumps(rec))
+        except Exception as e:  # noqa: BLE001 - diagnostics only; the store may be gone with FFN rank 0
+            logger.warning("%s: could not publish step progress: %s", self.peer_map.me, e)
 
     def _read_progress(self, world_rank: int) -> dict | None:
         store = self._store

@@ -156,6 +156,9 @@ def test_peer_loss_mid_step_is_a_named_error_within_the_deadline(mode):
         assert "error" in r, r
         msg = r["error"][1]
         assert "attention rank 1" in msg and "layer 1" in msg and "stage 0" in msg, r["error"]
+        # the fan-in names the peer whose rows are missing, and only that one
+        assert "waiting on attention rank 1 (world rank 2)" in msg, r["error"]
+        assert "waiting on attention rank 0" not in msg, r["error"]
         limit = deadline + 2.0 if mode == "stall" else 2.0
         assert r["elapsed"] < limit, r
     if mode == "kill":
@@ -235,6 +238,143 @@ def test_watchdog_names_op_peer_layer_stage_and_aborts():
         time.sleep(0.01)
     wd4.stop()
     assert wd4.failure is not None and "attention rank 1" in str(wd4.failure)
+
+
+def test_watchdog_blame_names_the_culprit_and_on_tick_sees_the_oldest_op():
+    from afd_ext.transport.base import AFDTimeoutError, MessageTag
+    from afd_ext.watchdog import Watchdog
+
+    ticks = []
+    wd = Watchdog(0.05, owner="FFN rank 0", poll_interval_s=0.001, abort_poll_s=0.001,
+                  blame=lambda op: ("waiting on attention rank 1 (world rank 2): it has not issued the matching send",
+                                    ["attention rank 1 (world rank 2)"]),
+                  on_tick=lambda now, oldest: ticks.append(oldest))
+    tag = MessageTag("recv_attn_output", "a2f", 3, 1, 0)
+    first = wd.track(lambda: False, "recv_attn_output: receive (fan-in)",
+                     peers=["attention rank 0 (world rank 1)", "attention rank 1 (world rank 2)"], layer=1, stage=0,
+                     where=tag.where(), tag=tag, peer_ranks=[1, 2])
+    wd.track(lambda: False, "synchronize: wait for every exchange issued", peers=["every peer"], where="step 3")
+    assert wd.oldest() is first
+    wd.start()
+    t0 = time.monotonic()
+    while wd.failure is None and time.monotonic() - t0 < 5:
+        time.sleep(0.005)
+    wd.stop()
+    err = wd.failure
+    assert isinstance(err, AFDTimeoutError), err
+    # the oldest unfinished op is reported (not the later synchronize), with the blame's verdict
+    assert err.layer == 1 and err.stage == 0 and err.op == "recv_attn_output: receive (fan-in)"
+    assert err.peer == "attention rank 1 (world rank 2)"
+    assert "step 3, layer 1, stage 0" in str(err) and "waiting on attention rank 1" in str(err)
+    assert ticks and ticks[0] is first
+
+    # a failing blame hook does not lose the timeout
+    def broken(op):
+        raise RuntimeError("store gone")
+
+    wd2 = Watchdog(0.01, owner="x", blame=broken)
+    wd2.track(lambda: False, "recv_ffn_output: receive (fan-in)", peers=["FFN rank 0 (world rank 0)"], layer=0,
+              stage=1, where="step 1, layer 0, stage 1")
+    time.sleep(0.02)
+    wd2.poll_once()
+    assert isinstance(wd2.failure, AFDTimeoutError) and wd2.failure.peer == "FFN rank 0 (world rank 0)"
+
+
+class _DictStore:
+    """The few AFDStore methods the progress reports use, over a dict (one process, threads)."""
+
+    def __init__(self):
+        self.d: dict[str, bytes] = {}
+
+    def set(self, key, value):
+        self.d[key] = value.encode() if isinstance(value, str) else bytes(value)
+
+    def check(self, keys):
+        return all(k in self.d for k in keys)
+
+    def get(self, key):
+        return self.d[key]
+
+
+def _offline_connector(role: str, role_rank: int, store, *, A=2, F=1, timeout_s=5.0):
+    """A gloo-configured connector with a step applied but no transport (progress/blame logic only)."""
+    from afd_ext.config import AFDConfig
+    from afd_ext.connector import AFDConnector
+    from afd_ext.metadata import AFDControlPayload
+    from afd_ext.schedule import build_step_schedule
+
+    cfg = AFDConfig(role=role, num_attention_ranks=A, num_ffn_ranks=F,
+                    connector_extra_config={"transport": "gloo", "step_timeout_s": timeout_s})
+    c = AFDConnector(0, 0, cfg, role_rank, hidden_size=8, num_layers=2)
+    c._store, c._initialized = store, True
+    payload = AFDControlPayload({0: [2, 3]})
+    c._start_step(build_step_schedule(c.topology, payload, c.schedule_config), payload)
+    return c
+
+
+def test_progress_reports_let_a_fan_in_timeout_name_the_stalled_or_dead_attention_rank():
+    """NCCL fan-in completes as a whole: the FFN names the missing peer from the peers' progress reports."""
+    from afd_ext.transport.base import MessageTag
+    from afd_ext.watchdog import TrackedOp
+
+    store = _DictStore()
+    ffn = _offline_connector("ffn", 0, store)
+    a0 = _offline_connector("attention", 0, store)
+    a1 = _offline_connector("attention", 1, store)
+    # layer 0 (exchange 0) done everywhere; a0 also sent layer 1, a1 did not
+    a0._step.send_pos, a0._step.recv_pos = 2, 1
+    a1._step.send_pos, a1._step.recv_pos = 1, 1
+    ffn._step.recv_pos, ffn._step.send_pos = 2, 2
+    now = time.monotonic()
+    thr = a0.publish_after_s
+    assert 0 < thr < ffn.data_timeout_s
+    # healthy / not yet slow: nothing is published (no store traffic)
+    reply = TrackedOp(lambda: False, "recv_ffn_output: receive (fan-in)", ("FFN rank 0 (world rank 0)",), 1, 0,
+                      "step 1, layer 1, stage 0", started=now - thr / 2)
+    a0._progress_tick(now, reply)
+    a1._last_call = now - thr / 2
+    a1._progress_tick(now, None)
+    assert store.d == {}
+    # a0 waits on its reply for long, a1 is idle mid-step in its caller
+    reply.started = now - thr - 0.1
+    a0._progress_tick(now, reply)
+    a1._last_call = now - thr - 0.1
+    a1._progress_tick(now, None)
+    assert set(store.d) == {"progress/1", "progress/2"}
+    step = ffn._step.step
+    peers = ("attention rank 0 (world rank 1)", "attention rank 1 (world rank 2)")
+    fan_in = TrackedOp(lambda: False, "recv_attn_output: receive (fan-in)", peers, 1, 0,
+                       f"step {step}, layer 1, stage 0", tag=MessageTag("recv_attn_output", "a2f", step, 1, 0),
+                       peer_ranks=(1, 2))
+    text, culprits = ffn._blame(fan_in)
+    assert culprits == ["attention rank 1 (world rank 2)"], text
+    assert "waiting on attention rank 1 (world rank 2): it has not issued the matching send" in text
+    assert "idle in its caller" in text and "waiting on attention rank 0" not in text
+    assert "attention rank 0 (world rank 1) issued the matching send" in text
+    # a dead rank publishes nothing
+    del store.d["progress/2"]
+    text, culprits = ffn._blame(fan_in)
+    assert culprits == ["attention rank 1 (world rank 2)"] and "probably dead" in text, text
+    # the attention side's reply receive blames the FFN rank by its replies sent
+    store.d.clear()
+    ffn._step.send_pos = 1
+    ffn_wait = TrackedOp(lambda: False, "recv_attn_output: receive (fan-in)", peers, 1, 0, "",
+                         started=now - ffn.publish_after_s - 0.1)
+    ffn._progress_tick(now, ffn_wait)
+    reply_op = TrackedOp(lambda: False, "recv_ffn_output: receive (fan-in)", ("FFN rank 0 (world rank 0)",), 1, 0,
+                         "", tag=MessageTag("recv_ffn_output", "f2a", step, 1, 0), peer_ranks=(0,))
+    text, culprits = a0._blame(reply_op)
+    assert culprits == ["FFN rank 0 (world rank 0)"] and "1 of 2 exchanges sent" in text, text
+    assert "recv_attn_output: receive (fan-in)" in text  # what the FFN rank itself is waiting on
+    # a send waits on the peer's receive
+    send_op = TrackedOp(lambda: False, "send_ffn_output: send (split-back)", peers, 1, 0, "",
+                        tag=MessageTag("send_ffn_output", "f2a", step, 1, 0), peer_ranks=(1, 2))
+    a0._published = None  # the store was wiped above; a0 reports again
+    a0._progress_tick(now, reply)
+    text, culprits = ffn._blame(send_op)
+    assert "waiting on attention rank 0 (world rank 1): it has not issued the matching receive" in text, text
+    assert "1 of 2 exchanges received" in text  # a0 issued only layer 0's reply receive
+    assert culprits == ["attention rank 0 (world rank 1)", "attention rank 1 (world rank 2)"]
 
 
 def test_headers_round_trip_and_mismatch():

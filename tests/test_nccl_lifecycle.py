@@ -202,3 +202,65 @@ def test_an_overrunning_abort_is_named_and_blocks_the_next_init(fake, monkeypatc
         time.sleep(0.01)
     assert nccl_mod.pending_releases() == []
     out[1].close()
+
+
+class _NeverEvent:
+    """Stands in for a CUDA event whose stream never gets there."""
+
+    def query(self) -> bool:
+        return False
+
+
+def test_a_stuck_synchronize_names_the_oldest_exchange_not_layer_minus_one(fake):
+    """The host wait of synchronize() starts a little after the fan-in it waits behind; the error must
+    be the fan-in's (op, peers, layer, stage), whoever's clock runs out first (the GPU race)."""
+    from afd_ext.transport.base import AFDTimeoutError, MessageTag
+
+    out = _build_all(2, 1, timeout_s=0.4)
+    ffn = out[0]
+    posted = []
+    ffn._extra_on_failure = posted.append
+    fan_in = MessageTag("recv_attn_output", "a2f", 3, 1, 0)
+    ffn.watchdog.track(lambda: False, "recv_attn_output: receive (fan-in)",
+                       peers=["attention rank 0 (world rank 1)", "attention rank 1 (world rank 2)"],
+                       layer=1, stage=0, where=fan_in.where(), tag=fan_in, peer_ranks=[1, 2])
+    t0 = time.monotonic()
+    with pytest.raises(AFDTimeoutError) as ei:
+        ffn.wait_event(_NeverEvent(), "wait for every exchange issued", ["attention rank 0 (world rank 1)"],
+                       MessageTag("synchronize", "a2f", 3, -1, -1), [1])
+    assert time.monotonic() - t0 < 0.4 + nccl_mod.WAIT_BACKSTOP_S
+    err = ei.value
+    assert (err.layer, err.stage) == (1, 0) and "recv_attn_output: receive (fan-in)" in str(err), err
+    assert "layer -1" not in str(err) and "attention rank 1 (world rank 2)" in str(err)
+    deadline = time.monotonic() + 5  # the watchdog thread posts it right after recording the failure
+    while not posted and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert posted == [err]  # the abort signal was posted with this error
+    for t in out.values():
+        t.close()
+
+
+def test_watchdog_failure_posts_the_abort_before_aborting_the_communicators(fake):
+    """Aborting releases the sends queued behind a stuck fan-in; a peer receiving one must already
+    find the abort posted (its synchronize() then ends the step with the error)."""
+    from afd_ext.transport.base import AFDTimeoutError
+
+    out = _build_all(1, 1)
+    ffn = out[0]
+    order = []
+    ffn._extra_on_failure = lambda exc: order.append("post")
+    for h in ffn._comms.values():
+        fake.abort_hooks[h] = lambda: order.append("abort")
+    ffn.watchdog.fail(AFDTimeoutError("fan-in stuck"))
+    assert order and order[0] == "post" and order.count("abort") == 2, order
+    # a post that hangs (store host gone) delays the aborts by POST_ABORT_WAIT_S at most
+    att = out[1]
+    release = threading.Event()
+    att._extra_on_failure = lambda exc: release.wait(10)
+    t0 = time.monotonic()
+    att.watchdog.fail(AFDTimeoutError("reply stuck"))
+    assert time.monotonic() - t0 < nccl_mod.POST_ABORT_WAIT_S + 2.0
+    assert all(h in fake.aborted for h in (att._comms or {}).values()) and len(fake.aborted) == 4
+    release.set()
+    for t in out.values():
+        t.close()

@@ -218,7 +218,8 @@ class NcclTransport(Transport):
         self._extra_on_failure = on_failure
         self.watchdog = Watchdog(
             timeout_s, owner=peers.me, on_failure=self._on_watchdog_failure,
-            comms=lambda: [(h, f"{d} a{a}-f{f}") for (a, f, d), h in list(self._comms.items())],
+            comms=lambda: [(h, f"{d} a{a}-f{f} (with {self._edge_peer_label(a, f)})")
+                           for (a, f, d), h in list(self._comms.items())],
             async_error=ops.comm_async_error, abort_check=abort_check, abort_error=abort_error,
             blame=blame, on_tick=on_tick,
         )
@@ -339,6 +340,10 @@ class NcclTransport(Transport):
             return self._comms[(a, f, direction)]
         except KeyError:
             raise ValueError(f"attention rank {a} and FFN rank {f} are not peers (no communicator)") from None
+
+    def _edge_peer_label(self, a: int, f: int) -> str:
+        """The label of the other end of edge (attention rank ``a``, FFN rank ``f``)."""
+        return self.peers.peer_label(f if self.peers.role == "attention" else a)
 
     def _peer_index(self) -> int:
         return 1 if self.peers.role == "ffn" else 0

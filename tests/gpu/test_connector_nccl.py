@@ -141,15 +141,39 @@ def test_mid_step_failure_then_reinit_nccl():
 
 @pytest.mark.parametrize("mode", ["kill", "stall"])
 def test_peer_loss_nccl_watchdog(mode):
-    """NCCL does not notice a dead peer by itself: the watchdog must turn the stall into a named error."""
+    """NCCL does not notice a dead peer by itself: the watchdog must turn the stall into a named error.
+
+    Attention rank 1 (world rank 2) dies / stalls before sending layer 1 of step 1. The FFN rank's
+    fan-in of layer 1 (stage 0) expires (its deadline is the shortest); it names the missing peer from
+    the peers' progress reports (attention rank 0 reported sending; attention rank 1 reported being idle
+    in its caller, or nothing when dead), posts the abort, then aborts its communicators. Attention rank
+    0 (its own exchanges fine, its sibling gone) ends the step with that abort: either its watchdog sees
+    the abort signal, or its last reply is released by the FFN's abort and synchronize() then finds the
+    abort posted (posted before the communicators were aborted). Before, it returned without an error
+    (the reply came through the FFN's abort and it never looked at the abort signal), and the FFN's
+    message came from synchronize's host wait (layer -1, stage -1, "every peer") when that clock ran
+    out a few ms before the watchdog's.
+    """
     deadline = 5.0
     sc = _nccl(cs.Scenario(A=2, F=1, steps=({0: [2, 3]}, {0: [2, 2]}), step_timeout_s=deadline, strict=False))
     victim = 2
     out = cs.run_tolerating_death(cs.peer_loss_worker, sc.nprocs, (sc, find_free_port(), victim, mode),
                                   timeout_s=240, may_die=[victim] if mode == "kill" else [],
                                   per_rank_env=_env(sc))
-    for r in (out[0], out[1]):
+    ffn, a0 = out[0], out[1]
+    for r in (ffn, a0):
         assert "error" in r, r
-        assert "attention rank 1" in r["error"][1] and "layer 1" in r["error"][1], r["error"]
+        msg = r["error"][1]
+        assert "attention rank 1 (world rank 2)" in msg and "layer 1, stage 0" in msg, r["error"]
+        assert "layer -1" not in msg and "waiting on attention rank 0" not in msg, r["error"]
         assert r["elapsed"] < deadline * 2 + 10, r
+    assert a0["error"][0] == "StepAbortedError", a0["error"]
+    if ffn["error"][0] == "AFDTimeoutError":  # (a communicator error, AFDPeerError, names its edge's peer instead)
+        assert "waiting on attention rank 1 (world rank 2)" in ffn["error"][1], ffn["error"]
+        if mode == "stall":
+            assert "idle in its caller" in ffn["error"][1], ffn["error"]
+        else:
+            assert "probably dead" in ffn["error"][1], ffn["error"]
+    if mode == "stall":
+        assert "error" in out[victim], out[victim]  # it wakes up to an aborted connector
     assert out["exitcodes"][0] == 0 and out["exitcodes"][1] == 0
