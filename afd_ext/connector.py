@@ -1391,11 +1391,18 @@ class AFDConnector:
         tag = MessageTag(op, "a2f", self._step_counter, -1, -1)
         self._transport_call(tr.wait_event, ev, f"wait for every exchange issued ({where})",
                              names or ["no peer (nothing in flight)"], tag, ranks)
+        store = self._store
+        if store is None:
+            return
         try:
-            self._raise_if_aborted(op)
-        except BaseException as e:
+            rdzv.raise_if_aborted(store, op=op)
+        except rdzv.StepAbortedError as e:
             self._fail_step(e)
             raise
+        except Exception as e:  # noqa: BLE001
+            # The store is gone (FFN rank 0 exited after its last step, or died): nothing
+            # to learn here; a real failure reaches this rank through its watchdog.
+            logger.debug("%s: synchronize could not read the abort signal: %s", self.peer_map.me, e)
 
     @contextlib.contextmanager
     def watchdog_suspended(self) -> Iterator[None]:

@@ -383,7 +383,7 @@ class NcclTransport(Transport):
         """
         wd = self.watchdog
         exchange = tag.layer >= 0
-        where = tag.where() if exchange else f"step {tag.step}"
+        where = tag.where() if exchange else (f"step {tag.step}" if tag.step >= 0 else "no step")
         wd.track(ev.query, f"{tag.op}: {what}", peers=names, layer=tag.layer if exchange else None,
                  stage=tag.stage if exchange else None, where=where, tag=tag, peer_ranks=peer_ranks)
 
@@ -531,9 +531,14 @@ class NcclTransport(Transport):
         # then reports the aborted step instead of returning replies computed from
         # an incomplete fan-in). Then abort, and wait for the aborts (bounded).
         if self._extra_on_failure is not None:
-            poster, _ = _start(lambda: self._extra_on_failure(exc), f"posting the abort of {self.peers.me}",
-                               register=False)
+            poster, box = _start(lambda: self._extra_on_failure(exc), f"posting the abort of {self.peers.me}",
+                                 register=False)
             poster.join(POST_ABORT_WAIT_S)
+            if poster.is_alive():
+                logger.warning("%s: posting the abort signal takes over %.1f s (store host gone?); aborting the "
+                               "communicators meanwhile", self.peers.me, POST_ABORT_WAIT_S)
+            elif "error" in box:
+                logger.warning("%s: on_failure callback raised: %s", self.peers.me, box["error"])
         threads = self._release(abort=True, timeout_s=RELEASE_TIMEOUT_S, wait=False)
         left = _join_all(threads, time.monotonic() + RELEASE_TIMEOUT_S)
         if left:
