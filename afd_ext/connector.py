@@ -729,6 +729,9 @@ class AFDConnector:
                 culprits.append(label)
                 notes.append(f"waiting on {label}: it has not issued the matching {call} (step {rec['step']}: "
                              f"{rec.get(field)} of {rec.get('total')} exchanges {field}; {rec.get('detail')})")
+            elif need is None and int(rec["step"]) == tag.step:
+                notes.append(f"{label} reports step {rec['step']}: {rec.get(field)} of {rec.get('total')} "
+                             f"exchanges {field} ({rec.get('detail')})")
             else:
                 notes.append(f"{label} issued the matching {call} ({rec.get('detail')})")
         if not notes:
