@@ -128,7 +128,7 @@ class StepAbortedError(RuntimeError):
     def __init__(self, reason: str, by: str, *, op: str = ""):
         where = f" while {op}" if op else ""
         super().__init__(
-            f"AFD step aborted by {by}{where}: {reason}. The connector must be closed and "
+            f"AFD step aborted by {by}{where}: {reason.rstrip().rstrip('.')}. The connector must be closed and "
             "re-initialised on every rank (init_afd_connector) before the next step."
         )
         self.reason = reason
