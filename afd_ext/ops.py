@@ -228,6 +228,15 @@ def comm_create(unique_id: Tensor, world_size: int, rank: int, device: int | tor
     run-time NCCL versions are compared first: a different major version
     raises, an older run-time minor version warns.
 
+    A 2-rank communicator (one per edge, as the connector uses) is connected
+    both ways before this returns: one 1-byte send and receive with the other
+    rank in one group, the same on both ranks. NCCL connects point-to-point
+    channels lazily and, for two ranks, assumes the peer's first group opened
+    the mirror-image directions (NVIDIA/nccl PR #2407); without this, a first
+    ``exchange`` on one side against a ``fan_in`` on the other crashed the
+    receiver. Any later grouping is then safe. The connect is bounded
+    (120 s, then the communicator is aborted and ``RuntimeError`` raised).
+
     Args:
         unique_id: CPU ``uint8`` ``[128]`` from :func:`nccl_unique_id` (the same bytes on every rank).
         world_size: ranks in the communicator, >= 1.

@@ -3,13 +3,23 @@
 # machine's torch, run the `gpu`-marked tests, the timing scripts, the benchmark
 # and the demo; logs and JSON land in $OUT (or ./gpu-out).
 #
-#   bash scripts/gpu_tier.sh [phase ...]     phases: build tests time bench demo (default: all)
+#   bash scripts/gpu_tier.sh [phase ...]
+#
+# Phases (default: build tests time bench demo):
+#   build        pip install -e . against the machine's torch, then `afd-ext info`
+#   tests        pytest -m gpu $GPU_TESTS (default: tests), -k "$PYTEST_K" when set
+#   time         tests/gpu/time_exchange.py and time_graph_exchange.py
+#   bench-quick  afd-ext bench --quick (two variants, eager): the smoke test
+#   bench-check  afd-ext bench --check: every variant bit-exact, eager + graph
+#   bench        the default sweep, $BENCH_ARGS appended
+#   demo         the demo at 1A1F --dims deepseek-v2-lite and at 2A1F (NCCL)
+# Every phase runs under `timeout` (PHASE_TIMEOUT seconds, default 300).
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 # NVLink multicast stays off on shared machines (see docs/gpu-test-results.md).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
 phases=${*:-build tests time bench demo}
 PY=${PY:-python3}
@@ -18,7 +28,7 @@ run() {  # run NAME CMD...: log to $OUT/NAME.log, remember failures, keep going
   local name=$1; shift
   echo "=== $name: $*"
   local t0=$SECONDS
-  "$@" 2>&1 | tee "$OUT/$name.log"
+  timeout -k 10 "${PHASE_TIMEOUT:-300}" "$@" 2>&1 | tee "$OUT/$name.log"
   local rc=${PIPESTATUS[0]}
   echo "=== $name: rc=$rc in $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
   [ "$rc" = 0 ] || status=1
@@ -32,10 +42,15 @@ run() {  # run NAME CMD...: log to $OUT/NAME.log, remember failures, keep going
 for phase in $phases; do
   case $phase in
     build) run build $PY -m pip install --no-build-isolation --no-deps -e . && run info $PY -m afd_ext info ;;
-    tests) run gpu-tests $PY -m pytest -m gpu tests -v -rA --timeout 300 --junitxml "$OUT/gpu-junit.xml" ;;
+    tests) run gpu-tests $PY -m pytest -m gpu ${GPU_TESTS:-tests} ${PYTEST_K:+-k "$PYTEST_K"} -v -rA \
+             --timeout 240 --junitxml "$OUT/gpu-junit.xml" ;;
     time) [ -f tests/gpu/time_exchange.py ] && run time-exchange $PY tests/gpu/time_exchange.py --out "$OUT/time_exchange.json"
           [ -f tests/gpu/time_graph_exchange.py ] && run time-graph $PY tests/gpu/time_graph_exchange.py --out "$OUT/time_graph.json" ;;
-    bench) run bench $PY -m afd_ext bench --out "$OUT/bench" ;;
+    bench-quick) run bench-quick $PY -m afd_ext bench --quick --modes eager --variants ours_per_tensor,raw \
+             --no-control --no-progress --case-timeout 30 --timeout 120 --out "$OUT/bench-quick" ;;
+    bench-check) run bench-check $PY -m afd_ext bench --check --no-progress --case-timeout 30 --timeout 160 \
+             --out "$OUT/bench-check" ;;
+    bench) run bench $PY -m afd_ext bench --no-progress ${BENCH_ARGS:-} --out "$OUT/bench" ;;
     demo) run demo-1a1f $PY -m afd_ext demo --backend nccl --topology 1A1F --dims deepseek-v2-lite --json "$OUT/demo-1a1f.json"
           run demo-2a1f $PY -m afd_ext demo --backend nccl --topology 2A1F --json "$OUT/demo-2a1f.json" ;;
     *) echo "unknown phase $phase"; status=2 ;;

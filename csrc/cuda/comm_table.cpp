@@ -4,8 +4,13 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <chrono>
 #include <cstring>
 #include <mutex>
+#include <thread>
 #include <sstream>
 #include <unordered_map>
 
@@ -68,6 +73,54 @@ void check_version() {
   }
 }
 
+// Seconds the eager connect of a new 2-rank communicator may take before it
+// is aborted (both ranks have just left a successful blocking init).
+constexpr double kConnectTimeoutS = 120.0;
+
+// Opens both directions of a 2-rank communicator now, with one 1-byte send
+// and one 1-byte receive to the other rank in one NCCL group, identical on
+// both ranks. NCCL connects point-to-point channels lazily, at the first
+// group that uses them, and for a 2-rank communicator it swaps the send-side
+// and receive-side connect info in one bootstrap message that assumes the
+// peer opened the mirror-image directions (NVIDIA/nccl PR #2407). A first
+// group that differs between the ranks (say, send+receive in one group on one
+// side, receive only on the other) then reads the wrong connect info: on 2x
+// H200 with NCCL 2.28.9 the receiving process died with SIGSEGV. Connected
+// here, no later grouping on this communicator can trip that. Bounded: polls
+// the stream and the async error, aborts after kConnectTimeoutS.
+void connect_both_ways(ncclComm_t comm, int rank, int device) {
+  c10::cuda::CUDAStream stream = c10::cuda::getStreamFromPool(false, static_cast<c10::DeviceIndex>(device));
+  at::Tensor buf = at::zeros({2}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA, device));
+  const int peer = 1 - rank;
+  char* p = static_cast<char*>(buf.data_ptr());
+  AFD_CHECK_NCCL(ncclGroupStart(), comm);
+  ncclResult_t r1 = ncclSend(p, 1, ncclUint8, peer, comm, stream.stream());
+  ncclResult_t r2 = ncclRecv(p + 1, 1, ncclUint8, peer, comm, stream.stream());
+  ncclResult_t end = ncclGroupEnd();
+  if (r1 != ncclSuccess) throw_nccl_error("ncclSend (connect)", r1, comm, __FILE__, __LINE__);
+  if (r2 != ncclSuccess) throw_nccl_error("ncclRecv (connect)", r2, comm, __FILE__, __LINE__);
+  if (end != ncclSuccess) throw_nccl_error("ncclGroupEnd (connect)", end, comm, __FILE__, __LINE__);
+  const auto start = std::chrono::steady_clock::now();
+  while (true) {
+    cudaError_t q = cudaStreamQuery(stream.stream());
+    if (q == cudaSuccess) break;
+    if (q != cudaErrorNotReady) AFD_CHECK_CUDA(q);
+    ncclResult_t async = ncclSuccess;
+    AFD_CHECK_NCCL(ncclCommGetAsyncError(comm, &async), comm);
+    const double waited =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (async != ncclSuccess || waited > kConnectTimeoutS) {
+      ncclCommAbort(comm);
+      TORCH_CHECK(false, "afd_ext.comm_create: connecting rank ", rank, " with peer rank ", peer,
+                  " on cuda:", device, " failed (", async != ncclSuccess
+                      ? std::string("NCCL async error: ") + ncclGetErrorString(async)
+                      : std::string("no reply within ") + std::to_string(kConnectTimeoutS) + " s",
+                  "); the communicator was aborted");
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
 }  // namespace
 
 std::shared_ptr<Comm> comm_get(int64_t handle, const char* op, const char* arg_name) {
@@ -124,6 +177,7 @@ int64_t comm_create(const at::Tensor& unique_id, int64_t world_size, int64_t ran
   AFD_CHECK_NCCL(ncclCommInitRankConfig(&comm, static_cast<int>(world_size), id,
                                         static_cast<int>(rank), &config),
                  comm);
+  if (world_size == 2) connect_both_ways(comm, static_cast<int>(rank), static_cast<int>(device));
 
   auto c = std::make_shared<Comm>();
   c->comm = comm;
