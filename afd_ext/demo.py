@@ -632,7 +632,8 @@ class DemoPlan:
         gate_on_attention: router logits computed on the attention side.
         requests: ``{attention rank: [Request]}``.
         host / port: rendezvous of the connector; agree_port: the attention
-            ranks' count agreement store (hosted by attention rank 0).
+            ranks' count agreement store, hosted by the launching process
+            (:func:`run_demo` binds it before any worker starts; 0 until then).
         step_timeout_s / init_timeout_s: connector deadlines.
         progress: show a progress bar on attention rank 0.
         threads: torch intra-op threads per process.
@@ -685,8 +686,11 @@ def _torch_dtype(name: str):
 class _StoreAllGather:
     """All-gather of small picklable objects among the attention ranks over a TCPStore.
 
-    Every wait is bounded by ``timeout_s`` (the store's timeout), and the
-    error names the missing ranks.
+    The store is hosted by the launching process (:func:`run_demo`), which
+    binds it before the workers start: a port picked in advance and bound
+    later by a worker was taken in between by another socket on the H200
+    host (EADDRINUSE). Every wait is bounded by ``timeout_s`` (the store's
+    timeout), and the error names the missing ranks.
     """
 
     def __init__(self, host: str, port: int, rank: int, size: int, timeout_s: float):
@@ -694,8 +698,7 @@ class _StoreAllGather:
 
         self.rank, self.size, self.timeout_s = rank, size, timeout_s
         self.store = dist.TCPStore(
-            host, port, size, is_master=(rank == 0),
-            timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
+            host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
         )
         self.round = 0
 
@@ -719,15 +722,8 @@ class _StoreAllGather:
         return out
 
     def close(self) -> None:
-        """Leave: rank 0 hosts the store, so it waits (bounded) until every rank has left."""
+        """Leave (the launching process keeps the store until every worker is done)."""
         self.store.set(f"fin/{self.rank}", b"1")
-        if self.rank == 0:
-            keys = [f"fin/{i}" for i in range(self.size)]
-            try:
-                self.store.wait(keys, datetime.timedelta(seconds=self.timeout_s))
-            except Exception:  # noqa: BLE001 - leaving anyway; say who did not finish
-                missing = [i for i, k in enumerate(keys) if not self.store.check([k])]
-                logger.warning("attention ranks %s did not finish the count agreement", missing)
 
 
 def _make_connector(plan: DemoPlan, role: str, role_rank: int, world_rank: int, model) -> Any:
@@ -898,10 +894,18 @@ def run_demo(plan: DemoPlan, *, timeout_s: float = 600.0) -> dict[str, Any]:
     Raises:
         afd_ext.testing.WorkerError / TimeoutError: a process failed or hung.
     """
+    import dataclasses
+
     import torch
+    import torch.distributed as dist
 
     from afd_ext.testing import run_workers
 
+    # The attention ranks' count-agreement store: bound here, before any worker
+    # starts, so no other socket can take its port in between.
+    agree_store = dist.TCPStore(plan.host, 0, is_master=True, wait_for_workers=False,
+                                timeout=datetime.timedelta(seconds=plan.step_timeout_s))
+    plan = dataclasses.replace(plan, agree_port=int(agree_store.port))
     per_rank_env = None
     if plan.device_type == "cuda":
         n = torch.cuda.device_count()
@@ -1131,13 +1135,10 @@ def build_plan(args: argparse.Namespace) -> DemoPlan:
     requests = make_requests(A, args.requests_per_rank, args.max_new_tokens, prompts=prompts,
                              max_prompt_len=args.max_prompt_len)
     port = args.port or find_free_port(args.host)
-    agree_port = find_free_port(args.host)
-    while agree_port == port:
-        agree_port = find_free_port(args.host)
     return DemoPlan(
         num_attention=A, num_ffn=F_, backend=backend, dims=args.dims, model_config=model_config,
         dtype=dtype, seed=args.seed, stages=args.stages, gate_on_attention=args.gate_on_attention,
-        requests=requests, host=args.host, port=port, agree_port=agree_port,
+        requests=requests, host=args.host, port=port, agree_port=0,
         step_timeout_s=args.step_timeout, init_timeout_s=max(args.step_timeout, 120.0),
         progress=not args.no_progress, threads=args.threads, connector=args.connector,
         verbose=args.verbose, graph=args.graph,
