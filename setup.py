@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -86,6 +87,34 @@ def find_nccl() -> tuple[str, str]:
     )
 
 
+def shared_libstdcxx_args() -> list[str]:
+    """Link arguments that make ``_C.so`` use the shared C++ runtime.
+
+    On the H200 machine (Ubuntu 24.04, g++ 13.3, torch 2.11) the built
+    ``_C.so`` held its own copy of libstdc++ code (``std::ostream::_M_insert``
+    and codecvt internals) beside the shared ``libstdc++.so.6`` that torch
+    loads. That copy's locale was never initialised, so the first error
+    message an op formatted (``TORCH_CHECK`` builds it with an
+    ``std::ostringstream``) dereferenced a null facet: SIGSEGV instead of a
+    ``RuntimeError``, in every op. Naming ``libstdc++.so.6`` right after our
+    objects resolves every C++ runtime symbol to the shared library before
+    the compiler's own ``-lstdc++`` could pull in the static archive.
+    Returns ``[]`` off Linux or when the compiler cannot find that file.
+    """
+    if not sys.platform.startswith("linux"):
+        return []
+    cxx = os.environ.get("CXX", "c++")
+    try:
+        found = subprocess.run([cxx, "-print-file-name=libstdc++.so.6"], capture_output=True, text=True,
+                               timeout=60).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return []
+    if not os.path.isabs(found) or not Path(found).exists():
+        return []
+    print(f"afd_ext: linking the shared C++ runtime {os.path.realpath(found)}", file=sys.stderr)
+    return ["-l:libstdc++.so.6"]
+
+
 def decide_cuda(torch_cuda: str | None, cuda_home: str | None) -> bool:
     """CUDA build or not, from the torch build, the toolkit and AFD_USE_CUDA."""
     force = os.environ.get("AFD_USE_CUDA", "").strip()
@@ -124,14 +153,14 @@ def extensions():
         kwargs = dict(
             include_dirs=[nccl_inc],
             library_dirs=[nccl_lib],
-            extra_link_args=["-l:libnccl.so.2", f"-Wl,-rpath,{nccl_lib}"],
+            extra_link_args=shared_libstdcxx_args() + ["-l:libnccl.so.2", f"-Wl,-rpath,{nccl_lib}"],
             extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "--use_fast_math"]},
         )
         print(f"afd_ext: CUDA build (torch CUDA {torch.version.cuda}, toolkit {cuda_home}, "
               f"arch {arch_list}, NCCL {nccl_lib})", file=sys.stderr)
         ext_cls = CUDAExtension
     else:
-        kwargs = dict(extra_compile_args={"cxx": cxx})
+        kwargs = dict(extra_compile_args={"cxx": cxx}, extra_link_args=shared_libstdcxx_args())
         print("afd_ext: CPU-only build (NCCL ops will raise 'built without CUDA')", file=sys.stderr)
         ext_cls = CppExtension
     return [ext_cls(name="afd_ext._C", sources=sources, define_macros=macros, **kwargs)]

@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
+from .schedule import DEFAULT_PACKED_MAX_BYTES
+
 __all__ = [
     "DEFAULT_CONNECTOR",
     "REFERENCE_CONNECTOR",
@@ -119,7 +121,8 @@ class AfdExtConnectorConfig:
     Attributes:
         wire_format: ``"auto"``, ``"packed"`` or ``"per_tensor"`` (a2f messages).
         packed_max_bytes: ``"auto"`` packs a stage when its largest a2f
-            message is at most this many bytes.
+            message is at most this many bytes (default 0: never; per-tensor
+            was faster on H200s, see ``afd_ext.schedule.DEFAULT_PACKED_MAX_BYTES``).
         strict: put a header (layer, stage, tensor, dtype, rows) on every
             message and check it on receipt.
         clamp_idle_to_one: reference compatibility: a zero token count is
@@ -138,7 +141,7 @@ class AfdExtConnectorConfig:
     """
 
     wire_format: str = "auto"
-    packed_max_bytes: int = 256 * 1024
+    packed_max_bytes: int = DEFAULT_PACKED_MAX_BYTES
     strict: bool = False
     clamp_idle_to_one: bool = False
     init_timeout_s: float = 600.0
