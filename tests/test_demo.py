@@ -82,7 +82,9 @@ def test_demo_cli_1a1f_writes_json(tmp_path):
     # The FFN rank served exactly the rows the attention rank sent: per layer, every step's rows.
     layers = s["model"]["layers"]
     assert s["ffn_rows_served"] == [layers * sum(c[0] for c in s["step_counts"])]
-    assert s["exchange_latency_us"]["count"] == layers * s["steps"]
+    # Step 1 (lazy set-up) is reported apart: its slowest exchange, not in p50/p99.
+    assert s["exchange_latency_us"]["count"] == layers * (s["steps"] - 1)
+    assert s["exchange_latency_us"]["first_step_max"] > 0
     assert s["bytes"]["attention_to_ffn"] == s["bytes"]["ffn_to_attention"] > 0
 
 
