@@ -1345,9 +1345,19 @@ class ChannelControlPlane(AFDControlPlane):
 # ---------------------------------------------------------------------------
 
 
+def _pause(gap_s: float, spin: bool) -> None:
+    """Wait ``gap_s`` between measured sends: spin like a busy attention rank, or sleep."""
+    if not spin:
+        time.sleep(gap_s)
+        return
+    end = time.perf_counter() + gap_s
+    while time.perf_counter() < end:
+        pass
+
+
 def _measure_worker(rank: int, nprocs: int, host: str, port: int, kind: str, iterations: int,
                     warmup: int, gap_s: float, num_attention_ranks: int, stages: int, raw: bool,
-                    spin_s: float, distinct: bool = False) -> dict:
+                    spin_s: float, distinct: bool = False, sender_spins: bool = False) -> dict:
     import torch
 
     from afd_ext.metadata import AFDControlPayload, AFDDPMetadata
@@ -1385,9 +1395,7 @@ def _measure_worker(rank: int, nprocs: int, host: str, port: int, kind: str, ite
                 else:
                     cp.send_dp_metadata_list(payload)
                 stamps.append(t0)
-                # Sleep (not spin): on a machine with few cores a spinning sender
-                # would starve the receiver it is measuring.
-                time.sleep(gap_s)
+                _pause(gap_s, sender_spins)
             rdzv.barrier(store, rank, 2, "measure-end", 60.0)
         else:
             ch = channels[0]
@@ -1418,6 +1426,7 @@ def measure_control_plane(
     spin_s: float = DEFAULT_SPIN_S,
     timeout_s: float = 120.0,
     distinct: bool = False,
+    sender_wait: str = "auto",
 ) -> dict[str, Any]:
     """Measure the control plane end to end in two processes on this host.
 
@@ -1440,19 +1449,33 @@ def measure_control_plane(
         distinct: send a new payload (new counts) every step, built before the timed
             call, so no encode/decode cache can hit; False repeats one payload (a
             steady decode batch).
+        sender_wait: how the attention process spends ``gap_us``: ``"spin"`` (busy,
+            as an attention rank computing its layers is: its core stays awake),
+            ``"sleep"`` (its core may drop into a C-state and wake slowly, which the
+            next send then pays), or ``"auto"``: spin when the host has at least 4
+            CPUs, sleep otherwise (on 2 cores a spinning sender starves the receiver
+            it is measuring).
 
     Returns:
         ``{"kind", "n", "p50_us", "p90_us", "p99_us", "mean_us", "min_us", "max_us",
-        "payload_bytes"}``.
+        "payload_bytes", "sender_wait"}``.
+
+    Raises:
+        ValueError: ``iterations < 1`` or an unknown ``sender_wait``.
     """
     from afd_ext.testing import find_free_port, run_workers
 
     if iterations < 1:
         raise ValueError(f"iterations must be >= 1, got {iterations}")
+    if sender_wait not in ("auto", "spin", "sleep"):
+        raise ValueError(f"sender_wait must be 'auto', 'spin' or 'sleep', got {sender_wait!r}")
+    if sender_wait == "auto":
+        sender_wait = "spin" if (os.cpu_count() or 1) >= 4 else "sleep"
     host = "127.0.0.1"
     port = find_free_port(host)
     res = run_workers(_measure_worker, 2, (host, port, kind, iterations, warmup, gap_us * 1e-6,
-                                           num_attention_ranks, stages, raw, spin_s, distinct),
+                                           num_attention_ranks, stages, raw, spin_s, distinct,
+                                           sender_wait == "spin"),
                       timeout_s=timeout_s)
     recv_ns, send_ns = res[0]["stamps"], res[1]["stamps"]
     lat = sorted((r - s) / 1000.0 for r, s in zip(recv_ns, send_ns))
@@ -1471,7 +1494,7 @@ def measure_control_plane(
         "kind": res[0]["kind"], "raw": raw, "distinct": distinct, "n": len(lat),
         "p50_us": pct(50), "p90_us": pct(90), "p99_us": pct(99),
         "mean_us": sum(lat) / len(lat), "min_us": lat[0], "max_us": lat[-1],
-        "payload_bytes": size,
+        "payload_bytes": size, "sender_wait": sender_wait,
     }
 
 
@@ -1492,6 +1515,9 @@ def _main(argv: list[str] | None = None) -> int:
                    help="'same' repeats one payload (steady batch), 'distinct' sends new counts every step "
                         "(no cache hit); comma-separated (default both)")
     p.add_argument("--no-raw", action="store_true", help="skip the channel-only measurement")
+    p.add_argument("--sender-wait", choices=("auto", "spin", "sleep"), default="auto",
+                   help="how the attention process waits between sends: spin (a busy attention rank), "
+                        "sleep, or auto (spin with >= 4 CPUs)")
     args = p.parse_args(argv)
     for kind in args.kinds.split(","):
         for gap in (float(g) for g in args.gaps_us.split(",")):
@@ -1502,7 +1528,7 @@ def _main(argv: list[str] | None = None) -> int:
                     it = args.iterations if gap <= 1000 else max(50, args.iterations // 10)
                     r = measure_control_plane(kind, it, warmup=min(200, it // 5), gap_us=gap, raw=raw,
                                               num_attention_ranks=args.num_attention_ranks, stages=args.stages,
-                                              distinct=which == "distinct")
+                                              distinct=which == "distinct", sender_wait=args.sender_wait)
                     r["gap_us"] = gap
                     r["what"] = "channel only" if raw else "send_dp_metadata_list -> recv_dp_metadata_list"
                     print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()}),
