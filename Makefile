@@ -32,7 +32,7 @@ $(PY):
 # package in place without build isolation so that same torch is used.
 setup: $(PY)
 	$(PIP) install "torch>=2.11"
-	$(PIP) install setuptools wheel ninja pybind11
+	$(PIP) install setuptools wheel ninja pybind11 numpy
 	$(PIP) install --no-build-isolation -e ".[test]"
 	$(PY) -c "import json, afd_ext.ops as o; print('afd_ext build:', json.dumps(o.build_info()))"
 

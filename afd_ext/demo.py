@@ -132,7 +132,9 @@ def load_model_config(name_or_path: str, *, num_layers: int | None = None) -> di
             bad ``num_layers``.
     """
     p = Path(name_or_path)
-    if p.suffix == ".json" and p.exists():
+    if p.suffix == ".json" and not p.exists():
+        raise ValueError(f"model dims file {name_or_path!r} not found")
+    if p.suffix == ".json":
         text = p.read_text(encoding="utf-8")
         where = str(p)
     else:
@@ -1095,19 +1097,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=None, help="override the number of decoder layers")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="auto: float32 on CPU, bfloat16 on GPU")
-    p.add_argument("--stages", type=int, default=1, help="micro-batches per step (1 or 2)")
+    p.add_argument("--stages", type=int, default=1, help="micro-batches per step (stages), >= 1 (default 1)")
     p.add_argument("--gate-on-attention", action="store_true",
                    help="compute router logits on the attention side and send them with the hidden states")
-    p.add_argument("--requests-per-rank", type=int, default=3)
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--requests-per-rank", type=int, default=3, help="requests per attention rank (default 3)")
+    p.add_argument("--max-new-tokens", type=int, default=16,
+                   help="most tokens generated per request; requests get different budgets up to it (default 16)")
     p.add_argument("--max-prompt-len", type=int, default=32, help="prompt tokens (bytes + BOS) kept per request")
     p.add_argument("--prompts", default=None, help="prompts file (default: the shipped afd_ext/data/prompts.txt)")
     p.add_argument("--connector", default="AfdExtConnector",
                    help="connector registry name, or module:Class of your own connector")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="weight seed, identical in every process (default 0)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="rendezvous port (0: pick a free one)")
-    p.add_argument("--timeout", type=float, default=600.0, help="deadline for the whole run, seconds")
+    p.add_argument("--timeout", type=float, default=600.0, help="deadline for the whole run, seconds (default 600)")
     p.add_argument("--step-timeout", type=float, default=60.0, help="connector per-operation deadline, seconds")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--json", dest="json_path", default=None, help="write the summary as JSON to this path")
@@ -1134,6 +1137,22 @@ def build_plan(args: argparse.Namespace) -> DemoPlan:
         import torch
 
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "gloo"
+    if backend == "nccl":
+        import torch
+
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n < 2:
+            raise ValueError(f"--backend nccl needs 2 visible GPUs (attention on GPU 0, FFN on GPU 1); "
+                             f"found {n}. Use --backend gloo (CPU) or --backend auto")
+    if args.json_path:
+        # Checked before the run, not after it: a bad path must not cost the whole demo.
+        out = Path(args.json_path)
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"--json {args.json_path}: cannot create its folder ({e})") from None
+        if out.is_dir():
+            raise ValueError(f"--json {args.json_path} is a folder; give a file path")
     dtype = args.dtype
     if dtype == "auto":
         dtype = "bfloat16" if backend == "nccl" else "float32"

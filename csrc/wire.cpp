@@ -69,8 +69,9 @@ void check_part(const char* op, const char* name, const at::Tensor& t, int64_t d
                 int64_t rows, const at::Tensor& wire, bool is_output) {
   TORCH_CHECK(t.dim() == dim, "afd_ext.", op, ": ", name, " must be ", dim, "-D (",
               dim == 2 ? "[num_tokens, width]" : "[num_tokens]", "), got shape ", t.sizes());
-  TORCH_CHECK(t.size(0) == rows, "afd_ext.", op, ": ", name, " must have ", rows,
-              " rows (one per wire row / token), got shape ", t.sizes());
+  TORCH_CHECK(t.size(0) == rows, "afd_ext.", op, ": ", name, " has ", t.size(0),
+              " rows but wire has ", rows, " (one wire row per token; they must match), got ",
+              name, " shape ", t.sizes(), " and wire shape ", wire.sizes());
   TORCH_CHECK(t.device() == wire.device(), "afd_ext.", op, ": ", name,
               " must be on the wire tensor's device ", wire.device(), ", got ", t.device());
   TORCH_CHECK(is_wire_dtype(t.scalar_type()), "afd_ext.", op, ": ", name, " has dtype ",

@@ -213,7 +213,7 @@ def test_markdown_and_plot(tmp_path):
     md = report.render_markdown(doc)
     assert "## Round trip, 1A1F, hidden 7168 bf16, hidden + fp32 logits" in md
     assert "2.50×" in md  # graph, 1 token: 50 / 20
-    assert "performance.md targets" in md
+    assert "## Targets (the design's performance.md" in md
     (h1,) = [h for h in report.headline(doc) if h["tokens"] == 1]
     assert h1["graph_vs_ref"] == pytest.approx(2.5) and h1["graph_x_raw"] == pytest.approx(1 / 0.9)
     assert "## Headline" in md

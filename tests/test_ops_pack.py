@@ -231,7 +231,7 @@ def test_wrong_wire_width_names_the_expected_bytes():
     [
         (dict(ids=torch.zeros(2, dtype=torch.int64)), r"token_ids must be int32"),
         (dict(wire_dtype=torch.int8), r"wire must be uint8"),
-        (dict(hidden=torch.zeros(3, 8, dtype=torch.bfloat16)), r"hidden_states must have 2 rows"),
+        (dict(hidden=torch.zeros(3, 8, dtype=torch.bfloat16)), r"hidden_states has 3 rows but wire has 2"),
         (dict(hidden=torch.zeros(2, 8, dtype=torch.float64)), r"hidden_states has dtype Double"),
         (dict(hidden=torch.zeros(2, 2, 4, dtype=torch.bfloat16)), r"hidden_states must be 2-D"),
         (dict(logits=torch.zeros(2, 3, 1)), r"router_logits must be 2-D"),

@@ -88,7 +88,10 @@ class WorkerGuard:
 
     def say(self, msg: str) -> None:
         """One progress line on stdout, flushed: ``[bench +12.3s attention0] msg``."""
-        print(f"[bench +{self.elapsed():7.1f}s {self.label}] {msg}", flush=True)
+        # One write per line: with PYTHONUNBUFFERED, print() writes the text and the
+        # newline separately and two workers' lines ran together.
+        sys.stdout.write(f"[bench +{self.elapsed():7.1f}s {self.label}] {msg}\n")
+        sys.stdout.flush()
 
     # -- phases ------------------------------------------------------------------
 

@@ -394,7 +394,7 @@ def render_markdown(doc: dict) -> str:
                          f"{_fmt(h['eager_vs_ref'], '.2f', '×')} | {_fmt(h['eager_x_raw'], '.2f', '×')} |")
         lines.append("")
     if doc.get("targets"):
-        lines.append("## performance.md targets")
+        lines.append("## Targets (the design's performance.md; `ratio` = reference or floor / ours, higher is better)")
         lines.append("")
         lines.append("| target | measured | goal | ratio | met | detail |")
         lines.append("|---|---|---|---|---|---|")

@@ -61,7 +61,8 @@ class _Env:
         self.guard = guard or WorkerGuard(rank, f"{self.role}{self.role_rank}", "", cfg.case_timeout_s,
                                           verbose=False)
         g = self.guard
-        g.enter("set-up: CUDA device, TCPStore and gloo group", op="TCPStore/init_process_group")
+        g.enter("set-up: " + ("CUDA device, " if cfg.backend == "nccl" else "") + "TCPStore and gloo group",
+                op="TCPStore/init_process_group")
         if self.cuda:
             if not torch.cuda.is_available():
                 raise RuntimeError(f"world rank {rank}: backend nccl but no CUDA device is visible "
