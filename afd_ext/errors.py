@@ -26,19 +26,6 @@ from .transport.base import (
     AFDTransportError,
 )
 
-__all__ = [
-    "AFDPeerError",
-    "AFDProtocolError",
-    "AFDTimeoutError",
-    "AFDTransportClosedError",
-    "AFDTransportError",
-    "ConnectorStateError",
-    "ControlChannelClosed",
-    "ControlRecvTimeout",
-    "HandshakeMismatchError",
-    "PeerDeadError",
-    "RendezvousError",
-    "RendezvousTimeoutError",
-    "StepAbortedError",
-    "StoreUnavailableError",
-]
+#: Every exception class imported above (built, not listed twice).
+__all__ = sorted(n for n, o in list(globals().items())
+                 if isinstance(o, type) and issubclass(o, Exception) and not n.startswith("_"))
