@@ -1407,6 +1407,19 @@ class AFDConnector:
             # to learn here; a real failure reaches this rank through its watchdog.
             logger.debug("%s: synchronize could not read the abort signal: %s", self.peer_map.me, e)
 
+    def track_graph_replay(self, what: str) -> None:
+        """Let the NCCL watchdog follow a CUDA-graph replay just launched on the current stream.
+
+        Called by :mod:`afd_ext.graphs` after every replay, so replays are under
+        the same ``step_timeout_s`` deadline as eager exchanges: a dead or
+        stalled peer becomes an error naming this rank's peers and ``what``
+        (e.g. ``"CUDA-graph replay of layer 3"``), raised by the next connector
+        call or :meth:`synchronize`. No-op on gloo.
+        """
+        fn = getattr(self._transport, "track_replay", None)
+        if fn is not None:
+            fn(what, MessageTag("graph replay", "a2f", self._step_counter, -1, -1))
+
     @contextlib.contextmanager
     def watchdog_suspended(self) -> Iterator[None]:
         """Pause the NCCL watchdog's event polling around a CUDA-graph capture.

@@ -1289,6 +1289,13 @@ def padded_payload(payload: Any, pad: Mapping[int, int], **flags: bool) -> Any:
     )
 
 
+def _track_replay(connector: Any, what: str) -> None:
+    """Hand a replay just launched to the connector's watchdog (``track_graph_replay``), if it has one."""
+    fn = getattr(connector, "track_graph_replay", None)
+    if fn is not None:
+        fn(what)
+
+
 def _watchdog_paused(connector: Any):
     """The connector's ``watchdog_suspended()`` context (event polling paused during a capture), if it has one."""
     fn = getattr(connector, "watchdog_suspended", None)
@@ -1490,6 +1497,7 @@ class AttentionGraphRunner:
             torch.cuda.synchronize(rows.device)
         t0 = time.perf_counter_ns()
         self.ctl.replay(self._key, part=part)
+        _track_replay(self.connector, f"CUDA-graph replay of layer {layer_idx}")
         if cuda:
             torch.cuda.synchronize(rows.device)
         if timing:
@@ -1553,6 +1561,7 @@ class FFNGraphServer:
             # with the attention side; the graph itself reads only its arena.
             conn.control_plane.update_state_from_dp_metadata(payload)
             self.ctl.replay(key)
+            _track_replay(conn, f"CUDA-graph replay of step {srv.steps} ({conn.schedule_config.num_layers} layers)")
             srv.steps += 1
             srv.rows_served += conn.schedule_config.num_layers * sum(
                 sched.ffn_rows(s, conn.role_rank) for s in sched.stages)

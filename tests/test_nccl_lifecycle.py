@@ -264,3 +264,36 @@ def test_watchdog_failure_posts_the_abort_before_aborting_the_communicators(fake
     release.set()
     for t in out.values():
         t.close()
+
+
+def test_a_stuck_graph_replay_is_the_watchdogs_named_error(fake, monkeypatch):
+    """A CUDA-graph replay holds NCCL work with every peer; tracked like an eager group, a peer
+    that never answers during a replay becomes a named timeout (and the abort), not a hang."""
+    from afd_ext.transport.base import AFDTimeoutError, MessageTag
+
+    class StuckEvent(_NeverEvent):
+        def record(self, *a, **k):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Event", StuckEvent)
+    monkeypatch.setattr(nccl_mod, "_capturing", lambda: False)
+    out = _build_all(2, 1, timeout_s=0.4)
+    ffn = out[0]
+    posted = []
+    ffn._extra_on_failure = posted.append
+    ffn.track_replay("CUDA-graph replay of step 7 (4 layers)", MessageTag("graph replay", "a2f", 7, -1, -1))
+    deadline = time.monotonic() + 5
+    while ffn.watchdog.failure is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    with pytest.raises(AFDTimeoutError) as ei:
+        ffn.check_health()
+    msg = str(ei.value)
+    assert "graph replay: CUDA-graph replay of step 7" in msg, msg
+    assert "attention rank 0 (world rank 1)" in msg and "attention rank 1 (world rank 2)" in msg, msg
+    assert "layer -1" not in msg and "step 7" in msg, msg
+    while not posted and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert posted and posted[0] is ffn.watchdog.failure
+    assert all(h in fake.aborted for h in ffn._comms.values())
+    for t in out.values():
+        t.close()

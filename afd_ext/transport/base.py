@@ -149,7 +149,9 @@ class MessageTag(NamedTuple):
     layer_idx: int = -1
 
     def where(self) -> str:
-        """``"step 3, layer 2, stage 0"`` (plus the runtime layer index when it differs)."""
+        """``"step 3, layer 2, stage 0"`` (plus the runtime layer index when it differs); ``"step 3"`` when no layer."""
+        if self.layer < 0:
+            return f"step {self.step}"
         s = f"step {self.step}, layer {self.layer}"
         if self.layer_idx >= 0 and self.layer_idx != self.layer:
             s += f" (runtime layer_idx {self.layer_idx})"

@@ -367,6 +367,22 @@ class NcclTransport(Transport):
                             on_done=lambda: self._event_pool.append(ev), tag=tag,
                             peer_ranks=[self.peers.peer_world_rank(p) for p in live])
 
+    def track_replay(self, what: str, tag: MessageTag) -> None:
+        """Follow a CUDA-graph replay just launched on the current stream, like an eager group.
+
+        A replayed graph holds this rank's NCCL sends and receives with every
+        peer; an event recorded after it goes to the watchdog, so a peer that
+        dies or stalls during a replay becomes the watchdog's named error (the
+        communicators are aborted, which ends the graph's NCCL kernels) instead
+        of a hang. No-op while a capture is running.
+        """
+        mine = self.peers.role_rank
+        if self.peers.role == "attention":
+            live = sorted({f for (a, f, _d) in self._comms if a == mine})
+        else:
+            live = sorted({a for (a, f, _d) in self._comms if f == mine})
+        self._track(what, live, tag)
+
     def wait_event(self, ev: torch.cuda.Event, what: str, names: Sequence[str], tag: MessageTag,
                    peer_ranks: Sequence[int] = ()) -> None:
         """Host wait for ``ev`` (recorded on the current stream) with the deadline.
