@@ -47,13 +47,22 @@ __all__ = ["main", "build_parser", "run", "run_guarded"]
 logger = logging.getLogger("afd_ext.bench")
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows ``(default: X)`` only for real defaults: a ``None`` default is explained in the help text."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None:
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
 def build_parser(prog: str = "afd-ext bench") -> argparse.ArgumentParser:
     """The ``afd-ext bench`` argument parser."""
     p = argparse.ArgumentParser(
         prog=prog,
         description="Benchmark the AFD layer exchange (this package vs the reference connector's call "
                     "pattern, raw NCCL, bare NCCL and torch.distributed); JSON + markdown + PNG.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     p.add_argument("--out", default="bench-out",
                    help="output directory (bench.json, bench.md, bench.png) or a .json path")
