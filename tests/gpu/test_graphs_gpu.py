@@ -273,37 +273,48 @@ class _Ctx:
     def _peer(self) -> int:
         return 0 if self.role == "attention" else 1  # the other end's rank in a size-2 communicator
 
+    def attention_exchange(self, b, plan):
+        """Attention half of one stage's exchange: send the wire tensors, fan in the reply into ``b["reply"]``."""
+        a2f = [self.comms[(self.rr, f, "a2f")] for f in plan.peers]
+        f2a = [self.comms[(self.rr, f, "f2a")] for f in plan.peers]
+        self._send(b, a2f, list(plan.rows))
+        self.ops.fan_in(b["reply"], None, None, f2a, [self._peer] * len(f2a), list(plan.rows))
+
+    def ffn_fan_in(self, b, plan):
+        """FFN side: fan in one stage from every peer into ``b`` (unpacking a packed wire)."""
+        ops = self.ops
+        a2f = [self.comms[(a, self.rr, "a2f")] for a in plan.peers]
+        peers = [self._peer] * len(plan.peers)
+        if b["wire"] is not None:
+            ops.fan_in(b["wire"], None, None, a2f, peers, list(plan.rows))
+            ops.unpack_rows(b["wire"], b["hidden"], b["router_logits"], b["token_ids"])
+        else:
+            ops.fan_in(b["hidden"], b["router_logits"], b["token_ids"], a2f, peers, list(plan.rows))
+
+    def ffn_split_back(self, out, plan):
+        """FFN side: send each peer of one stage its rows of ``out``."""
+        f2a = [self.comms[(a, self.rr, "f2a")] for a in plan.peers]
+        self.ops.split_back(out, None, None, f2a, [self._peer] * len(f2a), list(plan.rows))
+
     def attention_loop(self, sched, bufs):
         """Per layer and stage: attention compute, split-back of the wire tensors, fan-in of the reply."""
         for layer in range(self.setup.layers):
             for s in sched.stages:
                 b = bufs[s]
-                plan = sched.attention_plan(s, self.rr)
-                a2f = [self.comms[(self.rr, f, "a2f")] for f in plan.peers]
-                f2a = [self.comms[(self.rr, f, "f2a")] for f in plan.peers]
                 attention_compute(layer, b["hidden"], b["send"])
-                self._send(b, a2f, list(plan.rows))
-                self.ops.fan_in(b["reply"], None, None, f2a, [0] * len(f2a), list(plan.rows))
+                self.attention_exchange(b, sched.attention_plan(s, self.rr))
                 b["hidden"].copy_(b["reply"] + b["send"])
         return bufs
 
     def ffn_loop(self, sched, bufs):
         """All layers x all stages: fan-in, compute, split-back."""
-        ops = self.ops
         for layer in range(self.setup.layers):
             for s in sched.stages:
                 b = bufs[s]
                 plan = sched.ffn_plan(s, self.rr)
-                a2f = [self.comms[(a, self.rr, "a2f")] for a in plan.peers]
-                f2a = [self.comms[(a, self.rr, "f2a")] for a in plan.peers]
-                peers = [1] * len(plan.peers)
-                if b["wire"] is not None:
-                    ops.fan_in(b["wire"], None, None, a2f, peers, list(plan.rows))
-                    ops.unpack_rows(b["wire"], b["hidden"], b["router_logits"], b["token_ids"])
-                else:
-                    ops.fan_in(b["hidden"], b["router_logits"], b["token_ids"], a2f, peers, list(plan.rows))
+                self.ffn_fan_in(b, plan)
                 ffn_compute(layer, b["hidden"], b["router_logits"], b["token_ids"], b["output"])
-                ops.split_back(b["output"], None, None, f2a, peers, list(plan.rows))
+                self.ffn_split_back(b["output"], plan)
         return bufs
 
     def buffers(self, arena, sched):

@@ -38,27 +38,15 @@ logger = logging.getLogger("time_graph_exchange")
 
 def _exchange_only(ctx: _Ctx, sched, bufs, layers: int):
     """Per layer and stage: the exchange alone (no compute on either side)."""
-    ops = ctx.ops
     for _ in range(layers):
         for s in sched.stages:
             b = bufs[s]
             if ctx.role == "attention":
-                plan = sched.attention_plan(s, ctx.rr)
-                a2f = [ctx.comms[(ctx.rr, f, "a2f")] for f in plan.peers]
-                f2a = [ctx.comms[(ctx.rr, f, "f2a")] for f in plan.peers]
-                ctx._send(b, a2f, list(plan.rows))
-                ops.fan_in(b["reply"], None, None, f2a, [0] * len(f2a), list(plan.rows))
+                ctx.attention_exchange(b, sched.attention_plan(s, ctx.rr))
             else:
                 plan = sched.ffn_plan(s, ctx.rr)
-                a2f = [ctx.comms[(a, ctx.rr, "a2f")] for a in plan.peers]
-                f2a = [ctx.comms[(a, ctx.rr, "f2a")] for a in plan.peers]
-                peers = [1] * len(plan.peers)
-                if b["wire"] is not None:
-                    ops.fan_in(b["wire"], None, None, a2f, peers, list(plan.rows))
-                    ops.unpack_rows(b["wire"], b["hidden"], b["router_logits"], b["token_ids"])
-                else:
-                    ops.fan_in(b["hidden"], b["router_logits"], b["token_ids"], a2f, peers, list(plan.rows))
-                ops.split_back(b["hidden"], None, None, f2a, peers, list(plan.rows))
+                ctx.ffn_fan_in(b, plan)
+                ctx.ffn_split_back(b["hidden"], plan)
 
 
 def _worker(rank: int, nprocs: int, args: dict, port: int) -> dict:
