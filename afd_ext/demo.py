@@ -723,9 +723,6 @@ class _StoreAllGather:
                 self.store.delete_key(f"agree/{r - 2}/{self.rank}")
         return out
 
-    def close(self) -> None:
-        """Leave (the launching process keeps the store until every worker is done)."""
-        self.store.set(f"fin/{self.rank}", b"1")
 
 
 def _make_connector(plan: DemoPlan, role: str, role_rank: int, world_rank: int, model) -> Any:
@@ -832,7 +829,6 @@ def _worker(rank: int, nprocs: int, plan: DemoPlan) -> dict[str, Any]:
             num_stages=plan.stages, device=device, progress=bar,
         )
         logger.info("generated in %.2f s (%d steps)", res.wall_s, res.steps)
-        gather.close()
         # numpy, not torch: torch tensors cross a multiprocessing queue as shared-memory
         # handles that die with this process.
         for r in res.requests:
@@ -894,6 +890,7 @@ def run_demo(plan: DemoPlan, *, timeout_s: float = 600.0) -> dict[str, Any]:
     """Run the processes of ``plan`` and the self-check; return the summary dict.
 
     Raises:
+        ValueError: a CUDA plan but fewer than 2 visible GPUs.
         afd_ext.testing.WorkerError / TimeoutError: a process failed or hung.
     """
     import dataclasses
@@ -910,10 +907,7 @@ def run_demo(plan: DemoPlan, *, timeout_s: float = 600.0) -> dict[str, Any]:
     plan = dataclasses.replace(plan, agree_port=int(agree_store.port))
     per_rank_env = None
     if plan.device_type == "cuda":
-        n = torch.cuda.device_count()
-        if n < 2:
-            raise RuntimeError(f"--backend nccl needs 2 GPUs (attention on GPU 0, FFN on GPU 1); found {n}")
-        per_rank_env = _gpu_env(plan, n)
+        per_rank_env = _gpu_env(plan, _gpus_for_nccl())
     env = {"OMP_NUM_THREADS": str(plan.threads), "TOKENIZERS_PARALLELISM": "false"}
     t0 = time.perf_counter()
     logger.info("starting %d processes", plan.num_attention + plan.num_ffn)
@@ -1128,6 +1122,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _gpus_for_nccl() -> int:
+    """Visible CUDA devices, at least 2 (attention on GPU 0, FFN on GPU 1).
+
+    Raises:
+        ValueError: fewer than 2 are visible.
+    """
+    import torch
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n < 2:
+        raise ValueError(f"--backend nccl needs 2 visible GPUs (attention on GPU 0, FFN on GPU 1); "
+                         f"found {n}. Use --backend gloo (CPU) or --backend auto")
+    return n
+
+
 def build_plan(args: argparse.Namespace) -> DemoPlan:
     """Resolve arguments into a :class:`DemoPlan` (backend, dtype, ports, requests)."""
     from afd_ext.testing import find_free_port
@@ -1138,12 +1147,7 @@ def build_plan(args: argparse.Namespace) -> DemoPlan:
 
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "gloo"
     if backend == "nccl":
-        import torch
-
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if n < 2:
-            raise ValueError(f"--backend nccl needs 2 visible GPUs (attention on GPU 0, FFN on GPU 1); "
-                             f"found {n}. Use --backend gloo (CPU) or --backend auto")
+        _gpus_for_nccl()
     if args.json_path:
         # Checked before the run, not after it: a bad path must not cost the whole demo.
         out = Path(args.json_path)

@@ -226,6 +226,8 @@ class NcclTransport(Transport):
         self._store = store
         t0 = time.monotonic()
         self._init_comms(store, topology, init_timeout_s, rdzv)
+        # This rank's peers (role ranks), for replays: derived once, not per replay.
+        self._all_peers = sorted({f if peers.role == "attention" else a for (a, f, _d) in self._comms})
         logger.info("%s: %d NCCL communicators ready in %.2f s (generation %s)", peers.me, len(self._comms),
                     time.monotonic() - t0, getattr(store, "generation", "?"))
         self.watchdog.start()
@@ -376,12 +378,7 @@ class NcclTransport(Transport):
         communicators are aborted, which ends the graph's NCCL kernels) instead
         of a hang. No-op while a capture is running.
         """
-        mine = self.peers.role_rank
-        if self.peers.role == "attention":
-            live = sorted({f for (a, f, _d) in self._comms if a == mine})
-        else:
-            live = sorted({a for (a, f, _d) in self._comms if f == mine})
-        self._track(what, live, tag)
+        self._track(what, self._all_peers, tag)
 
     def wait_event(self, ev: torch.cuda.Event, what: str, names: Sequence[str], tag: MessageTag,
                    peer_ranks: Sequence[int] = ()) -> None:
