@@ -724,7 +724,6 @@ class _StoreAllGather:
         return out
 
 
-
 def _make_connector(plan: DemoPlan, role: str, role_rank: int, world_rank: int, model) -> Any:
     """Create (not initialise) this process's connector through the factory."""
     from afd_ext.config import AFDConfig

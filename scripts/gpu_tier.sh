@@ -8,7 +8,7 @@
 # Phases (default: build tests time bench demo):
 #   build        pip install -e . against the machine's torch, then `afd-ext info`
 #   tests        pytest -m gpu $GPU_TESTS (default: tests), -k "$PYTEST_K" when set
-#   time         tests/gpu/time_exchange.py and time_graph_exchange.py
+#   time         tests/gpu/time_graph_exchange.py (per-layer exchange, eager vs CUDA graph)
 #   bench-quick  afd-ext bench --quick (two variants, eager): the smoke test
 #   bench-check  afd-ext bench --check: every variant bit-exact, eager + graph
 #   bench        the default sweep, $BENCH_ARGS appended
@@ -44,8 +44,7 @@ for phase in $phases; do
     build) run build $PY -m pip install --no-build-isolation --no-deps -e . && run info $PY -m afd_ext info ;;
     tests) run gpu-tests $PY -m pytest -m gpu ${GPU_TESTS:-tests} ${PYTEST_K:+-k "$PYTEST_K"} -v -rA \
              --timeout 240 --junitxml "$OUT/gpu-junit.xml" ;;
-    time) [ -f tests/gpu/time_exchange.py ] && run time-exchange $PY tests/gpu/time_exchange.py --out "$OUT/time_exchange.json"
-          [ -f tests/gpu/time_graph_exchange.py ] && run time-graph $PY tests/gpu/time_graph_exchange.py --out "$OUT/time_graph.json" ;;
+    time) run time-graph $PY tests/gpu/time_graph_exchange.py --out "$OUT/time_graph.json" ;;
     bench-quick) run bench-quick $PY -m afd_ext bench --quick --modes eager --variants ours_per_tensor,raw \
              --no-control --no-progress --case-timeout 30 --timeout 120 --out "$OUT/bench-quick" ;;
     bench-check) run bench-check $PY -m afd_ext bench --check --no-progress --case-timeout 30 --timeout 160 \
