@@ -227,24 +227,29 @@ def encode_headers(tag: MessageTag, sender: int, receiver: int, rows: int,
         rows: rows of every message to this peer.
         messages: ``[(tensor id, full tensor), ...]`` (dtype and columns are read from them).
     """
-    h = torch.zeros(len(messages), HEADER_WORDS, dtype=torch.int64)
+    # Rows as Python lists, one tensor at the end: element-wise tensor writes
+    # cost ~90 us per call for three messages (strict mode runs this per peer
+    # and exchange on both sides).
+    out = []
     for k, (tid, t) in enumerate(messages):
-        h[k, _W_MAGIC] = HEADER_MAGIC
-        h[k, _W_VERSION] = HEADER_VERSION
-        h[k, _W_DIRECTION] = _DIRECTION_CODES[tag.direction]
-        h[k, _W_SENDER] = sender
-        h[k, _W_RECEIVER] = receiver
-        h[k, _W_STEP] = tag.step
-        h[k, _W_LAYER] = tag.layer
-        h[k, _W_STAGE] = tag.stage
-        h[k, _W_TENSOR] = tid
-        h[k, _W_DTYPE] = dtype_code(t.dtype)
-        h[k, _W_ROWS] = rows
-        h[k, _W_COLS] = _cols(t)
-        h[k, _W_INDEX] = k
-        h[k, _W_COUNT] = len(messages)
-        h[k, _W_LAYER_IDX] = tag.layer_idx
-    return h
+        row = [0] * HEADER_WORDS
+        row[_W_MAGIC] = HEADER_MAGIC
+        row[_W_VERSION] = HEADER_VERSION
+        row[_W_DIRECTION] = _DIRECTION_CODES[tag.direction]
+        row[_W_SENDER] = sender
+        row[_W_RECEIVER] = receiver
+        row[_W_STEP] = tag.step
+        row[_W_LAYER] = tag.layer
+        row[_W_STAGE] = tag.stage
+        row[_W_TENSOR] = tid
+        row[_W_DTYPE] = dtype_code(t.dtype)
+        row[_W_ROWS] = rows
+        row[_W_COLS] = _cols(t)
+        row[_W_INDEX] = k
+        row[_W_COUNT] = len(messages)
+        row[_W_LAYER_IDX] = tag.layer_idx
+        out.append(row)
+    return torch.tensor(out, dtype=torch.int64).reshape(len(messages), HEADER_WORDS)
 
 
 def _describe_header(row: Sequence[int], label) -> str:
@@ -256,6 +261,15 @@ def _describe_header(row: Sequence[int], label) -> str:
         f"message {int(row[_W_INDEX])} of {int(row[_W_COUNT])}, from {label(int(row[_W_SENDER]))} "
         f"to {label(int(row[_W_RECEIVER]))}"
     )
+
+
+#: Header words compared on receipt, with their names (every word but the step).
+_CHECKED_WORDS = {
+    _W_MAGIC: "magic", _W_VERSION: "header version", _W_DIRECTION: "direction", _W_SENDER: "sender",
+    _W_RECEIVER: "receiver", _W_LAYER: "layer", _W_STAGE: "stage", _W_TENSOR: "tensor",
+    _W_DTYPE: "dtype", _W_ROWS: "rows", _W_COLS: "columns", _W_INDEX: "message index",
+    _W_COUNT: "message count",
+}
 
 
 def check_headers(received: torch.Tensor, expected: torch.Tensor, *, tag: MessageTag,
@@ -276,15 +290,9 @@ def check_headers(received: torch.Tensor, expected: torch.Tensor, *, tag: Messag
     """
     got = received.tolist()
     want = expected.tolist()
-    names = {
-        _W_MAGIC: "magic", _W_VERSION: "header version", _W_DIRECTION: "direction", _W_SENDER: "sender",
-        _W_RECEIVER: "receiver", _W_LAYER: "layer", _W_STAGE: "stage", _W_TENSOR: "tensor",
-        _W_DTYPE: "dtype", _W_ROWS: "rows", _W_COLS: "columns", _W_INDEX: "message index",
-        _W_COUNT: "message count",
-    }
     for k in range(len(want)):
         g, w = got[k], want[k]
-        for word, name in names.items():
+        for word, name in _CHECKED_WORDS.items():
             if g[word] != w[word]:
                 if word == _W_MAGIC or word == _W_VERSION:
                     sent = f"a block that is not an afd_ext header (word {word} = {g[word]:#x})"

@@ -214,16 +214,15 @@ class NcclTransport(Transport):
         self._ops = ops
         self._comms: dict[tuple[int, int, str], int] = {}  # (a, f, direction) -> handle
         self._event_pool: list[torch.cuda.Event] = []  # list append/pop are atomic in CPython
+        self._comm_names: dict[int, str] = {}  # handle -> name, filled by _named_comms
         self._aborted = False
         self._extra_on_failure = on_failure
         self.watchdog = Watchdog(
             timeout_s, owner=peers.me, on_failure=self._on_watchdog_failure,
-            comms=lambda: [(h, f"{d} a{a}-f{f} (with {self._edge_peer_label(a, f)})")
-                           for (a, f, d), h in list(self._comms.items())],
+            comms=self._named_comms,
             async_error=ops.comm_async_error, abort_check=abort_check, abort_error=abort_error,
             blame=blame, on_tick=on_tick,
         )
-        self._store = store
         t0 = time.monotonic()
         self._init_comms(store, topology, init_timeout_s, rdzv)
         # This rank's peers (role ranks), for replays: derived once, not per replay.
@@ -343,6 +342,16 @@ class NcclTransport(Transport):
         except KeyError:
             raise ValueError(f"attention rank {a} and FFN rank {f} are not peers (no communicator)") from None
 
+    def _named_comms(self) -> list[tuple[int, str]]:
+        """The live communicators and their names, for the watchdog's polls (names formatted once)."""
+        out = []
+        for (a, f, d), h in list(self._comms.items()):
+            name = self._comm_names.get(h)
+            if name is None:
+                name = self._comm_names[h] = f"{d} a{a}-f{f} (with {self._edge_peer_label(a, f)})"
+            out.append((h, name))
+        return out
+
     def _edge_peer_label(self, a: int, f: int) -> str:
         """The label of the other end of edge (attention rank ``a``, FFN rank ``f``)."""
         return self.peers.peer_label(f if self.peers.role == "attention" else a)
@@ -452,8 +461,8 @@ class NcclTransport(Transport):
         live = [(p, r) for p, r in zip(peers, rows) if r > 0]
         if not live:
             return
-        names = [self.peers.peer_label(p) for p, _ in live]
         if self.strict and not _capturing():
+            names = [self.peers.peer_label(p) for p, _ in live]
             hcomms = [self._comm(p, tag.direction) for p, _ in live]
             hdr = torch.empty(len(live) * len(msgs), HEADER_WORDS, dtype=torch.int64, device=self.device)
             self._ops.fan_in(hdr, None, None, hcomms, [self._peer_index()] * len(live), [len(msgs)] * len(live))
