@@ -223,6 +223,7 @@ class NcclTransport(Transport):
             async_error=ops.comm_async_error, abort_check=abort_check, abort_error=abort_error,
             blame=blame, on_tick=on_tick,
         )
+        self._store = store  # the rendezvous store (tests read the posted abort through it)
         t0 = time.monotonic()
         self._init_comms(store, topology, init_timeout_s, rdzv)
         # This rank's peers (role ranks), for replays: derived once, not per replay.
