@@ -958,10 +958,7 @@ class AFDConnector:
     def _transport_call(self, fn, *args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except (AFDTransportError, rdzv.StepAbortedError) as e:
-            self._fail_step(e)
-            raise
-        except RuntimeError as e:
+        except RuntimeError as e:  # AFDTransportError and StepAbortedError included
             self._fail_step(e)
             raise
 

@@ -334,6 +334,18 @@ class ControlChannel(abc.ABC):
                 f"{self.options.max_message_bytes}; raise it on both ends"
             )
 
+    def _check_header(self, op: str, sender: int, total: int) -> None:
+        """A received message's header: from the expected world rank, within ``max_message_bytes``."""
+        if sender != self.peer_rank:
+            raise RuntimeError(
+                f"{op}: received AFD DP metadata from world rank {sender}, expected {self.peer}"
+            )
+        if total > self.options.max_message_bytes:
+            raise ValueError(
+                f"{op}: {self.peer} announced a {total}-byte control message, above "
+                f"max_message_bytes={self.options.max_message_bytes}"
+            )
+
     def _require(self, sender: bool, what: str) -> None:
         if self._closed:
             raise RuntimeError(f"{what} on a closed {self.kind} control channel to {self.peer}")
@@ -735,15 +747,7 @@ class ShmControlChannel(ControlChannel):
                 time.sleep(_MIN_SLEEP_S)
         else:  # pragma: no cover - would mean a broken writer
             raise RuntimeError(f"{op}: control ring slot {slot} from {self.peer} never became consistent")
-        if sender != self.peer_rank:
-            raise RuntimeError(
-                f"{op}: received AFD DP metadata from world rank {sender}, expected {self.peer}"
-            )
-        if total > self.options.max_message_bytes:
-            raise ValueError(
-                f"{op}: {self.peer} announced a {total}-byte control message, above "
-                f"max_message_bytes={self.options.max_message_bytes}"
-            )
+        self._check_header(op, sender, total)
         if expect_total is not None and total != expect_total:
             raise RuntimeError(f"{op}: control message fragments from {self.peer} disagree on the length")
         return total, frag
@@ -1005,15 +1009,7 @@ class TcpControlChannel(ControlChannel):
             magic, typ, sender, n = _TCP_HDR.unpack_from(self._rbuf, 0)
             if magic != _TCP_MAGIC:
                 raise RuntimeError(f"{op}: corrupt control frame from {self.peer} (bad magic {magic:#x})")
-            if sender != self.peer_rank:
-                raise RuntimeError(
-                    f"{op}: received AFD DP metadata from world rank {sender}, expected {self.peer}"
-                )
-            if n > self.options.max_message_bytes:
-                raise ValueError(
-                    f"{op}: {self.peer} announced a {n}-byte control message, above "
-                    f"max_message_bytes={self.options.max_message_bytes}"
-                )
+            self._check_header(op, sender, n)
             end = _TCP_HDR.size + n
             self._fill(end, None, op)  # the rest of a started frame is already on its way
             body = bytes(self._rbuf[_TCP_HDR.size:end])
@@ -1122,7 +1118,8 @@ def open_control_channels(
         pairs = [(topology.control_source(role_rank), role_rank)]
     if not pairs:
         return {}
-    store.set(f"ctrl/host/{me}", rdzv.host_identity().encode("utf-8"))
+    mine = rdzv.host_identity()
+    store.set(f"ctrl/host/{me}", mine.encode("utf-8"))
 
     def pair_kind(a: int, f: int) -> str:
         if kind != "auto":
@@ -1131,7 +1128,7 @@ def open_control_channels(
         rdzv.wait_for_keys(store, {f"ctrl/host/{other}": other}, deadline - time.monotonic(),
                            "the control channel host identity")
         theirs = store.get(f"ctrl/host/{other}").decode("utf-8")
-        return "shm" if theirs == rdzv.host_identity() else "tcp"
+        return "shm" if theirs == mine else "tcp"
 
     channels: dict[int, ControlChannel] = {}
     try:

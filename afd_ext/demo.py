@@ -180,11 +180,6 @@ def encode_prompt(text: str, max_len: int) -> list[int]:
     return ([BOS_ID] + list(text.encode("utf-8")))[:max_len]
 
 
-def decode_tokens(ids: Sequence[int]) -> str:
-    """Bytes back to text (specials dropped, invalid UTF-8 replaced)."""
-    return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
-
-
 @dataclass(frozen=True)
 class Request:
     """One request of one attention rank.
@@ -347,12 +342,11 @@ def build_model(model_config: Mapping[str, Any], seed: int, *, device: str = "cp
     return model
 
 
-def _forward_kwargs(model) -> tuple[str, bool]:
+def _cache_kwarg(model) -> str:
     """Name of the KV-cache keyword (``cache`` in transformers >= 5.x, else ``past_key_values``)."""
     import inspect
 
-    params = inspect.signature(model.forward).parameters
-    return ("cache" if "cache" in params else "past_key_values"), ("position_ids" in params)
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _new_cache(model):
@@ -435,7 +429,7 @@ def generate_attention_rank(
 
     from afd_ext.integrations.transformers import stage_split
 
-    cache_kw, _ = _forward_kwargs(model)
+    cache_kw = _cache_kwarg(model)
     dtype = next(model.parameters()).dtype
     B = len(requests)
     lens = [len(r.prompt_ids) for r in requests]

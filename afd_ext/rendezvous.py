@@ -512,14 +512,15 @@ def wait_for_keys(
     pending = dict(keys)
     sleep = 0.001
     while True:
-        if pending and store.check(list(pending)):
-            pending.clear()
-        else:
-            pending = {k: r for k, r in pending.items() if not store.check([k])}
-        if not pending:
+        # One store round trip per poll (every rank polls FFN rank 0's store);
+        # which keys are missing is worked out only for the error.
+        if not pending or store.check(list(pending)):
             return
         raise_if_aborted(store, op=f"waiting for {what}")
         if time.monotonic() >= deadline:
+            pending = {k: r for k, r in pending.items() if not store.check([k])}
+            if not pending:
+                return
             missing = sorted(set(pending.values()))
             names = ", ".join(store.label(r) for r in missing)
             raise RendezvousTimeoutError(

@@ -442,9 +442,9 @@ class StepSchedule:
 
     def _check(self, name: str, t: Any, shape: tuple[int, ...], dtype: torch.dtype, who: str,
                device: torch.device | str | None, fix: str = "") -> None:
-        want = f"{_fmt_shape(shape)} {dtype}"
         if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor {want} for {who}, got {type(t).__name__}")
+            raise ValueError(f"{name} must be a torch.Tensor {_fmt_shape(shape)} {dtype} for {who}, "
+                             f"got {type(t).__name__}")
         if tuple(t.shape) != shape:
             raise ValueError(f"{name} must have shape {_fmt_shape(shape)} for {who} (from the step's "
                              f"control payload), got {_fmt_shape(t.shape)}")

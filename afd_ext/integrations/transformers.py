@@ -289,10 +289,6 @@ class ExchangeStats:
     bytes_received: int = 0
     steps: int = 0
 
-    def all_latencies_us(self) -> list[float]:
-        """Every recorded exchange latency in µs."""
-        return [ns / 1e3 for v in self.latency_ns.values() for ns in v]
-
 
 class AttentionExchange:
     """State shared by the :class:`RemoteMLP` proxies of one attention rank.
@@ -316,11 +312,29 @@ class AttentionExchange:
         self.proxies: list[RemoteMLP] = []
         self._stage_rows: list[int] | None = None
         self._row_mask: torch.Tensor | None = None
+        # (mask object, device, flat row index): the step's mask as an index, built
+        # once per step instead of a boolean gather/scatter (a device sync) per layer.
+        self._mask_index: tuple[Any, torch.device, torch.Tensor] | None = None
         #: Optional ``afd_ext.graphs.AttentionGraphRunner``: steps that fit its
         #: capture sizes replay captured exchange graphs (``afd-ext demo --graph``).
         self.graph_runner: Any = None
 
     # -- per step ----------------------------------------------------------
+
+    def row_index(self, device: torch.device) -> torch.Tensor:
+        """The current ``row_mask`` as flat row indices (int64 on ``device``), cached per step.
+
+        Raises:
+            RuntimeError: no row mask is set.
+        """
+        mask = self._row_mask
+        if mask is None:
+            raise RuntimeError("AttentionExchange.row_index: no row mask is set for this step")
+        cached = self._mask_index
+        if cached is None or cached[0] is not mask or cached[1] != device:
+            idx = mask.reshape(-1).nonzero().squeeze(1).to(device)
+            self._mask_index = cached = (mask, device, idx)
+        return cached[2]
 
     def begin_step(
         self,
@@ -330,20 +344,10 @@ class AttentionExchange:
         row_mask: torch.Tensor | None = None,
         send: bool = True,
     ) -> list[int]:
-        """Start a step (through ``graph_runner`` when set, which pads and replays what fits)."""
-        if self.graph_runner is not None:
-            return self.graph_runner.begin_step(payload, dp_rank=dp_rank, row_mask=row_mask, send=send)
-        return self._begin_step_eager(payload, dp_rank=dp_rank, row_mask=row_mask, send=send)
-
-    def _begin_step_eager(
-        self,
-        payload: AFDControlPayload,
-        *,
-        dp_rank: int,
-        row_mask: torch.Tensor | None = None,
-        send: bool = True,
-    ) -> list[int]:
         """Start a step: apply ``payload`` locally, send it to the FFN side, set the rows.
+
+        With ``graph_runner`` set, the runner pads the step to a capture size
+        and replays what fits (its own errors: ``afd_ext.graphs``).
 
         Args:
             payload: the step's control payload, the same on every attention
@@ -363,6 +367,19 @@ class AttentionExchange:
             ValueError: the payload's stages do not match ``num_stages`` or
                 ``dp_rank`` is out of range.
         """
+        if self.graph_runner is not None:
+            return self.graph_runner.begin_step(payload, dp_rank=dp_rank, row_mask=row_mask, send=send)
+        return self._begin_step_eager(payload, dp_rank=dp_rank, row_mask=row_mask, send=send)
+
+    def _begin_step_eager(
+        self,
+        payload: AFDControlPayload,
+        *,
+        dp_rank: int,
+        row_mask: torch.Tensor | None = None,
+        send: bool = True,
+    ) -> list[int]:
+        """:meth:`begin_step` without a graph runner (the runner calls it for eager steps)."""
         stages = sorted(payload.dp_metadata_list)
         if stages != list(range(self.num_stages)):
             raise ValueError(
@@ -520,25 +537,25 @@ class RemoteMLP(nn.Module):
         mask = self.exchange._row_mask
         lead = hidden_states.shape[:-1]
         if mask is not None and hidden_states.dim() >= 2 and tuple(mask.shape) == tuple(lead):
-            m = mask.to(hidden_states.device)
-            rows = hidden_states[m]
+            idx = self.exchange.row_index(hidden_states.device)
+            rows = hidden_states.reshape(-1, h).index_select(0, idx)
         else:
-            m = None
+            idx = None
             rows = hidden_states.reshape(-1, h)
         rows = rows.contiguous()
         logits = router_logits_from_gate(self.gate, rows) if self.gate is not None else None
         y = self.exchange.exchange(self.layer_idx, rows, logits)
-        if m is not None:
+        if idx is not None:
             out = hidden_states.new_zeros(hidden_states.shape)
-            out[m] = y
+            out.view(-1, h).index_copy_(0, idx, y.to(out.dtype))
         else:
             out = y.reshape(hidden_states.shape)
         if self.returns_tuple:
             n_exp = self.info.num_experts or 1
             full_logits = out.new_zeros(out.reshape(-1, h).shape[0], n_exp, dtype=torch.float32)
             if logits is not None:
-                if m is not None:
-                    full_logits[m.reshape(-1)] = logits
+                if idx is not None:
+                    full_logits.index_copy_(0, idx, logits.to(full_logits.dtype))
                 else:
                     full_logits.copy_(logits)
             return out, full_logits
@@ -773,6 +790,11 @@ class FFNServer:
         self.connector = connector
         self.modules = dict(sorted(modules.items()))
         self.gate_on_attention = gate_on_attention
+        # Each block's ReceivedLogitsGate, found once (compute runs per layer and stage).
+        self._gates = {
+            i: next((g for g in m.children() if isinstance(g, ReceivedLogitsGate)), None)
+            for i, m in self.modules.items()
+        } if gate_on_attention else {}
         self.routing_spec = (
             AFDExpertRoutingSpec(int(num_experts), router_logits_dtype) if gate_on_attention else None
         )
@@ -784,11 +806,17 @@ class FFNServer:
     def from_model(
         cls, model: nn.Module, connector: Any, *, gate_on_attention: bool = False, **kw: Any
     ) -> "FFNServer":
-        """Build from a whole model (its attention parts are not used and may be dropped)."""
+        """Build from a whole model (its attention parts are not used and may be dropped).
+
+        Raises:
+            ValueError: no MLP block found, or ``gate_on_attention`` without a MoE layer.
+            NotImplementedError: a block class whose gate cannot move to the attention side.
+        """
         modules = extract_ffn_modules(model, gate_on_attention=gate_on_attention)
         num_experts = None
         if gate_on_attention:
-            num_experts = next(li.num_experts for li in describe_layers(model) if li.is_moe)
+            # None when no layer is MoE: the constructor then raises its ValueError.
+            num_experts = next((li.num_experts for li in describe_layers(model) if li.is_moe), None)
         return cls(connector, modules, gate_on_attention=gate_on_attention, num_experts=num_experts, **kw)
 
     @property
@@ -816,7 +844,7 @@ class FFNServer:
         x = hidden_states.reshape(1, n, h)
         gate = None
         if self.gate_on_attention:
-            gate = next((g for g in mlp.children() if isinstance(g, ReceivedLogitsGate)), None)
+            gate = self._gates[layer_idx]
             if gate is None:
                 raise ValueError(f"layer {layer_idx}: block has no ReceivedLogitsGate; use extract_ffn_modules")
             gate.pending = router_logits
