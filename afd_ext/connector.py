@@ -240,6 +240,8 @@ class _Step:
     recv_pos: int = 0
     abandoned: bool = False
     pending: dict[int, deque] = dataclasses.field(default_factory=dict)
+    #: Per stage, this rank's buffers (fixed for the step; taken when the payload is applied).
+    bufs: dict[int, dict[str, torch.Tensor]] = dataclasses.field(default_factory=dict)
 
     @property
     def total(self) -> int:
@@ -897,7 +899,7 @@ class AFDConnector:
         seq = [(layer, s) for layer in range(sch.config.num_layers) for s in sch.stages]
         st = _Step(self._step_counter, sch, seq, strict, pending={s: deque() for s in sch.stages})
         for s in sch.stages:
-            self._stage_buffers(st, s)
+            st.bufs[s] = self._stage_buffers(st, s)
             if self._cuda:
                 self._stage_stream(s)
         self._step = st
@@ -1043,7 +1045,7 @@ class AFDConnector:
         tr.strict = st.strict
         with self._on_stage(stage):
             if sch.wire_format(stage) == PACKED:
-                wire = self._stage_buffers(st, stage)["wire"]
+                wire = st.bufs[stage]["wire"]
                 if plan.total:
                     from . import ops
 
@@ -1217,7 +1219,7 @@ class AFDConnector:
             raise self._reject(st, e, moved=st.recv_pos > 0) from None
         sch = st.schedule
         plan = sch.ffn_plan(stage, self.role_rank)
-        bufs = self._stage_buffers(st, stage)
+        bufs = st.bufs[stage]
         hidden, logits, ids = bufs["hidden"], bufs.get("logits"), bufs.get("ids")
         tag = self._tag(st, op, "a2f", layer, stage, layer)
         # The previous reply of this stage may still be sending from memory the
