@@ -198,8 +198,7 @@ _MODEL_KWARGS = (
 _STUCK_BUFFERS: list[torch.Tensor] = []
 
 
-class ConnectorStateError(RuntimeError):
-    """The connector cannot serve the call in its state (not initialised, aborted, wrong role, order)."""
+from .errors import ConnectorStateError  # noqa: E402,F401  defined once, in errors.py
 
 
 @dataclass(slots=True)

@@ -154,26 +154,7 @@ _OP_RECV = "recv_dp_metadata_list"
 _OP_SEND = "send_dp_metadata_list"
 
 
-class PeerDeadError(RuntimeError):
-    """The peer at the other end of a control channel is gone.
-
-    Attributes:
-        peer: label of the peer rank (e.g. ``"attention rank 0 (world rank 1)"``).
-        op: the operation that noticed (``"recv_dp_metadata_list"`` ...).
-    """
-
-    def __init__(self, peer: str, op: str, detail: str):
-        super().__init__(f"{op}: peer {peer} is dead: {detail}")
-        self.peer = peer
-        self.op = op
-
-
-class ControlChannelClosed(ConnectionError):
-    """The sender closed the channel cleanly (shutdown); no more payloads will come."""
-
-
-class ControlRecvTimeout(TimeoutError):
-    """``recv`` passed its ``timeout_s`` while the peer was alive (idle)."""
+from .errors import ControlChannelClosed, ControlRecvTimeout, PeerDeadError  # noqa: E402,F401
 
 
 @dataclass(frozen=True)

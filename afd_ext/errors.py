@@ -1,31 +1,172 @@
-"""Every exception class ``afd_ext`` raises on purpose, importable from one place.
+"""Every exception ``afd_ext`` raises on purpose, defined here under one root.
 
-They live beside the code that raises them; this module only re-exports
-them, so ``except afd_ext.errors.AFDTimeoutError`` works without knowing
-which layer raised it. What each one means and what to do:
-``docs/troubleshooting.md``. Importing this module imports torch (the
-transport layer needs it).
+``except afd_ext.errors.AFDError`` catches anything the package raises on
+purpose; the leaves say what kind of failure it was, and they also derive
+from the builtin a caller would expect (``TimeoutError``, ``ValueError``,
+``ConnectionError``, ``RuntimeError``). What each one means and what to do:
+``docs/troubleshooting.md``. Torch-free, so any layer can import it.
+
+Older names (``AFDTransportError``, ``ConnectorStateError``, ``PeerDeadError``
+...) stay importable from here and from their old modules as aliases or
+subclasses of a leaf, so existing ``except`` clauses keep working.
 """
 
 from __future__ import annotations
 
-from .connector import ConnectorStateError
-from .control_plane import ControlChannelClosed, ControlRecvTimeout, PeerDeadError
-from .rendezvous import (
-    HandshakeMismatchError,
-    RendezvousError,
-    RendezvousTimeoutError,
-    StepAbortedError,
-    StoreUnavailableError,
-)
-from .transport.base import (
-    AFDPeerError,
-    AFDProtocolError,
-    AFDTimeoutError,
-    AFDTransportClosedError,
-    AFDTransportError,
-)
+from typing import Any, Iterable
 
-#: Every exception class imported above (built, not listed twice).
+
+class AFDError(Exception):
+    """Root of every error ``afd_ext`` raises on purpose.
+
+    Attributes (``None`` where not known):
+        op: the operation that failed (a connector call, a transport step).
+        peer: label of the peer involved, e.g. ``"attention rank 1 (world rank 2)"``.
+        layer: the layer exchange ordinal.
+        stage: the stage (micro-batch) id.
+    """
+
+    def __init__(self, message: str = "", *, op: str | None = None, peer: str | None = None,
+                 layer: int | None = None, stage: int | None = None):
+        super().__init__(message)
+        self.op = op
+        self.peer = peer
+        self.layer = layer
+        self.stage = stage
+
+
+# ----------------------------------------------------------------- the leaves
+class AFDConfigError(AFDError, ValueError):
+    """Bad configuration or argument, found before anything moved; the next call still works."""
+
+
+class AFDStateError(AFDError, RuntimeError):
+    """The call cannot be served in the connector's state (not initialised, aborted, wrong role, order)."""
+
+
+class AFDTimeoutError(AFDError, TimeoutError):
+    """A deadline passed; the message names the op, the peer, the layer and the stage."""
+
+
+class AFDPeerError(AFDError, ConnectionError):
+    """A peer went away (exited, closed its end, its communicator failed, its host stopped answering)."""
+
+
+class AFDProtocolError(AFDError):
+    """Two ranks disagree (handshake field, message header, row counts, malformed payload)."""
+
+
+class AFDAbortedError(AFDError, RuntimeError):
+    """Some rank aborted the step; close and re-initialise the connector on every rank."""
+
+
+class AFDClosedError(AFDError, ConnectionError):
+    """The transport or channel was closed; re-initialise the connector."""
+
+
+class AFDGraphError(AFDError, RuntimeError):
+    """A CUDA-graph request cannot be served (no captured graph for the key, conflicting flags, buffers)."""
+
+
+# ------------------------------------------- subclasses that carry extra fields
+class RendezvousTimeoutError(AFDTimeoutError):
+    """A rendezvous wait passed its deadline.
+
+    Attributes:
+        missing: world ranks that had not arrived.
+        what: what was awaited (e.g. ``"handshake"``, ``"unique id a2f/0/1"``).
+    """
+
+    def __init__(self, message: str, *, missing: Iterable[int] = (), what: str = ""):
+        super().__init__(message, op=what or None)
+        self.missing = tuple(missing)
+        self.what = what
+
+
+class HandshakeMismatchError(AFDProtocolError, ValueError):
+    """Two ranks disagree on a handshake field.
+
+    Attributes:
+        field: the field name; ``local_value``/``peer_value`` the two values;
+        ``local_rank``/``peer_rank`` the two world ranks.
+    """
+
+    def __init__(self, message: str, *, field: str, local_value: Any, peer_value: Any,
+                 local_rank: int, peer_rank: int):
+        super().__init__(message, op="handshake")
+        self.field = field
+        self.local_value = local_value
+        self.peer_value = peer_value
+        self.local_rank = local_rank
+        self.peer_rank = peer_rank
+
+
+class StepAbortedError(AFDAbortedError):
+    """Some rank posted the step-abort signal; this rank stops waiting.
+
+    Attributes:
+        reason: the reason the aborting rank gave; ``by``: who aborted (a rank label).
+    """
+
+    def __init__(self, reason: str, by: str, *, op: str = ""):
+        where = f" while {op}" if op else ""
+        super().__init__(
+            f"AFD step aborted by {by}{where}: {reason.rstrip().rstrip('.')}. The connector must be closed and "
+            "re-initialised on every rank (init_afd_connector) before the next step.",
+            op=op or None,
+        )
+        self.reason = reason
+        self.by = by
+
+
+class PeerDeadError(AFDPeerError):
+    """The peer at the other end of a control channel is gone.
+
+    Attributes:
+        peer: label of the peer rank (e.g. ``"attention rank 0 (world rank 1)"``).
+        op: the operation that noticed (``"recv_dp_metadata_list"`` ...).
+    """
+
+    def __init__(self, peer: str, op: str, detail: str):
+        super().__init__(f"{op}: peer {peer} is dead: {detail}", op=op, peer=peer)
+
+
+# ------------------------- older names, kept for callers that catch them
+#: Base of the transport errors before the single root existed.
+AFDTransportError = AFDError
+AFDTransportClosedError = AFDClosedError
+ConnectorStateError = AFDStateError
+
+
+class RendezvousError(AFDError, RuntimeError):
+    """The rendezvous could not be set up (address not local, store unreachable...)."""
+
+
+class StoreUnavailableError(RendezvousError, AFDPeerError):
+    """The rendezvous store stopped answering: FFN rank 0, which hosts it, exited or is unreachable."""
+
+
+class ControlChannelClosed(AFDClosedError):
+    """The sender closed the control channel cleanly (shutdown); no more payloads will come."""
+
+
+class ControlRecvTimeout(AFDTimeoutError):
+    """A control-channel ``recv`` passed its ``timeout_s`` while the peer was alive (idle)."""
+
+
+class GraphKeyMismatchError(AFDGraphError):
+    """A replay was asked for a key that has no captured graph (refused, never replayed)."""
+
+
+class GraphModeError(AFDGraphError):
+    """The control payload's flags cannot be acted on (conflicting flags, graphs off, no warm-up)."""
+
+
+class GraphBufferError(AFDGraphError):
+    """A static buffer of a captured graph is missing, misshaped, or moved."""
+
+
+GraphError = AFDGraphError
+
 __all__ = sorted(n for n, o in list(globals().items())
                  if isinstance(o, type) and issubclass(o, Exception) and not n.startswith("_"))

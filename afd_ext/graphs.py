@@ -106,20 +106,12 @@ __all__ = [
 DEFAULT_CAPTURE_SIZES: tuple[int, ...] = (1, 2, 4) + tuple(range(8, 513, 8))
 
 
-class GraphError(RuntimeError):
-    """Base class of the graph-mode errors."""
-
-
-class GraphKeyMismatchError(GraphError):
-    """A replay was asked for a key that has no captured graph (refused, never replayed)."""
-
-
-class GraphModeError(GraphError):
-    """The control payload's flags cannot be acted on (conflicting flags, graphs off, no warm-up)."""
-
-
-class GraphBufferError(GraphError):
-    """A static buffer of a captured graph is missing, misshaped, or moved."""
+from .errors import (  # noqa: E402,F401  defined once, in errors.py
+    GraphBufferError,
+    GraphError,
+    GraphKeyMismatchError,
+    GraphModeError,
+)
 
 
 # ---------------------------------------------------------------------------

@@ -78,62 +78,13 @@ __all__ = [
 ]
 
 
-class RendezvousError(RuntimeError):
-    """The rendezvous could not be set up (address not local, store unreachable...)."""
-
-
-class StoreUnavailableError(RendezvousError):
-    """The rendezvous store stopped answering: FFN rank 0, which hosts it, exited or is unreachable."""
-
-
-class RendezvousTimeoutError(TimeoutError):
-    """A rendezvous wait passed its deadline.
-
-    Attributes:
-        missing: world ranks that had not arrived.
-        what: what was awaited (e.g. ``"handshake"``, ``"unique id a2f/0/1"``).
-    """
-
-    def __init__(self, message: str, *, missing: Iterable[int] = (), what: str = ""):
-        super().__init__(message)
-        self.missing = tuple(missing)
-        self.what = what
-
-
-class HandshakeMismatchError(ValueError):
-    """Two ranks disagree on a handshake field.
-
-    Attributes:
-        field: the field name; ``local_value``/``peer_value`` the two values;
-        ``local_rank``/``peer_rank`` the two world ranks.
-    """
-
-    def __init__(self, message: str, *, field: str, local_value: Any, peer_value: Any,
-                 local_rank: int, peer_rank: int):
-        super().__init__(message)
-        self.field = field
-        self.local_value = local_value
-        self.peer_value = peer_value
-        self.local_rank = local_rank
-        self.peer_rank = peer_rank
-
-
-class StepAbortedError(RuntimeError):
-    """Some rank posted the step-abort signal; this rank stops waiting.
-
-    Attributes:
-        reason: the reason the aborting rank gave; ``by``: who aborted (a rank label).
-    """
-
-    def __init__(self, reason: str, by: str, *, op: str = ""):
-        where = f" while {op}" if op else ""
-        super().__init__(
-            f"AFD step aborted by {by}{where}: {reason.rstrip().rstrip('.')}. The connector must be closed and "
-            "re-initialised on every rank (init_afd_connector) before the next step."
-        )
-        self.reason = reason
-        self.by = by
-        self.op = op
+from .errors import (  # noqa: E402  defined once, in errors.py
+    HandshakeMismatchError,
+    RendezvousError,
+    RendezvousTimeoutError,
+    StepAbortedError,
+    StoreUnavailableError,
+)
 
 
 def rank_label(world_rank: int, num_ffn_ranks: int | None = None) -> str:

@@ -158,39 +158,13 @@ class MessageTag(NamedTuple):
         return s + f", stage {self.stage}"
 
 
-class AFDTransportError(RuntimeError):
-    """Base of the transport errors.
-
-    Attributes:
-        op: the operation (connector call and transport step) that failed.
-        peer: label of the peer involved, or ``None``.
-        layer: the layer exchange ordinal, or ``None``.
-        stage: the stage id, or ``None``.
-    """
-
-    def __init__(self, message: str, *, op: str | None = None, peer: str | None = None,
-                 layer: int | None = None, stage: int | None = None):
-        super().__init__(message)
-        self.op = op
-        self.peer = peer
-        self.layer = layer
-        self.stage = stage
-
-
-class AFDTimeoutError(AFDTransportError, TimeoutError):
-    """An operation passed its deadline; the message names the op, the peer, the layer and the stage."""
-
-
-class AFDPeerError(AFDTransportError):
-    """The peer went away or its communicator failed; names the peer, the layer and the stage."""
-
-
-class AFDProtocolError(AFDTransportError):
-    """A strict-mode header did not match what the receiver expected; names both sides."""
-
-
-class AFDTransportClosedError(AFDTransportError):
-    """The transport was closed or aborted; re-initialise the connector."""
+from ..errors import (  # noqa: E402,F401  defined once, in errors.py
+    AFDPeerError,
+    AFDProtocolError,
+    AFDTimeoutError,
+    AFDTransportClosedError,
+    AFDTransportError,
+)
 
 
 def row_offsets(rows: Sequence[int]) -> list[int]:
