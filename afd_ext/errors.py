@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 
-class AFDError(Exception):
+class AFDError(RuntimeError):
     """Root of every error ``afd_ext`` raises on purpose.
 
     Attributes (``None`` where not known):
@@ -129,6 +129,21 @@ class PeerDeadError(AFDPeerError):
 
     def __init__(self, peer: str, op: str, detail: str):
         super().__init__(f"{op}: peer {peer} is dead: {detail}", op=op, peer=peer)
+
+
+class PeerMemoryUnavailableError(AFDPeerError):
+    """The peer-memory plane cannot serve this AFD world (a region did not open, a flag round trip failed).
+
+    Every rank raises it together (the verdicts are shared through the
+    rendezvous store), so ``transport: auto`` can fall back to NCCL everywhere.
+
+    Attributes:
+        reasons: ``{rank label: why}`` for every rank that failed.
+    """
+
+    def __init__(self, message: str, *, reasons: dict[str, str] | None = None):
+        super().__init__(message, op="peer-memory probe")
+        self.reasons = dict(reasons or {})
 
 
 # ------------------------- older names, kept for callers that catch them

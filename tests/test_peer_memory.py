@@ -1,0 +1,292 @@
+"""The peer-memory plane on the CPU tier: layouts, the memory formula, fakes, compile, errors, set-up verdicts.
+
+The kernels themselves run in tests/gpu/test_peer_gpu.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+ops = pytest.importorskip("afd_ext.ops", reason="afd_ext._C is not built")
+
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+
+from afd_ext.errors import (  # noqa: E402
+    AFDAbortedError,
+    AFDProtocolError,
+    AFDTimeoutError,
+    PeerMemoryUnavailableError,
+)
+from afd_ext.peer_memory import (  # noqa: E402
+    FLAG_STRIDE,
+    OP_RECV_ATTN,
+    OP_RECV_FFN,
+    REGION_ALIGN,
+    PeerFailure,
+    RegionLayout,
+    WireSpec,
+    failure_error,
+)
+from afd_ext.topology import ATTENTION, FFN, Topology  # noqa: E402
+
+TOPOLOGIES = [(1, 1), (2, 1), (4, 2), (3, 2), (1, 2), (2, 2)]
+SPECS = [
+    WireSpec(7168, torch.bfloat16, 256, torch.float32, True),
+    WireSpec(96, torch.float16),
+    WireSpec(33, torch.float32, 7, torch.bfloat16, False),
+    WireSpec(5, torch.float8_e4m3fn, 0, torch.float32, True),
+]
+
+
+def _intervals(lay: RegionLayout):
+    out = [(0, lay.num_stages * lay.num_peers * FLAG_STRIDE, "flags")]
+    for s in range(lay.num_stages):
+        for k, rb in enumerate(lay.row_bytes):
+            off = lay.part_offset(s, k)
+            out.append((off, off + lay.capacity_rows * rb, f"stage {s} part {k}"))
+    return sorted(out)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.signature())
+@pytest.mark.parametrize("a,f", TOPOLOGIES)
+@pytest.mark.parametrize("stages", [1, 2])
+def test_every_part_is_aligned_disjoint_and_inside_its_region(a, f, stages, spec):
+    topo = Topology(a, f)
+    for role, n in ((ATTENTION, a), (FFN, f)):
+        for r in range(n):
+            lay = RegionLayout.for_rank(topo, role, r, spec, max_tokens=37, num_stages=stages)
+            iv = _intervals(lay)
+            for (s0, e0, n0), (s1, _e1, n1) in zip(iv, iv[1:]):
+                assert e0 <= s1, f"{role} {r}: {n0} overlaps {n1}"
+            assert iv[-1][1] <= lay.nbytes
+            assert all(start % REGION_ALIGN == 0 for start, _, name in iv if name != "flags")
+            flags = {lay.flag_offset(s, i) for s in range(stages) for i in range(lay.num_peers)}
+            assert len(flags) == stages * lay.num_peers and all(o % 8 == 0 for o in flags)
+            peers = topo.ffn_peers(r) if role == FFN else topo.attention_peers(r)
+            assert lay.num_peers == len(peers)
+
+
+def test_memory_formula_ranks_tokens_row_bytes_stages():
+    # 4A2F, DeepSeek-V3-like wire: hidden 7168 bf16 + 256 fp32 logits + int32 id, 8192 tokens, 2 stages.
+    spec, T, S = SPECS[0], 8192, 2
+    topo = Topology(4, 2)
+    ffn = RegionLayout.for_rank(topo, FFN, 0, spec, max_tokens=T, num_stages=S)
+    row = 7168 * 2 + 256 * 4 + 4
+    # ranks x tokens x row bytes x stages (every part here is already 256-aligned) + one 256 B flag area.
+    assert ffn.nbytes == S * 2 * T * row + REGION_ALIGN
+    att = RegionLayout.for_rank(topo, ATTENTION, 3, spec, max_tokens=T, num_stages=S)
+    assert att.nbytes == S * T * 7168 * 2 + REGION_ALIGN
+    # Parts are padded to the alignment, never shrunk.
+    small = RegionLayout.for_rank(Topology(1, 1), FFN, 0, WireSpec(3, torch.float32, 0, torch.float32, True),
+                                  max_tokens=5, num_stages=1)
+    assert small.nbytes == REGION_ALIGN + REGION_ALIGN + REGION_ALIGN
+
+
+def test_an_attention_rank_with_several_ffn_peers_writes_identical_layouts():
+    # 1A2F: one put writes the same part offsets into both FFN ranks' regions.
+    topo = Topology(1, 2)
+    lays = [RegionLayout.for_rank(topo, FFN, f, SPECS[0], max_tokens=16, num_stages=2) for f in range(2)]
+    assert lays[0] == lays[1]
+    assert [topo.ffn_peers(f).index(0) for f in range(2)] == [0, 0]
+
+
+def test_layout_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="max_tokens"):
+        RegionLayout.for_rank(Topology(1, 1), FFN, 0, SPECS[1], max_tokens=0, num_stages=1)
+    with pytest.raises(ValueError, match="role"):
+        RegionLayout.for_rank(Topology(1, 1), "mlp", 0, SPECS[1], max_tokens=1, num_stages=1)
+    with pytest.raises(ValueError, match="hidden_size"):
+        WireSpec(0, torch.bfloat16)
+
+
+# ------------------------------------------------------------------ ops without a GPU
+
+
+def _put_args(n=4, h=None):
+    h = torch.zeros(n, 8) if h is None else h
+    return (h, None, None, 1, 0, [1], [n], [0], [256], [0])
+
+
+def _wait_args(n=4, out=None):
+    return (torch.zeros(n, 8), None, None, out, 1, 2, 1, [0], [0], OP_RECV_FFN, 0, 0, 10**9)
+
+
+def test_cpu_tensors_get_a_clear_error():
+    with pytest.raises(RuntimeError, match="peer_put: .*(CUDA tensors|built without CUDA)"):
+        ops.peer_put(*_put_args())
+    with pytest.raises(RuntimeError, match="peer_wait: .*(CUDA tensors|built without CUDA)"):
+        ops.peer_wait(*_wait_args())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
+def test_plane_without_a_gpu_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="peer_plane_create: (device 0 is not a CUDA device|.*built without CUDA)"):
+        ops.peer_plane_create(0, 1, 2, 1)
+
+
+def test_unknown_handles_are_named():
+    msg = "(never issued|built without CUDA)"
+    for call in (lambda: ops.peer_plane_error(987654), lambda: ops.peer_plane_abort(987654),
+                 lambda: ops.peer_plane_destroy(987654), lambda: ops.peer_region_close(987654),
+                 lambda: ops.peer_region_view(987654, 0, 8), lambda: ops.peer_region_alloc(987654, 64)):
+        with pytest.raises(RuntimeError, match=msg):
+            call()
+
+
+# ------------------------------------------------------------------ fakes
+
+
+@pytest.fixture
+def fake():
+    with FakeTensorMode() as mode:
+        yield mode
+
+
+def test_peer_fakes_accept_well_formed_calls(fake):
+    h = torch.empty(6, 8, device="cuda")
+    lg = torch.empty(6, 4, device="cuda")
+    ids = torch.empty(6, dtype=torch.int32, device="cuda")
+    ops.peer_put(h, lg, ids, 1, 0, [1, 2], [2, 4], [0, 0], [256, 512, 768], [0, 64])
+    ops.peer_wait(h, lg, ids, None, 1, 2, 1, [0, 64], [0, 1], OP_RECV_ATTN, 3, 1, 10**9)
+    ops.peer_wait(h, None, None, torch.empty(6, 8, device="cuda"), 1, 2, 1, [0], [0], OP_RECV_FFN, 3, 1, 10**9)
+
+
+@pytest.mark.parametrize("call,pattern", [
+    (lambda: ops.peer_put(torch.empty(6, 8), None, None, 1, 0, [1, 2], [2], [0, 0], [256], [0, 64]),
+     "equal lengths"),
+    (lambda: ops.peer_put(torch.empty(6, 8), None, None, 1, 0, [1], [5], [0], [256], [0]), "add up to 5"),
+    (lambda: ops.peer_put(torch.empty(6, 8), None, None, 1, 0, [1], [6], [0], [256, 512], [0]), "part_offsets"),
+    (lambda: ops.peer_wait(torch.empty(6, 8), None, None, None, 1, 2, 1, [0, 64], [0], 1, 0, 0, 1), "equal lengths"),
+    (lambda: ops.peer_wait(torch.empty(6, 8), None, None, torch.empty(5, 8), 1, 2, 1, [0], [0], 1, 0, 0, 1),
+     "out must match"),
+])
+def test_peer_fakes_check_their_arguments(fake, call, pattern):
+    with pytest.raises(RuntimeError, match=pattern):
+        call()
+
+
+@pytest.mark.parametrize("call", [
+    lambda: ops.peer_plane_create(0, 1, 2, 1), lambda: ops.peer_plane_destroy(1), lambda: ops.peer_plane_error(1),
+    lambda: ops.peer_plane_abort(1), lambda: ops.peer_region_alloc(1, 64), lambda: ops.peer_region_close(1),
+    lambda: ops.peer_region_view(1, 0, 8), lambda: ops.peer_region_open(1, torch.zeros(64, dtype=torch.uint8), 64),
+    lambda: ops.peer_region_export(1),
+])
+def test_peer_host_side_ops_refuse_to_be_traced(call):
+    for name in ("peer_plane_create", "peer_plane_destroy", "peer_plane_error", "peer_plane_abort",
+                 "peer_region_alloc", "peer_region_export", "peer_region_open", "peer_region_close",
+                 "peer_region_view"):
+        entry = torch._library.simple_registry.singleton.find(f"afd_ext::{name}")
+        assert entry.fake_impl.kernel is not None
+    with FakeTensorMode():
+        with pytest.raises(RuntimeError, match="cannot be traced"):
+            call()
+
+
+def test_peer_data_ops_are_side_effecting_for_fx():
+    from torch.fx.node import _side_effectful_functions
+
+    assert torch.ops.afd_ext.peer_put.default in _side_effectful_functions
+    assert torch.ops.afd_ext.peer_wait.default in _side_effectful_functions
+
+
+# ------------------------------------------------------------------ torch.compile keeps every call in order
+
+
+@pytest.fixture
+def peer_log():
+    log: list[tuple[str, int]] = []
+    lib = torch.library.Library("afd_ext", "IMPL")
+
+    def put(h, lg, ids, plane, slot, regions, rows, dst_rows, parts, flags):
+        log.append(("peer_put", slot))
+
+    def wait(h, lg, ids, out, plane, slot, region, flags, peers, op, layer, stage, timeout_ns):
+        log.append(("peer_wait", layer))
+        if out is not None:
+            out.copy_(h + 1)
+
+    lib.impl("peer_put", put, "CPU")
+    lib.impl("peer_wait", wait, "CPU")
+    try:
+        yield log
+    finally:
+        lib._destroy()
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_layer_loop_keeps_every_put_and_wait_in_order(backend, peer_log):
+    reply = torch.zeros(4, 8)
+
+    def forward(x):
+        for layer in range(3):
+            h = x * 2  # a temporary that nothing reads after the put
+            ops.peer_put(h, None, None, 1, layer, [1], [4], [0], [256], [0])
+            out = torch.empty_like(reply)
+            ops.peer_wait(reply, None, None, out, 1, 2, 1, [0], [0], OP_RECV_FFN, layer, 0, 10**9)
+            x = out + x
+        return x
+
+    torch._dynamo.reset()
+    got = torch.compile(forward, backend=backend, fullgraph=True)(torch.ones(4, 8))
+    assert peer_log == [("peer_put", 0), ("peer_wait", 0), ("peer_put", 1), ("peer_wait", 1),
+                        ("peer_put", 2), ("peer_wait", 2)]
+    assert torch.equal(got, torch.full((4, 8), 4.0))  # x -> x + 1 three times
+
+
+# ------------------------------------------------------------------ failure record -> named errors
+
+
+def _rec(code, op=OP_RECV_ATTN, peer=1, layer=5, stage=1, want=7, seen=(3 << 48) | 6, waited=2_500_000_000):
+    return PeerFailure(code, op, peer, layer, stage, want, seen, waited)
+
+
+def test_a_timeout_record_becomes_the_named_timeout_error():
+    err = failure_error(_rec(ops.PEER_TIMEOUT), me="FFN rank 0 (world rank 0)",
+                        peer="attention rank 1 (world rank 2)", generation=3)
+    assert isinstance(err, AFDTimeoutError)
+    assert (err.op, err.peer, err.layer, err.stage) == ("recv_attn_output", "attention rank 1 (world rank 2)", 5, 1)
+    msg = str(err)
+    assert "waited 2.500 s" in msg and "layer 5, stage 1" in msg and "sequence 7" in msg and "sequence 6" in msg
+
+
+def test_a_protocol_record_and_a_host_abort_become_their_errors():
+    err = failure_error(_rec(ops.PEER_PROTOCOL, op=OP_RECV_FFN, want=4, seen=(3 << 48) | 5), me="me",
+                        peer="FFN rank 0 (world rank 0)", generation=3)
+    assert isinstance(err, AFDProtocolError) and err.op == "recv_ffn_output" and "sequence 5" in str(err)
+    err = failure_error(_rec(ops.PEER_ABORTED, op=0), me="me", peer=None, generation=3)
+    assert isinstance(err, AFDAbortedError) and err.op == "abort"
+
+
+def test_a_set_up_record_names_no_layer():
+    err = failure_error(_rec(ops.PEER_TIMEOUT, layer=-1, stage=0), me="me", peer="p", generation=1)
+    assert err.layer is None and "set-up, stage 0" in str(err)
+
+
+# ------------------------------------------------------------------ collective set-up verdicts
+
+
+def _open_without_gpu(rank, nprocs, port):
+    from afd_ext import rendezvous
+    from afd_ext.peer_memory import open_plane
+
+    topo = Topology(1, 1)
+    role, role_rank = (FFN, 0) if rank == 0 else (ATTENTION, 0)
+    store = rendezvous.connect("127.0.0.1", port, rank, 2, 60.0, num_ffn_ranks=1)
+    try:
+        open_plane(store, topo, role, role_rank, SPECS[1], max_tokens=8, num_stages=1, device="cuda:0",
+                   timeout_s=5.0, setup_timeout_s=60.0)
+    except PeerMemoryUnavailableError as e:
+        rendezvous.barrier(store, rank, 2, "done", 60.0)
+        return sorted(e.reasons), str(e)
+    return None, "opened"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the verdict on a machine without a GPU")
+def test_every_rank_learns_together_that_the_plane_is_unavailable():
+    from afd_ext.testing import find_free_port, run_workers
+
+    results = run_workers(_open_without_gpu, 2, (find_free_port(),), timeout_s=180)
+    for reasons, msg in results:
+        assert reasons == ["FFN rank 0 (world rank 0)", "attention rank 0 (world rank 1)"], msg
+        assert "allocating the regions" in msg and "region not allocated" in msg
