@@ -38,6 +38,7 @@ from .errors import (
     AFDConfigError,
     AFDError,
     AFDProtocolError,
+    AFDStateError,
     AFDTimeoutError,
     PeerMemoryUnavailableError,
 )
@@ -411,6 +412,9 @@ class PeerPlane:
             AFDConfigError: tensors do not match the spec; RuntimeError: a write past
                 a peer's capacity or a bad tensor (before anything moves).
         """
+        if not self._put_regions:
+            raise AFDStateError(f"{self.me}: put before every peer's region was attached (use open_plane)",
+                                op="peer_put")
         given = [t for t in tensors if t is not None]
         nparts = len(self.peer_layouts[0].row_bytes)
         if len(given) != nparts or (self.role == ATTENTION and len(tensors) == 3 and (

@@ -289,8 +289,11 @@ def test_stress_round_trips_in_graphs_on_two_concurrent_streams(rows, H, E, exch
         replays = -(-exchanges // per_replay)
         t0 = time.perf_counter()
         for _ in range(replays):
-            gf.replay()  # the FFN graph first: its waits spin until the attention graph's puts land
-            ga.replay()
+            # A replay launches on the current stream: each role on its own, so they run concurrently.
+            with torch.cuda.stream(w.sf[0]):
+                gf.replay()  # the FFN graph first: its waits spin until the attention graph's puts land
+            with torch.cuda.stream(w.sa[0]):
+                ga.replay()
         torch.cuda.synchronize(DEV)
         dt = time.perf_counter() - t0
         for p in w.att + w.ffn:
@@ -350,10 +353,12 @@ def test_graph_replays_are_bit_exact_and_survive_a_larger_eager_step(A, F, stage
                     for t, n in zip(static_in[a], fresh[a]):
                         if t is not None:
                             t.copy_(n)
-            for f in range(F):
-                gf[f].replay()
+            for f in range(F):  # a replay launches on the current stream: each rank on its own
+                with torch.cuda.stream(w.sf[f]):
+                    gf[f].replay()
             for a in range(A):
-                ga[a].replay()
+                with torch.cuda.stream(w.sa[a]):
+                    ga[a].replay()
             torch.cuda.synchronize(DEV)
             for a in range(A):
                 assert torch.equal(static_out[a], ffn_compute(fresh[a][0])), (i, a)
