@@ -312,6 +312,51 @@ def test_stress_round_trips_in_graphs_on_two_concurrent_streams(rows, H, E, exch
         w.close()
 
 
+@pytest.mark.parametrize("tokens", [1, 128])
+def test_round_trip_time_in_graphs_on_one_gpu(tokens):
+    """Indicative only: both roles on one GPU ("peer" memory is local), 7168 bf16 + 256 fp32 logits + ids.
+
+    The FFN rank replies with its fan-in view itself (no compute), so a round trip
+    is put -> wait -> put -> wait(copy into ref_tensor): four kernels.
+    """
+    w = World(1, 1, SPEC_FULL, max_tokens=tokens, stages=1, timeout_s=30.0)
+    try:
+        att, ffn = w.att[0], w.ffn[0]
+        with torch.cuda.stream(w.sa[0]):
+            inp = w.wire(tokens, seed=1)
+            ref = torch.empty(tokens, SPEC_FULL.hidden_size, dtype=SPEC_FULL.hidden_dtype, device=DEV)
+        torch.cuda.synchronize(DEV)
+        n = 100
+        ga, gf = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(ga, stream=w.sa[0]):
+            for layer in range(n):
+                att.put(0, inp, [tokens], [0])
+                att.wait(0, tokens, layer=layer, out=ref)
+        with torch.cuda.graph(gf, stream=w.sf[0]):
+            for layer in range(n):
+                x, _lg, _ids = ffn.wait(0, tokens, layer=layer)
+                ffn.put(0, (x,), [tokens], [0])
+        times = []
+        for rep in range(6):
+            torch.cuda.synchronize(DEV)
+            t0 = time.perf_counter()
+            with torch.cuda.stream(w.sf[0]):
+                gf.replay()
+            with torch.cuda.stream(w.sa[0]):
+                ga.replay()
+            torch.cuda.synchronize(DEV)
+            times.append((time.perf_counter() - t0) / n * 1e6)
+        assert torch.equal(ref, inp[0])
+        att.raise_if_failed()
+        ffn.raise_if_failed()
+        best = min(times[1:])
+        print(f"\n{tokens} token(s): {best:.2f} us per round trip in a CUDA graph (both roles on one GPU; "
+              f"replays: {', '.join(f'{t:.2f}' for t in times)})")
+        assert best > 0
+    finally:
+        w.close()
+
+
 # ------------------------------------------------------------------ CUDA graphs bit-exact against eager
 
 
