@@ -20,6 +20,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "../checks.h"
 #include "../ops.h"
@@ -28,6 +29,50 @@
 namespace afd {
 
 namespace {
+
+// Memory whose last reference went away, freed at the next management op.
+// The last reference may be a tensor view dropped at any time (inside a
+// CUDA-graph capture, where cudaFree is not allowed), so no destructor frees.
+struct Freed {
+  char* ptr;
+  int device;
+  bool own;
+};
+
+std::mutex& graveyard_mu() {
+  static std::mutex* m = new std::mutex();  // leaked on purpose (exit order)
+  return *m;
+}
+
+std::vector<Freed>& graveyard() {
+  static std::vector<Freed>* g = new std::vector<Freed>();
+  return *g;
+}
+
+// Frees (own: cudaFree, which synchronises the device) or unmaps (opened)
+// everything in the graveyard. Called by management ops only, outside capture.
+void drain_graveyard() {
+  std::vector<Freed> todo;
+  {
+    std::lock_guard<std::mutex> lock(graveyard_mu());
+    todo.swap(graveyard());
+  }
+  if (todo.empty()) return;
+  int prev = -1;
+  cudaGetDevice(&prev);
+  for (const Freed& f : todo) {
+    cudaSetDevice(f.device);
+    // Errors are dropped: the memory is gone either way, and a failed free must not
+    // fail the unrelated op that drains.
+    if (f.own) {
+      cudaFree(f.ptr);
+    } else {
+      cudaIpcCloseMemHandle(f.ptr);
+    }
+  }
+  cudaGetLastError();
+  if (prev >= 0) cudaSetDevice(prev);
+}
 
 // One device allocation: this process's own (cudaMalloc) or a peer's (opened).
 struct PeerMem {
@@ -39,16 +84,8 @@ struct PeerMem {
 
   ~PeerMem() {
     if (ptr == nullptr) return;
-    int prev = -1;
-    cudaGetDevice(&prev);
-    cudaSetDevice(device);
-    // Errors are dropped: a destructor cannot throw, and the process may be exiting.
-    if (own) {
-      cudaFree(ptr);  // synchronises the device: no kernel still writes here
-    } else {
-      cudaIpcCloseMemHandle(ptr);
-    }
-    if (prev >= 0) cudaSetDevice(prev);
+    std::lock_guard<std::mutex> lock(graveyard_mu());
+    graveyard().push_back(Freed{ptr, device, own});
   }
 };
 
@@ -173,6 +210,7 @@ int64_t peer_plane_create(int64_t device, int64_t generation, int64_t num_slots,
               num_slots, " must be in [1, 4096]");
   TORCH_CHECK(max_peers >= 1 && max_peers <= kPeerMaxPeers, "afd_ext.peer_plane_create: max_peers ",
               max_peers, " must be in [1, ", kPeerMaxPeers, "]");
+  drain_graveyard();
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   auto pl = std::make_shared<PeerPlane>();
   pl->device = static_cast<int>(device);
@@ -220,8 +258,10 @@ void peer_plane_destroy(int64_t plane) {
     t.planes.erase(it);
   }
   // Spinning waits return within microseconds of the abort, so the
-  // synchronising free in ~PeerPlane (when `pl` goes) cannot wait out a deadline.
+  // synchronising free in ~PeerPlane cannot wait out a deadline.
   abort_plane(*pl, kPeerOpDestroy);
+  pl.reset();
+  drain_graveyard();
 }
 
 std::vector<int64_t> peer_plane_error(int64_t plane) {
@@ -240,6 +280,7 @@ void peer_plane_abort(int64_t plane, int64_t op) {
 }
 
 int64_t peer_region_alloc(int64_t plane, int64_t nbytes) {
+  drain_graveyard();
   auto pl = get_plane(plane, "peer_region_alloc");
   TORCH_CHECK(nbytes > 0, "afd_ext.peer_region_alloc: nbytes must be > 0, got ", nbytes);
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(pl->device));
@@ -339,16 +380,19 @@ int64_t peer_region_open(int64_t plane, const at::Tensor& ipc_handle, int64_t nb
 }
 
 void peer_region_close(int64_t region) {
-  std::shared_ptr<PeerMem> mem;  // released outside the lock (cudaFree synchronises)
-  Table& t = table();
-  std::lock_guard<std::mutex> lock(t.mu);
-  TORCH_CHECK(region >= 1 && region < t.next_region, "afd_ext.peer_region_close: region ", region,
-              " was never issued by peer_region_alloc/peer_region_open in this process");
-  auto it = t.regions.find(region);
-  if (it == t.regions.end()) return;  // idempotent
-  mem = std::move(it->second);
-  t.regions.erase(it);
-  // `mem` is destroyed after the lock is released (declared before it).
+  {
+    std::shared_ptr<PeerMem> mem;  // dropped after the table lock is released
+    Table& t = table();
+    std::lock_guard<std::mutex> lock(t.mu);
+    TORCH_CHECK(region >= 1 && region < t.next_region, "afd_ext.peer_region_close: region ", region,
+                " was never issued by peer_region_alloc/peer_region_open in this process");
+    auto it = t.regions.find(region);
+    if (it == t.regions.end()) return;  // idempotent
+    mem = std::move(it->second);
+    t.regions.erase(it);
+  }
+  // Frees it now unless a tensor view still holds it (then at a later management op).
+  drain_graveyard();
 }
 
 at::Tensor peer_region_view(int64_t region, int64_t offset, int64_t nbytes) {
