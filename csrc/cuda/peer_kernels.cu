@@ -157,6 +157,12 @@ __device__ bool wait_flag(const PeerWaitArgs& a, int i, unsigned long long want_
 __device__ bool arrive_last(unsigned* done) {
   __shared__ int last;
   __syncthreads();
+  if (gridDim.x == 1) {
+    // One block (a decode step): no counter, only the system fence.
+    if (threadIdx.x == 0) fence_sc_sys();
+    __syncthreads();
+    return true;
+  }
   if (threadIdx.x == 0) {
     fence_sc_sys();
     const unsigned prev = atom_add_acq_rel_gpu(done, 1u);
