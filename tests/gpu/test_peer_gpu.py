@@ -14,14 +14,12 @@
   correctness only): the collective set-up with its flag round trip, checked
   exchanges, and a role that dies while its peer spins.
 
-Run: ``pytest -m gpu tests/gpu/test_peer_gpu.py -v`` (or ``python
-tests/gpu/test_peer_gpu.py`` to run them without the tier's two-GPU rule).
+Run: ``pytest -m gpu tests/gpu/test_peer_gpu.py -v``.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 import pytest
@@ -644,7 +642,3 @@ def test_a_role_dying_mid_spin_gives_the_survivor_the_named_error_and_a_working_
     assert 2.5 < waited < 30
     assert reinit_ok
 
-
-if __name__ == "__main__":
-    # Runs the tests without the tier's two-GPU rule (tests/conftest.py skips `gpu` tests below two GPUs).
-    sys.exit(pytest.main([__file__, "-v", "-p", "no:cacheprovider", "--noconftest", *sys.argv[1:]]))
