@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -503,14 +504,30 @@ class PeerPlane:
 
 # ------------------------------------------------------------------ collective set-up
 
-def _verdicts(store, topology: Topology, name: str, mine: dict, timeout_s: float) -> dict[int, dict]:
-    """Publish this rank's JSON verdict ``name`` and read every world rank's."""
-    from .rendezvous import wait_for_keys
+def _wait_keys(store, keys: dict[str, int], timeout_s: Optional[float], what: str, topology: Topology) -> None:
+    """Wait for every key: the rendezvous helper on an AFDStore, else a bounded poll of ``store.check``."""
+    from . import rendezvous as rdzv
 
-    store.set(f"peer/{name}/{store.world_rank}", json.dumps(mine).encode())
+    if isinstance(store, rdzv.AFDStore):
+        rdzv.wait_for_keys(store, keys, timeout_s, what)
+        return
+    deadline = time.monotonic() + (rdzv.DEFAULT_RENDEZVOUS_TIMEOUT_S if timeout_s is None else timeout_s)
+    while not store.check(list(keys)):
+        if time.monotonic() >= deadline:
+            missing = sorted({r for k, r in keys.items() if not store.check([k])})
+            raise rdzv.RendezvousTimeoutError(
+                f"timed out waiting for {what} from {', '.join(rdzv.rank_label(r, topology.F) for r in missing)}",
+                missing=missing, what=what)
+        time.sleep(0.002)
+
+
+def _verdicts(store, world_rank: int, topology: Topology, name: str, mine: dict,
+              timeout_s: Optional[float]) -> dict[int, dict]:
+    """Publish this rank's JSON verdict ``name`` and read every world rank's."""
+    store.set(f"peer/{name}/{world_rank}", json.dumps(mine).encode())
     keys = {f"peer/{name}/{w}": w for w in range(topology.world_size)}
-    wait_for_keys(store, keys, timeout_s, f"peer-memory {name}")
-    return {w: json.loads(store.get(k).decode()) for k, w in keys.items()}
+    _wait_keys(store, keys, timeout_s, f"peer-memory {name}", topology)
+    return {w: json.loads(bytes(store.get(k)).decode()) for k, w in keys.items()}
 
 
 def _unanimous(verdicts: dict[int, dict], topology: Topology, what: str) -> None:
@@ -552,7 +569,7 @@ def _probe(plane: PeerPlane, timeout_ns: int) -> None:
 
 def open_plane(store, topology: Topology, role: str, role_rank: int, spec: WireSpec, *, max_tokens: int,
                num_stages: int, device, timeout_s: float, probe_timeout_s: float = 10.0,
-               setup_timeout_s: Optional[float] = None) -> PeerPlane:
+               setup_timeout_s: Optional[float] = None, generation: Optional[int] = None) -> PeerPlane:
     """Set up this rank's plane with every rank of the AFD world, and prove it works.
 
     Collective over all ``A + F`` ranks (every rank calls it with the same
@@ -568,10 +585,13 @@ def open_plane(store, topology: Topology, role: str, role_rank: int, spec: WireS
     back are the proof.
 
     Args:
-        store: the generation's :class:`~afd_ext.rendezvous.AFDStore`.
+        store: the generation's :class:`~afd_ext.rendezvous.AFDStore`, or any
+            ``torch.distributed.Store`` whose keys are fresh for this set-up
+            (e.g. a ``PrefixStore``; then pass ``generation``).
         topology, role, role_rank, spec, max_tokens, num_stages, device, timeout_s: as :class:`PeerPlane`.
         probe_timeout_s: deadline of the probe's device-side waits, seconds.
         setup_timeout_s: deadline of each store wait (default: the store's).
+        generation: the flags' generation, ``1..65535`` (default: from the AFDStore's generation).
 
     Returns:
         A ready :class:`PeerPlane` whose stage counters have advanced by one (the probe).
@@ -580,7 +600,9 @@ def open_plane(store, topology: Topology, role: str, role_rank: int, spec: WireS
         PeerMemoryUnavailableError: on every rank, when any rank failed a step (reasons by rank).
         RendezvousTimeoutError: a rank did not publish a verdict (it died or is not running this).
     """
-    generation = (int(store.generation) - 1) % ops.PEER_MAX_GENERATION + 1
+    if generation is None:
+        generation = (int(store.generation) - 1) % ops.PEER_MAX_GENERATION + 1
+    world_rank = topology.world_rank(role, role_rank)
     plane: Optional[PeerPlane] = None
     try:
         try:
@@ -590,7 +612,7 @@ def open_plane(store, topology: Topology, role: str, role_rank: int, spec: WireS
                     "spec": spec.signature()}
         except (RuntimeError, AFDError) as e:
             mine = {"ok": False, "why": f"region not allocated: {e}".splitlines()[0]}
-        regions = _verdicts(store, topology, "region", mine, setup_timeout_s)
+        regions = _verdicts(store, world_rank, topology, "region", mine, setup_timeout_s)
         _unanimous(regions, topology, "allocating the regions")
         opened = {"ok": True}
         try:
@@ -602,7 +624,8 @@ def open_plane(store, topology: Topology, role: str, role_rank: int, spec: WireS
                 plane.attach(p, bytes.fromhex(v["handle"]), int(v["nbytes"]))
         except (RuntimeError, AFDError) as e:
             opened = {"ok": False, "why": f"peer region not opened: {e}".splitlines()[0]}
-        _unanimous(_verdicts(store, topology, "opened", opened, setup_timeout_s), topology, "opening the regions")
+        _unanimous(_verdicts(store, world_rank, topology, "opened", opened, setup_timeout_s), topology,
+                   "opening the regions")
         probed = {"ok": True}
         try:
             _probe(plane, int(probe_timeout_s * 1e9))
@@ -611,7 +634,8 @@ def open_plane(store, topology: Topology, role: str, role_rank: int, spec: WireS
                 raise err
         except (RuntimeError, AFDError) as e:
             probed = {"ok": False, "why": f"flag round trip failed: {e}".splitlines()[0]}
-        _unanimous(_verdicts(store, topology, "probe", probed, setup_timeout_s), topology, "flag round trip")
+        _unanimous(_verdicts(store, world_rank, topology, "probe", probed, setup_timeout_s), topology,
+                   "flag round trip")
         return plane
     except BaseException:
         if plane is not None:

@@ -266,27 +266,44 @@ def test_a_set_up_record_names_no_layer():
 # ------------------------------------------------------------------ collective set-up verdicts
 
 
-def _open_without_gpu(rank, nprocs, port):
+def _open_without_gpu(rank, nprocs, port, kind):
+    import datetime
+
+    import torch.distributed as dist
+
     from afd_ext import rendezvous
     from afd_ext.peer_memory import open_plane
 
     topo = Topology(1, 1)
     role, role_rank = (FFN, 0) if rank == 0 else (ATTENTION, 0)
-    store = rendezvous.connect("127.0.0.1", port, rank, 2, 60.0, num_ffn_ranks=1)
+    if kind == "afd":
+        store, gen = rendezvous.connect("127.0.0.1", port, rank, 2, 60.0, num_ffn_ranks=1), None
+    else:  # a plain torch store, as the benchmark has
+        base = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
+        store, gen = dist.PrefixStore("case-1/", base), 1
     try:
         open_plane(store, topo, role, role_rank, SPECS[1], max_tokens=8, num_stages=1, device="cuda:0",
-                   timeout_s=5.0, setup_timeout_s=60.0)
+                   timeout_s=5.0, setup_timeout_s=60.0, generation=gen)
     except PeerMemoryUnavailableError as e:
-        rendezvous.barrier(store, rank, 2, "done", 60.0)
+        # Both ranks read every verdict before either leaves (rank 0 hosts the store).
+        if kind == "afd":
+            rendezvous.barrier(store, rank, 2, "done", 60.0)
+        elif rank == 0:  # the store's host leaves last
+            store.set("left/0", b"1")
+            store.wait(["left/1"])
+        else:
+            store.wait(["left/0"])
+            store.set("left/1", b"1")
         return sorted(e.reasons), str(e)
     return None, "opened"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the verdict on a machine without a GPU")
-def test_every_rank_learns_together_that_the_plane_is_unavailable():
+@pytest.mark.parametrize("kind", ["afd", "torch"])
+def test_every_rank_learns_together_that_the_plane_is_unavailable(kind):
     from afd_ext.testing import find_free_port, run_workers
 
-    results = run_workers(_open_without_gpu, 2, (find_free_port(),), timeout_s=180)
+    results = run_workers(_open_without_gpu, 2, (find_free_port(), kind), timeout_s=180)
     for reasons, msg in results:
         assert reasons == ["FFN rank 0 (world rank 0)", "attention rank 0 (world rank 1)"], msg
         assert "allocating the regions" in msg and "region not allocated" in msg
