@@ -642,3 +642,25 @@ def test_a_role_dying_mid_spin_gives_the_survivor_the_named_error_and_a_working_
     assert 2.5 < waited < 30
     assert reinit_ok
 
+
+
+# ------------------------------------------------------------------ the benchmark's peer variant, checked
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("A", [1, 2])
+def test_bench_peer_variant_is_bit_exact(tmp_path, A):
+    """``afd-ext bench --check`` with the peer variant beside the NCCL path: every byte checked, eager and graph."""
+    import json
+
+    from afd_ext.bench import main
+
+    rc = main(["--check", "--attention-ranks", str(A), "--tokens", "1,127", "--variants", "peer,ours_per_tensor",
+               "--out", str(tmp_path / "c"), "--timeout", "400"])
+    doc = json.loads((tmp_path / "c" / "bench.json").read_text())
+    bad = [c for c in doc["checks"] if not c["ok"]]
+    assert rc == 0 and not bad, bad
+    seen = {(c["variant"], c["mode"], c["direction"]) for c in doc["checks"]}
+    for mode in ("eager", "graph"):
+        for d in ("round_trip", "a2f", "f2a"):
+            assert ("peer", mode, d) in seen, (mode, d)
