@@ -144,11 +144,22 @@ class AfdExtConnectorConfig:
             inside a step, seconds.
         heartbeat_interval_s: how often an idle peer says it is alive, seconds.
         heartbeat_timeout_s: silence after which a peer is declared dead, seconds.
-        transport: ``"nccl"`` (CUDA tensors) or ``"gloo"`` (CPU tensors).
+        transport: ``"nccl"`` (CUDA tensors), ``"gloo"`` (CPU tensors), ``"peer"``
+            (CUDA tensors written straight into the peer's memory over CUDA IPC,
+            one node; docs/peer-memory.md) or ``"auto"`` (gloo for a CPU device;
+            peer when every rank opens every peer's memory and a flag round trip
+            succeeds; NCCL otherwise).
         control_channel: ``"auto"`` (shared memory on one host, else TCP),
             ``"shm"`` or ``"tcp"``.
         max_stages: most stages per step (checked at handshake and per step).
         graph_cache_size: most CUDA graphs / graph buffer sets kept per rank.
+        peer_max_tokens: peer transport: most tokens one attention rank sends in
+            one stage of a step through peer memory (sizes the buffers; vLLM's
+            ``max_num_batched_tokens`` is the natural value).
+        peer_stages: peer transport: stages per step the buffers hold.
+        peer_fallback: peer transport: also build NCCL communicators and send
+            steps beyond ``peer_max_tokens`` / ``peer_stages`` over them (off:
+            such a step is an error).
     """
 
     wire_format: str = "auto"
@@ -163,15 +174,19 @@ class AfdExtConnectorConfig:
     control_channel: str = "auto"
     max_stages: int = 4
     graph_cache_size: int = 32
+    peer_max_tokens: int = 8192
+    peer_stages: int = 2
+    peer_fallback: bool = True
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
         _one_of(self.wire_format, "connector_extra_config.wire_format", ("auto", "packed", "per_tensor"))
-        _one_of(self.transport, "connector_extra_config.transport", ("nccl", "gloo"))
+        _one_of(self.transport, "connector_extra_config.transport", ("nccl", "gloo", "peer", "auto"))
         _one_of(self.control_channel, "connector_extra_config.control_channel", ("auto", "shm", "tcp"))
-        for name in ("strict", "clamp_idle_to_one"):
+        for name in ("strict", "clamp_idle_to_one", "peer_fallback"):
             set_(name, coerce_bool(getattr(self, name), f"connector_extra_config.{name}"))
-        for name, lo in (("packed_max_bytes", 0), ("max_stages", 1), ("graph_cache_size", 0)):
+        for name, lo in (("packed_max_bytes", 0), ("max_stages", 1), ("graph_cache_size", 0), ("peer_max_tokens", 1),
+                         ("peer_stages", 1)):
             v = coerce_int(getattr(self, name), f"connector_extra_config.{name}")
             if v < lo:
                 raise ValueError(f"connector_extra_config.{name} must be >= {lo}, got {v}")

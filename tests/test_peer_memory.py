@@ -307,3 +307,19 @@ def test_every_rank_learns_together_that_the_plane_is_unavailable(kind):
     for reasons, msg in results:
         assert reasons == ["FFN rank 0 (world rank 0)", "attention rank 0 (world rank 1)"], msg
         assert "allocating the regions" in msg and "region not allocated" in msg
+
+
+# ------------------------------------------------------------------ configuration
+
+
+def test_peer_and_auto_transports_and_their_settings_are_configurable():
+    from afd_ext.config import AfdExtConnectorConfig
+
+    for kind in ("peer", "auto"):
+        assert AfdExtConnectorConfig.from_mapping({"transport": kind}).transport == kind
+    cfg = AfdExtConnectorConfig.from_mapping({"peer_max_tokens": "4096", "peer_stages": 1, "peer_fallback": "false"})
+    assert (cfg.peer_max_tokens, cfg.peer_stages, cfg.peer_fallback) == (4096, 1, False)
+    assert AfdExtConnectorConfig().peer_fallback is True
+    for bad in ({"peer_max_tokens": 0}, {"peer_stages": 0}, {"transport": "ipc"}):
+        with pytest.raises(ValueError):
+            AfdExtConnectorConfig.from_mapping(bad)
