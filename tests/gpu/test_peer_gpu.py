@@ -275,6 +275,7 @@ def _capture_stress(w, rows, layers, slow_every):
     return ga, gf, st
 
 
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("rows,H,E,exchanges", [(2, 256, 8, 1_000_000), (1024, 1024, 64, 20_000)],
                          ids=["1M-small", "20k-4MiB"])
 def test_stress_round_trips_in_graphs_on_two_concurrent_streams(rows, H, E, exchanges):
@@ -618,6 +619,7 @@ def _ipc_worker(rank, nprocs, port, A, F, steps, victim):
     return (type(err).__name__, err.op, err.peer, err.layer, err.stage, waited, all(ok))
 
 
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("A,F", [(1, 1), (2, 1)])
 def test_two_processes_share_the_gpu_through_cuda_ipc(A, F):
     from afd_ext.testing import find_free_port, run_workers
@@ -627,6 +629,7 @@ def test_two_processes_share_the_gpu_through_cuda_ipc(A, F):
         assert n > 0 and good == n
 
 
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("victim", [ATTENTION, FFN])
 def test_a_role_dying_mid_spin_gives_the_survivor_the_named_error_and_a_working_reinit(victim):
     from afd_ext.testing import find_free_port, run_workers
