@@ -111,10 +111,17 @@ struct PeerPlane {
   }
 };
 
+// A region handle: the memory, and the device that uses it through this handle
+// (the owner's; or, for memory of another GPU of this process, the opener's).
+struct RegionRef {
+  std::shared_ptr<PeerMem> mem;
+  int device;
+};
+
 struct Table {
   std::mutex mu;
   std::unordered_map<int64_t, std::shared_ptr<PeerPlane>> planes;
-  std::unordered_map<int64_t, std::shared_ptr<PeerMem>> regions;
+  std::unordered_map<int64_t, RegionRef> regions;
   // Handles this process exported: opening one of them here aliases the
   // memory (cudaIpcOpenMemHandle refuses handles of its own process).
   std::unordered_map<std::string, std::weak_ptr<PeerMem>> exported;
@@ -142,8 +149,7 @@ std::shared_ptr<PeerPlane> get_plane(int64_t handle, const char* op) {
   return get_plane_locked(t, handle, op);
 }
 
-std::shared_ptr<PeerMem> get_region_locked(Table& t, int64_t handle, const char* op,
-                                           const char* what) {
+RegionRef get_region_locked(Table& t, int64_t handle, const char* op, const char* what) {
   TORCH_CHECK(handle >= 1 && handle < t.next_region, "afd_ext.", op, ": ", what, " ", handle,
               " was never issued by peer_region_alloc/peer_region_open in this process");
   auto it = t.regions.find(handle);
@@ -302,7 +308,7 @@ int64_t peer_region_alloc(int64_t plane, int64_t nbytes) {
   Table& t = table();
   std::lock_guard<std::mutex> lock(t.mu);
   const int64_t h = t.next_region++;
-  t.regions[h] = std::move(mem);
+  t.regions[h] = RegionRef{std::move(mem), pl->device};
   return h;
 }
 
@@ -315,7 +321,7 @@ void peer_region_export(int64_t region, const at::Tensor& out) {
               out.device());
   Table& t = table();
   std::lock_guard<std::mutex> lock(t.mu);
-  auto mem = get_region_locked(t, region, "peer_region_export", "region");
+  auto mem = get_region_locked(t, region, "peer_region_export", "region").mem;
   TORCH_CHECK(mem->own, "afd_ext.peer_region_export: region ", region,
               " was opened from a peer; only this process's own regions can be exported");
   if (mem->ipc.empty()) {
@@ -345,12 +351,25 @@ int64_t peer_region_open(int64_t plane, const at::Tensor& ipc_handle, int64_t nb
     auto it = t.exported.find(key);
     if (it != t.exported.end()) {
       if (auto mem = it->second.lock()) {
-        TORCH_CHECK(mem->device == pl->device, "afd_ext.peer_region_open: the region is on cuda:",
-                    mem->device, " but the plane is on cuda:", pl->device);
         TORCH_CHECK(nbytes <= mem->bytes, "afd_ext.peer_region_open: nbytes ", nbytes,
                     " exceeds the region's ", mem->bytes, " bytes");
+        if (mem->device != pl->device) {
+          // Another GPU of this process (both roles in one process, e.g. the stress
+          // test on two GPUs): the plane's device reaches it through peer access.
+          int can = 0;
+          AFD_CHECK_CUDA(cudaDeviceCanAccessPeer(&can, pl->device, mem->device));
+          TORCH_CHECK(can, "afd_ext.peer_region_open: cuda:", pl->device, " cannot access cuda:",
+                      mem->device, " (no peer access between the GPUs)");
+          c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(pl->device));
+          const cudaError_t e = cudaDeviceEnablePeerAccess(mem->device, 0);
+          if (e == cudaErrorPeerAccessAlreadyEnabled) {
+            cudaGetLastError();
+          } else {
+            AFD_CHECK_CUDA(e);
+          }
+        }
         const int64_t r = t.next_region++;
-        t.regions[r] = mem;  // an alias of this process's own memory
+        t.regions[r] = RegionRef{mem, pl->device};  // an alias of this process's own memory
         return r;
       }
       t.exported.erase(it);
@@ -375,7 +394,7 @@ int64_t peer_region_open(int64_t plane, const at::Tensor& ipc_handle, int64_t nb
   mem->own = false;
   std::lock_guard<std::mutex> lock(t.mu);
   const int64_t r = t.next_region++;
-  t.regions[r] = std::move(mem);
+  t.regions[r] = RegionRef{std::move(mem), pl->device};
   return r;
 }
 
@@ -388,7 +407,7 @@ void peer_region_close(int64_t region) {
                 " was never issued by peer_region_alloc/peer_region_open in this process");
     auto it = t.regions.find(region);
     if (it == t.regions.end()) return;  // idempotent
-    mem = std::move(it->second);
+    mem = std::move(it->second.mem);
     t.regions.erase(it);
   }
   // Frees it now unless a tensor view still holds it (then at a later management op).
@@ -400,7 +419,7 @@ at::Tensor peer_region_view(int64_t region, int64_t offset, int64_t nbytes) {
   {
     Table& t = table();
     std::lock_guard<std::mutex> lock(t.mu);
-    mem = get_region_locked(t, region, "peer_region_view", "region");
+    mem = get_region_locked(t, region, "peer_region_view", "region").mem;
   }
   TORCH_CHECK(offset >= 0 && nbytes >= 0 && offset + nbytes <= mem->bytes,
               "afd_ext.peer_region_view: bytes [", offset, ", ", offset + nbytes,
@@ -426,7 +445,7 @@ void peer_put_cuda(const at::Tensor& hidden_states, const OptTensor& router_logi
               "got ", n, ", ", rows.size(), ", ", dst_rows.size(), ", ", flag_offsets.size());
   Table& t = table();
   std::shared_ptr<PeerPlane> pl;
-  std::vector<std::shared_ptr<PeerMem>> mems;
+  std::vector<RegionRef> mems;
   mems.reserve(n);
   {
     std::lock_guard<std::mutex> lock(t.mu);
@@ -468,9 +487,9 @@ void peer_put_cuda(const at::Tensor& hidden_states, const OptTensor& router_logi
     TORCH_CHECK(part_offsets[k] >= 0, "afd_ext.", op, ": part_offsets[", k, "] must be >= 0");
   }
   for (size_t i = 0; i < n; ++i) {
-    const PeerMem& m = *mems[i];
-    TORCH_CHECK(m.device == pl->device, "afd_ext.", op, ": regions[", i, "] is mapped on cuda:",
-                m.device, " but the plane is on cuda:", pl->device);
+    TORCH_CHECK(mems[i].device == pl->device, "afd_ext.", op, ": regions[", i, "] is mapped for cuda:",
+                mems[i].device, " but the plane is on cuda:", pl->device);
+    const PeerMem& m = *mems[i].mem;
     for (size_t k = 0; k < ts.size(); ++k) {
       const int64_t end = part_offsets[k] + (dst_rows[i] + rows[i]) * a.row_bytes[k];
       TORCH_CHECK(end <= m.bytes, "afd_ext.", op, ": ", tnames[k], " rows [", dst_rows[i], ", ",
@@ -508,19 +527,20 @@ void peer_wait_cuda(const at::Tensor& hidden_states, const OptTensor& router_log
               peers.size());
   Table& t = table();
   std::shared_ptr<PeerPlane> pl;
-  std::shared_ptr<PeerMem> mem;
+  RegionRef ref;
   {
     std::lock_guard<std::mutex> lock(t.mu);
     pl = get_plane_locked(t, plane, op);
-    mem = get_region_locked(t, region, op, "region");
+    ref = get_region_locked(t, region, op, "region");
   }
+  const std::shared_ptr<PeerMem>& mem = ref.mem;
   TORCH_CHECK(static_cast<int>(n) <= pl->max_peers, "afd_ext.", op, ": ", n,
               " peers but the plane was created for at most ", pl->max_peers);
   TORCH_CHECK(slot >= 0 && slot < pl->num_slots, "afd_ext.", op, ": slot ", slot,
               " must be in [0, ", pl->num_slots, ")");
   TORCH_CHECK(timeout_ns > 0, "afd_ext.", op, ": timeout_ns must be > 0, got ", timeout_ns);
-  TORCH_CHECK(mem->device == pl->device, "afd_ext.", op, ": region is on cuda:", mem->device,
-              " but the plane is on cuda:", pl->device);
+  TORCH_CHECK(mem->device == pl->device, "afd_ext.", op, ": the flags' region is on cuda:", mem->device,
+              " but the plane is on cuda:", pl->device, "; a plane waits in its own region");
   check_on(op, "hidden_states", hidden_states, pl->device);
   if (router_logits.has_value()) check_on(op, "router_logits", *router_logits, pl->device);
   if (token_ids.has_value()) check_on(op, "token_ids", *token_ids, pl->device);

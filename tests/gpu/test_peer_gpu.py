@@ -48,21 +48,22 @@ SLEEP_CYCLES = 100_000
 class World:
     """Every rank of an A:F topology as planes in this process, each with its own stream."""
 
-    def __init__(self, A, F, spec, *, max_tokens, stages, timeout_s=20.0, generation=5):
+    def __init__(self, A, F, spec, *, max_tokens, stages, timeout_s=20.0, generation=5, att_dev=DEV, ffn_dev=DEV):
         self.topo = Topology(A, F)
         self.spec = spec
         self.stages = stages
-        kw = dict(max_tokens=max_tokens, num_stages=stages, device=DEV, generation=generation, timeout_s=timeout_s)
-        self.att = [PeerPlane(self.topo, ATTENTION, a, spec, **kw) for a in range(A)]
-        self.ffn = [PeerPlane(self.topo, FFN, f, spec, **kw) for f in range(F)]
+        self.devices = (att_dev, ffn_dev)
+        kw = dict(max_tokens=max_tokens, num_stages=stages, generation=generation, timeout_s=timeout_s)
+        self.att = [PeerPlane(self.topo, ATTENTION, a, spec, device=att_dev, **kw) for a in range(A)]
+        self.ffn = [PeerPlane(self.topo, FFN, f, spec, device=ffn_dev, **kw) for f in range(F)]
         for p in self.att:
             for f in p.peers:
                 p.attach(f, self.ffn[f].ipc_handle, self.ffn[f].layout.nbytes)
         for p in self.ffn:
             for a in p.peers:
                 p.attach(a, self.att[a].ipc_handle, self.att[a].layout.nbytes)
-        self.sa = [torch.cuda.Stream(DEV) for _ in range(A)]
-        self.sf = [torch.cuda.Stream(DEV) for _ in range(F)]
+        self.sa = [torch.cuda.Stream(att_dev) for _ in range(A)]
+        self.sf = [torch.cuda.Stream(ffn_dev) for _ in range(F)]
 
     def plan(self, counts):
         """Rows and destination rows of every put, from the attention ranks' token counts."""
@@ -95,7 +96,8 @@ class World:
         return h, lg, ids
 
     def close(self):
-        torch.cuda.synchronize(DEV)
+        for d in self.devices:
+            torch.cuda.synchronize(d)
         for p in self.att + self.ffn:
             p.close()
 
@@ -223,18 +225,24 @@ def _capture_stress(w, rows, layers, slow_every):
     H, E = w.spec.hidden_size, w.spec.logits_width
     S = w.stages
     att, ffn = w.att[0], w.ffn[0]
-    base_h = torch.arange(rows * H, device=DEV, dtype=torch.float32).view(rows, H) * 4
-    base_l = torch.arange(rows * E, device=DEV, dtype=torch.float32).view(rows, E) * 8
-    base_i = torch.arange(rows, device=DEV, dtype=torch.int32) * 1000
+    da, df = att.device, ffn.device
+
+    def bases(d):
+        return (torch.arange(rows * H, device=d, dtype=torch.float32).view(rows, H) * 4,
+                torch.arange(rows * E, device=d, dtype=torch.float32).view(rows, E) * 8,
+                torch.arange(rows, device=d, dtype=torch.int32) * 1000)
+
+    (base_h, base_l, base_i), (fbase_h, fbase_l, fbase_i) = bases(da), bases(df)
     st = {
-        "c_att": torch.zeros(S, device=DEV), "c_ffn": torch.zeros(S, device=DEV),
-        "err_att": torch.zeros((), dtype=torch.int64, device=DEV),
-        "err_ffn": torch.zeros((), dtype=torch.int64, device=DEV),
-        "h": torch.empty(rows, H, device=DEV), "lg": torch.empty(rows, E, device=DEV),
-        "ids": torch.empty(rows, dtype=torch.int32, device=DEV),
-        "reply": torch.empty(rows, H, device=DEV), "out": torch.empty(rows, H, device=DEV),
+        "c_att": torch.zeros(S, device=da), "c_ffn": torch.zeros(S, device=df),
+        "err_att": torch.zeros((), dtype=torch.int64, device=da),
+        "err_ffn": torch.zeros((), dtype=torch.int64, device=df),
+        "h": torch.empty(rows, H, device=da), "lg": torch.empty(rows, E, device=da),
+        "ids": torch.empty(rows, dtype=torch.int32, device=da),
+        "reply": torch.empty(rows, H, device=da), "out": torch.empty(rows, H, device=df),
     }
-    torch.cuda.synchronize(DEV)
+    for d in (da, df):
+        torch.cuda.synchronize(d)
 
     def attention_side(k):
         for layer in range(layers):
@@ -261,16 +269,17 @@ def _capture_stress(w, rows, layers, slow_every):
                 if slow_every and (layer + k) % slow_every == 0:
                     # A slow reader: if the writer reused the slot early, the data below would be the next layer's.
                     torch.cuda._sleep(SLEEP_CYCLES)
-                bad = (x != base_h + c).sum() + (lg != base_l + c).sum() + (ids != base_i + c.to(torch.int32)).sum()
+                bad = ((x != fbase_h + c).sum() + (lg != fbase_l + c).sum()
+                       + (ids != fbase_i + c.to(torch.int32)).sum())
                 st["err_ffn"].add_(bad)
                 torch.mul(x, 2, out=st["out"])
                 st["out"].add_(1)
                 ffn.put(s, (st["out"],), [rows], [0])
 
     ga, gf = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-    with torch.cuda.graph(ga, stream=w.sa[0]):
+    with torch.cuda.device(da), torch.cuda.graph(ga, stream=w.sa[0]):
         attention_side(0)
-    with torch.cuda.graph(gf, stream=w.sf[0]):
+    with torch.cuda.device(df), torch.cuda.graph(gf, stream=w.sf[0]):
         ffn_side(0)
     return ga, gf, st
 
@@ -279,8 +288,21 @@ def _capture_stress(w, rows, layers, slow_every):
 @pytest.mark.parametrize("rows,H,E,exchanges", [(2, 256, 8, 1_000_000), (1024, 1024, 64, 20_000)],
                          ids=["1M-small", "20k-4MiB"])
 def test_stress_round_trips_in_graphs_on_two_concurrent_streams(rows, H, E, exchanges):
+    _stress(rows, H, E, exchanges, DEV, DEV)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs: the stress test across NVLink")
+@pytest.mark.distinct_gpus(2, "the memory-ordering rule across NVLink: attention on GPU 0, FFN on GPU 1")
+@pytest.mark.parametrize("rows,H,E,exchanges", [(2, 256, 8, 1_000_000), (1024, 1024, 64, 20_000)],
+                         ids=["1M-small", "20k-4MiB"])
+def test_stress_round_trips_across_two_gpus(rows, H, E, exchanges):
+    _stress(rows, H, E, exchanges, torch.device("cuda", 0), torch.device("cuda", 1))
+
+
+def _stress(rows, H, E, exchanges, att_dev, ffn_dev):
     spec = WireSpec(H, torch.float32, E, torch.float32, True)
-    w = World(1, 1, spec, max_tokens=rows, stages=2, timeout_s=60.0)
+    w = World(1, 1, spec, max_tokens=rows, stages=2, timeout_s=60.0, att_dev=att_dev, ffn_dev=ffn_dev)
     try:
         layers = 50
         ga, gf, st = _capture_stress(w, rows, layers, slow_every=7)
@@ -289,11 +311,12 @@ def test_stress_round_trips_in_graphs_on_two_concurrent_streams(rows, H, E, exch
         t0 = time.perf_counter()
         for _ in range(replays):
             # A replay launches on the current stream: each role on its own, so they run concurrently.
-            with torch.cuda.stream(w.sf[0]):
+            with torch.cuda.device(ffn_dev), torch.cuda.stream(w.sf[0]):
                 gf.replay()  # the FFN graph first: its waits spin until the attention graph's puts land
-            with torch.cuda.stream(w.sa[0]):
+            with torch.cuda.device(att_dev), torch.cuda.stream(w.sa[0]):
                 ga.replay()
-        torch.cuda.synchronize(DEV)
+        for d in (att_dev, ffn_dev):
+            torch.cuda.synchronize(d)
         dt = time.perf_counter() - t0
         for p in w.att + w.ffn:
             p.raise_if_failed()
@@ -303,10 +326,10 @@ def test_stress_round_trips_in_graphs_on_two_concurrent_streams(rows, H, E, exch
         assert int(st["err_att"]) == 0, "reply data differed from the FFN output"
         # The checks can fail: the last fan-in is not the data of any other count.
         x = w.ffn[0].views(1, rows)[0]
-        assert int((x != torch.arange(rows * H, device=DEV, dtype=torch.float32).view(rows, H) * 4
+        assert int((x != torch.arange(rows * H, device=x.device, dtype=torch.float32).view(rows, H) * 4
                     + (done - 1)).sum()) > 0
         print(f"\n{replays * per_replay} round trips ({rows} rows x {H} fp32 + logits + ids) in {dt:.1f} s: "
-              f"{dt / (replays * per_replay) * 1e6:.2f} us each (two roles sharing one GPU)")
+              f"{dt / (replays * per_replay) * 1e6:.2f} us each (attention on {att_dev}, FFN on {ffn_dev})")
     finally:
         w.close()
 
