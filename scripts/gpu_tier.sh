@@ -1,19 +1,26 @@
 #!/usr/bin/env bash
-# The GPU tier in one call on a 2-GPU machine (nvidia-h200-x2): build against the
-# machine's torch, run the `gpu`-marked tests, the timing scripts, the benchmark
-# and the demo; logs and JSON land in $OUT (or ./gpu-out).
+# The GPU tier in one call on a GPU machine (one GPU: nvidia-h200, or two:
+# nvidia-h200-x2): build against the machine's torch, run the `gpu`-marked tests,
+# the timing scripts, the benchmark and the demo; logs and JSON land in $OUT (or
+# ./gpu-out). Process placement (afd_ext.testing.place_processes) is printed first:
+# one GPU per process where there are enough, attention/FFN on GPUs 0/1 on two,
+# every process on GPU 0 with its own NCCL_HOSTID (NCCL over sockets, correctness
+# only) on one; AFD_TEST_SHARE_GPU=1 forces the last on several GPUs. On a shared
+# GPU the timing phases (time, bench) refuse, and tests that need distinct GPUs
+# skip saying why.
 #
 #   bash scripts/gpu_tier.sh [phase ...]
 #
 # Phases (default: build tests time bench demo):
 #   build        pip install -e . against the machine's torch, then `afd-ext info`
-#   tests        pytest -m gpu $GPU_TESTS (default: tests), -k "$PYTEST_K" when set
+#   tests        pytest -m gpu $GPU_TESTS (default: tests), -k "$PYTEST_K" when set, per-test durations
 #   time         tests/gpu/time_graph_exchange.py (per-layer exchange, eager vs CUDA graph)
 #   bench-quick  afd-ext bench --quick (two variants, eager): the smoke test
 #   bench-check  afd-ext bench --check: every variant bit-exact, eager + graph
 #   bench        the default sweep, $BENCH_ARGS appended
 #   demo         the demo at 1A1F --dims deepseek-v2-lite and at 2A1F (NCCL)
-# Every phase runs under `timeout` (PHASE_TIMEOUT seconds, default 300).
+# Every phase runs under `timeout` (PHASE_TIMEOUT seconds, default 300; the tests
+# phase TESTS_TIMEOUT, default 450).
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -26,9 +33,11 @@ PY=${PY:-python3}
 status=0
 run() {  # run NAME CMD...: log to $OUT/NAME.log, remember failures, keep going
   local name=$1; shift
+  local limit=${PHASE_TIMEOUT:-300}
+  [ "$name" = gpu-tests ] && limit=${TESTS_TIMEOUT:-450}
   echo "=== $name: $*"
   local t0=$SECONDS
-  timeout -k 10 "${PHASE_TIMEOUT:-300}" "$@" 2>&1 | tee "$OUT/$name.log"
+  timeout -k 10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
   local rc=${PIPESTATUS[0]}
   echo "=== $name: rc=$rc in $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
   [ "$rc" = 0 ] || status=1
@@ -38,12 +47,16 @@ run() {  # run NAME CMD...: log to $OUT/NAME.log, remember failures, keep going
   nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
   $PY -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version(), "gpus", torch.cuda.device_count())'
   $PY -c 'import transformers; print("transformers", transformers.__version__)' 2>&1
+  # afd_ext.testing needs only torch (no build): the arrangement every phase below uses.
+  $PY -c 'from afd_ext.testing import place_processes as p, visible_gpu_count as n
+if n() < 1: print("arrangement: no CUDA GPU visible")
+else: print("arrangement (1A1F):", p(1, 1).describe()); print("arrangement (2A1F):", p(2, 1).describe())' 2>&1
 } | tee "$OUT/summary.txt"
 for phase in $phases; do
   case $phase in
     build) run build $PY -m pip install --no-build-isolation --no-deps -e . && run info $PY -m afd_ext info ;;
     tests) run gpu-tests $PY -m pytest -m gpu ${GPU_TESTS:-tests} ${PYTEST_K:+-k "$PYTEST_K"} -v -rA \
-             --timeout 240 --junitxml "$OUT/gpu-junit.xml" ;;
+             -p no:cacheprovider --durations=0 --timeout 240 --junitxml "$OUT/gpu-junit.xml" ;;
     time) run time-graph $PY tests/gpu/time_graph_exchange.py --out "$OUT/time_graph.json" ;;
     bench-quick) run bench-quick $PY -m afd_ext bench --quick --modes eager --variants ours_per_tensor,raw \
              --no-control --no-progress --case-timeout 30 --timeout 120 --out "$OUT/bench-quick" ;;
