@@ -869,6 +869,7 @@ def run_demo(plan: DemoPlan, *, timeout_s: float = 600.0) -> dict[str, Any]:
     """Run the processes of ``plan`` and the self-check; return the summary dict.
 
     Raises:
+        ValueError: a CUDA plan without a placement and no usable GPU.
         afd_ext.testing.WorkerError / TimeoutError: a process failed or hung.
     """
     import dataclasses
@@ -883,6 +884,8 @@ def run_demo(plan: DemoPlan, *, timeout_s: float = 600.0) -> dict[str, Any]:
     agree_store = dist.TCPStore(plan.host, 0, is_master=True, wait_for_workers=False,
                                 timeout=datetime.timedelta(seconds=plan.step_timeout_s))
     plan = dataclasses.replace(plan, agree_port=int(agree_store.port))
+    if plan.device_type == "cuda" and plan.gpu_placement is None:  # a plan not made by build_plan
+        plan = dataclasses.replace(plan, gpu_placement=_gpu_placement(plan.num_attention, plan.num_ffn))
     per_rank_env = plan.gpu_placement.env() if plan.gpu_placement is not None else None
     env = {"OMP_NUM_THREADS": str(plan.threads), "TOKENIZERS_PARALLELISM": "false"}
     t0 = time.perf_counter()
