@@ -46,7 +46,10 @@ import time
 import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+if TYPE_CHECKING:
+    from afd_ext.testing import GpuPlacement
 
 logger = logging.getLogger("afd_ext.demo")
 
@@ -664,7 +667,7 @@ class DemoPlan:
     threads: int = 1
     timing: bool = True
     connector: str = "AfdExtConnector"
-    gpu_placement: Any = None
+    gpu_placement: GpuPlacement | None = None
     graph: bool = False
     verbose: bool = False
 
@@ -1111,7 +1114,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _gpu_placement(num_attention: int, num_ffn: int):
+def _gpu_placement(num_attention: int, num_ffn: int) -> GpuPlacement:
     """Where the demo's NCCL processes run (:func:`afd_ext.testing.place_processes`).
 
     Raises:
