@@ -16,11 +16,11 @@ user's NCCL run.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue as queue_mod
 import socket
-import contextlib
 import time
 import traceback
 from dataclasses import dataclass
