@@ -497,8 +497,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if cfg.layout.shared and not cfg.check:
         msg = (f"processes share a GPU ({cfg.layout.describe()}): the driver time-slices them (about 2.2 ms "
-               "per round trip whatever the size), so timings would be meaningless. Give every process its "
-               "own GPU, use --check for correctness, or pass --allow-shared to time anyway (flagged).")
+               "per round trip whatever the size; ~4.5 ms when NCCL goes over sockets on one GPU), so timings "
+               "would be meaningless. Give every process its own GPU, use --check for correctness, or pass "
+               "--allow-shared to time anyway (flagged).")
         if not args.allow_shared:
             print(f"afd-ext bench: refusing to time: {msg}", file=sys.stderr)
             return 2
