@@ -120,11 +120,14 @@ def _counts(attention: int | None, ffn: int | None, world: int | None) -> tuple[
     return int(attention), int(ffn)
 
 
-def resolve_role(num_attention_ranks: int, num_ffn_ranks: int) -> tuple[str, int, bool]:
+def resolve_role(num_attention_ranks: int, num_ffn_ranks: int, *, rank: int | None = None,
+                 world_size: int | None = None) -> tuple[str, int, bool]:
     """This process's ``(role, role_rank, ffn0_is_rank0)`` from the environment (module doc rules 1-3).
 
     Args:
         num_attention_ranks, num_ffn_ranks: ``A`` and ``F``.
+        rank, world_size: the launcher rank and world size (default: ``RANK``,
+            ``WORLD_SIZE`` from the environment).
 
     Returns:
         The role (``"attention"``/``"ffn"``), the rank inside it, and whether
@@ -144,7 +147,8 @@ def resolve_role(num_attention_ranks: int, num_ffn_ranks: int) -> tuple[str, int
             raise AFDConfigError("AFD_ROLE is set but AFD_ROLE_RANK is not: set both, or neither under torchrun")
         ffn0_is_rank0 = False
     else:
-        rank, world = _launcher_int("RANK"), _launcher_int("WORLD_SIZE")
+        rank = _launcher_int("RANK") if rank is None else rank
+        world = _launcher_int("WORLD_SIZE") if world_size is None else world_size
         if rank is None or world is None:
             raise AFDConfigError(
                 "no role for this process: start it with torchrun or `afd-ext launch` (RANK, WORLD_SIZE), "
@@ -301,6 +305,15 @@ def _exit_code(rc: int) -> int:
     return 128 - rc if rc < 0 else rc
 
 
+def _rank_label(rank: int, A: int, F: int) -> str:
+    """``"rank 2 (attention rank 1)"`` under the exported mapping, or just ``"rank 2"``."""
+    try:
+        role, role_rank, _ = resolve_role(A, F, rank=rank, world_size=A + F)
+    except AFDConfigError:
+        return f"rank {rank}"
+    return f"rank {rank} ({'FFN' if role == 'ffn' else role} rank {role_rank})"
+
+
 def _rank_names(A: int, F: int) -> str:
     """``"rank 0 = FFN 0, ranks 1-2 = attention 0-1"``: the default (FFN-first) order."""
     def span(lo: int, n: int, what: str) -> str:
@@ -381,7 +394,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         code = _exit_code(failure.exitcode)
-        return _fail(f"rank {rank} exited with code {code}; torchrun stopped the other ranks", code or 1)
+        return _fail(f"{_rank_label(rank, A, F)} exited with code {code}; torchrun stopped the other ranks",
+                     code or 1)
     except SignalException as e:
         return _fail(f"got {e.sigval.name}; every rank was stopped", 128 + int(e.sigval))
     return 0
