@@ -66,6 +66,7 @@ def serve_ffn(conn, n_steps: int) -> int:
                 a2f = conn.recv_attn_output(ubatch_idx=stage)  # fan-in of every attention rank's rows
                 conn.send_ffn_output(ffn(layer, a2f.hidden_states), a2f.context)  # split-back
                 rows += a2f.hidden_states.shape[0] if layer == 0 else 0
+        conn.synchronize()  # NCCL: the step's replies have left (bounded: a lost peer is a named error)
     return rows
 
 
@@ -86,6 +87,7 @@ def run_attention(conn, role_rank: int, plan: list[dict[int, list[int]]], device
             for stage, x in h.items():
                 conn.recv_ffn_output(x, ubatch_idx=stage)  # the reply lands in x
                 want[stage] = ffn(layer, want[stage])
+        conn.synchronize()  # NCCL: the replies have landed (bounded, as above)
         for stage, x in h.items():
             torch.testing.assert_close(x, want[stage], rtol=0, atol=0)
             rows += x.shape[0]
