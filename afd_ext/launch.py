@@ -273,6 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``afd-ext launch`` parser (its own options; every other option before ``--`` goes to torchrun)."""
     p = argparse.ArgumentParser(
         prog="afd-ext launch",
+        allow_abbrev=False,  # an abbreviation could swallow a torchrun option
         usage="afd-ext launch -A N -F M [AFD options] [torchrun options] -- command [args ...]",
         description="Run COMMAND as A attention + F FFN ranks under torchrun (torch.distributed.run), with "
                     "the AFD variables exported; inside, afd_ext.launch.config_from_env() says which rank "
