@@ -13,8 +13,9 @@ GLOO_SOCKET_IFNAME or MASTER_ADDR in the environment.
 
 The namespace tests need root (CAP_NET_ADMIN, CAP_SYS_ADMIN), ``ip``
 (iproute2) and ``unshare`` (util-linux); elsewhere they skip, saying which is
-missing. The same example also runs as two torchrun agents on one host (no
-namespaces), which needs nothing.
+missing. The same example also runs as two nodes on one host (``afd-ext
+launch`` for one, plain torchrun for the other; no namespaces), which needs
+nothing.
 """
 
 from __future__ import annotations
@@ -74,7 +75,10 @@ def _torchrun(node_rank: int, nproc: int, master_addr: str, master_port: int, sc
 
 
 def _finish(procs: list[subprocess.Popen], timeout_s: float) -> list[tuple[int, str]]:
-    """Wait for every agent against one deadline; kill every process group in any case.
+    """Wait for every agent against one deadline, then stop what still runs; ``[(exit code, output)]``.
+
+    A late agent gets SIGTERM first, so torchrun stops its ranks (they run in
+    sessions of their own and would outlive a killed agent), then SIGKILL.
 
     Raises:
         AssertionError: an agent still ran at the deadline (with every agent's output).
@@ -85,12 +89,9 @@ def _finish(procs: list[subprocess.Popen], timeout_s: float) -> list[tuple[int, 
             time.sleep(0.1)
         late = [i for i, p in enumerate(procs) if p.poll() is None]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+        _stop(procs)
     out = []
     for p in procs:
-        p.wait(timeout=10)
         p.log.seek(0)  # type: ignore[attr-defined]
         out.append((p.returncode, p.log.read()))  # type: ignore[attr-defined]
         p.log.close()  # type: ignore[attr-defined]
@@ -98,6 +99,18 @@ def _finish(procs: list[subprocess.Popen], timeout_s: float) -> list[tuple[int, 
         logs = "\n".join(f"--- agent {i} ---\n{text[-4000:]}" for i, (_, text) in enumerate(out))
         raise AssertionError(f"torchrun agents {late} still running after {timeout_s:.0f} s\n{logs}")
     return out
+
+
+def _stop(procs: list[subprocess.Popen], grace_s: float = 20.0) -> None:
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        running = [p for p in procs if p.poll() is None]
+        for p in running:
+            os.killpg(p.pid, sig)
+        for p in running:
+            try:
+                p.wait(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                pass
 
 
 # ---------------------------------------------------------------------------
@@ -260,20 +273,25 @@ def test_rank_killed_on_the_remote_host_is_a_named_error_on_the_store_host(two_h
 
 
 @pytest.mark.timeout(120)
-def test_example_2a1f_as_two_local_torchrun_agents():
+def test_example_2a1f_as_two_local_nodes_afd_ext_launch_and_torchrun():
     from afd_ext.testing import find_free_port
 
-    env = _clean_env(AFD_NUM_FFN_RANKS="1", AFD_PORT=str(find_free_port()))
-    master_port = find_free_port()
+    afd_port, master_port = find_free_port(), find_free_port()
+    # Node 0 through afd-ext launch (torchrun options passed through), node 1 through plain torchrun.
+    node0 = [PY, "-m", "afd_ext", "launch", "-A", "2", "-F", "1", "--port", str(afd_port), "--nnodes", "2",
+             "--node-rank", "0", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port",
+             str(master_port), "--", PY, EXAMPLE]
+    node1 = _torchrun(1, 2, "127.0.0.1", master_port, [EXAMPLE])
     procs: list[subprocess.Popen] = []
     try:
-        for node_rank, nproc in ((0, 1), (1, 2)):
-            procs.append(_spawn(_torchrun(node_rank, nproc, "127.0.0.1", master_port, [EXAMPLE]), env))
+        procs.append(_spawn(node0, _clean_env()))
+        procs.append(_spawn(node1, _clean_env(AFD_NUM_FFN_RANKS="1", AFD_PORT=str(afd_port))))
     except BaseException:
         _finish(procs, 0.1)
         raise
     (rc0, out0), (rc1, out1) = _finish(procs, 50)
     assert rc0 == 0 and rc1 == 0, out0 + out1
+    assert "[rank 0] multinode example: ffn rank 0" in out0, out0  # afd-ext launch's prefix
     got = {(m[0], int(m[1])): int(m[3]) for m in EXAMPLE_LINE.findall(out0)}
     assert got == {("ffn", 0): 19}, out0
     got = {(m[0], int(m[1])): int(m[3]) for m in EXAMPLE_LINE.findall(out1)}

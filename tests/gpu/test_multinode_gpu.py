@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -56,10 +57,14 @@ def test_example_over_nccl_as_two_torchrun_hosts():
         for p in procs:
             p.wait(timeout=240)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, 9)
-                p.wait(timeout=10)
+        for sig in (signal.SIGTERM, signal.SIGKILL):  # SIGTERM first: torchrun then stops its ranks
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, sig)
+                    try:
+                        p.wait(timeout=20)
+                    except subprocess.TimeoutExpired:
+                        pass
         outs = []
         for log in logs:
             log.seek(0)
