@@ -12,7 +12,7 @@ Scenarios:
   zero-token ranks, a two-stage step, an idle step); every attention rank
   checks every reply exactly.
 * ``kill``: after step 0, the last attention rank SIGKILLs itself before
-  layer 1 of step 1; the others record the error they get, then re-raise it
+  layer 1 of step 1 (half a second after the others sent theirs); the others record the error they get, then re-raise it
   (a real program would fail; it also keeps torchrun from waiting for the dead
   host at its exit barrier).
 """
@@ -24,6 +24,7 @@ import os
 import signal
 import socket
 import sys
+import time
 
 import connector_scenarios as cs  # this directory is sys.path[0]
 import torch
@@ -57,6 +58,7 @@ def main(scenario: str, out_dir: str) -> None:
             else:
                 def die(layer, stage, t):
                     if victim and layer == 1:
+                        time.sleep(0.5)  # the other ranks' layer-1 rows arrive first: only this one is missing
                         os.kill(os.getpid(), signal.SIGKILL)
                     return t
                 out["checked"] = [cs.attention_step(conn, sc, i, step, bad=die if i == 1 else None)
