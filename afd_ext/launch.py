@@ -365,7 +365,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    prefix = [] if args.no_prefix else ["--tee", "3", "--log-line-prefix-template", "[rank ${rank}] "]
+    prefix = [] if args.no_prefix else ["--tee", "3"]
     # Our defaults first: argparse keeps the last occurrence, so the user's torchrun options win.
     tr_parser = torchrun.get_args_parser()
     tr_parser.prog = "afd-ext launch (torchrun options)"
@@ -387,6 +387,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ.pop(stale, None)
     os.environ.update({k: v for k, v in exported.items() if v is not None})
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own choice, without its warning banner
+    # The variable, not the --log-line-prefix-template option, which torch < 2.13 lacks.
+    os.environ.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "[rank ${rank}] ")
     where = f"{host or '$MASTER_ADDR'}:{port or 1239}"
     print(f"afd-ext launch: {A} attention + {F} FFN ranks ({_rank_names(A, F)}); AFD rendezvous {where}",
           file=sys.stderr, flush=True)
