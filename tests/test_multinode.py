@@ -185,6 +185,11 @@ def two_hosts(tmp_path):
     except OSError as e:
         pytest.skip(f"cross-host test not run: cannot create network namespaces here ({e})")
     try:
+        # The UTS and mount namespaces of each host (hostname, /etc/hosts) must work too.
+        (rc, out), = _finish([hosts.start(1, ["hostname"], _clean_env())], 30)
+        if rc != 0 or out.strip() != HOSTS[1][0]:
+            pytest.skip(f"cross-host test not run: cannot give a namespace its own host name and "
+                        f"/etc/hosts here (exit {rc}: {out.strip()[-300:]})")
         yield hosts
     finally:
         hosts.__exit__()
