@@ -37,17 +37,12 @@ device sync on the FFN side), the payload never touches a GPU. Each
   payload, re-reads ``seq`` and checks a CRC-32 over fields and payload; any
   change or mismatch is a torn read and is retried, so a reader never returns
   half-written bytes even on a weakly ordered CPU (on x86-64 the store order
-  alone suffices; the CRC is the safety net elsewhere). 8-byte fields are
-  single aligned loads/stores (``memoryview.cast("Q")``). Messages larger
-  than one slot are split over consecutive slots; the receiver bounds the
-  total by ``max_message_bytes`` before allocating. The receiver spins for
-  ``spin_s`` (default 2 ms, ``AFD_CONTROL_SPIN_US``); then it raises a
-  ``waiting`` flag in the header and blocks on a doorbell (an abstract
-  ``AF_UNIX`` datagram socket named after the segment), which the sender
-  rings after publishing when it sees the flag (a lock's atomic instruction
-  orders the publish before that read; the receiver's drain syscall orders
-  its side), so an idle FFN rank burns no CPU and still wakes within tens of
-  µs. The doorbell wait is sliced (50 ms) for the liveness checks. The FFN end creates the segment under a fresh random name tied to
+  alone suffices; the CRC is the safety net elsewhere); a published slot that
+  stays inconsistent for ``_CORRUPT_AFTER_S`` is a corrupt ring
+  (:class:`ControlProtocolError`). 8-byte fields are single aligned
+  loads/stores (``memoryview.cast("Q")``). Messages larger than one slot are
+  split over consecutive slots; the receiver bounds the total by
+  ``max_message_bytes`` before allocating. The FFN end creates the segment under a fresh random name tied to
   the store's generation, the sender attaches, and as soon as both are
   attached the name is unlinked: nothing is left in ``/dev/shm`` even if a
   process is killed later, and a stale segment is never reused.
@@ -57,6 +52,25 @@ device sync on the FFN side), the payload never touches a GPU. Each
   ``AFD_CONTROL_ADDR``), publishes ``addr:port`` through the store; the
   sender connects (``TCP_NODELAY``) and introduces itself. Frames are
   ``magic u32 | type u32 | sender world rank u32 | length u64 | bytes``.
+
+How a receiver waits: ready while serving, asleep when idle
+------------------------------------------------------------
+Waking a blocked thread costs ~110 µs on a server host (scheduler and
+C-state exit), more than the whole rest of a step's control plane. So while
+the engine is active (the last payload arrived less than ``idle_s`` ago,
+default 10 s, ``AFD_CONTROL_IDLE_S``) a waiting FFN rank keeps polling, in
+native code (``csrc/cpu/control_poll.cpp``, called through ``ctypes``, which
+releases the GIL: the serving engine's other threads keep running). It polls
+in slices of at most 50 ms and runs the liveness checks between slices. This
+costs one core per FFN rank while serving, which a serving FFN process owns
+anyway. Once idle for ``idle_s``, the receiver raises a ``waiting`` flag (shm)
+and blocks (a doorbell: an abstract ``AF_UNIX`` datagram socket named after
+the segment, which the sender rings after publishing when it sees the flag;
+a lock's atomic instruction orders the publish before that read, the
+receiver's drain syscall orders its side; tcp: ``poll`` on the socket), so an
+idle FFN rank burns no CPU. ``idle_s = 0`` always blocks (few cores, many
+ranks: CI). Without the native poll (a stale build) the receiver spins in
+Python for at most ``_FALLBACK_SPIN_S`` before blocking.
 
 ``auto`` (the default) picks ``shm`` when both ends report the same
 :func:`~afd_ext.rendezvous.host_identity` (host name, boot id, mount and pid
@@ -79,19 +93,24 @@ forever, or until the optional ``recv_timeout_s``. A sender that closes its
 channel cleanly makes the receiver raise :class:`ControlChannelClosed`, so an
 FFN serving loop can end.
 
-Measured cost
--------------
-:func:`measure_control_plane` measures attention ``send_dp_metadata_list``
-call start -> FFN ``recv_dp_metadata_list`` return (encode, channel, decode)
-in two processes on one host; see docs/configuration.md for the numbers.
+The payload travels in the compact binary layout of
+:func:`~afd_ext.metadata.encode_control_binary` (both ends are ``afd_ext``);
+the JSON codec stays the reference-format API. A malformed payload, a corrupt
+ring or a frame from the wrong rank posts the step-abort signal before it
+raises :class:`ControlProtocolError`, so the attention ranks stop at once.
+
+Measured cost: ``afd-ext bench --control-only`` (:mod:`afd_ext.bench.control`)
+measures attention ``send_dp_metadata_list`` call start -> FFN
+``recv_dp_metadata_list`` return at step gaps of 1-50 ms; see
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import abc
+import ctypes
 import json
 import logging
-import math
 import os
 import secrets
 import select
@@ -111,12 +130,13 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "DEFAULT_HEARTBEAT_INTERVAL_S",
     "DEFAULT_HEARTBEAT_TIMEOUT_S",
-    "DEFAULT_SPIN_S",
+    "DEFAULT_IDLE_S",
     "CHANNEL_KINDS",
     "PeerDeadError",
     "StepAbortedError",
     "ControlChannelClosed",
     "ControlRecvTimeout",
+    "ControlProtocolError",
     "ChannelOptions",
     "ControlChannel",
     "ShmControlChannel",
@@ -124,15 +144,14 @@ __all__ = [
     "open_control_channels",
     "AFDControlPlane",
     "ChannelControlPlane",
-    "measure_control_plane",
 ]
 
 #: How often a sender publishes its heartbeat, in seconds.
 DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
 #: Heartbeat age after which the receiver declares the sender dead, in seconds.
 DEFAULT_HEARTBEAT_TIMEOUT_S = 30.0
-#: How long a receiver busy-polls before it starts sleeping, in seconds.
-DEFAULT_SPIN_S = 0.002
+#: How long after the last payload a waiting receiver keeps polling before it blocks, in seconds.
+DEFAULT_IDLE_S = 10.0
 #: Payload bytes per shared-memory slot; larger messages span several slots.
 DEFAULT_SLOT_BYTES = 16384
 #: Slots per shared-memory ring.
@@ -149,12 +168,23 @@ _ABORT_EVERY_S = 0.1
 _MAX_SLEEP_S = 0.001
 _STORE_LOSS_GRACE_S = 1.0
 _MIN_SLEEP_S = 20e-6
+# Without the native poll: the longest Python spin (it holds the GIL) before blocking.
+_FALLBACK_SPIN_S = 0.002
+# A writer fills a slot in microseconds; a published slot inconsistent for this long is corrupt.
+_CORRUPT_AFTER_S = 1.0
 
 _OP_RECV = "recv_dp_metadata_list"
 _OP_SEND = "send_dp_metadata_list"
 
 
-from .errors import ControlChannelClosed, ControlRecvTimeout, PeerDeadError  # noqa: E402,F401
+from .errors import (  # noqa: E402,F401
+    AFDConfigError,
+    AFDStateError,
+    ControlChannelClosed,
+    ControlProtocolError,
+    ControlRecvTimeout,
+    PeerDeadError,
+)
 
 
 @dataclass(frozen=True)
@@ -165,8 +195,9 @@ class ChannelOptions:
         heartbeat_interval_s: how often the sender publishes a heartbeat.
         heartbeat_timeout_s: heartbeat age that makes the receiver raise
             :class:`PeerDeadError`; must exceed ``heartbeat_interval_s``.
-        spin_s: receiver busy-poll time before sleeping (shm, and tcp before
-            blocking); 0 disables spinning.
+        idle_s: how long after the last payload a waiting receiver keeps
+            polling (native code, GIL released, one core) before it blocks;
+            0 always blocks. Default 10 s (``AFD_CONTROL_IDLE_S``).
         slot_bytes: shm payload bytes per slot (>= 64).
         nslots: shm ring slots (>= 2).
         max_message_bytes: largest message accepted by a receiver.
@@ -174,38 +205,38 @@ class ChannelOptions:
 
     heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
     heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
-    spin_s: float = DEFAULT_SPIN_S
+    idle_s: float = DEFAULT_IDLE_S
     slot_bytes: int = DEFAULT_SLOT_BYTES
     nslots: int = DEFAULT_NSLOTS
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
 
     def __post_init__(self) -> None:
         if not self.heartbeat_interval_s > 0:
-            raise ValueError(f"heartbeat_interval_s must be > 0, got {self.heartbeat_interval_s!r}")
+            raise AFDConfigError(f"heartbeat_interval_s must be > 0, got {self.heartbeat_interval_s!r}")
         if not self.heartbeat_timeout_s > self.heartbeat_interval_s:
-            raise ValueError(
+            raise AFDConfigError(
                 f"heartbeat_timeout_s ({self.heartbeat_timeout_s!r}) must exceed "
                 f"heartbeat_interval_s ({self.heartbeat_interval_s!r})"
             )
-        if self.spin_s < 0:
-            raise ValueError(f"spin_s must be >= 0, got {self.spin_s!r}")
+        if not self.idle_s >= 0:
+            raise AFDConfigError(f"idle_s must be >= 0 seconds, got {self.idle_s!r}")
         if not (isinstance(self.slot_bytes, int) and self.slot_bytes >= 64):
-            raise ValueError(f"slot_bytes must be an int >= 64, got {self.slot_bytes!r}")
+            raise AFDConfigError(f"slot_bytes must be an int >= 64, got {self.slot_bytes!r}")
         if not (isinstance(self.nslots, int) and self.nslots >= 2):
-            raise ValueError(f"nslots must be an int >= 2, got {self.nslots!r}")
+            raise AFDConfigError(f"nslots must be an int >= 2, got {self.nslots!r}")
         if not (isinstance(self.max_message_bytes, int) and self.max_message_bytes >= 1):
-            raise ValueError(f"max_message_bytes must be an int >= 1, got {self.max_message_bytes!r}")
+            raise AFDConfigError(f"max_message_bytes must be an int >= 1, got {self.max_message_bytes!r}")
 
     @classmethod
     def from_env(cls, **overrides: Any) -> "ChannelOptions":
-        """Defaults, ``AFD_CONTROL_SPIN_US`` from the environment, then ``overrides`` (None ignored).
+        """Defaults, ``AFD_CONTROL_IDLE_S`` from the environment, then ``overrides`` (None ignored).
 
         The connector passes ``heartbeat_interval_s``/``heartbeat_timeout_s`` from
         ``connector_extra_config``.
         """
         from afd_ext import envs
 
-        kw: dict[str, Any] = {"spin_s": float(envs.get("AFD_CONTROL_SPIN_US")) * 1e-6}
+        kw: dict[str, Any] = {"idle_s": envs.get("AFD_CONTROL_IDLE_S")}
         kw.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**kw)
 
@@ -224,6 +255,37 @@ def _proc_start_time(pid: int) -> int | None:
         return int(rest[19])
     except (IndexError, ValueError):
         return None
+
+
+_native_fns: tuple[Any, Any] | None | bool = False  # False: not looked up yet
+
+
+def _native() -> tuple[Any, Any] | None:
+    """``(spin_u64, spin_fd)`` from the compiled core (see ``csrc/cpu/control_poll.cpp``), or None.
+
+    Called through ``ctypes.CDLL``, which releases the GIL for the call.
+    """
+    global _native_fns
+    if _native_fns is False:
+        try:
+            import torch  # noqa: F401 - loads the libraries the compiled core links against
+
+            from afd_ext import _C
+
+            lib = ctypes.CDLL(_C.__file__)
+            spin_u64, spin_fd = lib.afd_ctrl_spin_u64, lib.afd_ctrl_spin_fd
+        except (ImportError, OSError, AttributeError) as e:
+            logger.warning("afd_ext control plane: no native poll in the compiled core (%s); a waiting "
+                           "FFN rank blocks after %.0f ms and wakes slower (rebuild afd_ext)",
+                           e, _FALLBACK_SPIN_S * 1e3)
+            _native_fns = None
+        else:
+            spin_u64.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int64]
+            spin_u64.restype = ctypes.c_int
+            spin_fd.argtypes = [ctypes.c_int, ctypes.c_int64]
+            spin_fd.restype = ctypes.c_int
+            _native_fns = (spin_u64, spin_fd)
+    return _native_fns  # type: ignore[return-value]
 
 
 class ControlChannel(abc.ABC):
@@ -247,6 +309,8 @@ class ControlChannel(abc.ABC):
         self._abort_check = abort_check
         self._closed = False
         self._store_lost_at: float | None = None
+        # Receiver: when the last payload arrived; polling continues until idle_s after it.
+        self._last_msg = time.monotonic()
 
     @abc.abstractmethod
     def send(self, data: bytes) -> None:
@@ -257,8 +321,8 @@ class ControlChannel(abc.ABC):
                 ``options.max_message_bytes``.
 
         Raises:
-            ValueError: message too large; RuntimeError: wrong end or closed channel;
-            PeerDeadError: the receiver is gone.
+            AFDConfigError: message too large; AFDStateError: wrong end or closed
+            channel; PeerDeadError: the receiver is gone.
         """
 
     @abc.abstractmethod
@@ -279,7 +343,7 @@ class ControlChannel(abc.ABC):
             ControlChannelClosed: the sender closed the channel.
             ControlRecvTimeout: ``timeout_s`` passed.
             StepAbortedError: some rank posted the step-abort signal.
-            RuntimeError: a frame from an unexpected sender.
+            ControlProtocolError: a frame from an unexpected sender, a corrupt frame or slot.
         """
 
     @abc.abstractmethod
@@ -310,7 +374,7 @@ class ControlChannel(abc.ABC):
 
     def _check_len(self, n: int) -> None:
         if n > self.options.max_message_bytes:
-            raise ValueError(
+            raise AFDConfigError(
                 f"control message of {n} bytes exceeds max_message_bytes="
                 f"{self.options.max_message_bytes}; raise it on both ends"
             )
@@ -318,21 +382,21 @@ class ControlChannel(abc.ABC):
     def _check_header(self, op: str, sender: int, total: int) -> None:
         """A received message's header: from the expected world rank, within ``max_message_bytes``."""
         if sender != self.peer_rank:
-            raise RuntimeError(
+            raise ControlProtocolError(
                 f"{op}: received AFD DP metadata from world rank {sender}, expected {self.peer}"
             )
         if total > self.options.max_message_bytes:
-            raise ValueError(
+            raise ControlProtocolError(
                 f"{op}: {self.peer} announced a {total}-byte control message, above "
                 f"max_message_bytes={self.options.max_message_bytes}"
             )
 
     def _require(self, sender: bool, what: str) -> None:
         if self._closed:
-            raise RuntimeError(f"{what} on a closed {self.kind} control channel to {self.peer}")
+            raise AFDStateError(f"{what} on a closed {self.kind} control channel to {self.peer}")
         if self.is_sender != sender:
             end = "sending (attention)" if self.is_sender else "receiving (FFN)"
-            raise RuntimeError(f"{what} called on the {end} end of the control channel to {self.peer}")
+            raise AFDStateError(f"{what} called on the {end} end of the control channel to {self.peer}")
 
 
 # ---------------------------------------------------------------------------
@@ -460,6 +524,10 @@ class ShmControlChannel(ControlChannel):
         self._stride = _slot_stride(self._slot_bytes)
         self._seq = [buf[_HDR_BYTES + i * self._stride:_HDR_BYTES + i * self._stride + 8].cast("Q")
                      for i in range(self._nslots)]
+        # Addresses of the slots' seq words, for the native poll (the anchor pins the mapping).
+        self._anchor: Any = ctypes.c_char.from_buffer(buf)
+        base = ctypes.addressof(self._anchor)
+        self._seq_addr = [base + _HDR_BYTES + i * self._stride for i in range(self._nslots)]
         self._count = 0  # slots sent (sender) / consumed (receiver)
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
@@ -486,7 +554,7 @@ class ShmControlChannel(ControlChannel):
             except FileExistsError:
                 continue
         else:  # pragma: no cover - 16 random collisions
-            raise RuntimeError(f"could not create a shared-memory segment named {name_prefix}-*")
+            raise rdzv.RendezvousError(f"could not create a shared-memory segment named {name_prefix}-*")
         hdr = shm.buf[:_HDR_BYTES].cast("Q")
         hdr[_W_VER_NSLOTS] = (options.nslots << 32) | _SHM_VERSION
         hdr[_W_SLOT_BYTES] = options.slot_bytes
@@ -515,16 +583,17 @@ class ShmControlChannel(ControlChannel):
         try:
             shm = _ShmSegment(name, create=False)
         except FileNotFoundError:
-            raise RuntimeError(
+            raise rdzv.RendezvousError(
                 f"shared-memory control segment {name!r} of {peer} not found: the two ranks do "
-                "not share /dev/shm (different hosts or containers); set the control channel "
-                "kind to 'tcp' (AFD_CONTROL_CHANNEL=tcp)"
+                "not share /dev/shm (different hosts or containers); set "
+                "connector_extra_config.control_channel to 'tcp' on every rank"
             ) from None
         hdr = shm.buf[:_HDR_BYTES].cast("Q")
         ok = False
         try:
             if hdr[_W_MAGIC] != _SHM_MAGIC or (hdr[_W_VER_NSLOTS] & 0xFFFFFFFF) != _SHM_VERSION:
-                raise RuntimeError(f"shared-memory segment {name!r} is not an AFD control ring v{_SHM_VERSION}")
+                raise rdzv.RendezvousError(
+                    f"shared-memory segment {name!r} is not an AFD control ring v{_SHM_VERSION}")
             hdr[_W_SENDER_PID] = os.getpid()
             hdr[_W_SENDER_START] = _proc_start_time(os.getpid()) or 0
             hdr[_W_HEARTBEAT] = time.monotonic_ns()
@@ -654,28 +723,55 @@ class ShmControlChannel(ControlChannel):
             sleep = min(2 * sleep, _MAX_SLEEP_S)
 
     def _wait_slot(self, k: int, timeout_s: float | None, op: str) -> None:
-        seq = self._seq[k % self._nslots]
+        slot = k % self._nslots
+        seq = self._seq[slot]
         want = 2 * k + 2
         if seq[0] == want:
             return
         now = time.monotonic()
-        spin_until = now + self.options.spin_s
         deadline = None if timeout_s is None else now + timeout_s
         next_live = now + _LIVENESS_EVERY_S
         next_abort = now + _ABORT_EVERY_S
-        while seq[0] != want and time.monotonic() < spin_until:
-            pass
-        if seq[0] == want:
-            return
+        native = _native()
+        # While the engine is active keep polling (see the module doc), then block.
+        poll_until = self._last_msg + self.options.idle_s
+        if native is None:
+            poll_until = min(poll_until, now + _FALLBACK_SPIN_S)
+        spin_u64 = native[0] if native is not None else None
+        addr = self._seq_addr[slot]
         sleep = _MIN_SLEEP_S
         hb_timeout_ns = int(self.options.heartbeat_timeout_s * 1e9)
         bell = self._bell
         hdr = self._hdr
-        hdr[_W_WAITING] = 1
+        waiting = False
         try:
             while True:
-                if bell is not None:
-                    _drain(bell)  # a syscall: orders the waiting flag before the seq load
+                if now < poll_until:
+                    end = min(poll_until, next_live, next_abort)
+                    if deadline is not None:
+                        end = min(end, deadline)
+                    if spin_u64 is not None:
+                        if spin_u64(addr, want, int((end - now) * 1e9)):
+                            return
+                    else:
+                        while seq[0] != want and time.monotonic() < end:
+                            pass
+                else:
+                    if not waiting:
+                        hdr[_W_WAITING] = 1
+                        waiting = True
+                    if bell is not None:
+                        _drain(bell)  # a syscall: orders the waiting flag before the seq load
+                    if seq[0] == want:
+                        return
+                    if bell is not None:
+                        wait = min(next_live, next_abort) - now
+                        if deadline is not None:
+                            wait = min(wait, deadline - now)
+                        self._bell_poll.poll(max(0, int(wait * 1000) + 1))
+                    else:
+                        time.sleep(sleep)
+                        sleep = min(2 * sleep, _MAX_SLEEP_S)
                 if seq[0] == want:
                     return
                 now = time.monotonic()
@@ -700,46 +796,52 @@ class ShmControlChannel(ControlChannel):
                         f"{op}: no control payload from {self.peer} within {timeout_s:g} s "
                         "(the peer is alive but idle)"
                     )
-                if bell is not None:
-                    wait = min(next_live, next_abort) - now
-                    if deadline is not None:
-                        wait = min(wait, deadline - now)
-                    self._bell_poll.poll(max(0, int(wait * 1000) + 1))
-                else:
-                    time.sleep(sleep)
-                    sleep = min(2 * sleep, _MAX_SLEEP_S)
         finally:
-            hdr[_W_WAITING] = 0
+            if waiting:
+                hdr[_W_WAITING] = 0
 
-    def _read_slot(self, k: int, expect_total: int | None, op: str) -> tuple[int, memoryview | bytes]:
+    def _read_slot(self, k: int, expect_total: int | None, op: str,
+                   deadline: float | None = None) -> tuple[int, bytes]:
+        """Copy slot ``k`` out, retrying torn reads; a slot inconsistent for
+        ``_CORRUPT_AFTER_S`` (or past ``deadline``) is corrupt."""
         slot = k % self._nslots
         base = _HDR_BYTES + slot * self._stride
         seq = self._seq[slot]
         want = 2 * k + 2
-        for attempt in range(1_000_000):
+        give_up = None
+        while True:
             total, fl, sender, crc = _SLOT_FIELDS.unpack_from(self._buf, base + 8)
             if fl <= self._slot_bytes:
                 frag = bytes(self._buf[base + _SLOT_HDR:base + _SLOT_HDR + fl])
-                ok = (seq[0] == want and zlib.crc32(
-                    frag, zlib.crc32(_CRC_FIELDS.pack(want, total, fl, sender))) == crc)
-                if ok:
+                if seq[0] == want and zlib.crc32(
+                        frag, zlib.crc32(_CRC_FIELDS.pack(want, total, fl, sender))) == crc:
                     break
-            if attempt > 1000:
-                time.sleep(_MIN_SLEEP_S)
-        else:  # pragma: no cover - would mean a broken writer
-            raise RuntimeError(f"{op}: control ring slot {slot} from {self.peer} never became consistent")
+            now = time.monotonic()
+            if give_up is None:
+                give_up = now + _CORRUPT_AFTER_S
+                if deadline is not None:
+                    give_up = min(give_up, max(deadline, now + 0.01))
+            elif now >= give_up:
+                raise ControlProtocolError(
+                    f"{op}: control ring slot {slot} from {self.peer} stayed inconsistent (length "
+                    f"{fl}, CRC mismatch) for {now - give_up + _CORRUPT_AFTER_S:.2f} s: the shared "
+                    "memory is corrupt"
+                )
+            time.sleep(_MIN_SLEEP_S)
         self._check_header(op, sender, total)
         if expect_total is not None and total != expect_total:
-            raise RuntimeError(f"{op}: control message fragments from {self.peer} disagree on the length")
+            raise ControlProtocolError(f"{op}: control message fragments from {self.peer} disagree on the length")
         return total, frag
 
     def recv(self, timeout_s: float | None = None, op: str = _OP_RECV) -> bytes:
         self._require(False, "recv")
         k = self._count
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self._wait_slot(k, timeout_s, op)
-        total, frag = self._read_slot(k, None, op)
+        total, frag = self._read_slot(k, None, op, deadline)
         self._count = k + 1
         self._hdr[_W_READ_COUNT] = self._count
+        self._last_msg = time.monotonic()
         if len(frag) == total:
             return frag
         out = bytearray(total)
@@ -750,7 +852,7 @@ class ShmControlChannel(ControlChannel):
             self._wait_slot(k, None, op)  # the rest of a started message is already on its way
             _, frag = self._read_slot(k, total, op)
             if got + len(frag) > total:
-                raise RuntimeError(f"{op}: control message fragments from {self.peer} overflow the length")
+                raise ControlProtocolError(f"{op}: control message fragments from {self.peer} overflow the length")
             out[got:got + len(frag)] = frag
             got += len(frag)
             self._count = k + 1
@@ -775,6 +877,7 @@ class ShmControlChannel(ControlChannel):
             self._bell = None
         for v in self._seq:
             v.release()
+        self._anchor = None
         self._hdr.release()
         self._buf = None  # type: ignore[assignment]
         self._unlink()
@@ -946,11 +1049,21 @@ class TcpControlChannel(ControlChannel):
         sock = self._sock
         poller = self._poller
         hb = self.options.heartbeat_timeout_s
-        next_abort = time.monotonic() + _ABORT_EVERY_S
-        spin_until = time.monotonic() + self.options.spin_s
+        now = time.monotonic()
+        next_abort = now + _ABORT_EVERY_S
+        native = _native()
+        # While the engine is active keep polling (see the module doc), then block in poll().
+        poll_until = self._last_msg + self.options.idle_s
+        if native is None:
+            poll_until = min(poll_until, now + _FALLBACK_SPIN_S)
+        spin_fd = native[1] if native is not None else None
         while len(self._rbuf) < need:
-            now = time.monotonic()
-            if now < spin_until:
+            if now < poll_until:
+                if spin_fd is not None:
+                    end = min(poll_until, next_abort)
+                    if deadline is not None:
+                        end = min(end, deadline)
+                    spin_fd(sock.fileno(), int((end - now) * 1e9))
                 wait_ms = 0
             else:
                 wait_ms = int(1000 * min(_ABORT_EVERY_S, max(0.0, self._last_seen + hb - now) + 0.001))
@@ -965,7 +1078,7 @@ class TcpControlChannel(ControlChannel):
                 if not chunk:
                     raise PeerDeadError(self.peer, op, "its connection closed without a goodbye (process exited)")
                 self._rbuf += chunk
-                self._last_seen = time.monotonic()
+                now = self._last_seen = time.monotonic()
                 continue
             now = time.monotonic()
             if now - self._last_seen > hb:
@@ -989,18 +1102,19 @@ class TcpControlChannel(ControlChannel):
             self._fill(_TCP_HDR.size, deadline, op)
             magic, typ, sender, n = _TCP_HDR.unpack_from(self._rbuf, 0)
             if magic != _TCP_MAGIC:
-                raise RuntimeError(f"{op}: corrupt control frame from {self.peer} (bad magic {magic:#x})")
+                raise ControlProtocolError(f"{op}: corrupt control frame from {self.peer} (bad magic {magic:#x})")
             self._check_header(op, sender, n)
             end = _TCP_HDR.size + n
             self._fill(end, None, op)  # the rest of a started frame is already on its way
             body = bytes(self._rbuf[_TCP_HDR.size:end])
             del self._rbuf[:end]
             if typ == _T_DATA:
+                self._last_msg = time.monotonic()
                 return body
             if typ == _T_CLOSE:
                 raise ControlChannelClosed(f"{op}: {self.peer} closed the control channel")
             if typ != _T_HEARTBEAT:
-                raise RuntimeError(f"{op}: unexpected control frame type {typ} from {self.peer}")
+                raise ControlProtocolError(f"{op}: unexpected control frame type {typ} from {self.peer}")
 
     def close(self) -> None:
         if self._closed:
@@ -1039,7 +1153,7 @@ def _normalise_role(role: Any) -> str:
     r = getattr(role, "value", role)
     r = str(r).lower()
     if r not in ("attention", "ffn"):
-        raise ValueError(f"role must be 'attention' or 'ffn', got {role!r}")
+        raise AFDConfigError(f"role must be 'attention' or 'ffn', got {role!r}")
     return r
 
 
@@ -1085,7 +1199,7 @@ def open_control_channels(
         StepAbortedError: an abort was posted meanwhile.
     """
     if kind not in CHANNEL_KINDS:
-        raise ValueError(f"control channel kind must be one of {CHANNEL_KINDS}, got {kind!r}")
+        raise AFDConfigError(f"control channel kind must be one of {CHANNEL_KINDS}, got {kind!r}")
     role = _normalise_role(role)
     opts = options or ChannelOptions.from_env()
     timeout = store.timeout_s if timeout_s is None else float(timeout_s)
@@ -1157,7 +1271,7 @@ def open_control_channels(
                            f"{store.label()} expects {k!r}; set connector_extra_config.control_channel "
                            "to the same value on every rank (or 'auto')")
                     rdzv.post_abort(store, msg)  # the FFN end stops waiting for us at once
-                    raise ValueError(msg)
+                    raise AFDConfigError(msg)
                 rdzv.wait_for_keys(store, {f"{base}/{k}": peer_rank}, deadline - time.monotonic(),
                                    f"the {k} control channel of {peer}")
                 info = store.get(f"{base}/{k}").decode("utf-8")
@@ -1181,338 +1295,208 @@ def open_control_channels(
 # ---------------------------------------------------------------------------
 
 
-class AFDControlPlane(abc.ABC):
-    """The reference's DP-metadata control plane contract."""
+class AFDControlPlane:
+    """The reference's DP-metadata control plane (``connector.control_plane``) over host channels.
 
-    @abc.abstractmethod
-    def update_state_from_dp_metadata(self, payload: Any) -> None:
-        """Apply ``payload`` locally (no network): store the step's DP metadata and flags,
-        derive the step's schedule, validate it. Attention: before every send; FFN: after
-        each receive (by the runner)."""
-
-    @abc.abstractmethod
-    def send_dp_metadata_list(self, payload: Any) -> None:
-        """Attention -> FFN, once per step. A no-op on ranks that are not control senders."""
-
-    @abc.abstractmethod
-    def recv_dp_metadata_list(self) -> Any:
-        """FFN side: block until the next step's payload arrives and return it."""
-
-    def close(self) -> None:  # noqa: B027 - optional hook
-        """Release channels (idempotent)."""
-
-
-class ChannelControlPlane(AFDControlPlane):
-    """Control plane over :class:`ControlChannel` objects (host memory only, no device sync).
+    One object per connector, built device-light at construction and kept
+    across ``close()`` / ``init_afd_connector()``: :meth:`open` opens this
+    rank's channels (collective, at init), :meth:`close` releases them (the
+    object can be opened again). No device synchronisation anywhere.
 
     Args:
-        connector_state_callback: ``callback(payload)`` applying a payload to the
-            connector (called by :meth:`update_state_from_dp_metadata`).
-        topology: the :class:`~afd_ext.topology.Topology`.
+        apply_payload: ``apply_payload(payload)`` applies a payload to the
+            connector (validates the step, builds its schedule); called by
+            :meth:`update_state_from_dp_metadata`.
+        topology: the :class:`~afd_ext.topology.Topology` (control routing).
         role: ``"attention"`` or ``"ffn"``; role_rank: this rank inside its role.
-        channels: from :func:`open_control_channels` (peer role rank -> channel).
-        store: the generation's store, to watch the step-abort signal while receiving.
-        recv_timeout_s: optional step timeout for :meth:`recv_dp_metadata_list`
+        channels: already opened channels (peer role rank -> channel, from
+            :func:`open_control_channels`); None: call :meth:`open` later.
+        store: the generation's store: its step-abort signal ends a waiting
+            receive, and this rank posts it when a payload is malformed.
+        recv_timeout_s: optional step timeout of :meth:`recv_dp_metadata_list`
             (None: wait as long as the sender's heartbeat is fresh).
-        max_payload_bytes: bound passed to the decoder.
+        max_payload_bytes: bound on an incoming payload, in bytes.
+        label: this rank's label in errors (default ``"<role> rank <role_rank>"``).
 
     Raises:
-        ValueError: channels do not match the topology's control routing.
+        AFDConfigError: unknown role, or ``channels`` do not match the topology's
+            control routing.
     """
 
     def __init__(
         self,
-        connector_state_callback: Callable[[Any], None],
+        apply_payload: Callable[[Any], None],
         topology: Any,
         role: str,
         role_rank: int,
-        channels: Mapping[int, ControlChannel],
+        channels: Mapping[int, ControlChannel] | None = None,
         *,
         store: AFDStore | None = None,
         recv_timeout_s: float | None = None,
         max_payload_bytes: int | None = None,
+        label: str | None = None,
     ):
-        self._callback = connector_state_callback
-        self.topology = topology
-        self.role = _normalise_role(role)
-        self.role_rank = role_rank
-        self.channels = dict(channels)
-        self.store = store
-        self.recv_timeout_s = recv_timeout_s
         from afd_ext import metadata as md
 
         self._md = md
+        self._apply = apply_payload
+        self.topology = topology
+        self.role = _normalise_role(role)
+        self.role_rank = role_rank
+        self.label = label or f"{self.role} rank {role_rank}"
+        self.recv_timeout_s = recv_timeout_s
         self.max_payload_bytes = max_payload_bytes or md.DEFAULT_MAX_CONTROL_BYTES
         if self.role == "attention":
-            self.destinations = tuple(topology.control_destinations(role_rank))
-            self.source = None
-            expected = set(self.destinations)
+            self.destinations: tuple[int, ...] = tuple(topology.control_destinations(role_rank))
+            self.source: int | None = None
         else:
             self.destinations = ()
             self.source = topology.control_source(role_rank)
-            expected = {self.source}
-        if set(self.channels) != expected:
-            raise ValueError(
-                f"{self.role} rank {role_rank}: control channels to {sorted(self.channels)} do not match "
-                f"the topology's control routing {sorted(expected)}; build them with open_control_channels"
+        self.channels: dict[int, ControlChannel] = {}
+        self.store: AFDStore | None = None
+        self._open = False
+        if channels is not None:
+            self.attach(channels, store=store)
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    def open(self, store: AFDStore, kind: str = "auto", timeout_s: float | None = None, *,
+             options: ChannelOptions | None = None) -> None:
+        """Open this rank's control channels (collective over the control senders and FFN ranks).
+
+        Args:
+            store: this generation's store.
+            kind: ``"auto"``, ``"shm"`` or ``"tcp"`` (see :func:`open_control_channels`).
+            timeout_s: setup deadline in seconds (None: the store's default).
+            options: channel tuning (default :meth:`ChannelOptions.from_env`).
+
+        Raises:
+            AFDStateError: already open.
+            Whatever :func:`open_control_channels` raises (nothing is left open then).
+        """
+        if self._open:
+            raise AFDStateError(f"the control plane of {self.label} is already open; close() it first")
+        self.attach(open_control_channels(store, self.topology, self.role, self.role_rank, kind, timeout_s,
+                                          options=options), store=store)
+
+    def attach(self, channels: Mapping[int, ControlChannel], *, store: AFDStore | None = None) -> None:
+        """Use already opened ``channels`` (peer role rank -> channel) and ``store``.
+
+        Raises:
+            AFDConfigError: the channels do not match the topology's control routing.
+        """
+        expected = set(self.destinations) if self.role == "attention" else {self.source}
+        if set(channels) != expected:
+            raise AFDConfigError(
+                f"{self.label}: control channels to {sorted(channels)} do not match the topology's "
+                f"control routing {sorted(expected)}; build them with open_control_channels"
             )
+        self.channels = dict(channels)
+        self.store = store
+        self._open = True
+
+    @property
+    def is_open(self) -> bool:
+        """Whether the channels are open (between :meth:`open` and :meth:`close`)."""
+        return self._open
 
     @property
     def is_sender(self) -> bool:
         """Whether this rank sends control payloads (attention rank ``< min(A, F)``)."""
         return bool(self.destinations)
 
-    def update_state_from_dp_metadata(self, payload: Any) -> None:
-        """Apply ``payload`` to the connector through the callback (no network).
-
-        Raises:
-            whatever the callback raises for an invalid step (e.g. ``ValueError``).
-        """
-        self._callback(payload)
-
-    def send_dp_metadata_list(self, payload: Any) -> None:
-        """Encode ``payload`` and send it to every control destination (no-op elsewhere).
-
-        Args:
-            payload: an :class:`~afd_ext.metadata.AFDControlPayload`.
-
-        Raises:
-            ValueError: not a control payload, or larger than the channel's limit.
-            PeerDeadError: a destination FFN rank is gone.
-        """
-        if not self.destinations:
-            return
-        data = self._md.encode_control_payload(payload)
-        for f in self.destinations:
-            self.channels[f].send(data)
-
-    def recv_dp_metadata_list(self) -> Any:
-        """Block until the next step's payload arrives; return it decoded.
-
-        Returns:
-            The :class:`~afd_ext.metadata.AFDControlPayload` (counts as CPU int32 tensors).
-
-        Raises:
-            RuntimeError: called on an attention rank.
-            PeerDeadError: the source attention rank died (its heartbeat stopped).
-            ControlChannelClosed: the source closed its channel (clean shutdown).
-            ControlRecvTimeout: ``recv_timeout_s`` passed.
-            StepAbortedError: some rank posted the step-abort signal.
-            ValueError: the payload is malformed (names the source).
-        """
-        if self.role != "ffn":
-            raise RuntimeError("recv_dp_metadata_list is called on FFN ranks only")
-        ch = self.channels[self.source]
-        data = ch.recv(self.recv_timeout_s, op=_OP_RECV)
-        try:
-            return self._md.decode_control_payload(data, max_bytes=self.max_payload_bytes)
-        except ValueError as e:
-            raise ValueError(f"{_OP_RECV}: malformed control payload from {ch.peer}: {e}") from None
-
     def close(self) -> None:
-        """Close every channel (idempotent; the sender's close tells its FFN ranks)."""
-        for ch in self.channels.values():
+        """Close every channel (idempotent; a sender's close tells its FFN ranks). :meth:`open` may follow."""
+        channels, self.channels = self.channels, {}
+        self._open = False
+        self.store = None
+        for ch in channels.values():
             try:
                 ch.close()
             except Exception as e:  # noqa: BLE001 - close must not raise
                 logger.warning("closing control channel to %s: %s", ch.peer, e)
 
+    def _require_open(self, op: str) -> None:
+        if not self._open:
+            raise AFDStateError(
+                f"AFD connector ({self.label}) is not initialized; call init_afd_connector() before {op}"
+            )
 
-# ---------------------------------------------------------------------------
-# Measurement
-# ---------------------------------------------------------------------------
+    # -- the reference's three calls ------------------------------------------------
 
+    def update_state_from_dp_metadata(self, payload: Any) -> None:
+        """Apply ``payload`` locally (no network): validate the step, build its schedule.
 
-def _pause(gap_s: float, spin: bool) -> None:
-    """Wait ``gap_s`` between measured sends: spin like a busy attention rank, or sleep."""
-    if not spin:
-        time.sleep(gap_s)
-        return
-    end = time.perf_counter() + gap_s
-    while time.perf_counter() < end:
-        pass
+        Attention ranks call it before :meth:`send_dp_metadata_list` every step;
+        FFN ranks after :meth:`recv_dp_metadata_list`.
 
+        Raises:
+            Whatever ``apply_payload`` raises for an invalid step or a wrong state.
+        """
+        self._apply(payload)
 
-def _measure_worker(rank: int, nprocs: int, host: str, port: int, kind: str, iterations: int,
-                    warmup: int, gap_s: float, num_attention_ranks: int, stages: int, raw: bool,
-                    spin_s: float, distinct: bool = False, sender_spins: bool = False) -> dict:
-    import torch
+    def send_dp_metadata_list(self, payload: Any) -> None:
+        """Send ``payload`` to this attention rank's control destinations (a no-op on non-senders).
 
-    from afd_ext.metadata import AFDControlPayload, AFDDPMetadata
-    from afd_ext.topology import Topology
+        Args:
+            payload: an :class:`~afd_ext.metadata.AFDControlPayload`.
 
-    topo = Topology(1, 1)
-    role = "ffn" if rank == 0 else "attention"
-    store = rdzv.connect(host, port, rank, 2, 60.0, num_ffn_ranks=1)
-    channels = open_control_channels(store, topo, role, 0, kind, 60.0,
-                                     options=ChannelOptions(spin_s=spin_s))
-    cp = ChannelControlPlane(lambda p: None, topo, role, 0, channels, store=store)
-    used = next(iter(channels.values())).kind
-    rdzv.barrier(store, rank, 2, "measure-start", 60.0)
-    total = warmup + iterations
-    stamps: list[int] = []
-    try:
-        if role == "attention":
-            from afd_ext.metadata import encode_control_payload
+        Raises:
+            AFDStateError: not open (connector not initialised).
+            ValueError: not a valid control payload; AFDConfigError: larger than the channel's limit.
+            PeerDeadError: a destination FFN rank is gone.
+        """
+        if not self._open:
+            self._require_open("send_dp_metadata_list")
+        if not self.destinations:
+            return
+        data = self._md.encode_control_binary(payload)
+        for f in self.destinations:
+            self.channels[f].send(data)
 
-            counts = [(7 * i + 3) % 64 for i in range(num_attention_ranks)]
-            payload = AFDControlPayload(
-                dp_metadata_list={s: AFDDPMetadata(torch.tensor(counts, dtype=torch.int32))
-                                  for s in range(stages)})
-            data = encode_control_payload(payload)
-            ch = channels[0]
-            for i in range(total):
-                if distinct:  # a new payload per step, as a serving loop builds it (before the call)
-                    payload = AFDControlPayload(dp_metadata_list={
-                        s: AFDDPMetadata([i + s] + counts[1:]) for s in range(stages)})
-                    if raw:
-                        data = encode_control_payload(payload)
-                t0 = time.perf_counter_ns()
-                if raw:
-                    ch.send(data)
-                else:
-                    cp.send_dp_metadata_list(payload)
-                stamps.append(t0)
-                _pause(gap_s, sender_spins)
-            rdzv.barrier(store, rank, 2, "measure-end", 60.0)
-        else:
-            ch = channels[0]
-            for i in range(total):
-                if raw:
-                    ch.recv(30.0)
-                else:
-                    p = cp.recv_dp_metadata_list()
-                stamps.append(time.perf_counter_ns())
-                if distinct and not raw and p.dp_metadata_list[0].counts[0] != i:
-                    raise RuntimeError(f"measurement: step {i} received the counts of step "
-                                       f"{p.dp_metadata_list[0].counts[0]}")
-            rdzv.barrier(store, rank, 2, "measure-end", 60.0)
-    finally:
-        cp.close()
-    return {"kind": used, "stamps": stamps[warmup:]}
+    def recv_dp_metadata_list(self) -> Any:
+        """FFN side: block until the next step's payload arrives; return it decoded.
+
+        Returns:
+            A new :class:`~afd_ext.metadata.AFDControlPayload` (the counts are CPU
+            int32 tensors on access, as the reference's runners read them).
+
+        Raises:
+            AFDStateError: called on an attention rank, or not open.
+            PeerDeadError: the source attention rank died (its heartbeat stopped).
+            ControlChannelClosed: the source closed its channel (clean shutdown).
+            ControlRecvTimeout: ``recv_timeout_s`` passed.
+            StepAbortedError: some rank posted the step-abort signal.
+            ControlProtocolError: a malformed payload or frame (names the source);
+                the step-abort signal is posted first, so every rank stops at once.
+        """
+        if self.role != "ffn":
+            raise AFDStateError(f"recv_dp_metadata_list is called on FFN ranks only; this is {self.label}")
+        if not self._open:
+            self._require_open(_OP_RECV)
+        ch = self.channels[self.source]  # type: ignore[index]
+        try:
+            data = ch.recv(self.recv_timeout_s, op=_OP_RECV)
+            try:
+                if len(data) > self.max_payload_bytes:
+                    raise ValueError(f"{len(data)} bytes exceed max_payload_bytes={self.max_payload_bytes}")
+                return self._md.decode_control_binary(data)
+            except ValueError as e:
+                raise ControlProtocolError(f"{_OP_RECV}: malformed control payload from {ch.peer}: {e}") from None
+        except ControlProtocolError as e:
+            if self.store is not None:
+                rdzv.post_abort(self.store, str(e))
+            raise
 
 
-def measure_control_plane(
-    kind: str = "auto",
-    iterations: int = 2000,
-    *,
-    warmup: int = 200,
-    gap_us: float = 200.0,
-    num_attention_ranks: int = 8,
-    stages: int = 2,
-    raw: bool = False,
-    spin_s: float = DEFAULT_SPIN_S,
-    timeout_s: float = 120.0,
-    distinct: bool = False,
-    sender_wait: str = "auto",
-) -> dict[str, Any]:
-    """Measure the control plane end to end in two processes on this host.
-
-    An attention process calls ``send_dp_metadata_list`` every ``gap_us``; an
-    FFN process loops on ``recv_dp_metadata_list``. Latency of message ``i`` is
-    the FFN return time minus the attention call start, both
-    ``time.perf_counter_ns`` (CLOCK_MONOTONIC, shared by processes on one host).
-
-    Args:
-        kind: ``"shm"``, ``"tcp"`` or ``"auto"``.
-        iterations: measured messages (after ``warmup``).
-        warmup: discarded first messages.
-        gap_us: pause between sends in µs (keep it above the latency so nothing queues).
-        num_attention_ranks: length of the count vector in the payload (payload size).
-        stages: stages in the payload.
-        raw: measure the channel alone (pre-encoded bytes, no decode) instead of the
-            control-plane calls.
-        spin_s: receiver busy-poll window (a gap longer than it measures the sleeping path).
-        timeout_s: deadline for the whole measurement.
-        distinct: send a new payload (new counts) every step, built before the timed
-            call, so no encode/decode cache can hit; False repeats one payload (a
-            steady decode batch).
-        sender_wait: how the attention process spends ``gap_us``: ``"spin"`` (busy,
-            as an attention rank computing its layers is: its core stays awake),
-            ``"sleep"`` (its core may drop into a C-state and wake slowly, which the
-            next send then pays), or ``"auto"``: spin when the host has at least 4
-            CPUs, sleep otherwise (on 2 cores a spinning sender starves the receiver
-            it is measuring).
-
-    Returns:
-        ``{"kind", "n", "p50_us", "p90_us", "p99_us", "mean_us", "min_us", "max_us",
-        "payload_bytes", "sender_wait"}``.
-
-    Raises:
-        ValueError: ``iterations < 1`` or an unknown ``sender_wait``.
-    """
-    from afd_ext.testing import find_free_port, run_workers
-
-    if iterations < 1:
-        raise ValueError(f"iterations must be >= 1, got {iterations}")
-    if sender_wait not in ("auto", "spin", "sleep"):
-        raise ValueError(f"sender_wait must be 'auto', 'spin' or 'sleep', got {sender_wait!r}")
-    if sender_wait == "auto":
-        sender_wait = "spin" if (os.cpu_count() or 1) >= 4 else "sleep"
-    host = "127.0.0.1"
-    port = find_free_port(host)
-    res = run_workers(_measure_worker, 2, (host, port, kind, iterations, warmup, gap_us * 1e-6,
-                                           num_attention_ranks, stages, raw, spin_s, distinct,
-                                           sender_wait == "spin"),
-                      timeout_s=timeout_s)
-    recv_ns, send_ns = res[0]["stamps"], res[1]["stamps"]
-    lat = sorted((r - s) / 1000.0 for r, s in zip(recv_ns, send_ns))
-
-    def pct(p: float) -> float:
-        return lat[min(len(lat) - 1, max(0, math.ceil(p / 100.0 * len(lat)) - 1))]
-
-    import torch
-
-    from afd_ext.metadata import AFDControlPayload, AFDDPMetadata, encode_control_payload
-
-    size = len(encode_control_payload(AFDControlPayload(dp_metadata_list={
-        s: AFDDPMetadata(torch.tensor([(7 * i + 3) % 64 for i in range(num_attention_ranks)],
-                                      dtype=torch.int32)) for s in range(stages)})))
-    return {
-        "kind": res[0]["kind"], "raw": raw, "distinct": distinct, "n": len(lat),
-        "p50_us": pct(50), "p90_us": pct(90), "p99_us": pct(99),
-        "mean_us": sum(lat) / len(lat), "min_us": lat[0], "max_us": lat[-1],
-        "payload_bytes": size, "sender_wait": sender_wait,
-    }
+#: The name of the channel-based implementation before it became the one class.
+ChannelControlPlane = AFDControlPlane
 
 
-def _main(argv: list[str] | None = None) -> int:
-    """``python -m afd_ext.control_plane``: print :func:`measure_control_plane` results as JSON lines."""
-    import argparse
+def __getattr__(name: str) -> Any:
+    # The measurement moved to the bench (afd_ext.bench.control); the old name still resolves.
+    if name == "measure_control_plane":
+        from afd_ext.bench.control import measure_control_plane
 
-    p = argparse.ArgumentParser(prog="python -m afd_ext.control_plane",
-                                description="Measure the AFD control plane end to end on this host.")
-    p.add_argument("--kinds", default="shm,tcp", help="comma-separated channel kinds (default shm,tcp)")
-    p.add_argument("--iterations", type=int, default=3000)
-    p.add_argument("--gaps-us", default="200,5000",
-                   help="pauses between sends, µs: below the spin window measures the spinning receiver, "
-                        "above it the blocked one (default 200,5000)")
-    p.add_argument("--num-attention-ranks", type=int, default=8, help="count-vector length (payload size)")
-    p.add_argument("--stages", type=int, default=2)
-    p.add_argument("--payloads", default="same,distinct",
-                   help="'same' repeats one payload (steady batch), 'distinct' sends new counts every step "
-                        "(no cache hit); comma-separated (default both)")
-    p.add_argument("--no-raw", action="store_true", help="skip the channel-only measurement")
-    p.add_argument("--sender-wait", choices=("auto", "spin", "sleep"), default="auto",
-                   help="how the attention process waits between sends: spin (a busy attention rank), "
-                        "sleep, or auto (spin with >= 4 CPUs)")
-    args = p.parse_args(argv)
-    for kind in args.kinds.split(","):
-        for gap in (float(g) for g in args.gaps_us.split(",")):
-            for which in args.payloads.split(","):
-                if which not in ("same", "distinct"):
-                    p.error(f"--payloads: expected same and/or distinct, got {which!r}")
-                for raw in (False,) if args.no_raw else (True, False):
-                    it = args.iterations if gap <= 1000 else max(50, args.iterations // 10)
-                    r = measure_control_plane(kind, it, warmup=min(200, it // 5), gap_us=gap, raw=raw,
-                                              num_attention_ranks=args.num_attention_ranks, stages=args.stages,
-                                              distinct=which == "distinct", sender_wait=args.sender_wait)
-                    r["gap_us"] = gap
-                    r["what"] = "channel only" if raw else "send_dp_metadata_list -> recv_dp_metadata_list"
-                    print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()}),
-                          flush=True)
-    return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(_main())
+        return measure_control_plane
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
