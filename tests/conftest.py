@@ -8,7 +8,13 @@ skipped GPU test is never mistaken for a passed one. Run the tier on the
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# Many ranks share 2 cores in CI: a waiting FFN rank polls for 2 ms after a payload, then
+# blocks (serving default: 10 s of polling, one core per FFN rank). Spawned workers inherit it.
+os.environ.setdefault("AFD_CONTROL_IDLE_S", "0.002")
 
 
 def pytest_configure(config):
