@@ -257,35 +257,49 @@ def _proc_start_time(pid: int) -> int | None:
         return None
 
 
-_native_fns: tuple[Any, Any] | None | bool = False  # False: not looked up yet
+class _Native:
+    """The compiled core's control-plane functions (``csrc/cpu/control_poll.cpp``).
 
-
-def _native() -> tuple[Any, Any] | None:
-    """``(spin_u64, spin_fd)`` from the compiled core (see ``csrc/cpu/control_poll.cpp``), or None.
-
-    Called through ``ctypes.CDLL``, which releases the GIL for the call.
+    Called through ``ctypes.CDLL``, which releases the GIL for each call.
     """
-    global _native_fns
-    if _native_fns is False:
+
+    def __init__(self, lib: Any):
+        c = ctypes
+        self.spin_u64 = lib.afd_ctrl_spin_u64
+        self.spin_u64.argtypes = [c.c_void_p, c.c_uint64, c.c_int64]
+        self.spin_u64.restype = c.c_int
+        self.spin_fd = lib.afd_ctrl_spin_fd
+        self.spin_fd.argtypes = [c.c_int, c.c_int64]
+        self.spin_fd.restype = c.c_int
+        self.shm_publish = lib.afd_ctrl_shm_publish
+        self.shm_publish.argtypes = [c.c_void_p, c.c_void_p, c.c_uint64, c.c_uint64, c.c_char_p, c.c_uint32,
+                                     c.c_uint32]
+        self.shm_publish.restype = c.c_int
+        self.shm_take = lib.afd_ctrl_shm_take
+        self.shm_take.argtypes = [c.c_void_p, c.c_void_p, c.c_uint64, c.c_uint64, c.c_void_p, c.c_uint64,
+                                  c.c_int64, c.c_void_p]
+        self.shm_take.restype = c.c_int64
+
+
+_native_lib: _Native | None | bool = False  # False: not looked up yet
+
+
+def _native() -> _Native | None:
+    """The native control-plane functions, or None (a stale build without them)."""
+    global _native_lib
+    if _native_lib is False:
         try:
             import torch  # noqa: F401 - loads the libraries the compiled core links against
 
             from afd_ext import _C
 
-            lib = ctypes.CDLL(_C.__file__)
-            spin_u64, spin_fd = lib.afd_ctrl_spin_u64, lib.afd_ctrl_spin_fd
+            _native_lib = _Native(ctypes.CDLL(_C.__file__))
         except (ImportError, OSError, AttributeError) as e:
             logger.warning("afd_ext control plane: no native poll in the compiled core (%s); a waiting "
                            "FFN rank blocks after %.0f ms and wakes slower (rebuild afd_ext)",
                            e, _FALLBACK_SPIN_S * 1e3)
-            _native_fns = None
-        else:
-            spin_u64.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int64]
-            spin_u64.restype = ctypes.c_int
-            spin_fd.argtypes = [ctypes.c_int, ctypes.c_int64]
-            spin_fd.restype = ctypes.c_int
-            _native_fns = (spin_u64, spin_fd)
-    return _native_fns  # type: ignore[return-value]
+            _native_lib = None
+    return _native_lib  # type: ignore[return-value]
 
 
 class ControlChannel(abc.ABC):
@@ -524,10 +538,16 @@ class ShmControlChannel(ControlChannel):
         self._stride = _slot_stride(self._slot_bytes)
         self._seq = [buf[_HDR_BYTES + i * self._stride:_HDR_BYTES + i * self._stride + 8].cast("Q")
                      for i in range(self._nslots)]
-        # Addresses of the slots' seq words, for the native poll (the anchor pins the mapping).
+        # Addresses for the native path (the anchors pin the mapping and the output buffer).
+        self._native = _native()
         self._anchor: Any = ctypes.c_char.from_buffer(buf)
-        base = ctypes.addressof(self._anchor)
-        self._seq_addr = [base + _HDR_BYTES + i * self._stride for i in range(self._nslots)]
+        self._base = ctypes.addressof(self._anchor)
+        self._slot_addr = [self._base + _HDR_BYTES + i * self._stride for i in range(self._nslots)]
+        self._out = bytearray(self._slot_bytes)
+        self._out_anchor: Any = (ctypes.c_char * self._slot_bytes).from_buffer(self._out)
+        self._out_addr = ctypes.addressof(self._out_anchor)
+        self._sender_out = ctypes.c_uint32()
+        self._sender_addr = ctypes.addressof(self._sender_out)
         self._count = 0  # slots sent (sender) / consumed (receiver)
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
@@ -673,6 +693,18 @@ class ShmControlChannel(ControlChannel):
         n = len(data)
         self._check_len(n)
         sb = self._slot_bytes
+        nat = self._native
+        if nat is not None and n <= sb and type(data) is bytes:
+            k = self._count
+            slot = self._slot_addr[k % self._nslots]
+            r = nat.shm_publish(self._base, slot, k, self._nslots, data, n, self.local_rank)
+            if r < 0:  # ring full
+                self._wait_space(k)
+                r = nat.shm_publish(self._base, slot, k, self._nslots, data, n, self.local_rank)
+            self._count = k + 1
+            if r:
+                self._ring()
+            return
         nfrag = max(1, -(-n // sb))
         mv = memoryview(data)
         hdr = self._hdr
@@ -722,23 +754,28 @@ class ShmControlChannel(ControlChannel):
             time.sleep(sleep)
             sleep = min(2 * sleep, _MAX_SLEEP_S)
 
-    def _wait_slot(self, k: int, timeout_s: float | None, op: str) -> None:
+    def _take(self, k: int, max_ns: int) -> int:
+        """Native: wait up to ``max_ns`` for message ``k`` and take a whole single-slot message into
+        ``self._out``. Returns its length, -1 (not published yet) or -2 (read it in Python)."""
+        return self._native.shm_take(self._base, self._slot_addr[k % self._nslots], k, self._slot_bytes,
+                                     self._out_addr, self._slot_bytes, max_ns, self._sender_addr)
+
+    def _wait_slot(self, k: int, timeout_s: float | None, op: str) -> int:
+        """Wait for message ``k``; returns its length if the native path took it, else -1 (published)."""
         slot = k % self._nslots
         seq = self._seq[slot]
         want = 2 * k + 2
+        native = self._native
         if seq[0] == want:
-            return
+            return -1 if native is None else self._take(k, 0)
         now = time.monotonic()
         deadline = None if timeout_s is None else now + timeout_s
         next_live = now + _LIVENESS_EVERY_S
         next_abort = now + _ABORT_EVERY_S
-        native = _native()
         # While the engine is active keep polling (see the module doc), then block.
         poll_until = self._last_msg + self.options.idle_s
         if native is None:
             poll_until = min(poll_until, now + _FALLBACK_SPIN_S)
-        spin_u64 = native[0] if native is not None else None
-        addr = self._seq_addr[slot]
         sleep = _MIN_SLEEP_S
         hb_timeout_ns = int(self.options.heartbeat_timeout_s * 1e9)
         bell = self._bell
@@ -750,9 +787,10 @@ class ShmControlChannel(ControlChannel):
                     end = min(poll_until, next_live, next_abort)
                     if deadline is not None:
                         end = min(end, deadline)
-                    if spin_u64 is not None:
-                        if spin_u64(addr, want, int((end - now) * 1e9)):
-                            return
+                    if native is not None:
+                        n = self._take(k, int((end - now) * 1e9))
+                        if n != -1:
+                            return n
                     else:
                         while seq[0] != want and time.monotonic() < end:
                             pass
@@ -763,7 +801,7 @@ class ShmControlChannel(ControlChannel):
                     if bell is not None:
                         _drain(bell)  # a syscall: orders the waiting flag before the seq load
                     if seq[0] == want:
-                        return
+                        return -1 if native is None else self._take(k, 0)
                     if bell is not None:
                         wait = min(next_live, next_abort) - now
                         if deadline is not None:
@@ -773,7 +811,7 @@ class ShmControlChannel(ControlChannel):
                         time.sleep(sleep)
                         sleep = min(2 * sleep, _MAX_SLEEP_S)
                 if seq[0] == want:
-                    return
+                    return -1 if native is None else self._take(k, 0)
                 now = time.monotonic()
                 if now >= next_live:
                     next_live = now + _LIVENESS_EVERY_S
@@ -837,7 +875,12 @@ class ShmControlChannel(ControlChannel):
         self._require(False, "recv")
         k = self._count
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        self._wait_slot(k, timeout_s, op)
+        n = self._wait_slot(k, timeout_s, op)
+        if n >= 0:  # taken by the native path (read_count already advanced)
+            self._count = k + 1
+            self._last_msg = time.monotonic()
+            self._check_header(op, self._sender_out.value, n)
+            return bytes(self._out[:n])
         total, frag = self._read_slot(k, None, op, deadline)
         self._count = k + 1
         self._hdr[_W_READ_COUNT] = self._count
@@ -877,7 +920,7 @@ class ShmControlChannel(ControlChannel):
             self._bell = None
         for v in self._seq:
             v.release()
-        self._anchor = None
+        self._anchor = self._out_anchor = None
         self._hdr.release()
         self._buf = None  # type: ignore[assignment]
         self._unlink()
@@ -1056,7 +1099,7 @@ class TcpControlChannel(ControlChannel):
         poll_until = self._last_msg + self.options.idle_s
         if native is None:
             poll_until = min(poll_until, now + _FALLBACK_SPIN_S)
-        spin_fd = native[1] if native is not None else None
+        spin_fd = native.spin_fd if native is not None else None
         while len(self._rbuf) < need:
             if now < poll_until:
                 if spin_fd is not None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 
-class AFDError(Exception):
+class AFDError(RuntimeError):
     """Root of every error ``afd_ext`` raises on purpose.
 
     Attributes (``None`` where not known):

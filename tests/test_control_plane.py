@@ -443,7 +443,7 @@ def test_frame_from_unexpected_sender_is_rejected():
     try:
         rx.wait_attached(time.monotonic() + 5)
         tx.send(b"hello")
-        with pytest.raises(RuntimeError, match="from world rank 1, expected attention rank 1"):
+        with pytest.raises(cp.ControlProtocolError, match="from world rank 1, expected attention rank 1"):
             rx.recv(1.0)
     finally:
         tx.close()
@@ -492,10 +492,166 @@ def test_control_plane_rejects_channels_that_do_not_match_the_topology():
         plane.recv_dp_metadata_list()
 
 
+def test_one_control_plane_class_opens_closes_and_reopens():
+    applied = []
+    plane = cp.AFDControlPlane(applied.append, Topology(1, 1), "ffn", 0, label="FFN rank 0 (world rank 0)")
+    assert cp.ChannelControlPlane is cp.AFDControlPlane and not plane.is_open
+    with pytest.raises(cp.AFDStateError, match=r"FFN rank 0 \(world rank 0\)\) is not initialized"):
+        plane.recv_dp_metadata_list()
+    plane.update_state_from_dp_metadata("p")  # local: no channel needed
+    assert applied == ["p"]
+    for step in range(2):  # close() then a new attach, as close() / init_afd_connector() do
+        rx, tx = _ring()
+        sender = cp.AFDControlPlane(lambda p: None, Topology(1, 1), "attention", 0, {0: tx})
+        plane.attach({0: rx})
+        assert plane.is_open
+        sender.send_dp_metadata_list(_payload(step, 3))
+        got = plane.recv_dp_metadata_list()
+        assert got == _payload(step, 3) and isinstance(got.dp_metadata_list[0], AFDDPMetadata)
+        assert got.dp_metadata_list[1].num_tokens_across_dp_cpu.dtype == torch.int32
+        sender.close()
+        plane.close()
+        assert not plane.is_open and not sender.is_open
+    with pytest.raises(cp.AFDStateError, match="not initialized"):
+        sender.send_dp_metadata_list(_payload(0, 3))
+
+
+# ---------------------------------------------------------------------------
+# Waiting: native poll while active (GIL released), blocking once idle
+# ---------------------------------------------------------------------------
+
+
+def _recv_in_thread(rx, out):
+    t = threading.Thread(target=lambda: out.append(rx.recv(30.0)))
+    t.start()
+    return t
+
+
+def test_active_receiver_polls_without_the_gil_then_blocks_once_idle():
+    import sys
+
+    assert cp._native() is not None, "the compiled core lacks the native poll (rebuild afd_ext)"
+    rx, tx = _ring(idle_s=0.5, heartbeat_timeout_s=60.0)
+    old = sys.getswitchinterval()
+    out: list[bytes] = []
+    try:
+        tx.send(b"first")
+        assert rx.recv(1.0) == b"first"  # the engine is active from here
+        sys.setswitchinterval(2.0)  # a GIL-holding poll would keep this thread out for 2 s
+        t = _recv_in_thread(rx, out)
+        time.sleep(0.05)
+        t0 = time.monotonic()
+        for _ in range(5):
+            time.sleep(0.01)  # each return needs the GIL back
+        assert time.monotonic() - t0 < 0.5
+        assert rx._hdr[cp._W_WAITING] == 0  # polling, not blocked
+        deadline = time.monotonic() + 5
+        while not rx._hdr[cp._W_WAITING] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert rx._hdr[cp._W_WAITING] == 1  # idle for idle_s: blocked on the doorbell
+        tx.send(b"second")
+        t.join(5)
+        assert out == [b"second"]
+    finally:
+        sys.setswitchinterval(old)
+        tx.close()
+        rx.close()
+
+
+def test_idle_threshold_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("AFD_CONTROL_IDLE_S", "2.5")
+    assert cp.ChannelOptions.from_env().idle_s == 2.5
+    assert cp.ChannelOptions.from_env(idle_s=0.0).idle_s == 0.0
+    monkeypatch.setenv("AFD_CONTROL_IDLE_S", "-1")
+    with pytest.raises(ValueError, match="AFD_CONTROL_IDLE_S"):
+        cp.ChannelOptions.from_env()
+    with pytest.raises(ValueError, match="idle_s"):
+        cp.ChannelOptions(idle_s=-0.1)
+
+
+# ---------------------------------------------------------------------------
+# Faults: a corrupt ring, a malformed payload
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("timeout_s", [None, 0.3])
+def test_corrupt_slot_is_a_named_error_within_its_bound(timeout_s):
+    rx, tx = _ring(slot_bytes=64, nslots=4)
+    try:
+        base = cp._HDR_BYTES
+        cp._SLOT_FIELDS.pack_into(tx._buf, base + 8, 10, 10, 1, 12345)  # CRC that never matches
+        tx._seq[0][0] = 2  # published
+        t0 = time.monotonic()
+        with pytest.raises(cp.ControlProtocolError, match="slot 0 from FFN|slot 0 from attention") as e:
+            rx.recv(timeout_s)
+        elapsed = time.monotonic() - t0
+        assert "corrupt" in str(e.value)
+        bound = cp._CORRUPT_AFTER_S if timeout_s is None else timeout_s
+        assert bound * 0.9 <= elapsed < bound + 1.0
+    finally:
+        tx.close()
+        rx.close()
+
+
+def _malformed_worker(rank, nprocs, port, kind):
+    topo = Topology(1, 1)
+    role = "ffn" if rank == 0 else "attention"
+    store = rdzv.connect(HOST, port, rank, 2, 30.0, num_ffn_ranks=1)
+    plane = cp.AFDControlPlane(lambda p: None, topo, role, 0)
+    plane.open(store, kind, 30.0, options=cp.ChannelOptions(**FAST))
+    t0 = time.monotonic()
+    try:
+        if role == "attention":
+            plane.channels[0].send(b"AFDb\x01\x00\x01\x00garbage")  # a truncated stage header
+            while time.monotonic() - t0 < 10:  # as an attention rank waiting on its first exchange
+                rdzv.raise_if_aborted(store, op="recv_ffn_output")
+                time.sleep(0.01)
+            return {"error": None, "elapsed": time.monotonic() - t0}
+        plane.recv_dp_metadata_list()
+        return {"error": None}
+    except Exception as e:  # noqa: BLE001 - classified by the test
+        return {"error": type(e).__name__, "msg": str(e), "elapsed": time.monotonic() - t0}
+    finally:
+        plane.close()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("kind", ["shm", "tcp"])
+def test_malformed_payload_aborts_the_step_on_every_rank(kind):
+    ffn, attn = run_workers(_malformed_worker, 2, (find_free_port(HOST), kind), timeout_s=60)
+    assert ffn["error"] == "ControlProtocolError", ffn
+    assert "malformed control payload from attention rank 0 (world rank 1)" in ffn["msg"]
+    assert attn["error"] == "StepAbortedError", attn
+    assert "malformed control payload" in attn["msg"] and attn["elapsed"] < 2.0
+
+
+# ---------------------------------------------------------------------------
+# The measurement (afd_ext.bench.control)
+# ---------------------------------------------------------------------------
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("distinct", [False, True])
 def test_measure_control_plane_reports_percentiles(distinct):
-    r = cp.measure_control_plane("shm", 200, warmup=20, distinct=distinct)
+    from afd_ext.bench.control import measure_control_plane
+
+    assert cp.measure_control_plane is measure_control_plane  # the old name still resolves
+    r = measure_control_plane("shm", 200, warmup=20, distinct=distinct)
     assert r["kind"] == "shm" and r["n"] == 200 and r["distinct"] is distinct
     assert 0 < r["min_us"] <= r["p50_us"] <= r["p90_us"] <= r["p99_us"] <= r["max_us"]
-    assert r["payload_bytes"] > 0
+    assert r["payload_bytes"] == 8 + 2 * (12 + 4 * 8)  # binary: 2 stages of 8 counts
+
+
+@pytest.mark.timeout(180)
+def test_control_table_has_each_gap_channel_and_the_reference():
+    from afd_ext.bench.control import control_table, format_control_table
+
+    rows = control_table((1.0,), ("shm",), seconds_per_cell=0.2)
+    assert [r["gap_ms"] for r in rows] == [1.0]
+    shm, ref = rows[0]["shm"], rows[0]["reference"]
+    assert shm["kind"] == "shm" and ref["kind"] == "gloo" and shm["n"] == ref["n"] == 200
+    assert 0 < shm["p50_us"] <= shm["p99_us"] and 0 < ref["p50_us"] <= ref["p99_us"]
+    text = format_control_table(rows, ("shm",))
+    assert "| 1 ms |" in text and "reference pattern" in text
+    assert f"{shm['p50_us']:.1f} / {shm['p99_us']:.1f}" in text
