@@ -13,6 +13,8 @@ import torch
 
 from afd_ext import control_plane as cp
 from afd_ext import rendezvous as rdzv
+from afd_ext.control import shm as cshm
+from afd_ext.errors import AFDStateError
 from afd_ext.metadata import AFDControlPayload, AFDDPMetadata
 from afd_ext.testing import find_free_port, run_workers
 from afd_ext.topology import Topology
@@ -373,8 +375,8 @@ def test_ring_wraps_and_flow_control_blocks_only_when_full():
 
 def test_blocked_receiver_is_woken_by_the_doorbell(monkeypatch):
     # Long liveness/abort slices: only the doorbell can end the blocking wait early.
-    monkeypatch.setattr(cp, "_LIVENESS_EVERY_S", 20.0)
-    monkeypatch.setattr(cp, "_ABORT_EVERY_S", 20.0)
+    monkeypatch.setattr(cshm, "_LIVENESS_EVERY_S", 20.0)
+    monkeypatch.setattr(cshm, "_ABORT_EVERY_S", 20.0)
     rx, tx = _ring(idle_s=0.0, heartbeat_timeout_s=60.0)
     out: list[tuple[bytes, float]] = []
     try:
@@ -385,16 +387,16 @@ def test_blocked_receiver_is_woken_by_the_doorbell(monkeypatch):
         t = threading.Thread(target=reader)
         t.start()
         deadline = time.monotonic() + 5
-        while not rx._hdr[cp._W_WAITING] and time.monotonic() < deadline:
+        while not rx._hdr[cshm._W_WAITING] and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert rx._hdr[cp._W_WAITING] == 1  # blocked, not spinning
+        assert rx._hdr[cshm._W_WAITING] == 1  # blocked, not spinning
         time.sleep(0.1)
         t_send = time.monotonic()
         tx.send(b"wake up")
         t.join(10)
         assert out and out[0][0] == b"wake up"
         assert out[0][1] - t_send < 5.0  # far below the 20 s slice
-        assert rx._hdr[cp._W_WAITING] == 0
+        assert rx._hdr[cshm._W_WAITING] == 0
     finally:
         tx.close()
         rx.close()
@@ -407,16 +409,16 @@ def test_torn_slot_is_never_returned():
     try:
         msg = b"x" * 40
         # Forge slot 0 as a weakly ordered CPU could show it: seq published, payload still stale.
-        base = cp._HDR_BYTES
-        good_crc = zlib.crc32(msg, zlib.crc32(cp._CRC_FIELDS.pack(2, len(msg), len(msg), 1)))
-        cp._SLOT_FIELDS.pack_into(tx._buf, base + 8, len(msg), len(msg), 1, good_crc)
-        tx._buf[base + cp._SLOT_HDR:base + cp._SLOT_HDR + len(msg)] = b"y" * len(msg)  # stale bytes
+        base = cshm._HDR_BYTES
+        good_crc = zlib.crc32(msg, zlib.crc32(cshm._CRC_FIELDS.pack(2, len(msg), len(msg), 1)))
+        cshm._SLOT_FIELDS.pack_into(tx._buf, base + 8, len(msg), len(msg), 1, good_crc)
+        tx._buf[base + cshm._SLOT_HDR:base + cshm._SLOT_HDR + len(msg)] = b"y" * len(msg)  # stale bytes
         tx._seq[0][0] = 2
         reader = threading.Thread(target=lambda: out.append(rx.recv(5.0)))
         reader.start()
         time.sleep(0.3)
         assert out == []  # CRC mismatch: the reader keeps retrying
-        tx._buf[base + cp._SLOT_HDR:base + cp._SLOT_HDR + len(msg)] = msg  # the bytes arrive
+        tx._buf[base + cshm._SLOT_HDR:base + cshm._SLOT_HDR + len(msg)] = msg  # the bytes arrive
         reader.join(5)
         assert out == [msg]
         # An odd sequence number (write in progress) is not read either.
@@ -437,17 +439,17 @@ def test_torn_slot_is_never_returned():
 
 def test_native_and_python_ring_paths_read_each_other():
     """The native publish/take (csrc/cpu/control_poll.cpp) and the Python path share one slot format and CRC."""
-    assert cp._native() is not None, "the compiled core lacks the native control path (rebuild afd_ext)"
+    assert cshm._native() is not None, "the compiled core lacks the native control path (rebuild afd_ext)"
     rx, tx = _ring(slot_bytes=64, nslots=2)
     try:
         for i in range(6):  # wraps the ring; alternates which side runs in Python
-            tx._native = None if i % 2 else cp._native()
-            rx._native = cp._native() if i % 2 else None
+            tx._native = None if i % 2 else cshm._native()
+            rx._native = cshm._native() if i % 2 else None
             msg = _message(i, 10 + 9 * i)
             tx.send(msg)
             assert rx.recv(1.0) == msg
-            assert rx._hdr[cp._W_READ_COUNT] == i + 1
-        tx._native = rx._native = cp._native()
+            assert rx._hdr[cshm._W_READ_COUNT] == i + 1
+        tx._native = rx._native = cshm._native()
         tx.send(b"z" * 100)  # two fragments: the native take hands the slot to the Python path
         assert rx.recv(1.0) == b"z" * 100
     finally:
@@ -516,7 +518,7 @@ def test_one_control_plane_class_opens_closes_and_reopens():
     applied = []
     plane = cp.AFDControlPlane(applied.append, Topology(1, 1), "ffn", 0, label="FFN rank 0 (world rank 0)")
     assert cp.ChannelControlPlane is cp.AFDControlPlane and not plane.is_open
-    with pytest.raises(cp.AFDStateError, match=r"FFN rank 0 \(world rank 0\)\) is not initialized"):
+    with pytest.raises(AFDStateError, match=r"FFN rank 0 \(world rank 0\)\) is not initialized"):
         plane.recv_dp_metadata_list()
     plane.update_state_from_dp_metadata("p")  # local: no channel needed
     assert applied == ["p"]
@@ -532,7 +534,7 @@ def test_one_control_plane_class_opens_closes_and_reopens():
         sender.close()
         plane.close()
         assert not plane.is_open and not sender.is_open
-    with pytest.raises(cp.AFDStateError, match="not initialized"):
+    with pytest.raises(AFDStateError, match="not initialized"):
         sender.send_dp_metadata_list(_payload(0, 3))
 
 
@@ -550,7 +552,7 @@ def _recv_in_thread(rx, out):
 def test_active_receiver_polls_without_the_gil_then_blocks_once_idle():
     import sys
 
-    assert cp._native() is not None, "the compiled core lacks the native poll (rebuild afd_ext)"
+    assert cshm._native() is not None, "the compiled core lacks the native poll (rebuild afd_ext)"
     rx, tx = _ring(idle_s=0.5, heartbeat_timeout_s=60.0)
     old = sys.getswitchinterval()
     out: list[bytes] = []
@@ -564,11 +566,11 @@ def test_active_receiver_polls_without_the_gil_then_blocks_once_idle():
         for _ in range(5):
             time.sleep(0.01)  # each return needs the GIL back
         assert time.monotonic() - t0 < 0.5
-        assert rx._hdr[cp._W_WAITING] == 0  # polling, not blocked
+        assert rx._hdr[cshm._W_WAITING] == 0  # polling, not blocked
         deadline = time.monotonic() + 5
-        while not rx._hdr[cp._W_WAITING] and time.monotonic() < deadline:
+        while not rx._hdr[cshm._W_WAITING] and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert rx._hdr[cp._W_WAITING] == 1  # idle for idle_s: blocked on the doorbell
+        assert rx._hdr[cshm._W_WAITING] == 1  # idle for idle_s: blocked on the doorbell
         tx.send(b"second")
         t.join(5)
         assert out == [b"second"]
@@ -599,15 +601,15 @@ def test_idle_threshold_comes_from_the_environment(monkeypatch):
 def test_corrupt_slot_is_a_named_error_within_its_bound(timeout_s):
     rx, tx = _ring(slot_bytes=64, nslots=4)
     try:
-        base = cp._HDR_BYTES
-        cp._SLOT_FIELDS.pack_into(tx._buf, base + 8, 10, 10, 1, 12345)  # CRC that never matches
+        base = cshm._HDR_BYTES
+        cshm._SLOT_FIELDS.pack_into(tx._buf, base + 8, 10, 10, 1, 12345)  # CRC that never matches
         tx._seq[0][0] = 2  # published
         t0 = time.monotonic()
         with pytest.raises(cp.ControlProtocolError, match="slot 0 from FFN|slot 0 from attention") as e:
             rx.recv(timeout_s)
         elapsed = time.monotonic() - t0
         assert "corrupt" in str(e.value)
-        bound = cp._CORRUPT_AFTER_S if timeout_s is None else timeout_s
+        bound = cshm._CORRUPT_AFTER_S if timeout_s is None else timeout_s
         assert bound * 0.9 <= elapsed < bound + 1.0
     finally:
         tx.close()
