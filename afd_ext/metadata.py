@@ -58,6 +58,7 @@ __all__ = [
     "decode_control_payload",
     "encode_control_binary",
     "decode_control_binary",
+    "control_payload_from_parts",
     "frame_control_payload",
     "control_frame_size",
     "unframe_control_payload",
@@ -945,6 +946,27 @@ def decode_control_binary(
         raise ValueError(f"binary control payload has {size - off} trailing bytes")
     payload = object.__new__(AFDControlPayload)
     payload.dp_metadata_list = stages
+    payload.is_graph_capturing = bool(flags & 1)
+    payload.is_warmup = bool(flags & 2)
+    payload.is_graph_replaying = bool(flags & 4)
+    payload.is_profile = bool(flags & 8)
+    return payload
+
+
+def control_payload_from_parts(flags: int, stages: Sequence[tuple[int, int, tuple[int, ...]]]) -> AFDControlPayload:
+    """Build a payload from parts already checked by a decoder (the control plane's native one).
+
+    Args:
+        flags: the binary layout's flag bits (see :func:`encode_control_binary`).
+        stages: ``(stage, max_tokens_across_dp_cpu, counts)`` per stage, counts a tuple
+            of ints in ``[0, 2**31)``.
+
+    Returns:
+        A new :class:`AFDControlPayload` (no re-validation).
+    """
+    trusted = AFDDPMetadata._trusted
+    payload = object.__new__(AFDControlPayload)
+    payload.dp_metadata_list = {s: trusted(c, m) for s, m, c in stages}
     payload.is_graph_capturing = bool(flags & 1)
     payload.is_warmup = bool(flags & 2)
     payload.is_graph_replaying = bool(flags & 4)

@@ -127,28 +127,43 @@ def _proc_start_time(pid: int) -> int | None:
         return None
 
 
+class RingState(ctypes.Structure):
+    """One end of one shared-memory ring as the native code sees it (``struct afd_ctrl_ring``)."""
+
+    _fields_ = [
+        ("hdr", ctypes.c_void_p),
+        ("nslots", ctypes.c_uint64),
+        ("stride", ctypes.c_uint64),
+        ("slot_bytes", ctypes.c_uint64),
+        ("out", ctypes.c_void_p),
+        ("k", ctypes.c_uint64),
+        ("local_rank", ctypes.c_uint32),
+        ("got_sender", ctypes.c_uint32),
+    ]
+
+
 class _Native:
     """The compiled core's control-plane functions (``csrc/cpu/control_poll.cpp``).
 
     Called through ``ctypes.CDLL``, which releases the GIL for each call.
+    Arguments are a pre-built ``byref`` of a :class:`RingState` and plain ints
+    below 2**31 (no ``argtypes``: each declared argument costs a conversion,
+    about 0.2 µs, on the per-message path).
     """
 
-    def __init__(self, lib: Any):
-        c = ctypes
-        self.spin_u64 = lib.afd_ctrl_spin_u64
-        self.spin_u64.argtypes = [c.c_void_p, c.c_uint64, c.c_int64]
-        self.spin_u64.restype = c.c_int
-        self.spin_fd = lib.afd_ctrl_spin_fd
-        self.spin_fd.argtypes = [c.c_int, c.c_int64]
-        self.spin_fd.restype = c.c_int
-        self.shm_publish = lib.afd_ctrl_shm_publish
-        self.shm_publish.argtypes = [c.c_void_p, c.c_void_p, c.c_uint64, c.c_uint64, c.c_char_p, c.c_uint32,
-                                     c.c_uint32]
-        self.shm_publish.restype = c.c_int
-        self.shm_take = lib.afd_ctrl_shm_take
-        self.shm_take.argtypes = [c.c_void_p, c.c_void_p, c.c_uint64, c.c_uint64, c.c_void_p, c.c_uint64,
-                                  c.c_int64, c.c_void_p]
-        self.shm_take.restype = c.c_int64
+    def __init__(self, lib: Any, module: Any):
+        # (ring address, max_ns, max_stages, max_ranks) -> -1 not yet, -2 slow path, bytes, or the parsed
+        # (sender, flags, ((stage, max, counts), ...)); a CPython function: no ctypes conversions, GIL released
+        # while it waits (csrc/cpu/control_poll.cpp)
+        self.take = module.ctrl_take
+        self.spin_fd = lib.afd_ctrl_spin_fd  # (fd, max_ns) -> 1 readable, 0 timeout, -errno
+        self.spin_fd.restype = ctypes.c_int
+        self.shm_publish = lib.afd_ctrl_shm_publish  # (ring, bytes, n) -> 1 ring the bell, 0, -1 full
+        self.shm_publish.restype = ctypes.c_int
+
+
+#: Longest single native wait, in ns (the C side takes an int).
+MAX_NATIVE_WAIT_NS = 2**31 - 1
 
 
 _native_lib: _Native | None | bool = False  # False: not looked up yet
@@ -163,7 +178,7 @@ def _native() -> _Native | None:
 
             from afd_ext import _C
 
-            _native_lib = _Native(ctypes.CDLL(_C.__file__))
+            _native_lib = _Native(ctypes.CDLL(_C.__file__), _C)
         except (ImportError, OSError, AttributeError) as e:
             logger.warning("afd_ext control plane: no native poll in the compiled core (%s); a waiting "
                            "FFN rank blocks after %.0f ms and wakes slower (rebuild afd_ext)",
@@ -229,6 +244,12 @@ class ControlChannel(abc.ABC):
             StepAbortedError: some rank posted the step-abort signal.
             ControlProtocolError: a frame from an unexpected sender, a corrupt frame or slot.
         """
+
+    def recv_parts(self, timeout_s: float | None, op: str, max_stages: int, max_ranks: int) -> Any:
+        """Receive the next message as :meth:`recv`; a channel with a native decoder may return an
+        encoded control payload already parsed, as ``(flags, ((stage, max_tokens, counts), ...))``
+        (bounded by ``max_stages`` / ``max_ranks``). Raises as :meth:`recv`."""
+        return self.recv(timeout_s, op)
 
     @abc.abstractmethod
     def close(self) -> None:

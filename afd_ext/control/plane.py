@@ -14,10 +14,10 @@ from afd_ext.rendezvous import AFDStore
 
 from .channel import (
     CHANNEL_KINDS,
+    _OP_RECV,
     ChannelOptions,
     ControlChannel,
     logger,
-    _OP_RECV,
 )
 from .shm import ShmControlChannel
 from .tcp import TcpControlChannel
@@ -354,8 +354,11 @@ class AFDControlPlane:
         if not self._open:
             self._require_open(_OP_RECV)
         ch = self.channels[self.source]  # type: ignore[index]
+        md = self._md
         try:
-            data = ch.recv(self.recv_timeout_s, op=_OP_RECV)
+            data = ch.recv_parts(self.recv_timeout_s, _OP_RECV, md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS)
+            if type(data) is tuple:  # parsed and checked by the native path
+                return md.control_payload_from_parts(*data)
             try:
                 if len(data) > self.max_payload_bytes:
                     raise ValueError(f"{len(data)} bytes exceed max_payload_bytes={self.max_payload_bytes}")

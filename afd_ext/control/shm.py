@@ -18,9 +18,7 @@ from afd_ext.errors import ControlChannelClosed, ControlProtocolError, ControlRe
 from afd_ext.rendezvous import AFDStore
 
 from .channel import (
-    ChannelOptions,
-    ControlChannel,
-    logger,
+    MAX_NATIVE_WAIT_NS,
     _ABORT_EVERY_S,
     _CORRUPT_AFTER_S,
     _FALLBACK_SPIN_S,
@@ -29,8 +27,12 @@ from .channel import (
     _MIN_SLEEP_S,
     _OP_RECV,
     _OP_SEND,
+    ChannelOptions,
+    ControlChannel,
+    RingState,
     _native,
     _proc_start_time,
+    logger,
 )
 
 
@@ -159,16 +161,17 @@ class ShmControlChannel(ControlChannel):
         self._stride = _slot_stride(self._slot_bytes)
         self._seq = [buf[_HDR_BYTES + i * self._stride:_HDR_BYTES + i * self._stride + 8].cast("Q")
                      for i in range(self._nslots)]
-        # Addresses for the native path (the anchors pin the mapping and the output buffer).
+        # The native path's view of this end (the anchors pin the mapping and the copy buffer).
         self._native = _native()
         self._anchor: Any = ctypes.c_char.from_buffer(buf)
-        self._base = ctypes.addressof(self._anchor)
-        self._slot_addr = [self._base + _HDR_BYTES + i * self._stride for i in range(self._nslots)]
         self._out = bytearray(self._slot_bytes)
         self._out_anchor: Any = (ctypes.c_char * self._slot_bytes).from_buffer(self._out)
-        self._out_addr = ctypes.addressof(self._out_anchor)
-        self._sender_out = ctypes.c_uint32()
-        self._sender_addr = ctypes.addressof(self._sender_out)
+        self._state = RingState(hdr=ctypes.addressof(self._anchor), nslots=self._nslots, stride=self._stride,
+                                slot_bytes=self._slot_bytes, out=ctypes.addressof(self._out_anchor), k=0,
+                                local_rank=self.local_rank)
+        self._state_ref = ctypes.byref(self._state)
+        self._state_addr = ctypes.addressof(self._state)
+        self._limits = (-1, 0)  # the native take's (max_stages, max_ranks); -1: raw bytes
         self._count = 0  # slots sent (sender) / consumed (receiver)
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
@@ -317,11 +320,13 @@ class ShmControlChannel(ControlChannel):
         nat = self._native
         if nat is not None and n <= sb and type(data) is bytes:
             k = self._count
-            slot = self._slot_addr[k % self._nslots]
-            r = nat.shm_publish(self._base, slot, k, self._nslots, data, n, self.local_rank)
+            self._state.k = k
+            r = nat.shm_publish(self._state_ref, data, n)
             if r < 0:  # ring full
                 self._wait_space(k)
-                r = nat.shm_publish(self._base, slot, k, self._nslots, data, n, self.local_rank)
+                r = nat.shm_publish(self._state_ref, data, n)
+                if r < 0:
+                    raise PeerDeadError(self.peer, _OP_SEND, "the control ring stayed full")
             self._count = k + 1
             if r:
                 self._ring()
@@ -375,20 +380,24 @@ class ShmControlChannel(ControlChannel):
             time.sleep(sleep)
             sleep = min(2 * sleep, _MAX_SLEEP_S)
 
-    def _take(self, k: int, max_ns: int) -> int:
-        """Native: wait up to ``max_ns`` for message ``k`` and take a whole single-slot message into
-        ``self._out``. Returns its length, -1 (not published yet) or -2 (read it in Python)."""
-        return self._native.shm_take(self._base, self._slot_addr[k % self._nslots], k, self._slot_bytes,
-                                     self._out_addr, self._slot_bytes, max_ns, self._sender_addr)
+    def _take(self, k: int, max_ns: int) -> Any:
+        """Native: wait up to ``max_ns`` for message ``k`` and take a whole single-slot message.
+        Returns it (bytes, or parsed per ``self._limits``), -1 (not published yet) or -2 (read it in Python)."""
+        self._state.k = k
+        return self._native.take(self._state_addr, min(max_ns, MAX_NATIVE_WAIT_NS), *self._limits)
 
-    def _wait_slot(self, k: int, timeout_s: float | None, op: str) -> int:
-        """Wait for message ``k``; returns its length if the native path took it, else -1 (published)."""
+    def _taken(self, k: int) -> Any:
+        r = self._take(k, 0)
+        return None if type(r) is int else r
+
+    def _wait_slot(self, k: int, timeout_s: float | None, op: str) -> Any:
+        """Wait for message ``k``; returns it if the native path took it, else None (published: read it)."""
         slot = k % self._nslots
         seq = self._seq[slot]
         want = 2 * k + 2
         native = self._native
         if seq[0] == want:
-            return -1 if native is None else self._take(k, 0)
+            return None if native is None else self._taken(k)
         now = time.monotonic()
         deadline = None if timeout_s is None else now + timeout_s
         next_live = now + _LIVENESS_EVERY_S
@@ -409,9 +418,11 @@ class ShmControlChannel(ControlChannel):
                     if deadline is not None:
                         end = min(end, deadline)
                     if native is not None:
-                        n = self._take(k, int((end - now) * 1e9))
-                        if n != -1:
-                            return n
+                        r = self._take(k, int((end - now) * 1e9))
+                        if type(r) is not int:
+                            return r
+                        if r == -2:
+                            return None
                     else:
                         while seq[0] != want and time.monotonic() < end:
                             pass
@@ -422,7 +433,7 @@ class ShmControlChannel(ControlChannel):
                     if bell is not None:
                         _drain(bell)  # a syscall: orders the waiting flag before the seq load
                     if seq[0] == want:
-                        return -1 if native is None else self._take(k, 0)
+                        return None if native is None else self._taken(k)
                     if bell is not None:
                         wait = min(next_live, next_abort) - now
                         if deadline is not None:
@@ -432,7 +443,7 @@ class ShmControlChannel(ControlChannel):
                         time.sleep(sleep)
                         sleep = min(2 * sleep, _MAX_SLEEP_S)
                 if seq[0] == want:
-                    return -1 if native is None else self._take(k, 0)
+                    return None if native is None else self._taken(k)
                 now = time.monotonic()
                 if now >= next_live:
                     next_live = now + _LIVENESS_EVERY_S
@@ -493,15 +504,26 @@ class ShmControlChannel(ControlChannel):
         return total, frag
 
     def recv(self, timeout_s: float | None = None, op: str = _OP_RECV) -> bytes:
+        self._limits = (-1, 0)
+        return self._recv(timeout_s, op)
+
+    def recv_parts(self, timeout_s: float | None, op: str, max_stages: int, max_ranks: int) -> Any:
+        self._limits = (max_stages, max_ranks)
+        return self._recv(timeout_s, op)
+
+    def _recv(self, timeout_s: float | None, op: str) -> Any:
         self._require(False, "recv")
         k = self._count
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        n = self._wait_slot(k, timeout_s, op)
-        if n >= 0:  # taken by the native path (read_count already advanced)
+        got = self._wait_slot(k, timeout_s, op)
+        if got is not None:  # taken by the native path (read_count already advanced)
             self._count = k + 1
             self._last_msg = time.monotonic()
-            self._check_header(op, self._sender_out.value, n)
-            return bytes(self._out[:n])
+            if type(got) is tuple:  # parsed: (sender, flags, stages)
+                self._check_header(op, got[0], 0)
+                return got[1:]
+            self._check_header(op, self._state.got_sender, len(got))
+            return got
         total, frag = self._read_slot(k, None, op, deadline)
         self._count = k + 1
         self._hdr[_W_READ_COUNT] = self._count

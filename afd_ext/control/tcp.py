@@ -13,14 +13,15 @@ from afd_ext.errors import ControlChannelClosed, ControlProtocolError, ControlRe
 from afd_ext.rendezvous import AFDStore
 
 from .channel import (
-    ChannelOptions,
-    ControlChannel,
-    logger,
+    MAX_NATIVE_WAIT_NS,
     _ABORT_EVERY_S,
     _FALLBACK_SPIN_S,
     _OP_RECV,
     _OP_SEND,
+    ChannelOptions,
+    ControlChannel,
     _native,
+    logger,
 )
 
 
@@ -200,7 +201,7 @@ class TcpControlChannel(ControlChannel):
                     end = min(poll_until, next_abort)
                     if deadline is not None:
                         end = min(end, deadline)
-                    spin_fd(sock.fileno(), int((end - now) * 1e9))
+                    spin_fd(sock.fileno(), min(int((end - now) * 1e9), MAX_NATIVE_WAIT_NS))
                 wait_ms = 0
             else:
                 wait_ms = int(1000 * min(_ABORT_EVERY_S, max(0.0, self._last_seen + hb - now) + 0.001))

@@ -3,9 +3,10 @@
 // ring's single-slot publish and read (no interpreter between the seq word and
 // the payload). Python calls these through ctypes (which releases the GIL for
 // the call), one bounded slice at a time, and does its liveness checks between
-// slices. The ring layout is defined in afd_ext/control_plane.py (module doc);
+// slices. The ring layout is defined in afd_ext/control (package doc);
 // the offsets below mirror it, and tests/test_control_plane.py checks that both
 // sides read each other's slots.
+#include <Python.h>
 #include <poll.h>
 #include <time.h>
 
@@ -68,14 +69,9 @@ inline uint32_t slot_crc(uint64_t seq, uint64_t total, uint32_t frag, uint32_t s
   return crc32_update(crc32_update(0, fields, sizeof fields), payload, frag);
 }
 
-}  // namespace
-
-extern "C" {
-
 // Spin until the shared 8-byte word at `word` equals `want` (acquire load) or
 // `max_ns` nanoseconds passed. Returns 1 when it matched, 0 on timeout.
-__attribute__((visibility("default"))) int afd_ctrl_spin_u64(const uint64_t* word, uint64_t want,
-                                                             int64_t max_ns) {
+int spin_u64(const uint64_t* word, uint64_t want, int64_t max_ns) {
   if (__atomic_load_n(word, __ATOMIC_ACQUIRE) == want) return 1;
   const int64_t end = now_ns() + (max_ns > 0 ? max_ns : 0);
   for (;;) {
@@ -87,9 +83,30 @@ __attribute__((visibility("default"))) int afd_ctrl_spin_u64(const uint64_t* wor
   }
 }
 
+}  // namespace
+
+extern "C" {
+
+// One end of one ring, filled once by Python (afd_ext/control/shm.py, `_RingState`).
+// Python passes a pointer to it and plain ints: few ctypes conversions per call.
+struct afd_ctrl_ring {
+  uint64_t* hdr;        // the segment (its 256-byte header)
+  uint64_t nslots;
+  uint64_t stride;      // bytes from one slot to the next; slot i starts at hdr + 256 + i * stride
+  uint64_t slot_bytes;  // payload capacity of a slot
+  uint8_t* out;         // receiver: copy buffer of slot_bytes
+  uint64_t k;           // the next message number (sent or taken); advanced on success
+  uint32_t local_rank;  // sender: the sender field it writes
+  uint32_t got_sender;  // receiver: the sender field of the last message taken
+};
+
+inline uint8_t* slot_of(const afd_ctrl_ring* r, uint64_t k) {
+  return reinterpret_cast<uint8_t*>(r->hdr) + 256 + (k % r->nslots) * r->stride;
+}
+
 // Spin until `fd` is readable (or hung up / in error) or `max_ns` passed.
 // Returns 1 when readable, 0 on timeout, -errno when poll() failed.
-__attribute__((visibility("default"))) int afd_ctrl_spin_fd(int fd, int64_t max_ns) {
+__attribute__((visibility("default"))) int afd_ctrl_spin_fd(int fd, int max_ns) {
   pollfd p{fd, POLLIN, 0};
   const int64_t end = now_ns() + (max_ns > 0 ? max_ns : 0);
   for (;;) {
@@ -102,44 +119,53 @@ __attribute__((visibility("default"))) int afd_ctrl_spin_fd(int fd, int64_t max_
   }
 }
 
-// Sender: publish a message of `n` <= slot_bytes bytes as message number `k` in
-// `slot` (the seqlock protocol of the module doc) and stamp the heartbeat.
+// Sender: publish a message of `n` <= slot_bytes bytes as message number r->k
+// (the seqlock protocol of the package doc), stamp the heartbeat, advance r->k.
 // Returns 1 when the receiver is blocked on the doorbell (ring it), 0 when not,
 // -1 when the ring is full (nothing written; the caller waits for space).
-__attribute__((visibility("default"))) int afd_ctrl_shm_publish(uint64_t* hdr, uint8_t* slot, uint64_t k,
-                                                                uint64_t nslots, const uint8_t* data,
-                                                                uint32_t n, uint32_t sender) {
-  if (k - __atomic_load_n(&hdr[kReadCountWord], __ATOMIC_ACQUIRE) >= nslots) return -1;
+__attribute__((visibility("default"))) int afd_ctrl_shm_publish(afd_ctrl_ring* r, const uint8_t* data, int n) {
+  uint64_t* hdr = r->hdr;
+  const uint64_t k = r->k;
+  if (n < 0 || static_cast<uint64_t>(n) > r->slot_bytes) return -2;
+  if (k - __atomic_load_n(&hdr[kReadCountWord], __ATOMIC_ACQUIRE) >= r->nslots) return -1;
+  uint8_t* slot = slot_of(r, k);
+  const uint32_t sender = r->local_rank;
   __atomic_store_n(&hdr[kHeartbeatWord], static_cast<uint64_t>(now_ns()), __ATOMIC_RELAXED);
   auto* seq = reinterpret_cast<uint64_t*>(slot);
   const uint64_t want = 2 * k + 2;
   __atomic_store_n(seq, want - 1, __ATOMIC_RELAXED);
   __atomic_thread_fence(__ATOMIC_RELEASE);  // the odd seq is visible before any field changes
-  const uint64_t total = n;
-  const uint32_t crc = slot_crc(want, total, n, sender, data);
+  const uint64_t total = static_cast<uint64_t>(n);
+  const uint32_t frag = static_cast<uint32_t>(n);
+  const uint32_t crc = slot_crc(want, total, frag, sender, data);
   std::memcpy(slot + 8, &total, 8);
-  std::memcpy(slot + 16, &n, 4);
+  std::memcpy(slot + 16, &frag, 4);
   std::memcpy(slot + 20, &sender, 4);
   std::memcpy(slot + 24, &crc, 4);
-  std::memcpy(slot + kSlotHeader, data, n);
+  std::memcpy(slot + kSlotHeader, data, frag);
   __atomic_store_n(seq, want, __ATOMIC_RELEASE);
+  r->k = k + 1;
   // Full fence: the publish is ordered before the read of the receiver's waiting flag.
   __atomic_thread_fence(__ATOMIC_SEQ_CST);
   return __atomic_load_n(&hdr[kWaitingWord], __ATOMIC_RELAXED) ? 1 : 0;
 }
 
-// Receiver: wait up to `max_ns` for message number `k` in `slot`, then copy a
-// single-slot message into `out` (capacity `cap`), check it (seq unchanged,
-// CRC) and mark it consumed (read_count = k + 1). Returns its length; -1 when
-// nothing was published in time; -2 when the slot is published but not a whole
-// consistent single-slot message yet (torn, corrupt or one fragment of a larger
-// message: the caller reads it the slow way). `*sender` gets the sender field.
-__attribute__((visibility("default"))) int64_t afd_ctrl_shm_take(uint64_t* hdr, const uint8_t* slot, uint64_t k,
-                                                                 uint64_t slot_bytes, uint8_t* out, uint64_t cap,
-                                                                 int64_t max_ns, uint32_t* sender) {
+// Receiver: wait up to `max_ns` for message number r->k, then copy a
+// single-slot message into r->out, check it (seq unchanged, CRC), mark it
+// consumed (read_count = k + 1) and advance r->k; r->got_sender gets its
+// sender field. Returns its length; -1 when nothing was published in time; -2
+// when the slot is published but not a whole consistent single-slot message
+// (torn, corrupt, or one fragment of a larger message: the caller reads it the
+// slow way; r->k is unchanged).
+__attribute__((visibility("default"))) int64_t afd_ctrl_shm_take(afd_ctrl_ring* r, int max_ns) {
+  uint64_t* hdr = r->hdr;
+  const uint64_t k = r->k;
+  const uint8_t* slot = slot_of(r, k);
+  uint8_t* out = r->out;
+  const uint64_t slot_bytes = r->slot_bytes;
   const auto* seq = reinterpret_cast<const uint64_t*>(slot);
   const uint64_t want = 2 * k + 2;
-  if (!afd_ctrl_spin_u64(seq, want, max_ns)) return -1;
+  if (!spin_u64(seq, want, max_ns)) return -1;
   for (int attempt = 0; attempt < 64; ++attempt) {
     uint64_t total;
     uint32_t frag, snd, crc;
@@ -147,11 +173,12 @@ __attribute__((visibility("default"))) int64_t afd_ctrl_shm_take(uint64_t* hdr, 
     std::memcpy(&frag, slot + 16, 4);
     std::memcpy(&snd, slot + 20, 4);
     std::memcpy(&crc, slot + 24, 4);
-    if (frag > slot_bytes || frag > cap || total != frag) return -2;
+    if (frag > slot_bytes || total != frag) return -2;
     std::memcpy(out, slot + kSlotHeader, frag);
     __atomic_thread_fence(__ATOMIC_ACQUIRE);
     if (__atomic_load_n(seq, __ATOMIC_RELAXED) == want && slot_crc(want, total, frag, snd, out) == crc) {
-      *sender = snd;
+      r->got_sender = snd;
+      r->k = k + 1;
       __atomic_store_n(&hdr[kReadCountWord], k + 1, __ATOMIC_RELEASE);
       return static_cast<int64_t>(frag);
     }
@@ -161,3 +188,94 @@ __attribute__((visibility("default"))) int64_t afd_ctrl_shm_take(uint64_t* hdr, 
 }
 
 }  // extern "C"
+
+namespace {
+
+// Parse a binary control payload (afd_ext.metadata.encode_control_binary) into
+// (sender, flags, ((stage, max_tokens, counts), ...)); None when it is not
+// well formed, so that the Python decoder names the problem.
+PyObject* parse_payload(const uint8_t* d, int64_t n, uint32_t sender, long max_stages, long max_ranks) {
+  if (n < 8 || std::memcmp(d, "AFDb", 4) != 0 || d[4] != 1 || d[5] > 0xF) Py_RETURN_NONE;
+  uint16_t nstages;
+  std::memcpy(&nstages, d + 6, 2);
+  if (nstages > max_stages) Py_RETURN_NONE;
+  PyObject* stages = PyTuple_New(nstages);
+  if (stages == nullptr) return nullptr;
+  int64_t off = 8;
+  int64_t prev = -1;
+  for (uint16_t i = 0; i < nstages; ++i) {
+    uint32_t st, cnt, mx;
+    if (off + 12 > n) goto bad;
+    std::memcpy(&st, d + off, 4);
+    std::memcpy(&cnt, d + off + 4, 4);
+    std::memcpy(&mx, d + off + 8, 4);
+    off += 12;
+    if (static_cast<int64_t>(st) <= prev || cnt > static_cast<uint64_t>(max_ranks) || mx > 0x7FFFFFFFu ||
+        off + 4 * static_cast<int64_t>(cnt) > n)
+      goto bad;
+    {
+      PyObject* counts = PyTuple_New(cnt);
+      if (counts == nullptr) goto fail;
+      for (uint32_t j = 0; j < cnt; ++j) {
+        int32_t v;
+        std::memcpy(&v, d + off + 4 * static_cast<int64_t>(j), 4);
+        if (v < 0) {
+          Py_DECREF(counts);
+          goto bad;
+        }
+        PyObject* o = PyLong_FromLong(v);
+        if (o == nullptr) {
+          Py_DECREF(counts);
+          goto fail;
+        }
+        PyTuple_SET_ITEM(counts, j, o);
+      }
+      PyObject* item = Py_BuildValue("(kkN)", static_cast<unsigned long>(st), static_cast<unsigned long>(mx), counts);
+      if (item == nullptr) goto fail;
+      PyTuple_SET_ITEM(stages, i, item);
+    }
+    off += 4 * static_cast<int64_t>(cnt);
+    prev = st;
+  }
+  if (off != n) goto bad;
+  return Py_BuildValue("(kkN)", static_cast<unsigned long>(sender), static_cast<unsigned long>(d[5]), stages);
+bad:
+  Py_DECREF(stages);
+  Py_RETURN_NONE;
+fail:
+  Py_DECREF(stages);
+  return nullptr;
+}
+
+}  // namespace
+
+// _C.ctrl_take(ring_address, max_ns, max_stages, max_ranks): afd_ctrl_shm_take
+// with the GIL released, then the payload parsed while the bytes are hot.
+// Returns -1 (nothing published in time) or -2 (read the slot the slow way)
+// as an int; for a message taken, (sender, flags, stages) when it parses,
+// else (or with max_stages < 0: raw bytes wanted) the message bytes.
+PyObject* afd_ctrl_take_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 4) {
+    PyErr_SetString(PyExc_TypeError, "ctrl_take(ring_address, max_ns, max_stages, max_ranks)");
+    return nullptr;
+  }
+  auto* r = static_cast<afd_ctrl_ring*>(PyLong_AsVoidPtr(args[0]));
+  const long max_ns = PyLong_AsLong(args[1]);
+  const long max_stages = PyLong_AsLong(args[2]);
+  const long max_ranks = PyLong_AsLong(args[3]);
+  if (PyErr_Occurred()) return nullptr;
+  if (r == nullptr) {
+    PyErr_SetString(PyExc_ValueError, "ctrl_take: null ring");
+    return nullptr;
+  }
+  const int wait = static_cast<int>(max_ns < 0 ? 0 : (max_ns > 0x7FFFFFFFL ? 0x7FFFFFFFL : max_ns));
+  int64_t n;
+  Py_BEGIN_ALLOW_THREADS n = afd_ctrl_shm_take(r, wait);
+  Py_END_ALLOW_THREADS if (n < 0) return PyLong_FromLongLong(n);
+  if (max_stages < 0) return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(r->out), n);
+  PyObject* parsed = parse_payload(r->out, n, r->got_sender, max_stages, max_ranks);
+  if (parsed != Py_None) return parsed;
+  Py_DECREF(parsed);
+  return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(r->out), n);
+}
+
