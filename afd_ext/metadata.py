@@ -59,6 +59,8 @@ __all__ = [
     "encode_control_binary",
     "decode_control_binary",
     "control_payload_from_parts",
+    "control_payload_parts",
+    "encode_control_parts",
     "frame_control_payload",
     "control_frame_size",
     "unframe_control_payload",
@@ -850,12 +852,23 @@ def encode_control_binary(payload: AFDControlPayload) -> bytes:
             flag, a stage key that is not an int in ``[0, 2**32)``, invalid
             counts, more than 65535 stages).
     """
+    return encode_control_parts(*control_payload_parts(payload))
+
+
+def control_payload_parts(payload: AFDControlPayload) -> tuple[int, tuple[tuple[int, int, tuple[int, ...]], ...]]:
+    """Check ``payload`` and return what the binary layout carries: ``(flags, stages)``.
+
+    ``flags`` are the layout's flag bits; ``stages`` is ``((stage, max_tokens, counts), ...)``
+    in increasing stage order (the control plane's native sender encodes these).
+
+    Raises:
+        ValueError: as :func:`encode_control_binary`.
+    """
     if not isinstance(payload, AFDControlPayload):
         raise ValueError(f"expected AFDControlPayload, got {type(payload).__name__}")
-    flags = (payload.is_graph_capturing, payload.is_warmup, payload.is_graph_replaying, payload.is_profile)
-    if not (type(flags[0]) is bool and type(flags[1]) is bool and type(flags[2]) is bool
-            and type(flags[3]) is bool):
-        raise ValueError(f"control payload flags must be bools, got {flags!r}")
+    c, w, r, p = payload.is_graph_capturing, payload.is_warmup, payload.is_graph_replaying, payload.is_profile
+    if not (type(c) is bool and type(w) is bool and type(r) is bool and type(p) is bool):
+        raise ValueError(f"control payload flags must be bools, got {(c, w, r, p)!r}")
     dp = payload.dp_metadata_list
     try:
         keys = sorted(dp)
@@ -866,16 +879,22 @@ def encode_control_binary(payload: AFDControlPayload) -> bytes:
         raise ValueError(f"dp_metadata_list keys must be stage ints in [0, 2**32), got {bad[0]!r}")
     if len(keys) > 0xFFFF:
         raise ValueError(f"a control payload holds at most 65535 stages, got {len(keys)}")
-    fmt = ["<4sBBH"]
-    args: list[Any] = [_BIN_MAGIC, _BIN_VERSION,
-                       flags[0] | flags[1] << 1 | flags[2] << 2 | flags[3] << 3, len(keys)]
+    stages = []
     for s in keys:
         m = dp[s]
         if type(m) is not AFDDPMetadata:
             m = _to_dp_metadata(m, s)
-        counts = m.counts
+        stages.append((s, m.max_tokens, m.counts))
+    return c | w << 1 | r << 2 | p << 3, tuple(stages)
+
+
+def encode_control_parts(flags: int, stages: Sequence[tuple[int, int, Sequence[int]]]) -> bytes:
+    """Pack :func:`control_payload_parts` output in the binary layout of :func:`encode_control_binary`."""
+    fmt = ["<4sBBH"]
+    args: list[Any] = [_BIN_MAGIC, _BIN_VERSION, flags, len(stages)]
+    for s, mx, counts in stages:
         fmt.append(f"III{len(counts)}i")
-        args += (s, len(counts), m.max_tokens)
+        args += (s, len(counts), mx)
         args += counts
     return struct.pack("".join(fmt), *args)
 

@@ -452,6 +452,20 @@ def test_native_and_python_ring_paths_read_each_other():
         tx._native = rx._native = cshm._native()
         tx.send(b"z" * 100)  # two fragments: the native take hands the slot to the Python path
         assert rx.recv(1.0) == b"z" * 100
+        # The native encoder and parser agree with the Python codec, both ways.
+        from afd_ext import metadata as md
+
+        for i, p in enumerate([_payload(3, 4), AFDControlPayload({0: [], 7: [2**31 - 1]}, is_profile=True),
+                               _payload(5, 10)]):  # the last (112 B) spans two 64-byte slots: Python encodes it
+            tx._native = cshm._native() if i % 2 == 0 else None
+            rx._native = cshm._native()
+            tx.send_parts(md.control_payload_parts(p))
+            got = rx.recv_parts(1.0, "recv_dp_metadata_list", md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS)
+            q = md.control_payload_from_parts(*got) if type(got) is tuple else md.decode_control_binary(got)
+            assert q == p and (type(got) is tuple) == (i < 2)
+            tx._native, rx._native = cshm._native(), None
+            tx.send_parts(md.control_payload_parts(p))
+            assert rx.recv(1.0) == md.encode_control_binary(p)
     finally:
         tx.close()
         rx.close()

@@ -156,6 +156,8 @@ class _Native:
         # (sender, flags, ((stage, max, counts), ...)); a CPython function: no ctypes conversions, GIL released
         # while it waits (csrc/cpu/control_poll.cpp)
         self.take = module.ctrl_take
+        # (ring address, flags, stages) -> 1 ring the bell, 0 sent, -1 ring full, -2 encode it in Python
+        self.send = module.ctrl_send
         self.spin_fd = lib.afd_ctrl_spin_fd  # (fd, max_ns) -> 1 readable, 0 timeout, -errno
         self.spin_fd.restype = ctypes.c_int
         self.shm_publish = lib.afd_ctrl_shm_publish  # (ring, bytes, n) -> 1 ring the bell, 0, -1 full
@@ -244,6 +246,15 @@ class ControlChannel(abc.ABC):
             StepAbortedError: some rank posted the step-abort signal.
             ControlProtocolError: a frame from an unexpected sender, a corrupt frame or slot.
         """
+
+    def send_parts(self, parts: tuple[int, tuple]) -> None:
+        """Send a control payload given as :func:`afd_ext.metadata.control_payload_parts` output.
+
+        Raises: as :meth:`send`.
+        """
+        from afd_ext.metadata import encode_control_parts
+
+        self.send(encode_control_parts(*parts))
 
     def recv_parts(self, timeout_s: float | None, op: str, max_stages: int, max_ranks: int) -> Any:
         """Receive the next message as :meth:`recv`; a channel with a native decoder may return an

@@ -329,9 +329,9 @@ class AFDControlPlane:
             self._require_open("send_dp_metadata_list")
         if not self.destinations:
             return
-        data = self._md.encode_control_binary(payload)
+        parts = self._md.control_payload_parts(payload)
         for f in self.destinations:
-            self.channels[f].send(data)
+            self.channels[f].send_parts(parts)
 
     def recv_dp_metadata_list(self) -> Any:
         """FFN side: block until the next step's payload arrives; return it decoded.

@@ -279,3 +279,77 @@ PyObject* afd_ctrl_take_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(r->out), n);
 }
 
+
+namespace {
+
+// Append v as 4 little-endian bytes; false when it is not an int in [lo, hi].
+bool put_u32(PyObject* o, int64_t lo, int64_t hi, uint8_t* at) {
+  if (!PyLong_CheckExact(o)) return false;
+  int overflow = 0;
+  const long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+  if (overflow != 0 || v < lo || v > hi) return false;
+  const uint32_t u = static_cast<uint32_t>(v);
+  std::memcpy(at, &u, 4);
+  return true;
+}
+
+}  // namespace
+
+// _C.ctrl_send(ring_address, flags, stages): encode afd_ext.metadata.control_payload_parts
+// output (flags, ((stage, max_tokens, counts), ...)) in the binary layout and publish it
+// (afd_ctrl_shm_publish). Returns 1 (ring the doorbell) or 0 when sent; -1 when the ring
+// is full; -2 when it does not fit one slot or a value is out of range (nothing written:
+// the caller encodes it in Python, which names a bad value).
+PyObject* afd_ctrl_send_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3) {
+    PyErr_SetString(PyExc_TypeError, "ctrl_send(ring_address, flags, stages)");
+    return nullptr;
+  }
+  auto* r = static_cast<afd_ctrl_ring*>(PyLong_AsVoidPtr(args[0]));
+  const long flags = PyLong_AsLong(args[1]);
+  if (PyErr_Occurred()) return nullptr;
+  if (r == nullptr || !PyTuple_CheckExact(args[2])) {
+    PyErr_SetString(PyExc_TypeError, "ctrl_send: a ring address and a tuple of stages");
+    return nullptr;
+  }
+  PyObject* stages = args[2];
+  const Py_ssize_t nstages = PyTuple_GET_SIZE(stages);
+  const uint64_t cap = r->slot_bytes;
+  if (flags < 0 || flags > 0xF || nstages > 0xFFFF || cap < 8 || cap > (1u << 30)) return PyLong_FromLong(-2);
+  uint8_t stack[2048];
+  uint8_t* buf = cap <= sizeof stack ? stack : static_cast<uint8_t*>(PyMem_Malloc(cap));
+  if (buf == nullptr) return PyErr_NoMemory();
+  uint64_t off = 8;
+  bool ok = true;
+  std::memcpy(buf, "AFDb", 4);
+  buf[4] = 1;
+  buf[5] = static_cast<uint8_t>(flags);
+  const uint16_t ns = static_cast<uint16_t>(nstages);
+  std::memcpy(buf + 6, &ns, 2);
+  for (Py_ssize_t i = 0; ok && i < nstages; ++i) {
+    PyObject* st = PyTuple_GET_ITEM(stages, i);
+    if (!PyTuple_CheckExact(st) || PyTuple_GET_SIZE(st) != 3 || !PyTuple_CheckExact(PyTuple_GET_ITEM(st, 2))) {
+      ok = false;
+      break;
+    }
+    PyObject* counts = PyTuple_GET_ITEM(st, 2);
+    const Py_ssize_t n = PyTuple_GET_SIZE(counts);
+    if (off + 12 + 4 * static_cast<uint64_t>(n) > cap) {
+      ok = false;
+      break;
+    }
+    const uint32_t n32 = static_cast<uint32_t>(n);
+    ok = put_u32(PyTuple_GET_ITEM(st, 0), 0, 0xFFFFFFFFLL, buf + off) &&
+         put_u32(PyTuple_GET_ITEM(st, 1), 0, 0x7FFFFFFFLL, buf + off + 8);
+    std::memcpy(buf + off + 4, &n32, 4);
+    off += 12;
+    for (Py_ssize_t j = 0; ok && j < n; ++j) {
+      ok = put_u32(PyTuple_GET_ITEM(counts, j), 0, 0x7FFFFFFFLL, buf + off);
+      off += 4;
+    }
+  }
+  int rc = -2;
+  if (ok) rc = afd_ctrl_shm_publish(r, buf, static_cast<int>(off));
+  if (buf != stack) PyMem_Free(buf);
+  return PyLong_FromLong(rc < -1 ? -2 : rc);
+}
