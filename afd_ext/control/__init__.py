@@ -59,15 +59,17 @@ Waking a blocked thread costs ~110 µs on a server host (scheduler and
 C-state exit), more than the whole rest of a step's control plane. So while
 the engine is active (the last payload arrived less than ``idle_s`` ago,
 default 10 s, ``AFD_CONTROL_IDLE_S``) a waiting FFN rank keeps polling, in
-native code (``csrc/cpu/control_poll.cpp``, called through ``ctypes``, which
-releases the GIL: the serving engine's other threads keep running). It polls
+native code (``csrc/cpu/control_poll.cpp``: ``_C.ctrl_take`` for shm, which
+releases the GIL while it waits, and a ``ctypes`` call for tcp, which does too:
+the serving engine's other threads keep running). The shm path also encodes,
+publishes, takes and parses the payload in one native call per side. It polls
 in slices of at most 50 ms and runs the liveness checks between slices. This
 costs one core per FFN rank while serving, which a serving FFN process owns
 anyway. Once idle for ``idle_s``, the receiver raises a ``waiting`` flag (shm)
 and blocks (a doorbell: an abstract ``AF_UNIX`` datagram socket named after
 the segment, which the sender rings after publishing when it sees the flag;
-a lock's atomic instruction orders the publish before that read, the
-receiver's drain syscall orders its side; tcp: ``poll`` on the socket), so an
+a full fence orders the publish before that read, the receiver's drain
+syscall orders its side; tcp: ``poll`` on the socket), so an
 idle FFN rank burns no CPU. ``idle_s = 0`` always blocks (few cores, many
 ranks: CI). Without the native poll (a stale build) the receiver spins in
 Python for at most ``_FALLBACK_SPIN_S`` before blocking.

@@ -1,9 +1,10 @@
 // The control plane's per-message path in native code: the waiting loops (so
 // that a waiting FFN rank polls without holding the GIL) and the shared-memory
-// ring's single-slot publish and read (no interpreter between the seq word and
-// the payload). Python calls these through ctypes (which releases the GIL for
-// the call), one bounded slice at a time, and does its liveness checks between
-// slices. The ring layout is defined in afd_ext/control (package doc);
+// ring's single-slot publish and take with the binary payload's encode and
+// parse (no interpreter between the seq word and the payload). Python calls
+// _C.ctrl_send / _C.ctrl_take (CPython functions, registered in bindings.cpp)
+// and afd_ctrl_spin_fd through ctypes, one bounded slice at a time, and does
+// its liveness checks between slices. The ring layout is defined in afd_ext/control (package doc);
 // the offsets below mirror it, and tests/test_control_plane.py checks that both
 // sides read each other's slots.
 #include <Python.h>
@@ -88,7 +89,7 @@ int spin_u64(const uint64_t* word, uint64_t want, int64_t max_ns) {
 extern "C" {
 
 // One end of one ring, filled once by Python (afd_ext/control/shm.py, `_RingState`).
-// Python passes a pointer to it and plain ints: few ctypes conversions per call.
+// Python passes its address and plain ints.
 struct afd_ctrl_ring {
   uint64_t* hdr;        // the segment (its 256-byte header)
   uint64_t nslots;
