@@ -19,8 +19,13 @@ Run the tier on the GPU machine with ``bash scripts/gpu_tier.sh build tests``
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
+
+# Many ranks share 2 cores in CI: a waiting FFN rank polls for 2 ms after a payload, then
+# blocks (serving default: 10 s of polling, one core per FFN rank). Spawned workers inherit it.
+os.environ.setdefault("AFD_CONTROL_IDLE_S", "0.002")
 
 
 def pytest_configure(config):
