@@ -138,7 +138,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import time
 from collections import deque
@@ -165,15 +164,21 @@ from .schedule import (
     build_step_schedule,
     warmup_payload,
 )
+from .errors import AFDError
+from .spec import as_dtype as _as_dtype
+from .spec import dtype_name
 from .topology import Topology
+from .transport import create_transport
 from .transport.base import (
-    HEADER_VERSION,
-    AFDTransportError,
     MessageTag,
     PeerMap,
     PendingSend,
+    StepProgress,
     Transport,
+    TransportSetup,
 )
+from .transport.signal import AbortSignal
+from .transport.strict import HEADER_VERSION
 
 logger = logging.getLogger(__name__)
 
@@ -192,10 +197,6 @@ _MODEL_KWARGS = (
     "hidden_size", "num_layers", "dtype", "router_logits_width", "router_logits_dtype",
     "routing_spec", "send_token_ids", "tp_size", "device", "warmup_on_init", "vllm_config",
 )
-
-
-# Buffers of a generation whose NCCL abort overran its bound (see _teardown); never freed.
-_STUCK_BUFFERS: list[torch.Tensor] = []
 
 
 from .errors import ConnectorStateError  # noqa: E402,F401  defined once, in errors.py
@@ -251,16 +252,6 @@ class _Step:
             return f"step {self.step} (all {len(self.seq)} exchanges done)"
         layer, stage = self.seq[pos]
         return f"step {self.step}, layer {layer}, stage {stage}"
-
-
-def _as_dtype(value: Any, name: str) -> torch.dtype:
-    if isinstance(value, torch.dtype):
-        return value
-    if isinstance(value, str):
-        d = getattr(torch, value.replace("torch.", ""), None)
-        if isinstance(d, torch.dtype):
-            return d
-    raise ValueError(f"{name} must be a torch.dtype or its name (e.g. 'bfloat16'), got {value!r}")
 
 
 class _ConnectorControlPlane(AFDControlPlane):
@@ -396,18 +387,17 @@ class AFDConnector:
         self.control_plane = _ConnectorControlPlane(self)
         self._initialized = False
         self._store: rdzv.AFDStore | None = None
-        self._transport: Transport | None = None
+        self._transport: Transport | None = None  # the plain transport
+        self._checked: Transport | None = None  # the strict-mode view (the plain one when not strict)
+        self._signal: AbortSignal | None = None
         self._cp: Any = None
         self._broken: BaseException | None = None
         self._step: _Step | None = None
         self._step_counter = 0
         self._bufs: dict[Hashable, torch.Tensor] = {}
         self._arena: Any = None
-        self._streams: dict[int, Any] = {}
-        self._stream_events: dict[int, tuple[Any, Any]] = {}
         self._reply_sends: dict[int, _ReplySend] = {}
         self._last_call = time.monotonic()
-        self._published: tuple | None = None
 
     # ------------------------------------------------------------------ facts
 
@@ -504,9 +494,9 @@ class AFDConnector:
             "tp_size": self.topology.tp_size,
             "hidden_size": self.hidden_size,
             "num_layers": self.num_layers,
-            "hidden_dtype": str(self.dtype).replace("torch.", ""),
+            "hidden_dtype": dtype_name(self.dtype),
             "router_logits": None if self.router_logits_width is None
-            else [self.router_logits_width, str(self.router_logits_dtype).replace("torch.", "")],
+            else [self.router_logits_width, dtype_name(self.router_logits_dtype)],
             "token_ids": "int32" if self.send_token_ids else None,
             "wire_format": self.extra.wire_format,
             "packed_max_bytes": self.extra.packed_max_bytes,
@@ -543,29 +533,16 @@ class AFDConnector:
             self._broken = None
             self._step = None
             self._step_counter = 0
-            self._published = None
             self._last_call = time.monotonic()
             store = rdzv.connect(self.config.host, self.config.port, self.world_rank, self.world_size,
                                  timeout_s=extra.init_timeout_s, num_ffn_ranks=self.ffn_size)
             self._store = store
             rdzv.handshake(store, self.world_rank, self.world_size, self.handshake_fields(), extra.init_timeout_s)
-            timeout = self.data_timeout_s
-            if self.transport_kind == "gloo":
-                from .transport.gloo import GlooTransport
-
-                self._transport = GlooTransport(
-                    store.store, self.peer_map, strict=extra.strict, timeout_s=timeout,
-                    init_timeout_s=extra.init_timeout_s, abort_check=self._raise_if_aborted)
-            else:
-                from .transport.nccl import NcclTransport
-
-                if self.device.index is not None:
-                    torch.cuda.set_device(self.device)
-                self._transport = NcclTransport(
-                    store, self.topology, self.peer_map, self.device, strict=extra.strict,
-                    timeout_s=timeout, init_timeout_s=extra.init_timeout_s,
-                    abort_check=self._abort_probe, on_failure=self._on_transport_failure,
-                    blame=self._blame, on_tick=self._progress_tick)
+            self._signal = AbortSignal(store, self.peer_map.me)
+            setup = TransportSetup(store, self.topology, self.peer_map, self.device, self.data_timeout_s,
+                                   extra.init_timeout_s, abort=self._signal, progress=self._progress_snapshot,
+                                   publish_after_s=self.publish_after_s)
+            self._transport, self._checked = create_transport(self.transport_kind, setup, strict=extra.strict)
             channels = cpl.open_control_channels(
                 store, self.topology, self.role, self.role_rank, extra.control_channel, extra.init_timeout_s,
                 options=cpl.ChannelOptions.from_env(heartbeat_interval_s=extra.heartbeat_interval_s,
@@ -605,146 +582,36 @@ class AFDConnector:
         self._reply_sends.clear()
         old_bufs, self._bufs = self._bufs, {}
         self._arena = None
-        self._streams.clear()
-        self._stream_events.clear()
         cp, self._cp = self._cp, None
         if cp is not None:
             try:
                 cp.close()
             except Exception as e:  # noqa: BLE001 - close must not raise
                 logger.warning("closing AFD control channels: %s", e)
-        tr, self._transport = self._transport, None
+        tr, self._transport, self._checked = self._transport, None, None
         if tr is not None:
             try:
-                tr.close()
+                tr.close(buffers=list(old_bufs.values()))
             except Exception as e:  # noqa: BLE001
                 logger.warning("closing AFD %s transport: %s", tr.kind, e)
-            if tr.kind == "nccl":
-                from .transport.nccl import pending_releases
-
-                if pending_releases():
-                    # An NCCL abort overran its bound: its kernels may still write into
-                    # these buffers; never hand their memory to the next generation.
-                    _STUCK_BUFFERS.extend(old_bufs.values())
-                    logger.error("%s: keeping %d fan-in/reply buffers alive: NCCL teardown still running (%s)",
-                                 self.peer_map.me, len(old_bufs), "; ".join(pending_releases()))
         old_bufs.clear()
         self._store = None
+        self._signal = None
 
-    def _raise_if_aborted(self, op: str = "") -> None:
-        store = self._store
-        if store is None:
-            return
-        try:
-            rdzv.raise_if_aborted(store, op=op)
-        except rdzv.StepAbortedError:
-            raise
-        except Exception as e:  # noqa: BLE001 - the store lives in FFN rank 0
-            raise AFDTransportError(
-                f"AFD {self.peer_map.me}: the rendezvous store at {store.host}:{store.port} (hosted by FFN rank 0) "
-                f"is unreachable while {op or 'waiting'}: {e}. FFN rank 0 probably died.", op=op) from None
-
-    def _abort_probe(self) -> BaseException | None:
-        try:
-            self._raise_if_aborted("in-flight NCCL work")
-        except BaseException as e:  # noqa: BLE001
-            return e
-        return None
-
-    def _on_transport_failure(self, exc: BaseException) -> None:
-        # Called by the NCCL watchdog thread after it aborted the communicators.
-        if self._broken is None:
-            self._broken = exc
-        if not isinstance(exc, rdzv.StepAbortedError) and self._store is not None:
-            rdzv.post_abort(self._store, str(exc), by=self.peer_map.me)
-
-    # ------------------------------------------------------------------ internals: who is stuck (NCCL)
-
-    def _progress_tick(self, now: float, oldest: Any) -> None:
-        """Watchdog thread: publish this rank's progress once it waits or idles mid-step for long.
-
-        Cheap when healthy (no store traffic): publishes only when this rank has
-        an operation in flight for more than :attr:`publish_after_s`, or is
-        mid-step with nothing in flight and no connector call for that long
-        (its caller is stalled), and only when the report changed.
-        """
-        st, store = self._step, self._store
-        if st is None or store is None or not self._initialized:
-            return
-        thr = self.publish_after_s
-        if oldest is not None and now - oldest.started > thr:
-            state, detail = "waiting", f"waiting {now - oldest.started:.1f} s on {oldest.describe()}"
-            key = (st.step, st.send_pos, st.recv_pos, "waiting", id(oldest))
-        elif oldest is None and not self._step_complete(st) and now - self._last_call > thr:
-            state = "idle"
-            detail = (f"idle in its caller mid-step for {now - self._last_call:.1f} s (no connector call; "
-                      f"{self._progress(st)}): the process is alive but stalled outside the connector")
-            key = (st.step, st.send_pos, st.recv_pos, "idle")
-        else:
-            return
-        if key == self._published:
-            return
-        self._published = key  # once per report, even if the store is gone (no retry storm)
-        rec = {"step": st.step, "sent": st.send_pos, "received": st.recv_pos, "total": st.total,
-               "state": state, "detail": detail, "time": time.time()}
-        try:
-            store.set(f"progress/{self.world_rank}", json.dumps(rec))
-        except Exception as e:  # noqa: BLE001 - diagnostics only; the store may be gone with FFN rank 0
-            logger.warning("%s: could not publish step progress: %s", self.peer_map.me, e)
-
-    def _read_progress(self, world_rank: int) -> dict | None:
-        store = self._store
-        key = f"progress/{world_rank}"
-        if store is None or not store.check([key]):
+    def _progress_snapshot(self) -> StepProgress | None:
+        """This rank's step position for the transport's stall reports (read from its watchdog thread)."""
+        st = self._step
+        if st is None or not self._initialized:
             return None
-        return json.loads(store.get(key).decode("utf-8"))
-
-    def _blame(self, op: Any) -> tuple[str, list[str]] | None:
-        """Watchdog thread, when ``op`` expired: which of its peers did not make the matching call.
-
-        Returns ``(text, culprit labels)`` from the peers' published progress
-        (see :meth:`_progress_tick`), or None when ``op`` carries no exchange.
-        """
-        tag, st = op.tag, self._step
-        if tag is None or not op.peer_ranks or tag.layer < 0:
-            return None
-        need = None
-        if st is not None and st.step == tag.step and (tag.layer, tag.stage) in st.seq:
-            need = st.seq.index((tag.layer, tag.stage)) + 1
-        is_send = op.what.endswith("send (split-back)")
-        field, call = ("received", "receive") if is_send else ("sent", "send")
-        culprits: list[str] = []
-        notes: list[str] = []
-        for wr, label in zip(op.peer_ranks, op.peers):
-            try:
-                rec = self._read_progress(wr)
-            except Exception as e:  # noqa: BLE001 - the store may be gone with FFN rank 0
-                notes.append(f"{label}: progress unknown ({e})")
-                continue
-            if rec is None or int(rec.get("step", -1)) < tag.step:
-                why = ("it published no progress report (nothing in flight, not idle mid-step: it is "
-                       "probably dead)") if rec is None else                     f"its last progress report is from step {rec.get('step')}: {rec.get('detail')}"
-                culprits.append(label)
-                notes.append(f"waiting on {label}: it has not issued the matching {call} ({why})")
-            elif need is not None and int(rec["step"]) == tag.step and int(rec.get(field, 0)) < need:
-                culprits.append(label)
-                notes.append(f"waiting on {label}: it has not issued the matching {call} (step {rec['step']}: "
-                             f"{rec.get(field)} of {rec.get('total')} exchanges {field}; {rec.get('detail')})")
-            elif need is None and int(rec["step"]) == tag.step:
-                notes.append(f"{label} reports step {rec['step']}: {rec.get(field)} of {rec.get('total')} "
-                             f"exchanges {field} ({rec.get('detail')})")
-            else:
-                notes.append(f"{label} issued the matching {call} ({rec.get('detail')})")
-        if not notes:
-            return None
-        return "; ".join(notes) + ".", culprits
+        return StepProgress(st.step, st.total, st.send_pos, st.recv_pos, self._step_complete(st), tuple(st.seq),
+                            self._progress(st), time.monotonic() - self._last_call)
 
     def _fail_step(self, exc: BaseException) -> None:
         """Abort the step on every rank: post the abort signal, abort our transport."""
         if self._broken is None:
             self._broken = exc
-        if self._store is not None and not isinstance(exc, rdzv.StepAbortedError):
-            rdzv.post_abort(self._store, str(exc).splitlines()[0][:2000], by=self.peer_map.me)
+        if self._signal is not None:
+            self._signal.post(exc)
         if self._transport is not None:
             try:
                 self._transport.abort(str(exc).splitlines()[0][:200])
@@ -764,9 +631,7 @@ class AFDConnector:
             ) from self._broken
         tr = self._transport
         try:
-            tr.check_health()
-            if tr.kind == "gloo":
-                self._raise_if_aborted(op)
+            tr.check_health(MessageTag(op, "a2f", self._step_counter, -1, -1))
         except BaseException as e:
             self._fail_step(e)
             raise
@@ -783,47 +648,7 @@ class AFDConnector:
             )
         return self._cp
 
-    # ------------------------------------------------------------------ streams and buffers
-
-    @property
-    def _cuda(self) -> bool:
-        return self.device.type == "cuda"
-
-    def _stage_stream(self, stage: int):
-        s = self._streams.get(stage)
-        if s is None:
-            # One stream per stage plus two reusable events (fork: caller -> stage,
-            # join: stage -> caller); created when a payload is applied, never inside
-            # a capture. Re-recording an event does not affect earlier waits on it.
-            s = torch.cuda.Stream(device=self.device)
-            self._streams[stage] = s
-            self._stream_events[stage] = (torch.cuda.Event(), torch.cuda.Event())
-        return s
-
-    @contextlib.contextmanager
-    def _on_stage(self, stage: int) -> Iterator[None]:
-        """Run the body on ``stage``'s stream, after the caller's current stream (no-op on CPU)."""
-        if not self._cuda:
-            yield
-            return
-        ss = self._stage_stream(stage)
-        fork, _ = self._stream_events[stage]
-        fork.record(torch.cuda.current_stream(self.device))
-        ss.wait_event(fork)
-        with torch.cuda.stream(ss):
-            yield
-
-    def _join(self, stages) -> None:
-        """Make the caller's current stream wait for the given stage streams (no-op on CPU)."""
-        if not self._cuda:
-            return
-        cur = torch.cuda.current_stream(self.device)
-        for s in stages:
-            ss = self._streams.get(s)
-            if ss is not None:
-                _, join = self._stream_events[s]
-                join.record(ss)
-                cur.wait_event(join)
+    # ------------------------------------------------------------------ buffers
 
     def use_static_arena(self, arena: Any) -> None:
         """Take every buffer from ``arena`` (a :class:`afd_ext.graphs.StaticArena`) from now on, or stop (None).
@@ -899,8 +724,8 @@ class AFDConnector:
         st = _Step(self._step_counter, sch, seq, strict, pending={s: deque() for s in sch.stages})
         for s in sch.stages:
             st.bufs[s] = self._stage_buffers(st, s)
-            if self._cuda:
-                self._stage_stream(s)
+        if self._transport is not None:
+            self._transport.prepare_stages(sch.stages)
         self._step = st
         return st
 
@@ -953,13 +778,17 @@ class AFDConnector:
         if release:
             del self._reply_sends[stage]
 
+    def _data(self, st: _Step) -> Transport:
+        """The transport of ``st``'s data calls: the strict-mode view unless the step is captured/replayed."""
+        return self._checked if st.strict else self._transport
+
     def _tag(self, st: _Step, op: str, direction: str, layer: int, stage: int, layer_idx: int = -1) -> MessageTag:
         return MessageTag(op, direction, st.step, layer, stage, layer_idx)
 
     def _transport_call(self, fn, *args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except RuntimeError as e:  # AFDTransportError and StepAbortedError included
+        except (AFDError, RuntimeError) as e:  # every transport error (AFDPeerError is a ConnectionError)
             self._fail_step(e)
             raise
 
@@ -1041,18 +870,17 @@ class AFDConnector:
         sch = st.schedule
         plan = sch.attention_plan(stage, self.role_rank)
         tag = self._tag(st, op, "a2f", layer, stage, layer_idx)
-        tr.strict = st.strict
-        with self._on_stage(stage):
-            if sch.wire_format(stage) == PACKED:
-                wire = st.bufs[stage]["wire"]
-                if plan.total:
-                    from . import ops
+        tr = self._data(st)
+        if sch.wire_format(stage) == PACKED:
+            wire = st.bufs[stage]["wire"]
+            if plan.total:
+                from . import ops
 
-                    ops.pack_rows(hidden, logits, ids, wire)
-                tensors: tuple = (wire,)
-            else:
-                tensors = (hidden, logits, ids)
-            pending = self._transport_call(tr.split_back, tensors, plan.peers, plan.rows, tag=tag)
+                ops.pack_rows(hidden, logits, ids, wire)
+            tensors: tuple = (wire,)
+        else:
+            tensors = (hidden, logits, ids)
+        pending = self._transport_call(tr.split_back, tensors, plan.peers, plan.rows, tag=tag)
         st.pending[stage].append(_Exchange(layer, stage, tag, pending, (hidden, logits, ids)))
         st.send_pos += 1
 
@@ -1104,12 +932,9 @@ class AFDConnector:
     def _recv_reply(self, st: _Step, tr: Transport, ex: _Exchange, ref_tensor: torch.Tensor, op: str) -> None:
         plan = st.schedule.attention_plan(ex.stage, self.role_rank)
         tag = self._tag(st, op, "f2a", ex.layer, ex.stage, ex.tag.layer_idx)
-        tr.strict = st.strict
-        with self._on_stage(ex.stage):
-            self._transport_call(tr.fan_in, (ref_tensor, None, None), plan.peers, plan.rows, tag=tag)
+        self._transport_call(self._data(st).fan_in, (ref_tensor, None, None), plan.peers, plan.rows, tag=tag)
         # The reply came back, so our sends of this exchange were received: safe to release.
         self._transport_call(ex.pending.wait)
-        self._join((ex.stage,))
         st.pending[ex.stage].popleft()
         st.recv_pos += 1
 
@@ -1225,18 +1050,16 @@ class AFDConnector:
         # caller computed in place in this buffer (gloo); it completes as soon as
         # the peer posts its receive, which it does without waiting for us.
         self._wait_reply_send(stage, release=False)
-        tr.strict = st.strict
-        with self._on_stage(stage):
-            if sch.wire_format(stage) == PACKED:
-                wire = bufs["wire"]
-                self._transport_call(tr.fan_in, (wire,), plan.peers, plan.rows, tag=tag)
-                if plan.total:
-                    from . import ops
+        tr = self._data(st)
+        if sch.wire_format(stage) == PACKED:
+            wire = bufs["wire"]
+            self._transport_call(tr.fan_in, (wire,), plan.peers, plan.rows, tag=tag)
+            if plan.total:
+                from . import ops
 
-                    ops.unpack_rows(wire, hidden, logits, ids)
-            else:
-                self._transport_call(tr.fan_in, (hidden, logits, ids), plan.peers, plan.rows, tag=tag)
-        self._join((stage,))
+                ops.unpack_rows(wire, hidden, logits, ids)
+        else:
+            self._transport_call(tr.fan_in, (hidden, logits, ids), plan.peers, plan.rows, tag=tag)
         self._reply_sends.pop(stage, None)  # the previous reply's memory is free for the caller again
         st.recv_pos += 1
         meta = AFDTransferMetadata.create_ffn_metadata(layer_idx=layer, stage_idx=stage, seq_lens=list(plan.rows))
@@ -1290,9 +1113,8 @@ class AFDConnector:
             raise self._reject(st, e, moved=True) from None
         plan = st.schedule.ffn_plan(stage, self.role_rank)
         tag = self._tag(st, op, "f2a", layer, stage, layer)
-        tr.strict = st.strict
-        with self._on_stage(stage):
-            pending = self._transport_call(tr.split_back, (ffn_output, None, None), plan.peers, plan.rows, tag=tag)
+        pending = self._transport_call(self._data(st).split_back, (ffn_output, None, None), plan.peers, plan.rows,
+                                       tag=tag)
         # Keep ffn_output alive until the stage stream is joined again (next
         # recv_attn_output of this stage, or the end of the step): the caching
         # allocator must not hand its memory to the caller's stream while the
@@ -1300,7 +1122,7 @@ class AFDConnector:
         self._reply_sends[stage] = _ReplySend(pending, ffn_output)
         st.send_pos += 1
         if st.send_pos >= st.total:
-            self._join(st.schedule.stages)
+            tr.join()
 
     # ------------------------------------------------------------------ warm-up
 
@@ -1374,63 +1196,48 @@ class AFDConnector:
         """
         op = "synchronize"
         tr = self._check_usable(op)
-        if not self._cuda:
-            return
-        self._join(list(self._streams))
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(self.device))
-        wd = getattr(tr, "watchdog", None)
-        names: list[str] = []
-        ranks: list[int] = []
-        for o in (wd.in_flight if wd is not None else ()):
-            for name, r in zip(o.peers, o.peer_ranks):
-                if r not in ranks:
-                    names.append(name)
-                    ranks.append(r)
         st = self._step
         where = self._progress(st) if st is not None else "no step"
         tag = MessageTag(op, "a2f", self._step_counter, -1, -1)
-        self._transport_call(tr.wait_event, ev, f"wait for every exchange issued ({where})",
-                             names or ["no peer (nothing in flight)"], tag, ranks)
-        store = self._store
-        if store is None:
+        self._transport_call(tr.synchronize, f"wait for every exchange issued ({where})", tag)
+        sig = self._signal
+        if sig is None:
             return
         try:
-            rdzv.raise_if_aborted(store, op=op)
+            sig.check(op)
         except rdzv.StepAbortedError as e:
             self._fail_step(e)
             raise
         except Exception as e:  # noqa: BLE001
             # The store is gone (FFN rank 0 exited after its last step, or died): nothing
-            # to learn here; a real failure reaches this rank through its watchdog.
+            # to learn here; a real failure reaches this rank through its transport.
             logger.debug("%s: synchronize could not read the abort signal: %s", self.peer_map.me, e)
 
     def track_graph_replay(self, what: str) -> None:
-        """Let the NCCL watchdog follow a CUDA-graph replay just launched on the current stream.
+        """Let the transport follow a CUDA-graph replay just launched on the current stream.
 
         Called by :mod:`afd_ext.graphs` after every replay, so replays are under
         the same ``step_timeout_s`` deadline as eager exchanges: a dead or
         stalled peer becomes an error naming this rank's peers and ``what``
         (e.g. ``"CUDA-graph replay of layer 3"``), raised by the next connector
-        call or :meth:`synchronize`. No-op on gloo.
+        call or :meth:`synchronize`. No-op when not initialised.
         """
-        fn = getattr(self._transport, "track_replay", None)
-        if fn is not None:
-            fn(what, MessageTag("graph replay", "a2f", self._step_counter, -1, -1))
+        if self._transport is not None:
+            self._transport.track_replay(what, MessageTag("graph replay", "a2f", self._step_counter, -1, -1))
 
     @contextlib.contextmanager
     def watchdog_suspended(self) -> Iterator[None]:
-        """Pause the NCCL watchdog's event polling around a CUDA-graph capture.
+        """Hold off the transport's background polls around a CUDA-graph capture.
 
-        ``cudaEventQuery`` from the watchdog thread is not allowed while a
+        ``cudaEventQuery`` from the NCCL watchdog thread is not allowed while a
         stream captures in the global capture mode (it would invalidate the
-        capture). Deadlines of work issued before keep running. No-op on gloo.
+        capture). Deadlines of work issued before keep running.
         """
-        wd = getattr(self._transport, "watchdog", None)
-        if wd is None:
+        tr = self._transport
+        if tr is None:
             yield
             return
-        with wd.suspended():
+        with tr.capture_guard():
             yield
 
     # ------------------------------------------------------------------ introspection

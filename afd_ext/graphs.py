@@ -59,7 +59,6 @@ sends each step's payload (with the replay flag) before replaying.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import dataclasses
 import enum
 import logging
@@ -1281,19 +1280,6 @@ def padded_payload(payload: Any, pad: Mapping[int, int], **flags: bool) -> Any:
     )
 
 
-def _track_replay(connector: Any, what: str) -> None:
-    """Hand a replay just launched to the connector's watchdog (``track_graph_replay``), if it has one."""
-    fn = getattr(connector, "track_graph_replay", None)
-    if fn is not None:
-        fn(what)
-
-
-def _watchdog_paused(connector: Any):
-    """The connector's ``watchdog_suspended()`` context (event polling paused during a capture), if it has one."""
-    fn = getattr(connector, "watchdog_suspended", None)
-    return fn() if fn is not None else contextlib.nullcontext()
-
-
 def _cache_size(connector: Any, cache_size: int | None) -> int:
     """``cache_size``, else the connector's ``connector_extra_config.graph_cache_size`` (0 = graphs disabled)."""
     if cache_size is not None:
@@ -1433,7 +1419,7 @@ class AttentionGraphRunner:
             cp.update_state_from_dp_metadata(cap)
             cp.send_dp_metadata_list(cap)
             bodies = [lambda layer=layer: self._dummy_layer(static, layer) for layer in range(layers)]
-            with _watchdog_paused(conn):
+            with conn.watchdog_suspended():
                 self.ctl.capture_parts(key, arena, bodies, outputs=static)
         finally:
             conn.use_static_arena(None)
@@ -1489,7 +1475,7 @@ class AttentionGraphRunner:
             torch.cuda.synchronize(rows.device)
         t0 = time.perf_counter_ns()
         self.ctl.replay(self._key, part=part)
-        _track_replay(self.connector, f"CUDA-graph replay of layer {layer_idx}")
+        self.connector.track_graph_replay(f"CUDA-graph replay of layer {layer_idx}")
         if cuda:
             torch.cuda.synchronize(rows.device)
         if timing:
@@ -1553,7 +1539,7 @@ class FFNGraphServer:
             # with the attention side; the graph itself reads only its arena.
             conn.control_plane.update_state_from_dp_metadata(payload)
             self.ctl.replay(key)
-            _track_replay(conn, f"CUDA-graph replay of step {srv.steps} ({conn.schedule_config.num_layers} layers)")
+            conn.track_graph_replay(f"CUDA-graph replay of step {srv.steps} ({conn.schedule_config.num_layers} layers)")
             srv.steps += 1
             srv.rows_served += conn.schedule_config.num_layers * sum(
                 sched.ffn_rows(s, conn.role_rank) for s in sched.stages)
@@ -1563,7 +1549,7 @@ class FFNGraphServer:
             rows_before = srv.rows_served
             try:
                 conn.control_plane.update_state_from_dp_metadata(payload)
-                with _watchdog_paused(conn):
+                with conn.watchdog_suspended():
                     self.ctl.capture(key, arena, lambda: srv.serve_exchanges(payload))
             finally:
                 conn.use_static_arena(None)

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from . import _C  # noqa: F401  (loads the library: registers torch.ops.afd_ext.*)
+from . import spec as _spec
 
 __all__ = [
     "WIRE_ALIGN",
@@ -64,17 +65,8 @@ _NCCL_RUNTIME_VERSION = int(_ops.nccl_version())
 WIRE_ALIGN = 16
 #: Bytes of an ``ncclUniqueId``.
 NCCL_UNIQUE_ID_BYTES = 128
-#: Dtypes the ops move (NCCL moves them as bytes; fp8 included).
-WIRE_DTYPES = (
-    torch.bfloat16,
-    torch.float16,
-    torch.float32,
-    torch.float8_e4m3fn,
-    torch.float8_e5m2,
-    torch.int32,
-    torch.int64,
-    torch.uint8,
-)
+#: Dtypes the ops move (NCCL moves them as bytes; fp8 included): the one table, in spec.py.
+WIRE_DTYPES = _spec.WIRE_DTYPES
 
 
 def is_cuda_built() -> bool:

@@ -73,6 +73,8 @@ import torch
 from .config import DEFAULT_PACKED_MAX_BYTES
 from .metadata import AFDControlPayload
 from .topology import Topology
+from .spec import HIDDEN_DTYPES as _HIDDEN_DTYPES  # the one dtype table
+from .spec import TOKEN_IDS_DTYPE
 
 __all__ = [
     "A2F",
@@ -105,22 +107,6 @@ WIRE_FORMATS = (AUTO, PACKED, PER_TENSOR)
 
 #: Each part of a packed wire row starts at a multiple of this many bytes.
 WIRE_ALIGN_BYTES = 16
-#: Token ids travel as int32 (the reference's wire dtype).
-TOKEN_IDS_DTYPE = torch.int32
-
-_HIDDEN_DTYPES = tuple(
-    d
-    for d in (
-        torch.bfloat16,
-        torch.float16,
-        torch.float32,
-        getattr(torch, "float8_e4m3fn", None),
-        getattr(torch, "float8_e5m2", None),
-    )
-    if d is not None
-)
-
-
 def _round_up(n: int, k: int) -> int:
     return (n + k - 1) // k * k
 
