@@ -58,7 +58,6 @@ sends each step's payload (with the replay flag) before replaying.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import enum
 import logging
@@ -101,8 +100,7 @@ __all__ = [
     "FFNGraphServer",
 ]
 
-# vLLM's default cudagraph capture sizes: 1, 2, 4, then every 8 up to 512.
-DEFAULT_CAPTURE_SIZES: tuple[int, ...] = (1, 2, 4) + tuple(range(8, 513, 8))
+from .schedule import DEFAULT_CAPTURE_SIZES, _check_capture_sizes, capture_size_for  # noqa: E402  the one padding rule
 
 
 from .errors import (  # noqa: E402,F401  defined once, in errors.py
@@ -454,34 +452,6 @@ def decide_step_mode(payload: Any, *, graphs_enabled: bool = True) -> StepMode:
 # ---------------------------------------------------------------------------
 # Padding
 # ---------------------------------------------------------------------------
-
-
-def _check_capture_sizes(capture_sizes: Sequence[int]) -> tuple[int, ...]:
-    sizes = tuple(capture_sizes)
-    if not sizes:
-        raise ValueError("capture_sizes is empty; give at least one size, e.g. [1, 2, 4, 8]")
-    if any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
-        raise ValueError(f"capture sizes must be ints >= 1, got {list(sizes)}")
-    if list(sizes) != sorted(set(sizes)):
-        raise ValueError(f"capture sizes must be strictly increasing, got {list(sizes)}")
-    return sizes
-
-
-def capture_size_for(count: int, capture_sizes: Sequence[int] = DEFAULT_CAPTURE_SIZES) -> int | None:
-    """Smallest capture size >= ``max(count, 1)``, or None when ``count`` exceeds the largest.
-
-    Args:
-        count: the largest per-peer row count of a stage (>= 0).
-        capture_sizes: strictly increasing positive sizes.
-
-    Raises:
-        ValueError: ``count`` < 0 or a malformed size list.
-    """
-    sizes = _check_capture_sizes(capture_sizes)
-    if count < 0:
-        raise ValueError(f"count must be >= 0, got {count}")
-    i = bisect.bisect_left(sizes, max(count, 1))
-    return sizes[i] if i < len(sizes) else None
 
 
 def pad_stage_counts(

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from .errors import AFDConfigError
+
 __all__ = ["ExchangeSpec", "SPEC_KWARGS", "DTYPE_CODES", "WIRE_DTYPES", "HIDDEN_DTYPES", "TOKEN_IDS_DTYPE", "dtype_code", "dtype_name",
            "dtype_from_code", "as_dtype"]
 
@@ -53,7 +55,7 @@ def dtype_code(dtype: torch.dtype) -> int:
     try:
         return DTYPE_CODES[dtype]
     except KeyError:
-        raise ValueError(f"dtype {dtype} cannot travel on the AFD wire; known: {list(DTYPE_CODES)}") from None
+        raise AFDConfigError(f"dtype {dtype} cannot travel on the AFD wire; known: {list(DTYPE_CODES)}") from None
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -79,7 +81,7 @@ def as_dtype(value: Any, name: str) -> torch.dtype:
         d = getattr(torch, value.replace("torch.", ""), None)
         if isinstance(d, torch.dtype):
             return d
-    raise ValueError(f"{name} must be a torch.dtype or its name (e.g. 'bfloat16'), got {value!r}")
+    raise AFDConfigError(f"{name} must be a torch.dtype or its name (e.g. 'bfloat16'), got {value!r}")
 
 
 # ------------------------------------------------------------------ the exchange's static facts
@@ -141,7 +143,7 @@ class ExchangeSpec:
         layers = get("num_layers")
         for name, v in (("hidden_size", hidden), ("num_layers", layers)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(
+                raise AFDConfigError(
                     f"AFDConnector needs {name} (an int >= 1) as a keyword argument or from vllm_config, got {v!r}"
                 )
         dtype = as_dtype(get("dtype", torch.bfloat16), "dtype")
@@ -154,15 +156,15 @@ class ExchangeSpec:
 
                 spec = AFDExpertRoutingSpec(*spec)
             if width is not None and width != spec.router_logits_width:
-                raise ValueError(f"router_logits_width={width} disagrees with routing_spec {spec}")
+                raise AFDConfigError(f"router_logits_width={width} disagrees with routing_spec {spec}")
             width = spec.router_logits_width
             ldtype = ldtype or spec.router_logits_dtype
         if width is not None and (isinstance(width, bool) or not isinstance(width, int) or width < 1):
-            raise ValueError(f"router_logits_width must be None or an int >= 1, got {width!r}")
+            raise AFDConfigError(f"router_logits_width must be None or an int >= 1, got {width!r}")
         ldtype = as_dtype(ldtype or torch.float32, "router_logits_dtype")
         ids = kw.get("send_token_ids", False)
         if not isinstance(ids, bool):
-            raise ValueError(f"send_token_ids must be a bool, got {ids!r}")
+            raise AFDConfigError(f"send_token_ids must be a bool, got {ids!r}")
         return cls(hidden, layers, dtype, width, ldtype, ids, get("tp_size", 1))
 
     def handshake_fields(self) -> dict[str, Any]:

@@ -334,7 +334,7 @@ def test_connector_progress_snapshot_matches_its_step():
     c._initialized = True
     payload = AFDControlPayload({0: [2, 3]})
     c._start_step(build_step_schedule(c.topology, payload, c.schedule_config), payload)
-    c._step.send_pos, c._step.recv_pos = 2, 1
+    c._step.seq.sent, c._step.seq.received = 2, 1
     p = c._progress_snapshot()
     assert (p.step, p.total, p.sent, p.received, p.complete, p.seq) == (1, 2, 2, 1, False, ((0, 0), (1, 0)))
     assert p.text == "2 of 2 exchanges sent, 1 replies received" and p.idle_s >= 0

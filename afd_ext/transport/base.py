@@ -49,6 +49,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 import torch
 
 from ..errors import (  # noqa: F401  defined once, in errors.py; re-exported for transports
+    AFDConfigError,
     AFDPeerError,
     AFDProtocolError,
     AFDTimeoutError,
@@ -263,14 +264,14 @@ class Transport(abc.ABC):
     # -- checks ------------------------------------------------------------------
 
     def check_device(self, t: torch.Tensor, name: str) -> None:
-        """Raise ``ValueError`` unless ``t`` is on this transport's device (before anything moves)."""
+        """Raise :class:`~afd_ext.errors.AFDConfigError` (a ``ValueError``) unless ``t`` is on this transport's device (before anything moves)."""
         if t.device != self.device:
             if t.device.type != self.device_type:
-                raise ValueError(
+                raise AFDConfigError(
                     f"{name} is on {t.device} but the {self.kind} transport moves {self.device_type.upper()} "
                     f"tensors on {self.device}; move it with .to('{self.device}') or configure a transport "
                     f"for {t.device.type} tensors ('nccl': CUDA, 'gloo': CPU)")
-            raise ValueError(f"{name} must be on {self.device}, got {t.device}")
+            raise AFDConfigError(f"{name} must be on {self.device}, got {t.device}")
 
     def _check_open(self, tag: MessageTag | None = None) -> None:
         if self._closed is not None:

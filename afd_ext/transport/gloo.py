@@ -50,6 +50,7 @@ from .base import (
     TransportSetup,
     row_offsets,
 )
+from ..errors import AFDConfigError
 from .signal import AbortSignal
 
 logger = logging.getLogger(__name__)
@@ -150,7 +151,7 @@ class GlooTransport(Transport):
     @classmethod
     def from_setup(cls, setup: TransportSetup) -> "GlooTransport":
         if setup.device.type != "cpu":
-            raise ValueError(f"the gloo transport moves CPU tensors; device must be cpu, got {setup.device}")
+            raise AFDConfigError(f"the gloo transport moves CPU tensors; device must be cpu, got {setup.device}")
         return cls(setup.store.store, setup.peers, timeout_s=setup.timeout_s,
                    init_timeout_s=setup.init_timeout_s, abort=setup.abort)
 

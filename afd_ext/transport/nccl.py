@@ -74,6 +74,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from ..watchdog import Watchdog, host_wait
+from ..errors import AFDConfigError, AFDStateError
 from .base import (
     AFDTimeoutError,
     AFDTransportError,
@@ -158,7 +159,7 @@ def _wait_pending(timeout_s: float, owner: str) -> None:
         time.sleep(0.01)
         left = pending_releases()
     if left:
-        raise RuntimeError(
+        raise AFDStateError(
             f"AFD {owner}: earlier NCCL calls of this process are still running after {timeout_s:.0f} s: "
             f"{'; '.join(left)}. A new communicator would queue behind them on the GPU and hang; restart "
             "this process (its GPU work is stuck; see the stack dump / NCCL_DEBUG=INFO output).")
@@ -180,8 +181,8 @@ class NcclTransport(Transport):
         timeout_s: deadline of an in-flight operation, seconds.
         init_timeout_s: one deadline for the whole setup (unique-id exchange and every
             ``ncclCommInitRank``), seconds.
-        abort: the generation's :class:`~afd_ext.transport.signal.AbortSignal` (default:
-            one over ``store``), polled by the watchdog and posted on failure.
+        abort: the generation's :class:`~afd_ext.transport.signal.AbortSignal`, polled by the
+            watchdog and posted on failure; or None (nothing polled or posted).
         progress: callable returning this rank's :class:`~afd_ext.transport.base.StepProgress`,
             for naming the stalled peer (:mod:`afd_ext.transport.stall`); or None.
         publish_after_s: see :class:`~afd_ext.transport.stall.StallReports` (default ``0.4 * timeout_s``).
@@ -204,7 +205,7 @@ class NcclTransport(Transport):
                  progress: Callable[[], StepProgress | None] | None = None, publish_after_s: float | None = None):
         device = torch.device(device)
         if device.type != "cuda":
-            raise ValueError(f"the NCCL transport needs a CUDA device, got {device}")
+            raise AFDConfigError(f"the NCCL transport needs a CUDA device, got {device}")
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         super().__init__(peers, device, timeout_s=timeout_s)
@@ -218,8 +219,6 @@ class NcclTransport(Transport):
         self._streams: dict[int, Any] = {}  # stage -> stream
         self._stream_events: dict[int, tuple[Any, Any]] = {}  # stage -> (fork, join) events
         self._aborted = False
-        if abort is None and store is not None:
-            abort = AbortSignal(store, peers.me)
         self._signal = abort
         self._store = store  # the rendezvous store (tests read the posted abort through it)
         stall = None
@@ -358,7 +357,7 @@ class NcclTransport(Transport):
         try:
             return self._comms[(a, f, direction)]
         except KeyError:
-            raise ValueError(f"attention rank {a} and FFN rank {f} are not peers (no communicator)") from None
+            raise AFDConfigError(f"attention rank {a} and FFN rank {f} are not peers (no communicator)") from None
 
     def _named_comms(self) -> list[tuple[int, str]]:
         """The live communicators and their names, for the watchdog's polls (names formatted once)."""
