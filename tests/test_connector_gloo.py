@@ -330,12 +330,12 @@ def test_connector_progress_snapshot_matches_its_step():
     cfg = AFDConfig(role="attention", num_attention_ranks=2, num_ffn_ranks=1,
                     connector_extra_config={"transport": "gloo", "step_timeout_s": 5.0})
     c = AFDConnector(0, 0, cfg, 0, hidden_size=8, num_layers=2)
-    assert c._progress_snapshot() is None  # not initialised
-    c._initialized = True
+    assert c._s.progress() is None  # not initialised
+    c._s.initialized = True
     payload = AFDControlPayload({0: [2, 3]})
-    c._start_step(build_step_schedule(c.topology, payload, c.schedule_config), payload)
-    c._step.seq.sent, c._step.seq.received = 2, 1
-    p = c._progress_snapshot()
+    c._s.start_step(build_step_schedule(c.topology, payload, c.schedule_config), payload)
+    c._s.step.seq.sent, c._s.step.seq.received = 2, 1
+    p = c._s.progress()
     assert (p.step, p.total, p.sent, p.received, p.complete, p.seq) == (1, 2, 2, 1, False, ((0, 0), (1, 0)))
     assert p.text == "2 of 2 exchanges sent, 1 replies received" and p.idle_s >= 0
 

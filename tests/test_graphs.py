@@ -631,10 +631,13 @@ def test_replays_are_handed_to_the_transport():
         def track_replay(self, what, tag):
             seen.append((what, tag))
 
-    conn = object.__new__(AFDConnector)  # only the two attributes the hook reads
-    conn._transport, conn._step_counter = Tracking(), 5
+    from afd_ext.connector.session import Session
+
+    conn = object.__new__(AFDConnector)  # only the session the hook reads
+    conn._s = Session("attention rank 0 (world rank 1)", "attention", False, None)
+    conn._s.transport, conn._s.step_counter = Tracking(), 5
     conn.track_graph_replay("CUDA-graph replay of layer 2")
     assert seen == [("CUDA-graph replay of layer 2", MessageTag("graph replay", "a2f", 5, -1, -1))]
-    conn._transport = None  # not initialised: nothing to follow
+    conn._s.transport = None  # not initialised: nothing to follow
     conn.track_graph_replay("CUDA-graph replay of layer 3")
     assert len(seen) == 1

@@ -17,29 +17,26 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import time
-from collections import deque
 from typing import Any, Iterator
 
 import torch
 
 from .. import rendezvous as rdzv
 from ..config import AFDConfig
-from ..errors import AFDConfigError, AFDError, AFDStateError, ConnectorStateError
+from ..errors import AFDConfigError, ConnectorStateError
 from ..metadata import AFDA2FTransferPayload, AFDControlPayload, AFDExpertRoutingSpec, AFDTransferContext
-from ..schedule import ScheduleConfig, StepSchedule, build_step_schedule, warmup_payload
+from ..schedule import StepSchedule, build_step_schedule, warmup_payload
 from ..spec import SPEC_KWARGS, ExchangeSpec
 from ..topology import Topology
-from ..transport import create_transport, transport_class
-from ..transport.base import MessageTag, PeerMap, StepProgress, Transport, TransportSetup
-from ..transport.signal import AbortSignal
+from ..transport import transport_class
+from ..transport.base import PeerMap, Transport
 from ..transport.strict import HEADER_VERSION
 from .attention import AttentionSide
 from .buffers import BufferPool
 from .control import _ConnectorControlPlane
 from .ffn import FFNSide
-from .sequencer import StepSequencer, exchange_order
-from .step import AfdExtTransferState, Step
+from .session import Session
+from .step import AfdExtTransferState
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +52,23 @@ __all__ = [
 CONNECTOR_FORMAT_VERSION = 1
 
 _MODEL_KWARGS = SPEC_KWARGS + ("device", "warmup_on_init")
+
+
+def _pick_device(kind: str, local_rank: int, override: Any) -> torch.device:
+    """``override``, else ``cpu`` / ``<type>:local_rank`` for transport ``kind``; checked against the transport.
+
+    Raises:
+        AFDConfigError: the device type is not the one the transport moves.
+    """
+    device_type = transport_class(kind).device_type
+    if override is not None:
+        device = torch.device(override)
+    else:
+        device = torch.device("cpu") if device_type == "cpu" else torch.device(device_type, int(local_rank))
+    if device.type != device_type:
+        raise AFDConfigError(f"the {kind} transport moves {device_type.upper()} tensors; device must be "
+                             f"{device_type}{':N' if device_type != 'cpu' else ''}, got {device}")
+    return device
 
 
 class AFDConnector:
@@ -104,44 +118,15 @@ class AFDConnector:
         self.world_size = self.topology.world_size
         self.transport_kind = self.extra.transport
         self.warmup_on_init = bool(kwargs.get("warmup_on_init", True))
-        device_type = transport_class(self.transport_kind).device_type
-        dev = kwargs.get("device")
-        if dev is not None:
-            self.device = torch.device(dev)
-        elif device_type == "cpu":
-            self.device = torch.device("cpu")
-        else:
-            self.device = torch.device(device_type, int(local_rank))
-        if self.device.type != device_type:
-            raise AFDConfigError(f"the {self.transport_kind} transport moves {device_type.upper()} tensors; device must "
-                             f"be {device_type}{':N' if device_type != 'cpu' else ''}, got {self.device}")
-        self.schedule_config = ScheduleConfig(
-            num_layers=self.spec.num_layers,
-            hidden_size=self.spec.hidden_size,
-            hidden_dtype=self.spec.dtype,
-            router_logits_width=self.spec.router_logits_width,
-            router_logits_dtype=self.spec.router_logits_dtype,
-            send_token_ids=self.spec.send_token_ids,
-            wire_format=self.extra.wire_format,
-            clamp_idle_to_one=self.extra.clamp_idle_to_one,
-            packed_max_bytes=self.extra.packed_max_bytes,
-            max_stages=self.extra.max_stages,
-        )
+        self.device = _pick_device(self.transport_kind, local_rank, kwargs.get("device"))
+        self.schedule_config = self.spec.schedule_config(self.extra)
         self.peer_map = PeerMap(self.role, role_rank, self.attn_size, self.ffn_size)
         self.control_plane = _ConnectorControlPlane(self)
         self._buffers = BufferPool(self.role, role_rank, self.device)
-        self._attention = AttentionSide(self) if self.role == "attention" else None
-        self._ffn = FFNSide(self) if self.role == "ffn" else None
-        self._initialized = False
-        self._store: rdzv.AFDStore | None = None
-        self._signal: AbortSignal | None = None
-        self._transport: Transport | None = None  # the plain transport
-        self._checked: Transport | None = None  # its strict-mode view (itself when not strict)
+        self._s = Session(self.peer_map.me, self.role, self.extra.strict, self._buffers)
+        self._attention = AttentionSide(self._s, role_rank, self.device) if self.role == "attention" else None
+        self._ffn = FFNSide(self._s, role_rank, self.device) if self.role == "ffn" else None
         self._cp: Any = None
-        self._broken: BaseException | None = None
-        self._step: Step | None = None
-        self._step_counter = 0
-        self._last_call = time.monotonic()
 
     # ------------------------------------------------------------------ facts
 
@@ -166,7 +151,7 @@ class AFDConnector:
     @property
     def is_initialized(self) -> bool:
         """True between a successful :meth:`init_afd_connector` and :meth:`close`."""
-        return self._initialized
+        return self._s.initialized
 
     @property
     def data_timeout_s(self) -> float:
@@ -223,32 +208,10 @@ class AFDConnector:
             RuntimeError: NCCL failures.
             On any failure everything built so far is released; the call may be retried.
         """
-        if self._initialized:
+        if self._s.initialized:
             return
-        from .. import control_plane as cpl
-
-        extra = self.extra
         try:
-            self._broken = None
-            self._step = None
-            self._step_counter = 0
-            self._last_call = time.monotonic()
-            store = rdzv.connect(self.config.host, self.config.port, self.world_rank, self.world_size,
-                                 timeout_s=extra.init_timeout_s, num_ffn_ranks=self.ffn_size)
-            self._store = store
-            rdzv.handshake(store, self.world_rank, self.world_size, self.handshake_fields(), extra.init_timeout_s)
-            self._signal = AbortSignal(store, self.peer_map.me)
-            setup = TransportSetup(store, self.topology, self.peer_map, self.device, self.data_timeout_s,
-                                   extra.init_timeout_s, abort=self._signal, progress=self._progress_snapshot,
-                                   publish_after_s=self.publish_after_s)
-            self._transport, self._checked = create_transport(self.transport_kind, setup, strict=extra.strict)
-            channels = cpl.open_control_channels(
-                store, self.topology, self.role, self.role_rank, extra.control_channel, extra.init_timeout_s,
-                options=cpl.ChannelOptions.from_env(heartbeat_interval_s=extra.heartbeat_interval_s,
-                                                    heartbeat_timeout_s=extra.heartbeat_timeout_s))
-            self._cp = cpl.ChannelControlPlane(self._apply_payload, self.topology, self.role, self.role_rank,
-                                               channels, store=store)
-            self._initialized = True
+            self._cp = self._s.open(self)
             if self.warmup_on_init:
                 self.warmup()
         except BaseException:
@@ -265,85 +228,10 @@ class AFDConnector:
         self._teardown()
 
     def _teardown(self) -> None:
-        if self._ffn is not None:
-            if self._initialized and self._broken is None and self._transport is not None:
-                # Healthy close: the last replies may still be in flight (gloo sends
-                # asynchronously); let the peers take them (bounded by the deadline).
-                try:
-                    self._ffn.settle()
-                except Exception as e:  # noqa: BLE001 - close must not raise
-                    logger.warning("%s: last replies not delivered at close: %s", self.peer_map.me, e)
-            self._ffn.forget()
-        self._initialized = False
-        self._step = None
-        old_bufs = self._buffers.release()
         cp, self._cp = self._cp, None
-        if cp is not None:
-            try:
-                cp.close()
-            except Exception as e:  # noqa: BLE001 - close must not raise
-                logger.warning("closing AFD control channels: %s", e)
-        tr, self._transport, self._checked = self._transport, None, None
-        if tr is not None:
-            try:
-                tr.close(buffers=old_bufs)
-            except Exception as e:  # noqa: BLE001
-                logger.warning("closing AFD %s transport: %s", tr.kind, e)
-        self._store = None
-        self._signal = None
+        self._s.close(cp, self._ffn)
 
-    # ------------------------------------------------------------------ failure handling (the sides use these)
-
-    def _fail_step(self, exc: BaseException) -> None:
-        """Abort the step on every rank: post the abort signal, abort our transport."""
-        if self._broken is None:
-            self._broken = exc
-        if self._signal is not None:
-            self._signal.post(exc)
-        if self._transport is not None:
-            try:
-                self._transport.abort(str(exc).splitlines()[0][:200])
-            except Exception as e:  # noqa: BLE001
-                logger.warning("aborting AFD transport: %s", e)
-
-    def _check_usable(self, op: str) -> Transport:
-        self._last_call = time.monotonic()
-        if not self._initialized or self._transport is None:
-            raise ConnectorStateError(
-                f"AFD connector ({self.peer_map.me}) is not initialized; call init_afd_connector() before {op}")
-        if self._broken is not None:
-            raise ConnectorStateError(
-                f"AFD connector ({self.peer_map.me}) is unusable after a failed step ({self._broken}); "
-                f"call close() and init_afd_connector() on every rank before {op}") from self._broken
-        tr = self._transport
-        try:
-            tr.check_health(MessageTag(op, "a2f", self._step_counter, -1, -1))
-        except BaseException as e:
-            self._fail_step(e)
-            raise
-        return tr
-
-    def _transport_call(self, fn, *args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except (AFDError, RuntimeError) as e:  # every transport error (AFDPeerError is a ConnectionError)
-            self._fail_step(e)
-            raise
-
-    def _reject(self, st: Step, exc: BaseException, *, moved: bool) -> BaseException:
-        """A call failed its checks. Mid-step (``moved``): abort the step everywhere; else abandon it."""
-        if moved:
-            note = (f" The step was already under way on {self.peer_map.me} ({st.seq.progress()}), so it was "
-                    "aborted on every rank; close() and init_afd_connector() to continue.")
-            exc = type(exc)(str(exc) + note) if isinstance(exc, (ValueError, AFDStateError)) else exc
-            self._fail_step(exc)
-        else:
-            st.seq.abandoned = True
-        return exc
-
-    def _data(self, st: Step) -> Transport:
-        """The transport of ``st``'s data calls: the strict-mode view unless the step is captured/replayed."""
-        return self._checked if st.strict else self._transport
+    # ------------------------------------------------------------------ plumbing
 
     def _side(self, role: str, op: str) -> Any:
         side = self._attention if role == "attention" else self._ffn
@@ -352,19 +240,10 @@ class AFDConnector:
         return side
 
     def _channels(self, op: str):
-        if not self._initialized or self._cp is None:
+        if not self._s.initialized or self._cp is None:
             raise ConnectorStateError(
                 f"AFD connector ({self.peer_map.me}) is not initialized; call init_afd_connector() before {op}")
         return self._cp
-
-    def _progress_snapshot(self) -> StepProgress | None:
-        """This rank's step position for the transport's stall reports (read from its watchdog thread)."""
-        st = self._step
-        if st is None or not self._initialized:
-            return None
-        q = st.seq
-        return StepProgress(q.step, q.total, q.sent, q.received, q.complete, q.seq, q.progress(),
-                            time.monotonic() - self._last_call)
 
     # ------------------------------------------------------------------ steps
 
@@ -379,51 +258,10 @@ class AFDConnector:
 
     def _apply_payload(self, payload: AFDControlPayload, *, pad_to: dict[int, int] | None = None) -> None:
         """Start a step: drain an abandoned one, build the schedule, allocate buffers and streams."""
-        op = "update_state_from_dp_metadata"
-        self._check_usable(op)
-        prev = self._step
-        if prev is not None:
-            what = prev.seq.on_new_payload()
-            if what == "drain":
-                self._attention.drain(prev)
-            elif what == "drop":
-                logger.debug("%s: step %d replaced before any exchange", self.peer_map.me, prev.step)
-            elif what == "abort":
-                exc = ConnectorStateError(
-                    f"{op} on {self.peer_map.me}: the previous step {prev.step} is incomplete "
-                    f"({prev.seq.progress()}); every step must run all {prev.seq.total} (layer, stage) exchanges. "
-                    "The step was aborted on every rank; close() and init_afd_connector() to continue.")
-                self._fail_step(exc)
-                raise exc
-        self._step = None
-        if self._ffn is not None:
-            self._ffn.settle()
-        if not isinstance(payload, AFDControlPayload):
-            raise AFDConfigError(f"payload must be an AFDControlPayload, got {type(payload).__name__}")
         cfg = self.schedule_config if pad_to is None else dataclasses.replace(self.schedule_config, pad_to=pad_to)
-        self._start_step(build_step_schedule(self.topology, payload, cfg), payload)
-
-    def _start_step(self, sch: StepSchedule, payload: AFDControlPayload) -> Step:
-        self._step_counter += 1
-        strict = self.extra.strict and not (payload.is_graph_capturing or payload.is_graph_replaying)
-        seq = StepSequencer(self._step_counter, self.role, exchange_order(sch.config.num_layers, sch.stages),
-                            self.peer_map.me)
-        st = Step(seq, sch, strict, pending={s: deque() for s in sch.stages})
-        for s in sch.stages:
-            st.bufs[s] = self._buffers.stage(sch, s)
-        if self._transport is not None:
-            self._transport.prepare_stages(sch.stages)
-        self._step = st
-        return st
-
-    def _require_step(self, op: str) -> Step:
-        st = self._step
-        if st is None:
-            raise ConnectorStateError(
-                f"{op} on {self.peer_map.me}: no step is active; call "
-                "control_plane.update_state_from_dp_metadata(payload) first (attention: every step before "
-                "sending; FFN: after recv_dp_metadata_list)")
-        return st
+        self._s.next_step(payload, lambda p: build_step_schedule(self.topology, p, cfg),
+                          drain=None if self._attention is None else self._attention.drain,
+                          settle=None if self._ffn is None else self._ffn.settle)
 
     # ------------------------------------------------------------------ the reference's data calls
 
@@ -565,17 +403,18 @@ class AFDConnector:
             AFDTransportError, StepAbortedError: transport failure.
         """
         op = "warmup"
-        self._check_usable(op)
-        if self._step is not None and not self._step.seq.complete:
-            raise ConnectorStateError(f"{op} on {self.peer_map.me}: step {self._step.step} is in progress")
+        s = self._s
+        s.check_usable(op)
+        if s.step is not None and not s.step.seq.complete:
+            raise ConnectorStateError(f"{op} on {self.peer_map.me}: step {s.step.step} is in progress")
         payload = warmup_payload(self.topology, num_stages)
         cfg = dataclasses.replace(self.schedule_config, num_layers=1)
-        st = self._start_step(build_step_schedule(self.topology, payload, cfg), payload)
+        st = s.start_step(build_step_schedule(self.topology, payload, cfg), payload)
         try:
-            (self._attention or self._ffn).warmup(st, op)
+            (self._attention or self._ffn).warmup(st, op, self.synchronize)
         finally:
-            if self._step is st:
-                self._step = None
+            if s.step is st:
+                s.step = None
 
     def synchronize(self) -> None:
         """Wait until every exchange this rank issued has completed (bounded), then return.
@@ -594,18 +433,16 @@ class AFDConnector:
             AFDTransportError, StepAbortedError: the named failure (the step is aborted everywhere).
         """
         op = "synchronize"
-        tr = self._check_usable(op)
-        st = self._step
-        where = st.seq.progress() if st is not None else "no step"
-        tag = MessageTag(op, "a2f", self._step_counter, -1, -1)
-        self._transport_call(tr.synchronize, f"wait for every exchange issued ({where})", tag)
-        sig = self._signal
-        if sig is None:
+        s = self._s
+        tr = s.check_usable(op)
+        where = s.step.seq.progress() if s.step is not None else "no step"
+        s.transport_call(tr.synchronize, f"wait for every exchange issued ({where})", s.tag(op))
+        if s.signal is None:
             return
         try:
-            sig.check(op)
+            s.signal.check(op)
         except rdzv.StepAbortedError as e:
-            self._fail_step(e)
+            s.fail_step(e)
             raise
         except Exception as e:  # noqa: BLE001
             # The store is gone (FFN rank 0 exited after its last step, or died): nothing
@@ -621,8 +458,8 @@ class AFDConnector:
         (e.g. ``"CUDA-graph replay of layer 3"``), raised by the next connector
         call or :meth:`synchronize`. No-op when not initialised.
         """
-        if self._transport is not None:
-            self._transport.track_replay(what, MessageTag("graph replay", "a2f", self._step_counter, -1, -1))
+        if self._s.transport is not None:
+            self._s.transport.track_replay(what, self._s.tag("graph replay"))
 
     @contextlib.contextmanager
     def watchdog_suspended(self) -> Iterator[None]:
@@ -632,7 +469,7 @@ class AFDConnector:
         stream captures in the global capture mode (it would invalidate the
         capture). Deadlines of work issued before keep running.
         """
-        tr = self._transport
+        tr = self._s.transport
         if tr is None:
             yield
             return
@@ -644,13 +481,13 @@ class AFDConnector:
     @property
     def step_schedule(self) -> StepSchedule | None:
         """The schedule of the current step (None before the first payload)."""
-        return None if self._step is None else self._step.schedule
+        return None if self._s.step is None else self._s.step.schedule
 
     @property
     def transport(self) -> Transport | None:
         """The live transport (None when not initialised)."""
-        return self._transport
+        return self._s.transport
 
     def __repr__(self) -> str:
         return (f"AFDConnector({self.peer_map.me}, A={self.attn_size}, F={self.ffn_size}, "
-                f"transport={self.transport_kind}, initialized={self._initialized})")
+                f"transport={self.transport_kind}, initialized={self._s.initialized})")

@@ -8,7 +8,7 @@ again. Caller-facing docstrings are the facade's (:class:`afd_ext.connector.AFDC
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -18,7 +18,7 @@ from ..schedule import PACKED
 from .step import AfdExtTransferState, ReplySend, Step
 
 if TYPE_CHECKING:
-    from . import AFDConnector
+    from .session import Session
 
 __all__ = ["FFNSide"]
 
@@ -27,19 +27,22 @@ class FFNSide:
     """``recv_attn_output`` / ``send_ffn_output`` of one FFN rank, and its replies in flight.
 
     Args:
-        conn: the facade (its step, transport and failure handling).
+        session: the connector's :class:`~afd_ext.connector.session.Session` (step, transport, failure rules).
+        role_rank: this rank's index; device: where its tensors live.
     """
 
-    def __init__(self, conn: "AFDConnector"):
-        self.conn = conn
+    def __init__(self, session: "Session", role_rank: int, device: torch.device):
+        self.s = session
+        self.role_rank = role_rank
+        self.device = device
         self._reply_sends: dict[int, ReplySend] = {}
 
     def recv_attn_output(self, ubatch_idx: int, routing_spec: AFDExpertRoutingSpec | None,
                          recv_input_ids: bool) -> AFDA2FTransferPayload:
         op = "recv_attn_output"
-        c = self.conn
-        c._check_usable(op)
-        st = c._require_step(op)
+        c = self.s
+        c.check_usable(op)
+        st = c.require_step(op)
         cfg = st.schedule.config
         try:
             layer, stage = st.seq.next_fan_in(ubatch_idx, op)
@@ -56,9 +59,9 @@ class FFNSide:
                 raise AFDConfigError(f"{op}: recv_input_ids=True but the connector was initialised with "
                                  "send_token_ids=False; enable it on both roles")
         except (ValueError, AFDStateError) as e:
-            raise c._reject(st, e, moved=st.seq.moved) from None
+            raise c.reject(st, e, moved=st.seq.moved) from None
         sch = st.schedule
-        plan = sch.ffn_plan(stage, c.role_rank)
+        plan = sch.ffn_plan(stage, self.role_rank)
         bufs = st.bufs[stage]
         hidden, logits, ids = bufs["hidden"], bufs.get("logits"), bufs.get("ids")
         tag = st.tag(op, "a2f", layer, stage, layer)
@@ -66,16 +69,16 @@ class FFNSide:
         # caller computed in place in this buffer (gloo); it completes as soon as
         # the peer posts its receive, which it does without waiting for us.
         self._wait_reply_send(stage, release=False)
-        tr = c._data(st)
+        tr = c.data(st)
         if sch.wire_format(stage) == PACKED:
             wire = bufs["wire"]
-            c._transport_call(tr.fan_in, (wire,), plan.peers, plan.rows, tag=tag)
+            c.transport_call(tr.fan_in, (wire,), plan.peers, plan.rows, tag=tag)
             if plan.total:
                 from .. import ops
 
                 ops.unpack_rows(wire, hidden, logits, ids)
         else:
-            c._transport_call(tr.fan_in, (hidden, logits, ids), plan.peers, plan.rows, tag=tag)
+            c.transport_call(tr.fan_in, (hidden, logits, ids), plan.peers, plan.rows, tag=tag)
         self._reply_sends.pop(stage, None)  # the previous reply's memory is free for the caller again
         st.seq.received += 1
         meta = AFDTransferMetadata.create_ffn_metadata(layer_idx=layer, stage_idx=stage, seq_lens=list(plan.rows))
@@ -84,16 +87,16 @@ class FFNSide:
 
     def send_ffn_output(self, ffn_output: torch.Tensor, context: AFDTransferContext) -> None:
         op = "send_ffn_output"
-        c = self.conn
-        tr = c._check_usable(op)
-        st = c._require_step(op)
+        c = self.s
+        tr = c.check_usable(op)
+        st = c.require_step(op)
         try:
             layer, stage = st.seq.next_reply_send(op)
             state = context.states
             if isinstance(state, AfdExtTransferState):
                 if (state.step, state.layer, state.stage) != (st.step, layer, stage):
                     raise AFDConfigError(
-                        f"{op} on {c.peer_map.me} with the context of step {state.step}, layer {state.layer}, "
+                        f"{op} on {c.me} with the context of step {state.step}, layer {state.layer}, "
                         f"stage {state.stage}, but the reply due next is step {st.step}, layer {layer}, stage "
                         f"{stage} (replies go in receive order)")
             elif context.metadata.stage_idx != stage:
@@ -105,12 +108,12 @@ class FFNSide:
                 raise AFDConfigError(f"ffn_output shape {tuple(ffn_output.shape)!r} does not match metadata "
                                  f"(total_tokens {context.metadata.total_tokens})")
             tr.check_device(ffn_output, "ffn_output")
-            st.schedule.check_ffn_output(stage, c.role_rank, ffn_output, device=c.device)
+            st.schedule.check_ffn_output(stage, self.role_rank, ffn_output, device=self.device)
         except (ValueError, AFDStateError) as e:
-            raise c._reject(st, e, moved=True) from None
-        plan = st.schedule.ffn_plan(stage, c.role_rank)
+            raise c.reject(st, e, moved=True) from None
+        plan = st.schedule.ffn_plan(stage, self.role_rank)
         tag = st.tag(op, "f2a", layer, stage, layer)
-        pending = c._transport_call(c._data(st).split_back, (ffn_output, None, None), plan.peers, plan.rows,
+        pending = c.transport_call(c.data(st).split_back, (ffn_output, None, None), plan.peers, plan.rows,
                                     tag=tag)
         # Keep ffn_output alive until the stage stream is joined again (next
         # recv_attn_output of this stage, or the end of the step): the caching
@@ -141,15 +144,15 @@ class FFNSide:
         try:
             rs.pending.wait()
         except BaseException as e:
-            self.conn._fail_step(e)
+            self.s.fail_step(e)
             raise
         if release:
             del self._reply_sends[stage]
 
-    def warmup(self, st: Step, op: str) -> Any:
+    def warmup(self, st: Step, op: str, synchronize: Callable[[], None]) -> None:
         """One warm-up round: echo what every stage received (see ``AFDConnector.warmup``)."""
         for s in st.schedule.stages:
             p = self.recv_attn_output(s, None, False)
             self.send_ffn_output(p.hidden_states, p.context)
         self.settle()
-        self.conn.synchronize()
+        synchronize()

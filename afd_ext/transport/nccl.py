@@ -169,6 +169,157 @@ def _capturing() -> bool:
     return torch.cuda.is_current_stream_capturing()
 
 
+def _release_comms(ops: Any, comms: dict, me: str, *, abort: bool, timeout_s: float,
+                   wait: bool = True) -> list[tuple[threading.Thread, str]]:
+    """Release ``comms`` ({(a, f, direction): handle}), bounded (never raises); ``me`` names this rank in logs.
+
+    ``abort=True``: ``comm_abort`` of every communicator at once, one thread
+    each (see the module doc for why not one after the other). Else
+    ``comm_destroy`` one after the other in one thread; if that overruns
+    ``timeout_s``, every communicator not yet destroyed is aborted (which
+    ends whatever the destroy waits for).
+
+    Returns:
+        The helper threads (already joined unless ``wait=False``).
+    """
+    if not comms:
+        return []
+    desc = {k: f"{d} a{a}-f{f} (handle {h})" for k, h in comms.items() for (a, f, d) in [k]}
+
+    def call(fn, h, name):
+        def run():
+            try:
+                fn(h)
+            except Exception as e:  # noqa: BLE001 - keep releasing the others
+                logger.warning("%s: %s of NCCL communicator %s: %s", me, name, h, e)
+        return run
+
+    deadline = time.monotonic() + timeout_s
+    if not abort:
+        def destroy_all():
+            for k, h in comms.items():
+                call(ops.comm_destroy, h, "destroy")()
+        what = f"ncclCommDestroy of {', '.join(desc.values())} on {me}"
+        threads = [(_start(destroy_all, what)[0], what)]
+        left = _join_all(threads, deadline)
+        if not left:
+            return threads
+        logger.error("%s: destroying the NCCL communicators did not finish within %.0f s (queued work "
+                     "that never completes?); aborting them", me, timeout_s)
+        deadline = time.monotonic() + timeout_s
+    threads = []
+    for k, h in comms.items():
+        what = f"ncclCommAbort of {desc[k]} on {me}"
+        threads.append((_start(call(ops.comm_abort, h, "abort"), what)[0], what))
+    if wait:
+        left = _join_all(threads, deadline)
+        if left:
+            logger.error("%s: NCCL abort did not return within %.0f s: %s. The next connector "
+                         "init of this process will wait for it and then refuse to start.",
+                         me, timeout_s, "; ".join(left))
+    return threads
+
+
+def _create_comm(ops: Any, index: int, peers: PeerMap, uid_t: torch.Tensor, rank_in_comm: int, peer: int,
+                 what: str, deadline: float, init_timeout_s: float, store: Any, rdzv: Any) -> int:
+    """``ops.comm_create`` in a helper thread, bounded by ``deadline``, watching the abort signal.
+
+    Raises:
+        RendezvousTimeoutError: the peer did not join in time (the helper thread
+            stays blocked in ``ncclCommInitRank``; a late success is aborted).
+        StepAbortedError: another rank posted the abort signal meanwhile.
+        RuntimeError: NCCL failed.
+    """
+    lock = threading.Lock()
+    state: dict = {"cancelled": False, "handle": None}
+
+    def create() -> int:
+        h = ops.comm_create(uid_t, 2, rank_in_comm, index)
+        with lock:
+            orphan = state["cancelled"]
+            state["handle"] = None if orphan else h
+        if orphan:  # the waiter gave up: nobody owns it
+            ops.comm_abort(h)
+        return h
+
+    # Not registered as pending: an abandoned init holds no GPU work of ours.
+    t, box = _start(create, f"ncclCommInitRank of {what} on {peers.me}", register=False)
+    next_abort = 0.0
+    while True:
+        t.join(0.005)
+        if not t.is_alive():
+            if "error" in box:
+                raise box["error"]
+            return int(box["result"])
+        now = time.monotonic()
+        try:
+            if now >= next_abort:
+                next_abort = now + 0.1
+                rdzv.raise_if_aborted(store, op=f"creating {what}")
+            if now >= deadline:
+                peer_label = peers.peer_label(peer)
+                raise rdzv.RendezvousTimeoutError(
+                    f"{peers.me} timed out after {init_timeout_s:.0f} s (the init deadline) in "
+                    f"ncclCommInitRank of {what} with {peer_label}: that rank did not join this "
+                    "communicator. It is probably stuck earlier (a previous generation's teardown, "
+                    "another communicator's init) or not running; its stack dump / log says where. "
+                    "Every rank creates its communicators in the same order (by attention rank, FFN "
+                    "rank, a2f before f2a).",
+                    missing=(peers.peer_world_rank(peer),), what=what)
+        except BaseException:
+            with lock:
+                state["cancelled"] = True
+                h = state["handle"]
+                state["handle"] = None
+            if h is not None:
+                ops.comm_abort(h)
+            raise
+
+
+class StageStreams:
+    """One CUDA stream per stage, forked from and joined into the caller's stream through events.
+
+    So a stage's reply receive is never queued behind the next stage's send,
+    and the calls are capturable (a capture supports event fork/join).
+    Streams are created by :meth:`prepare` when a payload is applied, never
+    inside a capture; re-recording an event does not affect earlier waits on it.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._streams: dict[int, Any] = {}
+        self._events: dict[int, tuple[Any, Any]] = {}  # stage -> (fork, join)
+
+    def prepare(self, stages: Sequence[int]) -> None:
+        for s in stages:
+            if s not in self._streams:
+                self._streams[s] = torch.cuda.Stream(device=self.device)
+                self._events[s] = (torch.cuda.Event(), torch.cuda.Event())
+
+    @contextlib.contextmanager
+    def on(self, stage: int) -> Iterator[None]:
+        """Run the body on ``stage``'s stream, after the caller's current stream."""
+        self.prepare((stage,))
+        fork, _ = self._events[stage]
+        fork.record(torch.cuda.current_stream(self.device))
+        self._streams[stage].wait_event(fork)
+        with torch.cuda.stream(self._streams[stage]):
+            yield
+
+    def join(self, stages: Sequence[int] | None = None) -> None:
+        """Make the caller's current stream wait for ``stages``' streams (default: all)."""
+        cur = torch.cuda.current_stream(self.device)
+        for s in list(self._streams) if stages is None else stages:
+            if s in self._streams:
+                _, join = self._events[s]
+                join.record(self._streams[s])
+                cur.wait_event(join)
+
+    def clear(self) -> None:
+        self._streams.clear()
+        self._events.clear()
+
+
 class NcclTransport(Transport):
     """Moves row ranges of CUDA tensors over per-(edge, direction) NCCL communicators.
 
@@ -216,8 +367,7 @@ class NcclTransport(Transport):
         self._comms: dict[tuple[int, int, str], int] = {}  # (a, f, direction) -> handle
         self._event_pool: list[torch.cuda.Event] = []  # list append/pop are atomic in CPython
         self._comm_names: dict[int, str] = {}  # handle -> name, filled by _named_comms
-        self._streams: dict[int, Any] = {}  # stage -> stream
-        self._stream_events: dict[int, tuple[Any, Any]] = {}  # stage -> (fork, join) events
+        self._stages = StageStreams(device)
         self._aborted = False
         self._signal = abort
         self._store = store  # the rendezvous store (tests read the posted abort through it)
@@ -277,8 +427,8 @@ class NcclTransport(Transport):
                 uid_t = torch.frombuffer(bytearray(uids[(a, f, d)]), dtype=torch.uint8)
                 rank_in_comm = 0 if me_role == "ffn" else 1
                 logger.debug("%s: creating %s", peers.me, what)
-                self._comms[(a, f, d)] = self._create_comm(uid_t, rank_in_comm, peer, what, deadline,
-                                                           init_timeout_s, store, rdzv)
+                self._comms[(a, f, d)] = _create_comm(ops, device.index, peers, uid_t, rank_in_comm, peer, what,
+                                                      deadline, init_timeout_s, store, rdzv)
         except BaseException as e:
             # Tell the peers (they may be blocked in ncclCommInitRank with us), then release.
             if store is not None and not isinstance(e, rdzv.StepAbortedError):
@@ -290,62 +440,6 @@ class NcclTransport(Transport):
                     pass
             self._release(abort=True, timeout_s=RELEASE_TIMEOUT_S)
             raise
-
-    def _create_comm(self, uid_t: torch.Tensor, rank_in_comm: int, peer: int, what: str, deadline: float,
-                     init_timeout_s: float, store: Any, rdzv: Any) -> int:
-        """``ops.comm_create`` in a helper thread, bounded by ``deadline``, watching the abort signal.
-
-        Raises:
-            RendezvousTimeoutError: the peer did not join in time (the helper thread
-                stays blocked in ``ncclCommInitRank``; a late success is aborted).
-            StepAbortedError: another rank posted the abort signal meanwhile.
-            RuntimeError: NCCL failed.
-        """
-        ops, index = self._ops, self.device.index
-        lock = threading.Lock()
-        state: dict = {"cancelled": False, "handle": None}
-
-        def create() -> int:
-            h = ops.comm_create(uid_t, 2, rank_in_comm, index)
-            with lock:
-                orphan = state["cancelled"]
-                state["handle"] = None if orphan else h
-            if orphan:  # the waiter gave up: nobody owns it
-                ops.comm_abort(h)
-            return h
-
-        # Not registered as pending: an abandoned init holds no GPU work of ours.
-        t, box = _start(create, f"ncclCommInitRank of {what} on {self.peers.me}", register=False)
-        next_abort = 0.0
-        while True:
-            t.join(0.005)
-            if not t.is_alive():
-                if "error" in box:
-                    raise box["error"]
-                return int(box["result"])
-            now = time.monotonic()
-            try:
-                if now >= next_abort:
-                    next_abort = now + 0.1
-                    rdzv.raise_if_aborted(store, op=f"creating {what}")
-                if now >= deadline:
-                    peer_label = self.peers.peer_label(peer)
-                    raise rdzv.RendezvousTimeoutError(
-                        f"{self.peers.me} timed out after {init_timeout_s:.0f} s (the init deadline) in "
-                        f"ncclCommInitRank of {what} with {peer_label}: that rank did not join this "
-                        "communicator. It is probably stuck earlier (a previous generation's teardown, "
-                        "another communicator's init) or not running; its stack dump / log says where. "
-                        "Every rank creates its communicators in the same order (by attention rank, FFN "
-                        "rank, a2f before f2a).",
-                        missing=(self.peers.peer_world_rank(peer),), what=what)
-            except BaseException:
-                with lock:
-                    state["cancelled"] = True
-                    h = state["handle"]
-                    state["handle"] = None
-                if h is not None:
-                    ops.comm_abort(h)
-                raise
 
     # -- helpers -------------------------------------------------------------------
 
@@ -452,39 +546,11 @@ class NcclTransport(Transport):
     # -- stage streams ---------------------------------------------------------------
 
     def prepare_stages(self, stages: Sequence[int]) -> None:
-        """One stream per stage plus two reusable events (fork: caller -> stage, join: stage -> caller).
-
-        Created when a step's payload is applied, never inside a capture.
-        Re-recording an event does not affect earlier waits on it.
-        """
-        for s in stages:
-            if s not in self._streams:
-                self._streams[s] = torch.cuda.Stream(device=self.device)
-                self._stream_events[s] = (torch.cuda.Event(), torch.cuda.Event())
-
-    @contextlib.contextmanager
-    def _on_stage(self, stage: int) -> Iterator[None]:
-        """Run the body on ``stage``'s stream, after the caller's current stream."""
-        self.prepare_stages((stage,))
-        ss = self._streams[stage]
-        fork, _ = self._stream_events[stage]
-        fork.record(torch.cuda.current_stream(self.device))
-        ss.wait_event(fork)
-        with torch.cuda.stream(ss):
-            yield
-
-    def _join(self, stages: Sequence[int]) -> None:
-        cur = torch.cuda.current_stream(self.device)
-        for s in stages:
-            ss = self._streams.get(s)
-            if ss is not None:
-                _, join = self._stream_events[s]
-                join.record(ss)
-                cur.wait_event(join)
+        self._stages.prepare(stages)
 
     def join(self) -> None:
         """Make the caller's current stream wait for every stage stream (no host wait)."""
-        self._join(list(self._streams))
+        self._stages.join()
 
     # -- data --------------------------------------------------------------------
 
@@ -495,7 +561,7 @@ class NcclTransport(Transport):
             return PendingSend()
         comms = [self._comm(p, tag.direction) for p in peers]
         full = list(tensors) + [None] * (3 - len(tensors))
-        with self._on_stage(tag.stage):
+        with self._stages.on(tag.stage):
             self._ops.split_back(full[0], full[1], full[2], comms, [self._peer_index()] * len(peers), list(rows))
             self._track("send (split-back)", live, tag)
         return PendingSend()
@@ -507,7 +573,7 @@ class NcclTransport(Transport):
             return
         comms = [self._comm(p, tag.direction) for p in peers]
         full = list(tensors) + [None] * (3 - len(tensors))
-        with self._on_stage(tag.stage):
+        with self._stages.on(tag.stage):
             self._ops.fan_in(full[0], full[1], full[2], comms, [self._peer_index()] * len(peers), list(rows))
             if wait:
                 ev = torch.cuda.Event()
@@ -516,7 +582,7 @@ class NcclTransport(Transport):
                                 [self.peers.peer_world_rank(p) for p in live])
             else:
                 self._track("receive (fan-in)", live, tag)
-        self._join((tag.stage,))
+        self._stages.join((tag.stage,))
 
     def synchronize(self, what: str, tag: MessageTag) -> None:
         """Join every stage stream into the current stream and wait for it on the host, bounded.
@@ -555,55 +621,9 @@ class NcclTransport(Transport):
         self.wait_event(ev, "drain", ["every peer"], MessageTag("barrier", "a2f", -1, -1, -1))
 
     def _release(self, *, abort: bool, timeout_s: float, wait: bool = True) -> list[tuple[threading.Thread, str]]:
-        """Release every communicator of this transport, bounded (never raises).
-
-        ``abort=True``: ``comm_abort`` of every communicator at once, one thread
-        each (see the module doc for why not one after the other). Else
-        ``comm_destroy`` one after the other in one thread; if that overruns
-        ``timeout_s``, every communicator not yet destroyed is aborted (which
-        ends whatever the destroy waits for).
-
-        Returns:
-            The helper threads (already joined unless ``wait=False``).
-        """
+        """Release every communicator of this transport, bounded (never raises); see :func:`_release_comms`."""
         comms, self._comms = dict(self._comms), {}
-        if not comms:
-            return []
-        me = self.peers.me
-        desc = {k: f"{d} a{a}-f{f} (handle {h})" for k, h in comms.items() for (a, f, d) in [k]}
-
-        def call(fn, h, name):
-            def run():
-                try:
-                    fn(h)
-                except Exception as e:  # noqa: BLE001 - keep releasing the others
-                    logger.warning("%s: %s of NCCL communicator %s: %s", me, name, h, e)
-            return run
-
-        deadline = time.monotonic() + timeout_s
-        if not abort:
-            def destroy_all():
-                for k, h in comms.items():
-                    call(self._ops.comm_destroy, h, "destroy")()
-            what = f"ncclCommDestroy of {', '.join(desc.values())} on {me}"
-            threads = [(_start(destroy_all, what)[0], what)]
-            left = _join_all(threads, deadline)
-            if not left:
-                return threads
-            logger.error("%s: destroying the NCCL communicators did not finish within %.0f s (queued work "
-                         "that never completes?); aborting them", me, timeout_s)
-            deadline = time.monotonic() + timeout_s
-        threads = []
-        for k, h in comms.items():
-            what = f"ncclCommAbort of {desc[k]} on {me}"
-            threads.append((_start(call(self._ops.comm_abort, h, "abort"), what)[0], what))
-        if wait:
-            left = _join_all(threads, deadline)
-            if left:
-                logger.error("%s: NCCL abort did not return within %.0f s: %s. The next connector "
-                             "init of this process will wait for it and then refuse to start.",
-                             me, timeout_s, "; ".join(left))
-        return threads
+        return _release_comms(self._ops, comms, self.peers.me, abort=abort, timeout_s=timeout_s, wait=wait)
 
     def _on_watchdog_failure(self, exc: BaseException) -> None:
         self._aborted = True
@@ -666,8 +686,7 @@ class NcclTransport(Transport):
         self._release(abort=stuck, timeout_s=RELEASE_TIMEOUT_S)
         logger.info("%s: closed (%s of %d NCCL communicators) in %.2f s", self.peers.me,
                     "abort" if stuck else "destroy", n, time.monotonic() - t0)
-        self._streams.clear()
-        self._stream_events.clear()
+        self._stages.clear()
         left = pending_releases()
         if left and buffers:
             _STUCK_BUFFERS.extend(buffers)
