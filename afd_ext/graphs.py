@@ -62,7 +62,6 @@ import dataclasses
 import enum
 import logging
 import threading
-import time
 from collections import OrderedDict
 from typing import Any, Callable, Hashable, Mapping, Sequence
 
@@ -1333,7 +1332,7 @@ class AttentionGraphRunner:
         if pad is None or not send:
             self.active = False
             self.eager_steps += 1
-            return self.exchange._begin_step_eager(payload, dp_rank=dp_rank, row_mask=row_mask, send=send)
+            return self.exchange.begin_eager_step(payload, dp_rank=dp_rank, row_mask=row_mask, send=send)
         rows = [int(payload.dp_metadata_list[s].counts[dp_rank]) for s in sorted(payload.dp_metadata_list)]
         if row_mask is not None and int(row_mask.sum()) != sum(rows):
             raise ValueError(f"row_mask selects {int(row_mask.sum())} rows but the payload gives this rank {sum(rows)}")
@@ -1346,9 +1345,7 @@ class AttentionGraphRunner:
         cp.update_state_from_dp_metadata(replay)
         cp.send_dp_metadata_list(replay)
         self.active, self._key, self._layer = True, key, 0
-        self.exchange._stage_rows = rows
-        self.exchange._row_mask = row_mask
-        self.exchange.stats.steps += 1
+        self.exchange.set_step_rows(rows, row_mask)
         self.replayed_steps += 1
         return rows
 
@@ -1423,7 +1420,7 @@ class AttentionGraphRunner:
         layers = self.connector.schedule_config.num_layers
         part = self._layer % layers
         self._layer += 1
-        stage_rows = self.exchange._rows_for(rows.shape[0])
+        stage_rows = self.exchange.rows_for(rows.shape[0])
         static = self._static(self._key)
         start = 0
         for s, n in zip(sorted(static), stage_rows):
@@ -1439,24 +1436,16 @@ class AttentionGraphRunner:
                 pad_rows_into(token_ids[start:start + n].to(torch.int32), b["token_ids"])
             start += n
         ex = self.exchange
-        timing = getattr(ex, "timing", False)
-        cuda = rows.is_cuda and timing
-        if cuda:
-            torch.cuda.synchronize(rows.device)
-        t0 = time.perf_counter_ns()
-        self.ctl.replay(self._key, part=part)
-        self.connector.track_graph_replay(f"CUDA-graph replay of layer {layer_idx}")
-        if cuda:
-            torch.cuda.synchronize(rows.device)
-        if timing:
-            ex.stats.latency_ns.setdefault(layer_idx, []).append(time.perf_counter_ns() - t0)
+        with ex.timed(layer_idx, rows.device):
+            self.ctl.replay(self._key, part=part)
+            self.connector.track_graph_replay(f"CUDA-graph replay of layer {layer_idx}")
         outs = []
         for s, n in zip(sorted(static), stage_rows):
             outs.append(static[s]["hidden"][:n].clone())
         # Bytes of real rows only; the padding rows travel too but carry nothing.
-        ex.stats.bytes_sent += rows.numel() * rows.element_size() + (
-            0 if router_logits is None else router_logits.numel() * router_logits.element_size())
-        ex.stats.bytes_received += rows.numel() * rows.element_size()
+        ex.count_bytes(rows.numel() * rows.element_size() + (
+            0 if router_logits is None else router_logits.numel() * router_logits.element_size()),
+            rows.numel() * rows.element_size())
         return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
 
     def end_step(self) -> None:
