@@ -100,6 +100,7 @@ __all__ = [
 ]
 
 from .schedule import DEFAULT_CAPTURE_SIZES, _check_capture_sizes, capture_size_for  # noqa: E402  the one padding rule
+from .spec import TOKEN_IDS_DTYPE, as_dtype, dtype_name  # noqa: E402  the one dtype table
 
 
 from .errors import (  # noqa: E402,F401  defined once, in errors.py
@@ -116,15 +117,15 @@ from .errors import (  # noqa: E402,F401  defined once, in errors.py
 
 
 def _dtype_name(dtype: torch.dtype | str | None) -> str | None:
+    """The dtype's wire name (:func:`afd_ext.spec.dtype_name`), None for None.
+
+    Raises:
+        ValueError / TypeError: not a dtype or a dtype name.
+    """
     if dtype is None:
         return None
-    if isinstance(dtype, torch.dtype):
-        return str(dtype).removeprefix("torch.")
-    if isinstance(dtype, str):
-        name = dtype.removeprefix("torch.")
-        if not isinstance(getattr(torch, name, None), torch.dtype):
-            raise ValueError(f"unknown dtype name {dtype!r}; pass a torch.dtype such as torch.bfloat16")
-        return name
+    if isinstance(dtype, str) or isinstance(dtype, torch.dtype):
+        return dtype_name(as_dtype(dtype, "dtype"))
     raise TypeError(f"dtype must be a torch.dtype or its name, got {type(dtype).__name__}")
 
 
@@ -307,7 +308,7 @@ def graph_key_from_schedule(schedule: Any) -> GraphKey:
         hidden_dtype=cfg.hidden_dtype,
         router_logits_width=cfg.router_logits_width,
         router_logits_dtype=logits_dtype,
-        token_ids_dtype=torch.int32 if cfg.send_token_ids else None,
+        token_ids_dtype=TOKEN_IDS_DTYPE if cfg.send_token_ids else None,
         wire_formats={s: schedule.wire_format(s) for s in schedule.stages},
         topology=(topo.num_attention_ranks, topo.num_ffn_ranks, getattr(topo, "tp_size", 1)),
     )
@@ -387,7 +388,7 @@ def _reserve_wire(arena: "StaticArena", cfg: Any, s: int, rows: int, fmt: str) -
             ("router_logits", s), (rows, cfg.router_logits_width), cfg.router_logits_dtype
         )
     if cfg.send_token_ids:
-        bufs["token_ids"] = arena.buffer(("token_ids", s), (rows,), torch.int32)
+        bufs["token_ids"] = arena.buffer(("token_ids", s), (rows,), TOKEN_IDS_DTYPE)
     if fmt == "packed":
         bufs["wire"] = arena.buffer(("wire", s), (rows, cfg.packed_row_bytes), torch.uint8)
     return bufs
@@ -1361,7 +1362,7 @@ class AttentionGraphRunner:
                 "hidden": arena.buffer(("attention_hidden", s), (n, cfg.hidden_size), cfg.hidden_dtype),
                 "router_logits": None if cfg.router_logits_width is None else arena.buffer(
                     ("attention_router_logits", s), (n, cfg.router_logits_width), cfg.router_logits_dtype),
-                "token_ids": arena.buffer(("attention_token_ids", s), (n,), torch.int32)
+                "token_ids": arena.buffer(("attention_token_ids", s), (n,), TOKEN_IDS_DTYPE)
                 if cfg.send_token_ids else None,
             }
         return out

@@ -36,16 +36,15 @@ order. So:
    (``fan_in`` into the caller's tensor). With several stages in flight,
    stage ``s+1``'s send is issued on stage ``s+1``'s stream, never behind
    stage ``s``'s reply receive; cross-stage dependencies are CUDA events.
-   The fused ``exchange`` op (send and receive in one group) is only used
-   when one stage is in flight: in a group, the next stage's send on the same
-   ``a2f`` communicator would wait for this stage's whole round trip.
 4. FFN rank, per (layer, stage): one group receiving every peer's rows on
    the ``a2f`` communicators (``fan_in``, peers in fan-in order, into
    consecutive row ranges), the FFN compute, then one group sending each peer
    its rows on the ``f2a`` communicators (``split_back``). One stream is
    enough; per-stage streams with events also work.
 5. Zero-row messages are left out of the groups on both sides identically,
-   since both read :meth:`StepSchedule.message`.
+   since both take their row counts from the same schedule (the connector
+   reads :meth:`StepSchedule.attention_plan` / :meth:`StepSchedule.ffn_plan`;
+   a zero-row peer is skipped by the transport).
 
 Why no deadlock: every FFN operation, in issue order, waits only for an
 attention operation that sits at the head of an attention stream whose

@@ -81,6 +81,8 @@ def as_dtype(value: Any, name: str) -> torch.dtype:
         d = getattr(torch, value.replace("torch.", ""), None)
         if isinstance(d, torch.dtype):
             return d
+    if isinstance(value, str):
+        raise AFDConfigError(f"{name}: unknown dtype name {value!r}; pass a torch.dtype or its name (e.g. 'bfloat16')")
     raise AFDConfigError(f"{name} must be a torch.dtype or its name (e.g. 'bfloat16'), got {value!r}")
 
 

@@ -50,13 +50,11 @@ stage), not the wait that noticed it; the host wait itself only has a backstop
 deadline a little later. Which peer of a multi-peer group did not send is
 decided from the peers' published progress (:mod:`afd_ext.transport.stall`).
 
-The fused ``ops.exchange`` (split-back and the reply's fan-in in one group) is
-deliberately not used: the connector API is two calls (``send_attn_output``,
-later ``recv_ffn_output``), so fusing would mean holding the send back until the
-receive call. That moves the FFN side's start behind whatever the caller runs
-in between (shared experts, the other stage's attention), which costs far more
-than the one kernel launch it saves, and strict-mode headers must be checked
-before the data receive is posted anyway.
+No fused send-and-receive op: the connector API is two calls
+(``send_attn_output``, later ``recv_ffn_output``), so fusing would hold the
+send back until the receive call and move the FFN side's start behind
+whatever the caller runs in between; the compiled core's fused ``exchange``
+op, used only by the bench, was removed.
 
 Teardown keeps buffers alive that a stuck NCCL kernel may still write into
 (``close(buffers)`` while an abort is still running): never handed to the next
