@@ -54,22 +54,12 @@ class AttentionSide:
             if not md.validate_tensor_shape(tuple(hidden_states.shape)):
                 raise AFDConfigError(f"hidden_states shape {tuple(hidden_states.shape)!r} does not match AFD metadata "
                                  f"token count {md.total_tokens}")
-            if router_logits is not None and (not isinstance(router_logits, torch.Tensor) or router_logits.dim() < 1
-                                              or router_logits.shape[0] != hidden_states.shape[0]):
-                raise AFDConfigError("router_logits and hidden_states must have equal token counts")
-            if input_ids is not None:
-                if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1 or \
-                        input_ids.shape[0] != hidden_states.shape[0]:
-                    raise AFDConfigError("input_ids must be one-dimensional and token-aligned with hidden_states")
-                if input_ids.dtype != torch.int32:
-                    raise AFDConfigError(f"AFD input_ids must use torch.int32, got {input_ids.dtype}; "
-                                     "cast with .to(torch.int32)")
+            # One check of the wire tensors (types, shapes, dtypes, contiguity), then the device.
+            st.schedule.check_attention_tensors(stage, self.role_rank, hidden_states, router_logits, input_ids)
             for name, t in (("hidden_states", hidden_states), ("router_logits", router_logits),
                             ("input_ids", input_ids)):
                 if t is not None:
                     tr.check_device(t, name)
-            st.schedule.check_attention_tensors(stage, self.role_rank, hidden_states, router_logits, input_ids,
-                                                device=self.device)
         except (ValueError, AFDStateError) as e:
             raise c.reject(st, e, moved=moved) from None
         st.seq.abandoned = False
@@ -103,7 +93,7 @@ class AttentionSide:
             if not isinstance(ref_tensor, torch.Tensor):
                 raise AFDConfigError(f"ref_tensor must be a torch.Tensor, got {type(ref_tensor).__name__}")
             tr.check_device(ref_tensor, "ref_tensor")
-            st.schedule.check_attention_reply(stage, self.role_rank, ref_tensor, device=self.device)
+            st.schedule.check_attention_reply(stage, self.role_rank, ref_tensor)
         except (ValueError, AFDStateError) as e:
             raise c.reject(st, e, moved=st.seq.moved) from None
         self._recv_reply(st, st.pending[stage][0], ref_tensor, op)

@@ -108,7 +108,7 @@ class FFNSide:
                 raise AFDConfigError(f"ffn_output shape {tuple(ffn_output.shape)!r} does not match metadata "
                                  f"(total_tokens {context.metadata.total_tokens})")
             tr.check_device(ffn_output, "ffn_output")
-            st.schedule.check_ffn_output(stage, self.role_rank, ffn_output, device=self.device)
+            st.schedule.check_ffn_output(stage, self.role_rank, ffn_output)
         except (ValueError, AFDStateError) as e:
             raise c.reject(st, e, moved=True) from None
         plan = st.schedule.ffn_plan(stage, self.role_rank)
