@@ -347,7 +347,7 @@ class Transport(abc.ABC):
             AFDTimeoutError / AFDPeerError / StepAbortedError: named after the
                 oldest unfinished operation.
         """
-        self.check_health(tag)
+        self._check_open(tag)  # a host transport's receives completed before they returned
 
     def track_replay(self, what: str, tag: MessageTag) -> None:
         """Follow a CUDA-graph replay just launched on the current stream like an eager operation.
