@@ -43,10 +43,6 @@ TORCH_LIBRARY(afd_ext, m) {
   m.def(
       "split_back(Tensor(a!) hidden_states, Tensor(b!)? router_logits, Tensor(c!)? token_ids, "
       "int[] comms, int[] peers, int[] rows) -> ()");
-  // One NCCL group: split_back of the wire tensors on send_comms and fan_in of `reply` on recv_comms.
-  m.def(
-      "exchange(Tensor(a!) hidden_states, Tensor(b!)? router_logits, Tensor(c!)? token_ids, "
-      "Tensor(d!) reply, int[] send_comms, int[] recv_comms, int[] peers, int[] rows) -> ()");
   // Packs each token's hidden states, router logits and token id into one uint8 wire row (16-byte aligned parts).
   m.def(
       "pack_rows(Tensor hidden_states, Tensor? router_logits, Tensor? token_ids, Tensor(a!) wire) -> ()");

@@ -160,7 +160,7 @@ def _w_send_recv(rank, nprocs, port):
     return len(ops.WIRE_DTYPES)
 
 
-def _w_fan_in_split_back(rank, nprocs, port, rows, use_exchange):
+def _w_fan_in_split_back(rank, nprocs, port, rows):
     store, comms = _connect(rank, nprocs, port)
     A = nprocs - 1
     for it in range(3):
@@ -183,11 +183,8 @@ def _w_fan_in_split_back(rank, nprocs, port, rows, use_exchange):
             r = rows[a]
             h, lg, ids = _inputs(a, it, r)
             reply = torch.full((r, HIDDEN), float("nan"), dtype=torch.bfloat16, device="cuda")
-            if use_exchange:
-                ops.exchange(h, lg, ids, reply, comms, comms, [0], [r])
-            else:
-                ops.split_back(h, lg, ids, comms, [0], [r])
-                ops.fan_in(reply, None, None, comms, [0], [r])
+            ops.split_back(h, lg, ids, comms, [0], [r])
+            ops.fan_in(reply, None, None, comms, [0], [r])
             torch.cuda.synchronize()
             assert _same_bits(reply, _ffn_compute(h)), f"attention {a} got back other rows"
     _close(store, comms, nprocs)
@@ -291,9 +288,10 @@ def _w_bad_input(rank, nprocs, port):
         expect(r"equal lengths", lambda: ops.fan_in(reply, None, None, comms, [0, 0], [r]))
         expect(r"rows\[0\]=-1 must be >= 0", lambda: ops.fan_in(reply, None, None, comms, [0], [-1]))
         expect(r"is not a live communicator", lambda: ops.send(h, 987654, 0))
-        expect(r"reply has 3 rows", lambda: ops.exchange(h, lg, ids, reply[:3], comms, comms, [0], [r]))
+        expect(r"hidden_states has \d+ rows but rows add up to", lambda: ops.fan_in(reply[:1], None, None, comms, [0], [r]))
         # The communicator still works: a full exchange after every refusal.
-        ops.exchange(h, lg, ids, reply, comms, comms, [0], [r])
+        ops.split_back(h, lg, ids, comms, [0], [r])
+        ops.fan_in(reply, None, None, comms, [0], [r])
         torch.cuda.synchronize()
         assert _same_bits(reply, _ffn_compute(h))
     else:
@@ -375,12 +373,7 @@ ROW_CASES = [[5, 3], [1, 7], [0, 8], [8, 0], [3, 0, 4]]
 
 @pytest.mark.parametrize("rows", ROW_CASES, ids=lambda r: "rows" + "-".join(map(str, r)))
 def test_fan_in_and_split_back(rows):
-    assert all(_run(_w_fan_in_split_back, len(rows), rows, False))
-
-
-@pytest.mark.parametrize("rows", [[5, 3], [0, 4], [6]], ids=lambda r: "rows" + "-".join(map(str, r)))
-def test_exchange_round_trip(rows):
-    assert all(_run(_w_fan_in_split_back, len(rows), rows, True))
+    assert all(_run(_w_fan_in_split_back, len(rows), rows))
 
 
 @pytest.mark.parametrize("rows", [[5, 3], [0, 8]], ids=lambda r: "rows" + "-".join(map(str, r)))
