@@ -19,6 +19,9 @@ from typing import Any, Iterable
 class AFDError(RuntimeError):
     """Root of every error ``afd_ext`` raises on purpose.
 
+    A ``RuntimeError`` so that code written against the older classes (all of
+    which were) still catches them.
+
     Attributes (``None`` where not known):
         op: the operation that failed (a connector call, a transport step).
         peer: label of the peer involved, e.g. ``"attention rank 1 (world rank 2)"``.
@@ -167,6 +170,10 @@ class ControlChannelClosed(AFDClosedError):
 
 class ControlRecvTimeout(AFDTimeoutError):
     """A control-channel ``recv`` passed its ``timeout_s`` while the peer was alive (idle)."""
+
+
+class ControlProtocolError(AFDProtocolError, ValueError):
+    """A control message broke the wire format (malformed payload, corrupt ring slot, wrong sender)."""
 
 
 class GraphKeyMismatchError(AFDGraphError):

@@ -26,10 +26,6 @@ SCHEMAS = {
         "afd_ext::split_back(Tensor(a!) hidden_states, Tensor(b!)? router_logits, Tensor(c!)? token_ids, "
         "int[] comms, int[] peers, int[] rows) -> ()"
     ),
-    "exchange": (
-        "afd_ext::exchange(Tensor(a!) hidden_states, Tensor(b!)? router_logits, Tensor(c!)? token_ids, "
-        "Tensor(d!) reply, int[] send_comms, int[] recv_comms, int[] peers, int[] rows) -> ()"
-    ),
     "pack_rows": (
         "afd_ext::pack_rows(Tensor hidden_states, Tensor? router_logits, Tensor? token_ids, "
         "Tensor(a!) wire) -> ()"
@@ -58,7 +54,7 @@ SCHEMAS = {
         "int layer, int stage, int timeout_ns) -> ()"
     ),
 }
-COMM_OPS = ("send", "recv", "fan_in", "split_back", "exchange", "peer_put", "peer_wait")
+COMM_OPS = ("send", "recv", "fan_in", "split_back", "peer_put", "peer_wait")
 TENSOR_OPS = COMM_OPS + ("pack_rows", "unpack_rows")
 PEER_MANAGEMENT_OPS = ("peer_plane_create", "peer_plane_destroy", "peer_plane_error", "peer_plane_abort",
                        "peer_region_alloc", "peer_region_export", "peer_region_open", "peer_region_close",
