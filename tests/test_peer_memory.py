@@ -323,3 +323,69 @@ def test_peer_and_auto_transports_and_their_settings_are_configurable():
     for bad in ({"peer_max_tokens": 0}, {"peer_stages": 0}, {"transport": "ipc"}):
         with pytest.raises(ValueError):
             AfdExtConnectorConfig.from_mapping(bad)
+
+
+# ------------------------------------------------------------------ the connector's transport selection
+
+
+def test_auto_on_cpu_tensors_is_gloo_and_the_connector_reports_it():
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    import connector_scenarios as cs
+
+    from afd_ext.testing import find_free_port, run_workers
+
+    sc = cs.Scenario(A=2, F=1, steps=cs.default_steps(2), transport="auto")
+    if cs.device_for(sc).type != "cpu":
+        pytest.skip("a GPU is visible: auto would pick a CUDA transport")
+    results = run_workers(cs.scenario_worker, sc.nprocs, ((sc,), find_free_port()), timeout_s=120)
+    cs.check_scenario_results(sc, [r[0] for r in results])
+    assert [r[0]["transport"] for r in results] == ["gloo"] * 3
+
+
+class _Made:
+    def __init__(self, kind):
+        self.kind = kind
+
+
+class _PeerUnavailable:
+    @classmethod
+    def from_setup(cls, setup):
+        raise PeerMemoryUnavailableError("no peer memory here", reasons={"FFN rank 0 (world rank 0)": "test"})
+
+
+class _PeerOk:
+    @classmethod
+    def from_setup(cls, setup):
+        return _Made("peer")
+
+
+class _Nccl:
+    @classmethod
+    def from_setup(cls, setup):
+        return _Made("nccl")
+
+
+class _Gloo:
+    @classmethod
+    def from_setup(cls, setup):
+        return _Made("gloo")
+
+
+@pytest.mark.parametrize("device,peer,want", [
+    ("cpu", _PeerOk, "gloo"), ("cuda:0", _PeerOk, "peer"), ("cuda:0", _PeerUnavailable, "nccl"),
+])
+def test_the_auto_rule(monkeypatch, device, peer, want):
+    import afd_ext.transport as tr
+    from afd_ext.transport.base import PeerMap, TransportSetup
+
+    monkeypatch.setitem(tr._REGISTRY, "peer", peer)
+    monkeypatch.setitem(tr._REGISTRY, "nccl", _Nccl)
+    monkeypatch.setitem(tr._REGISTRY, "gloo", _Gloo)
+    for name in ("peer", "nccl", "gloo"):
+        monkeypatch.setitem(tr._REGISTRY, name, f"{__name__}:{tr._REGISTRY[name].__name__}")
+    setup = TransportSetup(None, Topology(1, 1), PeerMap("ffn", 0, 1, 1), torch.device(device), 1.0, 1.0)
+    plain, checked = tr.create_transport("auto", setup)
+    assert plain.kind == want and checked is plain

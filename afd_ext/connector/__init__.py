@@ -60,7 +60,11 @@ def _pick_device(kind: str, local_rank: int, override: Any) -> torch.device:
     Raises:
         AFDConfigError: the device type is not the one the transport moves.
     """
-    device_type = transport_class(kind).device_type
+    if kind == "auto":  # the device decides: gloo for CPU tensors, a CUDA transport otherwise
+        device_type = (torch.device(override).type if override is not None
+                       else "cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device_type = transport_class(kind).device_type
     if override is not None:
         device = torch.device(override)
     else:
@@ -185,7 +189,7 @@ class AFDConnector:
             "packed_max_bytes": self.extra.packed_max_bytes,
             "clamp_idle_to_one": self.extra.clamp_idle_to_one,
             "strict": self.extra.strict,
-            "transport": self.transport_kind,
+            "transport": self.extra.transport,
             "max_stages": self.extra.max_stages,
             # Both roles' graph caches must evict the same graphs (same captures, same replays).
             "graph_cache_size": self.extra.graph_cache_size,

@@ -115,8 +115,11 @@ class Session:
         self.signal = AbortSignal(store, self.me)
         setup = TransportSetup(store, conn.topology, conn.peer_map, conn.device, conn.data_timeout_s,
                                extra.init_timeout_s, abort=self.signal, progress=self.progress,
-                               publish_after_s=conn.publish_after_s)
-        self.transport, self.checked = create_transport(conn.transport_kind, setup, strict=extra.strict)
+                               publish_after_s=conn.publish_after_s, schedule_config=conn.schedule_config,
+                               extra=extra)
+        # The configured name (``auto`` is resolved here, every generation); the kind that runs is reported.
+        self.transport, self.checked = create_transport(extra.transport, setup, strict=extra.strict)
+        conn.transport_kind = self.transport.kind
         channels = cpl.open_control_channels(
             store, conn.topology, conn.role, conn.role_rank, extra.control_channel, extra.init_timeout_s,
             options=cpl.ChannelOptions.from_env(heartbeat_interval_s=extra.heartbeat_interval_s,
@@ -248,9 +251,10 @@ class Session:
         seq = StepSequencer(self.step_counter, self.role, exchange_order(sch.config.num_layers, sch.stages), self.me)
         st = Step(seq, sch, strict, pending={s: deque() for s in sch.stages})
         for s in sch.stages:
-            st.bufs[s] = self.buffers.stage(sch, s)
+            own = self.transport.receive_buffers(sch, s) if self.transport is not None else None
+            st.bufs[s] = own if own is not None else self.buffers.stage(sch, s)
         if self.transport is not None:
-            self.transport.prepare_stages(sch.stages)
+            self.transport.begin_step(sch)
         self.step = st
         return st
 

@@ -43,6 +43,7 @@ __all__ = [
     "Transport",
     "TransportSetup",
     "TRANSPORT_KINDS",
+    "auto_transport",
     "create_transport",
     "register_transport",
     "transport_class",
@@ -52,10 +53,11 @@ __all__ = [
 _REGISTRY: dict[str, str] = {
     "nccl": "afd_ext.transport.nccl:NcclTransport",
     "gloo": "afd_ext.transport.gloo:GlooTransport",
+    "peer": "afd_ext.transport.peer:PeerTransport",
 }
 
 #: Transport names accepted by the connector's ``transport`` setting (built-in ones).
-TRANSPORT_KINDS = tuple(_REGISTRY)
+TRANSPORT_KINDS = tuple(_REGISTRY) + ("auto",)
 
 
 def register_transport(name: str, target: str | type[Transport]) -> None:
@@ -96,12 +98,40 @@ def create_transport(name: str, setup: TransportSetup, *, strict: bool = False) 
         :class:`~afd_ext.transport.strict.StrictTransport` over ``plain`` when
         ``strict``, else ``plain`` itself).
 
+    ``name == "auto"`` applies the one selection rule (:func:`auto_transport`).
+
     Raises:
         AFDConfigError: unknown name. Whatever the transport's ``from_setup`` raises.
     """
-    plain = transport_class(name).from_setup(setup)
+    plain = auto_transport(setup) if name == "auto" else transport_class(name).from_setup(setup)
     if not strict:
         return plain, plain
     from .strict import StrictTransport
 
     return plain, StrictTransport(plain)
+
+
+def auto_transport(setup: TransportSetup) -> Transport:
+    """The ``transport: auto`` rule, the only place it is written.
+
+    * CPU device: ``gloo``.
+    * Otherwise ``peer`` when every rank of the AFD world opens every peer's
+      memory and a flag round trip succeeds (the peer transport's collective
+      set-up decides on every rank together; host names are never consulted);
+    * ``nccl`` when it does not (:class:`~afd_ext.errors.PeerMemoryUnavailableError`
+      on every rank).
+
+    Raises:
+        Whatever the chosen transport's ``from_setup`` raises.
+    """
+    import logging
+
+    from ..errors import PeerMemoryUnavailableError
+
+    if setup.device.type == "cpu":
+        return transport_class("gloo").from_setup(setup)
+    try:
+        return transport_class("peer").from_setup(setup)
+    except PeerMemoryUnavailableError as e:
+        logging.getLogger(__name__).info("%s: transport auto: %s; using NCCL", setup.peers.me, e)
+    return transport_class("nccl").from_setup(setup)

@@ -212,6 +212,10 @@ class TransportSetup:
         publish_after_s: a rank waiting (or idle mid-step) longer than this
             publishes its progress (transports that diagnose stalls through the
             store), seconds.
+        schedule_config: the connector's :class:`~afd_ext.schedule.ScheduleConfig`
+            (what travels: sizes buffers of transports that keep their own), or None.
+        extra: the connector's :class:`~afd_ext.config.AfdExtConnectorConfig`
+            (transport-specific settings, e.g. ``peer_max_tokens``), or None.
     """
 
     store: Any
@@ -223,6 +227,8 @@ class TransportSetup:
     abort: Any = None
     progress: Callable[[], StepProgress | None] | None = None
     publish_after_s: float = 0.0
+    schedule_config: Any = None
+    extra: Any = None
 
 
 class Transport(abc.ABC):
@@ -336,6 +342,25 @@ class Transport(abc.ABC):
 
     def prepare_stages(self, stages: Sequence[int]) -> None:
         """Create what issuing on ``stages`` needs (streams, events); called outside any graph capture."""
+
+    def begin_step(self, schedule: Any) -> None:
+        """A step's schedule was applied (both sides apply the same one): prepare its stages.
+
+        Called once per step, outside any graph capture, before its first
+        exchange. A transport that routes steps by their schedule (the peer
+        transport: beyond its capacity over NCCL) decides here.
+        """
+        self.prepare_stages(schedule.stages)
+
+    def receive_buffers(self, schedule: Any, stage: int) -> dict[str, torch.Tensor] | None:
+        """The FFN rank's fan-in buffers of ``stage`` when the transport receives into its own memory.
+
+        Returns:
+            ``{"hidden", "logits"?, "ids"?}`` (the tensors the connector then
+            passes to :meth:`fan_in`, which receives there without a copy), or
+            None: the connector uses its own buffers.
+        """
+        return None
 
     def join(self) -> None:
         """Order the caller's current stream after every operation issued so far (no host wait)."""

@@ -16,7 +16,7 @@ capturing stream passes straight to the wrapped transport.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -223,6 +223,12 @@ class StrictTransport(Transport):
 
     def prepare_stages(self, stages: Sequence[int]) -> None:
         self.inner.prepare_stages(stages)
+
+    def begin_step(self, schedule: Any) -> None:
+        self.inner.begin_step(schedule)
+
+    def receive_buffers(self, schedule: Any, stage: int) -> dict[str, torch.Tensor] | None:
+        return self.inner.receive_buffers(schedule, stage)
 
     def join(self) -> None:
         self.inner.join()
