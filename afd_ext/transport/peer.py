@@ -42,7 +42,7 @@ from .strict import HEADER_WORDS
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PeerTransport", "POLL_S", "ABORT_POLL_S", "ATTENTION_DEADLINE_FACTOR"]
+__all__ = ["PeerTransport", "POLL_S", "ABORT_POLL_S", "WAIT_BACKSTOP_S"]
 
 #: How often the failure thread reads the plane's error record, seconds.
 POLL_S = 0.002
@@ -50,8 +50,6 @@ POLL_S = 0.002
 ABORT_POLL_S = 0.1
 #: A host wait gives up this long after the deadline if the device did not report first.
 WAIT_BACKSTOP_S = 2.0
-#: An attention rank's device deadline is this times the step timeout (the FFN rank's is 1x).
-ATTENTION_DEADLINE_FACTOR = 1.5
 
 
 class PeerTransport(Transport):
@@ -108,11 +106,10 @@ class PeerTransport(Transport):
         # No CUDA call before the collective set-up: a rank without a usable GPU must still
         # publish its verdict there, or its peers would wait for it until the init deadline.
         device = setup.device if setup.device.index is not None else torch.device("cuda", 0)
-        # An FFN rank sees which attention peer did not send; an attention rank waiting for
-        # its reply cannot tell. So the FFN side's deadline expires first and names the peer.
-        timeout_s = setup.timeout_s * (1.0 if setup.peers.role == "ffn" else ATTENTION_DEADLINE_FACTOR)
+        # setup.timeout_s is already longer on attention ranks (the connector's data_timeout_s),
+        # so the FFN rank, which sees which attention peer did not send, expires first.
         plane = open_plane(setup.store, setup.topology, setup.peers.role, setup.peers.role_rank, spec,
-                           max_tokens=max_tokens, num_stages=stages, device=device, timeout_s=timeout_s,
+                           max_tokens=max_tokens, num_stages=stages, device=device, timeout_s=setup.timeout_s,
                            setup_timeout_s=setup.init_timeout_s)
         fallback = None
         try:
@@ -193,10 +190,8 @@ class PeerTransport(Transport):
         self.step_kind = "peer" if use_plane else "nccl"
         if use_plane:
             self.prepare_stages(schedule.stages)
-        else:
-            self.fallback.prepare_stages(schedule.stages)
-            if hasattr(self.fallback, "begin_step"):
-                self.fallback.begin_step(schedule)
+        if self.fallback is not None:  # NCCL steps, and strict-mode headers of plane steps
+            self.fallback.begin_step(schedule)
 
     def prepare_stages(self, stages: Sequence[int]) -> None:
         self._multi_stage = len(stages) > 1
@@ -230,7 +225,7 @@ class PeerTransport(Transport):
                 cur.wait_event(join)
 
     def join(self) -> None:
-        if self.step_kind == "nccl":
+        if self.fallback is not None:
             self.fallback.join()
         self._join(list(self._streams))
 

@@ -108,7 +108,7 @@ def test_peer_loss_is_the_named_error_within_the_deadline(mode):
     """Attention rank 1 dies / stalls before sending layer 1 of step 1.
 
     The FFN rank's device wait for layer 1, stage 0 expires (its deadline is
-    1x, the attention side's 1.5x) and the error record names attention rank 1;
+    the shorter one) and the error record names attention rank 1;
     the FFN rank posts the abort; attention rank 0 ends the step with it.
     """
     deadline = 5.0
