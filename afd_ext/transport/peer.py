@@ -158,12 +158,9 @@ class PeerTransport(Transport):
                 logger.warning("%s: posting the abort signal failed: %s", self.peers.me, e)
 
     def check_health(self, tag: MessageTag | None = None) -> None:
+        # The watch thread reads the error record every POLL_S: no op call on the hot path.
         if self._failure is not None:
             raise self._failure
-        err = self.plane.failure()
-        if err is not None:
-            self._fail(err, post=True)
-            raise err
         self._check_open(tag)
         if self.fallback is not None:
             self.fallback.check_health(tag)
@@ -314,6 +311,9 @@ class PeerTransport(Transport):
         ev.record(torch.cuda.current_stream(self.device))
         end = time.monotonic() + self.plane.timeout_ns / 1e9 + WAIT_BACKSTOP_S
         while not ev.query():
+            err = self.plane.failure()
+            if err is not None:
+                self._fail(err, post=True)
             self.check_health(tag)
             if time.monotonic() >= end:
                 peers = ", ".join(self.peers.peer_label(p) for p in self.plane.peers)
