@@ -645,9 +645,11 @@ def _ipc_worker(rank, nprocs, port, A, F, steps, victim):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("A,F", [(1, 1), (2, 1)])
 def test_two_processes_share_the_gpu_through_cuda_ipc(A, F):
-    from afd_ext.testing import find_free_port, run_workers
+    from afd_ext.testing import find_free_port, place_processes, run_workers
 
-    res = run_workers(_ipc_worker, A + F, (find_free_port(), A, F, 4, None), timeout_s=300)
+    # One GPU: every process on GPU 0; two: attention on GPU 0, FFN on GPU 1 (CUDA IPC over NVLink).
+    res = run_workers(_ipc_worker, A + F, (find_free_port(), A, F, 4, None), timeout_s=300,
+                      per_rank_env=place_processes(A, F).env())
     for good, n in res:
         assert n > 0 and good == n
 
@@ -655,9 +657,10 @@ def test_two_processes_share_the_gpu_through_cuda_ipc(A, F):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("victim", [ATTENTION, FFN])
 def test_a_role_dying_mid_spin_gives_the_survivor_the_named_error_and_a_working_reinit(victim):
-    from afd_ext.testing import find_free_port, run_workers
+    from afd_ext.testing import find_free_port, place_processes, run_workers
 
-    res = run_workers(_ipc_worker, 2, (find_free_port(), 1, 1, 1, victim), timeout_s=300)
+    res = run_workers(_ipc_worker, 2, (find_free_port(), 1, 1, 1, victim), timeout_s=300,
+                      per_rank_env=place_processes(1, 1).env())
     survivor = res[1] if victim == FFN else res[0]
     name, op, peer, layer, stage, waited, reinit_ok = survivor
     assert name == "AFDTimeoutError" and layer == 7 and stage == 0
