@@ -389,3 +389,107 @@ def test_the_auto_rule(monkeypatch, device, peer, want):
     setup = TransportSetup(None, Topology(1, 1), PeerMap("ffn", 0, 1, 1), torch.device(device), 1.0, 1.0)
     plain, checked = tr.create_transport("auto", setup)
     assert plain.kind == want and checked is plain
+
+
+# ------------------------------------------------------------------ the peer transport's routing (no GPU)
+
+
+class _FakePlane:
+    """What PeerTransport uses of a PeerPlane, recording the puts (no device)."""
+
+    def __init__(self, topo, role, rank, spec, max_tokens, stages):
+        self.topology, self.role, self.role_rank, self.spec = topo, role, rank, spec
+        self.peers = topo.ffn_peers(rank) if role == FFN else topo.attention_peers(rank)
+        self.max_tokens, self.num_stages = max_tokens, stages
+        self.device = torch.device("cpu")
+        self.timeout_ns = 10**9
+        self.puts: list = []
+
+    def put(self, stage, tensors, rows, dst_rows):
+        self.puts.append((stage, len([t for t in tensors if t is not None]), list(rows), list(dst_rows)))
+
+    def failure(self):
+        return None
+
+    def abort(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def _schedule(topo, counts_by_stage, *, wire_format="per_tensor"):
+    from afd_ext.metadata import AFDControlPayload
+    from afd_ext.schedule import ScheduleConfig, build_step_schedule
+
+    cfg = ScheduleConfig(num_layers=1, hidden_size=8, hidden_dtype=torch.bfloat16, router_logits_width=4,
+                         send_token_ids=True, wire_format=wire_format)
+    payload = AFDControlPayload(dp_metadata_list={s: list(c) for s, c in counts_by_stage.items()})
+    return build_step_schedule(topo, payload, cfg)
+
+
+def _transport(plane):
+    from afd_ext.transport.base import PeerMap, TransportSetup
+    from afd_ext.transport.peer import PeerTransport
+
+    topo = plane.topology
+    setup = TransportSetup(None, topo, PeerMap(plane.role, plane.role_rank, topo.A, topo.F), plane.device, 1.0, 1.0)
+    return PeerTransport(setup, plane, None)
+
+
+@pytest.mark.parametrize("A,F", TOPOLOGIES)
+def test_every_put_lands_at_the_offsets_the_receiver_expects(A, F):
+    from afd_ext.transport.base import MessageTag
+
+    topo = Topology(A, F)
+    counts = {0: [(3 * a + 2) % 7 for a in range(A)]}
+    sch = _schedule(topo, counts)
+    spec = WireSpec(8, torch.bfloat16, 4, torch.float32, True)
+    for role, n in ((ATTENTION, A), (FFN, F)):
+        for r in range(n):
+            plane = _FakePlane(topo, role, r, spec, max_tokens=16, stages=1)
+            tr = _transport(plane)
+            try:
+                tr.begin_step(sch)
+                assert tr.step_kind == "peer"
+                if role == ATTENTION:
+                    plan = sch.attention_plan(0, r)
+                    tensors = (torch.zeros(plan.total, 8), torch.zeros(plan.total, 4),
+                               torch.zeros(plan.total, dtype=torch.int32))
+                    tr.split_back(tensors, plan.peers, plan.rows, tag=MessageTag("t", "a2f", 1, 0, 0))
+                    # Independent expectation: my rows to f land after every earlier peer of f's rows to f.
+                    want_dst = []
+                    for f in plane.peers:
+                        off = 0
+                        for a in topo.ffn_peers(f):
+                            if a == r:
+                                break
+                            off += next(c for ff, _, c in topo.split_rows(a, counts[0][a]) if ff == f)
+                        want_dst.append(off)
+                    want_rows = [c for _, _, c in topo.split_rows(r, counts[0][r])]
+                    assert plane.puts == [(0, 3, want_rows, want_dst)]
+                else:
+                    plan = sch.ffn_plan(0, r)
+                    tr.split_back((torch.zeros(plan.total, 8), None, None), plan.peers, plan.rows,
+                                  tag=MessageTag("t", "f2a", 1, 0, 0))
+                    shares = [next((s, c) for ff, s, c in topo.split_rows(a, counts[0][a]) if ff == r)
+                              for a in plane.peers]
+                    assert plane.puts == [(0, 1, [c for _, c in shares], [s for s, _ in shares])]
+            finally:
+                tr.close()
+
+
+def test_steps_beyond_capacity_or_packed_go_over_the_fallback_and_without_it_are_refused():
+    topo = Topology(2, 1)
+    spec = WireSpec(8, torch.bfloat16, 4, torch.float32, True)
+    plane = _FakePlane(topo, ATTENTION, 0, spec, max_tokens=4, stages=2)
+    tr = _transport(plane)
+    try:
+        assert tr.fits(_schedule(topo, {0: [4, 4], 1: [0, 3]}))
+        assert not tr.fits(_schedule(topo, {0: [4, 5]}))  # a peer's rows beyond capacity
+        assert not tr.fits(_schedule(topo, {0: [1, 1], 1: [1, 1], 2: [1, 1]}))  # a third stage
+        assert not tr.fits(_schedule(topo, {0: [1, 1]}, wire_format="packed"))
+        with pytest.raises(ValueError, match="does not fit the peer-memory plane"):
+            tr.begin_step(_schedule(topo, {0: [9, 1]}))
+    finally:
+        tr.close()
