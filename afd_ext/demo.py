@@ -623,7 +623,8 @@ class DemoPlan:
 
     Attributes:
         num_attention / num_ffn: ``A`` and ``F``.
-        backend: ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA tensors).
+        backend: ``"gloo"`` (CPU tensors), ``"nccl"`` or ``"peer"`` (CUDA tensors; peer: the
+            peer-memory transport over CUDA IPC, docs/peer-memory.md).
         dims: model config name or path; model_config: the loaded config.
         dtype: ``"float32"`` or ``"bfloat16"``.
         seed: weight seed.
@@ -673,7 +674,7 @@ class DemoPlan:
 
     @property
     def device_type(self) -> str:
-        return "cuda" if self.backend == "nccl" else "cpu"
+        return "cpu" if self.backend == "gloo" else "cuda"
 
     @property
     def max_steps(self) -> int:
@@ -1073,10 +1074,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--topology", type=_topology, default=(2, 1), metavar="AxF",
                    help="attention and FFN ranks, e.g. 2A1F (default), 1A1F, 3A2F")
-    p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
+    p.add_argument("--backend", choices=("auto", "gloo", "nccl", "peer"), default="auto",
                    help="gloo: CPU tensors; nccl: CUDA tensors, one GPU per process when there are enough, "
                    "else attention on GPU 0 and FFN on GPU 1, and on a one-GPU machine every process on GPU 0 "
                    "(NCCL over sockets: a demo arrangement, latencies not meaningful); "
+                   "peer: CUDA tensors through peer memory (CUDA IPC), placed like nccl; "
                    "auto: nccl when 2 GPUs are visible, else gloo")
     p.add_argument("--dims", default="small",
                    help=f"model config: one of {available_dims()} or a path to a .json config")
@@ -1125,9 +1127,9 @@ def _gpu_placement(num_attention: int, num_ffn: int) -> GpuPlacement:
 
     n = visible_gpu_count()
     if n < 1:
-        raise ValueError("--backend nccl needs a visible GPU; found none. Use --backend gloo (CPU) or --backend auto")
+        raise ValueError("--backend nccl/peer needs a visible GPU; found none. Use --backend gloo (CPU) or --backend auto")
     if not ops.is_cuda_built():
-        raise ValueError("--backend nccl needs a CUDA build of afd_ext; use --backend gloo (CPU)")
+        raise ValueError("--backend nccl/peer needs a CUDA build of afd_ext; use --backend gloo (CPU)")
     return place_processes(num_attention, num_ffn, n)
 
 
@@ -1141,7 +1143,7 @@ def build_plan(args: argparse.Namespace) -> DemoPlan:
 
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "gloo"
     A, F_ = args.topology
-    placement = _gpu_placement(A, F_) if backend == "nccl" else None
+    placement = _gpu_placement(A, F_) if backend != "gloo" else None
     if args.json_path:
         # Checked before the run, not after it: a bad path must not cost the whole demo.
         out = Path(args.json_path)
@@ -1153,7 +1155,7 @@ def build_plan(args: argparse.Namespace) -> DemoPlan:
             raise ValueError(f"--json {args.json_path} is a folder; give a file path")
     dtype = args.dtype
     if dtype == "auto":
-        dtype = "bfloat16" if backend == "nccl" else "float32"
+        dtype = "float32" if backend == "gloo" else "bfloat16"
     model_config = load_model_config(args.dims, num_layers=args.layers)
     prompts = load_prompts(args.prompts)
     requests = make_requests(A, args.requests_per_rank, args.max_new_tokens, prompts=prompts,
