@@ -120,3 +120,9 @@ register("AFD_CONTROL_ADDR", None,
 register("AFD_CONTROL_SPIN_US", 2000.0,
          "control plane: how long a receiver busy-polls before sleeping, in microseconds "
          "(0 disables spinning; lower it on machines with few cores)", float)
+
+# --- vLLM + afd-plugin integration (afd_ext.integrations.afd_plugin) ---------------------
+register("AFD_EXT_REPLACE_P2P", False,
+         "afd-plugin integration: 1 registers afd_ext under the reference's connector name "
+         "'P2pNcclAFDConnector' (replacing the reference's NCCL connector) when vLLM loads its plugins, "
+         "so the reference's runners build afd_ext; set it in every attention and FFN process", parse_bool)

@@ -1,0 +1,567 @@
+"""afd_ext as a connector of the reference vLLM AFD plugin (``vllm-project/afd-plugin``).
+
+Why this module exists: the reference's runners build their connector through
+their own factory, which loads a registered class lazily, refuses anything
+that is not a subclass of ``afd_plugin.connectors.base.AFDConnectorBase``, and
+calls it as ``cls(rank, local_rank, vllm_config, afd_config, role_rank)`` with
+the reference's own ``AFDConfig``. :class:`AfdExtAFDConnector` is such a
+subclass: it translates that configuration, reads the model facts from
+``vllm_config``, and delegates every call to :class:`afd_ext.connector.AFDConnector`
+through its public methods only. Nothing here is imported by ``import afd_ext``;
+this module imports ``afd_plugin`` (and with it whatever the plugin imports)
+only when it is itself imported.
+
+Registration: vLLM calls every ``vllm.general_plugins`` entry point at
+start-up; ours is :func:`register`. It registers the class under
+``"AfdExtConnector"`` and, only when ``AFD_EXT_REPLACE_P2P=1`` is set, also
+under the reference's ``"P2pNcclAFDConnector"`` (``replace=True``). The
+second name is what the real runners need: their config validation accepts
+only the reference's three connector names, and choosing
+``P2pNcclAFDConnector`` also applies the reference's ``validate_p2p_topology``
+(``A >= F`` and ``A % F == 0``). ``docs/vllm.md`` says what a user writes.
+
+What changes under the reference's runners (all documented in ``docs/vllm.md``):
+
+* ``clamp_idle_to_one`` defaults to True: an idle DP rank runs a one-token
+  dummy batch and the reference counts it as one row.
+* The layer exchanges per step are all decoder layers, or, with
+  ``compute_gate_on_attention``, only the MoE layers (counted from the model
+  config, or ``connector_extra_config.num_exchange_layers``); router logits
+  then travel with width ``n_routed_experts`` / ``num_experts`` /
+  ``num_local_experts`` and the model dtype (or
+  ``connector_extra_config.router_logits_dtype``). Each ``routing_spec`` the
+  FFN runner passes is checked against them.
+* The init handshake compares hidden size, layers, dtypes and the options;
+  not each role's own TP size (the FFN side expands whatever per-DP count
+  vector arrives, the reference's rule; the attention side checks each
+  vector's length against its own DP size before anything moves).
+* Attention-side calls made while ``torch.compile`` traces go through two
+  custom ops (``torch.ops.afd_ext_plugin.*``) keyed by an integer handle, so
+  the compiled graph calls the connector on every step (no per-step state
+  frozen at trace time). A step whose payload sets ``is_graph_capturing``
+  takes its buffers from a fresh static arena that is never freed (the
+  reference's FFN runner replays captured graphs without calling the
+  connector) and pauses the NCCL watchdog's event polling until a payload
+  without the flag arrives (event queries invalidate a global-mode capture).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import logging
+import weakref
+from typing import Any, Mapping, Optional
+
+import torch
+
+from .. import envs
+from ..config import DEFAULT_CONNECTOR, REFERENCE_CONNECTOR, AFDConfig, AfdExtConnectorConfig, coerce_int
+from ..errors import AFDConfigError
+from ..metadata import AFDControlPayload, AFDTransferContext, AFDTransferMetadata
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "PLUGIN_CONNECTOR_NAME",
+    "HAVE_AFD_PLUGIN",
+    "AdapterExtraConfig",
+    "AfdExtAFDConnector",
+    "model_facts",
+    "moe_layer_indices",
+    "register",
+]
+
+#: The name this connector is always registered under in the reference's factory.
+PLUGIN_CONNECTOR_NAME = DEFAULT_CONNECTOR
+
+#: ``connector_extra_config`` keys read by this adapter itself (the rest are afd_ext's).
+_ADAPTER_KEYS = ("num_exchange_layers", "router_logits_dtype")
+
+try:
+    from afd_plugin.connectors.base import AFDConnectorBase as _ConnectorBase
+    from afd_plugin.connectors.base import AFDControlPlane as _ControlPlaneBase
+    from afd_plugin.connectors.base import ConnectorExtraInfo as _ExtraInfoBase
+
+    HAVE_AFD_PLUGIN = True
+except ImportError as _e:  # the module stays importable (register() is a no-op then)
+    HAVE_AFD_PLUGIN = False
+    _IMPORT_ERROR: ImportError | None = _e
+else:
+    _IMPORT_ERROR = None
+
+
+# ---------------------------------------------------------------------------
+# Registration (the vllm.general_plugins entry point)
+# ---------------------------------------------------------------------------
+
+
+def register() -> None:
+    """Register afd_ext into the reference's connector factory (vLLM calls it at start-up).
+
+    Always registers ``"AfdExtConnector"``; with ``AFD_EXT_REPLACE_P2P=1``
+    also ``"P2pNcclAFDConnector"`` (replacing the reference's own class), the
+    only way to pass the reference runners' connector allow-list. Without
+    ``afd_plugin`` installed it does nothing (logged at debug level).
+
+    Raises:
+        ValueError: ``AFD_EXT_REPLACE_P2P`` is not a boolean.
+    """
+    replace_p2p = envs.get("AFD_EXT_REPLACE_P2P")
+    if not HAVE_AFD_PLUGIN:
+        logger.debug("afd_plugin is not importable (%s): afd_ext not registered with it", _IMPORT_ERROR)
+        if replace_p2p:
+            logger.warning("AFD_EXT_REPLACE_P2P=1 but afd_plugin is not importable (%s)", _IMPORT_ERROR)
+        return
+    from afd_plugin.connectors.factory import AFDConnectorFactory
+
+    AFDConnectorFactory.register_connector(PLUGIN_CONNECTOR_NAME, __name__, "AfdExtAFDConnector", replace=True)
+    if replace_p2p:
+        AFDConnectorFactory.register_connector(REFERENCE_CONNECTOR, __name__, "AfdExtAFDConnector", replace=True)
+        logger.info("afd_ext replaces the reference's %s (AFD_EXT_REPLACE_P2P=1)", REFERENCE_CONNECTOR)
+
+
+# ---------------------------------------------------------------------------
+# Configuration and model facts
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterExtraConfig:
+    """This connector's ``connector_extra_config`` under the reference: afd_ext's fields plus two of its own.
+
+    Attributes:
+        connector: afd_ext's typed extra config; ``clamp_idle_to_one``
+            defaults to True here (the reference's runners run a one-token
+            dummy batch on idle DP ranks).
+        num_exchange_layers: layer exchanges per step when the model config
+            does not tell (``None``: counted from it).
+        router_logits_dtype: dtype of router logits on the wire (``None``: the model dtype).
+    """
+
+    connector: AfdExtConnectorConfig
+    num_exchange_layers: int | None = None
+    router_logits_dtype: str | None = None
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any] | None) -> "AdapterExtraConfig":
+        """Parse ``connector_extra_config``.
+
+        Raises:
+            TypeError / ValueError: not a mapping, unknown key, bad value (see
+                :meth:`afd_ext.config.AfdExtConnectorConfig.from_mapping`).
+        """
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, Mapping):
+            raise TypeError("connector_extra_config must be a mapping")
+        rest = dict(raw)
+        layers = rest.pop("num_exchange_layers", None)
+        if layers is not None:
+            layers = coerce_int(layers, "connector_extra_config.num_exchange_layers")
+            if layers < 1:
+                raise ValueError(f"connector_extra_config.num_exchange_layers must be >= 1, got {layers}")
+        ldtype = rest.pop("router_logits_dtype", None)
+        if ldtype is not None:
+            ldtype = _dtype_name(ldtype, "connector_extra_config.router_logits_dtype")
+        rest.setdefault("clamp_idle_to_one", True)
+        return cls(AfdExtConnectorConfig.from_mapping(rest), layers, ldtype)
+
+    def to_mapping(self) -> dict[str, Any]:
+        """All fields as one flat mapping (round-trips through :meth:`from_mapping`)."""
+        out = self.connector.to_mapping()
+        out.update({k: getattr(self, k) for k in _ADAPTER_KEYS if getattr(self, k) is not None})
+        return out
+
+
+def _dtype_name(value: Any, what: str) -> str:
+    name = str(value).removeprefix("torch.")
+    if not isinstance(getattr(torch, name, None), torch.dtype):
+        raise ValueError(f"{what} must be a torch dtype name such as 'float32', got {value!r}")
+    return name
+
+
+def moe_layer_indices(hf_config: Any, num_layers: int) -> tuple[int, ...] | None:
+    """Indices of the MoE decoder layers, by the conventions of the model families vLLM serves.
+
+    DeepSeek-V2/V3 (``first_k_dense_replace``, ``moe_layer_freq``),
+    Qwen2/3-MoE (``decoder_sparse_step``, ``mlp_only_layers``), and models
+    whose every layer is MoE (``num_local_experts``, e.g. Mixtral).
+
+    Returns:
+        The indices, or ``None`` when the config follows none of these conventions.
+    """
+    if getattr(hf_config, "first_k_dense_replace", None) is not None:
+        if getattr(hf_config, "n_routed_experts", None) is None:
+            return ()
+        k, freq = int(hf_config.first_k_dense_replace), int(getattr(hf_config, "moe_layer_freq", 1) or 1)
+        return tuple(i for i in range(num_layers) if i >= k and i % freq == 0)
+    if getattr(hf_config, "decoder_sparse_step", None) is not None:
+        if not getattr(hf_config, "num_experts", 0):
+            return ()
+        step, dense = int(hf_config.decoder_sparse_step), set(getattr(hf_config, "mlp_only_layers", None) or ())
+        return tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+    if getattr(hf_config, "num_local_experts", None):
+        return tuple(range(num_layers))
+    return None
+
+
+def _router_width(hf_config: Any) -> int | None:
+    for name in ("n_routed_experts", "num_experts", "num_local_experts"):
+        v = getattr(hf_config, name, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+def model_facts(vllm_config: Any, compute_gate_on_attention: bool, extra: AdapterExtraConfig) -> dict[str, Any]:
+    """The exchange's static facts, from ``vllm_config`` (both roles derive the same ones).
+
+    Returns:
+        ``hidden_size``, ``num_layers`` (exchanges per stage per step),
+        ``dtype``, ``router_logits_width`` (or None) and ``router_logits_dtype``.
+
+    Raises:
+        AFDConfigError: a fact is missing; the message names every missing
+            field and what to set instead.
+    """
+    mc = getattr(vllm_config, "model_config", None)
+    hf = getattr(mc, "hf_text_config", None) or getattr(mc, "hf_config", None)
+    missing = []
+    hidden = getattr(hf, "hidden_size", None)
+    layers = getattr(hf, "num_hidden_layers", None)
+    dtype = getattr(mc, "dtype", None)
+    if not isinstance(hidden, int) or hidden < 1:
+        missing.append("vllm_config.model_config.hf_text_config.hidden_size (an int >= 1)")
+    if not isinstance(layers, int) or layers < 1:
+        missing.append("vllm_config.model_config.hf_text_config.num_hidden_layers (an int >= 1)")
+    if not isinstance(dtype, torch.dtype):
+        missing.append("vllm_config.model_config.dtype (a torch.dtype)")
+    width = None
+    exchanges = layers
+    if compute_gate_on_attention:
+        width = _router_width(hf)
+        if width is None:
+            missing.append("the router width: hf config n_routed_experts / num_experts / num_local_experts")
+        if extra.num_exchange_layers is not None:
+            exchanges = extra.num_exchange_layers
+        elif isinstance(layers, int):
+            moe = moe_layer_indices(hf, layers)
+            if moe is None:
+                missing.append("the number of MoE layers (the model config follows no known convention): set "
+                               "connector_extra_config.num_exchange_layers on both roles")
+            elif not moe:
+                missing.append("MoE layers: compute_gate_on_attention is set but the model config has none")
+            else:
+                exchanges = len(moe)
+    if missing:
+        raise AFDConfigError("afd_ext cannot configure the AFD exchange from vllm_config; missing: "
+                             + "; ".join(missing))
+    ldtype = getattr(torch, extra.router_logits_dtype) if extra.router_logits_dtype else dtype
+    return dict(hidden_size=hidden, num_layers=exchanges, dtype=dtype, router_logits_width=width,
+                router_logits_dtype=ldtype)
+
+
+def _payload(obj: Any) -> AFDControlPayload:
+    """The reference's ``AFDControlPayload`` (or ours) as ours, read by its fields."""
+    if isinstance(obj, AFDControlPayload):
+        return obj
+    return AFDControlPayload.from_fields(obj)
+
+
+# ---------------------------------------------------------------------------
+# Custom ops: the attention-side calls as seen by torch.compile
+# ---------------------------------------------------------------------------
+
+_LIVE: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+_HANDLES = itertools.count(1)
+
+
+def _live(handle: int) -> Any:
+    conn = _LIVE.get(handle)
+    if conn is None:
+        raise AFDConfigError(f"afd_ext plugin connector handle {handle} is gone (the connector was garbage-collected)")
+    return conn
+
+
+@torch.library.custom_op("afd_ext_plugin::send_attn_output", mutates_args=("hidden_states",))
+def _send_attn_op(hidden_states: torch.Tensor, router_logits: Optional[torch.Tensor],
+                  input_ids: Optional[torch.Tensor], handle: int, layer_idx: int, stage: int) -> None:
+    # Declared as mutating hidden_states (it does not) so the compiler keeps and orders the call.
+    _live(handle)._send_rows(hidden_states, layer_idx, stage, router_logits, input_ids)
+
+
+@_send_attn_op.register_fake
+def _(hidden_states, router_logits, input_ids, handle, layer_idx, stage) -> None:
+    return None
+
+
+@torch.library.custom_op("afd_ext_plugin::recv_ffn_output", mutates_args=("out",))
+def _recv_ffn_op(out: torch.Tensor, handle: int, stage: int) -> None:
+    _live(handle)._inner.recv_ffn_output(out, ubatch_idx=stage)
+
+
+@_recv_ffn_op.register_fake
+def _(out, handle, stage) -> None:
+    return None
+
+
+# ---------------------------------------------------------------------------
+# The connector
+# ---------------------------------------------------------------------------
+
+if HAVE_AFD_PLUGIN:
+
+    @dataclasses.dataclass(frozen=True)
+    class AfdExtExtraInfo(_ExtraInfoBase):
+        """The reference's ``ConnectorExtraInfo`` for this connector (wraps :class:`AdapterExtraConfig`)."""
+
+        config: AdapterExtraConfig
+
+        @classmethod
+        def from_mapping(cls, raw: Mapping[str, Any] | None) -> "AfdExtExtraInfo":
+            return cls(AdapterExtraConfig.from_mapping(raw))
+
+        def to_mapping(self) -> dict[str, Any]:
+            return self.config.to_mapping()
+
+    class _PluginControlPlane(_ControlPlaneBase):
+        """The reference's control-plane methods, taking the reference's payload objects."""
+
+        def __init__(self, owner: "AfdExtAFDConnector"):
+            self._owner = owner
+
+        def update_state_from_dp_metadata(self, payload: Any) -> None:
+            """Apply a payload locally (see :meth:`AfdExtAFDConnector.apply_payload`)."""
+            self._owner.apply_payload(payload)
+
+        def send_dp_metadata_list(self, payload: Any) -> None:
+            """Send the payload to this attention rank's FFN destinations (no-op on other ranks)."""
+            self._owner._inner.control_plane.send_dp_metadata_list(self._owner._convert(payload))
+
+        def recv_dp_metadata_list(self) -> AFDControlPayload:
+            """FFN side: block until the next payload (afd_ext's class; the runners read its fields)."""
+            self._owner._leave_capture()
+            return self._owner._inner.control_plane.recv_dp_metadata_list()
+
+    class AfdExtAFDConnector(_ConnectorBase):
+        """afd_ext's connector behind the reference's ``AFDConnectorBase`` contract.
+
+        Args:
+            rank: vLLM world rank (informational).
+            local_rank: CUDA device index.
+            vllm_config: the worker's ``VllmConfig`` (model facts, DP size; the
+                ``"afd"`` section's ``connector_extra_config``).
+            afd_config: the reference's ``AFDConfig`` (read by its fields).
+            role_rank: resolved by the reference's factory.
+
+        Construction is device-light (no communication).
+
+        Raises:
+            AFDConfigError: ``async_dp`` set, or a model fact missing from ``vllm_config``.
+            ValueError / TypeError: a bad ``connector_extra_config`` or role rank.
+        """
+
+        def __init__(self, rank: int, local_rank: int, vllm_config: Any, afd_config: Any, role_rank: int) -> None:
+            super().__init__(rank, local_rank, vllm_config, afd_config, role_rank)
+            from ..connector import AFDConnector
+
+            if getattr(afd_config, "async_dp", False):
+                raise AFDConfigError("afd_ext is a synchronous connector; set async_dp (async) to false")
+            info: AdapterExtraConfig = self.extra_info.config
+            gate = bool(afd_config.compute_gate_on_attention)
+            cfg = AFDConfig(connector=DEFAULT_CONNECTOR, role=afd_config.role, port=afd_config.port,
+                            host=afd_config.host, num_attention_ranks=afd_config.num_attention_ranks,
+                            num_ffn_ranks=afd_config.num_ffn_ranks, compute_gate_on_attention=gate,
+                            connector_extra_config=info.connector.to_mapping())
+            self.facts = model_facts(vllm_config, gate, info)
+            # tp_size=1: both roles expand any per-DP vector by the reference's rule (so the
+            # roles need not share a TP size); the attention side checks the length itself.
+            self._inner = AFDConnector(rank, local_rank, cfg, role_rank, tp_size=1, **self.facts)
+            self.attn_size = cfg.num_attention_ranks
+            self.ffn_size = cfg.num_ffn_ranks
+            pc = getattr(vllm_config, "parallel_config", None)
+            self._dp_size = int(getattr(pc, "data_parallel_size", 1) or 1)
+            self.control_plane = _PluginControlPlane(self)
+            self._capture = contextlib.ExitStack()
+            self._capturing = False
+            self._arenas: list[Any] = []
+            self._last: tuple[Any, AFDControlPayload] | None = None
+            self._spec_ok: Any = None
+            self._handle = next(_HANDLES)
+            _LIVE[self._handle] = self
+
+        @classmethod
+        def parse_extra_config(cls, raw: Mapping[str, Any] | None) -> AfdExtExtraInfo:
+            """Parse ``connector_extra_config`` (afd_ext's fields, ``num_exchange_layers``, ``router_logits_dtype``).
+
+            Raises:
+                TypeError / ValueError: not a mapping, unknown key, bad value.
+            """
+            return AfdExtExtraInfo.from_mapping(raw)
+
+        # -- lifecycle --------------------------------------------------------
+
+        @property
+        def connector(self) -> Any:
+            """The delegate :class:`afd_ext.connector.AFDConnector`."""
+            return self._inner
+
+        @property
+        def is_initialized(self) -> bool:
+            return self._inner.is_initialized
+
+        def init_afd_connector(self) -> None:
+            """Rendezvous, handshake, transport, control channels, warm-up (collective; idempotent)."""
+            self._inner.init_afd_connector()
+
+        def close(self) -> None:
+            """Release everything (idempotent); graph arenas stay alive while a captured graph may replay."""
+            self._leave_capture()
+            self._last = None
+            self._inner.close()
+
+        # -- control plane ------------------------------------------------------
+
+        def _convert(self, payload: Any) -> AFDControlPayload:
+            last = self._last
+            if last is not None and last[0] is payload:
+                return last[1]
+            p = _payload(payload)
+            if self._inner.role == "attention":
+                self._check_vector_lengths(p)
+            self._last = (payload, p)
+            return p
+
+        def _check_vector_lengths(self, p: AFDControlPayload) -> None:
+            ok = {self._dp_size, self.attn_size}
+            for stage, md in p.dp_metadata_list.items():
+                n = len(md.counts)
+                if n not in ok:
+                    raise AFDConfigError(
+                        f"DP metadata of stage {stage} has {n} counts; this attention rank's vLLM DP size is "
+                        f"{self._dp_size} (num_attention_ranks {self.attn_size}): expected one count per DP rank")
+
+        def apply_payload(self, payload: Any) -> None:
+            """``control_plane.update_state_from_dp_metadata``: validate, build the step, take its buffers.
+
+            A payload with ``is_graph_capturing`` takes its buffers from a new
+            static arena (kept for the process's life: a captured graph replays
+            without any connector call) and pauses the NCCL watchdog's event
+            polling until a payload without the flag (or, FFN side, the next
+            ``recv_dp_metadata_list``).
+
+            Raises:
+                AFDConfigError: (attention) a count vector whose length is neither
+                    the DP size nor ``num_attention_ranks``; nothing moved.
+                ValueError / AFDStateError: see afd_ext's ``update_state_from_dp_metadata``.
+            """
+            p = self._convert(payload)
+            if not p.is_graph_capturing:
+                self._leave_capture()
+                self._inner.control_plane.update_state_from_dp_metadata(p)
+                return
+            from ..graphs import StaticArena
+
+            arena = StaticArena(self._inner.device, label=f"reference-runner capture {len(self._arenas)}")
+            self._inner.use_static_arena(arena)
+            try:
+                self._inner.control_plane.update_state_from_dp_metadata(p)
+            finally:
+                self._inner.use_static_arena(None)
+            arena.freeze()
+            self._arenas.append(arena)
+            if not self._capturing:
+                self._capture.enter_context(self._inner.watchdog_suspended())
+                self._capturing = True
+
+        def _leave_capture(self) -> None:
+            if self._capturing:
+                self._capturing = False
+                self._capture.close()
+
+        # -- attention side -----------------------------------------------------
+
+        def send_attn_output(self, hidden_states: torch.Tensor, context: Any, **kwargs: Any) -> None:
+            """Send this rank's rows of one (layer, stage); ``context`` is read by its fields.
+
+            Args:
+                hidden_states: ``[rows, hidden_size]`` of the model dtype; ``rows``
+                    this rank's count of the stage (1 for an idle rank's dummy batch).
+                context: an ``AFDTransferContext`` (the reference's or ours).
+                **kwargs: ``router_logits`` ``[rows, width]`` (gate on attention),
+                    ``input_ids`` ``[rows]`` int32; others are ignored.
+
+            Raises:
+                ValueError / AFDStateError / AFDError: see afd_ext's ``send_attn_output``.
+            """
+            md = context.metadata
+            if torch.compiler.is_compiling():
+                torch.ops.afd_ext_plugin.send_attn_output(hidden_states, kwargs.get("router_logits"),
+                                                          kwargs.get("input_ids"), self._handle,
+                                                          md.layer_idx, md.stage_idx)
+                return
+            self._inner.send_attn_output(hidden_states, context, router_logits=kwargs.get("router_logits"),
+                                         input_ids=kwargs.get("input_ids"))
+
+        def _send_rows(self, hidden_states: torch.Tensor, layer_idx: int, stage: int,
+                       router_logits: torch.Tensor | None, input_ids: torch.Tensor | None) -> None:
+            ctx = AFDTransferContext(AFDTransferMetadata.create_attention_metadata(
+                layer_idx=layer_idx, stage_idx=stage, seq_len=int(hidden_states.shape[0])))
+            self._inner.send_attn_output(hidden_states, ctx, router_logits=router_logits, input_ids=input_ids)
+
+        def recv_ffn_output(self, ref_tensor: torch.Tensor, ubatch_idx: int = 0, **kwargs: Any) -> torch.Tensor:
+            """Receive the reply of the oldest outstanding exchange into ``ref_tensor`` and return it."""
+            if torch.compiler.is_compiling():
+                torch.ops.afd_ext_plugin.recv_ffn_output(ref_tensor, self._handle, ubatch_idx)
+                return ref_tensor
+            return self._inner.recv_ffn_output(ref_tensor, ubatch_idx=ubatch_idx)
+
+        # -- FFN side -------------------------------------------------------------
+
+        def recv_attn_output(self, ubatch_idx: int = 0, **kwargs: Any) -> Any:
+            """Fan-in of the next (layer, stage); returns afd_ext's ``AFDA2FTransferPayload``.
+
+            Args:
+                ubatch_idx: the stage.
+                **kwargs: ``routing_spec`` (checked against the configured router
+                    logits), ``recv_input_ids``; others are ignored.
+
+            Raises:
+                AFDConfigError: ``routing_spec`` differs from what this connector
+                    configured from the model config (the message says what to set).
+                ValueError / AFDStateError / AFDError: see afd_ext's ``recv_attn_output``.
+            """
+            spec = kwargs.get("routing_spec")
+            if spec is not None and spec != self._spec_ok:
+                self._check_routing_spec(spec)
+            return self._inner.recv_attn_output(ubatch_idx=ubatch_idx, routing_spec=spec,
+                                                recv_input_ids=bool(kwargs.get("recv_input_ids", False)))
+
+        def _check_routing_spec(self, spec: Any) -> None:
+            width, dtype = self.facts["router_logits_width"], self.facts["router_logits_dtype"]
+            got = (int(spec.router_logits_width), spec.router_logits_dtype)
+            if width is None:
+                raise AFDConfigError(
+                    f"the FFN runner passed routing_spec {got}, but compute_gate_on_attention is false in the "
+                    "AFD config: set it to true on both roles")
+            if got != (width, dtype):
+                raise AFDConfigError(
+                    f"the model's routing_spec is [{got[0]}] {got[1]}, but afd_ext configured router logits "
+                    f"[{width}] {dtype} from the model config; set connector_extra_config.router_logits_dtype "
+                    f"(to '{str(got[1]).removeprefix('torch.')}') on both roles, or fix the model config's expert count")
+            self._spec_ok = spec
+
+        def send_ffn_output(self, ffn_output: torch.Tensor, context: Any, **kwargs: Any) -> None:
+            """Split-back of ``ffn_output`` ``[total, hidden_size]`` by the context's per-peer rows."""
+            self._inner.send_ffn_output(ffn_output, context)
+
+        def __repr__(self) -> str:
+            return f"AfdExtAFDConnector({self._inner!r})"
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("AfdExtAFDConnector", "AfdExtExtraInfo"):
+        raise ImportError(f"{name} needs the reference plugin: afd_plugin is not importable ({_IMPORT_ERROR})")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

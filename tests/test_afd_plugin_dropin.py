@@ -1,0 +1,232 @@
+"""afd_ext under the reference vLLM AFD plugin's factory and runner call sequences (CPU tier, gloo).
+
+The plugin is the test stand-in in ``tests/fake_afd_plugin`` (its contract
+re-created from the reference's docs and repository); the call sequences are in
+``tests/plugin_runners.py``. Multi-process runs are kept small (a few steps,
+hidden 8) for the 2-core CI machine.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import types
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import plugin_runners as pr  # noqa: E402
+from afd_ext.testing import find_free_port, run_workers  # noqa: E402
+
+sys.path.insert(0, pr.FAKE_PLUGIN)
+pytestmark = pytest.mark.timeout(240)
+
+
+def _run(sc: pr.PluginScenario, timeout_s: float = 120.0) -> list:
+    res = run_workers(pr.dropin_worker, sc.nprocs, (sc, find_free_port()), timeout_s=timeout_s)
+    assert all(r["type"] == "AfdExtAFDConnector" for r in res)
+    return res
+
+
+def _ffn(res, sc):
+    return [r for r in res if r["role"] == "ffn"]
+
+
+# ---------------------------------------------------------------------------
+# Multi-process: the runners' call sequences
+# ---------------------------------------------------------------------------
+
+
+def test_eager_1a1f():
+    sc = pr.PluginScenario(steps=({0: [3]}, {0: [5]}, {0: [2]}))
+    res = _run(sc)
+    assert _ffn(res, sc)[0]["steps"] == [[(0, [3])], [(0, [5])], [(0, [2])]]
+    assert res[1]["steps"] == [[(0, 3)], [(0, 5)], [(0, 2)]]
+
+
+def test_dbo_two_stages_in_ubatch_thread_order():
+    sc = pr.PluginScenario(steps=({0: [2], 1: [3]}, {0: [4], 1: [1]}))
+    res = _run(sc)
+    assert _ffn(res, sc)[0]["steps"] == [[(0, [2]), (1, [3])], [(0, [4]), (1, [1])]]
+
+
+def test_idle_dp_rank_runs_a_one_token_dummy_batch():
+    # DP2 attention, one FFN rank: a count of 0 becomes one row (clamp on by default under the plugin).
+    sc = pr.PluginScenario(attn=(2, 1, 1), steps=({0: [0, 3]}, {0: [2, 0]}))
+    res = _run(sc)
+    assert _ffn(res, sc)[0]["steps"] == [[(0, [1, 3])], [(0, [2, 1])]]
+    att = {r["role_rank"]: r["steps"] for r in res if r["role"] == "attention"}
+    assert att == {0: [[(0, 1)], [(0, 2)]], 1: [[(0, 3)], [(0, 1)]]}
+
+
+def test_gate_on_attention_with_routing_spec():
+    # DeepSeek-style config: layer 0 dense (stays on attention), layers 1..3 MoE: 3 exchanges with router logits.
+    sc = pr.PluginScenario(layers=4, gate=True, experts=4, steps=({0: [3]}, {0: [2], 1: [2]}))
+    res = _run(sc)
+    assert _ffn(res, sc)[0]["steps"] == [[(0, [3])], [(0, [2]), (1, [2])]]
+
+
+def test_dp1_tp2_on_both_roles():
+    sc = pr.PluginScenario(attn=(1, 1, 2), ffn=(1, 1, 2), steps=({0: [3]}, {0: [4]}))
+    res = _run(sc)
+    # TP workers have distinct role ranks (from parallel_state), each pairs with its own FFN rank.
+    assert sorted((r["role"], r["role_rank"]) for r in res) == [
+        ("attention", 0), ("attention", 1), ("ffn", 0), ("ffn", 1)]
+    assert [r["steps"] for r in _ffn(res, sc)] == [[[(0, [3])], [(0, [4])]]] * 2
+
+
+def test_attention_tp2_with_ffn_tp1():
+    # The roles' TP sizes differ: the handshake compares what both must agree on, not each role's TP.
+    sc = pr.PluginScenario(attn=(1, 1, 2), ffn=(1, 1, 1), steps=({0: [3]}, {0: [1]}))
+    res = _run(sc)
+    assert _ffn(res, sc)[0]["steps"] == [[(0, [3, 3])], [(0, [1, 1])]]
+
+
+def test_dp2_pcp2_tp2():
+    # A = 8 attention workers; the per-DP vector [3, 5] is expanded over PCP x TP = 4 workers per DP rank.
+    sc = pr.PluginScenario(attn=(2, 2, 2), ffn=(1, 1, 1), layers=2, steps=({0: [3, 5]},))
+    res = _run(sc, timeout_s=180.0)
+    assert _ffn(res, sc)[0]["steps"] == [[(0, [3, 3, 3, 3, 5, 5, 5, 5])]]
+    assert sorted(r["role_rank"] for r in res if r["role"] == "attention") == list(range(8))
+
+
+# ---------------------------------------------------------------------------
+# Single process: registration, configuration, role rank
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def plugin(monkeypatch):
+    """A fresh stand-in plugin (its factory registry is class-level state)."""
+    for name in [m for m in sys.modules if m == "afd_plugin" or m.startswith("afd_plugin.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.delitem(sys.modules, "afd_ext.integrations.afd_plugin", raising=False)
+    factory = importlib.import_module("afd_plugin.connectors.factory")
+    adapter = importlib.import_module("afd_ext.integrations.afd_plugin")
+    return types.SimpleNamespace(factory=factory.AFDConnectorFactory, adapter=adapter,
+                                 config=importlib.import_module("afd_plugin.config"))
+
+
+def _vc(**afd):
+    sc = pr.PluginScenario()
+    vc = pr.vllm_config(sc, afd.pop("role", "attention"), 0, 1239, torch.float32)
+    vc.additional_config["afd"].update(afd)
+    return vc
+
+
+def test_import_afd_ext_needs_neither_vllm_nor_afd_plugin():
+    import subprocess
+
+    code = ("import sys, afd_ext, afd_ext.factory, afd_ext.connector, afd_ext.integrations.afd_plugin as m; "
+            "assert not m.HAVE_AFD_PLUGIN; m.register(); "
+            "assert 'vllm' not in sys.modules and 'afd_plugin' not in sys.modules; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_entry_point_registers_our_name_and_replaces_p2p_only_on_opt_in(plugin, monkeypatch):
+    monkeypatch.delenv("AFD_EXT_REPLACE_P2P", raising=False)
+    pr.entry_point()()
+    assert plugin.factory.get_connector_class("AfdExtConnector") is plugin.adapter.AfdExtAFDConnector
+    with pytest.raises(ModuleNotFoundError):  # still the reference's own (absent here) P2P module
+        plugin.factory.get_connector_class("P2pNcclAFDConnector")
+    monkeypatch.setenv("AFD_EXT_REPLACE_P2P", "1")
+    pr.entry_point()()
+    assert plugin.factory.get_connector_class("P2pNcclAFDConnector") is plugin.adapter.AfdExtAFDConnector
+
+
+def test_reference_validation_refuses_our_name_and_applies_p2p_topology(plugin):
+    with pytest.raises(ValueError, match="AFD connector must be one of"):
+        plugin.config.parse_afd_config(_vc(connector="AfdExtConnector"))
+    with pytest.raises(ValueError, match="multiple of num_ffn_ranks"):
+        plugin.config.parse_afd_config(_vc(num_attention_ranks=3, num_ffn_ranks=2))
+
+
+def test_factory_builds_afd_ext_with_the_reference_constructor(plugin, monkeypatch):
+    monkeypatch.setenv("AFD_EXT_REPLACE_P2P", "1")
+    plugin.adapter.register()
+    vc = _vc(connector_extra_config={"transport": "gloo", "strict": True})
+    conn = plugin.factory.create_connector(5, 0, vc, plugin.config.parse_afd_config(vc))
+    assert isinstance(conn, importlib.import_module("afd_plugin.connectors.base").AFDConnectorBase)
+    inner = conn.connector
+    assert (inner.hidden_size, inner.num_layers, inner.dtype) == (8, 3, torch.float32)
+    assert inner.extra.clamp_idle_to_one and inner.extra.strict  # clamp defaults on; the rest is passed on
+    assert inner.handshake_fields()["tp_size"] == 1
+    assert conn.control_plane is not None and not conn.is_initialized
+    off = _vc(connector_extra_config={"transport": "gloo", "clamp_idle_to_one": False})
+    assert not plugin.factory.create_connector(0, 0, off, plugin.config.parse_afd_config(off)).connector.extra.clamp_idle_to_one
+
+
+def test_model_facts_gate_on_attention_counts_moe_layers_and_router_width():
+    from afd_ext.integrations.afd_plugin import AdapterExtraConfig, model_facts, moe_layer_indices
+
+    ns = types.SimpleNamespace
+    ds = ns(hidden_size=16, num_hidden_layers=6, first_k_dense_replace=2, moe_layer_freq=2, n_routed_experts=64)
+    assert moe_layer_indices(ds, 6) == (2, 4)
+    qwen = ns(hidden_size=16, num_hidden_layers=4, decoder_sparse_step=1, mlp_only_layers=[0], num_experts=8)
+    assert moe_layer_indices(qwen, 4) == (1, 2, 3)
+    vc = ns(model_config=ns(dtype=torch.bfloat16, hf_config=ds, hf_text_config=None))
+    facts = model_facts(vc, True, AdapterExtraConfig.from_mapping({}))
+    assert facts == dict(hidden_size=16, num_layers=2, dtype=torch.bfloat16, router_logits_width=64,
+                         router_logits_dtype=torch.bfloat16)
+    facts = model_facts(vc, True, AdapterExtraConfig.from_mapping({"router_logits_dtype": "float32",
+                                                                   "num_exchange_layers": 5}))
+    assert (facts["num_layers"], facts["router_logits_dtype"]) == (5, torch.float32)
+    assert model_facts(vc, False, AdapterExtraConfig.from_mapping({}))["num_layers"] == 6
+
+
+def test_model_facts_say_what_is_missing():
+    from afd_ext.errors import AFDConfigError
+    from afd_ext.integrations.afd_plugin import AdapterExtraConfig, model_facts
+
+    ns = types.SimpleNamespace
+    with pytest.raises(AFDConfigError, match="hidden_size.*num_hidden_layers.*dtype"):
+        model_facts(ns(model_config=ns(hf_config=ns())), False, AdapterExtraConfig.from_mapping({}))
+    dense = ns(model_config=ns(dtype=torch.float16, hf_config=ns(hidden_size=8, num_hidden_layers=2)))
+    with pytest.raises(AFDConfigError, match="router width.*num_exchange_layers"):
+        model_facts(dense, True, AdapterExtraConfig.from_mapping({}))
+
+
+def test_afd_ext_create_connector_takes_a_vllm_config_and_derives_the_role_rank(monkeypatch):
+    from afd_ext.config import parse_afd_config
+    from afd_ext.factory import create_connector, resolve_role_rank
+
+    sc = pr.PluginScenario(attn=(2, 2, 2))
+    vc = pr.vllm_config(sc, "attention", 1, 1239, torch.float32)
+    vc.additional_config["afd"]["connector"] = "AfdExtConnector"
+    cfg = parse_afd_config(vc)  # a VllmConfig-like object, not only the mapping
+    assert cfg.num_attention_ranks == 8
+    for name in ("vllm", "vllm.distributed", "vllm.distributed.parallel_state"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    with pytest.raises(ValueError, match="parallel_state is not importable"):
+        resolve_role_rank(vc, cfg)
+    pr.install_fake_vllm(pcp_rank=1, tp_rank=1)
+    try:
+        assert resolve_role_rank(vc, cfg) == 7  # (1 * 2 + 1) * 2 + 1, the reference's DP2PCP2TP2 case
+        conn = create_connector(7, 0, vc, hidden_size=8, num_layers=1)
+        assert conn.role_rank == 7
+        pr.install_fake_vllm(pcp_rank=0, tp_rank=1)
+        assert resolve_role_rank(vc, cfg) == 5  # TP ranks never collapse
+        vc.parallel_config.data_parallel_rank = 2
+        with pytest.raises(ValueError, match="out of range.*dp x pcp x tp"):
+            resolve_role_rank(vc, cfg)
+    finally:
+        for name in ("vllm", "vllm.distributed", "vllm.distributed.parallel_state"):
+            sys.modules.pop(name, None)
+
+
+def test_payload_from_the_references_class_by_fields():
+    from afd_plugin.connectors.metadata import AFDControlPayload as RefPayload
+    from afd_plugin.connectors.metadata import AFDDPMetadata as RefMd
+
+    from afd_ext.metadata import AFDControlPayload
+
+    ref = RefPayload({1: RefMd(torch.tensor([0, 4])), 0: RefMd(torch.tensor([2, 2]))}, True, False)
+    p = AFDControlPayload.from_fields(ref)
+    assert p.stage_counts() == {0: (2, 2), 1: (0, 4)}
+    assert (p.is_graph_capturing, p.is_warmup, p.is_graph_replaying) == (True, False, False)
+    with pytest.raises(ValueError, match="dp_metadata_list"):
+        AFDControlPayload.from_fields(object())
