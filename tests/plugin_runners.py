@@ -280,3 +280,178 @@ def dropin_worker(rank: int, nprocs: int, sc: PluginScenario, port: int):
     finally:
         conn.close()
         assert not conn.is_initialized
+
+
+# ---------------------------------------------------------------------------
+# The attention side compiled once (torch.compile, fullgraph) and reused every step
+# ---------------------------------------------------------------------------
+
+
+def attention_layer_math(h: torch.Tensor, layer: int) -> torch.Tensor:
+    """The attention side's own compute around each exchange (elementwise, so exact on any backend)."""
+    return h * 0.5 + (layer + 1)
+
+
+def compiled_attention_worker(rank: int, nprocs: int, sc: PluginScenario, port: int, backend: str):
+    """Attention: one ``torch.compile(fullgraph=True, dynamic=True)`` forward over every exchange layer,
+    compiled once and run for every step (different counts); FFN: the eager runner loop.
+
+    Returns the number of graphs the backend compiled (attention) and each reply checked exactly
+    against the same forward run eagerly with the FFN computed locally.
+    """
+    device = torch.device("cpu") if sc.transport == "gloo" else torch.device("cuda", 0)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dtype = torch.float32
+    conn, role, role_rank, dp_rank = build(sc, rank, port, device, dtype)
+    from afd_plugin.connectors.metadata import AFDTransferContext, AFDTransferMetadata
+
+    layers = sc.exchange_layers()
+
+    def forward(h: torch.Tensor) -> torch.Tensor:
+        for layer in layers:  # as the model's decoder layers: attention compute, then the remote FFN proxy
+            x = attention_layer_math(h, layer)
+            md = AFDTransferMetadata.create_attention_metadata(layer_idx=layer, stage_idx=0,
+                                                              seq_len=int(x.shape[0]))
+            conn.send_attn_output(x, AFDTransferContext(metadata=md))
+            h = h + conn.recv_ffn_output(ref_tensor=x, ubatch_idx=0)
+        return h
+
+    def expected(h: torch.Tensor) -> torch.Tensor:
+        for layer in layers:
+            h = h + ffn_fn(attention_layer_math(h, layer), None, layer)
+        return h
+
+    graphs = []
+    try:
+        conn.init_afd_connector()
+        if role == "attention":
+            inner = torch._dynamo.lookup_backend(backend)
+
+            def counting(gm, example_inputs):
+                graphs.append(sum(1 for n in gm.graph.nodes if "afd_ext_plugin" in str(n.target)))
+                return inner(gm, example_inputs)
+
+            compiled = torch.compile(forward, backend=counting, fullgraph=True, dynamic=True)
+            for i, step in enumerate(sc.steps):
+                p = reference_payload(step)
+                conn.control_plane.update_state_from_dp_metadata(p)
+                conn.control_plane.send_dp_metadata_list(p)
+                n = int(step[0][dp_rank])
+                h, _ = inputs(sc, i, 0, 0, role_rank, n, device, dtype)
+                out = compiled(h.clone())
+                torch.testing.assert_close(out, expected(h), rtol=0, atol=0, msg=lambda m: f"step {i}: {m}")
+        else:
+            for _ in sc.steps:
+                ffn_step(conn, sc, dtype)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        from afd_ext import rendezvous as rdzv
+
+        inner_conn = conn.connector
+        rdzv.barrier(inner_conn._store, inner_conn.world_rank, inner_conn.world_size, "compiled-done", 60.0)
+        return {"role": role, "graphs": graphs}
+    finally:
+        conn.close()
+
+
+# ---------------------------------------------------------------------------
+# The FFN forward captured once in a CUDA graph and replayed by the runner (GPU tier)
+# ---------------------------------------------------------------------------
+
+
+def ffn_graph_worker(rank: int, nprocs: int, sc: PluginScenario, port: int, replays: int):
+    """The reference's graph protocol (``ffn_worker.py`` / ``ffn_model_runner.py``), 1 stage.
+
+    Step 0 warm-up (``is_warmup``, eager on both sides); step 1 capture
+    (``is_graph_capturing``): the attention side captures its exchange loop,
+    the FFN side applies the payload outside the graph, then captures
+    ``_ffn_forward`` (every recv/compute/send) into one CUDA graph - neither
+    moves data. Then ``replays`` steps with the captured counts: the attention
+    side runs eagerly with new data every step; the FFN worker receives the
+    payload and calls ``graph.replay()`` with no other connector call. Then one
+    eager step with larger counts (the FFN grows its eager buffers), and five
+    more replays. The attention side checks every reply bit-exactly against
+    the FFN function computed eagerly on its own rows.
+    """
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    dtype = torch.bfloat16
+    conn, role, role_rank, dp_rank = build(sc, rank, port, device, dtype)
+    from afd_plugin.connectors.metadata import AFDControlPayload, AFDTransferContext, AFDTransferMetadata
+
+    graph_step = sc.steps[0]
+    plan = ([dict(is_warmup=True), dict(is_graph_capturing=True)] + [{}] * replays
+            + [dict(big=True)] + [{}] * 5)
+    big = {0: [c * 3 + 5 for c in graph_step[0]]}
+    checked = 0
+    try:
+        conn.init_afd_connector()
+        if role == "attention":
+            n = max(1, int(graph_step[0][dp_rank]))
+            static_x = torch.zeros(n, sc.hidden, dtype=dtype, device=device)
+            for i, flags in enumerate(plan):
+                step = big if flags.get("big") else graph_step
+                p = reference_payload(step, **flags)
+                conn.control_plane.update_state_from_dp_metadata(p)
+                conn.control_plane.send_dp_metadata_list(p)
+                if flags.get("is_graph_capturing"):
+                    g = torch.cuda.CUDAGraph()
+                    torch.cuda.synchronize()
+                    with torch.cuda.graph(g):
+                        for layer in sc.exchange_layers():
+                            md = AFDTransferMetadata.create_attention_metadata(layer_idx=layer, stage_idx=0,
+                                                                              seq_len=n)
+                            conn.send_attn_output(static_x, AFDTransferContext(metadata=md))
+                            conn.recv_ffn_output(ref_tensor=static_x, ubatch_idx=0)
+                    continue  # captured, never replayed here: the FFN's capture moved no data either
+                rows = max(1, int(step[0][dp_rank]))
+                for layer in sc.exchange_layers():
+                    h, _ = inputs(sc, i, layer, 0, role_rank, rows, device, dtype)
+                    want = ffn_fn(h, None, layer)
+                    x = h.clone()
+                    md = AFDTransferMetadata.create_attention_metadata(layer_idx=layer, stage_idx=0, seq_len=rows)
+                    conn.send_attn_output(x, AFDTransferContext(metadata=md))
+                    out = conn.recv_ffn_output(ref_tensor=x, ubatch_idx=0)
+                    torch.cuda.synchronize()
+                    assert torch.equal(out, want), f"step {i} layer {layer}: reply differs from eager ffn_fn"
+                    checked += 1
+        else:
+            graphs: dict = {}
+            pool = torch.cuda.graph_pool_handle()
+            calls = {"data": 0}
+
+            def ffn_forward():
+                for layer in sc.exchange_layers():
+                    pl = conn.recv_attn_output(ubatch_idx=0)
+                    calls["data"] += 1
+                    conn.send_ffn_output(ffn_fn(pl.hidden_states, None, layer), pl.context)
+
+            for i, flags in enumerate(plan):
+                payload = conn.control_plane.recv_dp_metadata_list()
+                dml = payload.dp_metadata_list
+                key = tuple((s, tuple(md.num_tokens_across_dp_cpu.tolist())) for s, md in sorted(dml.items()))
+                ref = AFDControlPayload(dml, is_graph_capturing=payload.is_graph_capturing,
+                                        is_warmup=payload.is_warmup)
+                if payload.is_graph_capturing:
+                    conn.control_plane.update_state_from_dp_metadata(ref)  # outside the graph
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, pool=pool):
+                        ffn_forward()
+                    graphs[key] = g
+                elif key in graphs and not payload.is_warmup:
+                    before = calls["data"]
+                    graphs[key].replay()  # no connector call: the graph holds every exchange
+                    assert calls["data"] == before
+                else:
+                    conn.control_plane.update_state_from_dp_metadata(ref)
+                    ffn_forward()
+                torch.cuda.synchronize()
+            assert len(graphs) == 1
+        from afd_ext import rendezvous as rdzv
+
+        inner = conn.connector
+        rdzv.barrier(inner._store, inner.world_rank, inner.world_size, "graph-done", 120.0)
+        return {"role": role, "checked": checked}
+    finally:
+        conn.close()

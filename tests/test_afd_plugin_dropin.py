@@ -230,3 +230,14 @@ def test_payload_from_the_references_class_by_fields():
     assert (p.is_graph_capturing, p.is_warmup, p.is_graph_replaying) == (True, False, False)
     with pytest.raises(ValueError, match="dp_metadata_list"):
         AFDControlPayload.from_fields(object())
+
+
+def test_attention_side_compiled_once_and_reused_across_counts():
+    # fullgraph=True: a graph break is an error. The counts differ every step (>= 2: Dynamo
+    # specialises sizes 0 and 1); the compiled forward must call the connector on every step.
+    sc = pr.PluginScenario(layers=3, steps=({0: [3]}, {0: [5]}, {0: [2]}, {0: [7]}))
+    res = run_workers(pr.compiled_attention_worker, sc.nprocs, (sc, find_free_port(), "aot_eager"),
+                      timeout_s=180.0)
+    att = [r for r in res if r["role"] == "attention"][0]
+    # One graph for all four steps, holding one send and one receive per exchange layer.
+    assert att["graphs"] == [2 * sc.layers]
