@@ -146,6 +146,8 @@ def test_reference_validation_refuses_our_name_and_applies_p2p_topology(plugin):
 
 
 def test_factory_builds_afd_ext_with_the_reference_constructor(plugin, monkeypatch):
+    from afd_ext.errors import AFDConfigError
+
     monkeypatch.setenv("AFD_EXT_REPLACE_P2P", "1")
     plugin.adapter.register()
     vc = _vc(connector_extra_config={"transport": "gloo", "strict": True})
@@ -156,6 +158,15 @@ def test_factory_builds_afd_ext_with_the_reference_constructor(plugin, monkeypat
     assert inner.extra.clamp_idle_to_one and inner.extra.strict  # clamp defaults on; the rest is passed on
     assert inner.handshake_fields()["tp_size"] == 1
     assert conn.control_plane is not None and not conn.is_initialized
+    with pytest.raises(AFDConfigError, match="strict needs enforce_eager"):
+        graphs = _vc(connector_extra_config={"transport": "gloo", "strict": True})
+        graphs.model_config.enforce_eager = False
+        plugin.factory.create_connector(0, 0, graphs, plugin.config.parse_afd_config(graphs))
+    ids = _vc(connector_extra_config={"transport": "gloo", "send_token_ids": "true"})
+    assert plugin.factory.create_connector(0, 0, ids, plugin.config.parse_afd_config(ids)).connector.send_token_ids
+    with pytest.raises(ValueError, match="unknown connector_extra_config field"):
+        bad = _vc(connector_extra_config={"transport": "gloo", "wire": "packed"})
+        plugin.factory.create_connector(0, 0, bad, plugin.config.parse_afd_config(bad))
     off = _vc(connector_extra_config={"transport": "gloo", "clamp_idle_to_one": False})
     assert not plugin.factory.create_connector(0, 0, off, plugin.config.parse_afd_config(off)).connector.extra.clamp_idle_to_one
 
@@ -171,7 +182,7 @@ def test_model_facts_gate_on_attention_counts_moe_layers_and_router_width():
     vc = ns(model_config=ns(dtype=torch.bfloat16, hf_config=ds, hf_text_config=None))
     facts = model_facts(vc, True, AdapterExtraConfig.from_mapping({}))
     assert facts == dict(hidden_size=16, num_layers=2, dtype=torch.bfloat16, router_logits_width=64,
-                         router_logits_dtype=torch.bfloat16)
+                         router_logits_dtype=torch.bfloat16, send_token_ids=False)
     facts = model_facts(vc, True, AdapterExtraConfig.from_mapping({"router_logits_dtype": "float32",
                                                                    "num_exchange_layers": 5}))
     assert (facts["num_layers"], facts["router_logits_dtype"]) == (5, torch.float32)
@@ -241,3 +252,54 @@ def test_attention_side_compiled_once_and_reused_across_counts():
     att = [r for r in res if r["role"] == "attention"][0]
     # One graph for all four steps, holding one send and one receive per exchange layer.
     assert att["graphs"] == [2 * sc.layers]
+
+
+# ---------------------------------------------------------------------------
+# Connector-side changes still needed (phase 2): the native path with a VllmConfig
+# ---------------------------------------------------------------------------
+
+
+def _native(sc: pr.PluginScenario, role: str, role_rank: int):
+    from afd_ext.factory import create_connector
+
+    vc = pr.vllm_config(sc, role, 0, 1239, torch.float32)
+    vc.additional_config["afd"]["connector"] = "AfdExtConnector"
+    return create_connector(0, 0, vc, role_rank=role_rank)
+
+
+@pytest.mark.xfail(strict=True, reason="phase 2: AFDConnector derives tp_size from vllm_config's own TP and "
+                   "puts it in the handshake; it must compare only what both roles share")
+def test_native_handshake_does_not_compare_each_roles_tp():
+    sc = pr.PluginScenario(attn=(1, 1, 2), ffn=(1, 1, 1), extra=(("transport", "gloo"),))
+    att, ffn = _native(sc, "attention", 0), _native(sc, "ffn", 0)
+    assert att.handshake_fields() == ffn.handshake_fields()
+
+
+@pytest.mark.xfail(strict=True, reason="phase 2: AFDConnector takes tp_size = tensor_parallel_size from "
+                   "vllm_config, so a DP2 x PCP2 x TP2 per-DP vector (2 counts for 8 workers) is refused")
+def test_native_dp2_pcp2_tp2_expands_the_per_dp_vector():
+    sc = pr.PluginScenario(attn=(2, 2, 2), extra=(("transport", "gloo"),))
+    att = _native(sc, "attention", 0)
+    assert att.topology.expand_counts([3, 5]) == (3, 3, 3, 3, 5, 5, 5, 5)
+
+
+def test_adapter_checks_before_anything_moves(plugin, monkeypatch):
+    # Both checks run before the (here uninitialised) connector is touched.
+    from afd_plugin.connectors.metadata import AFDExpertRoutingSpec
+
+    from afd_ext.errors import AFDConfigError
+
+    plugin.adapter.register()
+    vc = _vc(connector="P2pNcclAFDConnector", compute_gate_on_attention=True,
+             connector_extra_config={"transport": "gloo"})
+    vc.model_config.hf_config.first_k_dense_replace, vc.model_config.hf_config.n_routed_experts = 1, 4
+    monkeypatch.setitem(vc.additional_config["afd"], "connector", "AfdExtConnector")
+    cfg = plugin.config.parse_afd_config(vc, validate=False)
+    att = plugin.factory.create_connector(0, 0, vc, cfg)
+    assert att.connector.num_layers == 2  # layers 1, 2 of 3 are MoE
+    with pytest.raises(AFDConfigError, match="3 counts; this attention rank's vLLM DP size is 1"):
+        att.control_plane.update_state_from_dp_metadata(pr.reference_payload({0: [1, 2, 3]}))
+    vc.additional_config["afd"]["role"] = "ffn"
+    ffn = plugin.factory.create_connector(0, 0, vc, plugin.config.parse_afd_config(vc, validate=False))
+    with pytest.raises(AFDConfigError, match=r"routing_spec is \[4\] torch.bfloat16.*router_logits_dtype"):
+        ffn.recv_attn_output(ubatch_idx=0, routing_spec=AFDExpertRoutingSpec(4, torch.bfloat16))

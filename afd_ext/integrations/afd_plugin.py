@@ -57,7 +57,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from .. import envs
-from ..config import DEFAULT_CONNECTOR, REFERENCE_CONNECTOR, AFDConfig, AfdExtConnectorConfig, coerce_int
+from ..config import DEFAULT_CONNECTOR, REFERENCE_CONNECTOR, AFDConfig, AfdExtConnectorConfig, coerce_bool, coerce_int
 from ..errors import AFDConfigError
 from ..metadata import AFDControlPayload, AFDTransferContext, AFDTransferMetadata
 
@@ -77,7 +77,7 @@ __all__ = [
 PLUGIN_CONNECTOR_NAME = DEFAULT_CONNECTOR
 
 #: ``connector_extra_config`` keys read by this adapter itself (the rest are afd_ext's).
-_ADAPTER_KEYS = ("num_exchange_layers", "router_logits_dtype")
+_ADAPTER_KEYS = ("num_exchange_layers", "router_logits_dtype", "send_token_ids")
 
 try:
     from afd_plugin.connectors.base import AFDConnectorBase as _ConnectorBase
@@ -138,11 +138,14 @@ class AdapterExtraConfig:
         num_exchange_layers: layer exchanges per step when the model config
             does not tell (``None``: counted from it).
         router_logits_dtype: dtype of router logits on the wire (``None``: the model dtype).
+        send_token_ids: ``[rows]`` int32 token ids travel with the hidden states
+            (the reference's ``input_ids`` / ``recv_input_ids``, DeepSeek-V4 hash routing).
     """
 
     connector: AfdExtConnectorConfig
     num_exchange_layers: int | None = None
     router_logits_dtype: str | None = None
+    send_token_ids: bool = False
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any] | None) -> "AdapterExtraConfig":
@@ -165,13 +168,14 @@ class AdapterExtraConfig:
         ldtype = rest.pop("router_logits_dtype", None)
         if ldtype is not None:
             ldtype = _dtype_name(ldtype, "connector_extra_config.router_logits_dtype")
+        ids = coerce_bool(rest.pop("send_token_ids", False), "connector_extra_config.send_token_ids")
         rest.setdefault("clamp_idle_to_one", True)
-        return cls(AfdExtConnectorConfig.from_mapping(rest), layers, ldtype)
+        return cls(AfdExtConnectorConfig.from_mapping(rest), layers, ldtype, ids)
 
     def to_mapping(self) -> dict[str, Any]:
         """All fields as one flat mapping (round-trips through :meth:`from_mapping`)."""
         out = self.connector.to_mapping()
-        out.update({k: getattr(self, k) for k in _ADAPTER_KEYS if getattr(self, k) is not None})
+        out.update({k: getattr(self, k) for k in _ADAPTER_KEYS if getattr(self, k) not in (None, False)})
         return out
 
 
@@ -220,7 +224,8 @@ def model_facts(vllm_config: Any, compute_gate_on_attention: bool, extra: Adapte
 
     Returns:
         ``hidden_size``, ``num_layers`` (exchanges per stage per step),
-        ``dtype``, ``router_logits_width`` (or None) and ``router_logits_dtype``.
+        ``dtype``, ``router_logits_width`` (or None), ``router_logits_dtype``
+        and ``send_token_ids``.
 
     Raises:
         AFDConfigError: a fact is missing; the message names every missing
@@ -260,7 +265,7 @@ def model_facts(vllm_config: Any, compute_gate_on_attention: bool, extra: Adapte
                              + "; ".join(missing))
     ldtype = getattr(torch, extra.router_logits_dtype) if extra.router_logits_dtype else dtype
     return dict(hidden_size=hidden, num_layers=exchanges, dtype=dtype, router_logits_width=width,
-                router_logits_dtype=ldtype)
+                router_logits_dtype=ldtype, send_token_ids=extra.send_token_ids)
 
 
 def _payload(obj: Any) -> AFDControlPayload:
@@ -370,6 +375,13 @@ if HAVE_AFD_PLUGIN:
             if getattr(afd_config, "async_dp", False):
                 raise AFDConfigError("afd_ext is a synchronous connector; set async_dp (async) to false")
             info: AdapterExtraConfig = self.extra_info.config
+            if info.connector.strict and not getattr(getattr(vllm_config, "model_config", None), "enforce_eager", True):
+                # The runners capture and replay graphs on each side at different steps (the FFN
+                # replays while the attention side may run eagerly): header-less graph traffic
+                # would meet header-checking eager traffic.
+                raise AFDConfigError("connector_extra_config.strict needs enforce_eager under the reference's "
+                                     "runners (CUDA graphs carry no strict-mode headers); set strict to false "
+                                     "or run with --enforce-eager")
             gate = bool(afd_config.compute_gate_on_attention)
             cfg = AFDConfig(connector=DEFAULT_CONNECTOR, role=afd_config.role, port=afd_config.port,
                             host=afd_config.host, num_attention_ranks=afd_config.num_attention_ranks,
