@@ -64,6 +64,10 @@ class PluginScenario:
         experts: ``n_routed_experts`` (router logits width).
         transport: ``"gloo"`` (CPU) or ``"nccl"``.
         extra: more ``connector_extra_config`` items.
+        frozen_stage: the attention side calls the compiled path's custom ops
+            with stage 0 everywhere, as a graph traced once and dispatched by
+            vLLM without guards would; the stage comes from a stand-in
+            ``vllm.v1.worker.ubatching`` reporting the running ubatch.
     """
 
     attn: tuple = (1, 1, 1)
@@ -76,6 +80,7 @@ class PluginScenario:
     transport: str = "gloo"
     extra: tuple = ()
     connector: str = "P2pNcclAFDConnector"
+    frozen_stage: bool = False
 
     @property
     def A(self) -> int:  # noqa: N802
@@ -97,6 +102,20 @@ def coords(role_rank: int, dims: tuple) -> tuple[int, int, int]:
     """``(dp_rank, pcp_rank, tp_rank)`` of a role rank, the inverse of the reference's linearisation."""
     _, pcp, tp = dims
     return role_rank // (pcp * tp), (role_rank // tp) % pcp, role_rank % tp
+
+
+#: The ubatch the stand-in ``vllm.v1.worker.ubatching`` reports (set by the DBO driver).
+CURRENT_UBATCH = [0]
+
+
+def install_fake_ubatching(enabled: bool) -> None:
+    """A stand-in ``vllm.v1.worker.ubatching``: ``dbo_enabled()``, ``dbo_current_ubatch_id()``."""
+    ub = types.ModuleType("vllm.v1.worker.ubatching")
+    ub.dbo_enabled = lambda: enabled
+    ub.dbo_current_ubatch_id = lambda: CURRENT_UBATCH[0] if enabled else 0
+    for name in ("vllm.v1", "vllm.v1.worker"):
+        sys.modules.setdefault(name, types.ModuleType(name))
+    sys.modules["vllm.v1.worker.ubatching"] = ub
 
 
 def install_fake_vllm(pcp_rank: int, tp_rank: int) -> None:
@@ -150,6 +169,7 @@ def build(sc: PluginScenario, rank: int, port: int, device: torch.device, dtype:
     dims = sc.attn if role == "attention" else sc.ffn
     dp_rank, pcp_rank, tp_rank = coords(role_rank, dims)
     install_fake_vllm(pcp_rank, tp_rank)
+    install_fake_ubatching(sc.frozen_stage)
     entry_point()()
     from afd_plugin.config import parse_afd_config
     from afd_plugin.connectors.factory import AFDConnectorFactory
@@ -212,22 +232,31 @@ def attention_step(conn, sc: PluginScenario, i: int, step: dict, a: int, dp_rank
         for layer in sc.exchange_layers():
             h, lg = inputs(sc, i, layer, s, a, rows[s], device, dtype)
             want = ffn_fn(h.clone(), lg, layer)
-            md = AFDTransferMetadata.create_attention_metadata(layer_idx=layer, stage_idx=s, seq_len=rows[s])
-            conn.send_attn_output(h, AFDTransferContext(metadata=md), **({} if lg is None else
-                                                                           {"router_logits": lg}))
+            if sc.frozen_stage:
+                torch.ops.afd_ext_plugin.send_attn_output(h, lg, None, conn._handle, layer, 0)
+            else:
+                md = AFDTransferMetadata.create_attention_metadata(layer_idx=layer, stage_idx=s, seq_len=rows[s])
+                conn.send_attn_output(h, AFDTransferContext(metadata=md), **({} if lg is None else
+                                                                               {"router_logits": lg}))
             yield  # DBO: the other ubatch thread runs between this send and its receive
-            out = conn.recv_ffn_output(ref_tensor=h, ubatch_idx=s)
+            CURRENT_UBATCH[0] = s
+            if sc.frozen_stage:
+                torch.ops.afd_ext_plugin.recv_ffn_output(h, conn._handle, 0)
+                out = h
+            else:
+                out = conn.recv_ffn_output(ref_tensor=h, ubatch_idx=s)
             assert out is h, "the reply must land in ref_tensor"
             torch.testing.assert_close(out, want, rtol=0, atol=0,
                                        msg=lambda m: f"step {i} layer {layer} stage {s}: {m}")
 
-    gens = [ubatch(s) for s in stages]
+    gens = [(s, ubatch(s)) for s in stages]
     while gens:
-        for g in list(gens):
+        for s, g in list(gens):
+            CURRENT_UBATCH[0] = s  # what vLLM's dbo_current_ubatch_id() reports in that ubatch thread
             try:
                 next(g)
             except StopIteration:
-                gens.remove(g)
+                gens.remove((s, g))
     return [(s, rows[s]) for s in stages]
 
 

@@ -53,6 +53,14 @@ def test_dbo_two_stages_in_ubatch_thread_order():
     assert _ffn(res, sc)[0]["steps"] == [[(0, [2]), (1, [3])], [(0, [4]), (1, [1])]]
 
 
+def test_dbo_compiled_ops_take_the_stage_from_the_running_ubatch():
+    # A graph traced once and dispatched without guards (vLLM) carries the stage it saw while
+    # tracing; the custom ops must ask vLLM's DBO for this thread's ubatch instead.
+    sc = pr.PluginScenario(steps=({0: [2], 1: [3]},), frozen_stage=True)
+    res = _run(sc)
+    assert _ffn(res, sc)[0]["steps"] == [[(0, [2]), (1, [3])]]
+
+
 def test_idle_dp_rank_runs_a_one_token_dummy_batch():
     # DP2 attention, one FFN rank: a count of 0 becomes one row (clamp on by default under the plugin).
     sc = pr.PluginScenario(attn=(2, 1, 1), steps=({0: [0, 3]}, {0: [2, 0]}))

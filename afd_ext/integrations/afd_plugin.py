@@ -38,7 +38,8 @@ What changes under the reference's runners (all documented in ``docs/vllm.md``):
 * Attention-side calls made while ``torch.compile`` traces go through two
   custom ops (``torch.ops.afd_ext_plugin.*``) keyed by an integer handle, so
   the compiled graph calls the connector on every step (no per-step state
-  frozen at trace time). A step whose payload sets ``is_graph_capturing``
+  frozen at trace time; under DBO the stage is this thread's vLLM ubatch id,
+  read when the op runs). A step whose payload sets ``is_graph_capturing``
   takes its buffers from a fresh static arena that is never freed (the
   reference's FFN runner replays captured graphs without calling the
   connector) and pauses the NCCL watchdog's event polling until a payload
@@ -290,11 +291,34 @@ def _live(handle: int) -> Any:
     return conn
 
 
+_DBO: list = []
+
+
+def _runtime_stage(traced: int) -> int:
+    """The stage of a compiled call: this thread's vLLM DBO ubatch when DBO runs, else the traced value.
+
+    vLLM dispatches a compiled model without re-evaluating Dynamo's guards, so
+    a stage read in Python while tracing (the proxy's ``ubatch_idx``) is frozen
+    in the graph; the ubatch thread's id is read here, at run time.
+    """
+    if not _DBO:
+        try:
+            from vllm.v1.worker.ubatching import dbo_current_ubatch_id, dbo_enabled
+        except ImportError:
+            _DBO.append(None)
+        else:
+            _DBO.append((dbo_enabled, dbo_current_ubatch_id))
+    fns = _DBO[0]
+    if fns is not None and fns[0]():
+        return int(fns[1]())
+    return traced
+
+
 @torch.library.custom_op("afd_ext_plugin::send_attn_output", mutates_args=("hidden_states",))
 def _send_attn_op(hidden_states: torch.Tensor, router_logits: Optional[torch.Tensor],
                   input_ids: Optional[torch.Tensor], handle: int, layer_idx: int, stage: int) -> None:
     # Declared as mutating hidden_states (it does not) so the compiler keeps and orders the call.
-    _live(handle)._send_rows(hidden_states, layer_idx, stage, router_logits, input_ids)
+    _live(handle)._send_rows(hidden_states, layer_idx, _runtime_stage(stage), router_logits, input_ids)
 
 
 @_send_attn_op.register_fake
@@ -304,7 +328,7 @@ def _(hidden_states, router_logits, input_ids, handle, layer_idx, stage) -> None
 
 @torch.library.custom_op("afd_ext_plugin::recv_ffn_output", mutates_args=("out",))
 def _recv_ffn_op(out: torch.Tensor, handle: int, stage: int) -> None:
-    _live(handle)._inner.recv_ffn_output(out, ubatch_idx=stage)
+    _live(handle)._inner.recv_ffn_output(out, ubatch_idx=_runtime_stage(stage))
 
 
 @_recv_ffn_op.register_fake
