@@ -226,8 +226,9 @@ class AFDConnectorFactory:
                 ``vllm_config``.
             afd_config: the AFD config when ``config`` is a runtime config.
             role_rank: this process's index inside its role. Omitted: derived
-                from the runtime config by :func:`resolve_role_rank` (as the
-                reference's factory does), else 0 when the role has one rank.
+                by :func:`resolve_role_rank` (as the reference's factory does)
+                from a runtime config with ``parallel_config``, else 0 when the
+                role has one rank.
             **kwargs: passed to the connector's constructor.
 
         Returns:
@@ -254,13 +255,14 @@ class AFDConnectorFactory:
                 )
             afd = AFDConfig.from_dict(additional["afd"])
         size = afd.num_attention_ranks if afd.role == "attention" else afd.num_ffn_ranks
-        if role_rank is None and runtime is not None:
+        if role_rank is None and getattr(runtime, "parallel_config", None) is not None:
             role_rank = resolve_role_rank(runtime, afd)
         if role_rank is None:
             if size != 1:
                 raise ValueError(
                     f"role_rank is required: the {afd.role} role has {size} ranks; pass this process's "
-                    f"index in 0..{size - 1}, or a VllmConfig-like object to derive it from"
+                    f"index in 0..{size - 1}, or a VllmConfig-like object (with parallel_config) to derive "
+                    "it from"
                 )
             role_rank = 0
         validate_role_rank(afd.role, role_rank, afd.num_attention_ranks, afd.num_ffn_ranks)
