@@ -130,7 +130,7 @@ def register() -> None:
 
 @dataclasses.dataclass(frozen=True)
 class AdapterExtraConfig:
-    """This connector's ``connector_extra_config`` under the reference: afd_ext's fields plus two of its own.
+    """This connector's ``connector_extra_config`` under the reference: afd_ext's fields plus three of its own.
 
     Attributes:
         connector: afd_ext's typed extra config; ``clamp_idle_to_one``
@@ -161,6 +161,11 @@ class AdapterExtraConfig:
         if not isinstance(raw, Mapping):
             raise TypeError("connector_extra_config must be a mapping")
         rest = dict(raw)
+        known = [f.name for f in dataclasses.fields(AfdExtConnectorConfig)] + list(_ADAPTER_KEYS)
+        unknown = sorted(k for k in rest if k not in known)
+        if unknown:
+            raise ValueError(f"unknown connector_extra_config field(s) {unknown} for afd_ext under afd-plugin; "
+                             f"known fields: {known}")
         layers = rest.pop("num_exchange_layers", None)
         if layers is not None:
             layers = coerce_int(layers, "connector_extra_config.num_exchange_layers")
@@ -430,7 +435,7 @@ if HAVE_AFD_PLUGIN:
 
         @classmethod
         def parse_extra_config(cls, raw: Mapping[str, Any] | None) -> AfdExtExtraInfo:
-            """Parse ``connector_extra_config`` (afd_ext's fields, ``num_exchange_layers``, ``router_logits_dtype``).
+            """Parse ``connector_extra_config`` (afd_ext's fields and :class:`AdapterExtraConfig`'s own three).
 
             Raises:
                 TypeError / ValueError: not a mapping, unknown key, bad value.
