@@ -281,8 +281,16 @@ def ffn_step(conn, sc: PluginScenario, dtype) -> list:
     return sorted(seen.items())
 
 
-def dropin_worker(rank: int, nprocs: int, sc: PluginScenario, port: int):
-    """Run every step of ``sc`` on one rank; returns this rank's record."""
+def dropin_worker(rank: int, nprocs: int, sc: PluginScenario | tuple, port: int):
+    """Run every step of ``sc`` on one rank; returns this rank's record.
+
+    ``sc`` may be a tuple of scenarios with the same ``A`` and ``F``: they run
+    one after the other in the same processes, each with a fresh connector (a
+    new rendezvous generation), which saves process start-ups on small CI
+    machines; the result is then a list of records.
+    """
+    if isinstance(sc, tuple):
+        return [dropin_worker(rank, nprocs, one, port) for one in sc]
     device = torch.device("cpu") if sc.transport == "gloo" else torch.device("cuda", 0)
     if device.type == "cuda":
         torch.cuda.set_device(device)

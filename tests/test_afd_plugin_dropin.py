@@ -25,78 +25,67 @@ sys.path.insert(0, pr.FAKE_PLUGIN)
 pytestmark = pytest.mark.timeout(240)
 
 
-def _run(sc: pr.PluginScenario, timeout_s: float = 120.0) -> list:
-    res = run_workers(pr.dropin_worker, sc.nprocs, (sc, find_free_port()), timeout_s=timeout_s)
-    assert all(r["type"] == "AfdExtAFDConnector" for r in res)
-    return res
-
-
 def _ffn(res, sc):
     return [r for r in res if r["role"] == "ffn"]
 
 
 # ---------------------------------------------------------------------------
-# Multi-process: the runners' call sequences
+# Multi-process: the runners' call sequences (scenarios of one topology share processes)
 # ---------------------------------------------------------------------------
 
 
-def test_eager_1a1f():
-    sc = pr.PluginScenario(steps=({0: [3]}, {0: [5]}, {0: [2]}))
-    res = _run(sc)
-    assert _ffn(res, sc)[0]["steps"] == [[(0, [3])], [(0, [5])], [(0, [2])]]
-    assert res[1]["steps"] == [[(0, 3)], [(0, 5)], [(0, 2)]]
+def _run_all(*scs: pr.PluginScenario, timeout_s: float = 180.0) -> list:
+    """Run scenarios of one topology in the same processes; returns one result list per scenario."""
+    res = run_workers(pr.dropin_worker, scs[0].nprocs, (tuple(scs), find_free_port()), timeout_s=timeout_s)
+    out = [[r[i] for r in res] for i in range(len(scs))]
+    assert all(r["type"] == "AfdExtAFDConnector" for one in out for r in one)
+    return out
 
 
-def test_dbo_two_stages_in_ubatch_thread_order():
-    sc = pr.PluginScenario(steps=({0: [2], 1: [3]}, {0: [4], 1: [1]}))
-    res = _run(sc)
-    assert _ffn(res, sc)[0]["steps"] == [[(0, [2]), (1, [3])], [(0, [4]), (1, [1])]]
-
-
-def test_dbo_compiled_ops_take_the_stage_from_the_running_ubatch():
+def test_1a1f_eager_dbo_gate_on_attention_and_compiled_dbo_stage():
+    eager = pr.PluginScenario(steps=({0: [3]}, {0: [5]}, {0: [2]}))
+    # DBO: two stages in the ubatch threads' order (send s0, send s1, recv s0, send s0', recv s1, ...).
+    dbo = pr.PluginScenario(steps=({0: [2], 1: [3]}, {0: [4], 1: [1]}))
+    # Gate on attention, DeepSeek-style config: layer 0 dense (stays on attention), layers 1..3 MoE:
+    # 3 exchanges per stage with router logits; the FFN runner passes routing_spec on each.
+    gate = pr.PluginScenario(layers=4, gate=True, experts=4, steps=({0: [3]}, {0: [2], 1: [2]}))
     # A graph traced once and dispatched without guards (vLLM) carries the stage it saw while
-    # tracing; the custom ops must ask vLLM's DBO for this thread's ubatch instead.
-    sc = pr.PluginScenario(steps=({0: [2], 1: [3]},), frozen_stage=True)
-    res = _run(sc)
-    assert _ffn(res, sc)[0]["steps"] == [[(0, [2]), (1, [3])]]
+    # tracing (0 here); the custom ops must ask vLLM's DBO for this thread's ubatch instead.
+    frozen = pr.PluginScenario(steps=({0: [2], 1: [3]},), frozen_stage=True)
+    r_eager, r_dbo, r_gate, r_frozen = _run_all(eager, dbo, gate, frozen)
+    assert _ffn(r_eager, eager)[0]["steps"] == [[(0, [3])], [(0, [5])], [(0, [2])]]
+    assert r_eager[1]["steps"] == [[(0, 3)], [(0, 5)], [(0, 2)]]
+    assert _ffn(r_dbo, dbo)[0]["steps"] == [[(0, [2]), (1, [3])], [(0, [4]), (1, [1])]]
+    assert _ffn(r_gate, gate)[0]["steps"] == [[(0, [3])], [(0, [2]), (1, [2])]]
+    assert _ffn(r_frozen, frozen)[0]["steps"] == [[(0, [2]), (1, [3])]]
 
 
-def test_idle_dp_rank_runs_a_one_token_dummy_batch():
-    # DP2 attention, one FFN rank: a count of 0 becomes one row (clamp on by default under the plugin).
-    sc = pr.PluginScenario(attn=(2, 1, 1), steps=({0: [0, 3]}, {0: [2, 0]}))
-    res = _run(sc)
-    assert _ffn(res, sc)[0]["steps"] == [[(0, [1, 3])], [(0, [2, 1])]]
-    att = {r["role_rank"]: r["steps"] for r in res if r["role"] == "attention"}
+def test_idle_dp_rank_and_attention_tp2_with_ffn_tp1():
+    # DP2 attention, one FFN rank: a count of 0 becomes one row (clamp on by default under the plugin),
+    # the rank runs a one-token dummy batch.
+    idle = pr.PluginScenario(attn=(2, 1, 1), steps=({0: [0, 3]}, {0: [2, 0]}))
+    # The roles' TP sizes differ: the handshake compares what both must agree on, not each role's TP.
+    tp = pr.PluginScenario(attn=(1, 1, 2), ffn=(1, 1, 1), steps=({0: [3]}, {0: [1]}))
+    r_idle, r_tp = _run_all(idle, tp)
+    assert _ffn(r_idle, idle)[0]["steps"] == [[(0, [1, 3])], [(0, [2, 1])]]
+    att = {r["role_rank"]: r["steps"] for r in r_idle if r["role"] == "attention"}
     assert att == {0: [[(0, 1)], [(0, 2)]], 1: [[(0, 3)], [(0, 1)]]}
-
-
-def test_gate_on_attention_with_routing_spec():
-    # DeepSeek-style config: layer 0 dense (stays on attention), layers 1..3 MoE: 3 exchanges with router logits.
-    sc = pr.PluginScenario(layers=4, gate=True, experts=4, steps=({0: [3]}, {0: [2], 1: [2]}))
-    res = _run(sc)
-    assert _ffn(res, sc)[0]["steps"] == [[(0, [3])], [(0, [2]), (1, [2])]]
+    assert _ffn(r_tp, tp)[0]["steps"] == [[(0, [3, 3])], [(0, [1, 1])]]
 
 
 def test_dp1_tp2_on_both_roles():
     sc = pr.PluginScenario(attn=(1, 1, 2), ffn=(1, 1, 2), steps=({0: [3]}, {0: [4]}))
-    res = _run(sc)
+    (res,) = _run_all(sc)
     # TP workers have distinct role ranks (from parallel_state), each pairs with its own FFN rank.
     assert sorted((r["role"], r["role_rank"]) for r in res) == [
         ("attention", 0), ("attention", 1), ("ffn", 0), ("ffn", 1)]
     assert [r["steps"] for r in _ffn(res, sc)] == [[[(0, [3])], [(0, [4])]]] * 2
 
 
-def test_attention_tp2_with_ffn_tp1():
-    # The roles' TP sizes differ: the handshake compares what both must agree on, not each role's TP.
-    sc = pr.PluginScenario(attn=(1, 1, 2), ffn=(1, 1, 1), steps=({0: [3]}, {0: [1]}))
-    res = _run(sc)
-    assert _ffn(res, sc)[0]["steps"] == [[(0, [3, 3])], [(0, [1, 1])]]
-
-
 def test_dp2_pcp2_tp2():
     # A = 8 attention workers; the per-DP vector [3, 5] is expanded over PCP x TP = 4 workers per DP rank.
     sc = pr.PluginScenario(attn=(2, 2, 2), ffn=(1, 1, 1), layers=2, steps=({0: [3, 5]},))
-    res = _run(sc, timeout_s=180.0)
+    (res,) = _run_all(sc)
     assert _ffn(res, sc)[0]["steps"] == [[(0, [3, 3, 3, 3, 5, 5, 5, 5])]]
     assert sorted(r["role_rank"] for r in res if r["role"] == "attention") == list(range(8))
 

@@ -68,6 +68,7 @@ def _run(fn, sc, *args, timeout_s: float = 400.0):
 SCENARIOS = {
     "eager_1a1f": pr.PluginScenario(steps=({0: [3]}, {0: [5]})),
     "dbo_two_stages": pr.PluginScenario(steps=({0: [2], 1: [3]}, {0: [4], 1: [1]})),
+    "dbo_compiled_ops_frozen_stage": pr.PluginScenario(steps=({0: [2], 1: [3]},), frozen_stage=True),
     "idle_dp_rank": pr.PluginScenario(attn=(2, 1, 1), steps=({0: [0, 3]}, {0: [2, 0]})),
     "gate_on_attention": pr.PluginScenario(layers=4, gate=True, steps=({0: [3]}, {0: [2], 1: [2]})),
     "dp1_tp2_both": pr.PluginScenario(attn=(1, 1, 2), ffn=(1, 1, 2), steps=({0: [3]},)),
