@@ -68,6 +68,8 @@ class PluginScenario:
             with stage 0 everywhere, as a graph traced once and dispatched by
             vLLM without guards would; the stage comes from a stand-in
             ``vllm.v1.worker.ubatching`` reporting the running ubatch.
+        capture_steps: indices of steps whose payload sets ``is_graph_capturing``
+            (run eagerly here: on CPU only the connector's buffer handling is checked).
     """
 
     attn: tuple = (1, 1, 1)
@@ -81,6 +83,7 @@ class PluginScenario:
     extra: tuple = ()
     connector: str = "P2pNcclAFDConnector"
     frozen_stage: bool = False
+    capture_steps: tuple = ()
 
     @property
     def A(self) -> int:  # noqa: N802
@@ -103,6 +106,9 @@ def coords(role_rank: int, dims: tuple) -> tuple[int, int, int]:
     _, pcp, tp = dims
     return role_rank // (pcp * tp), (role_rank // tp) % pcp, role_rank % tp
 
+
+#: FFN side: per stage, the address of the fan-in buffer of each step's first exchange.
+BUFFERS: dict = {}
 
 #: The ubatch the stand-in ``vllm.v1.worker.ubatching`` reports (set by the DBO driver).
 CURRENT_UBATCH = [0]
@@ -222,7 +228,7 @@ def attention_step(conn, sc: PluginScenario, i: int, step: dict, a: int, dp_rank
     """One attention-runner step; returns ``(stage, rows)`` per stage after checking every reply."""
     from afd_plugin.connectors.metadata import AFDTransferContext, AFDTransferMetadata
 
-    p = reference_payload(step)
+    p = reference_payload(step, is_graph_capturing=i in sc.capture_steps)
     conn.control_plane.update_state_from_dp_metadata(p)
     conn.control_plane.send_dp_metadata_list(p)
     stages = sorted(step)
@@ -276,7 +282,9 @@ def ffn_step(conn, sc: PluginScenario, dtype) -> list:
             md = p.context.metadata
             md.layer_idx, md.stage_idx = layer, s
             assert (p.router_logits is not None) == sc.gate
-            seen.setdefault(s, list(md.seq_lens))
+            if s not in seen:
+                seen[s] = list(md.seq_lens)
+                BUFFERS.setdefault(s, []).append(p.hidden_states.data_ptr())
             conn.send_ffn_output(ffn_fn(p.hidden_states, p.router_logits, layer), p.context)
     return sorted(seen.items())
 
@@ -296,6 +304,7 @@ def dropin_worker(rank: int, nprocs: int, sc: PluginScenario | tuple, port: int)
         torch.cuda.set_device(device)
     dtype = torch.float32
     conn, role, role_rank, dp_rank = build(sc, rank, port, device, dtype)
+    BUFFERS.clear()
     try:
         conn.init_afd_connector()
         assert conn.is_initialized
@@ -313,7 +322,9 @@ def dropin_worker(rank: int, nprocs: int, sc: PluginScenario | tuple, port: int)
 
         inner = conn.connector
         rdzv.barrier(inner._store, inner.world_rank, inner.world_size, "plugin-runner-done", 60.0)
-        return {"role": role, "role_rank": role_rank, "steps": record, "type": type(conn).__name__}
+        arenas = [[slot.tensor.data_ptr() for slot in a._slots.values()] for a in conn._arenas]
+        return {"role": role, "role_rank": role_rank, "steps": record, "type": type(conn).__name__,
+                "buffers": dict(BUFFERS), "arenas": arenas}
     finally:
         conn.close()
         assert not conn.is_initialized

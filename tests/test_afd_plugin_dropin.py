@@ -60,6 +60,20 @@ def test_1a1f_eager_dbo_gate_on_attention_and_compiled_dbo_stage():
     assert _ffn(r_frozen, frozen)[0]["steps"] == [[(0, [2]), (1, [3])]]
 
 
+def test_capture_step_buffers_come_from_an_arena_eager_steps_never_touch():
+    # The reference's FFN runner replays a captured graph without calling the connector, so
+    # what a capture step received into must stay put while later eager steps (here a larger
+    # one, which grows the eager buffers) run. On CPU the capture step itself runs eagerly.
+    sc = pr.PluginScenario(layers=2, steps=({0: [4]}, {0: [4]}, {0: [9]}, {0: [4]}), capture_steps=(1,))
+    (res,) = _run_all(sc)
+    ffn = _ffn(res, sc)[0]
+    eager0, captured, big, eager3 = ffn["buffers"][0]
+    assert ffn["arenas"] and captured in ffn["arenas"][0]  # the capture step's fan-in buffer is the arena's
+    assert captured not in (eager0, big, eager3)
+    att = [r for r in res if r["role"] == "attention"][0]
+    assert len(att["arenas"]) == 1  # the attention side reserves one too (its packed wire buffer, if any)
+
+
 def test_idle_dp_rank_and_attention_tp2_with_ffn_tp1():
     # DP2 attention, one FFN rank: a count of 0 becomes one row (clamp on by default under the plugin),
     # the rank runs a one-token dummy batch.
