@@ -179,7 +179,8 @@ def test_factory_builds_afd_ext_with_the_reference_constructor(plugin, monkeypat
         bad = _vc(connector_extra_config={"transport": "gloo", "wire": "packed"})
         plugin.factory.create_connector(0, 0, bad, plugin.config.parse_afd_config(bad))
     off = _vc(connector_extra_config={"transport": "gloo", "clamp_idle_to_one": False})
-    assert not plugin.factory.create_connector(0, 0, off, plugin.config.parse_afd_config(off)).connector.extra.clamp_idle_to_one
+    conn_off = plugin.factory.create_connector(0, 0, off, plugin.config.parse_afd_config(off))
+    assert not conn_off.connector.extra.clamp_idle_to_one
 
 
 def test_model_facts_gate_on_attention_counts_moe_layers_and_router_width():

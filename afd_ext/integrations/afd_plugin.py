@@ -59,7 +59,7 @@ import torch
 
 from .. import envs
 from ..config import DEFAULT_CONNECTOR, REFERENCE_CONNECTOR, AFDConfig, AfdExtConnectorConfig, coerce_bool, coerce_int
-from ..errors import AFDConfigError
+from ..errors import AFDConfigError, AFDStateError
 from ..metadata import AFDControlPayload, AFDTransferContext, AFDTransferMetadata
 
 logger = logging.getLogger(__name__)
@@ -292,7 +292,8 @@ _HANDLES = itertools.count(1)
 def _live(handle: int) -> Any:
     conn = _LIVE.get(handle)
     if conn is None:
-        raise AFDConfigError(f"afd_ext plugin connector handle {handle} is gone (the connector was garbage-collected)")
+        raise AFDStateError(f"afd_ext plugin connector handle {handle} is gone (its connector was garbage-collected; "
+                            "a graph compiled against it cannot run)")
     return conn
 
 
@@ -591,7 +592,8 @@ if HAVE_AFD_PLUGIN:
                 raise AFDConfigError(
                     f"the model's routing_spec is [{got[0]}] {got[1]}, but afd_ext configured router logits "
                     f"[{width}] {dtype} from the model config; set connector_extra_config.router_logits_dtype "
-                    f"(to '{str(got[1]).removeprefix('torch.')}') on both roles, or fix the model config's expert count")
+                    f"(to '{str(got[1]).removeprefix('torch.')}') on both roles, or fix the model config's "
+                    "expert count")
             self._spec_ok = spec
 
         def send_ffn_output(self, ffn_output: torch.Tensor, context: Any, **kwargs: Any) -> None:
