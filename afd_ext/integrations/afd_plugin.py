@@ -373,7 +373,7 @@ if HAVE_AFD_PLUGIN:
 
         def send_dp_metadata_list(self, payload: Any) -> None:
             """Send the payload to this attention rank's FFN destinations (no-op on other ranks)."""
-            self._owner._inner.control_plane.send_dp_metadata_list(self._owner._convert(payload))
+            self._owner._inner.control_plane.send_dp_metadata_list(self._owner._convert(payload, just_applied=True))
 
         def recv_dp_metadata_list(self) -> AFDControlPayload:
             """FFN side: block until the next payload (afd_ext's class; the runners read its fields)."""
@@ -466,14 +466,14 @@ if HAVE_AFD_PLUGIN:
 
         # -- control plane ------------------------------------------------------
 
-        def _convert(self, payload: Any) -> AFDControlPayload:
-            last = self._last
-            if last is not None and last[0] is payload:
+        def _convert(self, payload: Any, *, just_applied: bool = False) -> AFDControlPayload:
+            # The attention runner sends the very payload it applied a moment before: convert once.
+            last, self._last = self._last, None
+            if just_applied and last is not None and last[0] is payload:
                 return last[1]
             p = _payload(payload)
             if self._inner.role == "attention":
                 self._check_vector_lengths(p)
-            self._last = (payload, p)
             return p
 
         def _check_vector_lengths(self, p: AFDControlPayload) -> None:
@@ -503,6 +503,7 @@ if HAVE_AFD_PLUGIN:
             if not p.is_graph_capturing:
                 self._leave_capture()
                 self._inner.control_plane.update_state_from_dp_metadata(p)
+                self._last = (payload, p)
                 return
             from ..graphs import StaticArena
 
@@ -514,6 +515,7 @@ if HAVE_AFD_PLUGIN:
                 self._inner.use_static_arena(None)
             arena.freeze()
             self._arenas.append(arena)
+            self._last = (payload, p)
             if not self._capturing:
                 self._capture.enter_context(self._inner.watchdog_suspended())
                 self._capturing = True
