@@ -285,6 +285,10 @@ def _payload(obj: Any) -> AFDControlPayload:
 # Custom ops: the attention-side calls as seen by torch.compile
 # ---------------------------------------------------------------------------
 
+#: True only while Dynamo traces (constant-folded there); ~0.06 us eagerly against ~0.2 us for
+#: ``torch.compiler.is_compiling``, and it runs twice per layer exchange.
+_tracing = torch.compiler.is_dynamo_compiling
+
 _LIVE: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 _HANDLES = itertools.count(1)
 
@@ -541,7 +545,7 @@ if HAVE_AFD_PLUGIN:
                 ValueError / AFDStateError / AFDError: see afd_ext's ``send_attn_output``.
             """
             md = context.metadata
-            if torch.compiler.is_compiling():
+            if _tracing():
                 torch.ops.afd_ext_plugin.send_attn_output(hidden_states, kwargs.get("router_logits"),
                                                           kwargs.get("input_ids"), self._handle,
                                                           md.layer_idx, md.stage_idx)
@@ -557,7 +561,7 @@ if HAVE_AFD_PLUGIN:
 
         def recv_ffn_output(self, ref_tensor: torch.Tensor, ubatch_idx: int = 0, **kwargs: Any) -> torch.Tensor:
             """Receive the reply of the oldest outstanding exchange into ``ref_tensor`` and return it."""
-            if torch.compiler.is_compiling():
+            if _tracing():
                 torch.ops.afd_ext_plugin.recv_ffn_output(ref_tensor, self._handle, ubatch_idx)
                 return ref_tensor
             return self._inner.recv_ffn_output(ref_tensor, ubatch_idx=ubatch_idx)
