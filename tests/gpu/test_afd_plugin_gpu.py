@@ -11,9 +11,9 @@ Run on the GPU machine (after ``pip install --no-build-isolation -e .``):
 
     pytest -m gpu tests/gpu/test_afd_plugin_gpu.py -v
 
-Placement: FFN workers on GPU 1 and attention workers on GPU 0 when two GPUs
-are visible; with one GPU every worker uses it, each with its own
-``NCCL_HOSTID`` (NCCL then uses its socket transport between them).
+Placement: ``afd_ext.testing.place_processes`` (attention and FFN workers on
+different GPUs where there are two; on one GPU every worker shares it, each
+with its own ``NCCL_HOSTID``, NCCL then using its socket transport).
 """
 
 from __future__ import annotations
@@ -49,9 +49,10 @@ pytestmark = [
 
 
 def _env(sc: pr.PluginScenario) -> list[dict]:
-    if torch.cuda.device_count() >= 2:
-        return [{"CUDA_VISIBLE_DEVICES": "1" if r < sc.F else "0"} for r in range(sc.nprocs)]
-    return [{"CUDA_VISIBLE_DEVICES": "0", "NCCL_HOSTID": f"afd-plugin-test-{r}"} for r in range(sc.nprocs)]
+    # The GPU tier's one placement rule (afd_ext.testing on main): per world rank, FFN ranks first.
+    from afd_ext.testing import place_processes
+
+    return place_processes(sc.A, sc.F).env()
 
 
 def _nccl(sc: pr.PluginScenario) -> pr.PluginScenario:
