@@ -70,6 +70,8 @@ class PluginScenario:
             ``vllm.v1.worker.ubatching`` reporting the running ubatch.
         capture_steps: indices of steps whose payload sets ``is_graph_capturing``
             (run eagerly here: on CPU only the connector's buffer handling is checked).
+        native: build afd_ext's own connector with ``afd_ext.factory.create_connector(rank,
+            local_rank, vllm_config)`` instead of going through the plugin's factory.
     """
 
     attn: tuple = (1, 1, 1)
@@ -84,6 +86,7 @@ class PluginScenario:
     connector: str = "P2pNcclAFDConnector"
     frozen_stage: bool = False
     capture_steps: tuple = ()
+    native: bool = False
 
     @property
     def A(self) -> int:  # noqa: N802
@@ -181,6 +184,11 @@ def build(sc: PluginScenario, rank: int, port: int, device: torch.device, dtype:
     from afd_plugin.connectors.factory import AFDConnectorFactory
 
     vc = vllm_config(sc, role, dp_rank, port, dtype)
+    if sc.native:
+        from afd_ext.factory import create_connector
+
+        conn = create_connector(rank, device.index or 0, vc)
+        return conn, role, conn.role_rank, dp_rank
     cfg = parse_afd_config(vc, expected_role=role)
     conn = AFDConnectorFactory.create_connector(rank, device.index or 0, vc, cfg)
     assert conn.role_rank == role_rank, (conn.role_rank, role_rank)
@@ -320,9 +328,9 @@ def dropin_worker(rank: int, nprocs: int, sc: PluginScenario | tuple, port: int)
         # away from peers still in their last step (a vLLM worker simply lives on).
         from afd_ext import rendezvous as rdzv
 
-        inner = conn.connector
+        inner = getattr(conn, "connector", conn)
         rdzv.barrier(inner._store, inner.world_rank, inner.world_size, "plugin-runner-done", 60.0)
-        arenas = [[slot.tensor.data_ptr() for slot in a._slots.values()] for a in conn._arenas]
+        arenas = [[slot.tensor.data_ptr() for slot in a._slots.values()] for a in getattr(conn, "_arenas", ())]
         return {"role": role, "role_rank": role_rank, "steps": record, "type": type(conn).__name__,
                 "buffers": dict(BUFFERS), "arenas": arenas}
     finally:

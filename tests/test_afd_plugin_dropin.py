@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 import plugin_runners as pr  # noqa: E402
-from afd_ext.testing import find_free_port, run_workers  # noqa: E402
+from afd_ext.testing import WorkerError, find_free_port, run_workers  # noqa: E402
 
 sys.path.insert(0, pr.FAKE_PLUGIN)
 pytestmark = pytest.mark.timeout(240)
@@ -315,3 +315,11 @@ def test_adapter_checks_before_anything_moves(plugin, monkeypatch):
     ffn = plugin.factory.create_connector(0, 0, vc, plugin.config.parse_afd_config(vc, validate=False))
     with pytest.raises(AFDConfigError, match=r"routing_spec is \[4\] torch.bfloat16.*router_logits_dtype"):
         ffn.recv_attn_output(ubatch_idx=0, routing_spec=AFDExpertRoutingSpec(4, torch.bfloat16))
+
+
+@pytest.mark.xfail(strict=True, raises=WorkerError,
+                   reason="phase 2: AFDConnector's control plane refuses the reference's payload class "
+                   "(isinstance check) instead of reading its fields (AFDControlPayload.from_fields)")
+def test_native_connector_takes_the_references_payload_objects():
+    sc = pr.PluginScenario(steps=({0: [3]},), native=True)
+    run_workers(pr.dropin_worker, sc.nprocs, (sc, find_free_port()), timeout_s=90.0)
