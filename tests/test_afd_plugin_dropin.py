@@ -323,3 +323,12 @@ def test_adapter_checks_before_anything_moves(plugin, monkeypatch):
 def test_native_connector_takes_the_references_payload_objects():
     sc = pr.PluginScenario(steps=({0: [3]},), native=True)
     run_workers(pr.dropin_worker, sc.nprocs, (sc, find_free_port()), timeout_s=90.0)
+
+
+@pytest.mark.xfail(strict=True, reason="phase 2: AFDConnector reads hidden size, layers and dtype from vllm_config "
+                   "but ignores compute_gate_on_attention (router logits, MoE-layer count); one model-facts parser "
+                   "(afd_ext.integrations.afd_plugin.model_facts today) should serve both paths")
+def test_native_connector_reads_gate_on_attention_from_the_config():
+    sc = pr.PluginScenario(layers=4, gate=True, experts=4, extra=(("transport", "gloo"),))
+    att = _native(sc, "attention", 0)
+    assert (att.num_layers, att.router_logits_width) == (3, 4)
