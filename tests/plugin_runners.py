@@ -195,6 +195,24 @@ def build(sc: PluginScenario, rank: int, port: int, device: torch.device, dtype:
     return conn, role, role_rank, dp_rank
 
 
+def finish_barrier(nprocs: int):
+    """A barrier for every worker of a run (pass it as the workers' ``done`` argument).
+
+    FFN rank 0 hosts the rendezvous store: a worker that finishes early must not
+    take it away (by exiting) from peers still in their last step; a vLLM
+    worker simply lives on.
+    """
+    import multiprocessing as mp
+
+    return mp.get_context("spawn").Barrier(nprocs)
+
+
+def finish(done, timeout_s: float = 120.0) -> None:
+    """Wait at ``done`` (a :func:`finish_barrier`) when given."""
+    if done is not None:
+        done.wait(timeout_s)
+
+
 def ffn_fn(hidden: torch.Tensor, logits: torch.Tensor | None, layer: int) -> torch.Tensor:
     """The FFN side's "model": elementwise in the hidden states and the first router-logit column."""
     out = hidden * 2 + (layer + 1)
@@ -297,16 +315,17 @@ def ffn_step(conn, sc: PluginScenario, dtype) -> list:
     return sorted(seen.items())
 
 
-def dropin_worker(rank: int, nprocs: int, sc: PluginScenario | tuple, port: int):
+def dropin_worker(rank: int, nprocs: int, sc: PluginScenario | tuple, port: int, done=None):
     """Run every step of ``sc`` on one rank; returns this rank's record.
 
     ``sc`` may be a tuple of scenarios with the same ``A`` and ``F``: they run
     one after the other in the same processes, each with a fresh connector (a
     new rendezvous generation), which saves process start-ups on small CI
-    machines; the result is then a list of records.
+    machines; the result is then a list of records. ``done`` (a
+    :func:`finish_barrier`) holds every worker until all finished.
     """
     if isinstance(sc, tuple):
-        return [dropin_worker(rank, nprocs, one, port) for one in sc]
+        return [dropin_worker(rank, nprocs, one, port, done) for one in sc]
     device = torch.device("cpu") if sc.transport == "gloo" else torch.device("cuda", 0)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -326,10 +345,7 @@ def dropin_worker(rank: int, nprocs: int, sc: PluginScenario | tuple, port: int)
             torch.cuda.synchronize()
         # FFN rank 0 hosts the rendezvous store: a worker that finishes early must not take it
         # away from peers still in their last step (a vLLM worker simply lives on).
-        from afd_ext import rendezvous as rdzv
-
-        inner = getattr(conn, "connector", conn)
-        rdzv.barrier(inner._store, inner.world_rank, inner.world_size, "plugin-runner-done", 60.0)
+        finish(done)
         arenas = [[slot.tensor.data_ptr() for slot in a._slots.values()] for a in getattr(conn, "_arenas", ())]
         return {"role": role, "role_rank": role_rank, "steps": record, "type": type(conn).__name__,
                 "buffers": dict(BUFFERS), "arenas": arenas}
@@ -348,7 +364,7 @@ def attention_layer_math(h: torch.Tensor, layer: int) -> torch.Tensor:
     return h * 0.5 + (layer + 1)
 
 
-def compiled_attention_worker(rank: int, nprocs: int, sc: PluginScenario, port: int, backend: str):
+def compiled_attention_worker(rank: int, nprocs: int, sc: PluginScenario, port: int, backend: str, done=None):
     """Attention: one ``torch.compile(fullgraph=True, dynamic=True)`` forward over every exchange layer,
     compiled once and run for every step (different counts); FFN: the eager runner loop.
 
@@ -402,10 +418,7 @@ def compiled_attention_worker(rank: int, nprocs: int, sc: PluginScenario, port: 
                 ffn_step(conn, sc, dtype)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        from afd_ext import rendezvous as rdzv
-
-        inner_conn = conn.connector
-        rdzv.barrier(inner_conn._store, inner_conn.world_rank, inner_conn.world_size, "compiled-done", 60.0)
+        finish(done)
         return {"role": role, "graphs": graphs}
     finally:
         conn.close()
@@ -416,7 +429,7 @@ def compiled_attention_worker(rank: int, nprocs: int, sc: PluginScenario, port: 
 # ---------------------------------------------------------------------------
 
 
-def ffn_graph_worker(rank: int, nprocs: int, sc: PluginScenario, port: int, replays: int):
+def ffn_graph_worker(rank: int, nprocs: int, sc: PluginScenario, port: int, replays: int, done=None):
     """The reference's graph protocol (``ffn_worker.py`` / ``ffn_model_runner.py``), 1 stage.
 
     Step 0 warm-up (``is_warmup``, eager on both sides); step 1 capture
@@ -504,10 +517,7 @@ def ffn_graph_worker(rank: int, nprocs: int, sc: PluginScenario, port: int, repl
                     ffn_forward()
                 torch.cuda.synchronize()
             assert len(graphs) == 1
-        from afd_ext import rendezvous as rdzv
-
-        inner = conn.connector
-        rdzv.barrier(inner._store, inner.world_rank, inner.world_size, "graph-done", 120.0)
+        finish(done)
         return {"role": role, "checked": checked}
     finally:
         conn.close()

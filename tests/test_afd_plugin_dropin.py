@@ -36,7 +36,8 @@ def _ffn(res, sc):
 
 def _run_all(*scs: pr.PluginScenario, timeout_s: float = 180.0) -> list:
     """Run scenarios of one topology in the same processes; returns one result list per scenario."""
-    res = run_workers(pr.dropin_worker, scs[0].nprocs, (tuple(scs), find_free_port()), timeout_s=timeout_s)
+    n = scs[0].nprocs
+    res = run_workers(pr.dropin_worker, n, (tuple(scs), find_free_port(), pr.finish_barrier(n)), timeout_s=timeout_s)
     out = [[r[i] for r in res] for i in range(len(scs))]
     assert all(r["type"] == "AfdExtAFDConnector" for one in out for r in one)
     return out
@@ -259,8 +260,8 @@ def test_attention_side_compiled_once_and_reused_across_counts():
     # fullgraph=True: a graph break is an error. The counts differ every step (>= 2: Dynamo
     # specialises sizes 0 and 1); the compiled forward must call the connector on every step.
     sc = pr.PluginScenario(layers=3, steps=({0: [3]}, {0: [5]}, {0: [2]}, {0: [7]}))
-    res = run_workers(pr.compiled_attention_worker, sc.nprocs, (sc, find_free_port(), "aot_eager"),
-                      timeout_s=180.0)
+    res = run_workers(pr.compiled_attention_worker, sc.nprocs,
+                      (sc, find_free_port(), "aot_eager", pr.finish_barrier(sc.nprocs)), timeout_s=180.0)
     att = [r for r in res if r["role"] == "attention"][0]
     # One graph for all four steps, holding one send and one receive per exchange layer.
     assert att["graphs"] == [2 * sc.layers]
@@ -322,7 +323,7 @@ def test_adapter_checks_before_anything_moves(plugin, monkeypatch):
                    "(isinstance check) instead of reading its fields (AFDControlPayload.from_fields)")
 def test_native_connector_takes_the_references_payload_objects():
     sc = pr.PluginScenario(steps=({0: [3]},), native=True)
-    run_workers(pr.dropin_worker, sc.nprocs, (sc, find_free_port()), timeout_s=90.0)
+    run_workers(pr.dropin_worker, sc.nprocs, (sc, find_free_port(), pr.finish_barrier(sc.nprocs)), timeout_s=90.0)
 
 
 @pytest.mark.xfail(strict=True, reason="phase 2: AFDConnector reads hidden size, layers and dtype from vllm_config "

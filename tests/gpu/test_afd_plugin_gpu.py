@@ -63,7 +63,8 @@ def _nccl(sc: pr.PluginScenario) -> pr.PluginScenario:
 
 def _run(fn, sc, *args, timeout_s: float = 400.0):
     sc = _nccl(sc)
-    return run_workers(fn, sc.nprocs, (sc, find_free_port(), *args), timeout_s=timeout_s, per_rank_env=_env(sc))
+    return run_workers(fn, sc.nprocs, (sc, find_free_port(), *args, pr.finish_barrier(sc.nprocs)),
+                       timeout_s=timeout_s, per_rank_env=_env(sc))
 
 
 SCENARIOS = {
