@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .config import AFDConfig, DEFAULT_CONNECTOR, REFERENCE_CONNECTOR
+from .errors import AFDConfigError
 from .topology import validate_role_rank
 
 __all__ = [
@@ -276,7 +277,7 @@ def _parallel_size(pc: Any, name: str) -> int:
     value = getattr(pc, name, 1)
     value = 1 if value is None else value
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"vllm_config.parallel_config.{name} must be an int >= 1, got {value!r}")
+        raise AFDConfigError(f"vllm_config.parallel_config.{name} must be an int >= 1, got {value!r}")
     return value
 
 
@@ -285,7 +286,7 @@ def _vllm_rank(getter: str, what: str) -> int:
     try:
         from vllm.distributed import parallel_state
     except ImportError as e:
-        raise ValueError(
+        raise AFDConfigError(
             f"cannot derive the AFD role rank: {what} > 1 but vLLM's parallel_state is not importable ({e}); "
             "pass role_rank= explicitly"
         ) from None
@@ -294,7 +295,7 @@ def _vllm_rank(getter: str, what: str) -> int:
             return int(parallel_state.get_pcp_group().rank_in_group)
         return int(parallel_state.get_tensor_model_parallel_rank())
     except Exception as e:  # noqa: BLE001 - vLLM raises AssertionError before its groups exist
-        raise ValueError(
+        raise AFDConfigError(
             f"cannot derive the AFD role rank: vLLM's {what} group is not initialised yet ({type(e).__name__}: {e}); "
             "create the connector after vLLM's distributed init, or pass role_rank="
         ) from None
@@ -312,13 +313,13 @@ def resolve_role_rank(vllm_config: Any, afd_config: AFDConfig) -> int:
     give every TP worker the same role rank.
 
     Raises:
-        ValueError: no ``parallel_config``, a size that is not an int >= 1,
+        AFDConfigError: no ``parallel_config``, a size that is not an int >= 1,
             vLLM's ranks not available while a size > 1 needs them, or a
             role rank outside the role's size (sizes named in the message).
     """
     pc = getattr(vllm_config, "parallel_config", None)
     if pc is None:
-        raise ValueError(
+        raise AFDConfigError(
             "cannot derive the AFD role rank: the runtime config has no parallel_config "
             "(expected a vLLM VllmConfig); pass role_rank= explicitly"
         )
@@ -331,7 +332,7 @@ def resolve_role_rank(vllm_config: Any, afd_config: AFDConfig) -> int:
     role_rank = (dp_rank * pcp + pcp_rank) * tp + tp_rank
     size = afd_config.num_attention_ranks if afd_config.role == "attention" else afd_config.num_ffn_ranks
     if not 0 <= role_rank < size:
-        raise ValueError(
+        raise AFDConfigError(
             f"AFD role rank derived from distributed ranks is out of range: role={afd_config.role!r}, "
             f"dp_rank={dp_rank}, pcp_rank={pcp_rank}, tp_rank={tp_rank} (sizes dp={dp}, pcp={pcp}, tp={tp}) "
             f"give {role_rank}, but the {afd_config.role} role has {size} ranks "

@@ -153,8 +153,9 @@ class AdapterExtraConfig:
         """Parse ``connector_extra_config``.
 
         Raises:
-            TypeError / ValueError: not a mapping, unknown key, bad value (see
-                :meth:`afd_ext.config.AfdExtConnectorConfig.from_mapping`).
+            TypeError: not a mapping, or a value of the wrong type.
+            AFDConfigError / ValueError: unknown key (all accepted keys listed), a
+                value out of range (see :meth:`afd_ext.config.AfdExtConnectorConfig.from_mapping`).
         """
         if raw is None:
             raw = {}
@@ -164,13 +165,13 @@ class AdapterExtraConfig:
         known = [f.name for f in dataclasses.fields(AfdExtConnectorConfig)] + list(_ADAPTER_KEYS)
         unknown = sorted(k for k in rest if k not in known)
         if unknown:
-            raise ValueError(f"unknown connector_extra_config field(s) {unknown} for afd_ext under afd-plugin; "
+            raise AFDConfigError(f"unknown connector_extra_config field(s) {unknown} for afd_ext under afd-plugin; "
                              f"known fields: {known}")
         layers = rest.pop("num_exchange_layers", None)
         if layers is not None:
             layers = coerce_int(layers, "connector_extra_config.num_exchange_layers")
             if layers < 1:
-                raise ValueError(f"connector_extra_config.num_exchange_layers must be >= 1, got {layers}")
+                raise AFDConfigError(f"connector_extra_config.num_exchange_layers must be >= 1, got {layers}")
         ldtype = rest.pop("router_logits_dtype", None)
         if ldtype is not None:
             ldtype = _dtype_name(ldtype, "connector_extra_config.router_logits_dtype")
@@ -188,7 +189,7 @@ class AdapterExtraConfig:
 def _dtype_name(value: Any, what: str) -> str:
     name = str(value).removeprefix("torch.")
     if not isinstance(getattr(torch, name, None), torch.dtype):
-        raise ValueError(f"{what} must be a torch dtype name such as 'float32', got {value!r}")
+        raise AFDConfigError(f"{what} must be a torch dtype name such as 'float32', got {value!r}")
     return name
 
 
