@@ -157,6 +157,10 @@ class ControlRecvTimeout(AFDTimeoutError):
     """A control-channel ``recv`` passed its ``timeout_s`` while the peer was alive (idle)."""
 
 
+class ControlProtocolError(AFDProtocolError, ValueError):
+    """A control message broke the wire format (malformed payload, corrupt ring slot, wrong sender)."""
+
+
 class GraphKeyMismatchError(AFDGraphError):
     """A replay was asked for a key that has no captured graph (refused, never replayed)."""
 
