@@ -8,6 +8,7 @@ hidden 8) for the 2-core CI machine.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import sys
@@ -19,7 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 import plugin_runners as pr  # noqa: E402
-from afd_ext.testing import WorkerError, find_free_port, run_workers  # noqa: E402
+from afd_ext.testing import find_free_port, run_workers  # noqa: E402
 
 sys.path.insert(0, pr.FAKE_PLUGIN)
 pytestmark = pytest.mark.timeout(240)
@@ -168,7 +169,7 @@ def test_factory_builds_afd_ext_with_the_reference_constructor(plugin, monkeypat
     inner = conn.connector
     assert (inner.hidden_size, inner.num_layers, inner.dtype) == (8, 3, torch.float32)
     assert inner.extra.clamp_idle_to_one and inner.extra.strict  # clamp defaults on; the rest is passed on
-    assert inner.handshake_fields()["tp_size"] == 1
+    assert "tp_size" not in inner.handshake_fields()  # each role's TP layout is its own
     assert conn.control_plane is not None and not conn.is_initialized
     with pytest.raises(AFDConfigError, match="strict needs enforce_eager"):
         graphs = _vc(connector_extra_config={"transport": "gloo", "strict": True})
@@ -184,34 +185,42 @@ def test_factory_builds_afd_ext_with_the_reference_constructor(plugin, monkeypat
     assert not conn_off.connector.extra.clamp_idle_to_one
 
 
-def test_model_facts_gate_on_attention_counts_moe_layers_and_router_width():
-    from afd_ext.integrations.afd_plugin import AdapterExtraConfig, model_facts, moe_layer_indices
+def _spec(vc, gate, extra, role="attention"):
+    from afd_ext.integrations.afd_plugin import AdapterExtraConfig, exchange_spec
+
+    return exchange_spec(vc, types.SimpleNamespace(role=role, compute_gate_on_attention=gate),
+                         AdapterExtraConfig.from_mapping(extra))
+
+
+def test_exchange_spec_gate_on_attention_counts_moe_layers_and_router_width():
+    from afd_ext.spec import moe_layer_indices
 
     ns = types.SimpleNamespace
     ds = ns(hidden_size=16, num_hidden_layers=6, first_k_dense_replace=2, moe_layer_freq=2, n_routed_experts=64)
     assert moe_layer_indices(ds, 6) == (2, 4)
     qwen = ns(hidden_size=16, num_hidden_layers=4, decoder_sparse_step=1, mlp_only_layers=[0], num_experts=8)
     assert moe_layer_indices(qwen, 4) == (1, 2, 3)
-    vc = ns(model_config=ns(dtype=torch.bfloat16, hf_config=ds, hf_text_config=None))
-    facts = model_facts(vc, True, AdapterExtraConfig.from_mapping({}))
-    assert facts == dict(hidden_size=16, num_layers=2, dtype=torch.bfloat16, router_logits_width=64,
-                         router_logits_dtype=torch.bfloat16, send_token_ids=False)
-    facts = model_facts(vc, True, AdapterExtraConfig.from_mapping({"router_logits_dtype": "float32",
-                                                                   "num_exchange_layers": 5}))
-    assert (facts["num_layers"], facts["router_logits_dtype"]) == (5, torch.float32)
-    assert model_facts(vc, False, AdapterExtraConfig.from_mapping({}))["num_layers"] == 6
+    vc = ns(model_config=ns(dtype=torch.bfloat16, hf_config=ds, hf_text_config=None),
+            parallel_config=ns(data_parallel_size=2, prefill_context_parallel_size=2, tensor_parallel_size=2))
+    spec = _spec(vc, True, {})
+    assert dataclasses.asdict(spec) == dict(hidden_size=16, num_layers=2, dtype=torch.bfloat16,
+                                            router_logits_width=64, router_logits_dtype=torch.bfloat16,
+                                            send_token_ids=False, tp_size=4)  # PCP x TP workers per DP rank
+    spec = _spec(vc, True, {"router_logits_dtype": "float32", "num_exchange_layers": 5, "send_token_ids": True})
+    assert (spec.num_layers, spec.router_logits_dtype, spec.send_token_ids) == (5, torch.float32, True)
+    assert _spec(vc, False, {}).num_layers == 6 and _spec(vc, False, {}).router_logits_width is None
+    assert _spec(vc, False, {}, role="ffn").tp_size == 1  # an FFN rank does not know the attention layout
 
 
-def test_model_facts_say_what_is_missing():
+def test_exchange_spec_says_what_is_missing():
     from afd_ext.errors import AFDConfigError
-    from afd_ext.integrations.afd_plugin import AdapterExtraConfig, model_facts
 
     ns = types.SimpleNamespace
     with pytest.raises(AFDConfigError, match="hidden_size.*num_hidden_layers.*dtype"):
-        model_facts(ns(model_config=ns(hf_config=ns())), False, AdapterExtraConfig.from_mapping({}))
+        _spec(ns(model_config=ns(hf_config=ns())), False, {})
     dense = ns(model_config=ns(dtype=torch.float16, hf_config=ns(hidden_size=8, num_hidden_layers=2)))
     with pytest.raises(AFDConfigError, match="router width.*num_exchange_layers"):
-        model_facts(dense, True, AdapterExtraConfig.from_mapping({}))
+        _spec(dense, True, {})
 
 
 def test_afd_ext_create_connector_takes_a_vllm_config_and_derives_the_role_rank(monkeypatch):
@@ -268,7 +277,7 @@ def test_attention_side_compiled_once_and_reused_across_counts():
 
 
 # ---------------------------------------------------------------------------
-# Connector-side changes still needed (phase 2): the native path with a VllmConfig
+# afd_ext's own connector given a VllmConfig (afd_ext.factory.create_connector)
 # ---------------------------------------------------------------------------
 
 
@@ -280,24 +289,23 @@ def _native(sc: pr.PluginScenario, role: str, role_rank: int):
     return create_connector(0, 0, vc, role_rank=role_rank)
 
 
-@pytest.mark.xfail(strict=True, reason="phase 2: AFDConnector derives tp_size from vllm_config's own TP and "
-                   "puts it in the handshake; it must compare only what both roles share")
 def test_native_handshake_does_not_compare_each_roles_tp():
     sc = pr.PluginScenario(attn=(1, 1, 2), ffn=(1, 1, 1), extra=(("transport", "gloo"),))
     att, ffn = _native(sc, "attention", 0), _native(sc, "ffn", 0)
     assert att.handshake_fields() == ffn.handshake_fields()
 
 
-@pytest.mark.xfail(strict=True, reason="phase 2: AFDConnector takes tp_size = tensor_parallel_size from "
-                   "vllm_config, so a DP2 x PCP2 x TP2 per-DP vector (2 counts for 8 workers) is refused")
 def test_native_dp2_pcp2_tp2_expands_the_per_dp_vector():
     sc = pr.PluginScenario(attn=(2, 2, 2), extra=(("transport", "gloo"),))
     att = _native(sc, "attention", 0)
     assert att.topology.expand_counts([3, 5]) == (3, 3, 3, 3, 5, 5, 5, 5)
+    # An attention rank knows its DP size: a vector per PCP or TP worker group is refused (nothing moved).
+    with pytest.raises(ValueError, match="count vector has 4 entries; expected 8 .* or 2"):
+        att.topology.expand_counts([1, 2, 3, 4])
 
 
 def test_adapter_checks_before_anything_moves(plugin, monkeypatch):
-    # Both checks run before the (here uninitialised) connector is touched.
+    # The check runs before the (here uninitialised) connector is touched.
     from afd_plugin.connectors.metadata import AFDExpertRoutingSpec
 
     from afd_ext.errors import AFDConfigError
@@ -310,25 +318,21 @@ def test_adapter_checks_before_anything_moves(plugin, monkeypatch):
     cfg = plugin.config.parse_afd_config(vc, validate=False)
     att = plugin.factory.create_connector(0, 0, vc, cfg)
     assert att.connector.num_layers == 2  # layers 1, 2 of 3 are MoE
-    with pytest.raises(AFDConfigError, match="3 counts; this attention rank's vLLM DP size is 1"):
-        att.control_plane.update_state_from_dp_metadata(pr.reference_payload({0: [1, 2, 3]}))
     vc.additional_config["afd"]["role"] = "ffn"
     ffn = plugin.factory.create_connector(0, 0, vc, plugin.config.parse_afd_config(vc, validate=False))
     with pytest.raises(AFDConfigError, match=r"routing_spec is \[4\] torch.bfloat16.*router_logits_dtype"):
         ffn.recv_attn_output(ubatch_idx=0, routing_spec=AFDExpertRoutingSpec(4, torch.bfloat16))
 
 
-@pytest.mark.xfail(strict=True, raises=WorkerError,
-                   reason="phase 2: AFDConnector's control plane refuses the reference's payload class "
-                   "(isinstance check) instead of reading its fields (AFDControlPayload.from_fields)")
-def test_native_connector_takes_the_references_payload_objects():
-    sc = pr.PluginScenario(steps=({0: [3]},), native=True)
-    run_workers(pr.dropin_worker, sc.nprocs, (sc, find_free_port(), pr.finish_barrier(sc.nprocs)), timeout_s=90.0)
+def test_native_connector_takes_the_references_objects_in_the_runners_sequence():
+    # afd_ext's own connector (no adapter) under the runners' calls and the reference's classes.
+    sc = pr.PluginScenario(steps=({0: [3]}, {0: [2], 1: [4]}), native=True)
+    res = run_workers(pr.dropin_worker, sc.nprocs, (sc, find_free_port(), pr.finish_barrier(sc.nprocs)),
+                      timeout_s=90.0)
+    assert {r["type"] for r in res} == {"AFDConnector"}
+    assert _ffn(res, sc)[0]["steps"] == [[(0, [3])], [(0, [2]), (1, [4])]]
 
 
-@pytest.mark.xfail(strict=True, reason="phase 2: AFDConnector reads hidden size, layers and dtype from vllm_config "
-                   "but ignores compute_gate_on_attention (router logits, MoE-layer count); one model-facts parser "
-                   "(afd_ext.integrations.afd_plugin.model_facts today) should serve both paths")
 def test_native_connector_reads_gate_on_attention_from_the_config():
     sc = pr.PluginScenario(layers=4, gate=True, experts=4, extra=(("transport", "gloo"),))
     att = _native(sc, "attention", 0)

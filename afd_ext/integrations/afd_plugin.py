@@ -31,10 +31,11 @@ What changes under the reference's runners (all documented in ``docs/vllm.md``):
   ``num_local_experts`` and the model dtype (or
   ``connector_extra_config.router_logits_dtype``). Each ``routing_spec`` the
   FFN runner passes is checked against them.
-* The init handshake compares hidden size, layers, dtypes and the options;
-  not each role's own TP size (the FFN side expands whatever per-DP count
-  vector arrives, the reference's rule; the attention side checks each
-  vector's length against its own DP size before anything moves).
+* Facts come from :meth:`afd_ext.spec.ExchangeSpec.from_vllm_config` (the one
+  parser, shared with afd_ext's own connector): the init handshake compares
+  hidden size, layers, dtypes and the options, not each role's own TP size
+  (an FFN rank expands whatever per-DP count vector arrives, the reference's
+  rule; an attention rank accepts only vectors of its own DP size).
 * Attention-side calls made while ``torch.compile`` traces go through two
   custom ops (``torch.ops.afd_ext_plugin.*``) keyed by an integer handle, so
   the compiled graph calls the connector on every step (no per-step state
@@ -61,6 +62,7 @@ from .. import envs
 from ..config import DEFAULT_CONNECTOR, REFERENCE_CONNECTOR, AFDConfig, AfdExtConnectorConfig, coerce_bool, coerce_int
 from ..errors import AFDConfigError, AFDStateError
 from ..metadata import AFDControlPayload, AFDTransferContext, AFDTransferMetadata
+from ..spec import ExchangeSpec
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +71,7 @@ __all__ = [
     "HAVE_AFD_PLUGIN",
     "AdapterExtraConfig",
     "AfdExtAFDConnector",
-    "model_facts",
-    "moe_layer_indices",
+    "exchange_spec",
     "register",
 ]
 
@@ -193,93 +194,16 @@ def _dtype_name(value: Any, what: str) -> str:
     return name
 
 
-def moe_layer_indices(hf_config: Any, num_layers: int) -> tuple[int, ...] | None:
-    """Indices of the MoE decoder layers, by the conventions of the model families vLLM serves.
-
-    DeepSeek-V2/V3 (``first_k_dense_replace``, ``moe_layer_freq``),
-    Qwen2/3-MoE (``decoder_sparse_step``, ``mlp_only_layers``), and models
-    whose every layer is MoE (``num_local_experts``, e.g. Mixtral).
-
-    Returns:
-        The indices, or ``None`` when the config follows none of these conventions.
-    """
-    if getattr(hf_config, "first_k_dense_replace", None) is not None:
-        if getattr(hf_config, "n_routed_experts", None) is None:
-            return ()
-        k, freq = int(hf_config.first_k_dense_replace), int(getattr(hf_config, "moe_layer_freq", 1) or 1)
-        return tuple(i for i in range(num_layers) if i >= k and i % freq == 0)
-    if getattr(hf_config, "decoder_sparse_step", None) is not None:
-        if not getattr(hf_config, "num_experts", 0):
-            return ()
-        step, dense = int(hf_config.decoder_sparse_step), set(getattr(hf_config, "mlp_only_layers", None) or ())
-        return tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
-    if getattr(hf_config, "num_local_experts", None):
-        return tuple(range(num_layers))
-    return None
-
-
-def _router_width(hf_config: Any) -> int | None:
-    for name in ("n_routed_experts", "num_experts", "num_local_experts"):
-        v = getattr(hf_config, name, None)
-        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-            return v
-    return None
-
-
-def model_facts(vllm_config: Any, compute_gate_on_attention: bool, extra: AdapterExtraConfig) -> dict[str, Any]:
-    """The exchange's static facts, from ``vllm_config`` (both roles derive the same ones).
-
-    Returns:
-        ``hidden_size``, ``num_layers`` (exchanges per stage per step),
-        ``dtype``, ``router_logits_width`` (or None), ``router_logits_dtype``
-        and ``send_token_ids``.
+def exchange_spec(vllm_config: Any, afd_config: Any, extra: AdapterExtraConfig) -> ExchangeSpec:
+    """The exchange's facts of a vLLM worker (:meth:`afd_ext.spec.ExchangeSpec.from_vllm_config`).
 
     Raises:
-        AFDConfigError: a fact is missing; the message names every missing
-            field and what to set instead.
+        AFDConfigError: a fact is missing; the message names every missing field.
     """
-    mc = getattr(vllm_config, "model_config", None)
-    hf = getattr(mc, "hf_text_config", None) or getattr(mc, "hf_config", None)
-    missing = []
-    hidden = getattr(hf, "hidden_size", None)
-    layers = getattr(hf, "num_hidden_layers", None)
-    dtype = getattr(mc, "dtype", None)
-    if not isinstance(hidden, int) or hidden < 1:
-        missing.append("vllm_config.model_config.hf_text_config.hidden_size (an int >= 1)")
-    if not isinstance(layers, int) or layers < 1:
-        missing.append("vllm_config.model_config.hf_text_config.num_hidden_layers (an int >= 1)")
-    if not isinstance(dtype, torch.dtype):
-        missing.append("vllm_config.model_config.dtype (a torch.dtype)")
-    width = None
-    exchanges = layers
-    if compute_gate_on_attention:
-        width = _router_width(hf)
-        if width is None:
-            missing.append("the router width: hf config n_routed_experts / num_experts / num_local_experts")
-        if extra.num_exchange_layers is not None:
-            exchanges = extra.num_exchange_layers
-        elif isinstance(layers, int):
-            moe = moe_layer_indices(hf, layers)
-            if moe is None:
-                missing.append("the number of MoE layers (the model config follows no known convention): set "
-                               "connector_extra_config.num_exchange_layers on both roles")
-            elif not moe:
-                missing.append("MoE layers: compute_gate_on_attention is set but the model config has none")
-            else:
-                exchanges = len(moe)
-    if missing:
-        raise AFDConfigError("afd_ext cannot configure the AFD exchange from vllm_config; missing: "
-                             + "; ".join(missing))
-    ldtype = getattr(torch, extra.router_logits_dtype) if extra.router_logits_dtype else dtype
-    return dict(hidden_size=hidden, num_layers=exchanges, dtype=dtype, router_logits_width=width,
-                router_logits_dtype=ldtype, send_token_ids=extra.send_token_ids)
-
-
-def _payload(obj: Any) -> AFDControlPayload:
-    """The reference's ``AFDControlPayload`` (or ours) as ours, read by its fields."""
-    if isinstance(obj, AFDControlPayload):
-        return obj
-    return AFDControlPayload.from_fields(obj)
+    return ExchangeSpec.from_vllm_config(
+        vllm_config, role=afd_config.role, compute_gate_on_attention=bool(afd_config.compute_gate_on_attention),
+        num_exchange_layers=extra.num_exchange_layers, router_logits_dtype=extra.router_logits_dtype,
+        send_token_ids=extra.send_token_ids)
 
 
 # ---------------------------------------------------------------------------
@@ -422,14 +346,10 @@ if HAVE_AFD_PLUGIN:
                             host=afd_config.host, num_attention_ranks=afd_config.num_attention_ranks,
                             num_ffn_ranks=afd_config.num_ffn_ranks, compute_gate_on_attention=gate,
                             connector_extra_config=info.connector.to_mapping())
-            self.facts = model_facts(vllm_config, gate, info)
-            # tp_size=1: both roles expand any per-DP vector by the reference's rule (so the
-            # roles need not share a TP size); the attention side checks the length itself.
-            self._inner = AFDConnector(rank, local_rank, cfg, role_rank, tp_size=1, **self.facts)
+            self.spec = exchange_spec(vllm_config, afd_config, info)
+            self._inner = AFDConnector(rank, local_rank, cfg, role_rank, **dataclasses.asdict(self.spec))
             self.attn_size = cfg.num_attention_ranks
             self.ffn_size = cfg.num_ffn_ranks
-            pc = getattr(vllm_config, "parallel_config", None)
-            self._dp_size = int(getattr(pc, "data_parallel_size", 1) or 1)
             self.control_plane = _PluginControlPlane(self)
             self._capture = contextlib.ExitStack()
             self._capturing = False
@@ -476,19 +396,7 @@ if HAVE_AFD_PLUGIN:
             last, self._last = self._last, None
             if just_applied and last is not None and last[0] is payload:
                 return last[1]
-            p = _payload(payload)
-            if self._inner.role == "attention":
-                self._check_vector_lengths(p)
-            return p
-
-        def _check_vector_lengths(self, p: AFDControlPayload) -> None:
-            ok = {self._dp_size, self.attn_size}
-            for stage, md in p.dp_metadata_list.items():
-                n = len(md.counts)
-                if n not in ok:
-                    raise AFDConfigError(
-                        f"DP metadata of stage {stage} has {n} counts; this attention rank's vLLM DP size is "
-                        f"{self._dp_size} (num_attention_ranks {self.attn_size}): expected one count per DP rank")
+            return AFDControlPayload.from_fields(payload)
 
         def apply_payload(self, payload: Any) -> None:
             """``control_plane.update_state_from_dp_metadata``: validate, build the step, take its buffers.
@@ -500,9 +408,9 @@ if HAVE_AFD_PLUGIN:
             ``recv_dp_metadata_list``).
 
             Raises:
-                AFDConfigError: (attention) a count vector whose length is neither
-                    the DP size nor ``num_attention_ranks``; nothing moved.
-                ValueError / AFDStateError: see afd_ext's ``update_state_from_dp_metadata``.
+                ValueError / AFDStateError: see afd_ext's ``update_state_from_dp_metadata``
+                    (an attention rank refuses a count vector that is neither per DP
+                    rank nor per attention rank; nothing moved).
             """
             p = self._convert(payload)
             if not p.is_graph_capturing:
@@ -589,7 +497,7 @@ if HAVE_AFD_PLUGIN:
                                                 recv_input_ids=bool(kwargs.get("recv_input_ids", False)))
 
         def _check_routing_spec(self, spec: Any) -> None:
-            width, dtype = self.facts["router_logits_width"], self.facts["router_logits_dtype"]
+            width, dtype = self.spec.router_logits_width, self.spec.router_logits_dtype
             got = (int(spec.router_logits_width), spec.router_logits_dtype)
             if width is None:
                 raise AFDConfigError(
