@@ -17,7 +17,8 @@ import torch
 
 from .errors import AFDConfigError
 
-__all__ = ["ExchangeSpec", "SPEC_KWARGS", "moe_layer_indices", "DTYPE_CODES", "WIRE_DTYPES", "HIDDEN_DTYPES", "TOKEN_IDS_DTYPE", "dtype_code", "dtype_name",
+__all__ = ["ExchangeSpec", "SPEC_KWARGS", "moe_layer_indices",
+           "DTYPE_CODES", "WIRE_DTYPES", "HIDDEN_DTYPES", "TOKEN_IDS_DTYPE", "dtype_code", "dtype_name",
            "dtype_from_code", "as_dtype"]
 
 #: Stable wire codes of every dtype that may travel (headers, handshakes). Never renumber.
@@ -186,8 +187,9 @@ class ExchangeSpec:
                 from .metadata import AFDExpertRoutingSpec
 
                 spec = AFDExpertRoutingSpec(*spec)
-            if kw.get("router_logits_width") is not None and kw["router_logits_width"] != spec.router_logits_width:
-                raise AFDConfigError(f"router_logits_width={kw['router_logits_width']} disagrees with routing_spec {spec}")
+            given = kw.get("router_logits_width")
+            if given is not None and given != spec.router_logits_width:
+                raise AFDConfigError(f"router_logits_width={given} disagrees with routing_spec {spec}")
             width = spec.router_logits_width
             ldtype = kw.get("router_logits_dtype") or spec.router_logits_dtype
         if compute_gate_on_attention and width is None:
