@@ -426,26 +426,50 @@ class AFDConfig:
         )
 
 
-def has_afd_config(additional_config: Mapping[str, Any] | None) -> bool:
-    """True when ``additional_config`` has an ``"afd"`` section (AFD enabled)."""
-    return isinstance(additional_config, Mapping) and "afd" in additional_config
+def _additional_config(source: Any) -> Mapping[str, Any] | None:
+    """``source`` itself when it is a mapping, else its ``additional_config`` (a vLLM ``VllmConfig``)."""
+    if source is None or isinstance(source, Mapping):
+        return source
+    if not hasattr(source, "additional_config"):
+        raise TypeError(
+            f"expected vLLM's additional_config mapping or a VllmConfig-like object with an "
+            f"additional_config attribute, got {type(source).__name__}"
+        )
+    extra = source.additional_config
+    if extra is not None and not isinstance(extra, Mapping):
+        raise TypeError(f"additional_config must be a mapping, got {type(extra).__name__}")
+    return extra
 
 
-def parse_afd_config(additional_config: Mapping[str, Any], *, expected_role: str | None = None) -> AFDConfig:
+def has_afd_config(source: Any) -> bool:
+    """True when ``source`` (``additional_config`` or a ``VllmConfig``) has an ``"afd"`` section."""
+    extra = _additional_config(source)
+    return isinstance(extra, Mapping) and "afd" in extra
+
+
+def parse_afd_config(source: Any, *, expected_role: str | None = None) -> AFDConfig:
     """Parse ``additional_config["afd"]``.
+
+    Args:
+        source: vLLM's ``additional_config`` mapping, or a ``VllmConfig``-like
+            object whose ``additional_config`` holds it (what the reference's
+            runners pass).
 
     Raises:
         ValueError: no ``"afd"`` section, plus everything :meth:`AFDConfig.from_dict` raises.
+        TypeError: ``source`` is neither a mapping nor has ``additional_config``.
     """
-    if not has_afd_config(additional_config):
-        raise ValueError('AFD is not configured: additional_config has no "afd" section')
-    return AFDConfig.from_dict(additional_config["afd"], expected_role=expected_role)
+    extra = _additional_config(source)
+    if not (isinstance(extra, Mapping) and "afd" in extra):
+        raise ValueError(
+            'AFD is not configured: additional_config has no "afd" section '
+            "(pass --additional-config '{\"afd\": {...}}' to vLLM)"
+        )
+    return AFDConfig.from_dict(extra["afd"], expected_role=expected_role)
 
 
-def parse_optional_afd_config(
-    additional_config: Mapping[str, Any] | None, *, expected_role: str | None = None
-) -> AFDConfig | None:
+def parse_optional_afd_config(source: Any, *, expected_role: str | None = None) -> AFDConfig | None:
     """Like :func:`parse_afd_config`, but ``None`` when there is no ``"afd"`` section."""
-    if not has_afd_config(additional_config):
+    if not has_afd_config(source):
         return None
-    return parse_afd_config(additional_config, expected_role=expected_role)
+    return parse_afd_config(source, expected_role=expected_role)

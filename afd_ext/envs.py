@@ -134,3 +134,9 @@ register("AFD_CONTROL_IDLE_S", 10.0,
          "(native code, GIL released: one core per FFN rank while serving) before it blocks and "
          "wakes ~100 us slower; 0 always blocks (machines with fewer cores than ranks)",
          _non_negative_float)
+
+# --- vLLM + afd-plugin integration (afd_ext.integrations.afd_plugin) ---------------------
+register("AFD_EXT_REPLACE_P2P", False,
+         "afd-plugin integration: 1 registers afd_ext under the reference's connector name "
+         "'P2pNcclAFDConnector' (replacing the reference's NCCL connector) when vLLM loads its plugins, "
+         "so the reference's runners build afd_ext; set it in every attention and FFN process", parse_bool)

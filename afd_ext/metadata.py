@@ -484,6 +484,27 @@ class AFDControlPayload:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
+    @classmethod
+    def from_fields(cls, obj: Any) -> "AFDControlPayload":
+        """Build from any object with the payload's fields (e.g. the reference plugin's own class).
+
+        Reads ``dp_metadata_list`` (values with ``num_tokens_across_dp_cpu``,
+        or count lists), ``is_graph_capturing`` and ``is_warmup``; the newer
+        ``is_graph_replaying`` and ``is_profile`` default to False when absent.
+
+        Raises:
+            ValueError: a field is missing or invalid (named).
+        """
+        if isinstance(obj, cls):
+            return obj
+        if not hasattr(obj, "dp_metadata_list"):
+            raise ValueError(f"expected an AFD control payload (with dp_metadata_list), got {type(obj).__name__}")
+        flags = {}
+        for name in _FLAG_NAMES:
+            value = getattr(obj, name, False)
+            flags[name] = bool(value) if isinstance(value, (bool, int)) else value
+        return cls(dict(obj.dp_metadata_list), **flags)
+
     def stage_counts(self) -> dict[int, tuple[int, ...]]:
         """Return ``{stage: per-DP-rank counts}`` in sorted stage order."""
         return {s: self.dp_metadata_list[s].counts for s in sorted(self.dp_metadata_list)}

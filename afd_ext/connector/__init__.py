@@ -113,7 +113,8 @@ class AFDConnector:
         self.role = config.role
         self.role_rank = role_rank
         self.extra = config.extra_config()
-        self.spec = ExchangeSpec.from_kwargs(kwargs)
+        self.spec = ExchangeSpec.from_kwargs(kwargs, role=config.role,
+                                             compute_gate_on_attention=config.compute_gate_on_attention)
         self.topology = Topology(config.num_attention_ranks, config.num_ffn_ranks, self.spec.tp_size)
         self.topology.check_role_rank(self.role, role_rank)
         self.attn_size = config.num_attention_ranks

@@ -42,7 +42,8 @@ class _ConnectorControlPlane(AFDControlPlane):
             ConnectorStateError: not initialised, aborted, or the previous step is
                 incomplete mid-way (the step is then aborted on every rank).
         """
-        self._connector._apply_payload(payload)
+        # Any object with the payload's fields (the reference plugin's own class included).
+        self._connector._apply_payload(AFDControlPayload.from_fields(payload))
 
     def send_dp_metadata_list(self, payload: AFDControlPayload) -> None:
         """Send ``payload`` to this attention rank's control destinations (no-op on non-senders).
@@ -51,7 +52,8 @@ class _ConnectorControlPlane(AFDControlPlane):
             ConnectorStateError: not initialised.
             PeerDeadError: a destination FFN rank is gone.
         """
-        self._connector._channels("send_dp_metadata_list").send_dp_metadata_list(payload)
+        channels = self._connector._channels("send_dp_metadata_list")
+        channels.send_dp_metadata_list(AFDControlPayload.from_fields(payload))
 
     def recv_dp_metadata_list(self) -> AFDControlPayload:
         """FFN side: block until the next step's payload arrives (an idle live peer is waited for).
