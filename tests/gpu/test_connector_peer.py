@@ -130,3 +130,28 @@ def test_peer_loss_is_the_named_error_within_the_deadline(mode):
     if mode == "stall":
         assert "error" in out[victim], out[victim]
     assert out["exitcodes"][0] == 0 and out["exitcodes"][1] == 0
+
+
+@pytest.mark.parametrize("attn,steps", [((1, 1, 1), ({0: [8]},)), ((2, 1, 1), ({0: [8, 5]},))],
+                         ids=["1A1F", "2A1F"])
+def test_reference_runner_ffn_graph_over_peer_memory_200_replays_bit_exact(attn, steps):
+    """The reference runner's graph protocol over the peer transport, every step through the plane.
+
+    The FFN worker captures its whole forward (every recv/compute/send of 3
+    layers: ``peer_wait`` views, compute, ``peer_put``) once and replays it 200
+    times with no connector call; the attention side sends fresh inputs every
+    step and checks every reply bit-exactly against the FFN computed eagerly.
+    Then an eager step with larger counts, then 5 more replays. The NCCL
+    fallback is off, so a step that did not go through peer memory fails.
+    """
+    import plugin_runners as pr
+
+    sc = pr.PluginScenario(attn=attn, layers=3, hidden=256, steps=steps, transport="peer",
+                           extra=(("wire_format", "per_tensor"), ("peer_fallback", False)))
+    res = run_workers(pr.ffn_graph_worker, sc.nprocs, (sc, find_free_port(), 200, pr.finish_barrier(sc.nprocs)),
+                      timeout_s=200, per_rank_env=place_processes(sc.A, sc.F).env())
+    atts = [r for r in res if r["role"] == "attention"]
+    assert len(atts) == sc.A
+    for att in atts:
+        # warm-up + 200 replays + the larger eager step + 5 replays, 3 layers each
+        assert att["checked"] == (1 + 200 + 1 + 5) * sc.layers
