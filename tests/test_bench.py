@@ -363,7 +363,7 @@ def test_gpu_check_1a1f(tmp_path):
     bad = [c for c in doc["checks"] if not c["ok"]]
     assert rc == 0 and not bad, bad
     seen = {(c["variant"], c["mode"]) for c in doc["checks"]}
-    for v in ("ours_per_tensor", "ours_packed", "reference", "raw", "bare"):
+    for v in ("ours_per_tensor", "ours_packed", "reference", "raw", "bare", "peer"):
         assert (v, "eager") in seen and (v, "graph") in seen, v
     assert ("torch_dist", "eager") in seen
 

@@ -713,28 +713,6 @@ def test_round_trip_time_in_graphs_on_one_gpu(tokens):
         w.close()
 
 
-# ------------------------------------------------------------------ the benchmark's peer variant, checked
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("A", [2])  # fan-in; 1A1F is a subset
-def test_bench_peer_variant_is_bit_exact(tmp_path, A):
-    """``afd-ext bench --check`` with the peer variant beside the NCCL path: every byte checked, eager and graph."""
-    import json
-
-    from afd_ext.bench import main
-
-    rc = main(["--check", "--attention-ranks", str(A), "--tokens", "1,127", "--variants", "peer,ours_per_tensor",
-               "--out", str(tmp_path / "c"), "--timeout", "280"])
-    doc = json.loads((tmp_path / "c" / "bench.json").read_text())
-    bad = [c for c in doc["checks"] if not c["ok"]]
-    assert rc == 0 and not bad, bad
-    seen = {(c["variant"], c["mode"], c["direction"]) for c in doc["checks"]}
-    for mode in ("eager", "graph"):
-        for d in ("round_trip", "a2f", "f2a"):
-            assert ("peer", mode, d) in seen, (mode, d)
-
-
 # ------------------------------------------------------------------ the demo over peer memory, CUDA graphs on both roles
 
 
