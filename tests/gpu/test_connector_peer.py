@@ -7,6 +7,11 @@ time-sliced: correctness only). The peer transport also builds its NCCL
 fallback (steps beyond its capacity, strict-mode headers), which on one GPU
 needs the per-process ``NCCL_HOSTID`` the placement sets.
 
+Connector-level CUDA graphs over peer memory: the reference runner's graph
+protocol (``tests/plugin_runners.py``: the FFN forward captured once, 200
+replays with fresh inputs bit-exact, an eager step with larger counts between
+replays) at 1A1F and 2A1F with the NCCL fallback off.
+
 Run: ``pytest -m gpu tests/gpu/test_connector_peer.py -v``.
 """
 
