@@ -115,3 +115,36 @@ def test_build_key_names_the_torch_build_and_the_build_settings(monkeypatch):
     assert mod.build_key() != key  # a different arch list is a different build
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
     assert mod.build_key() == key  # and the same settings give the same key (no rebuild)
+
+
+@pytest.mark.parametrize("cuda_built,gpus", [(True, 0), (True, 2), (False, 0), (False, 1)])
+def test_info_says_what_was_built_and_what_is_visible(monkeypatch, capsys, cuda_built, gpus):
+    """`afd-ext info` on a CUDA build without a GPU must not read as "CUDA works here"."""
+    import json
+
+    import torch
+
+    from afd_ext import cli, ops
+
+    monkeypatch.setattr(ops, "is_cuda_built", lambda: cuda_built)
+    monkeypatch.setattr(ops._ops, "nccl_version", lambda: 22809 if cuda_built else 0)
+    monkeypatch.setattr(ops._C, "NCCL_VERSION_CODE", 22809 if cuda_built else 0, raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: f"GPU-{i}")
+    assert cli.main(["info"]) == 0
+    import re
+
+    lines = dict(re.fullmatch(r"(\S+(?: \S+)?)\s{2,}(.*)", ln).groups() for ln in capsys.readouterr().out.splitlines())
+    assert lines["built with"].startswith("CUDA kernels and NCCL ops" if cuda_built else "CPU only")
+    if cuda_built:
+        assert "NCCL 2.28.9 compiled, 2.28.9 loaded" in lines["built with"]
+    assert lines["GPUs visible"].split()[0] == str(gpus)
+    can = lines["can run"]
+    assert ("nccl" in can.split()[0]) is (cuda_built and gpus > 0), can
+    if cuda_built and not gpus:
+        assert "no GPU is visible" in can
+    assert cli.main(["info", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["cuda_built"] is cuda_built and info["gpus_visible"] == gpus
+    assert info["transports"] == (["nccl", "gloo"] if cuda_built and gpus else ["gloo"])
+    assert info["gpu_names"] == [f"GPU-{i}" for i in range(gpus)]
