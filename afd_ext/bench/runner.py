@@ -601,13 +601,15 @@ def bench_worker(rank: int, nprocs: int, cfg: RunConfig) -> dict:
     bar = None
     show = cfg.progress and env.role == ATTENTION and env.role_rank == 0
     try:
-        if show and not cfg.check:
-            from tqdm import tqdm
-
+        if show:
             import sys
 
-            bar = tqdm(total=_count_items(env, cfg), desc="afd-ext bench", unit="block",
-                       mininterval=1.0 if sys.stderr.isatty() else 15.0)
+            from tqdm import tqdm
+
+            # The one progress display of a run: timed blocks of a sweep, cases of a check.
+            total, unit = (len(cfg.cases), "case") if cfg.check else (_count_items(env, cfg), "block")
+            bar = tqdm(total=total, desc=f"afd-ext bench {'check' if cfg.check else 'sweep'} over {cfg.backend}",
+                       unit=unit, mininterval=1.0 if sys.stderr.isatty() else 15.0)
         for ci, case in enumerate(cfg.cases):
             t_case = time.monotonic()
             ck = case.key()
@@ -622,8 +624,8 @@ def bench_worker(rank: int, nprocs: int, cfg: RunConfig) -> dict:
                 checks = _check_case(env, case, ctx, variants)
                 info["checks"] += checks
                 recs: list[dict] = []
-                if show:
-                    logger.info("checked %s (%d/%d)", ck, ci + 1, len(cfg.cases))
+                if bar is not None:
+                    bar.update(1)
             else:
                 checks = []
                 recs = _time_case(env, case, ctx, variants, bar)
