@@ -12,7 +12,8 @@ with everything a MoE model with the gate on the attention side sends:
   exchanges stage 0 then stage 1; both sends are in flight before the first
   reply is collected;
 * **zero-token ranks**: an attention rank with no tokens in a stage still
-  makes its calls, with ``[0, H]`` tensors, and sends nothing.
+  makes its calls, with ``[0, H]`` tensors, and sends nothing; a stage in
+  which no rank has tokens is still an exchange on every rank.
 
 The FFN rank receives every peer's rows, logits and ids concatenated
 (``recv_attn_output``), and its reply uses all three, so each attention rank
@@ -35,6 +36,7 @@ STEPS = [
     {0: [3, 5], 1: [2, 0]},
     {0: [0, 4], 1: [6, 1]},
     {0: [1, 1], 1: [0, 3]},
+    {0: [2, 3], 1: [0, 0]},  # a stage without tokens is still an exchange, with empty tensors
 ]
 
 

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("script,says", [
     ("quickstart.py", "every attention rank got back exactly its rows"),
     # 2 stages, router logits + token ids, zero-token ranks: the replies depend on all three.
-    ("two_stages.py", "2 stages, router logits [n, 4] + token ids, 3 steps with zero-token ranks; "
+    ("two_stages.py", "2 stages, router logits [n, 4] + token ids, 4 steps with zero-token ranks; "
                       "every attention rank got back exactly its rows"),
 ])
 def test_example_runs_and_checks_its_replies(script, says):
