@@ -292,6 +292,13 @@ def test_quick_gloo_emits_valid_json(tmp_path, capfd):
     assert cp["ours"] and (cp["ours"].get("median", 0) > 0 or "error" in cp["ours"])
     ffn = [r for r in doc["records"] if r["role"] == "ffn"]
     assert ffn, "the FFN rank's own loop times are recorded too"
+    # The progress bar's total is exactly the timed blocks run (one record each here: 1 round), so it ends at 100 %.
+    from afd_ext.bench import _config, build_parser
+    from afd_ext.bench.runner import _applicable, _case_blocks
+
+    cfg = _config(build_parser().parse_args(["--quick", "--backend", "gloo"]))
+    assert cfg.reps.rounds == 1
+    assert sum(_case_blocks(cfg, _applicable(cfg, c), False) for c in cfg.cases) == len(recs)
 
 
 def _check_cfg(port: int, A: int = 1, F: int = 1, cases=None) -> RunConfig:
