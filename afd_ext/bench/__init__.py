@@ -510,7 +510,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     what = "check" if cfg.check else "sweep"
     if cfg.backend == "gloo":
         why = "--backend gloo" if args.backend == "gloo" else "no usable GPU here"
-        timed = f"gloo on CPU tensors ({why}" + (")" if cfg.check else "; timings check the harness, not the GPU data path)")
+        timed = f"gloo on CPU tensors ({why}" + (
+            ")" if cfg.check else "; timings check the harness, not the GPU data path)")
     else:
         timed = "NCCL on CUDA tensors"
     logger.info("afd-ext bench %s over %s: %s, %d cases, variants %s, modes %s", what, timed,

@@ -59,7 +59,7 @@ LABELS = {
 #: How labels and notes name the transport a backend times.
 TRANSPORTS = {"nccl": "NCCL", "gloo": "gloo"}
 
-#: What a CPU (gloo) run can and cannot show; heads its bench.md and ends its console output.
+#: What a CPU (gloo) run can and cannot show; heads its bench.md (the console output ends with a reminder).
 CPU_RUN_NOTE = (
     "**CPU run over gloo: a check of the harness, not a measurement of this package's data path.** "
     "It shows that every variant runs end to end (`--check` verifies their bytes) and what the host-side "
