@@ -29,7 +29,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "demo": ("afd_ext.demo", "main", "serve a transformers MoE model AFD-style and check it against the whole model"),
     "bench": ("afd_ext.bench", "main", "run the transport benchmarks"),
     "launch": ("afd_ext.launch", "main", "start attention and FFN processes"),
-    "info": ("afd_ext.cli", "_info", "print what was built (CUDA/NCCL or CPU only), the GPUs visible here, and the transports that can run"),
+    "info": ("afd_ext.cli", "_info",
+             "print what was built (CUDA/NCCL or CPU only), the GPUs visible here, and the transports that can run"),
 }
 
 

@@ -545,7 +545,8 @@ def render_plot(doc: dict, path: str) -> str | None:
                     lo.append(r["stats_us"]["p10"])
                     hi.append(r["stats_us"]["p90"])
             if xs:
-                ax1.plot(xs, ys, style, marker="o", ms=3, color=colors[v], label=f"{variant_label(v, backend)}, {mode}")
+                ax1.plot(xs, ys, style, marker="o", ms=3, color=colors[v],
+                         label=f"{variant_label(v, backend)}, {mode}")
                 ax1.fill_between(xs, lo, hi, color=colors[v], alpha=0.12)
             xs, ys = [], []
             for t in toks:
