@@ -16,11 +16,8 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 
-class AFDError(RuntimeError):
+class AFDError(Exception):
     """Root of every error ``afd_ext`` raises on purpose.
-
-    A ``RuntimeError`` so that code written against the older classes (all of
-    which were) still catches them.
 
     Attributes (``None`` where not known):
         op: the operation that failed (a connector call, a transport step).

@@ -1,32 +1,22 @@
 """The smallest complete AFD exchange: 2 attention ranks, 1 FFN rank, CPU tensors over gloo.
 
-Run it with ``python examples/quickstart.py`` (it starts the three processes
-itself), or let the launcher start them, as a real job would::
-
-    afd-ext launch -A 2 -F 1 -- python examples/quickstart.py
-
-Each process builds the connector from the reference-compatible config; the
-attention ranks run a two-layer "model" whose MLP is remote; the FFN rank
-serves it. Every attention rank checks that it got back exactly its own rows
-transformed. With CUDA tensors and ``"transport": "nccl"`` the same code runs
-over NCCL.
+Run it with ``python examples/quickstart.py``. Each process builds the
+connector from the reference-compatible config; the attention ranks run a
+two-layer "model" whose MLP is remote; the FFN rank serves it. Every attention
+rank checks that it got back exactly its own rows transformed. With CUDA
+tensors and ``"transport": "nccl"`` the same code runs over NCCL.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
 from afd_ext.config import AFDConfig
 from afd_ext.factory import create_connector
-from afd_ext.launch import config_from_env
 from afd_ext.metadata import AFDControlPayload, AFDTransferContext, AFDTransferMetadata
 from afd_ext.testing import find_free_port, run_workers
-from afd_ext.topology import Topology
 
 A, F, HIDDEN, LAYERS = 2, 1, 16, 2
-EXTRA = {"transport": "gloo", "step_timeout_s": 30}  # CPU tensors
 STEPS = [[3, 5], [0, 4], [2, 0]]  # per-step token counts of attention ranks 0 and 1 (zero is fine)
 
 
@@ -34,9 +24,14 @@ def ffn(layer: int, h: torch.Tensor) -> torch.Tensor:
     return h * (layer + 2) + 1.0
 
 
-def run_rank(role: str, role_rank: int, cfg: AFDConfig) -> int:
-    """One process of the job: attention rank or FFN rank ``role_rank``. Returns the steps done."""
-    rank = Topology(A, F).world_rank(role, role_rank)  # AFD world order: FFN ranks first
+def worker(rank: int, nprocs: int, port: int) -> int:
+    role = "ffn" if rank < F else "attention"  # AFD world order: FFN ranks first
+    role_rank = rank if role == "ffn" else rank - F
+    cfg = AFDConfig.from_dict({
+        "role": role, "host": "127.0.0.1", "port": port,
+        "num_attention_ranks": A, "num_ffn_ranks": F,
+        "connector_extra_config": {"transport": "gloo", "step_timeout_s": 30},
+    })
     conn = create_connector(rank, 0, cfg, role_rank=role_rank, hidden_size=HIDDEN, num_layers=LAYERS,
                             dtype=torch.float32, device=torch.device("cpu"))
     conn.init_afd_connector()  # collective: store on FFN rank 0, handshake, warm-up
@@ -67,23 +62,6 @@ def run_rank(role: str, role_rank: int, cfg: AFDConfig) -> int:
         conn.close()
 
 
-def worker(rank: int, nprocs: int, port: int) -> int:
-    """``run_workers`` entry: world rank ``rank`` of ``nprocs`` processes on this machine."""
-    role, role_rank = Topology(A, F).role_of(rank)
-    cfg = AFDConfig.from_dict({"role": role, "host": "127.0.0.1", "port": port, "num_attention_ranks": A,
-                               "num_ffn_ranks": F, "connector_extra_config": EXTRA})
-    return run_rank(role, role_rank, cfg)
-
-
 if __name__ == "__main__":
-    if "AFD_ROLE" in os.environ:  # started by `afd-ext launch`: this process is one rank
-        role, role_rank, cfg = config_from_env(connector_extra_config=EXTRA)
-        if (cfg.num_attention_ranks, cfg.num_ffn_ranks) != (A, F):
-            raise SystemExit(f"quickstart: run it with `afd-ext launch -A {A} -F {F}` (its token counts are for "
-                             f"{A} attention ranks), not -A {cfg.num_attention_ranks} -F {cfg.num_ffn_ranks}")
-        done = run_rank(role, role_rank, cfg)
-        print(f"quickstart: {role} rank {role_rank} done, {done} steps" + (
-            ", got back exactly its rows" if role == "attention" else ""))
-    else:
-        done = run_workers(worker, A + F, (find_free_port(),), timeout_s=120)
-        print(f"quickstart: {A}A{F}F, {done[0]} steps, every attention rank got back exactly its rows")
+    done = run_workers(worker, A + F, (find_free_port(),), timeout_s=120)
+    print(f"quickstart: {A}A{F}F, {done[0]} steps, every attention rank got back exactly its rows")
