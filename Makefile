@@ -54,7 +54,7 @@ $(BUILD_KEY): $(TOOLS_STAMP) FORCE
 # The package in place without build isolation, so the torch above is the one
 # compiled against. Forced when no compiled core is present (e.g. after `make clean`).
 $(BUILT_STAMP): $(BUILD_KEY) $(BUILD_INPUTS) $(if $(wildcard afd_ext/_C*.so),,FORCE)
-	$(PIP) install --no-build-isolation -e ".[test]"
+	$(PIP) install --no-build-isolation -e ".[test,demo,bench]"
 	$(PY) -c "import json, afd_ext.ops as o; print('afd_ext build:', json.dumps(o.build_info()))"
 	touch $@
 

@@ -16,8 +16,11 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 
-class AFDError(Exception):
+class AFDError(RuntimeError):
     """Root of every error ``afd_ext`` raises on purpose.
+
+    A ``RuntimeError`` so that code written against the older classes (all of
+    which were) still catches them.
 
     Attributes (``None`` where not known):
         op: the operation that failed (a connector call, a transport step).
@@ -152,6 +155,10 @@ class ControlChannelClosed(AFDClosedError):
 
 class ControlRecvTimeout(AFDTimeoutError):
     """A control-channel ``recv`` passed its ``timeout_s`` while the peer was alive (idle)."""
+
+
+class ControlProtocolError(AFDProtocolError, ValueError):
+    """A control message broke the wire format (malformed payload, corrupt ring slot, wrong sender)."""
 
 
 class GraphKeyMismatchError(AFDGraphError):

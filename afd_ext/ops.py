@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from . import _C  # noqa: F401  (loads the library: registers torch.ops.afd_ext.*)
+from . import spec as _spec
 
 __all__ = [
     "WIRE_ALIGN",
@@ -52,7 +53,6 @@ __all__ = [
     "recv",
     "fan_in",
     "split_back",
-    "exchange",
     "pack_rows",
     "unpack_rows",
 ]
@@ -64,17 +64,8 @@ _NCCL_RUNTIME_VERSION = int(_ops.nccl_version())
 WIRE_ALIGN = 16
 #: Bytes of an ``ncclUniqueId``.
 NCCL_UNIQUE_ID_BYTES = 128
-#: Dtypes the ops move (NCCL moves them as bytes; fp8 included).
-WIRE_DTYPES = (
-    torch.bfloat16,
-    torch.float16,
-    torch.float32,
-    torch.float8_e4m3fn,
-    torch.float8_e5m2,
-    torch.int32,
-    torch.int64,
-    torch.uint8,
-)
+#: Dtypes the ops move (NCCL moves them as bytes; fp8 included): the one table, in spec.py.
+WIRE_DTYPES = _spec.WIRE_DTYPES
 
 
 def is_cuda_built() -> bool:
@@ -239,8 +230,8 @@ def comm_create(unique_id: Tensor, world_size: int, rank: int, device: int | tor
     rank in one group, the same on both ranks. NCCL connects point-to-point
     channels lazily and, for two ranks, assumes the peer's first group opened
     the mirror-image directions (NVIDIA/nccl PR #2407); without this, a first
-    ``exchange`` on one side against a ``fan_in`` on the other crashed the
-    receiver. Any later grouping is then safe. The connect is bounded
+    grouped send and receive on one side against a ``fan_in`` on the other
+    crashed the receiver. Any later grouping is then safe. The connect is bounded
     (120 s, then the communicator is aborted and ``RuntimeError`` raised).
 
     Args:
@@ -445,56 +436,6 @@ def _split_back_fake(hidden_states, router_logits, token_ids, comms, peers, rows
     )
 
 
-def exchange(
-    hidden_states: Tensor,
-    router_logits: Optional[Tensor],
-    token_ids: Optional[Tensor],
-    reply: Tensor,
-    send_comms: Sequence[int],
-    recv_comms: Sequence[int],
-    peers: Sequence[int],
-    rows: Sequence[int],
-) -> None:
-    """Attention side's half of a layer exchange.
-
-    Sends ``rows[i]`` consecutive rows of each wire tensor to ``peers[i]`` on
-    ``send_comms[i]`` (as :func:`split_back`) and receives the same rows of
-    ``reply`` from ``peers[i]`` on ``recv_comms[i]`` (as :func:`fan_in`).
-    ``peers[i]`` is the FFN rank's rank in both communicators (they may be
-    the same communicator). Usable inside a CUDA graph.
-
-    The sends are one NCCL group and the reply receive a second one on the
-    same stream (two launches, one op call): inside one group NCCL pairs the
-    k-th send and receive of a peer, so a reply receive grouped with several
-    sends waited beside the first send while the FFN rank still waited for the
-    later ones (a hang seen on 2x H200 with NCCL 2.28.9).
-
-    Args:
-        hidden_states: ``[sum(rows), hidden]`` to send.
-        router_logits: optional ``[sum(rows), num_experts]`` to send.
-        token_ids: optional ``[sum(rows)]`` int32 to send.
-        reply: ``[sum(rows), hidden]`` output (mutated), the FFN output.
-        send_comms, recv_comms, peers, rows: one entry per FFN peer.
-
-    Raises:
-        RuntimeError: as :func:`fan_in`.
-    """
-    _ops.exchange(
-        hidden_states, router_logits, token_ids, reply,
-        _ints(send_comms), _ints(recv_comms), _ints(peers), _ints(rows),
-    )
-
-
-@torch.library.register_fake("afd_ext::exchange")
-def _exchange_fake(hidden_states, router_logits, token_ids, reply, send_comms, recv_comms, peers, rows) -> None:
-    _fake_check_rows(
-        "exchange",
-        [("hidden_states", hidden_states), ("router_logits", router_logits), ("token_ids", token_ids),
-         ("reply", reply)],
-        {"send_comms": send_comms, "recv_comms": recv_comms, "peers": peers, "rows": rows},
-    )
-
-
 # ---------------------------------------------------------------------------
 # Packed wire rows
 # ---------------------------------------------------------------------------
@@ -600,7 +541,7 @@ def _unpack_rows_fake(wire, hidden_states, router_logits, token_ids) -> None:
 # registered when Inductor itself is imported (an import hook), not here.
 # ---------------------------------------------------------------------------
 
-_COMM_OPS = ("send", "recv", "fan_in", "split_back", "exchange")
+_COMM_OPS = ("send", "recv", "fan_in", "split_back")
 _ordering_registered = False
 
 # A comm op on a temporary that nothing reads afterwards (``send(h * 3, ...)``)

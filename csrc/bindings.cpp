@@ -43,10 +43,6 @@ TORCH_LIBRARY(afd_ext, m) {
   m.def(
       "split_back(Tensor(a!) hidden_states, Tensor(b!)? router_logits, Tensor(c!)? token_ids, "
       "int[] comms, int[] peers, int[] rows) -> ()");
-  // One NCCL group: split_back of the wire tensors on send_comms and fan_in of `reply` on recv_comms.
-  m.def(
-      "exchange(Tensor(a!) hidden_states, Tensor(b!)? router_logits, Tensor(c!)? token_ids, "
-      "Tensor(d!) reply, int[] send_comms, int[] recv_comms, int[] peers, int[] rows) -> ()");
   // Packs each token's hidden states, router logits and token id into one uint8 wire row (16-byte aligned parts).
   m.def(
       "pack_rows(Tensor hidden_states, Tensor? router_logits, Tensor? token_ids, Tensor(a!) wire) -> ()");
@@ -67,11 +63,23 @@ TORCH_LIBRARY_IMPL(afd_ext, CompositeExplicitAutograd, m) {
   m.impl("comm_async_error", &afd::comm_async_error);
 }
 
+// The control plane's shared-memory send and receive (csrc/cpu/control_poll.cpp):
+// plain module functions, far cheaper per call than a torch op or ctypes.
+PyObject* afd_ctrl_take_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
+PyObject* afd_ctrl_send_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
+
+static PyMethodDef afd_methods[] = {
+    {"ctrl_take", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(afd_ctrl_take_py)),
+     METH_FASTCALL, "Control plane: take the next shared-memory message (see afd_ext/control/shm.py)."},
+    {"ctrl_send", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(afd_ctrl_send_py)),
+     METH_FASTCALL, "Control plane: encode and publish a payload in shared memory (see afd_ext/control/shm.py)."},
+    {nullptr, nullptr, 0, nullptr}};
+
 // `import afd_ext._C` loads the library (running the registrations above) and
 // exposes the build facts that no op can report.
 static struct PyModuleDef afd_module = {
     PyModuleDef_HEAD_INIT, "_C",
-    "afd_ext compiled core: registers the torch.ops.afd_ext.* operators.", -1, nullptr,
+    "afd_ext compiled core: registers the torch.ops.afd_ext.* operators.", -1, afd_methods,
     nullptr, nullptr, nullptr, nullptr};
 
 PyMODINIT_FUNC PyInit__C(void) {

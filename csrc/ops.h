@@ -33,10 +33,6 @@ void fan_in_cuda(const at::Tensor& hidden_states, const OptTensor& router_logits
 void split_back_cuda(const at::Tensor& hidden_states, const OptTensor& router_logits,
                      const OptTensor& token_ids, c10::IntArrayRef comms,
                      c10::IntArrayRef peers, c10::IntArrayRef rows);
-void exchange_cuda(const at::Tensor& hidden_states, const OptTensor& router_logits,
-                   const OptTensor& token_ids, const at::Tensor& reply,
-                   c10::IntArrayRef send_comms, c10::IntArrayRef recv_comms,
-                   c10::IntArrayRef peers, c10::IntArrayRef rows);
 
 // --- pack / unpack (cpu/pack_cpu.cpp, cuda/pack_cuda.cpp) ---
 void pack_rows_cpu(const at::Tensor& hidden_states, const OptTensor& router_logits,

@@ -656,10 +656,11 @@ def strict_mismatch_worker(rank: int, nprocs: int, port: int) -> dict:
     from afd_ext import rendezvous as rdzv
     from afd_ext.transport.base import AFDProtocolError, AFDTransportError, MessageTag, PeerMap
     from afd_ext.transport.gloo import GlooTransport
+    from afd_ext.transport.strict import StrictTransport
 
     store = rdzv.connect("127.0.0.1", port, rank, 2, timeout_s=30, num_ffn_ranks=1)
     role = "ffn" if rank == 0 else "attention"
-    tr = GlooTransport(store.store, PeerMap(role, 0, 1, 1), strict=True, timeout_s=10, init_timeout_s=30)
+    tr = StrictTransport(GlooTransport(store.store, PeerMap(role, 0, 1, 1), timeout_s=10, init_timeout_s=30))
     try:
         h = torch.arange(12, dtype=torch.float32).reshape(3, 4)
         if role == "attention":

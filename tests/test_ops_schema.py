@@ -26,10 +26,6 @@ SCHEMAS = {
         "afd_ext::split_back(Tensor(a!) hidden_states, Tensor(b!)? router_logits, Tensor(c!)? token_ids, "
         "int[] comms, int[] peers, int[] rows) -> ()"
     ),
-    "exchange": (
-        "afd_ext::exchange(Tensor(a!) hidden_states, Tensor(b!)? router_logits, Tensor(c!)? token_ids, "
-        "Tensor(d!) reply, int[] send_comms, int[] recv_comms, int[] peers, int[] rows) -> ()"
-    ),
     "pack_rows": (
         "afd_ext::pack_rows(Tensor hidden_states, Tensor? router_logits, Tensor? token_ids, "
         "Tensor(a!) wire) -> ()"
@@ -39,7 +35,7 @@ SCHEMAS = {
         "Tensor(c!)? token_ids) -> ()"
     ),
 }
-COMM_OPS = ("send", "recv", "fan_in", "split_back", "exchange")
+COMM_OPS = ("send", "recv", "fan_in", "split_back")
 TENSOR_OPS = COMM_OPS + ("pack_rows", "unpack_rows")
 
 

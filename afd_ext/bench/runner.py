@@ -245,7 +245,7 @@ def _gloo_transport(env: _Env) -> Any:
     from afd_ext.transport.gloo import GlooTransport
 
     peers = PeerMap(env.role, env.role_rank, env.topo.num_attention_ranks, env.topo.num_ffn_ranks)
-    return GlooTransport(env.store, peers, strict=False, timeout_s=env.cfg.peer_wait_s,
+    return GlooTransport(env.store, peers, timeout_s=env.cfg.peer_wait_s,
                          init_timeout_s=env.cfg.peer_wait_s)
 
 

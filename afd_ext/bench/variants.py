@@ -4,8 +4,8 @@ Every variant moves one layer exchange's wire tensors for one :class:`Case`
 between this process and its peers (the :class:`Link` list of this rank):
 
 ======================  ==========================================================
-``ours_per_tensor``     this package: attention ``exchange`` (split_back of hidden,
-                        logits, ids, then fan_in of the reply: two NCCL groups);
+``ours_per_tensor``     this package: attention ``split_back`` of hidden, logits,
+                        ids, then ``fan_in`` of the reply (the connector's calls);
                         FFN ``fan_in`` then ``split_back``. Three messages per
                         edge in one group.
 ``ours_packed``         this package, packed wire rows: ``pack_rows`` + one
@@ -433,7 +433,8 @@ class OursPerTensor(Variant):
             pending.wait()
             return
         sc, peers, rows = self.a2f
-        _ops().exchange(self.h, self.l, self.i, self.reply, sc, self.f2a[0], peers, rows)
+        _ops().split_back(self.h, self.l, self.i, sc, peers, rows)  # the connector's two calls
+        _ops().fan_in(self.reply, None, None, self.f2a[0], peers, rows)
 
     def attn_send(self) -> None:
         if self.tr is not None:
@@ -497,7 +498,8 @@ class OursPacked(OursPerTensor):
             pending.wait()
             return
         sc, peers, rows = self.a2f
-        ops.exchange(self.wire, None, None, self.reply, sc, self.f2a[0], peers, rows)
+        ops.split_back(self.wire, None, None, sc, peers, rows)  # the connector's two calls
+        ops.fan_in(self.reply, None, None, self.f2a[0], peers, rows)
 
     def attn_send(self) -> None:
         ops = _ops()
