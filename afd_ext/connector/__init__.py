@@ -406,10 +406,10 @@ class AFDConnector:
         s = self._s
         s.check_usable(op)
         if s.step is not None and not s.step.seq.complete:
-            raise ConnectorStateError(f"{op} on {self.peer_map.me}: step {s.step.step} is in progress")
+            raise ConnectorStateError(f"{op} on {self.peer_map.me}: {s.step.seq.label} is in progress")
         payload = warmup_payload(self.topology, num_stages)
         cfg = dataclasses.replace(self.schedule_config, num_layers=1)
-        st = s.start_step(build_step_schedule(self.topology, payload, cfg), payload)
+        st = s.start_step(build_step_schedule(self.topology, payload, cfg), payload, warmup=True)
         try:
             (self._attention or self._ffn).warmup(st, op, self.synchronize)
         finally:

@@ -514,7 +514,7 @@ class NcclTransport(Transport):
         """
         wd = self.watchdog
         exchange = tag.layer >= 0
-        where = tag.where() if exchange else (f"step {tag.step}" if tag.step >= 0 else "no step")
+        where = tag.where() if exchange else tag.step_text()
         wd.track(ev.query, f"{tag.op}: {what}", peers=names, layer=tag.layer if exchange else None,
                  stage=tag.stage if exchange else None, where=where, tag=tag, peer_ranks=peer_ranks)
 
