@@ -44,20 +44,30 @@ def info_report() -> dict:
 
     Returns:
         :func:`afd_ext.ops.build_info` plus ``afd_ext`` (version),
-        ``gpus_visible`` (``torch.cuda.device_count()``), ``gpu_names`` and
-        ``transports`` (the data planes that can run here: ``"nccl"`` needs a
-        CUDA build and a visible GPU; ``"gloo"`` always runs).
+        ``gpus_visible`` (``torch.cuda.device_count()``), ``gpu_names``,
+        ``transports`` (the data planes that can run here, from
+        :func:`afd_ext.transport.transport_availability`: NCCL needs a CUDA
+        build and a visible GPU, gloo always runs), ``unavailable`` (the
+        others, with the reason) and ``default_transport`` /
+        ``default_transport_why``: what a connector configured with
+        ``transport: "auto"`` and no ``device`` uses here
+        (:func:`afd_ext.transport.select_transport`).
     """
     import torch
 
     from afd_ext import __version__
     from afd_ext.ops import build_info
+    from afd_ext.transport import select_transport, transport_availability
 
     built = build_info()
     n = torch.cuda.device_count()
     names = [torch.cuda.get_device_name(i) for i in range(n)]
-    transports = (["nccl"] if built["cuda_built"] and n > 0 else []) + ["gloo"]
-    return {"afd_ext": __version__, **built, "gpus_visible": n, "gpu_names": names, "transports": transports}
+    avail = transport_availability()
+    choice = select_transport("auto")
+    return {"afd_ext": __version__, **built, "gpus_visible": n, "gpu_names": names,
+            "transports": [t for t, why in avail.items() if why is None],
+            "unavailable": {t: why for t, why in avail.items() if why is not None},
+            "default_transport": choice.name, "default_transport_why": choice.why}
 
 
 def _info_lines(info: dict) -> list[tuple[str, str]]:
@@ -68,16 +78,11 @@ def _info_lines(info: dict) -> list[tuple[str, str]]:
     else:
         built = "CPU only (NCCL ops raise 'built without CUDA')"
     gpus = str(info["gpus_visible"]) + (f" ({', '.join(info['gpu_names'])})" if info["gpu_names"] else "")
-    if "nccl" in info["transports"]:
-        run = "nccl (CUDA tensors) and gloo (CPU tensors)"
-    elif info["cuda_built"]:
-        run = "gloo only (CPU tensors): no GPU is visible, so the NCCL transport cannot run here"
-    elif info["gpus_visible"]:
-        run = "gloo only (CPU tensors): GPUs are visible but this build has no CUDA (README: Building)"
-    else:
-        run = "gloo (CPU tensors)"
+    run = ", ".join(info["transports"]) + "".join(
+        f"; not {t}: {why}" for t, why in info["unavailable"].items())
+    default = f"{info['default_transport']} (connector_extra_config.transport \"auto\" without device=)"
     return [("afd_ext", info["afd_ext"]), ("torch", torch_line), ("built with", built),
-            ("GPUs visible", gpus), ("can run", run)]
+            ("GPUs visible", gpus), ("transports", run), ("default", default)]
 
 
 def _info(argv: Sequence[str]) -> int:

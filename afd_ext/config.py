@@ -144,7 +144,9 @@ class AfdExtConnectorConfig:
             inside a step, seconds.
         heartbeat_interval_s: how often an idle peer says it is alive, seconds.
         heartbeat_timeout_s: silence after which a peer is declared dead, seconds.
-        transport: ``"nccl"`` (CUDA tensors) or ``"gloo"`` (CPU tensors).
+        transport: ``"auto"`` (default: :func:`afd_ext.transport.select_transport`
+            picks from the tensors' device, else the machine), ``"nccl"`` (CUDA
+            tensors) or ``"gloo"`` (CPU tensors).
         control_channel: ``"auto"`` (shared memory on one host, else TCP),
             ``"shm"`` or ``"tcp"``.
         max_stages: most stages per step (checked at handshake and per step).
@@ -159,7 +161,7 @@ class AfdExtConnectorConfig:
     step_timeout_s: float = 60.0
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 30.0
-    transport: str = "nccl"
+    transport: str = "auto"
     control_channel: str = "auto"
     max_stages: int = 4
     graph_cache_size: int = 32
@@ -167,7 +169,7 @@ class AfdExtConnectorConfig:
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
         _one_of(self.wire_format, "connector_extra_config.wire_format", ("auto", "packed", "per_tensor"))
-        _one_of(self.transport, "connector_extra_config.transport", ("nccl", "gloo"))
+        _one_of(self.transport, "connector_extra_config.transport", ("auto", "nccl", "gloo"))
         _one_of(self.control_channel, "connector_extra_config.control_channel", ("auto", "shm", "tcp"))
         for name in ("strict", "clamp_idle_to_one"):
             set_(name, coerce_bool(getattr(self, name), f"connector_extra_config.{name}"))

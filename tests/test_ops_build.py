@@ -139,12 +139,16 @@ def test_info_says_what_was_built_and_what_is_visible(monkeypatch, capsys, cuda_
     if cuda_built:
         assert "NCCL 2.28.9 compiled, 2.28.9 loaded" in lines["built with"]
     assert lines["GPUs visible"].split()[0] == str(gpus)
-    can = lines["can run"]
-    assert ("nccl" in can.split()[0]) is (cuda_built and gpus > 0), can
+    runs = cuda_built and gpus > 0
+    assert lines["transports"].startswith("nccl, gloo" if runs else "gloo; not nccl: "), lines["transports"]
     if cuda_built and not gpus:
-        assert "no GPU is visible" in can
+        assert "not nccl: no GPU is visible" in lines["transports"]
+    if not cuda_built:
+        assert "not nccl: afd_ext was built without CUDA" in lines["transports"]
+    assert lines["default"].startswith("nccl" if runs else "gloo")  # the connector's own rule
     assert cli.main(["info", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["cuda_built"] is cuda_built and info["gpus_visible"] == gpus
-    assert info["transports"] == (["nccl", "gloo"] if cuda_built and gpus else ["gloo"])
+    assert info["transports"] == (["nccl", "gloo"] if runs else ["gloo"])
+    assert info["default_transport"] == ("nccl" if runs else "gloo")
     assert info["gpu_names"] == [f"GPU-{i}" for i in range(gpus)]

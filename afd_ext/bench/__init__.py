@@ -124,15 +124,16 @@ def _csv(text: str, allowed: Sequence[str], what: str) -> tuple[str, ...]:
 
 
 def _gpu_count() -> int:
+    """GPUs the NCCL path can use here: 0 when the connector's rule says NCCL cannot run (gloo path)."""
     try:
         import torch
 
-        if not torch.cuda.is_available():
-            return 0
-        from afd_ext import ops
+        from afd_ext.transport import transport_availability
 
-        if not ops.is_cuda_built():
-            logger.warning("GPUs are visible but afd_ext was built without CUDA; using the gloo path")
+        why = transport_availability()["nccl"]  # the connector's own check (CUDA build, visible GPU)
+        if why is not None:
+            if torch.cuda.device_count() > 0:  # GPUs that cannot be used deserve a word; none is the CPU case
+                logger.warning("not timing NCCL: %s; using the gloo path", why)
             return 0
         return torch.cuda.device_count()
     except Exception as e:  # noqa: BLE001 - no usable GPU path

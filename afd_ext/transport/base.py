@@ -273,6 +273,14 @@ class Transport(abc.ABC):
         self._closed: BaseException | None = None
 
     @classmethod
+    def unavailable(cls) -> str | None:
+        """Why this transport cannot run on this machine, or None when it can (``transport: "auto"`` asks).
+
+        The default (a host transport over CPU tensors) always runs.
+        """
+        return None
+
+    @classmethod
     @abc.abstractmethod
     def from_setup(cls, setup: TransportSetup) -> "Transport":
         """Build the transport (collective over the AFD world; bounded by ``setup.init_timeout_s``).
