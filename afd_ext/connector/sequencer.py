@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..errors import AFDConfigError, AFDStateError
-from ..transport.base import step_words
+from ..topology import step_words
 
 __all__ = ["StepSequencer", "exchange_order"]
 
@@ -39,7 +39,7 @@ class StepSequencer:
         seq: the exchange order (:func:`exchange_order`).
         me: this rank's label, for messages.
         user_step: the step as the caller counts it: N for its N-th step,
-            0 for the connector's own warm-up (:func:`~afd_ext.transport.base.step_words`);
+            0 for the connector's own warm-up (:func:`~afd_ext.topology.step_words`);
             default: ``step``.
     """
 

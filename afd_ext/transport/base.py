@@ -56,7 +56,7 @@ from ..errors import (  # noqa: F401  defined once, in errors.py; re-exported fo
     AFDTransportClosedError,
     AFDTransportError,
 )
-from ..topology import rank_label
+from ..topology import rank_label, step_words
 
 __all__ = [
     "MessageTag",
@@ -71,16 +71,7 @@ __all__ = [
     "PeerMap",
     "PendingSend",
     "row_offsets",
-    "step_words",
 ]
-
-
-def step_words(n: int) -> str:
-    """How every message names a step: ``"step N"`` (N >= 1: the caller's N-th step since init),
-    ``"warm-up step"`` (0: the connector's own warm-up, not counted), ``"no step"`` (< 0: none yet)."""
-    if n < 0:
-        return "no step"
-    return "warm-up step" if n == 0 else f"step {n}"
 
 
 class MessageTag(NamedTuple):
@@ -95,7 +86,7 @@ class MessageTag(NamedTuple):
         stage: the stage id, or -1.
         layer_idx: the runtime's layer index from the transfer context (may
             differ from ``layer`` when only some layers are remote), or -1.
-        user_step: the step as the caller counts it (:func:`step_words`):
+        user_step: the step as the caller counts it (:func:`~afd_ext.topology.step_words`):
             ``N`` for the caller's N-th step since init (the connector's own
             warm-up steps do not count), ``0`` for a warm-up step, -1 when
             unknown (messages then show ``step``).
@@ -110,7 +101,7 @@ class MessageTag(NamedTuple):
     user_step: int = -1
 
     def step_text(self) -> str:
-        """The step in words (:func:`step_words` of :attr:`user_step`, else of :attr:`step`)."""
+        """The step in words (:func:`~afd_ext.topology.step_words` of :attr:`user_step`, else of :attr:`step`)."""
         return step_words(self.user_step if self.user_step >= 0 else self.step)
 
     def where(self) -> str:

@@ -16,7 +16,8 @@ import logging
 import time
 from typing import Any, Callable
 
-from .base import PeerMap, StepProgress, step_words
+from ..topology import step_words
+from .base import PeerMap, StepProgress
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,8 @@ from typing import Iterator, Sequence
 import torch
 
 from ..spec import dtype_code, dtype_from_code
-from .base import AFDProtocolError, MessageTag, PendingSend, Transport, TransportSetup, step_words
+from ..topology import step_words
+from .base import AFDProtocolError, MessageTag, PendingSend, Transport, TransportSetup
 
 __all__ = [
     "HEADER_WORDS", "HEADER_MAGIC", "HEADER_VERSION", "TENSOR_HIDDEN", "TENSOR_LOGITS", "TENSOR_IDS",
