@@ -53,8 +53,9 @@ class WorkerGuard:
         parts_dir: directory for the phase and parts files (``""``: no files).
         timeout_s: soft deadline of one phase in seconds (> 0); the hard
             faulthandler deadline is ``timeout_s + HARD_GRACE_S``.
-        verbose: print a line when a phase starts and ends (otherwise only
-            :meth:`say` lines).
+        verbose: print progress lines (:meth:`say`, and one when a phase
+            starts and ends); otherwise the guard is silent but still records
+            phases and arms deadlines.
         t0: ``time.monotonic()`` origin of the printed elapsed times.
         grace_s: seconds between a phase's soft and hard deadline
             (default :data:`HARD_GRACE_S`).
@@ -87,7 +88,9 @@ class WorkerGuard:
         return time.monotonic() - self.t0
 
     def say(self, msg: str) -> None:
-        """One progress line on stdout, flushed: ``[bench +12.3s attention0] msg``."""
+        """One progress line on stdout, flushed: ``[bench +12.3s attention0] msg`` (only when ``verbose``)."""
+        if not self.verbose:
+            return
         # One write per line: with PYTHONUNBUFFERED, print() writes the text and the
         # newline separately and two workers' lines ran together.
         sys.stdout.write(f"[bench +{self.elapsed():7.1f}s {self.label}] {msg}\n")

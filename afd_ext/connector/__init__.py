@@ -28,7 +28,7 @@ from ..metadata import AFDA2FTransferPayload, AFDControlPayload, AFDExpertRoutin
 from ..schedule import StepSchedule, build_step_schedule, warmup_payload
 from ..spec import SPEC_KWARGS, ExchangeSpec
 from ..topology import Topology
-from ..transport import transport_class
+from ..transport import select_transport, transport_class
 from ..transport.base import PeerMap, Transport
 from ..transport.strict import HEADER_VERSION
 from .attention import AttentionSide
@@ -89,7 +89,11 @@ class AFDConnector:
             ``routing_spec``, ``send_token_ids``, ``tp_size``, ``vllm_config``), plus
             ``device`` (override) and ``warmup_on_init`` (default True).
 
-    Construction is device-light (no communication, no CUDA call).
+    The transport is :func:`afd_ext.transport.select_transport` of
+    ``connector_extra_config.transport`` (default ``"auto"``) and ``device``:
+    CPU tensors or no usable GPU give gloo, CUDA tensors or a visible GPU
+    with a CUDA build give NCCL. Construction is device-light (no
+    communication; only ``"auto"`` without ``device`` counts the visible GPUs).
 
     Raises:
         TypeError: an unknown keyword argument.
@@ -121,7 +125,8 @@ class AFDConnector:
         self.ffn_size = config.num_ffn_ranks
         self.world_rank = self.topology.world_rank(self.role, role_rank)
         self.world_size = self.topology.world_size
-        self.transport_kind = self.extra.transport
+        # The one selection rule (explicit name, else the tensors' device, else the machine), logged once.
+        self.transport_kind = select_transport(self.extra.transport, kwargs.get("device")).name
         self.warmup_on_init = bool(kwargs.get("warmup_on_init", True))
         self.device = _pick_device(self.transport_kind, local_rank, kwargs.get("device"))
         self.schedule_config = self.spec.schedule_config(self.extra)
@@ -411,10 +416,10 @@ class AFDConnector:
         s = self._s
         s.check_usable(op)
         if s.step is not None and not s.step.seq.complete:
-            raise ConnectorStateError(f"{op} on {self.peer_map.me}: step {s.step.step} is in progress")
+            raise ConnectorStateError(f"{op} on {self.peer_map.me}: {s.step.seq.label} is in progress")
         payload = warmup_payload(self.topology, num_stages)
         cfg = dataclasses.replace(self.schedule_config, num_layers=1)
-        st = s.start_step(build_step_schedule(self.topology, payload, cfg), payload)
+        st = s.start_step(build_step_schedule(self.topology, payload, cfg), payload, warmup=True)
         try:
             (self._attention or self._ffn).warmup(st, op, self.synchronize)
         finally:

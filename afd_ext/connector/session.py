@@ -49,7 +49,9 @@ class Session:
         self.checked: Transport | None = None  # its strict-mode view (itself when not strict)
         self.broken: BaseException | None = None
         self.step: Step | None = None
-        self.step_counter = 0
+        self.step_counter = 0  # every step of this generation, warm-ups included: orders progress reports
+        self.user_steps = 0  # the steps the caller applied: what messages count ("step 1" is the first)
+        self.user_step = -1  # the last started step as the caller counts it (0: a warm-up), -1: none yet
         self.last_call = time.monotonic()
 
     def reset(self) -> None:
@@ -57,6 +59,8 @@ class Session:
         self.broken = None
         self.step = None
         self.step_counter = 0
+        self.user_steps = 0
+        self.user_step = -1
         self.last_call = time.monotonic()
 
     def close(self, control: Any, replies: Any) -> None:
@@ -133,7 +137,7 @@ class Session:
 
     def tag(self, op: str) -> MessageTag:
         """A tag for a call that is not one exchange (health checks, synchronize, replays)."""
-        return MessageTag(op, "a2f", self.step_counter, -1, -1)
+        return MessageTag(op, "a2f", self.step_counter, -1, -1, user_step=self.user_step)
 
     def check_usable(self, op: str) -> Transport:
         """The plain transport, after checking the connector is initialised, unbroken and healthy.
@@ -229,10 +233,10 @@ class Session:
             if what == "drain":
                 drain(prev)
             elif what == "drop":
-                logger.debug("%s: step %d replaced before any exchange", self.me, prev.step)
+                logger.debug("%s: %s replaced before any exchange", self.me, prev.seq.label)
             elif what == "abort":
                 exc = ConnectorStateError(
-                    f"{op} on {self.me}: the previous step {prev.step} is incomplete ({prev.seq.progress()}); "
+                    f"{op} on {self.me}: the previous {prev.seq.label} is incomplete ({prev.seq.progress()}); "
                     f"every step must run all {prev.seq.total} (layer, stage) exchanges. The step was aborted "
                     "on every rank; close() and init_afd_connector() to continue.")
                 self.fail_step(exc)
@@ -244,11 +248,19 @@ class Session:
             raise AFDConfigError(f"payload must be an AFDControlPayload, got {type(payload).__name__}")
         return self.start_step(schedule(payload), payload)
 
-    def start_step(self, sch: StepSchedule, payload: AFDControlPayload) -> Step:
-        """Make ``sch`` the current step: its sequencer, buffers and the transport's stage resources."""
+    def start_step(self, sch: StepSchedule, payload: AFDControlPayload, *, warmup: bool = False) -> Step:
+        """Make ``sch`` the current step: its sequencer, buffers and the transport's stage resources.
+
+        ``warmup``: the connector's own warm-up step (:meth:`AFDConnector.warmup`); it is named
+        ``"warm-up step"`` in messages and does not count: the caller's first step is ``"step 1"``.
+        """
         self.step_counter += 1
+        if not warmup:
+            self.user_steps += 1
+        self.user_step = 0 if warmup else self.user_steps
         strict = self.strict and not (payload.is_graph_capturing or payload.is_graph_replaying)
-        seq = StepSequencer(self.step_counter, self.role, exchange_order(sch.config.num_layers, sch.stages), self.me)
+        seq = StepSequencer(self.step_counter, self.role, exchange_order(sch.config.num_layers, sch.stages), self.me,
+                            self.user_step)
         st = Step(seq, sch, strict, pending={s: deque() for s in sch.stages})
         for s in sch.stages:
             own = self.transport.receive_buffers(sch, s) if self.transport is not None else None
@@ -265,4 +277,4 @@ class Session:
             return None
         q = st.seq
         return StepProgress(q.step, q.total, q.sent, q.received, q.complete, q.seq, q.progress(),
-                            time.monotonic() - self.last_call)
+                            time.monotonic() - self.last_call, q.user_step)
