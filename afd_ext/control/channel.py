@@ -139,6 +139,9 @@ class RingState(ctypes.Structure):
         ("k", ctypes.c_uint64),
         ("local_rank", ctypes.c_uint32),
         ("got_sender", ctypes.c_uint32),
+        # CLOCK_MONOTONIC ns: sender, when the last message was published; receiver, when the
+        # poll saw the last message taken (afd_ext.bench.control reports the phases from it)
+        ("t_ns", ctypes.c_int64),
     ]
 
 
