@@ -696,3 +696,40 @@ def test_control_table_has_each_gap_channel_and_the_reference():
     text = format_control_table(rows, ("shm",))
     assert "| 1 ms |" in text and "reference pattern" in text
     assert f"{shm['p50_us']:.1f} / {shm['p99_us']:.1f}" in text
+
+
+def test_warm_receiver_rehearses_on_private_memory_and_still_takes_the_real_payload():
+    from afd_ext import metadata as md
+
+    assert cshm._native() is not None, "the compiled core lacks the native poll (rebuild afd_ext)"
+    with pytest.raises(ValueError, match="warm_s"):
+        cp.ChannelOptions(warm_s=-1.0)
+    rx, tx = _ring(warm_s=0.001, heartbeat_timeout_s=60.0)
+    first = md.control_payload_parts(_payload(0, 8))
+    second = md.control_payload_parts(_payload(1, 8))
+    assert first != second
+    rehearsals = []
+    orig = rx._rehearse
+
+    def counted():
+        rehearsals.append(orig())
+
+    rx._rehearse = counted
+    out: list = []
+    try:
+        tx.send_parts(first)
+        assert rx.recv_parts(1.0, "recv", md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS) == first
+        assert rx._practice is not None
+        t = threading.Thread(target=lambda: out.append(
+            rx.recv_parts(30.0, "recv", md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS)))
+        t.start()
+        time.sleep(0.2)
+        assert len(rehearsals) >= 5 and all(rehearsals)  # parsed and built, about one per warm_s
+        assert rx._hdr[cshm._W_READ_COUNT] == 1  # the practice take touched no real slot
+        tx.send_parts(second)
+        t.join(5)
+        assert out == [second]
+        assert rx._hdr[cshm._W_READ_COUNT] == 2
+    finally:
+        tx.close()
+        rx.close()

@@ -42,6 +42,8 @@ DEFAULT_GAPS_MS = (1.0, 5.0, 20.0, 50.0)
 PAYLOAD_ATTENTION_RANKS = 8
 PAYLOAD_STAGES = 2
 WARMUP = 20
+#: The ``shm+warm`` column's receiver rehearsal period, in s (ChannelOptions.warm_s).
+WARM_S = 0.0005
 
 
 def control_payload(num_attention_ranks: int = PAYLOAD_ATTENTION_RANKS, stages: int = PAYLOAD_STAGES) -> Any:
@@ -251,7 +253,8 @@ def _host_facts() -> dict[str, Any]:
 
 def _measure_worker(rank: int, nprocs: int, host: str, port: int, kind: str, schedule: list,
                     num_attention_ranks: int, stages: int, raw: bool, idle_s: float | None,
-                    distinct: bool, sender_spins: bool, reference: bool, cpus: tuple[int, int] | None) -> list:
+                    distinct: bool, sender_spins: bool, reference: bool, cpus: tuple[int, int] | None,
+                    warm_s: float = 0.0) -> list:
     """One end of the measurement; rank 0 is the FFN receiver, rank 1 the attention sender.
 
     Runs every ``(gap_s, iterations, warmup)`` of ``schedule`` in turn (a store
@@ -272,7 +275,7 @@ def _measure_worker(rank: int, nprocs: int, host: str, port: int, kind: str, sch
     topo = Topology(1, 1)
     role = "ffn" if rank == 0 else "attention"
     store = rdzv.connect(host, port, rank, 2, 60.0, num_ffn_ranks=1)
-    opts = cpl.ChannelOptions.from_env(idle_s=idle_s)
+    opts = cpl.ChannelOptions.from_env(idle_s=idle_s, warm_s=warm_s)
     plane = cpl.AFDControlPlane(lambda p: None, topo, role, 0)
     plane.open(store, kind, 60.0, options=opts)
     ch = next(iter(plane.channels.values()))
@@ -452,6 +455,7 @@ def measure_control_gaps(
     sender_wait: str = "auto",
     reference: bool = False,
     pin: bool | None = None,
+    warm_s: float = 0.0,
 ) -> list[dict[str, Any]]:
     """:func:`measure_control_plane` at several gaps with one pair of processes (one start-up).
 
@@ -460,6 +464,7 @@ def measure_control_gaps(
         pin: pin the FFN and attention processes to CPUs of two different physical
             cores (:func:`pick_control_cpus`); None: when the host has one to spare.
         timeout_s: deadline for the whole run (None: 60 s plus three times the steps' gaps).
+        warm_s: the receiver's :attr:`~afd_ext.control.ChannelOptions.warm_s` (an experiment; 0: off).
         Others: as :func:`measure_control_plane`.
 
     Returns:
@@ -486,7 +491,7 @@ def measure_control_gaps(
     host = "127.0.0.1"
     port = find_free_port(host)
     res = run_workers(_measure_worker, 2, (host, port, kind, sched, num_attention_ranks, stages, raw, idle_s,
-                                           distinct, sender_wait == "spin", reference, cpus),
+                                           distinct, sender_wait == "spin", reference, cpus, warm_s),
                       timeout_s=timeout_s)
     encode = encode_control_payload if reference else encode_control_binary
     size = len(encode(control_payload(num_attention_ranks, stages)))
@@ -568,7 +573,8 @@ def control_table(
 ) -> list[dict]:
     """The control-plane table: end to end, new counts every step, per (gap, channel), plus the reference.
 
-    Each cell runs ``seconds_per_cell`` of steps (200-2000 steps); the
+    A kind ``"shm+warm"`` measures shm with the receiver's ``warm_s`` experiment
+    (:data:`WARM_S`). Each cell runs ``seconds_per_cell`` of steps (200-2000 steps); the
     reference pattern (gloo) gets a third of that (100-2000 steps). One pair of
     processes per channel runs every gap. With the defaults the table takes
     about 80 s plus three process start-ups.
@@ -580,13 +586,15 @@ def control_table(
     rows: list[dict[str, Any]] = [{"gap_ms": g} for g in gaps_ms]
     cells = [(k, False) for k in kinds] + ([("reference", True)] if reference else [])
     for name, ref in cells:
+        kind, _, variant = name.partition("+")  # "shm+warm": the warm_s experiment
         sched = []
         for gap in gaps_ms:
             it = _iterations_for(gap, seconds_per_cell / (3 if ref else 1), 100 if ref else 200)
             sched.append((gap * 1000.0, it, min(50, it // 5)))
         try:
-            res: list[dict] = measure_control_gaps("auto" if ref else name, sched, distinct=True, idle_s=idle_s,
-                                                   sender_wait=sender_wait, reference=ref, pin=pin)
+            res: list[dict] = measure_control_gaps("auto" if ref else kind, sched, distinct=True, idle_s=idle_s,
+                                                   sender_wait=sender_wait, reference=ref, pin=pin,
+                                                   warm_s=WARM_S if variant == "warm" else 0.0)
         except Exception as e:  # noqa: BLE001 - reported in the table, the run goes on
             logger.warning("control-plane measurement %s failed: %s", name, e)
             res = [{"error": f"{type(e).__name__}: {e}"}] * len(gaps_ms)
@@ -623,7 +631,7 @@ def format_phases(r: dict) -> str:
     return ", ".join(f"{k} {v['p50_us']:.1f}/{v['p99_us']:.1f}" for k, v in ph.items())
 
 
-def control_main(gaps_ms: tuple[float, ...] = DEFAULT_GAPS_MS, kinds: tuple[str, ...] = ("shm", "tcp"),
+def control_main(gaps_ms: tuple[float, ...] = DEFAULT_GAPS_MS, kinds: tuple[str, ...] = ("shm", "tcp", "shm+warm"),
                  *, seconds_per_cell: float = 6.0, reference: bool = True, out: str | None = None,
                  sender_wait: str = "auto", pin: bool | None = None) -> int:
     """``afd-ext bench --control-only``: measure and print the control-plane table (and save JSON)."""
@@ -657,5 +665,5 @@ def control_main(gaps_ms: tuple[float, ...] = DEFAULT_GAPS_MS, kinds: tuple[str,
             json.dump({"rows": rows, "host": facts, "sender_wait": sw, "cpus": list(cpus) if cpus else None},
                       f, indent=1)
         print(f"wrote {path}", flush=True)
-    failed = any("error" in (r.get(k) or {}) for r in rows for k in kinds)
+    failed = any("error" in (r.get(k) or {}) for r in rows for k in kinds if "+" not in k)
     return 1 if failed else 0

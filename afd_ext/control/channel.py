@@ -71,6 +71,11 @@ class ChannelOptions:
         slot_bytes: shm payload bytes per slot (>= 64).
         nslots: shm ring slots (>= 2).
         max_message_bytes: largest message accepted by a receiver.
+        warm_s: shm receiver, while polling: every ``warm_s`` it takes and
+            builds a private copy of the last payload (native take and parse,
+            payload objects; a few µs holding the GIL), so that a payload after
+            a long gap finds that path in cache; 0 (default): off. An experiment
+            (``afd-ext bench --control-only`` measures it beside the default).
     """
 
     heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
@@ -79,6 +84,7 @@ class ChannelOptions:
     slot_bytes: int = DEFAULT_SLOT_BYTES
     nslots: int = DEFAULT_NSLOTS
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    warm_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.heartbeat_interval_s > 0:
@@ -94,6 +100,8 @@ class ChannelOptions:
             raise AFDConfigError(f"slot_bytes must be an int >= 64, got {self.slot_bytes!r}")
         if not (isinstance(self.nslots, int) and self.nslots >= 2):
             raise AFDConfigError(f"nslots must be an int >= 2, got {self.nslots!r}")
+        if not self.warm_s >= 0:
+            raise AFDConfigError(f"warm_s must be >= 0 seconds, got {self.warm_s!r}")
         if not (isinstance(self.max_message_bytes, int) and self.max_message_bytes >= 1):
             raise AFDConfigError(f"max_message_bytes must be an int >= 1, got {self.max_message_bytes!r}")
 
