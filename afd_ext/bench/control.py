@@ -462,7 +462,8 @@ def measure_control_gaps(
     Args:
         schedule: ``(gap_us, iterations, warmup)`` per measurement, run in order.
         pin: pin the FFN and attention processes to CPUs of two different physical
-            cores (:func:`pick_control_cpus`); None: when the host has one to spare.
+            cores (:func:`pick_control_cpus`); None: when the host has one to spare
+            (never the reference's: gloo's threads would share the one CPU).
         timeout_s: deadline for the whole run (None: 60 s plus three times the steps' gaps).
         warm_s: the receiver's :attr:`~afd_ext.control.ChannelOptions.warm_s` (an experiment; 0: off).
         Others: as :func:`measure_control_plane`.
@@ -484,7 +485,8 @@ def measure_control_gaps(
         raise AFDConfigError(f"sender_wait must be 'auto', 'spin' or 'sleep', got {sender_wait!r}")
     if sender_wait == "auto":
         sender_wait = _default_sender_wait()
-    cpus = pick_control_cpus() if pin is not False else None
+    # The reference is left where the scheduler puts it: gloo's I/O threads would share the one pinned CPU.
+    cpus = pick_control_cpus() if pin is not False and not reference else None
     sched = [(g * 1e-6, int(it), int(w)) for g, it, w in schedule]
     if timeout_s is None:
         timeout_s = 60.0 + 3 * sum((it + w) * g for g, it, w in sched)
@@ -564,7 +566,7 @@ def control_table(
     gaps_ms: tuple[float, ...] = DEFAULT_GAPS_MS,
     kinds: tuple[str, ...] = ("shm", "tcp"),
     *,
-    seconds_per_cell: float = 6.0,
+    seconds_per_cell: float = 5.0,
     reference: bool = True,
     idle_s: float | None = None,
     sender_wait: str = "auto",
@@ -590,7 +592,7 @@ def control_table(
         sched = []
         for gap in gaps_ms:
             it = _iterations_for(gap, seconds_per_cell / (3 if ref else 1), 100 if ref else 200)
-            sched.append((gap * 1000.0, it, min(50, it // 5)))
+            sched.append((gap * 1000.0, it, min(50, it // 10)))
         try:
             res: list[dict] = measure_control_gaps("auto" if ref else kind, sched, distinct=True, idle_s=idle_s,
                                                    sender_wait=sender_wait, reference=ref, pin=pin,
@@ -632,7 +634,7 @@ def format_phases(r: dict) -> str:
 
 
 def control_main(gaps_ms: tuple[float, ...] = DEFAULT_GAPS_MS, kinds: tuple[str, ...] = ("shm", "tcp", "shm+warm"),
-                 *, seconds_per_cell: float = 6.0, reference: bool = True, out: str | None = None,
+                 *, seconds_per_cell: float = 5.0, reference: bool = True, out: str | None = None,
                  sender_wait: str = "auto", pin: bool | None = None) -> int:
     """``afd-ext bench --control-only``: measure and print the control-plane table (and save JSON)."""
     sw = _default_sender_wait() if sender_wait == "auto" else sender_wait
