@@ -576,10 +576,10 @@ def control_table(
     """The control-plane table: end to end, new counts every step, per (gap, channel), plus the reference.
 
     A kind ``"shm+warm"`` measures shm with the receiver's ``warm_s`` experiment
-    (:data:`WARM_S`). Each cell runs ``seconds_per_cell`` of steps (200-2000 steps); the
-    reference pattern (gloo) gets a third of that (100-2000 steps). One pair of
-    processes per channel runs every gap. With the defaults the table takes
-    about 80 s plus three process start-ups.
+    (:data:`WARM_S`). Each cell runs ``seconds_per_cell`` of steps (200-2000 steps);
+    the reference pattern (gloo) and the experiments get a third of that
+    (100-2000 steps). One pair of processes per column runs every gap; shm, tcp
+    and the reference take about 60 s plus three process start-ups.
 
     Returns:
         One row per gap: ``{"gap_ms", "<kind>": result, ..., "reference": result | None}``,
@@ -591,7 +591,8 @@ def control_table(
         kind, _, variant = name.partition("+")  # "shm+warm": the warm_s experiment
         sched = []
         for gap in gaps_ms:
-            it = _iterations_for(gap, seconds_per_cell / (3 if ref else 1), 100 if ref else 200)
+            short = ref or bool(variant)  # the reference and the experiments: a third of the steps
+            it = _iterations_for(gap, seconds_per_cell / (3 if short else 1), 100 if short else 200)
             sched.append((gap * 1000.0, it, min(50, it // 10)))
         try:
             res: list[dict] = measure_control_gaps("auto" if ref else kind, sched, distinct=True, idle_s=idle_s,
