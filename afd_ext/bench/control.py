@@ -42,8 +42,6 @@ DEFAULT_GAPS_MS = (1.0, 5.0, 20.0, 50.0)
 PAYLOAD_ATTENTION_RANKS = 8
 PAYLOAD_STAGES = 2
 WARMUP = 20
-#: The ``shm+warm`` column's receiver rehearsal period, in s (ChannelOptions.warm_s).
-WARM_S = 0.0005
 
 
 def control_payload(num_attention_ranks: int = PAYLOAD_ATTENTION_RANKS, stages: int = PAYLOAD_STAGES) -> Any:
@@ -254,7 +252,7 @@ def _host_facts() -> dict[str, Any]:
 def _measure_worker(rank: int, nprocs: int, host: str, port: int, kind: str, schedule: list,
                     num_attention_ranks: int, stages: int, raw: bool, idle_s: float | None,
                     distinct: bool, sender_spins: bool, reference: bool, cpus: tuple[int, int] | None,
-                    warm_s: float = 0.0) -> list:
+                    warm_s: float | None = None) -> list:
     """One end of the measurement; rank 0 is the FFN receiver, rank 1 the attention sender.
 
     Runs every ``(gap_s, iterations, warmup)`` of ``schedule`` in turn (a store
@@ -455,7 +453,7 @@ def measure_control_gaps(
     sender_wait: str = "auto",
     reference: bool = False,
     pin: bool | None = None,
-    warm_s: float = 0.0,
+    warm_s: float | None = None,
 ) -> list[dict[str, Any]]:
     """:func:`measure_control_plane` at several gaps with one pair of processes (one start-up).
 
@@ -465,7 +463,7 @@ def measure_control_gaps(
             cores (:func:`pick_control_cpus`); None: when the host has one to spare
             (never the reference's: gloo's threads would share the one CPU).
         timeout_s: deadline for the whole run (None: 60 s plus three times the steps' gaps).
-        warm_s: the receiver's :attr:`~afd_ext.control.ChannelOptions.warm_s` (an experiment; 0: off).
+        warm_s: the receiver's ``ChannelOptions.warm_s`` (None: ``AFD_CONTROL_WARM_S`` / default; 0: off).
         Others: as :func:`measure_control_plane`.
 
     Returns:
@@ -575,8 +573,8 @@ def control_table(
 ) -> list[dict]:
     """The control-plane table: end to end, new counts every step, per (gap, channel), plus the reference.
 
-    A kind ``"shm+warm"`` measures shm with the receiver's ``warm_s`` experiment
-    (:data:`WARM_S`). Each cell runs ``seconds_per_cell`` of steps (200-2000 steps);
+    A kind ``"shm+cold"`` measures shm without the receiver's rehearsal
+    (``warm_s=0``). Each cell runs ``seconds_per_cell`` of steps (200-2000 steps);
     the reference pattern (gloo) and the experiments get a third of that
     (100-2000 steps). One pair of processes per column runs every gap; shm, tcp
     and the reference take about 60 s plus three process start-ups.
@@ -588,7 +586,7 @@ def control_table(
     rows: list[dict[str, Any]] = [{"gap_ms": g} for g in gaps_ms]
     cells = [(k, False) for k in kinds] + ([("reference", True)] if reference else [])
     for name, ref in cells:
-        kind, _, variant = name.partition("+")  # "shm+warm": the warm_s experiment
+        kind, _, variant = name.partition("+")  # "shm+cold": shm without the receiver's rehearsal
         sched = []
         for gap in gaps_ms:
             short = ref or bool(variant)  # the reference and the experiments: a third of the steps
@@ -597,7 +595,7 @@ def control_table(
         try:
             res: list[dict] = measure_control_gaps("auto" if ref else kind, sched, distinct=True, idle_s=idle_s,
                                                    sender_wait=sender_wait, reference=ref, pin=pin,
-                                                   warm_s=WARM_S if variant == "warm" else 0.0)
+                                                   warm_s=0.0 if variant == "cold" else None)
         except Exception as e:  # noqa: BLE001 - reported in the table, the run goes on
             logger.warning("control-plane measurement %s failed: %s", name, e)
             res = [{"error": f"{type(e).__name__}: {e}"}] * len(gaps_ms)
@@ -634,7 +632,7 @@ def format_phases(r: dict) -> str:
     return ", ".join(f"{k} {v['p50_us']:.1f}/{v['p99_us']:.1f}" for k, v in ph.items())
 
 
-def control_main(gaps_ms: tuple[float, ...] = DEFAULT_GAPS_MS, kinds: tuple[str, ...] = ("shm", "tcp", "shm+warm"),
+def control_main(gaps_ms: tuple[float, ...] = DEFAULT_GAPS_MS, kinds: tuple[str, ...] = ("shm", "tcp", "shm+cold"),
                  *, seconds_per_cell: float = 5.0, reference: bool = True, out: str | None = None,
                  sender_wait: str = "auto", pin: bool | None = None) -> int:
     """``afd-ext bench --control-only``: measure and print the control-plane table (and save JSON)."""
