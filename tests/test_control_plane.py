@@ -740,3 +740,33 @@ def test_warm_period_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv("AFD_CONTROL_WARM_S", "0")
     assert cp.ChannelOptions.from_env().warm_s == 0.0
     assert cp.ChannelOptions.from_env(warm_s=0.002).warm_s == 0.002
+
+
+def test_rehearsing_receiver_leaves_the_gil_to_other_threads():
+    import sys
+
+    from afd_ext import metadata as md
+
+    rx, tx = _ring(idle_s=30.0, warm_s=0.0005, heartbeat_timeout_s=60.0)
+    parts = md.control_payload_parts(_payload(0, 8))
+    old = sys.getswitchinterval()
+    out: list = []
+    try:
+        tx.send_parts(parts)
+        rx.recv_parts(1.0, "recv", md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS)
+        sys.setswitchinterval(2.0)  # a receiver that kept the GIL would keep this thread out for 2 s
+        t = threading.Thread(target=lambda: out.append(
+            rx.recv_parts(30.0, "recv", md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS)))
+        t.start()
+        time.sleep(0.05)
+        t0 = time.monotonic()
+        for _ in range(5):
+            time.sleep(0.01)  # each return needs the GIL back
+        assert time.monotonic() - t0 < 0.5
+        tx.send_parts(parts)
+        t.join(5)
+        assert out == [parts]
+    finally:
+        sys.setswitchinterval(old)
+        tx.close()
+        rx.close()
