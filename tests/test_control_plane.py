@@ -770,3 +770,45 @@ def test_rehearsing_receiver_leaves_the_gil_to_other_threads():
         sys.setswitchinterval(old)
         tx.close()
         rx.close()
+
+
+def test_warm_tcp_receiver_rehearses_and_still_reads_the_real_payload():
+    import socket
+
+    from afd_ext import metadata as md
+
+    ls = socket.create_server(("127.0.0.1", 0))
+    a = socket.create_connection(ls.getsockname())
+    b, _ = ls.accept()
+    ls.close()
+    opts = cp.ChannelOptions(**{**FAST, "warm_s": 0.001, "idle_s": 30.0, "heartbeat_timeout_s": 60.0})
+    rx = cp.TcpControlChannel(b, is_sender=False, local_rank=0, peer_rank=1, peer="attention rank 0",
+                              options=opts, abort_check=None)
+    tx = cp.TcpControlChannel(a, is_sender=True, local_rank=1, peer_rank=0, peer="FFN rank 0",
+                              options=opts, abort_check=None)
+    first = md.encode_control_binary(_payload(0, 8))
+    second = md.encode_control_binary(_payload(1, 8))
+    rehearsals = []
+    orig = rx._rehearse
+
+    def counted():
+        rehearsals.append(orig())
+        return rehearsals[-1]
+
+    rx._rehearse = counted
+    out: list = []
+    try:
+        tx.send(first)
+        assert rx.recv(1.0) == first and rx._practice == first
+        t = threading.Thread(target=lambda: out.append(rx.recv(30.0)))
+        t.start()
+        time.sleep(0.2)
+        assert len(rehearsals) >= 5 and all(rehearsals)  # decoded, about one per warm_s
+        tx.send(second)
+        t.join(5)
+        assert out == [second]
+        tx.send(b"not a control payload")
+        assert rx.recv(1.0) == b"not a control payload"
+    finally:
+        tx.close()
+        rx.close()

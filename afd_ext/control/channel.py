@@ -73,9 +73,10 @@ class ChannelOptions:
         slot_bytes: shm payload bytes per slot (>= 64).
         nslots: shm ring slots (>= 2).
         max_message_bytes: largest message accepted by a receiver.
-        warm_s: shm receiver, while polling: every ``warm_s`` it takes and
-            builds a private copy of the last payload (native take and parse,
-            payload objects; a few µs holding the GIL), so that a payload after
+        warm_s: receiver, while polling: every ``warm_s`` it takes and builds
+            a private copy of the last payload (shm: native take and parse on a
+            ring of its own, payload objects; tcp: a peek at the socket and the
+            decode; a few µs holding the GIL), so that a payload after
             a long gap finds that path in cache (without it the path costs ~3 µs
             warm, ~50 µs after 20 ms of polling); 0: off. Default 0.5 ms
             (``AFD_CONTROL_WARM_S``).
