@@ -573,8 +573,8 @@ def control_table(
 ) -> list[dict]:
     """The control-plane table: end to end, new counts every step, per (gap, channel), plus the reference.
 
-    A kind ``"shm+cold"`` measures shm without the receiver's rehearsal
-    (``warm_s=0``). Each cell runs ``seconds_per_cell`` of steps (200-2000 steps);
+    A kind ``"<channel>+cold"`` measures the channel without the receiver's
+    rehearsal (``warm_s=0``). Each cell runs ``seconds_per_cell`` of steps (200-2000 steps);
     the reference pattern (gloo) and the experiments get a third of that
     (100-2000 steps). One pair of processes per column runs every gap; shm, tcp
     and the reference take about 60 s plus three process start-ups.
@@ -586,7 +586,7 @@ def control_table(
     rows: list[dict[str, Any]] = [{"gap_ms": g} for g in gaps_ms]
     cells = [(k, False) for k in kinds] + ([("reference", True)] if reference else [])
     for name, ref in cells:
-        kind, _, variant = name.partition("+")  # "shm+cold": shm without the receiver's rehearsal
+        kind, _, variant = name.partition("+")  # "shm+cold": without the receiver's rehearsal
         sched = []
         for gap in gaps_ms:
             short = ref or bool(variant)  # the reference and the experiments: a third of the steps
@@ -632,7 +632,7 @@ def format_phases(r: dict) -> str:
     return ", ".join(f"{k} {v['p50_us']:.1f}/{v['p99_us']:.1f}" for k, v in ph.items())
 
 
-def control_main(gaps_ms: tuple[float, ...] = DEFAULT_GAPS_MS, kinds: tuple[str, ...] = ("shm", "tcp", "shm+cold"),
+def control_main(gaps_ms: tuple[float, ...] = DEFAULT_GAPS_MS, kinds: tuple[str, ...] = ("shm", "tcp", "shm+cold", "tcp+cold"),
                  *, seconds_per_cell: float = 5.0, reference: bool = True, out: str | None = None,
                  sender_wait: str = "auto", pin: bool | None = None) -> int:
     """``afd-ext bench --control-only``: measure and print the control-plane table (and save JSON)."""
