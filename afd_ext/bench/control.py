@@ -632,7 +632,8 @@ def format_phases(r: dict) -> str:
     return ", ".join(f"{k} {v['p50_us']:.1f}/{v['p99_us']:.1f}" for k, v in ph.items())
 
 
-def control_main(gaps_ms: tuple[float, ...] = DEFAULT_GAPS_MS, kinds: tuple[str, ...] = ("shm", "tcp", "shm+cold", "tcp+cold"),
+def control_main(gaps_ms: tuple[float, ...] = DEFAULT_GAPS_MS,
+                 kinds: tuple[str, ...] = ("shm", "tcp", "shm+cold", "tcp+cold"),
                  *, seconds_per_cell: float = 5.0, reference: bool = True, out: str | None = None,
                  sender_wait: str = "auto", pin: bool | None = None) -> int:
     """``afd-ext bench --control-only``: measure and print the control-plane table (and save JSON)."""
