@@ -95,7 +95,8 @@ def build_parser(prog: str = "afd-ext bench") -> argparse.ArgumentParser:
     p.add_argument("--no-control", action="store_true", help="skip the control-plane measurement")
     p.add_argument("--control-only", action="store_true",
                    help="only the control-plane table: end to end at step gaps of --control-gaps ms, shm and "
-                        "tcp, beside the reference pattern over gloo (about 2.5 min)")
+                        "tcp (and both without the receiver's rehearsal), beside the reference pattern over gloo, with "
+                        "per-phase times (about 2 min)")
     p.add_argument("--control-gaps", default="1,5,20,50", help="step gaps of the control-plane table, ms")
     p.add_argument("--timeout", type=float, default=None,
                    help="deadline for the whole run, seconds, all restarts included (default 420; 240 with "
