@@ -862,13 +862,13 @@ def encode_control_binary(payload: AFDControlPayload) -> bytes:
     reference-format API.
 
     Args:
-        payload: the control payload.
+        payload: the control payload (or any object with its fields, see :func:`control_payload_parts`).
 
     Returns:
         The encoded bytes (``8 + sum(12 + 4 * n)`` bytes).
 
     Raises:
-        ValueError: ``payload`` is not an :class:`AFDControlPayload`, or was
+        ValueError: ``payload`` has no payload fields, or was
             modified after construction into something invalid (a non-bool
             flag, a stage key that is not an int in ``[0, 2**32)``, invalid
             counts, more than 65535 stages).
@@ -882,11 +882,15 @@ def control_payload_parts(payload: AFDControlPayload) -> tuple[int, tuple[tuple[
     ``flags`` are the layout's flag bits; ``stages`` is ``((stage, max_tokens, counts), ...)``
     in increasing stage order (the control plane's native sender encodes these).
 
+    Args:
+        payload: an :class:`AFDControlPayload`, or any object with its fields (the
+            reference plugin's own class included; read by :meth:`AFDControlPayload.from_fields`).
+
     Raises:
         ValueError: as :func:`encode_control_binary`.
     """
     if not isinstance(payload, AFDControlPayload):
-        raise ValueError(f"expected AFDControlPayload, got {type(payload).__name__}")
+        payload = AFDControlPayload.from_fields(payload)
     c, w, r, p = payload.is_graph_capturing, payload.is_warmup, payload.is_graph_replaying, payload.is_profile
     if not (type(c) is bool and type(w) is bool and type(r) is bool and type(p) is bool):
         raise ValueError(f"control payload flags must be bools, got {(c, w, r, p)!r}")

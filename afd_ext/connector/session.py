@@ -14,7 +14,7 @@ import time
 from collections import deque
 from typing import Any, Callable
 
-from ..errors import AFDConfigError, AFDError, AFDStateError, ConnectorStateError
+from ..errors import AFDError, AFDStateError, ConnectorStateError
 from ..metadata import AFDControlPayload
 from ..schedule import StepSchedule
 from ..transport.base import MessageTag, StepProgress, Transport
@@ -63,7 +63,7 @@ class Session:
         """Release everything, bounded, never raising: replies in flight, step, buffers, ``control``, the transport.
 
         Args:
-            control: the control channels (closed after the step state, before the transport), or None.
+            control: the control plane (its channels are closed after the step state, before the transport), or None.
             replies: the FFN side (its replies in flight are delivered when healthy, else dropped), or None.
         """
         if replies is not None:
@@ -92,17 +92,18 @@ class Session:
         self.store = None
         self.signal = None
 
-    def open(self, conn: Any) -> Any:
+    def open(self, conn: Any, control: Any) -> None:
         """Build this generation's links for connector ``conn`` (collective): store, handshake, transport, channels.
 
-        Returns:
-            The control plane over the opened channels.
+        Args:
+            conn: the connector (its config, topology, handshake fields, deadlines).
+            control: its :class:`~afd_ext.control.AFDControlPlane`, opened here over this generation's store.
 
         Raises:
             What :meth:`AFDConnector.init_afd_connector` documents; the caller closes on failure.
         """
-        from .. import control_plane as cpl
         from .. import rendezvous as rdzv
+        from ..control import ChannelOptions
         from ..transport import create_transport
         from ..transport.base import TransportSetup
 
@@ -120,14 +121,10 @@ class Session:
         # The configured name (``auto`` is resolved here, every generation); the kind that runs is reported.
         self.transport, self.checked = create_transport(extra.transport, setup, strict=extra.strict)
         conn.transport_kind = self.transport.kind
-        channels = cpl.open_control_channels(
-            store, conn.topology, conn.role, conn.role_rank, extra.control_channel, extra.init_timeout_s,
-            options=cpl.ChannelOptions.from_env(heartbeat_interval_s=extra.heartbeat_interval_s,
-                                                heartbeat_timeout_s=extra.heartbeat_timeout_s))
-        control = cpl.ChannelControlPlane(conn._apply_payload, conn.topology, conn.role, conn.role_rank, channels,
-                                          store=store)
+        control.open(store, extra.control_channel, extra.init_timeout_s,
+                     options=ChannelOptions.from_env(heartbeat_interval_s=extra.heartbeat_interval_s,
+                                                     heartbeat_timeout_s=extra.heartbeat_timeout_s))
         self.initialized = True
-        return control
 
     # -- usability ---------------------------------------------------------------------
 
@@ -217,7 +214,7 @@ class Session:
             settle: the FFN side's wait for its replies in flight (None on attention ranks).
 
         Raises:
-            AFDConfigError: ``payload`` is not an ``AFDControlPayload`` (or the schedule rejects it).
+            ValueError: the schedule rejects ``payload`` (nothing moved for this step).
             ConnectorStateError: not usable, or the previous step is incomplete mid-way (then
                 aborted on every rank).
         """
@@ -240,8 +237,6 @@ class Session:
         self.step = None
         if settle is not None:
             settle()
-        if not isinstance(payload, AFDControlPayload):
-            raise AFDConfigError(f"payload must be an AFDControlPayload, got {type(payload).__name__}")
         return self.start_step(schedule(payload), payload)
 
     def start_step(self, sch: StepSchedule, payload: AFDControlPayload) -> Step:
