@@ -85,7 +85,20 @@ from .errors import (  # noqa: E402  defined once, in errors.py
     StepAbortedError,
     StoreUnavailableError,
 )
-from .topology import rank_label  # noqa: E402  the one label rule, re-exported for the store's messages
+
+
+def rank_label(world_rank: int, num_ffn_ranks: int | None = None) -> str:
+    """Human-readable name of an AFD world rank, e.g. ``"attention rank 1 (world rank 3)"``.
+
+    Args:
+        world_rank: rank in the AFD world (FFN ranks first).
+        num_ffn_ranks: ``F``; when unknown only the world rank is named.
+    """
+    if num_ffn_ranks is None:
+        return f"world rank {world_rank}"
+    if world_rank < num_ffn_ranks:
+        return f"FFN rank {world_rank} (world rank {world_rank})"
+    return f"attention rank {world_rank - num_ffn_ranks} (world rank {world_rank})"
 
 
 def host_identity() -> str:
