@@ -256,20 +256,11 @@ class AFDConnector:
         self._buffers.use_arena(arena)
 
     def _apply_payload(self, payload: Any) -> None:
-        """``control_plane.update_state_from_dp_metadata``: start a step from ``payload``.
+        """``control_plane.update_state_from_dp_metadata``: validate, drain an abandoned step, build, allocate.
 
-        Validates the whole step before anything moves, drains a step abandoned
-        after a rejected first exchange (docs/internals.md, "Errors and
-        resynchronisation"), builds the schedule, takes the buffers and streams.
-
-        Args:
-            payload: an :class:`~afd_ext.metadata.AFDControlPayload`, or any object
-                with its fields (the reference plugin's own class included).
-
-        Raises:
-            ValueError: invalid payload (stages, count vector lengths, ...); nothing moved.
-            ConnectorStateError: not initialised, aborted, or the previous step is
-                incomplete mid-way (the step is then aborted on every rank).
+        ``payload``: an ``AFDControlPayload`` or any object with its fields (the reference's class).
+        Raises ValueError (invalid payload; nothing moved) or ConnectorStateError (not usable, or the
+        previous step is incomplete mid-way: then aborted on every rank); docs/internals.md, "Errors".
         """
         payload = AFDControlPayload.from_fields(payload)
         self._s.next_step(payload, lambda p: build_step_schedule(self.topology, p, self.schedule_config),
