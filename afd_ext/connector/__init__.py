@@ -128,7 +128,8 @@ class AFDConnector:
         self.peer_map = PeerMap(self.role, role_rank, self.attn_size, self.ffn_size)
         # Kept across close() / init_afd_connector(): init opens its channels, close closes them.
         self.control_plane = AFDControlPlane(self._apply_payload, self.topology, self.role, role_rank,
-                                             label=self.peer_map.me)
+                                             label=self.peer_map.me,
+                                             check_send=lambda p: self._s.check_sent(AFDControlPayload.from_fields(p)))
         self._buffers = BufferPool(self.role, role_rank, self.device)
         self._s = Session(self.peer_map.me, self.role, self.extra.strict, self._buffers)
         self._attention = AttentionSide(self._s, role_rank, self.device) if self.role == "attention" else None

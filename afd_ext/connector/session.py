@@ -14,7 +14,7 @@ import time
 from collections import deque
 from typing import Any, Callable
 
-from ..errors import AFDError, AFDStateError, ConnectorStateError
+from ..errors import AFDError, AFDProtocolError, AFDStateError, ConnectorStateError
 from ..metadata import AFDControlPayload
 from ..schedule import StepSchedule
 from ..transport.base import MessageTag, StepProgress, Transport
@@ -200,6 +200,35 @@ class Session:
         else:
             st.seq.abandoned = True
         return exc
+
+    def check_sent(self, payload: AFDControlPayload) -> None:
+        """The FFN ranks build their schedule from the payload sent; this rank uses the one applied.
+
+        Row counts that differ would make the two sides post data messages of
+        different sizes (gloo aborts the receiving process); without strict
+        headers this is where the disagreement is seen. Posts the step abort so
+        the FFN ranks waiting for the payload fail with the same message.
+
+        Raises:
+            AFDProtocolError: the counts differ (nothing is sent; the step is aborted on every rank).
+        """
+        st = self.step
+        if st is None or st.seq.moved:
+            return  # no step applied yet, or an older one (the runtime's order is checked elsewhere)
+        applied = {k: md.counts for k, md in st.schedule.payload.dp_metadata_list.items()}
+        sent = {k: md.counts for k, md in payload.dp_metadata_list.items()}
+        if applied == sent:
+            return
+        diff = [k for k in sorted(set(applied) | set(sent)) if applied.get(k) != sent.get(k)]
+        k = diff[0]
+        exc = AFDProtocolError(
+            f"AFD send_dp_metadata_list on {self.me}: the payload sent disagrees with the one applied by "
+            f"update_state_from_dp_metadata (step {st.seq.step}): stage {k} rows per attention rank "
+            f"{list(sent[k]) if k in sent else 'absent'} sent, {list(applied[k]) if k in applied else 'absent'} "
+            "applied. Both sides must compute the same schedule; apply and send the same payload. The step is "
+            "aborted on every rank.", op="send_dp_metadata_list", stage=k)
+        self.fail_step(exc)
+        raise exc
 
     # -- steps ---------------------------------------------------------------------------
 
