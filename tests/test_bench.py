@@ -500,6 +500,37 @@ def test_no_retry_writes_partial_outputs(tmp_path, capsys):
     assert "INCOMPLETE" in (out / "bench.md").read_text()
 
 
+def test_diagnose_blames_the_rank_stuck_before_its_exchanges_not_its_waiting_peer():
+    """Both ranks overran one warm-up; the attention rank, blocked on the FFN rank, was ended first."""
+    from afd_ext.bench.guard import diagnose
+
+    now = 1000.0
+    phase = {"what": "warm-up", "variant": "raw", "case": "h16-t1", "mode": "eager", "direction": "round_trip",
+             "wall_start": now - 80, "timeout_s": 60, "hard_timeout_s": 75}
+    stuck = dict(phase, rank=0, label="ffn0")
+    waiting = dict(phase, rank=1, label="attention0", on_peers=True)
+    died = RuntimeError("worker rank 1 died with exit code 1 without reporting")
+    d = diagnose(died, [stuck, waiting], now)
+    assert (d["kind"], d["rank"], d["label"], d["variant"]) == ("hung", 0, "ffn0", "raw"), d
+    assert "never reached its exchanges; attention0, waiting on it" in d["message"]
+    # The waiter's own error (a soft timeout, or the connection the stuck rank's death closed)
+    # is the consequence: the stuck peer is named, hung once past its hard deadline.
+    from afd_ext.testing import WorkerError
+
+    for tb in ("TimeoutError: attention rank 0: warm-up raw timed out", "RuntimeError: Connection closed by peer"):
+        d = diagnose(WorkerError(1, f"Traceback ...\n{tb}"), [stuck, waiting], now)
+        assert (d["kind"], d["rank"]) == ("hung", 0) and tb in d["message"], d
+    d = diagnose(WorkerError(1, "RuntimeError: Connection closed by peer"), [dict(stuck, wall_start=now - 3), waiting],
+                 now)
+    assert (d["kind"], d["rank"]) == ("failed", 0), d
+    # Both past that point (a hang inside the exchange): the rank that died is named, as before.
+    d = diagnose(died, [dict(stuck, on_peers=True), waiting], now)
+    assert (d["kind"], d["rank"]) == ("hung", 1), d
+    # Another phase is not the same wait: no switch.
+    d = diagnose(died, [dict(stuck, variant="ours_per_tensor"), waiting], now)
+    assert d["rank"] == 1, d
+
+
 def test_diagnose_names_crash_and_hang():
     from afd_ext.bench.guard import diagnose
 

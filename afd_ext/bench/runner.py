@@ -326,6 +326,7 @@ def _time_case(env: _Env, case: Case, ctx, variants: list, bar) -> list[dict]:
             g.enter("warm-up", **fields)
             v.bind_stream()
             _maybe_inject(env, case, v.name, "warm-up")
+            g.on_peers()
             time_eager(v.step(d), iters=reps.warmup, warmup=0, cuda=env.cuda, timed=False,
                        timeout_s=cfg.case_timeout_s, what=f"{env.label()} warm-up {v.name}/{d}")
             g.leave()
@@ -492,6 +493,7 @@ def _check_case(env: _Env, case: Case, ctx, variants: list) -> list[dict]:
                 env.guard.enter("check", case=case.key(), variant=v.name, mode=mode, direction=d,
                                 op=step_ops(v.name, d, env.role))
                 _maybe_inject(env, case, v.name, "warm-up")
+                env.guard.on_peers()
                 step = v.step(d)
                 env.drain("check warm-up")
                 env.barrier()

@@ -23,6 +23,7 @@ import torch
 
 from .. import rendezvous as rdzv
 from ..config import AFDConfig
+from ..control import AFDControlPlane
 from ..errors import AFDConfigError, ConnectorStateError
 from ..metadata import AFDA2FTransferPayload, AFDControlPayload, AFDExpertRoutingSpec, AFDTransferContext
 from ..schedule import StepSchedule, build_step_schedule, warmup_payload
@@ -33,7 +34,6 @@ from ..transport.base import PeerMap, Transport
 from ..transport.strict import HEADER_VERSION
 from .attention import AttentionSide
 from .buffers import BufferPool
-from .control import _ConnectorControlPlane
 from .ffn import FFNSide
 from .session import Session
 from .step import AfdExtTransferState
@@ -131,12 +131,14 @@ class AFDConnector:
         self.device = _pick_device(self.transport_kind, local_rank, kwargs.get("device"))
         self.schedule_config = self.spec.schedule_config(self.extra)
         self.peer_map = PeerMap(self.role, role_rank, self.attn_size, self.ffn_size)
-        self.control_plane = _ConnectorControlPlane(self)
+        # Kept across close() / init_afd_connector(): init opens its channels, close closes them.
+        self.control_plane = AFDControlPlane(self._apply_payload, self.topology, self.role, role_rank,
+                                             label=self.peer_map.me,
+                                             check_send=lambda p: self._s.check_sent(AFDControlPayload.from_fields(p)))
         self._buffers = BufferPool(self.role, role_rank, self.device)
         self._s = Session(self.peer_map.me, self.role, self.extra.strict, self._buffers)
         self._attention = AttentionSide(self._s, role_rank, self.device) if self.role == "attention" else None
         self._ffn = FFNSide(self._s, role_rank, self.device) if self.role == "ffn" else None
-        self._cp: Any = None
 
     # ------------------------------------------------------------------ facts
 
@@ -221,7 +223,7 @@ class AFDConnector:
         if self._s.initialized:
             return
         try:
-            self._cp = self._s.open(self)
+            self._s.open(self, self.control_plane)
             if self.warmup_on_init:
                 self.warmup()
         except BaseException:
@@ -238,8 +240,7 @@ class AFDConnector:
         self._teardown()
 
     def _teardown(self) -> None:
-        cp, self._cp = self._cp, None
-        self._s.close(cp, self._ffn)
+        self._s.close(self.control_plane, self._ffn)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -248,12 +249,6 @@ class AFDConnector:
         if side is None:
             raise ConnectorStateError(f"{op} is an {role}-side call; this connector is {self.peer_map.me}")
         return side
-
-    def _channels(self, op: str):
-        if not self._s.initialized or self._cp is None:
-            raise ConnectorStateError(
-                f"AFD connector ({self.peer_map.me}) is not initialized; call init_afd_connector() before {op}")
-        return self._cp
 
     # ------------------------------------------------------------------ steps
 
@@ -266,10 +261,15 @@ class AFDConnector:
         """
         self._buffers.use_arena(arena)
 
-    def _apply_payload(self, payload: AFDControlPayload, *, pad_to: dict[int, int] | None = None) -> None:
-        """Start a step: drain an abandoned one, build the schedule, allocate buffers and streams."""
-        cfg = self.schedule_config if pad_to is None else dataclasses.replace(self.schedule_config, pad_to=pad_to)
-        self._s.next_step(payload, lambda p: build_step_schedule(self.topology, p, cfg),
+    def _apply_payload(self, payload: Any) -> None:
+        """``control_plane.update_state_from_dp_metadata``: validate, drain an abandoned step, build, allocate.
+
+        ``payload``: an ``AFDControlPayload`` or any object with its fields (the reference's class).
+        Raises ValueError (invalid payload; nothing moved) or ConnectorStateError (not usable, or the
+        previous step is incomplete mid-way: then aborted on every rank); docs/internals.md, "Errors".
+        """
+        payload = AFDControlPayload.from_fields(payload)
+        self._s.next_step(payload, lambda p: build_step_schedule(self.topology, p, self.schedule_config),
                           drain=None if self._attention is None else self._attention.drain,
                           settle=None if self._ffn is None else self._ffn.settle)
 
