@@ -210,9 +210,9 @@ def lookup(doc: dict, case_key: str, variant: str, mode: str, direction: str,
 
 
 def _one_way(r: dict | None) -> dict | None:
-    """A record's one-way statistics, or None where they could not be measured (none, or not positive)."""
+    """A record's one-way statistics, or None where they could not be measured (none, or p10 not positive)."""
     ow = (r or {}).get("one_way_us")
-    return ow if ow and float(ow["median"]) > 0 else None
+    return ow if ow and float(ow["p10"]) > 0 else None
 
 
 def _med(r: dict | None, one_way: bool = False) -> float | None:
@@ -401,8 +401,8 @@ def render_markdown(doc: dict) -> str:
         lines.append("## One way (ping-pong with a 16-byte flag back, minus half the flag ping-pong)")
         lines.append("")
         if any("not measurable" in cell for r in ow_rows for cell in r):
-            lines += ["`not measurable`: the ping-pong was not slower than half the flag ping-pong (its noise "
-                      "exceeds this direction's time), so no one-way figure can be derived.", ""]
+            lines += ["`not measurable`: the ping-pong's p10 was not above half the flag ping-pong's median (its "
+                      "noise exceeds this direction's time), so no one-way figure can be derived.", ""]
         head = ["layout", "case", "mode", "variant", "a2f µs", "a2f GB/s", "f2a µs", "f2a GB/s"]
         lines.append("| " + " | ".join(head) + " |")
         lines.append("|" + "|".join(["---"] * len(head)) + "|")
