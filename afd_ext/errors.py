@@ -113,11 +113,10 @@ class StepAbortedError(AFDAbortedError):
 
     def __init__(self, reason: str, by: str, *, op: str = ""):
         where = f" while {op}" if op else ""
-        super().__init__(
-            f"AFD step aborted by {by}{where}: {reason.rstrip().rstrip('.')}. The connector must be closed and "
-            "re-initialised on every rank (init_afd_connector) before the next step.",
-            op=op or None,
-        )
+        # The aborting rank's reason may already say how to recover; say it once.
+        again = "" if "init_afd_connector" in reason else (
+            " The connector must be closed and re-initialised on every rank (init_afd_connector) before the next step.")
+        super().__init__(f"AFD step aborted by {by}{where}: {reason.rstrip().rstrip('.')}.{again}", op=op or None)
         self.reason = reason
         self.by = by
 

@@ -289,8 +289,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=None,
                    help="AFD rendezvous port (default: a free port on one node; 1239 on several)")
     p.add_argument("--attention-gpus", default=None,
-                   help="GPU per attention rank, e.g. '0,0' (one entry: all share it); see local_device()")
-    p.add_argument("--ffn-gpus", default=None, help="GPU per FFN rank, e.g. '1'")
+                   help="GPU index per attention rank, by role rank, e.g. '0,0' (one entry: all share it). "
+                        "Each rank uses AFD_DEVICE if set, else its entry here (or --ffn-gpus), else "
+                        "torchrun's LOCAL_RANK (its index among the processes on its host)")
+    p.add_argument("--ffn-gpus", default=None,
+                   help="GPU index per FFN rank, by role rank, e.g. '1' (one entry: all share it)")
     p.add_argument("--extra-config", default=None,
                    help="JSON object exported as AFD_CONNECTOR_EXTRA_CONFIG (connector_extra_config)")
     p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with the rank")

@@ -282,7 +282,7 @@ def _open_tcp_store(host: str, port: int, world_rank: int, timeout_s: float):
     except Exception as e:  # DistNetworkError / DistStoreError
         raise RendezvousTimeoutError(
             f"world rank {world_rank} could not reach the AFD rendezvous store at {host}:{port} "
-            f"(hosted by FFN rank 0 = world rank 0) within {timeout_s:.0f} s: {str(e).splitlines()[0]}. "
+            f"(hosted by FFN rank 0 = world rank 0) within {timeout_s:.0f} s: {str(e).splitlines()[0].rstrip('.')}. "
             "Check that FFN rank 0 is running, that host/port are the same on every rank and "
             "that the port is reachable from this machine.",
             missing=(0,), what="rendezvous store",

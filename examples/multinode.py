@@ -15,13 +15,16 @@ One host (3 processes)::
 
 Two hosts: the FFN rank on host 1 (address 10.0.0.1), the attention ranks on
 host 2. Node rank 0 is the FFN host, so torchrun's ``MASTER_ADDR`` is FFN rank
-0's address and nothing else needs configuring (port 1239 must be open on
-host 1 for the AFD store, 29500 for torchrun's)::
+0's address (port 1239 must be open on host 1 for the AFD store, 29500 for
+torchrun's). Give both hosts the same ``--rdzv-id``, unique per job: with this
+static rendezvous torchrun's default run id is the literal ``none``, and the
+AFD store uses it to refuse another job's ranks (docs/multi-node.md, "Job
+identity")::
 
     host1$ AFD_NUM_FFN_RANKS=1 torchrun --nnodes 2 --node-rank 0 --nproc-per-node 1 \\
-               --master-addr 10.0.0.1 --master-port 29500 examples/multinode.py
+               --master-addr 10.0.0.1 --master-port 29500 --rdzv-id afd-job-42 examples/multinode.py
     host2$ AFD_NUM_FFN_RANKS=1 torchrun --nnodes 2 --node-rank 1 --nproc-per-node 2 \\
-               --master-addr 10.0.0.1 --master-port 29500 examples/multinode.py
+               --master-addr 10.0.0.1 --master-port 29500 --rdzv-id afd-job-42 examples/multinode.py
 
 Each rank prints one line: its role, its host name, and the steps and rows it checked.
 """

@@ -306,7 +306,13 @@ def test_quick_gloo_emits_valid_json(tmp_path, capfd):
             assert r is not None, (ck, v)
             s = r["stats_us"]
             assert 0 < s["min"] <= s["p10"] <= s["median"] <= s["p90"] and s["n"] >= 4
-        assert report.lookup(doc, ck, "ours_per_tensor", "eager", "a2f")["one_way_us"]["n"] >= 4
+        a2f = report.lookup(doc, ck, "ours_per_tensor", "eager", "a2f")
+        assert a2f["stats_us"]["n"] >= 4
+        # a one-way figure only where the subtraction leaves a positive time; else the reason is recorded
+        if "one_way_us" in a2f:
+            assert a2f["one_way_us"]["p10"] > 0 and a2f["one_way_us"]["n"] >= 4
+        else:
+            assert "not above half the flag ping-pong" in a2f["one_way_unmeasured"] and "gbps" not in a2f
     # packed exists where there are logits and ids; bare is NCCL-only and reported as skipped
     assert report.lookup(doc, "h64-t1-extras", "ours_packed", "eager", "round_trip") is not None
     assert {s["variant"] for s in doc["skipped"]} >= {"bare"}
@@ -561,3 +567,27 @@ def test_gloo_document_names_its_transport_and_says_what_it_cannot_show(tmp_path
     assert "NCCL runtime" not in md
     assert report.variant_label("raw", "nccl") == "raw NCCL (1 msg)"
     assert report.variant_label("torch_dist", "nccl") == "torch.dist batch"
+
+
+def test_gloo_report_prints_no_negative_one_way_times_and_no_target_verdicts():
+    doc = _synthetic_doc()
+    doc["meta"]["backend"] = "gloo"
+    neg = {"median": -838.4, "p10": -900.0, "p90": -700.0, "mean": -838.4, "min": -950.0, "n": 10}
+    doc["records"].append(_rec(128, "ours_packed", "eager", "a2f", 90.0, one_way_us=neg, gbps=-1.0))
+    doc["records"].append(_rec(128, "ours_packed", "eager", "f2a", 95.0,
+                               one_way_unmeasured="ping-pong p10 85.5 µs is not above half the flag ping-pong"))
+    spread = {"median": 120.0, "p10": -793.4, "p90": 310.0, "mean": 100.0, "min": -900.0, "n": 10}
+    doc["records"].append(_rec(128, "raw", "eager", "a2f", 90.0, one_way_us=spread, gbps=0.5))
+    doc["targets"] = report.evaluate_targets(doc)
+    md = report.render_markdown(doc)
+    (row,) = [ln for ln in md.splitlines() if ln.startswith("| 1A1F | h7168-t128-extras | eager | ours")]
+    assert row.count("not measurable") == 2 and "-838" not in md and "-1.0" not in row
+    (raw,) = [ln for ln in md.splitlines() if ln.startswith("| 1A1F | h7168-t128-extras | eager | raw")]
+    assert "not measurable" in raw and "-793" not in md  # a positive median over a negative p10 is noise too
+    assert "(its noise exceeds this direction's time)" in md
+    targets = md.split("## Targets")[1].split("\n\n")[1]
+    assert "**no**" not in targets and "| yes |" not in targets
+    assert targets.count("not applicable on gloo") == len(doc["targets"])
+    doc["meta"]["backend"] = "nccl"  # the same data from an NCCL run gets verdicts
+    md = report.render_markdown(doc)
+    assert "not applicable on gloo" not in md and "**no**" in md and "| yes |" in md

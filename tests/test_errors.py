@@ -116,3 +116,14 @@ def test_the_walk_sees_raises():
 
     classes = {cls for _, cls in _raised_classes(seq)}
     assert errors.AFDStateError in classes and len(classes) >= 2
+
+
+def test_step_aborted_says_how_to_recover_once():
+    plain = errors.StepAbortedError("send_attn_output layer 3 failed.", "attention rank 0", op="barrier")
+    assert str(plain).startswith("AFD step aborted by attention rank 0 while barrier: send_attn_output layer 3 "
+                                 "failed. The connector must be closed")
+    assert str(plain).count("init_afd_connector") == 1
+    # the aborting rank's reason already carries the instruction (the connector's mid-step note)
+    told = errors.StepAbortedError("bad shape. The step was already under way on FFN rank 0, so it was aborted "
+                                   "on every rank; close() and init_afd_connector() to continue.", "FFN rank 0")
+    assert str(told).count("init_afd_connector") == 1 and str(told).endswith("to continue.")

@@ -259,8 +259,9 @@ def test_nothing_binds_to_loopback_when_host_is_routable():
 def test_client_times_out_naming_ffn_rank0():
     port = find_free_port(HOST)
     t0 = time.monotonic()
-    with pytest.raises(rdzv.RendezvousTimeoutError, match="FFN rank 0"):
+    with pytest.raises(rdzv.RendezvousTimeoutError, match="FFN rank 0") as e:
         rdzv.connect(HOST, port, 1, 2, 1.0)
+    assert ".." not in str(e.value)  # the store's own message may end in a period
     assert time.monotonic() - t0 < 15
 
 

@@ -122,39 +122,65 @@ H, L = 16, 2
 
 
 def _readme_worker(rank: int, nprocs: int, port: int) -> int:
-    """The README's snippet as written: no transport, no device, bf16 (CUDA hidden: the rule must pick gloo)."""
+    """The README's excerpt filled in: no transport, no device, bf16 (CUDA hidden: the rule must pick gloo).
+
+    Every statement of the README's excerpt appears here verbatim
+    (:func:`test_readme_excerpt_is_what_the_test_runs` checks it).
+    """
     from afd_ext.config import AFDConfig
     from afd_ext.factory import create_connector
     from afd_ext.metadata import AFDControlPayload, AFDTransferContext, AFDTransferMetadata
 
+    def mlp(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    host, local_rank, stage = "127.0.0.1", 0, 0
     role = "ffn" if rank == 0 else "attention"
     role_rank = 0 if role == "ffn" else rank - 1
-    cfg = AFDConfig.from_dict({"role": role, "host": "127.0.0.1", "port": port,
+    cfg = AFDConfig.from_dict({"role": role, "host": host, "port": port,
                                "num_attention_ranks": 2, "num_ffn_ranks": 1})
-    conn = create_connector(rank, 0, cfg, role_rank=role_rank, hidden_size=H, num_layers=L, dtype=torch.bfloat16)
+    conn = create_connector(rank, local_rank, cfg, role_rank=role_rank,
+                            hidden_size=H, num_layers=L, dtype=torch.bfloat16)
     assert conn.transport_kind == "gloo"
     conn.init_afd_connector()
     try:
-        payload = AFDControlPayload(dp_metadata_list={0: [3, 5]})
         if role == "ffn":
             conn.control_plane.update_state_from_dp_metadata(conn.control_plane.recv_dp_metadata_list())
             for _layer in range(L):
-                a2f = conn.recv_attn_output(ubatch_idx=0)
-                conn.send_ffn_output(a2f.hidden_states * 2, a2f.context)
+                a2f = conn.recv_attn_output(ubatch_idx=stage)
+                conn.send_ffn_output(mlp(a2f.hidden_states), a2f.context)
             return 0
+        payload = AFDControlPayload(dp_metadata_list={0: [3, 5]})
         conn.control_plane.update_state_from_dp_metadata(payload)
         conn.control_plane.send_dp_metadata_list(payload)
         hidden_states = torch.ones(payload.dp_metadata_list[0].num_tokens_across_dp_cpu[role_rank], H,
                                    dtype=torch.bfloat16)
         for layer in range(L):
             ctx = AFDTransferContext(AFDTransferMetadata.create_attention_metadata(
-                layer_idx=layer, stage_idx=0, seq_len=hidden_states.shape[0]))
+                layer_idx=layer, stage_idx=stage, seq_len=hidden_states.shape[0]))
             conn.send_attn_output(hidden_states, ctx)
-            hidden_states = conn.recv_ffn_output(hidden_states, ubatch_idx=0)
+            hidden_states = conn.recv_ffn_output(hidden_states, ubatch_idx=stage)
         assert torch.equal(hidden_states, torch.full_like(hidden_states, 4))
         return int(hidden_states.shape[0])
     finally:
         conn.close()
+
+
+def test_readme_excerpt_is_what_the_test_runs():
+    """Each statement of the README's python excerpt is one the worker above runs (compared as syntax trees)."""
+    import ast
+    import inspect
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "create_connector(" in b]
+    excerpt = [ast.dump(st) for st in ast.parse(block).body]
+    assert len(excerpt) >= 12, block
+    module = ast.parse(inspect.getsource(inspect.getmodule(_readme_worker)))
+    ran = {ast.dump(n) for n in ast.walk(module) if isinstance(n, ast.stmt)}
+    missing = [ast.unparse(st) for st, d in zip(ast.parse(block).body, excerpt) if d not in ran]
+    assert not missing, f"README excerpt statements the test does not run: {missing}"
 
 
 @pytest.mark.timeout(120)

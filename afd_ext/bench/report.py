@@ -6,7 +6,7 @@ JSON document (``schema: "afd-ext-bench/1"``)::
      "records": [{"case", "case_key", "A", "F", "variant", "mode", "direction",
                   "role", "role_rank", "peers", "rows", "bytes_a2f", "bytes_f2a",
                   "stats_us": {"median","p10","p90","mean","min","n"},
-                  "one_way_us"?: {...}, "gbps"?, "graph_iters"?, ...}],
+                  "one_way_us"?: {...}, "one_way_unmeasured"?: str, "gbps"?, "graph_iters"?, ...}],
      "skipped": [{"case_key", "variant", "reason"}], "notes": [...],
      "control_plane": {"reference": {...µs} | null, "ours": {...µs} | null},
      "default_wire_format": {case_key: "packed" | "per_tensor"},
@@ -209,11 +209,18 @@ def lookup(doc: dict, case_key: str, variant: str, mode: str, direction: str,
     return None
 
 
+def _one_way(r: dict | None) -> dict | None:
+    """A record's one-way statistics, or None where they could not be measured (none, or p10 not positive)."""
+    ow = (r or {}).get("one_way_us")
+    return ow if ow and float(ow["p10"]) > 0 else None
+
+
 def _med(r: dict | None, one_way: bool = False) -> float | None:
     if r is None:
         return None
-    if one_way and "one_way_us" in r:
-        return float(r["one_way_us"]["median"])
+    if one_way:
+        ow = _one_way(r)
+        return None if ow is None else float(ow["median"])
     return float(r["stats_us"]["median"])
 
 
@@ -304,7 +311,9 @@ def evaluate_targets(doc: dict) -> list[dict]:
 def _fmt_us(r: dict | None, one_way: bool = False) -> str:
     if r is None:
         return "–"
-    s = r["one_way_us"] if one_way and "one_way_us" in r else r["stats_us"]
+    s = _one_way(r) if one_way else r["stats_us"]
+    if s is None:
+        return "not measurable"
     return f"{s['median']:.1f} ({s['p10']:.1f}–{s['p90']:.1f})"
 
 
@@ -386,11 +395,14 @@ def render_markdown(doc: dict) -> str:
                 if a is None and f is None:
                     continue
                 ow_rows.append([f"{c['A']}A{c['F']}F", ck, mode, variant_label(v, backend), _fmt_us(a, True),
-                                _fmt(a.get("gbps") if a else None, ".1f"), _fmt_us(f, True),
-                                _fmt(f.get("gbps") if f else None, ".1f")])
+                                _fmt(a.get("gbps") if _one_way(a) else None, ".1f"), _fmt_us(f, True),
+                                _fmt(f.get("gbps") if _one_way(f) else None, ".1f")])
     if ow_rows:
         lines.append("## One way (ping-pong with a 16-byte flag back, minus half the flag ping-pong)")
         lines.append("")
+        if any("not measurable" in cell for r in ow_rows for cell in r):
+            lines += ["`not measurable`: the ping-pong's p10 was not above half the flag ping-pong's median (its "
+                      "noise exceeds this direction's time), so no one-way figure can be derived.", ""]
         head = ["layout", "case", "mode", "variant", "a2f µs", "a2f GB/s", "f2a µs", "f2a GB/s"]
         lines.append("| " + " | ".join(head) + " |")
         lines.append("|" + "|".join(["---"] * len(head)) + "|")
@@ -440,8 +452,10 @@ def render_markdown(doc: dict) -> str:
         lines.append("")
         lines.append("| target | measured | goal | ratio | met | detail |")
         lines.append("|---|---|---|---|---|---|")
+        # The targets are for the NCCL data path: a gloo-only run's times cannot meet or miss them.
+        gloo_only = "gloo" in str(backend) and "nccl" not in str(backend)
         for t in doc["targets"]:
-            met = {True: "yes", False: "**no**", None: "n/a"}[t["met"]]
+            met = "not applicable on gloo" if gloo_only else {True: "yes", False: "**no**", None: "n/a"}[t["met"]]
             lines.append(f"| {t['target']} | {_fmt(t['value'], '.2f')} | {t['goal']} | "
                          f"{_fmt(t['ratio'], '.2f', '×')} | {met} | {t['detail']} |")
         lines.append("")
@@ -492,7 +506,7 @@ def _fan_in_rows(doc: dict, backend: str | None = "nccl") -> list[list[str]]:
         a2f = groups.get((A, F, ck, mode, v, "a2f"), [])
         ingress = None
         if a2f:
-            worst = max((float(r["one_way_us"]["median"]) for r in a2f if "one_way_us" in r), default=0.0)
+            worst = max((_med(r, one_way=True) or 0.0 for r in a2f), default=0.0)
             per_ffn = sum(r["bytes_a2f"] for r in a2f) / F
             ingress = per_ffn / (worst * 1e3) if worst > 0 else None
         out.append([f"{A}A{F}F", ck, mode, variant_label(v, backend), ", ".join(f"{m:.1f}" for m in meds),

@@ -17,7 +17,9 @@ One-way times: a direction alone is timed as a ping-pong whose other
 direction is a 16-byte flag (our raw send/recv), and half of the flag-only
 ping-pong of the same case and mode is subtracted:
 ``one_way(a2f) = T(payload a2f, flag f2a) - T(flag, flag) / 2``. Bandwidth is
-the direction's bytes over that one-way time.
+the direction's bytes over that one-way time. Where that difference is not
+positive at p10 (the flag ping-pong's noise exceeds the payload's time, as over
+gloo on a busy CPU) no one-way figure is recorded, only ``one_way_unmeasured``.
 """
 
 from __future__ import annotations
@@ -376,10 +378,14 @@ def _time_case(env: _Env, case: Case, ctx, variants: list, bar) -> list[dict]:
             rec = _record(env, case, name, mode, d, st, ctx)
             if d in ("a2f", "f2a"):
                 ow = st.shifted(-flag_stats.median / 2.0)
-                rec["one_way_us"] = ow.to_dict()
                 rec["flag_round_trip_median_us"] = flag_stats.median
-                nb = rec["bytes_a2f"] if d == "a2f" else rec["bytes_f2a"]
-                rec["gbps"] = nb / (ow.median * 1e3) if ow.median > 0 else None
+                if ow.p10 > 0:
+                    rec["one_way_us"] = ow.to_dict()
+                    nb = rec["bytes_a2f"] if d == "a2f" else rec["bytes_f2a"]
+                    rec["gbps"] = nb / (ow.median * 1e3)
+                else:  # the flag ping-pong's noise exceeds this direction's time (gloo/TCP): no one-way figure
+                    rec["one_way_unmeasured"] = (f"ping-pong p10 {st.p10:.1f} µs is not above half the flag "
+                                                 f"ping-pong's median ({flag_stats.median / 2.0:.1f} µs)")
             elif d == "round_trip":
                 rec["gbps"] = (rec["bytes_a2f"] + rec["bytes_f2a"]) / (st.median * 1e3)
             if mode == "graph":

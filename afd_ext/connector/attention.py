@@ -53,7 +53,7 @@ class AttentionSide:
                 raise AFDConfigError(f"hidden_states must be a torch.Tensor, got {type(hidden_states).__name__}")
             if not md.validate_tensor_shape(tuple(hidden_states.shape)):
                 raise AFDConfigError(f"hidden_states shape {tuple(hidden_states.shape)!r} does not match AFD metadata "
-                                 f"token count {md.total_tokens}")
+                                 f"token count {md.total_tokens}.")
             # One check of the wire tensors (types, shapes, dtypes, contiguity), then the device.
             st.schedule.check_attention_tensors(stage, self.role_rank, hidden_states, router_logits, input_ids)
             for name, t in (("hidden_states", hidden_states), ("router_logits", router_logits),

@@ -107,7 +107,7 @@ class FFNSide:
                 raise AFDConfigError(f"ffn_output must be a torch.Tensor, got {type(ffn_output).__name__}")
             if not context.metadata.validate_tensor_shape(tuple(ffn_output.shape)):
                 raise AFDConfigError(f"ffn_output shape {tuple(ffn_output.shape)!r} does not match metadata "
-                                 f"(total_tokens {context.metadata.total_tokens})")
+                                 f"(total_tokens {context.metadata.total_tokens}).")
             tr.check_device(ffn_output, "ffn_output")
             st.schedule.check_ffn_output(stage, self.role_rank, ffn_output)
         except (ValueError, AFDStateError) as e:
