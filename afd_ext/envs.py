@@ -110,6 +110,9 @@ register("AFD_HOST", None, "launch: rendezvous host (FFN rank 0's address)")
 register("AFD_PORT", None, "launch: rendezvous port on AFD_HOST", _non_negative_int)
 register("AFD_DEVICE", None, "launch: CUDA device index to use inside this process "
          "(0 when the launcher restricted CUDA_VISIBLE_DEVICES to one GPU)", _non_negative_int)
+register("AFD_JOB_ID", None,
+         "rendezvous: identity of this AFD job (same on every rank); the store refuses a rank of another "
+         "job. Overrides torchrun's TORCHELASTIC_RUN_ID; connector_extra_config.job_id overrides both")
 register("AFD_CONNECTOR_EXTRA_CONFIG", None,
          "launch: JSON object merged into connector_extra_config by config_from_env")
 
