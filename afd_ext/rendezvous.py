@@ -646,13 +646,17 @@ def _shape_difference(mine: Mapping[str, Any], theirs: Mapping[str, Any]) -> tup
 
 def _abort_handshake(st: "AFDStore", root: Any, reason: str, theirs: Mapping[str, Any]) -> None:
     """Stop the ranks waiting in FFN rank 0's current handshake, unless that job already runs."""
+    import torch.distributed as dist
+
     try:
-        g = int(st.call(lambda: root.add("join/0", 0), "reading FFN rank 0's generation", 1.0))
-        done = [f"g{g}/barrier/handshake-read/0/{r}" for r in range(int(theirs.get("world_size") or 0))]
-        if done and st.call(lambda: root.check(done), "reading the handshake", 1.0):
+        # FFN rank 0's generation; 0: it has not joined yet and will join generation 1.
+        g = max(1, int(st.call(lambda: root.add("join/0", 0), "reading FFN rank 0's generation", 1.0)))
+        gen = dist.PrefixStore(f"g{g}/", root)
+        done = [f"barrier/handshake-read/0/{r}" for r in range(int(theirs.get("world_size") or 0))]
+        if done and st.call(lambda: gen.check(done), "reading the handshake", 1.0):
             return  # that generation is past its handshake: a running job is not disturbed
         value = json.dumps({"reason": reason, "by": st.label()})
-        st.call(lambda: root.compare_set(f"g{g}/abort", "", value), "posting the abort", 1.0)
+        st.call(lambda: gen.compare_set("abort", "", value), "posting the abort", 1.0)
     except Exception as e:  # noqa: BLE001 - only speeds up the other ranks' errors
         logger.debug("could not abort the waiting handshake: %s", e)
 

@@ -1,0 +1,220 @@
+"""Faults that used to hang or mislead (issue 17): each case, its named error and the time it takes.
+
+Every deadline must hold within ``deadline + max(1 s, 10 %)`` whatever the
+rendezvous store does; the helpers in ``fault_helpers`` bound every call, so a
+regression fails here instead of hanging.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from fault_helpers import StoreHost, timed  # noqa: E402
+
+from afd_ext import rendezvous as rdzv  # noqa: E402
+from afd_ext.errors import StoreTimeoutError  # noqa: E402
+from afd_ext.testing import find_free_port  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+HOST = "127.0.0.1"
+
+
+def _slack(deadline_s: float) -> float:
+    return deadline_s + max(1.0, 0.1 * deadline_s)
+
+
+@pytest.fixture
+def store_host():
+    hosts = []
+
+    def start(world_size: int = 2, **kw) -> StoreHost:
+        h = StoreHost(find_free_port(HOST), world_size, **kw)
+        hosts.append(h)
+        return h
+
+    yield start
+    for h in hosts:
+        h.close()
+    rdzv.forget_cached_stores()
+
+
+# ---------------------------------------------------------------- item 1: a frozen store host
+def test_a_frozen_store_host_stalls_no_wait_and_the_abort_lands_when_it_wakes(store_host):
+    host = store_host()
+    port = int(host.proc.args[4])
+    st = rdzv.connect(HOST, port, 1, 2, 30.0, num_ffn_ranks=1)
+    assert rdzv.check_abort(st) is None
+    host.freeze()
+    # The abort poll answers within its bound, then at once while the store stays silent.
+    took, found, err = timed(lambda: rdzv.check_abort(st), 10)
+    assert err is None and found is None and took < rdzv.ABORT_READ_WAIT_S + 0.3, (took, err)
+    took, _, err = timed(lambda: [rdzv.raise_if_aborted(st, "poll") for _ in range(50)], 10)
+    assert err is None and took < 0.2, (took, err)
+    # A rendezvous wait holds its deadline and names the silent store host.
+    deadline = 1.0
+    waited, _, err = timed(lambda: rdzv.wait_for_keys(st, {"never": 0}, deadline, "a key"), 10)
+    assert isinstance(err, StoreTimeoutError), err
+    assert "FFN rank 0 (world rank 0)" in str(err) and "stopped or frozen" in str(err), err
+    assert waited < _slack(deadline), waited
+    # Posting an abort does not hang the failing rank; the post lands once the host wakes.
+    took, posted, err = timed(lambda: rdzv.post_abort(st, "layer 3 failed"), 10)
+    assert err is None and posted is False and took < rdzv.POST_ABORT_WAIT_S + 0.5, (took, err)
+    host.thaw()
+    t0 = time.monotonic()
+    while rdzv.check_abort(st) is None and time.monotonic() - t0 < 10:
+        time.sleep(0.05)
+    assert rdzv.check_abort(st) == f"layer 3 failed (by {st.label()})"
+    print(f"\n[item 1] frozen store: wait_for_keys({deadline:g} s) -> StoreTimeoutError after {waited:.2f} s")
+
+
+# ---------------------------------------------------------------- items 6 and 12: connecting
+def test_an_absent_store_is_a_named_timeout_at_init_timeout_s():
+    import torch.distributed  # noqa: F401 - imported once, outside the measured time
+
+    deadline = 2.0
+    took, _, err = timed(lambda: rdzv.connect(HOST, find_free_port(HOST), 1, 2, deadline, num_ffn_ranks=1), 30)
+    assert isinstance(err, rdzv.RendezvousTimeoutError), err
+    assert "could not reach the AFD rendezvous store" in str(err) and "Connection refused" in str(err), err
+    assert "frame #" not in str(err) and "Exception raised from" not in str(err)
+    assert deadline - 0.05 < took < _slack(deadline), took  # the store client used to retry once more (~2x)
+    print(f"\n[item 6] absent store, init_timeout_s={deadline:g}: RendezvousTimeoutError after {took:.2f} s")
+
+
+def test_a_port_held_by_a_program_that_is_not_a_store_is_a_named_timeout():
+    import socket
+
+    import torch.distributed  # noqa: F401
+
+    with socket.socket() as squatter:
+        squatter.bind((HOST, 0))
+        squatter.listen(8)  # accepts connections, never answers
+        port = squatter.getsockname()[1]
+        deadline = 2.0
+        took, _, err = timed(lambda: rdzv.connect(HOST, port, 1, 2, deadline, num_ffn_ranks=1), 30)
+        assert isinstance(err, rdzv.RendezvousTimeoutError), err
+        assert "does not answer as an AFD rendezvous store" in str(err) and "Another program" in str(err), err
+        assert took < _slack(deadline), took
+    print(f"\n[item 12] foreign listener, init_timeout_s={deadline:g}: RendezvousTimeoutError after {took:.2f} s")
+
+
+# ---------------------------------------------------------------- item 2: a second job on the port
+def test_a_rank_of_another_job_is_refused_and_the_running_job_is_untouched(store_host, monkeypatch):
+    from afd_ext.errors import JobMismatchError
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    host = store_host(env={"AFD_JOB_ID": "job-a"})
+    port = int(host.proc.args[4])
+    monkeypatch.setenv("AFD_JOB_ID", "job-b")
+    took, _, err = timed(lambda: rdzv.connect(HOST, port, 1, 2, 10.0, num_ffn_ranks=1), 20)
+    assert isinstance(err, JobMismatchError), err
+    assert err.job_id == "job-b" and err.store_job_id == "job-a"
+    assert "job-a" in str(err) and "AFD_JOB_ID" in str(err) and "another port" in str(err), err
+    assert took < 1.0, took
+    # torchrun's run id is the next source; an explicit job_id beats both.
+    monkeypatch.delenv("AFD_JOB_ID")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-7")
+    with pytest.raises(JobMismatchError, match="TORCHELASTIC_RUN_ID"):
+        rdzv.connect(HOST, port, 1, 2, 10.0, num_ffn_ranks=1)
+    st = rdzv.connect(HOST, port, 1, 2, 10.0, num_ffn_ranks=1, job_id="job-a")
+    assert st.generation == 1  # the refused attempts joined nothing
+    print(f"\n[item 2] rank of another job: JobMismatchError after {took:.2f} s")
+
+
+def test_job_id_resolution_order(monkeypatch):
+    from afd_ext.config import AfdExtConnectorConfig, resolve_job_id
+
+    monkeypatch.delenv("AFD_JOB_ID", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert resolve_job_id() == ("", "default (no job identity)")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-1")
+    assert resolve_job_id() == ("run-1", "TORCHELASTIC_RUN_ID")
+    monkeypatch.setenv("AFD_JOB_ID", "afd-1")
+    assert resolve_job_id() == ("afd-1", "AFD_JOB_ID")
+    assert AfdExtConnectorConfig().job_id == "afd-1"
+    assert AfdExtConnectorConfig.from_mapping({"job_id": "mine"}).job_id == "mine"
+    with pytest.raises(TypeError, match="job_id"):
+        AfdExtConnectorConfig.from_mapping({"job_id": 3})
+
+
+# ---------------------------------------------------------------- item 8: one role rank, two processes
+_CLAIM_CODE = """
+import sys, time
+import torch.distributed
+from afd_ext import rendezvous as rdzv
+t0 = time.monotonic()
+try:
+    rdzv.connect("127.0.0.1", int(sys.argv[1]), int(sys.argv[2]), 2, 10.0, num_ffn_ranks=1)
+    print("joined", flush=True)
+except Exception as e:
+    print(type(e).__name__, round(time.monotonic() - t0, 3), str(e), flush=True)
+"""
+
+
+def _claim_in_child(port: int, world_rank: int) -> str:
+    import subprocess
+
+    from fault_helpers import ROOT
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", _CLAIM_CODE, str(port), str(world_rank)], env=env,
+                         capture_output=True, text=True, timeout=60)
+    return out.stdout.strip()
+
+
+def test_two_processes_claiming_one_role_rank_are_refused_by_name(store_host):
+    host = store_host()
+    port = int(host.proc.args[4])
+    rdzv.connect(HOST, port, 1, 2, 10.0, num_ffn_ranks=1)  # this process holds attention rank 0
+    out = _claim_in_child(port, 1)
+    name, took, msg = out.split(" ", 2)
+    assert name == "DuplicateRankError", out
+    assert f"pid {os.getpid()}" in msg and "attention rank 0 (world rank 1)" in msg and "same role rank" in msg
+    assert float(took) < 1.0, out
+    # this process re-joining (a re-initialisation) is not a duplicate
+    assert rdzv.connect(HOST, port, 1, 2, 10.0, num_ffn_ranks=1).generation == 2
+    print(f"\n[item 8] second process on a held role rank: DuplicateRankError after {float(took):.2f} s")
+
+
+def test_a_role_rank_whose_process_is_gone_can_be_taken_over(store_host):
+    host = store_host()
+    port = int(host.proc.args[4])
+    assert _claim_in_child(port, 1) == "joined"  # that process exits, its claim stays in the store
+    assert rdzv.connect(HOST, port, 1, 2, 10.0, num_ffn_ranks=1).generation == 2
+
+
+# ---------------------------------------------------------------- item 14: A or F differ between ranks
+def _shape_worker(rank, nprocs, port, bad_rank):
+    from afd_ext import rendezvous as rdzv
+
+    import torch.distributed  # noqa: F401 - imported outside the measured time
+
+    A = 3 if rank == bad_rank else 2  # world: FFN rank 0, attention ranks 0 and 1
+    t0 = time.monotonic()
+    try:
+        st = rdzv.connect("127.0.0.1", port, rank, 1 + A, 20.0, num_ffn_ranks=1)
+        rdzv.handshake(st, rank, 1 + A, {"format_version": 1}, 20.0)
+    except Exception as e:  # noqa: BLE001
+        return {"error": type(e).__name__, "msg": str(e), "took": time.monotonic() - t0,
+                "field": getattr(e, "field", None)}
+    return {"took": time.monotonic() - t0}
+
+
+def test_ranks_started_with_different_num_attention_ranks_fail_fast_naming_the_field():
+    from afd_ext.testing import run_workers
+
+    res = run_workers(_shape_worker, 3, (find_free_port(HOST), 2), timeout_s=60)
+    bad = res[2]
+    assert bad["error"] == "HandshakeMismatchError" and bad["field"] == "num_attention_ranks", bad
+    assert "has 3" in bad["msg"] and "with 2" in bad["msg"], bad
+    for r in res[:2]:
+        # the ranks waiting in the handshake learn it at once, not after init_timeout_s (20 s)
+        assert r["error"] == "StepAbortedError" and "num_attention_ranks" in r["msg"], r
+    assert max(r["took"] for r in res) < 5.0, res
+    print(f"\n[item 14] num_attention_ranks 3 vs 2: mismatch after {bad['took']:.2f} s, "
+          f"the others aborted after {max(r['took'] for r in res[:2]):.2f} s")
