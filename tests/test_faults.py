@@ -218,3 +218,40 @@ def test_ranks_started_with_different_num_attention_ranks_fail_fast_naming_the_f
     assert max(r["took"] for r in res) < 5.0, res
     print(f"\n[item 14] num_attention_ranks 3 vs 2: mismatch after {bad['took']:.2f} s, "
           f"the others aborted after {max(r['took'] for r in res[:2]):.2f} s")
+
+
+# ---------------------------------------------------------------- item 9: two copies of the extension
+_TWO_COPIES = """
+import sys
+first, second = sys.argv[1], sys.argv[2]
+import importlib
+importlib.import_module(first + ".ops")
+try:
+    importlib.import_module(second + ".ops")
+except ImportError as e:
+    # the copy that raised has its own errors module: look for its AFDError by name
+    print(type(e).__name__, any(c.__name__ == "AFDError" for c in type(e).__mro__), e)
+else:
+    print("loaded twice")
+"""
+
+
+@pytest.mark.parametrize("order", ["installed first", "vendored first"])
+def test_a_second_copy_of_the_extension_is_an_import_error_naming_both(tmp_path, order):
+    import shutil
+    import subprocess
+
+    from fault_helpers import ROOT
+
+    vend = tmp_path / "vend"
+    shutil.copytree(ROOT / "afd_ext", vend / "afd_ext", ignore=shutil.ignore_patterns("__pycache__"))
+    (vend / "__init__.py").write_text("")
+    names = ["afd_ext", "vend.afd_ext"] if order == "installed first" else ["vend.afd_ext", "afd_ext"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(tmp_path)]))
+    out = subprocess.run([sys.executable, "-c", _TWO_COPIES, *names], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]  # the process did not abort
+    line = out.stdout.strip()
+    assert line.startswith("ExtensionConflictError True"), line
+    so = [p.name for p in (ROOT / "afd_ext").glob("_C*.so")][0]
+    assert str(ROOT / "afd_ext" / so) in line and str(vend / "afd_ext" / so) in line, line
