@@ -106,6 +106,7 @@ __all__ = [
     "ABORT_READ_WAIT_S",
     "POST_ABORT_WAIT_S",
     "error_text",
+    "process_group_error",
     "rank_label",
     "connect",
     "exchange_unique_id",
@@ -440,6 +441,39 @@ class _guard:
                 f"has exited or is unreachable ({error_text(ev)})"
             ) from None
         return False
+
+
+def process_group_error(exc: BaseException, *, me: str, label: Callable[[int], str], world_size: int,
+                        timeout_s: float, what: str = "the gloo process group") -> Exception:
+    """The named error for a ``torch.distributed`` process group that could not be built.
+
+    Args:
+        exc: what torch raised (``DistStoreError``, ``DistNetworkError``, ...).
+        me: this rank's label; label: world rank -> label.
+        world_size: ``F + A``; timeout_s: the build deadline, seconds.
+        what: the group, for the message.
+
+    Returns:
+        :class:`RendezvousTimeoutError` naming the ranks whose addresses never
+        arrived, or :class:`StoreUnavailableError`/:class:`RendezvousError`.
+    """
+    import re
+
+    text = error_text(exc)
+    name = type(exc).__name__
+    if name == "DistStoreError" or "timeout" in text.lower() or "timed out" in text.lower():
+        missing = sorted({int(r) for r in re.findall(r"gloo/+\d+/(\d+)", str(exc)) if int(r) < world_size})
+        who = ", ".join(label(r) for r in missing) or "a rank"
+        return RendezvousTimeoutError(
+            f"{me} could not build {what} within {timeout_s:g} s: {who} did not join ({text}). Check that "
+            "rank's log (it crashed, hangs, or loads its model slowly: raise init_timeout_s); every rank "
+            "must initialise the connector.", missing=missing, what=what)
+    if name == "DistNetworkError":
+        return StoreUnavailableError(
+            f"{me} could not build {what}: the network failed ({text}). FFN rank 0, which hosts the "
+            "rendezvous store, may have exited, or a rank cannot reach another's address (set "
+            "GLOO_SOCKET_IFNAME to an interface every rank can reach).")
+    return RendezvousError(f"{me} could not build {what}: {text}")
 
 
 def _listen_socket(host: str, port: int) -> int:

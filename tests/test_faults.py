@@ -255,3 +255,24 @@ def test_a_second_copy_of_the_extension_is_an_import_error_naming_both(tmp_path,
     assert line.startswith("ExtensionConflictError True"), line
     so = [p.name for p in (ROOT / "afd_ext").glob("_C*.so")][0]
     assert str(ROOT / "afd_ext" / so) in line and str(vend / "afd_ext" / so) in line, line
+
+
+# ---------------------------------------------------------------- item 7: building the gloo group
+def test_a_rank_missing_from_the_gloo_group_is_a_named_timeout(store_host):
+    from afd_ext.transport.base import PeerMap
+    from afd_ext.transport.gloo import GlooTransport
+
+    host = store_host(world_size=3)
+    port = int(host.proc.args[4])
+    # attention rank 0 builds its group; FFN rank 0 (the store host) and attention rank 1 never do
+    st = rdzv.connect(HOST, port, 1, 3, 10.0, num_ffn_ranks=1)
+    deadline = 1.5
+    took, _, err = timed(lambda: GlooTransport(st.store, PeerMap("attention", 0, 2, 1), strict=False,
+                                               timeout_s=1.0, init_timeout_s=deadline), 30)
+    assert isinstance(err, rdzv.RendezvousTimeoutError), repr(err)
+    msg = str(err)
+    assert msg.startswith("attention rank 0 (world rank 1) could not build the gloo process group"), msg
+    assert "FFN rank 0 (world rank 0)" in msg and "did not join" in msg, msg
+    assert "frame #" not in msg and "Exception raised from" not in msg, msg
+    assert 0 in err.missing and took < _slack(deadline), (err.missing, took)
+    print(f"\n[item 7] gloo group, ranks missing: RendezvousTimeoutError after {took:.2f} s: {msg[:160]}")

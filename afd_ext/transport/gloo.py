@@ -143,10 +143,16 @@ class GlooTransport(Transport):
         self._abort_check = abort_check
         world = peers.num_attention_ranks + peers.num_ffn_ranks
         # The constructor connects the full mesh (collective), bounded by the store timeout.
-        self._pg = dist.ProcessGroupGloo(
-            dist.PrefixStore("gloo/", store), peers.world_rank, world,
-            datetime.timedelta(seconds=max(init_timeout_s, timeout_s)),
-        )
+        try:
+            self._pg = dist.ProcessGroupGloo(
+                dist.PrefixStore("gloo/", store), peers.world_rank, world,
+                datetime.timedelta(seconds=max(init_timeout_s, timeout_s)),
+            )
+        except RuntimeError as e:  # raw DistStoreError / DistNetworkError: name the ranks
+            from ..rendezvous import process_group_error
+
+            raise process_group_error(e, me=peers.me, label=peers.label, world_size=world,
+                                      timeout_s=max(init_timeout_s, timeout_s)) from None
         self._waiter = _Waiter(f"afd-gloo-wait {peers.me}")
 
     # -- waits -------------------------------------------------------------------
