@@ -889,6 +889,13 @@ def post_abort(store: AFDStore, reason: str, by: str | None = None) -> bool:
     """
     by = by or store.label()
     value = json.dumps({"reason": str(reason), "by": by}).encode("utf-8")
+    runner = store._runner
+    if runner is not None and not runner.on_thread() and runner.stuck_s() > ABORT_READ_WAIT_S:
+        # The store is silent already: queue the post (it lands if the host wakes), wait for nothing.
+        runner.submit(lambda: store.store.compare_set("abort", "", value))
+        logger.warning("%s: the AFD abort (%s) is queued: the rendezvous store at %s:%d does not answer "
+                       "(FFN rank 0 stopped or unreachable)", store.label(), reason, store.host, store.port)
+        return False
     try:
         prev = bytes(store.call(lambda: store.store.compare_set("abort", "", value), "posting the abort",
                                 POST_ABORT_WAIT_S, cancel=False))

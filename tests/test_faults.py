@@ -276,3 +276,47 @@ def test_a_rank_missing_from_the_gloo_group_is_a_named_timeout(store_host):
     assert "frame #" not in msg and "Exception raised from" not in msg, msg
     assert 0 in err.missing and took < _slack(deadline), (err.missing, took)
     print(f"\n[item 7] gloo group, ranks missing: RendezvousTimeoutError after {took:.2f} s: {msg[:160]}")
+
+
+# ---------------------------------------------------------------- item 1 over gloo: the store host stopped mid-run
+def _frozen_host_worker(rank, nprocs, sc, port, resume_after_s):
+    import signal
+    import subprocess
+
+    import connector_scenarios as cs
+
+    conn = cs.make_connector(sc, rank, port)
+    conn.init_afd_connector()
+    try:
+        if rank == 0:
+            cs.ffn_step(conn, sc)
+            time.sleep(0.5)  # let the last replies leave; then stop, as SIGSTOP or a debugger would
+            subprocess.Popen(["sh", "-c", f"sleep {resume_after_s}; kill -CONT {os.getpid()}"])
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return {"rank": rank}
+        cs.attention_step(conn, sc, 0, sc.steps[0])
+        time.sleep(1.0)  # FFN rank 0 (the store host) is stopped by now
+        t0 = time.monotonic()
+        try:
+            cs.attention_step(conn, sc, 1, sc.steps[1])
+        except Exception as e:  # noqa: BLE001
+            return {"error": type(e).__name__, "msg": str(e), "took": time.monotonic() - t0,
+                    "deadline": conn.data_timeout_s}
+        return {"took": time.monotonic() - t0}
+    finally:
+        conn.close()
+
+
+def test_attention_ranks_meet_their_deadline_while_the_store_host_is_stopped():
+    import connector_scenarios as cs
+    from afd_ext.testing import run_workers
+
+    sc = cs.Scenario(A=2, F=1, steps=({0: [2, 3]}, {0: [2, 2]}), step_timeout_s=2.0, strict=False)
+    resume_after_s = 15.0
+    res = run_workers(_frozen_host_worker, sc.nprocs, (sc, find_free_port(HOST), resume_after_s), timeout_s=90)
+    for r in res[1:]:
+        assert r.get("error") == "AFDTimeoutError", r
+        assert "FFN rank 0 (world rank 0)" in r["msg"], r
+        assert r["took"] < _slack(r["deadline"]), r  # not when the host resumes (15 s)
+    took = ", ".join(f"{r['took']:.2f}" for r in res[1:])
+    print(f"\n[item 1] gloo, store host stopped: AFDTimeoutError after {took} s (deadline {res[1]['deadline']:g} s)")
