@@ -1000,7 +1000,7 @@ def exchange_unique_id(
         return uid
     who = -1 if creator_rank is None else creator_rank
     wait_for_keys(store, {full: who}, timeout_s, f"unique id {key!r}")
-    return bytes(store.get(full))
+    return bytes(store.get(full, timeout_s=_MIN_ROUND_TRIP_S))
 
 
 def _field_order(names: Iterable[str]) -> list[str]:
@@ -1045,11 +1045,13 @@ def handshake(
             f"{store.world_rank}/{store.world_size}"
         )
     mine = json.loads(json.dumps(dict(fields), default=str, sort_keys=True))
-    store.set(f"handshake/{world_rank}", json.dumps(mine, sort_keys=True).encode("utf-8"))
-    wait_for_keys(store, {f"handshake/{r}": r for r in range(world_size)}, timeout_s, "the AFD handshake")
+    deadline = time.monotonic() + (store.timeout_s if timeout_s is None else float(timeout_s))
+    left = lambda: max(deadline - time.monotonic(), _MIN_ROUND_TRIP_S)  # noqa: E731
+    store.set(f"handshake/{world_rank}", json.dumps(mine, sort_keys=True).encode("utf-8"), timeout_s=left())
+    wait_for_keys(store, {f"handshake/{r}": r for r in range(world_size)}, left(), "the AFD handshake")
     everyone: dict[int, dict[str, Any]] = {}
     for r in range(world_size):
-        everyone[r] = json.loads(store.get(f"handshake/{r}").decode("utf-8"))
+        everyone[r] = json.loads(store.get(f"handshake/{r}", timeout_s=left()).decode("utf-8"))
     # Everyone has read every fingerprint before anyone may raise and exit: FFN rank 0
     # hosts the store, and its exit would turn the peers' mismatch error into a lost store.
     barrier(store, world_rank, world_size, "handshake-read", timeout_s)
@@ -1105,12 +1107,12 @@ def barrier(
     seq = store._barrier_seq.get(name, 0)
     store._barrier_seq[name] = seq + 1
     key = f"barrier/{name}/{seq}"
-    store.set(f"{key}/{world_rank}", b"1")
+    store.set(f"{key}/{world_rank}", b"1", timeout_s=timeout_s)
     wait_for_keys(store, {f"{key}/{r}": r for r in members}, timeout_s, f"barrier {name!r}")
     # World rank 0 hosts the store and leaves last, so a rank that returns from a
     # barrier and exits never takes the store away from a peer still polling it.
     if world_rank != 0:
-        store.set(f"{key}/left/{world_rank}", b"1")
+        store.set(f"{key}/left/{world_rank}", b"1", timeout_s=timeout_s)
     elif len(members) > 1:
         wait_for_keys(store, {f"{key}/left/{r}": r for r in members if r != 0}, timeout_s,
                       f"barrier {name!r} (peers leaving)")
