@@ -192,6 +192,9 @@ class _StoreRunner:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._busy_since: float | None = None
+        #: the error that lost the connection (a TCPStore client never reconnects); later
+        #: calls raise without a round trip (each failed one logs a C++ stack trace).
+        self.lost: StoreUnavailableError | None = None
 
     def submit(self, fn: Callable[[], Any]) -> cf.Future:
         fut: cf.Future = cf.Future()
@@ -294,17 +297,31 @@ class AFDStore:
             StoreUnavailableError: the connection to the store was lost.
         """
         runner = self._runner
-        with _guard(self, what):
-            if runner is None or runner.on_thread():
-                return fn()
-            bound = self.timeout_s if timeout_s is None else max(0.0, float(timeout_s))
-            fut = runner.submit(fn)
-            try:
-                return fut.result(bound)
-            except cf.TimeoutError:
-                if cancel:
-                    fut.cancel()
-                raise self.silent_error(what, bound) from None
+        if runner is not None and runner.lost is not None:
+            raise self.lost_error(what, runner.lost)
+        try:
+            with _guard(self, what):
+                if runner is None or runner.on_thread():
+                    return fn()
+                bound = self.timeout_s if timeout_s is None else max(0.0, float(timeout_s))
+                fut = runner.submit(fn)
+                try:
+                    return fut.result(bound)
+                except cf.TimeoutError:
+                    if cancel:
+                        fut.cancel()
+                    raise self.silent_error(what, bound) from None
+        except StoreUnavailableError as e:
+            if runner is not None and not isinstance(e, StoreTimeoutError):
+                runner.lost = e
+            raise
+
+    def lost_error(self, what: str, cause: BaseException) -> StoreUnavailableError:
+        """The error of a round trip on a connection already lost (``cause``)."""
+        detail = str(cause).rsplit("(", 1)[-1].rstrip(")") if "(" in str(cause) else str(cause)
+        return StoreUnavailableError(
+            f"{self.label()} lost the AFD rendezvous store at {self.host}:{self.port} while {what}: FFN rank 0 "
+            f"(world rank 0), which hosts it, has exited or is unreachable ({detail})")
 
     def silent_error(self, what: str, waited_s: float) -> StoreTimeoutError:
         """The error of a round trip the store did not answer within ``waited_s`` seconds."""
@@ -373,7 +390,7 @@ class AbortSignal:
         if self._posted is not None:
             return self._posted
         runner = self._store._runner
-        if runner is None or runner.on_thread():
+        if runner is None or runner.on_thread() or runner.lost is not None:
             return self._fetch()
         if runner.stuck_s() > wait_s:
             return self._posted  # an earlier round trip is unanswered: queue no more behind it
@@ -393,11 +410,10 @@ class AbortSignal:
 
     def _fetch(self) -> tuple[str, str] | None:
         st = self._store
-        with _guard(st, "reading the abort signal"):
-            if not st.store.check(["abort"]):
-                return None
-            raw = bytes(st.store.get("abort"))
-        self.learn(*_decode_abort(raw))
+        raw = st.call(lambda: bytes(st.store.get("abort")) if st.store.check(["abort"]) else None,
+                      "reading the abort signal")
+        if raw is not None:
+            self.learn(*_decode_abort(raw))
         return self._posted
 
 
@@ -433,13 +449,8 @@ class _guard:
     def __exit__(self, et, ev, tb):
         if ev is None or not isinstance(ev, RuntimeError) or isinstance(ev, (StepAbortedError, RendezvousError)):
             return False
-        name = type(ev).__name__
-        if name in ("DistNetworkError", "DistStoreError", "DistError"):
-            raise StoreUnavailableError(
-                f"{self.store.label()} lost the AFD rendezvous store at {self.store.host}:"
-                f"{self.store.port} while {self.what}: FFN rank 0 (world rank 0), which hosts it, "
-                f"has exited or is unreachable ({error_text(ev)})"
-            ) from None
+        if type(ev).__name__ in ("DistNetworkError", "DistStoreError", "DistError"):
+            raise self.store.lost_error(self.what, RuntimeError(error_text(ev))) from None
         return False
 
 
