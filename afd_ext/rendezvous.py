@@ -84,7 +84,7 @@ DEFAULT_RENDEZVOUS_TIMEOUT_S = 600.0
 _MAX_POLL_S = 0.05
 #: Longest a read of the abort signal waits for the store's answer, in seconds;
 #: past it the read answers from what it last learned (the store host is frozen).
-ABORT_READ_WAIT_S = 0.2
+ABORT_READ_WAIT_S = 0.1
 #: Longest :func:`post_abort` waits for the store to take the abort, in seconds
 #: (the post still lands if a frozen store host wakes up).
 POST_ABORT_WAIT_S = 0.5

@@ -55,7 +55,7 @@ def test_a_frozen_store_host_stalls_no_wait_and_the_abort_lands_when_it_wakes(st
     took, found, err = timed(lambda: rdzv.check_abort(st), 10)
     assert err is None and found is None and took < rdzv.ABORT_READ_WAIT_S + 0.3, (took, err)
     took, _, err = timed(lambda: [rdzv.raise_if_aborted(st, "poll") for _ in range(50)], 10)
-    assert err is None and took < 0.2, (took, err)
+    assert err is None and took < 1.0, (took, err)  # 50 waits of ABORT_READ_WAIT_S would be 5 s
     # A rendezvous wait holds its deadline and names the silent store host.
     deadline = 1.0
     waited, _, err = timed(lambda: rdzv.wait_for_keys(st, {"never": 0}, deadline, "a key"), 10)
@@ -115,7 +115,7 @@ def test_a_rank_of_another_job_is_refused_and_the_running_job_is_untouched(store
     assert isinstance(err, JobMismatchError), err
     assert err.job_id == "job-b" and err.store_job_id == "job-a"
     assert "job-a" in str(err) and "AFD_JOB_ID" in str(err) and "another port" in str(err), err
-    assert took < 1.0, took
+    assert took < 3.0, took  # init_timeout_s is 10 s
     # torchrun's run id is the next source; an explicit job_id beats both.
     monkeypatch.delenv("AFD_JOB_ID")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-7")
@@ -175,7 +175,7 @@ def test_two_processes_claiming_one_role_rank_are_refused_by_name(store_host):
     name, took, msg = out.split(" ", 2)
     assert name == "DuplicateRankError", out
     assert f"pid {os.getpid()}" in msg and "attention rank 0 (world rank 1)" in msg and "same role rank" in msg
-    assert float(took) < 1.0, out
+    assert float(took) < 3.0, out  # the child's init_timeout_s is 10 s
     # this process re-joining (a re-initialisation) is not a duplicate
     assert rdzv.connect(HOST, port, 1, 2, 10.0, num_ffn_ranks=1).generation == 2
     print(f"\n[item 8] second process on a held role rank: DuplicateRankError after {float(took):.2f} s")
