@@ -36,6 +36,7 @@ class StoreHost:
         e = dict(os.environ)
         e["PYTHONPATH"] = os.pathsep.join([str(ROOT), e.get("PYTHONPATH", "")])
         e.update(env or {})
+        self.port = port
         self.proc = subprocess.Popen([sys.executable, "-c", _HOST_CODE, host, str(port), str(world_size)],
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=e)
         line = self.proc.stdout.readline()

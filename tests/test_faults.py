@@ -47,7 +47,7 @@ def store_host():
 # ---------------------------------------------------------------- item 1: a frozen store host
 def test_a_frozen_store_host_stalls_no_wait_and_the_abort_lands_when_it_wakes(store_host):
     host = store_host()
-    port = int(host.proc.args[4])
+    port = host.port
     st = rdzv.connect(HOST, port, 1, 2, 30.0, num_ffn_ranks=1)
     assert rdzv.check_abort(st) is None
     host.freeze()
@@ -109,7 +109,7 @@ def test_a_rank_of_another_job_is_refused_and_the_running_job_is_untouched(store
 
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     host = store_host(env={"AFD_JOB_ID": "job-a"})
-    port = int(host.proc.args[4])
+    port = host.port
     monkeypatch.setenv("AFD_JOB_ID", "job-b")
     took, _, err = timed(lambda: rdzv.connect(HOST, port, 1, 2, 10.0, num_ffn_ranks=1), 20)
     assert isinstance(err, JobMismatchError), err
@@ -169,7 +169,7 @@ def _claim_in_child(port: int, world_rank: int) -> str:
 
 def test_two_processes_claiming_one_role_rank_are_refused_by_name(store_host):
     host = store_host()
-    port = int(host.proc.args[4])
+    port = host.port
     rdzv.connect(HOST, port, 1, 2, 10.0, num_ffn_ranks=1)  # this process holds attention rank 0
     out = _claim_in_child(port, 1)
     name, took, msg = out.split(" ", 2)
@@ -183,7 +183,7 @@ def test_two_processes_claiming_one_role_rank_are_refused_by_name(store_host):
 
 def test_a_role_rank_whose_process_is_gone_can_be_taken_over(store_host):
     host = store_host()
-    port = int(host.proc.args[4])
+    port = host.port
     assert _claim_in_child(port, 1) == "joined"  # that process exits, its claim stays in the store
     assert rdzv.connect(HOST, port, 1, 2, 10.0, num_ffn_ranks=1).generation == 2
 
@@ -263,7 +263,7 @@ def test_a_rank_missing_from_the_gloo_group_is_a_named_timeout(store_host):
     from afd_ext.transport.gloo import GlooTransport
 
     host = store_host(world_size=3)
-    port = int(host.proc.args[4])
+    port = host.port
     # attention rank 0 builds its group; FFN rank 0 (the store host) and attention rank 1 never do
     st = rdzv.connect(HOST, port, 1, 3, 10.0, num_ffn_ranks=1)
     deadline = 1.5

@@ -313,7 +313,7 @@ def test_the_watchdog_records_a_timeout_while_the_store_host_is_frozen(fake):
 
     host = StoreHost(find_free_port())
     try:
-        frozen = rdzv.connect("127.0.0.1", int(host.proc.args[4]), 1, 2, 30.0, num_ffn_ranks=1)
+        frozen = rdzv.connect("127.0.0.1", host.port, 1, 2, 30.0, num_ffn_ranks=1)
         hooks = dict(abort_check=lambda: rdzv.check_abort(frozen),
                      on_tick=lambda now, op: frozen.set("progress/1", "{}"),
                      blame=lambda op: (frozen.get("progress/0").decode(), []))
