@@ -33,7 +33,7 @@ $(PY):
 setup: $(PY)
 	$(PIP) install "torch>=2.11"
 	$(PIP) install setuptools wheel ninja pybind11 numpy
-	$(PIP) install --no-build-isolation -e ".[test]"
+	$(PIP) install --no-build-isolation -e ".[test,demo,bench]"
 	$(PY) -c "import json, afd_ext.ops as o; print('afd_ext build:', json.dumps(o.build_info()))"
 
 # The CPU tier; pytest exits 5 when no test ran, which fails the target.

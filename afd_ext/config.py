@@ -172,11 +172,22 @@ class AfdExtConnectorConfig:
             inside a step, seconds.
         heartbeat_interval_s: how often an idle peer says it is alive, seconds.
         heartbeat_timeout_s: silence after which a peer is declared dead, seconds.
-        transport: ``"nccl"`` (CUDA tensors) or ``"gloo"`` (CPU tensors).
+        transport: ``"nccl"`` (CUDA tensors), ``"gloo"`` (CPU tensors), ``"peer"``
+            (CUDA tensors written straight into the peer's memory over CUDA IPC,
+            one node; docs/peer-memory.md) or ``"auto"`` (gloo for a CPU device;
+            peer when every rank opens every peer's memory and a flag round trip
+            succeeds; NCCL otherwise).
         control_channel: ``"auto"`` (shared memory on one host, else TCP),
             ``"shm"`` or ``"tcp"``.
         max_stages: most stages per step (checked at handshake and per step).
         graph_cache_size: most CUDA graphs / graph buffer sets kept per rank.
+        peer_max_tokens: peer transport: most tokens one attention rank sends in
+            one stage of a step through peer memory (sizes the buffers; vLLM's
+            ``max_num_batched_tokens`` is the natural value).
+        peer_stages: peer transport: stages per step the buffers hold.
+        peer_fallback: peer transport: also build NCCL communicators and send
+            steps beyond ``peer_max_tokens`` / ``peer_stages`` over them (off:
+            such a step is an error).
         job_id: identity of this AFD job; the rendezvous store refuses a rank of
             another job (:class:`~afd_ext.errors.JobMismatchError`). Default
             (None): :func:`resolve_job_id` (``AFD_JOB_ID``, then torchrun's
@@ -195,17 +206,21 @@ class AfdExtConnectorConfig:
     control_channel: str = "auto"
     max_stages: int = 4
     graph_cache_size: int = 32
+    peer_max_tokens: int = 8192
+    peer_stages: int = 2
+    peer_fallback: bool = True
     job_id: str | None = None
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
         set_("job_id", resolve_job_id(self.job_id)[0])
         _one_of(self.wire_format, "connector_extra_config.wire_format", ("auto", "packed", "per_tensor"))
-        _one_of(self.transport, "connector_extra_config.transport", ("nccl", "gloo"))
+        _one_of(self.transport, "connector_extra_config.transport", ("nccl", "gloo", "peer", "auto"))
         _one_of(self.control_channel, "connector_extra_config.control_channel", ("auto", "shm", "tcp"))
-        for name in ("strict", "clamp_idle_to_one"):
+        for name in ("strict", "clamp_idle_to_one", "peer_fallback"):
             set_(name, coerce_bool(getattr(self, name), f"connector_extra_config.{name}"))
-        for name, lo in (("packed_max_bytes", 0), ("max_stages", 1), ("graph_cache_size", 0)):
+        for name, lo in (("packed_max_bytes", 0), ("max_stages", 1), ("graph_cache_size", 0), ("peer_max_tokens", 1),
+                         ("peer_stages", 1)):
             v = coerce_int(getattr(self, name), f"connector_extra_config.{name}")
             if v < lo:
                 raise ValueError(f"connector_extra_config.{name} must be >= {lo}, got {v}")
@@ -445,26 +460,50 @@ class AFDConfig:
         )
 
 
-def has_afd_config(additional_config: Mapping[str, Any] | None) -> bool:
-    """True when ``additional_config`` has an ``"afd"`` section (AFD enabled)."""
-    return isinstance(additional_config, Mapping) and "afd" in additional_config
+def _additional_config(source: Any) -> Mapping[str, Any] | None:
+    """``source`` itself when it is a mapping, else its ``additional_config`` (a vLLM ``VllmConfig``)."""
+    if source is None or isinstance(source, Mapping):
+        return source
+    if not hasattr(source, "additional_config"):
+        raise TypeError(
+            f"expected vLLM's additional_config mapping or a VllmConfig-like object with an "
+            f"additional_config attribute, got {type(source).__name__}"
+        )
+    extra = source.additional_config
+    if extra is not None and not isinstance(extra, Mapping):
+        raise TypeError(f"additional_config must be a mapping, got {type(extra).__name__}")
+    return extra
 
 
-def parse_afd_config(additional_config: Mapping[str, Any], *, expected_role: str | None = None) -> AFDConfig:
+def has_afd_config(source: Any) -> bool:
+    """True when ``source`` (``additional_config`` or a ``VllmConfig``) has an ``"afd"`` section."""
+    extra = _additional_config(source)
+    return isinstance(extra, Mapping) and "afd" in extra
+
+
+def parse_afd_config(source: Any, *, expected_role: str | None = None) -> AFDConfig:
     """Parse ``additional_config["afd"]``.
+
+    Args:
+        source: vLLM's ``additional_config`` mapping, or a ``VllmConfig``-like
+            object whose ``additional_config`` holds it (what the reference's
+            runners pass).
 
     Raises:
         ValueError: no ``"afd"`` section, plus everything :meth:`AFDConfig.from_dict` raises.
+        TypeError: ``source`` is neither a mapping nor has ``additional_config``.
     """
-    if not has_afd_config(additional_config):
-        raise ValueError('AFD is not configured: additional_config has no "afd" section')
-    return AFDConfig.from_dict(additional_config["afd"], expected_role=expected_role)
+    extra = _additional_config(source)
+    if not (isinstance(extra, Mapping) and "afd" in extra):
+        raise ValueError(
+            'AFD is not configured: additional_config has no "afd" section '
+            "(pass --additional-config '{\"afd\": {...}}' to vLLM)"
+        )
+    return AFDConfig.from_dict(extra["afd"], expected_role=expected_role)
 
 
-def parse_optional_afd_config(
-    additional_config: Mapping[str, Any] | None, *, expected_role: str | None = None
-) -> AFDConfig | None:
+def parse_optional_afd_config(source: Any, *, expected_role: str | None = None) -> AFDConfig | None:
     """Like :func:`parse_afd_config`, but ``None`` when there is no ``"afd"`` section."""
-    if not has_afd_config(additional_config):
+    if not has_afd_config(source):
         return None
-    return parse_afd_config(additional_config, expected_role=expected_role)
+    return parse_afd_config(source, expected_role=expected_role)

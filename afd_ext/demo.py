@@ -46,7 +46,10 @@ import time
 import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+if TYPE_CHECKING:
+    from afd_ext.testing import GpuPlacement
 
 logger = logging.getLogger("afd_ext.demo")
 
@@ -620,7 +623,8 @@ class DemoPlan:
 
     Attributes:
         num_attention / num_ffn: ``A`` and ``F``.
-        backend: ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA tensors).
+        backend: ``"gloo"`` (CPU tensors), ``"nccl"`` or ``"peer"`` (CUDA tensors; peer: the
+            peer-memory transport over CUDA IPC, docs/peer-memory.md).
         dims: model config name or path; model_config: the loaded config.
         dtype: ``"float32"`` or ``"bfloat16"``.
         seed: weight seed.
@@ -640,6 +644,9 @@ class DemoPlan:
             padded and replayed from captured graphs on both roles
             (:mod:`afd_ext.graphs`); on CPU/gloo a stand-in re-runs the
             captured exchanges instead (the same protocol, no CUDA graph).
+        gpu_placement: the GPU of every process (NCCL only;
+            :func:`afd_ext.testing.place_processes`: one GPU per process with
+            enough GPUs, else shared, on one GPU with NCCL over sockets).
     """
 
     num_attention: int
@@ -661,12 +668,13 @@ class DemoPlan:
     threads: int = 1
     timing: bool = True
     connector: str = "AfdExtConnector"
+    gpu_placement: GpuPlacement | None = None
     graph: bool = False
     verbose: bool = False
 
     @property
     def device_type(self) -> str:
-        return "cuda" if self.backend == "nccl" else "cpu"
+        return "cpu" if self.backend == "gloo" else "cuda"
 
     @property
     def max_steps(self) -> int:
@@ -861,29 +869,11 @@ def _graph_server(plan: DemoPlan, server):
     return graphs.FFNGraphServer(server, capture_sizes=GRAPH_CAPTURE_SIZES, backend=_graph_backend(plan))
 
 
-def _gpu_env(plan: DemoPlan, n_gpus: int) -> list[dict[str, str]]:
-    """CUDA_VISIBLE_DEVICES per world rank: each process sees exactly its GPU.
-
-    With at least ``A + F`` GPUs every process gets its own (attention ranks
-    first); otherwise every attention rank shares GPU 0 and FFN ranks use GPU
-    1 (``2A1F`` on two GPUs: correctness, not speed).
-    """
-    A, F_ = plan.num_attention, plan.num_ffn
-    envs = []
-    for w in range(A + F_):
-        if w < F_:
-            gpu = A + w if n_gpus >= A + F_ else 1 + (w % max(1, n_gpus - 1))
-        else:
-            gpu = (w - F_) if n_gpus >= A + F_ else 0
-        envs.append({"CUDA_VISIBLE_DEVICES": str(gpu)})
-    return envs
-
-
 def run_demo(plan: DemoPlan, *, timeout_s: float = 600.0) -> dict[str, Any]:
     """Run the processes of ``plan`` and the self-check; return the summary dict.
 
     Raises:
-        ValueError: a CUDA plan but fewer than 2 visible GPUs.
+        ValueError: a CUDA plan without a placement and no usable GPU.
         afd_ext.testing.WorkerError / TimeoutError: a process failed or hung.
     """
     import dataclasses
@@ -898,9 +888,9 @@ def run_demo(plan: DemoPlan, *, timeout_s: float = 600.0) -> dict[str, Any]:
     agree_store = dist.TCPStore(plan.host, 0, is_master=True, wait_for_workers=False,
                                 timeout=datetime.timedelta(seconds=plan.step_timeout_s))
     plan = dataclasses.replace(plan, agree_port=int(agree_store.port))
-    per_rank_env = None
-    if plan.device_type == "cuda":
-        per_rank_env = _gpu_env(plan, _gpus_for_nccl())
+    if plan.device_type == "cuda" and plan.gpu_placement is None:  # a plan not made by build_plan
+        plan = dataclasses.replace(plan, gpu_placement=_gpu_placement(plan.num_attention, plan.num_ffn))
+    per_rank_env = plan.gpu_placement.env() if plan.gpu_placement is not None else None
     env = {"OMP_NUM_THREADS": str(plan.threads), "TOKENIZERS_PARALLELISM": "false"}
     t0 = time.perf_counter()
     logger.info("starting %d processes", plan.num_attention + plan.num_ffn)
@@ -954,12 +944,16 @@ def summarize(plan: DemoPlan, att: Sequence[RankResult], ffn: Sequence[Mapping[s
     bytes_f2a = sum(a.bytes_received for a in att)
     step_counts = att[0].step_counts if att else []
     zero_rank_steps = sum(1 for c in step_counts if any(x == 0 for x in c))
+    placement = plan.gpu_placement
     return {
         "topology": f"{plan.num_attention}A{plan.num_ffn}F",
         "num_attention_ranks": plan.num_attention,
         "num_ffn_ranks": plan.num_ffn,
         "backend": plan.backend,
         "device": plan.device_type,
+        "placement": placement.describe() if placement is not None else "CPU processes (gloo)",
+        # Processes sharing a GPU are time-sliced (and on one GPU NCCL goes over sockets).
+        "latencies_meaningful": placement is None or placement.timings_meaningful,
         "model": {
             "model_type": mc.get("model_type"),
             "dims": plan.dims,
@@ -1022,6 +1016,7 @@ def format_summary(s: Mapping[str, Any]) -> str:
         f"  topology        {s['topology']} ({s['num_attention_ranks']} attention, {s['num_ffn_ranks']} FFN ranks), "
         f"stages {s['stages']}, gate on {s['gate']}",
         f"  backend         {s['backend']} ({s['device']})",
+        f"  placement       {s.get('placement', 'not recorded')}",
         f"  model           {m['model_type']} '{m['dims']}': {m['layers']} layers, hidden {m['hidden_size']}, "
         f"{m['num_experts']} experts top-{m['top_k']}, moe_intermediate {m['moe_intermediate_size']}, "
         f"vocab {m['vocab_size']}, {m['dtype']}",
@@ -1033,6 +1028,9 @@ def format_summary(s: Mapping[str, Any]) -> str:
         "(attention side: send, FFN compute, receive; from step 2 on)",
         f"                  step 1 (lazy set-up) slowest {lat.get('first_step_max', float('nan')):.1f} us",
     ]
+    if not s.get("latencies_meaningful", True):
+        lines.append("  NOTE            processes share a GPU (time-sliced; on one GPU NCCL goes over sockets): "
+                     "these latencies are not meaningful, only the self-check is")
     for layer, v in lat["per_layer"].items():
         lines.append(f"    layer {layer:>3}     p50 {v['p50']:.1f} us, p99 {v['p99']:.1f} us ({v['count']})")
     b = s["bytes"]
@@ -1076,8 +1074,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--topology", type=_topology, default=(2, 1), metavar="AxF",
                    help="attention and FFN ranks, e.g. 2A1F (default), 1A1F, 3A2F")
-    p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
-                   help="gloo: CPU tensors; nccl: CUDA tensors, attention on GPU 0 and FFN on GPU 1; "
+    p.add_argument("--backend", choices=("auto", "gloo", "nccl", "peer"), default="auto",
+                   help="gloo: CPU tensors; nccl: CUDA tensors, one GPU per process when there are enough, "
+                   "else attention on GPU 0 and FFN on GPU 1, and on a one-GPU machine every process on GPU 0 "
+                   "(NCCL over sockets: a demo arrangement, latencies not meaningful); "
+                   "peer: CUDA tensors through peer memory (CUDA IPC), placed like nccl; "
                    "auto: nccl when 2 GPUs are visible, else gloo")
     p.add_argument("--dims", default="small",
                    help=f"model config: one of {available_dims()} or a path to a .json config")
@@ -1115,19 +1116,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _gpus_for_nccl() -> int:
-    """Visible CUDA devices, at least 2 (attention on GPU 0, FFN on GPU 1).
+def _gpu_placement(num_attention: int, num_ffn: int) -> GpuPlacement:
+    """Where the demo's NCCL processes run (:func:`afd_ext.testing.place_processes`).
 
     Raises:
-        ValueError: fewer than 2 are visible.
+        ValueError: no GPU is visible, or afd_ext was built without CUDA.
     """
-    import torch
+    from afd_ext import ops
+    from afd_ext.testing import place_processes, visible_gpu_count
 
-    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if n < 2:
-        raise ValueError(f"--backend nccl needs 2 visible GPUs (attention on GPU 0, FFN on GPU 1); "
-                         f"found {n}. Use --backend gloo (CPU) or --backend auto")
-    return n
+    n = visible_gpu_count()
+    if n < 1:
+        raise ValueError("--backend nccl/peer needs a visible GPU; found none. Use --backend gloo (CPU) or --backend auto")
+    if not ops.is_cuda_built():
+        raise ValueError("--backend nccl/peer needs a CUDA build of afd_ext; use --backend gloo (CPU)")
+    return place_processes(num_attention, num_ffn, n)
 
 
 def build_plan(args: argparse.Namespace) -> DemoPlan:
@@ -1139,8 +1142,8 @@ def build_plan(args: argparse.Namespace) -> DemoPlan:
         import torch
 
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "gloo"
-    if backend == "nccl":
-        _gpus_for_nccl()
+    A, F_ = args.topology
+    placement = _gpu_placement(A, F_) if backend != "gloo" else None
     if args.json_path:
         # Checked before the run, not after it: a bad path must not cost the whole demo.
         out = Path(args.json_path)
@@ -1152,8 +1155,7 @@ def build_plan(args: argparse.Namespace) -> DemoPlan:
             raise ValueError(f"--json {args.json_path} is a folder; give a file path")
     dtype = args.dtype
     if dtype == "auto":
-        dtype = "bfloat16" if backend == "nccl" else "float32"
-    A, F_ = args.topology
+        dtype = "float32" if backend == "gloo" else "bfloat16"
     model_config = load_model_config(args.dims, num_layers=args.layers)
     prompts = load_prompts(args.prompts)
     requests = make_requests(A, args.requests_per_rank, args.max_new_tokens, prompts=prompts,
@@ -1165,7 +1167,7 @@ def build_plan(args: argparse.Namespace) -> DemoPlan:
         requests=requests, host=args.host, port=port, agree_port=0,
         step_timeout_s=args.step_timeout, init_timeout_s=max(args.step_timeout, 120.0),
         progress=not args.no_progress, threads=args.threads, connector=args.connector,
-        verbose=args.verbose, graph=args.graph,
+        verbose=args.verbose, graph=args.graph, gpu_placement=placement,
     )
 
 

@@ -94,7 +94,7 @@ register(
 )
 
 
-# --- process launch (set by `afd-ext launch`, read by afd_ext.launch.config_from_env) ---
+# --- process launch (set by `afd-ext launch` or you, read by afd_ext.launch.config_from_env) ---
 def _non_negative_int(value: str) -> int:
     v = int(value)
     if v < 0:
@@ -102,14 +102,19 @@ def _non_negative_int(value: str) -> int:
     return v
 
 
-register("AFD_ROLE", None, "launch: this process's role, 'attention' or 'ffn'")
+register("AFD_ROLE", None, "launch: this process's role, 'attention' or 'ffn' (default: from torchrun's RANK)")
 register("AFD_ROLE_RANK", None, "launch: this process's rank inside its role (0-based)", _non_negative_int)
 register("AFD_NUM_ATTENTION_RANKS", None, "launch: number of attention ranks A", _non_negative_int)
 register("AFD_NUM_FFN_RANKS", None, "launch: number of FFN ranks F", _non_negative_int)
-register("AFD_HOST", None, "launch: rendezvous host (FFN rank 0's address)")
-register("AFD_PORT", None, "launch: rendezvous port on AFD_HOST", _non_negative_int)
+register("AFD_ROLES", None,
+         "launch: the role of each torchrun rank in order, e.g. 'ffn,attention,attention' "
+         "(default: FFN ranks first)")
+register("AFD_HOST", None, "launch: rendezvous host, FFN rank 0's address (default: torchrun's MASTER_ADDR)")
+register("AFD_PORT", None, "launch: rendezvous port on AFD_HOST (default: the config's, 1239)", _non_negative_int)
 register("AFD_DEVICE", None, "launch: CUDA device index to use inside this process "
-         "(0 when the launcher restricted CUDA_VISIBLE_DEVICES to one GPU)", _non_negative_int)
+         "(default: from AFD_ATTENTION_GPUS / AFD_FFN_GPUS, else torchrun's LOCAL_RANK)", _non_negative_int)
+register("AFD_ATTENTION_GPUS", None, "launch: GPU per attention rank, e.g. '0,0' (one entry: shared by all)")
+register("AFD_FFN_GPUS", None, "launch: GPU per FFN rank, e.g. '1' (one entry: shared by all)")
 register("AFD_JOB_ID", None,
          "rendezvous: identity of this AFD job (same on every rank); the store refuses a rank of another "
          "job. Overrides torchrun's TORCHELASTIC_RUN_ID; connector_extra_config.job_id overrides both")
@@ -120,6 +125,21 @@ register("AFD_CONNECTOR_EXTRA_CONFIG", None,
 register("AFD_CONTROL_ADDR", None,
          "control plane: address an FFN rank listens on and advertises for its TCP control channel "
          "(default: the local address that routes to the rendezvous host)")
-register("AFD_CONTROL_SPIN_US", 2000.0,
-         "control plane: how long a receiver busy-polls before sleeping, in microseconds "
-         "(0 disables spinning; lower it on machines with few cores)", float)
+def _non_negative_float(value: str) -> float:
+    v = float(value)
+    if not v >= 0:
+        raise ValueError(f"expected a number >= 0, got {value!r}")
+    return v
+
+
+register("AFD_CONTROL_IDLE_S", 10.0,
+         "control plane: seconds after the last payload that a waiting FFN rank keeps polling "
+         "(native code, GIL released: one core per FFN rank while serving) before it blocks and "
+         "wakes ~100 us slower; 0 always blocks (machines with fewer cores than ranks)",
+         _non_negative_float)
+
+# --- vLLM + afd-plugin integration (afd_ext.integrations.afd_plugin) ---------------------
+register("AFD_EXT_REPLACE_P2P", False,
+         "afd-plugin integration: 1 registers afd_ext under the reference's connector name "
+         "'P2pNcclAFDConnector' (replacing the reference's NCCL connector) when vLLM loads its plugins, "
+         "so the reference's runners build afd_ext; set it in every attention and FFN process", parse_bool)

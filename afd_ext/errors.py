@@ -134,6 +134,21 @@ class PeerDeadError(AFDPeerError):
         super().__init__(f"{op}: peer {peer} is dead: {detail}", op=op, peer=peer)
 
 
+class PeerMemoryUnavailableError(AFDPeerError):
+    """The peer-memory plane cannot serve this AFD world (a region did not open, a flag round trip failed).
+
+    Every rank raises it together (the verdicts are shared through the
+    rendezvous store), so ``transport: auto`` can fall back to NCCL everywhere.
+
+    Attributes:
+        reasons: ``{rank label: why}`` for every rank that failed.
+    """
+
+    def __init__(self, message: str, *, reasons: dict[str, str] | None = None):
+        super().__init__(message, op="peer-memory probe")
+        self.reasons = dict(reasons or {})
+
+
 # ------------------------- older names, kept for callers that catch them
 #: Base of the transport errors before the single root existed.
 AFDTransportError = AFDError
@@ -189,6 +204,10 @@ class ControlChannelClosed(AFDClosedError):
 
 class ControlRecvTimeout(AFDTimeoutError):
     """A control-channel ``recv`` passed its ``timeout_s`` while the peer was alive (idle)."""
+
+
+class ControlProtocolError(AFDProtocolError, ValueError):
+    """A control message broke the wire format (malformed payload, corrupt ring slot, wrong sender)."""
 
 
 class GraphKeyMismatchError(AFDGraphError):

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .config import AFDConfig, DEFAULT_CONNECTOR, REFERENCE_CONNECTOR
+from .errors import AFDConfigError
 from .topology import validate_role_rank
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "get_connector_class",
     "create_connector",
     "known_connectors",
+    "resolve_role_rank",
 ]
 
 logger = logging.getLogger(__name__)
@@ -224,8 +226,10 @@ class AFDConnectorFactory:
                 ``afd_config`` is given, and is passed to the connector as
                 ``vllm_config``.
             afd_config: the AFD config when ``config`` is a runtime config.
-            role_rank: this process's index inside its role. May be omitted
-                only when the role has a single rank.
+            role_rank: this process's index inside its role. Omitted: derived
+                by :func:`resolve_role_rank` (as the reference's factory does)
+                from a runtime config with ``parallel_config``, else 0 when the
+                role has one rank.
             **kwargs: passed to the connector's constructor.
 
         Returns:
@@ -252,11 +256,14 @@ class AFDConnectorFactory:
                 )
             afd = AFDConfig.from_dict(additional["afd"])
         size = afd.num_attention_ranks if afd.role == "attention" else afd.num_ffn_ranks
+        if role_rank is None and getattr(runtime, "parallel_config", None) is not None:
+            role_rank = resolve_role_rank(runtime, afd)
         if role_rank is None:
             if size != 1:
                 raise ValueError(
                     f"role_rank is required: the {afd.role} role has {size} ranks; pass this process's "
-                    f"index in 0..{size - 1}"
+                    f"index in 0..{size - 1}, or a VllmConfig-like object (with parallel_config) to derive "
+                    "it from"
                 )
             role_rank = 0
         validate_role_rank(afd.role, role_rank, afd.num_attention_ranks, afd.num_ffn_ranks)
@@ -264,6 +271,74 @@ class AFDConnectorFactory:
         if runtime is not None:
             kwargs.setdefault("vllm_config", runtime)
         return klass(rank, local_rank, afd, role_rank=role_rank, **kwargs)
+
+
+def _parallel_size(pc: Any, name: str) -> int:
+    value = getattr(pc, name, 1)
+    value = 1 if value is None else value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise AFDConfigError(f"vllm_config.parallel_config.{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+def _vllm_rank(getter: str, what: str) -> int:
+    """This worker's rank from vLLM's ``parallel_state`` (imported only when a size > 1 needs it)."""
+    try:
+        from vllm.distributed import parallel_state
+    except ImportError as e:
+        raise AFDConfigError(
+            f"cannot derive the AFD role rank: {what} > 1 but vLLM's parallel_state is not importable ({e}); "
+            "pass role_rank= explicitly"
+        ) from None
+    try:
+        if getter == "pcp":
+            return int(parallel_state.get_pcp_group().rank_in_group)
+        return int(parallel_state.get_tensor_model_parallel_rank())
+    except Exception as e:  # noqa: BLE001 - vLLM raises AssertionError before its groups exist
+        raise AFDConfigError(
+            f"cannot derive the AFD role rank: vLLM's {what} group is not initialised yet ({type(e).__name__}: {e}); "
+            "create the connector after vLLM's distributed init, or pass role_rank="
+        ) from None
+
+
+def resolve_role_rank(vllm_config: Any, afd_config: AFDConfig) -> int:
+    """This worker's role rank, the reference's rule: ``(dp_rank * pcp_size + pcp_rank) * tp_size + tp_rank``.
+
+    Sizes and the global DP rank (``data_parallel_rank``, which already
+    includes ``data_parallel_start_rank``) come from
+    ``vllm_config.parallel_config``; the PCP and TP ranks from vLLM's
+    ``parallel_state`` (``get_pcp_group().rank_in_group``,
+    ``get_tensor_model_parallel_rank()``), read only when that size is > 1.
+    The config holds no per-worker TP rank, so taking it from there would
+    give every TP worker the same role rank.
+
+    Raises:
+        AFDConfigError: no ``parallel_config``, a size that is not an int >= 1,
+            vLLM's ranks not available while a size > 1 needs them, or a
+            role rank outside the role's size (sizes named in the message).
+    """
+    pc = getattr(vllm_config, "parallel_config", None)
+    if pc is None:
+        raise AFDConfigError(
+            "cannot derive the AFD role rank: the runtime config has no parallel_config "
+            "(expected a vLLM VllmConfig); pass role_rank= explicitly"
+        )
+    dp = _parallel_size(pc, "data_parallel_size")
+    pcp = _parallel_size(pc, "prefill_context_parallel_size")
+    tp = _parallel_size(pc, "tensor_parallel_size")
+    dp_rank = int(getattr(pc, "data_parallel_rank", 0) or 0) if dp > 1 else 0
+    pcp_rank = _vllm_rank("pcp", "prefill_context_parallel_size") if pcp > 1 else 0
+    tp_rank = _vllm_rank("tp", "tensor_parallel_size") if tp > 1 else 0
+    role_rank = (dp_rank * pcp + pcp_rank) * tp + tp_rank
+    size = afd_config.num_attention_ranks if afd_config.role == "attention" else afd_config.num_ffn_ranks
+    if not 0 <= role_rank < size:
+        raise AFDConfigError(
+            f"AFD role rank derived from distributed ranks is out of range: role={afd_config.role!r}, "
+            f"dp_rank={dp_rank}, pcp_rank={pcp_rank}, tp_rank={tp_rank} (sizes dp={dp}, pcp={pcp}, tp={tp}) "
+            f"give {role_rank}, but the {afd_config.role} role has {size} ranks "
+            f"(num_{'attention' if afd_config.role == 'attention' else 'ffn'}_ranks must be dp x pcp x tp)"
+        )
+    return role_rank
 
 
 def _as_afd_config(value: Any) -> AFDConfig:

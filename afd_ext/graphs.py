@@ -58,13 +58,10 @@ sends each step's payload (with the replay flag) before replaying.
 
 from __future__ import annotations
 
-import bisect
-import contextlib
 import dataclasses
 import enum
 import logging
 import threading
-import time
 from collections import OrderedDict
 from typing import Any, Callable, Hashable, Mapping, Sequence
 
@@ -102,8 +99,8 @@ __all__ = [
     "FFNGraphServer",
 ]
 
-# vLLM's default cudagraph capture sizes: 1, 2, 4, then every 8 up to 512.
-DEFAULT_CAPTURE_SIZES: tuple[int, ...] = (1, 2, 4) + tuple(range(8, 513, 8))
+from .schedule import DEFAULT_CAPTURE_SIZES, _check_capture_sizes, capture_size_for  # noqa: E402  the one padding rule
+from .spec import TOKEN_IDS_DTYPE, as_dtype, dtype_name  # noqa: E402  the one dtype table
 
 
 from .errors import (  # noqa: E402,F401  defined once, in errors.py
@@ -120,15 +117,15 @@ from .errors import (  # noqa: E402,F401  defined once, in errors.py
 
 
 def _dtype_name(dtype: torch.dtype | str | None) -> str | None:
+    """The dtype's wire name (:func:`afd_ext.spec.dtype_name`), None for None.
+
+    Raises:
+        ValueError / TypeError: not a dtype or a dtype name.
+    """
     if dtype is None:
         return None
-    if isinstance(dtype, torch.dtype):
-        return str(dtype).removeprefix("torch.")
-    if isinstance(dtype, str):
-        name = dtype.removeprefix("torch.")
-        if not isinstance(getattr(torch, name, None), torch.dtype):
-            raise ValueError(f"unknown dtype name {dtype!r}; pass a torch.dtype such as torch.bfloat16")
-        return name
+    if isinstance(dtype, str) or isinstance(dtype, torch.dtype):
+        return dtype_name(as_dtype(dtype, "dtype"))
     raise TypeError(f"dtype must be a torch.dtype or its name, got {type(dtype).__name__}")
 
 
@@ -311,7 +308,7 @@ def graph_key_from_schedule(schedule: Any) -> GraphKey:
         hidden_dtype=cfg.hidden_dtype,
         router_logits_width=cfg.router_logits_width,
         router_logits_dtype=logits_dtype,
-        token_ids_dtype=torch.int32 if cfg.send_token_ids else None,
+        token_ids_dtype=TOKEN_IDS_DTYPE if cfg.send_token_ids else None,
         wire_formats={s: schedule.wire_format(s) for s in schedule.stages},
         topology=(topo.num_attention_ranks, topo.num_ffn_ranks, getattr(topo, "tp_size", 1)),
     )
@@ -391,7 +388,7 @@ def _reserve_wire(arena: "StaticArena", cfg: Any, s: int, rows: int, fmt: str) -
             ("router_logits", s), (rows, cfg.router_logits_width), cfg.router_logits_dtype
         )
     if cfg.send_token_ids:
-        bufs["token_ids"] = arena.buffer(("token_ids", s), (rows,), torch.int32)
+        bufs["token_ids"] = arena.buffer(("token_ids", s), (rows,), TOKEN_IDS_DTYPE)
     if fmt == "packed":
         bufs["wire"] = arena.buffer(("wire", s), (rows, cfg.packed_row_bytes), torch.uint8)
     return bufs
@@ -455,34 +452,6 @@ def decide_step_mode(payload: Any, *, graphs_enabled: bool = True) -> StepMode:
 # ---------------------------------------------------------------------------
 # Padding
 # ---------------------------------------------------------------------------
-
-
-def _check_capture_sizes(capture_sizes: Sequence[int]) -> tuple[int, ...]:
-    sizes = tuple(capture_sizes)
-    if not sizes:
-        raise ValueError("capture_sizes is empty; give at least one size, e.g. [1, 2, 4, 8]")
-    if any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
-        raise ValueError(f"capture sizes must be ints >= 1, got {list(sizes)}")
-    if list(sizes) != sorted(set(sizes)):
-        raise ValueError(f"capture sizes must be strictly increasing, got {list(sizes)}")
-    return sizes
-
-
-def capture_size_for(count: int, capture_sizes: Sequence[int] = DEFAULT_CAPTURE_SIZES) -> int | None:
-    """Smallest capture size >= ``max(count, 1)``, or None when ``count`` exceeds the largest.
-
-    Args:
-        count: the largest per-peer row count of a stage (>= 0).
-        capture_sizes: strictly increasing positive sizes.
-
-    Raises:
-        ValueError: ``count`` < 0 or a malformed size list.
-    """
-    sizes = _check_capture_sizes(capture_sizes)
-    if count < 0:
-        raise ValueError(f"count must be >= 0, got {count}")
-    i = bisect.bisect_left(sizes, max(count, 1))
-    return sizes[i] if i < len(sizes) else None
 
 
 def pad_stage_counts(
@@ -1281,19 +1250,6 @@ def padded_payload(payload: Any, pad: Mapping[int, int], **flags: bool) -> Any:
     )
 
 
-def _track_replay(connector: Any, what: str) -> None:
-    """Hand a replay just launched to the connector's watchdog (``track_graph_replay``), if it has one."""
-    fn = getattr(connector, "track_graph_replay", None)
-    if fn is not None:
-        fn(what)
-
-
-def _watchdog_paused(connector: Any):
-    """The connector's ``watchdog_suspended()`` context (event polling paused during a capture), if it has one."""
-    fn = getattr(connector, "watchdog_suspended", None)
-    return fn() if fn is not None else contextlib.nullcontext()
-
-
 def _cache_size(connector: Any, cache_size: int | None) -> int:
     """``cache_size``, else the connector's ``connector_extra_config.graph_cache_size`` (0 = graphs disabled)."""
     if cache_size is not None:
@@ -1377,7 +1333,7 @@ class AttentionGraphRunner:
         if pad is None or not send:
             self.active = False
             self.eager_steps += 1
-            return self.exchange._begin_step_eager(payload, dp_rank=dp_rank, row_mask=row_mask, send=send)
+            return self.exchange.begin_eager_step(payload, dp_rank=dp_rank, row_mask=row_mask, send=send)
         rows = [int(payload.dp_metadata_list[s].counts[dp_rank]) for s in sorted(payload.dp_metadata_list)]
         if row_mask is not None and int(row_mask.sum()) != sum(rows):
             raise ValueError(f"row_mask selects {int(row_mask.sum())} rows but the payload gives this rank {sum(rows)}")
@@ -1390,9 +1346,7 @@ class AttentionGraphRunner:
         cp.update_state_from_dp_metadata(replay)
         cp.send_dp_metadata_list(replay)
         self.active, self._key, self._layer = True, key, 0
-        self.exchange._stage_rows = rows
-        self.exchange._row_mask = row_mask
-        self.exchange.stats.steps += 1
+        self.exchange.set_step_rows(rows, row_mask)
         self.replayed_steps += 1
         return rows
 
@@ -1408,7 +1362,7 @@ class AttentionGraphRunner:
                 "hidden": arena.buffer(("attention_hidden", s), (n, cfg.hidden_size), cfg.hidden_dtype),
                 "router_logits": None if cfg.router_logits_width is None else arena.buffer(
                     ("attention_router_logits", s), (n, cfg.router_logits_width), cfg.router_logits_dtype),
-                "token_ids": arena.buffer(("attention_token_ids", s), (n,), torch.int32)
+                "token_ids": arena.buffer(("attention_token_ids", s), (n,), TOKEN_IDS_DTYPE)
                 if cfg.send_token_ids else None,
             }
         return out
@@ -1433,7 +1387,7 @@ class AttentionGraphRunner:
             cp.update_state_from_dp_metadata(cap)
             cp.send_dp_metadata_list(cap)
             bodies = [lambda layer=layer: self._dummy_layer(static, layer) for layer in range(layers)]
-            with _watchdog_paused(conn):
+            with conn.watchdog_suspended():
                 self.ctl.capture_parts(key, arena, bodies, outputs=static)
         finally:
             conn.use_static_arena(None)
@@ -1467,7 +1421,7 @@ class AttentionGraphRunner:
         layers = self.connector.schedule_config.num_layers
         part = self._layer % layers
         self._layer += 1
-        stage_rows = self.exchange._rows_for(rows.shape[0])
+        stage_rows = self.exchange.rows_for(rows.shape[0])
         static = self._static(self._key)
         start = 0
         for s, n in zip(sorted(static), stage_rows):
@@ -1483,24 +1437,16 @@ class AttentionGraphRunner:
                 pad_rows_into(token_ids[start:start + n].to(torch.int32), b["token_ids"])
             start += n
         ex = self.exchange
-        timing = getattr(ex, "timing", False)
-        cuda = rows.is_cuda and timing
-        if cuda:
-            torch.cuda.synchronize(rows.device)
-        t0 = time.perf_counter_ns()
-        self.ctl.replay(self._key, part=part)
-        _track_replay(self.connector, f"CUDA-graph replay of layer {layer_idx}")
-        if cuda:
-            torch.cuda.synchronize(rows.device)
-        if timing:
-            ex.stats.latency_ns.setdefault(layer_idx, []).append(time.perf_counter_ns() - t0)
+        with ex.timed(layer_idx, rows.device):
+            self.ctl.replay(self._key, part=part)
+            self.connector.track_graph_replay(f"CUDA-graph replay of layer {layer_idx}")
         outs = []
         for s, n in zip(sorted(static), stage_rows):
             outs.append(static[s]["hidden"][:n].clone())
         # Bytes of real rows only; the padding rows travel too but carry nothing.
-        ex.stats.bytes_sent += rows.numel() * rows.element_size() + (
-            0 if router_logits is None else router_logits.numel() * router_logits.element_size())
-        ex.stats.bytes_received += rows.numel() * rows.element_size()
+        ex.count_bytes(rows.numel() * rows.element_size() + (
+            0 if router_logits is None else router_logits.numel() * router_logits.element_size()),
+            rows.numel() * rows.element_size())
         return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
 
     def end_step(self) -> None:
@@ -1553,7 +1499,7 @@ class FFNGraphServer:
             # with the attention side; the graph itself reads only its arena.
             conn.control_plane.update_state_from_dp_metadata(payload)
             self.ctl.replay(key)
-            _track_replay(conn, f"CUDA-graph replay of step {srv.steps} ({conn.schedule_config.num_layers} layers)")
+            conn.track_graph_replay(f"CUDA-graph replay of step {srv.steps} ({conn.schedule_config.num_layers} layers)")
             srv.steps += 1
             srv.rows_served += conn.schedule_config.num_layers * sum(
                 sched.ffn_rows(s, conn.role_rank) for s in sched.stages)
@@ -1563,7 +1509,7 @@ class FFNGraphServer:
             rows_before = srv.rows_served
             try:
                 conn.control_plane.update_state_from_dp_metadata(payload)
-                with _watchdog_paused(conn):
+                with conn.watchdog_suspended():
                     self.ctl.capture(key, arena, lambda: srv.serve_exchanges(payload))
             finally:
                 conn.use_static_arena(None)

@@ -1,64 +1,62 @@
-"""``afd-ext launch``: start ``A`` attention and ``F`` FFN processes on this host.
+"""Start AFD ranks with torchrun, on one host or several, and tell each process who it is.
 
-Usage::
+Two halves:
 
-    afd-ext launch --num-attention-ranks 2 --num-ffn-ranks 1 \\
-        [--host 127.0.0.1] [--port 29600] [--attention-gpus 0,0 --ffn-gpus 1] \\
-        [--extra-config '{"transport": "gloo"}'] -- python my_script.py --my-args
+* :func:`config_from_env`, called inside a rank: ``(role, role_rank,
+  AFDConfig)`` from the environment its launcher set (torchrun, ``afd-ext
+  launch``, a job scheduler), by the rules below.
+* ``afd-ext launch`` (:func:`main`): ``torchrun`` with the AFD variables
+  exported, ``--nproc-per-node`` defaulting to ``A + F`` and each output line
+  prefixed with the rank. It is a thin layer: signals (SIGTERM and Ctrl-C stop
+  every rank), stopping the others when one rank fails, and several nodes
+  (``--nnodes``/``--node-rank``/``--master-addr``) are torchrun's own, so there
+  is one launcher to trust. Multi-node use: ``docs/multi-node.md``.
 
-Every process gets, in the AFD world order (FFN ranks first: world rank = role
-rank for FFN rank ``f``, ``F + a`` for attention rank ``a``):
+Which rank is which
+-------------------
+``A`` and ``F`` come from ``AFD_NUM_ATTENTION_RANKS`` / ``AFD_NUM_FFN_RANKS``;
+under torchrun one of them is enough (the other is ``WORLD_SIZE`` minus it).
+The role and role rank, first rule that applies:
 
-=============================  ==============================================
-``AFD_ROLE``                   ``attention`` or ``ffn``
-``AFD_ROLE_RANK``              rank inside the role
-``AFD_NUM_ATTENTION_RANKS``    ``A``
-``AFD_NUM_FFN_RANKS``          ``F``
-``AFD_HOST`` / ``AFD_PORT``    the rendezvous address (FFN rank 0 hosts the store)
-``AFD_CONNECTOR_EXTRA_CONFIG``  ``--extra-config`` (JSON), when given
-``CUDA_VISIBLE_DEVICES``       the process's GPU from ``--attention-gpus`` /
-                               ``--ffn-gpus`` (when given), and then
-``AFD_DEVICE=0``
-``RANK`` / ``WORLD_SIZE``      torchrun-compatible: the AFD world rank and ``A + F``
-``LOCAL_RANK`` /
-``LOCAL_WORLD_SIZE``           as torchrun on one node: ``RANK`` and ``A + F``
-``MASTER_ADDR`` /
-``MASTER_PORT``                ``--host`` and a second free port (not
-                               ``AFD_PORT``), for a script's own
-                               ``torch.distributed`` default group
-=============================  ==============================================
+1. ``AFD_ROLE`` and ``AFD_ROLE_RANK``: set per process (a launcher of your own).
+2. ``AFD_ROLES`` and torchrun's ``RANK``: an explicit mapping, the role of each
+   launcher rank in order (``"ffn,attention,attention"``, or ``"f,a,a"``);
+   role ranks count up in that order.
+3. torchrun's ``RANK`` in the AFD world order, FFN ranks first: rank ``r < F``
+   is FFN rank ``r``, rank ``r >= F`` is attention rank ``r - F``.
 
-Note ``LOCAL_RANK`` keeps torchrun's meaning (process index on the node); with
-``--*-gpus`` each process sees one GPU, so use ``AFD_DEVICE`` (or
-:func:`local_device`) for the device index, not ``LOCAL_RANK``.
+Under 2 and 3 ``WORLD_SIZE`` must equal ``A + F``.
 
-Each output line is prefixed with ``[attn 0]`` / ``[ffn 0]``. When a process
-exits non-zero, the launcher terminates the others (SIGTERM, then SIGKILL
-after ``--grace-s``) and returns that exit code (``128 + signal`` for a
-process killed by a signal); on Ctrl-C it forwards SIGINT, then terminates,
-and returns 130. Each child runs in its own process group, so its own
-children are terminated with it.
+The rendezvous address: ``host`` is ``AFD_HOST``, else torchrun's
+``MASTER_ADDR`` when FFN rank 0 is launcher rank 0 (rule 3 always puts it
+there; with a static rendezvous that is node rank 0, the ``--master-addr``
+host). ``port`` is ``AFD_PORT``, else the configuration's default (1239): the
+AFD store listens on its own port, never torchrun's ``MASTER_PORT``.
 
-Inside the script, :func:`config_from_env` returns ``(role, role_rank,
-AFDConfig)`` built from these variables.
+``afd-ext launch`` exports ``AFD_NUM_ATTENTION_RANKS``, ``AFD_NUM_FFN_RANKS``,
+``AFD_HOST`` and ``AFD_PORT`` (on one node: ``--host`` default 127.0.0.1 and a
+free port; on several nodes only what you give), ``AFD_CONNECTOR_EXTRA_CONFIG``
+(``--extra-config``) and ``AFD_ATTENTION_GPUS`` / ``AFD_FFN_GPUS``
+(``--attention-gpus`` / ``--ffn-gpus``, read by :func:`local_device`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
-import signal
-import subprocess
+import shutil
 import sys
-import threading
-import time
-from typing import IO, NamedTuple, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
-logger = logging.getLogger(__name__)
+from afd_ext.errors import AFDConfigError
 
-__all__ = ["main", "build_parser", "process_env", "config_from_env", "local_device", "LaunchedRank"]
+if TYPE_CHECKING:
+    from afd_ext.config import AFDConfig
+
+__all__ = ["main", "build_parser", "config_from_env", "resolve_role", "local_device", "LaunchedRank"]
+
+_ROLE_NAMES = {"a": "attention", "attention": "attention", "f": "ffn", "ffn": "ffn"}
 
 
 class LaunchedRank(NamedTuple):
@@ -66,160 +64,293 @@ class LaunchedRank(NamedTuple):
 
     role: str
     role_rank: int
-    config: "object"  # afd_ext.config.AFDConfig
+    config: "AFDConfig"
 
 
-def _gpu_list(text: str, n: int, flag: str) -> list[str]:
+# ---------------------------------------------------------------------------
+# Inside a rank: who am I
+# ---------------------------------------------------------------------------
+
+
+def _env(name: str):
+    """An ``AFD_*`` variable through :mod:`afd_ext.envs`; a bad value is an AFDConfigError."""
+    from afd_ext import envs
+
+    try:
+        return envs.get(name)
+    except ValueError as e:
+        raise AFDConfigError(str(e)) from None
+
+
+def _launcher_int(name: str) -> int | None:
+    """torchrun's ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` as an int >= 0, or None when unset."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return None
+    try:
+        v = int(raw)
+    except ValueError:
+        v = -1
+    if v < 0:
+        raise AFDConfigError(f"environment variable {name}={raw!r} is not an int >= 0")
+    return v
+
+
+def _parse_roles(text: str) -> list[str]:
+    roles = [_ROLE_NAMES.get(t.strip().lower()) for t in text.split(",")]
+    if not roles or None in roles:
+        raise AFDConfigError(
+            f"AFD_ROLES={text!r}: give the role of each launcher rank in order, comma-separated "
+            "'attention'/'ffn' (or 'a'/'f'), e.g. 'ffn,attention,attention'")
+    return roles  # type: ignore[return-value]
+
+
+def _counts(attention: int | None, ffn: int | None, world: int | None) -> tuple[int, int]:
+    if attention is None and ffn is None:
+        raise AFDConfigError(
+            "AFD_NUM_ATTENTION_RANKS and AFD_NUM_FFN_RANKS are not set: set both (or one of them "
+            "under torchrun, which gives WORLD_SIZE), or pass num_attention_ranks/num_ffn_ranks")
+    if attention is None or ffn is None:
+        known, name = (ffn, "AFD_NUM_ATTENTION_RANKS") if attention is None else (attention, "AFD_NUM_FFN_RANKS")
+        if world is None:
+            raise AFDConfigError(f"{name} is not set, and there is no WORLD_SIZE to derive it from")
+        if world - known < 1:
+            raise AFDConfigError(f"WORLD_SIZE={world} leaves no rank for {name} (the other role has {known})")
+        attention, ffn = (world - known, known) if attention is None else (known, world - known)
+    return int(attention), int(ffn)
+
+
+def resolve_role(num_attention_ranks: int, num_ffn_ranks: int, *, rank: int | None = None,
+                 world_size: int | None = None) -> tuple[str, int, bool]:
+    """This process's ``(role, role_rank, ffn0_is_rank0)`` from the environment (module doc rules 1-3).
+
+    Args:
+        num_attention_ranks, num_ffn_ranks: ``A`` and ``F``.
+        rank, world_size: the launcher rank and world size (default: ``RANK``,
+            ``WORLD_SIZE`` from the environment).
+
+    Returns:
+        The role (``"attention"``/``"ffn"``), the rank inside it, and whether
+        FFN rank 0 is launcher rank 0 (so torchrun's ``MASTER_ADDR`` is its host).
+
+    Raises:
+        AFDConfigError: a variable is missing or bad, ``WORLD_SIZE != A + F``,
+            or the role rank is out of range; the message names the variable.
+    """
+    A, F = num_attention_ranks, num_ffn_ranks
+    role = _env("AFD_ROLE")
+    if role is not None:
+        if role not in ("attention", "ffn"):
+            raise AFDConfigError(f"AFD_ROLE={role!r}: expected 'attention' or 'ffn'")
+        role_rank = _env("AFD_ROLE_RANK")
+        if role_rank is None:
+            raise AFDConfigError("AFD_ROLE is set but AFD_ROLE_RANK is not: set both, or neither under torchrun")
+        ffn0_is_rank0 = False
+    else:
+        rank = _launcher_int("RANK") if rank is None else rank
+        world = _launcher_int("WORLD_SIZE") if world_size is None else world_size
+        if rank is None or world is None:
+            raise AFDConfigError(
+                "no role for this process: start it with torchrun or `afd-ext launch` (RANK, WORLD_SIZE), "
+                "or set AFD_ROLE and AFD_ROLE_RANK")
+        if world != A + F:
+            raise AFDConfigError(
+                f"WORLD_SIZE={world} but A + F = {A} + {F} = {A + F}: start exactly A + F processes "
+                "(torchrun --nproc-per-node on each node, summed over the nodes)")
+        if rank >= world:
+            raise AFDConfigError(f"RANK={rank} is out of range for WORLD_SIZE={world}")
+        mapping = _env("AFD_ROLES")
+        if mapping is not None:
+            roles = _parse_roles(mapping)
+            if len(roles) != world or roles.count("ffn") != F:
+                raise AFDConfigError(
+                    f"AFD_ROLES={mapping!r} lists {len(roles)} ranks ({roles.count('ffn')} FFN); "
+                    f"expected WORLD_SIZE={world} with F={F} FFN ranks")
+            role = roles[rank]
+            role_rank = roles[:rank].count(role)
+            ffn0_is_rank0 = roles[0] == "ffn"
+        else:
+            role, role_rank = ("ffn", rank) if rank < F else ("attention", rank - F)
+            ffn0_is_rank0 = True
+    limit = A if role == "attention" else F
+    if not 0 <= role_rank < limit:
+        raise AFDConfigError(f"AFD_ROLE_RANK={role_rank} is out of range for {limit} {role} ranks")
+    return role, role_rank, ffn0_is_rank0
+
+
+def config_from_env(**overrides) -> LaunchedRank:
+    """Build ``(role, role_rank, AFDConfig)`` from the launcher's environment (module doc).
+
+    Args:
+        **overrides: AFDConfig fields that win over the environment, e.g.
+            ``host=...``, ``num_ffn_ranks=...``, ``connector_extra_config={...}``
+            (merged over ``AFD_CONNECTOR_EXTRA_CONFIG``).
+
+    Returns:
+        :class:`LaunchedRank` ``(role, role_rank, config)``.
+
+    Raises:
+        AFDConfigError: a required variable is missing or does not parse, the
+            process count does not match ``A + F``, a role rank is out of range,
+            or no rendezvous host is known; the message names the variable.
+    """
+    from afd_ext.config import AFDConfig
+
+    overrides = dict(overrides)
+    A, F = _counts(overrides.pop("num_attention_ranks", None) or _env("AFD_NUM_ATTENTION_RANKS"),
+                   overrides.pop("num_ffn_ranks", None) or _env("AFD_NUM_FFN_RANKS"),
+                   _launcher_int("WORLD_SIZE"))
+    role, role_rank, ffn0_is_rank0 = resolve_role(A, F)
+    host = overrides.pop("host", None) or _env("AFD_HOST")
+    if host is None:
+        if not ffn0_is_rank0:
+            raise AFDConfigError(
+                "AFD_HOST is not set: FFN rank 0 hosts the AFD rendezvous store, and with AFD_ROLE or an "
+                "AFD_ROLES mapping that does not start with 'ffn' it is not torchrun's MASTER_ADDR host; "
+                "set AFD_HOST to the address of FFN rank 0's machine")
+        host = os.environ.get("MASTER_ADDR")
+        if not host:
+            raise AFDConfigError("neither AFD_HOST nor torchrun's MASTER_ADDR is set: set AFD_HOST to the "
+                                 "address of FFN rank 0's machine")
+    port = overrides.pop("port", None) or _env("AFD_PORT")
+    extra: dict = {}
+    raw_extra = _env("AFD_CONNECTOR_EXTRA_CONFIG")
+    if raw_extra:
+        try:
+            extra = json.loads(raw_extra)
+        except ValueError as e:
+            raise AFDConfigError(f"AFD_CONNECTOR_EXTRA_CONFIG is not valid JSON: {e}") from None
+        if not isinstance(extra, dict):
+            raise AFDConfigError("AFD_CONNECTOR_EXTRA_CONFIG must be a JSON object")
+    extra.update(overrides.pop("connector_extra_config", None) or {})
+    fields = {"role": role, "host": host, "num_attention_ranks": A, "num_ffn_ranks": F,
+              "connector_extra_config": extra, **overrides}
+    if port is not None:
+        fields["port"] = port
+    return LaunchedRank(role, role_rank, AFDConfig(**fields))
+
+
+def local_device() -> int | None:
+    """The CUDA device index this process should use, or None when nothing says.
+
+    ``AFD_DEVICE`` if set; else this rank's entry of ``AFD_ATTENTION_GPUS`` /
+    ``AFD_FFN_GPUS`` (``afd-ext launch --attention-gpus/--ffn-gpus``, indexed by
+    role rank, one entry shared by all); else torchrun's ``LOCAL_RANK``.
+
+    Raises:
+        AFDConfigError: a GPU list does not parse or has the wrong length.
+    """
+    device = _env("AFD_DEVICE")
+    if device is not None:
+        return device
+    lists = {"attention": _env("AFD_ATTENTION_GPUS"), "ffn": _env("AFD_FFN_GPUS")}
+    if any(lists.values()):
+        A, F = _counts(_env("AFD_NUM_ATTENTION_RANKS"), _env("AFD_NUM_FFN_RANKS"), _launcher_int("WORLD_SIZE"))
+        role, role_rank, _ = resolve_role(A, F)
+        if lists[role]:
+            name = "AFD_ATTENTION_GPUS" if role == "attention" else "AFD_FFN_GPUS"
+            return int(_gpu_list(lists[role], A if role == "attention" else F, name)[role_rank])
+    return _launcher_int("LOCAL_RANK")
+
+
+def _gpu_list(text: str, n: int, name: str) -> list[str]:
     items = [t.strip() for t in text.split(",") if t.strip()]
     if not items or any(not t.isdigit() for t in items):
-        raise argparse.ArgumentTypeError(f"{flag} must be a comma-separated list of GPU indices, got {text!r}")
+        raise AFDConfigError(f"{name} must be a comma-separated list of GPU indices, got {text!r}")
     if len(items) == 1:
         return items * n
     if len(items) != n:
-        raise argparse.ArgumentTypeError(
-            f"{flag} has {len(items)} entries, expected 1 (shared by all) or {n} (one per rank)")
+        raise AFDConfigError(f"{name} has {len(items)} entries, expected 1 (shared by all) or {n} (one per rank)")
     return items
 
 
+# ---------------------------------------------------------------------------
+# afd-ext launch: torchrun with the AFD variables set
+# ---------------------------------------------------------------------------
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The ``afd-ext launch`` argument parser."""
+    """The ``afd-ext launch`` parser (its own options; every other option before ``--`` goes to torchrun)."""
     p = argparse.ArgumentParser(
         prog="afd-ext launch",
-        description="Start A attention and F FFN processes on this host with the AFD_* and "
-                    "torchrun-compatible environment variables set.",
-        epilog="Example: afd-ext launch --num-attention-ranks 2 --num-ffn-ranks 1 -- python script.py",
+        allow_abbrev=False,  # an abbreviation could swallow a torchrun option
+        usage="afd-ext launch -A N -F M [AFD options] [torchrun options] -- command [args ...]",
+        description="Run COMMAND as A attention + F FFN ranks under torchrun (torch.distributed.run), with "
+                    "the AFD variables exported; inside, afd_ext.launch.config_from_env() says which rank "
+                    "is which. Options not listed here (--nnodes, --node-rank, --master-addr, "
+                    "--nproc-per-node, --rdzv-*, ...) are passed to torchrun.",
+        epilog="Example: afd-ext launch -A 2 -F 1 -- python examples/multinode.py",
     )
-    p.add_argument("--num-attention-ranks", "-A", type=int, required=True, help="A >= 1")
-    p.add_argument("--num-ffn-ranks", "-F", type=int, required=True, help="F >= 1")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="rendezvous host: an address of this machine (FFN rank 0 runs here). Default 127.0.0.1")
-    p.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free port)")
-    p.add_argument("--master-port", type=int, default=None,
-                   help="MASTER_PORT for the script's own torch.distributed group (default: a free port)")
+    p.add_argument("--num-attention-ranks", "-A", type=int, required=True, help="A >= 1 (all nodes together)")
+    p.add_argument("--num-ffn-ranks", "-F", type=int, required=True, help="F >= 1 (all nodes together)")
+    p.add_argument("--host", default=None,
+                   help="AFD rendezvous host, FFN rank 0's address (default: 127.0.0.1 on one node; "
+                        "torchrun's MASTER_ADDR on several)")
+    p.add_argument("--port", type=int, default=None,
+                   help="AFD rendezvous port (default: a free port on one node; 1239 on several)")
     p.add_argument("--attention-gpus", default=None,
-                   help="GPU per attention rank, e.g. '0,0' (one entry: all share it). Sets CUDA_VISIBLE_DEVICES")
+                   help="GPU per attention rank, e.g. '0,0' (one entry: all share it); see local_device()")
     p.add_argument("--ffn-gpus", default=None, help="GPU per FFN rank, e.g. '1'")
     p.add_argument("--extra-config", default=None,
-                   help="JSON object passed as AFD_CONNECTOR_EXTRA_CONFIG (connector_extra_config)")
-    p.add_argument("--grace-s", type=float, default=5.0,
-                   help="seconds between SIGTERM and SIGKILL when stopping the others (default 5)")
-    p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with the role/rank")
-    p.add_argument("command", nargs=argparse.REMAINDER,
-                   help="the command to run in every process, after '--'")
+                   help="JSON object exported as AFD_CONNECTOR_EXTRA_CONFIG (connector_extra_config)")
+    p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with the rank")
     return p
 
 
-def process_env(
-    role: str,
-    role_rank: int,
-    num_attention_ranks: int,
-    num_ffn_ranks: int,
-    host: str,
-    port: int,
-    master_port: int,
-    gpu: str | None = None,
-    extra_config: str | None = None,
-    base: dict[str, str] | None = None,
-) -> dict[str, str]:
-    """The environment of one launched process (see the module doc for every variable).
-
-    Args:
-        role: ``"attention"`` or ``"ffn"``; role_rank: rank inside the role.
-        num_attention_ranks, num_ffn_ranks: ``A`` and ``F``.
-        host, port: the rendezvous address; master_port: ``MASTER_PORT``.
-        gpu: GPU index for ``CUDA_VISIBLE_DEVICES`` (None: inherit).
-        extra_config: JSON for ``AFD_CONNECTOR_EXTRA_CONFIG`` (None: unset).
-        base: starting environment (default ``os.environ``).
-
-    Returns:
-        The full environment mapping.
-    """
-    env = dict(os.environ if base is None else base)
-    world_size = num_attention_ranks + num_ffn_ranks
-    world_rank = role_rank if role == "ffn" else num_ffn_ranks + role_rank
-    env.update({
-        "AFD_ROLE": role,
-        "AFD_ROLE_RANK": str(role_rank),
-        "AFD_NUM_ATTENTION_RANKS": str(num_attention_ranks),
-        "AFD_NUM_FFN_RANKS": str(num_ffn_ranks),
-        "AFD_HOST": host,
-        "AFD_PORT": str(port),
-        "RANK": str(world_rank),
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_RANK": str(world_rank),
-        "LOCAL_WORLD_SIZE": str(world_size),
-        "MASTER_ADDR": host,
-        "MASTER_PORT": str(master_port),
-        "PYTHONUNBUFFERED": "1",
-    })
-    if gpu is not None:
-        env["CUDA_VISIBLE_DEVICES"] = gpu
-        env["AFD_DEVICE"] = "0"
-    if extra_config is not None:
-        env["AFD_CONNECTOR_EXTRA_CONFIG"] = extra_config
-    return env
-
-
-def _pump(stream: IO[bytes], prefix: bytes, out, lock: threading.Lock) -> None:
-    for line in iter(stream.readline, b""):
-        with lock:
-            out.write(prefix + line if prefix else line)
-            if not line.endswith(b"\n"):
-                out.write(b"\n")
-            out.flush()
-    stream.close()
+def _fail(msg: str, code: int = 2) -> int:
+    print(f"afd-ext launch: {msg}", file=sys.stderr, flush=True)
+    return code
 
 
 def _exit_code(rc: int) -> int:
     return 128 - rc if rc < 0 else rc
 
 
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+def _rank_label(rank: int, A: int, F: int) -> str:
+    """``"rank 2 (attention rank 1)"`` under the exported mapping, or just ``"rank 2"``."""
     try:
-        os.killpg(proc.pid, sig)  # the child leads its own group (start_new_session)
-    except (ProcessLookupError, PermissionError):
-        pass
+        role, role_rank, _ = resolve_role(A, F, rank=rank, world_size=A + F)
+    except AFDConfigError:
+        return f"rank {rank}"
+    return f"rank {rank} ({'FFN' if role == 'ffn' else role} rank {role_rank})"
 
 
-def _stop_all(procs: list[tuple[str, subprocess.Popen]], grace_s: float, first: int = signal.SIGTERM) -> None:
-    for _, p in procs:
-        if p.poll() is None:
-            _signal_group(p, first)
-    deadline = time.monotonic() + grace_s
-    for _, p in procs:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    for name, p in procs:
-        if p.poll() is None:
-            logger.warning("afd-ext launch: %s did not stop within %.1f s; killing it", name, grace_s)
-            _signal_group(p, signal.SIGKILL)
-            p.wait(timeout=10)
+def _rank_names(A: int, F: int) -> str:
+    """``"rank 0 = FFN 0, ranks 1-2 = attention 0-1"`` (the default, FFN-first order), or the AFD_ROLES mapping."""
+    if os.environ.get("AFD_ROLES"):
+        return f"roles by rank: AFD_ROLES={os.environ['AFD_ROLES']}"
+
+    def span(lo: int, n: int, what: str) -> str:
+        return f"rank {lo} = {what} 0" if n == 1 else f"ranks {lo}-{lo + n - 1} = {what} 0-{n - 1}"
+    return f"{span(0, F, 'FFN')}, {span(F, A, 'attention')}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``afd-ext launch``; returns the exit code (0, the first failing rank's code, or 130).
+    """Run ``afd-ext launch``; returns the exit code.
 
-    Raises:
-        SystemExit: bad arguments (argparse, exit code 2).
+    0 when every rank succeeded; the first failing rank's code (``128 +
+    signal`` when a signal killed it); ``128 + signal`` when the launcher got
+    SIGTERM/SIGINT/SIGHUP (every rank is stopped first); 127 when the command
+    is not found; 2 for bad arguments (one line on stderr, no traceback).
     """
-    from afd_ext.testing import find_free_port
-
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in argv:
+        own, cmd = argv, []
+    else:
+        i = argv.index("--")
+        own, cmd = argv[:i], argv[i + 1:]
     parser = build_parser()
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    cmd = list(args.command)
-    if cmd and cmd[0] == "--":
-        cmd = cmd[1:]
+    args, torchrun_opts = parser.parse_known_args(own)
     if not cmd:
         parser.error("give the command to run after '--', e.g. -- python script.py")
     A, F = args.num_attention_ranks, args.num_ffn_ranks
     if A < 1 or F < 1:
         parser.error(f"--num-attention-ranks and --num-ffn-ranks must be >= 1, got {A} and {F}")
     try:
-        attn_gpus = _gpu_list(args.attention_gpus, A, "--attention-gpus") if args.attention_gpus else [None] * A
-        ffn_gpus = _gpu_list(args.ffn_gpus, F, "--ffn-gpus") if args.ffn_gpus else [None] * F
-    except argparse.ArgumentTypeError as e:
+        for text, n, flag in ((args.attention_gpus, A, "--attention-gpus"), (args.ffn_gpus, F, "--ffn-gpus")):
+            if text is not None:
+                _gpu_list(text, n, flag)
+    except AFDConfigError as e:
         parser.error(str(e))
     if args.extra_config is not None:
         try:
@@ -227,124 +358,53 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ValueError("not a JSON object")
         except ValueError as e:
             parser.error(f"--extra-config must be a JSON object: {e}")
-    port = args.port if args.port is not None else find_free_port(args.host)
-    master_port = args.master_port if args.master_port is not None else find_free_port(args.host)
-    if master_port == port:
-        parser.error("--master-port must differ from --port")
-    if not 0 < port < 65536:
-        parser.error(f"--port must be in 1..65535, got {port}")
+    if args.port is not None and not 0 < args.port < 65536:
+        parser.error(f"--port must be in 1..65535, got {args.port}")
+    exe = cmd[0]
+    if (shutil.which(exe) if os.sep not in exe else (os.path.isfile(exe) and os.access(exe, os.X_OK))) in (None, False):
+        return _fail(f"command not found or not executable: {exe!r}", 127)
 
-    # FFN rank 0 first: it hosts the rendezvous store.
-    ranks = [("ffn", f, ffn_gpus[f]) for f in range(F)] + [("attention", a, attn_gpus[a]) for a in range(A)]
-    out = sys.stdout.buffer
-    lock = threading.Lock()
-    procs: list[tuple[str, subprocess.Popen]] = []
-    pumps: list[threading.Thread] = []
-    print(f"afd-ext launch: {A} attention + {F} FFN ranks, rendezvous {args.host}:{port}", file=sys.stderr,
-          flush=True)
-    exit_code = 0
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    prefix = [] if args.no_prefix else ["--tee", "3"]
+    # Our defaults first: argparse keeps the last occurrence, so the user's torchrun options win.
+    tr_parser = torchrun.get_args_parser()
+    tr_parser.prog = "afd-ext launch (torchrun options)"
+    targs = tr_parser.parse_args(["--nproc-per-node", str(A + F), *prefix, *torchrun_opts, "--no-python", *cmd])
+    _, max_nodes = torchrun.parse_min_max_nnodes(targs.nnodes)
+    one_node = max_nodes == 1
+    if one_node and int(targs.nproc_per_node) != A + F:
+        parser.error(f"on one node --nproc-per-node must be A + F = {A + F}, got {targs.nproc_per_node}")
+    host = args.host or ("127.0.0.1" if one_node else None)
+    port = args.port
+    if port is None and one_node:
+        from afd_ext.testing import find_free_port
+
+        port = find_free_port(host)
+    exported = {"AFD_NUM_ATTENTION_RANKS": str(A), "AFD_NUM_FFN_RANKS": str(F), "AFD_HOST": host,
+                "AFD_PORT": None if port is None else str(port), "AFD_CONNECTOR_EXTRA_CONFIG": args.extra_config,
+                "AFD_ATTENTION_GPUS": args.attention_gpus, "AFD_FFN_GPUS": args.ffn_gpus}
+    for stale in ("AFD_ROLE", "AFD_ROLE_RANK"):  # would override the rank-derived role in every process
+        os.environ.pop(stale, None)
+    os.environ.update({k: v for k, v in exported.items() if v is not None})
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own choice, without its warning banner
+    # The variable, not the --log-line-prefix-template option, which torch < 2.13 lacks.
+    os.environ.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "[rank ${rank}] ")
+    where = f"{host or '$MASTER_ADDR'}:{port or 1239}"
+    print(f"afd-ext launch: {A} attention + {F} FFN ranks ({_rank_names(A, F)}); AFD rendezvous {where}",
+          file=sys.stderr, flush=True)
     try:
-        for role, rr, gpu in ranks:
-            name = f"{'attn' if role == 'attention' else 'ffn'} {rr}"
-            env = process_env(role, rr, A, F, args.host, port, master_port, gpu, args.extra_config)
-            p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, start_new_session=True)
-            procs.append((name, p))
-            prefix = b"" if args.no_prefix else f"[{name}] ".encode()
-            t = threading.Thread(target=_pump, args=(p.stdout, prefix, out, lock), daemon=True)
-            t.start()
-            pumps.append(t)
-        while True:
-            running = 0
-            for name, p in procs:
-                rc = p.poll()
-                if rc is None:
-                    running += 1
-                elif rc != 0:
-                    exit_code = _exit_code(rc)
-                    print(f"afd-ext launch: {name} exited with code {exit_code}; stopping the other ranks",
-                          file=sys.stderr, flush=True)
-                    raise _Stop
-            if running == 0:
-                break
-            time.sleep(0.05)
-    except _Stop:
-        _stop_all(procs, args.grace_s)
-    except KeyboardInterrupt:
-        print("afd-ext launch: interrupted; stopping every rank", file=sys.stderr, flush=True)
-        _stop_all(procs, args.grace_s, first=signal.SIGINT)
-        exit_code = 130
-    except BaseException:
-        _stop_all(procs, args.grace_s)
-        raise
-    for t in pumps:
-        t.join(timeout=5)
-    return exit_code
-
-
-class _Stop(Exception):
-    pass
-
-
-def local_device() -> int | None:
-    """The CUDA device index this launched process should use (``AFD_DEVICE``), or None if unset."""
-    from afd_ext import envs
-
-    return envs.get("AFD_DEVICE")
-
-
-def config_from_env(**overrides) -> LaunchedRank:
-    """Build ``(role, role_rank, AFDConfig)`` from the variables ``afd-ext launch`` sets.
-
-    Args:
-        **overrides: AFDConfig fields that win over the environment (e.g.
-            ``connector_extra_config={...}``, merged over ``AFD_CONNECTOR_EXTRA_CONFIG``).
-
-    Returns:
-        :class:`LaunchedRank` ``(role, role_rank, config)``.
-
-    Raises:
-        RuntimeError: a required variable is missing (not started by ``afd-ext launch``
-            or an equivalent launcher); the message names it.
-        ValueError: a variable does not parse, or the role rank is out of range.
-    """
-    from afd_ext import envs
-    from afd_ext.config import AFDConfig
-
-    values = {}
-    for name in ("AFD_ROLE", "AFD_ROLE_RANK", "AFD_NUM_ATTENTION_RANKS", "AFD_NUM_FFN_RANKS",
-                 "AFD_HOST", "AFD_PORT"):
-        v = envs.get(name)
-        if v is None:
-            raise RuntimeError(
-                f"{name} is not set: start this script with `afd-ext launch ... -- python script.py` "
-                "or set AFD_ROLE, AFD_ROLE_RANK, AFD_NUM_ATTENTION_RANKS, AFD_NUM_FFN_RANKS, AFD_HOST, AFD_PORT"
-            )
-        values[name] = v
-    extra: dict = {}
-    raw_extra = envs.get("AFD_CONNECTOR_EXTRA_CONFIG")
-    if raw_extra:
-        try:
-            extra = json.loads(raw_extra)
-        except ValueError as e:
-            raise ValueError(f"AFD_CONNECTOR_EXTRA_CONFIG is not valid JSON: {e}") from None
-        if not isinstance(extra, dict):
-            raise ValueError("AFD_CONNECTOR_EXTRA_CONFIG must be a JSON object")
-    extra.update(overrides.pop("connector_extra_config", None) or {})
-    role, role_rank = values["AFD_ROLE"], values["AFD_ROLE_RANK"]
-    cfg = AFDConfig(**{
-        "role": role,
-        "host": values["AFD_HOST"],
-        "port": values["AFD_PORT"],
-        "num_attention_ranks": values["AFD_NUM_ATTENTION_RANKS"],
-        "num_ffn_ranks": values["AFD_NUM_FFN_RANKS"],
-        "connector_extra_config": extra,
-        **overrides,
-    })
-    limit = cfg.num_attention_ranks if role == "attention" else cfg.num_ffn_ranks
-    if not 0 <= role_rank < limit:
-        raise ValueError(f"AFD_ROLE_RANK={role_rank} is out of range for {limit} {role} ranks")
-    return LaunchedRank(role, role_rank, cfg)
+        torchrun.run(targs)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        code = _exit_code(failure.exitcode)
+        return _fail(f"{_rank_label(rank, A, F)} exited with code {code}; torchrun stopped the other ranks",
+                     code or 1)
+    except SignalException as e:
+        return _fail(f"got {e.sigval.name}; every rank was stopped", 128 + int(e.sigval))
+    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -10,7 +10,10 @@ unchanged. Where the reference is limited, this module goes further:
   a payload without one is read as the reference's format (version 1);
 * :func:`decode_control_payload` treats its input as untrusted: bounded size,
   bounded stage and rank counts, exact types, and every failure is a
-  ``ValueError`` (never an unbounded allocation, never a hang).
+  ``ValueError`` (never an unbounded allocation, never a hang);
+* between two ``afd_ext`` ranks the control plane sends a compact binary
+  encoding (:func:`encode_control_binary` / :func:`decode_control_binary`);
+  the JSON codec is the reference-format API.
 
 The wire framing of the reference (an int64 size message, then a uint8 data
 message, both from the same rank) is available as :func:`frame_control_payload`,
@@ -28,7 +31,6 @@ from __future__ import annotations
 import array
 import contextlib
 import json
-import json.scanner
 import re
 import struct
 from dataclasses import dataclass
@@ -54,6 +56,11 @@ __all__ = [
     "AFDExpertRoutingSpec",
     "encode_control_payload",
     "decode_control_payload",
+    "encode_control_binary",
+    "decode_control_binary",
+    "control_payload_from_parts",
+    "control_payload_parts",
+    "encode_control_parts",
     "frame_control_payload",
     "control_frame_size",
     "unframe_control_payload",
@@ -477,6 +484,27 @@ class AFDControlPayload:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
+    @classmethod
+    def from_fields(cls, obj: Any) -> "AFDControlPayload":
+        """Build from any object with the payload's fields (e.g. the reference plugin's own class).
+
+        Reads ``dp_metadata_list`` (values with ``num_tokens_across_dp_cpu``,
+        or count lists), ``is_graph_capturing`` and ``is_warmup``; the newer
+        ``is_graph_replaying`` and ``is_profile`` default to False when absent.
+
+        Raises:
+            ValueError: a field is missing or invalid (named).
+        """
+        if isinstance(obj, cls):
+            return obj
+        if not hasattr(obj, "dp_metadata_list"):
+            raise ValueError(f"expected an AFD control payload (with dp_metadata_list), got {type(obj).__name__}")
+        flags = {}
+        for name in _FLAG_NAMES:
+            value = getattr(obj, name, False)
+            flags[name] = bool(value) if isinstance(value, (bool, int)) else value
+        return cls(dict(obj.dp_metadata_list), **flags)
+
     def stage_counts(self) -> dict[int, tuple[int, ...]]:
         """Return ``{stage: per-DP-rank counts}`` in sorted stage order."""
         return {s: self.dp_metadata_list[s].counts for s in sorted(self.dp_metadata_list)}
@@ -690,71 +718,6 @@ def _reject_constant(name: str) -> Any:
 _json_decoder = json.JSONDecoder(object_pairs_hook=_no_duplicate_keys, parse_constant=_reject_constant)
 _stage_key_ok = _STAGE_KEY_RE.fullmatch
 
-# Fast path of the decoder: the exact canonical layout encode_control_payload writes.
-_CANON_HEAD = '{"dp_metadata_list":{'
-_CANON_TAIL_AT = '},"format_version":'
-# "},<flags>}" -> flags in _FLAG_NAMES order (capturing, warmup, replaying, profile)
-_CANON_TAILS = {"},%s}" % text: (c, w, r, p) for (c, r, p, w), text in _FLAGS_JSON.items()}
-# At most 9 digits (< 10**9 < 2**31): a count the fast path accepts is always in
-# range; larger ones (never seen in practice) take the general path.
-_CANON_NUM = r"(?:0|[1-9][0-9]{0,8})"
-_canon_stage = re.compile(
-    r'"(0|[1-9][0-9]{0,8})":\{"max_tokens_across_dp_cpu":(' + _CANON_NUM
-    + r'),"num_tokens_across_dp_cpu":(\[(?:' + _CANON_NUM + r"(?:," + _CANON_NUM + r")*)?\])\}",
-    re.ASCII,
-).match
-# The C JSON scanner without hooks, for count lists the regex has already checked.
-_scan_json = json.scanner.make_scanner(json.JSONDecoder())
-
-
-def _decode_canonical(data: bytes, max_stages: int, max_ranks: int) -> AFDControlPayload | None:
-    """The payload :func:`_canonical_parts` reads, or None."""
-    parts = _canonical_parts(data, max_stages, max_ranks)
-    return None if parts is None else _payload_from_parts(parts)
-
-
-def _canonical_parts(data: bytes, max_stages: int, max_ranks: int) -> tuple | None:
-    """Read the canonical layout into ``(((stage, counts, max), ...), flags)``; None if
-    ``data`` is not exactly that layout.
-
-    A regular expression checks every stage member character by character
-    (compact, keys in order, canonical ints of at most 9 digits, so always in
-    int32); the already checked count lists are read by the C JSON scanner.
-    Stage keys must be strictly increasing in JSON (string) order, so there
-    are no duplicates; every bound is checked. This accepts a strict subset
-    of what the general path accepts and builds the same payload; anything
-    else, valid or not, goes to the general path, which gives the error message.
-    """
-    try:
-        text = data.decode("ascii")
-    except UnicodeDecodeError:
-        return None
-    end = text.rfind(_CANON_TAIL_AT)
-    flags = _CANON_TAILS.get(text[end:]) if end > 0 else None
-    if flags is None or not text.startswith(_CANON_HEAD):
-        return None
-    pos = len(_CANON_HEAD)
-    stages: list[tuple[int, tuple[int, ...], int]] = []
-    prev = ""
-    while pos < end:
-        m = _canon_stage(text, pos, end)
-        if m is None:
-            return None
-        key = m[1]
-        if key <= prev or len(stages) >= max_stages:
-            return None  # not strictly increasing in JSON (string) order: duplicates or unsorted
-        prev = key
-        counts = _scan_json(text, m.start(3))[0]
-        if len(counts) > max_ranks:
-            return None
-        stages.append((int(key), tuple(counts), int(m[2])))
-        pos = m.end()
-        if pos < end:
-            if text[pos] != "," or pos + 1 == end:
-                return None
-            pos += 1
-    return tuple(stages), flags
-
 
 def decode_control_payload(
     data: bytes | bytearray | memoryview,
@@ -763,17 +726,15 @@ def decode_control_payload(
     max_stages: int = DEFAULT_MAX_STAGES,
     max_ranks: int = DEFAULT_MAX_RANKS,
 ) -> AFDControlPayload:
-    """Decode bytes written by :func:`encode_control_payload` or by the reference.
+    """Decode JSON bytes written by :func:`encode_control_payload` or by the reference.
 
     Input is treated as untrusted. A payload without ``format_version`` is the
     reference's format (version 1): unknown top-level keys are ignored there,
     as the reference does. In version 2, unknown keys are rejected. Every
     value is checked once here; the returned objects are built without
     re-validation and hold the counts as ints (the tensors are built only if
-    read). The exact layout :func:`encode_control_payload` writes takes a
-    parser-free fast path; valid payloads up to 4 KiB are remembered (256 at
-    most), so a repeated payload costs about a microsecond. Every call
-    returns new objects.
+    read). Every call returns new objects. (Between two ``afd_ext`` ranks the
+    control plane uses the binary :func:`encode_control_binary` instead.)
 
     Args:
         data: the encoded payload.
@@ -798,39 +759,7 @@ def decode_control_payload(
             f"control payload of {len(data)} bytes exceeds max_bytes={max_bytes}; "
             "raise the limit on both sides if the topology really needs it"
         )
-    if type(data) is not bytes:
-        data = bytes(data)
-    key = (data, max_stages, max_ranks) if len(data) <= _DECODE_CACHE_MAX_BYTES else None
-    parts = None if key is None else _decode_cache.get(key)
-    if parts is None:
-        parts = _canonical_parts(data, max_stages, max_ranks)
-        if parts is None:
-            payload = _decode_general(data, max_stages, max_ranks)  # raises for anything malformed
-            parts = (
-                tuple((s, m._counts, m._max) for s, m in payload.dp_metadata_list.items()),
-                (payload.is_graph_capturing, payload.is_warmup, payload.is_graph_replaying, payload.is_profile),
-            )
-        if key is not None:
-            if len(_decode_cache) >= _DECODE_CACHE_ENTRIES:
-                _decode_cache.clear()
-            _decode_cache[key] = parts
-    return _payload_from_parts(parts)
-
-
-# Steady serving repeats payloads (a stable decode batch; CUDA-graph capture
-# sizes): exact bytes (and bounds) -> the validated result, immutable. A hit
-# still returns fresh objects. Only valid payloads are stored; bounded.
-_DECODE_CACHE_ENTRIES = 256
-_DECODE_CACHE_MAX_BYTES = 4096
-_decode_cache: dict[tuple[bytes, int, int], tuple] = {}
-
-
-def _payload_from_parts(parts: tuple) -> AFDControlPayload:
-    stage_parts, flags = parts
-    payload = object.__new__(AFDControlPayload)
-    payload.dp_metadata_list = {s: AFDDPMetadata._trusted(c, m) for s, c, m in stage_parts}
-    payload.is_graph_capturing, payload.is_warmup, payload.is_graph_replaying, payload.is_profile = flags
-    return payload
+    return _decode_general(bytes(data), max_stages, max_ranks)
 
 
 def _decode_general(data: bytes, max_stages: int, max_ranks: int) -> AFDControlPayload:
@@ -904,6 +833,184 @@ def _decode_general(data: bytes, max_stages: int, max_ranks: int) -> AFDControlP
     payload = object.__new__(AFDControlPayload)
     payload.dp_metadata_list = stages
     payload.is_graph_capturing, payload.is_warmup, payload.is_graph_replaying, payload.is_profile = flags
+    return payload
+
+
+# Binary layout between two afd_ext ranks (the control plane's own channel).
+# Measured with 2 stages of 8 counts: encode 1.4 us / decode 1.9 us, against
+# 2.4 / 5.6 us for the JSON codec with its former regex fast path (9 us without).
+_BIN_MAGIC = b"AFDb"
+_BIN_VERSION = 1
+_BIN_HEAD = struct.Struct("<4sBBH")  # magic, version, flags, number of stages
+_BIN_STAGE = struct.Struct("<III")  # stage, number of counts, max_tokens_across_dp_cpu
+# flag bits, in _FLAG_NAMES order: capturing, warmup, replaying, profile
+_BIN_FLAG_BITS = 0xF
+_U32_MAX = 2**32 - 1
+
+
+def encode_control_binary(payload: AFDControlPayload) -> bytes:
+    """Encode ``payload`` in the compact binary layout the control plane sends between afd_ext ranks.
+
+    Layout, little-endian::
+
+        b"AFDb" | version u8 (1) | flags u8 (bit 0 is_graph_capturing, 1 is_warmup,
+        2 is_graph_replaying, 3 is_profile) | stages u16 |
+        per stage, in increasing stage order:
+            stage u32 | n u32 | max_tokens_across_dp_cpu u32 | counts int32[n]
+
+    The reference cannot read it; :func:`encode_control_payload` (JSON) is the
+    reference-format API.
+
+    Args:
+        payload: the control payload.
+
+    Returns:
+        The encoded bytes (``8 + sum(12 + 4 * n)`` bytes).
+
+    Raises:
+        ValueError: ``payload`` is not an :class:`AFDControlPayload`, or was
+            modified after construction into something invalid (a non-bool
+            flag, a stage key that is not an int in ``[0, 2**32)``, invalid
+            counts, more than 65535 stages).
+    """
+    return encode_control_parts(*control_payload_parts(payload))
+
+
+def control_payload_parts(payload: AFDControlPayload) -> tuple[int, tuple[tuple[int, int, tuple[int, ...]], ...]]:
+    """Check ``payload`` and return what the binary layout carries: ``(flags, stages)``.
+
+    ``flags`` are the layout's flag bits; ``stages`` is ``((stage, max_tokens, counts), ...)``
+    in increasing stage order (the control plane's native sender encodes these).
+
+    Raises:
+        ValueError: as :func:`encode_control_binary`.
+    """
+    if not isinstance(payload, AFDControlPayload):
+        raise ValueError(f"expected AFDControlPayload, got {type(payload).__name__}")
+    c, w, r, p = payload.is_graph_capturing, payload.is_warmup, payload.is_graph_replaying, payload.is_profile
+    if not (type(c) is bool and type(w) is bool and type(r) is bool and type(p) is bool):
+        raise ValueError(f"control payload flags must be bools, got {(c, w, r, p)!r}")
+    dp = payload.dp_metadata_list
+    try:
+        keys = sorted(dp)
+    except TypeError:
+        raise ValueError(f"dp_metadata_list keys must be stage ints >= 0, got {list(dp)!r}") from None
+    if keys and not (type(keys[0]) is int and keys[0] >= 0 and type(keys[-1]) is int and keys[-1] <= _U32_MAX):
+        bad = [s for s in keys if type(s) is not int or not 0 <= s <= _U32_MAX]
+        raise ValueError(f"dp_metadata_list keys must be stage ints in [0, 2**32), got {bad[0]!r}")
+    if len(keys) > 0xFFFF:
+        raise ValueError(f"a control payload holds at most 65535 stages, got {len(keys)}")
+    stages = []
+    for s in keys:
+        m = dp[s]
+        if type(m) is not AFDDPMetadata:
+            m = _to_dp_metadata(m, s)
+        stages.append((s, m.max_tokens, m.counts))
+    return c | w << 1 | r << 2 | p << 3, tuple(stages)
+
+
+def encode_control_parts(flags: int, stages: Sequence[tuple[int, int, Sequence[int]]]) -> bytes:
+    """Pack :func:`control_payload_parts` output in the binary layout of :func:`encode_control_binary`."""
+    fmt = ["<4sBBH"]
+    args: list[Any] = [_BIN_MAGIC, _BIN_VERSION, flags, len(stages)]
+    for s, mx, counts in stages:
+        fmt.append(f"III{len(counts)}i")
+        args += (s, len(counts), mx)
+        args += counts
+    return struct.pack("".join(fmt), *args)
+
+
+def decode_control_binary(
+    data: bytes | bytearray | memoryview,
+    *,
+    max_stages: int = DEFAULT_MAX_STAGES,
+    max_ranks: int = DEFAULT_MAX_RANKS,
+) -> AFDControlPayload:
+    """Decode bytes written by :func:`encode_control_binary` (untrusted input).
+
+    Args:
+        data: the encoded payload.
+        max_stages: largest accepted number of stages.
+        max_ranks: largest accepted length of a stage's count vector.
+
+    Returns:
+        A new :class:`AFDControlPayload` (counts held as ints; the CPU int32
+        tensors are built on first access, as the reference's runners read them).
+
+    Raises:
+        ValueError: wrong magic or version, unknown flag bits, truncated or
+            trailing bytes, stages not strictly increasing, too many stages or
+            ranks, negative or non-int32 counts.
+    """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ValueError(f"control payload must be bytes, got {type(data).__name__}")
+    size = len(data)
+    if size < _BIN_HEAD.size:
+        raise ValueError(f"binary control payload of {size} bytes is shorter than its header")
+    magic, version, flags, nstages = _BIN_HEAD.unpack_from(data, 0)
+    if magic != _BIN_MAGIC:
+        raise ValueError(f"binary control payload: bad magic {bytes(magic)!r}")
+    if version != _BIN_VERSION:
+        raise ValueError(
+            f"binary control payload version {version} is not supported (this afd_ext reads "
+            f"{_BIN_VERSION}); run the same afd_ext version on every rank"
+        )
+    if flags & ~_BIN_FLAG_BITS:
+        raise ValueError(f"binary control payload: unknown flag bits {flags:#x}")
+    if nstages > max_stages:
+        raise ValueError(f"control payload: {nstages} stages exceed max_stages={max_stages}")
+    off = _BIN_HEAD.size
+    stages: dict[int, AFDDPMetadata] = {}
+    prev = -1
+    for _ in range(nstages):
+        if off + _BIN_STAGE.size > size:
+            raise ValueError("binary control payload is truncated (stage header)")
+        s, n, mx = _BIN_STAGE.unpack_from(data, off)
+        off += _BIN_STAGE.size
+        if s <= prev:
+            raise ValueError(f"binary control payload: stage {s} after stage {prev} (not increasing)")
+        if n > max_ranks:
+            raise ValueError(f"control payload: stage {s} has {n} ranks, exceeding max_ranks={max_ranks}")
+        if mx > MAX_TOKEN_COUNT:
+            raise ValueError(f"control payload: stage {s} max_tokens_across_dp_cpu {mx} exceeds int32")
+        end = off + 4 * n
+        if end > size:
+            raise ValueError(f"binary control payload is truncated (stage {s} counts)")
+        counts = struct.unpack_from(f"<{n}i", data, off)
+        if n and min(counts) < 0:
+            raise ValueError(f"control payload: stage {s} has a negative count: {list(counts)}")
+        stages[s] = AFDDPMetadata._trusted(counts, mx)
+        off = end
+        prev = s
+    if off != size:
+        raise ValueError(f"binary control payload has {size - off} trailing bytes")
+    payload = object.__new__(AFDControlPayload)
+    payload.dp_metadata_list = stages
+    payload.is_graph_capturing = bool(flags & 1)
+    payload.is_warmup = bool(flags & 2)
+    payload.is_graph_replaying = bool(flags & 4)
+    payload.is_profile = bool(flags & 8)
+    return payload
+
+
+def control_payload_from_parts(flags: int, stages: Sequence[tuple[int, int, tuple[int, ...]]]) -> AFDControlPayload:
+    """Build a payload from parts already checked by a decoder (the control plane's native one).
+
+    Args:
+        flags: the binary layout's flag bits (see :func:`encode_control_binary`).
+        stages: ``(stage, max_tokens_across_dp_cpu, counts)`` per stage, counts a tuple
+            of ints in ``[0, 2**31)``.
+
+    Returns:
+        A new :class:`AFDControlPayload` (no re-validation).
+    """
+    trusted = AFDDPMetadata._trusted
+    payload = object.__new__(AFDControlPayload)
+    payload.dp_metadata_list = {s: trusted(c, m) for s, m, c in stages}
+    payload.is_graph_capturing = bool(flags & 1)
+    payload.is_warmup = bool(flags & 2)
+    payload.is_graph_replaying = bool(flags & 4)
+    payload.is_profile = bool(flags & 8)
     return payload
 
 

@@ -77,13 +77,14 @@ _other = _other_loaded_core()
 if _other is not None:
     from .errors import ExtensionConflictError
 
-    _spec = importlib.util.find_spec(f"{__package__}._C")
+    _core = importlib.util.find_spec(f"{__package__}._C")
     raise ExtensionConflictError(
-        f"cannot load {_spec.origin if _spec else __package__ + '._C'}: another copy of the afd_ext compiled "
+        f"cannot load {_core.origin if _core else __package__ + '._C'}: another copy of the afd_ext compiled "
         f"core is already loaded in this process ({_other}); torch allows one per process. Two afd_ext "
         "installations (or a vendored copy) are on the path: keep one, or import only one of them.")
 
 from . import _C  # noqa: F401,E402  (loads the library: registers torch.ops.afd_ext.*)
+from . import spec as _spec  # noqa: E402
 
 __all__ = [
     "WIRE_ALIGN",
@@ -102,9 +103,27 @@ __all__ = [
     "recv",
     "fan_in",
     "split_back",
-    "exchange",
     "pack_rows",
     "unpack_rows",
+    "PEER_IPC_HANDLE_BYTES",
+    "PEER_MAX_PEERS",
+    "PEER_MAX_GENERATION",
+    "PEER_ERR_WORDS",
+    "PEER_OK",
+    "PEER_TIMEOUT",
+    "PEER_PROTOCOL",
+    "PEER_ABORTED",
+    "peer_plane_create",
+    "peer_plane_destroy",
+    "peer_plane_error",
+    "peer_plane_abort",
+    "peer_region_alloc",
+    "peer_region_export",
+    "peer_region_open",
+    "peer_region_close",
+    "peer_region_view",
+    "peer_put",
+    "peer_wait",
 ]
 
 _ops = torch.ops.afd_ext
@@ -114,17 +133,8 @@ _NCCL_RUNTIME_VERSION = int(_ops.nccl_version())
 WIRE_ALIGN = 16
 #: Bytes of an ``ncclUniqueId``.
 NCCL_UNIQUE_ID_BYTES = 128
-#: Dtypes the ops move (NCCL moves them as bytes; fp8 included).
-WIRE_DTYPES = (
-    torch.bfloat16,
-    torch.float16,
-    torch.float32,
-    torch.float8_e4m3fn,
-    torch.float8_e5m2,
-    torch.int32,
-    torch.int64,
-    torch.uint8,
-)
+#: Dtypes the ops move (NCCL moves them as bytes; fp8 included): the one table, in spec.py.
+WIRE_DTYPES = _spec.WIRE_DTYPES
 
 
 def is_cuda_built() -> bool:
@@ -283,8 +293,8 @@ def comm_create(unique_id: Tensor, world_size: int, rank: int, device: int | tor
     rank in one group, the same on both ranks. NCCL connects point-to-point
     channels lazily and, for two ranks, assumes the peer's first group opened
     the mirror-image directions (NVIDIA/nccl PR #2407); without this, a first
-    ``exchange`` on one side against a ``fan_in`` on the other crashed the
-    receiver. Any later grouping is then safe. The connect is bounded
+    grouped send and receive on one side against a ``fan_in`` on the other
+    crashed the receiver. Any later grouping is then safe. The connect is bounded
     (120 s, then the communicator is aborted and ``RuntimeError`` raised).
 
     Args:
@@ -489,56 +499,6 @@ def _split_back_fake(hidden_states, router_logits, token_ids, comms, peers, rows
     )
 
 
-def exchange(
-    hidden_states: Tensor,
-    router_logits: Optional[Tensor],
-    token_ids: Optional[Tensor],
-    reply: Tensor,
-    send_comms: Sequence[int],
-    recv_comms: Sequence[int],
-    peers: Sequence[int],
-    rows: Sequence[int],
-) -> None:
-    """Attention side's half of a layer exchange.
-
-    Sends ``rows[i]`` consecutive rows of each wire tensor to ``peers[i]`` on
-    ``send_comms[i]`` (as :func:`split_back`) and receives the same rows of
-    ``reply`` from ``peers[i]`` on ``recv_comms[i]`` (as :func:`fan_in`).
-    ``peers[i]`` is the FFN rank's rank in both communicators (they may be
-    the same communicator). Usable inside a CUDA graph.
-
-    The sends are one NCCL group and the reply receive a second one on the
-    same stream (two launches, one op call): inside one group NCCL pairs the
-    k-th send and receive of a peer, so a reply receive grouped with several
-    sends waited beside the first send while the FFN rank still waited for the
-    later ones (a hang seen on 2x H200 with NCCL 2.28.9).
-
-    Args:
-        hidden_states: ``[sum(rows), hidden]`` to send.
-        router_logits: optional ``[sum(rows), num_experts]`` to send.
-        token_ids: optional ``[sum(rows)]`` int32 to send.
-        reply: ``[sum(rows), hidden]`` output (mutated), the FFN output.
-        send_comms, recv_comms, peers, rows: one entry per FFN peer.
-
-    Raises:
-        RuntimeError: as :func:`fan_in`.
-    """
-    _ops.exchange(
-        hidden_states, router_logits, token_ids, reply,
-        _ints(send_comms), _ints(recv_comms), _ints(peers), _ints(rows),
-    )
-
-
-@torch.library.register_fake("afd_ext::exchange")
-def _exchange_fake(hidden_states, router_logits, token_ids, reply, send_comms, recv_comms, peers, rows) -> None:
-    _fake_check_rows(
-        "exchange",
-        [("hidden_states", hidden_states), ("router_logits", router_logits), ("token_ids", token_ids),
-         ("reply", reply)],
-        {"send_comms": send_comms, "recv_comms": recv_comms, "peers": peers, "rows": rows},
-    )
-
-
 # ---------------------------------------------------------------------------
 # Packed wire rows
 # ---------------------------------------------------------------------------
@@ -644,7 +604,7 @@ def _unpack_rows_fake(wire, hidden_states, router_logits, token_ids) -> None:
 # registered when Inductor itself is imported (an import hook), not here.
 # ---------------------------------------------------------------------------
 
-_COMM_OPS = ("send", "recv", "fan_in", "split_back", "exchange")
+_COMM_OPS = ("send", "recv", "fan_in", "split_back", "peer_put", "peer_wait")
 _ordering_registered = False
 
 # A comm op on a temporary that nothing reads afterwards (``send(h * 3, ...)``)
@@ -732,3 +692,338 @@ if _InductorImportHook.target in sys.modules:
     _register_inductor_ordering()
 elif not any(isinstance(f, _InductorImportHook) for f in sys.meta_path):
     sys.meta_path.insert(0, _InductorImportHook())
+
+
+# ---------------------------------------------------------------------------
+# Peer-memory plane (docs/peer-memory.md): ranks on one node write rows
+# straight into each other's memory through CUDA IPC, then publish a flag.
+# Planes and regions are int handles into a C++ table (never raw pointers).
+# The constants mirror csrc/peer.h.
+# ---------------------------------------------------------------------------
+
+#: Bytes of a CUDA IPC memory handle (``cudaIpcMemHandle_t``).
+PEER_IPC_HANDLE_BYTES = 64
+#: Most peers one ``peer_put`` / ``peer_wait`` may name.
+PEER_MAX_PEERS = 64
+#: Generations are 16 bits of every flag word: ``1..PEER_MAX_GENERATION``.
+PEER_MAX_GENERATION = 0xFFFF
+#: Names of the words of :func:`peer_plane_error`'s record, in order.
+PEER_ERR_WORDS = ("code", "op", "peer", "layer", "stage", "want", "seen", "waited_ns")
+#: Error codes of the record's ``code`` word.
+PEER_OK, PEER_TIMEOUT, PEER_PROTOCOL, PEER_ABORTED = 0, 1, 2, 3
+
+
+def peer_plane_create(device: int | torch.device, generation: int, num_slots: int, max_peers: int) -> int:
+    """Create this rank's peer-memory plane on a CUDA device.
+
+    The plane holds, in device memory, ``num_slots * max_peers`` sequence
+    counters (one per (slot, peer): a slot is one direction of one stage),
+    ``num_slots`` block counters and a ``failed`` word, and in host-mapped
+    memory an error record that :func:`peer_plane_error` reads without
+    touching the device. Every flag word the plane's kernels write or wait for
+    is ``generation << 48 | seq``.
+
+    Args:
+        device: CUDA device index (or ``torch.device("cuda", i)``).
+        generation: ``1..65535``; the same value on every rank of one AFD world
+            generation, a different one after re-initialisation.
+        num_slots: counter slots, ``1..4096``.
+        max_peers: most peers of one call, ``1..PEER_MAX_PEERS``.
+
+    Returns:
+        A plane handle ``>= 1``.
+
+    Raises:
+        RuntimeError: bad arguments, a CUDA error, or a CPU-only build.
+    """
+    if isinstance(device, torch.device):
+        if device.type != "cuda":
+            raise ValueError(f"device must be a CUDA device, got {device}")
+        device = torch.cuda.current_device() if device.index is None else device.index
+    return int(_ops.peer_plane_create(int(device), int(generation), int(num_slots), int(max_peers)))
+
+
+@torch.library.register_fake("afd_ext::peer_plane_create")
+def _peer_plane_create_fake(device: int, generation: int, num_slots: int, max_peers: int) -> int:
+    _not_traceable("peer_plane_create")
+
+
+def peer_plane_destroy(plane: int) -> None:
+    """Abort the plane (spinning waits return within microseconds), wait for the device, free it.
+
+    Idempotent for every handle this process was issued. Synchronises the
+    plane's device (``cudaFree``): call it outside any CUDA-graph capture.
+
+    Raises:
+        RuntimeError: ``plane`` was never issued.
+    """
+    _ops.peer_plane_destroy(int(plane))
+
+
+@torch.library.register_fake("afd_ext::peer_plane_destroy")
+def _peer_plane_destroy_fake(plane: int) -> None:
+    _not_traceable("peer_plane_destroy")
+
+
+def peer_plane_error(plane: int) -> list[int]:
+    """The plane's error record, read from host-mapped memory (no device sync; any thread).
+
+    Returns:
+        Eight ints named by :data:`PEER_ERR_WORDS`: ``code`` (:data:`PEER_OK`,
+        :data:`PEER_TIMEOUT`, :data:`PEER_PROTOCOL`, :data:`PEER_ABORTED`),
+        ``op`` (the caller's op code), ``peer`` (role rank), ``layer``,
+        ``stage``, ``want`` (sequence number waited for), ``seen`` (flag word
+        last seen), ``waited_ns`` (device clock). All zero while ``code`` is 0.
+
+    Raises:
+        RuntimeError: the plane is not live.
+    """
+    return [int(x) for x in _ops.peer_plane_error(int(plane))]
+
+
+@torch.library.register_fake("afd_ext::peer_plane_error")
+def _peer_plane_error_fake(plane: int) -> list[int]:
+    _not_traceable("peer_plane_error")
+
+
+def peer_plane_abort(plane: int, op: int = 0) -> None:
+    """Mark the plane failed from the host (code :data:`PEER_ABORTED`, ``op`` recorded).
+
+    Spinning waits notice within 64 polls and return; later waits return at
+    once and later puts write nothing. The record of an earlier failure is
+    kept. Safe from a watchdog thread; never blocks.
+
+    Raises:
+        RuntimeError: the plane is not live.
+    """
+    _ops.peer_plane_abort(int(plane), int(op))
+
+
+@torch.library.register_fake("afd_ext::peer_plane_abort")
+def _peer_plane_abort_fake(plane: int, op: int) -> None:
+    _not_traceable("peer_plane_abort")
+
+
+def peer_region_alloc(plane: int, nbytes: int) -> int:
+    """Allocate ``nbytes`` of zeroed device memory on the plane's device, outside torch's caching allocator.
+
+    The memory comes from ``cudaMalloc``, so :func:`peer_region_export` can
+    export it through legacy CUDA IPC whatever ``PYTORCH_CUDA_ALLOC_CONF``
+    says. Synchronous (init-time only).
+
+    Returns:
+        A region handle ``>= 1``.
+
+    Raises:
+        RuntimeError: ``nbytes <= 0``; out of memory (the message names the memory formula).
+    """
+    return int(_ops.peer_region_alloc(int(plane), int(nbytes)))
+
+
+@torch.library.register_fake("afd_ext::peer_region_alloc")
+def _peer_region_alloc_fake(plane: int, nbytes: int) -> int:
+    _not_traceable("peer_region_alloc")
+
+
+def peer_region_export(region: int, out: Optional[Tensor] = None) -> Tensor:
+    """The 64-byte CUDA IPC handle of one of this process's regions (bytes for the rendezvous store).
+
+    Args:
+        region: a handle from :func:`peer_region_alloc`.
+        out: optional contiguous CPU ``uint8 [64]`` (mutated).
+
+    Returns:
+        ``out`` (allocated if not given).
+
+    Raises:
+        RuntimeError: a region opened from a peer; a bad ``out``; a CUDA error.
+    """
+    if out is None:
+        out = torch.empty(PEER_IPC_HANDLE_BYTES, dtype=torch.uint8)
+    _ops.peer_region_export(int(region), out)
+    return out
+
+
+@torch.library.register_fake("afd_ext::peer_region_export")
+def _peer_region_export_fake(region: int, out: Tensor) -> None:
+    _not_traceable("peer_region_export")
+
+
+def peer_region_open(plane: int, ipc_handle: Tensor | bytes, nbytes: int) -> int:
+    """Open a peer's region from its IPC handle, mapped on the plane's device.
+
+    A handle this process exported itself is aliased (CUDA refuses to open
+    those), so one process can play both roles in tests.
+
+    Args:
+        plane: the plane whose device maps the memory.
+        ipc_handle: the 64 bytes from the peer's :func:`peer_region_export`
+            (``bytes`` or CPU ``uint8 [64]``).
+        nbytes: the region's size as its owner published it.
+
+    Returns:
+        A region handle ``>= 1``.
+
+    Raises:
+        RuntimeError: the handle cannot be opened here (another host, another
+            IPC namespace, no peer access between the GPUs); bad arguments.
+    """
+    if isinstance(ipc_handle, (bytes, bytearray, memoryview)):
+        ipc_handle = torch.frombuffer(bytearray(ipc_handle), dtype=torch.uint8)
+    return int(_ops.peer_region_open(int(plane), ipc_handle, int(nbytes)))
+
+
+@torch.library.register_fake("afd_ext::peer_region_open")
+def _peer_region_open_fake(plane: int, ipc_handle: Tensor, nbytes: int) -> int:
+    _not_traceable("peer_region_open")
+
+
+def peer_region_close(region: int) -> None:
+    """Close a region handle; the memory is freed (own) or unmapped (opened) once no view of it is left.
+
+    Idempotent for every handle this process was issued. Freeing own memory
+    synchronises the device.
+
+    Raises:
+        RuntimeError: ``region`` was never issued.
+    """
+    _ops.peer_region_close(int(region))
+
+
+@torch.library.register_fake("afd_ext::peer_region_close")
+def _peer_region_close_fake(region: int) -> None:
+    _not_traceable("peer_region_close")
+
+
+def peer_region_view(region: int, offset: int, nbytes: int) -> Tensor:
+    """A CUDA ``uint8 [nbytes]`` tensor over bytes ``[offset, offset + nbytes)`` of a region.
+
+    The tensor keeps the memory alive after :func:`peer_region_close`. Use
+    ``.view(dtype).view(shape)`` for typed views (``offset`` aligned to the dtype).
+
+    Raises:
+        RuntimeError: the range is outside the region; the region is not live.
+    """
+    return _ops.peer_region_view(int(region), int(offset), int(nbytes))
+
+
+@torch.library.register_fake("afd_ext::peer_region_view")
+def _peer_region_view_fake(region: int, offset: int, nbytes: int) -> Tensor:
+    _not_traceable("peer_region_view")
+
+
+def peer_put(
+    hidden_states: Tensor,
+    router_logits: Optional[Tensor],
+    token_ids: Optional[Tensor],
+    plane: int,
+    slot: int,
+    regions: Sequence[int],
+    rows: Sequence[int],
+    dst_rows: Sequence[int],
+    part_offsets: Sequence[int],
+    flag_offsets: Sequence[int],
+) -> None:
+    """Write rows straight into peers' memory, then publish one flag per peer (one kernel).
+
+    Peer ``i`` gets rows ``[sum(rows[:i]), sum(rows[:i+1]))`` of every given
+    tensor, written at row ``dst_rows[i]`` of the part that starts at byte
+    ``part_offsets[k]`` of region ``regions[i]`` (dense rows of the source's
+    row size). After all data stores (fence at system scope), flag word
+    ``generation << 48 | seq`` is stored with release semantics at byte
+    ``flag_offsets[i]`` of that region, ``seq`` being the plane's device
+    counter ``(slot, i)`` plus one. Peers with zero rows move no bytes but
+    their flag still advances. A failed plane writes nothing.
+
+    Args:
+        hidden_states: ``[sum(rows), hidden]``, a wire dtype, contiguous, on the plane's device.
+        router_logits: optional ``[sum(rows), num_experts]``.
+        token_ids: optional ``[sum(rows)]`` int32.
+        plane: plane handle; slot: counter slot (one per direction and stage).
+        regions: opened peer regions (or own ones), one per peer.
+        rows, dst_rows: rows per peer and their first row in the peer's part.
+        part_offsets: byte offset of each given tensor's part in every destination region.
+        flag_offsets: byte offset (8-aligned) of this rank's flag in each destination region.
+
+    The tensors are only read (declared mutated so compiled code keeps the
+    call). Enqueued on the current stream; no allocation, no sync: capturable
+    in a CUDA graph, and replays advance the device counters.
+
+    Raises:
+        RuntimeError: lengths differ, rows do not add up, a write past a
+            region's end (capacity), a bad tensor/handle/slot (all before the launch).
+    """
+    _ops.peer_put(hidden_states, router_logits, token_ids, int(plane), int(slot), _ints(regions),
+                  _ints(rows), _ints(dst_rows), _ints(part_offsets), _ints(flag_offsets))
+
+
+@torch.library.register_fake("afd_ext::peer_put")
+def _peer_put_fake(hidden_states, router_logits, token_ids, plane, slot, regions, rows, dst_rows,
+                   part_offsets, flag_offsets) -> None:
+    _fake_check_rows(
+        "peer_put",
+        [("hidden_states", hidden_states), ("router_logits", router_logits), ("token_ids", token_ids)],
+        {"regions": regions, "rows": rows, "dst_rows": dst_rows, "flag_offsets": flag_offsets},
+    )
+    given = 1 + (router_logits is not None) + (token_ids is not None)
+    if len(part_offsets) != given:
+        raise RuntimeError(f"afd_ext.peer_put: part_offsets has {len(part_offsets)} entries but {given} "
+                           "wire tensors were given")
+
+
+def peer_wait(
+    hidden_states: Tensor,
+    router_logits: Optional[Tensor],
+    token_ids: Optional[Tensor],
+    out: Optional[Tensor],
+    plane: int,
+    slot: int,
+    region: int,
+    flag_offsets: Sequence[int],
+    peers: Sequence[int],
+    op: int,
+    layer: int,
+    stage: int,
+    timeout_ns: int,
+) -> None:
+    """Wait for every peer's flag in this rank's region, then optionally copy ``hidden_states`` into ``out``.
+
+    Flag ``i`` (byte ``flag_offsets[i]`` of ``region``) must reach
+    ``generation << 48 | seq`` with ``seq`` the plane's device counter
+    ``(slot, i)`` plus one; the counters advance when the wait completes.
+    Each spin has a deadline of ``timeout_ns`` on the device clock: on expiry
+    (or on a flag of this generation that is ahead: a protocol error) the
+    first failure is recorded (``op``, ``peers[i]``, ``layer``, ``stage``) for
+    :func:`peer_plane_error`, and from then on every wait of the plane returns
+    at once. A wait never blocks the host.
+
+    Args:
+        hidden_states: the tensor the flags guard (a view of ``region``), and the
+            copy source when ``out`` is given. Declared mutated, so compiled code
+            orders later reads after the wait.
+        router_logits, token_ids: optional further guarded views.
+        out: optional contiguous copy target (``hidden_states``' dtype and shape),
+            written after the flags (the reply copied into ``ref_tensor``).
+        plane, slot: plane handle and counter slot.
+        region: this rank's region holding the flags.
+        flag_offsets: byte offset (8-aligned) of each peer's flag.
+        peers: role rank of each peer (for the error record).
+        op, layer, stage: recorded on failure.
+        timeout_ns: deadline of each spin, ns (> 0).
+
+    Raises:
+        RuntimeError: bad arguments, tensors on another device (before the launch).
+    """
+    _ops.peer_wait(hidden_states, router_logits, token_ids, out, int(plane), int(slot), int(region),
+                   _ints(flag_offsets), _ints(peers), int(op), int(layer), int(stage), int(timeout_ns))
+
+
+@torch.library.register_fake("afd_ext::peer_wait")
+def _peer_wait_fake(hidden_states, router_logits, token_ids, out, plane, slot, region, flag_offsets, peers,
+                    op, layer, stage, timeout_ns) -> None:
+    if len(flag_offsets) != len(peers):
+        raise RuntimeError(f"afd_ext.peer_wait: flag_offsets and peers must have equal lengths, got "
+                           f"{len(flag_offsets)} and {len(peers)}")
+    if out is not None and (out.dtype != hidden_states.dtype or tuple(out.shape) != tuple(hidden_states.shape)):
+        raise RuntimeError(f"afd_ext.peer_wait: out must match hidden_states ({hidden_states.dtype} "
+                           f"{tuple(hidden_states.shape)}), got {out.dtype} {tuple(out.shape)}")

@@ -277,7 +277,7 @@ class AFDStore:
 
     @property
     def abort_signal(self) -> "AbortSignal":
-        """This generation's :class:`AbortSignal`."""
+        """This generation's :class:`AbortSignal` (one per store: its read state is shared)."""
         if self._abort is None:
             self._abort = AbortSignal(self)
         return self._abort
@@ -375,8 +375,10 @@ class AbortSignal:
     learned. An abort once seen is kept.
     """
 
-    def __init__(self, store: AFDStore):
+    def __init__(self, store: AFDStore, me: str | None = None):
         self._store = store
+        self.store = store
+        self.me = store.label() if me is None else me
         self._lock = threading.Lock()
         self._queued: cf.Future | None = None
         self._posted: tuple[str, str] | None = None
@@ -402,6 +404,39 @@ class AbortSignal:
             return fut.result(wait_s)
         except cf.TimeoutError:
             return self._posted
+
+    def check(self, op: str = "") -> None:
+        """Raise if an abort was posted (waits for the store at most :data:`ABORT_READ_WAIT_S`).
+
+        Raises:
+            StepAbortedError: naming the aborting rank, its reason and ``op``.
+            StoreUnavailableError: the store (hosted by FFN rank 0) is unreachable.
+        """
+        try:
+            found = self.read()
+        except StoreUnavailableError as e:
+            raise StoreUnavailableError(
+                f"AFD {self.me}: the rendezvous store at {self._store.host}:{self._store.port} (hosted by FFN "
+                f"rank 0) is unreachable while {op or 'waiting'}: {e}. FFN rank 0 probably died.", op=op) from None
+        if found is not None:
+            raise StepAbortedError(found[0], found[1], op=op)
+
+    def probe(self, op: str = "in-flight work") -> BaseException | None:
+        """The error :meth:`check` would raise, or None (for polling threads)."""
+        try:
+            self.check(op)
+        except BaseException as e:  # noqa: BLE001
+            return e
+        return None
+
+    def post(self, exc: BaseException | str) -> None:
+        """Post ``exc`` as the abort reason (first post wins; a posted abort itself is not re-posted).
+
+        Waits for the store at most :data:`POST_ABORT_WAIT_S` (see :func:`post_abort`).
+        """
+        if isinstance(exc, StepAbortedError):
+            return
+        post_abort(self._store, str(exc).splitlines()[0][:2000] if str(exc) else type(exc).__name__, by=self.me)
 
     def learn(self, reason: str, by: str) -> None:
         """Record an abort this rank posted or read elsewhere."""

@@ -36,16 +36,15 @@ order. So:
    (``fan_in`` into the caller's tensor). With several stages in flight,
    stage ``s+1``'s send is issued on stage ``s+1``'s stream, never behind
    stage ``s``'s reply receive; cross-stage dependencies are CUDA events.
-   The fused ``exchange`` op (send and receive in one group) is only used
-   when one stage is in flight: in a group, the next stage's send on the same
-   ``a2f`` communicator would wait for this stage's whole round trip.
 4. FFN rank, per (layer, stage): one group receiving every peer's rows on
    the ``a2f`` communicators (``fan_in``, peers in fan-in order, into
    consecutive row ranges), the FFN compute, then one group sending each peer
    its rows on the ``f2a`` communicators (``split_back``). One stream is
    enough; per-stage streams with events also work.
 5. Zero-row messages are left out of the groups on both sides identically,
-   since both read :meth:`StepSchedule.message`.
+   since both take their row counts from the same schedule (the connector
+   reads :meth:`StepSchedule.attention_plan` / :meth:`StepSchedule.ffn_plan`;
+   a zero-row peer is skipped by the transport).
 
 Why no deadlock: every FFN operation, in issue order, waits only for an
 attention operation that sits at the head of an attention stream whose
@@ -65,6 +64,7 @@ dtypes and which optional tensors travel.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, NamedTuple, Sequence
 
@@ -73,6 +73,8 @@ import torch
 from .config import DEFAULT_PACKED_MAX_BYTES
 from .metadata import AFDControlPayload
 from .topology import Topology
+from .spec import HIDDEN_DTYPES as _HIDDEN_DTYPES  # the one dtype table
+from .spec import TOKEN_IDS_DTYPE
 
 __all__ = [
     "A2F",
@@ -92,6 +94,8 @@ __all__ = [
     "StepSchedule",
     "build_step_schedule",
     "pad_sizes",
+    "capture_size_for",
+    "DEFAULT_CAPTURE_SIZES",
     "warmup_payload",
 ]
 
@@ -105,22 +109,6 @@ WIRE_FORMATS = (AUTO, PACKED, PER_TENSOR)
 
 #: Each part of a packed wire row starts at a multiple of this many bytes.
 WIRE_ALIGN_BYTES = 16
-#: Token ids travel as int32 (the reference's wire dtype).
-TOKEN_IDS_DTYPE = torch.int32
-
-_HIDDEN_DTYPES = tuple(
-    d
-    for d in (
-        torch.bfloat16,
-        torch.float16,
-        torch.float32,
-        getattr(torch, "float8_e4m3fn", None),
-        getattr(torch, "float8_e5m2", None),
-    )
-    if d is not None
-)
-
-
 def _round_up(n: int, k: int) -> int:
     return (n + k - 1) // k * k
 
@@ -601,6 +589,38 @@ def _choose_format(topology: Topology, config: ScheduleConfig, rows: tuple[int, 
     return PACKED if largest * config.packed_row_bytes <= config.packed_max_bytes else PER_TENSOR
 
 
+# vLLM's default cudagraph capture sizes: 1, 2, 4, then every 8 up to 512.
+DEFAULT_CAPTURE_SIZES: tuple[int, ...] = (1, 2, 4) + tuple(range(8, 513, 8))
+
+
+def _check_capture_sizes(capture_sizes: Sequence[int]) -> tuple[int, ...]:
+    sizes = tuple(capture_sizes)
+    if not sizes:
+        raise ValueError("capture_sizes is empty; give at least one size, e.g. [1, 2, 4, 8]")
+    if any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
+        raise ValueError(f"capture sizes must be ints >= 1, got {list(sizes)}")
+    if list(sizes) != sorted(set(sizes)):
+        raise ValueError(f"capture sizes must be strictly increasing, got {list(sizes)}")
+    return sizes
+
+
+def capture_size_for(count: int, capture_sizes: Sequence[int] = DEFAULT_CAPTURE_SIZES) -> int | None:
+    """Smallest capture size >= ``max(count, 1)``, or None when ``count`` exceeds the largest.
+
+    Args:
+        count: the largest per-peer row count of a stage (>= 0).
+        capture_sizes: strictly increasing positive sizes.
+
+    Raises:
+        ValueError: ``count`` < 0 or a malformed size list.
+    """
+    sizes = _check_capture_sizes(capture_sizes)
+    if count < 0:
+        raise ValueError(f"count must be >= 0, got {count}")
+    i = bisect.bisect_left(sizes, max(count, 1))
+    return sizes[i] if i < len(sizes) else None
+
+
 def pad_sizes(
     topology: Topology,
     payload: AFDControlPayload,
@@ -608,7 +628,7 @@ def pad_sizes(
     *,
     clamp_idle_to_one: bool = False,
 ) -> dict[int, int] | None:
-    """Pick ``pad_to`` for a step: per stage, the smallest capture size >= every rank's count.
+    """Pick ``pad_to`` for a step: per stage, :func:`capture_size_for` of the largest rank's count.
 
     Both roles can call it with the same payload and capture sizes.
 
@@ -617,13 +637,11 @@ def pad_sizes(
         capture size (run the step eagerly) or there are no capture sizes.
 
     Raises:
-        ValueError: a capture size is not an int >= 0, or the payload is invalid.
+        ValueError: a capture size is not an int >= 1, or the payload is invalid.
     """
-    sizes = sorted(set(capture_sizes))
-    for c in sizes:
-        _pos_int(c, "capture size", allow_zero=True)
-    if not sizes:
+    if not capture_sizes:
         return None
+    sizes = _check_capture_sizes(sorted(set(capture_sizes)))
     out = {}
     for s in sorted(payload.dp_metadata_list):
         try:
@@ -631,7 +649,7 @@ def pad_sizes(
                                            clamp_idle_to_one=clamp_idle_to_one))
         except ValueError as e:
             raise ValueError(f"stage {s}: {e}") from None
-        fit = next((c for c in sizes if c >= n), None)
+        fit = capture_size_for(n, sizes)
         if fit is None:
             return None
         out[s] = fit

@@ -5,17 +5,26 @@ waits for all of them against one deadline, and always tears every process
 down in ``finally``: a hang becomes a ``TimeoutError`` that names the ranks
 still running, a crash becomes a ``WorkerError`` carrying the worker's
 traceback.
+
+``place_processes`` is the one place that decides which GPU each process of a
+multi-process GPU test, of ``afd-ext demo --backend nccl`` and of
+``afd-ext bench`` uses (see :class:`GpuPlacement`). Its shared-GPU
+arrangement (every process on GPU 0, NCCL over sockets) is a test and demo
+arrangement only: nothing in the connector or the launcher applies it to a
+user's NCCL run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue as queue_mod
 import socket
 import time
 import traceback
-from typing import Any, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 
 class WorkerError(RuntimeError):
@@ -34,8 +43,178 @@ def find_free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _entry(fn, rank, nprocs, args, env, q):
-    os.environ.update(env or {})
+#: Set to 1 to force the shared-GPU arrangement (every process on GPU 0, NCCL
+#: over sockets) on a machine with several GPUs, e.g. to rehearse a one-GPU run.
+SHARE_GPU_ENV = "AFD_TEST_SHARE_GPU"
+
+#: NCCL_HOSTID of process ``i`` in the shared arrangement: NCCL refuses two ranks
+#: of one communicator on one GPU of one host ("Duplicate GPU detected"); a
+#: different host id per process makes each look like its own host, so NCCL
+#: connects them through its socket transport (correct, ~4.5 ms per round trip).
+NCCL_HOSTID_PREFIX = "afdhost"
+
+ARRANGEMENTS = ("own-gpu", "split-roles", "shared-gpu")
+
+
+@dataclass(frozen=True)
+class GpuPlacement:
+    """Which GPU each process uses (AFD world order: FFN ranks first, then attention ranks).
+
+    Arrangements:
+        ``own-gpu``: one process per GPU (attention ranks on the first GPUs, FFN
+            ranks on the next). Timings are meaningful.
+        ``split-roles``: fewer GPUs than processes but at least two: FFN ranks on
+            the last GPU(s), attention ranks share the others, so every
+            attention-FFN edge still crosses GPUs (NVLink); processes of one role
+            are time-sliced, so timings are not meaningful.
+        ``shared-gpu``: every process on one GPU (a one-GPU machine, or forced
+            with ``AFD_TEST_SHARE_GPU=1``). Each process gets its own
+            ``NCCL_HOSTID`` so NCCL accepts two ranks on one GPU and connects them
+            through sockets. Correctness only.
+
+    Attributes:
+        num_attention_ranks, num_ffn_ranks: ``A`` and ``F``.
+        gpus: ``CUDA_VISIBLE_DEVICES`` label per world rank (length ``A + F``).
+        arrangement: one of :data:`ARRANGEMENTS`.
+        nccl_hostids: ``NCCL_HOSTID`` per world rank, or ``()`` when NCCL needs none.
+    """
+
+    num_attention_ranks: int
+    num_ffn_ranks: int
+    gpus: tuple[str, ...]
+    arrangement: str
+    nccl_hostids: tuple[str, ...] = ()
+
+    @property
+    def shared(self) -> bool:
+        """True when some GPU runs more than one process (the driver time-slices them)."""
+        return len(set(self.gpus)) < len(self.gpus)
+
+    @property
+    def timings_meaningful(self) -> bool:
+        """Latencies mean something only with one process per GPU."""
+        return not self.shared
+
+    def env(self) -> list[dict[str, str]]:
+        """Per world rank: ``CUDA_VISIBLE_DEVICES`` (and ``NCCL_HOSTID`` when shared), for ``run_workers``."""
+        out = [{"CUDA_VISIBLE_DEVICES": g} for g in self.gpus]
+        for e, h in zip(out, self.nccl_hostids):
+            e["NCCL_HOSTID"] = h
+        return out
+
+    def describe(self) -> str:
+        """E.g. ``shared-gpu 2A1F: ffn0->GPU0 attn0->GPU0 attn1->GPU0 (NCCL over sockets: NCCL_HOSTID per process)``."""
+        f = self.num_ffn_ranks
+        parts = [f"ffn{i}->GPU{self.gpus[i]}" for i in range(f)]
+        parts += [f"attn{i}->GPU{g}" for i, g in enumerate(self.gpus[f:])]
+        text = f"{self.arrangement} {self.num_attention_ranks}A{f}F: " + " ".join(parts)
+        if self.nccl_hostids:
+            text += " (NCCL over sockets: NCCL_HOSTID per process; correctness only)"
+        elif self.shared:
+            text += " (GPUs shared by processes of one role: correctness only)"
+        return text
+
+
+def visible_gpu_labels(num_gpus: int) -> list[str]:
+    """Labels of the first ``num_gpus`` visible GPUs as a child's ``CUDA_VISIBLE_DEVICES`` names them.
+
+    Raises:
+        ValueError: ``CUDA_VISIBLE_DEVICES`` names fewer GPUs than ``num_gpus``.
+    """
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None and env.strip():
+        labels = [x.strip() for x in env.split(",") if x.strip()]
+        if len(labels) < num_gpus:
+            raise ValueError(f"CUDA_VISIBLE_DEVICES={env!r} names {len(labels)} GPUs but {num_gpus} are visible; "
+                             "set it to a plain comma list of the GPUs to use")
+        return labels[:num_gpus]
+    return [str(i) for i in range(num_gpus)]
+
+
+def visible_gpu_count() -> int:
+    """CUDA devices visible to this process (0 without a CUDA torch)."""
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def share_gpu_forced() -> bool:
+    """``AFD_TEST_SHARE_GPU`` is set to a true value (1, true, yes)."""
+    return os.environ.get(SHARE_GPU_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def place_processes(num_attention_ranks: int, num_ffn_ranks: int, num_gpus: int | None = None, *,
+                    gpu_map: Sequence[int] | None = None, share: bool | None = None) -> GpuPlacement:
+    """Decide the GPU of every process of a multi-process GPU test, the demo or the benchmark.
+
+    Args:
+        num_attention_ranks, num_ffn_ranks: ``A``, ``F`` >= 1.
+        num_gpus: GPUs visible to this process; None counts them
+            (:func:`visible_gpu_count`).
+        gpu_map: optional explicit GPU index per process, attention ranks first
+            then FFN ranks (indices into the visible GPUs). When it puts an
+            attention rank and an FFN rank on one GPU, every process gets its
+            own ``NCCL_HOSTID`` (arrangement ``shared-gpu``).
+        share: True forces the ``shared-gpu`` arrangement on several GPUs; None
+            reads ``AFD_TEST_SHARE_GPU``. One visible GPU is always shared.
+
+    Returns:
+        The placement; ``placement.env()`` is ``run_workers``' ``per_rank_env``.
+
+    Raises:
+        ValueError: no GPU visible, a bad size, or a
+            ``gpu_map`` of the wrong length or with an index not below ``num_gpus``.
+    """
+    A, F = num_attention_ranks, num_ffn_ranks
+    if A < 1 or F < 1:
+        raise ValueError(f"need at least one attention and one FFN rank, got A={A}, F={F}")
+    n = visible_gpu_count() if num_gpus is None else int(num_gpus)
+    if n < 1:
+        raise ValueError("no CUDA GPU is visible: a GPU placement needs at least one")
+    labels = visible_gpu_labels(n)
+    if share is None:
+        share = share_gpu_forced() and not gpu_map
+    if gpu_map:
+        if len(gpu_map) != A + F:
+            raise ValueError(f"--gpu-map needs {A + F} entries (attention ranks then FFN ranks), got {len(gpu_map)}")
+        bad = [g for g in gpu_map if not 0 <= g < n]
+        if bad:
+            raise ValueError(f"--gpu-map entries must be in [0, {n}), got {bad}")
+        attn, ffn = list(gpu_map[:A]), list(gpu_map[A:])
+        same_gpu_edge = bool(set(attn) & set(ffn))
+        arrangement = "shared-gpu" if same_gpu_edge else ("own-gpu" if len(set(gpu_map)) == A + F else "split-roles")
+    elif share or n == 1:
+        attn, ffn, arrangement = [0] * A, [0] * F, "shared-gpu"
+    elif A + F <= n:
+        attn, ffn, arrangement = list(range(A)), list(range(A, A + F)), "own-gpu"
+    else:
+        n_ffn_gpus = min(F, n - 1)
+        ffn = [n - n_ffn_gpus + (i % n_ffn_gpus) for i in range(F)]
+        attn = [i % (n - n_ffn_gpus) for i in range(A)]
+        arrangement = "split-roles"
+    world = ffn + attn  # AFD world order: FFN ranks first
+    hostids = tuple(f"{NCCL_HOSTID_PREFIX}{r}" for r in range(A + F)) if arrangement == "shared-gpu" else ()
+    return GpuPlacement(A, F, tuple(labels[g] for g in world), arrangement, hostids)
+
+
+@contextlib.contextmanager
+def _environ(extra: Mapping[str, str]) -> Iterator[None]:
+    """``os.environ`` plus ``extra`` inside the block (a spawned child inherits it), restored after."""
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _entry(fn, rank, nprocs, args, q):
     try:
         result = fn(rank, nprocs, *args)
         q.put((rank, True, result))
@@ -71,8 +250,10 @@ def run_workers(
         timeout_s: deadline for all workers together, in seconds.
         env: environment variables set in every worker before ``fn`` runs.
         per_rank_env: optional list (length ``nprocs``) of extra variables per rank,
-            e.g. ``CUDA_VISIBLE_DEVICES`` to bind a worker to one GPU before its
-            first CUDA call.
+            e.g. :meth:`GpuPlacement.env` (``CUDA_VISIBLE_DEVICES``, ``NCCL_HOSTID``).
+            Both ``env`` and ``per_rank_env`` are in the worker's environment from
+            its interpreter's start, before it imports anything, so CUDA and NCCL
+            read them whatever the worker's modules do at import.
 
     Returns:
         The workers' return values, indexed by rank.
@@ -96,8 +277,9 @@ def run_workers(
             wenv = dict(env or {})
             if per_rank_env is not None:
                 wenv.update(per_rank_env[rank])
-            p = ctx.Process(target=_entry, args=(fn, rank, nprocs, tuple(args), wenv, q), daemon=True)
-            p.start()
+            p = ctx.Process(target=_entry, args=(fn, rank, nprocs, tuple(args), q), daemon=True)
+            with _environ(wenv):  # spawn copies os.environ into the child at start()
+                p.start()
             procs.append(p)
         deadline = time.monotonic() + timeout_s
         while len(results) < nprocs:

@@ -39,11 +39,26 @@ __all__ = [
     "Topology",
     "AFDRankMapping",
     "validate_role_rank",
+    "rank_label",
 ]
 
 ATTENTION = "attention"
 FFN = "ffn"
 ROLES = (ATTENTION, FFN)
+
+
+def rank_label(world_rank: int, num_ffn_ranks: int | None = None) -> str:
+    """The one name of an AFD world rank in messages, e.g. ``"attention rank 1 (world rank 3)"``.
+
+    Args:
+        world_rank: rank in the AFD world (FFN ranks first).
+        num_ffn_ranks: ``F``; when unknown only the world rank is named.
+    """
+    if num_ffn_ranks is None:
+        return f"world rank {world_rank}"
+    if world_rank < num_ffn_ranks:
+        return f"FFN rank {world_rank} (world rank {world_rank})"
+    return f"attention rank {world_rank - num_ffn_ranks} (world rank {world_rank})"
 
 
 def _positive_int(value: object, name: str) -> int:

@@ -50,7 +50,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
-from .transport.base import AFDPeerError, AFDTimeoutError, AFDTransportError
+from .errors import AFDConfigError, AFDPeerError, AFDTimeoutError, AFDTransportError
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ class Watchdog:
         on_tick: Callable[[float, TrackedOp | None], None] | None = None,
     ):
         if not deadline_s or deadline_s <= 0:
-            raise ValueError(f"deadline_s must be > 0 seconds, got {deadline_s!r}")
+            raise AFDConfigError(f"deadline_s must be > 0 seconds, got {deadline_s!r}")
         self.deadline_s = float(deadline_s)
         self.owner = owner
         self._on_failure = on_failure

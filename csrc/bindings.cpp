@@ -43,10 +43,6 @@ TORCH_LIBRARY(afd_ext, m) {
   m.def(
       "split_back(Tensor(a!) hidden_states, Tensor(b!)? router_logits, Tensor(c!)? token_ids, "
       "int[] comms, int[] peers, int[] rows) -> ()");
-  // One NCCL group: split_back of the wire tensors on send_comms and fan_in of `reply` on recv_comms.
-  m.def(
-      "exchange(Tensor(a!) hidden_states, Tensor(b!)? router_logits, Tensor(c!)? token_ids, "
-      "Tensor(d!) reply, int[] send_comms, int[] recv_comms, int[] peers, int[] rows) -> ()");
   // Packs each token's hidden states, router logits and token id into one uint8 wire row (16-byte aligned parts).
   m.def(
       "pack_rows(Tensor hidden_states, Tensor? router_logits, Tensor? token_ids, Tensor(a!) wire) -> ()");
@@ -54,10 +50,38 @@ TORCH_LIBRARY(afd_ext, m) {
   m.def(
       "unpack_rows(Tensor wire, Tensor(a!) hidden_states, Tensor(b!)? router_logits, "
       "Tensor(c!)? token_ids) -> ()");
+  // Peer-memory plane (docs/peer-memory.md): device counters and a host-mapped error record on CUDA `device`; returns a plane handle (>= 1).
+  m.def("peer_plane_create(int device, int generation, int num_slots, int max_peers) -> int");
+  // Aborts the plane (spinning waits return), waits for the device, frees it; idempotent for handles once issued.
+  m.def("peer_plane_destroy(int plane) -> ()");
+  // The plane's error record [code, op, peer, layer, stage, want seq, seen flag, waited ns]; code 0: no failure.
+  m.def("peer_plane_error(int plane) -> int[]");
+  // Marks the plane failed from the host (code 3): spinning waits return, later waits return at once, puts write nothing.
+  m.def("peer_plane_abort(int plane, int op) -> ()");
+  // Allocates `nbytes` of zeroed device memory outside torch's caching allocator (CUDA-IPC exportable); returns a region handle.
+  m.def("peer_region_alloc(int plane, int nbytes) -> int");
+  // Writes the 64-byte CUDA IPC handle of one of this process's regions into `out` (CPU uint8 [64]).
+  m.def("peer_region_export(int region, Tensor(a!) out) -> ()");
+  // Opens a peer's region (`nbytes` long) from its IPC handle bytes on the plane's device; returns a region handle.
+  m.def("peer_region_open(int plane, Tensor ipc_handle, int nbytes) -> int");
+  // Closes a region handle (frees/unmaps once no view of it is left); idempotent for handles once issued.
+  m.def("peer_region_close(int region) -> ()");
+  // A CUDA uint8 tensor over bytes [offset, offset + nbytes) of a region; it keeps the memory alive.
+  m.def("peer_region_view(int region, int offset, int nbytes) -> Tensor");
+  // Writes rows[i] consecutive rows of each given tensor into regions[i] at row dst_rows[i] of the part at part_offsets[k], then publishes flag (generation, seq) at flag_offsets[i].
+  m.def(
+      "peer_put(Tensor(a!) hidden_states, Tensor(b!)? router_logits, Tensor(c!)? token_ids, "
+      "int plane, int slot, int[] regions, int[] rows, int[] dst_rows, int[] part_offsets, "
+      "int[] flag_offsets) -> ()");
+  // Waits (bounded by timeout_ns on the device clock) for every flag at flag_offsets of `region`, then copies hidden_states into `out` when given.
+  m.def(
+      "peer_wait(Tensor(a!) hidden_states, Tensor(b!)? router_logits, Tensor(c!)? token_ids, "
+      "Tensor(d!)? out, int plane, int slot, int region, int[] flag_offsets, int[] peers, int op, "
+      "int layer, int stage, int timeout_ns) -> ()");
 }
 
-// The communicator-management ops take no CUDA tensor (unique_id lives on the
-// CPU), so one kernel serves every dispatch key.
+// The communicator- and plane-management ops take no CUDA tensor (unique ids
+// and IPC handles live on the CPU), so one kernel serves every dispatch key.
 TORCH_LIBRARY_IMPL(afd_ext, CompositeExplicitAutograd, m) {
   m.impl("nccl_version", &afd::nccl_version);
   m.impl("nccl_unique_id", &afd::nccl_unique_id);
@@ -65,13 +89,34 @@ TORCH_LIBRARY_IMPL(afd_ext, CompositeExplicitAutograd, m) {
   m.impl("comm_destroy", &afd::comm_destroy);
   m.impl("comm_abort", &afd::comm_abort);
   m.impl("comm_async_error", &afd::comm_async_error);
+  m.impl("peer_plane_create", &afd::peer_plane_create);
+  m.impl("peer_plane_destroy", &afd::peer_plane_destroy);
+  m.impl("peer_plane_error", &afd::peer_plane_error);
+  m.impl("peer_plane_abort", &afd::peer_plane_abort);
+  m.impl("peer_region_alloc", &afd::peer_region_alloc);
+  m.impl("peer_region_export", &afd::peer_region_export);
+  m.impl("peer_region_open", &afd::peer_region_open);
+  m.impl("peer_region_close", &afd::peer_region_close);
+  m.impl("peer_region_view", &afd::peer_region_view);
 }
+
+// The control plane's shared-memory send and receive (csrc/cpu/control_poll.cpp):
+// plain module functions, far cheaper per call than a torch op or ctypes.
+PyObject* afd_ctrl_take_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
+PyObject* afd_ctrl_send_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
+
+static PyMethodDef afd_methods[] = {
+    {"ctrl_take", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(afd_ctrl_take_py)),
+     METH_FASTCALL, "Control plane: take the next shared-memory message (see afd_ext/control/shm.py)."},
+    {"ctrl_send", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(afd_ctrl_send_py)),
+     METH_FASTCALL, "Control plane: encode and publish a payload in shared memory (see afd_ext/control/shm.py)."},
+    {nullptr, nullptr, 0, nullptr}};
 
 // `import afd_ext._C` loads the library (running the registrations above) and
 // exposes the build facts that no op can report.
 static struct PyModuleDef afd_module = {
     PyModuleDef_HEAD_INIT, "_C",
-    "afd_ext compiled core: registers the torch.ops.afd_ext.* operators.", -1, nullptr,
+    "afd_ext compiled core: registers the torch.ops.afd_ext.* operators.", -1, afd_methods,
     nullptr, nullptr, nullptr, nullptr};
 
 PyMODINIT_FUNC PyInit__C(void) {

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 #include "wire.h"
 
@@ -33,10 +34,6 @@ void fan_in_cuda(const at::Tensor& hidden_states, const OptTensor& router_logits
 void split_back_cuda(const at::Tensor& hidden_states, const OptTensor& router_logits,
                      const OptTensor& token_ids, c10::IntArrayRef comms,
                      c10::IntArrayRef peers, c10::IntArrayRef rows);
-void exchange_cuda(const at::Tensor& hidden_states, const OptTensor& router_logits,
-                   const OptTensor& token_ids, const at::Tensor& reply,
-                   c10::IntArrayRef send_comms, c10::IntArrayRef recv_comms,
-                   c10::IntArrayRef peers, c10::IntArrayRef rows);
 
 // --- pack / unpack (cpu/pack_cpu.cpp, cuda/pack_cuda.cpp) ---
 void pack_rows_cpu(const at::Tensor& hidden_states, const OptTensor& router_logits,
@@ -47,6 +44,26 @@ void pack_rows_cuda(const at::Tensor& hidden_states, const OptTensor& router_log
                     const OptTensor& token_ids, const at::Tensor& wire);
 void unpack_rows_cuda(const at::Tensor& wire, const at::Tensor& hidden_states,
                       const OptTensor& router_logits, const OptTensor& token_ids);
+
+// --- peer-memory plane (cuda/peer_cuda.cpp, or cpu/peer_no_cuda.cpp; CPU-key
+// impls of the data ops in cpu/peer_cpu.cpp raise) ---
+int64_t peer_plane_create(int64_t device, int64_t generation, int64_t num_slots, int64_t max_peers);
+void peer_plane_destroy(int64_t plane);
+std::vector<int64_t> peer_plane_error(int64_t plane);
+void peer_plane_abort(int64_t plane, int64_t op);
+int64_t peer_region_alloc(int64_t plane, int64_t nbytes);
+void peer_region_export(int64_t region, const at::Tensor& out);
+int64_t peer_region_open(int64_t plane, const at::Tensor& ipc_handle, int64_t nbytes);
+void peer_region_close(int64_t region);
+at::Tensor peer_region_view(int64_t region, int64_t offset, int64_t nbytes);
+void peer_put_cuda(const at::Tensor& hidden_states, const OptTensor& router_logits,
+                   const OptTensor& token_ids, int64_t plane, int64_t slot,
+                   c10::IntArrayRef regions, c10::IntArrayRef rows, c10::IntArrayRef dst_rows,
+                   c10::IntArrayRef part_offsets, c10::IntArrayRef flag_offsets);
+void peer_wait_cuda(const at::Tensor& hidden_states, const OptTensor& router_logits,
+                    const OptTensor& token_ids, const OptTensor& out, int64_t plane, int64_t slot,
+                    int64_t region, c10::IntArrayRef flag_offsets, c10::IntArrayRef peers,
+                    int64_t op_code, int64_t layer, int64_t stage, int64_t timeout_ns);
 
 // Binding-layer helper (wire.cpp): checks the tensors of pack_rows (pack=true)
 // or unpack_rows (pack=false) and describes them for the kernels. Every tensor

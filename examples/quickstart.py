@@ -4,7 +4,9 @@ Run it with ``python examples/quickstart.py``. Each process builds the
 connector from the reference-compatible config; the attention ranks run a
 two-layer "model" whose MLP is remote; the FFN rank serves it. Every attention
 rank checks that it got back exactly its own rows transformed. With CUDA
-tensors and ``"transport": "nccl"`` the same code runs over NCCL.
+tensors and ``"transport": "nccl"`` the same code runs over NCCL. This script
+starts its own processes; ``examples/multinode.py`` is the same exchange
+started by a launcher (``afd-ext launch``, torchrun), on one host or several.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Multi-process connector scenarios, parametrised by transport (gloo on CPU, NCCL on GPUs).
+"""Multi-process connector scenarios, parametrised by transport (gloo on CPU; NCCL, peer memory or auto on GPUs).
 
 Used by ``tests/test_connector_gloo.py`` (CPU tier) and
 ``tests/gpu/test_connector_nccl.py`` (GPU tier). Every worker is a
@@ -44,7 +44,7 @@ class Scenario:
         logits_width, logits_dtype, send_ids: optional wire tensors.
         wire_format: ``"auto"``, ``"packed"`` or ``"per_tensor"``.
         strict: strict-mode headers.
-        transport: ``"gloo"`` or ``"nccl"``.
+        transport: ``"gloo"``, ``"nccl"``, ``"peer"`` or ``"auto"`` (``auto`` on a GPU: peer or NCCL).
         overlap: attention sends every stage of a layer before receiving (DBO
             style); else send/receive per stage.
         step_timeout_s: the data-plane deadline.
@@ -78,8 +78,9 @@ def _dt(name: str) -> torch.dtype:
 
 
 def device_for(sc: Scenario) -> torch.device:
-    """CPU for gloo; ``cuda:0`` for NCCL (each process sees its GPU through ``CUDA_VISIBLE_DEVICES``)."""
-    return torch.device("cpu") if sc.transport == "gloo" else torch.device("cuda", 0)
+    """CPU for gloo (and auto without a GPU); ``cuda:0`` otherwise (each process sees its GPU through ``CUDA_VISIBLE_DEVICES``)."""
+    cpu = sc.transport == "gloo" or (sc.transport == "auto" and not torch.cuda.is_available())
+    return torch.device("cpu") if cpu else torch.device("cuda", 0)
 
 
 def make_connector(sc: Scenario, rank: int, port: int, **overrides: Any):
@@ -190,7 +191,7 @@ def _check_reply(conn, sc, step_i, layer, s, h, want) -> int:
     out = conn.recv_ffn_output(h, ubatch_idx=s)
     if out is not h:
         raise AssertionError("recv_ffn_output must return ref_tensor itself")
-    if sc.transport == "nccl":
+    if device_for(sc).type == "cuda":
         conn.synchronize()  # bounded: a stall becomes the watchdog's named error
     if not torch.equal(out, want):
         bad = (out != want).nonzero()[:5].tolist()
@@ -223,13 +224,13 @@ def ffn_step(conn, sc: Scenario) -> tuple[int, list]:
             conn.send_ffn_output(out, p.context)
             rows += int(p.hidden_states.shape[0])
             seen.append((layer, s, list(md.seq_lens)))
-    if sc.transport == "nccl":
+    if device_for(sc).type == "cuda":
         conn.synchronize()  # as the reference FFN loop syncs after every step; bounded here
     return rows, seen
 
 
 def _setup_device(sc: Scenario) -> None:
-    if sc.transport == "nccl":
+    if device_for(sc).type == "cuda":
         torch.cuda.set_device(0)
 
 
@@ -334,13 +335,14 @@ def _scenario_one(rank: int, sc: Scenario, port: int) -> dict:
         assert conn.is_initialized
         if conn.role == "attention":
             checked = [attention_step(conn, sc, i, step) for i, step in enumerate(sc.steps)]
-            return {"role": "attention", "rank": conn.role_rank, "checked": checked}
+            return {"role": "attention", "rank": conn.role_rank, "checked": checked,
+                    "transport": conn.transport_kind}
         rows, seen = [], []
         for _ in sc.steps:
             r, s = ffn_step(conn, sc)
             rows.append(r)
             seen.append(s)
-        return {"role": "ffn", "rank": conn.role_rank, "rows": rows, "seen": seen}
+        return {"role": "ffn", "rank": conn.role_rank, "rows": rows, "seen": seen, "transport": conn.transport_kind}
     finally:
         logged_close(conn)
         conn.close()  # idempotent
@@ -656,10 +658,11 @@ def strict_mismatch_worker(rank: int, nprocs: int, port: int) -> dict:
     from afd_ext import rendezvous as rdzv
     from afd_ext.transport.base import AFDProtocolError, AFDTransportError, MessageTag, PeerMap
     from afd_ext.transport.gloo import GlooTransport
+    from afd_ext.transport.strict import StrictTransport
 
     store = rdzv.connect("127.0.0.1", port, rank, 2, timeout_s=30, num_ffn_ranks=1)
     role = "ffn" if rank == 0 else "attention"
-    tr = GlooTransport(store.store, PeerMap(role, 0, 1, 1), strict=True, timeout_s=10, init_timeout_s=30)
+    tr = StrictTransport(GlooTransport(store.store, PeerMap(role, 0, 1, 1), timeout_s=10, init_timeout_s=30))
     try:
         h = torch.arange(12, dtype=torch.float32).reshape(3, 4)
         if role == "attention":

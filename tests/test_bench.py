@@ -2,8 +2,9 @@
 
 CPU tier: the harness end to end over gloo (2 processes, tiny sizes) must
 emit a valid JSON document, the bit-exact self-check must pass and must fail
-when one side corrupts the data. GPU tier (``-m gpu``, 2 GPUs): the same
-self-check and a quick sweep over NCCL.
+when one side corrupts the data. GPU tier (``-m gpu``): the same
+self-check over NCCL (on one GPU its processes share it, NCCL over sockets) and
+a quick timed sweep (needs 2 distinct GPUs).
 """
 
 from __future__ import annotations
@@ -104,6 +105,29 @@ def test_layout_detects_sharing(monkeypatch):
     assert make_layout(1, 1, 2, gpu_map=(0, 0)).shared
     with pytest.raises(ValueError, match="gpu-map"):
         make_layout(1, 1, 2, gpu_map=(0, 2))
+
+
+def test_one_gpu_layout_shares_gpu0_with_a_hostid_per_process(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("AFD_TEST_SHARE_GPU", raising=False)
+    lay = make_layout(2, 1, 1)
+    assert lay.shared and lay.gpus == ("0", "0", "0")
+    env = lay.per_rank_env()
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in env] == ["0", "0", "0"]
+    assert len({e["NCCL_HOSTID"] for e in env}) == 3  # NCCL accepts ranks on one GPU only as different hosts
+    assert "NCCL over sockets" in lay.describe()
+    assert not make_layout(2, 1, 2).nccl_hostids  # every edge crosses GPUs: NVLink, no host ids
+
+
+def test_timing_refused_on_one_gpu_but_check_is_not(monkeypatch, tmp_path, capsys):
+    import afd_ext.bench as bench
+
+    monkeypatch.setattr(bench, "_gpu_count", lambda: 1)
+    assert main(["--out", str(tmp_path / "x")]) == 2
+    assert "NCCL over sockets" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+    cfg = bench._config(bench.build_parser().parse_args(["--check"]))
+    assert cfg.check and cfg.layout.shared and cfg.layout.nccl_hostids
 
 
 def test_timing_refused_when_gpus_shared(monkeypatch, tmp_path, capsys):
@@ -324,25 +348,14 @@ def test_check_passes_and_detects_corruption():
 
 
 # ---------------------------------------------------------------------------
-# GPU tier: 2 GPUs, a CUDA build of afd_ext
+# GPU tier: a CUDA build of afd_ext; --check on one GPU shares it (NCCL over sockets), timings need 2
 # ---------------------------------------------------------------------------
 
 
-def _two_gpus() -> bool:
-    try:
-        from afd_ext import ops
-
-        return torch.cuda.is_available() and torch.cuda.device_count() >= 2 and ops.is_cuda_built()
-    except Exception:  # noqa: BLE001
-        return False
-
-
-gpu = pytest.mark.gpu
-needs_gpus = pytest.mark.skipif(not _two_gpus(), reason="needs 2 CUDA GPUs and a CUDA build of afd_ext")
+gpu = pytest.mark.gpu  # tests/conftest.py skips these without a CUDA GPU and a CUDA build
 
 
 @gpu
-@needs_gpus
 @pytest.mark.timeout(300)
 def test_gpu_check_1a1f(tmp_path):
     rc = main(["--check", "--out", str(tmp_path / "c"), "--timeout", "280"])
@@ -356,7 +369,6 @@ def test_gpu_check_1a1f(tmp_path):
 
 
 @gpu
-@needs_gpus
 @pytest.mark.timeout(300)
 def test_gpu_check_2a1f_fan_in(tmp_path):
     rc = main(["--check", "--attention-ranks", "2", "--tokens", "1,127", "--out", str(tmp_path / "c"),
@@ -368,7 +380,7 @@ def test_gpu_check_2a1f_fan_in(tmp_path):
 
 
 @gpu
-@needs_gpus
+@pytest.mark.distinct_gpus(2, "a timed sweep: processes sharing a GPU are time-sliced, so bench refuses to time them")
 @pytest.mark.timeout(420)
 def test_gpu_quick_sweep(tmp_path):
     rc = main(["--tokens", "1,128", "--extras", "on", "--time-per-point", "0.01", "--out", str(tmp_path / "q"),

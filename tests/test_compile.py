@@ -23,7 +23,7 @@ import torch
 
 ops = pytest.importorskip("afd_ext.ops", reason="afd_ext._C is not built")
 
-COMM_OPS = ("send", "recv", "fan_in", "split_back", "exchange")
+COMM_OPS = ("send", "recv", "fan_in", "split_back")
 BACKENDS = ("aot_eager", "inductor")
 LAYERS = 3
 
@@ -37,12 +37,10 @@ def comm_log():
     def recorder(name):
         def kernel(*args):
             # The communicator handle identifies the call: every call site below uses its own.
-            comm = {"send": 1, "recv": 1, "exchange": 4}.get(name, 3)
+            comm = {"send": 1, "recv": 1}.get(name, 3)
             comm = args[comm]
             log.append((name, comm if isinstance(comm, int) else tuple(comm)))
-            if name == "exchange":  # the reply lands in the caller's tensor
-                args[3].copy_(args[0] * 2)
-            elif name in ("fan_in", "recv"):
+            if name in ("fan_in", "recv"):
                 args[0].fill_(1)
 
         return kernel
@@ -69,13 +67,14 @@ def _counting(backend: str, seen: list):
 
 
 def attention_forward_one_stage(h, w_attn, w_gate, token_ids):
-    """1 stage, A >= F: per layer, one fused exchange (send wire tensors, receive the reply)."""
+    """1 stage, A >= F: per layer, split_back of the three wire tensors, then fan_in of the reply."""
     for layer in range(LAYERS):
         h = torch.nn.functional.rms_norm(h, (h.shape[-1],))
         h = h + torch.tanh(h @ w_attn)
         logits = (h @ w_gate).float()
         reply = torch.empty_like(h)
-        ops.exchange(h, logits, token_ids, reply, [10 + layer], [20 + layer], [0], [h.shape[0]])
+        ops.split_back(h, logits, token_ids, [10 + layer], [0], [h.shape[0]])
+        ops.fan_in(reply, None, None, [20 + layer], [0], [h.shape[0]])
         h = h + reply
     return h
 
@@ -104,7 +103,7 @@ def attention_forward_unused(h):
 
 
 def _expected_one_stage():
-    return [("exchange", (10 + layer,)) for layer in range(LAYERS)]
+    return [c for layer in range(LAYERS) for c in (("split_back", (10 + layer,)), ("fan_in", (20 + layer,)))]
 
 
 def _expected_two_stages():
@@ -128,7 +127,7 @@ def test_one_stage_forward_keeps_every_exchange_in_order(backend, comm_log):
     seen: list[str] = []
     compiled = torch.compile(attention_forward_one_stage, backend=_counting(backend, seen), fullgraph=True)
     out = compiled(h, w_attn, w_gate, ids)
-    assert seen == ["exchange"] * LAYERS
+    assert seen == ["split_back", "fan_in"] * LAYERS
     assert comm_log == _expected_one_stage()
     torch.testing.assert_close(out, eager)
     comm_log.clear()

@@ -296,20 +296,48 @@ class _DictStore:
         return self.d[key]
 
 
-def _offline_connector(role: str, role_rank: int, store, *, A=2, F=1, timeout_s=5.0):
-    """A gloo-configured connector with a step applied but no transport (progress/blame logic only)."""
+class _Rank:
+    """One rank's stall reports over a shared store, with its step position set by the test."""
+
+    SEQ = ((0, 0), (1, 0))  # two layers, one stage
+
+    def __init__(self, role: str, role_rank: int, store, *, A=2, F=1, timeout_s=5.0):
+        from afd_ext.transport.base import PeerMap
+        from afd_ext.transport.stall import StallReports
+
+        self.step, self.sent, self.received, self.idle_s = 1, 0, 0, 0.0
+        self.role = role
+        self.data_timeout_s = timeout_s if role == "ffn" else timeout_s + min(5.0, timeout_s / 2)
+        self.publish_after_s = 0.4 * self.data_timeout_s
+        self.reports = StallReports(store, PeerMap(role, role_rank, A, F), self.progress, self.publish_after_s)
+
+    def progress(self):
+        from afd_ext.transport.base import StepProgress
+
+        done = (self.received if self.role == "attention" else self.sent) >= len(self.SEQ)
+        text = (f"{self.sent} of 2 exchanges sent, {self.received} replies received" if self.role == "attention"
+                else f"{self.received} of 2 exchanges received, {self.sent} replies sent")
+        return StepProgress(self.step, len(self.SEQ), self.sent, self.received, done, self.SEQ, text, self.idle_s)
+
+
+def test_connector_progress_snapshot_matches_its_step():
+    """The connector hands its transport a StepProgress snapshot of its sequencer (sent/received/total/seq)."""
     from afd_ext.config import AFDConfig
     from afd_ext.connector import AFDConnector
     from afd_ext.metadata import AFDControlPayload
     from afd_ext.schedule import build_step_schedule
 
-    cfg = AFDConfig(role=role, num_attention_ranks=A, num_ffn_ranks=F,
-                    connector_extra_config={"transport": "gloo", "step_timeout_s": timeout_s})
-    c = AFDConnector(0, 0, cfg, role_rank, hidden_size=8, num_layers=2)
-    c._store, c._initialized = store, True
+    cfg = AFDConfig(role="attention", num_attention_ranks=2, num_ffn_ranks=1,
+                    connector_extra_config={"transport": "gloo", "step_timeout_s": 5.0})
+    c = AFDConnector(0, 0, cfg, 0, hidden_size=8, num_layers=2)
+    assert c._s.progress() is None  # not initialised
+    c._s.initialized = True
     payload = AFDControlPayload({0: [2, 3]})
-    c._start_step(build_step_schedule(c.topology, payload, c.schedule_config), payload)
-    return c
+    c._s.start_step(build_step_schedule(c.topology, payload, c.schedule_config), payload)
+    c._s.step.seq.sent, c._s.step.seq.received = 2, 1
+    p = c._s.progress()
+    assert (p.step, p.total, p.sent, p.received, p.complete, p.seq) == (1, 2, 2, 1, False, ((0, 0), (1, 0)))
+    assert p.text == "2 of 2 exchanges sent, 1 replies received" and p.idle_s >= 0
 
 
 def test_progress_reports_let_a_fan_in_timeout_name_the_stalled_or_dead_attention_rank():
@@ -318,67 +346,68 @@ def test_progress_reports_let_a_fan_in_timeout_name_the_stalled_or_dead_attentio
     from afd_ext.watchdog import TrackedOp
 
     store = _DictStore()
-    ffn = _offline_connector("ffn", 0, store)
-    a0 = _offline_connector("attention", 0, store)
-    a1 = _offline_connector("attention", 1, store)
+    ffn = _Rank("ffn", 0, store)
+    a0 = _Rank("attention", 0, store)
+    a1 = _Rank("attention", 1, store)
     # layer 0 (exchange 0) done everywhere; a0 also sent layer 1, a1 did not
-    a0._step.send_pos, a0._step.recv_pos = 2, 1
-    a1._step.send_pos, a1._step.recv_pos = 1, 1
-    ffn._step.recv_pos, ffn._step.send_pos = 2, 2
+    a0.sent, a0.received = 2, 1
+    a1.sent, a1.received = 1, 1
+    ffn.received, ffn.sent = 2, 2
     now = time.monotonic()
     thr = a0.publish_after_s
     assert 0 < thr < ffn.data_timeout_s
     # healthy / not yet slow: nothing is published (no store traffic)
     reply = TrackedOp(lambda: False, "recv_ffn_output: receive (fan-in)", ("FFN rank 0 (world rank 0)",), 1, 0,
                       "step 1, layer 1, stage 0", started=now - thr / 2)
-    a0._progress_tick(now, reply)
-    a1._last_call = now - thr / 2
-    a1._progress_tick(now, None)
+    a0.reports.tick(now, reply)
+    a1.idle_s = thr / 2
+    a1.reports.tick(now, None)
     assert store.d == {}
     # a0 waits on its reply for long, a1 is idle mid-step in its caller
     reply.started = now - thr - 0.1
-    a0._progress_tick(now, reply)
-    a1._last_call = now - thr - 0.1
-    a1._progress_tick(now, None)
+    a0.reports.tick(now, reply)
+    a1.idle_s = thr + 0.1
+    a1.reports.tick(now, None)
     assert set(store.d) == {"progress/1", "progress/2"}
-    step = ffn._step.step
+    step = ffn.step
     peers = ("attention rank 0 (world rank 1)", "attention rank 1 (world rank 2)")
     fan_in = TrackedOp(lambda: False, "recv_attn_output: receive (fan-in)", peers, 1, 0,
                        f"step {step}, layer 1, stage 0", tag=MessageTag("recv_attn_output", "a2f", step, 1, 0),
                        peer_ranks=(1, 2))
-    text, culprits = ffn._blame(fan_in)
+    text, culprits = ffn.reports.blame(fan_in)
     assert culprits == ["attention rank 1 (world rank 2)"], text
     assert "waiting on attention rank 1 (world rank 2): it has not issued the matching send" in text
     assert "idle in its caller" in text and "waiting on attention rank 0" not in text
     assert "attention rank 0 (world rank 1) issued the matching send" in text
     # a dead rank publishes nothing
     del store.d["progress/2"]
-    text, culprits = ffn._blame(fan_in)
+    text, culprits = ffn.reports.blame(fan_in)
     assert culprits == ["attention rank 1 (world rank 2)"] and "probably dead" in text, text
     # the attention side's reply receive blames the FFN rank by its replies sent
     store.d.clear()
-    ffn._step.send_pos = 1
+    ffn.sent = 1
     ffn_wait = TrackedOp(lambda: False, "recv_attn_output: receive (fan-in)", peers, 1, 0, "",
                          started=now - ffn.publish_after_s - 0.1)
-    ffn._progress_tick(now, ffn_wait)
+    ffn.reports.tick(now, ffn_wait)
     reply_op = TrackedOp(lambda: False, "recv_ffn_output: receive (fan-in)", ("FFN rank 0 (world rank 0)",), 1, 0,
                          "", tag=MessageTag("recv_ffn_output", "f2a", step, 1, 0), peer_ranks=(0,))
-    text, culprits = a0._blame(reply_op)
+    text, culprits = a0.reports.blame(reply_op)
     assert culprits == ["FFN rank 0 (world rank 0)"] and "1 of 2 exchanges sent" in text, text
     assert "recv_attn_output: receive (fan-in)" in text  # what the FFN rank itself is waiting on
     # a send waits on the peer's receive
     send_op = TrackedOp(lambda: False, "send_ffn_output: send (split-back)", peers, 1, 0, "",
                         tag=MessageTag("send_ffn_output", "f2a", step, 1, 0), peer_ranks=(1, 2))
-    a0._published = None  # the store was wiped above; a0 reports again
-    a0._progress_tick(now, reply)
-    text, culprits = ffn._blame(send_op)
+    a0.reports.forget()  # the store was wiped above; a0 reports again
+    a0.reports.tick(now, reply)
+    text, culprits = ffn.reports.blame(send_op)
     assert "waiting on attention rank 0 (world rank 1): it has not issued the matching receive" in text, text
     assert "1 of 2 exchanges received" in text  # a0 issued only layer 0's reply receive
     assert culprits == ["attention rank 0 (world rank 1)", "attention rank 1 (world rank 2)"]
 
 
 def test_headers_round_trip_and_mismatch():
-    from afd_ext.transport.base import AFDProtocolError, MessageTag, PeerMap, check_headers, encode_headers
+    from afd_ext.transport.base import AFDProtocolError, MessageTag, PeerMap
+    from afd_ext.transport.strict import check_headers, encode_headers
 
     pm = PeerMap("ffn", 0, 2, 1)
     h = torch.zeros(3, 8)

@@ -13,12 +13,14 @@ import torch
 
 from afd_ext import control_plane as cp
 from afd_ext import rendezvous as rdzv
+from afd_ext.control import shm as cshm
+from afd_ext.errors import AFDStateError
 from afd_ext.metadata import AFDControlPayload, AFDDPMetadata
 from afd_ext.testing import find_free_port, run_workers
 from afd_ext.topology import Topology
 
 HOST = "127.0.0.1"
-FAST = dict(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0)
+FAST = dict(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0, idle_s=0.002)
 
 
 def _message(i: int, size: int) -> bytes:
@@ -150,7 +152,7 @@ def test_channel_kind_mismatch_is_named_on_both_ends():
     t0 = time.monotonic()
     res = run_workers(_kind_mismatch_worker, 2, (find_free_port(HOST),), timeout_s=60)
     assert time.monotonic() - t0 < 45  # not the 20 s init deadline twice over
-    assert res[1][0] == "ValueError" and "opened a 'tcp' channel" in res[1][1] and "expects 'shm'" in res[1][1]
+    assert res[1][0] == "AFDConfigError" and "opened a 'tcp' channel" in res[1][1] and "expects 'shm'" in res[1][1]
     assert res[0][0] == "StepAbortedError" and "control channel kind mismatch" in res[0][1]
 
 
@@ -373,9 +375,9 @@ def test_ring_wraps_and_flow_control_blocks_only_when_full():
 
 def test_blocked_receiver_is_woken_by_the_doorbell(monkeypatch):
     # Long liveness/abort slices: only the doorbell can end the blocking wait early.
-    monkeypatch.setattr(cp, "_LIVENESS_EVERY_S", 20.0)
-    monkeypatch.setattr(cp, "_ABORT_EVERY_S", 20.0)
-    rx, tx = _ring(spin_s=0.0, heartbeat_timeout_s=60.0)
+    monkeypatch.setattr(cshm, "_LIVENESS_EVERY_S", 20.0)
+    monkeypatch.setattr(cshm, "_ABORT_EVERY_S", 20.0)
+    rx, tx = _ring(idle_s=0.0, heartbeat_timeout_s=60.0)
     out: list[tuple[bytes, float]] = []
     try:
         def reader():
@@ -385,16 +387,16 @@ def test_blocked_receiver_is_woken_by_the_doorbell(monkeypatch):
         t = threading.Thread(target=reader)
         t.start()
         deadline = time.monotonic() + 5
-        while not rx._hdr[cp._W_WAITING] and time.monotonic() < deadline:
+        while not rx._hdr[cshm._W_WAITING] and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert rx._hdr[cp._W_WAITING] == 1  # blocked, not spinning
+        assert rx._hdr[cshm._W_WAITING] == 1  # blocked, not spinning
         time.sleep(0.1)
         t_send = time.monotonic()
         tx.send(b"wake up")
         t.join(10)
         assert out and out[0][0] == b"wake up"
         assert out[0][1] - t_send < 5.0  # far below the 20 s slice
-        assert rx._hdr[cp._W_WAITING] == 0
+        assert rx._hdr[cshm._W_WAITING] == 0
     finally:
         tx.close()
         rx.close()
@@ -407,16 +409,16 @@ def test_torn_slot_is_never_returned():
     try:
         msg = b"x" * 40
         # Forge slot 0 as a weakly ordered CPU could show it: seq published, payload still stale.
-        base = cp._HDR_BYTES
-        good_crc = zlib.crc32(msg, zlib.crc32(cp._CRC_FIELDS.pack(2, len(msg), len(msg), 1)))
-        cp._SLOT_FIELDS.pack_into(tx._buf, base + 8, len(msg), len(msg), 1, good_crc)
-        tx._buf[base + cp._SLOT_HDR:base + cp._SLOT_HDR + len(msg)] = b"y" * len(msg)  # stale bytes
+        base = cshm._HDR_BYTES
+        good_crc = zlib.crc32(msg, zlib.crc32(cshm._CRC_FIELDS.pack(2, len(msg), len(msg), 1)))
+        cshm._SLOT_FIELDS.pack_into(tx._buf, base + 8, len(msg), len(msg), 1, good_crc)
+        tx._buf[base + cshm._SLOT_HDR:base + cshm._SLOT_HDR + len(msg)] = b"y" * len(msg)  # stale bytes
         tx._seq[0][0] = 2
         reader = threading.Thread(target=lambda: out.append(rx.recv(5.0)))
         reader.start()
         time.sleep(0.3)
         assert out == []  # CRC mismatch: the reader keeps retrying
-        tx._buf[base + cp._SLOT_HDR:base + cp._SLOT_HDR + len(msg)] = msg  # the bytes arrive
+        tx._buf[base + cshm._SLOT_HDR:base + cshm._SLOT_HDR + len(msg)] = msg  # the bytes arrive
         reader.join(5)
         assert out == [msg]
         # An odd sequence number (write in progress) is not read either.
@@ -435,6 +437,40 @@ def test_torn_slot_is_never_returned():
         rx.close()
 
 
+def test_native_and_python_ring_paths_read_each_other():
+    """The native publish/take (csrc/cpu/control_poll.cpp) and the Python path share one slot format and CRC."""
+    assert cshm._native() is not None, "the compiled core lacks the native control path (rebuild afd_ext)"
+    rx, tx = _ring(slot_bytes=64, nslots=2)
+    try:
+        for i in range(6):  # wraps the ring; alternates which side runs in Python
+            tx._native = None if i % 2 else cshm._native()
+            rx._native = cshm._native() if i % 2 else None
+            msg = _message(i, 10 + 9 * i)
+            tx.send(msg)
+            assert rx.recv(1.0) == msg
+            assert rx._hdr[cshm._W_READ_COUNT] == i + 1
+        tx._native = rx._native = cshm._native()
+        tx.send(b"z" * 100)  # two fragments: the native take hands the slot to the Python path
+        assert rx.recv(1.0) == b"z" * 100
+        # The native encoder and parser agree with the Python codec, both ways.
+        from afd_ext import metadata as md
+
+        for i, p in enumerate([_payload(3, 4), AFDControlPayload({0: [], 7: [2**31 - 1]}, is_profile=True),
+                               _payload(5, 10)]):  # the last (112 B) spans two 64-byte slots: Python encodes it
+            tx._native = cshm._native() if i % 2 == 0 else None
+            rx._native = cshm._native()
+            tx.send_parts(md.control_payload_parts(p))
+            got = rx.recv_parts(1.0, "recv_dp_metadata_list", md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS)
+            q = md.control_payload_from_parts(*got) if type(got) is tuple else md.decode_control_binary(got)
+            assert q == p and (type(got) is tuple) == (i < 2)
+            tx._native, rx._native = cshm._native(), None
+            tx.send_parts(md.control_payload_parts(p))
+            assert rx.recv(1.0) == md.encode_control_binary(p)
+    finally:
+        tx.close()
+        rx.close()
+
+
 def test_frame_from_unexpected_sender_is_rejected():
     options = cp.ChannelOptions(**FAST)
     rx = cp.ShmControlChannel.create(f"afd-test-{os.getpid()}", local_rank=0, peer_rank=2,
@@ -443,7 +479,7 @@ def test_frame_from_unexpected_sender_is_rejected():
     try:
         rx.wait_attached(time.monotonic() + 5)
         tx.send(b"hello")
-        with pytest.raises(RuntimeError, match="from world rank 1, expected attention rank 1"):
+        with pytest.raises(cp.ControlProtocolError, match="from world rank 1, expected attention rank 1"):
             rx.recv(1.0)
     finally:
         tx.close()
@@ -470,7 +506,7 @@ def test_oversized_message_and_wrong_end_are_rejected():
 
 
 def test_attach_to_missing_segment_suggests_tcp():
-    with pytest.raises(RuntimeError, match="AFD_CONTROL_CHANNEL=tcp"):
+    with pytest.raises(rdzv.RendezvousError, match="control_channel to .tcp. on every rank"):
         cp.ShmControlChannel.attach("afd-test-does-not-exist", local_rank=1, peer_rank=0, peer="FFN rank 0",
                                     options=cp.ChannelOptions())
 
@@ -492,10 +528,166 @@ def test_control_plane_rejects_channels_that_do_not_match_the_topology():
         plane.recv_dp_metadata_list()
 
 
+def test_one_control_plane_class_opens_closes_and_reopens():
+    applied = []
+    plane = cp.AFDControlPlane(applied.append, Topology(1, 1), "ffn", 0, label="FFN rank 0 (world rank 0)")
+    assert cp.ChannelControlPlane is cp.AFDControlPlane and not plane.is_open
+    with pytest.raises(AFDStateError, match=r"FFN rank 0 \(world rank 0\)\) is not initialized"):
+        plane.recv_dp_metadata_list()
+    plane.update_state_from_dp_metadata("p")  # local: no channel needed
+    assert applied == ["p"]
+    for step in range(2):  # close() then a new attach, as close() / init_afd_connector() do
+        rx, tx = _ring()
+        sender = cp.AFDControlPlane(lambda p: None, Topology(1, 1), "attention", 0, {0: tx})
+        plane.attach({0: rx})
+        assert plane.is_open
+        sender.send_dp_metadata_list(_payload(step, 3))
+        got = plane.recv_dp_metadata_list()
+        assert got == _payload(step, 3) and isinstance(got.dp_metadata_list[0], AFDDPMetadata)
+        assert got.dp_metadata_list[1].num_tokens_across_dp_cpu.dtype == torch.int32
+        sender.close()
+        plane.close()
+        assert not plane.is_open and not sender.is_open
+    with pytest.raises(AFDStateError, match="not initialized"):
+        sender.send_dp_metadata_list(_payload(0, 3))
+
+
+# ---------------------------------------------------------------------------
+# Waiting: native poll while active (GIL released), blocking once idle
+# ---------------------------------------------------------------------------
+
+
+def _recv_in_thread(rx, out):
+    t = threading.Thread(target=lambda: out.append(rx.recv(30.0)))
+    t.start()
+    return t
+
+
+def test_active_receiver_polls_without_the_gil_then_blocks_once_idle():
+    import sys
+
+    assert cshm._native() is not None, "the compiled core lacks the native poll (rebuild afd_ext)"
+    rx, tx = _ring(idle_s=0.5, heartbeat_timeout_s=60.0)
+    old = sys.getswitchinterval()
+    out: list[bytes] = []
+    try:
+        tx.send(b"first")
+        assert rx.recv(1.0) == b"first"  # the engine is active from here
+        sys.setswitchinterval(2.0)  # a GIL-holding poll would keep this thread out for 2 s
+        t = _recv_in_thread(rx, out)
+        time.sleep(0.05)
+        t0 = time.monotonic()
+        for _ in range(5):
+            time.sleep(0.01)  # each return needs the GIL back
+        assert time.monotonic() - t0 < 0.5
+        assert rx._hdr[cshm._W_WAITING] == 0  # polling, not blocked
+        deadline = time.monotonic() + 5
+        while not rx._hdr[cshm._W_WAITING] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert rx._hdr[cshm._W_WAITING] == 1  # idle for idle_s: blocked on the doorbell
+        tx.send(b"second")
+        t.join(5)
+        assert out == [b"second"]
+    finally:
+        sys.setswitchinterval(old)
+        tx.close()
+        rx.close()
+
+
+def test_idle_threshold_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("AFD_CONTROL_IDLE_S", "2.5")
+    assert cp.ChannelOptions.from_env().idle_s == 2.5
+    assert cp.ChannelOptions.from_env(idle_s=0.0).idle_s == 0.0
+    monkeypatch.setenv("AFD_CONTROL_IDLE_S", "-1")
+    with pytest.raises(ValueError, match="AFD_CONTROL_IDLE_S"):
+        cp.ChannelOptions.from_env()
+    with pytest.raises(ValueError, match="idle_s"):
+        cp.ChannelOptions(idle_s=-0.1)
+
+
+# ---------------------------------------------------------------------------
+# Faults: a corrupt ring, a malformed payload
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("timeout_s", [None, 0.3])
+def test_corrupt_slot_is_a_named_error_within_its_bound(timeout_s):
+    rx, tx = _ring(slot_bytes=64, nslots=4)
+    try:
+        base = cshm._HDR_BYTES
+        cshm._SLOT_FIELDS.pack_into(tx._buf, base + 8, 10, 10, 1, 12345)  # CRC that never matches
+        tx._seq[0][0] = 2  # published
+        t0 = time.monotonic()
+        with pytest.raises(cp.ControlProtocolError, match="slot 0 from FFN|slot 0 from attention") as e:
+            rx.recv(timeout_s)
+        elapsed = time.monotonic() - t0
+        assert "corrupt" in str(e.value)
+        bound = cshm._CORRUPT_AFTER_S if timeout_s is None else timeout_s
+        assert bound * 0.9 <= elapsed < bound + 1.0
+    finally:
+        tx.close()
+        rx.close()
+
+
+def _malformed_worker(rank, nprocs, port, kind):
+    topo = Topology(1, 1)
+    role = "ffn" if rank == 0 else "attention"
+    store = rdzv.connect(HOST, port, rank, 2, 30.0, num_ffn_ranks=1)
+    plane = cp.AFDControlPlane(lambda p: None, topo, role, 0)
+    plane.open(store, kind, 30.0, options=cp.ChannelOptions(**FAST))
+    t0 = time.monotonic()
+    try:
+        if role == "attention":
+            plane.channels[0].send(b"AFDb\x01\x00\x01\x00garbage")  # a truncated stage header
+            while time.monotonic() - t0 < 10:  # as an attention rank waiting on its first exchange
+                rdzv.raise_if_aborted(store, op="recv_ffn_output")
+                time.sleep(0.01)
+            return {"error": None, "elapsed": time.monotonic() - t0}
+        plane.recv_dp_metadata_list()
+        return {"error": None}
+    except Exception as e:  # noqa: BLE001 - classified by the test
+        return {"error": type(e).__name__, "msg": str(e), "elapsed": time.monotonic() - t0}
+    finally:
+        plane.close()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("kind", ["shm", "tcp"])
+def test_malformed_payload_aborts_the_step_on_every_rank(kind):
+    ffn, attn = run_workers(_malformed_worker, 2, (find_free_port(HOST), kind), timeout_s=60)
+    assert ffn["error"] == "ControlProtocolError", ffn
+    assert "malformed control payload from attention rank 0 (world rank 1)" in ffn["msg"]
+    assert attn["error"] == "StepAbortedError", attn
+    assert "malformed control payload" in attn["msg"] and attn["elapsed"] < 2.0
+
+
+# ---------------------------------------------------------------------------
+# The measurement (afd_ext.bench.control)
+# ---------------------------------------------------------------------------
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("distinct", [False, True])
 def test_measure_control_plane_reports_percentiles(distinct):
-    r = cp.measure_control_plane("shm", 200, warmup=20, distinct=distinct)
+    from afd_ext.bench.control import measure_control_plane
+
+    assert cp.measure_control_plane is measure_control_plane  # the old name still resolves
+    r = measure_control_plane("shm", 200, warmup=20, distinct=distinct)
     assert r["kind"] == "shm" and r["n"] == 200 and r["distinct"] is distinct
     assert 0 < r["min_us"] <= r["p50_us"] <= r["p90_us"] <= r["p99_us"] <= r["max_us"]
-    assert r["payload_bytes"] > 0
+    assert r["payload_bytes"] == 8 + 2 * (12 + 4 * 8)  # binary: 2 stages of 8 counts
+
+
+@pytest.mark.timeout(180)
+def test_control_table_has_each_gap_channel_and_the_reference():
+    from afd_ext.bench.control import control_table, format_control_table
+
+    rows = control_table((1.0,), ("shm",), seconds_per_cell=0.2)
+    assert [r["gap_ms"] for r in rows] == [1.0]
+    shm, ref = rows[0]["shm"], rows[0]["reference"]
+    assert shm["kind"] == "shm" and ref["kind"] == "gloo" and shm["n"] == ref["n"] == 200
+    assert 0 < shm["p50_us"] <= shm["p99_us"] and 0 < ref["p50_us"] <= ref["p99_us"]
+    text = format_control_table(rows, ("shm",))
+    assert "| 1 ms |" in text and "reference pattern" in text
+    assert f"{shm['p50_us']:.1f} / {shm['p99_us']:.1f}" in text

@@ -267,7 +267,7 @@ def test_a_rank_missing_from_the_gloo_group_is_a_named_timeout(store_host):
     # attention rank 0 builds its group; FFN rank 0 (the store host) and attention rank 1 never do
     st = rdzv.connect(HOST, port, 1, 3, 10.0, num_ffn_ranks=1)
     deadline = 1.5
-    took, _, err = timed(lambda: GlooTransport(st.store, PeerMap("attention", 0, 2, 1), strict=False,
+    took, _, err = timed(lambda: GlooTransport(st.store, PeerMap("attention", 0, 2, 1),
                                                timeout_s=1.0, init_timeout_s=deadline), 30)
     assert isinstance(err, rdzv.RendezvousTimeoutError), repr(err)
     msg = str(err)

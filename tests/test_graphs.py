@@ -619,9 +619,9 @@ def test_demo_graph_mode_on_cpu_matches_whole_model():
     assert s["ffn_rows_served"][0] > layers * sum(sum(c) for c in s["step_counts"])
 
 
-def test_replays_are_handed_to_the_connector_watchdog():
-    """Every replay goes to the NCCL transport's watchdog (tests/test_nccl_lifecycle.py shows a stuck
-    one becoming the named error); gloo and connectors without the hook are left alone."""
+def test_replays_are_handed_to_the_transport():
+    """Every replay goes to the transport's track_replay (the NCCL watchdog: tests/test_nccl_lifecycle.py
+    shows a stuck one becoming the named error); a connector without a transport is left alone."""
     from afd_ext.connector import AFDConnector
     from afd_ext.transport.base import MessageTag
 
@@ -631,11 +631,13 @@ def test_replays_are_handed_to_the_connector_watchdog():
         def track_replay(self, what, tag):
             seen.append((what, tag))
 
-    conn = object.__new__(AFDConnector)  # only the two attributes the hook reads
-    conn._transport, conn._step_counter = Tracking(), 5
-    graphs._track_replay(conn, "CUDA-graph replay of layer 2")
+    from afd_ext.connector.session import Session
+
+    conn = object.__new__(AFDConnector)  # only the session the hook reads
+    conn._s = Session("attention rank 0 (world rank 1)", "attention", False, None)
+    conn._s.transport, conn._s.step_counter = Tracking(), 5
+    conn.track_graph_replay("CUDA-graph replay of layer 2")
     assert seen == [("CUDA-graph replay of layer 2", MessageTag("graph replay", "a2f", 5, -1, -1))]
-    conn._transport = object()  # gloo: no track_replay
-    graphs._track_replay(conn, "CUDA-graph replay of layer 3")
-    graphs._track_replay(object(), "CUDA-graph replay of layer 4")  # a connector without the hook
+    conn._s.transport = None  # not initialised: nothing to follow
+    conn.track_graph_replay("CUDA-graph replay of layer 3")
     assert len(seen) == 1

@@ -334,3 +334,30 @@ def test_gate_on_attention_refuses_an_unsupported_router():
 
     with pytest.raises(NotImplementedError, match="WeirdRouter"):
         integ.ReceivedLogitsGate(WeirdRouter())
+
+
+def test_timing_is_off_by_default_and_records_one_latency_per_exchange_when_on():
+    """Default: no latency recorded (nothing added to the hot path); timing=True: one per (layer, stage)."""
+    cfg = _tiny()
+    _, att, exchange, conn = _split_pair(cfg)
+    assert exchange.timing is False
+    ids = torch.tensor([[257, 1, 2, 3]])
+    with torch.no_grad():
+        exchange.begin_step(_payload([ids.numel()]), dp_rank=0)
+        att(input_ids=ids)
+        exchange.end_step()
+    assert exchange.stats.latency_ns == {} and exchange.stats.steps == 1
+    assert exchange.stats.bytes_sent > 0
+    timed = integ.AttentionExchange(conn, hidden_size=cfg["hidden_size"], num_stages=2, timing=True)
+    exchange.proxies, exchange.timing = [], False  # detach the first exchange's proxies
+    for p in att.modules():
+        if isinstance(p, integ.RemoteMLP):
+            p.exchange = timed
+            timed.proxies.append(p)
+    with torch.no_grad():
+        timed.begin_step(_payload(integ.stage_split(ids.numel(), 2)), dp_rank=0)
+        att(input_ids=ids)
+        timed.end_step()
+    lat = timed.stats.latency_ns
+    assert sorted(lat) == list(range(cfg["num_hidden_layers"]))
+    assert all(len(v) == 2 and all(ns > 0 for ns in v) for v in lat.values()), lat

@@ -373,30 +373,6 @@ def test_encode_matches_json_dumps_for_many_stages():
         encode_control_payload(p)
 
 
-@settings(max_examples=300, deadline=None)
-@given(payloads, st.integers(0, 400), st.binary(min_size=0, max_size=3))
-def test_property_fast_decoder_agrees_with_general_one(p, cut, insert):
-    """The canonical fast path accepts a subset of the general path and returns the same payload."""
-    good = encode_control_payload(p)
-    for data in (good, good[:cut] + insert + good[cut:], good[:cut] + good[cut + 1:]):
-        try:
-            want = md._decode_general(data, md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS)
-        except ValueError:
-            want = None
-        fast = md._decode_canonical(data, md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS)
-        if fast is not None:
-            assert want is not None, data
-            assert fast == want
-        if want is None:
-            with pytest.raises(ValueError):
-                decode_control_payload(data)
-        else:
-            assert decode_control_payload(data) == want
-    small = all(m.max_tokens < 10**9 and max(m.counts) < 10**9 for m in p.dp_metadata_list.values())
-    # the encoder's own output takes the fast path (counts of 10 digits take the general one)
-    assert (md._decode_canonical(good, md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS) is not None) == small
-
-
 @pytest.mark.parametrize("data", [
     b'{"dp_metadata_list":{"0":{"max_tokens_across_dp_cpu":1,"num_tokens_across_dp_cpu":[1]},'
     b'"0":{"max_tokens_across_dp_cpu":1,"num_tokens_across_dp_cpu":[1]}},"format_version":2,'
@@ -407,18 +383,102 @@ def test_property_fast_decoder_agrees_with_general_one(p, cut, insert):
     b'"format_version":2,"is_graph_capturing":false,"is_graph_replaying":false,"is_profile":false,"is_warmup":false}',
 ])
 def test_canonical_looking_but_malformed_inputs_raise(data):
-    assert md._decode_canonical(data, md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS) is None
     with pytest.raises(ValueError):
         decode_control_payload(data)
 
 
-def test_fast_path_bounds_stages_and_ranks():
+def test_decoder_bounds_stages_and_ranks():
     b = encode_control_payload(AFDControlPayload({s: [1, 2, 3] for s in range(3)}))
     with pytest.raises(ValueError, match="max_stages"):
         decode_control_payload(b, max_stages=2)
     with pytest.raises(ValueError, match="max_ranks"):
         decode_control_payload(b, max_ranks=2)
     assert decode_control_payload(b, max_stages=3, max_ranks=3).stage_counts()[2] == (1, 2, 3)
+
+
+# ---------------------------------------------------------------- binary codec (afd_ext <-> afd_ext)
+
+
+@settings(max_examples=200, deadline=None)
+@given(payloads)
+def test_property_binary_round_trip(p):
+    b = md.encode_control_binary(p)
+    assert len(b) == 8 + sum(12 + 4 * len(m.counts) for m in p.dp_metadata_list.values())
+    q = md.decode_control_binary(b)
+    assert q == p and list(q.dp_metadata_list) == sorted(p.dp_metadata_list)
+    assert q.dp_metadata_list is not p.dp_metadata_list
+    for s, m in q.dp_metadata_list.items():  # what the reference's runners read
+        assert m.num_tokens_across_dp_cpu.dtype == torch.int32
+        assert m.num_tokens_across_dp_cpu.tolist() == list(p.dp_metadata_list[s].counts)
+        assert int(m.max_tokens_across_dp_cpu) == p.dp_metadata_list[s].max_tokens
+    for f in ("is_graph_capturing", "is_warmup", "is_graph_replaying", "is_profile"):
+        assert getattr(q, f) is getattr(p, f)
+
+
+def test_binary_layout_is_documented_one():
+    p = AFDControlPayload({1: [3, 0], 0: [5]}, is_warmup=True, is_profile=True)
+    want = (b"AFDb" + bytes([1, 0b1010]) + (2).to_bytes(2, "little")
+            + b"".join(v.to_bytes(4, "little") for v in (0, 1, 5, 5))
+            + b"".join(v.to_bytes(4, "little") for v in (1, 2, 3, 3, 0)))
+    assert md.encode_control_binary(p) == want
+
+
+def _bin(stages, flags=0, magic=b"AFDb", version=1, tail=b""):
+    import struct
+
+    out = magic + bytes([version, flags]) + struct.pack("<H", len(stages))
+    for s, counts, mx in stages:
+        out += struct.pack(f"<III{len(counts)}i", s, len(counts), mx, *counts)
+    return out + tail
+
+
+@pytest.mark.parametrize("data,match", [
+    (b"", "shorter than its header"),
+    (_bin([(0, [1], 1)], magic=b"AFDx"), "bad magic"),
+    (_bin([(0, [1], 1)], version=2), "version 2"),
+    (_bin([(0, [1], 1)], flags=0x10), "flag bits"),
+    (_bin([(0, [1], 1)])[:-1], "truncated"),
+    (_bin([(0, [1], 1)])[:12], "truncated"),
+    (_bin([(0, [1], 1)], tail=b"\0"), "trailing"),
+    (_bin([(1, [1], 1), (0, [1], 1)]), "not increasing"),
+    (_bin([(0, [1], 1), (0, [1], 1)]), "not increasing"),
+    (_bin([(0, [-1], 1)]), "negative"),
+    (_bin([(0, [1], 2**31)]), "exceeds int32"),
+    ("not bytes", "bytes"),
+])
+def test_binary_malformed_inputs_raise_value_error(data, match):
+    with pytest.raises(ValueError, match=match):
+        md.decode_control_binary(data)
+
+
+def test_binary_bounds_and_encoder_checks():
+    b = md.encode_control_binary(AFDControlPayload({s: [1, 2, 3] for s in range(3)}))
+    with pytest.raises(ValueError, match="max_stages"):
+        md.decode_control_binary(b, max_stages=2)
+    with pytest.raises(ValueError, match="max_ranks"):
+        md.decode_control_binary(b, max_ranks=2)
+    with pytest.raises(ValueError, match="AFDControlPayload"):
+        md.encode_control_binary({0: [1]})  # type: ignore[arg-type]
+    p = AFDControlPayload({0: [1]})
+    p.is_warmup = 1  # modified after construction into something invalid
+    with pytest.raises(ValueError, match="bools"):
+        md.encode_control_binary(p)
+    p = AFDControlPayload({2**32: [1]})
+    with pytest.raises(ValueError, match="2\\*\\*32"):
+        md.encode_control_binary(p)
+
+
+@settings(max_examples=300, deadline=None)
+@given(payloads, st.integers(0, 400), st.binary(min_size=0, max_size=3))
+def test_property_binary_garbage_only_value_error(p, cut, insert):
+    good = md.encode_control_binary(p)
+    for data in (good[:cut] + insert + good[cut:], good[:cut] + good[cut + 1:], insert * 4):
+        try:
+            q = md.decode_control_binary(data)
+        except ValueError:
+            continue
+        for m in q.dp_metadata_list.values():  # whatever decodes is a valid payload
+            assert all(0 <= c <= md.MAX_TOKEN_COUNT for c in m.counts) and 0 <= m.max_tokens <= md.MAX_TOKEN_COUNT
 
 
 # ---------------------------------------------------------------- framing

@@ -91,7 +91,7 @@ def _build(A: int, F: int, port: int, world_rank: int, *, init_timeout_s: float 
     role = "ffn" if world_rank < F else "attention"
     rr = world_rank if role == "ffn" else world_rank - F
     store = rdzv.connect("127.0.0.1", port, world_rank, A + F, timeout_s=init_timeout_s, num_ffn_ranks=F)
-    return NcclTransport(store, topo, PeerMap(role, rr, A, F), torch.device("cuda", 0), strict=False,
+    return NcclTransport(store, topo, PeerMap(role, rr, A, F), torch.device("cuda", 0),
                          timeout_s=timeout_s, init_timeout_s=init_timeout_s, **hooks)
 
 
@@ -205,6 +205,13 @@ def test_an_overrunning_abort_is_named_and_blocks_the_next_init(fake, monkeypatc
     out[1].close()
 
 
+class _Signal:
+    """Stands in for the transport's AbortSignal: ``post`` calls ``fn`` (the other methods are unused here)."""
+
+    def __init__(self, fn):
+        self.post = fn
+
+
 class _NeverEvent:
     """Stands in for a CUDA event whose stream never gets there."""
 
@@ -220,7 +227,7 @@ def test_a_stuck_synchronize_names_the_oldest_exchange_not_layer_minus_one(fake)
     out = _build_all(2, 1, timeout_s=0.4)
     ffn = out[0]
     posted = []
-    ffn._extra_on_failure = posted.append
+    ffn._signal = _Signal(posted.append)
     fan_in = MessageTag("recv_attn_output", "a2f", 3, 1, 0)
     ffn.watchdog.track(lambda: False, "recv_attn_output: receive (fan-in)",
                        peers=["attention rank 0 (world rank 1)", "attention rank 1 (world rank 2)"],
@@ -249,7 +256,7 @@ def test_watchdog_failure_posts_the_abort_before_aborting_the_communicators(fake
     out = _build_all(1, 1)
     ffn = out[0]
     order = []
-    ffn._extra_on_failure = lambda exc: order.append("post")
+    ffn._signal = _Signal(lambda exc: order.append("post"))
     for h in ffn._comms.values():
         fake.abort_hooks[h] = lambda: order.append("abort")
     ffn.watchdog.fail(AFDTimeoutError("fan-in stuck"))
@@ -257,7 +264,7 @@ def test_watchdog_failure_posts_the_abort_before_aborting_the_communicators(fake
     # a post that hangs (store host gone) delays the aborts by POST_ABORT_WAIT_S at most
     att = out[1]
     release = threading.Event()
-    att._extra_on_failure = lambda exc: release.wait(10)
+    att._signal = _Signal(lambda exc: release.wait(10))
     t0 = time.monotonic()
     att.watchdog.fail(AFDTimeoutError("reply stuck"))
     assert time.monotonic() - t0 < nccl_mod.POST_ABORT_WAIT_S + 2.0
@@ -281,7 +288,7 @@ def test_a_stuck_graph_replay_is_the_watchdogs_named_error(fake, monkeypatch):
     out = _build_all(2, 1, timeout_s=0.4)
     ffn = out[0]
     posted = []
-    ffn._extra_on_failure = posted.append
+    ffn._signal = _Signal(posted.append)
     ffn.track_replay("CUDA-graph replay of step 7 (4 layers)", MessageTag("graph replay", "a2f", 7, -1, -1))
     deadline = time.monotonic() + 5
     while ffn.watchdog.failure is None and time.monotonic() < deadline:
@@ -301,12 +308,12 @@ def test_a_stuck_graph_replay_is_the_watchdogs_named_error(fake, monkeypatch):
 
 
 def test_the_watchdog_records_a_timeout_while_the_store_host_is_frozen(fake):
-    """FFN rank 0 stopped (SIGSTOP): every store round trip of the watchdog's hooks (abort poll,
-    progress report, blame) blocks; the expired operation must still be recorded at its deadline."""
+    """FFN rank 0 stopped (SIGSTOP): every store round trip of the transport's abort signal, progress
+    report and blame blocks; the expired operation must still be recorded at its deadline."""
     import os
     import sys
 
-    from afd_ext.transport.base import AFDTimeoutError, MessageTag
+    from afd_ext.transport.base import AFDTimeoutError, MessageTag, StepProgress
 
     sys.path.insert(0, os.path.dirname(__file__))
     from fault_helpers import StoreHost
@@ -314,12 +321,13 @@ def test_the_watchdog_records_a_timeout_while_the_store_host_is_frozen(fake):
     host = StoreHost(find_free_port())
     try:
         frozen = rdzv.connect("127.0.0.1", host.port, 1, 2, 30.0, num_ffn_ranks=1)
-        hooks = dict(abort_check=lambda: rdzv.check_abort(frozen),
-                     on_tick=lambda now, op: frozen.set("progress/1", "{}"),
-                     blame=lambda op: (frozen.get("progress/0").decode(), []))
+        seq = ((0, 0),)
+        progress = lambda: StepProgress(2, 1, 1, 0, False, seq, "sent 1 of 1, received 0 of 1", 0.0)  # noqa: E731
         deadline = 1.0
-        out = _build_all(1, 1, timeout_s=deadline, **hooks)
+        out = _build_all(1, 1, timeout_s=deadline, abort=frozen.abort_signal, progress=progress,
+                         publish_after_s=0.05)
         att = out[1]
+        att.stall.store = frozen  # progress reports and blame go to the frozen host too
         host.freeze()
         time.sleep(0.3)  # the hooks are now blocked on the silent store
         tag = MessageTag("recv_ffn_output", "f2a", 2, 0, 0)

@@ -32,12 +32,10 @@ def _wire_tensors(n, device="cpu"):
 def test_comm_op_fakes_accept_well_formed_calls(fake, device):
     # FakeTensorMode can make CUDA fake tensors without a GPU.
     h, lg, ids = _wire_tensors(8, device)
-    reply = torch.empty(8, 16, dtype=torch.bfloat16, device=device)
     assert A.send(h, 1, 1) is None
     assert A.recv(h, 1, 1) is None
     assert A.fan_in(h, lg, ids, [1, 2], [1, 1], [5, 3]) is None
     assert A.split_back(h, None, None, [1, 2, 3], [0, 0, 0], [3, 0, 5]) is None
-    assert A.exchange(h, lg, ids, reply, [1], [2], [1], [8]) is None
     # Outputs keep their shapes and dtypes (the ops write in place).
     assert h.shape == (8, 16) and h.dtype == torch.bfloat16 and h.device.type == device
 
@@ -48,7 +46,6 @@ def test_comm_op_fakes_accept_well_formed_calls(fake, device):
         (lambda h, lg, ids: A.fan_in(h, lg, ids, [1, 2], [1, 1], [5, 2]), r"hidden_states has 8 rows but rows=\[5, 2\]"),
         (lambda h, lg, ids: A.split_back(h, lg, None, [1], [1, 1], [8]), r"equal lengths"),
         (lambda h, lg, ids: A.fan_in(h, lg[:4], None, [1], [1], [8]), r"router_logits has 4 rows"),
-        (lambda h, lg, ids: A.exchange(h, None, ids, h[:3], [1], [1], [1], [8]), r"reply has 3 rows"),
     ],
 )
 def test_comm_op_fakes_check_rows(fake, call, pattern):
@@ -61,7 +58,6 @@ def test_comm_ops_run_on_meta_tensors():
     h, lg, ids = _wire_tensors(4, "meta")
     A.fan_in(h, lg, ids, [1], [1], [4])
     A.split_back(h, lg, ids, [1], [1], [4])
-    A.exchange(h, lg, ids, torch.empty_like(h), [1], [1], [1], [4])
     A.send(h, 1, 1)
     A.recv(h, 1, 1)
 
@@ -143,9 +139,8 @@ def _no_cuda_or(pattern_cuda: str) -> str:
         lambda h, lg, ids: ops.recv(h, 1, 1),
         lambda h, lg, ids: ops.fan_in(h, lg, ids, [1], [1], [8]),
         lambda h, lg, ids: ops.split_back(h, lg, ids, [1], [1], [8]),
-        lambda h, lg, ids: ops.exchange(h, lg, ids, h.clone(), [1], [1], [1], [8]),
     ],
-    ids=["send", "recv", "fan_in", "split_back", "exchange"],
+    ids=["send", "recv", "fan_in", "split_back"],
 )
 def test_cpu_tensors_to_nccl_ops_get_a_clear_error(call):
     h, lg, ids = _wire_tensors(8)

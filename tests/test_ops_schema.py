@@ -26,10 +26,6 @@ SCHEMAS = {
         "afd_ext::split_back(Tensor(a!) hidden_states, Tensor(b!)? router_logits, Tensor(c!)? token_ids, "
         "int[] comms, int[] peers, int[] rows) -> ()"
     ),
-    "exchange": (
-        "afd_ext::exchange(Tensor(a!) hidden_states, Tensor(b!)? router_logits, Tensor(c!)? token_ids, "
-        "Tensor(d!) reply, int[] send_comms, int[] recv_comms, int[] peers, int[] rows) -> ()"
-    ),
     "pack_rows": (
         "afd_ext::pack_rows(Tensor hidden_states, Tensor? router_logits, Tensor? token_ids, "
         "Tensor(a!) wire) -> ()"
@@ -38,9 +34,31 @@ SCHEMAS = {
         "afd_ext::unpack_rows(Tensor wire, Tensor(a!) hidden_states, Tensor(b!)? router_logits, "
         "Tensor(c!)? token_ids) -> ()"
     ),
+    "peer_plane_create": "afd_ext::peer_plane_create(int device, int generation, int num_slots, int max_peers) -> int",
+    "peer_plane_destroy": "afd_ext::peer_plane_destroy(int plane) -> ()",
+    "peer_plane_error": "afd_ext::peer_plane_error(int plane) -> int[]",
+    "peer_plane_abort": "afd_ext::peer_plane_abort(int plane, int op) -> ()",
+    "peer_region_alloc": "afd_ext::peer_region_alloc(int plane, int nbytes) -> int",
+    "peer_region_export": "afd_ext::peer_region_export(int region, Tensor(a!) out) -> ()",
+    "peer_region_open": "afd_ext::peer_region_open(int plane, Tensor ipc_handle, int nbytes) -> int",
+    "peer_region_close": "afd_ext::peer_region_close(int region) -> ()",
+    "peer_region_view": "afd_ext::peer_region_view(int region, int offset, int nbytes) -> Tensor",
+    "peer_put": (
+        "afd_ext::peer_put(Tensor(a!) hidden_states, Tensor(b!)? router_logits, Tensor(c!)? token_ids, "
+        "int plane, int slot, int[] regions, int[] rows, int[] dst_rows, int[] part_offsets, "
+        "int[] flag_offsets) -> ()"
+    ),
+    "peer_wait": (
+        "afd_ext::peer_wait(Tensor(a!) hidden_states, Tensor(b!)? router_logits, Tensor(c!)? token_ids, "
+        "Tensor(d!)? out, int plane, int slot, int region, int[] flag_offsets, int[] peers, int op, "
+        "int layer, int stage, int timeout_ns) -> ()"
+    ),
 }
-COMM_OPS = ("send", "recv", "fan_in", "split_back", "exchange")
+COMM_OPS = ("send", "recv", "fan_in", "split_back", "peer_put", "peer_wait")
 TENSOR_OPS = COMM_OPS + ("pack_rows", "unpack_rows")
+PEER_MANAGEMENT_OPS = ("peer_plane_create", "peer_plane_destroy", "peer_plane_error", "peer_plane_abort",
+                       "peer_region_alloc", "peer_region_export", "peer_region_open", "peer_region_close",
+                       "peer_region_view")
 
 
 def _registered() -> set[str]:
@@ -96,7 +114,8 @@ def test_tensor_ops_have_cpu_and_cuda_kernels(name):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"afd_ext::{name}", key), (name, key)
 
 
-@pytest.mark.parametrize("name", ["nccl_version", "nccl_unique_id", "comm_create", "comm_destroy", "comm_abort", "comm_async_error"])
+@pytest.mark.parametrize("name", ["nccl_version", "nccl_unique_id", "comm_create", "comm_destroy", "comm_abort",
+                                  "comm_async_error", *PEER_MANAGEMENT_OPS])
 def test_management_ops_serve_every_key(name):
     assert torch._C._dispatch_has_kernel_for_dispatch_key(f"afd_ext::{name}", "CompositeExplicitAutograd")
 

@@ -93,6 +93,10 @@ def build_parser(prog: str = "afd-ext bench") -> argparse.ArgumentParser:
     p.add_argument("--graph-iters", type=int, default=10, help="iterations captured per CUDA graph")
     p.add_argument("--control-iters", type=int, default=300, help="control-plane steps measured")
     p.add_argument("--no-control", action="store_true", help="skip the control-plane measurement")
+    p.add_argument("--control-only", action="store_true",
+                   help="only the control-plane table: end to end at step gaps of --control-gaps ms, shm and "
+                        "tcp, beside the reference pattern over gloo (about 2.5 min)")
+    p.add_argument("--control-gaps", default="1,5,20,50", help="step gaps of the control-plane table, ms")
     p.add_argument("--timeout", type=float, default=None,
                    help="deadline for the whole run, seconds, all restarts included (default 420; 240 with "
                         "--check); keep any outer `timeout` above it so partial results get written")
@@ -480,6 +484,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
     from afd_ext.bench import report
 
+    if args.control_only:
+        from afd_ext.bench.control import control_main
+
+        try:
+            gaps = tuple(float(g) for g in args.control_gaps.split(","))
+        except ValueError:
+            print(f"afd-ext bench: --control-gaps: expected comma-separated ms, got {args.control_gaps!r}",
+                  file=sys.stderr)
+            return 2
+        return control_main(gaps, out=args.out)
     if args.merge:
         try:
             doc = report.merge_documents(report.load_documents(args.merge))
@@ -497,8 +511,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if cfg.layout.shared and not cfg.check:
         msg = (f"processes share a GPU ({cfg.layout.describe()}): the driver time-slices them (about 2.2 ms "
-               "per round trip whatever the size), so timings would be meaningless. Give every process its "
-               "own GPU, use --check for correctness, or pass --allow-shared to time anyway (flagged).")
+               "per round trip whatever the size; ~4.5 ms when NCCL goes over sockets on one GPU), so timings "
+               "would be meaningless. Give every process its own GPU, use --check for correctness, or pass "
+               "--allow-shared to time anyway (flagged).")
         if not args.allow_shared:
             print(f"afd-ext bench: refusing to time: {msg}", file=sys.stderr)
             return 2

@@ -6,7 +6,6 @@ the plan before any process starts.
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Sequence
 
@@ -31,7 +30,7 @@ __all__ = [
 DIRECTIONS = ("round_trip", "a2f", "f2a")
 MODES = ("eager", "graph")
 #: Variant names, in the order they are alternated inside a case.
-ALL_VARIANTS = ("ours_per_tensor", "ours_packed", "reference", "raw", "bare", "torch_dist")
+ALL_VARIANTS = ("ours_per_tensor", "ours_packed", "reference", "raw", "bare", "torch_dist", "peer")
 DEFAULT_TOKENS = (1, 8, 32, 128, 512, 2048, 8192)
 DEFAULT_SIDE_TOKENS = (1, 128, 2048)
 ROUTER_LOGITS_WIDTH = 256
@@ -156,22 +155,29 @@ class Layout:
             empty for the CPU/gloo path.
         shared: True when two processes use the same GPU (the driver then
             time-slices them and latencies are meaningless).
+        nccl_hostids: ``NCCL_HOSTID`` per world rank when an attention rank and
+            an FFN rank share a GPU (NCCL then connects them through sockets);
+            empty otherwise.
     """
 
     num_attention_ranks: int
     num_ffn_ranks: int
     gpus: tuple[str, ...] = ()
     shared: bool = False
+    nccl_hostids: tuple[str, ...] = ()
 
     @property
     def world_size(self) -> int:
         return self.num_attention_ranks + self.num_ffn_ranks
 
     def per_rank_env(self) -> list[dict[str, str]] | None:
-        """``CUDA_VISIBLE_DEVICES`` per world rank (``None`` on the CPU path)."""
+        """``CUDA_VISIBLE_DEVICES`` (and ``NCCL_HOSTID``) per world rank (``None`` on the CPU path)."""
         if not self.gpus:
             return None
-        return [{"CUDA_VISIBLE_DEVICES": g} for g in self.gpus]
+        env = [{"CUDA_VISIBLE_DEVICES": g} for g in self.gpus]
+        for e, h in zip(env, self.nccl_hostids):
+            e["NCCL_HOSTID"] = h
+        return env
 
     def describe(self) -> str:
         """E.g. ``1A1F: ffn0->GPU1 attn0->GPU0``."""
@@ -180,35 +186,28 @@ class Layout:
             return f"{a}A{f}F on CPU (gloo)"
         parts = [f"ffn{i}->GPU{self.gpus[i]}" for i in range(f)]
         parts += [f"attn{i}->GPU{self.gpus[f + i]}" for i in range(a)]
-        return f"{a}A{f}F: " + " ".join(parts) + (" (GPUs SHARED)" if self.shared else "")
+        return (f"{a}A{f}F: " + " ".join(parts) + (" (GPUs SHARED)" if self.shared else "")
+                + (" (NCCL over sockets: NCCL_HOSTID per process)" if self.nccl_hostids else ""))
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["gpus"] = list(self.gpus)
+        d["nccl_hostids"] = list(self.nccl_hostids)
         d["description"] = self.describe()
         return d
 
 
-def _visible_labels(num_gpus: int) -> list[str]:
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if env is not None and env.strip():
-        labels = [x.strip() for x in env.split(",") if x.strip()]
-        if len(labels) < num_gpus:
-            raise ValueError(f"CUDA_VISIBLE_DEVICES={env!r} names {len(labels)} GPUs but {num_gpus} are visible; "
-                             "set it to a plain comma list of the GPUs to use")
-        return labels[:num_gpus]
-    return [str(i) for i in range(num_gpus)]
-
-
 def make_layout(num_attention_ranks: int, num_ffn_ranks: int, num_gpus: int,
                 gpu_map: Sequence[int] | None = None) -> Layout:
-    """Assign GPUs to processes.
+    """Assign GPUs to processes (:func:`afd_ext.testing.place_processes` decides).
 
     With enough GPUs every process gets its own: attention ranks on the first
     GPUs, FFN ranks on the next (1A1F: attention on GPU 0, FFN on GPU 1).
-    With too few, the FFN ranks take the last GPUs and the attention ranks
-    share the remaining ones round-robin (2A1F on two GPUs: both attention
-    ranks on GPU 0), and the layout is marked shared.
+    With too few but at least two, the FFN ranks take the last GPUs and the
+    attention ranks share the remaining ones round-robin (2A1F on two GPUs:
+    both attention ranks on GPU 0). On one GPU (or with
+    ``AFD_TEST_SHARE_GPU=1``) every process shares GPU 0 and gets its own
+    ``NCCL_HOSTID`` (NCCL over sockets). The last two are marked shared.
 
     Args:
         num_attention_ranks, num_ffn_ranks: ``A``, ``F`` >= 1.
@@ -220,6 +219,8 @@ def make_layout(num_attention_ranks: int, num_ffn_ranks: int, num_gpus: int,
         ValueError: a bad size, or a ``gpu_map`` of the wrong length or with
             an index not below ``num_gpus``.
     """
+    from afd_ext.testing import place_processes
+
     A, F = num_attention_ranks, num_ffn_ranks
     if A < 1 or F < 1:
         raise ValueError(f"need at least one attention and one FFN rank, got A={A}, F={F}")
@@ -227,28 +228,8 @@ def make_layout(num_attention_ranks: int, num_ffn_ranks: int, num_gpus: int,
         if gpu_map:
             raise ValueError("--gpu-map given but no GPU is visible")
         return Layout(A, F)
-    labels = _visible_labels(num_gpus)
-    if gpu_map:
-        if len(gpu_map) != A + F:
-            raise ValueError(f"--gpu-map needs {A + F} entries (attention ranks then FFN ranks), got {len(gpu_map)}")
-        bad = [g for g in gpu_map if not 0 <= g < num_gpus]
-        if bad:
-            raise ValueError(f"--gpu-map entries must be in [0, {num_gpus}), got {bad}")
-        attn = list(gpu_map[:A])
-        ffn = list(gpu_map[A:])
-    elif A + F <= num_gpus:
-        attn = list(range(A))
-        ffn = list(range(A, A + F))
-    elif num_gpus == 1:
-        attn, ffn = [0] * A, [0] * F
-    else:
-        n_ffn_gpus = min(F, num_gpus - 1)
-        ffn = [num_gpus - n_ffn_gpus + (i % n_ffn_gpus) for i in range(F)]
-        n_attn_gpus = num_gpus - n_ffn_gpus
-        attn = [i % n_attn_gpus for i in range(A)]
-    world = ffn + attn  # AFD world order: FFN ranks first
-    shared = len(set(world)) < len(world)
-    return Layout(A, F, tuple(labels[g] for g in world), shared)
+    p = place_processes(A, F, num_gpus, gpu_map=gpu_map)
+    return Layout(A, F, p.gpus, p.shared, p.nccl_hostids)
 
 
 @dataclass(frozen=True)

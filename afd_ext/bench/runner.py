@@ -217,7 +217,8 @@ class _Env:
 
         return Ctx(role=self.role, role_rank=self.role_rank, world_rank=self.rank, backend=self.cfg.backend,
                    device=self.device, links=self.links(case), nccl_group=self.nccl_group, bare=self.bare,
-                   gloo_transport=self.gloo_transport)
+                   gloo_transport=self.gloo_transport,
+                   extra={"store": self.store, "topology": self.topo, "timeout_s": self.cfg.peer_wait_s})
 
     def close(self) -> None:
         import torch.distributed as dist
@@ -245,7 +246,7 @@ def _gloo_transport(env: _Env) -> Any:
     from afd_ext.transport.gloo import GlooTransport
 
     peers = PeerMap(env.role, env.role_rank, env.topo.num_attention_ranks, env.topo.num_ffn_ranks)
-    return GlooTransport(env.store, peers, strict=False, timeout_s=env.cfg.peer_wait_s,
+    return GlooTransport(env.store, peers, timeout_s=env.cfg.peer_wait_s,
                          init_timeout_s=env.cfg.peer_wait_s)
 
 
@@ -396,6 +397,7 @@ _STEP_OPS = {
     "raw": ("send | split_back, recv | fan_in", "recv | fan_in, send | split_back"),
     "bare": ("ctypes ncclGroupStart/ncclSend/ncclRecv/ncclGroupEnd", "ctypes ncclRecv group, ncclSend group"),
     "torch_dist": ("dist.batch_isend_irecv", "dist.batch_isend_irecv"),
+    "peer": ("peer_put, peer_wait (reply copied)", "peer_wait, peer_put"),
 }
 
 

@@ -4,8 +4,8 @@ Every variant moves one layer exchange's wire tensors for one :class:`Case`
 between this process and its peers (the :class:`Link` list of this rank):
 
 ======================  ==========================================================
-``ours_per_tensor``     this package: attention ``exchange`` (split_back of hidden,
-                        logits, ids, then fan_in of the reply: two NCCL groups);
+``ours_per_tensor``     this package: attention ``split_back`` of hidden, logits,
+                        ids, then ``fan_in`` of the reply (the connector's calls);
                         FFN ``fan_in`` then ``split_back``. Three messages per
                         edge in one group.
 ``ours_packed``         this package, packed wire rows: ``pack_rows`` + one
@@ -25,6 +25,12 @@ between this process and its peers (the :class:`Link` list of this rank):
                         ``ours_per_tensor - bare``.
 ``torch_dist``          ``torch.distributed.batch_isend_irecv`` over an NCCL (GPU)
                         or gloo (CPU) process group; eager only.
+``peer``                the peer-memory plane (``docs/peer-memory.md``): attention
+                        ``peer_put`` of hidden, logits and ids straight into the
+                        FFN rank's fan-in region, then ``peer_wait`` copying the
+                        reply into its tensor (one kernel each); FFN ``peer_wait``
+                        (the fan-in is a view of its region) and ``peer_put`` of
+                        the reply. CUDA IPC between the processes; GPUs only.
 ======================  ==========================================================
 
 On the CPU/gloo path ``ours_*`` use this package's gloo transport when it is
@@ -433,7 +439,8 @@ class OursPerTensor(Variant):
             pending.wait()
             return
         sc, peers, rows = self.a2f
-        _ops().exchange(self.h, self.l, self.i, self.reply, sc, self.f2a[0], peers, rows)
+        _ops().split_back(self.h, self.l, self.i, sc, peers, rows)  # the connector's two calls
+        _ops().fan_in(self.reply, None, None, self.f2a[0], peers, rows)
 
     def attn_send(self) -> None:
         if self.tr is not None:
@@ -497,7 +504,8 @@ class OursPacked(OursPerTensor):
             pending.wait()
             return
         sc, peers, rows = self.a2f
-        ops.exchange(self.wire, None, None, self.reply, sc, self.f2a[0], peers, rows)
+        ops.split_back(self.wire, None, None, sc, peers, rows)  # the connector's two calls
+        ops.fan_in(self.reply, None, None, self.f2a[0], peers, rows)
 
     def attn_send(self) -> None:
         ops = _ops()
@@ -519,6 +527,76 @@ class OursPacked(OursPerTensor):
 # ---------------------------------------------------------------------------
 # The reference connector's call pattern
 # ---------------------------------------------------------------------------
+
+
+class PeerMemory(Variant):
+    """The peer-memory plane: rows stored straight into the peer's memory, then a flag (no NCCL)."""
+
+    name = "peer"
+    backends = ("nccl",)
+    _setups = 0  # one fresh store key space per construction (every rank builds the same sequence)
+
+    def __init__(self, ctx: Ctx, case: Case):
+        super().__init__(ctx, case)
+        import torch.distributed as dist
+
+        from afd_ext.peer_memory import WireSpec, open_plane
+
+        store, topo = ctx.extra.get("store"), ctx.extra.get("topology")
+        if store is None or topo is None:
+            raise RuntimeError("the peer variant needs the runner's store and topology (Ctx.extra)")
+        PeerMemory._setups += 1
+        spec = WireSpec(case.hidden, torch.bfloat16, case.logits_width if case.extras else 0, torch.float32,
+                        case.extras)
+        self.plane = open_plane(dist.PrefixStore(f"peer/{case.key()}/{PeerMemory._setups}/", store), topo,
+                                ctx.role, ctx.role_rank, spec, max_tokens=case.tokens, num_stages=1,
+                                device=ctx.device, timeout_s=float(ctx.extra.get("timeout_s", 60.0)),
+                                setup_timeout_s=float(ctx.extra.get("timeout_s", 60.0)), generation=1)
+        n = ctx.rows
+        self.rows = [l.count for l in ctx.links]  # every topology peer, in the plane's peer order
+        if ctx.is_attention:
+            self.h, self.l, self.i = self._wire(n)
+            self.reply = torch.zeros(n, case.hidden, dtype=torch.bfloat16, device=self.dev)
+            me = ctx.role_rank
+            self.dst = []  # this rank's offset in each FFN peer's fan-in
+            for l in ctx.links:
+                off = 0
+                for a in topo.ffn_peers(l.peer):
+                    if a == me:
+                        break
+                    off += next(c for f, _, c in topo.split_rows(a, case.tokens) if f == l.peer)
+                self.dst.append(off)
+        else:
+            self.dst = [l.start for l in ctx.links]  # the start of this rank's share in each peer's rows
+            self.rec = list(self.plane.views(0, n))
+            self.out = torch.zeros(n, case.hidden, dtype=torch.bfloat16, device=self.dev)
+
+    def attn_send(self) -> None:
+        self.plane.put(0, (self.h, self.l, self.i), self.rows, self.dst)
+
+    def attn_recv(self) -> None:
+        self.plane.wait(0, self.ctx.rows, layer=0, out=self.reply)
+
+    def ffn_recv(self) -> None:
+        self.plane.wait(0, self.ctx.rows, layer=0)
+
+    def ffn_send(self) -> None:
+        self.plane.put(0, (self.out,), self.rows, self.dst)
+
+    def close(self) -> None:
+        self.plane.close()
+
+    def attn_inputs(self):
+        return [t for t in (self.h, self.l, self.i) if t is not None]
+
+    def attn_reply(self):
+        return self.reply
+
+    def ffn_received(self):
+        return self.rec
+
+    def ffn_out(self):
+        return self.out
 
 
 class Reference(Variant):
@@ -928,6 +1006,7 @@ VARIANTS: dict[str, type[Variant]] = {
     "raw": Raw,
     "bare": Bare,
     "torch_dist": TorchDist,
+    "peer": PeerMemory,
 }
 
 

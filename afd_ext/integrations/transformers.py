@@ -46,6 +46,8 @@ Example (FFN rank)::
 
 from __future__ import annotations
 
+import contextlib
+
 import copy
 import logging
 import math
@@ -276,9 +278,10 @@ class ExchangeStats:
     """Counters of one attention rank.
 
     Attributes:
-        latency_ns: ``layer_idx -> [ns per exchange]`` measured around
-            send + receive of one (layer, stage) on this rank (device work
-            included: on CUDA the proxy synchronizes before and after).
+        latency_ns: ``layer_idx -> [ns per exchange]`` from send to reply of
+            one (layer, stage) on this rank, recorded only with ``timing=True``
+            (CUDA: two events on the caller's stream, read back when the stats
+            are read; no device synchronisation).
         bytes_sent / bytes_received: wire payload bytes (hidden states, router
             logits) this rank sent to / received from FFN ranks, in total.
         steps: steps begun.
@@ -290,6 +293,41 @@ class ExchangeStats:
     steps: int = 0
 
 
+class _ExchangeTimer:
+    """Per-exchange latency without device synchronisation (CUDA events, read back lazily)."""
+
+    def __init__(self, stats: ExchangeStats):
+        self.stats = stats
+        self._pending: list[tuple[int, Any, Any]] = []  # (layer_idx, start event, end event)
+
+    def start(self, device: torch.device) -> Any:
+        if device.type == "cuda":
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter_ns()
+
+    def stop(self, layer_idx: int, start: Any) -> None:
+        if isinstance(start, int):
+            self.stats.latency_ns.setdefault(layer_idx, []).append(time.perf_counter_ns() - start)
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._pending.append((layer_idx, start, end))
+
+    def flush(self, *, wait: bool) -> None:
+        """Move finished measurements into the stats (``wait``: wait for the recorded events first)."""
+        left = []
+        for layer_idx, a, b in self._pending:
+            if wait:
+                b.synchronize()  # this event only, not the device
+            if b.query():
+                self.stats.latency_ns.setdefault(layer_idx, []).append(int(a.elapsed_time(b) * 1e6))
+            else:
+                left.append((layer_idx, a, b))
+        self._pending = left
+
+
 class AttentionExchange:
     """State shared by the :class:`RemoteMLP` proxies of one attention rank.
 
@@ -298,17 +336,19 @@ class AttentionExchange:
             ``recv_ffn_output``, ``control_plane``).
         hidden_size: width of the exchanged hidden states.
         num_stages: micro-batches per step (1 or more).
-        timing: record per-exchange latency (adds a device sync per exchange on CUDA).
+        timing: record per-exchange latency in :attr:`stats` (off by default; CUDA events, no
+            device synchronisation).
     """
 
-    def __init__(self, connector: Any, *, hidden_size: int, num_stages: int = 1, timing: bool = True):
+    def __init__(self, connector: Any, *, hidden_size: int, num_stages: int = 1, timing: bool = False):
         if num_stages < 1:
             raise ValueError(f"num_stages must be >= 1, got {num_stages}")
         self.connector = connector
         self.hidden_size = hidden_size
         self.num_stages = num_stages
         self.timing = timing
-        self.stats = ExchangeStats()
+        self._stats = ExchangeStats()
+        self._timer = _ExchangeTimer(self._stats) if timing else None
         self.proxies: list[RemoteMLP] = []
         self._stage_rows: list[int] | None = None
         self._row_mask: torch.Tensor | None = None
@@ -318,6 +358,13 @@ class AttentionExchange:
         #: Optional ``afd_ext.graphs.AttentionGraphRunner``: steps that fit its
         #: capture sizes replay captured exchange graphs (``afd-ext demo --graph``).
         self.graph_runner: Any = None
+
+    @property
+    def stats(self) -> ExchangeStats:
+        """This rank's counters; with ``timing``, every recorded exchange's latency is in (waits for its events)."""
+        if self._timer is not None:
+            self._timer.flush(wait=True)
+        return self._stats
 
     # -- per step ----------------------------------------------------------
 
@@ -369,9 +416,9 @@ class AttentionExchange:
         """
         if self.graph_runner is not None:
             return self.graph_runner.begin_step(payload, dp_rank=dp_rank, row_mask=row_mask, send=send)
-        return self._begin_step_eager(payload, dp_rank=dp_rank, row_mask=row_mask, send=send)
+        return self.begin_eager_step(payload, dp_rank=dp_rank, row_mask=row_mask, send=send)
 
-    def _begin_step_eager(
+    def begin_eager_step(
         self,
         payload: AFDControlPayload,
         *,
@@ -379,7 +426,7 @@ class AttentionExchange:
         row_mask: torch.Tensor | None = None,
         send: bool = True,
     ) -> list[int]:
-        """:meth:`begin_step` without a graph runner (the runner calls it for eager steps)."""
+        """:meth:`begin_step` without the graph runner (the runner calls it for the steps it runs eagerly)."""
         stages = sorted(payload.dp_metadata_list)
         if stages != list(range(self.num_stages)):
             raise ValueError(
@@ -403,15 +450,24 @@ class AttentionExchange:
         cp.update_state_from_dp_metadata(payload)
         if send:
             cp.send_dp_metadata_list(payload)
-        self._stage_rows = rows
-        self._row_mask = row_mask
-        self.stats.steps += 1
+        self.set_step_rows(rows, row_mask)
         return rows
+
+    def set_step_rows(self, rows: list[int], row_mask: torch.Tensor | None) -> None:
+        """Make ``rows`` (per stage) and ``row_mask`` the current step's (counts the step).
+
+        For a caller that applied the step's payload itself (the graph runner's replayed steps).
+        """
+        self._stage_rows = list(rows)
+        self._row_mask = row_mask
+        self._stats.steps += 1
 
     def end_step(self) -> None:
         """Forget the step's rows (a forward outside a step then fails clearly)."""
         self._stage_rows = None
         self._row_mask = None
+        if self._timer is not None:
+            self._timer.flush(wait=False)
         if self.graph_runner is not None:
             self.graph_runner.end_step()
 
@@ -432,7 +488,12 @@ class AttentionExchange:
 
     # -- per exchange ------------------------------------------------------
 
-    def _rows_for(self, n: int) -> list[int]:
+    def rows_for(self, n: int) -> list[int]:
+        """This rank's rows per stage for a forward of ``n`` rows.
+
+        Raises:
+            RuntimeError: outside a step, or ``n`` is not the step's row count.
+        """
         if self._stage_rows is None:
             raise RuntimeError(
                 "RemoteMLP called outside a step: call AttentionExchange.begin_step(payload, ...) "
@@ -460,11 +521,10 @@ class AttentionExchange:
         """
         if self.graph_runner is not None and self.graph_runner.active:
             return self.graph_runner.exchange_rows(layer_idx, rows, router_logits)
-        stage_rows = self._rows_for(rows.shape[0])
+        stage_rows = self.rows_for(rows.shape[0])
         conn = self.connector
         outs = []
         start = 0
-        cuda = rows.is_cuda and self.timing
         for s, n in enumerate(stage_rows):
             x = rows[start : start + n]
             lg = router_logits[start : start + n] if router_logits is not None else None
@@ -474,23 +534,18 @@ class AttentionExchange:
                     layer_idx=layer_idx, stage_idx=s, seq_len=n
                 )
             )
-            if cuda:
-                torch.cuda.synchronize(rows.device)
-            t0 = time.perf_counter_ns()
+            t0 = None if self._timer is None else self._timer.start(rows.device)
             if lg is not None:
                 conn.send_attn_output(x, ctx, router_logits=lg)
             else:
                 conn.send_attn_output(x, ctx)
             y = conn.recv_ffn_output(ref_tensor=x, ubatch_idx=s)
-            if cuda:
-                torch.cuda.synchronize(rows.device)
-            if self.timing:
-                self.stats.latency_ns.setdefault(layer_idx, []).append(time.perf_counter_ns() - t0)
+            if t0 is not None:
+                self._timer.stop(layer_idx, t0)
             sent = x.numel() * x.element_size()
             if lg is not None:
                 sent += lg.numel() * lg.element_size()
-            self.stats.bytes_sent += sent
-            self.stats.bytes_received += y.numel() * y.element_size()
+            self.count_bytes(sent, y.numel() * y.element_size())
             if tuple(y.shape) != tuple(x.shape):
                 raise RuntimeError(
                     f"layer {layer_idx} stage {s}: FFN output has shape {tuple(y.shape)}, "
@@ -498,6 +553,28 @@ class AttentionExchange:
                 )
             outs.append(y)
         return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+
+
+    def count_bytes(self, sent: int, received: int) -> None:
+        """Add one exchange's wire payload bytes to :attr:`stats`."""
+        self._stats.bytes_sent += sent
+        self._stats.bytes_received += received
+
+    def timed(self, layer_idx: int, device: torch.device) -> Any:
+        """A context that records one exchange's latency when ``timing`` is on (no device sync)."""
+        return contextlib.nullcontext() if self._timer is None else _Timed(self._timer, layer_idx, device)
+
+
+class _Timed:
+    def __init__(self, timer: _ExchangeTimer, layer_idx: int, device: torch.device):
+        self.timer, self.layer_idx, self.device = timer, layer_idx, device
+
+    def __enter__(self) -> None:
+        self.t0 = self.timer.start(self.device)
+
+    def __exit__(self, *exc: Any) -> None:
+        if exc[0] is None:
+            self.timer.stop(self.layer_idx, self.t0)
 
 
 class RemoteMLP(nn.Module):
@@ -583,7 +660,7 @@ def split_attention_role(
     *,
     gate_on_attention: bool = False,
     num_stages: int = 1,
-    timing: bool = True,
+    timing: bool = False,
 ) -> AttentionExchange:
     """Turn ``model`` into its attention role, in place.
 

@@ -1,60 +1,64 @@
 """The transport contract: move consecutive row ranges of wire tensors over edges.
 
-A transport is what differs between the CUDA/NCCL path and the CPU/gloo path;
-everything else (validation, the schedule, offsets, fan-in order, split-back,
-buffers, the control plane) lives once in :mod:`afd_ext.connector`.
+A transport is what differs between data planes (NCCL, gloo, and any later
+one such as a CUDA-IPC peer-memory plane); everything else (validation, the
+step sequence, offsets, fan-in order, buffers, the control plane) lives once in
+:mod:`afd_ext.connector`. The connector calls a transport only through the
+methods declared on :class:`Transport`; a transport is built by name through
+:func:`afd_ext.transport.create_transport` from one :class:`TransportSetup`.
 
 Two calls carry all data traffic of a step:
 
-* :meth:`Transport.split_back` sends consecutive row ranges of one or more
-  tensors, ``rows[i]`` rows to ``peers[i]`` in order (the attention side
-  sending its rows to its FFN peers, and the FFN side returning each
-  attention peer its rows of the output).
+* :meth:`Transport.split_back` sends ``rows[i]`` consecutive rows of one or
+  more tensors to ``peers[i]`` (attention -> its FFN peers, and the FFN side
+  returning each attention peer its rows of the output).
 * :meth:`Transport.fan_in` receives ``rows[i]`` rows from ``peers[i]`` into
-  consecutive row ranges of caller-owned tensors (the FFN side receiving every
-  peer's rows into one concatenated tensor, and the attention side receiving
-  its reply into ``ref_tensor``).
+  consecutive row ranges of caller-owned tensors.
 
 Peers are role ranks of the *other* role; the transport maps them to world
 ranks / communicators. Zero-row peers are skipped (both sides read the same
-schedule, so both skip the same messages).
+schedule, so both skip the same messages). Every message of one
+(edge, direction) is matched in issue order.
 
-Strict mode puts a header on every message: one ``int64[K, HEADER_WORDS]``
-block per (peer, exchange), row ``k`` describing data message ``k`` (which
-tensor, dtype, rows, columns, layer, stage, sender, receiver). The receiver
-receives and checks the header block before it posts the data receives, so a
-mis-ordered or mis-sized message is a :class:`AFDProtocolError` naming both
-sides instead of silent corruption or a hang.
+Device transports (CUDA) issue a call ordered after the caller's current
+stream and return at once; ``fan_in`` leaves the caller's current stream
+ordered after the receive. The stages of a step may overlap: a transport may
+run each stage on its own stream (:meth:`Transport.prepare_stages` creates
+them outside any CUDA-graph capture).
 
-Errors raised by transports (all carry ``op``, ``peer``, ``layer``, ``stage``
-when known, and name them in the message):
+Strict mode (headers on every message) is a wrapper, chosen at construction:
+:class:`afd_ext.transport.strict.StrictTransport`.
 
-* :class:`AFDTimeoutError` - an operation did not complete within the deadline
-  (the peer is alive but not making the matching call, or is stuck).
-* :class:`AFDPeerError` - the peer went away (connection closed, process died)
-  or the communicator reported an asynchronous error.
+Errors (all :class:`~afd_ext.errors.AFDError`; each names op, peer, layer and
+stage when known):
+
+* :class:`AFDTimeoutError` - an operation did not complete within the deadline.
+* :class:`AFDPeerError` - the peer went away or the link reported an error.
 * :class:`AFDProtocolError` - a strict-mode header did not match.
 * :class:`AFDTransportClosedError` - the transport was closed or aborted.
+* :class:`~afd_ext.errors.StepAbortedError` - another rank posted the abort signal.
 """
 
 from __future__ import annotations
 
 import abc
+import contextlib
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
+from ..errors import (  # noqa: F401  defined once, in errors.py; re-exported for transports
+    AFDConfigError,
+    AFDPeerError,
+    AFDProtocolError,
+    AFDTimeoutError,
+    AFDTransportClosedError,
+    AFDTransportError,
+)
+from ..topology import rank_label
+
 __all__ = [
-    "HEADER_WORDS",
-    "HEADER_MAGIC",
-    "HEADER_VERSION",
-    "TENSOR_HIDDEN",
-    "TENSOR_LOGITS",
-    "TENSOR_IDS",
-    "TENSOR_PACKED",
-    "TENSOR_NAMES",
-    "DTYPE_CODES",
     "MessageTag",
     "AFDTransportError",
     "AFDTimeoutError",
@@ -62,70 +66,12 @@ __all__ = [
     "AFDProtocolError",
     "AFDTransportClosedError",
     "Transport",
+    "TransportSetup",
+    "StepProgress",
+    "PeerMap",
     "PendingSend",
     "row_offsets",
-    "message_tensors",
-    "encode_headers",
-    "check_headers",
-    "dtype_code",
 ]
-
-#: int64 words per header row.
-HEADER_WORDS = 16
-#: ``b"AFDH"`` as an int.
-HEADER_MAGIC = 0x41464448
-#: Bump when the header layout changes.
-HEADER_VERSION = 1
-
-TENSOR_HIDDEN = 0
-TENSOR_LOGITS = 1
-TENSOR_IDS = 2
-TENSOR_PACKED = 3
-TENSOR_NAMES = {
-    TENSOR_HIDDEN: "hidden_states",
-    TENSOR_LOGITS: "router_logits",
-    TENSOR_IDS: "token_ids",
-    TENSOR_PACKED: "packed wire rows",
-}
-
-#: Stable wire codes of the dtypes that may travel (headers, handshakes).
-DTYPE_CODES: dict[torch.dtype, int] = {
-    torch.float32: 1,
-    torch.float16: 2,
-    torch.bfloat16: 3,
-    torch.int32: 4,
-    torch.int64: 5,
-    torch.uint8: 6,
-    torch.float64: 7,
-}
-for _name, _code in (("float8_e4m3fn", 8), ("float8_e5m2", 9)):
-    if hasattr(torch, _name):
-        DTYPE_CODES[getattr(torch, _name)] = _code
-_CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
-
-_DIRECTION_CODES = {"a2f": 0, "f2a": 1}
-_CODE_DIRECTIONS = {v: k for k, v in _DIRECTION_CODES.items()}
-
-# Header word positions.
-_W_MAGIC, _W_VERSION, _W_DIRECTION, _W_SENDER, _W_RECEIVER, _W_STEP, _W_LAYER, _W_STAGE = range(8)
-_W_TENSOR, _W_DTYPE, _W_ROWS, _W_COLS, _W_INDEX, _W_COUNT, _W_LAYER_IDX, _W_RESERVED = range(8, 16)
-
-
-def dtype_code(dtype: torch.dtype) -> int:
-    """The header/handshake code of ``dtype``.
-
-    Raises:
-        ValueError: the dtype cannot travel.
-    """
-    try:
-        return DTYPE_CODES[dtype]
-    except KeyError:
-        raise ValueError(f"dtype {dtype} cannot travel on the AFD wire; known: {list(DTYPE_CODES)}") from None
-
-
-def _dtype_name(code: int) -> str:
-    d = _CODE_DTYPES.get(int(code))
-    return str(d).replace("torch.", "") if d is not None else f"<dtype code {int(code)}>"
 
 
 class MessageTag(NamedTuple):
@@ -135,8 +81,8 @@ class MessageTag(NamedTuple):
         op: the connector call, e.g. ``"send_attn_output"``, ``"recv_ffn_output"``.
         direction: ``"a2f"`` (attention -> FFN wire tensors) or ``"f2a"`` (FFN output back).
         step: this rank's step number (diagnostics only; not checked).
-        layer: the layer exchange ordinal in the step, ``0..num_layers-1``.
-        stage: the stage id.
+        layer: the layer exchange ordinal in the step, ``0..num_layers-1``, or -1 (no exchange).
+        stage: the stage id, or -1.
         layer_idx: the runtime's layer index from the transfer context (may
             differ from ``layer`` when only some layers are remote), or -1.
     """
@@ -151,20 +97,11 @@ class MessageTag(NamedTuple):
     def where(self) -> str:
         """``"step 3, layer 2, stage 0"`` (plus the runtime layer index when it differs); ``"step 3"`` when no layer."""
         if self.layer < 0:
-            return f"step {self.step}"
+            return f"step {self.step}" if self.step >= 0 else "no step"
         s = f"step {self.step}, layer {self.layer}"
         if self.layer_idx >= 0 and self.layer_idx != self.layer:
             s += f" (runtime layer_idx {self.layer_idx})"
         return s + f", stage {self.stage}"
-
-
-from ..errors import (  # noqa: E402,F401  defined once, in errors.py
-    AFDPeerError,
-    AFDProtocolError,
-    AFDTimeoutError,
-    AFDTransportClosedError,
-    AFDTransportError,
-)
 
 
 def row_offsets(rows: Sequence[int]) -> list[int]:
@@ -176,122 +113,17 @@ def row_offsets(rows: Sequence[int]) -> list[int]:
     return out
 
 
-def message_tensors(tensors: Sequence[torch.Tensor | None]) -> list[tuple[int, torch.Tensor]]:
-    """The data messages of one exchange: ``[(tensor id, tensor), ...]`` for the non-``None`` tensors.
-
-    ``tensors`` is ``(hidden_states, router_logits|None, token_ids|None)``, or
-    ``(packed_wire,)`` for the packed format (tensor id :data:`TENSOR_PACKED`).
-    """
-    if len(tensors) == 1:
-        return [(TENSOR_PACKED, tensors[0])]
-    return [(tid, t) for tid, t in zip((TENSOR_HIDDEN, TENSOR_LOGITS, TENSOR_IDS), tensors) if t is not None]
-
-
-def _cols(t: torch.Tensor) -> int:
-    return int(t.shape[1]) if t.dim() >= 2 else 1
-
-
-def encode_headers(tag: MessageTag, sender: int, receiver: int, rows: int,
-                   messages: Sequence[tuple[int, torch.Tensor]]) -> torch.Tensor:
-    """The header block of one (peer, exchange): CPU ``int64[len(messages), HEADER_WORDS]``.
-
-    Args:
-        tag: the exchange.
-        sender: world rank of the sender; receiver: world rank of the receiver.
-        rows: rows of every message to this peer.
-        messages: ``[(tensor id, full tensor), ...]`` (dtype and columns are read from them).
-    """
-    # Rows as Python lists, one tensor at the end: element-wise tensor writes
-    # cost ~90 us per call for three messages (strict mode runs this per peer
-    # and exchange on both sides).
-    out = []
-    for k, (tid, t) in enumerate(messages):
-        row = [0] * HEADER_WORDS
-        row[_W_MAGIC] = HEADER_MAGIC
-        row[_W_VERSION] = HEADER_VERSION
-        row[_W_DIRECTION] = _DIRECTION_CODES[tag.direction]
-        row[_W_SENDER] = sender
-        row[_W_RECEIVER] = receiver
-        row[_W_STEP] = tag.step
-        row[_W_LAYER] = tag.layer
-        row[_W_STAGE] = tag.stage
-        row[_W_TENSOR] = tid
-        row[_W_DTYPE] = dtype_code(t.dtype)
-        row[_W_ROWS] = rows
-        row[_W_COLS] = _cols(t)
-        row[_W_INDEX] = k
-        row[_W_COUNT] = len(messages)
-        row[_W_LAYER_IDX] = tag.layer_idx
-        out.append(row)
-    return torch.tensor(out, dtype=torch.int64).reshape(len(messages), HEADER_WORDS)
-
-
-def _describe_header(row: Sequence[int], label) -> str:
-    tid = int(row[_W_TENSOR])
-    return (
-        f"{_CODE_DIRECTIONS.get(int(row[_W_DIRECTION]), '?')} {TENSOR_NAMES.get(tid, f'tensor {tid}')} "
-        f"[{int(row[_W_ROWS])}, {int(row[_W_COLS])}] {_dtype_name(row[_W_DTYPE])}, "
-        f"step {int(row[_W_STEP])}, layer {int(row[_W_LAYER])}, stage {int(row[_W_STAGE])}, "
-        f"message {int(row[_W_INDEX])} of {int(row[_W_COUNT])}, from {label(int(row[_W_SENDER]))} "
-        f"to {label(int(row[_W_RECEIVER]))}"
-    )
-
-
-#: Header words compared on receipt, with their names (every word but the step).
-_CHECKED_WORDS = {
-    _W_MAGIC: "magic", _W_VERSION: "header version", _W_DIRECTION: "direction", _W_SENDER: "sender",
-    _W_RECEIVER: "receiver", _W_LAYER: "layer", _W_STAGE: "stage", _W_TENSOR: "tensor",
-    _W_DTYPE: "dtype", _W_ROWS: "rows", _W_COLS: "columns", _W_INDEX: "message index",
-    _W_COUNT: "message count",
-}
-
-
-def check_headers(received: torch.Tensor, expected: torch.Tensor, *, tag: MessageTag,
-                  receiver_label: str, sender_label: str, label) -> None:
-    """Compare a received header block with the one the receiver expects.
-
-    Every word except the step number (diagnostic only) must match.
-
-    Args:
-        received, expected: CPU ``int64[K, HEADER_WORDS]``.
-        tag: the receiver's view of the exchange.
-        receiver_label, sender_label: names of the two sides.
-        label: callable world rank -> name, for the decoded headers.
-
-    Raises:
-        AFDProtocolError: naming the first differing field, both sides, what
-            the receiver expected and what the sender sent.
-    """
-    got = received.tolist()
-    want = expected.tolist()
-    for k in range(len(want)):
-        g, w = got[k], want[k]
-        for word, name in _CHECKED_WORDS.items():
-            if g[word] != w[word]:
-                if word == _W_MAGIC or word == _W_VERSION:
-                    sent = f"a block that is not an afd_ext header (word {word} = {g[word]:#x})"
-                else:
-                    sent = _describe_header(g, label)
-                raise AFDProtocolError(
-                    f"AFD strict-mode header mismatch in {tag.op} at {tag.where()}: field {name!r} differs. "
-                    f"Receiver {receiver_label} expected {_describe_header(w, label)}; sender {sender_label} "
-                    f"sent {sent}. The two sides disagree on the step's schedule or call order (same "
-                    "control payload, same layer/stage call sequence, same wire config on both roles?).",
-                    op=tag.op, peer=sender_label, layer=tag.layer, stage=tag.stage,
-                )
-
-
 class PendingSend:
     """Sends of one exchange that may still be in flight.
 
-    Keeps the sent tensors alive until :meth:`wait` returns (the gloo transport
-    sends from the caller's memory asynchronously; on NCCL the stage stream
-    orders reuse). ``wait`` is idempotent.
+    Keeps the sent tensors alive until :meth:`wait` returns (gloo sends from the
+    caller's memory asynchronously; on a device transport the stream orders
+    reuse). ``wait`` is idempotent.
     """
 
     __slots__ = ("_waiter", "_keep", "done")
 
-    def __init__(self, waiter=None, keep: Any = None):
+    def __init__(self, waiter: Callable[[], None] | None = None, keep: Any = None):
         self._waiter = waiter
         self._keep = keep
         self.done = waiter is None
@@ -325,10 +157,8 @@ class PeerMap:
         return self.num_ffn_ranks + peer if self.role == "ffn" else peer
 
     def label(self, world_rank: int) -> str:
-        F = self.num_ffn_ranks
-        if world_rank < F:
-            return f"FFN rank {world_rank} (world rank {world_rank})"
-        return f"attention rank {world_rank - F} (world rank {world_rank})"
+        """``"attention rank 1 (world rank 3)"`` (:func:`afd_ext.topology.rank_label`)."""
+        return rank_label(world_rank, self.num_ffn_ranks)
 
     @property
     def me(self) -> str:
@@ -338,41 +168,116 @@ class PeerMap:
         return self.label(self.peer_world_rank(peer))
 
 
+@dataclass(frozen=True)
+class StepProgress:
+    """This rank's position in its current step, as the connector's sequencer reports it.
+
+    Read by a transport's stall diagnostics (which peer did not make the
+    matching call) from another thread; a snapshot, never mutated.
+
+    Attributes:
+        step: the step number; total: exchanges of the step.
+        sent, received: exchanges sent / received so far (attention: sends and
+            reply receives; FFN: fan-ins received and replies sent).
+        complete: every exchange of the step is done on this rank.
+        seq: the step's ``(layer, stage)`` exchange order.
+        text: the progress in words (for messages).
+        idle_s: seconds since the caller last entered the connector.
+    """
+
+    step: int
+    total: int
+    sent: int
+    received: int
+    complete: bool
+    seq: tuple[tuple[int, int], ...]
+    text: str
+    idle_s: float
+
+
+@dataclass
+class TransportSetup:
+    """Everything a transport may need at construction (one object for every kind).
+
+    Attributes:
+        store: the generation's :class:`~afd_ext.rendezvous.AFDStore`.
+        topology: the :class:`~afd_ext.topology.Topology`.
+        peers: this rank's :class:`PeerMap`.
+        device: the device wire tensors live on.
+        timeout_s: deadline of one in-flight operation or wait, seconds.
+        init_timeout_s: deadline of the whole setup, seconds.
+        abort: the generation's :class:`~afd_ext.transport.signal.AbortSignal`, or None.
+        progress: callable returning this rank's :class:`StepProgress` (None
+            outside a step), for stall diagnostics; or None.
+        publish_after_s: a rank waiting (or idle mid-step) longer than this
+            publishes its progress (transports that diagnose stalls through the
+            store), seconds.
+        schedule_config: the connector's :class:`~afd_ext.schedule.ScheduleConfig`
+            (what travels: sizes buffers of transports that keep their own), or None.
+        extra: the connector's :class:`~afd_ext.config.AfdExtConnectorConfig`
+            (transport-specific settings, e.g. ``peer_max_tokens``), or None.
+    """
+
+    store: Any
+    topology: Any
+    peers: PeerMap
+    device: torch.device
+    timeout_s: float
+    init_timeout_s: float
+    abort: Any = None
+    progress: Callable[[], StepProgress | None] | None = None
+    publish_after_s: float = 0.0
+    schedule_config: Any = None
+    extra: Any = None
+
+
 class Transport(abc.ABC):
     """Moves row ranges of wire tensors between this rank and its peers.
 
+    A subclass sets :attr:`kind` and :attr:`device_type`, implements the
+    abstract methods, and overrides the hooks whose default does not fit
+    (each default is right for a host transport that completes receives
+    before returning). Register it with :func:`afd_ext.transport.register_transport`.
+
     Attributes:
-        kind: ``"nccl"`` or ``"gloo"``.
+        kind: the registry name (``"nccl"``, ``"gloo"``, ...).
+        device_type: ``"cuda"`` or ``"cpu"``: where wire tensors must live.
         device: the device every wire tensor must be on (``cuda:N`` / ``cpu``).
-        strict: strict-mode headers on every message.
         peers: the :class:`PeerMap` naming ranks.
+        timeout_s: the deadline of one operation, seconds.
     """
 
     kind: str = "?"
+    device_type: str = "cpu"
 
-    def __init__(self, peers: PeerMap, device: torch.device, *, strict: bool, timeout_s: float):
+    def __init__(self, peers: PeerMap, device: torch.device, *, timeout_s: float):
         self.peers = peers
         self.device = torch.device(device)
-        self.strict = bool(strict)
         self.timeout_s = float(timeout_s)
         self._closed: BaseException | None = None
+
+    @classmethod
+    @abc.abstractmethod
+    def from_setup(cls, setup: TransportSetup) -> "Transport":
+        """Build the transport (collective over the AFD world; bounded by ``setup.init_timeout_s``).
+
+        Raises:
+            RendezvousTimeoutError: a peer did not arrive in time (named).
+            StepAbortedError: another rank's init failed meanwhile.
+            AFDError / RuntimeError: the link could not be built.
+        """
 
     # -- checks ------------------------------------------------------------------
 
     def check_device(self, t: torch.Tensor, name: str) -> None:
-        """Raise ``ValueError`` unless ``t`` is on this transport's device (before anything moves)."""
+        """Raise :class:`~afd_ext.errors.AFDConfigError` (a ``ValueError``) unless ``t`` is on this transport's device (before anything moves)."""
         if t.device != self.device:
-            if self.kind == "nccl" and t.device.type == "cpu":
-                raise ValueError(
-                    f"{name} is a CPU tensor but the NCCL transport moves CUDA tensors on {self.device}; "
-                    f"move it with .to('{self.device}') (or configure transport='gloo' for CPU tensors)"
-                )
-            if self.kind == "gloo" and t.device.type != "cpu":
-                raise ValueError(
-                    f"{name} is on {t.device} but the gloo transport moves CPU tensors; use "
-                    "transport='nccl' for CUDA tensors, or move it with .cpu()"
-                )
-            raise ValueError(f"{name} must be on {self.device}, got {t.device}")
+            if t.device.type != self.device_type:
+                raise AFDConfigError(
+                    f"{name} is on {t.device} but the {self.kind} transport moves {self.device_type.upper()} "
+                    f"tensors on {self.device}; move it with .to('{self.device}') or configure a transport "
+                    f"for {t.device.type} tensors ('nccl': CUDA, 'gloo': CPU)")
+            raise AFDConfigError(f"{name} must be on {self.device}, got {t.device}")
 
     def _check_open(self, tag: MessageTag | None = None) -> None:
         if self._closed is not None:
@@ -384,6 +289,13 @@ class Transport(abc.ABC):
                 layer=None if tag is None else tag.layer, stage=None if tag is None else tag.stage,
             ) from None
 
+    def check_health(self, tag: MessageTag | None = None) -> None:
+        """Raise the pending failure, if any: closed/aborted, an asynchronous error, a posted abort.
+
+        Called by the connector at the start of every call.
+        """
+        self._check_open(tag)
+
     # -- data --------------------------------------------------------------------
 
     @abc.abstractmethod
@@ -392,38 +304,89 @@ class Transport(abc.ABC):
         """Send ``rows[i]`` consecutive rows of every tensor to ``peers[i]``.
 
         Args:
-            tensors: ``(hidden_states, router_logits|None, token_ids|None)`` or
-                ``(packed_wire,)``; contiguous, on :attr:`device`, leading dim
-                ``sum(rows)``. Not modified (NCCL declares them mutated for the compiler).
+            tensors: ``(hidden_states, router_logits|None, token_ids|None)``;
+                contiguous, on :attr:`device`, leading dim ``sum(rows)``. Not
+                modified (device transports may declare them mutated for the compiler).
             peers: role ranks of the other role, in range order.
             rows: rows per peer (>= 0; zero-row peers are skipped).
-            tag: the exchange.
+            tag: the exchange (``tag.stage`` picks the stage's stream, if any).
 
         Returns:
-            A :class:`PendingSend`; the connector waits on it before the sent
-            memory may be reused (gloo) and drops it after the stage stream was
-            joined (NCCL: already ordered on the stream).
+            A :class:`PendingSend`; the caller waits on it before the sent
+            memory may be reused, once the exchange is known to be complete.
 
         Raises:
-            AFDTransportError: see the module doc.
+            AFDTransportError / StepAbortedError: see the module doc.
         """
 
     @abc.abstractmethod
     def fan_in(self, tensors: Sequence[torch.Tensor | None], peers: Sequence[int],
-               rows: Sequence[int], *, tag: MessageTag) -> None:
+               rows: Sequence[int], *, tag: MessageTag, wait: bool = False) -> None:
         """Receive ``rows[i]`` rows from ``peers[i]`` into consecutive row ranges of every tensor.
 
-        gloo: returns when the data is in the tensors. NCCL: the receive is
-        issued on the current CUDA stream (the connector's stage stream); it is
-        complete when that stream reaches it, and the watchdog follows it.
+        Host transports return when the data is in the tensors. Device
+        transports issue the receive and order the caller's current stream
+        after it; ``wait=True`` also waits for it on the host (bounded; used
+        for strict-mode headers, which the host reads).
 
         Args:
             tensors: receive targets (mutated), like :meth:`split_back`'s.
             peers, rows, tag: as in :meth:`split_back`.
+            wait: return only once the data is in the tensors.
 
         Raises:
-            AFDTransportError: see the module doc.
+            AFDTransportError / StepAbortedError: see the module doc.
         """
+
+    # -- ordering and waiting (defaults: a host transport, receives complete on return) --
+
+    def prepare_stages(self, stages: Sequence[int]) -> None:
+        """Create what issuing on ``stages`` needs (streams, events); called outside any graph capture."""
+
+    def begin_step(self, schedule: Any) -> None:
+        """A step's schedule was applied (both sides apply the same one): prepare its stages.
+
+        Called once per step, outside any graph capture, before its first
+        exchange. A transport that routes steps by their schedule (the peer
+        transport: beyond its capacity over NCCL) decides here.
+        """
+        self.prepare_stages(schedule.stages)
+
+    def receive_buffers(self, schedule: Any, stage: int) -> dict[str, torch.Tensor] | None:
+        """The FFN rank's fan-in buffers of ``stage`` when the transport receives into its own memory.
+
+        Returns:
+            ``{"hidden", "logits"?, "ids"?}`` (the tensors the connector then
+            passes to :meth:`fan_in`, which receives there without a copy), or
+            None: the connector uses its own buffers.
+        """
+        return None
+
+    def join(self) -> None:
+        """Order the caller's current stream after every operation issued so far (no host wait)."""
+
+    def synchronize(self, what: str, tag: MessageTag) -> None:
+        """Wait on the host (bounded) until every operation this rank issued has completed.
+
+        Raises:
+            AFDTimeoutError / AFDPeerError / StepAbortedError: named after the
+                oldest unfinished operation.
+        """
+        self._check_open(tag)  # a host transport's receives completed before they returned
+
+    def track_replay(self, what: str, tag: MessageTag) -> None:
+        """Follow a CUDA-graph replay just launched on the current stream like an eager operation.
+
+        A stalled replay then becomes a named timeout at the deadline. No-op
+        for transports that cannot be captured.
+        """
+
+    @contextlib.contextmanager
+    def capture_guard(self) -> Iterator[None]:
+        """Hold off anything that would break a CUDA-graph capture (e.g. event polls) while it runs."""
+        yield
+
+    # -- lifecycle -----------------------------------------------------------------
 
     @abc.abstractmethod
     def barrier(self) -> None:
@@ -431,12 +394,14 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def abort(self, reason: str) -> None:
-        """Stop all in-flight work now (called from any thread); later calls raise. Idempotent."""
+        """Stop all in-flight work now (callable from any thread); later calls raise. Idempotent."""
 
     @abc.abstractmethod
-    def close(self) -> None:
-        """Release communicators / process groups. Idempotent; safe after :meth:`abort`."""
+    def close(self, buffers: Sequence[torch.Tensor] = ()) -> None:
+        """Release the links, bounded in time; never raises. Idempotent; safe after :meth:`abort`.
 
-    def check_health(self, tag: MessageTag | None = None) -> None:
-        """Raise the pending asynchronous failure, if any (watchdog expiry, async error)."""
-        self._check_open(tag)
+        Args:
+            buffers: memory this transport's receives may still write into. A
+                transport whose teardown could not finish keeps them alive for
+                the life of the process (never handed to the next generation).
+        """

@@ -40,7 +40,6 @@ import torch
 
 from ..watchdog import host_wait
 from .base import (
-    HEADER_WORDS,
     AFDPeerError,
     AFDTimeoutError,
     AFDTransportError,
@@ -48,11 +47,11 @@ from .base import (
     PeerMap,
     PendingSend,
     Transport,
-    check_headers,
-    encode_headers,
-    message_tensors,
+    TransportSetup,
     row_offsets,
 )
+from ..errors import AFDConfigError
+from .signal import AbortSignal
 
 logger = logging.getLogger(__name__)
 
@@ -123,24 +122,24 @@ class GlooTransport(Transport):
         store: a ``torch.distributed.Store`` shared by the AFD world (the
             generation's prefix store from :func:`afd_ext.rendezvous.connect`).
         peers: the :class:`~afd_ext.transport.base.PeerMap` of this rank.
-        strict: strict-mode headers on every message.
         timeout_s: deadline of every wait inside a step, seconds (> 0).
         init_timeout_s: deadline for building the process group, seconds.
-        abort_check: callable raising when the rendezvous abort signal is
-            posted (``rendezvous.raise_if_aborted``), or None.
+        abort: the generation's :class:`~afd_ext.transport.signal.AbortSignal`
+            (checked between wait slices and by :meth:`check_health`), or None.
 
     Raises:
         RuntimeError: the process group could not be built (a rank did not join in time).
     """
 
     kind = "gloo"
+    device_type = "cpu"
 
-    def __init__(self, store: Any, peers: PeerMap, *, strict: bool, timeout_s: float,
-                 init_timeout_s: float, abort_check: Callable[[str], None] | None = None):
-        super().__init__(peers, torch.device("cpu"), strict=strict, timeout_s=timeout_s)
+    def __init__(self, store: Any, peers: PeerMap, *, timeout_s: float, init_timeout_s: float,
+                 abort: AbortSignal | None = None):
+        super().__init__(peers, torch.device("cpu"), timeout_s=timeout_s)
         import torch.distributed as dist
 
-        self._abort_check = abort_check
+        self._abort_check: Callable[[str], None] | None = None if abort is None else abort.check
         world = peers.num_attention_ranks + peers.num_ffn_ranks
         # The constructor connects the full mesh (collective), bounded by the store timeout.
         try:
@@ -154,6 +153,19 @@ class GlooTransport(Transport):
             raise process_group_error(e, me=peers.me, label=peers.label, world_size=world,
                                       timeout_s=max(init_timeout_s, timeout_s)) from None
         self._waiter = _Waiter(f"afd-gloo-wait {peers.me}")
+
+    @classmethod
+    def from_setup(cls, setup: TransportSetup) -> "GlooTransport":
+        if setup.device.type != "cpu":
+            raise AFDConfigError(f"the gloo transport moves CPU tensors; device must be cpu, got {setup.device}")
+        return cls(setup.store.store, setup.peers, timeout_s=setup.timeout_s,
+                   init_timeout_s=setup.init_timeout_s, abort=setup.abort)
+
+    def check_health(self, tag: MessageTag | None = None) -> None:
+        """Raise if closed, or if another rank posted the abort signal (one store round trip)."""
+        self._check_open(tag)
+        if self._abort_check is not None:
+            self._abort_check(tag.op if tag is not None else "")
 
     # -- waits -------------------------------------------------------------------
 
@@ -235,7 +247,7 @@ class GlooTransport(Transport):
 
     def split_back(self, tensors, peers, rows, *, tag: MessageTag) -> PendingSend:
         self._check_open(tag)
-        msgs = message_tensors(tensors)
+        msgs = [t for t in tensors if t is not None]
         gtag = _TAGS[tag.direction]
         works: list[Any] = []
         keep: list[torch.Tensor] = []
@@ -249,11 +261,7 @@ class GlooTransport(Transport):
                 names.append(self.peers.label(dst))
                 mine: list[Any] = []
                 by_peer.append((names[-1], mine))
-                if self.strict:
-                    h = encode_headers(tag, self.peers.world_rank, dst, r, msgs)
-                    keep.append(h)
-                    mine.append(self._pg.send([h], dst, gtag))
-                for _, t in msgs:
+                for t in msgs:
                     view = _bytes(t.narrow(0, off, r))
                     keep.append(view)
                     mine.append(self._pg.send([view], dst, gtag))
@@ -267,32 +275,20 @@ class GlooTransport(Transport):
         peer_text = ", ".join(names)
         return PendingSend(lambda: self._wait(works, tag, "send", peer_text, by_peer), keep)
 
-    def fan_in(self, tensors, peers, rows, *, tag: MessageTag) -> None:
+    def fan_in(self, tensors, peers, rows, *, tag: MessageTag, wait: bool = False) -> None:
+        """Receive (blocking, bounded): the data is in ``tensors`` on return, whatever ``wait`` says."""
         self._check_open(tag)
-        msgs = message_tensors(tensors)
+        msgs = [t for t in tensors if t is not None]
         gtag = _TAGS[tag.direction]
         live = [(p, off, r) for p, off, r in zip(peers, row_offsets(rows), rows) if r > 0]
         if not live:
             return
         names = [self.peers.peer_label(p) for p, _, _ in live]
-        if self.strict:
-            blocks = []
-            for p, _, r in live:
-                h = torch.empty(len(msgs), HEADER_WORDS, dtype=torch.int64)
-                blocks.append(h)
-            works = [self._pg.recv([h], self.peers.peer_world_rank(p), gtag) for h, (p, _, _) in zip(blocks, live)]
-            self._wait(works, tag, "header receive", ", ".join(names),
-                       [(name, [w]) for name, w in zip(names, works)])
-            for h, (p, _, r) in zip(blocks, live):
-                src = self.peers.peer_world_rank(p)
-                want = encode_headers(tag, src, self.peers.world_rank, r, msgs)
-                check_headers(h, want, tag=tag, receiver_label=self.peers.me,
-                              sender_label=self.peers.label(src), label=self.peers.label)
         works = []
         by_peer = []
         for name, (p, off, r) in zip(names, live):
             src = self.peers.peer_world_rank(p)
-            mine = [self._pg.recv([_bytes(t.narrow(0, off, r))], src, gtag) for _, t in msgs]
+            mine = [self._pg.recv([_bytes(t.narrow(0, off, r))], src, gtag) for t in msgs]
             by_peer.append((name, mine))
             works.extend(mine)
         self._wait(works, tag, "receive", ", ".join(names), by_peer)
@@ -312,7 +308,8 @@ class GlooTransport(Transport):
         except Exception:  # noqa: BLE001 - best effort
             pass
 
-    def close(self) -> None:
+    def close(self, buffers=()) -> None:
+        """Stop the waiter (bounded) and drop the process group; ``buffers`` need no retention (host waits end)."""
         if self._closed is None:
             self._closed = AFDTransportError("closed")
         waiter, self._waiter = self._waiter, None

@@ -29,61 +29,62 @@ it (bounded) and then refuses to start, naming it, instead of hanging inside
 ``ncclCommInitRank``.
 
 Every data call is one NCCL group over all peers (``ops.split_back`` /
-``ops.fan_in``), issued on the *current* CUDA stream. The connector makes its
-per-stage stream current around each call, so the ordering rules of
-:mod:`afd_ext.schedule` hold and the calls are capturable in a CUDA graph.
+``ops.fan_in``), issued on the stage's own CUDA stream after the caller's
+current stream (an event), and a receive makes the caller's stream wait for
+the stage stream again. So a stage's reply receive is never queued behind
+the next stage's send, the ordering rules of :mod:`afd_ext.schedule` hold, and
+the calls are capturable in a CUDA graph (the stage streams fork from and join
+the capturing stream through events; :meth:`NcclTransport.prepare_stages`
+creates them before any capture).
 
 No hang: after each group an event is recorded on the stream and handed to the
 :class:`~afd_ext.watchdog.Watchdog` with a description (op, peers, layer,
 stage, the exchange's tag); on expiry or an asynchronous communicator error
-the watchdog posts the abort signal (through ``on_failure``, bounded, *before*
-the communicators are aborted: aborting releases queued sends, so a peer that
+the watchdog posts the abort signal (bounded, *before* the communicators are aborted: aborting releases queued sends, so a peer that
 receives one afterwards finds the abort already posted), aborts every
 communicator of this transport, and the next call raises the named error.
-Host waits (:meth:`NcclTransport.wait_event`: ``synchronize``, strict headers,
-``barrier``) are tracked like any operation, so the watchdog is the one clock:
+Host waits (:meth:`NcclTransport.wait_event`: ``synchronize``, ``fan_in(wait=True)``
+for strict headers, ``barrier``) are tracked like any operation, so the watchdog is the one clock:
 the error names the *oldest* unfinished operation (its op, peers, layer and
 stage), not the wait that noticed it; the host wait itself only has a backstop
 deadline a little later. Which peer of a multi-peer group did not send is
-decided by the watchdog's ``blame`` hook (the connector's published progress).
+decided from the peers' published progress (:mod:`afd_ext.transport.stall`).
 
-The fused ``ops.exchange`` (split-back and the reply's fan-in in one group) is
-deliberately not used: the connector API is two calls (``send_attn_output``,
-later ``recv_ffn_output``), so fusing would mean holding the send back until the
-receive call. That moves the FFN side's start behind whatever the caller runs
-in between (shared experts, the other stage's attention), which costs far more
-than the one kernel launch it saves, and strict-mode headers must be checked
-before the data receive is posted anyway.
+No fused send-and-receive op: the connector API is two calls
+(``send_attn_output``, later ``recv_ffn_output``), so fusing would hold the
+send back until the receive call and move the FFN side's start behind
+whatever the caller runs in between; the compiled core's fused ``exchange``
+op, used only by the bench, was removed.
 
-Strict mode: before each data group, one group carries the header blocks
-(:mod:`afd_ext.transport.base`); the receiver waits for them on the host (a
-bounded wait) and checks them before it issues the data receive. Strict mode
-therefore synchronises per message and is skipped while a stream is being
-captured (headers cannot be read inside a graph).
+Teardown keeps buffers alive that a stuck NCCL kernel may still write into
+(``close(buffers)`` while an abort is still running): never handed to the next
+generation.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from ..watchdog import Watchdog, host_wait
+from ..errors import AFDConfigError, AFDStateError
 from .base import (
-    HEADER_WORDS,
     AFDTimeoutError,
     AFDTransportError,
     MessageTag,
     PeerMap,
     PendingSend,
+    StepProgress,
     Transport,
-    check_headers,
-    encode_headers,
-    message_tensors,
+    TransportSetup,
 )
+from .signal import AbortSignal
+from .stall import StallReports
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,8 @@ POST_ABORT_WAIT_S = 1.0
 # helper thread (thread, description); a new transport waits for them first.
 _PENDING_LOCK = threading.Lock()
 _PENDING: list[tuple[threading.Thread, str]] = []
+# Buffers of a generation whose NCCL abort overran its bound (see NcclTransport.close); never freed.
+_STUCK_BUFFERS: list[torch.Tensor] = []
 
 
 def pending_releases() -> list[str]:
@@ -154,7 +157,7 @@ def _wait_pending(timeout_s: float, owner: str) -> None:
         time.sleep(0.01)
         left = pending_releases()
     if left:
-        raise RuntimeError(
+        raise AFDStateError(
             f"AFD {owner}: earlier NCCL calls of this process are still running after {timeout_s:.0f} s: "
             f"{'; '.join(left)}. A new communicator would queue behind them on the GPU and hang; restart "
             "this process (its GPU work is stuck; see the stack dump / NCCL_DEBUG=INFO output).")
@@ -164,24 +167,174 @@ def _capturing() -> bool:
     return torch.cuda.is_current_stream_capturing()
 
 
+def _release_comms(ops: Any, comms: dict, me: str, *, abort: bool, timeout_s: float,
+                   wait: bool = True) -> list[tuple[threading.Thread, str]]:
+    """Release ``comms`` ({(a, f, direction): handle}), bounded (never raises); ``me`` names this rank in logs.
+
+    ``abort=True``: ``comm_abort`` of every communicator at once, one thread
+    each (see the module doc for why not one after the other). Else
+    ``comm_destroy`` one after the other in one thread; if that overruns
+    ``timeout_s``, every communicator not yet destroyed is aborted (which
+    ends whatever the destroy waits for).
+
+    Returns:
+        The helper threads (already joined unless ``wait=False``).
+    """
+    if not comms:
+        return []
+    desc = {k: f"{d} a{a}-f{f} (handle {h})" for k, h in comms.items() for (a, f, d) in [k]}
+
+    def call(fn, h, name):
+        def run():
+            try:
+                fn(h)
+            except Exception as e:  # noqa: BLE001 - keep releasing the others
+                logger.warning("%s: %s of NCCL communicator %s: %s", me, name, h, e)
+        return run
+
+    deadline = time.monotonic() + timeout_s
+    if not abort:
+        def destroy_all():
+            for k, h in comms.items():
+                call(ops.comm_destroy, h, "destroy")()
+        what = f"ncclCommDestroy of {', '.join(desc.values())} on {me}"
+        threads = [(_start(destroy_all, what)[0], what)]
+        left = _join_all(threads, deadline)
+        if not left:
+            return threads
+        logger.error("%s: destroying the NCCL communicators did not finish within %.0f s (queued work "
+                     "that never completes?); aborting them", me, timeout_s)
+        deadline = time.monotonic() + timeout_s
+    threads = []
+    for k, h in comms.items():
+        what = f"ncclCommAbort of {desc[k]} on {me}"
+        threads.append((_start(call(ops.comm_abort, h, "abort"), what)[0], what))
+    if wait:
+        left = _join_all(threads, deadline)
+        if left:
+            logger.error("%s: NCCL abort did not return within %.0f s: %s. The next connector "
+                         "init of this process will wait for it and then refuse to start.",
+                         me, timeout_s, "; ".join(left))
+    return threads
+
+
+def _create_comm(ops: Any, index: int, peers: PeerMap, uid_t: torch.Tensor, rank_in_comm: int, peer: int,
+                 what: str, deadline: float, init_timeout_s: float, store: Any, rdzv: Any) -> int:
+    """``ops.comm_create`` in a helper thread, bounded by ``deadline``, watching the abort signal.
+
+    Raises:
+        RendezvousTimeoutError: the peer did not join in time (the helper thread
+            stays blocked in ``ncclCommInitRank``; a late success is aborted).
+        StepAbortedError: another rank posted the abort signal meanwhile.
+        RuntimeError: NCCL failed.
+    """
+    lock = threading.Lock()
+    state: dict = {"cancelled": False, "handle": None}
+
+    def create() -> int:
+        h = ops.comm_create(uid_t, 2, rank_in_comm, index)
+        with lock:
+            orphan = state["cancelled"]
+            state["handle"] = None if orphan else h
+        if orphan:  # the waiter gave up: nobody owns it
+            ops.comm_abort(h)
+        return h
+
+    # Not registered as pending: an abandoned init holds no GPU work of ours.
+    t, box = _start(create, f"ncclCommInitRank of {what} on {peers.me}", register=False)
+    next_abort = 0.0
+    while True:
+        t.join(0.005)
+        if not t.is_alive():
+            if "error" in box:
+                raise box["error"]
+            return int(box["result"])
+        now = time.monotonic()
+        try:
+            if now >= next_abort:
+                next_abort = now + 0.1
+                rdzv.raise_if_aborted(store, op=f"creating {what}")
+            if now >= deadline:
+                peer_label = peers.peer_label(peer)
+                raise rdzv.RendezvousTimeoutError(
+                    f"{peers.me} timed out after {init_timeout_s:.0f} s (the init deadline) in "
+                    f"ncclCommInitRank of {what} with {peer_label}: that rank did not join this "
+                    "communicator. It is probably stuck earlier (a previous generation's teardown, "
+                    "another communicator's init) or not running; its stack dump / log says where. "
+                    "Every rank creates its communicators in the same order (by attention rank, FFN "
+                    "rank, a2f before f2a).",
+                    missing=(peers.peer_world_rank(peer),), what=what)
+        except BaseException:
+            with lock:
+                state["cancelled"] = True
+                h = state["handle"]
+                state["handle"] = None
+            if h is not None:
+                ops.comm_abort(h)
+            raise
+
+
+class StageStreams:
+    """One CUDA stream per stage, forked from and joined into the caller's stream through events.
+
+    So a stage's reply receive is never queued behind the next stage's send,
+    and the calls are capturable (a capture supports event fork/join).
+    Streams are created by :meth:`prepare` when a payload is applied, never
+    inside a capture; re-recording an event does not affect earlier waits on it.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._streams: dict[int, Any] = {}
+        self._events: dict[int, tuple[Any, Any]] = {}  # stage -> (fork, join)
+
+    def prepare(self, stages: Sequence[int]) -> None:
+        for s in stages:
+            if s not in self._streams:
+                self._streams[s] = torch.cuda.Stream(device=self.device)
+                self._events[s] = (torch.cuda.Event(), torch.cuda.Event())
+
+    @contextlib.contextmanager
+    def on(self, stage: int) -> Iterator[None]:
+        """Run the body on ``stage``'s stream, after the caller's current stream."""
+        self.prepare((stage,))
+        fork, _ = self._events[stage]
+        fork.record(torch.cuda.current_stream(self.device))
+        self._streams[stage].wait_event(fork)
+        with torch.cuda.stream(self._streams[stage]):
+            yield
+
+    def join(self, stages: Sequence[int] | None = None) -> None:
+        """Make the caller's current stream wait for ``stages``' streams (default: all)."""
+        cur = torch.cuda.current_stream(self.device)
+        for s in list(self._streams) if stages is None else stages:
+            if s in self._streams:
+                _, join = self._events[s]
+                join.record(self._streams[s])
+                cur.wait_event(join)
+
+    def clear(self) -> None:
+        self._streams.clear()
+        self._events.clear()
+
+
 class NcclTransport(Transport):
     """Moves row ranges of CUDA tensors over per-(edge, direction) NCCL communicators.
 
     Args:
-        store: the generation's :class:`~afd_ext.rendezvous.AFDStore` (unique-id exchange).
+        store: the generation's :class:`~afd_ext.rendezvous.AFDStore` (unique-id exchange,
+            abort signal, progress reports).
         topology: the :class:`~afd_ext.topology.Topology`.
         peers: this rank's :class:`~afd_ext.transport.base.PeerMap`.
         device: this rank's CUDA device.
-        strict: strict-mode headers (forces a host wait per message).
         timeout_s: deadline of an in-flight operation, seconds.
         init_timeout_s: one deadline for the whole setup (unique-id exchange and every
             ``ncclCommInitRank``), seconds.
-        abort_check: callable returning the posted abort text or None (polled by the watchdog).
-        on_failure: extra callback run by the watchdog on failure (after the
-            communicators' aborts were started, before they are awaited), e.g.
-            posting the rendezvous abort signal.
-        abort_error: callable ``text -> exception`` for a posted abort.
-        blame, on_tick: the watchdog's hooks (see :class:`~afd_ext.watchdog.Watchdog`).
+        abort: the generation's :class:`~afd_ext.transport.signal.AbortSignal`, polled by the
+            watchdog and posted on failure; or None (nothing polled or posted).
+        progress: callable returning this rank's :class:`~afd_ext.transport.base.StepProgress`,
+            for naming the stalled peer (:mod:`afd_ext.transport.stall`); or None.
+        publish_after_s: see :class:`~afd_ext.transport.stall.StallReports` (default ``0.4 * timeout_s``).
 
     Raises:
         RendezvousTimeoutError: a peer did not publish its unique id, or did not join
@@ -194,20 +347,17 @@ class NcclTransport(Transport):
     """
 
     kind = "nccl"
+    device_type = "cuda"
 
-    def __init__(self, store: Any, topology: Any, peers: PeerMap, device: torch.device, *, strict: bool,
-                 timeout_s: float, init_timeout_s: float,
-                 abort_check: Callable[[], str | None] | None = None,
-                 on_failure: Callable[[BaseException], None] | None = None,
-                 abort_error: Callable[[str], BaseException] | None = None,
-                 blame: Callable[[Any], Any] | None = None,
-                 on_tick: Callable[[float, Any], None] | None = None):
+    def __init__(self, store: Any, topology: Any, peers: PeerMap, device: torch.device, *,
+                 timeout_s: float, init_timeout_s: float, abort: AbortSignal | None = None,
+                 progress: Callable[[], StepProgress | None] | None = None, publish_after_s: float | None = None):
         device = torch.device(device)
         if device.type != "cuda":
-            raise ValueError(f"the NCCL transport needs a CUDA device, got {device}")
+            raise AFDConfigError(f"the NCCL transport needs a CUDA device, got {device}")
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        super().__init__(peers, device, strict=strict, timeout_s=timeout_s)
+        super().__init__(peers, device, timeout_s=timeout_s)
         from .. import ops
         from .. import rendezvous as rdzv
 
@@ -215,15 +365,21 @@ class NcclTransport(Transport):
         self._comms: dict[tuple[int, int, str], int] = {}  # (a, f, direction) -> handle
         self._event_pool: list[torch.cuda.Event] = []  # list append/pop are atomic in CPython
         self._comm_names: dict[int, str] = {}  # handle -> name, filled by _named_comms
+        self._stages = StageStreams(device)
         self._aborted = False
-        self._extra_on_failure = on_failure
+        self._signal = abort
+        self._store = store  # the rendezvous store (tests read the posted abort through it)
+        stall = None
+        if progress is not None and store is not None:
+            stall = StallReports(store, peers, progress,
+                                 0.4 * timeout_s if publish_after_s is None else publish_after_s)
+        self.stall = stall
         self.watchdog = Watchdog(
             timeout_s, owner=peers.me, on_failure=self._on_watchdog_failure,
-            comms=self._named_comms,
-            async_error=ops.comm_async_error, abort_check=abort_check, abort_error=abort_error,
-            blame=blame, on_tick=on_tick,
+            comms=self._named_comms, async_error=ops.comm_async_error,
+            abort_check=None if abort is None else abort.probe,
+            blame=None if stall is None else stall.blame, on_tick=None if stall is None else stall.tick,
         )
-        self._store = store  # the rendezvous store (tests read the posted abort through it)
         t0 = time.monotonic()
         self._init_comms(store, topology, init_timeout_s, rdzv)
         # This rank's peers (role ranks), for replays: derived once, not per replay.
@@ -231,6 +387,14 @@ class NcclTransport(Transport):
         logger.info("%s: %d NCCL communicators ready in %.2f s (generation %s)", peers.me, len(self._comms),
                     time.monotonic() - t0, getattr(store, "generation", "?"))
         self.watchdog.start()
+
+    @classmethod
+    def from_setup(cls, setup: TransportSetup) -> "NcclTransport":
+        if setup.device.index is not None:
+            torch.cuda.set_device(setup.device)
+        return cls(setup.store, setup.topology, setup.peers, setup.device, timeout_s=setup.timeout_s,
+                   init_timeout_s=setup.init_timeout_s, abort=setup.abort, progress=setup.progress,
+                   publish_after_s=setup.publish_after_s or None)
 
     def _init_comms(self, store: Any, topology: Any, init_timeout_s: float, rdzv: Any) -> None:
         """Create this rank's communicators under one deadline (see the module doc)."""
@@ -261,8 +425,8 @@ class NcclTransport(Transport):
                 uid_t = torch.frombuffer(bytearray(uids[(a, f, d)]), dtype=torch.uint8)
                 rank_in_comm = 0 if me_role == "ffn" else 1
                 logger.debug("%s: creating %s", peers.me, what)
-                self._comms[(a, f, d)] = self._create_comm(uid_t, rank_in_comm, peer, what, deadline,
-                                                           init_timeout_s, store, rdzv)
+                self._comms[(a, f, d)] = _create_comm(ops, device.index, peers, uid_t, rank_in_comm, peer, what,
+                                                      deadline, init_timeout_s, store, rdzv)
         except BaseException as e:
             # Tell the peers (they may be blocked in ncclCommInitRank with us), then release.
             if store is not None and not isinstance(e, rdzv.StepAbortedError):
@@ -275,62 +439,6 @@ class NcclTransport(Transport):
             self._release(abort=True, timeout_s=RELEASE_TIMEOUT_S)
             raise
 
-    def _create_comm(self, uid_t: torch.Tensor, rank_in_comm: int, peer: int, what: str, deadline: float,
-                     init_timeout_s: float, store: Any, rdzv: Any) -> int:
-        """``ops.comm_create`` in a helper thread, bounded by ``deadline``, watching the abort signal.
-
-        Raises:
-            RendezvousTimeoutError: the peer did not join in time (the helper thread
-                stays blocked in ``ncclCommInitRank``; a late success is aborted).
-            StepAbortedError: another rank posted the abort signal meanwhile.
-            RuntimeError: NCCL failed.
-        """
-        ops, index = self._ops, self.device.index
-        lock = threading.Lock()
-        state: dict = {"cancelled": False, "handle": None}
-
-        def create() -> int:
-            h = ops.comm_create(uid_t, 2, rank_in_comm, index)
-            with lock:
-                orphan = state["cancelled"]
-                state["handle"] = None if orphan else h
-            if orphan:  # the waiter gave up: nobody owns it
-                ops.comm_abort(h)
-            return h
-
-        # Not registered as pending: an abandoned init holds no GPU work of ours.
-        t, box = _start(create, f"ncclCommInitRank of {what} on {self.peers.me}", register=False)
-        next_abort = 0.0
-        while True:
-            t.join(0.005)
-            if not t.is_alive():
-                if "error" in box:
-                    raise box["error"]
-                return int(box["result"])
-            now = time.monotonic()
-            try:
-                if now >= next_abort:
-                    next_abort = now + 0.1
-                    rdzv.raise_if_aborted(store, op=f"creating {what}")
-                if now >= deadline:
-                    peer_label = self.peers.peer_label(peer)
-                    raise rdzv.RendezvousTimeoutError(
-                        f"{self.peers.me} timed out after {init_timeout_s:.0f} s (the init deadline) in "
-                        f"ncclCommInitRank of {what} with {peer_label}: that rank did not join this "
-                        "communicator. It is probably stuck earlier (a previous generation's teardown, "
-                        "another communicator's init) or not running; its stack dump / log says where. "
-                        "Every rank creates its communicators in the same order (by attention rank, FFN "
-                        "rank, a2f before f2a).",
-                        missing=(self.peers.peer_world_rank(peer),), what=what)
-            except BaseException:
-                with lock:
-                    state["cancelled"] = True
-                    h = state["handle"]
-                    state["handle"] = None
-                if h is not None:
-                    ops.comm_abort(h)
-                raise
-
     # -- helpers -------------------------------------------------------------------
 
     def _comm(self, peer: int, direction: str) -> int:
@@ -341,7 +449,7 @@ class NcclTransport(Transport):
         try:
             return self._comms[(a, f, direction)]
         except KeyError:
-            raise ValueError(f"attention rank {a} and FFN rank {f} are not peers (no communicator)") from None
+            raise AFDConfigError(f"attention rank {a} and FFN rank {f} are not peers (no communicator)") from None
 
     def _named_comms(self) -> list[tuple[int, str]]:
         """The live communicators and their names, for the watchdog's polls (names formatted once)."""
@@ -433,115 +541,87 @@ class NcclTransport(Transport):
             wd.check()
             raise
 
+    # -- stage streams ---------------------------------------------------------------
+
+    def prepare_stages(self, stages: Sequence[int]) -> None:
+        self._stages.prepare(stages)
+
+    def join(self) -> None:
+        """Make the caller's current stream wait for every stage stream (no host wait)."""
+        self._stages.join()
+
     # -- data --------------------------------------------------------------------
 
     def split_back(self, tensors, peers, rows, *, tag: MessageTag) -> PendingSend:
         self.check_health(tag)
-        msgs = message_tensors(tensors)
-        live = [(p, r) for p, r in zip(peers, rows) if r > 0]
+        live = [p for p, r in zip(peers, rows) if r > 0]
         if not live:
             return PendingSend()
         comms = [self._comm(p, tag.direction) for p in peers]
-        ranks = [self._peer_index()] * len(peers)
-        keep: list[torch.Tensor] = []
-        if self.strict and not _capturing():
-            blocks = [encode_headers(tag, self.peers.world_rank, self.peers.peer_world_rank(p), r, msgs)
-                      for p, r in live]
-            hdr = torch.cat(blocks).to(self.device)
-            keep.append(hdr)
-            hcomms = [self._comm(p, tag.direction) for p, _ in live]
-            self._ops.split_back(hdr, None, None, hcomms, [self._peer_index()] * len(live), [len(msgs)] * len(live))
         full = list(tensors) + [None] * (3 - len(tensors))
-        self._ops.split_back(full[0], full[1], full[2], comms, ranks, list(rows))
-        self._track("send (split-back)", [p for p, _ in live], tag)
-        return PendingSend(None, keep)
+        with self._stages.on(tag.stage):
+            self._ops.split_back(full[0], full[1], full[2], comms, [self._peer_index()] * len(peers), list(rows))
+            self._track("send (split-back)", live, tag)
+        return PendingSend()
 
-    def fan_in(self, tensors, peers, rows, *, tag: MessageTag) -> None:
+    def fan_in(self, tensors, peers, rows, *, tag: MessageTag, wait: bool = False) -> None:
         self.check_health(tag)
-        msgs = message_tensors(tensors)
-        live = [(p, r) for p, r in zip(peers, rows) if r > 0]
+        live = [p for p, r in zip(peers, rows) if r > 0]
         if not live:
             return
-        if self.strict and not _capturing():
-            names = [self.peers.peer_label(p) for p, _ in live]
-            hcomms = [self._comm(p, tag.direction) for p, _ in live]
-            hdr = torch.empty(len(live) * len(msgs), HEADER_WORDS, dtype=torch.int64, device=self.device)
-            self._ops.fan_in(hdr, None, None, hcomms, [self._peer_index()] * len(live), [len(msgs)] * len(live))
-            ev = torch.cuda.Event()
-            ev.record()
-            self.wait_event(ev, "header receive", names, tag,
-                            [self.peers.peer_world_rank(p) for p, _ in live])
-            got = hdr.cpu()
-            for i, (p, r) in enumerate(live):
-                src = self.peers.peer_world_rank(p)
-                want = encode_headers(tag, src, self.peers.world_rank, r, msgs)
-                check_headers(got[i * len(msgs):(i + 1) * len(msgs)], want, tag=tag,
-                              receiver_label=self.peers.me, sender_label=self.peers.label(src),
-                              label=self.peers.label)
         comms = [self._comm(p, tag.direction) for p in peers]
         full = list(tensors) + [None] * (3 - len(tensors))
-        self._ops.fan_in(full[0], full[1], full[2], comms, [self._peer_index()] * len(peers), list(rows))
-        self._track("receive (fan-in)", [p for p, _ in live], tag)
+        with self._stages.on(tag.stage):
+            self._ops.fan_in(full[0], full[1], full[2], comms, [self._peer_index()] * len(peers), list(rows))
+            if wait:
+                ev = torch.cuda.Event()
+                ev.record()
+                self.wait_event(ev, "receive (fan-in)", [self.peers.peer_label(p) for p in live], tag,
+                                [self.peers.peer_world_rank(p) for p in live])
+            else:
+                self._track("receive (fan-in)", live, tag)
+        self._stages.join((tag.stage,))
+
+    def synchronize(self, what: str, tag: MessageTag) -> None:
+        """Join every stage stream into the current stream and wait for it on the host, bounded.
+
+        The wait names the peers of every tracked operation; a stall or a peer
+        failure becomes the watchdog's named error instead of a hang in
+        ``torch.cuda.synchronize()``.
+        """
+        self.check_health(tag)
+        self.join()
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        names: list[str] = []
+        ranks: list[int] = []
+        for o in self.watchdog.in_flight:
+            for name, r in zip(o.peers, o.peer_ranks):
+                if r not in ranks:
+                    names.append(name)
+                    ranks.append(r)
+        self.wait_event(ev, what, names or ["no peer (nothing in flight)"], tag, ranks)
+
+    @contextlib.contextmanager
+    def capture_guard(self) -> Iterator[None]:
+        """Pause the watchdog's event polling: ``cudaEventQuery`` from its thread would invalidate a capture."""
+        with self.watchdog.suspended():
+            yield
 
     # -- lifecycle ------------------------------------------------------------------
 
     def barrier(self) -> None:
         """Wait until this rank's in-flight NCCL work completed (the connector's store barrier follows)."""
         self.check_health()
+        self.join()
         ev = torch.cuda.Event()
         ev.record()
         self.wait_event(ev, "drain", ["every peer"], MessageTag("barrier", "a2f", -1, -1, -1))
 
     def _release(self, *, abort: bool, timeout_s: float, wait: bool = True) -> list[tuple[threading.Thread, str]]:
-        """Release every communicator of this transport, bounded (never raises).
-
-        ``abort=True``: ``comm_abort`` of every communicator at once, one thread
-        each (see the module doc for why not one after the other). Else
-        ``comm_destroy`` one after the other in one thread; if that overruns
-        ``timeout_s``, every communicator not yet destroyed is aborted (which
-        ends whatever the destroy waits for).
-
-        Returns:
-            The helper threads (already joined unless ``wait=False``).
-        """
+        """Release every communicator of this transport, bounded (never raises); see :func:`_release_comms`."""
         comms, self._comms = dict(self._comms), {}
-        if not comms:
-            return []
-        me = self.peers.me
-        desc = {k: f"{d} a{a}-f{f} (handle {h})" for k, h in comms.items() for (a, f, d) in [k]}
-
-        def call(fn, h, name):
-            def run():
-                try:
-                    fn(h)
-                except Exception as e:  # noqa: BLE001 - keep releasing the others
-                    logger.warning("%s: %s of NCCL communicator %s: %s", me, name, h, e)
-            return run
-
-        deadline = time.monotonic() + timeout_s
-        if not abort:
-            def destroy_all():
-                for k, h in comms.items():
-                    call(self._ops.comm_destroy, h, "destroy")()
-            what = f"ncclCommDestroy of {', '.join(desc.values())} on {me}"
-            threads = [(_start(destroy_all, what)[0], what)]
-            left = _join_all(threads, deadline)
-            if not left:
-                return threads
-            logger.error("%s: destroying the NCCL communicators did not finish within %.0f s (queued work "
-                         "that never completes?); aborting them", me, timeout_s)
-            deadline = time.monotonic() + timeout_s
-        threads = []
-        for k, h in comms.items():
-            what = f"ncclCommAbort of {desc[k]} on {me}"
-            threads.append((_start(call(self._ops.comm_abort, h, "abort"), what)[0], what))
-        if wait:
-            left = _join_all(threads, deadline)
-            if left:
-                logger.error("%s: NCCL abort did not return within %.0f s: %s. The next connector "
-                             "init of this process will wait for it and then refuse to start.",
-                             me, timeout_s, "; ".join(left))
-        return threads
+        return _release_comms(self._ops, comms, self.peers.me, abort=abort, timeout_s=timeout_s, wait=wait)
 
     def _on_watchdog_failure(self, exc: BaseException) -> None:
         self._aborted = True
@@ -553,15 +633,15 @@ class NcclTransport(Transport):
         # receives one of them must find the abort already posted (its synchronize()
         # then reports the aborted step instead of returning replies computed from
         # an incomplete fan-in). Then abort, and wait for the aborts (bounded).
-        if self._extra_on_failure is not None:
-            poster, box = _start(lambda: self._extra_on_failure(exc), f"posting the abort of {self.peers.me}",
+        if self._signal is not None:
+            poster, box = _start(lambda: self._signal.post(exc), f"posting the abort of {self.peers.me}",
                                  register=False)
             poster.join(POST_ABORT_WAIT_S)
             if poster.is_alive():
                 logger.warning("%s: posting the abort signal takes over %.1f s (store host gone?); aborting the "
                                "communicators meanwhile", self.peers.me, POST_ABORT_WAIT_S)
             elif "error" in box:
-                logger.warning("%s: on_failure callback raised: %s", self.peers.me, box["error"])
+                logger.warning("%s: posting the abort signal raised: %s", self.peers.me, box["error"])
         threads = self._release(abort=True, timeout_s=RELEASE_TIMEOUT_S, wait=False)
         left = _join_all(threads, time.monotonic() + RELEASE_TIMEOUT_S)
         if left:
@@ -576,14 +656,16 @@ class NcclTransport(Transport):
         self.watchdog.stop()
         self._release(abort=True, timeout_s=RELEASE_TIMEOUT_S)
 
-    def close(self) -> None:
+    def close(self, buffers: Sequence[torch.Tensor] = ()) -> None:
         """Release the communicators, bounded in time in every state; never raises.
 
         Healthy (no failure, no abort): wait for the tracked in-flight operations
         to complete (bounded by ``min(timeout_s, RELEASE_TIMEOUT_S)``), then
         ``comm_destroy`` (bounded; overrun -> abort). After a failure, an abort,
         or with work still in flight: ``comm_abort`` of every communicator
-        concurrently (bounded). Nothing here waits on a CUDA stream.
+        concurrently (bounded). Nothing here waits on a CUDA stream. When a
+        release overran its bound, ``buffers`` (which the stuck kernels may
+        still write into) are kept alive for the life of the process.
         """
         if self._closed is None:
             self._closed = AFDTransportError("closed")
@@ -602,3 +684,9 @@ class NcclTransport(Transport):
         self._release(abort=stuck, timeout_s=RELEASE_TIMEOUT_S)
         logger.info("%s: closed (%s of %d NCCL communicators) in %.2f s", self.peers.me,
                     "abort" if stuck else "destroy", n, time.monotonic() - t0)
+        self._stages.clear()
+        left = pending_releases()
+        if left and buffers:
+            _STUCK_BUFFERS.extend(buffers)
+            logger.error("%s: keeping %d fan-in/reply buffers alive: NCCL teardown still running (%s)",
+                         self.peers.me, len(buffers), "; ".join(left))

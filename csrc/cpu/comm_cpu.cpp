@@ -32,10 +32,6 @@ void split_back_cpu(const at::Tensor&, const OptTensor&, const OptTensor&, c10::
                     c10::IntArrayRef, c10::IntArrayRef) {
   reject_cpu("split_back");
 }
-void exchange_cpu(const at::Tensor&, const OptTensor&, const OptTensor&, const at::Tensor&,
-                  c10::IntArrayRef, c10::IntArrayRef, c10::IntArrayRef, c10::IntArrayRef) {
-  reject_cpu("exchange");
-}
 
 }  // namespace
 
@@ -44,7 +40,6 @@ TORCH_LIBRARY_IMPL(afd_ext, CPU, m) {
   m.impl("recv", &recv_cpu);
   m.impl("fan_in", &fan_in_cpu);
   m.impl("split_back", &split_back_cpu);
-  m.impl("exchange", &exchange_cpu);
 }
 
 }  // namespace afd

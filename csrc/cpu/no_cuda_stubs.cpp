@@ -27,10 +27,6 @@ void split_back_no_cuda(const at::Tensor&, const OptTensor&, const OptTensor&,
                         c10::IntArrayRef, c10::IntArrayRef, c10::IntArrayRef) {
   no_cuda("split_back");
 }
-void exchange_no_cuda(const at::Tensor&, const OptTensor&, const OptTensor&, const at::Tensor&,
-                      c10::IntArrayRef, c10::IntArrayRef, c10::IntArrayRef, c10::IntArrayRef) {
-  no_cuda("exchange");
-}
 void pack_rows_no_cuda(const at::Tensor&, const OptTensor&, const OptTensor&,
                        const at::Tensor&) {
   no_cuda("pack_rows");
@@ -54,7 +50,6 @@ TORCH_LIBRARY_IMPL(afd_ext, CUDA, m) {
   m.impl("recv", &recv_no_cuda);
   m.impl("fan_in", &fan_in_no_cuda);
   m.impl("split_back", &split_back_no_cuda);
-  m.impl("exchange", &exchange_no_cuda);
   m.impl("pack_rows", &pack_rows_no_cuda);
   m.impl("unpack_rows", &unpack_rows_no_cuda);
 }

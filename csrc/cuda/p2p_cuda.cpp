@@ -1,4 +1,4 @@
-// Point-to-point ops over NCCL: send, recv, fan_in, split_back, exchange.
+// Point-to-point ops over NCCL: send, recv, fan_in, split_back.
 //
 // Every argument is checked before the first NCCL call, so a bad input
 // raises and leaves the communicators usable. Each op issues one NCCL group
@@ -78,7 +78,7 @@ void check_tensor(const char* op, const char* name, const at::Tensor& t, int dev
   }
 }
 
-// Wire tensors of fan_in / split_back / exchange, in the order they travel.
+// Wire tensors of fan_in / split_back, in the order they travel.
 std::vector<at::Tensor> wire_tensors(const char* op, const at::Tensor& hidden_states,
                                      const OptTensor& router_logits,
                                      const OptTensor& token_ids, int device, int64_t rows) {
@@ -211,45 +211,11 @@ void split_back_cuda(const at::Tensor& hidden_states, const OptTensor& router_lo
   grouped("split_back", Dir::kSend, hidden_states, router_logits, token_ids, comms, peers, rows);
 }
 
-void exchange_cuda(const at::Tensor& hidden_states, const OptTensor& router_logits,
-                   const OptTensor& token_ids, const at::Tensor& reply,
-                   c10::IntArrayRef send_comms, c10::IntArrayRef recv_comms,
-                   c10::IntArrayRef peers, c10::IntArrayRef rows) {
-  const char* op = "exchange";
-  int device = -1;
-  auto send_edges = resolve_edges(op, "send_comms", send_comms, peers, rows, &device);
-  auto recv_edges = resolve_edges(op, "recv_comms", recv_comms, peers, rows, &device);
-  if (send_edges.empty()) {
-    TORCH_CHECK(hidden_states.dim() >= 1 && hidden_states.size(0) == 0 && reply.dim() >= 1 &&
-                    reply.size(0) == 0,
-                "afd_ext.exchange: no peers given but hidden_states/reply have shapes ",
-                hidden_states.sizes(), "/", reply.sizes(), " (expected 0 rows)");
-    return;
-  }
-  const int64_t n = total_rows(send_edges);
-  auto ts = wire_tensors(op, hidden_states, router_logits, token_ids, device, n);
-  check_tensor(op, "reply", reply, device, n, true);
-  std::vector<P2p> sends;
-  std::vector<P2p> recvs;
-  sends.reserve(send_edges.size() * ts.size());
-  plan(sends, Dir::kSend, send_edges, ts);
-  plan(recvs, Dir::kRecv, recv_edges, {reply});
-  // Sends first, then the reply receive, as two groups on the same stream.
-  // Inside one group NCCL pairs the k-th send and receive with a peer, so with
-  // several wire tensors the reply receive waited beside the first send while
-  // the peer still waited for the later ones (a hang on 2x H200, NCCL 2.28.9);
-  // the one-group form with a single wire tensor was never seen to work there
-  // either (the FFN side crashed in its fan_in), so it is not used.
-  launch(op, device, sends);
-  launch(op, device, recvs);
-}
-
 TORCH_LIBRARY_IMPL(afd_ext, CUDA, m) {
   m.impl("send", &send_cuda);
   m.impl("recv", &recv_cuda);
   m.impl("fan_in", &fan_in_cuda);
   m.impl("split_back", &split_back_cuda);
-  m.impl("exchange", &exchange_cuda);
 }
 
 }  // namespace afd

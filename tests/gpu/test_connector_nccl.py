@@ -1,16 +1,20 @@
-"""The connector scenarios of the CPU tier, over NCCL on two GPUs (GPU tier).
+"""The connector scenarios of the CPU tier, over NCCL (GPU tier).
 
-Attention processes on GPU 0, FFN processes on GPU 1 (several processes share
-a GPU; one size-2 communicator per edge and direction makes that legal).
+Processes placed by :func:`afd_ext.testing.place_processes`: on two GPUs
+attention processes on GPU 0 and FFN processes on GPU 1 (several processes of
+one role share a GPU; one size-2 communicator per edge and direction makes that
+legal); on one GPU every process on GPU 0 with its own ``NCCL_HOSTID`` (NCCL
+over sockets). Correctness only either way.
 
-Run on the 2-GPU machine (after ``pip install --no-build-isolation -e .``):
+Run on the GPU machine (after ``pip install --no-build-isolation -e .``):
 
     pytest -m gpu tests/gpu/test_connector_nccl.py -v -s
 
 (``-s`` shows the workers' phase lines, ``[afd-test ...] init start/end,
 close start/end``, and any stack dump of a stuck worker as they happen.)
 
-Needs a CUDA build of afd_ext (``afd_ext.ops.is_cuda_built()``) and two GPUs.
+Needs a CUDA build of afd_ext (``afd_ext.ops.is_cuda_built()``) and a GPU
+(``tests/conftest.py`` skips the ``gpu`` tier otherwise, saying why).
 """
 
 from __future__ import annotations
@@ -20,34 +24,18 @@ import sys
 import time
 
 import pytest
-import torch
 
+pytest.importorskip("torch")
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
 import connector_scenarios as cs  # noqa: E402
-from afd_ext.testing import find_free_port, run_workers  # noqa: E402
+from afd_ext.testing import find_free_port, place_processes, run_workers  # noqa: E402
 
-
-def _cuda_ready() -> bool:
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        return False
-    try:
-        from afd_ext import ops
-
-        return bool(ops.is_cuda_built())
-    except Exception:  # noqa: BLE001
-        return False
-
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.timeout(600),
-    pytest.mark.skipif(not _cuda_ready(), reason="needs a CUDA build of afd_ext and 2 GPUs"),
-]
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
 
 def _env(sc: cs.Scenario) -> list[dict]:
-    """FFN ranks (world ranks 0..F-1) on GPU 1, attention ranks on GPU 0.
+    """Per world rank (FFN ranks first): the placement's GPU (and ``NCCL_HOSTID``) plus diagnostics.
 
     Diagnostics: afd_ext logs at INFO (communicator setup/teardown times) and
     every worker dumps all thread stacks to stderr when it is still running
@@ -57,7 +45,7 @@ def _env(sc: cs.Scenario) -> list[dict]:
     """
     diag = {"AFD_TEST_LOG_LEVEL": os.environ.get("AFD_TEST_LOG_LEVEL", "INFO"),
             "AFD_TEST_STACK_DUMP_S": os.environ.get("AFD_TEST_STACK_DUMP_S", "90")}
-    return [{"CUDA_VISIBLE_DEVICES": "1" if r < sc.F else "0", **diag} for r in range(sc.nprocs)]
+    return [{**e, **diag} for e in place_processes(sc.A, sc.F).env()]
 
 
 def _nccl(sc: cs.Scenario) -> cs.Scenario:

@@ -1,12 +1,14 @@
 """GPU tier: CUDA graphs across the whole AFD exchange, on both roles (issue 5).
 
-Run on the 2-GPU machine from the repository root, after the CUDA build:
+Run on the GPU machine from the repository root, after the CUDA build:
 
     pytest -m gpu tests/gpu/test_graphs_gpu.py -v
 
-FFN ranks run on GPU 1 and attention ranks on GPU 0 (``CUDA_VISIBLE_DEVICES``
-per process); 2A1F and 4A2F put several processes on one GPU, which proves
-correctness only (time-sliced), never speed.
+Processes are placed by :func:`afd_ext.testing.place_processes`
+(``CUDA_VISIBLE_DEVICES`` per process): on two GPUs FFN ranks on GPU 1 and
+attention ranks on GPU 0; on one GPU every process on GPU 0 with its own
+``NCCL_HOSTID`` (NCCL over sockets, ~4.5 ms per round trip). Several processes
+on one GPU prove correctness only (time-sliced), never speed.
 
 Each test is a scripted sequence of steps that every process derives from the
 same parameters: the control payload (counts and flags) of each step, and the
@@ -45,6 +47,10 @@ LAYERS = 2
 LOGITS_WIDTH = 8
 CAPTURE_SIZES = (1, 2, 4, 8)
 REPLAYS = 200
+#: Replays per capture size when NCCL goes over sockets (one shared GPU): a round
+#: trip costs ~4.5 ms there, so 4 sizes x 200 replays would take minutes. 50 fresh-input
+#: replays per size, 5 of them compared with an eager step, still test every size.
+SHARED_REPLAYS = 50
 EAGER_EVERY = 10
 TIMEOUT_S = 420
 
@@ -63,6 +69,7 @@ class Setup:
     layers: int = LAYERS
     dtype: str = "bfloat16"
     logits_width: int = LOGITS_WIDTH
+    replays: int = REPLAYS  # per capture size, in the "sizes" script
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,14 +88,14 @@ class Step:
 # ---------------------------------------------------------------------------
 
 
-def _sizes_script(A: int, stages: int) -> list[Step]:
-    """Capture per-peer sizes 1, 2, 4, 8; 200 replays each with fresh inputs and counts <= size."""
+def _sizes_script(A: int, stages: int, replays: int) -> list[Step]:
+    """Capture per-peer sizes 1, 2, 4, 8; ``replays`` replays each with fresh inputs and counts <= size."""
     steps = [Step(tuple((CAPTURE_SIZES[-1],) * A for _ in range(stages)), "warmup", seed=1, pad=True)]
     seed = 100
     for size in CAPTURE_SIZES:
         full = tuple((size,) * A for _ in range(stages))
         steps.append(Step(full, "capture", pad=True))
-        for i in range(REPLAYS):
+        for i in range(replays):
             seed += 1
             # Fresh real counts <= size; attention rank 0 carries `size` rows so the padded key is `size`.
             counts = tuple(
@@ -139,7 +146,7 @@ def _zero_peer_script() -> list[Step]:
 
 
 SCRIPTS = {
-    "sizes": lambda setup: _sizes_script(setup.A, setup.stages),
+    "sizes": lambda setup: _sizes_script(setup.A, setup.stages, setup.replays),
     "mismatch": lambda setup: _mismatch_script(),
     "big_eager": lambda setup: _big_eager_script(),
     "zero_peer": lambda setup: _zero_peer_script(),
@@ -424,10 +431,10 @@ def run_script(ctx, setup: Setup, script_name: str) -> dict:
 
 
 def _run(setup: Setup, script: str) -> list[dict]:
-    from afd_ext.testing import find_free_port, run_workers
+    from afd_ext.testing import find_free_port, place_processes, run_workers
 
     n = setup.A + setup.F
-    per_rank = [{"CUDA_VISIBLE_DEVICES": "1" if r < setup.F else "0"} for r in range(n)]
+    per_rank = place_processes(setup.A, setup.F).env()
     env = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_DEBUG": "WARN"}
     reports = run_workers(_worker, n, (setup, script, find_free_port()), timeout_s=TIMEOUT_S, env=env,
                           per_rank_env=per_rank)
@@ -436,12 +443,11 @@ def _run(setup: Setup, script: str) -> list[dict]:
     return reports
 
 
-def _need_cuda_build():
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 CUDA GPUs")
-    ops = pytest.importorskip("afd_ext.ops")
-    if not ops.is_cuda_built():
-        pytest.skip("afd_ext was built without CUDA")
+def _replays() -> int:
+    """Replays per capture size for this machine's arrangement (fewer when NCCL goes over sockets)."""
+    from afd_ext.testing import place_processes
+
+    return SHARED_REPLAYS if place_processes(1, 1).nccl_hostids else REPLAYS
 
 
 # ---------------------------------------------------------------------------
@@ -459,14 +465,14 @@ def _need_cuda_build():
     ],
 )
 def test_replays_bit_exact_for_every_capture_size(setup):
-    _need_cuda_build()
+    setup = dataclasses.replace(setup, replays=_replays())
     reports = _run(setup, "sizes")
-    per_size = REPLAYS
+    per_size = setup.replays
     for r in reports:
         assert r["captures"] == len(CAPTURE_SIZES)
         assert r["replays"] == per_size * len(CAPTURE_SIZES)
         if r["role"] == "attention":
-            assert r["eager_compared"] == len(CAPTURE_SIZES) * (REPLAYS // EAGER_EVERY)
+            assert r["eager_compared"] == len(CAPTURE_SIZES) * (per_size // EAGER_EVERY)
         else:
             assert sorted(r["entry_replays"].values()) == [per_size] * len(CAPTURE_SIZES)
             assert r["memory"]["entries"] == len(CAPTURE_SIZES) and r["memory"]["static_bytes"] > 0
@@ -474,7 +480,6 @@ def test_replays_bit_exact_for_every_capture_size(setup):
 
 @pytest.mark.timeout(TIMEOUT_S + 60)
 def test_ffn_never_replays_4_4_graph_for_7_1_step():
-    _need_cuda_build()
     reports = _run(Setup(2, 1), "mismatch")
     for r in reports:
         assert r["refused"] == 1 and r["replays"] == 3
@@ -485,7 +490,6 @@ def test_ffn_never_replays_4_4_graph_for_7_1_step():
 
 @pytest.mark.timeout(TIMEOUT_S + 60)
 def test_eager_1000_760_between_replays_keeps_graph_buffers():
-    _need_cuda_build()
     reports = _run(Setup(2, 1), "big_eager")
     for r in reports:
         assert r["replays"] == 7 and r["address_checks"] >= 13
@@ -493,7 +497,6 @@ def test_eager_1000_760_between_replays_keeps_graph_buffers():
 
 @pytest.mark.timeout(TIMEOUT_S + 60)
 def test_zero_token_peers_in_captured_two_stage_step():
-    _need_cuda_build()
     reports = _run(Setup(2, 1, stages=2), "zero_peer")
     for r in reports:
         assert r["replays"] == 3
@@ -529,7 +532,6 @@ def _demo_graph(tmp_path, *args: str) -> dict:
 
 @pytest.mark.timeout(TIMEOUT_S + 60)
 def test_demo_graph_1a1f_deepseek_v2_lite_dims(tmp_path):
-    _need_cuda_build()
     pytest.importorskip("transformers")
     s = _demo_graph(tmp_path, "--topology", "1A1F", "--dims", "deepseek-v2-lite")
     assert s["model"]["hidden_size"] == 2048
@@ -537,7 +539,6 @@ def test_demo_graph_1a1f_deepseek_v2_lite_dims(tmp_path):
 
 @pytest.mark.timeout(TIMEOUT_S + 60)
 def test_demo_graph_2a1f(tmp_path):
-    _need_cuda_build()
     pytest.importorskip("transformers")
     s = _demo_graph(tmp_path, "--topology", "2A1F")
     assert s["steps_with_zero_token_rank"] > 0

@@ -1,13 +1,15 @@
-"""GPU tier of the compiled core: NCCL ops and CUDA kernels on two GPUs.
+"""GPU tier of the compiled core: NCCL ops and CUDA kernels.
 
-Run on the 2-GPU machine (nvidia-h200-x2), from the repository root, after the
-CUDA build (``pip install --no-build-isolation -e .``):
+Run on the GPU machine, from the repository root, after the CUDA build
+(``pip install --no-build-isolation -e .``):
 
     pytest -m gpu tests/gpu/test_ops_gpu.py -v
 
-Layout: process 0 is the FFN rank on GPU 1; processes 1..A are attention ranks,
-all on GPU 0 (``CUDA_VISIBLE_DEVICES`` per process, set before any CUDA call,
-so each process sees its GPU as ``cuda:0``). One NCCL communicator per
+Layout: process 0 is the FFN rank, processes 1..A are attention ranks, placed
+by :func:`afd_ext.testing.place_processes` (two GPUs: FFN on GPU 1, attention
+on GPU 0; one GPU: all on GPU 0, each with its own ``NCCL_HOSTID``, NCCL over
+sockets). ``CUDA_VISIBLE_DEVICES`` is set per process before its interpreter
+starts, so each process sees its GPU as ``cuda:0``. One NCCL communicator per
 (attention, FFN) edge, FFN = rank 0 and attention = rank 1 in it; unique ids
 travel through a ``torch.distributed.TCPStore`` hosted by the test process.
 Several processes on one GPU are time-sliced by the driver: these tests prove
@@ -27,7 +29,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 ops = pytest.importorskip("afd_ext.ops", reason="afd_ext._C is not built")
-from afd_ext.testing import find_free_port, run_workers  # noqa: E402
+from afd_ext.testing import find_free_port, place_processes, run_workers  # noqa: E402
 
 # No CUDA call at import time: spawned workers import this module before they
 # set CUDA_VISIBLE_DEVICES.
@@ -37,7 +39,6 @@ HIDDEN = 96
 EXPERTS = 8
 TIMEOUT_S = 300.0
 STORE_TIMEOUT = timedelta(seconds=120)
-FFN_GPU, ATTN_GPU = "1", "0"
 
 
 # ---------------------------------------------------------------------------
@@ -46,7 +47,8 @@ FFN_GPU, ATTN_GPU = "1", "0"
 
 
 def _env(num_attention: int) -> list[dict]:
-    return [{"CUDA_VISIBLE_DEVICES": FFN_GPU}] + [{"CUDA_VISIBLE_DEVICES": ATTN_GPU}] * num_attention
+    """Process 0 (FFN) then the attention processes: AFD world order, as placed for an AF topology."""
+    return place_processes(num_attention, 1).env()
 
 
 def _store(port: int):
@@ -158,7 +160,7 @@ def _w_send_recv(rank, nprocs, port):
     return len(ops.WIRE_DTYPES)
 
 
-def _w_fan_in_split_back(rank, nprocs, port, rows, use_exchange):
+def _w_fan_in_split_back(rank, nprocs, port, rows):
     store, comms = _connect(rank, nprocs, port)
     A = nprocs - 1
     for it in range(3):
@@ -181,11 +183,8 @@ def _w_fan_in_split_back(rank, nprocs, port, rows, use_exchange):
             r = rows[a]
             h, lg, ids = _inputs(a, it, r)
             reply = torch.full((r, HIDDEN), float("nan"), dtype=torch.bfloat16, device="cuda")
-            if use_exchange:
-                ops.exchange(h, lg, ids, reply, comms, comms, [0], [r])
-            else:
-                ops.split_back(h, lg, ids, comms, [0], [r])
-                ops.fan_in(reply, None, None, comms, [0], [r])
+            ops.split_back(h, lg, ids, comms, [0], [r])
+            ops.fan_in(reply, None, None, comms, [0], [r])
             torch.cuda.synchronize()
             assert _same_bits(reply, _ffn_compute(h)), f"attention {a} got back other rows"
     _close(store, comms, nprocs)
@@ -289,9 +288,10 @@ def _w_bad_input(rank, nprocs, port):
         expect(r"equal lengths", lambda: ops.fan_in(reply, None, None, comms, [0, 0], [r]))
         expect(r"rows\[0\]=-1 must be >= 0", lambda: ops.fan_in(reply, None, None, comms, [0], [-1]))
         expect(r"is not a live communicator", lambda: ops.send(h, 987654, 0))
-        expect(r"reply has 3 rows", lambda: ops.exchange(h, lg, ids, reply[:3], comms, comms, [0], [r]))
+        expect(r"hidden_states has \d+ rows but rows add up to", lambda: ops.fan_in(reply[:1], None, None, comms, [0], [r]))
         # The communicator still works: a full exchange after every refusal.
-        ops.exchange(h, lg, ids, reply, comms, comms, [0], [r])
+        ops.split_back(h, lg, ids, comms, [0], [r])
+        ops.fan_in(reply, None, None, comms, [0], [r])
         torch.cuda.synchronize()
         assert _same_bits(reply, _ffn_compute(h))
     else:
@@ -373,12 +373,7 @@ ROW_CASES = [[5, 3], [1, 7], [0, 8], [8, 0], [3, 0, 4]]
 
 @pytest.mark.parametrize("rows", ROW_CASES, ids=lambda r: "rows" + "-".join(map(str, r)))
 def test_fan_in_and_split_back(rows):
-    assert all(_run(_w_fan_in_split_back, len(rows), rows, False))
-
-
-@pytest.mark.parametrize("rows", [[5, 3], [0, 4], [6]], ids=lambda r: "rows" + "-".join(map(str, r)))
-def test_exchange_round_trip(rows):
-    assert all(_run(_w_fan_in_split_back, len(rows), rows, True))
+    assert all(_run(_w_fan_in_split_back, len(rows), rows))
 
 
 @pytest.mark.parametrize("rows", [[5, 3], [0, 8]], ids=lambda r: "rows" + "-".join(map(str, r)))
@@ -392,5 +387,5 @@ def test_bad_input_raises_and_the_communicator_still_works():
 
 
 def test_cuda_pack_matches_cpu_reference():
-    out = run_workers(_w_pack_cuda, 1, timeout_s=TIMEOUT_S, per_rank_env=[{"CUDA_VISIBLE_DEVICES": ATTN_GPU}])
+    out = run_workers(_w_pack_cuda, 1, timeout_s=TIMEOUT_S, per_rank_env=_env(1)[1:])
     assert out == [len(ops.WIRE_DTYPES) * 6]

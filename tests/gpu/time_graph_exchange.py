@@ -110,10 +110,14 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=300.0)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        p.error("needs 2 CUDA GPUs (attention on GPU 0, FFN on GPU 1)")
     from afd_ext import ops
-    from afd_ext.testing import find_free_port, run_workers
+    from afd_ext.testing import find_free_port, place_processes, run_workers, visible_gpu_count
+
+    if visible_gpu_count() < 1:
+        p.error("needs a CUDA GPU")
+    placement = place_processes(1, 1)
+    if not placement.timings_meaningful:
+        p.error(f"timings need 2 distinct GPUs (attention and FFN on their own GPU); here: {placement.describe()}")
 
     if not ops.is_cuda_built():
         p.error("afd_ext was built without CUDA")
@@ -121,7 +125,7 @@ def main(argv=None) -> int:
             "wire_format": a.wire_format, "iters": a.iters, "replays": a.replays, "warmup": a.warmup}
     env = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
     reports = run_workers(_worker, 2, (args, find_free_port()), timeout_s=a.timeout, env=env,
-                          per_rank_env=[{"CUDA_VISIBLE_DEVICES": "1"}, {"CUDA_VISIBLE_DEVICES": "0"}])
+                          per_rank_env=placement.env())
     rows = [r for rep in reports for r in rep["rows"]]
     result = {
         "what": "per-layer exchange time (attention send + FFN fan-in + FFN split-back + attention receive), "

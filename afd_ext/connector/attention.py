@@ -1,0 +1,168 @@
+"""The attention side's data path: send this rank's rows, take the replies, drain an abandoned step.
+
+Checks run before anything moves (order from the sequencer, tensors against
+the schedule); the caller-facing docstrings are the facade's
+(:class:`afd_ext.connector.AFDConnector`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from ..errors import AFDConfigError, AFDProtocolError, AFDStateError
+from ..metadata import AFDTransferContext, AFDTransferMetadata
+from ..schedule import PACKED
+from .step import Exchange, Step
+
+if TYPE_CHECKING:
+    from .session import Session
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AttentionSide"]
+
+
+class AttentionSide:
+    """``send_attn_output`` / ``recv_ffn_output`` / ``abandon_step`` of one attention rank.
+
+    Args:
+        session: the connector's :class:`~afd_ext.connector.session.Session` (step, transport, failure rules).
+        role_rank: this rank's index; device: where its tensors live.
+    """
+
+    def __init__(self, session: "Session", role_rank: int, device: torch.device):
+        self.s = session
+        self.role_rank = role_rank
+        self.device = device
+
+    def send_attn_output(self, hidden_states: torch.Tensor, context: AFDTransferContext,
+                         router_logits: torch.Tensor | None, input_ids: torch.Tensor | None) -> None:
+        op = "send_attn_output"
+        c = self.s
+        tr = c.check_usable(op)
+        st = c.require_step(op)
+        moved = st.seq.moved
+        try:
+            md = context.metadata
+            stage = md.stage_idx
+            layer, stage = st.seq.next_send(stage, op)
+            if not isinstance(hidden_states, torch.Tensor):
+                raise AFDConfigError(f"hidden_states must be a torch.Tensor, got {type(hidden_states).__name__}")
+            if not md.validate_tensor_shape(tuple(hidden_states.shape)):
+                raise AFDConfigError(f"hidden_states shape {tuple(hidden_states.shape)!r} does not match AFD metadata "
+                                 f"token count {md.total_tokens}")
+            # One check of the wire tensors (types, shapes, dtypes, contiguity), then the device.
+            st.schedule.check_attention_tensors(stage, self.role_rank, hidden_states, router_logits, input_ids)
+            for name, t in (("hidden_states", hidden_states), ("router_logits", router_logits),
+                            ("input_ids", input_ids)):
+                if t is not None:
+                    tr.check_device(t, name)
+        except (ValueError, AFDStateError) as e:
+            raise c.reject(st, e, moved=moved) from None
+        st.seq.abandoned = False
+        self._send_rows(st, layer, stage, hidden_states, router_logits, input_ids, md.layer_idx, op)
+
+    def _send_rows(self, st: Step, layer: int, stage: int, hidden, logits, ids, layer_idx: int, op: str) -> None:
+        c = self.s
+        sch = st.schedule
+        plan = sch.attention_plan(stage, self.role_rank)
+        tag = st.tag(op, "a2f", layer, stage, layer_idx)
+        if sch.wire_format(stage) == PACKED:
+            wire = st.bufs[stage]["wire"]
+            if plan.total:
+                from .. import ops
+
+                ops.pack_rows(hidden, logits, ids, wire)
+            tensors: tuple = (wire,)
+        else:
+            tensors = (hidden, logits, ids)
+        pending = c.transport_call(c.data(st).split_back, tensors, plan.peers, plan.rows, tag=tag)
+        st.pending[stage].append(Exchange(layer, stage, tag, pending, (hidden, logits, ids)))
+        st.seq.sent += 1
+
+    def recv_ffn_output(self, ref_tensor: torch.Tensor, ubatch_idx: int) -> torch.Tensor:
+        op = "recv_ffn_output"
+        c = self.s
+        tr = c.check_usable(op)
+        st = c.require_step(op)
+        try:
+            layer, stage = st.seq.next_reply(ubatch_idx, op)
+            if not isinstance(ref_tensor, torch.Tensor):
+                raise AFDConfigError(f"ref_tensor must be a torch.Tensor, got {type(ref_tensor).__name__}")
+            tr.check_device(ref_tensor, "ref_tensor")
+            st.schedule.check_attention_reply(stage, self.role_rank, ref_tensor)
+        except (ValueError, AFDStateError) as e:
+            raise c.reject(st, e, moved=st.seq.moved) from None
+        self._recv_reply(st, st.pending[stage][0], ref_tensor, op)
+        return ref_tensor
+
+    def _recv_reply(self, st: Step, ex: Exchange, ref_tensor: torch.Tensor, op: str) -> None:
+        c = self.s
+        plan = st.schedule.attention_plan(ex.stage, self.role_rank)
+        tag = st.tag(op, "f2a", ex.layer, ex.stage, ex.tag.layer_idx)
+        c.transport_call(c.data(st).fan_in, (ref_tensor, None, None), plan.peers, plan.rows, tag=tag)
+        # The reply came back, so our sends of this exchange were received: safe to release.
+        c.transport_call(ex.pending.wait)
+        st.pending[ex.stage].popleft()
+        st.seq.received += 1
+
+    def abandon_step(self) -> None:
+        c = self.s
+        st = c.step
+        if st is None or st.seq.complete:
+            return
+        if st.seq.moved:
+            raise AFDStateError(
+                f"abandon_step on {c.me}: step {st.step} already sent data ({st.seq.progress()})")
+        self.drain(st)
+
+    def drain(self, st: Step) -> None:
+        """Send zeros of the scheduled shapes for every remaining exchange and discard the replies."""
+        c = self.s
+        c.check_usable("draining an abandoned step")
+        logger.warning("%s: draining abandoned step %d (%d exchanges carry zeros)", c.me, st.step,
+                       st.seq.total)
+        cfg = st.schedule.config
+        zeros: dict[int, tuple] = {}
+        for s in st.schedule.stages:
+            n = st.schedule.attention_rows(s, self.role_rank)
+            zeros[s] = (
+                torch.zeros(n, cfg.hidden_size, dtype=cfg.hidden_dtype, device=self.device),
+                None if cfg.router_logits_width is None else
+                torch.zeros(n, cfg.router_logits_width, dtype=cfg.router_logits_dtype, device=self.device),
+                torch.zeros(n, dtype=torch.int32, device=self.device) if cfg.send_token_ids else None,
+            )
+        op = "abandon_step (drain)"
+        while st.seq.sent < st.seq.total:
+            layer, stage = st.seq.seq[st.seq.sent]
+            h, lg, ids = zeros[stage]
+            self._send_rows(st, layer, stage, h, lg, ids, -1, op)
+            self._recv_reply(st, st.pending[stage][0], torch.empty_like(h), op)
+        st.seq.abandoned = False
+
+    def warmup(self, st: Step, op: str, synchronize: Callable[[], None]) -> None:
+        """One warm-up round: send a known pattern per stage, check the echo (see ``AFDConnector.warmup``)."""
+        c = self.s
+        cfg = st.schedule.config
+        hs = cfg.hidden_size
+        sent: dict[int, Any] = {}
+        for s in st.schedule.stages:
+            n = st.schedule.attention_rows(s, self.role_rank)
+            h = (torch.arange(n * hs, device=self.device) % 7 + 1 + self.role_rank).float().to(cfg.hidden_dtype)
+            h = h.reshape(n, hs)
+            lg = None if cfg.router_logits_width is None else torch.zeros(
+                n, cfg.router_logits_width, dtype=cfg.router_logits_dtype, device=self.device)
+            ids = torch.zeros(n, dtype=torch.int32, device=self.device) if cfg.send_token_ids else None
+            ctx = AFDTransferContext(AFDTransferMetadata.create_attention_metadata(layer_idx=0, stage_idx=s,
+                                                                                   seq_len=n))
+            self.send_attn_output(h, ctx, lg, ids)
+            sent[s] = h
+        outs = {s: self.recv_ffn_output(torch.empty_like(sent[s]), s) for s in st.schedule.stages}
+        synchronize()  # bounded: a dead peer is a named error, not a hang
+        for s, out in outs.items():
+            if not torch.equal(out, sent[s]):
+                raise AFDProtocolError(f"{op} on {c.me}: stage {s} echo differs from what was sent",
+                                       op=op, stage=s)

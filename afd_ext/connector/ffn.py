@@ -1,0 +1,158 @@
+"""The FFN side's data path: fan-in every attention peer's rows, split the output back.
+
+The fan-in lands in this rank's per-stage buffers (views returned to the
+caller, valid until the next receive of the stage); a reply is sent as row
+views of the caller's output, kept alive until the stage's stream is joined
+again. Caller-facing docstrings are the facade's (:class:`afd_ext.connector.AFDConnector`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from ..errors import AFDConfigError, AFDStateError
+from ..metadata import AFDA2FTransferPayload, AFDExpertRoutingSpec, AFDTransferContext, AFDTransferMetadata
+from ..schedule import PACKED
+from .step import AfdExtTransferState, ReplySend, Step
+
+if TYPE_CHECKING:
+    from .session import Session
+
+__all__ = ["FFNSide"]
+
+
+class FFNSide:
+    """``recv_attn_output`` / ``send_ffn_output`` of one FFN rank, and its replies in flight.
+
+    Args:
+        session: the connector's :class:`~afd_ext.connector.session.Session` (step, transport, failure rules).
+        role_rank: this rank's index; device: where its tensors live.
+    """
+
+    def __init__(self, session: "Session", role_rank: int, device: torch.device):
+        self.s = session
+        self.role_rank = role_rank
+        self.device = device
+        self._reply_sends: dict[int, ReplySend] = {}
+
+    def recv_attn_output(self, ubatch_idx: int, routing_spec: AFDExpertRoutingSpec | None,
+                         recv_input_ids: bool) -> AFDA2FTransferPayload:
+        op = "recv_attn_output"
+        c = self.s
+        c.check_usable(op)
+        st = c.require_step(op)
+        cfg = st.schedule.config
+        try:
+            layer, stage = st.seq.next_fan_in(ubatch_idx, op)
+            if routing_spec is not None:
+                if cfg.router_logits_width is None:
+                    raise AFDConfigError(f"{op}: routing_spec {routing_spec} given, but the connector was initialised "
+                                     "without router logits; pass router_logits_width (or routing_spec) at "
+                                     "construction on both roles")
+                if (routing_spec.router_logits_width, routing_spec.router_logits_dtype) != \
+                        (cfg.router_logits_width, cfg.router_logits_dtype):
+                    raise AFDConfigError(f"{op}: routing_spec {routing_spec} differs from the configured router logits "
+                                     f"[{cfg.router_logits_width}] {cfg.router_logits_dtype}")
+            if recv_input_ids and not cfg.send_token_ids:
+                raise AFDConfigError(f"{op}: recv_input_ids=True but the connector was initialised with "
+                                 "send_token_ids=False; enable it on both roles")
+        except (ValueError, AFDStateError) as e:
+            raise c.reject(st, e, moved=st.seq.moved) from None
+        sch = st.schedule
+        plan = sch.ffn_plan(stage, self.role_rank)
+        bufs = st.bufs[stage]
+        hidden, logits, ids = bufs["hidden"], bufs.get("logits"), bufs.get("ids")
+        tag = st.tag(op, "a2f", layer, stage, layer)
+        # The previous reply of this stage may still be sending from memory the
+        # caller computed in place in this buffer (gloo); it completes as soon as
+        # the peer posts its receive, which it does without waiting for us.
+        self._wait_reply_send(stage, release=False)
+        tr = c.data(st)
+        if sch.wire_format(stage) == PACKED:
+            wire = bufs["wire"]
+            c.transport_call(tr.fan_in, (wire,), plan.peers, plan.rows, tag=tag)
+            if plan.total:
+                from .. import ops
+
+                ops.unpack_rows(wire, hidden, logits, ids)
+        else:
+            c.transport_call(tr.fan_in, (hidden, logits, ids), plan.peers, plan.rows, tag=tag)
+        self._reply_sends.pop(stage, None)  # the previous reply's memory is free for the caller again
+        st.seq.received += 1
+        meta = AFDTransferMetadata.create_ffn_metadata(layer_idx=layer, stage_idx=stage, seq_lens=list(plan.rows))
+        ctx = AFDTransferContext(meta, AfdExtTransferState(st.step, layer, stage))
+        return AFDA2FTransferPayload(hidden, ctx, logits, ids)
+
+    def send_ffn_output(self, ffn_output: torch.Tensor, context: AFDTransferContext) -> None:
+        op = "send_ffn_output"
+        c = self.s
+        tr = c.check_usable(op)
+        st = c.require_step(op)
+        try:
+            layer, stage = st.seq.next_reply_send(op)
+            state = context.states
+            if isinstance(state, AfdExtTransferState):
+                if (state.step, state.layer, state.stage) != (st.step, layer, stage):
+                    raise AFDConfigError(
+                        f"{op} on {c.me} with the context of step {state.step}, layer {state.layer}, "
+                        f"stage {state.stage}, but the reply due next is step {st.step}, layer {layer}, stage "
+                        f"{stage} (replies go in receive order)")
+            elif context.metadata.stage_idx != stage:
+                raise AFDConfigError(f"{op} for stage {context.metadata.stage_idx}, but the reply due next is layer "
+                                 f"{layer}, stage {stage}")
+            if not isinstance(ffn_output, torch.Tensor):
+                raise AFDConfigError(f"ffn_output must be a torch.Tensor, got {type(ffn_output).__name__}")
+            if not context.metadata.validate_tensor_shape(tuple(ffn_output.shape)):
+                raise AFDConfigError(f"ffn_output shape {tuple(ffn_output.shape)!r} does not match metadata "
+                                 f"(total_tokens {context.metadata.total_tokens})")
+            tr.check_device(ffn_output, "ffn_output")
+            st.schedule.check_ffn_output(stage, self.role_rank, ffn_output)
+        except (ValueError, AFDStateError) as e:
+            raise c.reject(st, e, moved=True) from None
+        plan = st.schedule.ffn_plan(stage, self.role_rank)
+        tag = st.tag(op, "f2a", layer, stage, layer)
+        pending = c.transport_call(c.data(st).split_back, (ffn_output, None, None), plan.peers, plan.rows,
+                                    tag=tag)
+        # Keep ffn_output alive until the stage stream is joined again (next
+        # recv_attn_output of this stage, or the end of the step): the caching
+        # allocator must not hand its memory to the caller's stream while the
+        # stage stream still sends from it.
+        self._reply_sends[stage] = ReplySend(pending, ffn_output)
+        st.seq.sent += 1
+        if st.seq.complete:
+            tr.join()
+
+    # -- replies in flight ----------------------------------------------------------
+
+    def settle(self) -> None:
+        """Wait (bounded) until every reply in flight was taken by its peers."""
+        for s in list(self._reply_sends):
+            self._wait_reply_send(s)
+
+    def forget(self) -> None:
+        """Drop the replies in flight without waiting (the transport is broken or closing)."""
+        for rs in self._reply_sends.values():
+            rs.pending.done = True
+        self._reply_sends.clear()
+
+    def _wait_reply_send(self, stage: int, *, release: bool = True) -> None:
+        rs = self._reply_sends.get(stage)
+        if rs is None:
+            return
+        try:
+            rs.pending.wait()
+        except BaseException as e:
+            self.s.fail_step(e)
+            raise
+        if release:
+            del self._reply_sends[stage]
+
+    def warmup(self, st: Step, op: str, synchronize: Callable[[], None]) -> None:
+        """One warm-up round: echo what every stage received (see ``AFDConnector.warmup``)."""
+        for s in st.schedule.stages:
+            p = self.recv_attn_output(s, None, False)
+            self.send_ffn_output(p.hidden_states, p.context)
+        self.settle()
+        synchronize()

@@ -1,0 +1,176 @@
+"""The step machine, pure (no torch, no transport): which (layer, stage) exchange comes next.
+
+A step runs ``num_layers x len(stages)`` exchanges in one order, layer-major
+and stage-minor, on every rank. Each role counts two positions:
+
+* attention: ``sent`` (``send_attn_output`` calls) and ``received`` (replies,
+  ``recv_ffn_output``); a reply is due only for an exchange already sent.
+* FFN: ``received`` (``recv_attn_output`` fan-ins) and ``sent`` (replies,
+  ``send_ffn_output``); a reply is due only for an exchange already received.
+
+Every call is checked against the order before anything moves; a violation is
+``ValueError`` (wrong stage) or :class:`~afd_ext.errors.AFDStateError`
+(nothing due). Whether a rejected call abandons the step (nothing of it moved
+yet: it may be drained with zeros) or aborts it everywhere (data already moved)
+is decided here too (:meth:`StepSequencer.moved`, :meth:`StepSequencer.on_new_payload`).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..errors import AFDConfigError, AFDStateError
+
+__all__ = ["StepSequencer", "exchange_order"]
+
+
+def exchange_order(num_layers: int, stages: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """The step's exchanges, layer-major and stage-minor: ``((0, s0), (0, s1), (1, s0), ...)``."""
+    return tuple((layer, s) for layer in range(num_layers) for s in stages)
+
+
+class StepSequencer:
+    """One step's position on one rank.
+
+    Args:
+        step: the step number (1, 2, ... per generation).
+        role: ``"attention"`` or ``"ffn"``.
+        seq: the exchange order (:func:`exchange_order`).
+        me: this rank's label, for messages.
+    """
+
+    def __init__(self, step: int, role: str, seq: Sequence[tuple[int, int]], me: str = ""):
+        self.step = step
+        self.role = role
+        self.seq = tuple(seq)
+        self.me = me
+        self.sent = 0
+        self.received = 0
+        #: A call of this step was rejected before anything moved (drain with zeros or retry).
+        self.abandoned = False
+
+    # -- position -------------------------------------------------------------------
+
+    @property
+    def total(self) -> int:
+        return len(self.seq)
+
+    @property
+    def stages(self) -> tuple[int, ...]:
+        return tuple(dict.fromkeys(s for _, s in self.seq))
+
+    @property
+    def complete(self) -> bool:
+        """Every exchange of the step is done on this rank (attention: replies in; FFN: replies out)."""
+        return (self.received if self.role == "attention" else self.sent) >= self.total
+
+    @property
+    def moved(self) -> bool:
+        """Data of this step has left or reached this rank (a failure now must abort the step everywhere)."""
+        return (self.sent if self.role == "attention" else self.received) > 0
+
+    def progress(self) -> str:
+        """The position in words, e.g. ``"3 of 8 exchanges sent, 2 replies received"``."""
+        if self.role == "attention":
+            return f"{self.sent} of {self.total} exchanges sent, {self.received} replies received"
+        return f"{self.received} of {self.total} exchanges received, {self.sent} replies sent"
+
+    def where(self, pos: int) -> str:
+        """``"step 3, layer 1, stage 0"`` for position ``pos``."""
+        if pos >= self.total:
+            return f"step {self.step} (all {self.total} exchanges done)"
+        layer, stage = self.seq[pos]
+        return f"step {self.step}, layer {layer}, stage {stage}"
+
+    # -- attention ------------------------------------------------------------------
+
+    def next_send(self, stage: int, op: str) -> tuple[int, int]:
+        """The ``(layer, stage)`` an attention send for ``stage`` is (not advanced).
+
+        Raises:
+            AFDStateError: every exchange was sent.
+            ValueError: ``stage`` is not the next exchange's stage.
+        """
+        if self.sent >= self.total:
+            raise AFDStateError(
+                f"{op} on {self.me}: all {self.total} exchanges of step {self.step} were already sent; "
+                "apply the next step's payload (update_state_from_dp_metadata) first")
+        layer, want = self.seq[self.sent]
+        if stage != want:
+            raise AFDConfigError(
+                f"{op} on {self.me} for stage {stage}, but the next exchange of the step is layer {layer}, "
+                f"stage {want} (exchanges run layer-major, stage-minor over stages {list(self.stages)})")
+        return layer, want
+
+    def next_reply(self, stage: int, op: str) -> tuple[int, int]:
+        """The ``(layer, stage)`` whose reply an attention receive for ``stage`` takes (not advanced).
+
+        Raises:
+            AFDStateError: no sent exchange awaits its reply.
+            ValueError: ``stage`` is not the stage of the oldest one.
+        """
+        if self.received >= self.sent:
+            raise AFDStateError(
+                f"{op}(ubatch_idx={stage}) on {self.me}: no exchange is awaiting its reply "
+                f"({self.progress()}); call send_attn_output first")
+        layer, want = self.seq[self.received]
+        if stage != want:
+            raise AFDConfigError(
+                f"{op}(ubatch_idx={stage}) on {self.me}, but the reply due next is layer {layer}, "
+                f"stage {want} (replies arrive in send order: layer-major, stage-minor)")
+        return layer, want
+
+    # -- FFN ------------------------------------------------------------------------
+
+    def next_fan_in(self, stage: int, op: str) -> tuple[int, int]:
+        """The ``(layer, stage)`` an FFN receive for ``stage`` is (not advanced).
+
+        Raises:
+            AFDStateError: every exchange was received.
+            ValueError: ``stage`` is not the next exchange's stage.
+        """
+        if self.received >= self.total:
+            raise AFDStateError(
+                f"{op} on {self.me}: all {self.total} exchanges of step {self.step} were received; "
+                "receive and apply the next step's payload first")
+        layer, want = self.seq[self.received]
+        if stage != want:
+            raise AFDConfigError(f"{op}(ubatch_idx={stage}) on {self.me}, but the next exchange is "
+                             f"layer {layer}, stage {want} (layer-major, stage-minor)")
+        return layer, want
+
+    def next_reply_send(self, op: str) -> tuple[int, int]:
+        """The ``(layer, stage)`` the next FFN reply belongs to (not advanced).
+
+        Raises:
+            AFDStateError: no received exchange awaits its reply.
+        """
+        if self.sent >= self.received:
+            raise AFDStateError(f"{op} on {self.me}: no received exchange awaits its reply "
+                                f"({self.progress()}); call recv_attn_output first")
+        return self.seq[self.sent]
+
+    # -- both -------------------------------------------------------------------------
+
+    def index(self, layer: int, stage: int) -> int | None:
+        """Position of exchange ``(layer, stage)`` in the step, or None."""
+        try:
+            return self.seq.index((layer, stage))
+        except ValueError:
+            return None
+
+    def on_new_payload(self) -> str:
+        """What a new step's payload does to this (incomplete or complete) step.
+
+        Returns:
+            ``"done"`` (complete), ``"drop"`` (nothing moved, not abandoned: the
+            step was only replaced), ``"drain"`` (attention: abandoned before
+            anything moved; send zeros for the rest so the peers finish it), or
+            ``"abort"`` (data moved and the step is incomplete, or an FFN step
+            abandoned: the step must be aborted on every rank).
+        """
+        if self.complete:
+            return "done"
+        if not self.moved and not (self.abandoned and self.role == "ffn"):
+            return "drain" if self.abandoned else "drop"
+        return "abort"

@@ -1,0 +1,270 @@
+"""What one connector holds between ``init_afd_connector`` and ``close``, and how a failure ends a step.
+
+The facade (:class:`afd_ext.connector.AFDConnector`) builds the session's
+links at init; the two sides (:mod:`.attention`, :mod:`.ffn`) go through it for
+every call: is the connector usable, which step is current, which transport
+carries this step's data, and what a rejected call or a transport error does
+to the step (abandon it when nothing moved yet; else abort it on every rank).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Any, Callable
+
+from ..errors import AFDConfigError, AFDError, AFDStateError, ConnectorStateError
+from ..metadata import AFDControlPayload
+from ..schedule import StepSchedule
+from ..transport.base import MessageTag, StepProgress, Transport
+from ..transport.signal import AbortSignal
+from .buffers import BufferPool
+from .sequencer import StepSequencer, exchange_order
+from .step import Step
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Session"]
+
+
+class Session:
+    """One connector's live state: links, the current step, and the failure rules.
+
+    Args:
+        me: this rank's label; role: ``"attention"`` / ``"ffn"``.
+        strict: strict-mode headers configured (eager steps then use the checked transport).
+        buffers: this rank's :class:`~afd_ext.connector.buffers.BufferPool`.
+    """
+
+    def __init__(self, me: str, role: str, strict: bool, buffers: BufferPool):
+        self.me = me
+        self.role = role
+        self.strict = strict
+        self.buffers = buffers
+        self.initialized = False
+        self.store: Any = None
+        self.signal: AbortSignal | None = None
+        self.transport: Transport | None = None  # the plain transport
+        self.checked: Transport | None = None  # its strict-mode view (itself when not strict)
+        self.broken: BaseException | None = None
+        self.step: Step | None = None
+        self.step_counter = 0
+        self.last_call = time.monotonic()
+
+    def reset(self) -> None:
+        """Forget the previous generation's failure and step (a new init)."""
+        self.broken = None
+        self.step = None
+        self.step_counter = 0
+        self.last_call = time.monotonic()
+
+    def close(self, control: Any, replies: Any) -> None:
+        """Release everything, bounded, never raising: replies in flight, step, buffers, ``control``, the transport.
+
+        Args:
+            control: the control channels (closed after the step state, before the transport), or None.
+            replies: the FFN side (its replies in flight are delivered when healthy, else dropped), or None.
+        """
+        if replies is not None:
+            if self.initialized and self.broken is None and self.transport is not None:
+                # Healthy close: the last replies may still be in flight (gloo sends
+                # asynchronously); let the peers take them (bounded by the deadline).
+                try:
+                    replies.settle()
+                except Exception as e:  # noqa: BLE001 - close must not raise
+                    logger.warning("%s: last replies not delivered at close: %s", self.me, e)
+            replies.forget()
+        self.initialized = False
+        self.step = None
+        old_bufs = self.buffers.release()
+        if control is not None:
+            try:
+                control.close()
+            except Exception as e:  # noqa: BLE001 - close must not raise
+                logger.warning("closing AFD control channels: %s", e)
+        tr, self.transport, self.checked = self.transport, None, None
+        if tr is not None:
+            try:
+                tr.close(buffers=old_bufs)
+            except Exception as e:  # noqa: BLE001
+                logger.warning("closing AFD %s transport: %s", tr.kind, e)
+        self.store = None
+        self.signal = None
+
+    def open(self, conn: Any) -> Any:
+        """Build this generation's links for connector ``conn`` (collective): store, handshake, transport, channels.
+
+        Returns:
+            The control plane over the opened channels.
+
+        Raises:
+            What :meth:`AFDConnector.init_afd_connector` documents; the caller closes on failure.
+        """
+        from .. import control_plane as cpl
+        from .. import rendezvous as rdzv
+        from ..transport import create_transport
+        from ..transport.base import TransportSetup
+
+        extra = conn.extra
+        self.reset()
+        store = rdzv.connect(conn.config.host, conn.config.port, conn.world_rank, conn.world_size,
+                             timeout_s=extra.init_timeout_s, num_ffn_ranks=conn.ffn_size,
+                             job_id=extra.job_id)
+        self.store = store
+        rdzv.handshake(store, conn.world_rank, conn.world_size, conn.handshake_fields(), extra.init_timeout_s)
+        self.signal = store.abort_signal  # shared with the rendezvous waits: one bounded reader per store
+        self.signal.me = self.me
+        setup = TransportSetup(store, conn.topology, conn.peer_map, conn.device, conn.data_timeout_s,
+                               extra.init_timeout_s, abort=self.signal, progress=self.progress,
+                               publish_after_s=conn.publish_after_s, schedule_config=conn.schedule_config,
+                               extra=extra)
+        # The configured name (``auto`` is resolved here, every generation); the kind that runs is reported.
+        self.transport, self.checked = create_transport(extra.transport, setup, strict=extra.strict)
+        conn.transport_kind = self.transport.kind
+        channels = cpl.open_control_channels(
+            store, conn.topology, conn.role, conn.role_rank, extra.control_channel, extra.init_timeout_s,
+            options=cpl.ChannelOptions.from_env(heartbeat_interval_s=extra.heartbeat_interval_s,
+                                                heartbeat_timeout_s=extra.heartbeat_timeout_s))
+        control = cpl.ChannelControlPlane(conn._apply_payload, conn.topology, conn.role, conn.role_rank, channels,
+                                          store=store)
+        self.initialized = True
+        return control
+
+    # -- usability ---------------------------------------------------------------------
+
+    def tag(self, op: str) -> MessageTag:
+        """A tag for a call that is not one exchange (health checks, synchronize, replays)."""
+        return MessageTag(op, "a2f", self.step_counter, -1, -1)
+
+    def check_usable(self, op: str) -> Transport:
+        """The plain transport, after checking the connector is initialised, unbroken and healthy.
+
+        Raises:
+            ConnectorStateError: not initialised, or broken by an earlier failure.
+            The transport's pending failure (the step is then aborted everywhere).
+        """
+        self.last_call = time.monotonic()
+        if not self.initialized or self.transport is None:
+            raise ConnectorStateError(
+                f"AFD connector ({self.me}) is not initialized; call init_afd_connector() before {op}")
+        if self.broken is not None:
+            raise ConnectorStateError(
+                f"AFD connector ({self.me}) is unusable after a failed step ({self.broken}); "
+                f"call close() and init_afd_connector() on every rank before {op}") from self.broken
+        tr = self.transport
+        try:
+            tr.check_health(self.tag(op))
+        except BaseException as e:
+            self.fail_step(e)
+            raise
+        return tr
+
+    def require_step(self, op: str) -> Step:
+        st = self.step
+        if st is None:
+            raise ConnectorStateError(
+                f"{op} on {self.me}: no step is active; call "
+                "control_plane.update_state_from_dp_metadata(payload) first (attention: every step before "
+                "sending; FFN: after recv_dp_metadata_list)")
+        return st
+
+    def data(self, st: Step) -> Transport:
+        """The transport of ``st``'s data calls: the strict-mode view unless the step is captured/replayed."""
+        return self.checked if st.strict else self.transport
+
+    # -- failures ------------------------------------------------------------------------
+
+    def fail_step(self, exc: BaseException) -> None:
+        """Abort the step on every rank: post the abort signal, abort our transport."""
+        if self.broken is None:
+            self.broken = exc
+        if self.signal is not None:
+            self.signal.post(exc)
+        if self.transport is not None:
+            try:
+                self.transport.abort(str(exc).splitlines()[0][:200])
+            except Exception as e:  # noqa: BLE001
+                logger.warning("aborting AFD transport: %s", e)
+
+    def transport_call(self, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)``; a transport error aborts the step everywhere, then propagates."""
+        try:
+            return fn(*args, **kwargs)
+        except (AFDError, RuntimeError) as e:  # every transport error (AFDPeerError is a ConnectionError)
+            self.fail_step(e)
+            raise
+
+    def reject(self, st: Step, exc: BaseException, *, moved: bool) -> BaseException:
+        """A call failed its checks. Mid-step (``moved``): abort the step everywhere; else abandon it."""
+        if moved:
+            note = (f" The step was already under way on {self.me} ({st.seq.progress()}), so it was "
+                    "aborted on every rank; close() and init_afd_connector() to continue.")
+            exc = type(exc)(str(exc) + note) if isinstance(exc, (ValueError, AFDStateError)) else exc
+            self.fail_step(exc)
+        else:
+            st.seq.abandoned = True
+        return exc
+
+    # -- steps ---------------------------------------------------------------------------
+
+    def next_step(self, payload: AFDControlPayload, schedule: Callable[[AFDControlPayload], StepSchedule], *,
+                  drain: Callable[[Step], None] | None, settle: Callable[[], None] | None) -> Step:
+        """Apply a step's payload: end the previous step (drain an abandoned one), then start this one.
+
+        Args:
+            payload: the step's control payload.
+            schedule: builds the step's schedule from the payload.
+            drain: the attention side's drain of an abandoned step (None on FFN ranks).
+            settle: the FFN side's wait for its replies in flight (None on attention ranks).
+
+        Raises:
+            AFDConfigError: ``payload`` is not an ``AFDControlPayload`` (or the schedule rejects it).
+            ConnectorStateError: not usable, or the previous step is incomplete mid-way (then
+                aborted on every rank).
+        """
+        op = "update_state_from_dp_metadata"
+        self.check_usable(op)
+        prev = self.step
+        if prev is not None:
+            what = prev.seq.on_new_payload()
+            if what == "drain":
+                drain(prev)
+            elif what == "drop":
+                logger.debug("%s: step %d replaced before any exchange", self.me, prev.step)
+            elif what == "abort":
+                exc = ConnectorStateError(
+                    f"{op} on {self.me}: the previous step {prev.step} is incomplete ({prev.seq.progress()}); "
+                    f"every step must run all {prev.seq.total} (layer, stage) exchanges. The step was aborted "
+                    "on every rank; close() and init_afd_connector() to continue.")
+                self.fail_step(exc)
+                raise exc
+        self.step = None
+        if settle is not None:
+            settle()
+        if not isinstance(payload, AFDControlPayload):
+            raise AFDConfigError(f"payload must be an AFDControlPayload, got {type(payload).__name__}")
+        return self.start_step(schedule(payload), payload)
+
+    def start_step(self, sch: StepSchedule, payload: AFDControlPayload) -> Step:
+        """Make ``sch`` the current step: its sequencer, buffers and the transport's stage resources."""
+        self.step_counter += 1
+        strict = self.strict and not (payload.is_graph_capturing or payload.is_graph_replaying)
+        seq = StepSequencer(self.step_counter, self.role, exchange_order(sch.config.num_layers, sch.stages), self.me)
+        st = Step(seq, sch, strict, pending={s: deque() for s in sch.stages})
+        for s in sch.stages:
+            own = self.transport.receive_buffers(sch, s) if self.transport is not None else None
+            st.bufs[s] = own if own is not None else self.buffers.stage(sch, s)
+        if self.transport is not None:
+            self.transport.begin_step(sch)
+        self.step = st
+        return st
+
+    def progress(self) -> StepProgress | None:
+        """This rank's step position for the transport's stall reports (read from its watchdog thread)."""
+        st = self.step
+        if st is None or not self.initialized:
+            return None
+        q = st.seq
+        return StepProgress(q.step, q.total, q.sent, q.received, q.complete, q.seq, q.progress(),
+                            time.monotonic() - self.last_call)

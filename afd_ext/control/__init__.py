@@ -1,0 +1,146 @@
+"""The control plane: once per step, the DP metadata travels attention -> FFN on the host.
+
+Per step, before the layer loop, every attention rank applies the control
+payload locally (:meth:`AFDControlPlane.update_state_from_dp_metadata`, which
+validates the whole step up front) and calls
+:meth:`AFDControlPlane.send_dp_metadata_list` (a no-op on ranks that are not
+control senders); every FFN rank blocks in
+:meth:`AFDControlPlane.recv_dp_metadata_list`, which returns the decoded
+:class:`~afd_ext.metadata.AFDControlPayload`. Who sends to whom comes from the
+topology alone (:meth:`Topology.control_destinations` /
+:meth:`Topology.control_source`): attention rank ``a < min(A, F)`` sends to FFN
+ranks ``a, a + min(A, F), ...``; every FFN rank has exactly one source and
+receives the whole per-rank count vector.
+
+Channels: host memory only
+--------------------------
+Unlike the reference (two blocking NCCL messages per step and a ``.item()``
+device sync on the FFN side), the payload never touches a GPU. Each
+(source, FFN rank) pair has one :class:`ControlChannel`:
+
+* ``shm`` (both ends on one host): a single-producer/single-consumer ring in
+  POSIX shared-memory segment (``/dev/shm``). Layout, little-endian::
+
+      header (256 B): magic u64 | version u32 | nslots u32 | slot_bytes u64 |
+                      sender pid u64 | sender start time u64 | receiver pid u64 |
+                      receiver start time u64 | ... ;
+                      [64]  read_count u64   (receiver: slots consumed)
+                      [128] heartbeat_ns u64 (sender: CLOCK_MONOTONIC) |
+                            sender_state u64 (0 new, 1 attached, 2 closed)
+      slot i (stride 64-byte aligned): seq u64 | total_len u64 | frag_len u32 |
+                      sender u32 | crc u32 | pad u32 | payload[slot_bytes]
+
+  Message ``k`` (counted in slots) uses slot ``k % nslots`` as a seqlock: the
+  sender waits until ``k - read_count < nslots`` (flow control), stores
+  ``seq = 2k+1``, writes the fields and the payload, then stores ``seq =
+  2k+2``. The receiver waits for ``seq == 2k+2``, copies the fields and the
+  payload, re-reads ``seq`` and checks a CRC-32 over fields and payload; any
+  change or mismatch is a torn read and is retried, so a reader never returns
+  half-written bytes even on a weakly ordered CPU (on x86-64 the store order
+  alone suffices; the CRC is the safety net elsewhere); a published slot that
+  stays inconsistent for ``_CORRUPT_AFTER_S`` is a corrupt ring
+  (:class:`ControlProtocolError`). 8-byte fields are single aligned
+  loads/stores (``memoryview.cast("Q")``). Messages larger than one slot are
+  split over consecutive slots; the receiver bounds the total by
+  ``max_message_bytes`` before allocating. The FFN end creates the segment under a fresh random name tied to
+  the store's generation, the sender attaches, and as soon as both are
+  attached the name is unlinked: nothing is left in ``/dev/shm`` even if a
+  process is killed later, and a stale segment is never reused.
+
+* ``tcp`` (across hosts): the FFN end listens on the address through which it
+  reaches the rendezvous host (never a hard-coded loopback; override with
+  ``AFD_CONTROL_ADDR``), publishes ``addr:port`` through the store; the
+  sender connects (``TCP_NODELAY``) and introduces itself. Frames are
+  ``magic u32 | type u32 | sender world rank u32 | length u64 | bytes``.
+
+How a receiver waits: ready while serving, asleep when idle
+------------------------------------------------------------
+Waking a blocked thread costs ~110 µs on a server host (scheduler and
+C-state exit), more than the whole rest of a step's control plane. So while
+the engine is active (the last payload arrived less than ``idle_s`` ago,
+default 10 s, ``AFD_CONTROL_IDLE_S``) a waiting FFN rank keeps polling, in
+native code (``csrc/cpu/control_poll.cpp``: ``_C.ctrl_take`` for shm, which
+releases the GIL while it waits, and a ``ctypes`` call for tcp, which does too:
+the serving engine's other threads keep running). The shm path also encodes,
+publishes, takes and parses the payload in one native call per side. It polls
+in slices of at most 50 ms and runs the liveness checks between slices. This
+costs one core per FFN rank while serving, which a serving FFN process owns
+anyway. Once idle for ``idle_s``, the receiver raises a ``waiting`` flag (shm)
+and blocks (a doorbell: an abstract ``AF_UNIX`` datagram socket named after
+the segment, which the sender rings after publishing when it sees the flag;
+a full fence orders the publish before that read, the receiver's drain
+syscall orders its side; tcp: ``poll`` on the socket), so an
+idle FFN rank burns no CPU. ``idle_s = 0`` always blocks (few cores, many
+ranks: CI). Without the native poll (a stale build) the receiver spins in
+Python for at most ``_FALLBACK_SPIN_S`` before blocking.
+
+``auto`` (the default) picks ``shm`` when both ends report the same
+:func:`~afd_ext.rendezvous.host_identity` (host name, boot id, mount and pid
+namespaces) through the store, else ``tcp``. Every frame carries the sender's
+world rank and the receiver checks it is the one the topology names (the
+reference checks its two messages came from the same rank).
+
+Liveness: idle is not dead
+--------------------------
+An FFN rank waiting for the next step may wait indefinitely while the
+attention side is idle. The sender therefore publishes a heartbeat from a
+daemon thread every ``heartbeat_interval_s`` (a CLOCK_MONOTONIC timestamp in
+the shared segment, or a small heartbeat frame over TCP). The receiver raises
+:class:`PeerDeadError` naming the peer and ``recv_dp_metadata_list`` when the
+heartbeat is older than ``heartbeat_timeout_s``, at once when the sender's
+process is gone (same host: its pid and start time are checked) or its socket
+closed without a goodbye, and :class:`~afd_ext.rendezvous.StepAbortedError`
+when some rank posted the step-abort signal. A live idle peer is waited for
+forever, or until the optional ``recv_timeout_s``. A sender that closes its
+channel cleanly makes the receiver raise :class:`ControlChannelClosed`, so an
+FFN serving loop can end.
+
+The payload travels in the compact binary layout of
+:func:`~afd_ext.metadata.encode_control_binary` (both ends are ``afd_ext``);
+the JSON codec stays the reference-format API. A malformed payload, a corrupt
+ring or a frame from the wrong rank posts the step-abort signal before it
+raises :class:`ControlProtocolError`, so the attention ranks stop at once.
+
+Measured cost: ``afd-ext bench --control-only`` (:mod:`afd_ext.bench.control`)
+measures attention ``send_dp_metadata_list`` call start -> FFN
+``recv_dp_metadata_list`` return at step gaps of 1-50 ms; see
+docs/benchmarks.md.
+"""
+from __future__ import annotations
+
+from afd_ext.rendezvous import StepAbortedError  # noqa: F401 - re-exported: recv raises it
+
+from .channel import (
+    CHANNEL_KINDS,
+    DEFAULT_HEARTBEAT_INTERVAL_S,
+    DEFAULT_HEARTBEAT_TIMEOUT_S,
+    DEFAULT_IDLE_S,
+    ChannelOptions,
+    ControlChannel,
+    ControlChannelClosed,
+    ControlProtocolError,
+    ControlRecvTimeout,
+    PeerDeadError,
+)
+from .plane import AFDControlPlane, ChannelControlPlane, open_control_channels
+from .shm import ShmControlChannel
+from .tcp import TcpControlChannel
+
+__all__ = [
+    "DEFAULT_HEARTBEAT_INTERVAL_S",
+    "DEFAULT_HEARTBEAT_TIMEOUT_S",
+    "DEFAULT_IDLE_S",
+    "CHANNEL_KINDS",
+    "PeerDeadError",
+    "StepAbortedError",
+    "ControlChannelClosed",
+    "ControlRecvTimeout",
+    "ControlProtocolError",
+    "ChannelOptions",
+    "ControlChannel",
+    "ShmControlChannel",
+    "TcpControlChannel",
+    "open_control_channels",
+    "AFDControlPlane",
+    "ChannelControlPlane",
+]

@@ -1,0 +1,315 @@
+"""Control channels: options, the channel contract and its liveness policy, the native path.
+
+The design is described in :mod:`afd_ext.control` (package doc).
+"""
+
+from __future__ import annotations
+
+import abc
+import ctypes
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from afd_ext import rendezvous as rdzv
+from afd_ext.errors import (  # noqa: F401 - ControlChannelClosed, ControlProtocolError: re-exported by the package
+    AFDConfigError,
+    AFDStateError,
+    ControlChannelClosed,
+    ControlProtocolError,
+    ControlRecvTimeout,
+    PeerDeadError,
+)
+
+
+logger = logging.getLogger("afd_ext.control_plane")  # the name users configure (docs/troubleshooting.md)
+
+#: How often a sender publishes its heartbeat, in seconds.
+DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
+#: Heartbeat age after which the receiver declares the sender dead, in seconds.
+DEFAULT_HEARTBEAT_TIMEOUT_S = 30.0
+#: How long after the last payload a waiting receiver keeps polling before it blocks, in seconds.
+DEFAULT_IDLE_S = 10.0
+#: Payload bytes per shared-memory slot; larger messages span several slots.
+DEFAULT_SLOT_BYTES = 16384
+#: Slots per shared-memory ring.
+DEFAULT_NSLOTS = 8
+#: Largest message a channel accepts, in bytes (bounded before allocation).
+DEFAULT_MAX_MESSAGE_BYTES = 16 << 20
+#: Channel kinds accepted by :func:`open_control_channels`.
+CHANNEL_KINDS = ("auto", "shm", "tcp")
+
+# How often a waiting receiver looks at the heartbeat / peer process, and at the
+# store's abort key (a store round trip), in seconds.
+_LIVENESS_EVERY_S = 0.05
+_ABORT_EVERY_S = 0.1
+_MAX_SLEEP_S = 0.001
+_STORE_LOSS_GRACE_S = 1.0
+_MIN_SLEEP_S = 20e-6
+# Without the native poll: the longest Python spin (it holds the GIL) before blocking.
+_FALLBACK_SPIN_S = 0.002
+# A writer fills a slot in microseconds; a published slot inconsistent for this long is corrupt.
+_CORRUPT_AFTER_S = 1.0
+
+_OP_RECV = "recv_dp_metadata_list"
+_OP_SEND = "send_dp_metadata_list"
+
+
+
+@dataclass(frozen=True)
+class ChannelOptions:
+    """Tuning of the control channels (all times in seconds).
+
+    Attributes:
+        heartbeat_interval_s: how often the sender publishes a heartbeat.
+        heartbeat_timeout_s: heartbeat age that makes the receiver raise
+            :class:`PeerDeadError`; must exceed ``heartbeat_interval_s``.
+        idle_s: how long after the last payload a waiting receiver keeps
+            polling (native code, GIL released, one core) before it blocks;
+            0 always blocks. Default 10 s (``AFD_CONTROL_IDLE_S``).
+        slot_bytes: shm payload bytes per slot (>= 64).
+        nslots: shm ring slots (>= 2).
+        max_message_bytes: largest message accepted by a receiver.
+    """
+
+    heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
+    heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
+    idle_s: float = DEFAULT_IDLE_S
+    slot_bytes: int = DEFAULT_SLOT_BYTES
+    nslots: int = DEFAULT_NSLOTS
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+
+    def __post_init__(self) -> None:
+        if not self.heartbeat_interval_s > 0:
+            raise AFDConfigError(f"heartbeat_interval_s must be > 0, got {self.heartbeat_interval_s!r}")
+        if not self.heartbeat_timeout_s > self.heartbeat_interval_s:
+            raise AFDConfigError(
+                f"heartbeat_timeout_s ({self.heartbeat_timeout_s!r}) must exceed "
+                f"heartbeat_interval_s ({self.heartbeat_interval_s!r})"
+            )
+        if not self.idle_s >= 0:
+            raise AFDConfigError(f"idle_s must be >= 0 seconds, got {self.idle_s!r}")
+        if not (isinstance(self.slot_bytes, int) and self.slot_bytes >= 64):
+            raise AFDConfigError(f"slot_bytes must be an int >= 64, got {self.slot_bytes!r}")
+        if not (isinstance(self.nslots, int) and self.nslots >= 2):
+            raise AFDConfigError(f"nslots must be an int >= 2, got {self.nslots!r}")
+        if not (isinstance(self.max_message_bytes, int) and self.max_message_bytes >= 1):
+            raise AFDConfigError(f"max_message_bytes must be an int >= 1, got {self.max_message_bytes!r}")
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> "ChannelOptions":
+        """Defaults, ``AFD_CONTROL_IDLE_S`` from the environment, then ``overrides`` (None ignored).
+
+        The connector passes ``heartbeat_interval_s``/``heartbeat_timeout_s`` from
+        ``connector_extra_config``.
+        """
+        from afd_ext import envs
+
+        kw: dict[str, Any] = {"idle_s": envs.get("AFD_CONTROL_IDLE_S")}
+        kw.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**kw)
+
+
+def _proc_start_time(pid: int) -> int | None:
+    """Start time (clock ticks since boot) of ``pid``, or None if it is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    rest = stat[stat.rfind(b")") + 2:].split()
+    if not rest or rest[0] in (b"Z", b"X", b"x"):
+        return None
+    try:
+        return int(rest[19])
+    except (IndexError, ValueError):
+        return None
+
+
+class RingState(ctypes.Structure):
+    """One end of one shared-memory ring as the native code sees it (``struct afd_ctrl_ring``)."""
+
+    _fields_ = [
+        ("hdr", ctypes.c_void_p),
+        ("nslots", ctypes.c_uint64),
+        ("stride", ctypes.c_uint64),
+        ("slot_bytes", ctypes.c_uint64),
+        ("out", ctypes.c_void_p),
+        ("k", ctypes.c_uint64),
+        ("local_rank", ctypes.c_uint32),
+        ("got_sender", ctypes.c_uint32),
+    ]
+
+
+class _Native:
+    """The compiled core's control-plane functions (``csrc/cpu/control_poll.cpp``).
+
+    Called through ``ctypes.CDLL``, which releases the GIL for each call.
+    Arguments are a pre-built ``byref`` of a :class:`RingState` and plain ints
+    below 2**31 (no ``argtypes``: each declared argument costs a conversion,
+    about 0.2 µs, on the per-message path).
+    """
+
+    def __init__(self, lib: Any, module: Any):
+        # (ring address, max_ns, max_stages, max_ranks) -> -1 not yet, -2 slow path, bytes, or the parsed
+        # (sender, flags, ((stage, max, counts), ...)); a CPython function: no ctypes conversions, GIL released
+        # while it waits (csrc/cpu/control_poll.cpp)
+        self.take = module.ctrl_take
+        # (ring address, flags, stages) -> 1 ring the bell, 0 sent, -1 ring full, -2 encode it in Python
+        self.send = module.ctrl_send
+        self.spin_fd = lib.afd_ctrl_spin_fd  # (fd, max_ns) -> 1 readable, 0 timeout, -errno
+        self.spin_fd.restype = ctypes.c_int
+        self.shm_publish = lib.afd_ctrl_shm_publish  # (ring, bytes, n) -> 1 ring the bell, 0, -1 full
+        self.shm_publish.restype = ctypes.c_int
+
+
+#: Longest single native wait, in ns (the C side takes an int).
+MAX_NATIVE_WAIT_NS = 2**31 - 1
+
+
+_native_lib: _Native | None | bool = False  # False: not looked up yet
+
+
+def _native() -> _Native | None:
+    """The native control-plane functions, or None (a stale build without them)."""
+    global _native_lib
+    if _native_lib is False:
+        try:
+            import torch  # noqa: F401 - loads the libraries the compiled core links against
+
+            from afd_ext import _C
+
+            _native_lib = _Native(ctypes.CDLL(_C.__file__), _C)
+        except (ImportError, OSError, AttributeError) as e:
+            logger.warning("afd_ext control plane: no native poll in the compiled core (%s); a waiting "
+                           "FFN rank blocks after %.0f ms and wakes slower (rebuild afd_ext)",
+                           e, _FALLBACK_SPIN_S * 1e3)
+            _native_lib = None
+    return _native_lib  # type: ignore[return-value]
+
+
+class ControlChannel(abc.ABC):
+    """One direction of one (attention rank, FFN rank) control link.
+
+    Attributes:
+        kind: ``"shm"`` or ``"tcp"``.
+        is_sender: True on the attention (sending) end.
+        peer_rank: world rank of the other end; ``peer``: its label.
+    """
+
+    kind: str = ""
+
+    def __init__(self, *, is_sender: bool, local_rank: int, peer_rank: int, peer: str,
+                 options: ChannelOptions, abort_check: Callable[[str], None] | None):
+        self.is_sender = is_sender
+        self.local_rank = local_rank
+        self.peer_rank = peer_rank
+        self.peer = peer
+        self.options = options
+        self._abort_check = abort_check
+        self._closed = False
+        self._store_lost_at: float | None = None
+        # Receiver: when the last payload arrived; polling continues until idle_s after it.
+        self._last_msg = time.monotonic()
+
+    @abc.abstractmethod
+    def send(self, data: bytes) -> None:
+        """Send one message (sender end only).
+
+        Args:
+            data: the message bytes (e.g. an encoded control payload), at most
+                ``options.max_message_bytes``.
+
+        Raises:
+            AFDConfigError: message too large; AFDStateError: wrong end or closed
+            channel; PeerDeadError: the receiver is gone.
+        """
+
+    @abc.abstractmethod
+    def recv(self, timeout_s: float | None = None, op: str = _OP_RECV) -> bytes:
+        """Receive the next message (receiver end only), in send order.
+
+        Args:
+            timeout_s: give up after this many seconds while the peer is alive;
+                None waits as long as the peer's heartbeat is fresh.
+            op: the operation named in errors.
+
+        Returns:
+            The message bytes.
+
+        Raises:
+            PeerDeadError: the sender died (process gone, socket reset, heartbeat older
+                than ``heartbeat_timeout_s``).
+            ControlChannelClosed: the sender closed the channel.
+            ControlRecvTimeout: ``timeout_s`` passed.
+            StepAbortedError: some rank posted the step-abort signal.
+            ControlProtocolError: a frame from an unexpected sender, a corrupt frame or slot.
+        """
+
+    def send_parts(self, parts: tuple[int, tuple]) -> None:
+        """Send a control payload given as :func:`afd_ext.metadata.control_payload_parts` output.
+
+        Raises: as :meth:`send`.
+        """
+        from afd_ext.metadata import encode_control_parts
+
+        self.send(encode_control_parts(*parts))
+
+    def recv_parts(self, timeout_s: float | None, op: str, max_stages: int, max_ranks: int) -> Any:
+        """Receive the next message as :meth:`recv`; a channel with a native decoder may return an
+        encoded control payload already parsed, as ``(flags, ((stage, max_tokens, counts), ...))``
+        (bounded by ``max_stages`` / ``max_ranks``). Raises as :meth:`recv`."""
+        return self.recv(timeout_s, op)
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the channel (idempotent). On the sender, tell the receiver (clean shutdown)."""
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _poll_abort(self, op: str) -> None:
+        """Look at the store's abort signal; tolerate a lost store for a short grace.
+
+        At a clean shutdown FFN rank 0 (the store's host) may exit a moment
+        before this channel's sender closes; the grace lets the close (or the
+        sender's death) be reported instead of the lost store.
+        """
+        try:
+            self._abort_check(op)
+        except rdzv.StoreUnavailableError:
+            now = time.monotonic()
+            if self._store_lost_at is None:
+                self._store_lost_at = now
+                logger.warning("%s: rendezvous store lost while waiting on the control channel of %s",
+                               op, self.peer)
+            if now - self._store_lost_at > _STORE_LOSS_GRACE_S:
+                raise
+
+    def _check_len(self, n: int) -> None:
+        if n > self.options.max_message_bytes:
+            raise AFDConfigError(
+                f"control message of {n} bytes exceeds max_message_bytes="
+                f"{self.options.max_message_bytes}; raise it on both ends"
+            )
+
+    def _check_header(self, op: str, sender: int, total: int) -> None:
+        """A received message's header: from the expected world rank, within ``max_message_bytes``."""
+        if sender != self.peer_rank:
+            raise ControlProtocolError(
+                f"{op}: received AFD DP metadata from world rank {sender}, expected {self.peer}"
+            )
+        if total > self.options.max_message_bytes:
+            raise ControlProtocolError(
+                f"{op}: {self.peer} announced a {total}-byte control message, above "
+                f"max_message_bytes={self.options.max_message_bytes}"
+            )
+
+    def _require(self, sender: bool, what: str) -> None:
+        if self._closed:
+            raise AFDStateError(f"{what} on a closed {self.kind} control channel to {self.peer}")
+        if self.is_sender != sender:
+            end = "sending (attention)" if self.is_sender else "receiving (FFN)"
+            raise AFDStateError(f"{what} called on the {end} end of the control channel to {self.peer}")

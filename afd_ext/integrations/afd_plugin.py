@@ -1,0 +1,525 @@
+"""afd_ext as a connector of the reference vLLM AFD plugin (``vllm-project/afd-plugin``).
+
+Why this module exists: the reference's runners build their connector through
+their own factory, which loads a registered class lazily, refuses anything
+that is not a subclass of ``afd_plugin.connectors.base.AFDConnectorBase``, and
+calls it as ``cls(rank, local_rank, vllm_config, afd_config, role_rank)`` with
+the reference's own ``AFDConfig``. :class:`AfdExtAFDConnector` is such a
+subclass: it translates that configuration, reads the model facts from
+``vllm_config``, and delegates every call to :class:`afd_ext.connector.AFDConnector`
+through its public methods only. Nothing here is imported by ``import afd_ext``;
+this module imports ``afd_plugin`` (and with it whatever the plugin imports)
+only when it is itself imported.
+
+Registration: vLLM calls every ``vllm.general_plugins`` entry point at
+start-up; ours is :func:`register`. It registers the class under
+``"AfdExtConnector"`` and, only when ``AFD_EXT_REPLACE_P2P=1`` is set, also
+under the reference's ``"P2pNcclAFDConnector"`` (``replace=True``). The
+second name is what the real runners need: their config validation accepts
+only the reference's three connector names, and choosing
+``P2pNcclAFDConnector`` also applies the reference's ``validate_p2p_topology``
+(``A >= F`` and ``A % F == 0``). ``docs/vllm.md`` says what a user writes.
+
+What changes under the reference's runners (all documented in ``docs/vllm.md``):
+
+* ``clamp_idle_to_one`` defaults to True: an idle DP rank runs a one-token
+  dummy batch and the reference counts it as one row.
+* The layer exchanges per step are all decoder layers, or, with
+  ``compute_gate_on_attention``, only the MoE layers (counted from the model
+  config, or ``connector_extra_config.num_exchange_layers``); router logits
+  then travel with width ``n_routed_experts`` / ``num_experts`` /
+  ``num_local_experts`` and the model dtype (or
+  ``connector_extra_config.router_logits_dtype``). Each ``routing_spec`` the
+  FFN runner passes is checked against them.
+* Facts come from :meth:`afd_ext.spec.ExchangeSpec.from_vllm_config` (the one
+  parser, shared with afd_ext's own connector): the init handshake compares
+  hidden size, layers, dtypes and the options, not each role's own TP size
+  (an FFN rank expands whatever per-DP count vector arrives, the reference's
+  rule; an attention rank accepts only vectors of its own DP size).
+* Attention-side calls made while ``torch.compile`` traces go through two
+  custom ops (``torch.ops.afd_ext_plugin.*``) keyed by an integer handle, so
+  the compiled graph calls the connector on every step (no per-step state
+  frozen at trace time; under DBO the stage is this thread's vLLM ubatch id,
+  read when the op runs). A step whose payload sets ``is_graph_capturing``
+  takes its buffers from a fresh static arena that is never freed (the
+  reference's FFN runner replays captured graphs without calling the
+  connector) and pauses the NCCL watchdog's event polling until a payload
+  without the flag arrives (event queries invalidate a global-mode capture).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import logging
+import weakref
+from typing import Any, Mapping, Optional
+
+import torch
+
+from .. import envs
+from ..config import DEFAULT_CONNECTOR, REFERENCE_CONNECTOR, AFDConfig, AfdExtConnectorConfig, coerce_bool, coerce_int
+from ..errors import AFDConfigError, AFDStateError
+from ..metadata import AFDControlPayload, AFDTransferContext, AFDTransferMetadata
+from ..spec import ExchangeSpec
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "PLUGIN_CONNECTOR_NAME",
+    "HAVE_AFD_PLUGIN",
+    "AdapterExtraConfig",
+    "AfdExtAFDConnector",
+    "exchange_spec",
+    "register",
+]
+
+#: The name this connector is always registered under in the reference's factory.
+PLUGIN_CONNECTOR_NAME = DEFAULT_CONNECTOR
+
+#: ``connector_extra_config`` keys read by this adapter itself (the rest are afd_ext's).
+_ADAPTER_KEYS = ("num_exchange_layers", "router_logits_dtype", "send_token_ids")
+
+try:
+    from afd_plugin.connectors.base import AFDConnectorBase as _ConnectorBase
+    from afd_plugin.connectors.base import AFDControlPlane as _ControlPlaneBase
+    from afd_plugin.connectors.base import ConnectorExtraInfo as _ExtraInfoBase
+
+    HAVE_AFD_PLUGIN = True
+except ImportError as _e:  # the module stays importable (register() is a no-op then)
+    HAVE_AFD_PLUGIN = False
+    _IMPORT_ERROR: ImportError | None = _e
+else:
+    _IMPORT_ERROR = None
+
+
+# ---------------------------------------------------------------------------
+# Registration (the vllm.general_plugins entry point)
+# ---------------------------------------------------------------------------
+
+
+def register() -> None:
+    """Register afd_ext into the reference's connector factory (vLLM calls it at start-up).
+
+    Always registers ``"AfdExtConnector"``; with ``AFD_EXT_REPLACE_P2P=1``
+    also ``"P2pNcclAFDConnector"`` (replacing the reference's own class), the
+    only way to pass the reference runners' connector allow-list. Without
+    ``afd_plugin`` installed it does nothing (logged at debug level).
+
+    Raises:
+        ValueError: ``AFD_EXT_REPLACE_P2P`` is not a boolean.
+    """
+    replace_p2p = envs.get("AFD_EXT_REPLACE_P2P")
+    if not HAVE_AFD_PLUGIN:
+        logger.debug("afd_plugin is not importable (%s): afd_ext not registered with it", _IMPORT_ERROR)
+        if replace_p2p:
+            logger.warning("AFD_EXT_REPLACE_P2P=1 but afd_plugin is not importable (%s)", _IMPORT_ERROR)
+        return
+    from afd_plugin.connectors.factory import AFDConnectorFactory
+
+    AFDConnectorFactory.register_connector(PLUGIN_CONNECTOR_NAME, __name__, "AfdExtAFDConnector", replace=True)
+    if replace_p2p:
+        AFDConnectorFactory.register_connector(REFERENCE_CONNECTOR, __name__, "AfdExtAFDConnector", replace=True)
+        logger.info("afd_ext replaces the reference's %s (AFD_EXT_REPLACE_P2P=1)", REFERENCE_CONNECTOR)
+
+
+# ---------------------------------------------------------------------------
+# Configuration and model facts
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterExtraConfig:
+    """This connector's ``connector_extra_config`` under the reference: afd_ext's fields plus three of its own.
+
+    Attributes:
+        connector: afd_ext's typed extra config; ``clamp_idle_to_one``
+            defaults to True here (the reference's runners run a one-token
+            dummy batch on idle DP ranks).
+        num_exchange_layers: layer exchanges per step when the model config
+            does not tell (``None``: counted from it).
+        router_logits_dtype: dtype of router logits on the wire (``None``: the model dtype).
+        send_token_ids: ``[rows]`` int32 token ids travel with the hidden states
+            (the reference's ``input_ids`` / ``recv_input_ids``, DeepSeek-V4 hash routing).
+    """
+
+    connector: AfdExtConnectorConfig
+    num_exchange_layers: int | None = None
+    router_logits_dtype: str | None = None
+    send_token_ids: bool = False
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any] | None) -> "AdapterExtraConfig":
+        """Parse ``connector_extra_config``.
+
+        Raises:
+            TypeError: not a mapping, or a value of the wrong type.
+            AFDConfigError / ValueError: unknown key (all accepted keys listed), a
+                value out of range (see :meth:`afd_ext.config.AfdExtConnectorConfig.from_mapping`).
+        """
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, Mapping):
+            raise TypeError("connector_extra_config must be a mapping")
+        rest = dict(raw)
+        known = [f.name for f in dataclasses.fields(AfdExtConnectorConfig)] + list(_ADAPTER_KEYS)
+        unknown = sorted(k for k in rest if k not in known)
+        if unknown:
+            raise AFDConfigError(f"unknown connector_extra_config field(s) {unknown} for afd_ext under afd-plugin; "
+                             f"known fields: {known}")
+        layers = rest.pop("num_exchange_layers", None)
+        if layers is not None:
+            layers = coerce_int(layers, "connector_extra_config.num_exchange_layers")
+            if layers < 1:
+                raise AFDConfigError(f"connector_extra_config.num_exchange_layers must be >= 1, got {layers}")
+        ldtype = rest.pop("router_logits_dtype", None)
+        if ldtype is not None:
+            ldtype = _dtype_name(ldtype, "connector_extra_config.router_logits_dtype")
+        ids = coerce_bool(rest.pop("send_token_ids", False), "connector_extra_config.send_token_ids")
+        rest.setdefault("clamp_idle_to_one", True)
+        return cls(AfdExtConnectorConfig.from_mapping(rest), layers, ldtype, ids)
+
+    def to_mapping(self) -> dict[str, Any]:
+        """All fields as one flat mapping (round-trips through :meth:`from_mapping`)."""
+        out = self.connector.to_mapping()
+        out.update({k: getattr(self, k) for k in _ADAPTER_KEYS if getattr(self, k) not in (None, False)})
+        return out
+
+
+def _dtype_name(value: Any, what: str) -> str:
+    name = str(value).removeprefix("torch.")
+    if not isinstance(getattr(torch, name, None), torch.dtype):
+        raise AFDConfigError(f"{what} must be a torch dtype name such as 'float32', got {value!r}")
+    return name
+
+
+def exchange_spec(vllm_config: Any, afd_config: Any, extra: AdapterExtraConfig) -> ExchangeSpec:
+    """The exchange's facts of a vLLM worker (:meth:`afd_ext.spec.ExchangeSpec.from_vllm_config`).
+
+    Raises:
+        AFDConfigError: a fact is missing; the message names every missing field.
+    """
+    return ExchangeSpec.from_vllm_config(
+        vllm_config, role=afd_config.role, compute_gate_on_attention=bool(afd_config.compute_gate_on_attention),
+        num_exchange_layers=extra.num_exchange_layers, router_logits_dtype=extra.router_logits_dtype,
+        send_token_ids=extra.send_token_ids)
+
+
+# ---------------------------------------------------------------------------
+# Custom ops: the attention-side calls as seen by torch.compile
+# ---------------------------------------------------------------------------
+
+#: True only while Dynamo traces (constant-folded there); ~0.06 us eagerly against ~0.2 us for
+#: ``torch.compiler.is_compiling``, and it runs twice per layer exchange.
+_tracing = torch.compiler.is_dynamo_compiling
+
+_LIVE: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+_HANDLES = itertools.count(1)
+
+
+def _live(handle: int) -> Any:
+    conn = _LIVE.get(handle)
+    if conn is None:
+        raise AFDStateError(f"afd_ext plugin connector handle {handle} is gone (its connector was garbage-collected; "
+                            "a graph compiled against it cannot run)")
+    return conn
+
+
+_DBO: list = []
+
+
+def _runtime_stage(traced: int) -> int:
+    """The stage of a compiled call: this thread's vLLM DBO ubatch when DBO runs, else the traced value.
+
+    vLLM dispatches a compiled model without re-evaluating Dynamo's guards, so
+    a stage read in Python while tracing (the proxy's ``ubatch_idx``) is frozen
+    in the graph; the ubatch thread's id is read here, at run time.
+    """
+    if not _DBO:
+        try:
+            from vllm.v1.worker.ubatching import dbo_current_ubatch_id, dbo_enabled
+        except ImportError:
+            _DBO.append(None)
+        else:
+            _DBO.append((dbo_enabled, dbo_current_ubatch_id))
+    fns = _DBO[0]
+    if fns is not None and fns[0]():
+        return int(fns[1]())
+    return traced
+
+
+@torch.library.custom_op("afd_ext_plugin::send_attn_output", mutates_args=("hidden_states",))
+def _send_attn_op(hidden_states: torch.Tensor, router_logits: Optional[torch.Tensor],
+                  input_ids: Optional[torch.Tensor], handle: int, layer_idx: int, stage: int) -> None:
+    # Declared as mutating hidden_states (it does not) so the compiler keeps and orders the call.
+    _live(handle)._send_rows(hidden_states, layer_idx, _runtime_stage(stage), router_logits, input_ids)
+
+
+@_send_attn_op.register_fake
+def _(hidden_states, router_logits, input_ids, handle, layer_idx, stage) -> None:
+    return None
+
+
+@torch.library.custom_op("afd_ext_plugin::recv_ffn_output", mutates_args=("out",))
+def _recv_ffn_op(out: torch.Tensor, handle: int, stage: int) -> None:
+    _live(handle)._inner.recv_ffn_output(out, ubatch_idx=_runtime_stage(stage))
+
+
+@_recv_ffn_op.register_fake
+def _(out, handle, stage) -> None:
+    return None
+
+
+# ---------------------------------------------------------------------------
+# The connector
+# ---------------------------------------------------------------------------
+
+if HAVE_AFD_PLUGIN:
+
+    @dataclasses.dataclass(frozen=True)
+    class AfdExtExtraInfo(_ExtraInfoBase):
+        """The reference's ``ConnectorExtraInfo`` for this connector (wraps :class:`AdapterExtraConfig`)."""
+
+        config: AdapterExtraConfig
+
+        @classmethod
+        def from_mapping(cls, raw: Mapping[str, Any] | None) -> "AfdExtExtraInfo":
+            return cls(AdapterExtraConfig.from_mapping(raw))
+
+        def to_mapping(self) -> dict[str, Any]:
+            return self.config.to_mapping()
+
+    class _PluginControlPlane(_ControlPlaneBase):
+        """The reference's control-plane methods, taking the reference's payload objects."""
+
+        def __init__(self, owner: "AfdExtAFDConnector"):
+            self._owner = owner
+
+        def update_state_from_dp_metadata(self, payload: Any) -> None:
+            """Apply a payload locally (see :meth:`AfdExtAFDConnector.apply_payload`)."""
+            self._owner.apply_payload(payload)
+
+        def send_dp_metadata_list(self, payload: Any) -> None:
+            """Send the payload to this attention rank's FFN destinations (no-op on other ranks)."""
+            self._owner._inner.control_plane.send_dp_metadata_list(self._owner._convert(payload, just_applied=True))
+
+        def recv_dp_metadata_list(self) -> AFDControlPayload:
+            """FFN side: block until the next payload (afd_ext's class; the runners read its fields)."""
+            self._owner._leave_capture()
+            return self._owner._inner.control_plane.recv_dp_metadata_list()
+
+    class AfdExtAFDConnector(_ConnectorBase):
+        """afd_ext's connector behind the reference's ``AFDConnectorBase`` contract.
+
+        Args:
+            rank: vLLM world rank (informational).
+            local_rank: CUDA device index.
+            vllm_config: the worker's ``VllmConfig`` (model facts, DP size; the
+                ``"afd"`` section's ``connector_extra_config``).
+            afd_config: the reference's ``AFDConfig`` (read by its fields).
+            role_rank: resolved by the reference's factory.
+
+        Construction is device-light (no communication).
+
+        Raises:
+            AFDConfigError: ``async_dp`` set, or a model fact missing from ``vllm_config``.
+            ValueError / TypeError: a bad ``connector_extra_config`` or role rank.
+        """
+
+        def __init__(self, rank: int, local_rank: int, vllm_config: Any, afd_config: Any, role_rank: int) -> None:
+            super().__init__(rank, local_rank, vllm_config, afd_config, role_rank)
+            from ..connector import AFDConnector
+
+            if getattr(afd_config, "async_dp", False):
+                raise AFDConfigError("afd_ext is a synchronous connector; set async_dp (async) to false")
+            info: AdapterExtraConfig = self.extra_info.config
+            if info.connector.strict and not getattr(getattr(vllm_config, "model_config", None), "enforce_eager", True):
+                # The runners capture and replay graphs on each side at different steps (the FFN
+                # replays while the attention side may run eagerly): header-less graph traffic
+                # would meet header-checking eager traffic.
+                raise AFDConfigError("connector_extra_config.strict needs enforce_eager under the reference's "
+                                     "runners (CUDA graphs carry no strict-mode headers); set strict to false "
+                                     "or run with --enforce-eager")
+            gate = bool(afd_config.compute_gate_on_attention)
+            cfg = AFDConfig(connector=DEFAULT_CONNECTOR, role=afd_config.role, port=afd_config.port,
+                            host=afd_config.host, num_attention_ranks=afd_config.num_attention_ranks,
+                            num_ffn_ranks=afd_config.num_ffn_ranks, compute_gate_on_attention=gate,
+                            connector_extra_config=info.connector.to_mapping())
+            self.spec = exchange_spec(vllm_config, afd_config, info)
+            self._inner = AFDConnector(rank, local_rank, cfg, role_rank, **dataclasses.asdict(self.spec))
+            self.attn_size = cfg.num_attention_ranks
+            self.ffn_size = cfg.num_ffn_ranks
+            self.control_plane = _PluginControlPlane(self)
+            self._capture = contextlib.ExitStack()
+            self._capturing = False
+            self._arenas: list[Any] = []
+            self._last: tuple[Any, AFDControlPayload] | None = None
+            self._spec_ok: Any = None
+            self._handle = next(_HANDLES)
+            _LIVE[self._handle] = self
+
+        @classmethod
+        def parse_extra_config(cls, raw: Mapping[str, Any] | None) -> AfdExtExtraInfo:
+            """Parse ``connector_extra_config`` (afd_ext's fields and :class:`AdapterExtraConfig`'s own three).
+
+            Raises:
+                TypeError / ValueError: not a mapping, unknown key, bad value.
+            """
+            return AfdExtExtraInfo.from_mapping(raw)
+
+        # -- lifecycle --------------------------------------------------------
+
+        @property
+        def connector(self) -> Any:
+            """The delegate :class:`afd_ext.connector.AFDConnector`."""
+            return self._inner
+
+        @property
+        def is_initialized(self) -> bool:
+            return self._inner.is_initialized
+
+        def init_afd_connector(self) -> None:
+            """Rendezvous, handshake, transport, control channels, warm-up (collective; idempotent)."""
+            self._inner.init_afd_connector()
+
+        def close(self) -> None:
+            """Release everything (idempotent); graph arenas stay alive while a captured graph may replay."""
+            self._leave_capture()
+            self._last = None
+            self._inner.close()
+
+        # -- control plane ------------------------------------------------------
+
+        def _convert(self, payload: Any, *, just_applied: bool = False) -> AFDControlPayload:
+            # The attention runner sends the very payload it applied a moment before: convert once.
+            last, self._last = self._last, None
+            if just_applied and last is not None and last[0] is payload:
+                return last[1]
+            return AFDControlPayload.from_fields(payload)
+
+        def apply_payload(self, payload: Any) -> None:
+            """``control_plane.update_state_from_dp_metadata``: validate, build the step, take its buffers.
+
+            A payload with ``is_graph_capturing`` takes its buffers from a new
+            static arena (kept for the process's life: a captured graph replays
+            without any connector call) and pauses the NCCL watchdog's event
+            polling until a payload without the flag (or, FFN side, the next
+            ``recv_dp_metadata_list``).
+
+            Raises:
+                ValueError / AFDStateError: see afd_ext's ``update_state_from_dp_metadata``
+                    (an attention rank refuses a count vector that is neither per DP
+                    rank nor per attention rank; nothing moved).
+            """
+            p = self._convert(payload)
+            if not p.is_graph_capturing:
+                self._leave_capture()
+                self._inner.control_plane.update_state_from_dp_metadata(p)
+                self._last = (payload, p)
+                return
+            from ..graphs import StaticArena
+
+            arena = StaticArena(self._inner.device, label=f"reference-runner capture {len(self._arenas)}")
+            self._inner.use_static_arena(arena)
+            try:
+                self._inner.control_plane.update_state_from_dp_metadata(p)
+            finally:
+                self._inner.use_static_arena(None)
+            arena.freeze()
+            self._arenas.append(arena)
+            self._last = (payload, p)
+            if not self._capturing:
+                self._capture.enter_context(self._inner.watchdog_suspended())
+                self._capturing = True
+
+        def _leave_capture(self) -> None:
+            if self._capturing:
+                self._capturing = False
+                self._capture.close()
+
+        # -- attention side -----------------------------------------------------
+
+        def send_attn_output(self, hidden_states: torch.Tensor, context: Any, **kwargs: Any) -> None:
+            """Send this rank's rows of one (layer, stage); ``context`` is read by its fields.
+
+            Args:
+                hidden_states: ``[rows, hidden_size]`` of the model dtype; ``rows``
+                    this rank's count of the stage (1 for an idle rank's dummy batch).
+                context: an ``AFDTransferContext`` (the reference's or ours).
+                **kwargs: ``router_logits`` ``[rows, width]`` (gate on attention),
+                    ``input_ids`` ``[rows]`` int32; others are ignored.
+
+            Raises:
+                ValueError / AFDStateError / AFDError: see afd_ext's ``send_attn_output``.
+            """
+            md = context.metadata
+            if _tracing():
+                torch.ops.afd_ext_plugin.send_attn_output(hidden_states, kwargs.get("router_logits"),
+                                                          kwargs.get("input_ids"), self._handle,
+                                                          md.layer_idx, md.stage_idx)
+                return
+            self._inner.send_attn_output(hidden_states, context, router_logits=kwargs.get("router_logits"),
+                                         input_ids=kwargs.get("input_ids"))
+
+        def _send_rows(self, hidden_states: torch.Tensor, layer_idx: int, stage: int,
+                       router_logits: torch.Tensor | None, input_ids: torch.Tensor | None) -> None:
+            ctx = AFDTransferContext(AFDTransferMetadata.create_attention_metadata(
+                layer_idx=layer_idx, stage_idx=stage, seq_len=int(hidden_states.shape[0])))
+            self._inner.send_attn_output(hidden_states, ctx, router_logits=router_logits, input_ids=input_ids)
+
+        def recv_ffn_output(self, ref_tensor: torch.Tensor, ubatch_idx: int = 0, **kwargs: Any) -> torch.Tensor:
+            """Receive the reply of the oldest outstanding exchange into ``ref_tensor`` and return it."""
+            if _tracing():
+                torch.ops.afd_ext_plugin.recv_ffn_output(ref_tensor, self._handle, ubatch_idx)
+                return ref_tensor
+            return self._inner.recv_ffn_output(ref_tensor, ubatch_idx=ubatch_idx)
+
+        # -- FFN side -------------------------------------------------------------
+
+        def recv_attn_output(self, ubatch_idx: int = 0, **kwargs: Any) -> Any:
+            """Fan-in of the next (layer, stage); returns afd_ext's ``AFDA2FTransferPayload``.
+
+            Args:
+                ubatch_idx: the stage.
+                **kwargs: ``routing_spec`` (checked against the configured router
+                    logits), ``recv_input_ids``; others are ignored.
+
+            Raises:
+                AFDConfigError: ``routing_spec`` differs from what this connector
+                    configured from the model config (the message says what to set).
+                ValueError / AFDStateError / AFDError: see afd_ext's ``recv_attn_output``.
+            """
+            spec = kwargs.get("routing_spec")
+            if spec is not None and spec != self._spec_ok:
+                self._check_routing_spec(spec)
+            return self._inner.recv_attn_output(ubatch_idx=ubatch_idx, routing_spec=spec,
+                                                recv_input_ids=bool(kwargs.get("recv_input_ids", False)))
+
+        def _check_routing_spec(self, spec: Any) -> None:
+            width, dtype = self.spec.router_logits_width, self.spec.router_logits_dtype
+            got = (int(spec.router_logits_width), spec.router_logits_dtype)
+            if width is None:
+                raise AFDConfigError(
+                    f"the FFN runner passed routing_spec {got}, but compute_gate_on_attention is false in the "
+                    "AFD config: set it to true on both roles")
+            if got != (width, dtype):
+                raise AFDConfigError(
+                    f"the model's routing_spec is [{got[0]}] {got[1]}, but afd_ext configured router logits "
+                    f"[{width}] {dtype} from the model config; set connector_extra_config.router_logits_dtype "
+                    f"(to '{str(got[1]).removeprefix('torch.')}') on both roles, or fix the model config's "
+                    "expert count")
+            self._spec_ok = spec
+
+        def send_ffn_output(self, ffn_output: torch.Tensor, context: Any, **kwargs: Any) -> None:
+            """Split-back of ``ffn_output`` ``[total, hidden_size]`` by the context's per-peer rows."""
+            self._inner.send_ffn_output(ffn_output, context)
+
+        def __repr__(self) -> str:
+            return f"AfdExtAFDConnector({self._inner!r})"
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("AfdExtAFDConnector", "AfdExtExtraInfo"):
+        raise ImportError(f"{name} needs the reference plugin: afd_plugin is not importable ({_IMPORT_ERROR})")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,374 @@
+"""The peer-memory transport: CUDA tensors written straight into the peer's memory on one node.
+
+A :class:`~afd_ext.peer_memory.PeerPlane` per rank (docs/peer-memory.md): the
+attention side's ``split_back`` is one ``peer_put`` kernel writing its rows
+into each FFN peer's fan-in region at its fan-in offset; the FFN side's
+``fan_in`` is one ``peer_wait`` kernel, and when the connector's buffers are
+the plane's own views (:meth:`PeerTransport.receive_buffers`) no byte is
+copied; the FFN side's ``split_back`` is one ``peer_put`` into each attention
+peer's reply region; the attention side's ``fan_in`` waits for the reply and
+copies it into ``ref_tensor`` in the same kernel.
+
+Routing per step (:meth:`PeerTransport.begin_step`, from the schedule both
+sides share): a step whose stages or rows exceed the plane's capacity, or
+whose wire travels packed, goes over the NCCL transport built beside the
+plane (when ``fallback`` is on), so both sides always pick the same data plane.
+
+Streams: a one-stage step runs on the caller's stream (no extra events); a
+step of several stages runs each stage on its own stream forked from and
+joined into the caller's, so a stage's wait never holds back another stage's
+put (the FFN side may take stage 1's fan-in before it replies to stage 0).
+
+No hang: every device wait has the plane's deadline; a thread polls the
+plane's host-mapped error record (and the generation's abort signal) and turns
+a failure into the named error the next call raises, posting the abort for
+the other ranks; a posted abort ends this rank's spinning waits at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+
+from ..errors import AFDConfigError, AFDTimeoutError, AFDTransportError
+from ..peer_memory import PeerPlane, WireSpec, open_plane
+from .base import MessageTag, PendingSend, Transport, TransportSetup
+from .strict import HEADER_WORDS
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PeerTransport", "POLL_S", "ABORT_POLL_S", "WAIT_BACKSTOP_S"]
+
+#: How often the failure thread reads the plane's error record, seconds.
+POLL_S = 0.002
+#: How often it reads the generation's abort signal (a store round trip), seconds.
+ABORT_POLL_S = 0.1
+#: A host wait gives up this long after the deadline if the device did not report first.
+WAIT_BACKSTOP_S = 2.0
+
+
+class PeerTransport(Transport):
+    """Moves row ranges of CUDA tensors through peer memory (CUDA IPC), NCCL for steps beyond capacity.
+
+    Built by :meth:`from_setup` (collective; raises
+    :class:`~afd_ext.errors.PeerMemoryUnavailableError` on every rank when any
+    rank cannot open a peer's region or complete the flag round trip).
+
+    Attributes:
+        plane: this rank's :class:`~afd_ext.peer_memory.PeerPlane`.
+        fallback: the NCCL transport for steps beyond the plane's capacity, or None.
+        step_kind: ``"peer"`` or ``"nccl"``: the data plane of the current step.
+    """
+
+    kind = "peer"
+    device_type = "cuda"
+
+    def __init__(self, setup: TransportSetup, plane: PeerPlane, fallback: Optional[Transport] = None):
+        super().__init__(setup.peers, plane.device, timeout_s=setup.timeout_s)
+        self.plane = plane
+        self.fallback = fallback
+        self.step_kind = "peer"
+        self._signal = setup.abort
+        self._schedule: Any = None
+        self._streams: dict[int, Any] = {}
+        self._events: dict[int, tuple[Any, Any]] = {}
+        self._multi_stage = False
+        self._failure: Optional[BaseException] = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name=f"afd-peer {self.peers.me}", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_setup(cls, setup: TransportSetup) -> "PeerTransport":
+        """Open the plane (collective, proven by a flag round trip) and, with ``peer_fallback``, the NCCL links.
+
+        Settings come from ``setup.extra`` (``peer_max_tokens``, ``peer_stages``,
+        ``peer_fallback``); what travels from ``setup.schedule_config``.
+
+        Raises:
+            PeerMemoryUnavailableError: on every rank, when any rank cannot open a
+                peer's memory or complete the round trip (``auto`` then uses NCCL).
+            AFDConfigError: the setup lacks the schedule config.
+        """
+        cfg, extra = setup.schedule_config, setup.extra
+        if cfg is None:
+            raise AFDConfigError("the peer transport needs the connector's schedule config in its setup")
+        max_tokens = int(getattr(extra, "peer_max_tokens", 8192))
+        stages = int(getattr(extra, "peer_stages", 2))
+        with_fallback = bool(getattr(extra, "peer_fallback", True))
+        spec = WireSpec(cfg.hidden_size, cfg.hidden_dtype, cfg.router_logits_width or 0, cfg.router_logits_dtype,
+                        bool(cfg.send_token_ids))
+        # No CUDA call before the collective set-up: a rank without a usable GPU must still
+        # publish its verdict there, or its peers would wait for it until the init deadline.
+        device = setup.device if setup.device.index is not None else torch.device("cuda", 0)
+        # setup.timeout_s is already longer on attention ranks (the connector's data_timeout_s),
+        # so the FFN rank, which sees which attention peer did not send, expires first.
+        plane = open_plane(setup.store, setup.topology, setup.peers.role, setup.peers.role_rank, spec,
+                           max_tokens=max_tokens, num_stages=stages, device=device, timeout_s=setup.timeout_s,
+                           setup_timeout_s=setup.init_timeout_s)
+        fallback = None
+        try:
+            if with_fallback:
+                from .nccl import NcclTransport
+
+                fallback = NcclTransport.from_setup(setup)
+        except BaseException:
+            plane.close()
+            raise
+        logger.info("%s: peer-memory plane ready (%d stages x %d tokens per attention rank, %.1f MB here)%s",
+                    setup.peers.me, stages, max_tokens, plane.layout.nbytes / 1e6,
+                    ", NCCL for larger steps" if fallback is not None else "")
+        return cls(setup, plane, fallback)
+
+    # -- failure ---------------------------------------------------------------
+
+    def _watch(self) -> None:
+        next_abort = 0.0
+        while not self._stop.wait(POLL_S):
+            try:
+                err = self.plane.failure()
+                if err is not None:
+                    self._fail(err, post=True)
+                    return
+                now = time.monotonic()
+                if self._signal is not None and now >= next_abort:
+                    next_abort = now + ABORT_POLL_S
+                    posted = self._signal.probe("peer-memory exchange")
+                    if posted is not None:
+                        self._fail(posted, post=False)
+                        return
+            except Exception as e:  # noqa: BLE001 - never let the thread die silently
+                self._fail(AFDTransportError(f"AFD {self.peers.me}: peer-memory watch failed: {e}"), post=False)
+                return
+
+    def _fail(self, exc: BaseException, *, post: bool) -> None:
+        if self._failure is None:
+            self._failure = exc
+            logger.error("%s: %s", self.peers.me, exc)
+        self.plane.abort()  # every spinning wait of this rank returns now
+        if post and self._signal is not None:
+            try:
+                self._signal.post(exc)
+            except Exception as e:  # noqa: BLE001 - the failure itself is what matters
+                logger.warning("%s: posting the abort signal failed: %s", self.peers.me, e)
+
+    def check_health(self, tag: MessageTag | None = None) -> None:
+        # The watch thread reads the error record every POLL_S: no op call on the hot path.
+        if self._failure is not None:
+            raise self._failure
+        self._check_open(tag)
+        if self.fallback is not None:
+            self.fallback.check_health(tag)
+
+    # -- routing and streams ------------------------------------------------------------
+
+    def fits(self, schedule: Any) -> bool:
+        """Whether every exchange of ``schedule`` fits the plane (stages, rows, per-tensor wire)."""
+        from ..schedule import PACKED
+
+        plane = self.plane
+        return all(0 <= s < plane.num_stages and schedule.wire_format(s) != PACKED
+                   and max(schedule.rows_vector(s), default=0) <= plane.max_tokens for s in schedule.stages)
+
+    def begin_step(self, schedule: Any) -> None:
+        """Pick this step's data plane from the schedule (both sides pick the same) and its streams."""
+        self._schedule = schedule
+        use_plane = self.fits(schedule)
+        if not use_plane and self.fallback is None:
+            raise AFDConfigError(
+                f"{self.peers.me}: a step with {len(schedule.stages)} stage(s) does not fit the peer-memory plane "
+                f"({self.plane.num_stages} stages, {self.plane.max_tokens} tokens per attention rank, per-tensor "
+                "wire) and the NCCL fallback is off; raise peer_max_tokens / max_stages or enable peer_fallback")
+        self.step_kind = "peer" if use_plane else "nccl"
+        if use_plane:
+            self.prepare_stages(schedule.stages)
+        if self.fallback is not None:  # NCCL steps, and strict-mode headers of plane steps
+            self.fallback.begin_step(schedule)
+
+    def prepare_stages(self, stages: Sequence[int]) -> None:
+        self._multi_stage = len(stages) > 1
+        if self._multi_stage:
+            for s in stages:
+                if s not in self._streams:
+                    self._streams[s] = torch.cuda.Stream(device=self.device)
+                    self._events[s] = (torch.cuda.Event(), torch.cuda.Event())
+
+    @contextlib.contextmanager
+    def _on_stage(self, stage: int) -> Iterator[None]:
+        if not self._multi_stage:
+            yield
+            return
+        ss = self._streams[stage]
+        fork, _ = self._events[stage]
+        fork.record(torch.cuda.current_stream(self.device))
+        ss.wait_event(fork)
+        with torch.cuda.stream(ss):
+            yield
+
+    def _join(self, stages: Sequence[int]) -> None:
+        if not self._multi_stage:
+            return
+        cur = torch.cuda.current_stream(self.device)
+        for s in stages:
+            ss = self._streams.get(s)
+            if ss is not None:
+                _, join = self._events[s]
+                join.record(ss)
+                cur.wait_event(join)
+
+    def join(self) -> None:
+        if self.fallback is not None:
+            self.fallback.join()
+        self._join(list(self._streams))
+
+    # -- data --------------------------------------------------------------------------
+
+    def _targets(self, stage: int, peers: Sequence[int], rows: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Rows and destination rows of a put to every plane peer (zero for peers the call omits)."""
+        plane, sch, me = self.plane, self._schedule, self.peers.role_rank
+        given = dict(zip(peers, rows))
+        out_rows, dst = [], []
+        for p in plane.peers:
+            out_rows.append(int(given.get(p, 0)))
+            if plane.role == "attention":  # my offset in FFN rank p's fan-in
+                fp = sch.ffn_plan(stage, p)
+                dst.append(fp.offsets[fp.peers.index(me)])
+            else:  # the start of my share in attention rank p's rows
+                ap = sch.attention_plan(stage, p)
+                dst.append(ap.offsets[ap.peers.index(me)])
+        return out_rows, dst
+
+    def _nccl_for(self, tensors) -> bool:
+        """Whether this call goes over the NCCL fallback: a step beyond capacity, or a strict-mode header block."""
+        if self.step_kind == "nccl":
+            return True
+        t = tensors[0]
+        if len(tensors) >= 1 and t.dtype == torch.int64 and all(x is None for x in tensors[1:]) and \
+                t.dim() == 2 and t.shape[1] == HEADER_WORDS:
+            if self.fallback is None:
+                raise AFDConfigError("strict mode over the peer transport sends its headers over NCCL: enable "
+                                     "peer_fallback, or turn strict off")
+            return True
+        return False
+
+    def split_back(self, tensors, peers, rows, *, tag: MessageTag) -> PendingSend:
+        if self._nccl_for(tensors):
+            return self.fallback.split_back(tensors, peers, rows, tag=tag)
+        self.check_health(tag)
+        full = list(tensors) + [None] * (3 - len(tensors))
+        if self.plane.role == "ffn":
+            full = [full[0]]
+        out_rows, dst = self._targets(tag.stage, peers, rows)
+        with self._on_stage(tag.stage):
+            self.plane.put(tag.stage, full, out_rows, dst)
+        return PendingSend()
+
+    def receive_buffers(self, schedule: Any, stage: int) -> Optional[dict[str, torch.Tensor]]:
+        """The FFN rank's fan-in buffers of ``stage``: views of the plane's region (zero copy), or None."""
+        if self.plane.role != "ffn" or not self.fits(schedule):
+            return None
+        n = schedule.ffn_plan(stage, self.peers.role_rank).total
+        views = self.plane.views(stage, n)
+        out = {"hidden": views[0]}
+        k = 1
+        if self.plane.spec.logits_width:
+            out["logits"] = views[k]
+            k += 1
+        if self.plane.spec.has_token_ids:
+            out["ids"] = views[k]
+        return out
+
+    def fan_in(self, tensors, peers, rows, *, tag: MessageTag, wait: bool = False) -> None:
+        if self._nccl_for(tensors):
+            return self.fallback.fan_in(tensors, peers, rows, tag=tag, wait=wait)
+        self.check_health(tag)
+        n = int(sum(rows))
+        plane = self.plane
+        with self._on_stage(tag.stage):
+            if plane.role == "attention":
+                plane.wait(tag.stage, n, layer=tag.layer, out=tensors[0])
+            else:
+                views = plane.wait(tag.stage, n, layer=tag.layer)
+                for t, v in zip([t for t in tensors if t is not None], views):
+                    if t.data_ptr() != v.data_ptr():
+                        t.copy_(v)  # the caller's own buffers: one copy (receive_buffers avoids it)
+        self._join((tag.stage,))
+        if wait:
+            self.synchronize("receive (fan-in)", tag)
+
+    # -- waiting -----------------------------------------------------------------------
+
+    def synchronize(self, what: str, tag: MessageTag) -> None:
+        """Join the stage streams and wait on the host, bounded by the device deadlines (plus a backstop)."""
+        self.check_health(tag)
+        self.join()
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        end = time.monotonic() + self.plane.timeout_ns / 1e9 + WAIT_BACKSTOP_S
+        while not ev.query():
+            err = self.plane.failure()
+            if err is not None:
+                self._fail(err, post=True)
+            self.check_health(tag)
+            if time.monotonic() >= end:
+                peers = ", ".join(self.peers.peer_label(p) for p in self.plane.peers)
+                err = AFDTimeoutError(
+                    f"AFD {self.peers.me}: {tag.op}: {what} did not complete within {self.timeout_s:g} s at "
+                    f"{tag.where()} (peers {peers}) and the device reported no deadline: the GPU is stuck "
+                    "behind other work", op=tag.op, peer=peers, layer=tag.layer if tag.layer >= 0 else None,
+                    stage=tag.stage if tag.stage >= 0 else None)
+                self._fail(err, post=True)
+                raise err
+            time.sleep(0.0002)
+        self.check_health(tag)
+
+    def track_replay(self, what: str, tag: MessageTag) -> None:
+        # Device-side deadlines cover the plane inside a replay; the watch thread reports them.
+        if self.step_kind == "nccl":
+            self.fallback.track_replay(what, tag)
+
+    @contextlib.contextmanager
+    def capture_guard(self) -> Iterator[None]:
+        # The watch thread reads host memory only (no CUDA call), so it may run during a capture.
+        if self.fallback is not None:
+            with self.fallback.capture_guard():
+                yield
+        else:
+            yield
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def barrier(self) -> None:
+        self.synchronize("drain", MessageTag("barrier", "a2f", -1, -1, -1))
+        if self.fallback is not None:
+            self.fallback.barrier()
+
+    def abort(self, reason: str) -> None:
+        if self._closed is None:
+            self._closed = AFDTransportError(f"aborted: {reason}")
+        self.plane.abort()
+        if self.fallback is not None:
+            self.fallback.abort(reason)
+
+    def close(self, buffers: Sequence[torch.Tensor] = ()) -> None:
+        if self._closed is None:
+            self._closed = AFDTransportError("closed")
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(1.0)
+        if self.fallback is not None:
+            try:
+                self.fallback.close(buffers)  # first: its kernels must not hold the device sync below
+            except Exception as e:  # noqa: BLE001 - close never raises
+                logger.warning("%s: closing the NCCL fallback: %s", self.peers.me, e)
+        try:
+            self.plane.close()  # aborts first: every wait returns, then the device sync is short
+        except Exception as e:  # noqa: BLE001
+            logger.warning("%s: closing the peer-memory plane: %s", self.peers.me, e)
+        self._streams.clear()
+        self._events.clear()

@@ -1,0 +1,44 @@
+// CPU-key impls of the peer-memory data ops: the plane moves CUDA tensors
+// through CUDA IPC, so a CPU tensor gets a clear error before anything moves.
+#include <torch/library.h>
+
+#include "../checks.h"
+#include "../ops.h"
+
+namespace afd {
+
+namespace {
+
+[[noreturn]] void reject_cpu(const char* op) {
+#ifdef AFD_WITH_CUDA
+  TORCH_CHECK(false, "afd_ext.", op,
+              ": got CPU tensors, but the peer-memory plane moves CUDA tensors on the plane's "
+              "device; move them with .to(device) or use the gloo transport for CPU tensors");
+#else
+  TORCH_CHECK(false, "afd_ext.", op,
+              ": afd_ext was built without CUDA, so the peer-memory plane is unavailable; rebuild "
+              "with a CUDA build of torch and a CUDA toolkit (AFD_USE_CUDA=1) or use the gloo "
+              "transport for CPU tensors");
+#endif
+}
+
+void peer_put_cpu(const at::Tensor&, const OptTensor&, const OptTensor&, int64_t, int64_t,
+                  c10::IntArrayRef, c10::IntArrayRef, c10::IntArrayRef, c10::IntArrayRef,
+                  c10::IntArrayRef) {
+  reject_cpu("peer_put");
+}
+
+void peer_wait_cpu(const at::Tensor&, const OptTensor&, const OptTensor&, const OptTensor&,
+                   int64_t, int64_t, int64_t, c10::IntArrayRef, c10::IntArrayRef, int64_t, int64_t,
+                   int64_t, int64_t) {
+  reject_cpu("peer_wait");
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(afd_ext, CPU, m) {
+  m.impl("peer_put", &peer_put_cpu);
+  m.impl("peer_wait", &peer_wait_cpu);
+}
+
+}  // namespace afd

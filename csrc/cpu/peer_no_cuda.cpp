@@ -1,0 +1,49 @@
+// CPU-only build: the peer-memory plane's management ops and the CUDA-key
+// impls of its data ops exist (every schema is callable, fakes and tests
+// work) but say clearly that the library was built without CUDA.
+#include <torch/library.h>
+
+#include "../checks.h"
+#include "../ops.h"
+
+namespace afd {
+
+namespace {
+
+[[noreturn]] void no_cuda(const char* op) {
+  TORCH_CHECK(false, "afd_ext.", op,
+              ": afd_ext was built without CUDA, so the peer-memory plane is unavailable; "
+              "rebuild with a CUDA build of torch and a CUDA toolkit (AFD_USE_CUDA=1, CUDA_HOME) "
+              "or use the gloo transport for CPU tensors");
+}
+
+void peer_put_no_cuda(const at::Tensor&, const OptTensor&, const OptTensor&, int64_t, int64_t,
+                      c10::IntArrayRef, c10::IntArrayRef, c10::IntArrayRef, c10::IntArrayRef,
+                      c10::IntArrayRef) {
+  no_cuda("peer_put");
+}
+
+void peer_wait_no_cuda(const at::Tensor&, const OptTensor&, const OptTensor&, const OptTensor&,
+                       int64_t, int64_t, int64_t, c10::IntArrayRef, c10::IntArrayRef, int64_t,
+                       int64_t, int64_t, int64_t) {
+  no_cuda("peer_wait");
+}
+
+}  // namespace
+
+int64_t peer_plane_create(int64_t, int64_t, int64_t, int64_t) { no_cuda("peer_plane_create"); }
+void peer_plane_destroy(int64_t) { no_cuda("peer_plane_destroy"); }
+std::vector<int64_t> peer_plane_error(int64_t) { no_cuda("peer_plane_error"); }
+void peer_plane_abort(int64_t, int64_t) { no_cuda("peer_plane_abort"); }
+int64_t peer_region_alloc(int64_t, int64_t) { no_cuda("peer_region_alloc"); }
+void peer_region_export(int64_t, const at::Tensor&) { no_cuda("peer_region_export"); }
+int64_t peer_region_open(int64_t, const at::Tensor&, int64_t) { no_cuda("peer_region_open"); }
+void peer_region_close(int64_t) { no_cuda("peer_region_close"); }
+at::Tensor peer_region_view(int64_t, int64_t, int64_t) { no_cuda("peer_region_view"); }
+
+TORCH_LIBRARY_IMPL(afd_ext, CUDA, m) {
+  m.impl("peer_put", &peer_put_no_cuda);
+  m.impl("peer_wait", &peer_wait_no_cuda);
+}
+
+}  // namespace afd

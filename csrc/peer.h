@@ -1,0 +1,101 @@
+// The peer-memory plane: plain-data descriptions the kernels work on.
+//
+// Rules the kernels (cuda/peer_kernels.cu) implement and docs/peer-memory.md
+// explains:
+// * A flag is a 64-bit word in the *receiver's* memory: generation << 48 | seq.
+//   The writer publishes it with st.release.sys after a fence.sc.sys that
+//   follows all of its data stores; the reader spins with ld.relaxed.sys and
+//   takes the data after fence.acq_rel.sys. A value with another generation is
+//   stale (never taken); one of this generation but a later seq is a protocol
+//   error.
+// * Sequence numbers live in device memory (PeerPlaneDev::counters) and advance
+//   inside the kernels, so a captured CUDA graph replays with no host update.
+// * Every spin has a deadline measured with %globaltimer; on expiry the first
+//   failing wait records an error in host-mapped memory (kPeerErr* words) and
+//   sets the device word `failed`; from then on every wait returns at once and
+//   every put writes nothing, until the plane is destroyed.
+//
+// Free of torch and CUDA headers so the .cu file compiles quickly.
+#pragma once
+
+#include <cstdint>
+
+namespace afd {
+
+// Most peers one call may name (kernel-argument space: 4 KB).
+constexpr int kPeerMaxPeers = 64;
+// Wire tensors per put (hidden states, router logits, token ids).
+constexpr int kPeerMaxParts = 3;
+
+// Error record words (int64, host-mapped).
+enum PeerErrWord : int {
+  kPeerErrCode = 0,      // PeerErrCode; written last, so a nonzero code means the rest is valid
+  kPeerErrOp = 1,        // the op code the caller passed (Python maps it to a name)
+  kPeerErrPeer = 2,      // role rank of the peer whose flag was missing
+  kPeerErrLayer = 3,     // layer the caller passed
+  kPeerErrStage = 4,     // stage the caller passed
+  kPeerErrWant = 5,      // the sequence number waited for
+  kPeerErrSeen = 6,      // the flag word last seen (generation << 48 | seq)
+  kPeerErrWaitedNs = 7,  // how long the wait spun, ns (device clock)
+  kPeerErrWords = 8,
+};
+
+enum PeerErrCode : int {
+  kPeerOk = 0,
+  kPeerTimeout = 1,   // the deadline passed before the flag arrived
+  kPeerProtocol = 2,  // the flag showed this generation but a later sequence number
+  kPeerAborted = 3,   // the host aborted the plane (peer_plane_abort)
+};
+
+constexpr int kPeerGenShift = 48;
+constexpr uint64_t kPeerSeqMask = (uint64_t{1} << kPeerGenShift) - 1;
+
+// Device state of one plane (pointers valid on the plane's device).
+struct PeerPlaneDev {
+  unsigned long long* counters;  // [num_slots * max_peers] last sequence number put / taken
+  unsigned int* done;            // [num_slots] blocks finished in the running launch (last-block pattern)
+  int* failed;                   // nonzero once the plane failed (sticky)
+  long long* host_err;           // [kPeerErrWords] host-mapped error record
+  unsigned long long gen_bits;   // generation << kPeerGenShift
+  int max_peers;
+};
+
+// One peer_put launch: nparts wire tensors, rows of peer i go to dst_base[i].
+struct PeerPutArgs {
+  PeerPlaneDev plane;
+  int slot;
+  int npeers;
+  int nparts;
+  const char* src[kPeerMaxParts];      // row 0 of each wire tensor (dense rows)
+  long long row_bytes[kPeerMaxParts];  // bytes per row of each wire tensor
+  long long part_off[kPeerMaxParts];   // byte offset of each part's row 0 in a destination region
+  char* dst_base[kPeerMaxPeers];       // destination region of peer i
+  unsigned long long* flag[kPeerMaxPeers];
+  long long rows[kPeerMaxPeers];
+  long long src_row[kPeerMaxPeers];
+  long long dst_row[kPeerMaxPeers];
+};
+
+// One peer_wait launch: wait for npeers flags, then (optionally) copy bytes.
+struct PeerWaitArgs {
+  PeerPlaneDev plane;
+  int slot;
+  int npeers;
+  int op;
+  int layer;
+  int stage;
+  long long timeout_ns;
+  unsigned long long* flag[kPeerMaxPeers];
+  int peer_id[kPeerMaxPeers];
+  const char* copy_src;  // nullptr: no copy
+  char* copy_dst;
+  long long copy_bytes;
+};
+
+// Launchers (cuda/peer_kernels.cu) on `stream` (a cudaStream_t); `max_blocks`
+// bounds the grid (the caller passes a multiple of the SM count). They return
+// the launch error code (0 = cudaSuccess) and never synchronise.
+int peer_put_launch(const PeerPutArgs& args, int max_blocks, void* stream);
+int peer_wait_launch(const PeerWaitArgs& args, int max_blocks, void* stream);
+
+}  // namespace afd

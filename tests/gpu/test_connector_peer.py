@@ -1,0 +1,131 @@
+"""The connector scenarios over the peer-memory transport (GPU tier), and the ``auto`` rule.
+
+Processes are placed by :func:`afd_ext.testing.place_processes`: on two GPUs
+attention processes on GPU 0 and FFN processes on GPU 1 (CUDA IPC over
+NVLink); on one GPU every process on GPU 0 (CUDA IPC within one GPU,
+time-sliced: correctness only). The peer transport also builds its NCCL
+fallback (steps beyond its capacity, strict-mode headers), which on one GPU
+needs the per-process ``NCCL_HOSTID`` the placement sets.
+
+Run: ``pytest -m gpu tests/gpu/test_connector_peer.py -v``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+
+import connector_scenarios as cs  # noqa: E402
+from afd_ext.testing import find_free_port, place_processes, run_workers  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
+
+
+def _env(sc: cs.Scenario) -> list[dict]:
+    diag = {"AFD_TEST_LOG_LEVEL": os.environ.get("AFD_TEST_LOG_LEVEL", "INFO"),
+            "AFD_TEST_STACK_DUMP_S": os.environ.get("AFD_TEST_STACK_DUMP_S", "90")}
+    return [{**e, **diag} for e in place_processes(sc.A, sc.F).env()]
+
+
+def _run(scs, *, transport: str = "peer", expect: str = "peer", timeout_s: float = 400.0):
+    scs = tuple(cs.replace(s, transport=transport) for s in (scs if isinstance(scs, tuple) else (scs,)))
+    results = run_workers(cs.scenario_worker, scs[0].nprocs, (scs, find_free_port()), timeout_s=timeout_s,
+                          per_rank_env=_env(scs[0]))
+    for i, one in enumerate(scs):
+        per_scenario = [r[i] for r in results]
+        cs.check_scenario_results(one, per_scenario)
+        assert {r["transport"] for r in per_scenario} == {expect}, [r["transport"] for r in per_scenario]
+    return [[r[i] for r in results] for i in range(len(scs))]
+
+
+@pytest.mark.parametrize(
+    "A,F,tp",
+    [(1, 1, 1), (2, 1, 1), (4, 2, 1), (3, 2, 1), (1, 2, 1), (2, 2, 2)],
+    ids=["1A1F", "2A1F", "4A2F", "3A2F", "1A2F", "2A2F-DP1xTP2"],
+)
+def test_topologies_peer(A, F, tp):
+    steps = cs.default_steps(A) if tp == 1 else ({0: [5]}, {0: [0]}, {0: [3], 1: [2]}, {0: [1]})
+    _run((
+        # Strict headers travel over the NCCL fallback, the data through peer memory.
+        cs.Scenario(A=A, F=F, tp_size=tp, steps=steps, dtype="bfloat16", hidden=64),
+        # Packed steps go over the NCCL fallback (the plane moves per-tensor parts).
+        cs.Scenario(A=A, F=F, tp_size=tp, steps=steps, dtype="bfloat16", hidden=64, logits_width=16,
+                    send_ids=True, wire_format="packed"),
+        cs.Scenario(A=A, F=F, tp_size=tp, steps=steps, dtype="bfloat16", hidden=64, logits_width=16,
+                    send_ids=True, wire_format="per_tensor", overlap=False, strict=False),
+    ))
+
+
+@pytest.mark.parametrize("A,F", [(1, 1), (2, 1)])
+def test_auto_picks_peer_memory_on_one_node(A, F):
+    _run(cs.Scenario(A=A, F=F, steps=cs.default_steps(A), dtype="bfloat16", hidden=64, logits_width=16,
+                     send_ids=True, strict=False), transport="auto", expect="peer")
+
+
+def test_steps_beyond_capacity_go_over_nccl_between_plane_steps():
+    # peer_max_tokens 4: steps of up to 4 tokens per attention rank use the plane, larger ones NCCL.
+    steps = ({0: [2, 3]}, {0: [9, 1]}, {0: [4, 0], 1: [1, 4]}, {0: [0, 17], 1: [3, 3]}, {0: [1, 1]})
+    _run(cs.Scenario(A=2, F=1, steps=steps, dtype="bfloat16", hidden=64, logits_width=16, send_ids=True,
+                     strict=False, extra=(("peer_max_tokens", 4),)))
+
+
+def test_two_stages_8192_rows_hidden_7168_with_logits_and_ids():
+    n = 8192
+    sc = cs.Scenario(A=2, F=1, steps=({0: [n, n], 1: [n, n]},), hidden=7168, dtype="bfloat16", layers=2,
+                     logits_width=256, send_ids=True, wire_format="per_tensor", strict=False,
+                     step_timeout_s=120.0, extra=(("peer_max_tokens", n),))
+    _run(sc, timeout_s=550)
+
+
+def test_bad_first_input_then_next_step_peer():
+    steps = ({0: [2, 3]}, {0: [4, 1]}, {0: [3, 3], 1: [1, 2]})
+    sc = cs.replace(cs.Scenario(A=2, F=1, steps=steps), transport="peer")
+    res = run_workers(cs.bad_first_input_worker, sc.nprocs, (sc, find_free_port(), 0, 1, False), timeout_s=300,
+                      per_rank_env=_env(sc))
+    assert len(res[1]["rejections"]) == 1
+    assert res[2]["checked"] == [6, 2, 10]
+
+
+def test_mid_step_failure_then_reinit_peer():
+    steps = ({0: [2, 3]}, {0: [1, 2]}, {0: [3, 1]})
+    sc = cs.replace(cs.Scenario(A=2, F=1, steps=steps, step_timeout_s=10.0), transport="peer")
+    res = run_workers(cs.mid_step_failure_worker, sc.nprocs, (sc, find_free_port(), 1), timeout_s=300,
+                      per_rank_env=_env(sc))
+    ffn, a0, a1 = res
+    assert a1["error"][0] == "ValueError"
+    for r in (ffn, a0):
+        assert "attention rank 1" in r["error"][1], r["error"]
+    assert ffn["after"] == 8 and a0["after"] == 6 and a1["after"] == 2
+
+
+@pytest.mark.parametrize("mode", ["kill", "stall"])
+def test_peer_loss_is_the_named_error_within_the_deadline(mode):
+    """Attention rank 1 dies / stalls before sending layer 1 of step 1.
+
+    The FFN rank's device wait for layer 1, stage 0 expires (its deadline is
+    the shorter one) and the error record names attention rank 1;
+    the FFN rank posts the abort; attention rank 0 ends the step with it.
+    """
+    deadline = 5.0
+    sc = cs.replace(cs.Scenario(A=2, F=1, steps=({0: [2, 3]}, {0: [2, 2]}), step_timeout_s=deadline,
+                                strict=False), transport="peer")
+    victim = 2
+    out = cs.run_tolerating_death(cs.peer_loss_worker, sc.nprocs, (sc, find_free_port(), victim, mode),
+                                  timeout_s=300, may_die=[victim] if mode == "kill" else [],
+                                  per_rank_env=_env(sc))
+    ffn, a0 = out[0], out[1]
+    for r in (ffn, a0):
+        assert "error" in r, r
+        assert r["elapsed"] < deadline * 2 + 10, r
+    assert ffn["error"][0] == "AFDTimeoutError", ffn["error"]
+    assert "attention rank 1 (world rank 2)" in ffn["error"][1] and "layer 1, stage 0" in ffn["error"][1]
+    assert a0["error"][0] == "StepAbortedError", a0["error"]
+    assert "attention rank 1 (world rank 2)" in a0["error"][1], a0["error"]
+    if mode == "stall":
+        assert "error" in out[victim], out[victim]
+    assert out["exitcodes"][0] == 0 and out["exitcodes"][1] == 0

@@ -1,0 +1,339 @@
+"""afd_ext under the reference vLLM AFD plugin's factory and runner call sequences (CPU tier, gloo).
+
+The plugin is the test stand-in in ``tests/fake_afd_plugin`` (its contract
+re-created from the reference's docs and repository); the call sequences are in
+``tests/plugin_runners.py``. Multi-process runs are kept small (a few steps,
+hidden 8) for the 2-core CI machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import sys
+import types
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import plugin_runners as pr  # noqa: E402
+from afd_ext.testing import find_free_port, run_workers  # noqa: E402
+
+sys.path.insert(0, pr.FAKE_PLUGIN)
+pytestmark = pytest.mark.timeout(240)
+
+
+def _ffn(res, sc):
+    return [r for r in res if r["role"] == "ffn"]
+
+
+# ---------------------------------------------------------------------------
+# Multi-process: the runners' call sequences (scenarios of one topology share processes)
+# ---------------------------------------------------------------------------
+
+
+def _run_all(*scs: pr.PluginScenario, timeout_s: float = 180.0) -> list:
+    """Run scenarios of one topology in the same processes; returns one result list per scenario."""
+    n = scs[0].nprocs
+    res = run_workers(pr.dropin_worker, n, (tuple(scs), find_free_port(), pr.finish_barrier(n)), timeout_s=timeout_s)
+    out = [[r[i] for r in res] for i in range(len(scs))]
+    assert all(r["type"] == "AfdExtAFDConnector" for one in out for r in one)
+    return out
+
+
+def test_1a1f_eager_dbo_gate_on_attention_and_compiled_dbo_stage():
+    eager = pr.PluginScenario(steps=({0: [3]}, {0: [5]}, {0: [2]}))
+    # DBO: two stages in the ubatch threads' order (send s0, send s1, recv s0, send s0', recv s1, ...).
+    dbo = pr.PluginScenario(steps=({0: [2], 1: [3]}, {0: [4], 1: [1]}))
+    # Gate on attention, DeepSeek-style config: layer 0 dense (stays on attention), layers 1..3 MoE:
+    # 3 exchanges per stage with router logits; the FFN runner passes routing_spec on each.
+    gate = pr.PluginScenario(layers=4, gate=True, experts=4, steps=({0: [3]}, {0: [2], 1: [2]}))
+    # A graph traced once and dispatched without guards (vLLM) carries the stage it saw while
+    # tracing (0 here); the custom ops must ask vLLM's DBO for this thread's ubatch instead.
+    frozen = pr.PluginScenario(steps=({0: [2], 1: [3]},), frozen_stage=True)
+    r_eager, r_dbo, r_gate, r_frozen = _run_all(eager, dbo, gate, frozen)
+    assert _ffn(r_eager, eager)[0]["steps"] == [[(0, [3])], [(0, [5])], [(0, [2])]]
+    assert r_eager[1]["steps"] == [[(0, 3)], [(0, 5)], [(0, 2)]]
+    assert _ffn(r_dbo, dbo)[0]["steps"] == [[(0, [2]), (1, [3])], [(0, [4]), (1, [1])]]
+    assert _ffn(r_gate, gate)[0]["steps"] == [[(0, [3])], [(0, [2]), (1, [2])]]
+    assert _ffn(r_frozen, frozen)[0]["steps"] == [[(0, [2]), (1, [3])]]
+
+
+def test_capture_step_buffers_come_from_an_arena_eager_steps_never_touch():
+    # The reference's FFN runner replays a captured graph without calling the connector, so
+    # what a capture step received into must stay put while later eager steps (here a larger
+    # one, which grows the eager buffers) run. On CPU the capture step itself runs eagerly.
+    sc = pr.PluginScenario(layers=2, steps=({0: [4]}, {0: [4]}, {0: [9]}, {0: [4]}), capture_steps=(1,))
+    (res,) = _run_all(sc)
+    ffn = _ffn(res, sc)[0]
+    eager0, captured, big, eager3 = ffn["buffers"][0]
+    assert ffn["arenas"] and captured in ffn["arenas"][0]  # the capture step's fan-in buffer is the arena's
+    assert captured not in (eager0, big, eager3)
+    att = [r for r in res if r["role"] == "attention"][0]
+    assert len(att["arenas"]) == 1  # the attention side reserves one too (its packed wire buffer, if any)
+
+
+def test_idle_dp_rank_and_attention_tp2_with_ffn_tp1():
+    # DP2 attention, one FFN rank: a count of 0 becomes one row (clamp on by default under the plugin),
+    # the rank runs a one-token dummy batch.
+    idle = pr.PluginScenario(attn=(2, 1, 1), steps=({0: [0, 3]}, {0: [2, 0]}))
+    # The roles' TP sizes differ: the handshake compares what both must agree on, not each role's TP.
+    tp = pr.PluginScenario(attn=(1, 1, 2), ffn=(1, 1, 1), steps=({0: [3]}, {0: [1]}))
+    r_idle, r_tp = _run_all(idle, tp)
+    assert _ffn(r_idle, idle)[0]["steps"] == [[(0, [1, 3])], [(0, [2, 1])]]
+    att = {r["role_rank"]: r["steps"] for r in r_idle if r["role"] == "attention"}
+    assert att == {0: [[(0, 1)], [(0, 2)]], 1: [[(0, 3)], [(0, 1)]]}
+    assert _ffn(r_tp, tp)[0]["steps"] == [[(0, [3, 3])], [(0, [1, 1])]]
+
+
+def test_dp1_tp2_on_both_roles():
+    sc = pr.PluginScenario(attn=(1, 1, 2), ffn=(1, 1, 2), steps=({0: [3]}, {0: [4]}))
+    (res,) = _run_all(sc)
+    # TP workers have distinct role ranks (from parallel_state), each pairs with its own FFN rank.
+    assert sorted((r["role"], r["role_rank"]) for r in res) == [
+        ("attention", 0), ("attention", 1), ("ffn", 0), ("ffn", 1)]
+    assert [r["steps"] for r in _ffn(res, sc)] == [[[(0, [3])], [(0, [4])]]] * 2
+
+
+def test_dp2_pcp2_tp2():
+    # A = 8 attention workers; the per-DP vector [3, 5] is expanded over PCP x TP = 4 workers per DP rank.
+    sc = pr.PluginScenario(attn=(2, 2, 2), ffn=(1, 1, 1), layers=2, steps=({0: [3, 5]},))
+    (res,) = _run_all(sc)
+    assert _ffn(res, sc)[0]["steps"] == [[(0, [3, 3, 3, 3, 5, 5, 5, 5])]]
+    assert sorted(r["role_rank"] for r in res if r["role"] == "attention") == list(range(8))
+
+
+# ---------------------------------------------------------------------------
+# Single process: registration, configuration, role rank
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def plugin(monkeypatch):
+    """A fresh stand-in plugin (its factory registry is class-level state)."""
+    for name in [m for m in sys.modules if m == "afd_plugin" or m.startswith("afd_plugin.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.delitem(sys.modules, "afd_ext.integrations.afd_plugin", raising=False)
+    factory = importlib.import_module("afd_plugin.connectors.factory")
+    adapter = importlib.import_module("afd_ext.integrations.afd_plugin")
+    return types.SimpleNamespace(factory=factory.AFDConnectorFactory, adapter=adapter,
+                                 config=importlib.import_module("afd_plugin.config"))
+
+
+def _vc(**afd):
+    sc = pr.PluginScenario()
+    vc = pr.vllm_config(sc, afd.pop("role", "attention"), 0, 1239, torch.float32)
+    vc.additional_config["afd"].update(afd)
+    return vc
+
+
+def test_import_afd_ext_needs_neither_vllm_nor_afd_plugin():
+    import subprocess
+
+    code = ("import sys, afd_ext, afd_ext.factory, afd_ext.connector, afd_ext.integrations.afd_plugin as m; "
+            "assert not m.HAVE_AFD_PLUGIN; m.register(); "
+            "assert 'vllm' not in sys.modules and 'afd_plugin' not in sys.modules; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_entry_point_registers_our_name_and_replaces_p2p_only_on_opt_in(plugin, monkeypatch):
+    monkeypatch.delenv("AFD_EXT_REPLACE_P2P", raising=False)
+    pr.entry_point()()
+    assert plugin.factory.get_connector_class("AfdExtConnector") is plugin.adapter.AfdExtAFDConnector
+    with pytest.raises(ModuleNotFoundError):  # still the reference's own (absent here) P2P module
+        plugin.factory.get_connector_class("P2pNcclAFDConnector")
+    monkeypatch.setenv("AFD_EXT_REPLACE_P2P", "1")
+    pr.entry_point()()
+    assert plugin.factory.get_connector_class("P2pNcclAFDConnector") is plugin.adapter.AfdExtAFDConnector
+
+
+def test_reference_validation_refuses_our_name_and_applies_p2p_topology(plugin):
+    with pytest.raises(ValueError, match="AFD connector must be one of"):
+        plugin.config.parse_afd_config(_vc(connector="AfdExtConnector"))
+    with pytest.raises(ValueError, match="multiple of num_ffn_ranks"):
+        plugin.config.parse_afd_config(_vc(num_attention_ranks=3, num_ffn_ranks=2))
+
+
+def test_factory_builds_afd_ext_with_the_reference_constructor(plugin, monkeypatch):
+    from afd_ext.errors import AFDConfigError
+
+    monkeypatch.setenv("AFD_EXT_REPLACE_P2P", "1")
+    plugin.adapter.register()
+    vc = _vc(connector_extra_config={"transport": "gloo", "strict": True})
+    conn = plugin.factory.create_connector(5, 0, vc, plugin.config.parse_afd_config(vc))
+    assert isinstance(conn, importlib.import_module("afd_plugin.connectors.base").AFDConnectorBase)
+    inner = conn.connector
+    assert (inner.hidden_size, inner.num_layers, inner.dtype) == (8, 3, torch.float32)
+    assert inner.extra.clamp_idle_to_one and inner.extra.strict  # clamp defaults on; the rest is passed on
+    assert "tp_size" not in inner.handshake_fields()  # each role's TP layout is its own
+    assert conn.control_plane is not None and not conn.is_initialized
+    with pytest.raises(AFDConfigError, match="strict needs enforce_eager"):
+        graphs = _vc(connector_extra_config={"transport": "gloo", "strict": True})
+        graphs.model_config.enforce_eager = False
+        plugin.factory.create_connector(0, 0, graphs, plugin.config.parse_afd_config(graphs))
+    ids = _vc(connector_extra_config={"transport": "gloo", "send_token_ids": "true"})
+    assert plugin.factory.create_connector(0, 0, ids, plugin.config.parse_afd_config(ids)).connector.send_token_ids
+    with pytest.raises(ValueError, match="unknown connector_extra_config field"):
+        bad = _vc(connector_extra_config={"transport": "gloo", "wire": "packed"})
+        plugin.factory.create_connector(0, 0, bad, plugin.config.parse_afd_config(bad))
+    off = _vc(connector_extra_config={"transport": "gloo", "clamp_idle_to_one": False})
+    conn_off = plugin.factory.create_connector(0, 0, off, plugin.config.parse_afd_config(off))
+    assert not conn_off.connector.extra.clamp_idle_to_one
+
+
+def _spec(vc, gate, extra, role="attention"):
+    from afd_ext.integrations.afd_plugin import AdapterExtraConfig, exchange_spec
+
+    return exchange_spec(vc, types.SimpleNamespace(role=role, compute_gate_on_attention=gate),
+                         AdapterExtraConfig.from_mapping(extra))
+
+
+def test_exchange_spec_gate_on_attention_counts_moe_layers_and_router_width():
+    from afd_ext.spec import moe_layer_indices
+
+    ns = types.SimpleNamespace
+    ds = ns(hidden_size=16, num_hidden_layers=6, first_k_dense_replace=2, moe_layer_freq=2, n_routed_experts=64)
+    assert moe_layer_indices(ds, 6) == (2, 4)
+    qwen = ns(hidden_size=16, num_hidden_layers=4, decoder_sparse_step=1, mlp_only_layers=[0], num_experts=8)
+    assert moe_layer_indices(qwen, 4) == (1, 2, 3)
+    vc = ns(model_config=ns(dtype=torch.bfloat16, hf_config=ds, hf_text_config=None),
+            parallel_config=ns(data_parallel_size=2, prefill_context_parallel_size=2, tensor_parallel_size=2))
+    spec = _spec(vc, True, {})
+    assert dataclasses.asdict(spec) == dict(hidden_size=16, num_layers=2, dtype=torch.bfloat16,
+                                            router_logits_width=64, router_logits_dtype=torch.bfloat16,
+                                            send_token_ids=False, tp_size=4)  # PCP x TP workers per DP rank
+    spec = _spec(vc, True, {"router_logits_dtype": "float32", "num_exchange_layers": 5, "send_token_ids": True})
+    assert (spec.num_layers, spec.router_logits_dtype, spec.send_token_ids) == (5, torch.float32, True)
+    assert _spec(vc, False, {}).num_layers == 6 and _spec(vc, False, {}).router_logits_width is None
+    assert _spec(vc, False, {}, role="ffn").tp_size == 1  # an FFN rank does not know the attention layout
+
+
+def test_exchange_spec_says_what_is_missing():
+    from afd_ext.errors import AFDConfigError
+
+    ns = types.SimpleNamespace
+    with pytest.raises(AFDConfigError, match="hidden_size.*num_hidden_layers.*dtype"):
+        _spec(ns(model_config=ns(hf_config=ns())), False, {})
+    dense = ns(model_config=ns(dtype=torch.float16, hf_config=ns(hidden_size=8, num_hidden_layers=2)))
+    with pytest.raises(AFDConfigError, match="router width.*num_exchange_layers"):
+        _spec(dense, True, {})
+
+
+def test_afd_ext_create_connector_takes_a_vllm_config_and_derives_the_role_rank(monkeypatch):
+    from afd_ext.config import parse_afd_config
+    from afd_ext.factory import create_connector, resolve_role_rank
+
+    sc = pr.PluginScenario(attn=(2, 2, 2))
+    vc = pr.vllm_config(sc, "attention", 1, 1239, torch.float32)
+    vc.additional_config["afd"]["connector"] = "AfdExtConnector"
+    cfg = parse_afd_config(vc)  # a VllmConfig-like object, not only the mapping
+    assert cfg.num_attention_ranks == 8
+    for name in ("vllm", "vllm.distributed", "vllm.distributed.parallel_state"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    with pytest.raises(ValueError, match="parallel_state is not importable"):
+        resolve_role_rank(vc, cfg)
+    pr.install_fake_vllm(pcp_rank=1, tp_rank=1)
+    try:
+        assert resolve_role_rank(vc, cfg) == 7  # (1 * 2 + 1) * 2 + 1, the reference's DP2PCP2TP2 case
+        conn = create_connector(7, 0, vc, hidden_size=8, num_layers=1)
+        assert conn.role_rank == 7
+        pr.install_fake_vllm(pcp_rank=0, tp_rank=1)
+        assert resolve_role_rank(vc, cfg) == 5  # TP ranks never collapse
+        vc.parallel_config.data_parallel_rank = 2
+        with pytest.raises(ValueError, match="out of range.*dp x pcp x tp"):
+            resolve_role_rank(vc, cfg)
+    finally:
+        for name in ("vllm", "vllm.distributed", "vllm.distributed.parallel_state"):
+            sys.modules.pop(name, None)
+
+
+def test_payload_from_the_references_class_by_fields():
+    from afd_plugin.connectors.metadata import AFDControlPayload as RefPayload
+    from afd_plugin.connectors.metadata import AFDDPMetadata as RefMd
+
+    from afd_ext.metadata import AFDControlPayload
+
+    ref = RefPayload({1: RefMd(torch.tensor([0, 4])), 0: RefMd(torch.tensor([2, 2]))}, True, False)
+    p = AFDControlPayload.from_fields(ref)
+    assert p.stage_counts() == {0: (2, 2), 1: (0, 4)}
+    assert (p.is_graph_capturing, p.is_warmup, p.is_graph_replaying) == (True, False, False)
+    with pytest.raises(ValueError, match="dp_metadata_list"):
+        AFDControlPayload.from_fields(object())
+
+
+def test_attention_side_compiled_once_and_reused_across_counts():
+    # fullgraph=True: a graph break is an error. The counts differ every step (>= 2: Dynamo
+    # specialises sizes 0 and 1); the compiled forward must call the connector on every step.
+    sc = pr.PluginScenario(layers=3, steps=({0: [3]}, {0: [5]}, {0: [2]}, {0: [7]}))
+    res = run_workers(pr.compiled_attention_worker, sc.nprocs,
+                      (sc, find_free_port(), "aot_eager", pr.finish_barrier(sc.nprocs)), timeout_s=180.0)
+    att = [r for r in res if r["role"] == "attention"][0]
+    # One graph for all four steps, holding one send and one receive per exchange layer.
+    assert att["graphs"] == [2 * sc.layers]
+
+
+# ---------------------------------------------------------------------------
+# afd_ext's own connector given a VllmConfig (afd_ext.factory.create_connector)
+# ---------------------------------------------------------------------------
+
+
+def _native(sc: pr.PluginScenario, role: str, role_rank: int):
+    from afd_ext.factory import create_connector
+
+    vc = pr.vllm_config(sc, role, 0, 1239, torch.float32)
+    vc.additional_config["afd"]["connector"] = "AfdExtConnector"
+    return create_connector(0, 0, vc, role_rank=role_rank)
+
+
+def test_native_handshake_does_not_compare_each_roles_tp():
+    sc = pr.PluginScenario(attn=(1, 1, 2), ffn=(1, 1, 1), extra=(("transport", "gloo"),))
+    att, ffn = _native(sc, "attention", 0), _native(sc, "ffn", 0)
+    assert att.handshake_fields() == ffn.handshake_fields()
+
+
+def test_native_dp2_pcp2_tp2_expands_the_per_dp_vector():
+    sc = pr.PluginScenario(attn=(2, 2, 2), extra=(("transport", "gloo"),))
+    att = _native(sc, "attention", 0)
+    assert att.topology.expand_counts([3, 5]) == (3, 3, 3, 3, 5, 5, 5, 5)
+    # An attention rank knows its DP size: a vector per PCP or TP worker group is refused (nothing moved).
+    with pytest.raises(ValueError, match="count vector has 4 entries; expected 8 .* or 2"):
+        att.topology.expand_counts([1, 2, 3, 4])
+
+
+def test_adapter_checks_before_anything_moves(plugin, monkeypatch):
+    # The check runs before the (here uninitialised) connector is touched.
+    from afd_plugin.connectors.metadata import AFDExpertRoutingSpec
+
+    from afd_ext.errors import AFDConfigError
+
+    plugin.adapter.register()
+    vc = _vc(connector="P2pNcclAFDConnector", compute_gate_on_attention=True,
+             connector_extra_config={"transport": "gloo"})
+    vc.model_config.hf_config.first_k_dense_replace, vc.model_config.hf_config.n_routed_experts = 1, 4
+    monkeypatch.setitem(vc.additional_config["afd"], "connector", "AfdExtConnector")
+    cfg = plugin.config.parse_afd_config(vc, validate=False)
+    att = plugin.factory.create_connector(0, 0, vc, cfg)
+    assert att.connector.num_layers == 2  # layers 1, 2 of 3 are MoE
+    vc.additional_config["afd"]["role"] = "ffn"
+    ffn = plugin.factory.create_connector(0, 0, vc, plugin.config.parse_afd_config(vc, validate=False))
+    with pytest.raises(AFDConfigError, match=r"routing_spec is \[4\] torch.bfloat16.*router_logits_dtype"):
+        ffn.recv_attn_output(ubatch_idx=0, routing_spec=AFDExpertRoutingSpec(4, torch.bfloat16))
+
+
+def test_native_connector_takes_the_references_objects_in_the_runners_sequence():
+    # afd_ext's own connector (no adapter) under the runners' calls and the reference's classes.
+    sc = pr.PluginScenario(steps=({0: [3]}, {0: [2], 1: [4]}), native=True)
+    res = run_workers(pr.dropin_worker, sc.nprocs, (sc, find_free_port(), pr.finish_barrier(sc.nprocs)),
+                      timeout_s=90.0)
+    assert {r["type"] for r in res} == {"AFDConnector"}
+    assert _ffn(res, sc)[0]["steps"] == [[(0, [3])], [(0, [2]), (1, [4])]]
+
+
+def test_native_connector_reads_gate_on_attention_from_the_config():
+    sc = pr.PluginScenario(layers=4, gate=True, experts=4, extra=(("transport", "gloo"),))
+    att = _native(sc, "attention", 0)
+    assert (att.num_layers, att.router_logits_width) == (3, 4)
