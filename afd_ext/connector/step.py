@@ -18,18 +18,18 @@ __all__ = ["AfdExtTransferState", "Step", "Exchange", "ReplySend", "context_meta
 
 
 def context_metadata(context: Any, op: str) -> AFDTransferMetadata:
-    """``context.metadata``, or :class:`AFDConfigError` (a ValueError) before anything moves.
+    """``context.metadata`` (ours or the reference's class), or :class:`AFDConfigError` (a ValueError).
 
     A ``None`` or foreign context must not become an ``AttributeError`` that
     skips the step's abandon/abort handling.
     """
     try:
         md = context.metadata
-    except AttributeError:
-        md = what = "None" if context is None else type(context).__name__
+    except AttributeError:  # None, or not a context at all
+        md, what = None, ("None" if context is None else type(context).__name__)
     else:
-        what = f"{type(context).__name__} whose metadata is {type(md).__name__}"
-    if not isinstance(md, AFDTransferMetadata):
+        what = f"{type(context).__name__} whose metadata is None"
+    if md is None:  # the reference's own metadata class is read by its fields, like ours
         raise AFDConfigError(f"{op}: context must be an AFDTransferContext carrying AFDTransferMetadata, got {what}")
     return md
 
