@@ -3,6 +3,11 @@
 #   make demo   same setup, then run the demo (python -m afd_ext demo)
 # Other targets: setup, cmake-check (CMake compiles the CPU part of the same sources), clean.
 #
+# The extension is compiled once and again only when its inputs change: a file under csrc/,
+# setup.py, pyproject.toml, or the build key (setup.py's build_key(): Python ABI, the torch build,
+# the NCCL wheel, the CUDA toolkit, AFD_USE_CUDA, TORCH_CUDA_ARCH_LIST, CXX/CC). A missing
+# afd_ext/_C*.so rebuilds too; `make clean` forces a rebuild. Stamps live in $(VENV).
+#
 # Variables: PYTHON (interpreter that creates .venv), VENV, MAX_JOBS (parallel compile jobs),
 # TORCH_CUDA_ARCH_LIST (default 9.0), AFD_USE_CUDA=0/1 (force CPU-only / require CUDA),
 # PYTEST_ARGS (extra pytest arguments), DEMO_ARGS (extra demo arguments).
@@ -22,19 +27,40 @@ ifneq ($(strip $(CUDA_HOME)),)
 export CUDA_HOME
 endif
 
-.PHONY: test demo setup cmake-check clean
+.PHONY: test demo setup cmake-check clean FORCE
+
+# Stamps in the venv: a new venv starts from nothing.
+TOOLS_STAMP := $(VENV)/.afd_ext-tools
+BUILD_KEY := $(VENV)/.afd_ext-build-key
+BUILT_STAMP := $(VENV)/.afd_ext-built
+BUILD_INPUTS := $(shell find csrc -type f 2>/dev/null) setup.py pyproject.toml
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
 
-# torch first (the build compiles against it), then the build tools, then the
-# package in place without build isolation so that same torch is used.
-setup: $(PY)
+# torch first (the build compiles against it), then the build tools; once per venv.
+$(TOOLS_STAMP): $(PY)
 	$(PIP) install "torch>=2.11"
 	$(PIP) install setuptools wheel ninja pybind11 numpy
+	touch $@
+
+# Recomputed on every run but rewritten only when its text changes, so its
+# modification time moves only when the torch build or a build setting did.
+$(BUILD_KEY): $(TOOLS_STAMP) FORCE
+	@$(PY) -c "import runpy; print(runpy.run_path('setup.py')['build_key']())" > $@.new
+	@if cmp -s $@.new $@; then rm -f $@.new; else mv -f $@.new $@; echo "afd_ext: build key (a change rebuilds the extension):"; sed 's/^/  /' $@; fi
+
+# The package in place without build isolation, so the torch above is the one
+# compiled against. Forced when no compiled core is present (e.g. after `make clean`).
+$(BUILT_STAMP): $(BUILD_KEY) $(BUILD_INPUTS) $(if $(wildcard afd_ext/_C*.so),,FORCE)
 	$(PIP) install --no-build-isolation -e ".[test,demo,bench]"
 	$(PY) -c "import json, afd_ext.ops as o; print('afd_ext build:', json.dumps(o.build_info()))"
+	touch $@
+
+setup: $(BUILT_STAMP)
+
+FORCE:
 
 # The CPU tier; pytest exits 5 when no test ran, which fails the target.
 test: setup
@@ -54,4 +80,4 @@ cmake-check: $(PY)
 	  print('cmake build registers', len(names), 'ops'); assert len(names) == 13, names"
 
 clean:
-	rm -rf build afd_ext/_C*.so *.egg-info
+	rm -rf build afd_ext/_C*.so *.egg-info $(BUILT_STAMP) $(BUILD_KEY)

@@ -129,6 +129,47 @@ def decide_cuda(torch_cuda: str | None, cuda_home: str | None) -> bool:
     return possible
 
 
+def build_key() -> str:
+    """What the compiled core depends on besides its sources, one ``name: value`` line each.
+
+    ``make setup`` rebuilds only when this text or a file under ``csrc/``
+    (or ``setup.py``, ``pyproject.toml``) changed: the interpreter's ABI, the
+    torch build (its ``torch/version.py``: version, CUDA, git commit, and
+    where it is installed), the NCCL wheel, the CUDA toolkit this build would
+    use and the build settings from the environment. Reads files only (no
+    ``import torch``), so an up-to-date check takes well under a second.
+    """
+    import importlib.metadata as md
+    import sysconfig
+
+    lines = [f"python: {sys.version.split()[0]} {sysconfig.get_config_var('EXT_SUFFIX')}"]
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        lines.append("torch: not installed")
+    else:
+        root = Path(list(spec.submodule_search_locations)[0])
+        try:
+            facts = [ln.strip() for ln in (root / "version.py").read_text().splitlines()
+                     if ln.startswith(("__version__", "cuda", "git_version", "hip", "rocm"))]
+        except OSError as e:
+            facts = [f"unreadable version.py ({e})"]
+        lines.append(f"torch: {root}; " + "; ".join(facts))
+    for dist in ("nvidia-nccl-cu13", "nvidia-nccl-cu12"):
+        try:
+            lines.append(f"{dist}: {md.version(dist)}")
+        except md.PackageNotFoundError:
+            pass
+    try:
+        cuda_home = find_cuda_home()
+    except SystemExit as e:  # the build itself will stop with this message
+        cuda_home = f"invalid ({e})"
+    lines.append(f"cuda toolkit: {cuda_home}")
+    for var in ("AFD_USE_CUDA", "TORCH_CUDA_ARCH_LIST", "CXX", "CC"):
+        default = DEFAULT_ARCH_LIST if var == "TORCH_CUDA_ARCH_LIST" else ""
+        lines.append(f"{var}: {os.environ.get(var, default)}")
+    return "\n".join(lines)
+
+
 def extensions():
     import torch
 

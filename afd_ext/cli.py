@@ -7,7 +7,9 @@ Subcommands (each forwards the rest of the command line to its module's
   AFD-style across processes, checked against the whole model;
 * ``bench``  -> :func:`afd_ext.bench.main`: the benchmarks;
 * ``launch`` -> :func:`afd_ext.launch.main`: start AFD processes;
-* ``info``   -> prints :func:`afd_ext.ops.build_info` (CUDA, NCCL, torch, arch list).
+* ``info``   -> what was built (:func:`afd_ext.ops.build_info`: CUDA kernels and
+  NCCL ops or CPU only, NCCL, torch, arch list), what this machine shows
+  (visible GPUs) and so which transports can run here.
 
 ``python -m afd_ext ...`` is the same command.
 """
@@ -20,30 +22,80 @@ import json
 import sys
 from typing import Callable, Sequence
 
-__all__ = ["main", "SUBCOMMANDS"]
+__all__ = ["main", "SUBCOMMANDS", "info_report"]
 
 #: subcommand -> (module, function, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "demo": ("afd_ext.demo", "main", "serve a transformers MoE model AFD-style and check it against the whole model"),
     "bench": ("afd_ext.bench", "main", "run the transport benchmarks"),
     "launch": ("afd_ext.launch", "main", "start attention and FFN processes"),
-    "info": ("afd_ext.cli", "_info", "print the build: CUDA, NCCL (compiled / run time), torch, arch list"),
+    "info": ("afd_ext.cli", "_info",
+             "print what was built (CUDA/NCCL or CPU only), the GPUs visible here, and the transports that can run"),
 }
+
+
+def _nccl_str(code: int | None) -> str:
+    """``22809`` -> ``"2.28.9"`` (NCCL_VERSION_CODE is major*10000 + minor*100 + patch)."""
+    return "-" if code is None else f"{code // 10000}.{code % 10000 // 100}.{code % 100}"
+
+
+def info_report() -> dict:
+    """What was built and what this machine shows, as one dict (``afd-ext info --json``).
+
+    Returns:
+        :func:`afd_ext.ops.build_info` plus ``afd_ext`` (version),
+        ``gpus_visible`` (``torch.cuda.device_count()``), ``gpu_names``,
+        ``transports`` (the data planes that can run here, from
+        :func:`afd_ext.transport.transport_availability`: NCCL needs a CUDA
+        build and a visible GPU, gloo always runs), ``unavailable`` (the
+        others, with the reason) and ``default_transport`` /
+        ``default_transport_why``: what a connector configured with
+        ``transport: "auto"`` and no ``device`` uses here
+        (:func:`afd_ext.transport.select_transport`).
+    """
+    import torch
+
+    from afd_ext import __version__
+    from afd_ext.ops import build_info
+    from afd_ext.transport import select_transport, transport_availability
+
+    built = build_info()
+    n = torch.cuda.device_count()
+    names = [torch.cuda.get_device_name(i) for i in range(n)]
+    avail = transport_availability()
+    choice = select_transport("auto")
+    return {"afd_ext": __version__, **built, "gpus_visible": n, "gpu_names": names,
+            "transports": [t for t, why in avail.items() if why is None],
+            "unavailable": {t: why for t, why in avail.items() if why is not None},
+            "default_transport": choice.name, "default_transport_why": choice.why}
+
+
+def _info_lines(info: dict) -> list[tuple[str, str]]:
+    torch_line = info["torch"] + (f" (CUDA {info['torch_cuda']})" if info["torch_cuda"] else " (CPU build)")
+    if info["cuda_built"]:
+        built = (f"CUDA kernels and NCCL ops (arch {info['arch_list'] or '-'}; NCCL {_nccl_str(info['nccl_compiled'])}"
+                 f" compiled, {_nccl_str(info['nccl_runtime'])} loaded)")
+    else:
+        built = "CPU only (NCCL ops raise 'built without CUDA')"
+    gpus = str(info["gpus_visible"]) + (f" ({', '.join(info['gpu_names'])})" if info["gpu_names"] else "")
+    run = ", ".join(info["transports"]) + "".join(
+        f"; not {t}: {why}" for t, why in info["unavailable"].items())
+    default = f"{info['default_transport']} (connector_extra_config.transport \"auto\" without device=)"
+    return [("afd_ext", info["afd_ext"]), ("torch", torch_line), ("built with", built),
+            ("GPUs visible", gpus), ("transports", run), ("default", default)]
 
 
 def _info(argv: Sequence[str]) -> int:
     p = argparse.ArgumentParser(prog="afd-ext info", description=SUBCOMMANDS["info"][2])
     p.add_argument("--json", action="store_true", help="print JSON")
     args = p.parse_args(list(argv))
-    from afd_ext import __version__
-    from afd_ext.ops import build_info
-
-    info = {"afd_ext": __version__, **build_info()}
+    info = info_report()
     if args.json:
         print(json.dumps(info, indent=2, sort_keys=True, default=str))
     else:
-        width = max(len(k) for k in info)
-        for k, v in info.items():
+        lines = _info_lines(info)
+        width = max(len(k) for k, _ in lines)
+        for k, v in lines:
             print(f"{k:<{width}}  {v}")
     return 0
 

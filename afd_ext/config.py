@@ -202,7 +202,7 @@ class AfdExtConnectorConfig:
     step_timeout_s: float = 60.0
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 30.0
-    transport: str = "nccl"
+    transport: str = "auto"
     control_channel: str = "auto"
     max_stages: int = 4
     graph_cache_size: int = 32

@@ -134,7 +134,14 @@ class PeerDeadError(AFDPeerError):
         super().__init__(f"{op}: peer {peer} is dead: {detail}", op=op, peer=peer)
 
 
-class PeerMemoryUnavailableError(AFDPeerError):
+class TransportUnavailableError(AFDPeerError):
+    """A transport's collective set-up found, on every rank together, that it cannot serve this AFD world.
+
+    ``transport: "auto"`` then builds the next candidate (afd_ext.transport.AUTO_ORDER).
+    """
+
+
+class PeerMemoryUnavailableError(TransportUnavailableError):
     """The peer-memory plane cannot serve this AFD world (a region did not open, a flag round trip failed).
 
     Every rank raises it together (the verdicts are shared through the

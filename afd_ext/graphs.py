@@ -310,7 +310,7 @@ def graph_key_from_schedule(schedule: Any) -> GraphKey:
         router_logits_dtype=logits_dtype,
         token_ids_dtype=TOKEN_IDS_DTYPE if cfg.send_token_ids else None,
         wire_formats={s: schedule.wire_format(s) for s in schedule.stages},
-        topology=(topo.num_attention_ranks, topo.num_ffn_ranks, getattr(topo, "tp_size", 1)),
+        topology=(topo.num_attention_ranks, topo.num_ffn_ranks, topo.tp_size),
     )
 
 
@@ -1254,7 +1254,7 @@ def _cache_size(connector: Any, cache_size: int | None) -> int:
     """``cache_size``, else the connector's ``connector_extra_config.graph_cache_size`` (0 = graphs disabled)."""
     if cache_size is not None:
         return cache_size
-    n = getattr(getattr(connector, "extra", None), "graph_cache_size", 8)
+    n = connector.extra.graph_cache_size
     if n < 1:
         raise GraphModeError(
             "graph mode asked for but connector_extra_config.graph_cache_size is 0 (graphs disabled); "
@@ -1314,7 +1314,7 @@ class AttentionGraphRunner:
         self.ctl = GraphController(role="attention", cache_size=_cache_size(connector, cache_size), backend=backend,
                                    device=connector.device, capture_sizes=capture_sizes)
         # init_afd_connector warms every edge and direction unless told not to.
-        self.ctl.warmed_up = bool(getattr(connector, "warmup_on_init", False))
+        self.ctl.warmed_up = connector.warmup_on_init
         self.active = False
         self.replayed_steps = 0
         self.eager_steps = 0
@@ -1485,7 +1485,7 @@ class FFNGraphServer:
         self.ctl = GraphController(role="ffn", cache_size=_cache_size(conn, cache_size), backend=backend,
                                    device=conn.device,
                                    capture_sizes=capture_sizes)
-        self.ctl.warmed_up = bool(getattr(conn, "warmup_on_init", False))
+        self.ctl.warmed_up = conn.warmup_on_init
         self.modes: dict[str, int] = {m.value: 0 for m in StepMode}
 
     def serve_step(self, payload: Any) -> StepMode:

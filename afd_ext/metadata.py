@@ -498,7 +498,8 @@ class AFDControlPayload:
         if isinstance(obj, cls):
             return obj
         if not hasattr(obj, "dp_metadata_list"):
-            raise ValueError(f"expected an AFD control payload (with dp_metadata_list), got {type(obj).__name__}")
+            raise ValueError(f"expected an AFDControlPayload or an object with its fields (dp_metadata_list, "
+                             f"is_graph_capturing, ...), got {type(obj).__name__}")
         flags = {}
         for name in _FLAG_NAMES:
             value = getattr(obj, name, False)
@@ -647,6 +648,33 @@ _FLAGS_JSON = {
 }
 
 
+def _checked_stages(payload: Any) -> tuple[AFDControlPayload, list[tuple[int, AFDDPMetadata]]]:
+    """``payload`` re-checked for the codecs, and its ``(stage, metadata)`` pairs in increasing stage order.
+
+    A payload may have been modified after construction, so the flags and stage
+    keys are checked again; any object with the payload's fields (the
+    reference plugin's own class included) is read by :meth:`AFDControlPayload.from_fields`.
+
+    Raises:
+        ValueError: no payload fields, a non-bool flag, a stage key that is not an int >= 0,
+            counts that cannot be converted.
+    """
+    if not isinstance(payload, AFDControlPayload):
+        payload = AFDControlPayload.from_fields(payload)
+    flags = (payload.is_graph_capturing, payload.is_warmup, payload.is_graph_replaying, payload.is_profile)
+    if not all(type(f) is bool for f in flags):
+        raise ValueError(f"control payload flags must be bools, got {flags!r}")
+    dp = payload.dp_metadata_list
+    bad = [s for s in dp if type(s) is not int or s < 0]
+    if bad:
+        raise ValueError(f"dp_metadata_list keys must be stage ints >= 0, got {bad[0]!r}")
+    stages = []
+    for s in sorted(dp):
+        m = dp[s]
+        stages.append((s, m if type(m) is AFDDPMetadata else _to_dp_metadata(m, s)))
+    return payload, stages
+
+
 def encode_control_payload(payload: AFDControlPayload) -> bytes:
     """Encode ``payload`` as compact, key-sorted UTF-8 JSON.
 
@@ -665,38 +693,22 @@ def encode_control_payload(payload: AFDControlPayload) -> bytes:
     microsecond.
 
     Args:
-        payload: the control payload.
+        payload: the control payload (or any object with its fields, read by
+            :meth:`AFDControlPayload.from_fields`).
 
     Returns:
         The encoded bytes.
 
     Raises:
-        ValueError: ``payload`` is not an :class:`AFDControlPayload`, or was
+        ValueError: ``payload`` has no payload fields, or was
             modified after construction into something invalid (a non-bool
             flag, a non-int stage key, invalid counts).
     """
-    if not isinstance(payload, AFDControlPayload):
-        raise ValueError(f"expected AFDControlPayload, got {type(payload).__name__}")
+    payload, stages = _checked_stages(payload)
+    if stages and stages[-1][0] >= 10:
+        stages.sort(key=lambda sm: str(sm[0]))  # JSON sort_keys order: "10" < "2"
     flags = (payload.is_graph_capturing, payload.is_graph_replaying, payload.is_profile, payload.is_warmup)
-    if not (type(flags[0]) is bool and type(flags[1]) is bool and type(flags[2]) is bool
-            and type(flags[3]) is bool):
-        raise ValueError(f"control payload flags must be bools, got {flags!r}")
-    dp = payload.dp_metadata_list
-    try:
-        keys = sorted(dp)
-    except TypeError:
-        raise ValueError(f"dp_metadata_list keys must be stage ints >= 0, got {list(dp)!r}") from None
-    if keys and not (type(keys[0]) is int and keys[0] >= 0 and type(keys[-1]) is int and keys[-1] < 10):
-        for s in keys:
-            if type(s) is not int or s < 0:
-                raise ValueError(f"dp_metadata_list keys must be stage ints >= 0, got {s!r}")
-        keys.sort(key=str)  # JSON sort_keys order: "10" < "2"
-    parts = []
-    for s in keys:
-        m = dp[s]
-        if type(m) is not AFDDPMetadata:
-            m = _to_dp_metadata(m, s)
-        parts.append(f'"{s}":{{{m._json_fragment()}}}')
+    parts = [f'"{s}":{{{m._json_fragment()}}}' for s, m in stages]
     return f'{{"dp_metadata_list":{{{",".join(parts)}}},{_FLAGS_JSON[flags]}}}'.encode()
 
 
@@ -862,13 +874,13 @@ def encode_control_binary(payload: AFDControlPayload) -> bytes:
     reference-format API.
 
     Args:
-        payload: the control payload.
+        payload: the control payload (or any object with its fields, see :func:`control_payload_parts`).
 
     Returns:
         The encoded bytes (``8 + sum(12 + 4 * n)`` bytes).
 
     Raises:
-        ValueError: ``payload`` is not an :class:`AFDControlPayload`, or was
+        ValueError: ``payload`` has no payload fields, or was
             modified after construction into something invalid (a non-bool
             flag, a stage key that is not an int in ``[0, 2**32)``, invalid
             counts, more than 65535 stages).
@@ -882,31 +894,20 @@ def control_payload_parts(payload: AFDControlPayload) -> tuple[int, tuple[tuple[
     ``flags`` are the layout's flag bits; ``stages`` is ``((stage, max_tokens, counts), ...)``
     in increasing stage order (the control plane's native sender encodes these).
 
+    Args:
+        payload: an :class:`AFDControlPayload`, or any object with its fields (the
+            reference plugin's own class included; read by :meth:`AFDControlPayload.from_fields`).
+
     Raises:
         ValueError: as :func:`encode_control_binary`.
     """
-    if not isinstance(payload, AFDControlPayload):
-        raise ValueError(f"expected AFDControlPayload, got {type(payload).__name__}")
+    payload, stages = _checked_stages(payload)
+    if stages and stages[-1][0] > _U32_MAX:
+        raise ValueError(f"dp_metadata_list keys must be stage ints in [0, 2**32), got {stages[-1][0]!r}")
+    if len(stages) > 0xFFFF:
+        raise ValueError(f"a control payload holds at most 65535 stages, got {len(stages)}")
     c, w, r, p = payload.is_graph_capturing, payload.is_warmup, payload.is_graph_replaying, payload.is_profile
-    if not (type(c) is bool and type(w) is bool and type(r) is bool and type(p) is bool):
-        raise ValueError(f"control payload flags must be bools, got {(c, w, r, p)!r}")
-    dp = payload.dp_metadata_list
-    try:
-        keys = sorted(dp)
-    except TypeError:
-        raise ValueError(f"dp_metadata_list keys must be stage ints >= 0, got {list(dp)!r}") from None
-    if keys and not (type(keys[0]) is int and keys[0] >= 0 and type(keys[-1]) is int and keys[-1] <= _U32_MAX):
-        bad = [s for s in keys if type(s) is not int or not 0 <= s <= _U32_MAX]
-        raise ValueError(f"dp_metadata_list keys must be stage ints in [0, 2**32), got {bad[0]!r}")
-    if len(keys) > 0xFFFF:
-        raise ValueError(f"a control payload holds at most 65535 stages, got {len(keys)}")
-    stages = []
-    for s in keys:
-        m = dp[s]
-        if type(m) is not AFDDPMetadata:
-            m = _to_dp_metadata(m, s)
-        stages.append((s, m.max_tokens, m.counts))
-    return c | w << 1 | r << 2 | p << 3, tuple(stages)
+    return c | w << 1 | r << 2 | p << 3, tuple((st, m.max_tokens, m.counts) for st, m in stages)
 
 
 def encode_control_parts(flags: int, stages: Sequence[tuple[int, int, Sequence[int]]]) -> bytes:

@@ -143,22 +143,28 @@ def is_cuda_built() -> bool:
 
 
 def build_info() -> dict:
-    """Facts about the compiled core, for logs and bug reports.
+    """Facts about the compiled core (what was built, not what this machine can run), for logs and bug reports.
 
     Returns:
-        ``{"cuda": bool, "nccl_compiled": int | None, "nccl_runtime": int | None,
-        "torch": str, "arch_list": str}``. ``nccl_compiled`` is the
-        ``NCCL_VERSION_CODE`` of the headers compiled against (e.g. ``22809``),
-        ``nccl_runtime`` what ``ncclGetVersion()`` reports for the loaded
-        ``libnccl.so.2``; both ``None`` in a CPU-only build. ``arch_list`` is
+        ``{"cuda_built": bool, "nccl_compiled": int | None, "nccl_runtime": int | None,
+        "torch": str, "torch_cuda": str | None, "arch_list": str}``.
+        ``cuda_built`` says the core was compiled with its CUDA kernels and
+        NCCL ops; it is true on a machine without a GPU too (whether a GPU is
+        visible is ``torch.cuda.device_count()``; ``afd-ext info`` prints
+        both). ``nccl_compiled`` is the ``NCCL_VERSION_CODE`` of the headers
+        compiled against (e.g. ``22809``), ``nccl_runtime`` what
+        ``ncclGetVersion()`` reports for the loaded ``libnccl.so.2``; both
+        ``None`` in a CPU-only build. ``torch_cuda`` is the CUDA version of
+        the torch build (``None`` for a CPU build of torch). ``arch_list`` is
         the ``TORCH_CUDA_ARCH_LIST`` of the build (``""`` without CUDA).
     """
     cuda = is_cuda_built()
     return {
-        "cuda": cuda,
+        "cuda_built": cuda,
         "nccl_compiled": int(_C.NCCL_VERSION_CODE) if cuda else None,
         "nccl_runtime": int(_ops.nccl_version()) if cuda else None,
         "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
         "arch_list": str(_C.ARCH_LIST).replace(";", " "),
     }
 

@@ -410,8 +410,10 @@ class PeerPlane:
                 row offset of this FFN rank's share).
 
         Raises:
-            AFDConfigError: tensors do not match the spec; RuntimeError: a write past
-                a peer's capacity or a bad tensor (before anything moves).
+            AFDConfigError: tensors do not match the spec, or the rows exceed the
+                capacity (more than ``max_tokens`` rows of one attention rank in a
+                stage, or a range past a peer's part), before anything moves.
+            RuntimeError: a bad tensor (device, dtype, shape), before anything moves.
         """
         if not self._put_regions:
             raise AFDStateError(f"{self.me}: put before every peer's region was attached (use open_plane)",
@@ -425,9 +427,24 @@ class PeerPlane:
                 f"{self.me}: put got {len(given)} tensors but the plane was set up for {nparts} "
                 f"(router logits {'travel' if self.spec.logits_width else 'do not travel'}, token ids "
                 f"{'travel' if self.spec.has_token_ids else 'do not travel'})")
+        self._check_capacity(rows, dst_rows)
         h, lg, ids = (list(tensors) + [None, None])[:3]
         ops.peer_put(h, lg, ids, self._plane, stage, self._put_regions, rows, dst_rows,
                      self._put_parts[stage], self._put_flags[stage])
+
+    def _check_capacity(self, rows: Sequence[int], dst_rows: Sequence[int]) -> None:
+        # The op only bounds a write by the peer region's end; a range past a part's capacity
+        # would land in another attention rank's rows or another stage's slot.
+        if self.role == ATTENTION and sum(rows) > self.max_tokens:
+            raise AFDConfigError(
+                f"{self.me}: put of {sum(rows)} rows exceeds the plane's capacity of {self.max_tokens} "
+                "rows per attention rank and stage (peer_max_tokens); such a step must travel another way")
+        for i, (n, d) in enumerate(zip(rows, dst_rows)):
+            cap = self.peer_layouts[i].capacity_rows
+            if d + n > cap:
+                raise AFDConfigError(
+                    f"{self.me}: put rows [{d}, {d + n}) for {self.label(self.other_role, self.peers[i])} "
+                    f"end past its region's capacity of {cap} rows per stage")
 
     def views(self, stage: int, rows: int) -> tuple[Tensor, ...]:
         """This rank's region at ``stage``, first ``rows`` rows of each part (no wait)."""
@@ -447,7 +464,13 @@ class PeerPlane:
         Returns:
             FFN rank: views ``(hidden_states, router_logits?, token_ids?)`` of the
             fan-in region; attention rank: ``(out,)`` or ``(reply view,)``.
+
+        Raises:
+            AFDConfigError: ``rows`` exceeds the region's capacity (before anything is launched).
         """
+        if rows > self.layout.capacity_rows:
+            raise AFDConfigError(f"{self.me}: wait for {rows} rows exceeds the region's capacity of "
+                                 f"{self.layout.capacity_rows} rows per stage")
         vs = self.views(stage, rows)
         if op is None:
             op = OP_RECV_ATTN if self.role == FFN else OP_RECV_FFN

@@ -40,11 +40,20 @@ __all__ = [
     "AFDRankMapping",
     "validate_role_rank",
     "rank_label",
+    "step_words",
 ]
 
 ATTENTION = "attention"
 FFN = "ffn"
 ROLES = (ATTENTION, FFN)
+
+
+def step_words(n: int) -> str:
+    """How every message names a step: ``"step N"`` (N >= 1: the caller's N-th step since init),
+    ``"warm-up step"`` (0: the connector's own warm-up, not counted), ``"no step"`` (< 0: none yet)."""
+    if n < 0:
+        return "no step"
+    return "warm-up step" if n == 0 else f"step {n}"
 
 
 def rank_label(world_rank: int, num_ffn_ranks: int | None = None) -> str:

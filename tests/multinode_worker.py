@@ -50,7 +50,7 @@ def main(scenario: str, out_dir: str) -> None:
     error: BaseException | None = None
     try:
         conn.init_afd_connector()
-        out["control"] = sorted(ch.kind for ch in conn._cp.channels.values())  # noqa: SLF001 - test introspection
+        out["control"] = sorted(ch.kind for ch in conn.control_plane.channels.values())
         victim = role == "attention" and role_rank == A - 1 and scenario == "kill"
         try:
             if role == "ffn":

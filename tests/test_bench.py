@@ -237,7 +237,9 @@ def test_markdown_and_plot(tmp_path):
     md = report.render_markdown(doc)
     assert "## Round trip, 1A1F, hidden 7168 bf16, hidden + fp32 logits" in md
     assert "2.50×" in md  # graph, 1 token: 50 / 20
-    assert "## Targets (the design's performance.md" in md
+    assert "## Targets (docs/benchmarks.md" in md
+    # No backend recorded: a GPU document; the raw column names the transport that was timed.
+    assert "raw NCCL (1 msg)" in md and "transport timed: NCCL" in md and report.CPU_RUN_NOTE not in md
     (h1,) = [h for h in report.headline(doc) if h["tokens"] == 1]
     assert h1["graph_vs_ref"] == pytest.approx(2.5) and h1["graph_x_raw"] == pytest.approx(1 / 0.9)
     assert "## Headline" in md
@@ -253,6 +255,9 @@ def test_merge_later_wins_and_validates(tmp_path):
     b["control_plane"] = {"reference": None, "ours": {"median": 7.0}}
     m = report.merge_documents([a, b])
     report.validate_document(m)
+    assert m["meta"]["backend"] == "nccl"
+    assert report.merge_documents([a, dict(b, meta={"backend": "gloo"})])["meta"]["backend"] == "gloo+nccl"
+    assert report.variant_label("raw", "gloo+nccl") == "raw gloo + NCCL (1 msg)"
     assert report.lookup(m, "h7168-t1-extras", "reference", "graph", "round_trip")["stats_us"]["median"] == 60.0
     assert report.lookup(m, "h7168-t2-extras", "raw", "graph", "round_trip") is not None
     assert len(m["records"]) == len(a["records"]) + 1
@@ -274,13 +279,22 @@ def test_merge_later_wins_and_validates(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_quick_gloo_emits_valid_json(tmp_path):
+def test_quick_gloo_emits_valid_json(tmp_path, capfd):
     out = tmp_path / "quick"
     rc = main(["--quick", "--backend", "gloo", "--out", str(out), "--no-progress", "--control-iters", "10"])
     assert rc == 0
+    printed = capfd.readouterr()
+    # No per-step worker lines unless asked for (--progress-lines): the bar is the progress display.
+    assert "[bench +" not in printed.out + printed.err and "[bench parent]" not in printed.out
     doc = json.loads((out / "bench.json").read_text())
     report.validate_document(doc)
-    assert (out / "bench.md").read_text().startswith("# afd-ext bench results")
+    md = (out / "bench.md").read_text()
+    assert md.startswith("# afd-ext bench results")
+    # The timed transport is named, and the CPU run says what it can and cannot show.
+    assert "raw gloo (1 msg)" in md and "torch.dist batch (gloo)" in md and "NCCL (1 msg)" not in md
+    assert report.CPU_RUN_NOTE in md and "transport timed: gloo" in md
+    assert "logits [n, 16]" in md and "[n, 256]" not in md
+    assert "they say nothing about the NCCL path" in printed.out
     assert (out / "bench.png").exists()
     assert doc["meta"]["backend"] == "gloo" and doc["meta"]["shared_gpu"] is False
     recs = report.attention_records(doc)
@@ -302,6 +316,13 @@ def test_quick_gloo_emits_valid_json(tmp_path):
     assert cp["ours"] and (cp["ours"].get("median", 0) > 0 or "error" in cp["ours"])
     ffn = [r for r in doc["records"] if r["role"] == "ffn"]
     assert ffn, "the FFN rank's own loop times are recorded too"
+    # The progress bar's total is exactly the timed blocks run (one record each here: 1 round), so it ends at 100 %.
+    from afd_ext.bench import _config, build_parser
+    from afd_ext.bench.runner import _applicable, _case_blocks
+
+    cfg = _config(build_parser().parse_args(["--quick", "--backend", "gloo"]))
+    assert cfg.reps.rounds == 1
+    assert sum(_case_blocks(cfg, _applicable(cfg, c), False) for c in cfg.cases) == len(recs)
 
 
 def _check_cfg(port: int, A: int = 1, F: int = 1, cases=None) -> RunConfig:
@@ -363,7 +384,7 @@ def test_gpu_check_1a1f(tmp_path):
     bad = [c for c in doc["checks"] if not c["ok"]]
     assert rc == 0 and not bad, bad
     seen = {(c["variant"], c["mode"]) for c in doc["checks"]}
-    for v in ("ours_per_tensor", "ours_packed", "reference", "raw", "bare"):
+    for v in ("ours_per_tensor", "ours_packed", "reference", "raw", "bare", "peer"):
         assert (v, "eager") in seen and (v, "graph") in seen, v
     assert ("torch_dist", "eager") in seen
 
@@ -422,7 +443,7 @@ def test_hung_variant_is_named_and_sweep_moves_on(tmp_path, capfd):
 
     args = build_parser().parse_args(["--backend", "gloo", "--tokens", "1,3", "--hidden", "16", "--extras", "off",
                                       "--variants", "ours_per_tensor,raw", "--no-control", "--no-progress",
-                                      "--case-timeout", "4", "--time-per-point", "0.001"])
+                                      "--case-timeout", "4", "--time-per-point", "0.001", "--progress-lines"])
     cfg = _config(args)
     cfg.hard_grace_s = 2.0
     cfg.extra["inject_hang"] = {"variant": "raw", "rank": 0, "case": cfg.cases[0].key()}
@@ -439,7 +460,7 @@ def test_hung_variant_is_named_and_sweep_moves_on(tmp_path, capfd):
     assert {r["case_key"] for r in recs} == {c.key() for c in cfg.cases}
     skipped = [s for res in out["results"] for s in res["skipped"]]
     assert {(s["case_key"], s["variant"]) for s in skipped} == {(c.key(), "raw") for c in cfg.cases}
-    # faulthandler printed the hung rank's stack; progress lines named the phase first.
+    # faulthandler printed the hung rank's stack; progress lines (asked for) named the phase first.
     assert "_maybe_inject" in printed.err or "_maybe_inject" in printed.out
     assert "start warm-up variant raw" in printed.out
     # The phase file of the hung attempt says where it was.
@@ -479,6 +500,37 @@ def test_no_retry_writes_partial_outputs(tmp_path, capsys):
     assert "INCOMPLETE" in (out / "bench.md").read_text()
 
 
+def test_diagnose_blames_the_rank_stuck_before_its_exchanges_not_its_waiting_peer():
+    """Both ranks overran one warm-up; the attention rank, blocked on the FFN rank, was ended first."""
+    from afd_ext.bench.guard import diagnose
+
+    now = 1000.0
+    phase = {"what": "warm-up", "variant": "raw", "case": "h16-t1", "mode": "eager", "direction": "round_trip",
+             "wall_start": now - 80, "timeout_s": 60, "hard_timeout_s": 75}
+    stuck = dict(phase, rank=0, label="ffn0")
+    waiting = dict(phase, rank=1, label="attention0", on_peers=True)
+    died = RuntimeError("worker rank 1 died with exit code 1 without reporting")
+    d = diagnose(died, [stuck, waiting], now)
+    assert (d["kind"], d["rank"], d["label"], d["variant"]) == ("hung", 0, "ffn0", "raw"), d
+    assert "never reached its exchanges; attention0, waiting on it" in d["message"]
+    # The waiter's own error (a soft timeout, or the connection the stuck rank's death closed)
+    # is the consequence: the stuck peer is named, hung once past its hard deadline.
+    from afd_ext.testing import WorkerError
+
+    for tb in ("TimeoutError: attention rank 0: warm-up raw timed out", "RuntimeError: Connection closed by peer"):
+        d = diagnose(WorkerError(1, f"Traceback ...\n{tb}"), [stuck, waiting], now)
+        assert (d["kind"], d["rank"]) == ("hung", 0) and tb in d["message"], d
+    d = diagnose(WorkerError(1, "RuntimeError: Connection closed by peer"), [dict(stuck, wall_start=now - 3), waiting],
+                 now)
+    assert (d["kind"], d["rank"]) == ("failed", 0), d
+    # Both past that point (a hang inside the exchange): the rank that died is named, as before.
+    d = diagnose(died, [dict(stuck, on_peers=True), waiting], now)
+    assert (d["kind"], d["rank"]) == ("hung", 1), d
+    # Another phase is not the same wait: no switch.
+    d = diagnose(died, [dict(stuck, variant="ours_per_tensor"), waiting], now)
+    assert d["rank"] == 1, d
+
+
 def test_diagnose_names_crash_and_hang():
     from afd_ext.bench.guard import diagnose
 
@@ -496,3 +548,16 @@ def test_diagnose_names_crash_and_hang():
     assert d["kind"] == "hung" and "deadline" in d["message"]
     d = diagnose(RuntimeError("worker rank 1 died with exit code 1 without reporting"), [None, None], now)
     assert d["variant"] is None and "no phase recorded" in d["message"]
+
+
+def test_gloo_document_names_its_transport_and_says_what_it_cannot_show(tmp_path):
+    doc = _synthetic_doc()
+    doc["meta"]["backend"] = "gloo"
+    doc["targets"] = report.evaluate_targets(doc)
+    md = report.render_markdown(doc)
+    assert md.splitlines()[2] == report.CPU_RUN_NOTE  # first thing under the title
+    assert "raw gloo (1 msg)" in md and "raw NCCL" not in md and "x raw` = ours-default / raw gloo" in md
+    assert "## Headline: ours (default) vs the reference pattern and raw gloo" in md
+    assert "NCCL runtime" not in md
+    assert report.variant_label("raw", "nccl") == "raw NCCL (1 msg)"
+    assert report.variant_label("torch_dist", "nccl") == "torch.dist batch"

@@ -677,6 +677,11 @@ def test_measure_control_plane_reports_percentiles(distinct):
     assert r["kind"] == "shm" and r["n"] == 200 and r["distinct"] is distinct
     assert 0 < r["min_us"] <= r["p50_us"] <= r["p90_us"] <= r["p99_us"] <= r["max_us"]
     assert r["payload_bytes"] == 8 + 2 * (12 + 4 * 8)  # binary: 2 stages of 8 counts
+    ph = r["phases"]  # the native stamps split the total: publish, poll saw it, taken, built
+    assert set(ph) == {"send", "wake", "take", "build"}, ph
+    # call start <= published <= seen <= taken <= returned: each phase is a part of the total
+    assert all(0 <= v["p50_us"] <= v["p99_us"] <= r["max_us"] for v in ph.values()), ph
+    assert ph["send"]["p50_us"] > 0 and ph["build"]["p50_us"] > 0, ph
 
 
 @pytest.mark.timeout(180)
@@ -686,8 +691,124 @@ def test_control_table_has_each_gap_channel_and_the_reference():
     rows = control_table((1.0,), ("shm",), seconds_per_cell=0.2)
     assert [r["gap_ms"] for r in rows] == [1.0]
     shm, ref = rows[0]["shm"], rows[0]["reference"]
-    assert shm["kind"] == "shm" and ref["kind"] == "gloo" and shm["n"] == ref["n"] == 200
+    assert shm["kind"] == "shm" and ref["kind"] == "gloo" and shm["n"] == 200 and ref["n"] == 100
     assert 0 < shm["p50_us"] <= shm["p99_us"] and 0 < ref["p50_us"] <= ref["p99_us"]
     text = format_control_table(rows, ("shm",))
     assert "| 1 ms |" in text and "reference pattern" in text
     assert f"{shm['p50_us']:.1f} / {shm['p99_us']:.1f}" in text
+
+
+def test_warm_receiver_rehearses_on_private_memory_and_still_takes_the_real_payload():
+    from afd_ext import metadata as md
+
+    assert cshm._native() is not None, "the compiled core lacks the native poll (rebuild afd_ext)"
+    with pytest.raises(ValueError, match="warm_s"):
+        cp.ChannelOptions(warm_s=-1.0)
+    rx, tx = _ring(warm_s=0.001, heartbeat_timeout_s=60.0)
+    first = md.control_payload_parts(_payload(0, 8))
+    second = md.control_payload_parts(_payload(1, 8))
+    assert first != second
+    rehearsals = []
+    orig = rx._rehearse
+
+    def counted():
+        rehearsals.append(orig())
+
+    rx._rehearse = counted
+    out: list = []
+    try:
+        tx.send_parts(first)
+        assert rx.recv_parts(1.0, "recv", md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS) == first
+        assert rx._practice is not None
+        t = threading.Thread(target=lambda: out.append(
+            rx.recv_parts(30.0, "recv", md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS)))
+        t.start()
+        time.sleep(0.2)
+        assert len(rehearsals) >= 5 and all(rehearsals)  # parsed and built, about one per warm_s
+        assert rx._hdr[cshm._W_READ_COUNT] == 1  # the practice take touched no real slot
+        tx.send_parts(second)
+        t.join(5)
+        assert out == [second]
+        assert rx._hdr[cshm._W_READ_COUNT] == 2
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_warm_period_comes_from_the_environment(monkeypatch):
+    assert cp.ChannelOptions().warm_s == 0.0005
+    monkeypatch.setenv("AFD_CONTROL_WARM_S", "0")
+    assert cp.ChannelOptions.from_env().warm_s == 0.0
+    assert cp.ChannelOptions.from_env(warm_s=0.002).warm_s == 0.002
+
+
+def test_rehearsing_receiver_leaves_the_gil_to_other_threads():
+    import sys
+
+    from afd_ext import metadata as md
+
+    rx, tx = _ring(idle_s=30.0, warm_s=0.0005, heartbeat_timeout_s=60.0)
+    parts = md.control_payload_parts(_payload(0, 8))
+    old = sys.getswitchinterval()
+    out: list = []
+    try:
+        tx.send_parts(parts)
+        rx.recv_parts(1.0, "recv", md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS)
+        sys.setswitchinterval(2.0)  # a receiver that kept the GIL would keep this thread out for 2 s
+        t = threading.Thread(target=lambda: out.append(
+            rx.recv_parts(30.0, "recv", md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS)))
+        t.start()
+        time.sleep(0.05)
+        t0 = time.monotonic()
+        for _ in range(5):
+            time.sleep(0.01)  # each return needs the GIL back
+        assert time.monotonic() - t0 < 0.5
+        tx.send_parts(parts)
+        t.join(5)
+        assert out == [parts]
+    finally:
+        sys.setswitchinterval(old)
+        tx.close()
+        rx.close()
+
+
+def test_warm_tcp_receiver_rehearses_and_still_reads_the_real_payload():
+    import socket
+
+    from afd_ext import metadata as md
+
+    ls = socket.create_server(("127.0.0.1", 0))
+    a = socket.create_connection(ls.getsockname())
+    b, _ = ls.accept()
+    ls.close()
+    opts = cp.ChannelOptions(**{**FAST, "warm_s": 0.001, "idle_s": 30.0, "heartbeat_timeout_s": 60.0})
+    rx = cp.TcpControlChannel(b, is_sender=False, local_rank=0, peer_rank=1, peer="attention rank 0",
+                              options=opts, abort_check=None)
+    tx = cp.TcpControlChannel(a, is_sender=True, local_rank=1, peer_rank=0, peer="FFN rank 0",
+                              options=opts, abort_check=None)
+    first = md.encode_control_binary(_payload(0, 8))
+    second = md.encode_control_binary(_payload(1, 8))
+    rehearsals = []
+    orig = rx._rehearse
+
+    def counted():
+        rehearsals.append(orig())
+        return rehearsals[-1]
+
+    rx._rehearse = counted
+    out: list = []
+    try:
+        tx.send(first)
+        assert rx.recv(1.0) == first and rx._practice == first
+        t = threading.Thread(target=lambda: out.append(rx.recv(30.0)))
+        t.start()
+        time.sleep(0.2)
+        assert len(rehearsals) >= 5 and all(rehearsals)  # decoded, about one per warm_s
+        tx.send(second)
+        t.join(5)
+        assert out == [second]
+        tx.send(b"not a control payload")
+        assert rx.recv(1.0) == b"not a control payload"
+    finally:
+        tx.close()
+        rx.close()

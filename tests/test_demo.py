@@ -140,7 +140,7 @@ def test_cli_dispatch(capsys):
 
     assert cli.main(["info", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert {"afd_ext", "cuda", "torch"} <= set(info)
+    assert {"afd_ext", "cuda_built", "gpus_visible", "default_transport", "torch"} <= set(info)
     assert cli.main([]) == 2  # no command: help, usage error
     assert "demo" in capsys.readouterr().out
     with pytest.raises(SystemExit):

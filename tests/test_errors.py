@@ -33,7 +33,7 @@ import afd_ext  # noqa: E402
 #: modules they rest on). TypeError stays a TypeError: a wrong Python type is a programming error.
 _STRICT_MODULES = (
     "afd_ext.connector", "afd_ext.connector.sequencer", "afd_ext.connector.step", "afd_ext.connector.buffers",
-    "afd_ext.connector.attention", "afd_ext.connector.ffn", "afd_ext.connector.control", "afd_ext.connector.session",
+    "afd_ext.connector.attention", "afd_ext.connector.ffn", "afd_ext.connector.session",
     "afd_ext.transport", "afd_ext.transport.base", "afd_ext.transport.strict", "afd_ext.transport.gloo",
     "afd_ext.transport.nccl", "afd_ext.transport.signal", "afd_ext.transport.stall",
     "afd_ext.spec", "afd_ext.watchdog",

@@ -122,10 +122,10 @@ def test_management_ops_serve_every_key(name):
 
 def test_build_info_report():
     info = ops.build_info()
-    assert set(info) == {"cuda", "nccl_compiled", "nccl_runtime", "torch", "arch_list"}
-    assert info["torch"] == torch.__version__
-    assert info["cuda"] is ops.is_cuda_built()
-    if info["cuda"]:
+    assert set(info) == {"cuda_built", "nccl_compiled", "nccl_runtime", "torch", "torch_cuda", "arch_list"}
+    assert info["torch"] == torch.__version__ and info["torch_cuda"] == torch.version.cuda
+    assert info["cuda_built"] is ops.is_cuda_built()
+    if info["cuda_built"]:
         # NCCL codes are major*10000 + minor*100 + patch; compiled and loaded share the major.
         assert info["nccl_compiled"] >= 21400 and info["nccl_runtime"] >= 21400
         assert info["nccl_compiled"] // 10000 == info["nccl_runtime"] // 10000

@@ -351,24 +351,48 @@ class _Made:
 
 
 class _PeerUnavailable:
+    device_type = "cuda"
+
+    @classmethod
+    def unavailable(cls):
+        return None
+
     @classmethod
     def from_setup(cls, setup):
         raise PeerMemoryUnavailableError("no peer memory here", reasons={"FFN rank 0 (world rank 0)": "test"})
 
 
 class _PeerOk:
+    device_type = "cuda"
+
+    @classmethod
+    def unavailable(cls):
+        return None
+
     @classmethod
     def from_setup(cls, setup):
         return _Made("peer")
 
 
 class _Nccl:
+    device_type = "cuda"
+
+    @classmethod
+    def unavailable(cls):
+        return None
+
     @classmethod
     def from_setup(cls, setup):
         return _Made("nccl")
 
 
 class _Gloo:
+    device_type = "cpu"
+
+    @classmethod
+    def unavailable(cls):
+        return None
+
     @classmethod
     def from_setup(cls, setup):
         return _Made("gloo")

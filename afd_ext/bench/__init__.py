@@ -95,7 +95,8 @@ def build_parser(prog: str = "afd-ext bench") -> argparse.ArgumentParser:
     p.add_argument("--no-control", action="store_true", help="skip the control-plane measurement")
     p.add_argument("--control-only", action="store_true",
                    help="only the control-plane table: end to end at step gaps of --control-gaps ms, shm and "
-                        "tcp, beside the reference pattern over gloo (about 2.5 min)")
+                        "tcp (and both without the receiver's rehearsal), beside the reference pattern over gloo, with "
+                        "per-phase times (about 2 min)")
     p.add_argument("--control-gaps", default="1,5,20,50", help="step gaps of the control-plane table, ms")
     p.add_argument("--timeout", type=float, default=None,
                    help="deadline for the whole run, seconds, all restarts included (default 420; 240 with "
@@ -106,11 +107,12 @@ def build_parser(prog: str = "afd-ext bench") -> argparse.ArgumentParser:
                         "thread's stack and the run restarts without the variant that hung")
     p.add_argument("--no-retry", action="store_true",
                    help="stop at the first hung or crashed variant instead of restarting without it")
-    p.add_argument("--quiet", action="store_true",
-                   help="no per-step progress lines from the workers (case lines and failures still shown)")
+    p.add_argument("--progress-lines", action="store_true",
+                   help="one line per set-up step, warm-up, capture, timed round and case from every worker "
+                        "(to see where a run stalls; failures are named without them)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging and --progress-lines")
     return p
 
 
@@ -123,15 +125,16 @@ def _csv(text: str, allowed: Sequence[str], what: str) -> tuple[str, ...]:
 
 
 def _gpu_count() -> int:
+    """GPUs the NCCL path can use here: 0 when the connector's rule says NCCL cannot run (gloo path)."""
     try:
         import torch
 
-        if not torch.cuda.is_available():
-            return 0
-        from afd_ext import ops
+        from afd_ext.transport import transport_availability
 
-        if not ops.is_cuda_built():
-            logger.warning("GPUs are visible but afd_ext was built without CUDA; using the gloo path")
+        why = transport_availability()["nccl"]  # the connector's own check (CUDA build, visible GPU)
+        if why is not None:
+            if torch.cuda.device_count() > 0:  # GPUs that cannot be used deserve a word; none is the CPU case
+                logger.warning("not timing NCCL: %s; using the gloo path", why)
             return 0
         return torch.cuda.device_count()
     except Exception as e:  # noqa: BLE001 - no usable GPU path
@@ -239,7 +242,8 @@ def _config(args: argparse.Namespace) -> RunConfig:
         reps=reps, master_port=find_free_port(), check=bool(args.check), control=not args.no_control,
         control_iters=max(10, args.control_iters if cuda else min(args.control_iters, 30)),
         timeout_s=max(30.0, timeout - 15.0), progress=not args.no_progress,
-        case_timeout_s=case_timeout, hard_grace_s=15.0 if cuda else 5.0, progress_lines=not args.quiet,
+        case_timeout_s=case_timeout, hard_grace_s=15.0 if cuda else 5.0,
+        progress_lines=bool(args.progress_lines or args.verbose),
     )
 
 
@@ -332,8 +336,10 @@ def run_guarded(cfg: RunConfig, timeout_s: float, *, retry: bool = True,
             acfg = dataclasses.replace(cfg, cases=cases, variants=tuple(variants), control=control,
                                        master_port=find_free_port(), attempt=attempt,
                                        parts_dir=os.path.join(root, f"attempt{attempt}"))
-            _say(f"attempt {attempt}: {len(cases)} cases, variants {','.join(variants) or 'none'}, "
-                 f"{left:.0f} s left, phase deadline {cfg.case_timeout_s:.0f} s (+{cfg.hard_grace_s:.0f} s grace)")
+            if attempt or cfg.progress_lines:  # the first attempt is the run the user asked for
+                _say(f"attempt {attempt}: {len(cases)} cases, variants {','.join(variants) or 'none'}, "
+                     f"{left:.0f} s left, phase deadline {cfg.case_timeout_s:.0f} s "
+                     f"(+{cfg.hard_grace_s:.0f} s grace)")
             try:
                 results = run_workers(bench_worker, n, (acfg,), timeout_s=left,
                                       per_rank_env=cfg.layout.per_rank_env())
@@ -519,9 +525,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         logger.warning("WARNING: %s", msg)
     what = "check" if cfg.check else "sweep"
-    logger.info("afd-ext bench %s: backend %s, %s, %d cases, variants %s, modes %s", what, cfg.backend,
+    if cfg.backend == "gloo":
+        why = "--backend gloo" if args.backend == "gloo" else "no usable GPU here"
+        timed = f"gloo on CPU tensors ({why}" + (
+            ")" if cfg.check else "; timings check the harness, not the GPU data path)")
+    else:
+        timed = "NCCL on CUDA tensors"
+    logger.info("afd-ext bench %s over %s: %s, %d cases, variants %s, modes %s", what, timed,
                 cfg.layout.describe(), len(cfg.cases), ",".join(cfg.variants), ",".join(cfg.modes))
-    if not cfg.check:
+    if not cfg.check and cfg.backend == "nccl":
         logger.info("estimated timed work %.0f s (plus start-up, warm-up, graph capture and barriers)",
                     estimate_timed_s(cfg))
     meta = _meta(args, cfg, argv)
@@ -557,6 +569,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1 if nbad or not doc["checks"] or failures else 0
     print(report.render_markdown(doc))
     print("wrote " + ", ".join(paths.values()))
+    if cfg.backend == "gloo":
+        print("note: these are gloo times on CPU tensors: they check the harness; they say nothing about the "
+              "NCCL path on GPUs (see the note at the top of bench.md and docs/benchmarks.md)")
     if failures:
         print(f"afd-ext bench: {len(failures)} failure(s); the outputs hold what finished "
               f"({'all cases' if out['complete'] else 'partial'})", file=sys.stderr)

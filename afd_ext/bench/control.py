@@ -32,7 +32,8 @@ from typing import Any
 logger = logging.getLogger("afd_ext.bench")
 
 __all__ = ["control_payload", "reference_control_plane", "ours_control_plane", "summarize_latencies",
-           "measure_control_plane", "control_table", "format_control_table", "DEFAULT_GAPS_MS"]
+           "measure_control_plane", "measure_control_gaps", "pick_control_cpus", "control_table",
+           "format_control_table", "format_phases", "DEFAULT_GAPS_MS"]
 
 #: Gaps between steps of the control-plane table, in ms (decode steps are 10-50 ms apart).
 DEFAULT_GAPS_MS = (1.0, 5.0, 20.0, 50.0)
@@ -159,7 +160,7 @@ def ours_control_plane(iterations: int, kind: str = "auto", timeout_s: float = 1
 
 
 # ---------------------------------------------------------------------------
-# This package's control plane, and the reference pattern over gloo, at a step gap
+# This package's control plane, and the reference pattern over gloo, at step gaps
 # ---------------------------------------------------------------------------
 
 
@@ -179,61 +180,169 @@ def _step_payload(i: int, counts: list[int], stages: int) -> Any:
     return AFDControlPayload(dp_metadata_list={s: AFDDPMetadata([i + s] + counts[1:]) for s in range(stages)})
 
 
-def _measure_worker(rank: int, nprocs: int, host: str, port: int, kind: str, iterations: int,
-                    warmup: int, gap_s: float, num_attention_ranks: int, stages: int, raw: bool,
-                    idle_s: float | None, distinct: bool, sender_spins: bool, reference: bool) -> dict:
+def _cpu_topology() -> dict[int, tuple[int, int]]:
+    """Allowed CPU -> (package, core) from sysfs; CPUs whose topology is unreadable are left out."""
+    out = {}
+    for c in sorted(os.sched_getaffinity(0)):
+        base = f"/sys/devices/system/cpu/cpu{c}/topology/"
+        try:
+            with open(base + "physical_package_id") as f:
+                pkg = int(f.read())
+            with open(base + "core_id") as f:
+                core = int(f.read())
+        except (OSError, ValueError):
+            continue
+        out[c] = (pkg, core)
+    return out
+
+
+def pick_control_cpus() -> tuple[int, int] | None:
+    """Two CPUs for the bench's FFN receiver and attention sender, on different physical cores.
+
+    A serving deployment gives each rank its own core(s); two spinning
+    processes on hyperthread siblings (or migrated by the scheduler) share one
+    core's L1/L2 and execution units and measure that, not the control plane.
+    Picks, in one package, the first two cores that are not CPU 0's core
+    (device interrupts and housekeeping land on CPU 0 by default).
+
+    Returns:
+        ``(ffn_cpu, attention_cpu)``, or None with fewer than 4 allowed CPUs or
+        without two distinct physical cores.
+    """
+    if len(os.sched_getaffinity(0)) < 4:
+        return None
+    topo = _cpu_topology()
+    cpu0 = topo.get(0)
+    by_pkg: dict[int, list[int]] = {}
+    seen: set[tuple[int, int]] = set()
+    for c, (pkg, core) in sorted(topo.items()):
+        if (pkg, core) in seen or (pkg, core) == cpu0:
+            continue
+        seen.add((pkg, core))
+        by_pkg.setdefault(pkg, []).append(c)
+    for cpus in by_pkg.values():
+        if len(cpus) >= 2:
+            return cpus[0], cpus[1]
+    return None
+
+
+def _host_facts() -> dict[str, Any]:
+    """What decides the control plane's latency on a host besides the code (printed with the table)."""
+    facts: dict[str, Any] = {"cpus": os.cpu_count()}
+    for key, path in (("clocksource", "/sys/devices/system/clocksource/clocksource0/current_clocksource"),
+                      ("governor", "/sys/devices/system/cpu/cpu0/cpufreq/scaling_governor"),
+                      ("cpuidle", "/sys/devices/system/cpu/cpuidle/current_driver")):
+        try:
+            with open(path) as f:
+                facts[key] = f.read().strip()
+        except OSError:
+            facts[key] = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read(1 << 16)
+        model = [ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")]
+        flags = [ln for ln in info.splitlines() if ln.startswith("flags")]
+        facts["cpu_model"] = model[0] if model else None
+        facts["virtualized"] = bool(flags) and " hypervisor" in flags[0]
+    except OSError:
+        pass
+    return facts
+
+
+def _measure_worker(rank: int, nprocs: int, host: str, port: int, kind: str, schedule: list,
+                    num_attention_ranks: int, stages: int, raw: bool, idle_s: float | None,
+                    distinct: bool, sender_spins: bool, reference: bool, cpus: tuple[int, int] | None,
+                    warm_s: float | None = None) -> list:
+    """One end of the measurement; rank 0 is the FFN receiver, rank 1 the attention sender.
+
+    Runs every ``(gap_s, iterations, warmup)`` of ``schedule`` in turn (a store
+    barrier between them) and returns, per entry, the stamps (ns, CLOCK_MONOTONIC):
+    attention ``{"t0": call start, "pub": native publish (shm), "ret": call return}``,
+    FFN ``{"seen": native poll saw it (shm), "taken": channel returned it, "ret": plane returned}``.
+    """
+    if cpus is not None:
+        os.sched_setaffinity(0, {cpus[rank]})
     from afd_ext import control_plane as cpl
     from afd_ext import rendezvous as rdzv
     from afd_ext.metadata import encode_control_binary
     from afd_ext.topology import Topology
 
+    counts = [(7 * i + 3) % 64 for i in range(num_attention_ranks)]
+    if reference:
+        return _reference_pair(rank, host, port, schedule, counts, stages, distinct, sender_spins)
     topo = Topology(1, 1)
     role = "ffn" if rank == 0 else "attention"
-    counts = [(7 * i + 3) % 64 for i in range(num_attention_ranks)]
-    total = warmup + iterations
-    stamps: list[int] = []
-    if reference:
-        return _reference_pair(rank, host, port, total, warmup, gap_s, counts, stages, distinct, sender_spins)
     store = rdzv.connect(host, port, rank, 2, 60.0, num_ffn_ranks=1)
-    opts = cpl.ChannelOptions.from_env(idle_s=idle_s)
+    opts = cpl.ChannelOptions.from_env(idle_s=idle_s, warm_s=warm_s)
     plane = cpl.AFDControlPlane(lambda p: None, topo, role, 0)
     plane.open(store, kind, 60.0, options=opts)
     ch = next(iter(plane.channels.values()))
-    rdzv.barrier(store, rank, 2, "measure-start", 60.0)
+    state = getattr(ch, "_state", None)  # shm: the native stamps (RingState.t_ns)
+    out = []
+    step = 0
     try:
-        if role == "attention":
-            payload = _step_payload(0, counts, stages)
-            data = encode_control_binary(payload)
-            for i in range(total):
-                if distinct:  # a new payload per step, built before the timed call, as a runner does
-                    payload = _step_payload(i, counts, stages)
+        for n, (gap_s, iterations, warmup) in enumerate(schedule):
+            rdzv.barrier(store, rank, 2, f"measure-start-{n}", 60.0)
+            total = warmup + iterations
+            a: list[int] = []
+            b: list[int] = []
+            c: list[int] = []
+            if role == "attention":
+                payload = _step_payload(0, counts, stages)
+                data = encode_control_binary(payload)
+                for i in range(total):
+                    if distinct:  # a new payload per step, built before the timed call, as a runner does
+                        payload = _step_payload(step + i, counts, stages)
+                        if raw:
+                            data = encode_control_binary(payload)
+                    t0 = time.perf_counter_ns()
                     if raw:
-                        data = encode_control_binary(payload)
-                t0 = time.perf_counter_ns()
-                if raw:
-                    ch.send(data)
-                else:
-                    plane.send_dp_metadata_list(payload)
-                stamps.append(t0)
-                _pause(gap_s, sender_spins)
-        else:
-            for i in range(total):
-                if raw:
-                    ch.recv(60.0)
-                else:
-                    p = plane.recv_dp_metadata_list()
-                stamps.append(time.perf_counter_ns())
-                if distinct and not raw and p.dp_metadata_list[0].counts[0] != i:
-                    raise RuntimeError(f"measurement: step {i} received the counts of step "
-                                       f"{p.dp_metadata_list[0].counts[0]}")
+                        ch.send(data)
+                    else:
+                        plane.send_dp_metadata_list(payload)
+                    t1 = time.perf_counter_ns()
+                    a.append(t0)
+                    b.append(state.t_ns if state is not None else 0)
+                    c.append(t1)
+                    _pause(gap_s, sender_spins)
+                res = {"t0": a[warmup:], "pub": b[warmup:], "ret": c[warmup:]}
+            else:
+                taken: list[int] = []
+                if not raw:
+                    # Stamp where the channel hands over (one extra Python call, ~0.1 us, inside the total).
+                    orig = ch.recv_parts
+
+                    def recv_parts(*args: Any) -> Any:
+                        r = orig(*args)
+                        taken.append(time.perf_counter_ns())
+                        return r
+
+                    ch.recv_parts = recv_parts  # type: ignore[method-assign]
+                for i in range(total):
+                    if raw:
+                        ch.recv(60.0)
+                        taken.append(time.perf_counter_ns())
+                    else:
+                        p = plane.recv_dp_metadata_list()
+                    t = time.perf_counter_ns()
+                    a.append(state.t_ns if state is not None else 0)
+                    c.append(t)
+                    if distinct and not raw and p.dp_metadata_list[0].counts[0] != step + i:
+                        raise RuntimeError(f"measurement: step {step + i} received the counts of step "
+                                           f"{p.dp_metadata_list[0].counts[0]}")
+                if not raw:
+                    del ch.recv_parts
+                res = {"seen": a[warmup:], "taken": taken[warmup:], "ret": c[warmup:]}
+            step += total
+            out.append(res)
         rdzv.barrier(store, rank, 2, "measure-end", 60.0)
     finally:
         plane.close()
-    return {"kind": ch.kind, "stamps": stamps[warmup:]}
+    return [dict(r, kind=ch.kind) for r in out]
 
 
-def _reference_pair(rank: int, host: str, port: int, total: int, warmup: int, gap_s: float,
-                    counts: list[int], stages: int, distinct: bool, sender_spins: bool) -> dict:
+def _reference_pair(rank: int, host: str, port: int, schedule: list, counts: list[int], stages: int,
+                    distinct: bool, sender_spins: bool) -> list:
     """The reference's two messages per step (int64 size, uint8 JSON) over gloo, CPU tensors."""
     import datetime
 
@@ -244,37 +353,150 @@ def _reference_pair(rank: int, host: str, port: int, total: int, warmup: int, ga
 
     dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=60))
-    stamps: list[int] = []
+    out = []
     try:
-        dist.barrier()
         payload = _step_payload(0, counts, stages)
-        for i in range(total):
-            if rank == 1:
-                if distinct:
-                    payload = _step_payload(i, counts, stages)
-                t0 = time.perf_counter_ns()
-                data = encode_control_payload(payload)
-                obj = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-                dist.send(torch.tensor([obj.numel()], dtype=torch.long), dst=0)
-                dist.send(obj, dst=0)
-                stamps.append(t0)
-                _pause(gap_s, sender_spins)
-            else:
-                size = torch.empty(1, dtype=torch.long)
-                dist.recv(size, src=1)
-                obj = torch.empty(int(size.item()), dtype=torch.uint8)
-                dist.recv(obj, src=1)
-                decode_control_payload(obj.numpy().tobytes())
-                stamps.append(time.perf_counter_ns())
+        for gap_s, iterations, warmup in schedule:
+            dist.barrier()
+            stamps: list[int] = []
+            for i in range(warmup + iterations):
+                if rank == 1:
+                    if distinct:
+                        payload = _step_payload(i, counts, stages)
+                    t0 = time.perf_counter_ns()
+                    data = encode_control_payload(payload)
+                    obj = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                    dist.send(torch.tensor([obj.numel()], dtype=torch.long), dst=0)
+                    dist.send(obj, dst=0)
+                    stamps.append(t0)
+                    _pause(gap_s, sender_spins)
+                else:
+                    size = torch.empty(1, dtype=torch.long)
+                    dist.recv(size, src=1)
+                    obj = torch.empty(int(size.item()), dtype=torch.uint8)
+                    dist.recv(obj, src=1)
+                    decode_control_payload(obj.numpy().tobytes())
+                    stamps.append(time.perf_counter_ns())
+            out.append({"kind": "gloo", ("t0" if rank == 1 else "ret"): stamps[warmup:]})
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    return {"kind": "gloo", "stamps": stamps[warmup:]}
+    return out
 
 
 def _default_sender_wait() -> str:
     # On 2 cores a spinning sender starves the receiver it is measuring.
     return "spin" if (os.cpu_count() or 1) >= 4 else "sleep"
+
+
+def _pct(lat: list[float], p: float) -> float:
+    return lat[min(len(lat) - 1, max(0, math.ceil(p / 100.0 * len(lat)) - 1))]
+
+
+def _phases(ffn: dict, attn: dict) -> dict[str, dict[str, float]]:
+    """Per-phase p50 / p99 (µs) of one cell: where the end-to-end time goes.
+
+    ``send``: attention call start -> message published (shm: the native
+    publish's stamp; tcp: the call's return); ``wake``: published -> the FFN's
+    native poll saw it (shm: cache-line transfer, or the receiver arriving late);
+    ``take``: seen -> the channel returned it to Python (copy, CRC, parse, GIL
+    re-acquired; tcp: published -> returned, the socket path); ``build``: the
+    channel's return -> ``recv_dp_metadata_list`` returned (payload objects).
+    """
+    t0, ret = attn["t0"], ffn["ret"]
+    pub = attn.get("pub") or []
+    seen = ffn.get("seen") or []
+    taken = ffn.get("taken") or []
+    shm = bool(pub) and all(pub) and bool(seen) and all(seen)
+    if not shm:
+        pub = attn.get("ret") or []
+    spans: dict[str, list[tuple[int, int]]] = {}
+    if pub:
+        spans["send"] = list(zip(t0, pub))
+    if shm:
+        spans["wake"] = list(zip(pub, seen))
+        spans["take"] = list(zip(seen, taken)) if taken else list(zip(seen, ret))
+    elif pub and taken:
+        spans["take"] = list(zip(pub, taken))
+    if taken:
+        spans["build"] = list(zip(taken, ret))
+    out = {}
+    for name, pairs in spans.items():
+        lat = sorted((b - a) / 1000.0 for a, b in pairs)
+        if lat:
+            out[name] = {"p50_us": _pct(lat, 50), "p99_us": _pct(lat, 99)}
+    return out
+
+
+def _summarise(ffn: dict, attn: dict, gap_us: float, raw: bool, distinct: bool, sender_wait: str,
+               size: int, cpus: tuple[int, int] | None) -> dict[str, Any]:
+    lat = sorted((r - s) / 1000.0 for r, s in zip(ffn["ret"], attn["t0"]))
+    return {
+        "kind": ffn["kind"], "raw": raw, "distinct": distinct, "n": len(lat), "gap_us": gap_us,
+        "p50_us": _pct(lat, 50), "p90_us": _pct(lat, 90), "p99_us": _pct(lat, 99),
+        "mean_us": sum(lat) / len(lat), "min_us": lat[0], "max_us": lat[-1],
+        "payload_bytes": size, "sender_wait": sender_wait, "cpus": list(cpus) if cpus else None,
+        "phases": _phases(ffn, attn),
+    }
+
+
+def measure_control_gaps(
+    kind: str,
+    schedule: list[tuple[float, int, int]],
+    *,
+    num_attention_ranks: int = PAYLOAD_ATTENTION_RANKS,
+    stages: int = PAYLOAD_STAGES,
+    raw: bool = False,
+    idle_s: float | None = None,
+    timeout_s: float | None = None,
+    distinct: bool = False,
+    sender_wait: str = "auto",
+    reference: bool = False,
+    pin: bool | None = None,
+    warm_s: float | None = None,
+) -> list[dict[str, Any]]:
+    """:func:`measure_control_plane` at several gaps with one pair of processes (one start-up).
+
+    Args:
+        schedule: ``(gap_us, iterations, warmup)`` per measurement, run in order.
+        pin: pin the FFN and attention processes to CPUs of two different physical
+            cores (:func:`pick_control_cpus`); None: when the host has one to spare
+            (never the reference's: gloo's threads would share the one CPU).
+        timeout_s: deadline for the whole run (None: 60 s plus three times the steps' gaps).
+        warm_s: the receiver's ``ChannelOptions.warm_s`` (None: ``AFD_CONTROL_WARM_S`` / default; 0: off).
+        Others: as :func:`measure_control_plane`.
+
+    Returns:
+        One :func:`measure_control_plane` result per schedule entry, with ``"phases"``
+        and ``"cpus"`` (the pinned ``[ffn, attention]`` CPUs, or None).
+
+    Raises:
+        AFDConfigError: an entry with ``iterations < 1`` or an unknown ``sender_wait``.
+    """
+    from afd_ext.errors import AFDConfigError
+    from afd_ext.metadata import encode_control_binary, encode_control_payload
+    from afd_ext.testing import find_free_port, run_workers
+
+    if not schedule or any(int(it) < 1 for _, it, _ in schedule):
+        raise AFDConfigError(f"every schedule entry needs iterations >= 1, got {schedule!r}")
+    if sender_wait not in ("auto", "spin", "sleep"):
+        raise AFDConfigError(f"sender_wait must be 'auto', 'spin' or 'sleep', got {sender_wait!r}")
+    if sender_wait == "auto":
+        sender_wait = _default_sender_wait()
+    # The reference is left where the scheduler puts it: gloo's I/O threads would share the one pinned CPU.
+    cpus = pick_control_cpus() if pin is not False and not reference else None
+    sched = [(g * 1e-6, int(it), int(w)) for g, it, w in schedule]
+    if timeout_s is None:
+        timeout_s = 60.0 + 3 * sum((it + w) * g for g, it, w in sched)
+    host = "127.0.0.1"
+    port = find_free_port(host)
+    res = run_workers(_measure_worker, 2, (host, port, kind, sched, num_attention_ranks, stages, raw, idle_s,
+                                           distinct, sender_wait == "spin", reference, cpus, warm_s),
+                      timeout_s=timeout_s)
+    encode = encode_control_payload if reference else encode_control_binary
+    size = len(encode(control_payload(num_attention_ranks, stages)))
+    return [_summarise(f, a, g, raw, distinct, sender_wait, size, cpus)
+            for (g, _, _), f, a in zip(schedule, res[0], res[1])]
 
 
 def measure_control_plane(
@@ -291,6 +513,7 @@ def measure_control_plane(
     distinct: bool = False,
     sender_wait: str = "auto",
     reference: bool = False,
+    pin: bool | None = None,
 ) -> dict[str, Any]:
     """Measure the control plane end to end in two processes on this host.
 
@@ -314,87 +537,72 @@ def measure_control_plane(
             (spin with at least 4 CPUs).
         reference: measure the reference's pattern instead (two gloo messages per
             step, JSON payload, the receiver reads the size with ``.item()``).
+        pin: see :func:`measure_control_gaps`.
 
     Returns:
         ``{"kind", "n", "p50_us", "p90_us", "p99_us", "mean_us", "min_us", "max_us",
-        "payload_bytes", "sender_wait", "raw", "distinct", "gap_us"}``.
+        "payload_bytes", "sender_wait", "raw", "distinct", "gap_us", "cpus", "phases"}``;
+        ``phases``: name -> ``{"p50_us", "p99_us"}`` (see ``_phases``).
 
     Raises:
         AFDConfigError: ``iterations < 1`` or an unknown ``sender_wait``.
     """
     from afd_ext.errors import AFDConfigError
-    from afd_ext.metadata import encode_control_binary, encode_control_payload
-    from afd_ext.testing import find_free_port, run_workers
 
     if iterations < 1:
         raise AFDConfigError(f"iterations must be >= 1, got {iterations}")
-    if sender_wait not in ("auto", "spin", "sleep"):
-        raise AFDConfigError(f"sender_wait must be 'auto', 'spin' or 'sleep', got {sender_wait!r}")
-    if sender_wait == "auto":
-        sender_wait = _default_sender_wait()
-    host = "127.0.0.1"
-    port = find_free_port(host)
-    res = run_workers(_measure_worker, 2, (host, port, kind, iterations, warmup, gap_us * 1e-6,
-                                           num_attention_ranks, stages, raw, idle_s, distinct,
-                                           sender_wait == "spin", reference),
-                      timeout_s=timeout_s)
-    recv_ns, send_ns = res[0]["stamps"], res[1]["stamps"]
-    lat = sorted((r - s) / 1000.0 for r, s in zip(recv_ns, send_ns))
-
-    def pct(p: float) -> float:
-        return lat[min(len(lat) - 1, max(0, math.ceil(p / 100.0 * len(lat)) - 1))]
-
-    encode = encode_control_payload if reference else encode_control_binary
-    size = len(encode(control_payload(num_attention_ranks, stages)))
-    return {
-        "kind": res[0]["kind"], "raw": raw, "distinct": distinct, "n": len(lat), "gap_us": gap_us,
-        "p50_us": pct(50), "p90_us": pct(90), "p99_us": pct(99),
-        "mean_us": sum(lat) / len(lat), "min_us": lat[0], "max_us": lat[-1],
-        "payload_bytes": size, "sender_wait": sender_wait,
-    }
+    return measure_control_gaps(kind, [(gap_us, iterations, warmup)], num_attention_ranks=num_attention_ranks,
+                                stages=stages, raw=raw, idle_s=idle_s, timeout_s=timeout_s, distinct=distinct,
+                                sender_wait=sender_wait, reference=reference, pin=pin)[0]
 
 
-def _iterations_for(gap_ms: float, seconds: float) -> int:
-    return int(min(2000, max(200, seconds * 1000.0 / gap_ms)))
+def _iterations_for(gap_ms: float, seconds: float, floor: int = 200) -> int:
+    return int(min(2000, max(floor, seconds * 1000.0 / gap_ms)))
 
 
 def control_table(
     gaps_ms: tuple[float, ...] = DEFAULT_GAPS_MS,
     kinds: tuple[str, ...] = ("shm", "tcp"),
     *,
-    seconds_per_cell: float = 12.0,
+    seconds_per_cell: float = 5.0,
     reference: bool = True,
     idle_s: float | None = None,
     sender_wait: str = "auto",
+    pin: bool | None = None,
     progress: Any = None,
 ) -> list[dict]:
     """The control-plane table: end to end, new counts every step, per (gap, channel), plus the reference.
 
-    Each cell runs ``seconds_per_cell`` of steps (200-2000 steps); the
-    reference pattern (gloo) gets a third of that. With the defaults the table
-    takes about 2.5 minutes.
+    A kind ``"<channel>+cold"`` measures the channel without the receiver's
+    rehearsal (``warm_s=0``). Each cell runs ``seconds_per_cell`` of steps (200-2000 steps);
+    the reference pattern (gloo) and the experiments get a third of that
+    (100-2000 steps). One pair of processes per column runs every gap; shm, tcp
+    and the reference take about 60 s plus three process start-ups.
 
     Returns:
         One row per gap: ``{"gap_ms", "<kind>": result, ..., "reference": result | None}``,
         results as :func:`measure_control_plane` returns them (or ``{"error": ...}``).
     """
-    rows = []
-    for gap in gaps_ms:
-        row: dict[str, Any] = {"gap_ms": gap}
-        cells = [(k, False) for k in kinds] + ([("reference", True)] if reference else [])
-        for name, ref in cells:
-            it = _iterations_for(gap, seconds_per_cell / (3 if ref else 1))
-            try:
-                row[name] = measure_control_plane(
-                    "auto" if ref else name, it, warmup=min(100, it // 5), gap_us=gap * 1000.0,
-                    distinct=True, idle_s=idle_s, sender_wait=sender_wait, reference=ref,
-                    timeout_s=60.0 + 3 * it * gap / 1000.0)
-            except Exception as e:  # noqa: BLE001 - reported in the table, the run goes on
-                logger.warning("control-plane measurement %s at %g ms failed: %s", name, gap, e)
-                row[name] = {"error": f"{type(e).__name__}: {e}"}
+    rows: list[dict[str, Any]] = [{"gap_ms": g} for g in gaps_ms]
+    cells = [(k, False) for k in kinds] + ([("reference", True)] if reference else [])
+    for name, ref in cells:
+        kind, _, variant = name.partition("+")  # "shm+cold": without the receiver's rehearsal
+        sched = []
+        for gap in gaps_ms:
+            short = ref or bool(variant)  # the reference and the experiments: a third of the steps
+            it = _iterations_for(gap, seconds_per_cell / (3 if short else 1), 100 if short else 200)
+            sched.append((gap * 1000.0, it, min(50, it // 10)))
+        try:
+            res: list[dict] = measure_control_gaps("auto" if ref else kind, sched, distinct=True, idle_s=idle_s,
+                                                   sender_wait=sender_wait, reference=ref, pin=pin,
+                                                   warm_s=0.0 if variant == "cold" else None)
+        except Exception as e:  # noqa: BLE001 - reported in the table, the run goes on
+            logger.warning("control-plane measurement %s failed: %s", name, e)
+            res = [{"error": f"{type(e).__name__}: {e}"}] * len(gaps_ms)
+        for row, r in zip(rows, res):
+            row[name] = r
             if progress is not None:
-                progress(name, gap, row[name])
-        rows.append(row)
+                progress(name, row["gap_ms"], r)
     return rows
 
 
@@ -418,30 +626,46 @@ def format_control_table(rows: list[dict], kinds: tuple[str, ...] = ("shm", "tcp
     return "\n".join(out)
 
 
-def control_main(gaps_ms: tuple[float, ...] = DEFAULT_GAPS_MS, kinds: tuple[str, ...] = ("shm", "tcp"),
-                 *, seconds_per_cell: float = 12.0, reference: bool = True, out: str | None = None,
-                 sender_wait: str = "auto") -> int:
+def format_phases(r: dict) -> str:
+    """One line: each phase's p50 / p99 in µs (``send wake take build``; see ``_phases``)."""
+    ph = r.get("phases") or {}
+    return ", ".join(f"{k} {v['p50_us']:.1f}/{v['p99_us']:.1f}" for k, v in ph.items())
+
+
+def control_main(gaps_ms: tuple[float, ...] = DEFAULT_GAPS_MS,
+                 kinds: tuple[str, ...] = ("shm", "tcp", "shm+cold", "tcp+cold"),
+                 *, seconds_per_cell: float = 5.0, reference: bool = True, out: str | None = None,
+                 sender_wait: str = "auto", pin: bool | None = None) -> int:
     """``afd-ext bench --control-only``: measure and print the control-plane table (and save JSON)."""
     sw = _default_sender_wait() if sender_wait == "auto" else sender_wait
+    cpus = pick_control_cpus() if pin is not False else None
+    facts = _host_facts()
     print(f"control plane, end to end (attention send_dp_metadata_list call -> FFN recv_dp_metadata_list "
           f"return), new counts every step, payload {PAYLOAD_ATTENTION_RANKS} attention ranks x "
-          f"{PAYLOAD_STAGES} stages; {os.cpu_count()} CPUs, attention end {sw}s between steps", flush=True)
+          f"{PAYLOAD_STAGES} stages; attention end {sw}s between steps; "
+          + (f"FFN pinned to CPU {cpus[0]}, attention to CPU {cpus[1]}" if cpus else "not pinned"), flush=True)
+    print("host: " + ", ".join(f"{k} {v}" for k, v in facts.items()), flush=True)
+    print("phases (p50/p99 us): send = call -> published, wake = published -> FFN poll saw it, "
+          "take = seen -> channel returned (copy, check, parse, GIL), build = -> payload returned", flush=True)
 
     def progress(name: str, gap: float, r: dict) -> None:
         if "error" in r:
             print(f"  {name:9s} gap {gap:g} ms: FAILED {r['error']}", flush=True)
         else:
             print(f"  {name:9s} gap {gap:g} ms: p50 {r['p50_us']:.1f} µs, p99 {r['p99_us']:.1f} µs "
-                  f"(n={r['n']}, {r['payload_bytes']} B)", flush=True)
+                  f"(n={r['n']}, {r['payload_bytes']} B); {format_phases(r)}", flush=True)
 
+    t = time.monotonic()
     rows = control_table(gaps_ms, kinds, seconds_per_cell=seconds_per_cell, reference=reference,
-                         sender_wait=sender_wait, progress=progress)
+                         sender_wait=sender_wait, pin=pin, progress=progress)
     print(format_control_table(rows, kinds), flush=True)
+    print(f"control plane measured in {time.monotonic() - t:.0f} s", flush=True)
     if out:
         os.makedirs(out, exist_ok=True)
         path = os.path.join(out, "control_plane.json")
         with open(path, "w") as f:
-            json.dump({"rows": rows, "cpus": os.cpu_count(), "sender_wait": sw}, f, indent=1)
+            json.dump({"rows": rows, "host": facts, "sender_wait": sw, "cpus": list(cpus) if cpus else None},
+                      f, indent=1)
         print(f"wrote {path}", flush=True)
-    failed = any("error" in (r.get(k) or {}) for r in rows for k in kinds)
+    failed = any("error" in (r.get(k) or {}) for r in rows for k in kinds if "+" not in k)
     return 1 if failed else 0

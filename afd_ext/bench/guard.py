@@ -53,8 +53,9 @@ class WorkerGuard:
         parts_dir: directory for the phase and parts files (``""``: no files).
         timeout_s: soft deadline of one phase in seconds (> 0); the hard
             faulthandler deadline is ``timeout_s + HARD_GRACE_S``.
-        verbose: print a line when a phase starts and ends (otherwise only
-            :meth:`say` lines).
+        verbose: print progress lines (:meth:`say`, and one when a phase
+            starts and ends); otherwise the guard is silent but still records
+            phases and arms deadlines.
         t0: ``time.monotonic()`` origin of the printed elapsed times.
         grace_s: seconds between a phase's soft and hard deadline
             (default :data:`HARD_GRACE_S`).
@@ -87,7 +88,9 @@ class WorkerGuard:
         return time.monotonic() - self.t0
 
     def say(self, msg: str) -> None:
-        """One progress line on stdout, flushed: ``[bench +12.3s attention0] msg``."""
+        """One progress line on stdout, flushed: ``[bench +12.3s attention0] msg`` (only when ``verbose``)."""
+        if not self.verbose:
+            return
         # One write per line: with PYTHONUNBUFFERED, print() writes the text and the
         # newline separately and two workers' lines ran together.
         sys.stdout.write(f"[bench +{self.elapsed():7.1f}s {self.label}] {msg}\n")
@@ -129,6 +132,26 @@ class WorkerGuard:
         faulthandler.dump_traceback_later(t + self.grace_s, repeat=False, file=sys.stderr, exit=True)
         if self.verbose and not quiet:
             self.say(f"start {self.describe(self.phase)}")
+
+    def on_peers(self) -> None:
+        """From here the current phase waits on peers (its exchanges start): its hard deadline moves one grace later.
+
+        A rank blocked on a peer stuck before its exchanges would otherwise
+        overrun the same deadline as the stuck rank and might be ended first
+        (under load, by a phase entered a moment earlier): then the stuck rank's
+        stack is never dumped and the waiter is named. Recorded in the phase
+        file, so :func:`diagnose` blames the stuck peer even when the waiter
+        ended first (an in-process soft timeout).
+        """
+        if not self.phase:
+            return
+        self.phase["on_peers"] = True
+        self.phase["hard_timeout_s"] += self.grace_s
+        elapsed = time.monotonic() - self._phase_t
+        faulthandler.dump_traceback_later(max(0.0, self.phase["hard_timeout_s"] - elapsed), repeat=False,
+                                          file=sys.stderr, exit=True)
+        if self.parts_dir:
+            _write_atomic(os.path.join(self.parts_dir, f"rank{self.rank}.phase.json"), json.dumps(self.phase))
 
     def leave(self, *, quiet: bool = False, note: str = "") -> float:
         """End the current phase; prints "done ... in X s" unless ``quiet``. Returns its seconds."""
@@ -212,8 +235,10 @@ def diagnose(exc: BaseException, phases: Sequence[dict | None], now_wall: float 
     Returns:
         ``{"kind": "hung"|"crashed"|"failed"|"timeout", "rank", "label", "phase",
         "variant", "case", "mode", "direction", "message"}``: ``rank``/``phase``
-        are the culprit's (the rank that raised or died, else the rank whose
-        phase overran its deadline the most, else the oldest phase).
+        are the culprit's (the rank that raised or died, unless it was waiting
+        on a peer that never reached the phase's exchanges (:meth:`WorkerGuard.on_peers`):
+        then that peer, ``hung`` once past its hard deadline; else the rank
+        whose phase overran its deadline the most, else the oldest phase).
     """
     from afd_ext.testing import WorkerError
 
@@ -250,6 +275,17 @@ def diagnose(exc: BaseException, phases: Sequence[dict | None], now_wall: float 
                 kind, detail = "crashed", f"exited with code {code} without reporting"
         elif isinstance(exc, TimeoutError):
             kind = "timeout"
+    if culprit is not None and culprit.get("on_peers"):
+        # The culprit was waiting on its peers: a peer in the same phase that never reached its
+        # exchanges is the cause (the waiter's timeout or lost connection is the consequence).
+        same = ("what", "case", "variant", "mode", "direction")
+        stuck = [p for p in live if p is not culprit and not p.get("on_peers")
+                 and all(p.get(k) == culprit.get(k) for k in same)]
+        if stuck:
+            waiter, culprit = culprit, stuck[0]
+            if now - culprit.get("wall_start", now) >= culprit.get("hard_timeout_s", 1e18) - 1.0:
+                kind = "hung"
+            detail = (f"never reached its exchanges; {waiter.get('label')}, waiting on it, ended with: {detail}")
     if culprit is None and live:
         # The rank stuck longest relative to its deadline.
         culprit = max(live, key=lambda p: (now - p.get("wall_start", now)) / max(1.0, p.get("timeout_s", 1.0)))

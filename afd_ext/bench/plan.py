@@ -314,8 +314,9 @@ class RunConfig:
     parts_dir: str = ""
     #: Attempt number (the runner restarts without a variant that hung or crashed).
     attempt: int = 0
-    #: Per-phase progress lines on stdout (start/done of set-up steps, warm-ups, captures, cases).
-    progress_lines: bool = True
+    #: Per-phase progress lines on stdout (start/done of set-up steps, warm-ups, captures, cases);
+    #: off by default: the progress bar shows progress, the phase files locate a failure.
+    progress_lines: bool = False
 
     @property
     def peer_wait_s(self) -> float:

@@ -37,6 +37,9 @@ __all__ = [
     "write_outputs",
     "default_wire_format",
     "headline",
+    "transport_name",
+    "variant_label",
+    "CPU_RUN_NOTE",
 ]
 
 SCHEMA = "afd-ext-bench/1"
@@ -49,10 +52,38 @@ LABELS = {
     "ours_per_tensor": "ours per-tensor",
     "ours_packed": "ours packed",
     "reference": "reference pattern",
-    "raw": "raw NCCL (1 msg)",
     "bare": "bare NCCL (ctypes)",
     "torch_dist": "torch.dist batch",
 }
+
+#: How labels and notes name the transport a backend times.
+TRANSPORTS = {"nccl": "NCCL", "gloo": "gloo"}
+
+#: What a CPU (gloo) run can and cannot show; heads its bench.md (the console output ends with a reminder).
+CPU_RUN_NOTE = (
+    "**CPU run over gloo: a check of the harness, not a measurement of this package's data path.** "
+    "It shows that every variant runs end to end (`--check` verifies their bytes) and what the host-side "
+    "Python costs on this machine. It cannot show GPU performance: the path this package is for is its NCCL "
+    "ops on CUDA tensors (eager and in CUDA graphs), which a CPU run never touches. Its gloo transport is the "
+    "CPU correctness path of CI and tests: it bounds every wait (a waiter thread polled in slices, so a dead "
+    "peer becomes an error), work per message that the bare `torch.distributed` calls of the `reference` and "
+    "`raw` columns do not do; so `vs ref` here, above or below 1×, says nothing about the NCCL path. GPU "
+    "results: `docs/benchmarks.md`."
+)
+
+
+def transport_name(backend: str | None) -> str:
+    """``"nccl"`` -> ``"NCCL"``, ``"gloo"`` -> ``"gloo"``; a merge of both (``"gloo+nccl"``) -> ``"gloo + NCCL"``."""
+    return " + ".join(TRANSPORTS.get(b, b) for b in str(backend or "nccl").split("+"))
+
+
+def variant_label(variant: str, backend: str | None = "nccl") -> str:
+    """Column and legend name of a variant, naming the transport that was timed (``raw gloo`` on CPU runs)."""
+    if variant == "raw":
+        return f"raw {transport_name(backend)} (1 msg)"
+    if variant == "torch_dist" and backend not in (None, "nccl"):
+        return f"{LABELS[variant]} ({transport_name(backend)})"
+    return LABELS.get(variant, variant)
 
 
 def default_wire_format(case_dict: dict, A: int, F: int) -> str | None:
@@ -142,6 +173,8 @@ def merge_documents(docs: Sequence[dict]) -> dict:
                 control[k] = d["control_plane"][k]
     meta = dict(docs[-1]["meta"])
     meta["merged_from"] = [d["meta"].get("date") for d in docs]
+    # Labels name the transport; a merge of CPU and GPU runs must not call gloo times NCCL.
+    meta["backend"] = "+".join(sorted({str(d["meta"].get("backend") or "nccl") for d in docs}))
     out = {"schema": SCHEMA, "meta": meta, "records": list(recs.values()), "skipped": list(skipped.values()),
            "notes": notes, "control_plane": control, "default_wire_format": dwf, "targets": []}
     out["targets"] = evaluate_targets(out)
@@ -192,7 +225,7 @@ def _cases(doc: dict) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------
-# Targets (docs/../performance.md)
+# Targets (docs/benchmarks.md, "Targets")
 # ---------------------------------------------------------------------------
 
 
@@ -202,7 +235,7 @@ def _target(name: str, value: float | None, goal: str, ok: bool | None, detail: 
 
 
 def evaluate_targets(doc: dict) -> list[dict]:
-    """Measured value, goal and verdict for every ``performance.md`` NCCL-path target that the data covers.
+    """Measured value, goal and verdict for every NCCL-path target (``docs/benchmarks.md``) the data covers.
 
     Uses 1A1F, hidden 7168, router logits + token ids, attention rank 0.
     ``met`` is None when the data for a target is missing.
@@ -282,11 +315,17 @@ def _fmt(v: float | None, spec: str = ".2f", suffix: str = "") -> str:
 def render_markdown(doc: dict) -> str:
     """Markdown: round-trip tables per (layout, hidden, payload, mode), one-way table, control plane, targets."""
     meta = doc.get("meta", {})
+    backend = meta.get("backend")
+    tname = transport_name(backend)
     lines = ["# afd-ext bench results", ""]
+    if "gloo" in str(backend):
+        lines += [CPU_RUN_NOTE, ""]
     lines.append(f"- date: {meta.get('date', '?')}, commit: {meta.get('commit', '?')}")
     lines.append(f"- machine: {meta.get('devices', '?')}; layout: {meta.get('layout', {}).get('description', '?')}")
-    lines.append(f"- torch {meta.get('torch', '?')}, NCCL runtime {meta.get('nccl_runtime', '?')}, "
-                 f"backend {meta.get('backend', '?')}")
+    timed = {"nccl": "this package's NCCL ops on CUDA tensors",
+             "gloo": "torch.distributed's gloo backend (TCP) on CPU tensors"}.get(str(backend), "merged runs")
+    lines.append(f"- transport timed: {tname}, {timed}; torch {meta.get('torch', '?')}"
+                 + (f", NCCL runtime {meta.get('nccl_runtime', '?')}" if "nccl" in str(backend or "nccl") else ""))
     if meta.get("shared_gpu"):
         lines.append("- **WARNING: processes share a GPU; the driver time-slices them, so these times are "
                      "not meaningful (correctness only).**")
@@ -297,7 +336,7 @@ def render_markdown(doc: dict) -> str:
         for f in fails:
             lines.append(f"  - attempt {f.get('attempt', '?')}: {f.get('message', '?')}")
     lines.append("- times: median µs (p10–p90), per iteration; ratios from medians measured side by side; "
-                 "`vs ref` = reference / ours-default (higher is better), `x raw` = ours-default / raw NCCL.")
+                 f"`vs ref` = reference / ours-default (higher is better), `x raw` = ours-default / raw {tname}.")
     lines.append("")
     variants_present = []
     for v in ("ours_per_tensor", "ours_packed", "reference", "raw", "bare", "torch_dist"):
@@ -326,10 +365,12 @@ def render_markdown(doc: dict) -> str:
                 rows.append(row)
             if not rows:
                 continue
-            payload = "hidden + fp32 logits [n, 256] + int32 ids" if extras else "hidden only"
+            width = cs[0].get("logits_width", 256)
+            payload = f"hidden + fp32 logits [n, {width}] + int32 ids" if extras else "hidden only"
             lines.append(f"## Round trip, {A}A{F}F, hidden {hidden} bf16, {payload}, {mode}")
             lines.append("")
-            head = ["tokens", "default"] + [LABELS[v] for v in variants_present] + ["vs ref", "x raw", "GB/s (rt)"]
+            head = (["tokens", "default"] + [variant_label(v, backend) for v in variants_present]
+                    + ["vs ref", "x raw", "GB/s (rt)"])
             lines.append("| " + " | ".join(head) + " |")
             lines.append("|" + "|".join(["---"] * len(head)) + "|")
             lines += ["| " + " | ".join(r) + " |" for r in rows]
@@ -344,7 +385,7 @@ def render_markdown(doc: dict) -> str:
                 f = lookup(doc, ck, v, mode, "f2a", A=c["A"], F=c["F"])
                 if a is None and f is None:
                     continue
-                ow_rows.append([f"{c['A']}A{c['F']}F", ck, mode, LABELS[v], _fmt_us(a, True),
+                ow_rows.append([f"{c['A']}A{c['F']}F", ck, mode, variant_label(v, backend), _fmt_us(a, True),
                                 _fmt(a.get("gbps") if a else None, ".1f"), _fmt_us(f, True),
                                 _fmt(f.get("gbps") if f else None, ".1f")])
     if ow_rows:
@@ -356,7 +397,7 @@ def render_markdown(doc: dict) -> str:
         lines += ["| " + " | ".join(r) + " |" for r in ow_rows]
         lines.append("")
     # Fan-in summary (several attention ranks)
-    fan = _fan_in_rows(doc)
+    fan = _fan_in_rows(doc, backend)
     if fan:
         lines.append("## Fan-in (several attention ranks per FFN rank)")
         lines.append("")
@@ -383,7 +424,7 @@ def render_markdown(doc: dict) -> str:
         lines.append("")
     head = headline(doc)
     if head:
-        lines.append("## Headline: ours (default) vs the reference pattern and raw NCCL, 1A1F, hidden 7168, "
+        lines.append(f"## Headline: ours (default) vs the reference pattern and raw {tname}, 1A1F, hidden 7168, "
                      "logits + ids, round trip")
         lines.append("")
         lines.append("| tokens | graph µs | graph vs ref | graph x raw | eager µs | eager vs ref | eager x raw |")
@@ -394,7 +435,8 @@ def render_markdown(doc: dict) -> str:
                          f"{_fmt(h['eager_vs_ref'], '.2f', '×')} | {_fmt(h['eager_x_raw'], '.2f', '×')} |")
         lines.append("")
     if doc.get("targets"):
-        lines.append("## Targets (the design's performance.md; `ratio` = reference or floor / ours, higher is better)")
+        lines.append("## Targets (docs/benchmarks.md, for the NCCL path on GPUs; `ratio` = reference or floor / ours, "
+                     "higher is better)")
         lines.append("")
         lines.append("| target | measured | goal | ratio | met | detail |")
         lines.append("|---|---|---|---|---|---|")
@@ -437,7 +479,7 @@ def headline(doc: dict, tokens: Sequence[int] = (1, 128, 8192)) -> list[dict]:
     return out
 
 
-def _fan_in_rows(doc: dict) -> list[list[str]]:
+def _fan_in_rows(doc: dict, backend: str | None = "nccl") -> list[list[str]]:
     out = []
     groups: dict[tuple, list[dict]] = {}
     for r in attention_records(doc):
@@ -453,7 +495,7 @@ def _fan_in_rows(doc: dict) -> list[list[str]]:
             worst = max((float(r["one_way_us"]["median"]) for r in a2f if "one_way_us" in r), default=0.0)
             per_ffn = sum(r["bytes_a2f"] for r in a2f) / F
             ingress = per_ffn / (worst * 1e3) if worst > 0 else None
-        out.append([f"{A}A{F}F", ck, mode, LABELS.get(v, v), ", ".join(f"{m:.1f}" for m in meds),
+        out.append([f"{A}A{F}F", ck, mode, variant_label(v, backend), ", ".join(f"{m:.1f}" for m in meds),
                     f"{max(meds) - min(meds):.1f}", _fmt(ingress, ".1f")])
     return out
 
@@ -488,6 +530,7 @@ def render_plot(doc: dict, path: str) -> str | None:
     def ck(t: int) -> str:
         return f"h{hidden}-t{t}-{'extras' if extras else 'hidden'}"
 
+    backend = doc.get("meta", {}).get("backend")
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
     variants = ["ours_default", "reference", "raw", "bare", "torch_dist"]
     colors = dict(zip(variants, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")))
@@ -502,7 +545,8 @@ def render_plot(doc: dict, path: str) -> str | None:
                     lo.append(r["stats_us"]["p10"])
                     hi.append(r["stats_us"]["p90"])
             if xs:
-                ax1.plot(xs, ys, style, marker="o", ms=3, color=colors[v], label=f"{LABELS[v]}, {mode}")
+                ax1.plot(xs, ys, style, marker="o", ms=3, color=colors[v],
+                         label=f"{variant_label(v, backend)}, {mode}")
                 ax1.fill_between(xs, lo, hi, color=colors[v], alpha=0.12)
             xs, ys = [], []
             for t in toks:
@@ -511,18 +555,21 @@ def render_plot(doc: dict, path: str) -> str | None:
                     xs.append(t)
                     ys.append(r["gbps"])
             if xs:
-                ax2.plot(xs, ys, style, marker="o", ms=3, color=colors[v], label=f"{LABELS[v]}, {mode}")
+                ax2.plot(xs, ys, style, marker="o", ms=3, color=colors[v], label=f"{variant_label(v, backend)}, {mode}")
     payload = "hidden+logits+ids" if extras else "hidden"
     ax1.set(xscale="log", yscale="log", xlabel="tokens per attention rank", ylabel="round trip, µs (median, p10–p90)",
             title=f"{A}A{F}F round trip, hidden {hidden} bf16, {payload}")
     ax2.set(xscale="log", xlabel="tokens per attention rank", ylabel="one-way attention→FFN, GB/s",
             title="one-way bandwidth (attention → FFN)")
-    ax2.axhline(335, color="gray", lw=0.8, ls=":")
+    if "gloo" not in str(backend):
+        ax2.axhline(335, color="gray", lw=0.8, ls=":")  # the NCCL-path bandwidth target
     for ax in (ax1, ax2):
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
     if doc.get("meta", {}).get("shared_gpu"):
         fig.suptitle("WARNING: processes share a GPU (times not meaningful)", color="red")
+    elif "gloo" in str(backend):
+        fig.suptitle("CPU run over gloo: a harness check, not the GPU data path (see bench.md)", color="gray")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

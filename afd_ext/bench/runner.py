@@ -326,6 +326,7 @@ def _time_case(env: _Env, case: Case, ctx, variants: list, bar) -> list[dict]:
             g.enter("warm-up", **fields)
             v.bind_stream()
             _maybe_inject(env, case, v.name, "warm-up")
+            g.on_peers()
             time_eager(v.step(d), iters=reps.warmup, warmup=0, cuda=env.cuda, timed=False,
                        timeout_s=cfg.case_timeout_s, what=f"{env.label()} warm-up {v.name}/{d}")
             g.leave()
@@ -447,15 +448,24 @@ def _record(env: _Env, case: Case, name: str, mode: str, d: str, st, ctx) -> dic
     }
 
 
-def _count_items(env: _Env, cfg: RunConfig) -> int:
+def _case_blocks(cfg: RunConfig, names, cuda: bool) -> int:
+    """Timed blocks of one case with variants ``names``: the flag ping-pong and every variant and
+    direction, per mode and round (what :func:`_time_case` advances the progress bar by)."""
+    from afd_ext.bench.variants import VARIANTS
+
     n = 0
-    for case in cfg.cases:
-        for mode in cfg.modes:
-            if mode == "graph" and not env.cuda:
-                continue
-            nv = sum(1 for v in cfg.variants if mode == "eager" or v != "torch_dist")
-            n += (1 + nv * len(cfg.directions)) * cfg.reps.rounds
+    for mode in cfg.modes:
+        if mode == "graph" and not cuda:
+            continue
+        nv = sum(1 for v in names if mode == "eager" or VARIANTS[v].graph_ok)
+        n += (1 + nv * len(cfg.directions)) * cfg.reps.rounds
     return n
+
+
+def _applicable(cfg: RunConfig, case: Case) -> list[str]:
+    from afd_ext.bench.variants import variant_applicable
+
+    return [v for v in cfg.variants if variant_applicable(v, case, cfg.backend) is None]
 
 
 # ---------------------------------------------------------------------------
@@ -483,6 +493,7 @@ def _check_case(env: _Env, case: Case, ctx, variants: list) -> list[dict]:
                 env.guard.enter("check", case=case.key(), variant=v.name, mode=mode, direction=d,
                                 op=step_ops(v.name, d, env.role))
                 _maybe_inject(env, case, v.name, "warm-up")
+                env.guard.on_peers()
                 step = v.step(d)
                 env.drain("check warm-up")
                 env.barrier()
@@ -603,13 +614,16 @@ def bench_worker(rank: int, nprocs: int, cfg: RunConfig) -> dict:
     bar = None
     show = cfg.progress and env.role == ATTENTION and env.role_rank == 0
     try:
-        if show and not cfg.check:
-            from tqdm import tqdm
-
+        if show:
             import sys
 
-            bar = tqdm(total=_count_items(env, cfg), desc="afd-ext bench", unit="block",
-                       mininterval=1.0 if sys.stderr.isatty() else 15.0)
+            from tqdm import tqdm
+
+            # The one progress display of a run: timed blocks of a sweep, cases of a check.
+            total, unit = (len(cfg.cases), "case") if cfg.check else (
+                sum(_case_blocks(cfg, _applicable(cfg, c), env.cuda) for c in cfg.cases), "block")
+            bar = tqdm(total=total, desc=f"afd-ext bench {'check' if cfg.check else 'sweep'} over {cfg.backend}",
+                       unit=unit, mininterval=1.0 if sys.stderr.isatty() else 15.0)
         for ci, case in enumerate(cfg.cases):
             t_case = time.monotonic()
             ck = case.key()
@@ -618,14 +632,18 @@ def bench_worker(rank: int, nprocs: int, cfg: RunConfig) -> dict:
             variants, skipped = _setup_variants(env, case, ctx)
             guard.leave(note=f": {','.join(v.name for v in variants) or 'none'}"
                         + (f"; skipped {','.join(skipped)}" if skipped else ""))
+            if bar is not None and not cfg.check:  # a variant that failed to set up: the bar still ends at 100 %
+                bar.total += (_case_blocks(cfg, [v.name for v in variants], env.cuda)
+                              - _case_blocks(cfg, _applicable(cfg, case), env.cuda))
+                bar.refresh()
             case_skipped = [{"case_key": ck, "variant": name, "reason": why} for name, why in skipped.items()]
             info["skipped"] += case_skipped
             if cfg.check:
                 checks = _check_case(env, case, ctx, variants)
                 info["checks"] += checks
                 recs: list[dict] = []
-                if show:
-                    logger.info("checked %s (%d/%d)", ck, ci + 1, len(cfg.cases))
+                if bar is not None:
+                    bar.update(1)
             else:
                 checks = []
                 recs = _time_case(env, case, ctx, variants, bar)

@@ -23,17 +23,17 @@ import torch
 
 from .. import rendezvous as rdzv
 from ..config import AFDConfig
+from ..control import AFDControlPlane
 from ..errors import AFDConfigError, ConnectorStateError
 from ..metadata import AFDA2FTransferPayload, AFDControlPayload, AFDExpertRoutingSpec, AFDTransferContext
 from ..schedule import StepSchedule, build_step_schedule, warmup_payload
 from ..spec import SPEC_KWARGS, ExchangeSpec
 from ..topology import Topology
-from ..transport import transport_class
+from ..transport import select_transport, transport_class
 from ..transport.base import PeerMap, Transport
 from ..transport.strict import HEADER_VERSION
 from .attention import AttentionSide
 from .buffers import BufferPool
-from .control import _ConnectorControlPlane
 from .ffn import FFNSide
 from .session import Session
 from .step import AfdExtTransferState
@@ -89,7 +89,11 @@ class AFDConnector:
             ``routing_spec``, ``send_token_ids``, ``tp_size``, ``vllm_config``), plus
             ``device`` (override) and ``warmup_on_init`` (default True).
 
-    Construction is device-light (no communication, no CUDA call).
+    The transport is :func:`afd_ext.transport.select_transport` of
+    ``connector_extra_config.transport`` (default ``"auto"``) and ``device``:
+    CPU tensors or no usable GPU give gloo, CUDA tensors or a visible GPU
+    with a CUDA build give NCCL. Construction is device-light (no
+    communication; only ``"auto"`` without ``device`` counts the visible GPUs).
 
     Raises:
         TypeError: an unknown keyword argument.
@@ -121,17 +125,20 @@ class AFDConnector:
         self.ffn_size = config.num_ffn_ranks
         self.world_rank = self.topology.world_rank(self.role, role_rank)
         self.world_size = self.topology.world_size
-        self.transport_kind = self.extra.transport
+        # The one selection rule (explicit name, else the tensors' device, else the machine), logged once.
+        self.transport_kind = select_transport(self.extra.transport, kwargs.get("device")).name
         self.warmup_on_init = bool(kwargs.get("warmup_on_init", True))
         self.device = _pick_device(self.transport_kind, local_rank, kwargs.get("device"))
         self.schedule_config = self.spec.schedule_config(self.extra)
         self.peer_map = PeerMap(self.role, role_rank, self.attn_size, self.ffn_size)
-        self.control_plane = _ConnectorControlPlane(self)
+        # Kept across close() / init_afd_connector(): init opens its channels, close closes them.
+        self.control_plane = AFDControlPlane(self._apply_payload, self.topology, self.role, role_rank,
+                                             label=self.peer_map.me,
+                                             check_send=lambda p: self._s.check_sent(AFDControlPayload.from_fields(p)))
         self._buffers = BufferPool(self.role, role_rank, self.device)
         self._s = Session(self.peer_map.me, self.role, self.extra.strict, self._buffers)
         self._attention = AttentionSide(self._s, role_rank, self.device) if self.role == "attention" else None
         self._ffn = FFNSide(self._s, role_rank, self.device) if self.role == "ffn" else None
-        self._cp: Any = None
 
     # ------------------------------------------------------------------ facts
 
@@ -216,7 +223,7 @@ class AFDConnector:
         if self._s.initialized:
             return
         try:
-            self._cp = self._s.open(self)
+            self._s.open(self, self.control_plane)
             if self.warmup_on_init:
                 self.warmup()
         except BaseException:
@@ -233,8 +240,7 @@ class AFDConnector:
         self._teardown()
 
     def _teardown(self) -> None:
-        cp, self._cp = self._cp, None
-        self._s.close(cp, self._ffn)
+        self._s.close(self.control_plane, self._ffn)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -243,12 +249,6 @@ class AFDConnector:
         if side is None:
             raise ConnectorStateError(f"{op} is an {role}-side call; this connector is {self.peer_map.me}")
         return side
-
-    def _channels(self, op: str):
-        if not self._s.initialized or self._cp is None:
-            raise ConnectorStateError(
-                f"AFD connector ({self.peer_map.me}) is not initialized; call init_afd_connector() before {op}")
-        return self._cp
 
     # ------------------------------------------------------------------ steps
 
@@ -261,10 +261,15 @@ class AFDConnector:
         """
         self._buffers.use_arena(arena)
 
-    def _apply_payload(self, payload: AFDControlPayload, *, pad_to: dict[int, int] | None = None) -> None:
-        """Start a step: drain an abandoned one, build the schedule, allocate buffers and streams."""
-        cfg = self.schedule_config if pad_to is None else dataclasses.replace(self.schedule_config, pad_to=pad_to)
-        self._s.next_step(payload, lambda p: build_step_schedule(self.topology, p, cfg),
+    def _apply_payload(self, payload: Any) -> None:
+        """``control_plane.update_state_from_dp_metadata``: validate, drain an abandoned step, build, allocate.
+
+        ``payload``: an ``AFDControlPayload`` or any object with its fields (the reference's class).
+        Raises ValueError (invalid payload; nothing moved) or ConnectorStateError (not usable, or the
+        previous step is incomplete mid-way: then aborted on every rank); docs/internals.md, "Errors".
+        """
+        payload = AFDControlPayload.from_fields(payload)
+        self._s.next_step(payload, lambda p: build_step_schedule(self.topology, p, self.schedule_config),
                           drain=None if self._attention is None else self._attention.drain,
                           settle=None if self._ffn is None else self._ffn.settle)
 
@@ -411,10 +416,10 @@ class AFDConnector:
         s = self._s
         s.check_usable(op)
         if s.step is not None and not s.step.seq.complete:
-            raise ConnectorStateError(f"{op} on {self.peer_map.me}: step {s.step.step} is in progress")
+            raise ConnectorStateError(f"{op} on {self.peer_map.me}: {s.step.seq.label} is in progress")
         payload = warmup_payload(self.topology, num_stages)
         cfg = dataclasses.replace(self.schedule_config, num_layers=1)
-        st = s.start_step(build_step_schedule(self.topology, payload, cfg), payload)
+        st = s.start_step(build_step_schedule(self.topology, payload, cfg), payload, warmup=True)
         try:
             (self._attention or self._ffn).warmup(st, op, self.synchronize)
         finally:

@@ -118,14 +118,14 @@ class AttentionSide:
             return
         if st.seq.moved:
             raise AFDStateError(
-                f"abandon_step on {c.me}: step {st.step} already sent data ({st.seq.progress()})")
+                f"abandon_step on {c.me}: {st.seq.label} already sent data ({st.seq.progress()})")
         self.drain(st)
 
     def drain(self, st: Step) -> None:
         """Send zeros of the scheduled shapes for every remaining exchange and discard the replies."""
         c = self.s
         c.check_usable("draining an abandoned step")
-        logger.warning("%s: draining abandoned step %d (%d exchanges carry zeros)", c.me, st.step,
+        logger.warning("%s: draining abandoned %s (%d exchanges carry zeros)", c.me, st.seq.label,
                        st.seq.total)
         cfg = st.schedule.config
         zeros: dict[int, tuple] = {}

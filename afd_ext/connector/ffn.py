@@ -96,9 +96,10 @@ class FFNSide:
             state = context.states
             if isinstance(state, AfdExtTransferState):
                 if (state.step, state.layer, state.stage) != (st.step, layer, stage):
+                    ctx_step = st.seq.label if state.step == st.step else "an earlier step"
                     raise AFDConfigError(
-                        f"{op} on {c.me} with the context of step {state.step}, layer {state.layer}, "
-                        f"stage {state.stage}, but the reply due next is step {st.step}, layer {layer}, stage "
+                        f"{op} on {c.me} with the context of {ctx_step}, layer {state.layer}, "
+                        f"stage {state.stage}, but the reply due next is {st.seq.label}, layer {layer}, stage "
                         f"{stage} (replies go in receive order)")
             elif md.stage_idx != stage:
                 raise AFDConfigError(f"{op} for stage {md.stage_idx}, but the reply due next is layer "

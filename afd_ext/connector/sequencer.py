@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..errors import AFDConfigError, AFDStateError
+from ..topology import step_words
 
 __all__ = ["StepSequencer", "exchange_order"]
 
@@ -33,14 +34,20 @@ class StepSequencer:
     """One step's position on one rank.
 
     Args:
-        step: the step number (1, 2, ... per generation).
+        step: the step ordinal (1, 2, ... per generation, warm-up steps included).
         role: ``"attention"`` or ``"ffn"``.
         seq: the exchange order (:func:`exchange_order`).
         me: this rank's label, for messages.
+        user_step: the step as the caller counts it: N for its N-th step,
+            0 for the connector's own warm-up (:func:`~afd_ext.topology.step_words`);
+            default: ``step``.
     """
 
-    def __init__(self, step: int, role: str, seq: Sequence[tuple[int, int]], me: str = ""):
+    def __init__(self, step: int, role: str, seq: Sequence[tuple[int, int]], me: str = "", user_step: int = -1):
         self.step = step
+        self.user_step = step if user_step < 0 else user_step
+        #: How messages name this step: "step 3", "warm-up step".
+        self.label = step_words(self.user_step)
         self.role = role
         self.seq = tuple(seq)
         self.me = me
@@ -78,9 +85,9 @@ class StepSequencer:
     def where(self, pos: int) -> str:
         """``"step 3, layer 1, stage 0"`` for position ``pos``."""
         if pos >= self.total:
-            return f"step {self.step} (all {self.total} exchanges done)"
+            return f"{self.label} (all {self.total} exchanges done)"
         layer, stage = self.seq[pos]
-        return f"step {self.step}, layer {layer}, stage {stage}"
+        return f"{self.label}, layer {layer}, stage {stage}"
 
     # -- attention ------------------------------------------------------------------
 
@@ -93,7 +100,7 @@ class StepSequencer:
         """
         if self.sent >= self.total:
             raise AFDStateError(
-                f"{op} on {self.me}: all {self.total} exchanges of step {self.step} were already sent; "
+                f"{op} on {self.me}: all {self.total} exchanges of {self.label} were already sent; "
                 "apply the next step's payload (update_state_from_dp_metadata) first")
         layer, want = self.seq[self.sent]
         if stage != want:
@@ -131,7 +138,7 @@ class StepSequencer:
         """
         if self.received >= self.total:
             raise AFDStateError(
-                f"{op} on {self.me}: all {self.total} exchanges of step {self.step} were received; "
+                f"{op} on {self.me}: all {self.total} exchanges of {self.label} were received; "
                 "receive and apply the next step's payload first")
         layer, want = self.seq[self.received]
         if stage != want:

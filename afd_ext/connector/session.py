@@ -14,7 +14,7 @@ import time
 from collections import deque
 from typing import Any, Callable
 
-from ..errors import AFDConfigError, AFDError, AFDStateError, ConnectorStateError
+from ..errors import AFDError, AFDProtocolError, AFDStateError, ConnectorStateError
 from ..metadata import AFDControlPayload
 from ..schedule import StepSchedule
 from ..transport.base import MessageTag, StepProgress, Transport
@@ -49,7 +49,9 @@ class Session:
         self.checked: Transport | None = None  # its strict-mode view (itself when not strict)
         self.broken: BaseException | None = None
         self.step: Step | None = None
-        self.step_counter = 0
+        self.step_counter = 0  # every step of this generation, warm-ups included: orders progress reports
+        self.user_steps = 0  # the steps the caller applied: what messages count ("step 1" is the first)
+        self.user_step = -1  # the last started step as the caller counts it (0: a warm-up), -1: none yet
         self.last_call = time.monotonic()
 
     def reset(self) -> None:
@@ -57,13 +59,15 @@ class Session:
         self.broken = None
         self.step = None
         self.step_counter = 0
+        self.user_steps = 0
+        self.user_step = -1
         self.last_call = time.monotonic()
 
     def close(self, control: Any, replies: Any) -> None:
         """Release everything, bounded, never raising: replies in flight, step, buffers, ``control``, the transport.
 
         Args:
-            control: the control channels (closed after the step state, before the transport), or None.
+            control: the control plane (its channels are closed after the step state, before the transport), or None.
             replies: the FFN side (its replies in flight are delivered when healthy, else dropped), or None.
         """
         if replies is not None:
@@ -92,17 +96,18 @@ class Session:
         self.store = None
         self.signal = None
 
-    def open(self, conn: Any) -> Any:
+    def open(self, conn: Any, control: Any) -> None:
         """Build this generation's links for connector ``conn`` (collective): store, handshake, transport, channels.
 
-        Returns:
-            The control plane over the opened channels.
+        Args:
+            conn: the connector (its config, topology, handshake fields, deadlines).
+            control: its :class:`~afd_ext.control.AFDControlPlane`, opened here over this generation's store.
 
         Raises:
             What :meth:`AFDConnector.init_afd_connector` documents; the caller closes on failure.
         """
-        from .. import control_plane as cpl
         from .. import rendezvous as rdzv
+        from ..control import ChannelOptions
         from ..transport import create_transport
         from ..transport.base import TransportSetup
 
@@ -122,20 +127,16 @@ class Session:
         # The configured name (``auto`` is resolved here, every generation); the kind that runs is reported.
         self.transport, self.checked = create_transport(extra.transport, setup, strict=extra.strict)
         conn.transport_kind = self.transport.kind
-        channels = cpl.open_control_channels(
-            store, conn.topology, conn.role, conn.role_rank, extra.control_channel, extra.init_timeout_s,
-            options=cpl.ChannelOptions.from_env(heartbeat_interval_s=extra.heartbeat_interval_s,
-                                                heartbeat_timeout_s=extra.heartbeat_timeout_s))
-        control = cpl.ChannelControlPlane(conn._apply_payload, conn.topology, conn.role, conn.role_rank, channels,
-                                          store=store)
+        control.open(store, extra.control_channel, extra.init_timeout_s,
+                     options=ChannelOptions.from_env(heartbeat_interval_s=extra.heartbeat_interval_s,
+                                                     heartbeat_timeout_s=extra.heartbeat_timeout_s))
         self.initialized = True
-        return control
 
     # -- usability ---------------------------------------------------------------------
 
     def tag(self, op: str) -> MessageTag:
         """A tag for a call that is not one exchange (health checks, synchronize, replays)."""
-        return MessageTag(op, "a2f", self.step_counter, -1, -1)
+        return MessageTag(op, "a2f", self.step_counter, -1, -1, user_step=self.user_step)
 
     def check_usable(self, op: str) -> Transport:
         """The plain transport, after checking the connector is initialised, unbroken and healthy.
@@ -206,6 +207,35 @@ class Session:
             st.seq.abandoned = True
         return exc
 
+    def check_sent(self, payload: AFDControlPayload) -> None:
+        """The FFN ranks build their schedule from the payload sent; this rank uses the one applied.
+
+        Row counts that differ would make the two sides post data messages of
+        different sizes (gloo aborts the receiving process); without strict
+        headers this is where the disagreement is seen. Posts the step abort so
+        the FFN ranks waiting for the payload fail with the same message.
+
+        Raises:
+            AFDProtocolError: the counts differ (nothing is sent; the step is aborted on every rank).
+        """
+        st = self.step
+        if st is None or st.seq.moved:
+            return  # no step applied yet, or an older one (the runtime's order is checked elsewhere)
+        applied = {k: md.counts for k, md in st.schedule.payload.dp_metadata_list.items()}
+        sent = {k: md.counts for k, md in payload.dp_metadata_list.items()}
+        if applied == sent:
+            return
+        diff = [k for k in sorted(set(applied) | set(sent)) if applied.get(k) != sent.get(k)]
+        k = diff[0]
+        exc = AFDProtocolError(
+            f"AFD send_dp_metadata_list on {self.me}: the payload sent disagrees with the one applied by "
+            f"update_state_from_dp_metadata (step {st.seq.step}): stage {k} rows per attention rank "
+            f"{list(sent[k]) if k in sent else 'absent'} sent, {list(applied[k]) if k in applied else 'absent'} "
+            "applied. Both sides must compute the same schedule; apply and send the same payload. The step is "
+            "aborted on every rank.", op="send_dp_metadata_list", stage=k)
+        self.fail_step(exc)
+        raise exc
+
     # -- steps ---------------------------------------------------------------------------
 
     def next_step(self, payload: AFDControlPayload, schedule: Callable[[AFDControlPayload], StepSchedule], *,
@@ -219,7 +249,7 @@ class Session:
             settle: the FFN side's wait for its replies in flight (None on attention ranks).
 
         Raises:
-            AFDConfigError: ``payload`` is not an ``AFDControlPayload`` (or the schedule rejects it).
+            ValueError: the schedule rejects ``payload`` (nothing moved for this step).
             ConnectorStateError: not usable, or the previous step is incomplete mid-way (then
                 aborted on every rank).
         """
@@ -231,10 +261,10 @@ class Session:
             if what == "drain":
                 drain(prev)
             elif what == "drop":
-                logger.debug("%s: step %d replaced before any exchange", self.me, prev.step)
+                logger.debug("%s: %s replaced before any exchange", self.me, prev.seq.label)
             elif what == "abort":
                 exc = ConnectorStateError(
-                    f"{op} on {self.me}: the previous step {prev.step} is incomplete ({prev.seq.progress()}); "
+                    f"{op} on {self.me}: the previous {prev.seq.label} is incomplete ({prev.seq.progress()}); "
                     f"every step must run all {prev.seq.total} (layer, stage) exchanges. The step was aborted "
                     "on every rank; close() and init_afd_connector() to continue.")
                 self.fail_step(exc)
@@ -242,15 +272,21 @@ class Session:
         self.step = None
         if settle is not None:
             settle()
-        if not isinstance(payload, AFDControlPayload):
-            raise AFDConfigError(f"payload must be an AFDControlPayload, got {type(payload).__name__}")
         return self.start_step(schedule(payload), payload)
 
-    def start_step(self, sch: StepSchedule, payload: AFDControlPayload) -> Step:
-        """Make ``sch`` the current step: its sequencer, buffers and the transport's stage resources."""
+    def start_step(self, sch: StepSchedule, payload: AFDControlPayload, *, warmup: bool = False) -> Step:
+        """Make ``sch`` the current step: its sequencer, buffers and the transport's stage resources.
+
+        ``warmup``: the connector's own warm-up step (:meth:`AFDConnector.warmup`); it is named
+        ``"warm-up step"`` in messages and does not count: the caller's first step is ``"step 1"``.
+        """
         self.step_counter += 1
+        if not warmup:
+            self.user_steps += 1
+        self.user_step = 0 if warmup else self.user_steps
         strict = self.strict and not (payload.is_graph_capturing or payload.is_graph_replaying)
-        seq = StepSequencer(self.step_counter, self.role, exchange_order(sch.config.num_layers, sch.stages), self.me)
+        seq = StepSequencer(self.step_counter, self.role, exchange_order(sch.config.num_layers, sch.stages), self.me,
+                            self.user_step)
         st = Step(seq, sch, strict, pending={s: deque() for s in sch.stages})
         for s in sch.stages:
             own = self.transport.receive_buffers(sch, s) if self.transport is not None else None
@@ -267,4 +303,4 @@ class Session:
             return None
         q = st.seq
         return StepProgress(q.step, q.total, q.sent, q.received, q.complete, q.seq, q.progress(),
-                            time.monotonic() - self.last_call)
+                            time.monotonic() - self.last_call, q.user_step)

@@ -107,4 +107,4 @@ class Step:
         return self.seq.step
 
     def tag(self, op: str, direction: str, layer: int, stage: int, layer_idx: int = -1) -> MessageTag:
-        return MessageTag(op, direction, self.seq.step, layer, stage, layer_idx)
+        return MessageTag(op, direction, self.seq.step, layer, stage, layer_idx, self.seq.user_step)

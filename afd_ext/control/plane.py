@@ -196,6 +196,8 @@ class AFDControlPlane:
             (None: wait as long as the sender's heartbeat is fresh).
         max_payload_bytes: bound on an incoming payload, in bytes.
         label: this rank's label in errors (default ``"<role> rank <role_rank>"``).
+        check_send: ``check_send(payload)`` runs before every :meth:`send_dp_metadata_list`
+            (the connector checks the payload sent matches the one applied); None: no check.
 
     Raises:
         AFDConfigError: unknown role, or ``channels`` do not match the topology's
@@ -214,11 +216,13 @@ class AFDControlPlane:
         recv_timeout_s: float | None = None,
         max_payload_bytes: int | None = None,
         label: str | None = None,
+        check_send: Callable[[Any], None] | None = None,
     ):
         from afd_ext import metadata as md
 
         self._md = md
         self._apply = apply_payload
+        self._check_send = check_send
         self.topology = topology
         self.role = _normalise_role(role)
         self.role_rank = role_rank
@@ -327,6 +331,8 @@ class AFDControlPlane:
         """
         if not self._open:
             self._require_open("send_dp_metadata_list")
+        if self._check_send is not None:
+            self._check_send(payload)
         if not self.destinations:
             return
         parts = self._md.control_payload_parts(payload)

@@ -70,6 +70,7 @@ class TcpControlChannel(ControlChannel):
         self._token = b""
         self._poller = select.poll()
         self._poller.register(sock, select.POLLIN)
+        self._practice: bytes | None = None  # warm_s: the last payload, decoded again while polling
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     @staticmethod
@@ -195,13 +196,18 @@ class TcpControlChannel(ControlChannel):
         if native is None:
             poll_until = min(poll_until, now + _FALLBACK_SPIN_S)
         spin_fd = native.spin_fd if native is not None else None
+        warm = self.options.warm_s if self._practice is not None else 0.0
+        next_warm = now + warm if warm else float("inf")
         while len(self._rbuf) < need:
             if now < poll_until:
                 if spin_fd is not None:
-                    end = min(poll_until, next_abort)
+                    end = min(poll_until, next_abort, next_warm)
                     if deadline is not None:
                         end = min(end, deadline)
-                    spin_fd(sock.fileno(), min(int((end - now) * 1e9), MAX_NATIVE_WAIT_NS))
+                    if spin_fd(sock.fileno(), min(int((end - now) * 1e9), MAX_NATIVE_WAIT_NS)) == 0 and \
+                            time.monotonic() >= next_warm:
+                        self._rehearse()
+                        next_warm = time.monotonic() + warm
                 wait_ms = 0
             else:
                 wait_ms = int(1000 * min(_ABORT_EVERY_S, max(0.0, self._last_seen + hb - now) + 0.001))
@@ -233,6 +239,25 @@ class TcpControlChannel(ControlChannel):
                     f"{op}: no control payload from {self.peer} within the timeout (the peer is alive but idle)"
                 )
 
+    def _rehearse(self) -> bool:
+        """warm_s: the receive path on nothing new (a peek at the socket, the payload decoded and built
+        again from the last one), so that a payload after a long gap finds it in cache. Returns whether
+        the copy decoded."""
+        from afd_ext.metadata import decode_control_binary
+
+        if self._practice is None:
+            return False
+        try:
+            self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except OSError:  # nothing to read (the usual case), or the peer is gone: recv() reports that
+            pass
+        try:
+            decode_control_binary(self._practice)  # type: ignore[arg-type]
+        except ValueError:  # not a binary control payload (raw channel use): nothing to rehearse
+            self._practice = None
+            return False
+        return True
+
     def recv(self, timeout_s: float | None = None, op: str = _OP_RECV) -> bytes:
         self._require(False, "recv")
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -248,6 +273,8 @@ class TcpControlChannel(ControlChannel):
             del self._rbuf[:end]
             if typ == _T_DATA:
                 self._last_msg = time.monotonic()
+                if self.options.warm_s and self._practice is None:
+                    self._practice = body
                 return body
             if typ == _T_CLOSE:
                 raise ControlChannelClosed(f"{op}: {self.peer} closed the control channel")

@@ -56,7 +56,7 @@ from ..errors import (  # noqa: F401  defined once, in errors.py; re-exported fo
     AFDTransportClosedError,
     AFDTransportError,
 )
-from ..topology import rank_label
+from ..topology import rank_label, step_words
 
 __all__ = [
     "MessageTag",
@@ -80,11 +80,16 @@ class MessageTag(NamedTuple):
     Attributes:
         op: the connector call, e.g. ``"send_attn_output"``, ``"recv_ffn_output"``.
         direction: ``"a2f"`` (attention -> FFN wire tensors) or ``"f2a"`` (FFN output back).
-        step: this rank's step number (diagnostics only; not checked).
+        step: this rank's step ordinal, warm-up steps included (diagnostics
+            only; orders progress reports; not checked).
         layer: the layer exchange ordinal in the step, ``0..num_layers-1``, or -1 (no exchange).
         stage: the stage id, or -1.
         layer_idx: the runtime's layer index from the transfer context (may
             differ from ``layer`` when only some layers are remote), or -1.
+        user_step: the step as the caller counts it (:func:`~afd_ext.topology.step_words`):
+            ``N`` for the caller's N-th step since init (the connector's own
+            warm-up steps do not count), ``0`` for a warm-up step, -1 when
+            unknown (messages then show ``step``).
     """
 
     op: str
@@ -93,12 +98,17 @@ class MessageTag(NamedTuple):
     layer: int
     stage: int
     layer_idx: int = -1
+    user_step: int = -1
+
+    def step_text(self) -> str:
+        """The step in words (:func:`~afd_ext.topology.step_words` of :attr:`user_step`, else of :attr:`step`)."""
+        return step_words(self.user_step if self.user_step >= 0 else self.step)
 
     def where(self) -> str:
         """``"step 3, layer 2, stage 0"`` (plus the runtime layer index when it differs); ``"step 3"`` when no layer."""
         if self.layer < 0:
-            return f"step {self.step}" if self.step >= 0 else "no step"
-        s = f"step {self.step}, layer {self.layer}"
+            return self.step_text()
+        s = f"{self.step_text()}, layer {self.layer}"
         if self.layer_idx >= 0 and self.layer_idx != self.layer:
             s += f" (runtime layer_idx {self.layer_idx})"
         return s + f", stage {self.stage}"
@@ -176,13 +186,15 @@ class StepProgress:
     matching call) from another thread; a snapshot, never mutated.
 
     Attributes:
-        step: the step number; total: exchanges of the step.
+        step: the step ordinal (warm-up steps included: it orders reports);
+            total: exchanges of the step.
         sent, received: exchanges sent / received so far (attention: sends and
             reply receives; FFN: fan-ins received and replies sent).
         complete: every exchange of the step is done on this rank.
         seq: the step's ``(layer, stage)`` exchange order.
         text: the progress in words (for messages).
         idle_s: seconds since the caller last entered the connector.
+        user_step: the step as the caller counts it (:attr:`MessageTag.user_step`).
     """
 
     step: int
@@ -193,6 +205,7 @@ class StepProgress:
     seq: tuple[tuple[int, int], ...]
     text: str
     idle_s: float
+    user_step: int = -1
 
 
 @dataclass
@@ -255,6 +268,14 @@ class Transport(abc.ABC):
         self.device = torch.device(device)
         self.timeout_s = float(timeout_s)
         self._closed: BaseException | None = None
+
+    @classmethod
+    def unavailable(cls) -> str | None:
+        """Why this transport cannot run on this machine, or None when it can (``transport: "auto"`` asks).
+
+        The default (a host transport over CPU tensors) always runs.
+        """
+        return None
 
     @classmethod
     @abc.abstractmethod

@@ -389,6 +389,17 @@ class NcclTransport(Transport):
         self.watchdog.start()
 
     @classmethod
+    def unavailable(cls) -> str | None:
+        """``"afd_ext was built without CUDA"`` / ``"no GPU is visible"``, or None (both present)."""
+        from .. import ops
+
+        if not ops.is_cuda_built():
+            return "afd_ext was built without CUDA"
+        if torch.cuda.device_count() == 0:
+            return "no GPU is visible"
+        return None
+
+    @classmethod
     def from_setup(cls, setup: TransportSetup) -> "NcclTransport":
         if setup.device.index is not None:
             torch.cuda.set_device(setup.device)
@@ -514,7 +525,7 @@ class NcclTransport(Transport):
         """
         wd = self.watchdog
         exchange = tag.layer >= 0
-        where = tag.where() if exchange else (f"step {tag.step}" if tag.step >= 0 else "no step")
+        where = tag.where() if exchange else tag.step_text()
         wd.track(ev.query, f"{tag.op}: {what}", peers=names, layer=tag.layer if exchange else None,
                  stage=tag.stage if exchange else None, where=where, tag=tag, peer_ranks=peer_ranks)
 

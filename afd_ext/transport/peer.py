@@ -68,6 +68,13 @@ class PeerTransport(Transport):
     kind = "peer"
     device_type = "cuda"
 
+    @classmethod
+    def unavailable(cls) -> str | None:
+        """NCCL's answer: the plane's flag probe and its fallback need a CUDA build and a visible GPU."""
+        from .nccl import NcclTransport
+
+        return NcclTransport.unavailable()
+
     def __init__(self, setup: TransportSetup, plane: PeerPlane, fallback: Optional[Transport] = None):
         super().__init__(setup.peers, plane.device, timeout_s=setup.timeout_s)
         self.plane = plane

@@ -16,6 +16,7 @@ import logging
 import time
 from typing import Any, Callable
 
+from ..topology import step_words
 from .base import PeerMap, StepProgress
 
 logger = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ class StallReports:
         if key == self._published:
             return
         self._published = key  # once per report, even if the store is gone (no retry storm)
-        rec = {"step": p.step, "sent": p.sent, "received": p.received, "total": p.total,
+        rec = {"step": p.step, "user_step": p.user_step, "sent": p.sent, "received": p.received, "total": p.total,
                "state": state, "detail": detail, "time": time.time()}
         try:
             self.store.set(f"progress/{self.peers.world_rank}", json.dumps(rec))
@@ -110,18 +111,24 @@ class StallReports:
             if rec is None or int(rec.get("step", -1)) < tag.step:
                 why = ("it published no progress report (nothing in flight, not idle mid-step: it is "
                        "probably dead)") if rec is None else \
-                    f"its last progress report is from step {rec.get('step')}: {rec.get('detail')}"
+                    f"its last progress report is from {_label(rec)}: {rec.get('detail')}"
                 culprits.append(label)
                 notes.append(f"waiting on {label}: it has not issued the matching {call} ({why})")
             elif need is not None and int(rec["step"]) == tag.step and int(rec.get(field, 0)) < need:
                 culprits.append(label)
-                notes.append(f"waiting on {label}: it has not issued the matching {call} (step {rec['step']}: "
+                notes.append(f"waiting on {label}: it has not issued the matching {call} ({_label(rec)}: "
                              f"{rec.get(field)} of {rec.get('total')} exchanges {field}; {rec.get('detail')})")
             elif need is None and int(rec["step"]) == tag.step:
-                notes.append(f"{label} reports step {rec['step']}: {rec.get(field)} of {rec.get('total')} "
+                notes.append(f"{label} reports {_label(rec)}: {rec.get(field)} of {rec.get('total')} "
                              f"exchanges {field} ({rec.get('detail')})")
             else:
                 notes.append(f"{label} issued the matching {call} ({rec.get('detail')})")
         if not notes:
             return None
         return "; ".join(notes) + ".", culprits
+
+
+def _label(rec: dict) -> str:
+    """How a peer's progress report names its step (:func:`step_words`)."""
+    n = int(rec.get("user_step", -1))
+    return step_words(n if n >= 0 else int(rec.get("step", -1)))

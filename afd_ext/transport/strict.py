@@ -21,6 +21,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from ..spec import dtype_code, dtype_from_code
+from ..topology import step_words
 from .base import AFDProtocolError, MessageTag, PendingSend, Transport, TransportSetup
 
 __all__ = [
@@ -88,7 +89,7 @@ def encode_headers(tag: MessageTag, sender: int, receiver: int, rows: int,
         row[_W_DIRECTION] = _DIRECTION_CODES[tag.direction]
         row[_W_SENDER] = sender
         row[_W_RECEIVER] = receiver
-        row[_W_STEP] = tag.step
+        row[_W_STEP] = tag.user_step if tag.user_step >= 0 else tag.step  # as messages name it
         row[_W_LAYER] = tag.layer
         row[_W_STAGE] = tag.stage
         row[_W_TENSOR] = tid
@@ -107,7 +108,7 @@ def _describe_header(row: Sequence[int], label) -> str:
     return (
         f"{_CODE_DIRECTIONS.get(int(row[_W_DIRECTION]), '?')} {TENSOR_NAMES.get(tid, f'tensor {tid}')} "
         f"[{int(row[_W_ROWS])}, {int(row[_W_COLS])}] {dtype_from_code(row[_W_DTYPE])}, "
-        f"step {int(row[_W_STEP])}, layer {int(row[_W_LAYER])}, stage {int(row[_W_STAGE])}, "
+        f"{step_words(int(row[_W_STEP]))}, layer {int(row[_W_LAYER])}, stage {int(row[_W_STAGE])}, "
         f"message {int(row[_W_INDEX])} of {int(row[_W_COUNT])}, from {label(int(row[_W_SENDER]))} "
         f"to {label(int(row[_W_RECEIVER]))}"
     )

@@ -99,6 +99,8 @@ struct afd_ctrl_ring {
   uint64_t k;           // the next message number (sent or taken); advanced on success
   uint32_t local_rank;  // sender: the sender field it writes
   uint32_t got_sender;  // receiver: the sender field of the last message taken
+  int64_t t_ns;         // CLOCK_MONOTONIC ns: sender, when the last message was published;
+                        // receiver, when the poll saw the last message taken (the bench's phases)
 };
 
 inline uint8_t* slot_of(const afd_ctrl_ring* r, uint64_t k) {
@@ -144,6 +146,7 @@ __attribute__((visibility("default"))) int afd_ctrl_shm_publish(afd_ctrl_ring* r
   std::memcpy(slot + 20, &sender, 4);
   std::memcpy(slot + 24, &crc, 4);
   std::memcpy(slot + kSlotHeader, data, frag);
+  r->t_ns = now_ns();
   __atomic_store_n(seq, want, __ATOMIC_RELEASE);
   r->k = k + 1;
   // Full fence: the publish is ordered before the read of the receiver's waiting flag.
@@ -167,6 +170,7 @@ __attribute__((visibility("default"))) int64_t afd_ctrl_shm_take(afd_ctrl_ring* 
   const auto* seq = reinterpret_cast<const uint64_t*>(slot);
   const uint64_t want = 2 * k + 2;
   if (!spin_u64(seq, want, max_ns)) return -1;
+  const int64_t seen = now_ns();
   for (int attempt = 0; attempt < 64; ++attempt) {
     uint64_t total;
     uint32_t frag, snd, crc;
@@ -179,6 +183,7 @@ __attribute__((visibility("default"))) int64_t afd_ctrl_shm_take(afd_ctrl_ring* 
     __atomic_thread_fence(__ATOMIC_ACQUIRE);
     if (__atomic_load_n(seq, __ATOMIC_RELAXED) == want && slot_crc(want, total, frag, snd, out) == crc) {
       r->got_sender = snd;
+      r->t_ns = seen;
       r->k = k + 1;
       __atomic_store_n(&hdr[kReadCountWord], k + 1, __ATOMIC_RELEASE);
       return static_cast<int64_t>(frag);

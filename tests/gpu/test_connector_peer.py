@@ -7,6 +7,11 @@ time-sliced: correctness only). The peer transport also builds its NCCL
 fallback (steps beyond its capacity, strict-mode headers), which on one GPU
 needs the per-process ``NCCL_HOSTID`` the placement sets.
 
+Connector-level CUDA graphs over peer memory: the reference runner's graph
+protocol (``tests/plugin_runners.py``: the FFN forward captured once, 200
+replays with fresh inputs bit-exact, an eager step with larger counts between
+replays) at 1A1F and 2A1F with the NCCL fallback off.
+
 Run: ``pytest -m gpu tests/gpu/test_connector_peer.py -v``.
 """
 
@@ -23,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 import connector_scenarios as cs  # noqa: E402
 from afd_ext.testing import find_free_port, place_processes, run_workers  # noqa: E402
 
-pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(240)]
 
 
 def _env(sc: cs.Scenario) -> list[dict]:
@@ -32,7 +37,7 @@ def _env(sc: cs.Scenario) -> list[dict]:
     return [{**e, **diag} for e in place_processes(sc.A, sc.F).env()]
 
 
-def _run(scs, *, transport: str = "peer", expect: str = "peer", timeout_s: float = 400.0):
+def _run(scs, *, transport: str = "peer", expect: str = "peer", timeout_s: float = 200.0):
     scs = tuple(cs.replace(s, transport=transport) for s in (scs if isinstance(scs, tuple) else (scs,)))
     results = run_workers(cs.scenario_worker, scs[0].nprocs, (scs, find_free_port()), timeout_s=timeout_s,
                           per_rank_env=_env(scs[0]))
@@ -61,7 +66,7 @@ def test_topologies_peer(A, F, tp):
     ))
 
 
-@pytest.mark.parametrize("A,F", [(1, 1), (2, 1)])
+@pytest.mark.parametrize("A,F", [(2, 1)])  # 1A1F is a subset
 def test_auto_picks_peer_memory_on_one_node(A, F):
     _run(cs.Scenario(A=A, F=F, steps=cs.default_steps(A), dtype="bfloat16", hidden=64, logits_width=16,
                      send_ids=True, strict=False), transport="auto", expect="peer")
@@ -74,18 +79,19 @@ def test_steps_beyond_capacity_go_over_nccl_between_plane_steps():
                      strict=False, extra=(("peer_max_tokens", 4),)))
 
 
+@pytest.mark.timeout(330)
 def test_two_stages_8192_rows_hidden_7168_with_logits_and_ids():
     n = 8192
     sc = cs.Scenario(A=2, F=1, steps=({0: [n, n], 1: [n, n]},), hidden=7168, dtype="bfloat16", layers=2,
                      logits_width=256, send_ids=True, wire_format="per_tensor", strict=False,
                      step_timeout_s=120.0, extra=(("peer_max_tokens", n),))
-    _run(sc, timeout_s=550)
+    _run(sc, timeout_s=300)
 
 
 def test_bad_first_input_then_next_step_peer():
     steps = ({0: [2, 3]}, {0: [4, 1]}, {0: [3, 3], 1: [1, 2]})
     sc = cs.replace(cs.Scenario(A=2, F=1, steps=steps), transport="peer")
-    res = run_workers(cs.bad_first_input_worker, sc.nprocs, (sc, find_free_port(), 0, 1, False), timeout_s=300,
+    res = run_workers(cs.bad_first_input_worker, sc.nprocs, (sc, find_free_port(), 0, 1, False), timeout_s=200,
                       per_rank_env=_env(sc))
     assert len(res[1]["rejections"]) == 1
     assert res[2]["checked"] == [6, 2, 10]
@@ -94,7 +100,7 @@ def test_bad_first_input_then_next_step_peer():
 def test_mid_step_failure_then_reinit_peer():
     steps = ({0: [2, 3]}, {0: [1, 2]}, {0: [3, 1]})
     sc = cs.replace(cs.Scenario(A=2, F=1, steps=steps, step_timeout_s=10.0), transport="peer")
-    res = run_workers(cs.mid_step_failure_worker, sc.nprocs, (sc, find_free_port(), 1), timeout_s=300,
+    res = run_workers(cs.mid_step_failure_worker, sc.nprocs, (sc, find_free_port(), 1), timeout_s=200,
                       per_rank_env=_env(sc))
     ffn, a0, a1 = res
     assert a1["error"][0] == "ValueError"
@@ -116,7 +122,7 @@ def test_peer_loss_is_the_named_error_within_the_deadline(mode):
                                 strict=False), transport="peer")
     victim = 2
     out = cs.run_tolerating_death(cs.peer_loss_worker, sc.nprocs, (sc, find_free_port(), victim, mode),
-                                  timeout_s=300, may_die=[victim] if mode == "kill" else [],
+                                  timeout_s=200, may_die=[victim] if mode == "kill" else [],
                                   per_rank_env=_env(sc))
     ffn, a0 = out[0], out[1]
     for r in (ffn, a0):
@@ -129,3 +135,28 @@ def test_peer_loss_is_the_named_error_within_the_deadline(mode):
     if mode == "stall":
         assert "error" in out[victim], out[victim]
     assert out["exitcodes"][0] == 0 and out["exitcodes"][1] == 0
+
+
+@pytest.mark.parametrize("attn,steps", [((1, 1, 1), ({0: [8]},)), ((2, 1, 1), ({0: [8, 5]},))],
+                         ids=["1A1F", "2A1F"])
+def test_reference_runner_ffn_graph_over_peer_memory_200_replays_bit_exact(attn, steps):
+    """The reference runner's graph protocol over the peer transport, every step through the plane.
+
+    The FFN worker captures its whole forward (every recv/compute/send of 3
+    layers: ``peer_wait`` views, compute, ``peer_put``) once and replays it 200
+    times with no connector call; the attention side sends fresh inputs every
+    step and checks every reply bit-exactly against the FFN computed eagerly.
+    Then an eager step with larger counts, then 5 more replays. The NCCL
+    fallback is off, so a step that did not go through peer memory fails.
+    """
+    import plugin_runners as pr
+
+    sc = pr.PluginScenario(attn=attn, layers=3, hidden=256, steps=steps, transport="peer",
+                           extra=(("wire_format", "per_tensor"), ("peer_fallback", False)))
+    res = run_workers(pr.ffn_graph_worker, sc.nprocs, (sc, find_free_port(), 200, pr.finish_barrier(sc.nprocs)),
+                      timeout_s=200, per_rank_env=place_processes(sc.A, sc.F).env())
+    atts = [r for r in res if r["role"] == "attention"]
+    assert len(atts) == sc.A
+    for att in atts:
+        # warm-up + 200 replays + the larger eager step + 5 replays, 3 layers each
+        assert att["checked"] == (1 + 200 + 1 + 5) * sc.layers
