@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
@@ -29,6 +30,7 @@ __all__ = [
     "parse_afd_config",
     "parse_optional_afd_config",
     "has_afd_config",
+    "resolve_job_id",
 ]
 
 #: ``wire_format="auto"`` packs a stage when its largest a2f message, packed,
@@ -112,6 +114,32 @@ def coerce_float(value: Any, name: str) -> float:
     return out
 
 
+def resolve_job_id(explicit: Any = None) -> tuple[str, str]:
+    """This AFD job's identity and where it came from, as ``(job_id, source)``.
+
+    Order: ``explicit`` (``connector_extra_config.job_id``), the ``AFD_JOB_ID``
+    environment variable, torchrun's ``TORCHELASTIC_RUN_ID`` (its rendezvous
+    id), else ``""`` (no identity: the store then refuses only a rank whose
+    world rank a live process holds).
+
+    Raises:
+        TypeError: ``explicit`` is neither None nor a string.
+    """
+    if explicit is not None:
+        if not isinstance(explicit, str):
+            raise TypeError(f"connector_extra_config.job_id must be a string, got {type(explicit).__name__}")
+        return explicit.strip(), "connector_extra_config.job_id"
+    from . import envs
+
+    env = envs.get("AFD_JOB_ID")
+    if env:
+        return env.strip(), "AFD_JOB_ID"
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "").strip()
+    if run_id:
+        return run_id, "TORCHELASTIC_RUN_ID"
+    return "", "default (no job identity)"
+
+
 def _one_of(value: Any, name: str, choices: tuple[str, ...]) -> str:
     if not isinstance(value, str) or value not in choices:
         raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
@@ -160,6 +188,10 @@ class AfdExtConnectorConfig:
         peer_fallback: peer transport: also build NCCL communicators and send
             steps beyond ``peer_max_tokens`` / ``peer_stages`` over them (off:
             such a step is an error).
+        job_id: identity of this AFD job; the rendezvous store refuses a rank of
+            another job (:class:`~afd_ext.errors.JobMismatchError`). Default
+            (None): :func:`resolve_job_id` (``AFD_JOB_ID``, then torchrun's
+            ``TORCHELASTIC_RUN_ID``, else ``""``: no identity).
     """
 
     wire_format: str = "auto"
@@ -177,9 +209,11 @@ class AfdExtConnectorConfig:
     peer_max_tokens: int = 8192
     peer_stages: int = 2
     peer_fallback: bool = True
+    job_id: str | None = None
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
+        set_("job_id", resolve_job_id(self.job_id)[0])
         _one_of(self.wire_format, "connector_extra_config.wire_format", ("auto", "packed", "per_tensor"))
         _one_of(self.transport, "connector_extra_config.transport", ("nccl", "gloo", "peer", "auto"))
         _one_of(self.control_channel, "connector_extra_config.control_channel", ("auto", "shm", "tcp"))

@@ -115,6 +115,9 @@ register("AFD_DEVICE", None, "launch: CUDA device index to use inside this proce
          "(default: from AFD_ATTENTION_GPUS / AFD_FFN_GPUS, else torchrun's LOCAL_RANK)", _non_negative_int)
 register("AFD_ATTENTION_GPUS", None, "launch: GPU per attention rank, e.g. '0,0' (one entry: shared by all)")
 register("AFD_FFN_GPUS", None, "launch: GPU per FFN rank, e.g. '1' (one entry: shared by all)")
+register("AFD_JOB_ID", None,
+         "rendezvous: identity of this AFD job (same on every rank); the store refuses a rank of another "
+         "job. Overrides torchrun's TORCHELASTIC_RUN_ID; connector_extra_config.job_id overrides both")
 register("AFD_CONNECTOR_EXTRA_CONFIG", None,
          "launch: JSON object merged into connector_extra_config by config_from_env")
 

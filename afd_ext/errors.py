@@ -170,6 +170,40 @@ class StoreUnavailableError(RendezvousError, AFDPeerError):
     """The rendezvous store stopped answering: FFN rank 0, which hosts it, exited or is unreachable."""
 
 
+class StoreTimeoutError(RendezvousTimeoutError, StoreUnavailableError):
+    """The rendezvous store did not answer a round trip in time: FFN rank 0 is stopped, frozen or unreachable."""
+
+
+class JobMismatchError(RendezvousError, AFDConfigError):
+    """A rank of another job (another ``job_id``) reached this job's rendezvous store; it is refused.
+
+    Attributes:
+        job_id: this rank's job id; ``store_job_id``: the job id the store was opened with.
+    """
+
+    def __init__(self, message: str, *, job_id: str, store_job_id: str):
+        super().__init__(message, op="rendezvous")
+        self.job_id = job_id
+        self.store_job_id = store_job_id
+
+
+class DuplicateRankError(RendezvousError, AFDConfigError):
+    """Two live processes claim the same role rank (world rank) on one rendezvous store.
+
+    Attributes:
+        world_rank: the contested world rank; ``holder``: the process that holds it (host, pid).
+    """
+
+    def __init__(self, message: str, *, world_rank: int, holder: str):
+        super().__init__(message, op="rendezvous")
+        self.world_rank = world_rank
+        self.holder = holder
+
+
+class ExtensionConflictError(AFDError, ImportError):
+    """A second copy of the compiled extension was imported into a process that already holds one."""
+
+
 class ControlChannelClosed(AFDClosedError):
     """The sender closed the control channel cleanly (shutdown); no more payloads will come."""
 

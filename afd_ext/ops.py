@@ -33,8 +33,58 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from . import _C  # noqa: F401  (loads the library: registers torch.ops.afd_ext.*)
-from . import spec as _spec
+
+def _other_loaded_core() -> str | None:
+    """Path of another copy of the compiled core already loaded into this process, or None.
+
+    A second ``TORCH_LIBRARY(afd_ext, ...)`` aborts the process while it loads
+    (two installed versions, a vendored copy), so look before loading ours.
+    """
+    import os
+
+    spec = importlib.util.find_spec(f"{__package__}._C")
+    mine = os.path.realpath(spec.origin) if spec is not None and spec.origin else None
+    if f"{__package__}._C" in sys.modules or not _schema_registered():
+        return None
+    loaded = []
+    for name, mod in list(sys.modules.items()):
+        f = getattr(mod, "__file__", None)
+        if name.endswith("._C") and name.split(".")[-2] == "afd_ext" and f:
+            loaded.append(os.path.realpath(f))
+    try:  # also a copy loaded without Python's import system: the process's mapped files
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            for line in maps:
+                path = line.rstrip("\n").split(" ", 5)[-1].strip()
+                if "/afd_ext/_C" in path and path.endswith(".so"):
+                    loaded.append(os.path.realpath(path))
+    except OSError:
+        pass
+    others = [p for p in loaded if p != mine]
+    if others:
+        return others[0]
+    return None if mine in loaded else "an unknown location"
+
+
+def _schema_registered() -> bool:
+    try:
+        torch._C._dispatch_find_schema_or_throw("afd_ext::nccl_version", "")
+        return True
+    except RuntimeError:
+        return False
+
+
+_other = _other_loaded_core()
+if _other is not None:
+    from .errors import ExtensionConflictError
+
+    _core = importlib.util.find_spec(f"{__package__}._C")
+    raise ExtensionConflictError(
+        f"cannot load {_core.origin if _core else __package__ + '._C'}: another copy of the afd_ext compiled "
+        f"core is already loaded in this process ({_other}); torch allows one per process. Two afd_ext "
+        "installations (or a vendored copy) are on the path: keep one, or import only one of them.")
+
+from . import _C  # noqa: F401,E402  (loads the library: registers torch.ops.afd_ext.*)
+from . import spec as _spec  # noqa: E402
 
 __all__ = [
     "WIRE_ALIGN",

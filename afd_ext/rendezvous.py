@@ -32,17 +32,44 @@ mid-step calls :func:`post_abort`, and every rank blocked in a wait of this
 module, or polling :func:`check_abort`, raises :class:`StepAbortedError`
 naming who aborted and why. A timeout is a :class:`RendezvousTimeoutError`
 naming the ranks that did not arrive and what was awaited.
+
+A frozen store host
+-------------------
+A ``TCPStore`` client has no timeout against a server that is alive but
+silent (FFN rank 0 stopped by SIGSTOP or a debugger, a partition): its round
+trip blocks until the server answers. So no caller makes a round trip
+itself: each rank's client has one thread that makes them (``_StoreRunner``)
+and the caller waits for the answer with its own bound, the time left to its
+deadline, and gets a :class:`StoreTimeoutError` past it. The abort signal
+(:class:`AbortSignal`) is read the same way but never raises for silence: a
+read waits at most :data:`ABORT_READ_WAIT_S` and, while an earlier read is
+still unanswered, answers at once from what it last learned, so a deadline
+never waits on the abort poll.
+
+Who may join
+------------
+FFN rank 0 writes the job's identity (``job_id``, see
+:func:`afd_ext.config.resolve_job_id`) and world shape into the store when
+it opens it; a rank of another job is refused (:class:`JobMismatchError`), a
+rank of this job started with another ``num_attention_ranks`` or
+``num_ffn_ranks`` gets a :class:`HandshakeMismatchError` at once (and aborts
+the waiting ranks' handshake). Each world rank is claimed by one process: a
+second live process claiming it on the same host is refused
+(:class:`DuplicateRankError`); a claim whose process is gone is taken over.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import datetime
 import json
 import logging
 import os
+import queue
 import socket
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
@@ -55,6 +82,14 @@ DEFAULT_RENDEZVOUS_TIMEOUT_S = 600.0
 
 #: Longest sleep between two polls of the store while waiting, in seconds.
 _MAX_POLL_S = 0.05
+#: Longest a read of the abort signal waits for the store's answer, in seconds;
+#: past it the read answers from what it last learned (the store host is frozen).
+ABORT_READ_WAIT_S = 0.1
+#: Longest :func:`post_abort` waits for the store to take the abort, in seconds
+#: (the post still lands if a frozen store host wakes up).
+POST_ABORT_WAIT_S = 0.5
+#: Shortest bound of one store round trip inside a wait (its last poll), in seconds.
+_MIN_ROUND_TRIP_S = 0.5
 
 __all__ = [
     "DEFAULT_RENDEZVOUS_TIMEOUT_S",
@@ -64,6 +99,14 @@ __all__ = [
     "StoreUnavailableError",
     "HandshakeMismatchError",
     "StepAbortedError",
+    "StoreTimeoutError",
+    "JobMismatchError",
+    "DuplicateRankError",
+    "AbortSignal",
+    "ABORT_READ_WAIT_S",
+    "POST_ABORT_WAIT_S",
+    "error_text",
+    "process_group_error",
     "rank_label",
     "connect",
     "exchange_unique_id",
@@ -79,12 +122,28 @@ __all__ = [
 
 
 from .errors import (  # noqa: E402  defined once, in errors.py
+    DuplicateRankError,
     HandshakeMismatchError,
+    JobMismatchError,
     RendezvousError,
     RendezvousTimeoutError,
     StepAbortedError,
+    StoreTimeoutError,
     StoreUnavailableError,
 )
+
+
+def error_text(exc: BaseException) -> str:
+    """The first line of a torch/gloo error, without C++ frames or ``[file.cc:123]``/``[c10d]`` tags."""
+    import re
+
+    text = str(exc).strip()
+    line = text.splitlines()[0] if text else type(exc).__name__
+    line = re.sub(r"^(\[[^\]]*\]\s*)+", "", line)
+    # source locations anywhere in the line ("[enforce fail at pair.cc:446]") and gloo's sign-off
+    line = re.sub(r"\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*", "", line)
+    line = re.sub(r"\s*GLHF!?", "", line)
+    return line.strip() or type(exc).__name__
 
 
 def rank_label(world_rank: int, num_ffn_ranks: int | None = None) -> str:
@@ -123,6 +182,65 @@ def host_identity() -> str:
     return "/".join(parts)
 
 
+class _StoreRunner:
+    """Makes one store client's round trips on a daemon thread, so a caller can stop waiting.
+
+    A caller submits a round trip and waits for its answer with its own bound;
+    one it gave up on is cancelled unless it already started. ``stuck_s`` says
+    how long the round trip in progress has been waiting for the server.
+    """
+
+    def __init__(self, name: str):
+        self._name = name
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._busy_since: float | None = None
+        #: the error that lost the connection (a TCPStore client never reconnects); later
+        #: calls raise without a round trip (each failed one logs a C++ stack trace).
+        self.lost: StoreUnavailableError | None = None
+
+    def submit(self, fn: Callable[[], Any]) -> cf.Future:
+        fut: cf.Future = cf.Future()
+        self._q.put((fut, fn))
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+        return fut
+
+    def on_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def stuck_s(self) -> float:
+        since = self._busy_since
+        return 0.0 if since is None else time.monotonic() - since
+
+    def stop(self) -> None:
+        with self._lock:
+            if self._thread is not None:
+                self._q.put(None)
+                self._thread = None
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            fut, fn = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            self._busy_since = time.monotonic()
+            try:
+                result = fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
+                fut.set_exception(e)
+            else:
+                fut.set_result(result)
+            finally:
+                self._busy_since = None
+
+
 @dataclass
 class AFDStore:
     """The store of one AFD world generation, plus who this rank is in it.
@@ -137,7 +255,8 @@ class AFDStore:
         num_ffn_ranks: ``F`` when known (used to name ranks in errors).
         generation: 1 for the first :func:`connect` of this rank, then 2, ...
         namespace: key namespace (one AFD instance).
-        timeout_s: default deadline of waits on this store, in seconds.
+        timeout_s: default deadline of waits on this store, in seconds, and
+            the default bound of one round trip.
     """
 
     store: Any
@@ -151,6 +270,8 @@ class AFDStore:
     namespace: str
     timeout_s: float
     _barrier_seq: dict[str, int] = field(default_factory=dict, repr=False)
+    _runner: _StoreRunner | None = field(default=None, repr=False)
+    _abort: "AbortSignal | None" = field(default=None, repr=False)
 
     def label(self, world_rank: int | None = None) -> str:
         """Name of ``world_rank`` (default: this rank), e.g. ``"FFN rank 0 (world rank 0)"``."""
@@ -158,26 +279,82 @@ class AFDStore:
             return "the creating rank"
         return rank_label(self.world_rank if world_rank is None else world_rank, self.num_ffn_ranks)
 
-    # Store operations that turn a lost connection into StoreUnavailableError.
-    def set(self, key: str, value: bytes | str) -> None:
+    @property
+    def abort_signal(self) -> "AbortSignal":
+        """This generation's :class:`AbortSignal` (one per store: its read state is shared)."""
+        if self._abort is None:
+            self._abort = AbortSignal(self)
+        return self._abort
+
+    def call(self, fn: Callable[[], Any], what: str, timeout_s: float | None = None, *,
+             cancel: bool = True) -> Any:
+        """Run ``fn`` (store round trips) on this rank's store thread; wait at most ``timeout_s``.
+
+        Args:
+            fn: the round trips, e.g. ``lambda: store.store.check(keys)``.
+            what: what it does, for errors (``"reading 'uid/a2f/0/0'"``).
+            timeout_s: bound in seconds (None: :attr:`timeout_s`).
+            cancel: drop ``fn`` if it has not started by then (else it still runs later).
+
+        Raises:
+            StoreTimeoutError: no answer within the bound (FFN rank 0 stopped, frozen, unreachable).
+            StoreUnavailableError: the connection to the store was lost.
+        """
+        runner = self._runner
+        if runner is not None and runner.lost is not None:
+            raise self.lost_error(what, runner.lost)
+        try:
+            with _guard(self, what):
+                if runner is None or runner.on_thread():
+                    return fn()
+                bound = self.timeout_s if timeout_s is None else max(0.0, float(timeout_s))
+                fut = runner.submit(fn)
+                try:
+                    return fut.result(bound)
+                except cf.TimeoutError:
+                    if cancel:
+                        fut.cancel()
+                    raise self.silent_error(what, bound) from None
+        except StoreUnavailableError as e:
+            if runner is not None and not isinstance(e, StoreTimeoutError):
+                runner.lost = e
+            raise
+
+    def lost_error(self, what: str, cause: BaseException) -> StoreUnavailableError:
+        """The error of a round trip on a connection already lost (``cause``)."""
+        detail = str(cause).rsplit("(", 1)[-1].rstrip(")") if "(" in str(cause) else str(cause)
+        return StoreUnavailableError(
+            f"{self.label()} lost the AFD rendezvous store at {self.host}:{self.port} while {what}: FFN rank 0 "
+            f"(world rank 0), which hosts it, has exited or is unreachable ({detail})")
+
+    def silent_error(self, what: str, waited_s: float) -> StoreTimeoutError:
+        """The error of a round trip the store did not answer within ``waited_s`` seconds."""
+        return StoreTimeoutError(
+            f"{self.label()} got no answer from the AFD rendezvous store at {self.host}:{self.port} within "
+            f"{waited_s:.1f} s while {what}: FFN rank 0 (world rank 0), which hosts it, is stopped or frozen "
+            "(SIGSTOP, a debugger, an overloaded host) or the network to it is down. Check that process and "
+            "its host; every rank must then close and re-initialise the connector.",
+            missing=(0,), what=what)
+
+    # Store operations, bounded, that turn a lost connection into StoreUnavailableError.
+    def set(self, key: str, value: bytes | str, timeout_s: float | None = None) -> None:
         """``store.set`` in this generation's key space."""
-        with _guard(self, f"setting {key!r}"):
-            self.store.set(key, value)
+        self.call(lambda: self.store.set(key, value), f"setting {key!r}", timeout_s)
 
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, timeout_s: float | None = None) -> bytes:
         """``store.get`` (blocks up to the store timeout if the key is missing; check first)."""
-        with _guard(self, f"reading {key!r}"):
-            return bytes(self.store.get(key))
+        return bytes(self.call(lambda: self.store.get(key), f"reading {key!r}", timeout_s))
 
-    def check(self, keys: list[str]) -> bool:
+    def check(self, keys: list[str], timeout_s: float | None = None) -> bool:
         """Whether every key exists (non-blocking; one store round trip)."""
-        with _guard(self, f"checking {keys[0]!r}" if keys else "checking keys"):
-            return bool(self.store.check(keys))
+        what = f"checking {keys[0]!r}" if keys else "checking keys"
+        return bool(self.call(lambda: self.store.check(keys), what, timeout_s))
 
-    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
+    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str,
+                    timeout_s: float | None = None) -> bytes:
         """``store.compare_set``: set ``key`` to ``desired`` if it equals ``expected`` (``""``: absent)."""
-        with _guard(self, f"updating {key!r}"):
-            return bytes(self.store.compare_set(key, expected, desired))
+        return bytes(self.call(lambda: self.store.compare_set(key, expected, desired), f"updating {key!r}",
+                               timeout_s))
 
     @property
     def generation_key(self) -> str:
@@ -185,15 +362,120 @@ class AFDStore:
         return f"{self.namespace}-{self.port}-g{self.generation}"
 
 
-# TCPStore objects cached per process: the server lives in FFN rank 0 and must
-# outlive a connector that is closed and re-initialised after an abort.
-_STORES: dict[tuple, Any] = {}
+def _decode_abort(raw: bytes) -> tuple[str, str]:
+    try:
+        d = json.loads(raw.decode("utf-8"))
+        return str(d["reason"]), str(d["by"])
+    except (ValueError, KeyError, TypeError):
+        return raw.decode("utf-8", "replace"), "an unknown rank"
+
+
+class AbortSignal:
+    """A generation's step-abort key, read so that a waiter never waits on the store.
+
+    :meth:`read` asks the store (one round trip on the rank's store thread) and
+    waits at most ``wait_s`` for the answer; while an earlier read is still
+    unanswered (a frozen store host) it answers at once from what it last
+    learned. An abort once seen is kept.
+    """
+
+    def __init__(self, store: AFDStore, me: str | None = None):
+        self._store = store
+        self.store = store
+        self.me = store.label() if me is None else me
+        self._lost_logged = False
+        self._lock = threading.Lock()
+        self._queued: cf.Future | None = None
+        self._posted: tuple[str, str] | None = None
+
+    def read(self, wait_s: float = ABORT_READ_WAIT_S) -> tuple[str, str] | None:
+        """``(reason, by)`` of the posted abort, or None (none posted, or the store is silent).
+
+        Raises:
+            StoreUnavailableError: the connection to the store was lost (FFN rank 0 exited).
+        """
+        if self._posted is not None:
+            return self._posted
+        runner = self._store._runner
+        if runner is None or runner.on_thread() or runner.lost is not None:
+            return self._fetch()
+        if runner.stuck_s() > wait_s:
+            return self._posted  # an earlier round trip is unanswered: queue no more behind it
+        with self._lock:
+            fut = self._queued
+            if fut is None or fut.running() or fut.done():
+                fut = self._queued = runner.submit(self._fetch)
+        try:
+            return fut.result(wait_s)
+        except cf.TimeoutError:
+            return self._posted
+
+    def check(self, op: str = "") -> None:
+        """Raise if an abort was posted (waits for the store at most :data:`ABORT_READ_WAIT_S`).
+
+        A lost store (FFN rank 0, its host, exited) reads as "no abort": when
+        A = F, FFN rank 0 finishing normally takes the store with it while other
+        edges are still mid-step and healthy. A peer that really died is still
+        found by the transport itself (its connection closes, or its deadline passes).
+
+        Raises:
+            StepAbortedError: naming the aborting rank, its reason and ``op``.
+        """
+        try:
+            found = self.read()
+        except StoreUnavailableError as e:
+            if not self._lost_logged:
+                self._lost_logged = True
+                logger.info("AFD %s: the rendezvous store (FFN rank 0) is gone while %s (%s); no abort can be "
+                            "posted or read any more, the transport's own deadlines and peer checks remain",
+                            self.me, op or "waiting", e)
+            return
+        if found is not None:
+            raise StepAbortedError(found[0], found[1], op=op)
+
+    def probe(self, op: str = "in-flight work") -> BaseException | None:
+        """The error :meth:`check` would raise, or None (for polling threads)."""
+        try:
+            self.check(op)
+        except BaseException as e:  # noqa: BLE001
+            return e
+        return None
+
+    def post(self, exc: BaseException | str) -> None:
+        """Post ``exc`` as the abort reason (first post wins; a posted abort itself is not re-posted).
+
+        Waits for the store at most :data:`POST_ABORT_WAIT_S` (see :func:`post_abort`).
+        """
+        if isinstance(exc, StepAbortedError):
+            return
+        post_abort(self._store, str(exc).splitlines()[0][:2000] if str(exc) else type(exc).__name__, by=self.me)
+
+    def learn(self, reason: str, by: str) -> None:
+        """Record an abort this rank posted or read elsewhere."""
+        if self._posted is None:
+            self._posted = (reason, by)
+
+    def _fetch(self) -> tuple[str, str] | None:
+        st = self._store
+        raw = st.call(lambda: bytes(st.store.get("abort")) if st.store.check(["abort"]) else None,
+                      "reading the abort signal")
+        if raw is not None:
+            self.learn(*_decode_abort(raw))
+        return self._posted
+
+
+# TCPStore clients (with their round-trip thread) cached per process: the server
+# lives in FFN rank 0 and must outlive a connector closed and re-initialised after an abort.
+_STORES: dict[tuple, tuple[Any, _StoreRunner]] = {}
 _STORES_LOCK = threading.Lock()
+_KEY_LOCKS: dict[tuple, threading.Lock] = {}
 
 
 def forget_cached_stores() -> None:
     """Drop this process's cached TCPStore objects (tests; a server goes away with its object)."""
     with _STORES_LOCK:
+        for _, runner in _STORES.values():
+            runner.stop()
         _STORES.clear()
 
 
@@ -214,14 +496,42 @@ class _guard:
     def __exit__(self, et, ev, tb):
         if ev is None or not isinstance(ev, RuntimeError) or isinstance(ev, (StepAbortedError, RendezvousError)):
             return False
-        name = type(ev).__name__
-        if name in ("DistNetworkError", "DistStoreError", "DistError"):
-            raise StoreUnavailableError(
-                f"{self.store.label()} lost the AFD rendezvous store at {self.store.host}:"
-                f"{self.store.port} while {self.what}: FFN rank 0 (world rank 0), which hosts it, "
-                f"has exited or is unreachable ({str(ev).splitlines()[0] if str(ev) else name})"
-            ) from None
+        if type(ev).__name__ in ("DistNetworkError", "DistStoreError", "DistError"):
+            raise self.store.lost_error(self.what, RuntimeError(error_text(ev))) from None
         return False
+
+
+def process_group_error(exc: BaseException, *, me: str, label: Callable[[int], str], world_size: int,
+                        timeout_s: float, what: str = "the gloo process group") -> Exception:
+    """The named error for a ``torch.distributed`` process group that could not be built.
+
+    Args:
+        exc: what torch raised (``DistStoreError``, ``DistNetworkError``, ...).
+        me: this rank's label; label: world rank -> label.
+        world_size: ``F + A``; timeout_s: the build deadline, seconds.
+        what: the group, for the message.
+
+    Returns:
+        :class:`RendezvousTimeoutError` naming the ranks whose addresses never
+        arrived, or :class:`StoreUnavailableError`/:class:`RendezvousError`.
+    """
+    import re
+
+    text = error_text(exc)
+    name = type(exc).__name__
+    if name == "DistStoreError" or "timeout" in text.lower() or "timed out" in text.lower():
+        missing = sorted({int(r) for r in re.findall(r"gloo/+\d+/(\d+)", str(exc)) if int(r) < world_size})
+        who = ", ".join(label(r) for r in missing) or "a rank"
+        return RendezvousTimeoutError(
+            f"{me} could not build {what} within {timeout_s:g} s: {who} did not join ({text}). Check that "
+            "rank's log (it crashed, hangs, or loads its model slowly: raise init_timeout_s); every rank "
+            "must initialise the connector.", missing=missing, what=what)
+    if name == "DistNetworkError":
+        return StoreUnavailableError(
+            f"{me} could not build {what}: the network failed ({text}). FFN rank 0, which hosts the "
+            "rendezvous store, may have exited, or a rank cannot reach another's address (set "
+            "GLOO_SOCKET_IFNAME to an interface every rank can reach).")
+    return RendezvousError(f"{me} could not build {what}: {text}")
 
 
 def _listen_socket(host: str, port: int) -> int:
@@ -257,7 +567,7 @@ def _listen_socket(host: str, port: int) -> int:
     raise RendezvousError(f"FFN rank 0 cannot bind the AFD rendezvous store to {host}:{port}: {hint}")
 
 
-def _open_tcp_store(host: str, port: int, world_rank: int, timeout_s: float):
+def _open_tcp_store(host: str, port: int, world_rank: int, timeout_s: float, deadline: float):
     import torch.distributed as dist
 
     if world_rank == 0:
@@ -277,24 +587,204 @@ def _open_tcp_store(host: str, port: int, world_rank: int, timeout_s: float):
             except OSError:
                 pass
             raise
-    try:
-        return dist.TCPStore(host, port, None, False, _timedelta(timeout_s), wait_for_workers=False)
-    except Exception as e:  # DistNetworkError / DistStoreError
+    where = (f"world rank {world_rank} could not reach the AFD rendezvous store at {host}:{port} "
+             f"(hosted by FFN rank 0 = world rank 0) within {timeout_s:g} s")
+    # Our own connect loop: the store client's retries log C++ stack traces and overrun its
+    # timeout by a whole extra attempt.
+    last = _wait_listening(host, port, deadline)
+    if last is not None:
         raise RendezvousTimeoutError(
-            f"world rank {world_rank} could not reach the AFD rendezvous store at {host}:{port} "
-            f"(hosted by FFN rank 0 = world rank 0) within {timeout_s:.0f} s: {str(e).splitlines()[0].rstrip('.')}. "
-            "Check that FFN rank 0 is running, that host/port are the same on every rank and "
-            "that the port is reachable from this machine.",
-            missing=(0,), what="rendezvous store",
-        ) from None
+            f"{where}: {str(last).rstrip(".")}. Check that FFN rank 0 is running, that host/port are the same on every "
+            "rank and that the port is reachable from this machine.",
+            missing=(0,), what="rendezvous store") from None
+    # The client's constructor has no timeout against a listener that never answers
+    # (another program on the port, a stopped FFN rank 0): build it on a thread.
+    box: dict[str, Any] = {}
+
+    def build() -> None:
+        try:
+            box["store"] = dist.TCPStore(host, port, None, False, _timedelta(timeout_s), wait_for_workers=False)
+        except Exception as e:  # noqa: BLE001 - reported below
+            box["error"] = e
+
+    t = threading.Thread(target=build, name=f"afd-store-connect {host}:{port}", daemon=True)
+    t.start()
+    t.join(max(deadline - time.monotonic(), _MIN_ROUND_TRIP_S))
+    if t.is_alive():
+        raise RendezvousTimeoutError(
+            f"{where}: a process accepts connections on that port but does not answer as an AFD rendezvous "
+            "store. Another program holds the port (choose another port on every rank), or FFN rank 0's "
+            "process is stopped or frozen.",
+            missing=(0,), what="rendezvous store")
+    if "error" in box:
+        raise RendezvousTimeoutError(
+            f"{where}: {error_text(box['error'])}. Check that FFN rank 0 is running and that host/port are "
+            "the same on every rank.", missing=(0,), what="rendezvous store") from None
+    return box["store"]
 
 
-def _store_alive(store) -> bool:
+def _wait_listening(host: str, port: int, deadline: float) -> str | None:
+    """Connect to ``host:port`` until something accepts or ``deadline`` passes; None or the last error."""
+    sleep = 0.01
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(0.05, min(left, 2.0))):
+                return None
+        except OSError as e:
+            err = e.strerror or str(e)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return err
+        time.sleep(min(sleep, left))
+        sleep = min(2 * sleep, 0.25)
+
+
+_TOKEN: dict[str, Any] = {}
+
+
+def _process_token() -> dict[str, Any]:
+    """Who this process is, for claims on a world rank: host identity, pid, start time, a nonce."""
+    if not _TOKEN:
+        _TOKEN.update(host=host_identity(), name=socket.gethostname(), pid=os.getpid(),
+                      start=_start_time(os.getpid()), nonce=uuid.uuid4().hex)
+    return _TOKEN
+
+
+def _start_time(pid: int) -> str | None:
     try:
-        store.check(["__afd_ping__"])
-        return True
-    except Exception:  # noqa: BLE001 - any failure means the cached client is unusable
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _holder_alive(holder: Mapping[str, Any]) -> bool | None:
+    """Whether the process of a claim runs: True/False on this host, None (unknown) elsewhere."""
+    if holder.get("host") != host_identity():
+        return None
+    pid = holder.get("pid")
+    if not isinstance(pid, int):
         return False
+    start = _start_time(pid)
+    return start is not None and start == holder.get("start")
+
+
+def _store_alive(st: "AFDStore", bound: float) -> bool:
+    """Whether a cached client still reaches its store (False: connection lost, reconnect)."""
+    try:
+        st.call(lambda: st.base.check(["__afd_ping__"]), "checking the cached store", bound)
+        return True
+    except StoreTimeoutError:
+        raise
+    except Exception:  # noqa: BLE001 - any other failure means the cached client is unusable
+        return False
+
+
+def _world_record(job_id: str, world_size: int, num_ffn_ranks: int | None) -> dict[str, Any]:
+    return {"job_id": job_id, "world_size": world_size, "num_ffn_ranks": num_ffn_ranks}
+
+
+def _check_world(st: "AFDStore", root: Any, mine: dict[str, Any], job_source: str, deadline: float) -> None:
+    """Compare this rank's job and world shape with the store's (written by FFN rank 0)."""
+    left = lambda: max(deadline - time.monotonic(), _MIN_ROUND_TRIP_S)  # noqa: E731
+    enc = json.dumps(mine, sort_keys=True)
+    if st.world_rank == 0:
+        # FFN rank 0 opened the store: its view is the job's (a re-join reads it back).
+        raw = st.call(lambda: root.compare_set("world", "", enc), "recording the job", left())
+    else:
+        sleep = 0.001
+        while not st.call(lambda: root.check(["world"]), "reading the job", left()):
+            if time.monotonic() >= deadline:
+                raise RendezvousTimeoutError(
+                    f"{st.label()} reached a store at {st.host}:{st.port} that FFN rank 0 never set up "
+                    "within the deadline: another program's store holds the port, or FFN rank 0 hangs "
+                    "right after opening it.", missing=(0,), what="the job record")
+            time.sleep(sleep)
+            sleep = min(2 * sleep, _MAX_POLL_S)
+        raw = st.call(lambda: root.get("world"), "reading the job", left())
+    theirs = json.loads(bytes(raw).decode("utf-8"))
+    if theirs.get("job_id") != mine["job_id"]:
+        raise JobMismatchError(
+            f"{st.label()} (job {mine['job_id'] or '<none>'}, from {job_source}) reached the AFD rendezvous "
+            f"store at {st.host}:{st.port} of another job ({theirs.get('job_id') or '<none>'}): refused, the "
+            "running job is untouched. Start this job on another port, or, if both are the same job, give "
+            "every rank the same job id (connector_extra_config.job_id or AFD_JOB_ID; torchrun's run id "
+            "differs between separate torchrun launches).",
+            job_id=mine["job_id"], store_job_id=str(theirs.get("job_id")))
+    diff = _shape_difference(mine, theirs)
+    if diff is None:
+        return
+    name, a, b = diff
+    msg = (f"AFD handshake mismatch in field {name!r}: {st.label()} has {a!r}, FFN rank 0 (world rank 0) "
+           f"opened the store at {st.host}:{st.port} with {b!r}. Every attention and FFN rank must be "
+           "started with the same num_attention_ranks and num_ffn_ranks.")
+    _abort_handshake(st, root, msg, theirs)
+    raise HandshakeMismatchError(msg, field=name, local_value=a, peer_value=b,
+                                 local_rank=st.world_rank, peer_rank=0)
+
+
+def _shape_difference(mine: Mapping[str, Any], theirs: Mapping[str, Any]) -> tuple[str, Any, Any] | None:
+    f1, f2 = mine.get("num_ffn_ranks"), theirs.get("num_ffn_ranks")
+    if f1 is not None and f2 is not None:
+        if f1 != f2:
+            return "num_ffn_ranks", f1, f2
+        a1, a2 = mine["world_size"] - f1, theirs["world_size"] - f2
+        return ("num_attention_ranks", a1, a2) if a1 != a2 else None
+    if mine["world_size"] != theirs.get("world_size"):
+        return "num_attention_ranks + num_ffn_ranks", mine["world_size"], theirs.get("world_size")
+    return None
+
+
+def _abort_handshake(st: "AFDStore", root: Any, reason: str, theirs: Mapping[str, Any]) -> None:
+    """Stop the ranks waiting in FFN rank 0's current handshake, unless that job already runs."""
+    import torch.distributed as dist
+
+    try:
+        # FFN rank 0's generation; 0: it has not joined yet and will join generation 1.
+        g = max(1, int(st.call(lambda: root.add("join/0", 0), "reading FFN rank 0's generation", 1.0)))
+        gen = dist.PrefixStore(f"g{g}/", root)
+        done = [f"barrier/handshake-read/0/{r}" for r in range(int(theirs.get("world_size") or 0))]
+        if done and st.call(lambda: gen.check(done), "reading the handshake", 1.0):
+            return  # that generation is past its handshake: a running job is not disturbed
+        value = json.dumps({"reason": reason, "by": st.label()})
+        st.call(lambda: gen.compare_set("abort", "", value), "posting the abort", 1.0)
+    except Exception as e:  # noqa: BLE001 - only speeds up the other ranks' errors
+        logger.debug("could not abort the waiting handshake: %s", e)
+
+
+def _claim_rank(st: "AFDStore", root: Any, deadline: float) -> None:
+    """Claim this world rank for this process; refuse a second live process claiming it."""
+    left = lambda: max(deadline - time.monotonic(), _MIN_ROUND_TRIP_S)  # noqa: E731
+    me = _process_token()
+    enc = json.dumps(me, sort_keys=True)
+    key = f"owner/{st.world_rank}"
+    prev = bytes(st.call(lambda: root.compare_set(key, "", enc), "claiming this rank", left()))
+    for _ in range(3):
+        try:
+            holder = json.loads(prev.decode("utf-8"))
+        except ValueError:
+            holder = {}
+        if holder.get("nonce") == me["nonce"]:
+            return
+        who = f"pid {holder.get('pid')} on {holder.get('name', 'another host')}"
+        alive = _holder_alive(holder)
+        if alive:
+            raise DuplicateRankError(
+                f"{st.label()} is already held by another running process ({who}) on the AFD rendezvous "
+                f"store at {st.host}:{st.port}: two processes were started with the same role rank. Give "
+                "every process its own role rank (or stop the other one).",
+                world_rank=st.world_rank, holder=who)
+        if alive is None:
+            logger.warning("%s: taking over this rank from %s (another host; assumed gone). If that process "
+                           "still runs, two processes were started with the same role rank.", st.label(), who)
+        got = bytes(st.call(lambda: root.compare_set(key, prev, enc), "claiming this rank", left()))
+        if got == enc.encode("utf-8"):
+            return
+        prev = got
+    raise DuplicateRankError(f"{st.label()} is being claimed by several processes at once on the AFD "
+                             f"rendezvous store at {st.host}:{st.port}: two processes were started with the "
+                             "same role rank.", world_rank=st.world_rank, holder="several processes")
 
 
 def connect(
@@ -306,6 +796,7 @@ def connect(
     *,
     num_ffn_ranks: int | None = None,
     namespace: str = "afd",
+    job_id: str | None = None,
 ) -> AFDStore:
     """Join the AFD rendezvous store at ``host:port`` and open the next generation.
 
@@ -320,8 +811,9 @@ def connect(
         world_rank: this rank in the AFD world (FFN first), ``0 <= world_rank < world_size``.
         world_size: ``F + A``.
         timeout_s: deadline in seconds for connecting, and the default for later waits.
-        num_ffn_ranks: ``F``, used to name ranks in errors (optional).
+        num_ffn_ranks: ``F``, used to name ranks in errors and checked against FFN rank 0's (optional).
         namespace: key namespace; two AFD instances sharing one store use different names.
+        job_id: this job's identity (None: :func:`afd_ext.config.resolve_job_id`).
 
     Returns:
         An :class:`AFDStore` for this rank's new generation.
@@ -330,7 +822,12 @@ def connect(
         ValueError: bad rank/size/port/timeout.
         RendezvousError: world rank 0 cannot bind ``host:port`` (not a local address,
             port in use).
-        RendezvousTimeoutError: the store was not reachable within ``timeout_s``.
+        RendezvousTimeoutError: the store was not reachable within ``timeout_s``, or
+            what listens on the port does not answer as a store.
+        JobMismatchError: the store belongs to another job.
+        HandshakeMismatchError: FFN rank 0 has another ``num_attention_ranks``/``num_ffn_ranks``.
+        DuplicateRankError: another live process holds this world rank.
+        StoreTimeoutError: the store stopped answering (FFN rank 0 frozen).
     """
     if not isinstance(host, str) or not host:
         raise ValueError(f"host must be a non-empty string (FFN rank 0's address), got {host!r}")
@@ -346,25 +843,43 @@ def connect(
         raise ValueError(f"num_ffn_ranks must be in 1..{world_size - 1}, got {num_ffn_ranks!r}")
     import torch.distributed as dist
 
+    from .config import resolve_job_id
+
+    job, job_source = resolve_job_id(job_id)
+    deadline = time.monotonic() + float(timeout_s)
+    left = lambda: max(deadline - time.monotonic(), _MIN_ROUND_TRIP_S)  # noqa: E731
+
+    def handle(base: Any, runner: _StoreRunner | None, store: Any = None) -> AFDStore:
+        return AFDStore(store=store, base=base, host=host, port=port, world_rank=world_rank,
+                        world_size=world_size, num_ffn_ranks=num_ffn_ranks, generation=0,
+                        namespace=namespace, timeout_s=float(timeout_s), _runner=runner)
+
     key = (host, port, world_rank)
     with _STORES_LOCK:
-        base = _STORES.get(key)
-        if base is not None and not _store_alive(base):
+        lock = _KEY_LOCKS.setdefault(key, threading.Lock())
+    with lock:  # per rank: ranks that are threads of one process connect concurrently
+        entry = _STORES.get(key)
+        if entry is not None and not _store_alive(handle(*entry), left()):
             logger.warning("cached AFD rendezvous store %s:%d is unusable; reconnecting", host, port)
-            base = None
-            del _STORES[key]
-        if base is None:
-            base = _open_tcp_store(host, port, world_rank, timeout_s)
-            _STORES[key] = base
+            entry[1].stop()
+            entry = None
+            with _STORES_LOCK:
+                _STORES.pop(key, None)
+        if entry is None:
+            base = _open_tcp_store(host, port, world_rank, timeout_s, deadline)
+            entry = (base, _StoreRunner(f"afd-store {host}:{port} w{world_rank}"))
+            with _STORES_LOCK:
+                _STORES[key] = entry
+    base, runner = entry
     base.set_timeout(_timedelta(timeout_s))
     root = dist.PrefixStore(f"{namespace}/", base)
-    generation = int(root.add(f"join/{world_rank}", 1))
-    store = dist.PrefixStore(f"g{generation}/", root)
-    afd_store = AFDStore(store=store, base=base, host=host, port=port, world_rank=world_rank,
-                         world_size=world_size, num_ffn_ranks=num_ffn_ranks, generation=generation,
-                         namespace=namespace, timeout_s=float(timeout_s))
-    logger.debug("%s joined AFD rendezvous %s:%d generation %d", afd_store.label(), host, port, generation)
-    return afd_store
+    st = handle(base, runner, root)
+    _check_world(st, root, _world_record(job, world_size, num_ffn_ranks), job_source, deadline)
+    _claim_rank(st, root, deadline)
+    st.generation = int(st.call(lambda: root.add(f"join/{world_rank}", 1), "joining", left()))
+    st.store = dist.PrefixStore(f"g{st.generation}/", root)
+    logger.debug("%s joined AFD rendezvous %s:%d generation %d", st.label(), host, port, st.generation)
+    return st
 
 
 def _generation_hint(store: AFDStore, missing: Iterable[int]) -> str:
@@ -375,7 +890,7 @@ def _generation_hint(store: AFDStore, missing: Iterable[int]) -> str:
         root = dist.PrefixStore(f"{store.namespace}/", store.base)
         notes = []
         for r in missing:
-            g = int(root.add(f"join/{r}", 0))
+            g = int(store.call(lambda r=r: root.add(f"join/{r}", 0), "reading generations", _MIN_ROUND_TRIP_S))
             if g != store.generation:
                 notes.append(f"{store.label(r)} is at generation {g}")
         if notes:
@@ -389,39 +904,37 @@ def _generation_hint(store: AFDStore, missing: Iterable[int]) -> str:
 def check_abort(store: AFDStore) -> str | None:
     """Return the posted abort (``"<reason> (by <who>)"``) of this generation, or None.
 
-    One store round trip (tens of µs); poll it every few milliseconds at most.
+    Waits for the store at most :data:`ABORT_READ_WAIT_S` (see :class:`AbortSignal`):
+    a silent store reads as "no abort", so a caller's own deadline still holds.
+
+    Raises:
+        StoreUnavailableError: the connection to the store was lost.
     """
-    if not store.check(["abort"]):
-        return None
-    reason, by = _read_abort(store)
-    return f"{reason} (by {by})"
-
-
-def _read_abort(store: AFDStore) -> tuple[str, str]:
-    raw = store.get("abort")
-    try:
-        d = json.loads(raw.decode("utf-8"))
-        return str(d["reason"]), str(d["by"])
-    except (ValueError, KeyError, TypeError):
-        return raw.decode("utf-8", "replace"), "an unknown rank"
+    found = store.abort_signal.read()
+    return None if found is None else f"{found[0]} (by {found[1]})"
 
 
 def raise_if_aborted(store: AFDStore, op: str = "") -> None:
     """Raise :class:`StepAbortedError` if an abort was posted in this generation.
 
+    Waits for the store at most :data:`ABORT_READ_WAIT_S` (see :func:`check_abort`).
+
     Raises:
         StepAbortedError: naming the aborting rank, its reason and ``op``.
+        StoreUnavailableError: the connection to the store was lost.
     """
-    if store.check(["abort"]):
-        reason, by = _read_abort(store)
-        raise StepAbortedError(reason, by, op=op)
+    found = store.abort_signal.read()
+    if found is not None:
+        raise StepAbortedError(found[0], found[1], op=op)
 
 
 def post_abort(store: AFDStore, reason: str, by: str | None = None) -> bool:
     """Post the step-abort signal for this generation (the first post wins).
 
     Every rank waiting in this module, or polling :func:`check_abort` (the
-    control plane's receive does), raises :class:`StepAbortedError`.
+    control plane's receive does), raises :class:`StepAbortedError`. Waits for
+    the store at most :data:`POST_ABORT_WAIT_S`; a post a frozen store did not
+    take in time still lands if it wakes up.
 
     Args:
         store: the generation's store.
@@ -429,14 +942,25 @@ def post_abort(store: AFDStore, reason: str, by: str | None = None) -> bool:
         by: who aborts; default this rank's label.
 
     Returns:
-        True if this call posted the abort, False if one was already posted.
+        True if this call posted the abort, False if one was already posted or
+        the store did not take it.
     """
-    value = json.dumps({"reason": str(reason), "by": by or store.label()}).encode("utf-8")
+    by = by or store.label()
+    value = json.dumps({"reason": str(reason), "by": by}).encode("utf-8")
+    runner = store._runner
+    if runner is not None and not runner.on_thread() and runner.stuck_s() > ABORT_READ_WAIT_S:
+        # The store is silent already: queue the post (it lands if the host wakes), wait for nothing.
+        runner.submit(lambda: store.store.compare_set("abort", "", value))
+        logger.warning("%s: the AFD abort (%s) is queued: the rendezvous store at %s:%d does not answer "
+                       "(FFN rank 0 stopped or unreachable)", store.label(), reason, store.host, store.port)
+        return False
     try:
-        prev = store.compare_set("abort", "", value)
+        prev = bytes(store.call(lambda: store.store.compare_set("abort", "", value), "posting the abort",
+                                POST_ABORT_WAIT_S, cancel=False))
     except Exception as e:  # noqa: BLE001 - the store may be gone with a dead FFN rank 0
         logger.warning("could not post AFD abort (%s): %s", reason, e)
         return False
+    store.abort_signal.learn(*_decode_abort(bytes(prev)))
     return bytes(prev) == value
 
 
@@ -448,6 +972,9 @@ def wait_for_keys(
 ) -> None:
     """Wait until every key exists, with a deadline and abort detection.
 
+    The deadline holds whatever the store does: a store that stops answering
+    (FFN rank 0 frozen) is a :class:`StoreTimeoutError` at the deadline.
+
     Args:
         store: the generation's store.
         keys: key -> world rank expected to set it (named in the error).
@@ -456,20 +983,22 @@ def wait_for_keys(
 
     Raises:
         RendezvousTimeoutError: naming the ranks whose keys are missing and ``what``.
+        StoreTimeoutError: the store did not answer before the deadline.
         StepAbortedError: an abort was posted while waiting.
     """
     timeout = store.timeout_s if timeout_s is None else float(timeout_s)
     deadline = time.monotonic() + timeout
+    left = lambda: max(deadline - time.monotonic(), _MIN_ROUND_TRIP_S)  # noqa: E731
     pending = dict(keys)
     sleep = 0.001
     while True:
         # One store round trip per poll (every rank polls FFN rank 0's store);
         # which keys are missing is worked out only for the error.
-        if not pending or store.check(list(pending)):
+        if not pending or store.check(list(pending), timeout_s=left()):
             return
         raise_if_aborted(store, op=f"waiting for {what}")
         if time.monotonic() >= deadline:
-            pending = {k: r for k, r in pending.items() if not store.check([k])}
+            pending = {k: r for k, r in pending.items() if not store.check([k], timeout_s=_MIN_ROUND_TRIP_S)}
             if not pending:
                 return
             missing = sorted(set(pending.values()))
@@ -529,7 +1058,7 @@ def exchange_unique_id(
         return uid
     who = -1 if creator_rank is None else creator_rank
     wait_for_keys(store, {full: who}, timeout_s, f"unique id {key!r}")
-    return bytes(store.get(full))
+    return bytes(store.get(full, timeout_s=_MIN_ROUND_TRIP_S))
 
 
 def _field_order(names: Iterable[str]) -> list[str]:
@@ -574,11 +1103,13 @@ def handshake(
             f"{store.world_rank}/{store.world_size}"
         )
     mine = json.loads(json.dumps(dict(fields), default=str, sort_keys=True))
-    store.set(f"handshake/{world_rank}", json.dumps(mine, sort_keys=True).encode("utf-8"))
-    wait_for_keys(store, {f"handshake/{r}": r for r in range(world_size)}, timeout_s, "the AFD handshake")
+    deadline = time.monotonic() + (store.timeout_s if timeout_s is None else float(timeout_s))
+    left = lambda: max(deadline - time.monotonic(), _MIN_ROUND_TRIP_S)  # noqa: E731
+    store.set(f"handshake/{world_rank}", json.dumps(mine, sort_keys=True).encode("utf-8"), timeout_s=left())
+    wait_for_keys(store, {f"handshake/{r}": r for r in range(world_size)}, left(), "the AFD handshake")
     everyone: dict[int, dict[str, Any]] = {}
     for r in range(world_size):
-        everyone[r] = json.loads(store.get(f"handshake/{r}").decode("utf-8"))
+        everyone[r] = json.loads(store.get(f"handshake/{r}", timeout_s=left()).decode("utf-8"))
     # Everyone has read every fingerprint before anyone may raise and exit: FFN rank 0
     # hosts the store, and its exit would turn the peers' mismatch error into a lost store.
     barrier(store, world_rank, world_size, "handshake-read", timeout_s)
@@ -634,12 +1165,12 @@ def barrier(
     seq = store._barrier_seq.get(name, 0)
     store._barrier_seq[name] = seq + 1
     key = f"barrier/{name}/{seq}"
-    store.set(f"{key}/{world_rank}", b"1")
+    store.set(f"{key}/{world_rank}", b"1", timeout_s=timeout_s)
     wait_for_keys(store, {f"{key}/{r}": r for r in members}, timeout_s, f"barrier {name!r}")
     # World rank 0 hosts the store and leaves last, so a rank that returns from a
     # barrier and exits never takes the store away from a peer still polling it.
     if world_rank != 0:
-        store.set(f"{key}/left/{world_rank}", b"1")
+        store.set(f"{key}/left/{world_rank}", b"1", timeout_s=timeout_s)
     elif len(members) > 1:
         wait_for_keys(store, {f"{key}/left/{r}": r for r in members if r != 0}, timeout_s,
                       f"barrier {name!r} (peers leaving)")

@@ -24,6 +24,11 @@ Two tools:
   expires (the connector reads the peers' published progress and names the
   peer(s) that did not send: a dead peer publishes nothing, a stalled one
   says it has been idle in its caller).
+
+  The deadline never waits on the rendezvous store: ``abort_check`` and
+  ``on_tick`` (store round trips) run on a second thread, and ``blame`` gets
+  at most :data:`BLAME_WAIT_S`, so a frozen store host (FFN rank 0 stopped)
+  cannot keep an expired operation from being recorded.
 * :func:`host_wait` - a bounded host-side wait used by the gloo transport and
   by strict-mode header checks: it polls a completion test in short slices,
   checks the abort signal between slices, and raises a named
@@ -49,10 +54,12 @@ from .errors import AFDConfigError, AFDPeerError, AFDTimeoutError, AFDTransportE
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TrackedOp", "Watchdog", "host_wait", "DEFAULT_POLL_INTERVAL_S", "NCCL_IN_PROGRESS"]
+__all__ = ["TrackedOp", "Watchdog", "host_wait", "DEFAULT_POLL_INTERVAL_S", "NCCL_IN_PROGRESS", "BLAME_WAIT_S"]
 
 #: How often the watchdog thread polls, in seconds.
 DEFAULT_POLL_INTERVAL_S = 0.005
+#: Longest an expiring operation waits for ``blame`` (store reads) before it is recorded without it, seconds.
+BLAME_WAIT_S = 0.5
 #: ``ncclInProgress``: an asynchronous communicator operation is still running (not an error).
 NCCL_IN_PROGRESS = 7
 _NCCL_ERRORS = {
@@ -111,15 +118,18 @@ class Watchdog:
             posted abort (default: :class:`AFDPeerError`).
         poll_interval_s: polling period of events and communicators, seconds.
         abort_poll_s: polling period of ``abort_check`` and ``on_tick``, seconds.
-        blame: callable ``op -> (text, culprits) | None`` run (in the thread) when
-            ``op`` expires: ``text`` is appended to the timeout message (which
-            peer did not send, what it reported), ``culprits`` (peer labels)
-            become the error's ``peer``. Exceptions it raises are logged and ignored.
-        on_tick: callable ``(now, oldest) -> None`` run in the thread every
-            ``abort_poll_s`` with ``time.monotonic()`` and the oldest in-flight
+        blame: callable ``op -> (text, culprits) | None`` run when ``op``
+            expires, for at most :data:`BLAME_WAIT_S`: ``text`` is appended to
+            the timeout message (which peer did not send, what it reported),
+            ``culprits`` (peer labels) become the error's ``peer``. Exceptions
+            it raises are logged and ignored.
+        on_tick: callable ``(now, oldest) -> None`` run every ``abort_poll_s``
+            with ``time.monotonic()`` and the oldest in-flight
             :class:`TrackedOp` (or None); exceptions are logged and ignored.
 
-    The thread starts with :meth:`start` and ends with :meth:`stop`.
+    ``abort_check`` and ``on_tick`` run on their own thread (they may wait on
+    the store); the thread that checks deadlines never calls them. Both
+    threads start with :meth:`start` and end with :meth:`stop`.
     """
 
     def __init__(
@@ -156,20 +166,30 @@ class Watchdog:
         self._suspended = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._store_thread: threading.Thread | None = None
 
     # -- lifecycle -------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the polling thread (idempotent)."""
+        """Start the polling threads (idempotent)."""
         if self._thread is None:
             self._stop.clear()
             self._thread = threading.Thread(target=self._run, name=f"afd-watchdog {self.owner}", daemon=True)
             self._thread.start()
+            if self._abort_check is not None or self._on_tick is not None:
+                self._store_thread = threading.Thread(target=self._run_store, daemon=True,
+                                                      name=f"afd-watchdog-store {self.owner}")
+                self._store_thread.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Stop the thread and forget tracked operations (idempotent)."""
+        """Stop the threads and forget tracked operations (idempotent).
+
+        The store thread is not waited for: it may be blocked on a silent store
+        (it is a daemon and ends after its current round trip).
+        """
         self._stop.set()
         t, self._thread = self._thread, None
+        self._store_thread = None
         if t is not None and t is not threading.current_thread():
             t.join(timeout_s)
         with self._lock:
@@ -291,11 +311,7 @@ class Watchdog:
         """The error of an expired ``op`` (in flight ``age`` seconds), with ``blame``'s verdict."""
         extra, culprits = "", ()
         if self._blame is not None:
-            try:
-                verdict = self._blame(op)
-            except Exception:  # noqa: BLE001 - the timeout itself is what matters
-                logger.exception("AFD watchdog blame callback raised")
-                verdict = None
+            verdict = self._bounded_blame(op)
             if verdict:
                 extra, culprits = verdict[0], tuple(verdict[1])
         peer = ", ".join(culprits) or ", ".join(op.peers) or None
@@ -311,30 +327,55 @@ class Watchdog:
         with self._lock:
             return min(self._ops, key=lambda o: o.started) if self._ops else None
 
+    def _bounded_blame(self, op: TrackedOp) -> tuple[str, Iterable[str]] | None:
+        """``blame(op)``, given at most :data:`BLAME_WAIT_S` (it reads the store, which may be silent)."""
+        box: list = []
+
+        def run() -> None:
+            try:
+                box.append(self._blame(op))
+            except Exception:  # noqa: BLE001 - the timeout itself is what matters
+                logger.exception("AFD watchdog blame callback raised")
+                box.append(None)
+
+        t = threading.Thread(target=run, name=f"afd-watchdog-blame {self.owner}", daemon=True)
+        t.start()
+        t.join(BLAME_WAIT_S)
+        if not box:
+            return (f"(Which peer did not make its call is unknown: the rendezvous store did not answer "
+                    f"within {BLAME_WAIT_S:g} s; FFN rank 0, which hosts it, may be stopped.)", ())
+        return box[0]
+
     def _run(self) -> None:
-        next_abort = 0.0
+        # Deadlines and communicator errors only: nothing here waits on the store.
         while not self._stop.wait(self._poll):
             try:
                 self.poll_once()
-                now = time.monotonic()
-                if self._on_tick is not None and self._failure is None and now >= next_abort:
-                    try:
-                        self._on_tick(now, self.oldest())
-                    except Exception:  # noqa: BLE001 - diagnostics only
-                        logger.exception("AFD watchdog on_tick callback raised")
-                if self._abort_check is not None and self._failure is None and now >= next_abort:
-                    found = self._abort_check()
-                    if isinstance(found, BaseException):
-                        self.fail(found)
-                    elif found:
-                        self.fail(self._abort_error(found))
-                if now >= next_abort:
-                    next_abort = now + self._abort_poll
             except Exception as e:  # noqa: BLE001 - never let the thread die silently
                 if self._failure is None:
                     self.fail(AFDTransportError(f"AFD {self.owner}: watchdog check failed: {e}"))
             if self._failure is not None:
                 return
+
+    def _run_store(self) -> None:
+        # The hooks that make store round trips, every abort_poll_s, off the deadline thread.
+        while not self._stop.wait(self._abort_poll):
+            if self._failure is not None:
+                return
+            if self._on_tick is not None:
+                try:
+                    self._on_tick(time.monotonic(), self.oldest())
+                except Exception:  # noqa: BLE001 - diagnostics only
+                    logger.exception("AFD watchdog on_tick callback raised")
+            if self._abort_check is not None and self._failure is None:
+                try:
+                    found = self._abort_check()
+                except Exception as e:  # noqa: BLE001 - an unreadable store is itself a failure
+                    found = AFDTransportError(f"AFD {self.owner}: reading the abort signal failed: {e}")
+                if isinstance(found, BaseException):
+                    self.fail(found)
+                elif found:
+                    self.fail(self._abort_error(found))
 
 
 def host_wait(

@@ -85,13 +85,14 @@ def fake(monkeypatch):
     rdzv.forget_cached_stores()  # the stores' servers live in this process
 
 
-def _build(A: int, F: int, port: int, world_rank: int, *, init_timeout_s: float = 20.0, timeout_s: float = 5.0):
+def _build(A: int, F: int, port: int, world_rank: int, *, init_timeout_s: float = 20.0, timeout_s: float = 5.0,
+           **hooks):
     topo = Topology(A, F, 1)
     role = "ffn" if world_rank < F else "attention"
     rr = world_rank if role == "ffn" else world_rank - F
     store = rdzv.connect("127.0.0.1", port, world_rank, A + F, timeout_s=init_timeout_s, num_ffn_ranks=F)
     return NcclTransport(store, topo, PeerMap(role, rr, A, F), torch.device("cuda", 0),
-                         timeout_s=timeout_s, init_timeout_s=init_timeout_s)
+                         timeout_s=timeout_s, init_timeout_s=init_timeout_s, **hooks)
 
 
 def _build_all(A: int, F: int, ranks=None, **kw):
@@ -304,3 +305,46 @@ def test_a_stuck_graph_replay_is_the_watchdogs_named_error(fake, monkeypatch):
     assert all(h in fake.aborted for h in ffn._comms.values())
     for t in out.values():
         t.close()
+
+
+def test_the_watchdog_records_a_timeout_while_the_store_host_is_frozen(fake):
+    """FFN rank 0 stopped (SIGSTOP): every store round trip of the transport's abort signal, progress
+    report and blame blocks; the expired operation must still be recorded at its deadline."""
+    import os
+    import sys
+
+    from afd_ext.transport.base import AFDTimeoutError, MessageTag, StepProgress
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from fault_helpers import StoreHost
+
+    host = StoreHost(find_free_port())
+    try:
+        frozen = rdzv.connect("127.0.0.1", host.port, 1, 2, 30.0, num_ffn_ranks=1)
+        seq = ((0, 0),)
+        progress = lambda: StepProgress(2, 1, 1, 0, False, seq, "sent 1 of 1, received 0 of 1", 0.0)  # noqa: E731
+        deadline = 1.0
+        out = _build_all(1, 1, timeout_s=deadline, abort=frozen.abort_signal, progress=progress,
+                         publish_after_s=0.05)
+        att = out[1]
+        att.stall.store = frozen  # progress reports and blame go to the frozen host too
+        host.freeze()
+        time.sleep(0.3)  # the hooks are now blocked on the silent store
+        tag = MessageTag("recv_ffn_output", "f2a", 2, 0, 0)
+        t0 = time.monotonic()
+        att.watchdog.track(lambda: False, "recv_ffn_output: receive", peers=["FFN rank 0 (world rank 0)"],
+                           layer=0, stage=0, where=tag.where(), tag=tag, peer_ranks=[0])
+        while att.watchdog.failure is None and time.monotonic() - t0 < 30:
+            time.sleep(0.01)
+        took = time.monotonic() - t0
+        err = att.watchdog.failure
+        assert isinstance(err, AFDTimeoutError), err
+        assert took < deadline + max(1.0, 0.1 * deadline), took
+        assert "FFN rank 0 (world rank 0)" in str(err) and "did not answer" in str(err), err
+        assert all(h in fake.aborted for h in att._comms.values())
+        print(f"\n[item 1] NCCL watchdog, store host frozen: timeout recorded {took:.2f} s after issue "
+              f"(deadline {deadline:g} s)")
+        for t in out.values():
+            t.close()
+    finally:
+        host.close()

@@ -15,7 +15,7 @@ import torch
 from ..errors import AFDConfigError, AFDProtocolError, AFDStateError
 from ..metadata import AFDTransferContext, AFDTransferMetadata
 from ..schedule import PACKED
-from .step import Exchange, Step
+from .step import Exchange, Step, canonical_strides, context_metadata
 
 if TYPE_CHECKING:
     from .session import Session
@@ -46,7 +46,7 @@ class AttentionSide:
         st = c.require_step(op)
         moved = st.seq.moved
         try:
-            md = context.metadata
+            md = context_metadata(context, op)
             stage = md.stage_idx
             layer, stage = st.seq.next_send(stage, op)
             if not isinstance(hidden_states, torch.Tensor):
@@ -63,6 +63,8 @@ class AttentionSide:
         except (ValueError, AFDStateError) as e:
             raise c.reject(st, e, moved=moved) from None
         st.seq.abandoned = False
+        hidden_states, router_logits, input_ids = (canonical_strides(t) for t in (hidden_states, router_logits,
+                                                                                  input_ids))
         self._send_rows(st, layer, stage, hidden_states, router_logits, input_ids, md.layer_idx, op)
 
     def _send_rows(self, st: Step, layer: int, stage: int, hidden, logits, ids, layer_idx: int, op: str) -> None:

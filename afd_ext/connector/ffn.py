@@ -15,7 +15,7 @@ import torch
 from ..errors import AFDConfigError, AFDStateError
 from ..metadata import AFDA2FTransferPayload, AFDExpertRoutingSpec, AFDTransferContext, AFDTransferMetadata
 from ..schedule import PACKED
-from .step import AfdExtTransferState, ReplySend, Step
+from .step import AfdExtTransferState, ReplySend, Step, context_metadata
 
 if TYPE_CHECKING:
     from .session import Session
@@ -92,6 +92,7 @@ class FFNSide:
         st = c.require_step(op)
         try:
             layer, stage = st.seq.next_reply_send(op)
+            md = context_metadata(context, op)
             state = context.states
             if isinstance(state, AfdExtTransferState):
                 if (state.step, state.layer, state.stage) != (st.step, layer, stage):
@@ -100,14 +101,14 @@ class FFNSide:
                         f"{op} on {c.me} with the context of {ctx_step}, layer {state.layer}, "
                         f"stage {state.stage}, but the reply due next is {st.seq.label}, layer {layer}, stage "
                         f"{stage} (replies go in receive order)")
-            elif context.metadata.stage_idx != stage:
-                raise AFDConfigError(f"{op} for stage {context.metadata.stage_idx}, but the reply due next is layer "
+            elif md.stage_idx != stage:
+                raise AFDConfigError(f"{op} for stage {md.stage_idx}, but the reply due next is layer "
                                  f"{layer}, stage {stage}")
             if not isinstance(ffn_output, torch.Tensor):
                 raise AFDConfigError(f"ffn_output must be a torch.Tensor, got {type(ffn_output).__name__}")
-            if not context.metadata.validate_tensor_shape(tuple(ffn_output.shape)):
+            if not md.validate_tensor_shape(tuple(ffn_output.shape)):
                 raise AFDConfigError(f"ffn_output shape {tuple(ffn_output.shape)!r} does not match metadata "
-                                 f"(total_tokens {context.metadata.total_tokens}).")
+                                 f"(total_tokens {md.total_tokens}).")
             tr.check_device(ffn_output, "ffn_output")
             st.schedule.check_ffn_output(stage, self.role_rank, ffn_output)
         except (ValueError, AFDStateError) as e:

@@ -114,10 +114,12 @@ class Session:
         extra = conn.extra
         self.reset()
         store = rdzv.connect(conn.config.host, conn.config.port, conn.world_rank, conn.world_size,
-                             timeout_s=extra.init_timeout_s, num_ffn_ranks=conn.ffn_size)
+                             timeout_s=extra.init_timeout_s, num_ffn_ranks=conn.ffn_size,
+                             job_id=extra.job_id)
         self.store = store
         rdzv.handshake(store, conn.world_rank, conn.world_size, conn.handshake_fields(), extra.init_timeout_s)
-        self.signal = AbortSignal(store, self.me)
+        self.signal = store.abort_signal  # shared with the rendezvous waits: one bounded reader per store
+        self.signal.me = self.me
         setup = TransportSetup(store, conn.topology, conn.peer_map, conn.device, conn.data_timeout_s,
                                extra.init_timeout_s, abort=self.signal, progress=self.progress,
                                publish_after_s=conn.publish_after_s, schedule_config=conn.schedule_config,

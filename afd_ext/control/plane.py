@@ -9,7 +9,7 @@ import time
 from typing import Any, Callable, Mapping
 
 from afd_ext import rendezvous as rdzv
-from afd_ext.errors import AFDConfigError, AFDStateError, ControlProtocolError
+from afd_ext.errors import AFDConfigError, AFDStateError, ControlChannelClosed, ControlProtocolError
 from afd_ext.rendezvous import AFDStore
 
 from .channel import (
@@ -374,6 +374,10 @@ class AFDControlPlane:
         except ControlProtocolError as e:
             if self.store is not None:
                 rdzv.post_abort(self.store, str(e))
+            raise
+        except ControlChannelClosed:
+            if self.store is not None:  # a sender that aborted the step closes its channel: report the cause
+                self.store.abort_signal.check(_OP_RECV)  # a lost store reads as no abort: the close stands
             raise
 
 

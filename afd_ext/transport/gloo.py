@@ -52,6 +52,7 @@ from .base import (
 )
 from ..errors import AFDConfigError
 from .signal import AbortSignal
+from ..rendezvous import error_text
 
 logger = logging.getLogger(__name__)
 
@@ -142,10 +143,16 @@ class GlooTransport(Transport):
         self._abort_check: Callable[[str], None] | None = None if abort is None else abort.check
         world = peers.num_attention_ranks + peers.num_ffn_ranks
         # The constructor connects the full mesh (collective), bounded by the store timeout.
-        self._pg = dist.ProcessGroupGloo(
-            dist.PrefixStore("gloo/", store), peers.world_rank, world,
-            datetime.timedelta(seconds=max(init_timeout_s, timeout_s)),
-        )
+        try:
+            self._pg = dist.ProcessGroupGloo(
+                dist.PrefixStore("gloo/", store), peers.world_rank, world,
+                datetime.timedelta(seconds=max(init_timeout_s, timeout_s)),
+            )
+        except RuntimeError as e:  # raw DistStoreError / DistNetworkError: name the ranks
+            from ..rendezvous import process_group_error
+
+            raise process_group_error(e, me=peers.me, label=peers.label, world_size=world,
+                                      timeout_s=max(init_timeout_s, timeout_s)) from None
         self._waiter = _Waiter(f"afd-gloo-wait {peers.me}")
 
     @classmethod
@@ -218,7 +225,7 @@ class GlooTransport(Transport):
         except AFDTransportError:
             raise
         except RuntimeError as e:
-            text = str(e)
+            text = error_text(e)  # no C++ frames, [file:line] tags or gloo banners in a peer error
             self._closed = e
             if self._abort_check is not None:
                 # A rank that aborts the step also tears down its gloo pairs; report
@@ -228,12 +235,12 @@ class GlooTransport(Transport):
             blame = f" {blame}" if blame else ""
             if "Connection closed by peer" in text or "Connection reset" in text or "closed" in text.lower():
                 raise AFDPeerError(
-                    f"AFD {describe()} failed: the peer went away ({text.splitlines()[0]}).{blame} It probably "
+                    f"AFD {describe()} failed: the peer went away ({text}).{blame} It probably "
                     "crashed or was killed; check its log. Close and re-initialise the connector.",
                     op=tag.op, peer=who, layer=tag.layer, stage=tag.stage,
                 ) from None
             raise AFDPeerError(
-                f"AFD {describe()} failed: {text.splitlines()[0] if text else type(e).__name__}.{blame}",
+                f"AFD {describe()} failed: {text}.{blame}",
                 op=tag.op, peer=who, layer=tag.layer, stage=tag.stage,
             ) from None
 
@@ -262,7 +269,8 @@ class GlooTransport(Transport):
                 works.extend(mine)
         except RuntimeError as e:
             self._closed = e
-            raise AFDPeerError(f"AFD {tag.op}: send to {', '.join(names) or 'peers'} at {tag.where()} failed: {e}",
+            raise AFDPeerError(f"AFD {tag.op}: send to {', '.join(names) or 'peers'} at {tag.where()} failed: "
+                               f"{error_text(e)}",
                                op=tag.op, peer=", ".join(names) or None, layer=tag.layer, stage=tag.stage) from None
         if not works:
             return PendingSend()
@@ -280,11 +288,17 @@ class GlooTransport(Transport):
         names = [self.peers.peer_label(p) for p, _, _ in live]
         works = []
         by_peer = []
-        for name, (p, off, r) in zip(names, live):
-            src = self.peers.peer_world_rank(p)
-            mine = [self._pg.recv([_bytes(t.narrow(0, off, r))], src, gtag) for t in msgs]
-            by_peer.append((name, mine))
-            works.extend(mine)
+        try:
+            for name, (p, off, r) in zip(names, live):
+                src = self.peers.peer_world_rank(p)
+                mine = [self._pg.recv([_bytes(t.narrow(0, off, r))], src, gtag) for t in msgs]
+                by_peer.append((name, mine))
+                works.extend(mine)
+        except RuntimeError as e:  # posting a receive on a pair the peer already closed
+            self._closed = e
+            raise AFDPeerError(f"AFD {tag.op}: receive from {', '.join(names)} at {tag.where()} failed: "
+                               f"{error_text(e)}", op=tag.op, peer=", ".join(names), layer=tag.layer,
+                               stage=tag.stage) from None
         self._wait(works, tag, "receive", ", ".join(names), by_peer)
 
     # -- collective / lifecycle ----------------------------------------------------
@@ -292,7 +306,12 @@ class GlooTransport(Transport):
     def barrier(self) -> None:
         self._check_open()
         tag = MessageTag("barrier", "a2f", -1, -1, -1)
-        self._wait([self._pg.barrier()], tag, "barrier", "every rank")
+        try:
+            work = self._pg.barrier()
+        except RuntimeError as e:
+            self._closed = e
+            raise AFDPeerError(f"AFD barrier on {self.peers.me} failed: {error_text(e)}", op="barrier") from None
+        self._wait([work], tag, "barrier", "every rank")
 
     def abort(self, reason: str) -> None:
         if self._closed is None:
