@@ -594,7 +594,7 @@ def _open_tcp_store(host: str, port: int, world_rank: int, timeout_s: float, dea
     last = _wait_listening(host, port, deadline)
     if last is not None:
         raise RendezvousTimeoutError(
-            f"{where}: {str(last).rstrip(".")}. Check that FFN rank 0 is running, that host/port are the same on every "
+            f"{where}: {str(last).rstrip('.')}. Check that FFN rank 0 is running, that host/port are the same on every "
             "rank and that the port is reachable from this machine.",
             missing=(0,), what="rendezvous store") from None
     # The client's constructor has no timeout against a listener that never answers
