@@ -62,6 +62,10 @@ DEFAULT_POLL_INTERVAL_S = 0.005
 BLAME_WAIT_S = 0.5
 #: ``ncclInProgress``: an asynchronous communicator operation is still running (not an error).
 NCCL_IN_PROGRESS = 7
+NCCL_REMOTE_ERROR = 6
+#: Seconds a communicator's ncclRemoteError waits for the abort thread to find the posted abort
+#: (the root cause, naming the rank that failed) before it is reported itself.
+REMOTE_GRACE_S = 1.0
 _NCCL_ERRORS = {
     1: "ncclUnhandledCudaError", 2: "ncclSystemError", 3: "ncclInternalError",
     4: "ncclInvalidArgument", 5: "ncclInvalidUsage", 6: "ncclRemoteError",
@@ -163,6 +167,7 @@ class Watchdog:
         self._lock = threading.Lock()
         self._ops: list[TrackedOp] = []
         self._failure: BaseException | None = None
+        self._remote_seen: float | None = None  # when a communicator first reported a remote error
         self._suspended = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -297,6 +302,13 @@ class Watchdog:
                 else:
                     err = _NCCL_ERRORS.get(code, f"NCCL error {code}")
                 if code not in (0, NCCL_IN_PROGRESS):
+                    if code == NCCL_REMOTE_ERROR and self._abort_check is not None:
+                        # A peer aborting its communicators after posting the step abort shows here
+                        # first: give the abort thread REMOTE_GRACE_S to name the root cause.
+                        if self._remote_seen is None:
+                            self._remote_seen = now
+                        if now - self._remote_seen < REMOTE_GRACE_S:
+                            continue
                     last = self.in_flight
                     ctx = f"; in flight: {last[0].describe()}" if last else ""
                     op0 = last[0] if last else None

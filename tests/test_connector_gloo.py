@@ -421,3 +421,28 @@ def test_headers_round_trip_and_mismatch():
         check_headers(other, block, tag=tag, receiver_label="FFN rank 0", sender_label="attention rank 1",
                       label=pm.label)
     assert "[3, 8]" in str(ei.value) and "[4, 8]" in str(ei.value)
+
+
+def test_a_remote_error_waits_for_the_posted_abort_that_names_the_root_cause():
+    """A peer that posts the step abort and then aborts its communicators shows here as ncclRemoteError
+    first; the posted abort (naming the failed rank) must win if it arrives within REMOTE_GRACE_S."""
+    from afd_ext.transport.base import AFDPeerError
+    from afd_ext.watchdog import REMOTE_GRACE_S, Watchdog
+
+    posted: list[str] = []
+    wd = Watchdog(10, owner="attention rank 0", comms=lambda: [(5, "f2a a0-f0")], async_error=lambda h: 6,
+                  abort_check=lambda: posted[0] if posted else None)
+    t0 = time.monotonic()
+    wd.poll_once(now=t0)
+    assert wd.failure is None  # within the grace: the abort thread may still name the root cause
+    posted.append("attention rank 1 (world rank 2) stalled (by FFN rank 0)")
+    wd.fail(wd._abort_error(posted[0]))  # what the abort thread does when it reads the post
+    wd.poll_once(now=t0 + REMOTE_GRACE_S + 0.1)
+    assert "attention rank 1 (world rank 2)" in str(wd.failure)
+
+    alone = Watchdog(10, owner="attention rank 0", comms=lambda: [(5, "f2a a0-f0")], async_error=lambda h: 6,
+                     abort_check=lambda: None)
+    alone.poll_once(now=t0)
+    assert alone.failure is None
+    alone.poll_once(now=t0 + REMOTE_GRACE_S + 0.1)  # no abort posted: the communicator's error itself
+    assert isinstance(alone.failure, AFDPeerError) and "ncclRemoteError" in str(alone.failure)

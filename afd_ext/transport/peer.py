@@ -332,6 +332,11 @@ class PeerTransport(Transport):
                 self._fail(err, post=True)
                 raise err
             time.sleep(0.0002)
+        # The device writes its error record before the wait kernel returns: read it once the work
+        # is done, not only while waiting (the watch thread may not have polled yet).
+        err = self.plane.failure()
+        if err is not None:
+            self._fail(err, post=True)
         self.check_health(tag)
 
     def track_replay(self, what: str, tag: MessageTag) -> None:
