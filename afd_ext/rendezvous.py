@@ -121,6 +121,7 @@ __all__ = [
 ]
 
 
+from .topology import rank_label  # noqa: E402,F401  the one rank label, re-exported here
 from .errors import (  # noqa: E402  defined once, in errors.py
     DuplicateRankError,
     HandshakeMismatchError,
@@ -146,18 +147,6 @@ def error_text(exc: BaseException) -> str:
     return line.strip() or type(exc).__name__
 
 
-def rank_label(world_rank: int, num_ffn_ranks: int | None = None) -> str:
-    """Human-readable name of an AFD world rank, e.g. ``"attention rank 1 (world rank 3)"``.
-
-    Args:
-        world_rank: rank in the AFD world (FFN ranks first).
-        num_ffn_ranks: ``F``; when unknown only the world rank is named.
-    """
-    if num_ffn_ranks is None:
-        return f"world rank {world_rank}"
-    if world_rank < num_ffn_ranks:
-        return f"FFN rank {world_rank} (world rank {world_rank})"
-    return f"attention rank {world_rank - num_ffn_ranks} (world rank {world_rank})"
 
 
 def host_identity() -> str:
