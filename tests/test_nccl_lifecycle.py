@@ -341,6 +341,10 @@ def test_the_watchdog_records_a_timeout_while_the_store_host_is_frozen(fake):
         assert isinstance(err, AFDTimeoutError), err
         assert took < deadline + max(1.0, 0.1 * deadline), took
         assert "FFN rank 0 (world rank 0)" in str(err) and "did not answer" in str(err), err
+        # the communicators are aborted right after the (bounded) abort post to the frozen store
+        t1 = time.monotonic()
+        while not all(h in fake.aborted for h in att._comms.values()) and time.monotonic() - t1 < 3.0:
+            time.sleep(0.01)
         assert all(h in fake.aborted for h in att._comms.values())
         print(f"\n[item 1] NCCL watchdog, store host frozen: timeout recorded {took:.2f} s after issue "
               f"(deadline {deadline:g} s)")
