@@ -75,9 +75,10 @@ demo: setup
 cmake-check: $(PY)
 	cmake -S . -B build/cmake -DPython_EXECUTABLE=$(abspath $(PY)) -DAFD_USE_CUDA=OFF
 	cmake --build build/cmake -j $(MAX_JOBS)
-	$(PY) -c "import glob, torch; torch.ops.load_library(glob.glob('build/cmake/_C*.so')[0]); \
-	  names = sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith('afd_ext::')); \
-	  print('cmake build registers', len(names), 'ops'); assert len(names) == 13, names"
+	$(PY) -c "import glob, subprocess, sys, torch; torch.ops.load_library(glob.glob('build/cmake/_C*.so')[0]); \
+	  ops = lambda: sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith('afd_ext::')); \
+	  names = ops(); pip = subprocess.run([sys.executable, '-c', 'import torch, afd_ext.ops; print(sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith(\"afd_ext::\")))'], capture_output=True, text=True, check=True).stdout.strip(); \
+	  print('cmake build registers', len(names), 'ops'); assert str(names) == pip, (names, pip)"
 
 clean:
 	rm -rf build afd_ext/_C*.so *.egg-info $(BUILT_STAMP) $(BUILD_KEY)
