@@ -382,14 +382,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"on one node --nproc-per-node must be A + F = {A + F}, got {targs.nproc_per_node}")
     host = args.host or ("127.0.0.1" if one_node else None)
     port = args.port
-    if one_node:
+    if port is None and one_node:
         from afd_ext.testing import find_free_port
 
-        if port is None:
-            port = find_free_port(host)
-        if not any(o.split("=")[0] in ("--master-port", "--master_port") for o in torchrun_opts):
-            # torchrun's fixed default (29500) makes two one-node launches on a host meet in one store.
-            targs.master_port = find_free_port("127.0.0.1")
+        port = find_free_port(host)
     exported = {"AFD_NUM_ATTENTION_RANKS": str(A), "AFD_NUM_FFN_RANKS": str(F), "AFD_HOST": host,
                 "AFD_PORT": None if port is None else str(port), "AFD_CONNECTOR_EXTRA_CONFIG": args.extra_config,
                 "AFD_ATTENTION_GPUS": args.attention_gpus, "AFD_FFN_GPUS": args.ffn_gpus}

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import select
 import signal
 import subprocess
 import sys
@@ -91,17 +90,12 @@ def _start_sleepers(A: int, F: int) -> tuple[subprocess.Popen, list[int]]:
                           PY, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env=_env(), cwd=REPO)
     pids: list[int] = []
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 40
     while len(pids) < 2 * (A + F) and time.monotonic() < deadline:
-        # bounded: a launch that prints nothing fails here with its stderr, not at pytest's timeout
-        if not select.select([p.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]:
-            break
         line = p.stdout.readline()
         if line.startswith("PIDS"):
             pids += [int(x) for x in line.split()[1:]]
-    if len(pids) != 2 * (A + F):
-        p.kill()
-        raise AssertionError(f"ranks did not start: pids {pids}; launcher stderr: {p.communicate()[1][-2000:]}")
+    assert len(pids) == 2 * (A + F), pids
     return p, pids
 
 
