@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -80,8 +82,9 @@ def test_failing_rank_stops_the_others_and_its_code_is_returned():
     assert "Traceback" not in r.stderr
 
 
-def _start_sleepers(A: int, F: int) -> tuple[subprocess.Popen, list[int]]:
-    """Launch ranks that each start a child and sleep; return the launcher and every rank's and child's pid."""
+def _start_sleepers(A: int, F: int) -> tuple[subprocess.Popen, list[int], list[str]]:
+    """Launch ranks that each start a child and sleep; return the launcher, every rank's and child's pid, and
+    the launcher's stderr lines so far (read by a thread: an unread pipe would block the launcher)."""
     script = ("import os, subprocess, time\n"
               "c = subprocess.Popen(['sleep', '120'])\n"
               "print('PIDS', os.getpid(), c.pid, flush=True)\n"
@@ -89,14 +92,23 @@ def _start_sleepers(A: int, F: int) -> tuple[subprocess.Popen, list[int]]:
     p = subprocess.Popen([PY, "-m", "afd_ext", "launch", "-A", str(A), "-F", str(F), "--no-prefix", "--",
                           PY, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env=_env(), cwd=REPO)
+    lines: queue.Queue[str] = queue.Queue()
+    err: list[str] = []
+    threading.Thread(target=lambda: [lines.put(x) for x in p.stdout], daemon=True).start()
+    threading.Thread(target=lambda: [err.append(x) for x in p.stderr], daemon=True).start()
     pids: list[int] = []
-    deadline = time.monotonic() + 40
+    deadline = time.monotonic() + 60
     while len(pids) < 2 * (A + F) and time.monotonic() < deadline:
-        line = p.stdout.readline()
+        try:
+            line = lines.get(timeout=0.5)
+        except queue.Empty:
+            continue
         if line.startswith("PIDS"):
             pids += [int(x) for x in line.split()[1:]]
-    assert len(pids) == 2 * (A + F), pids
-    return p, pids
+    if len(pids) != 2 * (A + F):
+        p.kill()
+        pytest.fail(f"ranks did not start within 60 s: pids {pids}, launcher rc {p.poll()}, stderr:\n{''.join(err)}")
+    return p, pids, err
 
 
 def _alive(pid: int) -> bool:
@@ -110,12 +122,16 @@ def _alive(pid: int) -> bool:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_signal_to_the_launcher_stops_every_rank_and_its_children(sig, code):
-    p, pids = _start_sleepers(1, 1)
+    p, pids, err = _start_sleepers(1, 1)
     try:
         p.send_signal(sig)
-        out, err = p.communicate(timeout=60)
-        assert p.returncode == code, err
-        assert f"got {sig.name}; every rank was stopped" in err
+        p.wait(timeout=60)
+        said = f"got {sig.name}; every rank was stopped"
+        deadline = time.monotonic() + 5  # the reader thread drains what the launcher wrote last
+        while said not in "".join(err) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert p.returncode == code, "".join(err)
+        assert said in "".join(err)
         deadline = time.monotonic() + 10
         while any(_alive(x) for x in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
