@@ -3,6 +3,8 @@
 import re
 from pathlib import Path
 
+import pytest
+
 import afd_ext.errors as errors
 
 
@@ -127,3 +129,19 @@ def test_step_aborted_says_how_to_recover_once():
     told = errors.StepAbortedError("bad shape. The step was already under way on FFN rank 0, so it was aborted "
                                    "on every rank; close() and init_afd_connector() to continue.", "FFN rank 0")
     assert str(told).count("init_afd_connector") == 1 and str(told).endswith("to continue.")
+
+
+def test_a_broken_connector_says_how_to_recover_once():
+    from afd_ext.connector.session import Session
+
+    s = Session("attention rank 0 (world rank 1)", "attention", False, None)
+    s.initialized, s.transport = True, object()
+    s.broken = errors.StepAbortedError("send_attn_output layer 3 failed.", "FFN rank 0", op="recv")
+    with pytest.raises(errors.AFDStateError) as e:
+        s.check_usable("send_attn_output")
+    assert str(e.value).count("init_afd_connector") == 1 and "FFN rank 0" in str(e.value)
+    s.broken = errors.AFDPeerError("FFN rank 0 closed its end")
+    with pytest.raises(errors.AFDStateError) as e:
+        s.check_usable("send_attn_output")
+    msg = str(e.value)
+    assert msg.count("init_afd_connector") == 1 and msg.endswith("before send_attn_output"), msg

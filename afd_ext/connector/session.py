@@ -150,9 +150,12 @@ class Session:
             raise ConnectorStateError(
                 f"AFD connector ({self.me}) is not initialized; call init_afd_connector() before {op}")
         if self.broken is not None:
+            cause = str(self.broken).rstrip().rstrip(".")
+            # The failure's own message may already say how to recover; say it once.
+            again = "" if "init_afd_connector" in cause else \
+                f"; call close() and init_afd_connector() on every rank before {op}"
             raise ConnectorStateError(
-                f"AFD connector ({self.me}) is unusable after a failed step ({self.broken}); "
-                f"call close() and init_afd_connector() on every rank before {op}") from self.broken
+                f"AFD connector ({self.me}) is unusable after a failed step ({cause}){again}") from self.broken
         tr = self.transport
         try:
             tr.check_health(self.tag(op))
