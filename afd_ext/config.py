@@ -18,6 +18,8 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
+from .errors import AFDConfigError
+
 __all__ = [
     "DEFAULT_PACKED_MAX_BYTES",
     "DEFAULT_CONNECTOR",
@@ -96,7 +98,7 @@ def coerce_float(value: Any, name: str) -> float:
     """An int, a float or a numeric string; bools, NaN and infinities are rejected.
 
     Raises:
-        TypeError: not a number. ValueError: not finite.
+        TypeError: not a number. AFDConfigError: not finite.
     """
     if isinstance(value, bool):
         raise TypeError(f"{name} must be a number, got {value!r}")
@@ -110,7 +112,7 @@ def coerce_float(value: Any, name: str) -> float:
     else:
         raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
     if not math.isfinite(out):
-        raise ValueError(f"{name} must be finite, got {value!r}")
+        raise AFDConfigError(f"{name} must be finite, got {value!r}")
     return out
 
 
@@ -142,7 +144,7 @@ def resolve_job_id(explicit: Any = None) -> tuple[str, str]:
 
 def _one_of(value: Any, name: str, choices: tuple[str, ...]) -> str:
     if not isinstance(value, str) or value not in choices:
-        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+        raise AFDConfigError(f"{name} must be one of {list(choices)}, got {value!r}")
     return value
 
 
@@ -223,15 +225,15 @@ class AfdExtConnectorConfig:
                          ("peer_stages", 1)):
             v = coerce_int(getattr(self, name), f"connector_extra_config.{name}")
             if v < lo:
-                raise ValueError(f"connector_extra_config.{name} must be >= {lo}, got {v}")
+                raise AFDConfigError(f"connector_extra_config.{name} must be >= {lo}, got {v}")
             set_(name, v)
         for name in ("init_timeout_s", "step_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s"):
             v = coerce_float(getattr(self, name), f"connector_extra_config.{name}")
             if v <= 0:
-                raise ValueError(f"connector_extra_config.{name} must be > 0 seconds, got {v}")
+                raise AFDConfigError(f"connector_extra_config.{name} must be > 0 seconds, got {v}")
             set_(name, v)
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
-            raise ValueError(
+            raise AFDConfigError(
                 f"connector_extra_config.heartbeat_timeout_s ({self.heartbeat_timeout_s}) must be larger "
                 f"than heartbeat_interval_s ({self.heartbeat_interval_s})"
             )
@@ -242,7 +244,7 @@ class AfdExtConnectorConfig:
 
         Raises:
             TypeError: ``raw`` is not a mapping, or a value has the wrong type.
-            ValueError: unknown key (the message lists the known ones) or a
+            AFDConfigError: unknown key (the message lists the known ones) or a
                 value out of range.
         """
         if raw is None:
@@ -252,7 +254,7 @@ class AfdExtConnectorConfig:
         known = [f.name for f in fields(cls)]
         unknown = sorted(k for k in raw if k not in known)
         if unknown:
-            raise ValueError(
+            raise AFDConfigError(
                 f"unknown connector_extra_config field(s) {unknown} for {DEFAULT_CONNECTOR}; "
                 f"known fields: {known}"
             )
@@ -304,7 +306,7 @@ class AFDConfig:
             third-party connector). Not a constructor argument.
 
     Raises:
-        ValueError / TypeError: see :meth:`from_dict`.
+        AFDConfigError (a ValueError) / TypeError: see :meth:`from_dict`.
     """
 
     connector: str = DEFAULT_CONNECTOR
@@ -321,26 +323,26 @@ class AFDConfig:
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
         if not isinstance(self.connector, str) or not self.connector.strip():
-            raise ValueError(f"connector must be a non-empty connector name, got {self.connector!r}")
+            raise AFDConfigError(f"connector must be a non-empty connector name, got {self.connector!r}")
         set_("async_dp", coerce_bool(self.async_dp, "async_dp"))
         set_("compute_gate_on_attention", coerce_bool(self.compute_gate_on_attention, "compute_gate_on_attention"))
         if self.role not in _ROLES:
-            raise ValueError(f"unknown AFD role {self.role!r}; expected 'attention' or 'ffn'")
+            raise AFDConfigError(f"unknown AFD role {self.role!r}; expected 'attention' or 'ffn'")
         if self.async_dp and self.connector in BUILTIN_CONNECTOR_NAMES:
-            raise ValueError(
+            raise AFDConfigError(
                 f"async_dp=True requires an asynchronous connector; {self.connector} is synchronous "
                 "(set async_dp to false or choose an asynchronous connector)"
             )
         if not isinstance(self.host, str) or not self.host.strip():
-            raise ValueError(f"host must be a non-empty host name or address, got {self.host!r}")
+            raise AFDConfigError(f"host must be a non-empty host name or address, got {self.host!r}")
         port = coerce_int(self.port, "port")
         if not 0 < port < 65536:
-            raise ValueError(f"port must be in 1..65535, got {port}")
+            raise AFDConfigError(f"port must be in 1..65535, got {port}")
         set_("port", port)
         for name in ("num_attention_ranks", "num_ffn_ranks"):
             v = coerce_int(getattr(self, name), name)
             if v <= 0:
-                raise ValueError(f"{name} must be positive, got {v}")
+                raise AFDConfigError(f"{name} must be positive, got {v}")
             set_(name, v)
         extra = self.connector_extra_config
         if extra is None:
@@ -367,7 +369,7 @@ class AFDConfig:
         Raises:
             TypeError: ``raw`` or ``connector_extra_config`` not a mapping, a
                 bool/int field of the wrong type.
-            ValueError: unknown field ("put connector-specific values under
+            AFDConfigError: unknown field ("put connector-specific values under
                 'connector_extra_config'"), a field given under two spellings,
                 role mismatch, port out of range, non-positive counts, a bad
                 extra config.
@@ -379,12 +381,12 @@ class AFDConfig:
         for key, value in raw.items():
             canon = _SPELLING_TO_FIELD.get(key)
             if canon is None:
-                raise ValueError(
+                raise AFDConfigError(
                     f"unknown AFD config field {key!r}; put connector-specific values under "
                     f"'connector_extra_config' (known fields: {sorted(_SPELLING_TO_FIELD)})"
                 )
             if canon in seen:
-                raise ValueError(
+                raise AFDConfigError(
                     f"duplicate AFD config field {canon!r}: given as both {seen[canon]!r} and {key!r}"
                 )
             seen[canon] = key
@@ -393,7 +395,7 @@ class AFDConfig:
             raise TypeError("connector_extra_config must be a mapping")
         cfg = cls(**kwargs)
         if expected_role is not None and cfg.role != expected_role:
-            raise ValueError(f"AFD config role is {cfg.role!r} but this process runs the {expected_role!r} role")
+            raise AFDConfigError(f"AFD config role is {cfg.role!r} but this process runs the {expected_role!r} role")
         return cfg
 
     @classmethod
@@ -401,12 +403,12 @@ class AFDConfig:
         """Parse JSON text: either the ``"afd"`` section or a whole additional config ``{"afd": {...}}``.
 
         Raises:
-            ValueError: invalid JSON, plus everything :meth:`from_dict` raises.
+            AFDConfigError: invalid JSON, plus everything :meth:`from_dict` raises.
         """
         try:
             doc = json.loads(text)
         except ValueError as e:
-            raise ValueError(f"AFD config is not valid JSON: {e}") from None
+            raise AFDConfigError(f"AFD config is not valid JSON: {e}") from None
         if isinstance(doc, Mapping) and set(doc) == {"afd"}:
             doc = doc["afd"]
         return cls.from_dict(doc, expected_role=expected_role)
@@ -452,7 +454,7 @@ class AFDConfig:
         """Our connector's typed extra config (defaults for a third-party connector's name).
 
         Raises:
-            ValueError: the connector is a third-party one and its extra config
+            AFDConfigError: the connector is a third-party one and its extra config
                 does not parse as ours.
         """
         return self.extra if self.extra is not None else AfdExtConnectorConfig.from_mapping(
@@ -490,12 +492,12 @@ def parse_afd_config(source: Any, *, expected_role: str | None = None) -> AFDCon
             runners pass).
 
     Raises:
-        ValueError: no ``"afd"`` section, plus everything :meth:`AFDConfig.from_dict` raises.
+        AFDConfigError: no ``"afd"`` section, plus everything :meth:`AFDConfig.from_dict` raises.
         TypeError: ``source`` is neither a mapping nor has ``additional_config``.
     """
     extra = _additional_config(source)
     if not (isinstance(extra, Mapping) and "afd" in extra):
-        raise ValueError(
+        raise AFDConfigError(
             'AFD is not configured: additional_config has no "afd" section '
             "(pass --additional-config '{\"afd\": {...}}' to vLLM)"
         )

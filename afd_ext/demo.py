@@ -48,6 +48,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
+from afd_ext.errors import AFDConfigError, AFDTimeoutError
+
 if TYPE_CHECKING:
     from afd_ext.testing import GpuPlacement
 
@@ -131,31 +133,31 @@ def load_model_config(name_or_path: str, *, num_layers: int | None = None) -> di
         The config as a dict (``_comment`` keys dropped), with ``model_type``.
 
     Raises:
-        ValueError: unknown name, unreadable or invalid JSON, no ``model_type``,
+        AFDConfigError: unknown name, unreadable or invalid JSON, no ``model_type``,
             bad ``num_layers``.
     """
     p = Path(name_or_path)
     if p.suffix == ".json" and not p.exists():
-        raise ValueError(f"model dims file {name_or_path!r} not found")
+        raise AFDConfigError(f"model dims file {name_or_path!r} not found")
     if p.suffix == ".json":
         text = p.read_text(encoding="utf-8")
         where = str(p)
     else:
         names = available_dims()
         if name_or_path not in names:
-            raise ValueError(f"unknown model dims {name_or_path!r}: choose one of {names} or give a .json path")
+            raise AFDConfigError(f"unknown model dims {name_or_path!r}: choose one of {names} or give a .json path")
         text = importlib.resources.files(_DATA).joinpath("models").joinpath(f"{name_or_path}.json").read_text("utf-8")
         where = name_or_path
     try:
         cfg = json.loads(text)
     except ValueError as e:
-        raise ValueError(f"model config {where} is not valid JSON: {e}") from None
+        raise AFDConfigError(f"model config {where} is not valid JSON: {e}") from None
     if not isinstance(cfg, dict) or not isinstance(cfg.get("model_type"), str):
-        raise ValueError(f"model config {where} must be a JSON object with a 'model_type' string")
+        raise AFDConfigError(f"model config {where} must be a JSON object with a 'model_type' string")
     cfg = {k: v for k, v in cfg.items() if not k.startswith("_")}
     if num_layers is not None:
         if num_layers < 1:
-            raise ValueError(f"--layers must be >= 1, got {num_layers}")
+            raise AFDConfigError(f"--layers must be >= 1, got {num_layers}")
         cfg["num_hidden_layers"] = num_layers
     return cfg
 
@@ -164,7 +166,7 @@ def load_prompts(path: str | None = None) -> list[str]:
     """Prompts, one per line (blank lines and ``#`` comments skipped); default the shipped file.
 
     Raises:
-        ValueError: the file has no prompt.
+        AFDConfigError: the file has no prompt.
     """
     if path is None:
         text = importlib.resources.files(_DATA).joinpath("prompts.txt").read_text("utf-8")
@@ -172,14 +174,14 @@ def load_prompts(path: str | None = None) -> list[str]:
         text = Path(path).read_text(encoding="utf-8")
     prompts = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
     if not prompts:
-        raise ValueError(f"no prompts in {path or 'afd_ext/data/prompts.txt'}")
+        raise AFDConfigError(f"no prompts in {path or 'afd_ext/data/prompts.txt'}")
     return prompts
 
 
 def encode_prompt(text: str, max_len: int) -> list[int]:
     """``[BOS] + UTF-8 bytes of text``, truncated to ``max_len`` token ids (>= 2)."""
     if max_len < 2:
-        raise ValueError(f"max prompt length must be >= 2, got {max_len}")
+        raise AFDConfigError(f"max prompt length must be >= 2, got {max_len}")
     return ([BOS_ID] + list(text.encode("utf-8")))[:max_len]
 
 
@@ -216,7 +218,7 @@ def make_requests(
     steps carry zero tokens).
     """
     if num_attention < 1 or requests_per_rank < 1 or max_new_tokens < 1:
-        raise ValueError("num_attention, requests_per_rank and max_new_tokens must be >= 1")
+        raise AFDConfigError("num_attention, requests_per_rank and max_new_tokens must be >= 1")
     out: dict[int, list[Request]] = {}
     for a in range(num_attention):
         reqs = []
@@ -267,7 +269,7 @@ def construct_model(model_config: Mapping[str, Any]):
         (after splitting, so the attention side never initialises experts).
 
     Raises:
-        ValueError: unknown ``model_type`` for the installed transformers.
+        AFDConfigError: unknown ``model_type`` for the installed transformers.
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -277,7 +279,7 @@ def construct_model(model_config: Mapping[str, Any]):
     try:
         config = AutoConfig.for_model(model_type, **cfg)
     except (KeyError, ValueError) as e:
-        raise ValueError(
+        raise AFDConfigError(
             f"transformers {__import__('transformers').__version__} does not know model_type "
             f"{model_type!r}: {e}"
         ) from None
@@ -715,7 +717,7 @@ class _StoreAllGather:
             self.store.wait(keys, datetime.timedelta(seconds=self.timeout_s))
         except Exception as e:  # noqa: BLE001 - re-raised with the ranks named
             missing = [i for i, k in enumerate(keys) if not self.store.check([k])]
-            raise TimeoutError(
+            raise AFDTimeoutError(
                 f"attention rank {self.rank}: step count agreement round {r} timed out after "
                 f"{self.timeout_s:.0f} s waiting for attention ranks {missing}: {e}"
             ) from None
@@ -873,7 +875,7 @@ def run_demo(plan: DemoPlan, *, timeout_s: float = 600.0) -> dict[str, Any]:
     """Run the processes of ``plan`` and the self-check; return the summary dict.
 
     Raises:
-        ValueError: a CUDA plan without a placement and no usable GPU.
+        AFDConfigError: a CUDA plan without a placement and no usable GPU.
         afd_ext.testing.WorkerError / TimeoutError: a process failed or hung.
     """
     import dataclasses
@@ -1120,16 +1122,16 @@ def _gpu_placement(num_attention: int, num_ffn: int) -> GpuPlacement:
     """Where the demo's NCCL processes run (:func:`afd_ext.testing.place_processes`).
 
     Raises:
-        ValueError: no GPU is visible, or afd_ext was built without CUDA.
+        AFDConfigError: no GPU is visible, or afd_ext was built without CUDA.
     """
     from afd_ext import ops
     from afd_ext.testing import place_processes, visible_gpu_count
 
     n = visible_gpu_count()
     if n < 1:
-        raise ValueError("--backend nccl/peer needs a visible GPU; found none. Use --backend gloo (CPU) or --backend auto")
+        raise AFDConfigError("--backend nccl/peer needs a visible GPU; found none. Use --backend gloo (CPU) or --backend auto")
     if not ops.is_cuda_built():
-        raise ValueError("--backend nccl/peer needs a CUDA build of afd_ext; use --backend gloo (CPU)")
+        raise AFDConfigError("--backend nccl/peer needs a CUDA build of afd_ext; use --backend gloo (CPU)")
     return place_processes(num_attention, num_ffn, n)
 
 
@@ -1150,9 +1152,9 @@ def build_plan(args: argparse.Namespace) -> DemoPlan:
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise ValueError(f"--json {args.json_path}: cannot create its folder ({e})") from None
+            raise AFDConfigError(f"--json {args.json_path}: cannot create its folder ({e})") from None
         if out.is_dir():
-            raise ValueError(f"--json {args.json_path} is a folder; give a file path")
+            raise AFDConfigError(f"--json {args.json_path} is a folder; give a file path")
     dtype = args.dtype
     if dtype == "auto":
         dtype = "float32" if backend == "gloo" else "bfloat16"

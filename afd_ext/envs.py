@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from .errors import AFDConfigError
+
 __all__ = ["EnvVar", "register", "get", "describe", "parse_bool"]
 
 
@@ -22,14 +24,14 @@ def parse_bool(value: str) -> bool:
     """``1/true/yes/on`` -> True, ``0/false/no/off/""`` -> False (case-insensitive).
 
     Raises:
-        ValueError: any other value.
+        AFDConfigError: any other value.
     """
     v = value.strip().lower()
     if v in ("1", "true", "yes", "on"):
         return True
     if v in ("0", "false", "no", "off", ""):
         return False
-    raise ValueError(f"expected a boolean (0/1, true/false), got {value!r}")
+    raise AFDConfigError(f"expected a boolean (0/1, true/false), got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -46,11 +48,15 @@ _REGISTRY: dict[str, EnvVar] = {}
 
 
 def register(name: str, default: Any, help: str, parse: Callable[[str], Any] = str) -> EnvVar:
-    """Declare a variable (module import time). Names must start with ``AFD_`` and be unique."""
+    """Declare a variable (module import time). Names must start with ``AFD_`` and be unique.
+
+    Raises:
+        AFDConfigError: the name does not start with ``AFD_``, or is declared twice.
+    """
     if not name.startswith("AFD_"):
-        raise ValueError(f"environment variable {name!r} must start with AFD_")
+        raise AFDConfigError(f"environment variable {name!r} must start with AFD_")
     if name in _REGISTRY:
-        raise ValueError(f"environment variable {name} declared twice")
+        raise AFDConfigError(f"environment variable {name} declared twice")
     var = EnvVar(name, default, parse, help)
     _REGISTRY[name] = var
     return var
@@ -60,20 +66,20 @@ def get(name: str) -> Any:
     """The parsed value of a declared variable, or its default when unset.
 
     Raises:
-        KeyError: ``name`` was never declared here.
-        ValueError: the value does not parse; the message names the variable.
+        AFDConfigError: ``name`` was never declared here (was a ``KeyError``), or the
+            value does not parse; the message names the variable.
     """
     try:
         var = _REGISTRY[name]
     except KeyError:
-        raise KeyError(f"{name} is not declared in afd_ext.envs; add a register() entry") from None
+        raise AFDConfigError(f"{name} is not declared in afd_ext.envs; add a register() entry") from None
     raw = os.environ.get(name)
     if raw is None:
         return var.default
     try:
         return var.parse(raw)
     except ValueError as e:
-        raise ValueError(f"environment variable {name}={raw!r}: {e}") from None
+        raise AFDConfigError(f"environment variable {name}={raw!r}: {e}") from None
 
 
 def describe() -> list[dict]:
@@ -98,7 +104,7 @@ register(
 def _non_negative_int(value: str) -> int:
     v = int(value)
     if v < 0:
-        raise ValueError(f"expected an int >= 0, got {v}")
+        raise AFDConfigError(f"expected an int >= 0, got {v}")
     return v
 
 
@@ -128,7 +134,7 @@ register("AFD_CONTROL_ADDR", None,
 def _non_negative_float(value: str) -> float:
     v = float(value)
     if not v >= 0:
-        raise ValueError(f"expected a number >= 0, got {value!r}")
+        raise AFDConfigError(f"expected a number >= 0, got {value!r}")
     return v
 
 

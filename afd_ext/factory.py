@@ -73,7 +73,7 @@ class _Spec:
 
 def _check_name(name: Any, what: str) -> str:
     if not isinstance(name, str) or not name.strip():
-        raise ValueError(f"{what} must be a non-empty string, got {name!r}")
+        raise AFDConfigError(f"{what} must be a non-empty string, got {name!r}")
     return name
 
 
@@ -96,7 +96,7 @@ class AFDConnectorFactory:
             replace: overwrite an existing registration.
 
         Raises:
-            ValueError: ``name`` is already registered and ``replace`` is False,
+            AFDConfigError: ``name`` is already registered and ``replace`` is False,
                 or an argument is empty.
         """
         cls._register(name, module_path, class_name, replace=replace, source="register_connector")
@@ -108,7 +108,7 @@ class AFDConnectorFactory:
         _check_name(class_name, "class_name")
         with cls._lock:
             if name in cls._registry and not replace:
-                raise ValueError(f"connector {name!r} is already registered")
+                raise AFDConfigError(f"connector {name!r} is already registered")
             cls._registry[name] = _Spec(module_path, class_name, source)
             cls._classes.pop(name, None)
 
@@ -159,7 +159,7 @@ class AFDConnectorFactory:
         """Import (once) and return the class registered under ``name``.
 
         Raises:
-            ValueError: unknown name (the message lists the known names).
+            AFDConfigError: unknown name (the message lists the known names).
             ImportError: the module cannot be imported.
             TypeError: the attribute is missing, not a class, or lacks a
                 member of the connector contract.
@@ -175,7 +175,7 @@ class AFDConnectorFactory:
             with cls._lock:
                 spec = cls._registry.get(name)
         if spec is None:
-            raise ValueError(
+            raise AFDConfigError(
                 f"unsupported AFD connector type: {name!r}; known connectors: {list(cls.known_connectors())}. "
                 f"Register one with afd_ext.factory.register_connector or an entry point in group "
                 f"{ENTRY_POINT_GROUP!r}"
@@ -236,7 +236,7 @@ class AFDConnectorFactory:
             The connector instance (not initialised; call ``init_afd_connector``).
 
         Raises:
-            ValueError: no AFD config found, unknown connector name, missing or
+            AFDConfigError: no AFD config found, unknown connector name, missing or
                 out-of-range ``role_rank``.
             TypeError / ImportError: see :meth:`get_connector_class`.
         """
@@ -250,7 +250,7 @@ class AFDConnectorFactory:
             runtime = config
             additional = getattr(config, "additional_config", None)
             if not isinstance(additional, Mapping) or "afd" not in additional:
-                raise ValueError(
+                raise AFDConfigError(
                     "no AFD config: pass an AFDConfig or a mapping, or a runtime config whose "
                     'additional_config has an "afd" section'
                 )
@@ -260,7 +260,7 @@ class AFDConnectorFactory:
             role_rank = resolve_role_rank(runtime, afd)
         if role_rank is None:
             if size != 1:
-                raise ValueError(
+                raise AFDConfigError(
                     f"role_rank is required: the {afd.role} role has {size} ranks; pass this process's "
                     f"index in 0..{size - 1}, or a VllmConfig-like object (with parallel_config) to derive "
                     "it from"

@@ -104,6 +104,7 @@ from .spec import TOKEN_IDS_DTYPE, as_dtype, dtype_name  # noqa: E402  the one d
 
 
 from .errors import (  # noqa: E402,F401  defined once, in errors.py
+    AFDConfigError,
     GraphBufferError,
     GraphError,
     GraphKeyMismatchError,
@@ -120,7 +121,7 @@ def _dtype_name(dtype: torch.dtype | str | None) -> str | None:
     """The dtype's wire name (:func:`afd_ext.spec.dtype_name`), None for None.
 
     Raises:
-        ValueError / TypeError: not a dtype or a dtype name.
+        AFDConfigError / TypeError: not a dtype or a dtype name.
     """
     if dtype is None:
         return None
@@ -162,11 +163,11 @@ class GraphKey:
         return tuple(s for s, _ in self.stage_counts)
 
     def counts(self, stage: int) -> tuple[int, ...]:
-        """Per-attention-rank row counts of ``stage``; ``KeyError`` if the key has no such stage."""
+        """Per-attention-rank row counts of ``stage``; ``AFDConfigError`` if the key has no such stage."""
         for s, c in self.stage_counts:
             if s == stage:
                 return c
-        raise KeyError(f"graph key has no stage {stage}; stages are {self.stages}")
+        raise AFDConfigError(f"graph key has no stage {stage}; stages are {self.stages}")
 
     def differences(self, other: "GraphKey") -> list[str]:
         """Human-readable list of the fields in which ``other`` differs from this key."""
@@ -227,56 +228,56 @@ def make_graph_key(
         The key.
 
     Raises:
-        ValueError: a field is out of range or inconsistent (the message names it).
+        AFDConfigError: a field is out of range or inconsistent (the message names it).
     """
     if not stage_counts:
-        raise ValueError("stage_counts is empty; a step has at least one stage")
+        raise AFDConfigError("stage_counts is empty; a step has at least one stage")
     items = []
     width = None
     for stage in sorted(stage_counts):
         if isinstance(stage, bool) or not isinstance(stage, int) or stage < 0:
-            raise ValueError(f"stage ids must be ints >= 0, got {stage!r}")
+            raise AFDConfigError(f"stage ids must be ints >= 0, got {stage!r}")
         counts = tuple(stage_counts[stage])
         if not counts:
-            raise ValueError(f"stage {stage}: counts are empty; give one count per attention rank")
+            raise AFDConfigError(f"stage {stage}: counts are empty; give one count per attention rank")
         for c in counts:
             if isinstance(c, bool) or not isinstance(c, int) or c < 0:
-                raise ValueError(f"stage {stage}: counts must be ints >= 0, got {list(counts)!r}")
+                raise AFDConfigError(f"stage {stage}: counts must be ints >= 0, got {list(counts)!r}")
         if width is None:
             width = len(counts)
         elif len(counts) != width:
-            raise ValueError(
+            raise AFDConfigError(
                 f"stage {stage} has {len(counts)} counts but an earlier stage has {width}; "
                 "every stage lists every attention rank"
             )
         items.append((stage, counts))
     if topology and topology[0] != width:
-        raise ValueError(f"counts list {width} attention ranks but topology says A={topology[0]}")
+        raise AFDConfigError(f"counts list {width} attention ranks but topology says A={topology[0]}")
     if num_layers < 1:
-        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+        raise AFDConfigError(f"num_layers must be >= 1, got {num_layers}")
     if hidden_size < 1:
-        raise ValueError(f"hidden_size must be >= 1, got {hidden_size}")
+        raise AFDConfigError(f"hidden_size must be >= 1, got {hidden_size}")
     if (router_logits_width is None) != (router_logits_dtype is None):
-        raise ValueError("router_logits_width and router_logits_dtype must be given together (or neither)")
+        raise AFDConfigError("router_logits_width and router_logits_dtype must be given together (or neither)")
     logits = None
     if router_logits_width is not None:
         if router_logits_width < 1:
-            raise ValueError(f"router_logits_width must be >= 1, got {router_logits_width}")
+            raise AFDConfigError(f"router_logits_width must be >= 1, got {router_logits_width}")
         logits = (int(router_logits_width), _dtype_name(router_logits_dtype))
     formats: tuple[str, ...] = ()
     if wire_formats is not None:
         if isinstance(wire_formats, Mapping):
             missing = [s for s, _ in items if s not in wire_formats]
             if missing:
-                raise ValueError(f"wire_formats lacks stages {missing}")
+                raise AFDConfigError(f"wire_formats lacks stages {missing}")
             formats = tuple(wire_formats[s] for s, _ in items)
         else:
             formats = tuple(wire_formats)
             if len(formats) != len(items):
-                raise ValueError(f"wire_formats has {len(formats)} entries for {len(items)} stages")
+                raise AFDConfigError(f"wire_formats has {len(formats)} entries for {len(items)} stages")
         bad = [f for f in formats if f not in ("packed", "per_tensor")]
         if bad:
-            raise ValueError(f"wire formats must be 'packed' or 'per_tensor', got {bad}")
+            raise AFDConfigError(f"wire formats must be 'packed' or 'per_tensor', got {bad}")
     return GraphKey(
         stage_counts=tuple(items),
         num_layers=int(num_layers),
@@ -329,7 +330,7 @@ def cold_edges(schedule: Any, role: str, role_rank: int) -> list[tuple[int, int]
     elif role == "ffn":
         edges = [(a, role_rank) for a in topo.ffn_peers(role_rank)]
     else:
-        raise ValueError(f"role must be 'attention' or 'ffn', got {role!r}")
+        raise AFDConfigError(f"role must be 'attention' or 'ffn', got {role!r}")
     return [e for e in edges if all(schedule.edge_rows(s, *e) == 0 for s in schedule.stages)]
 
 
@@ -475,7 +476,7 @@ def pad_stage_counts(
     for stage, counts in stage_counts.items():
         counts = tuple(int(c) for c in counts)
         if not counts:
-            raise ValueError(f"stage {stage}: counts are empty")
+            raise AFDConfigError(f"stage {stage}: counts are empty")
         size = capture_size_for(max(counts), capture_sizes)
         if size is None:
             return None
@@ -495,16 +496,16 @@ def pad_rows_into(src: torch.Tensor, dst: torch.Tensor, *, zero_padding: bool = 
         ``dst[:n]``, a view of the real rows.
 
     Raises:
-        ValueError: trailing shape or dtype differ, or ``n`` exceeds the capacity.
+        AFDConfigError: trailing shape or dtype differ, or ``n`` exceeds the capacity.
     """
     if src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype:
-        raise ValueError(
+        raise AFDConfigError(
             f"src {tuple(src.shape)}:{src.dtype} does not fit static buffer {tuple(dst.shape)}:{dst.dtype}; "
             "trailing shape and dtype must match"
         )
     n = src.shape[0]
     if n > dst.shape[0]:
-        raise ValueError(f"src has {n} rows but the static buffer holds {dst.shape[0]}; pick a larger capture size")
+        raise AFDConfigError(f"src has {n} rows but the static buffer holds {dst.shape[0]}; pick a larger capture size")
     if n:
         dst[:n].copy_(src)
     if zero_padding and n < dst.shape[0]:
@@ -690,7 +691,7 @@ class CudaGraphBackend(GraphBackend):
             raise GraphError("CUDA graphs need a CUDA device; none is available (use eager mode)")
         self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
         if self.device.type != "cuda":
-            raise ValueError(f"CudaGraphBackend needs a cuda device, got {self.device}")
+            raise AFDConfigError(f"CudaGraphBackend needs a cuda device, got {self.device}")
 
     def new_pool(self) -> Any:
         return torch.cuda.graph_pool_handle()
@@ -893,7 +894,7 @@ class GraphCache:
 
     def __init__(self, max_entries: int, *, pool_bytes: Callable[[], int | None] | None = None):
         if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
-            raise ValueError(f"graph cache size must be an int >= 1, got {max_entries!r}")
+            raise AFDConfigError(f"graph cache size must be an int >= 1, got {max_entries!r}")
         self.max_entries = max_entries
         self._entries: OrderedDict[GraphKey, CapturedGraph] = OrderedDict()
         self._pool_bytes = pool_bytes
@@ -1026,7 +1027,7 @@ class GraphController:
         check_addresses: bool = True,
     ):
         if role not in ("attention", "ffn"):
-            raise ValueError(f"role must be 'attention' or 'ffn', got {role!r}")
+            raise AFDConfigError(f"role must be 'attention' or 'ffn', got {role!r}")
         self.role = role
         self.capture_sizes = _check_capture_sizes(capture_sizes)
         if backend is None:
@@ -1176,11 +1177,11 @@ class GraphController:
             The cached entry (``outputs`` as given).
 
         Raises:
-            ValueError: no bodies.
+            AFDConfigError: no bodies.
             GraphBufferError, GraphError: as :meth:`capture`.
         """
         if not bodies:
-            raise ValueError("capture_parts needs at least one body")
+            raise AFDConfigError("capture_parts needs at least one body")
         if arena.device != self.device:
             raise GraphBufferError(f"arena is on {arena.device}, graphs of this rank run on {self.device}")
         arena.freeze()
@@ -1336,7 +1337,7 @@ class AttentionGraphRunner:
             return self.exchange.begin_eager_step(payload, dp_rank=dp_rank, row_mask=row_mask, send=send)
         rows = [int(payload.dp_metadata_list[s].counts[dp_rank]) for s in sorted(payload.dp_metadata_list)]
         if row_mask is not None and int(row_mask.sum()) != sum(rows):
-            raise ValueError(f"row_mask selects {int(row_mask.sum())} rows but the payload gives this rank {sum(rows)}")
+            raise AFDConfigError(f"row_mask selects {int(row_mask.sum())} rows but the payload gives this rank {sum(rows)}")
         key, _ = _step_key(self.connector, padded_payload(payload, pad))
         if key not in self.ctl.cache:
             self._warmup_and_capture(payload, pad, key)
@@ -1429,11 +1430,11 @@ class AttentionGraphRunner:
             pad_rows_into(rows[start:start + n], b["hidden"])
             if b["router_logits"] is not None:
                 if router_logits is None:
-                    raise ValueError(f"layer {layer_idx}: router logits are configured but none were given")
+                    raise AFDConfigError(f"layer {layer_idx}: router logits are configured but none were given")
                 pad_rows_into(router_logits[start:start + n].to(b["router_logits"].dtype), b["router_logits"])
             if b["token_ids"] is not None:
                 if token_ids is None:
-                    raise ValueError(f"layer {layer_idx}: token ids are configured but none were given")
+                    raise AFDConfigError(f"layer {layer_idx}: token ids are configured but none were given")
                 pad_rows_into(token_ids[start:start + n].to(torch.int32), b["token_ids"])
             start += n
         ex = self.exchange

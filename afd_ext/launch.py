@@ -358,7 +358,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.extra_config is not None:
         try:
             if not isinstance(json.loads(args.extra_config), dict):
-                raise ValueError("not a JSON object")
+                raise AFDConfigError("not a JSON object")
         except ValueError as e:
             parser.error(f"--extra-config must be a JSON object: {e}")
     if args.port is not None and not 0 < args.port < 65536:

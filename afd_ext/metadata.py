@@ -10,7 +10,8 @@ unchanged. Where the reference is limited, this module goes further:
   a payload without one is read as the reference's format (version 1);
 * :func:`decode_control_payload` treats its input as untrusted: bounded size,
   bounded stage and rank counts, exact types, and every failure is a
-  ``ValueError`` (never an unbounded allocation, never a hang);
+  ``ControlProtocolError`` (a ``ValueError``; never an unbounded allocation,
+  never a hang);
 * between two ``afd_ext`` ranks the control plane sends a compact binary
   encoding (:func:`encode_control_binary` / :func:`decode_control_binary`);
   the JSON codec is the reference-format API.
@@ -37,6 +38,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
+
+from .errors import AFDConfigError, AFDProtocolError, ControlProtocolError
 
 __all__ = [
     "CONTROL_FORMAT_VERSION",
@@ -94,21 +97,21 @@ _STAGE_ENTRY_KEYS = frozenset(("max_tokens_across_dp_cpu", "num_tokens_across_dp
 _TOP_KEYS_V2 = frozenset(("dp_metadata_list", "format_version", *_FLAG_NAMES))
 
 
-def _check_count(value: Any, what: str) -> int:
-    """Return ``value`` as an int in ``[0, MAX_TOKEN_COUNT]`` or raise ``ValueError``."""
+def _check_count(value: Any, what: str, err: type[Exception] = AFDConfigError) -> int:
+    """Return ``value`` as an int in ``[0, MAX_TOKEN_COUNT]`` or raise ``err`` (a decoder passes ControlProtocolError)."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{what} must be an int, got {type(value).__name__} {value!r}")
+        raise err(f"{what} must be an int, got {type(value).__name__} {value!r}")
     if value < 0:
-        raise ValueError(f"{what} must be >= 0, got {value}")
+        raise err(f"{what} must be >= 0, got {value}")
     if value > MAX_TOKEN_COUNT:
-        raise ValueError(f"{what} must fit in int32 (<= {MAX_TOKEN_COUNT}), got {value}")
+        raise err(f"{what} must fit in int32 (<= {MAX_TOKEN_COUNT}), got {value}")
     return int(value)
 
 
 _INT_ONLY = frozenset((int,))
 
 
-def _checked_counts(counts: Sequence[Any], what: str) -> tuple[int, ...]:
+def _checked_counts(counts: Sequence[Any], what: str, err: type[Exception] = AFDConfigError) -> tuple[int, ...]:
     """Validate counts and return them as a tuple of exact Python ints.
 
     The fast path (every entry an exact ``int``, all in range) costs well under
@@ -118,7 +121,7 @@ def _checked_counts(counts: Sequence[Any], what: str) -> tuple[int, ...]:
         not counts or (min(counts) >= 0 and max(counts) <= MAX_TOKEN_COUNT)
     ):
         return tuple(counts)
-    return tuple(_check_count(c, f"{what}[{i}]") for i, c in enumerate(counts))
+    return tuple(_check_count(c, f"{what}[{i}]", err) for i, c in enumerate(counts))
 
 
 def _count_tensor_from_ints(counts: Sequence[int]) -> torch.Tensor:
@@ -134,15 +137,15 @@ def _counts_from_tensor(value: torch.Tensor, what: str) -> tuple[tuple[int, ...]
     The returned tensor aliases ``value`` when it already is a CPU int32 tensor.
     """
     if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
-        raise ValueError(f"{what} must hold integer token counts, got dtype {value.dtype}")
+        raise AFDConfigError(f"{what} must hold integer token counts, got dtype {value.dtype}")
     t = value.detach().to(device="cpu").flatten()
     counts = t.tolist()
     if counts:
         lo, hi = min(counts), max(counts)
         if lo < 0:
-            raise ValueError(f"{what} must be >= 0, got {counts}")
+            raise AFDConfigError(f"{what} must be >= 0, got {counts}")
         if hi > MAX_TOKEN_COUNT:
-            raise ValueError(f"{what} must fit in int32, got max {hi}")
+            raise AFDConfigError(f"{what} must fit in int32, got max {hi}")
     return tuple(counts), t.to(torch.int32)
 
 
@@ -200,7 +203,7 @@ class AFDDPMetadata:
         local_sizes: per-rank chunk sizes set by the context managers below, else ``None``.
 
     Raises:
-        ValueError: a count is negative, not an integer, or exceeds int32; the
+        AFDConfigError: a count is negative, not an integer, or exceeds int32; the
             maximum is not one integer in ``[0, 2**31 - 1]``.
     """
 
@@ -247,7 +250,7 @@ class AFDDPMetadata:
             counts = _checked_counts(value, what)
             self._t = self._tv = None
         else:
-            raise ValueError(f"{what} must be a tensor or a list of ints, got {type(value).__name__}")
+            raise AFDConfigError(f"{what} must be a tensor or a list of ints, got {type(value).__name__}")
         self._counts = counts
         self._frag = None
 
@@ -312,9 +315,9 @@ class AFDDPMetadata:
             try:
                 m = torch.as_tensor(value).detach()
             except (TypeError, ValueError, RuntimeError) as e:
-                raise ValueError(f"{what} must be one integer, got {value!r} ({e})") from None
+                raise AFDConfigError(f"{what} must be one integer, got {value!r} ({e})") from None
             if m.numel() != 1 or m.dtype.is_floating_point or m.dtype.is_complex or m.dtype == torch.bool:
-                raise ValueError(f"{what} must be one integer, got {m.tolist()!r}")
+                raise AFDConfigError(f"{what} must be one integer, got {m.tolist()!r}")
             self._max = _check_count(int(m.reshape(()).item()), what)
             if isinstance(value, torch.Tensor) and m.dtype == torch.int32 and m.device.type == "cpu":
                 mt = m.reshape(())
@@ -390,7 +393,7 @@ class AFDDPMetadata:
 
     def _sp_sizes(self, sp: int) -> list[int]:
         if isinstance(sp, bool) or not isinstance(sp, int) or sp < 1:
-            raise ValueError(f"sequence_parallel_size must be an int >= 1, got {sp!r}")
+            raise AFDConfigError(f"sequence_parallel_size must be an int >= 1, got {sp!r}")
         return [-(-n // sp) for n in self.counts for _ in range(sp)]
 
     def get_chunk_sizes_across_dp_rank(self) -> list[int] | None:
@@ -437,7 +440,7 @@ def _to_dp_metadata(value: Any, stage: Any) -> AFDDPMetadata:
         return AFDDPMetadata(num_tokens_across_dp_cpu=counts)
     if isinstance(value, (list, tuple, torch.Tensor)):
         return AFDDPMetadata(num_tokens_across_dp_cpu=value)
-    raise ValueError(
+    raise AFDConfigError(
         f"dp_metadata_list[{stage!r}] must be AFDDPMetadata, a DPMetadata or a list of counts, "
         f"got {type(value).__name__}"
     )
@@ -458,7 +461,7 @@ class AFDControlPayload:
         is_profile: this step is a profiling run.
 
     Raises:
-        ValueError: a stage key is not a non-negative int, a flag is not a
+        AFDConfigError: a stage key is not a non-negative int, a flag is not a
             bool, or a value cannot be converted.
     """
 
@@ -470,19 +473,19 @@ class AFDControlPayload:
 
     def __post_init__(self) -> None:
         if not isinstance(self.dp_metadata_list, Mapping):
-            raise ValueError(
+            raise AFDConfigError(
                 f"dp_metadata_list must be a dict stage -> AFDDPMetadata, "
                 f"got {type(self.dp_metadata_list).__name__}"
             )
         converted: dict[int, AFDDPMetadata] = {}
         for stage, value in self.dp_metadata_list.items():
             if isinstance(stage, bool) or not isinstance(stage, int) or stage < 0:
-                raise ValueError(f"dp_metadata_list keys must be stage ints >= 0, got {stage!r}")
+                raise AFDConfigError(f"dp_metadata_list keys must be stage ints >= 0, got {stage!r}")
             converted[int(stage)] = _to_dp_metadata(value, stage)
         self.dp_metadata_list = converted
         for name in _FLAG_NAMES:
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+                raise AFDConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
     @classmethod
     def from_fields(cls, obj: Any) -> "AFDControlPayload":
@@ -493,12 +496,12 @@ class AFDControlPayload:
         ``is_graph_replaying`` and ``is_profile`` default to False when absent.
 
         Raises:
-            ValueError: a field is missing or invalid (named).
+            AFDConfigError: a field is missing or invalid (named).
         """
         if isinstance(obj, cls):
             return obj
         if not hasattr(obj, "dp_metadata_list"):
-            raise ValueError(f"expected an AFDControlPayload or an object with its fields (dp_metadata_list, "
+            raise AFDConfigError(f"expected an AFDControlPayload or an object with its fields (dp_metadata_list, "
                              f"is_graph_capturing, ...), got {type(obj).__name__}")
         flags = {}
         for name in _FLAG_NAMES:
@@ -537,7 +540,7 @@ class AFDTransferMetadata:
             context does not add guards.
 
     Raises:
-        ValueError: ``seq_lens`` empty, an entry negative or not an int.
+        AFDConfigError: ``seq_lens`` empty, an entry negative or not an int.
     """
 
     layer_idx: int
@@ -546,15 +549,15 @@ class AFDTransferMetadata:
 
     def __post_init__(self) -> None:
         if len(self.seq_lens) == 0:
-            raise ValueError(
+            raise AFDConfigError(
                 "seq_lens cannot be empty: give one entry per peer (0 for a zero-token peer)"
             )
         for i, n in enumerate(self.seq_lens):
             if _is_plain_int(n):
                 if n < 0:
-                    raise ValueError(f"seq_lens[{i}] must be >= 0, got {n}")
+                    raise AFDConfigError(f"seq_lens[{i}] must be >= 0, got {n}")
             elif not isinstance(n, torch.SymInt):
-                raise ValueError(f"seq_lens[{i}] must be an int, got {type(n).__name__} {n!r}")
+                raise AFDConfigError(f"seq_lens[{i}] must be an int, got {type(n).__name__} {n!r}")
 
     @property
     def total_tokens(self) -> int:
@@ -656,18 +659,18 @@ def _checked_stages(payload: Any) -> tuple[AFDControlPayload, list[tuple[int, AF
     reference plugin's own class included) is read by :meth:`AFDControlPayload.from_fields`.
 
     Raises:
-        ValueError: no payload fields, a non-bool flag, a stage key that is not an int >= 0,
+        AFDConfigError: no payload fields, a non-bool flag, a stage key that is not an int >= 0,
             counts that cannot be converted.
     """
     if not isinstance(payload, AFDControlPayload):
         payload = AFDControlPayload.from_fields(payload)
     flags = (payload.is_graph_capturing, payload.is_warmup, payload.is_graph_replaying, payload.is_profile)
     if not all(type(f) is bool for f in flags):
-        raise ValueError(f"control payload flags must be bools, got {flags!r}")
+        raise AFDConfigError(f"control payload flags must be bools, got {flags!r}")
     dp = payload.dp_metadata_list
     bad = [s for s in dp if type(s) is not int or s < 0]
     if bad:
-        raise ValueError(f"dp_metadata_list keys must be stage ints >= 0, got {bad[0]!r}")
+        raise AFDConfigError(f"dp_metadata_list keys must be stage ints >= 0, got {bad[0]!r}")
     stages = []
     for s in sorted(dp):
         m = dp[s]
@@ -700,7 +703,7 @@ def encode_control_payload(payload: AFDControlPayload) -> bytes:
         The encoded bytes.
 
     Raises:
-        ValueError: ``payload`` has no payload fields, or was
+        AFDConfigError: ``payload`` has no payload fields, or was
             modified after construction into something invalid (a non-bool
             flag, a non-int stage key, invalid counts).
     """
@@ -718,13 +721,13 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         seen: set[str] = set()
         for k, _ in pairs:
             if k in seen:
-                raise ValueError(f"control payload: duplicate JSON key {k!r}")
+                raise ControlProtocolError(f"control payload: duplicate JSON key {k!r}")
             seen.add(k)
     return out
 
 
 def _reject_constant(name: str) -> Any:
-    raise ValueError(f"control payload: non-finite number {name} is not allowed")
+    raise ControlProtocolError(f"control payload: non-finite number {name} is not allowed")
 
 
 _json_decoder = json.JSONDecoder(object_pairs_hook=_no_duplicate_keys, parse_constant=_reject_constant)
@@ -759,15 +762,16 @@ def decode_control_payload(
         are CPU int32 tensors on access).
 
     Raises:
-        ValueError: oversized input, invalid UTF-8 or JSON (including nesting
-            too deep to parse), duplicate keys, wrong types, negative or
+        AFDConfigError: ``data`` is not bytes-like.
+        ControlProtocolError: oversized input, invalid UTF-8 or JSON (including
+            nesting too deep to parse), duplicate keys, wrong types, negative or
             non-int32 counts, too many stages or ranks, a non-canonical stage
-            key, or an unknown ``format_version``.
+            key, or an unknown ``format_version``. Both are ``ValueError``s.
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise ValueError(f"control payload must be bytes, got {type(data).__name__}")
+        raise AFDConfigError(f"control payload must be bytes, got {type(data).__name__}")
     if len(data) > max_bytes:
-        raise ValueError(
+        raise ControlProtocolError(
             f"control payload of {len(data)} bytes exceeds max_bytes={max_bytes}; "
             "raise the limit on both sides if the topology really needs it"
         )
@@ -775,71 +779,73 @@ def decode_control_payload(
 
 
 def _decode_general(data: bytes, max_stages: int, max_ranks: int) -> AFDControlPayload:
-    """Any JSON the reference or this package may write; every failure is a ValueError."""
+    """Any JSON the reference or this package may write; every failure is a ControlProtocolError."""
     try:
         text = data.decode("utf-8")
         doc = _json_decoder.decode(text)
     except RecursionError:
-        raise ValueError("control payload: JSON nested too deeply") from None
+        raise ControlProtocolError("control payload: JSON nested too deeply") from None
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, int digit limit
-        raise ValueError(f"control payload is not valid UTF-8 JSON: {e}") from None
+        raise ControlProtocolError(f"control payload is not valid UTF-8 JSON: {e}") from None
     if type(doc) is not dict:
-        raise ValueError(f"control payload must be a JSON object, got {type(doc).__name__}")
+        raise ControlProtocolError(f"control payload must be a JSON object, got {type(doc).__name__}")
 
     version = doc.get("format_version", REFERENCE_FORMAT_VERSION)
     if type(version) is not int:
-        raise ValueError(f"control payload: format_version must be an int, got {version!r}")
+        raise ControlProtocolError(f"control payload: format_version must be an int, got {version!r}")
     if version not in _READABLE_VERSIONS:
-        raise ValueError(
+        raise ControlProtocolError(
             f"control payload format_version {version} is not supported; this afd_ext reads "
             f"versions {list(_READABLE_VERSIONS)}; run the same afd_ext version on every rank"
         )
     strict = version >= 2
     if strict and not doc.keys() <= _TOP_KEYS_V2:
-        raise ValueError(f"control payload: unknown keys {sorted(set(doc) - _TOP_KEYS_V2)}")
+        raise ControlProtocolError(f"control payload: unknown keys {sorted(set(doc) - _TOP_KEYS_V2)}")
 
     stages_doc = doc.get("dp_metadata_list")
     if stages_doc is None and "dp_metadata_list" not in doc:
-        raise ValueError("control payload: missing key 'dp_metadata_list'")
+        raise ControlProtocolError("control payload: missing key 'dp_metadata_list'")
     if type(stages_doc) is not dict:
-        raise ValueError("control payload: dp_metadata_list must be a JSON object")
+        raise ControlProtocolError("control payload: dp_metadata_list must be a JSON object")
     if len(stages_doc) > max_stages:
-        raise ValueError(
+        raise ControlProtocolError(
             f"control payload: {len(stages_doc)} stages exceed max_stages={max_stages}"
         )
     stages: dict[int, AFDDPMetadata] = {}
     for key, entry in stages_doc.items():
         if _stage_key_ok(key) is None:
-            raise ValueError(f"control payload: stage key {key!r} is not a canonical int >= 0")
+            raise ControlProtocolError(f"control payload: stage key {key!r} is not a canonical int >= 0")
         if type(entry) is not dict:
-            raise ValueError(f"control payload: dp_metadata_list[{key}] must be a JSON object")
+            raise ControlProtocolError(f"control payload: dp_metadata_list[{key}] must be a JSON object")
         if strict and not entry.keys() <= _STAGE_ENTRY_KEYS:
-            raise ValueError(
+            raise ControlProtocolError(
                 f"control payload: dp_metadata_list[{key}] has unknown keys "
                 f"{sorted(set(entry) - _STAGE_ENTRY_KEYS)}"
             )
         counts = entry.get("num_tokens_across_dp_cpu")
         if type(counts) is not list:
-            raise ValueError(
+            raise ControlProtocolError(
                 f"control payload: dp_metadata_list[{key}].num_tokens_across_dp_cpu must be a list of ints"
             )
         if len(counts) > max_ranks:
-            raise ValueError(
+            raise ControlProtocolError(
                 f"control payload: dp_metadata_list[{key}] has {len(counts)} ranks, "
                 f"exceeding max_ranks={max_ranks}"
             )
-        counts_t = _checked_counts(counts, f"control payload: dp_metadata_list[{key}].num_tokens_across_dp_cpu")
+        counts_t = _checked_counts(counts, f"control payload: dp_metadata_list[{key}].num_tokens_across_dp_cpu",
+                                   ControlProtocolError)
         mx = entry.get("max_tokens_across_dp_cpu")
         if mx is None:
             mx = max(counts_t, default=0)
         elif type(mx) is not int or mx < 0 or mx > MAX_TOKEN_COUNT:
-            mx = _check_count(mx, f"control payload: dp_metadata_list[{key}].max_tokens_across_dp_cpu")
+            mx = _check_count(mx, f"control payload: dp_metadata_list[{key}].max_tokens_across_dp_cpu",
+                              ControlProtocolError)
         stages[int(key)] = AFDDPMetadata._trusted(counts_t, mx)
     flags = []
     for name in _FLAG_NAMES:
         v = doc.get(name, False)
         if v is not True and v is not False:
-            raise ValueError(f"control payload: {name} must be true or false, got {v!r}")
+            raise ControlProtocolError(f"control payload: {name} must be true or false, got {v!r}")
         flags.append(v)
     # Everything is validated above; skip __post_init__ (it re-checks every stage).
     payload = object.__new__(AFDControlPayload)
@@ -880,7 +886,7 @@ def encode_control_binary(payload: AFDControlPayload) -> bytes:
         The encoded bytes (``8 + sum(12 + 4 * n)`` bytes).
 
     Raises:
-        ValueError: ``payload`` has no payload fields, or was
+        AFDConfigError: ``payload`` has no payload fields, or was
             modified after construction into something invalid (a non-bool
             flag, a stage key that is not an int in ``[0, 2**32)``, invalid
             counts, more than 65535 stages).
@@ -899,13 +905,13 @@ def control_payload_parts(payload: AFDControlPayload) -> tuple[int, tuple[tuple[
             reference plugin's own class included; read by :meth:`AFDControlPayload.from_fields`).
 
     Raises:
-        ValueError: as :func:`encode_control_binary`.
+        AFDConfigError: as :func:`encode_control_binary`.
     """
     payload, stages = _checked_stages(payload)
     if stages and stages[-1][0] > _U32_MAX:
-        raise ValueError(f"dp_metadata_list keys must be stage ints in [0, 2**32), got {stages[-1][0]!r}")
+        raise AFDConfigError(f"dp_metadata_list keys must be stage ints in [0, 2**32), got {stages[-1][0]!r}")
     if len(stages) > 0xFFFF:
-        raise ValueError(f"a control payload holds at most 65535 stages, got {len(stages)}")
+        raise AFDConfigError(f"a control payload holds at most 65535 stages, got {len(stages)}")
     c, w, r, p = payload.is_graph_capturing, payload.is_warmup, payload.is_graph_replaying, payload.is_profile
     return c | w << 1 | r << 2 | p << 3, tuple((st, m.max_tokens, m.counts) for st, m in stages)
 
@@ -939,52 +945,53 @@ def decode_control_binary(
         tensors are built on first access, as the reference's runners read them).
 
     Raises:
-        ValueError: wrong magic or version, unknown flag bits, truncated or
-            trailing bytes, stages not strictly increasing, too many stages or
-            ranks, negative or non-int32 counts.
+        AFDConfigError: ``data`` is not bytes-like.
+        ControlProtocolError: wrong magic or version, unknown flag bits, truncated
+            or trailing bytes, stages not strictly increasing, too many stages or
+            ranks, negative or non-int32 counts. Both are ``ValueError``s.
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise ValueError(f"control payload must be bytes, got {type(data).__name__}")
+        raise AFDConfigError(f"control payload must be bytes, got {type(data).__name__}")
     size = len(data)
     if size < _BIN_HEAD.size:
-        raise ValueError(f"binary control payload of {size} bytes is shorter than its header")
+        raise ControlProtocolError(f"binary control payload of {size} bytes is shorter than its header")
     magic, version, flags, nstages = _BIN_HEAD.unpack_from(data, 0)
     if magic != _BIN_MAGIC:
-        raise ValueError(f"binary control payload: bad magic {bytes(magic)!r}")
+        raise ControlProtocolError(f"binary control payload: bad magic {bytes(magic)!r}")
     if version != _BIN_VERSION:
-        raise ValueError(
+        raise ControlProtocolError(
             f"binary control payload version {version} is not supported (this afd_ext reads "
             f"{_BIN_VERSION}); run the same afd_ext version on every rank"
         )
     if flags & ~_BIN_FLAG_BITS:
-        raise ValueError(f"binary control payload: unknown flag bits {flags:#x}")
+        raise ControlProtocolError(f"binary control payload: unknown flag bits {flags:#x}")
     if nstages > max_stages:
-        raise ValueError(f"control payload: {nstages} stages exceed max_stages={max_stages}")
+        raise ControlProtocolError(f"control payload: {nstages} stages exceed max_stages={max_stages}")
     off = _BIN_HEAD.size
     stages: dict[int, AFDDPMetadata] = {}
     prev = -1
     for _ in range(nstages):
         if off + _BIN_STAGE.size > size:
-            raise ValueError("binary control payload is truncated (stage header)")
+            raise ControlProtocolError("binary control payload is truncated (stage header)")
         s, n, mx = _BIN_STAGE.unpack_from(data, off)
         off += _BIN_STAGE.size
         if s <= prev:
-            raise ValueError(f"binary control payload: stage {s} after stage {prev} (not increasing)")
+            raise ControlProtocolError(f"binary control payload: stage {s} after stage {prev} (not increasing)")
         if n > max_ranks:
-            raise ValueError(f"control payload: stage {s} has {n} ranks, exceeding max_ranks={max_ranks}")
+            raise ControlProtocolError(f"control payload: stage {s} has {n} ranks, exceeding max_ranks={max_ranks}")
         if mx > MAX_TOKEN_COUNT:
-            raise ValueError(f"control payload: stage {s} max_tokens_across_dp_cpu {mx} exceeds int32")
+            raise ControlProtocolError(f"control payload: stage {s} max_tokens_across_dp_cpu {mx} exceeds int32")
         end = off + 4 * n
         if end > size:
-            raise ValueError(f"binary control payload is truncated (stage {s} counts)")
+            raise ControlProtocolError(f"binary control payload is truncated (stage {s} counts)")
         counts = struct.unpack_from(f"<{n}i", data, off)
         if n and min(counts) < 0:
-            raise ValueError(f"control payload: stage {s} has a negative count: {list(counts)}")
+            raise ControlProtocolError(f"control payload: stage {s} has a negative count: {list(counts)}")
         stages[s] = AFDDPMetadata._trusted(counts, mx)
         off = end
         prev = s
     if off != size:
-        raise ValueError(f"binary control payload has {size - off} trailing bytes")
+        raise ControlProtocolError(f"binary control payload has {size - off} trailing bytes")
     payload = object.__new__(AFDControlPayload)
     payload.dp_metadata_list = stages
     payload.is_graph_capturing = bool(flags & 1)
@@ -1033,10 +1040,10 @@ def frame_control_payload(data: bytes) -> tuple[torch.Tensor, torch.Tensor]:
         it needs one.
 
     Raises:
-        ValueError: ``data`` is not bytes-like.
+        AFDConfigError: ``data`` is not bytes-like.
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise ValueError(f"data must be bytes, got {type(data).__name__}")
+        raise AFDConfigError(f"data must be bytes, got {type(data).__name__}")
     size = torch.tensor([len(data)], dtype=torch.int64)
     if len(data) == 0:
         return size, torch.empty(0, dtype=torch.uint8)
@@ -1057,16 +1064,17 @@ def control_frame_size(
         The payload size in bytes.
 
     Raises:
-        ValueError: wrong shape/dtype, negative size, or size above ``max_bytes``.
+        ControlProtocolError: wrong shape/dtype, negative size, or size above
+            ``max_bytes`` (a ``ValueError``).
     """
     if size_tensor.dtype != torch.int64 or size_tensor.numel() != 1:
-        raise ValueError(
+        raise ControlProtocolError(
             f"control frame size must be an int64 tensor of one element, "
             f"got {size_tensor.dtype} {tuple(size_tensor.shape)}"
         )
     n = int(size_tensor.reshape(()).item())
     if n < 0 or n > max_bytes:
-        raise ValueError(
+        raise ControlProtocolError(
             f"control frame announces {n} bytes; expected 0..{max_bytes} (max_bytes)"
         )
     return n
@@ -1092,17 +1100,17 @@ def unframe_control_payload(
         The payload bytes, ready for :func:`decode_control_payload`.
 
     Raises:
-        RuntimeError: the two messages came from different ranks (the
-            reference's error text).
-        ValueError: ``data_tensor`` is not uint8 ``[size]``.
+        AFDProtocolError: the two messages came from different ranks (the
+            reference's error text; a ``RuntimeError``, as the reference raises).
+        ControlProtocolError: ``data_tensor`` is not uint8 ``[size]`` (a ``ValueError``).
     """
     if size_src is not None and data_src is not None and size_src != data_src:
-        raise RuntimeError(
+        raise AFDProtocolError(
             f"received AFD DP metadata fragments from different ranks "
             f"(size from rank {size_src}, data from rank {data_src})"
         )
     if data_tensor.dtype != torch.uint8 or tuple(data_tensor.shape) != (size,):
-        raise ValueError(
+        raise ControlProtocolError(
             f"control frame data must be uint8 [{size}], "
             f"got {data_tensor.dtype} {tuple(data_tensor.shape)}"
         )
@@ -1115,9 +1123,13 @@ FRAME_HEADER_BYTES = _FRAME_HEADER.size
 
 
 def pack_frame_header(n: int) -> bytes:
-    """Byte-stream frame header: ``n`` as a little-endian int64 (8 bytes)."""
+    """Byte-stream frame header: ``n`` as a little-endian int64 (8 bytes).
+
+    Raises:
+        AFDConfigError: ``n`` is not an int >= 0.
+    """
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"frame length must be an int >= 0, got {n!r}")
+        raise AFDConfigError(f"frame length must be an int >= 0, got {n!r}")
     return _FRAME_HEADER.pack(n)
 
 
@@ -1125,13 +1137,14 @@ def unpack_frame_header(header: bytes, *, max_bytes: int = DEFAULT_MAX_CONTROL_B
     """Parse an 8-byte frame header and bound the length.
 
     Raises:
-        ValueError: header not 8 bytes, negative length, or length above ``max_bytes``.
+        ControlProtocolError: header not 8 bytes, negative length, or length above
+            ``max_bytes`` (a ``ValueError``).
     """
     if len(header) != FRAME_HEADER_BYTES:
-        raise ValueError(f"frame header must be {FRAME_HEADER_BYTES} bytes, got {len(header)}")
+        raise ControlProtocolError(f"frame header must be {FRAME_HEADER_BYTES} bytes, got {len(header)}")
     (n,) = _FRAME_HEADER.unpack(bytes(header))
     if n < 0 or n > max_bytes:
-        raise ValueError(f"frame announces {n} bytes; expected 0..{max_bytes} (max_bytes)")
+        raise ControlProtocolError(f"frame announces {n} bytes; expected 0..{max_bytes} (max_bytes)")
     return n
 
 
@@ -1148,7 +1161,7 @@ class StepCountAgreement:
     injected ``all_gather`` exchanges them, and every rank gets the same
     :class:`AFDControlPayload` (counts in rank order). The step number and the
     flags are gathered too, so ranks that are out of step, disagree on the
-    stages, or disagree on a flag get a ``ValueError`` naming the ranks
+    stages, or disagree on a flag get an ``AFDProtocolError`` naming the ranks
     instead of a mismatched data plane later.
 
     Args:
@@ -1159,6 +1172,10 @@ class StepCountAgreement:
             in rank order; must be a collective with its own deadline. See
             :meth:`from_process_group`.
 
+    Raises:
+        AFDConfigError: ``num_ranks`` < 1, ``rank`` out of range, or
+            ``all_gather`` not callable.
+
     Example:
         >>> agreement = StepCountAgreement.from_process_group(gloo_group)  # doctest: +SKIP
         >>> payload = agreement.agree({0: n0, 1: n1})                       # doctest: +SKIP
@@ -1166,11 +1183,11 @@ class StepCountAgreement:
 
     def __init__(self, num_ranks: int, rank: int, all_gather: Callable[[Any], list[Any]]):
         if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
-            raise ValueError(f"num_ranks must be an int >= 1, got {num_ranks!r}")
+            raise AFDConfigError(f"num_ranks must be an int >= 1, got {num_ranks!r}")
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_ranks:
-            raise ValueError(f"rank must be in 0..{num_ranks - 1}, got {rank!r}")
+            raise AFDConfigError(f"rank must be in 0..{num_ranks - 1}, got {rank!r}")
         if not callable(all_gather):
-            raise ValueError("all_gather must be callable: f(obj) -> list of every rank's obj")
+            raise AFDConfigError("all_gather must be callable: f(obj) -> list of every rank's obj")
         self.num_ranks = num_ranks
         self.rank = rank
         self._all_gather = all_gather
@@ -1221,41 +1238,43 @@ class StepCountAgreement:
             The same payload on every rank: stage -> counts of every rank.
 
         Raises:
-            ValueError: bad local counts, or the ranks disagree on the step
-                number, the stages or a flag (the message names the ranks).
+            AFDConfigError: bad local counts, or ``all_gather`` returned the
+                wrong number of entries.
+            AFDProtocolError: the ranks disagree on the step number, the stages
+                or a flag (the message names the ranks).
         """
         if isinstance(local_counts, Mapping):
             items = dict(local_counts)
         elif isinstance(local_counts, (list, tuple)):
             items = dict(enumerate(local_counts))
         else:
-            raise ValueError(
+            raise AFDConfigError(
                 f"local_counts must be a dict stage -> count or a list, "
                 f"got {type(local_counts).__name__}"
             )
         for stage, n in items.items():
             if isinstance(stage, bool) or not isinstance(stage, int) or stage < 0:
-                raise ValueError(f"stage keys must be ints >= 0, got {stage!r}")
+                raise AFDConfigError(f"stage keys must be ints >= 0, got {stage!r}")
             _check_count(n, f"local_counts[{stage}]")
         flags = (is_graph_capturing, is_warmup, is_graph_replaying, is_profile)
         mine = (self._step, tuple(sorted(items.items())), flags)
         gathered = self._all_gather(mine)
         if not isinstance(gathered, (list, tuple)) or len(gathered) != self.num_ranks:
-            raise ValueError(
+            raise AFDConfigError(
                 f"all_gather returned {len(gathered) if hasattr(gathered, '__len__') else gathered!r} "
                 f"entries, expected {self.num_ranks}"
             )
         steps = [g[0] for g in gathered]
         if len(set(steps)) != 1:
-            raise ValueError(f"attention ranks are out of step: step numbers by rank {steps}")
+            raise AFDProtocolError(f"attention ranks are out of step: step numbers by rank {steps}")
         stage_sets = [tuple(s for s, _ in g[1]) for g in gathered]
         if len(set(stage_sets)) != 1:
             detail = ", ".join(f"rank {r}: {list(s)}" for r, s in enumerate(stage_sets))
-            raise ValueError(f"attention ranks disagree on this step's stages ({detail})")
+            raise AFDProtocolError(f"attention ranks disagree on this step's stages ({detail})")
         flag_sets = [g[2] for g in gathered]
         if len(set(flag_sets)) != 1:
             bad = [r for r, f in enumerate(flag_sets) if f != flag_sets[0]]
-            raise ValueError(
+            raise AFDProtocolError(
                 f"attention ranks disagree on the step flags (capturing, warmup, replaying, "
                 f"profile): rank 0 {flag_sets[0]}, ranks {bad} differ"
             )

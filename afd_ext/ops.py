@@ -15,7 +15,8 @@ Conventions shared by every communication op:
   (``t.is_contiguous()``; row slices ``t[a:b]`` of a contiguous tensor are
   fine), of a wire dtype (:data:`WIRE_DTYPES`). Every check happens before
   the first NCCL call; a failed check raises ``RuntimeError`` naming the
-  tensor, and the communicator stays usable.
+  tensor (under tracing the fake kernel's ``AFDConfigError``, itself a
+  ``RuntimeError``), and the communicator stays usable.
 * Work is enqueued on the current CUDA stream of the communicator's device,
   with no allocation and no host synchronisation, so the ops can be captured
   in a CUDA graph (after one eager warm-up of every edge and direction).
@@ -85,6 +86,7 @@ if _other is not None:
 
 from . import _C  # noqa: F401,E402  (loads the library: registers torch.ops.afd_ext.*)
 from . import spec as _spec  # noqa: E402
+from .errors import AFDConfigError  # noqa: E402
 
 __all__ = [
     "WIRE_ALIGN",
@@ -196,10 +198,10 @@ def wire_row_bytes(
         The row size in bytes, a multiple of 16.
 
     Raises:
-        ValueError: a negative width.
+        AFDConfigError: a negative width.
     """
     if hidden_size < 0 or (logits_width is not None and logits_width < 0):
-        raise ValueError(f"widths must be >= 0, got hidden_size={hidden_size}, logits_width={logits_width}")
+        raise AFDConfigError(f"widths must be >= 0, got hidden_size={hidden_size}, logits_width={logits_width}")
     n = _round16(hidden_size * hidden_dtype.itemsize)
     if logits_width:
         n += _round16(logits_width * logits_dtype.itemsize)
@@ -221,7 +223,7 @@ def _concrete(xs) -> bool:
 def _fake_check_rows(op: str, named: Sequence[tuple[str, Optional[Tensor]]], lists: dict) -> None:
     lengths = {k: len(v) for k, v in lists.items()}
     if len(set(lengths.values())) > 1:
-        raise RuntimeError(f"afd_ext.{op}: {', '.join(lengths)} must have equal lengths, got {lengths}")
+        raise AFDConfigError(f"afd_ext.{op}: {', '.join(lengths)} must have equal lengths, got {lengths}")
     rows = lists["rows"]
     if not _concrete(rows):
         return
@@ -230,9 +232,9 @@ def _fake_check_rows(op: str, named: Sequence[tuple[str, Optional[Tensor]]], lis
         if t is None:
             continue
         if t.dim() < 1:
-            raise RuntimeError(f"afd_ext.{op}: {name} must have a row dimension, got shape {tuple(t.shape)}")
+            raise AFDConfigError(f"afd_ext.{op}: {name} must have a row dimension, got shape {tuple(t.shape)}")
         if isinstance(t.shape[0], int) and t.shape[0] != total:
-            raise RuntimeError(
+            raise AFDConfigError(
                 f"afd_ext.{op}: {name} has {t.shape[0]} rows but rows={list(rows)} add up to {total}"
             )
 
@@ -254,7 +256,7 @@ def _nccl_version_fake() -> int:
 
 
 def _not_traceable(op: str):
-    raise RuntimeError(
+    raise AFDConfigError(
         f"afd_ext.{op} is a host-side communicator call and cannot be traced "
         "(torch.compile would drop or misplace it); call it outside compiled code "
         "and pass the int handle into the compiled function"
@@ -282,7 +284,7 @@ def nccl_unique_id(out: Optional[Tensor] = None) -> Tensor:
 @torch.library.register_fake("afd_ext::nccl_unique_id")
 def _nccl_unique_id_fake(out: Tensor) -> None:
     if tuple(out.shape) != (NCCL_UNIQUE_ID_BYTES,) or out.dtype != torch.uint8:
-        raise RuntimeError(f"afd_ext.nccl_unique_id: out must be uint8 [128], got {out.dtype} {tuple(out.shape)}")
+        raise AFDConfigError(f"afd_ext.nccl_unique_id: out must be uint8 [128], got {out.dtype} {tuple(out.shape)}")
 
 
 def comm_create(unique_id: Tensor, world_size: int, rank: int, device: int | torch.device) -> int:
@@ -313,11 +315,13 @@ def comm_create(unique_id: Tensor, world_size: int, rank: int, device: int | tor
         An ``int`` handle >= 1, valid until :func:`comm_destroy` / :func:`comm_abort`.
 
     Raises:
-        RuntimeError: bad arguments, NCCL version mismatch, NCCL init failure, CPU-only build.
+        AFDConfigError: ``device`` is a ``torch.device`` that is not CUDA.
+        RuntimeError: bad arguments, NCCL version mismatch, NCCL init failure, CPU-only build
+            (from the C++ checks).
     """
     if isinstance(device, torch.device):
         if device.type != "cuda":
-            raise ValueError(f"device must be a CUDA device, got {device}")
+            raise AFDConfigError(f"device must be a CUDA device, got {device}")
         device = torch.cuda.current_device() if device.index is None else device.index
     return int(_ops.comm_create(unique_id, int(world_size), int(rank), int(device)))
 
@@ -524,18 +528,18 @@ def _expected_wire_shape(hidden_states, router_logits, token_ids) -> tuple:
 def _fake_check_wire(op, hidden_states, router_logits, token_ids, wire) -> None:
     for name, t in (("hidden_states", hidden_states), ("router_logits", router_logits), ("token_ids", token_ids)):
         if t is not None and t.device != wire.device:
-            raise RuntimeError(f"afd_ext.{op}: {name} must be on the wire tensor's device {wire.device}, got {t.device}")
+            raise AFDConfigError(f"afd_ext.{op}: {name} must be on the wire tensor's device {wire.device}, got {t.device}")
     if hidden_states.dim() != 2:
-        raise RuntimeError(f"afd_ext.{op}: hidden_states must be 2-D [num_tokens, hidden], got {tuple(hidden_states.shape)}")
+        raise AFDConfigError(f"afd_ext.{op}: hidden_states must be 2-D [num_tokens, hidden], got {tuple(hidden_states.shape)}")
     if router_logits is not None and router_logits.dim() != 2:
-        raise RuntimeError(f"afd_ext.{op}: router_logits must be 2-D [num_tokens, num_experts], got {tuple(router_logits.shape)}")
+        raise AFDConfigError(f"afd_ext.{op}: router_logits must be 2-D [num_tokens, num_experts], got {tuple(router_logits.shape)}")
     if token_ids is not None and token_ids.dtype != torch.int32:
-        raise RuntimeError(f"afd_ext.{op}: token_ids must be int32, got {token_ids.dtype}")
+        raise AFDConfigError(f"afd_ext.{op}: token_ids must be int32, got {token_ids.dtype}")
     if wire.dtype != torch.uint8 or wire.dim() != 2:
-        raise RuntimeError(f"afd_ext.{op}: wire must be uint8 [num_tokens, row_bytes], got {wire.dtype} {tuple(wire.shape)}")
+        raise AFDConfigError(f"afd_ext.{op}: wire must be uint8 [num_tokens, row_bytes], got {wire.dtype} {tuple(wire.shape)}")
     expected = _expected_wire_shape(hidden_states, router_logits, token_ids)
     if tuple(wire.shape) != expected:
-        raise RuntimeError(f"afd_ext.{op}: wire must have shape {expected}, got {tuple(wire.shape)}")
+        raise AFDConfigError(f"afd_ext.{op}: wire must have shape {expected}, got {tuple(wire.shape)}")
 
 
 def pack_rows(
@@ -740,11 +744,12 @@ def peer_plane_create(device: int | torch.device, generation: int, num_slots: in
         A plane handle ``>= 1``.
 
     Raises:
-        RuntimeError: bad arguments, a CUDA error, or a CPU-only build.
+        AFDConfigError: ``device`` is a ``torch.device`` that is not CUDA.
+        RuntimeError: bad arguments, a CUDA error, or a CPU-only build (from the C++ checks).
     """
     if isinstance(device, torch.device):
         if device.type != "cuda":
-            raise ValueError(f"device must be a CUDA device, got {device}")
+            raise AFDConfigError(f"device must be a CUDA device, got {device}")
         device = torch.cuda.current_device() if device.index is None else device.index
     return int(_ops.peer_plane_create(int(device), int(generation), int(num_slots), int(max_peers)))
 
@@ -973,7 +978,7 @@ def _peer_put_fake(hidden_states, router_logits, token_ids, plane, slot, regions
     )
     given = 1 + (router_logits is not None) + (token_ids is not None)
     if len(part_offsets) != given:
-        raise RuntimeError(f"afd_ext.peer_put: part_offsets has {len(part_offsets)} entries but {given} "
+        raise AFDConfigError(f"afd_ext.peer_put: part_offsets has {len(part_offsets)} entries but {given} "
                            "wire tensors were given")
 
 
@@ -1028,8 +1033,8 @@ def peer_wait(
 def _peer_wait_fake(hidden_states, router_logits, token_ids, out, plane, slot, region, flag_offsets, peers,
                     op, layer, stage, timeout_ns) -> None:
     if len(flag_offsets) != len(peers):
-        raise RuntimeError(f"afd_ext.peer_wait: flag_offsets and peers must have equal lengths, got "
+        raise AFDConfigError(f"afd_ext.peer_wait: flag_offsets and peers must have equal lengths, got "
                            f"{len(flag_offsets)} and {len(peers)}")
     if out is not None and (out.dtype != hidden_states.dtype or tuple(out.shape) != tuple(hidden_states.shape)):
-        raise RuntimeError(f"afd_ext.peer_wait: out must match hidden_states ({hidden_states.dtype} "
+        raise AFDConfigError(f"afd_ext.peer_wait: out must match hidden_states ({hidden_states.dtype} "
                            f"{tuple(hidden_states.shape)}), got {out.dtype} {tuple(out.shape)}")

@@ -123,6 +123,7 @@ __all__ = [
 
 from .topology import rank_label  # noqa: E402,F401  the one rank label, re-exported here
 from .errors import (  # noqa: E402  defined once, in errors.py
+    AFDConfigError,
     DuplicateRankError,
     HandshakeMismatchError,
     JobMismatchError,
@@ -808,7 +809,7 @@ def connect(
         An :class:`AFDStore` for this rank's new generation.
 
     Raises:
-        ValueError: bad rank/size/port/timeout.
+        AFDConfigError: bad rank/size/port/timeout.
         RendezvousError: world rank 0 cannot bind ``host:port`` (not a local address,
             port in use).
         RendezvousTimeoutError: the store was not reachable within ``timeout_s``, or
@@ -819,17 +820,17 @@ def connect(
         StoreTimeoutError: the store stopped answering (FFN rank 0 frozen).
     """
     if not isinstance(host, str) or not host:
-        raise ValueError(f"host must be a non-empty string (FFN rank 0's address), got {host!r}")
+        raise AFDConfigError(f"host must be a non-empty string (FFN rank 0's address), got {host!r}")
     if not (isinstance(port, int) and 0 < port < 65536):
-        raise ValueError(f"port must be an int in 1..65535, got {port!r}")
+        raise AFDConfigError(f"port must be an int in 1..65535, got {port!r}")
     if not (isinstance(world_size, int) and world_size >= 2):
-        raise ValueError(f"world_size must be an int >= 2 (F + A), got {world_size!r}")
+        raise AFDConfigError(f"world_size must be an int >= 2 (F + A), got {world_size!r}")
     if not (isinstance(world_rank, int) and 0 <= world_rank < world_size):
-        raise ValueError(f"world_rank must be in 0..{world_size - 1}, got {world_rank!r}")
+        raise AFDConfigError(f"world_rank must be in 0..{world_size - 1}, got {world_rank!r}")
     if not timeout_s or timeout_s <= 0:
-        raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
+        raise AFDConfigError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
     if num_ffn_ranks is not None and not (1 <= num_ffn_ranks < world_size):
-        raise ValueError(f"num_ffn_ranks must be in 1..{world_size - 1}, got {num_ffn_ranks!r}")
+        raise AFDConfigError(f"num_ffn_ranks must be in 1..{world_size - 1}, got {num_ffn_ranks!r}")
     import torch.distributed as dist
 
     from .config import resolve_job_id
@@ -1030,7 +1031,7 @@ def exchange_unique_id(
         The id bytes (identical on every participant).
 
     Raises:
-        TypeError/ValueError: ``make_id`` returned no bytes.
+        TypeError / AFDConfigError: ``make_id`` returned no bytes (not bytes / empty).
         RendezvousTimeoutError: the creator did not publish within the deadline.
         StepAbortedError: an abort was posted while waiting.
     """
@@ -1042,7 +1043,7 @@ def exchange_unique_id(
         if not isinstance(uid, bytes):
             raise TypeError(f"make_id must return bytes, got {type(uid).__name__}")
         if not uid:
-            raise ValueError(f"make_id returned an empty id for {key!r}")
+            raise AFDConfigError(f"make_id returned an empty id for {key!r}")
         store.set(full, uid)
         return uid
     who = -1 if creator_rank is None else creator_rank
@@ -1081,13 +1082,14 @@ def handshake(
         world rank -> that rank's fields (as decoded from JSON).
 
     Raises:
+        AFDConfigError: ``world_rank``/``world_size`` are not the ones ``store`` was joined with.
         HandshakeMismatchError (a ValueError): the first differing field, naming the
             field, both values and both ranks (a field missing on one side counts).
         RendezvousTimeoutError: ranks that did not arrive.
         StepAbortedError: an abort was posted while waiting.
     """
     if world_rank != store.world_rank or world_size != store.world_size:
-        raise ValueError(
+        raise AFDConfigError(
             f"handshake called as world rank {world_rank}/{world_size} on a store joined as "
             f"{store.world_rank}/{store.world_size}"
         )
@@ -1145,12 +1147,13 @@ def barrier(
         ranks: the participating world ranks (default all); must include ``world_rank``.
 
     Raises:
+        AFDConfigError: ``world_rank`` is not among ``ranks``.
         RendezvousTimeoutError: naming the ranks that did not arrive.
         StepAbortedError: an abort was posted while waiting.
     """
     members = sorted(set(range(world_size) if ranks is None else ranks))
     if world_rank not in members:
-        raise ValueError(f"world rank {world_rank} is not among the barrier's ranks {members}")
+        raise AFDConfigError(f"world rank {world_rank} is not among the barrier's ranks {members}")
     seq = store._barrier_seq.get(name, 0)
     store._barrier_seq[name] = seq + 1
     key = f"barrier/{name}/{seq}"

@@ -71,6 +71,7 @@ from typing import Any, Iterator, Mapping, NamedTuple, Sequence
 import torch
 
 from .config import DEFAULT_PACKED_MAX_BYTES
+from .errors import AFDConfigError
 from .metadata import AFDControlPayload
 from .topology import Topology
 from .spec import HIDDEN_DTYPES as _HIDDEN_DTYPES  # the one dtype table
@@ -136,7 +137,7 @@ def packed_row_bytes(
 def _pos_int(v: Any, name: str, *, allow_zero: bool = False) -> int:
     lo = 0 if allow_zero else 1
     if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+        raise AFDConfigError(f"{name} must be an int >= {lo}, got {v!r}")
     return v
 
 
@@ -162,7 +163,7 @@ class ScheduleConfig:
         max_stages: largest accepted number of stages per step, or ``None``.
 
     Raises:
-        ValueError: a field out of range or of the wrong type.
+        AFDConfigError: a field out of range or of the wrong type.
     """
 
     num_layers: int
@@ -181,25 +182,25 @@ class ScheduleConfig:
         _pos_int(self.num_layers, "num_layers")
         _pos_int(self.hidden_size, "hidden_size")
         if self.hidden_dtype not in _HIDDEN_DTYPES:
-            raise ValueError(
+            raise AFDConfigError(
                 f"hidden_dtype must be one of {[str(d) for d in _HIDDEN_DTYPES]}, got {self.hidden_dtype!r}"
             )
         if self.router_logits_width is not None:
             _pos_int(self.router_logits_width, "router_logits_width")
         if not isinstance(self.router_logits_dtype, torch.dtype) or not self.router_logits_dtype.is_floating_point:
-            raise ValueError(f"router_logits_dtype must be a floating torch.dtype, got {self.router_logits_dtype!r}")
+            raise AFDConfigError(f"router_logits_dtype must be a floating torch.dtype, got {self.router_logits_dtype!r}")
         if not isinstance(self.send_token_ids, bool):
-            raise ValueError(f"send_token_ids must be a bool, got {self.send_token_ids!r}")
+            raise AFDConfigError(f"send_token_ids must be a bool, got {self.send_token_ids!r}")
         if self.wire_format not in WIRE_FORMATS:
-            raise ValueError(f"wire_format must be one of {WIRE_FORMATS}, got {self.wire_format!r}")
+            raise AFDConfigError(f"wire_format must be one of {WIRE_FORMATS}, got {self.wire_format!r}")
         if not isinstance(self.clamp_idle_to_one, bool):
-            raise ValueError(f"clamp_idle_to_one must be a bool, got {self.clamp_idle_to_one!r}")
+            raise AFDConfigError(f"clamp_idle_to_one must be a bool, got {self.clamp_idle_to_one!r}")
         _pos_int(self.packed_max_bytes, "packed_max_bytes", allow_zero=True)
         if self.max_stages is not None:
             _pos_int(self.max_stages, "max_stages")
         if self.pad_to is not None:
             if not isinstance(self.pad_to, Mapping):
-                raise ValueError(f"pad_to must be a dict stage -> rows or None, got {type(self.pad_to).__name__}")
+                raise AFDConfigError(f"pad_to must be a dict stage -> rows or None, got {type(self.pad_to).__name__}")
             pad = {}
             for s, p in self.pad_to.items():
                 _pos_int(s, "pad_to stage", allow_zero=True)
@@ -313,7 +314,7 @@ class StepSchedule:
 
     def _stage(self, stage: int) -> None:
         if stage not in self._rows:
-            raise ValueError(f"stage {stage!r} is not in this step; stages are {list(self.stages)}")
+            raise AFDConfigError(f"stage {stage!r} is not in this step; stages are {list(self.stages)}")
 
     def counts(self, stage: int) -> tuple[int, ...]:
         """Real token counts of every attention rank for ``stage`` (expanded, clamped if configured)."""
@@ -369,7 +370,7 @@ class StepSchedule:
             if peer == f:
                 return r, v
         self.topology.check_role_rank("ffn", f)
-        raise ValueError(
+        raise AFDConfigError(
             f"attention rank {a} and FFN rank {f} are not peers; attention rank {a} "
             f"exchanges with FFN ranks {list(plan.peers)}"
         )
@@ -406,13 +407,13 @@ class StepSchedule:
         """The message of one (layer, stage, edge, direction).
 
         Raises:
-            ValueError: layer out of range, unknown stage or direction, or
+            AFDConfigError: layer out of range, unknown stage or direction, or
                 ``(a, f)`` not an edge.
         """
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.config.num_layers:
-            raise ValueError(f"layer must be in 0..{self.config.num_layers - 1}, got {layer!r}")
+            raise AFDConfigError(f"layer must be in 0..{self.config.num_layers - 1}, got {layer!r}")
         if direction not in DIRECTIONS:
-            raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+            raise AFDConfigError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
         rows = self.edge_rows(stage, a, f)
         fmt = self._formats[stage] if direction == A2F else PER_TENSOR
         return Message(rows, rows == 0, fmt)
@@ -431,17 +432,17 @@ class StepSchedule:
     def _check(self, name: str, t: Any, shape: tuple[int, ...], dtype: torch.dtype, who: str,
                device: torch.device | str | None, fix: str = "") -> None:
         if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor {_fmt_shape(shape)} {dtype} for {who}, "
+            raise AFDConfigError(f"{name} must be a torch.Tensor {_fmt_shape(shape)} {dtype} for {who}, "
                              f"got {type(t).__name__}")
         if tuple(t.shape) != shape:
-            raise ValueError(f"{name} must have shape {_fmt_shape(shape)} for {who} (from the step's "
+            raise AFDConfigError(f"{name} must have shape {_fmt_shape(shape)} for {who} (from the step's "
                              f"control payload), got {_fmt_shape(t.shape)}")
         if t.dtype != dtype:
-            raise ValueError(f"{name} must be {dtype} for {who}, got {t.dtype}{fix}")
+            raise AFDConfigError(f"{name} must be {dtype} for {who}, got {t.dtype}{fix}")
         if device is not None and t.device != torch.device(device):
-            raise ValueError(f"{name} must be on {torch.device(device)} for {who}, got {t.device}")
+            raise AFDConfigError(f"{name} must be on {torch.device(device)} for {who}, got {t.device}")
         if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous for {who}; call .contiguous()")
+            raise AFDConfigError(f"{name} must be contiguous for {who}; call .contiguous()")
 
     def check_attention_tensors(
         self,
@@ -466,7 +467,7 @@ class StepSchedule:
             device: when given, every tensor must be on it.
 
         Raises:
-            ValueError: naming the tensor, what was expected and what to do.
+            AFDConfigError: naming the tensor, what was expected and what to do.
         """
         rows = self.attention_rows(stage, a)
         cfg = self.config
@@ -475,13 +476,13 @@ class StepSchedule:
                     f"; cast with .to({cfg.hidden_dtype})")
         if cfg.router_logits_width is None:
             if router_logits is not None:
-                raise ValueError(
+                raise AFDConfigError(
                     f"router_logits given for {who} but the connector is configured without them "
                     "(router_logits_width=None, compute_gate_on_attention=False); configure them on both roles"
                 )
         else:
             if router_logits is None:
-                raise ValueError(
+                raise AFDConfigError(
                     f"router_logits missing for {who}: the connector is configured to send "
                     f"[{rows}, {cfg.router_logits_width}] {cfg.router_logits_dtype} router logits"
                 )
@@ -489,12 +490,12 @@ class StepSchedule:
                         cfg.router_logits_dtype, who, device, f"; cast with .to({cfg.router_logits_dtype})")
         if cfg.send_token_ids:
             if token_ids is None:
-                raise ValueError(f"token_ids (input_ids) missing for {who}: the connector is configured "
+                raise AFDConfigError(f"token_ids (input_ids) missing for {who}: the connector is configured "
                                  f"to send [{rows}] int32 token ids")
             self._check("token_ids", token_ids, (rows,), TOKEN_IDS_DTYPE, who, device,
                         "; cast with .to(torch.int32)")
         elif token_ids is not None:
-            raise ValueError(f"token_ids (input_ids) given for {who} but the connector is configured without "
+            raise AFDConfigError(f"token_ids (input_ids) given for {who} but the connector is configured without "
                              "them (send_token_ids=False); configure them on both roles")
 
     def check_attention_reply(self, stage: int, a: int, ref_tensor: Any, *,
@@ -502,7 +503,7 @@ class StepSchedule:
         """Check the tensor the reply lands in: ``[attention_rows, hidden_size]`` ``hidden_dtype``.
 
         Raises:
-            ValueError: naming ``ref_tensor`` and what was expected.
+            AFDConfigError: naming ``ref_tensor`` and what was expected.
         """
         rows = self.attention_rows(stage, a)
         self._check("ref_tensor", ref_tensor, (rows, self.config.hidden_size), self.config.hidden_dtype,
@@ -513,7 +514,7 @@ class StepSchedule:
         """Check FFN rank ``f``'s output: ``[ffn_rows(stage, f), hidden_size]`` ``hidden_dtype``.
 
         Raises:
-            ValueError: naming ``ffn_output`` and what was expected.
+            AFDConfigError: naming ``ffn_output`` and what was expected.
         """
         rows = self.ffn_rows(stage, f)
         self._check("ffn_output", ffn_output, (rows, self.config.hidden_size), self.config.hidden_dtype,
@@ -536,20 +537,20 @@ def build_step_schedule(
         The :class:`StepSchedule` (plans are computed lazily and cached).
 
     Raises:
-        ValueError: wrong argument types, more stages than ``max_stages``, a
+        AFDConfigError: wrong argument types, more stages than ``max_stages``, a
             count vector of the wrong length, a negative count, ``pad_to``
             not covering exactly the step's stages, or a padded size smaller
             than a rank's count. The message names the stage and the rank.
     """
     if not isinstance(topology, Topology):
-        raise ValueError(f"topology must be a Topology, got {type(topology).__name__}")
+        raise AFDConfigError(f"topology must be a Topology, got {type(topology).__name__}")
     if not isinstance(payload, AFDControlPayload):
-        raise ValueError(f"payload must be an AFDControlPayload, got {type(payload).__name__}")
+        raise AFDConfigError(f"payload must be an AFDControlPayload, got {type(payload).__name__}")
     if not isinstance(config, ScheduleConfig):
-        raise ValueError(f"config must be a ScheduleConfig, got {type(config).__name__}")
+        raise AFDConfigError(f"config must be a ScheduleConfig, got {type(config).__name__}")
     stages = tuple(sorted(payload.dp_metadata_list))
     if config.max_stages is not None and len(stages) > config.max_stages:
-        raise ValueError(f"step has {len(stages)} stages {list(stages)}, more than max_stages={config.max_stages}")
+        raise AFDConfigError(f"step has {len(stages)} stages {list(stages)}, more than max_stages={config.max_stages}")
     counts: dict[int, tuple[int, ...]] = {}
     for s in stages:
         try:
@@ -557,18 +558,18 @@ def build_step_schedule(
                 payload.dp_metadata_list[s].counts, clamp_idle_to_one=config.clamp_idle_to_one
             )
         except ValueError as e:
-            raise ValueError(f"stage {s}: {e}") from None
+            raise AFDConfigError(f"stage {s}: {e}") from None
     if config.pad_to is None:
         rows = counts
     else:
         if set(config.pad_to) != set(stages):
-            raise ValueError(f"pad_to covers stages {sorted(config.pad_to)} but the step has stages {list(stages)}")
+            raise AFDConfigError(f"pad_to covers stages {sorted(config.pad_to)} but the step has stages {list(stages)}")
         rows = {}
         for s in stages:
             p = config.pad_to[s]
             for a, n in enumerate(counts[s]):
                 if n > p:
-                    raise ValueError(
+                    raise AFDConfigError(
                         f"stage {s}: attention rank {a} has {n} tokens, more than the padded size "
                         f"pad_to[{s}]={p}; pick a larger capture size or run the step eagerly"
                     )
@@ -596,11 +597,11 @@ DEFAULT_CAPTURE_SIZES: tuple[int, ...] = (1, 2, 4) + tuple(range(8, 513, 8))
 def _check_capture_sizes(capture_sizes: Sequence[int]) -> tuple[int, ...]:
     sizes = tuple(capture_sizes)
     if not sizes:
-        raise ValueError("capture_sizes is empty; give at least one size, e.g. [1, 2, 4, 8]")
+        raise AFDConfigError("capture_sizes is empty; give at least one size, e.g. [1, 2, 4, 8]")
     if any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
-        raise ValueError(f"capture sizes must be ints >= 1, got {list(sizes)}")
+        raise AFDConfigError(f"capture sizes must be ints >= 1, got {list(sizes)}")
     if list(sizes) != sorted(set(sizes)):
-        raise ValueError(f"capture sizes must be strictly increasing, got {list(sizes)}")
+        raise AFDConfigError(f"capture sizes must be strictly increasing, got {list(sizes)}")
     return sizes
 
 
@@ -612,11 +613,11 @@ def capture_size_for(count: int, capture_sizes: Sequence[int] = DEFAULT_CAPTURE_
         capture_sizes: strictly increasing positive sizes.
 
     Raises:
-        ValueError: ``count`` < 0 or a malformed size list.
+        AFDConfigError: ``count`` < 0 or a malformed size list.
     """
     sizes = _check_capture_sizes(capture_sizes)
     if count < 0:
-        raise ValueError(f"count must be >= 0, got {count}")
+        raise AFDConfigError(f"count must be >= 0, got {count}")
     i = bisect.bisect_left(sizes, max(count, 1))
     return sizes[i] if i < len(sizes) else None
 
@@ -637,7 +638,7 @@ def pad_sizes(
         capture size (run the step eagerly) or there are no capture sizes.
 
     Raises:
-        ValueError: a capture size is not an int >= 1, or the payload is invalid.
+        AFDConfigError: a capture size is not an int >= 1, or the payload is invalid.
     """
     if not capture_sizes:
         return None
@@ -648,7 +649,7 @@ def pad_sizes(
             n = max(topology.expand_counts(payload.dp_metadata_list[s].counts,
                                            clamp_idle_to_one=clamp_idle_to_one))
         except ValueError as e:
-            raise ValueError(f"stage {s}: {e}") from None
+            raise AFDConfigError(f"stage {s}: {e}") from None
         fit = capture_size_for(n, sizes)
         if fit is None:
             return None

@@ -51,7 +51,7 @@ def dtype_code(dtype: torch.dtype) -> int:
     """The header/handshake code of ``dtype``.
 
     Raises:
-        ValueError: the dtype cannot travel.
+        AFDConfigError: the dtype cannot travel.
     """
     try:
         return DTYPE_CODES[dtype]
@@ -74,7 +74,7 @@ def as_dtype(value: Any, name: str) -> torch.dtype:
     """A ``torch.dtype`` from a dtype or its name (``"bfloat16"``, ``"torch.bfloat16"``).
 
     Raises:
-        ValueError: neither (names ``name`` and the value).
+        AFDConfigError: neither (names ``name`` and the value).
     """
     if isinstance(value, torch.dtype):
         return value

@@ -32,6 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from .errors import AFDConfigError
+
 __all__ = [
     "ATTENTION",
     "FFN",
@@ -72,7 +74,7 @@ def rank_label(world_rank: int, num_ffn_ranks: int | None = None) -> str:
 
 def _positive_int(value: object, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+        raise AFDConfigError(f"{name} must be a positive int, got {value!r}")
     return value
 
 
@@ -80,21 +82,21 @@ def validate_role_rank(role: str, role_rank: int, num_attention_ranks: int, num_
     """Check ``role_rank`` against its role's size, with the reference's messages.
 
     Raises:
-        ValueError: unknown role, negative rank, or rank not below the role's size.
+        AFDConfigError: unknown role, negative rank, or rank not below the role's size.
     """
     if role not in ROLES:
-        raise ValueError(f"unknown AFD role {role!r}; expected 'attention' or 'ffn'")
+        raise AFDConfigError(f"unknown AFD role {role!r}; expected 'attention' or 'ffn'")
     if isinstance(role_rank, bool) or not isinstance(role_rank, int):
-        raise ValueError(f"AFD role rank must be an int, got {role_rank!r}")
+        raise AFDConfigError(f"AFD role rank must be an int, got {role_rank!r}")
     if role_rank < 0:
-        raise ValueError(f"AFD role rank must be non-negative, got {role_rank}")
+        raise AFDConfigError(f"AFD role rank must be non-negative, got {role_rank}")
     if role == ATTENTION and role_rank >= num_attention_ranks:
-        raise ValueError(
+        raise AFDConfigError(
             f"Attention role rank must be within attention size {num_attention_ranks}, "
             f"got {role_rank}"
         )
     if role == FFN and role_rank >= num_ffn_ranks:
-        raise ValueError(
+        raise AFDConfigError(
             f"FFN role rank must be within FFN size {num_ffn_ranks}, got {role_rank}"
         )
 
@@ -152,7 +154,7 @@ class Topology:
             vector length that divides ``A``).
 
     Raises:
-        ValueError: a size is not a positive int, or ``A`` is not a multiple
+        AFDConfigError: a size is not a positive int, or ``A`` is not a multiple
             of ``tp_size``.
     """
 
@@ -165,7 +167,7 @@ class Topology:
         _positive_int(self.num_ffn_ranks, "num_ffn_ranks")
         _positive_int(self.tp_size, "tp_size")
         if self.num_attention_ranks % self.tp_size:
-            raise ValueError(
+            raise AFDConfigError(
                 f"num_attention_ranks ({self.num_attention_ranks}) must be a multiple of "
                 f"tp_size ({self.tp_size})"
             )
@@ -196,7 +198,7 @@ class Topology:
         return self.num_attention_ranks // self.tp_size
 
     def check_role_rank(self, role: str, role_rank: int) -> None:
-        """Raise ``ValueError`` (reference messages) unless ``role_rank`` is valid for ``role``."""
+        """Raise ``AFDConfigError`` (reference messages) unless ``role_rank`` is valid for ``role``."""
         validate_role_rank(role, role_rank, self.num_attention_ranks, self.num_ffn_ranks)
 
     def world_rank(self, role: str, role_rank: int) -> int:
@@ -208,10 +210,10 @@ class Topology:
         """Inverse of :meth:`world_rank`: ``(role, role_rank)``.
 
         Raises:
-            ValueError: ``world_rank`` outside ``0..A+F-1``.
+            AFDConfigError: ``world_rank`` outside ``0..A+F-1``.
         """
         if isinstance(world_rank, bool) or not isinstance(world_rank, int) or not 0 <= world_rank < self.world_size:
-            raise ValueError(f"AFD world rank must be in 0..{self.world_size - 1}, got {world_rank!r}")
+            raise AFDConfigError(f"AFD world rank must be in 0..{self.world_size - 1}, got {world_rank!r}")
         if world_rank < self.num_ffn_ranks:
             return FFN, world_rank
         return ATTENTION, world_rank - self.num_ffn_ranks
@@ -256,10 +258,10 @@ class Topology:
             (``A >= F``) gets ``(f, 0, n)``. Counts may be zero.
 
         Raises:
-            ValueError: ``a`` out of range or ``n`` negative.
+            AFDConfigError: ``a`` out of range or ``n`` negative.
         """
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"row count must be an int >= 0, got {n!r}")
+            raise AFDConfigError(f"row count must be an int >= 0, got {n!r}")
         peers = self.attention_peers(a)
         base, rem = divmod(n, len(peers))
         out = []
@@ -312,7 +314,7 @@ class Topology:
             Counts per attention role rank, length ``A``.
 
         Raises:
-            ValueError: empty vector, length that does not divide ``A``, length
+            AFDConfigError: empty vector, length that does not divide ``A``, length
                 other than ``A`` or ``A // tp_size`` when ``tp_size > 1``, or a
                 negative / non-int count.
         """
@@ -321,20 +323,20 @@ class Topology:
         n = len(counts)
         for i, c in enumerate(counts):
             if isinstance(c, bool) or not isinstance(c, int) or c < 0:
-                raise ValueError(f"token count [{i}] must be an int >= 0, got {c!r}")
+                raise AFDConfigError(f"token count [{i}] must be an int >= 0, got {c!r}")
         if n == 0:
-            raise ValueError(
+            raise AFDConfigError(
                 f"count vector is empty; expected {A} counts (one per attention rank)"
                 + (f" or {self.dp_size} (one per DP rank)" if self.tp_size > 1 else "")
             )
         if n != A:
             if n > A or A % n:
-                raise ValueError(
+                raise AFDConfigError(
                     f"count vector has {n} entries; expected {A} (one per attention rank) or a "
                     f"divisor of {A} (one per DP rank, replicated over its TP workers)"
                 )
             if self.tp_size > 1 and n != self.dp_size:
-                raise ValueError(
+                raise AFDConfigError(
                     f"count vector has {n} entries; expected {A} (per attention rank) or "
                     f"{self.dp_size} (per DP rank, tp_size={self.tp_size})"
                 )

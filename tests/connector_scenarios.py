@@ -404,7 +404,7 @@ def bad_first_input_worker(rank: int, nprocs: int, sc: Scenario, port: int, bad_
                            retry: bool) -> dict:
     """Attention rank ``bad_rank`` passes a wrong-dtype tensor at the first exchange of step ``bad_step``.
 
-    The call must raise ValueError. With ``retry`` the rank retries with the
+    The call must raise AFDConfigError (a ValueError). With ``retry`` the rank retries with the
     right tensors and finishes the step; otherwise it moves on to the next
     step (the connector drains the abandoned one). Every other rank runs every
     step normally and checks its replies.
@@ -473,7 +473,7 @@ def _finish_step(conn, sc: Scenario, step_i: int, step: dict) -> int:
 def mid_step_failure_worker(rank: int, nprocs: int, sc: Scenario, port: int, bad_rank: int) -> dict:
     """Attention rank ``bad_rank`` passes a bad tensor at layer 1 of step 1 (layer 0 already sent).
 
-    Every rank must raise within the deadline (the bad rank a ValueError,
+    Every rank must raise within the deadline (the bad rank an AFDConfigError,
     the others an abort naming it); then all close, re-initialise and run one
     more step successfully.
     """

@@ -23,6 +23,7 @@ from afd_ext.bench import report
 from afd_ext.bench.plan import Case, Reps, RunConfig, make_layout
 from afd_ext.bench.timing import HostTimer, percentile, summarize, time_eager
 from afd_ext.bench.variants import pattern_bytes, rows_bytes
+from afd_ext.errors import AFDConfigError, AFDStateError
 from afd_ext.testing import find_free_port, run_workers
 
 # ---------------------------------------------------------------------------
@@ -47,7 +48,7 @@ def test_summarize_values():
 
 @pytest.mark.parametrize("bad", [[], [1.0, float("nan")], [float("inf")]])
 def test_summarize_rejects_bad_samples(bad):
-    with pytest.raises(ValueError):
+    with pytest.raises(AFDConfigError):
         summarize(bad)
 
 
@@ -55,10 +56,10 @@ def test_time_eager_host_counts_iterations():
     calls = []
     samples = time_eager(lambda: calls.append(1), iters=7, warmup=2, cuda=False)
     assert len(calls) == 9 and len(samples) == 7 and all(s >= 0 for s in samples)
-    with pytest.raises(ValueError):
+    with pytest.raises(AFDConfigError):
         time_eager(lambda: None, iters=0, warmup=0, cuda=False)
     t = HostTimer(2)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(AFDStateError):
         t.samples_us()
 
 
@@ -81,7 +82,7 @@ def test_case_bytes():
     assert c.a2f_row_bytes() == 7168 * 2 + 256 * 4 + 4
     assert c.f2a_bytes() == 128 * 7168 * 2
     assert Case(7168, 1, False).a2f_bytes() == 14336
-    with pytest.raises(ValueError, match="tokens"):
+    with pytest.raises(AFDConfigError, match="tokens"):
         Case(7168, 0, True)
 
 
@@ -263,7 +264,7 @@ def test_merge_later_wins_and_validates(tmp_path):
     assert len(m["records"]) == len(a["records"]) + 1
     assert m["control_plane"]["ours"]["median"] == 7.0 and m["control_plane"]["reference"]["median"] == 120.0
     bad = dict(a, records=[dict(a["records"][0], stats_us={"median": "x"})])
-    with pytest.raises(ValueError, match="document 1"):
+    with pytest.raises(AFDConfigError, match="document 1"):
         report.merge_documents([a, bad])
     pa, pb = tmp_path / "a.json", tmp_path / "b.json"
     pa.write_text(json.dumps(a))

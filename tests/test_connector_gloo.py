@@ -132,7 +132,7 @@ def test_mid_step_failure_aborts_every_rank_then_reinit_works():
     sc = cs.Scenario(A=2, F=1, steps=steps, step_timeout_s=10.0)
     res = run_workers(cs.mid_step_failure_worker, sc.nprocs, (sc, find_free_port(), 1), timeout_s=90)
     ffn, a0, a1 = res
-    assert a1["error"][0] == "ValueError" and "aborted on every rank" in a1["error"][1]
+    assert a1["error"][0] == "AFDConfigError" and "aborted on every rank" in a1["error"][1]
     for r in (ffn, a0):
         kind, msg = r["error"]
         assert kind == "StepAbortedError", r["error"]

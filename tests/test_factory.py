@@ -10,6 +10,7 @@ import pytest
 
 from afd_ext import factory
 from afd_ext.config import AFDConfig
+from afd_ext.errors import AFDConfigError
 from afd_ext.factory import AFDConnectorFactory, ENTRY_POINT_GROUP
 
 CONNECTOR_SRC = textwrap.dedent(
@@ -82,7 +83,7 @@ def test_builtins_registered():
 def test_register_lazy_and_duplicate(fresh_registry, plugin_pkg):
     factory.register_connector("Mine", f"{plugin_pkg}.conn", "GoodConnector")
     assert f"{plugin_pkg}.conn" not in sys.modules  # lazy: nothing imported yet
-    with pytest.raises(ValueError, match="connector 'Mine' is already registered"):
+    with pytest.raises(AFDConfigError, match="connector 'Mine' is already registered"):
         factory.register_connector("Mine", "x", "Y")
     cls = factory.get_connector_class("Mine")
     assert f"{plugin_pkg}.conn" in sys.modules and cls.__name__ == "GoodConnector"
@@ -102,7 +103,7 @@ def test_bad_registrations(fresh_registry, plugin_pkg):
     factory.register_connector("NotClass", f"{plugin_pkg}.conn", "not_a_class")
     with pytest.raises(TypeError, match="not a class"):
         factory.get_connector_class("NotClass")
-    with pytest.raises(ValueError):
+    with pytest.raises(AFDConfigError):
         factory.register_connector("", "m", "C")
 
 
@@ -151,9 +152,9 @@ def test_create_connector_config_forms(fresh_registry, plugin_pkg):
     assert c.args[2].num_attention_ranks == 2 and c.args[4] == {"vllm_config": runtime}
     c = factory.create_connector(5, 0, runtime, {"connector": "Mine"}, extra=7)
     assert c.args[2].num_attention_ranks == 1 and c.args[4] == {"vllm_config": runtime, "extra": 7}
-    with pytest.raises(ValueError, match="role_rank is required"):
+    with pytest.raises(AFDConfigError, match="role_rank is required"):
         factory.create_connector(0, 0, {"connector": "Mine", "num_attention_ranks": 2})
-    with pytest.raises(ValueError, match="within attention size 2"):
+    with pytest.raises(AFDConfigError, match="within attention size 2"):
         factory.create_connector(0, 0, {"connector": "Mine", "num_attention_ranks": 2}, role_rank=2)
     with pytest.raises(ValueError, match="no AFD config"):
         factory.create_connector(0, 0, object())

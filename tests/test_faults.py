@@ -561,7 +561,7 @@ def test_an_attention_rank_blocked_in_recv_closes_at_once_when_the_ffn_aborts():
 
     sc = cs.Scenario(A=1, F=1, steps=({0: [2]},), layers=1, strict=False, step_timeout_s=8.0)
     ffn, att = run_workers(_abort_while_receiving_worker, 2, (sc, find_free_port(HOST)), timeout_s=120)
-    assert ffn["error"] == "ValueError" and att["error"] in ("StepAbortedError", "AFDAbortedError"), (ffn, att)
+    assert ffn["error"] == "AFDConfigError" and att["error"] in ("StepAbortedError", "AFDAbortedError"), (ffn, att)
     assert att["error_after"] < 2.0, att
     assert att["close"] < 2.0 and att["reinit"] < 5.0, att  # not step_timeout_s + 6 s
     assert att["after"] == 2 and ffn["after"] == 2

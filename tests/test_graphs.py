@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from afd_ext import graphs
+from afd_ext.errors import AFDConfigError
 from afd_ext.graphs import (
     EagerRecordingBackend,
     GraphBufferError,
@@ -84,7 +85,7 @@ def test_key_stage_vector_order_and_stages():
     k = key({1: [3, 5], 0: [1, 2]})
     assert k.stages == (0, 1)
     assert k.counts(1) == (3, 5)
-    with pytest.raises(KeyError, match="stage 2"):
+    with pytest.raises(AFDConfigError, match="stage 2"):
         k.counts(2)
     # Swapping which stage carries which counts is a different key.
     assert k != key({0: [3, 5], 1: [1, 2]})
@@ -195,9 +196,9 @@ def test_pad_rows_into_copies_and_zeroes_padding():
     view = pad_rows_into(src, dst)
     assert torch.equal(view, src) and view.data_ptr() == dst.data_ptr()
     assert torch.equal(dst[2:], torch.zeros(2, 3))
-    with pytest.raises(ValueError, match="larger capture size"):
+    with pytest.raises(AFDConfigError, match="larger capture size"):
         pad_rows_into(torch.zeros(5, 3), dst)
-    with pytest.raises(ValueError, match="dtype"):
+    with pytest.raises(AFDConfigError, match="dtype"):
         pad_rows_into(torch.zeros(1, 3, dtype=torch.float64), dst)
 
 

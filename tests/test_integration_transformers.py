@@ -17,6 +17,7 @@ import torch
 pytest.importorskip("transformers")
 
 from afd_ext import demo  # noqa: E402
+from afd_ext.errors import AFDConfigError, AFDStateError  # noqa: E402
 from afd_ext.integrations import transformers as integ  # noqa: E402
 from afd_ext.metadata import (  # noqa: E402
     AFDA2FTransferPayload,
@@ -163,12 +164,12 @@ def test_rows_must_match_the_payload():
     cfg = _tiny()
     _, att, exchange, _ = _split_pair(cfg)
     ids = torch.tensor([[257, 1, 2]])
-    with pytest.raises(RuntimeError, match="outside a step"):
+    with pytest.raises(AFDStateError, match="outside a step"):
         att(input_ids=ids)
     exchange.begin_step(_payload([2]), dp_rank=0)
-    with pytest.raises(RuntimeError, match="gives this rank 2"):
+    with pytest.raises(AFDConfigError, match="gives this rank 2"):
         att(input_ids=ids)
-    with pytest.raises(ValueError, match="num_stages"):
+    with pytest.raises(AFDConfigError, match="num_stages"):
         exchange.begin_step(_payload([1, 2]), dp_rank=0)
 
 
@@ -177,7 +178,7 @@ def test_stage_split():
     assert integ.stage_split(1, 2) == [1, 0]
     assert integ.stage_split(0, 3) == [0, 0, 0]
     assert sum(integ.stage_split(17, 4)) == 17
-    with pytest.raises(ValueError):
+    with pytest.raises(AFDConfigError):
         integ.stage_split(3, 0)
 
 

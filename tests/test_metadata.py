@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from afd_ext import metadata as md
+from afd_ext.errors import AFDConfigError, AFDProtocolError, ControlProtocolError
 from afd_ext.metadata import (
     CONTROL_FORMAT_VERSION,
     AFDA2FTransferPayload,
@@ -193,7 +194,7 @@ def _doc(**over):
     ],
 )
 def test_malformed_inputs_raise_value_error(data, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ControlProtocolError, match=match):  # a ValueError
         decode_control_payload(data)
 
 
@@ -447,7 +448,8 @@ def _bin(stages, flags=0, magic=b"AFDb", version=1, tail=b""):
     ("not bytes", "bytes"),
 ])
 def test_binary_malformed_inputs_raise_value_error(data, match):
-    with pytest.raises(ValueError, match=match):
+    # both are ValueErrors: a wrong argument type is the caller's, bad bytes are the sender's
+    with pytest.raises(AFDConfigError if isinstance(data, str) else ControlProtocolError, match=match):
         md.decode_control_binary(data)
 
 
@@ -491,7 +493,7 @@ def test_tensor_framing_round_trip():
     assert t.dtype == torch.uint8 and t.numel() == len(data)
     n = md.control_frame_size(size)
     assert md.unframe_control_payload(n, t, size_src=3, data_src=3) == data
-    with pytest.raises(RuntimeError, match="different ranks"):
+    with pytest.raises(AFDProtocolError, match="different ranks"):  # a RuntimeError, as the reference raises
         md.unframe_control_payload(n, t, size_src=3, data_src=4)
     with pytest.raises(ValueError, match="uint8"):
         md.unframe_control_payload(n + 1, t)
@@ -543,17 +545,17 @@ def test_step_count_agreement_detects_disagreement():
         return lambda obj: list(contribs)
 
     ok = (0, ((0, 1),), (False,) * 4)
-    with pytest.raises(ValueError, match="out of step"):
+    with pytest.raises(AFDProtocolError, match="out of step"):
         StepCountAgreement(2, 0, gather_with(ok, (1, ((0, 1),), (False,) * 4))).agree([1])
-    with pytest.raises(ValueError, match="stages"):
+    with pytest.raises(AFDProtocolError, match="stages"):
         StepCountAgreement(2, 0, gather_with(ok, (0, ((1, 1),), (False,) * 4))).agree([1])
-    with pytest.raises(ValueError, match="flags"):
+    with pytest.raises(AFDProtocolError, match="flags"):
         StepCountAgreement(2, 0, gather_with(ok, (0, ((0, 1),), (True, False, False, False)))).agree([1])
-    with pytest.raises(ValueError, match="expected 2"):
+    with pytest.raises(AFDConfigError, match="expected 2"):
         StepCountAgreement(2, 0, gather_with(ok)).agree([1])
-    with pytest.raises(ValueError, match=">= 0"):
+    with pytest.raises(AFDConfigError, match=">= 0"):
         StepCountAgreement(1, 0, gather_with(ok)).agree([-1])
-    with pytest.raises(ValueError):
+    with pytest.raises(AFDConfigError):
         StepCountAgreement(2, 2, gather_with(ok))
 
 

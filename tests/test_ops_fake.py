@@ -7,6 +7,8 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from afd_ext.errors import AFDConfigError
+
 ops = pytest.importorskip("afd_ext.ops", reason="afd_ext._C is not built")
 A = torch.ops.afd_ext
 
@@ -109,7 +111,7 @@ def test_nccl_unique_id_fake_checks_its_buffer(fake):
     ids=["comm_create", "comm_destroy", "comm_abort", "comm_async_error"],
 )
 def test_host_side_ops_refuse_to_be_traced(fake, call):
-    with pytest.raises(RuntimeError, match="host-side communicator call and cannot be traced"):
+    with pytest.raises(AFDConfigError, match="host-side communicator call and cannot be traced"):
         call()
 
 

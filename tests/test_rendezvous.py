@@ -178,11 +178,11 @@ def test_reinitialising_opens_a_fresh_generation():
 
 
 def test_connect_validates_arguments():
-    with pytest.raises(ValueError, match="world_rank"):
+    with pytest.raises(rdzv.AFDConfigError, match="world_rank"):
         rdzv.connect(HOST, 1234, 5, 2)
-    with pytest.raises(ValueError, match="port"):
+    with pytest.raises(rdzv.AFDConfigError, match="port"):
         rdzv.connect(HOST, 0, 0, 2)
-    with pytest.raises(ValueError, match="host"):
+    with pytest.raises(rdzv.AFDConfigError, match="host"):
         rdzv.connect("", 1234, 0, 2)
 
 

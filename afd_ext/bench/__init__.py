@@ -41,6 +41,7 @@ from afd_ext.bench.plan import (
     parse_int_list,
     quick_cases,
 )
+from afd_ext.errors import AFDConfigError
 
 __all__ = ["main", "build_parser", "run", "run_guarded"]
 
@@ -120,7 +121,7 @@ def _csv(text: str, allowed: Sequence[str], what: str) -> tuple[str, ...]:
     items = tuple(x.strip() for x in text.split(",") if x.strip())
     bad = [x for x in items if x not in allowed]
     if bad or not items:
-        raise ValueError(f"{what}: {bad or 'empty'} not in {', '.join(allowed)}")
+        raise AFDConfigError(f"{what}: {bad or 'empty'} not in {', '.join(allowed)}")
     return items
 
 
@@ -203,7 +204,7 @@ def _config(args: argparse.Namespace) -> RunConfig:
     else:
         ngpu = _gpu_count()
         if args.backend == "nccl" and ngpu == 0:
-            raise ValueError("--backend nccl needs a visible GPU and a CUDA build of afd_ext")
+            raise AFDConfigError("--backend nccl needs a visible GPU and a CUDA build of afd_ext")
     backend = "nccl" if ngpu > 0 else "gloo"
     gpu_map = parse_int_list(args.gpu_map, "--gpu-map") if args.gpu_map else None
     layout = make_layout(args.attention_ranks, args.ffn_ranks, ngpu, gpu_map)
@@ -236,7 +237,7 @@ def _config(args: argparse.Namespace) -> RunConfig:
     timeout = args.timeout or (240.0 if args.check else 420.0)
     case_timeout = args.case_timeout or (60.0 if cuda else 20.0)
     if case_timeout <= 0:
-        raise ValueError(f"--case-timeout must be > 0 seconds, got {case_timeout}")
+        raise AFDConfigError(f"--case-timeout must be > 0 seconds, got {case_timeout}")
     return RunConfig(
         backend=backend, layout=layout, cases=cases, variants=variants, modes=modes, directions=directions,
         reps=reps, master_port=find_free_port(), check=bool(args.check), control=not args.no_control,

@@ -264,6 +264,7 @@ def _measure_worker(rank: int, nprocs: int, host: str, port: int, kind: str, sch
         os.sched_setaffinity(0, {cpus[rank]})
     from afd_ext import control_plane as cpl
     from afd_ext import rendezvous as rdzv
+    from afd_ext.errors import AFDProtocolError
     from afd_ext.metadata import encode_control_binary
     from afd_ext.topology import Topology
 
@@ -328,7 +329,7 @@ def _measure_worker(rank: int, nprocs: int, host: str, port: int, kind: str, sch
                     a.append(state.t_ns if state is not None else 0)
                     c.append(t)
                     if distinct and not raw and p.dp_metadata_list[0].counts[0] != step + i:
-                        raise RuntimeError(f"measurement: step {step + i} received the counts of step "
+                        raise AFDProtocolError(f"measurement: step {step + i} received the counts of step "
                                            f"{p.dp_metadata_list[0].counts[0]}")
                 if not raw:
                     del ch.recv_parts

@@ -30,6 +30,8 @@ import sys
 import time
 from typing import Any, Sequence
 
+from afd_ext.errors import AFDConfigError
+
 __all__ = ["WorkerGuard", "read_phases", "read_parts", "diagnose", "HARD_GRACE_S"]
 
 #: Seconds the hard (faulthandler) deadline of a phase lies beyond its soft
@@ -61,13 +63,13 @@ class WorkerGuard:
             (default :data:`HARD_GRACE_S`).
 
     Raises:
-        ValueError: ``timeout_s`` is not positive.
+        AFDConfigError: ``timeout_s`` is not positive.
     """
 
     def __init__(self, rank: int, label: str, parts_dir: str, timeout_s: float, *, verbose: bool = True,
                  t0: float | None = None, grace_s: float = HARD_GRACE_S):
         if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
+            raise AFDConfigError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
         self.rank = rank
         self.label = label
         self.parts_dir = parts_dir

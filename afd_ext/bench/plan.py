@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Sequence
 
+from afd_ext.errors import AFDConfigError
+
 __all__ = [
     "Case",
     "Layout",
@@ -57,7 +59,7 @@ class Case:
         for name in ("hidden", "tokens", "logits_width"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"Case.{name} must be a positive int, got {v!r}")
+                raise AFDConfigError(f"Case.{name} must be a positive int, got {v!r}")
 
     def a2f_row_bytes(self) -> int:
         """Unpadded bytes per token attention -> FFN (hidden bf16, plus logits fp32 and id int32)."""
@@ -125,7 +127,7 @@ def parse_int_list(text: str, what: str) -> tuple[int, ...]:
     """Parse ``"1,8,32"`` into positive ints.
 
     Raises:
-        ValueError: an entry is not a positive integer (names ``what``).
+        AFDConfigError: an entry is not a positive integer (names ``what``).
     """
     out = []
     for part in str(text).split(","):
@@ -135,12 +137,12 @@ def parse_int_list(text: str, what: str) -> tuple[int, ...]:
         try:
             v = int(part)
         except ValueError:
-            raise ValueError(f"{what}: {part!r} is not an integer (expected e.g. 1,8,128)") from None
+            raise AFDConfigError(f"{what}: {part!r} is not an integer (expected e.g. 1,8,128)") from None
         if v < 1:
-            raise ValueError(f"{what}: entries must be >= 1, got {v}")
+            raise AFDConfigError(f"{what}: entries must be >= 1, got {v}")
         out.append(v)
     if not out:
-        raise ValueError(f"{what}: empty list")
+        raise AFDConfigError(f"{what}: empty list")
     return tuple(out)
 
 
@@ -216,17 +218,17 @@ def make_layout(num_attention_ranks: int, num_ffn_ranks: int, num_gpus: int,
             first then FFN ranks (indices into the visible GPUs).
 
     Raises:
-        ValueError: a bad size, or a ``gpu_map`` of the wrong length or with
+        AFDConfigError: a bad size, or a ``gpu_map`` of the wrong length or with
             an index not below ``num_gpus``.
     """
     from afd_ext.testing import place_processes
 
     A, F = num_attention_ranks, num_ffn_ranks
     if A < 1 or F < 1:
-        raise ValueError(f"need at least one attention and one FFN rank, got A={A}, F={F}")
+        raise AFDConfigError(f"need at least one attention and one FFN rank, got A={A}, F={F}")
     if num_gpus <= 0:
         if gpu_map:
-            raise ValueError("--gpu-map given but no GPU is visible")
+            raise AFDConfigError("--gpu-map given but no GPU is visible")
         return Layout(A, F)
     p = place_processes(A, F, num_gpus, gpu_map=gpu_map)
     return Layout(A, F, p.gpus, p.shared, p.nccl_hostids)

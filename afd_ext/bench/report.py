@@ -25,6 +25,8 @@ import math
 import os
 from typing import Any, Iterable, Sequence
 
+from afd_ext.errors import AFDConfigError
+
 __all__ = [
     "SCHEMA",
     "validate_document",
@@ -115,28 +117,28 @@ def validate_document(doc: Any) -> None:
     """Check a benchmark JSON document's structure.
 
     Raises:
-        ValueError: naming the first missing or malformed field.
+        AFDConfigError: naming the first missing or malformed field.
     """
     if not isinstance(doc, dict):
-        raise ValueError(f"benchmark document must be a JSON object, got {type(doc).__name__}")
+        raise AFDConfigError(f"benchmark document must be a JSON object, got {type(doc).__name__}")
     if doc.get("schema") != SCHEMA:
-        raise ValueError(f"benchmark document schema must be {SCHEMA!r}, got {doc.get('schema')!r}")
+        raise AFDConfigError(f"benchmark document schema must be {SCHEMA!r}, got {doc.get('schema')!r}")
     for key, typ in (("meta", dict), ("records", list), ("skipped", list), ("control_plane", dict),
                      ("targets", list)):
         if not isinstance(doc.get(key), typ):
-            raise ValueError(f"benchmark document field {key!r} must be a {typ.__name__}")
+            raise AFDConfigError(f"benchmark document field {key!r} must be a {typ.__name__}")
     for i, r in enumerate(doc["records"]):
         for k in RECORD_KEYS:
             if k not in r:
-                raise ValueError(f"records[{i}] lacks {k!r}")
+                raise AFDConfigError(f"records[{i}] lacks {k!r}")
         for k in STATS_KEYS:
             v = r["stats_us"].get(k)
             if not isinstance(v, (int, float)) or (isinstance(v, float) and not math.isfinite(v)):
-                raise ValueError(f"records[{i}].stats_us.{k} must be a finite number, got {v!r}")
+                raise AFDConfigError(f"records[{i}].stats_us.{k} must be a finite number, got {v!r}")
         if r["direction"] not in ("round_trip", "a2f", "f2a", "flag"):
-            raise ValueError(f"records[{i}].direction {r['direction']!r} is not round_trip, a2f, f2a or flag")
+            raise AFDConfigError(f"records[{i}].direction {r['direction']!r} is not round_trip, a2f, f2a or flag")
         if r["mode"] not in ("eager", "graph"):
-            raise ValueError(f"records[{i}].mode {r['mode']!r} is not eager or graph")
+            raise AFDConfigError(f"records[{i}].mode {r['mode']!r} is not eager or graph")
 
 
 def _rkey(r: dict) -> tuple:
@@ -147,15 +149,15 @@ def merge_documents(docs: Sequence[dict]) -> dict:
     """Merge several runs into one document (later documents win on identical measurements).
 
     Raises:
-        ValueError: no documents, or one fails :func:`validate_document`.
+        AFDConfigError: no documents, or one fails :func:`validate_document`.
     """
     if not docs:
-        raise ValueError("nothing to merge")
+        raise AFDConfigError("nothing to merge")
     for i, d in enumerate(docs):
         try:
             validate_document(d)
         except ValueError as e:
-            raise ValueError(f"document {i}: {e}") from None
+            raise AFDConfigError(f"document {i}: {e}") from None
     recs: dict[tuple, dict] = {}
     skipped: dict[tuple, dict] = {}
     notes: list[str] = []
@@ -630,7 +632,7 @@ def load_documents(paths: Iterable[str]) -> list[dict]:
     """Read benchmark JSON files.
 
     Raises:
-        ValueError: a file is not a valid benchmark document (names the file).
+        AFDConfigError: a file is not a valid benchmark document (names the file).
     """
     docs = []
     for p in paths:
@@ -638,10 +640,10 @@ def load_documents(paths: Iterable[str]) -> list[dict]:
             try:
                 d = json.load(fh)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{p}: not JSON: {e}") from None
+                raise AFDConfigError(f"{p}: not JSON: {e}") from None
         try:
             validate_document(d)
         except ValueError as e:
-            raise ValueError(f"{p}: {e}") from None
+            raise AFDConfigError(f"{p}: {e}") from None
         docs.append(d)
     return docs

@@ -33,6 +33,7 @@ from typing import Any
 from afd_ext.bench.guard import WorkerGuard
 from afd_ext.bench.plan import Case, RunConfig
 from afd_ext.bench.timing import capture_graph, summarize, time_eager, time_graph, wait_event
+from afd_ext.errors import AFDConfigError
 
 logger = logging.getLogger("afd_ext.bench")
 
@@ -67,7 +68,7 @@ class _Env:
                 op="TCPStore/init_process_group")
         if self.cuda:
             if not torch.cuda.is_available():
-                raise RuntimeError(f"world rank {rank}: backend nccl but no CUDA device is visible "
+                raise AFDConfigError(f"world rank {rank}: backend nccl but no CUDA device is visible "
                                    f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
             torch.cuda.set_device(0)
             self.device = torch.device("cuda", 0)

@@ -33,6 +33,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
+from afd_ext.errors import AFDConfigError, AFDStateError, AFDTimeoutError
+
 __all__ = [
     "Stats",
     "summarize",
@@ -81,12 +83,12 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
     """Linear-interpolated percentile ``q`` in [0, 100] of already sorted values (numpy's default).
 
     Raises:
-        ValueError: empty input or ``q`` outside [0, 100].
+        AFDConfigError: empty input or ``q`` outside [0, 100].
     """
     if not sorted_values:
-        raise ValueError("percentile of an empty sample")
+        raise AFDConfigError("percentile of an empty sample")
     if not 0.0 <= q <= 100.0:
-        raise ValueError(f"percentile q must be within [0, 100], got {q}")
+        raise AFDConfigError(f"percentile q must be within [0, 100], got {q}")
     pos = (len(sorted_values) - 1) * q / 100.0
     lo = math.floor(pos)
     hi = min(lo + 1, len(sorted_values) - 1)
@@ -98,13 +100,13 @@ def summarize(samples_us: Sequence[float]) -> Stats:
     """Median, p10, p90, mean and min of timing samples in µs.
 
     Raises:
-        ValueError: no samples, or a sample that is not a finite number.
+        AFDConfigError: no samples, or a sample that is not a finite number.
     """
     values = [float(v) for v in samples_us]
     if not values:
-        raise ValueError("cannot summarize an empty list of timing samples")
+        raise AFDConfigError("cannot summarize an empty list of timing samples")
     if not all(math.isfinite(v) for v in values):
-        raise ValueError("timing samples must be finite numbers")
+        raise AFDConfigError("timing samples must be finite numbers")
     s = sorted(values)
     return Stats(
         median=float(statistics.median(s)),
@@ -126,13 +128,13 @@ def wait_event(event: Any, timeout_s: float, what: str, poll_s: float = 0.0005) 
         poll_s: sleep between polls, seconds.
 
     Raises:
-        TimeoutError: the event did not complete within ``timeout_s`` (a peer
+        AFDTimeoutError: the event did not complete within ``timeout_s`` (a peer
             most likely never posted its half of an NCCL call).
     """
     deadline = time.monotonic() + timeout_s
     while not event.query():
         if time.monotonic() > deadline:
-            raise TimeoutError(
+            raise AFDTimeoutError(
                 f"{what}: the device did not finish within {timeout_s:.0f} s; "
                 "the peer most likely never posted the matching NCCL call"
             )
@@ -154,7 +156,7 @@ class CudaTimer:
         import torch
 
         if marks < 2:
-            raise ValueError(f"a CudaTimer needs at least 2 marks, got {marks}")
+            raise AFDConfigError(f"a CudaTimer needs at least 2 marks, got {marks}")
         self._events = [torch.cuda.Event(enable_timing=True) for _ in range(marks)]
         self._n = 0
 
@@ -168,11 +170,11 @@ class CudaTimer:
         """Elapsed time between consecutive marks, µs, each divided by ``divide_by``.
 
         Raises:
-            RuntimeError: fewer than 2 marks were recorded.
-            TimeoutError: the last event did not complete in time.
+            AFDStateError: fewer than 2 marks were recorded.
+            AFDTimeoutError: the last event did not complete in time.
         """
         if self._n < 2:
-            raise RuntimeError(f"CudaTimer: {self._n} marks recorded, need at least 2")
+            raise AFDStateError(f"CudaTimer: {self._n} marks recorded, need at least 2")
         wait_event(self._events[self._n - 1], timeout_s, what)
         return [
             self._events[i].elapsed_time(self._events[i + 1]) * 1000.0 / divide_by
@@ -185,7 +187,7 @@ class HostTimer:
 
     def __init__(self, marks: int):
         if marks < 2:
-            raise ValueError(f"a HostTimer needs at least 2 marks, got {marks}")
+            raise AFDConfigError(f"a HostTimer needs at least 2 marks, got {marks}")
         self._t = [0] * marks
         self._n = 0
 
@@ -199,7 +201,7 @@ class HostTimer:
         """Elapsed time between consecutive marks, µs, each divided by ``divide_by``."""
         del timeout_s, what  # host work is already complete
         if self._n < 2:
-            raise RuntimeError(f"HostTimer: {self._n} marks recorded, need at least 2")
+            raise AFDStateError(f"HostTimer: {self._n} marks recorded, need at least 2")
         return [(self._t[i + 1] - self._t[i]) / 1000.0 / divide_by for i in range(self._n - 1)]
 
 
@@ -222,11 +224,11 @@ def time_eager(step: Callable[[], Any], iters: int, warmup: int, *, cuda: bool,
         ``iters`` samples in µs (empty when ``timed`` is False).
 
     Raises:
-        ValueError: ``iters < 1`` or ``warmup < 0``.
-        TimeoutError: the device did not finish within ``timeout_s``.
+        AFDConfigError: ``iters < 1`` or ``warmup < 0``.
+        AFDTimeoutError: the device did not finish within ``timeout_s``.
     """
     if iters < 1 or warmup < 0:
-        raise ValueError(f"time_eager needs iters >= 1 and warmup >= 0, got {iters}, {warmup}")
+        raise AFDConfigError(f"time_eager needs iters >= 1 and warmup >= 0, got {iters}, {warmup}")
     for _ in range(warmup):
         step()
     if not timed:
@@ -270,11 +272,14 @@ def capture_graph(step: Callable[[], Any], graph_iters: int,
 
     Returns:
         The captured graph; ``graph.replay()`` runs all iterations on the current stream.
+
+    Raises:
+        AFDConfigError: ``graph_iters < 1``.
     """
     import torch
 
     if graph_iters < 1:
-        raise ValueError(f"graph_iters must be >= 1, got {graph_iters}")
+        raise AFDConfigError(f"graph_iters must be >= 1, got {graph_iters}")
     graph = torch.cuda.CUDAGraph()
     # thread_local: NCCL's proxy thread may touch CUDA while this thread captures.
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
@@ -300,10 +305,11 @@ def time_graph(graph: Any, replays: int, warmup: int, graph_iters: int, *,
         timed: False on the lockstep-only side (replays, waits, returns ``[]``).
 
     Raises:
-        TimeoutError: the device did not finish within ``timeout_s``.
+        AFDConfigError: ``replays < 1`` or ``warmup < 0``.
+        AFDTimeoutError: the device did not finish within ``timeout_s``.
     """
     if replays < 1 or warmup < 0:
-        raise ValueError(f"time_graph needs replays >= 1 and warmup >= 0, got {replays}, {warmup}")
+        raise AFDConfigError(f"time_graph needs replays >= 1 and warmup >= 0, got {replays}, {warmup}")
     for _ in range(warmup):
         graph.replay()
     if not timed:

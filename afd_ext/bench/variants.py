@@ -58,6 +58,7 @@ from typing import Any, Callable
 import torch
 
 from afd_ext.bench.plan import Case
+from afd_ext.errors import AFDConfigError, AFDPeerError, AFDStateError
 
 __all__ = [
     "FLAG_BYTES",
@@ -367,7 +368,7 @@ class Variant:
                     self.flag_recv()
                     self.ffn_send_static()
                 return ff2a
-        raise ValueError(f"unknown direction {direction!r}; expected round_trip, a2f or f2a")
+        raise AFDConfigError(f"unknown direction {direction!r}; expected round_trip, a2f or f2a")
 
 
 class FlagPingPong(Variant):
@@ -413,7 +414,7 @@ class OursPerTensor(Variant):
         self.tr = ctx.gloo_transport if ctx.backend == "gloo" else None
         if ctx.backend == "gloo":
             if self.tr is None:
-                raise RuntimeError("this package's gloo transport (afd_ext.transport.gloo) is not available")
+                raise AFDStateError("this package's gloo transport (afd_ext.transport.gloo) is not available")
             from afd_ext.transport.base import MessageTag
 
             self.tag_a2f = MessageTag("bench", "a2f", 0, 0, 0)
@@ -544,7 +545,7 @@ class PeerMemory(Variant):
 
         store, topo = ctx.extra.get("store"), ctx.extra.get("topology")
         if store is None or topo is None:
-            raise RuntimeError("the peer variant needs the runner's store and topology (Ctx.extra)")
+            raise AFDStateError("the peer variant needs the runner's store and topology (Ctx.extra)")
         PeerMemory._setups += 1
         spec = WireSpec(case.hidden, torch.bfloat16, case.logits_width if case.extras else 0, torch.float32,
                         case.extras)
@@ -836,7 +837,7 @@ class BareNccl:
         """Raise ``RuntimeError`` naming ``what`` when ``rc`` is not ncclSuccess."""
         if rc != 0:
             msg = self.lib.ncclGetErrorString(rc).decode(errors="replace")
-            raise RuntimeError(f"bare NCCL {what} failed: {msg} (code {rc})")
+            raise AFDPeerError(f"bare NCCL {what} failed: {msg} (code {rc})")
 
     def unique_id(self) -> bytes:
         uid = _UniqueId()
@@ -846,7 +847,7 @@ class BareNccl:
     def comm_init(self, uid: bytes, nranks: int, rank: int) -> ctypes.c_void_p:
         """Blocking, like ``ncclCommInitRank``: every rank must call it."""
         if len(uid) != 128:
-            raise ValueError(f"an ncclUniqueId has 128 bytes, got {len(uid)}")
+            raise AFDConfigError(f"an ncclUniqueId has 128 bytes, got {len(uid)}")
         u = _UniqueId()
         ctypes.memmove(ctypes.addressof(u), uid, 128)
         comm = ctypes.c_void_p()
@@ -867,7 +868,7 @@ class Bare(OursPerTensor):
     def __init__(self, ctx: Ctx, case: Case):
         super().__init__(ctx, case)
         if ctx.bare is None or any(l.bare_a2f is None for l in self.live):
-            raise RuntimeError("bare NCCL communicators are not available")
+            raise AFDStateError("bare NCCL communicators are not available")
         self.lib = ctx.bare.lib
         self.stream = ctypes.c_void_p(0)
 
@@ -947,14 +948,14 @@ class TorchDist(OursPerTensor):
             # batch_isend_irecv's first call on an NCCL group must include every
             # rank of the group, and several peers in one batch would build a
             # communicator over the whole group (refused for GPUs shared by ranks).
-            raise RuntimeError("torch_dist is measured in 1A1F only (one peer, a 2-rank group) on NCCL")
+            raise AFDConfigError("torch_dist is measured in 1A1F only (one peer, a 2-rank group) on NCCL")
         n = ctx.rows
         self.h, self.l, self.i = self._wire(n)
         if ctx.is_attention:
             self.reply = torch.zeros(n, case.hidden, dtype=torch.bfloat16, device=self.dev)
         group = ctx.nccl_group if ctx.backend == "nccl" else None
         if ctx.backend == "nccl" and group is None:
-            raise RuntimeError("no NCCL process group for torch_dist")
+            raise AFDStateError("no NCCL process group for torch_dist")
         self.tr = None
 
         def ops(tensors, op):
@@ -1027,6 +1028,7 @@ def make_variant(name: str, ctx: Ctx, case: Case) -> Variant:
 
     Raises:
         KeyError: unknown name.
-        RuntimeError: the variant cannot run here (missing library, layout).
+        AFDConfigError / AFDStateError / AFDPeerError: the variant cannot run here (layout, missing
+            runner state or library, a failed bare NCCL call).
     """
     return VARIANTS[name](ctx, case)

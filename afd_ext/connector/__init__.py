@@ -97,7 +97,7 @@ class AFDConnector:
 
     Raises:
         TypeError: an unknown keyword argument.
-        ValueError: a missing or invalid model fact, a role rank out of range.
+        AFDConfigError: a missing or invalid model fact, a role rank out of range.
     """
 
     #: The reference's class attributes (``control_plane`` non-None: FFN steps are payload-driven).
@@ -294,7 +294,7 @@ class AFDConnector:
             **kwargs: ignored (reference extensions such as ``topk_ids``).
 
         Raises:
-            ValueError: a bad input or call order (nothing of this call is sent;
+            AFDConfigError: a bad input or call order (nothing of this call is sent;
                 docs/internals.md says what happens to the step).
             ConnectorStateError: not initialised / aborted / no step applied.
             AFDTransportError, StepAbortedError: transport failure (the step is aborted everywhere).
@@ -322,7 +322,7 @@ class AFDConnector:
             for the reply, so any later work on it sees the data.
 
         Raises:
-            ValueError / ConnectorStateError: bad ``ref_tensor`` or call order (nothing is received;
+            AFDConfigError / ConnectorStateError: bad ``ref_tensor`` or call order (nothing is received;
                 mid-step this aborts the step on every rank).
             AFDTransportError, StepAbortedError: transport failure (the step is aborted everywhere).
         """
@@ -368,7 +368,7 @@ class AFDConnector:
             the next ``recv_attn_output`` of this stage.
 
         Raises:
-            ValueError / ConnectorStateError: call order or a spec that differs
+            AFDConfigError / ConnectorStateError: call order or a spec that differs
                 from the configuration (nothing received; mid-step this aborts
                 the step on every rank).
             AFDTransportError, StepAbortedError: transport failure (a dead
@@ -388,7 +388,7 @@ class AFDConnector:
             **kwargs: ignored (e.g. ``ubatch_idx``).
 
         Raises:
-            ValueError / ConnectorStateError: bad output or context (nothing is
+            AFDConfigError / ConnectorStateError: bad output or context (nothing is
                 sent; the attention peers already hold this exchange, so the
                 step is aborted on every rank).
             AFDTransportError, StepAbortedError: transport failure.

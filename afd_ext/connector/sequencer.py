@@ -96,7 +96,7 @@ class StepSequencer:
 
         Raises:
             AFDStateError: every exchange was sent.
-            ValueError: ``stage`` is not the next exchange's stage.
+            AFDConfigError: ``stage`` is not the next exchange's stage.
         """
         if self.sent >= self.total:
             raise AFDStateError(
@@ -114,7 +114,7 @@ class StepSequencer:
 
         Raises:
             AFDStateError: no sent exchange awaits its reply.
-            ValueError: ``stage`` is not the stage of the oldest one.
+            AFDConfigError: ``stage`` is not the stage of the oldest one.
         """
         if self.received >= self.sent:
             raise AFDStateError(
@@ -134,7 +134,7 @@ class StepSequencer:
 
         Raises:
             AFDStateError: every exchange was received.
-            ValueError: ``stage`` is not the next exchange's stage.
+            AFDConfigError: ``stage`` is not the next exchange's stage.
         """
         if self.received >= self.total:
             raise AFDStateError(

@@ -254,7 +254,7 @@ class Session:
             settle: the FFN side's wait for its replies in flight (None on attention ranks).
 
         Raises:
-            ValueError: the schedule rejects ``payload`` (nothing moved for this step).
+            AFDConfigError: the schedule rejects ``payload`` (nothing moved for this step).
             ConnectorStateError: not usable, or the previous step is incomplete mid-way (then
                 aborted on every rank).
         """

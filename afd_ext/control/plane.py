@@ -72,7 +72,7 @@ def open_control_channels(
         peer role rank (FFN rank for a sender, attention rank for a receiver) -> channel.
 
     Raises:
-        ValueError: unknown ``kind`` or role.
+        AFDConfigError: unknown ``kind`` or role, or the two ends chose different kinds.
         RendezvousTimeoutError: a peer did not show up in time (named).
         RuntimeError: ``shm`` forced across hosts.
         StepAbortedError: an abort was posted meanwhile.
@@ -326,7 +326,7 @@ class AFDControlPlane:
 
         Raises:
             AFDStateError: not open (connector not initialised).
-            ValueError: not a valid control payload; AFDConfigError: larger than the channel's limit.
+            AFDConfigError: not a valid control payload, or larger than the channel's limit.
             PeerDeadError: a destination FFN rank is gone.
         """
         if not self._open:
@@ -367,7 +367,7 @@ class AFDControlPlane:
                 return md.control_payload_from_parts(*data)
             try:
                 if len(data) > self.max_payload_bytes:
-                    raise ValueError(f"{len(data)} bytes exceed max_payload_bytes={self.max_payload_bytes}")
+                    raise ControlProtocolError(f"{len(data)} bytes exceed max_payload_bytes={self.max_payload_bytes}")
                 return self._md.decode_control_binary(data)
             except ValueError as e:
                 raise ControlProtocolError(f"{_OP_RECV}: malformed control payload from {ch.peer}: {e}") from None

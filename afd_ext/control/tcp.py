@@ -9,7 +9,7 @@ import threading
 import time
 
 from afd_ext import rendezvous as rdzv
-from afd_ext.errors import ControlChannelClosed, ControlProtocolError, ControlRecvTimeout, PeerDeadError
+from afd_ext.errors import AFDPeerError, ControlChannelClosed, ControlProtocolError, ControlRecvTimeout, PeerDeadError
 from afd_ext.rendezvous import AFDStore
 
 from .channel import (
@@ -304,6 +304,6 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     while len(buf) < n:
         chunk = sock.recv(n - len(buf))
         if not chunk:
-            raise ConnectionError("connection closed")
+            raise AFDPeerError("connection closed")
         buf += chunk
     return bytes(buf)

@@ -108,7 +108,7 @@ def register() -> None:
     ``afd_plugin`` installed it does nothing (logged at debug level).
 
     Raises:
-        ValueError: ``AFD_EXT_REPLACE_P2P`` is not a boolean.
+        AFDConfigError: ``AFD_EXT_REPLACE_P2P`` is not a boolean.
     """
     replace_p2p = envs.get("AFD_EXT_REPLACE_P2P")
     if not HAVE_AFD_PLUGIN:
@@ -324,7 +324,7 @@ if HAVE_AFD_PLUGIN:
 
         Raises:
             AFDConfigError: ``async_dp`` set, or a model fact missing from ``vllm_config``.
-            ValueError / TypeError: a bad ``connector_extra_config`` or role rank.
+            AFDConfigError / TypeError: a bad ``connector_extra_config`` or role rank.
         """
 
         def __init__(self, rank: int, local_rank: int, vllm_config: Any, afd_config: Any, role_rank: int) -> None:
@@ -408,7 +408,7 @@ if HAVE_AFD_PLUGIN:
             ``recv_dp_metadata_list``).
 
             Raises:
-                ValueError / AFDStateError: see afd_ext's ``update_state_from_dp_metadata``
+                AFDConfigError / AFDStateError: see afd_ext's ``update_state_from_dp_metadata``
                     (an attention rank refuses a count vector that is neither per DP
                     rank nor per attention rank; nothing moved).
             """
@@ -451,7 +451,7 @@ if HAVE_AFD_PLUGIN:
                     ``input_ids`` ``[rows]`` int32; others are ignored.
 
             Raises:
-                ValueError / AFDStateError / AFDError: see afd_ext's ``send_attn_output``.
+                AFDConfigError / AFDStateError / AFDError: see afd_ext's ``send_attn_output``.
             """
             md = context.metadata
             if _tracing():
@@ -488,7 +488,7 @@ if HAVE_AFD_PLUGIN:
             Raises:
                 AFDConfigError: ``routing_spec`` differs from what this connector
                     configured from the model config (the message says what to set).
-                ValueError / AFDStateError / AFDError: see afd_ext's ``recv_attn_output``.
+                AFDConfigError / AFDStateError / AFDError: see afd_ext's ``recv_attn_output``.
             """
             spec = kwargs.get("routing_spec")
             if spec is not None and spec != self._spec_ok:

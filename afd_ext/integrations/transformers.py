@@ -59,6 +59,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from afd_ext.errors import AFDConfigError, AFDProtocolError, AFDStateError
 from afd_ext.metadata import (
     AFDControlPayload,
     AFDExpertRoutingSpec,
@@ -115,14 +116,14 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     ``model.transformer.h`` and ``model.gpt_neox.layers``, in that order.
 
     Raises:
-        ValueError: none of them is an ``nn.ModuleList``; pass a model laid out
+        AFDConfigError: none of them is an ``nn.ModuleList``; pass a model laid out
             like the transformers decoders or wrap yours so one of them exists.
     """
     for path in _LAYER_PATHS:
         layers = _get_path(model, path)
         if isinstance(layers, nn.ModuleList) and len(layers) > 0:
             return layers
-    raise ValueError(
+    raise AFDConfigError(
         f"cannot find the decoder layers of {type(model).__name__}: looked for "
         f"{', '.join(_LAYER_PATHS)} (an nn.ModuleList); expose the layers under one of these names"
     )
@@ -133,7 +134,7 @@ def _mlp_attr(layer: nn.Module, idx: int) -> str:
         m = getattr(layer, name, None)
         if isinstance(m, nn.Module):
             return name
-    raise ValueError(
+    raise AFDConfigError(
         f"decoder layer {idx} ({type(layer).__name__}) has no MLP under any of {MLP_ATTRS}"
     )
 
@@ -182,7 +183,7 @@ def _hidden_size(model: nn.Module) -> int:
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     if emb is not None:
         return int(emb.weight.shape[1])
-    raise ValueError(f"cannot tell the hidden size of {type(model).__name__}: no config.hidden_size")
+    raise AFDConfigError(f"cannot tell the hidden size of {type(model).__name__}: no config.hidden_size")
 
 
 def describe_layers(model: nn.Module) -> list[LayerInfo]:
@@ -192,7 +193,7 @@ def describe_layers(model: nn.Module) -> list[LayerInfo]:
     :func:`split_attention_role` (the proxies remember what they replaced).
 
     Raises:
-        ValueError: the layers or an MLP cannot be found.
+        AFDConfigError: the layers or an MLP cannot be found.
     """
     hidden = _hidden_size(model)
     out = []
@@ -251,9 +252,9 @@ def stage_split(n: int, num_stages: int) -> list[int]:
     [0, 0]
     """
     if num_stages < 1:
-        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+        raise AFDConfigError(f"num_stages must be >= 1, got {num_stages}")
     if n < 0:
-        raise ValueError(f"row count must be >= 0, got {n}")
+        raise AFDConfigError(f"row count must be >= 0, got {n}")
     base, rem = divmod(n, num_stages)
     return [base + (1 if s < rem else 0) for s in range(num_stages)]
 
@@ -342,7 +343,7 @@ class AttentionExchange:
 
     def __init__(self, connector: Any, *, hidden_size: int, num_stages: int = 1, timing: bool = False):
         if num_stages < 1:
-            raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+            raise AFDConfigError(f"num_stages must be >= 1, got {num_stages}")
         self.connector = connector
         self.hidden_size = hidden_size
         self.num_stages = num_stages
@@ -372,11 +373,11 @@ class AttentionExchange:
         """The current ``row_mask`` as flat row indices (int64 on ``device``), cached per step.
 
         Raises:
-            RuntimeError: no row mask is set.
+            AFDStateError: no row mask is set.
         """
         mask = self._row_mask
         if mask is None:
-            raise RuntimeError("AttentionExchange.row_index: no row mask is set for this step")
+            raise AFDStateError("AttentionExchange.row_index: no row mask is set for this step")
         cached = self._mask_index
         if cached is None or cached[0] is not mask or cached[1] != device:
             idx = mask.reshape(-1).nonzero().squeeze(1).to(device)
@@ -411,7 +412,7 @@ class AttentionExchange:
             This rank's rows per stage.
 
         Raises:
-            ValueError: the payload's stages do not match ``num_stages`` or
+            AFDConfigError: the payload's stages do not match ``num_stages`` or
                 ``dp_rank`` is out of range.
         """
         if self.graph_runner is not None:
@@ -429,7 +430,7 @@ class AttentionExchange:
         """:meth:`begin_step` without the graph runner (the runner calls it for the steps it runs eagerly)."""
         stages = sorted(payload.dp_metadata_list)
         if stages != list(range(self.num_stages)):
-            raise ValueError(
+            raise AFDConfigError(
                 f"payload stages {stages} do not match num_stages={self.num_stages} "
                 f"(expected {list(range(self.num_stages))})"
             )
@@ -437,12 +438,12 @@ class AttentionExchange:
         for s in stages:
             counts = payload.dp_metadata_list[s].counts
             if not 0 <= dp_rank < len(counts):
-                raise ValueError(f"dp_rank {dp_rank} out of range for stage {s} counts {counts}")
+                raise AFDConfigError(f"dp_rank {dp_rank} out of range for stage {s} counts {counts}")
             rows.append(int(counts[dp_rank]))
         if row_mask is not None:
             n = int(row_mask.sum())
             if n != sum(rows):
-                raise ValueError(
+                raise AFDConfigError(
                     f"row_mask selects {n} rows but the payload gives this rank {sum(rows)} "
                     f"(per stage {rows})"
                 )
@@ -492,15 +493,16 @@ class AttentionExchange:
         """This rank's rows per stage for a forward of ``n`` rows.
 
         Raises:
-            RuntimeError: outside a step, or ``n`` is not the step's row count.
+            AFDStateError: outside a step.
+            AFDConfigError: ``n`` is not the step's row count (a wrong ``row_mask``).
         """
         if self._stage_rows is None:
-            raise RuntimeError(
+            raise AFDStateError(
                 "RemoteMLP called outside a step: call AttentionExchange.begin_step(payload, ...) "
                 "before the model forward"
             )
         if sum(self._stage_rows) != n:
-            raise RuntimeError(
+            raise AFDConfigError(
                 f"the forward has {n} rows to send but the step's payload gives this rank "
                 f"{sum(self._stage_rows)} (per stage {self._stage_rows}); pass the right row_mask"
             )
@@ -518,6 +520,10 @@ class AttentionExchange:
 
         Returns:
             ``[n, hidden]`` FFN output, same dtype and device.
+
+        Raises:
+            AFDStateError / AFDConfigError: as :meth:`rows_for`.
+            AFDProtocolError: the FFN output's shape differs from the rows sent.
         """
         if self.graph_runner is not None and self.graph_runner.active:
             return self.graph_runner.exchange_rows(layer_idx, rows, router_logits)
@@ -547,7 +553,7 @@ class AttentionExchange:
                 sent += lg.numel() * lg.element_size()
             self.count_bytes(sent, y.numel() * y.element_size())
             if tuple(y.shape) != tuple(x.shape):
-                raise RuntimeError(
+                raise AFDProtocolError(
                     f"layer {layer_idx} stage {s}: FFN output has shape {tuple(y.shape)}, "
                     f"expected {tuple(x.shape)}"
                 )
@@ -608,7 +614,7 @@ class RemoteMLP(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> Any:  # noqa: D102
         h = hidden_states.shape[-1]
         if h != self.info.hidden_size:
-            raise ValueError(
+            raise AFDConfigError(
                 f"layer {self.layer_idx}: hidden_states last dim is {h}, expected {self.info.hidden_size}"
             )
         mask = self.exchange._row_mask
@@ -684,13 +690,13 @@ def split_attention_role(
         The :class:`AttentionExchange` that drives the proxies.
 
     Raises:
-        ValueError: the model's layout is not recognised; ``gate_on_attention``
+        AFDConfigError: the model's layout is not recognised; ``gate_on_attention``
             with a model that has no MoE layer.
     """
     infos = describe_layers(model)
     remote = remote_layer_indices(model, gate_on_attention=gate_on_attention)
     if gate_on_attention and not remote:
-        raise ValueError("gate_on_attention=True but the model has no MoE layer (no experts + router)")
+        raise AFDConfigError("gate_on_attention=True but the model has no MoE layer (no experts + router)")
     exchange = AttentionExchange(
         connector, hidden_size=_hidden_size(model), num_stages=num_stages, timing=timing
     )
@@ -699,7 +705,7 @@ def split_attention_role(
         info = infos[i]
         mlp = getattr(layers[i], info.mlp_attr)
         if isinstance(mlp, RemoteMLP):
-            raise ValueError(f"layer {i} is already split (its MLP is a RemoteMLP)")
+            raise AFDConfigError(f"layer {i} is already split (its MLP is a RemoteMLP)")
         gate = getattr(mlp, info.gate_attr) if (gate_on_attention and info.gate_attr) else None
         proxy = RemoteMLP(exchange, info, gate=gate, returns_tuple=_returns_tuple(mlp, info.hidden_size))
         setattr(layers[i], info.mlp_attr, proxy)
@@ -756,6 +762,8 @@ class ReceivedLogitsGate(nn.Module):
     Raises:
         NotImplementedError: at construction, when a float32 probe shows that
             this router cannot be driven by received logits.
+        AFDStateError: called with no :attr:`pending` logits.
+        AFDProtocolError: the received logits' row count differs from the block's.
     """
 
     def __init__(self, original: nn.Module):
@@ -769,13 +777,13 @@ class ReceivedLogitsGate(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> Any:  # noqa: D102
         logits = self.pending
         if logits is None:
-            raise RuntimeError(
+            raise AFDStateError(
                 "ReceivedLogitsGate called without received router logits: the FFN side must "
                 "set .pending (recv_attn_output with routing_spec) when the gate runs on attention"
             )
         n = hidden_states.reshape(-1, hidden_states.shape[-1]).shape[0]
         if logits.shape[0] != n:
-            raise RuntimeError(f"received router logits have {logits.shape[0]} rows, the block has {n}")
+            raise AFDProtocolError(f"received router logits have {logits.shape[0]} rows, the block has {n}")
         logits = logits.to(self.original.weight.dtype)
         if self.is_linear:
             return logits
@@ -861,9 +869,9 @@ class FFNServer:
         on_step: Callable[[AFDControlPayload], None] | None = None,
     ):
         if not modules:
-            raise ValueError("FFNServer needs at least one layer's MLP")
+            raise AFDConfigError("FFNServer needs at least one layer's MLP")
         if gate_on_attention and not num_experts:
-            raise ValueError("gate_on_attention=True needs num_experts (the router logits width)")
+            raise AFDConfigError("gate_on_attention=True needs num_experts (the router logits width)")
         self.connector = connector
         self.modules = dict(sorted(modules.items()))
         self.gate_on_attention = gate_on_attention
@@ -886,13 +894,13 @@ class FFNServer:
         """Build from a whole model (its attention parts are not used and may be dropped).
 
         Raises:
-            ValueError: no MLP block found, or ``gate_on_attention`` without a MoE layer.
+            AFDConfigError: no MLP block found, or ``gate_on_attention`` without a MoE layer.
             NotImplementedError: a block class whose gate cannot move to the attention side.
         """
         modules = extract_ffn_modules(model, gate_on_attention=gate_on_attention)
         num_experts = None
         if gate_on_attention:
-            # None when no layer is MoE: the constructor then raises its ValueError.
+            # None when no layer is MoE: the constructor then raises its AFDConfigError.
             num_experts = next((li.num_experts for li in describe_layers(model) if li.is_moe), None)
         return cls(connector, modules, gate_on_attention=gate_on_attention, num_experts=num_experts, **kw)
 
@@ -910,12 +918,12 @@ class FFNServer:
 
         Raises:
             KeyError: ``layer_idx`` is not a remote layer.
-            ValueError: router logits missing or present against the configuration.
+            AFDConfigError: router logits missing or present against the configuration.
         """
         mlp = self.modules[layer_idx]
         n, h = hidden_states.shape
         if self.gate_on_attention and router_logits is None:
-            raise ValueError(f"layer {layer_idx}: the gate runs on attention but no router logits arrived")
+            raise AFDConfigError(f"layer {layer_idx}: the gate runs on attention but no router logits arrived")
         if n == 0:
             return hidden_states.new_empty(0, h)
         x = hidden_states.reshape(1, n, h)
@@ -923,7 +931,7 @@ class FFNServer:
         if self.gate_on_attention:
             gate = self._gates[layer_idx]
             if gate is None:
-                raise ValueError(f"layer {layer_idx}: block has no ReceivedLogitsGate; use extract_ffn_modules")
+                raise AFDConfigError(f"layer {layer_idx}: block has no ReceivedLogitsGate; use extract_ffn_modules")
             gate.pending = router_logits
         try:
             with torch.no_grad():
