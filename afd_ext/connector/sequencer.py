@@ -17,7 +17,7 @@ is decided here too (:meth:`StepSequencer.moved`, :meth:`StepSequencer.on_new_pa
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ..errors import AFDConfigError, AFDStateError
 from ..topology import step_words
@@ -89,6 +89,24 @@ class StepSequencer:
         layer, stage = self.seq[pos]
         return f"{self.label}, layer {layer}, stage {stage}"
 
+    def _due(self, pos: int, bound: int, stage: int | None, nothing_due: Callable[[], str],
+             wrong_stage: Callable[[int, int], str] | None = None) -> tuple[int, int]:
+        """The exchange at ``pos`` if ``pos < bound`` and its stage is ``stage`` (None: any), else raise.
+
+        The messages are callables so the hot path builds no strings.
+
+        Raises:
+            AFDStateError: ``pos >= bound`` (nothing due), with ``nothing_due()``.
+            ValueError: the exchange's stage is not ``stage``, with ``wrong_stage(layer, want)``
+                (given whenever ``stage`` is).
+        """
+        if pos >= bound:
+            raise AFDStateError(nothing_due())
+        layer, want = self.seq[pos]
+        if stage is not None and stage != want:
+            raise AFDConfigError(wrong_stage(layer, want))  # type: ignore[misc]
+        return layer, want
+
     # -- attention ------------------------------------------------------------------
 
     def next_send(self, stage: int, op: str) -> tuple[int, int]:
@@ -98,16 +116,13 @@ class StepSequencer:
             AFDStateError: every exchange was sent.
             AFDConfigError: ``stage`` is not the next exchange's stage.
         """
-        if self.sent >= self.total:
-            raise AFDStateError(
-                f"{op} on {self.me}: all {self.total} exchanges of {self.label} were already sent; "
-                "apply the next step's payload (update_state_from_dp_metadata) first")
-        layer, want = self.seq[self.sent]
-        if stage != want:
-            raise AFDConfigError(
+        return self._due(
+            self.sent, self.total, stage,
+            lambda: (f"{op} on {self.me}: all {self.total} exchanges of {self.label} were already sent; "
+                     "apply the next step's payload (update_state_from_dp_metadata) first"),
+            lambda layer, want: (
                 f"{op} on {self.me} for stage {stage}, but the next exchange of the step is layer {layer}, "
-                f"stage {want} (exchanges run layer-major, stage-minor over stages {list(self.stages)})")
-        return layer, want
+                f"stage {want} (exchanges run layer-major, stage-minor over stages {list(self.stages)})"))
 
     def next_reply(self, stage: int, op: str) -> tuple[int, int]:
         """The ``(layer, stage)`` whose reply an attention receive for ``stage`` takes (not advanced).
@@ -116,16 +131,12 @@ class StepSequencer:
             AFDStateError: no sent exchange awaits its reply.
             AFDConfigError: ``stage`` is not the stage of the oldest one.
         """
-        if self.received >= self.sent:
-            raise AFDStateError(
-                f"{op}(ubatch_idx={stage}) on {self.me}: no exchange is awaiting its reply "
-                f"({self.progress()}); call send_attn_output first")
-        layer, want = self.seq[self.received]
-        if stage != want:
-            raise AFDConfigError(
-                f"{op}(ubatch_idx={stage}) on {self.me}, but the reply due next is layer {layer}, "
-                f"stage {want} (replies arrive in send order: layer-major, stage-minor)")
-        return layer, want
+        return self._due(
+            self.received, self.sent, stage,
+            lambda: (f"{op}(ubatch_idx={stage}) on {self.me}: no exchange is awaiting its reply "
+                     f"({self.progress()}); call send_attn_output first"),
+            lambda layer, want: (f"{op}(ubatch_idx={stage}) on {self.me}, but the reply due next is layer {layer}, "
+                                 f"stage {want} (replies arrive in send order: layer-major, stage-minor)"))
 
     # -- FFN ------------------------------------------------------------------------
 
@@ -136,15 +147,12 @@ class StepSequencer:
             AFDStateError: every exchange was received.
             AFDConfigError: ``stage`` is not the next exchange's stage.
         """
-        if self.received >= self.total:
-            raise AFDStateError(
-                f"{op} on {self.me}: all {self.total} exchanges of {self.label} were received; "
-                "receive and apply the next step's payload first")
-        layer, want = self.seq[self.received]
-        if stage != want:
-            raise AFDConfigError(f"{op}(ubatch_idx={stage}) on {self.me}, but the next exchange is "
-                             f"layer {layer}, stage {want} (layer-major, stage-minor)")
-        return layer, want
+        return self._due(
+            self.received, self.total, stage,
+            lambda: (f"{op} on {self.me}: all {self.total} exchanges of {self.label} were received; "
+                     "receive and apply the next step's payload first"),
+            lambda layer, want: (f"{op}(ubatch_idx={stage}) on {self.me}, but the next exchange is "
+                                 f"layer {layer}, stage {want} (layer-major, stage-minor)"))
 
     def next_reply_send(self, op: str) -> tuple[int, int]:
         """The ``(layer, stage)`` the next FFN reply belongs to (not advanced).
@@ -152,10 +160,10 @@ class StepSequencer:
         Raises:
             AFDStateError: no received exchange awaits its reply.
         """
-        if self.sent >= self.received:
-            raise AFDStateError(f"{op} on {self.me}: no received exchange awaits its reply "
-                                f"({self.progress()}); call recv_attn_output first")
-        return self.seq[self.sent]
+        return self._due(
+            self.sent, self.received, None,
+            lambda: (f"{op} on {self.me}: no received exchange awaits its reply "
+                     f"({self.progress()}); call recv_attn_output first"))
 
     # -- both -------------------------------------------------------------------------
 
