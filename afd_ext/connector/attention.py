@@ -8,35 +8,23 @@ the schedule); the caller-facing docstrings are the facade's
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 
 from ..errors import AFDConfigError, AFDProtocolError, AFDStateError
 from ..metadata import AFDTransferContext, AFDTransferMetadata
 from ..schedule import PACKED
+from .session import RoleSide
 from .step import Exchange, Step, canonical_strides, context_metadata
-
-if TYPE_CHECKING:
-    from .session import Session
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["AttentionSide"]
 
 
-class AttentionSide:
-    """``send_attn_output`` / ``recv_ffn_output`` / ``abandon_step`` of one attention rank.
-
-    Args:
-        session: the connector's :class:`~afd_ext.connector.session.Session` (step, transport, failure rules).
-        role_rank: this rank's index; device: where its tensors live.
-    """
-
-    def __init__(self, session: "Session", role_rank: int, device: torch.device):
-        self.s = session
-        self.role_rank = role_rank
-        self.device = device
+class AttentionSide(RoleSide):
+    """``send_attn_output`` / ``recv_ffn_output`` / ``abandon_step`` of one attention rank."""
 
     def send_attn_output(self, hidden_states: torch.Tensor, context: AFDTransferContext,
                          router_logits: torch.Tensor | None, input_ids: torch.Tensor | None) -> None:

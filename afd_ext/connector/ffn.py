@@ -8,33 +8,24 @@ again. Caller-facing docstrings are the facade's (:class:`afd_ext.connector.AFDC
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
 from ..errors import AFDConfigError, AFDStateError
 from ..metadata import AFDA2FTransferPayload, AFDExpertRoutingSpec, AFDTransferContext, AFDTransferMetadata
 from ..schedule import PACKED
+from .session import RoleSide, Session
 from .step import AfdExtTransferState, ReplySend, Step, context_metadata
-
-if TYPE_CHECKING:
-    from .session import Session
 
 __all__ = ["FFNSide"]
 
 
-class FFNSide:
-    """``recv_attn_output`` / ``send_ffn_output`` of one FFN rank, and its replies in flight.
+class FFNSide(RoleSide):
+    """``recv_attn_output`` / ``send_ffn_output`` of one FFN rank, and its replies in flight."""
 
-    Args:
-        session: the connector's :class:`~afd_ext.connector.session.Session` (step, transport, failure rules).
-        role_rank: this rank's index; device: where its tensors live.
-    """
-
-    def __init__(self, session: "Session", role_rank: int, device: torch.device):
-        self.s = session
-        self.role_rank = role_rank
-        self.device = device
+    def __init__(self, session: Session, role_rank: int, device: torch.device):
+        super().__init__(session, role_rank, device)
         self._reply_sends: dict[int, ReplySend] = {}
 
     def recv_attn_output(self, ubatch_idx: int, routing_spec: AFDExpertRoutingSpec | None,

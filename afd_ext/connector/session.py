@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import AFDError, AFDProtocolError, AFDStateError, ConnectorStateError
 from ..metadata import AFDControlPayload
@@ -23,9 +23,12 @@ from .buffers import BufferPool
 from .sequencer import StepSequencer, exchange_order
 from .step import Step
 
+if TYPE_CHECKING:
+    import torch
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["Session"]
+__all__ = ["Session", "RoleSide"]
 
 
 class Session:
@@ -309,3 +312,21 @@ class Session:
         q = st.seq
         return StepProgress(q.step, q.total, q.sent, q.received, q.complete, q.seq, q.progress(),
                             time.monotonic() - self.last_call, q.user_step)
+
+
+class RoleSide:
+    """What both role sides (:class:`~.attention.AttentionSide`, :class:`~.ffn.FFNSide`) hold and offer.
+
+    Args:
+        session: the connector's :class:`Session` (step, transport, failure rules).
+        role_rank: this rank's index; device: where its tensors live.
+    """
+
+    def __init__(self, session: Session, role_rank: int, device: torch.device):
+        self.s = session
+        self.role_rank = role_rank
+        self.device = device
+
+    def warmup(self, st: Step, op: str, synchronize: Callable[[], None]) -> None:
+        """One warm-up round of this side (see ``AFDConnector.warmup``)."""
+        raise NotImplementedError
