@@ -287,6 +287,20 @@ def _nccl_unique_id_fake(out: Tensor) -> None:
         raise AFDConfigError(f"afd_ext.nccl_unique_id: out must be uint8 [128], got {out.dtype} {tuple(out.shape)}")
 
 
+def _cuda_index(device: int | torch.device) -> int:
+    """The CUDA device index the management ops take: an int as is, a ``torch.device("cuda"[, i])``'s index
+    (the current device when it has none).
+
+    Raises:
+        AFDConfigError: a ``torch.device`` that is not CUDA.
+    """
+    if isinstance(device, torch.device):
+        if device.type != "cuda":
+            raise AFDConfigError(f"device must be a CUDA device, got {device}")
+        return torch.cuda.current_device() if device.index is None else device.index
+    return int(device)
+
+
 def comm_create(unique_id: Tensor, world_size: int, rank: int, device: int | torch.device) -> int:
     """Create an NCCL communicator and return its handle.
 
@@ -319,11 +333,7 @@ def comm_create(unique_id: Tensor, world_size: int, rank: int, device: int | tor
         RuntimeError: bad arguments, NCCL version mismatch, NCCL init failure, CPU-only build
             (from the C++ checks).
     """
-    if isinstance(device, torch.device):
-        if device.type != "cuda":
-            raise AFDConfigError(f"device must be a CUDA device, got {device}")
-        device = torch.cuda.current_device() if device.index is None else device.index
-    return int(_ops.comm_create(unique_id, int(world_size), int(rank), int(device)))
+    return int(_ops.comm_create(unique_id, int(world_size), int(rank), _cuda_index(device)))
 
 
 @torch.library.register_fake("afd_ext::comm_create")
@@ -747,11 +757,7 @@ def peer_plane_create(device: int | torch.device, generation: int, num_slots: in
         AFDConfigError: ``device`` is a ``torch.device`` that is not CUDA.
         RuntimeError: bad arguments, a CUDA error, or a CPU-only build (from the C++ checks).
     """
-    if isinstance(device, torch.device):
-        if device.type != "cuda":
-            raise AFDConfigError(f"device must be a CUDA device, got {device}")
-        device = torch.cuda.current_device() if device.index is None else device.index
-    return int(_ops.peer_plane_create(int(device), int(generation), int(num_slots), int(max_peers)))
+    return int(_ops.peer_plane_create(_cuda_index(device), int(generation), int(num_slots), int(max_peers)))
 
 
 @torch.library.register_fake("afd_ext::peer_plane_create")

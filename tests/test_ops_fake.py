@@ -179,6 +179,14 @@ def test_comm_create_checks_its_arguments_before_nccl():
         ops.comm_create(torch.zeros(128, dtype=torch.uint8), 2, 0, n)
 
 
+def test_management_ops_refuse_a_non_cuda_torch_device_before_the_core():
+    # Both creators normalise a torch.device in one place; a CPU device is the caller's error.
+    with pytest.raises(AFDConfigError, match=r"device must be a CUDA device, got cpu"):
+        ops.comm_create(torch.zeros(128, dtype=torch.uint8), 2, 0, torch.device("cpu"))
+    with pytest.raises(AFDConfigError, match=r"device must be a CUDA device, got cpu"):
+        ops.peer_plane_create(torch.device("cpu"), 1, 4, 2)
+
+
 def test_nccl_unique_id():
     if not ops.is_cuda_built():
         with pytest.raises(RuntimeError, match="afd_ext was built without CUDA"):
