@@ -346,13 +346,7 @@ def reserve_ffn_buffers(arena: "StaticArena", schedule: Any, ffn_rank: int) -> d
     Returns:
         stage -> name -> tensor (absent optional tensors map to None).
     """
-    cfg = schedule.config
-    out = {}
-    for s in schedule.stages:
-        t = schedule.ffn_rows(s, ffn_rank)
-        out[s] = _reserve_wire(arena, cfg, s, t, schedule.wire_format(s))
-        out[s]["output"] = arena.buffer(("output", s), (t, cfg.hidden_size), cfg.hidden_dtype)
-    return out
+    return _reserve_stages(arena, schedule, lambda s: schedule.ffn_rows(s, ffn_rank), "output")
 
 
 def reserve_attention_buffers(
@@ -368,31 +362,33 @@ def reserve_attention_buffers(
     Returns:
         stage -> name -> tensor.
     """
+    return _reserve_stages(arena, schedule, lambda s: schedule.attention_rows(s, attention_rank), "reply")
+
+
+def _reserve_stages(arena: "StaticArena", schedule: Any, rows_of: Callable[[int], int],
+                    extra: str) -> dict[int, dict[str, torch.Tensor | None]]:
+    """Per stage ``s`` of ``rows = rows_of(s)``: the wire tensors, then ``extra`` ``[rows, hidden]``."""
     cfg = schedule.config
-    out = {}
+    out: dict[int, dict[str, torch.Tensor | None]] = {}
     for s in schedule.stages:
-        n = schedule.attention_rows(s, attention_rank)
-        out[s] = _reserve_wire(arena, cfg, s, n, schedule.wire_format(s))
-        out[s]["reply"] = arena.buffer(("reply", s), (n, cfg.hidden_size), cfg.hidden_dtype)
+        rows = rows_of(s)
+        bufs: dict[str, torch.Tensor | None] = {
+            "hidden": arena.buffer(("hidden", s), (rows, cfg.hidden_size), cfg.hidden_dtype),
+            "router_logits": None,
+            "token_ids": None,
+            "wire": None,
+        }
+        if cfg.router_logits_width is not None:
+            bufs["router_logits"] = arena.buffer(
+                ("router_logits", s), (rows, cfg.router_logits_width), cfg.router_logits_dtype
+            )
+        if cfg.send_token_ids:
+            bufs["token_ids"] = arena.buffer(("token_ids", s), (rows,), TOKEN_IDS_DTYPE)
+        if schedule.wire_format(s) == "packed":
+            bufs["wire"] = arena.buffer(("wire", s), (rows, cfg.packed_row_bytes), torch.uint8)
+        bufs[extra] = arena.buffer((extra, s), (rows, cfg.hidden_size), cfg.hidden_dtype)
+        out[s] = bufs
     return out
-
-
-def _reserve_wire(arena: "StaticArena", cfg: Any, s: int, rows: int, fmt: str) -> dict[str, torch.Tensor | None]:
-    bufs: dict[str, torch.Tensor | None] = {
-        "hidden": arena.buffer(("hidden", s), (rows, cfg.hidden_size), cfg.hidden_dtype),
-        "router_logits": None,
-        "token_ids": None,
-        "wire": None,
-    }
-    if cfg.router_logits_width is not None:
-        bufs["router_logits"] = arena.buffer(
-            ("router_logits", s), (rows, cfg.router_logits_width), cfg.router_logits_dtype
-        )
-    if cfg.send_token_ids:
-        bufs["token_ids"] = arena.buffer(("token_ids", s), (rows,), TOKEN_IDS_DTYPE)
-    if fmt == "packed":
-        bufs["wire"] = arena.buffer(("wire", s), (rows, cfg.packed_row_bytes), torch.uint8)
-    return bufs
 
 
 # ---------------------------------------------------------------------------
