@@ -85,6 +85,7 @@ from .base import (
 )
 from .signal import AbortSignal
 from .stall import StallReports
+from .streams import StageStreams  # noqa: F401 - was defined here; still importable from this module
 
 logger = logging.getLogger(__name__)
 
@@ -272,50 +273,6 @@ def _create_comm(ops: Any, index: int, peers: PeerMap, uid_t: torch.Tensor, rank
             if h is not None:
                 ops.comm_abort(h)
             raise
-
-
-class StageStreams:
-    """One CUDA stream per stage, forked from and joined into the caller's stream through events.
-
-    So a stage's reply receive is never queued behind the next stage's send,
-    and the calls are capturable (a capture supports event fork/join).
-    Streams are created by :meth:`prepare` when a payload is applied, never
-    inside a capture; re-recording an event does not affect earlier waits on it.
-    """
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self._streams: dict[int, Any] = {}
-        self._events: dict[int, tuple[Any, Any]] = {}  # stage -> (fork, join)
-
-    def prepare(self, stages: Sequence[int]) -> None:
-        for s in stages:
-            if s not in self._streams:
-                self._streams[s] = torch.cuda.Stream(device=self.device)
-                self._events[s] = (torch.cuda.Event(), torch.cuda.Event())
-
-    @contextlib.contextmanager
-    def on(self, stage: int) -> Iterator[None]:
-        """Run the body on ``stage``'s stream, after the caller's current stream."""
-        self.prepare((stage,))
-        fork, _ = self._events[stage]
-        fork.record(torch.cuda.current_stream(self.device))
-        self._streams[stage].wait_event(fork)
-        with torch.cuda.stream(self._streams[stage]):
-            yield
-
-    def join(self, stages: Sequence[int] | None = None) -> None:
-        """Make the caller's current stream wait for ``stages``' streams (default: all)."""
-        cur = torch.cuda.current_stream(self.device)
-        for s in list(self._streams) if stages is None else stages:
-            if s in self._streams:
-                _, join = self._events[s]
-                join.record(self._streams[s])
-                cur.wait_event(join)
-
-    def clear(self) -> None:
-        self._streams.clear()
-        self._events.clear()
 
 
 class NcclTransport(Transport):

@@ -38,6 +38,7 @@ import torch
 from ..errors import AFDConfigError, AFDTimeoutError, AFDTransportError
 from ..peer_memory import PeerPlane, WireSpec, open_plane
 from .base import MessageTag, PendingSend, Transport, TransportSetup
+from .streams import StageStreams
 from .strict import HEADER_WORDS
 
 logger = logging.getLogger(__name__)
@@ -82,9 +83,8 @@ class PeerTransport(Transport):
         self.step_kind = "peer"
         self._signal = setup.abort
         self._schedule: Any = None
-        self._streams: dict[int, Any] = {}
-        self._events: dict[int, tuple[Any, Any]] = {}
-        self._multi_stage = False
+        self._stages = StageStreams(self.device)
+        self._stages.separate = False  # until a step of several stages is prepared
         self._failure: Optional[BaseException] = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name=f"afd-peer {self.peers.me}", daemon=True)
@@ -198,40 +198,15 @@ class PeerTransport(Transport):
             self.fallback.begin_step(schedule)
 
     def prepare_stages(self, stages: Sequence[int]) -> None:
-        self._multi_stage = len(stages) > 1
-        if self._multi_stage:
-            for s in stages:
-                if s not in self._streams:
-                    self._streams[s] = torch.cuda.Stream(device=self.device)
-                    self._events[s] = (torch.cuda.Event(), torch.cuda.Event())
-
-    @contextlib.contextmanager
-    def _on_stage(self, stage: int) -> Iterator[None]:
-        if not self._multi_stage:
-            yield
-            return
-        ss = self._streams[stage]
-        fork, _ = self._events[stage]
-        fork.record(torch.cuda.current_stream(self.device))
-        ss.wait_event(fork)
-        with torch.cuda.stream(ss):
-            yield
-
-    def _join(self, stages: Sequence[int]) -> None:
-        if not self._multi_stage:
-            return
-        cur = torch.cuda.current_stream(self.device)
-        for s in stages:
-            ss = self._streams.get(s)
-            if ss is not None:
-                _, join = self._events[s]
-                join.record(ss)
-                cur.wait_event(join)
+        # A one-stage step stays on the caller's stream: no fork/join events to pay for.
+        self._stages.separate = len(stages) > 1
+        if self._stages.separate:
+            self._stages.prepare(stages)
 
     def join(self) -> None:
         if self.fallback is not None:
             self.fallback.join()
-        self._join(list(self._streams))
+        self._stages.join()
 
     # -- data --------------------------------------------------------------------------
 
@@ -271,7 +246,7 @@ class PeerTransport(Transport):
         if self.plane.role == "ffn":
             full = [full[0]]
         out_rows, dst = self._targets(tag.stage, peers, rows)
-        with self._on_stage(tag.stage):
+        with self._stages.on(tag.stage):
             self.plane.put(tag.stage, full, out_rows, dst)
         return PendingSend()
 
@@ -296,7 +271,7 @@ class PeerTransport(Transport):
         self.check_health(tag)
         n = int(sum(rows))
         plane = self.plane
-        with self._on_stage(tag.stage):
+        with self._stages.on(tag.stage):
             if plane.role == "attention":
                 plane.wait(tag.stage, n, layer=tag.layer, out=tensors[0])
             else:
@@ -304,7 +279,7 @@ class PeerTransport(Transport):
                 for t, v in zip([t for t in tensors if t is not None], views):
                     if t.data_ptr() != v.data_ptr():
                         t.copy_(v)  # the caller's own buffers: one copy (receive_buffers avoids it)
-        self._join((tag.stage,))
+        self._stages.join((tag.stage,))
         if wait:
             self.synchronize("receive (fan-in)", tag)
 
@@ -382,5 +357,4 @@ class PeerTransport(Transport):
             self.plane.close()  # aborts first: every wait returns, then the device sync is short
         except Exception as e:  # noqa: BLE001
             logger.warning("%s: closing the peer-memory plane: %s", self.peers.me, e)
-        self._streams.clear()
-        self._events.clear()
+        self._stages.clear()
