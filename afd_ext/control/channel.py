@@ -8,6 +8,7 @@ from __future__ import annotations
 import abc
 import ctypes
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -228,6 +229,8 @@ class ControlChannel(abc.ABC):
         self._store_lost_at: float | None = None
         # Receiver: when the last payload arrived; polling continues until idle_s after it.
         self._last_msg = time.monotonic()
+        self._hb_stop = threading.Event()
+        self._hb_thread: threading.Thread | None = None
 
     @abc.abstractmethod
     def send(self, data: bytes) -> None:
@@ -285,6 +288,41 @@ class ControlChannel(abc.ABC):
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def _start_heartbeat(self) -> None:
+        """Sender: publish a heartbeat (:meth:`_beat`) every ``heartbeat_interval_s`` from a daemon thread."""
+        def run() -> None:
+            interval = self.options.heartbeat_interval_s
+            while not self._hb_stop.wait(interval):
+                if not self._beat():
+                    return
+
+        self._hb_thread = threading.Thread(target=run, name=f"afd-ctrl-heartbeat-{self.peer_rank}", daemon=True)
+        self._hb_thread.start()
+
+    def _beat(self) -> bool:
+        """Publish one heartbeat; False once the channel is gone (ends the heartbeat thread)."""
+        raise NotImplementedError
+
+    def _abort_or_timeout(self, op: str, now: float, next_abort: float, deadline: float | None,
+                          timeout_s: float | None) -> float:
+        """A waiting receiver, between two waits: poll the abort signal when due, give up past ``deadline``.
+
+        Returns:
+            When the abort signal is due next (monotonic seconds).
+
+        Raises:
+            ControlRecvTimeout: ``now`` is past ``deadline`` (the message names ``timeout_s`` when given).
+            StepAbortedError: some rank posted the step-abort signal.
+        """
+        if self._abort_check is not None and now >= next_abort:
+            next_abort = now + _ABORT_EVERY_S
+            self._poll_abort(op)
+        if deadline is not None and now >= deadline:
+            within = "the timeout" if timeout_s is None else f"{timeout_s:g} s"
+            raise ControlRecvTimeout(
+                f"{op}: no control payload from {self.peer} within {within} (the peer is alive but idle)")
+        return next_abort
 
     def _poll_abort(self, op: str) -> None:
         """Look at the store's abort signal; tolerate a lost store for a short grace.

@@ -14,7 +14,7 @@ import zlib
 from typing import Any
 
 from afd_ext import rendezvous as rdzv
-from afd_ext.errors import ControlChannelClosed, ControlProtocolError, ControlRecvTimeout, PeerDeadError
+from afd_ext.errors import ControlChannelClosed, ControlProtocolError, PeerDeadError
 from afd_ext.rendezvous import AFDStore
 
 from .channel import (
@@ -173,8 +173,6 @@ class ShmControlChannel(ControlChannel):
         self._state_addr = ctypes.addressof(self._state)
         self._limits = (-1, 0)  # the native take's (max_stages, max_ranks); -1: raw bytes
         self._count = 0  # slots sent (sender) / consumed (receiver)
-        self._hb_stop = threading.Event()
-        self._hb_thread: threading.Thread | None = None
         self._peer_pid = 0
         self._peer_start = 0
         self._unlinked = False
@@ -292,18 +290,12 @@ class ShmControlChannel(ControlChannel):
 
     # -- heartbeat -----------------------------------------------------------------
 
-    def _start_heartbeat(self) -> None:
-        def beat() -> None:
-            interval = self.options.heartbeat_interval_s
-            while not self._hb_stop.wait(interval):
-                try:
-                    self._hdr[_W_HEARTBEAT] = time.monotonic_ns()
-                except (ValueError, TypeError):  # released during close
-                    return
-
-        self._hb_thread = threading.Thread(target=beat, name=f"afd-ctrl-heartbeat-{self.peer_rank}",
-                                           daemon=True)
-        self._hb_thread.start()
+    def _beat(self) -> bool:
+        try:
+            self._hdr[_W_HEARTBEAT] = time.monotonic_ns()
+        except (ValueError, TypeError):  # released during close
+            return False
+        return True
 
     def _peer_gone(self) -> bool:
         if not self._peer_pid:
@@ -482,14 +474,7 @@ class ShmControlChannel(ControlChannel):
                             f"no heartbeat for {age / 1e9:.1f} s (heartbeat_timeout_s="
                             f"{self.options.heartbeat_timeout_s:g}); the process is hung or stopped",
                         )
-                if self._abort_check is not None and now >= next_abort:
-                    next_abort = now + _ABORT_EVERY_S
-                    self._poll_abort(op)
-                if deadline is not None and now >= deadline:
-                    raise ControlRecvTimeout(
-                        f"{op}: no control payload from {self.peer} within {timeout_s:g} s "
-                        "(the peer is alive but idle)"
-                    )
+                next_abort = self._abort_or_timeout(op, now, next_abort, deadline, timeout_s)
         finally:
             if waiting:
                 hdr[_W_WAITING] = 0

@@ -9,7 +9,7 @@ import threading
 import time
 
 from afd_ext import rendezvous as rdzv
-from afd_ext.errors import AFDPeerError, ControlChannelClosed, ControlProtocolError, ControlRecvTimeout, PeerDeadError
+from afd_ext.errors import AFDPeerError, ControlChannelClosed, ControlProtocolError, PeerDeadError
 from afd_ext.rendezvous import AFDStore
 
 from .channel import (
@@ -65,8 +65,6 @@ class TcpControlChannel(ControlChannel):
         self._lock = threading.Lock()
         self._rbuf = bytearray()
         self._last_seen = time.monotonic()
-        self._hb_stop = threading.Event()
-        self._hb_thread: threading.Thread | None = None
         self._token = b""
         self._poller = select.poll()
         self._poller.register(sock, select.POLLIN)
@@ -158,17 +156,12 @@ class TcpControlChannel(ControlChannel):
                 self._sock.sendall(frame)
                 self._sock.sendall(data)
 
-    def _start_heartbeat(self) -> None:
-        def beat() -> None:
-            while not self._hb_stop.wait(self.options.heartbeat_interval_s):
-                try:
-                    self._send_frame(_T_HEARTBEAT)
-                except OSError:
-                    return
-
-        self._hb_thread = threading.Thread(target=beat, name=f"afd-ctrl-heartbeat-{self.peer_rank}",
-                                           daemon=True)
-        self._hb_thread.start()
+    def _beat(self) -> bool:
+        try:
+            self._send_frame(_T_HEARTBEAT)
+        except OSError:
+            return False
+        return True
 
     def send(self, data: bytes) -> None:
         self._require(True, "send")
@@ -231,13 +224,7 @@ class TcpControlChannel(ControlChannel):
                     f"no heartbeat for {now - self._last_seen:.1f} s (heartbeat_timeout_s={hb:g}); "
                     "the process or its host is hung or unreachable",
                 )
-            if self._abort_check is not None and now >= next_abort:
-                next_abort = now + _ABORT_EVERY_S
-                self._poll_abort(op)
-            if deadline is not None and now >= deadline:
-                raise ControlRecvTimeout(
-                    f"{op}: no control payload from {self.peer} within the timeout (the peer is alive but idle)"
-                )
+            next_abort = self._abort_or_timeout(op, now, next_abort, deadline, None)
 
     def _rehearse(self) -> bool:
         """warm_s: the receive path on nothing new (a peek at the socket, the payload decoded and built
