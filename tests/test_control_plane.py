@@ -13,6 +13,7 @@ import torch
 
 from afd_ext import control_plane as cp
 from afd_ext import rendezvous as rdzv
+from afd_ext.control import ring as cring
 from afd_ext.control import shm as cshm
 from afd_ext.errors import AFDStateError
 from afd_ext.metadata import AFDControlPayload, AFDDPMetadata
@@ -409,16 +410,16 @@ def test_torn_slot_is_never_returned():
     try:
         msg = b"x" * 40
         # Forge slot 0 as a weakly ordered CPU could show it: seq published, payload still stale.
-        base = cshm._HDR_BYTES
-        good_crc = zlib.crc32(msg, zlib.crc32(cshm._CRC_FIELDS.pack(2, len(msg), len(msg), 1)))
-        cshm._SLOT_FIELDS.pack_into(tx._buf, base + 8, len(msg), len(msg), 1, good_crc)
-        tx._buf[base + cshm._SLOT_HDR:base + cshm._SLOT_HDR + len(msg)] = b"y" * len(msg)  # stale bytes
+        base = cring._HDR_BYTES
+        good_crc = zlib.crc32(msg, zlib.crc32(cring._CRC_FIELDS.pack(2, len(msg), len(msg), 1)))
+        cring._SLOT_FIELDS.pack_into(tx._mem.buf, base + 8, len(msg), len(msg), 1, good_crc)
+        tx._mem.buf[base + cring._SLOT_HDR:base + cring._SLOT_HDR + len(msg)] = b"y" * len(msg)  # stale bytes
         tx._seq[0][0] = 2
         reader = threading.Thread(target=lambda: out.append(rx.recv(5.0)))
         reader.start()
         time.sleep(0.3)
         assert out == []  # CRC mismatch: the reader keeps retrying
-        tx._buf[base + cshm._SLOT_HDR:base + cshm._SLOT_HDR + len(msg)] = msg  # the bytes arrive
+        tx._mem.buf[base + cring._SLOT_HDR:base + cring._SLOT_HDR + len(msg)] = msg  # the bytes arrive
         reader.join(5)
         assert out == [msg]
         # An odd sequence number (write in progress) is not read either.
@@ -615,15 +616,15 @@ def test_idle_threshold_comes_from_the_environment(monkeypatch):
 def test_corrupt_slot_is_a_named_error_within_its_bound(timeout_s):
     rx, tx = _ring(slot_bytes=64, nslots=4)
     try:
-        base = cshm._HDR_BYTES
-        cshm._SLOT_FIELDS.pack_into(tx._buf, base + 8, 10, 10, 1, 12345)  # CRC that never matches
+        base = cring._HDR_BYTES
+        cring._SLOT_FIELDS.pack_into(tx._mem.buf, base + 8, 10, 10, 1, 12345)  # CRC that never matches
         tx._seq[0][0] = 2  # published
         t0 = time.monotonic()
         with pytest.raises(cp.ControlProtocolError, match="slot 0 from FFN|slot 0 from attention") as e:
             rx.recv(timeout_s)
         elapsed = time.monotonic() - t0
         assert "corrupt" in str(e.value)
-        bound = cshm._CORRUPT_AFTER_S if timeout_s is None else timeout_s
+        bound = cring._CORRUPT_AFTER_S if timeout_s is None else timeout_s
         assert bound * 0.9 <= elapsed < bound + 1.0
     finally:
         tx.close()

@@ -1,16 +1,15 @@
-"""The shared-memory ring channel (both ends on one host); layout in :mod:`afd_ext.control`."""
+"""The shared-memory ring channel (both ends on one host); layout in :mod:`afd_ext.control`.
+
+The ring's memory (segment, header words, slots, the seqlock publish and
+copy) and the doorbell are :mod:`.ring`; this module is the channel over it:
+its two ends, the waiting policy, liveness and the native path.
+"""
 
 from __future__ import annotations
 
 import ctypes
-import os
-import secrets
-import select
-import socket
-import struct
 import threading
 import time
-import zlib
 from typing import Any
 
 from afd_ext import rendezvous as rdzv
@@ -20,7 +19,6 @@ from afd_ext.rendezvous import AFDStore
 from .channel import (
     MAX_NATIVE_WAIT_NS,
     _ABORT_EVERY_S,
-    _CORRUPT_AFTER_S,
     _FALLBACK_SPIN_S,
     _LIVENESS_EVERY_S,
     _MAX_SLEEP_S,
@@ -34,109 +32,20 @@ from .channel import (
     _proc_start_time,
     logger,
 )
-
-
-# ---------------------------------------------------------------------------
-# Shared-memory ring
-# ---------------------------------------------------------------------------
-
-_SHM_MAGIC = 0x4C525443_44464141  # b"AAFDCTRL" as little-endian u64
-_SHM_VERSION = 1
-_HDR_BYTES = 256
-# u64 word indices in the header
-_W_MAGIC, _W_VER_NSLOTS, _W_SLOT_BYTES = 0, 1, 2
-_W_SENDER_PID, _W_SENDER_START, _W_RECEIVER_PID, _W_RECEIVER_START = 3, 4, 5, 6
-_W_READ_COUNT = 8  # byte 64: own cache line
-_W_HEARTBEAT, _W_SENDER_STATE = 16, 17  # byte 128: own cache line
-_W_WAITING = 24  # byte 192: receiver blocked on the doorbell (1) or spinning/busy (0)
-_SLOT_HDR = 32
-_SLOT_FIELDS = struct.Struct("<QIII")  # total_len, frag_len, sender, crc (at slot offset 8)
-_CRC_FIELDS = struct.Struct("<QQII")  # seq, total_len, frag_len, sender
-_STATE_NEW, _STATE_ATTACHED, _STATE_CLOSED = 0, 1, 2
-
-
-def _slot_stride(slot_bytes: int) -> int:
-    return (_SLOT_HDR + slot_bytes + 63) // 64 * 64
-
-
-class _ShmSegment:
-    """A POSIX shared-memory segment (``/dev/shm``) mapped into this process.
-
-    ``multiprocessing.shared_memory.SharedMemory`` registers every attach with
-    the resource tracker on Python < 3.13, which makes a tracker shared by
-    spawned processes unlink or complain about segments it does not own. Here
-    only the creator registers the name (the tracker then unlinks it if the
-    creator dies before both ends attached) and unregisters it when it unlinks.
-    """
-
-    def __init__(self, name: str, create: bool, size: int = 0):
-        import mmap
-
-        import _posixshmem
-
-        self.name = name
-        self._path = "/" + name
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = _posixshmem.shm_open(self._path, flags, mode=0o600)
-        self._created = create
-        self._tracked = False
-        try:
-            if create:
-                os.ftruncate(fd, size)
-            size = os.fstat(fd).st_size
-            self._mmap = mmap.mmap(fd, size)
-        except BaseException:
-            os.close(fd)
-            if create:
-                _posixshmem.shm_unlink(self._path)
-            raise
-        os.close(fd)
-        if create:
-            from multiprocessing import resource_tracker
-
-            resource_tracker.register(self._path, "shared_memory")
-            self._tracked = True
-        self.buf = memoryview(self._mmap)
-
-    def unlink(self) -> None:
-        import _posixshmem
-
-        try:
-            _posixshmem.shm_unlink(self._path)
-        except FileNotFoundError:
-            pass
-        if self._tracked:
-            from multiprocessing import resource_tracker
-
-            self._tracked = False
-            resource_tracker.unregister(self._path, "shared_memory")
-
-    def close(self) -> None:
-        self.buf.release()
-        self._mmap.close()
-
-
-def _bind_doorbell(addr: str) -> socket.socket | None:
-    """Receiver's wake-up socket (abstract AF_UNIX datagram); None where unavailable."""
-    try:
-        bell = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    except (OSError, AttributeError):  # pragma: no cover - not Linux
-        return None
-    try:
-        bell.bind(addr)
-    except OSError:  # pragma: no cover - no abstract namespace
-        bell.close()
-        return None
-    bell.setblocking(False)
-    return bell
-
-
-def _drain(bell: socket.socket) -> None:
-    try:
-        while True:
-            bell.recv(64)
-    except (BlockingIOError, InterruptedError):
-        pass
+from .ring import (
+    _STATE_CLOSED,
+    _STATE_NEW,
+    _W_HEARTBEAT,
+    _W_READ_COUNT,
+    _W_RECEIVER_PID,
+    _W_RECEIVER_START,
+    _W_SENDER_PID,
+    _W_SENDER_START,
+    _W_SENDER_STATE,
+    _W_WAITING,
+    Doorbell,
+    RingMemory,
+)
 
 
 class ShmControlChannel(ControlChannel):
@@ -148,25 +57,21 @@ class ShmControlChannel(ControlChannel):
 
     kind = "shm"
 
-    def __init__(self, shm, *, owner: bool, **kw):
+    def __init__(self, mem: RingMemory, *, owner: bool, **kw):
         super().__init__(**kw)
-        self._shm = shm
+        self._mem = mem
         self._owner = owner
-        buf = shm.buf
-        self._buf = buf
-        self._hdr = buf[:_HDR_BYTES].cast("Q")
-        ver_nslots = self._hdr[_W_VER_NSLOTS]
-        self._nslots = ver_nslots >> 32
-        self._slot_bytes = self._hdr[_W_SLOT_BYTES]
-        self._stride = _slot_stride(self._slot_bytes)
-        self._seq = [buf[_HDR_BYTES + i * self._stride:_HDR_BYTES + i * self._stride + 8].cast("Q")
-                     for i in range(self._nslots)]
+        # The hot paths' views of the ring, one attribute away.
+        self._hdr = mem.hdr
+        self._seq = mem.seq
+        self._nslots = mem.nslots
+        self._slot_bytes = mem.slot_bytes
         # The native path's view of this end (the anchors pin the mapping and the copy buffer).
         self._native = _native()
-        self._anchor: Any = ctypes.c_char.from_buffer(buf)
+        self._anchor: Any = ctypes.c_char.from_buffer(mem.buf)
         self._out = bytearray(self._slot_bytes)
         self._out_anchor: Any = (ctypes.c_char * self._slot_bytes).from_buffer(self._out)
-        self._state = RingState(hdr=ctypes.addressof(self._anchor), nslots=self._nslots, stride=self._stride,
+        self._state = RingState(hdr=ctypes.addressof(self._anchor), nslots=self._nslots, stride=mem.stride,
                                 slot_bytes=self._slot_bytes, out=ctypes.addressof(self._out_anchor), k=0,
                                 local_rank=self.local_rank)
         self._state_ref = ctypes.byref(self._state)
@@ -176,9 +81,7 @@ class ShmControlChannel(ControlChannel):
         self._peer_pid = 0
         self._peer_start = 0
         self._unlinked = False
-        self._bell: socket.socket | None = None  # receiver: bound doorbell; sender: unbound
-        self._bell_poll: Any = None
-        self._bell_addr = "\0" + shm.name + "-bell"
+        self._bell: Doorbell | None = None
         self._fence = threading.Lock()
         self._practice: tuple[Any, ...] | None = None  # warm_s: (buffer, anchor, state, address)
 
@@ -188,30 +91,10 @@ class ShmControlChannel(ControlChannel):
     def create(cls, name_prefix: str, *, local_rank: int, peer_rank: int, peer: str,
                options: ChannelOptions, abort_check=None) -> "ShmControlChannel":
         """Create the ring (receiver end). The name is ``name_prefix`` + random hex."""
-        size = _HDR_BYTES + options.nslots * _slot_stride(options.slot_bytes)
-        for _ in range(16):
-            name = f"{name_prefix}-{secrets.token_hex(6)}"
-            try:
-                shm = _ShmSegment(name, create=True, size=size)
-                break
-            except FileExistsError:
-                continue
-        else:  # pragma: no cover - 16 random collisions
-            raise rdzv.RendezvousError(f"could not create a shared-memory segment named {name_prefix}-*")
-        hdr = shm.buf[:_HDR_BYTES].cast("Q")
-        hdr[_W_VER_NSLOTS] = (options.nslots << 32) | _SHM_VERSION
-        hdr[_W_SLOT_BYTES] = options.slot_bytes
-        hdr[_W_RECEIVER_PID] = os.getpid()
-        hdr[_W_RECEIVER_START] = _proc_start_time(os.getpid()) or 0
-        hdr[_W_MAGIC] = _SHM_MAGIC  # last: the segment is initialised
-        hdr.release()
-        ch = cls(shm, owner=True, is_sender=False, local_rank=local_rank, peer_rank=peer_rank,
+        mem = RingMemory.create(name_prefix, options)
+        ch = cls(mem, owner=True, is_sender=False, local_rank=local_rank, peer_rank=peer_rank,
                  peer=peer, options=options, abort_check=abort_check)
-        ch._bell = _bind_doorbell(ch._bell_addr)
-        if ch._bell is not None:
-            # poll, not select: select fails for descriptors >= 1024 (large serving processes).
-            ch._bell_poll = select.poll()
-            ch._bell_poll.register(ch._bell, select.POLLIN)
+        ch._bell = Doorbell.bind(mem.segment.name)
         return ch
 
     @classmethod
@@ -223,38 +106,12 @@ class ShmControlChannel(ControlChannel):
             RuntimeError: the segment is missing (the two ends do not share
                 ``/dev/shm``: use kind ``"tcp"``) or not an AFD control ring.
         """
-        try:
-            shm = _ShmSegment(name, create=False)
-        except FileNotFoundError:
-            raise rdzv.RendezvousError(
-                f"shared-memory control segment {name!r} of {peer} not found: the two ranks do "
-                "not share /dev/shm (different hosts or containers); set "
-                "connector_extra_config.control_channel to 'tcp' on every rank"
-            ) from None
-        hdr = shm.buf[:_HDR_BYTES].cast("Q")
-        ok = False
-        try:
-            if hdr[_W_MAGIC] != _SHM_MAGIC or (hdr[_W_VER_NSLOTS] & 0xFFFFFFFF) != _SHM_VERSION:
-                raise rdzv.RendezvousError(
-                    f"shared-memory segment {name!r} is not an AFD control ring v{_SHM_VERSION}")
-            hdr[_W_SENDER_PID] = os.getpid()
-            hdr[_W_SENDER_START] = _proc_start_time(os.getpid()) or 0
-            hdr[_W_HEARTBEAT] = time.monotonic_ns()
-            hdr[_W_SENDER_STATE] = _STATE_ATTACHED
-            ok = True
-        finally:
-            hdr.release()
-            if not ok:
-                shm.close()
-        ch = cls(shm, owner=False, is_sender=True, local_rank=local_rank, peer_rank=peer_rank,
+        mem = RingMemory.attach(name, peer)
+        ch = cls(mem, owner=False, is_sender=True, local_rank=local_rank, peer_rank=peer_rank,
                  peer=peer, options=options, abort_check=abort_check)
         ch._peer_pid = ch._hdr[_W_RECEIVER_PID]
         ch._peer_start = ch._hdr[_W_RECEIVER_START]
-        try:
-            ch._bell = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-            ch._bell.setblocking(False)
-        except OSError:  # pragma: no cover - no AF_UNIX: the receiver falls back to sleeping
-            ch._bell = None
+        ch._bell = Doorbell.for_sender(name)
         ch._start_heartbeat()
         return ch
 
@@ -279,14 +136,14 @@ class ShmControlChannel(ControlChannel):
         if self._owner and not self._unlinked:
             self._unlinked = True
             try:
-                self._shm.unlink()
+                self._mem.segment.unlink()
             except FileNotFoundError:
                 pass
 
     @property
     def name(self) -> str:
         """The segment's name (unlinked from ``/dev/shm`` once both ends attached)."""
-        return self._shm.name
+        return self._mem.segment.name
 
     # -- heartbeat -----------------------------------------------------------------
 
@@ -332,16 +189,7 @@ class ShmControlChannel(ControlChannel):
             k = self._count
             if k - hdr[_W_READ_COUNT] >= self._nslots:
                 self._wait_space(k)
-            frag = mv[i * sb:min(n, (i + 1) * sb)]
-            fl = len(frag)
-            slot = k % self._nslots
-            base = _HDR_BYTES + slot * self._stride
-            seq = self._seq[slot]
-            seq[0] = 2 * k + 1
-            crc = zlib.crc32(frag, zlib.crc32(_CRC_FIELDS.pack(2 * k + 2, n, fl, self.local_rank)))
-            _SLOT_FIELDS.pack_into(self._buf, base + 8, n, fl, self.local_rank, crc)
-            self._buf[base + _SLOT_HDR:base + _SLOT_HDR + fl] = frag
-            seq[0] = 2 * k + 2  # publish
+            self._mem.publish(k, mv[i * sb:min(n, (i + 1) * sb)], n, self.local_rank)
             self._count = k + 1
             # A full fence (the lock's atomic instruction) orders the publish before
             # the read of the receiver's waiting flag (store->load, Dekker style);
@@ -370,10 +218,7 @@ class ShmControlChannel(ControlChannel):
 
     def _ring(self) -> None:
         if self._bell is not None:
-            try:
-                self._bell.sendto(b"\x01", self._bell_addr)
-            except OSError:  # full (a wake-up is pending anyway) or receiver gone
-                pass
+            self._bell.ring()
 
     def _wait_space(self, k: int) -> None:
         deadline = time.monotonic() + self.options.heartbeat_timeout_s
@@ -443,14 +288,14 @@ class ShmControlChannel(ControlChannel):
                         hdr[_W_WAITING] = 1
                         waiting = True
                     if bell is not None:
-                        _drain(bell)  # a syscall: orders the waiting flag before the seq load
+                        bell.drain()  # a syscall: orders the waiting flag before the seq load
                     if seq[0] == want:
                         return None if native is None else self._taken(k)
                     if bell is not None:
                         wait = min(next_live, next_abort) - now
                         if deadline is not None:
                             wait = min(wait, deadline - now)
-                        self._bell_poll.poll(max(0, int(wait * 1000) + 1))
+                        bell.wait(max(0, int(wait * 1000) + 1))
                     else:
                         time.sleep(sleep)
                         sleep = min(2 * sleep, _MAX_SLEEP_S)
@@ -486,13 +331,9 @@ class ShmControlChannel(ControlChannel):
         data = encode_control_parts(*parts)
         if len(data) > self._slot_bytes:
             return
-        buf = bytearray(_HDR_BYTES + _slot_stride(self._slot_bytes))
-        crc = zlib.crc32(data, zlib.crc32(_CRC_FIELDS.pack(2, len(data), len(data), self.peer_rank)))
-        _SLOT_FIELDS.pack_into(buf, _HDR_BYTES + 8, len(data), len(data), self.peer_rank, crc)
-        buf[_HDR_BYTES + _SLOT_HDR:_HDR_BYTES + _SLOT_HDR + len(data)] = data
-        struct.pack_into("<Q", buf, _HDR_BYTES, 2)  # message 0, published
+        buf = self._mem.practice_image(data, self.peer_rank)
         anchor = (ctypes.c_char * len(buf)).from_buffer(buf)
-        state = RingState(hdr=ctypes.addressof(anchor), nslots=1, stride=_slot_stride(self._slot_bytes),
+        state = RingState(hdr=ctypes.addressof(anchor), nslots=1, stride=self._mem.stride,
                           slot_bytes=self._slot_bytes, out=ctypes.addressof(self._out_anchor), k=0,
                           local_rank=self.local_rank)
         self._practice = (buf, anchor, state, ctypes.addressof(state))
@@ -512,32 +353,8 @@ class ShmControlChannel(ControlChannel):
 
     def _read_slot(self, k: int, expect_total: int | None, op: str,
                    deadline: float | None = None) -> tuple[int, bytes]:
-        """Copy slot ``k`` out, retrying torn reads; a slot inconsistent for
-        ``_CORRUPT_AFTER_S`` (or past ``deadline``) is corrupt."""
-        slot = k % self._nslots
-        base = _HDR_BYTES + slot * self._stride
-        seq = self._seq[slot]
-        want = 2 * k + 2
-        give_up = None
-        while True:
-            total, fl, sender, crc = _SLOT_FIELDS.unpack_from(self._buf, base + 8)
-            if fl <= self._slot_bytes:
-                frag = bytes(self._buf[base + _SLOT_HDR:base + _SLOT_HDR + fl])
-                if seq[0] == want and zlib.crc32(
-                        frag, zlib.crc32(_CRC_FIELDS.pack(want, total, fl, sender))) == crc:
-                    break
-            now = time.monotonic()
-            if give_up is None:
-                give_up = now + _CORRUPT_AFTER_S
-                if deadline is not None:
-                    give_up = min(give_up, max(deadline, now + 0.01))
-            elif now >= give_up:
-                raise ControlProtocolError(
-                    f"{op}: control ring slot {slot} from {self.peer} stayed inconsistent (length "
-                    f"{fl}, CRC mismatch) for {now - give_up + _CORRUPT_AFTER_S:.2f} s: the shared "
-                    "memory is corrupt"
-                )
-            time.sleep(_MIN_SLEEP_S)
+        """Copy slot ``k`` out (:meth:`RingMemory.copy_out`) and check its header and length."""
+        total, sender, frag = self._mem.copy_out(k, op, self.peer, deadline)
         self._check_header(op, sender, total)
         if expect_total is not None and total != expect_total:
             raise ControlProtocolError(f"{op}: control message fragments from {self.peer} disagree on the length")
@@ -603,14 +420,11 @@ class ShmControlChannel(ControlChannel):
         if self._bell is not None:
             self._bell.close()
             self._bell = None
-        for v in self._seq:
-            v.release()
         self._anchor = self._out_anchor = None
         self._practice = None
-        self._hdr.release()
-        self._buf = None  # type: ignore[assignment]
+        self._mem.release()
         self._unlink()
         try:
-            self._shm.close()
+            self._mem.segment.close()
         except BufferError:  # pragma: no cover - a view still exported
-            logger.warning("control ring %s still has exported views at close", self._shm.name)
+            logger.warning("control ring %s still has exported views at close", self._mem.segment.name)
