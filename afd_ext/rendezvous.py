@@ -65,7 +65,6 @@ import datetime
 import json
 import logging
 import os
-import queue
 import socket
 import threading
 import time
@@ -122,6 +121,7 @@ __all__ = [
 
 
 from .topology import rank_label  # noqa: E402,F401  the one rank label, re-exported here
+from .watchdog import CallThread  # noqa: E402
 from .errors import (  # noqa: E402  defined once, in errors.py
     AFDConfigError,
     DuplicateRankError,
@@ -172,63 +172,14 @@ def host_identity() -> str:
     return "/".join(parts)
 
 
-class _StoreRunner:
-    """Makes one store client's round trips on a daemon thread, so a caller can stop waiting.
-
-    A caller submits a round trip and waits for its answer with its own bound;
-    one it gave up on is cancelled unless it already started. ``stuck_s`` says
-    how long the round trip in progress has been waiting for the server.
-    """
+class _StoreRunner(CallThread):
+    """The thread that makes one store client's round trips (``stuck_s``: how long the server has not answered)."""
 
     def __init__(self, name: str):
-        self._name = name
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._busy_since: float | None = None
+        super().__init__(name)
         #: the error that lost the connection (a TCPStore client never reconnects); later
         #: calls raise without a round trip (each failed one logs a C++ stack trace).
         self.lost: StoreUnavailableError | None = None
-
-    def submit(self, fn: Callable[[], Any]) -> cf.Future:
-        fut: cf.Future = cf.Future()
-        self._q.put((fut, fn))
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-                self._thread.start()
-        return fut
-
-    def on_thread(self) -> bool:
-        return threading.current_thread() is self._thread
-
-    def stuck_s(self) -> float:
-        since = self._busy_since
-        return 0.0 if since is None else time.monotonic() - since
-
-    def stop(self) -> None:
-        with self._lock:
-            if self._thread is not None:
-                self._q.put(None)
-                self._thread = None
-
-    def _run(self) -> None:
-        while True:
-            item = self._q.get()
-            if item is None:
-                return
-            fut, fn = item
-            if not fut.set_running_or_notify_cancel():
-                continue
-            self._busy_since = time.monotonic()
-            try:
-                result = fn()
-            except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
-                fut.set_exception(e)
-            else:
-                fut.set_result(result)
-            finally:
-                self._busy_since = None
 
 
 @dataclass

@@ -33,6 +33,9 @@ Two tools:
   by strict-mode header checks: it polls a completion test in short slices,
   checks the abort signal between slices, and raises a named
   :class:`~afd_ext.transport.base.AFDTimeoutError` at the deadline.
+* :class:`CallThread` - a daemon thread that makes blocking calls with no
+  timeout of their own (store round trips, gloo waits) so that the caller can
+  wait for the answer with its own bound.
 
 CUDA-graph note: ``cudaEventQuery`` is not allowed from any thread while a
 stream is being captured in the (default) global capture mode, so wrap a
@@ -43,8 +46,10 @@ event on the replay stream after ``graph.replay()`` and :meth:`Watchdog.track` i
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
 import logging
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -54,7 +59,7 @@ from .errors import AFDConfigError, AFDPeerError, AFDTimeoutError, AFDTransportE
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TrackedOp", "Watchdog", "host_wait", "DEFAULT_POLL_INTERVAL_S", "NCCL_IN_PROGRESS", "BLAME_WAIT_S"]
+__all__ = ["TrackedOp", "Watchdog", "host_wait", "CallThread", "DEFAULT_POLL_INTERVAL_S", "NCCL_IN_PROGRESS", "BLAME_WAIT_S"]
 
 #: How often the watchdog thread polls, in seconds.
 DEFAULT_POLL_INTERVAL_S = 0.005
@@ -434,3 +439,77 @@ def host_wait(
                 "every rank; raise step_timeout_s if the peer is only slow.",
                 op=op, peer=peer, layer=layer, stage=stage,
             )
+
+
+class CallThread:
+    """A daemon thread that makes blocking calls, so a caller can stop waiting for one.
+
+    A caller submits a call and waits for its future with its own bound; a
+    call it gave up on is cancelled unless it already started. A daemon
+    thread, unlike ``ThreadPoolExecutor``'s workers, never holds up the
+    process's exit behind a call that blocks forever. The thread starts at the
+    first :meth:`submit` (again after :meth:`stop`).
+
+    Args:
+        name: the thread's name.
+    """
+
+    def __init__(self, name: str):
+        self._name = name
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._busy_since: float | None = None
+
+    def submit(self, fn: Callable[[], Any]) -> cf.Future:
+        """Queue ``fn``; its future gets its result or exception."""
+        fut: cf.Future = cf.Future()
+        self._q.put((fut, fn))
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+        return fut
+
+    def on_thread(self) -> bool:
+        """Whether the caller is this thread (a call made from a submitted call must not queue behind itself)."""
+        return threading.current_thread() is self._thread
+
+    def stuck_s(self) -> float:
+        """How long the call in progress has been running, in seconds (0 when idle)."""
+        since = self._busy_since
+        return 0.0 if since is None else time.monotonic() - since
+
+    def stop(self, join_timeout_s: float = 0.0) -> bool:
+        """Let the thread end after the calls queued so far; wait up to ``join_timeout_s`` for it.
+
+        Returns:
+            Whether the thread has ended (or never started); False while a call still blocks.
+        """
+        with self._lock:
+            t, self._thread = self._thread, None
+            if t is not None:
+                self._q.put(None)
+        if t is None:
+            return True
+        if join_timeout_s > 0:
+            t.join(join_timeout_s)
+        return not t.is_alive()
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            fut, fn = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            self._busy_since = time.monotonic()
+            try:
+                result = fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
+                fut.set_exception(e)
+            else:
+                fut.set_result(result)
+            finally:
+                self._busy_since = None

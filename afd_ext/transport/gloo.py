@@ -32,13 +32,11 @@ from __future__ import annotations
 import concurrent.futures as cf
 import datetime
 import logging
-import queue
-import threading
 from typing import Any, Callable, Sequence
 
 import torch
 
-from ..watchdog import host_wait
+from ..watchdog import CallThread, host_wait
 from .base import (
     AFDPeerError,
     AFDTimeoutError,
@@ -62,43 +60,6 @@ _TAGS = {"a2f": 1, "f2a": 2}
 # A waiter-thread wait gets this much longer than the caller's deadline, so the
 # caller always reports the (named) timeout first.
 _WAIT_MARGIN_S = 1.0
-
-
-class _Waiter:
-    """A daemon thread that runs blocking gloo waits so the caller can poll with a deadline."""
-
-    def __init__(self, name: str):
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._t = threading.Thread(target=self._run, name=name, daemon=True)
-        self._t.start()
-
-    def _run(self) -> None:
-        while True:
-            item = self._q.get()
-            if item is None:
-                return
-            fn, fut = item
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                fut.set_result(fn())
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                fut.set_exception(e)
-
-    def submit(self, fn: Callable[[], Any]) -> cf.Future:
-        fut: cf.Future = cf.Future()
-        self._q.put((fn, fut))
-        return fut
-
-    def stop(self, join_timeout_s: float) -> bool:
-        """Stop the thread; wait up to ``join_timeout_s`` for a wait in progress to end.
-
-        Returns False if the thread is still blocked in gloo (a process exiting
-        then would abort in gloo's destructors, hence the join).
-        """
-        self._q.put(None)
-        self._t.join(join_timeout_s)
-        return not self._t.is_alive()
 
 
 def _completed_ok(work: Any) -> bool:
@@ -153,7 +114,7 @@ class GlooTransport(Transport):
 
             raise process_group_error(e, me=peers.me, label=peers.label, world_size=world,
                                       timeout_s=max(init_timeout_s, timeout_s)) from None
-        self._waiter = _Waiter(f"afd-gloo-wait {peers.me}")
+        self._waiter = CallThread(f"afd-gloo-wait {peers.me}")
 
     @classmethod
     def from_setup(cls, setup: TransportSetup) -> "GlooTransport":
