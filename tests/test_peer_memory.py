@@ -350,52 +350,37 @@ class _Made:
         self.kind = kind
 
 
-class _PeerUnavailable:
+class _FakeTransport:
+    """A registry entry that builds a :class:`_Made` of its ``kind`` (always available)."""
+
+    kind = ""
     device_type = "cuda"
 
     @classmethod
     def unavailable(cls):
         return None
 
+    @classmethod
+    def from_setup(cls, setup):
+        return _Made(cls.kind)
+
+
+class _PeerUnavailable(_FakeTransport):
     @classmethod
     def from_setup(cls, setup):
         raise PeerMemoryUnavailableError("no peer memory here", reasons={"FFN rank 0 (world rank 0)": "test"})
 
 
-class _PeerOk:
-    device_type = "cuda"
-
-    @classmethod
-    def unavailable(cls):
-        return None
-
-    @classmethod
-    def from_setup(cls, setup):
-        return _Made("peer")
+class _PeerOk(_FakeTransport):
+    kind = "peer"
 
 
-class _Nccl:
-    device_type = "cuda"
-
-    @classmethod
-    def unavailable(cls):
-        return None
-
-    @classmethod
-    def from_setup(cls, setup):
-        return _Made("nccl")
+class _Nccl(_FakeTransport):
+    kind = "nccl"
 
 
-class _Gloo:
-    device_type = "cpu"
-
-    @classmethod
-    def unavailable(cls):
-        return None
-
-    @classmethod
-    def from_setup(cls, setup):
-        return _Made("gloo")
+class _Gloo(_FakeTransport):
+    kind, device_type = "gloo", "cpu"
 
 
 @pytest.mark.parametrize("device,peer,want", [
