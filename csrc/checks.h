@@ -35,6 +35,14 @@ int64_t row_bytes_of(const at::Tensor& t);
 [[noreturn]] void throw_cuda_error(const char* expr, int err, const char* err_str,
                                    const char* file, int line);
 
+// The one wording of "this data plane cannot run here" (CPU-key impls, CPU-only stubs):
+// `unavailable` names the plane with its verb, e.g. "the NCCL ops are unavailable".
+[[noreturn]] void throw_no_cuda(const char* op, const char* unavailable);
+
+// CPU tensors given to an op of a plane that moves CUDA tensors (`moves`, e.g. "the NCCL ops
+// move CUDA tensors on the communicator's device"); a CPU-only build says throw_no_cuda's text.
+[[noreturn]] void throw_cpu_tensors(const char* op, const char* moves, const char* unavailable);
+
 #ifdef AFD_WITH_CUDA
 [[noreturn]] void throw_nccl_error(const char* expr, ncclResult_t res, ncclComm_t comm,
                                    const char* file, int line);

@@ -44,6 +44,23 @@ void throw_cuda_error(const char* expr, int err, const char* err_str, const char
   TORCH_CHECK(false, os.str());
 }
 
+void throw_no_cuda(const char* op, const char* unavailable) {
+  TORCH_CHECK(false, "afd_ext.", op, ": afd_ext was built without CUDA, so ", unavailable,
+              "; rebuild with a CUDA build of torch and a CUDA toolkit (AFD_USE_CUDA=1, CUDA_HOME) "
+              "or use the gloo transport for CPU tensors");
+}
+
+void throw_cpu_tensors(const char* op, const char* moves, const char* unavailable) {
+#ifdef AFD_WITH_CUDA
+  (void)unavailable;
+  TORCH_CHECK(false, "afd_ext.", op, ": got CPU tensors, but ", moves,
+              "; move them with .to(device) or use the gloo transport for CPU tensors");
+#else
+  (void)moves;
+  throw_no_cuda(op, unavailable);
+#endif
+}
+
 namespace {
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }

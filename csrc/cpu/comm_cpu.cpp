@@ -10,16 +10,8 @@ namespace afd {
 namespace {
 
 [[noreturn]] void reject_cpu(const char* op) {
-#ifdef AFD_WITH_CUDA
-  TORCH_CHECK(false, "afd_ext.", op,
-              ": got CPU tensors, but the NCCL ops move CUDA tensors on the communicator's "
-              "device; move them with .to(device) or use the gloo transport for CPU tensors");
-#else
-  TORCH_CHECK(false, "afd_ext.", op,
-              ": afd_ext was built without CUDA, so the NCCL ops are unavailable; rebuild "
-              "with a CUDA build of torch and a CUDA toolkit (AFD_USE_CUDA=1) or use the gloo "
-              "transport for CPU tensors");
-#endif
+  throw_cpu_tensors(op, "the NCCL ops move CUDA tensors on the communicator's device",
+                    "the NCCL ops are unavailable");
 }
 
 void send_cpu(const at::Tensor&, int64_t, int64_t) { reject_cpu("send"); }

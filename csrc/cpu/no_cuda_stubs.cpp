@@ -10,12 +10,7 @@ namespace afd {
 
 namespace {
 
-[[noreturn]] void no_cuda(const char* op) {
-  TORCH_CHECK(false, "afd_ext.", op,
-              ": afd_ext was built without CUDA, so the NCCL ops are unavailable; rebuild "
-              "with a CUDA build of torch and a CUDA toolkit (AFD_USE_CUDA=1, CUDA_HOME) or "
-              "use the gloo transport for CPU tensors");
-}
+[[noreturn]] void no_cuda(const char* op) { throw_no_cuda(op, "the NCCL ops are unavailable"); }
 
 void send_no_cuda(const at::Tensor&, int64_t, int64_t) { no_cuda("send"); }
 void recv_no_cuda(const at::Tensor&, int64_t, int64_t) { no_cuda("recv"); }

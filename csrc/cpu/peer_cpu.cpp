@@ -10,16 +10,8 @@ namespace afd {
 namespace {
 
 [[noreturn]] void reject_cpu(const char* op) {
-#ifdef AFD_WITH_CUDA
-  TORCH_CHECK(false, "afd_ext.", op,
-              ": got CPU tensors, but the peer-memory plane moves CUDA tensors on the plane's "
-              "device; move them with .to(device) or use the gloo transport for CPU tensors");
-#else
-  TORCH_CHECK(false, "afd_ext.", op,
-              ": afd_ext was built without CUDA, so the peer-memory plane is unavailable; rebuild "
-              "with a CUDA build of torch and a CUDA toolkit (AFD_USE_CUDA=1) or use the gloo "
-              "transport for CPU tensors");
-#endif
+  throw_cpu_tensors(op, "the peer-memory plane moves CUDA tensors on the plane's device",
+                    "the peer-memory plane is unavailable");
 }
 
 void peer_put_cpu(const at::Tensor&, const OptTensor&, const OptTensor&, int64_t, int64_t,

@@ -11,10 +11,7 @@ namespace afd {
 namespace {
 
 [[noreturn]] void no_cuda(const char* op) {
-  TORCH_CHECK(false, "afd_ext.", op,
-              ": afd_ext was built without CUDA, so the peer-memory plane is unavailable; "
-              "rebuild with a CUDA build of torch and a CUDA toolkit (AFD_USE_CUDA=1, CUDA_HOME) "
-              "or use the gloo transport for CPU tensors");
+  throw_no_cuda(op, "the peer-memory plane is unavailable");
 }
 
 void peer_put_no_cuda(const at::Tensor&, const OptTensor&, const OptTensor&, int64_t, int64_t,
