@@ -97,7 +97,7 @@ class StepSequencer:
 
         Raises:
             AFDStateError: ``pos >= bound`` (nothing due), with ``nothing_due()``.
-            ValueError: the exchange's stage is not ``stage``, with ``wrong_stage(layer, want)``
+            AFDConfigError: the exchange's stage is not ``stage``, with ``wrong_stage(layer, want)``
                 (given whenever ``stage`` is).
         """
         if pos >= bound:
