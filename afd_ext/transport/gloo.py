@@ -17,10 +17,12 @@ waits cannot be sliced with short gloo timeouts. Instead a daemon waiter
 thread calls ``work.wait(deadline)`` while the calling thread polls its
 completion in short slices and checks the rendezvous abort signal between
 slices (:func:`afd_ext.watchdog.host_wait`). A gloo wait cannot be
-interrupted, so :meth:`GlooTransport.close` joins the waiter (bounded by the
-deadline): after an abort the peers tear down their pairs, which ends the
-wait at once; a process that exited with a wait still blocked would abort in
-gloo's destructors. A peer that dies surfaces at
+interrupted: :meth:`GlooTransport.close` joins the waiter when healthy
+(bounded by the deadline) and, after an abort, leaves a wait still blocked
+to end on its own thread (when the peer drops its end, or at gloo's own
+timeout), so close never waits on a peer; the process's exit joins such a
+thread (bounded), since exiting with a gloo wait blocked aborts the process
+in gloo's destructors. A peer that dies surfaces at
 once (gloo reports the closed connection) as an
 :class:`~afd_ext.transport.base.AFDPeerError` naming the peer, the layer and
 the stage; a peer that is alive but silent becomes an
@@ -29,11 +31,13 @@ the stage; a peer that is alive but silent becomes an
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures as cf
 import datetime
 import logging
 import queue
 import threading
+import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -62,12 +66,23 @@ _TAGS = {"a2f": 1, "f2a": 2}
 # A waiter-thread wait gets this much longer than the caller's deadline, so the
 # caller always reports the (named) timeout first.
 _WAIT_MARGIN_S = 1.0
+# After an abort, close() gives a blocked wait this long to end (the peer already
+# closed) before leaving it to finish on its own thread.
+_ABORTED_JOIN_S = 0.2
 
 
 class _Waiter:
-    """A daemon thread that runs blocking gloo waits so the caller can poll with a deadline."""
+    """A daemon thread that runs blocking gloo waits so the caller can poll with a deadline.
 
-    def __init__(self, name: str):
+    Args:
+        name: the thread's name; bound_s: the longest one submitted wait can block
+            (gloo's own timeout), seconds.
+    """
+
+    def __init__(self, name: str, bound_s: float):
+        self.bound_s = float(bound_s)
+        self.keep: Any = None  # what a wait still blocked at close needs alive (the process group)
+        self._busy_since: float | None = None
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._t = threading.Thread(target=self._run, name=name, daemon=True)
         self._t.start()
@@ -76,14 +91,18 @@ class _Waiter:
         while True:
             item = self._q.get()
             if item is None:
+                self.keep = None
                 return
             fn, fut = item
             if not fut.set_running_or_notify_cancel():
                 continue
+            self._busy_since = time.monotonic()
             try:
                 fut.set_result(fn())
             except BaseException as e:  # noqa: BLE001 - handed to the caller
                 fut.set_exception(e)
+            finally:
+                self._busy_since = None
 
     def submit(self, fn: Callable[[], Any]) -> cf.Future:
         fut: cf.Future = cf.Future()
@@ -93,12 +112,37 @@ class _Waiter:
     def stop(self, join_timeout_s: float) -> bool:
         """Stop the thread; wait up to ``join_timeout_s`` for a wait in progress to end.
 
-        Returns False if the thread is still blocked in gloo (a process exiting
-        then would abort in gloo's destructors, hence the join).
+        Returns False if the thread is still blocked in gloo; it then ends by
+        itself within :attr:`bound_s`, and :func:`_join_left_waits` holds the
+        process's exit until it has (an exit with a gloo wait blocked aborts the
+        process in gloo's destructors).
         """
         self._q.put(None)
         self._t.join(join_timeout_s)
-        return not self._t.is_alive()
+        if self._t.is_alive():
+            with _LEFT_LOCK:
+                _LEFT.append(self)
+            return False
+        return True
+
+    def join_left(self) -> None:
+        """Wait (bounded by :attr:`bound_s` from the start of the blocked wait) for the thread to end."""
+        since = self._busy_since
+        left = 0.0 if since is None else since + self.bound_s + 1.0 - time.monotonic()
+        self._t.join(max(left, 0.1))
+
+
+# Waiters still blocked in gloo after their transport closed; joined (bounded) before the process exits.
+_LEFT: list[_Waiter] = []
+_LEFT_LOCK = threading.Lock()
+
+
+@atexit.register
+def _join_left_waits() -> None:
+    with _LEFT_LOCK:
+        left, _LEFT[:] = list(_LEFT), []
+    for w in left:
+        w.join_left()
 
 
 def _completed_ok(work: Any) -> bool:
@@ -153,7 +197,7 @@ class GlooTransport(Transport):
 
             raise process_group_error(e, me=peers.me, label=peers.label, world_size=world,
                                       timeout_s=max(init_timeout_s, timeout_s)) from None
-        self._waiter = _Waiter(f"afd-gloo-wait {peers.me}")
+        self._waiter = _Waiter(f"afd-gloo-wait {peers.me}", self.timeout_s + _WAIT_MARGIN_S)
 
     @classmethod
     def from_setup(cls, setup: TransportSetup) -> "GlooTransport":
@@ -260,13 +304,16 @@ class GlooTransport(Transport):
                     continue
                 dst = self.peers.peer_world_rank(peer)
                 names.append(self.peers.label(dst))
-                mine: list[Any] = []
-                by_peer.append((names[-1], mine))
+                mine = next((ws for label, ws in by_peer if label == names[-1]), None)
+                if mine is None:
+                    mine = []
+                    by_peer.append((names[-1], mine))
                 for t in msgs:
                     view = _bytes(t.narrow(0, off, r))
                     keep.append(view)
-                    mine.append(self._pg.send([view], dst, gtag))
-                works.extend(mine)
+                    w = self._pg.send([view], dst, gtag)
+                    mine.append(w)
+                    works.append(w)
         except RuntimeError as e:
             self._closed = e
             raise AFDPeerError(f"AFD {tag.op}: send to {', '.join(names) or 'peers'} at {tag.where()} failed: "
@@ -274,7 +321,7 @@ class GlooTransport(Transport):
                                op=tag.op, peer=", ".join(names) or None, layer=tag.layer, stage=tag.stage) from None
         if not works:
             return PendingSend()
-        peer_text = ", ".join(names)
+        peer_text = ", ".join(label for label, _ in by_peer)
         return PendingSend(lambda: self._wait(works, tag, "send", peer_text, by_peer), keep)
 
     def fan_in(self, tensors, peers, rows, *, tag: MessageTag, wait: bool = False) -> None:
@@ -322,13 +369,26 @@ class GlooTransport(Transport):
             pass
 
     def close(self, buffers=()) -> None:
-        """Stop the waiter (bounded) and drop the process group; ``buffers`` need no retention (host waits end)."""
+        """Stop the waiter and drop the process group, promptly after an abort; never raises.
+
+        A healthy close joins the waiter (bounded by the deadline; its waits end
+        by themselves). After an abort a wait may stay blocked until the peer
+        drops its end or gloo's own timeout (the deadline + 1 s) passes, and no
+        local call ends it (``ProcessGroupGloo.abort``/``shutdown`` do not): the
+        waiter is then left to finish on its own, holding the group (and the
+        receive's tensor) until it does, so close returns at once instead of
+        waiting for the peer's teardown; the process's exit waits for it
+        (bounded), because exiting with a gloo wait blocked aborts the process.
+        ``buffers`` need no retention: a blocked receive's work holds its own tensor.
+        """
+        aborted = self._closed is not None
         if self._closed is None:
             self._closed = AFDTransportError("closed")
         waiter, self._waiter = self._waiter, None
-        if waiter is not None and not waiter.stop(self.timeout_s + _WAIT_MARGIN_S):
-            logger.warning("%s: a gloo wait is still blocked at close; exiting now may abort the process",
-                           self.peers.me)
-        # Dropping the group object releases its sockets; a waiter stuck on an
-        # aborted pair ends at its own (bounded) gloo timeout.
+        if waiter is not None:
+            waiter.keep = self._pg  # a wait left blocked keeps its group (dropped when the thread ends)
+        if waiter is not None and not waiter.stop(_ABORTED_JOIN_S if aborted else self.timeout_s + _WAIT_MARGIN_S):
+            log = logger.info if aborted else logger.warning
+            log("%s: a gloo wait is still blocked at close%s; it ends when the peer closes its end or within "
+                "%.0f s", self.peers.me, " after an abort" if aborted else "", self.timeout_s + _WAIT_MARGIN_S)
         self._pg = None
