@@ -582,6 +582,66 @@ def test_an_attention_rank_blocked_in_recv_closes_at_once_when_the_ffn_aborts(tm
           f"(step_timeout_s {sc.step_timeout_s:g})")
 
 
+def _raw_error_worker(rank, nprocs, sc, port):
+    """A = 1, F = 3: the attention rank aborts the step mid-way (a new payload) and closes at once, while the
+    three FFN ranks are blocked in gloo receives from it: the abort and the closed connections arrive
+    together. Every error any rank sees must be an AFDError, with no raw gloo error chained to it."""
+    import connector_scenarios as cs
+
+    from afd_ext.errors import AFDError
+
+    conn = cs.make_connector(sc, rank, port)
+    conn.init_afd_connector()
+    t0 = time.monotonic()
+    err = None
+    try:
+        if conn.role == "ffn":
+            try:
+                cs.ffn_step(conn, sc)
+            except Exception as e:  # noqa: BLE001
+                err = e
+        else:
+            payload = cs._payload(sc.steps[0])
+            conn.control_plane.update_state_from_dp_metadata(payload)
+            conn.control_plane.send_dp_metadata_list(payload)
+            h, _, _ = cs.make_inputs(sc, 0, 0, 0, 0, 6)
+            conn.send_attn_output(h, cs._ctx(0, 0, 6))
+            conn.recv_ffn_output(h, 0)
+            time.sleep(0.5)  # the FFN ranks are blocked in the fan-in of layer 1
+            try:
+                conn.control_plane.update_state_from_dp_metadata(payload)
+            except Exception as e:  # noqa: BLE001
+                err = e
+    finally:
+        conn.close()
+    took = time.monotonic() - t0
+    chain, x = [], err
+    while x is not None:
+        chain.append((type(x).__name__, isinstance(x, AFDError), str(x).splitlines()[0][:200] if str(x) else ""))
+        x = x.__cause__ if x.__cause__ is not None else (None if x.__suppress_context__ else x.__context__)
+    return {"chain": chain, "took": took}
+
+
+def test_no_raw_gloo_error_reaches_a_caller_when_an_abort_and_a_closed_connection_coincide():
+    """Item 5: a gloo wait that failed because the aborting peer closed its connection reported the
+    abort with gloo's raw RuntimeError ("Connection closed by peer", source location, banner) chained
+    as its context; the error is now the named abort alone."""
+    import connector_scenarios as cs
+    from afd_ext.testing import run_workers
+
+    sc = cs.Scenario(A=1, F=3, steps=({0: [6]},), layers=2, strict=False, step_timeout_s=30.0)
+    res = run_workers(_raw_error_worker, sc.nprocs, (sc, find_free_port(HOST)), timeout_s=100)
+    assert res[3]["chain"][0][0] == "AFDStateError", res[3]
+    for r in res[:3]:
+        assert r["chain"], r
+        assert all(afd for _, afd, _ in r["chain"]), r["chain"]  # no raw RuntimeError anywhere in the chain
+        assert r["chain"][0][0] in ("StepAbortedError", "AFDPeerError"), r["chain"]
+        assert "attention rank 0" in r["chain"][0][2], r["chain"]
+        assert r["took"] < 10.0, r
+    print("\n[item 5] abort + closed connections together: " +
+          ", ".join(f"{r['chain'][0][0]} (chain {len(r['chain'])})" for r in res[:3]))
+
+
 def test_gloo_error_text_carries_no_source_locations_or_banners():
     """Peer errors of the gloo transport quote the gloo error through rendezvous.error_text."""
     text = rdzv.error_text(RuntimeError(

@@ -16,7 +16,7 @@ import time
 from collections import deque
 from typing import Any, Callable
 
-from ..errors import AFDConfigError, AFDError, AFDProtocolError, AFDStateError, ConnectorStateError
+from ..errors import AFDConfigError, AFDError, AFDPeerError, AFDProtocolError, AFDStateError, ConnectorStateError
 from ..metadata import AFDControlPayload
 from ..schedule import StepSchedule
 from ..transport.base import MessageTag, StepProgress, Transport
@@ -28,6 +28,20 @@ from .step import Step
 logger = logging.getLogger(__name__)
 
 __all__ = ["Session"]
+
+
+def _raw_error(exc: RuntimeError, tr: Transport | None, tag: MessageTag | None) -> AFDPeerError:
+    """The named error for a raw ``torch.distributed`` / gloo error that reached the connector."""
+    from ..rendezvous import error_text
+
+    me = tr.peers.me if tr is not None else "this rank"
+    kind = tr.kind if tr is not None else "AFD"
+    where = f"{tag.op} at {tag.where()}" if tag is not None else "a transport call"
+    return AFDPeerError(f"AFD {where} on {me} failed in the {kind} transport: {type(exc).__name__}: "
+                        f"{error_text(exc)}. A peer or the rendezvous store (FFN rank 0) probably went away; "
+                        "check the other ranks' logs, then close and re-initialise the connector on every rank.",
+                        op=None if tag is None else tag.op, layer=None if tag is None else tag.layer,
+                        stage=None if tag is None else tag.stage)
 
 
 class Session:
@@ -168,8 +182,16 @@ class Session:
                 f"AFD connector ({self.me}) is unusable after a failed step ({self.broken}); "
                 f"call close() and init_afd_connector() on every rank before {op}") from self.broken
         tr = self.transport
+        tag = self.tag(op)
         try:
-            tr.check_health(self.tag(op))
+            tr.check_health(tag)
+        except AFDError as e:
+            self.fail_step(e)
+            raise
+        except RuntimeError as e:  # a raw torch.distributed error the transport let through
+            exc = _raw_error(e, tr, tag)
+            self.fail_step(exc)
+            raise exc from None
         except BaseException as e:
             self.fail_step(e)
             raise
@@ -203,12 +225,22 @@ class Session:
                 logger.warning("aborting AFD transport: %s", e)
 
     def transport_call(self, fn, *args, **kwargs):
-        """``fn(*args, **kwargs)``; a transport error aborts the step everywhere, then propagates."""
+        """``fn(*args, **kwargs)``; a transport error aborts the step everywhere, then propagates.
+
+        Raises:
+            The transport's :class:`~afd_ext.errors.AFDError`; a raw ``RuntimeError``
+            (``DistNetworkError``, gloo's "Connection closed by peer") a transport let
+            through becomes :class:`~afd_ext.errors.AFDPeerError` naming the op and the step.
+        """
         try:
             return fn(*args, **kwargs)
-        except (AFDError, RuntimeError) as e:  # every transport error (AFDPeerError is a ConnectionError)
+        except AFDError as e:  # every transport error (AFDPeerError is a ConnectionError)
             self.fail_step(e)
             raise
+        except RuntimeError as e:
+            exc = _raw_error(e, self.transport, kwargs.get("tag"))
+            self.fail_step(exc)
+            raise exc from None
 
     def reject(self, st: Step, exc: BaseException, op: str, *, stage: int | None = None) -> AFDError:
         """A call failed its checks before anything of it moved: a named error on this rank only.

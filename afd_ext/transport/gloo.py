@@ -273,8 +273,12 @@ class GlooTransport(Transport):
             self._closed = e
             if self._abort_check is not None:
                 # A rank that aborts the step also tears down its gloo pairs; report
-                # the abort (the root cause), not the closed connection.
-                self._abort_check(f"{tag.op} ({what} with {peer} at {tag.where()})")
+                # the abort (the root cause), not the closed connection, and without
+                # gloo's raw error chained to it as its context.
+                try:
+                    self._abort_check(f"{tag.op} ({what} with {peer} at {tag.where()})")
+                except AFDTransportError as aborted:
+                    raise aborted from None
             blame, who = culprits()
             blame = f" {blame}" if blame else ""
             if "Connection closed by peer" in text or "Connection reset" in text or "closed" in text.lower():
