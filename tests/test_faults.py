@@ -507,6 +507,70 @@ def test_ranks_disagreeing_on_a_row_count_get_a_named_error_without_strict_heade
           f"FFN {out[0]['error']} after {out[0]['took']:.2f} s")
 
 
+def _other_rank_disagrees_worker(rank, nprocs, sc, port, counts_of_a1):
+    """A = 2, F = 1, strict headers off: attention rank 0 (the control sender) applies and sends
+    {0: [2, 3]}; attention rank 1 applies {0: counts_of_a1[k]} instead and sends its own count of rows,
+    not the 3 the control plane announced for it. One case per generation, then a good step."""
+    import connector_scenarios as cs
+
+    conn = cs.make_connector(sc, rank, port)
+    conn.init_afd_connector()
+    out = []
+    try:
+        for counts in list(counts_of_a1) + [None]:
+            t0 = time.monotonic()
+            try:
+                if conn.role == "ffn":
+                    cs.ffn_step(conn, sc)
+                else:
+                    a = conn.role_rank
+                    mine = [2, 3] if a == 0 or counts is None else list(counts)
+                    payload = cs._payload({0: mine})
+                    conn.control_plane.update_state_from_dp_metadata(payload)
+                    conn.control_plane.send_dp_metadata_list(payload)
+                    h, _, _ = cs.make_inputs(sc, 0, 0, 0, a, mine[a])
+                    want = cs.ffn_fn(h, None, None, 0)
+                    conn.send_attn_output(h, cs._ctx(0, 0, mine[a]))
+                    if not bool((conn.recv_ffn_output(h, 0) == want).all()):
+                        raise AssertionError("reply differs")
+                out.append({"error": None})
+            except Exception as e:  # noqa: BLE001
+                out.append({"error": type(e).__name__, "msg": str(e), "peer": getattr(e, "peer", None),
+                            "took": time.monotonic() - t0})
+            if counts is not None:
+                conn.close()
+                conn.init_afd_connector()
+        return out
+    finally:
+        conn.close()
+
+
+def test_an_attention_rank_that_applied_other_counts_than_announced_is_a_named_error_without_strict():
+    """Issue 17 item 3, the other way: the control sender is consistent, but another attention rank
+    applied a payload whose count for itself differs from what the control plane announced. It used to
+    send more rows than the FFN rank posted (gloo aborted the FFN process: preamble.length <= nbytes) or
+    fewer (the FFN rank took the short message silently and its reply crashed the attention rank)."""
+    import connector_scenarios as cs
+
+    sc = cs.Scenario(A=2, F=1, steps=({0: [2, 3]},), layers=1, strict=False, step_timeout_s=10.0)
+    out = cs.run_tolerating_death(_other_rank_disagrees_worker, 3, (sc, find_free_port(HOST), ([2, 4], [2, 1])),
+                                  timeout_s=100)
+    assert out["exitcodes"] == {0: 0, 1: 0, 2: 0}, out  # no process killed by gloo
+    ffn, a0, a1 = out[0], out[1], out[2]
+    for k, (sent, announced) in enumerate(((4, 3), (1, 3))):
+        f = ffn[k]
+        assert f["error"] == "AFDProtocolError", f
+        assert f["peer"] == "attention rank 1 (world rank 2)", f
+        assert f"attention rank 1 (world rank 2) sends stage 0: {sent} rows" in f["msg"], f
+        assert f"expects stage 0: {announced} rows" in f["msg"], f
+        for r in (a0[k], a1[k]):
+            assert r["error"] == "StepAbortedError" and "attention rank 1 (world rank 2)" in r["msg"], r
+        assert max(f["took"], a0[k]["took"], a1[k]["took"]) < 5.0, (f, a0[k], a1[k])  # not step_timeout_s
+    assert ffn[2] == a0[2] == a1[2] == {"error": None}  # after re-init, the agreeing step runs
+    print(f"\n[item 6] another attention rank's rows differ, strict off: FFN AFDProtocolError after "
+          f"{ffn[0]['took']:.2f} s (more rows) / {ffn[1]['took']:.2f} s (fewer), attention ranks StepAbortedError")
+
+
 def _abort_while_receiving_worker(rank, nprocs, sc, port, marker):
     """The FFN rank aborts the step (it applies a payload mid-step) while attention rank 0 is blocked in
     recv_ffn_output, and closes only once the attention rank has closed (or after 15 s): the attention

@@ -45,6 +45,7 @@ import torch
 from ..watchdog import host_wait
 from .base import (
     AFDPeerError,
+    AFDProtocolError,
     AFDTimeoutError,
     AFDTransportError,
     MessageTag,
@@ -63,6 +64,11 @@ logger = logging.getLogger(__name__)
 __all__ = ["GlooTransport"]
 
 _TAGS = {"a2f": 1, "f2a": 2}
+# One message per edge and step on its own tag: the attention rank's rows of the edge, per stage (see
+# _rows_words). gloo aborts the process that receives a message larger than the receive it posted, so
+# the FFN rank compares the two schedules' rows before it posts any data receive of the step.
+_ROWS_TAG = 3
+_ROWS_STAGES = 16  # stages listed in the message; more are covered by its checksum
 # A waiter-thread wait gets this much longer than the caller's deadline, so the
 # caller always reports the (named) timeout first.
 _WAIT_MARGIN_S = 1.0
@@ -153,6 +159,30 @@ def _completed_ok(work: Any) -> bool:
         return False
 
 
+def _rows_words(schedule: Any, a: int, f: int) -> list[int]:
+    """Edge ``(a, f)``'s rows in every stage of ``schedule``, as the int64 words of one rows message.
+
+    ``[number of stages, crc32 of all (stage, rows) pairs, stage, rows, stage, rows, ...]``, padded with
+    -1 to a fixed length, so both sides post the same size whatever they disagree on.
+    """
+    import zlib
+
+    pairs = [(int(s), int(schedule.edge_rows(s, a, f))) for s in schedule.stages]
+    words = [len(pairs), zlib.crc32(repr(pairs).encode())]
+    for s, r in pairs[:_ROWS_STAGES]:
+        words += [s, r]
+    return words + [-1] * (2 + 2 * _ROWS_STAGES - len(words))
+
+
+def _rows_text(words: Sequence[int]) -> str:
+    """``"stage 0: 3 rows, stage 1: 0 rows"`` from a rows message."""
+    n = int(words[0])
+    pairs = [f"stage {int(words[2 + 2 * i])}: {int(words[3 + 2 * i])} rows" for i in range(min(n, _ROWS_STAGES))]
+    if n > _ROWS_STAGES:
+        pairs.append(f"... ({n} stages)")
+    return ", ".join(pairs) if pairs else "no stages"
+
+
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """A uint8 view of a contiguous tensor (gloo then needs no dtype support, e.g. for fp8)."""
     if t.dim() == 0:
@@ -198,6 +228,7 @@ class GlooTransport(Transport):
             raise process_group_error(e, me=peers.me, label=peers.label, world_size=world,
                                       timeout_s=max(init_timeout_s, timeout_s)) from None
         self._waiter = _Waiter(f"afd-gloo-wait {peers.me}", self.timeout_s + _WAIT_MARGIN_S)
+        self._rows_step: Any = None  # this step's schedule until its rows messages went out / were checked
 
     @classmethod
     def from_setup(cls, setup: TransportSetup) -> "GlooTransport":
@@ -292,6 +323,65 @@ class GlooTransport(Transport):
                 op=tag.op, peer=who, layer=tag.layer, stage=tag.stage,
             ) from None
 
+    # -- the step's rows, agreed before its first data message ------------------------
+
+    def begin_step(self, schedule: Any) -> None:
+        """Remember the step's schedule: its first a2f exchange carries (attention) or checks (FFN) the rows."""
+        super().begin_step(schedule)
+        self._rows_step = schedule if getattr(schedule, "topology", None) is not None else None
+
+    def _send_rows(self, tag: MessageTag) -> tuple[list[Any], list[tuple[str, list[Any]]], list[torch.Tensor]]:
+        """Attention rank: post this step's rows message to every FFN peer (raises RuntimeError like a send)."""
+        sch, self._rows_step = self._rows_step, None
+        a = self.peers.role_rank
+        works: list[Any] = []
+        by_peer: list[tuple[str, list[Any]]] = []
+        keep: list[torch.Tensor] = []
+        for f in sch.topology.attention_peers(a):
+            t = torch.tensor(_rows_words(sch, a, f), dtype=torch.int64)
+            keep.append(t)
+            w = self._pg.send([t], self.peers.peer_world_rank(f), _ROWS_TAG)
+            works.append(w)
+            by_peer.append((self.peers.peer_label(f), [w]))
+        return works, by_peer, keep
+
+    def _check_rows(self, tag: MessageTag) -> None:
+        """FFN rank: receive every attention peer's rows message of this step and compare it with ours.
+
+        Raises:
+            AFDProtocolError: a peer's rows differ (its schedule and ours disagree); nothing of
+                the step's data has been received (the connector aborts the step on every rank).
+            AFDPeerError / AFDTimeoutError / StepAbortedError: as a receive.
+        """
+        sch, self._rows_step = self._rows_step, None
+        f = self.peers.role_rank
+        peers = sch.topology.ffn_peers(f)
+        names = [self.peers.peer_label(a) for a in peers]
+        got = torch.empty(len(peers), 2 + 2 * _ROWS_STAGES, dtype=torch.int64)
+        try:
+            works = [self._pg.recv([got[i]], self.peers.peer_world_rank(a), _ROWS_TAG) for i, a in enumerate(peers)]
+        except RuntimeError as e:
+            self._closed = e
+            raise AFDPeerError(f"AFD {tag.op}: receive of the step's rows from {', '.join(names)} at "
+                               f"{tag.where()} failed: {error_text(e)}", op=tag.op, peer=", ".join(names),
+                               layer=tag.layer, stage=tag.stage) from None
+        self._wait(works, tag, "receive (the step's rows)", ", ".join(names),
+                   [(n, [w]) for n, w in zip(names, works)])
+        bad = []
+        for i, a in enumerate(peers):
+            want = _rows_words(sch, a, f)
+            if got[i].tolist() != want:
+                bad.append((names[i], _rows_text(got[i].tolist()), _rows_text(want)))
+        if bad:
+            detail = "; ".join(f"{name} sends {theirs} on its edge with this rank, this rank's schedule expects "
+                               f"{ours}" for name, theirs, ours in bad)
+            raise AFDProtocolError(
+                f"AFD {tag.op} on {self.peers.me} at {tag.step_text()}: the ranks disagree on the step's row "
+                f"counts: {detail}. They applied different control payloads: every attention rank must apply "
+                "(update_state_from_dp_metadata) the payload the control senders send to the FFN ranks. Nothing "
+                "of the step's data was received; the step is aborted on every rank.",
+                op=tag.op, peer=", ".join(b[0] for b in bad), layer=tag.layer, stage=tag.stage)
+
     # -- data --------------------------------------------------------------------
 
     def split_back(self, tensors, peers, rows, *, tag: MessageTag) -> PendingSend:
@@ -303,6 +393,11 @@ class GlooTransport(Transport):
         names: list[str] = []
         by_peer: list[tuple[str, list[Any]]] = []
         try:
+            if self._rows_step is not None and tag.direction == "a2f" and self.peers.role == "attention":
+                rw, rb, rk = self._send_rows(tag)
+                works.extend(rw)
+                by_peer.extend(rb)
+                keep.extend(rk)
             for peer, off, r in zip(peers, row_offsets(rows), rows):
                 if r == 0:
                     continue
@@ -331,6 +426,8 @@ class GlooTransport(Transport):
     def fan_in(self, tensors, peers, rows, *, tag: MessageTag, wait: bool = False) -> None:
         """Receive (blocking, bounded): the data is in ``tensors`` on return, whatever ``wait`` says."""
         self._check_open(tag)
+        if self._rows_step is not None and tag.direction == "a2f" and self.peers.role == "ffn":
+            self._check_rows(tag)
         msgs = [t for t in tensors if t is not None]
         gtag = _TAGS[tag.direction]
         live = [(p, off, r) for p, off, r in zip(peers, row_offsets(rows), rows) if r > 0]
