@@ -126,6 +126,36 @@ def test_a_rank_of_another_job_is_refused_and_the_running_job_is_untouched(store
     print(f"\n[item 2] rank of another job: JobMismatchError after {took:.2f} s")
 
 
+def test_a_second_job_on_the_port_is_named_instead_of_a_reinitialisation_mismatch(store_host, monkeypatch):
+    """Two jobs without a job id on one host:port: the second job's rank joins the first job's store (here
+    held by a stale FFN rank 0) at another generation. The timeout names a second job or a stale process
+    on that host:port and how to separate them, not only "re-initialise the same number of times"."""
+    monkeypatch.delenv("AFD_JOB_ID", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    host = store_host()  # the first job's FFN rank 0, still holding the port
+    port = host.port
+    assert _claim_in_child(port, 1) == "joined"  # the first job's attention rank 0, since gone
+    st = rdzv.connect(HOST, port, 1, 2, 10.0, num_ffn_ranks=1)  # the second job's attention rank 0
+    assert st.generation == 2
+    took, _, err = timed(lambda: rdzv.handshake(st, 1, 2, {"x": 1}, 1.5), 20)
+    assert isinstance(err, rdzv.RendezvousTimeoutError), err
+    msg = str(err)
+    assert "FFN rank 0 (world rank 0) is at generation 1" in msg and "this process joined only 1 time" in msg, msg
+    assert f"second job, or a stale process" in msg and f"127.0.0.1:{port}" in msg, msg
+    assert "own port" in msg and "connector_extra_config.job_id or AFD_JOB_ID" in msg, msg
+    assert msg.index("second job") < msg.index("the same number of times"), msg
+    assert took < _slack(1.5), took
+    # One job whose ranks re-initialised a different number of times: that explanation comes first.
+    host2 = store_host()
+    rdzv.connect(HOST, host2.port, 1, 2, 10.0, num_ffn_ranks=1)
+    st2 = rdzv.connect(HOST, host2.port, 1, 2, 10.0, num_ffn_ranks=1)
+    _, _, err2 = timed(lambda: rdzv.handshake(st2, 1, 2, {"x": 1}, 1.5), 20)
+    msg2 = str(err2)
+    assert "is at generation 1, this rank at 2 of the store" in msg2, msg2
+    assert msg2.index("the same number of times") < msg2.index("second job"), msg2
+    print(f"\n[item 4] second job on the port: RendezvousTimeoutError after {took:.2f} s naming it")
+
+
 def test_job_id_resolution_order(monkeypatch):
     from afd_ext.config import AfdExtConnectorConfig, resolve_job_id
 
