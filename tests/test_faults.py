@@ -126,32 +126,33 @@ def test_a_rank_of_another_job_is_refused_and_the_running_job_is_untouched(store
     print(f"\n[item 2] rank of another job: JobMismatchError after {took:.2f} s")
 
 
+@pytest.mark.slow  # ~11 s: a store host and a child process start, two 1.5 s handshake deadlines
 def test_a_second_job_on_the_port_is_named_instead_of_a_reinitialisation_mismatch(store_host, monkeypatch):
     """Two jobs without a job id on one host:port: the second job's rank joins the first job's store (here
     held by a stale FFN rank 0) at another generation. The timeout names a second job or a stale process
     on that host:port and how to separate them, not only "re-initialise the same number of times"."""
     monkeypatch.delenv("AFD_JOB_ID", raising=False)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
-    host = store_host()  # the first job's FFN rank 0, still holding the port
+    host = store_host(world_size=3)  # the first job's FFN rank 0, still holding the port
     port = host.port
-    assert _claim_in_child(port, 1) == "joined"  # the first job's attention rank 0, since gone
-    st = rdzv.connect(HOST, port, 1, 2, 10.0, num_ffn_ranks=1)  # the second job's attention rank 0
+    assert _claim_in_child(port, 1, 3) == "joined"  # the first job's attention rank 0, since gone
+    st = rdzv.connect(HOST, port, 1, 3, 10.0, num_ffn_ranks=1)  # the second job's attention rank 0
     assert st.generation == 2
-    took, _, err = timed(lambda: rdzv.handshake(st, 1, 2, {"x": 1}, 1.5), 20)
+    took, _, err = timed(lambda: rdzv.handshake(st, 1, 3, {"x": 1}, 1.5), 20)
     assert isinstance(err, rdzv.RendezvousTimeoutError), err
     msg = str(err)
     assert "FFN rank 0 (world rank 0) is at generation 1" in msg and "this process joined only 1 time" in msg, msg
-    assert f"second job, or a stale process" in msg and f"127.0.0.1:{port}" in msg, msg
+    assert "second job, or a stale process" in msg and f"127.0.0.1:{port}" in msg, msg
     assert "own port" in msg and "connector_extra_config.job_id or AFD_JOB_ID" in msg, msg
     assert msg.index("second job") < msg.index("the same number of times"), msg
     assert took < _slack(1.5), took
-    # One job whose ranks re-initialised a different number of times: that explanation comes first.
-    host2 = store_host()
-    rdzv.connect(HOST, host2.port, 1, 2, 10.0, num_ffn_ranks=1)
-    st2 = rdzv.connect(HOST, host2.port, 1, 2, 10.0, num_ffn_ranks=1)
-    _, _, err2 = timed(lambda: rdzv.handshake(st2, 1, 2, {"x": 1}, 1.5), 20)
+    # One job whose ranks re-initialised a different number of times (this process joined twice as
+    # attention rank 1): that explanation comes first.
+    rdzv.connect(HOST, port, 2, 3, 10.0, num_ffn_ranks=1)
+    st2 = rdzv.connect(HOST, port, 2, 3, 10.0, num_ffn_ranks=1)
+    _, _, err2 = timed(lambda: rdzv.handshake(st2, 2, 3, {"x": 1}, 1.5), 20)
     msg2 = str(err2)
-    assert "is at generation 1, this rank at 2 of the store" in msg2, msg2
+    assert "is at generation 1" in msg2 and "this rank at 2 of the store" in msg2, msg2
     assert msg2.index("the same number of times") < msg2.index("second job"), msg2
     print(f"\n[item 4] second job on the port: RendezvousTimeoutError after {took:.2f} s naming it")
 
@@ -179,20 +180,20 @@ import torch.distributed
 from afd_ext import rendezvous as rdzv
 t0 = time.monotonic()
 try:
-    rdzv.connect("127.0.0.1", int(sys.argv[1]), int(sys.argv[2]), 2, 10.0, num_ffn_ranks=1)
+    rdzv.connect("127.0.0.1", int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), 10.0, num_ffn_ranks=1)
     print("joined", flush=True)
 except Exception as e:
     print(type(e).__name__, round(time.monotonic() - t0, 3), str(e), flush=True)
 """
 
 
-def _claim_in_child(port: int, world_rank: int) -> str:
+def _claim_in_child(port: int, world_rank: int, world_size: int = 2) -> str:
     import subprocess
 
     from fault_helpers import ROOT
 
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    out = subprocess.run([sys.executable, "-c", _CLAIM_CODE, str(port), str(world_rank)], env=env,
+    out = subprocess.run([sys.executable, "-c", _CLAIM_CODE, str(port), str(world_rank), str(world_size)], env=env,
                          capture_output=True, text=True, timeout=60)
     return out.stdout.strip()
 
@@ -598,7 +599,8 @@ def test_an_attention_rank_that_applied_other_counts_than_announced_is_a_named_e
         assert max(f["took"], a0[k]["took"], a1[k]["took"]) < 5.0, (f, a0[k], a1[k])  # not step_timeout_s
     assert ffn[2] == a0[2] == a1[2] == {"error": None}  # after re-init, the agreeing step runs
     print(f"\n[item 6] another attention rank's rows differ, strict off: FFN AFDProtocolError after "
-          f"{ffn[0]['took']:.2f} s (more rows) / {ffn[1]['took']:.2f} s (fewer), attention ranks StepAbortedError")
+          f"{ffn[0]['took']:.2f} s (more rows) / {ffn[1]['took']:.2f} s (fewer), attention ranks StepAbortedError "
+          f"after {max(a0[0]['took'], a1[0]['took']):.2f} s / {max(a0[1]['took'], a1[1]['took']):.2f} s")
 
 
 def _abort_while_receiving_worker(rank, nprocs, sc, port, marker):
@@ -671,7 +673,7 @@ def test_an_attention_rank_blocked_in_recv_closes_at_once_when_the_ffn_aborts(tm
     assert att["close"] < 5.0, att  # was: until the FFN's own close (here 15 s; up to step_timeout_s + 6 s)
     assert att["reinit"] < 10.0 and ffn["close"] < 5.0, (att, ffn)
     assert att["after"] == 2 * 2 and ffn["after"] == 2 * 2
-    print(f"\n[item 13] gloo, FFN aborts while attention blocked in recv: StepAbortedError after "
+    print(f"\n[item 13] gloo, FFN aborts 0.5 s after the attention rank blocked in recv: StepAbortedError after "
           f"{att['error_after']:.2f} s, close {att['close']:.2f} s, re-init {att['reinit']:.2f} s "
           f"(step_timeout_s {sc.step_timeout_s:g})")
 
