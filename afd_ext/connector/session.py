@@ -30,18 +30,40 @@ logger = logging.getLogger(__name__)
 __all__ = ["Session"]
 
 
-def _raw_error(exc: RuntimeError, tr: Transport | None, tag: MessageTag | None) -> AFDPeerError:
-    """The named error for a raw ``torch.distributed`` / gloo error that reached the connector."""
+def _raw_error(exc: RuntimeError, tr: Transport | None, tag: MessageTag | None,
+               peers: Any = None) -> AFDError | None:
+    """The named error for a raw ``torch.distributed`` / gloo error that reached the connector, or None.
+
+    Only errors of the links are translated (``torch.distributed``'s ``DistError``
+    family, or a message about a closed / reset connection or a timeout): a
+    timeout becomes :class:`~afd_ext.errors.AFDTimeoutError`, the rest
+    :class:`~afd_ext.errors.AFDPeerError`, naming the op, the peers, the step,
+    layer and stage. Anything else (a CUDA error) is not a link error: None.
+    """
+    from ..errors import AFDTimeoutError
     from ..rendezvous import error_text
 
+    text = error_text(exc)
+    low = text.lower()
+    dist_error = any(c.__name__ == "DistError" for c in type(exc).__mro__)
+    timeout = "timed out" in low or "timeout" in low
+    if not (dist_error or timeout or any(w in low for w in ("connection", "closed by peer", "reset by peer",
+                                                            "broken pipe"))):
+        return None
     me = tr.peers.me if tr is not None else "this rank"
     kind = tr.kind if tr is not None else "AFD"
     where = f"{tag.op} at {tag.where()}" if tag is not None else "a transport call"
-    return AFDPeerError(f"AFD {where} on {me} failed in the {kind} transport: {type(exc).__name__}: "
-                        f"{error_text(exc)}. A peer or the rendezvous store (FFN rank 0) probably went away; "
-                        "check the other ranks' logs, then close and re-initialise the connector on every rank.",
-                        op=None if tag is None else tag.op, layer=None if tag is None else tag.layer,
-                        stage=None if tag is None else tag.stage)
+    try:
+        who = ", ".join(tr.peers.peer_label(int(p)) for p in peers) if tr is not None and peers else None
+    except (TypeError, ValueError):
+        who = None
+    with_ = f" with {who}" if who else ""
+    cls = AFDTimeoutError if timeout else AFDPeerError
+    return cls(f"AFD {where}{with_} on {me} failed in the {kind} transport: {type(exc).__name__}: {text}. "
+               "A peer or the rendezvous store (FFN rank 0) went away or stopped answering; check the other "
+               "ranks' logs, then close and re-initialise the connector on every rank.",
+               op=None if tag is None else tag.op, peer=who, layer=None if tag is None else tag.layer,
+               stage=None if tag is None else tag.stage)
 
 
 class Session:
@@ -118,6 +140,7 @@ class Session:
         self.signal = None
 
     def _abort_on_close(self, st: Step) -> None:
+        """Abort the incomplete step ``st`` on every rank: this rank is closing (named, with its last rejection)."""
         after = f"; its last rejected call: {st.seq.rejected}" if st.seq.rejected else ""
         exc = ConnectorStateError(f"close() on {self.me} with {st.seq.label} incomplete ({st.seq.progress()})"
                                   f"{after}")
@@ -190,7 +213,9 @@ class Session:
             raise
         except RuntimeError as e:  # a raw torch.distributed error the transport let through
             exc = _raw_error(e, tr, tag)
-            self.fail_step(exc)
+            self.fail_step(exc or e)
+            if exc is None:
+                raise
             raise exc from None
         except BaseException as e:
             self.fail_step(e)
@@ -228,9 +253,10 @@ class Session:
         """``fn(*args, **kwargs)``; a transport error aborts the step everywhere, then propagates.
 
         Raises:
-            The transport's :class:`~afd_ext.errors.AFDError`; a raw ``RuntimeError``
-            (``DistNetworkError``, gloo's "Connection closed by peer") a transport let
-            through becomes :class:`~afd_ext.errors.AFDPeerError` naming the op and the step.
+            The transport's :class:`~afd_ext.errors.AFDError`; a raw link error a transport
+            let through (``DistNetworkError``, gloo's "Connection closed by peer") becomes
+            :class:`~afd_ext.errors.AFDPeerError` / ``AFDTimeoutError`` naming the op, the
+            peers and the step (:func:`_raw_error`); another ``RuntimeError`` propagates.
         """
         try:
             return fn(*args, **kwargs)
@@ -238,8 +264,10 @@ class Session:
             self.fail_step(e)
             raise
         except RuntimeError as e:
-            exc = _raw_error(e, self.transport, kwargs.get("tag"))
-            self.fail_step(exc)
+            exc = _raw_error(e, self.transport, kwargs.get("tag"), args[1] if len(args) > 1 else None)
+            self.fail_step(exc or e)
+            if exc is None:
+                raise
             raise exc from None
 
     def reject(self, st: Step, exc: BaseException, op: str, *, stage: int | None = None) -> AFDError:
