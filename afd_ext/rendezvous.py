@@ -409,6 +409,9 @@ class AbortSignal:
 # lives in FFN rank 0 and must outlive a connector closed and re-initialised after an abort.
 _STORES: dict[tuple, tuple[Any, _StoreRunner]] = {}
 _STORES_LOCK = threading.Lock()
+# Joins this process made per (host, port, namespace, world rank): a generation above it counts joins of
+# earlier processes to the same store (a second job, or a rank meeting a stale FFN rank 0's store).
+_OWN_JOINS: dict[tuple, int] = {}
 _KEY_LOCKS: dict[tuple, threading.Lock] = {}
 
 
@@ -418,6 +421,7 @@ def forget_cached_stores() -> None:
         for _, runner in _STORES.values():
             runner.stop()
         _STORES.clear()
+        _OWN_JOINS.clear()
 
 
 def _timedelta(timeout_s: float) -> datetime.timedelta:
@@ -818,13 +822,29 @@ def connect(
     _check_world(st, root, _world_record(job, world_size, num_ffn_ranks), job_source, deadline)
     _claim_rank(st, root, deadline)
     st.generation = int(st.call(lambda: root.add(f"join/{world_rank}", 1), "joining", left()))
+    with _STORES_LOCK:
+        own = _OWN_JOINS[(host, port, namespace, world_rank)] = _OWN_JOINS.get((host, port, namespace, world_rank), 0) + 1
+    if own != st.generation:
+        logger.warning("%s joined the AFD rendezvous store at %s:%d at generation %d, but this process joined it "
+                       "%d time(s): earlier processes used this rank there (a restarted rank, a second job or a "
+                       "stale FFN rank 0 on that port); its peers must be in the same generation",
+                       st.label(), host, port, st.generation, own)
     st.store = dist.PrefixStore(f"g{st.generation}/", root)
     logger.debug("%s joined AFD rendezvous %s:%d generation %d", st.label(), host, port, st.generation)
     return st
 
 
 def _generation_hint(store: AFDStore, missing: Iterable[int]) -> str:
-    """Explain a missing rank that sits in another generation (re-initialised a different number of times)."""
+    """Explain missing ranks that sit in another generation of the store, or ``""``.
+
+    A generation counts every join of a world rank to the store since it
+    started, by any process. Ranks of one job that re-initialised a different
+    number of times land in different generations; so do the ranks of a second
+    job (or a restarted rank) that reached a store another job, or a stale FFN
+    rank 0, still holds at ``host:port``. When this rank's generation exceeds
+    the joins its own process made, an earlier process used this rank on the
+    store: that second case is named first.
+    """
     import torch.distributed as dist
 
     try:
@@ -834,12 +854,23 @@ def _generation_hint(store: AFDStore, missing: Iterable[int]) -> str:
             g = int(store.call(lambda r=r: root.add(f"join/{r}", 0), "reading generations", _MIN_ROUND_TRIP_S))
             if g != store.generation:
                 notes.append(f"{store.label(r)} is at generation {g}")
-        if notes:
-            return (f" ({'; '.join(notes)}, this rank at {store.generation}: every rank must "
-                    "re-initialise the connector the same number of times)")
     except Exception:  # noqa: BLE001 - only a hint
-        pass
-    return ""
+        return ""
+    if not notes:
+        return ""
+    own = _OWN_JOINS.get((store.host, store.port, store.namespace, store.world_rank), store.generation)
+    addr = f"{store.host}:{store.port}"
+    mine = f"this rank at {store.generation}"
+    if own != store.generation:
+        mine += f", though this process joined only {own} time{'s' if own != 1 else ''}: earlier processes used it"
+    second = (f"A second job, or a stale process of an earlier run (e.g. an FFN rank 0 still holding the port), "
+              f"may be using {addr}: give each job its own port, or its own job id "
+              "(connector_extra_config.job_id or AFD_JOB_ID; then a rank of another job is refused at once), and "
+              "stop stale processes.")
+    reinit = ("If these ranks are one job, every rank must close() and init_afd_connector() the same number of "
+              "times.")
+    order = (second, reinit) if own != store.generation else (reinit, second)
+    return f" ({'; '.join(notes)}, {mine} of the store at {addr}). {order[0]} {order[1]}"
 
 
 def check_abort(store: AFDStore) -> str | None:
@@ -944,11 +975,12 @@ def wait_for_keys(
                 return
             missing = sorted(set(pending.values()))
             names = ", ".join(store.label(r) for r in missing)
+            hint = _generation_hint(store, missing)
             raise RendezvousTimeoutError(
                 f"{store.label()} timed out after {timeout:.0f} s waiting for {what} from {names}"
-                f"{_generation_hint(store, missing)}. Those ranks did not arrive: check that they "
-                "are running, use the same host/port/num_attention_ranks/num_ffn_ranks, and raise "
-                "the rendezvous timeout if their model load is slower.",
+                + (hint or ". Those ranks did not arrive: check that they are running, use the same "
+                   "host/port/num_attention_ranks/num_ffn_ranks, and raise the rendezvous timeout if their "
+                   "model load is slower."),
                 missing=missing, what=what,
             )
         time.sleep(sleep)

@@ -460,6 +460,7 @@ class CallThread:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._busy_since: float | None = None
+        self.keep: Any = None  # what a call still blocked at stop() needs alive; dropped when the thread ends
 
     def submit(self, fn: Callable[[], Any]) -> cf.Future:
         """Queue ``fn``; its future gets its result or exception."""
@@ -500,6 +501,7 @@ class CallThread:
         while True:
             item = self._q.get()
             if item is None:
+                self.keep = None
                 return
             fut, fn = item
             if not fut.set_running_or_notify_cancel():

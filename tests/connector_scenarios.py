@@ -471,11 +471,13 @@ def _finish_step(conn, sc: Scenario, step_i: int, step: dict) -> int:
 
 @diagnosed
 def mid_step_failure_worker(rank: int, nprocs: int, sc: Scenario, port: int, bad_rank: int) -> dict:
-    """Attention rank ``bad_rank`` passes a bad tensor at layer 1 of step 1 (layer 0 already sent).
+    """Attention rank ``bad_rank`` passes a bad tensor at layer 1 of step 1 (layer 0 already sent), then
+    gives the step up: it applies the next step's payload instead of repeating the call.
 
-    Every rank must raise within the deadline (the bad rank an AFDConfigError,
-    the others an abort naming it); then all close, re-initialise and run one
-    more step successfully.
+    The bad call is an AFDConfigError on that rank only (nothing is aborted by it);
+    giving the half-done step up aborts it on every rank: the others raise,
+    within the deadline, an abort naming the bad rank and its rejected call.
+    Then all close, re-initialise and run one more step successfully.
     """
     _setup_device(sc)
     conn = make_connector(sc, rank, port)
@@ -504,6 +506,12 @@ def mid_step_failure_worker(rank: int, nprocs: int, sc: Scenario, port: int, bad
             except Exception as e:  # noqa: BLE001
                 out["error"] = (type(e).__name__, str(e))
                 phase(rank, f"step 1 failed as expected: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+            if conn.role_rank == bad_rank:
+                out["rejection"] = out.pop("error")
+                try:  # give the half-done step up: every rank's step is aborted
+                    conn.control_plane.update_state_from_dp_metadata(_payload(sc.steps[2]))
+                except Exception as e:  # noqa: BLE001
+                    out["error"] = (type(e).__name__, str(e))
         out["elapsed"] = time.monotonic() - t0
         out["usable_after"] = _call_fails(conn)
         logged_close(conn)

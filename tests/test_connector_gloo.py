@@ -132,11 +132,13 @@ def test_mid_step_failure_aborts_every_rank_then_reinit_works():
     sc = cs.Scenario(A=2, F=1, steps=steps, step_timeout_s=10.0)
     res = run_workers(cs.mid_step_failure_worker, sc.nprocs, (sc, find_free_port(), 1), timeout_s=90)
     ffn, a0, a1 = res
-    assert a1["error"][0] == "AFDConfigError" and "aborted on every rank" in a1["error"][1]
+    kind, msg = a1["rejection"]
+    assert kind == "AFDConfigError" and "layer 1" in msg and "aborted" not in msg, a1["rejection"]
+    assert a1["error"][0] == "AFDStateError" and "aborted on every rank" in a1["error"][1], a1["error"]
     for r in (ffn, a0):
         kind, msg = r["error"]
         assert kind == "StepAbortedError", r["error"]
-        assert "attention rank 1" in msg
+        assert "attention rank 1" in msg and "rejected call" in msg, msg
         assert r["elapsed"] < sc.step_timeout_s, r
     assert all(r["usable_after"] for r in res)
     assert ffn["after"] == 4 * 2 and a0["after"] == 3 * 2 and a1["after"] == 1 * 2

@@ -39,15 +39,15 @@ def _ffn(layers=2, stages=(0, 1)):
 def test_attention_sends_in_order_and_replies_follow_sends():
     q = _att()
     assert (q.total, q.stages, q.complete, q.moved) == (4, (0, 1), False, False)
-    with pytest.raises(AFDStateError, match="no exchange is awaiting its reply"):
+    with pytest.raises(AFDStateError, match="no exchange of step 4 is awaiting its reply"):
         q.next_reply(0, "recv_ffn_output")
-    with pytest.raises(ValueError, match="next exchange of the step is layer 0, stage 0"):
+    with pytest.raises(ValueError, match=r"next exchange of the step \(step 4\) is layer 0, stage 0"):
         q.next_send(1, "send_attn_output")
     assert q.next_send(0, "send_attn_output") == (0, 0)
     q.sent += 1
     assert q.moved and q.next_send(1, "send_attn_output") == (0, 1)
     q.sent += 1
-    with pytest.raises(ValueError, match="reply due next is layer 0, stage 0"):
+    with pytest.raises(ValueError, match="reply due next is step 4, layer 0, stage 0"):
         q.next_reply(1, "recv_ffn_output")
     assert q.next_reply(0, "recv_ffn_output") == (0, 0)
     q.received += 1
@@ -60,9 +60,9 @@ def test_attention_sends_in_order_and_replies_follow_sends():
 
 def test_ffn_receives_in_order_and_replies_follow_receives():
     q = _ffn(layers=1, stages=(0, 2))
-    with pytest.raises(AFDStateError, match="no received exchange awaits its reply"):
+    with pytest.raises(AFDStateError, match="no received exchange of step 4 awaits its reply"):
         q.next_reply_send("send_ffn_output")
-    with pytest.raises(ValueError, match="next exchange is layer 0, stage 0"):
+    with pytest.raises(ValueError, match="next exchange is step 4, layer 0, stage 0"):
         q.next_fan_in(2, "recv_attn_output")
     assert q.next_fan_in(0, "recv_attn_output") == (0, 0)
     q.received += 1
@@ -91,6 +91,17 @@ def test_new_payload_decides_drop_drain_abort_or_done():
     assert f.on_new_payload() == "abort"  # an FFN rank cannot drain: its peers already sent
     f.abandoned = False
     assert f.on_new_payload() == "drop"
+
+
+def test_due_names_the_exchange_each_call_would_serve():
+    q = _att(layers=1, stages=(0, 1))
+    assert q.due("send_attn_output") == (0, 0) and q.due("recv_ffn_output") is None  # no reply due yet
+    q.sent = 2
+    assert q.due("send_attn_output") is None and q.due("recv_ffn_output") == (0, 0)
+    f = _ffn(layers=2, stages=(3,))
+    f.received = 1
+    assert f.due("recv_attn_output") == (1, 3) and f.due("send_ffn_output") == (0, 3)
+    assert f.due("warmup") is None
 
 
 def test_where_and_index():

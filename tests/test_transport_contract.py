@@ -109,3 +109,35 @@ def test_the_connector_never_probes_its_transport():
     used = set(re.findall(r"\b(?:tr|transport|checked|self\.inner)\.(\w+)\(", src))
     used |= set(re.findall(r"\.data\(st\)\.(\w+)", src))
     assert used and used <= declared, sorted(used - declared)
+
+
+def test_a_raw_link_error_a_transport_lets_through_reaches_the_caller_named():
+    """The connector's last line for any transport: a raw ``torch.distributed`` error from a data call becomes
+    AFDPeerError / AFDTimeoutError naming the op, the peer and the position (no raw error chained); the step
+    is aborted. A RuntimeError that is not a link error (CUDA) is left as it is."""
+    import torch.distributed as dist
+
+    from afd_ext.connector.buffers import BufferPool
+    from afd_ext.connector.session import Session
+    from afd_ext.errors import AFDPeerError, AFDTimeoutError
+
+    att = _pair(strict=False)[1][0]  # attention rank 0's plain transport
+    s = Session(att.peers.me, "attention", False, BufferPool("attention", 0, torch.device("cpu")))
+    s.transport = att
+    tag = MessageTag("recv_ffn_output", "f2a", 3, 1, 0, user_step=2)
+
+    def raising(exc):
+        def fn(*args, **kwargs):
+            raise exc
+        return fn
+
+    with pytest.raises(AFDPeerError, match="recv_ffn_output at step 2, layer 1, stage 0 with FFN rank 0") as ei:
+        s.transport_call(raising(dist.DistNetworkError("Connection reset by peer")), (None,), [0], [1], tag=tag)
+    e = ei.value
+    assert (e.op, e.peer, e.layer, e.stage) == ("recv_ffn_output", "FFN rank 0 (world rank 0)", 1, 0)
+    assert e.__suppress_context__ and e.__cause__ is None and s.broken is e
+    with pytest.raises(AFDTimeoutError, match="DistStoreError: Socket Timeout"):
+        s.transport_call(raising(dist.DistStoreError("Socket Timeout")), tag=tag)
+    with pytest.raises(RuntimeError, match="CUDA error: out of memory") as ei:
+        s.transport_call(raising(RuntimeError("CUDA error: out of memory")), tag=tag)
+    assert type(ei.value) is RuntimeError

@@ -234,8 +234,10 @@ class AFDConnector:
         """Release everything (idempotent; safe after a partial init or an abort).
 
         Order: step state and buffers first, then the control channels, then
-        the transport. Leaves :attr:`is_initialized` False;
-        :meth:`init_afd_connector` may be called again.
+        the transport. A step still incomplete is aborted on every rank first
+        (the abort names this rank), so peers waiting on it stop at once. After
+        an abort it does not wait for the peers' teardown. Leaves
+        :attr:`is_initialized` False; :meth:`init_afd_connector` may be called again.
         """
         self._teardown()
 
@@ -294,9 +296,11 @@ class AFDConnector:
             **kwargs: ignored (reference extensions such as ``topk_ids``).
 
         Raises:
-            AFDConfigError: a bad input or call order (nothing of this call is sent;
-                docs/internals.md says what happens to the step).
-            ConnectorStateError: not initialised / aborted / no step applied.
+            AFDConfigError: a bad input or stage, naming the call,
+                the step, the layer and the stage; raised on this rank only before
+                anything of the call is sent: repeat the call corrected (or, at the
+                step's first exchange, apply the next payload: docs/internals.md).
+            ConnectorStateError: not initialised / aborted / no step applied / nothing due.
             AFDTransportError, StepAbortedError: transport failure (the step is aborted everywhere).
 
         CUDA graphs: capturable (stage stream forked from the current stream;
@@ -322,8 +326,9 @@ class AFDConnector:
             for the reply, so any later work on it sees the data.
 
         Raises:
-            AFDConfigError / ConnectorStateError: bad ``ref_tensor`` or call order (nothing is received;
-                mid-step this aborts the step on every rank).
+            AFDConfigError / ConnectorStateError: bad ``ref_tensor``,
+                ``ubatch_idx`` or call order, named with the step, layer and stage; raised
+                on this rank only, nothing received: repeat the call corrected.
             AFDTransportError, StepAbortedError: transport failure (the step is aborted everywhere).
         """
         return self._side("attention", "recv_ffn_output").recv_ffn_output(ref_tensor, ubatch_idx)
@@ -368,9 +373,9 @@ class AFDConnector:
             the next ``recv_attn_output`` of this stage.
 
         Raises:
-            AFDConfigError / ConnectorStateError: call order or a spec that differs
-                from the configuration (nothing received; mid-step this aborts
-                the step on every rank).
+            AFDConfigError / ConnectorStateError: a wrong ``ubatch_idx``,
+                call order or a spec that differs from the configuration, named with
+                the step, layer and stage; raised on this rank only, nothing received.
             AFDTransportError, StepAbortedError: transport failure (a dead
                 peer is named with the layer and stage).
         """
@@ -388,9 +393,10 @@ class AFDConnector:
             **kwargs: ignored (e.g. ``ubatch_idx``).
 
         Raises:
-            AFDConfigError / ConnectorStateError: bad output or context (nothing is
-                sent; the attention peers already hold this exchange, so the
-                step is aborted on every rank).
+            AFDConfigError / ConnectorStateError: bad output
+                (shape, rows, dtype, device, layout) or context, named with the step,
+                layer and stage; raised on this rank only, nothing sent: repeat the
+                call with the right tensor and the step completes on every rank.
             AFDTransportError, StepAbortedError: transport failure.
         """
         self._side("ffn", "send_ffn_output").send_ffn_output(ffn_output, context)

@@ -1,7 +1,8 @@
 """The attention side's data path: send this rank's rows, take the replies, drain an abandoned step.
 
 Checks run before anything moves (order from the sequencer, tensors against
-the schedule); the caller-facing docstrings are the facade's
+the schedule) and a failed check is an error on this rank only
+(:meth:`~afd_ext.connector.session.Session.reject`); the caller-facing docstrings are the facade's
 (:class:`afd_ext.connector.AFDConnector`).
 """
 
@@ -32,7 +33,7 @@ class AttentionSide(RoleSide):
         c = self.s
         tr = c.check_usable(op)
         st = c.require_step(op)
-        moved = st.seq.moved
+        stage = None
         try:
             md = context_metadata(context, op)
             stage = md.stage_idx
@@ -49,7 +50,7 @@ class AttentionSide(RoleSide):
                 if t is not None:
                     tr.check_device(t, name)
         except (ValueError, AFDStateError) as e:
-            raise c.reject(st, e, moved=moved) from None
+            raise c.reject(st, e, op, stage=stage) from None
         st.seq.abandoned = False
         hidden_states, router_logits, input_ids = (canonical_strides(t) for t in (hidden_states, router_logits,
                                                                                   input_ids))
@@ -85,7 +86,7 @@ class AttentionSide(RoleSide):
             tr.check_device(ref_tensor, "ref_tensor")
             st.schedule.check_attention_reply(stage, self.role_rank, ref_tensor)
         except (ValueError, AFDStateError) as e:
-            raise c.reject(st, e, moved=st.seq.moved) from None
+            raise c.reject(st, e, op, stage=ubatch_idx) from None
         self._recv_reply(st, st.pending[stage][0], ref_tensor, op)
         return ref_tensor
 

@@ -50,7 +50,7 @@ class FFNSide(RoleSide):
                 raise AFDConfigError(f"{op}: recv_input_ids=True but the connector was initialised with "
                                  "send_token_ids=False; enable it on both roles")
         except (ValueError, AFDStateError) as e:
-            raise c.reject(st, e, moved=st.seq.moved) from None
+            raise c.reject(st, e, op, stage=ubatch_idx) from None
         sch = st.schedule
         plan = sch.ffn_plan(stage, self.role_rank)
         bufs = st.bufs[stage]
@@ -93,8 +93,8 @@ class FFNSide(RoleSide):
                         f"stage {state.stage}, but the reply due next is {st.seq.label}, layer {layer}, stage "
                         f"{stage} (replies go in receive order)")
             elif md.stage_idx != stage:
-                raise AFDConfigError(f"{op} for stage {md.stage_idx}, but the reply due next is layer "
-                                 f"{layer}, stage {stage}")
+                raise AFDConfigError(f"{op} on {c.me} for stage {md.stage_idx}, but the reply due next is "
+                                     f"{st.seq.label}, layer {layer}, stage {stage}")
             if not isinstance(ffn_output, torch.Tensor):
                 raise AFDConfigError(f"ffn_output must be a torch.Tensor, got {type(ffn_output).__name__}")
             if not md.validate_tensor_shape(tuple(ffn_output.shape)):
@@ -103,7 +103,7 @@ class FFNSide(RoleSide):
             tr.check_device(ffn_output, "ffn_output")
             st.schedule.check_ffn_output(stage, self.role_rank, ffn_output)
         except (ValueError, AFDStateError) as e:
-            raise c.reject(st, e, moved=True) from None
+            raise c.reject(st, e, op) from None
         plan = st.schedule.ffn_plan(stage, self.role_rank)
         tag = st.tag(op, "f2a", layer, stage, layer)
         pending = c.transport_call(c.data(st).split_back, (ffn_output, None, None), plan.peers, plan.rows,

@@ -9,10 +9,12 @@ and stage-minor, on every rank. Each role counts two positions:
   ``send_ffn_output``); a reply is due only for an exchange already received.
 
 Every call is checked against the order before anything moves; a violation is
-``ValueError`` (wrong stage) or :class:`~afd_ext.errors.AFDStateError`
-(nothing due). Whether a rejected call abandons the step (nothing of it moved
-yet: it may be drained with zeros) or aborts it everywhere (data already moved)
-is decided here too (:meth:`StepSequencer.moved`, :meth:`StepSequencer.on_new_payload`).
+:class:`~afd_ext.errors.AFDConfigError` (wrong stage) or
+:class:`~afd_ext.errors.AFDStateError` (nothing due), raised on the calling
+rank only: the position does not change, so the corrected call proceeds. What
+a new payload does to a step left incomplete (drop it, drain it with zeros, or
+abort it on every rank) is decided here too (:meth:`StepSequencer.moved`,
+:meth:`StepSequencer.on_new_payload`).
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ class StepSequencer:
         self.received = 0
         #: A call of this step was rejected before anything moved (drain with zeros or retry).
         self.abandoned = False
+        #: The first line of the last rejected call's error (named when the step is later aborted).
+        self.rejected: str | None = None
 
     # -- position -------------------------------------------------------------------
 
@@ -121,8 +125,9 @@ class StepSequencer:
             lambda: (f"{op} on {self.me}: all {self.total} exchanges of {self.label} were already sent; "
                      "apply the next step's payload (update_state_from_dp_metadata) first"),
             lambda layer, want: (
-                f"{op} on {self.me} for stage {stage}, but the next exchange of the step is layer {layer}, "
-                f"stage {want} (exchanges run layer-major, stage-minor over stages {list(self.stages)})"))
+                f"{op} on {self.me} for stage {stage}, but the next exchange of the step ({self.label}) is "
+                f"layer {layer}, stage {want} (exchanges run layer-major, stage-minor over stages "
+                f"{list(self.stages)})"))
 
     def next_reply(self, stage: int, op: str) -> tuple[int, int]:
         """The ``(layer, stage)`` whose reply an attention receive for ``stage`` takes (not advanced).
@@ -133,10 +138,11 @@ class StepSequencer:
         """
         return self._due(
             self.received, self.sent, stage,
-            lambda: (f"{op}(ubatch_idx={stage}) on {self.me}: no exchange is awaiting its reply "
+            lambda: (f"{op}(ubatch_idx={stage}) on {self.me}: no exchange of {self.label} is awaiting its reply "
                      f"({self.progress()}); call send_attn_output first"),
-            lambda layer, want: (f"{op}(ubatch_idx={stage}) on {self.me}, but the reply due next is layer {layer}, "
-                                 f"stage {want} (replies arrive in send order: layer-major, stage-minor)"))
+            lambda layer, want: (f"{op}(ubatch_idx={stage}) on {self.me}, but the reply due next is {self.label}, "
+                                 f"layer {layer}, stage {want} (replies arrive in send order: layer-major, "
+                                 "stage-minor)"))
 
     # -- FFN ------------------------------------------------------------------------
 
@@ -152,7 +158,8 @@ class StepSequencer:
             lambda: (f"{op} on {self.me}: all {self.total} exchanges of {self.label} were received; "
                      "receive and apply the next step's payload first"),
             lambda layer, want: (f"{op}(ubatch_idx={stage}) on {self.me}, but the next exchange is "
-                                 f"layer {layer}, stage {want} (layer-major, stage-minor)"))
+                                 f"{self.label}, layer {layer}, stage {want} (layer-major, stage-minor over "
+                                 f"stages {list(self.stages)})"))
 
     def next_reply_send(self, op: str) -> tuple[int, int]:
         """The ``(layer, stage)`` the next FFN reply belongs to (not advanced).
@@ -162,10 +169,26 @@ class StepSequencer:
         """
         return self._due(
             self.sent, self.received, None,
-            lambda: (f"{op} on {self.me}: no received exchange awaits its reply "
+            lambda: (f"{op} on {self.me}: no received exchange of {self.label} awaits its reply "
                      f"({self.progress()}); call recv_attn_output first"))
 
     # -- both -------------------------------------------------------------------------
+
+    def due(self, op: str) -> tuple[int, int] | None:
+        """The ``(layer, stage)`` the next call ``op`` would serve, or None when none is due (for messages).
+
+        ``op``: ``send_attn_output`` / ``recv_ffn_output`` (attention), ``recv_attn_output`` /
+        ``send_ffn_output`` (FFN).
+        """
+        if op in ("send_attn_output", "recv_attn_output"):
+            pos, limit = (self.sent, self.total) if op == "send_attn_output" else (self.received, self.total)
+        elif op == "recv_ffn_output":
+            pos, limit = self.received, self.sent
+        elif op == "send_ffn_output":
+            pos, limit = self.sent, self.received
+        else:
+            return None
+        return self.seq[pos] if pos < limit else None
 
     def index(self, layer: int, stage: int) -> int | None:
         """Position of exchange ``(layer, stage)`` in the step, or None."""

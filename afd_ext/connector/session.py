@@ -4,7 +4,9 @@ The facade (:class:`afd_ext.connector.AFDConnector`) builds the session's
 links at init; the two sides (:mod:`.attention`, :mod:`.ffn`) go through it for
 every call: is the connector usable, which step is current, which transport
 carries this step's data, and what a rejected call or a transport error does
-to the step (abandon it when nothing moved yet; else abort it on every rank).
+to the step: a rejected call is an error on its rank only (the corrected call
+proceeds); a transport error, a new payload over an incomplete step, or a
+close mid-step aborts the step on every rank.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..errors import AFDError, AFDProtocolError, AFDStateError, ConnectorStateError
+from ..errors import AFDConfigError, AFDError, AFDPeerError, AFDProtocolError, AFDStateError, ConnectorStateError
 from ..metadata import AFDControlPayload
 from ..schedule import StepSchedule
 from ..transport.base import MessageTag, StepProgress, Transport
@@ -29,6 +31,42 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = ["Session", "RoleSide"]
+
+
+def _raw_error(exc: RuntimeError, tr: Transport | None, tag: MessageTag | None,
+               peers: Any = None) -> AFDError | None:
+    """The named error for a raw ``torch.distributed`` / gloo error that reached the connector, or None.
+
+    Only errors of the links are translated (``torch.distributed``'s ``DistError``
+    family, or a message about a closed / reset connection or a timeout): a
+    timeout becomes :class:`~afd_ext.errors.AFDTimeoutError`, the rest
+    :class:`~afd_ext.errors.AFDPeerError`, naming the op, the peers, the step,
+    layer and stage. Anything else (a CUDA error) is not a link error: None.
+    """
+    from ..errors import AFDTimeoutError
+    from ..rendezvous import error_text
+
+    text = error_text(exc)
+    low = text.lower()
+    dist_error = any(c.__name__ == "DistError" for c in type(exc).__mro__)
+    timeout = "timed out" in low or "timeout" in low
+    if not (dist_error or timeout or any(w in low for w in ("connection", "closed by peer", "reset by peer",
+                                                            "broken pipe"))):
+        return None
+    me = tr.peers.me if tr is not None else "this rank"
+    kind = tr.kind if tr is not None else "AFD"
+    where = f"{tag.op} at {tag.where()}" if tag is not None else "a transport call"
+    try:
+        who = ", ".join(tr.peers.peer_label(int(p)) for p in peers) if tr is not None and peers else None
+    except (TypeError, ValueError):
+        who = None
+    with_ = f" with {who}" if who else ""
+    cls = AFDTimeoutError if timeout else AFDPeerError
+    return cls(f"AFD {where}{with_} on {me} failed in the {kind} transport: {type(exc).__name__}: {text}. "
+               "A peer or the rendezvous store (FFN rank 0) went away or stopped answering; check the other "
+               "ranks' logs, then close and re-initialise the connector on every rank.",
+               op=None if tag is None else tag.op, peer=who, layer=None if tag is None else tag.layer,
+               stage=None if tag is None else tag.stage)
 
 
 class Session:
@@ -73,6 +111,11 @@ class Session:
             control: the control plane (its channels are closed after the step state, before the transport), or None.
             replies: the FFN side (its replies in flight are delivered when healthy, else dropped), or None.
         """
+        st = self.step
+        if self.initialized and self.broken is None and st is not None and not st.seq.complete:
+            # The peers may be blocked in this step's exchanges (a rejected call is no longer an
+            # abort): tell them now, naming this rank, instead of leaving them to their deadline.
+            self._abort_on_close(st)
         if replies is not None:
             if self.initialized and self.broken is None and self.transport is not None:
                 # Healthy close: the last replies may still be in flight (gloo sends
@@ -98,6 +141,14 @@ class Session:
                 logger.warning("closing AFD %s transport: %s", tr.kind, e)
         self.store = None
         self.signal = None
+
+    def _abort_on_close(self, st: Step) -> None:
+        """Abort the incomplete step ``st`` on every rank: this rank is closing (named, with its last rejection)."""
+        after = f"; its last rejected call: {st.seq.rejected}" if st.seq.rejected else ""
+        exc = ConnectorStateError(f"close() on {self.me} with {st.seq.label} incomplete ({st.seq.progress()})"
+                                  f"{after}")
+        logger.warning("%s: closing mid-step; aborting %s on every rank", self.me, st.seq.label)
+        self.fail_step(exc)
 
     def open(self, conn: Any, control: Any) -> None:
         """Build this generation's links for connector ``conn`` (collective): store, handshake, transport, channels.
@@ -160,8 +211,18 @@ class Session:
             raise ConnectorStateError(
                 f"AFD connector ({self.me}) is unusable after a failed step ({cause}){again}") from self.broken
         tr = self.transport
+        tag = self.tag(op)
         try:
-            tr.check_health(self.tag(op))
+            tr.check_health(tag)
+        except AFDError as e:
+            self.fail_step(e)
+            raise
+        except RuntimeError as e:  # a raw torch.distributed error the transport let through
+            exc = _raw_error(e, tr, tag)
+            self.fail_step(exc or e)
+            if exc is None:
+                raise
+            raise exc from None
         except BaseException as e:
             self.fail_step(e)
             raise
@@ -195,23 +256,69 @@ class Session:
                 logger.warning("aborting AFD transport: %s", e)
 
     def transport_call(self, fn, *args, **kwargs):
-        """``fn(*args, **kwargs)``; a transport error aborts the step everywhere, then propagates."""
+        """``fn(*args, **kwargs)``; a transport error aborts the step everywhere, then propagates.
+
+        Raises:
+            The transport's :class:`~afd_ext.errors.AFDError`; a raw link error a transport
+            let through (``DistNetworkError``, gloo's "Connection closed by peer") becomes
+            :class:`~afd_ext.errors.AFDPeerError` / ``AFDTimeoutError`` naming the op, the
+            peers and the step (:func:`_raw_error`); another ``RuntimeError`` propagates.
+        """
         try:
             return fn(*args, **kwargs)
-        except (AFDError, RuntimeError) as e:  # every transport error (AFDPeerError is a ConnectionError)
+        except AFDError as e:  # every transport error (AFDPeerError is a ConnectionError)
             self.fail_step(e)
             raise
+        except RuntimeError as e:
+            exc = _raw_error(e, self.transport, kwargs.get("tag"), args[1] if len(args) > 1 else None)
+            self.fail_step(exc or e)
+            if exc is None:
+                raise
+            raise exc from None
 
-    def reject(self, st: Step, exc: BaseException, *, moved: bool) -> BaseException:
-        """A call failed its checks. Mid-step (``moved``): abort the step everywhere; else abandon it."""
-        if moved:
-            note = (f" The step was already under way on {self.me} ({st.seq.progress()}), so it was "
-                    "aborted on every rank; close() and init_afd_connector() to continue.")
-            exc = type(exc)(str(exc) + note) if isinstance(exc, (ValueError, AFDStateError)) else exc
-            self.fail_step(exc)
+    def reject(self, st: Step, exc: BaseException, op: str, *, stage: int | None = None) -> AFDError:
+        """A call failed its checks before anything of it moved: a named error on this rank only.
+
+        Nothing is aborted and the step's position does not change, so the same
+        call with correct arguments proceeds (the peers wait for it, bounded by
+        their deadline). A step left incomplete is aborted on every rank only
+        when this rank moves on (a new payload) or closes. At the first exchange
+        (nothing of the step moved on this rank) the step is marked abandoned: an
+        attention rank then drains it with zeros at the next payload.
+
+        Args:
+            st: the current step; exc: what the checks raised (``ValueError``, ``AFDStateError``).
+            op: the data call; stage: the ``ubatch_idx`` / context stage the caller gave, if known.
+
+        Returns:
+            :class:`~afd_ext.errors.AFDStateError` (nothing due) or
+            :class:`~afd_ext.errors.AFDConfigError` (a ``ValueError``: bad input or stage),
+            naming the call, this rank, the step, the layer and the stage.
+        """
+        seq = st.seq
+        due = seq.due(op)
+        layer = None if due is None else due[0]
+        where = seq.label if due is None else f"{seq.label}, layer {due[0]}, stage {due[1]}"
+        text = str(exc)
+        if not text.startswith(op):  # the order checks name the call and the step themselves
+            text = f"{op} on {self.me} at {where}: {text}"
+        text = text.rstrip().rstrip(".") + "."
+        if seq.complete:
+            text += f" The step is complete ({seq.progress()}); apply the next step's payload first."
+        elif not seq.moved:
+            seq.abandoned = True
+            if self.role == "attention":
+                text += (" Nothing was sent: repeat the call with correct arguments, or apply the next step's "
+                         "payload (this step is then drained with zeros).")
+            else:
+                text += (" Nothing was received: repeat the call with correct arguments (applying the next payload "
+                         "instead aborts this step on every rank).")
         else:
-            st.seq.abandoned = True
-        return exc
+            text += (f" Nothing of this call moved and the step is unchanged ({seq.progress()}): repeat the call "
+                     "with correct arguments; the peers wait for it up to their step_timeout_s.")
+        seq.rejected = text.splitlines()[0][:300]
+        cls = AFDStateError if isinstance(exc, AFDStateError) else AFDConfigError
+        return cls(text, op=op, layer=layer, stage=due[1] if stage is None and due is not None else stage)
 
     def check_sent(self, payload: AFDControlPayload) -> None:
         """The FFN ranks build their schedule from the payload sent; this rank uses the one applied.
@@ -271,10 +378,11 @@ class Session:
             elif what == "drop":
                 logger.debug("%s: %s replaced before any exchange", self.me, prev.seq.label)
             elif what == "abort":
+                after = f" It was left after a rejected call: {prev.seq.rejected}" if prev.seq.rejected else ""
                 exc = ConnectorStateError(
                     f"{op} on {self.me}: the previous {prev.seq.label} is incomplete ({prev.seq.progress()}); "
-                    f"every step must run all {prev.seq.total} (layer, stage) exchanges. The step was aborted "
-                    "on every rank; close() and init_afd_connector() to continue.")
+                    f"every step must run all {prev.seq.total} (layer, stage) exchanges.{after} The step was "
+                    "aborted on every rank; close() and init_afd_connector() to continue.")
                 self.fail_step(exc)
                 raise exc
         self.step = None

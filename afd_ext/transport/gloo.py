@@ -17,10 +17,12 @@ waits cannot be sliced with short gloo timeouts. Instead a daemon waiter
 thread calls ``work.wait(deadline)`` while the calling thread polls its
 completion in short slices and checks the rendezvous abort signal between
 slices (:func:`afd_ext.watchdog.host_wait`). A gloo wait cannot be
-interrupted, so :meth:`GlooTransport.close` joins the waiter (bounded by the
-deadline): after an abort the peers tear down their pairs, which ends the
-wait at once; a process that exited with a wait still blocked would abort in
-gloo's destructors. A peer that dies surfaces at
+interrupted: :meth:`GlooTransport.close` joins the waiter when healthy
+(bounded by the deadline) and, after an abort, leaves a wait still blocked
+to end on its own thread (when the peer drops its end, or at gloo's own
+timeout), so close never waits on a peer; the process's exit joins such a
+thread (bounded), since exiting with a gloo wait blocked aborts the process
+in gloo's destructors. A peer that dies surfaces at
 once (gloo reports the closed connection) as an
 :class:`~afd_ext.transport.base.AFDPeerError` naming the peer, the layer and
 the stage; a peer that is alive but silent becomes an
@@ -29,9 +31,12 @@ the stage; a peer that is alive but silent becomes an
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures as cf
 import datetime
 import logging
+import threading
+import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -39,6 +44,7 @@ import torch
 from ..watchdog import CallThread, host_wait
 from .base import (
     AFDPeerError,
+    AFDProtocolError,
     AFDTimeoutError,
     AFDTransportError,
     MessageTag,
@@ -57,9 +63,58 @@ logger = logging.getLogger(__name__)
 __all__ = ["GlooTransport"]
 
 _TAGS = {"a2f": 1, "f2a": 2}
+# One message per edge and step on its own tag: the attention rank's rows of the edge, per stage (see
+# _rows_words). gloo aborts the process that receives a message larger than the receive it posted, so
+# the FFN rank compares the two schedules' rows before it posts any data receive of the step.
+_ROWS_TAG = 3
+_ROWS_STAGES = 16  # stages listed in the message; more are covered by its checksum
 # A waiter-thread wait gets this much longer than the caller's deadline, so the
 # caller always reports the (named) timeout first.
 _WAIT_MARGIN_S = 1.0
+# After an abort, close() gives a blocked wait this long to end (the peer already
+# closed) before leaving it to finish on its own thread.
+_ABORTED_JOIN_S = 0.2
+
+
+class _Waiter(CallThread):
+    """The gloo wait thread: a wait still blocked when it stops holds the process's exit, bounded.
+
+    Args:
+        name: the thread's name; bound_s: the longest one submitted wait can block
+            (gloo's own timeout), seconds.
+    """
+
+    def __init__(self, name: str, bound_s: float):
+        super().__init__(name)
+        self.bound_s = float(bound_s)
+
+    def stop(self, join_timeout_s: float = 0.0) -> bool:
+        """Stop the thread; wait up to ``join_timeout_s`` for a wait in progress to end.
+
+        Returns False if the thread is still blocked in gloo; it then ends by
+        itself within :attr:`bound_s`, and :func:`_join_left_waits` holds the
+        process's exit until it has (an exit with a gloo wait blocked aborts the
+        process in gloo's destructors).
+        """
+        t = self._thread
+        if super().stop(join_timeout_s):
+            return True
+        with _LEFT_LOCK:
+            _LEFT.append((self, t))
+        return False
+
+
+# Waits still blocked in gloo after their transport closed; joined (bounded) before the process exits.
+_LEFT: list[tuple[_Waiter, threading.Thread]] = []
+_LEFT_LOCK = threading.Lock()
+
+
+@atexit.register
+def _join_left_waits() -> None:
+    with _LEFT_LOCK:
+        left, _LEFT[:] = list(_LEFT), []
+    for w, t in left:
+        t.join(max(w.bound_s + 1.0 - w.stuck_s(), 0.1))
 
 
 def _completed_ok(work: Any) -> bool:
@@ -68,6 +123,30 @@ def _completed_ok(work: Any) -> bool:
         return bool(work.is_completed()) and bool(work.is_success())
     except Exception:  # noqa: BLE001 - treat an unanswerable work as not done
         return False
+
+
+def _rows_words(schedule: Any, a: int, f: int) -> list[int]:
+    """Edge ``(a, f)``'s rows in every stage of ``schedule``, as the int64 words of one rows message.
+
+    ``[number of stages, crc32 of all (stage, rows) pairs, stage, rows, stage, rows, ...]``, padded with
+    -1 to a fixed length, so both sides post the same size whatever they disagree on.
+    """
+    import zlib
+
+    pairs = [(int(s), int(schedule.edge_rows(s, a, f))) for s in schedule.stages]
+    words = [len(pairs), zlib.crc32(repr(pairs).encode())]
+    for s, r in pairs[:_ROWS_STAGES]:
+        words += [s, r]
+    return words + [-1] * (2 + 2 * _ROWS_STAGES - len(words))
+
+
+def _rows_text(words: Sequence[int]) -> str:
+    """``"stage 0: 3 rows, stage 1: 0 rows"`` from a rows message."""
+    n = int(words[0])
+    pairs = [f"stage {int(words[2 + 2 * i])}: {int(words[3 + 2 * i])} rows" for i in range(min(n, _ROWS_STAGES))]
+    if n > _ROWS_STAGES:
+        pairs.append(f"... ({n} stages)")
+    return ", ".join(pairs) if pairs else "no stages"
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -114,7 +193,8 @@ class GlooTransport(Transport):
 
             raise process_group_error(e, me=peers.me, label=peers.label, world_size=world,
                                       timeout_s=max(init_timeout_s, timeout_s)) from None
-        self._waiter = CallThread(f"afd-gloo-wait {peers.me}")
+        self._waiter = _Waiter(f"afd-gloo-wait {peers.me}", self.timeout_s + _WAIT_MARGIN_S)
+        self._rows_step: Any = None  # this step's schedule until its rows messages went out / were checked
 
     @classmethod
     def from_setup(cls, setup: TransportSetup) -> "GlooTransport":
@@ -190,8 +270,12 @@ class GlooTransport(Transport):
             self._closed = e
             if self._abort_check is not None:
                 # A rank that aborts the step also tears down its gloo pairs; report
-                # the abort (the root cause), not the closed connection.
-                self._abort_check(f"{tag.op} ({what} with {peer} at {tag.where()})")
+                # the abort (the root cause), not the closed connection, and without
+                # gloo's raw error chained to it as its context.
+                try:
+                    self._abort_check(f"{tag.op} ({what} with {peer} at {tag.where()})")
+                except AFDTransportError as aborted:
+                    raise aborted from None
             blame, who = culprits()
             blame = f" {blame}" if blame else ""
             if "Connection closed by peer" in text or "Connection reset" in text or "closed" in text.lower():
@@ -205,6 +289,65 @@ class GlooTransport(Transport):
                 op=tag.op, peer=who, layer=tag.layer, stage=tag.stage,
             ) from None
 
+    # -- the step's rows, agreed before its first data message ------------------------
+
+    def begin_step(self, schedule: Any) -> None:
+        """Remember the step's schedule: its first a2f exchange carries (attention) or checks (FFN) the rows."""
+        super().begin_step(schedule)
+        self._rows_step = schedule if getattr(schedule, "topology", None) is not None else None
+
+    def _send_rows(self, tag: MessageTag) -> tuple[list[Any], list[tuple[str, list[Any]]], list[torch.Tensor]]:
+        """Attention rank: post this step's rows message to every FFN peer (raises RuntimeError like a send)."""
+        sch, self._rows_step = self._rows_step, None
+        a = self.peers.role_rank
+        works: list[Any] = []
+        by_peer: list[tuple[str, list[Any]]] = []
+        keep: list[torch.Tensor] = []
+        for f in sch.topology.attention_peers(a):
+            t = torch.tensor(_rows_words(sch, a, f), dtype=torch.int64)
+            keep.append(t)
+            w = self._pg.send([t], self.peers.peer_world_rank(f), _ROWS_TAG)
+            works.append(w)
+            by_peer.append((self.peers.peer_label(f), [w]))
+        return works, by_peer, keep
+
+    def _check_rows(self, tag: MessageTag) -> None:
+        """FFN rank: receive every attention peer's rows message of this step and compare it with ours.
+
+        Raises:
+            AFDProtocolError: a peer's rows differ (its schedule and ours disagree); nothing of
+                the step's data has been received (the connector aborts the step on every rank).
+            AFDPeerError / AFDTimeoutError / StepAbortedError: as a receive.
+        """
+        sch, self._rows_step = self._rows_step, None
+        f = self.peers.role_rank
+        peers = sch.topology.ffn_peers(f)
+        names = [self.peers.peer_label(a) for a in peers]
+        got = torch.empty(len(peers), 2 + 2 * _ROWS_STAGES, dtype=torch.int64)
+        try:
+            works = [self._pg.recv([got[i]], self.peers.peer_world_rank(a), _ROWS_TAG) for i, a in enumerate(peers)]
+        except RuntimeError as e:
+            self._closed = e
+            raise AFDPeerError(f"AFD {tag.op}: receive of the step's rows from {', '.join(names)} at "
+                               f"{tag.where()} failed: {error_text(e)}", op=tag.op, peer=", ".join(names),
+                               layer=tag.layer, stage=tag.stage) from None
+        self._wait(works, tag, "receive (the step's rows)", ", ".join(names),
+                   [(n, [w]) for n, w in zip(names, works)])
+        bad = []
+        for i, a in enumerate(peers):
+            want = _rows_words(sch, a, f)
+            if got[i].tolist() != want:
+                bad.append((names[i], _rows_text(got[i].tolist()), _rows_text(want)))
+        if bad:
+            detail = "; ".join(f"{name} sends {theirs} on its edge with this rank, this rank's schedule expects "
+                               f"{ours}" for name, theirs, ours in bad)
+            raise AFDProtocolError(
+                f"AFD {tag.op} on {self.peers.me} at {tag.step_text()}: the ranks disagree on the step's row "
+                f"counts: {detail}. They applied different control payloads: every attention rank must apply "
+                "(update_state_from_dp_metadata) the payload the control senders send to the FFN ranks. Nothing "
+                "of the step's data was received; the step is aborted on every rank.",
+                op=tag.op, peer=", ".join(b[0] for b in bad), layer=tag.layer, stage=tag.stage)
+
     # -- data --------------------------------------------------------------------
 
     def split_back(self, tensors, peers, rows, *, tag: MessageTag) -> PendingSend:
@@ -216,18 +359,26 @@ class GlooTransport(Transport):
         names: list[str] = []
         by_peer: list[tuple[str, list[Any]]] = []
         try:
+            if self._rows_step is not None and tag.direction == "a2f" and self.peers.role == "attention":
+                rw, rb, rk = self._send_rows(tag)
+                works.extend(rw)
+                by_peer.extend(rb)
+                keep.extend(rk)
             for peer, off, r in zip(peers, row_offsets(rows), rows):
                 if r == 0:
                     continue
                 dst = self.peers.peer_world_rank(peer)
                 names.append(self.peers.label(dst))
-                mine: list[Any] = []
-                by_peer.append((names[-1], mine))
+                mine = next((ws for label, ws in by_peer if label == names[-1]), None)
+                if mine is None:
+                    mine = []
+                    by_peer.append((names[-1], mine))
                 for t in msgs:
                     view = _bytes(t.narrow(0, off, r))
                     keep.append(view)
-                    mine.append(self._pg.send([view], dst, gtag))
-                works.extend(mine)
+                    w = self._pg.send([view], dst, gtag)
+                    mine.append(w)
+                    works.append(w)
         except RuntimeError as e:
             self._closed = e
             raise AFDPeerError(f"AFD {tag.op}: send to {', '.join(names) or 'peers'} at {tag.where()} failed: "
@@ -235,12 +386,14 @@ class GlooTransport(Transport):
                                op=tag.op, peer=", ".join(names) or None, layer=tag.layer, stage=tag.stage) from None
         if not works:
             return PendingSend()
-        peer_text = ", ".join(names)
+        peer_text = ", ".join(label for label, _ in by_peer)
         return PendingSend(lambda: self._wait(works, tag, "send", peer_text, by_peer), keep)
 
     def fan_in(self, tensors, peers, rows, *, tag: MessageTag, wait: bool = False) -> None:
         """Receive (blocking, bounded): the data is in ``tensors`` on return, whatever ``wait`` says."""
         self._check_open(tag)
+        if self._rows_step is not None and tag.direction == "a2f" and self.peers.role == "ffn":
+            self._check_rows(tag)
         msgs = [t for t in tensors if t is not None]
         gtag = _TAGS[tag.direction]
         live = [(p, off, r) for p, off, r in zip(peers, row_offsets(rows), rows) if r > 0]
@@ -283,13 +436,26 @@ class GlooTransport(Transport):
             pass
 
     def close(self, buffers=()) -> None:
-        """Stop the waiter (bounded) and drop the process group; ``buffers`` need no retention (host waits end)."""
+        """Stop the waiter and drop the process group, promptly after an abort; never raises.
+
+        A healthy close joins the waiter (bounded by the deadline; its waits end
+        by themselves). After an abort a wait may stay blocked until the peer
+        drops its end or gloo's own timeout (the deadline + 1 s) passes, and no
+        local call ends it (``ProcessGroupGloo.abort``/``shutdown`` do not): the
+        waiter is then left to finish on its own, holding the group (and the
+        receive's tensor) until it does, so close returns at once instead of
+        waiting for the peer's teardown; the process's exit waits for it
+        (bounded), because exiting with a gloo wait blocked aborts the process.
+        ``buffers`` need no retention: a blocked receive's work holds its own tensor.
+        """
+        aborted = self._closed is not None
         if self._closed is None:
             self._closed = AFDTransportError("closed")
         waiter, self._waiter = self._waiter, None
-        if waiter is not None and not waiter.stop(self.timeout_s + _WAIT_MARGIN_S):
-            logger.warning("%s: a gloo wait is still blocked at close; exiting now may abort the process",
-                           self.peers.me)
-        # Dropping the group object releases its sockets; a waiter stuck on an
-        # aborted pair ends at its own (bounded) gloo timeout.
+        if waiter is not None:
+            waiter.keep = self._pg  # a wait left blocked keeps its group (dropped when the thread ends)
+        if waiter is not None and not waiter.stop(_ABORTED_JOIN_S if aborted else self.timeout_s + _WAIT_MARGIN_S):
+            log = logger.info if aborted else logger.warning
+            log("%s: a gloo wait is still blocked at close%s; it ends when the peer closes its end or within "
+                "%.0f s", self.peers.me, " after an abort" if aborted else "", self.timeout_s + _WAIT_MARGIN_S)
         self._pg = None

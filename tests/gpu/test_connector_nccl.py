@@ -121,7 +121,7 @@ def test_mid_step_failure_then_reinit_nccl():
     res = run_workers(cs.mid_step_failure_worker, sc.nprocs, (sc, find_free_port(), 1), timeout_s=240,
                       per_rank_env=_env(sc))
     ffn, a0, a1 = res
-    assert a1["error"][0] == "AFDConfigError"
+    assert a1["rejection"][0] == "AFDConfigError" and a1["error"][0] == "AFDStateError", a1  # rejected, then given up
     for r in (ffn, a0):
         assert "attention rank 1" in r["error"][1], r["error"]
     assert ffn["after"] == 8 and a0["after"] == 6 and a1["after"] == 2
