@@ -36,8 +36,36 @@ class WorkerError(RuntimeError):
         self.traceback = tb
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out for outgoing connections (Linux default 32768)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def find_free_port(host: str = "127.0.0.1") -> int:
-    """Return a TCP port on ``host`` that was free a moment ago (bind to port 0)."""
+    """Return a TCP port on ``host`` that was free a moment ago.
+
+    Picked at random below the kernel's ephemeral range where it can: a port
+    from ``bind(0)`` comes from that range, and between this call and the
+    store's bind it can be taken as the local port of any outgoing connection
+    (NCCL and gloo open many), which showed as ``EADDRINUSE`` when several
+    test groups ran at once (docs/gpu-test-results.md, run 14).
+    """
+    import random
+
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(64 if low > 11000 else 0):
+        port = rng.randrange(10000, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])

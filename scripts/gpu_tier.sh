@@ -17,7 +17,8 @@
 #   tests        pytest -m gpu $GPU_TESTS (default: tests), -k "$PYTEST_K" when set, per-test durations.
 #                TEST_JOBS=3 (only without GPU_TESTS) runs three pytest processes at once, each
 #                on its own files: connector | graphs + ops | everything else (demo, bench, new
-#                files); logs gpu-tests-{1,2,3}.log, junit gpu-junit-{1,2,3}.xml. On one GPU
+#                files); TEST_JOBS=5 also runs the peer connector and the peer kernels on their
+#                own; logs gpu-tests-N.log, junit gpu-junit-N.xml. On one GPU
 #                their processes all share it: correctness is unaffected, wall time drops.
 #   time         tests/gpu/time_graph_exchange.py (per-layer exchange, eager vs CUDA graph)
 #   bench-quick  afd-ext bench --quick (two variants, eager): the smoke test
@@ -71,18 +72,20 @@ for phase in $phases; do
   case $phase in
     build) run build $PY -m pip install --no-build-isolation --no-deps -e . && run info $PY -m afd_ext info ;;
     tests) if [ "${TEST_JOBS:-1}" -gt 1 ] && [ -z "${GPU_TESTS:-}" ]; then
-             g1=tests/gpu/test_connector_nccl.py
-             g2="tests/gpu/test_graphs_gpu.py tests/gpu/test_ops_gpu.py"
-             g3="tests --ignore=tests/gpu/test_connector_nccl.py --ignore=tests/gpu/test_graphs_gpu.py --ignore=tests/gpu/test_ops_gpu.py"
-             i=0
-             for g in "$g1" "$g2" "$g3"; do
-               i=$((i + 1))
-               # shellcheck disable=SC2086  # $g holds several words on purpose
-               run gpu-tests-$i "${pytest_gpu[@]}" $g --junitxml "$OUT/gpu-junit-$i.xml" >/dev/null &
+             # TEST_JOBS=3: connector NCCL | graphs + ops | the rest; TEST_JOBS=5 also
+             # takes the peer connector and the peer kernels out of the rest.
+             groups=(tests/gpu/test_connector_nccl.py "tests/gpu/test_graphs_gpu.py tests/gpu/test_ops_gpu.py")
+             [ "$TEST_JOBS" -ge 5 ] && groups+=(tests/gpu/test_connector_peer.py tests/gpu/test_peer_gpu.py)
+             rest="tests"
+             for g in "${groups[@]}"; do for f in $g; do rest+=" --ignore=$f"; done; done
+             groups+=("$rest")
+             for i in "${!groups[@]}"; do
+               # shellcheck disable=SC2086  # a group holds several words on purpose
+               run gpu-tests-$((i + 1)) "${pytest_gpu[@]}" ${groups[$i]} --junitxml "$OUT/gpu-junit-$((i + 1)).xml" >/dev/null &
              done
              wait
-             for i in 1 2 3; do tail -n 60 "$OUT/gpu-tests-$i.log"; done
-             grep -q "^=== gpu-tests-[123]: rc=[^0]" "$OUT/summary.txt" && status=1
+             for i in "${!groups[@]}"; do tail -n 60 "$OUT/gpu-tests-$((i + 1)).log"; done
+             grep -q "^=== gpu-tests-[0-9]*: rc=[^0]" "$OUT/summary.txt" && status=1
            else
              # shellcheck disable=SC2086
              run gpu-tests "${pytest_gpu[@]}" ${GPU_TESTS:-tests} --junitxml "$OUT/gpu-junit.xml"

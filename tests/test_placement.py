@@ -162,3 +162,20 @@ def test_demo_summary_says_when_latencies_are_not_meaningful(monkeypatch, ngpu, 
     text = demo.format_summary(s)
     assert ("latencies are not meaningful" in text) is note
     assert "placement       " + s["placement"] in text
+
+
+def test_find_free_port_avoids_the_ephemeral_range_and_is_bindable():
+    """A port from bind(0) can be taken as an outgoing connection's local port before the store binds it
+    (EADDRINUSE with several test groups at once); the harness picks below that range."""
+    import socket
+
+    from afd_ext.testing import _ephemeral_low, find_free_port
+
+    low = _ephemeral_low()
+    ports = {find_free_port() for _ in range(20)}
+    assert len(ports) > 1  # random, not one fixed port
+    for p in ports:
+        if low > 11000:
+            assert 10000 <= p < low, (p, low)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))
