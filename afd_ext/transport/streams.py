@@ -22,6 +22,10 @@ class StageStreams:
     and the calls are capturable (a capture supports event fork/join).
     Streams are created by :meth:`prepare` when a payload is applied, never
     inside a capture; re-recording an event does not affect earlier waits on it.
+    :meth:`join` joins only the streams used since they were last joined: a
+    stream whose last work was eager cannot be joined inside a capture (CUDA
+    refuses the dependency: ``cudaErrorStreamCaptureIsolation``), and its work
+    was already joined.
 
     Attributes:
         separate: True (default): each stage runs on its own stream. False: every
@@ -34,6 +38,7 @@ class StageStreams:
         self.separate = True
         self._streams: dict[int, Any] = {}
         self._events: dict[int, tuple[Any, Any]] = {}  # stage -> (fork, join)
+        self._unjoined: set[int] = set()  # stages given work since their last join
 
     def prepare(self, stages: Sequence[int]) -> None:
         for s in stages:
@@ -51,16 +56,19 @@ class StageStreams:
         fork, _ = self._events[stage]
         fork.record(torch.cuda.current_stream(self.device))
         self._streams[stage].wait_event(fork)
+        self._unjoined.add(stage)
         with torch.cuda.stream(self._streams[stage]):
             yield
 
     def join(self, stages: Sequence[int] | None = None) -> None:
-        """Make the caller's current stream wait for ``stages``' streams (default: all)."""
-        if not self.separate:
+        """Make the caller's current stream wait for ``stages``' streams (default: all) that have
+        work since their last join."""
+        if not self._unjoined:
             return
         cur = torch.cuda.current_stream(self.device)
-        for s in list(self._streams) if stages is None else stages:
-            if s in self._streams:
+        for s in list(self._unjoined) if stages is None else stages:
+            if s in self._unjoined:
+                self._unjoined.discard(s)
                 _, join = self._events[s]
                 join.record(self._streams[s])
                 cur.wait_event(join)
@@ -68,3 +76,4 @@ class StageStreams:
     def clear(self) -> None:
         self._streams.clear()
         self._events.clear()
+        self._unjoined.clear()

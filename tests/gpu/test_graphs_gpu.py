@@ -542,3 +542,34 @@ def test_demo_graph_2a1f(tmp_path):
     pytest.importorskip("transformers")
     s = _demo_graph(tmp_path, "--topology", "2A1F")
     assert s["steps_with_zero_token_rank"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_a_capture_joins_only_the_stage_streams_it_used():
+    """A stage stream whose last work was eager (an earlier step beyond the peer plane's capacity ran
+    over NCCL's stage streams) must not be joined inside a capture: CUDA refuses that dependency
+    (cudaErrorStreamCaptureIsolation), which broke `demo --graph --backend peer` at 2A1F (GPU run 15)."""
+    from afd_ext.transport.streams import StageStreams
+
+    dev = torch.device("cuda", 0)
+    st = StageStreams(dev)
+    st.prepare((0, 1))
+    x = torch.zeros(16, device=dev)
+    with st.on(1):  # eager work on stage 1, joined
+        x.add_(1)
+    st.join()
+    with st.on(1):  # eager work on stage 1 left unjoined would be the caller's bug; joined too
+        x.add_(1)
+    st.join((1,))
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream(device=dev)
+    s.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(g, stream=s):
+            with st.on(0):
+                x.mul_(3)
+            st.join()  # all stages: only stage 0 has work since its last join
+    torch.cuda.current_stream(dev).wait_stream(s)
+    g.replay()
+    torch.cuda.synchronize(dev)
+    assert torch.equal(x, torch.full_like(x, 6.0))
