@@ -43,7 +43,7 @@ from .errors import (
     AFDTimeoutError,
     PeerMemoryUnavailableError,
 )
-from .topology import ATTENTION, FFN, ROLES, Topology
+from .topology import ATTENTION, FFN, ROLES, Topology, rank_label
 
 logger = logging.getLogger(__name__)
 
@@ -360,8 +360,7 @@ class PeerPlane:
     # -- set-up ----------------------------------------------------------------
 
     def label(self, role: str, role_rank: int) -> str:
-        w = self.topology.world_rank(role, role_rank)
-        return f"{'FFN' if role == FFN else 'attention'} rank {role_rank} (world rank {w})"
+        return rank_label(self.topology.world_rank(role, role_rank), self.topology.F)
 
     @property
     def me(self) -> str:

@@ -813,3 +813,13 @@ def test_warm_tcp_receiver_rehearses_and_still_reads_the_real_payload():
     finally:
         tx.close()
         rx.close()
+
+
+def test_a_waiting_receivers_periodic_checks_are_jittered_so_they_never_line_up_with_the_step_gap():
+    # A fixed 50 ms liveness check counted from each wait's start met a 50 ms step gap at every
+    # step (GPU run 18: ~60 us on the p50); the checks' due times spread over period +- 50 %.
+    from afd_ext.control.channel import _due_in
+
+    due = [_due_in(0.05) for _ in range(400)]
+    assert all(0.025 <= d < 0.075 for d in due)
+    assert max(due) - min(due) > 0.04  # spread over most of the window, not one phase

@@ -154,7 +154,7 @@ def test_a_second_job_on_the_port_is_named_instead_of_a_reinitialisation_mismatc
     msg2 = str(err2)
     assert "is at generation 1" in msg2 and "this rank at 2 of the store" in msg2, msg2
     assert msg2.index("the same number of times") < msg2.index("second job"), msg2
-    print(f"\n[item 4] second job on the port: RendezvousTimeoutError after {took:.2f} s naming it")
+    print(f"\n[item 2] second job on the port: RendezvousTimeoutError after {took:.2f} s naming it")
 
 
 def test_job_id_resolution_order(monkeypatch):
@@ -220,34 +220,37 @@ def test_a_role_rank_whose_process_is_gone_can_be_taken_over(store_host):
 
 
 # ---------------------------------------------------------------- item 14: A or F differ between ranks
-def _shape_worker(rank, nprocs, port, bad_rank):
+def _shape_worker(rank, nprocs, port, bad_rank, field):
     from afd_ext import rendezvous as rdzv
 
     import torch.distributed  # noqa: F401 - imported outside the measured time
 
-    A = 3 if rank == bad_rank else 2  # world: FFN rank 0, attention ranks 0 and 1
+    A, F = 2, 1  # world: FFN rank 0, attention ranks 0 and 1
+    if rank == bad_rank:
+        A, F = (3, 1) if field == "num_attention_ranks" else (2, 2)
     t0 = time.monotonic()
     try:
-        st = rdzv.connect("127.0.0.1", port, rank, 1 + A, 20.0, num_ffn_ranks=1)
-        rdzv.handshake(st, rank, 1 + A, {"format_version": 1}, 20.0)
+        st = rdzv.connect("127.0.0.1", port, rank, A + F, 20.0, num_ffn_ranks=F)
+        rdzv.handshake(st, rank, A + F, {"format_version": 1}, 20.0)
     except Exception as e:  # noqa: BLE001
         return {"error": type(e).__name__, "msg": str(e), "took": time.monotonic() - t0,
                 "field": getattr(e, "field", None)}
     return {"took": time.monotonic() - t0}
 
 
-def test_ranks_started_with_different_num_attention_ranks_fail_fast_naming_the_field():
+@pytest.mark.parametrize("field,mine,theirs", [("num_attention_ranks", 3, 2), ("num_ffn_ranks", 2, 1)])
+def test_ranks_started_with_different_num_attention_or_ffn_ranks_fail_fast_naming_the_field(field, mine, theirs):
     from afd_ext.testing import run_workers
 
-    res = run_workers(_shape_worker, 3, (find_free_port(HOST), 2), timeout_s=60)
+    res = run_workers(_shape_worker, 3, (find_free_port(HOST), 2, field), timeout_s=60)
     bad = res[2]
-    assert bad["error"] == "HandshakeMismatchError" and bad["field"] == "num_attention_ranks", bad
-    assert "has 3" in bad["msg"] and "with 2" in bad["msg"], bad
+    assert bad["error"] == "HandshakeMismatchError" and bad["field"] == field, bad
+    assert f"has {mine}" in bad["msg"] and f"with {theirs}" in bad["msg"], bad
     for r in res[:2]:
         # the ranks waiting in the handshake learn it at once, not after init_timeout_s (20 s)
-        assert r["error"] == "StepAbortedError" and "num_attention_ranks" in r["msg"], r
+        assert r["error"] == "StepAbortedError" and field in r["msg"], r
     assert max(r["took"] for r in res) < 5.0, res
-    print(f"\n[item 14] num_attention_ranks 3 vs 2: mismatch after {bad['took']:.2f} s, "
+    print(f"\n[item 14] {field} {mine} vs {theirs}: mismatch after {bad['took']:.2f} s, "
           f"the others aborted after {max(r['took'] for r in res[:2]):.2f} s")
 
 
@@ -598,7 +601,7 @@ def test_an_attention_rank_that_applied_other_counts_than_announced_is_a_named_e
             assert r["error"] == "StepAbortedError" and "attention rank 1 (world rank 2)" in r["msg"], r
         assert max(f["took"], a0[k]["took"], a1[k]["took"]) < 5.0, (f, a0[k], a1[k])  # not step_timeout_s
     assert ffn[2] == a0[2] == a1[2] == {"error": None}  # after re-init, the agreeing step runs
-    print(f"\n[item 6] another attention rank's rows differ, strict off: FFN AFDProtocolError after "
+    print(f"\n[item 3] another attention rank's rows differ, strict off: FFN AFDProtocolError after "
           f"{ffn[0]['took']:.2f} s (more rows) / {ffn[1]['took']:.2f} s (fewer), attention ranks StepAbortedError "
           f"after {max(a0[0]['took'], a1[0]['took']):.2f} s / {max(a0[1]['took'], a1[1]['took']):.2f} s")
 
@@ -734,7 +737,7 @@ def test_no_raw_gloo_error_reaches_a_caller_when_an_abort_and_a_closed_connectio
         assert r["chain"][0][0] in ("StepAbortedError", "AFDPeerError"), r["chain"]
         assert "attention rank 0" in r["chain"][0][2], r["chain"]
         assert r["took"] < 10.0, r
-    print("\n[item 5] abort + closed connections together: " +
+    print("\n[item 10] abort + closed connections together: " +
           ", ".join(f"{r['chain'][0][0]} (chain {len(r['chain'])})" for r in res[:3]))
 
 

@@ -21,6 +21,7 @@ from .channel import (
     _ABORT_EVERY_S,
     _FALLBACK_SPIN_S,
     _LIVENESS_EVERY_S,
+    _due_in,
     _MAX_SLEEP_S,
     _MIN_SLEEP_S,
     _OP_RECV,
@@ -255,8 +256,8 @@ class ShmControlChannel(ControlChannel):
             return None if native is None else self._taken(k)
         now = time.monotonic()
         deadline = None if timeout_s is None else now + timeout_s
-        next_live = now + _LIVENESS_EVERY_S
-        next_abort = now + _ABORT_EVERY_S
+        next_live = now + _due_in(_LIVENESS_EVERY_S)
+        next_abort = now + _due_in(_ABORT_EVERY_S)
         warm = self.options.warm_s if self._practice is not None else 0.0
         next_warm = now + warm if warm else float("inf")
         # While the engine is active keep polling (see the module doc), then block.
@@ -307,7 +308,7 @@ class ShmControlChannel(ControlChannel):
                     now = time.monotonic()
                     next_warm = now + warm
                 if now >= next_live:
-                    next_live = now + _LIVENESS_EVERY_S
+                    next_live = now + _due_in(_LIVENESS_EVERY_S)
                     if hdr[_W_SENDER_STATE] == _STATE_CLOSED:
                         raise ControlChannelClosed(f"{op}: {self.peer} closed the control channel")
                     if self._peer_gone():

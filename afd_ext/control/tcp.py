@@ -15,6 +15,7 @@ from afd_ext.rendezvous import AFDStore
 from .channel import (
     MAX_NATIVE_WAIT_NS,
     _ABORT_EVERY_S,
+    _due_in,
     _FALLBACK_SPIN_S,
     _OP_RECV,
     _OP_SEND,
@@ -182,7 +183,7 @@ class TcpControlChannel(ControlChannel):
         poller = self._poller
         hb = self.options.heartbeat_timeout_s
         now = time.monotonic()
-        next_abort = now + _ABORT_EVERY_S
+        next_abort = now + _due_in(_ABORT_EVERY_S)
         native = _native()
         # While the engine is active keep polling (see the module doc), then block in poll().
         poll_until = self._last_msg + self.options.idle_s

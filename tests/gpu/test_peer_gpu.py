@@ -593,6 +593,7 @@ def _ipc_worker(rank, nprocs, port, A, F, steps, victim):
     for layer in range(5):
         inp = [w.wire(3, seed=layer)]
         out = [torch.empty(3, 512, dtype=torch.bfloat16, device=DEV)]
+        torch.cuda.synchronize(DEV)  # made on the default stream, read on the ranks' streams
         run_step(w, [3], 0, layer, inp, out)
         torch.cuda.synchronize(DEV)
         ok.append(bool(torch.equal(out[0], ffn_compute(inp[0][0]))))
