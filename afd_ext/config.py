@@ -36,15 +36,8 @@ __all__ = [
 ]
 
 #: ``wire_format="auto"`` packs a stage when its largest a2f message, packed,
-#: is at most this many bytes. Default 0: never. Measured side by side on
-#: 2x H200 (NCCL 2.28.9, ``afd-ext bench``, 1A1F, hidden 7168 bf16 + fp32
-#: logits [n, 256] + int32 ids, round trip, docs/benchmarks.md): in a CUDA
-#: graph one message per tensor in one NCCL group beat the packed wire row at
-#: every size (1 token 22.8 vs 29.1 us, 128 tokens 44.5 vs 51.6 us, 8192
-#: tokens 725 vs 852 us): the pack and unpack kernels cost more than the two
-#: extra messages. Eager, packed was ahead only at 1-8 tokens, inside the
-#: launch noise (39.6 vs 48.1 us at 1 token, p10-p90 spans of 20-30 us).
-#: Set ``packed_max_bytes`` (or ``wire_format="packed"``) to opt in.
+#: is at most this many bytes. Default 0: never (one message per tensor won at
+#: every size in CUDA graphs: docs/benchmarks.md, "Packed wire rows").
 DEFAULT_PACKED_MAX_BYTES = 0
 
 #: Our connector's registry name.

@@ -131,7 +131,7 @@ __all__ = [
 _ops = torch.ops.afd_ext
 _NCCL_RUNTIME_VERSION = int(_ops.nccl_version())
 
-#: Byte alignment of every part of a packed wire row.
+#: Byte alignment of every part of a packed wire row (schedule.WIRE_ALIGN_BYTES).
 WIRE_ALIGN = 16
 #: Bytes of an ``ncclUniqueId``.
 NCCL_UNIQUE_ID_BYTES = 128
@@ -171,10 +171,6 @@ def build_info() -> dict:
     }
 
 
-def _round16(n: int) -> int:
-    return (n + WIRE_ALIGN - 1) // WIRE_ALIGN * WIRE_ALIGN
-
-
 def wire_row_bytes(
     hidden_size: int,
     hidden_dtype: torch.dtype,
@@ -202,12 +198,9 @@ def wire_row_bytes(
     """
     if hidden_size < 0 or (logits_width is not None and logits_width < 0):
         raise AFDConfigError(f"widths must be >= 0, got hidden_size={hidden_size}, logits_width={logits_width}")
-    n = _round16(hidden_size * hidden_dtype.itemsize)
-    if logits_width:
-        n += _round16(logits_width * logits_dtype.itemsize)
-    if has_token_ids:
-        n += _round16(4)
-    return n
+    from .schedule import packed_row_bytes  # the one rule (schedule imports the package's metadata)
+
+    return packed_row_bytes(hidden_size, hidden_dtype, logits_width or None, logits_dtype, has_token_ids)
 
 
 # ---------------------------------------------------------------------------
