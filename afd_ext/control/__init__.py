@@ -63,7 +63,8 @@ native code (``csrc/cpu/control_poll.cpp``: ``_C.ctrl_take`` for shm, which
 releases the GIL while it waits, and a ``ctypes`` call for tcp, which does too:
 the serving engine's other threads keep running). The shm path also encodes,
 publishes, takes and parses the payload in one native call per side. It polls
-in slices of at most 50 ms and runs the liveness checks between slices. This
+in slices of at most 50 ms and runs the liveness checks between slices (due
+every 25-75 ms, jittered so that they never line up with a fixed step gap). This
 costs one core per FFN rank while serving, which a serving FFN process owns
 anyway. Once idle for ``idle_s``, the receiver raises a ``waiting`` flag (shm)
 and blocks (a doorbell: an abstract ``AF_UNIX`` datagram socket named after
