@@ -104,12 +104,19 @@ TORCH_LIBRARY_IMPL(afd_ext, CompositeExplicitAutograd, m) {
 // plain module functions, far cheaper per call than a torch op or ctypes.
 PyObject* afd_ctrl_take_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 PyObject* afd_ctrl_send_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
+PyObject* afd_ctrl_send_payload_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
+PyObject* afd_ctrl_bind_types_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 
 static PyMethodDef afd_methods[] = {
     {"ctrl_take", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(afd_ctrl_take_py)),
      METH_FASTCALL, "Control plane: take the next shared-memory message (see afd_ext/control/shm.py)."},
     {"ctrl_send", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(afd_ctrl_send_py)),
      METH_FASTCALL, "Control plane: encode and publish a payload in shared memory (see afd_ext/control/shm.py)."},
+    {"ctrl_send_payload",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(afd_ctrl_send_payload_py)), METH_FASTCALL,
+     "Control plane: encode an AFDControlPayload from its fields and publish it (see afd_ext/control/shm.py)."},
+    {"ctrl_bind_types", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(afd_ctrl_bind_types_py)),
+     METH_FASTCALL, "Control plane: the payload classes ctrl_send_payload reads."},
     {nullptr, nullptr, 0, nullptr}};
 
 // `import afd_ext._C` loads the library (running the registrations above) and

@@ -823,3 +823,78 @@ def test_a_waiting_receivers_periodic_checks_are_jittered_so_they_never_line_up_
     due = [_due_in(0.05) for _ in range(400)]
     assert all(0.025 <= d < 0.075 for d in due)
     assert max(due) - min(due) > 0.04  # spread over most of the window, not one phase
+
+
+def _native_payloads():
+    def md(counts, mx=None):
+        return AFDDPMetadata(list(counts), mx)
+
+    return [
+        AFDControlPayload(dp_metadata_list={0: md([3, 5])}),
+        AFDControlPayload(dp_metadata_list={1: md([0, 0, 0]), 0: md([7, 1, 2], 9)}, is_warmup=True),  # keys out of order
+        AFDControlPayload(dp_metadata_list={s: md(range(s, s + 8)) for s in (5, 2, 9, 0)}, is_graph_replaying=True,
+                          is_profile=True, is_graph_capturing=True),
+        AFDControlPayload(dp_metadata_list={}),
+        AFDControlPayload(dp_metadata_list={0: md([2**31 - 1])}),
+    ]
+
+
+def test_the_native_whole_payload_send_matches_the_checked_python_encoding():
+    """ShmControlChannel.send_payload reads a plain payload's fields in one native call; the
+    receiver must see exactly what control_payload_parts (the checked Python path) produces."""
+    from afd_ext.control.channel import _native
+    from afd_ext.metadata import control_payload_parts
+
+    if _native() is None:
+        pytest.fail("the compiled core has no native control path (rebuild afd_ext)")
+    rx, tx = _ring()
+    try:
+        for p in _native_payloads():
+            calls = []
+            orig = tx._native.send_payload
+            tx._native.send_payload = lambda *a: calls.append(orig(*a)) or calls[-1]
+            try:
+                tx.send_payload(p)
+            finally:
+                tx._native.send_payload = orig
+            assert calls and calls[0] >= 0, calls  # the native path took it (no fallback)
+            flags, stages = rx.recv_parts(1.0, "recv_dp_metadata_list", 64, 4096)
+            assert (flags, stages) == control_payload_parts(p)
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_payloads_the_native_send_does_not_take_go_the_checked_python_way():
+    """Tensor-backed counts (read in place by the Python path), another payload class (the
+    reference's), and a non-bool flag: the native call declines (-2, nothing written); the
+    first two arrive intact, the bad flag is a named error and nothing is sent."""
+    from afd_ext.errors import AFDConfigError
+    from afd_ext.metadata import control_payload_parts
+
+    class ReferencePayload:  # the reference plugin's field names, another class
+        def __init__(self, dp):
+            self.dp_metadata_list = dp
+            self.is_graph_capturing = self.is_warmup = self.is_graph_replaying = self.is_profile = False
+
+    rx, tx = _ring()
+    try:
+        t = torch.tensor([4, 0, 6], dtype=torch.int32)
+        tensor_backed = AFDControlPayload(dp_metadata_list={0: AFDDPMetadata(t)})
+        t[1] = 2  # in place, after construction: the Python path reads it
+        for p, want in ((tensor_backed, (0, ((0, 6, (4, 2, 6)),))),
+                        (ReferencePayload({1: AFDDPMetadata([1, 2])}), (0, ((1, 2, (1, 2)),)))):
+            assert tx._native.send_payload(tx._state_addr, p) == -2
+            tx.send_payload(p)
+            flags, stages = rx.recv_parts(1.0, "recv_dp_metadata_list", 64, 4096)
+            assert (flags, stages) == want == control_payload_parts(p)
+        bad = AFDControlPayload(dp_metadata_list={0: AFDDPMetadata([1])})
+        bad.is_warmup = 1
+        sent = tx._count
+        assert tx._native.send_payload(tx._state_addr, bad) == -2
+        with pytest.raises(AFDConfigError, match="flags must be bools"):
+            tx.send_payload(bad)
+        assert tx._count == sent  # nothing was published
+    finally:
+        tx.close()
+        rx.close()

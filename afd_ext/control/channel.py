@@ -186,6 +186,12 @@ class _Native:
         self.take = module.ctrl_take
         # (ring address, flags, stages) -> 1 ring the bell, 0 sent, -1 ring full, -2 encode it in Python
         self.send = module.ctrl_send
+        # (ring address, payload) -> as send; the payload read straight from its fields (few cache lines
+        # touched: a send after a long gap is cold), -2 for anything but a plain AFDControlPayload
+        self.send_payload = module.ctrl_send_payload
+        from afd_ext.metadata import AFDControlPayload, AFDDPMetadata
+
+        module.ctrl_bind_types(AFDControlPayload, AFDDPMetadata)
         self.spin_fd = lib.afd_ctrl_spin_fd  # (fd, max_ns) -> 1 readable, 0 timeout, -errno
         self.spin_fd.restype = ctypes.c_int
         self.shm_publish = lib.afd_ctrl_shm_publish  # (ring, bytes, n) -> 1 ring the bell, 0, -1 full
@@ -285,6 +291,15 @@ class ControlChannel(abc.ABC):
         from afd_ext.metadata import encode_control_parts
 
         self.send(encode_control_parts(*parts))
+
+    def send_payload(self, payload: Any) -> None:
+        """Send an :class:`~afd_ext.metadata.AFDControlPayload` (checked; encoded in the binary layout).
+
+        Raises: AFDConfigError for an invalid payload (nothing is sent); else as :meth:`send`.
+        """
+        from afd_ext.metadata import control_payload_parts
+
+        self.send_parts(control_payload_parts(payload))
 
     def recv_parts(self, timeout_s: float | None, op: str, max_stages: int, max_ranks: int) -> Any:
         """Receive the next message as :meth:`recv`; a channel with a native decoder may return an

@@ -333,10 +333,14 @@ class AFDControlPlane:
             self._require_open("send_dp_metadata_list")
         if self._check_send is not None:
             self._check_send(payload)
-        if not self.destinations:
+        dests = self.destinations
+        if len(dests) == 1:  # the usual case: the channel's own (native where it can) checked send
+            self.channels[dests[0]].send_payload(payload)
             return
-        parts = self._md.control_payload_parts(payload)
-        for f in self.destinations:
+        if not dests:
+            return
+        parts = self._md.control_payload_parts(payload)  # checked once, before anything moves
+        for f in dests:
             self.channels[f].send_parts(parts)
 
     def recv_dp_metadata_list(self) -> Any:

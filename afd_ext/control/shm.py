@@ -217,6 +217,24 @@ class ShmControlChannel(ControlChannel):
         if r:
             self._ring()
 
+    def send_payload(self, payload: Any) -> None:
+        # One native call reads, checks, encodes and publishes a plain payload; anything else
+        # (or a payload that needs more than one slot) takes the checked Python path.
+        if self._native is None or self._slot_bytes > self.options.max_message_bytes:
+            return super().send_payload(payload)
+        self._require(True, "send")
+        k = self._count
+        self._state.k = k
+        r = self._native.send_payload(self._state_addr, payload)
+        if r == -1:  # ring full
+            self._wait_space(k)
+            r = self._native.send_payload(self._state_addr, payload)
+        if r < 0:
+            return super().send_payload(payload)
+        self._count = k + 1
+        if r:
+            self._ring()
+
     def _ring(self) -> None:
         if self._bell is not None:
             self._bell.ring()

@@ -299,6 +299,31 @@ bool put_u32(PyObject* o, int64_t lo, int64_t hi, uint8_t* at) {
   return true;
 }
 
+// Append one stage (stage u32, count u32, max_tokens u32, counts i32...) at `off`;
+// false when it does not fit `cap` or a value is not an int in range.
+bool put_stage(uint8_t* buf, uint64_t& off, uint64_t cap, PyObject* stage, PyObject* max_tokens, PyObject* counts) {
+  if (!PyTuple_CheckExact(counts)) return false;
+  const Py_ssize_t n = PyTuple_GET_SIZE(counts);
+  if (off + 12 + 4 * static_cast<uint64_t>(n) > cap) return false;
+  const uint32_t n32 = static_cast<uint32_t>(n);
+  if (!put_u32(stage, 0, 0xFFFFFFFFLL, buf + off) || !put_u32(max_tokens, 0, 0x7FFFFFFFLL, buf + off + 8)) return false;
+  std::memcpy(buf + off + 4, &n32, 4);
+  off += 12;
+  for (Py_ssize_t j = 0; j < n; ++j) {
+    if (!put_u32(PyTuple_GET_ITEM(counts, j), 0, 0x7FFFFFFFLL, buf + off)) return false;
+    off += 4;
+  }
+  return true;
+}
+
+void put_head(uint8_t* buf, long flags, Py_ssize_t nstages) {
+  std::memcpy(buf, "AFDb", 4);
+  buf[4] = 1;
+  buf[5] = static_cast<uint8_t>(flags);
+  const uint16_t ns = static_cast<uint16_t>(nstages);
+  std::memcpy(buf + 6, &ns, 2);
+}
+
 }  // namespace
 
 // _C.ctrl_send(ring_address, flags, stages): encode afd_ext.metadata.control_payload_parts
@@ -327,35 +352,132 @@ PyObject* afd_ctrl_send_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (buf == nullptr) return PyErr_NoMemory();
   uint64_t off = 8;
   bool ok = true;
-  std::memcpy(buf, "AFDb", 4);
-  buf[4] = 1;
-  buf[5] = static_cast<uint8_t>(flags);
-  const uint16_t ns = static_cast<uint16_t>(nstages);
-  std::memcpy(buf + 6, &ns, 2);
+  put_head(buf, flags, nstages);
   for (Py_ssize_t i = 0; ok && i < nstages; ++i) {
     PyObject* st = PyTuple_GET_ITEM(stages, i);
-    if (!PyTuple_CheckExact(st) || PyTuple_GET_SIZE(st) != 3 || !PyTuple_CheckExact(PyTuple_GET_ITEM(st, 2))) {
-      ok = false;
-      break;
-    }
-    PyObject* counts = PyTuple_GET_ITEM(st, 2);
-    const Py_ssize_t n = PyTuple_GET_SIZE(counts);
-    if (off + 12 + 4 * static_cast<uint64_t>(n) > cap) {
-      ok = false;
-      break;
-    }
-    const uint32_t n32 = static_cast<uint32_t>(n);
-    ok = put_u32(PyTuple_GET_ITEM(st, 0), 0, 0xFFFFFFFFLL, buf + off) &&
-         put_u32(PyTuple_GET_ITEM(st, 1), 0, 0x7FFFFFFFLL, buf + off + 8);
-    std::memcpy(buf + off + 4, &n32, 4);
-    off += 12;
-    for (Py_ssize_t j = 0; ok && j < n; ++j) {
-      ok = put_u32(PyTuple_GET_ITEM(counts, j), 0, 0x7FFFFFFFLL, buf + off);
-      off += 4;
-    }
+    ok = PyTuple_CheckExact(st) && PyTuple_GET_SIZE(st) == 3 &&
+         put_stage(buf, off, cap, PyTuple_GET_ITEM(st, 0), PyTuple_GET_ITEM(st, 1), PyTuple_GET_ITEM(st, 2));
   }
   int rc = -2;
   if (ok) rc = afd_ctrl_shm_publish(r, buf, static_cast<int>(off));
   if (buf != stack) PyMem_Free(buf);
   return PyLong_FromLong(rc < -1 ? -2 : rc);
+}
+
+namespace {
+
+// The payload classes the whole-payload send reads (afd_ext.metadata), bound once by
+// _C.ctrl_bind_types, and the attribute names it reads, interned once.
+PyObject* g_payload_type = nullptr;
+PyObject* g_md_type = nullptr;
+PyObject* g_names[9] = {};
+enum { kDp, kCapturing, kWarmup, kReplaying, kProfile, kCounts, kMax, kTensor, kMaxTensor };
+constexpr int kMaxNativeStages = 64;
+
+// Flag bit of a payload attribute that must be exactly True or False; -1 otherwise.
+int flag_bit(PyObject* payload, int name, int bit) {
+  PyObject* v = PyObject_GetAttr(payload, g_names[name]);
+  if (v == nullptr) {
+    PyErr_Clear();
+    return -1;
+  }
+  const int r = v == Py_True ? (1 << bit) : (v == Py_False ? 0 : -1);
+  Py_DECREF(v);
+  return r;
+}
+
+}  // namespace
+
+// _C.ctrl_bind_types(AFDControlPayload, AFDDPMetadata): the classes ctrl_send_payload reads.
+PyObject* afd_ctrl_bind_types_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2 || !PyType_Check(args[0]) || !PyType_Check(args[1])) {
+    PyErr_SetString(PyExc_TypeError, "ctrl_bind_types(payload_type, dp_metadata_type)");
+    return nullptr;
+  }
+  static const char* const names[9] = {"dp_metadata_list", "is_graph_capturing", "is_warmup",
+                                       "is_graph_replaying", "is_profile", "_counts", "_max", "_t", "_mt"};
+  for (int i = 0; i < 9; ++i) {
+    if (g_names[i] == nullptr && (g_names[i] = PyUnicode_InternFromString(names[i])) == nullptr) return nullptr;
+  }
+  Py_INCREF(args[0]);
+  Py_INCREF(args[1]);
+  Py_XSETREF(g_payload_type, args[0]);
+  Py_XSETREF(g_md_type, args[1]);
+  Py_RETURN_NONE;
+}
+
+// _C.ctrl_send_payload(ring_address, payload): encode an AFDControlPayload straight from
+// its fields and publish it (afd_ctrl_shm_publish): one call and no Python objects made,
+// so a send after a long gap (cold caches) touches little memory. Returns as ctrl_send;
+// -2 (nothing written) for anything but the plain case: another payload class, a
+// non-bool flag, a stage key that is not an int, metadata holding tensors (their
+// in-place changes are read by the Python path), more than 64 stages, or a payload
+// larger than a slot. The caller then takes the Python path, which names a bad value.
+PyObject* afd_ctrl_send_payload_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "ctrl_send_payload(ring_address, payload)");
+    return nullptr;
+  }
+  auto* r = static_cast<afd_ctrl_ring*>(PyLong_AsVoidPtr(args[0]));
+  if (PyErr_Occurred()) return nullptr;
+  PyObject* payload = args[1];
+  if (r == nullptr || g_payload_type == nullptr ||
+      Py_TYPE(payload) != reinterpret_cast<PyTypeObject*>(g_payload_type))
+    return PyLong_FromLong(-2);
+  const int f0 = flag_bit(payload, kCapturing, 0), f1 = flag_bit(payload, kWarmup, 1),
+            f2 = flag_bit(payload, kReplaying, 2), f3 = flag_bit(payload, kProfile, 3);
+  if ((f0 | f1 | f2 | f3) < 0) return PyLong_FromLong(-2);
+  PyObject* dp = PyObject_GetAttr(payload, g_names[kDp]);
+  if (dp == nullptr) {
+    PyErr_Clear();
+    return PyLong_FromLong(-2);
+  }
+  long rc = -2;
+  struct Stage {
+    PyObject* key;
+    PyObject* md;
+  } st[kMaxNativeStages];
+  Py_ssize_t n = 0;
+  if (PyDict_CheckExact(dp) && PyDict_GET_SIZE(dp) <= kMaxNativeStages) {
+    Py_ssize_t pos = 0;
+    PyObject *k, *v;
+    bool plain = true;
+    while (plain && PyDict_Next(dp, &pos, &k, &v)) {  // borrowed; dp is held
+      plain = PyLong_CheckExact(k) && Py_TYPE(v) == reinterpret_cast<PyTypeObject*>(g_md_type);
+      if (!plain) break;
+      int overflow = 0;
+      const long long key = PyLong_AsLongLongAndOverflow(k, &overflow);
+      plain = overflow == 0 && key >= 0 && key <= 0xFFFFFFFFLL;
+      // insertion sort by stage (a handful of stages)
+      Py_ssize_t i = n++;
+      while (plain && i > 0 && PyLong_AsLongLong(st[i - 1].key) > key) {
+        st[i] = st[i - 1];
+        --i;
+      }
+      st[i] = Stage{k, v};
+    }
+    uint8_t buf[2048];
+    const uint64_t cap = r->slot_bytes < sizeof buf ? r->slot_bytes : sizeof buf;
+    uint64_t off = 8;
+    for (Py_ssize_t i = 0; plain && i < n; ++i) {
+      PyObject* t = PyObject_GetAttr(st[i].md, g_names[kTensor]);
+      PyObject* mt = t == nullptr ? nullptr : PyObject_GetAttr(st[i].md, g_names[kMaxTensor]);
+      PyObject* counts = mt == nullptr ? nullptr : PyObject_GetAttr(st[i].md, g_names[kCounts]);
+      PyObject* mx = counts == nullptr ? nullptr : PyObject_GetAttr(st[i].md, g_names[kMax]);
+      plain = mx != nullptr && t == Py_None && mt == Py_None &&
+              put_stage(buf, off, cap, st[i].key, mx, counts);
+      Py_XDECREF(t);
+      Py_XDECREF(mt);
+      Py_XDECREF(counts);
+      Py_XDECREF(mx);
+    }
+    if (PyErr_Occurred()) PyErr_Clear();
+    if (plain && cap >= 8) {
+      put_head(buf, f0 | f1 | f2 | f3, n);
+      rc = afd_ctrl_shm_publish(r, buf, static_cast<int>(off));
+      if (rc < -1) rc = -2;
+    }
+  }
+  Py_DECREF(dp);
+  return PyLong_FromLong(rc);
 }
