@@ -61,8 +61,10 @@ the engine is active (the last payload arrived less than ``idle_s`` ago,
 default 10 s, ``AFD_CONTROL_IDLE_S``) a waiting FFN rank keeps polling, in
 native code (``csrc/cpu/control_poll.cpp``: ``_C.ctrl_take`` for shm, which
 releases the GIL while it waits, and a ``ctypes`` call for tcp, which does too:
-the serving engine's other threads keep running). The shm path also encodes,
-publishes, takes and parses the payload in one native call per side. It polls
+the serving engine's other threads keep running). The shm path also reads,
+checks, encodes and publishes the payload in one native call on the sender
+(``_C.ctrl_send_payload``: a send after a gap is cold, so it touches little),
+and takes and parses it in one on the receiver. It polls
 in slices of at most 50 ms and runs the liveness checks between slices (due
 every 25-75 ms, jittered so that they never line up with a fixed step gap). This
 costs one core per FFN rank while serving, which a serving FFN process owns
