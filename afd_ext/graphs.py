@@ -99,7 +99,7 @@ __all__ = [
     "FFNGraphServer",
 ]
 
-from .schedule import DEFAULT_CAPTURE_SIZES, _check_capture_sizes, capture_size_for  # noqa: E402  the one padding rule
+from .schedule import DEFAULT_CAPTURE_SIZES, check_capture_sizes, capture_size_for  # noqa: E402  the one padding rule
 from .spec import TOKEN_IDS_DTYPE, as_dtype, dtype_name  # noqa: E402  the one dtype table
 
 
@@ -1025,7 +1025,7 @@ class GraphController:
         if role not in ("attention", "ffn"):
             raise AFDConfigError(f"role must be 'attention' or 'ffn', got {role!r}")
         self.role = role
-        self.capture_sizes = _check_capture_sizes(capture_sizes)
+        self.capture_sizes = check_capture_sizes(capture_sizes)
         if backend is None:
             backend = CudaGraphBackend(device)
         self.backend = backend

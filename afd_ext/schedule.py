@@ -96,6 +96,7 @@ __all__ = [
     "build_step_schedule",
     "pad_sizes",
     "capture_size_for",
+    "check_capture_sizes",
     "DEFAULT_CAPTURE_SIZES",
     "warmup_payload",
 ]
@@ -594,7 +595,12 @@ def _choose_format(topology: Topology, config: ScheduleConfig, rows: tuple[int, 
 DEFAULT_CAPTURE_SIZES: tuple[int, ...] = (1, 2, 4) + tuple(range(8, 513, 8))
 
 
-def _check_capture_sizes(capture_sizes: Sequence[int]) -> tuple[int, ...]:
+def check_capture_sizes(capture_sizes: Sequence[int]) -> tuple[int, ...]:
+    """``capture_sizes`` as a tuple, checked: non-empty, ints >= 1, strictly increasing.
+
+    Raises:
+        AFDConfigError: any of those does not hold.
+    """
     sizes = tuple(capture_sizes)
     if not sizes:
         raise AFDConfigError("capture_sizes is empty; give at least one size, e.g. [1, 2, 4, 8]")
@@ -615,7 +621,7 @@ def capture_size_for(count: int, capture_sizes: Sequence[int] = DEFAULT_CAPTURE_
     Raises:
         AFDConfigError: ``count`` < 0 or a malformed size list.
     """
-    sizes = _check_capture_sizes(capture_sizes)
+    sizes = check_capture_sizes(capture_sizes)
     if count < 0:
         raise AFDConfigError(f"count must be >= 0, got {count}")
     i = bisect.bisect_left(sizes, max(count, 1))
@@ -642,7 +648,7 @@ def pad_sizes(
     """
     if not capture_sizes:
         return None
-    sizes = _check_capture_sizes(sorted(set(capture_sizes)))
+    sizes = check_capture_sizes(sorted(set(capture_sizes)))
     out = {}
     for s in sorted(payload.dp_metadata_list):
         try:
