@@ -640,9 +640,11 @@ def bench_worker(rank: int, nprocs: int, cfg: RunConfig) -> dict:
             guard.leave(note=f": {','.join(v.name for v in variants) or 'none'}"
                         + (f"; skipped {','.join(skipped)}" if skipped else ""))
             if bar is not None and not cfg.check:  # a variant that failed to set up: the bar still ends at 100 %
-                bar.total += (_case_blocks(cfg, [v.name for v in variants], env.cuda)
-                              - _case_blocks(cfg, _applicable(cfg, case), env.cuda))
-                bar.refresh()
+                delta = (_case_blocks(cfg, [v.name for v in variants], env.cuda)
+                         - _case_blocks(cfg, _applicable(cfg, case), env.cuda))
+                if delta:  # a refresh prints a line where stderr is not a terminal
+                    bar.total += delta
+                    bar.refresh()
             case_skipped = [{"case_key": ck, "variant": name, "reason": why} for name, why in skipped.items()]
             info["skipped"] += case_skipped
             if cfg.check:
