@@ -898,3 +898,35 @@ def test_payloads_the_native_send_does_not_take_go_the_checked_python_way():
     finally:
         tx.close()
         rx.close()
+
+
+def test_a_message_whose_sender_gave_up_mid_way_is_a_named_error_within_its_bound():
+    """A three-slot message with no reader: the sender publishes two slots, waits for space and gives
+    up (PeerDeadError); the receiver then reads the two and must not wait for the third forever (the
+    sender is alive, its heartbeat fresh): a ControlProtocolError within heartbeat_timeout_s."""
+    from afd_ext.errors import ControlProtocolError, PeerDeadError
+
+    rx, tx = _ring(slot_bytes=64, nslots=2, heartbeat_timeout_s=1.0, heartbeat_interval_s=0.1)
+    try:
+        with pytest.raises(PeerDeadError):
+            tx.send_payload(AFDControlPayload(dp_metadata_list={0: AFDDPMetadata([1] * 40)}))
+        t0 = time.monotonic()
+        with pytest.raises(ControlProtocolError, match="stopped after 128 of"):
+            rx.recv(None)
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_the_checks_jitter_leaves_the_users_random_sequence_alone():
+    import random
+
+    from afd_ext.control.channel import _due_in
+
+    random.seed(1234)
+    want = [random.random() for _ in range(3)]
+    random.seed(1234)
+    for _ in range(5):
+        _due_in(0.05)
+    assert [random.random() for _ in range(3)] == want

@@ -28,6 +28,7 @@ from .channel import (
     _OP_SEND,
     ChannelOptions,
     ControlChannel,
+    ControlRecvTimeout,
     RingState,
     _native,
     _proc_start_time,
@@ -413,7 +414,15 @@ class ShmControlChannel(ControlChannel):
         out[:got] = frag
         while got < total:
             k = self._count
-            self._wait_slot(k, None, op)  # the rest of a started message is already on its way
+            # The rest of a started message is on its way (the sender waits for space at most
+            # heartbeat_timeout_s, then gives up mid-message): bounded, whatever the caller's timeout.
+            try:
+                self._wait_slot(k, self.options.heartbeat_timeout_s, op)
+            except ControlRecvTimeout:
+                raise ControlProtocolError(
+                    f"{op}: a control message from {self.peer} stopped after {got} of {total} bytes: no "
+                    f"further fragment within heartbeat_timeout_s={self.options.heartbeat_timeout_s:g} s "
+                    "(its sender gave up mid-message)") from None
             _, frag = self._read_slot(k, total, op)
             if got + len(frag) > total:
                 raise ControlProtocolError(f"{op}: control message fragments from {self.peer} overflow the length")
