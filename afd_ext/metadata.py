@@ -664,10 +664,15 @@ def _checked_stages(payload: Any) -> tuple[AFDControlPayload, list[tuple[int, AF
     """
     if not isinstance(payload, AFDControlPayload):
         payload = AFDControlPayload.from_fields(payload)
-    flags = (payload.is_graph_capturing, payload.is_warmup, payload.is_graph_replaying, payload.is_profile)
+    try:  # a payload changed after construction may have lost a field
+        flags = (payload.is_graph_capturing, payload.is_warmup, payload.is_graph_replaying, payload.is_profile)
+        dp = payload.dp_metadata_list
+    except AttributeError as e:
+        raise AFDConfigError(f"control payload is missing a field: {e}") from None
     if not all(type(f) is bool for f in flags):
         raise AFDConfigError(f"control payload flags must be bools, got {flags!r}")
-    dp = payload.dp_metadata_list
+    if not isinstance(dp, Mapping):
+        raise AFDConfigError(f"dp_metadata_list must be a dict stage -> AFDDPMetadata, got {type(dp).__name__}")
     bad = [s for s in dp if type(s) is not int or s < 0]
     if bad:
         raise AFDConfigError(f"dp_metadata_list keys must be stage ints >= 0, got {bad[0]!r}")

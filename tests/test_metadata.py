@@ -598,3 +598,15 @@ def test_repeated_payload_decodes_to_fresh_objects_and_bounds_still_apply():
         decode_control_payload(b, max_ranks=2)
     with pytest.raises(ValueError, match="max_bytes"):
         decode_control_payload(b, max_bytes=len(b) - 1)
+
+
+@pytest.mark.parametrize("change", ["del p.is_warmup", "del p.dp_metadata_list", "p.dp_metadata_list = None",
+                                    "p.dp_metadata_list = ()"])
+def test_a_payload_changed_after_construction_is_a_config_error_before_it_is_sent(change):
+    from afd_ext.errors import AFDConfigError
+    from afd_ext.metadata import control_payload_parts
+
+    p = AFDControlPayload(dp_metadata_list={0: AFDDPMetadata([1])})
+    exec(change)
+    with pytest.raises(AFDConfigError):
+        control_payload_parts(p)
