@@ -87,7 +87,8 @@ def _start_sleepers(A: int, F: int) -> tuple[subprocess.Popen, list[int], list[s
     the launcher's stderr lines so far (read by a thread: an unread pipe would block the launcher)."""
     script = ("import os, subprocess, time\n"
               "c = subprocess.Popen(['sleep', '120'])\n"
-              "print('PIDS', os.getpid(), c.pid, flush=True)\n"
+              # one write: the ranks share the pipe, and an unbuffered print() writes piece by piece
+              "os.write(1, f'PIDS {os.getpid()} {c.pid}\\n'.encode())\n"
               "time.sleep(120)\n")
     p = subprocess.Popen([PY, "-m", "afd_ext", "launch", "-A", str(A), "-F", str(F), "--no-prefix", "--",
                           PY, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
