@@ -202,39 +202,35 @@ class ShmControlChannel(ControlChannel):
                 self._ring()
 
     def send_parts(self, parts: tuple[int, tuple]) -> None:
-        # The native send writes one slot: only when a slot never exceeds the message bound.
-        if self._native is None or self._slot_bytes > self.options.max_message_bytes:
-            return super().send_parts(parts)
-        self._require(True, "send")
-        k = self._count
-        self._state.k = k
-        r = self._native.send(self._state_addr, *parts)
-        if r == -1:  # ring full
-            self._wait_space(k)
-            r = self._native.send(self._state_addr, *parts)
-        if r < 0:  # larger than a slot, or a value the Python encoder must name
-            return super().send_parts(parts)
-        self._count = k + 1
-        if r:
-            self._ring()
+        if not self._native_publish(self._native and self._native.send, *parts):
+            super().send_parts(parts)
 
     def send_payload(self, payload: Any) -> None:
         # One native call reads, checks, encodes and publishes a plain payload; anything else
         # (or a payload that needs more than one slot) takes the checked Python path.
-        if self._native is None or self._slot_bytes > self.options.max_message_bytes:
-            return super().send_payload(payload)
+        if not self._native_publish(self._native and self._native.send_payload, payload):
+            super().send_payload(payload)
+
+    def _native_publish(self, publish: Any, *args: Any) -> bool:
+        """Publish through a native send (``ctrl_send`` / ``ctrl_send_payload``); False: nothing was
+        written, the caller takes the Python path (no native core, a message larger than a slot,
+        or a value the Python encoder must name)."""
+        # The native send writes one slot: only when a slot never exceeds the message bound.
+        if not publish or self._slot_bytes > self.options.max_message_bytes:
+            return False
         self._require(True, "send")
         k = self._count
         self._state.k = k
-        r = self._native.send_payload(self._state_addr, payload)
+        r = publish(self._state_addr, *args)
         if r == -1:  # ring full
             self._wait_space(k)
-            r = self._native.send_payload(self._state_addr, payload)
+            r = publish(self._state_addr, *args)
         if r < 0:
-            return super().send_payload(payload)
+            return False
         self._count = k + 1
         if r:
             self._ring()
+        return True
 
     def _ring(self) -> None:
         if self._bell is not None:
