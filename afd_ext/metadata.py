@@ -61,7 +61,6 @@ __all__ = [
     "decode_control_payload",
     "encode_control_binary",
     "decode_control_binary",
-    "control_payload_from_parts",
     "control_payload_parts",
     "encode_control_parts",
     "frame_control_payload",
@@ -208,6 +207,8 @@ class AFDDPMetadata:
     """
 
     __slots__ = ("_counts", "_max", "_t", "_tv", "_mt", "_mtv", "_frag", "local_sizes")
+    #: The slots a decoded (trusted) instance holds as None: all but the counts and their maximum.
+    _NONE_WHEN_TRUSTED = tuple(n for n in __slots__ if n not in ("_counts", "_max"))
     __match_args__ = ("num_tokens_across_dp_cpu", "max_tokens_across_dp_cpu", "local_sizes")
 
     def __init__(
@@ -230,13 +231,16 @@ class AFDDPMetadata:
 
     @classmethod
     def _trusted(cls, counts: tuple[int, ...], max_tokens: int) -> "AFDDPMetadata":
-        """Build from already validated exact ints (the decoder), without re-validation."""
+        """Build from already validated exact ints (the decoder), without re-validation.
+
+        The native takes build the same object (``csrc/cpu/control_poll.cpp``): ``_counts``
+        and ``_max`` set, the slots of ``_NONE_WHEN_TRUSTED`` None.
+        """
         md = object.__new__(cls)
         md._counts = counts
         md._max = max_tokens
-        md._t = md._mt = md._frag = None
-        md._tv = md._mtv = None
-        md.local_sizes = None
+        for name in cls._NONE_WHEN_TRUSTED:
+            setattr(md, name, None)
         return md
 
     # -- counts -------------------------------------------------------------
@@ -999,27 +1003,6 @@ def decode_control_binary(
         raise ControlProtocolError(f"binary control payload has {size - off} trailing bytes")
     payload = object.__new__(AFDControlPayload)
     payload.dp_metadata_list = stages
-    payload.is_graph_capturing = bool(flags & 1)
-    payload.is_warmup = bool(flags & 2)
-    payload.is_graph_replaying = bool(flags & 4)
-    payload.is_profile = bool(flags & 8)
-    return payload
-
-
-def control_payload_from_parts(flags: int, stages: Sequence[tuple[int, int, tuple[int, ...]]]) -> AFDControlPayload:
-    """Build a payload from parts already checked by a decoder (the control plane's native one).
-
-    Args:
-        flags: the binary layout's flag bits (see :func:`encode_control_binary`).
-        stages: ``(stage, max_tokens_across_dp_cpu, counts)`` per stage, counts a tuple
-            of ints in ``[0, 2**31)``.
-
-    Returns:
-        A new :class:`AFDControlPayload` (no re-validation).
-    """
-    trusted = AFDDPMetadata._trusted
-    payload = object.__new__(AFDControlPayload)
-    payload.dp_metadata_list = {s: trusted(c, m) for s, m, c in stages}
     payload.is_graph_capturing = bool(flags & 1)
     payload.is_warmup = bool(flags & 2)
     payload.is_graph_replaying = bool(flags & 4)

@@ -100,23 +100,33 @@ TORCH_LIBRARY_IMPL(afd_ext, CompositeExplicitAutograd, m) {
   m.impl("peer_region_view", &afd::peer_region_view);
 }
 
-// The control plane's shared-memory send and receive (csrc/cpu/control_poll.cpp):
-// plain module functions, far cheaper per call than a torch op or ctypes.
+// The control plane's per-message calls (csrc/cpu/control_poll.cpp): plain module
+// functions, far cheaper per call than a torch op or ctypes.
 PyObject* afd_ctrl_take_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
+PyObject* afd_ctrl_parse_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 PyObject* afd_ctrl_send_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 PyObject* afd_ctrl_send_payload_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 PyObject* afd_ctrl_bind_types_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
+PyObject* afd_ctrl_tcp_send_payload_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
+PyObject* afd_ctrl_tcp_take_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
+
+#define AFD_FASTCALL(fn) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(fn)), METH_FASTCALL
 
 static PyMethodDef afd_methods[] = {
-    {"ctrl_take", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(afd_ctrl_take_py)),
-     METH_FASTCALL, "Control plane: take the next shared-memory message (see afd_ext/control/shm.py)."},
-    {"ctrl_send", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(afd_ctrl_send_py)),
-     METH_FASTCALL, "Control plane: encode and publish a payload in shared memory (see afd_ext/control/shm.py)."},
-    {"ctrl_send_payload",
-     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(afd_ctrl_send_payload_py)), METH_FASTCALL,
+    {"ctrl_take", AFD_FASTCALL(afd_ctrl_take_py),
+     "Control plane: take the next shared-memory message, built (see afd_ext/control/shm.py)."},
+    {"ctrl_parse", AFD_FASTCALL(afd_ctrl_parse_py),
+     "Control plane: build an AFDControlPayload from a binary control payload as the takes do."},
+    {"ctrl_send", AFD_FASTCALL(afd_ctrl_send_py),
+     "Control plane: encode and publish a payload in shared memory (see afd_ext/control/shm.py)."},
+    {"ctrl_send_payload", AFD_FASTCALL(afd_ctrl_send_payload_py),
      "Control plane: encode an AFDControlPayload from its fields and publish it (see afd_ext/control/shm.py)."},
-    {"ctrl_bind_types", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(afd_ctrl_bind_types_py)),
-     METH_FASTCALL, "Control plane: the payload classes ctrl_send_payload reads."},
+    {"ctrl_bind_types", AFD_FASTCALL(afd_ctrl_bind_types_py),
+     "Control plane: the payload classes the native sends read and the takes build."},
+    {"ctrl_tcp_send_payload", AFD_FASTCALL(afd_ctrl_tcp_send_payload_py),
+     "Control plane: encode an AFDControlPayload and send it as one TCP frame (see afd_ext/control/tcp.py)."},
+    {"ctrl_tcp_take", AFD_FASTCALL(afd_ctrl_tcp_take_py),
+     "Control plane: poll a TCP channel and read one frame, built (see afd_ext/control/tcp.py)."},
     {nullptr, nullptr, 0, nullptr}};
 
 // `import afd_ext._C` loads the library (running the registrations above) and

@@ -10,12 +10,14 @@ import zlib
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from afd_ext import control_plane as cp
 from afd_ext import rendezvous as rdzv
 from afd_ext.control import ring as cring
 from afd_ext.control import shm as cshm
-from afd_ext.errors import AFDStateError
+from afd_ext.errors import AFDStateError, ControlProtocolError
 from afd_ext.metadata import AFDControlPayload, AFDDPMetadata
 from afd_ext.testing import find_free_port, run_workers
 from afd_ext.topology import Topology
@@ -461,9 +463,12 @@ def test_native_and_python_ring_paths_read_each_other():
             tx._native = cshm._native() if i % 2 == 0 else None
             rx._native = cshm._native()
             tx.send_parts(md.control_payload_parts(p))
-            got = rx.recv_parts(1.0, "recv_dp_metadata_list", md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS)
-            q = md.control_payload_from_parts(*got) if type(got) is tuple else md.decode_control_binary(got)
-            assert q == p and (type(got) is tuple) == (i < 2)
+            got = rx.recv_payload(1.0, "recv_dp_metadata_list", md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS)
+            built = type(got) is not bytes
+            q = got if built else md.decode_control_binary(got)
+            assert q == p and built == (i < 2)
+            if built:
+                assert_built_as_decoded(got, md.encode_control_binary(p))
             tx._native, rx._native = cshm._native(), None
             tx.send_parts(md.control_payload_parts(p))
             assert rx.recv(1.0) == md.encode_control_binary(p)
@@ -719,10 +724,11 @@ def test_warm_receiver_rehearses_on_private_memory_and_still_takes_the_real_payl
     out: list = []
     try:
         tx.send_parts(first)
-        assert rx.recv_parts(1.0, "recv", md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS) == first
+        assert md.control_payload_parts(rx.recv_payload(1.0, "recv", md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS)) \
+            == first
         assert rx._practice is not None
-        t = threading.Thread(target=lambda: out.append(
-            rx.recv_parts(30.0, "recv", md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS)))
+        t = threading.Thread(target=lambda: out.append(md.control_payload_parts(
+            rx.recv_payload(30.0, "recv", md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS))))
         t.start()
         time.sleep(0.2)
         assert len(rehearsals) >= 5 and all(rehearsals)  # parsed and built, about one per warm_s
@@ -754,10 +760,10 @@ def test_rehearsing_receiver_leaves_the_gil_to_other_threads():
     out: list = []
     try:
         tx.send_parts(parts)
-        rx.recv_parts(1.0, "recv", md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS)
+        rx.recv_payload(1.0, "recv", md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS)
         sys.setswitchinterval(2.0)  # a receiver that kept the GIL would keep this thread out for 2 s
-        t = threading.Thread(target=lambda: out.append(
-            rx.recv_parts(30.0, "recv", md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS)))
+        t = threading.Thread(target=lambda: out.append(md.control_payload_parts(
+            rx.recv_payload(30.0, "recv", md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS))))
         t.start()
         time.sleep(0.05)
         t0 = time.monotonic()
@@ -800,11 +806,13 @@ def test_warm_tcp_receiver_rehearses_and_still_reads_the_real_payload():
     out: list = []
     try:
         tx.send(first)
-        assert rx.recv(1.0) == first and rx._practice == first
-        t = threading.Thread(target=lambda: out.append(rx.recv(30.0)))
+        assert md.encode_control_binary(rx.recv_payload(1.0, "recv", md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS)) \
+            == first and rx._practice == first
+        t = threading.Thread(target=lambda: out.append(md.encode_control_binary(
+            rx.recv_payload(30.0, "recv", md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS))))
         t.start()
         time.sleep(0.2)
-        assert len(rehearsals) >= 5 and all(rehearsals)  # decoded, about one per warm_s
+        assert len(rehearsals) >= 5 and all(rehearsals)  # built, about one per warm_s
         tx.send(second)
         t.join(5)
         assert out == [second]
@@ -823,6 +831,25 @@ def test_a_waiting_receivers_periodic_checks_are_jittered_so_they_never_line_up_
     due = [_due_in(0.05) for _ in range(400)]
     assert all(0.025 <= d < 0.075 for d in due)
     assert max(due) - min(due) > 0.04  # spread over most of the window, not one phase
+
+
+def assert_built_as_decoded(got, data):
+    """A payload the native take built is the object the Python decoder builds from ``data``:
+    the same classes, stage order, flags and every AFDDPMetadata slot (unset ones None)."""
+    from afd_ext import metadata as md
+
+    want = md.decode_control_binary(data)
+    assert type(got) is md.AFDControlPayload and type(got.dp_metadata_list) is dict
+    assert list(got.dp_metadata_list) == list(want.dp_metadata_list)
+    for name in md._FLAG_NAMES:
+        assert getattr(got, name) is getattr(want, name)
+    for s, w in want.dp_metadata_list.items():
+        g = got.dp_metadata_list[s]
+        assert type(g) is md.AFDDPMetadata and type(s) is int
+        for slot in md.AFDDPMetadata.__slots__:
+            assert getattr(g, slot) == getattr(w, slot) and type(getattr(g, slot)) is type(getattr(w, slot)), slot
+        assert type(g._counts) is tuple and all(type(c) is int for c in g._counts)
+        assert g.num_tokens_across_dp_cpu.tolist() == list(w.counts)  # the runners' view works
 
 
 def _native_payloads():
@@ -857,9 +884,9 @@ def test_the_native_whole_payload_send_matches_the_checked_python_encoding():
                 tx.send_payload(p)
             finally:
                 tx._native.send_payload = orig
-            assert calls and calls[0] >= 0, calls  # the native path took it (no fallback)
-            flags, stages = rx.recv_parts(1.0, "recv_dp_metadata_list", 64, 4096)
-            assert (flags, stages) == control_payload_parts(p)
+            assert calls == [0], calls  # the native path took it (no fallback)
+            got = rx.recv_payload(1.0, "recv_dp_metadata_list", 64, 4096)
+            assert control_payload_parts(got) == control_payload_parts(p)
     finally:
         tx.close()
         rx.close()
@@ -886,8 +913,8 @@ def test_payloads_the_native_send_does_not_take_go_the_checked_python_way():
                         (ReferencePayload({1: AFDDPMetadata([1, 2])}), (0, ((1, 2, (1, 2)),)))):
             assert tx._native.send_payload(tx._state_addr, p) == -2
             tx.send_payload(p)
-            flags, stages = rx.recv_parts(1.0, "recv_dp_metadata_list", 64, 4096)
-            assert (flags, stages) == want == control_payload_parts(p)
+            got = rx.recv_payload(1.0, "recv_dp_metadata_list", 64, 4096)
+            assert control_payload_parts(got) == want == control_payload_parts(p)
         bad = AFDControlPayload(dp_metadata_list={0: AFDDPMetadata([1])})
         bad.is_warmup = 1
         sent = tx._count
@@ -930,3 +957,162 @@ def test_the_checks_jitter_leaves_the_users_random_sequence_alone():
     for _ in range(5):
         _due_in(0.05)
     assert [random.random() for _ in range(3)] == want
+
+
+# ---------------------------------------------------------------------------
+# The native per-step path: one call to send, the payload built by the take
+# ---------------------------------------------------------------------------
+
+_counts_st = st.lists(st.integers(0, 2**31 - 1), max_size=12)
+
+
+@st.composite
+def _payloads(draw):
+    keys = draw(st.lists(st.integers(0, 2**32 - 1), max_size=6, unique=True))
+    dp = {k: AFDDPMetadata(draw(_counts_st)) for k in keys}
+    flags = {n: draw(st.booleans()) for n in ("is_graph_capturing", "is_warmup", "is_graph_replaying", "is_profile")}
+    return AFDControlPayload(dp_metadata_list=dp, **flags)
+
+
+@settings(max_examples=150, deadline=None)
+@given(p=_payloads())
+def test_the_native_take_builds_what_the_python_decoder_builds(p):
+    """The one-call send and the native take (encode and build in C) against the Python codec."""
+    from afd_ext import metadata as md
+
+    data = md.encode_control_binary(p)
+    nat = cshm._native()
+    built = nat.parse(data, md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS)
+    assert built is not None
+    assert_built_as_decoded(built, data)
+    rx, tx = _ring()
+    try:
+        assert tx.fast_send()(p) == 0
+        got = rx.recv_payload(1.0, "recv_dp_metadata_list", md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS)
+        assert_built_as_decoded(got, data)
+    finally:
+        tx.close()
+        rx.close()
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.binary(max_size=80), seed=_payloads(), cut=st.integers(0, 200), flip=st.integers(0, 255))
+def test_the_native_parser_refuses_what_the_python_decoder_refuses(data, seed, cut, flip):
+    """Malformed bytes: the native builder declines (None) exactly where the decoder raises."""
+    from afd_ext import metadata as md
+
+    good = md.encode_control_binary(seed)
+    for d in (data, good[:cut], good[:cut] + bytes([flip]) + good[cut + 1:], good + bytes([flip])):
+        try:
+            md.decode_control_binary(d, max_stages=4, max_ranks=8)
+            ok = True
+        except ValueError:
+            ok = False
+        built = cshm._native().parse(bytes(d), 4, 8)
+        assert (built is not None) == ok, d
+        if ok:
+            assert_built_as_decoded(built, bytes(d))
+
+
+def _plain_payload(step: int, A: int) -> AFDControlPayload:
+    """As :func:`_payload`, the counts given as lists (what the one-call native send takes)."""
+    p = _payload(step, A)
+    return AFDControlPayload({s: AFDDPMetadata(list(md.counts)) for s, md in p.dp_metadata_list.items()},
+                             is_warmup=p.is_warmup)
+
+
+def _tcp_pair(**opts):
+    import socket
+
+    ls = socket.create_server(("127.0.0.1", 0))
+    a = socket.create_connection(ls.getsockname())
+    b, _ = ls.accept()
+    ls.close()
+    o = cp.ChannelOptions(**{**FAST, "heartbeat_timeout_s": 60.0, "heartbeat_interval_s": 30.0, **opts})
+    rx = cp.TcpControlChannel(b, is_sender=False, local_rank=0, peer_rank=1, peer="attention rank 0",
+                              options=o, abort_check=None)
+    tx = cp.TcpControlChannel(a, is_sender=True, local_rank=1, peer_rank=0, peer="FFN rank 0",
+                              options=o, abort_check=None)
+    a.settimeout(o.heartbeat_timeout_s)
+    return rx, tx
+
+
+def test_tcp_native_send_and_take_build_the_payload_past_heartbeats_and_a_partial_send():
+    from afd_ext import metadata as md
+    from afd_ext.control import tcp as ctcp
+
+    lim = (md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS)
+    rx, tx = _tcp_pair()
+    try:
+        fast = tx.fast_send()
+        assert fast is not None and rx.fast_send() is None
+        p = _plain_payload(3, 8)
+        assert fast(p) == 0
+        got = rx.recv_payload(1.0, "recv_dp_metadata_list", *lim)
+        assert_built_as_decoded(got, md.encode_control_binary(p))
+        # Heartbeat frames in front of the data frame, read together: skipped natively.
+        tx._send_frame(ctcp._T_HEARTBEAT)
+        tx._send_frame(ctcp._T_HEARTBEAT)
+        assert fast(_plain_payload(4, 8)) == 0
+        time.sleep(0.05)
+        got = rx.recv_payload(1.0, "recv_dp_metadata_list", *lim)
+        assert_built_as_decoded(got, md.encode_control_binary(_plain_payload(4, 8)))
+        # A data frame followed by more bytes goes the Python way, intact, in order.
+        assert fast(_plain_payload(5, 8)) == 0
+        tx.send(b"raw")
+        time.sleep(0.05)
+        assert md.decode_control_binary(rx.recv_payload(1.0, "recv_dp_metadata_list", *lim)) == _plain_payload(5, 8)
+        assert rx.recv_payload(1.0, "recv_dp_metadata_list", *lim) == b"raw"
+        # A partly sent frame: the tail the native send hands back goes out before anything else.
+        frame = ctcp._TCP_HDR.pack(ctcp._TCP_MAGIC, ctcp._T_DATA, 1, len(md.encode_control_binary(_plain_payload(6, 8))))
+        frame += md.encode_control_binary(_plain_payload(6, 8))
+        real = tx._native
+
+        class Partial:
+            def tcp_send_payload(self, addr, payload):
+                tx._sock.send(frame[:7])
+                return frame[7:]
+
+        tx._native = Partial()
+        try:
+            assert tx._send_native(_plain_payload(6, 8)) == 0
+        finally:
+            tx._native = real
+        assert rx.recv_payload(1.0, "recv_dp_metadata_list", *lim) == _plain_payload(6, 8)
+        # A closed end declines (nothing is sent, nothing is touched); the checked path names it.
+        tx.close()
+        assert fast(p) == -2
+        with pytest.raises(AFDStateError, match="closed tcp control channel"):
+            tx.send_payload(p)
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_the_shm_one_call_send_declines_once_closed_and_the_plane_stops_using_it():
+    rx, tx = _ring()
+    fast = tx.fast_send()
+    assert fast is not None and rx.fast_send() is None
+    plane = cp.AFDControlPlane(lambda p: None, Topology(1, 1), "attention", 0, channels={0: tx})
+    assert plane._fast_send is not None
+    plane.send_dp_metadata_list(_plain_payload(0, 4))
+    assert rx.recv_payload(1.0, "recv_dp_metadata_list", 64, 64) == _plain_payload(0, 4)
+    plane.close()  # closes tx: its native state is unmapped; the one-call send must not touch it
+    assert plane._fast_send is None and fast(_plain_payload(1, 4)) == -2
+    with pytest.raises(AFDStateError, match="not initialized"):
+        plane.send_dp_metadata_list(_plain_payload(1, 4))
+    rx.close()
+
+
+def test_a_slot_larger_than_max_message_bytes_leaves_the_checks_to_python():
+    # The native take refuses a message above max_message_bytes (-2) so the Python path names it.
+    rx, tx = _ring(max_message_bytes=64)
+    try:
+        tx_opts = cp.ChannelOptions(**{**FAST, "max_message_bytes": 4096})
+        tx.options = tx_opts
+        tx.send(b"x" * 100)
+        with pytest.raises(ControlProtocolError, match="above max_message_bytes=64"):
+            rx.recv(1.0)
+    finally:
+        tx.close()
+        rx.close()

@@ -311,14 +311,14 @@ def _measure_worker(rank: int, nprocs: int, host: str, port: int, kind: str, sch
                 taken: list[int] = []
                 if not raw:
                     # Stamp where the channel hands over (one extra Python call, ~0.1 us, inside the total).
-                    orig = ch.recv_parts
+                    orig = ch.recv_payload
 
-                    def recv_parts(*args: Any) -> Any:
+                    def recv_payload(*args: Any) -> Any:
                         r = orig(*args)
                         taken.append(time.perf_counter_ns())
                         return r
 
-                    ch.recv_parts = recv_parts  # type: ignore[method-assign]
+                    ch.recv_payload = recv_payload  # type: ignore[method-assign]
                 for i in range(total):
                     if raw:
                         ch.recv(60.0)
@@ -332,7 +332,7 @@ def _measure_worker(rank: int, nprocs: int, host: str, port: int, kind: str, sch
                         raise AFDProtocolError(f"measurement: step {step + i} received the counts of step "
                                            f"{p.dp_metadata_list[0].counts[0]}")
                 if not raw:
-                    del ch.recv_parts
+                    del ch.recv_payload
                 res = {"seen": a[warmup:], "taken": taken[warmup:], "ret": c[warmup:]}
             step += total
             out.append(res)

@@ -156,7 +156,10 @@ def _proc_start_time(pid: int) -> int | None:
 
 
 class RingState(ctypes.Structure):
-    """One end of one shared-memory ring as the native code sees it (``struct afd_ctrl_ring``)."""
+    """One end of one shared-memory ring as the native code sees it (``struct afd_ctrl_ring``).
+
+    ``k`` is the end's one message count (the native calls advance it); ``hdr`` is null once
+    the channel is closed (every native call then declines)."""
 
     _fields_ = [
         ("hdr", ctypes.c_void_p),
@@ -170,34 +173,46 @@ class RingState(ctypes.Structure):
         # CLOCK_MONOTONIC ns: sender, when the last message was published; receiver, when the
         # poll saw the last message taken (afd_ext.bench.control reports the phases from it)
         ("t_ns", ctypes.c_int64),
+        ("expect_sender", ctypes.c_uint32),  # receiver: the sender's world rank
+        ("bell_fd", ctypes.c_int32),  # sender: the doorbell socket, -1 none
+        ("max_msg", ctypes.c_uint64),  # receiver: the largest message it takes natively
+        ("bell_len", ctypes.c_uint32),
+        ("pad_", ctypes.c_uint32),
+        ("bell_addr", ctypes.c_uint8 * 112),  # sender: the doorbell's sockaddr_un
     ]
 
 
 class _Native:
     """The compiled core's control-plane functions (``csrc/cpu/control_poll.cpp``).
 
-    Called through ``ctypes.CDLL``, which releases the GIL for each call.
-    Arguments are a pre-built ``byref`` of a :class:`RingState` and plain ints
-    below 2**31 (no ``argtypes``: each declared argument costs a conversion,
-    about 0.2 µs, on the per-message path).
+    CPython functions of ``_C`` (no ctypes conversions on the per-message path),
+    taking the address of a :class:`RingState` (shm) or ``TcpState`` (tcp) and
+    plain ints; the waits release the GIL. The takes return a received payload
+    already built (the :class:`~afd_ext.metadata.AFDControlPayload` the caller
+    hands on); the sends read it from its fields.
     """
 
     def __init__(self, lib: Any, module: Any):
-        # (ring address, max_ns, max_stages, max_ranks) -> -1 not yet, -2 slow path, bytes, or the parsed
-        # (sender, flags, ((stage, max, counts), ...)); a CPython function: no ctypes conversions, GIL released
-        # while it waits (csrc/cpu/control_poll.cpp)
+        # (ring address, max_ns, max_stages, max_ranks) -> -1 not yet, -2 slow path, the built payload,
+        # or bytes (max_stages < 0, or a message that is not a well-formed payload)
         self.take = module.ctrl_take
-        # (ring address, flags, stages) -> 1 ring the bell, 0 sent, -1 ring full, -2 encode it in Python
+        # (ring address, flags, stages) -> 0 sent (doorbell rung), -1 ring full, -2 encode it in Python
         self.send = module.ctrl_send
         # (ring address, payload) -> as send; the payload read straight from its fields (few cache lines
         # touched: a send after a long gap is cold), -2 for anything but a plain AFDControlPayload
         self.send_payload = module.ctrl_send_payload
+        # (data, max_stages, max_ranks) -> the payload built as the takes build it, or None
+        self.parse = module.ctrl_parse
+        # (tcp state address, payload) -> 0 sent, -2 send it in Python, bytes: the unsent tail
+        self.tcp_send_payload = module.ctrl_tcp_send_payload
+        # (tcp state address, max_ns, max_stages, max_ranks) -> -1 nothing, the built payload, or bytes read
+        self.tcp_take = module.ctrl_tcp_take
         from afd_ext.metadata import AFDControlPayload, AFDDPMetadata
 
-        module.ctrl_bind_types(AFDControlPayload, AFDDPMetadata)
+        module.ctrl_bind_types(AFDControlPayload, AFDDPMetadata, AFDDPMetadata._NONE_WHEN_TRUSTED)
         self.spin_fd = lib.afd_ctrl_spin_fd  # (fd, max_ns) -> 1 readable, 0 timeout, -errno
         self.spin_fd.restype = ctypes.c_int
-        self.shm_publish = lib.afd_ctrl_shm_publish  # (ring, bytes, n) -> 1 ring the bell, 0, -1 full
+        self.shm_publish = lib.afd_ctrl_shm_publish  # (ring, bytes, n) -> 0 sent, -1 full, -2 closed
         self.shm_publish.restype = ctypes.c_int
 
 
@@ -307,11 +322,17 @@ class ControlChannel(abc.ABC):
 
         self.send_parts(control_payload_parts(payload))
 
-    def recv_parts(self, timeout_s: float | None, op: str, max_stages: int, max_ranks: int) -> Any:
-        """Receive the next message as :meth:`recv`; a channel with a native decoder may return an
-        encoded control payload already parsed, as ``(flags, ((stage, max_tokens, counts), ...))``
-        (bounded by ``max_stages`` / ``max_ranks``). Raises as :meth:`recv`."""
+    def recv_payload(self, timeout_s: float | None, op: str, max_stages: int, max_ranks: int) -> Any:
+        """Receive the next message as :meth:`recv`; a channel with a native decoder returns an
+        encoded control payload already built, as an :class:`~afd_ext.metadata.AFDControlPayload`
+        (bounded by ``max_stages`` / ``max_ranks``), and anything else as bytes. Raises as :meth:`recv`."""
         return self.recv(timeout_s, op)
+
+    def fast_send(self) -> Callable[[Any], int] | None:
+        """A one-call send for the per-step path: ``fast(payload)`` returns 0 when it sent the
+        payload, anything else when nothing was sent and the caller must use :meth:`send_payload`
+        (which checks, waits and names errors). None: no such path (no native core)."""
+        return None
 
     @abc.abstractmethod
     def close(self) -> None:

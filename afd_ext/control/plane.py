@@ -238,6 +238,7 @@ class AFDControlPlane:
         self.channels: dict[int, ControlChannel] = {}
         self.store: AFDStore | None = None
         self._open = False
+        self._fast_send: Callable[[Any], int] | None = None  # the one destination's one-call send
         if channels is not None:
             self.attach(channels, store=store)
 
@@ -277,6 +278,7 @@ class AFDControlPlane:
         self.channels = dict(channels)
         self.store = store
         self._open = True
+        self._fast_send = self.channels[self.destinations[0]].fast_send() if len(self.destinations) == 1 else None
 
     @property
     def is_open(self) -> bool:
@@ -292,6 +294,7 @@ class AFDControlPlane:
         """Close every channel (idempotent; a sender's close tells its FFN ranks). :meth:`open` may follow."""
         channels, self.channels = self.channels, {}
         self._open = False
+        self._fast_send = None
         self.store = None
         for ch in channels.values():
             try:
@@ -333,8 +336,11 @@ class AFDControlPlane:
             self._require_open("send_dp_metadata_list")
         if self._check_send is not None:
             self._check_send(payload)
+        fast = self._fast_send
+        if fast is not None and fast(payload) == 0:  # the usual case: one native call, nothing made
+            return
         dests = self.destinations
-        if len(dests) == 1:  # the usual case: the channel's own (native where it can) checked send
+        if len(dests) == 1:  # the channel's checked send: waits for space, names a bad value
             self.channels[dests[0]].send_payload(payload)
             return
         if not dests:
@@ -366,9 +372,9 @@ class AFDControlPlane:
         ch = self.channels[self.source]  # type: ignore[index]
         md = self._md
         try:
-            data = ch.recv_parts(self.recv_timeout_s, _OP_RECV, md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS)
-            if type(data) is tuple:  # parsed and checked by the native path
-                return md.control_payload_from_parts(*data)
+            data = ch.recv_payload(self.recv_timeout_s, _OP_RECV, md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS)
+            if type(data) is not bytes:  # built by the native path (checked as the decoder checks)
+                return data
             try:
                 if len(data) > self.max_payload_bytes:
                     raise ControlProtocolError(f"{len(data)} bytes exceed max_payload_bytes={self.max_payload_bytes}")

@@ -7,6 +7,7 @@ native path) is :class:`~afd_ext.control.shm.ShmControlChannel`.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import secrets
 import select
@@ -14,6 +15,7 @@ import socket
 import struct
 import time
 import zlib
+from typing import Any
 
 from afd_ext import rendezvous as rdzv
 from afd_ext.errors import ControlProtocolError
@@ -282,6 +284,17 @@ class Doorbell:
         except OSError:  # pragma: no cover - no AF_UNIX: the receiver falls back to sleeping
             return None
         return cls(sock, cls.address(segment_name))
+
+    def fill_native(self, state: Any) -> None:
+        """Sender: give the native publish (``RingState``) this doorbell's socket and address; an
+        address longer than a ``sockaddr_un`` leaves it without (no receiver could bind it either)."""
+        path = self._addr.encode("utf-8")
+        if len(path) > 108:
+            return
+        raw = struct.pack("<H", socket.AF_UNIX) + path
+        ctypes.memmove(state.bell_addr, raw, len(raw))
+        state.bell_len = len(raw)
+        state.bell_fd = self._sock.fileno()
 
     def ring(self) -> None:
         try:

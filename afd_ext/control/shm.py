@@ -8,6 +8,7 @@ its two ends, the waiting policy, liveness and the native path.
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 import time
 from typing import Any
@@ -75,11 +76,11 @@ class ShmControlChannel(ControlChannel):
         self._out_anchor: Any = (ctypes.c_char * self._slot_bytes).from_buffer(self._out)
         self._state = RingState(hdr=ctypes.addressof(self._anchor), nslots=self._nslots, stride=mem.stride,
                                 slot_bytes=self._slot_bytes, out=ctypes.addressof(self._out_anchor), k=0,
-                                local_rank=self.local_rank)
+                                local_rank=self.local_rank, expect_sender=self.peer_rank, bell_fd=-1,
+                                max_msg=self.options.max_message_bytes)
         self._state_ref = ctypes.byref(self._state)
         self._state_addr = ctypes.addressof(self._state)
         self._limits = (-1, 0)  # the native take's (max_stages, max_ranks); -1: raw bytes
-        self._count = 0  # slots sent (sender) / consumed (receiver)
         self._peer_pid = 0
         self._peer_start = 0
         self._unlinked = False
@@ -114,6 +115,8 @@ class ShmControlChannel(ControlChannel):
         ch._peer_pid = ch._hdr[_W_RECEIVER_PID]
         ch._peer_start = ch._hdr[_W_RECEIVER_START]
         ch._bell = Doorbell.for_sender(name)
+        if ch._bell is not None:  # the native publish rings it
+            ch._bell.fill_native(ch._state)
         ch._start_heartbeat()
         return ch
 
@@ -141,6 +144,15 @@ class ShmControlChannel(ControlChannel):
                 self._mem.segment.unlink()
             except FileNotFoundError:
                 pass
+
+    @property
+    def _count(self) -> int:
+        """Messages (slots) sent (sender) or consumed (receiver): the native state's one count."""
+        return self._state.k
+
+    @_count.setter
+    def _count(self, k: int) -> None:
+        self._state.k = k
 
     @property
     def name(self) -> str:
@@ -171,17 +183,12 @@ class ShmControlChannel(ControlChannel):
         sb = self._slot_bytes
         nat = self._native
         if nat is not None and n <= sb and type(data) is bytes:
-            k = self._count
-            self._state.k = k
-            r = nat.shm_publish(self._state_ref, data, n)
-            if r < 0:  # ring full
-                self._wait_space(k)
+            r = nat.shm_publish(self._state_ref, data, n)  # advances the count, rings the doorbell
+            if r == -1:  # ring full
+                self._wait_space(self._count)
                 r = nat.shm_publish(self._state_ref, data, n)
-                if r < 0:
+                if r == -1:
                     raise PeerDeadError(self.peer, _OP_SEND, "the control ring stayed full")
-            self._count = k + 1
-            if r:
-                self._ring()
             return
         nfrag = max(1, -(-n // sb))
         mv = memoryview(data)
@@ -212,25 +219,24 @@ class ShmControlChannel(ControlChannel):
             super().send_payload(payload)
 
     def _native_publish(self, publish: Any, *args: Any) -> bool:
-        """Publish through a native send (``ctrl_send`` / ``ctrl_send_payload``); False: nothing was
-        written, the caller takes the Python path (no native core, a message larger than a slot,
-        or a value the Python encoder must name)."""
+        """Publish through a native send (``ctrl_send`` / ``ctrl_send_payload``: it advances the count
+        and rings the doorbell); False: nothing was written, the caller takes the Python path (no
+        native core, a message larger than a slot, or a value the Python encoder must name)."""
         # The native send writes one slot: only when a slot never exceeds the message bound.
         if not publish or self._slot_bytes > self.options.max_message_bytes:
             return False
         self._require(True, "send")
-        k = self._count
-        self._state.k = k
         r = publish(self._state_addr, *args)
         if r == -1:  # ring full
-            self._wait_space(k)
+            self._wait_space(self._count)
             r = publish(self._state_addr, *args)
-        if r < 0:
-            return False
-        self._count = k + 1
-        if r:
-            self._ring()
-        return True
+        return r == 0
+
+    def fast_send(self) -> Any:
+        if self._native is None or self._slot_bytes > self.options.max_message_bytes or not self.is_sender:
+            return None
+        # One C call per step; it declines (-2, or -1 ring full) whatever needs send_payload's checks.
+        return functools.partial(self._native.send_payload, self._state_addr)
 
     def _ring(self) -> None:
         if self._bell is not None:
@@ -251,14 +257,14 @@ class ShmControlChannel(ControlChannel):
             time.sleep(sleep)
             sleep = min(2 * sleep, _MAX_SLEEP_S)
 
-    def _take(self, k: int, max_ns: int) -> Any:
-        """Native: wait up to ``max_ns`` for message ``k`` and take a whole single-slot message.
-        Returns it (bytes, or parsed per ``self._limits``), -1 (not published yet) or -2 (read it in Python)."""
-        self._state.k = k
+    def _take(self, max_ns: int) -> Any:
+        """Native: wait up to ``max_ns`` for the next message and take a whole single-slot message
+        from the expected sender (it advances the count). Returns it (bytes, or built per
+        ``self._limits``), -1 (not published yet) or -2 (read it in Python, which names a problem)."""
         return self._native.take(self._state_addr, min(max_ns, MAX_NATIVE_WAIT_NS), *self._limits)
 
-    def _taken(self, k: int) -> Any:
-        r = self._take(k, 0)
+    def _taken(self) -> Any:
+        r = self._take(0)
         return None if type(r) is int else r
 
     def _wait_slot(self, k: int, timeout_s: float | None, op: str) -> Any:
@@ -268,7 +274,7 @@ class ShmControlChannel(ControlChannel):
         want = 2 * k + 2
         native = self._native
         if seq[0] == want:
-            return None if native is None else self._taken(k)
+            return None if native is None else self._taken()
         now = time.monotonic()
         deadline = None if timeout_s is None else now + timeout_s
         next_live = now + _due_in(_LIVENESS_EVERY_S)
@@ -291,7 +297,7 @@ class ShmControlChannel(ControlChannel):
                     if deadline is not None:
                         end = min(end, deadline)
                     if native is not None:
-                        r = self._take(k, int((end - now) * 1e9))
+                        r = self._take(int((end - now) * 1e9))
                         if type(r) is not int:
                             return r
                         if r == -2:
@@ -306,7 +312,7 @@ class ShmControlChannel(ControlChannel):
                     if bell is not None:
                         bell.drain()  # a syscall: orders the waiting flag before the seq load
                     if seq[0] == want:
-                        return None if native is None else self._taken(k)
+                        return None if native is None else self._taken()
                     if bell is not None:
                         wait = min(next_live, next_abort) - now
                         if deadline is not None:
@@ -316,7 +322,7 @@ class ShmControlChannel(ControlChannel):
                         time.sleep(sleep)
                         sleep = min(2 * sleep, _MAX_SLEEP_S)
                 if seq[0] == want:
-                    return None if native is None else self._taken(k)
+                    return None if native is None else self._taken()
                 now = time.monotonic()
                 if now >= next_warm:
                     self._rehearse()
@@ -340,32 +346,27 @@ class ShmControlChannel(ControlChannel):
             if waiting:
                 hdr[_W_WAITING] = 0
 
-    def _set_practice(self, parts: tuple) -> None:
-        """warm_s: a private one-slot ring holding ``parts`` encoded, for :meth:`_rehearse`."""
-        from afd_ext.metadata import encode_control_parts
+    def _set_practice(self, payload: Any) -> None:
+        """warm_s: a private one-slot ring holding ``payload`` encoded, for :meth:`_rehearse`."""
+        from afd_ext.metadata import encode_control_binary
 
-        data = encode_control_parts(*parts)
+        data = encode_control_binary(payload)
         if len(data) > self._slot_bytes:
             return
         buf = self._mem.practice_image(data, self.peer_rank)
         anchor = (ctypes.c_char * len(buf)).from_buffer(buf)
         state = RingState(hdr=ctypes.addressof(anchor), nslots=1, stride=self._mem.stride,
                           slot_bytes=self._slot_bytes, out=ctypes.addressof(self._out_anchor), k=0,
-                          local_rank=self.local_rank)
+                          local_rank=self.local_rank, expect_sender=self.peer_rank, bell_fd=-1,
+                          max_msg=self.options.max_message_bytes)
         self._practice = (buf, anchor, state, ctypes.addressof(state))
 
     def _rehearse(self) -> bool:
-        """warm_s: take and build the practice payload (the receive path, on private memory).
-        Returns whether it went the whole way (parsed and built)."""
-        from afd_ext.metadata import control_payload_from_parts
-
+        """warm_s: take and build the practice payload (the receive path, native, on private memory).
+        Returns whether it went the whole way (built)."""
         _, _, state, addr = self._practice  # type: ignore[misc]
         state.k = 0
-        got = self._native.take(addr, 0, *self._limits)
-        if type(got) is not tuple:
-            return False
-        control_payload_from_parts(*got[1:])
-        return True
+        return type(self._native.take(addr, 0, *self._limits)) is not int and state.k == 1
 
     def _read_slot(self, k: int, expect_total: int | None, op: str,
                    deadline: float | None = None) -> tuple[int, bytes]:
@@ -380,7 +381,7 @@ class ShmControlChannel(ControlChannel):
         self._limits = (-1, 0)
         return self._recv(timeout_s, op)
 
-    def recv_parts(self, timeout_s: float | None, op: str, max_stages: int, max_ranks: int) -> Any:
+    def recv_payload(self, timeout_s: float | None, op: str, max_stages: int, max_ranks: int) -> Any:
         self._limits = (max_stages, max_ranks)
         return self._recv(timeout_s, op)
 
@@ -389,15 +390,10 @@ class ShmControlChannel(ControlChannel):
         k = self._count
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         got = self._wait_slot(k, timeout_s, op)
-        if got is not None:  # taken by the native path (read_count already advanced)
-            self._count = k + 1
+        if got is not None:  # taken by the native path (sender and length checked, count advanced)
             self._last_msg = time.monotonic()
-            if type(got) is tuple:  # parsed: (sender, flags, stages)
-                self._check_header(op, got[0], 0)
-                if self.options.warm_s and self._practice is None:
-                    self._set_practice(got[1:])
-                return got[1:]
-            self._check_header(op, self._state.got_sender, len(got))
+            if self._practice is None and type(got) is not bytes and self.options.warm_s:
+                self._set_practice(got)
             return got
         total, frag = self._read_slot(k, None, op, deadline)
         self._count = k + 1
@@ -432,6 +428,7 @@ class ShmControlChannel(ControlChannel):
         if self._closed:
             return
         self._closed = True
+        self._state.hdr = None  # the native calls decline from now on (the mapping goes below)
         self._hb_stop.set()
         if self._hb_thread is not None:
             self._hb_thread.join(timeout=5)

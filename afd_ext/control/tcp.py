@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
 import select
 import socket
 import struct
 import threading
 import time
+from typing import Any
 
 from afd_ext import rendezvous as rdzv
 from afd_ext.errors import AFDPeerError, ControlChannelClosed, ControlProtocolError, PeerDeadError
@@ -33,6 +35,22 @@ from .channel import (
 _TCP_MAGIC = 0xAFDC7C01
 _TCP_HDR = struct.Struct("<IIIQ")  # magic, type, sender world rank, length
 _T_HELLO, _T_DATA, _T_HEARTBEAT, _T_CLOSE = 1, 2, 3, 4
+_READ_BYTES = 65536  # one read of the receive path
+
+
+class TcpState(ctypes.Structure):
+    """One end of one TCP channel as the native code sees it (``struct afd_ctrl_tcp``); fd -1: closed."""
+
+    _fields_ = [
+        ("fd", ctypes.c_int32),
+        ("local_rank", ctypes.c_uint32),
+        ("expect_sender", ctypes.c_uint32),  # receiver: the sender's world rank
+        ("pad_", ctypes.c_uint32),
+        ("max_msg", ctypes.c_uint64),  # the largest message body handled natively
+        ("buf", ctypes.c_void_p),  # receiver: the read buffer
+        ("cap", ctypes.c_uint64),
+        ("t_ns", ctypes.c_int64),  # receiver: CLOCK_MONOTONIC ns when the poll saw the socket readable
+    ]
 
 
 def _advertise_address(store: AFDStore) -> str:
@@ -71,6 +89,15 @@ class TcpControlChannel(ControlChannel):
         self._poller.register(sock, select.POLLIN)
         self._practice: bytes | None = None  # warm_s: the last payload, decoded again while polling
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # The native path's view of this end (the anchor pins the read buffer).
+        self._native = _native()
+        self._read = bytearray(_READ_BYTES)
+        self._read_anchor: Any = (ctypes.c_char * _READ_BYTES).from_buffer(self._read)
+        self._state = TcpState(fd=sock.fileno(), local_rank=self.local_rank, expect_sender=self.peer_rank,
+                               max_msg=self.options.max_message_bytes, buf=ctypes.addressof(self._read_anchor),
+                               cap=_READ_BYTES)
+        self._state_addr = ctypes.addressof(self._state)
+        self._limits = (-1, 0)  # the native take's (max_stages, max_ranks); -1: raw bytes
 
     @staticmethod
     def listen(store: AFDStore) -> socket.socket:
@@ -177,29 +204,66 @@ class TcpControlChannel(ControlChannel):
         except OSError as e:
             raise PeerDeadError(self.peer, _OP_SEND, f"connection lost ({e})") from None
 
-    def _fill(self, need: int, deadline: float | None, op: str) -> None:
-        """Read from the socket until ``need`` bytes are buffered, watching liveness."""
-        sock = self._sock
+    def fast_send(self) -> Any:
+        if self._native is None or not self.is_sender:
+            return None
+        return self._send_native
+
+    def _send_native(self, payload: Any) -> int:
+        """One native call sends ``payload`` as one frame (under the lock: heartbeat frames);
+        0 when sent, else nothing was sent (the caller's :meth:`send_payload` checks and sends)."""
+        if self._closed:
+            return -2
+        with self._lock:
+            r = self._native.tcp_send_payload(self._state_addr, payload)
+            if type(r) is bytes:  # a partly sent frame: its tail goes before anything else
+                try:
+                    self._sock.sendall(r)
+                except socket.timeout:
+                    raise PeerDeadError(
+                        self.peer, _OP_SEND,
+                        f"it read nothing for {self.options.heartbeat_timeout_s:g} s (TCP send buffer full)",
+                    ) from None
+                except OSError as e:
+                    raise PeerDeadError(self.peer, _OP_SEND, f"connection lost ({e})") from None
+                return 0
+        return r
+
+    def send_payload(self, payload: Any) -> None:
+        if self._send_native(payload) != 0:
+            super().send_payload(payload)
+
+    def recv_payload(self, timeout_s: float | None, op: str, max_stages: int, max_ranks: int) -> Any:
+        self._limits = (max_stages, max_ranks)
+        try:
+            return self._recv(timeout_s, op)
+        finally:
+            self._limits = (-1, 0)
+
+    def _fill(self, need: int, deadline: float | None, op: str) -> Any:
+        """Read from the socket until ``need`` bytes are buffered, watching liveness. Returns None,
+        or the payload the native read built (a whole data frame read alone into an empty buffer,
+        with ``self._limits`` >= 0)."""
         poller = self._poller
         hb = self.options.heartbeat_timeout_s
         now = time.monotonic()
         next_abort = now + _due_in(_ABORT_EVERY_S)
-        native = _native()
+        native = self._native
         # While the engine is active keep polling (see the module doc), then block in poll().
         poll_until = self._last_msg + self.options.idle_s
         if native is None:
             poll_until = min(poll_until, now + _FALLBACK_SPIN_S)
-        spin_fd = native.spin_fd if native is not None else None
         warm = self.options.warm_s if self._practice is not None else 0.0
         next_warm = now + warm if warm else float("inf")
         while len(self._rbuf) < need:
+            chunk: Any = -1
             if now < poll_until:
-                if spin_fd is not None:
+                if native is not None:  # wait natively (GIL released) and read
                     end = min(poll_until, next_abort, next_warm)
                     if deadline is not None:
                         end = min(end, deadline)
-                    if spin_fd(sock.fileno(), min(int((end - now) * 1e9), MAX_NATIVE_WAIT_NS)) == 0 and \
-                            time.monotonic() >= next_warm:
+                    chunk = self._read_native(min(int((end - now) * 1e9), MAX_NATIVE_WAIT_NS), op)
+                    if chunk == -1 and time.monotonic() >= next_warm:
                         self._rehearse()
                         next_warm = time.monotonic() + warm
                 wait_ms = 0
@@ -207,17 +271,21 @@ class TcpControlChannel(ControlChannel):
                 wait_ms = int(1000 * min(_ABORT_EVERY_S, max(0.0, self._last_seen + hb - now) + 0.001))
                 if deadline is not None:
                     wait_ms = min(wait_ms, max(0, int(1000 * (deadline - now)) + 1))
-            events = poller.poll(wait_ms)
-            if events:
-                try:
-                    chunk = sock.recv(max(65536, need - len(self._rbuf)))
-                except (ConnectionResetError, OSError) as e:
-                    raise PeerDeadError(self.peer, op, f"connection lost ({e})") from None
+            if chunk == -1 and poller.poll(wait_ms):
+                chunk = self._read_native(0, op) if native is not None else self._read_python(need, op)
+            if type(chunk) is bytes:
                 if not chunk:
                     raise PeerDeadError(self.peer, op, "its connection closed without a goodbye (process exited)")
                 self._rbuf += chunk
                 now = self._last_seen = time.monotonic()
                 continue
+            if type(chunk) is not int:  # built natively
+                self._last_seen = self._last_msg = time.monotonic()
+                if self._practice is None and self.options.warm_s:
+                    from afd_ext.metadata import encode_control_binary
+
+                    self._practice = encode_control_binary(chunk)
+                return chunk
             now = time.monotonic()
             if now - self._last_seen > hb:
                 raise PeerDeadError(
@@ -226,31 +294,46 @@ class TcpControlChannel(ControlChannel):
                     "the process or its host is hung or unreachable",
                 )
             next_abort = self._abort_or_timeout(op, now, next_abort, deadline, None)
+        return None
+
+    def _read_native(self, max_ns: int, op: str) -> Any:
+        """Wait up to ``max_ns`` (GIL released) and read once: -1 (nothing), bytes, or a payload built
+        from a whole data frame read alone into an empty buffer (``self._limits`` >= 0)."""
+        limits = self._limits if not self._rbuf else (-1, 0)
+        try:
+            return self._native.tcp_take(self._state_addr, max_ns, *limits)
+        except OSError as e:
+            raise PeerDeadError(self.peer, op, f"connection lost ({e})") from None
+
+    def _read_python(self, need: int, op: str) -> bytes:
+        try:
+            return self._sock.recv(max(_READ_BYTES, need - len(self._rbuf)))
+        except (ConnectionResetError, OSError) as e:
+            raise PeerDeadError(self.peer, op, f"connection lost ({e})") from None
 
     def _rehearse(self) -> bool:
-        """warm_s: the receive path on nothing new (a peek at the socket, the payload decoded and built
-        again from the last one), so that a payload after a long gap finds it in cache. Returns whether
-        the copy decoded."""
-        from afd_ext.metadata import decode_control_binary
-
-        if self._practice is None:
+        """warm_s: the receive path on nothing new (a peek at the socket, the last payload built again
+        as the native read builds it), so that a payload after a long gap finds it in cache. Returns
+        whether the copy was built."""
+        if self._practice is None or self._native is None:
             return False
         try:
             self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
         except OSError:  # nothing to read (the usual case), or the peer is gone: recv() reports that
             pass
-        try:
-            decode_control_binary(self._practice)  # type: ignore[arg-type]
-        except ValueError:  # not a binary control payload (raw channel use): nothing to rehearse
-            self._practice = None
-            return False
-        return True
+        ms, mr = self._limits
+        return self._native.parse(self._practice, ms, mr) is not None
 
     def recv(self, timeout_s: float | None = None, op: str = _OP_RECV) -> bytes:
+        return self._recv(timeout_s, op)
+
+    def _recv(self, timeout_s: float | None, op: str) -> Any:
         self._require(False, "recv")
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            self._fill(_TCP_HDR.size, deadline, op)
+            built = self._fill(_TCP_HDR.size, deadline, op)
+            if built is not None:
+                return built
             magic, typ, sender, n = _TCP_HDR.unpack_from(self._rbuf, 0)
             if magic != _TCP_MAGIC:
                 raise ControlProtocolError(f"{op}: corrupt control frame from {self.peer} (bad magic {magic:#x})")
@@ -261,8 +344,6 @@ class TcpControlChannel(ControlChannel):
             del self._rbuf[:end]
             if typ == _T_DATA:
                 self._last_msg = time.monotonic()
-                if self.options.warm_s and self._practice is None:
-                    self._practice = body
                 return body
             if typ == _T_CLOSE:
                 raise ControlChannelClosed(f"{op}: {self.peer} closed the control channel")
@@ -273,6 +354,7 @@ class TcpControlChannel(ControlChannel):
         if self._closed:
             return
         self._closed = True
+        self._state.fd = -1  # the native calls decline from now on (the socket closes below)
         self._hb_stop.set()
         if self.is_sender:
             try:

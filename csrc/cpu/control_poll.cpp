@@ -8,10 +8,13 @@
 // the offsets below mirror it, and tests/test_control_plane.py checks that both
 // sides read each other's slots.
 #include <Python.h>
+#include <structmember.h>
 #include <poll.h>
+#include <sys/socket.h>
 #include <time.h>
 
 #include <array>
+#include <vector>
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
@@ -88,20 +91,35 @@ int spin_u64(const uint64_t* word, uint64_t want, int64_t max_ns) {
 
 extern "C" {
 
-// One end of one ring, filled once by Python (afd_ext/control/shm.py, `_RingState`).
-// Python passes its address and plain ints.
+// One end of one ring, filled once by Python (afd_ext/control/channel.py, `RingState`).
+// Python passes its address and plain ints. hdr is null once the channel is closed
+// (every call then declines with -2 and the Python path names the state).
 struct afd_ctrl_ring {
-  uint64_t* hdr;        // the segment (its 256-byte header)
+  uint64_t* hdr;        // the segment (its 256-byte header); null: closed
   uint64_t nslots;
   uint64_t stride;      // bytes from one slot to the next; slot i starts at hdr + 256 + i * stride
   uint64_t slot_bytes;  // payload capacity of a slot
   uint8_t* out;         // receiver: copy buffer of slot_bytes
-  uint64_t k;           // the next message number (sent or taken); advanced on success
+  uint64_t k;           // the next message number (sent or taken); advanced on success (the one count)
   uint32_t local_rank;  // sender: the sender field it writes
   uint32_t got_sender;  // receiver: the sender field of the last message taken
   int64_t t_ns;         // CLOCK_MONOTONIC ns: sender, when the last message was published;
                         // receiver, when the poll saw the last message taken (the bench's phases)
+  uint32_t expect_sender;  // receiver: the sender's world rank (another: -2, the Python path names it)
+  int32_t bell_fd;         // sender: the doorbell socket, -1 none
+  uint64_t max_msg;        // receiver: the largest message it takes (a longer one: -2)
+  uint32_t bell_len;       // sender: length of bell_addr
+  uint32_t pad_;
+  uint8_t bell_addr[112];  // sender: the receiver doorbell's sockaddr_un (abstract name)
 };
+
+// Wake a receiver blocked on the doorbell (a datagram; a full queue means one is pending).
+inline void ring_bell(const afd_ctrl_ring* r) {
+  if (r->bell_fd < 0) return;
+  const char one = 1;
+  (void)::sendto(r->bell_fd, &one, 1, MSG_DONTWAIT | MSG_NOSIGNAL, reinterpret_cast<const sockaddr*>(r->bell_addr),
+                 r->bell_len);
+}
 
 inline uint8_t* slot_of(const afd_ctrl_ring* r, uint64_t k) {
   return reinterpret_cast<uint8_t*>(r->hdr) + 256 + (k % r->nslots) * r->stride;
@@ -123,13 +141,14 @@ __attribute__((visibility("default"))) int afd_ctrl_spin_fd(int fd, int max_ns) 
 }
 
 // Sender: publish a message of `n` <= slot_bytes bytes as message number r->k
-// (the seqlock protocol of the package doc), stamp the heartbeat, advance r->k.
-// Returns 1 when the receiver is blocked on the doorbell (ring it), 0 when not,
-// -1 when the ring is full (nothing written; the caller waits for space).
+// (the seqlock protocol of the package doc), stamp the heartbeat, advance r->k,
+// and ring the doorbell when the receiver is blocked on it.
+// Returns 0 when sent, -1 when the ring is full (nothing written; the caller
+// waits for space), -2 when closed or too long (nothing written).
 __attribute__((visibility("default"))) int afd_ctrl_shm_publish(afd_ctrl_ring* r, const uint8_t* data, int n) {
   uint64_t* hdr = r->hdr;
   const uint64_t k = r->k;
-  if (n < 0 || static_cast<uint64_t>(n) > r->slot_bytes) return -2;
+  if (hdr == nullptr || n < 0 || static_cast<uint64_t>(n) > r->slot_bytes) return -2;
   if (k - __atomic_load_n(&hdr[kReadCountWord], __ATOMIC_ACQUIRE) >= r->nslots) return -1;
   uint8_t* slot = slot_of(r, k);
   const uint32_t sender = r->local_rank;
@@ -151,22 +170,25 @@ __attribute__((visibility("default"))) int afd_ctrl_shm_publish(afd_ctrl_ring* r
   r->k = k + 1;
   // Full fence: the publish is ordered before the read of the receiver's waiting flag.
   __atomic_thread_fence(__ATOMIC_SEQ_CST);
-  return __atomic_load_n(&hdr[kWaitingWord], __ATOMIC_RELAXED) ? 1 : 0;
+  if (__atomic_load_n(&hdr[kWaitingWord], __ATOMIC_RELAXED)) ring_bell(r);
+  return 0;
 }
 
 // Receiver: wait up to `max_ns` for message number r->k, then copy a
 // single-slot message into r->out, check it (seq unchanged, CRC), mark it
 // consumed (read_count = k + 1) and advance r->k; r->got_sender gets its
 // sender field. Returns its length; -1 when nothing was published in time; -2
-// when the slot is published but not a whole consistent single-slot message
-// (torn, corrupt, or one fragment of a larger message: the caller reads it the
-// slow way; r->k is unchanged).
+// when closed, or the slot is published but not a whole consistent single-slot
+// message from the expected sender within max_msg (torn, corrupt, one fragment
+// of a larger message, another sender: the caller reads it the slow way, which
+// names the problem; r->k is unchanged).
 __attribute__((visibility("default"))) int64_t afd_ctrl_shm_take(afd_ctrl_ring* r, int max_ns) {
   uint64_t* hdr = r->hdr;
+  if (hdr == nullptr) return -2;
   const uint64_t k = r->k;
   const uint8_t* slot = slot_of(r, k);
   uint8_t* out = r->out;
-  const uint64_t slot_bytes = r->slot_bytes;
+  const uint64_t slot_bytes = r->slot_bytes < r->max_msg ? r->slot_bytes : r->max_msg;
   const auto* seq = reinterpret_cast<const uint64_t*>(slot);
   const uint64_t want = 2 * k + 2;
   if (!spin_u64(seq, want, max_ns)) return -1;
@@ -178,7 +200,7 @@ __attribute__((visibility("default"))) int64_t afd_ctrl_shm_take(afd_ctrl_ring* 
     std::memcpy(&frag, slot + 16, 4);
     std::memcpy(&snd, slot + 20, 4);
     std::memcpy(&crc, slot + 24, 4);
-    if (frag > slot_bytes || total != frag) return -2;
+    if (frag > slot_bytes || total != frag || snd != r->expect_sender) return -2;
     std::memcpy(out, slot + kSlotHeader, frag);
     __atomic_thread_fence(__ATOMIC_ACQUIRE);
     if (__atomic_load_n(seq, __ATOMIC_RELAXED) == want && slot_crc(want, total, frag, snd, out) == crc) {
@@ -197,16 +219,91 @@ __attribute__((visibility("default"))) int64_t afd_ctrl_shm_take(afd_ctrl_ring* 
 
 namespace {
 
-// Parse a binary control payload (afd_ext.metadata.encode_control_binary) into
-// (sender, flags, ((stage, max_tokens, counts), ...)); None when it is not
-// well formed, so that the Python decoder names the problem.
-PyObject* parse_payload(const uint8_t* d, int64_t n, uint32_t sender, long max_stages, long max_ranks) {
-  if (n < 8 || std::memcmp(d, "AFDb", 4) != 0 || d[4] != 1 || d[5] > 0xF) Py_RETURN_NONE;
+// The payload classes (afd_ext.metadata), bound once by _C.ctrl_bind_types: the sends read
+// them, the takes build them. g_md_none: the AFDDPMetadata slots a built one holds as None
+// (all but _counts and _max, from the class's own __slots__, as AFDDPMetadata._trusted).
+PyObject* g_payload_type = nullptr;
+PyObject* g_md_type = nullptr;
+PyObject* g_md_none = nullptr;
+PyObject* g_names[9] = {};
+enum { kDp, kCapturing, kWarmup, kReplaying, kProfile, kCounts, kMax, kTensor, kMaxTensor };
+constexpr int kFlagName[4] = {kCapturing, kWarmup, kReplaying, kProfile};  // flag bit i
+constexpr int kMaxNativeStages = 64;
+constexpr size_t kMaxNativeBytes = 2048;  // the native encoders' stack buffer
+
+// Where each bound attribute lives: the byte offset of its __slots__ member in an instance of
+// its exact class (read and written in place: no attribute lookup touching the type's caches,
+// since a step after a long gap runs on cold caches), or -1 (go through getattr/setattr).
+Py_ssize_t g_off[9] = {-1, -1, -1, -1, -1, -1, -1, -1, -1};
+std::vector<Py_ssize_t> g_none_off;  // per g_md_none name
+
+Py_ssize_t member_offset(PyObject* type, PyObject* name) {
+  PyObject* d = PyObject_GetAttr(type, name);  // on the class: the member descriptor itself
+  Py_ssize_t off = -1;
+  if (d != nullptr && PyObject_TypeCheck(d, &PyMemberDescr_Type)) {
+    const PyMemberDef* m = reinterpret_cast<PyMemberDescrObject*>(d)->d_member;
+    if (m->type == T_OBJECT_EX && !(m->flags & READONLY)) off = m->offset;
+  }
+  if (d == nullptr) PyErr_Clear();
+  Py_XDECREF(d);
+  return off;
+}
+
+// getattr (a new reference; nullptr, error cleared, when unset) / setattr (0 on success) of a bound
+// attribute on an instance of its exact class.
+PyObject* get_field(PyObject* o, Py_ssize_t off, PyObject* name) {
+  if (off >= 0) {
+    PyObject* v = *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(o) + off);
+    Py_XINCREF(v);
+    return v;
+  }
+  PyObject* v = PyObject_GetAttr(o, name);
+  if (v == nullptr) PyErr_Clear();
+  return v;
+}
+
+int set_field(PyObject* o, Py_ssize_t off, PyObject* name, PyObject* v) {
+  if (off < 0) return PyObject_SetAttr(o, name, v);
+  PyObject** at = reinterpret_cast<PyObject**>(reinterpret_cast<char*>(o) + off);
+  PyObject* old = *at;
+  Py_INCREF(v);
+  *at = v;
+  Py_XDECREF(old);
+  return 0;
+}
+
+inline PyObject* get_bound(PyObject* o, int name) { return get_field(o, g_off[name], g_names[name]); }
+inline int set_bound(PyObject* o, int name, PyObject* v) { return set_field(o, g_off[name], g_names[name], v); }
+
+// A new AFDDPMetadata holding `counts` (stolen) and `max_tokens`; nullptr with an error set.
+PyObject* new_dp_metadata(PyObject* counts, uint32_t max_tokens) {
+  auto* type = reinterpret_cast<PyTypeObject*>(g_md_type);
+  PyObject* md = type->tp_alloc(type, 0);
+  PyObject* mx = md == nullptr ? nullptr : PyLong_FromUnsignedLong(max_tokens);
+  bool ok = mx != nullptr && set_bound(md, kCounts, counts) == 0 && set_bound(md, kMax, mx) == 0;
+  for (Py_ssize_t i = 0; ok && i < PyTuple_GET_SIZE(g_md_none); ++i)
+    ok = set_field(md, g_none_off[i], PyTuple_GET_ITEM(g_md_none, i), Py_None) == 0;
+  Py_XDECREF(mx);
+  Py_DECREF(counts);
+  if (!ok) {
+    Py_XDECREF(md);
+    return nullptr;
+  }
+  return md;
+}
+
+// Build an AFDControlPayload from a binary control payload (afd_ext.metadata.encode_control_binary)
+// as afd_ext.metadata.control_payload_from_parts does, while the bytes are hot. Returns a new
+// reference; Py_None (new reference) when it is not well formed (the Python decoder then names
+// the problem); nullptr with an error set when Python failed (memory).
+PyObject* build_payload(const uint8_t* d, int64_t n, long max_stages, long max_ranks) {
+  if (g_payload_type == nullptr || n < 8 || std::memcmp(d, "AFDb", 4) != 0 || d[4] != 1 || d[5] > 0xF)
+    Py_RETURN_NONE;
   uint16_t nstages;
   std::memcpy(&nstages, d + 6, 2);
   if (nstages > max_stages) Py_RETURN_NONE;
-  PyObject* stages = PyTuple_New(nstages);
-  if (stages == nullptr) return nullptr;
+  PyObject* dp = PyDict_New();
+  if (dp == nullptr) return nullptr;
   int64_t off = 8;
   int64_t prev = -1;
   for (uint16_t i = 0; i < nstages; ++i) {
@@ -236,55 +333,97 @@ PyObject* parse_payload(const uint8_t* d, int64_t n, uint32_t sender, long max_s
         }
         PyTuple_SET_ITEM(counts, j, o);
       }
-      PyObject* item = Py_BuildValue("(kkN)", static_cast<unsigned long>(st), static_cast<unsigned long>(mx), counts);
-      if (item == nullptr) goto fail;
-      PyTuple_SET_ITEM(stages, i, item);
+      PyObject* md = new_dp_metadata(counts, mx);
+      PyObject* key = md == nullptr ? nullptr : PyLong_FromUnsignedLong(st);
+      const int rc = key == nullptr ? -1 : PyDict_SetItem(dp, key, md);
+      Py_XDECREF(key);
+      Py_XDECREF(md);
+      if (rc != 0) goto fail;
     }
     off += 4 * static_cast<int64_t>(cnt);
     prev = st;
   }
   if (off != n) goto bad;
-  return Py_BuildValue("(kkN)", static_cast<unsigned long>(sender), static_cast<unsigned long>(d[5]), stages);
+  {
+    auto* type = reinterpret_cast<PyTypeObject*>(g_payload_type);
+    PyObject* payload = type->tp_alloc(type, 0);
+    bool ok = payload != nullptr && set_bound(payload, kDp, dp) == 0;
+    for (int b = 0; ok && b < 4; ++b) ok = set_bound(payload, kFlagName[b], (d[5] >> b) & 1 ? Py_True : Py_False) == 0;
+    Py_DECREF(dp);
+    if (!ok) {
+      Py_XDECREF(payload);
+      return nullptr;
+    }
+    return payload;
+  }
 bad:
-  Py_DECREF(stages);
+  Py_DECREF(dp);
   Py_RETURN_NONE;
 fail:
-  Py_DECREF(stages);
+  Py_DECREF(dp);
   return nullptr;
+}
+
+// The taken message `out[:n]` as Python returns it: the built payload when it parses (and
+// max_stages >= 0), else its bytes.
+PyObject* taken_message(const uint8_t* out, int64_t n, long max_stages, long max_ranks) {
+  if (max_stages >= 0) {
+    PyObject* built = build_payload(out, n, max_stages, max_ranks);
+    if (built != Py_None) return built;  // a payload, or nullptr (error set)
+    Py_DECREF(built);
+  }
+  return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(out), n);
+}
+
+bool take_args(PyObject* const* args, Py_ssize_t nargs, const char* sig, void** ptr, long* max_ns, long* ms, long* mr) {
+  if (nargs != 4) {
+    PyErr_SetString(PyExc_TypeError, sig);
+    return false;
+  }
+  *ptr = PyLong_AsVoidPtr(args[0]);
+  *max_ns = PyLong_AsLong(args[1]);
+  *ms = PyLong_AsLong(args[2]);
+  *mr = PyLong_AsLong(args[3]);
+  if (PyErr_Occurred()) return false;
+  if (*ptr == nullptr) {
+    PyErr_SetString(PyExc_ValueError, sig);
+    return false;
+  }
+  *max_ns = *max_ns < 0 ? 0 : (*max_ns > 0x7FFFFFFFL ? 0x7FFFFFFFL : *max_ns);
+  return true;
 }
 
 }  // namespace
 
-// _C.ctrl_take(ring_address, max_ns, max_stages, max_ranks): afd_ctrl_shm_take
-// with the GIL released, then the payload parsed while the bytes are hot.
-// Returns -1 (nothing published in time) or -2 (read the slot the slow way)
-// as an int; for a message taken, (sender, flags, stages) when it parses,
-// else (or with max_stages < 0: raw bytes wanted) the message bytes.
+// _C.ctrl_take(ring_address, max_ns, max_stages, max_ranks): afd_ctrl_shm_take with the GIL
+// released, then the payload built while the bytes are hot. Returns -1 (nothing published in
+// time) or -2 (read the slot the slow way) as an int; for a message taken, the AFDControlPayload
+// when it parses, else (or with max_stages < 0: raw bytes wanted) the message bytes.
 PyObject* afd_ctrl_take_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 4) {
-    PyErr_SetString(PyExc_TypeError, "ctrl_take(ring_address, max_ns, max_stages, max_ranks)");
+  void* p;
+  long max_ns, max_stages, max_ranks;
+  if (!take_args(args, nargs, "ctrl_take(ring_address, max_ns, max_stages, max_ranks)", &p, &max_ns, &max_stages,
+                 &max_ranks))
     return nullptr;
-  }
-  auto* r = static_cast<afd_ctrl_ring*>(PyLong_AsVoidPtr(args[0]));
-  const long max_ns = PyLong_AsLong(args[1]);
-  const long max_stages = PyLong_AsLong(args[2]);
-  const long max_ranks = PyLong_AsLong(args[3]);
-  if (PyErr_Occurred()) return nullptr;
-  if (r == nullptr) {
-    PyErr_SetString(PyExc_ValueError, "ctrl_take: null ring");
-    return nullptr;
-  }
-  const int wait = static_cast<int>(max_ns < 0 ? 0 : (max_ns > 0x7FFFFFFFL ? 0x7FFFFFFFL : max_ns));
+  auto* r = static_cast<afd_ctrl_ring*>(p);
   int64_t n;
-  Py_BEGIN_ALLOW_THREADS n = afd_ctrl_shm_take(r, wait);
+  Py_BEGIN_ALLOW_THREADS n = afd_ctrl_shm_take(r, static_cast<int>(max_ns));
   Py_END_ALLOW_THREADS if (n < 0) return PyLong_FromLongLong(n);
-  if (max_stages < 0) return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(r->out), n);
-  PyObject* parsed = parse_payload(r->out, n, r->got_sender, max_stages, max_ranks);
-  if (parsed != Py_None) return parsed;
-  Py_DECREF(parsed);
-  return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(r->out), n);
+  return taken_message(r->out, n, max_stages, max_ranks);
 }
 
+// _C.ctrl_parse(data, max_stages, max_ranks): a binary control payload built as the takes build
+// it (an AFDControlPayload), or None when it is not well formed.
+PyObject* afd_ctrl_parse_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3 || !PyBytes_Check(args[0])) {
+    PyErr_SetString(PyExc_TypeError, "ctrl_parse(data: bytes, max_stages, max_ranks)");
+    return nullptr;
+  }
+  const long ms = PyLong_AsLong(args[1]), mr = PyLong_AsLong(args[2]);
+  if (PyErr_Occurred()) return nullptr;
+  return build_payload(reinterpret_cast<const uint8_t*>(PyBytes_AS_STRING(args[0])), PyBytes_GET_SIZE(args[0]), ms,
+                       mr);
+}
 
 namespace {
 
@@ -324,115 +463,55 @@ void put_head(uint8_t* buf, long flags, Py_ssize_t nstages) {
   std::memcpy(buf + 6, &ns, 2);
 }
 
-}  // namespace
-
-// _C.ctrl_send(ring_address, flags, stages): encode afd_ext.metadata.control_payload_parts
-// output (flags, ((stage, max_tokens, counts), ...)) in the binary layout and publish it
-// (afd_ctrl_shm_publish). Returns 1 (ring the doorbell) or 0 when sent; -1 when the ring
-// is full; -2 when it does not fit one slot or a value is out of range (nothing written:
-// the caller encodes it in Python, which names a bad value).
-PyObject* afd_ctrl_send_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 3) {
-    PyErr_SetString(PyExc_TypeError, "ctrl_send(ring_address, flags, stages)");
-    return nullptr;
-  }
-  auto* r = static_cast<afd_ctrl_ring*>(PyLong_AsVoidPtr(args[0]));
-  const long flags = PyLong_AsLong(args[1]);
-  if (PyErr_Occurred()) return nullptr;
-  if (r == nullptr || !PyTuple_CheckExact(args[2])) {
-    PyErr_SetString(PyExc_TypeError, "ctrl_send: a ring address and a tuple of stages");
-    return nullptr;
-  }
-  PyObject* stages = args[2];
-  const Py_ssize_t nstages = PyTuple_GET_SIZE(stages);
-  const uint64_t cap = r->slot_bytes;
-  if (flags < 0 || flags > 0xF || nstages > 0xFFFF || cap < 8 || cap > (1u << 30)) return PyLong_FromLong(-2);
-  uint8_t stack[2048];
-  uint8_t* buf = cap <= sizeof stack ? stack : static_cast<uint8_t*>(PyMem_Malloc(cap));
-  if (buf == nullptr) return PyErr_NoMemory();
-  uint64_t off = 8;
-  bool ok = true;
-  put_head(buf, flags, nstages);
-  for (Py_ssize_t i = 0; ok && i < nstages; ++i) {
-    PyObject* st = PyTuple_GET_ITEM(stages, i);
-    ok = PyTuple_CheckExact(st) && PyTuple_GET_SIZE(st) == 3 &&
-         put_stage(buf, off, cap, PyTuple_GET_ITEM(st, 0), PyTuple_GET_ITEM(st, 1), PyTuple_GET_ITEM(st, 2));
-  }
-  int rc = -2;
-  if (ok) rc = afd_ctrl_shm_publish(r, buf, static_cast<int>(off));
-  if (buf != stack) PyMem_Free(buf);
-  return PyLong_FromLong(rc < -1 ? -2 : rc);
-}
-
-namespace {
-
-// The payload classes the whole-payload send reads (afd_ext.metadata), bound once by
-// _C.ctrl_bind_types, and the attribute names it reads, interned once.
-PyObject* g_payload_type = nullptr;
-PyObject* g_md_type = nullptr;
-PyObject* g_names[9] = {};
-enum { kDp, kCapturing, kWarmup, kReplaying, kProfile, kCounts, kMax, kTensor, kMaxTensor };
-constexpr int kMaxNativeStages = 64;
-
-// Flag bit of a payload attribute that must be exactly True or False; -1 otherwise.
-int flag_bit(PyObject* payload, int name, int bit) {
-  PyObject* v = PyObject_GetAttr(payload, g_names[name]);
-  if (v == nullptr) {
+// Encode control_payload_parts output (flags, ((stage, max_tokens, counts), ...)) into
+// buf[:cap]; its length, or -1 when it does not fit or a value is out of range.
+int64_t encode_parts(PyObject* flags_obj, PyObject* stages, uint8_t* buf, uint64_t cap) {
+  const long flags = PyLong_AsLong(flags_obj);
+  if (PyErr_Occurred()) {
     PyErr_Clear();
     return -1;
   }
+  if (!PyTuple_CheckExact(stages)) return -1;
+  const Py_ssize_t nstages = PyTuple_GET_SIZE(stages);
+  if (flags < 0 || flags > 0xF || nstages > 0xFFFF || cap < 8) return -1;
+  uint64_t off = 8;
+  put_head(buf, flags, nstages);
+  for (Py_ssize_t i = 0; i < nstages; ++i) {
+    PyObject* st = PyTuple_GET_ITEM(stages, i);
+    if (!PyTuple_CheckExact(st) || PyTuple_GET_SIZE(st) != 3 ||
+        !put_stage(buf, off, cap, PyTuple_GET_ITEM(st, 0), PyTuple_GET_ITEM(st, 1), PyTuple_GET_ITEM(st, 2)))
+      return -1;
+  }
+  return static_cast<int64_t>(off);
+}
+
+// Flag bit of a payload attribute that must be exactly True or False; -1 otherwise.
+int flag_bit(PyObject* payload, int bit) {
+  PyObject* v = get_bound(payload, kFlagName[bit]);
+  if (v == nullptr) return -1;
   const int r = v == Py_True ? (1 << bit) : (v == Py_False ? 0 : -1);
   Py_DECREF(v);
   return r;
 }
 
-}  // namespace
-
-// _C.ctrl_bind_types(AFDControlPayload, AFDDPMetadata): the classes ctrl_send_payload reads.
-PyObject* afd_ctrl_bind_types_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 2 || !PyType_Check(args[0]) || !PyType_Check(args[1])) {
-    PyErr_SetString(PyExc_TypeError, "ctrl_bind_types(payload_type, dp_metadata_type)");
-    return nullptr;
+// Encode an AFDControlPayload straight from its fields into buf[:cap] (no Python objects made,
+// so a send after a long gap, on cold caches, touches little memory). Its length, or -1 for
+// anything but the plain case: another payload class, a non-bool flag, a stage key that is not
+// an int, metadata holding tensors (their in-place changes are read by the Python path), more
+// than 64 stages, or a payload larger than cap. The caller then takes the Python path, which
+// names a bad value.
+int64_t encode_payload(PyObject* payload, uint8_t* buf, uint64_t cap) {
+  if (g_payload_type == nullptr || Py_TYPE(payload) != reinterpret_cast<PyTypeObject*>(g_payload_type) || cap < 8)
+    return -1;
+  int flags = 0;
+  for (int b = 0; b < 4; ++b) {
+    const int f = flag_bit(payload, b);
+    if (f < 0) return -1;
+    flags |= f;
   }
-  static const char* const names[9] = {"dp_metadata_list", "is_graph_capturing", "is_warmup",
-                                       "is_graph_replaying", "is_profile", "_counts", "_max", "_t", "_mt"};
-  for (int i = 0; i < 9; ++i) {
-    if (g_names[i] == nullptr && (g_names[i] = PyUnicode_InternFromString(names[i])) == nullptr) return nullptr;
-  }
-  Py_INCREF(args[0]);
-  Py_INCREF(args[1]);
-  Py_XSETREF(g_payload_type, args[0]);
-  Py_XSETREF(g_md_type, args[1]);
-  Py_RETURN_NONE;
-}
-
-// _C.ctrl_send_payload(ring_address, payload): encode an AFDControlPayload straight from
-// its fields and publish it (afd_ctrl_shm_publish): one call and no Python objects made,
-// so a send after a long gap (cold caches) touches little memory. Returns as ctrl_send;
-// -2 (nothing written) for anything but the plain case: another payload class, a
-// non-bool flag, a stage key that is not an int, metadata holding tensors (their
-// in-place changes are read by the Python path), more than 64 stages, or a payload
-// larger than a slot. The caller then takes the Python path, which names a bad value.
-PyObject* afd_ctrl_send_payload_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 2) {
-    PyErr_SetString(PyExc_TypeError, "ctrl_send_payload(ring_address, payload)");
-    return nullptr;
-  }
-  auto* r = static_cast<afd_ctrl_ring*>(PyLong_AsVoidPtr(args[0]));
-  if (PyErr_Occurred()) return nullptr;
-  PyObject* payload = args[1];
-  if (r == nullptr || g_payload_type == nullptr ||
-      Py_TYPE(payload) != reinterpret_cast<PyTypeObject*>(g_payload_type))
-    return PyLong_FromLong(-2);
-  const int f0 = flag_bit(payload, kCapturing, 0), f1 = flag_bit(payload, kWarmup, 1),
-            f2 = flag_bit(payload, kReplaying, 2), f3 = flag_bit(payload, kProfile, 3);
-  if ((f0 | f1 | f2 | f3) < 0) return PyLong_FromLong(-2);
-  PyObject* dp = PyObject_GetAttr(payload, g_names[kDp]);
-  if (dp == nullptr) {
-    PyErr_Clear();
-    return PyLong_FromLong(-2);
-  }
-  long rc = -2;
+  PyObject* dp = get_bound(payload, kDp);
+  if (dp == nullptr) return -1;
+  int64_t len = -1;
   struct Stage {
     PyObject* key;
     PyObject* md;
@@ -456,28 +535,219 @@ PyObject* afd_ctrl_send_payload_py(PyObject*, PyObject* const* args, Py_ssize_t 
       }
       st[i] = Stage{k, v};
     }
-    uint8_t buf[2048];
-    const uint64_t cap = r->slot_bytes < sizeof buf ? r->slot_bytes : sizeof buf;
     uint64_t off = 8;
     for (Py_ssize_t i = 0; plain && i < n; ++i) {
-      PyObject* t = PyObject_GetAttr(st[i].md, g_names[kTensor]);
-      PyObject* mt = t == nullptr ? nullptr : PyObject_GetAttr(st[i].md, g_names[kMaxTensor]);
-      PyObject* counts = mt == nullptr ? nullptr : PyObject_GetAttr(st[i].md, g_names[kCounts]);
-      PyObject* mx = counts == nullptr ? nullptr : PyObject_GetAttr(st[i].md, g_names[kMax]);
-      plain = mx != nullptr && t == Py_None && mt == Py_None &&
-              put_stage(buf, off, cap, st[i].key, mx, counts);
+      PyObject* t = get_bound(st[i].md, kTensor);
+      PyObject* mt = t == nullptr ? nullptr : get_bound(st[i].md, kMaxTensor);
+      PyObject* counts = mt == nullptr ? nullptr : get_bound(st[i].md, kCounts);
+      PyObject* mx = counts == nullptr ? nullptr : get_bound(st[i].md, kMax);
+      plain = mx != nullptr && t == Py_None && mt == Py_None && put_stage(buf, off, cap, st[i].key, mx, counts);
       Py_XDECREF(t);
       Py_XDECREF(mt);
       Py_XDECREF(counts);
       Py_XDECREF(mx);
     }
     if (PyErr_Occurred()) PyErr_Clear();
-    if (plain && cap >= 8) {
-      put_head(buf, f0 | f1 | f2 | f3, n);
-      rc = afd_ctrl_shm_publish(r, buf, static_cast<int>(off));
-      if (rc < -1) rc = -2;
+    if (plain) {
+      put_head(buf, flags, n);
+      len = static_cast<int64_t>(off);
     }
   }
   Py_DECREF(dp);
-  return PyLong_FromLong(rc);
+  return len;
+}
+
+// The shm sends: publish an encoded message (ring full: -1; anything else declined: -2).
+PyObject* shm_publish_result(afd_ctrl_ring* r, const uint8_t* buf, int64_t n) {
+  if (n < 0) return PyLong_FromLong(-2);
+  const int rc = afd_ctrl_shm_publish(r, buf, static_cast<int>(n));
+  return PyLong_FromLong(rc == -1 ? -1 : (rc < 0 ? -2 : 0));
+}
+
+}  // namespace
+
+// _C.ctrl_send(ring_address, flags, stages): encode afd_ext.metadata.control_payload_parts output in
+// the binary layout and publish it (afd_ctrl_shm_publish, doorbell included). Returns 0 when sent,
+// -1 when the ring is full, -2 when closed, it does not fit one slot or a value is out of range
+// (nothing written: the caller encodes it in Python, which names a bad value).
+PyObject* afd_ctrl_send_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3) {
+    PyErr_SetString(PyExc_TypeError, "ctrl_send(ring_address, flags, stages)");
+    return nullptr;
+  }
+  auto* r = static_cast<afd_ctrl_ring*>(PyLong_AsVoidPtr(args[0]));
+  if (PyErr_Occurred()) return nullptr;
+  if (r == nullptr) return PyLong_FromLong(-2);
+  uint8_t buf[kMaxNativeBytes];
+  const uint64_t cap = r->slot_bytes < sizeof buf ? r->slot_bytes : sizeof buf;
+  return shm_publish_result(r, buf, encode_parts(args[1], args[2], buf, cap));
+}
+
+// _C.ctrl_bind_types(AFDControlPayload, AFDDPMetadata, md_none_slots): the classes the native
+// sends read and the takes build, and the AFDDPMetadata slots a built one holds as None.
+PyObject* afd_ctrl_bind_types_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3 || !PyType_Check(args[0]) || !PyType_Check(args[1]) || !PyTuple_CheckExact(args[2])) {
+    PyErr_SetString(PyExc_TypeError, "ctrl_bind_types(payload_type, dp_metadata_type, md_none_slots: tuple)");
+    return nullptr;
+  }
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args[2]); ++i) {
+    if (!PyUnicode_CheckExact(PyTuple_GET_ITEM(args[2], i))) {
+      PyErr_SetString(PyExc_TypeError, "ctrl_bind_types: md_none_slots must be a tuple of str");
+      return nullptr;
+    }
+  }
+  static const char* const names[9] = {"dp_metadata_list", "is_graph_capturing", "is_warmup",
+                                       "is_graph_replaying", "is_profile", "_counts", "_max", "_t", "_mt"};
+  for (int i = 0; i < 9; ++i) {
+    if (g_names[i] == nullptr && (g_names[i] = PyUnicode_InternFromString(names[i])) == nullptr) return nullptr;
+  }
+  for (int i = 0; i < 9; ++i) g_off[i] = member_offset(i < kCounts ? args[0] : args[1], g_names[i]);
+  g_none_off.clear();
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args[2]); ++i)
+    g_none_off.push_back(member_offset(args[1], PyTuple_GET_ITEM(args[2], i)));
+  Py_INCREF(args[0]);
+  Py_INCREF(args[1]);
+  Py_INCREF(args[2]);
+  Py_XSETREF(g_payload_type, args[0]);
+  Py_XSETREF(g_md_type, args[1]);
+  Py_XSETREF(g_md_none, args[2]);
+  Py_RETURN_NONE;
+}
+
+// _C.ctrl_send_payload(ring_address, payload): encode an AFDControlPayload straight from its
+// fields (encode_payload) and publish it, doorbell included: one call. Returns as ctrl_send.
+PyObject* afd_ctrl_send_payload_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "ctrl_send_payload(ring_address, payload)");
+    return nullptr;
+  }
+  auto* r = static_cast<afd_ctrl_ring*>(PyLong_AsVoidPtr(args[0]));
+  if (PyErr_Occurred()) return nullptr;
+  if (r == nullptr) return PyLong_FromLong(-2);
+  uint8_t buf[kMaxNativeBytes];
+  const uint64_t cap = r->slot_bytes < sizeof buf ? r->slot_bytes : sizeof buf;
+  return shm_publish_result(r, buf, encode_payload(args[1], buf, cap));
+}
+
+// ---------------------------------------------------------------------------
+// TCP: one frame per call (afd_ext/control/tcp.py: magic u32 | type u32 | sender u32 | length u64, body)
+// ---------------------------------------------------------------------------
+
+extern "C" {
+
+// One end of one TCP channel, filled once by Python (afd_ext/control/tcp.py, `TcpState`).
+struct afd_ctrl_tcp {
+  int32_t fd;              // the connected socket (non-blocking); -1: closed
+  uint32_t local_rank;     // sender: the sender field it writes
+  uint32_t expect_sender;  // receiver: the sender's world rank (another: the bytes go to Python)
+  uint32_t pad_;
+  uint64_t max_msg;        // the largest message body either end handles natively
+  uint8_t* buf;            // receiver: read buffer of cap bytes
+  uint64_t cap;
+  int64_t t_ns;            // receiver: CLOCK_MONOTONIC ns when the poll saw the socket readable
+};
+
+}  // extern "C"
+
+namespace {
+
+constexpr uint32_t kTcpMagic = 0xAFDC7C01u;
+constexpr uint32_t kTcpData = 2;
+constexpr uint32_t kTcpHeartbeat = 3;
+constexpr size_t kTcpHdr = 20;
+
+void put_tcp_header(uint8_t* at, uint32_t sender, uint64_t len) {
+  const uint32_t magic = kTcpMagic, type = kTcpData;
+  std::memcpy(at, &magic, 4);
+  std::memcpy(at + 4, &type, 4);
+  std::memcpy(at + 8, &sender, 4);
+  std::memcpy(at + 12, &len, 8);
+}
+
+}  // namespace
+
+// _C.ctrl_tcp_send_payload(state_address, payload): encode an AFDControlPayload (encode_payload)
+// as one data frame and send it without blocking, in one send(). Returns 0 when sent; -2 when
+// nothing was sent (closed, declined, the socket buffer full, or an error: the caller's Python
+// path sends it and names an error); bytes, the unsent tail of a partly sent frame (the caller
+// sends it before anything else). The caller holds the channel's send lock (heartbeat frames).
+PyObject* afd_ctrl_tcp_send_payload_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "ctrl_tcp_send_payload(state_address, payload)");
+    return nullptr;
+  }
+  auto* t = static_cast<afd_ctrl_tcp*>(PyLong_AsVoidPtr(args[0]));
+  if (PyErr_Occurred()) return nullptr;
+  if (t == nullptr || t->fd < 0) return PyLong_FromLong(-2);
+  uint8_t buf[kTcpHdr + kMaxNativeBytes];
+  const uint64_t cap = t->max_msg < kMaxNativeBytes ? t->max_msg : kMaxNativeBytes;
+  const int64_t n = encode_payload(args[1], buf + kTcpHdr, cap);
+  if (n < 0) return PyLong_FromLong(-2);
+  put_tcp_header(buf, t->local_rank, static_cast<uint64_t>(n));
+  const size_t len = kTcpHdr + static_cast<size_t>(n);
+  ssize_t sent;
+  do {
+    sent = ::send(t->fd, buf, len, MSG_DONTWAIT | MSG_NOSIGNAL);
+  } while (sent < 0 && errno == EINTR);
+  if (sent <= 0) return PyLong_FromLong(-2);
+  if (static_cast<size_t>(sent) == len) return PyLong_FromLong(0);
+  return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(buf) + sent, static_cast<Py_ssize_t>(len - sent));
+}
+
+// _C.ctrl_tcp_take(state_address, max_ns, max_stages, max_ranks): poll the socket up to max_ns with
+// the GIL released, then read what is there (one recv). Returns -1 when nothing was readable in
+// time; the AFDControlPayload when what was read is exactly one whole data frame from the expected
+// sender that parses (max_stages >= 0), after any heartbeat frames; else the bytes read (b"": the
+// peer closed; the caller's Python path frames them). Raises OSError when the read failed.
+PyObject* afd_ctrl_tcp_take_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  void* p;
+  long max_ns, max_stages, max_ranks;
+  if (!take_args(args, nargs, "ctrl_tcp_take(state_address, max_ns, max_stages, max_ranks)", &p, &max_ns,
+                 &max_stages, &max_ranks))
+    return nullptr;
+  auto* t = static_cast<afd_ctrl_tcp*>(p);
+  if (t->fd < 0) return PyLong_FromLong(-1);
+  int ready;
+  ssize_t n = -1;
+  int err = 0;
+  Py_BEGIN_ALLOW_THREADS ready = afd_ctrl_spin_fd(t->fd, static_cast<int>(max_ns));
+  if (ready > 0) {
+    t->t_ns = now_ns();
+    do {
+      n = ::recv(t->fd, t->buf, t->cap, MSG_DONTWAIT);
+    } while (n < 0 && errno == EINTR);
+    err = n < 0 ? errno : 0;
+  }
+  Py_END_ALLOW_THREADS if (ready < 0) {
+    errno = -ready;
+    return PyErr_SetFromErrno(PyExc_OSError);
+  }
+  if (ready == 0 || (n < 0 && (err == EAGAIN || err == EWOULDBLOCK))) return PyLong_FromLong(-1);
+  if (n < 0) {
+    errno = err;
+    return PyErr_SetFromErrno(PyExc_OSError);
+  }
+  const uint8_t* b = t->buf;
+  size_t off = 0;  // past the heartbeat frames in front (the sender's thread sends one a second)
+  for (;;) {
+    if (max_stages < 0 || static_cast<size_t>(n) - off < kTcpHdr) break;
+    uint32_t magic, type, sender;
+    uint64_t len;
+    std::memcpy(&magic, b + off, 4);
+    std::memcpy(&type, b + off + 4, 4);
+    std::memcpy(&sender, b + off + 8, 4);
+    std::memcpy(&len, b + off + 12, 8);
+    if (magic != kTcpMagic || sender != t->expect_sender) break;
+    if (type == kTcpHeartbeat && len == 0) {
+      off += kTcpHdr;
+      continue;
+    }
+    if (type == kTcpData && len <= t->max_msg && len == static_cast<uint64_t>(n) - off - kTcpHdr) {
+      PyObject* built = build_payload(b + off + kTcpHdr, static_cast<int64_t>(len), max_stages, max_ranks);
+      if (built != Py_None) return built;
+      Py_DECREF(built);
+    }
+    break;
+  }
+  return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(b), n);
 }
