@@ -299,7 +299,8 @@ def test_a_stuck_graph_replay_is_the_watchdogs_named_error(fake, monkeypatch):
     assert "graph replay: CUDA-graph replay of step 7" in msg, msg
     assert "attention rank 0 (world rank 1)" in msg and "attention rank 1 (world rank 2)" in msg, msg
     assert "layer -1" not in msg and "step 7" in msg, msg
-    while not posted and time.monotonic() < deadline:
+    # The signal and the communicator aborts follow the failure on the watchdog's thread: wait for both.
+    while not (posted and all(h in fake.aborted for h in ffn._comms.values())) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert posted and posted[0] is ffn.watchdog.failure
     assert all(h in fake.aborted for h in ffn._comms.values())

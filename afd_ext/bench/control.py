@@ -278,7 +278,9 @@ def _measure_worker(rank: int, nprocs: int, host: str, port: int, kind: str, sch
     plane = cpl.AFDControlPlane(lambda p: None, topo, role, 0)
     plane.open(store, kind, 60.0, options=opts)
     ch = next(iter(plane.channels.values()))
-    state = getattr(ch, "_state", None)  # shm: the native stamps (RingState.t_ns)
+    state = getattr(ch, "_state", None) if ch.kind == "shm" else None  # the native stamps (RingState)
+    if state is not None:
+        state.stamps = 1  # also t_mark: native send entered / GIL back after the take
     out = []
     step = 0
     try:
@@ -288,6 +290,7 @@ def _measure_worker(rank: int, nprocs: int, host: str, port: int, kind: str, sch
             a: list[int] = []
             b: list[int] = []
             c: list[int] = []
+            m: list[int] = []
             if role == "attention":
                 payload = _step_payload(0, counts, stages)
                 data = encode_control_binary(payload)
@@ -304,9 +307,10 @@ def _measure_worker(rank: int, nprocs: int, host: str, port: int, kind: str, sch
                     t1 = time.perf_counter_ns()
                     a.append(t0)
                     b.append(state.t_ns if state is not None else 0)
+                    m.append(state.t_mark if state is not None else 0)
                     c.append(t1)
                     _pause(gap_s, sender_spins)
-                res = {"t0": a[warmup:], "pub": b[warmup:], "ret": c[warmup:]}
+                res = {"t0": a[warmup:], "pub": b[warmup:], "ret": c[warmup:], "mark": m[warmup:]}
             else:
                 taken: list[int] = []
                 if not raw:
@@ -327,13 +331,14 @@ def _measure_worker(rank: int, nprocs: int, host: str, port: int, kind: str, sch
                         p = plane.recv_dp_metadata_list()
                     t = time.perf_counter_ns()
                     a.append(state.t_ns if state is not None else 0)
+                    m.append(state.t_mark if state is not None else 0)
                     c.append(t)
                     if distinct and not raw and p.dp_metadata_list[0].counts[0] != step + i:
                         raise AFDProtocolError(f"measurement: step {step + i} received the counts of step "
                                            f"{p.dp_metadata_list[0].counts[0]}")
                 if not raw:
                     del ch.recv_payload
-                res = {"seen": a[warmup:], "taken": taken[warmup:], "ret": c[warmup:]}
+                res = {"seen": a[warmup:], "taken": taken[warmup:], "ret": c[warmup:], "mark": m[warmup:]}
             step += total
             out.append(res)
         rdzv.barrier(store, rank, 2, "measure-end", 60.0)
@@ -402,7 +407,10 @@ def _phases(ffn: dict, attn: dict) -> dict[str, dict[str, float]]:
     native poll saw it (shm: cache-line transfer, or the receiver arriving late);
     ``take``: seen -> the channel returned it to Python (copy, CRC, parse, GIL
     re-acquired; tcp: published -> returned, the socket path); ``build``: the
-    channel's return -> ``recv_dp_metadata_list`` returned (payload objects).
+    channel's return -> ``recv_dp_metadata_list`` returned. shm also splits ``send``
+    into ``call`` (Python until the native send is entered) and ``encode`` (until the
+    publish began), and ``take`` into ``gil`` (copy, check, GIL back) and ``made``
+    (the payload built and handed back through the channel).
     """
     t0, ret = attn["t0"], ffn["ret"]
     pub = attn.get("pub") or []
@@ -421,6 +429,11 @@ def _phases(ffn: dict, attn: dict) -> dict[str, dict[str, float]]:
         spans["take"] = list(zip(pub, taken))
     if taken:
         spans["build"] = list(zip(taken, ret))
+    amark, fmark = attn.get("mark") or [], ffn.get("mark") or []
+    if shm and amark and all(amark):
+        spans["call"], spans["encode"] = list(zip(t0, amark)), list(zip(amark, pub))
+    if shm and fmark and all(fmark) and taken:
+        spans["gil"], spans["made"] = list(zip(seen, fmark)), list(zip(fmark, taken))
     out = {}
     for name, pairs in spans.items():
         lat = sorted((b - a) / 1000.0 for a, b in pairs)

@@ -170,15 +170,17 @@ class RingState(ctypes.Structure):
         ("k", ctypes.c_uint64),
         ("local_rank", ctypes.c_uint32),
         ("got_sender", ctypes.c_uint32),
-        # CLOCK_MONOTONIC ns: sender, when the last message was published; receiver, when the
-        # poll saw the last message taken (afd_ext.bench.control reports the phases from it)
+        # CLOCK_MONOTONIC ns: sender, when the last publish began; receiver, when the poll saw
+        # the last message taken (afd_ext.bench.control reports the phases from it)
         ("t_ns", ctypes.c_int64),
         ("expect_sender", ctypes.c_uint32),  # receiver: the sender's world rank
         ("bell_fd", ctypes.c_int32),  # sender: the doorbell socket, -1 none
         ("max_msg", ctypes.c_uint64),  # receiver: the largest message it takes natively
         ("bell_len", ctypes.c_uint32),
-        ("pad_", ctypes.c_uint32),
+        ("stamps", ctypes.c_uint32),  # nonzero: also stamp t_mark (the bench's finer phases)
         ("bell_addr", ctypes.c_uint8 * 112),  # sender: the doorbell's sockaddr_un
+        # with stamps, CLOCK_MONOTONIC ns: sender, native send entered; receiver, GIL back after a take
+        ("t_mark", ctypes.c_int64),
     ]
 
 

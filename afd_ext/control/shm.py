@@ -257,14 +257,11 @@ class ShmControlChannel(ControlChannel):
             time.sleep(sleep)
             sleep = min(2 * sleep, _MAX_SLEEP_S)
 
-    def _take(self, max_ns: int) -> Any:
-        """Native: wait up to ``max_ns`` for the next message and take a whole single-slot message
-        from the expected sender (it advances the count). Returns it (bytes, or built per
-        ``self._limits``), -1 (not published yet) or -2 (read it in Python, which names a problem)."""
-        return self._native.take(self._state_addr, min(max_ns, MAX_NATIVE_WAIT_NS), *self._limits)
-
     def _taken(self) -> Any:
-        r = self._take(0)
+        """Native: take the published next message if it is a whole single-slot message from the
+        expected sender (it advances the count). Returns it (bytes, or built per ``self._limits``),
+        or None: read it in Python, which names a problem."""
+        r = self._native.take(self._state_addr, 0, *self._limits)
         return None if type(r) is int else r
 
     def _wait_slot(self, k: int, timeout_s: float | None, op: str) -> Any:
@@ -281,8 +278,9 @@ class ShmControlChannel(ControlChannel):
         next_abort = now + _due_in(_ABORT_EVERY_S)
         warm = self.options.warm_s if self._practice is not None else 0.0
         next_warm = now + warm if warm else float("inf")
-        # While the engine is active keep polling (see the module doc), then block.
-        poll_until = self._last_msg + self.options.idle_s
+        # While the engine is active keep polling (see the module doc), then block. The last
+        # payload's time: the native take stamps it (CLOCK_MONOTONIC, as time.monotonic()).
+        poll_until = max(self._last_msg, self._state.t_ns * 1e-9) + self.options.idle_s
         if native is None:
             poll_until = min(poll_until, now + _FALLBACK_SPIN_S)
         sleep = _MIN_SLEEP_S
@@ -297,8 +295,9 @@ class ShmControlChannel(ControlChannel):
                     if deadline is not None:
                         end = min(end, deadline)
                     if native is not None:
-                        r = self._take(int((end - now) * 1e9))
-                        if type(r) is not int:
+                        r = native.take(self._state_addr, min(int((end - now) * 1e9), MAX_NATIVE_WAIT_NS),
+                                        *self._limits)
+                        if type(r) is not int:  # the payload arrived: as little as possible from here on
                             return r
                         if r == -2:
                             return None
@@ -390,8 +389,7 @@ class ShmControlChannel(ControlChannel):
         k = self._count
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         got = self._wait_slot(k, timeout_s, op)
-        if got is not None:  # taken by the native path (sender and length checked, count advanced)
-            self._last_msg = time.monotonic()
+        if got is not None:  # taken by the native path (sender and length checked, count advanced, time stamped)
             if self._practice is None and type(got) is not bytes and self.options.warm_s:
                 self._set_practice(got)
             return got

@@ -36,6 +36,7 @@ _TCP_MAGIC = 0xAFDC7C01
 _TCP_HDR = struct.Struct("<IIIQ")  # magic, type, sender world rank, length
 _T_HELLO, _T_DATA, _T_HEARTBEAT, _T_CLOSE = 1, 2, 3, 4
 _READ_BYTES = 65536  # one read of the receive path
+_QUICKACK = getattr(socket, "TCP_QUICKACK", None)  # Linux
 
 
 class TcpState(ctypes.Structure):
@@ -330,6 +331,14 @@ class TcpControlChannel(ControlChannel):
     def _recv(self, timeout_s: float | None, op: str) -> Any:
         self._require(False, "recv")
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        if _QUICKACK is not None and not self._rbuf:
+            # Delayed ACKs: otherwise the read that drains a small pushed segment sends the ACK from
+            # inside recv() (and, on one host, the sender's side of it too), on the FFN's critical
+            # path. The kernel leaves this mode when a delayed ACK fires: set before each wait.
+            try:
+                self._sock.setsockopt(socket.IPPROTO_TCP, _QUICKACK, 0)
+            except OSError:
+                pass
         while True:
             built = self._fill(_TCP_HDR.size, deadline, op)
             if built is not None:

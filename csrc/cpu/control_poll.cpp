@@ -45,21 +45,26 @@ constexpr int kHeartbeatWord = 16;
 constexpr int kWaitingWord = 24;
 constexpr size_t kSlotHeader = 32;
 
-// CRC-32 (IEEE 802.3, reflected, as zlib.crc32).
-constexpr std::array<uint32_t, 256> make_crc_table() {
-  std::array<uint32_t, 256> t{};
-  for (uint32_t i = 0; i < 256; ++i) {
+// CRC-32 (IEEE 802.3, reflected, as zlib.crc32), four bits at a time: a 64-byte table is one
+// cache line, where a byte table is sixteen, all cold after a long gap between steps.
+constexpr std::array<uint32_t, 16> make_crc_table() {
+  std::array<uint32_t, 16> t{};
+  for (uint32_t i = 0; i < 16; ++i) {
     uint32_t c = i;
-    for (int j = 0; j < 8; ++j) c = (c & 1) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+    for (int j = 0; j < 4; ++j) c = (c & 1) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
     t[i] = c;
   }
   return t;
 }
-constexpr auto kCrcTable = make_crc_table();
+alignas(64) constexpr auto kCrcTable = make_crc_table();
 
 inline uint32_t crc32_update(uint32_t crc, const uint8_t* p, size_t n) {
   crc = ~crc;
-  for (size_t i = 0; i < n; ++i) crc = kCrcTable[(crc ^ p[i]) & 0xFF] ^ (crc >> 8);
+  for (size_t i = 0; i < n; ++i) {
+    crc ^= p[i];
+    crc = kCrcTable[crc & 0xF] ^ (crc >> 4);
+    crc = kCrcTable[crc & 0xF] ^ (crc >> 4);
+  }
   return ~crc;
 }
 
@@ -103,14 +108,16 @@ struct afd_ctrl_ring {
   uint64_t k;           // the next message number (sent or taken); advanced on success (the one count)
   uint32_t local_rank;  // sender: the sender field it writes
   uint32_t got_sender;  // receiver: the sender field of the last message taken
-  int64_t t_ns;         // CLOCK_MONOTONIC ns: sender, when the last message was published;
+  int64_t t_ns;         // CLOCK_MONOTONIC ns: sender, when the last publish began;
                         // receiver, when the poll saw the last message taken (the bench's phases)
   uint32_t expect_sender;  // receiver: the sender's world rank (another: -2, the Python path names it)
   int32_t bell_fd;         // sender: the doorbell socket, -1 none
   uint64_t max_msg;        // receiver: the largest message it takes (a longer one: -2)
   uint32_t bell_len;       // sender: length of bell_addr
-  uint32_t pad_;
+  uint32_t stamps;         // nonzero: also stamp t_mark (the bench's finer phases)
   uint8_t bell_addr[112];  // sender: the receiver doorbell's sockaddr_un (abstract name)
+  int64_t t_mark;          // with stamps: sender, when the native send was entered; receiver,
+                           // when the GIL was back after a take (before the payload is built)
 };
 
 // Wake a receiver blocked on the doorbell (a datagram; a full queue means one is pending).
@@ -152,7 +159,8 @@ __attribute__((visibility("default"))) int afd_ctrl_shm_publish(afd_ctrl_ring* r
   if (k - __atomic_load_n(&hdr[kReadCountWord], __ATOMIC_ACQUIRE) >= r->nslots) return -1;
   uint8_t* slot = slot_of(r, k);
   const uint32_t sender = r->local_rank;
-  __atomic_store_n(&hdr[kHeartbeatWord], static_cast<uint64_t>(now_ns()), __ATOMIC_RELAXED);
+  const int64_t t = now_ns();
+  __atomic_store_n(&hdr[kHeartbeatWord], static_cast<uint64_t>(t), __ATOMIC_RELAXED);
   auto* seq = reinterpret_cast<uint64_t*>(slot);
   const uint64_t want = 2 * k + 2;
   __atomic_store_n(seq, want - 1, __ATOMIC_RELAXED);
@@ -165,7 +173,7 @@ __attribute__((visibility("default"))) int afd_ctrl_shm_publish(afd_ctrl_ring* r
   std::memcpy(slot + 20, &sender, 4);
   std::memcpy(slot + 24, &crc, 4);
   std::memcpy(slot + kSlotHeader, data, frag);
-  r->t_ns = now_ns();
+  r->t_ns = t;
   __atomic_store_n(seq, want, __ATOMIC_RELEASE);
   r->k = k + 1;
   // Full fence: the publish is ordered before the read of the receiver's waiting flag.
@@ -409,6 +417,7 @@ PyObject* afd_ctrl_take_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   int64_t n;
   Py_BEGIN_ALLOW_THREADS n = afd_ctrl_shm_take(r, static_cast<int>(max_ns));
   Py_END_ALLOW_THREADS if (n < 0) return PyLong_FromLongLong(n);
+  if (r->stamps) r->t_mark = now_ns();
   return taken_message(r->out, n, max_stages, max_ranks);
 }
 
@@ -624,6 +633,7 @@ PyObject* afd_ctrl_send_payload_py(PyObject*, PyObject* const* args, Py_ssize_t 
   auto* r = static_cast<afd_ctrl_ring*>(PyLong_AsVoidPtr(args[0]));
   if (PyErr_Occurred()) return nullptr;
   if (r == nullptr) return PyLong_FromLong(-2);
+  if (r->stamps) r->t_mark = now_ns();
   uint8_t buf[kMaxNativeBytes];
   const uint64_t cap = r->slot_bytes < sizeof buf ? r->slot_bytes : sizeof buf;
   return shm_publish_result(r, buf, encode_payload(args[1], buf, cap));

@@ -1,9 +1,9 @@
 """Control plane at step gaps under host-side variants (issue 16): which knob moves the cost?
 
 Each variant runs afd_ext.bench.control.measure_control_gaps (new counts every step,
-8 attention ranks x 2 stages, attention end spinning) at 1, 20 and 50 ms gaps and
+8 attention ranks x 2 stages, attention end spinning) at 1, 5, 20 and 50 ms gaps and
 prints p50/p99 and the phases. Variants: pinned or not, the receiver's rehearsal
-on or off; ``env`` is set for the spawned workers (for trying a knob).
+every 0.5 or 0.1 ms; ``env`` is set for the spawned workers (for trying a knob).
 
     python scripts/diag/control_variants.py [seconds_per_cell]
 """
@@ -13,12 +13,12 @@ from afd_ext.bench.control import format_phases, measure_control_gaps
 from afd_ext.testing import _environ
 
 SECONDS = float(sys.argv[1]) if len(sys.argv) > 1 else 3.0
-GAPS_MS = (1.0, 20.0, 50.0)
+GAPS_MS = (1.0, 5.0, 20.0, 50.0)
 VARIANTS = [  # name, kind, env, pin, warm_s
     ("shm pinned", "shm", {}, None, None),
-    ("shm not pinned", "shm", {}, False, None),
-    ("shm pinned, no rehearsal", "shm", {}, None, 0.0),
+    ("shm pinned, rehearsal 0.1 ms", "shm", {}, None, 0.0001),
     ("tcp pinned", "tcp", {}, None, None),
+    ("tcp pinned, rehearsal 0.1 ms", "tcp", {}, None, 0.0001),
 ]
 
 
