@@ -34,7 +34,7 @@ DEFAULT_HEARTBEAT_TIMEOUT_S = 30.0
 #: How long after the last payload a waiting receiver keeps polling before it blocks, in seconds.
 DEFAULT_IDLE_S = 10.0
 #: How often a polling shm receiver rehearses its receive path, in seconds (0: never).
-DEFAULT_WARM_S = 0.0005
+DEFAULT_WARM_S = 0.0001
 #: Payload bytes per shared-memory slot; larger messages span several slots.
 DEFAULT_SLOT_BYTES = 16384
 #: Slots per shared-memory ring.
@@ -89,12 +89,11 @@ class ChannelOptions:
         nslots: shm ring slots (>= 2).
         max_message_bytes: largest message accepted by a receiver.
         warm_s: receiver, while polling: every ``warm_s`` it takes and builds
-            a private copy of the last payload (shm: native take and parse on a
-            ring of its own, payload objects; tcp: a peek at the socket and the
-            decode; a few µs holding the GIL), so that a payload after
-            a long gap finds that path in cache (without it the path costs ~3 µs
-            warm, ~50 µs after 20 ms of polling); 0: off. Default 0.5 ms
-            (``AFD_CONTROL_WARM_S``).
+            a private copy of the last payload (shm: the native take and build on
+            a ring of its own; tcp: the native build; 1-3 µs holding the GIL), so
+            that a payload after a long gap finds that path in cache; 0: off.
+            Default 0.1 ms (``AFD_CONTROL_WARM_S``; docs/configuration.md,
+            "Control-plane cost per step", has the measurements).
     """
 
     heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S

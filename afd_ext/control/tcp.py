@@ -313,15 +313,12 @@ class TcpControlChannel(ControlChannel):
             raise PeerDeadError(self.peer, op, f"connection lost ({e})") from None
 
     def _rehearse(self) -> bool:
-        """warm_s: the receive path on nothing new (a peek at the socket, the last payload built again
-        as the native read builds it), so that a payload after a long gap finds it in cache. Returns
-        whether the copy was built."""
+        """warm_s: the last payload built again as the native read builds it, so that a payload after
+        a long gap finds that path in cache. Returns whether the copy was built. (No peek at the
+        socket: a read takes the socket's lock, and a segment arriving meanwhile waits on it; every
+        0.1 ms that made the sender's step slower on the H200 host, docs/gpu-test-results.md run 23.)"""
         if self._practice is None or self._native is None:
             return False
-        try:
-            self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-        except OSError:  # nothing to read (the usual case), or the peer is gone: recv() reports that
-            pass
         ms, mr = self._limits
         return self._native.parse(self._practice, ms, mr) is not None
 
