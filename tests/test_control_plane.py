@@ -684,10 +684,11 @@ def test_measure_control_plane_reports_percentiles(distinct):
     assert 0 < r["min_us"] <= r["p50_us"] <= r["p90_us"] <= r["p99_us"] <= r["max_us"]
     assert r["payload_bytes"] == 8 + 2 * (12 + 4 * 8)  # binary: 2 stages of 8 counts
     ph = r["phases"]  # the native stamps split the total: publish, poll saw it, taken, built
-    assert set(ph) == {"send", "wake", "take", "build"}, ph
-    # call start <= published <= seen <= taken <= returned: each phase is a part of the total
+    assert set(ph) == {"send", "wake", "take", "build", "call", "encode", "gil", "made"}, ph
+    # call start <= entered <= published <= seen <= GIL back <= taken <= returned: each a part of the total
     assert all(0 <= v["p50_us"] <= v["p99_us"] <= r["max_us"] for v in ph.values()), ph
     assert ph["send"]["p50_us"] > 0 and ph["build"]["p50_us"] > 0, ph
+    assert ph["call"]["p50_us"] <= ph["send"]["p50_us"] and ph["gil"]["p50_us"] <= ph["take"]["p50_us"], ph
 
 
 @pytest.mark.timeout(180)
