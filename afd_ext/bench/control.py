@@ -659,8 +659,9 @@ def control_main(gaps_ms: tuple[float, ...] = DEFAULT_GAPS_MS,
           f"{PAYLOAD_STAGES} stages; attention end {sw}s between steps; "
           + (f"FFN pinned to CPU {cpus[0]}, attention to CPU {cpus[1]}" if cpus else "not pinned"), flush=True)
     print("host: " + ", ".join(f"{k} {v}" for k, v in facts.items()), flush=True)
-    print("phases (p50/p99 us): send = call -> published, wake = published -> FFN poll saw it, "
-          "take = seen -> channel returned (copy, check, parse, GIL), build = -> payload returned", flush=True)
+    print("phases (p50/p99 us): send = call -> publish began (call = until native, encode), wake = -> FFN poll "
+          "saw it, take = seen -> channel returned (gil = copy, check, GIL back; made = payload built, returned), "
+          "build = -> recv_dp_metadata_list returned", flush=True)
 
     def progress(name: str, gap: float, r: dict) -> None:
         if "error" in r:

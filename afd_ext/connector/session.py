@@ -334,6 +334,8 @@ class Session:
         st = self.step
         if st is None or st.seq.moved:
             return  # no step applied yet, or an older one (the runtime's order is checked elsewhere)
+        if payload is st.schedule.payload:
+            return  # the payload applied (the usual case): the comparison below would read it twice
         applied = {k: md.counts for k, md in st.schedule.payload.dp_metadata_list.items()}
         sent = {k: md.counts for k, md in payload.dp_metadata_list.items()}
         # Only stages the sent payload carries: a graph replay's payload may leave counts out

@@ -27,6 +27,7 @@ device sync on the FFN side), the payload never touches a GPU. Each
                       [64]  read_count u64   (receiver: slots consumed)
                       [128] heartbeat_ns u64 (sender: CLOCK_MONOTONIC) |
                             sender_state u64 (0 new, 1 attached, 2 closed)
+                      [192] waiting u64 (receiver: blocked on the doorbell)
       slot i (stride 64-byte aligned): seq u64 | total_len u64 | frag_len u32 |
                       sender u32 | crc u32 | pad u32 | payload[slot_bytes]
 
@@ -34,7 +35,7 @@ device sync on the FFN side), the payload never touches a GPU. Each
   sender waits until ``k - read_count < nslots`` (flow control), stores
   ``seq = 2k+1``, writes the fields and the payload, then stores ``seq =
   2k+2``. The receiver waits for ``seq == 2k+2``, copies the fields and the
-  payload, re-reads ``seq`` and checks a CRC-32 over fields and payload; any
+  payload, re-reads ``seq`` and checks a CRC-32 (zlib's) over fields and payload; any
   change or mismatch is a torn read and is retried, so a reader never returns
   half-written bytes even on a weakly ordered CPU (on x86-64 the store order
   alone suffices; the CRC is the safety net elsewhere); a published slot that
@@ -59,14 +60,26 @@ Waking a blocked thread costs ~110 µs on a server host (scheduler and
 C-state exit), more than the whole rest of a step's control plane. So while
 the engine is active (the last payload arrived less than ``idle_s`` ago,
 default 10 s, ``AFD_CONTROL_IDLE_S``) a waiting FFN rank keeps polling, in
-native code (``csrc/cpu/control_poll.cpp``: ``_C.ctrl_take`` for shm, which
-releases the GIL while it waits, and a ``ctypes`` call for tcp, which does too:
-the serving engine's other threads keep running). The shm path also reads,
-checks, encodes and publishes the payload in one native call on the sender
-(``_C.ctrl_send_payload``: a send after a gap is cold, so it touches little),
-and takes and parses it in one on the receiver. It polls
-in slices of at most 50 ms and runs the liveness checks between slices (due
-every 25-75 ms, jittered so that they never line up with a fixed step gap). This
+native code with the GIL released (``csrc/cpu/control_poll.cpp``:
+``_C.ctrl_take`` for shm, ``_C.ctrl_tcp_take`` for tcp): the serving engine's
+other threads keep running. It polls in slices of at most 50 ms and runs the
+liveness checks between slices (due every 25-75 ms, jittered so that they
+never line up with a fixed step gap).
+
+One native call per step on each end: a step after a 20-50 ms gap runs on cold
+caches, so the per-step path touches as little memory as it can. The sender's
+``send_dp_metadata_list`` hands a plain payload to one C call
+(:meth:`ControlChannel.fast_send`: ``_C.ctrl_send_payload`` reads its slots in
+place, encodes, publishes and rings the doorbell; tcp: ``_C.ctrl_tcp_send_payload``,
+one ``send()``); anything else takes the checked Python path, which names a bad
+value. The receiver's take copies and checks the message (sender rank, length,
+CRC) and builds the :class:`~afd_ext.metadata.AFDControlPayload` itself, as
+the Python decoder would, before Python sees it (tcp: a read holding exactly
+one data frame, after any heartbeat frames; anything else is framed in
+Python). While polling, the receiver rehearses that path on a private copy of
+the last payload every ``warm_s`` (0.1 ms) so that it stays in cache. A tcp
+receiver keeps delayed ACKs (``TCP_QUICKACK`` off before each wait) so that
+its read does not send an ACK on the critical path. This
 costs one core per FFN rank while serving, which a serving FFN process owns
 anyway. Once idle for ``idle_s``, the receiver raises a ``waiting`` flag (shm)
 and blocks (a doorbell: an abstract ``AF_UNIX`` datagram socket named after
