@@ -463,7 +463,7 @@ def test_native_and_python_ring_paths_read_each_other():
             tx._native = cshm._native() if i % 2 == 0 else None
             rx._native = cshm._native()
             tx.send_parts(md.control_payload_parts(p))
-            got = rx.recv_payload(1.0, "recv_dp_metadata_list", md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS)
+            got = rx.recv_payload(1.0, "recv_dp_metadata_list", md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS, 1 << 20)
             built = type(got) is not bytes
             q = got if built else md.decode_control_binary(got)
             assert q == p and built == (i < 2)
@@ -725,11 +725,11 @@ def test_warm_receiver_rehearses_on_private_memory_and_still_takes_the_real_payl
     out: list = []
     try:
         tx.send_parts(first)
-        assert md.control_payload_parts(rx.recv_payload(1.0, "recv", md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS)) \
+        assert md.control_payload_parts(rx.recv_payload(1.0, "recv", md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS, 1 << 20)) \
             == first
         assert rx._practice is not None
         t = threading.Thread(target=lambda: out.append(md.control_payload_parts(
-            rx.recv_payload(30.0, "recv", md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS))))
+            rx.recv_payload(30.0, "recv", md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS, 1 << 20))))
         t.start()
         time.sleep(0.2)
         assert len(rehearsals) >= 5 and all(rehearsals)  # parsed and built, about one per warm_s
@@ -761,10 +761,10 @@ def test_rehearsing_receiver_leaves_the_gil_to_other_threads():
     out: list = []
     try:
         tx.send_parts(parts)
-        rx.recv_payload(1.0, "recv", md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS)
+        rx.recv_payload(1.0, "recv", md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS, 1 << 20)
         sys.setswitchinterval(2.0)  # a receiver that kept the GIL would keep this thread out for 2 s
         t = threading.Thread(target=lambda: out.append(md.control_payload_parts(
-            rx.recv_payload(30.0, "recv", md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS))))
+            rx.recv_payload(30.0, "recv", md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS, 1 << 20))))
         t.start()
         time.sleep(0.05)
         t0 = time.monotonic()
@@ -807,10 +807,10 @@ def test_warm_tcp_receiver_rehearses_and_still_reads_the_real_payload():
     out: list = []
     try:
         tx.send(first)
-        assert md.encode_control_binary(rx.recv_payload(1.0, "recv", md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS)) \
+        assert md.encode_control_binary(rx.recv_payload(1.0, "recv", md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS, 1 << 20)) \
             == first and rx._practice == first
         t = threading.Thread(target=lambda: out.append(md.encode_control_binary(
-            rx.recv_payload(30.0, "recv", md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS))))
+            rx.recv_payload(30.0, "recv", md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS, 1 << 20))))
         t.start()
         time.sleep(0.2)
         assert len(rehearsals) >= 5 and all(rehearsals)  # built, about one per warm_s
@@ -886,7 +886,7 @@ def test_the_native_whole_payload_send_matches_the_checked_python_encoding():
             finally:
                 tx._native.send_payload = orig
             assert calls == [0], calls  # the native path took it (no fallback)
-            got = rx.recv_payload(1.0, "recv_dp_metadata_list", 64, 4096)
+            got = rx.recv_payload(1.0, "recv_dp_metadata_list", 64, 4096, 1 << 20)
             assert control_payload_parts(got) == control_payload_parts(p)
     finally:
         tx.close()
@@ -914,7 +914,7 @@ def test_payloads_the_native_send_does_not_take_go_the_checked_python_way():
                         (ReferencePayload({1: AFDDPMetadata([1, 2])}), (0, ((1, 2, (1, 2)),)))):
             assert tx._native.send_payload(tx._state_addr, p) == -2
             tx.send_payload(p)
-            got = rx.recv_payload(1.0, "recv_dp_metadata_list", 64, 4096)
+            got = rx.recv_payload(1.0, "recv_dp_metadata_list", 64, 4096, 1 << 20)
             assert control_payload_parts(got) == want == control_payload_parts(p)
         bad = AFDControlPayload(dp_metadata_list={0: AFDDPMetadata([1])})
         bad.is_warmup = 1
@@ -989,7 +989,7 @@ def test_the_native_take_builds_what_the_python_decoder_builds(p):
     rx, tx = _ring()
     try:
         assert tx.fast_send()(p) == 0
-        got = rx.recv_payload(1.0, "recv_dp_metadata_list", md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS)
+        got = rx.recv_payload(1.0, "recv_dp_metadata_list", md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS, 1 << 20)
         assert_built_as_decoded(got, data)
     finally:
         tx.close()
@@ -1042,7 +1042,7 @@ def test_tcp_native_send_and_take_build_the_payload_past_heartbeats_and_a_partia
     from afd_ext import metadata as md
     from afd_ext.control import tcp as ctcp
 
-    lim = (md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS)
+    lim = (md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS, 1 << 20)
     rx, tx = _tcp_pair()
     try:
         fast = tx.fast_send()
@@ -1097,7 +1097,7 @@ def test_the_shm_one_call_send_declines_once_closed_and_the_plane_stops_using_it
     plane = cp.AFDControlPlane(lambda p: None, Topology(1, 1), "attention", 0, channels={0: tx})
     assert plane._fast_send is not None
     plane.send_dp_metadata_list(_plain_payload(0, 4))
-    assert rx.recv_payload(1.0, "recv_dp_metadata_list", 64, 64) == _plain_payload(0, 4)
+    assert rx.recv_payload(1.0, "recv_dp_metadata_list", 64, 64, 1 << 20) == _plain_payload(0, 4)
     plane.close()  # closes tx: its native state is unmapped; the one-call send must not touch it
     assert plane._fast_send is None and fast(_plain_payload(1, 4)) == -2
     with pytest.raises(AFDStateError, match="not initialized"):
@@ -1117,3 +1117,72 @@ def test_a_slot_larger_than_max_message_bytes_leaves_the_checks_to_python():
     finally:
         tx.close()
         rx.close()
+
+
+def test_a_kept_one_call_send_keeps_its_channel_alive_and_declines_once_it_is_closed():
+    """fast_send() holds the channel (its native state and mapping): dropping every other reference
+    must not leave the call writing through a freed RingState (review: a use-after-free)."""
+    import gc
+    import weakref
+
+    rx, tx = _ring()
+    fast = tx.fast_send()
+    ref = weakref.ref(tx)
+    del tx
+    gc.collect()
+    assert ref() is not None  # kept by the callable
+    assert fast(_plain_payload(0, 4)) == 0
+    assert rx.recv_payload(1.0, "recv_dp_metadata_list", 64, 64, 1 << 20) == _plain_payload(0, 4)
+    ref().close()
+    assert fast(_plain_payload(1, 4)) == -2  # declined: nothing touched
+    del fast
+    gc.collect()
+    assert ref() is None
+    rx.close()
+
+
+@pytest.mark.parametrize("kind", ["shm", "tcp"])
+def test_the_planes_max_payload_bytes_bounds_a_natively_built_payload(kind):
+    rx, tx = _ring() if kind == "shm" else _tcp_pair()
+    ffn = cp.AFDControlPlane(lambda p: None, Topology(1, 1), "ffn", 0, channels={0: rx}, max_payload_bytes=64)
+    att = cp.AFDControlPlane(lambda p: None, Topology(1, 1), "attention", 0, channels={0: tx})
+    try:
+        att.send_dp_metadata_list(AFDControlPayload({0: AFDDPMetadata([1, 2, 3])}))  # 32 bytes: fine
+        assert ffn.recv_dp_metadata_list().dp_metadata_list[0].counts == (1, 2, 3)
+        att.send_dp_metadata_list(AFDControlPayload({0: AFDDPMetadata(list(range(60)))}))  # 260 bytes
+        with pytest.raises(ControlProtocolError, match="260 bytes exceed max_payload_bytes=64"):
+            ffn.recv_dp_metadata_list()
+    finally:
+        att.close()
+        ffn.close()
+
+
+@pytest.mark.parametrize("kind", ["shm", "tcp"])
+def test_a_receiver_closed_by_another_thread_while_it_waits_gets_a_named_error_at_once(kind):
+    # One thread per end is the rule; breaking it must still end in a named error, not a raw
+    # TypeError (shm) or a spin until the heartbeat timeout (tcp).
+    opts = {"idle_s": 30.0, "heartbeat_timeout_s": 20.0, "heartbeat_interval_s": 1.0}
+    rx, tx = _ring(**opts) if kind == "shm" else _tcp_pair(**opts)
+    lim = (64, 64, 1 << 20)
+    assert tx.fast_send()(_plain_payload(0, 4)) == 0
+    rx.recv_payload(1.0, "recv_dp_metadata_list", *lim)
+    out = {}
+
+    def wait():
+        t0 = time.monotonic()
+        try:
+            rx.recv_payload(None, "recv_dp_metadata_list", *lim)
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            out["e"] = e
+        out["t"] = time.monotonic() - t0
+
+    t = threading.Thread(target=wait)
+    t.start()
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    rx.close()
+    t.join(10)
+    assert not t.is_alive()
+    assert isinstance(out.get("e"), AFDStateError) and "closed" in str(out["e"]), out
+    assert time.monotonic() - t0 < 2.0, out
+    tx.close()

@@ -180,6 +180,8 @@ class RingState(ctypes.Structure):
         ("bell_addr", ctypes.c_uint8 * 112),  # sender: the doorbell's sockaddr_un
         # with stamps, CLOCK_MONOTONIC ns: sender, native send entered; receiver, GIL back after a take
         ("t_mark", ctypes.c_int64),
+        ("busy", ctypes.c_uint32),  # native calls in flight on this end (close() waits for 0)
+        ("pad_", ctypes.c_uint32),
     ]
 
 
@@ -211,8 +213,6 @@ class _Native:
         from afd_ext.metadata import AFDControlPayload, AFDDPMetadata
 
         module.ctrl_bind_types(AFDControlPayload, AFDDPMetadata, AFDDPMetadata._NONE_WHEN_TRUSTED)
-        self.spin_fd = lib.afd_ctrl_spin_fd  # (fd, max_ns) -> 1 readable, 0 timeout, -errno
-        self.spin_fd.restype = ctypes.c_int
         self.shm_publish = lib.afd_ctrl_shm_publish  # (ring, bytes, n) -> 0 sent, -1 full, -2 closed
         self.shm_publish.restype = ctypes.c_int
 
@@ -268,6 +268,12 @@ class ControlChannel(abc.ABC):
         self._store_lost_at: float | None = None
         # Receiver: when the last payload arrived; polling continues until idle_s after it.
         self._last_msg = time.monotonic()
+        # The native view of this end (RingState / TcpState; None without one) and, receiving,
+        # the native take's bounds: (max_stages, max_ranks), -1 stages for raw bytes; max bytes.
+        self._state: Any = None
+        self._limits = (-1, 0)
+        self._state_cap = -1
+        self._fence_lock = threading.Lock()
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
 
@@ -323,11 +329,20 @@ class ControlChannel(abc.ABC):
 
         self.send_parts(control_payload_parts(payload))
 
-    def recv_payload(self, timeout_s: float | None, op: str, max_stages: int, max_ranks: int) -> Any:
+    def recv_payload(self, timeout_s: float | None, op: str, max_stages: int, max_ranks: int,
+                     max_bytes: int) -> Any:
         """Receive the next message as :meth:`recv`; a channel with a native decoder returns an
-        encoded control payload already built, as an :class:`~afd_ext.metadata.AFDControlPayload`
-        (bounded by ``max_stages`` / ``max_ranks``), and anything else as bytes. Raises as :meth:`recv`."""
+        encoded control payload of at most ``max_bytes`` already built, as an
+        :class:`~afd_ext.metadata.AFDControlPayload` (bounded by ``max_stages`` / ``max_ranks``),
+        and anything else as bytes (the caller decodes and bounds them). Raises as :meth:`recv`."""
         return self.recv(timeout_s, op)
+
+    def _set_limits(self, max_stages: int, max_ranks: int, max_bytes: int) -> None:
+        """The native take's bounds for the next receive (max_stages -1: raw bytes wanted)."""
+        self._limits = (max_stages, max_ranks)
+        cap = min(self.options.max_message_bytes, max_bytes)
+        if self._state is not None and cap != self._state_cap:
+            self._state.max_msg = self._state_cap = cap
 
     def fast_send(self) -> Callable[[Any], int] | None:
         """A one-call send for the per-step path: ``fast(payload)`` returns 0 when it sent the
@@ -377,6 +392,23 @@ class ControlChannel(abc.ABC):
             raise ControlRecvTimeout(
                 f"{op}: no control payload from {self.peer} within {within} (the peer is alive but idle)")
         return next_abort
+
+    def _quiesce_native(self, clear: Callable[[], None]) -> bool:
+        """close(): ``clear()`` marks this end closed for the native calls, then wait (up to 5 s) until
+        none is in flight on another thread, so that the memory or socket they use can go. Returns
+        False when one is still in flight (the caller then leaves the resource alone: a leak, not a
+        crash)."""
+        clear()
+        with self._fence_lock:  # a full fence: the mark before the count's read (InFlight's other half)
+            pass
+        deadline = time.monotonic() + 5.0
+        while self._state.busy:
+            if time.monotonic() > deadline:
+                logger.warning("control channel to %s: a native call still in flight at close; its "
+                               "memory is left in place", self.peer)
+                return False
+            time.sleep(_MIN_SLEEP_S)
+        return True
 
     def _poll_abort(self, op: str) -> None:
         """Look at the store's abort signal; tolerate a lost store for a short grace.

@@ -372,7 +372,8 @@ class AFDControlPlane:
         ch = self.channels[self.source]  # type: ignore[index]
         md = self._md
         try:
-            data = ch.recv_payload(self.recv_timeout_s, _OP_RECV, md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS)
+            data = ch.recv_payload(self.recv_timeout_s, _OP_RECV, md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS,
+                                   self.max_payload_bytes)
             if type(data) is not bytes:  # built by the native path (checked as the decoder checks)
                 return data
             try:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import threading
 import time
 from typing import Any
 
@@ -80,12 +79,10 @@ class ShmControlChannel(ControlChannel):
                                 max_msg=self.options.max_message_bytes)
         self._state_ref = ctypes.byref(self._state)
         self._state_addr = ctypes.addressof(self._state)
-        self._limits = (-1, 0)  # the native take's (max_stages, max_ranks); -1: raw bytes
         self._peer_pid = 0
         self._peer_start = 0
         self._unlinked = False
         self._bell: Doorbell | None = None
-        self._fence = threading.Lock()
         self._practice: tuple[Any, ...] | None = None  # warm_s: (buffer, anchor, state, address)
 
     # -- construction -----------------------------------------------------------
@@ -203,7 +200,7 @@ class ShmControlChannel(ControlChannel):
             # A full fence (the lock's atomic instruction) orders the publish before
             # the read of the receiver's waiting flag (store->load, Dekker style);
             # the receiver's side is ordered by its drain syscall.
-            with self._fence:
+            with self._fence_lock:
                 pass
             if hdr[_W_WAITING]:
                 self._ring()
@@ -236,7 +233,9 @@ class ShmControlChannel(ControlChannel):
         if self._native is None or self._slot_bytes > self.options.max_message_bytes or not self.is_sender:
             return None
         # One C call per step; it declines (-2, or -1 ring full) whatever needs send_payload's checks.
-        return functools.partial(self._native.send_payload, self._state_addr)
+        fast = functools.partial(self._native.send_payload, self._state_addr)
+        fast.channel = self  # type: ignore[attr-defined] # the state and its mapping live as long as the call
+        return fast
 
     def _ring(self) -> None:
         if self._bell is not None:
@@ -377,22 +376,32 @@ class ShmControlChannel(ControlChannel):
         return total, frag
 
     def recv(self, timeout_s: float | None = None, op: str = _OP_RECV) -> bytes:
-        self._limits = (-1, 0)
+        self._set_limits(-1, 0, self.options.max_message_bytes)
         return self._recv(timeout_s, op)
 
-    def recv_payload(self, timeout_s: float | None, op: str, max_stages: int, max_ranks: int) -> Any:
-        self._limits = (max_stages, max_ranks)
+    def recv_payload(self, timeout_s: float | None, op: str, max_stages: int, max_ranks: int,
+                     max_bytes: int) -> Any:
+        self._set_limits(max_stages, max_ranks, max_bytes)
         return self._recv(timeout_s, op)
 
     def _recv(self, timeout_s: float | None, op: str) -> Any:
         self._require(False, "recv")
         k = self._count
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        got = self._wait_slot(k, timeout_s, op)
+        try:
+            got = self._wait_slot(k, timeout_s, op)
+        except ValueError:  # a released view: closed by another thread meanwhile
+            self._require(False, op)
+            raise
         if got is not None:  # taken by the native path (sender and length checked, count advanced, time stamped)
-            if self._practice is None and type(got) is not bytes and self.options.warm_s:
-                self._set_practice(got)
+            if self._practice is None and type(got) is not bytes and self.options.warm_s and not self._closed:
+                try:
+                    self._set_practice(got)
+                except (TypeError, ValueError):  # closed by another thread meanwhile: nothing to rehearse
+                    if not self._closed:
+                        raise
             return got
+        self._require(False, op)  # closed by another thread meanwhile: named, not a torn read
         total, frag = self._read_slot(k, None, op, deadline)
         self._count = k + 1
         self._hdr[_W_READ_COUNT] = self._count
@@ -426,7 +435,8 @@ class ShmControlChannel(ControlChannel):
         if self._closed:
             return
         self._closed = True
-        self._state.hdr = None  # the native calls decline from now on (the mapping goes below)
+        # The native calls decline from now on; one in flight on another thread ends first.
+        unmap = self._quiesce_native(lambda: setattr(self._state, "hdr", None))
         self._hb_stop.set()
         if self._hb_thread is not None:
             self._hb_thread.join(timeout=5)
@@ -439,10 +449,12 @@ class ShmControlChannel(ControlChannel):
         if self._bell is not None:
             self._bell.close()
             self._bell = None
+        self._unlink()
+        if not unmap:
+            return
         self._anchor = self._out_anchor = None
         self._practice = None
         self._mem.release()
-        self._unlink()
         try:
             self._mem.segment.close()
         except BufferError:  # pragma: no cover - a view still exported

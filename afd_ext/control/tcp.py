@@ -46,7 +46,7 @@ class TcpState(ctypes.Structure):
         ("fd", ctypes.c_int32),
         ("local_rank", ctypes.c_uint32),
         ("expect_sender", ctypes.c_uint32),  # receiver: the sender's world rank
-        ("pad_", ctypes.c_uint32),
+        ("busy", ctypes.c_uint32),  # native calls in flight on this end (close() waits for 0)
         ("max_msg", ctypes.c_uint64),  # the largest message body handled natively
         ("buf", ctypes.c_void_p),  # receiver: the read buffer
         ("cap", ctypes.c_uint64),
@@ -98,7 +98,6 @@ class TcpControlChannel(ControlChannel):
                                max_msg=self.options.max_message_bytes, buf=ctypes.addressof(self._read_anchor),
                                cap=_READ_BYTES)
         self._state_addr = ctypes.addressof(self._state)
-        self._limits = (-1, 0)  # the native take's (max_stages, max_ranks); -1: raw bytes
 
     @staticmethod
     def listen(store: AFDStore) -> socket.socket:
@@ -234,12 +233,10 @@ class TcpControlChannel(ControlChannel):
         if self._send_native(payload) != 0:
             super().send_payload(payload)
 
-    def recv_payload(self, timeout_s: float | None, op: str, max_stages: int, max_ranks: int) -> Any:
-        self._limits = (max_stages, max_ranks)
-        try:
-            return self._recv(timeout_s, op)
-        finally:
-            self._limits = (-1, 0)
+    def recv_payload(self, timeout_s: float | None, op: str, max_stages: int, max_ranks: int,
+                     max_bytes: int) -> Any:
+        self._set_limits(max_stages, max_ranks, max_bytes)
+        return self._recv(timeout_s, op)
 
     def _fill(self, need: int, deadline: float | None, op: str) -> Any:
         """Read from the socket until ``need`` bytes are buffered, watching liveness. Returns None,
@@ -302,14 +299,20 @@ class TcpControlChannel(ControlChannel):
         from a whole data frame read alone into an empty buffer (``self._limits`` >= 0)."""
         limits = self._limits if not self._rbuf else (-1, 0)
         try:
-            return self._native.tcp_take(self._state_addr, max_ns, *limits)
+            r = self._native.tcp_take(self._state_addr, max_ns, *limits)
         except OSError as e:
+            self._require(False, op)  # closed here by another thread: not the peer's fault
             raise PeerDeadError(self.peer, op, f"connection lost ({e})") from None
+        if r == -2:  # closed by another thread meanwhile: named, not a spin until the heartbeat timeout
+            self._require(False, op)
+            return -1
+        return r
 
     def _read_python(self, need: int, op: str) -> bytes:
         try:
             return self._sock.recv(max(_READ_BYTES, need - len(self._rbuf)))
         except (ConnectionResetError, OSError) as e:
+            self._require(False, op)  # closed here by another thread: not the peer's fault
             raise PeerDeadError(self.peer, op, f"connection lost ({e})") from None
 
     def _rehearse(self) -> bool:
@@ -323,6 +326,7 @@ class TcpControlChannel(ControlChannel):
         return self._native.parse(self._practice, ms, mr) is not None
 
     def recv(self, timeout_s: float | None = None, op: str = _OP_RECV) -> bytes:
+        self._set_limits(-1, 0, self.options.max_message_bytes)
         return self._recv(timeout_s, op)
 
     def _recv(self, timeout_s: float | None, op: str) -> Any:
@@ -360,7 +364,8 @@ class TcpControlChannel(ControlChannel):
         if self._closed:
             return
         self._closed = True
-        self._state.fd = -1  # the native calls decline from now on (the socket closes below)
+        # The native calls decline from now on; one in flight on another thread ends first.
+        release = self._quiesce_native(lambda: setattr(self._state, "fd", -1))
         self._hb_stop.set()
         if self.is_sender:
             try:
@@ -369,6 +374,8 @@ class TcpControlChannel(ControlChannel):
                 pass
         if self._hb_thread is not None:
             self._hb_thread.join(timeout=5)
+        if not release:  # a native read still in flight holds the descriptor's number
+            return
         try:
             self._sock.close()
         except OSError:

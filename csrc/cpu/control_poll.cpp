@@ -1,12 +1,13 @@
 // The control plane's per-message path in native code: the waiting loops (so
-// that a waiting FFN rank polls without holding the GIL) and the shared-memory
-// ring's single-slot publish and take with the binary payload's encode and
-// parse (no interpreter between the seq word and the payload). Python calls
-// _C.ctrl_send / _C.ctrl_take (CPython functions, registered in bindings.cpp)
-// and afd_ctrl_spin_fd through ctypes, one bounded slice at a time, and does
-// its liveness checks between slices. The ring layout is defined in afd_ext/control (package doc);
-// the offsets below mirror it, and tests/test_control_plane.py checks that both
-// sides read each other's slots.
+// that a waiting FFN rank polls without holding the GIL), the shared-memory
+// ring's single-slot publish and take, the tcp channel's one-frame send and
+// read, the binary payload's encode from an AFDControlPayload's slots and the
+// payload built from the bytes (no interpreter between the wire and the objects
+// the caller hands on). Python calls the _C.ctrl_* functions (CPython functions,
+// registered in bindings.cpp) one bounded slice at a time and does its liveness
+// checks between slices. The ring layout is defined in afd_ext/control (package
+// doc); the offsets below mirror it, and tests/test_control_plane.py checks that
+// both sides read each other's slots.
 #include <Python.h>
 #include <structmember.h>
 #include <poll.h>
@@ -78,19 +79,34 @@ inline uint32_t slot_crc(uint64_t seq, uint64_t total, uint32_t frag, uint32_t s
   return crc32_update(crc32_update(0, fields, sizeof fields), payload, frag);
 }
 
-// Spin until the shared 8-byte word at `word` equals `want` (acquire load) or
-// `max_ns` nanoseconds passed. Returns 1 when it matched, 0 on timeout.
-int spin_u64(const uint64_t* word, uint64_t want, int64_t max_ns) {
+// Spin until the shared 8-byte word at `word` equals `want` (acquire load), `max_ns`
+// nanoseconds passed, or `*open_` became zero (the channel is being closed: its memory is
+// about to go). Returns 1 when it matched, 0 on timeout, -1 when closing.
+template <typename T>
+int spin_u64(const uint64_t* word, uint64_t want, int64_t max_ns, T* const* open_) {
   if (__atomic_load_n(word, __ATOMIC_ACQUIRE) == want) return 1;
   const int64_t end = now_ns() + (max_ns > 0 ? max_ns : 0);
   for (;;) {
     for (int i = 0; i < kPollsPerClockRead; ++i) {
       if (__atomic_load_n(word, __ATOMIC_ACQUIRE) == want) return 1;
+      if (__atomic_load_n(open_, __ATOMIC_RELAXED) == nullptr) return -1;
       cpu_relax();
     }
     if (now_ns() >= end) return __atomic_load_n(word, __ATOMIC_ACQUIRE) == want ? 1 : 0;
   }
 }
+
+// A native call in flight on a channel end: close() (another thread) clears the end's
+// open marker, then waits until none is in flight before it unmaps or closes anything. The
+// count is raised before the marker is read (both sequentially consistent, as close() does
+// the reverse behind a full fence), so a call either sees the marker cleared or is waited for.
+struct InFlight {
+  uint32_t* n;
+  explicit InFlight(uint32_t* count) : n(count) { __atomic_add_fetch(n, 1, __ATOMIC_SEQ_CST); }
+  ~InFlight() { __atomic_sub_fetch(n, 1, __ATOMIC_SEQ_CST); }
+  InFlight(const InFlight&) = delete;
+  InFlight& operator=(const InFlight&) = delete;
+};
 
 }  // namespace
 
@@ -118,6 +134,8 @@ struct afd_ctrl_ring {
   uint8_t bell_addr[112];  // sender: the receiver doorbell's sockaddr_un (abstract name)
   int64_t t_mark;          // with stamps: sender, when the native send was entered; receiver,
                            // when the GIL was back after a take (before the payload is built)
+  uint32_t busy;           // native calls in flight on this end (InFlight; close() waits for 0)
+  uint32_t pad_;
 };
 
 // Wake a receiver blocked on the doorbell (a datagram; a full queue means one is pending).
@@ -132,28 +150,14 @@ inline uint8_t* slot_of(const afd_ctrl_ring* r, uint64_t k) {
   return reinterpret_cast<uint8_t*>(r->hdr) + 256 + (k % r->nslots) * r->stride;
 }
 
-// Spin until `fd` is readable (or hung up / in error) or `max_ns` passed.
-// Returns 1 when readable, 0 on timeout, -errno when poll() failed.
-__attribute__((visibility("default"))) int afd_ctrl_spin_fd(int fd, int max_ns) {
-  pollfd p{fd, POLLIN, 0};
-  const int64_t end = now_ns() + (max_ns > 0 ? max_ns : 0);
-  for (;;) {
-    p.revents = 0;
-    const int r = ::poll(&p, 1, 0);
-    if (r > 0) return 1;
-    if (r < 0 && errno != EINTR) return -errno;
-    if (now_ns() >= end) return 0;
-    cpu_relax();
-  }
-}
-
 // Sender: publish a message of `n` <= slot_bytes bytes as message number r->k
 // (the seqlock protocol of the package doc), stamp the heartbeat, advance r->k,
 // and ring the doorbell when the receiver is blocked on it.
 // Returns 0 when sent, -1 when the ring is full (nothing written; the caller
 // waits for space), -2 when closed or too long (nothing written).
 __attribute__((visibility("default"))) int afd_ctrl_shm_publish(afd_ctrl_ring* r, const uint8_t* data, int n) {
-  uint64_t* hdr = r->hdr;
+  InFlight in_flight(&r->busy);
+  uint64_t* hdr = __atomic_load_n(&r->hdr, __ATOMIC_SEQ_CST);
   const uint64_t k = r->k;
   if (hdr == nullptr || n < 0 || static_cast<uint64_t>(n) > r->slot_bytes) return -2;
   if (k - __atomic_load_n(&hdr[kReadCountWord], __ATOMIC_ACQUIRE) >= r->nslots) return -1;
@@ -191,7 +195,8 @@ __attribute__((visibility("default"))) int afd_ctrl_shm_publish(afd_ctrl_ring* r
 // of a larger message, another sender: the caller reads it the slow way, which
 // names the problem; r->k is unchanged).
 __attribute__((visibility("default"))) int64_t afd_ctrl_shm_take(afd_ctrl_ring* r, int max_ns) {
-  uint64_t* hdr = r->hdr;
+  InFlight in_flight(&r->busy);
+  uint64_t* hdr = __atomic_load_n(&r->hdr, __ATOMIC_SEQ_CST);
   if (hdr == nullptr) return -2;
   const uint64_t k = r->k;
   const uint8_t* slot = slot_of(r, k);
@@ -199,7 +204,8 @@ __attribute__((visibility("default"))) int64_t afd_ctrl_shm_take(afd_ctrl_ring* 
   const uint64_t slot_bytes = r->slot_bytes < r->max_msg ? r->slot_bytes : r->max_msg;
   const auto* seq = reinterpret_cast<const uint64_t*>(slot);
   const uint64_t want = 2 * k + 2;
-  if (!spin_u64(seq, want, max_ns)) return -1;
+  const int got = spin_u64(seq, want, max_ns, &r->hdr);
+  if (got <= 0) return got == 0 ? -1 : -2;
   const int64_t seen = now_ns();
   for (int attempt = 0; attempt < 64; ++attempt) {
     uint64_t total;
@@ -650,7 +656,7 @@ struct afd_ctrl_tcp {
   int32_t fd;              // the connected socket (non-blocking); -1: closed
   uint32_t local_rank;     // sender: the sender field it writes
   uint32_t expect_sender;  // receiver: the sender's world rank (another: the bytes go to Python)
-  uint32_t pad_;
+  uint32_t busy;           // native calls in flight on this end (InFlight; close() waits for 0)
   uint64_t max_msg;        // the largest message body either end handles natively
   uint8_t* buf;            // receiver: read buffer of cap bytes
   uint64_t cap;
@@ -665,6 +671,25 @@ constexpr uint32_t kTcpMagic = 0xAFDC7C01u;
 constexpr uint32_t kTcpData = 2;
 constexpr uint32_t kTcpHeartbeat = 3;
 constexpr size_t kTcpHdr = 20;
+
+constexpr int kClosed = -(1 << 30);  // tcp_wait_readable: the end is being closed
+
+// Poll the end's socket until it is readable (or hung up / in error), `max_ns` passed, or the end
+// is being closed (fd -1). Returns 1 readable, 0 timeout, kClosed, or -errno when poll() failed.
+// The caller holds an InFlight on it.
+int tcp_wait_readable(const afd_ctrl_tcp* t, long max_ns) {
+  const int64_t end = now_ns() + (max_ns > 0 ? max_ns : 0);
+  for (;;) {
+    const int fd = __atomic_load_n(&t->fd, __ATOMIC_SEQ_CST);
+    if (fd < 0) return kClosed;
+    pollfd p{fd, POLLIN, 0};
+    const int r = ::poll(&p, 1, 0);
+    if (r > 0) return 1;
+    if (r < 0 && errno != EINTR) return -errno;
+    if (now_ns() >= end) return 0;
+    cpu_relax();
+  }
+}
 
 void put_tcp_header(uint8_t* at, uint32_t sender, uint64_t len) {
   const uint32_t magic = kTcpMagic, type = kTcpData;
@@ -688,7 +713,10 @@ PyObject* afd_ctrl_tcp_send_payload_py(PyObject*, PyObject* const* args, Py_ssiz
   }
   auto* t = static_cast<afd_ctrl_tcp*>(PyLong_AsVoidPtr(args[0]));
   if (PyErr_Occurred()) return nullptr;
-  if (t == nullptr || t->fd < 0) return PyLong_FromLong(-2);
+  if (t == nullptr) return PyLong_FromLong(-2);
+  InFlight in_flight(&t->busy);
+  const int fd = __atomic_load_n(&t->fd, __ATOMIC_SEQ_CST);
+  if (fd < 0) return PyLong_FromLong(-2);
   uint8_t buf[kTcpHdr + kMaxNativeBytes];
   const uint64_t cap = t->max_msg < kMaxNativeBytes ? t->max_msg : kMaxNativeBytes;
   const int64_t n = encode_payload(args[1], buf + kTcpHdr, cap);
@@ -697,7 +725,7 @@ PyObject* afd_ctrl_tcp_send_payload_py(PyObject*, PyObject* const* args, Py_ssiz
   const size_t len = kTcpHdr + static_cast<size_t>(n);
   ssize_t sent;
   do {
-    sent = ::send(t->fd, buf, len, MSG_DONTWAIT | MSG_NOSIGNAL);
+    sent = ::send(fd, buf, len, MSG_DONTWAIT | MSG_NOSIGNAL);
   } while (sent < 0 && errno == EINTR);
   if (sent <= 0) return PyLong_FromLong(-2);
   if (static_cast<size_t>(sent) == len) return PyLong_FromLong(0);
@@ -705,8 +733,8 @@ PyObject* afd_ctrl_tcp_send_payload_py(PyObject*, PyObject* const* args, Py_ssiz
 }
 
 // _C.ctrl_tcp_take(state_address, max_ns, max_stages, max_ranks): poll the socket up to max_ns with
-// the GIL released, then read what is there (one recv). Returns -1 when nothing was readable in
-// time; the AFDControlPayload when what was read is exactly one whole data frame from the expected
+// the GIL released, then read what is there (one recv). Returns -2 when closed, -1 when nothing was
+// readable in time; the AFDControlPayload when what was read is exactly one whole data frame from the expected
 // sender that parses (max_stages >= 0), after any heartbeat frames; else the bytes read (b"": the
 // peer closed; the caller's Python path frames them). Raises OSError when the read failed.
 PyObject* afd_ctrl_tcp_take_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
@@ -716,19 +744,22 @@ PyObject* afd_ctrl_tcp_take_py(PyObject*, PyObject* const* args, Py_ssize_t narg
                  &max_stages, &max_ranks))
     return nullptr;
   auto* t = static_cast<afd_ctrl_tcp*>(p);
-  if (t->fd < 0) return PyLong_FromLong(-1);
   int ready;
   ssize_t n = -1;
   int err = 0;
-  Py_BEGIN_ALLOW_THREADS ready = afd_ctrl_spin_fd(t->fd, static_cast<int>(max_ns));
-  if (ready > 0) {
-    t->t_ns = now_ns();
-    do {
-      n = ::recv(t->fd, t->buf, t->cap, MSG_DONTWAIT);
-    } while (n < 0 && errno == EINTR);
-    err = n < 0 ? errno : 0;
+  Py_BEGIN_ALLOW_THREADS {
+    InFlight in_flight(&t->busy);
+    ready = tcp_wait_readable(t, max_ns);
+    if (ready > 0) {
+      t->t_ns = now_ns();
+      do {
+        n = ::recv(t->fd, t->buf, t->cap, MSG_DONTWAIT);
+      } while (n < 0 && errno == EINTR);
+      err = n < 0 ? errno : 0;
+    }
   }
-  Py_END_ALLOW_THREADS if (ready < 0) {
+  Py_END_ALLOW_THREADS if (ready == kClosed) return PyLong_FromLong(-2);
+  if (ready < 0) {
     errno = -ready;
     return PyErr_SetFromErrno(PyExc_OSError);
   }
