@@ -143,7 +143,7 @@ register("AFD_CONTROL_IDLE_S", 10.0,
          "(native code, GIL released: one core per FFN rank while serving) before it blocks and "
          "wakes ~100 us slower; 0 always blocks (machines with fewer cores than ranks)",
          _non_negative_float)
-register("AFD_CONTROL_WARM_S", 0.0001,
+register("AFD_CONTROL_WARM_S", 0.0005,
          "control plane: while a waiting FFN rank polls, every this many seconds it takes and builds a "
          "private copy of the last payload (1-3 us holding the GIL), so that a payload after a long gap "
          "finds the receive path in cache; 0 turns it off", _non_negative_float)

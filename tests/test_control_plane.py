@@ -744,7 +744,7 @@ def test_warm_receiver_rehearses_on_private_memory_and_still_takes_the_real_payl
 
 
 def test_warm_period_comes_from_the_environment(monkeypatch):
-    assert cp.ChannelOptions().warm_s == 0.0001
+    assert cp.ChannelOptions().warm_s == 0.0005
     monkeypatch.setenv("AFD_CONTROL_WARM_S", "0")
     assert cp.ChannelOptions.from_env().warm_s == 0.0
     assert cp.ChannelOptions.from_env(warm_s=0.002).warm_s == 0.002

@@ -77,7 +77,7 @@ CRC) and builds the :class:`~afd_ext.metadata.AFDControlPayload` itself, as
 the Python decoder would, before Python sees it (tcp: a read holding exactly
 one data frame, after any heartbeat frames; anything else is framed in
 Python). While polling, the receiver rehearses that path on a private copy of
-the last payload every ``warm_s`` (0.1 ms) so that it stays in cache. A tcp
+the last payload every ``warm_s`` (0.5 ms) so that it stays in cache. A tcp
 receiver keeps delayed ACKs (``TCP_QUICKACK`` off before each wait) so that
 its read does not send an ACK on the critical path. This
 costs one core per FFN rank while serving, which a serving FFN process owns

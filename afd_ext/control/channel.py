@@ -34,7 +34,7 @@ DEFAULT_HEARTBEAT_TIMEOUT_S = 30.0
 #: How long after the last payload a waiting receiver keeps polling before it blocks, in seconds.
 DEFAULT_IDLE_S = 10.0
 #: How often a polling shm receiver rehearses its receive path, in seconds (0: never).
-DEFAULT_WARM_S = 0.0001
+DEFAULT_WARM_S = 0.0005
 #: Payload bytes per shared-memory slot; larger messages span several slots.
 DEFAULT_SLOT_BYTES = 16384
 #: Slots per shared-memory ring.
@@ -92,7 +92,7 @@ class ChannelOptions:
             a private copy of the last payload (shm: the native take and build on
             a ring of its own; tcp: the native build; 1-3 µs holding the GIL), so
             that a payload after a long gap finds that path in cache; 0: off.
-            Default 0.1 ms (``AFD_CONTROL_WARM_S``; docs/configuration.md,
+            Default 0.5 ms (``AFD_CONTROL_WARM_S``; docs/configuration.md,
             "Control-plane cost per step", has the measurements).
     """
 

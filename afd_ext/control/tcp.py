@@ -318,8 +318,7 @@ class TcpControlChannel(ControlChannel):
     def _rehearse(self) -> bool:
         """warm_s: the last payload built again as the native read builds it, so that a payload after
         a long gap finds that path in cache. Returns whether the copy was built. (No peek at the
-        socket: a read takes the socket's lock, and a segment arriving meanwhile waits on it; every
-        0.1 ms that made the sender's step slower on the H200 host, docs/gpu-test-results.md run 23.)"""
+        socket: a read takes the socket's lock, which a segment arriving meanwhile would wait for.)"""
         if self._practice is None or self._native is None:
             return False
         ms, mr = self._limits
