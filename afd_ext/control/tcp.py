@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import select
 import socket
 import struct
 import threading
 import time
-from typing import Any
+from typing import Any, Iterator
 
 from afd_ext import rendezvous as rdzv
 from afd_ext.errors import AFDPeerError, ControlChannelClosed, ControlProtocolError, PeerDeadError
@@ -194,8 +195,14 @@ class TcpControlChannel(ControlChannel):
     def send(self, data: bytes) -> None:
         self._require(True, "send")
         self._check_len(len(data))
-        try:
+        with self._send_errors():
             self._send_frame(_T_DATA, data)
+
+    @contextlib.contextmanager
+    def _send_errors(self) -> Iterator[None]:
+        """A blocked or broken send is the receiver's loss, named (PeerDeadError)."""
+        try:
+            yield
         except socket.timeout:
             raise PeerDeadError(
                 self.peer, _OP_SEND,
@@ -217,15 +224,8 @@ class TcpControlChannel(ControlChannel):
         with self._lock:
             r = self._native.tcp_send_payload(self._state_addr, payload)
             if type(r) is bytes:  # a partly sent frame: its tail goes before anything else
-                try:
+                with self._send_errors():
                     self._sock.sendall(r)
-                except socket.timeout:
-                    raise PeerDeadError(
-                        self.peer, _OP_SEND,
-                        f"it read nothing for {self.options.heartbeat_timeout_s:g} s (TCP send buffer full)",
-                    ) from None
-                except OSError as e:
-                    raise PeerDeadError(self.peer, _OP_SEND, f"connection lost ({e})") from None
                 return 0
         return r
 
