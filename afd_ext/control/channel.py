@@ -168,7 +168,7 @@ class RingState(ctypes.Structure):
         ("out", ctypes.c_void_p),
         ("k", ctypes.c_uint64),
         ("local_rank", ctypes.c_uint32),
-        ("got_sender", ctypes.c_uint32),
+        ("pad0_", ctypes.c_uint32),
         # CLOCK_MONOTONIC ns: sender, when the last publish began; receiver, when the poll saw
         # the last message taken (afd_ext.bench.control reports the phases from it)
         ("t_ns", ctypes.c_int64),

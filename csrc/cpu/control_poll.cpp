@@ -123,7 +123,7 @@ struct afd_ctrl_ring {
   uint8_t* out;         // receiver: copy buffer of slot_bytes
   uint64_t k;           // the next message number (sent or taken); advanced on success (the one count)
   uint32_t local_rank;  // sender: the sender field it writes
-  uint32_t got_sender;  // receiver: the sender field of the last message taken
+  uint32_t pad0_;
   int64_t t_ns;         // CLOCK_MONOTONIC ns: sender, when the last publish began;
                         // receiver, when the poll saw the last message taken (the bench's phases)
   uint32_t expect_sender;  // receiver: the sender's world rank (another: -2, the Python path names it)
@@ -188,8 +188,8 @@ __attribute__((visibility("default"))) int afd_ctrl_shm_publish(afd_ctrl_ring* r
 
 // Receiver: wait up to `max_ns` for message number r->k, then copy a
 // single-slot message into r->out, check it (seq unchanged, CRC), mark it
-// consumed (read_count = k + 1) and advance r->k; r->got_sender gets its
-// sender field. Returns its length; -1 when nothing was published in time; -2
+// consumed (read_count = k + 1) and advance r->k. Returns its length; -1 when
+// nothing was published in time; -2
 // when closed, or the slot is published but not a whole consistent single-slot
 // message from the expected sender within max_msg (torn, corrupt, one fragment
 // of a larger message, another sender: the caller reads it the slow way, which
@@ -218,7 +218,6 @@ __attribute__((visibility("default"))) int64_t afd_ctrl_shm_take(afd_ctrl_ring* 
     std::memcpy(out, slot + kSlotHeader, frag);
     __atomic_thread_fence(__ATOMIC_ACQUIRE);
     if (__atomic_load_n(seq, __ATOMIC_RELAXED) == want && slot_crc(want, total, frag, snd, out) == crc) {
-      r->got_sender = snd;
       r->t_ns = seen;
       r->k = k + 1;
       __atomic_store_n(&hdr[kReadCountWord], k + 1, __ATOMIC_RELEASE);
