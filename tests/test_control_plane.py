@@ -1080,6 +1080,11 @@ def test_tcp_native_send_and_take_build_the_payload_past_heartbeats_and_a_partia
         finally:
             tx._native = real
         assert rx.recv_payload(1.0, "recv_dp_metadata_list", *lim) == _plain_payload(6, 8)
+        # Without the compiled core's functions the checked Python path sends it.
+        tx._native = None
+        tx.send_payload(_plain_payload(7, 8))
+        tx._native = real
+        assert rx.recv_payload(1.0, "recv_dp_metadata_list", *lim) == _plain_payload(7, 8)
         # A closed end declines (nothing is sent, nothing is touched); the checked path names it.
         tx.close()
         assert fast(p) == -2

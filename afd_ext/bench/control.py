@@ -278,7 +278,7 @@ def _measure_worker(rank: int, nprocs: int, host: str, port: int, kind: str, sch
     plane = cpl.AFDControlPlane(lambda p: None, topo, role, 0)
     plane.open(store, kind, 60.0, options=opts)
     ch = next(iter(plane.channels.values()))
-    state = getattr(ch, "_state", None) if ch.kind == "shm" else None  # the native stamps (RingState)
+    state = ch._state if ch.kind == "shm" else None  # the native stamps (RingState)
     if state is not None:
         state.stamps = 1  # also t_mark: native send entered / GIL back after the take
     out = []

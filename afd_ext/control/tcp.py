@@ -219,7 +219,7 @@ class TcpControlChannel(ControlChannel):
     def _send_native(self, payload: Any) -> int:
         """One native call sends ``payload`` as one frame (under the lock: heartbeat frames);
         0 when sent, else nothing was sent (the caller's :meth:`send_payload` checks and sends)."""
-        if self._closed:
+        if self._closed or self._native is None:
             return -2
         with self._lock:
             r = self._native.tcp_send_payload(self._state_addr, payload)
