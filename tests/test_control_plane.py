@@ -705,39 +705,42 @@ def test_control_table_has_each_gap_channel_and_the_reference():
     assert f"{shm['p50_us']:.1f} / {shm['p99_us']:.1f}" in text
 
 
-def test_warm_receiver_rehearses_on_private_memory_and_still_takes_the_real_payload():
+@pytest.mark.parametrize("kind", ["shm", "tcp"])
+def test_a_warm_receiver_rehearses_the_last_payload_natively_and_still_takes_the_real_one(kind):
     from afd_ext import metadata as md
 
     assert cshm._native() is not None, "the compiled core lacks the native poll (rebuild afd_ext)"
     with pytest.raises(ValueError, match="warm_s"):
         cp.ChannelOptions(warm_s=-1.0)
-    rx, tx = _ring(warm_s=0.001, heartbeat_timeout_s=60.0)
-    first = md.control_payload_parts(_payload(0, 8))
-    second = md.control_payload_parts(_payload(1, 8))
-    assert first != second
-    rehearsals = []
-    orig = rx._rehearse
-
-    def counted():
-        rehearsals.append(orig())
-
-    rx._rehearse = counted
+    opts = {"warm_s": 0.001, "idle_s": 30.0, "heartbeat_timeout_s": 60.0}
+    rx, tx = _ring(**opts) if kind == "shm" else _tcp_pair(**opts)
+    lim = (md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS, 1 << 20)
+    warm = rx._state.warm
+    assert warm.warm_ns == 1_000_000 and tx._state.warm.warm_ns == 0  # the receiving end only
     out: list = []
     try:
-        tx.send_parts(first)
-        assert md.control_payload_parts(rx.recv_payload(1.0, "recv", md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS, 1 << 20)) \
-            == first
-        assert rx._practice is not None
-        t = threading.Thread(target=lambda: out.append(md.control_payload_parts(
-            rx.recv_payload(30.0, "recv", md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS, 1 << 20))))
+        with pytest.raises(cp.ControlRecvTimeout):  # nothing taken yet: nothing to rehearse
+            rx.recv_payload(0.05, "recv", *lim)
+        assert warm.rehearsals == 0 and warm.last_len == 0
+        tx.send_payload(_plain_payload(0, 8))
+        assert rx.recv_payload(1.0, "recv", *lim) == _plain_payload(0, 8)
+        assert warm.last_len == len(md.encode_control_binary(_plain_payload(0, 8)))
+        t = threading.Thread(target=lambda: out.append(rx.recv_payload(30.0, "recv", *lim)))
         t.start()
         time.sleep(0.2)
-        assert len(rehearsals) >= 5 and all(rehearsals)  # parsed and built, about one per warm_s
-        assert rx._hdr[cshm._W_READ_COUNT] == 1  # the practice take touched no real slot
-        tx.send_parts(second)
+        assert warm.rehearsals >= 5  # about one per warm_s while it waits
+        if kind == "shm":
+            assert rx._hdr[cshm._W_READ_COUNT] == 1  # a rehearsal consumes nothing
+        tx.send_payload(_plain_payload(1, 8))
         t.join(5)
-        assert out == [second]
-        assert rx._hdr[cshm._W_READ_COUNT] == 2
+        assert out == [_plain_payload(1, 8)]
+        done = warm.rehearsals
+        tx.send(b"not a control payload")  # raw bytes: kept by nobody, not rehearsed
+        assert rx.recv(1.0) == b"not a control payload"
+        assert warm.last_len == 0
+        with pytest.raises(cp.ControlRecvTimeout):
+            rx.recv(0.05)  # a raw wait (max_stages -1) rehearses nothing
+        assert warm.rehearsals == done
     finally:
         tx.close()
         rx.close()
@@ -776,50 +779,6 @@ def test_rehearsing_receiver_leaves_the_gil_to_other_threads():
         assert out == [parts]
     finally:
         sys.setswitchinterval(old)
-        tx.close()
-        rx.close()
-
-
-def test_warm_tcp_receiver_rehearses_and_still_reads_the_real_payload():
-    import socket
-
-    from afd_ext import metadata as md
-
-    ls = socket.create_server(("127.0.0.1", 0))
-    a = socket.create_connection(ls.getsockname())
-    b, _ = ls.accept()
-    ls.close()
-    opts = cp.ChannelOptions(**{**FAST, "warm_s": 0.001, "idle_s": 30.0, "heartbeat_timeout_s": 60.0})
-    rx = cp.TcpControlChannel(b, is_sender=False, local_rank=0, peer_rank=1, peer="attention rank 0",
-                              options=opts, abort_check=None)
-    tx = cp.TcpControlChannel(a, is_sender=True, local_rank=1, peer_rank=0, peer="FFN rank 0",
-                              options=opts, abort_check=None)
-    first = md.encode_control_binary(_payload(0, 8))
-    second = md.encode_control_binary(_payload(1, 8))
-    rehearsals = []
-    orig = rx._rehearse
-
-    def counted():
-        rehearsals.append(orig())
-        return rehearsals[-1]
-
-    rx._rehearse = counted
-    out: list = []
-    try:
-        tx.send(first)
-        assert md.encode_control_binary(rx.recv_payload(1.0, "recv", md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS, 1 << 20)) \
-            == first and rx._practice == first
-        t = threading.Thread(target=lambda: out.append(md.encode_control_binary(
-            rx.recv_payload(30.0, "recv", md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS, 1 << 20))))
-        t.start()
-        time.sleep(0.2)
-        assert len(rehearsals) >= 5 and all(rehearsals)  # built, about one per warm_s
-        tx.send(second)
-        t.join(5)
-        assert out == [second]
-        tx.send(b"not a control payload")
-        assert rx.recv(1.0) == b"not a control payload"
-    finally:
         tx.close()
         rx.close()
 
@@ -1191,3 +1150,71 @@ def test_a_receiver_closed_by_another_thread_while_it_waits_gets_a_named_error_a
     assert isinstance(out.get("e"), AFDStateError) and "closed" in str(out["e"]), out
     assert time.monotonic() - t0 < 2.0, out
     tx.close()
+
+
+def test_the_ffn_planes_first_wait_slice_returns_a_payload_straight_from_the_native_take(monkeypatch):
+    from afd_ext.control import channel as cch
+
+    rx, tx = _ring(idle_s=30.0, heartbeat_timeout_s=60.0)
+    ffn = cp.AFDControlPlane(lambda p: None, Topology(1, 1), "ffn", 0, channels={0: rx}, recv_timeout_s=5.0)
+    att = cp.AFDControlPlane(lambda p: None, Topology(1, 1), "attention", 0, channels={0: tx})
+    checked = []
+    orig = rx.recv_payload
+    rx.recv_payload = lambda *a: checked.append(a[0]) or orig(*a)  # the channel's checked path
+    try:
+        assert ffn._fast_take is not None and ffn._fast_take.channel is rx
+
+        def later(step, after):
+            time.sleep(after)
+            att.send_dp_metadata_list(_plain_payload(step, 4))
+
+        threading.Thread(target=later, args=(0, 0.02)).start()
+        assert ffn.recv_dp_metadata_list() == _plain_payload(0, 4) and checked == []  # within the slice
+        monkeypatch.setattr(cch, "_FIRST_SLICE_S", 0.02)
+        threading.Thread(target=later, args=(1, 0.2)).start()
+        assert ffn.recv_dp_metadata_list() == _plain_payload(1, 4)  # after the slice: the checked path
+        assert checked == [5.0]  # the step's timeout, counted from the start of the wait
+    finally:
+        att.close()
+        ffn.close()
+    assert ffn._fast_take is None
+
+
+def test_the_first_wait_slice_is_skipped_once_idle_and_counts_against_the_step_timeout():
+    rx, tx = _ring(idle_s=0.05, heartbeat_timeout_s=60.0)
+    ffn = cp.AFDControlPlane(lambda p: None, Topology(1, 1), "ffn", 0, channels={0: rx}, recv_timeout_s=0.3)
+    fast, calls = ffn._fast_take, []
+
+    def counted(*a):
+        calls.append(a[0])
+        return fast(*a)
+
+    counted.channel = rx
+    ffn._fast_take = counted
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(cp.ControlRecvTimeout, match="0.3 s"):
+            ffn.recv_dp_metadata_list()
+        assert 0.29 < time.monotonic() - t0 < 0.5  # not the slice plus the timeout
+        assert len(calls) == 1 and calls[0] <= 0.05e9  # polled only until idle_s after the last payload
+        time.sleep(0.06)
+        with pytest.raises(cp.ControlRecvTimeout):
+            ffn.recv_dp_metadata_list()
+        assert len(calls) == 1  # idle: no native slice, the checked path blocks
+        tx.send_payload(_plain_payload(0, 4))
+        assert ffn.recv_dp_metadata_list() == _plain_payload(0, 4)
+    finally:
+        tx.close()
+        ffn.close()
+
+
+def test_a_tcp_source_has_no_first_wait_slice():
+    rx, tx = _tcp_pair()
+    ffn = cp.AFDControlPlane(lambda p: None, Topology(1, 1), "ffn", 0, channels={0: rx})
+    try:
+        assert rx.fast_take(1 << 20) is None and ffn._fast_take is None
+        tx.send_payload(_plain_payload(0, 4))
+        assert ffn.recv_dp_metadata_list() == _plain_payload(0, 4)
+    finally:
+        tx.close()
+        ffn.close()

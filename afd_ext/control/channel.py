@@ -48,6 +48,9 @@ CHANNEL_KINDS = ("auto", "shm", "tcp")
 # store's abort key (a store round trip), in seconds.
 _LIVENESS_EVERY_S = 0.05
 _ABORT_EVERY_S = 0.1
+# The plane's first native wait slice for a payload (ControlChannel.fast_take); the checks above
+# start after it, so a dead peer or an abort is noticed at most this much later.
+_FIRST_SLICE_S = 0.1
 _MAX_SLEEP_S = 0.001
 _STORE_LOSS_GRACE_S = 1.0
 _MIN_SLEEP_S = 20e-6
@@ -88,10 +91,10 @@ class ChannelOptions:
         slot_bytes: shm payload bytes per slot (>= 64).
         nslots: shm ring slots (>= 2).
         max_message_bytes: largest message accepted by a receiver.
-        warm_s: receiver, while polling: every ``warm_s`` it takes and builds
-            a private copy of the last payload (shm: the native take and build on
-            a ring of its own; tcp: the native build; 1-3 µs holding the GIL), so
-            that a payload after a long gap finds that path in cache; 0: off.
+        warm_s: receiver, while polling: every ``warm_s`` the native wait
+            checks and builds the last payload it took again and drops it (shm:
+            its CRC and build; tcp: its build; 1-3 µs holding the GIL), so that
+            a payload after a long gap finds that path in cache; 0: off.
             Default 0.5 ms (``AFD_CONTROL_WARM_S``; docs/configuration.md,
             "Control-plane cost per step", has the measurements).
     """
@@ -154,6 +157,20 @@ def _proc_start_time(pid: int) -> int | None:
         return None
 
 
+class WarmState(ctypes.Structure):
+    """A waiting receiver's rehearsal as the native code sees it (``struct afd_ctrl_warm``): between
+    slices of its wait the native take builds the last message it took again and drops it, every
+    ``warm_ns`` (``ChannelOptions.warm_s``; 0: never), so that a payload after a long gap finds the
+    path in cache. ``last``/``last_len`` (the message kept in the end's buffer) are the take's."""
+
+    _fields_ = [
+        ("warm_ns", ctypes.c_int64),
+        ("last", ctypes.c_void_p),
+        ("last_len", ctypes.c_uint64),  # 0: nothing kept
+        ("rehearsals", ctypes.c_uint64),  # rehearsals done
+    ]
+
+
 class RingState(ctypes.Structure):
     """One end of one shared-memory ring as the native code sees it (``struct afd_ctrl_ring``).
 
@@ -182,6 +199,7 @@ class RingState(ctypes.Structure):
         ("t_mark", ctypes.c_int64),
         ("busy", ctypes.c_uint32),  # native calls in flight on this end (close() waits for 0)
         ("pad_", ctypes.c_uint32),
+        ("warm", WarmState),  # receiver: the rehearsal
     ]
 
 
@@ -330,11 +348,14 @@ class ControlChannel(abc.ABC):
         self.send_parts(control_payload_parts(payload))
 
     def recv_payload(self, timeout_s: float | None, op: str, max_stages: int, max_ranks: int,
-                     max_bytes: int) -> Any:
+                     max_bytes: int, started: float | None = None) -> Any:
         """Receive the next message as :meth:`recv`; a channel with a native decoder returns an
         encoded control payload of at most ``max_bytes`` already built, as an
         :class:`~afd_ext.metadata.AFDControlPayload` (bounded by ``max_stages`` / ``max_ranks``),
-        and anything else as bytes (the caller decodes and bounds them). Raises as :meth:`recv`."""
+        and anything else as bytes (the caller decodes and bounds them). ``timeout_s`` counts
+        from ``started`` (``time.monotonic()``; default: now). Raises as :meth:`recv`."""
+        if timeout_s is not None and started is not None:
+            timeout_s = max(0.0, timeout_s - (time.monotonic() - started))
         return self.recv(timeout_s, op)
 
     def _set_limits(self, max_stages: int, max_ranks: int, max_bytes: int) -> None:
@@ -343,6 +364,26 @@ class ControlChannel(abc.ABC):
         cap = min(self.options.max_message_bytes, max_bytes)
         if self._state is not None and cap != self._state_cap:
             self._state.max_msg = self._state_cap = cap
+
+    def fast_take(self, max_bytes: int) -> Callable[..., Any] | None:
+        """Receiver: the first slice of a payload's wait as one native call, for the per-step path.
+
+        ``fast(max_ns, max_stages, max_ranks)`` waits up to ``max_ns`` (GIL released, rehearsing)
+        and returns the payload built (as :meth:`recv_payload` with these bounds and ``max_bytes``
+        does), or an int when it did not take one: then :meth:`recv_payload` waits on, checks and
+        names errors. ``fast.channel.first_slice_ns(timeout_s)`` is how long to wait in it: 0 when
+        this end has gone idle (``idle_s``), at most ``timeout_s`` and :data:`_FIRST_SLICE_S` (the
+        liveness and abort checks start after it). None: no such path (no native core, or tcp,
+        whose reads may hold heartbeat frames for the channel's framing)."""
+        return None
+
+    def first_slice_ns(self, timeout_s: float | None) -> int:
+        """See :meth:`fast_take`: ns to wait in its slice from now, 0 when idle."""
+        now = time.monotonic()
+        left = min(max(self._last_msg, self._state.t_ns * 1e-9) + self.options.idle_s - now, _FIRST_SLICE_S)
+        if timeout_s is not None:
+            left = min(left, timeout_s)
+        return int(left * 1e9) if left > 0 else 0
 
     def fast_send(self) -> Callable[[Any], int] | None:
         """A one-call send for the per-step path: ``fast(payload)`` returns 0 when it sent the

@@ -223,15 +223,6 @@ class RingMemory:
                 )
             time.sleep(_MIN_SLEEP_S)
 
-    def practice_image(self, data: bytes, sender: int) -> bytearray:
-        """A private one-slot ring of this geometry holding ``data`` as message 0, published (for warm_s)."""
-        buf = bytearray(_HDR_BYTES + self.stride)
-        crc = zlib.crc32(data, zlib.crc32(_CRC_FIELDS.pack(2, len(data), len(data), sender)))
-        _SLOT_FIELDS.pack_into(buf, _HDR_BYTES + 8, len(data), len(data), sender, crc)
-        buf[_HDR_BYTES + _SLOT_HDR:_HDR_BYTES + _SLOT_HDR + len(data)] = data
-        struct.pack_into("<Q", buf, _HDR_BYTES, 2)  # message 0, published
-        return buf
-
     def release(self) -> None:
         """Drop this object's views of the mapping (before :meth:`_ShmSegment.close`)."""
         for v in self.seq:

@@ -77,13 +77,13 @@ class ShmControlChannel(ControlChannel):
                                 slot_bytes=self._slot_bytes, out=ctypes.addressof(self._out_anchor), k=0,
                                 local_rank=self.local_rank, expect_sender=self.peer_rank, bell_fd=-1,
                                 max_msg=self.options.max_message_bytes)
+        self._state.warm.warm_ns = 0 if self.is_sender else int(self.options.warm_s * 1e9)
         self._state_ref = ctypes.byref(self._state)
         self._state_addr = ctypes.addressof(self._state)
         self._peer_pid = 0
         self._peer_start = 0
         self._unlinked = False
         self._bell: Doorbell | None = None
-        self._practice: tuple[Any, ...] | None = None  # warm_s: (buffer, anchor, state, address)
 
     # -- construction -----------------------------------------------------------
 
@@ -229,6 +229,16 @@ class ShmControlChannel(ControlChannel):
             r = publish(self._state_addr, *args)
         return r == 0
 
+    def fast_take(self, max_bytes: int) -> Any:
+        if self._native is None or self.is_sender:
+            return None
+        from afd_ext.metadata import DEFAULT_MAX_RANKS, DEFAULT_MAX_STAGES
+
+        self._set_limits(DEFAULT_MAX_STAGES, DEFAULT_MAX_RANKS, max_bytes)  # max_msg, in the state
+        fast = functools.partial(self._native.take, self._state_addr)
+        fast.channel = self  # type: ignore[attr-defined] # the state and its mapping live as long as the call
+        return fast
+
     def fast_send(self) -> Any:
         if self._native is None or self._slot_bytes > self.options.max_message_bytes or not self.is_sender:
             return None
@@ -263,8 +273,9 @@ class ShmControlChannel(ControlChannel):
         r = self._native.take(self._state_addr, 0, *self._limits)
         return None if type(r) is int else r
 
-    def _wait_slot(self, k: int, timeout_s: float | None, op: str) -> Any:
-        """Wait for message ``k``; returns it if the native path took it, else None (published: read it)."""
+    def _wait_slot(self, k: int, timeout_s: float | None, op: str, deadline: float | None = None) -> Any:
+        """Wait for message ``k`` until ``deadline`` (default: ``timeout_s`` from now; monotonic s);
+        returns it if the native path took it, else None (published: read it)."""
         slot = k % self._nslots
         seq = self._seq[slot]
         want = 2 * k + 2
@@ -272,11 +283,10 @@ class ShmControlChannel(ControlChannel):
         if seq[0] == want:
             return None if native is None else self._taken()
         now = time.monotonic()
-        deadline = None if timeout_s is None else now + timeout_s
+        if deadline is None and timeout_s is not None:
+            deadline = now + timeout_s
         next_live = now + _due_in(_LIVENESS_EVERY_S)
         next_abort = now + _due_in(_ABORT_EVERY_S)
-        warm = self.options.warm_s if self._practice is not None else 0.0
-        next_warm = now + warm if warm else float("inf")
         # While the engine is active keep polling (see the module doc), then block. The last
         # payload's time: the native take stamps it (CLOCK_MONOTONIC, as time.monotonic()).
         poll_until = max(self._last_msg, self._state.t_ns * 1e-9) + self.options.idle_s
@@ -290,7 +300,7 @@ class ShmControlChannel(ControlChannel):
         try:
             while True:
                 if now < poll_until:
-                    end = min(poll_until, next_live, next_abort, next_warm)
+                    end = min(poll_until, next_live, next_abort)  # the native take rehearses meanwhile
                     if deadline is not None:
                         end = min(end, deadline)
                     if native is not None:
@@ -322,10 +332,6 @@ class ShmControlChannel(ControlChannel):
                 if seq[0] == want:
                     return None if native is None else self._taken()
                 now = time.monotonic()
-                if now >= next_warm:
-                    self._rehearse()
-                    now = time.monotonic()
-                    next_warm = now + warm
                 if now >= next_live:
                     next_live = now + _due_in(_LIVENESS_EVERY_S)
                     if hdr[_W_SENDER_STATE] == _STATE_CLOSED:
@@ -344,28 +350,6 @@ class ShmControlChannel(ControlChannel):
             if waiting:
                 hdr[_W_WAITING] = 0
 
-    def _set_practice(self, payload: Any) -> None:
-        """warm_s: a private one-slot ring holding ``payload`` encoded, for :meth:`_rehearse`."""
-        from afd_ext.metadata import encode_control_binary
-
-        data = encode_control_binary(payload)
-        if len(data) > self._slot_bytes:
-            return
-        buf = self._mem.practice_image(data, self.peer_rank)
-        anchor = (ctypes.c_char * len(buf)).from_buffer(buf)
-        state = RingState(hdr=ctypes.addressof(anchor), nslots=1, stride=self._mem.stride,
-                          slot_bytes=self._slot_bytes, out=ctypes.addressof(self._out_anchor), k=0,
-                          local_rank=self.local_rank, expect_sender=self.peer_rank, bell_fd=-1,
-                          max_msg=self.options.max_message_bytes)
-        self._practice = (buf, anchor, state, ctypes.addressof(state))
-
-    def _rehearse(self) -> bool:
-        """warm_s: take and build the practice payload (the receive path, native, on private memory).
-        Returns whether it went the whole way (built)."""
-        _, _, state, addr = self._practice  # type: ignore[misc]
-        state.k = 0
-        return type(self._native.take(addr, 0, *self._limits)) is not int and state.k == 1
-
     def _read_slot(self, k: int, expect_total: int | None, op: str,
                    deadline: float | None = None) -> tuple[int, bytes]:
         """Copy slot ``k`` out (:meth:`RingMemory.copy_out`) and check its header and length."""
@@ -380,26 +364,20 @@ class ShmControlChannel(ControlChannel):
         return self._recv(timeout_s, op)
 
     def recv_payload(self, timeout_s: float | None, op: str, max_stages: int, max_ranks: int,
-                     max_bytes: int) -> Any:
+                     max_bytes: int, started: float | None = None) -> Any:
         self._set_limits(max_stages, max_ranks, max_bytes)
-        return self._recv(timeout_s, op)
+        return self._recv(timeout_s, op, started)
 
-    def _recv(self, timeout_s: float | None, op: str) -> Any:
+    def _recv(self, timeout_s: float | None, op: str, started: float | None = None) -> Any:
         self._require(False, "recv")
         k = self._count
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        deadline = None if timeout_s is None else (started or time.monotonic()) + timeout_s
         try:
-            got = self._wait_slot(k, timeout_s, op)
+            got = self._wait_slot(k, timeout_s, op, deadline)
         except ValueError:  # a released view: closed by another thread meanwhile
             self._require(False, op)
             raise
         if got is not None:  # taken by the native path (sender and length checked, count advanced, time stamped)
-            if self._practice is None and type(got) is not bytes and self.options.warm_s and not self._closed:
-                try:
-                    self._set_practice(got)
-                except (TypeError, ValueError):  # closed by another thread meanwhile: nothing to rehearse
-                    if not self._closed:
-                        raise
             return got
         self._require(False, op)  # closed by another thread meanwhile: named, not a torn read
         total, frag = self._read_slot(k, None, op, deadline)
@@ -453,7 +431,6 @@ class ShmControlChannel(ControlChannel):
         if not unmap:
             return
         self._anchor = self._out_anchor = None
-        self._practice = None
         self._mem.release()
         try:
             self._mem.segment.close()

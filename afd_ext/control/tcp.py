@@ -24,6 +24,7 @@ from .channel import (
     _OP_SEND,
     ChannelOptions,
     ControlChannel,
+    WarmState,
     _native,
     logger,
 )
@@ -52,6 +53,7 @@ class TcpState(ctypes.Structure):
         ("buf", ctypes.c_void_p),  # receiver: the read buffer
         ("cap", ctypes.c_uint64),
         ("t_ns", ctypes.c_int64),  # receiver: CLOCK_MONOTONIC ns when the poll saw the socket readable
+        ("warm", WarmState),  # receiver: the rehearsal
     ]
 
 
@@ -89,7 +91,6 @@ class TcpControlChannel(ControlChannel):
         self._token = b""
         self._poller = select.poll()
         self._poller.register(sock, select.POLLIN)
-        self._practice: bytes | None = None  # warm_s: the last payload, decoded again while polling
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         # The native path's view of this end (the anchor pins the read buffer).
         self._native = _native()
@@ -98,6 +99,7 @@ class TcpControlChannel(ControlChannel):
         self._state = TcpState(fd=sock.fileno(), local_rank=self.local_rank, expect_sender=self.peer_rank,
                                max_msg=self.options.max_message_bytes, buf=ctypes.addressof(self._read_anchor),
                                cap=_READ_BYTES)
+        self._state.warm.warm_ns = 0 if self.is_sender else int(self.options.warm_s * 1e9)
         self._state_addr = ctypes.addressof(self._state)
 
     @staticmethod
@@ -234,9 +236,9 @@ class TcpControlChannel(ControlChannel):
             super().send_payload(payload)
 
     def recv_payload(self, timeout_s: float | None, op: str, max_stages: int, max_ranks: int,
-                     max_bytes: int) -> Any:
+                     max_bytes: int, started: float | None = None) -> Any:
         self._set_limits(max_stages, max_ranks, max_bytes)
-        return self._recv(timeout_s, op)
+        return self._recv(timeout_s, op, started)
 
     def _fill(self, need: int, deadline: float | None, op: str) -> Any:
         """Read from the socket until ``need`` bytes are buffered, watching liveness. Returns None,
@@ -251,19 +253,14 @@ class TcpControlChannel(ControlChannel):
         poll_until = self._last_msg + self.options.idle_s
         if native is None:
             poll_until = min(poll_until, now + _FALLBACK_SPIN_S)
-        warm = self.options.warm_s if self._practice is not None else 0.0
-        next_warm = now + warm if warm else float("inf")
         while len(self._rbuf) < need:
             chunk: Any = -1
             if now < poll_until:
                 if native is not None:  # wait natively (GIL released) and read
-                    end = min(poll_until, next_abort, next_warm)
+                    end = min(poll_until, next_abort)  # the native take rehearses meanwhile
                     if deadline is not None:
                         end = min(end, deadline)
                     chunk = self._read_native(min(int((end - now) * 1e9), MAX_NATIVE_WAIT_NS), op)
-                    if chunk == -1 and time.monotonic() >= next_warm:
-                        self._rehearse()
-                        next_warm = time.monotonic() + warm
                 wait_ms = 0
             else:
                 wait_ms = int(1000 * min(_ABORT_EVERY_S, max(0.0, self._last_seen + hb - now) + 0.001))
@@ -279,10 +276,6 @@ class TcpControlChannel(ControlChannel):
                 continue
             if type(chunk) is not int:  # built natively
                 self._last_seen = self._last_msg = time.monotonic()
-                if self._practice is None and self.options.warm_s:
-                    from afd_ext.metadata import encode_control_binary
-
-                    self._practice = encode_control_binary(chunk)
                 return chunk
             now = time.monotonic()
             if now - self._last_seen > hb:
@@ -315,22 +308,13 @@ class TcpControlChannel(ControlChannel):
             self._require(False, op)  # closed here by another thread: not the peer's fault
             raise PeerDeadError(self.peer, op, f"connection lost ({e})") from None
 
-    def _rehearse(self) -> bool:
-        """warm_s: the last payload built again as the native read builds it, so that a payload after
-        a long gap finds that path in cache. Returns whether the copy was built. (No peek at the
-        socket: a read takes the socket's lock, which a segment arriving meanwhile would wait for.)"""
-        if self._practice is None or self._native is None:
-            return False
-        ms, mr = self._limits
-        return self._native.parse(self._practice, ms, mr) is not None
-
     def recv(self, timeout_s: float | None = None, op: str = _OP_RECV) -> bytes:
         self._set_limits(-1, 0, self.options.max_message_bytes)
         return self._recv(timeout_s, op)
 
-    def _recv(self, timeout_s: float | None, op: str) -> Any:
+    def _recv(self, timeout_s: float | None, op: str, started: float | None = None) -> Any:
         self._require(False, "recv")
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        deadline = None if timeout_s is None else (started or time.monotonic()) + timeout_s
         if _QUICKACK is not None and not self._rbuf:
             # Delayed ACKs: otherwise the read that drains a small pushed segment sends the ACK from
             # inside recv() (and, on one host, the sender's side of it too), on the FFN's critical

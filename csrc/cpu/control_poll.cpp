@@ -112,6 +112,16 @@ struct InFlight {
 
 extern "C" {
 
+// A waiting receiver's rehearsal (warm_s): between slices of its native wait it checks and builds
+// the last message it took again, with the GIL, and drops the result, so that a payload after a
+// long gap finds that path's code and data in cache. Filled by Python (`WarmState`).
+struct afd_ctrl_warm {
+  int64_t warm_ns;      // the rehearsal period; 0: none
+  uint8_t* last;        // the last message taken natively (in the end's copy or read buffer)
+  uint64_t last_len;    // its length; 0: none kept (the buffer holds something else)
+  uint64_t rehearsals;  // rehearsals done (tests read it)
+};
+
 // One end of one ring, filled once by Python (afd_ext/control/channel.py, `RingState`).
 // Python passes its address and plain ints. hdr is null once the channel is closed
 // (every call then declines with -2 and the Python path names the state).
@@ -136,6 +146,7 @@ struct afd_ctrl_ring {
                            // when the GIL was back after a take (before the payload is built)
   uint32_t busy;           // native calls in flight on this end (InFlight; close() waits for 0)
   uint32_t pad_;
+  afd_ctrl_warm warm;      // receiver: the rehearsal (last = out)
 };
 
 // Wake a receiver blocked on the doorbell (a datagram; a full queue means one is pending).
@@ -215,12 +226,15 @@ __attribute__((visibility("default"))) int64_t afd_ctrl_shm_take(afd_ctrl_ring* 
     std::memcpy(&snd, slot + 20, 4);
     std::memcpy(&crc, slot + 24, 4);
     if (frag > slot_bytes || total != frag || snd != r->expect_sender) return -2;
+    r->warm.last_len = 0;  // out is overwritten
     std::memcpy(out, slot + kSlotHeader, frag);
     __atomic_thread_fence(__ATOMIC_ACQUIRE);
     if (__atomic_load_n(seq, __ATOMIC_RELAXED) == want && slot_crc(want, total, frag, snd, out) == crc) {
       r->t_ns = seen;
       r->k = k + 1;
       __atomic_store_n(&hdr[kReadCountWord], k + 1, __ATOMIC_RELEASE);
+      r->warm.last = out;
+      r->warm.last_len = frag;
       return static_cast<int64_t>(frag);
     }
     cpu_relax();
@@ -388,6 +402,38 @@ PyObject* taken_message(const uint8_t* out, int64_t n, long max_stages, long max
   return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(out), n);
 }
 
+volatile uint32_t g_rehearsal_sink;  // the rehearsal's CRC goes here, so that it is computed
+
+// One rehearsal (GIL held): the take's CRC (shm) and the payload built from the kept message,
+// dropped. A message that does not build (raw bytes wanted: max_stages < 0) is not rehearsed.
+void rehearse(afd_ctrl_warm* w, bool crc, long max_stages, long max_ranks) {
+  if (crc) g_rehearsal_sink = crc32_update(0, w->last, w->last_len);
+  PyObject* p = build_payload(w->last, static_cast<int64_t>(w->last_len), max_stages, max_ranks);
+  if (p == nullptr)
+    PyErr_Clear();  // out of memory: the real take will say so
+  else
+    Py_DECREF(p);
+  ++w->rehearsals;
+}
+
+// Wait up to max_ns: `slice(ns)` (called with the GIL released) returns -1 while nothing came, and
+// between slices of at most warm_ns the last message is rehearsed with the GIL. Returns the last
+// slice's result. Called and returns with the GIL held.
+template <typename Slice>
+int64_t wait_rehearsing(afd_ctrl_warm* w, bool crc, long max_ns, long max_stages, long max_ranks, Slice slice) {
+  const int64_t end = now_ns() + max_ns;
+  for (;;) {
+    int64_t left = end - now_ns();
+    if (left < 0) left = 0;
+    const bool warm = max_stages >= 0 && w->warm_ns > 0 && w->last_len > 0 && w->warm_ns < left;
+    const int64_t ns = warm ? w->warm_ns : left;
+    int64_t r;
+    Py_BEGIN_ALLOW_THREADS r = slice(ns);
+    Py_END_ALLOW_THREADS if (r != -1 || !warm) return r;
+    rehearse(w, crc, max_stages, max_ranks);
+  }
+}
+
 bool take_args(PyObject* const* args, Py_ssize_t nargs, const char* sig, void** ptr, long* max_ns, long* ms, long* mr) {
   if (nargs != 4) {
     PyErr_SetString(PyExc_TypeError, sig);
@@ -409,7 +455,7 @@ bool take_args(PyObject* const* args, Py_ssize_t nargs, const char* sig, void** 
 }  // namespace
 
 // _C.ctrl_take(ring_address, max_ns, max_stages, max_ranks): afd_ctrl_shm_take with the GIL
-// released, then the payload built while the bytes are hot. Returns -1 (nothing published in
+// released (rehearsing every warm_ns meanwhile), then the payload built while the bytes are hot. Returns -1 (nothing published in
 // time) or -2 (read the slot the slow way) as an int; for a message taken, the AFDControlPayload
 // when it parses, else (or with max_stages < 0: raw bytes wanted) the message bytes.
 PyObject* afd_ctrl_take_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
@@ -419,11 +465,13 @@ PyObject* afd_ctrl_take_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
                  &max_ranks))
     return nullptr;
   auto* r = static_cast<afd_ctrl_ring*>(p);
-  int64_t n;
-  Py_BEGIN_ALLOW_THREADS n = afd_ctrl_shm_take(r, static_cast<int>(max_ns));
-  Py_END_ALLOW_THREADS if (n < 0) return PyLong_FromLongLong(n);
+  const int64_t n = wait_rehearsing(&r->warm, true, max_ns, max_stages, max_ranks,
+                                    [r](int64_t ns) { return afd_ctrl_shm_take(r, static_cast<int>(ns)); });
+  if (n < 0) return PyLong_FromLongLong(n);
   if (r->stamps) r->t_mark = now_ns();
-  return taken_message(r->out, n, max_stages, max_ranks);
+  PyObject* got = taken_message(r->out, n, max_stages, max_ranks);
+  if (got == nullptr || PyBytes_CheckExact(got)) r->warm.last_len = 0;  // only a built payload is rehearsed
+  return got;
 }
 
 // _C.ctrl_parse(data, max_stages, max_ranks): a binary control payload built as the takes build
@@ -660,6 +708,7 @@ struct afd_ctrl_tcp {
   uint8_t* buf;            // receiver: read buffer of cap bytes
   uint64_t cap;
   int64_t t_ns;            // receiver: CLOCK_MONOTONIC ns when the poll saw the socket readable
+  afd_ctrl_warm warm;      // receiver: the rehearsal (last: the last data frame's body in buf)
 };
 
 }  // extern "C"
@@ -732,7 +781,7 @@ PyObject* afd_ctrl_tcp_send_payload_py(PyObject*, PyObject* const* args, Py_ssiz
 }
 
 // _C.ctrl_tcp_take(state_address, max_ns, max_stages, max_ranks): poll the socket up to max_ns with
-// the GIL released, then read what is there (one recv). Returns -2 when closed, -1 when nothing was
+// the GIL released (rehearsing every warm_ns meanwhile), then read what is there (one recv). Returns -2 when closed, -1 when nothing was
 // readable in time; the AFDControlPayload when what was read is exactly one whole data frame from the expected
 // sender that parses (max_stages >= 0), after any heartbeat frames; else the bytes read (b"": the
 // peer closed; the caller's Python path frames them). Raises OSError when the read failed.
@@ -743,21 +792,23 @@ PyObject* afd_ctrl_tcp_take_py(PyObject*, PyObject* const* args, Py_ssize_t narg
                  &max_stages, &max_ranks))
     return nullptr;
   auto* t = static_cast<afd_ctrl_tcp*>(p);
-  int ready;
+  int ready = 0;
   ssize_t n = -1;
   int err = 0;
-  Py_BEGIN_ALLOW_THREADS {
+  wait_rehearsing(&t->warm, false, max_ns, max_stages, max_ranks, [&](int64_t ns) -> int64_t {
     InFlight in_flight(&t->busy);
-    ready = tcp_wait_readable(t, max_ns);
+    ready = tcp_wait_readable(t, static_cast<long>(ns));
     if (ready > 0) {
       t->t_ns = now_ns();
+      t->warm.last_len = 0;  // buf is overwritten
       do {
         n = ::recv(t->fd, t->buf, t->cap, MSG_DONTWAIT);
       } while (n < 0 && errno == EINTR);
       err = n < 0 ? errno : 0;
     }
-  }
-  Py_END_ALLOW_THREADS if (ready == kClosed) return PyLong_FromLong(-2);
+    return ready == 0 ? -1 : 0;
+  });
+  if (ready == kClosed) return PyLong_FromLong(-2);
   if (ready < 0) {
     errno = -ready;
     return PyErr_SetFromErrno(PyExc_OSError);
@@ -784,7 +835,13 @@ PyObject* afd_ctrl_tcp_take_py(PyObject*, PyObject* const* args, Py_ssize_t narg
     }
     if (type == kTcpData && len <= t->max_msg && len == static_cast<uint64_t>(n) - off - kTcpHdr) {
       PyObject* built = build_payload(b + off + kTcpHdr, static_cast<int64_t>(len), max_stages, max_ranks);
-      if (built != Py_None) return built;
+      if (built != Py_None) {
+        if (built != nullptr) {
+          t->warm.last = t->buf + off + kTcpHdr;
+          t->warm.last_len = len;
+        }
+        return built;
+      }
       Py_DECREF(built);
     }
     break;
