@@ -17,7 +17,7 @@ from afd_ext import control_plane as cp
 from afd_ext import rendezvous as rdzv
 from afd_ext.control import ring as cring
 from afd_ext.control import shm as cshm
-from afd_ext.errors import AFDStateError, ControlProtocolError
+from afd_ext.errors import AFDConfigError, AFDStateError, ControlProtocolError
 from afd_ext.metadata import AFDControlPayload, AFDDPMetadata
 from afd_ext.testing import find_free_port, run_workers
 from afd_ext.topology import Topology
@@ -695,11 +695,19 @@ def test_measure_control_plane_reports_percentiles(distinct):
 def test_control_table_has_each_gap_channel_and_the_reference():
     from afd_ext.bench.control import control_table, format_control_table
 
-    rows = control_table((1.0,), ("shm",), seconds_per_cell=0.2)
-    assert [r["gap_ms"] for r in rows] == [1.0]
+    rounds = []
+    rows = control_table((1.0, 2.0), ("shm",), seconds_per_cell=0.2, rounds=2,
+                         on_round=lambda i, s: rounds.append(i))
+    assert [r["gap_ms"] for r in rows] == [1.0, 2.0] and rounds == [0, 1]
     shm, ref = rows[0]["shm"], rows[0]["reference"]
+    # each round measures half the steps; the cell pools them
     assert shm["kind"] == "shm" and ref["kind"] == "gloo" and shm["n"] == 200 and ref["n"] == 100
+    assert shm["rounds"] == 2 and len(shm["p50_rounds_us"]) == 2 and rows[1]["shm"]["n"] == 200
+    assert min(shm["p50_rounds_us"]) <= shm["p50_us"] <= max(shm["p50_rounds_us"])
+    assert shm["steal_pct"] is None or 0.0 <= shm["steal_pct"] <= 100.0
     assert 0 < shm["p50_us"] <= shm["p99_us"] and 0 < ref["p50_us"] <= ref["p99_us"]
+    with pytest.raises(AFDConfigError, match="rounds"):
+        control_table((1.0,), ("shm",), rounds=0)
     text = format_control_table(rows, ("shm",))
     assert "| 1 ms |" in text and "reference pattern" in text
     assert f"{shm['p50_us']:.1f} / {shm['p99_us']:.1f}" in text

@@ -454,9 +454,25 @@ def _phases(ffn: dict, attn: dict) -> dict[str, dict[str, float]]:
     return out
 
 
+def _latencies(ffn: dict, attn: dict) -> list[float]:
+    return sorted((r - s) / 1000.0 for r, s in zip(ffn["ret"], attn["t0"]))
+
+
+def _pooled(runs: list[tuple[dict, dict]]) -> tuple[dict, dict]:
+    """One cell's stamps from several rounds (process pairs), as if measured in one."""
+    ffn: dict[str, Any] = {"kind": runs[0][0]["kind"]}
+    attn: dict[str, Any] = {}
+    for f, a in runs:
+        for src, dst in ((f, ffn), (a, attn)):
+            for k, v in src.items():
+                if isinstance(v, list):
+                    dst.setdefault(k, []).extend(v)
+    return ffn, attn
+
+
 def _summarise(ffn: dict, attn: dict, gap_us: float, raw: bool, distinct: bool, sender_wait: str,
                size: int, cpus: tuple[int, int] | None) -> dict[str, Any]:
-    lat = sorted((r - s) / 1000.0 for r, s in zip(ffn["ret"], attn["t0"]))
+    lat = _latencies(ffn, attn)
     return {
         "kind": ffn["kind"], "raw": raw, "distinct": distinct, "n": len(lat), "gap_us": gap_us,
         "p50_us": _pct(lat, 50), "p90_us": _pct(lat, 90), "p99_us": _pct(lat, 99),
@@ -499,6 +515,19 @@ def measure_control_gaps(
     Raises:
         AFDConfigError: an entry with ``iterations < 1`` or an unknown ``sender_wait``.
     """
+    pairs, size, sender_wait, cpus = _gap_stamps(
+        kind, schedule, num_attention_ranks=num_attention_ranks, stages=stages, raw=raw, idle_s=idle_s,
+        timeout_s=timeout_s, distinct=distinct, sender_wait=sender_wait, reference=reference, pin=pin,
+        warm_s=warm_s)
+    return [_summarise(f, a, g, raw, distinct, sender_wait, size, cpus) for (g, _, _), (f, a) in zip(schedule, pairs)]
+
+
+def _gap_stamps(kind: str, schedule: list[tuple[float, int, int]], *, num_attention_ranks: int, stages: int,
+                raw: bool, idle_s: float | None, timeout_s: float | None, distinct: bool, sender_wait: str,
+                reference: bool, pin: bool | None, warm_s: float | None,
+                ) -> tuple[list[tuple[dict, dict]], int, str, tuple[int, int] | None]:
+    """:func:`measure_control_gaps`' measurement: per schedule entry the ``(ffn, attention)`` stamps
+    (see :func:`_measure_worker`); the payload's bytes, the sender's wait and the CPUs pinned."""
     from afd_ext.errors import AFDConfigError
     from afd_ext.metadata import encode_control_binary, encode_control_payload
     from afd_ext.testing import find_free_port, run_workers
@@ -521,8 +550,7 @@ def measure_control_gaps(
                       timeout_s=timeout_s)
     encode = encode_control_payload if reference else encode_control_binary
     size = len(encode(control_payload(num_attention_ranks, stages)))
-    return [_summarise(f, a, g, raw, distinct, sender_wait, size, cpus)
-            for (g, _, _), f, a in zip(schedule, res[0], res[1])]
+    return list(zip(res[0], res[1])), size, sender_wait, cpus
 
 
 def measure_control_plane(
@@ -586,49 +614,125 @@ def _iterations_for(gap_ms: float, seconds: float, floor: int = 200) -> int:
     return int(min(2000, max(floor, seconds * 1000.0 / gap_ms)))
 
 
+def _cpu_ticks() -> dict[str, tuple[int, int]]:
+    """``/proc/stat``: per CPU line (``"cpu"``, ``"cpu3"`` ...) its (steal, total) ticks; {} elsewhere."""
+    out = {}
+    try:
+        with open("/proc/stat") as f:
+            for ln in f:
+                if not ln.startswith("cpu"):
+                    break
+                name, *vals = ln.split()
+                ticks = [int(v) for v in vals[:8]]  # user nice system idle iowait irq softirq steal
+                out[name] = (ticks[7] if len(ticks) > 7 else 0, sum(ticks))
+    except (OSError, ValueError):
+        return {}
+    return out
+
+
+def _steal_pct(before: dict, after: dict, cpus: tuple[int, int] | None) -> float | None:
+    """The hypervisor's steal time between two :func:`_cpu_ticks`, % of the CPUs' time (the pinned
+    two, else all); None where the kernel does not count it."""
+    names = [f"cpu{c}" for c in cpus] if cpus else ["cpu"]
+    if not all(n in before and n in after for n in names):
+        return None
+    steal = sum(after[n][0] - before[n][0] for n in names)
+    total = sum(after[n][1] - before[n][1] for n in names)
+    return 100.0 * steal / total if total > 0 else None
+
+
 def control_table(
     gaps_ms: tuple[float, ...] = DEFAULT_GAPS_MS,
     kinds: tuple[str, ...] = ("shm", "tcp"),
     *,
     seconds_per_cell: float = 5.0,
+    rounds: int = 3,
     reference: bool = True,
     idle_s: float | None = None,
     sender_wait: str = "auto",
     pin: bool | None = None,
     progress: Any = None,
+    on_round: Any = None,
 ) -> list[dict]:
     """The control-plane table: end to end, new counts every step, per (gap, channel), plus the reference.
 
     A kind ``"<channel>+cold"`` measures the channel without the receiver's
     rehearsal (``warm_s=0``). Each cell runs ``seconds_per_cell`` of steps (200-2000 steps);
     the reference pattern (gloo) and the experiments get a third of that
-    (100-2000 steps). One pair of processes per column runs every gap; shm, tcp
-    and the reference take about 60 s plus three process start-ups.
+    (100-2000 steps). The steps are split over ``rounds`` rounds; a round runs every
+    column once, each column as one pair of processes over every gap, the columns and
+    the gaps in an order rotated from round to round, so that what the host does
+    meanwhile (a virtual machine's neighbours) falls on every cell alike. A cell's
+    rounds are pooled. ``progress(name, gap_ms, result)`` is called per cell at the
+    end, ``on_round(i, seconds)`` after each round.
 
     Returns:
         One row per gap: ``{"gap_ms", "<kind>": result, ..., "reference": result | None}``,
-        results as :func:`measure_control_plane` returns them (or ``{"error": ...}``).
+        results as :func:`measure_control_plane` returns them plus ``"rounds"``,
+        ``"p50_rounds_us"`` (each round's p50) and ``"steal_pct"`` (the hypervisor's steal
+        time on the two measured CPUs during the cell's runs, or None), or ``{"error": ...}``.
+
+    Raises:
+        AFDConfigError: ``rounds < 1``.
     """
-    rows: list[dict[str, Any]] = [{"gap_ms": g} for g in gaps_ms]
+    from afd_ext.errors import AFDConfigError
+
+    if rounds < 1:
+        raise AFDConfigError(f"rounds must be >= 1, got {rounds}")
     cells = [(k, False) for k in kinds] + ([("reference", True)] if reference else [])
-    for name, ref in cells:
-        kind, _, variant = name.partition("+")  # "shm+cold": without the receiver's rehearsal
-        sched = []
-        for gap in gaps_ms:
-            short = ref or bool(variant)  # the reference and the experiments: a third of the steps
-            it = _iterations_for(gap, seconds_per_cell / (3 if short else 1), 100 if short else 200)
-            sched.append((gap * 1000.0, it, min(50, it // 10)))
-        try:
-            res: list[dict] = measure_control_gaps("auto" if ref else kind, sched, distinct=True, idle_s=idle_s,
-                                                   sender_wait=sender_wait, reference=ref, pin=pin,
-                                                   warm_s=0.0 if variant == "cold" else None)
-        except Exception as e:  # noqa: BLE001 - reported in the table, the run goes on
-            logger.warning("control-plane measurement %s failed: %s", name, e)
-            res = [{"error": f"{type(e).__name__}: {e}"}] * len(gaps_ms)
-        for row, r in zip(rows, res):
+    runs: dict[tuple[str, float], list[tuple[dict, dict]]] = {}
+    meta: dict[str, tuple[int, str, Any]] = {}
+    steal: dict[str, list[float]] = {}
+    errors: dict[str, str] = {}
+    for rnd in range(rounds):
+        t = time.monotonic()
+        order = cells[rnd % len(cells):] + cells[:rnd % len(cells)]
+        gaps = list(gaps_ms[rnd % len(gaps_ms):] + gaps_ms[:rnd % len(gaps_ms)])
+        for name, ref in order:
+            if name in errors:
+                continue
+            kind, _, variant = name.partition("+")  # "shm+cold": without the receiver's rehearsal
+            sched = []
+            for gap in gaps:
+                short = ref or bool(variant)  # the reference and the experiments: a third of the steps
+                it = _iterations_for(gap, seconds_per_cell / (3 if short else 1), 100 if short else 200)
+                it = -(-it // rounds)
+                sched.append((gap * 1000.0, it, max(5, min(50, it // 10))))
+            before = _cpu_ticks()
+            try:
+                pairs, size, sw, cpus = _gap_stamps(
+                    "auto" if ref else kind, sched, num_attention_ranks=PAYLOAD_ATTENTION_RANKS,
+                    stages=PAYLOAD_STAGES, raw=False, idle_s=idle_s, timeout_s=None, distinct=True,
+                    sender_wait=sender_wait, reference=ref, pin=pin, warm_s=0.0 if variant == "cold" else None)
+            except Exception as e:  # noqa: BLE001 - reported in the table, the run goes on
+                logger.warning("control-plane measurement %s failed: %s", name, e)
+                errors[name] = f"{type(e).__name__}: {e}"
+                continue
+            meta[name] = (size, sw, cpus)
+            pct = _steal_pct(before, _cpu_ticks(), cpus)
+            if pct is not None:
+                steal.setdefault(name, []).append(pct)
+            for gap, pair in zip(gaps, pairs):
+                runs.setdefault((name, gap), []).append(pair)
+        if on_round is not None:
+            on_round(rnd, time.monotonic() - t)
+    rows: list[dict[str, Any]] = []
+    for gap in gaps_ms:
+        row: dict[str, Any] = {"gap_ms": gap}
+        for name, _ in cells:
+            if name in errors:
+                r: dict[str, Any] = {"error": errors[name]}
+            else:
+                size, sw, cpus = meta[name]
+                parts = runs[(name, gap)]
+                r = _summarise(*_pooled(parts), gap * 1000.0, False, True, sw, size, cpus)
+                r["rounds"] = len(parts)
+                r["p50_rounds_us"] = [_pct(_latencies(f, a), 50) for f, a in parts]
+                r["steal_pct"] = sum(steal[name]) / len(steal[name]) if steal.get(name) else None
             row[name] = r
             if progress is not None:
-                progress(name, row["gap_ms"], r)
+                progress(name, gap, r)
+        rows.append(row)
     return rows
 
 
@@ -660,8 +764,8 @@ def format_phases(r: dict) -> str:
 
 def control_main(gaps_ms: tuple[float, ...] = DEFAULT_GAPS_MS,
                  kinds: tuple[str, ...] = ("shm", "tcp", "shm+cold", "tcp+cold"),
-                 *, seconds_per_cell: float = 5.0, reference: bool = True, out: str | None = None,
-                 sender_wait: str = "auto", pin: bool | None = None) -> int:
+                 *, seconds_per_cell: float = 5.0, rounds: int = 3, reference: bool = True,
+                 out: str | None = None, sender_wait: str = "auto", pin: bool | None = None) -> int:
     """``afd-ext bench --control-only``: measure and print the control-plane table (and save JSON)."""
     sw = _default_sender_wait() if sender_wait == "auto" else sender_wait
     cpus = pick_control_cpus() if pin is not False else None
@@ -679,12 +783,20 @@ def control_main(gaps_ms: tuple[float, ...] = DEFAULT_GAPS_MS,
         if "error" in r:
             print(f"  {name:9s} gap {gap:g} ms: FAILED {r['error']}", flush=True)
         else:
+            spread = r.get("p50_rounds_us") or []
+            steal = r.get("steal_pct")
             print(f"  {name:9s} gap {gap:g} ms: p50 {r['p50_us']:.1f} µs, p99 {r['p99_us']:.1f} µs "
-                  f"(n={r['n']}, {r['payload_bytes']} B); {format_phases(r)}", flush=True)
+                  f"(n={r['n']}, {r['payload_bytes']} B"
+                  + (f"; rounds' p50 {min(spread):.1f}-{max(spread):.1f}" if spread else "")
+                  + (f"; steal {steal:.2f} %" if steal is not None else "")
+                  + f"); {format_phases(r)}", flush=True)
+
+    def on_round(i: int, seconds: float) -> None:
+        print(f"  round {i + 1}/{rounds} measured in {seconds:.0f} s", flush=True)
 
     t = time.monotonic()
-    rows = control_table(gaps_ms, kinds, seconds_per_cell=seconds_per_cell, reference=reference,
-                         sender_wait=sender_wait, pin=pin, progress=progress)
+    rows = control_table(gaps_ms, kinds, seconds_per_cell=seconds_per_cell, rounds=rounds, reference=reference,
+                         sender_wait=sender_wait, pin=pin, progress=progress, on_round=on_round)
     print(format_control_table(rows, kinds), flush=True)
     print(f"control plane measured in {time.monotonic() - t:.0f} s", flush=True)
     if out:

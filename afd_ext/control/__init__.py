@@ -62,9 +62,13 @@ the engine is active (the last payload arrived less than ``idle_s`` ago,
 default 10 s, ``AFD_CONTROL_IDLE_S``) a waiting FFN rank keeps polling, in
 native code with the GIL released (``csrc/cpu/control_poll.cpp``:
 ``_C.ctrl_take`` for shm, ``_C.ctrl_tcp_take`` for tcp): the serving engine's
-other threads keep running. It polls in slices of at most 50 ms and runs the
+other threads keep running. It polls in slices of at most 75 ms and runs the
 liveness checks between slices (due every 25-75 ms, jittered so that they
-never line up with a fixed step gap).
+never line up with a fixed step gap). The FFN plane's first slice for a
+payload (up to ``_FIRST_SLICE_S``, 0.1 s; :meth:`ControlChannel.fast_take`,
+shm) is one native call made from ``recv_dp_metadata_list`` itself, so a
+payload that arrives within it is returned straight from C, with no frame of
+the channel's to unwind; the checks start after it.
 
 One native call per step on each end: a step after a 20-50 ms gap runs on cold
 caches, so the per-step path touches as little memory as it can. The sender's
@@ -76,8 +80,9 @@ value. The receiver's take copies and checks the message (sender rank, length,
 CRC) and builds the :class:`~afd_ext.metadata.AFDControlPayload` itself, as
 the Python decoder would, before Python sees it (tcp: a read holding exactly
 one data frame, after any heartbeat frames; anything else is framed in
-Python). While polling, the receiver rehearses that path on a private copy of
-the last payload every ``warm_s`` (0.5 ms) so that it stays in cache. A tcp
+Python). While polling, the native wait rehearses that path on the last
+payload it took (kept in the end's buffer) every ``warm_s`` (0.5 ms), so that
+it stays in cache. A tcp
 receiver keeps delayed ACKs (``TCP_QUICKACK`` off before each wait) so that
 its read does not send an ACK on the critical path. This
 costs one core per FFN rank while serving, which a serving FFN process owns
