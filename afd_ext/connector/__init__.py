@@ -131,12 +131,11 @@ class AFDConnector:
         self.device = _pick_device(self.transport_kind, local_rank, kwargs.get("device"))
         self.schedule_config = self.spec.schedule_config(self.extra)
         self.peer_map = PeerMap(self.role, role_rank, self.attn_size, self.ffn_size)
-        # Kept across close() / init_afd_connector(): init opens its channels, close closes them.
-        self.control_plane = AFDControlPlane(self._apply_payload, self.topology, self.role, role_rank,
-                                             label=self.peer_map.me,
-                                             check_send=lambda p: self._s.check_sent(AFDControlPayload.from_fields(p)))
         self._buffers = BufferPool(self.role, role_rank, self.device)
         self._s = Session(self.peer_map.me, self.role, self.extra.strict, self._buffers)
+        # Kept across close() / init_afd_connector(): init opens its channels, close closes them.
+        self.control_plane = AFDControlPlane(self._apply_payload, self.topology, self.role, role_rank,
+                                             label=self.peer_map.me, check_send=self._s.check_sent)
         self._attention = AttentionSide(self._s, role_rank, self.device) if self.role == "attention" else None
         self._ffn = FFNSide(self._s, role_rank, self.device) if self.role == "ffn" else None
 

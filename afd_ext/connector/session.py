@@ -320,7 +320,7 @@ class Session:
         cls = AFDStateError if isinstance(exc, AFDStateError) else AFDConfigError
         return cls(text, op=op, layer=layer, stage=due[1] if stage is None and due is not None else stage)
 
-    def check_sent(self, payload: AFDControlPayload) -> None:
+    def check_sent(self, payload: Any) -> None:
         """The FFN ranks build their schedule from the payload sent; this rank uses the one applied.
 
         Row counts that differ would make the two sides post data messages of
@@ -328,7 +328,12 @@ class Session:
         headers this is where the disagreement is seen. Posts the step abort so
         the FFN ranks waiting for the payload fail with the same message.
 
+        Args:
+            payload: what is about to be sent (an :class:`AFDControlPayload` or any
+                object with its fields, read by :meth:`AFDControlPayload.from_fields`).
+
         Raises:
+            AFDConfigError: ``payload`` lacks the payload's fields (from_fields).
             AFDProtocolError: the counts differ (nothing is sent; the step is aborted on every rank).
         """
         st = self.step
@@ -336,6 +341,7 @@ class Session:
             return  # no step applied yet, or an older one (the runtime's order is checked elsewhere)
         if payload is st.schedule.payload:
             return  # the payload applied (the usual case): the comparison below would read it twice
+        payload = AFDControlPayload.from_fields(payload)
         applied = {k: md.counts for k, md in st.schedule.payload.dp_metadata_list.items()}
         sent = {k: md.counts for k, md in payload.dp_metadata_list.items()}
         # Only stages the sent payload carries: a graph replay's payload may leave counts out
