@@ -104,6 +104,7 @@ TORCH_LIBRARY_IMPL(afd_ext, CompositeExplicitAutograd, m) {
 // functions, far cheaper per call than a torch op or ctypes.
 PyObject* afd_ctrl_take_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 PyObject* afd_ctrl_parse_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
+PyObject* afd_ctrl_crc32_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 PyObject* afd_ctrl_send_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 PyObject* afd_ctrl_send_payload_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 PyObject* afd_ctrl_bind_types_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
@@ -117,6 +118,8 @@ static PyMethodDef afd_methods[] = {
      "Control plane: take the next shared-memory message, built (see afd_ext/control/shm.py)."},
     {"ctrl_parse", AFD_FASTCALL(afd_ctrl_parse_py),
      "Control plane: build an AFDControlPayload from a binary control payload as the takes do."},
+    {"ctrl_crc32", AFD_FASTCALL(afd_ctrl_crc32_py),
+     "Control plane: zlib.crc32(data, value) as the ring's native paths compute it (tests)."},
     {"ctrl_send", AFD_FASTCALL(afd_ctrl_send_py),
      "Control plane: encode and publish a payload in shared memory (see afd_ext/control/shm.py)."},
     {"ctrl_send_payload", AFD_FASTCALL(afd_ctrl_send_payload_py),

@@ -14,6 +14,10 @@
 #include <sys/socket.h>
 #include <time.h>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include <array>
 #include <vector>
 #include <cerrno>
@@ -46,8 +50,10 @@ constexpr int kHeartbeatWord = 16;
 constexpr int kWaitingWord = 24;
 constexpr size_t kSlotHeader = 32;
 
-// CRC-32 (IEEE 802.3, reflected, as zlib.crc32), four bits at a time: a 64-byte table is one
-// cache line, where a byte table is sixteen, all cold after a long gap between steps.
+// CRC-32 (IEEE 802.3, reflected, as zlib.crc32). Whole 16-byte blocks fold with carry-less
+// multiplies where the CPU has them (x86-64 PCLMULQDQ: ~30 ns for a 96-byte payload, where the
+// table below takes ~0.5 us); the rest goes four bits at a time through a 64-byte table, one cache
+// line (a byte table is sixteen, all cold after a long gap between steps).
 constexpr std::array<uint32_t, 16> make_crc_table() {
   std::array<uint32_t, 16> t{};
   for (uint32_t i = 0; i < 16; ++i) {
@@ -59,8 +65,46 @@ constexpr std::array<uint32_t, 16> make_crc_table() {
 }
 alignas(64) constexpr auto kCrcTable = make_crc_table();
 
+#if defined(__x86_64__)
+// The register state `c` (inverted CRC) advanced over n bytes, n a nonzero multiple of 16: each
+// block is folded into a 128-bit remainder, which is then reduced to 32 bits (Barrett). Constants:
+// the bit-reflected folding and reduction constants of the IEEE polynomial from Gopal et al., "Fast
+// CRC Computation for Generic Polynomials Using PCLMULQDQ Instruction" (Intel, 2009).
+__attribute__((target("pclmul,sse4.1"))) uint32_t crc_fold_clmul(uint32_t c, const uint8_t* p, size_t n) {
+  const __m128i k3k4 = _mm_set_epi64x(0x00ccaa009eLL, 0x01751997d0LL);  // fold by 128 bits
+  const __m128i k5 = _mm_set_epi64x(0, 0x0163cd6124LL);                // 64 -> 32 bits
+  const __m128i poly = _mm_set_epi64x(0x01f7011641LL, 0x01db710641LL);  // mu, P (Barrett)
+  const __m128i mask32 = _mm_set_epi32(0, ~0, 0, ~0);
+  __m128i x = _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), _mm_cvtsi32_si128(static_cast<int>(c)));
+  for (size_t off = 16; off < n; off += 16) {
+    const __m128i lo = _mm_clmulepi64_si128(x, k3k4, 0x00);
+    x = _mm_clmulepi64_si128(x, k3k4, 0x11);
+    x = _mm_xor_si128(_mm_xor_si128(x, lo), _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + off)));
+  }
+  x = _mm_xor_si128(_mm_srli_si128(x, 8), _mm_clmulepi64_si128(x, k3k4, 0x10));  // 128 -> 64 bits
+  x = _mm_xor_si128(_mm_srli_si128(x, 4), _mm_clmulepi64_si128(_mm_and_si128(x, mask32), k5, 0x00));
+  __m128i t = _mm_and_si128(_mm_clmulepi64_si128(_mm_and_si128(x, mask32), poly, 0x10), mask32);
+  x = _mm_xor_si128(x, _mm_clmulepi64_si128(t, poly, 0x00));
+  return static_cast<uint32_t>(_mm_extract_epi32(x, 1));
+}
+
+const bool kHaveClmul = [] {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.1");
+}();
+#endif
+
+// zlib.crc32(p[:n], crc)
 inline uint32_t crc32_update(uint32_t crc, const uint8_t* p, size_t n) {
   crc = ~crc;
+#if defined(__x86_64__)
+  if (n >= 16 && kHaveClmul) {
+    const size_t whole = n & ~static_cast<size_t>(15);
+    crc = crc_fold_clmul(crc, p, whole);
+    p += whole;
+    n -= whole;
+  }
+#endif
   for (size_t i = 0; i < n; ++i) {
     crc ^= p[i];
     crc = kCrcTable[crc & 0xF] ^ (crc >> 4);
@@ -70,13 +114,17 @@ inline uint32_t crc32_update(uint32_t crc, const uint8_t* p, size_t n) {
 }
 
 // zlib.crc32(payload, zlib.crc32(struct.pack("<QQII", seq, total, frag, sender)))
+// (the fields and a payload of up to 1000 bytes in one buffer: whole blocks fold, where 24 bytes
+// of fields alone would go through the table)
 inline uint32_t slot_crc(uint64_t seq, uint64_t total, uint32_t frag, uint32_t sender, const uint8_t* payload) {
-  uint8_t fields[24];
-  std::memcpy(fields, &seq, 8);  // little-endian hosts only (x86-64, aarch64)
-  std::memcpy(fields + 8, &total, 8);
-  std::memcpy(fields + 16, &frag, 4);
-  std::memcpy(fields + 20, &sender, 4);
-  return crc32_update(crc32_update(0, fields, sizeof fields), payload, frag);
+  uint8_t buf[24 + 1000];
+  std::memcpy(buf, &seq, 8);  // little-endian hosts only (x86-64, aarch64)
+  std::memcpy(buf + 8, &total, 8);
+  std::memcpy(buf + 16, &frag, 4);
+  std::memcpy(buf + 20, &sender, 4);
+  if (frag > sizeof buf - 24) return crc32_update(crc32_update(0, buf, 24), payload, frag);
+  std::memcpy(buf + 24, payload, frag);
+  return crc32_update(0, buf, 24 + static_cast<size_t>(frag));
 }
 
 // Spin until the shared 8-byte word at `word` equals `want` (acquire load), `max_ns`
@@ -474,6 +522,19 @@ PyObject* afd_ctrl_take_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return got;
 }
 
+// _C.ctrl_crc32(data, value): zlib.crc32(data, value) as the ring's native paths compute it.
+PyObject* afd_ctrl_crc32_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2 || !PyBytes_Check(args[0])) {
+    PyErr_SetString(PyExc_TypeError, "ctrl_crc32(data: bytes, value: int)");
+    return nullptr;
+  }
+  const unsigned long v = PyLong_AsUnsignedLongMask(args[1]);
+  if (PyErr_Occurred()) return nullptr;
+  return PyLong_FromUnsignedLong(crc32_update(static_cast<uint32_t>(v),
+                                              reinterpret_cast<const uint8_t*>(PyBytes_AS_STRING(args[0])),
+                                              static_cast<size_t>(PyBytes_GET_SIZE(args[0]))));
+}
+
 // _C.ctrl_parse(data, max_stages, max_ranks): a binary control payload built as the takes build
 // it (an AFDControlPayload), or None when it is not well formed.
 PyObject* afd_ctrl_parse_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
@@ -687,6 +748,12 @@ PyObject* afd_ctrl_send_payload_py(PyObject*, PyObject* const* args, Py_ssize_t 
   if (PyErr_Occurred()) return nullptr;
   if (r == nullptr) return PyLong_FromLong(-2);
   if (r->stamps) r->t_mark = now_ns();
+  // The header lines the publish reads (the receiver's count: written by it at every take, so a
+  // miss) and writes (the heartbeat), fetched while the payload is encoded. A prefetch never faults.
+  if (const uint64_t* hdr = __atomic_load_n(&r->hdr, __ATOMIC_RELAXED)) {
+    __builtin_prefetch(&hdr[kReadCountWord], 0);
+    __builtin_prefetch(&hdr[kHeartbeatWord], 1);
+  }
   uint8_t buf[kMaxNativeBytes];
   const uint64_t cap = r->slot_bytes < sizeof buf ? r->slot_bytes : sizeof buf;
   return shm_publish_result(r, buf, encode_payload(args[1], buf, cap));
