@@ -1220,7 +1220,7 @@ def test_a_tcp_source_has_no_first_wait_slice():
     rx, tx = _tcp_pair()
     ffn = cp.AFDControlPlane(lambda p: None, Topology(1, 1), "ffn", 0, channels={0: rx})
     try:
-        assert rx.fast_take(1 << 20) is None and ffn._fast_take is None
+        assert rx.fast_take() is None and ffn._fast_take is None
         tx.send_payload(_plain_payload(0, 4))
         assert ffn.recv_dp_metadata_list() == _plain_payload(0, 4)
     finally:
@@ -1238,3 +1238,54 @@ def test_the_native_crc32_is_zlibs(data, value):
     from afd_ext import _C
 
     assert _C.ctrl_crc32(data, value) == zlib.crc32(data, value)
+
+
+def test_a_message_the_first_slice_cannot_build_is_named_by_the_decoder_not_returned():
+    # The first slice takes (consumes) whatever is published; bytes it could not build must still
+    # meet the decoder's checks: a malformed payload, one above max_stages, one above max_payload_bytes.
+    from afd_ext import metadata as md
+
+    rx, tx = _ring(idle_s=30.0, heartbeat_timeout_s=60.0)  # an active receiver: the first slice runs
+    ffn = cp.AFDControlPlane(lambda p: None, Topology(1, 1), "ffn", 0, channels={0: rx}, max_payload_bytes=1100)
+    try:
+        tx.send(b"AFDb\x01\x00\x01\x00garbage")
+        with pytest.raises(ControlProtocolError, match="malformed control payload from attention rank 0"):
+            ffn.recv_dp_metadata_list()
+        many = AFDControlPayload({s: AFDDPMetadata([1]) for s in range(md.DEFAULT_MAX_STAGES + 1)})
+        tx.send(md.encode_control_binary(many))
+        with pytest.raises(ControlProtocolError, match="65 stages exceed max_stages=64"):
+            ffn.recv_dp_metadata_list()
+        tx.send(b"raw")
+        assert rx.recv(1.0) == b"raw"  # a raw receive widens the native bounds to max_message_bytes ...
+        tx.send_payload(AFDControlPayload({0: AFDDPMetadata(list(range(300)))}))  # 1220 bytes
+        with pytest.raises(ControlProtocolError, match="1220 bytes exceed max_payload_bytes=1100"):
+            ffn.recv_dp_metadata_list()  # ... and the first slice applies the plane's again
+        tx.send_payload(_plain_payload(0, 4))
+        assert ffn.recv_dp_metadata_list() == _plain_payload(0, 4)  # the next step still works
+    finally:
+        tx.close()
+        ffn.close()
+
+
+def test_a_channel_closed_during_the_first_slice_names_the_planes_op():
+    rx, tx = _ring(idle_s=30.0, heartbeat_timeout_s=60.0)
+    ffn = cp.AFDControlPlane(lambda p: None, Topology(1, 1), "ffn", 0, channels={0: rx})
+    out = {}
+
+    def wait():
+        try:
+            ffn.recv_dp_metadata_list()
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            out["e"] = e
+
+    try:
+        t = threading.Thread(target=wait)
+        t.start()
+        time.sleep(0.03)  # inside the first slice
+        rx.close()
+        t.join(5)
+        assert isinstance(out.get("e"), AFDStateError), out
+        assert str(out["e"]).startswith("recv_dp_metadata_list on a closed shm control channel"), out
+    finally:
+        tx.close()
+        ffn.close()

@@ -670,7 +670,8 @@ def control_table(
         One row per gap: ``{"gap_ms", "<kind>": result, ..., "reference": result | None}``,
         results as :func:`measure_control_plane` returns them plus ``"rounds"``,
         ``"p50_rounds_us"`` (each round's p50) and ``"steal_pct"`` (the hypervisor's steal
-        time on the two measured CPUs during the cell's runs, or None), or ``{"error": ...}``.
+        time on the two measured CPUs during the column's runs, all its gaps, averaged over
+        the rounds: one figure per column; None where not counted), or ``{"error": ...}``.
 
     Raises:
         AFDConfigError: ``rounds < 1``.

@@ -92,8 +92,8 @@ class ChannelOptions:
         nslots: shm ring slots (>= 2).
         max_message_bytes: largest message accepted by a receiver.
         warm_s: receiver, while polling: every ``warm_s`` the native wait
-            checks and builds the last payload it took again and drops it (shm:
-            its CRC and build; tcp: its build; 1-3 µs holding the GIL), so that
+            builds the last payload it took again and drops it (shm: after a
+            CRC over it; tcp: the build alone; 1-3 µs holding the GIL), so that
             a payload after a long gap finds that path in cache; 0: off.
             Default 0.5 ms (``AFD_CONTROL_WARM_S``; docs/configuration.md,
             "Control-plane cost per step", has the measurements).
@@ -365,20 +365,23 @@ class ControlChannel(abc.ABC):
         if self._state is not None and cap != self._state_cap:
             self._state.max_msg = self._state_cap = cap
 
-    def fast_take(self, max_bytes: int) -> Callable[..., Any] | None:
+    def fast_take(self) -> Callable[..., Any] | None:
         """Receiver: the first slice of a payload's wait as one native call, for the per-step path.
 
-        ``fast(max_ns, max_stages, max_ranks)`` waits up to ``max_ns`` (GIL released, rehearsing)
-        and returns the payload built (as :meth:`recv_payload` with these bounds and ``max_bytes``
-        does), or an int when it did not take one: then :meth:`recv_payload` waits on, checks and
-        names errors. ``fast.channel.first_slice_ns(timeout_s)`` is how long to wait in it: 0 when
-        this end has gone idle (``idle_s``), at most ``timeout_s`` and :data:`_FIRST_SLICE_S` (the
-        liveness and abort checks start after it). None: no such path (no native core, or tcp,
-        whose reads may hold heartbeat frames for the channel's framing)."""
+        Call ``ns = fast.channel.first_slice_ns(timeout_s, max_stages, max_ranks, max_bytes)``
+        first: it applies the bounds and says how long to wait, 0 when this end has gone idle
+        (``idle_s``; then skip the slice), at most ``timeout_s`` and ``_FIRST_SLICE_S`` (the
+        liveness and abort checks start after it). ``fast(ns, max_stages, max_ranks)`` then waits
+        up to ``ns`` (GIL released, rehearsing) and returns the payload built (as
+        :meth:`recv_payload` with these bounds does); bytes when it took a message it could not
+        build (the caller's decoder must name the problem: it is consumed); an int when it took
+        nothing (:meth:`recv_payload` then waits on, checks and names errors). None: no such path
+        (no native core, or tcp, whose reads may hold heartbeat frames for the channel's framing)."""
         return None
 
-    def first_slice_ns(self, timeout_s: float | None) -> int:
-        """See :meth:`fast_take`: ns to wait in its slice from now, 0 when idle."""
+    def first_slice_ns(self, timeout_s: float | None, max_stages: int, max_ranks: int, max_bytes: int) -> int:
+        """See :meth:`fast_take`: apply the bounds; ns to wait in its slice from now, 0 when idle."""
+        self._set_limits(max_stages, max_ranks, max_bytes)  # a raw recv() in between widened them
         now = time.monotonic()
         left = min(max(self._last_msg, self._state.t_ns * 1e-9) + self.options.idle_s - now, _FIRST_SLICE_S)
         if timeout_s is not None:

@@ -280,8 +280,7 @@ class AFDControlPlane:
         self.store = store
         self._open = True
         self._fast_send = self.channels[self.destinations[0]].fast_send() if len(self.destinations) == 1 else None
-        self._fast_take = (self.channels[self.source].fast_take(self.max_payload_bytes)
-                           if self.role == "ffn" else None)
+        self._fast_take = self.channels[self.source].fast_take() if self.role == "ffn" else None
 
     @property
     def is_open(self) -> bool:
@@ -370,15 +369,18 @@ class AFDControlPlane:
         """
         md = self._md
         fast = self._fast_take
-        started = None
+        started = data = None
         if fast is not None:
             # The wait's first slice is one native call, so that a payload arriving within it is
             # returned straight from C: no frame of the channel's to unwind after it arrived.
             started = time.monotonic()
-            ns = fast.channel.first_slice_ns(self.recv_timeout_s)  # type: ignore[attr-defined]
+            ns = fast.channel.first_slice_ns(self.recv_timeout_s, md.DEFAULT_MAX_STAGES,  # type: ignore[attr-defined]
+                                             md.DEFAULT_MAX_RANKS, self.max_payload_bytes)
             if ns:
                 got = fast(ns, md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS)
-                if type(got) is not int:
+                if type(got) is bytes:  # taken, but not built: the decoder below names the problem
+                    data = got
+                elif type(got) is not int:
                     return got
         if self.role != "ffn":
             raise AFDStateError(f"recv_dp_metadata_list is called on FFN ranks only; this is {self.label}")
@@ -386,8 +388,9 @@ class AFDControlPlane:
             self._require_open(_OP_RECV)
         ch = self.channels[self.source]  # type: ignore[index]
         try:
-            data = ch.recv_payload(self.recv_timeout_s, _OP_RECV, md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS,
-                                   self.max_payload_bytes, started)
+            if data is None:
+                data = ch.recv_payload(self.recv_timeout_s, _OP_RECV, md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS,
+                                       self.max_payload_bytes, started)
             if type(data) is not bytes:  # built by the native path (checked as the decoder checks)
                 return data
             try:

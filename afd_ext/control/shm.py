@@ -229,12 +229,9 @@ class ShmControlChannel(ControlChannel):
             r = publish(self._state_addr, *args)
         return r == 0
 
-    def fast_take(self, max_bytes: int) -> Any:
+    def fast_take(self) -> Any:
         if self._native is None or self.is_sender:
             return None
-        from afd_ext.metadata import DEFAULT_MAX_RANKS, DEFAULT_MAX_STAGES
-
-        self._set_limits(DEFAULT_MAX_STAGES, DEFAULT_MAX_RANKS, max_bytes)  # max_msg, in the state
         fast = functools.partial(self._native.take, self._state_addr)
         fast.channel = self  # type: ignore[attr-defined] # the state and its mapping live as long as the call
         return fast
@@ -369,7 +366,7 @@ class ShmControlChannel(ControlChannel):
         return self._recv(timeout_s, op, started)
 
     def _recv(self, timeout_s: float | None, op: str, started: float | None = None) -> Any:
-        self._require(False, "recv")
+        self._require(False, op)
         k = self._count
         deadline = None if timeout_s is None else (started or time.monotonic()) + timeout_s
         try:

@@ -313,7 +313,7 @@ class TcpControlChannel(ControlChannel):
         return self._recv(timeout_s, op)
 
     def _recv(self, timeout_s: float | None, op: str, started: float | None = None) -> Any:
-        self._require(False, "recv")
+        self._require(False, op)
         deadline = None if timeout_s is None else (started or time.monotonic()) + timeout_s
         if _QUICKACK is not None and not self._rbuf:
             # Delayed ACKs: otherwise the read that drains a small pushed segment sends the ACK from
