@@ -382,11 +382,14 @@ class ControlChannel(abc.ABC):
     def first_slice_ns(self, timeout_s: float | None, max_stages: int, max_ranks: int, max_bytes: int) -> int:
         """See :meth:`fast_take`: apply the bounds; ns to wait in its slice from now, 0 when idle."""
         self._set_limits(max_stages, max_ranks, max_bytes)  # a raw recv() in between widened them
-        now = time.monotonic()
-        left = min(max(self._last_msg, self._state.t_ns * 1e-9) + self.options.idle_s - now, _FIRST_SLICE_S)
+        left = min(self._poll_until() - time.monotonic(), _FIRST_SLICE_S)
         if timeout_s is not None:
             left = min(left, timeout_s)
         return int(left * 1e9) if left > 0 else 0
+
+    def _poll_until(self) -> float:
+        """Receiver: until when (monotonic s) a waiting end keeps polling: ``idle_s`` after the last payload."""
+        return self._last_msg + self.options.idle_s
 
     def fast_send(self) -> Callable[[Any], int] | None:
         """A one-call send for the per-step path: ``fast(payload)`` returns 0 when it sent the

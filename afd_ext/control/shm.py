@@ -229,20 +229,25 @@ class ShmControlChannel(ControlChannel):
             r = publish(self._state_addr, *args)
         return r == 0
 
-    def fast_take(self) -> Any:
-        if self._native is None or self.is_sender:
-            return None
-        fast = functools.partial(self._native.take, self._state_addr)
-        fast.channel = self  # type: ignore[attr-defined] # the state and its mapping live as long as the call
+    def _poll_until(self) -> float:
+        # The last payload's time: a native take stamps it (CLOCK_MONOTONIC, as time.monotonic()).
+        return max(self._last_msg, self._state.t_ns * 1e-9) + self.options.idle_s
+
+    def _bound(self, fn: Any) -> Any:
+        """``fn`` with this end's native state bound, holding the channel (the state and its mapping
+        live as long as the call)."""
+        fast = functools.partial(fn, self._state_addr)
+        fast.channel = self  # type: ignore[attr-defined]
         return fast
+
+    def fast_take(self) -> Any:
+        return None if self._native is None or self.is_sender else self._bound(self._native.take)
 
     def fast_send(self) -> Any:
         if self._native is None or self._slot_bytes > self.options.max_message_bytes or not self.is_sender:
             return None
         # One C call per step; it declines (-2, or -1 ring full) whatever needs send_payload's checks.
-        fast = functools.partial(self._native.send_payload, self._state_addr)
-        fast.channel = self  # type: ignore[attr-defined] # the state and its mapping live as long as the call
-        return fast
+        return self._bound(self._native.send_payload)
 
     def _ring(self) -> None:
         if self._bell is not None:
@@ -284,9 +289,8 @@ class ShmControlChannel(ControlChannel):
             deadline = now + timeout_s
         next_live = now + _due_in(_LIVENESS_EVERY_S)
         next_abort = now + _due_in(_ABORT_EVERY_S)
-        # While the engine is active keep polling (see the module doc), then block. The last
-        # payload's time: the native take stamps it (CLOCK_MONOTONIC, as time.monotonic()).
-        poll_until = max(self._last_msg, self._state.t_ns * 1e-9) + self.options.idle_s
+        # While the engine is active keep polling (see the module doc), then block.
+        poll_until = self._poll_until()
         if native is None:
             poll_until = min(poll_until, now + _FALLBACK_SPIN_S)
         sleep = _MIN_SLEEP_S

@@ -250,7 +250,7 @@ class TcpControlChannel(ControlChannel):
         next_abort = now + _due_in(_ABORT_EVERY_S)
         native = self._native
         # While the engine is active keep polling (see the module doc), then block in poll().
-        poll_until = self._last_msg + self.options.idle_s
+        poll_until = self._poll_until()
         if native is None:
             poll_until = min(poll_until, now + _FALLBACK_SPIN_S)
         while len(self._rbuf) < need:
