@@ -955,7 +955,7 @@ def test_the_native_take_builds_what_the_python_decoder_builds(p):
     assert_built_as_decoded(built, data)
     rx, tx = _ring()
     try:
-        assert tx.fast_send()(p) == 0
+        _front_send(tx, p)
         got = rx.recv_payload(1.0, "recv_dp_metadata_list", md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS, 1 << 20)
         assert_built_as_decoded(got, data)
     finally:
@@ -980,6 +980,13 @@ def test_the_native_parser_refuses_what_the_python_decoder_refuses(data, seed, c
         assert (built is not None) == ok, d
         if ok:
             assert_built_as_decoded(built, bytes(d))
+
+
+def _front_send(tx, payload) -> None:
+    """Send ``payload`` through the channel's per-step front; fail if it fell back to the checked path."""
+    fell = []
+    tx.send_front(None, fell.append)(payload)
+    assert fell == []
 
 
 def _plain_payload(step: int, A: int) -> AFDControlPayload:
@@ -1012,8 +1019,8 @@ def test_tcp_native_send_and_take_build_the_payload_past_heartbeats_and_a_partia
     lim = (md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS, 1 << 20)
     rx, tx = _tcp_pair()
     try:
-        fast = tx.fast_send()
-        assert fast is not None and rx.fast_send() is None
+        fast = tx._send_native  # the one native send under the front (0: sent)
+        assert tx.send_front(None, print) is not None and rx.send_front(None, print) is None
         p = _plain_payload(3, 8)
         assert fast(p) == 0
         got = rx.recv_payload(1.0, "recv_dp_metadata_list", *lim)
@@ -1062,19 +1069,52 @@ def test_tcp_native_send_and_take_build_the_payload_past_heartbeats_and_a_partia
         rx.close()
 
 
-def test_the_shm_one_call_send_declines_once_closed_and_the_plane_stops_using_it():
+def test_the_shm_send_front_declines_once_closed_and_the_plane_stops_using_it():
     rx, tx = _ring()
-    fast = tx.fast_send()
-    assert fast is not None and rx.fast_send() is None
+    fell = []
+    front = tx.send_front(None, fell.append)
+    assert front is not None and rx.send_front(None, fell.append) is None
     plane = cp.AFDControlPlane(lambda p: None, Topology(1, 1), "attention", 0, channels={0: tx})
-    assert plane._fast_send is not None
+    assert vars(plane)["send_dp_metadata_list"].channel is tx  # bound to the native front
     plane.send_dp_metadata_list(_plain_payload(0, 4))
     assert rx.recv_payload(1.0, "recv_dp_metadata_list", 64, 64, 1 << 20) == _plain_payload(0, 4)
-    plane.close()  # closes tx: its native state is unmapped; the one-call send must not touch it
-    assert plane._fast_send is None and fast(_plain_payload(1, 4)) == -2
+    plane.close()  # closes tx: its native state is unmapped; the front must not touch it
+    assert "send_dp_metadata_list" not in vars(plane)
+    front(_plain_payload(1, 4))
+    assert fell == [_plain_payload(1, 4)]  # declined: handed to the checked path, nothing written
     with pytest.raises(AFDStateError, match="not initialized"):
         plane.send_dp_metadata_list(_plain_payload(1, 4))
     rx.close()
+
+
+def test_the_send_front_checks_first_and_hands_what_it_declines_to_the_checked_path():
+    from afd_ext.errors import AFDProtocolError
+
+    rx, tx = _ring()
+    checked, fell = [], []
+
+    def check(p):
+        checked.append(p)
+        if p.is_warmup:
+            raise AFDProtocolError("not the payload applied")
+
+    front = tx.send_front(check, fell.append)
+    try:
+        good = _plain_payload(2, 4)
+        assert front(good) is None and checked == [good] and fell == []
+        assert rx.recv_payload(1.0, "recv_dp_metadata_list", 64, 64, 1 << 20) == good
+        bad = AFDControlPayload({0: AFDDPMetadata([1, 2])}, is_warmup=True)
+        with pytest.raises(AFDProtocolError, match="not the payload applied"):
+            front(bad)
+        assert fell == []  # the check's error is raised, nothing sent
+        held = AFDControlPayload({0: AFDDPMetadata(torch.tensor([3, 4], dtype=torch.int32))})
+        front(held)  # counts held as a tensor: not the plain case, the checked path's
+        assert fell == [held]
+        with pytest.raises(cp.ControlRecvTimeout):
+            rx.recv_payload(0.05, "recv_dp_metadata_list", 64, 64, 1 << 20)
+    finally:
+        tx.close()
+        rx.close()
 
 
 def test_a_slot_larger_than_max_message_bytes_leaves_the_checks_to_python():
@@ -1092,22 +1132,25 @@ def test_a_slot_larger_than_max_message_bytes_leaves_the_checks_to_python():
 
 
 def test_a_kept_one_call_send_keeps_its_channel_alive_and_declines_once_it_is_closed():
-    """fast_send() holds the channel (its native state and mapping): dropping every other reference
+    """send_front() holds the channel (its native state and mapping): dropping every other reference
     must not leave the call writing through a freed RingState (review: a use-after-free)."""
     import gc
     import weakref
 
     rx, tx = _ring()
-    fast = tx.fast_send()
+    fell = []
+    fast = tx.send_front(None, fell.append)
     ref = weakref.ref(tx)
     del tx
     gc.collect()
     assert ref() is not None  # kept by the callable
-    assert fast(_plain_payload(0, 4)) == 0
+    fast(_plain_payload(0, 4))
+    assert fell == []
     assert rx.recv_payload(1.0, "recv_dp_metadata_list", 64, 64, 1 << 20) == _plain_payload(0, 4)
     ref().close()
-    assert fast(_plain_payload(1, 4)) == -2  # declined: nothing touched
-    del fast
+    fast(_plain_payload(1, 4))
+    assert fell == [_plain_payload(1, 4)]  # declined: nothing touched
+    del fast, fell
     gc.collect()
     assert ref() is None
     rx.close()
@@ -1136,7 +1179,7 @@ def test_a_receiver_closed_by_another_thread_while_it_waits_gets_a_named_error_a
     opts = {"idle_s": 30.0, "heartbeat_timeout_s": 20.0, "heartbeat_interval_s": 1.0}
     rx, tx = _ring(**opts) if kind == "shm" else _tcp_pair(**opts)
     lim = (64, 64, 1 << 20)
-    assert tx.fast_send()(_plain_payload(0, 4)) == 0
+    _front_send(tx, _plain_payload(0, 4))
     rx.recv_payload(1.0, "recv_dp_metadata_list", *lim)
     out = {}
 
@@ -1170,7 +1213,7 @@ def test_the_ffn_planes_first_wait_slice_returns_a_payload_straight_from_the_nat
     orig = rx.recv_payload
     rx.recv_payload = lambda *a: checked.append(a[0]) or orig(*a)  # the channel's checked path
     try:
-        assert ffn._fast_take is not None and ffn._fast_take.channel is rx
+        assert vars(ffn)["recv_dp_metadata_list"].channel is rx  # bound to the native front
 
         def later(step, after):
             time.sleep(after)
@@ -1185,30 +1228,29 @@ def test_the_ffn_planes_first_wait_slice_returns_a_payload_straight_from_the_nat
     finally:
         att.close()
         ffn.close()
-    assert ffn._fast_take is None
+    assert "recv_dp_metadata_list" not in vars(ffn)
 
 
 def test_the_first_wait_slice_is_skipped_once_idle_and_counts_against_the_step_timeout():
     rx, tx = _ring(idle_s=0.05, heartbeat_timeout_s=60.0)
     ffn = cp.AFDControlPlane(lambda p: None, Topology(1, 1), "ffn", 0, channels={0: rx}, recv_timeout_s=0.3)
-    fast, calls = ffn._fast_take, []
+    orig, calls = rx.first_slice_ns, []  # the front's prepare asks the channel for its slice
 
     def counted(*a):
-        calls.append(a[0])
-        return fast(*a)
+        calls.append(orig(*a))
+        return calls[-1]
 
-    counted.channel = rx
-    ffn._fast_take = counted
+    rx.first_slice_ns = counted
     try:
         t0 = time.monotonic()
         with pytest.raises(cp.ControlRecvTimeout, match="0.3 s"):
             ffn.recv_dp_metadata_list()
         assert 0.29 < time.monotonic() - t0 < 0.5  # not the slice plus the timeout
-        assert len(calls) == 1 and calls[0] <= 0.05e9  # polled only until idle_s after the last payload
+        assert len(calls) == 1 and 0 < calls[0] <= 0.05e9  # polled only until idle_s after the last payload
         time.sleep(0.06)
         with pytest.raises(cp.ControlRecvTimeout):
             ffn.recv_dp_metadata_list()
-        assert len(calls) == 1  # idle: no native slice, the checked path blocks
+        assert calls[1:] == [0]  # idle: no native slice, the checked path blocks
         tx.send_payload(_plain_payload(0, 4))
         assert ffn.recv_dp_metadata_list() == _plain_payload(0, 4)
     finally:
@@ -1216,11 +1258,41 @@ def test_the_first_wait_slice_is_skipped_once_idle_and_counts_against_the_step_t
         ffn.close()
 
 
+def test_the_take_front_returns_a_built_payload_and_hands_everything_else_to_its_fallback():
+    from afd_ext.errors import AFDProtocolError
+
+    rx, tx = _ring(idle_s=30.0, heartbeat_timeout_s=60.0)
+    ns, fell = [0], []
+    front = rx.take_front(64, 64, lambda: ns[0], lambda taken: fell.append(taken) or "checked")
+    try:
+        assert front() == "checked" and fell == [None]  # no slice: nothing taken, straight to the fallback
+        ns[0] = int(0.02e9)
+        t0 = time.monotonic()
+        assert front() == "checked" and fell[1:] == [-1]  # nothing came within the slice
+        assert 0.015 < time.monotonic() - t0 < 1.0
+        tx.send_payload(_plain_payload(1, 4))
+        assert front() == _plain_payload(1, 4) and len(fell) == 2  # built and returned from C
+        tx.send(b"AFDb\x01\x00\x01\x00garbage")
+        assert front() == "checked" and fell[2:] == [b"AFDb\x01\x00\x01\x00garbage"]  # consumed, for the decoder
+
+        def refuse():
+            raise AFDProtocolError("prepare refused")
+
+        with pytest.raises(AFDProtocolError, match="prepare refused"):
+            rx.take_front(64, 64, refuse, fell.append)()
+        assert len(fell) == 3
+        tx.send_payload(_plain_payload(2, 4))
+        assert front() == _plain_payload(2, 4)  # the next step still works
+    finally:
+        tx.close()
+        rx.close()
+
+
 def test_a_tcp_source_has_no_first_wait_slice():
     rx, tx = _tcp_pair()
     ffn = cp.AFDControlPlane(lambda p: None, Topology(1, 1), "ffn", 0, channels={0: rx})
     try:
-        assert rx.fast_take() is None and ffn._fast_take is None
+        assert rx.take_front(64, 64, lambda: 0, print) is None and "recv_dp_metadata_list" not in vars(ffn)
         tx.send_payload(_plain_payload(0, 4))
         assert ffn.recv_dp_metadata_list() == _plain_payload(0, 4)
     finally:

@@ -280,7 +280,7 @@ def _measure_worker(rank: int, nprocs: int, host: str, port: int, kind: str, sch
     ch = next(iter(plane.channels.values()))
     state = ch._state if ch.kind == "shm" else None  # the native stamps (RingState)
     if state is not None:
-        state.stamps = 1  # also t_mark: native send entered / GIL back after the take
+        state.stamps = 1  # also t_mark (native send entered / GIL back after the take), t_built
     out = []
     step = 0
     try:
@@ -313,10 +313,10 @@ def _measure_worker(rank: int, nprocs: int, host: str, port: int, kind: str, sch
                 res = {"t0": a[warmup:], "pub": b[warmup:], "ret": c[warmup:], "mark": m[warmup:]}
             else:
                 taken: list[int] = []
-                fast = plane._fast_take
-                if not raw:
-                    # Stamp where the channel hands over: its first native slice or its checked
-                    # path (one extra Python call, ~0.1 us, inside the total).
+                wrapped = not raw and state is None
+                if wrapped:
+                    # tcp: stamp where the channel's checked path hands over (one extra Python
+                    # call, ~0.1 us, inside the total); shm stamps natively (RingState.t_built).
                     orig = ch.recv_payload
 
                     def recv_payload(*args: Any) -> Any:
@@ -324,16 +324,7 @@ def _measure_worker(rank: int, nprocs: int, host: str, port: int, kind: str, sch
                         taken.append(time.perf_counter_ns())
                         return r
 
-                    def fast_take(*args: Any) -> Any:
-                        r = fast(*args)
-                        if type(r) is not int:
-                            taken.append(time.perf_counter_ns())
-                        return r
-
                     ch.recv_payload = recv_payload  # type: ignore[method-assign]
-                    if fast is not None:
-                        fast_take.channel = ch  # type: ignore[attr-defined]
-                        plane._fast_take = fast_take
                 for i in range(total):
                     if raw:
                         ch.recv(60.0)
@@ -341,15 +332,16 @@ def _measure_worker(rank: int, nprocs: int, host: str, port: int, kind: str, sch
                     else:
                         p = plane.recv_dp_metadata_list()
                     t = time.perf_counter_ns()
+                    if not raw and state is not None:
+                        taken.append(state.t_built)
                     a.append(state.t_ns if state is not None else 0)
                     m.append(state.t_mark if state is not None else 0)
                     c.append(t)
                     if distinct and not raw and p.dp_metadata_list[0].counts[0] != step + i:
                         raise AFDProtocolError(f"measurement: step {step + i} received the counts of step "
                                            f"{p.dp_metadata_list[0].counts[0]}")
-                if not raw:
+                if wrapped:
                     del ch.recv_payload
-                    plane._fast_take = fast
                 res = {"seen": a[warmup:], "taken": taken[warmup:], "ret": c[warmup:], "mark": m[warmup:]}
             step += total
             out.append(res)
@@ -418,11 +410,11 @@ def _phases(ffn: dict, attn: dict) -> dict[str, dict[str, float]]:
     publish's stamp; tcp: the call's return); ``wake``: published -> the FFN's
     native poll saw it (shm: cache-line transfer, or the receiver arriving late);
     ``take``: seen -> the channel returned it to Python (copy, CRC, parse, GIL
-    re-acquired; tcp: published -> returned, the socket path); ``build``: the
-    channel's return -> ``recv_dp_metadata_list`` returned. shm also splits ``send``
-    into ``call`` (Python until the native send is entered) and ``encode`` (until the
-    publish began), and ``take`` into ``gil`` (copy, check, GIL back) and ``made``
-    (the payload built and handed back through the channel).
+    re-acquired, payload built; tcp: published -> returned, the socket path); ``build``:
+    from there (shm: the native stamp after the payload was built; tcp: the channel's
+    return) -> ``recv_dp_metadata_list`` returned. shm also splits ``send`` into ``call``
+    (Python until the native send is entered) and ``encode`` (until the publish began),
+    and ``take`` into ``gil`` (copy, check, GIL back) and ``made`` (the payload built).
     """
     t0, ret = attn["t0"], ffn["ret"]
     pub = attn.get("pub") or []
@@ -777,8 +769,8 @@ def control_main(gaps_ms: tuple[float, ...] = DEFAULT_GAPS_MS,
           + (f"FFN pinned to CPU {cpus[0]}, attention to CPU {cpus[1]}" if cpus else "not pinned"), flush=True)
     print("host: " + ", ".join(f"{k} {v}" for k, v in facts.items()), flush=True)
     print("phases (p50/p99 us): send = call -> publish began (call = until native, encode), wake = -> FFN poll "
-          "saw it, take = seen -> channel returned (gil = copy, check, GIL back; made = payload built, returned), "
-          "build = -> recv_dp_metadata_list returned", flush=True)
+          "saw it, take = seen -> payload built (gil = copy, check, GIL back; made = payload built; tcp: "
+          "channel returned), build = -> recv_dp_metadata_list returned", flush=True)
 
     def progress(name: str, gap: float, r: dict) -> None:
         if "error" in r:

@@ -64,19 +64,22 @@ native code with the GIL released (``csrc/cpu/control_poll.cpp``:
 ``_C.ctrl_take`` for shm, ``_C.ctrl_tcp_take`` for tcp): the serving engine's
 other threads keep running. It polls in slices of at most 75 ms and runs the
 liveness checks between slices (due every 25-75 ms, jittered so that they
-never line up with a fixed step gap). The FFN plane's first slice for a
-payload (up to ``_FIRST_SLICE_S``, 0.1 s; :meth:`ControlChannel.fast_take`,
-shm) is one native call made from ``recv_dp_metadata_list`` itself, so a
-payload that arrives within it is returned straight from C, with no frame of
-the channel's to unwind; the checks start after it.
+never line up with a fixed step gap). On a shm source the FFN plane's
+``recv_dp_metadata_list`` is the channel's native front
+(:meth:`ControlChannel.take_front`, bound on the plane instance at open): the
+first slice for a payload (up to ``_FIRST_SLICE_S``, 0.1 s) is one C call
+entered from the caller's own frame, so a payload that arrives within it goes
+from C straight back to the caller, with no Python frame to unwind; the
+checked path, with the checks, carries on after it.
 
 One native call per step on each end: a step after a 20-50 ms gap runs on cold
 caches, so the per-step path touches as little memory as it can. The sender's
-``send_dp_metadata_list`` hands a plain payload to one C call
-(:meth:`ControlChannel.fast_send`: ``_C.ctrl_send_payload`` reads its slots in
-place, encodes, publishes and rings the doorbell; tcp: ``_C.ctrl_tcp_send_payload``,
-one ``send()``); anything else takes the checked Python path, which names a bad
-value. The receiver's take copies and checks the message (sender rank, length,
+``send_dp_metadata_list`` is, with one shm destination, the channel's native
+front (:meth:`ControlChannel.send_front`, bound on the plane instance:
+``_C.ctrl_send_front`` runs the connector's check, reads the payload's slots in
+place, encodes, publishes and rings the doorbell; tcp: one frame around
+``_C.ctrl_tcp_send_payload``, one ``send()``); anything else takes the checked
+Python path, which names a bad value. The receiver's take copies and checks the message (sender rank, length,
 CRC) and builds the :class:`~afd_ext.metadata.AFDControlPayload` itself, as
 the Python decoder would, before Python sees it (tcp: a read holding exactly
 one data frame, after any heartbeat frames; anything else is framed in

@@ -48,7 +48,7 @@ CHANNEL_KINDS = ("auto", "shm", "tcp")
 # store's abort key (a store round trip), in seconds.
 _LIVENESS_EVERY_S = 0.05
 _ABORT_EVERY_S = 0.1
-# The plane's first native wait slice for a payload (ControlChannel.fast_take); the checks above
+# The plane's first native wait slice for a payload (ControlChannel.take_front); the checks above
 # start after it, so a dead peer or an abort is noticed at most this much later.
 _FIRST_SLICE_S = 0.1
 _MAX_SLEEP_S = 0.001
@@ -200,6 +200,7 @@ class RingState(ctypes.Structure):
         ("busy", ctypes.c_uint32),  # native calls in flight on this end (close() waits for 0)
         ("pad_", ctypes.c_uint32),
         ("warm", WarmState),  # receiver: the rehearsal
+        ("t_built", ctypes.c_int64),  # with stamps, receiver: when the last payload taken was built
     ]
 
 
@@ -217,11 +218,17 @@ class _Native:
         # (ring address, max_ns, max_stages, max_ranks) -> -1 not yet, -2 slow path, the built payload,
         # or bytes (max_stages < 0, or a message that is not a well-formed payload)
         self.take = module.ctrl_take
+        # (ring address, max_stages, max_ranks, prepare, fallback) -> the payload built within the
+        # slice of prepare() ns, else fallback(what the slice took, or None)
+        self.take_front = module.ctrl_take_front
         # (ring address, flags, stages) -> 0 sent (doorbell rung), -1 ring full, -2 encode it in Python
         self.send = module.ctrl_send
         # (ring address, payload) -> as send; the payload read straight from its fields (few cache lines
         # touched: a send after a long gap is cold), -2 for anything but a plain AFDControlPayload
         self.send_payload = module.ctrl_send_payload
+        # (ring address, check, fallback, payload) -> None after check(payload) and the native send,
+        # else fallback(payload)'s result
+        self.send_front = module.ctrl_send_front
         # (data, max_stages, max_ranks) -> the payload built as the takes build it, or None
         self.parse = module.ctrl_parse
         # (tcp state address, payload) -> 0 sent, -2 send it in Python, bytes: the unsent tail
@@ -365,22 +372,27 @@ class ControlChannel(abc.ABC):
         if self._state is not None and cap != self._state_cap:
             self._state.max_msg = self._state_cap = cap
 
-    def fast_take(self) -> Callable[..., Any] | None:
-        """Receiver: the first slice of a payload's wait as one native call, for the per-step path.
+    def take_front(self, max_stages: int, max_ranks: int, prepare: Callable[[], int],
+                   fallback: Callable[[Any], Any]) -> Callable[[], Any] | None:
+        """Receiver: a per-step receive whose first wait slice is one native call, for a caller to
+        bind as its own receive, so that a payload arriving within the slice goes from C straight
+        back to that caller's caller (no Python frame to unwind after it arrived).
 
-        Call ``ns = fast.channel.first_slice_ns(timeout_s, max_stages, max_ranks, max_bytes)``
-        first: it applies the bounds and says how long to wait, 0 when this end has gone idle
-        (``idle_s``; then skip the slice), at most ``timeout_s`` and ``_FIRST_SLICE_S`` (the
-        liveness and abort checks start after it). ``fast(ns, max_stages, max_ranks)`` then waits
-        up to ``ns`` (GIL released, rehearsing) and returns the payload built (as
-        :meth:`recv_payload` with these bounds does); bytes when it took a message it could not
-        build (the caller's decoder must name the problem: it is consumed); an int when it took
-        nothing (:meth:`recv_payload` then waits on, checks and names errors). None: no such path
-        (no native core, or tcp, whose reads may hold heartbeat frames for the channel's framing)."""
+        ``front()`` calls ``prepare()`` for the slice's length in ns (0: none; the caller's
+        :meth:`first_slice_ns`), waits up to that long (GIL released, rehearsing) and returns the
+        payload built, bounded by ``max_stages`` / ``max_ranks`` as :meth:`recv_payload`; anything
+        else goes to ``fallback(taken)``, whose result it returns: ``taken`` is None (no slice), an
+        int (nothing came) or bytes (a message it took, consumed, but could not build: the caller's
+        decoder must name the problem). The fallback is the caller's checked path (it waits on,
+        checks and names errors). None: no such front (no native core, or tcp, whose reads may hold
+        heartbeat frames for the channel's framing)."""
         return None
 
     def first_slice_ns(self, timeout_s: float | None, max_stages: int, max_ranks: int, max_bytes: int) -> int:
-        """See :meth:`fast_take`: apply the bounds; ns to wait in its slice from now, 0 when idle."""
+        """The first slice of a payload's wait (:meth:`take_front`'s ``prepare``): apply the bounds
+        (``max_bytes`` included) and return how long to wait in it, in ns from now: at most
+        ``timeout_s`` and ``_FIRST_SLICE_S`` (the liveness and abort checks start after it), 0 when
+        this end has gone idle (``idle_s`` after the last payload; the checked path then blocks)."""
         self._set_limits(max_stages, max_ranks, max_bytes)  # a raw recv() in between widened them
         left = min(self._poll_until() - time.monotonic(), _FIRST_SLICE_S)
         if timeout_s is not None:
@@ -391,10 +403,16 @@ class ControlChannel(abc.ABC):
         """Receiver: until when (monotonic s) a waiting end keeps polling: ``idle_s`` after the last payload."""
         return self._last_msg + self.options.idle_s
 
-    def fast_send(self) -> Callable[[Any], int] | None:
-        """A one-call send for the per-step path: ``fast(payload)`` returns 0 when it sent the
-        payload, anything else when nothing was sent and the caller must use :meth:`send_payload`
-        (which checks, waits and names errors). None: no such path (no native core)."""
+    def send_front(self, check: Callable[[Any], Any] | None,
+                   fallback: Callable[[Any], Any]) -> Callable[[Any], Any] | None:
+        """Sender: a per-step send for a caller to bind as its own send (shm: one native call;
+        tcp: one frame around its one native send).
+
+        ``front(payload)`` calls ``check(payload)`` (unless None; what it raises propagates, nothing
+        is sent), then sends a plain :class:`~afd_ext.metadata.AFDControlPayload` natively and
+        returns None; whatever the native send declines (ring full, closed, another payload class,
+        a value out of range) goes to ``fallback(payload)``, the caller's checked path (which waits
+        for space and names errors), and its result is returned. None: no such front."""
         return None
 
     @abc.abstractmethod

@@ -238,8 +238,7 @@ class AFDControlPlane:
         self.channels: dict[int, ControlChannel] = {}
         self.store: AFDStore | None = None
         self._open = False
-        self._fast_send: Callable[[Any], int] | None = None  # the one destination's one-call send
-        self._fast_take: Callable[..., Any] | None = None  # the source's first wait slice, native
+        self._recv_started: float | None = None  # the front's wait began (monotonic s), for its fallback
         if channels is not None:
             self.attach(channels, store=store)
 
@@ -279,8 +278,24 @@ class AFDControlPlane:
         self.channels = dict(channels)
         self.store = store
         self._open = True
-        self._fast_send = self.channels[self.destinations[0]].fast_send() if len(self.destinations) == 1 else None
-        self._fast_take = self.channels[self.source].fast_take() if self.role == "ffn" else None
+        self._bind_fronts()
+
+    def _bind_fronts(self) -> None:
+        """Bind the per-step calls on this instance to the channel's native fronts, where it has
+        them (shm): the same calls, contract and errors as the methods below, entered in C, so that
+        a step after a long gap, on cold caches, runs no frame of this class on its way (the
+        fronts fall back to :meth:`_send_checked` / :meth:`_recv_checked`). :meth:`close` unbinds."""
+        md = self._md
+        front = None
+        if len(self.destinations) == 1:
+            front = self.channels[self.destinations[0]].send_front(self._check_send, self._send_checked)
+            if front is not None:
+                setattr(self, "send_dp_metadata_list", front)
+        elif self.role == "ffn":
+            front = self.channels[self.source].take_front(  # type: ignore[index]
+                md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS, self._first_slice_ns, self._recv_checked)
+            if front is not None:
+                setattr(self, "recv_dp_metadata_list", front)
 
     @property
     def is_open(self) -> bool:
@@ -296,7 +311,9 @@ class AFDControlPlane:
         """Close every channel (idempotent; a sender's close tells its FFN ranks). :meth:`open` may follow."""
         channels, self.channels = self.channels, {}
         self._open = False
-        self._fast_send = self._fast_take = None
+        for name in ("send_dp_metadata_list", "recv_dp_metadata_list"):  # the class's methods again
+            if name in vars(self):
+                delattr(self, name)
         self.store = None
         for ch in channels.values():
             try:
@@ -326,6 +343,10 @@ class AFDControlPlane:
     def send_dp_metadata_list(self, payload: Any) -> None:
         """Send ``payload`` to this attention rank's control destinations (a no-op on non-senders).
 
+        With one shared-memory destination, :meth:`open` binds this name on the instance to the
+        channel's native front (:meth:`ControlChannel.send_front`): ``check_send``, then one C call
+        that encodes and publishes a plain payload; the rest goes through the checked path.
+
         Args:
             payload: an :class:`~afd_ext.metadata.AFDControlPayload`.
 
@@ -338,11 +359,15 @@ class AFDControlPlane:
             self._require_open("send_dp_metadata_list")
         if self._check_send is not None:
             self._check_send(payload)
-        fast = self._fast_send
-        if fast is not None and fast(payload) == 0:  # the usual case: one native call, nothing made
-            return
+        self._send_checked(payload)
+
+    def _send_checked(self, payload: Any) -> None:
+        """The checked send of a payload that passed ``check_send`` (also the native front's path
+        for whatever it declined): waits for ring space, names a bad value or a closed plane."""
+        if not self._open:
+            self._require_open("send_dp_metadata_list")
         dests = self.destinations
-        if len(dests) == 1:  # the channel's checked send: waits for space, names a bad value
+        if len(dests) == 1:  # the channel tries its one native call first
             self.channels[dests[0]].send_payload(payload)
             return
         if not dests:
@@ -353,6 +378,12 @@ class AFDControlPlane:
 
     def recv_dp_metadata_list(self) -> Any:
         """FFN side: block until the next step's payload arrives; return it decoded.
+
+        On a shared-memory source, :meth:`open` binds this name on the instance to the channel's
+        native front (:meth:`ControlChannel.take_front`): the wait's first slice (up to
+        ``_FIRST_SLICE_S``, bounded by ``idle_s`` and ``recv_timeout_s``) is one C call that returns
+        a payload arriving within it straight to the caller; otherwise the checked path carries on,
+        the step timeout counted from the start of the wait.
 
         Returns:
             A new :class:`~afd_ext.metadata.AFDControlPayload` (the counts are CPU
@@ -367,26 +398,31 @@ class AFDControlPlane:
             ControlProtocolError: a malformed payload or frame (names the source);
                 the step-abort signal is posted first, so every rank stops at once.
         """
+        self._recv_started = None
+        return self._recv_checked(None)
+
+    def _first_slice_ns(self) -> int:
+        """The native front's first step: note when the wait began; the slice's length in ns."""
+        self._recv_started = time.monotonic()
+        ch = self.channels.get(self.source) if self._open else None  # type: ignore[arg-type]
+        if ch is None:
+            return 0  # closed: the checked path names it
         md = self._md
-        fast = self._fast_take
-        started = data = None
-        if fast is not None:
-            # The wait's first slice is one native call, so that a payload arriving within it is
-            # returned straight from C: no frame of the channel's to unwind after it arrived.
-            started = time.monotonic()
-            ns = fast.channel.first_slice_ns(self.recv_timeout_s, md.DEFAULT_MAX_STAGES,  # type: ignore[attr-defined]
-                                             md.DEFAULT_MAX_RANKS, self.max_payload_bytes)
-            if ns:
-                got = fast(ns, md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS)
-                if type(got) is bytes:  # taken, but not built: the decoder below names the problem
-                    data = got
-                elif type(got) is not int:
-                    return got
+        return ch.first_slice_ns(self.recv_timeout_s, md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS,
+                                 self.max_payload_bytes)
+
+    def _recv_checked(self, taken: Any) -> Any:
+        """The checked receive (also the native front's path after its first slice): ``taken`` is
+        what that slice took and could not return (bytes: a message it could not build, consumed;
+        an int or None: nothing). Waits on, checks and decodes; names every error."""
+        started, self._recv_started = self._recv_started, None
         if self.role != "ffn":
             raise AFDStateError(f"recv_dp_metadata_list is called on FFN ranks only; this is {self.label}")
         if not self._open:
             self._require_open(_OP_RECV)
+        md = self._md
         ch = self.channels[self.source]  # type: ignore[index]
+        data = taken if type(taken) is bytes else None
         try:
             if data is None:
                 data = ch.recv_payload(self.recv_timeout_s, _OP_RECV, md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS,
@@ -396,7 +432,7 @@ class AFDControlPlane:
             try:
                 if len(data) > self.max_payload_bytes:
                     raise ControlProtocolError(f"{len(data)} bytes exceed max_payload_bytes={self.max_payload_bytes}")
-                return self._md.decode_control_binary(data)
+                return md.decode_control_binary(data)
             except ValueError as e:
                 raise ControlProtocolError(f"{_OP_RECV}: malformed control payload from {ch.peer}: {e}") from None
         except ControlProtocolError as e:

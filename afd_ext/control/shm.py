@@ -233,21 +233,23 @@ class ShmControlChannel(ControlChannel):
         # The last payload's time: a native take stamps it (CLOCK_MONOTONIC, as time.monotonic()).
         return max(self._last_msg, self._state.t_ns * 1e-9) + self.options.idle_s
 
-    def _bound(self, fn: Any) -> Any:
-        """``fn`` with this end's native state bound, holding the channel (the state and its mapping
-        live as long as the call)."""
-        fast = functools.partial(fn, self._state_addr)
-        fast.channel = self  # type: ignore[attr-defined]
-        return fast
+    def _bound(self, fn: Any, *args: Any) -> Any:
+        """``fn`` with this end's native state (and ``args``) bound, holding the channel (the state
+        and its mapping live as long as the call)."""
+        front = functools.partial(fn, self._state_addr, *args)
+        front.channel = self  # type: ignore[attr-defined]
+        return front
 
-    def fast_take(self) -> Any:
-        return None if self._native is None or self.is_sender else self._bound(self._native.take)
+    def take_front(self, max_stages: int, max_ranks: int, prepare: Any, fallback: Any) -> Any:
+        if self._native is None or self.is_sender:
+            return None
+        return self._bound(self._native.take_front, max_stages, max_ranks, prepare, fallback)
 
-    def fast_send(self) -> Any:
+    def send_front(self, check: Any, fallback: Any) -> Any:
         if self._native is None or self._slot_bytes > self.options.max_message_bytes or not self.is_sender:
             return None
-        # One C call per step; it declines (-2, or -1 ring full) whatever needs send_payload's checks.
-        return self._bound(self._native.send_payload)
+        # One C call per step; whatever needs send_payload's checks (ring full, closed, not plain) goes there.
+        return self._bound(self._native.send_front, check, fallback)
 
     def _ring(self) -> None:
         if self._bell is not None:

@@ -213,10 +213,18 @@ class TcpControlChannel(ControlChannel):
         except OSError as e:
             raise PeerDeadError(self.peer, _OP_SEND, f"connection lost ({e})") from None
 
-    def fast_send(self) -> Any:
+    def send_front(self, check: Any, fallback: Any) -> Any:
         if self._native is None or not self.is_sender:
             return None
-        return self._send_native
+        send = self._send_native
+
+        def front(payload: Any) -> None:  # one frame around the one native send (under the lock)
+            if check is not None:
+                check(payload)
+            if send(payload) != 0:
+                fallback(payload)
+
+        return front
 
     def _send_native(self, payload: Any) -> int:
         """One native call sends ``payload`` as one frame (under the lock: heartbeat frames);

@@ -195,6 +195,7 @@ struct afd_ctrl_ring {
   uint32_t busy;           // native calls in flight on this end (InFlight; close() waits for 0)
   uint32_t pad_;
   afd_ctrl_warm warm;      // receiver: the rehearsal (last = out)
+  int64_t t_built;         // with stamps, receiver: when the last payload taken was built
 };
 
 // Wake a receiver blocked on the doorbell (a datagram; a full queue means one is pending).
@@ -502,6 +503,25 @@ bool take_args(PyObject* const* args, Py_ssize_t nargs, const char* sig, void** 
 
 }  // namespace
 
+namespace {
+
+// The shm take: wait up to max_ns (GIL released, rehearsing), then the message built (see ctrl_take).
+PyObject* shm_take(afd_ctrl_ring* r, long max_ns, long max_stages, long max_ranks) {
+  const int64_t n = wait_rehearsing(&r->warm, true, max_ns, max_stages, max_ranks,
+                                    [r](int64_t ns) { return afd_ctrl_shm_take(r, static_cast<int>(ns)); });
+  if (n < 0) return PyLong_FromLongLong(n);
+  if (r->stamps) r->t_mark = now_ns();
+  PyObject* got = taken_message(r->out, n, max_stages, max_ranks);
+  if (got == nullptr || PyBytes_CheckExact(got)) {
+    r->warm.last_len = 0;  // only a built payload is rehearsed
+  } else if (r->stamps) {
+    r->t_built = now_ns();
+  }
+  return got;
+}
+
+}  // namespace
+
 // _C.ctrl_take(ring_address, max_ns, max_stages, max_ranks): afd_ctrl_shm_take with the GIL
 // released (rehearsing every warm_ns meanwhile), then the payload built while the bytes are hot. Returns -1 (nothing published in
 // time) or -2 (read the slot the slow way) as an int; for a message taken, the AFDControlPayload
@@ -512,14 +532,40 @@ PyObject* afd_ctrl_take_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!take_args(args, nargs, "ctrl_take(ring_address, max_ns, max_stages, max_ranks)", &p, &max_ns, &max_stages,
                  &max_ranks))
     return nullptr;
-  auto* r = static_cast<afd_ctrl_ring*>(p);
-  const int64_t n = wait_rehearsing(&r->warm, true, max_ns, max_stages, max_ranks,
-                                    [r](int64_t ns) { return afd_ctrl_shm_take(r, static_cast<int>(ns)); });
-  if (n < 0) return PyLong_FromLongLong(n);
-  if (r->stamps) r->t_mark = now_ns();
-  PyObject* got = taken_message(r->out, n, max_stages, max_ranks);
-  if (got == nullptr || PyBytes_CheckExact(got)) r->warm.last_len = 0;  // only a built payload is rehearsed
-  return got;
+  return shm_take(static_cast<afd_ctrl_ring*>(p), max_ns, max_stages, max_ranks);
+}
+
+// _C.ctrl_take_front(ring_address, max_stages, max_ranks, prepare, fallback): a receive whose
+// first wait slice is native, for a caller that binds it (functools.partial) as its per-step call,
+// so that a payload arriving within the slice goes from C straight back to that caller's caller.
+// ns = prepare() (an int: how long the slice may wait; 0: none); then, as ctrl_take, the payload
+// built is returned; whatever else the slice took (an int: nothing; bytes: a message it could not
+// build, consumed) is handed to fallback(taken) (None when there was no slice), whose result is
+// returned: the caller's checked path, which waits on and names every error.
+PyObject* afd_ctrl_take_front_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 5) {
+    PyErr_SetString(PyExc_TypeError, "ctrl_take_front(ring_address, max_stages, max_ranks, prepare, fallback)");
+    return nullptr;
+  }
+  auto* r = static_cast<afd_ctrl_ring*>(PyLong_AsVoidPtr(args[0]));
+  const long max_stages = PyLong_AsLong(args[1]);
+  const long max_ranks = PyLong_AsLong(args[2]);
+  if (PyErr_Occurred()) return nullptr;
+  PyObject* ns_obj = PyObject_CallNoArgs(args[3]);
+  if (ns_obj == nullptr) return nullptr;
+  long ns = PyLong_AsLong(ns_obj);
+  Py_DECREF(ns_obj);
+  if (ns == -1 && PyErr_Occurred()) return nullptr;
+  PyObject* got;
+  if (ns > 0 && r != nullptr) {
+    got = shm_take(r, ns > 0x7FFFFFFFL ? 0x7FFFFFFFL : ns, max_stages, max_ranks);
+    if (got == nullptr || !(PyLong_CheckExact(got) || PyBytes_CheckExact(got))) return got;  // built, or an error
+  } else {
+    got = Py_NewRef(Py_None);
+  }
+  PyObject* res = PyObject_CallOneArg(args[4], got);
+  Py_DECREF(got);
+  return res;
 }
 
 // _C.ctrl_crc32(data, value): zlib.crc32(data, value) as the ring's native paths compute it.
@@ -737,16 +783,12 @@ PyObject* afd_ctrl_bind_types_py(PyObject*, PyObject* const* args, Py_ssize_t na
   Py_RETURN_NONE;
 }
 
-// _C.ctrl_send_payload(ring_address, payload): encode an AFDControlPayload straight from its
-// fields (encode_payload) and publish it, doorbell included: one call. Returns as ctrl_send.
-PyObject* afd_ctrl_send_payload_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 2) {
-    PyErr_SetString(PyExc_TypeError, "ctrl_send_payload(ring_address, payload)");
-    return nullptr;
-  }
-  auto* r = static_cast<afd_ctrl_ring*>(PyLong_AsVoidPtr(args[0]));
-  if (PyErr_Occurred()) return nullptr;
-  if (r == nullptr) return PyLong_FromLong(-2);
+namespace {
+
+// Encode an AFDControlPayload straight from its fields (encode_payload) and publish it, doorbell
+// included: 0 sent, -1 ring full, -2 declined (closed, or anything but the plain case).
+int shm_send_payload(afd_ctrl_ring* r, PyObject* payload) {
+  if (r == nullptr) return -2;
   if (r->stamps) r->t_mark = now_ns();
   // The header lines the publish reads (the receiver's count: written by it at every take, so a
   // miss) and writes (the heartbeat), fetched while the payload is encoded. A prefetch never faults.
@@ -756,7 +798,45 @@ PyObject* afd_ctrl_send_payload_py(PyObject*, PyObject* const* args, Py_ssize_t 
   }
   uint8_t buf[kMaxNativeBytes];
   const uint64_t cap = r->slot_bytes < sizeof buf ? r->slot_bytes : sizeof buf;
-  return shm_publish_result(r, buf, encode_payload(args[1], buf, cap));
+  const int64_t n = encode_payload(payload, buf, cap);
+  if (n < 0) return -2;
+  const int rc = afd_ctrl_shm_publish(r, buf, static_cast<int>(n));
+  return rc == -1 ? -1 : (rc < 0 ? -2 : 0);
+}
+
+}  // namespace
+
+// _C.ctrl_send_payload(ring_address, payload): encode an AFDControlPayload straight from its
+// fields (encode_payload) and publish it, doorbell included: one call. Returns as ctrl_send.
+PyObject* afd_ctrl_send_payload_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "ctrl_send_payload(ring_address, payload)");
+    return nullptr;
+  }
+  auto* r = static_cast<afd_ctrl_ring*>(PyLong_AsVoidPtr(args[0]));
+  if (PyErr_Occurred()) return nullptr;
+  return PyLong_FromLong(shm_send_payload(r, args[1]));
+}
+
+// _C.ctrl_send_front(ring_address, check, fallback, payload): a send for a caller that binds it
+// (functools.partial) as its per-step call: check(payload) unless check is None (its error is
+// raised, nothing sent), then the payload published as ctrl_send_payload does; whatever that
+// declines (ring full, closed, not the plain case) goes to fallback(payload), the caller's checked
+// path. Returns None, or fallback's result.
+PyObject* afd_ctrl_send_front_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 4) {
+    PyErr_SetString(PyExc_TypeError, "ctrl_send_front(ring_address, check, fallback, payload)");
+    return nullptr;
+  }
+  auto* r = static_cast<afd_ctrl_ring*>(PyLong_AsVoidPtr(args[0]));
+  if (PyErr_Occurred()) return nullptr;
+  if (args[1] != Py_None) {
+    PyObject* ok = PyObject_CallOneArg(args[1], args[3]);
+    if (ok == nullptr) return nullptr;
+    Py_DECREF(ok);
+  }
+  if (shm_send_payload(r, args[3]) == 0) Py_RETURN_NONE;
+  return PyObject_CallOneArg(args[2], args[3]);
 }
 
 // ---------------------------------------------------------------------------
