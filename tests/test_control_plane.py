@@ -1288,6 +1288,43 @@ def test_the_take_front_returns_a_built_payload_and_hands_everything_else_to_its
         rx.close()
 
 
+class _Interrupted(Exception):
+    pass
+
+
+@pytest.mark.parametrize("kind", ["shm", "tcp"])
+def test_a_signal_ends_a_long_native_wait_at_once_and_the_next_take_works(kind):
+    # The native wait runs the signal handlers between its rehearsal slices (as time.sleep does):
+    # Ctrl-C must not wait for a slice of up to 0.1 s (or a caller's longer one) to end.
+    rx, tx = _ring(idle_s=30.0, heartbeat_timeout_s=60.0) if kind == "shm" else _tcp_pair(idle_s=30.0)
+    lim = (64, 64, 1 << 20)
+    old = signal.getsignal(signal.SIGUSR1)
+
+    def handler(signum, frame):
+        raise _Interrupted
+
+    signal.signal(signal.SIGUSR1, handler)
+    try:
+        tx.send_payload(_plain_payload(0, 4))
+        assert rx.recv_payload(1.0, "recv_dp_metadata_list", *lim) == _plain_payload(0, 4)  # kept: rehearsed
+        if kind == "shm":
+            wait = rx.take_front(64, 64, lambda: int(5e9), lambda taken: pytest.fail(f"fell back: {taken!r}"))
+        else:
+            def wait():
+                return rx._native.tcp_take(rx._state_addr, int(5e9), 64, 64)
+        sent = []
+        threading.Timer(0.2, lambda: sent.append(time.monotonic()) or os.kill(os.getpid(), signal.SIGUSR1)).start()
+        with pytest.raises(_Interrupted):
+            wait()
+        assert time.monotonic() - sent[0] < 0.5  # not the 5 s slice
+        tx.send_payload(_plain_payload(1, 4))  # nothing was consumed: the next step still works
+        assert rx.recv_payload(1.0, "recv_dp_metadata_list", *lim) == _plain_payload(1, 4)
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+        tx.close()
+        rx.close()
+
+
 def test_a_tcp_source_has_no_first_wait_slice():
     rx, tx = _tcp_pair()
     ffn = cp.AFDControlPlane(lambda p: None, Topology(1, 1), "ffn", 0, channels={0: rx})

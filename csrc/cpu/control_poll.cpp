@@ -465,9 +465,12 @@ void rehearse(afd_ctrl_warm* w, bool crc, long max_stages, long max_ranks) {
   ++w->rehearsals;
 }
 
+constexpr int64_t kSignalled = -3;  // wait_rehearsing: a signal handler raised (error set)
+
 // Wait up to max_ns: `slice(ns)` (called with the GIL released) returns -1 while nothing came, and
-// between slices of at most warm_ns the last message is rehearsed with the GIL. Returns the last
-// slice's result. Called and returns with the GIL held.
+// between slices of at most warm_ns the last message is rehearsed with the GIL, after the signal
+// handlers ran (as time.sleep does: Ctrl-C ends a long wait at once). Returns the last slice's
+// result, or kSignalled when a handler raised (nothing was taken). Called and returns with the GIL held.
 template <typename Slice>
 int64_t wait_rehearsing(afd_ctrl_warm* w, bool crc, long max_ns, long max_stages, long max_ranks, Slice slice) {
   const int64_t end = now_ns() + max_ns;
@@ -479,6 +482,7 @@ int64_t wait_rehearsing(afd_ctrl_warm* w, bool crc, long max_ns, long max_stages
     int64_t r;
     Py_BEGIN_ALLOW_THREADS r = slice(ns);
     Py_END_ALLOW_THREADS if (r != -1 || !warm) return r;
+    if (PyErr_CheckSignals() != 0) return kSignalled;
     rehearse(w, crc, max_stages, max_ranks);
   }
 }
@@ -509,6 +513,7 @@ namespace {
 PyObject* shm_take(afd_ctrl_ring* r, long max_ns, long max_stages, long max_ranks) {
   const int64_t n = wait_rehearsing(&r->warm, true, max_ns, max_stages, max_ranks,
                                     [r](int64_t ns) { return afd_ctrl_shm_take(r, static_cast<int>(ns)); });
+  if (n == kSignalled) return nullptr;
   if (n < 0) return PyLong_FromLongLong(n);
   if (r->stamps) r->t_mark = now_ns();
   PyObject* got = taken_message(r->out, n, max_stages, max_ranks);
@@ -942,7 +947,7 @@ PyObject* afd_ctrl_tcp_take_py(PyObject*, PyObject* const* args, Py_ssize_t narg
   int ready = 0;
   ssize_t n = -1;
   int err = 0;
-  wait_rehearsing(&t->warm, false, max_ns, max_stages, max_ranks, [&](int64_t ns) -> int64_t {
+  const int64_t waited = wait_rehearsing(&t->warm, false, max_ns, max_stages, max_ranks, [&](int64_t ns) -> int64_t {
     InFlight in_flight(&t->busy);
     ready = tcp_wait_readable(t, static_cast<long>(ns));
     if (ready > 0) {
@@ -955,6 +960,7 @@ PyObject* afd_ctrl_tcp_take_py(PyObject*, PyObject* const* args, Py_ssize_t narg
     }
     return ready == 0 ? -1 : 0;
   });
+  if (waited == kSignalled) return nullptr;  // after a slice that read nothing
   if (ready == kClosed) return PyLong_FromLong(-2);
   if (ready < 0) {
     errno = -ready;
