@@ -1,0 +1,132 @@
+"""Issue 16: the plane's native fronts against the previous per-step path, alternated step by step
+in one pair of processes (so both see the same host noise). Variant "frame": the previous plane's
+Python frame around one native call on each end (session 6's send_dp_metadata_list /
+recv_dp_metadata_list, bytecode for bytecode up to the call and back); "front": this tree's plane,
+whose per-step calls are the channels' native fronts. shm, new counts every step, 8 ranks x 2 stages.
+
+    python scripts/diag/control_fronts.py [GAP_MS ...]     (default 20 50; 300 steps per variant)
+"""
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+
+STEPS = 300
+
+
+class FramePlane:
+    """The previous plane's per-step calls: a Python frame around the channel's one native call."""
+
+    def __init__(self, plane, ch):
+        self._open = True
+        self._check_send = None
+        self._plane = plane
+        self.recv_timeout_s = None
+        self.max_payload_bytes = plane.max_payload_bytes
+        if ch.is_sender:
+            self._fast_send = ch._bound(ch._native.send_payload)
+        else:
+            self._fast_take = ch._bound(ch._native.take)
+
+    def send_dp_metadata_list(self, payload):
+        if not self._open:
+            raise RuntimeError("closed")
+        if self._check_send is not None:
+            self._check_send(payload)
+        fast = self._fast_send
+        if fast is not None and fast(payload) == 0:
+            return
+        raise RuntimeError("declined")
+
+    def recv_dp_metadata_list(self):
+        fast = self._fast_take
+        data = None
+        if fast is not None:
+            started = time.monotonic()  # noqa: F841 - as the previous plane did
+            ns = fast.channel.first_slice_ns(self.recv_timeout_s, 64, 1024, self.max_payload_bytes)
+            if ns:
+                got = fast(ns, 64, 1024)
+                if type(got) is bytes:
+                    data = got
+                elif type(got) is not int:
+                    return got
+        self._plane._recv_started = None
+        return self._plane._recv_checked(data)  # late (start-up): the checked path, as before
+
+
+def _end(role, name, q, gaps, spin):
+    from afd_ext import control as cp
+    from afd_ext.control.shm import ShmControlChannel
+    from afd_ext.metadata import AFDControlPayload, AFDDPMetadata
+    from afd_ext.topology import Topology
+
+    if (os.cpu_count() or 1) >= 4:
+        os.sched_setaffinity(0, {1 if role == "ffn" else 2})
+    opts = cp.ChannelOptions.from_env(idle_s=60.0)
+    if role == "ffn":
+        ch = ShmControlChannel.create("afdfr", local_rank=0, peer_rank=1, peer="attention rank 0", options=opts)
+        q.put(ch.name)
+        ch.wait_attached(time.monotonic() + 30)
+    else:
+        ch = ShmControlChannel.attach(name, local_rank=1, peer_rank=0, peer="FFN rank 0", options=opts)
+    plane = cp.AFDControlPlane(lambda p: None, Topology(1, 1), role, 0, channels={0: ch})
+    ends = (FramePlane(plane, ch), plane)
+    if role == "attention":
+        time.sleep(0.3)  # the FFN end is waiting
+    counts = [(7 * i + 3) % 64 for i in range(8)]
+    stamps = []
+    step = 0
+    for gap in gaps:
+        for i in range(2 * STEPS + 20):
+            end = ends[i % 2]
+            if role == "attention":
+                p = AFDControlPayload({s: AFDDPMetadata([step % 50 + s] + counts[1:]) for s in range(2)})
+                t0 = time.perf_counter_ns()
+                end.send_dp_metadata_list(p)
+                stamps.append(t0)
+                deadline = time.perf_counter() + gap / 1e3
+                if spin:
+                    while time.perf_counter() < deadline:
+                        pass
+                else:
+                    time.sleep(gap / 1e3)
+            else:
+                p = end.recv_dp_metadata_list()
+                stamps.append(time.perf_counter_ns())
+                assert p.dp_metadata_list[0].counts[0] == step % 50, (step, p)
+            step += 1
+    q.put((role, stamps))
+    time.sleep(0.5)
+    plane.close()
+
+
+def main():
+    gaps = [float(g) for g in sys.argv[1:]] or [20.0, 50.0]
+    spin = (os.cpu_count() or 1) >= 4
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    ffn = ctx.Process(target=_end, args=("ffn", None, q, gaps, spin))
+    ffn.start()
+    name = q.get(timeout=60)
+    att = ctx.Process(target=_end, args=("attention", name, q, gaps, spin))
+    att.start()
+    got = dict(q.get(timeout=600) for _ in range(2))
+    ffn.join(30)
+    att.join(30)
+    per = 2 * STEPS + 20
+    print(f"sender {'spins' if spin else 'sleeps'}; end to end p50 / p99 (us), variants alternated step by step")
+    for n, gap in enumerate(gaps):
+        lat = {0: [], 1: []}
+        for i in range(20, per):  # the first 20 steps warm up
+            k = n * per + i
+            lat[i % 2].append((got["ffn"][k] - got["attention"][k]) / 1e3)
+        cells = []
+        for v, label in ((0, "frame"), (1, "front")):
+            xs = sorted(lat[v])
+            cells.append(f"{label} {statistics.median(xs):.1f} / {xs[int(0.99 * len(xs)) - 1]:.1f}")
+        print(f"  gap {gap:g} ms: " + ", ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
