@@ -1325,6 +1325,54 @@ def test_a_signal_ends_a_long_native_wait_at_once_and_the_next_take_works(kind):
         rx.close()
 
 
+def test_reattaching_an_open_plane_drops_the_previous_channels_fronts():
+    # review: a front left bound to the old ring received (or sent) on the old channel
+    rx1, tx1 = _ring(idle_s=30.0, heartbeat_timeout_s=60.0)
+    rx2, tx2 = _tcp_pair(idle_s=30.0)
+    rxa, txa = _ring()
+    rxb, txb = _ring(slot_bytes=1024, max_message_bytes=512)  # no send front: a slot exceeds the bound
+    ffn = cp.AFDControlPlane(lambda p: None, Topology(1, 1), "ffn", 0, channels={0: rx1})
+    att = cp.AFDControlPlane(lambda p: None, Topology(1, 1), "attention", 0, channels={0: txa})
+    try:
+        ffn.attach({0: rx2})
+        assert "recv_dp_metadata_list" not in vars(ffn)
+        tx1.send_payload(_plain_payload(11, 4))  # the old ring, still open
+        tx2.send_payload(_plain_payload(22, 4))
+        assert ffn.recv_dp_metadata_list() == _plain_payload(22, 4)
+        att.attach({0: txb})
+        assert "send_dp_metadata_list" not in vars(att)
+        att.send_dp_metadata_list(_plain_payload(3, 4))
+        assert rxb.recv_payload(1.0, "recv_dp_metadata_list", 64, 64, 1 << 20) == _plain_payload(3, 4)
+    finally:
+        for c in (rx1, tx1, rx2, tx2, rxa, txa, rxb, txb):
+            c.close()
+
+
+def test_a_subclass_or_a_patch_of_the_per_step_calls_stays_in_use():
+    from unittest import mock
+
+    class Counting(cp.AFDControlPlane):
+        sent = 0
+
+        def send_dp_metadata_list(self, payload):
+            Counting.sent += 1
+            super().send_dp_metadata_list(payload)
+
+    rx, tx = _ring()
+    try:
+        sub = Counting(lambda p: None, Topology(1, 1), "attention", 0, channels={0: tx})
+        sub.send_dp_metadata_list(_plain_payload(0, 4))
+        assert Counting.sent == 1 and "send_dp_metadata_list" not in vars(sub)
+        assert rx.recv_payload(1.0, "recv_dp_metadata_list", 64, 64, 1 << 20) == _plain_payload(0, 4)
+        with mock.patch.object(cp.AFDControlPlane, "send_dp_metadata_list") as m:
+            att = cp.AFDControlPlane(lambda p: None, Topology(1, 1), "attention", 0, channels={0: tx})
+            att.send_dp_metadata_list(_plain_payload(1, 4))
+            assert m.called
+    finally:
+        tx.close()
+        rx.close()
+
+
 def test_a_tcp_source_has_no_first_wait_slice():
     rx, tx = _tcp_pair()
     ffn = cp.AFDControlPlane(lambda p: None, Topology(1, 1), "ffn", 0, channels={0: rx})

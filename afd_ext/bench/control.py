@@ -332,8 +332,8 @@ def _measure_worker(rank: int, nprocs: int, host: str, port: int, kind: str, sch
                     else:
                         p = plane.recv_dp_metadata_list()
                     t = time.perf_counter_ns()
-                    if not raw and state is not None:
-                        taken.append(state.t_built)
+                    if not raw and state is not None:  # 0: not built natively this step (no stamp)
+                        taken.append(state.t_built if state.t_built >= state.t_ns else 0)
                     a.append(state.t_ns if state is not None else 0)
                     m.append(state.t_mark if state is not None else 0)
                     c.append(t)
@@ -420,6 +420,8 @@ def _phases(ffn: dict, attn: dict) -> dict[str, dict[str, float]]:
     pub = attn.get("pub") or []
     seen = ffn.get("seen") or []
     taken = ffn.get("taken") or []
+    if not all(taken):  # a step without its stamp: no split at that point
+        taken = []
     shm = bool(pub) and all(pub) and bool(seen) and all(seen)
     if not shm:
         pub = attn.get("ret") or []

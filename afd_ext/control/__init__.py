@@ -85,7 +85,9 @@ the Python decoder would, before Python sees it (tcp: a read holding exactly
 one data frame, after any heartbeat frames; anything else is framed in
 Python). While polling, the native wait rehearses that path on the last
 payload it took (kept in the end's buffer) every ``warm_s`` (0.5 ms), so that
-it stays in cache. A tcp
+it stays in cache; between those slices it also runs the signal handlers, so
+Ctrl-C ends a waiting receive within ``warm_s`` (with ``warm_s = 0``: at the
+end of its slice, at most 0.1 s). A tcp
 receiver keeps delayed ACKs (``TCP_QUICKACK`` off before each wait) so that
 its read does not send an ACK on the critical path. This
 costs one core per FFN rank while serving, which a serving FFN process owns

@@ -180,7 +180,10 @@ class AFDControlPlane:
     One object per connector, built device-light at construction and kept
     across ``close()`` / ``init_afd_connector()``: :meth:`open` opens this
     rank's channels (collective, at init), :meth:`close` releases them (the
-    object can be opened again). No device synchronisation anywhere.
+    object can be opened again). No device synchronisation anywhere. While
+    open, ``send_dp_metadata_list`` / ``recv_dp_metadata_list`` are instance
+    attributes bound to the channel's fronts where it has them (the same
+    contract; a subclass's or a patch's override of them is left in use).
 
     Args:
         apply_payload: ``apply_payload(payload)`` applies a payload to the
@@ -281,21 +284,28 @@ class AFDControlPlane:
         self._bind_fronts()
 
     def _bind_fronts(self) -> None:
-        """Bind the per-step calls on this instance to the channel's native fronts, where it has
-        them (shm): the same calls, contract and errors as the methods below, entered in C, so that
-        a step after a long gap, on cold caches, runs no frame of this class on its way (the
-        fronts fall back to :meth:`_send_checked` / :meth:`_recv_checked`). :meth:`close` unbinds."""
+        """Bind the per-step calls on this instance to the channel's fronts, where it has them
+        (shm: native, both ends; tcp: the sender's, one frame): the same calls, contract and errors
+        as the methods below, so that a step after a long gap, on cold caches, runs no frame of this
+        class on its way (the fronts fall back to :meth:`_send_checked` / :meth:`_recv_checked`).
+        Not where a subclass or a patch replaced the class's method. :meth:`close` unbinds."""
+        self._unbind_fronts()  # a re-attach: the previous channels' fronts must not stay
         md = self._md
         front = None
-        if len(self.destinations) == 1:
+        if len(self.destinations) == 1 and type(self).send_dp_metadata_list is _CLASS_SEND:
             front = self.channels[self.destinations[0]].send_front(self._check_send, self._send_checked)
             if front is not None:
                 setattr(self, "send_dp_metadata_list", front)
-        elif self.role == "ffn":
+        elif self.role == "ffn" and type(self).recv_dp_metadata_list is _CLASS_RECV:
             front = self.channels[self.source].take_front(  # type: ignore[index]
                 md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS, self._first_slice_ns, self._recv_checked)
             if front is not None:
                 setattr(self, "recv_dp_metadata_list", front)
+
+    def _unbind_fronts(self) -> None:
+        for name in ("send_dp_metadata_list", "recv_dp_metadata_list"):  # the class's methods again
+            if name in vars(self):
+                delattr(self, name)
 
     @property
     def is_open(self) -> bool:
@@ -311,9 +321,7 @@ class AFDControlPlane:
         """Close every channel (idempotent; a sender's close tells its FFN ranks). :meth:`open` may follow."""
         channels, self.channels = self.channels, {}
         self._open = False
-        for name in ("send_dp_metadata_list", "recv_dp_metadata_list"):  # the class's methods again
-            if name in vars(self):
-                delattr(self, name)
+        self._unbind_fronts()
         self.store = None
         for ch in channels.values():
             try:
@@ -343,9 +351,9 @@ class AFDControlPlane:
     def send_dp_metadata_list(self, payload: Any) -> None:
         """Send ``payload`` to this attention rank's control destinations (a no-op on non-senders).
 
-        With one shared-memory destination, :meth:`open` binds this name on the instance to the
-        channel's native front (:meth:`ControlChannel.send_front`): ``check_send``, then one C call
-        that encodes and publishes a plain payload; the rest goes through the checked path.
+        With one destination, :meth:`open` binds this name on the instance to the channel's front
+        (:meth:`ControlChannel.send_front`; shm: ``check_send``, then one C call that encodes and
+        publishes a plain payload); the rest goes through the checked path.
 
         Args:
             payload: an :class:`~afd_ext.metadata.AFDControlPayload`.
@@ -444,6 +452,10 @@ class AFDControlPlane:
                 self.store.abort_signal.check(_OP_RECV)  # a lost store reads as no abort: the close stands
             raise
 
+
+# The class's own per-step methods: _bind_fronts binds a front only where they are the ones in use.
+_CLASS_SEND = AFDControlPlane.send_dp_metadata_list
+_CLASS_RECV = AFDControlPlane.recv_dp_metadata_list
 
 #: The name of the channel-based implementation before it became the one class.
 ChannelControlPlane = AFDControlPlane

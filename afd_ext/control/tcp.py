@@ -218,11 +218,10 @@ class TcpControlChannel(ControlChannel):
             return None
         send = self._send_native
 
-        def front(payload: Any) -> None:  # one frame around the one native send (under the lock)
+        def front(payload: Any) -> Any:  # one frame around the one native send (under the lock)
             if check is not None:
                 check(payload)
-            if send(payload) != 0:
-                fallback(payload)
+            return None if send(payload) == 0 else fallback(payload)
 
         return front
 
