@@ -103,23 +103,20 @@ TORCH_LIBRARY_IMPL(afd_ext, CompositeExplicitAutograd, m) {
 // The control plane's per-message calls (csrc/cpu/control_poll.cpp): plain module
 // functions, far cheaper per call than a torch op or ctypes.
 PyObject* afd_ctrl_take_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
-PyObject* afd_ctrl_take_front_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 PyObject* afd_ctrl_parse_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 PyObject* afd_ctrl_crc32_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 PyObject* afd_ctrl_send_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 PyObject* afd_ctrl_send_payload_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
-PyObject* afd_ctrl_send_front_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 PyObject* afd_ctrl_bind_types_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 PyObject* afd_ctrl_tcp_send_payload_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 PyObject* afd_ctrl_tcp_take_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
+int afd_ctrl_add_types(PyObject* mod);  // SendFront, TakeFront
 
 #define AFD_FASTCALL(fn) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(fn)), METH_FASTCALL
 
 static PyMethodDef afd_methods[] = {
     {"ctrl_take", AFD_FASTCALL(afd_ctrl_take_py),
      "Control plane: take the next shared-memory message, built (see afd_ext/control/shm.py)."},
-    {"ctrl_take_front", AFD_FASTCALL(afd_ctrl_take_front_py),
-     "Control plane: a receive whose first wait slice is native, else its fallback (see afd_ext/control/shm.py)."},
     {"ctrl_parse", AFD_FASTCALL(afd_ctrl_parse_py),
      "Control plane: build an AFDControlPayload from a binary control payload as the takes do."},
     {"ctrl_crc32", AFD_FASTCALL(afd_ctrl_crc32_py),
@@ -128,8 +125,6 @@ static PyMethodDef afd_methods[] = {
      "Control plane: encode and publish a payload in shared memory (see afd_ext/control/shm.py)."},
     {"ctrl_send_payload", AFD_FASTCALL(afd_ctrl_send_payload_py),
      "Control plane: encode an AFDControlPayload from its fields and publish it (see afd_ext/control/shm.py)."},
-    {"ctrl_send_front", AFD_FASTCALL(afd_ctrl_send_front_py),
-     "Control plane: check, then send an AFDControlPayload natively, else its fallback (see afd_ext/control/shm.py)."},
     {"ctrl_bind_types", AFD_FASTCALL(afd_ctrl_bind_types_py),
      "Control plane: the payload classes the native sends read and the takes build."},
     {"ctrl_tcp_send_payload", AFD_FASTCALL(afd_ctrl_tcp_send_payload_py),
@@ -157,7 +152,7 @@ PyMODINIT_FUNC PyInit__C(void) {
 #endif
   if (PyModule_AddIntConstant(mod, "CUDA_BUILT", cuda_built) < 0 ||
       PyModule_AddIntConstant(mod, "NCCL_VERSION_CODE", nccl_compiled) < 0 ||
-      PyModule_AddStringConstant(mod, "ARCH_LIST", AFD_ARCH_LIST) < 0) {
+      PyModule_AddStringConstant(mod, "ARCH_LIST", AFD_ARCH_LIST) < 0 || afd_ctrl_add_types(mod) < 0) {
     Py_DECREF(mod);
     return nullptr;
   }

@@ -1288,6 +1288,51 @@ def test_the_take_front_returns_a_built_payload_and_hands_everything_else_to_its
         rx.close()
 
 
+def test_the_front_objects_refuse_bad_arguments_before_anything_moves_and_free_their_cycles():
+    """The fronts are one native object each (SendFront / TakeFront): a wrong call is a TypeError with
+    nothing sent or consumed, the next call works, and a plane holding its fronts (which hold its
+    bound methods) is freed by the collector."""
+    import gc
+    import weakref
+
+    from afd_ext.control.channel import _native
+
+    nat = _native()
+    rx, tx = _ring(idle_s=30.0, heartbeat_timeout_s=60.0)
+    try:
+        with pytest.raises(TypeError, match=r"SendFront\(ring_address, check, fallback, owner\)"):
+            nat.send_front(tx._state_addr, None, print)
+        with pytest.raises(ValueError, match="SendFront"):
+            nat.send_front(0, None, print, tx)  # no ring
+        with pytest.raises(TypeError, match="TakeFront"):
+            nat.take_front(rx._state_addr, print, print, rx, 64)
+        fell = []
+        send = tx.send_front(None, fell.append)
+        take = rx.take_front(64, 64, lambda: int(1e9), fell.append)
+        assert type(send).__name__ == "SendFront" and send.channel is tx and take.channel is rx
+        with pytest.raises(AttributeError):
+            send.channel = rx  # read-only
+        with pytest.raises(TypeError, match=r"send_front\(payload\)"):
+            send()
+        with pytest.raises(TypeError, match=r"send_front\(payload\)"):
+            send(_plain_payload(0, 4), payload=1)
+        with pytest.raises(TypeError, match="no arguments"):
+            take(1)
+        assert fell == []  # nothing sent, nothing taken
+        send(_plain_payload(3, 4))
+        assert take() == _plain_payload(3, 4) and fell == []  # the next step works
+
+        plane = cp.AFDControlPlane(lambda p: None, Topology(1, 1), "attention", 0, channels={0: tx})
+        assert type(vars(plane)["send_dp_metadata_list"]).__name__ == "SendFront"
+        ref = weakref.ref(plane)
+        del plane
+        gc.collect()
+        assert ref() is None  # plane -> front -> plane._send_checked -> plane: a cycle the collector frees
+    finally:
+        tx.close()
+        rx.close()
+
+
 class _Interrupted(Exception):
     pass
 

@@ -75,8 +75,9 @@ checked path, with the checks, carries on after it.
 One native call per step on each end: a step after a 20-50 ms gap runs on cold
 caches, so the per-step path touches as little memory as it can. The sender's
 ``send_dp_metadata_list`` is, with one shm destination, the channel's native
-front (:meth:`ControlChannel.send_front`, bound on the plane instance:
-``_C.ctrl_send_front`` runs the connector's check, reads the payload's slots in
+front (:meth:`ControlChannel.send_front`, bound on the plane instance: a
+``_C.SendFront`` object, one native callable holding the ring and the
+callbacks, runs the connector's check, reads the payload's slots in
 place, encodes, publishes and rings the doorbell; tcp: one frame around
 ``_C.ctrl_tcp_send_payload``, one ``send()``); anything else takes the checked
 Python path, which names a bad value. The receiver's take copies and checks the message (sender rank, length,

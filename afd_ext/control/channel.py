@@ -218,17 +218,17 @@ class _Native:
         # (ring address, max_ns, max_stages, max_ranks) -> -1 not yet, -2 slow path, the built payload,
         # or bytes (max_stages < 0, or a message that is not a well-formed payload)
         self.take = module.ctrl_take
-        # (ring address, max_stages, max_ranks, prepare, fallback) -> the payload built within the
-        # slice of prepare() ns, else fallback(what the slice took, or None)
-        self.take_front = module.ctrl_take_front
+        # TakeFront(ring address, prepare, fallback, owner, max_stages, max_ranks)() -> the payload
+        # built within the slice of prepare() ns, else fallback(what the slice took, or None)
+        self.take_front = module.TakeFront
         # (ring address, flags, stages) -> 0 sent (doorbell rung), -1 ring full, -2 encode it in Python
         self.send = module.ctrl_send
         # (ring address, payload) -> as send; the payload read straight from its fields (few cache lines
         # touched: a send after a long gap is cold), -2 for anything but a plain AFDControlPayload
         self.send_payload = module.ctrl_send_payload
-        # (ring address, check, fallback, payload) -> None after check(payload) and the native send,
-        # else fallback(payload)'s result
-        self.send_front = module.ctrl_send_front
+        # SendFront(ring address, check, fallback, owner)(payload) -> None after check(payload) and
+        # the native send, else fallback(payload)'s result
+        self.send_front = module.SendFront
         # (data, max_stages, max_ranks) -> the payload built as the takes build it, or None
         self.parse = module.ctrl_parse
         # (tcp state address, payload) -> 0 sent, -2 send it in Python, bytes: the unsent tail
@@ -385,7 +385,13 @@ class ControlChannel(abc.ABC):
         int (nothing came) or bytes (a message it took, consumed, but could not build: the caller's
         decoder must name the problem). The fallback is the caller's checked path (it waits on,
         checks and names errors). None: no such front (no native core, or tcp, whose reads may hold
-        heartbeat frames for the channel's framing)."""
+        heartbeat frames for the channel's framing).
+
+        The front (shm: a ``_C.TakeFront``, one native object holding the ring, the callbacks and
+        this channel as ``.channel``) takes no arguments: any raises ``TypeError``, nothing taken.
+        What ``prepare`` raises propagates, nothing taken; it must return an int (anything else
+        raises ``TypeError``, one beyond a C ``long`` ``OverflowError``; a slice is capped at
+        :data:`MAX_NATIVE_WAIT_NS`)."""
         return None
 
     def first_slice_ns(self, timeout_s: float | None, max_stages: int, max_ranks: int, max_bytes: int) -> int:
@@ -412,7 +418,11 @@ class ControlChannel(abc.ABC):
         is sent), then sends a plain :class:`~afd_ext.metadata.AFDControlPayload` natively and
         returns None; whatever the native send declines (ring full, closed, another payload class,
         a value out of range) goes to ``fallback(payload)``, the caller's checked path (which waits
-        for space and names errors), and its result is returned. None: no such front."""
+        for space and names errors), and its result is returned. None: no such front.
+
+        The shm front is a ``_C.SendFront``, one native object holding the ring, the callbacks and
+        this channel as ``.channel``: one object to touch on the way into C after a long gap. A call
+        with other than one positional argument raises ``TypeError``, nothing sent."""
         return None
 
     @abc.abstractmethod

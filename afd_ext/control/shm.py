@@ -8,7 +8,6 @@ its two ends, the waiting policy, liveness and the native path.
 from __future__ import annotations
 
 import ctypes
-import functools
 import time
 from typing import Any
 
@@ -233,23 +232,17 @@ class ShmControlChannel(ControlChannel):
         # The last payload's time: a native take stamps it (CLOCK_MONOTONIC, as time.monotonic()).
         return max(self._last_msg, self._state.t_ns * 1e-9) + self.options.idle_s
 
-    def _bound(self, fn: Any, *args: Any) -> Any:
-        """``fn`` with this end's native state (and ``args``) bound, holding the channel (the state
-        and its mapping live as long as the call)."""
-        front = functools.partial(fn, self._state_addr, *args)
-        front.channel = self  # type: ignore[attr-defined]
-        return front
-
     def take_front(self, max_stages: int, max_ranks: int, prepare: Any, fallback: Any) -> Any:
         if self._native is None or self.is_sender:
             return None
-        return self._bound(self._native.take_front, max_stages, max_ranks, prepare, fallback)
+        # One native object per front (it holds this channel: the state and its mapping live as long).
+        return self._native.take_front(self._state_addr, prepare, fallback, self, max_stages, max_ranks)
 
     def send_front(self, check: Any, fallback: Any) -> Any:
         if self._native is None or self._slot_bytes > self.options.max_message_bytes or not self.is_sender:
             return None
         # One C call per step; whatever needs send_payload's checks (ring full, closed, not plain) goes there.
-        return self._bound(self._native.send_front, check, fallback)
+        return self._native.send_front(self._state_addr, check, fallback, self)
 
     def _ring(self) -> None:
         if self._bell is not None:

@@ -540,39 +540,6 @@ PyObject* afd_ctrl_take_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return shm_take(static_cast<afd_ctrl_ring*>(p), max_ns, max_stages, max_ranks);
 }
 
-// _C.ctrl_take_front(ring_address, max_stages, max_ranks, prepare, fallback): a receive whose
-// first wait slice is native, for a caller that binds it (functools.partial) as its per-step call,
-// so that a payload arriving within the slice goes from C straight back to that caller's caller.
-// ns = prepare() (an int: how long the slice may wait; 0: none); then, as ctrl_take, the payload
-// built is returned; whatever else the slice took (an int: nothing; bytes: a message it could not
-// build, consumed) is handed to fallback(taken) (None when there was no slice), whose result is
-// returned: the caller's checked path, which waits on and names every error.
-PyObject* afd_ctrl_take_front_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 5) {
-    PyErr_SetString(PyExc_TypeError, "ctrl_take_front(ring_address, max_stages, max_ranks, prepare, fallback)");
-    return nullptr;
-  }
-  auto* r = static_cast<afd_ctrl_ring*>(PyLong_AsVoidPtr(args[0]));
-  const long max_stages = PyLong_AsLong(args[1]);
-  const long max_ranks = PyLong_AsLong(args[2]);
-  if (PyErr_Occurred()) return nullptr;
-  PyObject* ns_obj = PyObject_CallNoArgs(args[3]);
-  if (ns_obj == nullptr) return nullptr;
-  long ns = PyLong_AsLong(ns_obj);
-  Py_DECREF(ns_obj);
-  if (ns == -1 && PyErr_Occurred()) return nullptr;
-  PyObject* got;
-  if (ns > 0 && r != nullptr) {
-    got = shm_take(r, ns > 0x7FFFFFFFL ? 0x7FFFFFFFL : ns, max_stages, max_ranks);
-    if (got == nullptr || !(PyLong_CheckExact(got) || PyBytes_CheckExact(got))) return got;  // built, or an error
-  } else {
-    got = Py_NewRef(Py_None);
-  }
-  PyObject* res = PyObject_CallOneArg(args[4], got);
-  Py_DECREF(got);
-  return res;
-}
-
 // _C.ctrl_crc32(data, value): zlib.crc32(data, value) as the ring's native paths compute it.
 PyObject* afd_ctrl_crc32_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 2 || !PyBytes_Check(args[0])) {
@@ -823,25 +790,177 @@ PyObject* afd_ctrl_send_payload_py(PyObject*, PyObject* const* args, Py_ssize_t 
   return PyLong_FromLong(shm_send_payload(r, args[1]));
 }
 
-// _C.ctrl_send_front(ring_address, check, fallback, payload): a send for a caller that binds it
-// (functools.partial) as its per-step call: check(payload) unless check is None (its error is
-// raised, nothing sent), then the payload published as ctrl_send_payload does; whatever that
-// declines (ring full, closed, not the plain case) goes to fallback(payload), the caller's checked
-// path. Returns None, or fallback's result.
-PyObject* afd_ctrl_send_front_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 4) {
-    PyErr_SetString(PyExc_TypeError, "ctrl_send_front(ring_address, check, fallback, payload)");
+// ---------------------------------------------------------------------------
+// The per-step fronts: callables a caller binds as its own per-step send / receive (the control
+// plane binds them on its instance). One object holds the ring and the callbacks, so that a step
+// after a long gap, on cold caches, touches one object's lines on its way into C (a
+// functools.partial touched itself, its argument tuple, the ints in it and the function).
+// ---------------------------------------------------------------------------
+
+namespace {
+
+struct Front {
+  PyObject_HEAD
+  vectorcallfunc vectorcall;
+  afd_ctrl_ring* ring;  // the end's RingState (kept alive by owner)
+  long max_stages;      // take: the builds' bounds
+  long max_ranks;
+  PyObject* first;     // send: check (or None); take: prepare
+  PyObject* fallback;  // the caller's checked path
+  PyObject* owner;     // the channel: holds the RingState and its mapping while the front lives
+};
+
+int front_traverse(PyObject* self, visitproc visit, void* arg) {
+  auto* f = reinterpret_cast<Front*>(self);
+  Py_VISIT(f->first);
+  Py_VISIT(f->fallback);
+  Py_VISIT(f->owner);
+  return 0;
+}
+
+int front_clear(PyObject* self) {
+  auto* f = reinterpret_cast<Front*>(self);
+  Py_CLEAR(f->first);
+  Py_CLEAR(f->fallback);
+  Py_CLEAR(f->owner);
+  return 0;
+}
+
+void front_dealloc(PyObject* self) {
+  PyObject_GC_UnTrack(self);
+  front_clear(self);
+  Py_TYPE(self)->tp_free(self);
+}
+
+// (ring_address, first, fallback, owner[, max_stages, max_ranks]) into a new front of `type`.
+PyObject* front_new(PyTypeObject* type, PyObject* args, PyObject* kwds, vectorcallfunc call, int nargs,
+                    const char* sig) {
+  if ((kwds != nullptr && PyDict_GET_SIZE(kwds) != 0) || PyTuple_GET_SIZE(args) != nargs) {
+    PyErr_SetString(PyExc_TypeError, sig);
     return nullptr;
   }
-  auto* r = static_cast<afd_ctrl_ring*>(PyLong_AsVoidPtr(args[0]));
+  auto* ring = static_cast<afd_ctrl_ring*>(PyLong_AsVoidPtr(PyTuple_GET_ITEM(args, 0)));
+  long ms = 0, mr = 0;
+  if (nargs == 6) {
+    ms = PyLong_AsLong(PyTuple_GET_ITEM(args, 4));
+    mr = PyLong_AsLong(PyTuple_GET_ITEM(args, 5));
+  }
   if (PyErr_Occurred()) return nullptr;
-  if (args[1] != Py_None) {
-    PyObject* ok = PyObject_CallOneArg(args[1], args[3]);
+  if (ring == nullptr) {
+    PyErr_SetString(PyExc_ValueError, sig);
+    return nullptr;
+  }
+  auto* f = reinterpret_cast<Front*>(type->tp_alloc(type, 0));
+  if (f == nullptr) return nullptr;
+  f->vectorcall = call;
+  f->ring = ring;
+  f->max_stages = ms;
+  f->max_ranks = mr;
+  f->first = Py_NewRef(PyTuple_GET_ITEM(args, 1));
+  f->fallback = Py_NewRef(PyTuple_GET_ITEM(args, 2));
+  f->owner = Py_NewRef(PyTuple_GET_ITEM(args, 3));
+  return reinterpret_cast<PyObject*>(f);
+}
+
+// send_front(payload): first(payload) unless first is None (its error is raised, nothing sent),
+// then the payload published as ctrl_send_payload does; whatever that declines (ring full, closed,
+// not the plain case) goes to fallback(payload), whose result is returned (else None).
+PyObject* send_front_call(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  auto* f = reinterpret_cast<Front*>(self);
+  if (PyVectorcall_NARGS(nargsf) != 1 || kwnames != nullptr) {
+    PyErr_SetString(PyExc_TypeError, "send_front(payload)");
+    return nullptr;
+  }
+  PyObject* payload = args[0];
+  if (f->first != Py_None) {
+    PyObject* ok = PyObject_CallOneArg(f->first, payload);
     if (ok == nullptr) return nullptr;
     Py_DECREF(ok);
   }
-  if (shm_send_payload(r, args[3]) == 0) Py_RETURN_NONE;
-  return PyObject_CallOneArg(args[2], args[3]);
+  if (shm_send_payload(f->ring, payload) == 0) Py_RETURN_NONE;
+  return PyObject_CallOneArg(f->fallback, payload);
+}
+
+// take_front(): ns = first() (prepare: an int, how long the first slice may wait; 0: none); then,
+// as ctrl_take, the payload built within it is returned; whatever else the slice took (an int:
+// nothing; bytes: a message it could not build, consumed) is handed to fallback(taken) (None when
+// there was no slice), whose result is returned: the caller's checked path, which waits on and
+// names every error.
+PyObject* take_front_call(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  auto* f = reinterpret_cast<Front*>(self);
+  (void)args;
+  if (PyVectorcall_NARGS(nargsf) != 0 || kwnames != nullptr) {
+    PyErr_SetString(PyExc_TypeError, "take_front() takes no arguments");
+    return nullptr;
+  }
+  PyObject* ns_obj = PyObject_CallNoArgs(f->first);
+  if (ns_obj == nullptr) return nullptr;
+  const long ns = PyLong_AsLong(ns_obj);
+  Py_DECREF(ns_obj);
+  if (ns == -1 && PyErr_Occurred()) return nullptr;
+  PyObject* got;
+  if (ns > 0) {
+    got = shm_take(f->ring, ns > 0x7FFFFFFFL ? 0x7FFFFFFFL : ns, f->max_stages, f->max_ranks);
+    if (got == nullptr || !(PyLong_CheckExact(got) || PyBytes_CheckExact(got))) return got;  // built, or an error
+  } else {
+    got = Py_NewRef(Py_None);
+  }
+  PyObject* res = PyObject_CallOneArg(f->fallback, got);
+  Py_DECREF(got);
+  return res;
+}
+
+constexpr const char* kSendSig = "SendFront(ring_address, check, fallback, owner)";
+constexpr const char* kTakeSig = "TakeFront(ring_address, prepare, fallback, owner, max_stages, max_ranks)";
+
+PyObject* send_front_new(PyTypeObject* t, PyObject* a, PyObject* k) { return front_new(t, a, k, send_front_call, 4, kSendSig); }
+PyObject* take_front_new(PyTypeObject* t, PyObject* a, PyObject* k) { return front_new(t, a, k, take_front_call, 6, kTakeSig); }
+
+PyMemberDef front_members[] = {
+    {"channel", T_OBJECT, offsetof(Front, owner), READONLY, "the channel whose ring this front uses"},
+    {nullptr, 0, 0, 0, nullptr}};
+
+PyTypeObject make_front_type(const char* name, const char* doc, newfunc make) {
+  PyTypeObject t = {PyVarObject_HEAD_INIT(nullptr, 0)};
+  t.tp_name = name;
+  t.tp_basicsize = sizeof(Front);
+  t.tp_dealloc = front_dealloc;
+  t.tp_vectorcall_offset = offsetof(Front, vectorcall);
+  t.tp_call = PyVectorcall_Call;
+  t.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL;
+  t.tp_doc = doc;
+  t.tp_traverse = front_traverse;
+  t.tp_clear = front_clear;
+  t.tp_members = front_members;
+  t.tp_new = make;
+  return t;
+}
+
+PyTypeObject g_send_front_type = make_front_type(
+    "afd_ext._C.SendFront",
+    "SendFront(ring_address, check, fallback, owner): a shared-memory end's per-step send, "
+    "front(payload) (see afd_ext/control/shm.py).",
+    send_front_new);
+PyTypeObject g_take_front_type = make_front_type(
+    "afd_ext._C.TakeFront",
+    "TakeFront(ring_address, prepare, fallback, owner, max_stages, max_ranks): a shared-memory end's "
+    "per-step receive, front() (see afd_ext/control/shm.py).",
+    take_front_new);
+
+}  // namespace
+
+// Adds SendFront and TakeFront to the module (PyInit__C); -1 with an error set.
+int afd_ctrl_add_types(PyObject* mod) {
+  for (PyTypeObject* t : {&g_send_front_type, &g_take_front_type}) {
+    if (PyType_Ready(t) < 0) return -1;
+    const char* dot = std::strrchr(t->tp_name, '.');
+    Py_INCREF(t);
+    if (PyModule_AddObject(mod, dot + 1, reinterpret_cast<PyObject*>(t)) < 0) {
+      Py_DECREF(t);
+      return -1;
+    }
+  }
+  return 0;
 }
 
 // ---------------------------------------------------------------------------

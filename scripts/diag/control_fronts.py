@@ -1,11 +1,16 @@
-"""Issue 16: the plane's native fronts against the previous per-step path, alternated step by step
-in one pair of processes (so both see the same host noise). Variant "frame": the previous plane's
-Python frame around one native call on each end (session 6's send_dp_metadata_list /
-recv_dp_metadata_list, bytecode for bytecode up to the call and back); "front": this tree's plane,
-whose per-step calls are the channels' native fronts. shm, new counts every step, 8 ranks x 2 stages.
+"""Issue 16: the plane's per-step paths alternated step by step in one pair of processes (so every
+variant sees the same host noise). shm, new counts every step, 8 ranks x 2 stages, end to end.
+
+Variants:
+  "frame":   session 6's plane: a Python frame around one native call on each end (bytecode for
+             bytecode up to the call and back), the call a functools.partial of a module function;
+  "partial": this tree's fronts, each wrapped in a functools.partial (what session 7's fronts had
+             on top of their C call: the partial, its tuple, its dict), so its cold cost shows;
+  "front":   this tree's plane: its per-step calls are the channels' native front objects.
 
     python scripts/diag/control_fronts.py [GAP_MS ...]     (default 20 50; 300 steps per variant)
 """
+import functools
 import multiprocessing as mp
 import os
 import statistics
@@ -13,10 +18,11 @@ import sys
 import time
 
 STEPS = 300
+VARIANTS = ("frame", "partial", "front")
 
 
 class FramePlane:
-    """The previous plane's per-step calls: a Python frame around the channel's one native call."""
+    """Session 6's per-step calls: a Python frame around the channel's one native call."""
 
     def __init__(self, plane, ch):
         self._open = True
@@ -24,10 +30,11 @@ class FramePlane:
         self._plane = plane
         self.recv_timeout_s = None
         self.max_payload_bytes = plane.max_payload_bytes
+        self._ch = ch
         if ch.is_sender:
-            self._fast_send = ch._bound(ch._native.send_payload)
+            self._fast_send = functools.partial(ch._native.send_payload, ch._state_addr)
         else:
-            self._fast_take = ch._bound(ch._native.take)
+            self._fast_take = functools.partial(ch._native.take, ch._state_addr)
 
     def send_dp_metadata_list(self, payload):
         if not self._open:
@@ -44,7 +51,7 @@ class FramePlane:
         data = None
         if fast is not None:
             started = time.monotonic()  # noqa: F841 - as the previous plane did
-            ns = fast.channel.first_slice_ns(self.recv_timeout_s, 64, 1024, self.max_payload_bytes)
+            ns = self._ch.first_slice_ns(self.recv_timeout_s, 64, 1024, self.max_payload_bytes)
             if ns:
                 got = fast(ns, 64, 1024)
                 if type(got) is bytes:
@@ -53,6 +60,15 @@ class FramePlane:
                     return got
         self._plane._recv_started = None
         return self._plane._recv_checked(data)  # late (start-up): the checked path, as before
+
+
+class PartialPlane:
+    """The plane's fronts, each behind a functools.partial (the layer session 7's fronts had)."""
+
+    def __init__(self, plane):
+        for name in ("send_dp_metadata_list", "recv_dp_metadata_list"):
+            if name in vars(plane):
+                setattr(self, name, functools.partial(vars(plane)[name]))
 
 
 def _end(role, name, q, gaps, spin):
@@ -71,18 +87,20 @@ def _end(role, name, q, gaps, spin):
     else:
         ch = ShmControlChannel.attach(name, local_rank=1, peer_rank=0, peer="FFN rank 0", options=opts)
     plane = cp.AFDControlPlane(lambda p: None, Topology(1, 1), role, 0, channels={0: ch})
-    ends = (FramePlane(plane, ch), plane)
+    assert "send_dp_metadata_list" in vars(plane) or "recv_dp_metadata_list" in vars(plane)  # fronts bound
+    ends = (FramePlane(plane, ch), PartialPlane(plane), plane)
     if role == "attention":
         time.sleep(0.3)  # the FFN end is waiting
     counts = [(7 * i + 3) % 64 for i in range(8)]
+    clock = time.perf_counter_ns
     stamps = []
     step = 0
     for gap in gaps:
-        for i in range(2 * STEPS + 20):
-            end = ends[i % 2]
+        for i in range(len(ends) * STEPS + 20):
+            end = ends[i % len(ends)]
             if role == "attention":
                 p = AFDControlPayload({s: AFDDPMetadata([step % 50 + s] + counts[1:]) for s in range(2)})
-                t0 = time.perf_counter_ns()
+                t0 = clock()
                 end.send_dp_metadata_list(p)
                 stamps.append(t0)
                 deadline = time.perf_counter() + gap / 1e3
@@ -93,7 +111,7 @@ def _end(role, name, q, gaps, spin):
                     time.sleep(gap / 1e3)
             else:
                 p = end.recv_dp_metadata_list()
-                stamps.append(time.perf_counter_ns())
+                stamps.append(clock())
                 assert p.dp_metadata_list[0].counts[0] == step % 50, (step, p)
             step += 1
     q.put((role, stamps))
@@ -113,18 +131,19 @@ def main():
     name = q.get(timeout=60)
     att = ctx.Process(target=_end, args=("attention", name, q, gaps, spin))
     att.start()
-    got = dict(q.get(timeout=600) for _ in range(2))
+    got = dict(q.get(timeout=900) for _ in range(2))
     ffn.join(30)
     att.join(30)
-    per = 2 * STEPS + 20
+    nv = len(VARIANTS)
+    per = nv * STEPS + 20
     print(f"sender {'spins' if spin else 'sleeps'}; end to end p50 / p99 (us), variants alternated step by step")
     for n, gap in enumerate(gaps):
-        lat = {0: [], 1: []}
+        lat = {v: [] for v in range(nv)}
         for i in range(20, per):  # the first 20 steps warm up
             k = n * per + i
-            lat[i % 2].append((got["ffn"][k] - got["attention"][k]) / 1e3)
+            lat[i % nv].append((got["ffn"][k] - got["attention"][k]) / 1e3)
         cells = []
-        for v, label in ((0, "frame"), (1, "front")):
+        for v, label in enumerate(VARIANTS):
             xs = sorted(lat[v])
             cells.append(f"{label} {statistics.median(xs):.1f} / {_pct(xs, 99):.1f}")
         print(f"  gap {gap:g} ms: " + ", ".join(cells))
