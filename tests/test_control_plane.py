@@ -1322,12 +1322,17 @@ def test_the_front_objects_refuse_bad_arguments_before_anything_moves_and_free_t
         send(_plain_payload(3, 4))
         assert take() == _plain_payload(3, 4) and fell == []  # the next step works
 
-        plane = cp.AFDControlPlane(lambda p: None, Topology(1, 1), "attention", 0, channels={0: tx})
-        assert type(vars(plane)["send_dp_metadata_list"]).__name__ == "SendFront"
-        ref = weakref.ref(plane)
-        del plane
+        # Each cycle runs through one slot only: a slot the collector does not visit leaves it alive.
+        held = []  # check -> held -> plane: a cycle through the front's check
+        sender = cp.AFDControlPlane(lambda p: held, Topology(1, 1), "attention", 0, channels={0: tx})
+        held.append(sender)
+        assert type(vars(sender)["send_dp_metadata_list"]).__name__ == "SendFront"
+        ffn = cp.AFDControlPlane(lambda p: None, Topology(1, 1), "ffn", 0, channels={0: rx})
+        assert type(vars(ffn)["recv_dp_metadata_list"]).__name__ == "TakeFront"  # -> ffn via prepare, fallback
+        refs = [weakref.ref(sender), weakref.ref(ffn)]
+        del sender, ffn, held
         gc.collect()
-        assert ref() is None  # plane -> front -> plane._send_checked -> plane: a cycle the collector frees
+        assert [r() for r in refs] == [None, None]  # plane -> front -> plane: cycles the collector frees
     finally:
         tx.close()
         rx.close()

@@ -353,3 +353,44 @@ def test_the_watchdog_records_a_timeout_while_the_store_host_is_frozen(fake):
             t.close()
     finally:
         host.close()
+
+
+_EXIT_SCRIPT = r"""
+import sys, time
+from afd_ext.transport import nccl
+nccl.EXIT_WAIT_S = float(sys.argv[2])
+marker, hold_s = sys.argv[1], float(sys.argv[3])
+
+def release():  # stands in for an ncclCommAbort whose peer stalled: a native call with the GIL released
+    time.sleep(hold_s)
+    open(marker, "w").write("released")
+
+nccl._start(release, "ncclCommAbort of a2f a0-f0 (handle 7) on FFN rank 0")
+print("worker done", flush=True)  # the worker returns at once; the release is still running
+"""
+
+
+@pytest.mark.parametrize("case", ["finishes", "overruns"])
+def test_process_exit_waits_for_a_running_release_within_its_bound(tmp_path, case):
+    """GPU run 35: a stalled peer's abort, on a helper thread, returned into a finalising interpreter
+    and the process died with SIGABRT. Exit now joins the releases first (bounded); past the bound it
+    leaves without finalising, exit status 1, naming the call."""
+    import subprocess
+    import sys
+
+    marker = tmp_path / "released"
+    wait_s, hold_s = (10.0, 0.5) if case == "finishes" else (0.5, 30.0)
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, str(marker), str(wait_s), str(hold_s)],
+                       capture_output=True, text=True, timeout=60)
+    took = time.monotonic() - t0
+    assert "worker done" in r.stdout, r
+    if case == "finishes":
+        assert r.returncode == 0, r
+        assert marker.read_text() == "released"  # the exit waited for it
+    else:
+        assert r.returncode == 1, r
+        assert not marker.exists()
+        assert took < 20, took  # the bound, not the 30 s release
+        assert "ncclCommAbort of a2f a0-f0 (handle 7) on FFN rank 0" in r.stderr, r.stderr
+        assert "Leaving without finalising" in r.stderr, r.stderr

@@ -26,7 +26,8 @@ drain, and is itself bounded (the remaining communicators are aborted when it
 overruns). A release that overruns its bound is logged with the communicator
 it is stuck on, and the next :class:`NcclTransport` of this process waits for
 it (bounded) and then refuses to start, naming it, instead of hanging inside
-``ncclCommInitRank``.
+``ncclCommInitRank``; process exit waits for it too (bounded, :data:`EXIT_WAIT_S`), since a
+helper returning into a finalising interpreter aborts the process.
 
 Every data call is one NCCL group over all peers (``ops.split_back`` /
 ``ops.fan_in``), issued on the stage's own CUDA stream after the caller's
@@ -63,8 +64,11 @@ generation.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
+import os
+import sys
 import threading
 import time
 from typing import Any, Callable, Iterator, Sequence
@@ -89,7 +93,8 @@ from .streams import StageStreams  # noqa: F401 - was defined here; still import
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NcclTransport", "DIRECTIONS", "RELEASE_TIMEOUT_S", "WAIT_BACKSTOP_S", "POST_ABORT_WAIT_S", "pending_releases"]
+__all__ = ["NcclTransport", "DIRECTIONS", "RELEASE_TIMEOUT_S", "WAIT_BACKSTOP_S", "POST_ABORT_WAIT_S", "EXIT_WAIT_S",
+           "pending_releases"]
 
 DIRECTIONS = ("a2f", "f2a")
 
@@ -113,6 +118,41 @@ def pending_releases() -> list[str]:
     with _PENDING_LOCK:
         _PENDING[:] = [(t, d) for t, d in _PENDING if t.is_alive()]
         return [d for _, d in _PENDING]
+
+
+#: How long process exit waits for NCCL releases still running in helper threads, seconds.
+EXIT_WAIT_S = RELEASE_TIMEOUT_S
+
+
+@atexit.register
+def _join_releases_at_exit() -> None:
+    """Before the interpreter finalises, wait (bounded) for the NCCL releases still in helper threads.
+
+    A helper returning from its torch op while the interpreter finalises is ended by CPython
+    (``pthread_exit`` when it asks for the GIL back, Python 3.11 / 3.12) through torch's noexcept
+    GIL guard, or meets c10's CUDA hooks already torn down: either way the process dies with
+    SIGABRT (GPU run 35: a stalled peer's ``ncclCommAbort`` outlived the worker's ``return``). Past
+    :data:`EXIT_WAIT_S` the process leaves without finalising (``os._exit(1)``), the calls named
+    in the log. An abandoned ``ncclCommInitRank`` (not registered: it returns only if its peer
+    joins late) is not waited for.
+    """
+    with _PENDING_LOCK:
+        threads = [(t, d) for t, d in _PENDING if t.is_alive()]
+    if not threads:
+        return
+    logger.warning("afd_ext: waiting up to %.0f s at exit for NCCL calls still running: %s",
+                   EXIT_WAIT_S, "; ".join(d for _, d in threads))
+    left = _join_all(threads, time.monotonic() + EXIT_WAIT_S)
+    if not left:
+        return
+    logger.error("afd_ext: NCCL calls still running %.0f s after exit began: %s. Leaving without "
+                 "finalising (exit status 1): their return into a finalising interpreter would abort "
+                 "the process.", EXIT_WAIT_S, "; ".join(left))
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(1)
 
 
 def _start(fn: Callable[[], Any], what: str, *, register: bool = True) -> tuple[threading.Thread, dict]:

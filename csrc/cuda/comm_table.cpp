@@ -1,5 +1,6 @@
 // NCCL communicator table and the communicator-management ops.
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
@@ -16,7 +17,6 @@
 #include "../checks.h"
 #include "../ops.h"
 #include "comm_table.h"
-#include "device_scope.h"
 
 namespace afd {
 
@@ -168,7 +168,7 @@ int64_t comm_create(const at::Tensor& unique_id, int64_t world_size, int64_t ran
 
   ncclUniqueId id;
   std::memcpy(id.internal, unique_id.data_ptr(), NCCL_UNIQUE_ID_BYTES);
-  DeviceScope device_scope(static_cast<int>(device));  // an abandoned init may return during exit
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   // Blocking init: returns once every rank joined. Callers rendezvous first
   // (a store exchange with a deadline) so all ranks reach this call.
@@ -194,14 +194,14 @@ int64_t comm_create(const at::Tensor& unique_id, int64_t world_size, int64_t ran
 void comm_destroy(int64_t handle) {
   auto c = take(handle, "comm_destroy");
   if (!c) return;  // already destroyed or aborted
-  DeviceScope device_scope(c->device);  // on a helper thread, maybe during exit
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(c->device));
   AFD_CHECK_NCCL(ncclCommDestroy(c->comm), nullptr);
 }
 
 void comm_abort(int64_t handle) {
   auto c = take(handle, "comm_abort");
   if (!c) return;
-  DeviceScope device_scope(c->device);  // on a helper thread, maybe during exit
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(c->device));
   AFD_CHECK_NCCL(ncclCommAbort(c->comm), nullptr);
 }
 

@@ -4,8 +4,9 @@ variant sees the same host noise). shm, new counts every step, 8 ranks x 2 stage
 Variants:
   "frame":   session 6's plane: a Python frame around one native call on each end (bytecode for
              bytecode up to the call and back), the call a functools.partial of a module function;
-  "partial": this tree's fronts, each wrapped in a functools.partial (what session 7's fronts had
-             on top of their C call: the partial, its tuple, its dict), so its cold cost shows;
+  "partial": this tree's fronts, each behind a functools.partial with no arguments: one wrapper
+             object more on the way in (session 7's partial also held an argument tuple, the
+             ring's int and a module function, which this cannot rebuild: a lower bound);
   "front":   this tree's plane: its per-step calls are the channels' native front objects.
 
     python scripts/diag/control_fronts.py [GAP_MS ...]     (default 20 50; 300 steps per variant)
@@ -63,7 +64,7 @@ class FramePlane:
 
 
 class PartialPlane:
-    """The plane's fronts, each behind a functools.partial (the layer session 7's fronts had)."""
+    """The plane's fronts, each behind a functools.partial with no arguments (one wrapper more)."""
 
     def __init__(self, plane):
         for name in ("send_dp_metadata_list", "recv_dp_metadata_list"):
