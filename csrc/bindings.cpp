@@ -101,7 +101,8 @@ TORCH_LIBRARY_IMPL(afd_ext, CompositeExplicitAutograd, m) {
 }
 
 // The control plane's per-message calls (csrc/cpu/control_poll.cpp): plain module
-// functions, far cheaper per call than a torch op or ctypes.
+// functions and two callable types (the per-step fronts), far cheaper per call than a torch
+// op or ctypes.
 PyObject* afd_ctrl_take_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 PyObject* afd_ctrl_parse_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 PyObject* afd_ctrl_crc32_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);

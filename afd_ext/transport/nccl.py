@@ -113,11 +113,16 @@ _PENDING: list[tuple[threading.Thread, str]] = []
 _STUCK_BUFFERS: list[torch.Tensor] = []
 
 
-def pending_releases() -> list[str]:
-    """Descriptions of NCCL management calls (abort/destroy/init) still running in helper threads."""
+def _running() -> list[tuple[threading.Thread, str]]:
+    """The registered NCCL management calls still running (thread, description); drops the rest."""
     with _PENDING_LOCK:
         _PENDING[:] = [(t, d) for t, d in _PENDING if t.is_alive()]
-        return [d for _, d in _PENDING]
+        return list(_PENDING)
+
+
+def pending_releases() -> list[str]:
+    """Descriptions of NCCL management calls (abort/destroy/init) still running in helper threads."""
+    return [d for _, d in _running()]
 
 
 #: How long process exit waits for NCCL releases still running in helper threads, seconds.
@@ -136,8 +141,7 @@ def _join_releases_at_exit() -> None:
     in the log. An abandoned ``ncclCommInitRank`` (not registered: it returns only if its peer
     joins late) is not waited for.
     """
-    with _PENDING_LOCK:
-        threads = [(t, d) for t, d in _PENDING if t.is_alive()]
+    threads = _running()
     if not threads:
         return
     logger.warning("afd_ext: waiting up to %.0f s at exit for NCCL calls still running: %s",
