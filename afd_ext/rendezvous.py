@@ -586,13 +586,15 @@ def _wait_listening(host: str, port: int, deadline: float) -> str | None:
 
 
 _TOKEN: dict[str, Any] = {}
+_TOKEN_LOCK = threading.Lock()
 
 
 def _process_token() -> dict[str, Any]:
     """Who this process is, for claims on a world rank: host identity, pid, start time, a nonce."""
-    if not _TOKEN:
-        _TOKEN.update(host=host_identity(), name=socket.gethostname(), pid=os.getpid(),
-                      start=_start_time(os.getpid()), nonce=uuid.uuid4().hex)
+    with _TOKEN_LOCK:  # ranks run as threads of one process (tests): one nonce, never two
+        if not _TOKEN:
+            _TOKEN.update(host=host_identity(), name=socket.gethostname(), pid=os.getpid(),
+                          start=_start_time(os.getpid()), nonce=uuid.uuid4().hex)
     return _TOKEN
 
 

@@ -270,3 +270,26 @@ def test_rank_label():
     assert rdzv.rank_label(3, 2) == "attention rank 1 (world rank 3)"
     assert rdzv.rank_label(3) == "world rank 3"
 
+
+
+def test_ranks_run_as_threads_of_one_process_share_one_claim_token(monkeypatch):
+    # Ranks as threads (the CPU tests) each claim their world rank with this process's token; two
+    # threads building it at once gave two nonces, and a rank then refused its own claim as "held by
+    # another running process" (its own pid): DuplicateRankError, ~40 % of runs of the NCCL fake tests.
+    import threading
+
+    monkeypatch.setattr(rdzv, "_TOKEN", {})
+    slow = rdzv._start_time
+
+    def start_time(pid):
+        time.sleep(0.05)  # widen the window between "no token yet" and the token built
+        return slow(pid)
+
+    monkeypatch.setattr(rdzv, "_start_time", start_time)
+    seen = []
+    threads = [threading.Thread(target=lambda: seen.append(dict(rdzv._process_token()))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert len(seen) == 4 and all(s == seen[0] for s in seen), seen
