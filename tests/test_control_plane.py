@@ -737,8 +737,14 @@ def test_a_warm_receiver_rehearses_the_last_payload_natively_and_still_takes_the
         t.start()
         time.sleep(0.2)
         assert warm.rehearsals >= 5  # about one per warm_s while it waits
+        assert warm.sender == 1 and warm.sends >= warm.rehearsals - 1  # the attention end's send too
         if kind == "shm":
             assert rx._hdr[cshm._W_READ_COUNT] == 1  # a rehearsal consumes nothing
+            assert tx._state.k == 1 and tx._hdr[cshm._W_READ_COUNT] == 1  # nor sends on the real ring
+        warm.sender = 0
+        sends = warm.sends
+        time.sleep(0.05)
+        assert warm.sends == sends  # off: the take's path alone
         tx.send_payload(_plain_payload(1, 8))
         t.join(5)
         assert out == [_plain_payload(1, 8)]

@@ -92,9 +92,10 @@ class ChannelOptions:
         nslots: shm ring slots (>= 2).
         max_message_bytes: largest message accepted by a receiver.
         warm_s: receiver, while polling: every ``warm_s`` the native wait
-            builds the last payload it took again and drops it (shm: after a
-            CRC over it; tcp: the build alone; 1-3 µs holding the GIL), so that
-            a payload after a long gap finds that path in cache; 0: off.
+            builds the last payload it took again (shm: after a CRC over it),
+            sends it as the attention end does on a private scratch ring, and
+            drops it (1-3 µs holding the GIL), so that a payload after a long
+            gap finds both ends' code in cache; 0: off.
             Default 0.5 ms (``AFD_CONTROL_WARM_S``; docs/configuration.md,
             "Control-plane cost per step", has the measurements).
     """
@@ -159,16 +160,27 @@ def _proc_start_time(pid: int) -> int | None:
 
 class WarmState(ctypes.Structure):
     """A waiting receiver's rehearsal as the native code sees it (``struct afd_ctrl_warm``): between
-    slices of its wait the native take builds the last message it took again and drops it, every
-    ``warm_ns`` (``ChannelOptions.warm_s``; 0: never), so that a payload after a long gap finds the
-    path in cache. ``last``/``last_len`` (the message kept in the end's buffer) are the take's."""
+    slices of its wait the native take builds the last message it took again, every ``warm_ns``
+    (``ChannelOptions.warm_s``; 0: never), and with ``sender`` set also sends that payload as the
+    attention end does (encode, CRC, publish) on a scratch ring private to the process, then drops
+    it, so that a payload after a long gap finds both ends' code in cache (on one host the two
+    processes share the compiled core's code pages, and the cores share the last-level cache).
+    ``last``/``last_len`` (the message kept in the end's buffer) are the take's."""
 
     _fields_ = [
         ("warm_ns", ctypes.c_int64),
         ("last", ctypes.c_void_p),
         ("last_len", ctypes.c_uint64),  # 0: nothing kept
         ("rehearsals", ctypes.c_uint64),  # rehearsals done
+        ("sender", ctypes.c_uint32),  # nonzero: rehearse the attention end's send too
+        ("pad_", ctypes.c_uint32),
+        ("sends", ctypes.c_uint64),  # sender rehearsals that encoded and published
     ]
+
+    def arm(self, is_sender: bool, options: "ChannelOptions") -> None:
+        """Set this end's rehearsal from ``options.warm_s`` (a sender's end never waits: none)."""
+        self.warm_ns = 0 if is_sender else int(options.warm_s * 1e9)
+        self.sender = 1 if self.warm_ns else 0
 
 
 class RingState(ctypes.Structure):

@@ -76,7 +76,7 @@ class ShmControlChannel(ControlChannel):
                                 slot_bytes=self._slot_bytes, out=ctypes.addressof(self._out_anchor), k=0,
                                 local_rank=self.local_rank, expect_sender=self.peer_rank, bell_fd=-1,
                                 max_msg=self.options.max_message_bytes)
-        self._state.warm.warm_ns = 0 if self.is_sender else int(self.options.warm_s * 1e9)
+        self._state.warm.arm(self.is_sender, self.options)
         self._state_ref = ctypes.byref(self._state)
         self._state_addr = ctypes.addressof(self._state)
         self._peer_pid = 0

@@ -99,7 +99,7 @@ class TcpControlChannel(ControlChannel):
         self._state = TcpState(fd=sock.fileno(), local_rank=self.local_rank, expect_sender=self.peer_rank,
                                max_msg=self.options.max_message_bytes, buf=ctypes.addressof(self._read_anchor),
                                cap=_READ_BYTES)
-        self._state.warm.warm_ns = 0 if self.is_sender else int(self.options.warm_s * 1e9)
+        self._state.warm.arm(self.is_sender, self.options)
         self._state_addr = ctypes.addressof(self._state)
 
     @staticmethod

@@ -168,6 +168,9 @@ struct afd_ctrl_warm {
   uint8_t* last;        // the last message taken natively (in the end's copy or read buffer)
   uint64_t last_len;    // its length; 0: none kept (the buffer holds something else)
   uint64_t rehearsals;  // rehearsals done (tests read it)
+  uint32_t sender;      // nonzero: also rehearse the attention end's send (encode and publish)
+  uint32_t pad_;
+  uint64_t sends;       // sender rehearsals that encoded and published (tests read it)
 };
 
 // One end of one ring, filled once by Python (afd_ext/control/channel.py, `RingState`).
@@ -453,15 +456,40 @@ PyObject* taken_message(const uint8_t* out, int64_t n, long max_stages, long max
 
 volatile uint32_t g_rehearsal_sink;  // the rehearsal's CRC goes here, so that it is computed
 
-// One rehearsal (GIL held): the take's CRC (shm) and the payload built from the kept message,
-// dropped. A message that does not build (raw bytes wanted: max_stages < 0) is not rehearsed.
+int shm_send_payload(afd_ctrl_ring* r, PyObject* payload);  // below, with the sends
+
+// The attention end's send (encode_payload, the CRC, the publish) of `payload`, on a ring private
+// to this process that no one reads. On one host the two ends run the same compiled core, whose code
+// pages are shared, so this keeps the sender's code in the last-level cache the cores share while the
+// attention rank's thread runs its model (it cannot rehearse itself). GIL held (the one scratch ring).
+bool rehearse_send(PyObject* payload) {
+  constexpr uint64_t kScratchSlot = kSlotHeader + kMaxNativeBytes;
+  alignas(64) static uint64_t seg[(256 + kScratchSlot) / 8];
+  static afd_ctrl_ring ring = [] {
+    afd_ctrl_ring r{};
+    r.hdr = seg;
+    r.nslots = 1;
+    r.stride = kScratchSlot;
+    r.slot_bytes = kMaxNativeBytes;
+    r.bell_fd = -1;
+    return r;
+  }();
+  seg[kReadCountWord] = ring.k;  // never full
+  return shm_send_payload(&ring, payload) == 0;
+}
+
+// One rehearsal (GIL held): the take's CRC (shm) and the payload built from the kept message, then
+// (w->sender) that payload sent as the attention end sends it (rehearse_send), and dropped. A message
+// that does not build (raw bytes wanted: max_stages < 0) is not rehearsed.
 void rehearse(afd_ctrl_warm* w, bool crc, long max_stages, long max_ranks) {
   if (crc) g_rehearsal_sink = crc32_update(0, w->last, w->last_len);
   PyObject* p = build_payload(w->last, static_cast<int64_t>(w->last_len), max_stages, max_ranks);
-  if (p == nullptr)
+  if (p == nullptr) {
     PyErr_Clear();  // out of memory: the real take will say so
-  else
+  } else {
+    if (w->sender && p != Py_None && rehearse_send(p)) ++w->sends;
     Py_DECREF(p);
+  }
   ++w->rehearsals;
 }
 

@@ -9,7 +9,13 @@ Variants:
              ring's int and a module function, which this cannot rebuild: a lower bound);
   "front":   this tree's plane: its per-step calls are the channels' native front objects.
 
-    python scripts/diag/control_fronts.py [GAP_MS ...]     (default 20 50; 300 steps per variant)
+With --rehearsal, the variants are instead the FFN receiver's rehearsal between steps (both with
+this tree's fronts):
+  "take":    it rehearses its own take alone (WarmState.sender = 0);
+  "both":    it also sends the payload as the attention end does, on its private scratch ring
+             (sender = 1, the default).
+
+    python scripts/diag/control_fronts.py [--rehearsal] [GAP_MS ...]   (default 20 50; 300 steps per variant)
 """
 import functools
 import multiprocessing as mp
@@ -20,6 +26,7 @@ import time
 
 STEPS = 300
 VARIANTS = ("frame", "partial", "front")
+REHEARSALS = ("take", "both")
 
 
 class FramePlane:
@@ -72,7 +79,7 @@ class PartialPlane:
                 setattr(self, name, functools.partial(vars(plane)[name]))
 
 
-def _end(role, name, q, gaps, spin):
+def _end(role, name, q, gaps, spin, rehearsal):
     from afd_ext import control as cp
     from afd_ext.control.shm import ShmControlChannel
     from afd_ext.metadata import AFDControlPayload, AFDDPMetadata
@@ -89,7 +96,7 @@ def _end(role, name, q, gaps, spin):
         ch = ShmControlChannel.attach(name, local_rank=1, peer_rank=0, peer="FFN rank 0", options=opts)
     plane = cp.AFDControlPlane(lambda p: None, Topology(1, 1), role, 0, channels={0: ch})
     assert "send_dp_metadata_list" in vars(plane) or "recv_dp_metadata_list" in vars(plane)  # fronts bound
-    ends = (FramePlane(plane, ch), PartialPlane(plane), plane)
+    ends = (plane,) * len(REHEARSALS) if rehearsal else (FramePlane(plane, ch), PartialPlane(plane), plane)
     if role == "attention":
         time.sleep(0.3)  # the FFN end is waiting
     counts = [(7 * i + 3) % 64 for i in range(8)]
@@ -111,6 +118,8 @@ def _end(role, name, q, gaps, spin):
                 else:
                     time.sleep(gap / 1e3)
             else:
+                if rehearsal:  # set before the wait: the rehearsals of the gap before step i are variant i's
+                    ch._state.warm.sender = i % len(ends)
                 p = end.recv_dp_metadata_list()
                 stamps.append(clock())
                 assert p.dp_metadata_list[0].counts[0] == step % 50, (step, p)
@@ -123,19 +132,21 @@ def _end(role, name, q, gaps, spin):
 def main():
     from afd_ext.bench.control import _pct  # the bench's percentile (nearest rank)
 
-    gaps = [float(g) for g in sys.argv[1:]] or [20.0, 50.0]
+    rehearsal = "--rehearsal" in sys.argv[1:]
+    gaps = [float(g) for g in sys.argv[1:] if g != "--rehearsal"] or [20.0, 50.0]
+    labels = REHEARSALS if rehearsal else VARIANTS
     spin = (os.cpu_count() or 1) >= 4
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    ffn = ctx.Process(target=_end, args=("ffn", None, q, gaps, spin))
+    ffn = ctx.Process(target=_end, args=("ffn", None, q, gaps, spin, rehearsal))
     ffn.start()
     name = q.get(timeout=60)
-    att = ctx.Process(target=_end, args=("attention", name, q, gaps, spin))
+    att = ctx.Process(target=_end, args=("attention", name, q, gaps, spin, rehearsal))
     att.start()
     got = dict(q.get(timeout=900) for _ in range(2))
     ffn.join(30)
     att.join(30)
-    nv = len(VARIANTS)
+    nv = len(labels)
     per = nv * STEPS + 20
     print(f"sender {'spins' if spin else 'sleeps'}; end to end p50 / p99 (us), variants alternated step by step")
     for n, gap in enumerate(gaps):
@@ -144,7 +155,7 @@ def main():
             k = n * per + i
             lat[i % nv].append((got["ffn"][k] - got["attention"][k]) / 1e3)
         cells = []
-        for v, label in enumerate(VARIANTS):
+        for v, label in enumerate(labels):
             xs = sorted(lat[v])
             cells.append(f"{label} {statistics.median(xs):.1f} / {_pct(xs, 99):.1f}")
         print(f"  gap {gap:g} ms: " + ", ".join(cells))
