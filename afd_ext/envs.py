@@ -145,8 +145,14 @@ register("AFD_CONTROL_IDLE_S", 10.0,
          _non_negative_float)
 register("AFD_CONTROL_WARM_S", 0.0005,
          "control plane: while a waiting FFN rank polls, every this many seconds it takes and builds a "
-         "private copy of the last payload (1-3 us holding the GIL), so that a payload after a long gap "
-         "finds the receive path in cache; 0 turns it off", _non_negative_float)
+         "private copy of the last payload and sends it as the attention end does on a private scratch ring "
+         "(1-3 us holding the GIL), so that a payload after a long gap finds both ends' code in cache; "
+         "0 turns it off", _non_negative_float)
+register("AFD_CONTROL_KEEP_S", 0.0005,
+         "control plane: while an attention rank sends over shared memory (a send less than "
+         "AFD_CONTROL_IDLE_S ago), every this many seconds a native thread of its process, on another CPU, "
+         "reads the send path's code and ring lines so that they stay in the shared cache; 0 turns it off",
+         _non_negative_float)
 
 # --- vLLM + afd-plugin integration (afd_ext.integrations.afd_plugin) ---------------------
 register("AFD_EXT_REPLACE_P2P", False,

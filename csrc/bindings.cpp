@@ -108,6 +108,9 @@ PyObject* afd_ctrl_parse_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 PyObject* afd_ctrl_crc32_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 PyObject* afd_ctrl_send_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 PyObject* afd_ctrl_send_payload_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
+PyObject* afd_ctrl_keeper_start_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
+PyObject* afd_ctrl_keeper_passes_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
+PyObject* afd_ctrl_keeper_stop_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 PyObject* afd_ctrl_bind_types_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 PyObject* afd_ctrl_tcp_send_payload_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 PyObject* afd_ctrl_tcp_take_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
@@ -126,6 +129,12 @@ static PyMethodDef afd_methods[] = {
      "Control plane: encode and publish a payload in shared memory (see afd_ext/control/shm.py)."},
     {"ctrl_send_payload", AFD_FASTCALL(afd_ctrl_send_payload_py),
      "Control plane: encode an AFDControlPayload from its fields and publish it (see afd_ext/control/shm.py)."},
+    {"ctrl_keeper_start", AFD_FASTCALL(afd_ctrl_keeper_start_py),
+     "Control plane: start a shm sender's keeper thread (the send path kept in the shared cache)."},
+    {"ctrl_keeper_passes", AFD_FASTCALL(afd_ctrl_keeper_passes_py),
+     "Control plane: a keeper's passes so far (-1: not started, no other CPU)."},
+    {"ctrl_keeper_stop", AFD_FASTCALL(afd_ctrl_keeper_stop_py),
+     "Control plane: stop and join a keeper (idempotent); its passes."},
     {"ctrl_bind_types", AFD_FASTCALL(afd_ctrl_bind_types_py),
      "Control plane: the payload classes the native sends read and the takes build."},
     {"ctrl_tcp_send_payload", AFD_FASTCALL(afd_ctrl_tcp_send_payload_py),

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import zlib
@@ -758,6 +760,64 @@ def test_a_warm_receiver_rehearses_the_last_payload_natively_and_still_takes_the
     finally:
         tx.close()
         rx.close()
+
+
+def test_a_shm_senders_keeper_reads_while_it_sends_rests_when_idle_and_stops_at_close():
+    from afd_ext import metadata as md
+
+    with pytest.raises(AFDConfigError, match="keep_s"):
+        cp.ChannelOptions(keep_s=-1.0)
+    rx, tx = _ring(keep_s=0.001, idle_s=0.3, warm_s=0.0)
+    lim = (md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS, 1 << 20)
+    native = tx._native
+    try:
+        assert rx._keeper is None and tx._keeper is not None  # the sending end only
+        keeper = tx._keeper
+        for i in range(20):
+            tx.send_payload(_plain_payload(i, 8))
+            assert rx.recv_payload(1.0, "recv", *lim) == _plain_payload(i, 8)  # the keeper only reads
+            time.sleep(0.005)
+        active = native.keeper_passes(keeper)
+        if len(os.sched_getaffinity(0)) > 1:
+            assert active >= 20  # about one per keep_s while it sends
+        else:
+            assert active == -1  # no CPU but the sender's: it did not start
+        time.sleep(0.6)  # idle_s without a send: it rests
+        rested = native.keeper_passes(keeper)
+        time.sleep(0.2)
+        assert native.keeper_passes(keeper) == rested
+        tx.send_payload(_plain_payload(99, 8))  # a send wakes it within its 50 ms rest
+        assert rx.recv_payload(1.0, "recv", *lim) == _plain_payload(99, 8)
+        time.sleep(0.2)
+        if active >= 0:
+            assert native.keeper_passes(keeper) > rested
+        tx.close()  # with the capsule still held here: the ring's memory is let go all the same
+        assert tx._keeper is None
+        assert native.keeper_stop(keeper) == native.keeper_passes(keeper)  # stopped, idempotent
+        with pytest.raises(TypeError):
+            native.keeper_passes(object())
+        with pytest.raises(ValueError, match="period_ns"):
+            native.keeper_start(tx._state_addr, None, 0, 0)
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_a_keeper_does_not_start_without_a_cpu_other_than_the_senders():
+    code = (
+        "import os, time, torch\n"
+        "os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})\n"
+        "from afd_ext import control as cp\n"
+        "o = cp.ChannelOptions(keep_s=0.001, idle_s=1.0)\n"
+        "rx = cp.ShmControlChannel.create('afd-keep-%d' % os.getpid(), local_rank=0, peer_rank=1, peer='a', options=o)\n"
+        "tx = cp.ShmControlChannel.attach(rx.name, local_rank=1, peer_rank=0, peer='f', options=o)\n"
+        "time.sleep(0.1)\n"
+        "print('passes', tx._native.keeper_passes(tx._keeper))\n"
+        "tx.close(); rx.close()\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "passes -1" in out.stdout
 
 
 def test_warm_period_comes_from_the_environment(monkeypatch):

@@ -197,18 +197,20 @@ def _cpu_topology() -> dict[int, tuple[int, int]]:
     return out
 
 
-def pick_control_cpus() -> tuple[int, int] | None:
-    """Two CPUs for the bench's FFN receiver and attention sender, on different physical cores.
+def pick_control_cpus() -> tuple[int, ...] | None:
+    """CPUs for the bench's FFN receiver and attention sender, on different physical cores, and
+    one more for the attention process's other threads (its keeper, ``ChannelOptions.keep_s``).
 
     A serving deployment gives each rank its own core(s); two spinning
     processes on hyperthread siblings (or migrated by the scheduler) share one
     core's L1/L2 and execution units and measure that, not the control plane.
-    Picks, in one package, the first two cores that are not CPU 0's core
+    Picks, in one package, the first cores that are not CPU 0's core
     (device interrupts and housekeeping land on CPU 0 by default).
 
     Returns:
-        ``(ffn_cpu, attention_cpu)``, or None with fewer than 4 allowed CPUs or
-        without two distinct physical cores.
+        ``(ffn_cpu, attention_cpu, attention_helper_cpu)``, or the first two
+        where there is no third such core (the keeper then does not start), or
+        None with fewer than 4 allowed CPUs or without two distinct physical cores.
     """
     if len(os.sched_getaffinity(0)) < 4:
         return None
@@ -223,7 +225,7 @@ def pick_control_cpus() -> tuple[int, int] | None:
         by_pkg.setdefault(pkg, []).append(c)
     for cpus in by_pkg.values():
         if len(cpus) >= 2:
-            return cpus[0], cpus[1]
+            return tuple(cpus[:3])
     return None
 
 
@@ -252,7 +254,7 @@ def _host_facts() -> dict[str, Any]:
 
 def _measure_worker(rank: int, nprocs: int, host: str, port: int, kind: str, schedule: list,
                     num_attention_ranks: int, stages: int, raw: bool, idle_s: float | None,
-                    distinct: bool, sender_spins: bool, reference: bool, cpus: tuple[int, int] | None,
+                    distinct: bool, sender_spins: bool, reference: bool, cpus: tuple[int, ...] | None,
                     warm_s: float | None = None) -> list:
     """One end of the measurement; rank 0 is the FFN receiver, rank 1 the attention sender.
 
@@ -277,7 +279,12 @@ def _measure_worker(rank: int, nprocs: int, host: str, port: int, kind: str, sch
     store = rdzv.connect(host, port, rank, 2, 60.0, num_ffn_ranks=1)
     opts = cpl.ChannelOptions.from_env(idle_s=idle_s, warm_s=warm_s)
     plane = cpl.AFDControlPlane(lambda p: None, topo, role, 0)
+    helper = cpus is not None and rank == 1 and len(cpus) > 2
+    if helper:  # the keeper, started by the open on this thread's CPU, takes the helper CPU
+        os.sched_setaffinity(0, {cpus[1], cpus[2]})
     plane.open(store, kind, 60.0, options=opts)
+    if helper:
+        os.sched_setaffinity(0, {cpus[1]})
     ch = next(iter(plane.channels.values()))
     state = ch._state if ch.kind == "shm" else None  # the native stamps (RingState)
     if state is not None:
@@ -468,7 +475,7 @@ def _pooled(runs: list[tuple[dict, dict]]) -> tuple[dict, dict]:
 
 
 def _summarise(ffn: dict, attn: dict, gap_us: float, raw: bool, distinct: bool, sender_wait: str,
-               size: int, cpus: tuple[int, int] | None) -> dict[str, Any]:
+               size: int, cpus: tuple[int, ...] | None) -> dict[str, Any]:
     lat = _latencies(ffn, attn)
     return {
         "kind": ffn["kind"], "raw": raw, "distinct": distinct, "n": len(lat), "gap_us": gap_us,
@@ -507,7 +514,7 @@ def measure_control_gaps(
 
     Returns:
         One :func:`measure_control_plane` result per schedule entry, with ``"phases"``
-        and ``"cpus"`` (the pinned ``[ffn, attention]`` CPUs, or None).
+        and ``"cpus"`` (the pinned ``[ffn, attention(, its helper threads)]`` CPUs, or None).
 
     Raises:
         AFDConfigError: an entry with ``iterations < 1`` or an unknown ``sender_wait``.
@@ -627,7 +634,7 @@ def _cpu_ticks() -> dict[str, tuple[int, int]]:
     return out
 
 
-def _steal_pct(before: dict, after: dict, cpus: tuple[int, int] | None) -> float | None:
+def _steal_pct(before: dict, after: dict, cpus: tuple[int, ...] | None) -> float | None:
     """The hypervisor's steal time between two :func:`_cpu_ticks`, % of the CPUs' time (the pinned
     two, else all); None where the kernel does not count it."""
     names = [f"cpu{c}" for c in cpus] if cpus else ["cpu"]
@@ -771,7 +778,8 @@ def control_main(gaps_ms: tuple[float, ...] = DEFAULT_GAPS_MS,
     print(f"control plane, end to end (attention send_dp_metadata_list call -> FFN recv_dp_metadata_list "
           f"return), new counts every step, payload {PAYLOAD_ATTENTION_RANKS} attention ranks x "
           f"{PAYLOAD_STAGES} stages; attention end {sw}s between steps; "
-          + (f"FFN pinned to CPU {cpus[0]}, attention to CPU {cpus[1]}" if cpus else "not pinned"), flush=True)
+          + (f"FFN pinned to CPU {cpus[0]}, attention to CPU {cpus[1]}"
+             + (f" (its other threads: CPU {cpus[2]})" if len(cpus) > 2 else "") if cpus else "not pinned"), flush=True)
     print("host: " + ", ".join(f"{k} {v}" for k, v in facts.items()), flush=True)
     print("phases (p50/p99 us): send = call -> publish began (call = until native, encode), wake = -> FFN poll "
           "saw it, take = seen -> payload built (gil = copy, check, GIL back; made = payload built; tcp: "

@@ -35,6 +35,8 @@ DEFAULT_HEARTBEAT_TIMEOUT_S = 30.0
 DEFAULT_IDLE_S = 10.0
 #: How often a polling shm receiver rehearses its receive path, in seconds (0: never).
 DEFAULT_WARM_S = 0.0005
+#: How often a shm sender's keeper reads its send path while it sends, in seconds (0: no keeper).
+DEFAULT_KEEP_S = 0.0005
 #: Payload bytes per shared-memory slot; larger messages span several slots.
 DEFAULT_SLOT_BYTES = 16384
 #: Slots per shared-memory ring.
@@ -98,6 +100,13 @@ class ChannelOptions:
             gap finds both ends' code in cache; 0: off.
             Default 0.5 ms (``AFD_CONTROL_WARM_S``; docs/configuration.md,
             "Control-plane cost per step", has the measurements).
+        keep_s: shm sender, while it sends (a send less than ``idle_s`` ago):
+            every ``keep_s`` a native thread of its process (the keeper, on
+            any allowed CPU but the one of the thread that opened the
+            channel; no GIL) reads every cache line of the send path's code
+            and the ring, so that they stay in the shared last-level cache
+            while the sending thread runs its model; 0: no keeper. Default
+            0.5 ms (``AFD_CONTROL_KEEP_S``).
     """
 
     heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
@@ -107,6 +116,7 @@ class ChannelOptions:
     nslots: int = DEFAULT_NSLOTS
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     warm_s: float = DEFAULT_WARM_S
+    keep_s: float = DEFAULT_KEEP_S
 
     def __post_init__(self) -> None:
         if not self.heartbeat_interval_s > 0:
@@ -124,12 +134,14 @@ class ChannelOptions:
             raise AFDConfigError(f"nslots must be an int >= 2, got {self.nslots!r}")
         if not self.warm_s >= 0:
             raise AFDConfigError(f"warm_s must be >= 0 seconds, got {self.warm_s!r}")
+        if not self.keep_s >= 0:
+            raise AFDConfigError(f"keep_s must be >= 0 seconds, got {self.keep_s!r}")
         if not (isinstance(self.max_message_bytes, int) and self.max_message_bytes >= 1):
             raise AFDConfigError(f"max_message_bytes must be an int >= 1, got {self.max_message_bytes!r}")
 
     @classmethod
     def from_env(cls, **overrides: Any) -> "ChannelOptions":
-        """Defaults, ``AFD_CONTROL_IDLE_S`` / ``AFD_CONTROL_WARM_S`` from the environment, then ``overrides``
+        """Defaults, ``AFD_CONTROL_IDLE_S`` / ``_WARM_S`` / ``_KEEP_S`` from the environment, then ``overrides``
         (None ignored).
 
         The connector passes ``heartbeat_interval_s``/``heartbeat_timeout_s`` from
@@ -137,7 +149,8 @@ class ChannelOptions:
         """
         from afd_ext import envs
 
-        kw: dict[str, Any] = {"idle_s": envs.get("AFD_CONTROL_IDLE_S"), "warm_s": envs.get("AFD_CONTROL_WARM_S")}
+        kw: dict[str, Any] = {"idle_s": envs.get("AFD_CONTROL_IDLE_S"), "warm_s": envs.get("AFD_CONTROL_WARM_S"),
+                              "keep_s": envs.get("AFD_CONTROL_KEEP_S")}
         kw.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**kw)
 
@@ -241,6 +254,11 @@ class _Native:
         # SendFront(ring address, check, fallback, owner)(payload) -> None after check(payload) and
         # the native send, else fallback(payload)'s result
         self.send_front = module.SendFront
+        # (ring address, hold, period_ns, idle_ns) -> a shm sender's keeper (a capsule; freed: stopped);
+        # keeper_passes(keeper) -> passes (-1: no CPU but the opener's); keeper_stop(keeper) -> passes
+        self.keeper_start = module.ctrl_keeper_start
+        self.keeper_passes = module.ctrl_keeper_passes
+        self.keeper_stop = module.ctrl_keeper_stop
         # (data, max_stages, max_ranks) -> the payload built as the takes build it, or None
         self.parse = module.ctrl_parse
         # (tcp state address, payload) -> 0 sent, -2 send it in Python, bytes: the unsent tail

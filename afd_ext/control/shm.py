@@ -79,6 +79,10 @@ class ShmControlChannel(ControlChannel):
         self._state.warm.arm(self.is_sender, self.options)
         self._state_ref = ctypes.byref(self._state)
         self._state_addr = ctypes.addressof(self._state)
+        self._keeper: Any = None  # a sender's keeper (ChannelOptions.keep_s), holding the ring's memory
+        if self.is_sender and self.options.keep_s > 0 and self._native is not None:
+            self._keeper = self._native.keeper_start(self._state_addr, (self._state, self._anchor),
+                                                     int(self.options.keep_s * 1e9), int(self.options.idle_s * 1e9))
         self._peer_pid = 0
         self._peer_start = 0
         self._unlinked = False
@@ -409,6 +413,9 @@ class ShmControlChannel(ControlChannel):
         if self._closed:
             return
         self._closed = True
+        if self._keeper is not None:
+            self._native.keeper_stop(self._keeper)  # joined: it reads the ring and its segment
+            self._keeper = None
         # The native calls decline from now on; one in flight on another thread ends first.
         unmap = self._quiesce_native(lambda: setattr(self._state, "hdr", None))
         self._hb_stop.set()

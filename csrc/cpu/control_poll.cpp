@@ -18,11 +18,21 @@
 #include <immintrin.h>
 #endif
 
+#include <sched.h>
+
 #include <array>
+#include <atomic>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
 #include <vector>
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
+
+// The attention end's per-step send path (the SendFront call, the encode, the CRC, the publish)
+// lives in one section of its own: a few pages, which the sender's keeper (below) reads whole.
+#define AFD_SEND_PATH __attribute__((section("afd_ctrl_send")))
 
 namespace {
 
@@ -70,7 +80,7 @@ alignas(64) constexpr auto kCrcTable = make_crc_table();
 // block is folded into a 128-bit remainder, which is then reduced to 32 bits (Barrett). Constants:
 // the bit-reflected folding and reduction constants of the IEEE polynomial from Gopal et al., "Fast
 // CRC Computation for Generic Polynomials Using PCLMULQDQ Instruction" (Intel, 2009).
-__attribute__((target("pclmul,sse4.1"))) uint32_t crc_fold_clmul(uint32_t c, const uint8_t* p, size_t n) {
+AFD_SEND_PATH __attribute__((target("pclmul,sse4.1"))) uint32_t crc_fold_clmul(uint32_t c, const uint8_t* p, size_t n) {
   const __m128i k3k4 = _mm_set_epi64x(0x00ccaa009eLL, 0x01751997d0LL);  // fold by 128 bits
   const __m128i k5 = _mm_set_epi64x(0, 0x0163cd6124LL);                // 64 -> 32 bits
   const __m128i poly = _mm_set_epi64x(0x01f7011641LL, 0x01db710641LL);  // mu, P (Barrett)
@@ -116,7 +126,7 @@ inline uint32_t crc32_update(uint32_t crc, const uint8_t* p, size_t n) {
 // zlib.crc32(payload, zlib.crc32(struct.pack("<QQII", seq, total, frag, sender)))
 // (the fields and a payload of up to 1000 bytes in one buffer: whole blocks fold, where 24 bytes
 // of fields alone would go through the table)
-inline uint32_t slot_crc(uint64_t seq, uint64_t total, uint32_t frag, uint32_t sender, const uint8_t* payload) {
+AFD_SEND_PATH inline uint32_t slot_crc(uint64_t seq, uint64_t total, uint32_t frag, uint32_t sender, const uint8_t* payload) {
   uint8_t buf[24 + 1000];
   std::memcpy(buf, &seq, 8);  // little-endian hosts only (x86-64, aarch64)
   std::memcpy(buf + 8, &total, 8);
@@ -202,7 +212,7 @@ struct afd_ctrl_ring {
 };
 
 // Wake a receiver blocked on the doorbell (a datagram; a full queue means one is pending).
-inline void ring_bell(const afd_ctrl_ring* r) {
+AFD_SEND_PATH inline void ring_bell(const afd_ctrl_ring* r) {
   if (r->bell_fd < 0) return;
   const char one = 1;
   (void)::sendto(r->bell_fd, &one, 1, MSG_DONTWAIT | MSG_NOSIGNAL, reinterpret_cast<const sockaddr*>(r->bell_addr),
@@ -218,7 +228,7 @@ inline uint8_t* slot_of(const afd_ctrl_ring* r, uint64_t k) {
 // and ring the doorbell when the receiver is blocked on it.
 // Returns 0 when sent, -1 when the ring is full (nothing written; the caller
 // waits for space), -2 when closed or too long (nothing written).
-__attribute__((visibility("default"))) int afd_ctrl_shm_publish(afd_ctrl_ring* r, const uint8_t* data, int n) {
+AFD_SEND_PATH __attribute__((visibility("default"))) int afd_ctrl_shm_publish(afd_ctrl_ring* r, const uint8_t* data, int n) {
   InFlight in_flight(&r->busy);
   uint64_t* hdr = __atomic_load_n(&r->hdr, __ATOMIC_SEQ_CST);
   const uint64_t k = r->k;
@@ -330,7 +340,7 @@ Py_ssize_t member_offset(PyObject* type, PyObject* name) {
 
 // getattr (a new reference; nullptr, error cleared, when unset) / setattr (0 on success) of a bound
 // attribute on an instance of its exact class.
-PyObject* get_field(PyObject* o, Py_ssize_t off, PyObject* name) {
+AFD_SEND_PATH PyObject* get_field(PyObject* o, Py_ssize_t off, PyObject* name) {
   if (off >= 0) {
     PyObject* v = *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(o) + off);
     Py_XINCREF(v);
@@ -597,7 +607,7 @@ PyObject* afd_ctrl_parse_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) 
 namespace {
 
 // Append v as 4 little-endian bytes; false when it is not an int in [lo, hi].
-bool put_u32(PyObject* o, int64_t lo, int64_t hi, uint8_t* at) {
+AFD_SEND_PATH bool put_u32(PyObject* o, int64_t lo, int64_t hi, uint8_t* at) {
   if (!PyLong_CheckExact(o)) return false;
   int overflow = 0;
   const long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
@@ -609,7 +619,7 @@ bool put_u32(PyObject* o, int64_t lo, int64_t hi, uint8_t* at) {
 
 // Append one stage (stage u32, count u32, max_tokens u32, counts i32...) at `off`;
 // false when it does not fit `cap` or a value is not an int in range.
-bool put_stage(uint8_t* buf, uint64_t& off, uint64_t cap, PyObject* stage, PyObject* max_tokens, PyObject* counts) {
+AFD_SEND_PATH bool put_stage(uint8_t* buf, uint64_t& off, uint64_t cap, PyObject* stage, PyObject* max_tokens, PyObject* counts) {
   if (!PyTuple_CheckExact(counts)) return false;
   const Py_ssize_t n = PyTuple_GET_SIZE(counts);
   if (off + 12 + 4 * static_cast<uint64_t>(n) > cap) return false;
@@ -624,7 +634,7 @@ bool put_stage(uint8_t* buf, uint64_t& off, uint64_t cap, PyObject* stage, PyObj
   return true;
 }
 
-void put_head(uint8_t* buf, long flags, Py_ssize_t nstages) {
+AFD_SEND_PATH void put_head(uint8_t* buf, long flags, Py_ssize_t nstages) {
   std::memcpy(buf, "AFDb", 4);
   buf[4] = 1;
   buf[5] = static_cast<uint8_t>(flags);
@@ -655,7 +665,7 @@ int64_t encode_parts(PyObject* flags_obj, PyObject* stages, uint8_t* buf, uint64
 }
 
 // Flag bit of a payload attribute that must be exactly True or False; -1 otherwise.
-int flag_bit(PyObject* payload, int bit) {
+AFD_SEND_PATH int flag_bit(PyObject* payload, int bit) {
   PyObject* v = get_bound(payload, kFlagName[bit]);
   if (v == nullptr) return -1;
   const int r = v == Py_True ? (1 << bit) : (v == Py_False ? 0 : -1);
@@ -669,7 +679,7 @@ int flag_bit(PyObject* payload, int bit) {
 // an int, metadata holding tensors (their in-place changes are read by the Python path), more
 // than 64 stages, or a payload larger than cap. The caller then takes the Python path, which
 // names a bad value.
-int64_t encode_payload(PyObject* payload, uint8_t* buf, uint64_t cap) {
+AFD_SEND_PATH int64_t encode_payload(PyObject* payload, uint8_t* buf, uint64_t cap) {
   if (g_payload_type == nullptr || Py_TYPE(payload) != reinterpret_cast<PyTypeObject*>(g_payload_type) || cap < 8)
     return -1;
   int flags = 0;
@@ -787,7 +797,7 @@ namespace {
 
 // Encode an AFDControlPayload straight from its fields (encode_payload) and publish it, doorbell
 // included: 0 sent, -1 ring full, -2 declined (closed, or anything but the plain case).
-int shm_send_payload(afd_ctrl_ring* r, PyObject* payload) {
+AFD_SEND_PATH int shm_send_payload(afd_ctrl_ring* r, PyObject* payload) {
   if (r == nullptr) return -2;
   if (r->stamps) r->t_mark = now_ns();
   // The header lines the publish reads (the receiver's count: written by it at every take, so a
@@ -893,7 +903,7 @@ PyObject* front_new(PyTypeObject* type, PyObject* args, PyObject* kwds, vectorca
 // send_front(payload): first(payload) unless first is None (its error is raised, nothing sent),
 // then the payload published as ctrl_send_payload does; whatever that declines (ring full, closed,
 // not the plain case) goes to fallback(payload), whose result is returned (else None).
-PyObject* send_front_call(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+AFD_SEND_PATH PyObject* send_front_call(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
   auto* f = reinterpret_cast<Front*>(self);
   if (PyVectorcall_NARGS(nargsf) != 1 || kwnames != nullptr) {
     PyErr_SetString(PyExc_TypeError, "send_front(payload)");
@@ -989,6 +999,190 @@ int afd_ctrl_add_types(PyObject* mod) {
     }
   }
   return 0;
+}
+
+// ---------------------------------------------------------------------------
+// The sender's keeper: the attention rank's thread runs its model between two steps, so it cannot
+// rehearse its send; after a long gap the send's code, the tables and the ring's lines have left the
+// last-level cache on a busy host (issue 16: 6.8 us for the send with the LLC evicted, 2.5 us with
+// only the core's own caches cold; scripts/diag/control_cold.py). A native thread of the attention
+// process, on another CPU than the sending thread and holding no GIL, reads every cache line of the
+// send path every period while sends come (and rests after idle_ns without one), which keeps those
+// lines and their page-table lines in the shared cache. It reads, never writes.
+// ---------------------------------------------------------------------------
+
+extern "C" const char __start_afd_ctrl_send[] __attribute__((weak, visibility("hidden")));
+extern "C" const char __stop_afd_ctrl_send[] __attribute__((weak, visibility("hidden")));
+
+namespace {
+
+constexpr const char* kKeeperCapsule = "afd_ext.control.keeper";
+constexpr int64_t kKeeperRestNs = 50'000'000;  // while idle: how often the keeper looks for a send
+
+struct Keeper {
+  afd_ctrl_ring* ring;
+  PyObject* hold;  // what keeps the ring and its segment alive (released after the join)
+  int64_t period_ns, idle_ns;
+  int creator_cpu;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool stop = false;
+  std::atomic<int64_t> passes{0};  // -1: not started (no CPU but the sending thread's)
+  std::thread th;
+};
+
+volatile uint64_t g_keeper_sink;
+
+void read_lines(const void* p, size_t n, uint64_t& sink) {
+  const auto* b = static_cast<const volatile uint8_t*>(p);
+  for (size_t o = 0; o < n; o += 64) sink += b[o];
+}
+
+// One pass: the send path's code and tables, the libpython entry points it calls, the ring's state
+// and its segment (under InFlight, as every native call: close() waits for it, then unmaps).
+void keeper_pass(afd_ctrl_ring* r) {
+  uint64_t sink = 0;
+  if (__start_afd_ctrl_send != nullptr && __stop_afd_ctrl_send > __start_afd_ctrl_send)
+    read_lines(__start_afd_ctrl_send, static_cast<size_t>(__stop_afd_ctrl_send - __start_afd_ctrl_send), sink);
+  const void* entries[] = {reinterpret_cast<const void*>(&PyDict_Next),
+                           reinterpret_cast<const void*>(&PyLong_AsLongLongAndOverflow),
+                           reinterpret_cast<const void*>(&PyLong_AsLongLong),
+                           reinterpret_cast<const void*>(&PyErr_Occurred),
+                           reinterpret_cast<const void*>(&PyObject_CallOneArg),
+                           reinterpret_cast<const void*>(&clock_gettime)};
+  for (const void* e : entries) read_lines(e, 256, sink);
+  read_lines(kCrcTable.data(), sizeof kCrcTable, sink);
+  read_lines(g_off, sizeof g_off, sink);
+  read_lines(&g_payload_type, sizeof g_payload_type, sink);
+  read_lines(r, sizeof *r, sink);
+  {
+    InFlight in_flight(&r->busy);
+    if (const uint64_t* hdr = __atomic_load_n(&r->hdr, __ATOMIC_SEQ_CST))
+      read_lines(hdr, 256 + r->nslots * r->stride, sink);
+  }
+  g_keeper_sink = sink;
+}
+
+void keeper_run(Keeper* k) {
+  cpu_set_t cpus;
+  CPU_ZERO(&cpus);
+  if (sched_getaffinity(0, sizeof cpus, &cpus) != 0) CPU_ZERO(&cpus);
+  if (k->creator_cpu >= 0) CPU_CLR(k->creator_cpu, &cpus);  // never take the sending thread's CPU
+  if (CPU_COUNT(&cpus) == 0 || sched_setaffinity(0, sizeof cpus, &cpus) != 0) {
+    k->passes.store(-1);
+    return;
+  }
+  uint64_t seen = __atomic_load_n(&k->ring->k, __ATOMIC_RELAXED);
+  int64_t last_send = now_ns();
+  std::unique_lock<std::mutex> lock(k->mu);
+  while (!k->stop) {
+    const uint64_t now_k = __atomic_load_n(&k->ring->k, __ATOMIC_RELAXED);
+    const int64_t t = now_ns();
+    if (now_k != seen) {
+      seen = now_k;
+      last_send = t;
+    }
+    const bool active = t - last_send < k->idle_ns;
+    if (active) {
+      lock.unlock();
+      keeper_pass(k->ring);
+      k->passes.fetch_add(1, std::memory_order_relaxed);
+      lock.lock();
+    }
+    k->cv.wait_for(lock, std::chrono::nanoseconds(active ? k->period_ns : kKeeperRestNs), [k] { return k->stop; });
+  }
+}
+
+// Stop and join, then let go of what it held (idempotent); GIL held: the keeper never takes it.
+void keeper_stop(Keeper* k) {
+  {
+    std::lock_guard<std::mutex> lock(k->mu);
+    k->stop = true;
+  }
+  k->cv.notify_all();
+  if (k->th.joinable()) {
+    Py_BEGIN_ALLOW_THREADS k->th.join();
+    Py_END_ALLOW_THREADS
+  }
+  Py_CLEAR(k->hold);  // the ring's memory may go now, whoever still holds the capsule
+}
+
+void keeper_capsule_free(PyObject* cap) {
+  auto* k = static_cast<Keeper*>(PyCapsule_GetPointer(cap, kKeeperCapsule));
+  if (k == nullptr) {
+    PyErr_Clear();
+    return;
+  }
+  keeper_stop(k);
+  delete k;
+}
+
+Keeper* keeper_of(PyObject* cap) {
+  return PyCapsule_IsValid(cap, kKeeperCapsule) ? static_cast<Keeper*>(PyCapsule_GetPointer(cap, kKeeperCapsule))
+                                                : nullptr;
+}
+
+}  // namespace
+
+// _C.ctrl_keeper_start(ring_address, hold, period_ns, idle_ns): start the sender's keeper of the
+// ring (a sender's RingState) on a thread of its own, on any allowed CPU but the calling thread's;
+// `hold` is kept alive until it is stopped (what owns the ring and its segment). Returns a capsule
+// (freed: stopped). TypeError / ValueError on bad arguments, before anything starts.
+PyObject* afd_ctrl_keeper_start_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 4) {
+    PyErr_SetString(PyExc_TypeError, "ctrl_keeper_start(ring_address, hold, period_ns, idle_ns)");
+    return nullptr;
+  }
+  auto* r = static_cast<afd_ctrl_ring*>(PyLong_AsVoidPtr(args[0]));
+  const long long period = PyLong_AsLongLong(args[2]);
+  const long long idle = PyLong_AsLongLong(args[3]);
+  if (PyErr_Occurred()) return nullptr;
+  if (r == nullptr || period <= 0 || idle < 0) {
+    PyErr_SetString(PyExc_ValueError, "ctrl_keeper_start: a ring address, period_ns > 0 and idle_ns >= 0");
+    return nullptr;
+  }
+  auto* k = new Keeper();
+  k->ring = r;
+  k->hold = Py_NewRef(args[1]);
+  k->period_ns = period;
+  k->idle_ns = idle;
+  k->creator_cpu = sched_getcpu();
+  PyObject* cap = PyCapsule_New(k, kKeeperCapsule, keeper_capsule_free);
+  if (cap == nullptr) {
+    Py_DECREF(k->hold);
+    delete k;
+    return nullptr;
+  }
+  try {
+    k->th = std::thread(keeper_run, k);
+  } catch (const std::exception& e) {
+    Py_DECREF(cap);
+    PyErr_Format(PyExc_RuntimeError, "ctrl_keeper_start: no thread (%s)", e.what());
+    return nullptr;
+  }
+  return cap;
+}
+
+// _C.ctrl_keeper_passes(keeper): the passes made so far; -1 when it did not start (no allowed CPU
+// but the one that started it).
+PyObject* afd_ctrl_keeper_passes_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  Keeper* k = nargs == 1 ? keeper_of(args[0]) : nullptr;
+  if (k == nullptr) {
+    PyErr_SetString(PyExc_TypeError, "ctrl_keeper_passes(keeper)");
+    return nullptr;
+  }
+  return PyLong_FromLongLong(k->passes.load());
+}
+
+// _C.ctrl_keeper_stop(keeper): stop and join it (idempotent); returns its passes.
+PyObject* afd_ctrl_keeper_stop_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  Keeper* k = nargs == 1 ? keeper_of(args[0]) : nullptr;
+  if (k == nullptr) {
+    PyErr_SetString(PyExc_TypeError, "ctrl_keeper_stop(keeper)");
+    return nullptr;
+  }
+  keeper_stop(k);
+  return PyLong_FromLongLong(k->passes.load());
 }
 
 // ---------------------------------------------------------------------------

@@ -15,7 +15,12 @@ this tree's fronts):
   "both":    it also sends the payload as the attention end does, on its private scratch ring
              (sender = 1, the default).
 
-    python scripts/diag/control_fronts.py [--rehearsal] [GAP_MS ...]   (default 20 50; 300 steps per variant)
+With --keeper, the variants are the attention process's keeper (ChannelOptions.keep_s) absent
+("alone") or running through the gap before the step ("keeper"), started and stopped right after
+each send.
+
+    python scripts/diag/control_fronts.py [--rehearsal | --keeper] [GAP_MS ...]
+    (default 20 50; 300 steps per variant)
 """
 import functools
 import multiprocessing as mp
@@ -27,6 +32,7 @@ import time
 STEPS = 300
 VARIANTS = ("frame", "partial", "front")
 REHEARSALS = ("take", "both")
+KEEPERS = ("alone", "keeper")
 
 
 class FramePlane:
@@ -79,15 +85,16 @@ class PartialPlane:
                 setattr(self, name, functools.partial(vars(plane)[name]))
 
 
-def _end(role, name, q, gaps, spin, rehearsal):
+def _end(role, name, q, gaps, spin, mode):
     from afd_ext import control as cp
     from afd_ext.control.shm import ShmControlChannel
     from afd_ext.metadata import AFDControlPayload, AFDDPMetadata
     from afd_ext.topology import Topology
 
-    if (os.cpu_count() or 1) >= 4:
+    pinned = (os.cpu_count() or 1) >= 4
+    if pinned:
         os.sched_setaffinity(0, {1 if role == "ffn" else 2})
-    opts = cp.ChannelOptions.from_env(idle_s=60.0)
+    opts = cp.ChannelOptions.from_env(idle_s=60.0, **({"keep_s": 0.0} if mode == "keeper" else {}))
     if role == "ffn":
         ch = ShmControlChannel.create("afdfr", local_rank=0, peer_rank=1, peer="attention rank 0", options=opts)
         q.put(ch.name)
@@ -96,7 +103,14 @@ def _end(role, name, q, gaps, spin, rehearsal):
         ch = ShmControlChannel.attach(name, local_rank=1, peer_rank=0, peer="FFN rank 0", options=opts)
     plane = cp.AFDControlPlane(lambda p: None, Topology(1, 1), role, 0, channels={0: ch})
     assert "send_dp_metadata_list" in vars(plane) or "recv_dp_metadata_list" in vars(plane)  # fronts bound
-    ends = (plane,) * len(REHEARSALS) if rehearsal else (FramePlane(plane, ch), PartialPlane(plane), plane)
+    if mode == "rehearsal":
+        ends = (plane,) * len(REHEARSALS)
+    elif mode == "keeper":
+        ends = (plane,) * len(KEEPERS)
+    else:
+        ends = (FramePlane(plane, ch), PartialPlane(plane), plane)
+    keeper = None
+    passes: list = []  # each keeper's passes (-1: it did not start)
     if role == "attention":
         time.sleep(0.3)  # the FFN end is waiting
     counts = [(7 * i + 3) % 64 for i in range(8)]
@@ -111,6 +125,17 @@ def _end(role, name, q, gaps, spin, rehearsal):
                 t0 = clock()
                 end.send_dp_metadata_list(p)
                 stamps.append(t0)
+                if mode == "keeper":  # the next step's variant, through the gap before it
+                    if (i + 1) % len(ends) == 1 and keeper is None:
+                        if pinned:  # as the bench: the keeper takes CPU 3, this thread stays on CPU 2
+                            os.sched_setaffinity(0, {2, 3})
+                        keeper = ch._native.keeper_start(ch._state_addr, (ch._state, ch._anchor), 500_000,
+                                                         60_000_000_000)
+                        if pinned:
+                            os.sched_setaffinity(0, {2})
+                    elif (i + 1) % len(ends) == 0 and keeper is not None:
+                        passes.append(ch._native.keeper_stop(keeper))
+                        keeper = None
                 deadline = time.perf_counter() + gap / 1e3
                 if spin:
                     while time.perf_counter() < deadline:
@@ -118,12 +143,14 @@ def _end(role, name, q, gaps, spin, rehearsal):
                 else:
                     time.sleep(gap / 1e3)
             else:
-                if rehearsal:  # set before the wait: the rehearsals of the gap before step i are variant i's
+                if mode == "rehearsal":  # set before the wait: the rehearsals of the gap before step i are variant i's
                     ch._state.warm.sender = i % len(ends)
                 p = end.recv_dp_metadata_list()
                 stamps.append(clock())
                 assert p.dp_metadata_list[0].counts[0] == step % 50, (step, p)
             step += 1
+    if passes:
+        print(f"keepers: {len(passes)}, passes each: min {min(passes)}, median {statistics.median(passes)}", flush=True)
     q.put((role, stamps))
     time.sleep(0.5)
     plane.close()
@@ -132,16 +159,16 @@ def _end(role, name, q, gaps, spin, rehearsal):
 def main():
     from afd_ext.bench.control import _pct  # the bench's percentile (nearest rank)
 
-    rehearsal = "--rehearsal" in sys.argv[1:]
-    gaps = [float(g) for g in sys.argv[1:] if g != "--rehearsal"] or [20.0, 50.0]
-    labels = REHEARSALS if rehearsal else VARIANTS
+    mode = "rehearsal" if "--rehearsal" in sys.argv[1:] else ("keeper" if "--keeper" in sys.argv[1:] else "fronts")
+    gaps = [float(g) for g in sys.argv[1:] if not g.startswith("--")] or [20.0, 50.0]
+    labels = {"rehearsal": REHEARSALS, "keeper": KEEPERS}.get(mode, VARIANTS)
     spin = (os.cpu_count() or 1) >= 4
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    ffn = ctx.Process(target=_end, args=("ffn", None, q, gaps, spin, rehearsal))
+    ffn = ctx.Process(target=_end, args=("ffn", None, q, gaps, spin, mode))
     ffn.start()
     name = q.get(timeout=60)
-    att = ctx.Process(target=_end, args=("attention", name, q, gaps, spin, rehearsal))
+    att = ctx.Process(target=_end, args=("attention", name, q, gaps, spin, mode))
     att.start()
     got = dict(q.get(timeout=900) for _ in range(2))
     ffn.join(30)
