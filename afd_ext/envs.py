@@ -146,12 +146,14 @@ register("AFD_CONTROL_IDLE_S", 10.0,
 register("AFD_CONTROL_WARM_S", 0.0005,
          "control plane: while a waiting FFN rank polls, every this many seconds it takes and builds a "
          "private copy of the last payload and sends it as the attention end does on a private scratch ring "
-         "(1-3 us holding the GIL), so that a payload after a long gap finds both ends' code in cache; "
-         "0 turns it off", _non_negative_float)
+         "(1-3 us holding the GIL; tcp: also a frame over a private loopback pair, its recv() path), so that "
+         "a payload after a long gap finds both ends' code in cache; 0 turns it off", _non_negative_float)
 register("AFD_CONTROL_KEEP_S", 0.0005,
-         "control plane: while an attention rank sends over shared memory (a send less than "
-         "AFD_CONTROL_IDLE_S ago), every this many seconds a native thread of its process, on another CPU, "
-         "reads the send path's code and ring lines so that they stay in the shared cache; 0 turns it off",
+         "control plane: while an attention rank sends (a send less than AFD_CONTROL_IDLE_S ago), a native "
+         "thread of its process on another CPU: over shared memory it reads the send path's code and ring "
+         "lines every this many seconds (they stay in the shared cache); over tcp it spins (one core), sends "
+         "each frame from its CPU and runs a loopback round every this many seconds (the kernel's TCP path "
+         "stays warm there); 0 turns it off",
          _non_negative_float)
 
 # --- vLLM + afd-plugin integration (afd_ext.integrations.afd_plugin) ---------------------

@@ -111,6 +111,8 @@ PyObject* afd_ctrl_send_payload_py(PyObject*, PyObject* const* args, Py_ssize_t 
 PyObject* afd_ctrl_keeper_start_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 PyObject* afd_ctrl_keeper_passes_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 PyObject* afd_ctrl_keeper_stop_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
+PyObject* afd_ctrl_tcp_proxy_start_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
+PyObject* afd_ctrl_tcp_proxy_served_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 PyObject* afd_ctrl_bind_types_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 PyObject* afd_ctrl_tcp_send_payload_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 PyObject* afd_ctrl_tcp_take_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
@@ -135,6 +137,10 @@ static PyMethodDef afd_methods[] = {
      "Control plane: a keeper's passes so far (-1: not started, no other CPU)."},
     {"ctrl_keeper_stop", AFD_FASTCALL(afd_ctrl_keeper_stop_py),
      "Control plane: stop and join a keeper (idempotent); its passes."},
+    {"ctrl_tcp_proxy_start", AFD_FASTCALL(afd_ctrl_tcp_proxy_start_py),
+     "Control plane: start a tcp sender's proxy thread (sends each frame from a CPU whose TCP path is warm)."},
+    {"ctrl_tcp_proxy_served", AFD_FASTCALL(afd_ctrl_tcp_proxy_served_py),
+     "Control plane: the frames a tcp sender's proxy sent so far."},
     {"ctrl_bind_types", AFD_FASTCALL(afd_ctrl_bind_types_py),
      "Control plane: the payload classes the native sends read and the takes build."},
     {"ctrl_tcp_send_payload", AFD_FASTCALL(afd_ctrl_tcp_send_payload_py),

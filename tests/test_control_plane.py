@@ -740,6 +740,9 @@ def test_a_warm_receiver_rehearses_the_last_payload_natively_and_still_takes_the
         time.sleep(0.2)
         assert warm.rehearsals >= 5  # about one per warm_s while it waits
         assert warm.sender == 1 and warm.sends >= warm.rehearsals - 1  # the attention end's send too
+        if kind == "tcp":  # and its recv() path, over the private loopback pair
+            assert rx._pair is not None and tx._state.warm_tx == -1
+            assert rx._state.warm_rounds >= warm.rehearsals - 1 > 0
         if kind == "shm":
             assert rx._hdr[cshm._W_READ_COUNT] == 1  # a rehearsal consumes nothing
             assert tx._state.k == 1 and tx._hdr[cshm._W_READ_COUNT] == 1  # nor sends on the real ring
@@ -803,21 +806,97 @@ def test_a_shm_senders_keeper_reads_while_it_sends_rests_when_idle_and_stops_at_
         rx.close()
 
 
+def test_a_tcp_senders_proxy_sends_while_it_sends_rests_when_idle_and_stops_at_close():
+    from afd_ext import metadata as md
+
+    rx, tx = _tcp_pair(keep_s=0.001, idle_s=0.3, warm_s=0.0)
+    lim = (md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS, 1 << 20)
+    native = tx._native
+    several = len(os.sched_getaffinity(0)) > 1
+    try:
+        assert rx._keeper is None and rx._pair is None and tx._keeper is not None  # the sending end only
+        proxy = tx._keeper
+        assert tx._state.proxy and native.tcp_proxy_served(proxy) == 0
+        tx.send_payload(_plain_payload(0, 8))  # it starts resting: this one the caller sends, and wakes it
+        assert rx.recv_payload(1.0, "recv", *lim) == _plain_payload(0, 8)
+        assert native.tcp_proxy_served(proxy) == 0
+        time.sleep(0.15)
+        for i in range(1, 30):
+            _front_send(tx, _plain_payload(i, 8))
+            assert rx.recv_payload(1.0, "recv", *lim) == _plain_payload(i, 8)  # in order, whole
+            time.sleep(0.002)
+        served = native.tcp_proxy_served(proxy)
+        if several:
+            assert served == 29 and native.keeper_passes(proxy) >= 10  # a round about every keep_s
+        else:
+            assert served == 0 and native.keeper_passes(proxy) == -1  # no CPU but the sender's
+        time.sleep(0.6)  # idle_s without a send: it rests, and the next send is the caller's
+        tx.send_payload(_plain_payload(99, 8))
+        assert rx.recv_payload(1.0, "recv", *lim) == _plain_payload(99, 8)
+        assert native.tcp_proxy_served(proxy) == served
+        tx.close()  # with the capsule still held here: stopped, the end's memory let go all the same
+        assert tx._keeper is None and not tx._state.proxy
+        assert all(sk.fileno() == -1 for sk in tx._pair)
+        assert native.keeper_stop(proxy) == native.keeper_passes(proxy)  # stopped, idempotent
+        with pytest.raises(TypeError):
+            native.tcp_proxy_served(object())
+        with pytest.raises(ValueError, match="period_ns"):
+            native.tcp_proxy_start(rx._state_addr, None, 0, 0, 0, 0)
+    finally:
+        tx.close()
+        rx.close()
+
+
 def test_a_keeper_does_not_start_without_a_cpu_other_than_the_senders():
     code = (
-        "import os, time, torch\n"
+        "import os, socket, time, torch\n"
         "os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})\n"
         "from afd_ext import control as cp\n"
         "o = cp.ChannelOptions(keep_s=0.001, idle_s=1.0)\n"
         "rx = cp.ShmControlChannel.create('afd-keep-%d' % os.getpid(), local_rank=0, peer_rank=1, peer='a', options=o)\n"
-        "tx = cp.ShmControlChannel.attach(rx.name, local_rank=1, peer_rank=0, peer='f', options=o)\n"
+        "tx = cp.ShmControlChannel.attach(rx.name, local_rank=1, peer_rank=0, peer='f', options=o, abort_check=None)\n"
+        "ls = socket.create_server(('127.0.0.1', 0)); a = socket.create_connection(ls.getsockname())\n"
+        "ttx = cp.TcpControlChannel(a, is_sender=True, local_rank=1, peer_rank=0, peer='f', options=o, abort_check=None)\n"
         "time.sleep(0.1)\n"
-        "print('passes', tx._native.keeper_passes(tx._keeper))\n"
-        "tx.close(); rx.close()\n"
+        "print('passes', tx._native.keeper_passes(tx._keeper), tx._native.keeper_passes(ttx._keeper))\n"
+        "tx.close(); rx.close(); ttx.close()\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "passes -1" in out.stdout
+    assert "passes -1 -1" in out.stdout
+
+
+def test_a_forked_child_lets_its_copies_of_the_keepers_go_and_sends_itself():
+    # The child has the capsules but not the threads: joining one would wait forever.
+    code = (
+        "import os, socket, time, torch\n"
+        "from afd_ext import control as cp, metadata as md\n"
+        "o = cp.ChannelOptions(keep_s=0.001, idle_s=30.0, heartbeat_interval_s=30.0, heartbeat_timeout_s=60.0)\n"
+        "rx = cp.ShmControlChannel.create('afd-fork-%d' % os.getpid(), local_rank=0, peer_rank=1, peer='a', options=o)\n"
+        "tx = cp.ShmControlChannel.attach(rx.name, local_rank=1, peer_rank=0, peer='f', options=o, abort_check=None)\n"
+        "ls = socket.create_server(('127.0.0.1', 0)); a = socket.create_connection(ls.getsockname())\n"
+        "b, _ = ls.accept()\n"
+        "ttx = cp.TcpControlChannel(a, is_sender=True, local_rank=1, peer_rank=0, peer='f', options=o, abort_check=None)\n"
+        "trx = cp.TcpControlChannel(b, is_sender=False, local_rank=0, peer_rank=1, peer='a', options=o, abort_check=None)\n"
+        "p = md.AFDControlPayload({0: md.AFDDPMetadata([1, 2])})\n"
+        "lim = (md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS, 1 << 20)\n"
+        "ttx.send_payload(p); assert trx.recv_payload(1.0, 'recv', *lim) == p\n"
+        "time.sleep(0.2)  # the proxy spins now\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    served = ttx._native.tcp_proxy_served(ttx._keeper)\n"
+        "    ttx.send_payload(p)  # sent by the child itself\n"
+        "    ok = ttx._native.tcp_proxy_served(ttx._keeper) == served\n"
+        "    ttx._native.keeper_stop(ttx._keeper); tx._native.keeper_stop(tx._keeper)\n"
+        "    os._exit(0 if ok else 3)\n"
+        "_, status = os.waitpid(pid, 0)\n"
+        "assert trx.recv_payload(5.0, 'recv', *lim) == p\n"
+        "print('child', os.waitstatus_to_exitcode(status))\n"
+        "for c in (tx, rx, ttx, trx): c.close()\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "child 0" in out.stdout
 
 
 def test_warm_period_comes_from_the_environment(monkeypatch):

@@ -97,16 +97,21 @@ class ChannelOptions:
             builds the last payload it took again (shm: after a CRC over it),
             sends it as the attention end does on a private scratch ring, and
             drops it (1-3 µs holding the GIL), so that a payload after a long
-            gap finds both ends' code in cache; 0: off.
+            gap finds both ends' code in cache; tcp also sends a frame of the
+            last one's size over a private loopback pair and reads it (its
+            recv() path, GIL released); 0: off.
             Default 0.5 ms (``AFD_CONTROL_WARM_S``; docs/configuration.md,
             "Control-plane cost per step", has the measurements).
-        keep_s: shm sender, while it sends (a send less than ``idle_s`` ago):
-            every ``keep_s`` a native thread of its process (the keeper, on
-            any allowed CPU but the one of the thread that opened the
-            channel; no GIL) reads every cache line of the send path's code
-            and the ring, so that they stay in the shared last-level cache
-            while the sending thread runs its model; 0: no keeper. Default
-            0.5 ms (``AFD_CONTROL_KEEP_S``).
+        keep_s: sender, while it sends (a send less than ``idle_s`` ago): a
+            native thread of its process, on any allowed CPU but the one of
+            the thread that opened the channel, holding no GIL. shm: the
+            keeper, which every ``keep_s`` reads every cache line of the send
+            path's code and the ring, so that they stay in the shared
+            last-level cache while the sending thread runs its model. tcp:
+            the proxy, which spins (one core while sending), sends each
+            frame from its CPU, and every ``keep_s`` runs a round on a
+            private loopback pair so that the kernel's TCP path stays warm
+            there. 0: neither. Default 0.5 ms (``AFD_CONTROL_KEEP_S``).
     """
 
     heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
@@ -259,9 +264,13 @@ class _Native:
         self.keeper_start = module.ctrl_keeper_start
         self.keeper_passes = module.ctrl_keeper_passes
         self.keeper_stop = module.ctrl_keeper_stop
+        # (tcp state address, hold, period_ns, idle_ns, warm_tx, warm_rx) -> a tcp sender's proxy (a
+        # keeper capsule: keeper_passes / keeper_stop); tcp_proxy_served(proxy) -> frames it sent
+        self.tcp_proxy_start = module.ctrl_tcp_proxy_start
+        self.tcp_proxy_served = module.ctrl_tcp_proxy_served
         # (data, max_stages, max_ranks) -> the payload built as the takes build it, or None
         self.parse = module.ctrl_parse
-        # (tcp state address, payload) -> 0 sent, -2 send it in Python, bytes: the unsent tail
+        # (tcp state address, payload) -> 0 sent, -2 send it in Python, -3 the proxy stalled, bytes: the unsent tail
         self.tcp_send_payload = module.ctrl_tcp_send_payload
         # (tcp state address, max_ns, max_stages, max_ranks) -> -1 nothing, the built payload, or bytes read
         self.tcp_take = module.ctrl_tcp_take

@@ -12,7 +12,7 @@ import time
 from typing import Any, Iterator
 
 from afd_ext import rendezvous as rdzv
-from afd_ext.errors import AFDPeerError, ControlChannelClosed, ControlProtocolError, PeerDeadError
+from afd_ext.errors import AFDPeerError, AFDStateError, ControlChannelClosed, ControlProtocolError, PeerDeadError
 from afd_ext.rendezvous import AFDStore
 
 from .channel import (
@@ -54,7 +54,29 @@ class TcpState(ctypes.Structure):
         ("cap", ctypes.c_uint64),
         ("t_ns", ctypes.c_int64),  # receiver: CLOCK_MONOTONIC ns when the poll saw the socket readable
         ("warm", WarmState),  # receiver: the rehearsal
+        ("proxy", ctypes.c_void_p),  # sender: its proxy while one runs (set and cleared in C)
+        ("warm_tx", ctypes.c_int32),  # receiver: the rehearsal's private loopback pair (-1: none)
+        ("warm_rx", ctypes.c_int32),
+        ("warm_rounds", ctypes.c_uint64),  # receiver: rehearsal rounds over that pair
     ]
+
+
+def _loopback_pair() -> tuple[socket.socket, socket.socket] | None:
+    """A connected, non-blocking TCP pair on 127.0.0.1 (``TCP_NODELAY``) for the native rounds that
+    keep the kernel's TCP path warm on a CPU (docs/configuration.md); None when loopback fails."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as ls:
+            ls.bind(("127.0.0.1", 0))
+            ls.listen(1)
+            a = socket.create_connection(ls.getsockname(), timeout=5.0)
+            b, _ = ls.accept()
+    except OSError as e:
+        logger.debug("afd_ext control plane: no loopback pair for the tcp rounds (%s)", e)
+        return None
+    for sk in (a, b):
+        sk.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sk.setblocking(False)
+    return a, b
 
 
 def _advertise_address(store: AFDStore) -> str:
@@ -98,9 +120,21 @@ class TcpControlChannel(ControlChannel):
         self._read_anchor: Any = (ctypes.c_char * _READ_BYTES).from_buffer(self._read)
         self._state = TcpState(fd=sock.fileno(), local_rank=self.local_rank, expect_sender=self.peer_rank,
                                max_msg=self.options.max_message_bytes, buf=ctypes.addressof(self._read_anchor),
-                               cap=_READ_BYTES)
+                               cap=_READ_BYTES, warm_tx=-1, warm_rx=-1)
         self._state.warm.arm(self.is_sender, self.options)
         self._state_addr = ctypes.addressof(self._state)
+        # A private loopback pair: a waiting receiver's rehearsal rounds, or the sender's proxy's.
+        self._pair: tuple[socket.socket, socket.socket] | None = None
+        self._keeper: Any = None  # a sender's proxy (ChannelOptions.keep_s), holding this end's state
+        if self._native is not None and (self._state.warm.warm_ns > 0 if not self.is_sender
+                                         else self.options.keep_s > 0):
+            self._pair = _loopback_pair()
+        if self._pair is not None and not self.is_sender:
+            self._state.warm_tx, self._state.warm_rx = (sk.fileno() for sk in self._pair)
+        elif self._pair is not None:
+            self._keeper = self._native.tcp_proxy_start(
+                self._state_addr, (self._state, self._read_anchor), int(self.options.keep_s * 1e9),
+                int(self.options.idle_s * 1e9), *(sk.fileno() for sk in self._pair))
 
     @staticmethod
     def listen(store: AFDStore) -> socket.socket:
@@ -236,6 +270,9 @@ class TcpControlChannel(ControlChannel):
                 with self._send_errors():
                     self._sock.sendall(r)
                 return 0
+        if r == -3:
+            raise AFDStateError(f"{_OP_SEND}: the send proxy of the control channel to {self.peer} took the "
+                                "frame and did not send it within 5 s (its thread is stopped)")
         return r
 
     def send_payload(self, payload: Any) -> None:
@@ -354,6 +391,9 @@ class TcpControlChannel(ControlChannel):
         if self._closed:
             return
         self._closed = True
+        if self._keeper is not None:
+            self._native.keeper_stop(self._keeper)  # joined: it sends on this end's socket
+            self._keeper = None
         # The native calls decline from now on; one in flight on another thread ends first.
         release = self._quiesce_native(lambda: setattr(self._state, "fd", -1))
         self._hb_stop.set()
@@ -364,12 +404,13 @@ class TcpControlChannel(ControlChannel):
                 pass
         if self._hb_thread is not None:
             self._hb_thread.join(timeout=5)
-        if not release:  # a native read still in flight holds the descriptor's number
+        if not release:  # a native read still in flight holds the descriptors' numbers
             return
-        try:
-            self._sock.close()
-        except OSError:
-            pass
+        for sk in (self._sock, *(self._pair or ())):
+            try:
+                sk.close()
+            except OSError:
+                pass
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:

@@ -18,6 +18,7 @@
 #include <immintrin.h>
 #endif
 
+#include <pthread.h>
 #include <sched.h>
 
 #include <array>
@@ -209,6 +210,23 @@ struct afd_ctrl_ring {
   uint32_t pad_;
   afd_ctrl_warm warm;      // receiver: the rehearsal (last = out)
   int64_t t_built;         // with stamps, receiver: when the last payload taken was built
+};
+
+// One end of one TCP channel, filled once by Python (afd_ext/control/tcp.py, `TcpState`).
+struct afd_ctrl_tcp {
+  int32_t fd;              // the connected socket (non-blocking); -1: closed
+  uint32_t local_rank;     // sender: the sender field it writes
+  uint32_t expect_sender;  // receiver: the sender's world rank (another: the bytes go to Python)
+  uint32_t busy;           // native calls in flight on this end (InFlight; close() waits for 0)
+  uint64_t max_msg;        // the largest message body either end handles natively
+  uint8_t* buf;            // receiver: read buffer of cap bytes
+  uint64_t cap;
+  int64_t t_ns;            // receiver: CLOCK_MONOTONIC ns when the poll saw the socket readable
+  afd_ctrl_warm warm;      // receiver: the rehearsal (last: the last data frame's body in buf)
+  void* proxy;             // sender: its send proxy's mailbox while one runs (set and cleared in C)
+  int32_t warm_tx;         // receiver: a private loopback TCP pair the rehearsal sends a frame over
+  int32_t warm_rx;         //   (-1: none)
+  uint64_t warm_rounds;    // receiver: rehearsal rounds over that pair (tests read it)
 };
 
 // Wake a receiver blocked on the doorbell (a datagram; a full queue means one is pending).
@@ -1019,17 +1037,43 @@ namespace {
 constexpr const char* kKeeperCapsule = "afd_ext.control.keeper";
 constexpr int64_t kKeeperRestNs = 50'000'000;  // while idle: how often the keeper looks for a send
 
+constexpr size_t kTcpHdr = 20;  // a TCP frame's header (afd_ext/control/tcp.py)
+
+// A tcp sender's mailbox to its proxy: one frame at a time (the caller holds the channel's send
+// lock). state: empty -> posted (caller) -> taken (proxy, CAS) -> done (proxy) -> empty (caller); a
+// posted frame not yet taken may be withdrawn (CAS back to empty) and sent by the caller itself.
+enum : uint32_t { kMailEmpty = 0, kMailPosted = 1, kMailTaken = 2, kMailDone = 3 };
+struct TcpMail {
+  alignas(64) std::atomic<uint32_t> state{kMailEmpty};
+  std::atomic<uint32_t> spinning{0};  // 1 while the proxy spins on the mailbox (it takes at once)
+  std::atomic<int64_t> last_ns{0};    // when the last send came (the proxy's activity clock)
+  int64_t sent = 0;                   // proxy: send()'s return for the frame taken
+  int err = 0;                        //        and its errno
+  uint32_t len = 0;
+  std::atomic<uint64_t> served{0};    // frames the proxy sent (tests read it)
+  uint8_t frame[kTcpHdr + kMaxNativeBytes];
+};
+
+// A native thread of the attention process on another CPU than the one that started it, holding
+// no GIL. shm (ring): the keeper; tcp (tcp, mail): the send proxy (below, with the TCP code).
 struct Keeper {
-  afd_ctrl_ring* ring;
-  PyObject* hold;  // what keeps the ring and its segment alive (released after the join)
-  int64_t period_ns, idle_ns;
-  int creator_cpu;
+  afd_ctrl_ring* ring = nullptr;
+  afd_ctrl_tcp* tcp = nullptr;
+  TcpMail* mail = nullptr;
+  int warm_tx = -1, warm_rx = -1;  // proxy: its private loopback pair
+  PyObject* hold = nullptr;  // what keeps the end and its memory alive (released after the join)
+  int64_t period_ns = 0, idle_ns = 0;
+  int creator_cpu = -1;
+  uint64_t fork_gen = 0;     // g_fork_gen when started (a forked child has no thread)
   std::mutex mu;
   std::condition_variable cv;
-  bool stop = false;
+  std::atomic<bool> stop{false};
   std::atomic<int64_t> passes{0};  // -1: not started (no CPU but the sending thread's)
   std::thread th;
+  ~Keeper() { delete mail; }
 };
+
+std::atomic<uint64_t> g_fork_gen{0};  // bumped in a forked child (pthread_atfork)
 
 volatile uint64_t g_keeper_sink;
 
@@ -1038,10 +1082,8 @@ void read_lines(const void* p, size_t n, uint64_t& sink) {
   for (size_t o = 0; o < n; o += 64) sink += b[o];
 }
 
-// One pass: the send path's code and tables, the libpython entry points it calls, the ring's state
-// and its segment (under InFlight, as every native call: close() waits for it, then unmaps).
-void keeper_pass(afd_ctrl_ring* r) {
-  uint64_t sink = 0;
+// The send path's code and tables and the libpython entry points it calls (both kinds).
+void read_send_path(uint64_t& sink) {
   if (__start_afd_ctrl_send != nullptr && __stop_afd_ctrl_send > __start_afd_ctrl_send)
     read_lines(__start_afd_ctrl_send, static_cast<size_t>(__stop_afd_ctrl_send - __start_afd_ctrl_send), sink);
   const void* entries[] = {reinterpret_cast<const void*>(&PyDict_Next),
@@ -1054,6 +1096,13 @@ void keeper_pass(afd_ctrl_ring* r) {
   read_lines(kCrcTable.data(), sizeof kCrcTable, sink);
   read_lines(g_off, sizeof g_off, sink);
   read_lines(&g_payload_type, sizeof g_payload_type, sink);
+}
+
+// One pass: the send path, the ring's state and its segment (under InFlight, as every native
+// call: close() waits for it, then unmaps).
+void keeper_pass(afd_ctrl_ring* r) {
+  uint64_t sink = 0;
+  read_send_path(sink);
   read_lines(r, sizeof *r, sink);
   {
     InFlight in_flight(&r->busy);
@@ -1063,15 +1112,21 @@ void keeper_pass(afd_ctrl_ring* r) {
   g_keeper_sink = sink;
 }
 
-void keeper_run(Keeper* k) {
+// Move the calling (keeper) thread off the creator's CPU; false (passes -1) when no CPU is left.
+bool keeper_pin(Keeper* k) {
   cpu_set_t cpus;
   CPU_ZERO(&cpus);
   if (sched_getaffinity(0, sizeof cpus, &cpus) != 0) CPU_ZERO(&cpus);
   if (k->creator_cpu >= 0) CPU_CLR(k->creator_cpu, &cpus);  // never take the sending thread's CPU
   if (CPU_COUNT(&cpus) == 0 || sched_setaffinity(0, sizeof cpus, &cpus) != 0) {
     k->passes.store(-1);
-    return;
+    return false;
   }
+  return true;
+}
+
+void keeper_run(Keeper* k) {
+  if (!keeper_pin(k)) return;
   uint64_t seen = __atomic_load_n(&k->ring->k, __ATOMIC_RELAXED);
   int64_t last_send = now_ns();
   std::unique_lock<std::mutex> lock(k->mu);
@@ -1089,22 +1144,26 @@ void keeper_run(Keeper* k) {
       k->passes.fetch_add(1, std::memory_order_relaxed);
       lock.lock();
     }
-    k->cv.wait_for(lock, std::chrono::nanoseconds(active ? k->period_ns : kKeeperRestNs), [k] { return k->stop; });
+    k->cv.wait_for(lock, std::chrono::nanoseconds(active ? k->period_ns : kKeeperRestNs), [k] { return k->stop.load(); });
   }
 }
 
-// Stop and join, then let go of what it held (idempotent); GIL held: the keeper never takes it.
+// Stop and join, then let go of what it held (idempotent); GIL held: the thread never takes it.
+// A tcp sender's calls stop using the proxy first (they run with the GIL, as this does).
 void keeper_stop(Keeper* k) {
+  if (k->tcp != nullptr) __atomic_store_n(&k->tcp->proxy, nullptr, __ATOMIC_SEQ_CST);
   {
     std::lock_guard<std::mutex> lock(k->mu);
     k->stop = true;
   }
   k->cv.notify_all();
-  if (k->th.joinable()) {
+  if (k->th.joinable() && k->fork_gen != g_fork_gen.load()) {
+    k->th.detach();  // a forked child's copy: the thread is the parent's (a join would wait forever)
+  } else if (k->th.joinable()) {
     Py_BEGIN_ALLOW_THREADS k->th.join();
     Py_END_ALLOW_THREADS
   }
-  Py_CLEAR(k->hold);  // the ring's memory may go now, whoever still holds the capsule
+  Py_CLEAR(k->hold);  // the end's memory may go now, whoever still holds the capsule
 }
 
 void keeper_capsule_free(PyObject* cap) {
@@ -1120,6 +1179,29 @@ void keeper_capsule_free(PyObject* cap) {
 Keeper* keeper_of(PyObject* cap) {
   return PyCapsule_IsValid(cap, kKeeperCapsule) ? static_cast<Keeper*>(PyCapsule_GetPointer(cap, kKeeperCapsule))
                                                 : nullptr;
+}
+
+// Start `run` on a thread for `k` (filled but for the thread); a capsule (freed: stopped), or
+// nullptr with an error set (k freed, its hold released).
+PyObject* keeper_launch(Keeper* k, void (*run)(Keeper*)) {
+  static std::once_flag at_fork;
+  std::call_once(at_fork, [] { pthread_atfork(nullptr, nullptr, [] { g_fork_gen.fetch_add(1); }); });
+  k->creator_cpu = sched_getcpu();
+  k->fork_gen = g_fork_gen.load();
+  PyObject* cap = PyCapsule_New(k, kKeeperCapsule, keeper_capsule_free);
+  if (cap == nullptr) {
+    Py_CLEAR(k->hold);
+    delete k;
+    return nullptr;
+  }
+  try {
+    k->th = std::thread(run, k);
+  } catch (const std::exception& e) {
+    Py_DECREF(cap);
+    PyErr_Format(PyExc_RuntimeError, "afd_ext control plane: no keeper thread (%s)", e.what());
+    return nullptr;
+  }
+  return cap;
 }
 
 }  // namespace
@@ -1146,21 +1228,7 @@ PyObject* afd_ctrl_keeper_start_py(PyObject*, PyObject* const* args, Py_ssize_t 
   k->hold = Py_NewRef(args[1]);
   k->period_ns = period;
   k->idle_ns = idle;
-  k->creator_cpu = sched_getcpu();
-  PyObject* cap = PyCapsule_New(k, kKeeperCapsule, keeper_capsule_free);
-  if (cap == nullptr) {
-    Py_DECREF(k->hold);
-    delete k;
-    return nullptr;
-  }
-  try {
-    k->th = std::thread(keeper_run, k);
-  } catch (const std::exception& e) {
-    Py_DECREF(cap);
-    PyErr_Format(PyExc_RuntimeError, "ctrl_keeper_start: no thread (%s)", e.what());
-    return nullptr;
-  }
-  return cap;
+  return keeper_launch(k, keeper_run);
 }
 
 // _C.ctrl_keeper_passes(keeper): the passes made so far; -1 when it did not start (no allowed CPU
@@ -1189,30 +1257,12 @@ PyObject* afd_ctrl_keeper_stop_py(PyObject*, PyObject* const* args, Py_ssize_t n
 // TCP: one frame per call (afd_ext/control/tcp.py: magic u32 | type u32 | sender u32 | length u64, body)
 // ---------------------------------------------------------------------------
 
-extern "C" {
-
-// One end of one TCP channel, filled once by Python (afd_ext/control/tcp.py, `TcpState`).
-struct afd_ctrl_tcp {
-  int32_t fd;              // the connected socket (non-blocking); -1: closed
-  uint32_t local_rank;     // sender: the sender field it writes
-  uint32_t expect_sender;  // receiver: the sender's world rank (another: the bytes go to Python)
-  uint32_t busy;           // native calls in flight on this end (InFlight; close() waits for 0)
-  uint64_t max_msg;        // the largest message body either end handles natively
-  uint8_t* buf;            // receiver: read buffer of cap bytes
-  uint64_t cap;
-  int64_t t_ns;            // receiver: CLOCK_MONOTONIC ns when the poll saw the socket readable
-  afd_ctrl_warm warm;      // receiver: the rehearsal (last: the last data frame's body in buf)
-};
-
-}  // extern "C"
 
 namespace {
 
 constexpr uint32_t kTcpMagic = 0xAFDC7C01u;
 constexpr uint32_t kTcpData = 2;
 constexpr uint32_t kTcpHeartbeat = 3;
-constexpr size_t kTcpHdr = 20;
-
 constexpr int kClosed = -(1 << 30);  // tcp_wait_readable: the end is being closed
 
 // Poll the end's socket until it is readable (or hung up / in error), `max_ns` passed, or the end
@@ -1240,13 +1290,151 @@ void put_tcp_header(uint8_t* at, uint32_t sender, uint64_t len) {
   std::memcpy(at + 12, &len, 8);
 }
 
+// After a long gap the kernel's TCP path is what is cold, on the CPU that runs it: on the H200 host
+// a loopback frame's send() took 29-39 us p50 and its recv() 27-32 us at 20-50 ms gaps, 5-7 us and
+// 2-3 us on a CPU that ran a round like this every 0.5 ms meanwhile (scripts/diag/tcp_gap.c).
+alignas(64) const uint8_t kZeroFrame[kTcpHdr + kMaxNativeBytes] = {};
+
+// One round over a private loopback pair: the first n bytes of kZeroFrame sent on tx and read back
+// on rx (loopback delivers them within the send), dropped.
+void loopback_round(int tx, int rx, size_t n) {
+  ssize_t s;
+  do {
+    s = ::send(tx, kZeroFrame, n, MSG_DONTWAIT | MSG_NOSIGNAL);
+  } while (s < 0 && errno == EINTR);
+  uint8_t sink[4096];
+  for (int i = 0; i < 8; ++i) {  // drain what is there
+    const ssize_t r = ::recv(rx, sink, sizeof sink, MSG_DONTWAIT);
+    if (r == 0 || (r < 0 && errno != EINTR)) break;
+  }
+}
+
+// A waiting receiver's round (between two slices of its wait, as the rehearsal): its recv() path,
+// with a frame of the last one's size. The caller holds an InFlight.
+void tcp_warm_round(afd_ctrl_tcp* t) {
+  if (t->warm.warm_ns <= 0 || t->warm_tx < 0 || t->warm_rx < 0 || __atomic_load_n(&t->fd, __ATOMIC_SEQ_CST) < 0)
+    return;
+  loopback_round(t->warm_tx, t->warm_rx, kTcpHdr + (t->warm.last_len ? t->warm.last_len : 64));
+  ++t->warm_rounds;
+}
+
+constexpr int64_t kProxyTakeNs = 1'000'000;      // a posted frame not taken by then: sent by the caller
+constexpr int64_t kProxyStallNs = 5'000'000'000;  // a taken frame not sent by then: an error
+
+// Proxy: send the posted frame (when it is still posted) on the end's socket, as the caller would.
+void proxy_serve(Keeper* k, uint32_t& round_len) {
+  TcpMail* m = k->mail;
+  uint32_t want = kMailPosted;
+  if (!m->state.compare_exchange_strong(want, kMailTaken)) return;  // withdrawn by the caller
+  afd_ctrl_tcp* t = k->tcp;
+  ssize_t sent = -1;
+  int err = EBADF;
+  {
+    InFlight in_flight(&t->busy);
+    const int fd = __atomic_load_n(&t->fd, __ATOMIC_SEQ_CST);
+    if (fd >= 0) {
+      do {
+        sent = ::send(fd, m->frame, m->len, MSG_DONTWAIT | MSG_NOSIGNAL);
+      } while (sent < 0 && errno == EINTR);
+      err = sent < 0 ? errno : 0;
+    }
+  }
+  round_len = m->len;
+  m->sent = sent;
+  m->err = err;
+  m->served.fetch_add(1, std::memory_order_relaxed);
+  m->state.store(kMailDone, std::memory_order_release);
+}
+
+// The tcp sender's proxy: a frame's send() from the attention rank's own thread after a long gap
+// costs what the kernel's cold TCP path costs there (above), so while sends come (one less than
+// idle_ns ago) the proxy spins on its mailbox on another CPU, sends each posted frame itself, and
+// every period_ns runs a loopback round on its private pair and reads the send path; then it rests
+// (the caller sends itself, and its send's stamp wakes the proxy within kKeeperRestNs).
+void proxy_run(Keeper* k) {
+  if (!keeper_pin(k)) return;
+  TcpMail* m = k->mail;
+  uint32_t round_len = kTcpHdr + 64;
+  int64_t next_warm = 0;
+  while (!k->stop.load()) {
+    if (now_ns() - m->last_ns.load(std::memory_order_relaxed) >= k->idle_ns) {
+      std::unique_lock<std::mutex> lock(k->mu);
+      k->cv.wait_for(lock, std::chrono::nanoseconds(kKeeperRestNs), [k] { return k->stop.load(); });
+      continue;
+    }
+    m->spinning.store(1);
+    for (int polls = 0;;) {
+      if (m->state.load(std::memory_order_acquire) == kMailPosted) {
+        proxy_serve(k, round_len);
+        continue;
+      }
+      if (++polls < kPollsPerClockRead) {
+        cpu_relax();
+        continue;
+      }
+      polls = 0;
+      if (k->stop.load(std::memory_order_relaxed)) break;
+      const int64_t t = now_ns();
+      if (t - m->last_ns.load(std::memory_order_relaxed) >= k->idle_ns) break;
+      if (t >= next_warm) {
+        uint64_t sink = 0;
+        read_send_path(sink);
+        read_lines(k->tcp, sizeof *k->tcp, sink);
+        g_keeper_sink = sink;
+        loopback_round(k->warm_tx, k->warm_rx, round_len);
+        k->passes.fetch_add(1, std::memory_order_relaxed);
+        next_warm = now_ns() + k->period_ns;
+      }
+    }
+    // Cleared, then the mailbox read once more (both sequentially consistent): a caller that posted
+    // after reading spinning == 1 is served here, one that reads 0 after posting withdraws.
+    m->spinning.store(0);
+    if (m->state.load() == kMailPosted) proxy_serve(k, round_len);
+  }
+}
+
+// Caller (GIL held, the channel's send lock held): hand the frame to the end's proxy when it spins.
+// 1: the proxy sent it (*sent, *err as send() left them); 0: not handed over (the caller sends it);
+// -1: the proxy took it and has not sent it within kProxyStallNs.
+int proxy_send(Keeper* k, const uint8_t* frame, size_t len, ssize_t* sent, int* err) {
+  TcpMail* m = k->mail;
+  m->last_ns.store(now_ns(), std::memory_order_relaxed);
+  if (k->fork_gen != g_fork_gen.load(std::memory_order_relaxed) || m->spinning.load(std::memory_order_relaxed) == 0 ||
+      m->state.load(std::memory_order_relaxed) != kMailEmpty)
+    return 0;  // a forked child (no thread), a resting proxy, or one still holding a stalled frame
+  std::memcpy(m->frame, frame, len);
+  m->len = static_cast<uint32_t>(len);
+  m->state.store(kMailPosted);
+  uint32_t want = kMailPosted;
+  if (m->spinning.load() == 0 && m->state.compare_exchange_strong(want, kMailEmpty)) return 0;
+  const int64_t t0 = now_ns();
+  for (int polls = 0;;) {
+    const uint32_t st = m->state.load(std::memory_order_acquire);
+    if (st == kMailDone) break;
+    if (++polls < kPollsPerClockRead) {
+      cpu_relax();
+      continue;
+    }
+    polls = 0;
+    const int64_t waited = now_ns() - t0;
+    want = kMailPosted;
+    if (st == kMailPosted && waited > kProxyTakeNs && m->state.compare_exchange_strong(want, kMailEmpty)) return 0;
+    if (waited > kProxyStallNs) return -1;
+  }
+  *sent = static_cast<ssize_t>(m->sent);
+  *err = m->err;
+  m->state.store(kMailEmpty, std::memory_order_release);
+  return 1;
+}
+
 }  // namespace
 
 // _C.ctrl_tcp_send_payload(state_address, payload): encode an AFDControlPayload (encode_payload)
-// as one data frame and send it without blocking, in one send(). Returns 0 when sent; -2 when
-// nothing was sent (closed, declined, the socket buffer full, or an error: the caller's Python
-// path sends it and names an error); bytes, the unsent tail of a partly sent frame (the caller
-// sends it before anything else). The caller holds the channel's send lock (heartbeat frames).
+// as one data frame and send it without blocking, in one send() (the end's proxy's, when it spins).
+// Returns 0 when sent; -2 when nothing was sent (closed, declined, the socket buffer full, or an
+// error: the caller's Python path sends it and names an error); -3 when the proxy took the frame
+// and did not send it within kProxyStallNs; bytes, the unsent tail of a partly sent frame (the
+// caller sends it before anything else). The caller holds the channel's send lock (heartbeat frames).
 PyObject* afd_ctrl_tcp_send_payload_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 2) {
     PyErr_SetString(PyExc_TypeError, "ctrl_tcp_send_payload(state_address, payload)");
@@ -1264,10 +1452,16 @@ PyObject* afd_ctrl_tcp_send_payload_py(PyObject*, PyObject* const* args, Py_ssiz
   if (n < 0) return PyLong_FromLong(-2);
   put_tcp_header(buf, t->local_rank, static_cast<uint64_t>(n));
   const size_t len = kTcpHdr + static_cast<size_t>(n);
-  ssize_t sent;
-  do {
-    sent = ::send(fd, buf, len, MSG_DONTWAIT | MSG_NOSIGNAL);
-  } while (sent < 0 && errno == EINTR);
+  ssize_t sent = -1;
+  int err = 0;
+  auto* proxy = static_cast<Keeper*>(__atomic_load_n(&t->proxy, __ATOMIC_ACQUIRE));
+  const int handed = proxy != nullptr ? proxy_send(proxy, buf, len, &sent, &err) : 0;
+  if (handed < 0) return PyLong_FromLong(-3);
+  if (handed == 0) {
+    do {
+      sent = ::send(fd, buf, len, MSG_DONTWAIT | MSG_NOSIGNAL);
+    } while (sent < 0 && errno == EINTR);
+  }
   if (sent <= 0) return PyLong_FromLong(-2);
   if (static_cast<size_t>(sent) == len) return PyLong_FromLong(0);
   return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(buf) + sent, static_cast<Py_ssize_t>(len - sent));
@@ -1288,8 +1482,11 @@ PyObject* afd_ctrl_tcp_take_py(PyObject*, PyObject* const* args, Py_ssize_t narg
   int ready = 0;
   ssize_t n = -1;
   int err = 0;
+  bool first = true;
   const int64_t waited = wait_rehearsing(&t->warm, false, max_ns, max_stages, max_ranks, [&](int64_t ns) -> int64_t {
     InFlight in_flight(&t->busy);
+    if (!first) tcp_warm_round(t);  // between two slices, as the rehearsal (never before the first poll)
+    first = false;
     ready = tcp_wait_readable(t, static_cast<long>(ns));
     if (ready > 0) {
       t->t_ns = now_ns();
@@ -1341,4 +1538,48 @@ PyObject* afd_ctrl_tcp_take_py(PyObject*, PyObject* const* args, Py_ssize_t narg
     break;
   }
   return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(b), n);
+}
+
+// _C.ctrl_tcp_proxy_start(state_address, hold, period_ns, idle_ns, warm_tx, warm_rx): start a tcp
+// sender's proxy (above) on a thread of its own, on any allowed CPU but the calling thread's, with
+// the private loopback pair (warm_tx, warm_rx); `hold` is kept alive until it is stopped (what owns
+// the end and the pair). Returns a keeper capsule (ctrl_keeper_passes / ctrl_keeper_stop; freed:
+// stopped). TypeError / ValueError on bad arguments or an end that has one, before anything starts.
+PyObject* afd_ctrl_tcp_proxy_start_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 6) {
+    PyErr_SetString(PyExc_TypeError, "ctrl_tcp_proxy_start(state_address, hold, period_ns, idle_ns, warm_tx, warm_rx)");
+    return nullptr;
+  }
+  auto* t = static_cast<afd_ctrl_tcp*>(PyLong_AsVoidPtr(args[0]));
+  const long long period = PyLong_AsLongLong(args[2]);
+  const long long idle = PyLong_AsLongLong(args[3]);
+  const long tx = PyLong_AsLong(args[4]);
+  const long rx = PyLong_AsLong(args[5]);
+  if (PyErr_Occurred()) return nullptr;
+  if (t == nullptr || period <= 0 || idle < 0 || tx < 0 || rx < 0 || t->proxy != nullptr) {
+    PyErr_SetString(PyExc_ValueError,
+                    "ctrl_tcp_proxy_start: a tcp end without a proxy, period_ns > 0, idle_ns >= 0 and two descriptors");
+    return nullptr;
+  }
+  auto* k = new Keeper();
+  k->tcp = t;
+  k->mail = new TcpMail();
+  k->warm_tx = static_cast<int>(tx);
+  k->warm_rx = static_cast<int>(rx);
+  k->hold = Py_NewRef(args[1]);
+  k->period_ns = period;
+  k->idle_ns = idle;
+  PyObject* cap = keeper_launch(k, proxy_run);
+  if (cap != nullptr) __atomic_store_n(&t->proxy, static_cast<void*>(k), __ATOMIC_SEQ_CST);
+  return cap;
+}
+
+// _C.ctrl_tcp_proxy_served(keeper): the frames a tcp sender's proxy sent so far.
+PyObject* afd_ctrl_tcp_proxy_served_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  Keeper* k = nargs == 1 ? keeper_of(args[0]) : nullptr;
+  if (k == nullptr || k->mail == nullptr) {
+    PyErr_SetString(PyExc_TypeError, "ctrl_tcp_proxy_served(proxy)");
+    return nullptr;
+  }
+  return PyLong_FromUnsignedLongLong(k->mail->served.load());
 }
