@@ -151,10 +151,31 @@ register("AFD_CONTROL_WARM_S", 0.0005,
 register("AFD_CONTROL_KEEP_S", 0.0005,
          "control plane: while an attention rank sends (a send less than AFD_CONTROL_IDLE_S ago), a native "
          "thread of its process on another CPU: over shared memory it reads the send path's code and ring "
-         "lines every this many seconds (they stay in the shared cache); over tcp it spins (one core), sends "
-         "each frame from its CPU and runs a loopback round every this many seconds (the kernel's TCP path "
-         "stays warm there); 0 turns it off",
+         "lines every this many seconds (they stay in the shared cache); over tcp with AFD_CONTROL_TCP_PROXY "
+         "it also runs a loopback round every this many seconds (the kernel's TCP path stays warm there); "
+         "0 turns it off",
          _non_negative_float)
+
+
+def _cpu_list(value: str) -> tuple[int, ...] | None:
+    if not value.strip():
+        return None
+    try:
+        cpus = tuple(int(c) for c in value.split(","))
+    except ValueError:
+        raise AFDConfigError(f"expected CPU numbers separated by commas (e.g. 3 or 3,4), got {value!r}") from None
+    if any(c < 0 for c in cpus):
+        raise AFDConfigError(f"expected CPU numbers >= 0, got {value!r}")
+    return cpus
+
+
+register("AFD_CONTROL_KEEP_CPUS", None,
+         "control plane: the CPUs (e.g. 3 or 3,4) of an attention rank's keeper / tcp proxy thread "
+         "(AFD_CONTROL_KEEP_S); unset: any the opening thread may use but the one it runs on", _cpu_list)
+register("AFD_CONTROL_TCP_PROXY", False,
+         "control plane: 1 gives a tcp attention rank a send proxy, a native thread on another CPU that spins "
+         "while it sends (one core) and sends each frame from its warm CPU (docs/configuration.md has the "
+         "measurements)", parse_bool)
 
 # --- vLLM + afd-plugin integration (afd_ext.integrations.afd_plugin) ---------------------
 register("AFD_EXT_REPLACE_P2P", False,

@@ -809,7 +809,16 @@ def test_a_shm_senders_keeper_reads_while_it_sends_rests_when_idle_and_stops_at_
 def test_a_tcp_senders_proxy_sends_while_it_sends_rests_when_idle_and_stops_at_close():
     from afd_ext import metadata as md
 
+    assert cp.ChannelOptions().tcp_proxy is False  # one core per attention rank: asked for
+    with pytest.raises(AFDConfigError, match="tcp_proxy"):
+        cp.ChannelOptions(tcp_proxy=1)
     rx, tx = _tcp_pair(keep_s=0.001, idle_s=0.3, warm_s=0.0)
+    try:
+        assert tx._keeper is None and tx._pair is None
+    finally:
+        tx.close()
+        rx.close()
+    rx, tx = _tcp_pair(keep_s=0.001, idle_s=0.3, warm_s=0.0, tcp_proxy=True)
     lim = (md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS, 1 << 20)
     native = tx._native
     several = len(os.sched_getaffinity(0)) > 1
@@ -852,7 +861,7 @@ def test_a_keeper_does_not_start_without_a_cpu_other_than_the_senders():
         "import os, socket, time, torch\n"
         "os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})\n"
         "from afd_ext import control as cp\n"
-        "o = cp.ChannelOptions(keep_s=0.001, idle_s=1.0)\n"
+        "o = cp.ChannelOptions(keep_s=0.001, idle_s=1.0, tcp_proxy=True)\n"
         "rx = cp.ShmControlChannel.create('afd-keep-%d' % os.getpid(), local_rank=0, peer_rank=1, peer='a', options=o)\n"
         "tx = cp.ShmControlChannel.attach(rx.name, local_rank=1, peer_rank=0, peer='f', options=o, abort_check=None)\n"
         "ls = socket.create_server(('127.0.0.1', 0)); a = socket.create_connection(ls.getsockname())\n"
@@ -866,12 +875,65 @@ def test_a_keeper_does_not_start_without_a_cpu_other_than_the_senders():
     assert "passes -1 -1" in out.stdout
 
 
+def _threads_pinned_to(cpus: set[int]) -> int:
+    """Threads of this process whose allowed CPUs are exactly ``cpus``."""
+    n = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            n += os.sched_getaffinity(int(tid)) == cpus
+        except OSError:
+            pass  # gone meanwhile
+    return n
+
+
+def test_keep_cpus_pins_the_keeper_or_proxy_and_a_cpu_not_allowed_keeps_it_from_starting(monkeypatch):
+    for bad in ([], (-1,), ("3",), 3, (1.5,)):
+        with pytest.raises(AFDConfigError, match="keep_cpus"):
+            cp.ChannelOptions(keep_cpus=bad)
+    assert cp.ChannelOptions(keep_cpus=[4, 3, 3]).keep_cpus == (3, 4)
+    monkeypatch.setenv("AFD_CONTROL_KEEP_CPUS", "3,4")
+    assert cp.ChannelOptions.from_env().keep_cpus == (3, 4)
+    monkeypatch.setenv("AFD_CONTROL_KEEP_CPUS", "x")
+    with pytest.raises(AFDConfigError, match="CPU numbers"):
+        cp.ChannelOptions.from_env()
+    monkeypatch.delenv("AFD_CONTROL_KEEP_CPUS")
+    assert cp.ChannelOptions.from_env().keep_cpus is None
+    monkeypatch.setenv("AFD_CONTROL_TCP_PROXY", "1")
+    assert cp.ChannelOptions.from_env().tcp_proxy is True
+    monkeypatch.delenv("AFD_CONTROL_TCP_PROXY")
+    allowed = os.sched_getaffinity(0)
+    mine = max(allowed)
+    for pair in (_ring, _tcp_pair):
+        rx, tx = pair(keep_s=0.001, idle_s=0.3, warm_s=0.0, keep_cpus=(mine,), tcp_proxy=True)
+        try:
+            time.sleep(0.05)
+            assert tx._native.keeper_passes(tx._keeper) >= 0
+            if len(allowed) > 1:
+                assert _threads_pinned_to({mine}) == 1  # the keeper (or proxy): this thread keeps its mask
+        finally:
+            tx.close()
+            rx.close()
+        rx, tx = pair(keep_s=0.001, idle_s=0.3, warm_s=0.0, keep_cpus=(1023,), tcp_proxy=True)  # no such CPU
+        try:
+            time.sleep(0.05)
+            assert tx._native.keeper_passes(tx._keeper) == -1
+            p = _plain_payload(1, 8)
+            tx.send_payload(p)  # sent all the same
+            assert rx.recv_payload(1.0, "recv", 64, 64, 1 << 20) == p
+        finally:
+            tx.close()
+            rx.close()
+    with pytest.raises(TypeError, match="cpus"):
+        cshm._native().keeper_start(1, None, 1, 1, [0])
+
+
 def test_a_forked_child_lets_its_copies_of_the_keepers_go_and_sends_itself():
     # The child has the capsules but not the threads: joining one would wait forever.
     code = (
         "import os, socket, time, torch\n"
         "from afd_ext import control as cp, metadata as md\n"
-        "o = cp.ChannelOptions(keep_s=0.001, idle_s=30.0, heartbeat_interval_s=30.0, heartbeat_timeout_s=60.0)\n"
+        "o = cp.ChannelOptions(keep_s=0.001, idle_s=30.0, heartbeat_interval_s=30.0, heartbeat_timeout_s=60.0,"
+        " tcp_proxy=True)\n"
         "rx = cp.ShmControlChannel.create('afd-fork-%d' % os.getpid(), local_rank=0, peer_rank=1, peer='a', options=o)\n"
         "tx = cp.ShmControlChannel.attach(rx.name, local_rank=1, peer_rank=0, peer='f', options=o, abort_check=None)\n"
         "ls = socket.create_server(('127.0.0.1', 0)); a = socket.create_connection(ls.getsockname())\n"

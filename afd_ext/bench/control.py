@@ -277,14 +277,10 @@ def _measure_worker(rank: int, nprocs: int, host: str, port: int, kind: str, sch
     topo = Topology(1, 1)
     role = "ffn" if rank == 0 else "attention"
     store = rdzv.connect(host, port, rank, 2, 60.0, num_ffn_ranks=1)
-    opts = cpl.ChannelOptions.from_env(idle_s=idle_s, warm_s=warm_s)
+    helper = (cpus[2],) if cpus is not None and rank == 1 and len(cpus) > 2 else None
+    opts = cpl.ChannelOptions.from_env(idle_s=idle_s, warm_s=warm_s, keep_cpus=helper)  # the keeper / proxy
     plane = cpl.AFDControlPlane(lambda p: None, topo, role, 0)
-    helper = cpus is not None and rank == 1 and len(cpus) > 2
-    if helper:  # the keeper, started by the open on this thread's CPU, takes the helper CPU
-        os.sched_setaffinity(0, {cpus[1], cpus[2]})
     plane.open(store, kind, 60.0, options=opts)
-    if helper:
-        os.sched_setaffinity(0, {cpus[1]})
     ch = next(iter(plane.channels.values()))
     state = ch._state if ch.kind == "shm" else None  # the native stamps (RingState)
     if state is not None:

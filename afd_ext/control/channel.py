@@ -107,11 +107,20 @@ class ChannelOptions:
             the thread that opened the channel, holding no GIL. shm: the
             keeper, which every ``keep_s`` reads every cache line of the send
             path's code and the ring, so that they stay in the shared
-            last-level cache while the sending thread runs its model. tcp:
-            the proxy, which spins (one core while sending), sends each
-            frame from its CPU, and every ``keep_s`` runs a round on a
-            private loopback pair so that the kernel's TCP path stays warm
-            there. 0: neither. Default 0.5 ms (``AFD_CONTROL_KEEP_S``).
+            last-level cache while the sending thread runs its model. tcp,
+            with ``tcp_proxy``: the proxy, which spins, sends each frame
+            from its CPU, and every ``keep_s`` runs a round on a private
+            loopback pair so that the kernel's TCP path stays warm there.
+            0: neither. Default 0.5 ms (``AFD_CONTROL_KEEP_S``).
+        tcp_proxy: tcp sender: run the proxy (above). It costs one core per
+            attention rank while it sends and saved 4-12 µs a step at 20-50 ms
+            gaps on the H200 host (none at 1-5 ms), so it is off by default
+            (``AFD_CONTROL_TCP_PROXY``; docs/configuration.md).
+        keep_cpus: the CPUs that thread runs on (a set of CPU numbers, as
+            ``os.sched_setaffinity`` takes); None: any the opening thread
+            may use but the one it runs on at the open (``AFD_CONTROL_KEEP_CPUS``,
+            e.g. ``"3"`` or ``"3,4"``). A CPU the process may not use: the
+            thread does not start (the sends go on without it).
     """
 
     heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
@@ -122,6 +131,8 @@ class ChannelOptions:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     warm_s: float = DEFAULT_WARM_S
     keep_s: float = DEFAULT_KEEP_S
+    keep_cpus: tuple[int, ...] | None = None
+    tcp_proxy: bool = False
 
     def __post_init__(self) -> None:
         if not self.heartbeat_interval_s > 0:
@@ -141,13 +152,20 @@ class ChannelOptions:
             raise AFDConfigError(f"warm_s must be >= 0 seconds, got {self.warm_s!r}")
         if not self.keep_s >= 0:
             raise AFDConfigError(f"keep_s must be >= 0 seconds, got {self.keep_s!r}")
+        if self.keep_cpus is not None:
+            cpus = tuple(self.keep_cpus) if isinstance(self.keep_cpus, (tuple, list, set, frozenset)) else ()
+            if not cpus or not all(type(c) is int and c >= 0 for c in cpus):
+                raise AFDConfigError(f"keep_cpus must be CPU numbers (ints >= 0) or None, got {self.keep_cpus!r}")
+            object.__setattr__(self, "keep_cpus", tuple(sorted(set(cpus))))
+        if type(self.tcp_proxy) is not bool:
+            raise AFDConfigError(f"tcp_proxy must be True or False, got {self.tcp_proxy!r}")
         if not (isinstance(self.max_message_bytes, int) and self.max_message_bytes >= 1):
             raise AFDConfigError(f"max_message_bytes must be an int >= 1, got {self.max_message_bytes!r}")
 
     @classmethod
     def from_env(cls, **overrides: Any) -> "ChannelOptions":
-        """Defaults, ``AFD_CONTROL_IDLE_S`` / ``_WARM_S`` / ``_KEEP_S`` from the environment, then ``overrides``
-        (None ignored).
+        """Defaults, ``AFD_CONTROL_IDLE_S`` / ``_WARM_S`` / ``_KEEP_S`` / ``_KEEP_CPUS`` / ``_TCP_PROXY`` from the environment,
+        then ``overrides`` (None ignored).
 
         The connector passes ``heartbeat_interval_s``/``heartbeat_timeout_s`` from
         ``connector_extra_config``.
@@ -155,7 +173,8 @@ class ChannelOptions:
         from afd_ext import envs
 
         kw: dict[str, Any] = {"idle_s": envs.get("AFD_CONTROL_IDLE_S"), "warm_s": envs.get("AFD_CONTROL_WARM_S"),
-                              "keep_s": envs.get("AFD_CONTROL_KEEP_S")}
+                              "keep_s": envs.get("AFD_CONTROL_KEEP_S"), "keep_cpus": envs.get("AFD_CONTROL_KEEP_CPUS"),
+                              "tcp_proxy": envs.get("AFD_CONTROL_TCP_PROXY")}
         kw.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**kw)
 
@@ -259,12 +278,12 @@ class _Native:
         # SendFront(ring address, check, fallback, owner)(payload) -> None after check(payload) and
         # the native send, else fallback(payload)'s result
         self.send_front = module.SendFront
-        # (ring address, hold, period_ns, idle_ns) -> a shm sender's keeper (a capsule; freed: stopped);
+        # (ring address, hold, period_ns, idle_ns, cpus | None) -> a shm sender's keeper (a capsule; freed: stopped);
         # keeper_passes(keeper) -> passes (-1: no CPU but the opener's); keeper_stop(keeper) -> passes
         self.keeper_start = module.ctrl_keeper_start
         self.keeper_passes = module.ctrl_keeper_passes
         self.keeper_stop = module.ctrl_keeper_stop
-        # (tcp state address, hold, period_ns, idle_ns, warm_tx, warm_rx) -> a tcp sender's proxy (a
+        # (tcp state address, hold, period_ns, idle_ns, warm_tx, warm_rx, cpus | None) -> a tcp sender's proxy (a
         # keeper capsule: keeper_passes / keeper_stop); tcp_proxy_served(proxy) -> frames it sent
         self.tcp_proxy_start = module.ctrl_tcp_proxy_start
         self.tcp_proxy_served = module.ctrl_tcp_proxy_served

@@ -127,14 +127,14 @@ class TcpControlChannel(ControlChannel):
         self._pair: tuple[socket.socket, socket.socket] | None = None
         self._keeper: Any = None  # a sender's proxy (ChannelOptions.keep_s), holding this end's state
         if self._native is not None and (self._state.warm.warm_ns > 0 if not self.is_sender
-                                         else self.options.keep_s > 0):
+                                         else self.options.tcp_proxy and self.options.keep_s > 0):
             self._pair = _loopback_pair()
         if self._pair is not None and not self.is_sender:
             self._state.warm_tx, self._state.warm_rx = (sk.fileno() for sk in self._pair)
         elif self._pair is not None:
             self._keeper = self._native.tcp_proxy_start(
                 self._state_addr, (self._state, self._read_anchor), int(self.options.keep_s * 1e9),
-                int(self.options.idle_s * 1e9), *(sk.fileno() for sk in self._pair))
+                int(self.options.idle_s * 1e9), *(sk.fileno() for sk in self._pair), self.options.keep_cpus)
 
     @staticmethod
     def listen(store: AFDStore) -> socket.socket:

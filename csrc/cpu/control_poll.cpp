@@ -1064,6 +1064,7 @@ struct Keeper {
   PyObject* hold = nullptr;  // what keeps the end and its memory alive (released after the join)
   int64_t period_ns = 0, idle_ns = 0;
   int creator_cpu = -1;
+  std::vector<int> cpus;     // given: the CPUs it runs on (else any allowed but creator_cpu)
   uint64_t fork_gen = 0;     // g_fork_gen when started (a forked child has no thread)
   std::mutex mu;
   std::condition_variable cv;
@@ -1112,12 +1113,18 @@ void keeper_pass(afd_ctrl_ring* r) {
   g_keeper_sink = sink;
 }
 
-// Move the calling (keeper) thread off the creator's CPU; false (passes -1) when no CPU is left.
+// Move the calling (keeper) thread to its given CPUs, or off the creator's CPU; false (passes -1)
+// when no CPU is left or the given ones are not allowed.
 bool keeper_pin(Keeper* k) {
   cpu_set_t cpus;
   CPU_ZERO(&cpus);
-  if (sched_getaffinity(0, sizeof cpus, &cpus) != 0) CPU_ZERO(&cpus);
-  if (k->creator_cpu >= 0) CPU_CLR(k->creator_cpu, &cpus);  // never take the sending thread's CPU
+  if (!k->cpus.empty()) {
+    for (int c : k->cpus)
+      if (c < CPU_SETSIZE) CPU_SET(c, &cpus);
+  } else if (sched_getaffinity(0, sizeof cpus, &cpus) != 0) {
+    CPU_ZERO(&cpus);
+  }
+  if (k->cpus.empty() && k->creator_cpu >= 0) CPU_CLR(k->creator_cpu, &cpus);  // never the sending thread's CPU
   if (CPU_COUNT(&cpus) == 0 || sched_setaffinity(0, sizeof cpus, &cpus) != 0) {
     k->passes.store(-1);
     return false;
@@ -1181,6 +1188,26 @@ Keeper* keeper_of(PyObject* cap) {
                                                 : nullptr;
 }
 
+// The optional CPUs argument of the start functions: None, or a tuple of ints >= 0 (false with a
+// TypeError / ValueError set otherwise).
+bool parse_cpus(PyObject* o, std::vector<int>& out) {
+  if (o == Py_None) return true;
+  if (!PyTuple_Check(o) || PyTuple_GET_SIZE(o) == 0) {
+    PyErr_SetString(PyExc_TypeError, "keeper cpus: None or a non-empty tuple of CPU numbers");
+    return false;
+  }
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(o); ++i) {
+    const long c = PyLong_AsLong(PyTuple_GET_ITEM(o, i));
+    if (c == -1 && PyErr_Occurred()) return false;
+    if (c < 0 || c >= CPU_SETSIZE) {
+      PyErr_Format(PyExc_ValueError, "keeper cpus: %ld is not a CPU number", c);
+      return false;
+    }
+    out.push_back(static_cast<int>(c));
+  }
+  return true;
+}
+
 // Start `run` on a thread for `k` (filled but for the thread); a capsule (freed: stopped), or
 // nullptr with an error set (k freed, its hold released).
 PyObject* keeper_launch(Keeper* k, void (*run)(Keeper*)) {
@@ -1206,15 +1233,18 @@ PyObject* keeper_launch(Keeper* k, void (*run)(Keeper*)) {
 
 }  // namespace
 
-// _C.ctrl_keeper_start(ring_address, hold, period_ns, idle_ns): start the sender's keeper of the
-// ring (a sender's RingState) on a thread of its own, on any allowed CPU but the calling thread's;
+// _C.ctrl_keeper_start(ring_address, hold, period_ns, idle_ns[, cpus]): start the sender's keeper of
+// the ring (a sender's RingState) on a thread of its own, on `cpus` (a tuple; None or left out: any
+// allowed CPU but the calling thread's);
 // `hold` is kept alive until it is stopped (what owns the ring and its segment). Returns a capsule
 // (freed: stopped). TypeError / ValueError on bad arguments, before anything starts.
 PyObject* afd_ctrl_keeper_start_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 4) {
-    PyErr_SetString(PyExc_TypeError, "ctrl_keeper_start(ring_address, hold, period_ns, idle_ns)");
+  if (nargs != 4 && nargs != 5) {
+    PyErr_SetString(PyExc_TypeError, "ctrl_keeper_start(ring_address, hold, period_ns, idle_ns[, cpus])");
     return nullptr;
   }
+  std::vector<int> cpus;
+  if (nargs == 5 && !parse_cpus(args[4], cpus)) return nullptr;
   auto* r = static_cast<afd_ctrl_ring*>(PyLong_AsVoidPtr(args[0]));
   const long long period = PyLong_AsLongLong(args[2]);
   const long long idle = PyLong_AsLongLong(args[3]);
@@ -1224,6 +1254,7 @@ PyObject* afd_ctrl_keeper_start_py(PyObject*, PyObject* const* args, Py_ssize_t 
     return nullptr;
   }
   auto* k = new Keeper();
+  k->cpus = std::move(cpus);
   k->ring = r;
   k->hold = Py_NewRef(args[1]);
   k->period_ns = period;
@@ -1540,16 +1571,19 @@ PyObject* afd_ctrl_tcp_take_py(PyObject*, PyObject* const* args, Py_ssize_t narg
   return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(b), n);
 }
 
-// _C.ctrl_tcp_proxy_start(state_address, hold, period_ns, idle_ns, warm_tx, warm_rx): start a tcp
-// sender's proxy (above) on a thread of its own, on any allowed CPU but the calling thread's, with
+// _C.ctrl_tcp_proxy_start(state_address, hold, period_ns, idle_ns, warm_tx, warm_rx[, cpus]): start a
+// tcp sender's proxy (above) on a thread of its own, on `cpus` as ctrl_keeper_start's, with
 // the private loopback pair (warm_tx, warm_rx); `hold` is kept alive until it is stopped (what owns
 // the end and the pair). Returns a keeper capsule (ctrl_keeper_passes / ctrl_keeper_stop; freed:
 // stopped). TypeError / ValueError on bad arguments or an end that has one, before anything starts.
 PyObject* afd_ctrl_tcp_proxy_start_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 6) {
-    PyErr_SetString(PyExc_TypeError, "ctrl_tcp_proxy_start(state_address, hold, period_ns, idle_ns, warm_tx, warm_rx)");
+  if (nargs != 6 && nargs != 7) {
+    PyErr_SetString(PyExc_TypeError,
+                    "ctrl_tcp_proxy_start(state_address, hold, period_ns, idle_ns, warm_tx, warm_rx[, cpus])");
     return nullptr;
   }
+  std::vector<int> cpus;
+  if (nargs == 7 && !parse_cpus(args[6], cpus)) return nullptr;
   auto* t = static_cast<afd_ctrl_tcp*>(PyLong_AsVoidPtr(args[0]));
   const long long period = PyLong_AsLongLong(args[2]);
   const long long idle = PyLong_AsLongLong(args[3]);
@@ -1562,6 +1596,7 @@ PyObject* afd_ctrl_tcp_proxy_start_py(PyObject*, PyObject* const* args, Py_ssize
     return nullptr;
   }
   auto* k = new Keeper();
+  k->cpus = std::move(cpus);
   k->tcp = t;
   k->mail = new TcpMail();
   k->warm_tx = static_cast<int>(tx);
