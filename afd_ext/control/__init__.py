@@ -87,9 +87,12 @@ one data frame, after any heartbeat frames; anything else is framed in
 Python). While polling, the native wait rehearses that path on the last
 payload it took (kept in the end's buffer) every ``warm_s`` (0.5 ms), and the
 attention end's send of it on a private scratch ring (the two processes share
-the compiled core's code pages), so that both stay in cache; a shm sender's
-process runs a keeper thread (``keep_s``, no GIL, another CPU) that reads its
-send path's lines while it sends; between those slices it also runs the signal handlers, so
+the compiled core's code pages), so that both stay in cache (tcp: also a frame
+over a private loopback pair, the kernel's receive path being what goes cold);
+a shm sender's process runs a keeper thread (``keep_s``, no GIL, another CPU)
+that reads its send path's lines while it sends, and a tcp sender may run a send
+proxy there (``tcp_proxy``, off by default: one spinning core) that sends each
+frame from its warm CPU; between those slices it also runs the signal handlers, so
 Ctrl-C ends a waiting receive within ``warm_s`` (with ``warm_s = 0``: at the
 end of its slice, at most 0.1 s). A tcp
 receiver keeps delayed ACKs (``TCP_QUICKACK`` off before each wait) so that
