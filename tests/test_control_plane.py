@@ -856,19 +856,28 @@ def test_a_tcp_senders_proxy_sends_while_it_sends_rests_when_idle_and_stops_at_c
         rx.close()
 
 
+# A subprocess's two channel pairs, shm (tx -> rx) and tcp (ttx -> trx), with ChannelOptions({opts}).
+_ENDS = (
+    "import os, socket, time, torch\n"
+    "from afd_ext import control as cp, metadata as md\n"
+    "o = cp.ChannelOptions({opts})\n"
+    "rx = cp.ShmControlChannel.create('afd-sub-%d' % os.getpid(), local_rank=0, peer_rank=1, peer='a', options=o)\n"
+    "tx = cp.ShmControlChannel.attach(rx.name, local_rank=1, peer_rank=0, peer='f', options=o)\n"
+    "ls = socket.create_server(('127.0.0.1', 0)); a = socket.create_connection(ls.getsockname())\n"
+    "b, _ = ls.accept()\n"
+    "ttx = cp.TcpControlChannel(a, is_sender=True, local_rank=1, peer_rank=0, peer='f', options=o, abort_check=None)\n"
+    "trx = cp.TcpControlChannel(b, is_sender=False, local_rank=0, peer_rank=1, peer='a', options=o, abort_check=None)\n"
+)
+
+
 def test_a_keeper_does_not_start_without_a_cpu_other_than_the_senders():
     code = (
-        "import os, socket, time, torch\n"
+        "import os\n"
         "os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})\n"
-        "from afd_ext import control as cp\n"
-        "o = cp.ChannelOptions(keep_s=0.001, idle_s=1.0, tcp_proxy=True)\n"
-        "rx = cp.ShmControlChannel.create('afd-keep-%d' % os.getpid(), local_rank=0, peer_rank=1, peer='a', options=o)\n"
-        "tx = cp.ShmControlChannel.attach(rx.name, local_rank=1, peer_rank=0, peer='f', options=o, abort_check=None)\n"
-        "ls = socket.create_server(('127.0.0.1', 0)); a = socket.create_connection(ls.getsockname())\n"
-        "ttx = cp.TcpControlChannel(a, is_sender=True, local_rank=1, peer_rank=0, peer='f', options=o, abort_check=None)\n"
+        + _ENDS.format(opts="keep_s=0.001, idle_s=1.0, tcp_proxy=True") +
         "time.sleep(0.1)\n"
         "print('passes', tx._native.keeper_passes(tx._keeper), tx._native.keeper_passes(ttx._keeper))\n"
-        "tx.close(); rx.close(); ttx.close()\n"
+        "for c in (tx, rx, ttx, trx): c.close()\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -928,37 +937,32 @@ def test_keep_cpus_pins_the_keeper_or_proxy_and_a_cpu_not_allowed_keeps_it_from_
 
 
 def test_a_forked_child_lets_its_copies_of_the_keepers_go_and_sends_itself():
-    # The child has the capsules but not the threads: joining one would wait forever.
+    # The child has the capsules but not the threads: they count as not running, its sends are its own,
+    # and stopping one lets it go without a join.
     code = (
-        "import os, socket, time, torch\n"
-        "from afd_ext import control as cp, metadata as md\n"
-        "o = cp.ChannelOptions(keep_s=0.001, idle_s=30.0, heartbeat_interval_s=30.0, heartbeat_timeout_s=60.0,"
-        " tcp_proxy=True)\n"
-        "rx = cp.ShmControlChannel.create('afd-fork-%d' % os.getpid(), local_rank=0, peer_rank=1, peer='a', options=o)\n"
-        "tx = cp.ShmControlChannel.attach(rx.name, local_rank=1, peer_rank=0, peer='f', options=o, abort_check=None)\n"
-        "ls = socket.create_server(('127.0.0.1', 0)); a = socket.create_connection(ls.getsockname())\n"
-        "b, _ = ls.accept()\n"
-        "ttx = cp.TcpControlChannel(a, is_sender=True, local_rank=1, peer_rank=0, peer='f', options=o, abort_check=None)\n"
-        "trx = cp.TcpControlChannel(b, is_sender=False, local_rank=0, peer_rank=1, peer='a', options=o, abort_check=None)\n"
+        _ENDS.format(opts="keep_s=0.001, idle_s=30.0, heartbeat_interval_s=30.0, heartbeat_timeout_s=60.0, "
+                          "tcp_proxy=True") +
         "p = md.AFDControlPayload({0: md.AFDDPMetadata([1, 2])})\n"
         "lim = (md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS, 1 << 20)\n"
         "ttx.send_payload(p); assert trx.recv_payload(1.0, 'recv', *lim) == p\n"
         "time.sleep(0.2)  # the proxy spins now\n"
         "pid = os.fork()\n"
         "if pid == 0:\n"
-        "    served = ttx._native.tcp_proxy_served(ttx._keeper)\n"
+        "    n = ttx._native\n"
+        "    served = n.tcp_proxy_served(ttx._keeper)\n"
+        "    ok = n.keeper_passes(ttx._keeper) == n.keeper_passes(tx._keeper) == -1  # not running here\n"
         "    ttx.send_payload(p)  # sent by the child itself\n"
-        "    ok = ttx._native.tcp_proxy_served(ttx._keeper) == served\n"
+        "    ok = ok and n.tcp_proxy_served(ttx._keeper) == served\n"
         "    ttx._native.keeper_stop(ttx._keeper); tx._native.keeper_stop(tx._keeper)\n"
         "    os._exit(0 if ok else 3)\n"
         "_, status = os.waitpid(pid, 0)\n"
         "assert trx.recv_payload(5.0, 'recv', *lim) == p\n"
-        "print('child', os.waitstatus_to_exitcode(status))\n"
+        "print('child', os.waitstatus_to_exitcode(status), ttx._native.keeper_passes(ttx._keeper) != -1)\n"
         "for c in (tx, rx, ttx, trx): c.close()\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert "child 0" in out.stdout
+    assert f"child 0 {len(os.sched_getaffinity(0)) > 1}" in out.stdout  # and the parent's proxy runs on
 
 
 def test_warm_period_comes_from_the_environment(monkeypatch):

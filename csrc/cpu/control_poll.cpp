@@ -1165,7 +1165,7 @@ void keeper_stop(Keeper* k) {
   }
   k->cv.notify_all();
   if (k->th.joinable() && k->fork_gen != g_fork_gen.load()) {
-    k->th.detach();  // a forked child's copy: the thread is the parent's (a join would wait forever)
+    k->th.detach();  // a forked child's copy: the thread is the parent's (its descriptor the child's libc reclaimed)
   } else if (k->th.joinable()) {
     Py_BEGIN_ALLOW_THREADS k->th.join();
     Py_END_ALLOW_THREADS
@@ -1262,15 +1262,15 @@ PyObject* afd_ctrl_keeper_start_py(PyObject*, PyObject* const* args, Py_ssize_t 
   return keeper_launch(k, keeper_run);
 }
 
-// _C.ctrl_keeper_passes(keeper): the passes made so far; -1 when it did not start (no allowed CPU
-// but the one that started it).
+// _C.ctrl_keeper_passes(keeper): the passes made so far; -1 when it is not running in this process
+// (no allowed CPU but the one that started it, or the given CPUs not allowed; a forked child's copy).
 PyObject* afd_ctrl_keeper_passes_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Keeper* k = nargs == 1 ? keeper_of(args[0]) : nullptr;
   if (k == nullptr) {
     PyErr_SetString(PyExc_TypeError, "ctrl_keeper_passes(keeper)");
     return nullptr;
   }
-  return PyLong_FromLongLong(k->passes.load());
+  return PyLong_FromLongLong(k->fork_gen != g_fork_gen.load() ? -1 : k->passes.load());
 }
 
 // _C.ctrl_keeper_stop(keeper): stop and join it (idempotent); returns its passes.
