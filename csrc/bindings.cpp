@@ -134,7 +134,7 @@ static PyMethodDef afd_methods[] = {
     {"ctrl_keeper_start", AFD_FASTCALL(afd_ctrl_keeper_start_py),
      "Control plane: start a shm sender's keeper thread (the send path kept in the shared cache)."},
     {"ctrl_keeper_passes", AFD_FASTCALL(afd_ctrl_keeper_passes_py),
-     "Control plane: a keeper's passes so far (-1: not started, no other CPU)."},
+     "Control plane: a keeper's passes so far (-1: not running here: no other CPU, or a forked child's copy)."},
     {"ctrl_keeper_stop", AFD_FASTCALL(afd_ctrl_keeper_stop_py),
      "Control plane: stop and join a keeper (idempotent); its passes."},
     {"ctrl_tcp_proxy_start", AFD_FASTCALL(afd_ctrl_tcp_proxy_start_py),

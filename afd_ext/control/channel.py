@@ -116,11 +116,13 @@ class ChannelOptions:
             attention rank while it sends and saved 4-12 µs a step at 20-50 ms
             gaps on the H200 host (none at 1-5 ms), so it is off by default
             (``AFD_CONTROL_TCP_PROXY``; docs/configuration.md).
-        keep_cpus: the CPUs that thread runs on (a set of CPU numbers, as
-            ``os.sched_setaffinity`` takes); None: any the opening thread
-            may use but the one it runs on at the open (``AFD_CONTROL_KEEP_CPUS``,
-            e.g. ``"3"`` or ``"3,4"``). A CPU the process may not use: the
-            thread does not start (the sends go on without it).
+        keep_cpus: the CPUs that thread runs on (CPU numbers below 1024, as
+            ``os.sched_setaffinity`` takes; the kernel keeps those of them the
+            process's cpuset allows, and with none the thread does not start,
+            the sends going on without it); None: any the opening thread may
+            use but the one it runs on at the open (``AFD_CONTROL_KEEP_CPUS``,
+            e.g. ``"3"`` or ``"3,4"``). A tcp sender whose thread runs on the
+            proxy's CPU sends itself (the proxy could not run meanwhile).
     """
 
     heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
@@ -154,8 +156,8 @@ class ChannelOptions:
             raise AFDConfigError(f"keep_s must be >= 0 seconds, got {self.keep_s!r}")
         if self.keep_cpus is not None:
             cpus = tuple(self.keep_cpus) if isinstance(self.keep_cpus, (tuple, list, set, frozenset)) else ()
-            if not cpus or not all(type(c) is int and c >= 0 for c in cpus):
-                raise AFDConfigError(f"keep_cpus must be CPU numbers (ints >= 0) or None, got {self.keep_cpus!r}")
+            if not cpus or not all(type(c) is int and 0 <= c < 1024 for c in cpus):
+                raise AFDConfigError(f"keep_cpus must be CPU numbers (ints in [0, 1024)) or None, got {self.keep_cpus!r}")
             object.__setattr__(self, "keep_cpus", tuple(sorted(set(cpus))))
         if type(self.tcp_proxy) is not bool:
             raise AFDConfigError(f"tcp_proxy must be True or False, got {self.tcp_proxy!r}")
@@ -279,7 +281,8 @@ class _Native:
         # the native send, else fallback(payload)'s result
         self.send_front = module.SendFront
         # (ring address, hold, period_ns, idle_ns, cpus | None) -> a shm sender's keeper (a capsule; freed: stopped);
-        # keeper_passes(keeper) -> passes (-1: no CPU but the opener's); keeper_stop(keeper) -> passes
+        # keeper_passes(keeper) -> passes (-1: not running here: no CPU for it, or a forked child's copy);
+        # keeper_stop(keeper) -> passes
         self.keeper_start = module.ctrl_keeper_start
         self.keeper_passes = module.ctrl_keeper_passes
         self.keeper_stop = module.ctrl_keeper_stop
@@ -298,6 +301,11 @@ class _Native:
         module.ctrl_bind_types(AFDControlPayload, AFDDPMetadata, AFDDPMetadata._NONE_WHEN_TRUSTED)
         self.shm_publish = lib.afd_ctrl_shm_publish  # (ring, bytes, n) -> 0 sent, -1 full, -2 closed
         self.shm_publish.restype = ctypes.c_int
+
+
+def _ns(seconds: float) -> int:
+    """Seconds as the native threads' int64 ns (an infinite idle_s: the largest)."""
+    return int(min(seconds * 1e9, 2**62))
 
 
 #: Longest single native wait, in ns (the C side takes an int).

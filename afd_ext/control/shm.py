@@ -21,6 +21,7 @@ from .channel import (
     _FALLBACK_SPIN_S,
     _LIVENESS_EVERY_S,
     _due_in,
+    _ns,
     _MAX_SLEEP_S,
     _MIN_SLEEP_S,
     _OP_RECV,
@@ -82,7 +83,7 @@ class ShmControlChannel(ControlChannel):
         self._keeper: Any = None  # a sender's keeper (ChannelOptions.keep_s), holding the ring's memory
         if self.is_sender and self.options.keep_s > 0 and self._native is not None:
             self._keeper = self._native.keeper_start(self._state_addr, (self._state, self._anchor),
-                                                     int(self.options.keep_s * 1e9), int(self.options.idle_s * 1e9),
+                                                     _ns(self.options.keep_s), _ns(self.options.idle_s),
                                                      self.options.keep_cpus)
         self._peer_pid = 0
         self._peer_start = 0

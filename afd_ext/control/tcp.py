@@ -19,6 +19,7 @@ from .channel import (
     MAX_NATIVE_WAIT_NS,
     _ABORT_EVERY_S,
     _due_in,
+    _ns,
     _FALLBACK_SPIN_S,
     _OP_RECV,
     _OP_SEND,
@@ -132,9 +133,14 @@ class TcpControlChannel(ControlChannel):
         if self._pair is not None and not self.is_sender:
             self._state.warm_tx, self._state.warm_rx = (sk.fileno() for sk in self._pair)
         elif self._pair is not None:
-            self._keeper = self._native.tcp_proxy_start(
-                self._state_addr, (self._state, self._read_anchor), int(self.options.keep_s * 1e9),
-                int(self.options.idle_s * 1e9), *(sk.fileno() for sk in self._pair), self.options.keep_cpus)
+            try:
+                self._keeper = self._native.tcp_proxy_start(
+                    self._state_addr, (self._state, self._read_anchor), _ns(self.options.keep_s),
+                    _ns(self.options.idle_s), *(sk.fileno() for sk in self._pair), self.options.keep_cpus)
+            except BaseException:
+                for sk in self._pair:
+                    sk.close()
+                raise
 
     @staticmethod
     def listen(store: AFDStore) -> socket.socket:
@@ -272,7 +278,8 @@ class TcpControlChannel(ControlChannel):
                 return 0
         if r == -3:
             raise AFDStateError(f"{_OP_SEND}: the send proxy of the control channel to {self.peer} took the "
-                                "frame and did not send it within 5 s (its thread is stopped)")
+                                "frame and did not send it within 5 s (its thread stalled; the frame may still "
+                                "arrive later, and this channel's sends no longer use the proxy)")
         return r
 
     def send_payload(self, payload: Any) -> None:

@@ -223,7 +223,7 @@ struct afd_ctrl_tcp {
   uint64_t cap;
   int64_t t_ns;            // receiver: CLOCK_MONOTONIC ns when the poll saw the socket readable
   afd_ctrl_warm warm;      // receiver: the rehearsal (last: the last data frame's body in buf)
-  void* proxy;             // sender: its send proxy's mailbox while one runs (set and cleared in C)
+  void* proxy;             // sender: its send proxy (a Keeper, the mailbox in it) while one runs (set and cleared in C)
   int32_t warm_tx;         // receiver: a private loopback TCP pair the rehearsal sends a frame over
   int32_t warm_rx;         //   (-1: none)
   uint64_t warm_rounds;    // receiver: rehearsal rounds over that pair (tests read it)
@@ -1046,6 +1046,7 @@ enum : uint32_t { kMailEmpty = 0, kMailPosted = 1, kMailTaken = 2, kMailDone = 3
 struct TcpMail {
   alignas(64) std::atomic<uint32_t> state{kMailEmpty};
   std::atomic<uint32_t> spinning{0};  // 1 while the proxy spins on the mailbox (it takes at once)
+  std::atomic<int> cpu{-1};           // the CPU the proxy last ran on (a caller there sends itself)
   std::atomic<int64_t> last_ns{0};    // when the last send came (the proxy's activity clock)
   int64_t sent = 0;                   // proxy: send()'s return for the frame taken
   int err = 0;                        //        and its errno
@@ -1058,7 +1059,7 @@ struct TcpMail {
 // no GIL. shm (ring): the keeper; tcp (tcp, mail): the send proxy (below, with the TCP code).
 struct Keeper {
   afd_ctrl_ring* ring = nullptr;
-  afd_ctrl_tcp* tcp = nullptr;
+  afd_ctrl_tcp* tcp = nullptr;      // the proxy's end (valid while hold is held)
   TcpMail* mail = nullptr;
   int warm_tx = -1, warm_rx = -1;  // proxy: its private loopback pair
   PyObject* hold = nullptr;  // what keeps the end and its memory alive (released after the join)
@@ -1158,14 +1159,18 @@ void keeper_run(Keeper* k) {
 // Stop and join, then let go of what it held (idempotent); GIL held: the thread never takes it.
 // A tcp sender's calls stop using the proxy first (they run with the GIL, as this does).
 void keeper_stop(Keeper* k) {
-  if (k->tcp != nullptr) __atomic_store_n(&k->tcp->proxy, nullptr, __ATOMIC_SEQ_CST);
+  // Once: after the first stop the end's memory may be gone (hold released).
+  if (k->tcp != nullptr && k->hold != nullptr) __atomic_store_n(&k->tcp->proxy, nullptr, __ATOMIC_SEQ_CST);
   {
     std::lock_guard<std::mutex> lock(k->mu);
     k->stop = true;
   }
   k->cv.notify_all();
   if (k->th.joinable() && k->fork_gen != g_fork_gen.load()) {
-    k->th.detach();  // a forked child's copy: the thread is the parent's (its descriptor the child's libc reclaimed)
+    // A forked child's copy: the thread is the parent's, and the child's libc has reclaimed its
+    // descriptor, which a thread of the child's may reuse (same handle): neither join nor detach it,
+    // leak the handle.
+    new std::thread(std::move(k->th));
   } else if (k->th.joinable()) {
     Py_BEGIN_ALLOW_THREADS k->th.join();
     Py_END_ALLOW_THREADS
@@ -1273,7 +1278,7 @@ PyObject* afd_ctrl_keeper_passes_py(PyObject*, PyObject* const* args, Py_ssize_t
   return PyLong_FromLongLong(k->fork_gen != g_fork_gen.load() ? -1 : k->passes.load());
 }
 
-// _C.ctrl_keeper_stop(keeper): stop and join it (idempotent); returns its passes.
+// _C.ctrl_keeper_stop(keeper): stop and join it (idempotent); returns its passes (as ctrl_keeper_passes).
 PyObject* afd_ctrl_keeper_stop_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Keeper* k = nargs == 1 ? keeper_of(args[0]) : nullptr;
   if (k == nullptr) {
@@ -1281,7 +1286,7 @@ PyObject* afd_ctrl_keeper_stop_py(PyObject*, PyObject* const* args, Py_ssize_t n
     return nullptr;
   }
   keeper_stop(k);
-  return PyLong_FromLongLong(k->passes.load());
+  return PyLong_FromLongLong(k->fork_gen != g_fork_gen.load() ? -1 : k->passes.load());
 }
 
 // ---------------------------------------------------------------------------
@@ -1345,7 +1350,8 @@ void loopback_round(int tx, int rx, size_t n) {
 void tcp_warm_round(afd_ctrl_tcp* t) {
   if (t->warm.warm_ns <= 0 || t->warm_tx < 0 || t->warm_rx < 0 || __atomic_load_n(&t->fd, __ATOMIC_SEQ_CST) < 0)
     return;
-  loopback_round(t->warm_tx, t->warm_rx, kTcpHdr + (t->warm.last_len ? t->warm.last_len : 64));
+  const uint64_t n = kTcpHdr + (t->warm.last_len ? t->warm.last_len : 64);  // a frame built natively may be
+  loopback_round(t->warm_tx, t->warm_rx, n < sizeof kZeroFrame ? n : sizeof kZeroFrame);  // larger than the encoder's
   ++t->warm_rounds;
 }
 
@@ -1393,6 +1399,7 @@ void proxy_run(Keeper* k) {
       k->cv.wait_for(lock, std::chrono::nanoseconds(kKeeperRestNs), [k] { return k->stop.load(); });
       continue;
     }
+    m->cpu.store(sched_getcpu(), std::memory_order_relaxed);
     m->spinning.store(1);
     for (int polls = 0;;) {
       if (m->state.load(std::memory_order_acquire) == kMailPosted) {
@@ -1413,6 +1420,7 @@ void proxy_run(Keeper* k) {
         read_lines(k->tcp, sizeof *k->tcp, sink);
         g_keeper_sink = sink;
         loopback_round(k->warm_tx, k->warm_rx, round_len);
+        m->cpu.store(sched_getcpu(), std::memory_order_relaxed);
         k->passes.fetch_add(1, std::memory_order_relaxed);
         next_warm = now_ns() + k->period_ns;
       }
@@ -1425,14 +1433,17 @@ void proxy_run(Keeper* k) {
 }
 
 // Caller (GIL held, the channel's send lock held): hand the frame to the end's proxy when it spins.
+// close() stops the proxy with the GIL held, so it cannot free the mailbox under this wait (which
+// keeps the GIL); a build without the GIL would need the send lock in close() first.
 // 1: the proxy sent it (*sent, *err as send() left them); 0: not handed over (the caller sends it);
 // -1: the proxy took it and has not sent it within kProxyStallNs.
 int proxy_send(Keeper* k, const uint8_t* frame, size_t len, ssize_t* sent, int* err) {
   TcpMail* m = k->mail;
   m->last_ns.store(now_ns(), std::memory_order_relaxed);
   if (k->fork_gen != g_fork_gen.load(std::memory_order_relaxed) || m->spinning.load(std::memory_order_relaxed) == 0 ||
-      m->state.load(std::memory_order_relaxed) != kMailEmpty)
-    return 0;  // a forked child (no thread), a resting proxy, or one still holding a stalled frame
+      m->state.load(std::memory_order_relaxed) != kMailEmpty || sched_getcpu() == m->cpu.load(std::memory_order_relaxed))
+    return 0;  // a forked child (no thread), a resting proxy, one still holding a stalled frame, or one on
+               // this thread's CPU (it could not run while this waits)
   std::memcpy(m->frame, frame, len);
   m->len = static_cast<uint32_t>(len);
   m->state.store(kMailPosted);
