@@ -1238,6 +1238,32 @@ PyObject* keeper_launch(Keeper* k, void (*run)(Keeper*)) {
 
 }  // namespace
 
+// The start functions' common arguments: args[1] hold, args[2] period_ns (> 0), args[3] idle_ns
+// (>= 0), args[cpus_at] cpus when nargs > cpus_at. A new Keeper holding them, or nullptr with a
+// TypeError / ValueError set (`what` names the rest of the call's contract).
+static Keeper* keeper_new(PyObject* const* args, Py_ssize_t nargs, Py_ssize_t cpus_at, const char* what) {
+  std::vector<int> cpus;
+  if (nargs > cpus_at && !parse_cpus(args[cpus_at], cpus)) return nullptr;
+  const long long period = PyLong_AsLongLong(args[2]);
+  const long long idle = PyLong_AsLongLong(args[3]);
+  if (PyErr_Occurred()) return nullptr;
+  if (period <= 0 || idle < 0) {
+    PyErr_Format(PyExc_ValueError, "%s, period_ns > 0 and idle_ns >= 0", what);
+    return nullptr;
+  }
+  auto* k = new Keeper();
+  k->cpus = std::move(cpus);
+  k->hold = Py_NewRef(args[1]);
+  k->period_ns = period;
+  k->idle_ns = idle;
+  return k;
+}
+
+// Passes as the Python functions report them: -1 for a forked child's copy (no thread here).
+static long long keeper_passes_here(const Keeper* k) {
+  return k->fork_gen != g_fork_gen.load() ? -1 : k->passes.load();
+}
+
 // _C.ctrl_keeper_start(ring_address, hold, period_ns, idle_ns[, cpus]): start the sender's keeper of
 // the ring (a sender's RingState) on a thread of its own, on `cpus` (a tuple; None or left out: any
 // allowed CPU but the calling thread's);
@@ -1248,22 +1274,15 @@ PyObject* afd_ctrl_keeper_start_py(PyObject*, PyObject* const* args, Py_ssize_t 
     PyErr_SetString(PyExc_TypeError, "ctrl_keeper_start(ring_address, hold, period_ns, idle_ns[, cpus])");
     return nullptr;
   }
-  std::vector<int> cpus;
-  if (nargs == 5 && !parse_cpus(args[4], cpus)) return nullptr;
   auto* r = static_cast<afd_ctrl_ring*>(PyLong_AsVoidPtr(args[0]));
-  const long long period = PyLong_AsLongLong(args[2]);
-  const long long idle = PyLong_AsLongLong(args[3]);
   if (PyErr_Occurred()) return nullptr;
-  if (r == nullptr || period <= 0 || idle < 0) {
+  if (r == nullptr) {
     PyErr_SetString(PyExc_ValueError, "ctrl_keeper_start: a ring address, period_ns > 0 and idle_ns >= 0");
     return nullptr;
   }
-  auto* k = new Keeper();
-  k->cpus = std::move(cpus);
+  Keeper* k = keeper_new(args, nargs, 4, "ctrl_keeper_start: a ring address");
+  if (k == nullptr) return nullptr;
   k->ring = r;
-  k->hold = Py_NewRef(args[1]);
-  k->period_ns = period;
-  k->idle_ns = idle;
   return keeper_launch(k, keeper_run);
 }
 
@@ -1275,7 +1294,7 @@ PyObject* afd_ctrl_keeper_passes_py(PyObject*, PyObject* const* args, Py_ssize_t
     PyErr_SetString(PyExc_TypeError, "ctrl_keeper_passes(keeper)");
     return nullptr;
   }
-  return PyLong_FromLongLong(k->fork_gen != g_fork_gen.load() ? -1 : k->passes.load());
+  return PyLong_FromLongLong(keeper_passes_here(k));
 }
 
 // _C.ctrl_keeper_stop(keeper): stop and join it (idempotent); returns its passes (as ctrl_keeper_passes).
@@ -1286,7 +1305,7 @@ PyObject* afd_ctrl_keeper_stop_py(PyObject*, PyObject* const* args, Py_ssize_t n
     return nullptr;
   }
   keeper_stop(k);
-  return PyLong_FromLongLong(k->fork_gen != g_fork_gen.load() ? -1 : k->passes.load());
+  return PyLong_FromLongLong(keeper_passes_here(k));
 }
 
 // ---------------------------------------------------------------------------
@@ -1593,28 +1612,21 @@ PyObject* afd_ctrl_tcp_proxy_start_py(PyObject*, PyObject* const* args, Py_ssize
                     "ctrl_tcp_proxy_start(state_address, hold, period_ns, idle_ns, warm_tx, warm_rx[, cpus])");
     return nullptr;
   }
-  std::vector<int> cpus;
-  if (nargs == 7 && !parse_cpus(args[6], cpus)) return nullptr;
+  constexpr const char* kWhat = "ctrl_tcp_proxy_start: a tcp end without a proxy, two descriptors";
   auto* t = static_cast<afd_ctrl_tcp*>(PyLong_AsVoidPtr(args[0]));
-  const long long period = PyLong_AsLongLong(args[2]);
-  const long long idle = PyLong_AsLongLong(args[3]);
   const long tx = PyLong_AsLong(args[4]);
   const long rx = PyLong_AsLong(args[5]);
   if (PyErr_Occurred()) return nullptr;
-  if (t == nullptr || period <= 0 || idle < 0 || tx < 0 || rx < 0 || t->proxy != nullptr) {
-    PyErr_SetString(PyExc_ValueError,
-                    "ctrl_tcp_proxy_start: a tcp end without a proxy, period_ns > 0, idle_ns >= 0 and two descriptors");
+  if (t == nullptr || tx < 0 || rx < 0 || t->proxy != nullptr) {
+    PyErr_Format(PyExc_ValueError, "%s, period_ns > 0 and idle_ns >= 0", kWhat);
     return nullptr;
   }
-  auto* k = new Keeper();
-  k->cpus = std::move(cpus);
+  Keeper* k = keeper_new(args, nargs, 6, kWhat);
+  if (k == nullptr) return nullptr;
   k->tcp = t;
   k->mail = new TcpMail();
   k->warm_tx = static_cast<int>(tx);
   k->warm_rx = static_cast<int>(rx);
-  k->hold = Py_NewRef(args[1]);
-  k->period_ns = period;
-  k->idle_ns = idle;
   PyObject* cap = keeper_launch(k, proxy_run);
   if (cap != nullptr) __atomic_store_n(&t->proxy, static_cast<void*>(k), __ATOMIC_SEQ_CST);
   return cap;
