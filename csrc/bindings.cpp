@@ -116,7 +116,9 @@ PyObject* afd_ctrl_tcp_proxy_served_py(PyObject*, PyObject* const* args, Py_ssiz
 PyObject* afd_ctrl_bind_types_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 PyObject* afd_ctrl_tcp_send_payload_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
 PyObject* afd_ctrl_tcp_take_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
-int afd_ctrl_add_types(PyObject* mod);  // SendFront, TakeFront
+PyObject* afd_ctrl_tcp_lock_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
+PyObject* afd_ctrl_tcp_unlock_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
+int afd_ctrl_add_types(PyObject* mod);  // SendFront, TakeFront, TcpSendFront, TcpTakeFront
 
 #define AFD_FASTCALL(fn) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(fn)), METH_FASTCALL
 
@@ -144,9 +146,13 @@ static PyMethodDef afd_methods[] = {
     {"ctrl_bind_types", AFD_FASTCALL(afd_ctrl_bind_types_py),
      "Control plane: the payload classes the native sends read and the takes build."},
     {"ctrl_tcp_send_payload", AFD_FASTCALL(afd_ctrl_tcp_send_payload_py),
-     "Control plane: encode an AFDControlPayload and send it as one TCP frame (see afd_ext/control/tcp.py)."},
+     "Control plane: encode an AFDControlPayload and send it as one TCP frame under the end's send lock (see afd_ext/control/tcp.py)."},
     {"ctrl_tcp_take", AFD_FASTCALL(afd_ctrl_tcp_take_py),
      "Control plane: poll a TCP channel and read one frame, built (see afd_ext/control/tcp.py)."},
+    {"ctrl_tcp_lock", AFD_FASTCALL(afd_ctrl_tcp_lock_py),
+     "Control plane: take a TCP end's send lock for a frame Python sends (the GIL released while it waits)."},
+    {"ctrl_tcp_unlock", AFD_FASTCALL(afd_ctrl_tcp_unlock_py),
+     "Control plane: release a TCP end's send lock."},
     {nullptr, nullptr, 0, nullptr}};
 
 // `import afd_ext._C` loads the library (running the registrations above) and

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import subprocess
@@ -757,7 +758,9 @@ def test_a_warm_receiver_rehearses_the_last_payload_natively_and_still_takes_the
         done = warm.rehearsals
         tx.send(b"not a control payload")  # raw bytes: kept by nobody, not rehearsed
         assert rx.recv(1.0) == b"not a control payload"
-        assert warm.last_len == 0
+        # shm: the copy buffer held them; tcp: they were read into the other half of the read
+        # buffer, so the last payload is still the one rehearsed (heartbeat reads leave it too).
+        assert warm.last_len == (0 if kind == "shm" else len(md.encode_control_binary(_plain_payload(1, 8))))
         with pytest.raises(cp.ControlRecvTimeout):
             rx.recv(0.05)  # a raw wait (max_stages -1) rehearses nothing
         assert warm.rehearsals == done
@@ -1302,7 +1305,7 @@ def test_tcp_native_send_and_take_build_the_payload_past_heartbeats_and_a_partia
     lim = (md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS, 1 << 20)
     rx, tx = _tcp_pair()
     try:
-        fast = tx._send_native  # the one native send under the front (0: sent)
+        fast = functools.partial(tx._native.tcp_send_payload, tx._state_addr)  # the front's one native send (0: sent)
         assert tx.send_front(None, print) is not None and rx.send_front(None, print) is None
         p = _plain_payload(3, 8)
         assert fast(p) == 0
@@ -1321,24 +1324,28 @@ def test_tcp_native_send_and_take_build_the_payload_past_heartbeats_and_a_partia
         time.sleep(0.05)
         assert md.decode_control_binary(rx.recv_payload(1.0, "recv_dp_metadata_list", *lim)) == _plain_payload(5, 8)
         assert rx.recv_payload(1.0, "recv_dp_metadata_list", *lim) == b"raw"
-        # A partly sent frame: the tail the native send hands back goes out before anything else.
-        frame = ctcp._TCP_HDR.pack(ctcp._TCP_MAGIC, ctcp._T_DATA, 1, len(md.encode_control_binary(_plain_payload(6, 8))))
-        frame += md.encode_control_binary(_plain_payload(6, 8))
-        real = tx._native
+        # A frame the socket takes in part (its buffer full, the receiver not reading): the native
+        # send waits for room (GIL released) and sends the rest before anything else goes out.
+        big = AFDControlPayload({st: AFDDPMetadata(list(range(64))) for st in range(4)})
+        sent, got = [0], []
 
-        class Partial:
-            def tcp_send_payload(self, addr, payload):
-                tx._sock.send(frame[:7])
-                return frame[7:]
+        def drain():
+            time.sleep(0.3)
+            while len(got) < sent[0] or sent[0] == 0:
+                got.append(rx.recv_payload(5.0, "recv_dp_metadata_list", *lim))
 
-        tx._native = Partial()
-        try:
-            assert tx._send_native(_plain_payload(6, 8)) == 0
-        finally:
-            tx._native = real
-        assert rx.recv_payload(1.0, "recv_dp_metadata_list", *lim) == _plain_payload(6, 8)
+        th = threading.Thread(target=drain)
+        th.start()
+        while tx._state.send_rests == 0 and sent[0] < 100_000:
+            assert fast(big) == 0
+            sent[0] += 1
+        tx.send(b"after")  # a frame from Python waits for the lock: after the whole frame
+        th.join(10)
+        assert tx._state.send_rests == 1 and len(got) == sent[0] > 1
+        assert all((md.decode_control_binary(g) if type(g) is bytes else g) == big for g in got)
+        assert rx.recv_payload(1.0, "recv_dp_metadata_list", *lim) == b"after"
         # Without the compiled core's functions the checked Python path sends it.
-        tx._native = None
+        real, tx._native = tx._native, None
         tx.send_payload(_plain_payload(7, 8))
         tx._native = real
         assert rx.recv_payload(1.0, "recv_dp_metadata_list", *lim) == _plain_payload(7, 8)
@@ -1668,7 +1675,7 @@ def test_reattaching_an_open_plane_drops_the_previous_channels_fronts():
     att = cp.AFDControlPlane(lambda p: None, Topology(1, 1), "attention", 0, channels={0: txa})
     try:
         ffn.attach({0: rx2})
-        assert "recv_dp_metadata_list" not in vars(ffn)
+        assert vars(ffn)["recv_dp_metadata_list"].channel is rx2  # the new channel's front, not the old ring's
         tx1.send_payload(_plain_payload(11, 4))  # the old ring, still open
         tx2.send_payload(_plain_payload(22, 4))
         assert ffn.recv_dp_metadata_list() == _plain_payload(22, 4)
@@ -1706,16 +1713,107 @@ def test_a_subclass_or_a_patch_of_the_per_step_calls_stays_in_use():
         rx.close()
 
 
-def test_a_tcp_source_has_no_first_wait_slice():
-    rx, tx = _tcp_pair()
+def test_the_tcp_fronts_return_a_payload_from_c_consume_heartbeats_and_fall_back_in_order():
+    from afd_ext.control import tcp as ctcp
+
+    op, lim = "recv_dp_metadata_list", (64, 64, 1 << 20)
+    rx, tx = _tcp_pair(idle_s=30.0)
     ffn = cp.AFDControlPlane(lambda p: None, Topology(1, 1), "ffn", 0, channels={0: rx})
+    att = cp.AFDControlPlane(lambda p: None, Topology(1, 1), "attention", 0, channels={0: tx})
+    fell: list = []
+
+    def checked(taken):  # the caller's checked path, recorded
+        fell.append(taken)
+        return rx.recv_payload(1.0, op, *lim)
+
     try:
-        assert rx.take_front(64, 64, lambda: 0, print) is None and "recv_dp_metadata_list" not in vars(ffn)
-        tx.send_payload(_plain_payload(0, 4))
-        assert ffn.recv_dp_metadata_list() == _plain_payload(0, 4)
+        take, send = vars(ffn)["recv_dp_metadata_list"], vars(att)["send_dp_metadata_list"]
+        assert type(take).__name__ == "TcpTakeFront" and take.channel is rx
+        assert type(send).__name__ == "TcpSendFront" and send.channel is tx
+        send(_plain_payload(0, 4))  # the plane's fronts: sent and taken in C
+        assert take() == _plain_payload(0, 4)
+        front = rx.take_front(64, 64, lambda: int(2e9), checked)
+        # Heartbeat frames alone during the wait are consumed in C (liveness stamped); the wait goes on.
+        seen = rx._state.t_ns
+        threading.Timer(0.05, lambda: (tx._send_frame(ctcp._T_HEARTBEAT), time.sleep(0.05),
+                                       tx.send_payload(_plain_payload(1, 4)))).start()
+        assert front() == _plain_payload(1, 4) and fell == [] and rx._state.t_ns > seen
+        assert rx._state.msg_ns >= rx._state.t_ns > seen  # the idle clock: the payload's
+        # A read that is not one payload (a raw frame, then a payload): kept for the framing, in order;
+        # the next front call takes no native slice while the rest is buffered (it would wait 2 s).
+        tx.send(b"raw")
+        tx.send_payload(_plain_payload(2, 4))
+        time.sleep(0.05)
+        assert front() == b"raw" and fell == [None] and rx._state.pending == 1
+        t0 = time.monotonic()
+        from afd_ext import metadata as md  # the Python framing hands bytes on: the plane decodes them
+
+        assert md.decode_control_binary(front()) == _plain_payload(2, 4)
+        assert fell == [None, None] and rx._state.pending == 0
+        assert time.monotonic() - t0 < 1.0
+        # Nothing within the slice: the checked path gets the int and waits on.
+        short = rx.take_front(64, 64, lambda: int(1e6), checked)
+        threading.Timer(0.1, lambda: tx.send_payload(_plain_payload(3, 4))).start()
+        assert short() == _plain_payload(3, 4) and fell[-1] == -1
+        # A send the native path declines (another payload class) goes to the fallback, in order.
+        class Other(AFDControlPayload):
+            pass
+
+        declined: list = []
+        tx.send_front(None, declined.append)(Other({0: AFDDPMetadata([1, 2, 3, 4])}))
+        assert len(declined) == 1 and type(declined[0]) is Other
+        # What the check raises propagates, nothing sent.
+        def refuse(payload):
+            raise AFDConfigError("refused")
+
+        with pytest.raises(AFDConfigError, match="refused"):
+            tx.send_front(refuse, declined.append)(_plain_payload(4, 4))
+        send(_plain_payload(5, 4))
+        assert take() == _plain_payload(5, 4) and len(declined) == 1
     finally:
         tx.close()
         ffn.close()
+
+
+def test_the_tcp_fronts_name_a_reset_connection_and_a_closed_end():
+    import socket
+    import struct
+
+    from afd_ext.errors import PeerDeadError
+
+    rx, tx = _tcp_pair(idle_s=30.0)
+    ffn = cp.AFDControlPlane(lambda p: None, Topology(1, 1), "ffn", 0, channels={0: rx})
+    try:
+        # The sender's socket reset (SO_LINGER 0): the front's read fails, named with the peer.
+        tx._hb_stop.set()
+        tx._sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        os.close(tx._sock.detach())
+        with pytest.raises(PeerDeadError, match="attention rank 0.*(connection lost|closed without)"):
+            ffn.recv_dp_metadata_list()
+        # The failure codes of a native send, named (never the raw code).
+        tx2_rx, tx2 = _tcp_pair()
+        try:
+            with pytest.raises(PeerDeadError, match="FFN rank 0.*TCP send buffer full"):
+                tx2._send_failed(-4)
+            tx2._state.send_err = 104
+            with pytest.raises(PeerDeadError, match="FFN rank 0.*connection lost"):
+                tx2._send_failed(-5)
+            with pytest.raises(AFDStateError, match="send proxy"):
+                tx2._send_failed(-3)
+            tx2.close()
+            with pytest.raises(AFDStateError, match="closed tcp control channel"):
+                tx2._send_failed(-4)
+        finally:
+            tx2.close()
+            tx2_rx.close()
+        # A closed end: the front declines, the checked path names it.
+        ffn.close()
+        with pytest.raises(AFDStateError):
+            ffn.recv_dp_metadata_list()
+    finally:
+        ffn.close()
+        rx.close()
+        tx._closed = True  # its socket is gone: nothing to close
 
 
 @given(st.binary(max_size=2100), st.integers(0, 2**32 - 1))

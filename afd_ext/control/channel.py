@@ -292,10 +292,18 @@ class _Native:
         self.tcp_proxy_served = module.ctrl_tcp_proxy_served
         # (data, max_stages, max_ranks) -> the payload built as the takes build it, or None
         self.parse = module.ctrl_parse
-        # (tcp state address, payload) -> 0 sent, -2 send it in Python, -3 the proxy stalled, bytes: the unsent tail
+        # (tcp state address, payload) -> 0 sent, -2 send it in Python, -3 the proxy stalled, -4 blocked
+        # (the send lock or buffer space), -5 the connection failed part-way through the frame
         self.tcp_send_payload = module.ctrl_tcp_send_payload
-        # (tcp state address, max_ns, max_stages, max_ranks) -> -1 nothing, the built payload, or bytes read
+        # (tcp state address, max_ns) -> whether the end's send lock was taken; tcp_unlock(address)
+        self.tcp_lock = module.ctrl_tcp_lock
+        self.tcp_unlock = module.ctrl_tcp_unlock
+        # (tcp state address, max_ns, max_stages, max_ranks) -> -2 closed, -1 nothing, the built payload,
+        # or bytes read (OSError: the poll or read failed)
         self.tcp_take = module.ctrl_tcp_take
+        # TcpSendFront / TcpTakeFront: as SendFront / TakeFront on a tcp end (the owner names failures)
+        self.tcp_send_front = module.TcpSendFront
+        self.tcp_take_front = module.TcpTakeFront
         from afd_ext.metadata import AFDControlPayload, AFDDPMetadata
 
         module.ctrl_bind_types(AFDControlPayload, AFDDPMetadata, AFDDPMetadata._NONE_WHEN_TRUSTED)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import select
 import socket
 import struct
@@ -59,6 +60,13 @@ class TcpState(ctypes.Structure):
         ("warm_tx", ctypes.c_int32),  # receiver: the rehearsal's private loopback pair (-1: none)
         ("warm_rx", ctypes.c_int32),
         ("warm_rounds", ctypes.c_uint64),  # receiver: rehearsal rounds over that pair
+        ("send_lock", ctypes.c_uint32),  # sender: 1 while a frame goes out (every frame takes it, in C)
+        ("send_err", ctypes.c_int32),  # sender: errno of the last native send that failed part-way
+        ("send_timeout_ns", ctypes.c_int64),  # sender: bound on a send's wait for the lock or buffer space
+        ("send_rests", ctypes.c_uint64),  # sender: frames taken in part whose rest the native send sent
+        ("pending", ctypes.c_uint32),  # receiver: 1 while _rbuf holds bytes of a started frame
+        ("pad_", ctypes.c_uint32),
+        ("msg_ns", ctypes.c_int64),  # receiver: when the poll saw the last payload built natively
     ]
 
 
@@ -108,7 +116,7 @@ class TcpControlChannel(ControlChannel):
     def __init__(self, sock: socket.socket, **kw):
         super().__init__(**kw)
         self._sock = sock
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the send lock without the compiled core (else the state's, in C)
         self._rbuf = bytearray()
         self._last_seen = time.monotonic()
         self._token = b""
@@ -121,7 +129,8 @@ class TcpControlChannel(ControlChannel):
         self._read_anchor: Any = (ctypes.c_char * _READ_BYTES).from_buffer(self._read)
         self._state = TcpState(fd=sock.fileno(), local_rank=self.local_rank, expect_sender=self.peer_rank,
                                max_msg=self.options.max_message_bytes, buf=ctypes.addressof(self._read_anchor),
-                               cap=_READ_BYTES, warm_tx=-1, warm_rx=-1)
+                               cap=_READ_BYTES, warm_tx=-1, warm_rx=-1,
+                               send_timeout_ns=_ns(self.options.heartbeat_timeout_s))
         self._state.warm.arm(self.is_sender, self.options)
         self._state_addr = ctypes.addressof(self._state)
         # A private loopback pair: a waiting receiver's rehearsal rounds, or the sender's proxy's.
@@ -218,9 +227,25 @@ class TcpControlChannel(ControlChannel):
         ch._start_heartbeat()
         return ch
 
+    @contextlib.contextmanager
+    def _send_lock(self) -> Iterator[None]:
+        """The end's send lock, which every frame goes out under (the native sends take it in C):
+        a frame's bytes are never interleaved with another's. Raises PeerDeadError when it is not
+        had within ``heartbeat_timeout_s`` (another send is blocked on a full buffer)."""
+        if self._native is None:
+            with self._lock:
+                yield
+            return
+        if not self._native.tcp_lock(self._state_addr, self._state.send_timeout_ns):
+            raise self._blocked()
+        try:
+            yield
+        finally:
+            self._native.tcp_unlock(self._state_addr)
+
     def _send_frame(self, typ: int, data: bytes | memoryview = b"") -> None:
         frame = _TCP_HDR.pack(_TCP_MAGIC, typ, self.local_rank, len(data))
-        with self._lock:
+        with self._send_lock():
             if len(data) <= 65536:
                 self._sock.sendall(frame + bytes(data))
             else:
@@ -246,45 +271,44 @@ class TcpControlChannel(ControlChannel):
         try:
             yield
         except socket.timeout:
-            raise PeerDeadError(
-                self.peer, _OP_SEND,
-                f"it read nothing for {self.options.heartbeat_timeout_s:g} s (TCP send buffer full)",
-            ) from None
+            raise self._blocked() from None
         except OSError as e:
             raise PeerDeadError(self.peer, _OP_SEND, f"connection lost ({e})") from None
+
+    def _blocked(self) -> PeerDeadError:
+        return PeerDeadError(self.peer, _OP_SEND,
+                             f"it read nothing for {self.options.heartbeat_timeout_s:g} s (TCP send buffer full)")
 
     def send_front(self, check: Any, fallback: Any) -> Any:
         if self._native is None or not self.is_sender:
             return None
-        send = self._send_native
+        # One native object per front (it holds this channel: the state lives as long).
+        return self._native.tcp_send_front(self._state_addr, check, fallback, self)
 
-        def front(payload: Any) -> Any:  # one frame around the one native send (under the lock)
-            if check is not None:
-                check(payload)
-            return None if send(payload) == 0 else fallback(payload)
+    def send_payload(self, payload: Any) -> None:
+        r = self._native.tcp_send_payload(self._state_addr, payload) if self._native is not None else -2
+        if r == 0:
+            return
+        if r != -2:
+            self._send_failed(r)
+        super().send_payload(payload)
 
-        return front
-
-    def _send_native(self, payload: Any) -> int:
-        """One native call sends ``payload`` as one frame (under the lock: heartbeat frames);
-        0 when sent, else nothing was sent (the caller's :meth:`send_payload` checks and sends)."""
-        if self._closed or self._native is None:
-            return -2
-        with self._lock:
-            r = self._native.tcp_send_payload(self._state_addr, payload)
-            if type(r) is bytes:  # a partly sent frame: its tail goes before anything else
-                with self._send_errors():
-                    self._sock.sendall(r)
-                return 0
-        if r == -3:
+    def _send_failed(self, code: int) -> None:
+        """A native send that failed (``ctrl_tcp_send_payload``'s code -3/-4/-5), named; always raises."""
+        self._require(True, _OP_SEND)  # closed meanwhile: that, not the peer
+        if code == -3:
             raise AFDStateError(f"{_OP_SEND}: the send proxy of the control channel to {self.peer} took the "
                                 "frame and did not send it within 5 s (its thread stalled; the frame may still "
                                 "arrive later, and this channel's sends no longer use the proxy)")
-        return r
+        if code == -4:
+            raise self._blocked()
+        raise PeerDeadError(self.peer, _OP_SEND, f"connection lost ({os.strerror(self._state.send_err)})")
 
-    def send_payload(self, payload: Any) -> None:
-        if self._send_native(payload) != 0:
-            super().send_payload(payload)
+    def take_front(self, max_stages: int, max_ranks: int, prepare: Any, fallback: Any) -> Any:
+        if self._native is None or self.is_sender:
+            return None
+        # One native object per front (it holds this channel: the state and its buffer live as long).
+        return self._native.tcp_take_front(self._state_addr, prepare, fallback, self, max_stages, max_ranks)
 
     def recv_payload(self, timeout_s: float | None, op: str, max_stages: int, max_ranks: int,
                      max_bytes: int, started: float | None = None) -> Any:
@@ -322,17 +346,18 @@ class TcpControlChannel(ControlChannel):
             if type(chunk) is bytes:
                 if not chunk:
                     raise PeerDeadError(self.peer, op, "its connection closed without a goodbye (process exited)")
-                self._rbuf += chunk
-                now = self._last_seen = time.monotonic()
+                self._stash(chunk)
+                now = self._last_seen
                 continue
             if type(chunk) is not int:  # built natively
                 self._last_seen = self._last_msg = time.monotonic()
                 return chunk
             now = time.monotonic()
-            if now - self._last_seen > hb:
+            seen = max(self._last_seen, self._state.t_ns * 1e-9)  # a native read of heartbeats stamps t_ns
+            if now - seen > hb:
                 raise PeerDeadError(
                     self.peer, op,
-                    f"no heartbeat for {now - self._last_seen:.1f} s (heartbeat_timeout_s={hb:g}); "
+                    f"no heartbeat for {now - seen:.1f} s (heartbeat_timeout_s={hb:g}); "
                     "the process or its host is hung or unreachable",
                 )
             next_abort = self._abort_or_timeout(op, now, next_abort, deadline, None)
@@ -340,17 +365,32 @@ class TcpControlChannel(ControlChannel):
 
     def _read_native(self, max_ns: int, op: str) -> Any:
         """Wait up to ``max_ns`` (GIL released) and read once: -1 (nothing), bytes, or a payload built
-        from a whole data frame read alone into an empty buffer (``self._limits`` >= 0)."""
-        limits = self._limits if not self._rbuf else (-1, 0)
+        from a whole data frame read alone into an empty buffer (``self._limits`` >= 0; the native
+        take reads raw bytes while ``_rbuf`` holds some: ``TcpState.pending``)."""
         try:
-            r = self._native.tcp_take(self._state_addr, max_ns, *limits)
+            r = self._native.tcp_take(self._state_addr, max_ns, *self._limits)
         except OSError as e:
-            self._require(False, op)  # closed here by another thread: not the peer's fault
-            raise PeerDeadError(self.peer, op, f"connection lost ({e})") from None
+            self._read_failed(e.errno or 0, op)
         if r == -2:  # closed by another thread meanwhile: named, not a spin until the heartbeat timeout
             self._require(False, op)
             return -1
         return r
+
+    def _read_failed(self, err: int, op: str = _OP_RECV) -> None:
+        """A native poll or read that failed with ``err`` (errno), named; always raises."""
+        self._require(False, op)  # closed here by another thread: not the peer's fault
+        raise PeerDeadError(self.peer, op, f"connection lost ({os.strerror(err)})")
+
+    def _stash(self, data: bytes) -> None:
+        """Keep bytes read off the stream for the framing (a native read that was not one payload)."""
+        if data:
+            self._rbuf += data
+            self._state.pending = 1
+            self._last_seen = time.monotonic()
+
+    def _poll_until(self) -> float:
+        # The last payload's time: a native take stamps it (CLOCK_MONOTONIC, as time.monotonic()).
+        return max(self._last_msg, self._state.msg_ns * 1e-9) + self.options.idle_s
 
     def _read_python(self, need: int, op: str) -> bytes:
         try:
@@ -366,10 +406,8 @@ class TcpControlChannel(ControlChannel):
     def _recv(self, timeout_s: float | None, op: str, started: float | None = None) -> Any:
         self._require(False, op)
         deadline = None if timeout_s is None else (started or time.monotonic()) + timeout_s
-        if _QUICKACK is not None and not self._rbuf:
-            # Delayed ACKs: otherwise the read that drains a small pushed segment sends the ACK from
-            # inside recv() (and, on one host, the sender's side of it too), on the FFN's critical
-            # path. The kernel leaves this mode when a delayed ACK fires: set before each wait.
+        if _QUICKACK is not None and not self._rbuf and self._native is None:
+            # Delayed ACKs before each wait, as the native take does (csrc/cpu/control_poll.cpp tcp_take).
             try:
                 self._sock.setsockopt(socket.IPPROTO_TCP, _QUICKACK, 0)
             except OSError:
@@ -386,6 +424,7 @@ class TcpControlChannel(ControlChannel):
             self._fill(end, None, op)  # the rest of a started frame is already on its way
             body = bytes(self._rbuf[_TCP_HDR.size:end])
             del self._rbuf[:end]
+            self._state.pending = 1 if self._rbuf else 0
             if typ == _T_DATA:
                 self._last_msg = time.monotonic()
                 return body

@@ -10,6 +10,8 @@
 // both sides read each other's slots.
 #include <Python.h>
 #include <structmember.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <time.h>
@@ -227,6 +229,13 @@ struct afd_ctrl_tcp {
   int32_t warm_tx;         // receiver: a private loopback TCP pair the rehearsal sends a frame over
   int32_t warm_rx;         //   (-1: none)
   uint64_t warm_rounds;    // receiver: rehearsal rounds over that pair (tests read it)
+  uint32_t send_lock;      // sender: 1 while a frame goes out (every frame takes it, the heartbeat's too)
+  int32_t send_err;        // sender: errno of the last native send that failed part-way through a frame
+  int64_t send_timeout_ns; // sender: the bound on a send's wait for the lock or for buffer space
+  uint64_t send_rests;     // sender: frames the socket took in part whose rest the native send sent (tests)
+  uint32_t pending;        // receiver: 1 while the Python path holds bytes of a started frame
+  uint32_t pad_;
+  int64_t msg_ns;          // receiver: CLOCK_MONOTONIC ns when the poll saw the last payload built natively
 };
 
 // Wake a receiver blocked on the doorbell (a datagram; a full queue means one is pending).
@@ -858,7 +867,7 @@ namespace {
 struct Front {
   PyObject_HEAD
   vectorcallfunc vectorcall;
-  afd_ctrl_ring* ring;  // the end's RingState (kept alive by owner)
+  void* end;            // the end's RingState / TcpState (kept alive by owner)
   long max_stages;      // take: the builds' bounds
   long max_ranks;
   PyObject* first;     // send: check (or None); take: prepare
@@ -895,21 +904,21 @@ PyObject* front_new(PyTypeObject* type, PyObject* args, PyObject* kwds, vectorca
     PyErr_SetString(PyExc_TypeError, sig);
     return nullptr;
   }
-  auto* ring = static_cast<afd_ctrl_ring*>(PyLong_AsVoidPtr(PyTuple_GET_ITEM(args, 0)));
+  void* end = PyLong_AsVoidPtr(PyTuple_GET_ITEM(args, 0));
   long ms = 0, mr = 0;
   if (nargs == 6) {
     ms = PyLong_AsLong(PyTuple_GET_ITEM(args, 4));
     mr = PyLong_AsLong(PyTuple_GET_ITEM(args, 5));
   }
   if (PyErr_Occurred()) return nullptr;
-  if (ring == nullptr) {
+  if (end == nullptr) {
     PyErr_SetString(PyExc_ValueError, sig);
     return nullptr;
   }
   auto* f = reinterpret_cast<Front*>(type->tp_alloc(type, 0));
   if (f == nullptr) return nullptr;
   f->vectorcall = call;
-  f->ring = ring;
+  f->end = end;
   f->max_stages = ms;
   f->max_ranks = mr;
   f->first = Py_NewRef(PyTuple_GET_ITEM(args, 1));
@@ -933,7 +942,7 @@ AFD_SEND_PATH PyObject* send_front_call(PyObject* self, PyObject* const* args, s
     if (ok == nullptr) return nullptr;
     Py_DECREF(ok);
   }
-  if (shm_send_payload(f->ring, payload) == 0) Py_RETURN_NONE;
+  if (shm_send_payload(static_cast<afd_ctrl_ring*>(f->end), payload) == 0) Py_RETURN_NONE;
   return PyObject_CallOneArg(f->fallback, payload);
 }
 
@@ -956,7 +965,8 @@ PyObject* take_front_call(PyObject* self, PyObject* const* args, size_t nargsf, 
   if (ns == -1 && PyErr_Occurred()) return nullptr;
   PyObject* got;
   if (ns > 0) {
-    got = shm_take(f->ring, ns > 0x7FFFFFFFL ? 0x7FFFFFFFL : ns, f->max_stages, f->max_ranks);
+    got = shm_take(static_cast<afd_ctrl_ring*>(f->end), ns > 0x7FFFFFFFL ? 0x7FFFFFFFL : ns, f->max_stages,
+                   f->max_ranks);
     if (got == nullptr || !(PyLong_CheckExact(got) || PyBytes_CheckExact(got))) return got;  // built, or an error
   } else {
     got = Py_NewRef(Py_None);
@@ -1004,20 +1014,6 @@ PyTypeObject g_take_front_type = make_front_type(
     take_front_new);
 
 }  // namespace
-
-// Adds SendFront and TakeFront to the module (PyInit__C); -1 with an error set.
-int afd_ctrl_add_types(PyObject* mod) {
-  for (PyTypeObject* t : {&g_send_front_type, &g_take_front_type}) {
-    if (PyType_Ready(t) < 0) return -1;
-    const char* dot = std::strrchr(t->tp_name, '.');
-    Py_INCREF(t);
-    if (PyModule_AddObject(mod, dot + 1, reinterpret_cast<PyObject*>(t)) < 0) {
-      Py_DECREF(t);
-      return -1;
-    }
-  }
-  return 0;
-}
 
 // ---------------------------------------------------------------------------
 // The sender's keeper: the attention rank's thread runs its model between two steps, so it cannot
@@ -1488,89 +1484,197 @@ int proxy_send(Keeper* k, const uint8_t* frame, size_t len, ssize_t* sent, int* 
   return 1;
 }
 
-}  // namespace
+// TCP send results (ctrl_tcp_send_payload, TcpSendFront; afd_ext/control/tcp.py names them).
+constexpr int kTcpSent = 0;
+constexpr int kTcpDeclined = -2;  // nothing sent: closed, not the plain case, no room at all, an error
+constexpr int kTcpStalled = -3;   // the proxy took the frame and did not send it within kProxyStallNs
+constexpr int kTcpBlocked = -4;   // the lock or buffer space not had within send_timeout_ns
+constexpr int kTcpLost = -5;      // the connection failed part-way through the frame (send_err)
 
-// _C.ctrl_tcp_send_payload(state_address, payload): encode an AFDControlPayload (encode_payload)
-// as one data frame and send it without blocking, in one send() (the end's proxy's, when it spins).
-// Returns 0 when sent; -2 when nothing was sent (closed, declined, the socket buffer full, or an
-// error: the caller's Python path sends it and names an error); -3 when the proxy took the frame
-// and did not send it within kProxyStallNs; bytes, the unsent tail of a partly sent frame (the
-// caller sends it before anything else). The caller holds the channel's send lock (heartbeat frames).
-PyObject* afd_ctrl_tcp_send_payload_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 2) {
-    PyErr_SetString(PyExc_TypeError, "ctrl_tcp_send_payload(state_address, payload)");
-    return nullptr;
+constexpr long kTcpWaitSliceNs = 10'000'000;  // a send's waits look at the end's close this often
+
+// Take the end's send lock (GIL held on entry and return; released while it waits): every frame
+// goes out under it, so no frame's bytes are interleaved with another's (the heartbeat thread's, a
+// second caller's). false: not had within max_ns, or (native sends, `closing`) the end was closed
+// meanwhile (Python's own frames go out on its socket after that: close()'s goodbye).
+bool tcp_lock(afd_ctrl_tcp* t, int64_t max_ns, bool closing) {
+  uint32_t free_ = 0;
+  if (__atomic_compare_exchange_n(&t->send_lock, &free_, 1u, false, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) return true;
+  bool got = false;
+  Py_BEGIN_ALLOW_THREADS
+  const int64_t end = now_ns() + max_ns;
+  for (;;) {
+    free_ = 0;
+    if (__atomic_compare_exchange_n(&t->send_lock, &free_, 1u, false, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) {
+      got = true;
+      break;
+    }
+    if (now_ns() >= end || (closing && __atomic_load_n(&t->fd, __ATOMIC_SEQ_CST) < 0)) break;
+    const timespec nap{0, 20'000};  // the holder is in a send() of its own (a heartbeat): microseconds
+    nanosleep(&nap, nullptr);
   }
-  auto* t = static_cast<afd_ctrl_tcp*>(PyLong_AsVoidPtr(args[0]));
-  if (PyErr_Occurred()) return nullptr;
-  if (t == nullptr) return PyLong_FromLong(-2);
+  Py_END_ALLOW_THREADS
+  return got;
+}
+
+void tcp_unlock(afd_ctrl_tcp* t) { __atomic_store_n(&t->send_lock, 0u, __ATOMIC_RELEASE); }
+
+// The rest of a frame the socket took in part (the lock held, an InFlight on the end): it must go
+// out before any other frame, so wait for buffer space (GIL released) up to send_timeout_ns.
+int tcp_send_rest(afd_ctrl_tcp* t, int fd, const uint8_t* p, size_t n) {
+  int rc = kTcpSent;
+  ++t->send_rests;
+  Py_BEGIN_ALLOW_THREADS
+  const int64_t end = now_ns() + t->send_timeout_ns;
+  while (n > 0) {
+    const ssize_t s = ::send(fd, p, n, MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (s > 0) {
+      p += s;
+      n -= static_cast<size_t>(s);
+      continue;
+    }
+    if (s < 0 && errno == EINTR) continue;
+    if (s < 0 && errno != EAGAIN && errno != EWOULDBLOCK) {
+      t->send_err = errno;
+      rc = kTcpLost;
+      break;
+    }
+    const int64_t left = end - now_ns();
+    if (left <= 0) {
+      rc = kTcpBlocked;
+      break;
+    }
+    if (__atomic_load_n(&t->fd, __ATOMIC_SEQ_CST) < 0) {  // closed here meanwhile
+      t->send_err = EBADF;
+      rc = kTcpLost;
+      break;
+    }
+    pollfd pf{fd, POLLOUT, 0};
+    (void)::poll(&pf, 1, static_cast<int>((left < kTcpWaitSliceNs ? left : kTcpWaitSliceNs) / 1'000'000 + 1));
+  }
+  Py_END_ALLOW_THREADS
+  return rc;
+}
+
+// One plain AFDControlPayload (encode_payload) as one data frame, under the end's send lock: one
+// send() (the end's proxy's, when it spins), and the rest of a frame taken in part. A kTcp* result.
+AFD_SEND_PATH int tcp_send(afd_ctrl_tcp* t, PyObject* payload) {
   InFlight in_flight(&t->busy);
-  const int fd = __atomic_load_n(&t->fd, __ATOMIC_SEQ_CST);
-  if (fd < 0) return PyLong_FromLong(-2);
+  if (__atomic_load_n(&t->fd, __ATOMIC_SEQ_CST) < 0) return kTcpDeclined;
   uint8_t buf[kTcpHdr + kMaxNativeBytes];
   const uint64_t cap = t->max_msg < kMaxNativeBytes ? t->max_msg : kMaxNativeBytes;
-  const int64_t n = encode_payload(args[1], buf + kTcpHdr, cap);
-  if (n < 0) return PyLong_FromLong(-2);
+  const int64_t n = encode_payload(payload, buf + kTcpHdr, cap);
+  if (n < 0) return kTcpDeclined;
   put_tcp_header(buf, t->local_rank, static_cast<uint64_t>(n));
   const size_t len = kTcpHdr + static_cast<size_t>(n);
+  if (!tcp_lock(t, t->send_timeout_ns, true))
+    return __atomic_load_n(&t->fd, __ATOMIC_SEQ_CST) < 0 ? kTcpDeclined : kTcpBlocked;
+  const int fd = __atomic_load_n(&t->fd, __ATOMIC_SEQ_CST);
+  if (fd < 0) {  // closed while it waited
+    tcp_unlock(t);
+    return kTcpDeclined;
+  }
   ssize_t sent = -1;
   int err = 0;
   auto* proxy = static_cast<Keeper*>(__atomic_load_n(&t->proxy, __ATOMIC_ACQUIRE));
   const int handed = proxy != nullptr ? proxy_send(proxy, buf, len, &sent, &err) : 0;
-  if (handed < 0) return PyLong_FromLong(-3);
   if (handed == 0) {
     do {
       sent = ::send(fd, buf, len, MSG_DONTWAIT | MSG_NOSIGNAL);
     } while (sent < 0 && errno == EINTR);
   }
-  if (sent <= 0) return PyLong_FromLong(-2);
-  if (static_cast<size_t>(sent) == len) return PyLong_FromLong(0);
-  return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(buf) + sent, static_cast<Py_ssize_t>(len - sent));
+  int rc;
+  if (handed < 0) {
+    rc = kTcpStalled;
+  } else if (sent <= 0) {
+    rc = kTcpDeclined;  // nothing went out: the Python path sends it (it waits for room) or names the error
+  } else if (static_cast<size_t>(sent) == len) {
+    rc = kTcpSent;
+  } else {
+    rc = tcp_send_rest(t, fd, buf + sent, len - static_cast<size_t>(sent));
+  }
+  tcp_unlock(t);
+  return rc;
 }
 
-// _C.ctrl_tcp_take(state_address, max_ns, max_stages, max_ranks): poll the socket up to max_ns with
-// the GIL released (rehearsing every warm_ns meanwhile), then read what is there (one recv). Returns -2 when closed, -1 when nothing was
-// readable in time; the AFDControlPayload when what was read is exactly one whole data frame from the expected
-// sender that parses (max_stages >= 0), after any heartbeat frames; else the bytes read (b"": the
-// peer closed; the caller's Python path frames them). Raises OSError when the read failed.
-PyObject* afd_ctrl_tcp_take_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  void* p;
-  long max_ns, max_stages, max_ranks;
-  if (!take_args(args, nargs, "ctrl_tcp_take(state_address, max_ns, max_stages, max_ranks)", &p, &max_ns,
-                 &max_stages, &max_ranks))
-    return nullptr;
-  auto* t = static_cast<afd_ctrl_tcp*>(p);
+// Whether buf[:n] is whole heartbeat frames from the expected sender, nothing else.
+bool heartbeats_only(const afd_ctrl_tcp* t, const uint8_t* b, size_t n) {
+  if (n == 0 || n % kTcpHdr != 0) return false;
+  for (size_t off = 0; off < n; off += kTcpHdr) {
+    uint32_t magic, type, sender;
+    uint64_t len;
+    std::memcpy(&magic, b + off, 4);
+    std::memcpy(&type, b + off + 4, 4);
+    std::memcpy(&sender, b + off + 8, 4);
+    std::memcpy(&len, b + off + 12, 8);
+    if (magic != kTcpMagic || type != kTcpHeartbeat || sender != t->expect_sender || len != 0) return false;
+  }
+  return true;
+}
+
+// The tcp take (ctrl_tcp_take, TcpTakeFront): poll up to max_ns (GIL released, rehearsing; the
+// first poll after TCP_QUICKACK is cleared), then read once. Heartbeat frames read alone are
+// consumed (liveness: t_ns) and the wait goes on. A read lands in the half of the buffer that does
+// not hold the rehearsed message. Returns -2 (closed), -1 (nothing in time), the payload built when
+// the read is one whole data frame from the expected sender that parses (max_stages >= 0, no
+// pending bytes), after any heartbeat frames, else the bytes read (b"": the peer closed); nullptr
+// with *err set (no exception) when poll or recv failed, or with an exception (a signal handler).
+PyObject* tcp_take(afd_ctrl_tcp* t, long max_ns, long max_stages, long max_ranks, int* err) {
+  if (__atomic_load_n(&t->pending, __ATOMIC_RELAXED) != 0) max_stages = -1;  // raw bytes: Python frames them
   int ready = 0;
   ssize_t n = -1;
-  int err = 0;
+  uint8_t* into = t->buf;
   bool first = true;
   const int64_t waited = wait_rehearsing(&t->warm, false, max_ns, max_stages, max_ranks, [&](int64_t ns) -> int64_t {
     InFlight in_flight(&t->busy);
-    if (!first) tcp_warm_round(t);  // between two slices, as the rehearsal (never before the first poll)
-    first = false;
-    ready = tcp_wait_readable(t, static_cast<long>(ns));
-    if (ready > 0) {
-      t->t_ns = now_ns();
-      t->warm.last_len = 0;  // buf is overwritten
-      do {
-        n = ::recv(t->fd, t->buf, t->cap, MSG_DONTWAIT);
-      } while (n < 0 && errno == EINTR);
-      err = n < 0 ? errno : 0;
+    const int fd = __atomic_load_n(&t->fd, __ATOMIC_SEQ_CST);
+    if (fd < 0) {
+      ready = kClosed;
+      return 0;
     }
-    return ready == 0 ? -1 : 0;
+    if (first && max_ns > 0) {
+      // Delayed ACKs: otherwise the read that drains a small pushed segment sends the ACK from
+      // inside recv() (on one host, the sender's side of it too), on the FFN's critical path. The
+      // kernel leaves this mode when a delayed ACK fires: cleared before each wait.
+      const int zero = 0;
+      (void)::setsockopt(fd, IPPROTO_TCP, TCP_QUICKACK, &zero, sizeof zero);
+    } else if (!first) {
+      tcp_warm_round(t);  // between two slices, as the rehearsal (never before the first poll)
+    }
+    first = false;
+    const int64_t end = now_ns() + ns;
+    for (;;) {
+      ready = tcp_wait_readable(t, static_cast<long>(end - now_ns()));
+      if (ready <= 0) return ready == 0 ? -1 : 0;
+      t->t_ns = now_ns();
+      const uint64_t half = t->cap / 2;
+      into = t->warm.last_len > 0 && t->warm.last < t->buf + half ? t->buf + half : t->buf;
+      do {
+        n = ::recv(fd, into, half, MSG_DONTWAIT);
+      } while (n < 0 && errno == EINTR);
+      *err = n < 0 ? errno : 0;
+      if (n > 0 && max_stages >= 0 && heartbeats_only(t, into, static_cast<size_t>(n))) {
+        n = -1;  // liveness only: wait on within this slice
+        continue;
+      }
+      return 0;
+    }
   });
   if (waited == kSignalled) return nullptr;  // after a slice that read nothing
-  if (ready == kClosed) return PyLong_FromLong(-2);
+  if (ready == kClosed) {
+    *err = 0;
+    return PyLong_FromLong(-2);
+  }
   if (ready < 0) {
-    errno = -ready;
-    return PyErr_SetFromErrno(PyExc_OSError);
+    *err = -ready;
+    return nullptr;
   }
-  if (ready == 0 || (n < 0 && (err == EAGAIN || err == EWOULDBLOCK))) return PyLong_FromLong(-1);
-  if (n < 0) {
-    errno = err;
-    return PyErr_SetFromErrno(PyExc_OSError);
+  if (ready == 0 || (n < 0 && (*err == EAGAIN || *err == EWOULDBLOCK))) {
+    *err = 0;
+    return PyLong_FromLong(-1);
   }
-  const uint8_t* b = t->buf;
+  if (n < 0) return nullptr;  // *err set
+  const uint8_t* b = into;
   size_t off = 0;  // past the heartbeat frames in front (the sender's thread sends one a second)
   for (;;) {
     if (max_stages < 0 || static_cast<size_t>(n) - off < kTcpHdr) break;
@@ -1589,8 +1693,9 @@ PyObject* afd_ctrl_tcp_take_py(PyObject*, PyObject* const* args, Py_ssize_t narg
       PyObject* built = build_payload(b + off + kTcpHdr, static_cast<int64_t>(len), max_stages, max_ranks);
       if (built != Py_None) {
         if (built != nullptr) {
-          t->warm.last = t->buf + off + kTcpHdr;
+          t->warm.last = into + off + kTcpHdr;
           t->warm.last_len = len;
+          t->msg_ns = t->t_ns;
         }
         return built;
       }
@@ -1599,6 +1704,167 @@ PyObject* afd_ctrl_tcp_take_py(PyObject*, PyObject* const* args, Py_ssize_t narg
     break;
   }
   return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(b), n);
+}
+
+// The tcp fronts' Python-side helpers on the channel (TcpControlChannel._send_failed and
+// friends), looked up by name on the rare paths only.
+PyObject* call_owner(PyObject* owner, const char* name, PyObject* arg) {
+  PyObject* meth = PyObject_GetAttrString(owner, name);
+  if (meth == nullptr) return nullptr;
+  PyObject* res = PyObject_CallOneArg(meth, arg);
+  Py_DECREF(meth);
+  return res;
+}
+
+PyObject* call_owner_int(PyObject* owner, const char* name, long v) {
+  PyObject* arg = PyLong_FromLong(v);
+  if (arg == nullptr) return nullptr;
+  PyObject* res = call_owner(owner, name, arg);
+  Py_DECREF(arg);
+  return res;
+}
+
+// tcp_send_front(payload): check(payload) unless check is None (its error raised, nothing sent),
+// then tcp_send; what it declines goes to fallback(payload) (the caller's checked path, whose
+// result is returned), its failures to owner._send_failed(code), which raises the named error.
+AFD_SEND_PATH PyObject* tcp_send_front_call(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  auto* f = reinterpret_cast<Front*>(self);
+  if (PyVectorcall_NARGS(nargsf) != 1 || kwnames != nullptr) {
+    PyErr_SetString(PyExc_TypeError, "send_front(payload)");
+    return nullptr;
+  }
+  PyObject* payload = args[0];
+  if (f->first != Py_None) {
+    PyObject* ok = PyObject_CallOneArg(f->first, payload);
+    if (ok == nullptr) return nullptr;
+    Py_DECREF(ok);
+  }
+  const int rc = tcp_send(static_cast<afd_ctrl_tcp*>(f->end), payload);
+  if (rc == kTcpSent) Py_RETURN_NONE;
+  if (rc == kTcpDeclined) return PyObject_CallOneArg(f->fallback, payload);
+  return call_owner_int(f->owner, "_send_failed", rc);
+}
+
+// tcp_take_front(): as take_front_call, over tcp_take (no slice while the Python path holds bytes of
+// a started frame: pending). Bytes the slice read (part of the stream, not one message) go to
+// owner._stash(bytes) and fallback(None) goes on from them; a failed read goes to
+// owner._read_failed(errno), which raises the named error.
+PyObject* tcp_take_front_call(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  auto* f = reinterpret_cast<Front*>(self);
+  (void)args;
+  if (PyVectorcall_NARGS(nargsf) != 0 || kwnames != nullptr) {
+    PyErr_SetString(PyExc_TypeError, "take_front() takes no arguments");
+    return nullptr;
+  }
+  PyObject* ns_obj = PyObject_CallNoArgs(f->first);
+  if (ns_obj == nullptr) return nullptr;
+  const long ns = PyLong_AsLong(ns_obj);
+  Py_DECREF(ns_obj);
+  if (ns == -1 && PyErr_Occurred()) return nullptr;
+  auto* t = static_cast<afd_ctrl_tcp*>(f->end);
+  PyObject* got = Py_NewRef(Py_None);
+  if (ns > 0 && __atomic_load_n(&t->pending, __ATOMIC_RELAXED) == 0) {  // else its rest may be buffered already
+    Py_DECREF(got);
+    int err = 0;
+    got = tcp_take(t, ns > 0x7FFFFFFFL ? 0x7FFFFFFFL : ns, f->max_stages, f->max_ranks, &err);
+    if (got == nullptr) return err != 0 ? call_owner_int(f->owner, "_read_failed", err) : nullptr;
+    if (PyBytes_CheckExact(got)) {
+      PyObject* kept = call_owner(f->owner, "_stash", got);
+      Py_DECREF(got);
+      if (kept == nullptr) return nullptr;
+      Py_DECREF(kept);
+      got = Py_NewRef(Py_None);
+    } else if (!PyLong_CheckExact(got)) {
+      return got;  // built
+    }
+  }
+  PyObject* res = PyObject_CallOneArg(f->fallback, got);
+  Py_DECREF(got);
+  return res;
+}
+
+constexpr const char* kTcpSendSig = "TcpSendFront(state_address, check, fallback, owner)";
+constexpr const char* kTcpTakeSig = "TcpTakeFront(state_address, prepare, fallback, owner, max_stages, max_ranks)";
+
+PyObject* tcp_send_front_new(PyTypeObject* t, PyObject* a, PyObject* k) {
+  return front_new(t, a, k, tcp_send_front_call, 4, kTcpSendSig);
+}
+PyObject* tcp_take_front_new(PyTypeObject* t, PyObject* a, PyObject* k) {
+  return front_new(t, a, k, tcp_take_front_call, 6, kTcpTakeSig);
+}
+
+PyTypeObject g_tcp_send_front_type = make_front_type(
+    "afd_ext._C.TcpSendFront",
+    "TcpSendFront(state_address, check, fallback, owner): a tcp end's per-step send, front(payload) "
+    "(see afd_ext/control/tcp.py).",
+    tcp_send_front_new);
+PyTypeObject g_tcp_take_front_type = make_front_type(
+    "afd_ext._C.TcpTakeFront",
+    "TcpTakeFront(state_address, prepare, fallback, owner, max_stages, max_ranks): a tcp end's per-step "
+    "receive, front() (see afd_ext/control/tcp.py).",
+    tcp_take_front_new);
+
+}  // namespace
+
+// _C.ctrl_tcp_send_payload(state_address, payload): send an AFDControlPayload as tcp_send does
+// (one data frame, under the end's send lock). Returns 0 sent, -2 nothing sent (closed, declined,
+// no room, an error: the caller's Python path sends it and names an error), -3 the proxy stalled,
+// -4 the lock or buffer space not had within send_timeout_ns, -5 the connection failed part-way
+// (send_err).
+PyObject* afd_ctrl_tcp_send_payload_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "ctrl_tcp_send_payload(state_address, payload)");
+    return nullptr;
+  }
+  auto* t = static_cast<afd_ctrl_tcp*>(PyLong_AsVoidPtr(args[0]));
+  if (PyErr_Occurred()) return nullptr;
+  return PyLong_FromLong(t == nullptr ? kTcpDeclined : tcp_send(t, args[1]));
+}
+
+// _C.ctrl_tcp_lock(state_address, max_ns) -> bool: take the end's send lock (the GIL released while
+// it waits), for a frame Python sends on its socket; False when not had within max_ns.
+// _C.ctrl_tcp_unlock(state_address): release it.
+PyObject* afd_ctrl_tcp_lock_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "ctrl_tcp_lock(state_address, max_ns)");
+    return nullptr;
+  }
+  auto* t = static_cast<afd_ctrl_tcp*>(PyLong_AsVoidPtr(args[0]));
+  const long long max_ns = PyLong_AsLongLong(args[1]);
+  if (PyErr_Occurred()) return nullptr;
+  if (t == nullptr) {
+    PyErr_SetString(PyExc_ValueError, "ctrl_tcp_lock(state_address, max_ns)");
+    return nullptr;
+  }
+  return PyBool_FromLong(tcp_lock(t, max_ns > 0 ? max_ns : 0, false));
+}
+
+PyObject* afd_ctrl_tcp_unlock_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  auto* t = nargs == 1 ? static_cast<afd_ctrl_tcp*>(PyLong_AsVoidPtr(args[0])) : nullptr;
+  if (PyErr_Occurred()) return nullptr;
+  if (t == nullptr) {
+    PyErr_SetString(PyExc_TypeError, "ctrl_tcp_unlock(state_address)");
+    return nullptr;
+  }
+  tcp_unlock(t);
+  Py_RETURN_NONE;
+}
+
+// _C.ctrl_tcp_take(state_address, max_ns, max_stages, max_ranks): tcp_take (above). Raises OSError
+// when the poll or the read failed.
+PyObject* afd_ctrl_tcp_take_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  void* p;
+  long max_ns, max_stages, max_ranks;
+  if (!take_args(args, nargs, "ctrl_tcp_take(state_address, max_ns, max_stages, max_ranks)", &p, &max_ns,
+                 &max_stages, &max_ranks))
+    return nullptr;
+  int err = 0;
+  PyObject* got = tcp_take(static_cast<afd_ctrl_tcp*>(p), max_ns, max_stages, max_ranks, &err);
+  if (got == nullptr && err != 0) {
+    errno = err;
+    return PyErr_SetFromErrno(PyExc_OSError);
+  }
+  return got;
 }
 
 // _C.ctrl_tcp_proxy_start(state_address, hold, period_ns, idle_ns, warm_tx, warm_rx[, cpus]): start a
@@ -1640,4 +1906,18 @@ PyObject* afd_ctrl_tcp_proxy_served_py(PyObject*, PyObject* const* args, Py_ssiz
     return nullptr;
   }
   return PyLong_FromUnsignedLongLong(k->mail->served.load());
+}
+
+// Adds the fronts' types (SendFront, TakeFront, TcpSendFront, TcpTakeFront) to the module (PyInit__C); -1 with an error set.
+int afd_ctrl_add_types(PyObject* mod) {
+  for (PyTypeObject* t : {&g_send_front_type, &g_take_front_type, &g_tcp_send_front_type, &g_tcp_take_front_type}) {
+    if (PyType_Ready(t) < 0) return -1;
+    const char* dot = std::strrchr(t->tp_name, '.');
+    Py_INCREF(t);
+    if (PyModule_AddObject(mod, dot + 1, reinterpret_cast<PyObject*>(t)) < 0) {
+      Py_DECREF(t);
+      return -1;
+    }
+  }
+  return 0;
 }
