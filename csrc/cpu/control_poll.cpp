@@ -1612,8 +1612,8 @@ bool heartbeats_only(const afd_ctrl_tcp* t, const uint8_t* b, size_t n) {
   return true;
 }
 
-// The tcp take (ctrl_tcp_take, TcpTakeFront): poll up to max_ns (GIL released, rehearsing; the
-// first poll after TCP_QUICKACK is cleared), then read once. Heartbeat frames read alone are
+// The tcp take (ctrl_tcp_take, TcpTakeFront): poll up to max_ns (GIL released, rehearsing; each
+// slice after TCP_QUICKACK is cleared), then read once. Heartbeat frames read alone are
 // consumed (liveness: t_ns) and the wait goes on. A read lands in the half of the buffer that does
 // not hold the rehearsed message. Returns -2 (closed), -1 (nothing in time), the payload built when
 // the read is one whole data frame from the expected sender that parses (max_stages >= 0, no
@@ -1632,16 +1632,16 @@ PyObject* tcp_take(afd_ctrl_tcp* t, long max_ns, long max_stages, long max_ranks
       ready = kClosed;
       return 0;
     }
-    if (first && max_ns > 0) {
-      // Delayed ACKs: otherwise the read that drains a small pushed segment sends the ACK from
-      // inside recv() (on one host, the sender's side of it too), on the FFN's critical path. The
-      // kernel leaves this mode when a delayed ACK fires: cleared before each wait.
+    if (!first) tcp_warm_round(t);  // between two slices, as the rehearsal (never before the first poll)
+    first = false;
+    if (max_ns > 0) {
+      // Delayed ACKs: otherwise the segment's ACK goes out at once from its receive (on one host,
+      // in the sender's send() too), on the FFN's critical path. The kernel leaves this mode when a
+      // delayed ACK fires (>= 40 ms after a segment: within a 50 ms gap), so it is set again at
+      // every slice of the wait, not once before it.
       const int zero = 0;
       (void)::setsockopt(fd, IPPROTO_TCP, TCP_QUICKACK, &zero, sizeof zero);
-    } else if (!first) {
-      tcp_warm_round(t);  // between two slices, as the rehearsal (never before the first poll)
     }
-    first = false;
     const int64_t end = now_ns() + ns;
     for (;;) {
       ready = tcp_wait_readable(t, static_cast<long>(end - now_ns()));

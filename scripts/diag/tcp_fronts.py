@@ -1,11 +1,12 @@
-"""Issue 16: the tcp channel's two warm paths alternated step by step in one pair of processes, through
-the plane's fronts (new counts every step, 8 ranks x 2 stages, end to end), so that every variant
-sees the same host:
+"""Issue 16: the tcp channel's per-step paths alternated step by step in one pair of processes (new
+counts every step, 8 ranks x 2 stages, end to end), so that every variant sees the same host:
 
-  proxy   the attention end's frames go through its send proxy (ChannelOptions.keep_s, on CPU 3);
+  proxy   the attention end's frames go through its send proxy (ChannelOptions.tcp_proxy, on CPU 3);
           off: the sending thread calls send() itself (the proxy keeps its rounds going meanwhile)
-  rounds  the waiting FFN end's rehearsal also runs rounds over its private loopback pair;
-          off: the rehearsal without them
+  front   both ends call the plane's native fronts (TcpSendFront / TcpTakeFront, bound at open);
+          off: the class's checked Python path (the same native send and take under it)
+
+The FFN end's rounds over its private loopback pair run throughout (the default).
 
 Per gap and variant: end to end p50 / p99, and the p50 of: send (the attention call), wire (call ->
 the FFN poll saw the socket readable), take (-> recv_dp_metadata_list returned), in us.
@@ -13,18 +14,19 @@ the FFN poll saw the socket readable), take (-> recv_dp_metadata_list returned),
     python scripts/diag/tcp_fronts.py [--steps 200] [GAP_MS ...]   (default 1 5 20 50)
 """
 import argparse
+import functools
 import multiprocessing as mp
 import os
 import socket
 import statistics
 import time
 
-VARIANTS = [(p, r) for r in (0, 1) for p in (0, 1)]  # (proxy, rounds)
+VARIANTS = [(p, f) for f in (0, 1) for p in (0, 1)]  # (proxy, front)
 
 
 def _label(v):
-    p, r = v
-    return f"proxy {'on ' if p else 'off'} rounds {'on ' if r else 'off'}"
+    p, f = v
+    return f"proxy {'on ' if p else 'off'} front {'on ' if f else 'off'}"
 
 
 def _end(role, port, q, gaps, steps):
@@ -48,7 +50,9 @@ def _end(role, port, q, gaps, steps):
                                   options=opts, abort_check=None)
     plane = cp.AFDControlPlane(lambda p: None, Topology(1, 1), role, 0, channels={0: ch})
     st = ch._state
-    proxy, rx_fd = st.proxy, st.warm_rx
+    proxy = st.proxy
+    send_checked, recv_checked = cp.AFDControlPlane.send_dp_metadata_list, cp.AFDControlPlane.recv_dp_metadata_list
+    send_front, recv_front = plane.send_dp_metadata_list, plane.recv_dp_metadata_list
     counts = [(7 * i + 3) % 64 for i in range(8)]
     clock = time.perf_counter_ns  # CLOCK_MONOTONIC, as the native t_ns
     rows = []
@@ -62,15 +66,15 @@ def _end(role, port, q, gaps, steps):
             if role == "attention":
                 st.proxy = proxy if v[0] else None
                 p = AFDControlPayload({s: AFDDPMetadata([step % 50 + s] + counts[1:]) for s in range(2)})
+                send = send_front if v[1] else functools.partial(send_checked, plane)
                 t0 = clock()
-                plane.send_dp_metadata_list(p)
+                send(p)
                 rows.append((t0, clock()))
                 deadline = time.perf_counter() + gap / 1e3
                 while time.perf_counter() < deadline:
                     pass
             else:
-                st.warm_rx = rx_fd if v[1] else -1  # set before the wait: the gap's rounds are step i's
-                p = plane.recv_dp_metadata_list()
+                p = recv_front() if v[1] else recv_checked(plane)
                 rows.append((st.t_ns, clock()))
                 assert p.dp_metadata_list[0].counts[0] == step % 50, (step, p)
             step += 1
