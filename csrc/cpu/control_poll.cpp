@@ -552,12 +552,19 @@ int64_t wait_rehearsing(afd_ctrl_warm* w, bool crc, long max_ns, long max_stages
   }
 }
 
-bool take_args(PyObject* const* args, Py_ssize_t nargs, const char* sig, void** ptr, long* max_ns, long* ms, long* mr) {
-  if (nargs != 4) {
+// The end's state address, the first of a _C.ctrl_* call's `want` arguments (`sig` names them);
+// false with a TypeError (another count) or the conversion's error set.
+bool end_arg(PyObject* const* args, Py_ssize_t nargs, Py_ssize_t want, const char* sig, void** end) {
+  if (nargs != want) {
     PyErr_SetString(PyExc_TypeError, sig);
     return false;
   }
-  *ptr = PyLong_AsVoidPtr(args[0]);
+  *end = PyLong_AsVoidPtr(args[0]);
+  return PyErr_Occurred() == nullptr;
+}
+
+bool take_args(PyObject* const* args, Py_ssize_t nargs, const char* sig, void** ptr, long* max_ns, long* ms, long* mr) {
+  if (!end_arg(args, nargs, 4, sig, ptr)) return false;
   *max_ns = PyLong_AsLong(args[1]);
   *ms = PyLong_AsLong(args[2]);
   *mr = PyLong_AsLong(args[3]);
@@ -777,12 +784,9 @@ PyObject* shm_publish_result(afd_ctrl_ring* r, const uint8_t* buf, int64_t n) {
 // -1 when the ring is full, -2 when closed, it does not fit one slot or a value is out of range
 // (nothing written: the caller encodes it in Python, which names a bad value).
 PyObject* afd_ctrl_send_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 3) {
-    PyErr_SetString(PyExc_TypeError, "ctrl_send(ring_address, flags, stages)");
-    return nullptr;
-  }
-  auto* r = static_cast<afd_ctrl_ring*>(PyLong_AsVoidPtr(args[0]));
-  if (PyErr_Occurred()) return nullptr;
+  void* end;
+  if (!end_arg(args, nargs, 3, "ctrl_send(ring_address, flags, stages)", &end)) return nullptr;
+  auto* r = static_cast<afd_ctrl_ring*>(end);
   if (r == nullptr) return PyLong_FromLong(-2);
   uint8_t buf[kMaxNativeBytes];
   const uint64_t cap = r->slot_bytes < sizeof buf ? r->slot_bytes : sizeof buf;
@@ -846,13 +850,9 @@ AFD_SEND_PATH int shm_send_payload(afd_ctrl_ring* r, PyObject* payload) {
 // _C.ctrl_send_payload(ring_address, payload): encode an AFDControlPayload straight from its
 // fields (encode_payload) and publish it, doorbell included: one call. Returns as ctrl_send.
 PyObject* afd_ctrl_send_payload_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 2) {
-    PyErr_SetString(PyExc_TypeError, "ctrl_send_payload(ring_address, payload)");
-    return nullptr;
-  }
-  auto* r = static_cast<afd_ctrl_ring*>(PyLong_AsVoidPtr(args[0]));
-  if (PyErr_Occurred()) return nullptr;
-  return PyLong_FromLong(shm_send_payload(r, args[1]));
+  void* end;
+  if (!end_arg(args, nargs, 2, "ctrl_send_payload(ring_address, payload)", &end)) return nullptr;
+  return PyLong_FromLong(shm_send_payload(static_cast<afd_ctrl_ring*>(end), args[1]));
 }
 
 // ---------------------------------------------------------------------------
@@ -930,18 +930,47 @@ PyObject* front_new(PyTypeObject* type, PyObject* args, PyObject* kwds, vectorca
 // send_front(payload): first(payload) unless first is None (its error is raised, nothing sent),
 // then the payload published as ctrl_send_payload does; whatever that declines (ring full, closed,
 // not the plain case) goes to fallback(payload), whose result is returned (else None).
-AFD_SEND_PATH PyObject* send_front_call(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
-  auto* f = reinterpret_cast<Front*>(self);
+// The send fronts' first step (shm and tcp): one positional payload, check(payload) unless None.
+// The payload (borrowed), or nullptr with the error set.
+AFD_SEND_PATH PyObject* send_front_checked(Front* f, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
   if (PyVectorcall_NARGS(nargsf) != 1 || kwnames != nullptr) {
     PyErr_SetString(PyExc_TypeError, "send_front(payload)");
     return nullptr;
   }
-  PyObject* payload = args[0];
   if (f->first != Py_None) {
-    PyObject* ok = PyObject_CallOneArg(f->first, payload);
+    PyObject* ok = PyObject_CallOneArg(f->first, args[0]);
     if (ok == nullptr) return nullptr;
     Py_DECREF(ok);
   }
+  return args[0];
+}
+
+// The take fronts' first step (shm and tcp): no arguments; prepare()'s slice in ns (0: none), or
+// -1 with the error set.
+long take_front_ns(Front* f, size_t nargsf, PyObject* kwnames) {
+  if (PyVectorcall_NARGS(nargsf) != 0 || kwnames != nullptr) {
+    PyErr_SetString(PyExc_TypeError, "take_front() takes no arguments");
+    return -1;
+  }
+  PyObject* ns_obj = PyObject_CallNoArgs(f->first);
+  if (ns_obj == nullptr) return -1;
+  const long ns = PyLong_AsLong(ns_obj);
+  Py_DECREF(ns_obj);
+  if (ns == -1 && PyErr_Occurred()) return -1;
+  return ns > 0x7FFFFFFFL ? 0x7FFFFFFFL : (ns < 0 ? 0 : ns);
+}
+
+// The take fronts' last step: fallback(got) (got released), its result.
+PyObject* take_front_fallback(Front* f, PyObject* got) {
+  PyObject* res = PyObject_CallOneArg(f->fallback, got);
+  Py_DECREF(got);
+  return res;
+}
+
+AFD_SEND_PATH PyObject* send_front_call(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  auto* f = reinterpret_cast<Front*>(self);
+  PyObject* payload = send_front_checked(f, args, nargsf, kwnames);
+  if (payload == nullptr) return nullptr;
   if (shm_send_payload(static_cast<afd_ctrl_ring*>(f->end), payload) == 0) Py_RETURN_NONE;
   return PyObject_CallOneArg(f->fallback, payload);
 }
@@ -954,26 +983,15 @@ AFD_SEND_PATH PyObject* send_front_call(PyObject* self, PyObject* const* args, s
 PyObject* take_front_call(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
   auto* f = reinterpret_cast<Front*>(self);
   (void)args;
-  if (PyVectorcall_NARGS(nargsf) != 0 || kwnames != nullptr) {
-    PyErr_SetString(PyExc_TypeError, "take_front() takes no arguments");
-    return nullptr;
-  }
-  PyObject* ns_obj = PyObject_CallNoArgs(f->first);
-  if (ns_obj == nullptr) return nullptr;
-  const long ns = PyLong_AsLong(ns_obj);
-  Py_DECREF(ns_obj);
-  if (ns == -1 && PyErr_Occurred()) return nullptr;
-  PyObject* got;
+  const long ns = take_front_ns(f, nargsf, kwnames);
+  if (ns < 0) return nullptr;
+  PyObject* got = Py_NewRef(Py_None);
   if (ns > 0) {
-    got = shm_take(static_cast<afd_ctrl_ring*>(f->end), ns > 0x7FFFFFFFL ? 0x7FFFFFFFL : ns, f->max_stages,
-                   f->max_ranks);
+    Py_DECREF(got);
+    got = shm_take(static_cast<afd_ctrl_ring*>(f->end), ns, f->max_stages, f->max_ranks);
     if (got == nullptr || !(PyLong_CheckExact(got) || PyBytes_CheckExact(got))) return got;  // built, or an error
-  } else {
-    got = Py_NewRef(Py_None);
   }
-  PyObject* res = PyObject_CallOneArg(f->fallback, got);
-  Py_DECREF(got);
-  return res;
+  return take_front_fallback(f, got);
 }
 
 constexpr const char* kSendSig = "SendFront(ring_address, check, fallback, owner)";
@@ -1729,16 +1747,8 @@ PyObject* call_owner_int(PyObject* owner, const char* name, long v) {
 // result is returned), its failures to owner._send_failed(code), which raises the named error.
 AFD_SEND_PATH PyObject* tcp_send_front_call(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
   auto* f = reinterpret_cast<Front*>(self);
-  if (PyVectorcall_NARGS(nargsf) != 1 || kwnames != nullptr) {
-    PyErr_SetString(PyExc_TypeError, "send_front(payload)");
-    return nullptr;
-  }
-  PyObject* payload = args[0];
-  if (f->first != Py_None) {
-    PyObject* ok = PyObject_CallOneArg(f->first, payload);
-    if (ok == nullptr) return nullptr;
-    Py_DECREF(ok);
-  }
+  PyObject* payload = send_front_checked(f, args, nargsf, kwnames);
+  if (payload == nullptr) return nullptr;
   const int rc = tcp_send(static_cast<afd_ctrl_tcp*>(f->end), payload);
   if (rc == kTcpSent) Py_RETURN_NONE;
   if (rc == kTcpDeclined) return PyObject_CallOneArg(f->fallback, payload);
@@ -1752,21 +1762,14 @@ AFD_SEND_PATH PyObject* tcp_send_front_call(PyObject* self, PyObject* const* arg
 PyObject* tcp_take_front_call(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
   auto* f = reinterpret_cast<Front*>(self);
   (void)args;
-  if (PyVectorcall_NARGS(nargsf) != 0 || kwnames != nullptr) {
-    PyErr_SetString(PyExc_TypeError, "take_front() takes no arguments");
-    return nullptr;
-  }
-  PyObject* ns_obj = PyObject_CallNoArgs(f->first);
-  if (ns_obj == nullptr) return nullptr;
-  const long ns = PyLong_AsLong(ns_obj);
-  Py_DECREF(ns_obj);
-  if (ns == -1 && PyErr_Occurred()) return nullptr;
+  const long ns = take_front_ns(f, nargsf, kwnames);
+  if (ns < 0) return nullptr;
   auto* t = static_cast<afd_ctrl_tcp*>(f->end);
   PyObject* got = Py_NewRef(Py_None);
   if (ns > 0 && __atomic_load_n(&t->pending, __ATOMIC_RELAXED) == 0) {  // else its rest may be buffered already
     Py_DECREF(got);
     int err = 0;
-    got = tcp_take(t, ns > 0x7FFFFFFFL ? 0x7FFFFFFFL : ns, f->max_stages, f->max_ranks, &err);
+    got = tcp_take(t, ns, f->max_stages, f->max_ranks, &err);
     if (got == nullptr) return err != 0 ? call_owner_int(f->owner, "_read_failed", err) : nullptr;
     if (PyBytes_CheckExact(got)) {
       PyObject* kept = call_owner(f->owner, "_stash", got);
@@ -1778,9 +1781,7 @@ PyObject* tcp_take_front_call(PyObject* self, PyObject* const* args, size_t narg
       return got;  // built
     }
   }
-  PyObject* res = PyObject_CallOneArg(f->fallback, got);
-  Py_DECREF(got);
-  return res;
+  return take_front_fallback(f, got);
 }
 
 constexpr const char* kTcpSendSig = "TcpSendFront(state_address, check, fallback, owner)";
@@ -1812,12 +1813,9 @@ PyTypeObject g_tcp_take_front_type = make_front_type(
 // -4 the lock or buffer space not had within send_timeout_ns, -5 the connection failed part-way
 // (send_err).
 PyObject* afd_ctrl_tcp_send_payload_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 2) {
-    PyErr_SetString(PyExc_TypeError, "ctrl_tcp_send_payload(state_address, payload)");
-    return nullptr;
-  }
-  auto* t = static_cast<afd_ctrl_tcp*>(PyLong_AsVoidPtr(args[0]));
-  if (PyErr_Occurred()) return nullptr;
+  void* end;
+  if (!end_arg(args, nargs, 2, "ctrl_tcp_send_payload(state_address, payload)", &end)) return nullptr;
+  auto* t = static_cast<afd_ctrl_tcp*>(end);
   return PyLong_FromLong(t == nullptr ? kTcpDeclined : tcp_send(t, args[1]));
 }
 
@@ -1825,28 +1823,26 @@ PyObject* afd_ctrl_tcp_send_payload_py(PyObject*, PyObject* const* args, Py_ssiz
 // it waits), for a frame Python sends on its socket; False when not had within max_ns.
 // _C.ctrl_tcp_unlock(state_address): release it.
 PyObject* afd_ctrl_tcp_lock_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 2) {
-    PyErr_SetString(PyExc_TypeError, "ctrl_tcp_lock(state_address, max_ns)");
-    return nullptr;
-  }
-  auto* t = static_cast<afd_ctrl_tcp*>(PyLong_AsVoidPtr(args[0]));
+  constexpr const char* kSig = "ctrl_tcp_lock(state_address, max_ns)";
+  void* end;
+  if (!end_arg(args, nargs, 2, kSig, &end)) return nullptr;
   const long long max_ns = PyLong_AsLongLong(args[1]);
   if (PyErr_Occurred()) return nullptr;
-  if (t == nullptr) {
-    PyErr_SetString(PyExc_ValueError, "ctrl_tcp_lock(state_address, max_ns)");
+  if (end == nullptr) {
+    PyErr_SetString(PyExc_ValueError, kSig);
     return nullptr;
   }
-  return PyBool_FromLong(tcp_lock(t, max_ns > 0 ? max_ns : 0, false));
+  return PyBool_FromLong(tcp_lock(static_cast<afd_ctrl_tcp*>(end), max_ns > 0 ? max_ns : 0, false));
 }
 
 PyObject* afd_ctrl_tcp_unlock_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  auto* t = nargs == 1 ? static_cast<afd_ctrl_tcp*>(PyLong_AsVoidPtr(args[0])) : nullptr;
-  if (PyErr_Occurred()) return nullptr;
-  if (t == nullptr) {
-    PyErr_SetString(PyExc_TypeError, "ctrl_tcp_unlock(state_address)");
+  void* end;
+  if (!end_arg(args, nargs, 1, "ctrl_tcp_unlock(state_address)", &end)) return nullptr;
+  if (end == nullptr) {
+    PyErr_SetString(PyExc_ValueError, "ctrl_tcp_unlock(state_address)");
     return nullptr;
   }
-  tcp_unlock(t);
+  tcp_unlock(static_cast<afd_ctrl_tcp*>(end));
   Py_RETURN_NONE;
 }
 
