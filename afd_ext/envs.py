@@ -172,9 +172,10 @@ def _cpu_list(value: str) -> tuple[int, ...] | None:
 register("AFD_CONTROL_KEEP_CPUS", None,
          "control plane: the CPUs (e.g. 3 or 3,4) of an attention rank's keeper / tcp proxy thread "
          "(AFD_CONTROL_KEEP_S); unset: any the opening thread may use but the one it runs on", _cpu_list)
-register("AFD_CONTROL_TCP_PROXY", False,
-         "control plane: 1 gives a tcp attention rank a send proxy, a native thread on another CPU that spins "
-         "while it sends (one core) and sends each frame from its warm CPU (docs/configuration.md has the "
+register("AFD_CONTROL_TCP_PROXY", None,
+         "control plane: a tcp attention rank's send proxy, a native thread on another CPU that spins while it "
+         "sends (one core; it rests AFD_CONTROL_IDLE_S after the last send) and sends each frame from its warm "
+         "CPU; 1 on, 0 off, unset: on where the process may use at least 4 CPUs (docs/configuration.md has the "
          "measurements)", parse_bool)
 
 # --- vLLM + afd-plugin integration (afd_ext.integrations.afd_plugin) ---------------------

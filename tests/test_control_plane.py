@@ -27,7 +27,7 @@ from afd_ext.testing import find_free_port, run_workers
 from afd_ext.topology import Topology
 
 HOST = "127.0.0.1"
-FAST = dict(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0, idle_s=0.002)
+FAST = dict(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0, idle_s=0.002, tcp_proxy=False)  # proxy: asked for
 
 
 def _message(i: int, size: int) -> bytes:
@@ -813,7 +813,16 @@ def test_a_shm_senders_keeper_reads_while_it_sends_rests_when_idle_and_stops_at_
 def test_a_tcp_senders_proxy_sends_while_it_sends_rests_when_idle_and_stops_at_close():
     from afd_ext import metadata as md
 
-    assert cp.ChannelOptions().tcp_proxy is False  # one core per attention rank: asked for
+    from unittest import mock
+
+    # The default (None) runs it where the process may use PROXY_MIN_CPUS CPUs: never on a small CI box.
+    auto = cp.ChannelOptions()
+    assert auto.tcp_proxy is None and cp.ChannelOptions(tcp_proxy=True, keep_s=0.0).proxy_on() is False
+    for n in (1, 2, cp.PROXY_MIN_CPUS - 1, cp.PROXY_MIN_CPUS, 64):
+        with mock.patch("os.sched_getaffinity", return_value=set(range(n))):
+            assert auto.proxy_on() is (n >= cp.PROXY_MIN_CPUS)
+            assert cp.ChannelOptions(tcp_proxy=False).proxy_on() is False
+            assert cp.ChannelOptions(tcp_proxy=True).proxy_on() is True
     with pytest.raises(AFDConfigError, match="tcp_proxy"):
         cp.ChannelOptions(tcp_proxy=1)
     rx, tx = _tcp_pair(keep_s=0.001, idle_s=0.3, warm_s=0.0)
@@ -916,7 +925,10 @@ def test_keep_cpus_pins_the_keeper_or_proxy_and_a_cpu_not_allowed_keeps_it_from_
     assert cp.ChannelOptions.from_env().keep_cpus is None
     monkeypatch.setenv("AFD_CONTROL_TCP_PROXY", "1")
     assert cp.ChannelOptions.from_env().tcp_proxy is True
+    monkeypatch.setenv("AFD_CONTROL_TCP_PROXY", "0")
+    assert cp.ChannelOptions.from_env().tcp_proxy is False
     monkeypatch.delenv("AFD_CONTROL_TCP_PROXY")
+    assert cp.ChannelOptions.from_env().tcp_proxy is None  # unset: auto
     allowed = os.sched_getaffinity(0)
     mine = max(allowed)
     for pair in (_ring, _tcp_pair):

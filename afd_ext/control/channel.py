@@ -8,6 +8,7 @@ from __future__ import annotations
 import abc
 import ctypes
 import logging
+import os
 import random
 import threading
 import time
@@ -37,6 +38,8 @@ DEFAULT_IDLE_S = 10.0
 DEFAULT_WARM_S = 0.0005
 #: How often a shm sender's keeper reads its send path while it sends, in seconds (0: no keeper).
 DEFAULT_KEEP_S = 0.0005
+#: ``ChannelOptions.tcp_proxy`` None (auto): the proxy runs where the process may use this many CPUs.
+PROXY_MIN_CPUS = 4
 #: Payload bytes per shared-memory slot; larger messages span several slots.
 DEFAULT_SLOT_BYTES = 16384
 #: Slots per shared-memory ring.
@@ -112,10 +115,13 @@ class ChannelOptions:
             from its CPU, and every ``keep_s`` runs a round on a private
             loopback pair so that the kernel's TCP path stays warm there.
             0: neither. Default 0.5 ms (``AFD_CONTROL_KEEP_S``).
-        tcp_proxy: tcp sender: run the proxy (above). It costs one core per
-            attention rank while it sends and saved 4-12 µs a step at 20-50 ms
-            gaps on the H200 host (none at 1-5 ms), so it is off by default
-            (``AFD_CONTROL_TCP_PROXY``; docs/configuration.md).
+        tcp_proxy: tcp sender: run the proxy (above): True, False, or None
+            (the default: on when the process may run on at least
+            :data:`PROXY_MIN_CPUS` CPUs, so never on a small CI box). It costs
+            one core per attention rank while it sends (it rests ``idle_s``
+            after the last send); on the H200 host it took the tcp step at a
+            50 ms gap from 27.8 to 15.8 µs p50 (``AFD_CONTROL_TCP_PROXY``;
+            docs/configuration.md).
         keep_cpus: the CPUs that thread runs on (CPU numbers below 1024, as
             ``os.sched_setaffinity`` takes; the kernel keeps those of them the
             process's cpuset allows, and with none the thread does not start,
@@ -134,7 +140,7 @@ class ChannelOptions:
     warm_s: float = DEFAULT_WARM_S
     keep_s: float = DEFAULT_KEEP_S
     keep_cpus: tuple[int, ...] | None = None
-    tcp_proxy: bool = False
+    tcp_proxy: bool | None = None
 
     def __post_init__(self) -> None:
         if not self.heartbeat_interval_s > 0:
@@ -159,10 +165,22 @@ class ChannelOptions:
             if not cpus or not all(type(c) is int and 0 <= c < 1024 for c in cpus):
                 raise AFDConfigError(f"keep_cpus must be CPU numbers (ints in [0, 1024)) or None, got {self.keep_cpus!r}")
             object.__setattr__(self, "keep_cpus", tuple(sorted(set(cpus))))
-        if type(self.tcp_proxy) is not bool:
-            raise AFDConfigError(f"tcp_proxy must be True or False, got {self.tcp_proxy!r}")
+        if self.tcp_proxy is not None and type(self.tcp_proxy) is not bool:
+            raise AFDConfigError(f"tcp_proxy must be True, False or None (auto), got {self.tcp_proxy!r}")
         if not (isinstance(self.max_message_bytes, int) and self.max_message_bytes >= 1):
             raise AFDConfigError(f"max_message_bytes must be an int >= 1, got {self.max_message_bytes!r}")
+
+    def proxy_on(self) -> bool:
+        """Whether a tcp sender runs its send proxy: ``tcp_proxy``, or with None whether this process
+        may run on at least :data:`PROXY_MIN_CPUS` CPUs; never with ``keep_s`` 0."""
+        if self.keep_s <= 0:
+            return False
+        if self.tcp_proxy is not None:
+            return self.tcp_proxy
+        try:
+            return len(os.sched_getaffinity(0)) >= PROXY_MIN_CPUS
+        except (AttributeError, OSError):  # not Linux
+            return False
 
     @classmethod
     def from_env(cls, **overrides: Any) -> "ChannelOptions":

@@ -137,7 +137,7 @@ class TcpControlChannel(ControlChannel):
         self._pair: tuple[socket.socket, socket.socket] | None = None
         self._keeper: Any = None  # a sender's proxy (ChannelOptions.keep_s), holding this end's state
         if self._native is not None and (self._state.warm.warm_ns > 0 if not self.is_sender
-                                         else self.options.tcp_proxy and self.options.keep_s > 0):
+                                         else self.options.proxy_on()):
             self._pair = _loopback_pair()
         if self._pair is not None and not self.is_sender:
             self._state.warm_tx, self._state.warm_rx = (sk.fileno() for sk in self._pair)
