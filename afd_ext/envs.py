@@ -175,7 +175,7 @@ register("AFD_CONTROL_KEEP_CPUS", None,
 register("AFD_CONTROL_TCP_PROXY", None,
          "control plane: a tcp attention rank's send proxy, a native thread on another CPU that spins while it "
          "sends (one core; it rests AFD_CONTROL_IDLE_S after the last send) and sends each frame from its warm "
-         "CPU; 1 on, 0 off, unset: on where the process may use at least 4 CPUs (docs/configuration.md has the "
+         "CPU; 1 on, 0 off, unset: on where AFD_CONTROL_KEEP_CPUS is set or the process may use at least 4 CPUs (docs/configuration.md has the "
          "measurements)", parse_bool)
 
 # --- vLLM + afd-plugin integration (afd_ext.integrations.afd_plugin) ---------------------

@@ -823,6 +823,7 @@ def test_a_tcp_senders_proxy_sends_while_it_sends_rests_when_idle_and_stops_at_c
             assert auto.proxy_on() is (n >= cp.PROXY_MIN_CPUS)
             assert cp.ChannelOptions(tcp_proxy=False).proxy_on() is False
             assert cp.ChannelOptions(tcp_proxy=True).proxy_on() is True
+            assert cp.ChannelOptions(keep_cpus=(3,)).proxy_on() is True  # a CPU given for it: asked for
     with pytest.raises(AFDConfigError, match="tcp_proxy"):
         cp.ChannelOptions(tcp_proxy=1)
     rx, tx = _tcp_pair(keep_s=0.001, idle_s=0.3, warm_s=0.0)

@@ -116,8 +116,9 @@ class ChannelOptions:
             loopback pair so that the kernel's TCP path stays warm there.
             0: neither. Default 0.5 ms (``AFD_CONTROL_KEEP_S``).
         tcp_proxy: tcp sender: run the proxy (above): True, False, or None
-            (the default: on when the process may run on at least
-            :data:`PROXY_MIN_CPUS` CPUs, so never on a small CI box). It costs
+            (the default: on when ``keep_cpus`` names its CPUs or the
+            opening thread may run on at least :data:`PROXY_MIN_CPUS` CPUs, so
+            never on a small CI box; :meth:`proxy_on`). It costs
             one core per attention rank while it sends (it rests ``idle_s``
             after the last send); on the H200 host it took the tcp step at a
             50 ms gap from 27.8 to 15.8 µs p50 (``AFD_CONTROL_TCP_PROXY``;
@@ -171,12 +172,15 @@ class ChannelOptions:
             raise AFDConfigError(f"max_message_bytes must be an int >= 1, got {self.max_message_bytes!r}")
 
     def proxy_on(self) -> bool:
-        """Whether a tcp sender runs its send proxy: ``tcp_proxy``, or with None whether this process
-        may run on at least :data:`PROXY_MIN_CPUS` CPUs; never with ``keep_s`` 0."""
+        """Whether a tcp sender runs its send proxy: ``tcp_proxy``; with None, when ``keep_cpus`` names
+        its CPUs or the calling thread may run on at least :data:`PROXY_MIN_CPUS` CPUs (a thread
+        pinned to fewer has no core to give it); never with ``keep_s`` 0."""
         if self.keep_s <= 0:
             return False
         if self.tcp_proxy is not None:
             return self.tcp_proxy
+        if self.keep_cpus is not None:
+            return True
         try:
             return len(os.sched_getaffinity(0)) >= PROXY_MIN_CPUS
         except (AttributeError, OSError):  # not Linux
