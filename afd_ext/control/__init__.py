@@ -64,7 +64,7 @@ native code with the GIL released (``csrc/cpu/control_poll.cpp``:
 ``_C.ctrl_take`` for shm, ``_C.ctrl_tcp_take`` for tcp): the serving engine's
 other threads keep running. It polls in slices of at most 75 ms and runs the
 liveness checks between slices (due every 25-75 ms, jittered so that they
-never line up with a fixed step gap). On a shm source the FFN plane's
+never line up with a fixed step gap). The FFN plane's
 ``recv_dp_metadata_list`` is the channel's native front
 (:meth:`ControlChannel.take_front`, bound on the plane instance at open): the
 first slice for a payload (up to ``_FIRST_SLICE_S``, 0.1 s) is one C call
@@ -78,24 +78,26 @@ caches, so the per-step path touches as little memory as it can. The sender's
 front (:meth:`ControlChannel.send_front`, bound on the plane instance: a
 ``_C.SendFront`` object, one native callable holding the ring and the
 callbacks, runs the connector's check, reads the payload's slots in
-place, encodes, publishes and rings the doorbell; tcp: one frame around
-``_C.ctrl_tcp_send_payload``, one ``send()``); anything else takes the checked
+place, encodes, publishes and rings the doorbell; tcp: a ``_C.TcpSendFront``,
+which encodes one frame and sends it under the end's send lock, in one
+``send()``, the proxy's when it runs); anything else takes the checked
 Python path, which names a bad value. The receiver's take copies and checks the message (sender rank, length,
 CRC) and builds the :class:`~afd_ext.metadata.AFDControlPayload` itself, as
 the Python decoder would, before Python sees it (tcp: a read holding exactly
 one data frame, after any heartbeat frames; anything else is framed in
-Python). While polling, the native wait rehearses that path on the last
+Python; heartbeat frames read alone are consumed in C and the wait goes on). While polling, the native wait rehearses that path on the last
 payload it took (kept in the end's buffer) every ``warm_s`` (0.5 ms), and the
 attention end's send of it on a private scratch ring (the two processes share
 the compiled core's code pages), so that both stay in cache (tcp: also a frame
 over a private loopback pair, the kernel's receive path being what goes cold);
 a shm sender's process runs a keeper thread (``keep_s``, no GIL, another CPU)
-that reads its send path's lines while it sends, and a tcp sender may run a send
-proxy there (``tcp_proxy``, off by default: one spinning core) that sends each
+that reads its send path's lines while it sends, and a tcp sender runs a send
+proxy there (``tcp_proxy``; by default where ``keep_cpus`` is given or the process
+may use at least four CPUs: one spinning core while it sends) that sends each
 frame from its warm CPU; between those slices it also runs the signal handlers, so
 Ctrl-C ends a waiting receive within ``warm_s`` (with ``warm_s = 0``: at the
 end of its slice, at most 0.1 s). A tcp
-receiver keeps delayed ACKs (``TCP_QUICKACK`` off before each wait) so that
+receiver keeps delayed ACKs (``TCP_QUICKACK`` off at every slice of a wait) so that
 its read does not send an ACK on the critical path. This
 costs one core per FFN rank while serving, which a serving FFN process owns
 anyway. Once idle for ``idle_s``, the receiver raises a ``waiting`` flag (shm)

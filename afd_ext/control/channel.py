@@ -480,11 +480,11 @@ class ControlChannel(abc.ABC):
         else goes to ``fallback(taken)``, whose result it returns: ``taken`` is None (no slice), an
         int (nothing came) or bytes (a message it took, consumed, but could not build: the caller's
         decoder must name the problem). The fallback is the caller's checked path (it waits on,
-        checks and names errors). None: no such front (no native core, or tcp, whose reads may hold
-        heartbeat frames for the channel's framing).
+        checks and names errors). None: no such front (no native core, or a sending end).
 
-        The front (shm: a ``_C.TakeFront``, one native object holding the ring, the callbacks and
-        this channel as ``.channel``) takes no arguments: any raises ``TypeError``, nothing taken.
+        The front (shm: a ``_C.TakeFront``; tcp: a ``_C.TcpTakeFront``, which keeps the bytes of a
+        read that is not one payload for the channel's framing and hands the fallback None; one
+        native object holding the end, the callbacks and this channel as ``.channel``) takes no arguments: any raises ``TypeError``, nothing taken.
         What ``prepare`` raises propagates, nothing taken; it must return an int (anything else
         raises ``TypeError``, one beyond a C ``long`` ``OverflowError``; a slice is capped at
         :data:`MAX_NATIVE_WAIT_NS`)."""
@@ -507,8 +507,7 @@ class ControlChannel(abc.ABC):
 
     def send_front(self, check: Callable[[Any], Any] | None,
                    fallback: Callable[[Any], Any]) -> Callable[[Any], Any] | None:
-        """Sender: a per-step send for a caller to bind as its own send (shm: one native call;
-        tcp: one frame around its one native send).
+        """Sender: a per-step send for a caller to bind as its own send (one native call).
 
         ``front(payload)`` calls ``check(payload)`` (unless None; what it raises propagates, nothing
         is sent), then sends a plain :class:`~afd_ext.metadata.AFDControlPayload` natively and
@@ -516,9 +515,11 @@ class ControlChannel(abc.ABC):
         a value out of range) goes to ``fallback(payload)``, the caller's checked path (which waits
         for space and names errors), and its result is returned. None: no such front.
 
-        The shm front is a ``_C.SendFront``, one native object holding the ring, the callbacks and
-        this channel as ``.channel``: one object to touch on the way into C after a long gap. A call
-        with other than one positional argument raises ``TypeError``, nothing sent."""
+        The front is a ``_C.SendFront`` (shm) or ``_C.TcpSendFront`` (tcp: a frame the socket takes
+        in part is finished natively; a failure there raises ``PeerDeadError``, a stalled proxy
+        ``AFDStateError``), one native object holding the end, the callbacks and this channel as
+        ``.channel``: one object to touch on the way into C after a long gap. A call with other than
+        one positional argument raises ``TypeError``, nothing sent."""
         return None
 
     @abc.abstractmethod
