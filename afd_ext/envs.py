@@ -172,11 +172,16 @@ def _cpu_list(value: str) -> tuple[int, ...] | None:
 register("AFD_CONTROL_KEEP_CPUS", None,
          "control plane: the CPUs (e.g. 3 or 3,4) of an attention rank's keeper / tcp proxy thread "
          "(AFD_CONTROL_KEEP_S); unset: any the opening thread may use but the one it runs on", _cpu_list)
+def _auto_bool(value: str) -> bool | None:
+    """``auto`` or empty -> None (the default's rule), else as :func:`parse_bool`."""
+    return None if value.strip().lower() in ("", "auto") else parse_bool(value)
+
+
 register("AFD_CONTROL_TCP_PROXY", None,
          "control plane: a tcp attention rank's send proxy, a native thread on another CPU that spins while it "
          "sends (one core; it rests AFD_CONTROL_IDLE_S after the last send) and sends each frame from its warm "
-         "CPU; 1 on, 0 off, unset: on where AFD_CONTROL_KEEP_CPUS is set or the process may use at least 4 CPUs (docs/configuration.md has the "
-         "measurements)", parse_bool)
+         "CPU; 1 on, 0 off, unset / empty / auto: on where AFD_CONTROL_KEEP_CPUS is set or the process may use at "
+         "least 4 CPUs, its cgroup's CPU quota included (docs/configuration.md has the measurements)", _auto_bool)
 
 # --- vLLM + afd-plugin integration (afd_ext.integrations.afd_plugin) ---------------------
 register("AFD_EXT_REPLACE_P2P", False,

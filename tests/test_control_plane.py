@@ -824,6 +824,15 @@ def test_a_tcp_senders_proxy_sends_while_it_sends_rests_when_idle_and_stops_at_c
             assert cp.ChannelOptions(tcp_proxy=False).proxy_on() is False
             assert cp.ChannelOptions(tcp_proxy=True).proxy_on() is True
             assert cp.ChannelOptions(keep_cpus=(3,)).proxy_on() is True  # a CPU given for it: asked for
+    # A container's CPU quota bounds it (a 2-CPU quota on a 64-CPU host: no spare core).
+    with mock.patch("os.sched_getaffinity", return_value=set(range(64))):
+        for quota, on in ((2.0, False), (3.5, False), (4.0, True), (None, True)):
+            with mock.patch("afd_ext.control.channel._cgroup_cpu_quota", return_value=quota):
+                assert auto.proxy_on() is on, quota
+    from afd_ext.control.channel import _cgroup_cpu_quota
+
+    q = _cgroup_cpu_quota()  # this machine's: unlimited or a positive number of CPUs
+    assert q is None or q > 0
     with pytest.raises(AFDConfigError, match="tcp_proxy"):
         cp.ChannelOptions(tcp_proxy=1)
     rx, tx = _tcp_pair(keep_s=0.001, idle_s=0.3, warm_s=0.0)
@@ -928,6 +937,12 @@ def test_keep_cpus_pins_the_keeper_or_proxy_and_a_cpu_not_allowed_keeps_it_from_
     assert cp.ChannelOptions.from_env().tcp_proxy is True
     monkeypatch.setenv("AFD_CONTROL_TCP_PROXY", "0")
     assert cp.ChannelOptions.from_env().tcp_proxy is False
+    for auto in ("", "auto", " AUTO "):
+        monkeypatch.setenv("AFD_CONTROL_TCP_PROXY", auto)
+        assert cp.ChannelOptions.from_env().tcp_proxy is None
+    monkeypatch.setenv("AFD_CONTROL_TCP_PROXY", "maybe")
+    with pytest.raises(AFDConfigError, match="boolean"):
+        cp.ChannelOptions.from_env()
     monkeypatch.delenv("AFD_CONTROL_TCP_PROXY")
     assert cp.ChannelOptions.from_env().tcp_proxy is None  # unset: auto
     allowed = os.sched_getaffinity(0)
@@ -1786,6 +1801,102 @@ def test_the_tcp_fronts_return_a_payload_from_c_consume_heartbeats_and_fall_back
     finally:
         tx.close()
         ffn.close()
+
+
+def test_a_tcp_close_during_a_partly_sent_frame_lets_it_finish_before_the_goodbye():
+    # review (helper 11): close() cut a frame the native send was finishing; the goodbye then
+    # followed half a frame and the FFN read a broken stream instead of a clean close.
+    import socket
+
+    rx, tx = _tcp_pair()
+    rx._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    tx._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    p = AFDControlPayload({st: AFDDPMetadata([(a * 3 + st) % 5 for a in range(64)]) for st in range(4)})
+    errs: list = []
+
+    def sender():
+        try:
+            for _ in range(100_000):
+                tx.send_payload(p)
+        except Exception as e:  # noqa: BLE001 - the close's error, checked below
+            errs.append(e)
+
+    ts = threading.Thread(target=sender)
+    ts.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not (tx._state.send_rests and tx._state.send_lock) and time.monotonic() < deadline:
+            time.sleep(0.001)  # until a native rest waits for room
+        assert tx._state.send_rests and tx._state.send_lock
+        tc = threading.Thread(target=tx.close)
+        tc.start()
+        time.sleep(0.2)
+        n = 0
+        with pytest.raises(cp.ControlChannelClosed):
+            while True:
+                got = rx.recv_payload(5.0, "recv_dp_metadata_list", 64, 64, 1 << 20)
+                assert (md_decode(got) if type(got) is bytes else got) == p
+                n += 1
+        tc.join(10)
+        ts.join(10)
+        assert n > 0 and not tc.is_alive() and not ts.is_alive()
+        assert len(errs) == 1 and isinstance(errs[0], AFDStateError), errs  # the sender: "closed", named
+    finally:
+        tx.close()
+        rx.close()
+
+
+def md_decode(data: bytes):
+    from afd_ext import metadata as md
+
+    return md.decode_control_binary(data)
+
+
+def test_a_tcp_heartbeat_skips_a_beat_while_a_long_send_holds_the_lock_and_an_idle_wait_blocks():
+    # review (helper 11): a lock held past heartbeat_timeout_s ended the heartbeat thread for good
+    # (the FFN then declared a live sender dead); an idle receiver's blocking wait woke every 1 ms
+    # once heartbeats were read natively (its clock ignored TcpState.t_ns).
+    rx, tx = _tcp_pair(heartbeat_interval_s=0.05, heartbeat_timeout_s=0.5, idle_s=0.0)
+    tx._start_heartbeat()
+
+    class Count:
+        def __init__(self, poller):
+            self.poller, self.n = poller, 0
+
+        def poll(self, ms):
+            self.n += 1
+            return self.poller.poll(ms)
+
+    try:
+        assert tx._native.tcp_lock(tx._state_addr, 0)
+        time.sleep(0.8)  # as a long send would
+        tx._native.tcp_unlock(tx._state_addr)
+        time.sleep(0.2)
+        assert tx._hb_thread.is_alive()
+        rx._poller = Count(rx._poller)
+        with pytest.raises(cp.ControlRecvTimeout):  # alive and idle, not dead
+            rx.recv(1.5)
+        assert rx._poller.n < 100, rx._poller.n  # blocks between heartbeats (1 ms wakes: ~1500)
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_a_tcp_frame_left_part_sent_breaks_the_stream_and_nothing_more_goes_out():
+    from afd_ext.errors import PeerDeadError
+
+    rx, tx = _tcp_pair()
+    try:
+        with pytest.raises(PeerDeadError, match="TCP send buffer full"):
+            tx._send_failed(-4)  # the native send left a frame part-sent
+        assert tx._broken and tx._state.fd == -1  # the native sends decline from now on
+        assert tx._native.tcp_send_payload(tx._state_addr, _plain_payload(0, 4)) == -2
+        with pytest.raises(PeerDeadError, match="left part-sent"):
+            tx.send_payload(_plain_payload(0, 4))
+        assert tx._beat() is False  # the heartbeat thread ends
+    finally:
+        tx.close()
+        rx.close()
 
 
 def test_the_tcp_fronts_name_a_reset_connection_and_a_closed_end():

@@ -173,8 +173,9 @@ class ChannelOptions:
 
     def proxy_on(self) -> bool:
         """Whether a tcp sender runs its send proxy: ``tcp_proxy``; with None, when ``keep_cpus`` names
-        its CPUs or the calling thread may run on at least :data:`PROXY_MIN_CPUS` CPUs (a thread
-        pinned to fewer has no core to give it); never with ``keep_s`` 0."""
+        its CPUs or the calling thread may run on at least :data:`PROXY_MIN_CPUS` CPUs, its
+        container's CPU quota (cgroup v2 ``cpu.max``) included (a thread pinned to fewer has no
+        core to give it); never with ``keep_s`` 0."""
         if self.keep_s <= 0:
             return False
         if self.tcp_proxy is not None:
@@ -182,9 +183,11 @@ class ChannelOptions:
         if self.keep_cpus is not None:
             return True
         try:
-            return len(os.sched_getaffinity(0)) >= PROXY_MIN_CPUS
+            n = len(os.sched_getaffinity(0))
         except (AttributeError, OSError):  # not Linux
             return False
+        quota = _cgroup_cpu_quota()  # a container's CPU quota bounds what its threads may use
+        return min(n, quota if quota is not None else n) >= PROXY_MIN_CPUS
 
     @classmethod
     def from_env(cls, **overrides: Any) -> "ChannelOptions":
@@ -333,6 +336,21 @@ class _Native:
         self.shm_publish.restype = ctypes.c_int
 
 
+def _cgroup_cpu_quota() -> float | None:
+    """This process's cgroup (v2) CPU quota in CPUs (``cpu.max``: quota / period), None when unlimited
+    or unreadable (cgroup v1, not Linux)."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            path = next((ln.split("::", 1)[1].strip() for ln in f if ln.startswith("0::")), None)
+        if path is None:
+            return None
+        with open(f"/sys/fs/cgroup{path.rstrip('/')}/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        return None
+
+
 def _ns(seconds: float) -> int:
     """Seconds as the native threads' int64 ns (an infinite idle_s: the largest)."""
     return int(min(seconds * 1e9, 2**62))
@@ -367,7 +385,8 @@ class ControlChannel(abc.ABC):
     """One direction of one (attention rank, FFN rank) control link.
 
     One thread sends (or receives) on an end at a time, as the control plane
-    calls it; the ends are not locked (the per-step path takes no lock).
+    calls it; the ends are not locked for that (a tcp sender's frames take the
+    end's send lock, in C, so the heartbeat thread's never split one).
 
     Attributes:
         kind: ``"shm"`` or ``"tcp"``.

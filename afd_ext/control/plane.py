@@ -285,7 +285,7 @@ class AFDControlPlane:
 
     def _bind_fronts(self) -> None:
         """Bind the per-step calls on this instance to the channel's fronts, where it has them
-        (shm: native, both ends; tcp: the sender's, one frame): the same calls, contract and errors
+        (native, both ends, shm and tcp): the same calls, contract and errors
         as the methods below, so that a step after a long gap, on cold caches, runs no frame of this
         class on its way (the fronts fall back to :meth:`_send_checked` / :meth:`_recv_checked`).
         Not where a subclass or a patch replaced the class's method. :meth:`close` unbinds."""
@@ -387,7 +387,7 @@ class AFDControlPlane:
     def recv_dp_metadata_list(self) -> Any:
         """FFN side: block until the next step's payload arrives; return it decoded.
 
-        On a shared-memory source, :meth:`open` binds this name on the instance to the channel's
+        With the compiled core, :meth:`open` binds this name on the instance to the channel's
         native front (:meth:`ControlChannel.take_front`): the wait's first slice (up to
         ``_FIRST_SLICE_S``, bounded by ``idle_s`` and ``recv_timeout_s``) is one C call that returns
         a payload arriving within it straight to the caller; otherwise the checked path carries on,

@@ -117,6 +117,7 @@ class TcpControlChannel(ControlChannel):
         super().__init__(**kw)
         self._sock = sock
         self._lock = threading.Lock()  # the send lock without the compiled core (else the state's, in C)
+        self._broken = False  # a frame was left part-sent: nothing more goes out (_write_frame)
         self._rbuf = bytearray()
         self._last_seen = time.monotonic()
         self._token = b""
@@ -227,34 +228,57 @@ class TcpControlChannel(ControlChannel):
         ch._start_heartbeat()
         return ch
 
-    @contextlib.contextmanager
-    def _send_lock(self) -> Iterator[None]:
-        """The end's send lock, which every frame goes out under (the native sends take it in C):
-        a frame's bytes are never interleaved with another's. Raises PeerDeadError when it is not
-        had within ``heartbeat_timeout_s`` (another send is blocked on a full buffer)."""
+    def _take_lock(self) -> bool:
+        """Take the end's send lock, which every frame goes out under (the native sends take it in
+        C), so that a frame's bytes are never interleaved with another's; False when it is not had
+        within ``heartbeat_timeout_s`` (another send is blocked on a full buffer)."""
         if self._native is None:
-            with self._lock:
-                yield
-            return
-        if not self._native.tcp_lock(self._state_addr, self._state.send_timeout_ns):
-            raise self._blocked()
-        try:
-            yield
-        finally:
+            return self._lock.acquire(timeout=self.options.heartbeat_timeout_s)
+        return bool(self._native.tcp_lock(self._state_addr, self._state.send_timeout_ns))
+
+    def _drop_lock(self) -> None:
+        if self._native is None:
+            self._lock.release()
+        else:
             self._native.tcp_unlock(self._state_addr)
 
-    def _send_frame(self, typ: int, data: bytes | memoryview = b"") -> None:
+    def _send_frame(self, typ: int, data: bytes | memoryview = b"", *, skip_if_busy: bool = False) -> bool:
+        """Send one frame under the send lock. Returns False when ``skip_if_busy`` and the lock was
+        not had in time (nothing sent); raises PeerDeadError when not (or the stream is broken)."""
+        if not self._take_lock():
+            if skip_if_busy:
+                return False
+            raise self._blocked()
+        try:
+            self._write_frame(typ, data)
+        finally:
+            self._drop_lock()
+        return True
+
+    def _write_frame(self, typ: int, data: bytes | memoryview = b"") -> None:
+        """The frame's bytes on the socket (the send lock held). A failure part-way leaves the stream
+        unframed: the end is marked broken and sends nothing more (PeerDeadError from then on)."""
+        if self._broken:
+            raise PeerDeadError(self.peer, _OP_SEND, "an earlier frame was left part-sent (the stream is broken)")
         frame = _TCP_HDR.pack(_TCP_MAGIC, typ, self.local_rank, len(data))
-        with self._send_lock():
+        try:
             if len(data) <= 65536:
                 self._sock.sendall(frame + bytes(data))
             else:
                 self._sock.sendall(frame)
                 self._sock.sendall(data)
+        except OSError:
+            self._break()
+            raise
+
+    def _break(self) -> None:
+        """Mark the stream broken (a frame left part-sent): the native sends decline from now on."""
+        self._broken = True
+        self._state.fd = -1  # the sending end's view only; close() still closes the socket
 
     def _beat(self) -> bool:
         try:
-            self._send_frame(_T_HEARTBEAT)
+            self._send_frame(_T_HEARTBEAT, skip_if_busy=True)  # a long send holds the lock: skip this beat
         except OSError:
             return False
         return True
@@ -296,6 +320,8 @@ class TcpControlChannel(ControlChannel):
     def _send_failed(self, code: int) -> None:
         """A native send that failed (``ctrl_tcp_send_payload``'s code -3/-4/-5), named; always raises."""
         self._require(True, _OP_SEND)  # closed meanwhile: that, not the peer
+        if code in (-4, -5):
+            self._break()  # the socket took part of the frame
         if code == -3:
             raise AFDStateError(f"{_OP_SEND}: the send proxy of the control channel to {self.peer} took the "
                                 "frame and did not send it within 5 s (its thread stalled; the frame may still "
@@ -338,7 +364,8 @@ class TcpControlChannel(ControlChannel):
                     chunk = self._read_native(min(int((end - now) * 1e9), MAX_NATIVE_WAIT_NS), op)
                 wait_ms = 0
             else:
-                wait_ms = int(1000 * min(_ABORT_EVERY_S, max(0.0, self._last_seen + hb - now) + 0.001))
+                seen = max(self._last_seen, self._state.t_ns * 1e-9)  # a native read of heartbeats stamps t_ns
+                wait_ms = int(1000 * min(_ABORT_EVERY_S, max(0.0, seen + hb - now) + 0.001))
                 if deadline is not None:
                     wait_ms = min(wait_ms, max(0, int(1000 * (deadline - now)) + 1))
             if chunk == -1 and poller.poll(wait_ms):
@@ -440,14 +467,21 @@ class TcpControlChannel(ControlChannel):
         if self._keeper is not None:
             self._native.keeper_stop(self._keeper)  # joined: it sends on this end's socket
             self._keeper = None
-        # The native calls decline from now on; one in flight on another thread ends first.
-        release = self._quiesce_native(lambda: setattr(self._state, "fd", -1))
-        self._hb_stop.set()
-        if self.is_sender:
-            try:
-                self._send_frame(_T_CLOSE)
-            except OSError:
-                pass
+        # A sender's frame in flight (a native send finishing a frame the socket took in part) ends
+        # before the goodbye: take the send lock first (bounded; without it, no goodbye).
+        held = self.is_sender and self._take_lock()
+        try:
+            # The native calls decline from now on; one in flight on another thread ends first.
+            release = self._quiesce_native(lambda: setattr(self._state, "fd", -1))
+            self._hb_stop.set()
+            if held:
+                try:
+                    self._write_frame(_T_CLOSE)
+                except OSError:
+                    pass
+        finally:
+            if held:
+                self._drop_lock()
         if self._hb_thread is not None:
             self._hb_thread.join(timeout=5)
         if not release:  # a native read still in flight holds the descriptors' numbers
