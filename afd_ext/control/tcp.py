@@ -364,8 +364,7 @@ class TcpControlChannel(ControlChannel):
                     chunk = self._read_native(min(int((end - now) * 1e9), MAX_NATIVE_WAIT_NS), op)
                 wait_ms = 0
             else:
-                seen = max(self._last_seen, self._state.t_ns * 1e-9)  # a native read of heartbeats stamps t_ns
-                wait_ms = int(1000 * min(_ABORT_EVERY_S, max(0.0, seen + hb - now) + 0.001))
+                wait_ms = int(1000 * min(_ABORT_EVERY_S, max(0.0, self._seen() + hb - now) + 0.001))
                 if deadline is not None:
                     wait_ms = min(wait_ms, max(0, int(1000 * (deadline - now)) + 1))
             if chunk == -1 and poller.poll(wait_ms):
@@ -380,7 +379,7 @@ class TcpControlChannel(ControlChannel):
                 self._last_seen = self._last_msg = time.monotonic()
                 return chunk
             now = time.monotonic()
-            seen = max(self._last_seen, self._state.t_ns * 1e-9)  # a native read of heartbeats stamps t_ns
+            seen = self._seen()
             if now - seen > hb:
                 raise PeerDeadError(
                     self.peer, op,
@@ -414,6 +413,10 @@ class TcpControlChannel(ControlChannel):
             self._rbuf += data
             self._state.pending = 1
             self._last_seen = time.monotonic()
+
+    def _seen(self) -> float:
+        """When the sender was last heard from (monotonic s): a native read of heartbeats stamps t_ns."""
+        return max(self._last_seen, self._state.t_ns * 1e-9)
 
     def _poll_until(self) -> float:
         # The last payload's time: a native take stamps it (CLOCK_MONOTONIC, as time.monotonic()).
