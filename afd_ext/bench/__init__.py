@@ -490,6 +490,10 @@ def _print_checks(checks: list[dict]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``afd-ext bench``; returns the process exit code (0 ok, 1 failed check/run, 2 bad usage)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--peer-structure"]:  # the plane against minimal kernels: its own options
+        from afd_ext.bench.peer_structure import main as peer_structure_main
+
+        return peer_structure_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
     from afd_ext.bench import report

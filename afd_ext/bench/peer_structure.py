@@ -1,0 +1,810 @@
+"""``afd-ext bench --peer-structure``: the peer-memory plane against the simplest kernels doing its work.
+
+Both roles run in one process (two streams on one GPU; attention on cuda:0 and
+FFN on cuda:1 when two GPUs are visible), each side's 100 round trips captured
+in one CUDA graph, the two graphs replayed together; a round trip moves, per
+token, hidden ``H`` bf16 + router logits ``E`` fp32 + an int32 id to the FFN
+and ``H`` bf16 back (the FFN replies with its fan-in hidden states). Structures:
+
+* ``floor``: one persistent kernel per side, one block, flags between round trips (1 token only);
+* ``min``: put kernel (multi-block copy, last block releases a flag) + wait-and-copy-out kernel on the
+  attention side; wait kernel + put kernel on the FFN side;
+* ``fused``: ``min`` with the attention side's put and wait in one kernel;
+* ``plane``: :class:`afd_ext.peer_memory.PeerPlane` put/wait, as
+  ``tests/gpu/test_peer_gpu.py::test_round_trip_time_in_graphs_on_one_gpu`` uses it.
+
+The minimal kernels are bench-only: their CUDA source (:data:`CUDA_SRC`) is
+compiled at run time with ``nvcc`` into a small shared library called through
+ctypes (no torch headers: seconds to build, and nothing added to the
+product's csrc). ``--serial`` runs one eager round trip per structure on ONE
+stream (put, wait, put, wait: every wait finds its flag set), which a
+kernel-serialising profiler (``ncu``) can replay; ``--torch-profile`` records
+one concurrent graph replay per structure and size with the PyTorch profiler
+(kernel durations, grid, block, registers). ``scripts/peer_structure.sh``
+runs both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from afd_ext.errors import AFDConfigError
+
+__all__ = ["CUDA_SRC", "STRUCTURES", "Plan", "build_parser", "parse_plan", "main"]
+
+STRUCTURES = ("floor", "min", "fused", "plane")
+DEFAULT_TOKENS = (1, 8, 128, 1024, 8192)
+THREADS = 512  # threads per block of every minimal kernel (the plane's kThreads)
+BYTES_PER_BLOCK = 64 << 10  # the plane's launch rule (blocks_for): ~64 KiB per block
+
+CUDA_SRC = r"""
+// Bench-only minimal put/wait kernels (afd_ext/bench/peer_structure.py). Flags are
+// 64-bit sequence numbers in the receiver's memory; each side keeps one device
+// counter `seq` (its puts so far), advanced only by its put's last block. A
+// spin that outlives ~10 s traps (the process fails instead of hanging).
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#define THREADS 512
+#define MAXP 3
+
+struct Parts {
+  const char* src[MAXP];
+  char* dst[MAXP];
+  long long bytes[MAXP];
+  int n;
+};
+
+__device__ __forceinline__ unsigned long long ld_acquire_sys(const unsigned long long* p) {
+  unsigned long long v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_sys(unsigned long long* p, unsigned long long v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ unsigned atom_add_acq_rel_gpu(unsigned* p, unsigned v) {
+  unsigned old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+__device__ __forceinline__ unsigned long long now_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+// One thread spins until *flag >= want (acquire).
+__device__ __forceinline__ void spin(const unsigned long long* flag, unsigned long long want) {
+  if (ld_acquire_sys(flag) >= want) return;
+  const unsigned long long t0 = now_ns();
+  for (unsigned it = 1; ld_acquire_sys(flag) < want; ++it) {
+    if ((it & 1023) == 0 && now_ns() - t0 > 10000000000ull) asm volatile("trap;");
+  }
+}
+
+// n bytes, all threads of the grid (thread t of nt); 16-byte vectors, 4 in flight; byte tail.
+__device__ __forceinline__ void copy(char* __restrict__ dst, const char* __restrict__ src, long long n,
+                                     long long t, long long nt) {
+  const long long nv = n >> 4;
+  const uint4* s = reinterpret_cast<const uint4*>(src);
+  uint4* d = reinterpret_cast<uint4*>(dst);
+  long long v = t;
+  for (; v + 3 * nt < nv; v += 4 * nt) {
+    const uint4 a = s[v], b = s[v + nt], c = s[v + 2 * nt], e = s[v + 3 * nt];
+    d[v] = a; d[v + nt] = b; d[v + 2 * nt] = c; d[v + 3 * nt] = e;
+  }
+  for (; v < nv; v += nt) d[v] = s[v];
+  for (long long i = (nv << 4) + t; i < n; i += nt) dst[i] = src[i];
+}
+
+// After the block's stores: true in thread 0 of the last block to arrive (the
+// block's stores released at system scope, every other block's acquired).
+__device__ __forceinline__ bool last_block(unsigned* done) {
+  __syncthreads();
+  if (threadIdx.x != 0) return false;
+  if (gridDim.x == 1) return true;  // bar.sync + the caller's st.release.sys cover the block
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
+  if (atom_add_acq_rel_gpu(done, 1u) != gridDim.x - 1) return false;
+  *done = 0;  // next launch is stream-ordered after this one
+  return true;
+}
+
+__global__ void __launch_bounds__(THREADS) min_put(const __grid_constant__ Parts p, unsigned* done,
+                                                   unsigned long long* seq, unsigned long long* flag) {
+  const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x, nt = (long long)gridDim.x * blockDim.x;
+  for (int k = 0; k < p.n; ++k) copy(p.dst[k], p.src[k], p.bytes[k], t, nt);
+  if (last_block(done)) {
+    const unsigned long long s = *seq + 1;
+    *seq = s;
+    st_release_sys(flag, s);
+  }
+}
+
+// Every block waits for *flag >= *seq + add, then copies its share of n bytes (n may be 0).
+__global__ void __launch_bounds__(THREADS) min_wait(const unsigned long long* flag, const unsigned long long* seq,
+                                                    unsigned long long add, const char* src, char* dst,
+                                                    long long n) {
+  if (threadIdx.x == 0) spin(flag, *seq + add);
+  __syncthreads();
+  if (n) copy(dst, src, n, (long long)blockIdx.x * blockDim.x + threadIdx.x, (long long)gridDim.x * blockDim.x);
+}
+
+// put + wait + copy-out in one kernel (grid <= SMs: every block stays resident while it spins).
+__global__ void __launch_bounds__(THREADS) min_fused(const __grid_constant__ Parts p, unsigned* done,
+                                                     unsigned long long* seq, unsigned long long* flag_out,
+                                                     const unsigned long long* flag_in, const char* src,
+                                                     char* dst, long long n) {
+  __shared__ unsigned long long want;
+  if (threadIdx.x == 0) want = *seq + 1;  // read before this block arrives: the last block bumps it
+  const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x, nt = (long long)gridDim.x * blockDim.x;
+  for (int k = 0; k < p.n; ++k) copy(p.dst[k], p.src[k], p.bytes[k], t, nt);
+  if (last_block(done)) {
+    *seq = want;
+    st_release_sys(flag_out, want);
+  }
+  if (threadIdx.x == 0) spin(flag_in, want);
+  __syncthreads();
+  copy(dst, src, n, t, nt);
+}
+
+// The launch-free floor: one block per side loops over `rounds` round trips.
+__global__ void __launch_bounds__(THREADS) floor_attn(const __grid_constant__ Parts p, int rounds,
+                                                      unsigned long long* seq, unsigned long long* flag_out,
+                                                      const unsigned long long* flag_in, const char* src,
+                                                      char* dst, long long n) {
+  const unsigned long long base = *seq;
+  for (int r = 1; r <= rounds; ++r) {
+    for (int k = 0; k < p.n; ++k) copy(p.dst[k], p.src[k], p.bytes[k], threadIdx.x, blockDim.x);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      st_release_sys(flag_out, base + r);
+      spin(flag_in, base + r);
+    }
+    __syncthreads();
+    copy(dst, src, n, threadIdx.x, blockDim.x);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) *seq = base + rounds;
+}
+
+__global__ void __launch_bounds__(THREADS) floor_ffn(int rounds, unsigned long long* seq,
+                                                     unsigned long long* flag_out,
+                                                     const unsigned long long* flag_in, const char* src,
+                                                     char* dst, long long n) {
+  const unsigned long long base = *seq;
+  for (int r = 1; r <= rounds; ++r) {
+    if (threadIdx.x == 0) spin(flag_in, base + r);
+    __syncthreads();
+    copy(dst, src, n, threadIdx.x, blockDim.x);
+    __syncthreads();
+    if (threadIdx.x == 0) st_release_sys(flag_out, base + r);
+  }
+  if (threadIdx.x == 0) *seq = base + rounds;
+}
+
+static Parts parts_of(int n, void** src, void** dst, const long long* bytes) {
+  Parts p{};
+  p.n = n;
+  for (int k = 0; k < n && k < MAXP; ++k) {
+    p.src[k] = (const char*)src[k];
+    p.dst[k] = (char*)dst[k];
+    p.bytes[k] = bytes[k];
+  }
+  return p;
+}
+
+extern "C" {
+int ps_put(void* stream, int grid, int n, void** src, void** dst, const long long* bytes, void* done, void* seq,
+           void* flag) {
+  min_put<<<grid, THREADS, 0, (cudaStream_t)stream>>>(parts_of(n, src, dst, bytes), (unsigned*)done,
+                                                      (unsigned long long*)seq, (unsigned long long*)flag);
+  return (int)cudaGetLastError();
+}
+int ps_wait(void* stream, int grid, void* flag, void* seq, unsigned long long add, void* src, void* dst,
+            long long n) {
+  min_wait<<<grid, THREADS, 0, (cudaStream_t)stream>>>((const unsigned long long*)flag,
+                                                       (const unsigned long long*)seq, add, (const char*)src,
+                                                       (char*)dst, n);
+  return (int)cudaGetLastError();
+}
+int ps_fused(void* stream, int grid, int n, void** src, void** dst, const long long* bytes, void* done,
+             void* seq, void* flag_out, void* flag_in, void* csrc, void* cdst, long long cn) {
+  min_fused<<<grid, THREADS, 0, (cudaStream_t)stream>>>(
+      parts_of(n, src, dst, bytes), (unsigned*)done, (unsigned long long*)seq, (unsigned long long*)flag_out,
+      (const unsigned long long*)flag_in, (const char*)csrc, (char*)cdst, cn);
+  return (int)cudaGetLastError();
+}
+int ps_floor_attn(void* stream, int rounds, int n, void** src, void** dst, const long long* bytes, void* seq,
+                  void* flag_out, void* flag_in, void* csrc, void* cdst, long long cn) {
+  floor_attn<<<1, THREADS, 0, (cudaStream_t)stream>>>(parts_of(n, src, dst, bytes), rounds,
+                                                      (unsigned long long*)seq, (unsigned long long*)flag_out,
+                                                      (const unsigned long long*)flag_in, (const char*)csrc,
+                                                      (char*)cdst, cn);
+  return (int)cudaGetLastError();
+}
+int ps_floor_ffn(void* stream, int rounds, void* seq, void* flag_out, void* flag_in, void* csrc, void* cdst,
+                 long long cn) {
+  floor_ffn<<<1, THREADS, 0, (cudaStream_t)stream>>>(rounds, (unsigned long long*)seq,
+                                                     (unsigned long long*)flag_out,
+                                                     (const unsigned long long*)flag_in, (const char*)csrc,
+                                                     (char*)cdst, cn);
+  return (int)cudaGetLastError();
+}
+// Registers per thread of kernel `which` (0 put, 1 wait, 2 fused, 3 floor_attn, 4 floor_ffn); -1 on error.
+int ps_regs(int which) {
+  const void* f[] = {(const void*)min_put, (const void*)min_wait, (const void*)min_fused, (const void*)floor_attn,
+                     (const void*)floor_ffn};
+  cudaFuncAttributes a;
+  if (which < 0 || which > 4 || cudaFuncGetAttributes(&a, f[which]) != cudaSuccess) return -1;
+  return a.numRegs;
+}
+int ps_enable_peer(int dev, int peer) {
+  int prev = 0;
+  cudaGetDevice(&prev);
+  cudaSetDevice(dev);
+  cudaError_t e = cudaDeviceEnablePeerAccess(peer, 0);
+  if (e == cudaErrorPeerAccessAlreadyEnabled) e = cudaSuccess;
+  cudaGetLastError();
+  cudaSetDevice(prev);
+  return (int)e;
+}
+}
+"""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one ``--peer-structure`` run measures.
+
+    Attributes:
+        structures: subset of :data:`STRUCTURES`, in order.
+        tokens: tokens per round trip (``floor`` runs at 1 token only).
+        hidden: hidden size (bf16 elements); logits: router-logits width (fp32); rounds: round trips per graph;
+        replays: timed replays (best taken; one warm-up replay before them).
+        serial: one eager round trip per structure on one stream instead (for ncu).
+        torch_profile: also record one concurrent replay per structure and size with the PyTorch profiler.
+    """
+
+    structures: tuple[str, ...]
+    tokens: tuple[int, ...]
+    hidden: int = 7168
+    logits: int = 256
+    rounds: int = 100
+    replays: int = 8
+    serial: bool = False
+    torch_profile: bool = False
+
+    def fan_in_bytes(self, t: int) -> int:
+        """Bytes one round trip moves to the FFN."""
+        return t * (2 * self.hidden + 4 * self.logits + 4)
+
+    def reply_bytes(self, t: int) -> int:
+        return t * 2 * self.hidden
+
+    def cases(self) -> list[tuple[str, int]]:
+        """(structure, tokens) pairs, sizes outermost (so a size's structures run back to back)."""
+        return [(s, t) for t in self.tokens for s in self.structures if s != "floor" or t == 1]
+
+
+def build_parser(prog: str = "afd-ext bench --peer-structure") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--structures", default=",".join(STRUCTURES), help="comma list of " + ", ".join(STRUCTURES))
+    p.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="tokens per round trip")
+    p.add_argument("--hidden", type=int, default=7168, help="hidden size (bf16)")
+    p.add_argument("--logits", type=int, default=256, help="router-logits width (fp32)")
+    p.add_argument("--rounds", type=int, default=100, help="round trips per CUDA graph")
+    p.add_argument("--replays", type=int, default=8, help="timed graph replays (best is reported)")
+    p.add_argument("--serial", action="store_true",
+                   help="one eager round trip per structure on one stream (for ncu), no timing")
+    p.add_argument("--torch-profile", action="store_true",
+                   help="record one replay per case with the PyTorch profiler (per-kernel table and trace)")
+    p.add_argument("--ncu-summary", metavar="CSV", default=None,
+                   help="print a per-kernel table of an `ncu --csv` log of a --serial run, and exit")
+    p.add_argument("--out", default=None, help="folder for peer_structure.json (and the profile files)")
+    return p
+
+
+def parse_plan(args: argparse.Namespace) -> Plan:
+    """The plan of parsed arguments.
+
+    Raises:
+        AFDConfigError: an unknown structure, a bad token list, or a size/count < 1.
+    """
+    structures = tuple(x.strip() for x in args.structures.split(",") if x.strip())
+    bad = [s for s in structures if s not in STRUCTURES]
+    if bad or not structures:
+        raise AFDConfigError(f"--structures: {bad or 'empty'} not in {', '.join(STRUCTURES)}")
+    try:
+        tokens = tuple(int(x) for x in args.tokens.split(",") if x.strip())
+    except ValueError:
+        raise AFDConfigError(f"--tokens: expected comma-separated integers, got {args.tokens!r}") from None
+    if not tokens or min(tokens) < 1:
+        raise AFDConfigError(f"--tokens: every size must be >= 1, got {args.tokens!r}")
+    for name in ("hidden", "rounds", "replays"):
+        if getattr(args, name) < 1:
+            raise AFDConfigError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.logits < 0 or args.hidden % 8:
+        raise AFDConfigError(f"--hidden must be a multiple of 8 and --logits >= 0, got {args.hidden}, {args.logits}")
+    plan = Plan(structures, tokens, args.hidden, args.logits, args.rounds, args.replays, args.serial,
+                args.torch_profile)
+    if not plan.cases():
+        raise AFDConfigError("nothing to run: 'floor' runs at 1 token only; add 1 to --tokens")
+    if plan.serial and set(structures) - {"min", "plane"}:
+        raise AFDConfigError("--serial runs the 'min' and 'plane' structures only")
+    return plan
+
+
+# ------------------------------------------------------------------ the bench-only library
+
+
+def _nvcc() -> str:
+    home = os.environ.get("CUDA_HOME") or "/usr/local/cuda"
+    for cand in (os.path.join(home, "bin", "nvcc"), "nvcc"):
+        if os.path.isfile(cand) or cand == "nvcc":
+            return cand
+    return "nvcc"
+
+
+def build_library(arch: str = "sm_90") -> str:
+    """Compile :data:`CUDA_SRC` (cached by source hash) and return the shared library's path.
+
+    Raises:
+        RuntimeError: nvcc failed or is missing (its output in the message).
+    """
+    key = hashlib.sha256((CUDA_SRC + arch).encode()).hexdigest()[:16]
+    cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(tempfile.gettempdir()),
+                         "afd_ext_peer_structure")
+    os.makedirs(cache, exist_ok=True)
+    so = os.path.join(cache, f"ps_{key}.so")
+    if os.path.exists(so):
+        return so
+    cu = os.path.join(cache, f"ps_{key}.cu")
+    with open(cu, "w") as f:
+        f.write(CUDA_SRC)
+    cmd = [_nvcc(), f"-arch={arch}", "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-Xptxas", "-v",
+           "-o", so + ".tmp", cu]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise RuntimeError(f"cannot compile the bench kernels ({' '.join(cmd)}): {e}") from e
+    if r.returncode != 0:
+        raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{r.stdout}{r.stderr}")
+    os.replace(so + ".tmp", so)
+    with open(so + ".ptxas.txt", "w") as f:
+        f.write(r.stderr)
+    return so
+
+
+class _Lib:
+    def __init__(self, path: str):
+        self.lib = ctypes.CDLL(path)
+        P, I, L, U = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_ulonglong
+        PP, LP = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_longlong)
+        sig = {
+            "ps_put": [P, I, I, PP, PP, LP, P, P, P],
+            "ps_wait": [P, I, P, P, U, P, P, L],
+            "ps_fused": [P, I, I, PP, PP, LP, P, P, P, P, P, P, L],
+            "ps_floor_attn": [P, I, I, PP, PP, LP, P, P, P, P, P, L],
+            "ps_floor_ffn": [P, I, P, P, P, P, P, L],
+            "ps_regs": [I],
+            "ps_enable_peer": [I, I],
+        }
+        for name, args in sig.items():
+            fn = getattr(self.lib, name)
+            fn.argtypes, fn.restype = args, I
+        self._keep: list = []  # ctypes arrays passed to launches (capture reads them at launch only)
+
+    def call(self, name: str, *args) -> None:
+        err = getattr(self.lib, name)(*args)
+        if err:
+            raise RuntimeError(f"{name}: CUDA error {err}")
+
+    def parts(self, srcs, dsts):
+        n = len(srcs)
+        a = ((ctypes.c_void_p * n)(*[t.data_ptr() for t in srcs]), (ctypes.c_void_p * n)(*[t.data_ptr() for t in dsts]),
+             (ctypes.c_longlong * n)(*[t.numel() * t.element_size() for t in srcs]))
+        self._keep.append(a)
+        return n, a[0], a[1], a[2]
+
+
+def _blocks(nbytes: int, cap: int) -> int:
+    return max(1, min(cap, -(-nbytes // BYTES_PER_BLOCK)))
+
+
+# ------------------------------------------------------------------ one case
+
+
+class _Case:
+    """Buffers and streams of one (structure, tokens) case; ``record(att, ffn)`` enqueues the rounds."""
+
+    def __init__(self, plan: Plan, structure: str, tokens: int, lib: Optional[_Lib], att_dev, ffn_dev):
+        import torch
+
+        self.plan, self.structure, self.T = plan, structure, tokens
+        self.att_dev, self.ffn_dev = att_dev, ffn_dev
+        self.lib = lib
+        self.sa, self.sf = torch.cuda.Stream(att_dev), torch.cuda.Stream(ffn_dev)
+        H, E = plan.hidden, plan.logits
+        self.inp = (torch.empty(tokens, H, dtype=torch.bfloat16, device=att_dev),
+                    torch.empty(tokens, E, dtype=torch.float32, device=att_dev) if E else None,
+                    torch.empty(tokens, dtype=torch.int32, device=att_dev))
+        self.out = torch.empty(tokens, H, dtype=torch.bfloat16, device=att_dev)
+        self.sms = torch.cuda.get_device_properties(att_dev).multi_processor_count
+        self.plane = None
+        if structure == "plane":
+            self._make_plane()
+        else:
+            self.fan_in = tuple(torch.empty_like(t, device=ffn_dev) if t is not None else None for t in self.inp)
+            self.reply = torch.empty(tokens, H, dtype=torch.bfloat16, device=att_dev)
+            # flags: [0] the FFN's (in FFN memory), [8] the attention's (in attention memory); seq words per side
+            self.flag_f = torch.zeros(8, dtype=torch.int64, device=ffn_dev)
+            self.flag_a = torch.zeros(8, dtype=torch.int64, device=att_dev)
+            self.ctr_a = torch.zeros(8, dtype=torch.int64, device=att_dev)  # [0] seq, [1] done (u32)
+            self.ctr_f = torch.zeros(8, dtype=torch.int64, device=ffn_dev)
+        self.fill(seed=1)
+
+    def _make_plane(self) -> None:
+        import torch
+
+        from afd_ext.peer_memory import PeerPlane, WireSpec
+        from afd_ext.topology import ATTENTION, FFN, Topology
+
+        p = self.plan
+        spec = WireSpec(p.hidden, torch.bfloat16, p.logits, torch.float32, True)
+        topo = Topology(1, 1)
+        kw = dict(max_tokens=self.T, num_stages=1, generation=5, timeout_s=30.0)
+        self.att = PeerPlane(topo, ATTENTION, 0, spec, device=self.att_dev, **kw)
+        self.ffn = PeerPlane(topo, FFN, 0, spec, device=self.ffn_dev, **kw)
+        self.att.attach(0, self.ffn.ipc_handle, self.ffn.layout.nbytes)
+        self.ffn.attach(0, self.att.ipc_handle, self.att.layout.nbytes)
+        self.plane = (self.att, self.ffn)
+
+    def fill(self, seed: int) -> None:
+        """Fresh random inputs (in place: captured graphs read them)."""
+        import torch
+
+        g = torch.Generator(device=self.att_dev).manual_seed(seed)
+        h, lg, ids = self.inp
+        h.copy_(torch.randn(h.shape, generator=g, device=self.att_dev))
+        if lg is not None:
+            lg.copy_(torch.randn(lg.shape, generator=g, device=self.att_dev))
+        ids.copy_(torch.randint(0, 1 << 30, ids.shape, generator=g, device=self.att_dev, dtype=torch.int32))
+
+    def destinations(self):
+        """Every tensor a round trip writes (poisoned before the validation replay)."""
+        if self.plane is not None:
+            return [t for t in self.ffn.views(0, self.T)] + [self.att.views(0, self.T)[0], self.out]
+        return [t for t in self.fan_in if t is not None] + [self.reply, self.out]
+
+    def check(self) -> Optional[str]:
+        """None when every destination holds this round's data, else what differs."""
+        import torch
+
+        fan = self.ffn.views(0, self.T) if self.plane is not None else self.fan_in
+        names = ("fan-in hidden", "fan-in logits", "fan-in ids")
+        for name, got, want in zip(names, [t for t in fan if t is not None], [t for t in self.inp if t is not None]):
+            if not torch.equal(got.to(want.device), want):
+                return f"{name} differs from the attention side's input"
+        if not torch.equal(self.out, self.inp[0]):
+            return "the attention side's output differs from its input hidden states (echoed by the FFN)"
+        if self.plane is not None:
+            for p in self.plane:
+                err = p.failure()
+                if err is not None:
+                    return f"plane failure: {err}"
+        return None
+
+    # -- enqueue ------------------------------------------------------------------
+
+    def att_rounds(self, n: int) -> None:
+        """n round trips of the attention side on the current stream."""
+        s, T, lib = self.structure, self.T, self.lib
+        if s == "plane":
+            for layer in range(n):
+                self.att.put(0, self.inp, [T], [0])
+                self.att.wait(0, T, layer=layer, out=self.out)
+            return
+        import torch
+
+        st = torch.cuda.current_stream(self.att_dev).cuda_stream
+        srcs = [t for t in self.inp if t is not None]
+        dsts = [t for t in self.fan_in if t is not None]
+        nparts, src, dst, nb = lib.parts(srcs, dsts)
+        seq, done = self.ctr_a.data_ptr(), self.ctr_a.data_ptr() + 8
+        cbytes = self.plan.reply_bytes(T)
+        if s == "floor":
+            lib.call("ps_floor_attn", st, n, nparts, src, dst, nb, seq, self.flag_f.data_ptr(),
+                     self.flag_a.data_ptr(), self.reply.data_ptr(), self.out.data_ptr(), cbytes)
+            return
+        put_grid = _blocks(self.plan.fan_in_bytes(T), 2 * self.sms)
+        for _ in range(n):
+            if s == "min":
+                lib.call("ps_put", st, put_grid, nparts, src, dst, nb, done, seq, self.flag_f.data_ptr())
+                lib.call("ps_wait", st, _blocks(cbytes, self.sms), self.flag_a.data_ptr(), seq, 0,
+                         self.reply.data_ptr(), self.out.data_ptr(), cbytes)
+            else:  # fused: one kernel, at most one block per SM (all resident while spinning)
+                lib.call("ps_fused", st, min(put_grid, self.sms), nparts, src, dst, nb, done, seq,
+                         self.flag_f.data_ptr(), self.flag_a.data_ptr(), self.reply.data_ptr(),
+                         self.out.data_ptr(), cbytes)
+
+    def ffn_rounds(self, n: int) -> None:
+        """n round trips of the FFN side on the current stream (it echoes its fan-in hidden states)."""
+        s, T, lib = self.structure, self.T, self.lib
+        if s == "plane":
+            for layer in range(n):
+                x, _lg, _ids = self.ffn.wait(0, T, layer=layer)
+                self.ffn.put(0, (x,), [T], [0])
+            return
+        import torch
+
+        st = torch.cuda.current_stream(self.ffn_dev).cuda_stream
+        seq, done = self.ctr_f.data_ptr(), self.ctr_f.data_ptr() + 8
+        cbytes = self.plan.reply_bytes(T)
+        if s == "floor":
+            lib.call("ps_floor_ffn", st, n, seq, self.flag_a.data_ptr(), self.flag_f.data_ptr(),
+                     self.fan_in[0].data_ptr(), self.reply.data_ptr(), cbytes)
+            return
+        nparts, src, dst, nb = lib.parts([self.fan_in[0]], [self.reply])
+        for _ in range(n):
+            lib.call("ps_wait", st, 1, self.flag_f.data_ptr(), seq, 1, None, None, 0)
+            lib.call("ps_put", st, _blocks(cbytes, 2 * self.sms), nparts, src, dst, nb, done, seq,
+                     self.flag_a.data_ptr())
+
+    def close(self) -> None:
+        import torch
+
+        for d in {self.att_dev, self.ffn_dev}:
+            torch.cuda.synchronize(d)
+        if self.plane is not None:
+            for p in self.plane:
+                p.close()
+
+
+def _sync(devs) -> None:
+    import torch
+
+    for d in devs:
+        torch.cuda.synchronize(d)
+
+
+def _run_case(plan: Plan, case: _Case, prof_dir: Optional[str]) -> dict:
+    """Capture, time (best of plan.replays after one warm-up), then validate once on fresh data."""
+    import torch
+
+    devs = sorted({case.att_dev.index, case.ffn_dev.index})
+    ga, gf = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.device(case.ffn_dev), torch.cuda.graph(gf, stream=case.sf):
+        case.ffn_rounds(plan.rounds)
+    with torch.cuda.device(case.att_dev), torch.cuda.graph(ga, stream=case.sa):
+        case.att_rounds(plan.rounds)
+    _sync(devs)
+
+    def replay() -> float:
+        _sync(devs)
+        t0 = time.perf_counter()
+        with torch.cuda.device(case.ffn_dev), torch.cuda.stream(case.sf):
+            gf.replay()
+        with torch.cuda.device(case.att_dev), torch.cuda.stream(case.sa):
+            ga.replay()
+        _sync(devs)
+        return (time.perf_counter() - t0) / plan.rounds * 1e6
+
+    replay()  # warm-up
+    times = [replay() for _ in range(plan.replays)]
+    # Validation: fresh inputs, poisoned destinations, one replay, exact comparison.
+    case.fill(seed=1000 + case.T)
+    for t in case.destinations():
+        t.view(torch.uint8).fill_(0xA5)
+    _sync(devs)
+    replay()
+    why = case.check()
+    rec = {"structure": case.structure, "tokens": case.T, "best_us": min(times), "replays_us": times,
+           "valid": why is None, "why": why,
+           "fan_in_bytes": plan.fan_in_bytes(case.T), "reply_bytes": plan.reply_bytes(case.T)}
+    rec["gbps"] = (rec["fan_in_bytes"] + rec["reply_bytes"]) / (rec["best_us"] * 1e3)
+    if prof_dir is not None:
+        rec["kernels"] = _profile_replay(replay, prof_dir, f"{case.structure}_{case.T}")
+    del ga, gf
+    return rec
+
+
+def _profile_replay(replay, prof_dir: str, tag: str) -> list[dict]:
+    """One replay under the PyTorch profiler: per kernel name, count, mean/max µs, grid, block, registers."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        replay()
+    path = os.path.join(prof_dir, f"trace_{tag}.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = json.load(f).get("traceEvents", [])
+    os.remove(path)  # the table is what we keep (few files under $OUT)
+    rows: dict[tuple, dict] = {}
+    for e in events:
+        if e.get("cat") != "kernel":
+            continue
+        a = e.get("args", {})
+        key = (e.get("name", "?")[:80], str(a.get("grid")), str(a.get("block")), a.get("registers per thread"))
+        r = rows.setdefault(key, {"kernel": key[0], "grid": key[1], "block": key[2], "regs": key[3],
+                                  "stream": a.get("stream"), "count": 0, "total_us": 0.0, "max_us": 0.0})
+        r["count"] += 1
+        r["total_us"] += float(e.get("dur", 0.0))
+        r["max_us"] = max(r["max_us"], float(e.get("dur", 0.0)))
+    out = sorted(rows.values(), key=lambda r: -r["total_us"])
+    for r in out:
+        r["mean_us"] = r["total_us"] / r["count"]
+    return out
+
+
+def _serial(plan: Plan, case: _Case) -> dict:
+    """One eager round trip on ONE stream (every wait finds its flag set): safe under ncu's serialisation."""
+    import torch
+
+    with torch.cuda.device(case.att_dev), torch.cuda.stream(case.sa):
+        case.fill(seed=7)
+        for t in case.destinations():
+            t.view(torch.uint8).fill_(0xA5)
+        if case.structure == "plane":
+            case.att.put(0, case.inp, [case.T], [0])
+            x, _lg, _ids = case.ffn.wait(0, case.T, layer=0)
+            case.ffn.put(0, (x,), [case.T], [0])
+            case.att.wait(0, case.T, layer=0, out=case.out)
+        else:
+            # min's kernels in stream order; same launches as the graphs (ffn_rounds/att_rounds split)
+            st = torch.cuda.current_stream(case.att_dev).cuda_stream
+            lib, T = case.lib, case.T
+            srcs = [t for t in case.inp if t is not None]
+            n, src, dst, nb = lib.parts(srcs, [t for t in case.fan_in if t is not None])
+            lib.call("ps_put", st, _blocks(plan.fan_in_bytes(T), 2 * case.sms), n, src, dst, nb,
+                     case.ctr_a.data_ptr() + 8, case.ctr_a.data_ptr(), case.flag_f.data_ptr())
+            lib.call("ps_wait", st, 1, case.flag_f.data_ptr(), case.ctr_f.data_ptr(), 1, None, None, 0)
+            n2, src2, dst2, nb2 = lib.parts([case.fan_in[0]], [case.reply])
+            cb = plan.reply_bytes(T)
+            lib.call("ps_put", st, _blocks(cb, 2 * case.sms), n2, src2, dst2, nb2, case.ctr_f.data_ptr() + 8,
+                     case.ctr_f.data_ptr(), case.flag_a.data_ptr())
+            lib.call("ps_wait", st, _blocks(cb, case.sms), case.flag_a.data_ptr(), case.ctr_a.data_ptr(), 0,
+                     case.reply.data_ptr(), case.out.data_ptr(), cb)
+    _sync(sorted({case.att_dev.index, case.ffn_dev.index}))
+    why = case.check()
+    return {"structure": case.structure, "tokens": case.T, "serial": True, "valid": why is None, "why": why}
+
+
+# ------------------------------------------------------------------ entry
+
+
+def _table(recs: list[dict], plan: Plan) -> str:
+    by = {(r["structure"], r["tokens"]): r for r in recs}
+    head = "| structure | " + " | ".join(str(t) for t in plan.tokens) + " |"
+    lines = [f"µs per round trip (best of {plan.replays} replays of {plan.rounds}-round-trip graphs)", "",
+             head, "|" + " --- |" * (len(plan.tokens) + 1)]
+    for s in plan.structures:
+        cells = []
+        for t in plan.tokens:
+            r = by.get((s, t))
+            cells.append("" if r is None else f"{r['best_us']:.2f}" + ("" if r["valid"] else " INVALID"))
+        lines.append(f"| {s} | " + " | ".join(cells) + " |")
+    if "plane" in plan.structures and "min" in plan.structures:
+        cells = []
+        for t in plan.tokens:
+            a, b = by.get(("plane", t)), by.get(("min", t))
+            cells.append(f"{a['best_us'] / b['best_us']:.2f}x" if a and b else "")
+        lines.append("| plane/min | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def run(plan: Plan, out: Optional[str]) -> int:
+    """Run the plan on this machine's GPUs; returns 0 when every case validated, 1 otherwise.
+
+    Raises:
+        AFDConfigError: no CUDA GPU, or (``plane``) no CUDA build of afd_ext.
+    """
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 1:
+        raise AFDConfigError("afd-ext bench --peer-structure needs a CUDA GPU (none is visible)")
+    if "plane" in plan.structures:
+        from afd_ext import ops
+
+        if not ops.is_cuda_built():
+            raise AFDConfigError("the 'plane' structure needs a CUDA build of afd_ext (this build has no CUDA ops)")
+    two = torch.cuda.device_count() >= 2 and os.environ.get("AFD_PEER_STRUCTURE_ONE_GPU") != "1" \
+        and not plan.serial  # one stream: one GPU
+    att_dev, ffn_dev = torch.device("cuda", 0), torch.device("cuda", 1 if two else 0)
+    lib = None
+    if any(s != "plane" for s in plan.structures):
+        lib = _Lib(build_library())
+        if two:
+            for a, b in ((0, 1), (1, 0)):
+                lib.call("ps_enable_peer", a, b)
+    meta = {"device": torch.cuda.get_device_name(0), "gpus": 2 if two else 1, "torch": torch.__version__,
+            "plan": plan.__dict__}
+    if lib is not None:
+        meta["min_regs"] = {k: lib.lib.ps_regs(i) for i, k in enumerate(("put", "wait", "fused", "floor_attn",
+                                                                           "floor_ffn"))}
+    print(f"peer structure: {meta['device']}, {'attention cuda:0, FFN cuda:1' if two else 'both roles on cuda:0'}; "
+          f"minimal kernels' registers {meta.get('min_regs')}", flush=True)
+    prof_dir = out if plan.torch_profile else None
+    if out:
+        os.makedirs(out, exist_ok=True)
+    recs = []
+    for s, t in plan.cases():
+        case = _Case(plan, s, t, lib, att_dev, ffn_dev)
+        try:
+            rec = _serial(plan, case) if plan.serial else _run_case(plan, case, prof_dir)
+        finally:
+            case.close()
+            del case
+            torch.cuda.empty_cache()
+        recs.append(rec)
+        line = f"{s:>6} {t:>5} tokens: " + ("serial round trip" if plan.serial else
+                                           f"{rec['best_us']:9.2f} us  {rec['gbps']:7.1f} GB/s")
+        print(line + ("  valid" if rec["valid"] else f"  INVALID: {rec['why']}"), flush=True)
+        for k in rec.get("kernels", []):
+            print(f"        {k['kernel'][:48]:<48} x{k['count']:<4} mean {k['mean_us']:8.2f} us  "
+                  f"max {k['max_us']:8.2f}  grid {k['grid']} block {k['block']} regs {k['regs']}", flush=True)
+    doc = {"meta": meta, "results": recs}
+    if not plan.serial:
+        doc["table"] = _table(recs, plan)
+        print("\n" + doc["table"])
+    if out:
+        name = "peer_structure_serial.json" if plan.serial else (
+            "peer_structure_profile.json" if plan.torch_profile else "peer_structure.json")
+        with open(os.path.join(out, name), "w") as f:
+            json.dump(doc, f, indent=1)
+    bad = [r for r in recs if not r["valid"]]
+    if bad:
+        print(f"INVALID: {len(bad)} case(s): " + "; ".join(f"{r['structure']}@{r['tokens']}: {r['why']}"
+                                                          for r in bad), file=sys.stderr)
+    return 1 if bad else 0
+
+
+def summarize_ncu(path: str) -> str:
+    """A table of an ``ncu --csv`` log (``--serial`` run): kernel, grid, block, registers, duration, throughput."""
+    import csv
+
+    with open(path, errors="replace") as f:
+        lines = f.read().splitlines()
+    start = next((i for i, ln in enumerate(lines) if ln.startswith('"ID"')), None)
+    if start is None:
+        return f"no ncu CSV in {path}"
+    kernels: dict[str, dict] = {}
+    for row in csv.DictReader(lines[start:]):
+        k = kernels.setdefault(row["ID"], {"name": row.get("Kernel Name", "?"), "grid": row.get("Grid Size"),
+                                           "block": row.get("Block Size")})
+        k[row.get("Metric Name", "")] = f"{row.get('Metric Value', '')} {row.get('Metric Unit', '')}".strip()
+    out = []
+    for kid, k in kernels.items():
+        name = k.pop("name")
+        short = name.split("(")[0].split("::")[-1][:40]
+        metrics = "  ".join(f"{m.split('__')[-1]}={v}" for m, v in sorted(k.items()) if m not in ("grid", "block"))
+        out.append(f"#{kid:>3} {short:<40} grid {k['grid']} block {k['block']}  {metrics}")
+    return "\n".join(out)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``afd-ext bench --peer-structure [options]``: 0 ok, 1 a case failed validation, 2 bad usage / no GPU."""
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.ncu_summary:
+        print(summarize_ncu(args.ncu_summary))
+        return 0
+    try:
+        plan = parse_plan(args)
+        return run(plan, args.out)
+    except AFDConfigError as e:
+        print(f"afd-ext bench --peer-structure: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

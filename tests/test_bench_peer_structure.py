@@ -1,0 +1,108 @@
+"""afd-ext bench --peer-structure: argument parsing, the plan, the bench-only CUDA source, the no-GPU refusal.
+
+The timed run itself needs a GPU (``scripts/peer_structure.sh``); here: the
+options become the plan the GPU run executes, bad options are refused with a
+clear message (exit 2), the CUDA source compiles for sm_90 where nvcc exists,
+and a machine without a GPU gets a clean refusal, not a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from afd_ext.bench import main as bench_main
+from afd_ext.bench import peer_structure as ps
+from afd_ext.errors import AFDConfigError
+
+
+def _plan(*argv):
+    return ps.parse_plan(ps.build_parser().parse_args(list(argv)))
+
+
+def test_default_plan_is_the_issue_sweep():
+    p = _plan()
+    assert p.structures == ("floor", "min", "fused", "plane")
+    assert p.tokens == (1, 8, 128, 1024, 8192)
+    assert (p.hidden, p.logits, p.rounds, p.replays) == (7168, 256, 100, 8)
+    cases = p.cases()
+    # the floor runs at 1 token only; every other structure at every size, sizes outermost
+    assert ("floor", 1) in cases and not any(s == "floor" and t != 1 for s, t in cases)
+    assert len(cases) == 1 + 3 * 5
+    assert cases[:4] == [("floor", 1), ("min", 1), ("fused", 1), ("plane", 1)]
+    # bytes per round trip: 7168 bf16 + 256 fp32 + one int32 to the FFN, 7168 bf16 back
+    assert p.fan_in_bytes(1) == 14336 + 1024 + 4 and p.reply_bytes(8192) == 8192 * 14336
+
+
+def test_profile_plan_and_serial_restriction():
+    p = _plan("--structures", "min,plane", "--tokens", "1,8192", "--serial")
+    assert p.serial and p.cases() == [("min", 1), ("plane", 1), ("min", 8192), ("plane", 8192)]
+    with pytest.raises(AFDConfigError, match="--serial"):
+        _plan("--structures", "fused", "--serial")
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--structures", "min,bogus"], "bogus"),
+    (["--structures", ""], "empty"),
+    (["--tokens", "1,x"], "integers"),
+    (["--tokens", "0"], ">= 1"),
+    (["--rounds", "0"], "--rounds"),
+    (["--replays", "0"], "--replays"),
+    (["--hidden", "100"], "multiple of 8"),
+    (["--structures", "floor", "--tokens", "8"], "1 token only"),
+])
+def test_bad_options_are_refused(argv, match, capsys):
+    with pytest.raises(AFDConfigError, match=match):
+        _plan(*argv)
+    assert bench_main(["--peer-structure", *argv]) == 2
+    assert "afd-ext bench --peer-structure:" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_no_gpu_is_a_clean_refusal(capsys, tmp_path):
+    assert bench_main(["--peer-structure", "--tokens", "1", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "needs a CUDA GPU" in err
+    assert not os.listdir(tmp_path)  # nothing written, nothing half-run
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None and not os.path.exists("/usr/local/cuda/bin/nvcc"),
+                    reason="needs nvcc")
+def test_the_bench_kernels_compile_for_hopper(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    so = ps.build_library()
+    assert os.path.getsize(so) > 0
+    report = open(so + ".ptxas.txt").read()
+    for kernel in ("min_put", "min_wait", "min_fused", "floor_attn", "floor_ffn"):
+        assert kernel in report
+    assert "spill stores" in report and " 0 bytes spill stores" in report
+    # every exported launcher is there (ctypes binds them by name)
+    syms = subprocess.run(["nm", "-D", so], capture_output=True, text=True).stdout
+    for fn in ("ps_put", "ps_wait", "ps_fused", "ps_floor_attn", "ps_floor_ffn", "ps_regs", "ps_enable_peer"):
+        assert fn in syms
+    assert ps.build_library() == so  # cached by source hash
+
+
+def test_ncu_summary_reads_the_csv(tmp_path):
+    log = tmp_path / "ncu.csv"
+    log.write_text(
+        "==PROF== Connected to process 1\n"
+        '"ID","Kernel Name","Block Size","Grid Size","Metric Name","Metric Unit","Metric Value"\n'
+        '"0","min_put(Parts, unsigned int *)","(512, 1, 1)","(264, 1, 1)","gpu__time_duration.sum","usecond","61.2"\n'
+        '"0","min_put(Parts, unsigned int *)","(512, 1, 1)","(264, 1, 1)","launch__registers_per_thread",'
+        '"register/thread","32"\n'
+        '"1","afd::peer_put_kernel(afd::PeerPutArgs)","(512, 1, 1)","(1, 1, 1)","gpu__time_duration.sum",'
+        '"usecond","3.1"\n')
+    text = ps.summarize_ncu(str(log))
+    lines = text.splitlines()
+    assert len(lines) == 2
+    assert "min_put" in lines[0] and "(264, 1, 1)" in lines[0] and "sum=61.2 usecond" in lines[0]
+    assert "registers_per_thread=32" in lines[0]
+    assert "peer_put_kernel" in lines[1] and "(1, 1, 1)" in lines[1]
+    empty = tmp_path / "empty.csv"
+    empty.write_text("==PROF== nothing\n")
+    assert "no ncu CSV" in ps.summarize_ncu(str(empty))
