@@ -13,6 +13,9 @@ and ``H`` bf16 back (the FFN replies with its fan-in hidden states). Structures:
 * ``plane``: :class:`afd_ext.peer_memory.PeerPlane` put/wait, as
   ``tests/gpu/test_peer_gpu.py::test_round_trip_time_in_graphs_on_one_gpu`` uses it.
 
+``AFD_PEER_STRUCTURE_ONE_GPU=1`` keeps both roles on cuda:0 where two GPUs are
+visible. The floor copies its one token's data too (so it is validated like the rest).
+
 The minimal kernels are bench-only: their CUDA source (:data:`CUDA_SRC`) is
 compiled at run time with ``nvcc`` into a small shared library called through
 ctypes (no torch headers: seconds to build, and nothing added to the
@@ -426,7 +429,7 @@ def _blocks(nbytes: int, cap: int) -> int:
 
 
 class _Case:
-    """Buffers and streams of one (structure, tokens) case; ``record(att, ffn)`` enqueues the rounds."""
+    """Buffers and streams of one (structure, tokens) case; ``att_rounds``/``ffn_rounds`` enqueue round trips."""
 
     def __init__(self, plan: Plan, structure: str, tokens: int, lib: Optional[_Lib], att_dev, ffn_dev):
         import torch
@@ -712,7 +715,7 @@ def run(plan: Plan, out: Optional[str]) -> int:
     import torch
 
     if not torch.cuda.is_available() or torch.cuda.device_count() < 1:
-        raise AFDConfigError("afd-ext bench --peer-structure needs a CUDA GPU (none is visible)")
+        raise AFDConfigError("needs a CUDA GPU (none is visible)")
     if "plane" in plan.structures:
         from afd_ext import ops
 
@@ -730,8 +733,10 @@ def run(plan: Plan, out: Optional[str]) -> int:
     meta = {"device": torch.cuda.get_device_name(0), "gpus": 2 if two else 1, "torch": torch.__version__,
             "plan": plan.__dict__}
     if lib is not None:
-        meta["min_regs"] = {k: lib.lib.ps_regs(i) for i, k in enumerate(("put", "wait", "fused", "floor_attn",
-                                                                           "floor_ffn"))}
+        for d in sorted({att_dev.index, ffn_dev.index}):  # loads the module on each GPU before any capture
+            with torch.cuda.device(d):
+                meta["min_regs"] = {k: lib.lib.ps_regs(i) for i, k in enumerate(
+                    ("put", "wait", "fused", "floor_attn", "floor_ffn"))}
     print(f"peer structure: {meta['device']}, {'attention cuda:0, FFN cuda:1' if two else 'both roles on cuda:0'}; "
           f"minimal kernels' registers {meta.get('min_regs')}", flush=True)
     prof_dir = out if plan.torch_profile else None
