@@ -36,6 +36,11 @@ def test_default_plan_is_the_issue_sweep():
     assert cases[:4] == [("floor", 1), ("min", 1), ("fused", 1), ("plane", 1)]
     # bytes per round trip: 7168 bf16 + 256 fp32 + one int32 to the FFN, 7168 bf16 back
     assert p.fan_in_bytes(1) == 14336 + 1024 + 4 and p.reply_bytes(8192) == 8192 * 14336
+    # the minimal kernels' launch shape defaults to the plane's rule (64 KiB per block, puts <= 2 per SM)
+    assert p.blocks(1, 264) == 1 and p.blocks(64 << 10, 264) == 1 and p.blocks((64 << 10) + 1, 264) == 2
+    assert p.blocks(p.fan_in_bytes(8192), 2 * 132) == 264 and p.blocks(p.reply_bytes(8192), 132) == 132
+    q = _plan("--block-kib", "16", "--put-blocks-per-sm", "4")
+    assert q.blocks(64 << 10, 4 * 132) == 4 and q.blocks(p.fan_in_bytes(8192), 4 * 132) == 528
 
 
 def test_profile_plan_and_serial_restriction():
@@ -52,6 +57,7 @@ def test_profile_plan_and_serial_restriction():
     (["--tokens", "0"], ">= 1"),
     (["--rounds", "0"], "--rounds"),
     (["--replays", "0"], "--replays"),
+    (["--block-kib", "0"], "--block-kib"),
     (["--hidden", "100"], "multiple of 8"),
     (["--structures", "floor", "--tokens", "8"], "1 token only"),
 ])

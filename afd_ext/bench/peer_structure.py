@@ -275,6 +275,8 @@ class Plan:
         hidden: hidden size (bf16 elements); logits: router-logits width (fp32); rounds: round trips per graph;
         replays: timed replays (best taken; one warm-up replay before them).
         serial: one eager round trip per structure on one stream instead (for ncu).
+        block_kib, put_blocks_per_sm: launch shape of the minimal kernels (the plane's rule by default:
+            64 KiB per block, puts at most 2 blocks per SM, copying waits at most 1).
         torch_profile: also record one concurrent replay per structure and size with the PyTorch profiler.
     """
 
@@ -286,6 +288,12 @@ class Plan:
     replays: int = 8
     serial: bool = False
     torch_profile: bool = False
+    block_kib: int = BYTES_PER_BLOCK >> 10
+    put_blocks_per_sm: int = 2
+
+    def blocks(self, nbytes: int, cap: int) -> int:
+        """Grid of a minimal kernel moving ``nbytes``: one block per ``block_kib`` KiB, at most ``cap``."""
+        return max(1, min(cap, -(-nbytes // (self.block_kib << 10))))
 
     def fan_in_bytes(self, t: int) -> int:
         """Bytes one round trip moves to the FFN."""
@@ -308,6 +316,10 @@ def build_parser(prog: str = "afd-ext bench --peer-structure") -> argparse.Argum
     p.add_argument("--logits", type=int, default=256, help="router-logits width (fp32)")
     p.add_argument("--rounds", type=int, default=100, help="round trips per CUDA graph")
     p.add_argument("--replays", type=int, default=8, help="timed graph replays (best is reported)")
+    p.add_argument("--block-kib", type=int, default=BYTES_PER_BLOCK >> 10,
+                   help="minimal kernels: KiB per block (the plane's rule: 64)")
+    p.add_argument("--put-blocks-per-sm", type=int, default=2,
+                   help="minimal kernels: most put blocks per SM (the plane's rule: 2)")
     p.add_argument("--serial", action="store_true",
                    help="one eager round trip per structure on one stream (for ncu), no timing")
     p.add_argument("--torch-profile", action="store_true",
@@ -334,13 +346,13 @@ def parse_plan(args: argparse.Namespace) -> Plan:
         raise AFDConfigError(f"--tokens: expected comma-separated integers, got {args.tokens!r}") from None
     if not tokens or min(tokens) < 1:
         raise AFDConfigError(f"--tokens: every size must be >= 1, got {args.tokens!r}")
-    for name in ("hidden", "rounds", "replays"):
+    for name in ("hidden", "rounds", "replays", "block_kib", "put_blocks_per_sm"):
         if getattr(args, name) < 1:
-            raise AFDConfigError(f"--{name} must be >= 1, got {getattr(args, name)}")
+            raise AFDConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.logits < 0 or args.hidden % 8:
         raise AFDConfigError(f"--hidden must be a multiple of 8 and --logits >= 0, got {args.hidden}, {args.logits}")
     plan = Plan(structures, tokens, args.hidden, args.logits, args.rounds, args.replays, args.serial,
-                args.torch_profile)
+                args.torch_profile, args.block_kib, args.put_blocks_per_sm)
     if not plan.cases():
         raise AFDConfigError("nothing to run: 'floor' runs at 1 token only; add 1 to --tokens")
     if plan.serial and set(structures) - {"min", "plane"}:
@@ -419,10 +431,6 @@ class _Lib:
              (ctypes.c_longlong * n)(*[t.numel() * t.element_size() for t in srcs]))
         self._keep.append(a)
         return n, a[0], a[1], a[2]
-
-
-def _blocks(nbytes: int, cap: int) -> int:
-    return max(1, min(cap, -(-nbytes // BYTES_PER_BLOCK)))
 
 
 # ------------------------------------------------------------------ one case
@@ -530,11 +538,11 @@ class _Case:
             lib.call("ps_floor_attn", st, n, nparts, src, dst, nb, seq, self.flag_f.data_ptr(),
                      self.flag_a.data_ptr(), self.reply.data_ptr(), self.out.data_ptr(), cbytes)
             return
-        put_grid = _blocks(self.plan.fan_in_bytes(T), 2 * self.sms)
+        put_grid = self.plan.blocks(self.plan.fan_in_bytes(T), self.plan.put_blocks_per_sm * self.sms)
         for _ in range(n):
             if s == "min":
                 lib.call("ps_put", st, put_grid, nparts, src, dst, nb, done, seq, self.flag_f.data_ptr())
-                lib.call("ps_wait", st, _blocks(cbytes, self.sms), self.flag_a.data_ptr(), seq, 0,
+                lib.call("ps_wait", st, self.plan.blocks(cbytes, self.sms), self.flag_a.data_ptr(), seq, 0,
                          self.reply.data_ptr(), self.out.data_ptr(), cbytes)
             else:  # fused: one kernel, at most one block per SM (all resident while spinning)
                 lib.call("ps_fused", st, min(put_grid, self.sms), nparts, src, dst, nb, done, seq,
@@ -561,8 +569,8 @@ class _Case:
         nparts, src, dst, nb = lib.parts([self.fan_in[0]], [self.reply])
         for _ in range(n):
             lib.call("ps_wait", st, 1, self.flag_f.data_ptr(), seq, 1, None, None, 0)
-            lib.call("ps_put", st, _blocks(cbytes, 2 * self.sms), nparts, src, dst, nb, done, seq,
-                     self.flag_a.data_ptr())
+            lib.call("ps_put", st, self.plan.blocks(cbytes, self.plan.put_blocks_per_sm * self.sms), nparts,
+                     src, dst, nb, done, seq, self.flag_a.data_ptr())
 
     def close(self) -> None:
         import torch
@@ -669,14 +677,15 @@ def _serial(plan: Plan, case: _Case) -> dict:
             lib, T = case.lib, case.T
             srcs = [t for t in case.inp if t is not None]
             n, src, dst, nb = lib.parts(srcs, [t for t in case.fan_in if t is not None])
-            lib.call("ps_put", st, _blocks(plan.fan_in_bytes(T), 2 * case.sms), n, src, dst, nb,
+            put_cap = plan.put_blocks_per_sm * case.sms
+            lib.call("ps_put", st, plan.blocks(plan.fan_in_bytes(T), put_cap), n, src, dst, nb,
                      case.ctr_a.data_ptr() + 8, case.ctr_a.data_ptr(), case.flag_f.data_ptr())
             lib.call("ps_wait", st, 1, case.flag_f.data_ptr(), case.ctr_f.data_ptr(), 1, None, None, 0)
             n2, src2, dst2, nb2 = lib.parts([case.fan_in[0]], [case.reply])
             cb = plan.reply_bytes(T)
-            lib.call("ps_put", st, _blocks(cb, 2 * case.sms), n2, src2, dst2, nb2, case.ctr_f.data_ptr() + 8,
+            lib.call("ps_put", st, plan.blocks(cb, put_cap), n2, src2, dst2, nb2, case.ctr_f.data_ptr() + 8,
                      case.ctr_f.data_ptr(), case.flag_a.data_ptr())
-            lib.call("ps_wait", st, _blocks(cb, case.sms), case.flag_a.data_ptr(), case.ctr_a.data_ptr(), 0,
+            lib.call("ps_wait", st, plan.blocks(cb, case.sms), case.flag_a.data_ptr(), case.ctr_a.data_ptr(), 0,
                      case.reply.data_ptr(), case.out.data_ptr(), cb)
     _sync(sorted({case.att_dev.index, case.ffn_dev.index}))
     why = case.check()
