@@ -53,6 +53,11 @@ else
 fi
 { echo; echo "# minimal kernels (ptxas -v)"; cat "$XDG_CACHE_HOME"/afd_ext_peer_structure/*.ptxas.txt 2>/dev/null
   echo "# the plane's kernels (cuobjdump --dump-resource-usage)"
-  "$CUDA_HOME/bin/cuobjdump" --dump-resource-usage afd_ext/_C*.so 2>&1 | grep -A1 -i "peer_" ; } | tee -a "$OUT/profile.log" | grep -E "entry|REG|Used" | head -20
+  "$CUDA_HOME/bin/cuobjdump" --dump-resource-usage afd_ext/_C*.so 2>&1 | grep -A1 -i "peer_"
+  echo "# fences, atomics and system-scope stores in the SASS of both kernel sets"
+  for f in afd_ext/_C*.so "$XDG_CACHE_HOME"/afd_ext_peer_structure/ps_*.so; do
+    "$CUDA_HOME/bin/cuobjdump" --dump-sass "$f" 2>/dev/null | awk '/Function :/ {keep = ($0 ~ /peer_|min_|floor_/);
+      if (keep) print; next} keep && /MEMBAR|FENCE|ERRBAR|ATOM|RED\.|STRONG\.SYS|CCTL|EXIT/ {print}'
+  done; } | tee -a "$OUT/profile.log" | grep -E "entry|REG|Used|Function" | head -30
 echo; echo "=== table"; sed -n '/^µs per round trip/,$p' "$OUT/bench.log"
 exit $status
