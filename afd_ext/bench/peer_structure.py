@@ -748,7 +748,7 @@ def run(plan: Plan, out: Optional[str]) -> int:
                     ("put", "wait", "fused", "floor_attn", "floor_ffn"))}
     print(f"peer structure: {meta['device']}, {'attention cuda:0, FFN cuda:1' if two else 'both roles on cuda:0'}; "
           f"minimal kernels' registers {meta.get('min_regs')}", flush=True)
-    prof_dir = out if plan.torch_profile else None
+    prof_dir = (out or tempfile.gettempdir()) if plan.torch_profile else None
     if out:
         os.makedirs(out, exist_ok=True)
     recs = []
