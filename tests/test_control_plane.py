@@ -17,9 +17,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from afd_ext import control_plane as cp
+from afd_ext import control as cp
 from afd_ext import rendezvous as rdzv
-from afd_ext.control import ring as cring
 from afd_ext.control import shm as cshm
 from afd_ext.errors import AFDConfigError, AFDStateError, ControlProtocolError
 from afd_ext.metadata import AFDControlPayload, AFDDPMetadata
@@ -27,7 +26,7 @@ from afd_ext.testing import find_free_port, run_workers
 from afd_ext.topology import Topology
 
 HOST = "127.0.0.1"
-FAST = dict(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0, idle_s=0.002, tcp_proxy=False)  # proxy: asked for
+FAST = dict(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0, idle_s=0.002)
 
 
 def _message(i: int, size: int) -> bytes:
