@@ -255,6 +255,7 @@ class AFDControlPlane:
             self.source = topology.control_source(role_rank)
         self.channels: dict[int, ControlChannel] = {}
         self.store: AFDStore | None = None
+        self._received: Any = None  # the payload recv_dp_metadata_list returned last (not yet applied)
         self._open = False
         if channels is not None:
             self.attach(channels, store=store)
@@ -332,9 +333,23 @@ class AFDControlPlane:
         FFN ranks after :meth:`recv_dp_metadata_list`.
 
         Raises:
+            ControlProtocolError: on an FFN rank, the payload :meth:`recv_dp_metadata_list` returned
+                does not fit this job (e.g. a count vector of the wrong length): the sender's
+                fault, named; the step-abort signal is posted first, so every rank stops at once.
             Whatever ``apply_payload`` raises for an invalid step or a wrong state.
         """
-        self._apply(payload)
+        if payload is None or payload is not self._received:
+            self._apply(payload)
+            return
+        self._received = None
+        try:
+            self._apply(payload)
+        except ValueError as e:
+            err = ControlProtocolError(f"{_OP_RECV}: the control payload from {self.channels[self.source].peer} "
+                                       f"does not fit this job: {e}")
+            if self.store is not None:
+                rdzv.post_abort(self.store, str(err))
+            raise err from None
 
     def send_dp_metadata_list(self, payload: Any) -> None:
         """Send ``payload`` to this attention rank's control destinations (a no-op on non-senders).
@@ -384,7 +399,8 @@ class AFDControlPlane:
                 raise ControlProtocolError(f"{_OP_RECV}: a {len(data)}-byte control payload from {ch.peer} "
                                            f"exceeds max_payload_bytes={self.max_payload_bytes}")
             try:
-                return self._md.decode_control_binary(data)
+                self._received = self._md.decode_control_binary(data)
+                return self._received
             except ValueError as e:
                 raise ControlProtocolError(f"{_OP_RECV}: malformed control payload from {ch.peer}: {e}") from None
         except ControlProtocolError as e:
