@@ -4,6 +4,8 @@
 #include "control.h"
 
 #include <linux/futex.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
@@ -138,6 +140,7 @@ int64_t shm_take(uint8_t* ring, uint64_t nslots, uint64_t stride, uint64_t k, ui
 }
 
 int64_t tcp_read(int fd, uint8_t* buf, uint64_t cap, int64_t spin_until, int64_t deadline) {
+  int64_t acks_delayed = 0;
   for (;;) {
     const ssize_t n = recv(fd, buf, cap, MSG_DONTWAIT);
     if (n >= 0) return n;
@@ -145,6 +148,13 @@ int64_t tcp_read(int fd, uint8_t* buf, uint64_t cap, int64_t spin_until, int64_t
     const int64_t now = now_ns();
     if (now >= deadline) return kSlice;
     if (now < spin_until) {
+      // Delayed ACKs, or the payload's recv() sends one on the critical path (45 -> 5 us at 50 ms
+      // gaps, GPU runs 22-23); the kernel turns quick ACKs back on when a delayed one fires.
+      if (now - acks_delayed > 5000000) {
+        const int off = 0;
+        setsockopt(fd, IPPROTO_TCP, TCP_QUICKACK, &off, sizeof off);
+        acks_delayed = now;
+      }
       relax();
       continue;
     }
