@@ -127,7 +127,7 @@ register("AFD_JOB_ID", None,
 register("AFD_CONNECTOR_EXTRA_CONFIG", None,
          "launch: JSON object merged into connector_extra_config by config_from_env")
 
-# --- control plane (afd_ext.control_plane) -------------------------------------------
+# --- control plane (afd_ext.control) -------------------------------------------
 register("AFD_CONTROL_ADDR", None,
          "control plane: address an FFN rank listens on and advertises for its TCP control channel "
          "(default: the local address that routes to the rendezvous host)")
@@ -140,48 +140,14 @@ def _non_negative_float(value: str) -> float:
 
 register("AFD_CONTROL_IDLE_S", 10.0,
          "control plane: seconds after the last payload that a waiting FFN rank keeps polling "
-         "(native code, GIL released: one core per FFN rank while serving) before it blocks and "
-         "wakes ~100 us slower; 0 always blocks (machines with fewer cores than ranks)",
+         "(native code, GIL released: one core per FFN rank while serving) before it sleeps and "
+         "wakes ~100 us slower; 0 always sleeps (machines with fewer cores than ranks)",
          _non_negative_float)
-register("AFD_CONTROL_WARM_S", 0.0005,
-         "control plane: while a waiting FFN rank polls, every this many seconds it takes and builds a "
-         "private copy of the last payload and sends it as the attention end does on a private scratch ring "
-         "(1-3 us holding the GIL; tcp: also a frame over a private loopback pair, its recv() path), so that "
-         "a payload after a long gap finds both ends' code in cache; 0 turns it off", _non_negative_float)
-register("AFD_CONTROL_KEEP_S", 0.0005,
-         "control plane: while an attention rank sends (a send less than AFD_CONTROL_IDLE_S ago), a native "
-         "thread of its process on another CPU: over shared memory it reads the send path's code and ring "
-         "lines every this many seconds (they stay in the shared cache); over tcp with AFD_CONTROL_TCP_PROXY "
-         "it also runs a loopback round every this many seconds (the kernel's TCP path stays warm there); "
-         "0 turns it off",
-         _non_negative_float)
-
-
-def _cpu_list(value: str) -> tuple[int, ...] | None:
-    if not value.strip():
-        return None
-    try:
-        cpus = tuple(int(c) for c in value.split(","))
-    except ValueError:
-        raise AFDConfigError(f"expected CPU numbers separated by commas (e.g. 3 or 3,4), got {value!r}") from None
-    if any(c < 0 for c in cpus):
-        raise AFDConfigError(f"expected CPU numbers >= 0, got {value!r}")
-    return cpus
-
-
-register("AFD_CONTROL_KEEP_CPUS", None,
-         "control plane: the CPUs (e.g. 3 or 3,4) of an attention rank's keeper / tcp proxy thread "
-         "(AFD_CONTROL_KEEP_S); unset: any the opening thread may use but the one it runs on", _cpu_list)
-def _auto_bool(value: str) -> bool | None:
-    """``auto`` or empty -> None (the default's rule), else as :func:`parse_bool`."""
-    return None if value.strip().lower() in ("", "auto") else parse_bool(value)
-
-
-register("AFD_CONTROL_TCP_PROXY", None,
-         "control plane: a tcp attention rank's send proxy, a native thread on another CPU that spins while it "
-         "sends (one core; it rests AFD_CONTROL_IDLE_S after the last send) and sends each frame from its warm "
-         "CPU; 1 on, 0 off, unset / empty / auto: on where AFD_CONTROL_KEEP_CPUS is set or the process may use at "
-         "least 4 CPUs, its cgroup's CPU quota included (docs/configuration.md has the measurements)", _auto_bool)
+#: Control-plane variables whose machinery is gone: accepted, ignored with a DeprecationWarning.
+REMOVED_CONTROL = ("AFD_CONTROL_WARM_S", "AFD_CONTROL_KEEP_S", "AFD_CONTROL_KEEP_CPUS", "AFD_CONTROL_TCP_PROXY")
+for _name in REMOVED_CONTROL:
+    register(_name, None, "control plane: deprecated and ignored (it tuned the cache keepers removed in "
+             "issue 33); a value set warns once at init", lambda value: None)
 
 # --- vLLM + afd-plugin integration (afd_ext.integrations.afd_plugin) ---------------------
 register("AFD_EXT_REPLACE_P2P", False,

@@ -61,8 +61,6 @@ __all__ = [
     "decode_control_payload",
     "encode_control_binary",
     "decode_control_binary",
-    "control_payload_parts",
-    "encode_control_parts",
     "frame_control_payload",
     "control_frame_size",
     "unframe_control_payload",
@@ -231,11 +229,7 @@ class AFDDPMetadata:
 
     @classmethod
     def _trusted(cls, counts: tuple[int, ...], max_tokens: int) -> "AFDDPMetadata":
-        """Build from already validated exact ints (the decoder), without re-validation.
-
-        The native takes build the same object (``csrc/cpu/control_poll.cpp``): ``_counts``
-        and ``_max`` set, the slots of ``_NONE_WHEN_TRUSTED`` None.
-        """
+        """Build from already validated exact ints (the decoder), without re-validation."""
         md = object.__new__(cls)
         md._counts = counts
         md._max = max_tokens
@@ -889,7 +883,8 @@ def encode_control_binary(payload: AFDControlPayload) -> bytes:
     reference-format API.
 
     Args:
-        payload: the control payload (or any object with its fields, see :func:`control_payload_parts`).
+        payload: the control payload, or any object with its fields (the reference plugin's own
+            class included; read by :meth:`AFDControlPayload.from_fields`).
 
     Returns:
         The encoded bytes (``8 + sum(12 + 4 * n)`` bytes).
@@ -900,38 +895,18 @@ def encode_control_binary(payload: AFDControlPayload) -> bytes:
             flag, a stage key that is not an int in ``[0, 2**32)``, invalid
             counts, more than 65535 stages).
     """
-    return encode_control_parts(*control_payload_parts(payload))
-
-
-def control_payload_parts(payload: AFDControlPayload) -> tuple[int, tuple[tuple[int, int, tuple[int, ...]], ...]]:
-    """Check ``payload`` and return what the binary layout carries: ``(flags, stages)``.
-
-    ``flags`` are the layout's flag bits; ``stages`` is ``((stage, max_tokens, counts), ...)``
-    in increasing stage order (the control plane's native sender encodes these).
-
-    Args:
-        payload: an :class:`AFDControlPayload`, or any object with its fields (the
-            reference plugin's own class included; read by :meth:`AFDControlPayload.from_fields`).
-
-    Raises:
-        AFDConfigError: as :func:`encode_control_binary`.
-    """
     payload, stages = _checked_stages(payload)
     if stages and stages[-1][0] > _U32_MAX:
         raise AFDConfigError(f"dp_metadata_list keys must be stage ints in [0, 2**32), got {stages[-1][0]!r}")
     if len(stages) > 0xFFFF:
         raise AFDConfigError(f"a control payload holds at most 65535 stages, got {len(stages)}")
     c, w, r, p = payload.is_graph_capturing, payload.is_warmup, payload.is_graph_replaying, payload.is_profile
-    return c | w << 1 | r << 2 | p << 3, tuple((st, m.max_tokens, m.counts) for st, m in stages)
-
-
-def encode_control_parts(flags: int, stages: Sequence[tuple[int, int, Sequence[int]]]) -> bytes:
-    """Pack :func:`control_payload_parts` output in the binary layout of :func:`encode_control_binary`."""
     fmt = ["<4sBBH"]
-    args: list[Any] = [_BIN_MAGIC, _BIN_VERSION, flags, len(stages)]
-    for s, mx, counts in stages:
+    args: list[Any] = [_BIN_MAGIC, _BIN_VERSION, c | w << 1 | r << 2 | p << 3, len(stages)]
+    for s, m in stages:
+        counts = m.counts
         fmt.append(f"III{len(counts)}i")
-        args += (s, len(counts), mx)
+        args += (s, len(counts), m.max_tokens)
         args += counts
     return struct.pack("".join(fmt), *args)
 

@@ -8,6 +8,9 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include <string>
+
+#include "cpu/control.h"
 #include "ops.h"
 
 #ifdef AFD_WITH_CUDA
@@ -100,59 +103,97 @@ TORCH_LIBRARY_IMPL(afd_ext, CompositeExplicitAutograd, m) {
   m.impl("peer_region_view", &afd::peer_region_view);
 }
 
-// The control plane's per-message calls (csrc/cpu/control_poll.cpp): plain module
-// functions and two callable types (the per-step fronts), far cheaper per call than a torch
-// op or ctypes.
-PyObject* afd_ctrl_take_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
-PyObject* afd_ctrl_parse_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
-PyObject* afd_ctrl_crc32_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
-PyObject* afd_ctrl_send_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
-PyObject* afd_ctrl_send_payload_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
-PyObject* afd_ctrl_keeper_start_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
-PyObject* afd_ctrl_keeper_passes_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
-PyObject* afd_ctrl_keeper_stop_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
-PyObject* afd_ctrl_tcp_proxy_start_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
-PyObject* afd_ctrl_tcp_proxy_served_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
-PyObject* afd_ctrl_bind_types_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
-PyObject* afd_ctrl_tcp_send_payload_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
-PyObject* afd_ctrl_tcp_take_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
-PyObject* afd_ctrl_tcp_lock_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
-PyObject* afd_ctrl_tcp_unlock_py(PyObject*, PyObject* const* args, Py_ssize_t nargs);
-int afd_ctrl_add_types(PyObject* mod);  // SendFront, TakeFront, TcpSendFront, TcpTakeFront
+// The control plane's waits (csrc/cpu/control_poll.cpp) as plain module functions: the ring is
+// any writable buffer over the mapping (held for the call), and the GIL is released while they wait.
+static bool ctrl_ring(PyObject* ring, uint64_t nslots, uint64_t stride, uint64_t cap, Py_buffer* b) {
+  if (PyObject_GetBuffer(ring, b, PyBUF_WRITABLE) < 0) return false;
+  if (nslots == 0 || stride < afd::ctrl::kSlotHeader + cap || stride > (1ULL << 32) || nslots > (1ULL << 20) ||
+      uint64_t(b->len) < afd::ctrl::kHeaderBytes + nslots * stride) {
+    PyBuffer_Release(b);
+    PyErr_SetString(PyExc_ValueError, "control ring: the geometry does not fit the buffer");
+    return false;
+  }
+  return true;
+}
 
-#define AFD_FASTCALL(fn) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(fn)), METH_FASTCALL
+// ctrl_shm_take(ring, nslots, stride, k, cap, spin_until_ns, deadline_ns) -> (total, sender, bytes) | int
+static PyObject* ctrl_shm_take_py(PyObject*, PyObject* args) {
+  PyObject* ring;
+  unsigned long long nslots, stride, k, cap;
+  long long spin_until, deadline;
+  Py_buffer b;
+  if (!PyArg_ParseTuple(args, "OKKKKLL", &ring, &nslots, &stride, &k, &cap, &spin_until, &deadline) ||
+      !ctrl_ring(ring, nslots, stride, cap, &b))
+    return nullptr;
+  std::string out(cap, '\0');
+  uint64_t total = 0;
+  uint32_t sender = 0;
+  int64_t r;
+  Py_BEGIN_ALLOW_THREADS
+  r = afd::ctrl::shm_take(static_cast<uint8_t*>(b.buf), nslots, stride, k, reinterpret_cast<uint8_t*>(out.data()),
+                          cap, &total, &sender, spin_until, deadline);
+  Py_END_ALLOW_THREADS
+  PyBuffer_Release(&b);
+  if (r >= 0)
+    return Py_BuildValue("(KIN)", (unsigned long long)total, sender, PyBytes_FromStringAndSize(out.data(), Py_ssize_t(r)));
+  if (PyErr_CheckSignals() < 0) return nullptr;
+  return PyLong_FromLongLong(r);
+}
+
+// ctrl_shm_put(ring, nslots, stride, k, total, sender, data) -> None
+static PyObject* ctrl_shm_put_py(PyObject*, PyObject* args) {
+  PyObject* ring;
+  unsigned long long nslots, stride, k, total;
+  unsigned int sender;
+  Py_buffer data, b;
+  if (!PyArg_ParseTuple(args, "OKKKKIy*", &ring, &nslots, &stride, &k, &total, &sender, &data)) return nullptr;
+  const bool ok = ctrl_ring(ring, nslots, stride, uint64_t(data.len), &b);
+  if (ok) {
+    afd::ctrl::shm_put(static_cast<uint8_t*>(b.buf), nslots, stride, k, total, sender,
+                       static_cast<const uint8_t*>(data.buf), uint32_t(data.len));
+    PyBuffer_Release(&b);
+  }
+  PyBuffer_Release(&data);
+  if (!ok) return nullptr;
+  Py_RETURN_NONE;
+}
+
+// ctrl_shm_stop(ring) -> None
+static PyObject* ctrl_shm_stop_py(PyObject*, PyObject* ring) {
+  Py_buffer b;
+  if (!ctrl_ring(ring, 1, afd::ctrl::kSlotHeader, 0, &b)) return nullptr;
+  afd::ctrl::shm_stop(static_cast<uint8_t*>(b.buf));
+  PyBuffer_Release(&b);
+  Py_RETURN_NONE;
+}
+
+// ctrl_tcp_read(fd, cap, spin_until_ns, deadline_ns) -> bytes (b"" at EOF) | None (the deadline passed)
+static PyObject* ctrl_tcp_read_py(PyObject*, PyObject* args) {
+  int fd;
+  unsigned long long cap;
+  long long spin_until, deadline;
+  if (!PyArg_ParseTuple(args, "iKLL", &fd, &cap, &spin_until, &deadline)) return nullptr;
+  std::string buf(cap, '\0');
+  int64_t r;
+  Py_BEGIN_ALLOW_THREADS
+  r = afd::ctrl::tcp_read(fd, reinterpret_cast<uint8_t*>(buf.data()), cap, spin_until, deadline);
+  Py_END_ALLOW_THREADS
+  if (r >= 0) return PyBytes_FromStringAndSize(buf.data(), Py_ssize_t(r));
+  if (r == afd::ctrl::kSlice) {
+    if (PyErr_CheckSignals() < 0) return nullptr;
+    Py_RETURN_NONE;
+  }
+  errno = int(-r);
+  return PyErr_SetFromErrno(PyExc_OSError);
+}
 
 static PyMethodDef afd_methods[] = {
-    {"ctrl_take", AFD_FASTCALL(afd_ctrl_take_py),
-     "Control plane: take the next shared-memory message, built (see afd_ext/control/shm.py)."},
-    {"ctrl_parse", AFD_FASTCALL(afd_ctrl_parse_py),
-     "Control plane: build an AFDControlPayload from a binary control payload as the takes do."},
-    {"ctrl_crc32", AFD_FASTCALL(afd_ctrl_crc32_py),
-     "Control plane: zlib.crc32(data, value) as the ring's native paths compute it (tests)."},
-    {"ctrl_send", AFD_FASTCALL(afd_ctrl_send_py),
-     "Control plane: encode and publish a payload in shared memory (see afd_ext/control/shm.py)."},
-    {"ctrl_send_payload", AFD_FASTCALL(afd_ctrl_send_payload_py),
-     "Control plane: encode an AFDControlPayload from its fields and publish it (see afd_ext/control/shm.py)."},
-    {"ctrl_keeper_start", AFD_FASTCALL(afd_ctrl_keeper_start_py),
-     "Control plane: start a shm sender's keeper thread (the send path kept in the shared cache)."},
-    {"ctrl_keeper_passes", AFD_FASTCALL(afd_ctrl_keeper_passes_py),
-     "Control plane: a keeper's passes so far (-1: not running here: no other CPU, or a forked child's copy)."},
-    {"ctrl_keeper_stop", AFD_FASTCALL(afd_ctrl_keeper_stop_py),
-     "Control plane: stop and join a keeper (idempotent); its passes."},
-    {"ctrl_tcp_proxy_start", AFD_FASTCALL(afd_ctrl_tcp_proxy_start_py),
-     "Control plane: start a tcp sender's proxy thread (sends each frame from a CPU whose TCP path is warm)."},
-    {"ctrl_tcp_proxy_served", AFD_FASTCALL(afd_ctrl_tcp_proxy_served_py),
-     "Control plane: the frames a tcp sender's proxy sent so far."},
-    {"ctrl_bind_types", AFD_FASTCALL(afd_ctrl_bind_types_py),
-     "Control plane: the payload classes the native sends read and the takes build."},
-    {"ctrl_tcp_send_payload", AFD_FASTCALL(afd_ctrl_tcp_send_payload_py),
-     "Control plane: encode an AFDControlPayload and send it as one TCP frame under the end's send lock (see afd_ext/control/tcp.py)."},
-    {"ctrl_tcp_take", AFD_FASTCALL(afd_ctrl_tcp_take_py),
-     "Control plane: poll a TCP channel and read one frame, built (see afd_ext/control/tcp.py)."},
-    {"ctrl_tcp_lock", AFD_FASTCALL(afd_ctrl_tcp_lock_py),
-     "Control plane: take a TCP end's send lock for a frame Python sends (the GIL released while it waits)."},
-    {"ctrl_tcp_unlock", AFD_FASTCALL(afd_ctrl_tcp_unlock_py),
-     "Control plane: release a TCP end's send lock."},
+    {"ctrl_shm_take", ctrl_shm_take_py, METH_VARARGS,
+     "Control plane: wait for a shared-memory ring's next message (afd_ext/control/shm.py)."},
+    {"ctrl_shm_put", ctrl_shm_put_py, METH_VARARGS, "Control plane: publish a message in a shared-memory ring."},
+    {"ctrl_shm_stop", ctrl_shm_stop_py, METH_O, "Control plane: end a shared-memory ring's waits (close)."},
+    {"ctrl_tcp_read", ctrl_tcp_read_py, METH_VARARGS,
+     "Control plane: wait for and read a TCP control socket's bytes (afd_ext/control/tcp.py)."},
     {nullptr, nullptr, 0, nullptr}};
 
 // `import afd_ext._C` loads the library (running the registrations above) and
@@ -174,7 +215,9 @@ PyMODINIT_FUNC PyInit__C(void) {
 #endif
   if (PyModule_AddIntConstant(mod, "CUDA_BUILT", cuda_built) < 0 ||
       PyModule_AddIntConstant(mod, "NCCL_VERSION_CODE", nccl_compiled) < 0 ||
-      PyModule_AddStringConstant(mod, "ARCH_LIST", AFD_ARCH_LIST) < 0 || afd_ctrl_add_types(mod) < 0) {
+      PyModule_AddStringConstant(mod, "ARCH_LIST", AFD_ARCH_LIST) < 0 ||
+      PyModule_AddIntConstant(mod, "CTRL_HEADER_BYTES", afd::ctrl::kHeaderBytes) < 0 ||
+      PyModule_AddIntConstant(mod, "CTRL_SLOT_HEADER", afd::ctrl::kSlotHeader) < 0) {
     Py_DECREF(mod);
     return nullptr;
   }

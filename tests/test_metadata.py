@@ -604,9 +604,9 @@ def test_repeated_payload_decodes_to_fresh_objects_and_bounds_still_apply():
                                     "p.dp_metadata_list = ()"])
 def test_a_payload_changed_after_construction_is_a_config_error_before_it_is_sent(change):
     from afd_ext.errors import AFDConfigError
-    from afd_ext.metadata import control_payload_parts
+    from afd_ext.metadata import encode_control_binary
 
     p = AFDControlPayload(dp_metadata_list={0: AFDDPMetadata([1])})
     exec(change)
     with pytest.raises(AFDConfigError):
-        control_payload_parts(p)
+        encode_control_binary(p)

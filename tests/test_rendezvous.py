@@ -221,7 +221,7 @@ def _routable_local_address() -> str | None:
 def _non_loopback_worker(rank, nprocs, host, port):
     import socket
 
-    from afd_ext import control_plane as cp
+    from afd_ext import control as cp
     from afd_ext.topology import Topology
 
     store = rdzv.connect(host, port, rank, 2, 30.0, num_ffn_ranks=1)

@@ -96,12 +96,9 @@ def build_parser(prog: str = "afd-ext bench") -> argparse.ArgumentParser:
     p.add_argument("--no-control", action="store_true", help="skip the control-plane measurement")
     p.add_argument("--control-only", action="store_true",
                    help="only the control-plane table: end to end at step gaps of --control-gaps ms, shm and "
-                        "tcp (and both without the receiver's rehearsal), beside the reference pattern over gloo, with "
-                        "per-phase times (about 2 min)")
+                        "tcp beside the reference pattern over gloo, p50 / p99 per gap (about 1 min)")
     p.add_argument("--control-gaps", default="1,5,20,50", help="step gaps of the control-plane table, ms")
-    p.add_argument("--control-rounds", type=int, default=3,
-                   help="rounds of the control-plane table: each runs every column once (fresh processes), "
-                        "columns and gaps in a rotated order; a cell's rounds are pooled")
+    p.add_argument("--control-rounds", type=int, default=None, help=argparse.SUPPRESS)  # deprecated: ignored
     p.add_argument("--timeout", type=float, default=None,
                    help="deadline for the whole run, seconds, all restarts included (default 420; 240 with "
                         "--check); keep any outer `timeout` above it so partial results get written")
@@ -507,10 +504,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"afd-ext bench: --control-gaps: expected comma-separated ms, got {args.control_gaps!r}",
                   file=sys.stderr)
             return 2
-        if args.control_rounds < 1:
-            print(f"afd-ext bench: --control-rounds must be >= 1, got {args.control_rounds}", file=sys.stderr)
-            return 2
-        return control_main(gaps, rounds=args.control_rounds, out=args.out)
+        if args.control_rounds is not None:
+            print("afd-ext bench: --control-rounds is deprecated and ignored", file=sys.stderr)
+        return control_main(gaps, out=args.out)
     if args.merge:
         try:
             doc = report.merge_documents(report.load_documents(args.merge))

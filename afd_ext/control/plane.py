@@ -9,16 +9,10 @@ import time
 from typing import Any, Callable, Mapping
 
 from afd_ext import rendezvous as rdzv
-from afd_ext.errors import AFDConfigError, AFDStateError, ControlChannelClosed, ControlProtocolError
+from afd_ext.errors import AFDConfigError, AFDStateError, ControlChannelClosed, ControlProtocolError, PeerDeadError
 from afd_ext.rendezvous import AFDStore
 
-from .channel import (
-    CHANNEL_KINDS,
-    _OP_RECV,
-    ChannelOptions,
-    ControlChannel,
-    logger,
-)
+from .channel import CHANNEL_KINDS, _OP_RECV, ChannelOptions, ControlChannel, _proc_start_time, logger
 from .shm import ShmControlChannel
 from .tcp import TcpControlChannel
 
@@ -117,8 +111,9 @@ def open_control_channels(
                 prefix = f"afd-{os.getpid()}-{store.generation_key}-{a}-{f}"
                 ch = ShmControlChannel.create(prefix, local_rank=me, peer_rank=peer_rank, peer=peer,
                                               options=opts, abort_check=abort_check)
-                try:
-                    store.set(f"{base}/shm", ch.name.encode("utf-8"))
+                try:  # the pid lets the attaching end tell a dead FFN rank from a missing /dev/shm
+                    store.set(f"{base}/shm", json.dumps({"name": ch.name, "pid": os.getpid(),
+                                                          "start": _proc_start_time(os.getpid())}).encode("utf-8"))
                     ch.wait_attached(deadline, store)
                 except BaseException:
                     ch.close()
@@ -155,8 +150,8 @@ def open_control_channels(
                                    f"the {k} control channel of {peer}")
                 info = store.get(f"{base}/{k}").decode("utf-8")
                 if k == "shm":
-                    channels[f] = ShmControlChannel.attach(info, local_rank=me, peer_rank=peer_rank, peer=peer,
-                                                           options=opts, abort_check=abort_check)
+                    channels[f] = _attach_shm(store, json.loads(info), mine, local_rank=me, peer_rank=peer_rank,
+                                              peer=peer, options=opts, abort_check=abort_check)
                 else:
                     d = json.loads(info)
                     channels[f] = TcpControlChannel.connect(
@@ -167,6 +162,29 @@ def open_control_channels(
             ch.close()
         raise
     return channels
+
+
+def _attach_shm(store: AFDStore, info: dict, mine: str, **kw: Any) -> ShmControlChannel:
+    """Attach the FFN rank's ring; a missing segment is named by its cause: an abort posted, the FFN
+    rank gone (it created the segment, then failed or exited: its pid is checked on this host), or a
+    ``/dev/shm`` these ranks do not share."""
+    try:
+        return ShmControlChannel.attach(info["name"], **kw)
+    except FileNotFoundError:
+        pass
+    peer, what = kw["peer"], f"attaching the shared-memory control ring of {kw['peer']}"
+    rdzv.raise_if_aborted(store, op=what)
+    theirs = store.get(f"ctrl/host/{kw['peer_rank']}").decode("utf-8")  # set before the segment's name
+    if theirs == mine and _proc_start_time(info["pid"]) != info["start"]:
+        raise PeerDeadError(peer, what, f"it created its control segment, then its process (pid {info['pid']}) "
+                            "exited or aborted during init; see its log for the cause")
+    if theirs == mine:
+        raise PeerDeadError(peer, what, f"it removed its control segment during init (its process, pid "
+                            f"{info['pid']}, is closing or aborting); see its log for the cause")
+    raise rdzv.RendezvousError(
+        f"shared-memory control segment {info['name']!r} of {peer} not found: the two ranks do not share "
+        "/dev/shm (different hosts or containers); set connector_extra_config.control_channel to 'tcp' "
+        "on every rank")
 
 
 # ---------------------------------------------------------------------------
@@ -180,10 +198,7 @@ class AFDControlPlane:
     One object per connector, built device-light at construction and kept
     across ``close()`` / ``init_afd_connector()``: :meth:`open` opens this
     rank's channels (collective, at init), :meth:`close` releases them (the
-    object can be opened again). No device synchronisation anywhere. While
-    open, ``send_dp_metadata_list`` / ``recv_dp_metadata_list`` are instance
-    attributes bound to the channel's fronts where it has them (the same
-    contract; a subclass's or a patch's override of them is left in use).
+    object can be opened again). No device synchronisation anywhere.
 
     Args:
         apply_payload: ``apply_payload(payload)`` applies a payload to the
@@ -240,8 +255,8 @@ class AFDControlPlane:
             self.source = topology.control_source(role_rank)
         self.channels: dict[int, ControlChannel] = {}
         self.store: AFDStore | None = None
+        self._received: Any = None  # the payload recv_dp_metadata_list returned last (not yet applied)
         self._open = False
-        self._recv_started: float | None = None  # the front's wait began (monotonic s), for its fallback
         if channels is not None:
             self.attach(channels, store=store)
 
@@ -281,31 +296,6 @@ class AFDControlPlane:
         self.channels = dict(channels)
         self.store = store
         self._open = True
-        self._bind_fronts()
-
-    def _bind_fronts(self) -> None:
-        """Bind the per-step calls on this instance to the channel's fronts, where it has them
-        (native, both ends, shm and tcp): the same calls, contract and errors
-        as the methods below, so that a step after a long gap, on cold caches, runs no frame of this
-        class on its way (the fronts fall back to :meth:`_send_checked` / :meth:`_recv_checked`).
-        Not where a subclass or a patch replaced the class's method. :meth:`close` unbinds."""
-        self._unbind_fronts()  # a re-attach: the previous channels' fronts must not stay
-        md = self._md
-        front = None
-        if len(self.destinations) == 1 and type(self).send_dp_metadata_list is _CLASS_SEND:
-            front = self.channels[self.destinations[0]].send_front(self._check_send, self._send_checked)
-            if front is not None:
-                setattr(self, "send_dp_metadata_list", front)
-        elif self.role == "ffn" and type(self).recv_dp_metadata_list is _CLASS_RECV:
-            front = self.channels[self.source].take_front(  # type: ignore[index]
-                md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS, self._first_slice_ns, self._recv_checked)
-            if front is not None:
-                setattr(self, "recv_dp_metadata_list", front)
-
-    def _unbind_fronts(self) -> None:
-        for name in ("send_dp_metadata_list", "recv_dp_metadata_list"):  # the class's methods again
-            if name in vars(self):
-                delattr(self, name)
 
     @property
     def is_open(self) -> bool:
@@ -321,7 +311,6 @@ class AFDControlPlane:
         """Close every channel (idempotent; a sender's close tells its FFN ranks). :meth:`open` may follow."""
         channels, self.channels = self.channels, {}
         self._open = False
-        self._unbind_fronts()
         self.store = None
         for ch in channels.values():
             try:
@@ -344,16 +333,26 @@ class AFDControlPlane:
         FFN ranks after :meth:`recv_dp_metadata_list`.
 
         Raises:
+            ControlProtocolError: on an FFN rank, the payload :meth:`recv_dp_metadata_list` returned
+                does not fit this job (e.g. a count vector of the wrong length): the sender's
+                fault, named; the step-abort signal is posted first, so every rank stops at once.
             Whatever ``apply_payload`` raises for an invalid step or a wrong state.
         """
-        self._apply(payload)
+        if payload is None or payload is not self._received:
+            self._apply(payload)
+            return
+        self._received = None
+        try:
+            self._apply(payload)
+        except ValueError as e:
+            err = ControlProtocolError(f"{_OP_RECV}: the control payload from {self.channels[self.source].peer} "
+                                       f"does not fit this job: {e}")
+            if self.store is not None:
+                rdzv.post_abort(self.store, str(err))
+            raise err from None
 
     def send_dp_metadata_list(self, payload: Any) -> None:
         """Send ``payload`` to this attention rank's control destinations (a no-op on non-senders).
-
-        With one destination, :meth:`open` binds this name on the instance to the channel's front
-        (:meth:`ControlChannel.send_front`; shm: ``check_send``, then one C call that encodes and
-        publishes a plain payload); the rest goes through the checked path.
 
         Args:
             payload: an :class:`~afd_ext.metadata.AFDControlPayload`.
@@ -367,31 +366,14 @@ class AFDControlPlane:
             self._require_open("send_dp_metadata_list")
         if self._check_send is not None:
             self._check_send(payload)
-        self._send_checked(payload)
-
-    def _send_checked(self, payload: Any) -> None:
-        """The checked send of a payload that passed ``check_send`` (also the native front's path
-        for whatever it declined): waits for ring space, names a bad value or a closed plane."""
-        if not self._open:
-            self._require_open("send_dp_metadata_list")
         dests = self.destinations
-        if len(dests) == 1:  # the channel tries its one native call first
-            self.channels[dests[0]].send_payload(payload)
-            return
-        if not dests:
-            return
-        parts = self._md.control_payload_parts(payload)  # checked once, before anything moves
-        for f in dests:
-            self.channels[f].send_parts(parts)
+        if dests:
+            data = self._md.encode_control_binary(payload)  # checked once, before anything moves
+            for f in dests:
+                self.channels[f].send(data)
 
     def recv_dp_metadata_list(self) -> Any:
         """FFN side: block until the next step's payload arrives; return it decoded.
-
-        With the compiled core, :meth:`open` binds this name on the instance to the channel's
-        native front (:meth:`ControlChannel.take_front`): the wait's first slice (up to
-        ``_FIRST_SLICE_S``, bounded by ``idle_s`` and ``recv_timeout_s``) is one C call that returns
-        a payload arriving within it straight to the caller; otherwise the checked path carries on,
-        the step timeout counted from the start of the wait.
 
         Returns:
             A new :class:`~afd_ext.metadata.AFDControlPayload` (the counts are CPU
@@ -406,45 +388,23 @@ class AFDControlPlane:
             ControlProtocolError: a malformed payload or frame (names the source);
                 the step-abort signal is posted first, so every rank stops at once.
         """
-        self._recv_started = None
-        return self._recv_checked(None)
-
-    def _first_slice_ns(self) -> int:
-        """The native front's first step: note when the wait began; the slice's length in ns."""
-        self._recv_started = time.monotonic()
-        ch = self.channels.get(self.source) if self._open else None  # type: ignore[arg-type]
-        if ch is None:
-            return 0  # closed: the checked path names it
-        md = self._md
-        return ch.first_slice_ns(self.recv_timeout_s, md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS,
-                                 self.max_payload_bytes)
-
-    def _recv_checked(self, taken: Any) -> Any:
-        """The checked receive (also the native front's path after its first slice): ``taken`` is
-        what that slice took and could not return (bytes: a message it could not build, consumed;
-        an int or None: nothing). Waits on, checks and decodes; names every error."""
-        started, self._recv_started = self._recv_started, None
         if self.role != "ffn":
             raise AFDStateError(f"recv_dp_metadata_list is called on FFN ranks only; this is {self.label}")
         if not self._open:
             self._require_open(_OP_RECV)
-        md = self._md
         ch = self.channels[self.source]  # type: ignore[index]
-        data = taken if type(taken) is bytes else None
         try:
-            if data is None:
-                data = ch.recv_payload(self.recv_timeout_s, _OP_RECV, md.DEFAULT_MAX_STAGES, md.DEFAULT_MAX_RANKS,
-                                       self.max_payload_bytes, started)
-            if type(data) is not bytes:  # built by the native path (checked as the decoder checks)
-                return data
+            data = ch.recv(self.recv_timeout_s, _OP_RECV)
+            if len(data) > self.max_payload_bytes:
+                raise ControlProtocolError(f"{_OP_RECV}: a {len(data)}-byte control payload from {ch.peer} "
+                                           f"exceeds max_payload_bytes={self.max_payload_bytes}")
             try:
-                if len(data) > self.max_payload_bytes:
-                    raise ControlProtocolError(f"{len(data)} bytes exceed max_payload_bytes={self.max_payload_bytes}")
-                return md.decode_control_binary(data)
+                self._received = self._md.decode_control_binary(data)
+                return self._received
             except ValueError as e:
                 raise ControlProtocolError(f"{_OP_RECV}: malformed control payload from {ch.peer}: {e}") from None
         except ControlProtocolError as e:
-            if self.store is not None:
+            if self.store is not None:  # every rank stops at once
                 rdzv.post_abort(self.store, str(e))
             raise
         except ControlChannelClosed:
@@ -452,10 +412,6 @@ class AFDControlPlane:
                 self.store.abort_signal.check(_OP_RECV)  # a lost store reads as no abort: the close stands
             raise
 
-
-# The class's own per-step methods: _bind_fronts binds a front only where they are the ones in use.
-_CLASS_SEND = AFDControlPlane.send_dp_metadata_list
-_CLASS_RECV = AFDControlPlane.recv_dp_metadata_list
 
 #: The name of the channel-based implementation before it became the one class.
 ChannelControlPlane = AFDControlPlane
