@@ -51,12 +51,21 @@ EXTRAS: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 
-def missing_extra(command: str) -> str | None:
-    """The one-line hint for a subcommand whose extra is not installed, or None."""
+#: (subcommand, module) -> options with which the subcommand never imports that module.
+_UNNEEDED_WITH: dict[tuple[str, str], tuple[str, ...]] = {
+    ("demo", "tqdm"): ("--no-progress",),
+    ("bench", "tqdm"): ("--no-progress",),
+    ("bench", "matplotlib"): ("--no-plot", "--check", "--control-only"),
+}
+
+
+def missing_extra(command: str, argv: Sequence[str] = ()) -> str | None:
+    """The one-line hint for a subcommand (run with ``argv``) whose extra is not installed, or None."""
     if command not in EXTRAS:
         return None
     extra, modules = EXTRAS[command]
-    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    missing = [m for m in modules if importlib.util.find_spec(m) is None
+               and not set(_UNNEEDED_WITH.get((command, m), ())) & set(argv)]
     if not missing:
         return None
     return (f"afd-ext {command} needs {', '.join(missing)} (the '{extra}' extra): "
@@ -194,14 +203,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     own = rest[:rest.index("--")] if "--" in rest else rest  # after '--': launch's command
     verbose = any(a in ("-v", "--verbose") for a in own)
     wants_help = any(a in ("-h", "--help") for a in own)
-    hint = None if wants_help else missing_extra(command)
+    hint = None if wants_help else missing_extra(command, own)
     if hint is not None:
         print(hint, file=sys.stderr)
         return 1
     try:
         rc = _resolve(command)(rest)
     except KeyboardInterrupt:
-        print(f"afd-ext {command}: interrupted", file=sys.stderr)
+        # On a terminal the ^C (and a progress bar) end the line the cursor is on.
+        print(f"{chr(10) if sys.stderr.isatty() else ''}afd-ext {command}: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - one line (the traceback with -v)
         if verbose:

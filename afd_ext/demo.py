@@ -801,11 +801,6 @@ def _finish_bar(bar) -> None:
 
 def _worker(rank: int, nprocs: int, plan: DemoPlan) -> dict[str, Any]:
     """One AFD process: FFN ranks are world ranks ``0..F-1``, attention ranks follow."""
-    import signal
-
-    # Ctrl-C reaches every process of the terminal: the launching process stops
-    # the workers itself, so a worker's own KeyboardInterrupt would only add a traceback.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     import torch
 
     from afd_ext.integrations.transformers import FFNServer, split_attention_role

@@ -126,6 +126,17 @@ def test_a_missing_extra_is_a_one_line_hint_before_any_work(monkeypatch, capsys,
     assert err == f"afd-ext {command} needs {module} (the '{extra}' extra): pip install 'afd_ext[{extra}]'\n"
 
 
+def test_an_extra_module_the_options_do_not_use_is_not_required(monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    assert cli.missing_extra("bench", ["--no-plot", "--no-progress"]) is None
+    assert cli.missing_extra("bench", ["--check", "--no-progress"]) is None
+    assert cli.missing_extra("bench", ["--no-progress"]) == (
+        "afd-ext bench needs matplotlib (the 'bench' extra): pip install 'afd_ext[bench]'")
+    assert "needs tqdm" in cli.missing_extra("demo", [])
+    assert cli.missing_extra("launch", []) is None
+
+
 def test_help_works_without_the_extra(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(SystemExit) as e:
