@@ -8,3 +8,8 @@ import the submodule you need.
 """
 
 __version__ = "0.1.0"
+
+from ._compat import install_import_check as _install_import_check
+
+# Before any module loads the compiled core: a torch other than the build's is a clear error.
+_install_import_check()

@@ -12,17 +12,26 @@ Subcommands (each forwards the rest of the command line to its module's
   (visible GPUs) and so which transports can run here.
 
 ``python -m afd_ext ...`` is the same command.
+
+Every subcommand fails the same way: an error is one line on stderr,
+``afd-ext <command>: <ErrorClass>: <message>``, exit code 1 (``-v`` or
+``--verbose`` adds the traceback; a failed worker process is named with its
+own error class); Ctrl-C is one line, exit code 130. Bad arguments exit 2
+(argparse). A missing extra (``demo``, ``bench``) is a one-line hint before any
+work starts.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import sys
+import traceback
 from typing import Callable, Sequence
 
-__all__ = ["main", "SUBCOMMANDS", "info_report"]
+__all__ = ["main", "SUBCOMMANDS", "EXTRAS", "info_report", "missing_extra", "error_line"]
 
 #: subcommand -> (module, function, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
@@ -32,6 +41,65 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "info": ("afd_ext.cli", "_info",
              "print what was built (CUDA/NCCL or CPU only), the GPUs visible here, and the transports that can run"),
 }
+
+
+#: subcommand -> (extra, import names it needs): pyproject's [project.optional-dependencies]
+#: (tests/test_cli.py keeps the two equal).
+EXTRAS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "demo": ("demo", ("transformers", "tqdm")),
+    "bench": ("bench", ("matplotlib", "tqdm")),
+}
+
+
+#: (subcommand, module) -> options with which the subcommand never imports that module.
+_UNNEEDED_WITH: dict[tuple[str, str], tuple[str, ...]] = {
+    ("demo", "tqdm"): ("--no-progress",),
+    ("bench", "tqdm"): ("--no-progress",),
+    ("bench", "matplotlib"): ("--no-plot", "--check", "--control-only"),
+}
+
+
+def missing_extra(command: str, argv: Sequence[str] = ()) -> str | None:
+    """The one-line hint for a subcommand (run with ``argv``) whose extra is not installed, or None."""
+    if command not in EXTRAS:
+        return None
+    extra, modules = EXTRAS[command]
+    missing = [m for m in modules if importlib.util.find_spec(m) is None
+               and not set(_UNNEEDED_WITH.get((command, m), ())) & set(argv)]
+    if not missing:
+        return None
+    return (f"afd-ext {command} needs {', '.join(missing)} (the '{extra}' extra): "
+            f"pip install 'afd_ext[{extra}]'")
+
+
+def _worker_error_line(e: BaseException) -> str | None:
+    """``"<Class> in <worker>: <first line>"`` for a worker's failure (:class:`afd_ext.testing.WorkerError`).
+
+    The worker's traceback text ends with its exception: the lines after the
+    last frame (``  File ...`` and its indented source lines).
+    """
+    tb = getattr(e, "traceback", None)
+    if not isinstance(tb, str) or not hasattr(e, "rank"):
+        return None
+    lines = tb.rstrip("\n").splitlines()
+    frames = [i for i, ln in enumerate(lines) if ln.startswith('  File "')]
+    i = frames[-1] + 1 if frames else 0
+    while i < len(lines) and lines[i].startswith("    "):
+        i += 1
+    if i >= len(lines):
+        return None
+    cls, _, msg = lines[i].partition(": ")
+    who = getattr(e, "label", None) or f"worker rank {e.rank}"
+    return f"{cls.rsplit('.', 1)[-1]} in {who}: {msg}" if msg else f"{cls.rsplit('.', 1)[-1]} in {who}"
+
+
+def error_line(command: str, e: BaseException) -> str:
+    """The one line ``afd-ext <command>`` prints for an error (its class and the first line of its message)."""
+    line = _worker_error_line(e)
+    if line is None:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        line = f"{type(e).__name__}: {first}" if first else type(e).__name__
+    return f"afd-ext {command}: {line}"
 
 
 def _nccl_str(code: int | None) -> str:
@@ -131,12 +199,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if argv[0] not in SUBCOMMANDS:
         parser.error(f"unknown command {argv[0]!r}; choose one of {', '.join(SUBCOMMANDS)}")
+    command, rest = argv[0], argv[1:]
+    own = rest[:rest.index("--")] if "--" in rest else rest  # after '--': launch's command
+    verbose = any(a in ("-v", "--verbose") for a in own)
+    wants_help = any(a in ("-h", "--help") for a in own)
+    hint = None if wants_help else missing_extra(command, own)
+    if hint is not None:
+        print(hint, file=sys.stderr)
+        return 1
     try:
-        fn = _resolve(argv[0])
-    except ImportError as e:
-        print(f"afd-ext {argv[0]}: not available in this installation ({e})", file=sys.stderr)
-        return 2
-    rc = fn(argv[1:])
+        rc = _resolve(command)(rest)
+    except KeyboardInterrupt:
+        # On a terminal the ^C (and a progress bar) end the line the cursor is on.
+        print(f"{chr(10) if sys.stderr.isatty() else ''}afd-ext {command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - one line (the traceback with -v)
+        if verbose:
+            traceback.print_exc()  # a worker's failure carries the worker's traceback in its message
+        print(error_line(command, e), file=sys.stderr)
+        return 1
     return int(rc or 0)
 
 

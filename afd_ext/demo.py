@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import importlib.resources
 import json
@@ -41,6 +42,7 @@ import logging
 import math
 import os
 import pickle
+import re
 import sys
 import time
 import zlib
@@ -48,7 +50,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-from afd_ext.errors import AFDConfigError, AFDTimeoutError
+from afd_ext.errors import AFDConfigError, AFDError, AFDTimeoutError
 
 if TYPE_CHECKING:
     from afd_ext.testing import GpuPlacement
@@ -768,6 +770,35 @@ def _make_connector(plan: DemoPlan, role: str, role_rank: int, world_rank: int, 
     return create_connector(world_rank, 0, afd, role_rank=role_rank, **facts)
 
 
+def _rank_label(plan: DemoPlan, rank: int) -> str:
+    """``"FFN rank 0"`` / ``"attention rank 1"`` for a world rank of the demo (FFN ranks first)."""
+    return f"FFN rank {rank}" if rank < plan.num_ffn else f"attention rank {rank - plan.num_ffn}"
+
+
+def _progress_bar(total: int, stream=None):
+    """The steps bar on ``stream`` (default stderr), or None where that is not a terminal.
+
+    Its lock is a thread lock: tqdm's default also makes a multiprocessing lock,
+    a semaphore that this worker, stopped by its launcher, would leave to the
+    resource tracker ("leaked semaphore objects" at exit).
+    """
+    stream = sys.stderr if stream is None else stream
+    if not stream.isatty():
+        return None
+    import threading
+
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
+    return tqdm(total=total, desc="afd demo steps", unit="step", file=stream, leave=True)
+
+
+def _finish_bar(bar) -> None:
+    """Close the bar at the steps actually run (``max_steps`` is an upper bound), ending its line."""
+    bar.total = bar.n
+    bar.close()  # leave=True: the final bar and a newline, so the summary starts on its own line
+
+
 def _worker(rank: int, nprocs: int, plan: DemoPlan) -> dict[str, Any]:
     """One AFD process: FFN ranks are world ranks ``0..F-1``, attention ranks follow."""
     import torch
@@ -821,11 +852,7 @@ def _worker(rank: int, nprocs: int, plan: DemoPlan) -> dict[str, Any]:
     if plan.graph:
         exchange.graph_runner = _graph_runner(plan, exchange, connector)
     logger.info("connector ready; generating")
-    bar = None
-    if plan.progress and role_rank == 0:
-        from tqdm import tqdm
-
-        bar = tqdm(total=plan.max_steps, desc="afd demo steps", unit="step", file=sys.stderr, leave=False)
+    bar = _progress_bar(plan.max_steps) if plan.progress and role_rank == 0 else None
     try:
         res = generate_attention_rank(
             model, exchange, agreement.agree, plan.requests.get(role_rank, []), rank=role_rank,
@@ -838,7 +865,7 @@ def _worker(rank: int, nprocs: int, plan: DemoPlan) -> dict[str, Any]:
             r["logits"] = r["logits"].numpy()
     finally:
         if bar is not None:
-            bar.close()
+            _finish_bar(bar)
         if exchange.graph_runner is not None:
             exchange.graph_runner.close()
         connector.close()
@@ -878,12 +905,10 @@ def run_demo(plan: DemoPlan, *, timeout_s: float = 600.0) -> dict[str, Any]:
         AFDConfigError: a CUDA plan without a placement and no usable GPU.
         afd_ext.testing.WorkerError / TimeoutError: a process failed or hung.
     """
-    import dataclasses
-
     import torch
     import torch.distributed as dist
 
-    from afd_ext.testing import run_workers
+    from afd_ext.testing import WorkerError, run_workers
 
     # The attention ranks' count-agreement store: bound here, before any worker
     # starts, so no other socket can take its port in between.
@@ -896,10 +921,14 @@ def run_demo(plan: DemoPlan, *, timeout_s: float = 600.0) -> dict[str, Any]:
     env = {"OMP_NUM_THREADS": str(plan.threads), "TOKENIZERS_PARALLELISM": "false"}
     t0 = time.perf_counter()
     logger.info("starting %d processes", plan.num_attention + plan.num_ffn)
-    outs = run_workers(
-        _worker, plan.num_attention + plan.num_ffn, (plan,), timeout_s=timeout_s, env=env,
-        per_rank_env=per_rank_env,
-    )
+    try:
+        outs = run_workers(
+            _worker, plan.num_attention + plan.num_ffn, (plan,), timeout_s=timeout_s, env=env,
+            per_rank_env=per_rank_env,
+        )
+    except WorkerError as e:
+        e.label = _rank_label(plan, e.rank)  # the one-line error names the role (afd_ext.cli.error_line)
+        raise
     run_s = time.perf_counter() - t0
     att = sorted((o["result"] for o in outs if o["role"] == "attention"), key=lambda r: r.rank)
     ffn = [o for o in outs if o["role"] == "ffn"]
@@ -953,7 +982,7 @@ def summarize(plan: DemoPlan, att: Sequence[RankResult], ffn: Sequence[Mapping[s
         "num_ffn_ranks": plan.num_ffn,
         "backend": plan.backend,
         "device": plan.device_type,
-        "placement": placement.describe() if placement is not None else "CPU processes (gloo)",
+        "placement": _placement_text(plan),
         # Processes sharing a GPU are time-sliced (and on one GPU NCCL goes over sockets).
         "latencies_meaningful": placement is None or placement.timings_meaningful,
         "model": {
@@ -1000,6 +1029,24 @@ def summarize(plan: DemoPlan, att: Sequence[RankResult], ffn: Sequence[Mapping[s
     }
 
 
+def _shared_gpu_note(backend: str) -> str:
+    """How processes sharing one GPU exchange data with ``backend`` (the summary's note)."""
+    return ("peer memory (CUDA IPC) between processes on one GPU" if backend == "peer"
+            else "on one GPU NCCL goes over sockets")
+
+
+def _placement_text(plan: DemoPlan) -> str:
+    """Where the processes run, with what sharing a GPU means for ``plan.backend``."""
+    placement = plan.gpu_placement
+    if placement is None:
+        return "CPU processes (gloo)"
+    if plan.backend != "peer" or not placement.nccl_hostids:
+        return placement.describe()
+    # describe() explains NCCL's NCCL_HOSTID arrangement, which the peer-memory plane does not use.
+    base = dataclasses.replace(placement, nccl_hostids=()).describe().split(" (", 1)[0]
+    return f"{base} ({_shared_gpu_note('peer')}; correctness only)"
+
+
 def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
@@ -1031,7 +1078,7 @@ def format_summary(s: Mapping[str, Any]) -> str:
         f"                  step 1 (lazy set-up) slowest {lat.get('first_step_max', float('nan')):.1f} us",
     ]
     if not s.get("latencies_meaningful", True):
-        lines.append("  NOTE            processes share a GPU (time-sliced; on one GPU NCCL goes over sockets): "
+        lines.append(f"  NOTE            processes share a GPU (time-sliced; {_shared_gpu_note(s['backend'])}): "
                      "these latencies are not meaningful, only the self-check is")
     for layer, v in lat["per_layer"].items():
         lines.append(f"    layer {layer:>3}     p50 {v['p50']:.1f} us, p99 {v['p99']:.1f} us ({v['count']})")
@@ -1055,16 +1102,29 @@ def format_summary(s: Mapping[str, Any]) -> str:
 # ---------------------------------------------------------------------------
 
 
-def _topology(text: str) -> tuple[int, int]:
-    t = text.strip().upper()
-    try:
-        a, f = t.rstrip("F").split("A")
-        A, F_ = int(a), int(f)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"topology must look like 2A1F, got {text!r}") from None
+_TOPOLOGY_RE = re.compile(r"\s*(\d+)\s*(?:A\s*(\d+)\s*F|[x:]\s*(\d+))\s*", re.IGNORECASE)
+
+
+def parse_topology(text: str) -> tuple[int, int]:
+    """``"2A1F"``, ``"2x1"`` or ``"2:1"`` (any case) -> ``(attention ranks, FFN ranks)``.
+
+    Raises:
+        AFDConfigError: another form, or fewer than one rank of a role.
+    """
+    m = _TOPOLOGY_RE.fullmatch(text)
+    if m is None:
+        raise AFDConfigError(f"topology must look like 2A1F, 2x1 or 2:1 (attention, FFN ranks), got {text!r}")
+    A, F_ = int(m[1]), int(m[2] or m[3])
     if A < 1 or F_ < 1:
-        raise argparse.ArgumentTypeError(f"topology needs >= 1 attention and >= 1 FFN rank, got {text!r}")
+        raise AFDConfigError(f"topology needs >= 1 attention and >= 1 FFN rank, got {text!r}")
     return A, F_
+
+
+def _topology(text: str) -> tuple[int, int]:
+    try:
+        return parse_topology(text)
+    except AFDConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -1074,8 +1134,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         description="Serve a transformers MoE decoder AFD-style (attention and FFN in separate "
         "processes) and check it against the whole model.",
     )
-    p.add_argument("--topology", type=_topology, default=(2, 1), metavar="AxF",
-                   help="attention and FFN ranks, e.g. 2A1F (default), 1A1F, 3A2F")
+    p.add_argument("--topology", type=_topology, default=(2, 1), metavar="TOPOLOGY",
+                   help="attention and FFN ranks: 2A1F (default), 1A1F, 3A2F; also written 2x1 or 2:1")
     p.add_argument("--backend", choices=("auto", "gloo", "nccl", "peer"), default="auto",
                    help="gloo: CPU tensors; nccl: CUDA tensors, one GPU per process when there are enough, "
                    "else attention on GPU 0 and FFN on GPU 1, and on a one-GPU machine every process on GPU 0 "
@@ -1139,6 +1199,10 @@ def build_plan(args: argparse.Namespace) -> DemoPlan:
     """Resolve arguments into a :class:`DemoPlan` (backend, dtype, ports, requests)."""
     from afd_ext.testing import find_free_port
 
+    if args.port:
+        from afd_ext.launch import check_port_free
+
+        check_port_free(args.host, args.port)  # now, not when FFN rank 0 binds it seconds later
     backend = args.backend
     if backend == "auto":
         import torch
@@ -1180,8 +1244,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         plan = build_plan(args)
-    except ValueError as e:
-        print(f"afd-ext demo: {e}", file=sys.stderr)
+    except (AFDError, ValueError) as e:  # bad input, found before any process starts: a usage error
+        print(f"afd-ext demo: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     summary = run_demo(plan, timeout_s=args.timeout)
     print(format_summary(summary))
@@ -1195,4 +1259,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    from afd_ext.cli import main as cli_main
+
+    sys.exit(cli_main(["demo", *sys.argv[1:]]))

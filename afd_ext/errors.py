@@ -204,6 +204,19 @@ class ExtensionConflictError(AFDError, ImportError):
     """A second copy of the compiled extension was imported into a process that already holds one."""
 
 
+class TorchMismatchError(AFDError, ImportError):
+    """The compiled core was built against another torch than the one installed; rebuild it.
+
+    Attributes:
+        built: ``torch.__version__`` of the build; ``installed``: the one imported now.
+    """
+
+    def __init__(self, message: str, *, built: str, installed: str):
+        super().__init__(message, op="import afd_ext._C")
+        self.built = built
+        self.installed = installed
+
+
 class ControlChannelClosed(AFDClosedError):
     """The sender closed the control channel cleanly (shutdown); no more payloads will come."""
 

@@ -49,12 +49,12 @@ import shutil
 import sys
 from typing import TYPE_CHECKING, NamedTuple, Sequence
 
-from afd_ext.errors import AFDConfigError
+from afd_ext.errors import AFDConfigError, AFDError
 
 if TYPE_CHECKING:
     from afd_ext.config import AFDConfig
 
-__all__ = ["main", "build_parser", "config_from_env", "resolve_role", "local_device", "LaunchedRank"]
+__all__ = ["main", "build_parser", "check_port_free", "config_from_env", "resolve_role", "local_device", "LaunchedRank"]
 
 _ROLE_NAMES = {"a": "attention", "attention": "attention", "f": "ffn", "ffn": "ffn"}
 
@@ -300,6 +300,36 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Raise now if FFN rank 0 could not bind the AFD rendezvous store to ``host:port`` on this machine.
+
+    The same bind as the store's (:mod:`afd_ext.rendezvous`), released at
+    once: a busy port is named in well under a second instead of after every
+    rank has started.
+
+    Raises:
+        afd_ext.errors.RendezvousError: the port is in use, or ``host`` is not
+            an address of this machine; the message says which and what to do.
+    """
+    from afd_ext.rendezvous import _listen_socket
+
+    os.close(_listen_socket(host, port))
+
+
+def _max_nodes(torchrun_opts: Sequence[str]) -> int:
+    """The most nodes torchrun's ``--nnodes`` allows (``"2"``, ``"1:4"``); 1 without it, 0 if unreadable."""
+    value = "1"
+    for i, o in enumerate(torchrun_opts):
+        if o == "--nnodes" and i + 1 < len(torchrun_opts):
+            value = torchrun_opts[i + 1]
+        elif o.startswith("--nnodes="):
+            value = o.split("=", 1)[1]
+    try:
+        return int(value.split(":")[-1])
+    except ValueError:
+        return 0
+
+
 def _fail(msg: str, code: int = 2) -> int:
     print(f"afd-ext launch: {msg}", file=sys.stderr, flush=True)
     return code
@@ -363,6 +393,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--extra-config must be a JSON object: {e}")
     if args.port is not None and not 0 < args.port < 65536:
         parser.error(f"--port must be in 1..65535, got {args.port}")
+    if args.port is not None and _max_nodes(torchrun_opts) == 1:
+        try:  # FFN rank 0 binds it on this machine; before torch is imported, so it takes well under a second
+            check_port_free(args.host or "127.0.0.1", args.port)
+        except AFDError as e:
+            return _fail(f"{type(e).__name__}: {e}")
     exe = cmd[0]
     if (shutil.which(exe) if os.sep not in exe else (os.path.isfile(exe) and os.access(exe, os.X_OK))) in (None, False):
         return _fail(f"command not found or not executable: {exe!r}", 127)

@@ -20,6 +20,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import signal
 import socket
 import time
 import traceback
@@ -243,6 +244,9 @@ def _environ(extra: Mapping[str, str]) -> Iterator[None]:
 
 
 def _entry(fn, rank, nprocs, args, q):
+    # Ctrl-C reaches every process of the terminal; the parent stops the workers itself
+    # (run_workers' finally), so a worker's own KeyboardInterrupt would only add a traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         result = fn(rank, nprocs, *args)
         q.put((rank, True, result))

@@ -73,6 +73,8 @@ def test_demo_cli_1a1f_writes_json(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "self-check      PASS" in proc.stdout
+    # A normal run prints nothing else: no warning (leaked semaphore, deprecations), no bar frames in a log.
+    assert proc.stderr == "", proc.stderr
     s = json.loads(out.read_text())
     _assert_passed(s)
     assert s["topology"] == "1A1F" and s["backend"] == "gloo"
