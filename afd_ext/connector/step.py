@@ -38,14 +38,14 @@ def context_metadata(context: Any, op: str) -> AFDTransferMetadata:
     else:
         what = f"{type(context).__name__} whose metadata is None"
     if md is None:
-        raise AFDConfigError(f"{op}: context must be an AFDTransferContext carrying AFDTransferMetadata, got {what}")
+        raise AFDConfigError(f"context must be an AFDTransferContext carrying AFDTransferMetadata, got {what}")
     if type(md) is AFDTransferMetadata and type(md.layer_idx) is int and 0 <= md.layer_idx < _MAX_INDEX and \
             type(md.seq_lens) is list and all(type(n) is int and n >= 0 for n in md.seq_lens):
         return md  # the hot path: as built by create_attention_metadata / recv_attn_output
     try:
         fields = (md.layer_idx, md.stage_idx, md.seq_lens)
     except AttributeError as e:
-        raise AFDConfigError(f"{op}: context.metadata ({type(md).__name__}) lacks the transfer metadata fields "
+        raise AFDConfigError(f"context.metadata ({type(md).__name__}) lacks the transfer metadata fields "
                              f"layer_idx, stage_idx, seq_lens ({e})") from None
     layer_idx = stage_arg(fields[0], "context.metadata.layer_idx")
     if not 0 <= layer_idx < _MAX_INDEX:
