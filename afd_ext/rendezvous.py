@@ -31,7 +31,9 @@ and, while waiting, looks at the generation's abort key: a rank that fails
 mid-step calls :func:`post_abort`, and every rank blocked in a wait of this
 module, or polling :func:`check_abort`, raises :class:`StepAbortedError`
 naming who aborted and why. A timeout is a :class:`RendezvousTimeoutError`
-naming the ranks that did not arrive and what was awaited.
+naming the ranks that did not arrive and what was awaited. No wait is silent:
+:class:`WaitReport` logs one line when it starts and one every
+:func:`wait_log_interval_s`, naming the ranks awaited, what and the time left.
 
 A frozen store host
 -------------------
@@ -55,7 +57,11 @@ rank of this job started with another ``num_attention_ranks`` or
 ``num_ffn_ranks`` gets a :class:`HandshakeMismatchError` at once (and aborts
 the waiting ranks' handshake). Each world rank is claimed by one process: a
 second live process claiming it on the same host is refused
-(:class:`DuplicateRankError`); a claim whose process is gone is taken over.
+(:class:`DuplicateRankError`) and posts that as the abort of the generation
+still in its handshake: a launcher that gave two processes one role rank left
+another rank missing, so every waiting rank of the job raises
+:class:`DuplicateRankError` too, naming both processes, instead of waiting
+out its deadline. A claim whose process is gone is taken over.
 """
 
 from __future__ import annotations
