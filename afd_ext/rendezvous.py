@@ -568,7 +568,9 @@ def _listen_socket(host: str, port: int) -> int:
                 "job or a stale process may hold it)")
     else:
         hint = str(last)
-    raise RendezvousError(f"FFN rank 0 cannot bind the AFD rendezvous store to {host}:{port}: {hint}")
+    err = RendezvousError(f"FFN rank 0 cannot bind the AFD rendezvous store to {host}:{port}: {hint}")
+    err.port_in_use = last.errno == 98  # connect() looks whether FFN rank 0 was started twice
+    raise err
 
 
 def _open_tcp_store(host: str, port: int, world_rank: int, timeout_s: float, deadline: float, me: str = ""):
@@ -784,6 +786,55 @@ def _abort_waiting_init(st: "AFDStore", root: Any, record: Mapping[str, Any], wo
         logger.debug("could not abort the waiting init: %s", e)
 
 
+def _refuse_duplicate(st: "AFDStore", root: Any, holder: Mapping[str, Any]) -> DuplicateRankError:
+    """This process claims a world rank a live process (``holder``) holds: stop the job's ranks waiting at init
+    (they wait for the rank the launcher meant this process to be), naming both processes; the error to raise."""
+    who = f"pid {holder.get('pid')} on {holder.get('name', 'another host')}"
+    me = _process_token()
+    mine = f"pid {me['pid']} on {me['name']}"
+    _abort_waiting_init(st, root, {
+        "kind": "duplicate", "world_rank": st.world_rank, "holder": who, "claimant": mine,
+        "holder_nonce": holder.get("nonce"), "by": f"a second process started as {st.label()} ({mine})",
+        "reason": f"{st.label()} was started twice: {who} holds it, {mine} was refused"},
+        st.world_size, {0, st.world_rank})
+    return DuplicateRankError(
+        f"{st.label()} is already held by another running process ({who}) on the AFD rendezvous "
+        f"store at {st.host}:{st.port}; this process ({mine}) is refused: two processes were started "
+        "with the same role rank. Give every process its own role rank (or stop the other one); the "
+        "job's ranks waiting at init are stopped with this error too.",
+        world_rank=st.world_rank, holder=who)
+
+
+def _second_store_host(host: str, port: int, world_size: int, num_ffn_ranks: int | None, namespace: str,
+                       job: str, err: RendezvousError) -> DuplicateRankError | RendezvousError:
+    """FFN rank 0 found ``host:port`` in use: a :class:`DuplicateRankError` (the job's waiting ranks stopped) when
+    this job's store is there with a live FFN rank 0 on this host (FFN rank 0 started twice), else ``err``."""
+    import torch.distributed as dist
+
+    runner = _StoreRunner(f"afd-store {host}:{port} probe")
+    try:
+        base = _open_tcp_store(host, port, 1, 2.0, time.monotonic() + 2.0)
+        root = dist.PrefixStore(f"{namespace}/", base)
+        st = AFDStore(store=root, base=base, host=host, port=port, world_rank=0, world_size=world_size,
+                      num_ffn_ranks=num_ffn_ranks, generation=0, namespace=namespace, timeout_s=2.0, _runner=runner)
+        t0 = time.monotonic()  # the other FFN rank 0 may have bound the port a moment ago: let it claim
+        while not st.call(lambda: root.check(["world", "owner/0"]), "reading the job"):
+            if time.monotonic() - t0 > 2.0:
+                return err
+            time.sleep(0.05)
+        world = json.loads(bytes(st.call(lambda: root.get("world"), "reading the job")).decode("utf-8"))
+        holder = json.loads(bytes(st.call(lambda: root.get("owner/0"), "reading FFN rank 0's claim")).decode("utf-8"))
+        if world.get("job_id") != job or _shape_difference(_world_record(job, world_size, num_ffn_ranks), world) \
+                or not _holder_alive(holder):
+            return err
+        return _refuse_duplicate(st, root, holder)
+    except Exception as e:  # noqa: BLE001 - not a store of this job: the bind error stands
+        logger.debug("%s:%d is in use and is not this job's live store (%s)", host, port, e)
+        return err
+    finally:
+        runner.stop()
+
+
 def _claim_rank(st: "AFDStore", root: Any, deadline: float) -> None:
     """Claim this world rank for this process; refuse a second live process claiming it."""
     left = lambda: max(deadline - time.monotonic(), _MIN_ROUND_TRIP_S)  # noqa: E731
@@ -801,20 +852,7 @@ def _claim_rank(st: "AFDStore", root: Any, deadline: float) -> None:
         who = f"pid {holder.get('pid')} on {holder.get('name', 'another host')}"
         alive = _holder_alive(holder)
         if alive:
-            mine = f"pid {me['pid']} on {me['name']}"
-            # The job's other ranks wait at init for the rank the launcher meant this process to be: stop
-            # them now, naming both processes, instead of after init_timeout_s.
-            _abort_waiting_init(st, root, {
-                "kind": "duplicate", "world_rank": st.world_rank, "holder": who, "claimant": mine,
-                "holder_nonce": holder.get("nonce"), "by": f"a second process started as {st.label()} ({mine})",
-                "reason": f"{st.label()} was started twice: {who} holds it, {mine} was refused"},
-                st.world_size, {0, st.world_rank})
-            raise DuplicateRankError(
-                f"{st.label()} is already held by another running process ({who}) on the AFD rendezvous "
-                f"store at {st.host}:{st.port}; this process ({mine}) is refused: two processes were started "
-                "with the same role rank. Give every process its own role rank (or stop the other one); the "
-                "job's ranks waiting at init are stopped with this error too.",
-                world_rank=st.world_rank, holder=who)
+            raise _refuse_duplicate(st, root, holder)
         if alive is None:
             logger.warning("%s: taking over this rank from %s (another host; assumed gone). If that process "
                            "still runs, two processes were started with the same role rank.", st.label(), who)
@@ -906,7 +944,13 @@ def connect(
             with _STORES_LOCK:
                 _STORES.pop(key, None)
         if entry is None:
-            base = _open_tcp_store(host, port, world_rank, timeout_s, deadline, rank_label(world_rank, num_ffn_ranks))
+            try:
+                base = _open_tcp_store(host, port, world_rank, timeout_s, deadline,
+                                       rank_label(world_rank, num_ffn_ranks))
+            except RendezvousError as e:
+                if world_rank == 0 and getattr(e, "port_in_use", False):
+                    raise _second_store_host(host, port, world_size, num_ffn_ranks, namespace, job, e) from None
+                raise
             entry = (base, _StoreRunner(f"afd-store {host}:{port} w{world_rank}"))
             with _STORES_LOCK:
                 _STORES[key] = entry
