@@ -142,6 +142,7 @@ class WaitReport:
         if self.lines > 1:
             logger.info("%s: %s arrived after %.0f s", self.me, self.what, time.monotonic() - self.t0)
 
+
 __all__ = [
     "DEFAULT_RENDEZVOUS_TIMEOUT_S",
     "AFDStore",

@@ -422,3 +422,28 @@ def test_wrong_argument_types_are_named_value_errors_and_leave_the_step_and_the_
     took = max(r["took"] for r in rej.values())
     print(f"\n[issue 34.3] {len(rej)} wrong argument types refused by name within {took * 1e3:.1f} ms; "
           "both steps exact on every rank")
+
+
+def test_stage_arg_takes_ints_and_integral_floats_and_refuses_the_rest():
+    """The rule behind item 4, without processes: what a stage index may be."""
+    import math
+
+    import numpy as np
+    import torch
+
+    from afd_ext.connector.sequencer import StepSequencer, stage_arg, exchange_order
+    from afd_ext.errors import AFDConfigError
+
+    for good, want in ((0, 0), (3, 3), (0.0, 0), (2.0, 2), (np.int64(1), 1), (np.float32(1.0), 1),
+                       (torch.tensor(1), 1), (-1, -1)):
+        got = stage_arg(good, "ubatch_idx")
+        assert got == want and type(got) is int, (good, got)
+    for bad in (None, "0", b"0", 0.5, math.nan, math.inf, True, False, np.bool_(True), [0], (0,), 1j,
+                torch.tensor(0.5), object()):
+        with pytest.raises(AFDConfigError, match="ubatch_idx must be an int stage id") as e:
+            stage_arg(bad, "ubatch_idx")
+        assert isinstance(e.value, ValueError)
+    q = StepSequencer(1, "ffn", exchange_order(1, (0, 1)))
+    with pytest.raises(AFDConfigError, match="got None"):
+        q.next_fan_in(None, "recv_attn_output")  # was "the stage due"
+    assert q.next_fan_in(0.0, "recv_attn_output") == (0, 0) and q.received == 0

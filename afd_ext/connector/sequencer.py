@@ -30,15 +30,16 @@ from ..topology import step_words
 __all__ = ["StepSequencer", "exchange_order", "stage_arg"]
 
 
-def stage_arg(value: Any, name: str) -> int:
-    """``value`` as a stage id: an int (or anything with ``__index__``) or an integral float (``0.0``, as the
-    reference accepts); whether it is the stage due is the sequencer's check.
+def stage_arg(value: Any, name: str, what: str = "stage id") -> int:
+    """``value`` as a stage id (or another index, ``what``): an int (or anything with ``__index__``) or an
+    integral float (``0.0``, as the reference accepts); whether it is the stage due is the sequencer's check.
 
     Raises:
         AFDConfigError: ``None``, a bool, a string, a non-integral float or any other type, naming ``name``.
     """
     if type(value) is int:  # the hot path
         return value
+    # bools (Python's, numpy's bool_/bool, torch's via __index__) are flags, not indices
     if value is not None and not isinstance(value, bool) and type(value).__name__ not in ("bool_", "bool"):
         try:
             return operator.index(value)  # numpy and torch integers
@@ -49,7 +50,7 @@ def stage_arg(value: Any, name: str) -> int:
             if math.isfinite(f) and f.is_integer():
                 return int(f)
     got = "None" if value is None else f"{type(value).__name__} {value!r}"[:120]
-    raise AFDConfigError(f"{name} must be an int stage id (an integral float such as 0.0 is taken), got {got}")
+    raise AFDConfigError(f"{name} must be an int {what} (an integral float such as 0.0 is taken), got {got}")
 
 
 def exchange_order(num_layers: int, stages: Sequence[int]) -> tuple[tuple[int, int], ...]:

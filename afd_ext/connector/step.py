@@ -47,7 +47,7 @@ def context_metadata(context: Any, op: str) -> AFDTransferMetadata:
     except AttributeError as e:
         raise AFDConfigError(f"context.metadata ({type(md).__name__}) lacks the transfer metadata fields "
                              f"layer_idx, stage_idx, seq_lens ({e})") from None
-    layer_idx = stage_arg(fields[0], "context.metadata.layer_idx")
+    layer_idx = stage_arg(fields[0], "context.metadata.layer_idx", "layer index")
     if not 0 <= layer_idx < _MAX_INDEX:
         raise AFDConfigError(f"context.metadata.layer_idx must be in [0, {_MAX_INDEX}), got {layer_idx}")
     if isinstance(fields[2], (str, bytes)) or not hasattr(fields[2], "__len__"):
