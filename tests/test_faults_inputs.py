@@ -356,9 +356,9 @@ def _arg_types_worker(rank, nprocs, sc, port, cases):
         conn.close()
 
 
-def _check_arg_cases(cases: list[str]) -> dict:
+def _check_arg_cases(cases: list[str], control: str = "auto") -> dict:
     sc = cs.Scenario(A=2, F=1, steps=({0: [2, 3], 1: [1, 2]}, {0: [1, 1]}), layers=2, strict=False,
-                     logits_width=4, send_ids=True, step_timeout_s=20.0)
+                     logits_width=4, send_ids=True, step_timeout_s=20.0, extra=(("control_channel", control),))
     ffn, a0, a1 = run_workers(_arg_types_worker, sc.nprocs, (sc, find_free_port(), cases), timeout_s=100)
     rej = {**ffn["rejections"], **a1["rejections"]}
     assert a0["rejections"] == {}
@@ -399,7 +399,8 @@ def test_a_stage_index_that_is_none_a_string_or_not_integral_is_refused_and_0_0_
           "both steps exact on every rank")
 
 
-def test_wrong_argument_types_are_named_value_errors_and_leave_the_step_and_the_peers_intact():
+@pytest.mark.parametrize("control", ["shm", "tcp"])
+def test_wrong_argument_types_are_named_value_errors_and_leave_the_step_and_the_peers_intact(control):
     """Issue 34 item 3: ``recv_attn_output(routing_spec="4")`` raised AttributeError (and its caller's exit took
     the peers down); every data call's argument of a wrong type is an AFDConfigError naming the argument, the
     expected type and what was given, and the corrected call completes the step on every rank."""
@@ -410,7 +411,7 @@ def test_wrong_argument_types_are_named_value_errors_and_leave_the_step_and_the_
     cases += ["send_attn_output: " + c for c in ("layer_idx '0'", "seq_lens '3'", "no metadata fields",
                                                   "router_logits a str")]
     cases += ["recv_ffn_output: ref_tensor a list"]
-    rej = _check_arg_cases(cases)
+    rej = _check_arg_cases(cases, control)
     assert len(rej) == (6 + 2) * 2 + 4 + 1, sorted(rej)
     spec = rej["recv_attn_output: routing_spec '4' at (0, 0)"]["msg"]
     assert "routing_spec must be None or an AFDExpertRoutingSpec" in spec and "got str '4'" in spec, spec
@@ -420,7 +421,7 @@ def test_wrong_argument_types_are_named_value_errors_and_leave_the_step_and_the_
     assert "context.metadata.layer_idx must be an int" in rej["send_attn_output: layer_idx '0'"]["msg"]
     assert "context.metadata.seq_lens must be a list" in rej["send_attn_output: seq_lens '3'"]["msg"]
     took = max(r["took"] for r in rej.values())
-    print(f"\n[issue 34.3] {len(rej)} wrong argument types refused by name within {took * 1e3:.1f} ms; "
+    print(f"\n[issue 34.3, {control}] {len(rej)} wrong argument types refused by name within {took * 1e3:.1f} ms; "
           "both steps exact on every rank")
 
 
