@@ -95,6 +95,8 @@ ABORT_READ_WAIT_S = 0.1
 POST_ABORT_WAIT_S = 0.5
 #: Shortest bound of one store round trip inside a wait (its last poll), in seconds.
 _MIN_ROUND_TRIP_S = 0.5
+#: Longest FFN rank 0 looks, when its port is in use, whether this job's live FFN rank 0 holds it, in seconds.
+_PROBE_S = 10.0
 
 
 def wait_log_interval_s(timeout_s: float) -> float:
@@ -775,14 +777,14 @@ def _abort_waiting_init(st: "AFDStore", root: Any, record: Mapping[str, Any], wo
 
     value = json.dumps(dict(record))
     try:
-        gens = {max(1, int(st.call(lambda r=r: root.add(f"join/{r}", 0), "reading generations", 1.0)))
+        gens = {max(1, int(st.call(lambda r=r: root.add(f"join/{r}", 0), "reading generations", 2.0)))
                 for r in ranks}
         done = [f"barrier/handshake-read/0/{r}" for r in range(world_size)]
         for g in sorted(gens):
             gen = dist.PrefixStore(f"g{g}/", root)
-            if done and st.call(lambda: gen.check(done), "reading the handshake", 1.0):
+            if done and st.call(lambda: gen.check(done), "reading the handshake", 2.0):
                 continue  # that generation is past its handshake: a running job is not disturbed
-            st.call(lambda: gen.compare_set("abort", "", value), "posting the abort", 1.0)
+            st.call(lambda: gen.compare_set("abort", "", value), "posting the abort", 2.0)
     except Exception as e:  # noqa: BLE001 - only speeds up the other ranks' errors
         logger.debug("could not abort the waiting init: %s", e)
 
@@ -807,20 +809,23 @@ def _refuse_duplicate(st: "AFDStore", root: Any, holder: Mapping[str, Any]) -> D
 
 
 def _second_store_host(host: str, port: int, world_size: int, num_ffn_ranks: int | None, namespace: str,
-                       job: str, err: RendezvousError) -> DuplicateRankError | RendezvousError:
+                       job: str, err: RendezvousError, deadline: float) -> DuplicateRankError | RendezvousError:
     """FFN rank 0 found ``host:port`` in use: a :class:`DuplicateRankError` (the job's waiting ranks stopped) when
-    this job's store is there with a live FFN rank 0 on this host (FFN rank 0 started twice), else ``err``."""
+    this job's store is there with a live FFN rank 0 on this host (FFN rank 0 started twice), else ``err``.
+    Looks for at most ``_PROBE_S`` seconds (within ``deadline``)."""
     import torch.distributed as dist
 
+    bound = max(_MIN_ROUND_TRIP_S, min(_PROBE_S, deadline - time.monotonic()))
+    end = time.monotonic() + bound
     runner = _StoreRunner(f"afd-store {host}:{port} probe")
     try:
-        base = _open_tcp_store(host, port, 1, 2.0, time.monotonic() + 2.0)
+        base = _open_tcp_store(host, port, 1, bound, end)
         root = dist.PrefixStore(f"{namespace}/", base)
         st = AFDStore(store=root, base=base, host=host, port=port, world_rank=0, world_size=world_size,
-                      num_ffn_ranks=num_ffn_ranks, generation=0, namespace=namespace, timeout_s=2.0, _runner=runner)
-        t0 = time.monotonic()  # the other FFN rank 0 may have bound the port a moment ago: let it claim
+                      num_ffn_ranks=num_ffn_ranks, generation=0, namespace=namespace, timeout_s=bound, _runner=runner)
+        # the other FFN rank 0 may have bound the port a moment ago: let it record the job and claim its rank
         while not st.call(lambda: root.check(["world", "owner/0"]), "reading the job"):
-            if time.monotonic() - t0 > 2.0:
+            if time.monotonic() > end:
                 return err
             time.sleep(0.05)
         world = json.loads(bytes(st.call(lambda: root.get("world"), "reading the job")).decode("utf-8"))
@@ -950,7 +955,8 @@ def connect(
                                        rank_label(world_rank, num_ffn_ranks))
             except RendezvousError as e:
                 if world_rank == 0 and getattr(e, "port_in_use", False):
-                    raise _second_store_host(host, port, world_size, num_ffn_ranks, namespace, job, e) from None
+                    raise _second_store_host(host, port, world_size, num_ffn_ranks, namespace, job, e,
+                                             deadline) from None
                 raise
             entry = (base, _StoreRunner(f"afd-store {host}:{port} w{world_rank}"))
             with _STORES_LOCK:

@@ -264,7 +264,8 @@ def test_a_role_rank_started_twice_stops_every_rank_of_the_job_naming_both_proce
         msg = r["msg"]
         assert f"{label(dup)} was started twice" in msg, msg
         assert all(p in msg for p in pids), (pids, msg)
-        assert f"{label(missing)} did not arrive" in msg, msg
+        # the rank never started is named (a peer still spawning on a busy box may be named with it)
+        assert label(missing) in msg.split(" did not arrive")[0].rsplit(". ", 1)[-1], msg
         assert "generation" not in msg, msg
         # within 2 s of the refusal, or of its own start when it arrived later (spawn on a busy box)
         assert r["at"] - max(r["start"], refused["at"]) < 2.0 and r["took"] < init_timeout / 2, (r, refused)
