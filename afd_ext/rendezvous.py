@@ -31,7 +31,9 @@ and, while waiting, looks at the generation's abort key: a rank that fails
 mid-step calls :func:`post_abort`, and every rank blocked in a wait of this
 module, or polling :func:`check_abort`, raises :class:`StepAbortedError`
 naming who aborted and why. A timeout is a :class:`RendezvousTimeoutError`
-naming the ranks that did not arrive and what was awaited.
+naming the ranks that did not arrive and what was awaited. No wait is silent:
+:class:`WaitReport` logs one line when it starts and one every
+:func:`wait_log_interval_s`, naming the ranks awaited, what and the time left.
 
 A frozen store host
 -------------------
@@ -55,7 +57,11 @@ rank of this job started with another ``num_attention_ranks`` or
 ``num_ffn_ranks`` gets a :class:`HandshakeMismatchError` at once (and aborts
 the waiting ranks' handshake). Each world rank is claimed by one process: a
 second live process claiming it on the same host is refused
-(:class:`DuplicateRankError`); a claim whose process is gone is taken over.
+(:class:`DuplicateRankError`) and posts that as the abort of the generation
+still in its handshake: a launcher that gave two processes one role rank left
+another rank missing, so every waiting rank of the job raises
+:class:`DuplicateRankError` too, naming both processes, instead of waiting
+out its deadline. A claim whose process is gone is taken over.
 """
 
 from __future__ import annotations
@@ -89,6 +95,55 @@ ABORT_READ_WAIT_S = 0.1
 POST_ABORT_WAIT_S = 0.5
 #: Shortest bound of one store round trip inside a wait (its last poll), in seconds.
 _MIN_ROUND_TRIP_S = 0.5
+#: Longest FFN rank 0 looks, when its port is in use, whether this job's live FFN rank 0 holds it, in seconds.
+_PROBE_S = 10.0
+
+
+def wait_log_interval_s(timeout_s: float) -> float:
+    """Seconds between two log lines of a rendezvous wait with deadline ``timeout_s``: a tenth of it,
+    within 1..30 s (30 s at the default 600 s; 1 s for a test's short deadline)."""
+    return min(30.0, max(1.0, float(timeout_s) / 10.0))
+
+
+class WaitReport:
+    """The log lines of one wait: the first when it starts (INFO), then one every
+    :func:`wait_log_interval_s` (WARNING), each naming who is missing, what is awaited and the time left.
+
+    Args:
+        me: the waiting rank's label; what: what it waits for; deadline: ``time.monotonic()`` deadline.
+    """
+
+    def __init__(self, me: str, what: str, deadline: float):
+        self.me = me
+        self.what = what
+        self.deadline = deadline
+        self.t0 = time.monotonic()
+        self.interval = wait_log_interval_s(deadline - self.t0)
+        self._next = self.t0
+        self.lines = 0
+
+    def due(self) -> bool:
+        """Whether a line is due now (the first call is: the wait just started)."""
+        return time.monotonic() >= self._next
+
+    def log(self, missing: str) -> None:
+        """Log one line naming ``missing`` (the ranks or process awaited)."""
+        now = time.monotonic()
+        left = max(0.0, self.deadline - now)
+        if self.lines == 0:
+            logger.info("%s waits for %s from %s; gives up in %.0f s", self.me, self.what, missing, left)
+        else:
+            logger.warning("%s still waits for %s from %s after %.0f s; gives up in %.0f s (a slow model load "
+                           "there is normal: raise init_timeout_s if it needs longer; a crashed or never started "
+                           "process is not)", self.me, self.what, missing, now - self.t0, left)
+        self.lines += 1
+        self._next = now + self.interval
+
+    def done(self) -> None:
+        """The wait ended well: say so if it was reported as long (WARNING lines were logged)."""
+        if self.lines > 1:
+            logger.info("%s: %s arrived after %.0f s", self.me, self.what, time.monotonic() - self.t0)
+
 
 __all__ = [
     "DEFAULT_RENDEZVOUS_TIMEOUT_S",
@@ -115,6 +170,8 @@ __all__ = [
     "check_abort",
     "raise_if_aborted",
     "wait_for_keys",
+    "WaitReport",
+    "wait_log_interval_s",
     "host_identity",
     "forget_cached_stores",
 ]
@@ -124,6 +181,7 @@ from .topology import rank_label  # noqa: E402,F401  the one rank label, re-expo
 from .watchdog import CallThread  # noqa: E402
 from .errors import (  # noqa: E402  defined once, in errors.py
     AFDConfigError,
+    AFDError,
     DuplicateRankError,
     HandshakeMismatchError,
     JobMismatchError,
@@ -303,12 +361,13 @@ class AFDStore:
         return f"{self.namespace}-{self.port}-g{self.generation}"
 
 
-def _decode_abort(raw: bytes) -> tuple[str, str]:
+def _decode_abort(raw: bytes) -> tuple[str, str, dict[str, Any]]:
+    """``(reason, by, record)`` of an abort value (``record``: the whole JSON object, ``{}`` if not JSON)."""
     try:
         d = json.loads(raw.decode("utf-8"))
-        return str(d["reason"]), str(d["by"])
+        return str(d["reason"]), str(d["by"]), d
     except (ValueError, KeyError, TypeError):
-        return raw.decode("utf-8", "replace"), "an unknown rank"
+        return raw.decode("utf-8", "replace"), "an unknown rank", {}
 
 
 class AbortSignal:
@@ -328,6 +387,8 @@ class AbortSignal:
         self._lock = threading.Lock()
         self._queued: cf.Future | None = None
         self._posted: tuple[str, str] | None = None
+        #: The posted abort's whole record (``kind: "duplicate"``: a role rank started twice, see :func:`connect`).
+        self.record: dict[str, Any] = {}
 
     def read(self, wait_s: float = ABORT_READ_WAIT_S) -> tuple[str, str] | None:
         """``(reason, by)`` of the posted abort, or None (none posted, or the store is silent).
@@ -391,10 +452,11 @@ class AbortSignal:
             return
         post_abort(self._store, str(exc).splitlines()[0][:2000] if str(exc) else type(exc).__name__, by=self.me)
 
-    def learn(self, reason: str, by: str) -> None:
+    def learn(self, reason: str, by: str, record: Mapping[str, Any] | None = None) -> None:
         """Record an abort this rank posted or read elsewhere."""
         if self._posted is None:
             self._posted = (reason, by)
+            self.record = dict(record or {})
 
     def _fetch(self) -> tuple[str, str] | None:
         st = self._store
@@ -509,10 +571,12 @@ def _listen_socket(host: str, port: int) -> int:
                 "job or a stale process may hold it)")
     else:
         hint = str(last)
-    raise RendezvousError(f"FFN rank 0 cannot bind the AFD rendezvous store to {host}:{port}: {hint}")
+    err = RendezvousError(f"FFN rank 0 cannot bind the AFD rendezvous store to {host}:{port}: {hint}")
+    err.port_in_use = last.errno == 98  # connect() looks whether FFN rank 0 was started twice
+    raise err
 
 
-def _open_tcp_store(host: str, port: int, world_rank: int, timeout_s: float, deadline: float):
+def _open_tcp_store(host: str, port: int, world_rank: int, timeout_s: float, deadline: float, me: str = ""):
     import torch.distributed as dist
 
     if world_rank == 0:
@@ -536,7 +600,9 @@ def _open_tcp_store(host: str, port: int, world_rank: int, timeout_s: float, dea
              f"(hosted by FFN rank 0 = world rank 0) within {timeout_s:g} s")
     # Our own connect loop: the store client's retries log C++ stack traces and overrun its
     # timeout by a whole extra attempt.
-    last = _wait_listening(host, port, deadline)
+    report = WaitReport(me or f"world rank {world_rank}", f"the AFD rendezvous store at {host}:{port}",
+                        deadline)
+    last = _wait_listening(host, port, deadline, report)
     if last is not None:
         raise RendezvousTimeoutError(
             f"{where}: {str(last).rstrip('.')}. Check that FFN rank 0 is running, that host/port are the same on every "
@@ -568,19 +634,26 @@ def _open_tcp_store(host: str, port: int, world_rank: int, timeout_s: float, dea
     return box["store"]
 
 
-def _wait_listening(host: str, port: int, deadline: float) -> str | None:
-    """Connect to ``host:port`` until something accepts or ``deadline`` passes; None or the last error."""
+def _wait_listening(host: str, port: int, deadline: float, report: WaitReport | None = None) -> str | None:
+    """Connect to ``host:port`` until something accepts or ``deadline`` passes; None or the last error.
+
+    ``report`` logs the wait (FFN rank 0 not listening yet: it may still be loading its model).
+    """
     sleep = 0.01
     while True:
         left = deadline - time.monotonic()
         try:
             with socket.create_connection((host, port), timeout=max(0.05, min(left, 2.0))):
+                if report is not None:
+                    report.done()
                 return None
         except OSError as e:
             err = e.strerror or str(e)
         left = deadline - time.monotonic()
         if left <= 0:
             return err
+        if report is not None and report.due():
+            report.log(f"FFN rank 0 (world rank 0), which hosts it ({err})")
         time.sleep(min(sleep, left))
         sleep = min(2 * sleep, 0.25)
 
@@ -641,7 +714,11 @@ def _check_world(st: "AFDStore", root: Any, mine: dict[str, Any], job_source: st
         raw = st.call(lambda: root.compare_set("world", "", enc), "recording the job", left())
     else:
         sleep = 0.001
+        report = WaitReport(st.label(), f"the job record in the AFD rendezvous store at {st.host}:{st.port}",
+                            deadline)
         while not st.call(lambda: root.check(["world"]), "reading the job", left()):
+            if report.due():
+                report.log("FFN rank 0 (world rank 0), which opened the store")
             if time.monotonic() >= deadline:
                 raise RendezvousTimeoutError(
                     f"{st.label()} reached a store at {st.host}:{st.port} that FFN rank 0 never set up "
@@ -685,19 +762,83 @@ def _shape_difference(mine: Mapping[str, Any], theirs: Mapping[str, Any]) -> tup
 
 def _abort_handshake(st: "AFDStore", root: Any, reason: str, theirs: Mapping[str, Any]) -> None:
     """Stop the ranks waiting in FFN rank 0's current handshake, unless that job already runs."""
+    _abort_waiting_init(st, root, {"reason": reason, "by": st.label()}, int(theirs.get("world_size") or 0), (0,))
+
+
+def _abort_waiting_init(st: "AFDStore", root: Any, record: Mapping[str, Any], world_size: int,
+                        ranks: Iterable[int]) -> None:
+    """Post ``record`` as the abort of the generation that ``ranks`` joined last, unless it is past its handshake.
+
+    The ranks of one init share a generation; a generation whose handshake
+    every rank has read is a running job, which is not disturbed. A rank that
+    has not joined yet (join count 0) will join generation 1.
+    """
     import torch.distributed as dist
 
+    value = json.dumps(dict(record))
     try:
-        # FFN rank 0's generation; 0: it has not joined yet and will join generation 1.
-        g = max(1, int(st.call(lambda: root.add("join/0", 0), "reading FFN rank 0's generation", 1.0)))
-        gen = dist.PrefixStore(f"g{g}/", root)
-        done = [f"barrier/handshake-read/0/{r}" for r in range(int(theirs.get("world_size") or 0))]
-        if done and st.call(lambda: gen.check(done), "reading the handshake", 1.0):
-            return  # that generation is past its handshake: a running job is not disturbed
-        value = json.dumps({"reason": reason, "by": st.label()})
-        st.call(lambda: gen.compare_set("abort", "", value), "posting the abort", 1.0)
+        gens = {max(1, int(st.call(lambda r=r: root.add(f"join/{r}", 0), "reading generations", 2.0)))
+                for r in ranks}
+        done = [f"barrier/handshake-read/0/{r}" for r in range(world_size)]
+        for g in sorted(gens):
+            gen = dist.PrefixStore(f"g{g}/", root)
+            if done and st.call(lambda: gen.check(done), "reading the handshake", 2.0):
+                continue  # that generation is past its handshake: a running job is not disturbed
+            st.call(lambda: gen.compare_set("abort", "", value), "posting the abort", 2.0)
     except Exception as e:  # noqa: BLE001 - only speeds up the other ranks' errors
-        logger.debug("could not abort the waiting handshake: %s", e)
+        logger.debug("could not abort the waiting init: %s", e)
+
+
+def _refuse_duplicate(st: "AFDStore", root: Any, holder: Mapping[str, Any]) -> DuplicateRankError:
+    """This process claims a world rank a live process (``holder``) holds: stop the job's ranks waiting at init
+    (they wait for the rank the launcher meant this process to be), naming both processes; the error to raise."""
+    who = f"pid {holder.get('pid')} on {holder.get('name', 'another host')}"
+    me = _process_token()
+    mine = f"pid {me['pid']} on {me['name']}"
+    _abort_waiting_init(st, root, {
+        "kind": "duplicate", "world_rank": st.world_rank, "holder": who, "claimant": mine,
+        "holder_nonce": holder.get("nonce"), "by": f"a second process started as {st.label()} ({mine})",
+        "reason": f"{st.label()} was started twice: {who} holds it, {mine} was refused"},
+        st.world_size, {0, st.world_rank})
+    return DuplicateRankError(
+        f"{st.label()} is already held by another running process ({who}) on the AFD rendezvous "
+        f"store at {st.host}:{st.port}; this process ({mine}) is refused: two processes were started "
+        "with the same role rank. Give every process its own role rank (or stop the other one); the "
+        "job's ranks waiting at init are stopped with this error too.",
+        world_rank=st.world_rank, holder=who)
+
+
+def _second_store_host(host: str, port: int, world_size: int, num_ffn_ranks: int | None, namespace: str,
+                       job: str, err: RendezvousError, deadline: float) -> DuplicateRankError | RendezvousError:
+    """FFN rank 0 found ``host:port`` in use: a :class:`DuplicateRankError` (the job's waiting ranks stopped) when
+    this job's store is there with a live FFN rank 0 on this host (FFN rank 0 started twice), else ``err``.
+    Looks for at most ``_PROBE_S`` seconds (within ``deadline``)."""
+    import torch.distributed as dist
+
+    bound = max(_MIN_ROUND_TRIP_S, min(_PROBE_S, deadline - time.monotonic()))
+    end = time.monotonic() + bound
+    runner = _StoreRunner(f"afd-store {host}:{port} probe")
+    try:
+        base = _open_tcp_store(host, port, 1, bound, end)
+        root = dist.PrefixStore(f"{namespace}/", base)
+        st = AFDStore(store=root, base=base, host=host, port=port, world_rank=0, world_size=world_size,
+                      num_ffn_ranks=num_ffn_ranks, generation=0, namespace=namespace, timeout_s=bound, _runner=runner)
+        # the other FFN rank 0 may have bound the port a moment ago: let it record the job and claim its rank
+        while not st.call(lambda: root.check(["world", "owner/0"]), "reading the job"):
+            if time.monotonic() > end:
+                return err
+            time.sleep(0.05)
+        world = json.loads(bytes(st.call(lambda: root.get("world"), "reading the job")).decode("utf-8"))
+        holder = json.loads(bytes(st.call(lambda: root.get("owner/0"), "reading FFN rank 0's claim")).decode("utf-8"))
+        if world.get("job_id") != job or _shape_difference(_world_record(job, world_size, num_ffn_ranks), world) \
+                or not _holder_alive(holder):
+            return err
+        return _refuse_duplicate(st, root, holder)
+    except Exception as e:  # noqa: BLE001 - not a store of this job: the bind error stands
+        logger.debug("%s:%d is in use and is not this job's live store (%s)", host, port, e)
+        return err
+    finally:
+        runner.stop()
 
 
 def _claim_rank(st: "AFDStore", root: Any, deadline: float) -> None:
@@ -717,11 +858,7 @@ def _claim_rank(st: "AFDStore", root: Any, deadline: float) -> None:
         who = f"pid {holder.get('pid')} on {holder.get('name', 'another host')}"
         alive = _holder_alive(holder)
         if alive:
-            raise DuplicateRankError(
-                f"{st.label()} is already held by another running process ({who}) on the AFD rendezvous "
-                f"store at {st.host}:{st.port}: two processes were started with the same role rank. Give "
-                "every process its own role rank (or stop the other one).",
-                world_rank=st.world_rank, holder=who)
+            raise _refuse_duplicate(st, root, holder)
         if alive is None:
             logger.warning("%s: taking over this rank from %s (another host; assumed gone). If that process "
                            "still runs, two processes were started with the same role rank.", st.label(), who)
@@ -813,7 +950,14 @@ def connect(
             with _STORES_LOCK:
                 _STORES.pop(key, None)
         if entry is None:
-            base = _open_tcp_store(host, port, world_rank, timeout_s, deadline)
+            try:
+                base = _open_tcp_store(host, port, world_rank, timeout_s, deadline,
+                                       rank_label(world_rank, num_ffn_ranks))
+            except RendezvousError as e:
+                if world_rank == 0 and getattr(e, "port_in_use", False):
+                    raise _second_store_host(host, port, world_size, num_ffn_ranks, namespace, job, e,
+                                             deadline) from None
+                raise
             entry = (base, _StoreRunner(f"afd-store {host}:{port} w{world_rank}"))
             with _STORES_LOCK:
                 _STORES[key] = entry
@@ -854,7 +998,7 @@ def _generation_hint(store: AFDStore, missing: Iterable[int]) -> str:
         notes = []
         for r in missing:
             g = int(store.call(lambda r=r: root.add(f"join/{r}", 0), "reading generations", _MIN_ROUND_TRIP_S))
-            if g != store.generation:
+            if g and g != store.generation:  # 0: never joined this store (not started, or crashed before)
                 notes.append(f"{store.label(r)} is at generation {g}")
     except Exception:  # noqa: BLE001 - only a hint
         return ""
@@ -899,7 +1043,27 @@ def raise_if_aborted(store: AFDStore, op: str = "") -> None:
     """
     found = store.abort_signal.read()
     if found is not None:
-        raise StepAbortedError(found[0], found[1], op=op)
+        raise _abort_error(store, found, op)
+
+
+def _abort_error(store: AFDStore, found: tuple[str, str], op: str, missing: Iterable[int] = ()) -> AFDError:
+    """The error of a posted abort: :class:`DuplicateRankError` for a role rank started twice, else
+    :class:`StepAbortedError`. ``missing``: world ranks not arrived yet (named with a duplicate)."""
+    rec = store.abort_signal.record
+    if rec.get("kind") != "duplicate":
+        return StepAbortedError(found[0], found[1], op=op)
+    wr = int(rec.get("world_rank", -1))
+    holder, claimant = str(rec.get("holder")), str(rec.get("claimant"))
+    if rec.get("holder_nonce") == _process_token()["nonce"]:
+        holder = f"this process, {holder},"
+    absent = [r for r in missing if r != wr]
+    hint = (f" {', '.join(store.label(r) for r in absent)} did not arrive: probably the process meant to be "
+            f"{'that rank' if len(absent) == 1 else 'one of them'} was started as {store.label(wr)}.") if absent else ""
+    return DuplicateRankError(
+        f"{store.label()} stopped {op or 'waiting'}: {store.label(wr)} was started twice on the AFD rendezvous "
+        f"store at {store.host}:{store.port}: {holder} holds it, {claimant} was refused.{hint} Give every "
+        "process its own role rank and restart the job (every rank of it fails now instead of waiting out "
+        "init_timeout_s).", world_rank=wr, holder=str(rec.get("holder")))
 
 
 def post_abort(store: AFDStore, reason: str, by: str | None = None) -> bool:
@@ -964,27 +1128,36 @@ def wait_for_keys(
     deadline = time.monotonic() + timeout
     left = lambda: max(deadline - time.monotonic(), _MIN_ROUND_TRIP_S)  # noqa: E731
     pending = dict(keys)
+    report = WaitReport(store.label(), what, deadline)
+    missing = lambda: sorted({r for k, r in pending.items()  # noqa: E731
+                              if not store.check([k], timeout_s=_MIN_ROUND_TRIP_S)})
     sleep = 0.001
     while True:
         # One store round trip per poll (every rank polls FFN rank 0's store);
-        # which keys are missing is worked out only for the error.
+        # which keys are missing is worked out only for the reports and the error.
         if not pending or store.check(list(pending), timeout_s=left()):
+            report.done()
             return
-        raise_if_aborted(store, op=f"waiting for {what}")
+        found = store.abort_signal.read()
+        if found is not None:
+            op = f"waiting for {what}"
+            dup = store.abort_signal.record.get("kind") == "duplicate"
+            raise _abort_error(store, found, op, missing() if dup else ())
         if time.monotonic() >= deadline:
-            pending = {k: r for k, r in pending.items() if not store.check([k], timeout_s=_MIN_ROUND_TRIP_S)}
-            if not pending:
+            absent = missing()
+            if not absent:
                 return
-            missing = sorted(set(pending.values()))
-            names = ", ".join(store.label(r) for r in missing)
-            hint = _generation_hint(store, missing)
+            names = ", ".join(store.label(r) for r in absent)
+            hint = _generation_hint(store, absent)
             raise RendezvousTimeoutError(
                 f"{store.label()} timed out after {timeout:.0f} s waiting for {what} from {names}"
                 + (hint or ". Those ranks did not arrive: check that they are running, use the same "
                    "host/port/num_attention_ranks/num_ffn_ranks, and raise the rendezvous timeout if their "
                    "model load is slower."),
-                missing=missing, what=what,
+                missing=absent, what=what,
             )
+        if report.due():
+            report.log(", ".join(store.label(r) for r in missing()) or "no rank any more")
         time.sleep(sleep)
         sleep = min(sleep * 2, _MAX_POLL_S)
 

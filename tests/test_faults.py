@@ -212,6 +212,69 @@ def test_two_processes_claiming_one_role_rank_are_refused_by_name(store_host):
     print(f"\n[item 8] second process on a held role rank: DuplicateRankError after {float(took):.2f} s")
 
 
+def _duplicate_rank_worker(rank, nprocs, sc, port, world_ranks):
+    """Process ``rank`` runs as AFD world rank ``world_ranks[rank]``: two processes get attention rank 0, so
+    attention rank 1 never starts. Returns the init error, its fields and when it came (wall clock)."""
+    import socket
+
+    import connector_scenarios as cs
+
+    conn = cs.make_connector(sc, world_ranks[rank], port)
+    t0, start = time.monotonic(), time.time()
+    try:
+        conn.init_afd_connector()
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        return {"error": type(e).__name__, "msg": str(e), "took": time.monotonic() - t0, "at": time.time(),
+                "start": start,
+                "world_rank": getattr(e, "world_rank", None), "pid": os.getpid(), "host": socket.gethostname()}
+    finally:
+        conn.close()
+    return {"error": None, "took": time.monotonic() - t0}
+
+
+@pytest.mark.parametrize("twice,control", [("attention rank 0", "shm"), ("attention rank 0", "tcp"),
+                                            ("FFN rank 0", "shm"), ("FFN rank 0", "tcp")])
+def test_a_role_rank_started_twice_stops_every_rank_of_the_job_naming_both_processes(twice, control):
+    """Issue 34 item 1: a launcher gave two processes one role rank, so another rank never starts: attention
+    rank 0 twice (A = 2, F = 1; attention rank 1 missing), or FFN rank 0, the store host, twice (A = 1, F = 2;
+    FFN rank 1 missing: the second cannot bind the port and finds the first's store). The refused process fails
+    at once (as before); the job's other ranks, which used to wait out init_timeout_s and then blame generations,
+    fail within 2 s of it, naming the duplicated role rank, both processes (pid, host) and the rank that never
+    came."""
+    import connector_scenarios as cs
+    from afd_ext.testing import run_workers
+
+    init_timeout = 30.0
+    extra = (("init_timeout_s", init_timeout), ("control_channel", control))
+    if twice == "attention rank 0":
+        sc, world, dup, missing = cs.Scenario(A=2, F=1, layers=1, strict=False, extra=extra), [0, 1, 1], 1, 2
+    else:
+        sc, world, dup, missing = cs.Scenario(A=1, F=2, layers=1, strict=False, extra=extra), [2, 0, 0], 0, 1
+    label = lambda r: f"{'FFN' if r < sc.F else 'attention'} rank {r if r < sc.F else r - sc.F} (world rank {r})"  # noqa: E731
+    res = run_workers(_duplicate_rank_worker, 3, (sc, find_free_port(HOST), world), timeout_s=90)
+    assert all(r["error"] == "DuplicateRankError" and r["world_rank"] == dup for r in res), res
+    twins = res[1:]
+    refused = [r for r in twins if "is already held by another running process" in r["msg"]]
+    assert len(refused) == 1, twins
+    refused = refused[0]
+    holder = twins[1] if refused is twins[0] else twins[0]
+    pids = {f"pid {holder['pid']} on {holder['host']}", f"pid {refused['pid']} on {refused['host']}"}
+    assert all(p in refused["msg"] for p in pids), refused["msg"]
+    for r in (res[0], holder):  # the other role's rank and the process that holds the duplicated rank
+        msg = r["msg"]
+        assert f"{label(dup)} was started twice" in msg, msg
+        assert all(p in msg for p in pids), (pids, msg)
+        # the rank never started is named (a peer still spawning on a busy box may be named with it)
+        assert label(missing) in msg.split(" did not arrive")[0].rsplit(". ", 1)[-1], msg
+        assert "generation" not in msg, msg
+        # within 2 s of the refusal, or of its own start when it arrived later (spawn on a busy box)
+        assert r["at"] - max(r["start"], refused["at"]) < 2.0 and r["took"] < init_timeout / 2, (r, refused)
+    assert "this process" in holder["msg"], holder["msg"]
+    late = max(r["at"] - max(r["start"], refused["at"]) for r in res)
+    print(f"\n[issue 34.1, {twice}, {control}] role rank started twice: the refused process after {refused['took']:.2f} s, "
+          f"every other rank within {late:.2f} s of it or of its own start (init_timeout_s {init_timeout:g})")
+
+
 def test_a_role_rank_whose_process_is_gone_can_be_taken_over(store_host):
     host = store_host()
     port = host.port

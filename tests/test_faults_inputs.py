@@ -214,3 +214,237 @@ def test_a_wrong_ubatch_idx_is_a_local_error_and_the_corrected_call_proceeds():
     took = max(r["took"] for r in rej.values())
     print(f"\n[inputs] {len(rej)} wrong-stage cases: local error within {took * 1e3:.1f} ms, the corrected calls "
           "completed both steps on every rank")
+
+
+# ---------------------------------------------------------------- issue 34 items 3 and 4: argument types
+def _bad_kwargs(case: str, h=None, ctx=None, n=0):
+    """The keyword arguments of one bad call (``case``: ``"<call>: <what>"``) and the argument it must name."""
+    from types import SimpleNamespace as NS
+
+    import torch
+
+    from afd_ext.metadata import AFDExpertRoutingSpec
+
+    call, what = case.split(": ", 1)
+    md = ctx.metadata if ctx is not None else None
+    table = {
+        # item 4: stage indices
+        "recv_attn_output": {
+            "ubatch_idx None": ({"ubatch_idx": None}, "ubatch_idx"),
+            "ubatch_idx '0'": ({"ubatch_idx": "0"}, "ubatch_idx"),
+            "ubatch_idx 0.5": ({"ubatch_idx": 0.5}, "ubatch_idx"),
+            "ubatch_idx nan": ({"ubatch_idx": float("nan")}, "ubatch_idx"),
+            "ubatch_idx True": ({"ubatch_idx": True}, "ubatch_idx"),
+            "ubatch_idx [0]": ({"ubatch_idx": [0]}, "ubatch_idx"),
+            "ubatch_idx -1": ({"ubatch_idx": -1}, "ubatch_idx"),
+            "ubatch_idx 7": ({"ubatch_idx": 7}, "ubatch_idx"),
+            # item 3: types of the other arguments
+            "routing_spec '4'": ({"ubatch_idx": 0, "routing_spec": "4"}, "routing_spec"),
+            "routing_spec 4": ({"ubatch_idx": 0, "routing_spec": 4}, "routing_spec"),
+            "routing_spec tuple": ({"ubatch_idx": 0, "routing_spec": (4, torch.float32)}, "routing_spec"),
+            "routing_spec width '4'": ({"ubatch_idx": 0, "routing_spec": AFDExpertRoutingSpec("4", torch.float32)},
+                                       "routing_spec"),
+            "recv_input_ids 'yes'": ({"ubatch_idx": 0, "recv_input_ids": "yes"}, "recv_input_ids"),
+            "recv_input_ids None": ({"ubatch_idx": 0, "recv_input_ids": None}, "recv_input_ids"),
+        },
+        "recv_ffn_output": {
+            "ubatch_idx None": ({"ref_tensor": h, "ubatch_idx": None}, "ubatch_idx"),
+            "ubatch_idx '0'": ({"ref_tensor": h, "ubatch_idx": "0"}, "ubatch_idx"),
+            "ubatch_idx 0.5": ({"ref_tensor": h, "ubatch_idx": 0.5}, "ubatch_idx"),
+            "ref_tensor a list": ({"ref_tensor": [[0.0]], "ubatch_idx": 0}, "ref_tensor"),
+        },
+        "send_attn_output": {
+            "stage_idx None": ({"hidden_states": h, "context": NS(metadata=NS(layer_idx=0, stage_idx=None,
+                                                                            seq_lens=[n]))}, "stage_idx"),
+            "stage_idx '0'": ({"hidden_states": h, "context": NS(metadata=NS(layer_idx=0, stage_idx="0",
+                                                                           seq_lens=[n]))}, "stage_idx"),
+            "layer_idx '0'": ({"hidden_states": h, "context": NS(metadata=NS(layer_idx="0", stage_idx=0,
+                                                                           seq_lens=[n]))}, "layer_idx"),
+            "seq_lens '3'": ({"hidden_states": h, "context": NS(metadata=NS(layer_idx=0, stage_idx=0,
+                                                                          seq_lens="3"))}, "seq_lens"),
+            "no metadata fields": ({"hidden_states": h, "context": NS(metadata=NS(stage_idx=0))}, "context"),
+            "router_logits a str": ({"hidden_states": h, "context": ctx, "router_logits": "x"}, "router_logits"),
+        },
+        "send_ffn_output": {
+            "context an object": ({"ffn_output": h, "context": object()}, "context"),
+            "context without states": ({"ffn_output": h, "context": NS(metadata=md)}, None),  # accepted
+            "ffn_output a str": ({"ffn_output": "out", "context": ctx}, "ffn_output"),
+        },
+    }
+    return table[call][what]
+
+
+def _arg_types_worker(rank, nprocs, sc, port, cases):
+    """The FFN rank tries each ``recv_attn_output``/``send_ffn_output`` case at step 1, layer 0, stage 0 (the
+    step's first exchange) and layer 1, stage 1 (mid-step); attention rank 1 its ``send_attn_output``/
+    ``recv_ffn_output`` cases at layer 1, stage 0. Each then makes the right call (``ubatch_idx=0.0``, an integral
+    float, for the FFN's first receive); every reply is checked."""
+    import torch
+
+    from afd_ext.metadata import AFDExpertRoutingSpec
+
+    conn = cs.make_connector(sc, rank, port)
+    conn.init_afd_connector()
+    rej: dict = {}
+
+    def attempt(case, fn, kw, name):
+        r = _rejected(lambda: fn(**kw))
+        r["name"] = name
+        rej[case] = r
+
+    try:
+        if conn.role == "ffn":
+            spec = AFDExpertRoutingSpec(sc.logits_width, torch.float32)
+            rows = []
+            for i in range(len(sc.steps)):
+                payload = conn.control_plane.recv_dp_metadata_list()
+                conn.control_plane.update_state_from_dp_metadata(payload)
+                n = 0
+                for layer in range(sc.layers):
+                    for s in sorted(payload.dp_metadata_list):
+                        if i == 0 and (layer, s) in ((0, 0), (1, 1)):
+                            for case in (c for c in cases if c.startswith("recv_attn_output")):
+                                kw, name = _bad_kwargs(case)
+                                kw = {**kw, "ubatch_idx": kw["ubatch_idx"] if kw["ubatch_idx"] != 0 else s}
+                                attempt(f"{case} at {(layer, s)}", conn.recv_attn_output, kw, name)
+                        p = conn.recv_attn_output(ubatch_idx=0.0 if (i, layer, s) == (0, 0, 0) else s,
+                                                  routing_spec=spec, recv_input_ids=True)
+                        out = cs.ffn_fn(p.hidden_states, p.router_logits, p.input_ids, layer)
+                        ctx = p.context
+                        if i == 0 and (layer, s) in ((0, 0), (1, 1)):
+                            for case in (c for c in cases if c.startswith("send_ffn_output")):
+                                kw, name = _bad_kwargs(case, out, p.context)
+                                if name is None:
+                                    ctx = kw["context"]  # accepted: the real call uses it
+                                    continue
+                                attempt(f"{case} at {(layer, s)}", conn.send_ffn_output, kw, name)
+                        conn.send_ffn_output(out, ctx)
+                        n += int(p.hidden_states.shape[0])
+                rows.append(n)
+            return {"rows": rows, "rejections": rej}
+        a = conn.role_rank
+        checked = []
+        for i, step in enumerate(sc.steps):
+            payload = cs._payload(step)
+            conn.control_plane.update_state_from_dp_metadata(payload)
+            conn.control_plane.send_dp_metadata_list(payload)
+            n_ok = 0
+            for layer in range(sc.layers):
+                sent = []
+                for s in sorted(step):
+                    n = cs.expected_rows(sc, step[s], a)
+                    h, lg, ids = cs.make_inputs(sc, i, layer, s, a, n)
+                    want = cs.ffn_fn(h, lg, ids, layer)
+                    ctx = cs._ctx(layer, s, n)
+                    if a == 1 and i == 0 and (layer, s) == (1, 0):
+                        for case in (c for c in cases if c.startswith("send_attn_output")):
+                            kw, name = _bad_kwargs(case, h, ctx, n)
+                            kw.setdefault("router_logits", lg)
+                            kw.setdefault("input_ids", ids)
+                            attempt(case, conn.send_attn_output, kw, name)
+                    conn.send_attn_output(h, ctx, router_logits=lg, input_ids=ids)
+                    sent.append((s, h, want))
+                for s, h, want in sent:
+                    if a == 1 and i == 0 and (layer, s) == (1, 0):
+                        for case in (c for c in cases if c.startswith("recv_ffn_output")):
+                            kw, name = _bad_kwargs(case, h)
+                            attempt(case, conn.recv_ffn_output, kw, name)
+                    n_ok += cs._check_reply(conn, sc, i, layer, s, h, want)
+            checked.append(n_ok)
+        return {"checked": checked, "rejections": rej}
+    finally:
+        conn.close()
+
+
+def _check_arg_cases(cases: list[str], control: str = "auto") -> dict:
+    sc = cs.Scenario(A=2, F=1, steps=({0: [2, 3], 1: [1, 2]}, {0: [1, 1]}), layers=2, strict=False,
+                     logits_width=4, send_ids=True, step_timeout_s=20.0, extra=(("control_channel", control),))
+    ffn, a0, a1 = run_workers(_arg_types_worker, sc.nprocs, (sc, find_free_port(), cases), timeout_s=100)
+    rej = {**ffn["rejections"], **a1["rejections"]}
+    assert a0["rejections"] == {}
+    for case, r in rej.items():
+        # A ValueError leaf of AFDError, on this rank only, before anything moved, naming the argument.
+        assert r["type"] == "AFDConfigError" and r["value_error"], (case, r)
+        msg = r["msg"]
+        assert r["name"] in msg and "step 1" in msg and "aborted" not in msg, (case, msg)
+        assert "repeat the call" in msg, (case, msg)
+        assert r["took"] < 0.5, (case, r)
+    # Every rank finished both steps with checked replies: the peers never saw the bad calls.
+    assert ffn["rows"] == [(5 + 3) * 2, 2 * 2]
+    assert a0["checked"] == [(2 + 1) * 2, 1 * 2] and a1["checked"] == [(3 + 2) * 2, 1 * 2]
+    return rej
+
+
+def test_a_stage_index_that_is_none_a_string_or_not_integral_is_refused_and_0_0_is_taken():
+    """Issue 34 item 4: ``recv_attn_output(ubatch_idx=None)`` was taken as "the stage due" (the sequencer's
+    shortcut). None, strings, bools, non-integral and out-of-range values are refused by name; 0.0 is taken
+    (the FFN's first receive uses it), as the reference takes it."""
+    cases = ["recv_attn_output: " + c for c in ("ubatch_idx None", "ubatch_idx '0'", "ubatch_idx 0.5",
+                                                 "ubatch_idx nan", "ubatch_idx True", "ubatch_idx [0]",
+                                                 "ubatch_idx -1", "ubatch_idx 7")]
+    cases += ["recv_ffn_output: ubatch_idx None", "recv_ffn_output: ubatch_idx '0'", "recv_ffn_output: ubatch_idx 0.5",
+              "send_attn_output: stage_idx None", "send_attn_output: stage_idx '0'"]
+    rej = _check_arg_cases(cases)
+    assert len(rej) == 8 * 2 + 5, sorted(rej)
+    for where in ((0, 0), (1, 1)):
+        none = rej[f"recv_attn_output: ubatch_idx None at {where}"]
+        assert "ubatch_idx must be an int stage id" in none["msg"] and "got None" in none["msg"], none
+        assert f"layer {where[0]}, stage {where[1]}" in none["msg"] and none["stage"] == where[1], none
+        assert "got str '0'" in rej[f"recv_attn_output: ubatch_idx '0' at {where}"]["msg"]
+        assert "got float 0.5" in rej[f"recv_attn_output: ubatch_idx 0.5 at {where}"]["msg"]
+    assert "got None" in rej["recv_ffn_output: ubatch_idx None"]["msg"]
+    assert "context.metadata.stage_idx must be an int stage id" in rej["send_attn_output: stage_idx None"]["msg"]
+    took = max(r["took"] for r in rej.values())
+    print(f"\n[issue 34.4] {len(rej)} bad stage indices refused by name within {took * 1e3:.1f} ms; 0.0 taken; "
+          "both steps exact on every rank")
+
+
+@pytest.mark.parametrize("control", ["shm", "tcp"])
+def test_wrong_argument_types_are_named_value_errors_and_leave_the_step_and_the_peers_intact(control):
+    """Issue 34 item 3: ``recv_attn_output(routing_spec="4")`` raised AttributeError (and its caller's exit took
+    the peers down); every data call's argument of a wrong type is an AFDConfigError naming the argument, the
+    expected type and what was given, and the corrected call completes the step on every rank."""
+    cases = ["recv_attn_output: " + c for c in ("routing_spec '4'", "routing_spec 4", "routing_spec tuple",
+                                                 "routing_spec width '4'", "recv_input_ids 'yes'",
+                                                 "recv_input_ids None")]
+    cases += ["send_ffn_output: " + c for c in ("context an object", "context without states", "ffn_output a str")]
+    cases += ["send_attn_output: " + c for c in ("layer_idx '0'", "seq_lens '3'", "no metadata fields",
+                                                  "router_logits a str")]
+    cases += ["recv_ffn_output: ref_tensor a list"]
+    rej = _check_arg_cases(cases, control)
+    assert len(rej) == (6 + 2) * 2 + 4 + 1, sorted(rej)
+    spec = rej["recv_attn_output: routing_spec '4' at (0, 0)"]["msg"]
+    assert "routing_spec must be None or an AFDExpertRoutingSpec" in spec and "got str '4'" in spec, spec
+    assert "got bool" not in spec
+    assert "recv_input_ids must be a bool, got str 'yes'" in rej["recv_attn_output: recv_input_ids 'yes' at (1, 1)"]["msg"]
+    assert "got object" in rej["send_ffn_output: context an object at (0, 0)"]["msg"]
+    assert "context.metadata.layer_idx must be an int" in rej["send_attn_output: layer_idx '0'"]["msg"]
+    assert "context.metadata.seq_lens must be a list" in rej["send_attn_output: seq_lens '3'"]["msg"]
+    took = max(r["took"] for r in rej.values())
+    print(f"\n[issue 34.3, {control}] {len(rej)} wrong argument types refused by name within {took * 1e3:.1f} ms; "
+          "both steps exact on every rank")
+
+
+def test_stage_arg_takes_ints_and_integral_floats_and_refuses_the_rest():
+    """The rule behind item 4, without processes: what a stage index may be."""
+    import math
+
+    import numpy as np
+    import torch
+
+    from afd_ext.connector.sequencer import StepSequencer, stage_arg, exchange_order
+    from afd_ext.errors import AFDConfigError
+
+    for good, want in ((0, 0), (3, 3), (0.0, 0), (2.0, 2), (np.int64(1), 1), (np.float32(1.0), 1),
+                       (torch.tensor(1), 1), (-1, -1)):
+        got = stage_arg(good, "ubatch_idx")
+        assert got == want and type(got) is int, (good, got)
+    for bad in (None, "0", b"0", 0.5, math.nan, math.inf, True, False, np.bool_(True), [0], (0,), 1j,
+                torch.tensor(0.5), object()):
+        with pytest.raises(AFDConfigError, match="ubatch_idx must be an int stage id") as e:
+            stage_arg(bad, "ubatch_idx")
+        assert isinstance(e.value, ValueError)
+    q = StepSequencer(1, "ffn", exchange_order(1, (0, 1)))
+    with pytest.raises(AFDConfigError, match="got None"):
+        q.next_fan_in(None, "recv_attn_output")  # was "the stage due"
+    assert q.next_fan_in(0.0, "recv_attn_output") == (0, 0) and q.received == 0

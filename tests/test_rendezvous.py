@@ -293,3 +293,58 @@ def test_ranks_run_as_threads_of_one_process_share_one_claim_token(monkeypatch):
     for t in threads:
         t.join(10)
     assert len(seen) == 4 and all(s == seen[0] for s in seen), seen
+
+
+# ---------------------------------------------------------------- issue 34 item 6: no silent wait
+def _wait_lines(caplog, t0: float) -> list[tuple[float, str, str]]:
+    return [(r.created - t0, r.levelname, r.getMessage()) for r in caplog.records
+            if r.name == "afd_ext.rendezvous" and ("waits for" in r.getMessage())]
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_waiting_at_init_for_missing_peers_says_who_what_and_the_time_left(caplog):
+    """A line when the wait starts, then one every wait_log_interval_s (1 s for a 3.5 s deadline), each naming
+    the missing ranks, what is awaited and the time left; then the error names them (not generations)."""
+    import re
+
+    caplog.set_level("INFO", logger="afd_ext")
+    deadline = 3.5
+    st = rdzv.connect(HOST, find_free_port(HOST), 0, 3, 30.0, num_ffn_ranks=1)  # FFN rank 0; A = 2 never come
+    try:
+        t0 = time.time()
+        with pytest.raises(rdzv.RendezvousTimeoutError) as e:
+            rdzv.handshake(st, 0, 3, {"x": 1}, deadline)
+        took = time.time() - t0
+    finally:
+        rdzv.forget_cached_stores()
+    lines = _wait_lines(caplog, t0)
+    assert len(lines) >= 3, lines  # the start and one per second
+    first = lines[0]
+    assert first[0] < 0.5 and first[1] == "INFO", lines
+    for at, level, msg in lines:
+        assert "FFN rank 0 (world rank 0)" in msg and "the AFD handshake" in msg, msg
+        assert "attention rank 0 (world rank 1), attention rank 1 (world rank 2)" in msg, msg
+        left = float(re.search(r"gives up in (\d+) s", msg).group(1))
+        assert abs(left - (deadline - at)) < 1.0, (at, msg)
+    assert all(level == "WARNING" for _, level, _ in lines[1:]), lines
+    gaps = [b[0] - a[0] for a, b in zip(lines, lines[1:])]
+    assert all(0.8 < g < 1.6 for g in gaps), gaps
+    msg = str(e.value)
+    assert e.value.missing == (1, 2) and "attention rank 1 (world rank 2)" in msg, msg
+    assert "generation" not in msg and "did not arrive" in msg, msg  # never joined: no second-job story
+    assert deadline - 0.05 < took < deadline + 1.0, took
+    assert rdzv.wait_log_interval_s(600.0) == 30.0 and rdzv.wait_log_interval_s(deadline) == 1.0
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_waiting_for_the_store_host_says_so_until_its_deadline(caplog):
+    caplog.set_level("INFO", logger="afd_ext")
+    port = find_free_port(HOST)
+    t0 = time.time()
+    with pytest.raises(rdzv.RendezvousTimeoutError, match="FFN rank 0"):
+        rdzv.connect(HOST, port, 1, 2, 2.5, num_ffn_ranks=1)
+    lines = _wait_lines(caplog, t0)
+    assert len(lines) >= 2 and lines[0][0] < 0.5 and lines[0][1] == "INFO", lines
+    for _, _, msg in lines:
+        assert msg.startswith("attention rank 0 (world rank 1) ") and f"store at {HOST}:{port}" in msg, msg
+        assert "from FFN rank 0 (world rank 0)" in msg and "gives up in" in msg, msg

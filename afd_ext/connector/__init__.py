@@ -287,8 +287,9 @@ class AFDConnector:
                 count for the stage in the step's payload (0 allowed). Not
                 modified; must stay unchanged until ``recv_ffn_output`` of this
                 exchange (the reply may land in it).
-            context: the transfer context; ``metadata.stage_idx`` is the stage,
-                ``metadata.total_tokens`` must equal ``rows``.
+            context: the transfer context; ``metadata.stage_idx`` is the stage (an int;
+                an integral float such as ``0.0`` is taken), ``metadata.layer_idx``
+                an int in ``[0, 2**31)``, ``metadata.total_tokens`` must equal ``rows``.
             router_logits: ``[rows, router_logits_width]`` of the configured
                 dtype, iff router logits were configured.
             input_ids: ``[rows]`` int32, iff ``send_token_ids`` was configured.
@@ -316,8 +317,9 @@ class AFDConnector:
                 contiguous, on the transport's device (mutated: the reply lands
                 in it). May be the ``hidden_states`` just sent (the reference's
                 usage).
-            ubatch_idx: the stage; must be the stage of the oldest exchange
-                whose reply is due (replies come back layer-major, stage-minor).
+            ubatch_idx: the stage, an int (an integral float such as ``0.0`` is
+                taken; ``None``, strings and bools are not); must be the stage of the
+                oldest exchange whose reply is due (replies come back layer-major, stage-minor).
             **kwargs: ignored.
 
         Returns:
@@ -353,12 +355,15 @@ class AFDConnector:
         """FFN side: fan-in every attention peer's rows of the next (layer, stage) into one tensor.
 
         Args:
-            ubatch_idx: the stage; must be the next exchange's stage (layer-major, stage-minor).
-            routing_spec: the model's router-logits receive contract; when
+            ubatch_idx: the stage, an int (an integral float such as ``0.0`` is taken;
+                ``None``, strings and bools are not); must be the next exchange's stage
+                (layer-major, stage-minor).
+            routing_spec: None or an ``AFDExpertRoutingSpec`` (the reference's class
+                too: an int ``router_logits_width``, a ``torch.dtype`` ``router_logits_dtype``); when
                 given it must equal the configured width and dtype. Router
                 logits travel iff they were configured at init (checked in the
                 handshake), whether or not this is given.
-            recv_input_ids: the model wants token ids; requires ``send_token_ids``
+            recv_input_ids: a bool: the model wants token ids; requires ``send_token_ids``
                 at init. Configured token ids are returned either way.
             **kwargs: ignored.
 
@@ -372,9 +377,10 @@ class AFDConnector:
             the next ``recv_attn_output`` of this stage.
 
         Raises:
-            AFDConfigError / ConnectorStateError: a wrong ``ubatch_idx``,
-                call order or a spec that differs from the configuration, named with
-                the step, layer and stage; raised on this rank only, nothing received.
+            AFDConfigError / ConnectorStateError: a ``ubatch_idx``, ``routing_spec`` or
+                ``recv_input_ids`` of a wrong type or value, a wrong call order or a spec
+                that differs from the configuration, named with the argument, the step,
+                layer and stage; raised on this rank only, nothing received.
             AFDTransportError, StepAbortedError: transport failure (a dead
                 peer is named with the layer and stage).
         """

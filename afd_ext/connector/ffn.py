@@ -16,7 +16,7 @@ from ..errors import AFDConfigError, AFDStateError
 from ..metadata import AFDA2FTransferPayload, AFDExpertRoutingSpec, AFDTransferContext, AFDTransferMetadata
 from ..schedule import PACKED
 from .session import RoleSide, Session
-from .step import AfdExtTransferState, ReplySend, Step, context_metadata
+from .step import AfdExtTransferState, ReplySend, Step, context_metadata, flag_arg, routing_spec_arg
 
 __all__ = ["FFNSide"]
 
@@ -37,16 +37,16 @@ class FFNSide(RoleSide):
         cfg = st.schedule.config
         try:
             layer, stage = st.seq.next_fan_in(ubatch_idx, op)
-            if routing_spec is not None:
+            spec = routing_spec_arg(routing_spec)
+            if spec is not None:
                 if cfg.router_logits_width is None:
                     raise AFDConfigError(f"{op}: routing_spec {routing_spec} given, but the connector was initialised "
                                      "without router logits; pass router_logits_width (or routing_spec) at "
                                      "construction on both roles")
-                if (routing_spec.router_logits_width, routing_spec.router_logits_dtype) != \
-                        (cfg.router_logits_width, cfg.router_logits_dtype):
+                if spec != (cfg.router_logits_width, cfg.router_logits_dtype):
                     raise AFDConfigError(f"{op}: routing_spec {routing_spec} differs from the configured router logits "
                                      f"[{cfg.router_logits_width}] {cfg.router_logits_dtype}")
-            if recv_input_ids and not cfg.send_token_ids:
+            if flag_arg(recv_input_ids, "recv_input_ids") and not cfg.send_token_ids:
                 raise AFDConfigError(f"{op}: recv_input_ids=True but the connector was initialised with "
                                  "send_token_ids=False; enable it on both roles")
         except (ValueError, AFDStateError) as e:
@@ -84,7 +84,7 @@ class FFNSide(RoleSide):
         try:
             layer, stage = st.seq.next_reply_send(op)
             md = context_metadata(context, op)
-            state = context.states
+            state = getattr(context, "states", None)  # the reference's context may lack it
             if isinstance(state, AfdExtTransferState):
                 if (state.step, state.layer, state.stage) != (st.step, layer, stage):
                     ctx_step = st.seq.label if state.step == st.step else "an earlier step"

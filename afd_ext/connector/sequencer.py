@@ -19,12 +19,38 @@ abort it on every rank) is decided here too (:meth:`StepSequencer.moved`,
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import math
+import numbers
+import operator
+from typing import Any, Callable, Sequence
 
 from ..errors import AFDConfigError, AFDStateError
 from ..topology import step_words
 
-__all__ = ["StepSequencer", "exchange_order"]
+__all__ = ["StepSequencer", "exchange_order", "stage_arg"]
+
+
+def stage_arg(value: Any, name: str, what: str = "stage id") -> int:
+    """``value`` as a stage id (or another index, ``what``): an int (or anything with ``__index__``) or an
+    integral float (``0.0``, as the reference accepts); whether it is the stage due is the sequencer's check.
+
+    Raises:
+        AFDConfigError: ``None``, a bool, a string, a non-integral float or any other type, naming ``name``.
+    """
+    if type(value) is int:  # the hot path
+        return value
+    # bools (Python's, numpy's bool_/bool, torch's via __index__) are flags, not indices
+    if value is not None and not isinstance(value, bool) and type(value).__name__ not in ("bool_", "bool"):
+        try:
+            return operator.index(value)  # numpy and torch integers
+        except TypeError:
+            pass
+        if isinstance(value, numbers.Real):
+            f = float(value)
+            if math.isfinite(f) and f.is_integer():
+                return int(f)
+    got = "None" if value is None else f"{type(value).__name__} {value!r}"[:120]
+    raise AFDConfigError(f"{name} must be an int {what} (an integral float such as 0.0 is taken), got {got}")
 
 
 def exchange_order(num_layers: int, stages: Sequence[int]) -> tuple[tuple[int, int], ...]:
@@ -113,29 +139,32 @@ class StepSequencer:
 
     # -- attention ------------------------------------------------------------------
 
-    def next_send(self, stage: int, op: str) -> tuple[int, int]:
-        """The ``(layer, stage)`` an attention send for ``stage`` is (not advanced).
+    def next_send(self, stage: Any, op: str) -> tuple[int, int]:
+        """The ``(layer, stage)`` an attention send for ``stage`` (``context.metadata.stage_idx``) is (not advanced).
 
         Raises:
             AFDStateError: every exchange was sent.
-            AFDConfigError: ``stage`` is not the next exchange's stage.
+            AFDConfigError: ``stage`` is not a stage id (:func:`stage_arg`) or not the next exchange's stage.
         """
+        stage = stage_arg(stage, "context.metadata.stage_idx")
         return self._due(
             self.sent, self.total, stage,
             lambda: (f"{op} on {self.me}: all {self.total} exchanges of {self.label} were already sent; "
                      "apply the next step's payload (update_state_from_dp_metadata) first"),
             lambda layer, want: (
-                f"{op} on {self.me} for stage {stage}, but the next exchange of the step ({self.label}) is "
+                f"{op} on {self.me} for stage {stage} (context.metadata.stage_idx), but the next exchange of the "
+                f"step ({self.label}) is "
                 f"layer {layer}, stage {want} (exchanges run layer-major, stage-minor over stages "
                 f"{list(self.stages)})"))
 
-    def next_reply(self, stage: int, op: str) -> tuple[int, int]:
-        """The ``(layer, stage)`` whose reply an attention receive for ``stage`` takes (not advanced).
+    def next_reply(self, stage: Any, op: str) -> tuple[int, int]:
+        """The ``(layer, stage)`` whose reply an attention receive for ``stage`` (``ubatch_idx``) takes (not advanced).
 
         Raises:
             AFDStateError: no sent exchange awaits its reply.
-            AFDConfigError: ``stage`` is not the stage of the oldest one.
+            AFDConfigError: ``stage`` is not a stage id (:func:`stage_arg`) or not the stage of the oldest one.
         """
+        stage = stage_arg(stage, "ubatch_idx")
         return self._due(
             self.received, self.sent, stage,
             lambda: (f"{op}(ubatch_idx={stage}) on {self.me}: no exchange of {self.label} is awaiting its reply "
@@ -146,13 +175,14 @@ class StepSequencer:
 
     # -- FFN ------------------------------------------------------------------------
 
-    def next_fan_in(self, stage: int, op: str) -> tuple[int, int]:
-        """The ``(layer, stage)`` an FFN receive for ``stage`` is (not advanced).
+    def next_fan_in(self, stage: Any, op: str) -> tuple[int, int]:
+        """The ``(layer, stage)`` an FFN receive for ``stage`` (``ubatch_idx``) is (not advanced).
 
         Raises:
             AFDStateError: every exchange was received.
-            AFDConfigError: ``stage`` is not the next exchange's stage.
+            AFDConfigError: ``stage`` is not a stage id (:func:`stage_arg`) or not the next exchange's stage.
         """
+        stage = stage_arg(stage, "ubatch_idx")
         return self._due(
             self.received, self.total, stage,
             lambda: (f"{op} on {self.me}: all {self.total} exchanges of {self.label} were received; "

@@ -318,6 +318,8 @@ class Session:
                      "with correct arguments; the peers wait for it up to their step_timeout_s.")
         seq.rejected = text.splitlines()[0][:300]
         cls = AFDStateError if isinstance(exc, AFDStateError) else AFDConfigError
+        if type(stage) is not int:  # the caller's stage was not a stage id (None, a string): name the due one
+            stage = None
         return cls(text, op=op, layer=layer, stage=due[1] if stage is None and due is not None else stage)
 
     def check_sent(self, payload: Any) -> None:

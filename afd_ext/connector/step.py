@@ -12,16 +12,24 @@ from ..errors import AFDConfigError
 from ..metadata import AFDTransferMetadata, AFDTransferState
 from ..schedule import StepSchedule
 from ..transport.base import MessageTag, PendingSend
-from .sequencer import StepSequencer
+from .sequencer import StepSequencer, stage_arg
 
-__all__ = ["AfdExtTransferState", "Step", "Exchange", "ReplySend", "context_metadata", "canonical_strides"]
+__all__ = ["AfdExtTransferState", "Step", "Exchange", "ReplySend", "context_metadata", "canonical_strides",
+           "routing_spec_arg", "flag_arg"]
+
+#: Bound of a context's ``layer_idx`` (it travels in int32/int64 header fields).
+_MAX_INDEX = 2**31
 
 
 def context_metadata(context: Any, op: str) -> AFDTransferMetadata:
-    """``context.metadata`` (ours or the reference's class), or :class:`AFDConfigError` (a ValueError).
+    """``context.metadata`` (ours or the reference's class, read by its fields), checked, or :class:`AFDConfigError`.
 
     A ``None`` or foreign context must not become an ``AttributeError`` that
-    skips the step's abandon/abort handling.
+    skips the step's abandon/abort handling. ``layer_idx`` must be an int in
+    ``[0, 2**31)`` (an integral float is taken) and ``seq_lens`` a list of ints
+    >= 0; ``stage_idx`` is the sequencer's to check (:func:`~.sequencer.stage_arg`).
+    Returns ``context.metadata`` itself when it is an :class:`AFDTransferMetadata`
+    with plain-int fields, else an equal :class:`AFDTransferMetadata`.
     """
     try:
         md = context.metadata
@@ -29,9 +37,55 @@ def context_metadata(context: Any, op: str) -> AFDTransferMetadata:
         md, what = None, ("None" if context is None else type(context).__name__)
     else:
         what = f"{type(context).__name__} whose metadata is None"
-    if md is None:  # the reference's own metadata class is read by its fields, like ours
-        raise AFDConfigError(f"{op}: context must be an AFDTransferContext carrying AFDTransferMetadata, got {what}")
-    return md
+    if md is None:
+        raise AFDConfigError(f"context must be an AFDTransferContext carrying AFDTransferMetadata, got {what}")
+    if type(md) is AFDTransferMetadata and type(md.layer_idx) is int and 0 <= md.layer_idx < _MAX_INDEX and \
+            type(md.seq_lens) is list and all(type(n) is int and n >= 0 for n in md.seq_lens):
+        return md  # the hot path: as built by create_attention_metadata / recv_attn_output
+    try:
+        fields = (md.layer_idx, md.stage_idx, md.seq_lens)
+    except AttributeError as e:
+        raise AFDConfigError(f"context.metadata ({type(md).__name__}) lacks the transfer metadata fields "
+                             f"layer_idx, stage_idx, seq_lens ({e})") from None
+    layer_idx = stage_arg(fields[0], "context.metadata.layer_idx", "layer index")
+    if not 0 <= layer_idx < _MAX_INDEX:
+        raise AFDConfigError(f"context.metadata.layer_idx must be in [0, {_MAX_INDEX}), got {layer_idx}")
+    if isinstance(fields[2], (str, bytes)) or not hasattr(fields[2], "__len__"):
+        raise AFDConfigError(f"context.metadata.seq_lens must be a list of row counts (ints >= 0), got "
+                             f"{type(fields[2]).__name__} {fields[2]!r}"[:200])
+    try:
+        return AFDTransferMetadata(layer_idx=layer_idx, stage_idx=fields[1], seq_lens=list(fields[2]))
+    except AFDConfigError as e:
+        raise AFDConfigError(f"context.metadata.{e}") from None
+
+
+def routing_spec_arg(spec: Any) -> tuple[int, torch.dtype] | None:
+    """``(router_logits_width, router_logits_dtype)`` of ``recv_attn_output``'s ``routing_spec``, or None.
+
+    Raises:
+        AFDConfigError: not None and not an ``AFDExpertRoutingSpec`` (or the reference's: any object
+            with an int ``router_logits_width`` and a ``torch.dtype`` ``router_logits_dtype``).
+    """
+    if spec is None:
+        return None
+    width, dtype = getattr(spec, "router_logits_width", None), getattr(spec, "router_logits_dtype", None)
+    if isinstance(width, bool) or not isinstance(width, int) or not isinstance(dtype, torch.dtype):
+        raise AFDConfigError("routing_spec must be None or an AFDExpertRoutingSpec(router_logits_width: int, "
+                             f"router_logits_dtype: torch.dtype), got {type(spec).__name__} {spec!r}"[:300])
+    return width, dtype
+
+
+def flag_arg(value: Any, name: str) -> bool:
+    """``value`` as a bool flag: ``True``/``False`` (or the ints 1/0).
+
+    Raises:
+        AFDConfigError: anything else (None, a string, a tensor), naming ``name``.
+    """
+    if value is True or value is False:
+        return value
+    if type(value) is int and value in (0, 1):
+        return bool(value)
+    raise AFDConfigError(f"{name} must be a bool, got {type(value).__name__} {value!r}"[:200])
 
 
 def canonical_strides(t: torch.Tensor | None) -> torch.Tensor | None:
