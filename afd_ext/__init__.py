@@ -8,3 +8,6 @@ import the submodule you need.
 """
 
 __version__ = "0.1.0"
+
+from .errors import *  # noqa: E402,F401,F403  (torch-free: ``except afd_ext.AFDError`` works after ``import afd_ext``)
+from .errors import __all__ as __all__  # noqa: E402

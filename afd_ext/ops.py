@@ -14,9 +14,12 @@ Conventions shared by every communication op:
 * Tensors must be CUDA tensors on the communicator's device, with dense rows
   (``t.is_contiguous()``; row slices ``t[a:b]`` of a contiguous tensor are
   fine), of a wire dtype (:data:`WIRE_DTYPES`). Every check happens before
-  the first NCCL call; a failed check raises ``RuntimeError`` naming the
-  tensor (under tracing the fake kernel's ``AFDConfigError``, itself a
-  ``RuntimeError``), and the communicator stays usable.
+  the first NCCL call; a failed check raises :class:`~afd_ext.errors.AFDConfigError`
+  (a ``ValueError``; :class:`~afd_ext.errors.AFDTypeError`, also a ``TypeError``,
+  for a wrong dtype) naming the tensor, and the communicator stays usable.
+  An NCCL failure raises :class:`~afd_ext.errors.AFDPeerError`, a CUDA failure
+  :class:`~afd_ext.errors.AFDDeviceError`. Every one is an ``AFDError`` (and a
+  ``RuntimeError``), eager or traced.
 * Work is enqueued on the current CUDA stream of the communicator's device,
   with no allocation and no host synchronisation, so the ops can be captured
   in a CUDA graph (after one eager warm-up of every edge and direction).
@@ -25,6 +28,7 @@ Conventions shared by every communication op:
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.util
 import sys
@@ -86,7 +90,7 @@ if _other is not None:
 
 from . import _C  # noqa: F401,E402  (loads the library: registers torch.ops.afd_ext.*)
 from . import spec as _spec  # noqa: E402
-from .errors import AFDConfigError  # noqa: E402
+from .errors import AFDConfigError, AFDDeviceError, AFDError, AFDPeerError, AFDTypeError  # noqa: E402
 
 __all__ = [
     "WIRE_ALIGN",
@@ -129,6 +133,54 @@ __all__ = [
 ]
 
 _ops = torch.ops.afd_ext
+
+
+def op_error(op: str, e: BaseException) -> AFDError:
+    """The package error for a failure of ``torch.ops.afd_ext.<op>`` (the ops boundary's one mapping).
+
+    csrc raises a caller error as ``ValueError`` (``TORCH_CHECK_VALUE``) or ``TypeError``
+    (``TORCH_CHECK_TYPE``), an NCCL failure as ``torch.distributed.DistBackendError`` and a CUDA
+    failure as a ``RuntimeError`` that says "CUDA error"; any other check of an op names the op
+    (``"afd_ext.<op>: ..."``) and is a caller error too.
+
+    Returns:
+        ``e`` itself when it is already an ``AFDError``; else :class:`AFDTypeError`,
+        :class:`AFDPeerError`, :class:`AFDDeviceError` or :class:`AFDConfigError`
+        with ``e``'s message and ``op="afd_ext.<op>"``.
+    """
+    if isinstance(e, AFDError):
+        return e
+    msg = str(e)
+    if isinstance(e, TypeError):
+        cls = AFDTypeError
+    elif isinstance(e, torch.distributed.DistBackendError):
+        cls = AFDPeerError
+    elif not isinstance(e, (ValueError, IndexError, NotImplementedError)) and "CUDA error" in msg:
+        cls = AFDDeviceError
+    else:
+        cls = AFDConfigError
+    if not msg.startswith("afd_ext"):  # a torch or Python message: say which op refused it
+        msg = f"afd_ext.{op}: {msg}"
+    return cls(msg, op=f"afd_ext.{op}")
+
+
+def _boundary(fn):
+    """Wraps a public op wrapper so that any failure, from the wrapper's own conversions or from the op,
+    leaves as :func:`op_error`'s class (``except AFDError`` catches every bad argument of every op)."""
+    name = fn.__name__
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if torch.compiler.is_compiling():  # traced: the fakes raise AFDConfigError themselves
+            return fn(*args, **kwargs)
+        try:
+            return fn(*args, **kwargs)
+        except AFDError:
+            raise
+        except Exception as e:  # noqa: BLE001 - every failure leaves as the package's error
+            raise op_error(name, e) from None
+
+    return call
 _NCCL_RUNTIME_VERSION = int(_ops.nccl_version())
 
 #: Byte alignment of every part of a packed wire row (schedule.WIRE_ALIGN_BYTES).
@@ -237,6 +289,7 @@ def _fake_check_rows(op: str, named: Sequence[tuple[str, Optional[Tensor]]], lis
 # ---------------------------------------------------------------------------
 
 
+@_boundary
 def nccl_version() -> int:
     """``ncclGetVersion()`` of the loaded NCCL (e.g. ``22809`` for 2.28.9); 0 in a CPU-only build."""
     return int(_ops.nccl_version())
@@ -256,6 +309,7 @@ def _not_traceable(op: str):
     )
 
 
+@_boundary
 def nccl_unique_id(out: Optional[Tensor] = None) -> Tensor:
     """Make a fresh NCCL unique id (rank 0 of a communicator makes it, the others receive it).
 
@@ -294,6 +348,7 @@ def _cuda_index(device: int | torch.device) -> int:
     return int(device)
 
 
+@_boundary
 def comm_create(unique_id: Tensor, world_size: int, rank: int, device: int | torch.device) -> int:
     """Create an NCCL communicator and return its handle.
 
@@ -334,6 +389,7 @@ def _comm_create_fake(unique_id: Tensor, world_size: int, rank: int, device: int
     _not_traceable("comm_create")
 
 
+@_boundary
 def comm_destroy(handle: int) -> None:
     """Destroy a communicator: waits for its queued work, then frees it.
 
@@ -352,6 +408,7 @@ def _comm_destroy_fake(handle: int) -> None:
     _not_traceable("comm_destroy")
 
 
+@_boundary
 def comm_abort(handle: int) -> None:
     """Abort a communicator: cancels its in-flight NCCL work and frees it, without waiting for peers.
 
@@ -370,6 +427,7 @@ def _comm_abort_fake(handle: int) -> None:
     _not_traceable("comm_abort")
 
 
+@_boundary
 def comm_async_error(handle: int) -> int:
     """``ncclCommGetAsyncError`` of a live communicator.
 
@@ -393,6 +451,7 @@ def _comm_async_error_fake(handle: int) -> int:
 # ---------------------------------------------------------------------------
 
 
+@_boundary
 def send(t: Tensor, comm: int, peer: int) -> None:
     """Send all of ``t`` to ``peer`` on communicator ``comm``, on the current CUDA stream.
 
@@ -417,6 +476,7 @@ def _send_fake(t: Tensor, comm: int, peer: int) -> None:
     return None
 
 
+@_boundary
 def recv(t: Tensor, comm: int, peer: int) -> None:
     """Receive into all of ``t`` from ``peer`` on communicator ``comm``, on the current CUDA stream.
 
@@ -440,6 +500,7 @@ def _ints(xs: Sequence[int]) -> list[int]:
     return [int(x) for x in xs]
 
 
+@_boundary
 def fan_in(
     hidden_states: Tensor,
     router_logits: Optional[Tensor],
@@ -482,6 +543,7 @@ def _fan_in_fake(hidden_states, router_logits, token_ids, comms, peers, rows) ->
     )
 
 
+@_boundary
 def split_back(
     hidden_states: Tensor,
     router_logits: Optional[Tensor],
@@ -545,6 +607,7 @@ def _fake_check_wire(op, hidden_states, router_logits, token_ids, wire) -> None:
         raise AFDConfigError(f"afd_ext.{op}: wire must have shape {expected}, got {tuple(wire.shape)}")
 
 
+@_boundary
 def pack_rows(
     hidden_states: Tensor,
     router_logits: Optional[Tensor],
@@ -577,6 +640,7 @@ def _pack_rows_fake(hidden_states, router_logits, token_ids, wire) -> None:
     _fake_check_wire("pack_rows", hidden_states, router_logits, token_ids, wire)
 
 
+@_boundary
 def unpack_rows(
     wire: Tensor,
     hidden_states: Tensor,
@@ -726,6 +790,7 @@ PEER_ERR_WORDS = ("code", "op", "peer", "layer", "stage", "want", "seen", "waite
 PEER_OK, PEER_TIMEOUT, PEER_PROTOCOL, PEER_ABORTED = 0, 1, 2, 3
 
 
+@_boundary
 def peer_plane_create(device: int | torch.device, generation: int, num_slots: int, max_peers: int) -> int:
     """Create this rank's peer-memory plane on a CUDA device.
 
@@ -758,6 +823,7 @@ def _peer_plane_create_fake(device: int, generation: int, num_slots: int, max_pe
     _not_traceable("peer_plane_create")
 
 
+@_boundary
 def peer_plane_destroy(plane: int) -> None:
     """Abort the plane (spinning waits return within microseconds), wait for the device, free it.
 
@@ -775,6 +841,7 @@ def _peer_plane_destroy_fake(plane: int) -> None:
     _not_traceable("peer_plane_destroy")
 
 
+@_boundary
 def peer_plane_error(plane: int) -> list[int]:
     """The plane's error record, read from host-mapped memory (no device sync; any thread).
 
@@ -796,6 +863,7 @@ def _peer_plane_error_fake(plane: int) -> list[int]:
     _not_traceable("peer_plane_error")
 
 
+@_boundary
 def peer_plane_abort(plane: int, op: int = 0) -> None:
     """Mark the plane failed from the host (code :data:`PEER_ABORTED`, ``op`` recorded).
 
@@ -814,6 +882,7 @@ def _peer_plane_abort_fake(plane: int, op: int) -> None:
     _not_traceable("peer_plane_abort")
 
 
+@_boundary
 def peer_region_alloc(plane: int, nbytes: int) -> int:
     """Allocate ``nbytes`` of zeroed device memory on the plane's device, outside torch's caching allocator.
 
@@ -835,6 +904,7 @@ def _peer_region_alloc_fake(plane: int, nbytes: int) -> int:
     _not_traceable("peer_region_alloc")
 
 
+@_boundary
 def peer_region_export(region: int, out: Optional[Tensor] = None) -> Tensor:
     """The 64-byte CUDA IPC handle of one of this process's regions (bytes for the rendezvous store).
 
@@ -859,6 +929,7 @@ def _peer_region_export_fake(region: int, out: Tensor) -> None:
     _not_traceable("peer_region_export")
 
 
+@_boundary
 def peer_region_open(plane: int, ipc_handle: Tensor | bytes, nbytes: int) -> int:
     """Open a peer's region from its IPC handle, mapped on the plane's device.
 
@@ -888,6 +959,7 @@ def _peer_region_open_fake(plane: int, ipc_handle: Tensor, nbytes: int) -> int:
     _not_traceable("peer_region_open")
 
 
+@_boundary
 def peer_region_close(region: int) -> None:
     """Close a region handle; the memory is freed (own) or unmapped (opened) once no view of it is left.
 
@@ -905,6 +977,7 @@ def _peer_region_close_fake(region: int) -> None:
     _not_traceable("peer_region_close")
 
 
+@_boundary
 def peer_region_view(region: int, offset: int, nbytes: int) -> Tensor:
     """A CUDA ``uint8 [nbytes]`` tensor over bytes ``[offset, offset + nbytes)`` of a region.
 
@@ -922,6 +995,7 @@ def _peer_region_view_fake(region: int, offset: int, nbytes: int) -> Tensor:
     _not_traceable("peer_region_view")
 
 
+@_boundary
 def peer_put(
     hidden_states: Tensor,
     router_logits: Optional[Tensor],
@@ -981,6 +1055,7 @@ def _peer_put_fake(hidden_states, router_logits, token_ids, plane, slot, regions
                            "wire tensors were given")
 
 
+@_boundary
 def peer_wait(
     hidden_states: Tensor,
     router_logits: Optional[Tensor],

@@ -1,10 +1,12 @@
 // Error macros and tensor checks shared by every op.
 //
-// Caller errors use TORCH_CHECK with a message that names the op, the tensor
-// and what was expected (surfacing in Python as RuntimeError/ValueError).
-// Library errors (CUDA, NCCL) use AFD_CHECK_CUDA / AFD_CHECK_NCCL, which throw
-// c10::Error carrying file, line, the failing expression, the error string and,
-// for NCCL, ncclGetLastError. Nothing here calls exit() or printf.
+// Caller errors use TORCH_CHECK_VALUE (TORCH_CHECK_TYPE for a dtype) with a
+// message that starts "afd_ext.<op>: " and names the tensor and what was
+// expected; afd_ext/ops.py raises them as AFDConfigError (AFDTypeError).
+// Library errors: AFD_CHECK_NCCL throws c10::DistBackendError (AFDPeerError in
+// Python) and AFD_CHECK_CUDA a c10::Error starting "afd_ext: CUDA error"
+// (AFDDeviceError), carrying file, line, the failing expression, the error
+// string and, for NCCL, ncclGetLastError. Nothing here calls exit() or printf.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -45,7 +45,7 @@ void throw_cuda_error(const char* expr, int err, const char* err_str, const char
 }
 
 void throw_no_cuda(const char* op, const char* unavailable) {
-  TORCH_CHECK(false, "afd_ext.", op, ": afd_ext was built without CUDA, so ", unavailable,
+  TORCH_CHECK_VALUE(false, "afd_ext.", op, ": afd_ext was built without CUDA, so ", unavailable,
               "; rebuild with a CUDA build of torch and a CUDA toolkit (AFD_USE_CUDA=1, CUDA_HOME) "
               "or use the gloo transport for CPU tensors");
 }
@@ -53,7 +53,7 @@ void throw_no_cuda(const char* op, const char* unavailable) {
 void throw_cpu_tensors(const char* op, const char* moves, const char* unavailable) {
 #ifdef AFD_WITH_CUDA
   (void)unavailable;
-  TORCH_CHECK(false, "afd_ext.", op, ": got CPU tensors, but ", moves,
+  TORCH_CHECK_VALUE(false, "afd_ext.", op, ": got CPU tensors, but ", moves,
               "; move them with .to(device) or use the gloo transport for CPU tensors");
 #else
   (void)moves;
