@@ -99,7 +99,7 @@ __all__ = [
     "FFNGraphServer",
 ]
 
-from .schedule import DEFAULT_CAPTURE_SIZES, check_capture_sizes, capture_size_for  # noqa: E402  the one padding rule
+from .schedule import DEFAULT_CAPTURE_SIZES, capture_size_for, check_capture_sizes, stage_buffers  # noqa: E402
 from .spec import TOKEN_IDS_DTYPE, as_dtype, dtype_name  # noqa: E402  the one dtype table
 
 
@@ -143,8 +143,6 @@ class GraphKey:
         hidden_dtype: wire dtype name of the hidden states, e.g. ``"bfloat16"``.
         router_logits: ``(width, dtype name)`` when router logits travel, else None.
         token_ids: dtype name of the token ids when they travel, else None.
-        wire_formats: per stage (same order as ``stage_counts``): ``"packed"`` or
-            ``"per_tensor"``; empty when not known.
         topology: ``(num_attention_ranks, num_ffn_ranks, tp_size)`` or ``()``.
     """
 
@@ -154,7 +152,6 @@ class GraphKey:
     hidden_dtype: str
     router_logits: tuple[int, str] | None = None
     token_ids: str | None = None
-    wire_formats: tuple[str, ...] = ()
     topology: tuple[int, ...] = ()
 
     @property
@@ -189,7 +186,6 @@ class GraphKey:
         return (
             f"GraphKey({stages}; layers={self.num_layers}; hidden[{self.hidden_size}]:{self.hidden_dtype}"
             + ("; " + ", ".join(extra) if extra else "")
-            + (f"; wire={list(self.wire_formats)}" if self.wire_formats else "")
             + (f"; topology={self.topology}" if self.topology else "")
             + ")"
         )
@@ -204,7 +200,6 @@ def make_graph_key(
     router_logits_width: int | None = None,
     router_logits_dtype: torch.dtype | str | None = None,
     token_ids_dtype: torch.dtype | str | None = None,
-    wire_formats: Mapping[int, str] | Sequence[str] | None = None,
     topology: Sequence[int] = (),
 ) -> GraphKey:
     """Build a :class:`GraphKey`, validating every field.
@@ -220,8 +215,6 @@ def make_graph_key(
             travel, both None otherwise.
         token_ids_dtype: dtype of the token ids when they travel (int32 for the
             reference's wire), else None.
-        wire_formats: per stage ``"packed"`` / ``"per_tensor"`` (mapping by stage
-            id, or a sequence in ascending stage order), or None.
         topology: ``(A, F[, tp])`` when known.
 
     Returns:
@@ -264,20 +257,6 @@ def make_graph_key(
         if router_logits_width < 1:
             raise AFDConfigError(f"router_logits_width must be >= 1, got {router_logits_width}")
         logits = (int(router_logits_width), _dtype_name(router_logits_dtype))
-    formats: tuple[str, ...] = ()
-    if wire_formats is not None:
-        if isinstance(wire_formats, Mapping):
-            missing = [s for s, _ in items if s not in wire_formats]
-            if missing:
-                raise AFDConfigError(f"wire_formats lacks stages {missing}")
-            formats = tuple(wire_formats[s] for s, _ in items)
-        else:
-            formats = tuple(wire_formats)
-            if len(formats) != len(items):
-                raise AFDConfigError(f"wire_formats has {len(formats)} entries for {len(items)} stages")
-        bad = [f for f in formats if f not in ("packed", "per_tensor")]
-        if bad:
-            raise AFDConfigError(f"wire formats must be 'packed' or 'per_tensor', got {bad}")
     return GraphKey(
         stage_counts=tuple(items),
         num_layers=int(num_layers),
@@ -285,7 +264,6 @@ def make_graph_key(
         hidden_dtype=_dtype_name(hidden_dtype),
         router_logits=logits,
         token_ids=_dtype_name(token_ids_dtype),
-        wire_formats=formats,
         topology=tuple(int(t) for t in topology),
     )
 
@@ -294,7 +272,7 @@ def graph_key_from_schedule(schedule: Any) -> GraphKey:
     """The :class:`GraphKey` of a :class:`~afd_ext.schedule.StepSchedule`.
 
     Uses the wire row vector of every stage (padded under ``pad_to``; never a
-    total), the per-stage wire format, the layer count, the wire dtypes, which
+    total), the layer count, the wire dtypes, which
     optional tensors travel, and ``(A, F, tp)``. Both roles get the same key from
     the same payload and config. Real counts under padding are not part of it:
     a padded graph serves any real counts up to the padded size.
@@ -310,7 +288,6 @@ def graph_key_from_schedule(schedule: Any) -> GraphKey:
         router_logits_width=cfg.router_logits_width,
         router_logits_dtype=logits_dtype,
         token_ids_dtype=TOKEN_IDS_DTYPE if cfg.send_token_ids else None,
-        wire_formats={s: schedule.wire_format(s) for s in schedule.stages},
         topology=(topo.num_attention_ranks, topo.num_ffn_ranks, topo.tp_size),
     )
 
@@ -340,13 +317,13 @@ def reserve_ffn_buffers(arena: "StaticArena", schedule: Any, ffn_rank: int) -> d
     Per stage ``s`` (``T = schedule.ffn_rows(s, ffn_rank)``): ``"hidden"``
     ``[T, hidden]`` fan-in target, ``"router_logits"`` ``[T, width]`` and
     ``"token_ids"`` ``[T]`` int32 when they travel, ``"output"`` ``[T, hidden]``
-    split-back source, and ``"wire"`` ``[T, packed_row_bytes]`` uint8 when the
-    stage is packed. Names in the arena are ``(name, stage)``.
+    split-back source. Names in the arena are ``(name, stage)``.
 
     Returns:
         stage -> name -> tensor (absent optional tensors map to None).
     """
-    return _reserve_stages(arena, schedule, lambda s: schedule.ffn_rows(s, ffn_rank), "output")
+    return {s: stage_buffers(arena.buffer, schedule.config, s, schedule.ffn_rows(s, ffn_rank), ("output",))
+            for s in schedule.stages}
 
 
 def reserve_attention_buffers(
@@ -356,39 +333,14 @@ def reserve_attention_buffers(
 
     Per stage (``n = schedule.attention_rows(s, attention_rank)``, padded rows
     included): ``"hidden"`` ``[n, hidden]`` (static input / what is sent),
-    ``"router_logits"``, ``"token_ids"`` and ``"wire"`` as in
+    ``"router_logits"`` and ``"token_ids"`` as in
     :func:`reserve_ffn_buffers`, and ``"reply"`` ``[n, hidden]`` (the FFN output lands here).
 
     Returns:
         stage -> name -> tensor.
     """
-    return _reserve_stages(arena, schedule, lambda s: schedule.attention_rows(s, attention_rank), "reply")
-
-
-def _reserve_stages(arena: "StaticArena", schedule: Any, rows_of: Callable[[int], int],
-                    extra: str) -> dict[int, dict[str, torch.Tensor | None]]:
-    """Per stage ``s`` of ``rows = rows_of(s)``: the wire tensors, then ``extra`` ``[rows, hidden]``."""
-    cfg = schedule.config
-    out: dict[int, dict[str, torch.Tensor | None]] = {}
-    for s in schedule.stages:
-        rows = rows_of(s)
-        bufs: dict[str, torch.Tensor | None] = {
-            "hidden": arena.buffer(("hidden", s), (rows, cfg.hidden_size), cfg.hidden_dtype),
-            "router_logits": None,
-            "token_ids": None,
-            "wire": None,
-        }
-        if cfg.router_logits_width is not None:
-            bufs["router_logits"] = arena.buffer(
-                ("router_logits", s), (rows, cfg.router_logits_width), cfg.router_logits_dtype
-            )
-        if cfg.send_token_ids:
-            bufs["token_ids"] = arena.buffer(("token_ids", s), (rows,), TOKEN_IDS_DTYPE)
-        if schedule.wire_format(s) == "packed":
-            bufs["wire"] = arena.buffer(("wire", s), (rows, cfg.packed_row_bytes), torch.uint8)
-        bufs[extra] = arena.buffer((extra, s), (rows, cfg.hidden_size), cfg.hidden_dtype)
-        out[s] = bufs
-    return out
+    return {s: stage_buffers(arena.buffer, schedule.config, s, schedule.attention_rows(s, attention_rank), ("reply",))
+            for s in schedule.stages}
 
 
 # ---------------------------------------------------------------------------
@@ -1353,16 +1305,7 @@ class AttentionGraphRunner:
 
     def _alloc_static(self, arena: StaticArena, pad: Mapping[int, int]) -> dict[int, dict[str, torch.Tensor | None]]:
         cfg = self.connector.schedule_config
-        out = {}
-        for s, n in sorted(pad.items()):
-            out[s] = {
-                "hidden": arena.buffer(("attention_hidden", s), (n, cfg.hidden_size), cfg.hidden_dtype),
-                "router_logits": None if cfg.router_logits_width is None else arena.buffer(
-                    ("attention_router_logits", s), (n, cfg.router_logits_width), cfg.router_logits_dtype),
-                "token_ids": arena.buffer(("attention_token_ids", s), (n,), TOKEN_IDS_DTYPE)
-                if cfg.send_token_ids else None,
-            }
-        return out
+        return {s: stage_buffers(arena.buffer, cfg, s, n) for s, n in sorted(pad.items())}
 
     def _warmup_and_capture(self, payload: Any, pad: Mapping[int, int], key: GraphKey) -> None:
         conn, cp = self.connector, self.connector.control_plane

@@ -93,12 +93,10 @@ from . import spec as _spec  # noqa: E402
 from .errors import AFDConfigError, AFDDeviceError, AFDError, AFDPeerError, AFDTypeError  # noqa: E402
 
 __all__ = [
-    "WIRE_ALIGN",
     "WIRE_DTYPES",
     "NCCL_UNIQUE_ID_BYTES",
     "build_info",
     "is_cuda_built",
-    "wire_row_bytes",
     "nccl_version",
     "nccl_unique_id",
     "comm_create",
@@ -109,8 +107,6 @@ __all__ = [
     "recv",
     "fan_in",
     "split_back",
-    "pack_rows",
-    "unpack_rows",
     "PEER_IPC_HANDLE_BYTES",
     "PEER_MAX_PEERS",
     "PEER_MAX_GENERATION",
@@ -183,8 +179,6 @@ def _boundary(fn):
     return call
 _NCCL_RUNTIME_VERSION = int(_ops.nccl_version())
 
-#: Byte alignment of every part of a packed wire row (schedule.WIRE_ALIGN_BYTES).
-WIRE_ALIGN = 16
 #: Bytes of an ``ncclUniqueId``.
 NCCL_UNIQUE_ID_BYTES = 128
 #: Dtypes the ops move (NCCL moves them as bytes; fp8 included): the one table, in spec.py.
@@ -221,38 +215,6 @@ def build_info() -> dict:
         "torch_cuda": torch.version.cuda,
         "arch_list": str(_C.ARCH_LIST).replace(";", " "),
     }
-
-
-def wire_row_bytes(
-    hidden_size: int,
-    hidden_dtype: torch.dtype,
-    logits_width: Optional[int] = None,
-    logits_dtype: torch.dtype = torch.float32,
-    has_token_ids: bool = False,
-) -> int:
-    """Bytes of one packed wire row (see :func:`pack_rows`).
-
-    Layout per token: ``[hidden | pad to 16][logits | pad to 16][int32 id | pad to 16]``;
-    absent parts take no bytes.
-
-    Args:
-        hidden_size: hidden-state width (elements).
-        hidden_dtype: dtype of the hidden states.
-        logits_width: router-logits width (number of experts); ``None`` or 0: no logits.
-        logits_dtype: dtype of the router logits.
-        has_token_ids: whether an int32 token id travels with each row.
-
-    Returns:
-        The row size in bytes, a multiple of 16.
-
-    Raises:
-        AFDConfigError: a negative width.
-    """
-    if hidden_size < 0 or (logits_width is not None and logits_width < 0):
-        raise AFDConfigError(f"widths must be >= 0, got hidden_size={hidden_size}, logits_width={logits_width}")
-    from .schedule import packed_row_bytes  # the one rule (schedule imports the package's metadata)
-
-    return packed_row_bytes(hidden_size, hidden_dtype, logits_width or None, logits_dtype, has_token_ids)
 
 
 # ---------------------------------------------------------------------------
@@ -572,98 +534,6 @@ def _split_back_fake(hidden_states, router_logits, token_ids, comms, peers, rows
         [("hidden_states", hidden_states), ("router_logits", router_logits), ("token_ids", token_ids)],
         {"comms": comms, "peers": peers, "rows": rows},
     )
-
-
-# ---------------------------------------------------------------------------
-# Packed wire rows
-# ---------------------------------------------------------------------------
-
-
-def _expected_wire_shape(hidden_states, router_logits, token_ids) -> tuple:
-    width = wire_row_bytes(
-        hidden_states.shape[1],
-        hidden_states.dtype,
-        router_logits.shape[1] if router_logits is not None else None,
-        router_logits.dtype if router_logits is not None else torch.float32,
-        token_ids is not None,
-    )
-    return (hidden_states.shape[0], width)
-
-
-def _fake_check_wire(op, hidden_states, router_logits, token_ids, wire) -> None:
-    for name, t in (("hidden_states", hidden_states), ("router_logits", router_logits), ("token_ids", token_ids)):
-        if t is not None and t.device != wire.device:
-            raise AFDConfigError(f"afd_ext.{op}: {name} must be on the wire tensor's device {wire.device}, got {t.device}")
-    if hidden_states.dim() != 2:
-        raise AFDConfigError(f"afd_ext.{op}: hidden_states must be 2-D [num_tokens, hidden], got {tuple(hidden_states.shape)}")
-    if router_logits is not None and router_logits.dim() != 2:
-        raise AFDConfigError(f"afd_ext.{op}: router_logits must be 2-D [num_tokens, num_experts], got {tuple(router_logits.shape)}")
-    if token_ids is not None and token_ids.dtype != torch.int32:
-        raise AFDConfigError(f"afd_ext.{op}: token_ids must be int32, got {token_ids.dtype}")
-    if wire.dtype != torch.uint8 or wire.dim() != 2:
-        raise AFDConfigError(f"afd_ext.{op}: wire must be uint8 [num_tokens, row_bytes], got {wire.dtype} {tuple(wire.shape)}")
-    expected = _expected_wire_shape(hidden_states, router_logits, token_ids)
-    if tuple(wire.shape) != expected:
-        raise AFDConfigError(f"afd_ext.{op}: wire must have shape {expected}, got {tuple(wire.shape)}")
-
-
-@_boundary
-def pack_rows(
-    hidden_states: Tensor,
-    router_logits: Optional[Tensor],
-    token_ids: Optional[Tensor],
-    wire: Tensor,
-) -> None:
-    """Pack each token's wire tensors into one uint8 wire row (fused; one kernel launch).
-
-    Row ``i`` of ``wire`` becomes ``[hidden_states[i] | pad][router_logits[i] | pad][token_ids[i] | pad]``,
-    each part starting at a 16-byte offset; padding bytes are written as zeros.
-
-    Args:
-        hidden_states: ``[n, hidden]``, a wire dtype; any strides (non-contiguous rows allowed).
-        router_logits: optional ``[n, num_experts]``, a wire dtype; any strides.
-        token_ids: optional ``[n]`` int32; any stride.
-        wire: ``[n, wire_row_bytes(...)]`` uint8 output (mutated), dense rows
-            (``wire.stride(1) == 1``); row slices of a bigger buffer are fine.
-
-    All tensors on one device (CPU reference kernel, or the CUDA kernel on the
-    current stream, 16-byte vectorised where aligned).
-
-    Raises:
-        RuntimeError: a shape, dtype, device or row-size mismatch, naming the tensor.
-    """
-    _ops.pack_rows(hidden_states, router_logits, token_ids, wire)
-
-
-@torch.library.register_fake("afd_ext::pack_rows")
-def _pack_rows_fake(hidden_states, router_logits, token_ids, wire) -> None:
-    _fake_check_wire("pack_rows", hidden_states, router_logits, token_ids, wire)
-
-
-@_boundary
-def unpack_rows(
-    wire: Tensor,
-    hidden_states: Tensor,
-    router_logits: Optional[Tensor],
-    token_ids: Optional[Tensor],
-) -> None:
-    """Inverse of :func:`pack_rows`: scatter each wire row into the given outputs.
-
-    Args:
-        wire: ``[n, wire_row_bytes(...)]`` uint8, dense rows.
-        hidden_states: ``[n, hidden]`` output (mutated); any non-overlapping strides.
-        router_logits: optional ``[n, num_experts]`` output (mutated).
-        token_ids: optional ``[n]`` int32 output (mutated).
-
-    Raises:
-        RuntimeError: as :func:`pack_rows`, or an output with overlapping memory.
-    """
-    _ops.unpack_rows(wire, hidden_states, router_logits, token_ids)
-
-
-@torch.library.register_fake("afd_ext::unpack_rows")
-def _unpack_rows_fake(wire, hidden_states, router_logits, token_ids) -> None:
-    _fake_check_wire("unpack_rows", hidden_states, router_logits, token_ids, wire)
 
 
 # ---------------------------------------------------------------------------

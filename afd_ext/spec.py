@@ -225,8 +225,8 @@ class ExchangeSpec:
         return ScheduleConfig(
             num_layers=self.num_layers, hidden_size=self.hidden_size, hidden_dtype=self.dtype,
             router_logits_width=self.router_logits_width, router_logits_dtype=self.router_logits_dtype,
-            send_token_ids=self.send_token_ids, wire_format=extra.wire_format,
-            clamp_idle_to_one=extra.clamp_idle_to_one, packed_max_bytes=extra.packed_max_bytes,
+            send_token_ids=self.send_token_ids,
+            clamp_idle_to_one=extra.clamp_idle_to_one,
             max_stages=extra.max_stages)
 
 

@@ -22,14 +22,14 @@
 
 namespace afd {
 
-// Rounds n up to a multiple of the wire alignment (16 bytes).
+// Rounds n up to a multiple of 16 bytes (the peer plane's region alignment).
 inline int64_t round_up16(int64_t n) { return (n + 15) / 16 * 16; }
 
 // True for the dtypes allowed on the wire (NCCL moves them as bytes).
 bool is_wire_dtype(c10::ScalarType t);
 
-// "bfloat16, float16, float32, float8_e4m3fn, float8_e5m2, int32, int64, uint8".
-const char* wire_dtype_names();
+// "bfloat16, float16, float32, float8_e4m3fn, float8_e5m2, int32, int64, uint8" (torch's names).
+const std::string& wire_dtype_names();
 
 // Bytes of one row (dim 0 index) of a tensor: prod(sizes[1:]) * element size.
 int64_t row_bytes_of(const at::Tensor& t);

@@ -440,7 +440,7 @@ def run(cfg: RunConfig, timeout_s: float) -> list[dict]:
 
 def _assemble(meta: dict, cfg: RunConfig, results: list[dict], ours_cp: dict | None) -> dict:
     from afd_ext.bench.control import summarize_latencies
-    from afd_ext.bench.report import SCHEMA, default_wire_format, evaluate_targets
+    from afd_ext.bench.report import SCHEMA, evaluate_targets
 
     records, skipped, notes, checks = [], [], [], []
     devices = []
@@ -457,11 +457,9 @@ def _assemble(meta: dict, cfg: RunConfig, results: list[dict], ours_cp: dict | N
             devices.append(f"{r['role']}{r['role_rank']}: {r['device']} (GPU {r.get('cuda_visible_devices')})")
     meta["devices"] = "; ".join(devices) if devices else "CPU"
     ref_cp = summarize_latencies([r.get("control") for r in results]) if cfg.control and not cfg.check else None
-    A, F = cfg.layout.num_attention_ranks, cfg.layout.num_ffn_ranks
     doc = {
         "schema": SCHEMA, "meta": meta, "failures": list(meta.get("failures") or []), "records": records, "skipped": skipped, "notes": notes,
         "control_plane": {"reference": ref_cp, "ours": ours_cp},
-        "default_wire_format": {c.key(): default_wire_format(c.to_dict(), A, F) for c in cfg.cases},
         "targets": [],
     }
     if cfg.check:

@@ -400,7 +400,6 @@ def _time_case(env: _Env, case: Case, ctx, variants: list, bar) -> list[dict]:
 _STEP_OPS = {
     "flag": ("send, recv", "recv, send"),
     "ours_per_tensor": ("exchange | split_back | fan_in", "fan_in, split_back"),
-    "ours_packed": ("pack_rows, exchange | split_back | fan_in", "fan_in, unpack_rows, split_back"),
     "reference": ("send per tensor, recv", "recv per tensor, send"),
     "raw": ("send | split_back, recv | fan_in", "recv | fan_in, send | split_back"),
     "bare": ("ctypes ncclGroupStart/ncclSend/ncclRecv/ncclGroupEnd", "ctypes ncclRecv group, ncclSend group"),

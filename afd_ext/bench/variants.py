@@ -8,8 +8,6 @@ between this process and its peers (the :class:`Link` list of this rank):
                         ids, then ``fan_in`` of the reply (the connector's calls);
                         FFN ``fan_in`` then ``split_back``. Three messages per
                         edge in one group.
-``ours_packed``         this package, packed wire rows: ``pack_rows`` + one
-                        message per edge + ``unpack_rows`` on the FFN rank.
 ``reference``           the reference connector's call pattern over the same NCCL
                         (our ``send``/``recv`` ops): one call per tensor per peer,
                         peers received one after another, fresh receive tensors
@@ -223,7 +221,6 @@ class Variant:
 
     name = "base"
     graph_ok = True
-    needs_extras = False
     backends = ("nccl", "gloo")
 
     def __init__(self, ctx: Ctx, case: Case):
@@ -478,51 +475,6 @@ class OursPerTensor(Variant):
 
     def ffn_out(self):
         return self.h
-
-
-class OursPacked(OursPerTensor):
-    """This package's packed wire rows: ``pack_rows``, one message per edge, ``unpack_rows``."""
-
-    name = "ours_packed"
-    needs_extras = True
-
-    def __init__(self, ctx: Ctx, case: Case):
-        super().__init__(ctx, case)
-        ops = _ops()
-        self.row_bytes = ops.wire_row_bytes(case.hidden, torch.bfloat16, case.logits_width,
-                                            torch.float32, True)
-        self.wire = torch.zeros(ctx.rows, self.row_bytes, dtype=torch.uint8, device=self.dev)
-
-    def _a2f_tensors(self) -> tuple:
-        return (self.wire,)
-
-    def attn_round(self) -> None:
-        ops = _ops()
-        ops.pack_rows(self.h, self.l, self.i, self.wire)
-        if self.tr is not None:
-            pending = self._g_send((self.wire,), "a2f")
-            self._g_recv((self.reply, None, None), "f2a")
-            pending.wait()
-            return
-        sc, peers, rows = self.a2f
-        ops.split_back(self.wire, None, None, sc, peers, rows)  # the connector's two calls
-        ops.fan_in(self.reply, None, None, self.f2a[0], peers, rows)
-
-    def attn_send(self) -> None:
-        ops = _ops()
-        ops.pack_rows(self.h, self.l, self.i, self.wire)
-        if self.tr is not None:
-            self._g_send((self.wire,), "a2f").wait()
-            return
-        ops.split_back(self.wire, None, None, *self.a2f)
-
-    def ffn_recv(self) -> None:
-        ops = _ops()
-        if self.tr is not None:
-            self._g_recv((self.wire,), "a2f")
-        else:
-            ops.fan_in(self.wire, None, None, *self.a2f)
-        ops.unpack_rows(self.wire, self.h, self.l, self.i)
 
 
 # ---------------------------------------------------------------------------
@@ -1002,7 +954,6 @@ class TorchDist(OursPerTensor):
 
 VARIANTS: dict[str, type[Variant]] = {
     "ours_per_tensor": OursPerTensor,
-    "ours_packed": OursPacked,
     "reference": Reference,
     "raw": Raw,
     "bare": Bare,
@@ -1018,8 +969,6 @@ def variant_applicable(name: str, case: Case, backend: str) -> str | None:
         return f"unknown variant {name!r}; expected one of {', '.join(VARIANTS)}"
     if backend not in cls.backends:
         return f"{name} runs on {'/'.join(cls.backends)} only"
-    if cls.needs_extras and not case.extras:
-        return f"{name} equals ours_per_tensor without router logits and token ids"
     return None
 
 

@@ -49,7 +49,7 @@ __all__ = [
 
 #: Version of the data-plane protocol (exchange order, header layout, wire
 #: formats); checked in the init handshake.
-CONNECTOR_FORMAT_VERSION = 1
+CONNECTOR_FORMAT_VERSION = 2  # 2: the packed wire format is gone
 
 _MODEL_KWARGS = SPEC_KWARGS + ("device", "warmup_on_init")
 
@@ -192,8 +192,6 @@ class AFDConnector:
             "num_attention_ranks": self.attn_size,
             "num_ffn_ranks": self.ffn_size,
             **self.spec.handshake_fields(),
-            "wire_format": self.extra.wire_format,
-            "packed_max_bytes": self.extra.packed_max_bytes,
             "clamp_idle_to_one": self.extra.clamp_idle_to_one,
             "strict": self.extra.strict,
             "transport": self.extra.transport,
