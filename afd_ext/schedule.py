@@ -80,6 +80,7 @@ __all__ = [
     "ScheduleConfig",
     "WirePart",
     "stage_buffers",
+    "schedule_config",
     "Message",
     "FanInPlan",
     "SendPlan",
@@ -225,6 +226,14 @@ def stage_buffers(alloc: Callable[[tuple[str, int], tuple[int, ...], torch.dtype
     for name in extra:
         out[name] = alloc((name, stage), (rows, config.hidden_size), config.hidden_dtype)
     return out
+
+
+def schedule_config(spec: Any, extra: Any) -> ScheduleConfig:
+    """The :class:`ScheduleConfig` of an :class:`~afd_ext.spec.ExchangeSpec` under ``extra`` (an ``AfdExtConnectorConfig``)."""
+    return ScheduleConfig(
+        num_layers=spec.num_layers, hidden_size=spec.hidden_size, hidden_dtype=spec.dtype,
+        router_logits_width=spec.router_logits_width, router_logits_dtype=spec.router_logits_dtype,
+        send_token_ids=spec.send_token_ids, clamp_idle_to_one=extra.clamp_idle_to_one, max_stages=extra.max_stages)
 
 
 class Message(NamedTuple):
