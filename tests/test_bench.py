@@ -288,7 +288,7 @@ def test_quick_gloo_emits_valid_json(tmp_path, capfd):
     md = (out / "bench.md").read_text()
     assert md.startswith("# afd-ext bench results")
     # The timed transport is named, and the CPU run says what it can and cannot show.
-    assert "raw gloo (1 msg)" in md and "torch.dist batch (gloo)" in md and "NCCL (1 msg)" not in md
+    assert "raw gloo (1 msg)" in md and "NCCL (1 msg)" not in md
     assert report.CPU_RUN_NOTE in md and "transport timed: gloo" in md
     assert "logits [n, 16]" in md and "[n, 256]" not in md
     assert "they say nothing about the NCCL path" in printed.out
@@ -298,7 +298,7 @@ def test_quick_gloo_emits_valid_json(tmp_path, capfd):
     case_keys = {r["case_key"] for r in recs}
     assert case_keys == {"h64-t1-extras", "h64-t5-extras", "h64-t1-hidden", "h64-t5-hidden"}
     for ck in case_keys:
-        for v in ("ours_per_tensor", "reference", "raw", "torch_dist"):
+        for v in ("ours_per_tensor", "reference", "raw"):
             r = report.lookup(doc, ck, v, "eager", "round_trip")
             assert r is not None, (ck, v)
             s = r["stats_us"]
@@ -328,7 +328,7 @@ def test_quick_gloo_emits_valid_json(tmp_path, capfd):
 
 def _check_cfg(port: int, A: int = 1, F: int = 1, cases=None) -> RunConfig:
     return RunConfig(backend="gloo", layout=make_layout(A, F, 0), cases=cases or [Case(40, 3, True, logits_width=8)],
-                     variants=("ours_per_tensor", "reference", "raw", "torch_dist"),
+                     variants=("ours_per_tensor", "reference", "raw"),
                      modes=("eager",), directions=("round_trip", "a2f", "f2a"), reps=Reps(),
                      master_port=port, check=True, control=False, timeout_s=60.0, progress=False)
 
@@ -354,11 +354,11 @@ def test_check_passes_and_detects_corruption():
     ok = run_workers(_corrupting_worker, 2, (_check_cfg(find_free_port()), None), timeout_s=120)
     cs = _checks(ok)
     assert cs and all(c["ok"] for c in cs), [c for c in cs if not c["ok"]]
-    assert {c["variant"] for c in cs} == {"ours_per_tensor", "reference", "raw", "torch_dist"}
+    assert {c["variant"] for c in cs} == {"ours_per_tensor", "reference", "raw"}
 
     bad = _checks(run_workers(_corrupting_worker, 2, (_check_cfg(find_free_port()), "reply"), timeout_s=120))
     failed = {(c["variant"], c["direction"]) for c in bad if not c["ok"]}
-    for v in ("ours_per_tensor", "reference", "raw", "torch_dist"):
+    for v in ("ours_per_tensor", "reference", "raw"):
         assert (v, "round_trip") in failed and (v, "f2a") in failed
         assert (v, "a2f") not in failed
     assert all(c["role"] == "attention" for c in bad if not c["ok"])
@@ -387,7 +387,6 @@ def test_gpu_check_1a1f(tmp_path):
     seen = {(c["variant"], c["mode"]) for c in doc["checks"]}
     for v in ("ours_per_tensor", "reference", "raw", "bare", "peer"):
         assert (v, "eager") in seen and (v, "graph") in seen, v
-    assert ("torch_dist", "eager") in seen
 
 
 @gpu
@@ -561,7 +560,6 @@ def test_gloo_document_names_its_transport_and_says_what_it_cannot_show(tmp_path
     assert "## Headline: ours (default) vs the reference pattern and raw gloo" in md
     assert "NCCL runtime" not in md
     assert report.variant_label("raw", "nccl") == "raw NCCL (1 msg)"
-    assert report.variant_label("torch_dist", "nccl") == "torch.dist batch"
 
 
 def test_gloo_report_prints_no_negative_one_way_times_and_no_target_verdicts():

@@ -52,7 +52,6 @@ LABELS = {
     "ours_per_tensor": "ours per-tensor",
     "reference": "reference pattern",
     "bare": "bare NCCL (ctypes)",
-    "torch_dist": "torch.dist batch",
 }
 
 #: How labels and notes name the transport a backend times.
@@ -80,8 +79,6 @@ def variant_label(variant: str, backend: str | None = "nccl") -> str:
     """Column and legend name of a variant, naming the transport that was timed (``raw gloo`` on CPU runs)."""
     if variant == "raw":
         return f"raw {transport_name(backend)} (1 msg)"
-    if variant == "torch_dist" and backend not in (None, "nccl"):
-        return f"{LABELS[variant]} ({transport_name(backend)})"
     return LABELS.get(variant, variant)
 
 
@@ -320,7 +317,7 @@ def render_markdown(doc: dict) -> str:
                  f"`vs ref` = reference / ours-default (higher is better), `x raw` = ours-default / raw {tname}.")
     lines.append("")
     variants_present = []
-    for v in ("ours_per_tensor", "reference", "raw", "bare", "torch_dist"):
+    for v in ("ours_per_tensor", "reference", "raw", "bare"):
         if any(r["variant"] == v for r in doc["records"]):
             variants_present.append(v)
     cases = _cases(doc)
@@ -517,7 +514,7 @@ def render_plot(doc: dict, path: str) -> str | None:
 
     backend = doc.get("meta", {}).get("backend")
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
-    variants = ["ours_default", "reference", "raw", "bare", "torch_dist"]
+    variants = ["ours_default", "reference", "raw", "bare"]
     colors = dict(zip(variants, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")))
     for mode, style in (("graph", "-"), ("eager", "--")):
         for v in variants:
