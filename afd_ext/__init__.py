@@ -13,3 +13,6 @@ from ._compat import install_import_check as _install_import_check
 
 # Before any module loads the compiled core: a torch other than the build's is a clear error.
 _install_import_check()
+
+from .errors import *  # noqa: E402,F401,F403  (torch-free: ``except afd_ext.AFDError`` works after ``import afd_ext``)
+from .errors import __all__ as __all__  # noqa: E402

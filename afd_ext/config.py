@@ -15,13 +15,13 @@ import hashlib
 import json
 import math
 import os
+import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 from .errors import AFDConfigError
 
 __all__ = [
-    "DEFAULT_PACKED_MAX_BYTES",
     "DEFAULT_CONNECTOR",
     "REFERENCE_CONNECTOR",
     "BUILTIN_CONNECTOR_NAMES",
@@ -35,10 +35,9 @@ __all__ = [
     "resolve_job_id",
 ]
 
-#: ``wire_format="auto"`` packs a stage when its largest a2f message, packed,
-#: is at most this many bytes. Default 0: never (one message per tensor won at
-#: every size in CUDA graphs: docs/benchmarks.md, "Packed wire rows").
-DEFAULT_PACKED_MAX_BYTES = 0
+#: Fields of ``connector_extra_config`` that once chose the packed wire format (removed: one message
+#: per tensor won at every size in CUDA graphs, docs/benchmarks.md); still accepted, with a warning.
+_DEPRECATED_EXTRA = ("wire_format", "packed_max_bytes")
 
 #: Our connector's registry name.
 DEFAULT_CONNECTOR = "AfdExtConnector"
@@ -153,10 +152,6 @@ class AfdExtConnectorConfig:
     Every field is optional in the mapping; see ``docs/configuration.md``.
 
     Attributes:
-        wire_format: ``"auto"``, ``"packed"`` or ``"per_tensor"`` (a2f messages).
-        packed_max_bytes: ``"auto"`` packs a stage when its largest a2f
-            message is at most this many bytes (default 0: never; per-tensor
-            was faster on H200s, see :data:`DEFAULT_PACKED_MAX_BYTES`).
         strict: put a header (layer, stage, tensor, dtype, rows) on every
             message and check it on receipt.
         clamp_idle_to_one: reference compatibility: a zero token count is
@@ -189,8 +184,6 @@ class AfdExtConnectorConfig:
             ``TORCHELASTIC_RUN_ID``, else ``""``: no identity).
     """
 
-    wire_format: str = "auto"
-    packed_max_bytes: int = DEFAULT_PACKED_MAX_BYTES
     strict: bool = False
     clamp_idle_to_one: bool = False
     init_timeout_s: float = 600.0
@@ -209,12 +202,11 @@ class AfdExtConnectorConfig:
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
         set_("job_id", resolve_job_id(self.job_id)[0])
-        _one_of(self.wire_format, "connector_extra_config.wire_format", ("auto", "packed", "per_tensor"))
         _one_of(self.transport, "connector_extra_config.transport", ("nccl", "gloo", "peer", "auto"))
         _one_of(self.control_channel, "connector_extra_config.control_channel", ("auto", "shm", "tcp"))
         for name in ("strict", "clamp_idle_to_one", "peer_fallback"):
             set_(name, coerce_bool(getattr(self, name), f"connector_extra_config.{name}"))
-        for name, lo in (("packed_max_bytes", 0), ("max_stages", 1), ("graph_cache_size", 0), ("peer_max_tokens", 1),
+        for name, lo in (("max_stages", 1), ("graph_cache_size", 0), ("peer_max_tokens", 1),
                          ("peer_stages", 1)):
             v = coerce_int(getattr(self, name), f"connector_extra_config.{name}")
             if v < lo:
@@ -235,6 +227,9 @@ class AfdExtConnectorConfig:
     def from_mapping(cls, raw: Mapping[str, Any] | None) -> "AfdExtConnectorConfig":
         """Parse a ``connector_extra_config`` mapping (``None`` or empty: defaults).
 
+        ``wire_format`` / ``packed_max_bytes`` (the removed packed wire format) are ignored with a
+        ``DeprecationWarning``.
+
         Raises:
             TypeError: ``raw`` is not a mapping, or a value has the wrong type.
             AFDConfigError: unknown key (the message lists the known ones) or a
@@ -244,6 +239,12 @@ class AfdExtConnectorConfig:
             return cls()
         if not isinstance(raw, Mapping):
             raise TypeError("connector_extra_config must be a mapping")
+        old = [k for k in _DEPRECATED_EXTRA if k in raw]
+        if old:
+            warnings.warn(f"connector_extra_config field(s) {old} are deprecated and ignored: the packed wire "
+                          "format was removed (every wire tensor travels as its own message); drop them",
+                          DeprecationWarning, stacklevel=2)
+            raw = {k: v for k, v in raw.items() if k not in _DEPRECATED_EXTRA}
         known = [f.name for f in fields(cls)]
         unknown = sorted(k for k in raw if k not in known)
         if unknown:

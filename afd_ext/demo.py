@@ -886,16 +886,16 @@ def _graph_backend(plan: DemoPlan):
 
 
 def _graph_runner(plan: DemoPlan, exchange, connector):
-    from afd_ext import graphs
+    from afd_ext.integrations import graph_runners
 
-    return graphs.AttentionGraphRunner(exchange, connector, capture_sizes=GRAPH_CAPTURE_SIZES,
+    return graph_runners.AttentionGraphRunner(exchange, connector, capture_sizes=GRAPH_CAPTURE_SIZES,
                                        backend=_graph_backend(plan))
 
 
 def _graph_server(plan: DemoPlan, server):
-    from afd_ext import graphs
+    from afd_ext.integrations import graph_runners
 
-    return graphs.FFNGraphServer(server, capture_sizes=GRAPH_CAPTURE_SIZES, backend=_graph_backend(plan))
+    return graph_runners.FFNGraphServer(server, capture_sizes=GRAPH_CAPTURE_SIZES, backend=_graph_backend(plan))
 
 
 def run_demo(plan: DemoPlan, *, timeout_s: float = 600.0) -> dict[str, Any]:

@@ -43,6 +43,14 @@ class AFDConfigError(AFDError, ValueError):
     """Bad configuration or argument, found before anything moved; the next call still works."""
 
 
+class AFDTypeError(AFDConfigError, TypeError):
+    """An argument of the wrong type or dtype (e.g. ``token_ids`` not int32), found before anything moved."""
+
+
+class AFDDeviceError(AFDError, RuntimeError):
+    """CUDA failed inside an op (the message carries CUDA's error string); the device may be unusable."""
+
+
 class AFDStateError(AFDError, RuntimeError):
     """The call cannot be served in the connector's state (not initialised, aborted, wrong role, order)."""
 

@@ -4,7 +4,7 @@ What this module gives the runtime (the attention runner and the FFN loop):
 
 * :class:`GraphKey` — what a captured graph depends on: the full per-stage,
   per-attention-rank row-count vector, the wire dtypes, which optional tensors
-  travel, the wire format per stage, the layer count and the topology. Never a
+  travel, the layer count and the topology. Never a
   total: per-peer counts ``[4, 4]`` and ``[7, 1]`` give different keys (the
   reference keyed FFN graphs so that both collided and replayed the wrong graph
   during an eager prefill, its issue #261).
@@ -21,7 +21,7 @@ What this module gives the runtime (the attention runner and the FFN loop):
   padding rows as ordinary rows (its compute is row-independent), so the
   padding is carried and dropped consistently.
 * :class:`StaticArena` — every buffer a captured graph touches (fan-in targets,
-  wire buffers, reply buffers, static inputs) is allocated here, before
+  reply buffers, static inputs) is allocated here, before
   capture, at the captured capacity. After :meth:`StaticArena.freeze` no buffer
   can be added, and :meth:`StaticArena.check_stable` asserts the addresses,
   shapes and storage sizes did not change. Eager steps use their own buffers.
@@ -33,9 +33,8 @@ What this module gives the runtime (the attention runner and the FFN loop):
   callable: the attention-side layer loop, or the FFN-side per-step loop over
   all layers x all stages), ``capture_parts`` (one graph per layer, for an
   attention side whose model runs eagerly between exchanges), ``replay``.
-* :class:`AttentionGraphRunner` and :class:`FFNGraphServer` — graph mode for a
-  serving loop over the connector (``afd-ext demo --graph``): the attention
-  side pads, warms up, captures and replays; the FFN side follows the flags.
+* Graph mode for a serving loop over the connector (``afd-ext demo --graph``)
+  builds on these: :mod:`afd_ext.integrations.graph_runners`.
 
 The reference saw illegal memory accesses inside FFN graph replay (its issue
 #290): a graph keeps raw device addresses, so any buffer it touches that is
@@ -94,12 +93,9 @@ __all__ = [
     "CudaGraphBackend",
     "EagerRecordingBackend",
     "GraphController",
-    "padded_payload",
-    "AttentionGraphRunner",
-    "FFNGraphServer",
 ]
 
-from .schedule import DEFAULT_CAPTURE_SIZES, check_capture_sizes, capture_size_for  # noqa: E402  the one padding rule
+from .schedule import DEFAULT_CAPTURE_SIZES, capture_size_for, check_capture_sizes, stage_buffers  # noqa: E402
 from .spec import TOKEN_IDS_DTYPE, as_dtype, dtype_name  # noqa: E402  the one dtype table
 
 
@@ -143,8 +139,6 @@ class GraphKey:
         hidden_dtype: wire dtype name of the hidden states, e.g. ``"bfloat16"``.
         router_logits: ``(width, dtype name)`` when router logits travel, else None.
         token_ids: dtype name of the token ids when they travel, else None.
-        wire_formats: per stage (same order as ``stage_counts``): ``"packed"`` or
-            ``"per_tensor"``; empty when not known.
         topology: ``(num_attention_ranks, num_ffn_ranks, tp_size)`` or ``()``.
     """
 
@@ -154,7 +148,6 @@ class GraphKey:
     hidden_dtype: str
     router_logits: tuple[int, str] | None = None
     token_ids: str | None = None
-    wire_formats: tuple[str, ...] = ()
     topology: tuple[int, ...] = ()
 
     @property
@@ -189,7 +182,6 @@ class GraphKey:
         return (
             f"GraphKey({stages}; layers={self.num_layers}; hidden[{self.hidden_size}]:{self.hidden_dtype}"
             + ("; " + ", ".join(extra) if extra else "")
-            + (f"; wire={list(self.wire_formats)}" if self.wire_formats else "")
             + (f"; topology={self.topology}" if self.topology else "")
             + ")"
         )
@@ -204,7 +196,6 @@ def make_graph_key(
     router_logits_width: int | None = None,
     router_logits_dtype: torch.dtype | str | None = None,
     token_ids_dtype: torch.dtype | str | None = None,
-    wire_formats: Mapping[int, str] | Sequence[str] | None = None,
     topology: Sequence[int] = (),
 ) -> GraphKey:
     """Build a :class:`GraphKey`, validating every field.
@@ -220,8 +211,6 @@ def make_graph_key(
             travel, both None otherwise.
         token_ids_dtype: dtype of the token ids when they travel (int32 for the
             reference's wire), else None.
-        wire_formats: per stage ``"packed"`` / ``"per_tensor"`` (mapping by stage
-            id, or a sequence in ascending stage order), or None.
         topology: ``(A, F[, tp])`` when known.
 
     Returns:
@@ -264,20 +253,6 @@ def make_graph_key(
         if router_logits_width < 1:
             raise AFDConfigError(f"router_logits_width must be >= 1, got {router_logits_width}")
         logits = (int(router_logits_width), _dtype_name(router_logits_dtype))
-    formats: tuple[str, ...] = ()
-    if wire_formats is not None:
-        if isinstance(wire_formats, Mapping):
-            missing = [s for s, _ in items if s not in wire_formats]
-            if missing:
-                raise AFDConfigError(f"wire_formats lacks stages {missing}")
-            formats = tuple(wire_formats[s] for s, _ in items)
-        else:
-            formats = tuple(wire_formats)
-            if len(formats) != len(items):
-                raise AFDConfigError(f"wire_formats has {len(formats)} entries for {len(items)} stages")
-        bad = [f for f in formats if f not in ("packed", "per_tensor")]
-        if bad:
-            raise AFDConfigError(f"wire formats must be 'packed' or 'per_tensor', got {bad}")
     return GraphKey(
         stage_counts=tuple(items),
         num_layers=int(num_layers),
@@ -285,7 +260,6 @@ def make_graph_key(
         hidden_dtype=_dtype_name(hidden_dtype),
         router_logits=logits,
         token_ids=_dtype_name(token_ids_dtype),
-        wire_formats=formats,
         topology=tuple(int(t) for t in topology),
     )
 
@@ -294,7 +268,7 @@ def graph_key_from_schedule(schedule: Any) -> GraphKey:
     """The :class:`GraphKey` of a :class:`~afd_ext.schedule.StepSchedule`.
 
     Uses the wire row vector of every stage (padded under ``pad_to``; never a
-    total), the per-stage wire format, the layer count, the wire dtypes, which
+    total), the layer count, the wire dtypes, which
     optional tensors travel, and ``(A, F, tp)``. Both roles get the same key from
     the same payload and config. Real counts under padding are not part of it:
     a padded graph serves any real counts up to the padded size.
@@ -310,7 +284,6 @@ def graph_key_from_schedule(schedule: Any) -> GraphKey:
         router_logits_width=cfg.router_logits_width,
         router_logits_dtype=logits_dtype,
         token_ids_dtype=TOKEN_IDS_DTYPE if cfg.send_token_ids else None,
-        wire_formats={s: schedule.wire_format(s) for s in schedule.stages},
         topology=(topo.num_attention_ranks, topo.num_ffn_ranks, topo.tp_size),
     )
 
@@ -340,13 +313,13 @@ def reserve_ffn_buffers(arena: "StaticArena", schedule: Any, ffn_rank: int) -> d
     Per stage ``s`` (``T = schedule.ffn_rows(s, ffn_rank)``): ``"hidden"``
     ``[T, hidden]`` fan-in target, ``"router_logits"`` ``[T, width]`` and
     ``"token_ids"`` ``[T]`` int32 when they travel, ``"output"`` ``[T, hidden]``
-    split-back source, and ``"wire"`` ``[T, packed_row_bytes]`` uint8 when the
-    stage is packed. Names in the arena are ``(name, stage)``.
+    split-back source. Names in the arena are ``(name, stage)``.
 
     Returns:
         stage -> name -> tensor (absent optional tensors map to None).
     """
-    return _reserve_stages(arena, schedule, lambda s: schedule.ffn_rows(s, ffn_rank), "output")
+    return {s: stage_buffers(arena.buffer, schedule.config, s, schedule.ffn_rows(s, ffn_rank), ("output",))
+            for s in schedule.stages}
 
 
 def reserve_attention_buffers(
@@ -356,39 +329,14 @@ def reserve_attention_buffers(
 
     Per stage (``n = schedule.attention_rows(s, attention_rank)``, padded rows
     included): ``"hidden"`` ``[n, hidden]`` (static input / what is sent),
-    ``"router_logits"``, ``"token_ids"`` and ``"wire"`` as in
+    ``"router_logits"`` and ``"token_ids"`` as in
     :func:`reserve_ffn_buffers`, and ``"reply"`` ``[n, hidden]`` (the FFN output lands here).
 
     Returns:
         stage -> name -> tensor.
     """
-    return _reserve_stages(arena, schedule, lambda s: schedule.attention_rows(s, attention_rank), "reply")
-
-
-def _reserve_stages(arena: "StaticArena", schedule: Any, rows_of: Callable[[int], int],
-                    extra: str) -> dict[int, dict[str, torch.Tensor | None]]:
-    """Per stage ``s`` of ``rows = rows_of(s)``: the wire tensors, then ``extra`` ``[rows, hidden]``."""
-    cfg = schedule.config
-    out: dict[int, dict[str, torch.Tensor | None]] = {}
-    for s in schedule.stages:
-        rows = rows_of(s)
-        bufs: dict[str, torch.Tensor | None] = {
-            "hidden": arena.buffer(("hidden", s), (rows, cfg.hidden_size), cfg.hidden_dtype),
-            "router_logits": None,
-            "token_ids": None,
-            "wire": None,
-        }
-        if cfg.router_logits_width is not None:
-            bufs["router_logits"] = arena.buffer(
-                ("router_logits", s), (rows, cfg.router_logits_width), cfg.router_logits_dtype
-            )
-        if cfg.send_token_ids:
-            bufs["token_ids"] = arena.buffer(("token_ids", s), (rows,), TOKEN_IDS_DTYPE)
-        if schedule.wire_format(s) == "packed":
-            bufs["wire"] = arena.buffer(("wire", s), (rows, cfg.packed_row_bytes), torch.uint8)
-        bufs[extra] = arena.buffer((extra, s), (rows, cfg.hidden_size), cfg.hidden_dtype)
-        out[s] = bufs
-    return out
+    return {s: stage_buffers(arena.buffer, schedule.config, s, schedule.attention_rows(s, attention_rank), ("reply",))
+            for s in schedule.stages}
 
 
 # ---------------------------------------------------------------------------
@@ -1225,309 +1173,3 @@ class GraphController:
     def close(self) -> None:
         """Release every graph and its buffers (safe to call twice)."""
         self.cache.clear()
-
-
-# ---------------------------------------------------------------------------
-# Runners over the connector: graph mode for a serving loop, on both roles
-# ---------------------------------------------------------------------------
-
-
-def padded_payload(payload: Any, pad: Mapping[int, int], **flags: bool) -> Any:
-    """``payload`` with every DP rank's count of stage ``s`` replaced by ``pad[s]`` (vLLM-style DP padding).
-
-    The FFN side then derives every peer's rows from the padded counts; each
-    attention rank carries its real rows first and padding rows after them.
-    ``flags`` set the payload's graph flags (``is_warmup``, ...).
-    """
-    from .metadata import AFDControlPayload
-
-    return AFDControlPayload(
-        dp_metadata_list={s: [int(pad[s])] * len(md.counts) for s, md in payload.dp_metadata_list.items()},
-        **flags,
-    )
-
-
-def _cache_size(connector: Any, cache_size: int | None) -> int:
-    """``cache_size``, else the connector's ``connector_extra_config.graph_cache_size`` (0 = graphs disabled)."""
-    if cache_size is not None:
-        return cache_size
-    n = connector.extra.graph_cache_size
-    if n < 1:
-        raise GraphModeError(
-            "graph mode asked for but connector_extra_config.graph_cache_size is 0 (graphs disabled); "
-            "set it to the number of graphs to keep, e.g. 8"
-        )
-    return n
-
-
-def _step_key(connector: Any, payload: Any) -> tuple[GraphKey, Any]:
-    from .schedule import build_step_schedule
-
-    sched = build_step_schedule(connector.topology, payload, connector.schedule_config)
-    return graph_key_from_schedule(sched), sched
-
-
-class AttentionGraphRunner:
-    """Graph mode for an attention rank whose model runs eagerly between its layer exchanges.
-
-    Every step whose per-stage counts fit the capture sizes is padded (every
-    DP rank of stage ``s`` to one capture size ``S_s``) and replayed: the
-    exchanges of each layer (every stage: send the padded wire tensors, receive
-    the reply in place) are one captured graph over static buffers, replayed in
-    layer order from the model's forward. The first time a padded shape is
-    seen, every attention rank (they all see the same agreed payload, so they
-    decide alike) runs two dummy steps first: a warm-up step (``is_warmup``,
-    eager, zeros, real traffic on every edge) and a capture step
-    (``is_graph_capturing``: the connector's buffers come from the graph's
-    arena, each layer's exchanges are captured, no data moves). Steps that do
-    not fit run eagerly through the connector, unchanged.
-
-    Both roles must keep the same number of graphs (the same
-    ``graph_cache_size``): their caches then see the same captures and replays
-    in the same order and evict the same keys, so the FFN side never lacks a
-    graph the attention side replays (and if it did, it refuses the replay).
-
-    Use with ``afd_ext.integrations.transformers.AttentionExchange``: set
-    ``exchange.graph_runner = AttentionGraphRunner(exchange, connector, ...)``;
-    ``begin_step`` and ``exchange`` then go through this runner.
-
-    Args:
-        exchange: the rank's ``AttentionExchange`` (rows per stage, row mask, stats).
-        connector: its initialised connector (``topology``, ``schedule_config``,
-            ``control_plane``, ``use_static_arena``, ``send_attn_output``,
-            ``recv_ffn_output``, ``device``, ``dtype``).
-        capture_sizes: per-peer capture sizes (strictly increasing).
-        cache_size: graphs kept (default: the connector's ``graph_cache_size``).
-        backend: graph backend (default: CUDA graphs on the connector's device).
-
-    Raises:
-        GraphModeError: the connector's ``graph_cache_size`` is 0 and no ``cache_size`` was given.
-    """
-
-    def __init__(self, exchange: Any, connector: Any, *, capture_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32),
-                 cache_size: int | None = None, backend: GraphBackend | None = None):
-        self.exchange = exchange
-        self.connector = connector
-        self.ctl = GraphController(role="attention", cache_size=_cache_size(connector, cache_size), backend=backend,
-                                   device=connector.device, capture_sizes=capture_sizes)
-        # init_afd_connector warms every edge and direction unless told not to.
-        self.ctl.warmed_up = connector.warmup_on_init
-        self.active = False
-        self.replayed_steps = 0
-        self.eager_steps = 0
-        self._key: GraphKey | None = None
-        self._layer = 0
-
-    def _static(self, key: GraphKey) -> dict[int, dict[str, torch.Tensor | None]]:
-        return self.ctl.entry(key).outputs
-
-    def begin_step(self, payload: Any, *, dp_rank: int, row_mask: torch.Tensor | None = None,
-                   send: bool = True) -> list[int]:
-        """Start a step (same contract as ``AttentionExchange.begin_step``), in graph mode when it fits."""
-        from .schedule import pad_sizes
-
-        pad = pad_sizes(self.connector.topology, payload, self.ctl.capture_sizes)
-        if pad is None or not send:
-            self.active = False
-            self.eager_steps += 1
-            return self.exchange.begin_eager_step(payload, dp_rank=dp_rank, row_mask=row_mask, send=send)
-        rows = [int(payload.dp_metadata_list[s].counts[dp_rank]) for s in sorted(payload.dp_metadata_list)]
-        if row_mask is not None and int(row_mask.sum()) != sum(rows):
-            raise AFDConfigError(f"row_mask selects {int(row_mask.sum())} rows but the payload gives this rank {sum(rows)}")
-        key, _ = _step_key(self.connector, padded_payload(payload, pad))
-        if key not in self.ctl.cache:
-            self._warmup_and_capture(payload, pad, key)
-        replay = padded_payload(payload, pad, is_graph_replaying=True)
-        self.ctl.decide(replay, key)
-        cp = self.connector.control_plane
-        cp.update_state_from_dp_metadata(replay)
-        cp.send_dp_metadata_list(replay)
-        self.active, self._key, self._layer = True, key, 0
-        self.exchange.set_step_rows(rows, row_mask)
-        self.replayed_steps += 1
-        return rows
-
-    def _dummy_layers(self, static: Mapping[int, Mapping[str, torch.Tensor | None]], layers: int) -> None:
-        for layer in range(layers):
-            self._dummy_layer(static, layer)
-
-    def _alloc_static(self, arena: StaticArena, pad: Mapping[int, int]) -> dict[int, dict[str, torch.Tensor | None]]:
-        cfg = self.connector.schedule_config
-        out = {}
-        for s, n in sorted(pad.items()):
-            out[s] = {
-                "hidden": arena.buffer(("attention_hidden", s), (n, cfg.hidden_size), cfg.hidden_dtype),
-                "router_logits": None if cfg.router_logits_width is None else arena.buffer(
-                    ("attention_router_logits", s), (n, cfg.router_logits_width), cfg.router_logits_dtype),
-                "token_ids": arena.buffer(("attention_token_ids", s), (n,), TOKEN_IDS_DTYPE)
-                if cfg.send_token_ids else None,
-            }
-        return out
-
-    def _warmup_and_capture(self, payload: Any, pad: Mapping[int, int], key: GraphKey) -> None:
-        conn, cp = self.connector, self.connector.control_plane
-        layers = conn.schedule_config.num_layers
-        # 1. warm-up step: eager, zeros, real traffic on every edge of the padded shape.
-        warm = padded_payload(payload, pad, is_warmup=True)
-        mode = self.ctl.decide(warm, key)
-        cp.update_state_from_dp_metadata(warm)
-        cp.send_dp_metadata_list(warm)
-        self._dummy_layers(self._alloc_static(StaticArena(conn.device, label="warm-up"), pad), layers)
-        self.ctl.note_eager_step(mode, key, schedule=conn.step_schedule, role_rank=conn.role_rank)
-        # 2. capture step: buffers from the graph's arena, one graph per layer.
-        cap = padded_payload(payload, pad, is_graph_capturing=True)
-        self.ctl.decide(cap, key)
-        arena = self.ctl.new_arena(key)
-        static = self._alloc_static(arena, pad)
-        conn.use_static_arena(arena)
-        try:
-            cp.update_state_from_dp_metadata(cap)
-            cp.send_dp_metadata_list(cap)
-            bodies = [lambda layer=layer: self._dummy_layer(static, layer) for layer in range(layers)]
-            with conn.watchdog_suspended():
-                self.ctl.capture_parts(key, arena, bodies, outputs=static)
-        finally:
-            conn.use_static_arena(None)
-
-    def _dummy_layer(self, static, layer: int) -> None:
-        from .metadata import AFDTransferContext, AFDTransferMetadata
-
-        conn = self.connector
-        for s in sorted(static):
-            b = static[s]
-            ctx = AFDTransferContext(AFDTransferMetadata.create_attention_metadata(
-                layer_idx=layer, stage_idx=s, seq_len=b["hidden"].shape[0]))
-            kw = {}
-            if b["router_logits"] is not None:
-                kw["router_logits"] = b["router_logits"]
-            if b["token_ids"] is not None:
-                kw["input_ids"] = b["token_ids"]
-            conn.send_attn_output(b["hidden"], ctx, **kw)
-            conn.recv_ffn_output(ref_tensor=b["hidden"], ubatch_idx=s)
-
-    def exchange_rows(self, layer_idx: int, rows: torch.Tensor, router_logits: torch.Tensor | None,
-                      token_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Replay this layer's exchange graph on ``rows`` (real rows, ``[n, hidden]``); return the FFN output.
-
-        The real rows of each stage are copied into the stage's static buffer,
-        the padding rows zeroed, the layer's graph replayed, and the real rows of
-        the reply (which lands in the same buffer) copied out.
-        """
-        if not self.active or self._key is None:
-            raise GraphError("AttentionGraphRunner.exchange_rows outside a graph step; call begin_step first")
-        layers = self.connector.schedule_config.num_layers
-        part = self._layer % layers
-        self._layer += 1
-        stage_rows = self.exchange.rows_for(rows.shape[0])
-        static = self._static(self._key)
-        start = 0
-        for s, n in zip(sorted(static), stage_rows):
-            b = static[s]
-            pad_rows_into(rows[start:start + n], b["hidden"])
-            if b["router_logits"] is not None:
-                if router_logits is None:
-                    raise AFDConfigError(f"layer {layer_idx}: router logits are configured but none were given")
-                pad_rows_into(router_logits[start:start + n].to(b["router_logits"].dtype), b["router_logits"])
-            if b["token_ids"] is not None:
-                if token_ids is None:
-                    raise AFDConfigError(f"layer {layer_idx}: token ids are configured but none were given")
-                pad_rows_into(token_ids[start:start + n].to(torch.int32), b["token_ids"])
-            start += n
-        ex = self.exchange
-        with ex.timed(layer_idx, rows.device):
-            self.ctl.replay(self._key, part=part)
-            self.connector.track_graph_replay(f"CUDA-graph replay of layer {layer_idx}")
-        outs = []
-        for s, n in zip(sorted(static), stage_rows):
-            outs.append(static[s]["hidden"][:n].clone())
-        # Bytes of real rows only; the padding rows travel too but carry nothing.
-        ex.count_bytes(rows.numel() * rows.element_size() + (
-            0 if router_logits is None else router_logits.numel() * router_logits.element_size()),
-            rows.numel() * rows.element_size())
-        return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
-
-    def end_step(self) -> None:
-        """Leave graph mode for this step."""
-        self.active = False
-        self._key = None
-
-    def close(self) -> None:
-        """Release every captured graph and its buffers."""
-        self.ctl.close()
-
-
-class FFNGraphServer:
-    """Graph mode for an FFN rank's serving loop (wraps an ``FFNServer``).
-
-    Per step it acts on the payload's flags through :meth:`GraphController.decide`:
-    REPLAY replays the step's graph (refused with :class:`GraphKeyMismatchError`
-    when its key was never captured); CAPTURE applies the payload with the
-    connector's buffers taken from the graph's arena and captures the whole
-    step — every layer x every stage: fan-in, the MLP / MoE block, split-back
-    — into one graph; WARMUP and EAGER serve eagerly with the connector's own
-    buffers.
-
-    Args:
-        server: an ``FFNServer`` (``connector``, ``serve_exchanges(payload)``,
-            ``serve_step(payload)``, counters ``steps`` and ``rows_served``).
-        cache_size: graphs kept (default: the connector's ``graph_cache_size``).
-        capture_sizes: only used to report; the attention side picks the sizes.
-        backend: graph backend (default: CUDA graphs on the connector's device).
-    """
-
-    def __init__(self, server: Any, *, cache_size: int | None = None,
-                 capture_sizes: Sequence[int] = DEFAULT_CAPTURE_SIZES, backend: GraphBackend | None = None):
-        self.server = server
-        conn = server.connector
-        self.ctl = GraphController(role="ffn", cache_size=_cache_size(conn, cache_size), backend=backend,
-                                   device=conn.device,
-                                   capture_sizes=capture_sizes)
-        self.ctl.warmed_up = conn.warmup_on_init
-        self.modes: dict[str, int] = {m.value: 0 for m in StepMode}
-
-    def serve_step(self, payload: Any) -> StepMode:
-        """Serve one step in the mode its flags ask for; return the mode."""
-        srv, conn = self.server, self.server.connector
-        key, sched = _step_key(conn, payload)
-        mode = self.ctl.decide(payload, key)
-        self.modes[mode.value] += 1
-        if mode is StepMode.REPLAY:
-            # Applying the payload keeps the connector's step bookkeeping in step
-            # with the attention side; the graph itself reads only its arena.
-            conn.control_plane.update_state_from_dp_metadata(payload)
-            self.ctl.replay(key)
-            conn.track_graph_replay(f"CUDA-graph replay of step {srv.steps} ({conn.schedule_config.num_layers} layers)")
-            srv.steps += 1
-            srv.rows_served += conn.schedule_config.num_layers * sum(
-                sched.ffn_rows(s, conn.role_rank) for s in sched.stages)
-        elif mode is StepMode.CAPTURE:
-            arena = self.ctl.new_arena(key)
-            conn.use_static_arena(arena)
-            rows_before = srv.rows_served
-            try:
-                conn.control_plane.update_state_from_dp_metadata(payload)
-                with conn.watchdog_suspended():
-                    self.ctl.capture(key, arena, lambda: srv.serve_exchanges(payload))
-            finally:
-                conn.use_static_arena(None)
-                srv.rows_served = rows_before  # a capture moves nothing
-        else:
-            srv.serve_step(payload)
-            self.ctl.note_eager_step(mode, key, schedule=sched, role_rank=conn.role_rank)
-        return mode
-
-    def serve(self, *, max_steps: int | None = None) -> int:
-        """Serve steps until a shutdown payload (no stages) or ``max_steps``; return the steps served."""
-        served = 0
-        conn = self.server.connector
-        while max_steps is None or served < max_steps:
-            payload = conn.control_plane.recv_dp_metadata_list()
-            if not payload.dp_metadata_list:
-                break
-            self.serve_step(payload)
-            served += 1
-        return served
-
-    def close(self) -> None:
-        """Release every captured graph and its buffers."""
-        self.ctl.close()

@@ -14,9 +14,12 @@ Conventions shared by every communication op:
 * Tensors must be CUDA tensors on the communicator's device, with dense rows
   (``t.is_contiguous()``; row slices ``t[a:b]`` of a contiguous tensor are
   fine), of a wire dtype (:data:`WIRE_DTYPES`). Every check happens before
-  the first NCCL call; a failed check raises ``RuntimeError`` naming the
-  tensor (under tracing the fake kernel's ``AFDConfigError``, itself a
-  ``RuntimeError``), and the communicator stays usable.
+  the first NCCL call; a failed check raises :class:`~afd_ext.errors.AFDConfigError`
+  (a ``ValueError``; :class:`~afd_ext.errors.AFDTypeError`, also a ``TypeError``,
+  for a wrong dtype) naming the tensor, and the communicator stays usable.
+  An NCCL failure raises :class:`~afd_ext.errors.AFDPeerError`, a CUDA failure
+  :class:`~afd_ext.errors.AFDDeviceError`. Every one is an ``AFDError`` (and a
+  ``RuntimeError``), eager or traced.
 * Work is enqueued on the current CUDA stream of the communicator's device,
   with no allocation and no host synchronisation, so the ops can be captured
   in a CUDA graph (after one eager warm-up of every edge and direction).
@@ -25,6 +28,7 @@ Conventions shared by every communication op:
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.util
 import sys
@@ -86,15 +90,13 @@ if _other is not None:
 
 from . import _C  # noqa: F401,E402  (loads the library: registers torch.ops.afd_ext.*)
 from . import spec as _spec  # noqa: E402
-from .errors import AFDConfigError  # noqa: E402
+from .errors import AFDConfigError, AFDDeviceError, AFDError, AFDPeerError, AFDTypeError  # noqa: E402
 
 __all__ = [
-    "WIRE_ALIGN",
     "WIRE_DTYPES",
     "NCCL_UNIQUE_ID_BYTES",
     "build_info",
     "is_cuda_built",
-    "wire_row_bytes",
     "nccl_version",
     "nccl_unique_id",
     "comm_create",
@@ -105,8 +107,6 @@ __all__ = [
     "recv",
     "fan_in",
     "split_back",
-    "pack_rows",
-    "unpack_rows",
     "PEER_IPC_HANDLE_BYTES",
     "PEER_MAX_PEERS",
     "PEER_MAX_GENERATION",
@@ -129,10 +129,56 @@ __all__ = [
 ]
 
 _ops = torch.ops.afd_ext
+
+
+def op_error(op: str, e: BaseException) -> AFDError:
+    """The package error for a failure of ``torch.ops.afd_ext.<op>`` (the ops boundary's one mapping).
+
+    csrc raises a caller error as ``ValueError`` (``TORCH_CHECK_VALUE``) or ``TypeError``
+    (``TORCH_CHECK_TYPE``), an NCCL failure as ``torch.distributed.DistBackendError`` and a CUDA
+    failure as a ``RuntimeError`` that says "CUDA error"; any other check of an op names the op
+    (``"afd_ext.<op>: ..."``) and is a caller error too.
+
+    Returns:
+        ``e`` itself when it is already an ``AFDError``; else :class:`AFDTypeError`,
+        :class:`AFDPeerError`, :class:`AFDDeviceError` or :class:`AFDConfigError`
+        with ``e``'s message and ``op="afd_ext.<op>"``.
+    """
+    if isinstance(e, AFDError):
+        return e
+    msg = str(e)
+    if isinstance(e, TypeError):
+        cls = AFDTypeError
+    elif isinstance(e, torch.distributed.DistBackendError):
+        cls = AFDPeerError
+    elif not isinstance(e, (ValueError, IndexError, NotImplementedError)) and "CUDA error" in msg:
+        cls = AFDDeviceError
+    else:
+        cls = AFDConfigError
+    if not msg.startswith("afd_ext"):  # a torch or Python message: say which op refused it
+        msg = f"afd_ext.{op}: {msg}"
+    return cls(msg, op=f"afd_ext.{op}")
+
+
+def _boundary(fn):
+    """Wraps a public op wrapper so that any failure, from the wrapper's own conversions or from the op,
+    leaves as :func:`op_error`'s class (``except AFDError`` catches every bad argument of every op)."""
+    name = fn.__name__
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if torch.compiler.is_compiling():  # traced: the fakes raise AFDConfigError themselves
+            return fn(*args, **kwargs)
+        try:
+            return fn(*args, **kwargs)
+        except AFDError:
+            raise
+        except Exception as e:  # noqa: BLE001 - every failure leaves as the package's error
+            raise op_error(name, e) from None
+
+    return call
 _NCCL_RUNTIME_VERSION = int(_ops.nccl_version())
 
-#: Byte alignment of every part of a packed wire row (schedule.WIRE_ALIGN_BYTES).
-WIRE_ALIGN = 16
 #: Bytes of an ``ncclUniqueId``.
 NCCL_UNIQUE_ID_BYTES = 128
 #: Dtypes the ops move (NCCL moves them as bytes; fp8 included): the one table, in spec.py.
@@ -171,38 +217,6 @@ def build_info() -> dict:
     }
 
 
-def wire_row_bytes(
-    hidden_size: int,
-    hidden_dtype: torch.dtype,
-    logits_width: Optional[int] = None,
-    logits_dtype: torch.dtype = torch.float32,
-    has_token_ids: bool = False,
-) -> int:
-    """Bytes of one packed wire row (see :func:`pack_rows`).
-
-    Layout per token: ``[hidden | pad to 16][logits | pad to 16][int32 id | pad to 16]``;
-    absent parts take no bytes.
-
-    Args:
-        hidden_size: hidden-state width (elements).
-        hidden_dtype: dtype of the hidden states.
-        logits_width: router-logits width (number of experts); ``None`` or 0: no logits.
-        logits_dtype: dtype of the router logits.
-        has_token_ids: whether an int32 token id travels with each row.
-
-    Returns:
-        The row size in bytes, a multiple of 16.
-
-    Raises:
-        AFDConfigError: a negative width.
-    """
-    if hidden_size < 0 or (logits_width is not None and logits_width < 0):
-        raise AFDConfigError(f"widths must be >= 0, got hidden_size={hidden_size}, logits_width={logits_width}")
-    from .schedule import packed_row_bytes  # the one rule (schedule imports the package's metadata)
-
-    return packed_row_bytes(hidden_size, hidden_dtype, logits_width or None, logits_dtype, has_token_ids)
-
-
 # ---------------------------------------------------------------------------
 # Fake-side checks: the same rules as the C++ checks, on shapes only, so a
 # traced program fails at compile time. SymInts are left to the C++ side.
@@ -237,6 +251,7 @@ def _fake_check_rows(op: str, named: Sequence[tuple[str, Optional[Tensor]]], lis
 # ---------------------------------------------------------------------------
 
 
+@_boundary
 def nccl_version() -> int:
     """``ncclGetVersion()`` of the loaded NCCL (e.g. ``22809`` for 2.28.9); 0 in a CPU-only build."""
     return int(_ops.nccl_version())
@@ -256,6 +271,7 @@ def _not_traceable(op: str):
     )
 
 
+@_boundary
 def nccl_unique_id(out: Optional[Tensor] = None) -> Tensor:
     """Make a fresh NCCL unique id (rank 0 of a communicator makes it, the others receive it).
 
@@ -294,6 +310,7 @@ def _cuda_index(device: int | torch.device) -> int:
     return int(device)
 
 
+@_boundary
 def comm_create(unique_id: Tensor, world_size: int, rank: int, device: int | torch.device) -> int:
     """Create an NCCL communicator and return its handle.
 
@@ -334,6 +351,7 @@ def _comm_create_fake(unique_id: Tensor, world_size: int, rank: int, device: int
     _not_traceable("comm_create")
 
 
+@_boundary
 def comm_destroy(handle: int) -> None:
     """Destroy a communicator: waits for its queued work, then frees it.
 
@@ -352,6 +370,7 @@ def _comm_destroy_fake(handle: int) -> None:
     _not_traceable("comm_destroy")
 
 
+@_boundary
 def comm_abort(handle: int) -> None:
     """Abort a communicator: cancels its in-flight NCCL work and frees it, without waiting for peers.
 
@@ -370,6 +389,7 @@ def _comm_abort_fake(handle: int) -> None:
     _not_traceable("comm_abort")
 
 
+@_boundary
 def comm_async_error(handle: int) -> int:
     """``ncclCommGetAsyncError`` of a live communicator.
 
@@ -393,6 +413,7 @@ def _comm_async_error_fake(handle: int) -> int:
 # ---------------------------------------------------------------------------
 
 
+@_boundary
 def send(t: Tensor, comm: int, peer: int) -> None:
     """Send all of ``t`` to ``peer`` on communicator ``comm``, on the current CUDA stream.
 
@@ -417,6 +438,7 @@ def _send_fake(t: Tensor, comm: int, peer: int) -> None:
     return None
 
 
+@_boundary
 def recv(t: Tensor, comm: int, peer: int) -> None:
     """Receive into all of ``t`` from ``peer`` on communicator ``comm``, on the current CUDA stream.
 
@@ -440,6 +462,7 @@ def _ints(xs: Sequence[int]) -> list[int]:
     return [int(x) for x in xs]
 
 
+@_boundary
 def fan_in(
     hidden_states: Tensor,
     router_logits: Optional[Tensor],
@@ -482,6 +505,7 @@ def _fan_in_fake(hidden_states, router_logits, token_ids, comms, peers, rows) ->
     )
 
 
+@_boundary
 def split_back(
     hidden_states: Tensor,
     router_logits: Optional[Tensor],
@@ -510,96 +534,6 @@ def _split_back_fake(hidden_states, router_logits, token_ids, comms, peers, rows
         [("hidden_states", hidden_states), ("router_logits", router_logits), ("token_ids", token_ids)],
         {"comms": comms, "peers": peers, "rows": rows},
     )
-
-
-# ---------------------------------------------------------------------------
-# Packed wire rows
-# ---------------------------------------------------------------------------
-
-
-def _expected_wire_shape(hidden_states, router_logits, token_ids) -> tuple:
-    width = wire_row_bytes(
-        hidden_states.shape[1],
-        hidden_states.dtype,
-        router_logits.shape[1] if router_logits is not None else None,
-        router_logits.dtype if router_logits is not None else torch.float32,
-        token_ids is not None,
-    )
-    return (hidden_states.shape[0], width)
-
-
-def _fake_check_wire(op, hidden_states, router_logits, token_ids, wire) -> None:
-    for name, t in (("hidden_states", hidden_states), ("router_logits", router_logits), ("token_ids", token_ids)):
-        if t is not None and t.device != wire.device:
-            raise AFDConfigError(f"afd_ext.{op}: {name} must be on the wire tensor's device {wire.device}, got {t.device}")
-    if hidden_states.dim() != 2:
-        raise AFDConfigError(f"afd_ext.{op}: hidden_states must be 2-D [num_tokens, hidden], got {tuple(hidden_states.shape)}")
-    if router_logits is not None and router_logits.dim() != 2:
-        raise AFDConfigError(f"afd_ext.{op}: router_logits must be 2-D [num_tokens, num_experts], got {tuple(router_logits.shape)}")
-    if token_ids is not None and token_ids.dtype != torch.int32:
-        raise AFDConfigError(f"afd_ext.{op}: token_ids must be int32, got {token_ids.dtype}")
-    if wire.dtype != torch.uint8 or wire.dim() != 2:
-        raise AFDConfigError(f"afd_ext.{op}: wire must be uint8 [num_tokens, row_bytes], got {wire.dtype} {tuple(wire.shape)}")
-    expected = _expected_wire_shape(hidden_states, router_logits, token_ids)
-    if tuple(wire.shape) != expected:
-        raise AFDConfigError(f"afd_ext.{op}: wire must have shape {expected}, got {tuple(wire.shape)}")
-
-
-def pack_rows(
-    hidden_states: Tensor,
-    router_logits: Optional[Tensor],
-    token_ids: Optional[Tensor],
-    wire: Tensor,
-) -> None:
-    """Pack each token's wire tensors into one uint8 wire row (fused; one kernel launch).
-
-    Row ``i`` of ``wire`` becomes ``[hidden_states[i] | pad][router_logits[i] | pad][token_ids[i] | pad]``,
-    each part starting at a 16-byte offset; padding bytes are written as zeros.
-
-    Args:
-        hidden_states: ``[n, hidden]``, a wire dtype; any strides (non-contiguous rows allowed).
-        router_logits: optional ``[n, num_experts]``, a wire dtype; any strides.
-        token_ids: optional ``[n]`` int32; any stride.
-        wire: ``[n, wire_row_bytes(...)]`` uint8 output (mutated), dense rows
-            (``wire.stride(1) == 1``); row slices of a bigger buffer are fine.
-
-    All tensors on one device (CPU reference kernel, or the CUDA kernel on the
-    current stream, 16-byte vectorised where aligned).
-
-    Raises:
-        RuntimeError: a shape, dtype, device or row-size mismatch, naming the tensor.
-    """
-    _ops.pack_rows(hidden_states, router_logits, token_ids, wire)
-
-
-@torch.library.register_fake("afd_ext::pack_rows")
-def _pack_rows_fake(hidden_states, router_logits, token_ids, wire) -> None:
-    _fake_check_wire("pack_rows", hidden_states, router_logits, token_ids, wire)
-
-
-def unpack_rows(
-    wire: Tensor,
-    hidden_states: Tensor,
-    router_logits: Optional[Tensor],
-    token_ids: Optional[Tensor],
-) -> None:
-    """Inverse of :func:`pack_rows`: scatter each wire row into the given outputs.
-
-    Args:
-        wire: ``[n, wire_row_bytes(...)]`` uint8, dense rows.
-        hidden_states: ``[n, hidden]`` output (mutated); any non-overlapping strides.
-        router_logits: optional ``[n, num_experts]`` output (mutated).
-        token_ids: optional ``[n]`` int32 output (mutated).
-
-    Raises:
-        RuntimeError: as :func:`pack_rows`, or an output with overlapping memory.
-    """
-    _ops.unpack_rows(wire, hidden_states, router_logits, token_ids)
-
-
-@torch.library.register_fake("afd_ext::unpack_rows")
-def _unpack_rows_fake(wire, hidden_states, router_logits, token_ids) -> None:
-    _fake_check_wire("unpack_rows", hidden_states, router_logits, token_ids, wire)
 
 
 # ---------------------------------------------------------------------------
@@ -726,6 +660,7 @@ PEER_ERR_WORDS = ("code", "op", "peer", "layer", "stage", "want", "seen", "waite
 PEER_OK, PEER_TIMEOUT, PEER_PROTOCOL, PEER_ABORTED = 0, 1, 2, 3
 
 
+@_boundary
 def peer_plane_create(device: int | torch.device, generation: int, num_slots: int, max_peers: int) -> int:
     """Create this rank's peer-memory plane on a CUDA device.
 
@@ -758,6 +693,7 @@ def _peer_plane_create_fake(device: int, generation: int, num_slots: int, max_pe
     _not_traceable("peer_plane_create")
 
 
+@_boundary
 def peer_plane_destroy(plane: int) -> None:
     """Abort the plane (spinning waits return within microseconds), wait for the device, free it.
 
@@ -775,6 +711,7 @@ def _peer_plane_destroy_fake(plane: int) -> None:
     _not_traceable("peer_plane_destroy")
 
 
+@_boundary
 def peer_plane_error(plane: int) -> list[int]:
     """The plane's error record, read from host-mapped memory (no device sync; any thread).
 
@@ -796,6 +733,7 @@ def _peer_plane_error_fake(plane: int) -> list[int]:
     _not_traceable("peer_plane_error")
 
 
+@_boundary
 def peer_plane_abort(plane: int, op: int = 0) -> None:
     """Mark the plane failed from the host (code :data:`PEER_ABORTED`, ``op`` recorded).
 
@@ -814,6 +752,7 @@ def _peer_plane_abort_fake(plane: int, op: int) -> None:
     _not_traceable("peer_plane_abort")
 
 
+@_boundary
 def peer_region_alloc(plane: int, nbytes: int) -> int:
     """Allocate ``nbytes`` of zeroed device memory on the plane's device, outside torch's caching allocator.
 
@@ -835,6 +774,7 @@ def _peer_region_alloc_fake(plane: int, nbytes: int) -> int:
     _not_traceable("peer_region_alloc")
 
 
+@_boundary
 def peer_region_export(region: int, out: Optional[Tensor] = None) -> Tensor:
     """The 64-byte CUDA IPC handle of one of this process's regions (bytes for the rendezvous store).
 
@@ -859,6 +799,7 @@ def _peer_region_export_fake(region: int, out: Tensor) -> None:
     _not_traceable("peer_region_export")
 
 
+@_boundary
 def peer_region_open(plane: int, ipc_handle: Tensor | bytes, nbytes: int) -> int:
     """Open a peer's region from its IPC handle, mapped on the plane's device.
 
@@ -888,6 +829,7 @@ def _peer_region_open_fake(plane: int, ipc_handle: Tensor, nbytes: int) -> int:
     _not_traceable("peer_region_open")
 
 
+@_boundary
 def peer_region_close(region: int) -> None:
     """Close a region handle; the memory is freed (own) or unmapped (opened) once no view of it is left.
 
@@ -905,6 +847,7 @@ def _peer_region_close_fake(region: int) -> None:
     _not_traceable("peer_region_close")
 
 
+@_boundary
 def peer_region_view(region: int, offset: int, nbytes: int) -> Tensor:
     """A CUDA ``uint8 [nbytes]`` tensor over bytes ``[offset, offset + nbytes)`` of a region.
 
@@ -922,6 +865,7 @@ def _peer_region_view_fake(region: int, offset: int, nbytes: int) -> Tensor:
     _not_traceable("peer_region_view")
 
 
+@_boundary
 def peer_put(
     hidden_states: Tensor,
     router_logits: Optional[Tensor],
@@ -981,6 +925,7 @@ def _peer_put_fake(hidden_states, router_logits, token_ids, plane, slot, regions
                            "wire tensors were given")
 
 
+@_boundary
 def peer_wait(
     hidden_states: Tensor,
     router_logits: Optional[Tensor],

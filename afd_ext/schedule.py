@@ -1,20 +1,16 @@
 """The one schedule: a pure function of (topology, control payload, config).
 
 :func:`build_step_schedule` says, for every (layer, stage, edge, direction) of
-a step, how many rows travel, whether the message is skipped (zero rows) and
-the wire format. Both roles call it with the same inputs and get the same
+a step, how many rows travel and whether the message is skipped (zero rows).
+Both roles call it with the same inputs and get the same
 answer; neither decides from its own tensors. It validates the whole step up
 front (stages, count vector lengths, negative counts, padding), so a bad
 payload fails before the first byte of the step moves.
 
 Terms: direction ``"a2f"`` carries the wire tensors (hidden states, optional
 router logits, optional int32 token ids) from an attention rank to an FFN
-rank; ``"f2a"`` carries the FFN output (hidden states) back. Wire format
-``"per_tensor"`` sends each wire tensor as its own NCCL message; ``"packed"``
-sends one uint8 wire row per token (``ops.pack_rows``: hidden, logits, ids,
-each part at a 16-byte aligned offset, :func:`packed_row_bytes`). Packing only
-matters when more than one wire tensor travels, so a stage carrying hidden
-states alone is always ``"per_tensor"``, and so is every ``"f2a"`` message.
+rank; ``"f2a"`` carries the FFN output (hidden states) back. Each wire tensor
+is its own message (the one wire layout: :func:`afd_ext.spec.stage_layout`).
 
 NCCL issue order (the connector and transports follow it; it cannot deadlock
 at any message size):
@@ -66,11 +62,10 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
 
-from .config import DEFAULT_PACKED_MAX_BYTES
 from .errors import AFDConfigError
 from .metadata import AFDControlPayload
 from .topology import Topology
@@ -81,14 +76,11 @@ __all__ = [
     "A2F",
     "F2A",
     "DIRECTIONS",
-    "PER_TENSOR",
-    "PACKED",
-    "WIRE_FORMATS",
-    "DEFAULT_PACKED_MAX_BYTES",
-    "WIRE_ALIGN_BYTES",
     "TOKEN_IDS_DTYPE",
-    "packed_row_bytes",
     "ScheduleConfig",
+    "WirePart",
+    "stage_buffers",
+    "schedule_config",
     "Message",
     "FanInPlan",
     "SendPlan",
@@ -104,35 +96,14 @@ __all__ = [
 A2F = "a2f"
 F2A = "f2a"
 DIRECTIONS = (A2F, F2A)
-PER_TENSOR = "per_tensor"
-PACKED = "packed"
-AUTO = "auto"
-WIRE_FORMATS = (AUTO, PACKED, PER_TENSOR)
-
-#: Each part of a packed wire row starts at a multiple of this many bytes.
-WIRE_ALIGN_BYTES = 16
-def _round_up(n: int, k: int) -> int:
-    return (n + k - 1) // k * k
 
 
-def packed_row_bytes(
-    hidden_size: int,
-    hidden_dtype: torch.dtype,
-    router_logits_width: int | None = None,
-    router_logits_dtype: torch.dtype = torch.float32,
-    send_token_ids: bool = False,
-) -> int:
-    """Bytes of one packed wire row (same rule as ``ops.wire_row_bytes``).
+class WirePart(NamedTuple):
+    """One tensor of the wire layout: its name, its columns per row (``()``: one value per row), its dtype."""
 
-    Hidden part, then router logits, then the int32 token id, each rounded up
-    to :data:`WIRE_ALIGN_BYTES`.
-    """
-    n = _round_up(hidden_size * hidden_dtype.itemsize, WIRE_ALIGN_BYTES)
-    if router_logits_width is not None:
-        n += _round_up(router_logits_width * router_logits_dtype.itemsize, WIRE_ALIGN_BYTES)
-    if send_token_ids:
-        n += _round_up(TOKEN_IDS_DTYPE.itemsize, WIRE_ALIGN_BYTES)
-    return n
+    name: str
+    cols: tuple[int, ...]
+    dtype: torch.dtype
 
 
 def _pos_int(v: Any, name: str, *, allow_zero: bool = False) -> int:
@@ -154,13 +125,10 @@ class ScheduleConfig:
             the attention side), else ``None``.
         router_logits_dtype: floating dtype of router logits.
         send_token_ids: whether ``[rows]`` int32 token ids travel.
-        wire_format: ``"auto"`` (packed when a stage's largest a2f message is
-            at most ``packed_max_bytes``), ``"packed"`` or ``"per_tensor"``.
         clamp_idle_to_one: reference compatibility: a zero count becomes 1
             (the runtime runs a one-token dummy batch on idle ranks).
         pad_to: ``{stage: rows}``: every attention rank sends this many rows
             for the stage (CUDA graph capture size), or ``None``.
-        packed_max_bytes: the ``"auto"`` threshold, bytes per message.
         max_stages: largest accepted number of stages per step, or ``None``.
 
     Raises:
@@ -173,10 +141,8 @@ class ScheduleConfig:
     router_logits_width: int | None = None
     router_logits_dtype: torch.dtype = torch.float32
     send_token_ids: bool = False
-    wire_format: str = AUTO
     clamp_idle_to_one: bool = False
     pad_to: Mapping[int, int] | None = None
-    packed_max_bytes: int = DEFAULT_PACKED_MAX_BYTES
     max_stages: int | None = None
 
     def __post_init__(self) -> None:
@@ -192,11 +158,8 @@ class ScheduleConfig:
             raise AFDConfigError(f"router_logits_dtype must be a floating torch.dtype, got {self.router_logits_dtype!r}")
         if not isinstance(self.send_token_ids, bool):
             raise AFDConfigError(f"send_token_ids must be a bool, got {self.send_token_ids!r}")
-        if self.wire_format not in WIRE_FORMATS:
-            raise AFDConfigError(f"wire_format must be one of {WIRE_FORMATS}, got {self.wire_format!r}")
         if not isinstance(self.clamp_idle_to_one, bool):
             raise AFDConfigError(f"clamp_idle_to_one must be a bool, got {self.clamp_idle_to_one!r}")
-        _pos_int(self.packed_max_bytes, "packed_max_bytes", allow_zero=True)
         if self.max_stages is not None:
             _pos_int(self.max_stages, "max_stages")
         if self.pad_to is not None:
@@ -214,23 +177,63 @@ class ScheduleConfig:
         return hash(
             (
                 self.num_layers, self.hidden_size, self.hidden_dtype, self.router_logits_width,
-                self.router_logits_dtype, self.send_token_ids, self.wire_format,
-                self.clamp_idle_to_one, pad, self.packed_max_bytes, self.max_stages,
+                self.router_logits_dtype, self.send_token_ids,
+                self.clamp_idle_to_one, pad, self.max_stages,
             )
         )
 
     @property
-    def num_wire_tensors(self) -> int:
-        """Wire tensors per a2f message: hidden states, plus logits and ids when they travel."""
-        return 1 + (self.router_logits_width is not None) + self.send_token_ids
+    def wire_parts(self) -> tuple[WirePart, ...]:
+        """The one wire layout: the tensors of an a2f message, in the order they travel.
+
+        ``hidden`` ``[rows, hidden_size]``, then ``router_logits`` ``[rows, width]`` and ``token_ids``
+        ``[rows]`` int32 when they travel (an FP8 hidden state's scales would follow ``hidden``). Every
+        transport moves exactly these tensors, each as its own message; strict headers number them in
+        this order.
+        """
+        parts = [WirePart("hidden", (self.hidden_size,), self.hidden_dtype)]
+        if self.router_logits_width is not None:
+            parts.append(WirePart("router_logits", (self.router_logits_width,), self.router_logits_dtype))
+        if self.send_token_ids:
+            parts.append(WirePart("token_ids", (), TOKEN_IDS_DTYPE))
+        return tuple(parts)
 
     @property
-    def packed_row_bytes(self) -> int:
-        """Bytes of one packed wire row (:func:`packed_row_bytes`)."""
-        return packed_row_bytes(
-            self.hidden_size, self.hidden_dtype, self.router_logits_width,
-            self.router_logits_dtype, self.send_token_ids,
-        )
+    def num_wire_tensors(self) -> int:
+        """Wire tensors per a2f message: hidden states, plus logits and ids when they travel."""
+        return len(self.wire_parts)
+
+
+def stage_buffers(alloc: Callable[[tuple[str, int], tuple[int, ...], torch.dtype], Any], config: ScheduleConfig,
+                  stage: int, rows: int, extra: Sequence[str] = ()) -> dict[str, Any]:
+    """The one stage layout: a rank's buffers of one stage, for every transport and both roles.
+
+    Args:
+        alloc: ``alloc(key, shape, dtype)`` returns one buffer; ``key`` is ``(name, stage)``, the one
+            arena key (an eager pool, a CUDA-graph arena, a transport's own memory, zeros).
+        config: what travels (:attr:`ScheduleConfig.wire_parts`).
+        stage: the stage id; rows: the stage's rows on this rank.
+        extra: names of further ``[rows, hidden_size]`` buffers of the hidden dtype, e.g. ``"output"``
+            (an FFN rank's split-back source) or ``"reply"`` (where an attention rank's reply lands).
+
+    Returns:
+        ``{"hidden", "router_logits", "token_ids", *extra}``; an optional wire tensor that does not
+        travel maps to None.
+    """
+    out: dict[str, Any] = {"router_logits": None, "token_ids": None}
+    for p in config.wire_parts:
+        out[p.name] = alloc((p.name, stage), (rows,) + p.cols, p.dtype)
+    for name in extra:
+        out[name] = alloc((name, stage), (rows, config.hidden_size), config.hidden_dtype)
+    return out
+
+
+def schedule_config(spec: Any, extra: Any) -> ScheduleConfig:
+    """The :class:`ScheduleConfig` of an :class:`~afd_ext.spec.ExchangeSpec` under ``extra`` (an ``AfdExtConnectorConfig``)."""
+    return ScheduleConfig(
+        num_layers=spec.num_layers, hidden_size=spec.hidden_size, hidden_dtype=spec.dtype,
+        router_logits_width=spec.router_logits_width, router_logits_dtype=spec.router_logits_dtype,
+        send_token_ids=spec.send_token_ids, clamp_idle_to_one=extra.clamp_idle_to_one, max_stages=extra.max_stages)
 
 
 class Message(NamedTuple):
@@ -238,7 +241,6 @@ class Message(NamedTuple):
 
     rows: int
     skipped: bool
-    wire_format: str
 
 
 class FanInPlan(NamedTuple):
@@ -291,25 +293,24 @@ class StepSchedule:
         stages: sorted stage ids.
     """
 
-    __slots__ = ("topology", "config", "payload", "stages", "_counts", "_rows", "_formats",
+    __slots__ = ("topology", "config", "payload", "stages", "_counts", "_rows",
                  "_ffn_plans", "_attn_plans")
 
     def __init__(self, topology: Topology, config: ScheduleConfig, payload: AFDControlPayload,
                  stages: tuple[int, ...], counts: dict[int, tuple[int, ...]],
-                 rows: dict[int, tuple[int, ...]], formats: dict[int, str]):
+                 rows: dict[int, tuple[int, ...]]):
         self.topology = topology
         self.config = config
         self.payload = payload
         self.stages = stages
         self._counts = counts
         self._rows = rows
-        self._formats = formats
         self._ffn_plans: dict[tuple[int, int], FanInPlan] = {}
         self._attn_plans: dict[tuple[int, int], SendPlan] = {}
 
     def __repr__(self) -> str:
         return (f"StepSchedule(A={self.topology.num_attention_ranks}, F={self.topology.num_ffn_ranks}, "
-                f"rows={self._rows}, formats={self._formats})")
+                f"rows={self._rows})")
 
     # -- lookups ---------------------------------------------------------------
 
@@ -399,11 +400,6 @@ class StepSchedule:
         """Rows of FFN rank ``f``'s concatenated tensor in ``stage``."""
         return self.ffn_plan(stage, f).total
 
-    def wire_format(self, stage: int) -> str:
-        """``"packed"`` or ``"per_tensor"`` for the a2f messages of ``stage``."""
-        self._stage(stage)
-        return self._formats[stage]
-
     def message(self, layer: int, stage: int, a: int, f: int, direction: str) -> Message:
         """The message of one (layer, stage, edge, direction).
 
@@ -416,8 +412,7 @@ class StepSchedule:
         if direction not in DIRECTIONS:
             raise AFDConfigError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
         rows = self.edge_rows(stage, a, f)
-        fmt = self._formats[stage] if direction == A2F else PER_TENSOR
-        return Message(rows, rows == 0, fmt)
+        return Message(rows, rows == 0)
 
     def messages(self) -> Iterator[tuple[int, int, int, int, str, Message]]:
         """Every ``(layer, stage, a, f, direction, message)`` in issue order (layer-major, stage-minor)."""
@@ -575,20 +570,7 @@ def build_step_schedule(
                         f"pad_to[{s}]={p}; pick a larger capture size or run the step eagerly"
                     )
             rows[s] = (p,) * topology.num_attention_ranks
-    formats = {s: _choose_format(topology, config, rows[s]) for s in stages}
-    return StepSchedule(topology, config, payload, stages, counts, rows, formats)
-
-
-def _choose_format(topology: Topology, config: ScheduleConfig, rows: tuple[int, ...]) -> str:
-    if config.num_wire_tensors == 1:
-        return PER_TENSOR
-    if config.wire_format != AUTO:
-        return config.wire_format
-    if topology.num_attention_ranks >= topology.num_ffn_ranks:
-        largest = max(rows)
-    else:  # the first FFN peer of each attention rank gets ceil(n / k) rows
-        largest = max(-(-n // len(topology.attention_peers(a))) for a, n in enumerate(rows))
-    return PACKED if largest * config.packed_row_bytes <= config.packed_max_bytes else PER_TENSOR
+    return StepSchedule(topology, config, payload, stages, counts, rows)
 
 
 # vLLM's default cudagraph capture sizes: 1, 2, 4, then every 8 up to 512.

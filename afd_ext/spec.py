@@ -218,17 +218,6 @@ class ExchangeSpec:
             "token_ids": dtype_name(TOKEN_IDS_DTYPE) if self.send_token_ids else None,
         }
 
-    def schedule_config(self, extra: Any) -> Any:
-        """The :class:`~afd_ext.schedule.ScheduleConfig` of this spec under ``extra`` (an ``AfdExtConnectorConfig``)."""
-        from .schedule import ScheduleConfig
-
-        return ScheduleConfig(
-            num_layers=self.num_layers, hidden_size=self.hidden_size, hidden_dtype=self.dtype,
-            router_logits_width=self.router_logits_width, router_logits_dtype=self.router_logits_dtype,
-            send_token_ids=self.send_token_ids, wire_format=extra.wire_format,
-            clamp_idle_to_one=extra.clamp_idle_to_one, packed_max_bytes=extra.packed_max_bytes,
-            max_stages=extra.max_stages)
-
 
 # ------------------------------------------------------------------ facts from a vLLM config
 

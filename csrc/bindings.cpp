@@ -10,6 +10,7 @@
 
 #include <string>
 
+#include "checks.h"
 #include "cpu/control.h"
 #include "ops.h"
 
@@ -46,13 +47,6 @@ TORCH_LIBRARY(afd_ext, m) {
   m.def(
       "split_back(Tensor(a!) hidden_states, Tensor(b!)? router_logits, Tensor(c!)? token_ids, "
       "int[] comms, int[] peers, int[] rows) -> ()");
-  // Packs each token's hidden states, router logits and token id into one uint8 wire row (16-byte aligned parts).
-  m.def(
-      "pack_rows(Tensor hidden_states, Tensor? router_logits, Tensor? token_ids, Tensor(a!) wire) -> ()");
-  // Inverse of pack_rows: scatters each wire row into the given output tensors.
-  m.def(
-      "unpack_rows(Tensor wire, Tensor(a!) hidden_states, Tensor(b!)? router_logits, "
-      "Tensor(c!)? token_ids) -> ()");
   // Peer-memory plane (docs/peer-memory.md): device counters and a host-mapped error record on CUDA `device`; returns a plane handle (>= 1).
   m.def("peer_plane_create(int device, int generation, int num_slots, int max_peers) -> int");
   // Aborts the plane (spinning waits return), waits for the device, frees it; idempotent for handles once issued.
@@ -217,7 +211,8 @@ PyMODINIT_FUNC PyInit__C(void) {
       PyModule_AddIntConstant(mod, "NCCL_VERSION_CODE", nccl_compiled) < 0 ||
       PyModule_AddStringConstant(mod, "ARCH_LIST", AFD_ARCH_LIST) < 0 ||
       PyModule_AddIntConstant(mod, "CTRL_HEADER_BYTES", afd::ctrl::kHeaderBytes) < 0 ||
-      PyModule_AddIntConstant(mod, "CTRL_SLOT_HEADER", afd::ctrl::kSlotHeader) < 0) {
+      PyModule_AddIntConstant(mod, "CTRL_SLOT_HEADER", afd::ctrl::kSlotHeader) < 0 ||
+      PyModule_AddStringConstant(mod, "WIRE_DTYPES", afd::wire_dtype_names().c_str()) < 0) {
     Py_DECREF(mod);
     return nullptr;
   }

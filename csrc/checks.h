@@ -1,10 +1,12 @@
 // Error macros and tensor checks shared by every op.
 //
-// Caller errors use TORCH_CHECK with a message that names the op, the tensor
-// and what was expected (surfacing in Python as RuntimeError/ValueError).
-// Library errors (CUDA, NCCL) use AFD_CHECK_CUDA / AFD_CHECK_NCCL, which throw
-// c10::Error carrying file, line, the failing expression, the error string and,
-// for NCCL, ncclGetLastError. Nothing here calls exit() or printf.
+// Caller errors use TORCH_CHECK_VALUE (TORCH_CHECK_TYPE for a dtype) with a
+// message that starts "afd_ext.<op>: " and names the tensor and what was
+// expected; afd_ext/ops.py raises them as AFDConfigError (AFDTypeError).
+// Library errors: AFD_CHECK_NCCL throws c10::DistBackendError (AFDPeerError in
+// Python) and AFD_CHECK_CUDA a c10::Error starting "afd_ext: CUDA error"
+// (AFDDeviceError), carrying file, line, the failing expression, the error
+// string and, for NCCL, ncclGetLastError. Nothing here calls exit() or printf.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -20,14 +22,14 @@
 
 namespace afd {
 
-// Rounds n up to a multiple of the wire alignment (16 bytes).
+// Rounds n up to a multiple of 16 bytes (the peer plane's region alignment).
 inline int64_t round_up16(int64_t n) { return (n + 15) / 16 * 16; }
 
 // True for the dtypes allowed on the wire (NCCL moves them as bytes).
 bool is_wire_dtype(c10::ScalarType t);
 
-// "bfloat16, float16, float32, float8_e4m3fn, float8_e5m2, int32, int64, uint8".
-const char* wire_dtype_names();
+// "bfloat16, float16, float32, float8_e4m3fn, float8_e5m2, int32, int64, uint8" (torch's names).
+const std::string& wire_dtype_names();
 
 // Bytes of one row (dim 0 index) of a tensor: prod(sizes[1:]) * element size.
 int64_t row_bytes_of(const at::Tensor& t);

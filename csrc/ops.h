@@ -11,7 +11,6 @@
 #include <optional>
 #include <vector>
 
-#include "wire.h"
 
 namespace afd {
 
@@ -35,16 +34,6 @@ void split_back_cuda(const at::Tensor& hidden_states, const OptTensor& router_lo
                      const OptTensor& token_ids, c10::IntArrayRef comms,
                      c10::IntArrayRef peers, c10::IntArrayRef rows);
 
-// --- pack / unpack (cpu/pack_cpu.cpp, cuda/pack_cuda.cpp) ---
-void pack_rows_cpu(const at::Tensor& hidden_states, const OptTensor& router_logits,
-                   const OptTensor& token_ids, const at::Tensor& wire);
-void unpack_rows_cpu(const at::Tensor& wire, const at::Tensor& hidden_states,
-                     const OptTensor& router_logits, const OptTensor& token_ids);
-void pack_rows_cuda(const at::Tensor& hidden_states, const OptTensor& router_logits,
-                    const OptTensor& token_ids, const at::Tensor& wire);
-void unpack_rows_cuda(const at::Tensor& wire, const at::Tensor& hidden_states,
-                      const OptTensor& router_logits, const OptTensor& token_ids);
-
 // --- peer-memory plane (cuda/peer_cuda.cpp, or cpu/peer_no_cuda.cpp; CPU-key
 // impls of the data ops in cpu/peer_cpu.cpp raise) ---
 int64_t peer_plane_create(int64_t device, int64_t generation, int64_t num_slots, int64_t max_peers);
@@ -64,12 +53,5 @@ void peer_wait_cuda(const at::Tensor& hidden_states, const OptTensor& router_log
                     const OptTensor& token_ids, const OptTensor& out, int64_t plane, int64_t slot,
                     int64_t region, c10::IntArrayRef flag_offsets, c10::IntArrayRef peers,
                     int64_t op_code, int64_t layer, int64_t stage, int64_t timeout_ns);
-
-// Binding-layer helper (wire.cpp): checks the tensors of pack_rows (pack=true)
-// or unpack_rows (pack=false) and describes them for the kernels. Every tensor
-// must be on `device_type`; raises a TORCH_CHECK error naming the tensor.
-WireLayout make_wire_layout(const char* op, const at::Tensor& hidden_states,
-                            const OptTensor& router_logits, const OptTensor& token_ids,
-                            const at::Tensor& wire, bool pack);
 
 }  // namespace afd

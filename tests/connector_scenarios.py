@@ -42,7 +42,6 @@ class Scenario:
         steps: the steps, each ``{stage: counts}``.
         hidden, layers, dtype: model facts (dtype by name).
         logits_width, logits_dtype, send_ids: optional wire tensors.
-        wire_format: ``"auto"``, ``"packed"`` or ``"per_tensor"``.
         strict: strict-mode headers.
         transport: ``"gloo"``, ``"nccl"``, ``"peer"`` or ``"auto"`` (``auto`` on a GPU: peer or NCCL).
         overlap: attention sends every stage of a layer before receiving (DBO
@@ -61,7 +60,6 @@ class Scenario:
     logits_width: int | None = None
     logits_dtype: str = "float32"
     send_ids: bool = False
-    wire_format: str = "auto"
     strict: bool = True
     transport: str = "gloo"
     overlap: bool = True
@@ -93,7 +91,6 @@ def make_connector(sc: Scenario, rank: int, port: int, **overrides: Any):
     extra = {
         "transport": sc.transport,
         "strict": sc.strict,
-        "wire_format": sc.wire_format,
         "step_timeout_s": sc.step_timeout_s,
         "init_timeout_s": 60.0,
         "heartbeat_interval_s": 0.2,

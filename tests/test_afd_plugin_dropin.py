@@ -73,7 +73,7 @@ def test_capture_step_buffers_come_from_an_arena_eager_steps_never_touch():
     assert ffn["arenas"] and captured in ffn["arenas"][0]  # the capture step's fan-in buffer is the arena's
     assert captured not in (eager0, big, eager3)
     att = [r for r in res if r["role"] == "attention"][0]
-    assert len(att["arenas"]) == 1  # the attention side reserves one too (its packed wire buffer, if any)
+    assert len(att["arenas"]) == 1  # the attention side reserves one too
 
 
 def test_idle_dp_rank_and_attention_tp2_with_ffn_tp1():

@@ -189,11 +189,10 @@ def _rec(tokens, variant, mode, direction, median, extras=True, **kw):
 def _synthetic_doc():
     recs = []
     for t, ref_g, ours_g, ref_e, ours_e in ((1, 50.0, 20.0, 150.0, 50.0), (128, 72.0, 45.0, 160.0, 70.0),
-                                            (8192, 840.0, 700.0, 800.0, 760.0)):
-        recs += [_rec(t, "reference", "graph", "round_trip", ref_g), _rec(t, "ours_packed", "graph", "round_trip", ours_g),
-                 _rec(t, "reference", "eager", "round_trip", ref_e), _rec(t, "ours_packed", "eager", "round_trip", ours_e),
-                 _rec(t, "ours_per_tensor", "graph", "round_trip", ours_g + 3),
-                 _rec(t, "bare", "graph", "round_trip", ours_g + 2.5),
+                                            (8192, 840.0, 703.0, 800.0, 760.0)):
+        recs += [_rec(t, "reference", "graph", "round_trip", ref_g), _rec(t, "ours_per_tensor", "graph", "round_trip", ours_g),
+                 _rec(t, "reference", "eager", "round_trip", ref_e), _rec(t, "ours_per_tensor", "eager", "round_trip", ours_e),
+                 _rec(t, "bare", "graph", "round_trip", ours_g - 0.5),
                  _rec(t, "raw", "graph", "round_trip", ours_g * 0.9)]
     recs.append(_rec(8192, "ours_per_tensor", "graph", "a2f", 350.0, gbps=340.0,
                      one_way_us={"median": 345.0, "p10": 340.0, "p90": 350.0, "mean": 345.0, "min": 339.0, "n": 10}))
@@ -201,8 +200,6 @@ def _synthetic_doc():
                      one_way_us={"median": 347.0, "p10": 340.0, "p90": 350.0, "mean": 345.0, "min": 339.0, "n": 10}))
     return {"schema": report.SCHEMA, "meta": {"date": "d"}, "records": recs, "skipped": [], "notes": [],
             "control_plane": {"reference": {"median": 120.0}, "ours": {"median": 8.0}},
-            "default_wire_format": {"h7168-t1-extras": "packed", "h7168-t128-extras": "packed",
-                                    "h7168-t8192-extras": "per_tensor"},
             "targets": []}
 
 
@@ -221,7 +218,6 @@ def test_targets_from_synthetic_results():
     assert t["ratio"] == pytest.approx(72 / 45) and t["met"] is False
     t = _target(ts, "vs reference pattern, eager, 1 tokens")
     assert t["ratio"] == pytest.approx(3.0) and t["met"] is True
-    # 8192 tokens: the schedule's default there is per-tensor, so ours = ours_per_tensor (703 µs)
     t = _target(ts, "vs reference pattern, graph, 8192 tokens")
     assert t["ratio"] == pytest.approx(840 / 703) and t["met"] is True
     t = _target(ts, "overhead over bare NCCL, graph, 1 tokens")
@@ -292,7 +288,7 @@ def test_quick_gloo_emits_valid_json(tmp_path, capfd):
     md = (out / "bench.md").read_text()
     assert md.startswith("# afd-ext bench results")
     # The timed transport is named, and the CPU run says what it can and cannot show.
-    assert "raw gloo (1 msg)" in md and "torch.dist batch (gloo)" in md and "NCCL (1 msg)" not in md
+    assert "raw gloo (1 msg)" in md and "NCCL (1 msg)" not in md
     assert report.CPU_RUN_NOTE in md and "transport timed: gloo" in md
     assert "logits [n, 16]" in md and "[n, 256]" not in md
     assert "they say nothing about the NCCL path" in printed.out
@@ -302,7 +298,7 @@ def test_quick_gloo_emits_valid_json(tmp_path, capfd):
     case_keys = {r["case_key"] for r in recs}
     assert case_keys == {"h64-t1-extras", "h64-t5-extras", "h64-t1-hidden", "h64-t5-hidden"}
     for ck in case_keys:
-        for v in ("ours_per_tensor", "reference", "raw", "torch_dist"):
+        for v in ("ours_per_tensor", "reference", "raw"):
             r = report.lookup(doc, ck, v, "eager", "round_trip")
             assert r is not None, (ck, v)
             s = r["stats_us"]
@@ -314,10 +310,8 @@ def test_quick_gloo_emits_valid_json(tmp_path, capfd):
             assert a2f["one_way_us"]["p10"] > 0 and a2f["one_way_us"]["n"] >= 4
         else:
             assert "not above half the flag ping-pong" in a2f["one_way_unmeasured"] and "gbps" not in a2f
-    # packed exists where there are logits and ids; bare is NCCL-only and reported as skipped
-    assert report.lookup(doc, "h64-t1-extras", "ours_packed", "eager", "round_trip") is not None
+    # bare is NCCL-only and reported as skipped
     assert {s["variant"] for s in doc["skipped"]} >= {"bare"}
-    assert doc["default_wire_format"]["h64-t1-hidden"] == "per_tensor"
     cp = doc["control_plane"]
     assert cp["reference"]["n"] == 10 and cp["reference"]["median"] > 0
     assert cp["ours"] and (cp["ours"].get("median", 0) > 0 or "error" in cp["ours"])
@@ -334,7 +328,7 @@ def test_quick_gloo_emits_valid_json(tmp_path, capfd):
 
 def _check_cfg(port: int, A: int = 1, F: int = 1, cases=None) -> RunConfig:
     return RunConfig(backend="gloo", layout=make_layout(A, F, 0), cases=cases or [Case(40, 3, True, logits_width=8)],
-                     variants=("ours_per_tensor", "ours_packed", "reference", "raw", "torch_dist"),
+                     variants=("ours_per_tensor", "reference", "raw"),
                      modes=("eager",), directions=("round_trip", "a2f", "f2a"), reps=Reps(),
                      master_port=port, check=True, control=False, timeout_s=60.0, progress=False)
 
@@ -360,11 +354,11 @@ def test_check_passes_and_detects_corruption():
     ok = run_workers(_corrupting_worker, 2, (_check_cfg(find_free_port()), None), timeout_s=120)
     cs = _checks(ok)
     assert cs and all(c["ok"] for c in cs), [c for c in cs if not c["ok"]]
-    assert {c["variant"] for c in cs} == {"ours_per_tensor", "ours_packed", "reference", "raw", "torch_dist"}
+    assert {c["variant"] for c in cs} == {"ours_per_tensor", "reference", "raw"}
 
     bad = _checks(run_workers(_corrupting_worker, 2, (_check_cfg(find_free_port()), "reply"), timeout_s=120))
     failed = {(c["variant"], c["direction"]) for c in bad if not c["ok"]}
-    for v in ("ours_per_tensor", "ours_packed", "reference", "raw", "torch_dist"):
+    for v in ("ours_per_tensor", "reference", "raw"):
         assert (v, "round_trip") in failed and (v, "f2a") in failed
         assert (v, "a2f") not in failed
     assert all(c["role"] == "attention" for c in bad if not c["ok"])
@@ -391,9 +385,8 @@ def test_gpu_check_1a1f(tmp_path):
     bad = [c for c in doc["checks"] if not c["ok"]]
     assert rc == 0 and not bad, bad
     seen = {(c["variant"], c["mode"]) for c in doc["checks"]}
-    for v in ("ours_per_tensor", "ours_packed", "reference", "raw", "bare", "peer"):
+    for v in ("ours_per_tensor", "reference", "raw", "bare", "peer"):
         assert (v, "eager") in seen and (v, "graph") in seen, v
-    assert ("torch_dist", "eager") in seen
 
 
 @gpu
@@ -567,15 +560,14 @@ def test_gloo_document_names_its_transport_and_says_what_it_cannot_show(tmp_path
     assert "## Headline: ours (default) vs the reference pattern and raw gloo" in md
     assert "NCCL runtime" not in md
     assert report.variant_label("raw", "nccl") == "raw NCCL (1 msg)"
-    assert report.variant_label("torch_dist", "nccl") == "torch.dist batch"
 
 
 def test_gloo_report_prints_no_negative_one_way_times_and_no_target_verdicts():
     doc = _synthetic_doc()
     doc["meta"]["backend"] = "gloo"
     neg = {"median": -838.4, "p10": -900.0, "p90": -700.0, "mean": -838.4, "min": -950.0, "n": 10}
-    doc["records"].append(_rec(128, "ours_packed", "eager", "a2f", 90.0, one_way_us=neg, gbps=-1.0))
-    doc["records"].append(_rec(128, "ours_packed", "eager", "f2a", 95.0,
+    doc["records"].append(_rec(128, "ours_per_tensor", "eager", "a2f", 90.0, one_way_us=neg, gbps=-1.0))
+    doc["records"].append(_rec(128, "ours_per_tensor", "eager", "f2a", 95.0,
                                one_way_unmeasured="ping-pong p10 85.5 µs is not above half the flag ping-pong"))
     spread = {"median": 120.0, "p10": -793.4, "p90": 310.0, "mean": 100.0, "min": -900.0, "n": 10}
     doc["records"].append(_rec(128, "raw", "eager", "a2f", 90.0, one_way_us=spread, gbps=0.5))

@@ -62,14 +62,12 @@ def test_aliases_and_properties():
         ({"async": True}, ValueError, "async_dp=True requires an asynchronous connector"),
         ({"connector_extra_config": [1]}, TypeError, "connector_extra_config must be a mapping"),
         ({"connector_extra_config": {"bogus": 1}}, ValueError, "unknown connector_extra_config field"),
-        ({"connector_extra_config": {"wire_format": "zip"}}, ValueError, "wire_format"),
         ({"connector_extra_config": {"transport": "mpi"}}, ValueError, "transport"),
         ({"connector_extra_config": {"control_channel": "udp"}}, ValueError, "control_channel"),
         ({"connector_extra_config": {"step_timeout_s": 0}}, ValueError, "step_timeout_s must be > 0"),
         ({"connector_extra_config": {"init_timeout_s": float("inf")}}, ValueError, "finite"),
         ({"connector_extra_config": {"init_timeout_s": True}}, TypeError, "number"),
         ({"connector_extra_config": {"max_stages": 0}}, ValueError, "max_stages"),
-        ({"connector_extra_config": {"packed_max_bytes": 1.5}}, TypeError, "packed_max_bytes"),
         ({"connector_extra_config": {"strict": "sometimes"}}, TypeError, "strict"),
         ({"connector_extra_config": {"heartbeat_interval_s": 5, "heartbeat_timeout_s": 5}}, ValueError,
          "heartbeat_timeout_s"),
@@ -106,12 +104,12 @@ def test_coercion_rules():
 
 
 def test_extra_config_parsing_and_round_trip():
-    raw = {"wire_format": "packed", "packed_max_bytes": "1024", "strict": "true", "clamp_idle_to_one": 1,
+    raw = {"strict": "true", "clamp_idle_to_one": 1,
            "init_timeout_s": 900, "step_timeout_s": "12.5", "transport": "gloo", "control_channel": "tcp",
            "max_stages": 2, "graph_cache_size": 0}
     c = AFDConfig.from_dict({"connector_extra_config": raw})
     e = c.extra
-    assert (e.wire_format, e.packed_max_bytes, e.strict, e.clamp_idle_to_one) == ("packed", 1024, True, True)
+    assert (e.strict, e.clamp_idle_to_one) == (True, True)
     assert (e.init_timeout_s, e.step_timeout_s, e.transport, e.control_channel) == (900.0, 12.5, "gloo", "tcp")
     assert AfdExtConnectorConfig.from_mapping(e.to_mapping()) == e
     assert c.extra_config() is e
@@ -148,3 +146,11 @@ def test_hash_and_compute_hash():
     # the extra config does not enter the reference hash, but does enter equality
     c = AFDConfig.from_dict({"num_attention_ranks": 2, "connector_extra_config": {"strict": True}})
     assert c.compute_hash() == a.compute_hash() and c != a
+
+
+def test_an_old_config_naming_the_removed_wire_format_warns_and_still_parses():
+    raw = {"wire_format": "packed", "packed_max_bytes": 4096, "strict": True}
+    with pytest.warns(DeprecationWarning, match=r"wire_format.*packed_max_bytes.*deprecated and ignored"):
+        c = AFDConfig.from_dict({"connector_extra_config": raw})
+    assert c.extra.strict is True and c.extra == AfdExtConnectorConfig(strict=True)
+    assert "wire_format" not in c.extra.to_mapping()

@@ -32,19 +32,19 @@ def _run(sc, timeout_s: float = 90.0):
 
 
 def _bf16_mixed(A: int, F: int, **kw) -> cs.Scenario:
-    """bf16 wire, logits + ids, one stage small (packed under auto) and one large (per-tensor)."""
+    """bf16 wire, logits + ids, one stage small and one large."""
     steps = ({0: [2] * A}, {0: [1] + [0] * (A - 1), 1: [300] * A})
     return cs.Scenario(A=A, F=F, steps=steps, dtype="bfloat16", logits_width=4, send_ids=True, hidden=16,
-                       extra=(("packed_max_bytes", 4096),), **kw)
+                       **kw)
 
 
-# -- topologies, counts, stages, optional tensors, wire formats -----------------
+# -- topologies, counts, stages, optional tensors --------------------------------
 # Each test starts A + F processes once and runs several scenarios in them.
 
 def test_1a1f():
     _run((
         cs.Scenario(A=1, F=1, steps=cs.default_steps(1)),
-        cs.Scenario(A=1, F=1, steps=cs.default_steps(1), logits_width=6, send_ids=True, wire_format="packed",
+        cs.Scenario(A=1, F=1, steps=cs.default_steps(1), logits_width=6, send_ids=True,
                     overlap=False),
         _bf16_mixed(1, 1),
     ))
@@ -52,8 +52,8 @@ def test_1a1f():
 
 def test_2a1f():
     res = _run((
-        cs.Scenario(A=2, F=1, steps=cs.default_steps(2), logits_width=6, send_ids=True, wire_format="packed"),
-        cs.Scenario(A=2, F=1, steps=cs.default_steps(2), logits_width=6, wire_format="per_tensor"),
+        cs.Scenario(A=2, F=1, steps=cs.default_steps(2), logits_width=6, send_ids=True),
+        cs.Scenario(A=2, F=1, steps=cs.default_steps(2), logits_width=6),
         _bf16_mixed(2, 1, overlap=False),
         # Reference compatibility switch: an idle rank sends a one-row dummy batch.
         cs.Scenario(A=2, F=1, steps=({0: [0, 3]}, {0: [2, 0]}), extra=(("clamp_idle_to_one", True),)),
@@ -63,20 +63,20 @@ def test_2a1f():
 
 
 def test_4a2f():
-    _run(cs.Scenario(A=4, F=2, steps=cs.default_steps(4), logits_width=6, send_ids=True, wire_format="per_tensor"))
+    _run(cs.Scenario(A=4, F=2, steps=cs.default_steps(4), logits_width=6, send_ids=True))
 
 
 def test_3a2f():
     _run((
         cs.Scenario(A=3, F=2, steps=cs.default_steps(3), send_ids=True),
-        cs.Scenario(A=3, F=2, steps=cs.default_steps(3), logits_width=6, wire_format="packed"),
+        cs.Scenario(A=3, F=2, steps=cs.default_steps(3), logits_width=6),
     ))
 
 
 def test_1a2f():
     _run((
-        cs.Scenario(A=1, F=2, steps=cs.default_steps(1), logits_width=6, send_ids=True, wire_format="per_tensor"),
-        cs.Scenario(A=1, F=2, steps=({0: [7]}, {0: [1]}, {0: [0], 1: [5]}), logits_width=6, wire_format="packed"),
+        cs.Scenario(A=1, F=2, steps=cs.default_steps(1), logits_width=6, send_ids=True),
+        cs.Scenario(A=1, F=2, steps=({0: [7]}, {0: [1]}, {0: [0], 1: [5]}), logits_width=6),
     ))
 
 
@@ -84,7 +84,7 @@ def test_2a2f_dp1_tp2():
     # Per-DP count vectors, expanded over the TP workers of the DP rank.
     steps = ({0: [5]}, {0: [0]}, {0: [3], 1: [2]}, {0: [1]})
     res = _run((
-        cs.Scenario(A=2, F=2, tp_size=2, steps=steps, logits_width=6, send_ids=True, wire_format="packed"),
+        cs.Scenario(A=2, F=2, tp_size=2, steps=steps, logits_width=6, send_ids=True),
         cs.Scenario(A=2, F=2, tp_size=2, steps=steps),
     ))
     for one in res:

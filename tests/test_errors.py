@@ -190,3 +190,53 @@ def test_a_broken_connector_says_how_to_recover_once():
         s.check_usable("send_attn_output")
     msg = str(e.value)
     assert msg.count("init_afd_connector") == 1 and msg.endswith("before send_attn_output"), msg
+
+
+# ---------------------------------------------------------------- the ops boundary: every op failure is an AFDError
+
+
+def _op_cases():
+    import torch
+
+    from afd_ext import ops
+
+    h, ids = torch.zeros(2, 4), torch.zeros(2)
+    u8 = torch.zeros(3, dtype=torch.uint8)
+    return [  # (call, builtin the failure was before the boundary and still is)
+        (lambda: ops.send(h, 1, 0), ValueError),
+        (lambda: ops.recv(h, "one", 0), ValueError),  # int("one")
+        (lambda: ops.fan_in(h, None, ids, [1], [0], [2]), ValueError),
+        (lambda: ops.split_back(h, None, None, None, [0], [2]), TypeError),  # a list is required
+        (lambda: ops.comm_destroy(None), TypeError),
+        (lambda: ops.comm_create(u8, 2, 0, 0), ValueError),
+        (lambda: ops.nccl_unique_id(u8), ValueError),
+        (lambda: ops.peer_region_close(10**6), ValueError),
+        (lambda: ops.peer_region_open(1, b"\0" * 3, 64), ValueError),
+    ]
+
+
+@pytest.mark.parametrize("case", range(9))
+def test_a_bad_argument_of_an_op_is_an_afd_error_that_keeps_its_builtin(case):
+    call, builtin = _op_cases()[case]
+    with pytest.raises(afd_ext.AFDError) as info:
+        call()
+    assert isinstance(info.value, errors.AFDConfigError) and isinstance(info.value, builtin), type(info.value)
+    assert isinstance(info.value, RuntimeError)  # callers that caught the C++ RuntimeError still do
+    assert str(info.value).startswith("afd_ext.") and info.value.op.startswith("afd_ext.")
+
+
+def test_op_error_maps_each_native_failure_kind_to_its_leaf():
+    import torch
+
+    from afd_ext.ops import op_error
+
+    nccl = op_error("send", torch.distributed.DistBackendError("afd_ext: NCCL error 6 (remote process exited)"))
+    assert type(nccl) is errors.AFDPeerError and nccl.op == "afd_ext.send"
+    cuda = op_error("peer_put", RuntimeError("afd_ext: CUDA error 700 (an illegal memory access)"))
+    assert type(cuda) is errors.AFDDeviceError
+    dtype = op_error("fan_in", TypeError("afd_ext.fan_in: token_ids must be int32"))
+    assert type(dtype) is errors.AFDTypeError and isinstance(dtype, TypeError) and isinstance(dtype, ValueError)
+    check = op_error("peer_wait", RuntimeError("afd_ext.peer_wait: plane 3 is not live"))
+    assert type(check) is errors.AFDConfigError and str(check) == "afd_ext.peer_wait: plane 3 is not live"
+    same = errors.AFDStateError("x")
+    assert op_error("send", same) is same

@@ -70,7 +70,6 @@ def test_key_keeps_per_peer_counts_not_totals():
         dict(token_ids_dtype=torch.int32),
         dict(num_layers=3),
         dict(hidden_size=32),
-        dict(wire_formats=["packed"]),
         dict(topology=(2, 1)),
     ],
 )
@@ -102,8 +101,6 @@ def test_key_stage_vector_order_and_stages():
         ({-1: [1]}, {}, "stage ids"),
         ({0: [1]}, dict(num_layers=0), "num_layers"),
         ({0: [1]}, dict(router_logits_width=4), "together"),
-        ({0: [1]}, dict(wire_formats=["zip"]), "packed"),
-        ({0: [1]}, dict(wire_formats=["packed", "packed"]), "entries"),
         ({0: [1]}, dict(topology=(2, 1)), "A=2"),
         ({0: [1]}, dict(hidden_dtype="float99"), "unknown dtype"),
     ],
@@ -432,9 +429,9 @@ def test_key_from_schedule_uses_per_peer_rows():
     p2 = graphs.graph_key_from_schedule(_schedule({0: [1, 4]}, pad={0: 4}))
     assert p1 == p2 == k44
     kl = graphs.graph_key_from_schedule(
-        _schedule({0: [4, 4]}, router_logits_width=8, send_token_ids=True, wire_format="packed")
+        _schedule({0: [4, 4]}, router_logits_width=8, send_token_ids=True)
     )
-    assert kl.router_logits == (8, "float32") and kl.token_ids == "int32" and kl.wire_formats == ("packed",)
+    assert kl.router_logits == (8, "float32") and kl.token_ids == "int32"
     assert kl != k44
 
 
@@ -455,13 +452,11 @@ def test_cold_edges_and_warmup_from_schedule():
 
 
 def test_reserve_buffers_at_captured_capacity():
-    sched = _schedule({0: [3, 0], 1: [2, 2]}, pad={0: 4, 1: 2}, router_logits_width=8, send_token_ids=True,
-                      wire_format="packed")
+    sched = _schedule({0: [3, 0], 1: [2, 2]}, pad={0: 4, 1: 2}, router_logits_width=8, send_token_ids=True)
     arena = StaticArena("cpu")
     ffn = graphs.reserve_ffn_buffers(arena, sched, 0)
     assert ffn[0]["hidden"].shape == (8, 16) and ffn[1]["output"].shape == (4, 16)
     assert ffn[0]["router_logits"].shape == (8, 8) and ffn[0]["token_ids"].dtype == torch.int32
-    assert ffn[0]["wire"].shape == (8, sched.config.packed_row_bytes)
     att = graphs.reserve_attention_buffers(StaticArena("cpu"), sched, 1)
     assert att[0]["hidden"].shape == (4, 16) and att[0]["reply"].shape == (4, 16)
     # Reserving again returns the very same tensors (the arena never reallocates).
@@ -495,14 +490,11 @@ def _gpu_module():
 
 
 class _QueueOps:
-    """split_back / fan_in over in-process FIFO queues (one per communicator), real pack/unpack."""
+    """split_back / fan_in over in-process FIFO queues (one per communicator)."""
 
     def __init__(self, queues, corrupt=()):
-        from afd_ext import ops
-
         self.q = queues
         self.corrupt = set(corrupt)  # communicators whose messages arrive with their rows reversed
-        self.pack_rows, self.unpack_rows = ops.pack_rows, ops.unpack_rows
 
     def split_back(self, t, lg, ids, comms, peers, rows):
         off = 0

@@ -64,29 +64,6 @@ def test_comm_ops_run_on_meta_tensors():
     A.recv(h, 1, 1)
 
 
-# --- pack / unpack ------------------------------------------------------------------------------
-
-
-def test_pack_fakes_check_the_wire_shape(fake):
-    h, lg, ids = _wire_tensors(5)
-    width = ops.wire_row_bytes(16, torch.bfloat16, 8, torch.float32, True)
-    wire = torch.empty(5, width, dtype=torch.uint8)
-    A.pack_rows(h, lg, ids, wire)
-    A.unpack_rows(wire, h, lg, ids)
-    assert wire.shape == (5, width)
-    with pytest.raises(RuntimeError, match=r"wire must have shape \(5, 80\)"):
-        A.pack_rows(h, lg, ids, torch.empty(5, 64, dtype=torch.uint8))
-    with pytest.raises(RuntimeError, match="token_ids must be int32"):
-        A.unpack_rows(wire, h, lg, ids.long())
-
-
-def test_pack_rows_runs_on_meta_tensors():
-    h = torch.empty(3, 8, dtype=torch.float16, device="meta")
-    wire = torch.empty(3, 16, dtype=torch.uint8, device="meta")
-    A.pack_rows(h, None, None, wire)
-    A.unpack_rows(wire, h, None, None)
-
-
 # --- communicator management --------------------------------------------------------------------
 
 

@@ -26,14 +26,6 @@ SCHEMAS = {
         "afd_ext::split_back(Tensor(a!) hidden_states, Tensor(b!)? router_logits, Tensor(c!)? token_ids, "
         "int[] comms, int[] peers, int[] rows) -> ()"
     ),
-    "pack_rows": (
-        "afd_ext::pack_rows(Tensor hidden_states, Tensor? router_logits, Tensor? token_ids, "
-        "Tensor(a!) wire) -> ()"
-    ),
-    "unpack_rows": (
-        "afd_ext::unpack_rows(Tensor wire, Tensor(a!) hidden_states, Tensor(b!)? router_logits, "
-        "Tensor(c!)? token_ids) -> ()"
-    ),
     "peer_plane_create": "afd_ext::peer_plane_create(int device, int generation, int num_slots, int max_peers) -> int",
     "peer_plane_destroy": "afd_ext::peer_plane_destroy(int plane) -> ()",
     "peer_plane_error": "afd_ext::peer_plane_error(int plane) -> int[]",
@@ -55,7 +47,7 @@ SCHEMAS = {
     ),
 }
 COMM_OPS = ("send", "recv", "fan_in", "split_back", "peer_put", "peer_wait")
-TENSOR_OPS = COMM_OPS + ("pack_rows", "unpack_rows")
+TENSOR_OPS = COMM_OPS
 PEER_MANAGEMENT_OPS = ("peer_plane_create", "peer_plane_destroy", "peer_plane_error", "peer_plane_abort",
                        "peer_region_alloc", "peer_region_export", "peer_region_open", "peer_region_close",
                        "peer_region_view")
@@ -140,12 +132,13 @@ def test_build_info_report():
         assert ops.nccl_version() == 0
 
 
-def test_wire_row_bytes():
-    # hidden 7168 bf16 = 14336 B; logits 256 fp32 = 1024 B; id 4 B -> 16.
-    assert ops.wire_row_bytes(7168, torch.bfloat16, 256, torch.float32, True) == 14336 + 1024 + 16
-    assert ops.wire_row_bytes(7, torch.bfloat16) == 16
-    assert ops.wire_row_bytes(7, torch.float8_e4m3fn, 3, torch.bfloat16, False) == 16 + 16
-    assert ops.wire_row_bytes(8, torch.float32, None, torch.float32, True) == 32 + 16
-    assert ops.wire_row_bytes(0, torch.float32, 0, torch.float32, False) == 0
-    with pytest.raises(ValueError, match="widths"):
-        ops.wire_row_bytes(-1, torch.float32)
+
+
+def test_the_python_wire_dtype_table_mirrors_the_extensions():
+    # csrc/checks.cpp holds the one table the ops check against; spec.py's copy serves Python callers
+    # that run before (or without) the compiled core, so the two are compared here.
+    from afd_ext import _C, spec
+
+    native = [n.strip() for n in _C.WIRE_DTYPES.split(",")]
+    assert native == [spec.dtype_name(d) for d in spec.WIRE_DTYPES]
+    assert ops.WIRE_DTYPES == spec.WIRE_DTYPES

@@ -427,12 +427,12 @@ class _FakePlane:
         pass
 
 
-def _schedule(topo, counts_by_stage, *, wire_format="per_tensor"):
+def _schedule(topo, counts_by_stage):
     from afd_ext.metadata import AFDControlPayload
     from afd_ext.schedule import ScheduleConfig, build_step_schedule
 
     cfg = ScheduleConfig(num_layers=1, hidden_size=8, hidden_dtype=torch.bfloat16, router_logits_width=4,
-                         send_token_ids=True, wire_format=wire_format)
+                         send_token_ids=True)
     payload = AFDControlPayload(dp_metadata_list={s: list(c) for s, c in counts_by_stage.items()})
     return build_step_schedule(topo, payload, cfg)
 
@@ -488,7 +488,7 @@ def test_every_put_lands_at_the_offsets_the_receiver_expects(A, F):
                 tr.close()
 
 
-def test_steps_beyond_capacity_or_packed_go_over_the_fallback_and_without_it_are_refused():
+def test_steps_beyond_capacity_go_over_the_fallback_and_without_it_are_refused():
     topo = Topology(2, 1)
     spec = WireSpec(8, torch.bfloat16, 4, torch.float32, True)
     plane = _FakePlane(topo, ATTENTION, 0, spec, max_tokens=4, stages=2)
@@ -497,7 +497,6 @@ def test_steps_beyond_capacity_or_packed_go_over_the_fallback_and_without_it_are
         assert tr.fits(_schedule(topo, {0: [4, 4], 1: [0, 3]}))
         assert not tr.fits(_schedule(topo, {0: [4, 5]}))  # a peer's rows beyond capacity
         assert not tr.fits(_schedule(topo, {0: [1, 1], 1: [1, 1], 2: [1, 1]}))  # a third stage
-        assert not tr.fits(_schedule(topo, {0: [1, 1]}, wire_format="packed"))
         with pytest.raises(ValueError, match="does not fit the peer-memory plane"):
             tr.begin_step(_schedule(topo, {0: [9, 1]}))
     finally:

@@ -1,4 +1,4 @@
-"""The one schedule: invariants, validation, wire format, padding, graph key, tensor checks (pure)."""
+"""The one schedule: invariants, validation, padding, graph key, tensor checks (pure)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,9 @@ from afd_ext.metadata import AFDControlPayload
 from afd_ext.schedule import (
     A2F,
     F2A,
-    PACKED,
-    PER_TENSOR,
     ScheduleConfig,
     build_step_schedule,
     pad_sizes,
-    packed_row_bytes,
     warmup_payload,
 )
 from afd_ext.topology import Topology
@@ -132,8 +129,6 @@ def test_lookup_errors():
 def test_config_validation():
     with pytest.raises(ValueError, match="hidden_dtype"):
         cfg(hidden_dtype=torch.int32)
-    with pytest.raises(ValueError, match="wire_format"):
-        cfg(wire_format="zip")
     with pytest.raises(ValueError, match="num_layers"):
         cfg(num_layers=0)
     with pytest.raises(ValueError, match="router_logits_dtype"):
@@ -141,23 +136,6 @@ def test_config_validation():
     with pytest.raises(ValueError, match="pad_to"):
         cfg(pad_to={0: -1})
     assert hash(cfg(pad_to={1: 4, 0: 2})) == hash(cfg(pad_to={0: 2, 1: 4}))
-
-
-def test_wire_format_choice():
-    # one wire tensor: always per_tensor, whatever was asked
-    assert sched(1, 1, {0: [1]}, wire_format="packed").wire_format(0) == PER_TENSOR
-    row = packed_row_bytes(H, torch.bfloat16, 8, torch.float32, True)
-    assert row == 32 + 32 + 16
-    kw = dict(router_logits_width=8, send_token_ids=True, packed_max_bytes=10 * row)
-    s = sched(2, 1, {0: [10, 3], 1: [11, 0]}, **kw)
-    assert s.wire_format(0) == PACKED and s.wire_format(1) == PER_TENSOR
-    assert s.message(0, 0, 0, 0, A2F).wire_format == PACKED
-    assert s.message(0, 0, 0, 0, F2A).wire_format == PER_TENSOR
-    assert sched(2, 1, {0: [10**6, 0]}, router_logits_width=8, wire_format="packed").wire_format(0) == PACKED
-    assert sched(2, 1, {0: [1, 0]}, router_logits_width=8, wire_format="per_tensor").wire_format(0) == PER_TENSOR
-    # A < F: the largest edge message is ceil(n / k) rows
-    s = sched(1, 2, {0: [20]}, **kw)  # 10 rows per edge
-    assert s.wire_format(0) == PACKED
 
 
 def test_padding():
@@ -277,15 +255,23 @@ def test_property_views_agree(case):
         assert sum(sum(s.ffn_plan(stage, f).valid_rows) for f in range(topo.num_ffn_ranks)) == sum(real)
 
 
-def test_packed_row_bytes_matches_ops():
-    try:
-        from afd_ext import ops
-    except (ImportError, OSError) as e:  # the compiled core is not built here
-        pytest.skip(f"afd_ext.ops unavailable: {e}")
-    for hidden, hdt, width, ldt, ids in [
-        (16, torch.bfloat16, None, torch.float32, False),
-        (7168, torch.bfloat16, 256, torch.float32, True),
-        (5, torch.float32, 3, torch.float16, True),
-        (33, torch.float8_e4m3fn, None, torch.float32, True),
-    ]:
-        assert packed_row_bytes(hidden, hdt, width, ldt, ids) == ops.wire_row_bytes(hidden, hdt, width, ldt, ids)
+
+
+def test_one_stage_layout_for_every_role_keyed_by_name_and_stage():
+    from afd_ext.schedule import WirePart, stage_buffers
+
+    c = cfg(router_logits_width=8, send_token_ids=True)
+    assert c.wire_parts == (WirePart("hidden", (H,), torch.bfloat16), WirePart("router_logits", (8,), torch.float32),
+                            WirePart("token_ids", (), torch.int32))
+    assert c.num_wire_tensors == 3 and cfg().wire_parts == (WirePart("hidden", (H,), torch.bfloat16),)
+    calls = []
+
+    def alloc(key, shape, dtype):
+        calls.append((key, shape, dtype))
+        return torch.empty(shape, dtype=dtype)
+
+    bufs = stage_buffers(alloc, c, 2, 5, ("reply",))
+    assert [k for k, _, _ in calls] == [("hidden", 2), ("router_logits", 2), ("token_ids", 2), ("reply", 2)]
+    assert bufs["hidden"].shape == (5, H) and bufs["token_ids"].shape == (5,) and bufs["reply"].dtype == torch.bfloat16
+    bare = stage_buffers(alloc, cfg(), 0, 3)
+    assert bare["router_logits"] is None and bare["token_ids"] is None and bare["hidden"].shape == (3, H)

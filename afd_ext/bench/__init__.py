@@ -62,7 +62,7 @@ def build_parser(prog: str = "afd-ext bench") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog,
         description="Benchmark the AFD layer exchange (this package vs the reference connector's call "
-                    "pattern, raw NCCL, bare NCCL and torch.distributed); JSON + markdown + PNG.",
+                    "pattern, raw NCCL and bare NCCL); JSON + markdown + PNG.",
         formatter_class=_HelpFormatter,
     )
     p.add_argument("--out", default="bench-out",
@@ -259,7 +259,7 @@ def estimate_timed_s(cfg: RunConfig) -> float:
             if mode == "graph" and cfg.backend != "nccl":
                 continue
             eager = mode == "eager"
-            nv = sum(1 for v in cfg.variants if eager or v != "torch_dist")
+            nv = len(cfg.variants)
             for d in cfg.directions:
                 nb = _nbytes(case, d)
                 if eager:
@@ -275,13 +275,14 @@ def _say(msg: str) -> None:
 
 
 def _setup_failure_action(phase: str | None) -> str | None:
-    """For a failure in a set-up phase: the variant whose removal lets a restart go on, or None."""
+    """For a failure in a set-up phase: the variant whose removal lets a restart go on (``"control"``: the
+    reference control plane's NCCL group), or None."""
     if not phase:
         return None
     if "bare NCCL" in phase:
         return "bare"
     if "torch.distributed NCCL group" in phase:
-        return "torch_dist"
+        return "control"
     return None
 
 
@@ -361,13 +362,16 @@ def run_guarded(cfg: RunConfig, timeout_s: float, *, retry: bool = True,
                 if not retry:
                     _say("not restarting (--no-retry)")
                     break
+                if bad == "control" and control:
+                    control = False
+                    _say("restarting without the control-plane measurement (its NCCL group failed)")
+                    attempt += 1
+                    continue
                 if bad and bad in variants:
                     variants.remove(bad)
                     why = f"{diag['kind']} in attempt {attempt}: {diag['message']}"
                     for c in cases:
                         merged[0]["skipped"].append({"case_key": c.key(), "variant": bad, "reason": why})
-                    if bad == "torch_dist":
-                        control = False  # the reference control plane runs over the same NCCL group
                     _say(f"restarting without variant {bad} ({len(cases)} cases left)")
                     attempt += 1
                     continue
@@ -437,7 +441,7 @@ def run(cfg: RunConfig, timeout_s: float) -> list[dict]:
 
 def _assemble(meta: dict, cfg: RunConfig, results: list[dict], ours_cp: dict | None) -> dict:
     from afd_ext.bench.control import summarize_latencies
-    from afd_ext.bench.report import SCHEMA, default_wire_format, evaluate_targets
+    from afd_ext.bench.report import SCHEMA, evaluate_targets
 
     records, skipped, notes, checks = [], [], [], []
     devices = []
@@ -454,11 +458,9 @@ def _assemble(meta: dict, cfg: RunConfig, results: list[dict], ours_cp: dict | N
             devices.append(f"{r['role']}{r['role_rank']}: {r['device']} (GPU {r.get('cuda_visible_devices')})")
     meta["devices"] = "; ".join(devices) if devices else "CPU"
     ref_cp = summarize_latencies([r.get("control") for r in results]) if cfg.control and not cfg.check else None
-    A, F = cfg.layout.num_attention_ranks, cfg.layout.num_ffn_ranks
     doc = {
         "schema": SCHEMA, "meta": meta, "failures": list(meta.get("failures") or []), "records": records, "skipped": skipped, "notes": notes,
         "control_plane": {"reference": ref_cp, "ours": ours_cp},
-        "default_wire_format": {c.key(): default_wire_format(c.to_dict(), A, F) for c in cfg.cases},
         "targets": [],
     }
     if cfg.check:

@@ -32,7 +32,7 @@ __all__ = [
 DIRECTIONS = ("round_trip", "a2f", "f2a")
 MODES = ("eager", "graph")
 #: Variant names, in the order they are alternated inside a case.
-ALL_VARIANTS = ("ours_per_tensor", "ours_packed", "reference", "raw", "bare", "torch_dist", "peer")
+ALL_VARIANTS = ("ours_per_tensor", "reference", "raw", "bare", "peer")
 DEFAULT_TOKENS = (1, 8, 32, 128, 512, 2048, 8192)
 DEFAULT_SIDE_TOKENS = (1, 128, 2048)
 ROUTER_LOGITS_WIDTH = 256

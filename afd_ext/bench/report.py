@@ -9,7 +9,6 @@ JSON document (``schema: "afd-ext-bench/1"``)::
                   "one_way_us"?: {...}, "one_way_unmeasured"?: str, "gbps"?, "graph_iters"?, ...}],
      "skipped": [{"case_key", "variant", "reason"}], "notes": [...],
      "control_plane": {"reference": {...µs} | null, "ours": {...µs} | null},
-     "default_wire_format": {case_key: "packed" | "per_tensor"},
      "targets": [{"target", "value", "goal", "ratio", "met", "detail"}],
      "checks": [...]  (``--check`` runs only)}
 
@@ -37,7 +36,6 @@ __all__ = [
     "render_markdown",
     "render_plot",
     "write_outputs",
-    "default_wire_format",
     "headline",
     "transport_name",
     "variant_label",
@@ -52,10 +50,8 @@ STATS_KEYS = ("median", "p10", "p90", "mean", "min", "n")
 LABELS = {
     "ours_default": "ours (default)",
     "ours_per_tensor": "ours per-tensor",
-    "ours_packed": "ours packed",
     "reference": "reference pattern",
     "bare": "bare NCCL (ctypes)",
-    "torch_dist": "torch.dist batch",
 }
 
 #: How labels and notes name the transport a backend times.
@@ -83,29 +79,7 @@ def variant_label(variant: str, backend: str | None = "nccl") -> str:
     """Column and legend name of a variant, naming the transport that was timed (``raw gloo`` on CPU runs)."""
     if variant == "raw":
         return f"raw {transport_name(backend)} (1 msg)"
-    if variant == "torch_dist" and backend not in (None, "nccl"):
-        return f"{LABELS[variant]} ({transport_name(backend)})"
     return LABELS.get(variant, variant)
-
-
-def default_wire_format(case_dict: dict, A: int, F: int) -> str | None:
-    """The wire format this package's schedule picks for a case (``"packed"``/``"per_tensor"``), or None."""
-    try:
-        import torch
-
-        from afd_ext.metadata import AFDControlPayload, AFDDPMetadata
-        from afd_ext.schedule import ScheduleConfig, build_step_schedule
-        from afd_ext.topology import Topology
-
-        extras = bool(case_dict["extras"])
-        cfg = ScheduleConfig(num_layers=1, hidden_size=int(case_dict["hidden"]), hidden_dtype=torch.bfloat16,
-                             router_logits_width=int(case_dict["logits_width"]) if extras else None,
-                             send_token_ids=extras)
-        payload = AFDControlPayload(dp_metadata_list={0: AFDDPMetadata(
-            torch.tensor([int(case_dict["tokens"])] * A, dtype=torch.int32))})
-        return str(build_step_schedule(Topology(A, F), payload, cfg).wire_format(0))
-    except Exception:  # noqa: BLE001 - the schedule may not be importable in a partial install
-        return None
 
 
 # ---------------------------------------------------------------------------
@@ -161,7 +135,6 @@ def merge_documents(docs: Sequence[dict]) -> dict:
     recs: dict[tuple, dict] = {}
     skipped: dict[tuple, dict] = {}
     notes: list[str] = []
-    dwf: dict[str, str] = {}
     control: dict[str, Any] = {"reference": None, "ours": None}
     for d in docs:
         for r in d["records"]:
@@ -169,7 +142,6 @@ def merge_documents(docs: Sequence[dict]) -> dict:
         for s in d["skipped"]:
             skipped[(s.get("case_key"), s.get("variant"))] = s
         notes += [n for n in d.get("notes", []) if n not in notes]
-        dwf.update(d.get("default_wire_format", {}))
         for k in ("reference", "ours"):
             if d["control_plane"].get(k):
                 control[k] = d["control_plane"][k]
@@ -178,7 +150,7 @@ def merge_documents(docs: Sequence[dict]) -> dict:
     # Labels name the transport; a merge of CPU and GPU runs must not call gloo times NCCL.
     meta["backend"] = "+".join(sorted({str(d["meta"].get("backend") or "nccl") for d in docs}))
     out = {"schema": SCHEMA, "meta": meta, "records": list(recs.values()), "skipped": list(skipped.values()),
-           "notes": notes, "control_plane": control, "default_wire_format": dwf, "targets": []}
+           "notes": notes, "control_plane": control, "targets": []}
     out["targets"] = evaluate_targets(out)
     return out
 
@@ -195,14 +167,9 @@ def attention_records(doc: dict) -> list[dict]:
 
 def lookup(doc: dict, case_key: str, variant: str, mode: str, direction: str,
            role_rank: int = 0, A: int | None = None, F: int | None = None) -> dict | None:
-    """The attention-rank record for one measurement, resolving ``ours_default`` through the schedule."""
+    """The attention-rank record for one measurement (``ours_default`` is ``ours_per_tensor``, the one wire format)."""
     if variant == "ours_default":
-        fmt = doc.get("default_wire_format", {}).get(case_key)
-        variant = "ours_packed" if fmt == "packed" else "ours_per_tensor"
-        r = lookup(doc, case_key, variant, mode, direction, role_rank, A, F)
-        if r is None and variant == "ours_packed":
-            r = lookup(doc, case_key, "ours_per_tensor", mode, direction, role_rank, A, F)
-        return r
+        variant = "ours_per_tensor"
     for r in doc["records"]:
         if (r["role"] == "attention" and r["case_key"] == case_key and r["variant"] == variant
                 and r["mode"] == mode and r["direction"] == direction and r["role_rank"] == role_rank
@@ -350,10 +317,9 @@ def render_markdown(doc: dict) -> str:
                  f"`vs ref` = reference / ours-default (higher is better), `x raw` = ours-default / raw {tname}.")
     lines.append("")
     variants_present = []
-    for v in ("ours_per_tensor", "ours_packed", "reference", "raw", "bare", "torch_dist"):
+    for v in ("ours_per_tensor", "reference", "raw", "bare"):
         if any(r["variant"] == v for r in doc["records"]):
             variants_present.append(v)
-    dwf = doc.get("default_wire_format", {})
     cases = _cases(doc)
     groups: dict[tuple, list[dict]] = {}
     for c in cases:
@@ -371,7 +337,7 @@ def render_markdown(doc: dict) -> str:
                 vs_ref = _med(ref) / _med(ours) if ref and ours else None
                 x_raw = _med(ours) / _med(raw) if raw and ours else None
                 gbps = ours.get("gbps") if ours else None
-                row = [str(c["tokens"]), dwf.get(ck, "?")] + [_fmt_us(cells[v]) for v in variants_present]
+                row = [str(c["tokens"])] + [_fmt_us(cells[v]) for v in variants_present]
                 row += [_fmt(vs_ref, ".2f", "×"), _fmt(x_raw, ".2f", "×"), _fmt(gbps, ".1f")]
                 rows.append(row)
             if not rows:
@@ -380,7 +346,7 @@ def render_markdown(doc: dict) -> str:
             payload = f"hidden + fp32 logits [n, {width}] + int32 ids" if extras else "hidden only"
             lines.append(f"## Round trip, {A}A{F}F, hidden {hidden} bf16, {payload}, {mode}")
             lines.append("")
-            head = (["tokens", "default"] + [variant_label(v, backend) for v in variants_present]
+            head = (["tokens"] + [variant_label(v, backend) for v in variants_present]
                     + ["vs ref", "x raw", "GB/s (rt)"])
             lines.append("| " + " | ".join(head) + " |")
             lines.append("|" + "|".join(["---"] * len(head)) + "|")
@@ -548,7 +514,7 @@ def render_plot(doc: dict, path: str) -> str | None:
 
     backend = doc.get("meta", {}).get("backend")
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
-    variants = ["ours_default", "reference", "raw", "bare", "torch_dist"]
+    variants = ["ours_default", "reference", "raw", "bare"]
     colors = dict(zip(variants, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")))
     for mode, style in (("graph", "-"), ("eager", "--")):
         for v in variants:

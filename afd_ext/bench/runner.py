@@ -95,8 +95,8 @@ class _Env:
                 g.enter("set-up: bare NCCL communicators (ctypes)", variant="bare", op="ncclCommInitRank")
                 self._create_bare_comms()
                 g.leave(note=f" (libnccl: {self.bare.path if self.bare else 'not loaded'})")
-            if "torch_dist" in cfg.variants or (cfg.control and not cfg.check):
-                g.enter("set-up: torch.distributed NCCL group", variant="torch_dist", op="dist.new_group")
+            if cfg.control and not cfg.check:  # the reference control plane's group
+                g.enter("set-up: torch.distributed NCCL group", op="dist.new_group")
                 self.nccl_group = dist.new_group(backend="nccl", timeout=td)
                 g.leave()
         else:
@@ -219,7 +219,7 @@ class _Env:
         from afd_ext.bench.variants import Ctx
 
         return Ctx(role=self.role, role_rank=self.role_rank, world_rank=self.rank, backend=self.cfg.backend,
-                   device=self.device, links=self.links(case), nccl_group=self.nccl_group, bare=self.bare,
+                   device=self.device, links=self.links(case), bare=self.bare,
                    gloo_transport=self.gloo_transport,
                    extra={"store": self.store, "topology": self.topo, "timeout_s": self.cfg.peer_wait_s})
 
@@ -400,11 +400,9 @@ def _time_case(env: _Env, case: Case, ctx, variants: list, bar) -> list[dict]:
 _STEP_OPS = {
     "flag": ("send, recv", "recv, send"),
     "ours_per_tensor": ("exchange | split_back | fan_in", "fan_in, split_back"),
-    "ours_packed": ("pack_rows, exchange | split_back | fan_in", "fan_in, unpack_rows, split_back"),
     "reference": ("send per tensor, recv", "recv per tensor, send"),
     "raw": ("send | split_back, recv | fan_in", "recv | fan_in, send | split_back"),
     "bare": ("ctypes ncclGroupStart/ncclSend/ncclRecv/ncclGroupEnd", "ctypes ncclRecv group, ncclSend group"),
-    "torch_dist": ("dist.batch_isend_irecv", "dist.batch_isend_irecv"),
     "peer": ("peer_put, peer_wait (reply copied)", "peer_wait, peer_put"),
 }
 

@@ -8,8 +8,6 @@ between this process and its peers (the :class:`Link` list of this rank):
                         ids, then ``fan_in`` of the reply (the connector's calls);
                         FFN ``fan_in`` then ``split_back``. Three messages per
                         edge in one group.
-``ours_packed``         this package, packed wire rows: ``pack_rows`` + one
-                        message per edge + ``unpack_rows`` on the FFN rank.
 ``reference``           the reference connector's call pattern over the same NCCL
                         (our ``send``/``recv`` ops): one call per tensor per peer,
                         peers received one after another, fresh receive tensors
@@ -23,8 +21,6 @@ between this process and its peers (the :class:`Link` list of this rank):
                         ``ctypes`` straight into ``libnccl`` (no torch op, no
                         dispatcher, no checks): the op path's overhead is
                         ``ours_per_tensor - bare``.
-``torch_dist``          ``torch.distributed.batch_isend_irecv`` over an NCCL (GPU)
-                        or gloo (CPU) process group; eager only.
 ``peer``                the peer-memory plane (``docs/peer-memory.md``): attention
                         ``peer_put`` of hidden, logits and ids straight into the
                         FFN rank's fan-in region, then ``peer_wait`` copying the
@@ -34,7 +30,7 @@ between this process and its peers (the :class:`Link` list of this rank):
 ======================  ==========================================================
 
 On the CPU/gloo path ``ours_*`` use this package's gloo transport when it is
-installed, ``reference``/``raw``/``torch_dist`` use ``torch.distributed``.
+installed, ``reference``/``raw`` use ``torch.distributed``.
 
 One-way directions replace the other direction by a 16-byte flag message over
 our raw ``send``/``recv`` (see :mod:`afd_ext.bench.runner` for how one-way
@@ -125,7 +121,6 @@ class Ctx:
         backend: ``"nccl"`` (CUDA tensors, our ops) or ``"gloo"`` (CPU tensors).
         device: where tensors live.
         links: edges of this rank, in fan-in order (FFN) or peer order (attention).
-        nccl_group: torch.distributed NCCL group (``torch_dist`` on GPUs), else None.
         bare: :class:`BareNccl` library handle for the ``bare`` variant, or None.
         gloo_transport: this package's gloo transport on the CPU path, or None.
         graph_mode: set by the runner while a variant is captured/replayed
@@ -138,7 +133,6 @@ class Ctx:
     backend: str
     device: torch.device
     links: list[Link]
-    nccl_group: Any = None
     bare: Any = None
     gloo_transport: Any = None
     graph_mode: bool = False
@@ -223,7 +217,6 @@ class Variant:
 
     name = "base"
     graph_ok = True
-    needs_extras = False
     backends = ("nccl", "gloo")
 
     def __init__(self, ctx: Ctx, case: Case):
@@ -478,51 +471,6 @@ class OursPerTensor(Variant):
 
     def ffn_out(self):
         return self.h
-
-
-class OursPacked(OursPerTensor):
-    """This package's packed wire rows: ``pack_rows``, one message per edge, ``unpack_rows``."""
-
-    name = "ours_packed"
-    needs_extras = True
-
-    def __init__(self, ctx: Ctx, case: Case):
-        super().__init__(ctx, case)
-        ops = _ops()
-        self.row_bytes = ops.wire_row_bytes(case.hidden, torch.bfloat16, case.logits_width,
-                                            torch.float32, True)
-        self.wire = torch.zeros(ctx.rows, self.row_bytes, dtype=torch.uint8, device=self.dev)
-
-    def _a2f_tensors(self) -> tuple:
-        return (self.wire,)
-
-    def attn_round(self) -> None:
-        ops = _ops()
-        ops.pack_rows(self.h, self.l, self.i, self.wire)
-        if self.tr is not None:
-            pending = self._g_send((self.wire,), "a2f")
-            self._g_recv((self.reply, None, None), "f2a")
-            pending.wait()
-            return
-        sc, peers, rows = self.a2f
-        ops.split_back(self.wire, None, None, sc, peers, rows)  # the connector's two calls
-        ops.fan_in(self.reply, None, None, self.f2a[0], peers, rows)
-
-    def attn_send(self) -> None:
-        ops = _ops()
-        ops.pack_rows(self.h, self.l, self.i, self.wire)
-        if self.tr is not None:
-            self._g_send((self.wire,), "a2f").wait()
-            return
-        ops.split_back(self.wire, None, None, *self.a2f)
-
-    def ffn_recv(self) -> None:
-        ops = _ops()
-        if self.tr is not None:
-            self._g_recv((self.wire,), "a2f")
-        else:
-            ops.fan_in(self.wire, None, None, *self.a2f)
-        ops.unpack_rows(self.wire, self.h, self.l, self.i)
 
 
 # ---------------------------------------------------------------------------
@@ -929,84 +877,11 @@ class Bare(OursPerTensor):
         self._group(self.c_send)
 
 
-# ---------------------------------------------------------------------------
-# torch.distributed batch_isend_irecv
-# ---------------------------------------------------------------------------
-
-
-class TorchDist(OursPerTensor):
-    """``torch.distributed.batch_isend_irecv`` of the same tensors (eager only)."""
-
-    name = "torch_dist"
-    graph_ok = False
-
-    def __init__(self, ctx: Ctx, case: Case):
-        Variant.__init__(self, ctx, case)
-        import torch.distributed as dist
-
-        if len(self.live) != 1 or (ctx.backend == "nccl" and dist.get_world_size() != 2):
-            # batch_isend_irecv's first call on an NCCL group must include every
-            # rank of the group, and several peers in one batch would build a
-            # communicator over the whole group (refused for GPUs shared by ranks).
-            raise AFDConfigError("torch_dist is measured in 1A1F only (one peer, a 2-rank group) on NCCL")
-        n = ctx.rows
-        self.h, self.l, self.i = self._wire(n)
-        if ctx.is_attention:
-            self.reply = torch.zeros(n, case.hidden, dtype=torch.bfloat16, device=self.dev)
-        group = ctx.nccl_group if ctx.backend == "nccl" else None
-        if ctx.backend == "nccl" and group is None:
-            raise AFDStateError("no NCCL process group for torch_dist")
-        self.tr = None
-
-        def ops(tensors, op):
-            out = []
-            for l in self.live:
-                for t in tensors:
-                    if t is not None:
-                        out.append(dist.P2POp(op, t[l.offset:l.offset + l.count], l.peer_world, group))
-            return out
-
-        if ctx.is_attention:
-            self.o_send = ops((self.h, self.l, self.i), dist.isend)
-            self.o_recv = ops((self.reply,), dist.irecv)
-        else:
-            self.o_recv = ops((self.h, self.l, self.i), dist.irecv)
-            self.o_send = ops((self.h,), dist.isend)
-
-    @staticmethod
-    def _run(p2p_ops) -> None:
-        import torch.distributed as dist
-
-        for w in dist.batch_isend_irecv(p2p_ops):
-            w.wait()  # NCCL: makes the current stream wait, no host block
-
-    def attn_round(self) -> None:
-        # Sends, then the reply receive, as two batches (one NCCL group each), as the
-        # ``exchange`` op does: a batch of several sends plus the receive from the same
-        # peer on one communicator is the pattern that hung on 2x H200 (NCCL 2.28.9).
-        self._run(self.o_send)
-        self._run(self.o_recv)
-
-    def attn_send(self) -> None:
-        self._run(self.o_send)
-
-    def attn_recv(self) -> None:
-        self._run(self.o_recv)
-
-    def ffn_recv(self) -> None:
-        self._run(self.o_recv)
-
-    def ffn_send(self) -> None:
-        self._run(self.o_send)
-
-
 VARIANTS: dict[str, type[Variant]] = {
     "ours_per_tensor": OursPerTensor,
-    "ours_packed": OursPacked,
     "reference": Reference,
     "raw": Raw,
     "bare": Bare,
-    "torch_dist": TorchDist,
     "peer": PeerMemory,
 }
 
@@ -1018,8 +893,6 @@ def variant_applicable(name: str, case: Case, backend: str) -> str | None:
         return f"unknown variant {name!r}; expected one of {', '.join(VARIANTS)}"
     if backend not in cls.backends:
         return f"{name} runs on {'/'.join(cls.backends)} only"
-    if cls.needs_extras and not case.extras:
-        return f"{name} equals ours_per_tensor without router logits and token ids"
     return None
 
 

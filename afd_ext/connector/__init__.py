@@ -26,7 +26,7 @@ from ..config import AFDConfig
 from ..control import AFDControlPlane
 from ..errors import AFDConfigError, ConnectorStateError
 from ..metadata import AFDA2FTransferPayload, AFDControlPayload, AFDExpertRoutingSpec, AFDTransferContext
-from ..schedule import StepSchedule, build_step_schedule, warmup_payload
+from ..schedule import StepSchedule, build_step_schedule, schedule_config, warmup_payload
 from ..spec import SPEC_KWARGS, ExchangeSpec
 from ..topology import Topology
 from ..transport import select_transport, transport_class
@@ -49,7 +49,7 @@ __all__ = [
 
 #: Version of the data-plane protocol (exchange order, header layout, wire
 #: formats); checked in the init handshake.
-CONNECTOR_FORMAT_VERSION = 1
+CONNECTOR_FORMAT_VERSION = 2  # 2: the packed wire format is gone
 
 _MODEL_KWARGS = SPEC_KWARGS + ("device", "warmup_on_init")
 
@@ -129,7 +129,7 @@ class AFDConnector:
         self.transport_kind = select_transport(self.extra.transport, kwargs.get("device")).name
         self.warmup_on_init = bool(kwargs.get("warmup_on_init", True))
         self.device = _pick_device(self.transport_kind, local_rank, kwargs.get("device"))
-        self.schedule_config = self.spec.schedule_config(self.extra)
+        self.schedule_config = schedule_config(self.spec, self.extra)
         self.peer_map = PeerMap(self.role, role_rank, self.attn_size, self.ffn_size)
         self._buffers = BufferPool(self.role, role_rank, self.device)
         self._s = Session(self.peer_map.me, self.role, self.extra.strict, self._buffers)
@@ -192,8 +192,6 @@ class AFDConnector:
             "num_attention_ranks": self.attn_size,
             "num_ffn_ranks": self.ffn_size,
             **self.spec.handshake_fields(),
-            "wire_format": self.extra.wire_format,
-            "packed_max_bytes": self.extra.packed_max_bytes,
             "clamp_idle_to_one": self.extra.clamp_idle_to_one,
             "strict": self.extra.strict,
             "transport": self.extra.transport,

@@ -15,7 +15,7 @@ import torch
 
 from ..errors import AFDConfigError, AFDProtocolError, AFDStateError
 from ..metadata import AFDTransferContext, AFDTransferMetadata
-from ..schedule import PACKED
+from ..schedule import stage_buffers
 from .session import RoleSide
 from .step import Exchange, Step, canonical_strides, context_metadata
 
@@ -61,16 +61,7 @@ class AttentionSide(RoleSide):
         sch = st.schedule
         plan = sch.attention_plan(stage, self.role_rank)
         tag = st.tag(op, "a2f", layer, stage, layer_idx)
-        if sch.wire_format(stage) == PACKED:
-            wire = st.bufs[stage]["wire"]
-            if plan.total:
-                from .. import ops
-
-                ops.pack_rows(hidden, logits, ids, wire)
-            tensors: tuple = (wire,)
-        else:
-            tensors = (hidden, logits, ids)
-        pending = c.transport_call(c.data(st).split_back, tensors, plan.peers, plan.rows, tag=tag)
+        pending = c.transport_call(c.data(st).split_back, (hidden, logits, ids), plan.peers, plan.rows, tag=tag)
         st.pending[stage].append(Exchange(layer, stage, tag, pending, (hidden, logits, ids)))
         st.seq.sent += 1
 
@@ -116,23 +107,20 @@ class AttentionSide(RoleSide):
         c.check_usable("draining an abandoned step")
         logger.warning("%s: draining abandoned %s (%d exchanges carry zeros)", c.me, st.seq.label,
                        st.seq.total)
-        cfg = st.schedule.config
-        zeros: dict[int, tuple] = {}
-        for s in st.schedule.stages:
-            n = st.schedule.attention_rows(s, self.role_rank)
-            zeros[s] = (
-                torch.zeros(n, cfg.hidden_size, dtype=cfg.hidden_dtype, device=self.device),
-                None if cfg.router_logits_width is None else
-                torch.zeros(n, cfg.router_logits_width, dtype=cfg.router_logits_dtype, device=self.device),
-                torch.zeros(n, dtype=torch.int32, device=self.device) if cfg.send_token_ids else None,
-            )
+        zeros = {s: self._zeros(st, s) for s in st.schedule.stages}
         op = "abandon_step (drain)"
         while st.seq.sent < st.seq.total:
             layer, stage = st.seq.seq[st.seq.sent]
-            h, lg, ids = zeros[stage]
-            self._send_rows(st, layer, stage, h, lg, ids, -1, op)
+            z = zeros[stage]
+            h = z["hidden"]
+            self._send_rows(st, layer, stage, h, z["router_logits"], z["token_ids"], -1, op)
             self._recv_reply(st, st.pending[stage][0], torch.empty_like(h), op)
         st.seq.abandoned = False
+
+    def _zeros(self, st: Step, stage: int) -> dict[str, torch.Tensor | None]:
+        """Zeros in this rank's wire layout of ``stage`` (:func:`~afd_ext.schedule.stage_buffers`)."""
+        return stage_buffers(lambda key, shape, dtype: torch.zeros(shape, dtype=dtype, device=self.device),
+                             st.schedule.config, stage, st.schedule.attention_rows(stage, self.role_rank))
 
     def warmup(self, st: Step, op: str, synchronize: Callable[[], None]) -> None:
         """One warm-up round: send a known pattern per stage, check the echo (see ``AFDConnector.warmup``)."""
@@ -144,9 +132,8 @@ class AttentionSide(RoleSide):
             n = st.schedule.attention_rows(s, self.role_rank)
             h = (torch.arange(n * hs, device=self.device) % 7 + 1 + self.role_rank).float().to(cfg.hidden_dtype)
             h = h.reshape(n, hs)
-            lg = None if cfg.router_logits_width is None else torch.zeros(
-                n, cfg.router_logits_width, dtype=cfg.router_logits_dtype, device=self.device)
-            ids = torch.zeros(n, dtype=torch.int32, device=self.device) if cfg.send_token_ids else None
+            z = self._zeros(st, s)
+            lg, ids = z["router_logits"], z["token_ids"]
             ctx = AFDTransferContext(AFDTransferMetadata.create_attention_metadata(layer_idx=0, stage_idx=s,
                                                                                    seq_len=n))
             self.send_attn_output(h, ctx, lg, ids)

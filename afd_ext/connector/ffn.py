@@ -14,7 +14,6 @@ import torch
 
 from ..errors import AFDConfigError, AFDStateError
 from ..metadata import AFDA2FTransferPayload, AFDExpertRoutingSpec, AFDTransferContext, AFDTransferMetadata
-from ..schedule import PACKED
 from .session import RoleSide, Session
 from .step import AfdExtTransferState, ReplySend, Step, context_metadata, flag_arg, routing_spec_arg
 
@@ -54,22 +53,13 @@ class FFNSide(RoleSide):
         sch = st.schedule
         plan = sch.ffn_plan(stage, self.role_rank)
         bufs = st.bufs[stage]
-        hidden, logits, ids = bufs["hidden"], bufs.get("logits"), bufs.get("ids")
+        hidden, logits, ids = bufs["hidden"], bufs["router_logits"], bufs["token_ids"]
         tag = st.tag(op, "a2f", layer, stage, layer)
         # The previous reply of this stage may still be sending from memory the
         # caller computed in place in this buffer (gloo); it completes as soon as
         # the peer posts its receive, which it does without waiting for us.
         self._wait_reply_send(stage, release=False)
-        tr = c.data(st)
-        if sch.wire_format(stage) == PACKED:
-            wire = bufs["wire"]
-            c.transport_call(tr.fan_in, (wire,), plan.peers, plan.rows, tag=tag)
-            if plan.total:
-                from .. import ops
-
-                ops.unpack_rows(wire, hidden, logits, ids)
-        else:
-            c.transport_call(tr.fan_in, (hidden, logits, ids), plan.peers, plan.rows, tag=tag)
+        c.transport_call(c.data(st).fan_in, (hidden, logits, ids), plan.peers, plan.rows, tag=tag)
         self._reply_sends.pop(stage, None)  # the previous reply's memory is free for the caller again
         st.seq.received += 1
         meta = AFDTransferMetadata.create_ffn_metadata(layer_idx=layer, stage_idx=stage, seq_lens=list(plan.rows))

@@ -356,7 +356,7 @@ class AttentionExchange:
         # (mask object, device, flat row index): the step's mask as an index, built
         # once per step instead of a boolean gather/scatter (a device sync) per layer.
         self._mask_index: tuple[Any, torch.device, torch.Tensor] | None = None
-        #: Optional ``afd_ext.graphs.AttentionGraphRunner``: steps that fit its
+        #: Optional ``afd_ext.integrations.graph_runners.AttentionGraphRunner``: steps that fit its
         #: capture sizes replay captured exchange graphs (``afd-ext demo --graph``).
         self.graph_runner: Any = None
 
@@ -395,7 +395,7 @@ class AttentionExchange:
         """Start a step: apply ``payload`` locally, send it to the FFN side, set the rows.
 
         With ``graph_runner`` set, the runner pads the step to a capture size
-        and replays what fits (its own errors: ``afd_ext.graphs``).
+        and replays what fits (its own errors: ``afd_ext.graphs``, :mod:`afd_ext.integrations.graph_runners`).
 
         Args:
             payload: the step's control payload, the same on every attention

@@ -377,7 +377,7 @@ class Transport(abc.ABC):
         """The FFN rank's fan-in buffers of ``stage`` when the transport receives into its own memory.
 
         Returns:
-            ``{"hidden", "logits"?, "ids"?}`` (the tensors the connector then
+            :func:`~afd_ext.schedule.stage_buffers`' dict (the tensors the connector then
             passes to :meth:`fan_in`, which receives there without a copy), or
             None: the connector uses its own buffers.
         """

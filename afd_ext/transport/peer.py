@@ -10,8 +10,7 @@ peer's reply region; the attention side's ``fan_in`` waits for the reply and
 copies it into ``ref_tensor`` in the same kernel.
 
 Routing per step (:meth:`PeerTransport.begin_step`, from the schedule both
-sides share): a step whose stages or rows exceed the plane's capacity, or
-whose wire travels packed, goes over the NCCL transport built beside the
+sides share): a step whose stages or rows exceed the plane's capacity goes over the NCCL transport built beside the
 plane (when ``fallback`` is on), so both sides always pick the same data plane.
 
 Streams: a one-stage step runs on the caller's stream (no extra events); a
@@ -37,6 +36,7 @@ import torch
 
 from ..errors import AFDConfigError, AFDTimeoutError, AFDTransportError
 from ..peer_memory import PeerPlane, WireSpec, open_plane
+from ..schedule import stage_buffers
 from .base import MessageTag, PendingSend, Transport, TransportSetup
 from .streams import StageStreams
 from .strict import HEADER_WORDS
@@ -175,12 +175,9 @@ class PeerTransport(Transport):
     # -- routing and streams ------------------------------------------------------------
 
     def fits(self, schedule: Any) -> bool:
-        """Whether every exchange of ``schedule`` fits the plane (stages, rows, per-tensor wire)."""
-        from ..schedule import PACKED
-
+        """Whether every exchange of ``schedule`` fits the plane (stages, rows)."""
         plane = self.plane
-        return all(0 <= s < plane.num_stages and schedule.wire_format(s) != PACKED
-                   and max(schedule.rows_vector(s), default=0) <= plane.max_tokens for s in schedule.stages)
+        return all(0 <= s < plane.num_stages and max(schedule.rows_vector(s), default=0) <= plane.max_tokens for s in schedule.stages)
 
     def begin_step(self, schedule: Any) -> None:
         """Pick this step's data plane from the schedule (both sides pick the same) and its streams."""
@@ -189,8 +186,8 @@ class PeerTransport(Transport):
         if not use_plane and self.fallback is None:
             raise AFDConfigError(
                 f"{self.peers.me}: a step with {len(schedule.stages)} stage(s) does not fit the peer-memory plane "
-                f"({self.plane.num_stages} stages, {self.plane.max_tokens} tokens per attention rank, per-tensor "
-                "wire) and the NCCL fallback is off; raise peer_max_tokens / max_stages or enable peer_fallback")
+                f"({self.plane.num_stages} stages, {self.plane.max_tokens} tokens per attention rank) "
+                "and the NCCL fallback is off; raise peer_max_tokens / max_stages or enable peer_fallback")
         self.step_kind = "peer" if use_plane else "nccl"
         if use_plane:
             self.prepare_stages(schedule.stages)
@@ -255,15 +252,8 @@ class PeerTransport(Transport):
         if self.plane.role != "ffn" or not self.fits(schedule):
             return None
         n = schedule.ffn_plan(stage, self.peers.role_rank).total
-        views = self.plane.views(stage, n)
-        out = {"hidden": views[0]}
-        k = 1
-        if self.plane.spec.logits_width:
-            out["logits"] = views[k]
-            k += 1
-        if self.plane.spec.has_token_ids:
-            out["ids"] = views[k]
-        return out
+        views = iter(self.plane.views(stage, n))  # the plane's parts, in wire order
+        return stage_buffers(lambda key, shape, dtype: next(views), schedule.config, stage, n)
 
     def fan_in(self, tensors, peers, rows, *, tag: MessageTag, wait: bool = False) -> None:
         if self._nccl_for(tensors):

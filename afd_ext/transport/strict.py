@@ -26,7 +26,7 @@ from .base import AFDProtocolError, MessageTag, PendingSend, Transport, Transpor
 
 __all__ = [
     "HEADER_WORDS", "HEADER_MAGIC", "HEADER_VERSION", "TENSOR_HIDDEN", "TENSOR_LOGITS", "TENSOR_IDS",
-    "TENSOR_PACKED", "TENSOR_NAMES", "StrictTransport", "message_tensors", "encode_headers", "check_headers",
+    "TENSOR_NAMES", "StrictTransport", "message_tensors", "encode_headers", "check_headers",
 ]
 
 #: int64 words per header row.
@@ -39,12 +39,11 @@ HEADER_VERSION = 1
 TENSOR_HIDDEN = 0
 TENSOR_LOGITS = 1
 TENSOR_IDS = 2
-TENSOR_PACKED = 3
+#: Tensor ids in wire order (ScheduleConfig.wire_parts); an FP8 hidden state's scales take the next id.
 TENSOR_NAMES = {
     TENSOR_HIDDEN: "hidden_states",
     TENSOR_LOGITS: "router_logits",
     TENSOR_IDS: "token_ids",
-    TENSOR_PACKED: "packed wire rows",
 }
 
 _DIRECTION_CODES = {"a2f": 0, "f2a": 1}
@@ -58,11 +57,8 @@ _W_TENSOR, _W_DTYPE, _W_ROWS, _W_COLS, _W_INDEX, _W_COUNT, _W_LAYER_IDX, _W_RESE
 def message_tensors(tensors: Sequence[torch.Tensor | None]) -> list[tuple[int, torch.Tensor]]:
     """The data messages of one exchange: ``[(tensor id, tensor), ...]`` for the non-``None`` tensors.
 
-    ``tensors`` is ``(hidden_states, router_logits|None, token_ids|None)``, or
-    ``(packed_wire,)`` for the packed format (tensor id :data:`TENSOR_PACKED`).
+    ``tensors`` is ``(hidden_states, router_logits|None, token_ids|None)``.
     """
-    if len(tensors) == 1:
-        return [(TENSOR_PACKED, tensors[0])]
     return [(tid, t) for tid, t in zip((TENSOR_HIDDEN, TENSOR_LOGITS, TENSOR_IDS), tensors) if t is not None]
 
 

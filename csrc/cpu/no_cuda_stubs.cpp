@@ -22,14 +22,6 @@ void split_back_no_cuda(const at::Tensor&, const OptTensor&, const OptTensor&,
                         c10::IntArrayRef, c10::IntArrayRef, c10::IntArrayRef) {
   no_cuda("split_back");
 }
-void pack_rows_no_cuda(const at::Tensor&, const OptTensor&, const OptTensor&,
-                       const at::Tensor&) {
-  no_cuda("pack_rows");
-}
-void unpack_rows_no_cuda(const at::Tensor&, const at::Tensor&, const OptTensor&,
-                         const OptTensor&) {
-  no_cuda("unpack_rows");
-}
 
 }  // namespace
 
@@ -45,8 +37,6 @@ TORCH_LIBRARY_IMPL(afd_ext, CUDA, m) {
   m.impl("recv", &recv_no_cuda);
   m.impl("fan_in", &fan_in_no_cuda);
   m.impl("split_back", &split_back_no_cuda);
-  m.impl("pack_rows", &pack_rows_no_cuda);
-  m.impl("unpack_rows", &unpack_rows_no_cuda);
 }
 
 }  // namespace afd

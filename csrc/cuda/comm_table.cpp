@@ -27,7 +27,7 @@ void throw_nccl_error(const char* expr, ncclResult_t res, ncclComm_t comm, const
      << ") from `" << expr << "` at " << file << ":" << line;
   const char* last = ncclGetLastError(comm);
   if (last != nullptr && last[0] != '\0') os << "; ncclGetLastError: " << last;
-  TORCH_CHECK(false, os.str());
+  TORCH_CHECK_WITH(DistBackendError, false, os.str());
 }
 
 namespace {
@@ -48,7 +48,7 @@ Table& table() {
 std::shared_ptr<Comm> take(int64_t handle, const char* op) {
   Table& t = table();
   std::lock_guard<std::mutex> lock(t.mu);
-  TORCH_CHECK(handle >= 1 && handle < t.next_handle, "afd_ext.", op, ": handle ", handle,
+  TORCH_CHECK_VALUE(handle >= 1 && handle < t.next_handle, "afd_ext.", op, ": handle ", handle,
               " was never issued by comm_create in this process");
   auto it = t.live.find(handle);
   if (it == t.live.end()) return nullptr;
@@ -62,7 +62,7 @@ void check_version() {
   AFD_CHECK_NCCL(ncclGetVersion(&runtime), nullptr);
   // Codes: major*10000 + minor*100 + patch for NCCL >= 2.9.
   const int compiled = NCCL_VERSION_CODE;
-  TORCH_CHECK(runtime / 10000 == compiled / 10000, "afd_ext: compiled against NCCL ", compiled,
+  TORCH_CHECK_VALUE(runtime / 10000 == compiled / 10000, "afd_ext: compiled against NCCL ", compiled,
               " but the loaded libnccl.so.2 is ", runtime,
               " (major versions differ); reinstall the nvidia-nccl-cu* wheel torch uses and "
               "rebuild afd_ext");
@@ -111,7 +111,7 @@ void connect_both_ways(ncclComm_t comm, int rank, int device) {
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (async != ncclSuccess || waited > kConnectTimeoutS) {
       ncclCommAbort(comm);
-      TORCH_CHECK(false, "afd_ext.comm_create: connecting rank ", rank, " with peer rank ", peer,
+      TORCH_CHECK_WITH(DistBackendError, false, "afd_ext.comm_create: connecting rank ", rank, " with peer rank ", peer,
                   " on cuda:", device, " failed (", async != ncclSuccess
                       ? std::string("NCCL async error: ") + ncclGetErrorString(async)
                       : std::string("no reply within ") + std::to_string(kConnectTimeoutS) + " s",
@@ -128,7 +128,7 @@ std::shared_ptr<Comm> comm_get(int64_t handle, const char* op, const char* arg_n
   std::lock_guard<std::mutex> lock(t.mu);
   auto it = t.live.find(handle);
   if (it != t.live.end()) return it->second;
-  TORCH_CHECK(false, "afd_ext.", op, ": ", arg_name, "=", handle, " is not a live communicator ",
+  TORCH_CHECK_VALUE(false, "afd_ext.", op, ": ", arg_name, "=", handle, " is not a live communicator ",
               handle >= 1 && handle < t.next_handle ? "(it was destroyed or aborted)"
                                                      : "(never issued by comm_create)",
               "; create one with afd_ext.ops.comm_create");
@@ -141,7 +141,7 @@ int64_t nccl_version() {
 }
 
 void nccl_unique_id(const at::Tensor& out) {
-  TORCH_CHECK(out.is_cpu() && out.scalar_type() == c10::ScalarType::Byte &&
+  TORCH_CHECK_VALUE(out.is_cpu() && out.scalar_type() == c10::ScalarType::Byte &&
                   out.numel() == NCCL_UNIQUE_ID_BYTES && out.is_contiguous(),
               "afd_ext.nccl_unique_id: out must be a contiguous CPU uint8 tensor of ",
               NCCL_UNIQUE_ID_BYTES, " elements, got ", out.scalar_type(), " ", out.sizes(),
@@ -153,16 +153,16 @@ void nccl_unique_id(const at::Tensor& out) {
 
 int64_t comm_create(const at::Tensor& unique_id, int64_t world_size, int64_t rank,
                     int64_t device) {
-  TORCH_CHECK(unique_id.is_cpu() && unique_id.scalar_type() == c10::ScalarType::Byte &&
+  TORCH_CHECK_VALUE(unique_id.is_cpu() && unique_id.scalar_type() == c10::ScalarType::Byte &&
                   unique_id.numel() == NCCL_UNIQUE_ID_BYTES && unique_id.is_contiguous(),
               "afd_ext.comm_create: unique_id must be a contiguous CPU uint8 tensor of ",
               NCCL_UNIQUE_ID_BYTES, " elements (from nccl_unique_id), got ",
               unique_id.scalar_type(), " ", unique_id.sizes(), " on ", unique_id.device());
-  TORCH_CHECK(world_size >= 1, "afd_ext.comm_create: world_size must be >= 1, got ", world_size);
-  TORCH_CHECK(rank >= 0 && rank < world_size, "afd_ext.comm_create: rank must be in [0, ",
+  TORCH_CHECK_VALUE(world_size >= 1, "afd_ext.comm_create: world_size must be >= 1, got ", world_size);
+  TORCH_CHECK_VALUE(rank >= 0 && rank < world_size, "afd_ext.comm_create: rank must be in [0, ",
               world_size, "), got ", rank);
   const int64_t ndev = c10::cuda::device_count();
-  TORCH_CHECK(device >= 0 && device < ndev, "afd_ext.comm_create: device must be in [0, ", ndev,
+  TORCH_CHECK_VALUE(device >= 0 && device < ndev, "afd_ext.comm_create: device must be in [0, ", ndev,
               ") (visible CUDA devices), got ", device);
   check_version();
 

@@ -31,7 +31,7 @@ struct Edge {
 // must live on one device (returned through `device`).
 std::vector<Edge> resolve_edges(const char* op, const char* comms_name, c10::IntArrayRef comms,
                                 c10::IntArrayRef peers, c10::IntArrayRef rows, int* device) {
-  TORCH_CHECK(comms.size() == peers.size() && peers.size() == rows.size(), "afd_ext.", op, ": ",
+  TORCH_CHECK_VALUE(comms.size() == peers.size() && peers.size() == rows.size(), "afd_ext.", op, ": ",
               comms_name, ", peers and rows must have equal lengths (one entry per peer), got ",
               comms.size(), ", ", peers.size(), " and ", rows.size());
   std::vector<Edge> edges;
@@ -39,12 +39,12 @@ std::vector<Edge> resolve_edges(const char* op, const char* comms_name, c10::Int
   int64_t first = 0;
   for (size_t i = 0; i < comms.size(); ++i) {
     auto c = comm_get(comms[i], op, comms_name);
-    TORCH_CHECK(peers[i] >= 0 && peers[i] < c->size && peers[i] != c->rank, "afd_ext.", op,
+    TORCH_CHECK_VALUE(peers[i] >= 0 && peers[i] < c->size && peers[i] != c->rank, "afd_ext.", op,
                 ": peers[", i, "]=", peers[i], " must be a rank of communicator ", comms[i],
                 " in [0, ", c->size, ") other than this rank (", c->rank, ")");
-    TORCH_CHECK(rows[i] >= 0, "afd_ext.", op, ": rows[", i, "]=", rows[i], " must be >= 0");
+    TORCH_CHECK_VALUE(rows[i] >= 0, "afd_ext.", op, ": rows[", i, "]=", rows[i], " must be >= 0");
     if (*device < 0) *device = c->device;
-    TORCH_CHECK(c->device == *device, "afd_ext.", op, ": ", comms_name, "[", i, "]=", comms[i],
+    TORCH_CHECK_VALUE(c->device == *device, "afd_ext.", op, ": ", comms_name, "[", i, "]=", comms[i],
                 " is on cuda:", c->device, " but earlier communicators are on cuda:", *device,
                 "; one call works on one device");
     edges.push_back(Edge{c, static_cast<int>(peers[i]), rows[i], first});
@@ -61,19 +61,19 @@ int64_t total_rows(const std::vector<Edge>& edges) {
 
 void check_tensor(const char* op, const char* name, const at::Tensor& t, int device,
                   int64_t rows, bool need_rows) {
-  TORCH_CHECK(t.defined(), "afd_ext.", op, ": ", name, " is undefined");
-  TORCH_CHECK(t.is_cuda() && t.get_device() == device, "afd_ext.", op, ": ", name,
+  TORCH_CHECK_VALUE(t.defined(), "afd_ext.", op, ": ", name, " is undefined");
+  TORCH_CHECK_VALUE(t.is_cuda() && t.get_device() == device, "afd_ext.", op, ": ", name,
               " must be a CUDA tensor on cuda:", device, " (the communicator's device), got ",
               t.device(), "; move it with .to('cuda:", device, "')");
-  TORCH_CHECK(is_wire_dtype(t.scalar_type()), "afd_ext.", op, ": ", name, " has dtype ",
+  TORCH_CHECK_TYPE(is_wire_dtype(t.scalar_type()), "afd_ext.", op, ": ", name, " has dtype ",
               t.scalar_type(), ", expected one of ", wire_dtype_names());
-  TORCH_CHECK(t.is_contiguous(), "afd_ext.", op, ": ", name,
+  TORCH_CHECK_VALUE(t.is_contiguous(), "afd_ext.", op, ": ", name,
               " must have contiguous rows (row-major; row slices t[a:b] are fine), got strides ",
               t.strides(), " for shape ", t.sizes(), "; pass .contiguous()");
   if (need_rows) {
-    TORCH_CHECK(t.dim() >= 1, "afd_ext.", op, ": ", name,
+    TORCH_CHECK_VALUE(t.dim() >= 1, "afd_ext.", op, ": ", name,
                 " must have a row dimension, got a 0-d tensor");
-    TORCH_CHECK(t.size(0) == rows, "afd_ext.", op, ": ", name, " has ", t.size(0),
+    TORCH_CHECK_VALUE(t.size(0) == rows, "afd_ext.", op, ": ", name, " has ", t.size(0),
                 " rows but rows add up to ", rows, " (one row range per peer, in peer order)");
   }
 }
@@ -91,7 +91,7 @@ std::vector<at::Tensor> wire_tensors(const char* op, const at::Tensor& hidden_st
   }
   if (token_ids.has_value()) {
     check_tensor(op, "token_ids", *token_ids, device, rows, true);
-    TORCH_CHECK(token_ids->scalar_type() == c10::ScalarType::Int, "afd_ext.", op,
+    TORCH_CHECK_TYPE(token_ids->scalar_type() == c10::ScalarType::Int, "afd_ext.", op,
                 ": token_ids must be int32, got ", token_ids->scalar_type(),
                 "; cast with .to(torch.int32)");
     ts.push_back(*token_ids);
@@ -185,7 +185,7 @@ void grouped(const char* op, Dir dir, const at::Tensor& hidden_states,
   auto edges = resolve_edges(op, "comms", comms, peers, rows, &device);
   if (edges.empty()) {
     // No peer: nothing to move, but the tensors must still be empty.
-    TORCH_CHECK(hidden_states.dim() >= 1 && hidden_states.size(0) == 0, "afd_ext.", op,
+    TORCH_CHECK_VALUE(hidden_states.dim() >= 1 && hidden_states.size(0) == 0, "afd_ext.", op,
                 ": no peers given but hidden_states has shape ", hidden_states.sizes(),
                 " (expected 0 rows)");
     return;

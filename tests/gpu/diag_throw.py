@@ -24,11 +24,8 @@ CASES = {
     # name: (code, expected message fragment)
     "python_valueerror": ("raise RuntimeError('plain python')", "plain python"),
     "aten_cuda_error": ("torch.zeros(2, device='cuda') + torch.zeros(3, device='cuda')", "size of tensor"),
-    "cpu_pack_bad_width": (
-        "o.pack_rows(torch.zeros(2, 4), None, None, torch.zeros(2, 3, dtype=torch.uint8))", "pack_rows"),
-    "cuda_pack_bad_width": (
-        "o.pack_rows(torch.zeros(2, 4, device='cuda'), None, None, "
-        "torch.zeros(2, 3, dtype=torch.uint8, device='cuda'))", "pack_rows"),
+    "cpu_send_cpu_tensor": ("o.send(torch.zeros(2, 4), 1, 0)", "CUDA tensors"),
+    "comm_destroy_never_issued": ("o.comm_destroy(987654)", "was never issued"),
     "comm_get_dead_handle": (
         "o.send(torch.zeros(3, device='cuda'), 987654, 0)", "not a live communicator"),
     "comm_create_bad_rank": (

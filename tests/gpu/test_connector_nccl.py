@@ -74,9 +74,9 @@ def test_topologies_nccl(A, F, tp):
     _run((
         cs.Scenario(A=A, F=F, tp_size=tp, steps=steps, dtype="bfloat16", hidden=64),
         cs.Scenario(A=A, F=F, tp_size=tp, steps=steps, dtype="bfloat16", hidden=64, logits_width=16,
-                    send_ids=True, wire_format="packed"),
+                    send_ids=True),
         cs.Scenario(A=A, F=F, tp_size=tp, steps=steps, dtype="bfloat16", hidden=64, logits_width=16,
-                    send_ids=True, wire_format="per_tensor", overlap=False, strict=False),
+                    send_ids=True, overlap=False, strict=False),
     ))
 
 
@@ -94,7 +94,7 @@ def test_two_stages_8192_rows_hidden_7168_finish():
 def test_two_stages_8192_rows_with_logits_and_ids_per_tensor():
     n = 8192
     sc = cs.Scenario(A=1, F=1, steps=({0: [n], 1: [n]},), hidden=7168, dtype="bfloat16", layers=2,
-                     logits_width=256, send_ids=True, wire_format="per_tensor", strict=False,
+                     logits_width=256, send_ids=True, strict=False,
                      step_timeout_s=120.0)
     _run(sc, timeout_s=500)
 

@@ -58,11 +58,10 @@ def test_topologies_peer(A, F, tp):
     _run((
         # Strict headers travel over the NCCL fallback, the data through peer memory.
         cs.Scenario(A=A, F=F, tp_size=tp, steps=steps, dtype="bfloat16", hidden=64),
-        # Packed steps go over the NCCL fallback (the plane moves per-tensor parts).
         cs.Scenario(A=A, F=F, tp_size=tp, steps=steps, dtype="bfloat16", hidden=64, logits_width=16,
-                    send_ids=True, wire_format="packed"),
+                    send_ids=True),
         cs.Scenario(A=A, F=F, tp_size=tp, steps=steps, dtype="bfloat16", hidden=64, logits_width=16,
-                    send_ids=True, wire_format="per_tensor", overlap=False, strict=False),
+                    send_ids=True, overlap=False, strict=False),
     ))
 
 
@@ -83,7 +82,7 @@ def test_steps_beyond_capacity_go_over_nccl_between_plane_steps():
 def test_two_stages_8192_rows_hidden_7168_with_logits_and_ids():
     n = 8192
     sc = cs.Scenario(A=2, F=1, steps=({0: [n, n], 1: [n, n]},), hidden=7168, dtype="bfloat16", layers=2,
-                     logits_width=256, send_ids=True, wire_format="per_tensor", strict=False,
+                     logits_width=256, send_ids=True, strict=False,
                      step_timeout_s=120.0, extra=(("peer_max_tokens", n),))
     _run(sc, timeout_s=300)
 
@@ -152,7 +151,7 @@ def test_reference_runner_ffn_graph_over_peer_memory_200_replays_bit_exact(attn,
     import plugin_runners as pr
 
     sc = pr.PluginScenario(attn=attn, layers=3, hidden=256, steps=steps, transport="peer",
-                           extra=(("wire_format", "per_tensor"), ("peer_fallback", False)))
+                           extra=(("peer_fallback", False),))
     res = run_workers(pr.ffn_graph_worker, sc.nprocs, (sc, find_free_port(), 200, pr.finish_barrier(sc.nprocs)),
                       timeout_s=200, per_rank_env=place_processes(sc.A, sc.F).env())
     atts = [r for r in res if r["role"] == "attention"]

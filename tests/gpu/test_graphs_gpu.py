@@ -64,7 +64,6 @@ class Setup:
     stages: int = 1
     router_logits: bool = True
     token_ids: bool = True
-    wire_format: str = "per_tensor"
     hidden: int = HIDDEN
     layers: int = LAYERS
     dtype: str = "bfloat16"
@@ -261,7 +260,7 @@ class _Ctx:
         config = sch.ScheduleConfig(
             num_layers=s.layers, hidden_size=s.hidden, hidden_dtype=getattr(torch, s.dtype),
             router_logits_width=s.logits_width if s.router_logits else None,
-            send_token_ids=s.token_ids, wire_format=s.wire_format, pad_to=pad,
+            send_token_ids=s.token_ids, pad_to=pad,
         )
         sched = sch.build_step_schedule(self.topo, payload, config)
         return payload, sched, self.graphs.graph_key_from_schedule(sched)
@@ -269,12 +268,7 @@ class _Ctx:
     # -- the two loops -----------------------------------------------------------
 
     def _send(self, b, comms, rows):
-        ops = self.ops
-        if b["wire"] is not None:
-            ops.pack_rows(b["send"], b["router_logits"], b["token_ids"], b["wire"])
-            ops.split_back(b["wire"], None, None, comms, [self._peer] * len(comms), rows)
-        else:
-            ops.split_back(b["send"], b["router_logits"], b["token_ids"], comms, [self._peer] * len(comms), rows)
+        self.ops.split_back(b["send"], b["router_logits"], b["token_ids"], comms, [self._peer] * len(comms), rows)
 
     @property
     def _peer(self) -> int:
@@ -288,15 +282,10 @@ class _Ctx:
         self.ops.fan_in(b["reply"], None, None, f2a, [self._peer] * len(f2a), list(plan.rows))
 
     def ffn_fan_in(self, b, plan):
-        """FFN side: fan in one stage from every peer into ``b`` (unpacking a packed wire)."""
-        ops = self.ops
+        """FFN side: fan in one stage from every peer into ``b``."""
         a2f = [self.comms[(a, self.rr, "a2f")] for a in plan.peers]
-        peers = [self._peer] * len(plan.peers)
-        if b["wire"] is not None:
-            ops.fan_in(b["wire"], None, None, a2f, peers, list(plan.rows))
-            ops.unpack_rows(b["wire"], b["hidden"], b["router_logits"], b["token_ids"])
-        else:
-            ops.fan_in(b["hidden"], b["router_logits"], b["token_ids"], a2f, peers, list(plan.rows))
+        self.ops.fan_in(b["hidden"], b["router_logits"], b["token_ids"], a2f, [self._peer] * len(plan.peers),
+                        list(plan.rows))
 
     def ffn_split_back(self, out, plan):
         """FFN side: send each peer of one stage its rows of ``out``."""
@@ -459,7 +448,7 @@ def _replays() -> int:
 @pytest.mark.parametrize(
     "setup",
     [
-        pytest.param(Setup(1, 1, wire_format="packed"), id="1A1F-packed"),
+        pytest.param(Setup(1, 1), id="1A1F"),
         pytest.param(Setup(2, 1, stages=2), id="2A1F-2stages"),
         pytest.param(Setup(4, 2), id="4A2F"),
     ],

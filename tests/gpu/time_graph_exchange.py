@@ -6,8 +6,7 @@ Usage (on the 2-GPU machine, after the CUDA build):
 
 The FFN rank runs on GPU 1, the attention rank on GPU 0. One layer exchange is
 the attention rank's split-back of its wire tensors (hidden states
-``[T, 7168]`` bf16, fp32 router logits ``[T, 256]``, int32 token ids; the
-schedule's default wire format) to the FFN rank, the FFN rank's fan-in, its
+``[T, 7168]`` bf16, fp32 router logits ``[T, 256]``, int32 token ids) to the FFN rank, the FFN rank's fan-in, its
 split-back of the hidden states (no compute), and the attention rank's fan-in
 of the reply. Eager: ``afd_ext.bench.timing.time_eager`` over single layers.
 Graph: ``GraphController`` captures ``--layers`` layers on both roles (after an
@@ -53,7 +52,7 @@ def _worker(rank: int, nprocs: int, args: dict, port: int) -> dict:
     from afd_ext.bench.timing import summarize, time_eager, time_graph
     from afd_ext.graphs import StepMode
 
-    setup = Setup(1, 1, hidden=args["hidden"], layers=args["layers"], wire_format=args["wire_format"],
+    setup = Setup(1, 1, hidden=args["hidden"], layers=args["layers"],
                   logits_width=args["logits_width"])
     ctx = _Ctx(rank, setup, port, nprocs)
     timed = ctx.role == "attention"
@@ -84,7 +83,7 @@ def _worker(rank: int, nprocs: int, args: dict, port: int) -> dict:
             if timed:
                 e, g = summarize(eager), summarize(graph)
                 rows.append({
-                    "tokens": t, "wire_format": sched.wire_format(0),
+                    "tokens": t,
                     "eager_us": dataclasses.asdict(e),
                     "graph_us": dataclasses.asdict(g),
                     "speedup_median": e.median / g.median if g.median else None,
@@ -103,7 +102,6 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--logits-width", type=int, default=256)
     p.add_argument("--layers", type=int, default=16, help="layers captured per graph")
-    p.add_argument("--wire-format", default="auto", choices=["auto", "packed", "per_tensor"])
     p.add_argument("--iters", type=int, default=400, help="timed eager layers")
     p.add_argument("--replays", type=int, default=50, help="timed graph replays")
     p.add_argument("--warmup", type=int, default=20)
@@ -122,7 +120,7 @@ def main(argv=None) -> int:
     if not ops.is_cuda_built():
         p.error("afd_ext was built without CUDA")
     args = {"tokens": a.tokens, "hidden": a.hidden, "logits_width": a.logits_width, "layers": a.layers,
-            "wire_format": a.wire_format, "iters": a.iters, "replays": a.replays, "warmup": a.warmup}
+            "iters": a.iters, "replays": a.replays, "warmup": a.warmup}
     env = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
     reports = run_workers(_worker, 2, (args, find_free_port()), timeout_s=a.timeout, env=env,
                           per_rank_env=placement.env())
@@ -134,10 +132,10 @@ def main(argv=None) -> int:
         "token_ids": "int32", "layers_per_graph": a.layers, "torch": torch.__version__,
         "nccl": ops.build_info().get("nccl_runtime"), "device": torch.cuda.get_device_name(0), "rows": rows,
     }
-    print(f"{'tokens':>6} {'wire':>10} {'eager p50 (p10-p90) us':>26} {'graph p50 (p10-p90) us':>26} {'x':>5}")
+    print(f"{'tokens':>6} {'eager p50 (p10-p90) us':>26} {'graph p50 (p10-p90) us':>26} {'x':>5}")
     for r in rows:
         e, g = r["eager_us"], r["graph_us"]
-        print(f"{r['tokens']:>6} {r['wire_format']:>10} "
+        print(f"{r['tokens']:>6} "
               f"{e['median']:>9.1f} ({e['p10']:.1f}-{e['p90']:.1f}){'':>4} "
               f"{g['median']:>9.1f} ({g['p10']:.1f}-{g['p90']:.1f}){'':>4} {r['speedup_median']:>5.2f}")
     if a.out:
