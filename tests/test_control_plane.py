@@ -795,3 +795,16 @@ def test_control_table_has_each_gap_channel_and_the_reference():
     text = format_control_table(rows, ("shm", "tcp"))
     assert "| 1 ms |" in text and "reference pattern" in text
     assert f"{shm['p50_us']:.1f} / {shm['p99_us']:.1f}" in text
+
+
+def test_a_reset_tcp_connection_is_a_named_peer_death_at_once():
+    import struct
+
+    with _pair("tcp", heartbeat_timeout_s=60.0) as (rx, tx):
+        tx._hb_stop.set()
+        tx._sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        tx._sock.close()  # an RST, no goodbye: the sender's process died
+        t0 = time.monotonic()
+        with pytest.raises(cp.PeerDeadError, match=f"peer {re.escape(ATTN)} is dead: (connection lost|its connection closed)"):
+            rx.recv(None)
+        assert time.monotonic() - t0 < 0.5

@@ -68,7 +68,8 @@ def open_control_channels(
     Raises:
         AFDConfigError: unknown ``kind`` or role, or the two ends chose different kinds.
         RendezvousTimeoutError: a peer did not show up in time (named).
-        RuntimeError: ``shm`` forced across hosts.
+        RendezvousError: ``shm`` between ranks that do not share ``/dev/shm`` (advises ``tcp``).
+        PeerDeadError: the FFN rank created its shm segment, then exited or removed it during init.
         StepAbortedError: an abort was posted meanwhile.
     """
     if kind not in CHANNEL_KINDS:

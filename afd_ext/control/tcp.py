@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from afd_ext import rendezvous as rdzv
-from afd_ext.errors import ControlChannelClosed, ControlProtocolError, PeerDeadError
+from afd_ext.errors import AFDPeerError, ControlChannelClosed, ControlProtocolError, PeerDeadError
 
 from .channel import _OP_SEND, ControlChannel, logger
 
@@ -45,7 +45,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     while len(buf) < n:
         chunk = sock.recv(n - len(buf))
         if not chunk:
-            raise ConnectionError("connection closed")
+            raise AFDPeerError("connection closed")
         buf += chunk
     return buf
 
