@@ -41,7 +41,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from afd_ext.errors import AFDConfigError
+from afd_ext.errors import AFDConfigError, AFDDeviceError
 
 __all__ = ["CUDA_SRC", "STRUCTURES", "Plan", "build_parser", "parse_plan", "main"]
 
@@ -392,9 +392,9 @@ def build_library(arch: str = "sm_90") -> str:
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     except (OSError, subprocess.SubprocessError) as e:
-        raise RuntimeError(f"cannot compile the bench kernels ({' '.join(cmd)}): {e}") from e
+        raise AFDDeviceError(f"cannot compile the bench kernels ({' '.join(cmd)}): {e}") from e
     if r.returncode != 0:
-        raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{r.stdout}{r.stderr}")
+        raise AFDDeviceError(f"nvcc failed ({' '.join(cmd)}):\n{r.stdout}{r.stderr}")
     os.replace(so + ".tmp", so)
     with open(so + ".ptxas.txt", "w") as f:
         f.write(r.stderr)
@@ -423,7 +423,7 @@ class _Lib:
     def call(self, name: str, *args) -> None:
         err = getattr(self.lib, name)(*args)
         if err:
-            raise RuntimeError(f"{name}: CUDA error {err}")
+            raise AFDDeviceError(f"{name}: CUDA error {err}")
 
     def parts(self, srcs, dsts):
         n = len(srcs)
