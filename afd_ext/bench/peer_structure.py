@@ -10,7 +10,7 @@ and ``H`` bf16 back (the FFN replies with its fan-in hidden states). Structures:
 * ``min``: put kernel (multi-block copy, last block releases a flag) + wait-and-copy-out kernel on the
   attention side; wait kernel + put kernel on the FFN side;
 * ``fused``: ``min`` with the attention side's put and wait in one kernel;
-* ``plane``: :class:`afd_ext.peer_memory.PeerPlane` put/wait, as
+* ``plane``: :class:`afd_ext.transport.peer.PeerPlane` put/wait, as
   ``tests/gpu/test_peer_gpu.py::test_round_trip_time_in_graphs_on_one_gpu`` uses it.
 
 ``AFD_PEER_STRUCTURE_ONE_GPU=1`` keeps both roles on cuda:0 where two GPUs are
@@ -468,7 +468,7 @@ class _Case:
     def _make_plane(self) -> None:
         import torch
 
-        from afd_ext.peer_memory import PeerPlane, WireSpec
+        from afd_ext.transport.peer.plane import PeerPlane, WireSpec
         from afd_ext.topology import ATTENTION, FFN, Topology
 
         p = self.plan

@@ -33,7 +33,7 @@ import torch
 ops = pytest.importorskip("afd_ext.ops", reason="afd_ext._C is not built")
 
 from afd_ext.errors import AFDAbortedError, AFDConfigError, AFDProtocolError, AFDTimeoutError  # noqa: E402
-from afd_ext.peer_memory import PeerPlane, WireSpec, open_plane  # noqa: E402
+from afd_ext.transport.peer.plane import PeerPlane, WireSpec, open_plane  # noqa: E402
 from afd_ext.topology import ATTENTION, FFN, Topology  # noqa: E402
 
 pytestmark = [
@@ -513,7 +513,7 @@ def _ipc_worker(rank, nprocs, port, A, F, steps, victim):
     import torch
 
     from afd_ext import rendezvous
-    from afd_ext.peer_memory import open_plane
+    from afd_ext.transport.peer.plane import open_plane
 
     topo = Topology(A, F)
     role, rr = (FFN, rank) if rank < F else (ATTENTION, rank - F)
