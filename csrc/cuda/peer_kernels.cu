@@ -228,11 +228,14 @@ __global__ void __launch_bounds__(kThreads) peer_put_kernel(const __grid_constan
     if (atom_add_acq_rel_gpu(done, 1u) != gridDim.x - 1) return;
     *done = 0;  // the next launch of this slot is stream-ordered after this one
   }
-  if (ld_relaxed_gpu(p.failed) != 0) return;  // failed meanwhile: publish nothing
+  // Both loads are in flight while the fence drains this thread's memory operations.
   unsigned long long* c = p.counters + static_cast<long long>(a.slot) * p.max_peers;
+  const int late = ld_relaxed_gpu(p.failed);
+  const unsigned long long first = np > 0 ? c[0] : 0;
   fence_acq_rel_sys();  // one fence + relaxed stores: a release for every flag
+  if (late != 0) return;  // failed meanwhile: publish nothing
   for (int i = 0; i < np; ++i) {
-    const unsigned long long seq = c[i] + 1;
+    const unsigned long long seq = (i == 0 ? first : c[i]) + 1;
     c[i] = seq;
     st_relaxed_sys(a.flag[i], p.gen_bits | seq);
   }
