@@ -16,6 +16,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 
 #include "../peer.h"
 
@@ -61,6 +62,22 @@ __device__ __forceinline__ int ld_relaxed_gpu_nomem(const int* p) {
 // Host-mapped word: a volatile load goes over the bus every time.
 __device__ __forceinline__ long long ld_volatile_host(const long long* p) {
   return *reinterpret_cast<const volatile long long*>(p);
+}
+
+// Programmatic dependent launch (Hopper+; no-ops when the launch did not ask
+// for it). Rule: a kernel triggers its dependents only after its own
+// griddepcontrol.wait, so when a kernel starts, every kernel two or more
+// launches before it on the stream has finished and its writes are visible.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 }
 
 __device__ __forceinline__ unsigned long long globaltimer_ns() {
@@ -205,6 +222,7 @@ struct WaitArgs {
 template <int P>
 __global__ void __launch_bounds__(kThreads) peer_put_kernel(const __grid_constant__ PutArgs<P> a) {
   const PeerPlaneDev& p = a.plane;
+  pdl_wait();  // the rows may come from the kernel before
   // A failed plane writes nothing: a peer must never take data put after a
   // failure. Read by every thread (one broadcast load per warp, no barrier);
   // the copy issues its first loads before it needs the answer.
@@ -220,6 +238,7 @@ __global__ void __launch_bounds__(kThreads) peer_put_kernel(const __grid_constan
                  a.rows[i] * rb, t, nt, dead);
     }
   }
+  pdl_trigger();  // the next kernel (a wait) may start spinning while the flags go out
   __syncthreads();
   if (threadIdx.x != 0) return;
   if (gridDim.x > 1) {
@@ -262,7 +281,12 @@ __global__ void __launch_bounds__(kThreads) peer_wait_kernel(const __grid_consta
       for (int i = 0; i < a.npeers; ++i) c[i] += 1;
     }
   }
-  if (!__syncthreads_and(ok)) return;
+  // With PDL the spin above overlapped the kernel before (it reads only this
+  // slot's counters, last written two launches back); the copy into `out` waits.
+  const int all_ok = __syncthreads_and(ok);
+  pdl_wait();
+  if (!all_ok) return;
+  pdl_trigger();
   if (a.copy_bytes > 0) {
     const long long t = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
     const long long nt = static_cast<long long>(gridDim.x) * blockDim.x;
@@ -276,6 +300,31 @@ int blocks_for(long long bytes, int max_blocks) {
   if (b < 1) b = 1;
   if (b > max_blocks) b = max_blocks;
   return static_cast<int>(b);
+}
+
+// AFD_PEER_PDL=1 (read at each launch, so at capture time for a graph): launch
+// with programmatic stream serialization (Hopper+), see pdl_wait/pdl_trigger.
+bool pdl_enabled() {
+  const char* e = std::getenv("AFD_PEER_PDL");  // afd_ext.envs.parse_bool's true values
+  if (e == nullptr) return false;
+  const char c = e[0] | 0x20;
+  return e[0] == '1' || c == 't' || c == 'y' || (c == 'o' && (e[1] | 0x20) == 'n');
+}
+
+template <class Args>
+int launch(void (*kernel)(Args), const Args& a, int grid, cudaStream_t stream) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(grid));
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl_enabled() ? 1 : 0;
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, a);
+  return static_cast<int>(e != cudaSuccess ? e : cudaGetLastError());
 }
 
 template <int P>
@@ -298,8 +347,7 @@ int launch_put(const PeerPutArgs& in, int grid, cudaStream_t stream) {
     a.src_row[i] = on ? in.src_row[i] : 0;
     a.dst_row[i] = on ? in.dst_row[i] : 0;
   }
-  peer_put_kernel<P><<<grid, kThreads, 0, stream>>>(a);
-  return static_cast<int>(cudaGetLastError());
+  return launch(&peer_put_kernel<P>, a, grid, stream);
 }
 
 template <int P>
@@ -320,8 +368,7 @@ int launch_wait(const PeerWaitArgs& in, int grid, cudaStream_t stream) {
     a.flag[i] = on ? in.flag[i] : nullptr;
     a.peer_id[i] = on ? in.peer_id[i] : 0;
   }
-  peer_wait_kernel<P><<<grid, kThreads, 0, stream>>>(a);
-  return static_cast<int>(cudaGetLastError());
+  return launch(&peer_wait_kernel<P>, a, grid, stream);
 }
 
 }  // namespace
