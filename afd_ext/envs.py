@@ -192,5 +192,5 @@ register("AFD_EXT_REPLACE_P2P", False,
 # --- peer-memory plane (csrc/cuda/peer_kernels.cu reads it at each launch) ------------------
 register("AFD_PEER_PDL", False,
          "peer-memory plane: 1 launches peer_put/peer_wait with programmatic dependent launch "
-         "(Hopper+; each may start while the kernel before it on the stream finishes; read at each "
+         "(Hopper+; its launch overlaps the end of the kernel before it on the stream; read at each "
          "launch, so at capture time for a CUDA graph); experimental, see docs/peer-memory.md", parse_bool)

@@ -65,9 +65,9 @@ __device__ __forceinline__ long long ld_volatile_host(const long long* p) {
 }
 
 // Programmatic dependent launch (Hopper+; no-ops when the launch did not ask
-// for it). Rule: a kernel triggers its dependents only after its own
-// griddepcontrol.wait, so when a kernel starts, every kernel two or more
-// launches before it on the stream has finished and its writes are visible.
+// for it). Both kernels run griddepcontrol.wait before any memory access, so
+// only the launch and block scheduling overlap the kernel before; they trigger
+// their dependents after their copy (put) or their spin (wait).
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -268,6 +268,7 @@ __global__ void __launch_bounds__(kThreads) peer_put_kernel(const __grid_constan
 template <int P>
 __global__ void __launch_bounds__(kThreads) peer_wait_kernel(const __grid_constant__ WaitArgs<P> a) {
   const PeerPlaneDev& p = a.plane;
+  pdl_wait();  // with PDL only the launch overlaps the kernel before, never a memory access
   unsigned long long* c = p.counters + static_cast<long long>(a.slot) * p.max_peers;
   unsigned long long want_seq = 0;
   if (threadIdx.x < a.npeers) want_seq = c[threadIdx.x] + 1;
@@ -281,11 +282,9 @@ __global__ void __launch_bounds__(kThreads) peer_wait_kernel(const __grid_consta
       for (int i = 0; i < a.npeers; ++i) c[i] += 1;
     }
   }
-  // With PDL the spin above overlapped the kernel before (it reads only this
-  // slot's counters, last written two launches back); the copy into `out` waits.
-  const int all_ok = __syncthreads_and(ok);
-  pdl_wait();
-  if (!all_ok) return;
+  if (!__syncthreads_and(ok)) return;
+  // Not before the spin: the next kernel's blocks would hold SMs the peer's put
+  // may need (both roles on one GPU).
   pdl_trigger();
   if (a.copy_bytes > 0) {
     const long long t = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
