@@ -43,7 +43,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from afd_ext.errors import AFDConfigError
+from afd_ext.errors import AFDConfigError, AFDStateError
 
 __all__ = ["CUDA_SRC", "STRUCTURES", "Plan", "build_parser", "parse_plan", "main"]
 
@@ -378,7 +378,7 @@ def build_library(arch: str = "sm_90") -> str:
     """Compile :data:`CUDA_SRC` (cached by source hash) and return the shared library's path.
 
     Raises:
-        RuntimeError: nvcc failed or is missing (its output in the message).
+        AFDConfigError: nvcc failed or is missing (its output in the message).
     """
     key = hashlib.sha256((CUDA_SRC + arch).encode()).hexdigest()[:16]
     cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(tempfile.gettempdir()),
@@ -395,9 +395,9 @@ def build_library(arch: str = "sm_90") -> str:
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     except (OSError, subprocess.SubprocessError) as e:
-        raise RuntimeError(f"cannot compile the bench kernels ({' '.join(cmd)}): {e}") from e
+        raise AFDConfigError(f"cannot compile the bench kernels ({' '.join(cmd)}): {e}") from e
     if r.returncode != 0:
-        raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{r.stdout}{r.stderr}")
+        raise AFDConfigError(f"nvcc failed ({' '.join(cmd)}):\n{r.stdout}{r.stderr}")
     os.replace(so + ".tmp", so)
     with open(so + ".ptxas.txt", "w") as f:
         f.write(r.stderr)
@@ -426,7 +426,7 @@ class _Lib:
     def call(self, name: str, *args) -> None:
         err = getattr(self.lib, name)(*args)
         if err:
-            raise RuntimeError(f"{name}: CUDA error {err}")
+            raise AFDStateError(f"{name}: CUDA error {err}")
 
     def parts(self, srcs, dsts):
         n = len(srcs)
