@@ -154,3 +154,9 @@ register("AFD_EXT_REPLACE_P2P", False,
          "afd-plugin integration: 1 registers afd_ext under the reference's connector name "
          "'P2pNcclAFDConnector' (replacing the reference's NCCL connector) when vLLM loads its plugins, "
          "so the reference's runners build afd_ext; set it in every attention and FFN process", parse_bool)
+
+# --- peer-memory plane (csrc/cuda/peer_kernels.cu reads it at each launch) ------------------
+register("AFD_PEER_PDL", False,
+         "peer-memory plane: 1 launches peer_put/peer_wait with programmatic dependent launch "
+         "(Hopper+; its launch overlaps the end of the kernel before it on the stream; read at each "
+         "launch, so at capture time for a CUDA graph); experimental, see docs/peer-memory.md", parse_bool)

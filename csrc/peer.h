@@ -3,11 +3,11 @@
 // Rules the kernels (cuda/peer_kernels.cu) implement and docs/peer-memory.md
 // explains:
 // * A flag is a 64-bit word in the *receiver's* memory: generation << 48 | seq.
-//   The writer publishes it with st.release.sys after a fence.sc.sys that
-//   follows all of its data stores; the reader spins with ld.relaxed.sys and
-//   takes the data after fence.acq_rel.sys. A value with another generation is
-//   stale (never taken); one of this generation but a later seq is a protocol
-//   error.
+//   The writer publishes it with fence.acq_rel.sys + st.relaxed.sys (a release)
+//   after all of its data stores (several blocks: each block's fence.acq_rel.sys
+//   and arrival, the last block publishes); the reader spins with
+//   ld.acquire.sys. A value with another generation is stale (never taken); one
+//   of this generation but a later seq is a protocol error.
 // * Sequence numbers live in device memory (PeerPlaneDev::counters) and advance
 //   inside the kernels, so a captured CUDA graph replays with no host update.
 // * Every spin has a deadline measured with %globaltimer; on expiry the first
@@ -22,7 +22,8 @@
 
 namespace afd {
 
-// Most peers one call may name (kernel-argument space: 4 KB).
+// Most peers one call may name (the launcher passes the kernels arguments sized
+// for 1, 8 or this many peers).
 constexpr int kPeerMaxPeers = 64;
 // Wire tensors per put (hidden states, router logits, token ids).
 constexpr int kPeerMaxParts = 3;

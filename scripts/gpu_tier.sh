@@ -12,7 +12,7 @@
 #
 #   bash scripts/gpu_tier.sh [phase ...]
 #
-# Phases (default: build tests time bench demo):
+# Phases (default: build tests time peer-structure bench demo):
 #   build        pip install -e . against the machine's torch, then `afd-ext info`
 #   tests        pytest -m gpu $GPU_TESTS (default: tests), -k "$PYTEST_K" when set, per-test durations.
 #                TEST_JOBS=3 (only without GPU_TESTS) runs three pytest processes at once, each
@@ -23,7 +23,11 @@
 #   time         tests/gpu/time_graph_exchange.py (per-layer exchange, eager vs CUDA graph)
 #   bench-quick  afd-ext bench --quick (two variants, eager): the smoke test
 #   bench-check  afd-ext bench --check: every variant bit-exact, eager + graph
-#   bench        the default sweep, $BENCH_ARGS appended
+#   peer-structure  afd-ext bench --peer-structure (issue #35): the peer-memory plane against
+#                minimal put/wait kernels, ratio per size; with two GPUs attention on cuda:0 and
+#                FFN on cuda:1 (NVLink), and again both on cuda:0 (the one-GPU records)
+#   bench        the default sweep (every variant: ours, reference, raw, bare, torch_dist, peer;
+#                one process per GPU on two GPUs), $BENCH_ARGS appended
 #   demo         the demo at 1A1F --dims deepseek-v2-lite and at 2A1F (NCCL)
 # Every phase runs under `timeout` (PHASE_TIMEOUT seconds, default 300; the tests
 # phase TESTS_TIMEOUT, default 450).
@@ -34,7 +38,7 @@ mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
-phases=${*:-build tests time bench demo}
+phases=${*:-build tests time peer-structure bench demo}
 PY=${PY:-python3}
 status=0
 run() {  # run NAME CMD...: log to $OUT/NAME.log, remember failures, keep going
@@ -95,6 +99,17 @@ for phase in $phases; do
              --no-control --no-progress --case-timeout 30 --timeout 120 --out "$OUT/bench-quick" ;;
     bench-check) run bench-check $PY -m afd_ext bench --check --no-progress --case-timeout 30 --timeout 160 \
              --out "$OUT/bench-check" ;;
+    peer-structure)
+          ngpu=$($PY -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+          if [ "$ngpu" -ge 1 ]; then
+            run peer-structure $PY -m afd_ext bench --peer-structure --out "$OUT/peer-structure"
+            if [ "$ngpu" -ge 2 ]; then
+              run peer-structure-1gpu env AFD_PEER_STRUCTURE_ONE_GPU=1 \
+                $PY -m afd_ext bench --peer-structure --out "$OUT/peer-structure-1gpu"
+            fi
+          else
+            echo "=== peer-structure: skipped: no CUDA GPU visible" | tee -a "$OUT/summary.txt"
+          fi ;;
     bench) timed bench $PY -m afd_ext bench --no-progress ${BENCH_ARGS:-} --out "$OUT/bench" ;;
     demo) run demo-1a1f $PY -m afd_ext demo --backend nccl --topology 1A1F --dims deepseek-v2-lite --json "$OUT/demo-1a1f.json"
           run demo-2a1f $PY -m afd_ext demo --backend nccl --topology 2A1F --json "$OUT/demo-2a1f.json" ;;

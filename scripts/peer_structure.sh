@@ -5,9 +5,9 @@
 #   OUT=... bash scripts/peer_structure.sh            # ~3-5 min
 #
 # 1. build afd_ext against the machine's torch (SKIP_BUILD=1 skips it);
-# 2. `afd-ext bench --peer-structure`: floor / min / fused / plane at 1..8192 tokens, µs per
+# 2. `afd-ext bench --peer-structure`: floor / min / fused / plane / plane_pdl at 1..8192 tokens, µs per
 #    round trip and plane/min ratio (every case validated once on fresh data);
-# 3. the PyTorch profiler on one concurrent replay of min, fused, plane at 1 and 8192 tokens:
+# 3. the PyTorch profiler on one concurrent replay of min, fused, plane, plane_pdl at 1 and 8192 tokens:
 #    per-kernel mean duration, grid, block, registers;
 # 4. ncu (kernel-serialised, so one eager round trip on ONE stream: --serial) of min and plane
 #    at 1 and 8192 tokens: duration, launch shape, registers, occupancy limits, throughput;
@@ -41,7 +41,7 @@ if [ "${SKIP_BUILD:-0}" != 1 ]; then
 fi
 PS=($PY -m afd_ext bench --peer-structure)
 step bench 120 "${PS[@]}" --out "$OUT"
-step profile 90 "${PS[@]}" --structures min,fused,plane --tokens 1,8192 --replays 2 --torch-profile --out "$OUT"
+step profile 90 "${PS[@]}" --structures min,fused,plane,plane_pdl --tokens 1,8192 --replays 2 --torch-profile --out "$OUT"
 NCU=${NCU:-$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)}
 if [ -n "$NCU" ]; then
   step ncu 120 "$NCU" --clock-control none --kernel-name "regex:min_|peer_" --csv --log-file "$OUT/ncu.csv" \

@@ -43,7 +43,7 @@ class Scenario:
         hidden, layers, dtype: model facts (dtype by name).
         logits_width, logits_dtype, send_ids: optional wire tensors.
         strict: strict-mode headers.
-        transport: ``"gloo"``, ``"nccl"``, ``"peer"`` or ``"auto"`` (``auto`` on a GPU: peer or NCCL).
+        transport: ``"gloo"``, ``"nccl"``, ``"peer"`` or ``"auto"`` (``auto`` on a GPU: NCCL, peer memory where NCCL cannot serve).
         overlap: attention sends every stage of a layer before receiving (DBO
             style); else send/receive per stage.
         step_timeout_s: the data-plane deadline.

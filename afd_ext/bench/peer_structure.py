@@ -10,8 +10,10 @@ and ``H`` bf16 back (the FFN replies with its fan-in hidden states). Structures:
 * ``min``: put kernel (multi-block copy, last block releases a flag) + wait-and-copy-out kernel on the
   attention side; wait kernel + put kernel on the FFN side;
 * ``fused``: ``min`` with the attention side's put and wait in one kernel;
-* ``plane``: :class:`afd_ext.peer_memory.PeerPlane` put/wait, as
-  ``tests/gpu/test_peer_gpu.py::test_round_trip_time_in_graphs_on_one_gpu`` uses it.
+* ``plane``: :class:`afd_ext.transport.peer.PeerPlane` put/wait, as
+  ``tests/gpu/test_peer_gpu.py::test_round_trip_time_in_graphs_on_one_gpu`` uses it;
+* ``plane_pdl``: ``plane`` captured with ``AFD_PEER_PDL=1`` (programmatic dependent launch:
+  each plane kernel's launch overlaps the end of the one before it on the stream).
 
 ``AFD_PEER_STRUCTURE_ONE_GPU=1`` keeps both roles on cuda:0 where two GPUs are
 visible. The floor copies its one token's data too (so it is validated like the rest).
@@ -45,7 +47,8 @@ from afd_ext.errors import AFDConfigError, AFDDeviceError
 
 __all__ = ["CUDA_SRC", "STRUCTURES", "Plan", "build_parser", "parse_plan", "main"]
 
-STRUCTURES = ("floor", "min", "fused", "plane")
+STRUCTURES = ("floor", "min", "fused", "plane", "plane_pdl")
+PLANES = ("plane", "plane_pdl")  # structures that run afd_ext's PeerPlane
 DEFAULT_TOKENS = (1, 8, 128, 1024, 8192)
 THREADS = 512  # threads per block of every minimal kernel (the plane's kThreads)
 BYTES_PER_BLOCK = 64 << 10  # the plane's launch rule (blocks_for): ~64 KiB per block
@@ -375,7 +378,7 @@ def build_library(arch: str = "sm_90") -> str:
     """Compile :data:`CUDA_SRC` (cached by source hash) and return the shared library's path.
 
     Raises:
-        RuntimeError: nvcc failed or is missing (its output in the message).
+        AFDConfigError: nvcc failed or is missing (its output in the message).
     """
     key = hashlib.sha256((CUDA_SRC + arch).encode()).hexdigest()[:16]
     cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(tempfile.gettempdir()),
@@ -453,7 +456,7 @@ class _Case:
         self.out = torch.empty(tokens, H, dtype=torch.bfloat16, device=att_dev)
         self.sms = torch.cuda.get_device_properties(att_dev).multi_processor_count
         self.plane = None
-        if structure == "plane":
+        if structure in PLANES:
             self._make_plane()
         else:
             self.fan_in = tuple(torch.empty_like(t, device=ffn_dev) if t is not None else None for t in self.inp)
@@ -468,7 +471,7 @@ class _Case:
     def _make_plane(self) -> None:
         import torch
 
-        from afd_ext.peer_memory import PeerPlane, WireSpec
+        from afd_ext.transport.peer.plane import PeerPlane, WireSpec
         from afd_ext.topology import ATTENTION, FFN, Topology
 
         p = self.plan
@@ -521,7 +524,7 @@ class _Case:
     def att_rounds(self, n: int) -> None:
         """n round trips of the attention side on the current stream."""
         s, T, lib = self.structure, self.T, self.lib
-        if s == "plane":
+        if s in PLANES:
             for layer in range(n):
                 self.att.put(0, self.inp, [T], [0])
                 self.att.wait(0, T, layer=layer, out=self.out)
@@ -552,7 +555,7 @@ class _Case:
     def ffn_rounds(self, n: int) -> None:
         """n round trips of the FFN side on the current stream (it echoes its fan-in hidden states)."""
         s, T, lib = self.structure, self.T, self.lib
-        if s == "plane":
+        if s in PLANES:
             for layer in range(n):
                 x, _lg, _ids = self.ffn.wait(0, T, layer=layer)
                 self.ffn.put(0, (x,), [T], [0])
@@ -595,10 +598,19 @@ def _run_case(plan: Plan, case: _Case, prof_dir: Optional[str]) -> dict:
 
     devs = sorted({case.att_dev.index, case.ffn_dev.index})
     ga, gf = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-    with torch.cuda.device(case.ffn_dev), torch.cuda.graph(gf, stream=case.sf):
-        case.ffn_rounds(plan.rounds)
-    with torch.cuda.device(case.att_dev), torch.cuda.graph(ga, stream=case.sa):
-        case.att_rounds(plan.rounds)
+    pdl_before = os.environ.get("AFD_PEER_PDL")
+    if case.structure == "plane_pdl":  # read by the plane's launcher at capture time
+        os.environ["AFD_PEER_PDL"] = "1"
+    try:
+        with torch.cuda.device(case.ffn_dev), torch.cuda.graph(gf, stream=case.sf):
+            case.ffn_rounds(plan.rounds)
+        with torch.cuda.device(case.att_dev), torch.cuda.graph(ga, stream=case.sa):
+            case.att_rounds(plan.rounds)
+    finally:
+        if pdl_before is None:
+            os.environ.pop("AFD_PEER_PDL", None)
+        else:
+            os.environ["AFD_PEER_PDL"] = pdl_before
     _sync(devs)
 
     def replay() -> float:
@@ -706,12 +718,13 @@ def _table(recs: list[dict], plan: Plan) -> str:
             r = by.get((s, t))
             cells.append("" if r is None else f"{r['best_us']:.2f}" + ("" if r["valid"] else " INVALID"))
         lines.append(f"| {s} | " + " | ".join(cells) + " |")
-    if "plane" in plan.structures and "min" in plan.structures:
-        cells = []
-        for t in plan.tokens:
-            a, b = by.get(("plane", t)), by.get(("min", t))
-            cells.append(f"{a['best_us'] / b['best_us']:.2f}x" if a and b else "")
-        lines.append("| plane/min | " + " | ".join(cells) + " |")
+    for plane in PLANES:
+        if plane in plan.structures and "min" in plan.structures:
+            cells = []
+            for t in plan.tokens:
+                a, b = by.get((plane, t)), by.get(("min", t))
+                cells.append(f"{a['best_us'] / b['best_us']:.2f}x" if a and b else "")
+            lines.append(f"| {plane}/min | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -725,16 +738,16 @@ def run(plan: Plan, out: Optional[str]) -> int:
 
     if not torch.cuda.is_available() or torch.cuda.device_count() < 1:
         raise AFDConfigError("needs a CUDA GPU (none is visible)")
-    if "plane" in plan.structures:
+    if set(PLANES) & set(plan.structures):
         from afd_ext import ops
 
         if not ops.is_cuda_built():
-            raise AFDConfigError("the 'plane' structure needs a CUDA build of afd_ext (this build has no CUDA ops)")
+            raise AFDConfigError("the 'plane' structures need a CUDA build of afd_ext (this build has no CUDA ops)")
     two = torch.cuda.device_count() >= 2 and os.environ.get("AFD_PEER_STRUCTURE_ONE_GPU") != "1" \
         and not plan.serial  # one stream: one GPU
     att_dev, ffn_dev = torch.device("cuda", 0), torch.device("cuda", 1 if two else 0)
     lib = None
-    if any(s != "plane" for s in plan.structures):
+    if any(s not in PLANES for s in plan.structures):
         lib = _Lib(build_library())
         if two:
             for a, b in ((0, 1), (1, 0)):

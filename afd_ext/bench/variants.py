@@ -489,7 +489,7 @@ class PeerMemory(Variant):
         super().__init__(ctx, case)
         import torch.distributed as dist
 
-        from afd_ext.peer_memory import WireSpec, open_plane
+        from afd_ext.transport.peer.plane import WireSpec, open_plane
 
         store, topo = ctx.extra.get("store"), ctx.extra.get("topology")
         if store is None or topo is None:

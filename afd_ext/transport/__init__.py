@@ -5,7 +5,8 @@
 * ``"gloo"``: :class:`~afd_ext.transport.gloo.GlooTransport` - CPU tensors over
   ``torch.distributed`` gloo (the CI path; same connector logic).
 * ``"peer"``: :class:`~afd_ext.transport.peer.PeerTransport` - CUDA tensors written
-  straight into the peer's memory over CUDA IPC (one node; docs/peer-memory.md).
+  straight into the peer's memory over CUDA IPC (one node; the plane and the
+  transport live in the :mod:`afd_ext.transport.peer` package; docs/peer-memory.md).
 
 The contract lives in :mod:`afd_ext.transport.base`; strict-mode headers in
 :mod:`afd_ext.transport.strict` (a wrapper over any transport). The one
@@ -15,7 +16,7 @@ Importing this package imports no transport (the NCCL one needs the compiled ops
 
 Which transport a connector uses is one rule, written here once: an explicit
 ``connector_extra_config.transport`` wins; ``"auto"`` (the default) walks
-:data:`AUTO_ORDER` (peer, NCCL, gloo) and keeps the transports that move the
+:data:`AUTO_ORDER` (NCCL, peer, gloo) and keeps the transports that move the
 tensors' device type (``device=``) or, without one, that can run on this
 machine (:meth:`~afd_ext.transport.base.Transport.unavailable`).
 :func:`select_transport` names the first of them before anything is built (it
@@ -82,8 +83,10 @@ _REGISTRY: dict[str, str] = {
 #: Transport names accepted by the connector's ``transport`` setting (built-in ones).
 TRANSPORT_KINDS = tuple(_REGISTRY) + ("auto",)
 
-#: The transports ``transport: "auto"`` considers, best first.
-AUTO_ORDER: list[str] = ["peer", "nccl", "gloo"]
+#: The transports ``transport: "auto"`` considers, best first. Peer memory stays behind NCCL
+#: until a two-GPU timing shows it ahead (issue #35: on one GPU it is only measured against
+#: its own minimal kernels; NCCL's 8192-token round trip on 2x H200 is 724.7 us).
+AUTO_ORDER: list[str] = ["nccl", "peer", "gloo"]
 
 
 def register_transport(name: str, target: str | type[Transport], *, auto: bool = False) -> None:
@@ -225,9 +228,10 @@ def auto_transport(setup: TransportSetup) -> Transport:
     """Build ``transport: "auto"``'s first candidate that serves this AFD world (collective).
 
     The candidates are :func:`select_transport`'s, for ``setup.device``'s type,
-    in :data:`AUTO_ORDER`: on CUDA, the peer-memory plane when every rank opens
-    every peer's memory and a flag round trip succeeds (its set-up decides on
-    every rank together; host names are never consulted), else NCCL; on CPU, gloo.
+    in :data:`AUTO_ORDER`: on CUDA, NCCL, else (its set-up cannot serve this
+    world) the peer-memory plane when every rank opens every peer's memory and a
+    flag round trip succeeds (decided on every rank together; host names are
+    never consulted); on CPU, gloo.
 
     Raises:
         AFDConfigError: no transport moves tensors of that device type here.

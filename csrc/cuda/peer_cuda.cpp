@@ -183,7 +183,8 @@ void check_wire(const char* op, const char* name, const at::Tensor& t, int devic
 }
 
 // Marks the plane failed from the host. Spinning waits read the code word
-// every 64 polls and return; the record of an earlier failure is kept.
+// every 64 polls (block 0 of each; the others see `failed`) and return; the
+// record of an earlier failure is kept.
 void abort_plane(PeerPlane& pl, int64_t op) {
   volatile long long* h = pl.host_err;
   if (h[kPeerErrCode] != 0) return;

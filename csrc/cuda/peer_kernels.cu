@@ -2,17 +2,21 @@
 // per peer) and peer_wait (flags in this rank's memory, then an optional copy).
 //
 // Memory ordering (PTX memory model, written out in docs/peer-memory.md):
-//   writer: every thread stores its data; bar.sync; thread 0 runs fence.sc.sys
-//           and arrives on the launch's block counter (atom.acq_rel.gpu); the
-//           last block to arrive runs fence.sc.sys again and publishes each
-//           peer's flag with st.release.sys (NVSHMEM's put-with-signal order).
-//   reader: one thread per flag spins with ld.relaxed.sys, then runs
-//           fence.acq_rel.sys; bar.sync hands the acquire to the whole block;
-//           later kernels on the stream see the data (kernel boundary).
+//   writer: every thread stores its data; bar.sync; with several blocks, thread 0
+//           runs fence.acq_rel.sys and arrives on the launch's block counter
+//           (atom.acq_rel.gpu); the last block (or the only one) runs one
+//           fence.acq_rel.sys and stores each peer's flag with st.relaxed.sys
+//           (fence + store: a release; NVSHMEM's put-with-signal order).
+//   reader: one thread per flag spins with ld.acquire.sys; bar.sync hands the
+//           acquire to the whole block; later kernels on the stream see the
+//           data (kernel boundary).
+// No fence.sc.sys outside the failure record: under a concurrent copy on the
+// GPU, one per block made the put ~10x slower (issue #35's profile).
 // Includes no torch header, so it compiles in seconds.
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 
 #include "../peer.h"
 
@@ -22,14 +26,14 @@ namespace {
 
 constexpr int kThreads = 512;
 
-__device__ __forceinline__ unsigned long long ld_relaxed_sys(const unsigned long long* p) {
+__device__ __forceinline__ unsigned long long ld_acquire_sys(const unsigned long long* p) {
   unsigned long long v;
-  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
 
-__device__ __forceinline__ void st_release_sys(unsigned long long* p, unsigned long long v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+__device__ __forceinline__ void st_relaxed_sys(unsigned long long* p, unsigned long long v) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
 __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
@@ -48,9 +52,32 @@ __device__ __forceinline__ int ld_relaxed_gpu(const int* p) {
   return v;
 }
 
+// The same without a memory clobber: plain loads may be issued around it.
+__device__ __forceinline__ int ld_relaxed_gpu_nomem(const int* p) {
+  int v;
+  asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
 // Host-mapped word: a volatile load goes over the bus every time.
 __device__ __forceinline__ long long ld_volatile_host(const long long* p) {
   return *reinterpret_cast<const volatile long long*>(p);
+}
+
+// Programmatic dependent launch (Hopper+; no-ops when the launch did not ask
+// for it). Both kernels run griddepcontrol.wait before any memory access, so
+// only the launch and block scheduling overlap the kernel before; they trigger
+// their dependents after their copy (put) or their spin (wait).
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 }
 
 __device__ __forceinline__ unsigned long long globaltimer_ns() {
@@ -62,7 +89,9 @@ __device__ __forceinline__ unsigned long long globaltimer_ns() {
 // Copies n bytes from src to dst with all `nthreads` threads of the grid
 // (thread index `t`): 16-byte vectors (4 in flight per thread) when both ends
 // are 16-byte aligned, 4-byte words when 4-byte aligned, bytes otherwise.
-__device__ void copy_range(char* dst, const char* src, long long n, long long t, long long nthreads) {
+// Stores nothing when `dead` (tested after the first loads are in flight).
+__device__ __forceinline__ void copy_range(char* dst, const char* src, long long n, long long t,
+                                           long long nthreads, int dead) {
   const uintptr_t align = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src);
   long long done = 0;
   if ((align & 15) == 0) {
@@ -72,13 +101,17 @@ __device__ void copy_range(char* dst, const char* src, long long n, long long t,
     long long v = t;
     for (; v + 3 * nthreads < nv; v += 4 * nthreads) {
       const uint4 a = s[v], b = s[v + nthreads], c = s[v + 2 * nthreads], e = s[v + 3 * nthreads];
+      if (dead) return;
       d[v] = a;
       d[v + nthreads] = b;
       d[v + 2 * nthreads] = c;
       d[v + 3 * nthreads] = e;
     }
+    if (dead) return;
     for (; v < nv; v += nthreads) d[v] = s[v];
     done = nv << 4;
+  } else if (dead) {
+    return;
   } else if ((align & 3) == 0) {
     const long long nw = n >> 2;
     const uint32_t* s = reinterpret_cast<const uint32_t*>(src);
@@ -110,17 +143,17 @@ __device__ void record_failure(const PeerPlaneDev& p, int code, int op, int peer
   fence_sc_sys();
 }
 
-// Spins until *flag == gen_bits | want_seq (then acquire, true) or the plane
-// fails / the deadline passes (false). Checks the failure words and the clock
-// every 64 polls: the host word costs a bus read.
-__device__ bool wait_flag(const PeerWaitArgs& a, int i, unsigned long long want_seq) {
+// Spins until *flag == gen_bits | want_seq (acquired, true) or the plane fails
+// / the deadline passes (false). Polls with ld.acquire.sys (no fence after the
+// hit, like the minimal wait). Every 64 polls: the device `failed` word and
+// the clock; block 0 only also reads the host-mapped abort word (a bus read;
+// other blocks see an abort through `failed`, which block 0 sets).
+template <class A>
+__device__ bool wait_flag(const A& a, int i, unsigned long long want_seq) {
   const PeerPlaneDev& p = a.plane;
   const unsigned long long want = p.gen_bits | want_seq;
-  unsigned long long v = ld_relaxed_sys(a.flag[i]);
-  if (v == want) {
-    fence_acq_rel_sys();
-    return true;
-  }
+  unsigned long long v = ld_acquire_sys(a.flag[i]);
+  if (v == want) return true;
   if (ld_relaxed_gpu(p.failed) != 0) return false;
   const unsigned long long t0 = globaltimer_ns();
   for (unsigned it = 1;; ++it) {
@@ -131,10 +164,12 @@ __device__ bool wait_flag(const PeerWaitArgs& a, int i, unsigned long long want_
     }
     if ((it & 63) == 0) {
       if (ld_relaxed_gpu(p.failed) != 0) return false;
-      const long long host_code = ld_volatile_host(p.host_err + kPeerErrCode);
-      if (host_code != 0) {
-        atomicCAS(p.failed, 0, static_cast<int>(host_code));
-        return false;
+      if (blockIdx.x == 0) {
+        const long long host_code = ld_volatile_host(p.host_err + kPeerErrCode);
+        if (host_code != 0) {
+          atomicCAS(p.failed, 0, static_cast<int>(host_code));
+          return false;
+        }
       }
       const unsigned long long waited = globaltimer_ns() - t0;
       if (static_cast<long long>(waited) > a.timeout_ns) {
@@ -142,94 +177,119 @@ __device__ bool wait_flag(const PeerWaitArgs& a, int i, unsigned long long want_
         return false;
       }
     }
-    v = ld_relaxed_sys(a.flag[i]);
-    if (v == want) {
-      fence_acq_rel_sys();
-      return true;
-    }
+    v = ld_acquire_sys(a.flag[i]);
+    if (v == want) return true;
   }
 }
 
-// True in every thread of the block that arrived last on the launch's block
-// counter (which it resets for the next launch of this slot: stream order).
-// Call after the block's work; it orders that work before the caller's next
-// stores at system scope.
-__device__ bool arrive_last(unsigned* done) {
-  __shared__ int last;
-  __syncthreads();
-  if (gridDim.x == 1) {
-    // One block (a decode step): no counter, only the system fence.
-    if (threadIdx.x == 0) fence_sc_sys();
-    __syncthreads();
-    return true;
-  }
-  if (threadIdx.x == 0) {
-    fence_sc_sys();
-    const unsigned prev = atom_add_acq_rel_gpu(done, 1u);
-    last = (prev == gridDim.x - 1);
-    if (last) {
-      *done = 0;
-      fence_sc_sys();
-    }
-  }
-  __syncthreads();
-  return last != 0;
-}
+// Kernel arguments sized on the call's peer count (P = 1, 8 or kPeerMaxPeers):
+// a one-peer put passes ~180 bytes, not PeerPutArgs' 2.7 KB (launch cost).
+template <int P>
+struct PutArgs {
+  PeerPlaneDev plane;
+  int slot;
+  int npeers;
+  int nparts;
+  const char* src[kPeerMaxParts];
+  long long row_bytes[kPeerMaxParts];
+  long long part_off[kPeerMaxParts];
+  char* dst_base[P];
+  unsigned long long* flag[P];
+  long long rows[P];
+  long long src_row[P];
+  long long dst_row[P];
+};
 
-__global__ void __launch_bounds__(kThreads) peer_put_kernel(const __grid_constant__ PeerPutArgs a) {
+template <int P>
+struct WaitArgs {
+  PeerPlaneDev plane;
+  int slot;
+  int npeers;
+  int op;
+  int layer;
+  int stage;
+  long long timeout_ns;
+  const char* copy_src;
+  char* copy_dst;
+  long long copy_bytes;
+  unsigned long long* flag[P];
+  int peer_id[P];
+};
+
+// Writer: rows, bar.sync, then thread 0 of each block fence.acq_rel.sys + arrive
+// (atom.acq_rel.gpu); the last block (or the only one: bar.sync suffices) checks
+// `failed` again and publishes every flag after one fence.acq_rel.sys.
+template <int P>
+__global__ void __launch_bounds__(kThreads) peer_put_kernel(const __grid_constant__ PutArgs<P> a) {
   const PeerPlaneDev& p = a.plane;
-  __shared__ int skip;
-  if (threadIdx.x == 0) skip = ld_relaxed_gpu(p.failed);
-  __syncthreads();
-  // A failed plane writes nothing: a peer must never take data put after a failure.
-  if (skip != 0) return;
+  pdl_wait();  // the rows may come from the kernel before
+  // A failed plane writes nothing: a peer must never take data put after a
+  // failure. Read by every thread (one broadcast load per warp, no barrier);
+  // the copy issues its first loads before it needs the answer.
+  const int dead = ld_relaxed_gpu_nomem(p.failed);
   const long long t = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   const long long nt = static_cast<long long>(gridDim.x) * blockDim.x;
-  for (int i = 0; i < a.npeers; ++i) {
+  const int np = a.npeers < P ? a.npeers : P;  // lets the compiler drop the loops for P = 1
+  for (int i = 0; i < np; ++i) {
     if (a.rows[i] == 0) continue;  // zero-token peers move no bytes (their flag still advances)
     for (int k = 0; k < a.nparts; ++k) {
       const long long rb = a.row_bytes[k];
       copy_range(a.dst_base[i] + a.part_off[k] + a.dst_row[i] * rb, a.src[k] + a.src_row[i] * rb,
-                 a.rows[i] * rb, t, nt);
+                 a.rows[i] * rb, t, nt, dead);
     }
   }
-  if (!arrive_last(p.done + a.slot)) return;
-  // The thread that ran the fences publishes every flag (few peers).
-  if (threadIdx.x == 0) {
-    unsigned long long* c = p.counters + static_cast<long long>(a.slot) * p.max_peers;
-    for (int i = 0; i < a.npeers; ++i) {
-      const unsigned long long seq = c[i] + 1;
-      c[i] = seq;
-      st_release_sys(a.flag[i], p.gen_bits | seq);
-    }
+  pdl_trigger();  // the next kernel (a wait) may start spinning while the flags go out
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  if (gridDim.x > 1) {
+    fence_acq_rel_sys();
+    unsigned* done = p.done + a.slot;
+    if (atom_add_acq_rel_gpu(done, 1u) != gridDim.x - 1) return;
+    *done = 0;  // the next launch of this slot is stream-ordered after this one
+  }
+  // Both loads are in flight while the fence drains this thread's memory operations.
+  unsigned long long* c = p.counters + static_cast<long long>(a.slot) * p.max_peers;
+  const int late = ld_relaxed_gpu(p.failed);
+  const unsigned long long first = np > 0 ? c[0] : 0;
+  fence_acq_rel_sys();  // one fence + relaxed stores: a release for every flag
+  if (late != 0) return;  // failed meanwhile: publish nothing
+  for (int i = 0; i < np; ++i) {
+    const unsigned long long seq = (i == 0 ? first : c[i]) + 1;
+    c[i] = seq;
+    st_relaxed_sys(a.flag[i], p.gen_bits | seq);
   }
 }
 
-__global__ void __launch_bounds__(kThreads) peer_wait_kernel(const __grid_constant__ PeerWaitArgs a) {
+// Reader: threads < npeers read their wait counter and spin on their flag (in
+// every block); meanwhile the block's last thread arrives on the slot's block
+// counter, and the last block to arrive advances the counters (every block has
+// read them: bar.sync before the arrive). No system fence: a wait writes nothing
+// a peer reads.
+template <int P>
+__global__ void __launch_bounds__(kThreads) peer_wait_kernel(const __grid_constant__ WaitArgs<P> a) {
   const PeerPlaneDev& p = a.plane;
-  __shared__ int ok;
-  if (threadIdx.x == 0) ok = 1;
-  __syncthreads();
+  pdl_wait();  // with PDL only the launch overlaps the kernel before, never a memory access
+  unsigned long long* c = p.counters + static_cast<long long>(a.slot) * p.max_peers;
   unsigned long long want_seq = 0;
-  // Every block reads the counters before any block arrives below, and only
-  // the last block to arrive advances them, so all blocks wait for one seq.
-  if (threadIdx.x < a.npeers) {
-    want_seq = p.counters[static_cast<long long>(a.slot) * p.max_peers + threadIdx.x] + 1;
-    if (!wait_flag(a, threadIdx.x, want_seq)) ok = 0;
-  }
+  if (threadIdx.x < a.npeers) want_seq = c[threadIdx.x] + 1;
   __syncthreads();
-  if (ok && a.copy_bytes > 0) {
+  int ok = 1;
+  if (threadIdx.x < a.npeers) {
+    ok = wait_flag(a, threadIdx.x, want_seq);
+  } else if (threadIdx.x == blockDim.x - 1) {
+    if (gridDim.x == 1 || atom_add_acq_rel_gpu(p.done + a.slot, 1u) == gridDim.x - 1) {
+      if (gridDim.x > 1) p.done[a.slot] = 0;
+      for (int i = 0; i < a.npeers; ++i) c[i] += 1;
+    }
+  }
+  if (!__syncthreads_and(ok)) return;
+  // Not before the spin: the next kernel's blocks would hold SMs the peer's put
+  // may need (both roles on one GPU).
+  pdl_trigger();
+  if (a.copy_bytes > 0) {
     const long long t = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
     const long long nt = static_cast<long long>(gridDim.x) * blockDim.x;
-    copy_range(a.copy_dst, a.copy_src, a.copy_bytes, t, nt);
-  }
-  if (gridDim.x == 1) {
-    __syncthreads();
-  } else if (!arrive_last(p.done + a.slot)) {
-    return;
-  }
-  if (threadIdx.x < a.npeers) {
-    p.counters[static_cast<long long>(a.slot) * p.max_peers + threadIdx.x] = want_seq;
+    copy_range(a.copy_dst, a.copy_src, a.copy_bytes, t, nt, 0);
   }
 }
 
@@ -241,6 +301,75 @@ int blocks_for(long long bytes, int max_blocks) {
   return static_cast<int>(b);
 }
 
+// AFD_PEER_PDL=1 (read at each launch, so at capture time for a graph): launch
+// with programmatic stream serialization (Hopper+), see pdl_wait/pdl_trigger.
+bool pdl_enabled() {
+  const char* e = std::getenv("AFD_PEER_PDL");  // afd_ext.envs.parse_bool's true values
+  if (e == nullptr) return false;
+  const char c = e[0] | 0x20;
+  return e[0] == '1' || c == 't' || c == 'y' || (c == 'o' && (e[1] | 0x20) == 'n');
+}
+
+template <class Args>
+int launch(void (*kernel)(Args), const Args& a, int grid, cudaStream_t stream) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(grid));
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl_enabled() ? 1 : 0;
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, a);
+  return static_cast<int>(e != cudaSuccess ? e : cudaGetLastError());
+}
+
+template <int P>
+int launch_put(const PeerPutArgs& in, int grid, cudaStream_t stream) {
+  PutArgs<P> a;
+  a.plane = in.plane;
+  a.slot = in.slot;
+  a.npeers = in.npeers;
+  a.nparts = in.nparts;
+  for (int k = 0; k < kPeerMaxParts; ++k) {
+    a.src[k] = in.src[k];
+    a.row_bytes[k] = in.row_bytes[k];
+    a.part_off[k] = in.part_off[k];
+  }
+  for (int i = 0; i < P; ++i) {
+    const bool on = i < in.npeers;
+    a.dst_base[i] = on ? in.dst_base[i] : nullptr;
+    a.flag[i] = on ? in.flag[i] : nullptr;
+    a.rows[i] = on ? in.rows[i] : 0;
+    a.src_row[i] = on ? in.src_row[i] : 0;
+    a.dst_row[i] = on ? in.dst_row[i] : 0;
+  }
+  return launch(&peer_put_kernel<P>, a, grid, stream);
+}
+
+template <int P>
+int launch_wait(const PeerWaitArgs& in, int grid, cudaStream_t stream) {
+  WaitArgs<P> a;
+  a.plane = in.plane;
+  a.slot = in.slot;
+  a.npeers = in.npeers;
+  a.op = in.op;
+  a.layer = in.layer;
+  a.stage = in.stage;
+  a.timeout_ns = in.timeout_ns;
+  a.copy_src = in.copy_src;
+  a.copy_dst = in.copy_dst;
+  a.copy_bytes = in.copy_bytes;
+  for (int i = 0; i < P; ++i) {
+    const bool on = i < in.npeers;
+    a.flag[i] = on ? in.flag[i] : nullptr;
+    a.peer_id[i] = on ? in.peer_id[i] : 0;
+  }
+  return launch(&peer_wait_kernel<P>, a, grid, stream);
+}
+
 }  // namespace
 
 int peer_put_launch(const PeerPutArgs& args, int max_blocks, void* stream) {
@@ -248,14 +377,19 @@ int peer_put_launch(const PeerPutArgs& args, int max_blocks, void* stream) {
   for (int i = 0; i < args.npeers; ++i) {
     for (int k = 0; k < args.nparts; ++k) bytes += args.rows[i] * args.row_bytes[k];
   }
-  peer_put_kernel<<<blocks_for(bytes, max_blocks), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(args);
-  return static_cast<int>(cudaGetLastError());
+  const int grid = blocks_for(bytes, max_blocks);
+  const auto s = static_cast<cudaStream_t>(stream);
+  if (args.npeers <= 1) return launch_put<1>(args, grid, s);
+  if (args.npeers <= 8) return launch_put<8>(args, grid, s);
+  return launch_put<kPeerMaxPeers>(args, grid, s);
 }
 
 int peer_wait_launch(const PeerWaitArgs& args, int max_blocks, void* stream) {
-  peer_wait_kernel<<<blocks_for(args.copy_bytes, max_blocks), kThreads, 0,
-                     static_cast<cudaStream_t>(stream)>>>(args);
-  return static_cast<int>(cudaGetLastError());
+  const int grid = blocks_for(args.copy_bytes, max_blocks);
+  const auto s = static_cast<cudaStream_t>(stream);
+  if (args.npeers <= 1) return launch_wait<1>(args, grid, s);
+  if (args.npeers <= 8) return launch_wait<8>(args, grid, s);
+  return launch_wait<kPeerMaxPeers>(args, grid, s);
 }
 
 }  // namespace afd

@@ -66,9 +66,10 @@ def test_topologies_peer(A, F, tp):
 
 
 @pytest.mark.parametrize("A,F", [(2, 1)])  # 1A1F is a subset
-def test_auto_picks_peer_memory_on_one_node(A, F):
+def test_auto_picks_nccl_before_peer_memory_on_one_node(A, F):
+    # Peer memory stays behind NCCL in AUTO_ORDER until a two-GPU timing shows it ahead (issue #35).
     _run(cs.Scenario(A=A, F=F, steps=cs.default_steps(A), dtype="bfloat16", hidden=64, logits_width=16,
-                     send_ids=True, strict=False), transport="auto", expect="peer")
+                     send_ids=True, strict=False), transport="auto", expect="nccl")
 
 
 def test_steps_beyond_capacity_go_over_nccl_between_plane_steps():

@@ -33,7 +33,7 @@ import torch
 ops = pytest.importorskip("afd_ext.ops", reason="afd_ext._C is not built")
 
 from afd_ext.errors import AFDAbortedError, AFDConfigError, AFDProtocolError, AFDTimeoutError  # noqa: E402
-from afd_ext.peer_memory import PeerPlane, WireSpec, open_plane  # noqa: E402
+from afd_ext.transport.peer.plane import PeerPlane, WireSpec, open_plane  # noqa: E402
 from afd_ext.topology import ATTENTION, FFN, Topology  # noqa: E402
 
 pytestmark = [
@@ -317,6 +317,16 @@ def test_stress_exchanges_in_graphs_on_concurrent_streams(rows, H, E, exchanges)
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.parametrize("rows,H,E,exchanges", [(2, 256, 8, STRESS_EXCHANGES // 4), (1024, 1024, 64, 20_000)],
+                         ids=["250k-small", "20k-4MiB"])
+def test_stress_exchanges_with_programmatic_dependent_launch(rows, H, E, exchanges, monkeypatch):
+    # AFD_PEER_PDL=1 is read at capture: plane kernels overlap their launch with the kernel before
+    # them (torch kernels in between keep the stream order); every exchange's data is still checked.
+    monkeypatch.setenv("AFD_PEER_PDL", "1")
+    _stress(rows, H, E, exchanges, DEV, DEV)
+
+
+@pytest.mark.timeout(150)
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs: the stress test across NVLink")
 @pytest.mark.distinct_gpus(2, "the memory-ordering rule across NVLink: attention on GPU 0, FFN on GPU 1")
 @pytest.mark.parametrize("rows,H,E,exchanges", [(2, 256, 8, STRESS_EXCHANGES), (1024, 1024, 64, 20_000)],
@@ -513,7 +523,7 @@ def _ipc_worker(rank, nprocs, port, A, F, steps, victim):
     import torch
 
     from afd_ext import rendezvous
-    from afd_ext.peer_memory import open_plane
+    from afd_ext.transport.peer.plane import open_plane
 
     topo = Topology(A, F)
     role, rr = (FFN, rank) if rank < F else (ATTENTION, rank - F)

@@ -1,6 +1,6 @@
 """The peer-memory transport: CUDA tensors written straight into the peer's memory on one node.
 
-A :class:`~afd_ext.peer_memory.PeerPlane` per rank (docs/peer-memory.md): the
+A :class:`~afd_ext.transport.peer.plane.PeerPlane` per rank (docs/peer-memory.md): the
 attention side's ``split_back`` is one ``peer_put`` kernel writing its rows
 into each FFN peer's fan-in region at its fan-in offset; the FFN side's
 ``fan_in`` is one ``peer_wait`` kernel, and when the connector's buffers are
@@ -34,12 +34,12 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from ..errors import AFDConfigError, AFDTimeoutError, AFDTransportError
-from ..peer_memory import PeerPlane, WireSpec, open_plane
-from ..schedule import stage_buffers
-from .base import MessageTag, PendingSend, Transport, TransportSetup
-from .streams import StageStreams
-from .strict import HEADER_WORDS
+from ...errors import AFDConfigError, AFDTimeoutError, AFDTransportError
+from ...schedule import stage_buffers
+from ..base import MessageTag, PendingSend, Transport, TransportSetup
+from ..streams import StageStreams
+from ..strict import HEADER_WORDS
+from .plane import PeerPlane, WireSpec, open_plane
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class PeerTransport(Transport):
     rank cannot open a peer's region or complete the flag round trip).
 
     Attributes:
-        plane: this rank's :class:`~afd_ext.peer_memory.PeerPlane`.
+        plane: this rank's :class:`~afd_ext.transport.peer.plane.PeerPlane`.
         fallback: the NCCL transport for steps beyond the plane's capacity, or None.
         step_kind: ``"peer"`` or ``"nccl"``: the data plane of the current step.
     """
@@ -72,7 +72,7 @@ class PeerTransport(Transport):
     @classmethod
     def unavailable(cls) -> str | None:
         """NCCL's answer: the plane's flag probe and its fallback need a CUDA build and a visible GPU."""
-        from .nccl import NcclTransport
+        from ..nccl import NcclTransport
 
         return NcclTransport.unavailable()
 
@@ -121,7 +121,7 @@ class PeerTransport(Transport):
         fallback = None
         try:
             if with_fallback:
-                from .nccl import NcclTransport
+                from ..nccl import NcclTransport
 
                 fallback = NcclTransport.from_setup(setup)
         except BaseException:
@@ -175,7 +175,12 @@ class PeerTransport(Transport):
     # -- routing and streams ------------------------------------------------------------
 
     def fits(self, schedule: Any) -> bool:
-        """Whether every exchange of ``schedule`` fits the plane (stages, rows)."""
+from ...errors import AFDConfigError, AFDTimeoutError, AFDTransportError
+from ...schedule import stage_buffers
+from ..base import MessageTag, PendingSend, Transport, TransportSetup
+from ..streams import StageStreams
+from ..strict import HEADER_WORDS
+from .plane import PeerPlane, WireSpec, open_plane
         plane = self.plane
         return all(0 <= s < plane.num_stages and max(schedule.rows_vector(s), default=0) <= plane.max_tokens for s in schedule.stages)
 

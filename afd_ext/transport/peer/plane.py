@@ -33,8 +33,8 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from . import ops
-from .errors import (
+from ... import ops
+from ...errors import (
     AFDAbortedError,
     AFDConfigError,
     AFDError,
@@ -43,7 +43,7 @@ from .errors import (
     AFDTimeoutError,
     PeerMemoryUnavailableError,
 )
-from .topology import ATTENTION, FFN, ROLES, Topology, rank_label
+from ...topology import ATTENTION, FFN, ROLES, Topology, rank_label
 
 logger = logging.getLogger(__name__)
 
@@ -528,7 +528,7 @@ class PeerPlane:
 
 def _wait_keys(store, keys: dict[str, int], timeout_s: Optional[float], what: str, topology: Topology) -> None:
     """Wait for every key: the rendezvous helper on an AFDStore, else a bounded poll of ``store.check``."""
-    from . import rendezvous as rdzv
+    from ... import rendezvous as rdzv
 
     if isinstance(store, rdzv.AFDStore):
         rdzv.wait_for_keys(store, keys, timeout_s, what)
@@ -553,7 +553,7 @@ def _verdicts(store, world_rank: int, topology: Topology, name: str, mine: dict,
 
 
 def _unanimous(verdicts: dict[int, dict], topology: Topology, what: str) -> None:
-    from .rendezvous import rank_label
+    from ...rendezvous import rank_label
 
     bad = {rank_label(w, topology.F): v.get("why", "?") for w, v in sorted(verdicts.items()) if not v.get("ok")}
     if bad:

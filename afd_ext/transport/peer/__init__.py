@@ -1,0 +1,41 @@
+"""The peer-memory plane and transport, in one home (docs/peer-memory.md).
+
+* :mod:`.plane`: :class:`PeerPlane` (one rank's receive region, its peers'
+  regions, device counters, failure record) and :func:`open_plane` (collective
+  set-up and proof through the rendezvous store);
+* :mod:`.transport`: :class:`PeerTransport`, the plane behind the transport
+  contract (``connector_extra_config.transport: "peer"``).
+
+Importing this package imports torch and the compiled ops' wrappers.
+"""
+
+from __future__ import annotations
+
+from .plane import (
+    FLAG_STRIDE,
+    OP_NAMES,
+    REGION_ALIGN,
+    PeerFailure,
+    PeerPlane,
+    RegionLayout,
+    WireSpec,
+    failure_error,
+    open_plane,
+)
+from .transport import ABORT_POLL_S, POLL_S, WAIT_BACKSTOP_S, PeerTransport
+
+__all__ = [
+    "REGION_ALIGN",
+    "FLAG_STRIDE",
+    "OP_NAMES",
+    "WireSpec",
+    "RegionLayout",
+    "PeerFailure",
+    "failure_error",
+    "PeerPlane",
+    "open_plane",
+    "PeerTransport",
+    "POLL_S",
+    "ABORT_POLL_S",
+    "WAIT_BACKSTOP_S",
+]
