@@ -175,14 +175,10 @@ class PeerTransport(Transport):
     # -- routing and streams ------------------------------------------------------------
 
     def fits(self, schedule: Any) -> bool:
-from ...errors import AFDConfigError, AFDTimeoutError, AFDTransportError
-from ...schedule import stage_buffers
-from ..base import MessageTag, PendingSend, Transport, TransportSetup
-from ..streams import StageStreams
-from ..strict import HEADER_WORDS
-from .plane import PeerPlane, WireSpec, open_plane
+        """Whether every exchange of ``schedule`` fits the plane (stages, rows)."""
         plane = self.plane
-        return all(0 <= s < plane.num_stages and max(schedule.rows_vector(s), default=0) <= plane.max_tokens for s in schedule.stages)
+        return all(0 <= s < plane.num_stages and max(schedule.rows_vector(s), default=0) <= plane.max_tokens
+                   for s in schedule.stages)
 
     def begin_step(self, schedule: Any) -> None:
         """Pick this step's data plane from the schedule (both sides pick the same) and its streams."""
