@@ -32,8 +32,10 @@ What changes under the reference's runners (all documented in ``docs/vllm.md``):
   (:func:`afd_ext.spec.router_logits_dtype`: float32 for ``glm_moe_dsa`` or
   ``moe_router_dtype: "float32"``, else the model dtype). Each
   ``routing_spec`` the FFN runner passes is checked against them.
-* An orderly close ends afd-plugin's FFN worker loop thread quietly
-  (:class:`FFNLoopEnded`, a ``SystemExit``): see :meth:`AfdExtAFDConnector.close`.
+* An orderly close (this rank's ``close()`` or the source's goodbye) ends
+  afd-plugin's FFN worker loop thread quietly with ``SystemExit``, raised on
+  that thread only (``_end_loop`` says why this is safe); a dead, silent or
+  aborting peer still raises its named error, which the loop records.
 * Facts come from :meth:`afd_ext.spec.ExchangeSpec.from_vllm_config` (the one
   parser, shared with afd_ext's own connector): the init handshake compares
   hidden size, layers, dtypes and the options, not each role's own TP size
@@ -76,7 +78,7 @@ __all__ = [
     "HAVE_AFD_PLUGIN",
     "AdapterExtraConfig",
     "AfdExtAFDConnector",
-    "FFNLoopEnded",
+    "PLUGIN_FFN_LOOP_THREADS",
     "exchange_spec",
     "factory_report",
     "register",
@@ -103,26 +105,8 @@ else:
 
 
 #: Names of the threads afd-plugin's FFN workers run their loop on (``ffn_worker.py`` and
-#: ``npu/ffn_worker.py`` at 2e4378f); only there does an orderly close raise :class:`FFNLoopEnded`.
+#: ``npu/ffn_worker.py`` at 2e4378f); only there does an orderly close raise ``SystemExit``.
 PLUGIN_FFN_LOOP_THREADS = frozenset({"afd-ffn-worker-loop", "afd-npu-ffn-worker-loop"})
-
-
-class FFNLoopEnded(SystemExit):
-    """The control channel closed in order (this rank's ``close()`` or the source's goodbye): the loop ends.
-
-    Raised by ``control_plane.recv_dp_metadata_list`` only on afd-plugin's FFN
-    loop thread (:data:`PLUGIN_FFN_LOOP_THREADS`). Why a ``SystemExit``: that
-    loop (``AFDFFNWorker.start_ffn_server_loop``) records any ``Exception``
-    as a failure and has no other exit while it waits; a ``SystemExit`` passes
-    its ``except Exception``, and Python's ``threading`` ends a thread on it
-    quietly (``threading.excepthook`` ignores it), so ``stop_ffn_server_loop``
-    finds the thread ended and no error, and ``Worker.shutdown()`` runs. Safe
-    for everyone else: any other thread (the main thread included, where a
-    ``SystemExit`` would end the process) gets the named :class:`afd_ext.errors.AFDError`
-    instead. A dead, silent or aborting peer is never an orderly close: it
-    still raises its named error, which the loop records as a failure. The
-    cause is chained (``__cause__``).
-    """
 
 
 #: The vLLM release the integration suite (``make test-vllm``, ``tests/vllm/``) runs against.
@@ -191,6 +175,24 @@ def _log_connected(conn: Any) -> None:
     if v["vllm"] is not None and v["vllm"] != TESTED_VLLM_VERSION:
         logger.warning("afd_ext is tested with vLLM %s (make test-vllm); this is vLLM %s",
                        TESTED_VLLM_VERSION, v["vllm"])
+
+
+def _end_loop(why: str, cause: BaseException) -> None:
+    """End afd-plugin's FFN loop thread after an orderly close: raise ``SystemExit``.
+
+    Why ``SystemExit`` (exactly that class: ``threading.excepthook`` ignores
+    only ``SystemExit`` itself, not a subclass): the loop
+    (``AFDFFNWorker.start_ffn_server_loop``) records any ``Exception`` as a
+    failure and has no other exit while it waits for a payload; a
+    ``SystemExit`` passes its ``except Exception``, and Python's ``threading``
+    ends the thread on it quietly, so ``stop_ffn_server_loop`` finds the thread
+    ended and no error, and vLLM's ``Worker.shutdown()`` runs. Raised only on
+    that loop's own thread (:data:`PLUGIN_FFN_LOOP_THREADS`): any other caller
+    (the main thread included, where a ``SystemExit`` would end the process)
+    gets the named :class:`afd_ext.errors.AFDError`. The cause is chained.
+    """
+    logger.info("afd_ext: the AFD FFN worker loop ends (%s)", why)
+    raise SystemExit(f"AFD FFN worker loop ended: {why}") from cause
 
 
 def _on_plugin_ffn_loop() -> bool:
@@ -412,9 +414,10 @@ if HAVE_AFD_PLUGIN:
             """FFN side: block until the next payload (afd_ext's class; the runners read its fields).
 
             Raises:
-                FFNLoopEnded: on afd-plugin's FFN loop thread only, when the channel
+                SystemExit: on afd-plugin's FFN loop thread only, when the channel
                     closed in order (this connector's ``close()``, or the source
-                    attention rank's goodbye); see :class:`FFNLoopEnded`.
+                    attention rank's goodbye): the loop thread ends quietly (see
+                    ``_end_loop`` for why this is safe).
                 AFDError: every other failure (a dead or silent peer, an abort, a
                     timeout), and an orderly close on any other thread.
             """
@@ -426,9 +429,7 @@ if HAVE_AFD_PLUGIN:
                 orderly = owner._closing or type(e) is ControlChannelClosed
                 if not (orderly and _on_plugin_ffn_loop()):
                     raise
-                why = "this FFN rank's connector was closed" if owner._closing else str(e)
-                logger.info("afd_ext: the AFD FFN worker loop ends (%s)", why)
-                raise FFNLoopEnded(f"AFD FFN worker loop ended: {why}") from e
+                _end_loop("this FFN rank's connector was closed" if owner._closing else str(e), e)
 
     class AfdExtAFDConnector(_ConnectorBase):
         """afd_ext's connector behind the reference's ``AFDConnectorBase`` contract.
@@ -513,7 +514,8 @@ if HAVE_AFD_PLUGIN:
             """Release everything (idempotent); graph arenas stay alive while a captured graph may replay.
 
             An FFN worker loop blocked in ``control_plane.recv_dp_metadata_list``
-            on another thread wakes and ends quietly (:class:`FFNLoopEnded`).
+            on afd-plugin's loop thread wakes and that thread ends quietly
+            (``SystemExit``; a dead or silent peer still raises its named error).
             """
             self._closing = True
             self._leave_capture()

@@ -2,7 +2,7 @@
 # Create (once, cached outside the clone, keyed on tests/vllm/pins.txt and the interpreter) the
 # environment for the vLLM integration suite, install afd-plugin from a source tree into it, then build
 # this clone's afd_ext into it (every run: the editable install must point at the clone under test).
-# Prints the environment's python on the last line of stdout.
+# Prints "<the environment's python> <the afd-plugin source tree>" on stdout (the only line there).
 #
 # Variables: PYTHON (interpreter, default python3), AFD_VLLM_ENV_DIR (the env; default
 # ~/.cache/afd_ext/vllm-env-<hash>), AFD_PLUGIN_SRC (afd-plugin source tree, installed editable; default a
@@ -28,7 +28,7 @@ if [ ! -f "$env_dir/.afd-ready" ]; then
     log "creating $env_dir ($free_gb GB free; about 8 GB will be used; this takes a while)"
     rm -rf "$env_dir"
     "$py" -m venv "$env_dir"
-    "$vpy" -m pip install --no-cache-dir -q --upgrade pip
+    "$vpy" -m pip install --no-cache-dir -q --upgrade pip >&2
     "$vpy" -m pip install --no-cache-dir -q -r "$pins" >&2
     touch "$env_dir/.afd-ready"
 else
@@ -49,15 +49,15 @@ fi
 if ! "$vpy" -c 'import afd_plugin, os, sys; sys.exit(os.path.realpath(afd_plugin.__path__[0]) != os.path.realpath(sys.argv[1]))' "$src/afd_plugin" 2>/dev/null; then
     log "installing afd-plugin from $src"
     SETUPTOOLS_SCM_PRETEND_VERSION_FOR_VLLM_AFD_PLUGIN="${SETUPTOOLS_SCM_PRETEND_VERSION_FOR_VLLM_AFD_PLUGIN:-0.0.0}" \
-    AFD_BUILD_ASCEND_OPS=0 "$vpy" -m pip install --no-cache-dir -q --no-build-isolation --no-deps -e "$src"
+    AFD_BUILD_ASCEND_OPS=0 "$vpy" -m pip install --no-cache-dir -q --no-build-isolation --no-deps -e "$src" >&2
 fi
 
 # afd_ext from this clone, against the env's torch (CPU build: the suite runs on gloo).
 log "building afd_ext from $repo into the env"
-(cd "$repo" && AFD_USE_CUDA=0 "$vpy" -m pip install --no-cache-dir -q --no-build-isolation --no-deps -e .)
+(cd "$repo" && AFD_USE_CUDA=0 "$vpy" -m pip install --no-cache-dir -q --no-build-isolation --no-deps -e . >&2)
 "$vpy" - "$repo" <<'PY'
 import os, sys, afd_ext
 got = os.path.dirname(os.path.dirname(os.path.realpath(afd_ext.__file__)))
 assert got == os.path.realpath(sys.argv[1]), f"afd_ext resolves to {got}, not the clone {sys.argv[1]}"
 PY
-echo "$vpy"
+echo "$vpy $src"

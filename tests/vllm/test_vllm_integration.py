@@ -1,0 +1,148 @@
+"""afd_ext under the real vLLM 0.26.0 and afd-plugin (2e4378f), over gloo on CPU (``make test-vllm``).
+
+Every scenario runs real ``VllmConfig`` objects through afd-plugin's factory, its FFN runner inside
+its ``AFDFFNWorker`` loop thread, and its attention-side MoE modules (see ``vllm_workers.py``); every
+reply is checked exactly on the attention side, and the FFN side records each call of its model.
+Scenarios of one topology share worker processes (importing vLLM takes most of a worker's start).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM integration suite runs in make test-vllm's environment")
+pytest.importorskip("afd_plugin", reason="the vLLM integration suite needs afd-plugin (make test-vllm)")
+
+from afd_ext.testing import find_free_port, run_workers  # noqa: E402
+
+import vllm_workers as W  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+WARM = {0: {"is_warmup": True}, 1: {"is_graph_capturing": True}, 2: {"is_graph_capturing": True}}
+TWO_STAGES = ({0: [3], 1: [2]}, {0: [1], 1: [4]}, {0: [6], 1: [1]})
+
+#: 1A1F: both control channels, both shutdown orders over each, the gate on attention with bf16 and
+#: float32 router logits (moe_router_dtype, glm_moe_dsa), two stages, warm-up and capture flags,
+#: an idle gap four times the heartbeat timeout, torch.compile of the plugin's modules.
+ONE_ONE = (
+    W.Scenario("shm-attn_first", control="shm", order="attn_first"),
+    W.Scenario("shm-ffn_first", control="shm", order="ffn_first"),
+    W.Scenario("tcp-attn_first", control="tcp", order="attn_first"),
+    W.Scenario("tcp-ffn_first", control="tcp", order="ffn_first"),
+    W.Scenario("gate-bf16", gate=True, model="dsv3", control="shm"),
+    W.Scenario("gate-f32-moe_router_dtype", gate=True, model="dsv3_fp32router", control="tcp", order="ffn_first"),
+    W.Scenario("gate-f32-glm_moe_dsa", gate=True, model="glm_moe_dsa", control="shm"),
+    W.Scenario("two-stages", gate=True, steps=TWO_STAGES),
+    W.Scenario("warmup-capture-flags", steps=({0: [2]}, {0: [4]}, {0: [4]}, {0: [3]}, {0: [4]}), flags=WARM),
+    W.Scenario("idle-gap", control="tcp", heartbeat_timeout_s=0.5, idle_before={1: 2.0}),
+    W.Scenario("compile-aot_eager", gate=True, compile="aot_eager", steps=({0: [3]}, {0: [5]}, {0: [2]})),
+    W.Scenario("compile-inductor", compile="inductor", steps=({0: [3]}, {0: [5]})),
+    W.Scenario("router-dtype-mismatch", gate=True, model="dsv3_fp32router", ffn_model="dsv3", mismatch=True),
+)
+#: 2A1F with attention DP=2 (vLLM's DPMetadata.make), an idle DP rank's one-token dummy batch.
+TWO_ONE = (
+    W.Scenario("2A1F-dp2", attn=(2, 1), steps=({0: [3, 2]}, {0: [0, 4]}, {0: [5, 0]})),
+    W.Scenario("2A1F-dp2-gate-two-stages", attn=(2, 1), gate=True, model="glm_moe_dsa", control="tcp",
+               order="ffn_first", steps=({0: [3, 1], 1: [2, 2]}, {0: [0, 3], 1: [1, 0]})),
+)
+#: 2A2F: attention TP2 and FFN TP2 in vLLM's own model-parallel state.
+TWO_TWO = (W.Scenario("2A2F-tp2", attn=(1, 2), ffn=(1, 2), gate=True, steps=({0: [3]}, {0: [1]})),)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    out = {}
+    for key in W.MODELS:
+        d = tmp_path_factory.mktemp(key)
+        (d / "config.json").write_text(json.dumps(W.model_config_json(key)))
+        out[key] = str(d)
+    return out
+
+
+def _world_port():
+    """A base port with the 100 ports above it free (the vLLM worlds of each role and DP rank)."""
+    import socket
+
+    for _ in range(50):
+        base = find_free_port()
+        try:
+            socks = []
+            for off in (0, 1, 50, 51):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", base + off))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port range for the vLLM worlds")
+
+
+def _run(group, model_dirs, timeout_s):
+    nprocs = group[0].nprocs
+    ports = tuple(find_free_port() for _ in group)
+    done = mp.get_context("spawn").Barrier(nprocs)
+    recs = run_workers(W.worker, nprocs, (group, ports, _world_port(), model_dirs, done), timeout_s=timeout_s,
+                       env={"AFD_EXT_REPLACE_P2P": "1", "VLLM_LOGGING_LEVEL": "WARNING",
+                            "TORCHINDUCTOR_COMPILE_THREADS": "1"})
+    return [{sc.name: recs[r][i] for i, sc in enumerate(group)} for r in range(nprocs)]
+
+
+def _expected_ffn_calls(sc):
+    """The FFN model's calls, in the runner's order: per step, per layer, per stage."""
+    layers = range(1, W.LAYERS) if sc.gate else range(W.LAYERS)
+    calls = []
+    for step in sc.steps:
+        for layer in layers:
+            for s in sorted(step):
+                rows = sum(max(1, c) for c in step[s])  # fan-in of every attention DP rank (idle: 1 row)
+                calls.append((layer, rows, sc.gate))
+    return calls
+
+
+def _check(group, recs):
+    for sc in group:
+        for rank, by_name in enumerate(recs):
+            rec = by_name[sc.name]
+            if sc.mismatch:
+                msg = rec["error"]
+                assert "HandshakeMismatchError" in msg and "router_logits" in msg, msg
+                assert "float32" in msg and "bfloat16" in msg, msg  # both sides' values
+                continue
+            if rec["role"] == "ffn":
+                want = _expected_ffn_calls(sc)
+                if sc.F > 1:  # FFN TP: every FFN rank computes the full fan-in
+                    pass
+                assert rec["calls"] == want, (sc.name, rank, rec["calls"], want)
+                assert rec["shutdown_s"] < 1.0, (sc.name, rec["shutdown_s"])
+                assert "afd-ffn-worker-loop" not in rec["thread_names"], (sc.name, rec["thread_names"])
+                if sc.gate:
+                    assert rec["router_dtype"] == ("torch.bfloat16" if sc.model == "dsv3" else "torch.float32")
+            else:
+                layers = W.LAYERS - 1 if sc.gate else W.LAYERS
+                assert rec["checked"] == layers * sum(len(step) for step in sc.steps), (sc.name, rec)
+                if sc.compile:
+                    assert rec["graphs"] and all(n >= 1 for n in rec["graphs"]), (sc.name, rec["graphs"])
+
+
+def test_one_attention_one_ffn(model_dirs):
+    """1A1F: 13 scenarios in the same two processes (see ONE_ONE)."""
+    recs = _run(ONE_ONE, model_dirs, timeout_s=900)
+    _check(ONE_ONE, recs)
+
+
+def test_two_attention_one_ffn_dp2(model_dirs):
+    recs = _run(TWO_ONE, model_dirs, timeout_s=600)
+    _check(TWO_ONE, recs)
+
+
+def test_two_attention_two_ffn_tp2(model_dirs):
+    """2A2F with TP2 on both roles: four vLLM workers on the CI box's two cores (time-boxed)."""
+    recs = _run(TWO_TWO, model_dirs, timeout_s=600)
+    _check(TWO_TWO, recs)
