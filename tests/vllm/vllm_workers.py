@@ -110,7 +110,7 @@ def model_config_json(key: str) -> dict[str, Any]:
             "torch_dtype": "bfloat16", "tie_word_embeddings": False, "norm_topk_prob": True,
             "rms_norm_eps": 1e-6, "hidden_act": "silu", "bos_token_id": 0, "eos_token_id": 1}
     if key == "glm_moe_dsa":  # GLM-5's sparse-attention indexer fields
-        base.update({"index_topk": 64, "index_head_dim": 32, "index_n_heads": 4})
+        base.update({"index_topk": 64, "index_head_dim": 32, "index_n_heads": 4, "q_lora_rank": 32})
     base.update(m)
     return base
 
@@ -242,9 +242,10 @@ def ffn_role(sc: Scenario, rank: int, vc: Any, done: Any) -> dict[str, Any]:
     from afd_plugin.v1.worker.ffn_worker import AFDFFNWorker
 
     spy = _STATE.get("spy") or _STATE.setdefault("spy", _ShutdownSpy())
-    hooked: list[str] = []  # what reached threading.excepthook (a SystemExit does not: the thread ends quietly)
+    hooked: list[str] = []  # what reached threading.excepthook, whose default ignores exactly SystemExit
     original_hook = threading.excepthook
-    threading.excepthook = lambda args: (hooked.append(f"{args.thread.name}: {args.exc_type.__name__}"),
+    threading.excepthook = lambda args: (hooked.append(f"{args.thread.name}: {args.exc_type.__qualname__}"
+                                                       + ("" if args.exc_type is SystemExit else " (not exactly)")),
                                          original_hook(args))
     before = spy.done
     runner = GPUFFNModelRunner(vc, torch.device("cpu"))
@@ -286,7 +287,7 @@ def ffn_role(sc: Scenario, rank: int, vc: Any, done: Any) -> dict[str, Any]:
     assert took < 1.0, f"AFDFFNWorker.shutdown() took {took:.2f} s"
     assert not runner.connector.is_initialized
     threading.excepthook = original_hook
-    assert not hooked, hooked
+    assert hooked == ["afd-ffn-worker-loop: SystemExit"], hooked  # the loop ended quietly, nothing else raised
     return {"role": "ffn", "calls": model.calls, "shutdown_s": took, "router_dtype": str(model.router_dtype)}
 
 
