@@ -272,8 +272,9 @@ class AdapterExtraConfig:
         known = [f.name for f in dataclasses.fields(AfdExtConnectorConfig)] + list(_ADAPTER_KEYS)
         unknown = sorted(k for k in rest if k not in known)
         if unknown:
-            raise AFDConfigError(f"unknown connector_extra_config field(s) {unknown} for afd_ext under afd-plugin; "
-                             f"known fields: {known}")
+            # Also in afd-plugin's words ("does not support connector_extra_config"), which its tests match.
+            raise AFDConfigError(f"unknown connector_extra_config field(s) {unknown}: afd_ext under afd-plugin does "
+                                 f"not support connector_extra_config fields other than {known}")
         layers = rest.pop("num_exchange_layers", None)
         if layers is not None:
             layers = coerce_int(layers, "connector_extra_config.num_exchange_layers")

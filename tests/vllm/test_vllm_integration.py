@@ -20,7 +20,7 @@ from afd_ext.testing import find_free_port, run_workers  # noqa: E402
 
 import vllm_workers as W  # noqa: E402
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
 WARM = {0: {"is_warmup": True}, 1: {"is_graph_capturing": True}, 2: {"is_graph_capturing": True}}
 TWO_STAGES = ({0: [3], 1: [2]}, {0: [1], 1: [4]}, {0: [6], 1: [1]})
@@ -115,10 +115,13 @@ def _check(group, recs):
                 assert "HandshakeMismatchError" in msg and "router_logits" in msg, msg
                 assert "float32" in msg and "bfloat16" in msg, msg  # both sides' values
                 continue
+            infos = [m for m in rec["logged"] if " is the AFD connector " in m]
+            assert len(infos) == 1, (sc.name, rec["logged"])  # one INFO line at connector init
+            assert infos[0].startswith("INFO afd_ext ") and "(vLLM 0.26.0, afd-plugin " in infos[0], infos[0]
+            assert f"transport gloo, topology {sc.A}A{sc.F}F, control channel {sc.control}" in infos[0], infos[0]
+            assert not [m for m in rec["logged"] if m.startswith(("WARNING", "ERROR"))], rec["logged"]
             if rec["role"] == "ffn":
                 want = _expected_ffn_calls(sc)
-                if sc.F > 1:  # FFN TP: every FFN rank computes the full fan-in
-                    pass
                 assert rec["calls"] == want, (sc.name, rank, rec["calls"], want)
                 assert rec["shutdown_s"] < 1.0, (sc.name, rec["shutdown_s"])
                 assert "afd-ffn-worker-loop" not in rec["thread_names"], (sc.name, rec["thread_names"])

@@ -24,6 +24,7 @@ Two stages: vLLM's DBO needs a GPU, so the ubatch id of each call is set directl
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -404,8 +405,15 @@ def worker(rank: int, nprocs: int, scenarios: tuple, ports: tuple, world_port: i
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()
+    logged: list[str] = []  # afd_ext's INFO/WARNING lines of the integration module
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: logged.append(f"{record.levelname} {record.getMessage()}")
+    log = logging.getLogger("afd_ext.integrations.afd_plugin")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
     out = []
     for sc, port in zip(scenarios, ports):
+        logged.clear()
         role = "ffn" if rank < sc.F else "attention"
         role_rank = rank if role == "ffn" else rank - sc.F
         dp, tp = sc.ffn if role == "ffn" else sc.attn
@@ -419,5 +427,6 @@ def worker(rank: int, nprocs: int, scenarios: tuple, ports: tuple, world_port: i
                 rec = ffn_role(sc, rank, vc, done)
             else:
                 rec = attention_role(sc, rank, role_rank, dp_rank, vc, done)
-        out.append({"scenario": sc.name, "thread_names": sorted(t.name for t in threading.enumerate()), **rec})
+        out.append({"scenario": sc.name, "thread_names": sorted(t.name for t in threading.enumerate()),
+                    "logged": list(logged), **rec})
     return out
