@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import os
 
 import pytest
 
@@ -149,3 +150,36 @@ def test_two_attention_two_ffn_tp2(model_dirs):
     """2A2F with TP2 on both roles: four vLLM workers on the CI box's two cores (time-boxed)."""
     recs = _run(TWO_TWO, model_dirs, timeout_s=600)
     _check(TWO_TWO, recs)
+
+
+@pytest.mark.parametrize("control", ["tcp", "shm"])
+def test_a_dead_attention_peer_is_a_failure_not_a_shutdown(model_dirs, control):
+    """The attention process exits without closing: the FFN loop ends in PeerDeadError, which afd-plugin
+    records and stop_ffn_server_loop raises ("AFD FFN worker loop failed"); no quiet exit."""
+    sc = W.Scenario(f"attention-dies-{control}", control=control, heartbeat_timeout_s=1.0, attention_dies=True)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    args = ((sc,), (find_free_port(),), _world_port(), model_dirs, ctx.Barrier(sc.nprocs))
+    procs = [ctx.Process(target=W.worker_to_queue, args=(r, sc.nprocs, args, q), daemon=True) for r in range(2)]
+    env = {"AFD_EXT_REPLACE_P2P": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    try:
+        rank, status, rec = q.get(timeout=300)
+        assert (rank, status) == (0, "ok"), rec
+        procs[1].join(60)
+        assert procs[1].exitcode == 0
+    finally:
+        for p in procs:
+            p.kill() if p.is_alive() else None
+    rec = rec[0]
+    assert rec["calls"] == _expected_ffn_calls(sc)  # it served every step first
+    assert rec["loop_error"].startswith("PeerDeadError: ") and "attention rank 0" in rec["loop_error"], rec
+    assert rec["stop_error"] == "AFD FFN worker loop failed" and rec["cause"] == "PeerDeadError", rec
+    assert rec["worker_shutdown_ran"] == 0  # afd-plugin's shutdown stops at the raised failure

@@ -59,6 +59,8 @@ class Scenario:
             ``"ffn_first"`` (the FFN worker shuts down first, then attention closes).
         ffn_model: the FFN role's model config when it differs from ``model``.
         mismatch: the roles' configs disagree: both must refuse at the handshake.
+        attention_dies: the attention process exits after its steps without closing (no goodbye):
+            the FFN loop must end in a named error, recorded by afd-plugin as a failure.
     """
 
     name: str
@@ -75,6 +77,7 @@ class Scenario:
     order: str = "attn_first"
     ffn_model: str | None = None
     mismatch: bool = False
+    attention_dies: bool = False
 
     @property
     def A(self) -> int:  # noqa: N802
@@ -196,7 +199,7 @@ def vllm_config(sc: Scenario, role: str, dp_rank: int, port: int, model_dir: str
     from vllm.config import DeviceConfig, ParallelConfig, VllmConfig
 
     dp, tp = sc.attn if role == "attention" else sc.ffn
-    extra = {"transport": "gloo", "control_channel": sc.control, "step_timeout_s": 60.0, "init_timeout_s": 120.0,
+    extra = {"transport": "gloo", "control_channel": sc.control, "step_timeout_s": 120.0, "init_timeout_s": 600.0,
              "heartbeat_interval_s": min(0.2, sc.heartbeat_timeout_s / 4),
              "heartbeat_timeout_s": sc.heartbeat_timeout_s}
     afd = {"connector": "P2pNcclAFDConnector", "role": role, "host": "127.0.0.1", "port": port,
@@ -262,27 +265,42 @@ def ffn_role(sc: Scenario, rank: int, vc: Any, done: Any) -> dict[str, Any]:
         try:
             w.initialize_from_config(type("KVCacheConfig", (), {"num_blocks": 0})())
         except Exception as e:  # noqa: BLE001 - returned to the test, which checks it
-            done.wait(120)
+            done.wait(600)
             runner.connector.close()
             return {"role": "ffn", "error": f"{type(e).__name__}: {e}"}
         raise AssertionError("the FFN rank connected despite a router-logits dtype mismatch")
     w.initialize_from_config(type("KVCacheConfig", (), {"num_blocks": 0})())  # connects, starts its loop thread
     thread = w._ffn_thread
     assert thread is not None and thread.is_alive()
+    if sc.attention_dies:
+        thread.join(timeout=600)
+        assert not thread.is_alive(), "the FFN loop thread is still waiting on a dead peer"
+        loop_error = w._ffn_loop_error
+        try:
+            w.shutdown()
+        except RuntimeError as e:
+            stop_error = e
+        else:
+            raise AssertionError("stop_ffn_server_loop did not raise the loop's failure")
+        threading.excepthook = original_hook
+        assert hooked == [], hooked  # a failure is recorded by the loop, never a SystemExit
+        return {"role": "ffn", "calls": model.calls, "loop_error": f"{type(loop_error).__name__}: {loop_error}",
+                "stop_error": str(stop_error), "cause": type(stop_error.__cause__).__name__,
+                "worker_shutdown_ran": spy.done - before}
     if sc.order == "attn_first":
-        thread.join(timeout=120)  # ends on the attention side's goodbye
+        thread.join(timeout=600)  # ends on the attention side's goodbye
         assert not thread.is_alive(), "the FFN loop thread did not end on the peer's goodbye"
         assert w._ffn_loop_error is None, repr(w._ffn_loop_error)
         t0 = time.monotonic()
         w.shutdown()
         took = time.monotonic() - t0
-        done.wait(120)
+        done.wait(600)
     else:
-        done.wait(120)  # every reply checked on the attention side
+        done.wait(600)  # every reply checked on the attention side
         t0 = time.monotonic()
         w.shutdown()  # stop_ffn_server_loop, then vLLM's Worker.shutdown
         took = time.monotonic() - t0
-        done.wait(120)  # only now does the attention side close
+        done.wait(600)  # only now does the attention side close
     assert not thread.is_alive(), "the FFN loop thread is still running after shutdown()"
     assert spy.done == before + 1, "vLLM's Worker.shutdown() did not complete"
     assert took < 1.0, f"AFDFFNWorker.shutdown() took {took:.2f} s"
@@ -347,7 +365,7 @@ def attention_role(sc: Scenario, rank: int, role_rank: int, dp_rank: int, vc: An
         except Exception as e:  # noqa: BLE001 - returned to the test, which checks it
             return {"role": "attention", "error": f"{type(e).__name__}: {e}"}
         finally:
-            done.wait(120)
+            done.wait(600)
             conn.close()
         raise AssertionError("the attention rank connected despite a router-logits dtype mismatch")
     conn.init_afd_connector()
@@ -381,17 +399,29 @@ def attention_role(sc: Scenario, rank: int, role_rank: int, dp_rank: int, vc: An
                     assert out.dtype == dtype and out.shape == h.shape
                     assert torch.equal(out, want), f"step {i} layer {layer} stage {s}: reply differs\n{out}\n{want}"
                     checked += 1
+        if sc.attention_dies:
+            os._exit(0)  # no close, no goodbye: the process is gone
         if sc.order == "ffn_first":
-            done.wait(120)  # every rank checked its replies
-            done.wait(120)  # the FFN worker has shut down
+            done.wait(600)  # every rank checked its replies
+            done.wait(600)  # the FFN worker has shut down
     finally:
         conn.close()
     if sc.order == "attn_first":
-        done.wait(120)  # the FFN worker ended its loop on the goodbye and shut down
+        done.wait(600)  # the FFN worker ended its loop on the goodbye and shut down
     return {"role": "attention", "checked": checked, "graphs": graphs}
 
 
 # ---------------------------------------------------------------------------- entry
+
+
+def worker_to_queue(rank: int, nprocs: int, args: tuple, q: Any) -> None:
+    """:func:`worker` in a process that may exit without reporting: its record (or traceback) goes to ``q``."""
+    import traceback
+
+    try:
+        q.put((rank, "ok", worker(rank, nprocs, *args)))
+    except BaseException:  # noqa: BLE001 - reported to the test
+        q.put((rank, "error", traceback.format_exc()))
 
 
 def worker(rank: int, nprocs: int, scenarios: tuple, ports: tuple, world_port: int, model_dirs: dict,
