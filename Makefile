@@ -69,13 +69,13 @@ test: setup
 	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS) || { rc=$$?; \
 	  [ $$rc -eq 5 ] && echo "make test: no tests ran (pytest exit 5) -- that is a failure"; exit $$rc; }
 
-# tests/vllm/env.sh makes (once) and reuses the env, installs afd-plugin, builds this clone into it
+# tests/integration_vllm/env.sh makes (once) and reuses the env, installs afd-plugin, builds this clone into it
 # (in place: the extension then matches that env's torch, so the .venv build is redone by the next
-# `make test`), and prints "<python> <afd-plugin source>". Its variables: tests/vllm/env.sh.
+# `make test`), and prints "<python> <afd-plugin source>". Its variables: tests/integration_vllm/env.sh.
 test-vllm:
-	@start=$$(date +%s); out=$$(bash tests/vllm/env.sh) && set -- $$out && rm -f $(BUILT_STAMP) && \
+	@start=$$(date +%s); out=$$(bash tests/integration_vllm/env.sh) && set -- $$out && rm -f $(BUILT_STAMP) && \
 	  echo "test-vllm: environment ready in $$(( $$(date +%s) - start )) s" && \
-	  AFD_PLUGIN_SRC="$$2" "$$1" -m pytest tests/vllm $(PYTEST_ARGS) && \
+	  AFD_PLUGIN_SRC="$$2" "$$1" -m pytest tests/integration_vllm $(PYTEST_ARGS) && \
 	  echo "test-vllm: passed in $$(( $$(date +%s) - start )) s"
 
 demo: setup

@@ -109,7 +109,7 @@ else:
 PLUGIN_FFN_LOOP_THREADS = frozenset({"afd-ffn-worker-loop", "afd-npu-ffn-worker-loop"})
 
 
-#: The vLLM release the integration suite (``make test-vllm``, ``tests/vllm/``) runs against.
+#: The vLLM release the integration suite (``make test-vllm``, ``tests/integration_vllm/``) runs against.
 TESTED_VLLM_VERSION = "0.26.0"
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("vllm", reason="the vLLM integration suite runs in make test-vllm's environment")
-pytest.importorskip("afd_plugin", reason="the vLLM integration suite needs afd-plugin (make test-vllm)")
+pytest.importorskip("vllm.config", reason="the vLLM integration suite runs in make test-vllm's environment")
+pytest.importorskip("afd_plugin.v1.worker.ffn_worker", reason="needs afd-plugin (make test-vllm)")
 
 pytestmark = pytest.mark.vllm
 

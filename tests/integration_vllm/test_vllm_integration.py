@@ -14,8 +14,8 @@ import os
 
 import pytest
 
-pytest.importorskip("vllm", reason="the vLLM integration suite runs in make test-vllm's environment")
-pytest.importorskip("afd_plugin", reason="the vLLM integration suite needs afd-plugin (make test-vllm)")
+pytest.importorskip("vllm.config", reason="the vLLM integration suite runs in make test-vllm's environment")
+pytest.importorskip("afd_plugin.v1.worker.ffn_worker", reason="needs afd-plugin (make test-vllm)")
 
 from afd_ext.testing import find_free_port, run_workers  # noqa: E402
 
@@ -65,14 +65,14 @@ def model_dirs(tmp_path_factory):
 
 
 def _world_port():
-    """A base port with the 100 ports above it free (the vLLM worlds of each role and DP rank)."""
+    """A base port whose offsets the vLLM worlds use are free (each role's world and DP master port)."""
     import socket
 
     for _ in range(50):
         base = find_free_port()
         try:
             socks = []
-            for off in (0, 1, 50, 51):
+            for off in (0, 1, 50, 51, 60, 61, 62, 70, 71, 72):
                 s = socket.socket()
                 socks.append(s)
                 s.bind(("127.0.0.1", base + off))

@@ -194,8 +194,11 @@ def _model_config(model_dir: str, dtype: str) -> Any:
     return _STATE[key]
 
 
-def vllm_config(sc: Scenario, role: str, dp_rank: int, port: int, model_dir: str) -> Any:
-    """A real ``VllmConfig``: the model config on disk, DP/TP sizes, CPU, ``additional_config["afd"]``."""
+def vllm_config(sc: Scenario, role: str, dp_rank: int, port: int, model_dir: str, dp_port: int) -> Any:
+    """A real ``VllmConfig``: the model config on disk, DP/TP sizes, CPU, ``additional_config["afd"]``.
+
+    ``dp_port``: the DP master port (vLLM joins a role's DP ranks in one world through it).
+    """
     from vllm.config import DeviceConfig, ParallelConfig, VllmConfig
 
     dp, tp = sc.attn if role == "attention" else sc.ffn
@@ -206,7 +209,8 @@ def vllm_config(sc: Scenario, role: str, dp_rank: int, port: int, model_dir: str
            "num_attention_ranks": sc.A, "num_ffn_ranks": sc.F, "compute_gate_on_attention": sc.gate,
            "connector_extra_config": extra}
     pc = ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp, data_parallel_rank=dp_rank,
-                        data_parallel_size_local=dp)
+                        data_parallel_size_local=dp, data_parallel_master_ip="127.0.0.1",
+                        data_parallel_master_port=dp_port)
     return VllmConfig(model_config=_model_config(model_dir, MODELS[sc.model]["dtype"]), parallel_config=pc,
                       device_config=DeviceConfig(device="cpu"), additional_config={"afd": afd})
 
@@ -428,7 +432,7 @@ def worker(rank: int, nprocs: int, scenarios: tuple, ports: tuple, world_port: i
            done: Any) -> list:
     """Run ``scenarios`` (same topology) one after the other in this process; one record each.
 
-    ``ports``: each scenario's AFD port; ``world_port``: the base of the vLLM worlds' ports (100 free).
+    ``ports``: each scenario's AFD port; ``world_port``: the base of the vLLM worlds' ports (80 free).
     """
     os.environ["AFD_EXT_REPLACE_P2P"] = "1"
     from vllm.config import set_current_vllm_config
@@ -449,10 +453,10 @@ def worker(rank: int, nprocs: int, scenarios: tuple, ports: tuple, world_port: i
         dp, tp = sc.ffn if role == "ffn" else sc.attn
         dp_rank, tp_rank = role_rank // tp, role_rank % tp
         vc = vllm_config(sc, role, dp_rank, port, model_dirs[sc.ffn_model if role == "ffn" and sc.ffn_model
-                                                             else sc.model])
+                                                             else sc.model], world_port + 60 + (role == "ffn") * 10)
         with set_current_vllm_config(vc):  # as a vLLM worker runs
-            # One vLLM world per role and DP rank (ports after the AFD port).
-            _vllm_world(role, dp_rank, tp, tp_rank, world_port + (0 if role == "ffn" else 50) + dp_rank)
+            # One vLLM world per role (vLLM joins DP ranks through the DP master port).
+            _vllm_world(role, dp_rank, tp, tp_rank, world_port + (0 if role == "ffn" else 50))
             if role == "ffn":
                 rec = ffn_role(sc, rank, vc, done)
             else:

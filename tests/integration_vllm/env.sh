@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create (once, cached outside the clone, keyed on tests/vllm/pins.txt and the interpreter) the
+# Create (once, cached outside the clone, keyed on tests/integration_vllm/pins.txt and the interpreter) the
 # environment for the vLLM integration suite, install afd-plugin from a source tree into it, then build
 # this clone's afd_ext into it (every run: the editable install must point at the clone under test).
 # Prints "<the environment's python> <the afd-plugin source tree>" on stdout (the only line there).
@@ -9,7 +9,7 @@
 # writable copy of ../shared/third_party/afd-plugin-2e4378f under the env), AFD_VLLM_MIN_FREE_GB (10).
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/../.." && pwd)"
-pins="$repo/tests/vllm/pins.txt"
+pins="$repo/tests/integration_vllm/pins.txt"
 py="${PYTHON:-python3}"
 key="$( { cat "$pins"; "$py" -c 'import sys; print(sys.version)'; } | sha256sum | cut -c1-12)"
 env_dir="${AFD_VLLM_ENV_DIR:-${HOME}/.cache/afd_ext/vllm-env-$key}"
