@@ -24,6 +24,7 @@ Two stages: vLLM's DBO needs a GPU, so the ubatch id of each call is set directl
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -453,10 +454,13 @@ def worker(rank: int, nprocs: int, scenarios: tuple, ports: tuple, world_port: i
         dp, tp = sc.ffn if role == "ffn" else sc.attn
         dp_rank, tp_rank = role_rank // tp, role_rank % tp
         vc = vllm_config(sc, role, dp_rank, port, model_dirs[sc.ffn_model if role == "ffn" and sc.ffn_model
-                                                             else sc.model], world_port + 60 + (role == "ffn") * 10)
+                                                             else sc.model], world_port + 60)
+        # One vLLM world (TP wide) per role and DP rank, as each DP engine runs its own TP world; the DP
+        # ranks' own group is left out (it would join both roles' DP ranks through one master port).
+        one = dataclasses.replace(sc, attn=(1, sc.attn[1]), ffn=(1, sc.ffn[1]))
+        with set_current_vllm_config(vllm_config(one, role, 0, port, model_dirs[sc.model], 0)):
+            _vllm_world(role, dp_rank, tp, tp_rank, world_port + (0 if role == "ffn" else 50) + dp_rank)
         with set_current_vllm_config(vc):  # as a vLLM worker runs
-            # One vLLM world per role (vLLM joins DP ranks through the DP master port).
-            _vllm_world(role, dp_rank, tp, tp_rank, world_port + (0 if role == "ffn" else 50))
             if role == "ffn":
                 rec = ffn_role(sc, rank, vc, done)
             else:
