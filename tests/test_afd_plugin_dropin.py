@@ -337,6 +337,44 @@ def test_adapter_checks_before_anything_moves(plugin, monkeypatch):
         ffn.recv_attn_output(ubatch_idx=0, routing_spec=AFDExpertRoutingSpec(4, torch.bfloat16))
 
 
+def test_orderly_close_ends_only_the_plugins_ffn_loop_thread(plugin, monkeypatch):
+    # afd-plugin's FFN loop records any Exception as a failure; after an orderly close its thread
+    # (and only that thread) gets SystemExit, which threading ends quietly. Any other caller gets
+    # the named error, and a receive that fails without a close is never turned into an exit.
+    import threading
+
+    from afd_ext.errors import AFDStateError
+
+    plugin.adapter.register()
+    vc = _vc(role="ffn", connector_extra_config={"transport": "gloo"})
+    monkeypatch.setitem(vc.additional_config["afd"], "connector", "AfdExtConnector")
+    conn = plugin.factory.create_connector(0, 0, vc, plugin.config.parse_afd_config(vc, validate=False))
+
+    def recv_on(name):
+        box = {}
+
+        def run():
+            try:
+                conn.control_plane.recv_dp_metadata_list()
+            except BaseException as e:  # noqa: BLE001 - what the thread's target would see
+                box["e"] = e
+
+        t = threading.Thread(target=run, name=name)
+        t.start()
+        t.join(30)
+        return box["e"]
+
+    loop = "afd-ffn-worker-loop"  # the name afd-plugin's AFDFFNWorker gives its loop thread
+    assert type(recv_on(loop)) is AFDStateError  # never initialised, never closed: a failure
+    conn.close()
+    e = recv_on(loop)
+    assert type(e) is SystemExit and isinstance(e.__cause__, AFDStateError), repr(e)
+    assert "AFD FFN worker loop ended: this FFN rank's connector was closed" in str(e)
+    assert type(recv_on("some-other-thread")) is AFDStateError
+    with pytest.raises(AFDStateError):  # the main thread: never SystemExit
+        conn.control_plane.recv_dp_metadata_list()
+
+
 def test_native_connector_takes_the_references_objects_in_the_runners_sequence():
     # afd_ext's own connector (no adapter) under the runners' calls and the reference's classes.
     sc = pr.PluginScenario(steps=({0: [3]}, {0: [2], 1: [4]}), native=True)
