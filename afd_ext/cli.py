@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from typing import Callable, Sequence
 
@@ -67,9 +68,17 @@ def info_report() -> dict:
     names = [torch.cuda.get_device_name(i) for i in range(n)]
     avail = transport_availability()
     choice = select_transport("auto")
-    from afd_ext.integrations.afd_plugin import factory_report
+    # vLLM logs to stdout from its first import (the integration imports afd-plugin, which imports
+    # vLLM); its level variable is read then: quiet it (info --json prints JSON).
+    env = os.environ.get("VLLM_LOGGING_LEVEL")
+    os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"
+    try:
+        from afd_ext.integrations.afd_plugin import factory_report
 
-    return {"afd_ext": __version__, **built, "gpus_visible": n, "gpu_names": names, "vllm": factory_report(),
+        vllm = factory_report()
+    finally:
+        os.environ.pop("VLLM_LOGGING_LEVEL") if env is None else os.environ.__setitem__("VLLM_LOGGING_LEVEL", env)
+    return {"afd_ext": __version__, **built, "gpus_visible": n, "gpu_names": names, "vllm": vllm,
             "transports": [t for t, why in avail.items() if why is None],
             "unavailable": {t: why for t, why in avail.items() if why is not None},
             "default_transport": choice.name, "default_transport_why": choice.why}

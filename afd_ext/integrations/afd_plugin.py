@@ -148,7 +148,13 @@ def factory_report() -> dict[str, Any]:
     if out["vllm"] is not None:
         from vllm.plugins import load_general_plugins
 
-        load_general_plugins()
+        vlog = logging.getLogger("vllm")  # quiet while vLLM loads its plugins: it logs to stdout
+        level = vlog.level
+        vlog.setLevel(logging.ERROR)
+        try:
+            load_general_plugins()
+        finally:
+            vlog.setLevel(level)
     else:
         register()
     from afd_plugin.connectors.factory import AFDConnectorFactory
