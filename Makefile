@@ -1,6 +1,8 @@
 # Two entry points on a fresh machine with Python 3.10+ and pip:
 #   make test   set up .venv (torch, build tools, afd_ext in place) and run the CPU test tier
 #   make demo   same setup, then run the demo (python -m afd_ext demo)
+#   make test-vllm  the vLLM integration suite in its own environment (vLLM 0.26.0 from PyPI, about
+#              8 GB, cached outside the clone; afd-plugin from AFD_PLUGIN_SRC; docs/vllm.md)
 # Other targets: setup, cmake-check (CMake compiles the CPU part of the same sources), clean.
 #
 # The extension is compiled once and again only when its inputs change: a file under csrc/,
@@ -27,7 +29,7 @@ ifneq ($(strip $(CUDA_HOME)),)
 export CUDA_HOME
 endif
 
-.PHONY: test demo setup cmake-check clean FORCE
+.PHONY: test test-vllm demo setup cmake-check clean FORCE
 
 # Stamps in the venv: a new venv starts from nothing.
 TOOLS_STAMP := $(VENV)/.afd_ext-tools
@@ -66,6 +68,15 @@ FORCE:
 test: setup
 	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS) || { rc=$$?; \
 	  [ $$rc -eq 5 ] && echo "make test: no tests ran (pytest exit 5) -- that is a failure"; exit $$rc; }
+
+# tests/integration_vllm/env.sh makes (once) and reuses the env, installs afd-plugin, builds this clone into it
+# (in place: the extension then matches that env's torch, so the .venv build is redone by the next
+# `make test`), and prints "<python> <afd-plugin source>". Its variables: tests/integration_vllm/env.sh.
+test-vllm:
+	@start=$$(date +%s); out=$$(bash tests/integration_vllm/env.sh) && set -- $$out && rm -f $(BUILT_STAMP) && \
+	  echo "test-vllm: environment ready in $$(( $$(date +%s) - start )) s" && \
+	  AFD_PLUGIN_SRC="$$2" "$$1" -m pytest tests/integration_vllm $(PYTEST_ARGS) && \
+	  echo "test-vllm: passed in $$(( $$(date +%s) - start )) s"
 
 demo: setup
 	$(PY) -m afd_ext demo $(DEMO_ARGS)

@@ -27,6 +27,7 @@ import argparse
 import importlib
 import importlib.util
 import json
+import os
 import sys
 import traceback
 from typing import Callable, Sequence
@@ -119,7 +120,10 @@ def info_report() -> dict:
         others, with the reason) and ``default_transport`` /
         ``default_transport_why``: what a connector configured with
         ``transport: "auto"`` and no ``device`` uses here
-        (:func:`afd_ext.transport.select_transport`).
+        (:func:`afd_ext.transport.select_transport`), and ``vllm``: the vLLM and
+        afd-plugin versions and which class afd-plugin's connector factory
+        resolves each connector name to
+        (:func:`afd_ext.integrations.afd_plugin.factory_report`).
     """
     import torch
 
@@ -132,7 +136,17 @@ def info_report() -> dict:
     names = [torch.cuda.get_device_name(i) for i in range(n)]
     avail = transport_availability()
     choice = select_transport("auto")
-    return {"afd_ext": __version__, **built, "gpus_visible": n, "gpu_names": names,
+    # vLLM logs to stdout from its first import (the integration imports afd-plugin, which imports
+    # vLLM); its level variable is read then: quiet it (info --json prints JSON).
+    env = os.environ.get("VLLM_LOGGING_LEVEL")
+    os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"
+    try:
+        from afd_ext.integrations.afd_plugin import factory_report
+
+        vllm = factory_report()
+    finally:
+        os.environ.pop("VLLM_LOGGING_LEVEL") if env is None else os.environ.__setitem__("VLLM_LOGGING_LEVEL", env)
+    return {"afd_ext": __version__, **built, "gpus_visible": n, "gpu_names": names, "vllm": vllm,
             "transports": [t for t, why in avail.items() if why is None],
             "unavailable": {t: why for t, why in avail.items() if why is not None},
             "default_transport": choice.name, "default_transport_why": choice.why}
@@ -149,8 +163,14 @@ def _info_lines(info: dict) -> list[tuple[str, str]]:
     run = ", ".join(info["transports"]) + "".join(
         f"; not {t}: {why}" for t, why in info["unavailable"].items())
     default = f"{info['default_transport']} (connector_extra_config.transport \"auto\" without device=)"
+    vr = info["vllm"]
+    vllm = [("vLLM", f"{vr['vllm'] or 'not installed'} (tested: {vr['tested_vllm']}); "
+                     f"afd-plugin {vr['afd_plugin'] or 'not installed'}")]
+    for name, cls in (vr["factory"] or {}).items():
+        who = "afd_ext" if cls.startswith("afd_ext.") else "NOT afd_ext"
+        vllm.append((f"afd-plugin {name}", f"{who} ({cls})"))
     return [("afd_ext", info["afd_ext"]), ("torch", torch_line), ("built with", built),
-            ("GPUs visible", gpus), ("transports", run), ("default", default)]
+            ("GPUs visible", gpus), ("transports", run), ("default", default)] + vllm
 
 
 def _info(argv: Sequence[str]) -> int:

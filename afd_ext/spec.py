@@ -17,7 +17,7 @@ import torch
 
 from .errors import AFDConfigError
 
-__all__ = ["ExchangeSpec", "SPEC_KWARGS", "moe_layer_indices",
+__all__ = ["ExchangeSpec", "SPEC_KWARGS", "moe_layer_indices", "router_logits_dtype",
            "DTYPE_CODES", "WIRE_DTYPES", "HIDDEN_DTYPES", "TOKEN_IDS_DTYPE", "dtype_code", "dtype_name",
            "dtype_from_code", "as_dtype"]
 
@@ -138,7 +138,8 @@ class ExchangeSpec:
                 ``n_routed_experts`` / ``num_experts`` / ``num_local_experts``.
             num_exchange_layers: exchanges per step when the model config does
                 not say which layers are MoE.
-            router_logits_dtype: their wire dtype (default: the model dtype).
+            router_logits_dtype: their wire dtype, overriding what the model's
+                gate emits (default: :func:`router_logits_dtype`).
             send_token_ids: ``[n]`` int32 token ids travel a2f.
 
         Raises:
@@ -247,6 +248,24 @@ def moe_layer_indices(hf_config: Any, num_layers: int) -> tuple[int, ...] | None
     return None
 
 
+def router_logits_dtype(model_config: Any, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the router logits vLLM's MoE gate emits (what the FFN runner's ``routing_spec`` says).
+
+    vLLM 0.26.0's DeepSeek gate (``deepseek_v2._get_moe_router_dtype``, used by
+    every model afd-plugin registers) emits float32 when the model type is
+    ``glm_moe_dsa`` or the config sets ``moe_router_dtype: "float32"``, and
+    otherwise the gate weight's dtype, i.e. the model dtype.
+
+    Args:
+        model_config: vLLM's ``ModelConfig`` (``hf_config`` / ``hf_text_config`` read).
+        model_dtype: the model dtype.
+    """
+    for hf in (getattr(model_config, "hf_text_config", None), getattr(model_config, "hf_config", None)):
+        if getattr(hf, "model_type", None) == "glm_moe_dsa" or getattr(hf, "moe_router_dtype", None) == "float32":
+            return torch.float32
+    return model_dtype
+
+
 def _router_width(hf_config: Any) -> int | None:
     for name in ("n_routed_experts", "num_experts", "num_local_experts"):
         v = getattr(hf_config, name, None)
@@ -283,7 +302,7 @@ def _vllm_facts(vllm_config: Any, role: str, gate: bool, num_exchange_layers: in
         else:
             facts["router_logits_width"] = width
         if isinstance(dtype, torch.dtype):
-            facts["router_logits_dtype"] = dtype
+            facts["router_logits_dtype"] = router_logits_dtype(mc, dtype)
         if num_exchange_layers is not None:
             facts["num_layers"] = num_exchange_layers
         elif "num_layers" in facts:

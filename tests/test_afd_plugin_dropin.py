@@ -133,9 +133,22 @@ def _vc(**afd):
 def test_import_afd_ext_needs_neither_vllm_nor_afd_plugin():
     import subprocess
 
-    code = ("import sys, afd_ext, afd_ext.factory, afd_ext.connector, afd_ext.integrations.afd_plugin as m; "
-            "assert not m.HAVE_AFD_PLUGIN; m.register(); "
+    # Where vLLM and afd-plugin are installed too (make test-vllm): importing afd_ext loads neither.
+    code = ("import sys, afd_ext, afd_ext.factory, afd_ext.connector; "
             "assert 'vllm' not in sys.modules and 'afd_plugin' not in sys.modules; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    # Where they are absent (made so by an import hook, whatever this environment has), the
+    # integration module still imports and its entry point does nothing.
+    code = ("import sys\n"
+            "class Absent:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] in ('vllm', 'afd_plugin'):\n"
+            "            raise ModuleNotFoundError(f'No module named {name!r}')\n"
+            "sys.meta_path.insert(0, Absent())\n"
+            "import afd_ext, afd_ext.factory, afd_ext.connector, afd_ext.integrations.afd_plugin as m\n"
+            "assert not m.HAVE_AFD_PLUGIN; m.register()\n"
+            "assert 'vllm' not in sys.modules and 'afd_plugin' not in sys.modules; print('ok')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
@@ -233,7 +246,7 @@ def test_afd_ext_create_connector_takes_a_vllm_config_and_derives_the_role_rank(
     cfg = parse_afd_config(vc)  # a VllmConfig-like object, not only the mapping
     assert cfg.num_attention_ranks == 8
     for name in ("vllm", "vllm.distributed", "vllm.distributed.parallel_state"):
-        monkeypatch.delitem(sys.modules, name, raising=False)
+        monkeypatch.setitem(sys.modules, name, None)  # not importable, even where vLLM is installed
     with pytest.raises(ValueError, match="parallel_state is not importable"):
         resolve_role_rank(vc, cfg)
     pr.install_fake_vllm(pcp_rank=1, tp_rank=1)
@@ -322,6 +335,44 @@ def test_adapter_checks_before_anything_moves(plugin, monkeypatch):
     ffn = plugin.factory.create_connector(0, 0, vc, plugin.config.parse_afd_config(vc, validate=False))
     with pytest.raises(AFDConfigError, match=r"routing_spec is \[4\] torch.bfloat16.*router_logits_dtype"):
         ffn.recv_attn_output(ubatch_idx=0, routing_spec=AFDExpertRoutingSpec(4, torch.bfloat16))
+
+
+def test_orderly_close_ends_only_the_plugins_ffn_loop_thread(plugin, monkeypatch):
+    # afd-plugin's FFN loop records any Exception as a failure; after an orderly close its thread
+    # (and only that thread) gets SystemExit, which threading ends quietly. Any other caller gets
+    # the named error, and a receive that fails without a close is never turned into an exit.
+    import threading
+
+    from afd_ext.errors import AFDStateError
+
+    plugin.adapter.register()
+    vc = _vc(role="ffn", connector_extra_config={"transport": "gloo"})
+    monkeypatch.setitem(vc.additional_config["afd"], "connector", "AfdExtConnector")
+    conn = plugin.factory.create_connector(0, 0, vc, plugin.config.parse_afd_config(vc, validate=False))
+
+    def recv_on(name):
+        box = {}
+
+        def run():
+            try:
+                conn.control_plane.recv_dp_metadata_list()
+            except BaseException as e:  # noqa: BLE001 - what the thread's target would see
+                box["e"] = e
+
+        t = threading.Thread(target=run, name=name)
+        t.start()
+        t.join(30)
+        return box["e"]
+
+    loop = "afd-ffn-worker-loop"  # the name afd-plugin's AFDFFNWorker gives its loop thread
+    assert type(recv_on(loop)) is AFDStateError  # never initialised, never closed: a failure
+    conn.close()
+    e = recv_on(loop)
+    assert type(e) is SystemExit and isinstance(e.__cause__, AFDStateError), repr(e)
+    assert "AFD FFN worker loop ended: this FFN rank's connector was closed" in str(e)
+    assert type(recv_on("some-other-thread")) is AFDStateError
+    with pytest.raises(AFDStateError):  # the main thread: never SystemExit
+        conn.control_plane.recv_dp_metadata_list()
 
 
 def test_native_connector_takes_the_references_objects_in_the_runners_sequence():

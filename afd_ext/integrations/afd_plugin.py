@@ -28,9 +28,14 @@ What changes under the reference's runners (all documented in ``docs/vllm.md``):
   ``compute_gate_on_attention``, only the MoE layers (counted from the model
   config, or ``connector_extra_config.num_exchange_layers``); router logits
   then travel with width ``n_routed_experts`` / ``num_experts`` /
-  ``num_local_experts`` and the model dtype (or
-  ``connector_extra_config.router_logits_dtype``). Each ``routing_spec`` the
-  FFN runner passes is checked against them.
+  ``num_local_experts`` and the dtype vLLM's gate emits
+  (:func:`afd_ext.spec.router_logits_dtype`: float32 for ``glm_moe_dsa`` or
+  ``moe_router_dtype: "float32"``, else the model dtype). Each
+  ``routing_spec`` the FFN runner passes is checked against them.
+* An orderly close (this rank's ``close()`` or the source's goodbye) ends
+  afd-plugin's FFN worker loop thread quietly with ``SystemExit``, raised on
+  that thread only (``_end_loop`` says why this is safe); a dead, silent or
+  aborting peer still raises its named error, which the loop records.
 * Facts come from :meth:`afd_ext.spec.ExchangeSpec.from_vllm_config` (the one
   parser, shared with afd_ext's own connector): the init handshake compares
   hidden size, layers, dtypes and the options, not each role's own TP size
@@ -53,6 +58,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import threading
 import weakref
 from typing import Any, Mapping, Optional
 
@@ -60,7 +66,7 @@ import torch
 
 from .. import envs
 from ..config import DEFAULT_CONNECTOR, REFERENCE_CONNECTOR, AFDConfig, AfdExtConnectorConfig, coerce_bool, coerce_int
-from ..errors import AFDConfigError, AFDStateError
+from ..errors import AFDConfigError, AFDError, AFDStateError, ControlChannelClosed
 from ..metadata import AFDControlPayload, AFDTransferContext, AFDTransferMetadata
 from ..spec import ExchangeSpec
 
@@ -68,11 +74,15 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "PLUGIN_CONNECTOR_NAME",
+    "TESTED_VLLM_VERSION",
     "HAVE_AFD_PLUGIN",
     "AdapterExtraConfig",
     "AfdExtAFDConnector",
+    "PLUGIN_FFN_LOOP_THREADS",
     "exchange_spec",
+    "factory_report",
     "register",
+    "versions",
 ]
 
 #: The name this connector is always registered under in the reference's factory.
@@ -92,6 +102,107 @@ except ImportError as _e:  # the module stays importable (register() is a no-op 
     _IMPORT_ERROR: ImportError | None = _e
 else:
     _IMPORT_ERROR = None
+
+
+#: Names of the threads afd-plugin's FFN workers run their loop on (``ffn_worker.py`` and
+#: ``npu/ffn_worker.py`` at 2e4378f); only there does an orderly close raise ``SystemExit``.
+PLUGIN_FFN_LOOP_THREADS = frozenset({"afd-ffn-worker-loop", "afd-npu-ffn-worker-loop"})
+
+
+#: The vLLM release the integration suite (``make test-vllm``, ``tests/integration_vllm/``) runs against.
+TESTED_VLLM_VERSION = "0.26.0"
+
+
+def versions() -> dict[str, str | None]:
+    """``{"afd_ext", "vllm", "afd_plugin"}`` versions installed (``None``: not installed)."""
+    from importlib import metadata
+
+    from .. import __version__
+
+    out: dict[str, str | None] = {"afd_ext": __version__}
+    for key, dist in (("vllm", "vllm"), ("afd_plugin", "vllm-afd-plugin")):
+        try:
+            out[key] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[key] = None
+    return out
+
+
+def factory_report() -> dict[str, Any]:
+    """What afd-plugin's connector factory resolves here, set up as a vLLM process sets it up (``afd-ext info``).
+
+    Loads vLLM's general plugins as vLLM does at start-up (``VLLM_PLUGINS`` and
+    ``AFD_EXT_REPLACE_P2P`` honoured), then asks the factory for the class of
+    ``"P2pNcclAFDConnector"`` (the name the reference's runners accept) and of
+    ``"AfdExtConnector"``.
+
+    Returns:
+        :func:`versions` plus ``tested_vllm`` and ``factory``: ``{name:
+        "module.Class" or "not resolvable: ..."}``, or ``None`` with ``why``
+        when afd-plugin is not installed.
+    """
+    out: dict[str, Any] = {**versions(), "tested_vllm": TESTED_VLLM_VERSION, "factory": None, "why": None}
+    if out["afd_plugin"] is None or not HAVE_AFD_PLUGIN:
+        out["why"] = "afd-plugin is not installed" if out["afd_plugin"] is None else f"not importable: {_IMPORT_ERROR}"
+        return out
+    if out["vllm"] is not None:
+        from vllm.plugins import load_general_plugins
+
+        vlog = logging.getLogger("vllm")  # quiet while vLLM loads its plugins: it logs to stdout
+        level = vlog.level
+        vlog.setLevel(logging.ERROR)
+        try:
+            load_general_plugins()
+        finally:
+            vlog.setLevel(level)
+    else:
+        register()
+    from afd_plugin.connectors.factory import AFDConnectorFactory
+
+    found = {}
+    for name in (REFERENCE_CONNECTOR, PLUGIN_CONNECTOR_NAME):
+        try:
+            cls = AFDConnectorFactory.get_connector_class(name)
+            found[name] = f"{cls.__module__}.{cls.__qualname__}"
+        except Exception as e:  # noqa: BLE001 - reported, not raised: this is a diagnosis
+            found[name] = f"not resolvable: {type(e).__name__}: {e}"
+    out["factory"] = found
+    return out
+
+
+def _log_connected(conn: Any) -> None:
+    """The one INFO line saying afd_ext is the transport, and a warning on an untested vLLM."""
+    v = versions()
+    inner = conn._inner
+    kinds = sorted({getattr(ch, "kind", "?") for ch in getattr(inner.control_plane, "channels", {}).values()})
+    logger.info("afd_ext %s is the AFD connector (vLLM %s, afd-plugin %s): %s, transport %s, topology %dA%dF, "
+                "control channel %s", v["afd_ext"], v["vllm"], v["afd_plugin"], inner.peer_map.me,
+                inner.transport_kind, inner.attn_size, inner.ffn_size, "/".join(kinds) or "none")
+    if v["vllm"] is not None and v["vllm"] != TESTED_VLLM_VERSION:
+        logger.warning("afd_ext is tested with vLLM %s (make test-vllm); this is vLLM %s",
+                       TESTED_VLLM_VERSION, v["vllm"])
+
+
+def _end_loop(why: str, cause: BaseException) -> None:
+    """End afd-plugin's FFN loop thread after an orderly close: raise ``SystemExit``.
+
+    Why ``SystemExit`` (exactly that class: ``threading.excepthook`` ignores
+    only ``SystemExit`` itself, not a subclass): the loop
+    (``AFDFFNWorker.start_ffn_server_loop``) records any ``Exception`` as a
+    failure and has no other exit while it waits for a payload; a
+    ``SystemExit`` passes its ``except Exception``, and Python's ``threading``
+    ends the thread on it quietly, so ``stop_ffn_server_loop`` finds the thread
+    ended and no error, and vLLM's ``Worker.shutdown()`` runs. Raised only on
+    that loop's own thread (:data:`PLUGIN_FFN_LOOP_THREADS`): any other caller
+    (the main thread included, where a ``SystemExit`` would end the process)
+    gets the named :class:`afd_ext.errors.AFDError`. The cause is chained.
+    """
+    logger.info("afd_ext: the AFD FFN worker loop ends (%s)", why)
+    raise SystemExit(f"AFD FFN worker loop ended: {why}") from cause
+
+
+def _on_plugin_ffn_loop() -> bool:
+    return threading.current_thread().name in PLUGIN_FFN_LOOP_THREADS
 
 
 # ---------------------------------------------------------------------------
@@ -139,7 +250,8 @@ class AdapterExtraConfig:
             dummy batch on idle DP ranks).
         num_exchange_layers: layer exchanges per step when the model config
             does not tell (``None``: counted from it).
-        router_logits_dtype: dtype of router logits on the wire (``None``: the model dtype).
+        router_logits_dtype: dtype of router logits on the wire (``None``: what vLLM's
+            gate emits, :func:`afd_ext.spec.router_logits_dtype`; not needed for vLLM's models).
         send_token_ids: ``[rows]`` int32 token ids travel with the hidden states
             (the reference's ``input_ids`` / ``recv_input_ids``, DeepSeek-V4 hash routing).
     """
@@ -166,8 +278,9 @@ class AdapterExtraConfig:
         known = [f.name for f in dataclasses.fields(AfdExtConnectorConfig)] + list(_ADAPTER_KEYS)
         unknown = sorted(k for k in rest if k not in known)
         if unknown:
-            raise AFDConfigError(f"unknown connector_extra_config field(s) {unknown} for afd_ext under afd-plugin; "
-                             f"known fields: {known}")
+            # Also in afd-plugin's words ("does not support connector_extra_config"), which its tests match.
+            raise AFDConfigError(f"unknown connector_extra_config field(s) {unknown}: afd_ext under afd-plugin does "
+                                 f"not support connector_extra_config fields other than {known}")
         layers = rest.pop("num_exchange_layers", None)
         if layers is not None:
             layers = coerce_int(layers, "connector_extra_config.num_exchange_layers")
@@ -305,9 +418,25 @@ if HAVE_AFD_PLUGIN:
             self._owner._inner.control_plane.send_dp_metadata_list(self._owner._convert(payload, just_applied=True))
 
         def recv_dp_metadata_list(self) -> AFDControlPayload:
-            """FFN side: block until the next payload (afd_ext's class; the runners read its fields)."""
-            self._owner._leave_capture()
-            return self._owner._inner.control_plane.recv_dp_metadata_list()
+            """FFN side: block until the next payload (afd_ext's class; the runners read its fields).
+
+            Raises:
+                SystemExit: on afd-plugin's FFN loop thread only, when the channel
+                    closed in order (this connector's ``close()``, or the source
+                    attention rank's goodbye): the loop thread ends quietly (see
+                    ``_end_loop`` for why this is safe).
+                AFDError: every other failure (a dead or silent peer, an abort, a
+                    timeout), and an orderly close on any other thread.
+            """
+            owner = self._owner
+            owner._leave_capture()
+            try:
+                return owner._inner.control_plane.recv_dp_metadata_list()
+            except AFDError as e:
+                orderly = owner._closing or type(e) is ControlChannelClosed
+                if not (orderly and _on_plugin_ffn_loop()):
+                    raise
+                _end_loop("this FFN rank's connector was closed" if owner._closing else str(e), e)
 
     class AfdExtAFDConnector(_ConnectorBase):
         """afd_ext's connector behind the reference's ``AFDConnectorBase`` contract.
@@ -356,6 +485,7 @@ if HAVE_AFD_PLUGIN:
             self._arenas: list[Any] = []
             self._last: tuple[Any, AFDControlPayload] | None = None
             self._spec_ok: Any = None
+            self._closing = False
             self._handle = next(_HANDLES)
             _LIVE[self._handle] = self
 
@@ -381,10 +511,20 @@ if HAVE_AFD_PLUGIN:
 
         def init_afd_connector(self) -> None:
             """Rendezvous, handshake, transport, control channels, warm-up (collective; idempotent)."""
+            self._closing = False
+            fresh = not self._inner.is_initialized
             self._inner.init_afd_connector()
+            if fresh:
+                _log_connected(self)
 
         def close(self) -> None:
-            """Release everything (idempotent); graph arenas stay alive while a captured graph may replay."""
+            """Release everything (idempotent); graph arenas stay alive while a captured graph may replay.
+
+            An FFN worker loop blocked in ``control_plane.recv_dp_metadata_list``
+            on afd-plugin's loop thread wakes and that thread ends quietly
+            (``SystemExit``; a dead or silent peer still raises its named error).
+            """
+            self._closing = True
             self._leave_capture()
             self._last = None
             self._inner.close()
@@ -505,10 +645,11 @@ if HAVE_AFD_PLUGIN:
                     "AFD config: set it to true on both roles")
             if got != (width, dtype):
                 raise AFDConfigError(
-                    f"the model's routing_spec is [{got[0]}] {got[1]}, but afd_ext configured router logits "
-                    f"[{width}] {dtype} from the model config; set connector_extra_config.router_logits_dtype "
-                    f"(to '{str(got[1]).removeprefix('torch.')}') on both roles, or fix the model config's "
-                    "expert count")
+                    f"the model's routing_spec is [{got[0]}] {got[1]}, but afd_ext derived router logits "
+                    f"[{width}] {dtype} from the model config (expert count, model type, moe_router_dtype); "
+                    "this model's gate differs from vLLM's DeepSeek gate: set "
+                    f"connector_extra_config.router_logits_dtype (to '{str(got[1]).removeprefix('torch.')}') "
+                    "on both roles")
             self._spec_ok = spec
 
         def send_ffn_output(self, ffn_output: torch.Tensor, context: Any, **kwargs: Any) -> None:

@@ -1,0 +1,188 @@
+"""afd_ext under the real vLLM 0.26.0 and afd-plugin (2e4378f), over gloo on CPU (``make test-vllm``).
+
+Every scenario runs real ``VllmConfig`` objects through afd-plugin's factory, its FFN runner inside
+its ``AFDFFNWorker`` loop thread, and its attention-side MoE modules (see ``vllm_workers.py``); every
+reply is checked exactly on the attention side, and the FFN side records each call of its model.
+Scenarios of one topology share worker processes (importing vLLM takes most of a worker's start).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+
+import pytest
+
+pytest.importorskip("vllm.config", reason="the vLLM integration suite runs in make test-vllm's environment")
+pytest.importorskip("afd_plugin.v1.worker.ffn_worker", reason="needs afd-plugin (make test-vllm)")
+
+from afd_ext.testing import find_free_port, run_workers  # noqa: E402
+
+import vllm_workers as W  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
+
+WARM = {0: {"is_warmup": True}, 1: {"is_graph_capturing": True}, 2: {"is_graph_capturing": True}}
+TWO_STAGES = ({0: [3], 1: [2]}, {0: [1], 1: [4]}, {0: [6], 1: [1]})
+
+#: 1A1F: both control channels, both shutdown orders over each, the gate on attention with bf16 and
+#: float32 router logits (moe_router_dtype, glm_moe_dsa), two stages, warm-up and capture flags,
+#: an idle gap four times the heartbeat timeout, torch.compile of the plugin's modules.
+ONE_ONE = (
+    W.Scenario("shm-attn_first", control="shm", order="attn_first"),
+    W.Scenario("shm-ffn_first", control="shm", order="ffn_first"),
+    W.Scenario("tcp-attn_first", control="tcp", order="attn_first"),
+    W.Scenario("tcp-ffn_first", control="tcp", order="ffn_first"),
+    W.Scenario("gate-bf16", gate=True, model="dsv3", control="shm"),
+    W.Scenario("gate-f32-moe_router_dtype", gate=True, model="dsv3_fp32router", control="tcp", order="ffn_first"),
+    W.Scenario("gate-f32-glm_moe_dsa", gate=True, model="glm_moe_dsa", control="shm"),
+    W.Scenario("two-stages", gate=True, steps=TWO_STAGES),
+    W.Scenario("warmup-capture-flags", steps=({0: [2]}, {0: [4]}, {0: [4]}, {0: [3]}, {0: [4]}), flags=WARM),
+    W.Scenario("idle-gap", control="tcp", heartbeat_timeout_s=0.5, idle_before={1: 2.0}),
+    W.Scenario("compile-aot_eager", gate=True, compile="aot_eager", steps=({0: [3]}, {0: [5]}, {0: [2]})),
+    W.Scenario("compile-inductor", compile="inductor", steps=({0: [3]}, {0: [5]})),
+    W.Scenario("router-dtype-mismatch", gate=True, model="dsv3_fp32router", ffn_model="dsv3", mismatch=True),
+)
+#: 2A1F with attention DP=2 (vLLM's DPMetadata.make), an idle DP rank's one-token dummy batch.
+TWO_ONE = (
+    W.Scenario("2A1F-dp2", attn=(2, 1), steps=({0: [3, 2]}, {0: [0, 4]}, {0: [5, 0]})),
+    W.Scenario("2A1F-dp2-gate-two-stages", attn=(2, 1), gate=True, model="glm_moe_dsa", control="tcp",
+               order="ffn_first", steps=({0: [3, 1], 1: [2, 2]}, {0: [0, 3], 1: [1, 0]})),
+)
+#: 2A2F: attention TP2 and FFN TP2 in vLLM's own model-parallel state.
+TWO_TWO = (W.Scenario("2A2F-tp2", attn=(1, 2), ffn=(1, 2), gate=True, steps=({0: [3]}, {0: [1]})),)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    out = {}
+    for key in W.MODELS:
+        d = tmp_path_factory.mktemp(key)
+        (d / "config.json").write_text(json.dumps(W.model_config_json(key)))
+        out[key] = str(d)
+    return out
+
+
+def _world_port():
+    """A base port whose offsets the vLLM worlds use are free (each role's world and DP master port)."""
+    import socket
+
+    for _ in range(50):
+        base = find_free_port()
+        try:
+            socks = []
+            for off in (0, 1, 50, 51, 60, 61, 62, 70, 71, 72):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", base + off))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port range for the vLLM worlds")
+
+
+def _run(group, model_dirs, timeout_s):
+    nprocs = group[0].nprocs
+    ports = tuple(find_free_port() for _ in group)
+    done = mp.get_context("spawn").Barrier(nprocs)
+    recs = run_workers(W.worker, nprocs, (group, ports, _world_port(), model_dirs, done), timeout_s=timeout_s,
+                       env={"AFD_EXT_REPLACE_P2P": "1", "VLLM_LOGGING_LEVEL": "WARNING",
+                            "TORCHINDUCTOR_COMPILE_THREADS": "1"})
+    return [{sc.name: recs[r][i] for i, sc in enumerate(group)} for r in range(nprocs)]
+
+
+def _expected_ffn_calls(sc):
+    """The FFN model's calls, in the runner's order: per step, per layer, per stage."""
+    layers = range(1, W.LAYERS) if sc.gate else range(W.LAYERS)
+    calls = []
+    for step in sc.steps:
+        for layer in layers:
+            for s in sorted(step):
+                rows = sum(max(1, c) for c in step[s])  # fan-in of every attention DP rank (idle: 1 row)
+                calls.append((layer, rows, sc.gate))
+    return calls
+
+
+def _check(group, recs):
+    for sc in group:
+        for rank, by_name in enumerate(recs):
+            rec = by_name[sc.name]
+            if sc.mismatch:
+                msg = rec["error"]
+                assert "HandshakeMismatchError" in msg and "router_logits" in msg, msg
+                assert "float32" in msg and "bfloat16" in msg, msg  # both sides' values
+                continue
+            infos = [m for m in rec["logged"] if " is the AFD connector " in m]
+            assert len(infos) == 1, (sc.name, rec["logged"])  # one INFO line at connector init
+            assert infos[0].startswith("INFO afd_ext ") and "(vLLM 0.26.0, afd-plugin " in infos[0], infos[0]
+            # An attention rank that is no FFN rank's control source holds no channel ("none").
+            channels = (sc.control, "none") if rec["role"] == "attention" else (sc.control,)
+            assert any(infos[0].endswith(f"transport gloo, topology {sc.A}A{sc.F}F, control channel {c}")
+                       for c in channels), infos[0]
+            assert not [m for m in rec["logged"] if m.startswith(("WARNING", "ERROR"))], rec["logged"]
+            if rec["role"] == "ffn":
+                want = _expected_ffn_calls(sc)
+                assert rec["calls"] == want, (sc.name, rank, rec["calls"], want)
+                assert rec["shutdown_s"] < 1.0, (sc.name, rec["shutdown_s"])
+                assert "afd-ffn-worker-loop" not in rec["thread_names"], (sc.name, rec["thread_names"])
+                if sc.gate:
+                    assert rec["router_dtype"] == ("torch.bfloat16" if sc.model == "dsv3" else "torch.float32")
+            else:
+                layers = W.LAYERS - 1 if sc.gate else W.LAYERS
+                assert rec["checked"] == layers * sum(len(step) for step in sc.steps), (sc.name, rec)
+                if sc.compile:
+                    assert rec["graphs"] and all(n >= 1 for n in rec["graphs"]), (sc.name, rec["graphs"])
+
+
+def test_one_attention_one_ffn(model_dirs):
+    """1A1F: 13 scenarios in the same two processes (see ONE_ONE)."""
+    recs = _run(ONE_ONE, model_dirs, timeout_s=900)
+    _check(ONE_ONE, recs)
+
+
+def test_two_attention_one_ffn_dp2(model_dirs):
+    recs = _run(TWO_ONE, model_dirs, timeout_s=600)
+    _check(TWO_ONE, recs)
+
+
+def test_two_attention_two_ffn_tp2(model_dirs):
+    """2A2F with TP2 on both roles: four vLLM workers on the CI box's two cores (time-boxed)."""
+    recs = _run(TWO_TWO, model_dirs, timeout_s=600)
+    _check(TWO_TWO, recs)
+
+
+@pytest.mark.parametrize("control", ["tcp", "shm"])
+def test_a_dead_attention_peer_is_a_failure_not_a_shutdown(model_dirs, control):
+    """The attention process exits without closing: the FFN loop ends in PeerDeadError, which afd-plugin
+    records and stop_ffn_server_loop raises ("AFD FFN worker loop failed"); no quiet exit."""
+    sc = W.Scenario(f"attention-dies-{control}", control=control, heartbeat_timeout_s=1.0, attention_dies=True)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    args = ((sc,), (find_free_port(),), _world_port(), model_dirs, ctx.Barrier(sc.nprocs))
+    procs = [ctx.Process(target=W.worker_to_queue, args=(r, sc.nprocs, args, q), daemon=True) for r in range(2)]
+    env = {"AFD_EXT_REPLACE_P2P": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    try:
+        rank, status, rec = q.get(timeout=300)
+        assert (rank, status) == (0, "ok"), rec
+        procs[1].join(60)
+        assert procs[1].exitcode == 0
+    finally:
+        for p in procs:
+            p.kill() if p.is_alive() else None
+    rec = rec[0]
+    assert rec["calls"] == _expected_ffn_calls(sc)  # it served every step first
+    assert rec["loop_error"].startswith("PeerDeadError: ") and "attention rank 0" in rec["loop_error"], rec
+    assert rec["stop_error"] == "AFD FFN worker loop failed" and rec["cause"] == "PeerDeadError", rec
+    assert rec["worker_shutdown_ran"] == 0  # afd-plugin's shutdown stops at the raised failure
