@@ -855,8 +855,8 @@ def _decode_general(data: bytes, max_stages: int, max_ranks: int) -> AFDControlP
 
 
 # Binary layout between two afd_ext ranks (the control plane's own channel).
-# Measured with 2 stages of 8 counts: encode 1.4 us / decode 1.9 us, against
-# 2.4 / 5.6 us for the JSON codec with its former regex fast path (9 us without).
+# Measured with 2 stages of 8 counts (a loaded 2-core box, warm): encode 2.1 us / decode 1.5 us,
+# against 6.3 / 7.7 us for a Struct per stage and a validating decoder at 20a6fc6.
 _BIN_MAGIC = b"AFDb"
 _BIN_VERSION = 1
 _BIN_HEAD = struct.Struct("<4sBBH")  # magic, version, flags, number of stages

@@ -6,6 +6,7 @@ waits, reads and splits frames natively (``_C.ctrl_tcp_take``, GIL released); th
 
 from __future__ import annotations
 
+import os
 import select
 import socket
 import struct
@@ -136,8 +137,14 @@ class TcpControlChannel(ControlChannel):
         try:
             if self._broken:
                 raise PeerDeadError(self.peer, _OP_SEND, "an earlier frame was left part-sent (the stream is broken)")
+            frame = _TCP_HDR.pack(_TCP_MAGIC, typ, self.local_rank, len(data)) + data
             try:
-                self._sock.sendall(_TCP_HDR.pack(_TCP_MAGIC, typ, self.local_rank, len(data)) + data)
+                try:  # a socket with a timeout polls before each send: one write first, no poll
+                    n = os.write(self._fd, frame)
+                except BlockingIOError:
+                    n = 0
+                if n < len(frame):
+                    self._sock.sendall(frame[n:])  # the send buffer is full: wait, at most heartbeat_timeout_s
             except socket.timeout:
                 self._broken = True
                 raise PeerDeadError(self.peer, _OP_SEND, f"it read nothing for {self.options.heartbeat_timeout_s:g} s "
