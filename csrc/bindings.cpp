@@ -8,6 +8,8 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include <cerrno>
+#include <cstring>
 #include <string>
 
 #include "checks.h"
@@ -99,6 +101,8 @@ TORCH_LIBRARY_IMPL(afd_ext, CompositeExplicitAutograd, m) {
 
 // The control plane's waits (csrc/cpu/control_poll.cpp) as plain module functions: the ring is
 // any writable buffer over the mapping (held for the call), and the GIL is released while they wait.
+// Vectorcall (METH_FASTCALL) arguments and a per-thread receive buffer: these run once per step
+// on cold caches, so they touch as little as they can (no format strings, no zeroed buffers).
 static bool ctrl_ring(PyObject* ring, uint64_t nslots, uint64_t stride, uint64_t cap, Py_buffer* b) {
   if (PyObject_GetBuffer(ring, b, PyBUF_WRITABLE) < 0) return false;
   if (nslots == 0 || stride < afd::ctrl::kSlotHeader + cap || stride > (1ULL << 32) || nslots > (1ULL << 20) ||
@@ -110,46 +114,79 @@ static bool ctrl_ring(PyObject* ring, uint64_t nslots, uint64_t stride, uint64_t
   return true;
 }
 
+// Integer arguments args[first .. first + n) as u64 (the deadlines as i64 bit patterns).
+static bool ctrl_ints(const char* fn, PyObject* const* args, Py_ssize_t nargs, Py_ssize_t want, Py_ssize_t first,
+                      uint64_t* out, Py_ssize_t n) {
+  if (nargs != want) {
+    PyErr_Format(PyExc_TypeError, "%s takes %zd arguments, got %zd", fn, want, nargs);
+    return false;
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    const long long v = PyLong_AsLongLong(args[first + i]);
+    if (v == -1 && PyErr_Occurred()) return false;
+    out[i] = uint64_t(v);
+  }
+  return true;
+}
+
+// A receive buffer of at least `cap` bytes, kept per thread (grown, never zeroed per call).
+static uint8_t* ctrl_scratch(uint64_t cap) {
+  static thread_local std::string buf;
+  if (buf.size() < cap) buf.resize(cap);
+  return reinterpret_cast<uint8_t*>(buf.data());
+}
+
 // ctrl_shm_take(ring, nslots, stride, k, cap, spin_until_ns, deadline_ns) -> (total, sender, bytes) | int
-static PyObject* ctrl_shm_take_py(PyObject*, PyObject* args) {
-  PyObject* ring;
-  unsigned long long nslots, stride, k, cap;
-  long long spin_until, deadline;
+static PyObject* ctrl_shm_take_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  uint64_t v[6];
   Py_buffer b;
-  if (!PyArg_ParseTuple(args, "OKKKKLL", &ring, &nslots, &stride, &k, &cap, &spin_until, &deadline) ||
-      !ctrl_ring(ring, nslots, stride, cap, &b))
-    return nullptr;
-  std::string out(cap, '\0');
+  if (!ctrl_ints("ctrl_shm_take", args, nargs, 7, 1, v, 6) || !ctrl_ring(args[0], v[0], v[1], v[3], &b)) return nullptr;
+  uint8_t* out = ctrl_scratch(v[3]);
   uint64_t total = 0;
   uint32_t sender = 0;
   int64_t r;
   Py_BEGIN_ALLOW_THREADS
-  r = afd::ctrl::shm_take(static_cast<uint8_t*>(b.buf), nslots, stride, k, reinterpret_cast<uint8_t*>(out.data()),
-                          cap, &total, &sender, spin_until, deadline);
+  r = afd::ctrl::shm_take(static_cast<uint8_t*>(b.buf), v[0], v[1], v[2], out, v[3], &total, &sender,
+                          int64_t(v[4]), int64_t(v[5]));
   Py_END_ALLOW_THREADS
   PyBuffer_Release(&b);
-  if (r >= 0)
-    return Py_BuildValue("(KIN)", (unsigned long long)total, sender, PyBytes_FromStringAndSize(out.data(), Py_ssize_t(r)));
+  if (r >= 0) {
+    PyObject* t = PyTuple_New(3);
+    PyObject* data = PyBytes_FromStringAndSize(reinterpret_cast<char*>(out), Py_ssize_t(r));
+    PyObject* tot = PyLong_FromUnsignedLongLong(total);
+    PyObject* snd = PyLong_FromUnsignedLong(sender);
+    if (!t || !data || !tot || !snd) {
+      Py_XDECREF(t);
+      Py_XDECREF(data);
+      Py_XDECREF(tot);
+      Py_XDECREF(snd);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(t, 0, tot);
+    PyTuple_SET_ITEM(t, 1, snd);
+    PyTuple_SET_ITEM(t, 2, data);
+    return t;
+  }
   if (PyErr_CheckSignals() < 0) return nullptr;
   return PyLong_FromLongLong(r);
 }
 
-// ctrl_shm_put(ring, nslots, stride, k, total, sender, data) -> None
-static PyObject* ctrl_shm_put_py(PyObject*, PyObject* args) {
-  PyObject* ring;
-  unsigned long long nslots, stride, k, total;
-  unsigned int sender;
+// ctrl_shm_put(ring, nslots, stride, k, total, sender, data) -> bool (False, nothing written: the ring is full)
+static PyObject* ctrl_shm_put_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  uint64_t v[5];
   Py_buffer data, b;
-  if (!PyArg_ParseTuple(args, "OKKKKIy*", &ring, &nslots, &stride, &k, &total, &sender, &data)) return nullptr;
-  const bool ok = ctrl_ring(ring, nslots, stride, uint64_t(data.len), &b);
+  if (!ctrl_ints("ctrl_shm_put", args, nargs, 7, 1, v, 5) || PyObject_GetBuffer(args[6], &data, PyBUF_SIMPLE) < 0)
+    return nullptr;
+  bool put = false;
+  const bool ok = ctrl_ring(args[0], v[0], v[1], uint64_t(data.len), &b);
   if (ok) {
-    afd::ctrl::shm_put(static_cast<uint8_t*>(b.buf), nslots, stride, k, total, sender,
-                       static_cast<const uint8_t*>(data.buf), uint32_t(data.len));
+    put = afd::ctrl::shm_put(static_cast<uint8_t*>(b.buf), v[0], v[1], v[2], v[3], uint32_t(v[4]),
+                             static_cast<const uint8_t*>(data.buf), uint32_t(data.len));
     PyBuffer_Release(&b);
   }
   PyBuffer_Release(&data);
   if (!ok) return nullptr;
-  Py_RETURN_NONE;
+  return PyBool_FromLong(put);
 }
 
 // ctrl_shm_stop(ring) -> None
@@ -161,33 +198,69 @@ static PyObject* ctrl_shm_stop_py(PyObject*, PyObject* ring) {
   Py_RETURN_NONE;
 }
 
-// ctrl_tcp_read(fd, cap, spin_until_ns, deadline_ns) -> bytes (b"" at EOF) | None (the deadline passed)
-static PyObject* ctrl_tcp_read_py(PyObject*, PyObject* args) {
-  int fd;
-  unsigned long long cap;
-  long long spin_until, deadline;
-  if (!PyArg_ParseTuple(args, "iKLL", &fd, &cap, &spin_until, &deadline)) return nullptr;
-  std::string buf(cap, '\0');
-  int64_t r;
-  Py_BEGIN_ALLOW_THREADS
-  r = afd::ctrl::tcp_read(fd, reinterpret_cast<uint8_t*>(buf.data()), cap, spin_until, deadline);
-  Py_END_ALLOW_THREADS
-  if (r >= 0) return PyBytes_FromStringAndSize(buf.data(), Py_ssize_t(r));
-  if (r == afd::ctrl::kSlice) {
-    if (PyErr_CheckSignals() < 0) return nullptr;
-    Py_RETURN_NONE;
+// ctrl_tcp_take(fd, rbuf, magic, max_bytes, spin_until_ns, deadline_ns) -> the next whole frame
+// from socket fd, as (magic, type, sender, length, body): body is None, nothing more read, when
+// the magic differs or the length exceeds max_bytes. Bytes past the frame stay in the bytearray rbuf. None: the
+// deadline passed; 0: end of stream before a whole frame. Frames: magic u32 | type u32 |
+// sender u32 | length u64 | body (afd_ext/control/tcp.py writes them).
+static PyObject* ctrl_tcp_take_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  constexpr Py_ssize_t kHdr = 20, kRead = 65536;
+  uint64_t v[4];  // magic, max_bytes, spin_until_ns, deadline_ns
+  if (!ctrl_ints("ctrl_tcp_take", args, nargs, 6, 2, v, 4)) return nullptr;
+  const int fd = int(PyLong_AsLong(args[0]));
+  if (fd == -1 && PyErr_Occurred()) return nullptr;
+  PyObject* rbuf = args[1];
+  if (!PyByteArray_Check(rbuf)) {
+    PyErr_SetString(PyExc_TypeError, "ctrl_tcp_take: rbuf must be a bytearray");
+    return nullptr;
   }
-  errno = int(-r);
-  return PyErr_SetFromErrno(PyExc_OSError);
+  uint8_t* tmp = ctrl_scratch(kRead);
+  for (;;) {
+    const Py_ssize_t len = PyByteArray_GET_SIZE(rbuf);
+    const uint8_t* p = reinterpret_cast<const uint8_t*>(PyByteArray_AS_STRING(rbuf));
+    if (len >= kHdr) {
+      uint32_t magic, typ, sender;
+      uint64_t n;
+      std::memcpy(&magic, p, 4), std::memcpy(&typ, p + 4, 4), std::memcpy(&sender, p + 8, 4), std::memcpy(&n, p + 12, 8);
+      if (magic != uint32_t(v[0]) || n > v[1]) return Py_BuildValue("(IIIKO)", magic, typ, sender, (unsigned long long)n, Py_None);
+      if (uint64_t(len - kHdr) >= n) {
+        PyObject* body = PyBytes_FromStringAndSize(reinterpret_cast<const char*>(p + kHdr), Py_ssize_t(n));
+        if (body == nullptr) return nullptr;
+        const Py_ssize_t rest = len - kHdr - Py_ssize_t(n);
+        std::memmove(PyByteArray_AS_STRING(rbuf), p + kHdr + n, size_t(rest));
+        if (PyByteArray_Resize(rbuf, rest) < 0) {
+          Py_DECREF(body);
+          return nullptr;
+        }
+        return Py_BuildValue("(IIIKN)", magic, typ, sender, (unsigned long long)n, body);
+      }
+    }
+    int64_t r;
+    Py_BEGIN_ALLOW_THREADS
+    r = afd::ctrl::tcp_read(fd, tmp, kRead, int64_t(v[2]), int64_t(v[3]));
+    Py_END_ALLOW_THREADS
+    if (r == afd::ctrl::kSlice) {
+      if (PyErr_CheckSignals() < 0) return nullptr;
+      Py_RETURN_NONE;
+    }
+    if (r < 0) {
+      errno = int(-r);
+      return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    if (r == 0) return PyLong_FromLong(0);
+    if (PyByteArray_Resize(rbuf, len + r) < 0) return nullptr;
+    std::memcpy(PyByteArray_AS_STRING(rbuf) + len, tmp, size_t(r));
+  }
 }
 
 static PyMethodDef afd_methods[] = {
-    {"ctrl_shm_take", ctrl_shm_take_py, METH_VARARGS,
+    {"ctrl_shm_take", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(ctrl_shm_take_py)), METH_FASTCALL,
      "Control plane: wait for a shared-memory ring's next message (afd_ext/control/shm.py)."},
-    {"ctrl_shm_put", ctrl_shm_put_py, METH_VARARGS, "Control plane: publish a message in a shared-memory ring."},
+    {"ctrl_shm_put", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(ctrl_shm_put_py)), METH_FASTCALL,
+     "Control plane: publish a message in a shared-memory ring."},
     {"ctrl_shm_stop", ctrl_shm_stop_py, METH_O, "Control plane: end a shared-memory ring's waits (close)."},
-    {"ctrl_tcp_read", ctrl_tcp_read_py, METH_VARARGS,
-     "Control plane: wait for and read a TCP control socket's bytes (afd_ext/control/tcp.py)."},
+    {"ctrl_tcp_take", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(ctrl_tcp_take_py)), METH_FASTCALL,
+     "Control plane: wait for and read a TCP control socket's next frame (afd_ext/control/tcp.py)."},
     {nullptr, nullptr, 0, nullptr}};
 
 // `import afd_ext._C` loads the library (running the registrations above) and

@@ -556,13 +556,22 @@ def test_a_tcp_frame_left_part_sent_breaks_the_stream_and_a_heartbeat_skips_a_bu
     with _pair("tcp") as (rx, tx):
         with tx._lock:
             assert tx._beat() is True  # skipped (the lock is busy), not blocked, not an error
-        real = tx._sock
-        tx._sock = mock.Mock(sendall=mock.Mock(side_effect=BrokenPipeError(32, "Broken pipe")))
-        with pytest.raises(cp.PeerDeadError, match="connection lost"):
-            tx.send(b"x")
-        tx._sock = real
+        with mock.patch("afd_ext.control.tcp.os.write", side_effect=BrokenPipeError(32, "Broken pipe")):
+            with pytest.raises(cp.PeerDeadError, match="connection lost"):
+                tx.send(b"x")
         with pytest.raises(cp.PeerDeadError, match="left part-sent"):
             tx.send(b"y")
+
+
+@pytest.mark.parametrize("first_write", ["part", "would block"])
+def test_a_tcp_frame_the_first_write_leaves_unsent_is_finished_whole(first_write):
+    real = os.write
+    short = (lambda fd, b: real(fd, b[:3])) if first_write == "part" else BlockingIOError(11, "would block")
+    with _pair("tcp") as (rx, tx):
+        with mock.patch("afd_ext.control.tcp.os.write", side_effect=short):
+            tx.send(b"hello")
+        tx.send(b"again")
+        assert rx.recv(5.0) == b"hello" and rx.recv(5.0) == b"again"
 
 
 def test_the_planes_max_payload_bytes_bounds_a_payload():

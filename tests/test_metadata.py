@@ -470,6 +470,14 @@ def test_binary_bounds_and_encoder_checks():
         md.encode_control_binary(p)
 
 
+@pytest.mark.parametrize("stages", [{0: [1, 2], 5: [], 2**31: [3], 2**32 - 1: [0, 7, 2**31 - 1]}, {4: [1], 3: [4] * 5}])
+def test_binary_round_trip_of_any_stage_keys_and_lengths(stages):
+    q = md.decode_control_binary(md.encode_control_binary(AFDControlPayload(stages, is_warmup=True, is_profile=True)))
+    assert q.stage_counts() == {s: tuple(c) for s, c in sorted(stages.items())}
+    assert [q.dp_metadata_list[s].max_tokens for s in sorted(stages)] == [max(c, default=0) for _, c in sorted(stages.items())]
+    assert (q.is_graph_capturing, q.is_warmup, q.is_graph_replaying, q.is_profile) == (False, True, False, True)
+
+
 @settings(max_examples=300, deadline=None)
 @given(payloads, st.integers(0, 400), st.binary(min_size=0, max_size=3))
 def test_property_binary_garbage_only_value_error(p, cut, insert):

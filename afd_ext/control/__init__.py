@@ -59,7 +59,7 @@ C-state exit), more than the whole rest of a step's control plane. So while
 the engine is active (the last payload arrived less than ``idle_s`` ago,
 default 10 s, ``AFD_CONTROL_IDLE_S``) a waiting FFN rank spins, in native code
 with the GIL released (``_C.ctrl_shm_take`` on the slot's sequence word;
-``_C.ctrl_tcp_read``, a non-blocking ``recv``): the serving engine's other
+``_C.ctrl_tcp_take``, a non-blocking ``recv`` and the frame split in C): the serving engine's other
 threads keep running. Once idle it sleeps: shm raises a waiting flag and
 sleeps on a futex in the segment (the doorbell, which the sender rings after
 publishing when it sees the flag, a full fence between the two), tcp sleeps

@@ -149,6 +149,8 @@ class ControlChannel:
         self.peer_rank = peer_rank
         self.peer = peer
         self.options = options
+        self._max_bytes = options.max_message_bytes  # read per message: one attribute, not two
+        self._idle_s = options.idle_s
         self._abort_check = abort_check
         self._closed = False
         self._inflight = False  # a native wait holds this end's memory / socket (close defers the release)
@@ -171,10 +173,11 @@ class ControlChannel:
             AFDConfigError: message too large; AFDStateError: wrong end or closed
             channel; PeerDeadError: the receiver is gone.
         """
-        self._require(True, _OP_SEND)
-        if len(data) > self.options.max_message_bytes:
+        if self._closed or not self.is_sender:
+            self._require(True, _OP_SEND)
+        if len(data) > self._max_bytes:
             raise AFDConfigError(f"control message of {len(data)} bytes exceeds max_message_bytes="
-                                 f"{self.options.max_message_bytes}; raise it on both ends")
+                                 f"{self._max_bytes}; raise it on both ends")
         self._send(data)
 
     def send_payload(self, payload: Any) -> None:
@@ -209,7 +212,8 @@ class ControlChannel:
             ControlProtocolError: a frame from an unexpected sender, a corrupt frame or slot.
             AFDStateError: this end is closed (also by another thread while it waits).
         """
-        self._require(False, op)
+        if self._closed or self.is_sender:
+            self._require(False, op)
         now = time.monotonic()
         deadline = None if timeout_s is None else now + timeout_s
         while True:
@@ -218,13 +222,13 @@ class ControlChannel:
                 end = min(end, deadline)
             self._inflight = True
             try:
-                msg = self._take(op, int((self._last_msg + self.options.idle_s) * 1e9), int(end * 1e9))
+                msg = self._take(op, int((self._last_msg + self._idle_s) * 1e9), int(end * 1e9))
             finally:
                 self._inflight = False
                 if self._closed:
                     self._release()
             if msg is not None:
-                self._last_msg = time.monotonic()
+                self._last_msg = now  # the slice's start: no clock read once the payload is in
                 return msg
             self._require(False, op)
             self._check_peer(op)
@@ -317,10 +321,10 @@ class ControlChannel:
         if sender != self.peer_rank:
             raise ControlProtocolError(
                 f"{op}: received AFD DP metadata from world rank {sender}, expected {self.peer}")
-        if total > self.options.max_message_bytes:
+        if total > self._max_bytes:
             raise ControlProtocolError(
                 f"{op}: {self.peer} announced a {total}-byte control message, above "
-                f"max_message_bytes={self.options.max_message_bytes}")
+                f"max_message_bytes={self._max_bytes}")
 
     def _require(self, sender: bool, what: str) -> None:
         if self._closed:

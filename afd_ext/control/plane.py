@@ -239,7 +239,6 @@ class AFDControlPlane:
     ):
         from afd_ext import metadata as md
 
-        self._md = md
         self._apply = apply_payload
         self._check_send = check_send
         self.topology = topology
@@ -255,6 +254,9 @@ class AFDControlPlane:
             self.destinations = ()
             self.source = topology.control_source(role_rank)
         self.channels: dict[int, ControlChannel] = {}
+        self._sends: tuple[ControlChannel, ...] = ()  # the channels to self.destinations, in order
+        self._source_channel: ControlChannel | None = None
+        self._encode, self._decode = md.encode_control_binary, md.decode_control_binary
         self.store: AFDStore | None = None
         self._received: Any = None  # the payload recv_dp_metadata_list returned last (not yet applied)
         self._open = False
@@ -295,6 +297,8 @@ class AFDControlPlane:
                 f"control routing {sorted(expected)}; build them with open_control_channels"
             )
         self.channels = dict(channels)
+        self._sends = tuple(self.channels[f] for f in self.destinations)
+        self._source_channel = self.channels.get(self.source)  # type: ignore[arg-type]
         self.store = store
         self._open = True
 
@@ -311,6 +315,7 @@ class AFDControlPlane:
     def close(self) -> None:
         """Close every channel (idempotent; a sender's close tells its FFN ranks). :meth:`open` may follow."""
         channels, self.channels = self.channels, {}
+        self._sends, self._source_channel = (), None
         self._open = False
         self.store = None
         for ch in channels.values():
@@ -367,11 +372,10 @@ class AFDControlPlane:
             self._require_open("send_dp_metadata_list")
         if self._check_send is not None:
             self._check_send(payload)
-        dests = self.destinations
-        if dests:
-            data = self._md.encode_control_binary(payload)  # checked once, before anything moves
-            for f in dests:
-                self.channels[f].send(data)
+        if self._sends:
+            data = self._encode(payload)  # checked once, before anything moves
+            for ch in self._sends:
+                ch.send(data)
 
     def recv_dp_metadata_list(self) -> Any:
         """FFN side: block until the next step's payload arrives; return it decoded.
@@ -393,14 +397,14 @@ class AFDControlPlane:
             raise AFDStateError(f"recv_dp_metadata_list is called on FFN ranks only; this is {self.label}")
         if not self._open:
             self._require_open(_OP_RECV)
-        ch = self.channels[self.source]  # type: ignore[index]
+        ch = self._source_channel
         try:
             data = ch.recv(self.recv_timeout_s, _OP_RECV)
             if len(data) > self.max_payload_bytes:
                 raise ControlProtocolError(f"{_OP_RECV}: a {len(data)}-byte control payload from {ch.peer} "
                                            f"exceeds max_payload_bytes={self.max_payload_bytes}")
             try:
-                self._received = self._md.decode_control_binary(data)
+                self._received = self._decode(data)
                 return self._received
             except ValueError as e:
                 raise ControlProtocolError(f"{_OP_RECV}: malformed control payload from {ch.peer}: {e}") from None

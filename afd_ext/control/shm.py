@@ -155,13 +155,24 @@ class ShmControlChannel(ControlChannel):
             return False
         return True
 
+    def send(self, data: bytes) -> None:
+        """As :meth:`ControlChannel.send`; the per-step case (one slot, room in the ring) in one frame."""
+        n = len(data)
+        if (self._closed or not self.is_sender or n > self._max_bytes or n > self._slot_bytes
+                or not self._C.ctrl_shm_put(self._mm, self._nslots, self._stride, self._k, n, self.local_rank, data)):
+            return super().send(data)  # the checks, fragments, a full ring
+        self._k += 1
+
     def _send(self, data: bytes) -> None:
-        n, sb, hdr = len(data), self._slot_bytes, self._hdr
+        n, sb, C = len(data), self._slot_bytes, self._C
+        if n <= sb and C.ctrl_shm_put(self._mm, self._nslots, self._stride, self._k, n, self.local_rank, data):
+            self._k += 1  # one slot, and the ring had room: the per-step case
+            return
         mv = memoryview(data)
         for off in range(0, max(n, 1), sb):
-            if self._k - hdr[_W_READ_COUNT] >= self._nslots:
+            while not C.ctrl_shm_put(self._mm, self._nslots, self._stride, self._k, n, self.local_rank,
+                                     mv[off:off + sb]):
                 self._wait_space()
-            self._C.ctrl_shm_put(self._mm, self._nslots, self._stride, self._k, n, self.local_rank, mv[off:off + sb])
             self._k += 1
 
     def _wait_space(self) -> None:
@@ -175,24 +186,28 @@ class ShmControlChannel(ControlChannel):
                                     f"{self.options.heartbeat_timeout_s:.1f} s with {self._nslots} ring slots full")
             time.sleep(1e-4)
 
-    def _take_one(self, op: str, spin_until_ns: int, end_ns: int) -> tuple[int, int, bytes] | None:
-        r = self._C.ctrl_shm_take(self._mm, self._nslots, self._stride, self._k, self._slot_bytes,
-                                  spin_until_ns, end_ns)
-        if r == _K_CORRUPT:
-            raise ControlProtocolError(f"{op}: control ring slot {self._k % self._nslots} from {self.peer} stayed "
-                                       "inconsistent (CRC mismatch) for 1 s: the shared memory is corrupt")
+    def _take_one(self, op: str, spin_until_ns: int, end_ns: int, r: Any = None) -> tuple[int, int, bytes] | None:
+        """The next fragment, or None; ``r``: what a native take already returned."""
+        if r is None:
+            r = self._C.ctrl_shm_take(self._mm, self._nslots, self._stride, self._k, self._slot_bytes,
+                                      spin_until_ns, end_ns)
         if type(r) is int:
+            if r == _K_CORRUPT:
+                raise ControlProtocolError(f"{op}: control ring slot {self._k % self._nslots} from {self.peer} "
+                                           "stayed inconsistent (CRC mismatch) for 1 s: the shared memory is corrupt")
             return None
-        self._k += 1
-        self._hdr[_W_READ_COUNT] = self._k
+        self._k += 1  # the native take advanced the ring's read count
         return r
 
     def _take(self, op: str, spin_until_ns: int, end_ns: int) -> bytes | None:
-        got = self._take_one(op, spin_until_ns, end_ns)
-        if got is None:
-            return None
-        total, sender, frag = got
-        self._check_header(op, sender, total)
+        r = self._C.ctrl_shm_take(self._mm, self._nslots, self._stride, self._k, self._slot_bytes,
+                                  spin_until_ns, end_ns)
+        if type(r) is int:
+            return self._take_one(op, 0, 0, r)  # raises if corrupt
+        self._k += 1  # the native take advanced the ring's read count
+        total, sender, frag = r
+        if sender != self.peer_rank or total > self._max_bytes:
+            self._check_header(op, sender, total)
         if len(frag) == total:
             return frag
         parts, have = [frag], len(frag)

@@ -1,11 +1,12 @@
 """The TCP channel (across hosts): length-prefixed frames, heartbeat frames from the sender.
 
 Frames are ``magic u32 | type u32 | sender world rank u32 | length u64 | bytes``. The receiver
-waits and reads natively (``_C.ctrl_tcp_read``, GIL released); the framing is here.
+waits, reads and splits frames natively (``_C.ctrl_tcp_take``, GIL released); the checks are here.
 """
 
 from __future__ import annotations
 
+import os
 import select
 import socket
 import struct
@@ -21,7 +22,6 @@ from .channel import _OP_SEND, ControlChannel, logger
 _TCP_MAGIC = 0xAFDC7C01
 _TCP_HDR = struct.Struct("<IIIQ")  # magic, type, sender world rank, length
 _T_HELLO, _T_DATA, _T_HEARTBEAT, _T_CLOSE = 1, 2, 3, 4
-_READ_BYTES = 65536
 
 
 def _advertise_address(store: Any) -> str:
@@ -137,8 +137,14 @@ class TcpControlChannel(ControlChannel):
         try:
             if self._broken:
                 raise PeerDeadError(self.peer, _OP_SEND, "an earlier frame was left part-sent (the stream is broken)")
+            frame = _TCP_HDR.pack(_TCP_MAGIC, typ, self.local_rank, len(data)) + data
             try:
-                self._sock.sendall(_TCP_HDR.pack(_TCP_MAGIC, typ, self.local_rank, len(data)) + data)
+                try:  # a socket with a timeout polls before each send: one write first, no poll
+                    n = os.write(self._fd, frame)
+                except BlockingIOError:
+                    n = 0
+                if n < len(frame):
+                    self._sock.sendall(frame[n:])  # the send buffer is full: wait, at most heartbeat_timeout_s
             except socket.timeout:
                 self._broken = True
                 raise PeerDeadError(self.peer, _OP_SEND, f"it read nothing for {self.options.heartbeat_timeout_s:g} s "
@@ -151,7 +157,7 @@ class TcpControlChannel(ControlChannel):
         return True
 
     def _send(self, data: bytes) -> None:
-        self._frame(_T_DATA, bytes(data))
+        self._frame(_T_DATA, data)
 
     def _beat(self) -> bool:
         try:
@@ -161,34 +167,30 @@ class TcpControlChannel(ControlChannel):
         return True
 
     def _take(self, op: str, spin_until_ns: int, end_ns: int) -> bytes | None:
-        buf = self._rbuf
         while self._ended is None:
-            if len(buf) >= _TCP_HDR.size:
-                magic, typ, sender, n = _TCP_HDR.unpack_from(buf, 0)
-                if magic != _TCP_MAGIC:
-                    raise ControlProtocolError(f"{op}: corrupt control frame from {self.peer} (bad magic {magic:#x})")
-                self._check_header(op, sender, n)
-                if len(buf) >= _TCP_HDR.size + n:
-                    body = bytes(buf[_TCP_HDR.size:_TCP_HDR.size + n])
-                    del buf[:_TCP_HDR.size + n]
-                    if typ == _T_DATA:
-                        return body
-                    if typ == _T_CLOSE:
-                        self._ended = "close"
-                    elif typ != _T_HEARTBEAT:
-                        raise ControlProtocolError(f"{op}: unexpected control frame type {typ} from {self.peer}")
-                    continue
-            try:
-                got = self._C.ctrl_tcp_read(self._fd, _READ_BYTES, spin_until_ns, end_ns)
+            try:  # the next whole frame, parsed natively; the bytes after it stay in _rbuf
+                got = self._C.ctrl_tcp_take(self._fd, self._rbuf, _TCP_MAGIC, self._max_bytes,
+                                             spin_until_ns, end_ns)
             except OSError as e:
                 self._require(False, op)  # closed here by another thread: not the peer's fault
                 raise PeerDeadError(self.peer, op, f"connection lost ({e})") from None
             if got is None:
                 return None
-            if not got:
-                self._ended = "eof"
             self._last_seen = time.monotonic()
-            buf += got
+            if got == 0:
+                self._ended = "eof"
+                return None
+            magic, typ, sender, n, body = got
+            if magic != _TCP_MAGIC:
+                raise ControlProtocolError(f"{op}: corrupt control frame from {self.peer} (bad magic {magic:#x})")
+            if sender != self.peer_rank or body is None:
+                self._check_header(op, sender, n)
+            if typ == _T_DATA:
+                return body
+            if typ == _T_CLOSE:
+                self._ended = "close"
+            elif typ != _T_HEARTBEAT:
+                raise ControlProtocolError(f"{op}: unexpected control frame type {typ} from {self.peer}")
         return None
 
     def _check_peer(self, op: str) -> None:

@@ -72,8 +72,9 @@ void ring_bell(uint8_t* ring) {
 
 }  // namespace
 
-void shm_put(uint8_t* ring, uint64_t nslots, uint64_t stride, uint64_t k, uint64_t total,
+bool shm_put(uint8_t* ring, uint64_t nslots, uint64_t stride, uint64_t k, uint64_t total,
              uint32_t sender, const uint8_t* data, uint32_t n) {
+  if (k - __atomic_load_n(reinterpret_cast<uint64_t*>(ring + kReadCount), __ATOMIC_ACQUIRE) >= nslots) return false;
   uint8_t* s = slot_of(ring, nslots, stride, k);
   auto* seq = reinterpret_cast<uint64_t*>(s);
   __atomic_store_n(seq, 2 * k + 1, __ATOMIC_RELAXED);
@@ -88,6 +89,7 @@ void shm_put(uint8_t* ring, uint64_t nslots, uint64_t stride, uint64_t k, uint64
   // A full fence orders the publish before the waiting flag's read (the receiver's mirror image).
   __atomic_thread_fence(__ATOMIC_SEQ_CST);
   if (__atomic_load_n(word(ring, kWaiting), __ATOMIC_RELAXED)) ring_bell(ring);
+  return true;
 }
 
 void shm_stop(uint8_t* ring) {
@@ -112,6 +114,7 @@ int64_t shm_take(uint8_t* ring, uint64_t nslots, uint64_t stride, uint64_t k, ui
         std::memcpy(sender, s + 20, 4);
         __atomic_thread_fence(__ATOMIC_ACQUIRE);  // the copies before seq's second read
         if (__atomic_load_n(seq, __ATOMIC_RELAXED) == want && slot_crc(want, s + 8, out, n) == c) {
+          __atomic_store_n(reinterpret_cast<uint64_t*>(ring + kReadCount), k + 1, __ATOMIC_RELEASE);
           r = n;
           break;
         }
@@ -123,7 +126,10 @@ int64_t shm_take(uint8_t* ring, uint64_t nslots, uint64_t stride, uint64_t k, ui
       continue;
     }
     if (__atomic_load_n(word(ring, kStop), __ATOMIC_ACQUIRE)) { r = kStopped; break; }
-    if (i % 64) { relax(); continue; }  // the clock costs ~20 ns: read it once per 64 polls
+    // One pause and one clock read (~20 ns) per 64 polls: a pause in every poll is the tight
+    // pause loop a KVM host intercepts (pause-loop exiting), adding a VM exit to the wake-up.
+    if (i % 64) continue;
+    relax();
     const int64_t now = now_ns();
     if (now >= deadline) break;
     if (now < spin_until) continue;
