@@ -74,7 +74,10 @@ class FFNSide(RoleSide):
         try:
             layer, stage = st.seq.next_reply_send(op)
             md = context_metadata(context, op)
-            state = getattr(context, "states", None)  # the reference's context may lack it
+            try:
+                state = context.states
+            except AttributeError:  # the reference's context may lack it
+                state = None
             if isinstance(state, AfdExtTransferState):
                 if (state.step, state.layer, state.stage) != (st.step, layer, stage):
                     ctx_step = st.seq.label if state.step == st.step else "an earlier step"

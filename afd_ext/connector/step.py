@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sized
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,7 +51,7 @@ def context_metadata(context: Any, op: str) -> AFDTransferMetadata:
     layer_idx = stage_arg(fields[0], "context.metadata.layer_idx", "layer index")
     if not 0 <= layer_idx < _MAX_INDEX:
         raise AFDConfigError(f"context.metadata.layer_idx must be in [0, {_MAX_INDEX}), got {layer_idx}")
-    if isinstance(fields[2], (str, bytes)) or not hasattr(fields[2], "__len__"):
+    if isinstance(fields[2], (str, bytes)) or not isinstance(fields[2], Sized):
         raise AFDConfigError(f"context.metadata.seq_lens must be a list of row counts (ints >= 0), got "
                              f"{type(fields[2]).__name__} {fields[2]!r}"[:200])
     try:
@@ -68,7 +69,10 @@ def routing_spec_arg(spec: Any) -> tuple[int, torch.dtype] | None:
     """
     if spec is None:
         return None
-    width, dtype = getattr(spec, "router_logits_width", None), getattr(spec, "router_logits_dtype", None)
+    try:
+        width, dtype = spec.router_logits_width, spec.router_logits_dtype
+    except AttributeError:
+        width = dtype = None
     if isinstance(width, bool) or not isinstance(width, int) or not isinstance(dtype, torch.dtype):
         raise AFDConfigError("routing_spec must be None or an AFDExpertRoutingSpec(router_logits_width: int, "
                              f"router_logits_dtype: torch.dtype), got {type(spec).__name__} {spec!r}"[:300])
