@@ -30,7 +30,6 @@ import os
 import zlib
 from typing import Any
 
-from afd_ext.bench.guard import WorkerGuard
 from afd_ext.bench.plan import Case, RunConfig
 from afd_ext.bench.timing import capture_graph, summarize, time_eager, time_graph, wait_event
 from afd_ext.errors import AFDConfigError
@@ -49,7 +48,7 @@ FFN = "ffn"
 class _Env:
     """Everything set up once per process."""
 
-    def __init__(self, rank: int, nprocs: int, cfg: RunConfig, guard: WorkerGuard | None = None):
+    def __init__(self, rank: int, nprocs: int, cfg: RunConfig):
         import torch
         import torch.distributed as dist
 
@@ -61,11 +60,6 @@ class _Env:
         self.topo = Topology(cfg.layout.num_attention_ranks, cfg.layout.num_ffn_ranks)
         self.role, self.role_rank = self.topo.role_of(rank)
         self.cuda = cfg.backend == "nccl"
-        self.guard = guard or WorkerGuard(rank, f"{self.role}{self.role_rank}", "", cfg.case_timeout_s,
-                                          verbose=False)
-        g = self.guard
-        g.enter("set-up: " + ("CUDA device, " if cfg.backend == "nccl" else "") + "TCPStore and gloo group",
-                op="TCPStore/init_process_group")
         if self.cuda:
             if not torch.cuda.is_available():
                 raise AFDConfigError(f"world rank {rank}: backend nccl but no CUDA device is visible "
@@ -74,13 +68,9 @@ class _Env:
             self.device = torch.device("cuda", 0)
         else:
             self.device = torch.device("cpu")
-        # Waits on peers (store, gloo barrier) outlast a peer's hard phase deadline,
-        # so a hung rank is ended by its own faulthandler before its peers give up
-        # and the parent names the right rank.
         td = datetime.timedelta(seconds=cfg.peer_wait_s)
         self.store = dist.TCPStore("127.0.0.1", cfg.master_port, nprocs, rank == 0, timeout=td)
         dist.init_process_group("gloo", store=self.store, rank=rank, world_size=nprocs, timeout=td)
-        g.leave()
         self.comms: dict[tuple[int, int, str], int] = {}
         self.bare = None
         self.bare_comms: dict[tuple[int, int, str], Any] = {}
@@ -88,21 +78,13 @@ class _Env:
         self.gloo_transport = None
         self.notes: list[str] = []
         if self.cuda:
-            g.enter("set-up: this package's NCCL communicators", op="ops.comm_create")
             self._create_comms()
-            g.leave()
             if "bare" in cfg.variants and not cfg.extra.get("no_bare"):
-                g.enter("set-up: bare NCCL communicators (ctypes)", variant="bare", op="ncclCommInitRank")
                 self._create_bare_comms()
-                g.leave(note=f" (libnccl: {self.bare.path if self.bare else 'not loaded'})")
             if cfg.control and not cfg.check:  # the reference control plane's group
-                g.enter("set-up: torch.distributed NCCL group", op="dist.new_group")
                 self.nccl_group = dist.new_group(backend="nccl", timeout=td)
-                g.leave()
         else:
-            g.enter("set-up: this package's gloo transport", op="GlooTransport")
             self.gloo_transport = self._make_gloo_transport()
-            g.leave()
 
     # -- helpers -------------------------------------------------------------
 
@@ -283,10 +265,6 @@ def _setup_variants(env: _Env, case: Case, ctx) -> tuple[list, dict[str, str]]:
     return variants, merged
 
 
-def _directions_for(v, cfg: RunConfig) -> list[str]:
-    return list(cfg.directions)
-
-
 def _seed(*parts: Any) -> int:
     return zlib.crc32("/".join(str(p) for p in parts).encode()) & 0x7FFFFFFF
 
@@ -309,7 +287,7 @@ def _nbytes(case: Case, d: str) -> int:
 def _time_case(env: _Env, case: Case, ctx, variants: list, bar) -> list[dict]:
     from afd_ext.bench.variants import FlagPingPong
 
-    cfg, reps, g = env.cfg, env.cfg.reps, env.guard
+    cfg, reps = env.cfg, env.cfg.reps
     flag = FlagPingPong(ctx, case)
     records: list[dict] = []
     ck = case.key()
@@ -318,43 +296,28 @@ def _time_case(env: _Env, case: Case, ctx, variants: list, bar) -> list[dict]:
             continue
         ctx.graph_mode = mode == "graph"
         vlist = [v for v in variants if mode == "eager" or v.graph_ok]
-        items = [(flag, "flag")] + [(v, d) for v in vlist for d in _directions_for(v, cfg)]
+        items = [(flag, "flag")] + [(v, d) for v in vlist for d in cfg.directions]
         # Eager warm-up of every edge and direction (NCCL connects lazily, never inside a capture).
-        # One line per variant and direction: the first contact is where a transport hangs or crashes.
         for v, d in items:
-            fields = dict(case=ck, variant=v.name, mode=mode, direction=d, op=step_ops(v.name, d, env.role))
-            g.enter("barrier before warm-up", quiet=True, **fields)
             env.drain("warm-up")
             env.barrier()
-            g.enter("warm-up", **fields)
             v.bind_stream()
-            _maybe_inject(env, case, v.name, "warm-up")
-            g.on_peers()
             time_eager(v.step(d), iters=reps.warmup, warmup=0, cuda=env.cuda, timed=False,
                        timeout_s=cfg.case_timeout_s, what=f"{env.label()} warm-up {v.name}/{d}")
-            g.leave()
         graphs: dict[tuple[str, str], Any] = {}
         ks: dict[tuple[str, str], int] = {}
         if mode == "graph":
             for v, d in items:
-                fields = dict(case=ck, variant=v.name, mode=mode, direction=d, op=step_ops(v.name, d, env.role))
                 k = reps.graph_k(_nbytes(case, d))
-                g.enter("barrier before capture", quiet=True, **fields)
                 env.drain("before capture")
                 env.barrier()
-                g.enter("capture", **fields)
                 graphs[(v.name, d)] = capture_graph(v.step(d), k, before_capture=v.bind_stream)
                 ks[(v.name, d)] = k
-                g.leave()
         samples: dict[tuple[str, str], list[float]] = {key: [] for key in ((v.name, d) for v, d in items)}
-        for r in range(reps.rounds):
-            t_round = g.elapsed()
+        for _ in range(reps.rounds):
             for v, d in items:
-                fields = dict(case=ck, variant=v.name, mode=mode, direction=d, op=step_ops(v.name, d, env.role))
-                g.enter("barrier before timed block", quiet=True, **fields)
                 env.drain("between variants")
                 env.barrier()
-                g.enter("timed block", quiet=True, **fields)
                 what = f"{env.label()} {ck} {v.name}/{d}/{mode}"
                 if mode == "eager":
                     v.bind_stream()
@@ -367,9 +330,6 @@ def _time_case(env: _Env, case: Case, ctx, variants: list, bar) -> list[dict]:
                 samples[(v.name, d)].extend(s)
                 if bar is not None:
                     bar.update(1)
-            g.say(f"case {ck} mode {mode}: timed round {r + 1}/{reps.rounds} of {len(items)} blocks "
-                  f"in {g.elapsed() - t_round:.2f} s")
-        g.enter("drain end of mode", quiet=True, case=ck, mode=mode)
         env.drain("end of mode")
         graphs.clear()
         ctx.graph_mode = False
@@ -394,43 +354,6 @@ def _time_case(env: _Env, case: Case, ctx, variants: list, bar) -> list[dict]:
             records.append(rec)
     flag.close()
     return records
-
-
-#: What a variant's step calls, per role (named in progress lines and hang reports).
-_STEP_OPS = {
-    "flag": ("send, recv", "recv, send"),
-    "ours_per_tensor": ("exchange | split_back | fan_in", "fan_in, split_back"),
-    "reference": ("send per tensor, recv", "recv per tensor, send"),
-    "raw": ("send | split_back, recv | fan_in", "recv | fan_in, send | split_back"),
-    "bare": ("ctypes ncclGroupStart/ncclSend/ncclRecv/ncclGroupEnd", "ctypes ncclRecv group, ncclSend group"),
-    "peer": ("peer_put, peer_wait (reply copied)", "peer_wait, peer_put"),
-}
-
-
-def step_ops(name: str, direction: str, role: str) -> str:
-    """The ops one step of variant ``name`` issues on ``role`` (words for progress and hang reports)."""
-    pair = _STEP_OPS.get(name)
-    if pair is None:
-        return f"{name} step"
-    return f"{name}.{direction}: {pair[0] if role == ATTENTION else pair[1]}"
-
-
-def _maybe_inject(env: _Env, case: Case, variant: str, where: str) -> None:
-    """Test hook: ``cfg.extra["inject_hang"] = {"variant", "rank", "case"}`` sleeps forever there.
-
-    Used by the CPU test of the deadline path (a hang in one variant must be
-    named, the sweep must move on without it and keep what finished).
-    """
-    spec = env.cfg.extra.get("inject_hang")
-    if not spec or spec.get("variant") != variant or spec.get("rank") != env.rank:
-        return
-    if spec.get("case") not in (None, case.key()) or spec.get("where", "warm-up") != where:
-        return
-    import time
-
-    env.guard.say(f"test hook: hanging on purpose in {variant} {where} of {case.key()}")
-    while True:
-        time.sleep(1.0)
 
 
 def _record(env: _Env, case: Case, name: str, mode: str, d: str, st, ctx) -> dict:
@@ -495,10 +418,6 @@ def _check_case(env: _Env, case: Case, ctx, variants: list) -> list[dict]:
                 continue
             v.check = True
             for d in cfg.directions:
-                env.guard.enter("check", case=case.key(), variant=v.name, mode=mode, direction=d,
-                                op=step_ops(v.name, d, env.role))
-                _maybe_inject(env, case, v.name, "warm-up")
-                env.guard.on_peers()
                 step = v.step(d)
                 env.drain("check warm-up")
                 env.barrier()
@@ -562,7 +481,6 @@ def _check_case(env: _Env, case: Case, ctx, variants: list) -> list[dict]:
                 out.append({"case": case.to_dict(), "case_key": case.key(), "variant": v.name, "mode": mode,
                             "direction": d, "role": env.role, "role_rank": env.role_rank,
                             "ok": not errors, "errors": errors[:5]})
-                env.guard.leave(note="" if not errors else f" ({len(errors)} errors)")
             v.check = False
         ctx.graph_mode = False
     return out
@@ -589,26 +507,15 @@ def _compare(got, expected, what: str) -> list[str]:
 def bench_worker(rank: int, nprocs: int, cfg: RunConfig) -> dict:
     """Worker body for :func:`afd_ext.testing.run_workers` (one process per AFD world rank).
 
-    Every step runs under a phase deadline (:class:`afd_ext.bench.guard.WorkerGuard`):
-    progress lines go to stdout, the current phase to ``cfg.parts_dir``, each
-    finished case is appended there too, and a phase that overruns
-    ``cfg.case_timeout_s`` (+ grace) dumps every thread's stack and ends the process.
+    Every wait on the device or a peer is bounded by ``cfg.case_timeout_s`` and fails with a
+    ``TimeoutError`` naming the rank, case, variant and direction; a call that cannot be
+    interrupted (a hung NCCL call holds the GIL) is ended by the run's overall timeout.
 
     Returns:
         ``{"rank", "role", "role_rank", "records", "checks", "skipped", "notes", "device", "control"}``.
     """
-    import time
-
     logging.basicConfig(level=logging.INFO, format=f"[bench r{rank}] %(message)s")
-    from afd_ext.topology import Topology
-
-    role, role_rank = Topology(cfg.layout.num_attention_ranks, cfg.layout.num_ffn_ranks).role_of(rank)
-    guard = WorkerGuard(rank, f"{role}{role_rank}", cfg.parts_dir, cfg.case_timeout_s,
-                        verbose=cfg.progress_lines, t0=time.monotonic(), grace_s=cfg.hard_grace_s)
-    guard.say(f"worker start (pid {os.getpid()}, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}, "
-              f"attempt {cfg.attempt}, {len(cfg.cases)} cases, variants {','.join(cfg.variants)}, "
-              f"phase deadline {cfg.case_timeout_s:.0f} s)")
-    env = _Env(rank, nprocs, cfg, guard)
+    env = _Env(rank, nprocs, cfg)
     info: dict[str, Any] = {"rank": rank, "role": env.role, "role_rank": env.role_rank, "records": [],
                             "checks": [], "skipped": [], "notes": env.notes, "control": None}
     if env.cuda:
@@ -621,62 +528,45 @@ def bench_worker(rank: int, nprocs: int, cfg: RunConfig) -> dict:
     try:
         if show:
             import sys
+            import threading
 
             from tqdm import tqdm
 
+            # A thread lock: tqdm's default multiprocessing lock leaks a semaphore at exit.
+            tqdm.set_lock(threading.RLock())
             # The one progress display of a run: timed blocks of a sweep, cases of a check.
             total, unit = (len(cfg.cases), "case") if cfg.check else (
                 sum(_case_blocks(cfg, _applicable(cfg, c), env.cuda) for c in cfg.cases), "block")
             bar = tqdm(total=total, desc=f"afd-ext bench {'check' if cfg.check else 'sweep'} over {cfg.backend}",
                        unit=unit, mininterval=1.0 if sys.stderr.isatty() else 15.0)
-        for ci, case in enumerate(cfg.cases):
-            t_case = time.monotonic()
-            ck = case.key()
-            guard.enter(f"case {ci + 1}/{len(cfg.cases)}: set up variants", case=ck, op="allocate, agree")
+        for case in cfg.cases:
             ctx = env.ctx(case)
             variants, skipped = _setup_variants(env, case, ctx)
-            guard.leave(note=f": {','.join(v.name for v in variants) or 'none'}"
-                        + (f"; skipped {','.join(skipped)}" if skipped else ""))
             if bar is not None and not cfg.check:  # a variant that failed to set up: the bar still ends at 100 %
                 delta = (_case_blocks(cfg, [v.name for v in variants], env.cuda)
                          - _case_blocks(cfg, _applicable(cfg, case), env.cuda))
                 if delta:  # a refresh prints a line where stderr is not a terminal
                     bar.total += delta
                     bar.refresh()
-            case_skipped = [{"case_key": ck, "variant": name, "reason": why} for name, why in skipped.items()]
-            info["skipped"] += case_skipped
+            info["skipped"] += [{"case_key": case.key(), "variant": n, "reason": why} for n, why in skipped.items()]
             if cfg.check:
-                checks = _check_case(env, case, ctx, variants)
-                info["checks"] += checks
-                recs: list[dict] = []
+                info["checks"] += _check_case(env, case, ctx, variants)
                 if bar is not None:
                     bar.update(1)
             else:
-                checks = []
-                recs = _time_case(env, case, ctx, variants, bar)
-                info["records"] += recs
-            guard.enter("close variants", quiet=True, case=ck)
+                info["records"] += _time_case(env, case, ctx, variants, bar)
             for v in variants:
                 v.close()
             del variants
             env.drain("end of case")
-            guard.save_part({"kind": "case", "case_key": ck, "records": recs, "checks": checks,
-                             "skipped": case_skipped})
-            guard.say(f"case {ci + 1}/{len(cfg.cases)} {ck} done in {time.monotonic() - t_case:.1f} s")
         if cfg.control and not cfg.check:
             from afd_ext.bench.control import reference_control_plane
 
-            guard.enter("control plane (reference pattern)", op="broadcast_object_list")
             env.barrier()
             info["control"] = reference_control_plane(env, cfg.control_iters)
-            guard.save_part({"kind": "control", "control": info["control"]})
-            guard.leave()
     finally:
         if bar is not None:
             bar.close()
-    guard.enter("close", op="barrier, comm_destroy, destroy_process_group")
     env.barrier()
     env.close()
-    guard.leave()
-    guard.disarm()
     return info
