@@ -29,7 +29,6 @@ from typing import Any, Sequence
 
 from afd_ext.bench.plan import (
     ALL_VARIANTS,
-    DIRECTIONS,
     MODES,
     Case,
     Reps,
@@ -53,7 +52,7 @@ def build_parser(prog: str = "afd-ext bench") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog,
         description="Benchmark the AFD layer exchange (this package vs the reference connector's call "
-                    "pattern, raw NCCL and bare NCCL); JSON + markdown + PNG.",
+                    "pattern and raw NCCL, or gloo on CPU); JSON + markdown + PNG.",
     )
     p.add_argument("--out", default="bench-out",
                    help="output directory (bench.json, bench.md, bench.png) or a .json path (default: bench-out)")
@@ -76,9 +75,8 @@ def build_parser(prog: str = "afd-ext bench") -> argparse.ArgumentParser:
                    help="with --hidden/--tokens: fp32 router logits [n, 256] + int32 ids on, off or both")
     p.add_argument("--variants", default=",".join(ALL_VARIANTS), help="comma list of " + ", ".join(ALL_VARIANTS))
     p.add_argument("--modes", default=",".join(MODES), help="eager and/or graph (graph needs CUDA)")
-    p.add_argument("--directions", default=",".join(DIRECTIONS), help="round_trip, a2f, f2a")
     p.add_argument("--time-per-point", type=float, default=None,
-                   help="timed seconds per (case, variant, mode, direction); default 0.05 (0.02 with --quick)")
+                   help="timed seconds per (case, variant, mode); default 0.05 (0.02 with --quick)")
     p.add_argument("--rounds", type=int, default=None, help="blocks per measurement, variants alternated per block")
     p.add_argument("--control-iters", type=int, default=300, help="control-plane steps measured (default: 300)")
     p.add_argument("--no-control", action="store_true", help="skip the control-plane measurement")
@@ -92,7 +90,7 @@ def build_parser(prog: str = "afd-ext bench") -> argparse.ArgumentParser:
                         "workers are ended and the run fails")
     p.add_argument("--case-timeout", type=float, default=None,
                    help="deadline of every wait on the GPU or a peer, seconds (default 60 on GPUs, 20 on gloo): "
-                        "past it the run fails naming the rank, case, variant and direction")
+                        "past it the run fails naming the rank, case and variant")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -154,7 +152,6 @@ def _meta(args: argparse.Namespace, cfg: RunConfig, argv: Sequence[str]) -> dict
         "shared_gpu": cfg.layout.shared,
         "reps": cfg.reps.to_dict(),
         "modes": list(cfg.modes),
-        "directions": list(cfg.directions),
         "variants": list(cfg.variants),
         "quick": bool(args.quick),
         "argv": list(argv),
@@ -209,7 +206,6 @@ def _config(args: argparse.Namespace) -> RunConfig:
     modes = _csv(args.modes, MODES, "--modes")
     if not cuda:
         modes = tuple(m for m in modes if m == "eager") or ("eager",)
-    directions = _csv(args.directions, DIRECTIONS, "--directions")
     if cuda:
         reps = Reps(target_s=args.time_per_point or (0.02 if args.quick else 0.05),
                     rounds=args.rounds or 2, max_iters=400)
@@ -221,34 +217,12 @@ def _config(args: argparse.Namespace) -> RunConfig:
     if case_timeout <= 0:
         raise AFDConfigError(f"--case-timeout must be > 0 seconds, got {case_timeout}")
     return RunConfig(
-        backend=backend, layout=layout, cases=cases, variants=variants, modes=modes, directions=directions,
+        backend=backend, layout=layout, cases=cases, variants=variants, modes=modes,
         reps=reps, master_port=find_free_port(), check=bool(args.check), control=not args.no_control,
         control_iters=max(10, args.control_iters if cuda else min(args.control_iters, 30)),
         timeout_s=max(30.0, timeout - 15.0), progress=not args.no_progress,
         case_timeout_s=case_timeout,
     )
-
-
-def estimate_timed_s(cfg: RunConfig) -> float:
-    """Rough seconds of timed loops in a sweep (from the repetition policy's own model)."""
-    from afd_ext.bench.runner import _nbytes
-
-    total = 0.0
-    r = cfg.reps
-    for case in cfg.cases:
-        for mode in cfg.modes:
-            if mode == "graph" and cfg.backend != "nccl":
-                continue
-            eager = mode == "eager"
-            nv = len(cfg.variants)
-            for d in cfg.directions:
-                nb = _nbytes(case, d)
-                if eager:
-                    n = r.per_round(nb, True) * r.rounds
-                else:
-                    n = r.graph_replays_per_round(nb) * r.graph_k(nb) * r.rounds
-                total += nv * n * r.estimate_us(nb, eager) * 1e-6
-    return total
 
 
 def run(cfg: RunConfig, timeout_s: float) -> list[dict]:
@@ -299,13 +273,13 @@ def _print_checks(checks: list[dict]) -> int:
     bad = [c for c in checks if not c["ok"]]
     groups: dict[tuple, list[dict]] = {}
     for c in checks:
-        groups.setdefault((c["variant"], c["mode"], c["direction"]), []).append(c)
-    print(f"{'variant':<16} {'mode':<6} {'direction':<10} {'checks':>6}  result")
-    for (v, m, d), cs in sorted(groups.items()):
+        groups.setdefault((c["variant"], c["mode"]), []).append(c)
+    print(f"{'variant':<16} {'mode':<6} {'checks':>6}  result")
+    for (v, m), cs in sorted(groups.items()):
         nbad = sum(1 for c in cs if not c["ok"])
-        print(f"{v:<16} {m:<6} {d:<10} {len(cs):>6}  {'OK' if nbad == 0 else f'FAILED ({nbad})'}")
+        print(f"{v:<16} {m:<6} {len(cs):>6}  {'OK' if nbad == 0 else f'FAILED ({nbad})'}")
     for c in bad[:20]:
-        print(f"FAIL {c['case_key']} {c['variant']}/{c['mode']}/{c['direction']} at {c['role']} "
+        print(f"FAIL {c['case_key']} {c['variant']}/{c['mode']} at {c['role']} "
               f"{c['role_rank']}: {'; '.join(c['errors'])}")
     print(f"check: {len(checks) - len(bad)} of {len(checks)} passed")
     return len(bad)
@@ -365,9 +339,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         timed = "NCCL on CUDA tensors"
     logger.info("afd-ext bench %s over %s: %s, %d cases, variants %s, modes %s", what, timed,
                 cfg.layout.describe(), len(cfg.cases), ",".join(cfg.variants), ",".join(cfg.modes))
-    if not cfg.check and cfg.backend == "nccl":
-        logger.info("estimated timed work %.0f s (plus start-up, warm-up, graph capture and barriers)",
-                    estimate_timed_s(cfg))
     meta = _meta(args, cfg, argv)
     t0 = time.monotonic()
     deadline_s = cfg.timeout_s + 10.0

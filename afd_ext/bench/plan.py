@@ -14,7 +14,6 @@ from afd_ext.errors import AFDConfigError
 __all__ = [
     "Case",
     "Layout",
-    "DIRECTIONS",
     "MODES",
     "ALL_VARIANTS",
     "DEFAULT_TOKENS",
@@ -28,11 +27,9 @@ __all__ = [
     "RunConfig",
 ]
 
-#: Round trip (attention -> FFN -> attention) and each direction alone.
-DIRECTIONS = ("round_trip", "a2f", "f2a")
 MODES = ("eager", "graph")
 #: Variant names, in the order they are alternated inside a case.
-ALL_VARIANTS = ("ours_per_tensor", "reference", "raw", "bare", "peer")
+ALL_VARIANTS = ("ours_per_tensor", "reference", "raw", "peer")
 DEFAULT_TOKENS = (1, 8, 32, 128, 512, 2048, 8192)
 DEFAULT_SIDE_TOKENS = (1, 128, 2048)
 ROUTER_LOGITS_WIDTH = 256
@@ -244,7 +241,7 @@ class Reps:
     same inputs, so they agree without talking.
 
     Attributes:
-        target_s: timed seconds per (variant, mode, direction) measurement.
+        target_s: timed seconds per (variant, mode) measurement.
         min_iters, max_iters: clamp of the sample count.
         warmup: untimed iterations (eager) or replays (graph) before each block.
         rounds: each measurement is split into this many blocks, and the
@@ -299,7 +296,6 @@ class RunConfig:
     cases: list[Case]
     variants: tuple[str, ...]
     modes: tuple[str, ...]
-    directions: tuple[str, ...]
     reps: Reps
     master_port: int
     check: bool = False

@@ -13,13 +13,6 @@ deadline) and meets the others at a gloo barrier, so variants never overlap.
 Attention ranks time the loop with CUDA events (the round trip from the
 attention side); FFN ranks time their own loop too (reported separately).
 
-One-way times: a direction alone is timed as a ping-pong whose other
-direction is a 16-byte flag (our raw send/recv), and half of the flag-only
-ping-pong of the same case and mode is subtracted:
-``one_way(a2f) = T(payload a2f, flag f2a) - T(flag, flag) / 2``. Bandwidth is
-the direction's bytes over that one-way time. Where that difference is not
-positive at p10 (the flag ping-pong's noise exceeds the payload's time, as over
-gloo on a busy CPU) no one-way figure is recorded, only ``one_way_unmeasured``.
 """
 
 from __future__ import annotations
@@ -72,15 +65,11 @@ class _Env:
         self.store = dist.TCPStore("127.0.0.1", cfg.master_port, nprocs, rank == 0, timeout=td)
         dist.init_process_group("gloo", store=self.store, rank=rank, world_size=nprocs, timeout=td)
         self.comms: dict[tuple[int, int, str], int] = {}
-        self.bare = None
-        self.bare_comms: dict[tuple[int, int, str], Any] = {}
         self.nccl_group = None
         self.gloo_transport = None
         self.notes: list[str] = []
         if self.cuda:
             self._create_comms()
-            if "bare" in cfg.variants and not cfg.extra.get("no_bare"):
-                self._create_bare_comms()
             if cfg.control and not cfg.check:  # the reference control plane's group
                 self.nccl_group = dist.new_group(backend="nccl", timeout=td)
         else:
@@ -135,28 +124,6 @@ class _Env:
                     uid = torch.frombuffer(bytearray(raw), dtype=torch.uint8).clone()
                 self.comms[(a, f, d)] = ops.comm_create(uid, 2, 0 if self.role == FFN else 1, 0)
 
-    def _create_bare_comms(self) -> None:
-        from afd_ext.bench.variants import BareNccl
-
-        try:
-            lib = BareNccl()
-            ok = ""
-        except OSError as e:
-            lib, ok = None, f"cannot load libnccl through ctypes: {e}"
-        if any(self.agree(ok)):
-            self.notes.append(f"bare variant skipped: {ok or 'a peer could not load libnccl'}")
-            return
-        self.bare = lib
-        for a, f in self._my_edges():
-            for d in ("a2f", "f2a"):
-                key = f"afd-bench/bare-uid/{a}/{f}/{d}"
-                if self.role == FFN:
-                    uid = lib.unique_id()
-                    self.store.set(key, uid)
-                else:
-                    uid = bytes(self.store.get(key))
-                self.bare_comms[(a, f, d)] = lib.comm_init(uid, 2, 0 if self.role == FFN else 1)
-
     def _make_gloo_transport(self) -> Any:
         try:
             from afd_ext.transport.gloo import GlooTransport  # noqa: F401
@@ -193,15 +160,14 @@ class _Env:
         from afd_ext.bench.variants import Link
 
         return Link(
-            comm_a2f=self.comms.get((a, f, "a2f"), 0), comm_f2a=self.comms.get((a, f, "f2a"), 0),
-            bare_a2f=self.bare_comms.get((a, f, "a2f")), bare_f2a=self.bare_comms.get((a, f, "f2a")), **kw,
+            comm_a2f=self.comms.get((a, f, "a2f"), 0), comm_f2a=self.comms.get((a, f, "f2a"), 0), **kw,
         )
 
     def ctx(self, case: Case):
         from afd_ext.bench.variants import Ctx
 
         return Ctx(role=self.role, role_rank=self.role_rank, world_rank=self.rank, backend=self.cfg.backend,
-                   device=self.device, links=self.links(case), bare=self.bare,
+                   device=self.device, links=self.links(case),
                    gloo_transport=self.gloo_transport,
                    extra={"store": self.store, "topology": self.topo, "timeout_s": self.cfg.peer_wait_s})
 
@@ -219,9 +185,6 @@ class _Env:
                         ops.comm_destroy(h)
                     except Exception:  # noqa: BLE001 - best effort at exit
                         pass
-                if self.bare is not None:
-                    for c in self.bare_comms.values():
-                        self.bare.destroy(c)
             dist.destroy_process_group()
 
 
@@ -274,89 +237,62 @@ def _seed(*parts: Any) -> int:
 # ---------------------------------------------------------------------------
 
 
-def _nbytes(case: Case, d: str) -> int:
-    if d == "round_trip":
-        return case.a2f_bytes() + case.f2a_bytes()
-    if d == "a2f":
-        return case.a2f_bytes()
-    if d == "f2a":
-        return case.f2a_bytes()
-    return 32
+def _nbytes(case: Case) -> int:
+    return case.a2f_bytes() + case.f2a_bytes()
 
 
 def _time_case(env: _Env, case: Case, ctx, variants: list, bar) -> list[dict]:
-    from afd_ext.bench.variants import FlagPingPong
-
-    cfg, reps = env.cfg, env.cfg.reps
-    flag = FlagPingPong(ctx, case)
+    """Round trips of every variant, eager then graph, variants alternated per timed block."""
+    cfg, reps, nb = env.cfg, env.cfg.reps, _nbytes(case)
     records: list[dict] = []
-    ck = case.key()
     for mode in cfg.modes:
         if mode == "graph" and not env.cuda:
             continue
         ctx.graph_mode = mode == "graph"
         vlist = [v for v in variants if mode == "eager" or v.graph_ok]
-        items = [(flag, "flag")] + [(v, d) for v in vlist for d in cfg.directions]
-        # Eager warm-up of every edge and direction (NCCL connects lazily, never inside a capture).
-        for v, d in items:
+        # Eager warm-up of every edge (NCCL connects lazily, never inside a capture).
+        for v in vlist:
             env.drain("warm-up")
             env.barrier()
             v.bind_stream()
-            time_eager(v.step(d), iters=reps.warmup, warmup=0, cuda=env.cuda, timed=False,
-                       timeout_s=cfg.case_timeout_s, what=f"{env.label()} warm-up {v.name}/{d}")
-        graphs: dict[tuple[str, str], Any] = {}
-        ks: dict[tuple[str, str], int] = {}
+            time_eager(v.step(), iters=reps.warmup, warmup=0, cuda=env.cuda, timed=False,
+                       timeout_s=cfg.case_timeout_s, what=f"{env.label()} warm-up {v.name}")
+        graphs: dict[str, Any] = {}
+        k = reps.graph_k(nb)
         if mode == "graph":
-            for v, d in items:
-                k = reps.graph_k(_nbytes(case, d))
+            for v in vlist:
                 env.drain("before capture")
                 env.barrier()
-                graphs[(v.name, d)] = capture_graph(v.step(d), k, before_capture=v.bind_stream)
-                ks[(v.name, d)] = k
-        samples: dict[tuple[str, str], list[float]] = {key: [] for key in ((v.name, d) for v, d in items)}
+                graphs[v.name] = capture_graph(v.step(), k, before_capture=v.bind_stream)
+        samples: dict[str, list[float]] = {v.name: [] for v in vlist}
         for _ in range(reps.rounds):
-            for v, d in items:
+            for v in vlist:
                 env.drain("between variants")
                 env.barrier()
-                what = f"{env.label()} {ck} {v.name}/{d}/{mode}"
+                what = f"{env.label()} {case.key()} {v.name}/{mode}"
                 if mode == "eager":
                     v.bind_stream()
-                    s = time_eager(v.step(d), iters=reps.per_round(_nbytes(case, d), True), warmup=reps.warmup,
+                    s = time_eager(v.step(), iters=reps.per_round(nb, True), warmup=reps.warmup,
                                    cuda=env.cuda, timeout_s=cfg.case_timeout_s, what=what)
                 else:
-                    k = ks[(v.name, d)]
-                    s = time_graph(graphs[(v.name, d)], reps.graph_replays_per_round(_nbytes(case, d)),
-                                   warmup=1, graph_iters=k, timeout_s=cfg.case_timeout_s, what=what)
-                samples[(v.name, d)].extend(s)
+                    s = time_graph(graphs[v.name], reps.graph_replays_per_round(nb), warmup=1, graph_iters=k,
+                                   timeout_s=cfg.case_timeout_s, what=what)
+                samples[v.name].extend(s)
                 if bar is not None:
                     bar.update(1)
         env.drain("end of mode")
         graphs.clear()
         ctx.graph_mode = False
-        flag_stats = summarize(samples[("flag", "flag")])
-        for (name, d), s in samples.items():
-            st = summarize(s)
-            rec = _record(env, case, name, mode, d, st, ctx)
-            if d in ("a2f", "f2a"):
-                ow = st.shifted(-flag_stats.median / 2.0)
-                rec["flag_round_trip_median_us"] = flag_stats.median
-                if ow.p10 > 0:
-                    rec["one_way_us"] = ow.to_dict()
-                    nb = rec["bytes_a2f"] if d == "a2f" else rec["bytes_f2a"]
-                    rec["gbps"] = nb / (ow.median * 1e3)
-                else:  # the flag ping-pong's noise exceeds this direction's time (gloo/TCP): no one-way figure
-                    rec["one_way_unmeasured"] = (f"ping-pong p10 {st.p10:.1f} µs is not above half the flag "
-                                                 f"ping-pong's median ({flag_stats.median / 2.0:.1f} µs)")
-            elif d == "round_trip":
-                rec["gbps"] = (rec["bytes_a2f"] + rec["bytes_f2a"]) / (st.median * 1e3)
+        for name, s in samples.items():
+            rec = _record(env, case, name, mode, summarize(s), ctx)
+            rec["gbps"] = (rec["bytes_a2f"] + rec["bytes_f2a"]) / (rec["stats_us"]["median"] * 1e3)
             if mode == "graph":
-                rec["graph_iters"] = ks.get((name, d))
+                rec["graph_iters"] = k
             records.append(rec)
-    flag.close()
     return records
 
 
-def _record(env: _Env, case: Case, name: str, mode: str, d: str, st, ctx) -> dict:
+def _record(env: _Env, case: Case, name: str, mode: str, st, ctx) -> dict:
     rows = ctx.rows
     return {
         "case": case.to_dict(),
@@ -365,7 +301,7 @@ def _record(env: _Env, case: Case, name: str, mode: str, d: str, st, ctx) -> dic
         "F": env.topo.num_ffn_ranks,
         "variant": name,
         "mode": mode,
-        "direction": d,
+        "direction": "round_trip",
         "role": env.role,
         "role_rank": env.role_rank,
         "peers": [l.peer for l in ctx.links if l.count > 0],
@@ -377,8 +313,8 @@ def _record(env: _Env, case: Case, name: str, mode: str, d: str, st, ctx) -> dic
 
 
 def _case_blocks(cfg: RunConfig, names, cuda: bool) -> int:
-    """Timed blocks of one case with variants ``names``: the flag ping-pong and every variant and
-    direction, per mode and round (what :func:`_time_case` advances the progress bar by)."""
+    """Timed blocks of one case with variants ``names``, per mode and round (what :func:`_time_case`
+    advances the progress bar by)."""
     from afd_ext.bench.variants import VARIANTS
 
     n = 0
@@ -386,7 +322,7 @@ def _case_blocks(cfg: RunConfig, names, cuda: bool) -> int:
         if mode == "graph" and not cuda:
             continue
         nv = sum(1 for v in names if mode == "eager" or VARIANTS[v].graph_ok)
-        n += (1 + nv * len(cfg.directions)) * cfg.reps.rounds
+        n += nv * cfg.reps.rounds
     return n
 
 
@@ -402,85 +338,67 @@ def _applicable(cfg: RunConfig, case: Case) -> list[str]:
 
 
 def _check_case(env: _Env, case: Case, ctx, variants: list) -> list[dict]:
+    """Two checked round trips per variant and mode: the FFN rank verifies every received byte
+    against each attention peer's pattern, the attention rank the XOR-ed reply."""
     import torch
 
     from afd_ext.bench.variants import XOR_BYTE, pattern_bytes, rows_bytes
 
-    cfg = env.cfg
     out: list[dict] = []
     hb = case.f2a_row_bytes()
-    for mode in cfg.modes:
+    for mode in env.cfg.modes:
         if mode == "graph" and not env.cuda:
             continue
         ctx.graph_mode = mode == "graph"
-        for v in variants:
-            if mode == "graph" and not v.graph_ok:
-                continue
+        for v in [v for v in variants if mode == "eager" or v.graph_ok]:
             v.check = True
-            for d in cfg.directions:
-                step = v.step(d)
-                env.drain("check warm-up")
+            step = v.step()
+            env.drain("check warm-up")
+            env.barrier()
+            v.bind_stream()
+            step()  # eager warm-up of this edge
+            env.drain("check warm-up")
+            graph = None
+            if mode == "graph":
+                env.barrier()
+                graph = capture_graph(step, 1, before_capture=v.bind_stream)
+            errors: list[str] = []
+            for it in range(2):
+                seed = _seed(case.key(), v.name, mode, it)
+                if env.role == ATTENTION:
+                    for k, t in enumerate(v.attn_inputs()):
+                        rows_bytes(t).copy_(pattern_bytes(t.shape[0], rows_bytes(t).shape[1], seed,
+                                                          env.role_rank * 8 + k, env.device))
+                    expected = torch.bitwise_xor(rows_bytes(v.attn_inputs()[0])[:, :hb], XOR_BYTE)
+                    reply = v.attn_reply()
+                    if all(reply.data_ptr() != t.data_ptr() for t in v.attn_inputs()):
+                        reply.zero_()
+                env.drain("check fill")
                 env.barrier()
                 v.bind_stream()
-                step()  # eager warm-up of this edge and direction
-                env.drain("check warm-up")
-                graph = None
-                if mode == "graph":
-                    env.barrier()
-                    graph = capture_graph(step, 1, before_capture=v.bind_stream)
-                errors: list[str] = []
-                for it in range(2):
-                    seed = _seed(case.key(), v.name, d, mode, it)
-                    expected = None
-                    if env.role == ATTENTION:
-                        for k, t in enumerate(v.attn_inputs()):
-                            rows_bytes(t).copy_(pattern_bytes(t.shape[0], rows_bytes(t).shape[1], seed,
-                                                              env.role_rank * 8 + k, env.device))
-                        expected = torch.bitwise_xor(rows_bytes(v.attn_inputs()[0])[:, :hb], XOR_BYTE)
-                        reply = v.attn_reply()
-                        if all(reply.data_ptr() != t.data_ptr() for t in v.attn_inputs()):
-                            reply.zero_()
-                    elif d == "f2a":
-                        dst = rows_bytes(v.ffn_static_out())
-                        cols0 = v.input_cols()[0]
-                        for l in ctx.links:
-                            if l.count == 0:
-                                continue
-                            pat = pattern_bytes(case.tokens, cols0, seed, l.peer * 8, env.device)
-                            dst[l.offset:l.offset + l.count].copy_(
-                                torch.bitwise_xor(pat[l.start:l.start + l.count, :hb], XOR_BYTE))
-                    env.drain("check fill")
-                    env.barrier()
-                    v.bind_stream()
-                    if graph is None:
-                        step()
-                    else:
-                        graph.replay()
-                    env.drain(f"check {v.name}/{d}/{mode}")
-                    if env.role == ATTENTION and d in ("round_trip", "f2a"):
-                        got = rows_bytes(v.attn_reply())
-                        errors += _compare(got, expected, f"reply at {env.label()}")
-                    if env.role == FFN and d in ("round_trip", "a2f"):
-                        snap = v.snapshot()
-                        if snap is None:
-                            errors.append("the FFN check hook did not run")
-                        else:
-                            cols = v.input_cols()
-                            if len(snap) != len(cols):
-                                errors.append(f"received {len(snap)} tensors, expected {len(cols)}")
-                            for k, t in enumerate(snap):
-                                got = rows_bytes(t)
-                                for l in ctx.links:
-                                    if l.count == 0:
-                                        continue
-                                    pat = pattern_bytes(case.tokens, cols[k], seed, l.peer * 8 + k, env.device)
-                                    errors += _compare(got[l.offset:l.offset + l.count],
-                                                       pat[l.start:l.start + l.count],
-                                                       f"tensor {k} rows of attention rank {l.peer} at {env.label()}")
-                del graph
-                out.append({"case": case.to_dict(), "case_key": case.key(), "variant": v.name, "mode": mode,
-                            "direction": d, "role": env.role, "role_rank": env.role_rank,
-                            "ok": not errors, "errors": errors[:5]})
+                if graph is None:
+                    step()
+                else:
+                    graph.replay()
+                env.drain(f"check {v.name}/{mode}")
+                if env.role == ATTENTION:
+                    errors += _compare(rows_bytes(v.attn_reply()), expected, f"reply at {env.label()}")
+                    continue
+                snap, cols = v.snapshot(), v.input_cols()
+                if snap is None or len(snap) != len(cols):
+                    errors.append(f"the FFN check hook saw {snap and len(snap)} tensors, expected {len(cols)}")
+                    continue
+                for k, t in enumerate(snap):
+                    for l in ctx.links:
+                        if l.count:
+                            pat = pattern_bytes(case.tokens, cols[k], seed, l.peer * 8 + k, env.device)
+                            errors += _compare(rows_bytes(t)[l.offset:l.offset + l.count],
+                                               pat[l.start:l.start + l.count],
+                                               f"tensor {k} rows of attention rank {l.peer} at {env.label()}")
+            del graph
+            out.append({"case": case.to_dict(), "case_key": case.key(), "variant": v.name, "mode": mode,
+                        "direction": "round_trip", "role": env.role, "role_rank": env.role_rank,
+                        "ok": not errors, "errors": errors[:5]})
             v.check = False
         ctx.graph_mode = False
     return out
