@@ -15,13 +15,11 @@ import os
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from afd_ext.bench import main
 from afd_ext.bench import report
 from afd_ext.bench.plan import Case, Reps, RunConfig, make_layout
-from afd_ext.bench.timing import HostTimer, percentile, summarize, time_eager
+from afd_ext.bench.timing import HostTimer, summarize, time_eager
 from afd_ext.bench.variants import pattern_bytes, rows_bytes
 from afd_ext.errors import AFDConfigError, AFDStateError
 from afd_ext.testing import find_free_port, run_workers
@@ -31,19 +29,11 @@ from afd_ext.testing import find_free_port, run_workers
 # ---------------------------------------------------------------------------
 
 
-@settings(max_examples=50, deadline=None)
-@given(st.lists(st.floats(min_value=0.0, max_value=1e6, allow_nan=False), min_size=1, max_size=60),
-       st.sampled_from([0.0, 10.0, 50.0, 90.0, 100.0]))
-def test_percentile_matches_numpy(values, q):
-    assert percentile(sorted(values), q) == pytest.approx(float(np.percentile(values, q)), rel=1e-9, abs=1e-9)
-
-
 def test_summarize_values():
     s = summarize([5.0, 1.0, 3.0, 2.0, 4.0])
     assert (s.median, s.min, s.n) == (3.0, 1.0, 5)
     assert s.mean == pytest.approx(3.0)
     assert s.p10 == pytest.approx(1.4) and s.p90 == pytest.approx(4.6)
-    assert s.shifted(-1.0).median == 2.0 and s.shifted(-1.0).n == 5
 
 
 @pytest.mark.parametrize("bad", [[], [1.0, float("nan")], [float("inf")]])

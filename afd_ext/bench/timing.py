@@ -10,7 +10,7 @@ Method (``docs/benchmarks.md`` has the long form):
   On a launch-bound loop that includes the host's launch cost, on a
   device-bound loop it is the device time; both are what a layer loop pays.
 * **CUDA graph**: ``graph_iters`` iterations are captured into one graph
-  (after an eager warm-up of every edge and direction, as NCCL requires), the
+  (after an eager warm-up of every edge, as NCCL requires), the
   graph is replayed ``warmup`` times untimed and then ``replays`` times with
   an event between replays; one sample is one replay's time divided by
   ``graph_iters``. p10/p90 are therefore over K-iteration means (narrower
@@ -28,7 +28,6 @@ The core engineer's GPU timing scripts reuse :class:`CudaTimer`,
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
@@ -38,7 +37,6 @@ from afd_ext.errors import AFDConfigError, AFDStateError, AFDTimeoutError
 __all__ = [
     "Stats",
     "summarize",
-    "percentile",
     "wait_event",
     "CudaTimer",
     "HostTimer",
@@ -71,29 +69,6 @@ class Stats:
         """Plain dict for JSON (keys ``median, p10, p90, mean, min, n``)."""
         return asdict(self)
 
-    def shifted(self, delta_us: float) -> "Stats":
-        """The same statistics with ``delta_us`` added to every time (``n`` unchanged)."""
-        return Stats(
-            self.median + delta_us, self.p10 + delta_us, self.p90 + delta_us,
-            self.mean + delta_us, self.min + delta_us, self.n,
-        )
-
-
-def percentile(sorted_values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile ``q`` in [0, 100] of already sorted values (numpy's default).
-
-    Raises:
-        AFDConfigError: empty input or ``q`` outside [0, 100].
-    """
-    if not sorted_values:
-        raise AFDConfigError("percentile of an empty sample")
-    if not 0.0 <= q <= 100.0:
-        raise AFDConfigError(f"percentile q must be within [0, 100], got {q}")
-    pos = (len(sorted_values) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    frac = pos - lo
-    return float(sorted_values[lo] * (1.0 - frac) + sorted_values[hi] * frac)
 
 
 def summarize(samples_us: Sequence[float]) -> Stats:
@@ -107,15 +82,10 @@ def summarize(samples_us: Sequence[float]) -> Stats:
         raise AFDConfigError("cannot summarize an empty list of timing samples")
     if not all(math.isfinite(v) for v in values):
         raise AFDConfigError("timing samples must be finite numbers")
-    s = sorted(values)
-    return Stats(
-        median=float(statistics.median(s)),
-        p10=percentile(s, 10.0),
-        p90=percentile(s, 90.0),
-        mean=float(sum(s) / len(s)),
-        min=float(s[0]),
-        n=len(s),
-    )
+    import numpy as np
+
+    p10, median, p90 = (float(x) for x in np.percentile(values, (10.0, 50.0, 90.0)))
+    return Stats(median=median, p10=p10, p90=p90, mean=float(np.mean(values)), min=min(values), n=len(values))
 
 
 def wait_event(event: Any, timeout_s: float, what: str, poll_s: float = 0.0005) -> None:
@@ -234,7 +204,12 @@ def time_eager(step: Callable[[], Any], iters: int, warmup: int, *, cuda: bool,
     if not timed:
         for _ in range(iters):
             step()
-        _drain(cuda, timeout_s, what)
+        if cuda:
+            import torch
+
+            ev = torch.cuda.Event()
+            ev.record()
+            wait_event(ev, timeout_s, what)
         return []
     timer = CudaTimer(iters + 1) if cuda else HostTimer(iters + 1)
     for _ in range(iters):
@@ -244,22 +219,12 @@ def time_eager(step: Callable[[], Any], iters: int, warmup: int, *, cuda: bool,
     return timer.samples_us(timeout_s, what)
 
 
-def _drain(cuda: bool, timeout_s: float, what: str) -> None:
-    if not cuda:
-        return
-    import torch
-
-    ev = torch.cuda.Event()
-    ev.record()
-    wait_event(ev, timeout_s, what)
-
-
 def capture_graph(step: Callable[[], Any], graph_iters: int,
                   before_capture: Callable[[], Any] | None = None) -> Any:
     """Capture ``graph_iters`` iterations of ``step`` into one ``torch.cuda.CUDAGraph``.
 
     Both processes of an exchange must capture their halves around the same
-    time, after every edge and direction has run once eagerly (NCCL sets up
+    time, after every edge has run once eagerly (NCCL sets up
     its connections on first use, which cannot happen inside a capture).
     Buffers the step uses must already be allocated; anything the step
     allocates comes from the graph's private pool and keeps its address.
@@ -291,8 +256,7 @@ def capture_graph(step: Callable[[], Any], graph_iters: int,
 
 
 def time_graph(graph: Any, replays: int, warmup: int, graph_iters: int, *,
-               timeout_s: float = DEFAULT_WAIT_TIMEOUT_S, what: str = "graph replay",
-               timed: bool = True) -> list[float]:
+               timeout_s: float = DEFAULT_WAIT_TIMEOUT_S, what: str = "graph replay") -> list[float]:
     """Replay a captured graph; per-iteration µs (one sample per replay, divided by ``graph_iters``).
 
     Args:
@@ -302,7 +266,6 @@ def time_graph(graph: Any, replays: int, warmup: int, graph_iters: int, *,
         graph_iters: iterations captured in the graph.
         timeout_s: deadline for the device.
         what: names the loop in a timeout error.
-        timed: False on the lockstep-only side (replays, waits, returns ``[]``).
 
     Raises:
         AFDConfigError: ``replays < 1`` or ``warmup < 0``.
@@ -312,11 +275,6 @@ def time_graph(graph: Any, replays: int, warmup: int, graph_iters: int, *,
         raise AFDConfigError(f"time_graph needs replays >= 1 and warmup >= 0, got {replays}, {warmup}")
     for _ in range(warmup):
         graph.replay()
-    if not timed:
-        for _ in range(replays):
-            graph.replay()
-        _drain(True, timeout_s, what)
-        return []
     timer = CudaTimer(replays + 1)
     for _ in range(replays):
         timer.mark()
