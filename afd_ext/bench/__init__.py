@@ -54,7 +54,7 @@ def build_parser(prog: str = "afd-ext bench") -> argparse.ArgumentParser:
         description="Benchmark the AFD layer exchange (this package vs the reference connector's call "
                     "pattern and raw NCCL, or gloo on CPU); JSON + markdown + PNG.",
     )
-    p.add_argument("--out", default="bench-out",
+    p.add_argument("--out", default="bench-out", metavar="PATH",
                    help="output directory (bench.json, bench.md, bench.png) or a .json path (default: bench-out)")
     p.add_argument("--quick", action="store_true",
                    help="small sweep (GPU: 1, 128, 8192 tokens at hidden 7168 with logits+ids; CPU: tiny gloo sizes)")
@@ -63,32 +63,35 @@ def build_parser(prog: str = "afd-ext bench") -> argparse.ArgumentParser:
     p.add_argument("--merge", nargs="+", metavar="JSON", help="merge earlier results into one report and exit")
     p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
                    help="nccl: CUDA tensors over this package's NCCL ops; gloo: CPU tensors (smoke test)")
-    p.add_argument("--attention-ranks", type=int, default=1, help="A: attention processes")
-    p.add_argument("--ffn-ranks", type=int, default=1, help="F: FFN processes")
-    p.add_argument("--gpu-map", default=None,
+    p.add_argument("--attention-ranks", type=int, default=1, metavar="A", help="attention processes (default: 1)")
+    p.add_argument("--ffn-ranks", type=int, default=1, metavar="F", help="FFN processes (default: 1)")
+    p.add_argument("--gpu-map", default=None, metavar="LIST",
                    help="GPU index per process, attention ranks first then FFN ranks (e.g. 0,0,1 for 2A1F)")
     p.add_argument("--allow-shared", action="store_true",
                    help="time even when processes share a GPU (results are flagged as not meaningful)")
-    p.add_argument("--hidden", default=None, help="hidden sizes, e.g. 7168 or 2048,7168 (overrides the sweep)")
-    p.add_argument("--tokens", default=None, help="tokens per attention rank, e.g. 1,128,8192 (overrides the sweep)")
+    p.add_argument("--hidden", default=None, metavar="LIST", help="hidden sizes, e.g. 7168 or 2048,7168 (overrides the sweep)")
+    p.add_argument("--tokens", default=None, metavar="LIST", help="tokens per attention rank, e.g. 1,128,8192 (overrides the sweep)")
     p.add_argument("--extras", choices=("both", "on", "off"), default="both",
                    help="with --hidden/--tokens: fp32 router logits [n, 256] + int32 ids on, off or both")
-    p.add_argument("--variants", default=",".join(ALL_VARIANTS), help="comma list of " + ", ".join(ALL_VARIANTS))
-    p.add_argument("--modes", default=",".join(MODES), help="eager and/or graph (graph needs CUDA)")
-    p.add_argument("--time-per-point", type=float, default=None,
+    p.add_argument("--variants", default=",".join(ALL_VARIANTS), metavar="LIST",
+                   help="comma list of " + ", ".join(ALL_VARIANTS) + " (default: all)")
+    p.add_argument("--modes", default=",".join(MODES), metavar="LIST",
+                   help="eager and/or graph (default: both; graph needs CUDA)")
+    p.add_argument("--time-per-point", type=float, default=None, metavar="S",
                    help="timed seconds per (case, variant, mode); default 0.05 (0.02 with --quick)")
-    p.add_argument("--rounds", type=int, default=None, help="blocks per measurement, variants alternated per block")
-    p.add_argument("--control-iters", type=int, default=300, help="control-plane steps measured (default: 300)")
+    p.add_argument("--rounds", type=int, default=None, metavar="N",
+                   help="blocks per measurement, variants alternated per block (default 2; 1 on gloo)")
+    p.add_argument("--control-iters", type=int, default=300, metavar="N", help="control-plane steps measured (default: 300)")
     p.add_argument("--no-control", action="store_true", help="skip the control-plane measurement")
     p.add_argument("--control-only", action="store_true",
                    help="only the control-plane table: end to end at step gaps of --control-gaps ms, shm and "
                         "tcp beside the reference pattern over gloo, p50 / p99 per gap (about 1 min)")
-    p.add_argument("--control-gaps", default="1,5,20,50",
+    p.add_argument("--control-gaps", default="1,5,20,50", metavar="MS",
                    help="step gaps of the control-plane table, ms (default: 1,5,20,50)")
-    p.add_argument("--timeout", type=float, default=None,
+    p.add_argument("--timeout", type=float, default=None, metavar="S",
                    help="deadline for the whole run, seconds (default 420; 240 with --check): past it the "
                         "workers are ended and the run fails")
-    p.add_argument("--case-timeout", type=float, default=None,
+    p.add_argument("--case-timeout", type=float, default=None, metavar="S",
                    help="deadline of every wait on the GPU or a peer, seconds (default 60 on GPUs, 20 on gloo): "
                         "past it the run fails naming the rank, case and variant")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
