@@ -126,20 +126,12 @@ def parse_int_list(text: str, what: str) -> tuple[int, ...]:
     Raises:
         AFDConfigError: an entry is not a positive integer (names ``what``).
     """
-    out = []
-    for part in str(text).split(","):
-        part = part.strip()
-        if not part:
-            continue
-        try:
-            v = int(part)
-        except ValueError:
-            raise AFDConfigError(f"{what}: {part!r} is not an integer (expected e.g. 1,8,128)") from None
-        if v < 1:
-            raise AFDConfigError(f"{what}: entries must be >= 1, got {v}")
-        out.append(v)
-    if not out:
-        raise AFDConfigError(f"{what}: empty list")
+    try:
+        out = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise AFDConfigError(f"{what}: {text!r} is not a comma list of integers (e.g. 1,8,128)") from None
+    if not out or min(out) < 1:
+        raise AFDConfigError(f"{what}: expected positive integers, got {text!r}")
     return tuple(out)
 
 

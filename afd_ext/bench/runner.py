@@ -125,13 +125,14 @@ class _Env:
                 self.comms[(a, f, d)] = ops.comm_create(uid, 2, 0 if self.role == FFN else 1, 0)
 
     def _make_gloo_transport(self) -> Any:
+        """This package's gloo transport over the default group, or None (the variant is then skipped)."""
+        from afd_ext.transport.base import PeerMap
+        from afd_ext.transport.gloo import GlooTransport
+
         try:
-            from afd_ext.transport.gloo import GlooTransport  # noqa: F401
-        except ImportError as e:
-            self.notes.append(f"this package's gloo transport not importable: {e}")
-            return None
-        try:
-            return _gloo_transport(self)
+            peers = PeerMap(self.role, self.role_rank, self.topo.num_attention_ranks, self.topo.num_ffn_ranks)
+            return GlooTransport(self.store, peers, timeout_s=self.cfg.peer_wait_s,
+                                 init_timeout_s=self.cfg.peer_wait_s)
         except Exception as e:  # noqa: BLE001 - reported, the variant is skipped
             self.notes.append(f"this package's gloo transport could not be created: {type(e).__name__}: {e}")
             return None
@@ -186,16 +187,6 @@ class _Env:
                     except Exception:  # noqa: BLE001 - best effort at exit
                         pass
             dist.destroy_process_group()
-
-
-def _gloo_transport(env: _Env) -> Any:
-    """Build this package's gloo transport over the default group (adapter: see transport/gloo.py)."""
-    from afd_ext.transport.base import PeerMap
-    from afd_ext.transport.gloo import GlooTransport
-
-    peers = PeerMap(env.role, env.role_rank, env.topo.num_attention_ranks, env.topo.num_ffn_ranks)
-    return GlooTransport(env.store, peers, timeout_s=env.cfg.peer_wait_s,
-                         init_timeout_s=env.cfg.peer_wait_s)
 
 
 # ---------------------------------------------------------------------------
