@@ -245,7 +245,6 @@ def _time_case(env: _Env, case: Case, ctx, variants: list, bar) -> list[dict]:
         for v in vlist:
             env.drain("warm-up")
             env.barrier()
-            v.bind_stream()
             time_eager(v.step(), iters=reps.warmup, warmup=0, cuda=env.cuda, timed=False,
                        timeout_s=cfg.case_timeout_s, what=f"{env.label()} warm-up {v.name}")
         graphs: dict[str, Any] = {}
@@ -254,7 +253,7 @@ def _time_case(env: _Env, case: Case, ctx, variants: list, bar) -> list[dict]:
             for v in vlist:
                 env.drain("before capture")
                 env.barrier()
-                graphs[v.name] = capture_graph(v.step(), k, before_capture=v.bind_stream)
+                graphs[v.name] = capture_graph(v.step(), k)
         samples: dict[str, list[float]] = {v.name: [] for v in vlist}
         for _ in range(reps.rounds):
             for v in vlist:
@@ -262,7 +261,6 @@ def _time_case(env: _Env, case: Case, ctx, variants: list, bar) -> list[dict]:
                 env.barrier()
                 what = f"{env.label()} {case.key()} {v.name}/{mode}"
                 if mode == "eager":
-                    v.bind_stream()
                     s = time_eager(v.step(), iters=reps.per_round(nb, True), warmup=reps.warmup,
                                    cuda=env.cuda, timeout_s=cfg.case_timeout_s, what=what)
                 else:
@@ -346,13 +344,12 @@ def _check_case(env: _Env, case: Case, ctx, variants: list) -> list[dict]:
             step = v.step()
             env.drain("check warm-up")
             env.barrier()
-            v.bind_stream()
             step()  # eager warm-up of this edge
             env.drain("check warm-up")
             graph = None
             if mode == "graph":
                 env.barrier()
-                graph = capture_graph(step, 1, before_capture=v.bind_stream)
+                graph = capture_graph(step, 1)
             errors: list[str] = []
             for it in range(2):
                 seed = _seed(case.key(), v.name, mode, it)
@@ -366,7 +363,6 @@ def _check_case(env: _Env, case: Case, ctx, variants: list) -> list[dict]:
                         reply.zero_()
                 env.drain("check fill")
                 env.barrier()
-                v.bind_stream()
                 if graph is None:
                     step()
                 else:

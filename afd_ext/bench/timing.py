@@ -219,8 +219,7 @@ def time_eager(step: Callable[[], Any], iters: int, warmup: int, *, cuda: bool,
     return timer.samples_us(timeout_s, what)
 
 
-def capture_graph(step: Callable[[], Any], graph_iters: int,
-                  before_capture: Callable[[], Any] | None = None) -> Any:
+def capture_graph(step: Callable[[], Any], graph_iters: int) -> Any:
     """Capture ``graph_iters`` iterations of ``step`` into one ``torch.cuda.CUDAGraph``.
 
     Both processes of an exchange must capture their halves around the same
@@ -232,8 +231,6 @@ def capture_graph(step: Callable[[], Any], graph_iters: int,
     Args:
         step: one iteration, issuing work on the current stream.
         graph_iters: iterations per graph, >= 1.
-        before_capture: called inside the capture context before the first
-            iteration (e.g. to bind the capture stream for raw NCCL calls).
 
     Returns:
         The captured graph; ``graph.replay()`` runs all iterations on the current stream.
@@ -248,8 +245,6 @@ def capture_graph(step: Callable[[], Any], graph_iters: int,
     graph = torch.cuda.CUDAGraph()
     # thread_local: NCCL's proxy thread may touch CUDA while this thread captures.
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        if before_capture is not None:
-            before_capture()
         for _ in range(graph_iters):
             step()
     return graph

@@ -186,7 +186,7 @@ def p2p_recv(ctx: Ctx, t: torch.Tensor, link: Link, direction: str) -> None:
 
 
 class Variant:
-    """Base class: buffers for one case, the four half-steps, flags, check hooks.
+    """Base class: buffers for one case, the four half-steps, check hooks.
 
     Subclasses allocate in ``__init__`` and implement ``attn_send``,
     ``attn_recv``, ``ffn_recv``, ``ffn_send`` (and may override
@@ -237,25 +237,23 @@ class Variant:
     def ffn_send(self) -> None:
         raise NotImplementedError
 
-    def bind_stream(self) -> None:
-        """Called before each timed block and inside each capture (raw NCCL calls need the stream)."""
-
     def close(self) -> None:
         """Release anything beyond tensors (nothing by default)."""
 
     # -- check hooks -----------------------------------------------------------
 
+    # Defaults for variants holding (h, l, i) wire tensors, ``reply`` on the attention rank.
     def attn_inputs(self) -> list[torch.Tensor]:
-        raise NotImplementedError
+        return [t for t in (self.h, self.l, self.i) if t is not None]
 
     def attn_reply(self) -> torch.Tensor:
-        raise NotImplementedError
+        return self.reply
 
     def ffn_received(self) -> list[torch.Tensor]:
-        raise NotImplementedError
+        return self.attn_inputs()
 
     def ffn_out(self) -> torch.Tensor:
-        raise NotImplementedError
+        return self.h
 
     def input_cols(self) -> list[int]:
         """Bytes per row of each attention input, in :meth:`attn_inputs` order."""
@@ -357,18 +355,6 @@ class OursPerTensor(Variant):
             return
         _ops().split_back(self.h, None, None, *self.f2a)
 
-    def attn_inputs(self):
-        return [t for t in (self.h, self.l, self.i) if t is not None]
-
-    def attn_reply(self):
-        return self.reply
-
-    def ffn_received(self):
-        return [t for t in (self.h, self.l, self.i) if t is not None]
-
-    def ffn_out(self):
-        return self.h
-
 
 # ---------------------------------------------------------------------------
 # The reference connector's call pattern
@@ -431,12 +417,6 @@ class PeerMemory(Variant):
 
     def close(self) -> None:
         self.plane.close()
-
-    def attn_inputs(self):
-        return [t for t in (self.h, self.l, self.i) if t is not None]
-
-    def attn_reply(self):
-        return self.reply
 
     def ffn_received(self):
         return self.rec
@@ -515,9 +495,6 @@ class Reference(Variant):
             return
         for l in self.live:
             p2p_send(self.ctx, out[l.offset:l.offset + l.count], l, "f2a")
-
-    def attn_inputs(self):
-        return [t for t in (self.h, self.l, self.i) if t is not None]
 
     def attn_reply(self):
         return self.h
