@@ -19,9 +19,9 @@ import torch
 from afd_ext.bench import main
 from afd_ext.bench import report
 from afd_ext.bench.plan import Case, Reps, RunConfig, make_layout
-from afd_ext.bench.timing import HostTimer, summarize, time_eager
+from afd_ext.bench.timing import summarize, time_eager
 from afd_ext.bench.variants import pattern_bytes, rows_bytes
-from afd_ext.errors import AFDConfigError, AFDStateError
+from afd_ext.errors import AFDConfigError
 from afd_ext.testing import find_free_port, run_workers
 
 # ---------------------------------------------------------------------------
@@ -48,9 +48,6 @@ def test_time_eager_host_counts_iterations():
     assert len(calls) == 9 and len(samples) == 7 and all(s >= 0 for s in samples)
     with pytest.raises(AFDConfigError):
         time_eager(lambda: None, iters=0, warmup=0, cuda=False)
-    t = HostTimer(2)
-    with pytest.raises(AFDStateError):
-        t.samples_us()
 
 
 def test_reps_policy_is_bounded_and_monotonic():
@@ -290,13 +287,6 @@ def test_quick_gloo_emits_valid_json(tmp_path, capfd):
     assert cp["ours"] and (cp["ours"].get("median", 0) > 0 or "error" in cp["ours"])
     ffn = [r for r in doc["records"] if r["role"] == "ffn"]
     assert ffn, "the FFN rank's own loop times are recorded too"
-    # The progress bar's total is exactly the timed blocks run (one record each here: 1 round), so it ends at 100 %.
-    from afd_ext.bench import _config, build_parser
-    from afd_ext.bench.runner import _applicable, _case_blocks
-
-    cfg = _config(build_parser().parse_args(["--quick", "--backend", "gloo"]))
-    assert cfg.reps.rounds == 1
-    assert sum(_case_blocks(cfg, _applicable(cfg, c), False) for c in cfg.cases) == len(recs)
 
 
 def _check_cfg(port: int, A: int = 1, F: int = 1, cases=None) -> RunConfig:

@@ -232,7 +232,7 @@ def _nbytes(case: Case) -> int:
     return case.a2f_bytes() + case.f2a_bytes()
 
 
-def _time_case(env: _Env, case: Case, ctx, variants: list, bar) -> list[dict]:
+def _time_case(env: _Env, case: Case, ctx, variants: list) -> list[dict]:
     """Round trips of every variant, eager then graph, variants alternated per timed block."""
     cfg, reps, nb = env.cfg, env.cfg.reps, _nbytes(case)
     records: list[dict] = []
@@ -267,8 +267,6 @@ def _time_case(env: _Env, case: Case, ctx, variants: list, bar) -> list[dict]:
                     s = time_graph(graphs[v.name], reps.graph_replays_per_round(nb), warmup=1, graph_iters=k,
                                    timeout_s=cfg.case_timeout_s, what=what)
                 samples[v.name].extend(s)
-                if bar is not None:
-                    bar.update(1)
         env.drain("end of mode")
         graphs.clear()
         ctx.graph_mode = False
@@ -299,26 +297,6 @@ def _record(env: _Env, case: Case, name: str, mode: str, st, ctx) -> dict:
         "bytes_f2a": case.f2a_bytes(rows),
         "stats_us": st.to_dict(),
     }
-
-
-def _case_blocks(cfg: RunConfig, names, cuda: bool) -> int:
-    """Timed blocks of one case with variants ``names``, per mode and round (what :func:`_time_case`
-    advances the progress bar by)."""
-    from afd_ext.bench.variants import VARIANTS
-
-    n = 0
-    for mode in cfg.modes:
-        if mode == "graph" and not cuda:
-            continue
-        nv = sum(1 for v in names if mode == "eager" or VARIANTS[v].graph_ok)
-        n += nv * cfg.reps.rounds
-    return n
-
-
-def _applicable(cfg: RunConfig, case: Case) -> list[str]:
-    from afd_ext.bench.variants import variant_applicable
-
-    return [v for v in cfg.variants if variant_applicable(v, case, cfg.backend) is None]
 
 
 # ---------------------------------------------------------------------------
@@ -439,27 +417,19 @@ def bench_worker(rank: int, nprocs: int, cfg: RunConfig) -> dict:
 
             # A thread lock: tqdm's default multiprocessing lock leaks a semaphore at exit.
             tqdm.set_lock(threading.RLock())
-            # The one progress display of a run: timed blocks of a sweep, cases of a check.
-            total, unit = (len(cfg.cases), "case") if cfg.check else (
-                sum(_case_blocks(cfg, _applicable(cfg, c), env.cuda) for c in cfg.cases), "block")
-            bar = tqdm(total=total, desc=f"afd-ext bench {'check' if cfg.check else 'sweep'} over {cfg.backend}",
-                       unit=unit, mininterval=1.0 if sys.stderr.isatty() else 15.0)
+            # The one progress display of a run: cases done.
+            bar = tqdm(total=len(cfg.cases), unit="case", desc=f"afd-ext bench {'check' if cfg.check else 'sweep'} over {cfg.backend}",
+                       mininterval=1.0 if sys.stderr.isatty() else 15.0)
         for case in cfg.cases:
             ctx = env.ctx(case)
             variants, skipped = _setup_variants(env, case, ctx)
-            if bar is not None and not cfg.check:  # a variant that failed to set up: the bar still ends at 100 %
-                delta = (_case_blocks(cfg, [v.name for v in variants], env.cuda)
-                         - _case_blocks(cfg, _applicable(cfg, case), env.cuda))
-                if delta:  # a refresh prints a line where stderr is not a terminal
-                    bar.total += delta
-                    bar.refresh()
             info["skipped"] += [{"case_key": case.key(), "variant": n, "reason": why} for n, why in skipped.items()]
             if cfg.check:
                 info["checks"] += _check_case(env, case, ctx, variants)
-                if bar is not None:
-                    bar.update(1)
             else:
-                info["records"] += _time_case(env, case, ctx, variants, bar)
+                info["records"] += _time_case(env, case, ctx, variants)
+            if bar is not None:
+                bar.update(1)
             for v in variants:
                 v.close()
             del variants

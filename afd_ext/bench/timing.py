@@ -21,7 +21,7 @@ Every wait here has a deadline: :func:`wait_event` polls instead of blocking
 in ``cudaEventSynchronize``, so a peer that never posts its half of an NCCL
 exchange becomes a :class:`TimeoutError` naming the operation, not a hang.
 
-The core engineer's GPU timing scripts reuse :class:`CudaTimer`,
+The core engineer's GPU timing scripts reuse
 :func:`time_eager`, :func:`capture_graph` and :func:`time_graph`.
 """
 
@@ -32,14 +32,12 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
-from afd_ext.errors import AFDConfigError, AFDStateError, AFDTimeoutError
+from afd_ext.errors import AFDConfigError, AFDTimeoutError
 
 __all__ = [
     "Stats",
     "summarize",
     "wait_event",
-    "CudaTimer",
-    "HostTimer",
     "time_eager",
     "capture_graph",
     "time_graph",
@@ -111,68 +109,26 @@ def wait_event(event: Any, timeout_s: float, what: str, poll_s: float = 0.0005) 
         time.sleep(poll_s)
 
 
-class CudaTimer:
-    """Per-iteration CUDA events on the current stream.
-
-    Create it before the timed loop (events are allocated up front), call
-    :meth:`mark` before every iteration and once after the last, then
-    :meth:`samples_us` (which waits, with a deadline, for the last event).
-
-    Args:
-        marks: number of :meth:`mark` calls that will be made (iterations + 1).
-    """
-
-    def __init__(self, marks: int):
+def _timed_loop(run: Callable[[], Any], n: int, cuda: bool, timeout_s: float, what: str,
+                divide_by: int = 1) -> list[float]:
+    """Run ``run`` ``n`` times with a mark (CUDA event on the current stream, or the host clock) before
+    each and after the last; the µs between consecutive marks, each divided by ``divide_by``."""
+    if cuda:
         import torch
 
-        if marks < 2:
-            raise AFDConfigError(f"a CudaTimer needs at least 2 marks, got {marks}")
-        self._events = [torch.cuda.Event(enable_timing=True) for _ in range(marks)]
-        self._n = 0
-
-    def mark(self) -> None:
-        """Record the next event on the current stream."""
-        self._events[self._n].record()
-        self._n += 1
-
-    def samples_us(self, timeout_s: float = DEFAULT_WAIT_TIMEOUT_S, what: str = "timed loop",
-                   divide_by: int = 1) -> list[float]:
-        """Elapsed time between consecutive marks, µs, each divided by ``divide_by``.
-
-        Raises:
-            AFDStateError: fewer than 2 marks were recorded.
-            AFDTimeoutError: the last event did not complete in time.
-        """
-        if self._n < 2:
-            raise AFDStateError(f"CudaTimer: {self._n} marks recorded, need at least 2")
-        wait_event(self._events[self._n - 1], timeout_s, what)
-        return [
-            self._events[i].elapsed_time(self._events[i + 1]) * 1000.0 / divide_by
-            for i in range(self._n - 1)
-        ]
-
-
-class HostTimer:
-    """Per-iteration host clock (``time.perf_counter_ns``) for the CPU/gloo path; same API as CudaTimer."""
-
-    def __init__(self, marks: int):
-        if marks < 2:
-            raise AFDConfigError(f"a HostTimer needs at least 2 marks, got {marks}")
-        self._t = [0] * marks
-        self._n = 0
-
-    def mark(self) -> None:
-        """Read the clock."""
-        self._t[self._n] = time.perf_counter_ns()
-        self._n += 1
-
-    def samples_us(self, timeout_s: float = DEFAULT_WAIT_TIMEOUT_S, what: str = "timed loop",
-                   divide_by: int = 1) -> list[float]:
-        """Elapsed time between consecutive marks, µs, each divided by ``divide_by``."""
-        del timeout_s, what  # host work is already complete
-        if self._n < 2:
-            raise AFDStateError(f"HostTimer: {self._n} marks recorded, need at least 2")
-        return [(self._t[i + 1] - self._t[i]) / 1000.0 / divide_by for i in range(self._n - 1)]
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
+        for ev in events[:-1]:
+            ev.record()
+            run()
+        events[-1].record()
+        wait_event(events[-1], timeout_s, what)
+        return [a.elapsed_time(b) * 1000.0 / divide_by for a, b in zip(events, events[1:])]
+    marks = []
+    for _ in range(n):
+        marks.append(time.perf_counter_ns())
+        run()
+    marks.append(time.perf_counter_ns())
+    return [(b - a) / 1000.0 / divide_by for a, b in zip(marks, marks[1:])]
 
 
 def time_eager(step: Callable[[], Any], iters: int, warmup: int, *, cuda: bool,
@@ -211,12 +167,7 @@ def time_eager(step: Callable[[], Any], iters: int, warmup: int, *, cuda: bool,
             ev.record()
             wait_event(ev, timeout_s, what)
         return []
-    timer = CudaTimer(iters + 1) if cuda else HostTimer(iters + 1)
-    for _ in range(iters):
-        timer.mark()
-        step()
-    timer.mark()
-    return timer.samples_us(timeout_s, what)
+    return _timed_loop(step, iters, cuda, timeout_s, what)
 
 
 def capture_graph(step: Callable[[], Any], graph_iters: int) -> Any:
@@ -270,9 +221,4 @@ def time_graph(graph: Any, replays: int, warmup: int, graph_iters: int, *,
         raise AFDConfigError(f"time_graph needs replays >= 1 and warmup >= 0, got {replays}, {warmup}")
     for _ in range(warmup):
         graph.replay()
-    timer = CudaTimer(replays + 1)
-    for _ in range(replays):
-        timer.mark()
-        graph.replay()
-    timer.mark()
-    return timer.samples_us(timeout_s, what, divide_by=graph_iters)
+    return _timed_loop(graph.replay, replays, True, timeout_s, what, divide_by=graph_iters)
