@@ -140,7 +140,7 @@ def _git_commit() -> str:
     return "unknown"
 
 
-def _meta(args: argparse.Namespace, cfg: RunConfig, argv: Sequence[str]) -> dict:
+def _meta(cfg: RunConfig, argv: Sequence[str]) -> dict:
     import torch
 
     meta: dict[str, Any] = {
@@ -156,7 +156,6 @@ def _meta(args: argparse.Namespace, cfg: RunConfig, argv: Sequence[str]) -> dict
         "reps": cfg.reps.to_dict(),
         "modes": list(cfg.modes),
         "variants": list(cfg.variants),
-        "quick": bool(args.quick),
         "argv": list(argv),
         "env": {k: v for k, v in sorted(os.environ.items())
                 if k.startswith(("NCCL_", "AFD_", "TORCH_NCCL", "CUDA_VISIBLE", "TORCH_SYMM"))},
@@ -170,11 +169,6 @@ def _meta(args: argparse.Namespace, cfg: RunConfig, argv: Sequence[str]) -> dict
         meta["nccl_compiled"] = info.get("nccl_compiled")
     except Exception as e:  # noqa: BLE001 - informative only
         meta["build_info"] = {"error": f"{type(e).__name__}: {e}"}
-    if cfg.backend == "nccl":
-        try:
-            meta["torch_nccl"] = ".".join(str(x) for x in torch.cuda.nccl.version())
-        except Exception:  # noqa: BLE001
-            pass
     return meta
 
 
@@ -342,7 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         timed = "NCCL on CUDA tensors"
     logger.info("afd-ext bench %s over %s: %s, %d cases, variants %s, modes %s", what, timed,
                 cfg.layout.describe(), len(cfg.cases), ",".join(cfg.variants), ",".join(cfg.modes))
-    meta = _meta(args, cfg, argv)
+    meta = _meta(cfg, argv)
     t0 = time.monotonic()
     deadline_s = cfg.timeout_s + 10.0
     try:

@@ -6,7 +6,7 @@ the plan before any process starts.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Iterable, Sequence
 
 from afd_ext.errors import AFDConfigError
@@ -295,7 +295,6 @@ class RunConfig:
     control_iters: int = 200
     timeout_s: float = 120.0
     progress: bool = True
-    extra: dict = field(default_factory=dict)
     #: Deadline of every wait on the device or a peer within a case, seconds.
     case_timeout_s: float = 60.0
 
