@@ -15,15 +15,13 @@ import os
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from afd_ext.bench import main
 from afd_ext.bench import report
 from afd_ext.bench.plan import Case, Reps, RunConfig, make_layout
-from afd_ext.bench.timing import HostTimer, percentile, summarize, time_eager
+from afd_ext.bench.timing import summarize, time_eager
 from afd_ext.bench.variants import pattern_bytes, rows_bytes
-from afd_ext.errors import AFDConfigError, AFDStateError
+from afd_ext.errors import AFDConfigError
 from afd_ext.testing import find_free_port, run_workers
 
 # ---------------------------------------------------------------------------
@@ -31,19 +29,11 @@ from afd_ext.testing import find_free_port, run_workers
 # ---------------------------------------------------------------------------
 
 
-@settings(max_examples=50, deadline=None)
-@given(st.lists(st.floats(min_value=0.0, max_value=1e6, allow_nan=False), min_size=1, max_size=60),
-       st.sampled_from([0.0, 10.0, 50.0, 90.0, 100.0]))
-def test_percentile_matches_numpy(values, q):
-    assert percentile(sorted(values), q) == pytest.approx(float(np.percentile(values, q)), rel=1e-9, abs=1e-9)
-
-
 def test_summarize_values():
     s = summarize([5.0, 1.0, 3.0, 2.0, 4.0])
     assert (s.median, s.min, s.n) == (3.0, 1.0, 5)
     assert s.mean == pytest.approx(3.0)
     assert s.p10 == pytest.approx(1.4) and s.p90 == pytest.approx(4.6)
-    assert s.shifted(-1.0).median == 2.0 and s.shifted(-1.0).n == 5
 
 
 @pytest.mark.parametrize("bad", [[], [1.0, float("nan")], [float("inf")]])
@@ -58,9 +48,6 @@ def test_time_eager_host_counts_iterations():
     assert len(calls) == 9 and len(samples) == 7 and all(s >= 0 for s in samples)
     with pytest.raises(AFDConfigError):
         time_eager(lambda: None, iters=0, warmup=0, cuda=False)
-    t = HostTimer(2)
-    with pytest.raises(AFDStateError):
-        t.samples_us()
 
 
 def test_reps_policy_is_bounded_and_monotonic():
@@ -192,12 +179,7 @@ def _synthetic_doc():
                                             (8192, 840.0, 703.0, 800.0, 760.0)):
         recs += [_rec(t, "reference", "graph", "round_trip", ref_g), _rec(t, "ours_per_tensor", "graph", "round_trip", ours_g),
                  _rec(t, "reference", "eager", "round_trip", ref_e), _rec(t, "ours_per_tensor", "eager", "round_trip", ours_e),
-                 _rec(t, "bare", "graph", "round_trip", ours_g - 0.5),
                  _rec(t, "raw", "graph", "round_trip", ours_g * 0.9)]
-    recs.append(_rec(8192, "ours_per_tensor", "graph", "a2f", 350.0, gbps=340.0,
-                     one_way_us={"median": 345.0, "p10": 340.0, "p90": 350.0, "mean": 345.0, "min": 339.0, "n": 10}))
-    recs.append(_rec(8192, "ours_per_tensor", "graph", "f2a", 352.0, gbps=330.0,
-                     one_way_us={"median": 347.0, "p10": 340.0, "p90": 350.0, "mean": 345.0, "min": 339.0, "n": 10}))
     return {"schema": report.SCHEMA, "meta": {"date": "d"}, "records": recs, "skipped": [], "notes": [],
             "control_plane": {"reference": {"median": 120.0}, "ours": {"median": 8.0}},
             "targets": []}
@@ -220,10 +202,6 @@ def test_targets_from_synthetic_results():
     assert t["ratio"] == pytest.approx(3.0) and t["met"] is True
     t = _target(ts, "vs reference pattern, graph, 8192 tokens")
     assert t["ratio"] == pytest.approx(840 / 703) and t["met"] is True
-    t = _target(ts, "overhead over bare NCCL, graph, 1 tokens")
-    assert t["value"] == pytest.approx(0.5) and t["met"] is True
-    t = _target(ts, "one-way bandwidth f2a, 8192 tokens (graph)")
-    assert t["value"] == pytest.approx(330.0) and t["met"] is False
     t = _target(ts, "control plane per step (median)")
     assert t["met"] is True and t["ratio"] == pytest.approx(15.0)
 
@@ -237,9 +215,7 @@ def test_markdown_and_plot(tmp_path):
     assert "## Targets (docs/benchmarks.md" in md
     # No backend recorded: a GPU document; the raw column names the transport that was timed.
     assert "raw NCCL (1 msg)" in md and "transport timed: NCCL" in md and report.CPU_RUN_NOTE not in md
-    (h1,) = [h for h in report.headline(doc) if h["tokens"] == 1]
-    assert h1["graph_vs_ref"] == pytest.approx(2.5) and h1["graph_x_raw"] == pytest.approx(1 / 0.9)
-    assert "## Headline" in md
+    assert "1.11×" in md  # graph, 1 token: x raw = 20 / 18
     paths = report.write_outputs(doc, str(tmp_path / "o"))
     assert os.path.getsize(paths["plot"]) > 1000
     with open(paths["plot"], "rb") as fh:
@@ -281,7 +257,7 @@ def test_quick_gloo_emits_valid_json(tmp_path, capfd):
     rc = main(["--quick", "--backend", "gloo", "--out", str(out), "--no-progress", "--control-iters", "10"])
     assert rc == 0
     printed = capfd.readouterr()
-    # No per-step worker lines unless asked for (--progress-lines): the bar is the progress display.
+    # No per-step worker lines: the bar is the progress display.
     assert "[bench +" not in printed.out + printed.err and "[bench parent]" not in printed.out
     doc = json.loads((out / "bench.json").read_text())
     report.validate_document(doc)
@@ -303,33 +279,20 @@ def test_quick_gloo_emits_valid_json(tmp_path, capfd):
             assert r is not None, (ck, v)
             s = r["stats_us"]
             assert 0 < s["min"] <= s["p10"] <= s["median"] <= s["p90"] and s["n"] >= 4
-        a2f = report.lookup(doc, ck, "ours_per_tensor", "eager", "a2f")
-        assert a2f["stats_us"]["n"] >= 4
-        # a one-way figure only where the subtraction leaves a positive time; else the reason is recorded
-        if "one_way_us" in a2f:
-            assert a2f["one_way_us"]["p10"] > 0 and a2f["one_way_us"]["n"] >= 4
-        else:
-            assert "not above half the flag ping-pong" in a2f["one_way_unmeasured"] and "gbps" not in a2f
-    # bare is NCCL-only and reported as skipped
-    assert {s["variant"] for s in doc["skipped"]} >= {"bare"}
+            assert r["gbps"] > 0
+    # peer is NCCL-only and reported as skipped
+    assert {s["variant"] for s in doc["skipped"]} >= {"peer"}
     cp = doc["control_plane"]
     assert cp["reference"]["n"] == 10 and cp["reference"]["median"] > 0
     assert cp["ours"] and (cp["ours"].get("median", 0) > 0 or "error" in cp["ours"])
     ffn = [r for r in doc["records"] if r["role"] == "ffn"]
     assert ffn, "the FFN rank's own loop times are recorded too"
-    # The progress bar's total is exactly the timed blocks run (one record each here: 1 round), so it ends at 100 %.
-    from afd_ext.bench import _config, build_parser
-    from afd_ext.bench.runner import _applicable, _case_blocks
-
-    cfg = _config(build_parser().parse_args(["--quick", "--backend", "gloo"]))
-    assert cfg.reps.rounds == 1
-    assert sum(_case_blocks(cfg, _applicable(cfg, c), False) for c in cfg.cases) == len(recs)
 
 
 def _check_cfg(port: int, A: int = 1, F: int = 1, cases=None) -> RunConfig:
     return RunConfig(backend="gloo", layout=make_layout(A, F, 0), cases=cases or [Case(40, 3, True, logits_width=8)],
                      variants=("ours_per_tensor", "reference", "raw"),
-                     modes=("eager",), directions=("round_trip", "a2f", "f2a"), reps=Reps(),
+                     modes=("eager",), reps=Reps(),
                      master_port=port, check=True, control=False, timeout_s=60.0, progress=False)
 
 
@@ -357,15 +320,13 @@ def test_check_passes_and_detects_corruption():
     assert {c["variant"] for c in cs} == {"ours_per_tensor", "reference", "raw"}
 
     bad = _checks(run_workers(_corrupting_worker, 2, (_check_cfg(find_free_port()), "reply"), timeout_s=120))
-    failed = {(c["variant"], c["direction"]) for c in bad if not c["ok"]}
-    for v in ("ours_per_tensor", "reference", "raw"):
-        assert (v, "round_trip") in failed and (v, "f2a") in failed
-        assert (v, "a2f") not in failed
-    assert all(c["role"] == "attention" for c in bad if not c["ok"])
+    failed = {c["variant"] for c in bad if not c["ok"]}
+    assert failed == {"ours_per_tensor", "reference", "raw"}
+    assert all(c["role"] == "attention" for c in bad if not c["ok"])  # the FFN rank received the right bytes
 
     bad = _checks(run_workers(_corrupting_worker, 2, (_check_cfg(find_free_port()), "payload"), timeout_s=120))
     failed = [c for c in bad if not c["ok"]]
-    assert {c["direction"] for c in failed if c["role"] == "ffn"} == {"round_trip", "a2f"}
+    assert {c["variant"] for c in failed if c["role"] == "ffn"} == {"ours_per_tensor", "reference", "raw"}
     assert any("differ" in e for c in failed for e in c["errors"])
 
 
@@ -385,7 +346,7 @@ def test_gpu_check_1a1f(tmp_path):
     bad = [c for c in doc["checks"] if not c["ok"]]
     assert rc == 0 and not bad, bad
     seen = {(c["variant"], c["mode"]) for c in doc["checks"]}
-    for v in ("ours_per_tensor", "reference", "raw", "bare", "peer"):
+    for v in ("ours_per_tensor", "reference", "raw", "peer"):
         assert (v, "eager") in seen and (v, "graph") in seen, v
 
 
@@ -428,128 +389,6 @@ def test_check_fan_in_and_split_gloo(A, F):
     assert {"ours_per_tensor", "reference", "raw"} <= {c["variant"] for c in cs}
 
 
-# ---------------------------------------------------------------------------
-# Deadlines: a hung variant is named, the sweep goes on without it, partial output
-# ---------------------------------------------------------------------------
-
-
-@pytest.mark.timeout(150)
-def test_hung_variant_is_named_and_sweep_moves_on(tmp_path, capfd):
-    """An injected hang in ``raw`` (FFN rank, first case) ends that process at its phase deadline;
-    the run restarts without ``raw`` and the output holds every other variant and the failure."""
-    import json
-
-    from afd_ext.bench import _config, build_parser, run_guarded
-
-    args = build_parser().parse_args(["--backend", "gloo", "--tokens", "1,3", "--hidden", "16", "--extras", "off",
-                                      "--variants", "ours_per_tensor,raw", "--no-control", "--no-progress",
-                                      "--case-timeout", "4", "--time-per-point", "0.001", "--progress-lines"])
-    cfg = _config(args)
-    cfg.hard_grace_s = 2.0
-    cfg.extra["inject_hang"] = {"variant": "raw", "rank": 0, "case": cfg.cases[0].key()}
-    out = run_guarded(cfg, 120.0, parts_root=str(tmp_path / "parts"))
-    printed = capfd.readouterr()
-    assert len(out["failures"]) == 1, out["failures"]
-    f = out["failures"][0]
-    assert f["kind"] == "hung" and f["variant"] == "raw" and f["rank"] == 0, f
-    assert f["case"] == cfg.cases[0].key() and f["phase"] == "warm-up", f
-    assert "variant raw" in f["message"] and "ffn0" in f["message"]
-    assert out["attempts"] == 2 and out["complete"]
-    recs = [r for res in out["results"] for r in res["records"]]
-    assert {r["variant"] for r in recs} == {"flag", "ours_per_tensor"}
-    assert {r["case_key"] for r in recs} == {c.key() for c in cfg.cases}
-    skipped = [s for res in out["results"] for s in res["skipped"]]
-    assert {(s["case_key"], s["variant"]) for s in skipped} == {(c.key(), "raw") for c in cfg.cases}
-    # faulthandler printed the hung rank's stack; progress lines (asked for) named the phase first.
-    assert "_maybe_inject" in printed.err or "_maybe_inject" in printed.out
-    assert "start warm-up variant raw" in printed.out
-    # The phase file of the hung attempt says where it was.
-    ph = json.loads((tmp_path / "parts" / "attempt0" / "rank0.phase.json").read_text())
-    assert ph["variant"] == "raw" and ph["what"] == "warm-up"
-
-
-@pytest.mark.timeout(150)
-def test_no_retry_writes_partial_outputs(tmp_path, capsys):
-    """--no-retry: the first case finishes, the second hangs; bench.json keeps case 1 and the failure."""
-    import json
-
-    import afd_ext.bench as bench
-
-    orig = bench._config
-
-    def cfg_with_hang(args):
-        cfg = orig(args)
-        cfg.hard_grace_s = 2.0
-        cfg.extra["inject_hang"] = {"variant": "ours_per_tensor", "rank": 1, "case": cfg.cases[1].key()}
-        return cfg
-
-    out = tmp_path / "o"
-    try:
-        bench._config = cfg_with_hang
-        rc = bench.main(["--backend", "gloo", "--tokens", "1,3", "--hidden", "16", "--extras", "off",
-                         "--variants", "ours_per_tensor", "--no-control", "--no-progress", "--no-plot",
-                         "--case-timeout", "4", "--time-per-point", "0.001", "--no-retry", "--out", str(out)])
-    finally:
-        bench._config = orig
-    assert rc == 1
-    doc = json.loads((out / "bench.json").read_text())
-    assert {r["case_key"] for r in doc["records"]} == {"h16-t1-hidden"}
-    assert len(doc["failures"]) == 1 and doc["failures"][0]["variant"] == "ours_per_tensor"
-    assert doc["failures"][0]["case"] == "h16-t3-hidden"
-    assert doc["meta"]["complete"] is False
-    assert "INCOMPLETE" in (out / "bench.md").read_text()
-
-
-def test_diagnose_blames_the_rank_stuck_before_its_exchanges_not_its_waiting_peer():
-    """Both ranks overran one warm-up; the attention rank, blocked on the FFN rank, was ended first."""
-    from afd_ext.bench.guard import diagnose
-
-    now = 1000.0
-    phase = {"what": "warm-up", "variant": "raw", "case": "h16-t1", "mode": "eager", "direction": "round_trip",
-             "wall_start": now - 80, "timeout_s": 60, "hard_timeout_s": 75}
-    stuck = dict(phase, rank=0, label="ffn0")
-    waiting = dict(phase, rank=1, label="attention0", on_peers=True)
-    died = RuntimeError("worker rank 1 died with exit code 1 without reporting")
-    d = diagnose(died, [stuck, waiting], now)
-    assert (d["kind"], d["rank"], d["label"], d["variant"]) == ("hung", 0, "ffn0", "raw"), d
-    assert "never reached its exchanges; attention0, waiting on it" in d["message"]
-    # The waiter's own error (a soft timeout, or the connection the stuck rank's death closed)
-    # is the consequence: the stuck peer is named, hung once past its hard deadline.
-    from afd_ext.testing import WorkerError
-
-    for tb in ("TimeoutError: attention rank 0: warm-up raw timed out", "RuntimeError: Connection closed by peer"):
-        d = diagnose(WorkerError(1, f"Traceback ...\n{tb}"), [stuck, waiting], now)
-        assert (d["kind"], d["rank"]) == ("hung", 0) and tb in d["message"], d
-    d = diagnose(WorkerError(1, "RuntimeError: Connection closed by peer"), [dict(stuck, wall_start=now - 3), waiting],
-                 now)
-    assert (d["kind"], d["rank"]) == ("failed", 0), d
-    # Both past that point (a hang inside the exchange): the rank that died is named, as before.
-    d = diagnose(died, [dict(stuck, on_peers=True), waiting], now)
-    assert (d["kind"], d["rank"]) == ("hung", 1), d
-    # Another phase is not the same wait: no switch.
-    d = diagnose(died, [dict(stuck, variant="ours_per_tensor"), waiting], now)
-    assert d["rank"] == 1, d
-
-
-def test_diagnose_names_crash_and_hang():
-    from afd_ext.bench.guard import diagnose
-
-    now = 1000.0
-    ffn = {"what": "warm-up", "rank": 0, "label": "ffn0", "variant": "ours_per_tensor", "case": "h16-t1-hidden",
-           "mode": "eager", "direction": "round_trip", "op": "fan_in", "wall_start": now - 3, "timeout_s": 60,
-           "hard_timeout_s": 75}
-    attn = {"what": "barrier before warm-up", "rank": 1, "label": "attention0", "wall_start": now - 3,
-            "timeout_s": 60, "hard_timeout_s": 75}
-    d = diagnose(RuntimeError("worker rank 0 died with exit code -11 without reporting"), [ffn, attn], now)
-    assert d["kind"] == "crashed" and d["variant"] == "ours_per_tensor" and d["rank"] == 0
-    assert "SIGSEGV" in d["message"] and "attention0" in d["message"]
-    late = dict(ffn, wall_start=now - 80)
-    d = diagnose(RuntimeError("worker rank 0 died with exit code 1 without reporting"), [late, attn], now)
-    assert d["kind"] == "hung" and "deadline" in d["message"]
-    d = diagnose(RuntimeError("worker rank 1 died with exit code 1 without reporting"), [None, None], now)
-    assert d["variant"] is None and "no phase recorded" in d["message"]
-
-
 def test_gloo_document_names_its_transport_and_says_what_it_cannot_show(tmp_path):
     doc = _synthetic_doc()
     doc["meta"]["backend"] = "gloo"
@@ -557,27 +396,15 @@ def test_gloo_document_names_its_transport_and_says_what_it_cannot_show(tmp_path
     md = report.render_markdown(doc)
     assert md.splitlines()[2] == report.CPU_RUN_NOTE  # first thing under the title
     assert "raw gloo (1 msg)" in md and "raw NCCL" not in md and "x raw` = ours-default / raw gloo" in md
-    assert "## Headline: ours (default) vs the reference pattern and raw gloo" in md
     assert "NCCL runtime" not in md
     assert report.variant_label("raw", "nccl") == "raw NCCL (1 msg)"
 
 
-def test_gloo_report_prints_no_negative_one_way_times_and_no_target_verdicts():
+def test_gloo_report_gives_no_target_verdicts():
     doc = _synthetic_doc()
     doc["meta"]["backend"] = "gloo"
-    neg = {"median": -838.4, "p10": -900.0, "p90": -700.0, "mean": -838.4, "min": -950.0, "n": 10}
-    doc["records"].append(_rec(128, "ours_per_tensor", "eager", "a2f", 90.0, one_way_us=neg, gbps=-1.0))
-    doc["records"].append(_rec(128, "ours_per_tensor", "eager", "f2a", 95.0,
-                               one_way_unmeasured="ping-pong p10 85.5 µs is not above half the flag ping-pong"))
-    spread = {"median": 120.0, "p10": -793.4, "p90": 310.0, "mean": 100.0, "min": -900.0, "n": 10}
-    doc["records"].append(_rec(128, "raw", "eager", "a2f", 90.0, one_way_us=spread, gbps=0.5))
     doc["targets"] = report.evaluate_targets(doc)
     md = report.render_markdown(doc)
-    (row,) = [ln for ln in md.splitlines() if ln.startswith("| 1A1F | h7168-t128-extras | eager | ours")]
-    assert row.count("not measurable") == 2 and "-838" not in md and "-1.0" not in row
-    (raw,) = [ln for ln in md.splitlines() if ln.startswith("| 1A1F | h7168-t128-extras | eager | raw")]
-    assert "not measurable" in raw and "-793" not in md  # a positive median over a negative p10 is noise too
-    assert "(its noise exceeds this direction's time)" in md
     targets = md.split("## Targets")[1].split("\n\n")[1]
     assert "**no**" not in targets and "| yes |" not in targets
     assert targets.count("not applicable on gloo") == len(doc["targets"])

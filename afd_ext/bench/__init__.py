@@ -29,7 +29,6 @@ from typing import Any, Sequence
 
 from afd_ext.bench.plan import (
     ALL_VARIANTS,
-    DIRECTIONS,
     MODES,
     Case,
     Reps,
@@ -43,18 +42,9 @@ from afd_ext.bench.plan import (
 )
 from afd_ext.errors import AFDConfigError
 
-__all__ = ["main", "build_parser", "run", "run_guarded"]
+__all__ = ["main", "build_parser", "run"]
 
 logger = logging.getLogger("afd_ext.bench")
-
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows ``(default: X)`` only for real defaults: a ``None`` default is explained in the help text."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        if action.default is None:
-            return action.help or ""
-        return super()._get_help_string(action)
 
 
 def build_parser(prog: str = "afd-ext bench") -> argparse.ArgumentParser:
@@ -62,11 +52,10 @@ def build_parser(prog: str = "afd-ext bench") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog,
         description="Benchmark the AFD layer exchange (this package vs the reference connector's call "
-                    "pattern, raw NCCL and bare NCCL); JSON + markdown + PNG.",
-        formatter_class=_HelpFormatter,
+                    "pattern and raw NCCL, or gloo on CPU); JSON + markdown + PNG.",
     )
-    p.add_argument("--out", default="bench-out",
-                   help="output directory (bench.json, bench.md, bench.png) or a .json path")
+    p.add_argument("--out", default="bench-out", metavar="PATH",
+                   help="output directory (bench.json, bench.md, bench.png) or a .json path (default: bench-out)")
     p.add_argument("--quick", action="store_true",
                    help="small sweep (GPU: 1, 128, 8192 tokens at hidden 7168 with logits+ids; CPU: tiny gloo sizes)")
     p.add_argument("--check", action="store_true",
@@ -74,46 +63,40 @@ def build_parser(prog: str = "afd-ext bench") -> argparse.ArgumentParser:
     p.add_argument("--merge", nargs="+", metavar="JSON", help="merge earlier results into one report and exit")
     p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
                    help="nccl: CUDA tensors over this package's NCCL ops; gloo: CPU tensors (smoke test)")
-    p.add_argument("--attention-ranks", type=int, default=1, help="A: attention processes")
-    p.add_argument("--ffn-ranks", type=int, default=1, help="F: FFN processes")
-    p.add_argument("--gpu-map", default=None,
+    p.add_argument("--attention-ranks", type=int, default=1, metavar="A", help="attention processes (default: 1)")
+    p.add_argument("--ffn-ranks", type=int, default=1, metavar="F", help="FFN processes (default: 1)")
+    p.add_argument("--gpu-map", default=None, metavar="LIST",
                    help="GPU index per process, attention ranks first then FFN ranks (e.g. 0,0,1 for 2A1F)")
     p.add_argument("--allow-shared", action="store_true",
                    help="time even when processes share a GPU (results are flagged as not meaningful)")
-    p.add_argument("--hidden", default=None, help="hidden sizes, e.g. 7168 or 2048,7168 (overrides the sweep)")
-    p.add_argument("--tokens", default=None, help="tokens per attention rank, e.g. 1,128,8192 (overrides the sweep)")
+    p.add_argument("--hidden", default=None, metavar="LIST", help="hidden sizes, e.g. 7168 or 2048,7168 (overrides the sweep)")
+    p.add_argument("--tokens", default=None, metavar="LIST", help="tokens per attention rank, e.g. 1,128,8192 (overrides the sweep)")
     p.add_argument("--extras", choices=("both", "on", "off"), default="both",
                    help="with --hidden/--tokens: fp32 router logits [n, 256] + int32 ids on, off or both")
-    p.add_argument("--variants", default=",".join(ALL_VARIANTS), help="comma list of " + ", ".join(ALL_VARIANTS))
-    p.add_argument("--modes", default=",".join(MODES), help="eager and/or graph (graph needs CUDA)")
-    p.add_argument("--directions", default=",".join(DIRECTIONS), help="round_trip, a2f, f2a")
-    p.add_argument("--time-per-point", type=float, default=None,
-                   help="timed seconds per (case, variant, mode, direction); default 0.05 (0.02 with --quick)")
-    p.add_argument("--rounds", type=int, default=None, help="blocks per measurement, variants alternated per block")
-    p.add_argument("--max-iters", type=int, default=None, help="cap on timed iterations per measurement")
-    p.add_argument("--graph-iters", type=int, default=10, help="iterations captured per CUDA graph")
-    p.add_argument("--control-iters", type=int, default=300, help="control-plane steps measured")
+    p.add_argument("--variants", default=",".join(ALL_VARIANTS), metavar="LIST",
+                   help="comma list of " + ", ".join(ALL_VARIANTS) + " (default: all)")
+    p.add_argument("--modes", default=",".join(MODES), metavar="LIST",
+                   help="eager and/or graph (default: both; graph needs CUDA)")
+    p.add_argument("--time-per-point", type=float, default=None, metavar="S",
+                   help="timed seconds per (case, variant, mode); default 0.05 (0.02 with --quick)")
+    p.add_argument("--rounds", type=int, default=None, metavar="N",
+                   help="blocks per measurement, variants alternated per block (default 2; 1 on gloo)")
+    p.add_argument("--control-iters", type=int, default=300, metavar="N", help="control-plane steps measured (default: 300)")
     p.add_argument("--no-control", action="store_true", help="skip the control-plane measurement")
     p.add_argument("--control-only", action="store_true",
                    help="only the control-plane table: end to end at step gaps of --control-gaps ms, shm and "
                         "tcp beside the reference pattern over gloo, p50 / p99 per gap (about 1 min)")
-    p.add_argument("--control-gaps", default="1,5,20,50", help="step gaps of the control-plane table, ms")
-    p.add_argument("--control-rounds", type=int, default=None, help=argparse.SUPPRESS)  # deprecated: ignored
-    p.add_argument("--timeout", type=float, default=None,
-                   help="deadline for the whole run, seconds, all restarts included (default 420; 240 with "
-                        "--check); keep any outer `timeout` above it so partial results get written")
-    p.add_argument("--case-timeout", type=float, default=None,
-                   help="deadline of every step of a case (set-up, warm-up, capture, timed block, barrier), "
-                        "seconds (default 60 on GPUs, 20 on gloo); a step past it (+15 s grace) prints every "
-                        "thread's stack and the run restarts without the variant that hung")
-    p.add_argument("--no-retry", action="store_true",
-                   help="stop at the first hung or crashed variant instead of restarting without it")
-    p.add_argument("--progress-lines", action="store_true",
-                   help="one line per set-up step, warm-up, capture, timed round and case from every worker "
-                        "(to see where a run stalls; failures are named without them)")
+    p.add_argument("--control-gaps", default="1,5,20,50", metavar="MS",
+                   help="step gaps of the control-plane table, ms (default: 1,5,20,50)")
+    p.add_argument("--timeout", type=float, default=None, metavar="S",
+                   help="deadline for the whole run, seconds (default 420; 240 with --check): past it the "
+                        "workers are ended and the run fails")
+    p.add_argument("--case-timeout", type=float, default=None, metavar="S",
+                   help="deadline of every wait on the GPU or a peer, seconds (default 60 on GPUs, 20 on gloo): "
+                        "past it the run fails naming the rank, case and variant")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging and --progress-lines")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p
 
 
@@ -157,7 +140,7 @@ def _git_commit() -> str:
     return "unknown"
 
 
-def _meta(args: argparse.Namespace, cfg: RunConfig, argv: Sequence[str]) -> dict:
+def _meta(cfg: RunConfig, argv: Sequence[str]) -> dict:
     import torch
 
     meta: dict[str, Any] = {
@@ -172,9 +155,7 @@ def _meta(args: argparse.Namespace, cfg: RunConfig, argv: Sequence[str]) -> dict
         "shared_gpu": cfg.layout.shared,
         "reps": cfg.reps.to_dict(),
         "modes": list(cfg.modes),
-        "directions": list(cfg.directions),
         "variants": list(cfg.variants),
-        "quick": bool(args.quick),
         "argv": list(argv),
         "env": {k: v for k, v in sorted(os.environ.items())
                 if k.startswith(("NCCL_", "AFD_", "TORCH_NCCL", "CUDA_VISIBLE", "TORCH_SYMM"))},
@@ -188,11 +169,6 @@ def _meta(args: argparse.Namespace, cfg: RunConfig, argv: Sequence[str]) -> dict
         meta["nccl_compiled"] = info.get("nccl_compiled")
     except Exception as e:  # noqa: BLE001 - informative only
         meta["build_info"] = {"error": f"{type(e).__name__}: {e}"}
-    if cfg.backend == "nccl":
-        try:
-            meta["torch_nccl"] = ".".join(str(x) for x in torch.cuda.nccl.version())
-        except Exception:  # noqa: BLE001
-            pass
     return meta
 
 
@@ -227,203 +203,23 @@ def _config(args: argparse.Namespace) -> RunConfig:
     modes = _csv(args.modes, MODES, "--modes")
     if not cuda:
         modes = tuple(m for m in modes if m == "eager") or ("eager",)
-    directions = _csv(args.directions, DIRECTIONS, "--directions")
     if cuda:
         reps = Reps(target_s=args.time_per_point or (0.02 if args.quick else 0.05),
-                    rounds=args.rounds or 2, max_iters=args.max_iters or 400, graph_iters=args.graph_iters)
+                    rounds=args.rounds or 2, max_iters=400)
     else:
-        reps = Reps(target_s=args.time_per_point or 0.005, min_iters=4, max_iters=args.max_iters or 20,
-                    warmup=1, rounds=args.rounds or 1, graph_iters=args.graph_iters)
+        reps = Reps(target_s=args.time_per_point or 0.005, min_iters=4, max_iters=20, warmup=1,
+                    rounds=args.rounds or 1)
     timeout = args.timeout or (240.0 if args.check else 420.0)
     case_timeout = args.case_timeout or (60.0 if cuda else 20.0)
     if case_timeout <= 0:
         raise AFDConfigError(f"--case-timeout must be > 0 seconds, got {case_timeout}")
     return RunConfig(
-        backend=backend, layout=layout, cases=cases, variants=variants, modes=modes, directions=directions,
+        backend=backend, layout=layout, cases=cases, variants=variants, modes=modes,
         reps=reps, master_port=find_free_port(), check=bool(args.check), control=not args.no_control,
         control_iters=max(10, args.control_iters if cuda else min(args.control_iters, 30)),
         timeout_s=max(30.0, timeout - 15.0), progress=not args.no_progress,
-        case_timeout_s=case_timeout, hard_grace_s=15.0 if cuda else 5.0,
-        progress_lines=bool(args.progress_lines or args.verbose),
+        case_timeout_s=case_timeout,
     )
-
-
-def estimate_timed_s(cfg: RunConfig) -> float:
-    """Rough seconds of timed loops in a sweep (from the repetition policy's own model)."""
-    from afd_ext.bench.runner import _nbytes
-
-    total = 0.0
-    r = cfg.reps
-    for case in cfg.cases:
-        for mode in cfg.modes:
-            if mode == "graph" and cfg.backend != "nccl":
-                continue
-            eager = mode == "eager"
-            nv = len(cfg.variants)
-            for d in cfg.directions:
-                nb = _nbytes(case, d)
-                if eager:
-                    n = r.per_round(nb, True) * r.rounds
-                else:
-                    n = r.graph_replays_per_round(nb) * r.graph_k(nb) * r.rounds
-                total += nv * n * r.estimate_us(nb, eager) * 1e-6
-    return total
-
-
-def _say(msg: str) -> None:
-    print(f"[bench parent] {msg}", flush=True)
-
-
-def _setup_failure_action(phase: str | None) -> str | None:
-    """For a failure in a set-up phase: the variant whose removal lets a restart go on (``"control"``: the
-    reference control plane's NCCL group), or None."""
-    if not phase:
-        return None
-    if "bare NCCL" in phase:
-        return "bare"
-    if "torch.distributed NCCL group" in phase:
-        return "control"
-    return None
-
-
-def run_guarded(cfg: RunConfig, timeout_s: float, *, retry: bool = True,
-                parts_root: str | None = None) -> dict:
-    """Run the sweep in worker processes; on a hung or crashed variant, name it and go on without it.
-
-    Each attempt starts fresh processes (fresh communicators: a hung NCCL call
-    cannot be interrupted in-process). Workers record their current phase and
-    each finished case under ``parts_root/attempt<i>``; after a failed attempt
-    the cases every rank finished are kept, the failure is named from the
-    phase files (:func:`afd_ext.bench.guard.diagnose`), and, with ``retry``,
-    the remaining cases run again without the failed variant.
-
-    Args:
-        cfg: the run configuration (``cases`` and ``variants`` are the full sweep).
-        timeout_s: deadline for all attempts together, seconds.
-        retry: restart without the failed variant (False: stop at the first failure).
-        parts_root: directory for the phase/parts files (default: a temporary one).
-
-    Returns:
-        ``{"results": per-rank dicts as :func:`afd_ext.bench.runner.bench_worker`
-        returns (merged over attempts), "failures": [diagnosis dicts],
-        "attempts": int, "complete": bool}``.
-    """
-    import dataclasses
-    import shutil
-    import tempfile
-
-    from afd_ext.bench.guard import diagnose, read_parts, read_phases
-    from afd_ext.bench.runner import bench_worker
-    from afd_ext.testing import find_free_port, run_workers
-
-    n = cfg.layout.world_size
-    topo_roles = _roles(cfg)
-    merged = [{"rank": r, "role": topo_roles[r][0], "role_rank": topo_roles[r][1], "records": [], "checks": [],
-               "skipped": [], "notes": [], "control": None} for r in range(n)]
-    failures: list[dict] = []
-    cases = list(cfg.cases)
-    variants = list(cfg.variants)
-    control = cfg.control
-    own_root = parts_root is None
-    root = parts_root or tempfile.mkdtemp(prefix="afd-bench-")
-    deadline = time.monotonic() + timeout_s
-    attempt = 0
-    complete = False
-    try:
-        while True:
-            left = deadline - time.monotonic()
-            if left < 10.0:
-                _say(f"no time left for another attempt ({left:.0f} s of the --timeout budget)")
-                break
-            acfg = dataclasses.replace(cfg, cases=cases, variants=tuple(variants), control=control,
-                                       master_port=find_free_port(), attempt=attempt,
-                                       parts_dir=os.path.join(root, f"attempt{attempt}"))
-            if attempt or cfg.progress_lines:  # the first attempt is the run the user asked for
-                _say(f"attempt {attempt}: {len(cases)} cases, variants {','.join(variants) or 'none'}, "
-                     f"{left:.0f} s left, phase deadline {cfg.case_timeout_s:.0f} s "
-                     f"(+{cfg.hard_grace_s:.0f} s grace)")
-            try:
-                results = run_workers(bench_worker, n, (acfg,), timeout_s=left,
-                                      per_rank_env=cfg.layout.per_rank_env())
-            except Exception as e:  # noqa: BLE001 - diagnosed below, partial results kept
-                phases = read_phases(acfg.parts_dir, n)
-                diag = diagnose(e, phases)
-                diag["attempt"] = attempt
-                failures.append(diag)
-                _say(f"FAILED attempt {attempt}: {diag['message']}")
-                parts = read_parts(acfg.parts_dir, n)
-                done = _merge_parts(merged, parts)
-                if done:
-                    _say(f"kept {len(done)} finished cases of attempt {attempt}: {', '.join(done)}")
-                cases = [c for c in cases if c.key() not in done]
-                if all(any(p.get("kind") == "control" for p in rp) for rp in parts):
-                    control = False  # already measured in this attempt
-                bad = diag.get("variant") or _setup_failure_action(diag.get("phase"))
-                if not retry:
-                    _say("not restarting (--no-retry)")
-                    break
-                if bad == "control" and control:
-                    control = False
-                    _say("restarting without the control-plane measurement (its NCCL group failed)")
-                    attempt += 1
-                    continue
-                if bad and bad in variants:
-                    variants.remove(bad)
-                    why = f"{diag['kind']} in attempt {attempt}: {diag['message']}"
-                    for c in cases:
-                        merged[0]["skipped"].append({"case_key": c.key(), "variant": bad, "reason": why})
-                    _say(f"restarting without variant {bad} ({len(cases)} cases left)")
-                    attempt += 1
-                    continue
-                if not cases and diag.get("phase", "") and "control" in (diag.get("phase") or ""):
-                    _say("the sweep finished; only the control-plane measurement failed")
-                    break
-                _say("cannot go on: the failure is not in one variant (the flag baseline, set-up or "
-                     "close); see the stacks above")
-                break
-            for r, res in enumerate(results):
-                m = merged[r]
-                m["records"] += res["records"]
-                m["checks"] += res["checks"]
-                m["skipped"] += res["skipped"]
-                m["control"] = res.get("control") or m["control"]
-                for k in ("device", "cuda_visible_devices"):
-                    if res.get(k):
-                        m[k] = res[k]
-                for note in res["notes"]:
-                    if note not in m["notes"]:
-                        m["notes"].append(note)
-            complete = True
-            break
-    finally:
-        if own_root and not failures:
-            shutil.rmtree(root, ignore_errors=True)
-        elif failures:
-            _say(f"worker phase/parts files kept in {root}")
-    return {"results": merged, "failures": failures, "attempts": attempt + 1, "complete": complete}
-
-
-def _roles(cfg: RunConfig) -> list[tuple[str, int]]:
-    from afd_ext.topology import Topology
-
-    topo = Topology(cfg.layout.num_attention_ranks, cfg.layout.num_ffn_ranks)
-    return [topo.role_of(r) for r in range(cfg.layout.world_size)]
-
-
-def _merge_parts(merged: list[dict], parts: list[list[dict]]) -> list[str]:
-    """Add the cases every rank finished (and a control result) to ``merged``; returns their keys."""
-    per_rank = [{p["case_key"]: p for p in rp if p.get("kind") == "case"} for rp in parts]
-    done = [k for k in (per_rank[0] if per_rank else {}) if all(k in pr for pr in per_rank)]
-    for r, pr in enumerate(per_rank):
-        for k in done:
-            merged[r]["records"] += pr[k]["records"]
-            merged[r]["checks"] += pr[k]["checks"]
-            merged[r]["skipped"] += pr[k]["skipped"]
-    for r, rp in enumerate(parts):
-        for p in rp:
-            if p.get("kind") == "control":
-                merged[r]["control"] = p["control"]
-    return done
 
 
 def run(cfg: RunConfig, timeout_s: float) -> list[dict]:
@@ -459,7 +255,7 @@ def _assemble(meta: dict, cfg: RunConfig, results: list[dict], ours_cp: dict | N
     meta["devices"] = "; ".join(devices) if devices else "CPU"
     ref_cp = summarize_latencies([r.get("control") for r in results]) if cfg.control and not cfg.check else None
     doc = {
-        "schema": SCHEMA, "meta": meta, "failures": list(meta.get("failures") or []), "records": records, "skipped": skipped, "notes": notes,
+        "schema": SCHEMA, "meta": meta, "records": records, "skipped": skipped, "notes": notes,
         "control_plane": {"reference": ref_cp, "ours": ours_cp},
         "targets": [],
     }
@@ -474,13 +270,13 @@ def _print_checks(checks: list[dict]) -> int:
     bad = [c for c in checks if not c["ok"]]
     groups: dict[tuple, list[dict]] = {}
     for c in checks:
-        groups.setdefault((c["variant"], c["mode"], c["direction"]), []).append(c)
-    print(f"{'variant':<16} {'mode':<6} {'direction':<10} {'checks':>6}  result")
-    for (v, m, d), cs in sorted(groups.items()):
+        groups.setdefault((c["variant"], c["mode"]), []).append(c)
+    print(f"{'variant':<16} {'mode':<6} {'checks':>6}  result")
+    for (v, m), cs in sorted(groups.items()):
         nbad = sum(1 for c in cs if not c["ok"])
-        print(f"{v:<16} {m:<6} {d:<10} {len(cs):>6}  {'OK' if nbad == 0 else f'FAILED ({nbad})'}")
+        print(f"{v:<16} {m:<6} {len(cs):>6}  {'OK' if nbad == 0 else f'FAILED ({nbad})'}")
     for c in bad[:20]:
-        print(f"FAIL {c['case_key']} {c['variant']}/{c['mode']}/{c['direction']} at {c['role']} "
+        print(f"FAIL {c['case_key']} {c['variant']}/{c['mode']} at {c['role']} "
               f"{c['role_rank']}: {'; '.join(c['errors'])}")
     print(f"check: {len(checks) - len(bad)} of {len(checks)} passed")
     return len(bad)
@@ -506,8 +302,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"afd-ext bench: --control-gaps: expected comma-separated ms, got {args.control_gaps!r}",
                   file=sys.stderr)
             return 2
-        if args.control_rounds is not None:
-            print("afd-ext bench: --control-rounds is deprecated and ignored", file=sys.stderr)
         return control_main(gaps, out=args.out)
     if args.merge:
         try:
@@ -542,25 +336,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         timed = "NCCL on CUDA tensors"
     logger.info("afd-ext bench %s over %s: %s, %d cases, variants %s, modes %s", what, timed,
                 cfg.layout.describe(), len(cfg.cases), ",".join(cfg.variants), ",".join(cfg.modes))
-    if not cfg.check and cfg.backend == "nccl":
-        logger.info("estimated timed work %.0f s (plus start-up, warm-up, graph capture and barriers)",
-                    estimate_timed_s(cfg))
-    meta = _meta(args, cfg, argv)
+    meta = _meta(cfg, argv)
     t0 = time.monotonic()
     deadline_s = cfg.timeout_s + 10.0
     try:
-        out = run_guarded(cfg, deadline_s, retry=not args.no_retry)
+        results = run(cfg, deadline_s)
     except Exception as e:  # noqa: BLE001 - one clear line, then the worker's traceback
         print(f"afd-ext bench: the {what} failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    results, failures = out["results"], out["failures"]
-    meta["attempts"] = out["attempts"]
-    meta["complete"] = out["complete"]
-    meta["failures"] = failures
-    for f in failures:
-        print(f"afd-ext bench: FAILURE (attempt {f['attempt']}): {f['message']}", file=sys.stderr, flush=True)
     ours_cp = None
-    if cfg.control and not cfg.check and out["complete"]:
+    if cfg.control and not cfg.check:
         from afd_ext.bench.control import ours_control_plane
 
         ours_cp = ours_control_plane(cfg.control_iters * 4 if cfg.backend == "nccl" else cfg.control_iters,
@@ -573,16 +358,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for s in doc["skipped"]:
             print(f"skipped {s['case_key']} {s['variant']}: {s['reason']}")
         print("wrote " + ", ".join(paths.values()))
-        for f in failures:
-            print(f"FAILURE (attempt {f['attempt']}): {f['message']}")
-        return 1 if nbad or not doc["checks"] or failures else 0
+        return 1 if nbad or not doc["checks"] else 0
     print(report.render_markdown(doc))
     print("wrote " + ", ".join(paths.values()))
     if cfg.backend == "gloo":
         print("note: these are gloo times on CPU tensors: they check the harness; they say nothing about the "
               "NCCL path on GPUs (see the note at the top of bench.md and docs/benchmarks.md)")
-    if failures:
-        print(f"afd-ext bench: {len(failures)} failure(s); the outputs hold what finished "
-              f"({'all cases' if out['complete'] else 'partial'})", file=sys.stderr)
-        return 1
     return 0

@@ -6,7 +6,7 @@ JSON document (``schema: "afd-ext-bench/1"``)::
      "records": [{"case", "case_key", "A", "F", "variant", "mode", "direction",
                   "role", "role_rank", "peers", "rows", "bytes_a2f", "bytes_f2a",
                   "stats_us": {"median","p10","p90","mean","min","n"},
-                  "one_way_us"?: {...}, "one_way_unmeasured"?: str, "gbps"?, "graph_iters"?, ...}],
+                  "gbps"?, "graph_iters"?, ...}],
      "skipped": [{"case_key", "variant", "reason"}], "notes": [...],
      "control_plane": {"reference": {...µs} | null, "ours": {...µs} | null},
      "targets": [{"target", "value", "goal", "ratio", "met", "detail"}],
@@ -24,6 +24,7 @@ import math
 import os
 from typing import Any, Iterable, Sequence
 
+from afd_ext.bench.plan import Case
 from afd_ext.errors import AFDConfigError
 
 __all__ = [
@@ -36,7 +37,6 @@ __all__ = [
     "render_markdown",
     "render_plot",
     "write_outputs",
-    "headline",
     "transport_name",
     "variant_label",
     "CPU_RUN_NOTE",
@@ -51,7 +51,6 @@ LABELS = {
     "ours_default": "ours (default)",
     "ours_per_tensor": "ours per-tensor",
     "reference": "reference pattern",
-    "bare": "bare NCCL (ctypes)",
 }
 
 #: How labels and notes name the transport a backend times.
@@ -178,19 +177,8 @@ def lookup(doc: dict, case_key: str, variant: str, mode: str, direction: str,
     return None
 
 
-def _one_way(r: dict | None) -> dict | None:
-    """A record's one-way statistics, or None where they could not be measured (none, or p10 not positive)."""
-    ow = (r or {}).get("one_way_us")
-    return ow if ow and float(ow["p10"]) > 0 else None
-
-
-def _med(r: dict | None, one_way: bool = False) -> float | None:
-    if r is None:
-        return None
-    if one_way:
-        ow = _one_way(r)
-        return None if ow is None else float(ow["median"])
-    return float(r["stats_us"]["median"])
+def _med(r: dict | None) -> float | None:
+    return None if r is None else float(r["stats_us"]["median"])
 
 
 def _cases(doc: dict) -> list[dict]:
@@ -223,46 +211,16 @@ def evaluate_targets(doc: dict) -> list[dict]:
     def key(t: int) -> str:
         return f"h7168-t{t}-extras"
 
-    for mode, goal in (("graph", 1.8), ("eager", 2.0)):
-        for t in [t for t in toks if t <= 128]:
+    for mode, small_goal in (("graph", 1.8), ("eager", 2.0)):
+        for t in [t for t in toks if t <= 128 or t == 8192]:
+            goal = small_goal if t <= 128 else 1.15
             ref = _med(lookup(doc, key(t), "reference", mode, "round_trip", A=1, F=1))
             ours = _med(lookup(doc, key(t), "ours_default", mode, "round_trip", A=1, F=1))
             ratio = ref / ours if ref and ours else None
             out.append(_target(f"vs reference pattern, {mode}, {t} tokens", ours, f">= {goal}x",
                                None if ratio is None else ratio >= goal,
                                f"reference {ref and round(ref, 2)} µs / ours {ours and round(ours, 2)} µs", ratio))
-    for mode in ("graph", "eager"):
-        if 8192 in toks:
-            ref = _med(lookup(doc, key(8192), "reference", mode, "round_trip", A=1, F=1))
-            ours = _med(lookup(doc, key(8192), "ours_default", mode, "round_trip", A=1, F=1))
-            ratio = ref / ours if ref and ours else None
-            out.append(_target(f"vs reference pattern, {mode}, 8192 tokens", ours, ">= 1.15x",
-                               None if ratio is None else ratio >= 1.15,
-                               f"reference {ref and round(ref, 2)} µs / ours {ours and round(ours, 2)} µs", ratio))
-    for mode in ("graph", "eager"):
-        for t in toks:
-            ours = _med(lookup(doc, key(t), "ours_per_tensor", mode, "round_trip", A=1, F=1))
-            bare = _med(lookup(doc, key(t), "bare", mode, "round_trip", A=1, F=1))
-            if ours is None or bare is None:
-                continue
-            over = ours - bare
-            if t < 128:
-                ok, goal = over <= 1.0, "<= 1 µs"
-            else:
-                ok, goal = over <= 0.02 * bare, "<= 2 %"
-            out.append(_target(f"overhead over bare NCCL, {mode}, {t} tokens", over, goal, ok,
-                               f"ours per-tensor {ours:.2f} µs - bare {bare:.2f} µs ({100 * over / bare:+.1f} %)"))
-    if 8192 in toks:
-        for d in ("a2f", "f2a"):
-            r = lookup(doc, key(8192), "ours_default", "graph", d, A=1, F=1) or \
-                lookup(doc, key(8192), "ours_default", "eager", d, A=1, F=1)
-            g = r.get("gbps") if r else None
-            raw = lookup(doc, key(8192), "raw", r["mode"] if r else "graph", d, A=1, F=1)
-            rg = raw.get("gbps") if raw else None
-            out.append(_target(f"one-way bandwidth {d}, 8192 tokens ({r['mode'] if r else '-'})", g, ">= 335 GB/s",
-                               None if g is None else g >= 335.0,
-                               f"raw NCCL floor {rg:.1f} GB/s" if rg else "", None))
-    cp = doc.get("control_plane", {})
+        cp = doc.get("control_plane", {})
     ours_cp = (cp.get("ours") or {}).get("median")
     ref_cp = (cp.get("reference") or {}).get("median")
     out.append(_target("control plane per step (median)", ours_cp, "<= 10 µs",
@@ -277,17 +235,21 @@ def evaluate_targets(doc: dict) -> list[dict]:
 # ---------------------------------------------------------------------------
 
 
-def _fmt_us(r: dict | None, one_way: bool = False) -> str:
+def _fmt_us(r: dict | None) -> str:
     if r is None:
         return "–"
-    s = _one_way(r) if one_way else r["stats_us"]
-    if s is None:
-        return "not measurable"
+    s = r["stats_us"]
     return f"{s['median']:.1f} ({s['p10']:.1f}–{s['p90']:.1f})"
 
 
 def _fmt(v: float | None, spec: str = ".2f", suffix: str = "") -> str:
     return "–" if v is None else f"{v:{spec}}{suffix}"
+
+
+def _table(title: str, head: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """A markdown section: ``## title``, the table, a blank line."""
+    return [f"## {title}", "", "| " + " | ".join(head) + " |", "|" + "|".join(["---"] * len(head)) + "|",
+            *("| " + " | ".join(r) + " |" for r in rows), ""]
 
 
 def render_markdown(doc: dict) -> str:
@@ -307,19 +269,11 @@ def render_markdown(doc: dict) -> str:
     if meta.get("shared_gpu"):
         lines.append("- **WARNING: processes share a GPU; the driver time-slices them, so these times are "
                      "not meaningful (correctness only).**")
-    fails = doc.get("failures") or meta.get("failures") or []
-    if fails or meta.get("complete") is False:
-        lines.append(f"- **INCOMPLETE: {len(fails)} failure(s) in {meta.get('attempts', '?')} attempt(s); the tables "
-                     "hold only what finished:**")
-        for f in fails:
-            lines.append(f"  - attempt {f.get('attempt', '?')}: {f.get('message', '?')}")
     lines.append("- times: median µs (p10–p90), per iteration; ratios from medians measured side by side; "
                  f"`vs ref` = reference / ours-default (higher is better), `x raw` = ours-default / raw {tname}.")
     lines.append("")
-    variants_present = []
-    for v in ("ours_per_tensor", "reference", "raw", "bare"):
-        if any(r["variant"] == v for r in doc["records"]):
-            variants_present.append(v)
+    variants_present = [v for v in ("ours_per_tensor", "reference", "raw", "peer")
+                        if any(r["variant"] == v for r in doc["records"])]
     cases = _cases(doc)
     groups: dict[tuple, list[dict]] = {}
     for c in cases:
@@ -344,89 +298,34 @@ def render_markdown(doc: dict) -> str:
                 continue
             width = cs[0].get("logits_width", 256)
             payload = f"hidden + fp32 logits [n, {width}] + int32 ids" if extras else "hidden only"
-            lines.append(f"## Round trip, {A}A{F}F, hidden {hidden} bf16, {payload}, {mode}")
-            lines.append("")
-            head = (["tokens"] + [variant_label(v, backend) for v in variants_present]
-                    + ["vs ref", "x raw", "GB/s (rt)"])
-            lines.append("| " + " | ".join(head) + " |")
-            lines.append("|" + "|".join(["---"] * len(head)) + "|")
-            lines += ["| " + " | ".join(r) + " |" for r in rows]
-            lines.append("")
-    # One-way
-    ow_rows = []
-    for c in cases:
-        ck = f"h{c['hidden']}-t{c['tokens']}-{'extras' if c['extras'] else 'hidden'}"
-        for mode in ("graph", "eager"):
-            for v in ["ours_default", "reference", "raw"]:
-                a = lookup(doc, ck, v, mode, "a2f", A=c["A"], F=c["F"])
-                f = lookup(doc, ck, v, mode, "f2a", A=c["A"], F=c["F"])
-                if a is None and f is None:
-                    continue
-                ow_rows.append([f"{c['A']}A{c['F']}F", ck, mode, variant_label(v, backend), _fmt_us(a, True),
-                                _fmt(a.get("gbps") if _one_way(a) else None, ".1f"), _fmt_us(f, True),
-                                _fmt(f.get("gbps") if _one_way(f) else None, ".1f")])
-    if ow_rows:
-        lines.append("## One way (ping-pong with a 16-byte flag back, minus half the flag ping-pong)")
-        lines.append("")
-        if any("not measurable" in cell for r in ow_rows for cell in r):
-            lines += ["`not measurable`: the ping-pong's p10 was not above half the flag ping-pong's median (its "
-                      "noise exceeds this direction's time), so no one-way figure can be derived.", ""]
-        head = ["layout", "case", "mode", "variant", "a2f µs", "a2f GB/s", "f2a µs", "f2a GB/s"]
-        lines.append("| " + " | ".join(head) + " |")
-        lines.append("|" + "|".join(["---"] * len(head)) + "|")
-        lines += ["| " + " | ".join(r) + " |" for r in ow_rows]
-        lines.append("")
+            head = ["tokens", *(variant_label(v, backend) for v in variants_present), "vs ref", "x raw", "GB/s (rt)"]
+            lines += _table(f"Round trip, {A}A{F}F, hidden {hidden} bf16, {payload}, {mode}", head, rows)
     # Fan-in summary (several attention ranks)
     fan = _fan_in_rows(doc, backend)
     if fan:
-        lines.append("## Fan-in (several attention ranks per FFN rank)")
-        lines.append("")
-        head = ["layout", "case", "mode", "variant", "rt median per attention rank (µs)", "spread (µs)",
-                "FFN ingress GB/s"]
-        lines.append("| " + " | ".join(head) + " |")
-        lines.append("|" + "|".join(["---"] * len(head)) + "|")
-        lines += ["| " + " | ".join(r) + " |" for r in fan]
-        lines.append("")
+        lines += _table("Fan-in (several attention ranks per FFN rank)",
+                        ["layout", "case", "mode", "variant", "rt median per attention rank (µs)", "spread (µs)"],
+                        fan)
     cp = doc.get("control_plane", {})
     if cp.get("reference") or cp.get("ours"):
-        lines.append("## Control plane per step (attention call start -> FFN receive returns)")
-        lines.append("")
-        lines.append("| pattern | median µs | p90 µs | n |")
-        lines.append("|---|---|---|---|")
+        rows = []
         for k, label in (("ours", "this package (host channel, no device sync)"),
                          ("reference", "reference (2 NCCL messages + .item())")):
             s = cp.get(k) or {}
             if "error" in s:
-                lines.append(f"| {label} | error: {s['error']} | | |")
+                rows.append([label, f"error: {s['error']}", "", ""])
             elif s:
-                lines.append(f"| {label} | {_fmt(s.get('median'), '.1f')} | {_fmt(s.get('p90'), '.1f')} | "
-                             f"{s.get('n', '–')} |")
-        lines.append("")
-    head = headline(doc)
-    if head:
-        lines.append(f"## Headline: ours (default) vs the reference pattern and raw {tname}, 1A1F, hidden 7168, "
-                     "logits + ids, round trip")
-        lines.append("")
-        lines.append("| tokens | graph µs | graph vs ref | graph x raw | eager µs | eager vs ref | eager x raw |")
-        lines.append("|---|---|---|---|---|---|---|")
-        for h in head:
-            lines.append(f"| {h['tokens']} | {_fmt(h['graph_us'], '.1f')} | {_fmt(h['graph_vs_ref'], '.2f', '×')} | "
-                         f"{_fmt(h['graph_x_raw'], '.2f', '×')} | {_fmt(h['eager_us'], '.1f')} | "
-                         f"{_fmt(h['eager_vs_ref'], '.2f', '×')} | {_fmt(h['eager_x_raw'], '.2f', '×')} |")
-        lines.append("")
+                rows.append([label, _fmt(s.get("median"), ".1f"), _fmt(s.get("p90"), ".1f"), str(s.get("n", "–"))])
+        lines += _table("Control plane per step (attention call start -> FFN receive returns)",
+                        ["pattern", "median µs", "p90 µs", "n"], rows)
     if doc.get("targets"):
-        lines.append("## Targets (docs/benchmarks.md, for the NCCL path on GPUs; `ratio` = reference or floor / ours, "
-                     "higher is better)")
-        lines.append("")
-        lines.append("| target | measured | goal | ratio | met | detail |")
-        lines.append("|---|---|---|---|---|---|")
         # The targets are for the NCCL data path: a gloo-only run's times cannot meet or miss them.
         gloo_only = "gloo" in str(backend) and "nccl" not in str(backend)
-        for t in doc["targets"]:
-            met = "not applicable on gloo" if gloo_only else {True: "yes", False: "**no**", None: "n/a"}[t["met"]]
-            lines.append(f"| {t['target']} | {_fmt(t['value'], '.2f')} | {t['goal']} | "
-                         f"{_fmt(t['ratio'], '.2f', '×')} | {met} | {t['detail']} |")
-        lines.append("")
+        rows = [[t["target"], _fmt(t["value"], ".2f"), t["goal"], _fmt(t["ratio"], ".2f", "×"),
+                 "not applicable on gloo" if gloo_only else {True: "yes", False: "**no**", None: "n/a"}[t["met"]],
+                 t["detail"]] for t in doc["targets"]]
+        lines += _table("Targets (docs/benchmarks.md, for the NCCL path on GPUs; `ratio` = reference or floor / ours, "
+                        "higher is better)", ["target", "measured", "goal", "ratio", "met", "detail"], rows)
     if doc.get("skipped"):
         reasons: dict[tuple[str, str], int] = {}
         for s in doc["skipped"]:
@@ -441,44 +340,16 @@ def render_markdown(doc: dict) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def headline(doc: dict, tokens: Sequence[int] = (1, 128, 8192)) -> list[dict]:
-    """Ours-default vs reference and raw at the headline sizes (1A1F, hidden 7168, extras, round trip)."""
-    out = []
-    for t in tokens:
-        ck = f"h7168-t{t}-extras"
-        row: dict[str, Any] = {"tokens": t}
-        any_data = False
-        for mode in ("graph", "eager"):
-            ours = _med(lookup(doc, ck, "ours_default", mode, "round_trip", A=1, F=1))
-            ref = _med(lookup(doc, ck, "reference", mode, "round_trip", A=1, F=1))
-            raw = _med(lookup(doc, ck, "raw", mode, "round_trip", A=1, F=1))
-            row[f"{mode}_us"] = ours
-            row[f"{mode}_vs_ref"] = ref / ours if ref and ours else None
-            row[f"{mode}_x_raw"] = ours / raw if raw and ours else None
-            any_data = any_data or ours is not None
-        if any_data:
-            out.append(row)
-    return out
-
-
 def _fan_in_rows(doc: dict, backend: str | None = "nccl") -> list[list[str]]:
     out = []
     groups: dict[tuple, list[dict]] = {}
     for r in attention_records(doc):
-        if r["A"] > 1 and r["direction"] in ("round_trip", "a2f"):
-            groups.setdefault((r["A"], r["F"], r["case_key"], r["mode"], r["variant"], r["direction"]), []).append(r)
-    for (A, F, ck, mode, v, d), rs in sorted(groups.items()):
-        if d != "round_trip":
-            continue
+        if r["A"] > 1 and r["direction"] == "round_trip":
+            groups.setdefault((r["A"], r["F"], r["case_key"], r["mode"], r["variant"]), []).append(r)
+    for (A, F, ck, mode, v), rs in sorted(groups.items()):
         meds = [float(r["stats_us"]["median"]) for r in sorted(rs, key=lambda r: r["role_rank"])]
-        a2f = groups.get((A, F, ck, mode, v, "a2f"), [])
-        ingress = None
-        if a2f:
-            worst = max((_med(r, one_way=True) or 0.0 for r in a2f), default=0.0)
-            per_ffn = sum(r["bytes_a2f"] for r in a2f) / F
-            ingress = per_ffn / (worst * 1e3) if worst > 0 else None
         out.append([f"{A}A{F}F", ck, mode, variant_label(v, backend), ", ".join(f"{m:.1f}" for m in meds),
-                    f"{max(meds) - min(meds):.1f}", _fmt(ingress, ".1f")])
+                    f"{max(meds) - min(meds):.1f}"])
     return out
 
 
@@ -488,11 +359,8 @@ def _fan_in_rows(doc: dict, backend: str | None = "nccl") -> list[list[str]]:
 
 
 def render_plot(doc: dict, path: str) -> str | None:
-    """PNG: round-trip latency and one-way bandwidth vs tokens (hidden 7168, extras, 1A1F; else the first group).
-
-    Returns:
-        ``path``, or None when there is nothing to plot.
-    """
+    """PNG: round-trip median latency vs tokens per variant and mode (hidden 7168, extras, 1A1F; else the
+    first group). Returns ``path``, or None when there is nothing to plot."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -501,53 +369,24 @@ def render_plot(doc: dict, path: str) -> str | None:
     cases = _cases(doc)
     if not cases:
         return None
-    pick = [c for c in cases if c["A"] == 1 and c["F"] == 1 and c["hidden"] == 7168 and c["extras"]]
-    if not pick:
-        c0 = cases[0]
-        pick = [c for c in cases if (c["A"], c["F"], c["hidden"], c["extras"]) == (c0["A"], c0["F"], c0["hidden"],
-                                                                                    c0["extras"])]
-    A, F, hidden, extras = pick[0]["A"], pick[0]["F"], pick[0]["hidden"], pick[0]["extras"]
-    toks = sorted(c["tokens"] for c in pick)
-
-    def ck(t: int) -> str:
-        return f"h{hidden}-t{t}-{'extras' if extras else 'hidden'}"
-
+    pick = [c for c in cases if c["A"] == 1 and c["F"] == 1 and c["hidden"] == 7168 and c["extras"]] or [
+        c for c in cases if (c["A"], c["F"], c["hidden"], c["extras"]) == tuple(cases[0][k] for k in
+                                                                              ("A", "F", "hidden", "extras"))]
+    c0 = pick[0]
     backend = doc.get("meta", {}).get("backend")
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
-    variants = ["ours_default", "reference", "raw", "bare"]
-    colors = dict(zip(variants, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")))
+    fig, ax = plt.subplots(figsize=(8, 5))
     for mode, style in (("graph", "-"), ("eager", "--")):
-        for v in variants:
-            xs, ys, lo, hi = [], [], [], []
-            for t in toks:
-                r = lookup(doc, ck(t), v, mode, "round_trip", A=A, F=F)
-                if r:
-                    xs.append(t)
-                    ys.append(r["stats_us"]["median"])
-                    lo.append(r["stats_us"]["p10"])
-                    hi.append(r["stats_us"]["p90"])
-            if xs:
-                ax1.plot(xs, ys, style, marker="o", ms=3, color=colors[v],
-                         label=f"{variant_label(v, backend)}, {mode}")
-                ax1.fill_between(xs, lo, hi, color=colors[v], alpha=0.12)
-            xs, ys = [], []
-            for t in toks:
-                r = lookup(doc, ck(t), v, mode, "a2f", A=A, F=F)
-                if r and r.get("gbps"):
-                    xs.append(t)
-                    ys.append(r["gbps"])
-            if xs:
-                ax2.plot(xs, ys, style, marker="o", ms=3, color=colors[v], label=f"{variant_label(v, backend)}, {mode}")
-    payload = "hidden+logits+ids" if extras else "hidden"
-    ax1.set(xscale="log", yscale="log", xlabel="tokens per attention rank", ylabel="round trip, µs (median, p10–p90)",
-            title=f"{A}A{F}F round trip, hidden {hidden} bf16, {payload}")
-    ax2.set(xscale="log", xlabel="tokens per attention rank", ylabel="one-way attention→FFN, GB/s",
-            title="one-way bandwidth (attention → FFN)")
-    if "gloo" not in str(backend):
-        ax2.axhline(335, color="gray", lw=0.8, ls=":")  # the NCCL-path bandwidth target
-    for ax in (ax1, ax2):
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+        for v in ("ours_default", "reference", "raw", "peer"):
+            pts = [(c["tokens"], lookup(doc, Case(c["hidden"], c["tokens"], c["extras"]).key(), v, mode,
+                                        "round_trip", A=c0["A"], F=c0["F"])) for c in pick]
+            pts = sorted((t, r["stats_us"]["median"]) for t, r in pts if r)
+            if pts:
+                ax.plot(*zip(*pts), style, marker="o", ms=3, label=f"{variant_label(v, backend)}, {mode}")
+    ax.set(xscale="log", yscale="log", xlabel="tokens per attention rank", ylabel="round trip, µs (median)",
+           title=f"{c0['A']}A{c0['F']}F round trip, hidden {c0['hidden']} bf16"
+                 + (", logits + ids" if c0["extras"] else ""))
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
     if doc.get("meta", {}).get("shared_gpu"):
         fig.suptitle("WARNING: processes share a GPU (times not meaningful)", color="red")
     elif "gloo" in str(backend):

@@ -13,13 +13,6 @@ deadline) and meets the others at a gloo barrier, so variants never overlap.
 Attention ranks time the loop with CUDA events (the round trip from the
 attention side); FFN ranks time their own loop too (reported separately).
 
-One-way times: a direction alone is timed as a ping-pong whose other
-direction is a 16-byte flag (our raw send/recv), and half of the flag-only
-ping-pong of the same case and mode is subtracted:
-``one_way(a2f) = T(payload a2f, flag f2a) - T(flag, flag) / 2``. Bandwidth is
-the direction's bytes over that one-way time. Where that difference is not
-positive at p10 (the flag ping-pong's noise exceeds the payload's time, as over
-gloo on a busy CPU) no one-way figure is recorded, only ``one_way_unmeasured``.
 """
 
 from __future__ import annotations
@@ -30,7 +23,6 @@ import os
 import zlib
 from typing import Any
 
-from afd_ext.bench.guard import WorkerGuard
 from afd_ext.bench.plan import Case, RunConfig
 from afd_ext.bench.timing import capture_graph, summarize, time_eager, time_graph, wait_event
 from afd_ext.errors import AFDConfigError
@@ -49,7 +41,7 @@ FFN = "ffn"
 class _Env:
     """Everything set up once per process."""
 
-    def __init__(self, rank: int, nprocs: int, cfg: RunConfig, guard: WorkerGuard | None = None):
+    def __init__(self, rank: int, nprocs: int, cfg: RunConfig):
         import torch
         import torch.distributed as dist
 
@@ -61,11 +53,6 @@ class _Env:
         self.topo = Topology(cfg.layout.num_attention_ranks, cfg.layout.num_ffn_ranks)
         self.role, self.role_rank = self.topo.role_of(rank)
         self.cuda = cfg.backend == "nccl"
-        self.guard = guard or WorkerGuard(rank, f"{self.role}{self.role_rank}", "", cfg.case_timeout_s,
-                                          verbose=False)
-        g = self.guard
-        g.enter("set-up: " + ("CUDA device, " if cfg.backend == "nccl" else "") + "TCPStore and gloo group",
-                op="TCPStore/init_process_group")
         if self.cuda:
             if not torch.cuda.is_available():
                 raise AFDConfigError(f"world rank {rank}: backend nccl but no CUDA device is visible "
@@ -74,35 +61,19 @@ class _Env:
             self.device = torch.device("cuda", 0)
         else:
             self.device = torch.device("cpu")
-        # Waits on peers (store, gloo barrier) outlast a peer's hard phase deadline,
-        # so a hung rank is ended by its own faulthandler before its peers give up
-        # and the parent names the right rank.
         td = datetime.timedelta(seconds=cfg.peer_wait_s)
         self.store = dist.TCPStore("127.0.0.1", cfg.master_port, nprocs, rank == 0, timeout=td)
         dist.init_process_group("gloo", store=self.store, rank=rank, world_size=nprocs, timeout=td)
-        g.leave()
         self.comms: dict[tuple[int, int, str], int] = {}
-        self.bare = None
-        self.bare_comms: dict[tuple[int, int, str], Any] = {}
         self.nccl_group = None
         self.gloo_transport = None
         self.notes: list[str] = []
         if self.cuda:
-            g.enter("set-up: this package's NCCL communicators", op="ops.comm_create")
             self._create_comms()
-            g.leave()
-            if "bare" in cfg.variants and not cfg.extra.get("no_bare"):
-                g.enter("set-up: bare NCCL communicators (ctypes)", variant="bare", op="ncclCommInitRank")
-                self._create_bare_comms()
-                g.leave(note=f" (libnccl: {self.bare.path if self.bare else 'not loaded'})")
             if cfg.control and not cfg.check:  # the reference control plane's group
-                g.enter("set-up: torch.distributed NCCL group", op="dist.new_group")
                 self.nccl_group = dist.new_group(backend="nccl", timeout=td)
-                g.leave()
         else:
-            g.enter("set-up: this package's gloo transport", op="GlooTransport")
             self.gloo_transport = self._make_gloo_transport()
-            g.leave()
 
     # -- helpers -------------------------------------------------------------
 
@@ -153,36 +124,15 @@ class _Env:
                     uid = torch.frombuffer(bytearray(raw), dtype=torch.uint8).clone()
                 self.comms[(a, f, d)] = ops.comm_create(uid, 2, 0 if self.role == FFN else 1, 0)
 
-    def _create_bare_comms(self) -> None:
-        from afd_ext.bench.variants import BareNccl
-
-        try:
-            lib = BareNccl()
-            ok = ""
-        except OSError as e:
-            lib, ok = None, f"cannot load libnccl through ctypes: {e}"
-        if any(self.agree(ok)):
-            self.notes.append(f"bare variant skipped: {ok or 'a peer could not load libnccl'}")
-            return
-        self.bare = lib
-        for a, f in self._my_edges():
-            for d in ("a2f", "f2a"):
-                key = f"afd-bench/bare-uid/{a}/{f}/{d}"
-                if self.role == FFN:
-                    uid = lib.unique_id()
-                    self.store.set(key, uid)
-                else:
-                    uid = bytes(self.store.get(key))
-                self.bare_comms[(a, f, d)] = lib.comm_init(uid, 2, 0 if self.role == FFN else 1)
-
     def _make_gloo_transport(self) -> Any:
+        """This package's gloo transport over the default group, or None (the variant is then skipped)."""
+        from afd_ext.transport.base import PeerMap
+        from afd_ext.transport.gloo import GlooTransport
+
         try:
-            from afd_ext.transport.gloo import GlooTransport  # noqa: F401
-        except ImportError as e:
-            self.notes.append(f"this package's gloo transport not importable: {e}")
-            return None
-        try:
-            return _gloo_transport(self)
+            peers = PeerMap(self.role, self.role_rank, self.topo.num_attention_ranks, self.topo.num_ffn_ranks)
+            return GlooTransport(self.store, peers, timeout_s=self.cfg.peer_wait_s,
+                                 init_timeout_s=self.cfg.peer_wait_s)
         except Exception as e:  # noqa: BLE001 - reported, the variant is skipped
             self.notes.append(f"this package's gloo transport could not be created: {type(e).__name__}: {e}")
             return None
@@ -211,15 +161,14 @@ class _Env:
         from afd_ext.bench.variants import Link
 
         return Link(
-            comm_a2f=self.comms.get((a, f, "a2f"), 0), comm_f2a=self.comms.get((a, f, "f2a"), 0),
-            bare_a2f=self.bare_comms.get((a, f, "a2f")), bare_f2a=self.bare_comms.get((a, f, "f2a")), **kw,
+            comm_a2f=self.comms.get((a, f, "a2f"), 0), comm_f2a=self.comms.get((a, f, "f2a"), 0), **kw,
         )
 
     def ctx(self, case: Case):
         from afd_ext.bench.variants import Ctx
 
         return Ctx(role=self.role, role_rank=self.role_rank, world_rank=self.rank, backend=self.cfg.backend,
-                   device=self.device, links=self.links(case), bare=self.bare,
+                   device=self.device, links=self.links(case),
                    gloo_transport=self.gloo_transport,
                    extra={"store": self.store, "topology": self.topo, "timeout_s": self.cfg.peer_wait_s})
 
@@ -237,20 +186,7 @@ class _Env:
                         ops.comm_destroy(h)
                     except Exception:  # noqa: BLE001 - best effort at exit
                         pass
-                if self.bare is not None:
-                    for c in self.bare_comms.values():
-                        self.bare.destroy(c)
             dist.destroy_process_group()
-
-
-def _gloo_transport(env: _Env) -> Any:
-    """Build this package's gloo transport over the default group (adapter: see transport/gloo.py)."""
-    from afd_ext.transport.base import PeerMap
-    from afd_ext.transport.gloo import GlooTransport
-
-    peers = PeerMap(env.role, env.role_rank, env.topo.num_attention_ranks, env.topo.num_ffn_ranks)
-    return GlooTransport(env.store, peers, timeout_s=env.cfg.peer_wait_s,
-                         init_timeout_s=env.cfg.peer_wait_s)
 
 
 # ---------------------------------------------------------------------------
@@ -283,10 +219,6 @@ def _setup_variants(env: _Env, case: Case, ctx) -> tuple[list, dict[str, str]]:
     return variants, merged
 
 
-def _directions_for(v, cfg: RunConfig) -> list[str]:
-    return list(cfg.directions)
-
-
 def _seed(*parts: Any) -> int:
     return zlib.crc32("/".join(str(p) for p in parts).encode()) & 0x7FFFFFFF
 
@@ -296,144 +228,58 @@ def _seed(*parts: Any) -> int:
 # ---------------------------------------------------------------------------
 
 
-def _nbytes(case: Case, d: str) -> int:
-    if d == "round_trip":
-        return case.a2f_bytes() + case.f2a_bytes()
-    if d == "a2f":
-        return case.a2f_bytes()
-    if d == "f2a":
-        return case.f2a_bytes()
-    return 32
+def _nbytes(case: Case) -> int:
+    return case.a2f_bytes() + case.f2a_bytes()
 
 
-def _time_case(env: _Env, case: Case, ctx, variants: list, bar) -> list[dict]:
-    from afd_ext.bench.variants import FlagPingPong
-
-    cfg, reps, g = env.cfg, env.cfg.reps, env.guard
-    flag = FlagPingPong(ctx, case)
+def _time_case(env: _Env, case: Case, ctx, variants: list) -> list[dict]:
+    """Round trips of every variant, eager then graph, variants alternated per timed block."""
+    cfg, reps, nb = env.cfg, env.cfg.reps, _nbytes(case)
     records: list[dict] = []
-    ck = case.key()
     for mode in cfg.modes:
         if mode == "graph" and not env.cuda:
             continue
         ctx.graph_mode = mode == "graph"
         vlist = [v for v in variants if mode == "eager" or v.graph_ok]
-        items = [(flag, "flag")] + [(v, d) for v in vlist for d in _directions_for(v, cfg)]
-        # Eager warm-up of every edge and direction (NCCL connects lazily, never inside a capture).
-        # One line per variant and direction: the first contact is where a transport hangs or crashes.
-        for v, d in items:
-            fields = dict(case=ck, variant=v.name, mode=mode, direction=d, op=step_ops(v.name, d, env.role))
-            g.enter("barrier before warm-up", quiet=True, **fields)
+        # Eager warm-up of every edge (NCCL connects lazily, never inside a capture).
+        for v in vlist:
             env.drain("warm-up")
             env.barrier()
-            g.enter("warm-up", **fields)
-            v.bind_stream()
-            _maybe_inject(env, case, v.name, "warm-up")
-            g.on_peers()
-            time_eager(v.step(d), iters=reps.warmup, warmup=0, cuda=env.cuda, timed=False,
-                       timeout_s=cfg.case_timeout_s, what=f"{env.label()} warm-up {v.name}/{d}")
-            g.leave()
-        graphs: dict[tuple[str, str], Any] = {}
-        ks: dict[tuple[str, str], int] = {}
+            time_eager(v.step(), iters=reps.warmup, warmup=0, cuda=env.cuda, timed=False,
+                       timeout_s=cfg.case_timeout_s, what=f"{env.label()} warm-up {v.name}")
+        graphs: dict[str, Any] = {}
+        k = reps.graph_k(nb)
         if mode == "graph":
-            for v, d in items:
-                fields = dict(case=ck, variant=v.name, mode=mode, direction=d, op=step_ops(v.name, d, env.role))
-                k = reps.graph_k(_nbytes(case, d))
-                g.enter("barrier before capture", quiet=True, **fields)
+            for v in vlist:
                 env.drain("before capture")
                 env.barrier()
-                g.enter("capture", **fields)
-                graphs[(v.name, d)] = capture_graph(v.step(d), k, before_capture=v.bind_stream)
-                ks[(v.name, d)] = k
-                g.leave()
-        samples: dict[tuple[str, str], list[float]] = {key: [] for key in ((v.name, d) for v, d in items)}
-        for r in range(reps.rounds):
-            t_round = g.elapsed()
-            for v, d in items:
-                fields = dict(case=ck, variant=v.name, mode=mode, direction=d, op=step_ops(v.name, d, env.role))
-                g.enter("barrier before timed block", quiet=True, **fields)
+                graphs[v.name] = capture_graph(v.step(), k)
+        samples: dict[str, list[float]] = {v.name: [] for v in vlist}
+        for _ in range(reps.rounds):
+            for v in vlist:
                 env.drain("between variants")
                 env.barrier()
-                g.enter("timed block", quiet=True, **fields)
-                what = f"{env.label()} {ck} {v.name}/{d}/{mode}"
+                what = f"{env.label()} {case.key()} {v.name}/{mode}"
                 if mode == "eager":
-                    v.bind_stream()
-                    s = time_eager(v.step(d), iters=reps.per_round(_nbytes(case, d), True), warmup=reps.warmup,
+                    s = time_eager(v.step(), iters=reps.per_round(nb, True), warmup=reps.warmup,
                                    cuda=env.cuda, timeout_s=cfg.case_timeout_s, what=what)
                 else:
-                    k = ks[(v.name, d)]
-                    s = time_graph(graphs[(v.name, d)], reps.graph_replays_per_round(_nbytes(case, d)),
-                                   warmup=1, graph_iters=k, timeout_s=cfg.case_timeout_s, what=what)
-                samples[(v.name, d)].extend(s)
-                if bar is not None:
-                    bar.update(1)
-            g.say(f"case {ck} mode {mode}: timed round {r + 1}/{reps.rounds} of {len(items)} blocks "
-                  f"in {g.elapsed() - t_round:.2f} s")
-        g.enter("drain end of mode", quiet=True, case=ck, mode=mode)
+                    s = time_graph(graphs[v.name], reps.graph_replays_per_round(nb), warmup=1, graph_iters=k,
+                                   timeout_s=cfg.case_timeout_s, what=what)
+                samples[v.name].extend(s)
         env.drain("end of mode")
         graphs.clear()
         ctx.graph_mode = False
-        flag_stats = summarize(samples[("flag", "flag")])
-        for (name, d), s in samples.items():
-            st = summarize(s)
-            rec = _record(env, case, name, mode, d, st, ctx)
-            if d in ("a2f", "f2a"):
-                ow = st.shifted(-flag_stats.median / 2.0)
-                rec["flag_round_trip_median_us"] = flag_stats.median
-                if ow.p10 > 0:
-                    rec["one_way_us"] = ow.to_dict()
-                    nb = rec["bytes_a2f"] if d == "a2f" else rec["bytes_f2a"]
-                    rec["gbps"] = nb / (ow.median * 1e3)
-                else:  # the flag ping-pong's noise exceeds this direction's time (gloo/TCP): no one-way figure
-                    rec["one_way_unmeasured"] = (f"ping-pong p10 {st.p10:.1f} µs is not above half the flag "
-                                                 f"ping-pong's median ({flag_stats.median / 2.0:.1f} µs)")
-            elif d == "round_trip":
-                rec["gbps"] = (rec["bytes_a2f"] + rec["bytes_f2a"]) / (st.median * 1e3)
+        for name, s in samples.items():
+            rec = _record(env, case, name, mode, summarize(s), ctx)
+            rec["gbps"] = (rec["bytes_a2f"] + rec["bytes_f2a"]) / (rec["stats_us"]["median"] * 1e3)
             if mode == "graph":
-                rec["graph_iters"] = ks.get((name, d))
+                rec["graph_iters"] = k
             records.append(rec)
-    flag.close()
     return records
 
 
-#: What a variant's step calls, per role (named in progress lines and hang reports).
-_STEP_OPS = {
-    "flag": ("send, recv", "recv, send"),
-    "ours_per_tensor": ("exchange | split_back | fan_in", "fan_in, split_back"),
-    "reference": ("send per tensor, recv", "recv per tensor, send"),
-    "raw": ("send | split_back, recv | fan_in", "recv | fan_in, send | split_back"),
-    "bare": ("ctypes ncclGroupStart/ncclSend/ncclRecv/ncclGroupEnd", "ctypes ncclRecv group, ncclSend group"),
-    "peer": ("peer_put, peer_wait (reply copied)", "peer_wait, peer_put"),
-}
-
-
-def step_ops(name: str, direction: str, role: str) -> str:
-    """The ops one step of variant ``name`` issues on ``role`` (words for progress and hang reports)."""
-    pair = _STEP_OPS.get(name)
-    if pair is None:
-        return f"{name} step"
-    return f"{name}.{direction}: {pair[0] if role == ATTENTION else pair[1]}"
-
-
-def _maybe_inject(env: _Env, case: Case, variant: str, where: str) -> None:
-    """Test hook: ``cfg.extra["inject_hang"] = {"variant", "rank", "case"}`` sleeps forever there.
-
-    Used by the CPU test of the deadline path (a hang in one variant must be
-    named, the sweep must move on without it and keep what finished).
-    """
-    spec = env.cfg.extra.get("inject_hang")
-    if not spec or spec.get("variant") != variant or spec.get("rank") != env.rank:
-        return
-    if spec.get("case") not in (None, case.key()) or spec.get("where", "warm-up") != where:
-        return
-    import time
-
-    env.guard.say(f"test hook: hanging on purpose in {variant} {where} of {case.key()}")
-    while True:
-        time.sleep(1.0)
-
-
-def _record(env: _Env, case: Case, name: str, mode: str, d: str, st, ctx) -> dict:
+def _record(env: _Env, case: Case, name: str, mode: str, st, ctx) -> dict:
     rows = ctx.rows
     return {
         "case": case.to_dict(),
@@ -442,7 +288,7 @@ def _record(env: _Env, case: Case, name: str, mode: str, d: str, st, ctx) -> dic
         "F": env.topo.num_ffn_ranks,
         "variant": name,
         "mode": mode,
-        "direction": d,
+        "direction": "round_trip",
         "role": env.role,
         "role_rank": env.role_rank,
         "peers": [l.peer for l in ctx.links if l.count > 0],
@@ -453,116 +299,71 @@ def _record(env: _Env, case: Case, name: str, mode: str, d: str, st, ctx) -> dic
     }
 
 
-def _case_blocks(cfg: RunConfig, names, cuda: bool) -> int:
-    """Timed blocks of one case with variants ``names``: the flag ping-pong and every variant and
-    direction, per mode and round (what :func:`_time_case` advances the progress bar by)."""
-    from afd_ext.bench.variants import VARIANTS
-
-    n = 0
-    for mode in cfg.modes:
-        if mode == "graph" and not cuda:
-            continue
-        nv = sum(1 for v in names if mode == "eager" or VARIANTS[v].graph_ok)
-        n += (1 + nv * len(cfg.directions)) * cfg.reps.rounds
-    return n
-
-
-def _applicable(cfg: RunConfig, case: Case) -> list[str]:
-    from afd_ext.bench.variants import variant_applicable
-
-    return [v for v in cfg.variants if variant_applicable(v, case, cfg.backend) is None]
-
-
 # ---------------------------------------------------------------------------
 # Check
 # ---------------------------------------------------------------------------
 
 
 def _check_case(env: _Env, case: Case, ctx, variants: list) -> list[dict]:
+    """Two checked round trips per variant and mode: the FFN rank verifies every received byte
+    against each attention peer's pattern, the attention rank the XOR-ed reply."""
     import torch
 
     from afd_ext.bench.variants import XOR_BYTE, pattern_bytes, rows_bytes
 
-    cfg = env.cfg
     out: list[dict] = []
     hb = case.f2a_row_bytes()
-    for mode in cfg.modes:
+    for mode in env.cfg.modes:
         if mode == "graph" and not env.cuda:
             continue
         ctx.graph_mode = mode == "graph"
-        for v in variants:
-            if mode == "graph" and not v.graph_ok:
-                continue
+        for v in [v for v in variants if mode == "eager" or v.graph_ok]:
             v.check = True
-            for d in cfg.directions:
-                env.guard.enter("check", case=case.key(), variant=v.name, mode=mode, direction=d,
-                                op=step_ops(v.name, d, env.role))
-                _maybe_inject(env, case, v.name, "warm-up")
-                env.guard.on_peers()
-                step = v.step(d)
-                env.drain("check warm-up")
+            step = v.step()
+            env.drain("check warm-up")
+            env.barrier()
+            step()  # eager warm-up of this edge
+            env.drain("check warm-up")
+            graph = None
+            if mode == "graph":
                 env.barrier()
-                v.bind_stream()
-                step()  # eager warm-up of this edge and direction
-                env.drain("check warm-up")
-                graph = None
-                if mode == "graph":
-                    env.barrier()
-                    graph = capture_graph(step, 1, before_capture=v.bind_stream)
-                errors: list[str] = []
-                for it in range(2):
-                    seed = _seed(case.key(), v.name, d, mode, it)
-                    expected = None
-                    if env.role == ATTENTION:
-                        for k, t in enumerate(v.attn_inputs()):
-                            rows_bytes(t).copy_(pattern_bytes(t.shape[0], rows_bytes(t).shape[1], seed,
-                                                              env.role_rank * 8 + k, env.device))
-                        expected = torch.bitwise_xor(rows_bytes(v.attn_inputs()[0])[:, :hb], XOR_BYTE)
-                        reply = v.attn_reply()
-                        if all(reply.data_ptr() != t.data_ptr() for t in v.attn_inputs()):
-                            reply.zero_()
-                    elif d == "f2a":
-                        dst = rows_bytes(v.ffn_static_out())
-                        cols0 = v.input_cols()[0]
-                        for l in ctx.links:
-                            if l.count == 0:
-                                continue
-                            pat = pattern_bytes(case.tokens, cols0, seed, l.peer * 8, env.device)
-                            dst[l.offset:l.offset + l.count].copy_(
-                                torch.bitwise_xor(pat[l.start:l.start + l.count, :hb], XOR_BYTE))
-                    env.drain("check fill")
-                    env.barrier()
-                    v.bind_stream()
-                    if graph is None:
-                        step()
-                    else:
-                        graph.replay()
-                    env.drain(f"check {v.name}/{d}/{mode}")
-                    if env.role == ATTENTION and d in ("round_trip", "f2a"):
-                        got = rows_bytes(v.attn_reply())
-                        errors += _compare(got, expected, f"reply at {env.label()}")
-                    if env.role == FFN and d in ("round_trip", "a2f"):
-                        snap = v.snapshot()
-                        if snap is None:
-                            errors.append("the FFN check hook did not run")
-                        else:
-                            cols = v.input_cols()
-                            if len(snap) != len(cols):
-                                errors.append(f"received {len(snap)} tensors, expected {len(cols)}")
-                            for k, t in enumerate(snap):
-                                got = rows_bytes(t)
-                                for l in ctx.links:
-                                    if l.count == 0:
-                                        continue
-                                    pat = pattern_bytes(case.tokens, cols[k], seed, l.peer * 8 + k, env.device)
-                                    errors += _compare(got[l.offset:l.offset + l.count],
-                                                       pat[l.start:l.start + l.count],
-                                                       f"tensor {k} rows of attention rank {l.peer} at {env.label()}")
-                del graph
-                out.append({"case": case.to_dict(), "case_key": case.key(), "variant": v.name, "mode": mode,
-                            "direction": d, "role": env.role, "role_rank": env.role_rank,
-                            "ok": not errors, "errors": errors[:5]})
-                env.guard.leave(note="" if not errors else f" ({len(errors)} errors)")
+                graph = capture_graph(step, 1)
+            errors: list[str] = []
+            for it in range(2):
+                seed = _seed(case.key(), v.name, mode, it)
+                if env.role == ATTENTION:
+                    for k, t in enumerate(v.attn_inputs()):
+                        rows_bytes(t).copy_(pattern_bytes(t.shape[0], rows_bytes(t).shape[1], seed,
+                                                          env.role_rank * 8 + k, env.device))
+                    expected = torch.bitwise_xor(rows_bytes(v.attn_inputs()[0])[:, :hb], XOR_BYTE)
+                    reply = v.attn_reply()
+                    if all(reply.data_ptr() != t.data_ptr() for t in v.attn_inputs()):
+                        reply.zero_()
+                env.drain("check fill")
+                env.barrier()
+                if graph is None:
+                    step()
+                else:
+                    graph.replay()
+                env.drain(f"check {v.name}/{mode}")
+                if env.role == ATTENTION:
+                    errors += _compare(rows_bytes(v.attn_reply()), expected, f"reply at {env.label()}")
+                    continue
+                snap, cols = v.snapshot(), v.input_cols()
+                if snap is None or len(snap) != len(cols):
+                    errors.append(f"the FFN check hook saw {snap and len(snap)} tensors, expected {len(cols)}")
+                    continue
+                for k, t in enumerate(snap):
+                    for l in ctx.links:
+                        if l.count:
+                            pat = pattern_bytes(case.tokens, cols[k], seed, l.peer * 8 + k, env.device)
+                            errors += _compare(rows_bytes(t)[l.offset:l.offset + l.count],
+                                               pat[l.start:l.start + l.count],
+                                               f"tensor {k} rows of attention rank {l.peer} at {env.label()}")
+            del graph
+            out.append({"case": case.to_dict(), "case_key": case.key(), "variant": v.name, "mode": mode,
+                        "direction": "round_trip", "role": env.role, "role_rank": env.role_rank,
+                        "ok": not errors, "errors": errors[:5]})
             v.check = False
         ctx.graph_mode = False
     return out
@@ -589,26 +390,15 @@ def _compare(got, expected, what: str) -> list[str]:
 def bench_worker(rank: int, nprocs: int, cfg: RunConfig) -> dict:
     """Worker body for :func:`afd_ext.testing.run_workers` (one process per AFD world rank).
 
-    Every step runs under a phase deadline (:class:`afd_ext.bench.guard.WorkerGuard`):
-    progress lines go to stdout, the current phase to ``cfg.parts_dir``, each
-    finished case is appended there too, and a phase that overruns
-    ``cfg.case_timeout_s`` (+ grace) dumps every thread's stack and ends the process.
+    Every wait on the device or a peer is bounded by ``cfg.case_timeout_s`` and fails with a
+    ``TimeoutError`` naming the rank, case, variant and direction; a call that cannot be
+    interrupted (a hung NCCL call holds the GIL) is ended by the run's overall timeout.
 
     Returns:
         ``{"rank", "role", "role_rank", "records", "checks", "skipped", "notes", "device", "control"}``.
     """
-    import time
-
     logging.basicConfig(level=logging.INFO, format=f"[bench r{rank}] %(message)s")
-    from afd_ext.topology import Topology
-
-    role, role_rank = Topology(cfg.layout.num_attention_ranks, cfg.layout.num_ffn_ranks).role_of(rank)
-    guard = WorkerGuard(rank, f"{role}{role_rank}", cfg.parts_dir, cfg.case_timeout_s,
-                        verbose=cfg.progress_lines, t0=time.monotonic(), grace_s=cfg.hard_grace_s)
-    guard.say(f"worker start (pid {os.getpid()}, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}, "
-              f"attempt {cfg.attempt}, {len(cfg.cases)} cases, variants {','.join(cfg.variants)}, "
-              f"phase deadline {cfg.case_timeout_s:.0f} s)")
-    env = _Env(rank, nprocs, cfg, guard)
+    env = _Env(rank, nprocs, cfg)
     info: dict[str, Any] = {"rank": rank, "role": env.role, "role_rank": env.role_rank, "records": [],
                             "checks": [], "skipped": [], "notes": env.notes, "control": None}
     if env.cuda:
@@ -621,62 +411,37 @@ def bench_worker(rank: int, nprocs: int, cfg: RunConfig) -> dict:
     try:
         if show:
             import sys
+            import threading
 
             from tqdm import tqdm
 
-            # The one progress display of a run: timed blocks of a sweep, cases of a check.
-            total, unit = (len(cfg.cases), "case") if cfg.check else (
-                sum(_case_blocks(cfg, _applicable(cfg, c), env.cuda) for c in cfg.cases), "block")
-            bar = tqdm(total=total, desc=f"afd-ext bench {'check' if cfg.check else 'sweep'} over {cfg.backend}",
-                       unit=unit, mininterval=1.0 if sys.stderr.isatty() else 15.0)
-        for ci, case in enumerate(cfg.cases):
-            t_case = time.monotonic()
-            ck = case.key()
-            guard.enter(f"case {ci + 1}/{len(cfg.cases)}: set up variants", case=ck, op="allocate, agree")
+            # A thread lock: tqdm's default multiprocessing lock leaks a semaphore at exit.
+            tqdm.set_lock(threading.RLock())
+            # The one progress display of a run: cases done.
+            bar = tqdm(total=len(cfg.cases), unit="case", desc=f"afd-ext bench {'check' if cfg.check else 'sweep'} over {cfg.backend}",
+                       mininterval=1.0 if sys.stderr.isatty() else 15.0)
+        for case in cfg.cases:
             ctx = env.ctx(case)
             variants, skipped = _setup_variants(env, case, ctx)
-            guard.leave(note=f": {','.join(v.name for v in variants) or 'none'}"
-                        + (f"; skipped {','.join(skipped)}" if skipped else ""))
-            if bar is not None and not cfg.check:  # a variant that failed to set up: the bar still ends at 100 %
-                delta = (_case_blocks(cfg, [v.name for v in variants], env.cuda)
-                         - _case_blocks(cfg, _applicable(cfg, case), env.cuda))
-                if delta:  # a refresh prints a line where stderr is not a terminal
-                    bar.total += delta
-                    bar.refresh()
-            case_skipped = [{"case_key": ck, "variant": name, "reason": why} for name, why in skipped.items()]
-            info["skipped"] += case_skipped
+            info["skipped"] += [{"case_key": case.key(), "variant": n, "reason": why} for n, why in skipped.items()]
             if cfg.check:
-                checks = _check_case(env, case, ctx, variants)
-                info["checks"] += checks
-                recs: list[dict] = []
-                if bar is not None:
-                    bar.update(1)
+                info["checks"] += _check_case(env, case, ctx, variants)
             else:
-                checks = []
-                recs = _time_case(env, case, ctx, variants, bar)
-                info["records"] += recs
-            guard.enter("close variants", quiet=True, case=ck)
+                info["records"] += _time_case(env, case, ctx, variants)
+            if bar is not None:
+                bar.update(1)
             for v in variants:
                 v.close()
             del variants
             env.drain("end of case")
-            guard.save_part({"kind": "case", "case_key": ck, "records": recs, "checks": checks,
-                             "skipped": case_skipped})
-            guard.say(f"case {ci + 1}/{len(cfg.cases)} {ck} done in {time.monotonic() - t_case:.1f} s")
         if cfg.control and not cfg.check:
             from afd_ext.bench.control import reference_control_plane
 
-            guard.enter("control plane (reference pattern)", op="broadcast_object_list")
             env.barrier()
             info["control"] = reference_control_plane(env, cfg.control_iters)
-            guard.save_part({"kind": "control", "control": info["control"]})
-            guard.leave()
     finally:
         if bar is not None:
             bar.close()
-    guard.enter("close", op="barrier, comm_destroy, destroy_process_group")
     env.barrier()
     env.close()
-    guard.leave()
-    guard.disarm()
     return info

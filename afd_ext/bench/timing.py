@@ -10,7 +10,7 @@ Method (``docs/benchmarks.md`` has the long form):
   On a launch-bound loop that includes the host's launch cost, on a
   device-bound loop it is the device time; both are what a layer loop pays.
 * **CUDA graph**: ``graph_iters`` iterations are captured into one graph
-  (after an eager warm-up of every edge and direction, as NCCL requires), the
+  (after an eager warm-up of every edge, as NCCL requires), the
   graph is replayed ``warmup`` times untimed and then ``replays`` times with
   an event between replays; one sample is one replay's time divided by
   ``graph_iters``. p10/p90 are therefore over K-iteration means (narrower
@@ -21,27 +21,23 @@ Every wait here has a deadline: :func:`wait_event` polls instead of blocking
 in ``cudaEventSynchronize``, so a peer that never posts its half of an NCCL
 exchange becomes a :class:`TimeoutError` naming the operation, not a hang.
 
-The core engineer's GPU timing scripts reuse :class:`CudaTimer`,
+The core engineer's GPU timing scripts reuse
 :func:`time_eager`, :func:`capture_graph` and :func:`time_graph`.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
-from afd_ext.errors import AFDConfigError, AFDStateError, AFDTimeoutError
+from afd_ext.errors import AFDConfigError, AFDTimeoutError
 
 __all__ = [
     "Stats",
     "summarize",
-    "percentile",
     "wait_event",
-    "CudaTimer",
-    "HostTimer",
     "time_eager",
     "capture_graph",
     "time_graph",
@@ -71,29 +67,6 @@ class Stats:
         """Plain dict for JSON (keys ``median, p10, p90, mean, min, n``)."""
         return asdict(self)
 
-    def shifted(self, delta_us: float) -> "Stats":
-        """The same statistics with ``delta_us`` added to every time (``n`` unchanged)."""
-        return Stats(
-            self.median + delta_us, self.p10 + delta_us, self.p90 + delta_us,
-            self.mean + delta_us, self.min + delta_us, self.n,
-        )
-
-
-def percentile(sorted_values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile ``q`` in [0, 100] of already sorted values (numpy's default).
-
-    Raises:
-        AFDConfigError: empty input or ``q`` outside [0, 100].
-    """
-    if not sorted_values:
-        raise AFDConfigError("percentile of an empty sample")
-    if not 0.0 <= q <= 100.0:
-        raise AFDConfigError(f"percentile q must be within [0, 100], got {q}")
-    pos = (len(sorted_values) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    frac = pos - lo
-    return float(sorted_values[lo] * (1.0 - frac) + sorted_values[hi] * frac)
 
 
 def summarize(samples_us: Sequence[float]) -> Stats:
@@ -107,15 +80,10 @@ def summarize(samples_us: Sequence[float]) -> Stats:
         raise AFDConfigError("cannot summarize an empty list of timing samples")
     if not all(math.isfinite(v) for v in values):
         raise AFDConfigError("timing samples must be finite numbers")
-    s = sorted(values)
-    return Stats(
-        median=float(statistics.median(s)),
-        p10=percentile(s, 10.0),
-        p90=percentile(s, 90.0),
-        mean=float(sum(s) / len(s)),
-        min=float(s[0]),
-        n=len(s),
-    )
+    import numpy as np
+
+    p10, median, p90 = (float(x) for x in np.percentile(values, (10.0, 50.0, 90.0)))
+    return Stats(median=median, p10=p10, p90=p90, mean=float(np.mean(values)), min=min(values), n=len(values))
 
 
 def wait_event(event: Any, timeout_s: float, what: str, poll_s: float = 0.0005) -> None:
@@ -141,68 +109,26 @@ def wait_event(event: Any, timeout_s: float, what: str, poll_s: float = 0.0005) 
         time.sleep(poll_s)
 
 
-class CudaTimer:
-    """Per-iteration CUDA events on the current stream.
-
-    Create it before the timed loop (events are allocated up front), call
-    :meth:`mark` before every iteration and once after the last, then
-    :meth:`samples_us` (which waits, with a deadline, for the last event).
-
-    Args:
-        marks: number of :meth:`mark` calls that will be made (iterations + 1).
-    """
-
-    def __init__(self, marks: int):
+def _timed_loop(run: Callable[[], Any], n: int, cuda: bool, timeout_s: float, what: str,
+                divide_by: int = 1) -> list[float]:
+    """Run ``run`` ``n`` times with a mark (CUDA event on the current stream, or the host clock) before
+    each and after the last; the µs between consecutive marks, each divided by ``divide_by``."""
+    if cuda:
         import torch
 
-        if marks < 2:
-            raise AFDConfigError(f"a CudaTimer needs at least 2 marks, got {marks}")
-        self._events = [torch.cuda.Event(enable_timing=True) for _ in range(marks)]
-        self._n = 0
-
-    def mark(self) -> None:
-        """Record the next event on the current stream."""
-        self._events[self._n].record()
-        self._n += 1
-
-    def samples_us(self, timeout_s: float = DEFAULT_WAIT_TIMEOUT_S, what: str = "timed loop",
-                   divide_by: int = 1) -> list[float]:
-        """Elapsed time between consecutive marks, µs, each divided by ``divide_by``.
-
-        Raises:
-            AFDStateError: fewer than 2 marks were recorded.
-            AFDTimeoutError: the last event did not complete in time.
-        """
-        if self._n < 2:
-            raise AFDStateError(f"CudaTimer: {self._n} marks recorded, need at least 2")
-        wait_event(self._events[self._n - 1], timeout_s, what)
-        return [
-            self._events[i].elapsed_time(self._events[i + 1]) * 1000.0 / divide_by
-            for i in range(self._n - 1)
-        ]
-
-
-class HostTimer:
-    """Per-iteration host clock (``time.perf_counter_ns``) for the CPU/gloo path; same API as CudaTimer."""
-
-    def __init__(self, marks: int):
-        if marks < 2:
-            raise AFDConfigError(f"a HostTimer needs at least 2 marks, got {marks}")
-        self._t = [0] * marks
-        self._n = 0
-
-    def mark(self) -> None:
-        """Read the clock."""
-        self._t[self._n] = time.perf_counter_ns()
-        self._n += 1
-
-    def samples_us(self, timeout_s: float = DEFAULT_WAIT_TIMEOUT_S, what: str = "timed loop",
-                   divide_by: int = 1) -> list[float]:
-        """Elapsed time between consecutive marks, µs, each divided by ``divide_by``."""
-        del timeout_s, what  # host work is already complete
-        if self._n < 2:
-            raise AFDStateError(f"HostTimer: {self._n} marks recorded, need at least 2")
-        return [(self._t[i + 1] - self._t[i]) / 1000.0 / divide_by for i in range(self._n - 1)]
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
+        for ev in events[:-1]:
+            ev.record()
+            run()
+        events[-1].record()
+        wait_event(events[-1], timeout_s, what)
+        return [a.elapsed_time(b) * 1000.0 / divide_by for a, b in zip(events, events[1:])]
+    marks = []
+    for _ in range(n):
+        marks.append(time.perf_counter_ns())
+        run()
+    marks.append(time.perf_counter_ns())
+    return [(b - a) / 1000.0 / divide_by for a, b in zip(marks, marks[1:])]
 
 
 def time_eager(step: Callable[[], Any], iters: int, warmup: int, *, cuda: bool,
@@ -234,32 +160,21 @@ def time_eager(step: Callable[[], Any], iters: int, warmup: int, *, cuda: bool,
     if not timed:
         for _ in range(iters):
             step()
-        _drain(cuda, timeout_s, what)
+        if cuda:
+            import torch
+
+            ev = torch.cuda.Event()
+            ev.record()
+            wait_event(ev, timeout_s, what)
         return []
-    timer = CudaTimer(iters + 1) if cuda else HostTimer(iters + 1)
-    for _ in range(iters):
-        timer.mark()
-        step()
-    timer.mark()
-    return timer.samples_us(timeout_s, what)
+    return _timed_loop(step, iters, cuda, timeout_s, what)
 
 
-def _drain(cuda: bool, timeout_s: float, what: str) -> None:
-    if not cuda:
-        return
-    import torch
-
-    ev = torch.cuda.Event()
-    ev.record()
-    wait_event(ev, timeout_s, what)
-
-
-def capture_graph(step: Callable[[], Any], graph_iters: int,
-                  before_capture: Callable[[], Any] | None = None) -> Any:
+def capture_graph(step: Callable[[], Any], graph_iters: int) -> Any:
     """Capture ``graph_iters`` iterations of ``step`` into one ``torch.cuda.CUDAGraph``.
 
     Both processes of an exchange must capture their halves around the same
-    time, after every edge and direction has run once eagerly (NCCL sets up
+    time, after every edge has run once eagerly (NCCL sets up
     its connections on first use, which cannot happen inside a capture).
     Buffers the step uses must already be allocated; anything the step
     allocates comes from the graph's private pool and keeps its address.
@@ -267,8 +182,6 @@ def capture_graph(step: Callable[[], Any], graph_iters: int,
     Args:
         step: one iteration, issuing work on the current stream.
         graph_iters: iterations per graph, >= 1.
-        before_capture: called inside the capture context before the first
-            iteration (e.g. to bind the capture stream for raw NCCL calls).
 
     Returns:
         The captured graph; ``graph.replay()`` runs all iterations on the current stream.
@@ -283,16 +196,13 @@ def capture_graph(step: Callable[[], Any], graph_iters: int,
     graph = torch.cuda.CUDAGraph()
     # thread_local: NCCL's proxy thread may touch CUDA while this thread captures.
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        if before_capture is not None:
-            before_capture()
         for _ in range(graph_iters):
             step()
     return graph
 
 
 def time_graph(graph: Any, replays: int, warmup: int, graph_iters: int, *,
-               timeout_s: float = DEFAULT_WAIT_TIMEOUT_S, what: str = "graph replay",
-               timed: bool = True) -> list[float]:
+               timeout_s: float = DEFAULT_WAIT_TIMEOUT_S, what: str = "graph replay") -> list[float]:
     """Replay a captured graph; per-iteration µs (one sample per replay, divided by ``graph_iters``).
 
     Args:
@@ -302,7 +212,6 @@ def time_graph(graph: Any, replays: int, warmup: int, graph_iters: int, *,
         graph_iters: iterations captured in the graph.
         timeout_s: deadline for the device.
         what: names the loop in a timeout error.
-        timed: False on the lockstep-only side (replays, waits, returns ``[]``).
 
     Raises:
         AFDConfigError: ``replays < 1`` or ``warmup < 0``.
@@ -312,14 +221,4 @@ def time_graph(graph: Any, replays: int, warmup: int, graph_iters: int, *,
         raise AFDConfigError(f"time_graph needs replays >= 1 and warmup >= 0, got {replays}, {warmup}")
     for _ in range(warmup):
         graph.replay()
-    if not timed:
-        for _ in range(replays):
-            graph.replay()
-        _drain(True, timeout_s, what)
-        return []
-    timer = CudaTimer(replays + 1)
-    for _ in range(replays):
-        timer.mark()
-        graph.replay()
-    timer.mark()
-    return timer.samples_us(timeout_s, what, divide_by=graph_iters)
+    return _timed_loop(graph.replay, replays, True, timeout_s, what, divide_by=graph_iters)

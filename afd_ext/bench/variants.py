@@ -17,10 +17,6 @@ between this process and its peers (the :class:`Link` list of this rank):
                         reply received into the sent hidden tensor.
 ``raw``                 one flat uint8 message of the same (unpadded) bytes per
                         edge and direction: the floor NCCL can reach.
-``bare``                the same NCCL calls as ``ours_per_tensor`` issued through
-                        ``ctypes`` straight into ``libnccl`` (no torch op, no
-                        dispatcher, no checks): the op path's overhead is
-                        ``ours_per_tensor - bare``.
 ``peer``                the peer-memory plane (``docs/peer-memory.md``): attention
                         ``peer_put`` of hidden, logits and ids straight into the
                         FFN rank's fan-in region, then ``peer_wait`` copying the
@@ -32,10 +28,6 @@ between this process and its peers (the :class:`Link` list of this rank):
 On the CPU/gloo path ``ours_*`` use this package's gloo transport when it is
 installed, ``reference``/``raw`` use ``torch.distributed``.
 
-One-way directions replace the other direction by a 16-byte flag message over
-our raw ``send``/``recv`` (see :mod:`afd_ext.bench.runner` for how one-way
-times are derived).
-
 Check mode (``--check``): the attention rank fills its wire tensors with a
 per-rank byte pattern, the FFN rank snapshots what it received (verified
 bit-exactly against the pattern of each peer's rows) and replies with the
@@ -45,36 +37,29 @@ reply bit-exactly. :func:`pattern_bytes` is the shared pattern.
 
 from __future__ import annotations
 
-import ctypes
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from afd_ext.bench.plan import Case
-from afd_ext.errors import AFDConfigError, AFDPeerError, AFDStateError
+from afd_ext.errors import AFDStateError
 
 __all__ = [
-    "FLAG_BYTES",
     "XOR_BYTE",
     "Link",
     "Ctx",
     "Variant",
     "VARIANTS",
-    "FlagPingPong",
     "make_variant",
     "variant_applicable",
     "pattern_bytes",
     "rows_bytes",
-    "BareNccl",
 ]
 
 ATTENTION = "attention"
 FFN = "ffn"
-#: Bytes of the flag message used for one-way timing.
-FLAG_BYTES = 16
 #: The check-mode FFN replies with every received hidden byte XOR this.
 XOR_BYTE = 0x55
 
@@ -92,8 +77,6 @@ class Link:
             ``start``; FFN: position in the concatenated fan-in tensor).
         comm_a2f, comm_f2a: our NCCL communicator handles (0 on the CPU path).
         nccl_peer: the peer's rank inside those 2-rank communicators.
-        bare_a2f, bare_f2a: ``ncclComm_t`` values of the ``bare`` variant's own
-            communicators (None when not created).
     """
 
     peer: int
@@ -104,8 +87,6 @@ class Link:
     comm_a2f: int = 0
     comm_f2a: int = 0
     nccl_peer: int = 0
-    bare_a2f: Any = None
-    bare_f2a: Any = None
 
     def comm(self, direction: str) -> int:
         return self.comm_a2f if direction == "a2f" else self.comm_f2a
@@ -121,7 +102,6 @@ class Ctx:
         backend: ``"nccl"`` (CUDA tensors, our ops) or ``"gloo"`` (CPU tensors).
         device: where tensors live.
         links: edges of this rank, in fan-in order (FFN) or peer order (attention).
-        bare: :class:`BareNccl` library handle for the ``bare`` variant, or None.
         gloo_transport: this package's gloo transport on the CPU path, or None.
         graph_mode: set by the runner while a variant is captured/replayed
             (the reference pattern then uses its preallocated receive buffers).
@@ -133,7 +113,6 @@ class Ctx:
     backend: str
     device: torch.device
     links: list[Link]
-    bare: Any = None
     gloo_transport: Any = None
     graph_mode: bool = False
     extra: dict = field(default_factory=dict)
@@ -207,7 +186,7 @@ def p2p_recv(ctx: Ctx, t: torch.Tensor, link: Link, direction: str) -> None:
 
 
 class Variant:
-    """Base class: buffers for one case, the four half-steps, flags, check hooks.
+    """Base class: buffers for one case, the four half-steps, check hooks.
 
     Subclasses allocate in ``__init__`` and implement ``attn_send``,
     ``attn_recv``, ``ffn_recv``, ``ffn_send`` (and may override
@@ -225,8 +204,6 @@ class Variant:
         self.check = False
         self.dev = ctx.device
         self.live = [l for l in ctx.links if l.count > 0]
-        self.flag_tx = torch.zeros(FLAG_BYTES, dtype=torch.uint8, device=self.dev)
-        self.flag_rx = [torch.zeros(FLAG_BYTES, dtype=torch.uint8, device=self.dev) for _ in self.live]
         self._snap: list[torch.Tensor] | None = None
 
     # -- helpers ---------------------------------------------------------------
@@ -260,43 +237,23 @@ class Variant:
     def ffn_send(self) -> None:
         raise NotImplementedError
 
-    def ffn_send_static(self) -> None:
-        """FFN -> attention alone (no receive before it): sends :meth:`ffn_out`."""
-        self.ffn_send()
-
-    def flag_send(self) -> None:
-        d = "a2f" if self.ctx.is_attention else "f2a"
-        for l in self.live:
-            p2p_send(self.ctx, self.flag_tx, l, d)
-
-    def flag_recv(self) -> None:
-        d = "f2a" if self.ctx.is_attention else "a2f"
-        for l, buf in zip(self.live, self.flag_rx):
-            p2p_recv(self.ctx, buf, l, d)
-
-    def bind_stream(self) -> None:
-        """Called before each timed block and inside each capture (raw NCCL calls need the stream)."""
-
     def close(self) -> None:
         """Release anything beyond tensors (nothing by default)."""
 
     # -- check hooks -----------------------------------------------------------
 
+    # Defaults for variants holding (h, l, i) wire tensors, ``reply`` on the attention rank.
     def attn_inputs(self) -> list[torch.Tensor]:
-        raise NotImplementedError
+        return [t for t in (self.h, self.l, self.i) if t is not None]
 
     def attn_reply(self) -> torch.Tensor:
-        raise NotImplementedError
+        return self.reply
 
     def ffn_received(self) -> list[torch.Tensor]:
-        raise NotImplementedError
+        return self.attn_inputs()
 
     def ffn_out(self) -> torch.Tensor:
-        raise NotImplementedError
-
-    def ffn_static_out(self) -> torch.Tensor:
-        """The tensor the FFN -> attention-only step sends (filled by the check before the step)."""
-        return self.ffn_out()
+        return self.h
 
     def input_cols(self) -> list[int]:
         """Bytes per row of each attention input, in :meth:`attn_inputs` order."""
@@ -306,14 +263,10 @@ class Variant:
             cols += [4 * c.logits_width, 4]
         return cols
 
-    def _check_hook(self, xor: bool) -> None:
+    def _check_hook(self) -> None:
         rec = self.ffn_received()
         self._snap = [t.clone() for t in rec]
-        if xor:
-            hb = self.case.f2a_row_bytes()
-            src = rows_bytes(rec[0])[:, :hb]
-            dst = rows_bytes(self.ffn_out())
-            torch.bitwise_xor(src, XOR_BYTE, out=dst)
+        torch.bitwise_xor(rows_bytes(rec[0])[:, :self.case.f2a_row_bytes()], XOR_BYTE, out=rows_bytes(self.ffn_out()))
 
     def snapshot(self) -> list[torch.Tensor] | None:
         """What the FFN rank received in the last checked iteration (clones), or None."""
@@ -321,64 +274,18 @@ class Variant:
 
     # -- steps -------------------------------------------------------------------
 
-    def step(self, direction: str) -> Callable[[], None]:
-        """The iteration this rank runs for ``direction`` (``round_trip``, ``a2f``, ``f2a``)."""
+    def step(self) -> Callable[[], None]:
+        """One round trip on this rank: attention sends and receives the reply; FFN receives and replies."""
+        if self.ctx.is_attention:
+            return self.attn_round
         chk = self.check
-        if self.ctx.is_attention:
-            if direction == "round_trip":
-                return self.attn_round
 
-            if direction == "a2f":
-                def a2f() -> None:
-                    self.attn_send()
-                    self.flag_recv()
-                return a2f
-
-            if direction == "f2a":
-                def f2a() -> None:
-                    self.flag_send()
-                    self.attn_recv()
-                return f2a
-        else:
-            if direction == "round_trip":
-                def rt() -> None:
-                    self.ffn_recv()
-                    if chk:
-                        self._check_hook(xor=True)
-                    self.ffn_send()
-                return rt
-
-            if direction == "a2f":
-                def fa2f() -> None:
-                    self.ffn_recv()
-                    if chk:
-                        self._check_hook(xor=False)
-                    self.flag_send()
-                return fa2f
-
-            if direction == "f2a":
-                def ff2a() -> None:
-                    self.flag_recv()
-                    self.ffn_send_static()
-                return ff2a
-        raise AFDConfigError(f"unknown direction {direction!r}; expected round_trip, a2f or f2a")
-
-
-class FlagPingPong(Variant):
-    """16-byte message each way: the baseline subtracted to get one-way times."""
-
-    name = "flag"
-
-    def step(self, direction: str) -> Callable[[], None]:
-        if self.ctx.is_attention:
-            def s() -> None:
-                self.flag_send()
-                self.flag_recv()
-        else:
-            def s() -> None:
-                self.flag_recv()
-                self.flag_send()
-        return s
+        def rt() -> None:
+            self.ffn_recv()
+            if chk:
+                self._check_hook()
+            self.ffn_send()
+        return rt
 
 
 # ---------------------------------------------------------------------------
@@ -436,18 +343,6 @@ class OursPerTensor(Variant):
         _ops().split_back(self.h, self.l, self.i, sc, peers, rows)  # the connector's two calls
         _ops().fan_in(self.reply, None, None, self.f2a[0], peers, rows)
 
-    def attn_send(self) -> None:
-        if self.tr is not None:
-            self._g_send(self._a2f_tensors(), "a2f").wait()
-            return
-        _ops().split_back(self.h, self.l, self.i, *self.a2f)
-
-    def attn_recv(self) -> None:
-        if self.tr is not None:
-            self._g_recv((self.reply, None, None), "f2a")
-            return
-        _ops().fan_in(self.reply, None, None, *self.f2a)
-
     def ffn_recv(self) -> None:
         if self.tr is not None:
             self._g_recv(self._a2f_tensors(), "a2f")
@@ -459,18 +354,6 @@ class OursPerTensor(Variant):
             self._g_send((self.h, None, None), "f2a").wait()
             return
         _ops().split_back(self.h, None, None, *self.f2a)
-
-    def attn_inputs(self):
-        return [t for t in (self.h, self.l, self.i) if t is not None]
-
-    def attn_reply(self):
-        return self.reply
-
-    def ffn_received(self):
-        return [t for t in (self.h, self.l, self.i) if t is not None]
-
-    def ffn_out(self):
-        return self.h
 
 
 # ---------------------------------------------------------------------------
@@ -534,12 +417,6 @@ class PeerMemory(Variant):
 
     def close(self) -> None:
         self.plane.close()
-
-    def attn_inputs(self):
-        return [t for t in (self.h, self.l, self.i) if t is not None]
-
-    def attn_reply(self):
-        return self.reply
 
     def ffn_received(self):
         return self.rec
@@ -619,16 +496,6 @@ class Reference(Variant):
         for l in self.live:
             p2p_send(self.ctx, out[l.offset:l.offset + l.count], l, "f2a")
 
-    def ffn_send_static(self) -> None:
-        self._out = self.static_out
-        self.ffn_send()
-
-    def ffn_static_out(self):
-        return self.static_out
-
-    def attn_inputs(self):
-        return [t for t in (self.h, self.l, self.i) if t is not None]
-
     def attn_reply(self):
         return self.h
 
@@ -702,186 +569,10 @@ class Raw(Variant):
         return [self.case.a2f_row_bytes()]
 
 
-# ---------------------------------------------------------------------------
-# Bare NCCL through ctypes
-# ---------------------------------------------------------------------------
-
-
-class _UniqueId(ctypes.Structure):
-    _fields_ = [("internal", ctypes.c_byte * 128)]
-
-
-_NCCL_UINT8 = 1  # ncclUint8 in ncclDataType_t
-
-
-class BareNccl:
-    """Just enough of ``libnccl.so.2`` through ctypes: ids, comms, send/recv, groups.
-
-    Loads the library the process already uses (the ``nvidia-nccl`` wheel's,
-    which torch and our ops load), so the calls hit the same NCCL.
-
-    Raises:
-        OSError: the library cannot be loaded.
-    """
-
-    def __init__(self, path: str | None = None):
-        self.path = path or self._find()
-        lib = ctypes.CDLL(self.path)
-        res = ctypes.c_int
-        comm_t = ctypes.c_void_p
-        lib.ncclGetErrorString.restype = ctypes.c_char_p
-        lib.ncclGetErrorString.argtypes = [res]
-        lib.ncclGetUniqueId.restype = res
-        lib.ncclGetUniqueId.argtypes = [ctypes.POINTER(_UniqueId)]
-        lib.ncclCommInitRank.restype = res
-        lib.ncclCommInitRank.argtypes = [ctypes.POINTER(comm_t), ctypes.c_int, _UniqueId, ctypes.c_int]
-        lib.ncclCommDestroy.restype = res
-        lib.ncclCommDestroy.argtypes = [comm_t]
-        lib.ncclSend.restype = res
-        lib.ncclSend.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, comm_t,
-                                 ctypes.c_void_p]
-        lib.ncclRecv.restype = res
-        lib.ncclRecv.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, comm_t,
-                                 ctypes.c_void_p]
-        lib.ncclGroupStart.restype = res
-        lib.ncclGroupStart.argtypes = []
-        lib.ncclGroupEnd.restype = res
-        lib.ncclGroupEnd.argtypes = []
-        self.lib = lib
-
-    @staticmethod
-    def _loaded() -> str | None:
-        """Path of the ``libnccl.so*`` already mapped into this process (Linux), if any."""
-        try:
-            with open("/proc/self/maps") as f:
-                for line in f:
-                    fields = line.rstrip("\n").split(maxsplit=5)
-                    path = fields[5] if len(fields) == 6 else ""
-                    if os.path.basename(path).startswith("libnccl.so") and os.path.exists(path):
-                        return path
-        except OSError:
-            pass
-        return None
-
-    @staticmethod
-    def _find() -> str:
-        # The library torch / our ops already loaded first: a second copy of NCCL
-        # in one process (another file) would have its own state and threads.
-        loaded = BareNccl._loaded()
-        if loaded:
-            return loaded
-        try:
-            import nvidia.nccl as nn  # the wheel torch uses
-
-            for base in list(getattr(nn, "__path__", [])):
-                cand = os.path.join(base, "lib", "libnccl.so.2")
-                if os.path.exists(cand):
-                    return cand
-        except ImportError:
-            pass
-        return "libnccl.so.2"
-
-    def check(self, rc: int, what: str) -> None:
-        """Raise ``RuntimeError`` naming ``what`` when ``rc`` is not ncclSuccess."""
-        if rc != 0:
-            msg = self.lib.ncclGetErrorString(rc).decode(errors="replace")
-            raise AFDPeerError(f"bare NCCL {what} failed: {msg} (code {rc})")
-
-    def unique_id(self) -> bytes:
-        uid = _UniqueId()
-        self.check(self.lib.ncclGetUniqueId(ctypes.byref(uid)), "ncclGetUniqueId")
-        return bytes(bytearray(uid.internal))
-
-    def comm_init(self, uid: bytes, nranks: int, rank: int) -> ctypes.c_void_p:
-        """Blocking, like ``ncclCommInitRank``: every rank must call it."""
-        if len(uid) != 128:
-            raise AFDConfigError(f"an ncclUniqueId has 128 bytes, got {len(uid)}")
-        u = _UniqueId()
-        ctypes.memmove(ctypes.addressof(u), uid, 128)
-        comm = ctypes.c_void_p()
-        self.check(self.lib.ncclCommInitRank(ctypes.byref(comm), nranks, u, rank), "ncclCommInitRank")
-        return comm
-
-    def destroy(self, comm: Any) -> None:
-        if comm:
-            self.lib.ncclCommDestroy(comm)
-
-
-class Bare(OursPerTensor):
-    """The same NCCL calls as ``ours_per_tensor`` through ctypes (no op, no dispatcher, no checks)."""
-
-    name = "bare"
-    backends = ("nccl",)
-
-    def __init__(self, ctx: Ctx, case: Case):
-        super().__init__(ctx, case)
-        if ctx.bare is None or any(l.bare_a2f is None for l in self.live):
-            raise AFDStateError("bare NCCL communicators are not available")
-        self.lib = ctx.bare.lib
-        self.stream = ctypes.c_void_p(0)
-
-        def calls(tensors, direction, op):
-            out = []
-            for l in self.live:
-                comm = l.bare_a2f if direction == "a2f" else l.bare_f2a
-                for t in tensors:
-                    if t is None:
-                        continue
-                    rb = t.element_size() * t.stride(0)  # bytes per row (contiguous)
-                    ptr = t.data_ptr() + l.offset * rb
-                    out.append((op, ctypes.c_void_p(ptr), ctypes.c_size_t(l.count * rb), l.nccl_peer, comm))
-            return out
-
-        send, recv = self.lib.ncclSend, self.lib.ncclRecv
-        if ctx.is_attention:
-            self.c_send = calls((self.h, self.l, self.i), "a2f", send)
-            self.c_recv = calls((self.reply,), "f2a", recv)
-        else:
-            self.c_recv = calls((self.h, self.l, self.i), "a2f", recv)
-            self.c_send = calls((self.h,), "f2a", send)
-
-    def bind_stream(self) -> None:
-        self.stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-
-    def _group(self, *lists) -> None:
-        lib, st = self.lib, self.stream
-        rc = lib.ncclGroupStart()
-        if rc:
-            self.ctx.bare.check(rc, "ncclGroupStart")
-        for calls in lists:
-            for fn, ptr, nbytes, peer, comm in calls:
-                rc = fn(ptr, nbytes, _NCCL_UINT8, peer, comm, st)
-                if rc:
-                    lib.ncclGroupEnd()
-                    self.ctx.bare.check(rc, "ncclSend/ncclRecv")
-        rc = lib.ncclGroupEnd()
-        if rc:
-            self.ctx.bare.check(rc, "ncclGroupEnd")
-
-    def attn_round(self) -> None:
-        # Two groups, like the ``exchange`` op: sends, then the reply receive. One
-        # group holding the sends and the receive hung/crashed on 2x H200 (NCCL 2.28.9).
-        self._group(self.c_send)
-        self._group(self.c_recv)
-
-    def attn_send(self) -> None:
-        self._group(self.c_send)
-
-    def attn_recv(self) -> None:
-        self._group(self.c_recv)
-
-    def ffn_recv(self) -> None:
-        self._group(self.c_recv)
-
-    def ffn_send(self) -> None:
-        self._group(self.c_send)
-
-
 VARIANTS: dict[str, type[Variant]] = {
     "ours_per_tensor": OursPerTensor,
     "reference": Reference,
     "raw": Raw,
-    "bare": Bare,
     "peer": PeerMemory,
 }
 
@@ -901,7 +592,7 @@ def make_variant(name: str, ctx: Ctx, case: Case) -> Variant:
 
     Raises:
         KeyError: unknown name.
-        AFDConfigError / AFDStateError / AFDPeerError: the variant cannot run here (layout, missing
-            runner state or library, a failed bare NCCL call).
+        AFDConfigError / AFDStateError: the variant cannot run here (layout, missing
+            runner state).
     """
     return VARIANTS[name](ctx, case)
