@@ -11,31 +11,8 @@ Importing this package imports torch and the compiled ops' wrappers.
 
 from __future__ import annotations
 
-from .plane import (
-    FLAG_STRIDE,
-    OP_NAMES,
-    REGION_ALIGN,
-    PeerFailure,
-    PeerPlane,
-    RegionLayout,
-    WireSpec,
-    failure_error,
-    open_plane,
-)
+from . import plane
+from .plane import *  # noqa: F401,F403
 from .transport import ABORT_POLL_S, POLL_S, WAIT_BACKSTOP_S, PeerTransport
 
-__all__ = [
-    "REGION_ALIGN",
-    "FLAG_STRIDE",
-    "OP_NAMES",
-    "WireSpec",
-    "RegionLayout",
-    "PeerFailure",
-    "failure_error",
-    "PeerPlane",
-    "open_plane",
-    "PeerTransport",
-    "POLL_S",
-    "ABORT_POLL_S",
-    "WAIT_BACKSTOP_S",
-]
+__all__ = [*plane.__all__, "PeerTransport", "POLL_S", "ABORT_POLL_S", "WAIT_BACKSTOP_S"]
