@@ -311,48 +311,6 @@ def _w_bad_input(rank, nprocs, port):
     return len(errors)
 
 
-def _w_pack_cuda(rank, nprocs):
-    torch.cuda.set_device(0)
-    checked = 0
-    for dtype in ops.WIRE_DTYPES:
-        for n, width, layout in [(5, 7, "contiguous"), (9, 7168, "contiguous"), (3, 40, "col_stride2"),
-                                 (4, 24, "offset"), (0, 16, "contiguous"), (130, 257, "transposed")]:
-            h = _make(dtype, (n, width), seed=n + width)
-            lg = _make(torch.float32, (n, 5), seed=1)
-            ids = _make(torch.int32, (n,), seed=2)
-            if layout == "col_stride2":
-                big = torch.zeros(n, 2 * width, dtype=dtype)
-                big[:, ::2] = h
-                h = big[:, ::2]
-            elif layout == "offset":
-                big = torch.zeros(n + 1, width + 1, dtype=dtype)
-                big[1:, 1:] = h
-                h = big[1:, 1:]
-            elif layout == "transposed":
-                h = h.t().contiguous().t()
-            width_b = ops.wire_row_bytes(width, dtype, 5, torch.float32, True)
-            wire_cpu = torch.full((n, width_b), 0xCD, dtype=torch.uint8)
-            ops.pack_rows(h, lg, ids, wire_cpu)
-            hc, lgc, idc = h.cuda(), lg.cuda(), ids.cuda()  # .cuda() keeps dense copies
-            if layout != "contiguous":
-                hc = torch.empty_strided(h.shape, h.stride(), dtype=dtype, device="cuda").copy_(h)
-            wire = torch.full((n, width_b), 0xCD, dtype=torch.uint8, device="cuda")
-            ops.pack_rows(hc, lgc, idc, wire)
-            torch.cuda.synchronize()
-            assert torch.equal(wire.cpu(), wire_cpu), f"CUDA pack differs from the CPU reference ({dtype}, {n}x{width}, {layout})"
-            h2, lg2, id2 = torch.zeros_like(hc), torch.zeros_like(lgc), torch.zeros_like(idc)
-            ops.unpack_rows(wire, h2, lg2, id2)
-            torch.cuda.synchronize()
-            assert _same_bits(h2.cpu(), h) and _same_bits(lg2.cpu(), lg) and _same_bits(id2.cpu(), ids)
-            checked += 1
-    return checked
-
-
-# ---------------------------------------------------------------------------
-# Tests (run in the pytest process: they only spawn and wait)
-# ---------------------------------------------------------------------------
-
-
 def _run(fn, num_attention, *args):
     from torch.distributed import TCPStore
 
@@ -385,7 +343,3 @@ def test_bad_input_raises_and_the_communicator_still_works():
     counts = _run(_w_bad_input, 1)
     assert counts == [2, 10]
 
-
-def test_cuda_pack_matches_cpu_reference():
-    out = run_workers(_w_pack_cuda, 1, timeout_s=TIMEOUT_S, per_rank_env=_env(1)[1:])
-    assert out == [len(ops.WIRE_DTYPES) * 6]
