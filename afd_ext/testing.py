@@ -348,3 +348,13 @@ def run_workers(
                 p.kill()
                 p.join(timeout=5)
         q.close()
+
+
+def distinct_gpus_missing(n: int, why: str) -> str | None:
+    """Why a test needing ``n`` distinct GPUs cannot run here (None: it can)."""
+    have = visible_gpu_count()
+    if share_gpu_forced():
+        return f"needs {n} distinct GPUs ({why}); AFD_TEST_SHARE_GPU=1 puts every process on GPU 0"
+    if have < n:
+        return f"needs {n} distinct GPUs ({why}); {have} visible, so its processes would share GPU 0"
+    return None

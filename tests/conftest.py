@@ -55,18 +55,6 @@ def _gpu_tier_missing() -> str | None:
     return None
 
 
-def distinct_gpus_missing(n: int, why: str) -> str | None:
-    """Why a test needing ``n`` distinct GPUs cannot run here (None: it can)."""
-    from afd_ext.testing import share_gpu_forced, visible_gpu_count
-
-    have = visible_gpu_count()
-    if share_gpu_forced():
-        return f"needs {n} distinct GPUs ({why}); AFD_TEST_SHARE_GPU=1 puts every process on GPU 0"
-    if have < n:
-        return f"needs {n} distinct GPUs ({why}); {have} visible, so its processes would share GPU 0"
-    return None
-
-
 def pytest_report_header(config):
     if _gpu_tier_missing() is not None:
         return None
@@ -87,6 +75,8 @@ def pytest_collection_modifyitems(config, items):
             continue
         m = item.get_closest_marker("distinct_gpus")
         if m is not None:
+            from afd_ext.testing import distinct_gpus_missing
+
             why = distinct_gpus_missing(*m.args)
             if why is not None:
                 item.add_marker(pytest.mark.skip(reason=why))

@@ -117,15 +117,13 @@ def test_run_workers_env_is_there_from_the_child_interpreters_start():
 
 
 def test_gpu_tier_skip_reason_names_what_is_missing(monkeypatch):
-    import conftest
-
     monkeypatch.setattr(testing, "visible_gpu_count", lambda: 1)
-    why = conftest.distinct_gpus_missing(2, "timings")
+    why = testing.distinct_gpus_missing(2, "timings")
     assert why is not None and "needs 2 distinct GPUs (timings)" in why and "1 visible" in why
     monkeypatch.setattr(testing, "visible_gpu_count", lambda: 2)
-    assert conftest.distinct_gpus_missing(2, "timings") is None
+    assert testing.distinct_gpus_missing(2, "timings") is None
     monkeypatch.setenv(testing.SHARE_GPU_ENV, "1")
-    assert "AFD_TEST_SHARE_GPU=1" in conftest.distinct_gpus_missing(2, "timings")
+    assert "AFD_TEST_SHARE_GPU=1" in testing.distinct_gpus_missing(2, "timings")
 
 
 # ---------------------------------------------------------------------------
