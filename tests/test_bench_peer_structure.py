@@ -1,6 +1,6 @@
 """afd-ext bench --peer-structure: argument parsing, the plan, the bench-only CUDA source, the no-GPU refusal.
 
-The timed run itself needs a GPU (``scripts/peer_structure.sh``); here: the
+The timed run itself needs a GPU (``bash scripts/gpu_tier.sh build peer-structure``); here: the
 options become the plan the GPU run executes, bad options are refused with a
 clear message (exit 2), the CUDA source compiles for sm_90 where nvcc exists,
 and a machine without a GPU gets a clean refusal, not a traceback.
