@@ -26,10 +26,6 @@
 #   peer-structure  afd-ext bench --peer-structure (issue #35): the peer-memory plane against
 #                minimal put/wait kernels, ratio per size; with two GPUs attention on cuda:0 and
 #                FFN on cuda:1 (NVLink), and again both on cuda:0 (the one-GPU records)
-#   peer-profile where the peer-structure time goes: the PyTorch profiler on one concurrent replay
-#                (min, fused, plane, plane_pdl at 1 and 8192 tokens; kernel durations, grid, block,
-#                registers), ncu of min and plane (one eager round trip on one stream), and the
-#                registers, spills, fences and atomics of both kernel sets (cuobjdump); not a default phase
 #   bench        the default sweep (every variant: ours, reference, raw, bare, torch_dist, peer;
 #                one process per GPU on two GPUs), $BENCH_ARGS appended
 #   demo         the demo at 1A1F --dims deepseek-v2-lite and at 2A1F (NCCL)
@@ -114,28 +110,6 @@ for phase in $phases; do
           else
             echo "=== peer-structure: skipped: no CUDA GPU visible" | tee -a "$OUT/summary.txt"
           fi ;;
-    peer-profile)
-          PS=($PY -m afd_ext bench --peer-structure)
-          export XDG_CACHE_HOME=${XDG_CACHE_HOME:-/tmp/afd-cache}  # where the minimal kernels are built
-          run peer-torch-profile "${PS[@]}" --structures min,fused,plane,plane_pdl --tokens 1,8192 --replays 2 \
-            --torch-profile --out "$OUT/peer-profile"
-          NCU=${NCU:-$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)}
-          if [ -n "$NCU" ]; then
-            run peer-ncu "$NCU" --clock-control none --kernel-name "regex:min_|peer_" --csv --log-file "$OUT/ncu.csv" \
-              --metrics gpu__time_duration.sum,launch__grid_size,launch__block_size,launch__registers_per_thread,launch__occupancy_limit_registers,launch__occupancy_limit_warps,sm__warps_active.avg.pct_of_peak_sustained_active,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__throughput.avg.pct_of_peak_sustained_elapsed \
-              "${PS[@]}" --serial --structures min,plane --tokens 1,8192
-            $PY -m afd_ext.bench.peer_structure --ncu-summary "$OUT/ncu.csv" | tee -a "$OUT/peer-profile.log"
-          else
-            echo "=== peer-ncu: skipped: ncu not found" | tee -a "$OUT/summary.txt"
-          fi
-          { echo "# minimal kernels (ptxas -v)"; cat "$XDG_CACHE_HOME"/afd_ext_peer_structure/*.ptxas.txt 2>/dev/null
-            echo "# the plane's kernels (cuobjdump --dump-resource-usage)"
-            "$CUDA_HOME/bin/cuobjdump" --dump-resource-usage afd_ext/_C*.so 2>&1 | grep -A1 -i "peer_"
-            echo "# fences, atomics and system-scope stores in the SASS of both kernel sets"
-            for f in afd_ext/_C*.so "$XDG_CACHE_HOME"/afd_ext_peer_structure/ps_*.so; do
-              "$CUDA_HOME/bin/cuobjdump" --dump-sass "$f" 2>/dev/null | awk '/Function :/ {keep = ($0 ~ /peer_|min_|floor_/);
-                if (keep) print; next} keep && /MEMBAR|FENCE|ERRBAR|ATOM|RED\.|STRONG\.SYS|CCTL|EXIT/ {print}'
-            done; } >> "$OUT/peer-profile.log" 2>&1 ;;
     bench) timed bench $PY -m afd_ext bench --no-progress ${BENCH_ARGS:-} --out "$OUT/bench" ;;
     demo) run demo-1a1f $PY -m afd_ext demo --backend nccl --topology 1A1F --dims deepseek-v2-lite --json "$OUT/demo-1a1f.json"
           run demo-2a1f $PY -m afd_ext demo --backend nccl --topology 2A1F --json "$OUT/demo-2a1f.json" ;;
