@@ -745,11 +745,6 @@ class CapturedGraph:
         """Bytes of the arena's buffers."""
         return self.arena.nbytes
 
-    @property
-    def num_parts(self) -> int:
-        """Number of separately replayable graphs (1 unless captured with :meth:`GraphController.capture_parts`)."""
-        return len(self.graph) if isinstance(self.graph, _GraphParts) else 1
-
     def replay(self, *, check_addresses: bool = True, part: int | None = None) -> Any:
         """Replay on the current stream and return the static outputs.
 

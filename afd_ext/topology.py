@@ -240,10 +240,6 @@ class Topology:
         """Every ``(attention rank, FFN rank)`` edge, sorted by attention rank then FFN rank."""
         return tuple((a, f) for a in range(self.num_attention_ranks) for f in self.attention_peers(a))
 
-    def is_edge(self, a: int, f: int) -> bool:
-        """True when attention rank ``a`` and FFN rank ``f`` are peers."""
-        return f in self.attention_peers(a)
-
     def split_rows(self, a: int, n: int) -> tuple[tuple[int, int, int], ...]:
         """How attention rank ``a``'s ``n`` rows go over its FFN peers.
 
