@@ -688,7 +688,7 @@ class DemoPlan:
 def _torch_dtype(name: str):
     import torch
 
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    return getattr(torch, name)  # "float32" / "bfloat16" (argparse's choices)
 
 
 class _StoreAllGather:
@@ -803,6 +803,7 @@ def _worker(rank: int, nprocs: int, plan: DemoPlan) -> dict[str, Any]:
     """One AFD process: FFN ranks are world ranks ``0..F-1``, attention ranks follow."""
     import torch
 
+    from afd_ext.integrations import graph_runners
     from afd_ext.integrations.transformers import FFNServer, split_attention_role
 
     torch.set_num_threads(max(1, plan.threads))
@@ -823,7 +824,7 @@ def _worker(rank: int, nprocs: int, plan: DemoPlan) -> dict[str, Any]:
         logger.info("model built; initialising the connector")
         connector.init_afd_connector()
         logger.info("connector ready; serving")
-        graph_server = _graph_server(plan, server) if plan.graph else None
+        graph_server = graph_runners.FFNGraphServer(server, **_graph_options(plan)) if plan.graph else None
         try:
             steps = (graph_server or server).serve()
             logger.info("served %d steps", steps)
@@ -850,7 +851,7 @@ def _worker(rank: int, nprocs: int, plan: DemoPlan) -> dict[str, Any]:
     logger.info("model built; initialising the connector")
     connector.init_afd_connector()
     if plan.graph:
-        exchange.graph_runner = _graph_runner(plan, exchange, connector)
+        exchange.graph_runner = graph_runners.AttentionGraphRunner(exchange, connector, **_graph_options(plan))
     logger.info("connector ready; generating")
     bar = _progress_bar(plan.max_steps) if plan.progress and role_rank == 0 else None
     try:
@@ -878,24 +879,12 @@ def _worker(rank: int, nprocs: int, plan: DemoPlan) -> dict[str, Any]:
 GRAPH_CAPTURE_SIZES = (1, 2, 4, 8, 16, 32)
 
 
-def _graph_backend(plan: DemoPlan):
+def _graph_options(plan: DemoPlan) -> dict[str, Any]:
+    """The graph runners' options: CUDA graphs on GPU; on CPU the stand-in re-runs the captured exchanges."""
     from afd_ext import graphs
 
-    # CUDA graphs on GPU; on CPU the stand-in re-runs the captured exchanges (same protocol).
-    return None if plan.device_type == "cuda" else graphs.EagerRecordingBackend()
-
-
-def _graph_runner(plan: DemoPlan, exchange, connector):
-    from afd_ext.integrations import graph_runners
-
-    return graph_runners.AttentionGraphRunner(exchange, connector, capture_sizes=GRAPH_CAPTURE_SIZES,
-                                       backend=_graph_backend(plan))
-
-
-def _graph_server(plan: DemoPlan, server):
-    from afd_ext.integrations import graph_runners
-
-    return graph_runners.FFNGraphServer(server, capture_sizes=GRAPH_CAPTURE_SIZES, backend=_graph_backend(plan))
+    return {"capture_sizes": GRAPH_CAPTURE_SIZES,
+            "backend": None if plan.device_type == "cuda" else graphs.EagerRecordingBackend()}
 
 
 def run_demo(plan: DemoPlan, *, timeout_s: float = 600.0) -> dict[str, Any]:
