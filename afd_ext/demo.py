@@ -934,11 +934,10 @@ def run_demo(plan: DemoPlan, *, timeout_s: float = 600.0) -> dict[str, Any]:
 
 
 def _pct(xs: Sequence[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    k = min(len(s) - 1, max(0, math.ceil(q / 100.0 * len(s)) - 1))
-    return s[k]
+    """The nearest-rank ``q``-th percentile (a measured sample, not an interpolation); NaN when empty."""
+    import numpy as np
+
+    return float(np.percentile(xs, q, method="inverted_cdf")) if len(xs) else float("nan")
 
 
 def summarize(plan: DemoPlan, att: Sequence[RankResult], ffn: Sequence[Mapping[str, Any]],
