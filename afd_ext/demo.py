@@ -641,7 +641,6 @@ class DemoPlan:
         step_timeout_s / init_timeout_s: connector deadlines.
         progress: show a progress bar on attention rank 0.
         threads: torch intra-op threads per process.
-        timing: measure each layer exchange (a device sync per exchange on CUDA).
         connector: a connector registry name, or ``"module:Class"`` for a
             class that is not registered (it is registered under that string).
         graph: graph mode (``--graph``): steps that fit the capture sizes are
@@ -670,7 +669,6 @@ class DemoPlan:
     init_timeout_s: float = 120.0
     progress: bool = True
     threads: int = 1
-    timing: bool = True
     connector: str = "AfdExtConnector"
     gpu_placement: GpuPlacement | None = None
     graph: bool = False
@@ -841,7 +839,7 @@ def _worker(rank: int, nprocs: int, plan: DemoPlan) -> dict[str, Any]:
     connector = _make_connector(plan, role, role_rank, rank, model)
     exchange = split_attention_role(
         model, connector, gate_on_attention=plan.gate_on_attention, num_stages=plan.stages,
-        timing=plan.timing,
+        timing=True,  # the summary's per-layer exchange latency (CUDA events, no device sync)
     )
     init_weights(model, plan.seed, device=plan.device_type, dtype=dtype)
     from afd_ext.metadata import StepCountAgreement
