@@ -641,7 +641,6 @@ class DemoPlan:
         step_timeout_s / init_timeout_s: connector deadlines.
         progress: show a progress bar on attention rank 0.
         threads: torch intra-op threads per process.
-        timing: measure each layer exchange (a device sync per exchange on CUDA).
         connector: a connector registry name, or ``"module:Class"`` for a
             class that is not registered (it is registered under that string).
         graph: graph mode (``--graph``): steps that fit the capture sizes are
@@ -670,7 +669,6 @@ class DemoPlan:
     init_timeout_s: float = 120.0
     progress: bool = True
     threads: int = 1
-    timing: bool = True
     connector: str = "AfdExtConnector"
     gpu_placement: GpuPlacement | None = None
     graph: bool = False
@@ -688,7 +686,7 @@ class DemoPlan:
 def _torch_dtype(name: str):
     import torch
 
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    return getattr(torch, name)  # "float32" / "bfloat16" (argparse's choices)
 
 
 class _StoreAllGather:
@@ -803,6 +801,7 @@ def _worker(rank: int, nprocs: int, plan: DemoPlan) -> dict[str, Any]:
     """One AFD process: FFN ranks are world ranks ``0..F-1``, attention ranks follow."""
     import torch
 
+    from afd_ext.integrations import graph_runners
     from afd_ext.integrations.transformers import FFNServer, split_attention_role
 
     torch.set_num_threads(max(1, plan.threads))
@@ -823,7 +822,7 @@ def _worker(rank: int, nprocs: int, plan: DemoPlan) -> dict[str, Any]:
         logger.info("model built; initialising the connector")
         connector.init_afd_connector()
         logger.info("connector ready; serving")
-        graph_server = _graph_server(plan, server) if plan.graph else None
+        graph_server = graph_runners.FFNGraphServer(server, **_graph_options(plan)) if plan.graph else None
         try:
             steps = (graph_server or server).serve()
             logger.info("served %d steps", steps)
@@ -840,7 +839,7 @@ def _worker(rank: int, nprocs: int, plan: DemoPlan) -> dict[str, Any]:
     connector = _make_connector(plan, role, role_rank, rank, model)
     exchange = split_attention_role(
         model, connector, gate_on_attention=plan.gate_on_attention, num_stages=plan.stages,
-        timing=plan.timing,
+        timing=True,  # the summary's per-layer exchange latency (CUDA events, no device sync)
     )
     init_weights(model, plan.seed, device=plan.device_type, dtype=dtype)
     from afd_ext.metadata import StepCountAgreement
@@ -850,7 +849,7 @@ def _worker(rank: int, nprocs: int, plan: DemoPlan) -> dict[str, Any]:
     logger.info("model built; initialising the connector")
     connector.init_afd_connector()
     if plan.graph:
-        exchange.graph_runner = _graph_runner(plan, exchange, connector)
+        exchange.graph_runner = graph_runners.AttentionGraphRunner(exchange, connector, **_graph_options(plan))
     logger.info("connector ready; generating")
     bar = _progress_bar(plan.max_steps) if plan.progress and role_rank == 0 else None
     try:
@@ -878,24 +877,12 @@ def _worker(rank: int, nprocs: int, plan: DemoPlan) -> dict[str, Any]:
 GRAPH_CAPTURE_SIZES = (1, 2, 4, 8, 16, 32)
 
 
-def _graph_backend(plan: DemoPlan):
+def _graph_options(plan: DemoPlan) -> dict[str, Any]:
+    """The graph runners' options: CUDA graphs on GPU; on CPU the stand-in re-runs the captured exchanges."""
     from afd_ext import graphs
 
-    # CUDA graphs on GPU; on CPU the stand-in re-runs the captured exchanges (same protocol).
-    return None if plan.device_type == "cuda" else graphs.EagerRecordingBackend()
-
-
-def _graph_runner(plan: DemoPlan, exchange, connector):
-    from afd_ext.integrations import graph_runners
-
-    return graph_runners.AttentionGraphRunner(exchange, connector, capture_sizes=GRAPH_CAPTURE_SIZES,
-                                       backend=_graph_backend(plan))
-
-
-def _graph_server(plan: DemoPlan, server):
-    from afd_ext.integrations import graph_runners
-
-    return graph_runners.FFNGraphServer(server, capture_sizes=GRAPH_CAPTURE_SIZES, backend=_graph_backend(plan))
+    return {"capture_sizes": GRAPH_CAPTURE_SIZES,
+            "backend": None if plan.device_type == "cuda" else graphs.EagerRecordingBackend()}
 
 
 def run_demo(plan: DemoPlan, *, timeout_s: float = 600.0) -> dict[str, Any]:
@@ -945,11 +932,10 @@ def run_demo(plan: DemoPlan, *, timeout_s: float = 600.0) -> dict[str, Any]:
 
 
 def _pct(xs: Sequence[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    k = min(len(s) - 1, max(0, math.ceil(q / 100.0 * len(s)) - 1))
-    return s[k]
+    """The nearest-rank ``q``-th percentile (a measured sample, not an interpolation); NaN when empty."""
+    import numpy as np
+
+    return float(np.percentile(xs, q, method="inverted_cdf")) if len(xs) else float("nan")
 
 
 def summarize(plan: DemoPlan, att: Sequence[RankResult], ffn: Sequence[Mapping[str, Any]],

@@ -27,7 +27,7 @@ What this module gives the runtime (the attention runner and the FFN loop):
   shapes and storage sizes did not change. Eager steps use their own buffers.
 * :class:`GraphCache` — a bounded LRU of :class:`CapturedGraph` entries; an
   entry owns its graph *and* its arena, so eviction drops both together and
-  never while the entry is replaying. :meth:`GraphCache.memory` reports bytes.
+  never while the entry is replaying.
 * :class:`GraphController` — the per-rank driver: ``decide`` (flags + warm-up
   bookkeeping), ``new_arena``, ``capture`` (one graph per key around a user
   callable: the attention-side layer loop, or the FFN-side per-step loop over
@@ -88,7 +88,6 @@ __all__ = [
     "StaticArena",
     "CapturedGraph",
     "GraphCache",
-    "GraphMemoryReport",
     "GraphBackend",
     "CudaGraphBackend",
     "EagerRecordingBackend",
@@ -601,8 +600,8 @@ class GraphBackend:
         """A memory-pool handle shared by every capture of one controller."""
         raise NotImplementedError
 
-    def capture(self, body: Callable[[], Any], pool: Any) -> tuple[Any, Any, int]:
-        """Capture ``body()``; return ``(graph, body's return value, bytes allocated during capture)``."""
+    def capture(self, body: Callable[[], Any], pool: Any) -> tuple[Any, Any]:
+        """Capture ``body()``; return ``(graph, body's return value)``."""
         raise NotImplementedError
 
     def replay(self, graph: Any) -> Any:
@@ -614,10 +613,6 @@ class GraphBackend:
 
     def synchronize(self) -> None:
         """Wait until every launched replay finished (before a graph is freed)."""
-
-    def pool_bytes(self, pool: Any) -> int | None:
-        """Bytes reserved by the shared pool, or None when not measurable."""
-        return None
 
 
 class CudaGraphBackend(GraphBackend):
@@ -642,12 +637,9 @@ class CudaGraphBackend(GraphBackend):
 
     def capture(self, body, pool):
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.device(self.device):
-            before = torch.cuda.memory_allocated(self.device)
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                out = body()
-            after = torch.cuda.memory_allocated(self.device)
-        return graph, out, max(0, after - before)
+        with torch.cuda.device(self.device), torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            out = body()
+        return graph, out
 
     def replay(self, graph):
         graph.replay()
@@ -657,20 +649,6 @@ class CudaGraphBackend(GraphBackend):
 
     def synchronize(self):
         torch.cuda.synchronize(self.device)
-
-    def pool_bytes(self, pool):
-        try:
-            segments = torch.cuda.memory._snapshot(self.device)["segments"]
-        except Exception:  # noqa: BLE001 - the snapshot API differs across torch versions
-            return None
-        want = tuple(pool)
-        total = 0
-        for seg in segments:
-            pid = seg.get("segment_pool_id")
-            if pid is not None and tuple(pid) == want:
-                total += int(seg.get("total_size", 0))
-        return total
-
 
 class EagerRecordingBackend(GraphBackend):
     """A stand-in for CPU tests: "capture" records the callable, "replay" re-runs it.
@@ -690,7 +668,7 @@ class EagerRecordingBackend(GraphBackend):
 
     def capture(self, body, pool):
         self.captures += 1
-        return body, None, 0
+        return body, None
 
     def replay(self, graph):
         self.replays += 1
@@ -716,16 +694,14 @@ class CapturedGraph:
         key: the :class:`GraphKey` it was captured for.
         arena: its :class:`StaticArena` (frozen).
         outputs: whatever the captured callable returned (static output tensors).
-        capture_bytes: device bytes allocated during capture (graph-pool tensors kept alive).
         replays: how many times it was replayed.
     """
 
-    def __init__(self, key: GraphKey, graph: Any, arena: StaticArena, outputs: Any, capture_bytes: int, backend: GraphBackend):
+    def __init__(self, key: GraphKey, graph: Any, arena: StaticArena, outputs: Any, backend: GraphBackend):
         self.key = key
         self.graph = graph
         self.arena = arena
         self.outputs = outputs
-        self.capture_bytes = int(capture_bytes)
         self.replays = 0
         self._backend = backend
         self._in_use = 0
@@ -739,16 +715,6 @@ class CapturedGraph:
     @property
     def released(self) -> bool:
         return self._released
-
-    @property
-    def static_bytes(self) -> int:
-        """Bytes of the arena's buffers."""
-        return self.arena.nbytes
-
-    @property
-    def num_parts(self) -> int:
-        """Number of separately replayable graphs (1 unless captured with :meth:`GraphController.capture_parts`)."""
-        return len(self.graph) if isinstance(self.graph, _GraphParts) else 1
 
     def replay(self, *, check_addresses: bool = True, part: int | None = None) -> Any:
         """Replay on the current stream and return the static outputs.
@@ -801,47 +767,21 @@ class CapturedGraph:
         self._released = True
 
 
-@dataclasses.dataclass(frozen=True)
-class GraphMemoryReport:
-    """Memory held by a :class:`GraphCache`.
-
-    Attributes:
-        entries: number of captured graphs held.
-        static_bytes: bytes of every entry's static buffers (arenas).
-        capture_bytes: bytes allocated during the captures and kept alive (sum over entries).
-        pool_bytes: bytes reserved by the shared graph pool, or None when not measurable.
-        evictions: graphs evicted so far.
-    """
-
-    entries: int
-    static_bytes: int
-    capture_bytes: int
-    pool_bytes: int | None
-    evictions: int
-
-    @property
-    def total_bytes(self) -> int:
-        """Static buffers plus the pool (or the capture-time bytes when the pool is not measurable)."""
-        return self.static_bytes + (self.pool_bytes if self.pool_bytes is not None else self.capture_bytes)
-
-
 class GraphCache:
     """A bounded LRU of :class:`CapturedGraph` entries.
 
     Args:
         max_entries: the most graphs held at once (>= 1).
-        pool_bytes: optional callable returning the shared pool's bytes (for reports).
 
     Eviction releases the least recently used entry that is not replaying,
     graph and buffers together; if every entry is replaying, :meth:`put` raises.
     """
 
-    def __init__(self, max_entries: int, *, pool_bytes: Callable[[], int | None] | None = None):
+    def __init__(self, max_entries: int):
         if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
             raise AFDConfigError(f"graph cache size must be an int >= 1, got {max_entries!r}")
         self.max_entries = max_entries
         self._entries: OrderedDict[GraphKey, CapturedGraph] = OrderedDict()
-        self._pool_bytes = pool_bytes
         self.evictions = 0
         self._lock = threading.Lock()
 
@@ -909,19 +849,6 @@ class GraphCache:
                 _, entry = self._entries.popitem(last=False)
                 entry.release()
 
-    def memory(self) -> GraphMemoryReport:
-        """Bytes held by the cached graphs (see :class:`GraphMemoryReport`)."""
-        with self._lock:
-            entries = list(self._entries.values())
-        return GraphMemoryReport(
-            entries=len(entries),
-            static_bytes=sum(e.static_bytes for e in entries),
-            capture_bytes=sum(e.capture_bytes for e in entries),
-            pool_bytes=self._pool_bytes() if self._pool_bytes is not None else None,
-            evictions=self.evictions,
-        )
-
-
 # ---------------------------------------------------------------------------
 # The per-rank driver
 # ---------------------------------------------------------------------------
@@ -981,7 +908,7 @@ class GraphController:
             device = getattr(backend, "device", None) or "cpu"
         self.device = torch.device(device)
         self._pool = backend.new_pool()
-        self.cache = GraphCache(cache_size, pool_bytes=lambda: backend.pool_bytes(self._pool))
+        self.cache = GraphCache(cache_size)
         self.require_warmup = require_warmup
         self.check_addresses = check_addresses
         self.warmed_up = False
@@ -1092,21 +1019,8 @@ class GraphController:
                 buffer moved during capture.
             GraphError: the capture failed (the backend's error is chained).
         """
-        if arena.device != self.device:
-            raise GraphBufferError(f"arena is on {arena.device}, graphs of this rank run on {self.device}")
-        arena.freeze()
-        before = arena.addresses()
-        graph, outputs, capture_bytes = self.backend.capture(body, self._pool)
-        arena.check_stable()
-        if arena.addresses() != before:
-            raise GraphBufferError(f"buffers were added to the arena of {key.describe()} during capture")
-        entry = CapturedGraph(key, graph, arena, outputs, capture_bytes, self.backend)
-        evicted = self.cache.put(entry)
-        logger.debug(
-            "%s rank: captured %s (%d static bytes, %d capture bytes, evicted %d)",
-            self.role, key.describe(), arena.nbytes, capture_bytes, len(evicted),
-        )
-        return entry
+        graph, outputs = self._capture(key, arena, [body])
+        return self._cache(CapturedGraph(key, graph[0], arena, outputs[0], self.backend))
 
     def capture_parts(
         self, key: GraphKey, arena: StaticArena, bodies: Sequence[Callable[[], Any]], *, outputs: Any = None
@@ -1126,16 +1040,21 @@ class GraphController:
         """
         if not bodies:
             raise AFDConfigError("capture_parts needs at least one body")
+        graphs_, _ = self._capture(key, arena, bodies)
+        return self._cache(CapturedGraph(key, _GraphParts(graphs_), arena, outputs, self.backend))
+
+    def _capture(self, key: GraphKey, arena: StaticArena, bodies: Sequence[Callable[[], Any]]) -> tuple[list, list]:
+        """Freeze ``arena``, capture every body (all released on a failure), check the arena; graphs, outputs."""
         if arena.device != self.device:
             raise GraphBufferError(f"arena is on {arena.device}, graphs of this rank run on {self.device}")
         arena.freeze()
         before = arena.addresses()
-        graphs_, total = [], 0
+        graphs_, outs = [], []
         try:
             for body in bodies:
-                g, _, nbytes = self.backend.capture(body, self._pool)
+                g, out = self.backend.capture(body, self._pool)
                 graphs_.append(g)
-                total += nbytes
+                outs.append(out)
         except BaseException:
             for g in graphs_:
                 self.backend.release(g)
@@ -1143,8 +1062,12 @@ class GraphController:
         arena.check_stable()
         if arena.addresses() != before:
             raise GraphBufferError(f"buffers were added to the arena of {key.describe()} during capture")
-        entry = CapturedGraph(key, _GraphParts(graphs_), arena, outputs, total, self.backend)
-        self.cache.put(entry)
+        return graphs_, outs
+
+    def _cache(self, entry: CapturedGraph) -> CapturedGraph:
+        evicted = self.cache.put(entry)
+        logger.debug("%s rank: captured %s (%d static bytes, evicted %d)", self.role, entry.key.describe(),
+                     entry.arena.nbytes, len(evicted))
         return entry
 
     def replay(self, key: GraphKey, *, part: int | None = None) -> Any:
@@ -1165,10 +1088,6 @@ class GraphController:
     def entry(self, key: GraphKey) -> CapturedGraph | None:
         """The cached entry for ``key`` or None."""
         return self.cache.get(key)
-
-    def memory(self) -> GraphMemoryReport:
-        """Memory held by this rank's graphs."""
-        return self.cache.memory()
 
     def close(self) -> None:
         """Release every graph and its buffers (safe to call twice)."""

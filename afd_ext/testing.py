@@ -104,7 +104,7 @@ class GpuPlacement:
     Attributes:
         num_attention_ranks, num_ffn_ranks: ``A`` and ``F``.
         gpus: ``CUDA_VISIBLE_DEVICES`` label per world rank (length ``A + F``).
-        arrangement: one of :data:`ARRANGEMENTS`.
+        arrangement: one of :data:`ARRANGEMENTS` (``"cpu"``, no GPU, for the bench's gloo path).
         nccl_hostids: ``NCCL_HOSTID`` per world rank, or ``()`` when NCCL needs none.
     """
 
@@ -134,6 +134,8 @@ class GpuPlacement:
     def describe(self) -> str:
         """E.g. ``shared-gpu 2A1F: ffn0->GPU0 attn0->GPU0 attn1->GPU0 (NCCL over sockets: NCCL_HOSTID per process)``."""
         f = self.num_ffn_ranks
+        if not self.gpus:
+            return f"{self.num_attention_ranks}A{f}F on CPU (gloo)"
         parts = [f"ffn{i}->GPU{self.gpus[i]}" for i in range(f)]
         parts += [f"attn{i}->GPU{g}" for i, g in enumerate(self.gpus[f:])]
         text = f"{self.arrangement} {self.num_attention_ranks}A{f}F: " + " ".join(parts)

@@ -29,7 +29,7 @@ each FFN rank learns every peer's count.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 from .errors import AFDConfigError
@@ -39,7 +39,6 @@ __all__ = [
     "FFN",
     "ROLES",
     "Topology",
-    "AFDRankMapping",
     "validate_role_rank",
     "rank_label",
     "step_words",
@@ -104,41 +103,6 @@ def validate_role_rank(role: str, role_rank: int, num_attention_ranks: int, num_
 def _block(k: int, n_owned: int, n_owners: int) -> range:
     """Contiguous block ``k`` of ``n_owned`` items over ``n_owners`` owners (sizes differ by <= 1)."""
     return range((k * n_owned + n_owners - 1) // n_owners, ((k + 1) * n_owned + n_owners - 1) // n_owners)
-
-
-@dataclass(frozen=True, slots=True)
-class AFDRankMapping:
-    """Reference-compatible view of one rank's place in the topology.
-
-    Same fields as the reference's ``AFDRankMapping`` for users porting from
-    the plugin. ``subgroup_ranks`` are AFD world ranks: the FFN rank first,
-    then its attention peers in fan-in order. When ``A < F`` an attention rank
-    belongs to several subgroups (one per FFN peer): ``subgroup_index`` is the
-    first, ``subgroup_indices`` lists all (an addition).
-    """
-
-    role: str
-    role_rank: int
-    world_rank: int
-    p2p_rank: int
-    attention_size: int
-    ffn_size: int
-    min_size: int
-    subgroup_index: int
-    rank_in_subgroup: int
-    subgroup_ranks: tuple[int, ...]
-    dp_metadata_destinations: tuple[int, ...] = ()
-    subgroup_indices: tuple[int, ...] = field(default=())
-
-    @property
-    def is_attention_top_min_size_rank(self) -> bool:
-        """True for attention role ranks ``0..min(A, F)-1`` (the control senders)."""
-        return self.ffn_size <= self.world_rank < self.ffn_size + self.min_size
-
-    @property
-    def participates_in_dp_metadata_group(self) -> bool:
-        """True for every FFN rank and every control-sending attention rank."""
-        return self.world_rank < self.ffn_size or self.is_attention_top_min_size_rank
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,10 +203,6 @@ class Topology:
     def edges(self) -> tuple[tuple[int, int], ...]:
         """Every ``(attention rank, FFN rank)`` edge, sorted by attention rank then FFN rank."""
         return tuple((a, f) for a in range(self.num_attention_ranks) for f in self.attention_peers(a))
-
-    def is_edge(self, a: int, f: int) -> bool:
-        """True when attention rank ``a`` and FFN rank ``f`` are peers."""
-        return f in self.attention_peers(a)
 
     def split_rows(self, a: int, n: int) -> tuple[tuple[int, int, int], ...]:
         """How attention rank ``a``'s ``n`` rows go over its FFN peers.
@@ -345,35 +305,3 @@ class Topology:
         if clamp_idle_to_one:
             counts = [max(1, c) for c in counts]
         return tuple(counts)
-
-    # -- reference-compatible view --------------------------------------------------
-
-    def rank_mapping(self, role: str, role_rank: int) -> AFDRankMapping:
-        """The reference's ``AFDRankMapping`` for one rank (see :class:`AFDRankMapping`)."""
-        self.check_role_rank(role, role_rank)
-        F, m = self.num_ffn_ranks, self.min_size
-        world = self.world_rank(role, role_rank)
-        if role == FFN:
-            subgroups: tuple[int, ...] = (role_rank,)
-            p2p_rank = role_rank
-            dsts: tuple[int, ...] = ()
-        else:
-            subgroups = self.attention_peers(role_rank)
-            p2p_rank = role_rank + m
-            dsts = self.control_destinations(role_rank)
-        k = subgroups[0]
-        ranks = (k,) + tuple(F + a for a in self.ffn_peers(k))
-        return AFDRankMapping(
-            role=role,
-            role_rank=role_rank,
-            world_rank=world,
-            p2p_rank=p2p_rank,
-            attention_size=self.num_attention_ranks,
-            ffn_size=F,
-            min_size=m,
-            subgroup_index=k,
-            rank_in_subgroup=ranks.index(world),
-            subgroup_ranks=ranks,
-            dp_metadata_destinations=dsts,
-            subgroup_indices=subgroups,
-        )

@@ -78,14 +78,14 @@ def test_layout_one_gpu_per_process(monkeypatch):
     lay = make_layout(1, 1, 2)
     # AFD world order: FFN first. Attention on GPU 0, FFN on GPU 1.
     assert lay.gpus == ("1", "0") and not lay.shared
-    assert lay.per_rank_env() == [{"CUDA_VISIBLE_DEVICES": "1"}, {"CUDA_VISIBLE_DEVICES": "0"}]
+    assert lay.env() == [{"CUDA_VISIBLE_DEVICES": "1"}, {"CUDA_VISIBLE_DEVICES": "0"}]
 
 
 def test_layout_detects_sharing(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
     lay = make_layout(2, 1, 2)
     assert lay.shared and lay.gpus == ("5", "4", "4")  # FFN alone on the last GPU
-    assert "SHARED" in lay.describe()
+    assert "shared" in lay.describe()
     with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES"):
         make_layout(2, 2, 4)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
@@ -100,7 +100,7 @@ def test_one_gpu_layout_shares_gpu0_with_a_hostid_per_process(monkeypatch):
     monkeypatch.delenv("AFD_TEST_SHARE_GPU", raising=False)
     lay = make_layout(2, 1, 1)
     assert lay.shared and lay.gpus == ("0", "0", "0")
-    env = lay.per_rank_env()
+    env = lay.env()
     assert [e["CUDA_VISIBLE_DEVICES"] for e in env] == ["0", "0", "0"]
     assert len({e["NCCL_HOSTID"] for e in env}) == 3  # NCCL accepts ranks on one GPU only as different hosts
     assert "NCCL over sockets" in lay.describe()

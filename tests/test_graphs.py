@@ -240,7 +240,7 @@ def _entry(k, backend, nbytes_rows=4):
     arena = StaticArena("cpu", label=k.describe())
     arena.buffer("buf", (nbytes_rows, 4), torch.float32)
     arena.freeze()
-    return graphs.CapturedGraph(k, lambda: None, arena, None, 10, backend)
+    return graphs.CapturedGraph(k, lambda: None, arena, None, backend)
 
 
 def test_cache_lru_eviction_releases_graph_and_buffers_together():
@@ -252,9 +252,7 @@ def test_cache_lru_eviction_releases_graph_and_buffers_together():
     assert cache.put(e3) == [e2.key]
     assert e2.released and e2.arena.names() == [] and e2.graph is None
     assert not e1.released and e1.key in cache and e3.key in cache
-    mem = cache.memory()
-    assert (mem.entries, mem.static_bytes, mem.capture_bytes, mem.evictions) == (2, 2 * 64, 20, 1)
-    assert mem.total_bytes == 2 * 64 + 20
+    assert (len(cache), cache.evictions) == (2, 1)
     with pytest.raises(GraphError, match="released"):
         e2.replay()
 
@@ -372,14 +370,13 @@ def test_capture_refuses_a_body_that_asks_for_a_new_buffer():
     assert key([1]) not in ctl.cache
 
 
-def test_controller_evicts_lru_and_reports_memory():
+def test_controller_evicts_lru():
     ctl = _controller(cache_size=2)
     entries = [_capture_doubler(ctl, key([n]), n)[0] for n in (1, 2, 4)]
     assert entries[0].released and not entries[1].released and not entries[2].released
     assert ctl.backend.released == 1
-    mem = ctl.memory()
-    assert mem.entries == 2 and mem.evictions == 1
-    assert mem.static_bytes == sum(e.arena.nbytes for e in entries[1:]) == 2 * (2 + 4) * 2 * 4
+    assert len(ctl.cache) == 2 and ctl.cache.evictions == 1
+    assert sum(e.arena.nbytes for e in entries[1:]) == 2 * (2 + 4) * 2 * 4
     with pytest.raises(GraphKeyMismatchError, match="no graph was captured"):
         ctl.replay(key([1]))
     # Recapturing a key replaces (and releases) the old entry.

@@ -50,25 +50,29 @@ def test_blocks_equal_reference_head_when_divisible(A, F):
         assert t.attention_peers(a) == (a // ratio,)
 
 
+def _subgroup(t: Topology, f: int) -> tuple[int, ...]:
+    """The reference's data-plane subgroup of FFN rank f, in AFD world ranks: f, then its attention peers."""
+    return (f,) + tuple(t.world_rank(ATTENTION, a) for a in t.ffn_peers(f))
+
+
 def test_reference_worked_examples():
     # 4A2F: world F0=0 F1=1 A0=2 A1=3 A2=4 A3=5; subgroups (0,2,3), (1,4,5); metadata A0->F0, A1->F1
     t = Topology(4, 2)
     assert [t.world_rank(FFN, f) for f in range(2)] == [0, 1]
     assert [t.world_rank(ATTENTION, a) for a in range(4)] == [2, 3, 4, 5]
-    assert t.rank_mapping(FFN, 0).subgroup_ranks == (0, 2, 3)
-    assert t.rank_mapping(FFN, 1).subgroup_ranks == (1, 4, 5)
+    assert _subgroup(t, 0) == (0, 2, 3)
+    assert _subgroup(t, 1) == (1, 4, 5)
     assert [t.control_destinations(a) for a in range(4)] == [(0,), (1,), (), ()]
-    assert [t.rank_mapping(ATTENTION, a).p2p_rank for a in range(2)] == [2, 3]
-    # 2A1F: subgroup (0,1,2); A0 p2p rank 1, dst [0]; A1 not in the p2p group
+    # 2A1F: subgroup (0,1,2); A0 sends the metadata to F0; A1 sends none
     t = Topology(2, 1)
-    m0, m1 = t.rank_mapping(ATTENTION, 0), t.rank_mapping(ATTENTION, 1)
-    assert m0.subgroup_ranks == (0, 1, 2) and m0.p2p_rank == 1 and m0.dp_metadata_destinations == (0,)
-    assert m0.participates_in_dp_metadata_group and not m1.participates_in_dp_metadata_group
+    assert _subgroup(t, 0) == (0, 1, 2) and t.control_destinations(0) == (0,)
+    assert t.control_senders() == (0,)
     # 3A2F (NEWEST): A0, A1 -> F0; A2 -> F1; subgroups (0,2,3), (1,4)
     t = Topology(3, 2)
     assert t.ffn_peers(0) == (0, 1) and t.ffn_peers(1) == (2,)
-    assert t.rank_mapping(FFN, 1).subgroup_ranks == (1, 4)
-    # reference test table: (A,F,role,role_rank) -> (subgroup_ranks, dsts)
+    assert _subgroup(t, 1) == (1, 4)
+    # reference test table: (A,F,role,role_rank) -> (subgroup_ranks, dsts); an attention rank's
+    # subgroup is that of its first FFN peer
     table = {
         (2, 2, ATTENTION, 1): ((1, 3), (1,)),
         (2, 1, ATTENTION, 0): ((0, 1, 2), (0,)),
@@ -76,9 +80,11 @@ def test_reference_worked_examples():
         (4, 2, FFN, 1): ((1, 4, 5), ()),
     }
     for (A, F, role, r), (ranks, dsts) in table.items():
-        m = Topology(A, F).rank_mapping(role, r)
-        assert (m.subgroup_ranks, m.dp_metadata_destinations) == (ranks, dsts)
-        assert m.subgroup_ranks[m.rank_in_subgroup] == m.world_rank
+        t = Topology(A, F)
+        f = r if role == FFN else t.attention_peers(r)[0]
+        got_dsts = () if role == FFN else t.control_destinations(r)
+        assert (_subgroup(t, f), got_dsts) == (ranks, dsts)
+        assert t.world_rank(role, r) in _subgroup(t, f)
 
 
 def test_reference_ffn_peer_token_fixtures():

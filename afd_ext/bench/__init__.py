@@ -17,6 +17,7 @@ Without GPUs (CI) the same commands run the gloo path at tiny sizes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import logging
 import os
@@ -151,7 +152,7 @@ def _meta(cfg: RunConfig, argv: Sequence[str]) -> dict:
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
         "backend": cfg.backend,
-        "layout": cfg.layout.to_dict(),
+        "layout": dict(dataclasses.asdict(cfg.layout), description=cfg.layout.describe()),
         "shared_gpu": cfg.layout.shared,
         "reps": cfg.reps.to_dict(),
         "modes": list(cfg.modes),
@@ -231,8 +232,9 @@ def run(cfg: RunConfig, timeout_s: float) -> list[dict]:
     from afd_ext.bench.runner import bench_worker
     from afd_ext.testing import run_workers
 
-    return run_workers(bench_worker, cfg.layout.world_size, (cfg,), timeout_s=timeout_s,
-                       per_rank_env=cfg.layout.per_rank_env())
+    lay = cfg.layout
+    return run_workers(bench_worker, lay.num_attention_ranks + lay.num_ffn_ranks, (cfg,), timeout_s=timeout_s,
+                       per_rank_env=lay.env() or None)
 
 
 def _assemble(meta: dict, cfg: RunConfig, results: list[dict], ours_cp: dict | None) -> dict:

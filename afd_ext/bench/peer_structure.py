@@ -18,15 +18,12 @@ and ``H`` bf16 back (the FFN replies with its fan-in hidden states). Structures:
 ``AFD_PEER_STRUCTURE_ONE_GPU=1`` keeps both roles on cuda:0 where two GPUs are
 visible. The floor copies its one token's data too (so it is validated like the rest).
 
-The minimal kernels are bench-only: their CUDA source (:data:`CUDA_SRC`) is
-compiled at run time with ``nvcc`` into a small shared library called through
-ctypes (no torch headers: seconds to build, and nothing added to the
-product's csrc). ``--serial`` runs one eager round trip per structure on ONE
-stream (put, wait, put, wait: every wait finds its flag set), which a
-kernel-serialising profiler (``ncu``) can replay; ``--torch-profile`` records
-one concurrent graph replay per structure and size with the PyTorch profiler
-(kernel durations, grid, block, registers). ``scripts/peer_structure.sh``
-runs both.
+The minimal kernels are bench-only: their CUDA source (``peer_structure.cu``
+beside this module) is compiled at run time with ``nvcc`` into a small shared
+library called through ctypes (no torch headers: seconds to build, and nothing
+added to the product's csrc). The profiles that explained the plane's gap to
+them (``ncu`` and the PyTorch profiler, issue #35) are recorded in
+``docs/gpu-test-results.md`` (runs 54 and 55).
 """
 
 from __future__ import annotations
@@ -41,11 +38,12 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional, Sequence
 
 from afd_ext.errors import AFDConfigError, AFDDeviceError
 
-__all__ = ["CUDA_SRC", "STRUCTURES", "Plan", "build_parser", "parse_plan", "main"]
+__all__ = ["STRUCTURES", "Plan", "build_parser", "parse_plan", "main"]
 
 STRUCTURES = ("floor", "min", "fused", "plane", "plane_pdl")
 PLANES = ("plane", "plane_pdl")  # structures that run afd_ext's PeerPlane
@@ -53,219 +51,8 @@ DEFAULT_TOKENS = (1, 8, 128, 1024, 8192)
 THREADS = 512  # threads per block of every minimal kernel (the plane's kThreads)
 BYTES_PER_BLOCK = 64 << 10  # the plane's launch rule (blocks_for): ~64 KiB per block
 
-CUDA_SRC = r"""
-// Bench-only minimal put/wait kernels (afd_ext/bench/peer_structure.py). Flags are
-// 64-bit sequence numbers in the receiver's memory; each side keeps one device
-// counter `seq` (its puts so far), advanced only by its put's last block. A
-// spin that outlives ~10 s traps (the process fails instead of hanging).
-#include <cuda_runtime.h>
-#include <stdint.h>
-
-#define THREADS 512
-#define MAXP 3
-
-struct Parts {
-  const char* src[MAXP];
-  char* dst[MAXP];
-  long long bytes[MAXP];
-  int n;
-};
-
-__device__ __forceinline__ unsigned long long ld_acquire_sys(const unsigned long long* p) {
-  unsigned long long v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void st_release_sys(unsigned long long* p, unsigned long long v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-__device__ __forceinline__ unsigned atom_add_acq_rel_gpu(unsigned* p, unsigned v) {
-  unsigned old;
-  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
-  return old;
-}
-__device__ __forceinline__ unsigned long long now_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-// One thread spins until *flag >= want (acquire).
-__device__ __forceinline__ void spin(const unsigned long long* flag, unsigned long long want) {
-  if (ld_acquire_sys(flag) >= want) return;
-  const unsigned long long t0 = now_ns();
-  for (unsigned it = 1; ld_acquire_sys(flag) < want; ++it) {
-    if ((it & 1023) == 0 && now_ns() - t0 > 10000000000ull) asm volatile("trap;");
-  }
-}
-
-// n bytes, all threads of the grid (thread t of nt); 16-byte vectors, 4 in flight; byte tail.
-__device__ __forceinline__ void copy(char* __restrict__ dst, const char* __restrict__ src, long long n,
-                                     long long t, long long nt) {
-  const long long nv = n >> 4;
-  const uint4* s = reinterpret_cast<const uint4*>(src);
-  uint4* d = reinterpret_cast<uint4*>(dst);
-  long long v = t;
-  for (; v + 3 * nt < nv; v += 4 * nt) {
-    const uint4 a = s[v], b = s[v + nt], c = s[v + 2 * nt], e = s[v + 3 * nt];
-    d[v] = a; d[v + nt] = b; d[v + 2 * nt] = c; d[v + 3 * nt] = e;
-  }
-  for (; v < nv; v += nt) d[v] = s[v];
-  for (long long i = (nv << 4) + t; i < n; i += nt) dst[i] = src[i];
-}
-
-// After the block's stores: true in thread 0 of the last block to arrive (the
-// block's stores released at system scope, every other block's acquired).
-__device__ __forceinline__ bool last_block(unsigned* done) {
-  __syncthreads();
-  if (threadIdx.x != 0) return false;
-  if (gridDim.x == 1) return true;  // bar.sync + the caller's st.release.sys cover the block
-  asm volatile("fence.acq_rel.sys;" ::: "memory");
-  if (atom_add_acq_rel_gpu(done, 1u) != gridDim.x - 1) return false;
-  *done = 0;  // next launch is stream-ordered after this one
-  return true;
-}
-
-__global__ void __launch_bounds__(THREADS) min_put(const __grid_constant__ Parts p, unsigned* done,
-                                                   unsigned long long* seq, unsigned long long* flag) {
-  const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x, nt = (long long)gridDim.x * blockDim.x;
-  for (int k = 0; k < p.n; ++k) copy(p.dst[k], p.src[k], p.bytes[k], t, nt);
-  if (last_block(done)) {
-    const unsigned long long s = *seq + 1;
-    *seq = s;
-    st_release_sys(flag, s);
-  }
-}
-
-// Every block waits for *flag >= *seq + add, then copies its share of n bytes (n may be 0).
-__global__ void __launch_bounds__(THREADS) min_wait(const unsigned long long* flag, const unsigned long long* seq,
-                                                    unsigned long long add, const char* src, char* dst,
-                                                    long long n) {
-  if (threadIdx.x == 0) spin(flag, *seq + add);
-  __syncthreads();
-  if (n) copy(dst, src, n, (long long)blockIdx.x * blockDim.x + threadIdx.x, (long long)gridDim.x * blockDim.x);
-}
-
-// put + wait + copy-out in one kernel (grid <= SMs: every block stays resident while it spins).
-__global__ void __launch_bounds__(THREADS) min_fused(const __grid_constant__ Parts p, unsigned* done,
-                                                     unsigned long long* seq, unsigned long long* flag_out,
-                                                     const unsigned long long* flag_in, const char* src,
-                                                     char* dst, long long n) {
-  __shared__ unsigned long long want;
-  if (threadIdx.x == 0) want = *seq + 1;  // read before this block arrives: the last block bumps it
-  const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x, nt = (long long)gridDim.x * blockDim.x;
-  for (int k = 0; k < p.n; ++k) copy(p.dst[k], p.src[k], p.bytes[k], t, nt);
-  if (last_block(done)) {
-    *seq = want;
-    st_release_sys(flag_out, want);
-  }
-  if (threadIdx.x == 0) spin(flag_in, want);
-  __syncthreads();
-  copy(dst, src, n, t, nt);
-}
-
-// The launch-free floor: one block per side loops over `rounds` round trips.
-__global__ void __launch_bounds__(THREADS) floor_attn(const __grid_constant__ Parts p, int rounds,
-                                                      unsigned long long* seq, unsigned long long* flag_out,
-                                                      const unsigned long long* flag_in, const char* src,
-                                                      char* dst, long long n) {
-  const unsigned long long base = *seq;
-  for (int r = 1; r <= rounds; ++r) {
-    for (int k = 0; k < p.n; ++k) copy(p.dst[k], p.src[k], p.bytes[k], threadIdx.x, blockDim.x);
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      st_release_sys(flag_out, base + r);
-      spin(flag_in, base + r);
-    }
-    __syncthreads();
-    copy(dst, src, n, threadIdx.x, blockDim.x);
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) *seq = base + rounds;
-}
-
-__global__ void __launch_bounds__(THREADS) floor_ffn(int rounds, unsigned long long* seq,
-                                                     unsigned long long* flag_out,
-                                                     const unsigned long long* flag_in, const char* src,
-                                                     char* dst, long long n) {
-  const unsigned long long base = *seq;
-  for (int r = 1; r <= rounds; ++r) {
-    if (threadIdx.x == 0) spin(flag_in, base + r);
-    __syncthreads();
-    copy(dst, src, n, threadIdx.x, blockDim.x);
-    __syncthreads();
-    if (threadIdx.x == 0) st_release_sys(flag_out, base + r);
-  }
-  if (threadIdx.x == 0) *seq = base + rounds;
-}
-
-static Parts parts_of(int n, void** src, void** dst, const long long* bytes) {
-  Parts p{};
-  p.n = n;
-  for (int k = 0; k < n && k < MAXP; ++k) {
-    p.src[k] = (const char*)src[k];
-    p.dst[k] = (char*)dst[k];
-    p.bytes[k] = bytes[k];
-  }
-  return p;
-}
-
-extern "C" {
-int ps_put(void* stream, int grid, int n, void** src, void** dst, const long long* bytes, void* done, void* seq,
-           void* flag) {
-  min_put<<<grid, THREADS, 0, (cudaStream_t)stream>>>(parts_of(n, src, dst, bytes), (unsigned*)done,
-                                                      (unsigned long long*)seq, (unsigned long long*)flag);
-  return (int)cudaGetLastError();
-}
-int ps_wait(void* stream, int grid, void* flag, void* seq, unsigned long long add, void* src, void* dst,
-            long long n) {
-  min_wait<<<grid, THREADS, 0, (cudaStream_t)stream>>>((const unsigned long long*)flag,
-                                                       (const unsigned long long*)seq, add, (const char*)src,
-                                                       (char*)dst, n);
-  return (int)cudaGetLastError();
-}
-int ps_fused(void* stream, int grid, int n, void** src, void** dst, const long long* bytes, void* done,
-             void* seq, void* flag_out, void* flag_in, void* csrc, void* cdst, long long cn) {
-  min_fused<<<grid, THREADS, 0, (cudaStream_t)stream>>>(
-      parts_of(n, src, dst, bytes), (unsigned*)done, (unsigned long long*)seq, (unsigned long long*)flag_out,
-      (const unsigned long long*)flag_in, (const char*)csrc, (char*)cdst, cn);
-  return (int)cudaGetLastError();
-}
-int ps_floor_attn(void* stream, int rounds, int n, void** src, void** dst, const long long* bytes, void* seq,
-                  void* flag_out, void* flag_in, void* csrc, void* cdst, long long cn) {
-  floor_attn<<<1, THREADS, 0, (cudaStream_t)stream>>>(parts_of(n, src, dst, bytes), rounds,
-                                                      (unsigned long long*)seq, (unsigned long long*)flag_out,
-                                                      (const unsigned long long*)flag_in, (const char*)csrc,
-                                                      (char*)cdst, cn);
-  return (int)cudaGetLastError();
-}
-int ps_floor_ffn(void* stream, int rounds, void* seq, void* flag_out, void* flag_in, void* csrc, void* cdst,
-                 long long cn) {
-  floor_ffn<<<1, THREADS, 0, (cudaStream_t)stream>>>(rounds, (unsigned long long*)seq,
-                                                     (unsigned long long*)flag_out,
-                                                     (const unsigned long long*)flag_in, (const char*)csrc,
-                                                     (char*)cdst, cn);
-  return (int)cudaGetLastError();
-}
-// Registers per thread of kernel `which` (0 put, 1 wait, 2 fused, 3 floor_attn, 4 floor_ffn); -1 on error.
-int ps_regs(int which) {
-  const void* f[] = {(const void*)min_put, (const void*)min_wait, (const void*)min_fused, (const void*)floor_attn,
-                     (const void*)floor_ffn};
-  cudaFuncAttributes a;
-  if (which < 0 || which > 4 || cudaFuncGetAttributes(&a, f[which]) != cudaSuccess) return -1;
-  return a.numRegs;
-}
-int ps_enable_peer(int dev, int peer) {
-  int prev = 0;
-  cudaGetDevice(&prev);
-  cudaSetDevice(dev);
-  cudaError_t e = cudaDeviceEnablePeerAccess(peer, 0);
-  if (e == cudaErrorPeerAccessAlreadyEnabled) e = cudaSuccess;
-  cudaGetLastError();
-  cudaSetDevice(prev);
-  return (int)e;
-}
-}
-"""
+#: The minimal kernels' CUDA source, shipped as package data beside this module.
+CUDA_FILE = Path(__file__).with_name("peer_structure.cu")
 
 
 @dataclass(frozen=True)
@@ -277,10 +64,8 @@ class Plan:
         tokens: tokens per round trip (``floor`` runs at 1 token only).
         hidden: hidden size (bf16 elements); logits: router-logits width (fp32); rounds: round trips per graph;
         replays: timed replays (best taken; one warm-up replay before them).
-        serial: one eager round trip per structure on one stream instead (for ncu).
         block_kib, put_blocks_per_sm: launch shape of the minimal kernels (the plane's rule by default:
             64 KiB per block, puts at most 2 blocks per SM, copying waits at most 1).
-        torch_profile: also record one concurrent replay per structure and size with the PyTorch profiler.
     """
 
     structures: tuple[str, ...]
@@ -289,8 +74,6 @@ class Plan:
     logits: int = 256
     rounds: int = 100
     replays: int = 8
-    serial: bool = False
-    torch_profile: bool = False
     block_kib: int = BYTES_PER_BLOCK >> 10
     put_blocks_per_sm: int = 2
 
@@ -323,13 +106,7 @@ def build_parser(prog: str = "afd-ext bench --peer-structure") -> argparse.Argum
                    help="minimal kernels: KiB per block (the plane's rule: 64)")
     p.add_argument("--put-blocks-per-sm", type=int, default=2,
                    help="minimal kernels: most put blocks per SM (the plane's rule: 2)")
-    p.add_argument("--serial", action="store_true",
-                   help="one eager round trip per structure on one stream (for ncu), no timing")
-    p.add_argument("--torch-profile", action="store_true",
-                   help="record one replay per case with the PyTorch profiler (per-kernel table and trace)")
-    p.add_argument("--ncu-summary", metavar="CSV", default=None,
-                   help="print a per-kernel table of an `ncu --csv` log of a --serial run, and exit")
-    p.add_argument("--out", default=None, help="folder for peer_structure.json (and the profile files)")
+    p.add_argument("--out", default=None, help="folder for peer_structure.json")
     return p
 
 
@@ -354,12 +131,10 @@ def parse_plan(args: argparse.Namespace) -> Plan:
             raise AFDConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.logits < 0 or args.hidden % 8:
         raise AFDConfigError(f"--hidden must be a multiple of 8 and --logits >= 0, got {args.hidden}, {args.logits}")
-    plan = Plan(structures, tokens, args.hidden, args.logits, args.rounds, args.replays, args.serial,
-                args.torch_profile, args.block_kib, args.put_blocks_per_sm)
+    plan = Plan(structures, tokens, args.hidden, args.logits, args.rounds, args.replays, args.block_kib,
+                args.put_blocks_per_sm)
     if not plan.cases():
         raise AFDConfigError("nothing to run: 'floor' runs at 1 token only; add 1 to --tokens")
-    if plan.serial and set(structures) - {"min", "plane"}:
-        raise AFDConfigError("--serial runs the 'min' and 'plane' structures only")
     return plan
 
 
@@ -375,12 +150,13 @@ def _nvcc() -> str:
 
 
 def build_library(arch: str = "sm_90") -> str:
-    """Compile :data:`CUDA_SRC` (cached by source hash) and return the shared library's path.
+    """Compile :data:`CUDA_FILE` (cached by source hash) and return the shared library's path.
 
     Raises:
         AFDConfigError: nvcc failed or is missing (its output in the message).
     """
-    key = hashlib.sha256((CUDA_SRC + arch).encode()).hexdigest()[:16]
+    src = CUDA_FILE.read_text(encoding="utf-8")
+    key = hashlib.sha256((src + arch).encode()).hexdigest()[:16]
     cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(tempfile.gettempdir()),
                          "afd_ext_peer_structure")
     os.makedirs(cache, exist_ok=True)
@@ -389,7 +165,7 @@ def build_library(arch: str = "sm_90") -> str:
         return so
     cu = os.path.join(cache, f"ps_{key}.cu")
     with open(cu, "w") as f:
-        f.write(CUDA_SRC)
+        f.write(src)
     cmd = [_nvcc(), f"-arch={arch}", "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-Xptxas", "-v",
            "-o", so + ".tmp", cu]
     try:
@@ -415,7 +191,6 @@ class _Lib:
             "ps_fused": [P, I, I, PP, PP, LP, P, P, P, P, P, P, L],
             "ps_floor_attn": [P, I, I, PP, PP, LP, P, P, P, P, P, L],
             "ps_floor_ffn": [P, I, P, P, P, P, P, L],
-            "ps_regs": [I],
             "ps_enable_peer": [I, I],
         }
         for name, args in sig.items():
@@ -592,7 +367,7 @@ def _sync(devs) -> None:
         torch.cuda.synchronize(d)
 
 
-def _run_case(plan: Plan, case: _Case, prof_dir: Optional[str]) -> dict:
+def _run_case(plan: Plan, case: _Case) -> dict:
     """Capture, time (best of plan.replays after one warm-up), then validate once on fresh data."""
     import torch
 
@@ -636,72 +411,8 @@ def _run_case(plan: Plan, case: _Case, prof_dir: Optional[str]) -> dict:
            "valid": why is None, "why": why,
            "fan_in_bytes": plan.fan_in_bytes(case.T), "reply_bytes": plan.reply_bytes(case.T)}
     rec["gbps"] = (rec["fan_in_bytes"] + rec["reply_bytes"]) / (rec["best_us"] * 1e3)
-    if prof_dir is not None:
-        rec["kernels"] = _profile_replay(replay, prof_dir, f"{case.structure}_{case.T}")
     del ga, gf
     return rec
-
-
-def _profile_replay(replay, prof_dir: str, tag: str) -> list[dict]:
-    """One replay under the PyTorch profiler: per kernel name, count, mean/max µs, grid, block, registers."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        replay()
-    path = os.path.join(prof_dir, f"trace_{tag}.json")
-    prof.export_chrome_trace(path)
-    with open(path) as f:
-        events = json.load(f).get("traceEvents", [])
-    os.remove(path)  # the table is what we keep (few files under $OUT)
-    rows: dict[tuple, dict] = {}
-    for e in events:
-        if e.get("cat") != "kernel":
-            continue
-        a = e.get("args", {})
-        key = (e.get("name", "?")[:80], str(a.get("grid")), str(a.get("block")), a.get("registers per thread"))
-        r = rows.setdefault(key, {"kernel": key[0], "grid": key[1], "block": key[2], "regs": key[3],
-                                  "stream": a.get("stream"), "count": 0, "total_us": 0.0, "max_us": 0.0})
-        r["count"] += 1
-        r["total_us"] += float(e.get("dur", 0.0))
-        r["max_us"] = max(r["max_us"], float(e.get("dur", 0.0)))
-    out = sorted(rows.values(), key=lambda r: -r["total_us"])
-    for r in out:
-        r["mean_us"] = r["total_us"] / r["count"]
-    return out
-
-
-def _serial(plan: Plan, case: _Case) -> dict:
-    """One eager round trip on ONE stream (every wait finds its flag set): safe under ncu's serialisation."""
-    import torch
-
-    with torch.cuda.device(case.att_dev), torch.cuda.stream(case.sa):
-        case.fill(seed=7)
-        for t in case.destinations():
-            t.view(torch.uint8).fill_(0xA5)
-        if case.structure == "plane":
-            case.att.put(0, case.inp, [case.T], [0])
-            x, _lg, _ids = case.ffn.wait(0, case.T, layer=0)
-            case.ffn.put(0, (x,), [case.T], [0])
-            case.att.wait(0, case.T, layer=0, out=case.out)
-        else:
-            # min's kernels in stream order; same launches as the graphs (ffn_rounds/att_rounds split)
-            st = torch.cuda.current_stream(case.att_dev).cuda_stream
-            lib, T = case.lib, case.T
-            srcs = [t for t in case.inp if t is not None]
-            n, src, dst, nb = lib.parts(srcs, [t for t in case.fan_in if t is not None])
-            put_cap = plan.put_blocks_per_sm * case.sms
-            lib.call("ps_put", st, plan.blocks(plan.fan_in_bytes(T), put_cap), n, src, dst, nb,
-                     case.ctr_a.data_ptr() + 8, case.ctr_a.data_ptr(), case.flag_f.data_ptr())
-            lib.call("ps_wait", st, 1, case.flag_f.data_ptr(), case.ctr_f.data_ptr(), 1, None, None, 0)
-            n2, src2, dst2, nb2 = lib.parts([case.fan_in[0]], [case.reply])
-            cb = plan.reply_bytes(T)
-            lib.call("ps_put", st, plan.blocks(cb, put_cap), n2, src2, dst2, nb2, case.ctr_f.data_ptr() + 8,
-                     case.ctr_f.data_ptr(), case.flag_a.data_ptr())
-            lib.call("ps_wait", st, plan.blocks(cb, case.sms), case.flag_a.data_ptr(), case.ctr_a.data_ptr(), 0,
-                     case.reply.data_ptr(), case.out.data_ptr(), cb)
-    _sync(sorted({case.att_dev.index, case.ffn_dev.index}))
-    why = case.check()
-    return {"structure": case.structure, "tokens": case.T, "serial": True, "valid": why is None, "why": why}
 
 
 # ------------------------------------------------------------------ entry
@@ -743,8 +454,7 @@ def run(plan: Plan, out: Optional[str]) -> int:
 
         if not ops.is_cuda_built():
             raise AFDConfigError("the 'plane' structures need a CUDA build of afd_ext (this build has no CUDA ops)")
-    two = torch.cuda.device_count() >= 2 and os.environ.get("AFD_PEER_STRUCTURE_ONE_GPU") != "1" \
-        and not plan.serial  # one stream: one GPU
+    two = torch.cuda.device_count() >= 2 and os.environ.get("AFD_PEER_STRUCTURE_ONE_GPU") != "1"
     att_dev, ffn_dev = torch.device("cuda", 0), torch.device("cuda", 1 if two else 0)
     lib = None
     if any(s not in PLANES for s in plan.structures):
@@ -754,40 +464,26 @@ def run(plan: Plan, out: Optional[str]) -> int:
                 lib.call("ps_enable_peer", a, b)
     meta = {"device": torch.cuda.get_device_name(0), "gpus": 2 if two else 1, "torch": torch.__version__,
             "plan": plan.__dict__}
-    if lib is not None:
-        for d in sorted({att_dev.index, ffn_dev.index}):  # loads the module on each GPU before any capture
-            with torch.cuda.device(d):
-                meta["min_regs"] = {k: lib.lib.ps_regs(i) for i, k in enumerate(
-                    ("put", "wait", "fused", "floor_attn", "floor_ffn"))}
-    print(f"peer structure: {meta['device']}, {'attention cuda:0, FFN cuda:1' if two else 'both roles on cuda:0'}; "
-          f"minimal kernels' registers {meta.get('min_regs')}", flush=True)
-    prof_dir = (out or tempfile.gettempdir()) if plan.torch_profile else None
+    print(f"peer structure: {meta['device']}, {'attention cuda:0, FFN cuda:1' if two else 'both roles on cuda:0'}",
+          flush=True)
     if out:
         os.makedirs(out, exist_ok=True)
     recs = []
     for s, t in plan.cases():
         case = _Case(plan, s, t, lib, att_dev, ffn_dev)
         try:
-            rec = _serial(plan, case) if plan.serial else _run_case(plan, case, prof_dir)
+            rec = _run_case(plan, case)
         finally:
             case.close()
             del case
             torch.cuda.empty_cache()
         recs.append(rec)
-        line = f"{s:>6} {t:>5} tokens: " + ("serial round trip" if plan.serial else
-                                           f"{rec['best_us']:9.2f} us  {rec['gbps']:7.1f} GB/s")
-        print(line + ("  valid" if rec["valid"] else f"  INVALID: {rec['why']}"), flush=True)
-        for k in rec.get("kernels", []):
-            print(f"        {k['kernel'][:48]:<48} x{k['count']:<4} mean {k['mean_us']:8.2f} us  "
-                  f"max {k['max_us']:8.2f}  grid {k['grid']} block {k['block']} regs {k['regs']}", flush=True)
-    doc = {"meta": meta, "results": recs}
-    if not plan.serial:
-        doc["table"] = _table(recs, plan)
-        print("\n" + doc["table"])
+        print(f"{s:>6} {t:>5} tokens: {rec['best_us']:9.2f} us  {rec['gbps']:7.1f} GB/s"
+              + ("  valid" if rec["valid"] else f"  INVALID: {rec['why']}"), flush=True)
+    doc = {"meta": meta, "results": recs, "table": _table(recs, plan)}
+    print("\n" + doc["table"])
     if out:
-        name = "peer_structure_serial.json" if plan.serial else (
-            "peer_structure_profile.json" if plan.torch_profile else "peer_structure.json")
-        with open(os.path.join(out, name), "w") as f:
+        with open(os.path.join(out, "peer_structure.json"), "w") as f:
             json.dump(doc, f, indent=1)
     bad = [r for r in recs if not r["valid"]]
     if bad:
@@ -796,35 +492,9 @@ def run(plan: Plan, out: Optional[str]) -> int:
     return 1 if bad else 0
 
 
-def summarize_ncu(path: str) -> str:
-    """A table of an ``ncu --csv`` log (``--serial`` run): kernel, grid, block, registers, duration, throughput."""
-    import csv
-
-    with open(path, errors="replace") as f:
-        lines = f.read().splitlines()
-    start = next((i for i, ln in enumerate(lines) if ln.startswith('"ID"')), None)
-    if start is None:
-        return f"no ncu CSV in {path}"
-    kernels: dict[str, dict] = {}
-    for row in csv.DictReader(lines[start:]):
-        k = kernels.setdefault(row["ID"], {"name": row.get("Kernel Name", "?"), "grid": row.get("Grid Size"),
-                                           "block": row.get("Block Size")})
-        k[row.get("Metric Name", "")] = f"{row.get('Metric Value', '')} {row.get('Metric Unit', '')}".strip()
-    out = []
-    for kid, k in kernels.items():
-        name = k.pop("name")
-        short = name.split("(")[0].split("::")[-1][:40]
-        metrics = "  ".join(f"{m.split('__')[-1]}={v}" for m, v in sorted(k.items()) if m not in ("grid", "block"))
-        out.append(f"#{kid:>3} {short:<40} grid {k['grid']} block {k['block']}  {metrics}")
-    return "\n".join(out)
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``afd-ext bench --peer-structure [options]``: 0 ok, 1 a case failed validation, 2 bad usage / no GPU."""
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    if args.ncu_summary:
-        print(summarize_ncu(args.ncu_summary))
-        return 0
     try:
         plan = parse_plan(args)
         return run(plan, args.out)

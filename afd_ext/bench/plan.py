@@ -10,10 +10,10 @@ from dataclasses import asdict, dataclass
 from typing import Iterable, Sequence
 
 from afd_ext.errors import AFDConfigError
+from afd_ext.testing import GpuPlacement, place_processes
 
 __all__ = [
     "Case",
-    "Layout",
     "MODES",
     "ALL_VARIANTS",
     "DEFAULT_TOKENS",
@@ -135,62 +135,9 @@ def parse_int_list(text: str, what: str) -> tuple[int, ...]:
     return tuple(out)
 
 
-@dataclass(frozen=True)
-class Layout:
-    """Which GPU each process uses.
-
-    Attributes:
-        num_attention_ranks, num_ffn_ranks: ``A`` and ``F``.
-        gpus: physical GPU label per AFD world rank (FFN ranks first, then
-            attention ranks), as written into ``CUDA_VISIBLE_DEVICES``;
-            empty for the CPU/gloo path.
-        shared: True when two processes use the same GPU (the driver then
-            time-slices them and latencies are meaningless).
-        nccl_hostids: ``NCCL_HOSTID`` per world rank when an attention rank and
-            an FFN rank share a GPU (NCCL then connects them through sockets);
-            empty otherwise.
-    """
-
-    num_attention_ranks: int
-    num_ffn_ranks: int
-    gpus: tuple[str, ...] = ()
-    shared: bool = False
-    nccl_hostids: tuple[str, ...] = ()
-
-    @property
-    def world_size(self) -> int:
-        return self.num_attention_ranks + self.num_ffn_ranks
-
-    def per_rank_env(self) -> list[dict[str, str]] | None:
-        """``CUDA_VISIBLE_DEVICES`` (and ``NCCL_HOSTID``) per world rank (``None`` on the CPU path)."""
-        if not self.gpus:
-            return None
-        env = [{"CUDA_VISIBLE_DEVICES": g} for g in self.gpus]
-        for e, h in zip(env, self.nccl_hostids):
-            e["NCCL_HOSTID"] = h
-        return env
-
-    def describe(self) -> str:
-        """E.g. ``1A1F: ffn0->GPU1 attn0->GPU0``."""
-        a, f = self.num_attention_ranks, self.num_ffn_ranks
-        if not self.gpus:
-            return f"{a}A{f}F on CPU (gloo)"
-        parts = [f"ffn{i}->GPU{self.gpus[i]}" for i in range(f)]
-        parts += [f"attn{i}->GPU{self.gpus[f + i]}" for i in range(a)]
-        return (f"{a}A{f}F: " + " ".join(parts) + (" (GPUs SHARED)" if self.shared else "")
-                + (" (NCCL over sockets: NCCL_HOSTID per process)" if self.nccl_hostids else ""))
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["gpus"] = list(self.gpus)
-        d["nccl_hostids"] = list(self.nccl_hostids)
-        d["description"] = self.describe()
-        return d
-
-
 def make_layout(num_attention_ranks: int, num_ffn_ranks: int, num_gpus: int,
-                gpu_map: Sequence[int] | None = None) -> Layout:
-    """Assign GPUs to processes (:func:`afd_ext.testing.place_processes` decides).
+                gpu_map: Sequence[int] | None = None) -> GpuPlacement:
+    """Assign GPUs to processes (:func:`afd_ext.testing.place_processes` decides; no GPU: arrangement ``cpu``).
 
     With enough GPUs every process gets its own: attention ranks on the first
     GPUs, FFN ranks on the next (1A1F: attention on GPU 0, FFN on GPU 1).
@@ -210,17 +157,14 @@ def make_layout(num_attention_ranks: int, num_ffn_ranks: int, num_gpus: int,
         AFDConfigError: a bad size, or a ``gpu_map`` of the wrong length or with
             an index not below ``num_gpus``.
     """
-    from afd_ext.testing import place_processes
-
     A, F = num_attention_ranks, num_ffn_ranks
     if A < 1 or F < 1:
         raise AFDConfigError(f"need at least one attention and one FFN rank, got A={A}, F={F}")
     if num_gpus <= 0:
         if gpu_map:
             raise AFDConfigError("--gpu-map given but no GPU is visible")
-        return Layout(A, F)
-    p = place_processes(A, F, num_gpus, gpu_map=gpu_map)
-    return Layout(A, F, p.gpus, p.shared, p.nccl_hostids)
+        return GpuPlacement(A, F, (), "cpu")
+    return place_processes(A, F, num_gpus, gpu_map=gpu_map)
 
 
 @dataclass(frozen=True)
@@ -284,7 +228,7 @@ class RunConfig:
     """Everything a worker needs (picklable)."""
 
     backend: str                     # "nccl" or "gloo"
-    layout: Layout
+    layout: GpuPlacement
     cases: list[Case]
     variants: tuple[str, ...]
     modes: tuple[str, ...]

@@ -48,7 +48,6 @@ RECORD_KEYS = ("case", "case_key", "A", "F", "variant", "mode", "direction", "ro
 STATS_KEYS = ("median", "p10", "p90", "mean", "min", "n")
 
 LABELS = {
-    "ours_default": "ours (default)",
     "ours_per_tensor": "ours per-tensor",
     "reference": "reference pattern",
 }
@@ -166,9 +165,7 @@ def attention_records(doc: dict) -> list[dict]:
 
 def lookup(doc: dict, case_key: str, variant: str, mode: str, direction: str,
            role_rank: int = 0, A: int | None = None, F: int | None = None) -> dict | None:
-    """The attention-rank record for one measurement (``ours_default`` is ``ours_per_tensor``, the one wire format)."""
-    if variant == "ours_default":
-        variant = "ours_per_tensor"
+    """The attention-rank record for one measurement."""
     for r in doc["records"]:
         if (r["role"] == "attention" and r["case_key"] == case_key and r["variant"] == variant
                 and r["mode"] == mode and r["direction"] == direction and r["role_rank"] == role_rank
@@ -215,7 +212,7 @@ def evaluate_targets(doc: dict) -> list[dict]:
         for t in [t for t in toks if t <= 128 or t == 8192]:
             goal = small_goal if t <= 128 else 1.15
             ref = _med(lookup(doc, key(t), "reference", mode, "round_trip", A=1, F=1))
-            ours = _med(lookup(doc, key(t), "ours_default", mode, "round_trip", A=1, F=1))
+            ours = _med(lookup(doc, key(t), "ours_per_tensor", mode, "round_trip", A=1, F=1))
             ratio = ref / ours if ref and ours else None
             out.append(_target(f"vs reference pattern, {mode}, {t} tokens", ours, f">= {goal}x",
                                None if ratio is None else ratio >= goal,
@@ -286,7 +283,7 @@ def render_markdown(doc: dict) -> str:
                 cells = {v: lookup(doc, ck, v, mode, "round_trip", A=A, F=F) for v in variants_present}
                 if not any(cells.values()):
                     continue
-                ours = lookup(doc, ck, "ours_default", mode, "round_trip", A=A, F=F)
+                ours = cells.get("ours_per_tensor")
                 ref, raw = cells.get("reference"), cells.get("raw")
                 vs_ref = _med(ref) / _med(ours) if ref and ours else None
                 x_raw = _med(ours) / _med(raw) if raw and ours else None
@@ -376,7 +373,7 @@ def render_plot(doc: dict, path: str) -> str | None:
     backend = doc.get("meta", {}).get("backend")
     fig, ax = plt.subplots(figsize=(8, 5))
     for mode, style in (("graph", "-"), ("eager", "--")):
-        for v in ("ours_default", "reference", "raw", "peer"):
+        for v in ("ours_per_tensor", "reference", "raw", "peer"):
             pts = [(c["tokens"], lookup(doc, Case(c["hidden"], c["tokens"], c["extras"]).key(), v, mode,
                                         "round_trip", A=c0["A"], F=c0["F"])) for c in pick]
             pts = sorted((t, r["stats_us"]["median"]) for t, r in pts if r)

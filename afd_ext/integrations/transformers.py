@@ -904,11 +904,6 @@ class FFNServer:
             num_experts = next((li.num_experts for li in describe_layers(model) if li.is_moe), None)
         return cls(connector, modules, gate_on_attention=gate_on_attention, num_experts=num_experts, **kw)
 
-    @property
-    def layer_indices(self) -> list[int]:
-        """Remote layers, in exchange order."""
-        return list(self.modules)
-
     def compute(
         self, layer_idx: int, hidden_states: torch.Tensor, router_logits: torch.Tensor | None = None
     ) -> torch.Tensor:
