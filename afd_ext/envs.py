@@ -156,7 +156,7 @@ register("AFD_EXT_REPLACE_P2P", False,
          "so the reference's runners build afd_ext; set it in every attention and FFN process", parse_bool)
 
 # --- peer-memory plane (csrc/cuda/peer_kernels.cu reads it at each launch) ------------------
-register("AFD_PEER_PDL", False,
-         "peer-memory plane: 1 launches peer_put/peer_wait with programmatic dependent launch "
-         "(Hopper+; its launch overlaps the end of the kernel before it on the stream; read at each "
-         "launch, so at capture time for a CUDA graph); experimental, see docs/peer-memory.md", parse_bool)
+register("AFD_PEER_PDL", None,
+         "peer-memory plane: peer_put/peer_wait are launched with programmatic dependent launch (their "
+         "launch overlaps the end of the kernel before them on the stream) on Hopper and later unless "
+         "this is 0; read at each launch, so at capture time for a CUDA graph; docs/peer-memory.md", parse_bool)

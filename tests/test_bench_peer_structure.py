@@ -26,14 +26,14 @@ def _plan(*argv):
 
 def test_default_plan_is_the_issue_sweep():
     p = _plan()
-    assert p.structures == ("floor", "min", "fused", "plane", "plane_pdl")
+    assert p.structures == ("floor", "min", "fused", "plane", "plane_nopdl")
     assert p.tokens == (1, 8, 128, 1024, 8192)
     assert (p.hidden, p.logits, p.rounds, p.replays) == (7168, 256, 100, 8)
     cases = p.cases()
     # the floor runs at 1 token only; every other structure at every size, sizes outermost
     assert ("floor", 1) in cases and not any(s == "floor" and t != 1 for s, t in cases)
     assert len(cases) == 1 + 4 * 5
-    assert cases[:5] == [("floor", 1), ("min", 1), ("fused", 1), ("plane", 1), ("plane_pdl", 1)]
+    assert cases[:5] == [("floor", 1), ("min", 1), ("fused", 1), ("plane", 1), ("plane_nopdl", 1)]
     # bytes per round trip: 7168 bf16 + 256 fp32 + one int32 to the FFN, 7168 bf16 back
     assert p.fan_in_bytes(1) == 14336 + 1024 + 4 and p.reply_bytes(8192) == 8192 * 14336
     # the minimal kernels' launch shape defaults to the plane's rule (64 KiB per block, puts <= 2 per SM)
@@ -44,14 +44,14 @@ def test_default_plan_is_the_issue_sweep():
 
 
 def test_the_table_gives_each_plane_structure_its_ratio_to_min():
-    p = _plan("--structures", "min,plane,plane_pdl", "--tokens", "1,128")
+    p = _plan("--structures", "min,plane,plane_nopdl", "--tokens", "1,128")
     recs = [{"structure": s, "tokens": t, "best_us": us, "valid": True}
-            for s, t, us in (("min", 1, 8.0), ("plane", 1, 8.4), ("plane_pdl", 1, 6.0),
+            for s, t, us in (("min", 1, 8.0), ("plane", 1, 8.4), ("plane_nopdl", 1, 6.0),
                              ("min", 128, 12.0), ("plane", 128, 13.2))]
     lines = ps._table(recs, p).splitlines()
     assert "| plane/min | 1.05x | 1.10x |" in lines
-    assert "| plane_pdl/min | 0.75x |  |" in lines
-    assert "| plane_pdl | 6.00 |  |" in lines
+    assert "| plane_nopdl/min | 0.75x |  |" in lines
+    assert "| plane_nopdl | 6.00 |  |" in lines
 
 
 @pytest.mark.parametrize("argv, match", [

@@ -12,8 +12,9 @@ and ``H`` bf16 back (the FFN replies with its fan-in hidden states). Structures:
 * ``fused``: ``min`` with the attention side's put and wait in one kernel;
 * ``plane``: :class:`afd_ext.transport.peer.PeerPlane` put/wait, as
   ``tests/gpu/test_peer_gpu.py::test_round_trip_time_in_graphs_on_one_gpu`` uses it;
-* ``plane_pdl``: ``plane`` captured with ``AFD_PEER_PDL=1`` (programmatic dependent launch:
-  each plane kernel's launch overlaps the end of the one before it on the stream).
+* ``plane_nopdl``: ``plane`` captured with ``AFD_PEER_PDL=0`` (without programmatic dependent
+  launch, which ``plane`` uses by default on Hopper: each plane kernel's launch overlaps the end
+  of the one before it on the stream).
 
 ``AFD_PEER_STRUCTURE_ONE_GPU=1`` keeps both roles on cuda:0 where two GPUs are
 visible. The floor copies its one token's data too (so it is validated like the rest).
@@ -45,8 +46,8 @@ from afd_ext.errors import AFDConfigError, AFDDeviceError
 
 __all__ = ["STRUCTURES", "Plan", "build_parser", "parse_plan", "main"]
 
-STRUCTURES = ("floor", "min", "fused", "plane", "plane_pdl")
-PLANES = ("plane", "plane_pdl")  # structures that run afd_ext's PeerPlane
+STRUCTURES = ("floor", "min", "fused", "plane", "plane_nopdl")
+PLANES = ("plane", "plane_nopdl")  # structures that run afd_ext's PeerPlane
 DEFAULT_TOKENS = (1, 8, 128, 1024, 8192)
 THREADS = 512  # threads per block of every minimal kernel (the plane's kThreads)
 BYTES_PER_BLOCK = 64 << 10  # the plane's launch rule (blocks_for): ~64 KiB per block
@@ -374,8 +375,8 @@ def _run_case(plan: Plan, case: _Case) -> dict:
     devs = sorted({case.att_dev.index, case.ffn_dev.index})
     ga, gf = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
     pdl_before = os.environ.get("AFD_PEER_PDL")
-    if case.structure == "plane_pdl":  # read by the plane's launcher at capture time
-        os.environ["AFD_PEER_PDL"] = "1"
+    if case.structure == "plane_nopdl":  # read by the plane's launcher at capture time
+        os.environ["AFD_PEER_PDL"] = "0"
     try:
         with torch.cuda.device(case.ffn_dev), torch.cuda.graph(gf, stream=case.sf):
             case.ffn_rounds(plan.rounds)

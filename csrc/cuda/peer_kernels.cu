@@ -301,11 +301,16 @@ int blocks_for(long long bytes, int max_blocks) {
   return static_cast<int>(b);
 }
 
-// AFD_PEER_PDL=1 (read at each launch, so at capture time for a graph): launch
-// with programmatic stream serialization (Hopper+), see pdl_wait/pdl_trigger.
+// Launch with programmatic stream serialization (see pdl_wait/pdl_trigger) on Hopper+ unless
+// AFD_PEER_PDL says otherwise (read at each launch, so at capture time for a graph): it takes the
+// one-token round trip from 1.25x to 1.09x the minimal kernels (docs/peer-memory.md, run 58).
 bool pdl_enabled() {
   const char* e = std::getenv("AFD_PEER_PDL");  // afd_ext.envs.parse_bool's true values
-  if (e == nullptr) return false;
+  if (e == nullptr || e[0] == '\0') {
+    int dev = 0, major = 0;
+    return cudaGetDevice(&dev) == cudaSuccess &&
+           cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && major >= 9;
+  }
   const char c = e[0] | 0x20;
   return e[0] == '1' || c == 't' || c == 'y' || (c == 'o' && (e[1] | 0x20) == 'n');
 }
