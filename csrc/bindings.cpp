@@ -139,13 +139,12 @@ static bool ctrl_int_in(PyObject* o, long long lo, long long hi, long long* v) {
   return !overflow && *v >= lo && *v <= hi;
 }
 
-// Encodes an AFDControlPayload into out[0, size). 1: done; 0: not a payload this path takes as it is (a
+// Encodes an AFDControlPayload into out[off, off + size). 1: done; 0: not a payload this path takes as it is (a
 // field missing or of another type, values to convert; no error set: Python normalises it or names the
 // fault); -1: an error set (a tensor modified in place into something invalid).
-static int ctrl_encode_into(PyObject* payload, std::string& out, size_t* size) {
+static int ctrl_encode_into(PyObject* payload, std::string& out, size_t off, size_t* size) {
   struct Stage { long long s; PyObject* counts; PyObject* max; };
-  static thread_local std::vector<Stage> st;
-  st.clear();
+  std::vector<Stage> st;  // not shared: a counts property runs Python code
   unsigned flags = 0;
   for (int i = 1; i <= 4; ++i) {
     PyObject* f = PyObject_GetAttr(payload, g_names[i]);
@@ -183,8 +182,8 @@ static int ctrl_encode_into(PyObject* payload, std::string& out, size_t* size) {
   if (rc == 1) {
     for (size_t i = 1; i < st.size(); ++i)  // increasing stage order (a few stages: insertion sort)
       for (size_t j = i; j > 0 && st[j - 1].s > st[j].s; --j) std::swap(st[j - 1], st[j]);
-    if (out.size() < n) out.resize(n);
-    auto* p = reinterpret_cast<uint8_t*>(out.data());
+    if (out.size() < off + n) out.resize(off + n);
+    auto* p = reinterpret_cast<uint8_t*>(out.data()) + off;
     const uint16_t ns = uint16_t(st.size());
     std::memcpy(p, "AFDb", 4), p[4] = afd::ctrl::kPayloadVersion, p[5] = uint8_t(flags), std::memcpy(p + 6, &ns, 2);
     p += afd::ctrl::kPayloadHead;
@@ -212,6 +211,9 @@ static int ctrl_encode_into(PyObject* payload, std::string& out, size_t* size) {
 static PyObject* ctrl_decode_from(const uint8_t* p, uint64_t size, long long max_stages, long long max_ranks) {
   const std::string err = afd::ctrl::check_payload(p, size, uint64_t(max_stages), uint64_t(max_ranks));
   if (!err.empty()) return PyUnicode_FromStringAndSize(err.data(), Py_ssize_t(err.size()));
+  // A copy: a collection run by the allocations below may run finalizers that reuse the caller's buffer.
+  const std::string copy(reinterpret_cast<const char*>(p), size_t(size));
+  p = reinterpret_cast<const uint8_t*>(copy.data());
   const Py_ssize_t ns = p[6] | Py_ssize_t(p[7]) << 8;
   PyObject* out = PyTuple_New(5);
   PyObject* stages = out ? PyTuple_New(ns) : nullptr;
@@ -264,7 +266,7 @@ static PyObject* ctrl_codec_init_py(PyObject*, PyObject* cls) {
 static PyObject* ctrl_encode_py(PyObject*, PyObject* payload) {
   std::string& buf = ctrl_scratch(4096);
   size_t n = 0;
-  const int rc = ctrl_encode_into(payload, buf, &n);
+  const int rc = ctrl_encode_into(payload, buf, 0, &n);
   if (rc < 0) return nullptr;
   if (rc == 0) Py_RETURN_NONE;
   return PyBytes_FromStringAndSize(buf.data(), Py_ssize_t(n));
@@ -307,7 +309,7 @@ static PyObject* ctrl_shm_put_py(PyObject*, PyObject* const* args, Py_ssize_t na
   }
   std::string& buf = ctrl_scratch(4096);
   size_t n = size_t(data.len);
-  int rc = raw ? 1 : ctrl_encode_into(args[2], buf, &n);
+  int rc = raw ? 1 : ctrl_encode_into(args[2], buf, 0, &n);
   const uint8_t* p = raw ? static_cast<const uint8_t*>(data.buf) : reinterpret_cast<const uint8_t*>(buf.data());
   if (raw && n > r.slot_bytes) {
     PyErr_SetString(PyExc_ValueError, "ctrl_shm_put: a fragment larger than a slot");
@@ -370,12 +372,8 @@ static PyObject* ctrl_tcp_send_py(PyObject*, PyObject* const* args, Py_ssize_t n
     if (buf.size() < afd::ctrl::kFrameHeader + n) buf.resize(afd::ctrl::kFrameHeader + n);
     std::memcpy(buf.data() + afd::ctrl::kFrameHeader, d.buf, n);
     PyBuffer_Release(&d);
-  } else {
-    std::string& body = ctrl_scratch(4096);  // the same buffer: encode, then make room for the header
-    const int rc = ctrl_encode_into(args[3], body, &n);
-    if (rc <= 0) return rc < 0 ? nullptr : Py_NewRef(Py_None);
-    if (buf.size() < afd::ctrl::kFrameHeader + n) buf.resize(afd::ctrl::kFrameHeader + n);
-    std::memmove(buf.data() + afd::ctrl::kFrameHeader, buf.data(), n);
+  } else if (const int rc = ctrl_encode_into(args[3], buf, afd::ctrl::kFrameHeader, &n); rc <= 0) {
+    return rc < 0 ? nullptr : Py_NewRef(Py_None);
   }
   const uint32_t head[3] = {afd::ctrl::kTcpMagic, uint32_t(v[1]), uint32_t(v[2])};
   const uint64_t len = n;
