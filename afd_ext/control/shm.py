@@ -22,7 +22,7 @@ from .channel import _OP_SEND, ControlChannel, _proc_start_time
 
 _SHM_DIR = "/dev/shm"
 _SHM_MAGIC = 0x4C525443_44464141  # b"AAFDCTRL" as little-endian u64
-_SHM_VERSION = 2
+_SHM_VERSION = 3  # follows the header layout of csrc/cpu/control.h
 # u64 word indices in the header
 _W_MAGIC, _W_VER_NSLOTS, _W_SLOT_BYTES = 0, 1, 2
 _W_SENDER_PID, _W_SENDER_START, _W_RECEIVER_PID, _W_RECEIVER_START = 3, 4, 5, 6
