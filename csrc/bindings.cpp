@@ -294,14 +294,14 @@ static bool ctrl_ring(PyObject* ring, Py_buffer* b, afd::ctrl::Ring* r) {
 }
 
 // ctrl_shm_put(ring, sender, data, total) -> True | False (the ring is full, nothing written) | None.
-// data: bytes-like, one fragment of a `total`-byte message; or an AFDControlPayload, encoded here
-// (None: not one the encoder takes as it is, or larger than a slot: Python encodes it).
+// data: bytes-like, one fragment of a `total`-byte message; or an AFDControlPayload, encoded here (None:
+// not one the encoder takes as it is, or larger than a slot or `total`: Python encodes it, or refuses it).
 static PyObject* ctrl_shm_put_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   int64_t v[2] = {0, 0};  // sender, total
   Py_buffer data{}, b;
   afd::ctrl::Ring r;
   const bool raw = nargs == 4 && PyObject_CheckBuffer(args[2]);
-  if (!ctrl_ints(args, nargs, 4, 1, v, 1) || (raw && !ctrl_ints(args, nargs, 4, 3, v + 1, 1))) return nullptr;
+  if (!ctrl_ints(args, nargs, 4, 1, v, 1) || !ctrl_ints(args, nargs, 4, 3, v + 1, 1)) return nullptr;
   if (raw && PyObject_GetBuffer(args[2], &data, PyBUF_SIMPLE) < 0) return nullptr;
   if (!ctrl_ring(args[0], &b, &r)) {
     if (raw) PyBuffer_Release(&data);
@@ -315,7 +315,7 @@ static PyObject* ctrl_shm_put_py(PyObject*, PyObject* const* args, Py_ssize_t na
     PyErr_SetString(PyExc_ValueError, "ctrl_shm_put: a fragment larger than a slot");
     rc = -1;
   }
-  if (!raw && n > r.slot_bytes && rc == 1) rc = 0;
+  if (!raw && (n > r.slot_bytes || int64_t(n) > v[1]) && rc == 1) rc = 0;
   const bool put = rc == 1 && afd::ctrl::shm_put(r, raw ? uint64_t(v[1]) : n, uint32_t(v[0]), p, uint32_t(n));
   if (raw) PyBuffer_Release(&data);
   PyBuffer_Release(&b);
@@ -357,12 +357,12 @@ static PyObject* ctrl_shm_stop_py(PyObject*, PyObject* ring) {
   Py_RETURN_NONE;
 }
 
-// ctrl_tcp_send(fd, type, sender, data) -> True (sent) | bytes (the rest of the frame, which the socket
-// did not take at once) | None (a payload the encoder does not take as it is). data: bytes-like, or an
-// AFDControlPayload encoded here. Raises OSError when the connection failed.
+// ctrl_tcp_send(fd, type, sender, data, max_bytes) -> True (sent) | bytes (the rest of the frame, which
+// the socket did not take at once) | None (nothing sent: a payload the encoder does not take as it is, or
+// over max_bytes). data: bytes-like, or an AFDControlPayload encoded here. OSError: the connection failed.
 static PyObject* ctrl_tcp_send_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  int64_t v[3];  // fd, type, sender
-  if (!ctrl_ints(args, nargs, 4, 0, v, 3)) return nullptr;
+  int64_t v[4];  // fd, type, sender, (data), max_bytes
+  if (!ctrl_ints(args, nargs, 5, 0, v, 3) || !ctrl_ints(args, nargs, 5, 4, v + 3, 1)) return nullptr;
   std::string& buf = ctrl_scratch(4096);
   size_t n = 0;
   if (PyObject_CheckBuffer(args[3])) {
@@ -372,7 +372,7 @@ static PyObject* ctrl_tcp_send_py(PyObject*, PyObject* const* args, Py_ssize_t n
     if (buf.size() < afd::ctrl::kFrameHeader + n) buf.resize(afd::ctrl::kFrameHeader + n);
     std::memcpy(buf.data() + afd::ctrl::kFrameHeader, d.buf, n);
     PyBuffer_Release(&d);
-  } else if (const int rc = ctrl_encode_into(args[3], buf, afd::ctrl::kFrameHeader, &n); rc <= 0) {
+  } else if (const int rc = ctrl_encode_into(args[3], buf, afd::ctrl::kFrameHeader, &n); rc <= 0 || int64_t(n) > v[3]) {
     return rc < 0 ? nullptr : Py_NewRef(Py_None);
   }
   const uint32_t head[3] = {afd::ctrl::kTcpMagic, uint32_t(v[1]), uint32_t(v[2])};

@@ -568,10 +568,10 @@ def test_a_tcp_frame_the_first_write_leaves_unsent_is_finished_whole(first_write
     with _pair("tcp") as (rx, tx):
         real = tx._C.ctrl_tcp_send
 
-        def short(fd, typ, sender, data):  # the native send, as if the socket took 3 bytes (or none) at once
+        def short(fd, typ, sender, data, max_bytes):  # the native send, as if the socket took 3 bytes (or none)
             a, b = socket.socketpair()
             with a, b:
-                real(a.fileno(), typ, sender, data)
+                real(a.fileno(), typ, sender, data, max_bytes)
                 frame = b.recv(1 << 16)
             n = 3 if first_write == "part" else 0
             os.write(fd, frame[:n])
@@ -581,6 +581,15 @@ def test_a_tcp_frame_the_first_write_leaves_unsent_is_finished_whole(first_write
             tx.send(b"hello")
         tx.send(b"again")
         assert rx.recv(5.0) == b"hello" and rx.recv(5.0) == b"again"
+
+
+@pytest.mark.parametrize("kind", ["shm", "tcp"])
+def test_a_payload_over_max_message_bytes_is_refused_before_it_moves_and_the_next_one_goes(kind):
+    with _pair(kind, max_message_bytes=100) as (rx, tx):
+        with pytest.raises(AFDConfigError, match="272 bytes exceeds max_message_bytes=100"):
+            tx.send_payload(_payload(0, 30))  # 8 + 2 * (12 + 4 * 30) bytes
+        tx.send_payload(_payload(1, 8))  # 96 bytes
+        assert rx.recv(2.0, max_payload=100) == _payload(1, 8)
 
 
 def test_the_planes_max_payload_bytes_bounds_a_payload():

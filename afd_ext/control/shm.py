@@ -158,7 +158,8 @@ class ShmControlChannel(ControlChannel):
 
     def send_payload(self, payload: Any) -> None:
         """As :meth:`ControlChannel.send_payload`; the per-step case (one slot, room in the ring) in one native call."""
-        if self._closed or not self.is_sender or self._C.ctrl_shm_put(self._mm, self.local_rank, payload, 0) is not True:
+        if self._closed or not self.is_sender or self._C.ctrl_shm_put(self._mm, self.local_rank, payload,
+                                                                           self._max_bytes) is not True:
             super().send_payload(payload)  # the checks, a payload to convert, fragments, a full ring
 
     def _send(self, data: bytes) -> None:

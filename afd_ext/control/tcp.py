@@ -128,7 +128,7 @@ class TcpControlChannel(ControlChannel):
             if self._broken:
                 raise PeerDeadError(self.peer, _OP_SEND, "an earlier frame was left part-sent (the stream is broken)")
             try:
-                rest = self._C.ctrl_tcp_send(self._fd, typ, self.local_rank, data)
+                rest = self._C.ctrl_tcp_send(self._fd, typ, self.local_rank, data, self._max_bytes)
                 if type(rest) is bytes:
                     self._sock.sendall(rest)  # the send buffer is full: wait, at most heartbeat_timeout_s
                     rest = True
