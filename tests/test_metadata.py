@@ -579,6 +579,38 @@ def test_native_encoder_reads_tensors_modified_in_place_and_converts_other_paylo
     assert md.encode_control_binary(Foreign()) == want
 
 
+
+def test_whatever_the_native_decoder_accepts_re_encodes_to_the_same_bytes():
+    import random
+    import struct
+
+    rng = random.Random(1)
+    good = [md.encode_control_binary(AFDControlPayload(
+        {s: [rng.randrange(100) for _ in range(rng.randrange(9))] for s in rng.sample(range(50), rng.randrange(5))}))
+        for _ in range(20)]
+    accepted = 0
+    for _ in range(20000):  # mutated payloads: bytes flipped, cut, inserted, the stage count rewritten
+        b = bytearray(rng.choice(good))
+        for _ in range(rng.randrange(1, 4)):
+            op = rng.randrange(4)
+            if op == 0 and b:
+                b[rng.randrange(len(b))] = rng.randrange(256)
+            elif op == 1:
+                del b[rng.randrange(len(b) + 1):rng.randrange(len(b) + 1)]
+            elif op == 2:
+                b.insert(rng.randrange(len(b) + 1), rng.randrange(256))
+            elif len(b) >= 8:
+                b[6:8] = struct.pack("<H", rng.randrange(65536))
+        try:
+            q = md.decode_control_binary(bytes(b), max_stages=rng.choice([1, 64, 65535]),
+                                         max_ranks=rng.choice([8, 4096, 2**32]))
+        except ControlProtocolError:
+            continue
+        accepted += 1
+        assert md.encode_control_binary(q) == bytes(b)  # one canonical layout: nothing is read loosely
+    assert accepted > 100
+
+
 # ---------------------------------------------------------------- framing
 
 
