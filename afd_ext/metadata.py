@@ -918,8 +918,11 @@ def encode_control_binary(payload: AFDControlPayload) -> bytes:
             raise AFDConfigError(f"dp_metadata_list keys must be stage ints in [0, 2**32), got {stages[-1][0]!r}")
         if len(stages) > 0xFFFF:
             raise AFDConfigError(f"a control payload holds at most 65535 stages, got {len(stages)}")
-        data = C.ctrl_encode(AFDControlPayload(dict(stages), payload.is_graph_capturing, payload.is_warmup,
+        dp = {s: m if type(m) is AFDDPMetadata else AFDDPMetadata(list(m.counts), m.max_tokens) for s, m in stages}
+        data = C.ctrl_encode(AFDControlPayload(dp, payload.is_graph_capturing, payload.is_warmup,
                                                payload.is_graph_replaying, payload.is_profile))
+        if data is None:  # pragma: no cover - every case the encoder refuses is converted or named above
+            raise AFDConfigError(f"control payload cannot be encoded: {payload!r}")
     return data
 
 

@@ -148,7 +148,7 @@ static int ctrl_encode_into(PyObject* payload, std::string& out, size_t off, siz
   unsigned flags = 0;
   for (int i = 1; i <= 4; ++i) {
     PyObject* f = PyObject_GetAttr(payload, g_names[i]);
-    Py_XDECREF(f);  // a bool is immortal enough: compared by identity below
+    Py_XDECREF(f);  // only its address is compared below
     if (f != Py_True && f != Py_False) return PyErr_Clear(), 0;
     flags |= unsigned(f == Py_True) << (i - 1);
   }
@@ -164,6 +164,7 @@ static int ctrl_encode_into(PyObject* payload, std::string& out, size_t off, siz
       rc = 0;
       break;
     }
+    Py_INCREF(md);  // a counts property runs Python code, which may change the dict
     PyObject* t = PyObject_GetAttr(md, g_names[5]);
     PyObject* mt = t ? PyObject_GetAttr(md, g_names[6]) : nullptr;
     const bool plain = t == Py_None && mt == Py_None;
@@ -173,6 +174,7 @@ static int ctrl_encode_into(PyObject* payload, std::string& out, size_t off, siz
       g.counts = PyObject_GetAttr(md, g_names[plain ? 7 : 9]);
       g.max = g.counts ? PyObject_GetAttr(md, g_names[plain ? 8 : 10]) : nullptr;
     }
+    Py_DECREF(md);
     st.push_back(g);
     if (g.max == nullptr) rc = -1;
     else if (!PyTuple_CheckExact(g.counts) || PyTuple_GET_SIZE(g.counts) > INT32_MAX) rc = 0;

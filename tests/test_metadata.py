@@ -578,6 +578,11 @@ def test_native_encoder_reads_tensors_modified_in_place_and_converts_other_paylo
     want = md.encode_control_binary(AFDControlPayload({1: [3, 0], 0: [5]}, is_warmup=True))
     assert md.encode_control_binary(Foreign()) == want
 
+    class Sub(AFDDPMetadata):  # a subclass is read through its public fields
+        pass
+
+    assert md.encode_control_binary(AFDControlPayload({1: Sub([3, 0]), 0: [5]}, is_warmup=True)) == want
+
 
 
 def test_whatever_the_native_decoder_accepts_re_encodes_to_the_same_bytes():
