@@ -854,30 +854,33 @@ def _decode_general(data: bytes, max_stages: int, max_ranks: int) -> AFDControlP
     return payload
 
 
-# Binary layout between two afd_ext ranks (the control plane's own channel).
-# Measured with 2 stages of 8 counts (a loaded 2-core box, warm): encode 2.1 us / decode 1.5 us,
-# against 6.3 / 7.7 us for a Struct per stage and a validating decoder at 20a6fc6.
-_BIN_MAGIC = b"AFDb"
-_BIN_VERSION = 1
-_BIN_HEAD = struct.Struct("<4sBBH")  # magic, version, flags, number of stages
-_BIN_STAGE = struct.Struct("<III")  # stage, number of counts, max_tokens_across_dp_cpu
-# flag bits, in _FLAG_NAMES order: capturing, warmup, replaying, profile
-_BIN_FLAG_BITS = 0xF
 _U32_MAX = 2**32 - 1
-# The per-step paths pack and unpack a whole payload with one Struct: the header, then
-# ints of 4 bytes (every field after the header is one), by their number. Cold caches make
-# each Python call and builtin cost microseconds on a busy host, so these use few of them.
-_BIN_MAGIC_U32 = int.from_bytes(_BIN_MAGIC, "little")
-_BIN_PACK: dict[int, struct.Struct] = {}  # unsigned (stage keys up to 2**32 - 1)
-_BIN_UNPACK: dict[int, struct.Struct] = {}  # signed: a negative field is a fault, or a key >= 2**31
-_FLAGS_OF_BITS = tuple((bool(b & 1), bool(b & 2), bool(b & 4), bool(b & 8)) for b in range(16))
+_core: Any = None
+_new = object.__new__
 
 
-def _bin_struct(cache: dict[int, struct.Struct], k: int, code: str) -> struct.Struct:
-    if len(cache) >= 64:
-        cache.clear()
-    st = cache[k] = struct.Struct(f"<IBBH{k}{code}")
-    return st
+def _native() -> Any:
+    """The compiled core, whose control-plane functions hold the binary codec (``csrc/bindings.cpp``)."""
+    global _core
+    if _core is None:
+        from afd_ext import _C
+
+        _C.ctrl_codec_init(AFDDPMetadata)
+        _core = _C
+    return _core
+
+
+def _payload_of(fields: tuple) -> AFDControlPayload:
+    """A new payload from the native decoder's checked fields:
+    ``(is_graph_capturing, is_warmup, is_graph_replaying, is_profile, ((stage, max, counts), ...))``."""
+    p = _new(AFDControlPayload)
+    p.is_graph_capturing, p.is_warmup, p.is_graph_replaying, p.is_profile, stages = fields
+    dp = p.dp_metadata_list = {}
+    for s, mx, counts in stages:
+        m = dp[s] = _new(AFDDPMetadata)
+        m._counts, m._max = counts, mx
+        m._t = m._tv = m._mt = m._mtv = m._frag = m.local_sizes = None
+    return p
 
 
 def encode_control_binary(payload: AFDControlPayload) -> bytes:
@@ -890,8 +893,9 @@ def encode_control_binary(payload: AFDControlPayload) -> bytes:
         per stage, in increasing stage order:
             stage u32 | n u32 | max_tokens_across_dp_cpu u32 | counts int32[n]
 
-    The reference cannot read it; :func:`encode_control_payload` (JSON) is the
-    reference-format API.
+    The codec is native (``csrc/bindings.cpp``, ``csrc/cpu/control_poll.cpp``); the control
+    channels encode with it straight into their ring slot or frame. The reference cannot read it;
+    :func:`encode_control_payload` (JSON) is the reference-format API.
 
     Args:
         payload: the control payload, or any object with its fields (the reference plugin's own
@@ -906,34 +910,20 @@ def encode_control_binary(payload: AFDControlPayload) -> bytes:
             flag, a stage key that is not an int in ``[0, 2**32)``, invalid
             counts, more than 65535 stages).
     """
-    try:  # a payload changed after construction may have lost a field: _checked_stages names it
-        dp = payload.dp_metadata_list if type(payload) is AFDControlPayload else None
-        c, w, r, p = payload.is_graph_capturing, payload.is_warmup, payload.is_graph_replaying, payload.is_profile
-    except AttributeError:
-        dp = None
-    if type(dp) is dict and type(c) is bool and type(w) is bool and type(r) is bool and type(p) is bool:
-        for s, m in dp.items():
-            if type(s) is not int or type(m) is not AFDDPMetadata or s < 0:
-                payload, stages = _checked_stages(payload)  # converts, or raises the named error
-                break
-        else:
-            stages = sorted(dp.items())  # the per-step case: nothing to convert
-    else:
+    C = _native()
+    data = C.ctrl_encode(payload)
+    if data is None:  # not a payload the encoder takes as it is: convert it, or name what is wrong
         payload, stages = _checked_stages(payload)
-        c, w, r, p = payload.is_graph_capturing, payload.is_warmup, payload.is_graph_replaying, payload.is_profile
-    if stages and stages[-1][0] > _U32_MAX:
-        raise AFDConfigError(f"dp_metadata_list keys must be stage ints in [0, 2**32), got {stages[-1][0]!r}")
-    if len(stages) > 0xFFFF:
-        raise AFDConfigError(f"a control payload holds at most 65535 stages, got {len(stages)}")
-    args: list[Any] = [_BIN_MAGIC_U32, _BIN_VERSION, c | w << 1 | r << 2 | p << 3, len(stages)]
-    for s, m in stages:
-        if m._t is not None or m._mt is not None:
-            m._sync()  # a handed-out tensor modified in place
-        counts = m._counts
-        args += (s, len(counts), m._max)
-        args += counts
-    st = _BIN_PACK.get(len(args) - 4) or _bin_struct(_BIN_PACK, len(args) - 4, "I")
-    return st.pack(*args)
+        if stages and stages[-1][0] > _U32_MAX:
+            raise AFDConfigError(f"dp_metadata_list keys must be stage ints in [0, 2**32), got {stages[-1][0]!r}")
+        if len(stages) > 0xFFFF:
+            raise AFDConfigError(f"a control payload holds at most 65535 stages, got {len(stages)}")
+        dp = {s: m if type(m) is AFDDPMetadata else AFDDPMetadata(list(m.counts), m.max_tokens) for s, m in stages}
+        data = C.ctrl_encode(AFDControlPayload(dp, payload.is_graph_capturing, payload.is_warmup,
+                                               payload.is_graph_replaying, payload.is_profile))
+        if data is None:  # pragma: no cover - every case the encoder refuses is converted or named above
+            raise AFDConfigError(f"control payload cannot be encoded: {payload!r}")
+    return data
 
 
 def decode_control_binary(
@@ -942,7 +932,8 @@ def decode_control_binary(
     max_stages: int = DEFAULT_MAX_STAGES,
     max_ranks: int = DEFAULT_MAX_RANKS,
 ) -> AFDControlPayload:
-    """Decode bytes written by :func:`encode_control_binary` (untrusted input).
+    """Decode bytes written by :func:`encode_control_binary` (untrusted input; the native decoder
+    bounds every length before it reads).
 
     Args:
         data: the encoded payload.
@@ -959,79 +950,12 @@ def decode_control_binary(
             or trailing bytes, stages not strictly increasing, too many stages or
             ranks, negative or non-int32 counts. Both are ``ValueError``s.
     """
-    if type(data) is not bytes and not isinstance(data, (bytearray, memoryview)):
+    if not isinstance(data, (bytes, bytearray, memoryview)):
         raise AFDConfigError(f"control payload must be bytes, got {type(data).__name__}")
-    size = len(data)
-    if size >= _BIN_HEAD.size and not size % 4:
-        st = _BIN_UNPACK.get((size - 8) >> 2) or _bin_struct(_BIN_UNPACK, (size - 8) >> 2, "i")
-        v = st.unpack(data)
-        if (v[0] == _BIN_MAGIC_U32 and v[1] == _BIN_VERSION and v[2] <= _BIN_FLAG_BITS and v[3] <= max_stages
-                and min(v) >= 0):  # no count negative, no max above int32 (a stage key >= 2**31: the loop below)
-            # the per-step case, whole and valid in one pass; else the loop below names the fault
-            stages: dict[int, AFDDPMetadata] = {}
-            i, prev, end = 4, -1, len(v)
-            while i + 3 <= end:
-                s, n = v[i], v[i + 1]
-                if s <= prev or n > max_ranks or i + 3 + n > end:
-                    break
-                md = object.__new__(AFDDPMetadata)
-                md._counts, md._max = v[i + 3:i + 3 + n], v[i + 2]
-                md._t = md._tv = md._mt = md._mtv = md._frag = md.local_sizes = None
-                stages[s] = md
-                prev, i = s, i + 3 + n
-            else:
-                if i == end and len(stages) == v[3]:
-                    payload = object.__new__(AFDControlPayload)
-                    payload.dp_metadata_list = stages
-                    (payload.is_graph_capturing, payload.is_warmup, payload.is_graph_replaying,
-                     payload.is_profile) = _FLAGS_OF_BITS[v[2]]
-                    return payload
-    if size < _BIN_HEAD.size:
-        raise ControlProtocolError(f"binary control payload of {size} bytes is shorter than its header")
-    magic, version, flags, nstages = _BIN_HEAD.unpack_from(data, 0)
-    if magic != _BIN_MAGIC:
-        raise ControlProtocolError(f"binary control payload: bad magic {bytes(magic)!r}")
-    if version != _BIN_VERSION:
-        raise ControlProtocolError(
-            f"binary control payload version {version} is not supported (this afd_ext reads "
-            f"{_BIN_VERSION}); run the same afd_ext version on every rank"
-        )
-    if flags & ~_BIN_FLAG_BITS:
-        raise ControlProtocolError(f"binary control payload: unknown flag bits {flags:#x}")
-    if nstages > max_stages:
-        raise ControlProtocolError(f"control payload: {nstages} stages exceed max_stages={max_stages}")
-    off = _BIN_HEAD.size
-    stages = {}
-    prev = -1
-    for _ in range(nstages):
-        if off + _BIN_STAGE.size > size:
-            raise ControlProtocolError("binary control payload is truncated (stage header)")
-        s, n, mx = _BIN_STAGE.unpack_from(data, off)
-        off += _BIN_STAGE.size
-        if s <= prev:
-            raise ControlProtocolError(f"binary control payload: stage {s} after stage {prev} (not increasing)")
-        if n > max_ranks:
-            raise ControlProtocolError(f"control payload: stage {s} has {n} ranks, exceeding max_ranks={max_ranks}")
-        if mx > MAX_TOKEN_COUNT:
-            raise ControlProtocolError(f"control payload: stage {s} max_tokens_across_dp_cpu {mx} exceeds int32")
-        end = off + 4 * n
-        if end > size:
-            raise ControlProtocolError(f"binary control payload is truncated (stage {s} counts)")
-        counts = struct.unpack_from(f"<{n}i", data, off)
-        if n and min(counts) < 0:
-            raise ControlProtocolError(f"control payload: stage {s} has a negative count: {list(counts)}")
-        stages[s] = AFDDPMetadata._trusted(counts, mx)
-        off = end
-        prev = s
-    if off != size:
-        raise ControlProtocolError(f"binary control payload has {size - off} trailing bytes")
-    payload = object.__new__(AFDControlPayload)
-    payload.dp_metadata_list = stages
-    payload.is_graph_capturing = bool(flags & 1)
-    payload.is_warmup = bool(flags & 2)
-    payload.is_graph_replaying = bool(flags & 4)
-    payload.is_profile = bool(flags & 8)
-    return payload
+    fields = _native().ctrl_decode(data, max_stages, max_ranks)
+    if type(fields) is str:
+        raise ControlProtocolError(fields)
+    return _payload_of(fields)
 
 
 # ---------------------------------------------------------------------------

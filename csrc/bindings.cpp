@@ -8,9 +8,12 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include <sys/socket.h>
+
 #include <cerrno>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "checks.h"
 #include "cpu/control.h"
@@ -99,132 +102,318 @@ TORCH_LIBRARY_IMPL(afd_ext, CompositeExplicitAutograd, m) {
   m.impl("peer_region_view", &afd::peer_region_view);
 }
 
-// The control plane's waits (csrc/cpu/control_poll.cpp) as plain module functions: the ring is
-// any writable buffer over the mapping (held for the call), and the GIL is released while they wait.
-// Vectorcall (METH_FASTCALL) arguments and a per-thread receive buffer: these run once per step
-// on cold caches, so they touch as little as they can (no format strings, no zeroed buffers).
-static bool ctrl_ring(PyObject* ring, uint64_t nslots, uint64_t stride, uint64_t cap, Py_buffer* b) {
-  if (PyObject_GetBuffer(ring, b, PyBUF_WRITABLE) < 0) return false;
-  if (nslots == 0 || stride < afd::ctrl::kSlotHeader + cap || stride > (1ULL << 32) || nslots > (1ULL << 20) ||
-      uint64_t(b->len) < afd::ctrl::kHeaderBytes + nslots * stride) {
-    PyBuffer_Release(b);
-    PyErr_SetString(PyExc_ValueError, "control ring: the geometry does not fit the buffer");
-    return false;
-  }
-  return true;
+// The control plane (csrc/cpu/control_poll.cpp) as plain module functions, once per step on each end:
+// the attention rank's put / send encodes the payload, the FFN rank's take waits (GIL released) and
+// decodes it. Python objects are read and built here only, through the C API: the payload's public
+// fields, and AFDDPMetadata's _counts / _max (its counts / max_tokens when it holds tensors, which
+// may have changed in place). Vectorcall arguments and a per-thread buffer: these run on cold caches.
+static PyObject* g_md_type = nullptr;  // afd_ext.metadata.AFDDPMetadata (ctrl_codec_init)
+static PyObject* g_names[11];          // dp_metadata_list, the flags, _t, _mt, _counts, _max, counts, max_tokens
+static const char* const kNames[11] = {"dp_metadata_list", "is_graph_capturing", "is_warmup", "is_graph_replaying",
+                                       "is_profile", "_t", "_mt", "_counts", "_max", "counts", "max_tokens"};
+
+static std::string& ctrl_scratch(size_t cap) {
+  static thread_local std::string buf;
+  if (buf.size() < cap) buf.resize(cap);
+  return buf;
 }
 
-// Integer arguments args[first .. first + n) as u64 (the deadlines as i64 bit patterns).
-static bool ctrl_ints(const char* fn, PyObject* const* args, Py_ssize_t nargs, Py_ssize_t want, Py_ssize_t first,
-                      uint64_t* out, Py_ssize_t n) {
+static bool ctrl_ints(PyObject* const* args, Py_ssize_t nargs, Py_ssize_t want, Py_ssize_t first, int64_t* out,
+                      Py_ssize_t n) {
   if (nargs != want) {
-    PyErr_Format(PyExc_TypeError, "%s takes %zd arguments, got %zd", fn, want, nargs);
+    PyErr_Format(PyExc_TypeError, "afd_ext._C: %zd arguments expected, got %zd", want, nargs);
     return false;
   }
   for (Py_ssize_t i = 0; i < n; ++i) {
-    const long long v = PyLong_AsLongLong(args[first + i]);
-    if (v == -1 && PyErr_Occurred()) return false;
-    out[i] = uint64_t(v);
+    out[i] = PyLong_AsLongLong(args[first + i]);
+    if (out[i] == -1 && PyErr_Occurred()) return false;
   }
   return true;
 }
 
-// A receive buffer of at least `cap` bytes, kept per thread (grown, never zeroed per call).
-static uint8_t* ctrl_scratch(uint64_t cap) {
-  static thread_local std::string buf;
-  if (buf.size() < cap) buf.resize(cap);
-  return reinterpret_cast<uint8_t*>(buf.data());
+// An exact int in [lo, hi] into *v, else false (no error set).
+static bool ctrl_int_in(PyObject* o, long long lo, long long hi, long long* v) {
+  if (!PyLong_CheckExact(o)) return false;
+  int overflow = 0;
+  *v = PyLong_AsLongLongAndOverflow(o, &overflow);
+  return !overflow && *v >= lo && *v <= hi;
 }
 
-// ctrl_shm_take(ring, nslots, stride, k, cap, spin_until_ns, deadline_ns) -> (total, sender, bytes) | int
-static PyObject* ctrl_shm_take_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  uint64_t v[6];
-  Py_buffer b;
-  if (!ctrl_ints("ctrl_shm_take", args, nargs, 7, 1, v, 6) || !ctrl_ring(args[0], v[0], v[1], v[3], &b)) return nullptr;
-  uint8_t* out = ctrl_scratch(v[3]);
-  uint64_t total = 0;
-  uint32_t sender = 0;
-  int64_t r;
-  Py_BEGIN_ALLOW_THREADS
-  r = afd::ctrl::shm_take(static_cast<uint8_t*>(b.buf), v[0], v[1], v[2], out, v[3], &total, &sender,
-                          int64_t(v[4]), int64_t(v[5]));
-  Py_END_ALLOW_THREADS
-  PyBuffer_Release(&b);
-  if (r >= 0) {
-    PyObject* t = PyTuple_New(3);
-    PyObject* data = PyBytes_FromStringAndSize(reinterpret_cast<char*>(out), Py_ssize_t(r));
-    PyObject* tot = PyLong_FromUnsignedLongLong(total);
-    PyObject* snd = PyLong_FromUnsignedLong(sender);
-    if (!t || !data || !tot || !snd) {
-      Py_XDECREF(t);
-      Py_XDECREF(data);
-      Py_XDECREF(tot);
-      Py_XDECREF(snd);
+// Encodes an AFDControlPayload into out[off, off + size). 1: done; 0: not a payload this path takes as it is (a
+// field missing or of another type, values to convert; no error set: Python normalises it or names the
+// fault); -1: an error set (a tensor modified in place into something invalid).
+static int ctrl_encode_into(PyObject* payload, std::string& out, size_t off, size_t* size) {
+  struct Stage { long long s; PyObject* counts; PyObject* max; };
+  std::vector<Stage> st;  // not shared: a counts property runs Python code
+  unsigned flags = 0;
+  for (int i = 1; i <= 4; ++i) {
+    PyObject* f = PyObject_GetAttr(payload, g_names[i]);
+    Py_XDECREF(f);  // only its address is compared below
+    if (f != Py_True && f != Py_False) return PyErr_Clear(), 0;
+    flags |= unsigned(f == Py_True) << (i - 1);
+  }
+  PyObject* dp = PyObject_GetAttr(payload, g_names[0]);
+  int rc = dp != nullptr && PyDict_CheckExact(dp) && PyDict_GET_SIZE(dp) <= 0xFFFF && g_md_type != nullptr;
+  PyErr_Clear();
+  Py_ssize_t pos = 0;
+  PyObject *key, *md;
+  size_t n = afd::ctrl::kPayloadHead;
+  while (rc == 1 && PyDict_Next(dp, &pos, &key, &md)) {
+    Stage g{0, nullptr, nullptr};
+    if (!ctrl_int_in(key, 0, 0xFFFFFFFFLL, &g.s) || Py_TYPE(md) != reinterpret_cast<PyTypeObject*>(g_md_type)) {
+      rc = 0;
+      break;
+    }
+    Py_INCREF(md);  // a counts property runs Python code, which may change the dict
+    PyObject* t = PyObject_GetAttr(md, g_names[5]);
+    PyObject* mt = t ? PyObject_GetAttr(md, g_names[6]) : nullptr;
+    const bool plain = t == Py_None && mt == Py_None;
+    Py_XDECREF(t);
+    Py_XDECREF(mt);
+    if (mt != nullptr) {
+      g.counts = PyObject_GetAttr(md, g_names[plain ? 7 : 9]);
+      g.max = g.counts ? PyObject_GetAttr(md, g_names[plain ? 8 : 10]) : nullptr;
+    }
+    Py_DECREF(md);
+    st.push_back(g);
+    if (g.max == nullptr) rc = -1;
+    else if (!PyTuple_CheckExact(g.counts) || PyTuple_GET_SIZE(g.counts) > INT32_MAX) rc = 0;
+    else n += afd::ctrl::kStageHead + 4 * size_t(PyTuple_GET_SIZE(g.counts));
+  }
+  Py_XDECREF(dp);
+  if (rc == 1) {
+    for (size_t i = 1; i < st.size(); ++i)  // increasing stage order (a few stages: insertion sort)
+      for (size_t j = i; j > 0 && st[j - 1].s > st[j].s; --j) std::swap(st[j - 1], st[j]);
+    if (out.size() < off + n) out.resize(off + n);
+    auto* p = reinterpret_cast<uint8_t*>(out.data()) + off;
+    const uint16_t ns = uint16_t(st.size());
+    std::memcpy(p, "AFDb", 4), p[4] = afd::ctrl::kPayloadVersion, p[5] = uint8_t(flags), std::memcpy(p + 6, &ns, 2);
+    p += afd::ctrl::kPayloadHead;
+    for (size_t i = 0; rc == 1 && i < st.size(); ++i) {
+      long long v = 0;
+      const auto k = uint32_t(PyTuple_GET_SIZE(st[i].counts));
+      rc = ctrl_int_in(st[i].max, 0, INT32_MAX, &v);
+      const uint32_t head[3] = {uint32_t(st[i].s), k, uint32_t(v)};
+      std::memcpy(p, head, afd::ctrl::kStageHead);
+      p += afd::ctrl::kStageHead;
+      for (uint32_t j = 0; rc == 1 && j < k; ++j, p += 4) {
+        rc = ctrl_int_in(PyTuple_GET_ITEM(st[i].counts, j), 0, INT32_MAX, &v);
+        const auto c = int32_t(v);
+        std::memcpy(p, &c, 4);
+      }
+    }
+  }
+  for (auto& g : st) Py_XDECREF(g.counts), Py_XDECREF(g.max);
+  *size = n;
+  return rc;
+}
+
+// The fields of a checked payload: (is_graph_capturing, is_warmup, is_graph_replaying, is_profile,
+// ((stage, max_tokens, (count, ...)), ...)); a str saying what is wrong when it is malformed.
+static PyObject* ctrl_decode_from(const uint8_t* p, uint64_t size, long long max_stages, long long max_ranks) {
+  const std::string err = afd::ctrl::check_payload(p, size, uint64_t(max_stages), uint64_t(max_ranks));
+  if (!err.empty()) return PyUnicode_FromStringAndSize(err.data(), Py_ssize_t(err.size()));
+  // A copy: a collection run by the allocations below may run finalizers that reuse the caller's buffer.
+  const std::string copy(reinterpret_cast<const char*>(p), size_t(size));
+  p = reinterpret_cast<const uint8_t*>(copy.data());
+  const Py_ssize_t ns = p[6] | Py_ssize_t(p[7]) << 8;
+  PyObject* out = PyTuple_New(5);
+  PyObject* stages = out ? PyTuple_New(ns) : nullptr;
+  if (stages == nullptr) {
+    Py_XDECREF(out);
+    return nullptr;
+  }
+  for (int i = 0; i < 4; ++i) PyTuple_SET_ITEM(out, i, PyBool_FromLong(p[5] >> i & 1));
+  PyTuple_SET_ITEM(out, 4, stages);
+  p += afd::ctrl::kPayloadHead;
+  for (Py_ssize_t i = 0; i < ns; ++i) {
+    uint32_t h[3];
+    std::memcpy(h, p, 12);
+    p += afd::ctrl::kStageHead;
+    PyObject* counts = PyTuple_New(h[1]);
+    PyObject* stage = counts ? PyTuple_New(3) : nullptr;
+    if (stage == nullptr) {
+      Py_XDECREF(counts);
+      Py_DECREF(out);
       return nullptr;
     }
-    PyTuple_SET_ITEM(t, 0, tot);
-    PyTuple_SET_ITEM(t, 1, snd);
-    PyTuple_SET_ITEM(t, 2, data);
-    return t;
+    PyTuple_SET_ITEM(stages, i, stage);
+    PyTuple_SET_ITEM(stage, 2, counts);
+    for (uint32_t j = 0; j < h[1]; ++j, p += 4) {
+      int32_t c;
+      std::memcpy(&c, p, 4);
+      PyTuple_SET_ITEM(counts, j, PyLong_FromLong(c));
+    }
+    PyTuple_SET_ITEM(stage, 0, PyLong_FromUnsignedLong(h[0]));
+    PyTuple_SET_ITEM(stage, 1, PyLong_FromUnsignedLong(h[2]));
+    if (PyErr_Occurred()) {
+      Py_DECREF(out);
+      return nullptr;
+    }
   }
-  if (PyErr_CheckSignals() < 0) return nullptr;
-  return PyLong_FromLongLong(r);
+  return out;
 }
 
-// ctrl_shm_put(ring, nslots, stride, k, total, sender, data) -> bool (False, nothing written: the ring is full)
-static PyObject* ctrl_shm_put_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  uint64_t v[5];
-  Py_buffer data, b;
-  if (!ctrl_ints("ctrl_shm_put", args, nargs, 7, 1, v, 5) || PyObject_GetBuffer(args[6], &data, PyBUF_SIMPLE) < 0)
-    return nullptr;
-  bool put = false;
-  const bool ok = ctrl_ring(args[0], v[0], v[1], uint64_t(data.len), &b);
-  if (ok) {
-    put = afd::ctrl::shm_put(static_cast<uint8_t*>(b.buf), v[0], v[1], v[2], v[3], uint32_t(v[4]),
-                             static_cast<const uint8_t*>(data.buf), uint32_t(data.len));
-    PyBuffer_Release(&b);
+// ctrl_codec_init(AFDDPMetadata): the class whose objects the encoder reads (afd_ext/metadata.py).
+static PyObject* ctrl_codec_init_py(PyObject*, PyObject* cls) {
+  if (!PyType_Check(cls)) return PyErr_Format(PyExc_TypeError, "ctrl_codec_init takes a class");
+  for (int i = 0; i < 11; ++i)
+    if (g_names[i] == nullptr && (g_names[i] = PyUnicode_InternFromString(kNames[i])) == nullptr) return nullptr;
+  Py_INCREF(cls);
+  Py_XSETREF(g_md_type, cls);
+  Py_RETURN_NONE;
+}
+
+// ctrl_encode(payload) -> bytes | None (a payload the encoder does not take as it is: Python normalises it).
+static PyObject* ctrl_encode_py(PyObject*, PyObject* payload) {
+  std::string& buf = ctrl_scratch(4096);
+  size_t n = 0;
+  const int rc = ctrl_encode_into(payload, buf, 0, &n);
+  if (rc < 0) return nullptr;
+  if (rc == 0) Py_RETURN_NONE;
+  return PyBytes_FromStringAndSize(buf.data(), Py_ssize_t(n));
+}
+
+// ctrl_decode(data, max_stages, max_ranks) -> the fields (ctrl_decode_from) | str (malformed).
+static PyObject* ctrl_decode_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  int64_t lim[2];
+  Py_buffer b;
+  if (!ctrl_ints(args, nargs, 3, 1, lim, 2) || PyObject_GetBuffer(args[0], &b, PyBUF_SIMPLE) < 0) return nullptr;
+  PyObject* r = ctrl_decode_from(static_cast<const uint8_t*>(b.buf), uint64_t(b.len), lim[0], lim[1]);
+  PyBuffer_Release(&b);
+  return r;
+}
+
+// The ring behind the writable buffer `ring` (the mapping), geometry from its header.
+static bool ctrl_ring(PyObject* ring, Py_buffer* b, afd::ctrl::Ring* r) {
+  if (PyObject_GetBuffer(ring, b, PyBUF_WRITABLE) < 0) return false;
+  if (!afd::ctrl::ring_of(static_cast<uint8_t*>(b->buf), uint64_t(b->len), r)) {
+    PyBuffer_Release(b);
+    PyErr_SetString(PyExc_ValueError, "control ring: the header's geometry does not fit the mapping");
+    return false;
   }
-  PyBuffer_Release(&data);
-  if (!ok) return nullptr;
+  return true;
+}
+
+// ctrl_shm_put(ring, sender, data, total) -> True | False (the ring is full, nothing written) | None.
+// data: bytes-like, one fragment of a `total`-byte message; or an AFDControlPayload, encoded here (None:
+// not one the encoder takes as it is, or larger than a slot or `total`: Python encodes it, or refuses it).
+static PyObject* ctrl_shm_put_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  int64_t v[2] = {0, 0};  // sender, total
+  Py_buffer data{}, b;
+  afd::ctrl::Ring r;
+  const bool raw = nargs == 4 && PyObject_CheckBuffer(args[2]);
+  if (!ctrl_ints(args, nargs, 4, 1, v, 1) || !ctrl_ints(args, nargs, 4, 3, v + 1, 1)) return nullptr;
+  if (raw && PyObject_GetBuffer(args[2], &data, PyBUF_SIMPLE) < 0) return nullptr;
+  if (!ctrl_ring(args[0], &b, &r)) {
+    if (raw) PyBuffer_Release(&data);
+    return nullptr;
+  }
+  std::string& buf = ctrl_scratch(4096);
+  size_t n = size_t(data.len);
+  int rc = raw ? 1 : ctrl_encode_into(args[2], buf, 0, &n);
+  const uint8_t* p = raw ? static_cast<const uint8_t*>(data.buf) : reinterpret_cast<const uint8_t*>(buf.data());
+  if (raw && n > r.slot_bytes) {
+    PyErr_SetString(PyExc_ValueError, "ctrl_shm_put: a fragment larger than a slot");
+    rc = -1;
+  }
+  if (!raw && (n > r.slot_bytes || int64_t(n) > v[1]) && rc == 1) rc = 0;
+  const bool put = rc == 1 && afd::ctrl::shm_put(r, raw ? uint64_t(v[1]) : n, uint32_t(v[0]), p, uint32_t(n));
+  if (raw) PyBuffer_Release(&data);
+  PyBuffer_Release(&b);
+  if (rc < 0) return nullptr;
+  if (rc == 0) Py_RETURN_NONE;
   return PyBool_FromLong(put);
+}
+
+// ctrl_shm_take(ring, spin_until_ns, deadline_ns, max_stages, max_ranks) -> (total, sender, body) | int
+// (-1 the slice passed, -2 stopped, -3 corrupt). body: the decoded fields (ctrl_decode_from) of a
+// message whole in its slot when max_stages >= 0; else the fragment's bytes.
+static PyObject* ctrl_shm_take_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  int64_t v[4];
+  Py_buffer b;
+  afd::ctrl::Ring r;
+  if (!ctrl_ints(args, nargs, 5, 1, v, 4) || !ctrl_ring(args[0], &b, &r)) return nullptr;
+  auto* out = reinterpret_cast<uint8_t*>(ctrl_scratch(r.slot_bytes).data());
+  uint64_t total = 0;
+  uint32_t sender = 0;
+  int64_t n;
+  Py_BEGIN_ALLOW_THREADS
+  n = afd::ctrl::shm_take(r, out, &total, &sender, v[0], v[1]);
+  Py_END_ALLOW_THREADS
+  PyBuffer_Release(&b);
+  if (n < 0) return PyErr_CheckSignals() < 0 ? nullptr : PyLong_FromLongLong(n);
+  PyObject* body = v[2] >= 0 && uint64_t(n) == total
+                       ? ctrl_decode_from(out, uint64_t(n), v[2], v[3])
+                       : PyBytes_FromStringAndSize(reinterpret_cast<char*>(out), Py_ssize_t(n));
+  return body ? Py_BuildValue("(KkN)", (unsigned long long)total, (unsigned long)sender, body) : nullptr;
 }
 
 // ctrl_shm_stop(ring) -> None
 static PyObject* ctrl_shm_stop_py(PyObject*, PyObject* ring) {
   Py_buffer b;
-  if (!ctrl_ring(ring, 1, afd::ctrl::kSlotHeader, 0, &b)) return nullptr;
-  afd::ctrl::shm_stop(static_cast<uint8_t*>(b.buf));
+  afd::ctrl::Ring r;
+  if (!ctrl_ring(ring, &b, &r)) return nullptr;
+  afd::ctrl::shm_stop(r.base);
   PyBuffer_Release(&b);
   Py_RETURN_NONE;
 }
 
-// ctrl_tcp_take(fd, rbuf, magic, max_bytes, spin_until_ns, deadline_ns) -> the next whole frame
-// from socket fd, as (magic, type, sender, length, body): body is None, nothing more read, when
-// the magic differs or the length exceeds max_bytes. Bytes past the frame stay in the bytearray rbuf. None: the
-// deadline passed; 0: end of stream before a whole frame. Frames: magic u32 | type u32 |
-// sender u32 | length u64 | body (afd_ext/control/tcp.py writes them).
+// ctrl_tcp_send(fd, type, sender, data, max_bytes) -> True (sent) | bytes (the rest of the frame, which
+// the socket did not take at once) | None (nothing sent: a payload the encoder does not take as it is, or
+// over max_bytes). data: bytes-like, or an AFDControlPayload encoded here. OSError: the connection failed.
+static PyObject* ctrl_tcp_send_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  int64_t v[4];  // fd, type, sender, (data), max_bytes
+  if (!ctrl_ints(args, nargs, 5, 0, v, 3) || !ctrl_ints(args, nargs, 5, 4, v + 3, 1)) return nullptr;
+  std::string& buf = ctrl_scratch(4096);
+  size_t n = 0;
+  if (PyObject_CheckBuffer(args[3])) {
+    Py_buffer d;
+    if (PyObject_GetBuffer(args[3], &d, PyBUF_SIMPLE) < 0) return nullptr;
+    n = size_t(d.len);
+    if (buf.size() < afd::ctrl::kFrameHeader + n) buf.resize(afd::ctrl::kFrameHeader + n);
+    std::memcpy(buf.data() + afd::ctrl::kFrameHeader, d.buf, n);
+    PyBuffer_Release(&d);
+  } else if (const int rc = ctrl_encode_into(args[3], buf, afd::ctrl::kFrameHeader, &n); rc <= 0 || int64_t(n) > v[3]) {
+    return rc < 0 ? nullptr : Py_NewRef(Py_None);
+  }
+  const uint32_t head[3] = {afd::ctrl::kTcpMagic, uint32_t(v[1]), uint32_t(v[2])};
+  const uint64_t len = n;
+  std::memcpy(buf.data(), head, 12), std::memcpy(buf.data() + 12, &len, 8);
+  n += afd::ctrl::kFrameHeader;
+  ssize_t sent = send(int(v[0]), buf.data(), n, MSG_DONTWAIT | MSG_NOSIGNAL);
+  if (sent < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) return PyErr_SetFromErrno(PyExc_OSError);
+  if (sent == ssize_t(n)) Py_RETURN_TRUE;
+  sent = sent < 0 ? 0 : sent;
+  return PyBytes_FromStringAndSize(buf.data() + sent, Py_ssize_t(n) - sent);
+}
+
+// ctrl_tcp_take(fd, rbuf, max_bytes, spin_until_ns, deadline_ns, max_stages, max_ranks) -> the next whole
+// frame from socket fd as (type, sender, length, body): body None, nothing more read, when the length
+// exceeds max_bytes; the decoded fields (ctrl_decode_from) of a non-empty body when max_stages >= 0;
+// else bytes. A str: the frame's magic is wrong. None: the deadline passed; 0: end of stream. Bytes
+// past the frame stay in the bytearray rbuf.
 static PyObject* ctrl_tcp_take_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  constexpr Py_ssize_t kHdr = 20, kRead = 65536;
-  uint64_t v[4];  // magic, max_bytes, spin_until_ns, deadline_ns
-  if (!ctrl_ints("ctrl_tcp_take", args, nargs, 6, 2, v, 4)) return nullptr;
+  constexpr Py_ssize_t kHdr = afd::ctrl::kFrameHeader, kRead = 65536;
+  int64_t v[5];  // max_bytes, spin_until_ns, deadline_ns, max_stages, max_ranks
+  if (!ctrl_ints(args, nargs, 7, 2, v, 5)) return nullptr;
   const int fd = int(PyLong_AsLong(args[0]));
   if (fd == -1 && PyErr_Occurred()) return nullptr;
   PyObject* rbuf = args[1];
-  if (!PyByteArray_Check(rbuf)) {
-    PyErr_SetString(PyExc_TypeError, "ctrl_tcp_take: rbuf must be a bytearray");
-    return nullptr;
-  }
-  uint8_t* tmp = ctrl_scratch(kRead);
+  if (!PyByteArray_Check(rbuf)) return PyErr_Format(PyExc_TypeError, "ctrl_tcp_take: rbuf must be a bytearray");
+  auto* tmp = reinterpret_cast<uint8_t*>(ctrl_scratch(kRead).data());
   for (;;) {
     const Py_ssize_t len = PyByteArray_GET_SIZE(rbuf);
     const uint8_t* p = reinterpret_cast<const uint8_t*>(PyByteArray_AS_STRING(rbuf));
     if (len >= kHdr) {
-      uint32_t magic, typ, sender;
+      uint32_t h[3];
       uint64_t n;
-      std::memcpy(&magic, p, 4), std::memcpy(&typ, p + 4, 4), std::memcpy(&sender, p + 8, 4), std::memcpy(&n, p + 12, 8);
-      if (magic != uint32_t(v[0]) || n > v[1]) return Py_BuildValue("(IIIKO)", magic, typ, sender, (unsigned long long)n, Py_None);
+      std::memcpy(h, p, 12), std::memcpy(&n, p + 12, 8);
+      if (h[0] != afd::ctrl::kTcpMagic) return PyUnicode_FromFormat("bad magic %#x", h[0]);
+      if (n > uint64_t(v[0])) return Py_BuildValue("(kkKO)", (unsigned long)h[1], (unsigned long)h[2], (unsigned long long)n, Py_None);
       if (uint64_t(len - kHdr) >= n) {
-        PyObject* body = PyBytes_FromStringAndSize(reinterpret_cast<const char*>(p + kHdr), Py_ssize_t(n));
+        PyObject* body = v[3] >= 0 && n > 0 ? ctrl_decode_from(p + kHdr, n, v[3], v[4])
+                                             : PyBytes_FromStringAndSize(reinterpret_cast<const char*>(p + kHdr), Py_ssize_t(n));
         if (body == nullptr) return nullptr;
         const Py_ssize_t rest = len - kHdr - Py_ssize_t(n);
         std::memmove(PyByteArray_AS_STRING(rbuf), p + kHdr + n, size_t(rest));
@@ -232,12 +421,12 @@ static PyObject* ctrl_tcp_take_py(PyObject*, PyObject* const* args, Py_ssize_t n
           Py_DECREF(body);
           return nullptr;
         }
-        return Py_BuildValue("(IIIKN)", magic, typ, sender, (unsigned long long)n, body);
+        return Py_BuildValue("(kkKN)", (unsigned long)h[1], (unsigned long)h[2], (unsigned long long)n, body);
       }
     }
     int64_t r;
     Py_BEGIN_ALLOW_THREADS
-    r = afd::ctrl::tcp_read(fd, tmp, kRead, int64_t(v[2]), int64_t(v[3]));
+    r = afd::ctrl::tcp_read(fd, tmp, kRead, v[1], v[2]);
     Py_END_ALLOW_THREADS
     if (r == afd::ctrl::kSlice) {
       if (PyErr_CheckSignals() < 0) return nullptr;
@@ -253,14 +442,16 @@ static PyObject* ctrl_tcp_take_py(PyObject*, PyObject* const* args, Py_ssize_t n
   }
 }
 
+#define AFD_FASTCALL(f) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(f)), METH_FASTCALL
 static PyMethodDef afd_methods[] = {
-    {"ctrl_shm_take", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(ctrl_shm_take_py)), METH_FASTCALL,
-     "Control plane: wait for a shared-memory ring's next message (afd_ext/control/shm.py)."},
-    {"ctrl_shm_put", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(ctrl_shm_put_py)), METH_FASTCALL,
-     "Control plane: publish a message in a shared-memory ring."},
+    {"ctrl_codec_init", ctrl_codec_init_py, METH_O, "Control plane: the DP-metadata class the encoder reads."},
+    {"ctrl_encode", ctrl_encode_py, METH_O, "Control plane: encode a control payload (afd_ext/metadata.py)."},
+    {"ctrl_decode", AFD_FASTCALL(ctrl_decode_py), "Control plane: check and decode a binary control payload."},
+    {"ctrl_shm_put", AFD_FASTCALL(ctrl_shm_put_py), "Control plane: publish a message in a shared-memory ring."},
+    {"ctrl_shm_take", AFD_FASTCALL(ctrl_shm_take_py), "Control plane: wait for a ring's next message (control/shm.py)."},
     {"ctrl_shm_stop", ctrl_shm_stop_py, METH_O, "Control plane: end a shared-memory ring's waits (close)."},
-    {"ctrl_tcp_take", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(ctrl_tcp_take_py)), METH_FASTCALL,
-     "Control plane: wait for and read a TCP control socket's next frame (afd_ext/control/tcp.py)."},
+    {"ctrl_tcp_send", AFD_FASTCALL(ctrl_tcp_send_py), "Control plane: send one frame on a TCP control socket."},
+    {"ctrl_tcp_take", AFD_FASTCALL(ctrl_tcp_take_py), "Control plane: wait for a TCP control socket's next frame."},
     {nullptr, nullptr, 0, nullptr}};
 
 // `import afd_ext._C` loads the library (running the registrations above) and

@@ -486,13 +486,13 @@ def test_a_message_from_an_unexpected_sender_is_rejected(kind):
 
 def test_fragments_that_do_not_add_up_or_stop_half_way_are_named_errors():
     with _pair("shm", slot_bytes=64, nslots=4) as (rx, tx):
-        put = functools.partial(tx._C.ctrl_shm_put, tx._mm, tx._nslots, tx._stride)
-        put(0, 100, 1, b"a" * 64)
-        put(1, 200, 1, b"b" * 36)  # the second fragment names another total
+        put = functools.partial(tx._C.ctrl_shm_put, tx._mm, 1)  # (data, total) from world rank 1
+        put(b"a" * 64, 100)
+        put(b"b" * 36, 200)  # the second fragment names another total
         with pytest.raises(cp.ControlProtocolError, match="fragments from .* do not add up.*after 64 of 100 bytes"):
             rx.recv(1.0)
     with _pair("shm", slot_bytes=64, nslots=4) as (rx, tx):
-        tx._C.ctrl_shm_put(tx._mm, tx._nslots, tx._stride, 0, 100, 1, b"a" * 64)  # the rest never comes
+        tx._C.ctrl_shm_put(tx._mm, 1, b"a" * 64, 100)  # the rest never comes
         t0 = time.monotonic()
         with pytest.raises(cp.ControlProtocolError, match="stopped after 64 of 100 bytes"):
             rx.recv(None)
@@ -556,7 +556,7 @@ def test_a_tcp_frame_left_part_sent_breaks_the_stream_and_a_heartbeat_skips_a_bu
     with _pair("tcp") as (rx, tx):
         with tx._lock:
             assert tx._beat() is True  # skipped (the lock is busy), not blocked, not an error
-        with mock.patch("afd_ext.control.tcp.os.write", side_effect=BrokenPipeError(32, "Broken pipe")):
+        with mock.patch.object(tx._C, "ctrl_tcp_send", side_effect=BrokenPipeError(32, "Broken pipe")):
             with pytest.raises(cp.PeerDeadError, match="connection lost"):
                 tx.send(b"x")
         with pytest.raises(cp.PeerDeadError, match="left part-sent"):
@@ -565,13 +565,31 @@ def test_a_tcp_frame_left_part_sent_breaks_the_stream_and_a_heartbeat_skips_a_bu
 
 @pytest.mark.parametrize("first_write", ["part", "would block"])
 def test_a_tcp_frame_the_first_write_leaves_unsent_is_finished_whole(first_write):
-    real = os.write
-    short = (lambda fd, b: real(fd, b[:3])) if first_write == "part" else BlockingIOError(11, "would block")
     with _pair("tcp") as (rx, tx):
-        with mock.patch("afd_ext.control.tcp.os.write", side_effect=short):
+        real = tx._C.ctrl_tcp_send
+
+        def short(fd, typ, sender, data, max_bytes):  # the native send, as if the socket took 3 bytes (or none)
+            a, b = socket.socketpair()
+            with a, b:
+                real(a.fileno(), typ, sender, data, max_bytes)
+                frame = b.recv(1 << 16)
+            n = 3 if first_write == "part" else 0
+            os.write(fd, frame[:n])
+            return frame[n:]
+
+        with mock.patch.object(tx._C, "ctrl_tcp_send", side_effect=short):
             tx.send(b"hello")
         tx.send(b"again")
         assert rx.recv(5.0) == b"hello" and rx.recv(5.0) == b"again"
+
+
+@pytest.mark.parametrize("kind", ["shm", "tcp"])
+def test_a_payload_over_max_message_bytes_is_refused_before_it_moves_and_the_next_one_goes(kind):
+    with _pair(kind, max_message_bytes=100) as (rx, tx):
+        with pytest.raises(AFDConfigError, match="272 bytes exceeds max_message_bytes=100"):
+            tx.send_payload(_payload(0, 30))  # 8 + 2 * (12 + 4 * 30) bytes
+        tx.send_payload(_payload(1, 8))  # 96 bytes
+        assert rx.recv(2.0, max_payload=100) == _payload(1, 8)
 
 
 def test_the_planes_max_payload_bytes_bounds_a_payload():

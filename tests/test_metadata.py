@@ -491,6 +491,131 @@ def test_property_binary_garbage_only_value_error(p, cut, insert):
             assert all(0 <= c <= md.MAX_TOKEN_COUNT for c in m.counts) and 0 <= m.max_tokens <= md.MAX_TOKEN_COUNT
 
 
+
+# ---------------------------------------------------------------- the native codec's edges
+
+
+def test_native_encoder_writes_the_documented_layout_for_any_stage_keys_and_flags():
+    import struct
+
+    stages = {2**32 - 1: [0, 7, 2**31 - 1], 3: [], 0: [5, 5]}
+    p = AFDControlPayload(stages, is_graph_capturing=True, is_warmup=False, is_graph_replaying=True, is_profile=True)
+    want = b"AFDb" + struct.pack("<BBH", 1, 0b1101, 3)
+    for s in sorted(stages):
+        c = stages[s]
+        want += struct.pack(f"<III{len(c)}i", s, len(c), max(c, default=0), *c)
+    assert md.encode_control_binary(p) == want
+
+
+@pytest.mark.parametrize("bits", range(16))
+def test_every_flag_combination_round_trips_and_higher_bits_are_refused(bits):
+    names = ("is_graph_capturing", "is_warmup", "is_graph_replaying", "is_profile")
+    p = AFDControlPayload({0: [1]}, **{n: bool(bits >> i & 1) for i, n in enumerate(names)})
+    b = md.encode_control_binary(p)
+    assert b[5] == bits
+    q = md.decode_control_binary(b)
+    assert [getattr(q, n) for n in names] == [bool(bits >> i & 1) for i in range(4)]
+    with pytest.raises(ControlProtocolError, match="unknown flag bits"):
+        md.decode_control_binary(b[:5] + bytes([bits | 0x10 << (bits % 4)]) + b[6:])
+
+
+def test_every_truncation_and_any_trailing_bytes_are_named():
+    good = _bin([(0, [1, 2, 3], 3), (4, [], 0), (9, [7], 7)])
+    for cut in range(len(good)):
+        with pytest.raises(ControlProtocolError, match="shorter than its header|truncated"):
+            md.decode_control_binary(good[:cut])
+    for extra in range(1, 9):
+        with pytest.raises(ControlProtocolError, match=f"has {extra} trailing bytes"):
+            md.decode_control_binary(good + b"\0" * extra)
+
+
+def test_counts_and_stages_announced_beyond_the_bytes_are_refused_without_reading_past_them():
+    import struct
+
+    huge = b"AFDb" + struct.pack("<BBH", 1, 0, 1) + struct.pack("<III", 0, 2**32 - 1, 0) + b"\0" * 8
+    with pytest.raises(ControlProtocolError, match="max_ranks"):
+        md.decode_control_binary(huge)
+    with pytest.raises(ControlProtocolError, match="truncated \\(stage 0 counts\\)"):
+        md.decode_control_binary(huge, max_ranks=2**32)
+    many = b"AFDb" + struct.pack("<BBH", 1, 0, 0xFFFF) + struct.pack("<III", 0, 0, 0)
+    with pytest.raises(ControlProtocolError, match="65535 stages exceed max_stages=64"):
+        md.decode_control_binary(many)
+    with pytest.raises(ControlProtocolError, match="truncated \\(stage header\\)"):
+        md.decode_control_binary(many, max_stages=0xFFFF)
+
+
+@pytest.mark.parametrize("stages,match", [
+    ([(5, [1], 1), (5, [1], 1)], "stage 5 after stage 5 \\(not increasing\\)"),
+    ([(2**32 - 1, [1], 1), (2**31, [1], 1)], f"stage {2**31} after stage {2**32 - 1}"),
+    ([(0, [1, 2**31 - 1, -2**31], 1)], "stage 0 has a negative count \\(rank 2: -2147483648\\)"),
+    ([(0, [1], 2**32 - 1)], "max_tokens_across_dp_cpu 4294967295 exceeds int32"),
+])
+def test_native_decoder_names_order_sign_and_range_faults(stages, match):
+    import struct
+
+    data = b"AFDb" + struct.pack("<BBH", 1, 0, len(stages))
+    for s, counts, mx in stages:
+        data += struct.pack(f"<III{len(counts)}i", s, len(counts), mx, *counts)
+    with pytest.raises(ControlProtocolError, match=match):
+        md.decode_control_binary(data)
+    with pytest.raises(ControlProtocolError, match=match):
+        md.decode_control_binary(bytearray(data))
+
+
+def test_native_encoder_reads_tensors_modified_in_place_and_converts_other_payload_classes():
+    t = torch.tensor([1, 2, 3], dtype=torch.int32)
+    p = AFDControlPayload({0: AFDDPMetadata(t), 1: AFDDPMetadata([4])})
+    t[1] = 9  # modified after construction: the encoder sends what the tensor holds now
+    assert md.decode_control_binary(md.encode_control_binary(p)).stage_counts() == {0: (1, 9, 3), 1: (4,)}
+    t[0] = -1
+    with pytest.raises(AFDConfigError, match="modified in place"):
+        md.encode_control_binary(p)
+
+    class Foreign:  # the reference plugin's own class: int flags, count lists
+        dp_metadata_list = {1: [3, 0], 0: [5]}
+        is_graph_capturing, is_warmup = 0, 1
+
+    want = md.encode_control_binary(AFDControlPayload({1: [3, 0], 0: [5]}, is_warmup=True))
+    assert md.encode_control_binary(Foreign()) == want
+
+    class Sub(AFDDPMetadata):  # a subclass is read through its public fields
+        pass
+
+    assert md.encode_control_binary(AFDControlPayload({1: Sub([3, 0]), 0: [5]}, is_warmup=True)) == want
+
+
+
+def test_whatever_the_native_decoder_accepts_re_encodes_to_the_same_bytes():
+    import random
+    import struct
+
+    rng = random.Random(1)
+    good = [md.encode_control_binary(AFDControlPayload(
+        {s: [rng.randrange(100) for _ in range(rng.randrange(9))] for s in rng.sample(range(50), rng.randrange(5))}))
+        for _ in range(20)]
+    accepted = 0
+    for _ in range(20000):  # mutated payloads: bytes flipped, cut, inserted, the stage count rewritten
+        b = bytearray(rng.choice(good))
+        for _ in range(rng.randrange(1, 4)):
+            op = rng.randrange(4)
+            if op == 0 and b:
+                b[rng.randrange(len(b))] = rng.randrange(256)
+            elif op == 1:
+                del b[rng.randrange(len(b) + 1):rng.randrange(len(b) + 1)]
+            elif op == 2:
+                b.insert(rng.randrange(len(b) + 1), rng.randrange(256))
+            elif len(b) >= 8:
+                b[6:8] = struct.pack("<H", rng.randrange(65536))
+        try:
+            q = md.decode_control_binary(bytes(b), max_stages=rng.choice([1, 64, 65535]),
+                                         max_ranks=rng.choice([8, 4096, 2**32]))
+        except ControlProtocolError:
+            continue
+        accepted += 1
+        assert md.encode_control_binary(q) == bytes(b)  # one canonical layout: nothing is read loosely
+    assert accepted > 100
+
+
 # ---------------------------------------------------------------- framing
 
 

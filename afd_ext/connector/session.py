@@ -339,10 +339,8 @@ class Session:
             AFDProtocolError: the counts differ (nothing is sent; the step is aborted on every rank).
         """
         st = self.step
-        if st is None or st.seq.moved:
-            return  # no step applied yet, or an older one (the runtime's order is checked elsewhere)
-        if payload is st.schedule.payload:
-            return  # the payload applied (the usual case): the comparison below would read it twice
+        if st is None or payload is st.schedule.payload or st.seq.moved:
+            return  # no step applied yet, the payload applied (the usual case: first, no property), or an older step
         payload = AFDControlPayload.from_fields(payload)
         applied = {k: md.counts for k, md in st.schedule.payload.dp_metadata_list.items()}
         sent = {k: md.counts for k, md in payload.dp_metadata_list.items()}

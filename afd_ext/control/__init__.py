@@ -26,14 +26,16 @@ device sync on the FFN side), the payload never touches a GPU. Each
                       receiver start time u64 | ... ;
                       [64]  read_count u64   (receiver: slots consumed)
                       [128] heartbeat_ns u64 (sender: CLOCK_MONOTONIC) |
-                            sender_state u64 (0 new, 1 attached, 2 closed)
+                            sender_state u64 (0 new, 1 attached, 2 closed) |
+                            write_count u64 (sender: slots published)
                       [192] the native side's: waiting u32 | doorbell u32 | stop u32
       slot i (stride 64-byte aligned): seq u64 | total_len u64 | frag_len u32 |
                       sender u32 | crc u32 | pad u32 | payload[slot_bytes]
 
   Message ``k`` (counted in slots) uses slot ``k % nslots`` as a seqlock, in
-  native code (``csrc/cpu/control_poll.cpp``): the sender waits until
-  ``k - read_count < nslots`` (flow control), stores ``seq = 2k+1``, writes the
+  native code (``csrc/cpu/control_poll.cpp``, which reads the geometry from the
+  header and keeps both counts there): the sender puts only while
+  ``write_count - read_count < nslots`` (flow control), stores ``seq = 2k+1``, writes the
   fields and the payload and a CRC-32 over them, then stores ``seq = 2k+2``
   (release). The receiver waits for ``seq == 2k+2`` (acquire), copies, re-reads
   ``seq`` and checks the CRC: a torn read is retried, and a published slot that
@@ -50,7 +52,8 @@ device sync on the FFN side), the payload never touches a GPU. Each
   reaches the rendezvous host (never a hard-coded loopback; override with
   ``AFD_CONTROL_ADDR``), publishes ``addr:port`` through the store; the
   sender connects (``TCP_NODELAY``) and introduces itself. Frames are
-  ``magic u32 | type u32 | sender world rank u32 | length u64 | bytes``.
+  ``magic u32 | type u32 | sender world rank u32 | length u64 | bytes``, built
+  and split in native code (``_C.ctrl_tcp_send`` / ``_C.ctrl_tcp_take``).
 
 How a receiver waits: spinning while serving, asleep when idle
 -------------------------------------------------------------
@@ -64,9 +67,21 @@ threads keep running. Once idle it sleeps: shm raises a waiting flag and
 sleeps on a futex in the segment (the doorbell, which the sender rings after
 publishing when it sees the flag, a full fence between the two), tcp sleeps
 in ``poll``; an idle FFN rank burns no CPU. ``idle_s = 0`` always sleeps (few
-cores, many ranks: CI). The native wait returns the message's bytes; Python
-decodes them with the one codec (:func:`~afd_ext.metadata.decode_control_binary`).
-It waits in slices of 0.1-0.2 s (jittered, so that they never line up with a
+cores, many ranks: CI).
+
+One native call per step on each end: the attention rank's
+``send_dp_metadata_list`` calls ``_C.ctrl_shm_put`` (or ``ctrl_tcp_send``) per
+destination, which encodes the payload straight into the ring slot (or the
+frame) and publishes it; the FFN rank's wait, ``_C.ctrl_shm_take`` (or
+``ctrl_tcp_take``), returns the payload already decoded, as tuples and ints that
+a few lines of Python (``metadata._payload_of``) wrap into the payload objects.
+The codec exists once, in C++ (``csrc/bindings.cpp`` reads and builds the
+Python objects, ``csrc/cpu/control_poll.cpp`` checks the untrusted bytes,
+bounding every length before it reads); :func:`~afd_ext.metadata.encode_control_binary`
+and :func:`~afd_ext.metadata.decode_control_binary` call it. A payload the
+native encoder does not take as it is (another class, values to convert) is
+converted in Python first, and a message over several slots is joined, then
+decoded, in Python. It waits in slices of 0.1-0.2 s (jittered, so that they never line up with a
 fixed step gap) and runs the liveness and abort checks between slices; a
 signal (Ctrl-C) that interrupts a sleep ends the wait at once, one that comes
 while it spins at the end of the slice.

@@ -23,6 +23,7 @@ from afd_ext.errors import (  # noqa: F401 - ControlChannelClosed, ControlProtoc
     ControlRecvTimeout,
     PeerDeadError,
 )
+from afd_ext.metadata import DEFAULT_MAX_RANKS, DEFAULT_MAX_STAGES, _native, _payload_of, encode_control_binary
 
 logger = logging.getLogger("afd_ext.control_plane")  # the name users configure (docs/troubleshooting.md)
 
@@ -117,15 +118,6 @@ def _proc_start_time(pid: int) -> int | None:
         return None
 
 
-def _native() -> Any:
-    """The compiled core, with the control plane's waits (``csrc/cpu/control_poll.cpp``)."""
-    import torch  # noqa: F401 - loads the libraries the compiled core links against
-
-    from afd_ext import _C
-
-    return _C
-
-
 class ControlChannel:
     """One direction of one (attention rank, FFN rank) control link.
 
@@ -153,7 +145,7 @@ class ControlChannel:
         self._idle_s = options.idle_s
         self._abort_check = abort_check
         self._closed = False
-        self._inflight = False  # a native wait holds this end's memory / socket (close defers the release)
+        self._inflight = False  # a receive holds this end's memory / socket (close defers the release)
         self._store_lost_at: float | None = None
         self._last_msg = time.monotonic()  # receiver: it spins until idle_s after the last payload
         self._hb_stop = threading.Event()
@@ -181,27 +173,29 @@ class ControlChannel:
         self._send(data)
 
     def send_payload(self, payload: Any) -> None:
-        """Send an :class:`~afd_ext.metadata.AFDControlPayload` (checked; encoded in the binary layout).
+        """Send an :class:`~afd_ext.metadata.AFDControlPayload` in the binary layout (the kinds encode
+        the per-step case natively, straight into the slot or frame; this is the general path).
 
         Raises: AFDConfigError for an invalid payload (nothing is sent); else as :meth:`send`.
         """
-        from afd_ext.metadata import encode_control_binary
-
         self.send(encode_control_binary(payload))
 
-    def recv(self, timeout_s: float | None = None, op: str = _OP_RECV) -> bytes:
+    def recv(self, timeout_s: float | None = None, op: str = _OP_RECV, max_payload: int = 0) -> Any:
         """Receive the next message (receiver end only), in send order.
 
         Waits in native code with the GIL released, in slices of 0.1-0.2 s; between slices it
-        checks the peer (closed, dead, heartbeat) and the store's step-abort signal.
+        checks the peer (closed, dead, heartbeat) and the store's step-abort signal. With
+        ``max_payload`` the message is a control payload, decoded natively as it is taken.
 
         Args:
             timeout_s: give up after this many seconds while the peer is alive;
                 None waits as long as the peer's heartbeat is fresh.
             op: the operation named in errors.
+            max_payload: 0: return the bytes; else the largest control payload accepted, in
+                bytes, and return it decoded.
 
         Returns:
-            The message bytes.
+            The message bytes, or a new :class:`~afd_ext.metadata.AFDControlPayload`.
 
         Raises:
             PeerDeadError: the sender died (process gone, connection reset, heartbeat older
@@ -209,36 +203,37 @@ class ControlChannel:
             ControlChannelClosed: the sender closed the channel.
             ControlRecvTimeout: ``timeout_s`` passed.
             StepAbortedError: some rank posted the step-abort signal.
-            ControlProtocolError: a frame from an unexpected sender, a corrupt frame or slot.
+            ControlProtocolError: a frame from an unexpected sender, a corrupt frame or slot; a
+                malformed payload, or one larger than ``max_payload``.
             AFDStateError: this end is closed (also by another thread while it waits).
         """
-        if self._closed or self.is_sender:
-            self._require(False, op)
-        now = time.monotonic()
-        deadline = None if timeout_s is None else now + timeout_s
-        while True:
-            end = now + _SLICE_S * (1 + _jitter.random())
-            if deadline is not None:
-                end = min(end, deadline)
-            self._inflight = True
-            try:
-                msg = self._take(op, int((self._last_msg + self._idle_s) * 1e9), int(end * 1e9))
-            finally:
-                self._inflight = False
-                if self._closed:
-                    self._release()
-            if msg is not None:
-                self._last_msg = now  # the slice's start: no clock read once the payload is in
-                return msg
-            self._require(False, op)
-            self._check_peer(op)
-            if self._abort_check is not None:
-                self._poll_abort(op)
+        self._inflight = True  # from here a close() on another thread leaves the release to this wait
+        try:
+            if self._closed or self.is_sender:
+                self._require(False, op)
             now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                within = "the timeout" if timeout_s is None else f"{timeout_s:g} s"
-                raise ControlRecvTimeout(
-                    f"{op}: no control payload from {self.peer} within {within} (the peer is alive but idle)")
+            deadline = None if timeout_s is None else now + timeout_s
+            while True:
+                end = now + _SLICE_S * (1 + _jitter.random())
+                if deadline is not None:
+                    end = min(end, deadline)
+                msg = self._take(op, int((self._last_msg + self._idle_s) * 1e9), int(end * 1e9), max_payload)
+                if msg is not None:
+                    self._last_msg = now  # the slice's start: no clock read once the payload is in
+                    return _payload_of(msg) if max_payload else msg
+                self._require(False, op)
+                self._check_peer(op)
+                if self._abort_check is not None:
+                    self._poll_abort(op)
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    within = "the timeout" if timeout_s is None else f"{timeout_s:g} s"
+                    raise ControlRecvTimeout(
+                        f"{op}: no control payload from {self.peer} within {within} (the peer is alive but idle)")
+        finally:
+            self._inflight = False
+            if self._closed:
+                self._release()
 
     def close(self) -> None:
         """Release the channel (idempotent). On the sender, tell the receiver (clean shutdown)."""
@@ -261,8 +256,9 @@ class ControlChannel:
     def _send(self, data: bytes) -> None:
         raise NotImplementedError
 
-    def _take(self, op: str, spin_until_ns: int, end_ns: int) -> bytes | None:
-        """One wait slice: the next whole message, or None (nothing before ``end_ns``, or stopped)."""
+    def _take(self, op: str, spin_until_ns: int, end_ns: int, limit: int) -> Any:
+        """One wait slice: the next whole message (its bytes; with ``limit``, its decoded fields,
+        :meth:`_decoded`), or None (nothing before ``end_ns``, or stopped)."""
         raise NotImplementedError
 
     def _check_peer(self, op: str) -> None:
@@ -325,6 +321,20 @@ class ControlChannel:
             raise ControlProtocolError(
                 f"{op}: {self.peer} announced a {total}-byte control message, above "
                 f"max_message_bytes={self._max_bytes}")
+
+    def _decoded(self, op: str, body: Any, n: int, limit: int) -> Any:
+        """A whole message as :meth:`_take` returns it: ``body`` (``n`` bytes), or with ``limit`` its
+        payload's fields, which a native take may have decoded already (a str: what is malformed)."""
+        if not limit:
+            return body
+        if n > limit:
+            raise ControlProtocolError(f"{op}: a {n}-byte control payload from {self.peer} "
+                                       f"exceeds max_payload_bytes={limit}")
+        if type(body) is bytes:
+            body = self._C.ctrl_decode(body, DEFAULT_MAX_STAGES, DEFAULT_MAX_RANKS)
+        if type(body) is str:
+            raise ControlProtocolError(f"{op}: malformed control payload from {self.peer}: {body}")
+        return body
 
     def _require(self, sender: bool, what: str) -> None:
         if self._closed:

@@ -256,7 +256,6 @@ class AFDControlPlane:
         self.channels: dict[int, ControlChannel] = {}
         self._sends: tuple[ControlChannel, ...] = ()  # the channels to self.destinations, in order
         self._source_channel: ControlChannel | None = None
-        self._encode, self._decode = md.encode_control_binary, md.decode_control_binary
         self.store: AFDStore | None = None
         self._received: Any = None  # the payload recv_dp_metadata_list returned last (not yet applied)
         self._open = False
@@ -372,10 +371,8 @@ class AFDControlPlane:
             self._require_open("send_dp_metadata_list")
         if self._check_send is not None:
             self._check_send(payload)
-        if self._sends:
-            data = self._encode(payload)  # checked once, before anything moves
-            for ch in self._sends:
-                ch.send(data)
+        for ch in self._sends:  # an invalid payload fails the first, before anything moves
+            ch.send_payload(payload)
 
     def recv_dp_metadata_list(self) -> Any:
         """FFN side: block until the next step's payload arrives; return it decoded.
@@ -397,17 +394,9 @@ class AFDControlPlane:
             raise AFDStateError(f"recv_dp_metadata_list is called on FFN ranks only; this is {self.label}")
         if not self._open:
             self._require_open(_OP_RECV)
-        ch = self._source_channel
-        try:
-            data = ch.recv(self.recv_timeout_s, _OP_RECV)
-            if len(data) > self.max_payload_bytes:
-                raise ControlProtocolError(f"{_OP_RECV}: a {len(data)}-byte control payload from {ch.peer} "
-                                           f"exceeds max_payload_bytes={self.max_payload_bytes}")
-            try:
-                self._received = self._decode(data)
-                return self._received
-            except ValueError as e:
-                raise ControlProtocolError(f"{_OP_RECV}: malformed control payload from {ch.peer}: {e}") from None
+        try:  # the channel's native take decodes the payload
+            self._received = p = self._source_channel.recv(self.recv_timeout_s, _OP_RECV, self.max_payload_bytes)
+            return p
         except ControlProtocolError as e:
             if self.store is not None:  # every rank stops at once
                 rdzv.post_abort(self.store, str(e))

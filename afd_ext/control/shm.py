@@ -1,8 +1,8 @@
 """The shared-memory ring channel (both ends on one host); layout in :mod:`afd_ext.control`.
 
-The slots and the waits are native (``csrc/cpu/control_poll.cpp``: ``_C.ctrl_shm_put`` /
-``ctrl_shm_take`` / ``ctrl_shm_stop``); this module owns the segment, the header words below
-(the native side owns the header's last 64 bytes) and the channel's policy.
+The slots, the waits and the read and write counts are native (``csrc/cpu/control_poll.cpp``:
+``_C.ctrl_shm_put`` / ``ctrl_shm_take`` / ``ctrl_shm_stop``; the header's layout is in
+``csrc/cpu/control.h``); this module owns the segment, the header words below and the channel's policy.
 """
 
 from __future__ import annotations
@@ -16,16 +16,18 @@ from typing import Any
 from afd_ext import rendezvous as rdzv
 from afd_ext.errors import ControlChannelClosed, ControlProtocolError, PeerDeadError
 
-from .channel import _OP_SEND, ControlChannel, _native, _proc_start_time
+from afd_ext.metadata import DEFAULT_MAX_RANKS, DEFAULT_MAX_STAGES, _native
+
+from .channel import _OP_SEND, ControlChannel, _proc_start_time
 
 _SHM_DIR = "/dev/shm"
 _SHM_MAGIC = 0x4C525443_44464141  # b"AAFDCTRL" as little-endian u64
-_SHM_VERSION = 2
+_SHM_VERSION = 3  # follows the header layout of csrc/cpu/control.h
 # u64 word indices in the header
 _W_MAGIC, _W_VER_NSLOTS, _W_SLOT_BYTES = 0, 1, 2
 _W_SENDER_PID, _W_SENDER_START, _W_RECEIVER_PID, _W_RECEIVER_START = 3, 4, 5, 6
 _W_READ_COUNT = 8  # byte 64: own cache line
-_W_HEARTBEAT, _W_SENDER_STATE = 16, 17  # byte 128: own cache line
+_W_HEARTBEAT, _W_SENDER_STATE, _W_WRITE_COUNT = 16, 17, 18  # byte 128: the sender's cache line
 _STATE_NEW, _STATE_ATTACHED, _STATE_CLOSED = 0, 1, 2
 _K_STOPPED, _K_CORRUPT = -2, -3  # what a take returns (csrc/cpu/control.h)
 
@@ -60,7 +62,6 @@ class ShmControlChannel(ControlChannel):
         self._nslots = self._hdr[_W_VER_NSLOTS] >> 32
         self._slot_bytes = self._hdr[_W_SLOT_BYTES]
         self._stride = _stride(self._C, self._slot_bytes)
-        self._k = 0  # messages (slots) sent or taken
         self._peer_pid = self._peer_start = 0
         self._unlinked = not owner
 
@@ -155,30 +156,23 @@ class ShmControlChannel(ControlChannel):
             return False
         return True
 
-    def send(self, data: bytes) -> None:
-        """As :meth:`ControlChannel.send`; the per-step case (one slot, room in the ring) in one frame."""
-        n = len(data)
-        if (self._closed or not self.is_sender or n > self._max_bytes or n > self._slot_bytes
-                or not self._C.ctrl_shm_put(self._mm, self._nslots, self._stride, self._k, n, self.local_rank, data)):
-            return super().send(data)  # the checks, fragments, a full ring
-        self._k += 1
+    def send_payload(self, payload: Any) -> None:
+        """As :meth:`ControlChannel.send_payload`; the per-step case (one slot, room in the ring) in one native call."""
+        if self._closed or not self.is_sender or self._C.ctrl_shm_put(self._mm, self.local_rank, payload,
+                                                                           self._max_bytes) is not True:
+            super().send_payload(payload)  # the checks, a payload to convert, fragments, a full ring
 
     def _send(self, data: bytes) -> None:
-        n, sb, C = len(data), self._slot_bytes, self._C
-        if n <= sb and C.ctrl_shm_put(self._mm, self._nslots, self._stride, self._k, n, self.local_rank, data):
-            self._k += 1  # one slot, and the ring had room: the per-step case
-            return
+        n, sb, put = len(data), self._slot_bytes, self._C.ctrl_shm_put
         mv = memoryview(data)
         for off in range(0, max(n, 1), sb):
-            while not C.ctrl_shm_put(self._mm, self._nslots, self._stride, self._k, n, self.local_rank,
-                                     mv[off:off + sb]):
+            while not put(self._mm, self.local_rank, mv[off:off + sb], n):
                 self._wait_space()
-            self._k += 1
 
     def _wait_space(self) -> None:
         """Sender, ring full: wait for the receiver, at most ``heartbeat_timeout_s``."""
         deadline = time.monotonic() + self.options.heartbeat_timeout_s
-        while self._k - self._hdr[_W_READ_COUNT] >= self._nslots:
+        while self._hdr[_W_WRITE_COUNT] - self._hdr[_W_READ_COUNT] >= self._nslots:
             if self._peer_gone():
                 raise PeerDeadError(self.peer, _OP_SEND, "its process exited (control ring full)")
             if time.monotonic() > deadline:
@@ -186,36 +180,36 @@ class ShmControlChannel(ControlChannel):
                                     f"{self.options.heartbeat_timeout_s:.1f} s with {self._nslots} ring slots full")
             time.sleep(1e-4)
 
-    def _take_one(self, op: str, spin_until_ns: int, end_ns: int, r: Any = None) -> tuple[int, int, bytes] | None:
+    def _take_one(self, op: str, end_ns: int, r: Any = None) -> tuple[int, int, Any] | None:
         """The next fragment, or None; ``r``: what a native take already returned."""
         if r is None:
-            r = self._C.ctrl_shm_take(self._mm, self._nslots, self._stride, self._k, self._slot_bytes,
-                                      spin_until_ns, end_ns)
+            r = self._C.ctrl_shm_take(self._mm, 0, end_ns, -1, 0)
         if type(r) is int:
             if r == _K_CORRUPT:
-                raise ControlProtocolError(f"{op}: control ring slot {self._k % self._nslots} from {self.peer} "
+                slot = self._hdr[_W_READ_COUNT] % self._nslots
+                raise ControlProtocolError(f"{op}: control ring slot {slot} from {self.peer} "
                                            "stayed inconsistent (CRC mismatch) for 1 s: the shared memory is corrupt")
             return None
-        self._k += 1  # the native take advanced the ring's read count
         return r
 
-    def _take(self, op: str, spin_until_ns: int, end_ns: int) -> bytes | None:
-        r = self._C.ctrl_shm_take(self._mm, self._nslots, self._stride, self._k, self._slot_bytes,
-                                  spin_until_ns, end_ns)
-        if type(r) is int:
-            return self._take_one(op, 0, 0, r)  # raises if corrupt
-        self._k += 1  # the native take advanced the ring's read count
+    def _take(self, op: str, spin_until_ns: int, end_ns: int, limit: int) -> Any:
+        r = self._C.ctrl_shm_take(self._mm, spin_until_ns, end_ns, DEFAULT_MAX_STAGES if limit else -1,
+                                  DEFAULT_MAX_RANKS)
+        if type(r) is tuple and type(r[2]) is tuple and r[1] == self.peer_rank and r[0] <= limit:
+            return r[2]  # the per-step case: a payload whole in its slot, decoded
+        r = self._take_one(op, 0, r)  # raises if corrupt
+        if r is None:
+            return None
         total, sender, frag = r
-        if sender != self.peer_rank or total > self._max_bytes:
-            self._check_header(op, sender, total)
-        if len(frag) == total:
-            return frag
+        self._check_header(op, sender, total)
+        if type(frag) is not bytes or len(frag) == total:
+            return self._decoded(op, frag, total, limit)
         parts, have = [frag], len(frag)
         # The rest of a started message is on its way (the sender waits for space at most
         # heartbeat_timeout_s, then gives up mid-message): bounded, whatever the caller's timeout.
         give_up = time.monotonic() + self.options.heartbeat_timeout_s
         while have < total:
-            nxt = self._take_one(op, 0, int(min(give_up, time.monotonic() + 0.1) * 1e9))
+            nxt = self._take_one(op, int(min(give_up, time.monotonic() + 0.1) * 1e9))
             if nxt is None:
                 self._require(False, op)
                 if time.monotonic() >= give_up or self._hdr[_W_SENDER_STATE] == _STATE_CLOSED or self._peer_gone():
@@ -229,7 +223,7 @@ class ShmControlChannel(ControlChannel):
                                            f"after {have} of {total} bytes)")
             parts.append(nxt[2])
             have += len(nxt[2])
-        return b"".join(parts)
+        return self._decoded(op, b"".join(parts), total, limit)
 
     def _check_peer(self, op: str) -> None:
         if self._hdr[_W_SENDER_STATE] == _STATE_CLOSED:

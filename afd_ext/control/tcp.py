@@ -1,26 +1,24 @@
 """The TCP channel (across hosts): length-prefixed frames, heartbeat frames from the sender.
 
-Frames are ``magic u32 | type u32 | sender world rank u32 | length u64 | bytes``. The receiver
-waits, reads and splits frames natively (``_C.ctrl_tcp_take``, GIL released); the checks are here.
+Frames are ``magic u32 | type u32 | sender world rank u32 | length u64 | bytes``, built and split
+natively (``_C.ctrl_tcp_send``; ``_C.ctrl_tcp_take``, which waits with the GIL released and decodes
+a payload); the checks are here.
 """
 
 from __future__ import annotations
 
-import os
 import select
 import socket
-import struct
 import threading
 import time
 from typing import Any
 
 from afd_ext import rendezvous as rdzv
-from afd_ext.errors import AFDPeerError, ControlChannelClosed, ControlProtocolError, PeerDeadError
+from afd_ext.errors import ControlChannelClosed, ControlProtocolError, PeerDeadError
+from afd_ext.metadata import DEFAULT_MAX_RANKS, DEFAULT_MAX_STAGES, _native
 
 from .channel import _OP_SEND, ControlChannel, logger
 
-_TCP_MAGIC = 0xAFDC7C01
-_TCP_HDR = struct.Struct("<IIIQ")  # magic, type, sender world rank, length
 _T_HELLO, _T_DATA, _T_HEARTBEAT, _T_CLOSE = 1, 2, 3, 4
 
 
@@ -40,29 +38,19 @@ def _advertise_address(store: Any) -> str:
         return socket.gethostbyname(socket.gethostname())
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise AFDPeerError("connection closed")
-        buf += chunk
-    return buf
-
-
 class TcpControlChannel(ControlChannel):
     """Length-prefixed frames over one TCP connection (``TCP_NODELAY``), heartbeat frames from the sender."""
 
     kind = "tcp"
 
-    def __init__(self, sock: socket.socket, **kw: Any):
+    def __init__(self, sock: socket.socket, rbuf: bytearray | None = None, **kw: Any):
         super().__init__(**kw)
         self._sock = sock
         self._fd = sock.fileno()
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._lock = threading.Lock()  # every frame goes out whole under it (the heartbeat thread's too)
         self._broken = False  # a frame was left part-sent: nothing more goes out
-        self._rbuf = bytearray()
+        self._rbuf = rbuf if rbuf is not None else bytearray()  # received bytes not yet taken
         self._last_seen = time.monotonic()
         self._ended: str | None = None  # receiver: "close" (a goodbye frame) or "eof"
 
@@ -92,19 +80,17 @@ class TcpControlChannel(ControlChannel):
             if not r:
                 continue
             conn, _ = ls.accept()
-            conn.settimeout(max(0.1, deadline - time.monotonic()))
+            rbuf = bytearray()  # what follows the hello stays for the channel
             try:
-                magic, typ, sender, n = _TCP_HDR.unpack(_recv_exact(conn, _TCP_HDR.size))
-                body = _recv_exact(conn, n) if magic == _TCP_MAGIC and typ == _T_HELLO and n < 256 else b""
+                got = _native().ctrl_tcp_take(conn.fileno(), rbuf, 255, 0, int(deadline * 1e9), -1, 0)
             except OSError:
+                got = None
+            if type(got) is not tuple or got[0] != _T_HELLO or got[1] != peer_rank or got[3] is None or (
+                    token is not None and got[3] != token):
+                logger.warning("control channel: refused a connection (%r, expected %s)", got, peer)
                 conn.close()
                 continue
-            if magic != _TCP_MAGIC or typ != _T_HELLO or sender != peer_rank or (token is not None and body != token):
-                logger.warning("control channel: refused a connection (world rank %d, expected %s)", sender, peer)
-                conn.close()
-                continue
-            conn.settimeout(None)
-            return cls(conn, is_sender=False, **kw)
+            return cls(conn, rbuf, is_sender=False, **kw)
 
     @classmethod
     def connect(cls, addr: tuple[str, int], deadline: float, token: bytes, **kw: Any) -> "TcpControlChannel":
@@ -128,23 +114,24 @@ class TcpControlChannel(ControlChannel):
         ch._start_heartbeat()
         return ch
 
-    def _frame(self, typ: int, data: bytes = b"", wait: bool = True) -> bool:
-        """Send one frame under the send lock; False when not ``wait`` and the lock is busy."""
+    def _frame(self, typ: int, data: Any = b"", wait: bool = True) -> Any:
+        """Send one frame (``data``: bytes, or a payload encoded natively) under the send lock.
+
+        Returns None, nothing sent, for a payload the native encoder does not take as it is, or when
+        not ``wait`` and the lock is busy; else True.
+        """
         if not self._lock.acquire(timeout=self.options.heartbeat_timeout_s if wait else 0):
             if not wait:
-                return False
+                return None
             raise PeerDeadError(self.peer, _OP_SEND, "another send stayed blocked for heartbeat_timeout_s")
         try:
             if self._broken:
                 raise PeerDeadError(self.peer, _OP_SEND, "an earlier frame was left part-sent (the stream is broken)")
-            frame = _TCP_HDR.pack(_TCP_MAGIC, typ, self.local_rank, len(data)) + data
             try:
-                try:  # a socket with a timeout polls before each send: one write first, no poll
-                    n = os.write(self._fd, frame)
-                except BlockingIOError:
-                    n = 0
-                if n < len(frame):
-                    self._sock.sendall(frame[n:])  # the send buffer is full: wait, at most heartbeat_timeout_s
+                rest = self._C.ctrl_tcp_send(self._fd, typ, self.local_rank, data, self._max_bytes)
+                if type(rest) is bytes:
+                    self._sock.sendall(rest)  # the send buffer is full: wait, at most heartbeat_timeout_s
+                    rest = True
             except socket.timeout:
                 self._broken = True
                 raise PeerDeadError(self.peer, _OP_SEND, f"it read nothing for {self.options.heartbeat_timeout_s:g} s "
@@ -154,7 +141,12 @@ class TcpControlChannel(ControlChannel):
                 raise PeerDeadError(self.peer, _OP_SEND, f"connection lost ({e})") from None
         finally:
             self._lock.release()
-        return True
+        return rest
+
+    def send_payload(self, payload: Any) -> None:
+        """As :meth:`ControlChannel.send_payload`; the per-step case encoded and sent in one native call."""
+        if self._closed or not self.is_sender or self._frame(_T_DATA, payload) is None:
+            super().send_payload(payload)  # the checks, a payload to convert
 
     def _send(self, data: bytes) -> None:
         self._frame(_T_DATA, data)
@@ -166,27 +158,29 @@ class TcpControlChannel(ControlChannel):
             return False
         return True
 
-    def _take(self, op: str, spin_until_ns: int, end_ns: int) -> bytes | None:
+    def _take(self, op: str, spin_until_ns: int, end_ns: int, limit: int) -> Any:
         while self._ended is None:
-            try:  # the next whole frame, parsed natively; the bytes after it stay in _rbuf
-                got = self._C.ctrl_tcp_take(self._fd, self._rbuf, _TCP_MAGIC, self._max_bytes,
-                                             spin_until_ns, end_ns)
+            try:  # the next whole frame, split (and a payload decoded) natively; the bytes after it stay in _rbuf
+                got = self._C.ctrl_tcp_take(self._fd, self._rbuf, self._max_bytes, spin_until_ns, end_ns,
+                                             DEFAULT_MAX_STAGES if limit else -1, DEFAULT_MAX_RANKS)
             except OSError as e:
                 self._require(False, op)  # closed here by another thread: not the peer's fault
                 raise PeerDeadError(self.peer, op, f"connection lost ({e})") from None
+            if type(got) is tuple and type(got[3]) is tuple and got[0] == _T_DATA and got[1] == self.peer_rank \
+                    and got[2] <= limit:
+                return got[3]  # the per-step case: a payload, decoded
             if got is None:
                 return None
             self._last_seen = time.monotonic()
+            if type(got) is str:
+                raise ControlProtocolError(f"{op}: corrupt control frame from {self.peer} ({got})")
             if got == 0:
                 self._ended = "eof"
                 return None
-            magic, typ, sender, n, body = got
-            if magic != _TCP_MAGIC:
-                raise ControlProtocolError(f"{op}: corrupt control frame from {self.peer} (bad magic {magic:#x})")
-            if sender != self.peer_rank or body is None:
-                self._check_header(op, sender, n)
+            typ, sender, n, body = got
+            self._check_header(op, sender, n)
             if typ == _T_DATA:
-                return body
+                return self._decoded(op, body, n, limit)
             if typ == _T_CLOSE:
                 self._ended = "close"
             elif typ != _T_HEARTBEAT:
@@ -198,7 +192,7 @@ class TcpControlChannel(ControlChannel):
             raise ControlChannelClosed(f"{op}: {self.peer} closed the control channel")
         if self._ended == "eof":
             raise PeerDeadError(self.peer, op, "its connection closed without a goodbye (process exited)")
-        self._silent(op, self._last_seen)
+        self._silent(op, max(self._last_seen, self._last_msg))  # a payload is a sign of life too
 
     def _shutdown(self) -> None:
         if self.is_sender:

@@ -1,6 +1,7 @@
 // The control plane's waits: an FFN rank waits here for the step's payload with the GIL
 // released (bindings.cpp binds these). Spinning while the engine serves, because waking a
 // sleeping thread costs ~110 us on a server host (docs/internals.md); sleeping once idle.
+// Also the payload's layout check: the bytes are untrusted, so every length is bounded first.
 #include "control.h"
 
 #include <linux/futex.h>
@@ -15,12 +16,15 @@
 #include <array>
 #include <cerrno>
 #include <climits>
+#include <cstdio>
 #include <cstring>
 
 namespace afd::ctrl {
 namespace {
 
 constexpr size_t kWaiting = 192, kBell = 196, kStop = 200;  // u32 header words
+constexpr size_t kReadCount = 64, kWriteCount = 144;         // u64 header words
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the ring and the payload are little-endian");
 constexpr int64_t kCorruptAfterNs = 1000000000;
 
 uint32_t* word(uint8_t* ring, size_t off) { return reinterpret_cast<uint32_t*>(ring + off); }
@@ -61,9 +65,9 @@ uint32_t slot_crc(uint64_t seq, const uint8_t* fields, const uint8_t* payload, u
   return crc32(payload, n, crc32(fields, 16, crc32(reinterpret_cast<const uint8_t*>(&seq), 8)));
 }
 
-uint8_t* slot_of(uint8_t* ring, uint64_t nslots, uint64_t stride, uint64_t k) {
-  return ring + kHeaderBytes + (k % nslots) * stride;
-}
+uint64_t* u64(uint8_t* ring, size_t off) { return reinterpret_cast<uint64_t*>(ring + off); }
+
+uint8_t* slot_of(const Ring& r, uint64_t k) { return r.base + kHeaderBytes + (k % r.nslots) * r.stride; }
 
 void ring_bell(uint8_t* ring) {
   __atomic_fetch_add(word(ring, kBell), 1, __ATOMIC_SEQ_CST);
@@ -72,10 +76,20 @@ void ring_bell(uint8_t* ring) {
 
 }  // namespace
 
-bool shm_put(uint8_t* ring, uint64_t nslots, uint64_t stride, uint64_t k, uint64_t total,
-             uint32_t sender, const uint8_t* data, uint32_t n) {
-  if (k - __atomic_load_n(reinterpret_cast<uint64_t*>(ring + kReadCount), __ATOMIC_ACQUIRE) >= nslots) return false;
-  uint8_t* s = slot_of(ring, nslots, stride, k);
+bool ring_of(uint8_t* buf, uint64_t len, Ring* r) {
+  if (len < uint64_t(kHeaderBytes)) return false;
+  r->base = buf;
+  r->nslots = *u64(buf, 8) >> 32;
+  r->slot_bytes = *u64(buf, 16);
+  r->stride = (kSlotHeader + r->slot_bytes + 63) / 64 * 64;
+  return r->nslots >= 1 && r->nslots <= (1u << 20) && r->slot_bytes >= 1 && r->slot_bytes <= (1u << 30) &&
+         uint64_t(kHeaderBytes) + r->nslots * r->stride <= len;
+}
+
+bool shm_put(const Ring& r, uint64_t total, uint32_t sender, const uint8_t* data, uint32_t n) {
+  const uint64_t k = *u64(r.base, kWriteCount);  // this end's own word
+  if (k - __atomic_load_n(u64(r.base, kReadCount), __ATOMIC_ACQUIRE) >= r.nslots) return false;
+  uint8_t* s = slot_of(r, k);
   auto* seq = reinterpret_cast<uint64_t*>(s);
   __atomic_store_n(seq, 2 * k + 1, __ATOMIC_RELAXED);
   __atomic_thread_fence(__ATOMIC_RELEASE);  // odd before the fields change
@@ -86,9 +100,10 @@ bool shm_put(uint8_t* ring, uint64_t nslots, uint64_t stride, uint64_t k, uint64
   const uint32_t c = slot_crc(2 * k + 2, s + 8, data, n);
   std::memcpy(s + 24, &c, 4);
   __atomic_store_n(seq, 2 * k + 2, __ATOMIC_RELEASE);
+  *u64(r.base, kWriteCount) = k + 1;
   // A full fence orders the publish before the waiting flag's read (the receiver's mirror image).
   __atomic_thread_fence(__ATOMIC_SEQ_CST);
-  if (__atomic_load_n(word(ring, kWaiting), __ATOMIC_RELAXED)) ring_bell(ring);
+  if (__atomic_load_n(word(r.base, kWaiting), __ATOMIC_RELAXED)) ring_bell(r.base);
   return true;
 }
 
@@ -97,35 +112,37 @@ void shm_stop(uint8_t* ring) {
   ring_bell(ring);
 }
 
-int64_t shm_take(uint8_t* ring, uint64_t nslots, uint64_t stride, uint64_t k, uint8_t* out,
-                 uint64_t cap, uint64_t* total, uint32_t* sender, int64_t spin_until, int64_t deadline) {
-  uint8_t* s = slot_of(ring, nslots, stride, k);
+int64_t shm_take(const Ring& r, uint8_t* out, uint64_t* total, uint32_t* sender, int64_t spin_until,
+                 int64_t deadline) {
+  uint8_t* ring = r.base;
+  const uint64_t k = *u64(ring, kReadCount);  // this end's own word
+  uint8_t* s = slot_of(r, k);
   auto* seq = reinterpret_cast<uint64_t*>(s);
   const uint64_t want = 2 * k + 2;
-  int64_t bad_since = 0, r = kSlice;
+  int64_t bad_since = 0, got = kSlice;
   for (uint32_t i = 1;; ++i) {
     if (__atomic_load_n(seq, __ATOMIC_ACQUIRE) == want) {
       uint32_t n, c;
       std::memcpy(&n, s + 16, 4);
-      if (n <= cap) {
+      if (n <= r.slot_bytes) {
         std::memcpy(out, s + kSlotHeader, n);
         std::memcpy(&c, s + 24, 4);
         std::memcpy(total, s + 8, 8);
         std::memcpy(sender, s + 20, 4);
         __atomic_thread_fence(__ATOMIC_ACQUIRE);  // the copies before seq's second read
         if (__atomic_load_n(seq, __ATOMIC_RELAXED) == want && slot_crc(want, s + 8, out, n) == c) {
-          __atomic_store_n(reinterpret_cast<uint64_t*>(ring + kReadCount), k + 1, __ATOMIC_RELEASE);
-          r = n;
+          __atomic_store_n(u64(ring, kReadCount), k + 1, __ATOMIC_RELEASE);
+          got = n;
           break;
         }
       }
       // Published but inconsistent: no writer is in this slot (its seq would be odd), so corrupt.
       const int64_t now = now_ns();
       if (bad_since == 0) bad_since = now;
-      if (now - bad_since > kCorruptAfterNs) { r = kCorrupt; break; }
+      if (now - bad_since > kCorruptAfterNs) { got = kCorrupt; break; }
       continue;
     }
-    if (__atomic_load_n(word(ring, kStop), __ATOMIC_ACQUIRE)) { r = kStopped; break; }
+    if (__atomic_load_n(word(ring, kStop), __ATOMIC_ACQUIRE)) { got = kStopped; break; }
     // One pause and one clock read (~20 ns) per 64 polls: a pause in every poll is the tight
     // pause loop a KVM host intercepts (pause-loop exiting), adding a VM exit to the wake-up.
     if (i % 64) continue;
@@ -142,7 +159,7 @@ int64_t shm_take(uint8_t* ring, uint64_t nslots, uint64_t stride, uint64_t k, ui
     if (syscall(SYS_futex, word(ring, kBell), FUTEX_WAIT, bell, &ts, nullptr, 0) != 0 && errno == EINTR) break;
   }
   __atomic_store_n(word(ring, kWaiting), 0, __ATOMIC_RELAXED);
-  return r;
+  return got;
 }
 
 int64_t tcp_read(int fd, uint8_t* buf, uint64_t cap, int64_t spin_until, int64_t deadline) {
@@ -167,6 +184,44 @@ int64_t tcp_read(int fd, uint8_t* buf, uint64_t cap, int64_t spin_until, int64_t
     pollfd p{fd, POLLIN, 0};
     if (poll(&p, 1, int((deadline - now + 999999) / 1000000)) < 0 && errno == EINTR) return kSlice;
   }
+}
+
+std::string check_payload(const uint8_t* p, uint64_t size, uint64_t max_stages, uint64_t max_ranks) {
+  char e[200];
+  auto u32 = [p](uint64_t off) { uint32_t v; std::memcpy(&v, p + off, 4); return v; };
+  auto fail = [&e](const char* fmt, auto... a) { std::snprintf(e, sizeof e, fmt, a...); return std::string(e); };
+  if (size < kPayloadHead)
+    return fail("binary control payload of %llu bytes is shorter than its header", (unsigned long long)size);
+  if (std::memcmp(p, "AFDb", 4) != 0) return fail("binary control payload: bad magic %#010x", u32(0));
+  if (p[4] != kPayloadVersion)
+    return fail("binary control payload version %u is not supported (this afd_ext reads %u); run the same "
+                "afd_ext version on every rank", unsigned(p[4]), unsigned(kPayloadVersion));
+  if (p[5] & ~0xFu) return fail("binary control payload: unknown flag bits %#x", unsigned(p[5]));
+  const uint32_t nstages = p[6] | uint32_t(p[7]) << 8;
+  if (nstages > max_stages)
+    return fail("control payload: %u stages exceed max_stages=%llu", nstages, (unsigned long long)max_stages);
+  uint64_t off = kPayloadHead;
+  int64_t prev = -1;
+  for (uint32_t i = 0; i < nstages; ++i) {
+    if (size - off < kStageHead) return fail("binary control payload is truncated (stage header)");
+    const uint32_t s = u32(off), n = u32(off + 4), mx = u32(off + 8);
+    if (int64_t(s) <= prev)
+      return fail("binary control payload: stage %u after stage %lld (not increasing)", s, (long long)prev);
+    if (n > max_ranks)
+      return fail("control payload: stage %u has %u ranks, exceeding max_ranks=%llu", s, n,
+                  (unsigned long long)max_ranks);
+    if (mx > uint32_t(INT32_MAX))
+      return fail("control payload: stage %u max_tokens_across_dp_cpu %u exceeds int32", s, mx);
+    off += kStageHead;
+    if ((size - off) / 4 < n) return fail("binary control payload is truncated (stage %u counts)", s);
+    for (uint32_t j = 0; j < n; ++j)
+      if (u32(off + 4 * j) > uint32_t(INT32_MAX))
+        return fail("control payload: stage %u has a negative count (rank %u: %d)", s, j, int32_t(u32(off + 4 * j)));
+    off += 4ull * n;
+    prev = s;
+  }
+  if (off != size) return fail("binary control payload has %llu trailing bytes", (unsigned long long)(size - off));
+  return {};
 }
 
 }  // namespace afd::ctrl
