@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from afd_ext.errors import AFDConfigError, AFDError
+from afd_ext.topology import rank_label
 
 if TYPE_CHECKING:
     from afd_ext.testing import GpuPlacement
@@ -728,11 +729,6 @@ def _make_connector(plan: DemoPlan, role: str, role_rank: int, world_rank: int, 
     return create_connector(world_rank, 0, afd, role_rank=role_rank, **facts)
 
 
-def _rank_label(plan: DemoPlan, rank: int) -> str:
-    """``"FFN rank 0"`` / ``"attention rank 1"`` for a world rank of the demo (FFN ranks first)."""
-    return f"FFN rank {rank}" if rank < plan.num_ffn else f"attention rank {rank - plan.num_ffn}"
-
-
 def _progress_bar(total: int, stream=None):
     """The steps bar on ``stream`` (default stderr), or None where that is not a terminal.
 
@@ -881,7 +877,7 @@ def run_demo(plan: DemoPlan, *, timeout_s: float = 600.0) -> dict[str, Any]:
             per_rank_env=per_rank_env,
         )
     except WorkerError as e:
-        e.label = _rank_label(plan, e.rank)  # the one-line error names the role (afd_ext.cli.error_line)
+        e.label = rank_label(e.rank, plan.num_ffn)  # the one-line error names the role (afd_ext.cli.error_line)
         raise
     run_s = time.perf_counter() - t0
     att = sorted((o["result"] for o in outs if o["role"] == "attention"), key=lambda r: r.rank)
