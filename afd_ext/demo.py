@@ -41,7 +41,6 @@ import json
 import logging
 import math
 import os
-import pickle
 import re
 import sys
 import time
@@ -50,7 +49,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-from afd_ext.errors import AFDConfigError, AFDError, AFDTimeoutError
+from afd_ext.errors import AFDConfigError, AFDError
+from afd_ext.topology import rank_label
 
 if TYPE_CHECKING:
     from afd_ext.testing import GpuPlacement
@@ -689,45 +689,6 @@ def _torch_dtype(name: str):
     return getattr(torch, name)  # "float32" / "bfloat16" (argparse's choices)
 
 
-class _StoreAllGather:
-    """All-gather of small picklable objects among the attention ranks over a TCPStore.
-
-    The store is hosted by the launching process (:func:`run_demo`), which
-    binds it before the workers start: a port picked in advance and bound
-    later by a worker was taken in between by another socket on the H200
-    host (EADDRINUSE). Every wait is bounded by ``timeout_s`` (the store's
-    timeout), and the error names the missing ranks.
-    """
-
-    def __init__(self, host: str, port: int, rank: int, size: int, timeout_s: float):
-        import torch.distributed as dist
-
-        self.rank, self.size, self.timeout_s = rank, size, timeout_s
-        self.store = dist.TCPStore(
-            host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
-        )
-        self.round = 0
-
-    def __call__(self, obj: Any) -> list[Any]:
-        r = self.round
-        self.round += 1
-        self.store.set(f"agree/{r}/{self.rank}", pickle.dumps(obj))
-        keys = [f"agree/{r}/{i}" for i in range(self.size)]
-        try:
-            self.store.wait(keys, datetime.timedelta(seconds=self.timeout_s))
-        except Exception as e:  # noqa: BLE001 - re-raised with the ranks named
-            missing = [i for i, k in enumerate(keys) if not self.store.check([k])]
-            raise AFDTimeoutError(
-                f"attention rank {self.rank}: step count agreement round {r} timed out after "
-                f"{self.timeout_s:.0f} s waiting for attention ranks {missing}: {e}"
-            ) from None
-        out = [pickle.loads(self.store.get(k)) for k in keys]
-        if r >= 2:  # keep the store small; every rank has read round r-2 by now
-            with contextlib.suppress(Exception):
-                self.store.delete_key(f"agree/{r - 2}/{self.rank}")
-        return out
-
-
 def _make_connector(plan: DemoPlan, role: str, role_rank: int, world_rank: int, model) -> Any:
     """Create (not initialise) this process's connector through the factory."""
     from afd_ext.config import AFDConfig
@@ -766,11 +727,6 @@ def _make_connector(plan: DemoPlan, role: str, role_rank: int, world_rank: int, 
         "router_logits_dtype": torch.float32,
     }
     return create_connector(world_rank, 0, afd, role_rank=role_rank, **facts)
-
-
-def _rank_label(plan: DemoPlan, rank: int) -> str:
-    """``"FFN rank 0"`` / ``"attention rank 1"`` for a world rank of the demo (FFN ranks first)."""
-    return f"FFN rank {rank}" if rank < plan.num_ffn else f"attention rank {rank - plan.num_ffn}"
 
 
 def _progress_bar(total: int, stream=None):
@@ -842,10 +798,16 @@ def _worker(rank: int, nprocs: int, plan: DemoPlan) -> dict[str, Any]:
         timing=True,  # the summary's per-layer exchange latency (CUDA events, no device sync)
     )
     init_weights(model, plan.seed, device=plan.device_type, dtype=dtype)
+    import torch.distributed as dist
+
     from afd_ext.metadata import StepCountAgreement
 
-    gather = _StoreAllGather(plan.host, plan.agree_port, role_rank, plan.num_attention, plan.step_timeout_s)
-    agreement = StepCountAgreement(plan.num_attention, role_rank, gather)
+    # The attention ranks' step-count agreement as a serving engine does it: all_gather_object on a
+    # gloo group (its timeout bounds the wait), over the store the launching process hosts.
+    td = datetime.timedelta(seconds=plan.step_timeout_s)
+    dist.init_process_group("gloo", store=dist.TCPStore(plan.host, plan.agree_port, is_master=False, timeout=td),
+                            rank=role_rank, world_size=plan.num_attention, timeout=td)
+    agreement = StepCountAgreement.from_process_group()
     logger.info("model built; initialising the connector")
     connector.init_afd_connector()
     if plan.graph:
@@ -868,6 +830,7 @@ def _worker(rank: int, nprocs: int, plan: DemoPlan) -> dict[str, Any]:
         if exchange.graph_runner is not None:
             exchange.graph_runner.close()
         connector.close()
+        dist.destroy_process_group()
         logger.info("connector closed")
     return {"role": "attention", "rank": role_rank, "result": res}
 
@@ -914,7 +877,7 @@ def run_demo(plan: DemoPlan, *, timeout_s: float = 600.0) -> dict[str, Any]:
             per_rank_env=per_rank_env,
         )
     except WorkerError as e:
-        e.label = _rank_label(plan, e.rank)  # the one-line error names the role (afd_ext.cli.error_line)
+        e.label = rank_label(e.rank, plan.num_ffn)  # the one-line error names the role (afd_ext.cli.error_line)
         raise
     run_s = time.perf_counter() - t0
     att = sorted((o["result"] for o in outs if o["role"] == "attention"), key=lambda r: r.rank)

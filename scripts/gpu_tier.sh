@@ -96,7 +96,7 @@ for phase in $phases; do
            fi ;;
     time) timed time-graph $PY tests/gpu/time_graph_exchange.py --out "$OUT/time_graph.json" ;;
     bench-quick) timed bench-quick $PY -m afd_ext bench --quick --modes eager --variants ours_per_tensor,raw \
-             --no-control --no-progress --case-timeout 30 --timeout 120 --out "$OUT/bench-quick" ;;
+             --no-progress --case-timeout 30 --timeout 120 --out "$OUT/bench-quick" ;;
     bench-check) run bench-check $PY -m afd_ext bench --check --no-progress --case-timeout 30 --timeout 160 \
              --out "$OUT/bench-check" ;;
     peer-structure)

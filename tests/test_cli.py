@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from afd_ext import cli, errors
+from afd_ext.topology import rank_label
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -178,20 +179,20 @@ def test_errors_are_one_line_with_the_class_and_exit_1(monkeypatch, capsys):
 
     def worker_failed(plan, timeout_s):
         e = WorkerError(2, _worker_traceback())
-        e.label = demo._rank_label(plan, 2)  # as run_demo names it
+        e.label = rank_label(2, plan.num_ffn)  # as run_demo names it
         raise e
 
     monkeypatch.setattr(demo, "run_demo", worker_failed)
     assert cli.main(argv) == 1
     err = capsys.readouterr().err
-    assert err == ("afd-ext demo: AFDPeerError in attention rank 1: recv_ffn_output: FFN rank 0 (world rank 0) "
-                   "closed its end\n")
+    assert err == ("afd-ext demo: AFDPeerError in attention rank 1 (world rank 2): recv_ffn_output: FFN rank 0 "
+                   "(world rank 0) closed its end\n")
     # -v: the traceback, the worker's included, then the same line.
     assert cli.main([*argv, "-v"]) == 1
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err and "ConnectionResetError: socket closed" in err
-    assert err.endswith("afd-ext demo: AFDPeerError in attention rank 1: recv_ffn_output: FFN rank 0 "
-                        "(world rank 0) closed its end\n")
+    assert err.endswith("afd-ext demo: AFDPeerError in attention rank 1 (world rank 2): recv_ffn_output: "
+                        "FFN rank 0 (world rank 0) closed its end\n")
 
 
 def test_error_line_without_a_message_and_for_plain_exceptions():

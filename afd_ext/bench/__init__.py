@@ -82,8 +82,6 @@ def build_parser(prog: str = "afd-ext bench") -> argparse.ArgumentParser:
                    help="timed seconds per (case, variant, mode); default 0.05 (0.02 with --quick)")
     p.add_argument("--rounds", type=int, default=None, metavar="N",
                    help="blocks per measurement, variants alternated per block (default 2; 1 on gloo)")
-    p.add_argument("--control-iters", type=int, default=300, metavar="N", help="control-plane steps measured (default: 300)")
-    p.add_argument("--no-control", action="store_true", help="skip the control-plane measurement")
     p.add_argument("--control-only", action="store_true",
                    help="only the control-plane table: end to end at step gaps of --control-gaps ms, shm and "
                         "tcp beside the reference pattern over gloo, p50 / p99 per gap (about 1 min)")
@@ -216,8 +214,7 @@ def _config(args: argparse.Namespace) -> RunConfig:
         raise AFDConfigError(f"--case-timeout must be > 0 seconds, got {case_timeout}")
     return RunConfig(
         backend=backend, layout=layout, cases=cases, variants=variants, modes=modes,
-        reps=reps, master_port=find_free_port(), check=bool(args.check), control=not args.no_control,
-        control_iters=max(10, args.control_iters if cuda else min(args.control_iters, 30)),
+        reps=reps, master_port=find_free_port(), check=bool(args.check),
         timeout_s=max(30.0, timeout - 15.0), progress=not args.no_progress,
         case_timeout_s=case_timeout,
     )
@@ -237,8 +234,7 @@ def run(cfg: RunConfig, timeout_s: float) -> list[dict]:
                        per_rank_env=lay.env() or None)
 
 
-def _assemble(meta: dict, cfg: RunConfig, results: list[dict], ours_cp: dict | None) -> dict:
-    from afd_ext.bench.control import summarize_latencies
+def _assemble(meta: dict, cfg: RunConfig, results: list[dict]) -> dict:
     from afd_ext.bench.report import SCHEMA, evaluate_targets
 
     records, skipped, notes, checks = [], [], [], []
@@ -255,10 +251,8 @@ def _assemble(meta: dict, cfg: RunConfig, results: list[dict], ours_cp: dict | N
         if r.get("device"):
             devices.append(f"{r['role']}{r['role_rank']}: {r['device']} (GPU {r.get('cuda_visible_devices')})")
     meta["devices"] = "; ".join(devices) if devices else "CPU"
-    ref_cp = summarize_latencies([r.get("control") for r in results]) if cfg.control and not cfg.check else None
     doc = {
         "schema": SCHEMA, "meta": meta, "records": records, "skipped": skipped, "notes": notes,
-        "control_plane": {"reference": ref_cp, "ours": ours_cp},
         "targets": [],
     }
     if cfg.check:
@@ -346,14 +340,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - one clear line, then the worker's traceback
         print(f"afd-ext bench: the {what} failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    ours_cp = None
-    if cfg.control and not cfg.check:
-        from afd_ext.bench.control import ours_control_plane
-
-        ours_cp = ours_control_plane(cfg.control_iters * 4 if cfg.backend == "nccl" else cfg.control_iters,
-                                     timeout_s=min(120.0, max(30.0, cfg.timeout_s)))
     meta["elapsed_s"] = round(time.monotonic() - t0, 1)
-    doc = _assemble(meta, cfg, results, ours_cp)
+    doc = _assemble(meta, cfg, results)
     paths = report.write_outputs(doc, args.out, plot=not args.no_plot and not cfg.check)
     if cfg.check:
         nbad = _print_checks(doc["checks"])

@@ -235,8 +235,6 @@ class RunConfig:
     reps: Reps
     master_port: int
     check: bool = False
-    control: bool = True
-    control_iters: int = 200
     timeout_s: float = 120.0
     progress: bool = True
     #: Deadline of every wait on the device or a peer within a case, seconds.

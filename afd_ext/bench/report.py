@@ -8,7 +8,6 @@ JSON document (``schema: "afd-ext-bench/1"``)::
                   "stats_us": {"median","p10","p90","mean","min","n"},
                   "gbps"?, "graph_iters"?, ...}],
      "skipped": [{"case_key", "variant", "reason"}], "notes": [...],
-     "control_plane": {"reference": {...µs} | null, "ours": {...µs} | null},
      "targets": [{"target", "value", "goal", "ratio", "met", "detail"}],
      "checks": [...]  (``--check`` runs only)}
 
@@ -95,8 +94,7 @@ def validate_document(doc: Any) -> None:
         raise AFDConfigError(f"benchmark document must be a JSON object, got {type(doc).__name__}")
     if doc.get("schema") != SCHEMA:
         raise AFDConfigError(f"benchmark document schema must be {SCHEMA!r}, got {doc.get('schema')!r}")
-    for key, typ in (("meta", dict), ("records", list), ("skipped", list), ("control_plane", dict),
-                     ("targets", list)):
+    for key, typ in (("meta", dict), ("records", list), ("skipped", list), ("targets", list)):
         if not isinstance(doc.get(key), typ):
             raise AFDConfigError(f"benchmark document field {key!r} must be a {typ.__name__}")
     for i, r in enumerate(doc["records"]):
@@ -133,22 +131,18 @@ def merge_documents(docs: Sequence[dict]) -> dict:
     recs: dict[tuple, dict] = {}
     skipped: dict[tuple, dict] = {}
     notes: list[str] = []
-    control: dict[str, Any] = {"reference": None, "ours": None}
     for d in docs:
         for r in d["records"]:
             recs[_rkey(r)] = r
         for s in d["skipped"]:
             skipped[(s.get("case_key"), s.get("variant"))] = s
         notes += [n for n in d.get("notes", []) if n not in notes]
-        for k in ("reference", "ours"):
-            if d["control_plane"].get(k):
-                control[k] = d["control_plane"][k]
     meta = dict(docs[-1]["meta"])
     meta["merged_from"] = [d["meta"].get("date") for d in docs]
     # Labels name the transport; a merge of CPU and GPU runs must not call gloo times NCCL.
     meta["backend"] = "+".join(sorted({str(d["meta"].get("backend") or "nccl") for d in docs}))
     out = {"schema": SCHEMA, "meta": meta, "records": list(recs.values()), "skipped": list(skipped.values()),
-           "notes": notes, "control_plane": control, "targets": []}
+           "notes": notes, "targets": []}
     out["targets"] = evaluate_targets(out)
     return out
 
@@ -217,13 +211,6 @@ def evaluate_targets(doc: dict) -> list[dict]:
             out.append(_target(f"vs reference pattern, {mode}, {t} tokens", ours, f">= {goal}x",
                                None if ratio is None else ratio >= goal,
                                f"reference {ref and round(ref, 2)} µs / ours {ours and round(ours, 2)} µs", ratio))
-        cp = doc.get("control_plane", {})
-    ours_cp = (cp.get("ours") or {}).get("median")
-    ref_cp = (cp.get("reference") or {}).get("median")
-    out.append(_target("control plane per step (median)", ours_cp, "<= 10 µs",
-                       None if ours_cp is None else ours_cp <= 10.0,
-                       f"reference pattern {ref_cp:.1f} µs" if ref_cp else "reference pattern not measured",
-                       (ref_cp / ours_cp) if ref_cp and ours_cp else None))
     return out
 
 
@@ -250,7 +237,7 @@ def _table(title: str, head: Sequence[str], rows: Sequence[Sequence[str]]) -> li
 
 
 def render_markdown(doc: dict) -> str:
-    """Markdown: round-trip tables per (layout, hidden, payload, mode), one-way table, control plane, targets."""
+    """Markdown: round-trip tables per (layout, hidden, payload, mode), one-way table, targets."""
     meta = doc.get("meta", {})
     backend = meta.get("backend")
     tname = transport_name(backend)
@@ -303,18 +290,6 @@ def render_markdown(doc: dict) -> str:
         lines += _table("Fan-in (several attention ranks per FFN rank)",
                         ["layout", "case", "mode", "variant", "rt median per attention rank (µs)", "spread (µs)"],
                         fan)
-    cp = doc.get("control_plane", {})
-    if cp.get("reference") or cp.get("ours"):
-        rows = []
-        for k, label in (("ours", "this package (host channel, no device sync)"),
-                         ("reference", "reference (2 NCCL messages + .item())")):
-            s = cp.get(k) or {}
-            if "error" in s:
-                rows.append([label, f"error: {s['error']}", "", ""])
-            elif s:
-                rows.append([label, _fmt(s.get("median"), ".1f"), _fmt(s.get("p90"), ".1f"), str(s.get("n", "–"))])
-        lines += _table("Control plane per step (attention call start -> FFN receive returns)",
-                        ["pattern", "median µs", "p90 µs", "n"], rows)
     if doc.get("targets"):
         # The targets are for the NCCL data path: a gloo-only run's times cannot meet or miss them.
         gloo_only = "gloo" in str(backend) and "nccl" not in str(backend)

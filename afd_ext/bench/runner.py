@@ -65,13 +65,10 @@ class _Env:
         self.store = dist.TCPStore("127.0.0.1", cfg.master_port, nprocs, rank == 0, timeout=td)
         dist.init_process_group("gloo", store=self.store, rank=rank, world_size=nprocs, timeout=td)
         self.comms: dict[tuple[int, int, str], int] = {}
-        self.nccl_group = None
         self.gloo_transport = None
         self.notes: list[str] = []
         if self.cuda:
             self._create_comms()
-            if cfg.control and not cfg.check:  # the reference control plane's group
-                self.nccl_group = dist.new_group(backend="nccl", timeout=td)
         else:
             self.gloo_transport = self._make_gloo_transport()
 
@@ -395,12 +392,12 @@ def bench_worker(rank: int, nprocs: int, cfg: RunConfig) -> dict:
     interrupted (a hung NCCL call holds the GIL) is ended by the run's overall timeout.
 
     Returns:
-        ``{"rank", "role", "role_rank", "records", "checks", "skipped", "notes", "device", "control"}``.
+        ``{"rank", "role", "role_rank", "records", "checks", "skipped", "notes", "device"}``.
     """
     logging.basicConfig(level=logging.INFO, format=f"[bench r{rank}] %(message)s")
     env = _Env(rank, nprocs, cfg)
     info: dict[str, Any] = {"rank": rank, "role": env.role, "role_rank": env.role_rank, "records": [],
-                            "checks": [], "skipped": [], "notes": env.notes, "control": None}
+                            "checks": [], "skipped": [], "notes": env.notes}
     if env.cuda:
         import torch
 
@@ -434,11 +431,6 @@ def bench_worker(rank: int, nprocs: int, cfg: RunConfig) -> dict:
                 v.close()
             del variants
             env.drain("end of case")
-        if cfg.control and not cfg.check:
-            from afd_ext.bench.control import reference_control_plane
-
-            env.barrier()
-            info["control"] = reference_control_plane(env, cfg.control_iters)
     finally:
         if bar is not None:
             bar.close()
