@@ -49,7 +49,7 @@ def quantize(x: torch.Tensor, values: torch.Tensor | None = None,
 
     Writes into ``values`` / ``scales`` when given.
     """
-    xf = x.float().reshape(x.shape[0], -1, GROUP)
+    xf = x.float().reshape(x.shape[0], x.shape[1] // GROUP, GROUP)
     amax = xf.abs().amax(-1)
     scale = amax / torch.full_like(amax, FP8_MAX)  # tensor / tensor: a true division on every device
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
@@ -64,7 +64,7 @@ def quantize(x: torch.Tensor, values: torch.Tensor | None = None,
 def dequantize(values: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None = None,
                dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``values * scales`` per group, in float32, rounded to ``dtype`` (``out``'s when given)."""
-    v = values.float().reshape(values.shape[0], -1, GROUP)
+    v = values.float().reshape(values.shape[0], values.shape[1] // GROUP, GROUP)
     y = (v * scales.unsqueeze(-1)).reshape(values.shape)
     if out is None:
         return y.to(dtype)

@@ -1,0 +1,233 @@
+"""FP8 hidden states on the wire (CPU tier): the rule, the CPU path, gloo round trips, refusals, fakes.
+
+``reference_quantize`` / ``reference_dequantize`` are the definition (issue #35; DeepEP's
+low-latency dispatch format), written here group by group, independently of ``afd_ext.fp8``;
+the CPU path and the CUDA kernels (tests/gpu/test_fp8_gpu.py) must match them bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import connector_scenarios as cs  # noqa: E402
+from afd_ext.errors import AFDConfigError  # noqa: E402
+from afd_ext.testing import find_free_port, run_workers  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+
+E4M3 = torch.float8_e4m3fn
+
+
+def reference_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule, one 128-channel group at a time on CPU: scale = amax / 448 (1 if 0), q = RNE(sat(x / scale))."""
+    x = x.detach().cpu().float()
+    t, h = x.shape
+    values = torch.empty(t, h, dtype=E4M3)
+    scales = torch.empty(t, h // 128, dtype=torch.float32)
+    for r in range(t):
+        for g in range(h // 128):
+            grp = x[r, g * 128:(g + 1) * 128]
+            s = torch.div(grp.abs().max(), torch.tensor(448.0))  # float32 division, exactly rounded
+            if s.item() == 0.0:
+                s = torch.tensor(1.0)
+            values[r, g * 128:(g + 1) * 128] = torch.div(grp, s).clamp(-448.0, 448.0).to(E4M3)
+            scales[r, g] = s
+    return values, scales
+
+
+def reference_dequantize(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """values * their group's scale in float32, rounded once to bf16."""
+    v = values.cpu().float()
+    return (v * scales.cpu().repeat_interleave(128, dim=1)).to(torch.bfloat16)
+
+
+def error_bound(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Per element |dequant(quant(x)) - x| bound (docs/fp8.md): e4m3 rounding 2^-4 |x| (normal)
+    or 2^-10 scale (subnormal), plus the bf16 rounding of the result 2^-8 |x| (with margin); 2^-132
+    absolute where bf16 / the fp32 scale are subnormal (|x| < 1e-38, fixed spacing)."""
+    xf, s = x.float().cpu(), scales.cpu().repeat_interleave(128, dim=1)
+    return 2.0 ** -4 * xf.abs() + 2.0 ** -10 * s + 2.0 ** -8 * xf.abs() + 2.0 ** -132
+
+
+def hard_inputs(t: int = 6, h: int = 256, seed: int = 0) -> torch.Tensor:
+    """Random bf16 rows plus the edge cases: an all-zero group, tiny (bf16 subnormal) and huge groups, ties."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=g) * torch.logspace(-3, 3, t).unsqueeze(1)
+    x[0, :128] = 0.0                                   # all-zero group: scale 1, values 0
+    x[1, :128] = torch.randn(128, generator=g) * 1e-39  # bf16 subnormals: a subnormal fp32 scale
+    x[1, 128:] = torch.randn(128, generator=g) * 1e37   # huge
+    x[2, :4] = torch.tensor([448.0, -448.0, 0.0, -0.0])
+    x[3, 128:] = torch.arange(128) / 8 - 8               # many exact ties after scaling
+    return x.to(torch.bfloat16)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8 if t.element_size() == 1 else torch.int32)
+
+
+def test_cpu_path_is_the_reference_bit_for_bit():
+    from afd_ext import fp8, ops
+
+    x = hard_inputs()
+    rv, rs = reference_quantize(x)
+    v, s = fp8.quantize(x)
+    assert torch.equal(bits(v), bits(rv)) and torch.equal(bits(s), bits(rs))
+    assert rs[0, 0].item() == 1.0 and not bits(rv[0, :128]).any()  # the zero guard
+    assert 0 < rs[1, 0].item() < torch.finfo(torch.float32).tiny  # a subnormal scale survives
+    ov, os_ = torch.empty_like(v), torch.empty_like(s)
+    ops.fp8_quantize(x, ov, os_)  # the op's CPU kernel
+    assert torch.equal(bits(ov), bits(rv)) and torch.equal(bits(os_), bits(rs))
+    out = torch.empty_like(x)
+    ops.fp8_dequantize(rv, rs, out)
+    assert torch.equal(out, reference_dequantize(rv, rs))
+    assert ((out.float() - x.float()).abs() <= error_bound(x, rs)).all()
+    v0, s0 = fp8.quantize(x[:0])  # a zero-token stage
+    assert (tuple(v0.shape), tuple(s0.shape)) == ((0, 256), (0, 2))
+
+
+@pytest.mark.parametrize("h", [100, 7168 + 64])
+def test_hidden_size_not_a_multiple_of_128_is_refused(h):
+    from afd_ext.schedule import ScheduleConfig
+
+    with pytest.raises(AFDConfigError, match="multiple of 128"):
+        ScheduleConfig(num_layers=1, hidden_size=h, hidden_dtype=torch.bfloat16, hidden_wire="fp8_e4m3")
+    with pytest.raises(AFDConfigError, match="bfloat16"):
+        ScheduleConfig(num_layers=1, hidden_size=256, hidden_dtype=torch.float32, hidden_wire="fp8_e4m3")
+    sc = cs.Scenario(A=1, F=1, hidden=h, dtype="bfloat16", strict=False, extra=(("hidden_wire_dtype", "fp8_e4m3"),))
+    with pytest.raises(AFDConfigError, match="multiple of 128"):
+        cs.make_connector(sc, 0, find_free_port())  # at construction, before any rendezvous
+
+
+def test_config_refusals():
+    from afd_ext.config import AfdExtConnectorConfig
+
+    with pytest.raises(AFDConfigError, match="hidden_wire_dtype"):
+        AfdExtConnectorConfig(hidden_wire_dtype="fp8_e5m2")
+    with pytest.raises(AFDConfigError, match="strict"):
+        AfdExtConnectorConfig(hidden_wire_dtype="fp8_e4m3", strict=True)
+    with pytest.raises(AFDConfigError, match="fp8_delivery"):
+        AfdExtConnectorConfig(fp8_delivery="bf16")
+
+
+def test_layout_bytes_and_graph_key():
+    from afd_ext import fp8
+    from afd_ext.graphs import graph_key_from_schedule
+    from afd_ext.metadata import AFDControlPayload
+    from afd_ext.schedule import ScheduleConfig, build_step_schedule, stage_buffers
+    from afd_ext.topology import Topology
+
+    assert fp8.wire_bytes_per_token(7168) == 7392
+    base = dict(num_layers=1, hidden_size=7168, hidden_dtype=torch.bfloat16)
+    cfg = ScheduleConfig(**base, hidden_wire="fp8_e4m3")
+    assert sum(p.dtype.itemsize * p.cols[0] for p in cfg.wire_parts) == 7392
+    meta = lambda key, shape, dtype: torch.empty(shape, dtype=dtype, device="meta")  # noqa: E731
+    sent = stage_buffers(meta, cfg, 0, 5)
+    assert sent["hidden"].dtype == torch.bfloat16 and "hidden_scales" not in sent
+    got = stage_buffers(meta, cfg, 0, 5, fan_in=True)
+    assert (got["hidden_fp8"].dtype, tuple(got["hidden_scales"].shape)) == (E4M3, (5, 56))
+    assert got["hidden"].dtype == torch.bfloat16
+    raw = stage_buffers(meta, ScheduleConfig(**base, hidden_wire="fp8_e4m3", fp8_delivery="fp8"), 0, 5, fan_in=True)
+    assert raw["hidden"] is None and raw["hidden_fp8"].dtype == E4M3
+    payload = AFDControlPayload({0: [3]})
+    keys = [graph_key_from_schedule(build_step_schedule(Topology(1, 1), payload, c))
+            for c in (ScheduleConfig(**base), cfg)]
+    assert keys[0] != keys[1] and keys[1].hidden_wire == "fp8_e4m3"
+
+
+def test_fakes_give_shapes_under_compile():
+    from afd_ext import ops
+
+    def f(x, v, s, out):
+        ops.fp8_quantize(x, v, s)
+        ops.fp8_dequantize(v, s, out)
+        return out * 2
+
+    x = hard_inputs(4, 256)
+    v, s, out = torch.empty(4, 256, dtype=E4M3), torch.empty(4, 2), torch.empty(4, 256, dtype=torch.bfloat16)
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(x, v, s, out)
+    rv, rs = reference_quantize(x)
+    assert torch.equal(bits(v), bits(rv)) and torch.equal(got, reference_dequantize(rv, rs) * 2)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        bad = torch.empty(4, 200, dtype=torch.bfloat16)
+        with pytest.raises(AFDConfigError, match="multiple of 128"):
+            ops.fp8_quantize(bad, torch.empty(4, 200, dtype=E4M3), torch.empty(4, 1))
+
+
+# -- over gloo, in processes ------------------------------------------------------------------
+
+def fp8_worker(rank: int, nprocs: int, port: int, A: int, delivery: str, mismatch: bool = False) -> dict:
+    """A:1 over gloo with FP8 on the wire; the FFN doubles what it receives; the attention side checks
+    every reply against the reference round trip (exactly) and the stated bound."""
+    from afd_ext import fp8
+
+    extra = (("hidden_wire_dtype", None if mismatch and rank == 0 else "fp8_e4m3"), ("fp8_delivery", delivery))
+    sc = cs.Scenario(A=A, F=1, hidden=256, layers=2, dtype="bfloat16", strict=False, extra=extra)
+    conn = cs.make_connector(sc, rank, port)
+    try:
+        if mismatch:
+            from afd_ext.rendezvous import HandshakeMismatchError
+
+            try:
+                conn.init_afd_connector()
+            except HandshakeMismatchError as e:
+                return {"field": e.field, "message": str(e)}
+            raise AssertionError("a hidden_wire_dtype mismatch passed the handshake")
+        conn.init_afd_connector()
+        steps = ({0: [3] * A}, {0: [0] * A, 1: [130] * A})
+        checked = 0
+        for step in steps:
+            if conn.role == "ffn":
+                payload = conn.control_plane.recv_dp_metadata_list()
+                conn.control_plane.update_state_from_dp_metadata(payload)
+                for layer in range(sc.layers):
+                    for s in sorted(step):
+                        p = conn.recv_attn_output(ubatch_idx=s)
+                        h = p.hidden_states
+                        if delivery == "fp8":
+                            assert h.dtype == E4M3 and p.hidden_scales.shape == (h.shape[0], 2)
+                            h = fp8.dequantize(h, p.hidden_scales)
+                        else:
+                            assert h.dtype == torch.bfloat16 and p.hidden_scales is None
+                        conn.send_ffn_output(h * 2, p.context)
+                        checked += h.shape[0]
+                continue
+            payload = cs._payload(step)
+            conn.control_plane.update_state_from_dp_metadata(payload)
+            conn.control_plane.send_dp_metadata_list(payload)
+            for layer in range(sc.layers):
+                for s in sorted(step):
+                    n = step[s][conn.role_rank]
+                    x = hard_inputs(max(n, 4), 256, seed=100 * layer + 10 * s + conn.role_rank)[:n]
+                    conn.send_attn_output(x, cs._ctx(layer, s, n))
+                    out = conn.recv_ffn_output(torch.empty_like(x), ubatch_idx=s)
+                    if n:
+                        rv, rs = reference_quantize(x)
+                        assert torch.equal(out, reference_dequantize(rv, rs) * 2)
+                        assert ((out.float() / 2 - x.float()).abs() <= error_bound(x, rs)).all()
+                    checked += n
+        return {"role": conn.role, "checked": checked}
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("delivery", ["dequant", "fp8"])
+def test_gloo_round_trip(delivery):
+    res = run_workers(fp8_worker, 3, (find_free_port(), 2, delivery), timeout_s=150)
+    total = 2 * (3 + 130) * 2  # layers x rows x attention ranks
+    assert sorted(r["checked"] for r in res) == [total // 2, total // 2, total]
+
+
+def test_handshake_refuses_a_mismatch():
+    res = run_workers(fp8_worker, 2, (find_free_port(), 1, "dequant", True), timeout_s=120)
+    for r in res:
+        assert r["field"] == "hidden_wire_dtype"
+        assert "'fp8_e4m3'" in r["message"] and "None" in r["message"]
+        assert "FFN rank 0" in r["message"] and "attention rank 0" in r["message"]
