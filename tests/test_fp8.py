@@ -163,13 +163,18 @@ def test_fakes_give_shapes_under_compile():
 
 # -- over gloo, in processes ------------------------------------------------------------------
 
-def fp8_worker(rank: int, nprocs: int, port: int, A: int, delivery: str, mismatch: bool = False) -> dict:
-    """A:1 over gloo with FP8 on the wire; the FFN doubles what it receives; the attention side checks
-    every reply against the reference round trip (exactly) and the stated bound."""
-    from afd_ext import fp8
+def fp8_worker(rank: int, nprocs: int, port: int, A: int, delivery: str, mismatch: bool = False,
+               transport: str = "gloo") -> dict:
+    """A:1 with FP8 on the wire (also run over NCCL and peer memory by tests/gpu/test_fp8_gpu.py); the FFN
+    doubles what it receives; the attention side checks every reply against the reference round trip
+    (exactly: every path computes the rule's bytes) and the stated bound."""
+    from afd_ext import ops
 
     extra = (("hidden_wire_dtype", None if mismatch and rank == 0 else "fp8_e4m3"), ("fp8_delivery", delivery))
-    sc = cs.Scenario(A=A, F=1, hidden=256, layers=2, dtype="bfloat16", strict=False, extra=extra)
+    sc = cs.Scenario(A=A, F=1, hidden=256, layers=2, dtype="bfloat16", strict=False, extra=extra,
+                     transport=transport)
+    cs._setup_device(sc)
+    dev = cs.device_for(sc)
     conn = cs.make_connector(sc, rank, port)
     try:
         if mismatch:
@@ -193,11 +198,14 @@ def fp8_worker(rank: int, nprocs: int, port: int, A: int, delivery: str, mismatc
                         h = p.hidden_states
                         if delivery == "fp8":
                             assert h.dtype == E4M3 and p.hidden_scales.shape == (h.shape[0], 2)
-                            h = fp8.dequantize(h, p.hidden_scales)
+                            h, v = torch.empty(h.shape, dtype=torch.bfloat16, device=dev), h
+                            ops.fp8_dequantize(v, p.hidden_scales, h)
                         else:
                             assert h.dtype == torch.bfloat16 and p.hidden_scales is None
                         conn.send_ffn_output(h * 2, p.context)
                         checked += h.shape[0]
+                if dev.type == "cuda":
+                    conn.synchronize()
                 continue
             payload = cs._payload(step)
             conn.control_plane.update_state_from_dp_metadata(payload)
@@ -206,14 +214,17 @@ def fp8_worker(rank: int, nprocs: int, port: int, A: int, delivery: str, mismatc
                 for s in sorted(step):
                     n = step[s][conn.role_rank]
                     x = hard_inputs(max(n, 4), 256, seed=100 * layer + 10 * s + conn.role_rank)[:n]
-                    conn.send_attn_output(x, cs._ctx(layer, s, n))
-                    out = conn.recv_ffn_output(torch.empty_like(x), ubatch_idx=s)
+                    conn.send_attn_output(x.to(dev), cs._ctx(layer, s, n))
+                    out = conn.recv_ffn_output(torch.empty(x.shape, dtype=x.dtype, device=dev), ubatch_idx=s)
+                    if dev.type == "cuda":
+                        conn.synchronize()
+                    out = out.cpu()
                     if n:
                         rv, rs = reference_quantize(x)
                         assert torch.equal(out, reference_dequantize(rv, rs) * 2)
                         assert ((out.float() / 2 - x.float()).abs() <= error_bound(x, rs)).all()
                     checked += n
-        return {"role": conn.role, "checked": checked}
+        return {"role": conn.role, "checked": checked, "transport": conn.transport_kind}
     finally:
         conn.close()
 

@@ -228,7 +228,8 @@ namespace {
 
 // The FP8 ops' checks: bf16 [rows, H] with H % 128 == 0, e4m3 values of that shape, float32
 // scales [rows, H / 128]; contiguous, aligned for the kernels' vector accesses, one device.
-void check_fp8(const char* op, const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales) {
+void check_fp8(const char* op, const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
+               int x_align) {
   TORCH_CHECK_VALUE(x.is_cuda() && values.device() == x.device() && scales.device() == x.device(),
                     "afd_ext.", op, ": every tensor must be on one CUDA device, got ", x.device(), ", ",
                     values.device(), " and ", scales.device());
@@ -244,11 +245,10 @@ void check_fp8(const char* op, const at::Tensor& x, const at::Tensor& values, co
                     values.sizes(), " and ", scales.sizes());
   TORCH_CHECK_VALUE(x.is_contiguous() && values.is_contiguous() && scales.is_contiguous(), "afd_ext.", op,
                     ": the tensors must be contiguous");
-  TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 &&
-                        reinterpret_cast<uintptr_t>(values.data_ptr()) % 8 == 0 &&
-                        reinterpret_cast<uintptr_t>(scales.data_ptr()) % 4 == 0,
-                    "afd_ext.", op, ": the bf16 tensor must be 16-byte aligned and the values 8-byte "
-                    "aligned (row slices t[a:b] of an allocation are)");
+  TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(x.data_ptr()) % x_align == 0 &&
+                        reinterpret_cast<uintptr_t>(values.data_ptr()) % 8 == 0,
+                    "afd_ext.", op, ": the bf16 tensor must be ", x_align, "-byte aligned and the values "
+                    "8-byte aligned (row slices t[a:b] of an allocation are)");
 }
 
 int max_blocks(int device) {
@@ -260,7 +260,7 @@ int max_blocks(int device) {
 }  // namespace
 
 void fp8_quantize_cuda(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales) {
-  check_fp8("fp8_quantize", x, values, scales);
+  check_fp8("fp8_quantize", x, values, scales, 8);
   const auto dev = x.device().index();
   c10::cuda::CUDAGuard guard(dev);
   const int err = fp8_quantize_launch(x.data_ptr(), values.data_ptr(), scales.data_ptr<float>(),
@@ -273,7 +273,7 @@ void fp8_quantize_cuda(const at::Tensor& x, const at::Tensor& values, const at::
 }
 
 void fp8_dequantize_cuda(const at::Tensor& values, const at::Tensor& scales, const at::Tensor& out) {
-  check_fp8("fp8_dequantize", out, values, scales);
+  check_fp8("fp8_dequantize", out, values, scales, 16);
   const auto dev = out.device().index();
   c10::cuda::CUDAGuard guard(dev);
   const int err = fp8_dequantize_launch(values.data_ptr(), scales.data_ptr<float>(), out.data_ptr(),
