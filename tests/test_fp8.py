@@ -242,3 +242,17 @@ def test_handshake_refuses_a_mismatch():
         assert r["field"] == "hidden_wire_dtype"
         assert "'fp8_e4m3'" in r["message"] and "None" in r["message"]
         assert "FFN rank 0" in r["message"] and "attention rank 0" in r["message"]
+
+
+@pytest.mark.timeout(300)
+def test_demo_runs_with_fp8_on_gloo(tmp_path):
+    """The demo with FP8 hidden states passes its self-check against the whole model rounding the same way."""
+    import json
+    import subprocess
+
+    out = tmp_path / "s.json"
+    proc = subprocess.run([sys.executable, "-m", "afd_ext", "demo", "--backend", "gloo", "--fp8", "--no-progress",
+                           "--topology", "2A1F", "--json", str(out)], capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    s = json.loads(out.read_text())
+    assert s["self_check"]["ok"] and s["self_check"]["tolerance"] == pytest.approx(0.25 * 2 ** 2.5)

@@ -141,3 +141,20 @@ def test_connector_round_trip(transport, delivery):
     total = 2 * (3 + 130) * A
     assert sorted(r["checked"] for r in res) == [total // A] * A + [total]
     assert {r["transport"] for r in res} == {transport}
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("backend,graph", [("nccl", False), ("peer", True)])
+def test_demo_with_fp8(tmp_path, backend, graph):
+    pytest.importorskip("transformers")
+    import json
+    import subprocess
+
+    out = tmp_path / "s.json"
+    cmd = [sys.executable, "-m", "afd_ext", "demo", "--backend", backend, "--fp8", "--no-progress",
+           "--topology", "2A1F", "--json", str(out)] + (["--graph"] if graph else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    print(proc.stdout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-5000:]
+    s = json.loads(out.read_text())
+    assert s["backend"] == backend and s["self_check"]["ok"], s["self_check"]["failures"]
