@@ -56,14 +56,26 @@ def error_bound(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 def hard_inputs(t: int = 6, h: int = 256, seed: int = 0) -> torch.Tensor:
-    """Random bf16 rows plus the edge cases: an all-zero group, tiny (bf16 subnormal) and huge groups, ties."""
+    """Random bf16 rows ``[t, h]`` (``h % 128 == 0``) of mixed scale whose first 128-channel groups, in
+    row-major order (group ``k`` is row ``k // (h/128)``, channels ``128 (k % (h/128))`` on), are the edge
+    cases: 0 all zero, 1 bf16 subnormals (a subnormal fp32 scale), 2 huge, 3 exact ties after scaling,
+    4 +-448, +-0, +-subnormal x and e4m3-subnormal ties at scale 1. Needs ``t * h / 128 >= 5``."""
+    groups = h // 128
+    if h % 128 or t * groups < 5:
+        raise ValueError(f"hard_inputs needs h % 128 == 0 and t * h / 128 >= 5 groups, got t={t}, h={h}")
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(t, h, generator=g) * torch.logspace(-3, 3, t).unsqueeze(1)
-    x[0, :128] = 0.0                                   # all-zero group: scale 1, values 0
-    x[1, :128] = torch.randn(128, generator=g) * 1e-39  # bf16 subnormals: a subnormal fp32 scale
-    x[1, 128:] = torch.randn(128, generator=g) * 1e37   # huge
-    x[2, :4] = torch.tensor([448.0, -448.0, 0.0, -0.0])
-    x[3, 128:] = torch.arange(128) / 8 - 8               # many exact ties after scaling
+    cases = [
+        torch.zeros(128),                                 # scale 1, values 0
+        torch.randn(128, generator=g) * 1e-39,            # bf16 subnormals: amax / 448 is a subnormal fp32
+        torch.randn(128, generator=g) * 1e37,             # huge
+        torch.arange(128) / 8 - 8,                        # scale 8/448: x / scale = 7k, many exact e4m3 ties
+        torch.cat([torch.tensor([448.0, -448.0, 0.0, -0.0, 1e-39, -1e-39, 2.0 ** -10, 3 * 2.0 ** -10]),
+                   torch.randn(120, generator=g)]),        # scale 1: -0, flushed x, ties between e4m3 subnormals
+    ]
+    flat = x.view(t * groups, 128)
+    for k, c in enumerate(cases):
+        flat[k] = c
     return x.to(torch.bfloat16)
 
 
@@ -79,7 +91,9 @@ def test_cpu_path_is_the_reference_bit_for_bit():
     v, s = fp8.quantize(x)
     assert torch.equal(bits(v), bits(rv)) and torch.equal(bits(s), bits(rs))
     assert rs[0, 0].item() == 1.0 and not bits(rv[0, :128]).any()  # the zero guard
-    assert 0 < rs[1, 0].item() < torch.finfo(torch.float32).tiny  # a subnormal scale survives
+    assert 0 < rs[0, 1].item() < torch.finfo(torch.float32).tiny  # a subnormal scale survives
+    assert bits(rv[0, 128:]).any()  # and its values are not flushed
+    assert rs[2, 0].item() == 1.0 and bits(rv[2, :8]).tolist() == [0x7E, 0xFE, 0, 0x80, 0, 0x80, 0, 2]
     ov, os_ = torch.empty_like(v), torch.empty_like(s)
     ops.fp8_quantize(x, ov, os_)  # the op's CPU kernel
     assert torch.equal(bits(ov), bits(rv)) and torch.equal(bits(os_), bits(rs))

@@ -126,9 +126,10 @@ __device__ __forceinline__ void copy_range(char* dst, const char* src, long long
 
 // FP8 hidden states (docs/fp8.md): per row and 128 channels, scale = amax / 448 (1 when that
 // is 0), values = x / scale rounded to nearest even, saturated to +-448. Bit-exact with the
-// torch rule in afd_ext/fp8.py, so no fast math here: amax compares bf16 bit patterns (|x| as
-// integers orders like the floats), and the divisions and the product are PTX .rn without
-// .ftz (the build's --use_fast_math would flush denormal scales).
+// torch rule in afd_ext/fp8.py, so no float operation the build's --use_fast_math (-ftz=true)
+// can flush: amax compares bf16 bit patterns (|x| as integers orders like the floats), the
+// divisions and the product are PTX .rn without .ftz, and the zero test reads the scale's bits
+// (a float `s == 0` compiles to setp.eq.ftz, true for a subnormal scale).
 __device__ __forceinline__ float div_rn(float a, float b) {
   float r;
   asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
@@ -155,7 +156,7 @@ __device__ __forceinline__ void quantize_groups(unsigned char* values, float* sc
                      max(raw.y & 0x7fffu, (raw.y >> 16) & 0x7fffu));
     m = __reduce_max_sync(0xffffffffu, m);
     float s = div_rn(__uint_as_float(m << 16), 448.0f);
-    if (s == 0.0f) s = 1.0f;
+    if (__float_as_uint(s) == 0u) s = 1.0f;  // s >= 0: +0 only
     const unsigned w[4] = {raw.x << 16, raw.x & 0xffff0000u, raw.y << 16, raw.y & 0xffff0000u};
     unsigned packed = 0;
     for (int j = 0; j < 4; ++j) {

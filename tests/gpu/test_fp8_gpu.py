@@ -33,11 +33,11 @@ DEV = torch.device("cuda", 0)
 
 
 def inputs(t: int, h: int, seed: int) -> torch.Tensor:
-    """``hard_inputs`` rows first (zero / subnormal / huge / tie groups), random rows of mixed scale after."""
-    x = hard_inputs(max(t, 4), h, seed)
-    if t > 4:
+    """``hard_inputs`` rows first (its edge-case groups lead), random rows of mixed scale after."""
+    x = hard_inputs(max(t, 5), h, seed)
+    if t > 5:
         g = torch.Generator().manual_seed(seed + 1)
-        x = torch.cat([x, (torch.randn(t - 4, h, generator=g) * 10.0 ** torch.randint(-6, 6, (t - 4, 1),
+        x = torch.cat([x, (torch.randn(t - 5, h, generator=g) * 10.0 ** torch.randint(-6, 6, (t - 5, 1),
                                                                                      generator=g)).bfloat16()])
     return x[:t]
 
