@@ -104,12 +104,11 @@ LOGIT_ATOL_FP32 = 1e-4
 #: swapped request moves logits by order 1).
 LOGIT_ATOL_BF16 = 0.25
 #: ``--fp8`` (FP8 hidden states attention -> FFN): the whole model rounds its FFN inputs by the same rule,
-#: so the runs differ where bf16 already differs (tolerance above) and, in addition, where such a
-#: difference (<= 2**-8 relative) moves an FFN input element across an fp8 rounding boundary: that
-#: element then differs by one fp8 step (<= 2**-3 relative) instead, for a fraction ~2**-8 / 2**-3 of
-#: the elements; the input difference's RMS grows from 2**-8 to sqrt(2**-5) * 2**-3 = 2**-5.5 of
-#: itself, i.e. 2**2.5 times, and so do the logit differences the bf16 tolerance bounds.
-LOGIT_ATOL_FP8_FACTOR = 2.0 ** 2.5
+#: so an element differs only where its bf16 input already differs, by d < one e4m3 step s (a bf16 ulp is
+#: s / 16): it crosses a rounding boundary with probability |d| / s and then differs by s, i.e. by |d| in
+#: expectation, what the bf16 tolerance allows. The factor covers the crossing count's fluctuation
+#: (twice its mean: under 1% for a row of 128 channels, far less at real hidden sizes). docs/fp8.md.
+LOGIT_ATOL_FP8_FACTOR = 2.0
 
 # Byte vocabulary: 256 byte values + specials.
 PAD_ID = 256
@@ -1188,7 +1187,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         f"{list(GRAPH_CAPTURE_SIZES)} are padded and replayed from CUDA graphs on both roles "
                         "(on CPU/gloo the same protocol runs with eager re-execution instead of graphs)")
     p.add_argument("--fp8", action="store_true", help="FP8 hidden states attention -> FFN (hidden_wire_dtype "
-                   "fp8_e4m3, docs/fp8.md; bfloat16); the self-check's tolerance grows by 2**-3 per layer")
+                   "fp8_e4m3, docs/fp8.md; bfloat16); the whole model checking it rounds its FFN inputs "
+                   "the same way, and the self-check's tolerance doubles")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
