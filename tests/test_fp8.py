@@ -105,6 +105,28 @@ def test_cpu_path_is_the_reference_bit_for_bit():
     assert (tuple(v0.shape), tuple(s0.shape)) == ((0, 256), (0, 2))
 
 
+def test_kernels_emit_no_flushing_float_op(tmp_path):
+    """Under the build's fast math (setup.py: -O3 --use_fast_math) the FP8 kernels must compile to no
+    ``.ftz`` instruction: one (a float ``s == 0``) flushed subnormal scales on the GPU (docs/fp8.md)."""
+    import importlib.util
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("afd_setup", root / "setup.py")
+    setup = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(setup)  # setup() runs only under __main__
+    home = setup.find_cuda_home()
+    if home is None:
+        pytest.skip("no CUDA toolkit: cannot compile the kernels to PTX")
+    ptx = tmp_path / "peer_kernels.ptx"
+    subprocess.run([f"{home}/bin/nvcc", "-O3", "--use_fast_math", "-arch=sm_90", "-ptx",
+                    str(root / "csrc/cuda/peer_kernels.cu"), "-o", str(ptx)], check=True, timeout=240)
+    text = ptx.read_text()
+    assert "fp8_quantize_kernel" in text and "cvt.rn.satfinite.e4m3x2.f32" in text
+    assert [ln.strip() for ln in text.splitlines() if ".ftz" in ln] == []
+
+
 @pytest.mark.parametrize("h", [100, 7168 + 64])
 def test_hidden_size_not_a_multiple_of_128_is_refused(h):
     from afd_ext.schedule import ScheduleConfig
