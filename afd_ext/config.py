@@ -178,6 +178,12 @@ class AfdExtConnectorConfig:
         peer_fallback: peer transport: also build NCCL communicators and send
             steps beyond ``peer_max_tokens`` / ``peer_stages`` over them (off:
             such a step is an error).
+        hidden_wire_dtype: None (the hidden dtype travels) or ``"fp8_e4m3"``: attention -> FFN
+            hidden states travel as FP8 values + one float32 scale per 128 channels
+            (docs/fp8.md; bf16 hidden states, hidden size a multiple of 128). Both roles must agree.
+        fp8_delivery: with FP8 on the wire, what ``recv_attn_output`` returns on an FFN rank:
+            ``"dequant"`` (bf16, dequantized in the fan-in) or ``"fp8"`` (the values, and the
+            scales in ``payload.hidden_scales``).
         job_id: identity of this AFD job; the rendezvous store refuses a rank of
             another job (:class:`~afd_ext.errors.JobMismatchError`). Default
             (None): :func:`resolve_job_id` (``AFD_JOB_ID``, then torchrun's
@@ -197,6 +203,8 @@ class AfdExtConnectorConfig:
     peer_max_tokens: int = 8192
     peer_stages: int = 2
     peer_fallback: bool = True
+    hidden_wire_dtype: str | None = None
+    fp8_delivery: str = "dequant"
     job_id: str | None = None
 
     def __post_init__(self) -> None:
@@ -204,6 +212,9 @@ class AfdExtConnectorConfig:
         set_("job_id", resolve_job_id(self.job_id)[0])
         _one_of(self.transport, "connector_extra_config.transport", ("nccl", "gloo", "peer", "auto"))
         _one_of(self.control_channel, "connector_extra_config.control_channel", ("auto", "shm", "tcp"))
+        if self.hidden_wire_dtype is not None:
+            _one_of(self.hidden_wire_dtype, "connector_extra_config.hidden_wire_dtype", ("fp8_e4m3",))
+        _one_of(self.fp8_delivery, "connector_extra_config.fp8_delivery", ("dequant", "fp8"))
         for name in ("strict", "clamp_idle_to_one", "peer_fallback"):
             set_(name, coerce_bool(getattr(self, name), f"connector_extra_config.{name}"))
         for name, lo in (("max_stages", 1), ("graph_cache_size", 0), ("peer_max_tokens", 1),
@@ -222,6 +233,9 @@ class AfdExtConnectorConfig:
                 f"connector_extra_config.heartbeat_timeout_s ({self.heartbeat_timeout_s}) must be larger "
                 f"than heartbeat_interval_s ({self.heartbeat_interval_s})"
             )
+        if self.hidden_wire_dtype is not None and self.strict:
+            raise AFDConfigError("connector_extra_config.hidden_wire_dtype 'fp8_e4m3' does not combine with strict "
+                                 "(its headers describe the unquantized tensors); turn one off")
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any] | None) -> "AfdExtConnectorConfig":

@@ -103,6 +103,12 @@ LOGIT_ATOL_FP32 = 1e-4
 #: and still far below the spread of wrong results (a misrouted row or a
 #: swapped request moves logits by order 1).
 LOGIT_ATOL_BF16 = 0.25
+#: ``--fp8`` (FP8 hidden states attention -> FFN): the whole model rounds its FFN inputs by the same rule,
+#: so an element differs only where its bf16 input already differs, by d < one e4m3 step s (a bf16 ulp is
+#: s / 16): it crosses a rounding boundary with probability |d| / s and then differs by s, i.e. by |d| in
+#: expectation, what the bf16 tolerance allows. The factor covers the crossing count's fluctuation
+#: (twice its mean: under 1% for a row of 128 channels, far less at real hidden sizes). docs/fp8.md.
+LOGIT_ATOL_FP8_FACTOR = 2.0
 
 # Byte vocabulary: 256 byte values + specials.
 PAD_ID = 256
@@ -673,6 +679,7 @@ class DemoPlan:
     gpu_placement: GpuPlacement | None = None
     graph: bool = False
     verbose: bool = False
+    fp8: bool = False
 
     @property
     def device_type(self) -> str:
@@ -711,6 +718,7 @@ def _make_connector(plan: DemoPlan, role: str, role_rank: int, world_rank: int, 
             "step_timeout_s": plan.step_timeout_s,
             "init_timeout_s": plan.init_timeout_s,
             "max_stages": max(4, plan.stages),
+            **({"hidden_wire_dtype": "fp8_e4m3"} if plan.fp8 else {}),
         },
     )
     import torch
@@ -889,6 +897,16 @@ def run_demo(plan: DemoPlan, *, timeout_s: float = 600.0) -> dict[str, Any]:
     dtype = _torch_dtype(plan.dtype)
     whole = build_model(plan.model_config, plan.seed, device=plan.device_type, dtype=dtype)
     tol = LOGIT_ATOL_FP32 if dtype == torch.float32 else LOGIT_ATOL_BF16
+    if plan.fp8:  # the whole model rounds its FFN inputs by the same rule (docs/fp8.md)
+        from afd_ext import fp8
+        from afd_ext.integrations.transformers import decoder_layers, describe_layers, remote_layer_indices
+
+        infos = describe_layers(whole)
+        for i in remote_layer_indices(whole, gate_on_attention=plan.gate_on_attention):
+            getattr(decoder_layers(whole)[i], infos[i].mlp_attr).register_forward_pre_hook(
+                lambda m, a: (fp8.dequantize(*fp8.quantize(a[0].reshape(-1, a[0].shape[-1]).cpu()))
+                              .reshape(a[0].shape).to(a[0].device),) + a[1:])
+        tol *= LOGIT_ATOL_FP8_FACTOR
     results = [r for a in att for r in a.requests]
     check = self_check(results, lambda seq: reference_logits(whole, seq, ref_device), tol)
     return summarize(plan, att, ffn, check, run_s)
@@ -1117,6 +1135,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="graph mode: steps whose per-rank counts fit the capture sizes "
                         f"{list(GRAPH_CAPTURE_SIZES)} are padded and replayed from CUDA graphs on both roles "
                         "(on CPU/gloo the same protocol runs with eager re-execution instead of graphs)")
+    p.add_argument("--fp8", action="store_true", help="FP8 hidden states attention -> FFN (hidden_wire_dtype "
+                   "fp8_e4m3, docs/fp8.md; bfloat16); the whole model checking it rounds its FFN inputs "
+                   "the same way, and the self-check's tolerance doubles")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
@@ -1170,7 +1191,9 @@ def build_plan(args: argparse.Namespace) -> DemoPlan:
             raise AFDConfigError(f"--json {args.json_path} is a folder; give a file path")
     dtype = args.dtype
     if dtype == "auto":
-        dtype = "float32" if backend == "gloo" else "bfloat16"
+        dtype = "float32" if backend == "gloo" and not args.fp8 else "bfloat16"
+    if args.fp8 and dtype != "bfloat16":
+        raise AFDConfigError("--fp8 quantizes bfloat16 hidden states; drop --dtype float32")
     model_config = load_model_config(args.dims, num_layers=args.layers)
     prompts = load_prompts(args.prompts)
     requests = make_requests(A, args.requests_per_rank, args.max_new_tokens, prompts=prompts,
@@ -1182,7 +1205,7 @@ def build_plan(args: argparse.Namespace) -> DemoPlan:
         requests=requests, host=args.host, port=port, agree_port=0,
         step_timeout_s=args.step_timeout, init_timeout_s=max(args.step_timeout, 120.0),
         progress=not args.no_progress, threads=args.threads, connector=args.connector,
-        verbose=args.verbose, graph=args.graph, gpu_placement=placement,
+        verbose=args.verbose, graph=args.graph, gpu_placement=placement, fp8=args.fp8,
     )
 
 

@@ -135,6 +135,7 @@ class GraphKey:
         router_logits: ``(width, dtype name)`` when router logits travel, else None.
         token_ids: dtype name of the token ids when they travel, else None.
         topology: ``(num_attention_ranks, num_ffn_ranks, tp_size)`` or ``()``.
+        hidden_wire: ``"fp8_e4m3"`` when hidden states travel as FP8 (docs/fp8.md), else None.
     """
 
     stage_counts: tuple[tuple[int, tuple[int, ...]], ...]
@@ -144,6 +145,7 @@ class GraphKey:
     router_logits: tuple[int, str] | None = None
     token_ids: str | None = None
     topology: tuple[int, ...] = ()
+    hidden_wire: str | None = None
 
     @property
     def stages(self) -> tuple[int, ...]:
@@ -178,6 +180,7 @@ class GraphKey:
             f"GraphKey({stages}; layers={self.num_layers}; hidden[{self.hidden_size}]:{self.hidden_dtype}"
             + ("; " + ", ".join(extra) if extra else "")
             + (f"; topology={self.topology}" if self.topology else "")
+            + (f"; wire={self.hidden_wire}" if self.hidden_wire else "")
             + ")"
         )
 
@@ -241,7 +244,7 @@ def graph_key_from_schedule(schedule: Any) -> GraphKey:
     cfg = schedule.config
     topo = schedule.topology
     logits_dtype = cfg.router_logits_dtype if cfg.router_logits_width is not None else None
-    return make_graph_key(
+    return dataclasses.replace(make_graph_key(
         {s: schedule.rows_vector(s) for s in schedule.stages},
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
@@ -250,7 +253,7 @@ def graph_key_from_schedule(schedule: Any) -> GraphKey:
         router_logits_dtype=logits_dtype,
         token_ids_dtype=TOKEN_IDS_DTYPE if cfg.send_token_ids else None,
         topology=(topo.num_attention_ranks, topo.num_ffn_ranks, topo.tp_size),
-    )
+    ), hidden_wire=cfg.hidden_wire)
 
 
 def cold_edges(schedule: Any, role: str, role_rank: int) -> list[tuple[int, int]]:
@@ -283,7 +286,7 @@ def reserve_ffn_buffers(arena: "StaticArena", schedule: Any, ffn_rank: int) -> d
     Returns:
         stage -> name -> tensor (absent optional tensors map to None).
     """
-    return {s: stage_buffers(arena.buffer, schedule.config, s, schedule.ffn_rows(s, ffn_rank), ("output",))
+    return {s: stage_buffers(arena.buffer, schedule.config, s, schedule.ffn_rows(s, ffn_rank), ("output",), fan_in=True)
             for s in schedule.stages}
 
 

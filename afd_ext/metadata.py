@@ -603,12 +603,16 @@ class AFDA2FTransferPayload:
         router_logits: ``[total_tokens, num_experts]`` when the gate runs on the
             attention side, else ``None``.
         input_ids: ``[total_tokens]`` int32 token ids when they travel, else ``None``.
+        hidden_scales: with FP8 on the wire and ``fp8_delivery: "fp8"`` (docs/fp8.md),
+            ``hidden_states`` are ``float8_e4m3fn`` and these their float32 scales
+            ``[total_tokens, hidden/128]``; else ``None``.
     """
 
     hidden_states: torch.Tensor
     context: AFDTransferContext
     router_logits: torch.Tensor | None = None
     input_ids: torch.Tensor | None = None
+    hidden_scales: torch.Tensor | None = None
 
 
 @dataclass(slots=True)

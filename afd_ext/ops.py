@@ -470,6 +470,7 @@ def fan_in(
     comms: Sequence[int],
     peers: Sequence[int],
     rows: Sequence[int],
+    hidden_scales: Optional[Tensor] = None,
 ) -> None:
     """FFN side: receive every peer's rows, in one NCCL group, into consecutive row ranges.
 
@@ -485,6 +486,8 @@ def fan_in(
         comms: communicator handle per peer (one communicator per edge), all on one device.
         peers: the peer's rank in its communicator.
         rows: rows per peer, >= 0.
+        hidden_scales: with float8_e4m3fn ``hidden_states``, their float32 scales
+            ``[sum(rows), hidden/128]`` (mutated); they travel right after the hidden states.
 
     All tensors: CUDA on the communicators' device, contiguous rows, a wire dtype.
 
@@ -493,14 +496,15 @@ def fan_in(
             wrong device/dtype/layout, a peer out of range, a dead handle (all before
             any NCCL call); NCCL error.
     """
-    _ops.fan_in(hidden_states, router_logits, token_ids, _ints(comms), _ints(peers), _ints(rows))
+    _ops.fan_in(hidden_states, router_logits, token_ids, _ints(comms), _ints(peers), _ints(rows), hidden_scales)
 
 
 @torch.library.register_fake("afd_ext::fan_in")
-def _fan_in_fake(hidden_states, router_logits, token_ids, comms, peers, rows) -> None:
+def _fan_in_fake(hidden_states, router_logits, token_ids, comms, peers, rows, hidden_scales=None) -> None:
     _fake_check_rows(
         "fan_in",
-        [("hidden_states", hidden_states), ("router_logits", router_logits), ("token_ids", token_ids)],
+        [("hidden_states", hidden_states), ("router_logits", router_logits), ("token_ids", token_ids),
+         ("hidden_scales", hidden_scales)],
         {"comms": comms, "peers": peers, "rows": rows},
     )
 
@@ -513,6 +517,7 @@ def split_back(
     comms: Sequence[int],
     peers: Sequence[int],
     rows: Sequence[int],
+    hidden_scales: Optional[Tensor] = None,
 ) -> None:
     """Send each peer its consecutive row range of every given tensor, in one NCCL group.
 
@@ -524,16 +529,81 @@ def split_back(
     Raises:
         RuntimeError: as :func:`fan_in`.
     """
-    _ops.split_back(hidden_states, router_logits, token_ids, _ints(comms), _ints(peers), _ints(rows))
+    _ops.split_back(hidden_states, router_logits, token_ids, _ints(comms), _ints(peers), _ints(rows),
+                    hidden_scales)
 
 
 @torch.library.register_fake("afd_ext::split_back")
-def _split_back_fake(hidden_states, router_logits, token_ids, comms, peers, rows) -> None:
+def _split_back_fake(hidden_states, router_logits, token_ids, comms, peers, rows, hidden_scales=None) -> None:
     _fake_check_rows(
         "split_back",
-        [("hidden_states", hidden_states), ("router_logits", router_logits), ("token_ids", token_ids)],
+        [("hidden_states", hidden_states), ("router_logits", router_logits), ("token_ids", token_ids),
+         ("hidden_scales", hidden_scales)],
         {"comms": comms, "peers": peers, "rows": rows},
     )
+
+
+def _fp8_check(op: str, x: Tensor, values: Tensor, scales: Tensor) -> None:
+    from .fp8 import GROUP
+
+    t, h = (tuple(x.shape) + (0,))[:2] if x.dim() == 2 else (-1, -1)
+    if x.dim() != 2 or h % GROUP or tuple(values.shape) != (t, h) or tuple(scales.shape) != (t, h // GROUP):
+        raise AFDConfigError(f"afd_ext.{op}: expected hidden states and values [T, H] (H a multiple of {GROUP}) "
+                             f"and scales [T, H/{GROUP}], got {tuple(x.shape)}, {tuple(values.shape)} and "
+                             f"{tuple(scales.shape)}")
+    if (x.dtype, values.dtype, scales.dtype) != (torch.bfloat16, torch.float8_e4m3fn, torch.float32):
+        raise AFDTypeError(f"afd_ext.{op}: expected bfloat16 hidden states, float8_e4m3fn values and float32 "
+                           f"scales, got {x.dtype}, {values.dtype} and {scales.dtype}")
+
+
+@_boundary
+def fp8_quantize(x: Tensor, values: Tensor, scales: Tensor) -> None:
+    """Quantize bf16 hidden states ``x`` ``[T, H]`` into ``values`` (e4m3 ``[T, H]``) and ``scales`` (fp32 ``[T, H/128]``).
+
+    The rule of :mod:`afd_ext.fp8` (the CPU kernel *is* :func:`afd_ext.fp8.quantize`; the CUDA
+    kernel matches it bit for bit). Same device, contiguous; ``values``/``scales`` mutated; on the
+    current stream, no allocation (capturable).
+
+    Raises:
+        AFDConfigError / AFDTypeError: shapes (H not a multiple of 128) or dtypes.
+    """
+    _fp8_check("fp8_quantize", x, values, scales)
+    _ops.fp8_quantize(x, values, scales)
+
+
+@torch.library.register_fake("afd_ext::fp8_quantize")
+def _fp8_quantize_fake(x, values, scales) -> None:
+    _fp8_check("fp8_quantize", x, values, scales)
+
+
+@_boundary
+def fp8_dequantize(values: Tensor, scales: Tensor, out: Tensor) -> None:
+    """``out`` (bf16 ``[T, H]``, mutated) = ``values`` (e4m3) times their group's scale, rounded once.
+
+    Raises:
+        AFDConfigError / AFDTypeError: as :func:`fp8_quantize`.
+    """
+    _fp8_check("fp8_dequantize", out, values, scales)
+    _ops.fp8_dequantize(values, scales, out)
+
+
+@torch.library.register_fake("afd_ext::fp8_dequantize")
+def _fp8_dequantize_fake(values, scales, out) -> None:
+    _fp8_check("fp8_dequantize", out, values, scales)
+
+
+@torch.library.impl("afd_ext::fp8_quantize", "CPU")
+def _fp8_quantize_cpu(x, values, scales) -> None:
+    from . import fp8
+
+    fp8.quantize(x, values, scales)
+
+
+@torch.library.impl("afd_ext::fp8_dequantize", "CPU")
+def _fp8_dequantize_cpu(values, scales, out) -> None:
+    from . import fp8
+
+    fp8.dequantize(values, scales, out)
 
 
 # ---------------------------------------------------------------------------
@@ -877,6 +947,7 @@ def peer_put(
     dst_rows: Sequence[int],
     part_offsets: Sequence[int],
     flag_offsets: Sequence[int],
+    quantize_hidden: bool = False,
 ) -> None:
     """Write rows straight into peers' memory, then publish one flag per peer (one kernel).
 
@@ -898,6 +969,9 @@ def peer_put(
         rows, dst_rows: rows per peer and their first row in the peer's part.
         part_offsets: byte offset of each given tensor's part in every destination region.
         flag_offsets: byte offset (8-aligned) of this rank's flag in each destination region.
+        quantize_hidden: bf16 ``hidden_states`` (H a multiple of 128) are written as FP8 values
+            and float32 scales (:mod:`afd_ext.fp8`), two parts: ``part_offsets`` then has one
+            entry more (values, scales, then the other tensors').
 
     The tensors are only read (declared mutated so compiled code keeps the
     call). Enqueued on the current stream; no allocation, no sync: capturable
@@ -908,18 +982,18 @@ def peer_put(
             region's end (capacity), a bad tensor/handle/slot (all before the launch).
     """
     _ops.peer_put(hidden_states, router_logits, token_ids, int(plane), int(slot), _ints(regions),
-                  _ints(rows), _ints(dst_rows), _ints(part_offsets), _ints(flag_offsets))
+                  _ints(rows), _ints(dst_rows), _ints(part_offsets), _ints(flag_offsets), bool(quantize_hidden))
 
 
 @torch.library.register_fake("afd_ext::peer_put")
 def _peer_put_fake(hidden_states, router_logits, token_ids, plane, slot, regions, rows, dst_rows,
-                   part_offsets, flag_offsets) -> None:
+                   part_offsets, flag_offsets, quantize_hidden=False) -> None:
     _fake_check_rows(
         "peer_put",
         [("hidden_states", hidden_states), ("router_logits", router_logits), ("token_ids", token_ids)],
         {"regions": regions, "rows": rows, "dst_rows": dst_rows, "flag_offsets": flag_offsets},
     )
-    given = 1 + (router_logits is not None) + (token_ids is not None)
+    given = 1 + bool(quantize_hidden) + (router_logits is not None) + (token_ids is not None)
     if len(part_offsets) != given:
         raise AFDConfigError(f"afd_ext.peer_put: part_offsets has {len(part_offsets)} entries but {given} "
                            "wire tensors were given")
@@ -940,6 +1014,7 @@ def peer_wait(
     layer: int,
     stage: int,
     timeout_ns: int,
+    hidden_scales: Optional[Tensor] = None,
 ) -> None:
     """Wait for every peer's flag in this rank's region, then optionally copy ``hidden_states`` into ``out``.
 
@@ -965,20 +1040,25 @@ def peer_wait(
         peers: role rank of each peer (for the error record).
         op, layer, stage: recorded on failure.
         timeout_ns: deadline of each spin, ns (> 0).
+        hidden_scales: with FP8 ``hidden_states`` and a bf16 ``out``: their scales ``[T, H/128]``
+            float32; the copy then dequantizes (the FP8 fan-in delivered as bf16).
 
     Raises:
         RuntimeError: bad arguments, tensors on another device (before the launch).
     """
     _ops.peer_wait(hidden_states, router_logits, token_ids, out, int(plane), int(slot), int(region),
-                   _ints(flag_offsets), _ints(peers), int(op), int(layer), int(stage), int(timeout_ns))
+                   _ints(flag_offsets), _ints(peers), int(op), int(layer), int(stage), int(timeout_ns),
+                   hidden_scales)
 
 
 @torch.library.register_fake("afd_ext::peer_wait")
 def _peer_wait_fake(hidden_states, router_logits, token_ids, out, plane, slot, region, flag_offsets, peers,
-                    op, layer, stage, timeout_ns) -> None:
+                    op, layer, stage, timeout_ns, hidden_scales=None) -> None:
     if len(flag_offsets) != len(peers):
         raise AFDConfigError(f"afd_ext.peer_wait: flag_offsets and peers must have equal lengths, got "
                            f"{len(flag_offsets)} and {len(peers)}")
-    if out is not None and (out.dtype != hidden_states.dtype or tuple(out.shape) != tuple(hidden_states.shape)):
+    if hidden_scales is not None and out is not None:
+        _fp8_check("peer_wait", out, hidden_states, hidden_scales)
+    elif out is not None and (out.dtype != hidden_states.dtype or tuple(out.shape) != tuple(hidden_states.shape)):
         raise AFDConfigError(f"afd_ext.peer_wait: out must match hidden_states ({hidden_states.dtype} "
                            f"{tuple(hidden_states.shape)}), got {out.dtype} {tuple(out.shape)}")

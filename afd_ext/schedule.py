@@ -130,6 +130,10 @@ class ScheduleConfig:
         pad_to: ``{stage: rows}``: every attention rank sends this many rows
             for the stage (CUDA graph capture size), or ``None``.
         max_stages: largest accepted number of stages per step, or ``None``.
+        hidden_wire: ``None`` (hidden states travel as ``hidden_dtype``) or ``"fp8_e4m3"``
+            (attention -> FFN as FP8 values + scales, :mod:`afd_ext.fp8`; the reply stays ``hidden_dtype``).
+        fp8_delivery: an FFN rank's fan-in with FP8 on the wire: ``"dequant"`` (bf16 ``hidden``,
+            dequantized in the fan-in) or ``"fp8"`` (``hidden_fp8`` and ``hidden_scales``).
 
     Raises:
         AFDConfigError: a field out of range or of the wrong type.
@@ -144,6 +148,8 @@ class ScheduleConfig:
     clamp_idle_to_one: bool = False
     pad_to: Mapping[int, int] | None = None
     max_stages: int | None = None
+    hidden_wire: str | None = None
+    fp8_delivery: str = "dequant"
 
     def __post_init__(self) -> None:
         _pos_int(self.num_layers, "num_layers")
@@ -171,6 +177,13 @@ class ScheduleConfig:
                 _pos_int(p, f"pad_to[{s}]", allow_zero=True)
                 pad[s] = p
             object.__setattr__(self, "pad_to", dict(sorted(pad.items())))
+        if self.hidden_wire is not None:
+            from .fp8 import HIDDEN_WIRE_DTYPES, check_hidden
+
+            if self.hidden_wire not in HIDDEN_WIRE_DTYPES:
+                raise AFDConfigError(f"hidden_wire must be None or one of {list(HIDDEN_WIRE_DTYPES)}, "
+                                     f"got {self.hidden_wire!r}")
+            check_hidden(self.hidden_size, self.hidden_dtype)
 
     def __hash__(self) -> int:
         pad = None if self.pad_to is None else tuple(self.pad_to.items())
@@ -178,7 +191,7 @@ class ScheduleConfig:
             (
                 self.num_layers, self.hidden_size, self.hidden_dtype, self.router_logits_width,
                 self.router_logits_dtype, self.send_token_ids,
-                self.clamp_idle_to_one, pad, self.max_stages,
+                self.clamp_idle_to_one, pad, self.max_stages, self.hidden_wire, self.fp8_delivery,
             )
         )
 
@@ -186,12 +199,16 @@ class ScheduleConfig:
     def wire_parts(self) -> tuple[WirePart, ...]:
         """The one wire layout: the tensors of an a2f message, in the order they travel.
 
-        ``hidden`` ``[rows, hidden_size]``, then ``router_logits`` ``[rows, width]`` and ``token_ids``
-        ``[rows]`` int32 when they travel (an FP8 hidden state's scales would follow ``hidden``). Every
-        transport moves exactly these tensors, each as its own message; strict headers number them in
-        this order.
+        ``hidden`` ``[rows, hidden_size]`` (with FP8 on the wire: ``hidden_fp8`` e4m3 and
+        ``hidden_scales`` ``[rows, hidden_size/128]`` float32), then ``router_logits`` ``[rows, width]``
+        and ``token_ids`` ``[rows]`` int32 when they travel. Every transport moves exactly these
+        tensors, each as its own message; strict headers number them in this order.
         """
-        parts = [WirePart("hidden", (self.hidden_size,), self.hidden_dtype)]
+        if self.hidden_wire is None:
+            parts = [WirePart("hidden", (self.hidden_size,), self.hidden_dtype)]
+        else:
+            parts = [WirePart("hidden_fp8", (self.hidden_size,), torch.float8_e4m3fn),
+                     WirePart("hidden_scales", (self.hidden_size // 128,), torch.float32)]
         if self.router_logits_width is not None:
             parts.append(WirePart("router_logits", (self.router_logits_width,), self.router_logits_dtype))
         if self.send_token_ids:
@@ -205,7 +222,7 @@ class ScheduleConfig:
 
 
 def stage_buffers(alloc: Callable[[tuple[str, int], tuple[int, ...], torch.dtype], Any], config: ScheduleConfig,
-                  stage: int, rows: int, extra: Sequence[str] = ()) -> dict[str, Any]:
+                  stage: int, rows: int, extra: Sequence[str] = (), *, fan_in: bool = False) -> dict[str, Any]:
     """The one stage layout: a rank's buffers of one stage, for every transport and both roles.
 
     Args:
@@ -215,14 +232,26 @@ def stage_buffers(alloc: Callable[[tuple[str, int], tuple[int, ...], torch.dtype
         stage: the stage id; rows: the stage's rows on this rank.
         extra: names of further ``[rows, hidden_size]`` buffers of the hidden dtype, e.g. ``"output"``
             (an FFN rank's split-back source) or ``"reply"`` (where an attention rank's reply lands).
+        fan_in: an FFN rank's fan-in buffers (what arrives: :attr:`ScheduleConfig.wire_parts`, wire
+            parts first, in wire order) rather than what the attention caller passes (``hidden`` in
+            the hidden dtype). They differ only with FP8 on the wire: then ``hidden_fp8`` and
+            ``hidden_scales`` arrive, and ``"dequant"`` delivery adds ``hidden`` (bf16) after them.
 
     Returns:
-        ``{"hidden", "router_logits", "token_ids", *extra}``; an optional wire tensor that does not
-        travel maps to None.
+        ``{"hidden", "router_logits", "token_ids", *extra}`` (with FP8 on the wire and ``fan_in``,
+        also ``"hidden_fp8"``, ``"hidden_scales"``; ``"hidden"`` None under ``"fp8"`` delivery);
+        an optional wire tensor that does not travel maps to None.
     """
     out: dict[str, Any] = {"router_logits": None, "token_ids": None}
-    for p in config.wire_parts:
+    fp8 = config.hidden_wire is not None
+    parts = config.wire_parts
+    if fp8 and not fan_in:
+        parts = (WirePart("hidden", (config.hidden_size,), config.hidden_dtype),) + parts[2:]
+    for p in parts:
         out[p.name] = alloc((p.name, stage), (rows,) + p.cols, p.dtype)
+    if fp8 and fan_in:
+        out["hidden"] = None if config.fp8_delivery == "fp8" else \
+            alloc(("hidden", stage), (rows, config.hidden_size), config.hidden_dtype)
     for name in extra:
         out[name] = alloc((name, stage), (rows, config.hidden_size), config.hidden_dtype)
     return out
@@ -233,7 +262,8 @@ def schedule_config(spec: Any, extra: Any) -> ScheduleConfig:
     return ScheduleConfig(
         num_layers=spec.num_layers, hidden_size=spec.hidden_size, hidden_dtype=spec.dtype,
         router_logits_width=spec.router_logits_width, router_logits_dtype=spec.router_logits_dtype,
-        send_token_ids=spec.send_token_ids, clamp_idle_to_one=extra.clamp_idle_to_one, max_stages=extra.max_stages)
+        send_token_ids=spec.send_token_ids, clamp_idle_to_one=extra.clamp_idle_to_one, max_stages=extra.max_stages,
+        hidden_wire=getattr(extra, "hidden_wire_dtype", None), fp8_delivery=getattr(extra, "fp8_delivery", "dequant"))
 
 
 class Message(NamedTuple):

@@ -29,10 +29,13 @@ void send_cuda(const at::Tensor& t, int64_t comm, int64_t peer);
 void recv_cuda(const at::Tensor& t, int64_t comm, int64_t peer);
 void fan_in_cuda(const at::Tensor& hidden_states, const OptTensor& router_logits,
                  const OptTensor& token_ids, c10::IntArrayRef comms, c10::IntArrayRef peers,
-                 c10::IntArrayRef rows);
+                 c10::IntArrayRef rows, const OptTensor& hidden_scales);
 void split_back_cuda(const at::Tensor& hidden_states, const OptTensor& router_logits,
                      const OptTensor& token_ids, c10::IntArrayRef comms,
-                     c10::IntArrayRef peers, c10::IntArrayRef rows);
+                     c10::IntArrayRef peers, c10::IntArrayRef rows, const OptTensor& hidden_scales);
+// FP8 hidden states (cuda/p2p_cuda.cpp; the CPU impls are afd_ext/fp8.py's torch rule)
+void fp8_quantize_cuda(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales);
+void fp8_dequantize_cuda(const at::Tensor& values, const at::Tensor& scales, const at::Tensor& out);
 
 // --- peer-memory plane (cuda/peer_cuda.cpp, or cpu/peer_no_cuda.cpp; CPU-key
 // impls of the data ops in cpu/peer_cpu.cpp raise) ---
@@ -48,10 +51,11 @@ at::Tensor peer_region_view(int64_t region, int64_t offset, int64_t nbytes);
 void peer_put_cuda(const at::Tensor& hidden_states, const OptTensor& router_logits,
                    const OptTensor& token_ids, int64_t plane, int64_t slot,
                    c10::IntArrayRef regions, c10::IntArrayRef rows, c10::IntArrayRef dst_rows,
-                   c10::IntArrayRef part_offsets, c10::IntArrayRef flag_offsets);
+                   c10::IntArrayRef part_offsets, c10::IntArrayRef flag_offsets, bool quantize_hidden);
 void peer_wait_cuda(const at::Tensor& hidden_states, const OptTensor& router_logits,
                     const OptTensor& token_ids, const OptTensor& out, int64_t plane, int64_t slot,
                     int64_t region, c10::IntArrayRef flag_offsets, c10::IntArrayRef peers,
-                    int64_t op_code, int64_t layer, int64_t stage, int64_t timeout_ns);
+                    int64_t op_code, int64_t layer, int64_t stage, int64_t timeout_ns,
+                    const OptTensor& hidden_scales);
 
 }  // namespace afd

@@ -27,6 +27,8 @@ namespace afd {
 constexpr int kPeerMaxPeers = 64;
 // Wire tensors per put (hidden states, router logits, token ids).
 constexpr int kPeerMaxParts = 3;
+// FP8 hidden states (e4m3, DeepEP/DeepGEMM format): one float32 scale per row and this many channels.
+constexpr int kFp8Group = 128;
 
 // Error record words (int64, host-mapped).
 enum PeerErrWord : int {
@@ -75,6 +77,10 @@ struct PeerPutArgs {
   long long rows[kPeerMaxPeers];
   long long src_row[kPeerMaxPeers];
   long long dst_row[kPeerMaxPeers];
+  // Nonzero: src[0] is bf16 hidden states, quantized in the put to e4m3 values
+  // (part_off[0], hidden bytes per row) and float32 scales (scales_off).
+  int quant;
+  long long scales_off;
 };
 
 // One peer_wait launch: wait for npeers flags, then (optionally) copy bytes.
@@ -91,6 +97,7 @@ struct PeerWaitArgs {
   const char* copy_src;  // nullptr: no copy
   char* copy_dst;
   long long copy_bytes;
+  const float* dq_scales;  // non-null: copy_src is e4m3 values (copy_bytes of them), copy_dst bf16 (dequantized)
 };
 
 // Launchers (cuda/peer_kernels.cu) on `stream` (a cudaStream_t); `max_blocks`
@@ -98,5 +105,12 @@ struct PeerWaitArgs {
 // the launch error code (0 = cudaSuccess) and never synchronise.
 int peer_put_launch(const PeerPutArgs& args, int max_blocks, void* stream);
 int peer_wait_launch(const PeerWaitArgs& args, int max_blocks, void* stream);
+
+// FP8 hidden states outside the plane (the NCCL path), same rule and device code as the put/wait:
+// x bf16 [groups * 128] -> values e4m3 [groups * 128] and scales float32 [groups]; and back to bf16.
+int fp8_quantize_launch(const void* x, void* values, float* scales, long long groups, int max_blocks,
+                        void* stream);
+int fp8_dequantize_launch(const void* values, const float* scales, void* out, long long numel,
+                          int max_blocks, void* stream);
 
 }  // namespace afd

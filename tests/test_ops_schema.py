@@ -20,12 +20,14 @@ SCHEMAS = {
     "recv": "afd_ext::recv(Tensor(a!) t, int comm, int peer) -> ()",
     "fan_in": (
         "afd_ext::fan_in(Tensor(a!) hidden_states, Tensor(b!)? router_logits, Tensor(c!)? token_ids, "
-        "int[] comms, int[] peers, int[] rows) -> ()"
+        "int[] comms, int[] peers, int[] rows, Tensor(d!)? hidden_scales=None) -> ()"
     ),
     "split_back": (
         "afd_ext::split_back(Tensor(a!) hidden_states, Tensor(b!)? router_logits, Tensor(c!)? token_ids, "
-        "int[] comms, int[] peers, int[] rows) -> ()"
+        "int[] comms, int[] peers, int[] rows, Tensor(d!)? hidden_scales=None) -> ()"
     ),
+    "fp8_quantize": "afd_ext::fp8_quantize(Tensor x, Tensor(a!) values, Tensor(b!) scales) -> ()",
+    "fp8_dequantize": "afd_ext::fp8_dequantize(Tensor values, Tensor scales, Tensor(a!) out) -> ()",
     "peer_plane_create": "afd_ext::peer_plane_create(int device, int generation, int num_slots, int max_peers) -> int",
     "peer_plane_destroy": "afd_ext::peer_plane_destroy(int plane) -> ()",
     "peer_plane_error": "afd_ext::peer_plane_error(int plane) -> int[]",
@@ -38,12 +40,12 @@ SCHEMAS = {
     "peer_put": (
         "afd_ext::peer_put(Tensor(a!) hidden_states, Tensor(b!)? router_logits, Tensor(c!)? token_ids, "
         "int plane, int slot, int[] regions, int[] rows, int[] dst_rows, int[] part_offsets, "
-        "int[] flag_offsets) -> ()"
+        "int[] flag_offsets, bool quantize_hidden=False) -> ()"
     ),
     "peer_wait": (
         "afd_ext::peer_wait(Tensor(a!) hidden_states, Tensor(b!)? router_logits, Tensor(c!)? token_ids, "
         "Tensor(d!)? out, int plane, int slot, int region, int[] flag_offsets, int[] peers, int op, "
-        "int layer, int stage, int timeout_ns) -> ()"
+        "int layer, int stage, int timeout_ns, Tensor(e!)? hidden_scales=None) -> ()"
     ),
 }
 COMM_OPS = ("send", "recv", "fan_in", "split_back", "peer_put", "peer_wait")

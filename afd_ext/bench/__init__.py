@@ -30,6 +30,7 @@ from typing import Any, Sequence
 
 from afd_ext.bench.plan import (
     ALL_VARIANTS,
+    FP8_VARIANTS,
     MODES,
     Case,
     Reps,
@@ -75,7 +76,7 @@ def build_parser(prog: str = "afd-ext bench") -> argparse.ArgumentParser:
     p.add_argument("--extras", choices=("both", "on", "off"), default="both",
                    help="with --hidden/--tokens: fp32 router logits [n, 256] + int32 ids on, off or both")
     p.add_argument("--variants", default=",".join(ALL_VARIANTS), metavar="LIST",
-                   help="comma list of " + ", ".join(ALL_VARIANTS) + " (default: all)")
+                   help="comma list of " + ", ".join(ALL_VARIANTS + FP8_VARIANTS) + " (default: all but the FP8 ones)")
     p.add_argument("--modes", default=",".join(MODES), metavar="LIST",
                    help="eager and/or graph (default: both; graph needs CUDA)")
     p.add_argument("--time-per-point", type=float, default=None, metavar="S",
@@ -198,7 +199,7 @@ def _config(args: argparse.Namespace) -> RunConfig:
         cases = quick_cases()
     else:
         cases = default_cases()
-    variants = _csv(args.variants, ALL_VARIANTS, "--variants")
+    variants = _csv(args.variants, ALL_VARIANTS + FP8_VARIANTS, "--variants")
     modes = _csv(args.modes, MODES, "--modes")
     if not cuda:
         modes = tuple(m for m in modes if m == "eager") or ("eager",)

@@ -16,6 +16,7 @@ __all__ = [
     "Case",
     "MODES",
     "ALL_VARIANTS",
+    "FP8_VARIANTS",
     "DEFAULT_TOKENS",
     "default_cases",
     "quick_cases",
@@ -30,6 +31,8 @@ __all__ = [
 MODES = ("eager", "graph")
 #: Variant names, in the order they are alternated inside a case.
 ALL_VARIANTS = ("ours_per_tensor", "reference", "raw", "peer")
+#: Accepted by ``--variants`` but not run by default: FP8 hidden states on the wire (docs/fp8.md).
+FP8_VARIANTS = ("ours_fp8", "peer_fp8")
 DEFAULT_TOKENS = (1, 8, 32, 128, 512, 2048, 8192)
 DEFAULT_SIDE_TOKENS = (1, 128, 2048)
 ROUTER_LOGITS_WIDTH = 256

@@ -48,6 +48,8 @@ STATS_KEYS = ("median", "p10", "p90", "mean", "min", "n")
 
 LABELS = {
     "ours_per_tensor": "ours per-tensor",
+    "ours_fp8": "ours FP8 hidden",
+    "peer_fp8": "peer FP8 hidden",
     "reference": "reference pattern",
 }
 
@@ -256,7 +258,7 @@ def render_markdown(doc: dict) -> str:
     lines.append("- times: median µs (p10–p90), per iteration; ratios from medians measured side by side; "
                  f"`vs ref` = reference / ours-default (higher is better), `x raw` = ours-default / raw {tname}.")
     lines.append("")
-    variants_present = [v for v in ("ours_per_tensor", "reference", "raw", "peer")
+    variants_present = [v for v in ("ours_per_tensor", "reference", "raw", "peer", "ours_fp8", "peer_fp8")
                         if any(r["variant"] == v for r in doc["records"])]
     cases = _cases(doc)
     groups: dict[tuple, list[dict]] = {}
@@ -283,7 +285,11 @@ def render_markdown(doc: dict) -> str:
             width = cs[0].get("logits_width", 256)
             payload = f"hidden + fp32 logits [n, {width}] + int32 ids" if extras else "hidden only"
             head = ["tokens", *(variant_label(v, backend) for v in variants_present), "vs ref", "x raw", "GB/s (rt)"]
-            lines += _table(f"Round trip, {A}A{F}F, hidden {hidden} bf16, {payload}, {mode}", head, rows)
+            fp8 = [r for r in doc["records"] if "hidden_bytes_per_token" in r and r["variant"].endswith("_fp8")
+                   and r["case"]["hidden"] == hidden]
+            wire = (f" ({2 * hidden:,} B/token; FP8 variants {fp8[0]['hidden_bytes_per_token']:,} B/token)"
+                    if fp8 else "")
+            lines += _table(f"Round trip, {A}A{F}F, hidden {hidden} bf16{wire}, {payload}, {mode}", head, rows)
     # Fan-in summary (several attention ranks)
     fan = _fan_in_rows(doc, backend)
     if fan:

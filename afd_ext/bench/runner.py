@@ -267,8 +267,11 @@ def _time_case(env: _Env, case: Case, ctx, variants: list) -> list[dict]:
         env.drain("end of mode")
         graphs.clear()
         ctx.graph_mode = False
+        byname = {v.name: v for v in vlist}
         for name, s in samples.items():
             rec = _record(env, case, name, mode, summarize(s), ctx)
+            rec["bytes_a2f"] = ctx.rows * byname[name].a2f_row_bytes()  # FP8 variants move fewer
+            rec["hidden_bytes_per_token"] = byname[name].hidden_bytes_per_token()
             rec["gbps"] = (rec["bytes_a2f"] + rec["bytes_f2a"]) / (rec["stats_us"]["median"] * 1e3)
             if mode == "graph":
                 rec["graph_iters"] = k
@@ -314,7 +317,7 @@ def _check_case(env: _Env, case: Case, ctx, variants: list) -> list[dict]:
         if mode == "graph" and not env.cuda:
             continue
         ctx.graph_mode = mode == "graph"
-        for v in [v for v in variants if mode == "eager" or v.graph_ok]:
+        for v in [v for v in variants if (mode == "eager" or v.graph_ok) and v.checkable]:
             v.check = True
             step = v.step()
             env.drain("check warm-up")

@@ -23,6 +23,12 @@ between this process and its peers (the :class:`Link` list of this rank):
                         reply into its tensor (one kernel each); FFN ``peer_wait``
                         (the fan-in is a view of its region) and ``peer_put`` of
                         the reply. CUDA IPC between the processes; GPUs only.
+``ours_fp8``,           ``ours_per_tensor`` / ``peer`` with FP8 hidden states on the
+``peer_fp8``            wire (docs/fp8.md): quantized in the send path (NCCL: one
+                        kernel into the send buffers; peer: in the put), the FFN
+                        rank's fan-in dequantized to bf16; the reply stays bf16.
+                        Not in the default list (``--variants``); no ``--check``
+                        (the received bytes are not the sent pattern).
 ======================  ==========================================================
 
 On the CPU/gloo path ``ours_*`` use this package's gloo transport when it is
@@ -196,6 +202,7 @@ class Variant:
 
     name = "base"
     graph_ok = True
+    checkable = True
     backends = ("nccl", "gloo")
 
     def __init__(self, ctx: Ctx, case: Case):
@@ -214,6 +221,14 @@ class Variant:
         l = torch.zeros(rows, c.logits_width, dtype=torch.float32, device=self.dev) if c.extras else None
         i = torch.zeros(rows, dtype=torch.int32, device=self.dev) if c.extras else None
         return h, l, i
+
+    def a2f_row_bytes(self) -> int:
+        """Bytes per token attention -> FFN on this variant's wire."""
+        return self.case.a2f_row_bytes()
+
+    def hidden_bytes_per_token(self) -> int:
+        """Hidden-state bytes per token attention -> FFN (bf16: 2 H)."""
+        return 2 * self.case.hidden
 
     def _lists(self, direction: str) -> tuple[list[int], list[int], list[int]]:
         comms = [l.comm(direction) for l in self.live]
@@ -356,6 +371,55 @@ class OursPerTensor(Variant):
         _ops().split_back(self.h, None, None, *self.f2a)
 
 
+class _Fp8Wire:
+    """FP8 hidden states on the wire: the byte accounting and random inputs (zeros would all take the zero-scale path)."""
+
+    checkable = False
+
+    def hidden_bytes_per_token(self) -> int:
+        from afd_ext.fp8 import wire_bytes_per_token
+
+        return wire_bytes_per_token(self.case.hidden)
+
+    def a2f_row_bytes(self) -> int:
+        return self.case.a2f_row_bytes() - 2 * self.case.hidden + self.hidden_bytes_per_token()
+
+    def _fill(self) -> None:
+        self.h.copy_(torch.randn(self.h.shape, generator=torch.Generator().manual_seed(1)).to(self.h.dtype))
+
+
+class OursFp8(_Fp8Wire, OursPerTensor):
+    """``ours_per_tensor`` with FP8 hidden states: quantize kernel into the send buffers, scales right after
+    the values in the one group, the FFN's fan-in dequantized by one kernel (the NCCL transport's calls)."""
+
+    name = "ours_fp8"
+
+    def __init__(self, ctx: Ctx, case: Case):
+        super().__init__(ctx, case)
+        n = ctx.rows
+        self._fill()
+        self.v = torch.zeros(n, case.hidden, dtype=torch.float8_e4m3fn, device=self.dev)
+        self.s = torch.zeros(n, case.hidden // 128, dtype=torch.float32, device=self.dev)
+
+    def attn_round(self) -> None:
+        _ops().fp8_quantize(self.h, self.v, self.s)
+        if self.tr is not None:
+            pending = self._g_send((self.v, self.s, self.l, self.i), "a2f")
+            self._g_recv((self.reply, None, None), "f2a")
+            pending.wait()
+            return
+        sc, peers, rows = self.a2f
+        _ops().split_back(self.v, self.l, self.i, sc, peers, rows, self.s)
+        _ops().fan_in(self.reply, None, None, self.f2a[0], peers, rows)
+
+    def ffn_recv(self) -> None:
+        if self.tr is not None:
+            self._g_recv((self.v, self.s, self.l, self.i), "a2f")
+        else:
+            _ops().fan_in(self.v, self.l, self.i, *self.a2f, self.s)
+        _ops().fp8_dequantize(self.v, self.s, self.h)
+
+
 # ---------------------------------------------------------------------------
 # The reference connector's call pattern
 # ---------------------------------------------------------------------------
@@ -366,6 +430,7 @@ class PeerMemory(Variant):
 
     name = "peer"
     backends = ("nccl",)
+    fp8 = False
     _setups = 0  # one fresh store key space per construction (every rank builds the same sequence)
 
     def __init__(self, ctx: Ctx, case: Case):
@@ -379,7 +444,7 @@ class PeerMemory(Variant):
             raise AFDStateError("the peer variant needs the runner's store and topology (Ctx.extra)")
         PeerMemory._setups += 1
         spec = WireSpec(case.hidden, torch.bfloat16, case.logits_width if case.extras else 0, torch.float32,
-                        case.extras)
+                        case.extras, self.fp8)
         self.plane = open_plane(dist.PrefixStore(f"peer/{case.key()}/{PeerMemory._setups}/", store), topo,
                                 ctx.role, ctx.role_rank, spec, max_tokens=case.tokens, num_stages=1,
                                 device=ctx.device, timeout_s=float(ctx.extra.get("timeout_s", 60.0)),
@@ -410,7 +475,7 @@ class PeerMemory(Variant):
         self.plane.wait(0, self.ctx.rows, layer=0, out=self.reply)
 
     def ffn_recv(self) -> None:
-        self.plane.wait(0, self.ctx.rows, layer=0)
+        self.plane.wait(0, self.ctx.rows, layer=0, out=self.out if self.fp8 else None)
 
     def ffn_send(self) -> None:
         self.plane.put(0, (self.out,), self.rows, self.dst)
@@ -423,6 +488,18 @@ class PeerMemory(Variant):
 
     def ffn_out(self):
         return self.out
+
+
+class PeerFp8(_Fp8Wire, PeerMemory):
+    """``peer`` with FP8 hidden states: quantized inside the put, dequantized inside the FFN rank's wait."""
+
+    name = "peer_fp8"
+    fp8 = True
+
+    def __init__(self, ctx: Ctx, case: Case):
+        super().__init__(ctx, case)
+        if ctx.is_attention:
+            self._fill()
 
 
 class Reference(Variant):
@@ -574,6 +651,8 @@ VARIANTS: dict[str, type[Variant]] = {
     "reference": Reference,
     "raw": Raw,
     "peer": PeerMemory,
+    "ours_fp8": OursFp8,
+    "peer_fp8": PeerFp8,
 }
 
 
@@ -584,6 +663,8 @@ def variant_applicable(name: str, case: Case, backend: str) -> str | None:
         return f"unknown variant {name!r}; expected one of {', '.join(VARIANTS)}"
     if backend not in cls.backends:
         return f"{name} runs on {'/'.join(cls.backends)} only"
+    if issubclass(cls, _Fp8Wire) and case.hidden % 128:
+        return f"{name} needs a hidden size that is a multiple of 128 (one FP8 scale per 128 channels)"
     return None
 
 

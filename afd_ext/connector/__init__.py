@@ -194,6 +194,7 @@ class AFDConnector:
             **self.spec.handshake_fields(),
             "clamp_idle_to_one": self.extra.clamp_idle_to_one,
             "strict": self.extra.strict,
+            "hidden_wire_dtype": self.extra.hidden_wire_dtype,
             "transport": self.extra.transport,
             "max_stages": self.extra.max_stages,
             # Both roles' graph caches must evict the same graphs (same captures, same replays).

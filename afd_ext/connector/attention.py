@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import torch
 
+from .. import fp8
 from ..errors import AFDConfigError, AFDProtocolError, AFDStateError
 from ..metadata import AFDTransferContext, AFDTransferMetadata
 from ..schedule import stage_buffers
@@ -141,6 +142,8 @@ class AttentionSide(RoleSide):
         outs = {s: self.recv_ffn_output(torch.empty_like(sent[s]), s) for s in st.schedule.stages}
         synchronize()  # bounded: a dead peer is a named error, not a hang
         for s, out in outs.items():
+            if cfg.hidden_wire is not None:  # the echo of FP8 on the wire: the rule's round trip, exactly
+                sent[s] = fp8.dequantize(*fp8.quantize(sent[s].cpu())).to(out.device)
             if not torch.equal(out, sent[s]):
                 raise AFDProtocolError(f"{op} on {c.me}: stage {s} echo differs from what was sent",
                                        op=op, stage=s)

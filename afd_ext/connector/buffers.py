@@ -52,7 +52,7 @@ class BufferPool:
         """This rank's buffers of ``stage`` in ``sch``: the FFN rank's fan-in targets, nothing on an attention rank."""
         if self.role != "ffn":
             return {}
-        return stage_buffers(self._buffer, sch.config, stage, sch.ffn_rows(stage, self.role_rank))
+        return stage_buffers(self._buffer, sch.config, stage, sch.ffn_rows(stage, self.role_rank), fan_in=True)
 
     def release(self) -> list[torch.Tensor]:
         """Forget every buffer (and the arena); returns the eager ones (a transport may have to keep them)."""

@@ -54,17 +54,24 @@ class FFNSide(RoleSide):
         plan = sch.ffn_plan(stage, self.role_rank)
         bufs = st.bufs[stage]
         hidden, logits, ids = bufs["hidden"], bufs["router_logits"], bufs["token_ids"]
+        wire, kw, scales = (hidden, logits, ids), {}, None
+        if cfg.hidden_wire is not None:  # FP8 arrives; "dequant" delivery: bf16 written in the fan-in
+            wire = (bufs["hidden_fp8"], bufs["hidden_scales"], logits, ids)
+            if hidden is not None:
+                kw = {"dequant": hidden}
+            else:
+                hidden, scales = bufs["hidden_fp8"], bufs["hidden_scales"]
         tag = st.tag(op, "a2f", layer, stage, layer)
         # The previous reply of this stage may still be sending from memory the
         # caller computed in place in this buffer (gloo); it completes as soon as
         # the peer posts its receive, which it does without waiting for us.
         self._wait_reply_send(stage, release=False)
-        c.transport_call(c.data(st).fan_in, (hidden, logits, ids), plan.peers, plan.rows, tag=tag)
+        c.transport_call(c.data(st).fan_in, wire, plan.peers, plan.rows, tag=tag, **kw)
         self._reply_sends.pop(stage, None)  # the previous reply's memory is free for the caller again
         st.seq.received += 1
         meta = AFDTransferMetadata.create_ffn_metadata(layer_idx=layer, stage_idx=stage, seq_lens=list(plan.rows))
         ctx = AFDTransferContext(meta, AfdExtTransferState(st.step, layer, stage))
-        return AFDA2FTransferPayload(hidden, ctx, logits, ids)
+        return AFDA2FTransferPayload(hidden, ctx, logits, ids, scales)
 
     def send_ffn_output(self, ffn_output: torch.Tensor, context: AFDTransferContext) -> None:
         op = "send_ffn_output"
@@ -139,6 +146,12 @@ class FFNSide(RoleSide):
         """One warm-up round: echo what every stage received (see ``AFDConnector.warmup``)."""
         for s in st.schedule.stages:
             p = self.recv_attn_output(s, None, False)
-            self.send_ffn_output(p.hidden_states, p.context)
+            h = p.hidden_states
+            if p.hidden_scales is not None:  # "fp8" delivery: echo what it stands for
+                from .. import ops
+
+                h = torch.empty(h.shape, dtype=st.schedule.config.hidden_dtype, device=h.device)
+                ops.fp8_dequantize(p.hidden_states, p.hidden_scales, h)
+            self.send_ffn_output(h, p.context)
         self.settle()
         synchronize()

@@ -217,6 +217,10 @@ def create_transport(name: str, setup: TransportSetup, *, strict: bool = False) 
         AFDConfigError: unknown name. Whatever the transport's ``from_setup`` raises.
     """
     plain = auto_transport(setup) if name == "auto" else transport_class(name).from_setup(setup)
+    fp8 = getattr(setup.schedule_config, "hidden_wire", None) is not None
+    for t in (plain, getattr(plain, "fallback", None)):
+        if t is not None:
+            t.fp8 = fp8
     if not strict:
         return plain, plain
     from .strict import StrictTransport

@@ -71,6 +71,7 @@ __all__ = [
     "PeerMap",
     "PendingSend",
     "row_offsets",
+    "wire_split",
 ]
 
 
@@ -121,6 +122,17 @@ def row_offsets(rows: Sequence[int]) -> list[int]:
         out.append(off)
         off += int(r)
     return out
+
+
+def wire_split(tensors: Sequence[torch.Tensor | None]) -> tuple[Any, Any, Any, Any]:
+    """``(hidden, hidden_scales, router_logits, token_ids)`` of a tuple in wire order (None where absent).
+
+    FP8 values (``float8_e4m3fn``) are followed by their scales (:attr:`~afd_ext.schedule.ScheduleConfig.wire_parts`).
+    """
+    t = list(tensors)
+    scales, rest = (t[1], t[2:]) if t and t[0] is not None and t[0].dtype == torch.float8_e4m3fn else (None, t[1:])
+    rest = rest + [None] * (2 - len(rest))
+    return t[0], scales, rest[0], rest[1]
 
 
 class PendingSend:
@@ -262,6 +274,10 @@ class Transport(abc.ABC):
 
     kind: str = "?"
     device_type: str = "cpu"
+    #: Attention -> FFN hidden states travel as FP8 (docs/fp8.md): set by :func:`afd_ext.transport.create_transport`
+    #: from the setup's schedule config. The attention side's ``split_back`` then quantizes the
+    #: bf16 hidden states in its send path; the FFN side's ``fan_in`` receives the wire tuple.
+    fp8: bool = False
 
     def __init__(self, peers: PeerMap, device: torch.device, *, timeout_s: float):
         self.peers = peers
@@ -328,6 +344,7 @@ class Transport(abc.ABC):
             tensors: ``(hidden_states, router_logits|None, token_ids|None)``;
                 contiguous, on :attr:`device`, leading dim ``sum(rows)``. Not
                 modified (device transports may declare them mutated for the compiler).
+                With :attr:`fp8` an attention rank's bf16 hidden states are quantized on the way.
             peers: role ranks of the other role, in range order.
             rows: rows per peer (>= 0; zero-row peers are skipped).
             tag: the exchange (``tag.stage`` picks the stage's stream, if any).
@@ -342,7 +359,8 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def fan_in(self, tensors: Sequence[torch.Tensor | None], peers: Sequence[int],
-               rows: Sequence[int], *, tag: MessageTag, wait: bool = False) -> None:
+               rows: Sequence[int], *, tag: MessageTag, wait: bool = False,
+               dequant: torch.Tensor | None = None) -> None:
         """Receive ``rows[i]`` rows from ``peers[i]`` into consecutive row ranges of every tensor.
 
         Host transports return when the data is in the tensors. Device
@@ -351,9 +369,12 @@ class Transport(abc.ABC):
         for strict-mode headers, which the host reads).
 
         Args:
-            tensors: receive targets (mutated), like :meth:`split_back`'s.
+            tensors: receive targets (mutated), in wire order (:func:`wire_split`): with
+                :attr:`fp8`, an FFN rank's are ``(values, scales, router_logits|None, token_ids|None)``.
             peers, rows, tag: as in :meth:`split_back`.
             wait: return only once the data is in the tensors.
+            dequant: FP8 fan-in only: also write the dequantized bf16 hidden states
+                ``[sum(rows), hidden]`` here, in the fan-in (docs/fp8.md).
 
         Raises:
             AFDTransportError / StepAbortedError: see the module doc.

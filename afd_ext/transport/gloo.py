@@ -54,6 +54,7 @@ from .base import (
     TransportSetup,
     row_offsets,
 )
+from .. import fp8
 from ..errors import AFDConfigError
 from .signal import AbortSignal
 from ..rendezvous import error_text
@@ -352,6 +353,8 @@ class GlooTransport(Transport):
 
     def split_back(self, tensors, peers, rows, *, tag: MessageTag) -> PendingSend:
         self._check_open(tag)
+        if self.fp8 and tag.direction == "a2f" and self.peers.role == "attention":
+            tensors = fp8.quantize(tensors[0]) + tuple(tensors[1:])  # the rule, on CPU; gloo moves the bytes
         msgs = [t for t in tensors if t is not None]
         gtag = _TAGS[tag.direction]
         works: list[Any] = []
@@ -389,8 +392,13 @@ class GlooTransport(Transport):
         peer_text = ", ".join(label for label, _ in by_peer)
         return PendingSend(lambda: self._wait(works, tag, "send", peer_text, by_peer), keep)
 
-    def fan_in(self, tensors, peers, rows, *, tag: MessageTag, wait: bool = False) -> None:
+    def fan_in(self, tensors, peers, rows, *, tag: MessageTag, wait: bool = False, dequant=None) -> None:
         """Receive (blocking, bounded): the data is in ``tensors`` on return, whatever ``wait`` says."""
+        self._fan_in(tensors, peers, rows, tag)
+        if dequant is not None:
+            fp8.dequantize(tensors[0], tensors[1], dequant)
+
+    def _fan_in(self, tensors, peers, rows, tag: MessageTag) -> None:
         self._check_open(tag)
         if self._rows_step is not None and tag.direction == "a2f" and self.peers.role == "ffn":
             self._check_rows(tag)

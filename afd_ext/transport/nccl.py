@@ -86,6 +86,7 @@ from .base import (
     StepProgress,
     Transport,
     TransportSetup,
+    wire_split,
 )
 from .signal import AbortSignal
 from .stall import StallReports
@@ -571,20 +572,30 @@ class NcclTransport(Transport):
             return PendingSend()
         comms = [self._comm(p, tag.direction) for p in peers]
         full = list(tensors) + [None] * (3 - len(tensors))
+        scales = None
         with self._stages.on(tag.stage):
-            self._ops.split_back(full[0], full[1], full[2], comms, [self._peer_index()] * len(peers), list(rows))
+            if self.fp8 and tag.direction == "a2f" and self.peers.role == "attention":
+                # One quantize kernel writes the send buffers (stage-stream memory, kept until the reply).
+                h = full[0]
+                full[0] = torch.empty(h.shape, dtype=torch.float8_e4m3fn, device=h.device)
+                scales = torch.empty((h.shape[0], h.shape[1] // 128), dtype=torch.float32, device=h.device)
+                self._ops.fp8_quantize(h, full[0], scales)
+            self._ops.split_back(full[0], full[1], full[2], comms, [self._peer_index()] * len(peers), list(rows),
+                                 scales)
             self._track("send (split-back)", live, tag)
-        return PendingSend()
+        return PendingSend(keep=None if scales is None else (full[0], scales))
 
-    def fan_in(self, tensors, peers, rows, *, tag: MessageTag, wait: bool = False) -> None:
+    def fan_in(self, tensors, peers, rows, *, tag: MessageTag, wait: bool = False, dequant=None) -> None:
         self.check_health(tag)
         live = [p for p, r in zip(peers, rows) if r > 0]
         if not live:
             return
         comms = [self._comm(p, tag.direction) for p in peers]
-        full = list(tensors) + [None] * (3 - len(tensors))
+        h, scales, logits, ids = wire_split(tensors)
         with self._stages.on(tag.stage):
-            self._ops.fan_in(full[0], full[1], full[2], comms, [self._peer_index()] * len(peers), list(rows))
+            self._ops.fan_in(h, logits, ids, comms, [self._peer_index()] * len(peers), list(rows), scales)
+            if dequant is not None:  # the fan-in's bf16 output: one kernel after the receive, same stream
+                self._ops.fp8_dequantize(h, scales, dequant)
             if wait:
                 ev = torch.cuda.Event()
                 ev.record()

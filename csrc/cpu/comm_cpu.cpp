@@ -17,11 +17,11 @@ namespace {
 void send_cpu(const at::Tensor&, int64_t, int64_t) { reject_cpu("send"); }
 void recv_cpu(const at::Tensor&, int64_t, int64_t) { reject_cpu("recv"); }
 void fan_in_cpu(const at::Tensor&, const OptTensor&, const OptTensor&, c10::IntArrayRef,
-                c10::IntArrayRef, c10::IntArrayRef) {
+                c10::IntArrayRef, c10::IntArrayRef, const OptTensor&) {
   reject_cpu("fan_in");
 }
 void split_back_cpu(const at::Tensor&, const OptTensor&, const OptTensor&, c10::IntArrayRef,
-                    c10::IntArrayRef, c10::IntArrayRef) {
+                    c10::IntArrayRef, c10::IntArrayRef, const OptTensor&) {
   reject_cpu("split_back");
 }
 

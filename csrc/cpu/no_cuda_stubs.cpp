@@ -15,12 +15,19 @@ namespace {
 void send_no_cuda(const at::Tensor&, int64_t, int64_t) { no_cuda("send"); }
 void recv_no_cuda(const at::Tensor&, int64_t, int64_t) { no_cuda("recv"); }
 void fan_in_no_cuda(const at::Tensor&, const OptTensor&, const OptTensor&, c10::IntArrayRef,
-                    c10::IntArrayRef, c10::IntArrayRef) {
+                    c10::IntArrayRef, c10::IntArrayRef, const OptTensor&) {
   no_cuda("fan_in");
 }
 void split_back_no_cuda(const at::Tensor&, const OptTensor&, const OptTensor&,
-                        c10::IntArrayRef, c10::IntArrayRef, c10::IntArrayRef) {
+                        c10::IntArrayRef, c10::IntArrayRef, c10::IntArrayRef, const OptTensor&) {
   no_cuda("split_back");
+}
+
+void fp8_quantize_no_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+  no_cuda("fp8_quantize");
+}
+void fp8_dequantize_no_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+  no_cuda("fp8_dequantize");
 }
 
 }  // namespace
@@ -37,6 +44,8 @@ TORCH_LIBRARY_IMPL(afd_ext, CUDA, m) {
   m.impl("recv", &recv_no_cuda);
   m.impl("fan_in", &fan_in_no_cuda);
   m.impl("split_back", &split_back_no_cuda);
+  m.impl("fp8_quantize", &fp8_quantize_no_cuda);
+  m.impl("fp8_dequantize", &fp8_dequantize_no_cuda);
 }
 
 }  // namespace afd

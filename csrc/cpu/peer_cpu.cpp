@@ -16,13 +16,13 @@ namespace {
 
 void peer_put_cpu(const at::Tensor&, const OptTensor&, const OptTensor&, int64_t, int64_t,
                   c10::IntArrayRef, c10::IntArrayRef, c10::IntArrayRef, c10::IntArrayRef,
-                  c10::IntArrayRef) {
+                  c10::IntArrayRef, bool) {
   reject_cpu("peer_put");
 }
 
 void peer_wait_cpu(const at::Tensor&, const OptTensor&, const OptTensor&, const OptTensor&,
                    int64_t, int64_t, int64_t, c10::IntArrayRef, c10::IntArrayRef, int64_t, int64_t,
-                   int64_t, int64_t) {
+                   int64_t, int64_t, const OptTensor&) {
   reject_cpu("peer_wait");
 }
 

@@ -16,13 +16,13 @@ namespace {
 
 void peer_put_no_cuda(const at::Tensor&, const OptTensor&, const OptTensor&, int64_t, int64_t,
                       c10::IntArrayRef, c10::IntArrayRef, c10::IntArrayRef, c10::IntArrayRef,
-                      c10::IntArrayRef) {
+                      c10::IntArrayRef, bool) {
   no_cuda("peer_put");
 }
 
 void peer_wait_no_cuda(const at::Tensor&, const OptTensor&, const OptTensor&, const OptTensor&,
                        int64_t, int64_t, int64_t, c10::IntArrayRef, c10::IntArrayRef, int64_t,
-                       int64_t, int64_t, int64_t) {
+                       int64_t, int64_t, int64_t, const OptTensor&) {
   no_cuda("peer_wait");
 }
 

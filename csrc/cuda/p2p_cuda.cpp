@@ -14,6 +14,7 @@
 
 #include "../checks.h"
 #include "../ops.h"
+#include "../peer.h"
 #include "comm_table.h"
 
 namespace afd {
@@ -78,13 +79,21 @@ void check_tensor(const char* op, const char* name, const at::Tensor& t, int dev
   }
 }
 
-// Wire tensors of fan_in / split_back, in the order they travel.
+// Wire tensors of fan_in / split_back, in the order they travel (FP8 scales right after hidden).
 std::vector<at::Tensor> wire_tensors(const char* op, const at::Tensor& hidden_states,
-                                     const OptTensor& router_logits,
-                                     const OptTensor& token_ids, int device, int64_t rows) {
+                                     const OptTensor& router_logits, const OptTensor& token_ids,
+                                     const OptTensor& hidden_scales, int device, int64_t rows) {
   std::vector<at::Tensor> ts;
   check_tensor(op, "hidden_states", hidden_states, device, rows, true);
   ts.push_back(hidden_states);
+  if (hidden_scales.has_value()) {
+    check_tensor(op, "hidden_scales", *hidden_scales, device, rows, true);
+    TORCH_CHECK_TYPE(hidden_states.scalar_type() == c10::ScalarType::Float8_e4m3fn &&
+                         hidden_scales->scalar_type() == c10::ScalarType::Float,
+                     "afd_ext.", op, ": hidden_scales go with float8_e4m3fn hidden_states and are "
+                     "float32, got ", hidden_states.scalar_type(), " and ", hidden_scales->scalar_type());
+    ts.push_back(*hidden_scales);
+  }
   if (router_logits.has_value()) {
     check_tensor(op, "router_logits", *router_logits, device, rows, true);
     ts.push_back(*router_logits);
@@ -180,7 +189,8 @@ namespace {
 
 void grouped(const char* op, Dir dir, const at::Tensor& hidden_states,
              const OptTensor& router_logits, const OptTensor& token_ids,
-             c10::IntArrayRef comms, c10::IntArrayRef peers, c10::IntArrayRef rows) {
+             c10::IntArrayRef comms, c10::IntArrayRef peers, c10::IntArrayRef rows,
+             const OptTensor& hidden_scales) {
   int device = -1;
   auto edges = resolve_edges(op, "comms", comms, peers, rows, &device);
   if (edges.empty()) {
@@ -190,7 +200,8 @@ void grouped(const char* op, Dir dir, const at::Tensor& hidden_states,
                 " (expected 0 rows)");
     return;
   }
-  auto ts = wire_tensors(op, hidden_states, router_logits, token_ids, device, total_rows(edges));
+  auto ts = wire_tensors(op, hidden_states, router_logits, token_ids, hidden_scales, device,
+                         total_rows(edges));
   std::vector<P2p> msgs;
   msgs.reserve(edges.size() * ts.size());
   plan(msgs, dir, edges, ts);
@@ -201,14 +212,77 @@ void grouped(const char* op, Dir dir, const at::Tensor& hidden_states,
 
 void fan_in_cuda(const at::Tensor& hidden_states, const OptTensor& router_logits,
                  const OptTensor& token_ids, c10::IntArrayRef comms, c10::IntArrayRef peers,
-                 c10::IntArrayRef rows) {
-  grouped("fan_in", Dir::kRecv, hidden_states, router_logits, token_ids, comms, peers, rows);
+                 c10::IntArrayRef rows, const OptTensor& hidden_scales) {
+  grouped("fan_in", Dir::kRecv, hidden_states, router_logits, token_ids, comms, peers, rows,
+          hidden_scales);
 }
 
 void split_back_cuda(const at::Tensor& hidden_states, const OptTensor& router_logits,
                      const OptTensor& token_ids, c10::IntArrayRef comms,
-                     c10::IntArrayRef peers, c10::IntArrayRef rows) {
-  grouped("split_back", Dir::kSend, hidden_states, router_logits, token_ids, comms, peers, rows);
+                     c10::IntArrayRef peers, c10::IntArrayRef rows, const OptTensor& hidden_scales) {
+  grouped("split_back", Dir::kSend, hidden_states, router_logits, token_ids, comms, peers, rows,
+          hidden_scales);
+}
+
+namespace {
+
+// The FP8 ops' checks: bf16 [rows, H] with H % 128 == 0, e4m3 values of that shape, float32
+// scales [rows, H / 128]; contiguous, aligned for the kernels' vector accesses, one device.
+void check_fp8(const char* op, const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
+               int x_align) {
+  TORCH_CHECK_VALUE(x.is_cuda() && values.device() == x.device() && scales.device() == x.device(),
+                    "afd_ext.", op, ": every tensor must be on one CUDA device, got ", x.device(), ", ",
+                    values.device(), " and ", scales.device());
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kBFloat16 && values.scalar_type() == at::kFloat8_e4m3fn &&
+                       scales.scalar_type() == at::kFloat,
+                   "afd_ext.", op, ": expected bfloat16 hidden states, float8_e4m3fn values and float32 "
+                   "scales, got ", x.scalar_type(), ", ", values.scalar_type(), " and ", scales.scalar_type());
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) % kFp8Group == 0 && values.sizes() == x.sizes() &&
+                        scales.dim() == 2 && scales.size(0) == x.size(0) &&
+                        scales.size(1) == x.size(1) / kFp8Group,
+                    "afd_ext.", op, ": expected hidden states and values [T, H] with H a multiple of ",
+                    kFp8Group, " and scales [T, H/", kFp8Group, "], got ", x.sizes(), ", ",
+                    values.sizes(), " and ", scales.sizes());
+  TORCH_CHECK_VALUE(x.is_contiguous() && values.is_contiguous() && scales.is_contiguous(), "afd_ext.", op,
+                    ": the tensors must be contiguous");
+  TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(x.data_ptr()) % x_align == 0 &&
+                        reinterpret_cast<uintptr_t>(values.data_ptr()) % 8 == 0,
+                    "afd_ext.", op, ": the bf16 tensor must be ", x_align, "-byte aligned and the values "
+                    "8-byte aligned (row slices t[a:b] of an allocation are)");
+}
+
+int max_blocks(int device) {
+  int sms = 0;
+  AFD_CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return 2 * sms;
+}
+
+}  // namespace
+
+void fp8_quantize_cuda(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales) {
+  check_fp8("fp8_quantize", x, values, scales, 8);
+  const auto dev = x.device().index();
+  c10::cuda::CUDAGuard guard(dev);
+  const int err = fp8_quantize_launch(x.data_ptr(), values.data_ptr(), scales.data_ptr<float>(),
+                                      scales.numel(), max_blocks(dev),
+                                      c10::cuda::getCurrentCUDAStream(dev).stream());
+  if (err != 0) {
+    throw_cuda_error("fp8_quantize_launch", err, cudaGetErrorString(static_cast<cudaError_t>(err)),
+                     __FILE__, __LINE__);
+  }
+}
+
+void fp8_dequantize_cuda(const at::Tensor& values, const at::Tensor& scales, const at::Tensor& out) {
+  check_fp8("fp8_dequantize", out, values, scales, 16);
+  const auto dev = out.device().index();
+  c10::cuda::CUDAGuard guard(dev);
+  const int err = fp8_dequantize_launch(values.data_ptr(), scales.data_ptr<float>(), out.data_ptr(),
+                                        values.numel(), max_blocks(dev),
+                                        c10::cuda::getCurrentCUDAStream(dev).stream());
+  if (err != 0) {
+    throw_cuda_error("fp8_dequantize_launch", err, cudaGetErrorString(static_cast<cudaError_t>(err)),
+                     __FILE__, __LINE__);
+  }
 }
 
 TORCH_LIBRARY_IMPL(afd_ext, CUDA, m) {
@@ -216,6 +290,8 @@ TORCH_LIBRARY_IMPL(afd_ext, CUDA, m) {
   m.impl("recv", &recv_cuda);
   m.impl("fan_in", &fan_in_cuda);
   m.impl("split_back", &split_back_cuda);
+  m.impl("fp8_quantize", &fp8_quantize_cuda);
+  m.impl("fp8_dequantize", &fp8_dequantize_cuda);
 }
 
 }  // namespace afd

@@ -438,7 +438,7 @@ at::Tensor peer_region_view(int64_t region, int64_t offset, int64_t nbytes) {
 void peer_put_cuda(const at::Tensor& hidden_states, const OptTensor& router_logits,
                    const OptTensor& token_ids, int64_t plane, int64_t slot,
                    c10::IntArrayRef regions, c10::IntArrayRef rows, c10::IntArrayRef dst_rows,
-                   c10::IntArrayRef part_offsets, c10::IntArrayRef flag_offsets) {
+                   c10::IntArrayRef part_offsets, c10::IntArrayRef flag_offsets, bool quantize_hidden) {
   const char* op = "peer_put";
   const size_t n = regions.size();
   TORCH_CHECK(rows.size() == n && dst_rows.size() == n && flag_offsets.size() == n, "afd_ext.", op,
@@ -472,28 +472,51 @@ void peer_put_cuda(const at::Tensor& hidden_states, const OptTensor& router_logi
                 ": token_ids must be int32, got ", token_ids->scalar_type());
     ts.push_back(&*token_ids), tnames.push_back(names[2]);
   }
-  TORCH_CHECK(part_offsets.size() == ts.size(), "afd_ext.", op, ": part_offsets has ",
-              part_offsets.size(), " entries but ", ts.size(),
-              " wire tensors were given (one byte offset per given tensor, in order)");
+  // Quantizing: the hidden states take two parts (values, then scales).
+  const size_t q = quantize_hidden ? 1 : 0;
+  TORCH_CHECK(part_offsets.size() == ts.size() + q, "afd_ext.", op, ": part_offsets has ",
+              part_offsets.size(), " entries but ", ts.size() + q,
+              " wire parts travel (one byte offset per part, in order; FP8 scales right after hidden)");
+  if (quantize_hidden) {
+    TORCH_CHECK(hidden_states.scalar_type() == at::kBFloat16 && hidden_states.dim() == 2 &&
+                    hidden_states.size(1) % kFp8Group == 0 &&
+                    reinterpret_cast<uintptr_t>(hidden_states.data_ptr()) % 8 == 0,
+                "afd_ext.", op, ": quantize_hidden needs 8-byte aligned bfloat16 hidden states [T, H] "
+                "with H a multiple of ", kFp8Group, ", got ", hidden_states.scalar_type(), " ",
+                hidden_states.sizes());
+  }
   PeerPutArgs a{};
   a.plane = pl->dev;
   a.slot = static_cast<int>(slot);
   a.npeers = static_cast<int>(n);
   a.nparts = static_cast<int>(ts.size());
+  a.quant = quantize_hidden ? 1 : 0;
+  a.scales_off = quantize_hidden ? part_offsets[1] : 0;
+  // Destination bytes per row of each part (values: 1 byte per channel; scales: 4 per group).
+  std::vector<int64_t> dst_rb;
+  std::vector<int64_t> dst_off;
   for (size_t k = 0; k < ts.size(); ++k) {
     check_wire(op, tnames[k], *ts[k], pl->device, total);
     a.src[k] = static_cast<const char*>(ts[k]->data_ptr());
     a.row_bytes[k] = row_bytes_of(*ts[k]);
-    a.part_off[k] = part_offsets[k];
+    a.part_off[k] = part_offsets[k == 0 ? 0 : k + q];
+    dst_rb.push_back(k == 0 && q ? hidden_states.size(1) : a.row_bytes[k]);
+    dst_off.push_back(a.part_off[k]);
+    if (k == 0 && q) {
+      dst_rb.push_back(hidden_states.size(1) / kFp8Group * 4);
+      dst_off.push_back(a.scales_off);
+    }
+  }
+  for (size_t k = 0; k < part_offsets.size(); ++k) {
     TORCH_CHECK(part_offsets[k] >= 0, "afd_ext.", op, ": part_offsets[", k, "] must be >= 0");
   }
   for (size_t i = 0; i < n; ++i) {
     TORCH_CHECK(mems[i].device == pl->device, "afd_ext.", op, ": regions[", i, "] is mapped for cuda:",
                 mems[i].device, " but the plane is on cuda:", pl->device);
     const PeerMem& m = *mems[i].mem;
-    for (size_t k = 0; k < ts.size(); ++k) {
-      const int64_t end = part_offsets[k] + (dst_rows[i] + rows[i]) * a.row_bytes[k];
-      TORCH_CHECK(end <= m.bytes, "afd_ext.", op, ": ", tnames[k], " rows [", dst_rows[i], ", ",
+    for (size_t k = 0; k < dst_rb.size(); ++k) {
+      const int64_t end = dst_off[k] + (dst_rows[i] + rows[i]) * dst_rb[k];
+      TORCH_CHECK(end <= m.bytes, "afd_ext.", op, ": part ", k, " rows [", dst_rows[i], ", ",
                   dst_rows[i] + rows[i], ") for peer ", i, " end at byte ", end,
                   ", past the peer region's ", m.bytes, " bytes (capacity exceeded)");
     }
@@ -520,7 +543,8 @@ void peer_put_cuda(const at::Tensor& hidden_states, const OptTensor& router_logi
 void peer_wait_cuda(const at::Tensor& hidden_states, const OptTensor& router_logits,
                     const OptTensor& token_ids, const OptTensor& out, int64_t plane, int64_t slot,
                     int64_t region, c10::IntArrayRef flag_offsets, c10::IntArrayRef peers,
-                    int64_t op_code, int64_t layer, int64_t stage, int64_t timeout_ns) {
+                    int64_t op_code, int64_t layer, int64_t stage, int64_t timeout_ns,
+                    const OptTensor& hidden_scales) {
   const char* op = "peer_wait";
   const size_t n = flag_offsets.size();
   TORCH_CHECK(peers.size() == n, "afd_ext.", op,
@@ -561,7 +585,28 @@ void peer_wait_cuda(const at::Tensor& hidden_states, const OptTensor& router_log
     a.flag[i] = reinterpret_cast<unsigned long long*>(mem->ptr + flag_offsets[i]);
     a.peer_id[i] = static_cast<int>(peers[i]);
   }
-  if (out.has_value()) {
+  if (out.has_value() && hidden_scales.has_value()) {  // FP8 fan-in delivered as bf16
+    check_on(op, "out", *out, pl->device);
+    check_on(op, "hidden_scales", *hidden_scales, pl->device);
+    const int64_t h = hidden_states.dim() == 2 ? hidden_states.size(1) : 0;
+    TORCH_CHECK(hidden_states.scalar_type() == at::kFloat8_e4m3fn && out->scalar_type() == at::kBFloat16 &&
+                    hidden_scales->scalar_type() == at::kFloat && h % kFp8Group == 0 &&
+                    out->sizes() == hidden_states.sizes() && hidden_scales->dim() == 2 &&
+                    hidden_scales->size(0) == hidden_states.size(0) &&
+                    hidden_scales->size(1) == h / kFp8Group && out->is_contiguous() &&
+                    hidden_states.is_contiguous() && hidden_scales->is_contiguous() &&
+                    reinterpret_cast<uintptr_t>(out->data_ptr()) % 16 == 0 &&
+                    reinterpret_cast<uintptr_t>(hidden_states.data_ptr()) % 8 == 0,
+                "afd_ext.", op, ": dequantizing needs float8_e4m3fn hidden_states [T, H] (H a multiple of ",
+                kFp8Group, "), float32 hidden_scales [T, H/", kFp8Group, "] and a bfloat16 out [T, H], "
+                "contiguous and aligned; got ", hidden_states.scalar_type(), " ", hidden_states.sizes(), ", ",
+                hidden_scales->scalar_type(), " ", hidden_scales->sizes(), ", ", out->scalar_type(), " ",
+                out->sizes());
+    a.copy_src = static_cast<const char*>(hidden_states.data_ptr());
+    a.copy_dst = static_cast<char*>(out->data_ptr());
+    a.copy_bytes = hidden_states.numel();
+    a.dq_scales = hidden_scales->data_ptr<float>();
+  } else if (out.has_value()) {
     check_on(op, "out", *out, pl->device);
     TORCH_CHECK(out->scalar_type() == hidden_states.scalar_type() &&
                     out->sizes() == hidden_states.sizes() && out->is_contiguous() &&

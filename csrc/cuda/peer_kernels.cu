@@ -13,6 +13,8 @@
 // No fence.sc.sys outside the failure record: under a concurrent copy on the
 // GPU, one per block made the put ~10x slower (issue #35's profile).
 // Includes no torch header, so it compiles in seconds.
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -122,6 +124,73 @@ __device__ __forceinline__ void copy_range(char* dst, const char* src, long long
   for (long long b = done + t; b < n; b += nthreads) dst[b] = src[b];
 }
 
+// FP8 hidden states (docs/fp8.md): per row and 128 channels, scale = amax / 448 (1 when that
+// is 0), values = x / scale rounded to nearest even, saturated to +-448. Bit-exact with the
+// torch rule in afd_ext/fp8.py, so no float operation the build's --use_fast_math (-ftz=true)
+// can flush: amax compares bf16 bit patterns (|x| as integers orders like the floats), the
+// divisions and the product are PTX .rn without .ftz, and the zero test reads the scale's bits
+// (a float `s == 0` compiles to setp.eq.ftz, true for a subnormal scale).
+__device__ __forceinline__ float div_rn(float a, float b) {
+  float r;
+  asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
+__device__ __forceinline__ float mul_rn(float a, float b) {
+  float r;
+  asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
+// One warp per 128-channel group (lane l: channels 4l..4l+3); groups are consecutive in a
+// row-major [rows, H] tensor (H a multiple of 128), so group g is elements [128 g, 128 g + 128)
+// and its scale is scales[g]. `t`/`nthreads`: the grid's thread index and size (multiples of
+// 32). Stores nothing when `dead`.
+__device__ __forceinline__ void quantize_groups(unsigned char* values, float* scales, const char* x,
+                                                long long groups, long long t, long long nthreads,
+                                                int dead) {
+  const int lane = threadIdx.x & 31;
+  for (long long g = t >> 5; g < groups; g += nthreads >> 5) {
+    const uint2 raw = reinterpret_cast<const uint2*>(x + g * (kFp8Group * 2))[lane];
+    unsigned m = max(max(raw.x & 0x7fffu, (raw.x >> 16) & 0x7fffu),
+                     max(raw.y & 0x7fffu, (raw.y >> 16) & 0x7fffu));
+    m = __reduce_max_sync(0xffffffffu, m);
+    float s = div_rn(__uint_as_float(m << 16), 448.0f);
+    if (__float_as_uint(s) == 0u) s = 1.0f;  // s >= 0: +0 only
+    const unsigned w[4] = {raw.x << 16, raw.x & 0xffff0000u, raw.y << 16, raw.y & 0xffff0000u};
+    unsigned packed = 0;
+    for (int j = 0; j < 4; ++j) {
+      // satfinite: +-448 for larger magnitudes (the reference clamps, then rounds: the same bytes)
+      const __nv_fp8_storage_t q = __nv_cvt_float_to_fp8(div_rn(__uint_as_float(w[j]), s), __NV_SATFINITE, __NV_E4M3);
+      packed |= static_cast<unsigned>(q) << (8 * j);
+    }
+    if (dead) return;
+    reinterpret_cast<unsigned*>(values + g * kFp8Group)[lane] = packed;
+    if (lane == 0) scales[g] = s;
+  }
+}
+
+// out[i] = bf16(float(values[i]) * scales[i / 128]), 8 elements per step (numel % 128 == 0).
+__device__ __forceinline__ void dequantize_range(char* out, const char* values, const float* scales,
+                                                 long long numel, long long t, long long nthreads) {
+  for (long long v = t; v < (numel >> 3); v += nthreads) {
+    const uint2 raw = reinterpret_cast<const uint2*>(values)[v];
+    const float s = scales[v >> 4];
+    unsigned o[4];
+    for (int j = 0; j < 4; ++j) {
+      const unsigned word = j < 2 ? raw.x : raw.y;
+      const int sh = 16 * (j & 1);
+      const float lo = __half2float(__half(__nv_cvt_fp8_to_halfraw(
+          static_cast<__nv_fp8_storage_t>((word >> sh) & 0xff), __NV_E4M3)));
+      const float hi = __half2float(__half(__nv_cvt_fp8_to_halfraw(
+          static_cast<__nv_fp8_storage_t>((word >> (sh + 8)) & 0xff), __NV_E4M3)));
+      const __nv_bfloat162 b = __floats2bfloat162_rn(mul_rn(lo, s), mul_rn(hi, s));
+      o[j] = *reinterpret_cast<const unsigned*>(&b);
+    }
+    reinterpret_cast<uint4*>(out)[v] = make_uint4(o[0], o[1], o[2], o[3]);
+  }
+}
+
 // Records the plane's first failure: the device word first (so every later
 // wait returns at once), then the host record, its code word last.
 __device__ void record_failure(const PeerPlaneDev& p, int code, int op, int peer, int layer, int stage,
@@ -198,6 +267,8 @@ struct PutArgs {
   long long rows[P];
   long long src_row[P];
   long long dst_row[P];
+  int quant;
+  long long scales_off;
 };
 
 template <int P>
@@ -212,6 +283,7 @@ struct WaitArgs {
   const char* copy_src;
   char* copy_dst;
   long long copy_bytes;
+  const float* dq_scales;
   unsigned long long* flag[P];
   int peer_id[P];
 };
@@ -234,6 +306,13 @@ __global__ void __launch_bounds__(kThreads) peer_put_kernel(const __grid_constan
     if (a.rows[i] == 0) continue;  // zero-token peers move no bytes (their flag still advances)
     for (int k = 0; k < a.nparts; ++k) {
       const long long rb = a.row_bytes[k];
+      if (k == 0 && a.quant) {  // bf16 rows -> e4m3 values + scales, straight into the peer's part
+        const long long h = rb >> 1, groups = h / kFp8Group;
+        quantize_groups(reinterpret_cast<unsigned char*>(a.dst_base[i] + a.part_off[0]) + a.dst_row[i] * h,
+                        reinterpret_cast<float*>(a.dst_base[i] + a.scales_off) + a.dst_row[i] * groups,
+                        a.src[0] + a.src_row[i] * rb, a.rows[i] * groups, t, nt, dead);
+        continue;
+      }
       copy_range(a.dst_base[i] + a.part_off[k] + a.dst_row[i] * rb, a.src[k] + a.src_row[i] * rb,
                  a.rows[i] * rb, t, nt, dead);
     }
@@ -289,8 +368,24 @@ __global__ void __launch_bounds__(kThreads) peer_wait_kernel(const __grid_consta
   if (a.copy_bytes > 0) {
     const long long t = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
     const long long nt = static_cast<long long>(gridDim.x) * blockDim.x;
-    copy_range(a.copy_dst, a.copy_src, a.copy_bytes, t, nt, 0);
+    if (a.dq_scales != nullptr) {
+      dequantize_range(a.copy_dst, a.copy_src, a.dq_scales, a.copy_bytes, t, nt);
+    } else {
+      copy_range(a.copy_dst, a.copy_src, a.copy_bytes, t, nt, 0);
+    }
   }
+}
+
+__global__ void __launch_bounds__(kThreads) fp8_quantize_kernel(const char* x, unsigned char* values,
+                                                                float* scales, long long groups) {
+  quantize_groups(values, scales, x, groups, static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x,
+                  static_cast<long long>(gridDim.x) * blockDim.x, 0);
+}
+
+__global__ void __launch_bounds__(kThreads) fp8_dequantize_kernel(const char* values, const float* scales,
+                                                                  char* out, long long numel) {
+  dequantize_range(out, values, scales, numel, static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x,
+                   static_cast<long long>(gridDim.x) * blockDim.x);
 }
 
 int blocks_for(long long bytes, int max_blocks) {
@@ -351,6 +446,8 @@ int launch_put(const PeerPutArgs& in, int grid, cudaStream_t stream) {
     a.src_row[i] = on ? in.src_row[i] : 0;
     a.dst_row[i] = on ? in.dst_row[i] : 0;
   }
+  a.quant = in.quant;
+  a.scales_off = in.scales_off;
   return launch(&peer_put_kernel<P>, a, grid, stream);
 }
 
@@ -367,6 +464,7 @@ int launch_wait(const PeerWaitArgs& in, int grid, cudaStream_t stream) {
   a.copy_src = in.copy_src;
   a.copy_dst = in.copy_dst;
   a.copy_bytes = in.copy_bytes;
+  a.dq_scales = in.dq_scales;
   for (int i = 0; i < P; ++i) {
     const bool on = i < in.npeers;
     a.flag[i] = on ? in.flag[i] : nullptr;
@@ -390,11 +488,30 @@ int peer_put_launch(const PeerPutArgs& args, int max_blocks, void* stream) {
 }
 
 int peer_wait_launch(const PeerWaitArgs& args, int max_blocks, void* stream) {
-  const int grid = blocks_for(args.copy_bytes, max_blocks);
+  // A dequantizing wait writes twice the bytes it reads: size the grid on the writes.
+  const int grid = blocks_for(args.copy_bytes * (args.dq_scales != nullptr ? 2 : 1), max_blocks);
   const auto s = static_cast<cudaStream_t>(stream);
   if (args.npeers <= 1) return launch_wait<1>(args, grid, s);
   if (args.npeers <= 8) return launch_wait<8>(args, grid, s);
   return launch_wait<kPeerMaxPeers>(args, grid, s);
+}
+
+int fp8_quantize_launch(const void* x, void* values, float* scales, long long groups, int max_blocks,
+                        void* stream) {
+  if (groups == 0) return 0;
+  const int grid = blocks_for(groups * kFp8Group * 2, max_blocks);
+  fp8_quantize_kernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const char*>(x), static_cast<unsigned char*>(values), scales, groups);
+  return static_cast<int>(cudaGetLastError());
+}
+
+int fp8_dequantize_launch(const void* values, const float* scales, void* out, long long numel,
+                          int max_blocks, void* stream) {
+  if (numel == 0) return 0;
+  const int grid = blocks_for(numel * 2, max_blocks);
+  fp8_dequantize_kernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const char*>(values), scales, static_cast<char*>(out), numel);
+  return static_cast<int>(cudaGetLastError());
 }
 
 }  // namespace afd

@@ -94,6 +94,8 @@ class WireSpec:
         logits_width: router-logits width (number of experts); 0: no logits travel.
         logits_dtype: dtype of the router logits.
         has_token_ids: whether an int32 token id travels with each row.
+        hidden_fp8: hidden states travel as FP8 values + float32 scales (docs/fp8.md), quantized
+            in the attention rank's put; the reply stays ``hidden_dtype``.
     """
 
     hidden_size: int
@@ -101,6 +103,7 @@ class WireSpec:
     logits_width: int = 0
     logits_dtype: torch.dtype = torch.float32
     has_token_ids: bool = False
+    hidden_fp8: bool = False
 
     def __post_init__(self) -> None:
         if self.hidden_size < 1 or self.logits_width < 0:
@@ -109,14 +112,20 @@ class WireSpec:
                 f"and {self.logits_width}")
 
     @property
-    def fan_in_row_bytes(self) -> tuple[int, ...]:
-        """Bytes per row of each fan-in part: hidden, then logits and ids when they travel."""
-        parts = [self.hidden_size * self.hidden_dtype.itemsize]
+    def fan_in_parts(self) -> tuple[tuple[torch.dtype, int], ...]:
+        """(dtype, columns; 0: one value per row) of each fan-in part: hidden (FP8: values, scales), logits, ids."""
+        parts = [(torch.float8_e4m3fn, self.hidden_size), (torch.float32, self.hidden_size // 128)] \
+            if self.hidden_fp8 else [(self.hidden_dtype, self.hidden_size)]
         if self.logits_width:
-            parts.append(self.logits_width * self.logits_dtype.itemsize)
+            parts.append((self.logits_dtype, self.logits_width))
         if self.has_token_ids:
-            parts.append(4)
+            parts.append((torch.int32, 0))
         return tuple(parts)
+
+    @property
+    def fan_in_row_bytes(self) -> tuple[int, ...]:
+        """Bytes per row of each fan-in part (:attr:`fan_in_parts`)."""
+        return tuple(d.itemsize * max(c, 1) for d, c in self.fan_in_parts)
 
     @property
     def reply_row_bytes(self) -> tuple[int, ...]:
@@ -126,7 +135,7 @@ class WireSpec:
     def signature(self) -> str:
         """A string equal on two ranks exactly when their specs are equal (checked at set-up)."""
         return (f"h{self.hidden_size}:{self.hidden_dtype}:l{self.logits_width}:{self.logits_dtype}:"
-                f"i{int(self.has_token_ids)}")
+                f"i{int(self.has_token_ids)}" + (":fp8" if self.hidden_fp8 else ""))
 
 
 @dataclass(frozen=True)
@@ -351,11 +360,10 @@ class PeerPlane:
         rb = self.layout.row_bytes[part]
         raw = ops.peer_region_view(self._region, self.layout.part_offset(stage, part),
                                    self.layout.capacity_rows * rb)
-        if self.role == ATTENTION or part == 0:
+        if self.role == ATTENTION:
             return raw.view(self.spec.hidden_dtype).view(self.layout.capacity_rows, self.spec.hidden_size)
-        if self.spec.logits_width and part == 1:
-            return raw.view(self.spec.logits_dtype).view(self.layout.capacity_rows, self.spec.logits_width)
-        return raw.view(torch.int32)
+        dtype, cols = self.spec.fan_in_parts[part]
+        return raw.view(dtype).view(self.layout.capacity_rows, cols) if cols else raw.view(dtype)
 
     # -- set-up ----------------------------------------------------------------
 
@@ -418,7 +426,8 @@ class PeerPlane:
             raise AFDStateError(f"{self.me}: put before every peer's region was attached (use open_plane)",
                                 op="peer_put")
         given = [t for t in tensors if t is not None]
-        nparts = len(self.peer_layouts[0].row_bytes)
+        quant = self.spec.hidden_fp8 and self.role == ATTENTION  # bf16 in, values + scales out (two parts)
+        nparts = len(self.peer_layouts[0].row_bytes) - quant
         if len(given) != nparts or (self.role == ATTENTION and len(tensors) == 3 and (
                 (tensors[1] is None) != (not self.spec.logits_width)
                 or (tensors[2] is None) != (not self.spec.has_token_ids))):
@@ -429,7 +438,7 @@ class PeerPlane:
         self._check_capacity(rows, dst_rows)
         h, lg, ids = (list(tensors) + [None, None])[:3]
         ops.peer_put(h, lg, ids, self._plane, stage, self._put_regions, rows, dst_rows,
-                     self._put_parts[stage], self._put_flags[stage])
+                     self._put_parts[stage], self._put_flags[stage], quant)
 
     def _check_capacity(self, rows: Sequence[int], dst_rows: Sequence[int]) -> None:
         # The op only bounds a write by the peer region's end; a range past a part's capacity
@@ -457,7 +466,8 @@ class PeerPlane:
             stage: the stage.
             rows: rows received in total (FFN: every peer's rows; attention: its own rows).
             layer: the layer exchange ordinal (recorded on failure).
-            out: attention rank: copy the reply into it (``[rows, hidden]``, contiguous).
+            out: attention rank: copy the reply into it (``[rows, hidden]``, contiguous). FFN rank
+                with FP8 hidden states: dequantize them into it (bf16), in the wait kernel.
             op: op code for the error record (default by role).
 
         Returns:
@@ -473,10 +483,12 @@ class PeerPlane:
         vs = self.views(stage, rows)
         if op is None:
             op = OP_RECV_ATTN if self.role == FFN else OP_RECV_FFN
-        h, lg, ids = (list(vs) + [None, None])[:3]
+        fp8 = self.spec.hidden_fp8 and self.role == FFN
+        h, scales, rest = (vs[0], vs[1], vs[2:]) if fp8 else (vs[0], None, vs[1:])
+        lg, ids = (list(rest) + [None, None])[:2]
         ops.peer_wait(h, lg, ids, out, self._plane, self.num_stages + stage, self._region,
-                      self._wait_flags[stage], self.peers, op, layer, stage, self.timeout_ns)
-        return (out,) if out is not None else vs
+                      self._wait_flags[stage], self.peers, op, layer, stage, self.timeout_ns, scales)
+        return (out,) if out is not None and not fp8 else vs
 
     # -- failure ---------------------------------------------------------------
 

@@ -86,6 +86,7 @@ class PeerTransport(Transport):
         self._stages = StageStreams(self.device)
         self._stages.separate = False  # until a step of several stages is prepared
         self._failure: Optional[BaseException] = None
+        self._dequant: dict[int, torch.Tensor] = {}  # stage -> the FP8 fan-in's bf16 output (capacity rows)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name=f"afd-peer {self.peers.me}", daemon=True)
         self._thread.start()
@@ -109,7 +110,7 @@ class PeerTransport(Transport):
         stages = int(getattr(extra, "peer_stages", 2))
         with_fallback = bool(getattr(extra, "peer_fallback", True))
         spec = WireSpec(cfg.hidden_size, cfg.hidden_dtype, cfg.router_logits_width or 0, cfg.router_logits_dtype,
-                        bool(cfg.send_token_ids))
+                        bool(cfg.send_token_ids), cfg.hidden_wire is not None)
         # No CUDA call before the collective set-up: a rank without a usable GPU must still
         # publish its verdict there, or its peers would wait for it until the init deadline.
         device = setup.device if setup.device.index is not None else torch.device("cuda", 0)
@@ -253,12 +254,21 @@ class PeerTransport(Transport):
         if self.plane.role != "ffn" or not self.fits(schedule):
             return None
         n = schedule.ffn_plan(stage, self.peers.role_rank).total
-        views = iter(self.plane.views(stage, n))  # the plane's parts, in wire order
-        return stage_buffers(lambda key, shape, dtype: next(views), schedule.config, stage, n)
+        views = dict(zip([p.name for p in schedule.config.wire_parts], self.plane.views(stage, n)))
 
-    def fan_in(self, tensors, peers, rows, *, tag: MessageTag, wait: bool = False) -> None:
+        def alloc(key, shape, dtype):  # the plane's parts; an FP8 fan-in's bf16 output is ours
+            if key[0] in views:
+                return views[key[0]]
+            if stage not in self._dequant:
+                self._dequant[stage] = torch.empty((self.plane.layout.capacity_rows,) + tuple(shape[1:]),
+                                                   dtype=dtype, device=self.device)
+            return self._dequant[stage][:shape[0]]
+
+        return stage_buffers(alloc, schedule.config, stage, n, fan_in=True)
+
+    def fan_in(self, tensors, peers, rows, *, tag: MessageTag, wait: bool = False, dequant=None) -> None:
         if self._nccl_for(tensors):
-            return self.fallback.fan_in(tensors, peers, rows, tag=tag, wait=wait)
+            return self.fallback.fan_in(tensors, peers, rows, tag=tag, wait=wait, dequant=dequant)
         self.check_health(tag)
         n = int(sum(rows))
         plane = self.plane
@@ -266,7 +276,7 @@ class PeerTransport(Transport):
             if plane.role == "attention":
                 plane.wait(tag.stage, n, layer=tag.layer, out=tensors[0])
             else:
-                views = plane.wait(tag.stage, n, layer=tag.layer)
+                views = plane.wait(tag.stage, n, layer=tag.layer, out=dequant)  # FP8: dequantized in the wait
                 for t, v in zip([t for t in tensors if t is not None], views):
                     if t.data_ptr() != v.data_ptr():
                         t.copy_(v)  # the caller's own buffers: one copy (receive_buffers avoids it)

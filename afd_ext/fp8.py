@@ -1,0 +1,77 @@
+"""FP8 hidden states on the wire (attention -> FFN; opt-in: ``hidden_wire_dtype: "fp8_e4m3"``).
+
+The format of DeepEP's low-latency dispatch and DeepGEMM: ``float8_e4m3fn``
+values ``[T, H]`` and float32 scales ``[T, H/128]``, one per token and 128
+channels. Per group: ``scale = amax(|x|) / 448`` (``1.0`` when that is 0, so an
+all-zero group gives zeros), ``values = x / scale`` in float32, saturated to
++-448 and rounded to nearest even; ``x ~= values * scale``. The CUDA kernels
+(``csrc/cuda/peer_kernels.cu``) compute the same bytes; this is the rule on
+CPU (the gloo transport, and the ops' CPU kernels). Non-finite inputs are not
+handled (an inf or NaN makes its group's values NaN or 0). docs/fp8.md.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import AFDConfigError
+
+__all__ = ["GROUP", "FP8_MAX", "FP8_DTYPE", "HIDDEN_WIRE_DTYPES", "DELIVERIES", "check_hidden",
+           "quantize", "dequantize", "wire_bytes_per_token"]
+
+#: Channels per scale.
+GROUP = 128
+#: Largest finite float8_e4m3fn.
+FP8_MAX = 448.0
+FP8_DTYPE = torch.float8_e4m3fn
+#: ``connector_extra_config.hidden_wire_dtype`` values (None: the hidden dtype itself travels).
+HIDDEN_WIRE_DTYPES = ("fp8_e4m3",)
+#: ``connector_extra_config.fp8_delivery``: what an FFN rank's ``recv_attn_output`` returns.
+DELIVERIES = ("dequant", "fp8")
+
+
+def check_hidden(hidden_size: int, dtype: torch.dtype) -> None:
+    """Refuse a hidden state the FP8 wire cannot carry (before anything is built).
+
+    Raises:
+        AFDConfigError: ``hidden_size`` is not a multiple of 128, or ``dtype`` is not bfloat16.
+    """
+    if hidden_size % GROUP:
+        raise AFDConfigError(f"hidden_wire_dtype 'fp8_e4m3' needs a hidden size that is a multiple of {GROUP} "
+                             f"(one scale per {GROUP} channels), got {hidden_size}")
+    if dtype != torch.bfloat16:
+        raise AFDConfigError(f"hidden_wire_dtype 'fp8_e4m3' quantizes bfloat16 hidden states, got {dtype}")
+
+
+def quantize(x: torch.Tensor, values: torch.Tensor | None = None,
+             scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule on ``x`` ``[T, H]`` (any float dtype, CPU): ``(values e4m3 [T, H], scales fp32 [T, H/128])``.
+
+    Writes into ``values`` / ``scales`` when given.
+    """
+    xf = x.float().reshape(x.shape[0], x.shape[1] // GROUP, GROUP)
+    amax = xf.abs().amax(-1)
+    scale = amax / torch.full_like(amax, FP8_MAX)  # tensor / tensor: a true division on every device
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    q = (xf / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).reshape(x.shape)
+    if values is None:
+        return q, scale
+    values.copy_(q)
+    scales.copy_(scale)
+    return values, scales
+
+
+def dequantize(values: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None = None,
+               dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``values * scales`` per group, in float32, rounded to ``dtype`` (``out``'s when given)."""
+    v = values.float().reshape(values.shape[0], values.shape[1] // GROUP, GROUP)
+    y = (v * scales.unsqueeze(-1)).reshape(values.shape)
+    if out is None:
+        return y.to(dtype)
+    out.copy_(y)
+    return out
+
+
+def wire_bytes_per_token(hidden_size: int) -> int:
+    """Hidden-state bytes per token on the FP8 wire: ``H + 4 H / 128`` (7,392 at H = 7168)."""
+    return hidden_size + 4 * (hidden_size // GROUP)

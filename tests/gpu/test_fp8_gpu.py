@@ -1,0 +1,160 @@
+"""FP8 hidden states on the wire (GPU tier): the CUDA kernels against the reference rule, bit for bit.
+
+* ``fp8_quantize`` (the NCCL path's send-buffer kernel) and ``fp8_dequantize`` (its fan-in kernel)
+  against ``tests/test_fp8.py``'s reference on random data with all-zero, subnormal, huge and tie groups;
+* the peer plane's put with the quantization fused in, and its wait dequantizing (or not);
+* a graph-captured round trip over the plane (both roles on one GPU);
+* connector round trips per transport (NCCL, peer memory) and per delivery form (2A1F).
+
+Non-finite inputs are outside the rule (docs/fp8.md) and not tested.
+
+Run: ``python3 -m pytest -q tests/gpu/test_fp8_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+
+from afd_ext import fp8, ops  # noqa: E402
+from afd_ext.testing import find_free_port, place_processes, run_workers  # noqa: E402
+from afd_ext.topology import ATTENTION, FFN, Topology  # noqa: E402
+from afd_ext.transport.peer.plane import PeerPlane, WireSpec  # noqa: E402
+from test_fp8 import E4M3, bits, error_bound, fp8_worker, hard_inputs, reference_dequantize, reference_quantize  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(240)]
+
+DEV = torch.device("cuda", 0)
+
+
+def inputs(t: int, h: int, seed: int) -> torch.Tensor:
+    """``hard_inputs`` rows first (its edge-case groups lead), random rows of mixed scale after."""
+    x = hard_inputs(max(t, 5), h, seed)
+    if t > 5:
+        g = torch.Generator().manual_seed(seed + 1)
+        x = torch.cat([x, (torch.randn(t - 5, h, generator=g) * 10.0 ** torch.randint(-6, 6, (t - 5, 1),
+                                                                                     generator=g)).bfloat16()])
+    return x[:t]
+
+
+@pytest.mark.parametrize("t,h", [(0, 256), (1, 128), (4, 256), (7, 7168), (300, 7168), (4097, 512)])
+def test_cuda_kernels_are_the_reference_bit_for_bit(t, h):
+    x = inputs(t, h, seed=t + h)
+    rv, rs = reference_quantize(x) if t * h <= 300 * 7168 else fp8.quantize(x)  # the loop is slow; fp8.quantize == it (CPU tier)
+    v = torch.full((t, h), 0x7f, dtype=torch.uint8, device=DEV).view(E4M3)  # poisoned
+    s = torch.full((t, h // 128), float("nan"), device=DEV)
+    ops.fp8_quantize(x.to(DEV), v, s)
+    assert torch.equal(bits(v).cpu(), bits(rv)) and torch.equal(bits(s).cpu(), bits(rs))
+    out = torch.full((t, h), float("nan"), dtype=torch.bfloat16, device=DEV)
+    ops.fp8_dequantize(v, s, out)
+    assert torch.equal(out.cpu(), reference_dequantize(rv, rs))
+    assert ((out.cpu().float() - x.float()).abs() <= error_bound(x, rs)).all()
+
+
+def _pair(spec: WireSpec, max_tokens: int) -> tuple[PeerPlane, PeerPlane]:
+    topo = Topology(1, 1)
+    kw = dict(max_tokens=max_tokens, num_stages=1, generation=9, timeout_s=20.0, device=DEV)
+    att, ffn = PeerPlane(topo, ATTENTION, 0, spec, **kw), PeerPlane(topo, FFN, 0, spec, **kw)
+    att.attach(0, ffn.ipc_handle, ffn.layout.nbytes)
+    ffn.attach(0, att.ipc_handle, att.layout.nbytes)
+    return att, ffn
+
+
+def test_fused_peer_put_and_dequantizing_wait_are_the_reference_bit_for_bit():
+    spec = WireSpec(7168, torch.bfloat16, 256, torch.float32, True, hidden_fp8=True)
+    att, ffn = _pair(spec, 200)
+    try:
+        for layer, n in enumerate([1, 0, 129, 7, 200]):
+            x = inputs(n, 7168, seed=layer)
+            lg = torch.randn(n, 256, device=DEV)
+            ids = torch.arange(n, dtype=torch.int32, device=DEV) + 1000 * layer
+            att.put(0, (x.to(DEV), lg, ids), [n], [0])
+            dq = torch.full((n, 7168), float("nan"), dtype=torch.bfloat16, device=DEV)
+            views = ffn.wait(0, n, layer=layer, out=dq if layer % 2 else None)  # both delivery forms
+            v, s, glg, gids = (t.clone() for t in views)
+            ffn.put(0, (dq if layer % 2 else x.to(DEV),), [n], [0])
+            reply = torch.empty(n, 7168, dtype=torch.bfloat16, device=DEV)
+            att.wait(0, n, layer=layer, out=reply)
+            torch.cuda.synchronize(DEV)
+            rv, rs = reference_quantize(x)
+            assert torch.equal(bits(v).cpu(), bits(rv)) and torch.equal(bits(s).cpu(), bits(rs)), layer
+            assert torch.equal(glg, lg) and torch.equal(gids, ids)
+            if layer % 2:
+                assert torch.equal(dq.cpu(), reference_dequantize(rv, rs)) and torch.equal(reply, dq)
+            else:
+                assert torch.equal(reply.cpu(), x)  # the reply stays bf16
+        att.raise_if_failed()
+        ffn.raise_if_failed()
+    finally:
+        torch.cuda.synchronize(DEV)
+        att.close()
+        ffn.close()
+
+
+def test_graph_captured_round_trip_over_the_plane():
+    """Both roles captured (put quantizing, wait dequantizing, reply, reply wait), replayed with fresh inputs."""
+    n, h = 64, 1024
+    spec = WireSpec(h, torch.bfloat16, 0, torch.float32, False, hidden_fp8=True)
+    att, ffn = _pair(spec, n)
+    sa, sf = torch.cuda.Stream(DEV), torch.cuda.Stream(DEV)
+    try:
+        inp = torch.zeros(n, h, dtype=torch.bfloat16, device=DEV)
+        dq = torch.empty(n, h, dtype=torch.bfloat16, device=DEV)
+        reply = torch.empty(n, h, dtype=torch.bfloat16, device=DEV)
+        ga, gf = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        torch.cuda.synchronize(DEV)
+        with torch.cuda.graph(ga, stream=sa):
+            att.put(0, (inp,), [n], [0])
+            att.wait(0, n, layer=0, out=reply)
+        with torch.cuda.graph(gf, stream=sf):
+            ffn.wait(0, n, layer=0, out=dq)
+            ffn.put(0, (dq * 2,), [n], [0])
+        for rep in range(5):
+            x = inputs(n, h, seed=50 + rep)
+            inp.copy_(x.to(DEV))
+            torch.cuda.synchronize(DEV)
+            with torch.cuda.stream(sf):
+                gf.replay()  # its wait spins until the attention graph's put lands
+            with torch.cuda.stream(sa):
+                ga.replay()
+            torch.cuda.synchronize(DEV)
+            assert torch.equal(reply.cpu(), reference_dequantize(*reference_quantize(x)) * 2), rep
+        att.raise_if_failed()
+        ffn.raise_if_failed()
+    finally:
+        torch.cuda.synchronize(DEV)
+        att.close()
+        ffn.close()
+
+
+@pytest.mark.parametrize("delivery", ["dequant", "fp8"])
+@pytest.mark.parametrize("transport", ["nccl", "peer"])
+def test_connector_round_trip(transport, delivery):
+    A, F = 2, 1
+    res = run_workers(fp8_worker, A + F, (find_free_port(), A, delivery, False, transport), timeout_s=200,
+                      per_rank_env=place_processes(A, F).env())
+    total = 2 * (3 + 130) * A
+    assert sorted(r["checked"] for r in res) == [total // A] * A + [total]
+    assert {r["transport"] for r in res} == {transport}
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("backend,graph", [("nccl", False), ("peer", True)])
+def test_demo_with_fp8(tmp_path, backend, graph):
+    pytest.importorskip("transformers")
+    import json
+    import subprocess
+
+    out = tmp_path / "s.json"
+    cmd = [sys.executable, "-m", "afd_ext", "demo", "--backend", backend, "--fp8", "--no-progress",
+           "--topology", "2A1F", "--json", str(out)] + (["--graph"] if graph else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    print(proc.stdout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-5000:]
+    s = json.loads(out.read_text())
+    assert s["backend"] == backend and s["self_check"]["ok"], s["self_check"]["failures"]
