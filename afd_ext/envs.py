@@ -157,6 +157,7 @@ register("AFD_EXT_REPLACE_P2P", False,
 
 # --- peer-memory plane (csrc/cuda/peer_kernels.cu reads it at each launch) ------------------
 register("AFD_PEER_PDL", None,
-         "peer-memory plane: peer_put/peer_wait are launched with programmatic dependent launch (their "
-         "launch overlaps the end of the kernel before them on the stream) on Hopper and later unless "
-         "this is 0; read at each launch, so at capture time for a CUDA graph; docs/peer-memory.md", parse_bool)
+         "peer-memory plane: 1 / 0 forces programmatic dependent launch of peer_put/peer_wait (their "
+         "launch overlaps the end of the kernel before them on the stream) on or off; unset, it is used "
+         "on Hopper+ for grids of at most half the SMs; read at each launch, so at capture time for a "
+         "CUDA graph; docs/peer-memory.md", parse_bool)

@@ -13,8 +13,8 @@ and ``H`` bf16 back (the FFN replies with its fan-in hidden states). Structures:
 * ``plane``: :class:`afd_ext.transport.peer.PeerPlane` put/wait, as
   ``tests/gpu/test_peer_gpu.py::test_round_trip_time_in_graphs_on_one_gpu`` uses it;
 * ``plane_nopdl``: ``plane`` captured with ``AFD_PEER_PDL=0`` (without programmatic dependent
-  launch, which ``plane`` uses by default on Hopper: each plane kernel's launch overlaps the end
-  of the one before it on the stream).
+  launch, which ``plane`` uses on Hopper for grids of at most half the SMs: each plane kernel's
+  launch overlaps the end of the one before it on the stream).
 
 ``AFD_PEER_STRUCTURE_ONE_GPU=1`` keeps both roles on cuda:0 where two GPUs are
 visible. The floor copies its one token's data too (so it is validated like the rest).

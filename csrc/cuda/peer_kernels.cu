@@ -396,15 +396,18 @@ int blocks_for(long long bytes, int max_blocks) {
   return static_cast<int>(b);
 }
 
-// Launch with programmatic stream serialization (see pdl_wait/pdl_trigger) on Hopper+ unless
-// AFD_PEER_PDL says otherwise (read at each launch, so at capture time for a graph): it takes the
-// one-token round trip from 1.25x to 1.09x the minimal kernels (docs/peer-memory.md, run 58).
-bool pdl_enabled() {
+// Programmatic stream serialization (see pdl_wait/pdl_trigger) overlaps a kernel's launch with the
+// end of the one before it. AFD_PEER_PDL (read at each launch, so at capture time for a graph) forces
+// it on or off; unset, it is on for grids of at most half the SMs on Hopper+: there it took the
+// one-GPU round trip from 1.17x / 1.18x to 1.05x / 1.10x the minimal kernels at 1 / 128 tokens, while
+// larger grids (1024, 8192 tokens) lost 4-8% with it (runs 58 and 64, docs/peer-memory.md).
+bool pdl_enabled(int grid) {
   const char* e = std::getenv("AFD_PEER_PDL");  // afd_ext.envs.parse_bool's true values
   if (e == nullptr || e[0] == '\0') {
-    int dev = 0, major = 0;
+    int dev = 0, major = 0, sms = 0;
     return cudaGetDevice(&dev) == cudaSuccess &&
-           cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && major >= 9;
+           cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && major >= 9 &&
+           cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess && 2 * grid <= sms;
   }
   const char c = e[0] | 0x20;
   return e[0] == '1' || c == 't' || c == 'y' || (c == 'o' && (e[1] | 0x20) == 'n');
@@ -421,7 +424,7 @@ int launch(void (*kernel)(Args), const Args& a, int grid, cudaStream_t stream) {
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = pdl_enabled() ? 1 : 0;
+  cfg.numAttrs = pdl_enabled(grid) ? 1 : 0;
   const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, a);
   return static_cast<int>(e != cudaSuccess ? e : cudaGetLastError());
 }

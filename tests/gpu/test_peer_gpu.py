@@ -320,8 +320,8 @@ def test_stress_exchanges_in_graphs_on_concurrent_streams(rows, H, E, exchanges)
 @pytest.mark.parametrize("rows,H,E,exchanges", [(2, 256, 8, STRESS_EXCHANGES // 4), (1024, 1024, 64, 20_000)],
                          ids=["250k-small", "20k-4MiB"])
 def test_stress_exchanges_without_programmatic_dependent_launch(rows, H, E, exchanges, monkeypatch):
-    # PDL is the default on Hopper (the other stress tests run with it); AFD_PEER_PDL=0, read at
-    # capture, launches the plane's kernels in plain stream order: every exchange's data still checked.
+    # Unset, AFD_PEER_PDL gives small grids PDL on Hopper (the small stress tests run with it); 0, read
+    # at capture, launches every plane kernel in plain stream order: every exchange's data still checked.
     monkeypatch.setenv("AFD_PEER_PDL", "0")
     _stress(rows, H, E, exchanges, DEV, DEV)
 
