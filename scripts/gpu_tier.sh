@@ -12,7 +12,7 @@
 #
 #   bash scripts/gpu_tier.sh [phase ...]
 #
-# Phases (default: build tests time peer-structure bench demo):
+# Phases (default: build tests time peer-structure bench bench-fp8 demo):
 #   build        pip install -e . against the machine's torch, then `afd-ext info`
 #   tests        pytest -m gpu $GPU_TESTS (default: tests), -k "$PYTEST_K" when set, per-test durations.
 #                TEST_JOBS=3 (only without GPU_TESTS) runs three pytest processes at once, each
@@ -28,6 +28,8 @@
 #                FFN on cuda:1 (NVLink), and again both on cuda:0 (the one-GPU records)
 #   bench        the default sweep (every variant: ours, reference, raw, bare, torch_dist, peer;
 #                one process per GPU on two GPUs), $BENCH_ARGS appended
+#   bench-fp8    FP8 hidden states against bf16 on both GPU transports (bytes per token and time;
+#                docs/fp8.md): ours_per_tensor, ours_fp8, peer, peer_fp8
 #   demo         the demo at 1A1F --dims deepseek-v2-lite and at 2A1F (NCCL)
 # Every phase runs under `timeout` (PHASE_TIMEOUT seconds, default 300; the tests
 # phase TESTS_TIMEOUT, default 450).
@@ -38,7 +40,7 @@ mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
-phases=${*:-build tests time peer-structure bench demo}
+phases=${*:-build tests time peer-structure bench bench-fp8 demo}
 PY=${PY:-python3}
 status=0
 run() {  # run NAME CMD...: log to $OUT/NAME.log, remember failures, keep going
@@ -110,6 +112,8 @@ for phase in $phases; do
           else
             echo "=== peer-structure: skipped: no CUDA GPU visible" | tee -a "$OUT/summary.txt"
           fi ;;
+    bench-fp8) timed bench-fp8 $PY -m afd_ext bench --no-progress --variants ours_per_tensor,ours_fp8,peer,peer_fp8 \
+             --out "$OUT/bench-fp8" ;;
     bench) timed bench $PY -m afd_ext bench --no-progress ${BENCH_ARGS:-} --out "$OUT/bench" ;;
     demo) run demo-1a1f $PY -m afd_ext demo --backend nccl --topology 1A1F --dims deepseek-v2-lite --json "$OUT/demo-1a1f.json"
           run demo-2a1f $PY -m afd_ext demo --backend nccl --topology 2A1F --json "$OUT/demo-2a1f.json" ;;
