@@ -462,6 +462,104 @@ def _finish_step(conn, sc: Scenario, step_i: int, step: dict) -> int:
 
 
 # ---------------------------------------------------------------------------
+# The decode pattern of the control-plane margin probe (issue #33)
+# ---------------------------------------------------------------------------
+
+
+@diagnosed
+def decode_pattern_worker(rank: int, nprocs: int, sc: Scenario, port: int) -> dict:
+    """The margin probe's decode pattern, one stage per step (``sc.steps``: ``{0: counts}`` each).
+
+    Attention: apply and send the payload, send layer 0 and wait until it has left (a CUDA event polled
+    on a GPU), then per layer receive the reply before sending the next layer; one ``synchronize`` at
+    the end of the step, then every reply is checked against ``ffn_fn`` of its own rows. FFN: receive
+    and reply per layer, one ``synchronize`` per step. In the first step the attention rank first tries
+    the probe's original order (layer 1 before layer 0's reply: over peer memory it overran the plane's
+    one slot per stage) and the FFN rank tries to take layer 1 before replying to layer 0: both must be
+    refused with AFDStateError before anything moves, and the step then completes on every rank.
+
+    Returns:
+        ``{"role", "refused": [messages], "checked": rows checked per step (attention) / received (FFN),
+        "transport"}``.
+    """
+    from afd_ext.errors import AFDStateError
+
+    _setup_device(sc)
+    dev = device_for(sc)
+    conn = make_connector(sc, rank, port)
+    out: dict = {"role": None, "refused": [], "checked": []}
+    try:
+        conn.init_afd_connector()
+        out["role"], out["transport"] = conn.role, conn.transport_kind
+        for i, step in enumerate(sc.steps):
+            if conn.role == "attention":
+                a = conn.role_rank
+                payload = _payload(step)
+                conn.control_plane.update_state_from_dp_metadata(payload)
+                conn.control_plane.send_dp_metadata_list(payload)
+                n = expected_rows(sc, step[0], a)
+                replies = []
+                for layer in range(sc.layers):
+                    h = make_inputs(sc, i, layer, 0, a, n)[0]
+                    want = ffn_fn(h, None, None, layer)
+                    conn.send_attn_output(h, _ctx(layer, 0, n))
+                    if layer == 0 and dev.type == "cuda":
+                        ev = torch.cuda.Event()
+                        ev.record()
+                        while not ev.query():
+                            pass
+                    if layer == 0 and i == 0 and sc.layers > 1:
+                        try:
+                            conn.send_attn_output(make_inputs(sc, i, 1, 0, a, n)[0], _ctx(1, 0, n))
+                        except AFDStateError as e:
+                            out["refused"].append(str(e))
+                    replies.append((conn.recv_ffn_output(h, ubatch_idx=0), want))
+                if dev.type == "cuda":
+                    conn.synchronize()
+                for layer, (got, want) in enumerate(replies):
+                    if not torch.equal(got, want):
+                        raise AssertionError(f"{conn.peer_map.me} step {i} layer {layer}: reply differs from "
+                                             f"ffn_fn of its own rows: {got.flatten()[:6].tolist()} vs "
+                                             f"{want.flatten()[:6].tolist()}")
+                out["checked"].append(n * sc.layers)
+            else:
+                p = conn.control_plane.recv_dp_metadata_list()
+                conn.control_plane.update_state_from_dp_metadata(p)
+                rows = 0
+                for layer in range(sc.layers):
+                    got = conn.recv_attn_output(ubatch_idx=0)
+                    if layer == 0 and i == 0 and sc.layers > 1:
+                        try:
+                            conn.recv_attn_output(ubatch_idx=0)
+                        except AFDStateError as e:
+                            out["refused"].append(str(e))
+                    conn.send_ffn_output(ffn_fn(got.hidden_states, None, None, layer), got.context)
+                    rows += int(got.hidden_states.shape[0])
+                if dev.type == "cuda":
+                    conn.synchronize()
+                out["checked"].append(rows)
+        return out
+    finally:
+        conn.close()
+
+
+def check_decode_pattern(sc: Scenario, results: list[dict]) -> None:
+    """Both refusals named the rule and the call to make first; every step's rows arrived and were checked."""
+    for r in results:
+        assert len(r["refused"]) == 1, r["refused"]
+        msg = r["refused"][0]
+        assert "One exchange per stage may be in flight" in msg, msg
+        if r["role"] == "attention":
+            assert "layer 1, stage 0, but the reply of layer 0, stage 0 was not received yet" in msg, msg
+            assert "call recv_ffn_output(ubatch_idx=0) first" in msg, msg
+            assert r["checked"] == [expected_rows(sc, st[0], 0) * sc.layers for st in sc.steps]
+        else:
+            assert "layer 1, but the reply of layer 0, stage 0 was not sent yet" in msg, msg
+            assert r["checked"] == [sum(expected_rows(sc, st[0], a) for a in range(sc.A)) * sc.layers
+                                    for st in sc.steps]
+
+
+# ---------------------------------------------------------------------------
 # Failure mid-step: aborted everywhere, then re-initialised
 # ---------------------------------------------------------------------------
 
@@ -701,6 +799,6 @@ def default_steps(A: int, two_stages: bool = True) -> tuple:
 
 __all__ = [
     "Scenario", "make_connector", "make_inputs", "ffn_fn", "scenario_worker", "check_scenario_results",
-    "handshake_mismatch_worker", "bad_first_input_worker", "mid_step_failure_worker", "peer_loss_worker",
+    "decode_pattern_worker", "check_decode_pattern", "handshake_mismatch_worker", "bad_first_input_worker", "mid_step_failure_worker", "peer_loss_worker",
     "run_tolerating_death", "strict_mismatch_worker", "default_steps", "replace", "field",
 ]

@@ -127,6 +127,13 @@ def test_bad_first_input_is_rejected_and_next_step_works(retry):
     assert res[0]["rows"] == [5 * 2, 5 * 2, 9 * 2]
 
 
+def test_decode_pattern_one_exchange_per_stage_in_flight_is_enforced_and_the_step_completes():
+    # The margin probe's order (layer 1 sent before layer 0's reply) is refused on every transport;
+    # over peer memory it had overrun the plane's one slot per stage (tests/gpu/test_connector_peer.py).
+    sc = cs.Scenario(A=1, F=1, steps=({0: [8]},) * 3, layers=4, hidden=64)
+    cs.check_decode_pattern(sc, run_workers(cs.decode_pattern_worker, 2, (sc, find_free_port()), timeout_s=60))
+
+
 def test_mid_step_failure_aborts_every_rank_then_reinit_works():
     steps = ({0: [2, 3]}, {0: [1, 2]}, {0: [3, 1]})
     sc = cs.Scenario(A=2, F=1, steps=steps, step_timeout_s=10.0)

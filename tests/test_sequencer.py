@@ -109,3 +109,44 @@ def test_where_and_index():
     assert q.where(1) == "step 4, layer 1, stage 0"
     assert q.where(2) == "step 4 (all 2 exchanges done)"
     assert q.index(1, 0) == 1 and q.index(2, 0) is None
+
+
+def test_one_exchange_per_stage_in_flight_on_the_attention_side():
+    # The margin probe's pattern (layers 1..3 of a stage sent before layer 0's reply) overran the
+    # peer-memory plane's one slot per stage: refused before anything moves, position unchanged.
+    q = _att(layers=3, stages=(0,))
+    assert q.next_send(0, "send_attn_output") == (0, 0)
+    q.sent += 1
+    with pytest.raises(AFDStateError, match=r"layer 1, stage 0, but the reply of layer 0, stage 0 was not "
+                                            r"received yet: call recv_ffn_output\(ubatch_idx=0\) first"):
+        q.next_send(0, "send_attn_output")
+    assert (q.sent, q.received) == (1, 0)
+    assert q.next_reply(0, "recv_ffn_output") == (0, 0)
+    q.received += 1
+    assert q.next_send(0, "send_attn_output") == (1, 0)
+    # Two stages (DBO): both stages of a layer in flight, and a stage's next layer once its own reply is in.
+    d = _att(layers=2, stages=(0, 1))
+    d.sent = 2
+    with pytest.raises(AFDStateError, match="reply of layer 0, stage 0 was not received"):
+        d.next_send(0, "send_attn_output")
+    d.received = 1
+    assert d.next_send(0, "send_attn_output") == (1, 0)
+    d.sent = 3
+    with pytest.raises(AFDStateError, match="reply of layer 0, stage 1 was not received"):
+        d.next_send(1, "send_attn_output")
+    d.received = 2
+    assert d.next_send(1, "send_attn_output") == (1, 1)
+
+
+def test_one_exchange_per_stage_in_flight_on_the_ffn_side():
+    q = _ffn(layers=2, stages=(0, 1))
+    q.received = 2  # both stages of layer 0 taken before either reply: allowed
+    with pytest.raises(AFDStateError, match=r"recv_attn_output\(ubatch_idx=0\) on FFN rank 0 \(world rank 0\) "
+                                            r"for step 4, layer 1, but the reply of layer 0, stage 0 was not sent "
+                                            r"yet: call send_ffn_output first"):
+        q.next_fan_in(0, "recv_attn_output")
+    q.sent = 1
+    assert q.next_fan_in(0, "recv_attn_output") == (1, 0)
+    q.received = 3
+    with pytest.raises(AFDStateError, match="reply of layer 0, stage 1 was not sent"):
+        q.next_fan_in(1, "recv_attn_output")

@@ -299,7 +299,9 @@ class AFDConnector:
                 the step, the layer and the stage; raised on this rank only before
                 anything of the call is sent: repeat the call corrected (or, at the
                 step's first exchange, apply the next payload: docs/internals.md).
-            ConnectorStateError: not initialised / aborted / no step applied / nothing due.
+            ConnectorStateError: not initialised / aborted / no step applied / nothing due, or the
+                reply of this stage's previous layer was not received yet (one exchange per stage in
+                flight; on this rank only, nothing sent: call ``recv_ffn_output`` first).
             AFDTransportError, StepAbortedError: transport failure (the step is aborted everywhere).
 
         CUDA graphs: capturable (stage stream forked from the current stream;
@@ -379,7 +381,8 @@ class AFDConnector:
             AFDConfigError / ConnectorStateError: a ``ubatch_idx``, ``routing_spec`` or
                 ``recv_input_ids`` of a wrong type or value, a wrong call order or a spec
                 that differs from the configuration, named with the argument, the step,
-                layer and stage; raised on this rank only, nothing received.
+                layer and stage, or the reply of this stage's previous layer not sent yet (one
+                exchange per stage in flight); raised on this rank only, nothing received.
             AFDTransportError, StepAbortedError: transport failure (a dead
                 peer is named with the layer and stage).
         """

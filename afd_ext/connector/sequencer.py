@@ -8,6 +8,13 @@ and stage-minor, on every rank. Each role counts two positions:
 * FFN: ``received`` (``recv_attn_output`` fan-ins) and ``sent`` (replies,
   ``send_ffn_output``); a reply is due only for an exchange already received.
 
+At most one exchange per stage is in flight on either role: a stage's next
+layer is sent (received, on an FFN rank) only after the previous layer's reply
+of that stage was received (sent). The transports reuse one buffer per stage
+for every layer (the peer-memory plane's slot-reuse rule, docs/peer-memory.md;
+an NCCL send of one layer could otherwise wait on a receive queued behind it),
+and a model cannot do otherwise: a layer's input is the previous layer's reply.
+
 Every call is checked against the order before anything moves; a violation is
 :class:`~afd_ext.errors.AFDConfigError` (wrong stage) or
 :class:`~afd_ext.errors.AFDStateError` (nothing due), raised on the calling
@@ -143,11 +150,12 @@ class StepSequencer:
         """The ``(layer, stage)`` an attention send for ``stage`` (``context.metadata.stage_idx``) is (not advanced).
 
         Raises:
-            AFDStateError: every exchange was sent.
+            AFDStateError: every exchange was sent, or the reply of this stage's previous exchange
+                was not received yet (one exchange per stage in flight).
             AFDConfigError: ``stage`` is not a stage id (:func:`stage_arg`) or not the next exchange's stage.
         """
         stage = stage_arg(stage, "context.metadata.stage_idx")
-        return self._due(
+        layer, want = self._due(
             self.sent, self.total, stage,
             lambda: (f"{op} on {self.me}: all {self.total} exchanges of {self.label} were already sent; "
                      "apply the next step's payload (update_state_from_dp_metadata) first"),
@@ -156,6 +164,10 @@ class StepSequencer:
                 f"step ({self.label}) is "
                 f"layer {layer}, stage {want} (exchanges run layer-major, stage-minor over stages "
                 f"{list(self.stages)})"))
+        self._one_in_flight(self.received, self.sent, layer, want,
+                            f"{op} on {self.me} for {self.label}, layer {layer}, stage {want}", "received",
+                            f"recv_ffn_output(ubatch_idx={want})")
+        return layer, want
 
     def next_reply(self, stage: Any, op: str) -> tuple[int, int]:
         """The ``(layer, stage)`` whose reply an attention receive for ``stage`` (``ubatch_idx``) takes (not advanced).
@@ -179,17 +191,22 @@ class StepSequencer:
         """The ``(layer, stage)`` an FFN receive for ``stage`` (``ubatch_idx``) is (not advanced).
 
         Raises:
-            AFDStateError: every exchange was received.
+            AFDStateError: every exchange was received, or the reply of this stage's previous exchange
+                was not sent yet (one exchange per stage in flight).
             AFDConfigError: ``stage`` is not a stage id (:func:`stage_arg`) or not the next exchange's stage.
         """
         stage = stage_arg(stage, "ubatch_idx")
-        return self._due(
+        layer, want = self._due(
             self.received, self.total, stage,
             lambda: (f"{op} on {self.me}: all {self.total} exchanges of {self.label} were received; "
                      "receive and apply the next step's payload first"),
             lambda layer, want: (f"{op}(ubatch_idx={stage}) on {self.me}, but the next exchange is "
                                  f"{self.label}, layer {layer}, stage {want} (layer-major, stage-minor over "
                                  f"stages {list(self.stages)})"))
+        self._one_in_flight(self.sent, self.received, layer, want,
+                            f"{op}(ubatch_idx={want}) on {self.me} for {self.label}, layer {layer}", "sent",
+                            "send_ffn_output")
+        return layer, want
 
     def next_reply_send(self, op: str) -> tuple[int, int]:
         """The ``(layer, stage)`` the next FFN reply belongs to (not advanced).
@@ -203,6 +220,19 @@ class StepSequencer:
                      f"({self.progress()}); call recv_attn_output first"))
 
     # -- both -------------------------------------------------------------------------
+
+    def _one_in_flight(self, replied: int, issued: int, layer: int, stage: int, call: str, done: str,
+                       first: str) -> None:
+        """Raise AFDStateError if an exchange of ``stage`` in ``seq[replied:issued]`` still awaits its reply.
+
+        At most ``len(stages)`` exchanges are in flight, so the scan is that short.
+        """
+        for pos in range(replied, issued):
+            if self.seq[pos][1] == stage:
+                raise AFDStateError(
+                    f"{call}, but the reply of layer {self.seq[pos][0]}, stage {stage} was not {done} yet: call "
+                    f"{first} first. One exchange per stage may be in flight: every layer of a stage reuses "
+                    "that stage's buffers (docs/internals.md, \"Per step\")")
 
     def due(self, op: str) -> tuple[int, int] | None:
         """The ``(layer, stage)`` the next call ``op`` would serve, or None when none is due (for messages).

@@ -109,6 +109,22 @@ def test_mid_step_failure_then_reinit_peer():
     assert ffn["after"] == 8 and a0["after"] == 6 and a1["after"] == 2
 
 
+def test_margin_probe_decode_pattern_over_peer_memory():
+    """The margin probe's settings (1A1F on one GPU, hidden 2048, 8 tokens, 4 layers, bf16, strict off).
+
+    Its original order (layers 1..3 of stage 0 sent before layer 0's reply) overran the plane's one
+    slot per stage: the FFN rank's wait saw a later sequence ("flag at sequence 6 while waiting for 4").
+    Now that call is refused before anything moves, and 60 steps in the corrected order (layer 0 sent
+    and left, then receive before each next send) come back bit-exact through the plane.
+    """
+    sc = cs.replace(cs.Scenario(A=1, F=1, steps=({0: [8]},) * 60, layers=4, hidden=2048, dtype="bfloat16",
+                                strict=False), transport="peer")
+    res = run_workers(cs.decode_pattern_worker, sc.nprocs, (sc, find_free_port()), timeout_s=200,
+                      per_rank_env=_env(sc))
+    cs.check_decode_pattern(sc, res)
+    assert {r["transport"] for r in res} == {"peer"}
+
+
 @pytest.mark.parametrize("mode", ["kill", "stall"])
 def test_peer_loss_is_the_named_error_within_the_deadline(mode):
     """Attention rank 1 dies / stalls before sending layer 1 of step 1.
