@@ -47,7 +47,14 @@ def quantize(x: torch.Tensor, values: torch.Tensor | None = None,
              scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The rule on ``x`` ``[T, H]`` (any float dtype, CPU): ``(values e4m3 [T, H], scales fp32 [T, H/128])``.
 
-    Writes into ``values`` / ``scales`` when given.
+    A scale is its 128-channel group's absolute maximum over 448 (1.0 for an all-zero group); a value
+    is ``x / scale`` in float32, saturated to +-448 and rounded to nearest even (docs/fp8.md). Writes
+    into ``values`` (``float8_e4m3fn [T, H]``) / ``scales`` (``float32 [T, H/128]``) when given, on
+    ``x``'s device.
+
+    Raises:
+        RuntimeError: (torch) ``H`` is not a multiple of 128, or ``values``/``scales`` have other
+            shapes; :func:`check_hidden` refuses such a hidden size at connector build instead.
     """
     xf = x.float().reshape(x.shape[0], x.shape[1] // GROUP, GROUP)
     amax = xf.abs().amax(-1)
@@ -63,7 +70,14 @@ def quantize(x: torch.Tensor, values: torch.Tensor | None = None,
 
 def dequantize(values: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None = None,
                dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """``values * scales`` per group, in float32, rounded to ``dtype`` (``out``'s when given)."""
+    """``values`` (e4m3 ``[T, H]``) times their group's scale (fp32 ``[T, H/128]``), in float32, rounded once.
+
+    Returns a new ``[T, H]`` tensor of ``dtype`` on ``values``' device, or ``out`` (``[T, H]``,
+    written in its own dtype) when given.
+
+    Raises:
+        RuntimeError: (torch) shapes that do not match as above.
+    """
     v = values.float().reshape(values.shape[0], values.shape[1] // GROUP, GROUP)
     y = (v * scales.unsqueeze(-1)).reshape(values.shape)
     if out is None:
