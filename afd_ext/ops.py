@@ -263,12 +263,19 @@ def _nccl_version_fake() -> int:
     return _NCCL_RUNTIME_VERSION
 
 
-def _not_traceable(op: str):
+def _not_traceable(op: str, *args, **kwargs):
     raise AFDConfigError(
         f"afd_ext.{op} is a host-side communicator call and cannot be traced "
         "(torch.compile would drop or misplace it); call it outside compiled code "
         "and pass the int handle into the compiled function"
     )
+
+
+# The host-side handle calls: their fakes refuse tracing, naming the op.
+for _op in ("comm_create", "comm_destroy", "comm_abort", "comm_async_error", "peer_plane_create",
+            "peer_plane_destroy", "peer_plane_error", "peer_plane_abort", "peer_region_alloc",
+            "peer_region_export", "peer_region_open", "peer_region_close", "peer_region_view"):
+    torch.library.register_fake(f"afd_ext::{_op}")(functools.partial(_not_traceable, _op))
 
 
 @_boundary
@@ -346,10 +353,6 @@ def comm_create(unique_id: Tensor, world_size: int, rank: int, device: int | tor
     return int(_ops.comm_create(unique_id, int(world_size), int(rank), _cuda_index(device)))
 
 
-@torch.library.register_fake("afd_ext::comm_create")
-def _comm_create_fake(unique_id: Tensor, world_size: int, rank: int, device: int) -> int:
-    _not_traceable("comm_create")
-
 
 @_boundary
 def comm_destroy(handle: int) -> None:
@@ -364,10 +367,6 @@ def comm_destroy(handle: int) -> None:
     """
     _ops.comm_destroy(int(handle))
 
-
-@torch.library.register_fake("afd_ext::comm_destroy")
-def _comm_destroy_fake(handle: int) -> None:
-    _not_traceable("comm_destroy")
 
 
 @_boundary
@@ -384,10 +383,6 @@ def comm_abort(handle: int) -> None:
     _ops.comm_abort(int(handle))
 
 
-@torch.library.register_fake("afd_ext::comm_abort")
-def _comm_abort_fake(handle: int) -> None:
-    _not_traceable("comm_abort")
-
 
 @_boundary
 def comm_async_error(handle: int) -> int:
@@ -402,10 +397,6 @@ def comm_async_error(handle: int) -> int:
     """
     return int(_ops.comm_async_error(int(handle)))
 
-
-@torch.library.register_fake("afd_ext::comm_async_error")
-def _comm_async_error_fake(handle: int) -> int:
-    _not_traceable("comm_async_error")
 
 
 # ---------------------------------------------------------------------------
@@ -758,10 +749,6 @@ def peer_plane_create(device: int | torch.device, generation: int, num_slots: in
     return int(_ops.peer_plane_create(_cuda_index(device), int(generation), int(num_slots), int(max_peers)))
 
 
-@torch.library.register_fake("afd_ext::peer_plane_create")
-def _peer_plane_create_fake(device: int, generation: int, num_slots: int, max_peers: int) -> int:
-    _not_traceable("peer_plane_create")
-
 
 @_boundary
 def peer_plane_destroy(plane: int) -> None:
@@ -775,10 +762,6 @@ def peer_plane_destroy(plane: int) -> None:
     """
     _ops.peer_plane_destroy(int(plane))
 
-
-@torch.library.register_fake("afd_ext::peer_plane_destroy")
-def _peer_plane_destroy_fake(plane: int) -> None:
-    _not_traceable("peer_plane_destroy")
 
 
 @_boundary
@@ -798,10 +781,6 @@ def peer_plane_error(plane: int) -> list[int]:
     return [int(x) for x in _ops.peer_plane_error(int(plane))]
 
 
-@torch.library.register_fake("afd_ext::peer_plane_error")
-def _peer_plane_error_fake(plane: int) -> list[int]:
-    _not_traceable("peer_plane_error")
-
 
 @_boundary
 def peer_plane_abort(plane: int, op: int = 0) -> None:
@@ -816,10 +795,6 @@ def peer_plane_abort(plane: int, op: int = 0) -> None:
     """
     _ops.peer_plane_abort(int(plane), int(op))
 
-
-@torch.library.register_fake("afd_ext::peer_plane_abort")
-def _peer_plane_abort_fake(plane: int, op: int) -> None:
-    _not_traceable("peer_plane_abort")
 
 
 @_boundary
@@ -838,10 +813,6 @@ def peer_region_alloc(plane: int, nbytes: int) -> int:
     """
     return int(_ops.peer_region_alloc(int(plane), int(nbytes)))
 
-
-@torch.library.register_fake("afd_ext::peer_region_alloc")
-def _peer_region_alloc_fake(plane: int, nbytes: int) -> int:
-    _not_traceable("peer_region_alloc")
 
 
 @_boundary
@@ -863,10 +834,6 @@ def peer_region_export(region: int, out: Optional[Tensor] = None) -> Tensor:
     _ops.peer_region_export(int(region), out)
     return out
 
-
-@torch.library.register_fake("afd_ext::peer_region_export")
-def _peer_region_export_fake(region: int, out: Tensor) -> None:
-    _not_traceable("peer_region_export")
 
 
 @_boundary
@@ -894,10 +861,6 @@ def peer_region_open(plane: int, ipc_handle: Tensor | bytes, nbytes: int) -> int
     return int(_ops.peer_region_open(int(plane), ipc_handle, int(nbytes)))
 
 
-@torch.library.register_fake("afd_ext::peer_region_open")
-def _peer_region_open_fake(plane: int, ipc_handle: Tensor, nbytes: int) -> int:
-    _not_traceable("peer_region_open")
-
 
 @_boundary
 def peer_region_close(region: int) -> None:
@@ -912,10 +875,6 @@ def peer_region_close(region: int) -> None:
     _ops.peer_region_close(int(region))
 
 
-@torch.library.register_fake("afd_ext::peer_region_close")
-def _peer_region_close_fake(region: int) -> None:
-    _not_traceable("peer_region_close")
-
 
 @_boundary
 def peer_region_view(region: int, offset: int, nbytes: int) -> Tensor:
@@ -929,10 +888,6 @@ def peer_region_view(region: int, offset: int, nbytes: int) -> Tensor:
     """
     return _ops.peer_region_view(int(region), int(offset), int(nbytes))
 
-
-@torch.library.register_fake("afd_ext::peer_region_view")
-def _peer_region_view_fake(region: int, offset: int, nbytes: int) -> Tensor:
-    _not_traceable("peer_region_view")
 
 
 @_boundary
