@@ -78,21 +78,21 @@ _FLAG_NAMES = ("is_graph_capturing", "is_warmup", "is_graph_replaying", "is_prof
 _STAGE_KEY_RE = re.compile(r"0|[1-9][0-9]{0,8}")
 
 
-def _check_count(value: Any, what: str, err: type[Exception] = AFDConfigError) -> int:
-    """Return ``value`` as an int in ``[0, MAX_TOKEN_COUNT]`` or raise ``err`` (a decoder passes ControlProtocolError)."""
+def _check_count(value: Any, what: str) -> int:
+    """Return ``value`` as an int in ``[0, MAX_TOKEN_COUNT]`` or raise AFDConfigError."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise err(f"{what} must be an int, got {type(value).__name__} {value!r}")
+        raise AFDConfigError(f"{what} must be an int, got {type(value).__name__} {value!r}")
     if value < 0:
-        raise err(f"{what} must be >= 0, got {value}")
+        raise AFDConfigError(f"{what} must be >= 0, got {value}")
     if value > MAX_TOKEN_COUNT:
-        raise err(f"{what} must fit in int32 (<= {MAX_TOKEN_COUNT}), got {value}")
+        raise AFDConfigError(f"{what} must fit in int32 (<= {MAX_TOKEN_COUNT}), got {value}")
     return int(value)
 
 
 _INT_ONLY = frozenset((int,))
 
 
-def _checked_counts(counts: Sequence[Any], what: str, err: type[Exception] = AFDConfigError) -> tuple[int, ...]:
+def _checked_counts(counts: Sequence[Any], what: str) -> tuple[int, ...]:
     """Validate counts and return them as a tuple of exact Python ints.
 
     The fast path (every entry an exact ``int``, all in range) costs well under
@@ -102,7 +102,7 @@ def _checked_counts(counts: Sequence[Any], what: str, err: type[Exception] = AFD
         not counts or (min(counts) >= 0 and max(counts) <= MAX_TOKEN_COUNT)
     ):
         return tuple(counts)
-    return tuple(_check_count(c, f"{what}[{i}]", err) for i, c in enumerate(counts))
+    return tuple(_check_count(c, f"{what}[{i}]") for i, c in enumerate(counts))
 
 
 def _count_tensor_from_ints(counts: Sequence[int]) -> torch.Tensor:
