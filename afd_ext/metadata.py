@@ -8,19 +8,13 @@ unchanged. Where the reference is limited, this module goes further:
   stage, a zero-row edge); negative counts are rejected;
 * the control payload carries a ``format_version`` (``CONTROL_FORMAT_VERSION``);
   a payload without one is read as the reference's format (version 1);
-* :func:`decode_control_payload` treats its input as untrusted: bounded size,
-  bounded stage and rank counts, exact types, and every failure is a
-  ``ControlProtocolError`` (a ``ValueError``; never an unbounded allocation,
-  never a hang);
+* :func:`decode_control_payload` bounds its input (size, stages, ranks) and
+  checks every value; every failure is a ``ControlProtocolError`` (a
+  ``ValueError``);
 * between two ``afd_ext`` ranks the control plane sends a compact binary
-  encoding (:func:`encode_control_binary` / :func:`decode_control_binary`);
-  the JSON codec is the reference-format API.
-
-The wire framing of the reference (an int64 size message, then a uint8 data
-message, both from the same rank) is available as :func:`frame_control_payload`,
-:func:`control_frame_size` and :func:`unframe_control_payload` for channels
-built on tensor send/recv, and as :func:`pack_frame_header` /
-:func:`unpack_frame_header` for byte-stream channels (TCP, shared memory).
+  encoding (:func:`encode_control_binary` / :func:`decode_control_binary`,
+  native); the JSON codec is the reference-format API (the reference's own
+  two-message framing is rebuilt where it is measured, ``afd_ext.bench.control``).
 
 :class:`StepCountAgreement` lets the attention ranks agree on each step's
 per-rank token counts through an injected all-gather, for runtimes that do not
@@ -33,7 +27,6 @@ import array
 import contextlib
 import json
 import re
-import struct
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
@@ -61,12 +54,6 @@ __all__ = [
     "decode_control_payload",
     "encode_control_binary",
     "decode_control_binary",
-    "frame_control_payload",
-    "control_frame_size",
-    "unframe_control_payload",
-    "FRAME_HEADER_BYTES",
-    "pack_frame_header",
-    "unpack_frame_header",
     "StepCountAgreement",
 ]
 
@@ -76,7 +63,6 @@ __all__ = [
 #: Version 2 adds the ``format_version`` key and always writes all four flags.
 CONTROL_FORMAT_VERSION = 2
 REFERENCE_FORMAT_VERSION = 1
-_READABLE_VERSIONS = (REFERENCE_FORMAT_VERSION, CONTROL_FORMAT_VERSION)
 
 #: Default bound on an encoded control payload, in bytes. A payload for 2
 #: stages and 4096 ranks of 10-digit counts is about 90 KB.
@@ -90,25 +76,23 @@ MAX_TOKEN_COUNT = 2**31 - 1
 
 _FLAG_NAMES = ("is_graph_capturing", "is_warmup", "is_graph_replaying", "is_profile")
 _STAGE_KEY_RE = re.compile(r"0|[1-9][0-9]{0,8}")
-_STAGE_ENTRY_KEYS = frozenset(("max_tokens_across_dp_cpu", "num_tokens_across_dp_cpu"))
-_TOP_KEYS_V2 = frozenset(("dp_metadata_list", "format_version", *_FLAG_NAMES))
 
 
-def _check_count(value: Any, what: str, err: type[Exception] = AFDConfigError) -> int:
-    """Return ``value`` as an int in ``[0, MAX_TOKEN_COUNT]`` or raise ``err`` (a decoder passes ControlProtocolError)."""
+def _check_count(value: Any, what: str) -> int:
+    """Return ``value`` as an int in ``[0, MAX_TOKEN_COUNT]`` or raise AFDConfigError."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise err(f"{what} must be an int, got {type(value).__name__} {value!r}")
+        raise AFDConfigError(f"{what} must be an int, got {type(value).__name__} {value!r}")
     if value < 0:
-        raise err(f"{what} must be >= 0, got {value}")
+        raise AFDConfigError(f"{what} must be >= 0, got {value}")
     if value > MAX_TOKEN_COUNT:
-        raise err(f"{what} must fit in int32 (<= {MAX_TOKEN_COUNT}), got {value}")
+        raise AFDConfigError(f"{what} must fit in int32 (<= {MAX_TOKEN_COUNT}), got {value}")
     return int(value)
 
 
 _INT_ONLY = frozenset((int,))
 
 
-def _checked_counts(counts: Sequence[Any], what: str, err: type[Exception] = AFDConfigError) -> tuple[int, ...]:
+def _checked_counts(counts: Sequence[Any], what: str) -> tuple[int, ...]:
     """Validate counts and return them as a tuple of exact Python ints.
 
     The fast path (every entry an exact ``int``, all in range) costs well under
@@ -118,7 +102,7 @@ def _checked_counts(counts: Sequence[Any], what: str, err: type[Exception] = AFD
         not counts or (min(counts) >= 0 and max(counts) <= MAX_TOKEN_COUNT)
     ):
         return tuple(counts)
-    return tuple(_check_count(c, f"{what}[{i}]", err) for i, c in enumerate(counts))
+    return tuple(_check_count(c, f"{what}[{i}]") for i, c in enumerate(counts))
 
 
 def _count_tensor_from_ints(counts: Sequence[int]) -> torch.Tensor:
@@ -152,18 +136,6 @@ def _version_of(t: torch.Tensor) -> int | None:
         return t._version
     except RuntimeError:
         return None
-
-
-def _frag_format(n: int) -> str:
-    """%-format of one stage's JSON members for ``n`` counts (cached for small ``n``)."""
-    fmt = ('"max_tokens_across_dp_cpu":%d,"num_tokens_across_dp_cpu":['
-           + ",".join(("%d",) * n) + "]")
-    if n <= 256:
-        _FRAG_FORMATS[n] = fmt
-    return fmt
-
-
-_FRAG_FORMATS: dict[int, str] = {}
 
 
 # ---------------------------------------------------------------------------
@@ -204,7 +176,7 @@ class AFDDPMetadata:
             maximum is not one integer in ``[0, 2**31 - 1]``.
     """
 
-    __slots__ = ("_counts", "_max", "_t", "_tv", "_mt", "_mtv", "_frag", "local_sizes")
+    __slots__ = ("_counts", "_max", "_t", "_tv", "_mt", "_mtv", "local_sizes")
     __match_args__ = ("num_tokens_across_dp_cpu", "max_tokens_across_dp_cpu", "local_sizes")
 
     def __init__(
@@ -213,7 +185,7 @@ class AFDDPMetadata:
         max_tokens_across_dp_cpu: torch.Tensor | int | None = None,
         local_sizes: list[int] | None = None,
     ) -> None:
-        self._t = self._mt = self._frag = None
+        self._t = self._mt = None
         self._tv = self._mtv = None
         self.local_sizes = local_sizes
         if max_tokens_across_dp_cpu is None and isinstance(num_tokens_across_dp_cpu, (list, tuple)):
@@ -224,15 +196,6 @@ class AFDDPMetadata:
             return
         self._set_counts(num_tokens_across_dp_cpu)
         self._set_max(max_tokens_across_dp_cpu)
-
-    @classmethod
-    def _trusted(cls, counts: tuple[int, ...], max_tokens: int) -> "AFDDPMetadata":
-        """Build from already validated exact ints (the decoder), without re-validation."""
-        md = object.__new__(cls)
-        md._counts = counts
-        md._max = max_tokens
-        md._t = md._tv = md._mt = md._mtv = md._frag = md.local_sizes = None
-        return md
 
     # -- counts -------------------------------------------------------------
 
@@ -247,7 +210,6 @@ class AFDDPMetadata:
         else:
             raise AFDConfigError(f"{what} must be a tensor or a list of ints, got {type(value).__name__}")
         self._counts = counts
-        self._frag = None
 
     def _sync(self) -> None:
         """Pick up in-place modifications of the handed-out tensors (cheap when there are none)."""
@@ -255,18 +217,14 @@ class AFDDPMetadata:
         if t is not None:
             v = _version_of(t)
             if v is None or v != self._tv:
-                counts, _ = _counts_from_tensor(t, "num_tokens_across_dp_cpu (modified in place)")
+                self._counts, _ = _counts_from_tensor(t, "num_tokens_across_dp_cpu (modified in place)")
                 self._tv = v
-                if counts != self._counts:
-                    self._counts, self._frag = counts, None
         mt = self._mt
         if mt is not None:
             v = _version_of(mt)
             if v is None or v != self._mtv:
-                m = _check_count(int(mt), "max_tokens_across_dp_cpu (modified in place)")
+                self._max = _check_count(int(mt), "max_tokens_across_dp_cpu (modified in place)")
                 self._mtv = v
-                if m != self._max:
-                    self._max, self._frag = m, None
 
     @property
     def counts(self) -> tuple[int, ...]:
@@ -317,7 +275,6 @@ class AFDDPMetadata:
             if isinstance(value, torch.Tensor) and m.dtype == torch.int32 and m.device.type == "cpu":
                 mt = m.reshape(())
                 self._mt, self._mtv = mt, _version_of(mt)
-        self._frag = None
 
     @property
     def max_tokens_across_dp_cpu(self) -> torch.Tensor:
@@ -333,22 +290,6 @@ class AFDDPMetadata:
     @max_tokens_across_dp_cpu.setter
     def max_tokens_across_dp_cpu(self, value: torch.Tensor | int | None) -> None:
         self._set_max(value)
-
-    # -- codec support ------------------------------------------------------
-
-    def _json_fragment(self) -> str:
-        """``"max_tokens_across_dp_cpu":M,"num_tokens_across_dp_cpu":[...]``, cached until a change."""
-        if self._t is not None or self._mt is not None:
-            self._sync()
-        frag = self._frag
-        if frag is None:
-            counts = self._counts
-            fmt = _FRAG_FORMATS.get(len(counts))
-            if fmt is None:
-                fmt = _frag_format(len(counts))
-            # %d of exact ints (validated): the same digits as json.dumps
-            frag = self._frag = fmt % (self._max, *counts)
-        return frag
 
     # -- object protocol ----------------------------------------------------
 
@@ -637,53 +578,29 @@ class AFDExpertRoutingSpec(NamedTuple):
 # ---------------------------------------------------------------------------
 
 
-def _flags_json(capturing: bool, replaying: bool, profile: bool, warmup: bool) -> str:
-    b = {True: "true", False: "false"}
-    return (f'"format_version":{CONTROL_FORMAT_VERSION},"is_graph_capturing":{b[capturing]},'
-            f'"is_graph_replaying":{b[replaying]},"is_profile":{b[profile]},"is_warmup":{b[warmup]}')
-
-
-# (is_graph_capturing, is_graph_replaying, is_profile, is_warmup) -> the sorted tail of the document
-_FLAGS_JSON = {
-    (c, r, p, w): _flags_json(c, r, p, w)
-    for c in (False, True) for r in (False, True) for p in (False, True) for w in (False, True)
-}
-
-
-def _checked_stages(payload: Any) -> tuple[AFDControlPayload, list[tuple[int, AFDDPMetadata]]]:
-    """``payload`` re-checked for the codecs, and its ``(stage, metadata)`` pairs in increasing stage order.
-
-    A payload may have been modified after construction, so the flags and stage
-    keys are checked again; any object with the payload's fields (the
-    reference plugin's own class included) is read by :meth:`AFDControlPayload.from_fields`.
+def _canonical(payload: Any) -> AFDControlPayload:
+    """``payload`` checked again and rebuilt for the codecs: a new :class:`AFDControlPayload` of
+    :class:`AFDDPMetadata` values (a payload may have been changed after construction; any object with
+    the payload's fields, the reference plugin's own class included, is read by
+    :meth:`AFDControlPayload.from_fields`).
 
     Raises:
-        AFDConfigError: no payload fields, a non-bool flag, a stage key that is not an int >= 0,
-            counts that cannot be converted.
+        AFDConfigError: no payload fields, a field missing, a non-bool flag, a stage key that is not an
+            int >= 0, counts that cannot be converted.
     """
-    if not isinstance(payload, AFDControlPayload):
-        payload = AFDControlPayload.from_fields(payload)
-    try:  # a payload changed after construction may have lost a field
-        flags = (payload.is_graph_capturing, payload.is_warmup, payload.is_graph_replaying, payload.is_profile)
+    payload = AFDControlPayload.from_fields(payload)
+    try:
+        flags = [getattr(payload, name) for name in _FLAG_NAMES]
         dp = payload.dp_metadata_list
     except AttributeError as e:
         raise AFDConfigError(f"control payload is missing a field: {e}") from None
     if not all(type(f) is bool for f in flags):
-        raise AFDConfigError(f"control payload flags must be bools, got {flags!r}")
-    if not isinstance(dp, Mapping):
-        raise AFDConfigError(f"dp_metadata_list must be a dict stage -> AFDDPMetadata, got {type(dp).__name__}")
-    bad = [s for s in dp if type(s) is not int or s < 0]
-    if bad:
-        raise AFDConfigError(f"dp_metadata_list keys must be stage ints >= 0, got {bad[0]!r}")
-    stages = []
-    for s in sorted(dp):
-        m = dp[s]
-        stages.append((s, m if type(m) is AFDDPMetadata else _to_dp_metadata(m, s)))
-    return payload, stages
+        raise AFDConfigError(f"control payload flags must be bools, got {tuple(flags)!r}")
+    return AFDControlPayload(dp, *flags)  # checks the stage keys, converts the values
 
 
 def encode_control_payload(payload: AFDControlPayload) -> bytes:
-    """Encode ``payload`` as compact, key-sorted UTF-8 JSON.
+    """Encode ``payload`` as compact, key-sorted UTF-8 JSON, as the reference does.
 
     Layout (the reference's keys plus ``format_version``)::
 
@@ -692,12 +609,8 @@ def encode_control_payload(payload: AFDControlPayload) -> bytes:
          "format_version":2,"is_graph_capturing":<bool>,"is_graph_replaying":<bool>,
          "is_profile":<bool>,"is_warmup":<bool>}
 
-    The bytes equal ``json.dumps(doc, separators=(",", ":"), sort_keys=True)``
-    (stage keys sorted as strings). A reference decoder reads them (it ignores
-    the keys it does not know). Each stage's JSON text is cached on its
-    :class:`AFDDPMetadata` until its counts change, so sending the same
-    payload again (or a payload reusing a stage's metadata) costs about a
-    microsecond.
+    The bytes are ``json.dumps(doc, separators=(",", ":"), sort_keys=True)`` (stage keys sorted
+    as strings). A reference decoder reads them (it ignores the keys it does not know).
 
     Args:
         payload: the control payload (or any object with its fields, read by
@@ -711,31 +624,14 @@ def encode_control_payload(payload: AFDControlPayload) -> bytes:
             modified after construction into something invalid (a non-bool
             flag, a non-int stage key, invalid counts).
     """
-    payload, stages = _checked_stages(payload)
-    if stages and stages[-1][0] >= 10:
-        stages.sort(key=lambda sm: str(sm[0]))  # JSON sort_keys order: "10" < "2"
-    flags = (payload.is_graph_capturing, payload.is_graph_replaying, payload.is_profile, payload.is_warmup)
-    parts = [f'"{s}":{{{m._json_fragment()}}}' for s, m in stages]
-    return f'{{"dp_metadata_list":{{{",".join(parts)}}},{_FLAGS_JSON[flags]}}}'.encode()
-
-
-def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out = dict(pairs)  # C; the Python loop below runs only for a bad document
-    if len(out) != len(pairs):
-        seen: set[str] = set()
-        for k, _ in pairs:
-            if k in seen:
-                raise ControlProtocolError(f"control payload: duplicate JSON key {k!r}")
-            seen.add(k)
-    return out
-
-
-def _reject_constant(name: str) -> Any:
-    raise ControlProtocolError(f"control payload: non-finite number {name} is not allowed")
-
-
-_json_decoder = json.JSONDecoder(object_pairs_hook=_no_duplicate_keys, parse_constant=_reject_constant)
-_stage_key_ok = _STAGE_KEY_RE.fullmatch
+    payload = _canonical(payload)
+    doc: dict[str, Any] = {name: getattr(payload, name) for name in _FLAG_NAMES}
+    doc["format_version"] = CONTROL_FORMAT_VERSION
+    doc["dp_metadata_list"] = {
+        str(s): {"max_tokens_across_dp_cpu": m.max_tokens, "num_tokens_across_dp_cpu": list(m.counts)}
+        for s, m in payload.dp_metadata_list.items()
+    }
+    return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
 
 
 def decode_control_payload(
@@ -747,13 +643,13 @@ def decode_control_payload(
 ) -> AFDControlPayload:
     """Decode JSON bytes written by :func:`encode_control_payload` or by the reference.
 
-    Input is treated as untrusted. A payload without ``format_version`` is the
-    reference's format (version 1): unknown top-level keys are ignored there,
-    as the reference does. In version 2, unknown keys are rejected. Every
-    value is checked once here; the returned objects are built without
-    re-validation and hold the counts as ints (the tensors are built only if
-    read). Every call returns new objects. (Between two ``afd_ext`` ranks the
-    control plane uses the binary :func:`encode_control_binary` instead.)
+    A payload without ``format_version`` is the reference's format (version 1);
+    keys this package does not know are ignored, as the reference does. The
+    size is bounded before parsing, the stage and rank counts before any
+    object is built, and every value is checked by the payload's constructors.
+    Every call returns new objects holding the counts as ints (the tensors are
+    built only if read). (Between two ``afd_ext`` ranks the control plane uses
+    the binary :func:`encode_control_binary` instead.)
 
     Args:
         data: the encoded payload.
@@ -768,110 +664,55 @@ def decode_control_payload(
     Raises:
         AFDConfigError: ``data`` is not bytes-like.
         ControlProtocolError: oversized input, invalid UTF-8 or JSON (including
-            nesting too deep to parse), duplicate keys, wrong types, negative or
-            non-int32 counts, too many stages or ranks, a non-canonical stage
-            key, or an unknown ``format_version``. Both are ``ValueError``s.
+            nesting too deep to parse), wrong types, negative or non-int32
+            counts, too many stages or ranks, a non-canonical stage key, or an
+            unknown ``format_version``. Both are ``ValueError``s.
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise AFDConfigError(f"control payload must be bytes, got {type(data).__name__}")
     if len(data) > max_bytes:
-        raise ControlProtocolError(
-            f"control payload of {len(data)} bytes exceeds max_bytes={max_bytes}; "
-            "raise the limit on both sides if the topology really needs it"
-        )
-    return _decode_general(bytes(data), max_stages, max_ranks)
-
-
-def _decode_general(data: bytes, max_stages: int, max_ranks: int) -> AFDControlPayload:
-    """Any JSON the reference or this package may write; every failure is a ControlProtocolError."""
+        raise ControlProtocolError(f"control payload of {len(data)} bytes exceeds max_bytes={max_bytes}; "
+                                   "raise the limit on both sides if the topology really needs it")
     try:
-        text = data.decode("utf-8")
-        doc = _json_decoder.decode(text)
-    except RecursionError:
-        raise ControlProtocolError("control payload: JSON nested too deeply") from None
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, int digit limit
+        doc = json.loads(bytes(data))
+    except (ValueError, RecursionError) as e:  # not UTF-8 or JSON, nested too deeply, an int too long
         raise ControlProtocolError(f"control payload is not valid UTF-8 JSON: {e}") from None
-    if type(doc) is not dict:
-        raise ControlProtocolError(f"control payload must be a JSON object, got {type(doc).__name__}")
-
+    stages = doc.get("dp_metadata_list") if type(doc) is dict else None
+    if type(stages) is not dict:
+        raise ControlProtocolError("control payload must be a JSON object holding a dp_metadata_list JSON object")
     version = doc.get("format_version", REFERENCE_FORMAT_VERSION)
-    if type(version) is not int:
-        raise ControlProtocolError(f"control payload: format_version must be an int, got {version!r}")
-    if version not in _READABLE_VERSIONS:
-        raise ControlProtocolError(
-            f"control payload format_version {version} is not supported; this afd_ext reads "
-            f"versions {list(_READABLE_VERSIONS)}; run the same afd_ext version on every rank"
-        )
-    strict = version >= 2
-    if strict and not doc.keys() <= _TOP_KEYS_V2:
-        raise ControlProtocolError(f"control payload: unknown keys {sorted(set(doc) - _TOP_KEYS_V2)}")
-
-    stages_doc = doc.get("dp_metadata_list")
-    if stages_doc is None and "dp_metadata_list" not in doc:
-        raise ControlProtocolError("control payload: missing key 'dp_metadata_list'")
-    if type(stages_doc) is not dict:
-        raise ControlProtocolError("control payload: dp_metadata_list must be a JSON object")
-    if len(stages_doc) > max_stages:
-        raise ControlProtocolError(
-            f"control payload: {len(stages_doc)} stages exceed max_stages={max_stages}"
-        )
-    stages: dict[int, AFDDPMetadata] = {}
-    for key, entry in stages_doc.items():
-        if _stage_key_ok(key) is None:
-            raise ControlProtocolError(f"control payload: stage key {key!r} is not a canonical int >= 0")
-        if type(entry) is not dict:
-            raise ControlProtocolError(f"control payload: dp_metadata_list[{key}] must be a JSON object")
-        if strict and not entry.keys() <= _STAGE_ENTRY_KEYS:
-            raise ControlProtocolError(
-                f"control payload: dp_metadata_list[{key}] has unknown keys "
-                f"{sorted(set(entry) - _STAGE_ENTRY_KEYS)}"
-            )
-        counts = entry.get("num_tokens_across_dp_cpu")
-        if type(counts) is not list:
-            raise ControlProtocolError(
-                f"control payload: dp_metadata_list[{key}].num_tokens_across_dp_cpu must be a list of ints"
-            )
+    if type(version) is not int or version not in (REFERENCE_FORMAT_VERSION, CONTROL_FORMAT_VERSION):
+        raise ControlProtocolError(f"control payload format_version {version!r} is not supported; this afd_ext "
+                                   "reads versions 1 and 2; run the same afd_ext version on every rank")
+    if len(stages) > max_stages:
+        raise ControlProtocolError(f"control payload: {len(stages)} stages exceed max_stages={max_stages}")
+    dp = {}
+    for key, entry in stages.items():
+        entry = entry if type(entry) is dict else {}
+        counts, mx = entry.get("num_tokens_across_dp_cpu"), entry.get("max_tokens_across_dp_cpu")
+        if _STAGE_KEY_RE.fullmatch(key) is None or type(counts) is not list or type(mx) not in (int, type(None)):
+            raise ControlProtocolError(f"control payload: dp_metadata_list[{key!r}] must be a canonical stage key "
+                                       "(an int >= 0) of a JSON object holding a list num_tokens_across_dp_cpu "
+                                       "and an int max_tokens_across_dp_cpu (or none)")
         if len(counts) > max_ranks:
-            raise ControlProtocolError(
-                f"control payload: dp_metadata_list[{key}] has {len(counts)} ranks, "
-                f"exceeding max_ranks={max_ranks}"
-            )
-        counts_t = _checked_counts(counts, f"control payload: dp_metadata_list[{key}].num_tokens_across_dp_cpu",
-                                   ControlProtocolError)
-        mx = entry.get("max_tokens_across_dp_cpu")
-        if mx is None:
-            mx = max(counts_t, default=0)
-        elif type(mx) is not int or mx < 0 or mx > MAX_TOKEN_COUNT:
-            mx = _check_count(mx, f"control payload: dp_metadata_list[{key}].max_tokens_across_dp_cpu",
-                              ControlProtocolError)
-        stages[int(key)] = AFDDPMetadata._trusted(counts_t, mx)
-    flags = []
-    for name in _FLAG_NAMES:
-        v = doc.get(name, False)
-        if v is not True and v is not False:
-            raise ControlProtocolError(f"control payload: {name} must be true or false, got {v!r}")
-        flags.append(v)
-    # Everything is validated above; skip __post_init__ (it re-checks every stage).
-    payload = object.__new__(AFDControlPayload)
-    payload.dp_metadata_list = stages
-    payload.is_graph_capturing, payload.is_warmup, payload.is_graph_replaying, payload.is_profile = flags
-    return payload
+            raise ControlProtocolError(f"control payload: dp_metadata_list[{key}] has {len(counts)} ranks, "
+                                       f"exceeding max_ranks={max_ranks}")
+        dp[int(key)] = (counts, mx)
+    try:
+        return AFDControlPayload({s: AFDDPMetadata(c, mx) for s, (c, mx) in dp.items()},
+                                 *(doc.get(name, False) for name in _FLAG_NAMES))
+    except AFDConfigError as e:  # a count or a flag: the constructors name it
+        raise ControlProtocolError(f"control payload: {e}") from None
 
 
-_U32_MAX = 2**32 - 1
-_core: Any = None
 _new = object.__new__
 
 
 def _native() -> Any:
     """The compiled core, whose control-plane functions hold the binary codec (``csrc/bindings.cpp``)."""
-    global _core
-    if _core is None:
-        from afd_ext import _C
+    from afd_ext import _C
 
-        _C.ctrl_codec_init(AFDDPMetadata)
-        _core = _C
-    return _core
+    return _C
 
 
 def _payload_of(fields: tuple) -> AFDControlPayload:
@@ -883,7 +724,7 @@ def _payload_of(fields: tuple) -> AFDControlPayload:
     for s, mx, counts in stages:
         m = dp[s] = _new(AFDDPMetadata)
         m._counts, m._max = counts, mx
-        m._t = m._tv = m._mt = m._mtv = m._frag = m.local_sizes = None
+        m._t = m._tv = m._mt = m._mtv = m.local_sizes = None
     return p
 
 
@@ -917,16 +758,12 @@ def encode_control_binary(payload: AFDControlPayload) -> bytes:
     C = _native()
     data = C.ctrl_encode(payload)
     if data is None:  # not a payload the encoder takes as it is: convert it, or name what is wrong
-        payload, stages = _checked_stages(payload)
-        if stages and stages[-1][0] > _U32_MAX:
-            raise AFDConfigError(f"dp_metadata_list keys must be stage ints in [0, 2**32), got {stages[-1][0]!r}")
-        if len(stages) > 0xFFFF:
-            raise AFDConfigError(f"a control payload holds at most 65535 stages, got {len(stages)}")
-        dp = {s: m if type(m) is AFDDPMetadata else AFDDPMetadata(list(m.counts), m.max_tokens) for s, m in stages}
-        data = C.ctrl_encode(AFDControlPayload(dp, payload.is_graph_capturing, payload.is_warmup,
-                                               payload.is_graph_replaying, payload.is_profile))
-        if data is None:  # pragma: no cover - every case the encoder refuses is converted or named above
-            raise AFDConfigError(f"control payload cannot be encoded: {payload!r}")
+        payload = _canonical(payload)
+        data = C.ctrl_encode(payload)
+        if data is None:  # what conversion cannot fix
+            keys = sorted(payload.dp_metadata_list)
+            raise AFDConfigError(f"a control payload holds at most 65535 stages, keyed by ints in [0, 2**32); "
+                                 f"got {len(keys)} stages, the last {keys[-1]!r}")
     return data
 
 
@@ -960,132 +797,6 @@ def decode_control_binary(
     if type(fields) is str:
         raise ControlProtocolError(fields)
     return _payload_of(fields)
-
-
-# ---------------------------------------------------------------------------
-# Framing
-# ---------------------------------------------------------------------------
-
-
-def frame_control_payload(data: bytes) -> tuple[torch.Tensor, torch.Tensor]:
-    """Frame encoded bytes as the reference's two messages.
-
-    Args:
-        data: an encoded control payload.
-
-    Returns:
-        ``(size_tensor, data_tensor)``: CPU int64 ``[1]`` holding ``len(data)``,
-        and a CPU uint8 ``[len(data)]`` copy of the bytes. Send them in this
-        order to every destination; move them to the channel's device first if
-        it needs one.
-
-    Raises:
-        AFDConfigError: ``data`` is not bytes-like.
-    """
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise AFDConfigError(f"data must be bytes, got {type(data).__name__}")
-    size = torch.tensor([len(data)], dtype=torch.int64)
-    if len(data) == 0:
-        return size, torch.empty(0, dtype=torch.uint8)
-    return size, torch.frombuffer(bytearray(data), dtype=torch.uint8)
-
-
-def control_frame_size(
-    size_tensor: torch.Tensor, *, max_bytes: int = DEFAULT_MAX_CONTROL_BYTES
-) -> int:
-    """Read and bound the size message before allocating the data buffer.
-
-    Args:
-        size_tensor: the received int64 ``[1]`` tensor (CPU; a CUDA tensor is
-            read with a device sync).
-        max_bytes: largest accepted payload, in bytes.
-
-    Returns:
-        The payload size in bytes.
-
-    Raises:
-        ControlProtocolError: wrong shape/dtype, negative size, or size above
-            ``max_bytes`` (a ``ValueError``).
-    """
-    if size_tensor.dtype != torch.int64 or size_tensor.numel() != 1:
-        raise ControlProtocolError(
-            f"control frame size must be an int64 tensor of one element, "
-            f"got {size_tensor.dtype} {tuple(size_tensor.shape)}"
-        )
-    n = int(size_tensor.reshape(()).item())
-    if n < 0 or n > max_bytes:
-        raise ControlProtocolError(
-            f"control frame announces {n} bytes; expected 0..{max_bytes} (max_bytes)"
-        )
-    return n
-
-
-def unframe_control_payload(
-    size: int,
-    data_tensor: torch.Tensor,
-    *,
-    size_src: int | None = None,
-    data_src: int | None = None,
-) -> bytes:
-    """Check the two received messages belong together and return the bytes.
-
-    Args:
-        size: the value returned by :func:`control_frame_size`.
-        data_tensor: the received uint8 ``[size]`` tensor.
-        size_src: rank the size message came from (e.g. the return of
-            ``torch.distributed.recv``), or ``None`` when the channel knows it.
-        data_src: rank the data message came from.
-
-    Returns:
-        The payload bytes, ready for :func:`decode_control_payload`.
-
-    Raises:
-        AFDProtocolError: the two messages came from different ranks (the
-            reference's error text; a ``RuntimeError``, as the reference raises).
-        ControlProtocolError: ``data_tensor`` is not uint8 ``[size]`` (a ``ValueError``).
-    """
-    if size_src is not None and data_src is not None and size_src != data_src:
-        raise AFDProtocolError(
-            f"received AFD DP metadata fragments from different ranks "
-            f"(size from rank {size_src}, data from rank {data_src})"
-        )
-    if data_tensor.dtype != torch.uint8 or tuple(data_tensor.shape) != (size,):
-        raise ControlProtocolError(
-            f"control frame data must be uint8 [{size}], "
-            f"got {data_tensor.dtype} {tuple(data_tensor.shape)}"
-        )
-    return data_tensor.detach().cpu().numpy().tobytes()
-
-
-_FRAME_HEADER = struct.Struct("<q")
-#: Size of the byte-stream frame header (little-endian int64 length).
-FRAME_HEADER_BYTES = _FRAME_HEADER.size
-
-
-def pack_frame_header(n: int) -> bytes:
-    """Byte-stream frame header: ``n`` as a little-endian int64 (8 bytes).
-
-    Raises:
-        AFDConfigError: ``n`` is not an int >= 0.
-    """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise AFDConfigError(f"frame length must be an int >= 0, got {n!r}")
-    return _FRAME_HEADER.pack(n)
-
-
-def unpack_frame_header(header: bytes, *, max_bytes: int = DEFAULT_MAX_CONTROL_BYTES) -> int:
-    """Parse an 8-byte frame header and bound the length.
-
-    Raises:
-        ControlProtocolError: header not 8 bytes, negative length, or length above
-            ``max_bytes`` (a ``ValueError``).
-    """
-    if len(header) != FRAME_HEADER_BYTES:
-        raise ControlProtocolError(f"frame header must be {FRAME_HEADER_BYTES} bytes, got {len(header)}")
-    (n,) = _FRAME_HEADER.unpack(bytes(header))
-    if n < 0 or n > max_bytes:
-        raise ControlProtocolError(f"frame announces {n} bytes; expected 0..{max_bytes} (max_bytes)")
-    return n
 
 
 # ---------------------------------------------------------------------------

@@ -108,31 +108,16 @@ TORCH_LIBRARY_IMPL(afd_ext, CompositeExplicitAutograd, m) {
 
 // The control plane (csrc/cpu/control_poll.cpp) as plain module functions, once per step on each end:
 // the attention rank's put / send encodes the payload, the FFN rank's take waits (GIL released) and
-// decodes it. Python objects are read and built here only, through the C API: the payload's public
-// fields, and AFDDPMetadata's _counts / _max (its counts / max_tokens when it holds tensors, which
-// may have changed in place). Vectorcall arguments and a per-thread buffer: these run on cold caches.
-static PyObject* g_md_type = nullptr;  // afd_ext.metadata.AFDDPMetadata (ctrl_codec_init)
-static PyObject* g_names[11];          // dp_metadata_list, the flags, _t, _mt, _counts, _max, counts, max_tokens
-static const char* const kNames[11] = {"dp_metadata_list", "is_graph_capturing", "is_warmup", "is_graph_replaying",
-                                       "is_profile", "_t", "_mt", "_counts", "_max", "counts", "max_tokens"};
+// decodes it. Python objects are read and built here only, through the C API and the objects' public
+// fields: the payload's, and each stage's counts (a tuple of ints) and max_tokens.
+static PyObject* g_names[7];  // dp_metadata_list, the four flags, counts, max_tokens (interned at import)
+static const char* const kNames[7] = {"dp_metadata_list", "is_graph_capturing", "is_warmup", "is_graph_replaying",
+                                      "is_profile", "counts", "max_tokens"};
 
 static std::string& ctrl_scratch(size_t cap) {
   static thread_local std::string buf;
   if (buf.size() < cap) buf.resize(cap);
   return buf;
-}
-
-static bool ctrl_ints(PyObject* const* args, Py_ssize_t nargs, Py_ssize_t want, Py_ssize_t first, int64_t* out,
-                      Py_ssize_t n) {
-  if (nargs != want) {
-    PyErr_Format(PyExc_TypeError, "afd_ext._C: %zd arguments expected, got %zd", want, nargs);
-    return false;
-  }
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    out[i] = PyLong_AsLongLong(args[first + i]);
-    if (out[i] == -1 && PyErr_Occurred()) return false;
-  }
-  return true;
 }
 
 // An exact int in [lo, hi] into *v, else false (no error set).
@@ -143,9 +128,9 @@ static bool ctrl_int_in(PyObject* o, long long lo, long long hi, long long* v) {
   return !overflow && *v >= lo && *v <= hi;
 }
 
-// Encodes an AFDControlPayload into out[off, off + size). 1: done; 0: not a payload this path takes as it is (a
-// field missing or of another type, values to convert; no error set: Python normalises it or names the
-// fault); -1: an error set (a tensor modified in place into something invalid).
+// Encodes a control payload into out[off, off + size). 1: done; 0: not a payload this path takes as it is (a
+// field missing or of another type, values to convert; no error set: Python converts it or names the fault);
+// -1: an error set (a stage's counts refused: a tensor modified in place into something invalid).
 static int ctrl_encode_into(PyObject* payload, std::string& out, size_t off, size_t* size) {
   struct Stage { long long s; PyObject* counts; PyObject* max; };
   std::vector<Stage> st;  // not shared: a counts property runs Python code
@@ -157,30 +142,23 @@ static int ctrl_encode_into(PyObject* payload, std::string& out, size_t off, siz
     flags |= unsigned(f == Py_True) << (i - 1);
   }
   PyObject* dp = PyObject_GetAttr(payload, g_names[0]);
-  int rc = dp != nullptr && PyDict_CheckExact(dp) && PyDict_GET_SIZE(dp) <= 0xFFFF && g_md_type != nullptr;
+  int rc = dp != nullptr && PyDict_CheckExact(dp) && PyDict_GET_SIZE(dp) <= 0xFFFF;
   PyErr_Clear();
   Py_ssize_t pos = 0;
   PyObject *key, *md;
   size_t n = afd::ctrl::kPayloadHead;
   while (rc == 1 && PyDict_Next(dp, &pos, &key, &md)) {
     Stage g{0, nullptr, nullptr};
-    if (!ctrl_int_in(key, 0, 0xFFFFFFFFLL, &g.s) || Py_TYPE(md) != reinterpret_cast<PyTypeObject*>(g_md_type)) {
+    if (!ctrl_int_in(key, 0, 0xFFFFFFFFLL, &g.s)) {
       rc = 0;
       break;
     }
     Py_INCREF(md);  // a counts property runs Python code, which may change the dict
-    PyObject* t = PyObject_GetAttr(md, g_names[5]);
-    PyObject* mt = t ? PyObject_GetAttr(md, g_names[6]) : nullptr;
-    const bool plain = t == Py_None && mt == Py_None;
-    Py_XDECREF(t);
-    Py_XDECREF(mt);
-    if (mt != nullptr) {
-      g.counts = PyObject_GetAttr(md, g_names[plain ? 7 : 9]);
-      g.max = g.counts ? PyObject_GetAttr(md, g_names[plain ? 8 : 10]) : nullptr;
-    }
+    g.counts = PyObject_GetAttr(md, g_names[5]);
+    g.max = g.counts ? PyObject_GetAttr(md, g_names[6]) : nullptr;
     Py_DECREF(md);
     st.push_back(g);
-    if (g.max == nullptr) rc = -1;
+    if (g.max == nullptr) rc = PyErr_ExceptionMatches(PyExc_AttributeError) ? (PyErr_Clear(), 0) : -1;
     else if (!PyTuple_CheckExact(g.counts) || PyTuple_GET_SIZE(g.counts) > INT32_MAX) rc = 0;
     else n += afd::ctrl::kStageHead + 4 * size_t(PyTuple_GET_SIZE(g.counts));
   }
@@ -258,17 +236,7 @@ static PyObject* ctrl_decode_from(const uint8_t* p, uint64_t size, long long max
   return out;
 }
 
-// ctrl_codec_init(AFDDPMetadata): the class whose objects the encoder reads (afd_ext/metadata.py).
-static PyObject* ctrl_codec_init_py(PyObject*, PyObject* cls) {
-  if (!PyType_Check(cls)) return PyErr_Format(PyExc_TypeError, "ctrl_codec_init takes a class");
-  for (int i = 0; i < 11; ++i)
-    if (g_names[i] == nullptr && (g_names[i] = PyUnicode_InternFromString(kNames[i])) == nullptr) return nullptr;
-  Py_INCREF(cls);
-  Py_XSETREF(g_md_type, cls);
-  Py_RETURN_NONE;
-}
-
-// ctrl_encode(payload) -> bytes | None (a payload the encoder does not take as it is: Python normalises it).
+// ctrl_encode(payload) -> bytes | None (a payload the encoder does not take as it is: Python converts it).
 static PyObject* ctrl_encode_py(PyObject*, PyObject* payload) {
   std::string& buf = ctrl_scratch(4096);
   size_t n = 0;
@@ -279,85 +247,84 @@ static PyObject* ctrl_encode_py(PyObject*, PyObject* payload) {
 }
 
 // ctrl_decode(data, max_stages, max_ranks) -> the fields (ctrl_decode_from) | str (malformed).
-static PyObject* ctrl_decode_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  int64_t lim[2];
+static PyObject* ctrl_decode_py(PyObject*, PyObject* args) {
   Py_buffer b;
-  if (!ctrl_ints(args, nargs, 3, 1, lim, 2) || PyObject_GetBuffer(args[0], &b, PyBUF_SIMPLE) < 0) return nullptr;
-  PyObject* r = ctrl_decode_from(static_cast<const uint8_t*>(b.buf), uint64_t(b.len), lim[0], lim[1]);
+  long long max_stages, max_ranks;
+  if (!PyArg_ParseTuple(args, "y*LL", &b, &max_stages, &max_ranks)) return nullptr;
+  PyObject* r = ctrl_decode_from(static_cast<const uint8_t*>(b.buf), uint64_t(b.len), max_stages, max_ranks);
   PyBuffer_Release(&b);
   return r;
 }
 
-// The ring behind the writable buffer `ring` (the mapping), geometry from its header.
-static bool ctrl_ring(PyObject* ring, Py_buffer* b, afd::ctrl::Ring* r) {
-  if (PyObject_GetBuffer(ring, b, PyBUF_WRITABLE) < 0) return false;
-  if (!afd::ctrl::ring_of(static_cast<uint8_t*>(b->buf), uint64_t(b->len), r)) {
-    PyBuffer_Release(b);
-    PyErr_SetString(PyExc_ValueError, "control ring: the header's geometry does not fit the mapping");
-    return false;
-  }
-  return true;
+// The ring behind the parsed writable buffer `b` (the mapping), geometry from its header; releases `b` on failure.
+static bool ctrl_ring(Py_buffer* b, afd::ctrl::Ring* r) {
+  if (afd::ctrl::ring_of(static_cast<uint8_t*>(b->buf), uint64_t(b->len), r)) return true;
+  PyBuffer_Release(b);
+  PyErr_SetString(PyExc_ValueError, "control ring: the header's geometry does not fit the mapping");
+  return false;
 }
 
 // ctrl_shm_put(ring, sender, data, total) -> True | False (the ring is full, nothing written) | None.
-// data: bytes-like, one fragment of a `total`-byte message; or an AFDControlPayload, encoded here (None:
-// not one the encoder takes as it is, or larger than a slot or `total`: Python encodes it, or refuses it).
-static PyObject* ctrl_shm_put_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  int64_t v[2] = {0, 0};  // sender, total
-  Py_buffer data{}, b;
+// data: bytes-like, one fragment of a `total`-byte message; or a control payload, encoded here (None: not
+// one the encoder takes as it is, or larger than a slot or `total`: Python encodes it, or refuses it).
+static PyObject* ctrl_shm_put_py(PyObject*, PyObject* args) {
+  Py_buffer b, data;
+  PyObject *obj, *res = nullptr;
+  unsigned int sender;
+  long long total;
   afd::ctrl::Ring r;
-  const bool raw = nargs == 4 && PyObject_CheckBuffer(args[2]);
-  if (!ctrl_ints(args, nargs, 4, 1, v, 1) || !ctrl_ints(args, nargs, 4, 3, v + 1, 1)) return nullptr;
-  if (raw && PyObject_GetBuffer(args[2], &data, PyBUF_SIMPLE) < 0) return nullptr;
-  if (!ctrl_ring(args[0], &b, &r)) {
-    if (raw) PyBuffer_Release(&data);
-    return nullptr;
+  if (!PyArg_ParseTuple(args, "w*IOL", &b, &sender, &obj, &total) || !ctrl_ring(&b, &r)) return nullptr;
+  if (PyObject_CheckBuffer(obj)) {
+    if (PyObject_GetBuffer(obj, &data, PyBUF_SIMPLE) == 0) {
+      if (uint64_t(data.len) > r.slot_bytes)
+        PyErr_SetString(PyExc_ValueError, "ctrl_shm_put: a fragment larger than a slot");
+      else
+        res = PyBool_FromLong(afd::ctrl::shm_put(r, uint64_t(total), sender, static_cast<const uint8_t*>(data.buf),
+                                                 uint32_t(data.len)));
+      PyBuffer_Release(&data);
+    }
+  } else {
+    std::string& buf = ctrl_scratch(4096);
+    size_t n = 0;
+    const int rc = ctrl_encode_into(obj, buf, 0, &n);
+    if (rc == 1 && n <= r.slot_bytes && int64_t(n) <= total)
+      res = PyBool_FromLong(afd::ctrl::shm_put(r, n, sender, reinterpret_cast<const uint8_t*>(buf.data()), uint32_t(n)));
+    else if (rc >= 0)
+      res = Py_NewRef(Py_None);
   }
-  std::string& buf = ctrl_scratch(4096);
-  size_t n = size_t(data.len);
-  int rc = raw ? 1 : ctrl_encode_into(args[2], buf, 0, &n);
-  const uint8_t* p = raw ? static_cast<const uint8_t*>(data.buf) : reinterpret_cast<const uint8_t*>(buf.data());
-  if (raw && n > r.slot_bytes) {
-    PyErr_SetString(PyExc_ValueError, "ctrl_shm_put: a fragment larger than a slot");
-    rc = -1;
-  }
-  if (!raw && (n > r.slot_bytes || int64_t(n) > v[1]) && rc == 1) rc = 0;
-  const bool put = rc == 1 && afd::ctrl::shm_put(r, raw ? uint64_t(v[1]) : n, uint32_t(v[0]), p, uint32_t(n));
-  if (raw) PyBuffer_Release(&data);
   PyBuffer_Release(&b);
-  if (rc < 0) return nullptr;
-  if (rc == 0) Py_RETURN_NONE;
-  return PyBool_FromLong(put);
+  return res;
 }
 
 // ctrl_shm_take(ring, spin_until_ns, deadline_ns, max_stages, max_ranks) -> (total, sender, body) | int
 // (-1 the slice passed, -2 stopped, -3 corrupt). body: the decoded fields (ctrl_decode_from) of a
 // message whole in its slot when max_stages >= 0; else the fragment's bytes.
-static PyObject* ctrl_shm_take_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  int64_t v[4];
+static PyObject* ctrl_shm_take_py(PyObject*, PyObject* args) {
   Py_buffer b;
+  long long spin_until, deadline, max_stages, max_ranks;
   afd::ctrl::Ring r;
-  if (!ctrl_ints(args, nargs, 5, 1, v, 4) || !ctrl_ring(args[0], &b, &r)) return nullptr;
+  if (!PyArg_ParseTuple(args, "w*LLLL", &b, &spin_until, &deadline, &max_stages, &max_ranks) || !ctrl_ring(&b, &r))
+    return nullptr;
   auto* out = reinterpret_cast<uint8_t*>(ctrl_scratch(r.slot_bytes).data());
   uint64_t total = 0;
   uint32_t sender = 0;
   int64_t n;
   Py_BEGIN_ALLOW_THREADS
-  n = afd::ctrl::shm_take(r, out, &total, &sender, v[0], v[1]);
+  n = afd::ctrl::shm_take(r, out, &total, &sender, spin_until, deadline);
   Py_END_ALLOW_THREADS
   PyBuffer_Release(&b);
   if (n < 0) return PyErr_CheckSignals() < 0 ? nullptr : PyLong_FromLongLong(n);
-  PyObject* body = v[2] >= 0 && uint64_t(n) == total
-                       ? ctrl_decode_from(out, uint64_t(n), v[2], v[3])
+  PyObject* body = max_stages >= 0 && uint64_t(n) == total
+                       ? ctrl_decode_from(out, uint64_t(n), max_stages, max_ranks)
                        : PyBytes_FromStringAndSize(reinterpret_cast<char*>(out), Py_ssize_t(n));
   return body ? Py_BuildValue("(KkN)", (unsigned long long)total, (unsigned long)sender, body) : nullptr;
 }
 
 // ctrl_shm_stop(ring) -> None
-static PyObject* ctrl_shm_stop_py(PyObject*, PyObject* ring) {
+static PyObject* ctrl_shm_stop_py(PyObject*, PyObject* args) {
   Py_buffer b;
   afd::ctrl::Ring r;
-  if (!ctrl_ring(ring, &b, &r)) return nullptr;
+  if (!PyArg_ParseTuple(args, "w*", &b) || !ctrl_ring(&b, &r)) return nullptr;
   afd::ctrl::shm_stop(r.base);
   PyBuffer_Release(&b);
   Py_RETURN_NONE;
@@ -365,27 +332,31 @@ static PyObject* ctrl_shm_stop_py(PyObject*, PyObject* ring) {
 
 // ctrl_tcp_send(fd, type, sender, data, max_bytes) -> True (sent) | bytes (the rest of the frame, which
 // the socket did not take at once) | None (nothing sent: a payload the encoder does not take as it is, or
-// over max_bytes). data: bytes-like, or an AFDControlPayload encoded here. OSError: the connection failed.
-static PyObject* ctrl_tcp_send_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  int64_t v[4];  // fd, type, sender, (data), max_bytes
-  if (!ctrl_ints(args, nargs, 5, 0, v, 3) || !ctrl_ints(args, nargs, 5, 4, v + 3, 1)) return nullptr;
+// over max_bytes). data: bytes-like, or a control payload encoded here. OSError: the connection failed.
+static PyObject* ctrl_tcp_send_py(PyObject*, PyObject* args) {
+  constexpr size_t kHdr = afd::ctrl::kFrameHeader;
+  int fd;
+  unsigned int type, sender;
+  PyObject* obj;
+  long long max_bytes;
+  if (!PyArg_ParseTuple(args, "iIIOL", &fd, &type, &sender, &obj, &max_bytes)) return nullptr;
   std::string& buf = ctrl_scratch(4096);
   size_t n = 0;
-  if (PyObject_CheckBuffer(args[3])) {
+  if (PyObject_CheckBuffer(obj)) {
     Py_buffer d;
-    if (PyObject_GetBuffer(args[3], &d, PyBUF_SIMPLE) < 0) return nullptr;
+    if (PyObject_GetBuffer(obj, &d, PyBUF_SIMPLE) < 0) return nullptr;
     n = size_t(d.len);
-    if (buf.size() < afd::ctrl::kFrameHeader + n) buf.resize(afd::ctrl::kFrameHeader + n);
-    std::memcpy(buf.data() + afd::ctrl::kFrameHeader, d.buf, n);
+    if (buf.size() < kHdr + n) buf.resize(kHdr + n);
+    std::memcpy(buf.data() + kHdr, d.buf, n);
     PyBuffer_Release(&d);
-  } else if (const int rc = ctrl_encode_into(args[3], buf, afd::ctrl::kFrameHeader, &n); rc <= 0 || int64_t(n) > v[3]) {
+  } else if (const int rc = ctrl_encode_into(obj, buf, kHdr, &n); rc <= 0 || int64_t(n) > max_bytes) {
     return rc < 0 ? nullptr : Py_NewRef(Py_None);
   }
-  const uint32_t head[3] = {afd::ctrl::kTcpMagic, uint32_t(v[1]), uint32_t(v[2])};
+  const uint32_t head[3] = {afd::ctrl::kTcpMagic, type, sender};
   const uint64_t len = n;
   std::memcpy(buf.data(), head, 12), std::memcpy(buf.data() + 12, &len, 8);
-  n += afd::ctrl::kFrameHeader;
-  ssize_t sent = send(int(v[0]), buf.data(), n, MSG_DONTWAIT | MSG_NOSIGNAL);
+  n += kHdr;
+  ssize_t sent = send(fd, buf.data(), n, MSG_DONTWAIT | MSG_NOSIGNAL);
   if (sent < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) return PyErr_SetFromErrno(PyExc_OSError);
   if (sent == ssize_t(n)) Py_RETURN_TRUE;
   sent = sent < 0 ? 0 : sent;
@@ -397,14 +368,13 @@ static PyObject* ctrl_tcp_send_py(PyObject*, PyObject* const* args, Py_ssize_t n
 // exceeds max_bytes; the decoded fields (ctrl_decode_from) of a non-empty body when max_stages >= 0;
 // else bytes. A str: the frame's magic is wrong. None: the deadline passed; 0: end of stream. Bytes
 // past the frame stay in the bytearray rbuf.
-static PyObject* ctrl_tcp_take_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+static PyObject* ctrl_tcp_take_py(PyObject*, PyObject* args) {
   constexpr Py_ssize_t kHdr = afd::ctrl::kFrameHeader, kRead = 65536;
-  int64_t v[5];  // max_bytes, spin_until_ns, deadline_ns, max_stages, max_ranks
-  if (!ctrl_ints(args, nargs, 7, 2, v, 5)) return nullptr;
-  const int fd = int(PyLong_AsLong(args[0]));
-  if (fd == -1 && PyErr_Occurred()) return nullptr;
-  PyObject* rbuf = args[1];
-  if (!PyByteArray_Check(rbuf)) return PyErr_Format(PyExc_TypeError, "ctrl_tcp_take: rbuf must be a bytearray");
+  int fd;
+  PyObject* rbuf;
+  long long max_bytes, spin_until, deadline, max_stages, max_ranks;
+  if (!PyArg_ParseTuple(args, "iYLLLLL", &fd, &rbuf, &max_bytes, &spin_until, &deadline, &max_stages, &max_ranks))
+    return nullptr;
   auto* tmp = reinterpret_cast<uint8_t*>(ctrl_scratch(kRead).data());
   for (;;) {
     const Py_ssize_t len = PyByteArray_GET_SIZE(rbuf);
@@ -414,10 +384,12 @@ static PyObject* ctrl_tcp_take_py(PyObject*, PyObject* const* args, Py_ssize_t n
       uint64_t n;
       std::memcpy(h, p, 12), std::memcpy(&n, p + 12, 8);
       if (h[0] != afd::ctrl::kTcpMagic) return PyUnicode_FromFormat("bad magic %#x", h[0]);
-      if (n > uint64_t(v[0])) return Py_BuildValue("(kkKO)", (unsigned long)h[1], (unsigned long)h[2], (unsigned long long)n, Py_None);
+      if (n > uint64_t(max_bytes))
+        return Py_BuildValue("(kkKO)", (unsigned long)h[1], (unsigned long)h[2], (unsigned long long)n, Py_None);
       if (uint64_t(len - kHdr) >= n) {
-        PyObject* body = v[3] >= 0 && n > 0 ? ctrl_decode_from(p + kHdr, n, v[3], v[4])
-                                             : PyBytes_FromStringAndSize(reinterpret_cast<const char*>(p + kHdr), Py_ssize_t(n));
+        PyObject* body = max_stages >= 0 && n > 0
+                             ? ctrl_decode_from(p + kHdr, n, max_stages, max_ranks)
+                             : PyBytes_FromStringAndSize(reinterpret_cast<const char*>(p + kHdr), Py_ssize_t(n));
         if (body == nullptr) return nullptr;
         const Py_ssize_t rest = len - kHdr - Py_ssize_t(n);
         std::memmove(PyByteArray_AS_STRING(rbuf), p + kHdr + n, size_t(rest));
@@ -430,7 +402,7 @@ static PyObject* ctrl_tcp_take_py(PyObject*, PyObject* const* args, Py_ssize_t n
     }
     int64_t r;
     Py_BEGIN_ALLOW_THREADS
-    r = afd::ctrl::tcp_read(fd, tmp, kRead, v[1], v[2]);
+    r = afd::ctrl::tcp_read(fd, tmp, kRead, spin_until, deadline);
     Py_END_ALLOW_THREADS
     if (r == afd::ctrl::kSlice) {
       if (PyErr_CheckSignals() < 0) return nullptr;
@@ -446,16 +418,14 @@ static PyObject* ctrl_tcp_take_py(PyObject*, PyObject* const* args, Py_ssize_t n
   }
 }
 
-#define AFD_FASTCALL(f) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(f)), METH_FASTCALL
 static PyMethodDef afd_methods[] = {
-    {"ctrl_codec_init", ctrl_codec_init_py, METH_O, "Control plane: the DP-metadata class the encoder reads."},
     {"ctrl_encode", ctrl_encode_py, METH_O, "Control plane: encode a control payload (afd_ext/metadata.py)."},
-    {"ctrl_decode", AFD_FASTCALL(ctrl_decode_py), "Control plane: check and decode a binary control payload."},
-    {"ctrl_shm_put", AFD_FASTCALL(ctrl_shm_put_py), "Control plane: publish a message in a shared-memory ring."},
-    {"ctrl_shm_take", AFD_FASTCALL(ctrl_shm_take_py), "Control plane: wait for a ring's next message (control/shm.py)."},
-    {"ctrl_shm_stop", ctrl_shm_stop_py, METH_O, "Control plane: end a shared-memory ring's waits (close)."},
-    {"ctrl_tcp_send", AFD_FASTCALL(ctrl_tcp_send_py), "Control plane: send one frame on a TCP control socket."},
-    {"ctrl_tcp_take", AFD_FASTCALL(ctrl_tcp_take_py), "Control plane: wait for a TCP control socket's next frame."},
+    {"ctrl_decode", ctrl_decode_py, METH_VARARGS, "Control plane: check and decode a binary control payload."},
+    {"ctrl_shm_put", ctrl_shm_put_py, METH_VARARGS, "Control plane: publish a message in a shared-memory ring."},
+    {"ctrl_shm_take", ctrl_shm_take_py, METH_VARARGS, "Control plane: wait for a ring's next message (control/shm.py)."},
+    {"ctrl_shm_stop", ctrl_shm_stop_py, METH_VARARGS, "Control plane: end a shared-memory ring's waits (close)."},
+    {"ctrl_tcp_send", ctrl_tcp_send_py, METH_VARARGS, "Control plane: send one frame on a TCP control socket."},
+    {"ctrl_tcp_take", ctrl_tcp_take_py, METH_VARARGS, "Control plane: wait for a TCP control socket's next frame."},
     {nullptr, nullptr, 0, nullptr}};
 
 // `import afd_ext._C` loads the library (running the registrations above) and
@@ -466,6 +436,8 @@ static struct PyModuleDef afd_module = {
     nullptr, nullptr, nullptr, nullptr};
 
 PyMODINIT_FUNC PyInit__C(void) {
+  for (int i = 0; i < 7; ++i)
+    if (g_names[i] == nullptr && (g_names[i] = PyUnicode_InternFromString(kNames[i])) == nullptr) return nullptr;
   PyObject* mod = PyModule_Create(&afd_module);
   if (mod == nullptr) return nullptr;
 #ifdef AFD_WITH_CUDA

@@ -1,4 +1,4 @@
-"""Metadata types, the control-payload codec, framing and StepCountAgreement (CPU, pure)."""
+"""Metadata types, the control-payload codecs and StepCountAgreement (CPU, pure)."""
 
 from __future__ import annotations
 
@@ -173,7 +173,6 @@ def _doc(**over):
         (_doc(format_version="2"), "format_version"),
         (_doc(format_version=True), "format_version"),
         (_doc(is_warmup=1), "is_warmup"),
-        (_doc(surprise=1), "unknown keys"),
         (_doc(dp_metadata_list=[1]), "JSON object"),
         (_doc(dp_metadata_list={"0": {"num_tokens_across_dp_cpu": [-1]}}), ">= 0"),
         (_doc(dp_metadata_list={"0": {"num_tokens_across_dp_cpu": [1.0]}}), "int"),
@@ -186,9 +185,8 @@ def _doc(**over):
         (_doc(dp_metadata_list={"-1": {"num_tokens_across_dp_cpu": [1]}}), "canonical"),
         (_doc(dp_metadata_list={" 1": {"num_tokens_across_dp_cpu": [1]}}), "canonical"),
         (_doc(dp_metadata_list={"0": {"num_tokens_across_dp_cpu": [1], "max_tokens_across_dp_cpu": -2}}), ">= 0"),
-        (_doc(dp_metadata_list={"0": {"num_tokens_across_dp_cpu": [1], "x": 1}}), "unknown keys"),
-        (b'{"dp_metadata_list":{},"dp_metadata_list":{}}', "duplicate"),
-        (b'{"dp_metadata_list":{"0":{"num_tokens_across_dp_cpu":[NaN]}}}', "non-finite"),
+        (_doc(dp_metadata_list={"0": {"num_tokens_across_dp_cpu": [1], "max_tokens_across_dp_cpu": [1]}}), "int"),
+        (b'{"dp_metadata_list":{"0":{"num_tokens_across_dp_cpu":[NaN]}}}', "must be an int, got float nan"),
         (b"[" * 100000 + b"]" * 100000, "nested|JSON"),
         (b'{"dp_metadata_list":{"0":{"num_tokens_across_dp_cpu":[' + b"9" * 5000 + b"]}}}", "JSON|int"),
     ],
@@ -375,9 +373,6 @@ def test_encode_matches_json_dumps_for_many_stages():
 
 
 @pytest.mark.parametrize("data", [
-    b'{"dp_metadata_list":{"0":{"max_tokens_across_dp_cpu":1,"num_tokens_across_dp_cpu":[1]},'
-    b'"0":{"max_tokens_across_dp_cpu":1,"num_tokens_across_dp_cpu":[1]}},"format_version":2,'
-    b'"is_graph_capturing":false,"is_graph_replaying":false,"is_profile":false,"is_warmup":false}',
     b'{"dp_metadata_list":{"0":{"max_tokens_across_dp_cpu":1,"num_tokens_across_dp_cpu":[9999999999]}},'
     b'"format_version":2,"is_graph_capturing":false,"is_graph_replaying":false,"is_profile":false,"is_warmup":false}',
     b'{"dp_metadata_list":{"0":{"max_tokens_across_dp_cpu":1,"num_tokens_across_dp_cpu":[01]}},'
@@ -614,44 +609,6 @@ def test_whatever_the_native_decoder_accepts_re_encodes_to_the_same_bytes():
         accepted += 1
         assert md.encode_control_binary(q) == bytes(b)  # one canonical layout: nothing is read loosely
     assert accepted > 100
-
-
-# ---------------------------------------------------------------- framing
-
-
-def test_tensor_framing_round_trip():
-    data = encode_control_payload(AFDControlPayload({0: [1, 2, 3]}))
-    size, t = md.frame_control_payload(data)
-    assert size.dtype == torch.int64 and size.tolist() == [len(data)]
-    assert t.dtype == torch.uint8 and t.numel() == len(data)
-    n = md.control_frame_size(size)
-    assert md.unframe_control_payload(n, t, size_src=3, data_src=3) == data
-    with pytest.raises(AFDProtocolError, match="different ranks"):  # a RuntimeError, as the reference raises
-        md.unframe_control_payload(n, t, size_src=3, data_src=4)
-    with pytest.raises(ValueError, match="uint8"):
-        md.unframe_control_payload(n + 1, t)
-    s0, t0 = md.frame_control_payload(b"")
-    assert md.control_frame_size(s0) == 0 and md.unframe_control_payload(0, t0) == b""
-
-
-@pytest.mark.parametrize("size", [torch.tensor([-1]), torch.tensor([2**40]), torch.tensor([1, 2]), torch.tensor([1], dtype=torch.int32)])
-def test_frame_size_bounded(size):
-    with pytest.raises(ValueError):
-        md.control_frame_size(size, max_bytes=1 << 20)
-
-
-def test_byte_frame_header():
-    h = md.pack_frame_header(1234)
-    assert len(h) == md.FRAME_HEADER_BYTES
-    assert md.unpack_frame_header(h) == 1234
-    with pytest.raises(ValueError):
-        md.unpack_frame_header(h, max_bytes=100)
-    with pytest.raises(ValueError):
-        md.unpack_frame_header(md.pack_frame_header(1)[:-1])
-    with pytest.raises(ValueError):
-        md.unpack_frame_header((-5).to_bytes(8, "little", signed=True))
-    with pytest.raises(ValueError):
-        md.pack_frame_header(-1)
 
 
 # ---------------------------------------------------------------- agreement
