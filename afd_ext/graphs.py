@@ -691,9 +691,10 @@ class GraphController:
         backend: :class:`CudaGraphBackend` (the default, on ``device``) or :class:`EagerRecordingBackend`.
         device: device of the static buffers (default: the backend's, or the current CUDA device).
         capture_sizes: strictly increasing per-peer capture sizes (vLLM style).
-        require_warmup: refuse a capture until a warm-up step has put rows on every
-            edge of this rank (NCCL connects edges lazily; a first
-            connection inside a capture fails or hangs).
+
+    A capture is refused until a warm-up step has put rows on every edge of this
+    rank (:meth:`note_eager_step`; or set :attr:`warmed_up`): NCCL connects edges
+    lazily, and a first connection inside a capture fails or hangs.
 
     Raises:
         AFDConfigError: a bad role, cache size or capture-size list.
@@ -707,7 +708,6 @@ class GraphController:
         backend: Any = None,
         device: torch.device | str | None = None,
         capture_sizes: Sequence[int] = DEFAULT_CAPTURE_SIZES,
-        require_warmup: bool = True,
     ):
         if role not in ("attention", "ffn"):
             raise AFDConfigError(f"role must be 'attention' or 'ffn', got {role!r}")
@@ -721,7 +721,6 @@ class GraphController:
         self.device = torch.device(device)
         self._pool = backend.new_pool()
         self.cache = GraphCache(cache_size)
-        self.require_warmup = require_warmup
         self.warmed_up = False
 
     # -- decisions --------------------------------------------------------
@@ -738,7 +737,7 @@ class GraphController:
 
         Raises:
             GraphModeError: conflicting flags; capture/replay without a key; a capture
-                before any warm-up step (when ``require_warmup``).
+                before any warm-up step.
             GraphKeyMismatchError: a replay whose key was never captured (or was
                 evicted); the message lists the captured keys and the closest one's
                 differences. Nothing is replayed.
@@ -746,7 +745,7 @@ class GraphController:
         mode = decide_step_mode(payload)
         if mode in (StepMode.CAPTURE, StepMode.REPLAY) and key is None:
             raise GraphModeError(f"{self.role} rank: a {mode.value} step needs the step's graph key")
-        if mode is StepMode.CAPTURE and self.require_warmup and not self.warmed_up:
+        if mode is StepMode.CAPTURE and not self.warmed_up:
             raise GraphModeError(
                 f"{self.role} rank: capture of {key.describe()} before any warm-up step; send a payload "
                 "with is_warmup=True and rows on every peer first (NCCL connects edges lazily)"

@@ -112,8 +112,6 @@ class AttentionGraphRunner:
         # init_afd_connector warms every edge and direction unless told not to.
         self.ctl.warmed_up = connector.warmup_on_init
         self.active = False
-        self.replayed_steps = 0
-        self.eager_steps = 0
         self._key: GraphKey | None = None
         self._layer = 0
 
@@ -125,7 +123,6 @@ class AttentionGraphRunner:
         pad = pad_sizes(self.connector.topology, payload, self.ctl.capture_sizes)
         if pad is None or not send:
             self.active = False
-            self.eager_steps += 1
             return self.exchange.begin_eager_step(payload, dp_rank=dp_rank, row_mask=row_mask, send=send)
         rows = self.exchange.step_rows(payload, dp_rank, row_mask)
         key, _ = _step_key(self.connector, padded_payload(payload, pad))
@@ -138,7 +135,6 @@ class AttentionGraphRunner:
         cp.send_dp_metadata_list(replay)
         self.active, self._key, self._layer = True, key, 0
         self.exchange.set_step_rows(rows, row_mask)
-        self.replayed_steps += 1
         return rows
 
     def _alloc_static(self, arena: StaticArena, pad: Mapping[int, int]) -> dict[int, dict[str, torch.Tensor | None]]:
