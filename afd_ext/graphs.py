@@ -164,20 +164,11 @@ class GraphKey:
         return out
 
     def describe(self) -> str:
-        """Short one-line description for logs and errors."""
+        """Short one-line description for logs and errors (the fields that are set)."""
         stages = ", ".join(f"stage {s}: {list(c)}" for s, c in self.stage_counts)
-        extra = []
-        if self.router_logits:
-            extra.append(f"logits[{self.router_logits[0]}]:{self.router_logits[1]}")
-        if self.token_ids:
-            extra.append(f"ids:{self.token_ids}")
-        return (
-            f"GraphKey({stages}; layers={self.num_layers}; hidden[{self.hidden_size}]:{self.hidden_dtype}"
-            + ("; " + ", ".join(extra) if extra else "")
-            + (f"; topology={self.topology}" if self.topology else "")
-            + (f"; wire={self.hidden_wire}" if self.hidden_wire else "")
-            + ")"
-        )
+        rest = ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)[1:]
+                         if getattr(self, f.name) not in (None, ()))
+        return f"GraphKey({stages}; {rest})"
 
 
 def make_graph_key(
