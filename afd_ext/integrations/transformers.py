@@ -302,7 +302,7 @@ class _ExchangeTimer:
         self._pending: list[tuple[int, Any, Any]] = []  # (layer_idx, start event, end event)
 
     @contextlib.contextmanager
-    def time(self, layer_idx: int, device: torch.device) -> Any:
+    def measure(self, layer_idx: int, device: torch.device) -> Any:
         """Record the latency of the ``with`` body (not when it raises)."""
         if device.type != "cuda":
             t0 = time.perf_counter_ns()
@@ -573,7 +573,7 @@ class AttentionExchange:
 
     def timed(self, layer_idx: int, device: torch.device) -> Any:
         """A context that records one exchange's latency when ``timing`` is on (no device sync)."""
-        return contextlib.nullcontext() if self._timer is None else self._timer.time(layer_idx, device)
+        return contextlib.nullcontext() if self._timer is None else self._timer.measure(layer_idx, device)
 
 
 class RemoteMLP(nn.Module):
