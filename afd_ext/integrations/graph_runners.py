@@ -201,17 +201,10 @@ class AttentionGraphRunner:
                     raise AFDConfigError(f"layer {layer_idx}: token ids are configured but none were given")
                 pad_rows_into(token_ids[start:start + n].to(torch.int32), b["token_ids"])
             start += n
-        ex = self.exchange
-        with ex.timed(layer_idx, rows.device):
+        with self.exchange.timed(layer_idx, rows.device):
             self.ctl.replay(self._key, part=part)
             self.connector.track_graph_replay(f"CUDA-graph replay of layer {layer_idx}")
-        outs = []
-        for s, n in zip(sorted(static), stage_rows):
-            outs.append(static[s]["hidden"][:n].clone())
-        # Bytes of real rows only; the padding rows travel too but carry nothing.
-        ex.count_bytes(rows.numel() * rows.element_size() + (
-            0 if router_logits is None else router_logits.numel() * router_logits.element_size()),
-            rows.numel() * rows.element_size())
+        outs = [static[s]["hidden"][:n].clone() for s, n in zip(sorted(static), stage_rows)]
         return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
 
     def end_step(self) -> None:

@@ -534,27 +534,27 @@ class AttentionExchange:
             AFDProtocolError: the FFN output's shape differs from the rows sent.
         """
         if self.graph_runner is not None and self.graph_runner.active:
-            return self.graph_runner.exchange_rows(layer_idx, rows, router_logits)
-        stage_rows = self.rows_for(rows.shape[0])
-        outs = []
-        start = 0
-        for s, n in enumerate(stage_rows):
-            x = rows[start : start + n]
-            lg = router_logits[start : start + n] if router_logits is not None else None
-            start += n
-            with self.timed(layer_idx, rows.device):
-                y = self.send_recv(layer_idx, s, x, lg)
-            sent = x.numel() * x.element_size()
-            if lg is not None:
-                sent += lg.numel() * lg.element_size()
-            self.count_bytes(sent, y.numel() * y.element_size())
-            if tuple(y.shape) != tuple(x.shape):
-                raise AFDProtocolError(
-                    f"layer {layer_idx} stage {s}: FFN output has shape {tuple(y.shape)}, "
-                    f"expected {tuple(x.shape)}"
-                )
-            outs.append(y)
-        return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+            out = self.graph_runner.exchange_rows(layer_idx, rows, router_logits)
+        else:
+            outs = []
+            start = 0
+            for s, n in enumerate(self.rows_for(rows.shape[0])):
+                x = rows[start : start + n]
+                lg = router_logits[start : start + n] if router_logits is not None else None
+                start += n
+                with self.timed(layer_idx, rows.device):
+                    y = self.send_recv(layer_idx, s, x, lg)
+                if tuple(y.shape) != tuple(x.shape):
+                    raise AFDProtocolError(
+                        f"layer {layer_idx} stage {s}: FFN output has shape {tuple(y.shape)}, "
+                        f"expected {tuple(x.shape)}"
+                    )
+                outs.append(y)
+            out = outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+        # Wire payload bytes of the real rows (graph padding rows travel too but carry nothing).
+        self._stats.bytes_sent += rows.nbytes + (0 if router_logits is None else router_logits.nbytes)
+        self._stats.bytes_received += out.nbytes
+        return out
 
     def send_recv(self, layer_idx: int, stage: int, x: torch.Tensor, router_logits: torch.Tensor | None = None,
                   token_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -565,11 +565,6 @@ class AttentionExchange:
         kw = {k: v for k, v in (("router_logits", router_logits), ("input_ids", token_ids)) if v is not None}
         self.connector.send_attn_output(x, ctx, **kw)
         return self.connector.recv_ffn_output(ref_tensor=x, ubatch_idx=stage)
-
-    def count_bytes(self, sent: int, received: int) -> None:
-        """Add one exchange's wire payload bytes to :attr:`stats`."""
-        self._stats.bytes_sent += sent
-        self._stats.bytes_received += received
 
     def timed(self, layer_idx: int, device: torch.device) -> Any:
         """A context that records one exchange's latency when ``timing`` is on (no device sync)."""
