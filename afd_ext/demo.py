@@ -258,10 +258,7 @@ def _no_init_context():
             continue
         ctx = getattr(m, "no_init_weights", None)
         if ctx is not None:
-            try:
-                return ctx()
-            except TypeError:  # older signature no_init_weights(_enable=True)
-                return ctx(True)
+            return ctx()
     return contextlib.nullcontext()
 
 
@@ -293,11 +290,7 @@ def construct_model(model_config: Mapping[str, Any]):
         ) from None
     config.use_cache = True
     with _no_init_context(), torch.no_grad():
-        try:
-            model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-        except TypeError:
-            config._attn_implementation = "eager"
-            model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     return model.float().eval()
 
 
@@ -1015,9 +1008,9 @@ def _placement_text(plan: DemoPlan) -> str:
 
 
 def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
+    for unit in ("B", "KiB", "MiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} B" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024.0
     return f"{n:.1f} GiB"
 

@@ -13,7 +13,7 @@ What this module gives the runtime (the attention runner and the FFN loop):
   ``is_graph_capturing`` → capture on both sides at once;
   ``is_graph_replaying`` → replay on both sides (a key that was not captured is
   refused with :class:`GraphKeyMismatchError`, never replayed); otherwise eager.
-* Padding: :func:`capture_size_for` / :func:`pad_stage_counts` pick, per stage,
+* Padding: :func:`capture_size_for` / :func:`afd_ext.schedule.pad_sizes` pick, per stage,
   the smallest capture size (vLLM style list) that holds every peer's count;
   in graph mode the attention side pads every peer to it. :func:`pad_rows_into`
   copies real rows into a static buffer and zeroes the padding rows;
@@ -26,8 +26,8 @@ What this module gives the runtime (the attention runner and the FFN loop):
   can be added, and :meth:`StaticArena.check_stable` asserts the addresses,
   shapes and storage sizes did not change. Eager steps use their own buffers.
 * :class:`GraphCache` — a bounded LRU of :class:`CapturedGraph` entries; an
-  entry owns its graph *and* its arena, so eviction drops both together and
-  never while the entry is replaying.
+  entry owns its graphs *and* its arena, so eviction drops both together, after
+  the device finished every launched replay.
 * :class:`GraphController` — the per-rank driver: ``decide`` (flags + warm-up
   bookkeeping), ``new_arena``, ``capture`` (one graph per key around a user
   callable: the attention-side layer loop, or the FFN-side per-step loop over
@@ -60,7 +60,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
-import threading
 from collections import OrderedDict
 from typing import Any, Callable, Hashable, Mapping, Sequence
 
@@ -78,23 +77,19 @@ __all__ = [
     "make_graph_key",
     "graph_key_from_schedule",
     "cold_edges",
-    "reserve_ffn_buffers",
-    "reserve_attention_buffers",
     "StepMode",
     "decide_step_mode",
     "capture_size_for",
-    "pad_stage_counts",
     "pad_rows_into",
     "StaticArena",
     "CapturedGraph",
     "GraphCache",
-    "GraphBackend",
     "CudaGraphBackend",
     "EagerRecordingBackend",
     "GraphController",
 ]
 
-from .schedule import DEFAULT_CAPTURE_SIZES, capture_size_for, check_capture_sizes, stage_buffers  # noqa: E402
+from .schedule import DEFAULT_CAPTURE_SIZES, capture_size_for, check_capture_sizes  # noqa: E402
 from .spec import TOKEN_IDS_DTYPE, as_dtype, dtype_name  # noqa: E402  the one dtype table
 
 
@@ -169,20 +164,11 @@ class GraphKey:
         return out
 
     def describe(self) -> str:
-        """Short one-line description for logs and errors."""
+        """Short one-line description for logs and errors (the fields that are set)."""
         stages = ", ".join(f"stage {s}: {list(c)}" for s, c in self.stage_counts)
-        extra = []
-        if self.router_logits:
-            extra.append(f"logits[{self.router_logits[0]}]:{self.router_logits[1]}")
-        if self.token_ids:
-            extra.append(f"ids:{self.token_ids}")
-        return (
-            f"GraphKey({stages}; layers={self.num_layers}; hidden[{self.hidden_size}]:{self.hidden_dtype}"
-            + ("; " + ", ".join(extra) if extra else "")
-            + (f"; topology={self.topology}" if self.topology else "")
-            + (f"; wire={self.hidden_wire}" if self.hidden_wire else "")
-            + ")"
-        )
+        rest = ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)[1:]
+                         if getattr(self, f.name) not in (None, ()))
+        return f"GraphKey({stages}; {rest})"
 
 
 def make_graph_key(
@@ -275,38 +261,6 @@ def cold_edges(schedule: Any, role: str, role_rank: int) -> list[tuple[int, int]
     return [e for e in edges if all(schedule.edge_rows(s, *e) == 0 for s in schedule.stages)]
 
 
-def reserve_ffn_buffers(arena: "StaticArena", schedule: Any, ffn_rank: int) -> dict[int, dict[str, torch.Tensor]]:
-    """Reserve an FFN rank's static buffers for every stage of ``schedule``.
-
-    Per stage ``s`` (``T = schedule.ffn_rows(s, ffn_rank)``): ``"hidden"``
-    ``[T, hidden]`` fan-in target, ``"router_logits"`` ``[T, width]`` and
-    ``"token_ids"`` ``[T]`` int32 when they travel, ``"output"`` ``[T, hidden]``
-    split-back source. Names in the arena are ``(name, stage)``.
-
-    Returns:
-        stage -> name -> tensor (absent optional tensors map to None).
-    """
-    return {s: stage_buffers(arena.buffer, schedule.config, s, schedule.ffn_rows(s, ffn_rank), ("output",), fan_in=True)
-            for s in schedule.stages}
-
-
-def reserve_attention_buffers(
-    arena: "StaticArena", schedule: Any, attention_rank: int
-) -> dict[int, dict[str, torch.Tensor]]:
-    """Reserve an attention rank's static buffers for every stage of ``schedule``.
-
-    Per stage (``n = schedule.attention_rows(s, attention_rank)``, padded rows
-    included): ``"hidden"`` ``[n, hidden]`` (static input / what is sent),
-    ``"router_logits"`` and ``"token_ids"`` as in
-    :func:`reserve_ffn_buffers`, and ``"reply"`` ``[n, hidden]`` (the FFN output lands here).
-
-    Returns:
-        stage -> name -> tensor.
-    """
-    return {s: stage_buffers(arena.buffer, schedule.config, s, schedule.attention_rows(s, attention_rank), ("reply",))
-            for s in schedule.stages}
-
-
 # ---------------------------------------------------------------------------
 # The decision rule
 # ---------------------------------------------------------------------------
@@ -321,7 +275,11 @@ class StepMode(str, enum.Enum):
     REPLAY = "replay"
 
 
-def decide_step_mode(payload: Any, *, graphs_enabled: bool = True) -> StepMode:
+_FLAG_MODES = {"is_warmup": StepMode.WARMUP, "is_graph_capturing": StepMode.CAPTURE,
+               "is_graph_replaying": StepMode.REPLAY}
+
+
+def decide_step_mode(payload: Any) -> StepMode:
     """Map a control payload's flags to a :class:`StepMode` — the same rule on both roles.
 
     ``is_warmup`` → WARMUP (eager, real traffic on every edge);
@@ -330,36 +288,17 @@ def decide_step_mode(payload: Any, *, graphs_enabled: bool = True) -> StepMode:
 
     Args:
         payload: an ``AFDControlPayload`` (or anything with the three bool flags).
-        graphs_enabled: whether this rank runs in graph mode.
 
     Returns:
         The step mode.
 
     Raises:
-        GraphModeError: more than one of the three flags is set, or a capture or
-            replay is asked for while graphs are disabled on this rank (enable graph
-            mode on both roles, or stop setting the flag on the attention side).
+        GraphModeError: more than one of the three flags is set.
     """
-    flags = {
-        name: bool(getattr(payload, name, False))
-        for name in ("is_warmup", "is_graph_capturing", "is_graph_replaying")
-    }
-    on = [n for n, v in flags.items() if v]
+    on = [name for name in _FLAG_MODES if getattr(payload, name, False)]
     if len(on) > 1:
         raise GraphModeError(f"control payload sets conflicting flags {on}; at most one may be set per step")
-    if not on:
-        return StepMode.EAGER
-    mode = {
-        "is_warmup": StepMode.WARMUP,
-        "is_graph_capturing": StepMode.CAPTURE,
-        "is_graph_replaying": StepMode.REPLAY,
-    }[on[0]]
-    if mode in (StepMode.CAPTURE, StepMode.REPLAY) and not graphs_enabled:
-        raise GraphModeError(
-            f"control payload sets {on[0]} but graphs are disabled on this rank; "
-            "enable graph mode on both roles (graph_cache_size > 0) or clear the flag on the attention side"
-        )
-    return mode
+    return _FLAG_MODES[on[0]] if on else StepMode.EAGER
 
 
 # ---------------------------------------------------------------------------
@@ -367,42 +306,14 @@ def decide_step_mode(payload: Any, *, graphs_enabled: bool = True) -> StepMode:
 # ---------------------------------------------------------------------------
 
 
-def pad_stage_counts(
-    stage_counts: Mapping[int, Sequence[int]], capture_sizes: Sequence[int] = DEFAULT_CAPTURE_SIZES
-) -> dict[int, tuple[int, ...]] | None:
-    """Pad every attention rank of each stage to that stage's common capture size.
-
-    A stage whose counts are ``[3, 0]`` with sizes ``[1, 2, 4, 8]`` becomes
-    ``[4, 4]``: a zero-token peer carries padding rows only, so every edge of a
-    captured step has rows and the set of graphs is the capture-size list.
-
-    Args:
-        stage_counts: stage id -> per-attention-rank real row counts.
-        capture_sizes: strictly increasing positive sizes.
-
-    Returns:
-        stage id -> padded counts, or None when some stage does not fit the largest
-        capture size (run that step eagerly).
-    """
-    out = {}
-    for stage, counts in stage_counts.items():
-        counts = tuple(int(c) for c in counts)
-        if not counts:
-            raise AFDConfigError(f"stage {stage}: counts are empty")
-        size = capture_size_for(max(counts), capture_sizes)
-        if size is None:
-            return None
-        out[stage] = (size,) * len(counts)
-    return out
-
-
-def pad_rows_into(src: torch.Tensor, dst: torch.Tensor, *, zero_padding: bool = True) -> torch.Tensor:
+def pad_rows_into(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     """Copy ``src`` into the first rows of the static buffer ``dst``; zero the rest.
+
+    The padding rows are zeroed so that they are finite and deterministic.
 
     Args:
         src: ``[n, ...]`` real rows, any device; ``n <= dst.shape[0]``.
         dst: ``[capacity, ...]`` static buffer (mutated), same trailing shape and dtype.
-        zero_padding: zero rows ``n:`` so the padding rows are finite and deterministic.
 
     Returns:
         ``dst[:n]``, a view of the real rows.
@@ -420,7 +331,7 @@ def pad_rows_into(src: torch.Tensor, dst: torch.Tensor, *, zero_padding: bool = 
         raise AFDConfigError(f"src has {n} rows but the static buffer holds {dst.shape[0]}; pick a larger capture size")
     if n:
         dst[:n].copy_(src)
-    if zero_padding and n < dst.shape[0]:
+    if n < dst.shape[0]:
         dst[n:].zero_()
     return dst[:n]
 
@@ -442,7 +353,7 @@ class _Slot:
 class StaticArena:
     """The static buffers of one captured graph, allocated before capture and never moved.
 
-    Buffers are named by any hashable (e.g. ``("fan_in_hidden", stage)``). Before
+    Buffers are named by any hashable (e.g. ``("hidden", stage)``). Before
     :meth:`freeze`, :meth:`buffer` allocates on first request and returns the same
     tensor afterwards; after it, only existing buffers are returned (a request for
     a new name or a different shape raises), which is how a connector asked for a
@@ -459,30 +370,17 @@ class StaticArena:
         self._slots: dict[Hashable, _Slot] = {}
         self._frozen = False
 
-    @property
-    def frozen(self) -> bool:
-        """True once :meth:`freeze` was called."""
-        return self._frozen
-
     def freeze(self) -> None:
         """Forbid new buffers (called right before capture)."""
         self._frozen = True
 
-    def buffer(
-        self,
-        name: Hashable,
-        shape: Sequence[int],
-        dtype: torch.dtype,
-        *,
-        zero: bool = True,
-    ) -> torch.Tensor:
+    def buffer(self, name: Hashable, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """Return the static buffer ``name``, allocating it (zeroed) on first request.
 
         Args:
             name: any hashable identifying the buffer in this arena.
             shape: its shape at the captured capacity.
             dtype: its dtype.
-            zero: fill a new buffer with zeros (finite padding rows).
 
         Returns:
             A contiguous tensor on the arena's device, the same object on every call.
@@ -505,23 +403,9 @@ class StaticArena:
                 f"static buffer {name!r} {shape}:{dtype} was not reserved before capture of "
                 f"{self.label or 'this graph'}; allocate every buffer the graph touches before capturing"
             )
-        t = (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=self.device)
+        t = torch.zeros(shape, dtype=dtype, device=self.device)
         self._slots[name] = _Slot(t, t.data_ptr(), shape, dtype, t.untyped_storage().nbytes())
         return t
-
-    def __contains__(self, name: Hashable) -> bool:
-        return name in self._slots
-
-    def get(self, name: Hashable) -> torch.Tensor:
-        """The existing buffer ``name``; ``GraphBufferError`` when absent."""
-        slot = self._slots.get(name)
-        if slot is None:
-            raise GraphBufferError(f"no static buffer {name!r} in {self.label or 'this arena'}; known: {list(self._slots)}")
-        return slot.tensor
-
-    def names(self) -> list[Hashable]:
-        """Buffer names in allocation order."""
-        return list(self._slots)
 
     def addresses(self) -> dict[Hashable, int]:
         """Name -> ``data_ptr()`` recorded at allocation."""
@@ -558,40 +442,26 @@ class StaticArena:
 
 
 # ---------------------------------------------------------------------------
-# Graph backends: real CUDA graphs, or an eager recorder for CPU tests
+# Graph backends: real CUDA graphs, or an eager stand-in on CPU
 # ---------------------------------------------------------------------------
 
 
-class GraphBackend:
-    """How graphs are captured and replayed; :class:`CudaGraphBackend` in production."""
+class CudaGraphBackend:
+    """``torch.cuda.CUDAGraph`` capture, one shared memory pool per controller.
 
-    def new_pool(self) -> Any:
-        """A memory-pool handle shared by every capture of one controller."""
-        raise NotImplementedError
-
-    def capture(self, body: Callable[[], Any], pool: Any) -> tuple[Any, Any]:
-        """Capture ``body()``; return ``(graph, body's return value)``."""
-        raise NotImplementedError
-
-    def replay(self, graph: Any) -> Any:
-        """Launch ``graph`` on the current stream; return None (or fresh outputs, for stand-ins)."""
-        raise NotImplementedError
-
-    def release(self, graph: Any) -> None:
-        """Free ``graph`` (called only when it cannot be running)."""
-
-    def synchronize(self) -> None:
-        """Wait until every launched replay finished (before a graph is freed)."""
-
-
-class CudaGraphBackend(GraphBackend):
-    """``torch.cuda.CUDAGraph`` capture on a private side stream, one shared pool.
+    A backend has ``new_pool()``, ``capture(body, pool) -> (graph, body's return value)``,
+    ``replay(graph)`` (None, or fresh outputs for a stand-in), ``release(graph)`` and
+    ``synchronize()``; :class:`EagerRecordingBackend` is the CPU stand-in.
 
     Capture uses ``capture_error_mode="thread_local"`` so a watchdog thread that
     queries events during a capture does not invalidate it.
 
     Args:
         device: the CUDA device the graphs run on.
+
+    Raises:
+        GraphError: no CUDA device is available.
+        AFDConfigError: ``device`` is not a CUDA device.
     """
 
     def __init__(self, device: torch.device | str | int | None = None):
@@ -619,8 +489,9 @@ class CudaGraphBackend(GraphBackend):
     def synchronize(self):
         torch.cuda.synchronize(self.device)
 
-class EagerRecordingBackend(GraphBackend):
-    """A stand-in for CPU tests: "capture" records the callable, "replay" re-runs it.
+
+class EagerRecordingBackend:
+    """The CPU stand-in (``afd-ext demo --graph`` on gloo, CPU tests): "capture" records the callable, "replay" re-runs it.
 
     It exercises every decision, cache and buffer rule of :class:`GraphController`
     without a GPU (and, over gloo, with real traffic on replay), but it is not a
@@ -633,7 +504,7 @@ class EagerRecordingBackend(GraphBackend):
         self.released = 0
 
     def new_pool(self):
-        return ("eager-pool", id(self))
+        return None
 
     def capture(self, body, pool):
         self.captures += 1
@@ -646,94 +517,68 @@ class EagerRecordingBackend(GraphBackend):
     def release(self, graph):
         self.released += 1
 
+    def synchronize(self):
+        pass
+
 
 # ---------------------------------------------------------------------------
 # Captured graphs and the cache
 # ---------------------------------------------------------------------------
 
 
-class _GraphParts(tuple):
-    """Several graphs of one key, replayed one at a time (e.g. one per attention layer)."""
-
-
 class CapturedGraph:
-    """One captured graph and the arena it reads and writes, owned together.
+    """The graphs captured for one key and the arena they read and write, owned together.
 
     Attributes:
-        key: the :class:`GraphKey` it was captured for.
-        arena: its :class:`StaticArena` (frozen).
-        outputs: whatever the captured callable returned (static output tensors).
-        replays: how many times it was replayed.
+        key: the :class:`GraphKey` they were captured for.
+        graphs: the captured graphs, replayed one at a time by index (one, or one per
+            attention layer); empty once released.
+        arena: their :class:`StaticArena` (frozen).
+        outputs: the static outputs (what a single captured callable returned).
+        replays: how many graphs were replayed.
     """
 
-    def __init__(self, key: GraphKey, graph: Any, arena: StaticArena, outputs: Any, backend: GraphBackend):
+    def __init__(self, key: GraphKey, graphs: Sequence[Any], arena: StaticArena, outputs: Any, backend: Any):
         self.key = key
-        self.graph = graph
+        self.graphs = tuple(graphs)
         self.arena = arena
         self.outputs = outputs
         self.replays = 0
+        self.released = False
         self._backend = backend
-        self._in_use = 0
-        self._released = False
 
-    @property
-    def in_use(self) -> bool:
-        """True while a replay of this graph is being issued."""
-        return self._in_use > 0
+    def replay(self, part: int = 0) -> Any:
+        """Replay graph ``part`` on the current stream and return the static outputs.
 
-    @property
-    def released(self) -> bool:
-        return self._released
-
-    def replay(self, *, check_addresses: bool = True, part: int | None = None) -> Any:
-        """Replay on the current stream and return the static outputs.
-
-        Args:
-            check_addresses: check the arena's buffers first (a cheap host check).
-            part: for an entry captured in parts, which one to replay (required then).
+        The arena's addresses are checked before part 0 (a cheap host check).
 
         Raises:
-            GraphError: the graph was released, or ``part`` is missing / out of range.
+            GraphError: the entry was released, or ``part`` is out of range.
             GraphBufferError: a static buffer moved (checked before launching).
         """
-        if self._released:
+        if self.released:
             raise GraphError(f"graph for {self.key.describe()} was released; capture it again")
-        graph = self.graph
-        if isinstance(graph, _GraphParts):
-            if part is None or not 0 <= part < len(graph):
-                raise GraphError(f"graph for {self.key.describe()} has {len(graph)} parts; pass part=0..{len(graph) - 1}")
-            graph = graph[part]
-        elif part not in (None, 0):
-            raise GraphError(f"graph for {self.key.describe()} has one part, got part={part}")
-        if check_addresses and (part is None or part == 0):
+        if not 0 <= part < len(self.graphs):
+            raise GraphError(f"graph for {self.key.describe()} has {len(self.graphs)} parts, got part={part}")
+        if part == 0:
             self.arena.check_stable()
-        self._in_use += 1
-        try:
-            fresh = self._backend.replay(graph)
-            self.replays += 1
-        finally:
-            self._in_use -= 1
+        fresh = self._backend.replay(self.graphs[part])
+        self.replays += 1
         return self.outputs if fresh is None else fresh
 
     def release(self) -> None:
-        """Free the graph, then its buffers, after every launched replay finished.
-
-        Raises:
-            GraphError: a replay of this graph is being issued right now.
-        """
-        if self._released:
+        """Free the graphs, then their buffers, after every launched replay finished."""
+        if self.released:
             return
-        if self._in_use:
-            raise GraphError(f"cannot release graph {self.key.describe()} while it is replaying")
         # The GPU may still be running an earlier replay; freeing its buffers or
         # graph-pool memory now could let the next allocation overwrite them.
         self._backend.synchronize()
-        for g in self.graph if isinstance(self.graph, _GraphParts) else (self.graph,):
+        for g in self.graphs:
             self._backend.release(g)
-        self.graph = None
+        self.graphs = ()
         self.outputs = None
         self.arena.release()
-        self._released = True
+        self.released = True
 
 
 class GraphCache:
@@ -742,8 +587,10 @@ class GraphCache:
     Args:
         max_entries: the most graphs held at once (>= 1).
 
-    Eviction releases the least recently used entry that is not replaying,
-    graph and buffers together; if every entry is replaying, :meth:`put` raises.
+    Eviction releases the least recently used entry, graphs and buffers together.
+
+    Raises:
+        AFDConfigError: ``max_entries`` is not an int >= 1.
     """
 
     def __init__(self, max_entries: int):
@@ -752,7 +599,6 @@ class GraphCache:
         self.max_entries = max_entries
         self._entries: OrderedDict[GraphKey, CapturedGraph] = OrderedDict()
         self.evictions = 0
-        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -766,57 +612,44 @@ class GraphCache:
 
     def get(self, key: GraphKey) -> CapturedGraph | None:
         """The entry for ``key`` (marked most recently used), or None."""
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is not None:
-                self._entries.move_to_end(key)
-            return entry
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._entries.move_to_end(key)
+        return entry
 
     def put(self, entry: CapturedGraph) -> list[GraphKey]:
         """Insert ``entry`` (replacing and releasing an older entry of the same key).
 
         Returns:
             The keys evicted to stay within ``max_entries``.
-
-        Raises:
-            GraphError: the cache is full of entries that are replaying.
         """
-        with self._lock:
-            old = self._entries.pop(entry.key, None)
-            if old is not None and old is not entry:
-                old.release()
-            self._entries[entry.key] = entry
-            evicted = []
-            while len(self._entries) > self.max_entries:
-                victim = next((k for k, e in self._entries.items() if not e.in_use and e is not entry), None)
-                if victim is None:
-                    raise GraphError(
-                        f"graph cache is full ({self.max_entries}) and every entry is replaying; "
-                        "raise graph_cache_size"
-                    )
-                self._entries.pop(victim).release()
-                self.evictions += 1
-                evicted.append(victim)
-                logger.info("evicted CUDA graph %s", victim.describe())
-            return evicted
+        old = self._entries.pop(entry.key, None)
+        if old is not None and old is not entry:
+            old.release()
+        self._entries[entry.key] = entry
+        evicted = []
+        while len(self._entries) > self.max_entries:
+            victim, e = self._entries.popitem(last=False)
+            e.release()
+            self.evictions += 1
+            evicted.append(victim)
+            logger.info("evicted CUDA graph %s", victim.describe())
+        return evicted
 
     def evict(self, key: GraphKey) -> bool:
-        """Release and drop ``key``; False when absent. Raises ``GraphError`` if it is replaying."""
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
-                return False
-            entry.release()
-            del self._entries[key]
-            self.evictions += 1
-            return True
+        """Release and drop ``key``; False when absent."""
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return False
+        entry.release()
+        self.evictions += 1
+        return True
 
     def clear(self) -> None:
         """Release every entry (e.g. in the connector's ``close``)."""
-        with self._lock:
-            while self._entries:
-                _, entry = self._entries.popitem(last=False)
-                entry.release()
+        while self._entries:
+            self._entries.popitem(last=False)[1].release()
+
 
 # ---------------------------------------------------------------------------
 # The per-rank driver
@@ -838,7 +671,7 @@ class GraphController:
             ctl.capture(key, arena, ffn_step_loop)   # all layers x all stages, one graph
         else:                                        # EAGER or WARMUP: eager buffers, real traffic
             ffn_step_loop()
-            ctl.note_eager_step(mode, key)
+            ctl.note_eager_step(mode, schedule, role_rank)
 
     The attention side runs the same rule on the same payload (it built it), with
     the layer loop over static inputs as the captured callable.
@@ -846,13 +679,16 @@ class GraphController:
     Args:
         role: ``"attention"`` or ``"ffn"`` (for messages).
         cache_size: most graphs held (``graph_cache_size``), >= 1.
-        backend: a :class:`GraphBackend`; default :class:`CudaGraphBackend` on ``device``.
+        backend: :class:`CudaGraphBackend` (the default, on ``device``) or :class:`EagerRecordingBackend`.
         device: device of the static buffers (default: the backend's, or the current CUDA device).
         capture_sizes: strictly increasing per-peer capture sizes (vLLM style).
-        require_warmup: refuse a capture until a warm-up step has put rows on every
-            attention rank of every stage (NCCL connects edges lazily; a first
-            connection inside a capture fails or hangs).
-        check_addresses: check the arena's addresses before every replay (cheap host check).
+
+    A capture is refused until a warm-up step has put rows on every edge of this
+    rank (:meth:`note_eager_step`; or set :attr:`warmed_up`): NCCL connects edges
+    lazily, and a first connection inside a capture fails or hangs.
+
+    Raises:
+        AFDConfigError: a bad role, cache size or capture-size list.
     """
 
     def __init__(
@@ -860,11 +696,9 @@ class GraphController:
         *,
         role: str,
         cache_size: int,
-        backend: GraphBackend | None = None,
+        backend: Any = None,
         device: torch.device | str | None = None,
         capture_sizes: Sequence[int] = DEFAULT_CAPTURE_SIZES,
-        require_warmup: bool = True,
-        check_addresses: bool = True,
     ):
         if role not in ("attention", "ffn"):
             raise AFDConfigError(f"role must be 'attention' or 'ffn', got {role!r}")
@@ -878,15 +712,7 @@ class GraphController:
         self.device = torch.device(device)
         self._pool = backend.new_pool()
         self.cache = GraphCache(cache_size)
-        self.require_warmup = require_warmup
-        self.check_addresses = check_addresses
         self.warmed_up = False
-        self.last_mode: StepMode | None = None
-
-    @property
-    def pool(self) -> Any:
-        """The memory-pool handle shared by every capture of this controller."""
-        return self._pool
 
     # -- decisions --------------------------------------------------------
 
@@ -902,22 +728,21 @@ class GraphController:
 
         Raises:
             GraphModeError: conflicting flags; capture/replay without a key; a capture
-                before any warm-up step (when ``require_warmup``).
+                before any warm-up step.
             GraphKeyMismatchError: a replay whose key was never captured (or was
                 evicted); the message lists the captured keys and the closest one's
                 differences. Nothing is replayed.
         """
-        mode = decide_step_mode(payload, graphs_enabled=True)
+        mode = decide_step_mode(payload)
         if mode in (StepMode.CAPTURE, StepMode.REPLAY) and key is None:
             raise GraphModeError(f"{self.role} rank: a {mode.value} step needs the step's graph key")
-        if mode is StepMode.CAPTURE and self.require_warmup and not self.warmed_up:
+        if mode is StepMode.CAPTURE and not self.warmed_up:
             raise GraphModeError(
                 f"{self.role} rank: capture of {key.describe()} before any warm-up step; send a payload "
                 "with is_warmup=True and rows on every peer first (NCCL connects edges lazily)"
             )
         if mode is StepMode.REPLAY and key not in self.cache:
             raise GraphKeyMismatchError(self._mismatch_message(key))
-        self.last_mode = mode
         return mode
 
     def _mismatch_message(self, key: GraphKey) -> str:
@@ -932,38 +757,22 @@ class GraphController:
             + "; ".join(closest.differences(key))
         )
 
-    def note_eager_step(
-        self, mode: StepMode, key: GraphKey | None, *, schedule: Any = None, role_rank: int | None = None
-    ) -> None:
-        """Record an eager step; a WARMUP step with rows on every edge warms the edges.
+    def note_eager_step(self, mode: StepMode, schedule: Any, role_rank: int) -> None:
+        """Record an eager step; a WARMUP step with rows on every edge of this rank warms the edges.
 
         Args:
             mode: the step's mode (EAGER or WARMUP).
-            key: the step's key (without a schedule: every count must be > 0).
-            schedule: the step's schedule; with ``role_rank``, the exact test is
-                that every edge of this rank carried rows (:func:`cold_edges`).
-            role_rank: this rank's role rank (with ``schedule``).
+            schedule: the step's schedule; the step warms up when every edge of
+                ``role_rank`` carried rows (:func:`cold_edges`).
+            role_rank: this rank's role rank.
         """
         if mode is not StepMode.WARMUP:
             return
-        if schedule is not None and role_rank is not None:
-            cold = cold_edges(schedule, self.role, role_rank)
-            if not cold:
-                self.warmed_up = True
-            else:
-                logger.warning("%s rank %d: warm-up step left edges %s cold", self.role, role_rank, cold)
-            return
-        if key is not None:
-            if all(c > 0 for _, counts in key.stage_counts for c in counts):
-                self.warmed_up = True
-            else:
-                logger.warning(
-                    "%s rank: warm-up step %s has zero-row peers; edges stay cold", self.role, key.describe()
-                )
-
-    def pad_counts(self, stage_counts: Mapping[int, Sequence[int]]) -> dict[int, tuple[int, ...]] | None:
-        """:func:`pad_stage_counts` with this controller's capture sizes."""
-        return pad_stage_counts(stage_counts, self.capture_sizes)
+        cold = cold_edges(schedule, self.role, role_rank)
+        if not cold:
+            self.warmed_up = True
+        else:
+            logger.warning("%s rank %d: warm-up step left edges %s cold", self.role, role_rank, cold)
 
     # -- buffers, capture, replay ----------------------------------------
 
@@ -988,8 +797,7 @@ class GraphController:
                 buffer moved during capture.
             GraphError: the capture failed (the backend's error is chained).
         """
-        graph, outputs = self._capture(key, arena, [body])
-        return self._cache(CapturedGraph(key, graph[0], arena, outputs[0], self.backend))
+        return self.capture_parts(key, arena, [body], outputs=None)
 
     def capture_parts(
         self, key: GraphKey, arena: StaticArena, bodies: Sequence[Callable[[], Any]], *, outputs: Any = None
@@ -999,9 +807,10 @@ class GraphController:
         For the attention side, whose model runs eagerly between its layer
         exchanges: one graph per layer, replayed in layer order with
         ``replay(key, part=layer)``. The graphs share ``arena`` and the pool.
+        :meth:`capture` is the one-body case.
 
         Returns:
-            The cached entry (``outputs`` as given).
+            The cached entry (``outputs`` as given; for one body and None, the body's return value).
 
         Raises:
             AFDConfigError: no bodies.
@@ -1009,11 +818,6 @@ class GraphController:
         """
         if not bodies:
             raise AFDConfigError("capture_parts needs at least one body")
-        graphs_, _ = self._capture(key, arena, bodies)
-        return self._cache(CapturedGraph(key, _GraphParts(graphs_), arena, outputs, self.backend))
-
-    def _capture(self, key: GraphKey, arena: StaticArena, bodies: Sequence[Callable[[], Any]]) -> tuple[list, list]:
-        """Freeze ``arena``, capture every body (all released on a failure), check the arena; graphs, outputs."""
         if arena.device != self.device:
             raise GraphBufferError(f"arena is on {arena.device}, graphs of this rank run on {self.device}")
         arena.freeze()
@@ -1031,16 +835,16 @@ class GraphController:
         arena.check_stable()
         if arena.addresses() != before:
             raise GraphBufferError(f"buffers were added to the arena of {key.describe()} during capture")
-        return graphs_, outs
-
-    def _cache(self, entry: CapturedGraph) -> CapturedGraph:
+        if outputs is None and len(outs) == 1:
+            outputs = outs[0]
+        entry = CapturedGraph(key, graphs_, arena, outputs, self.backend)
         evicted = self.cache.put(entry)
-        logger.debug("%s rank: captured %s (%d static bytes, evicted %d)", self.role, entry.key.describe(),
-                     entry.arena.nbytes, len(evicted))
+        logger.debug("%s rank: captured %s (%d static bytes, evicted %d)", self.role, key.describe(),
+                     arena.nbytes, len(evicted))
         return entry
 
-    def replay(self, key: GraphKey, *, part: int | None = None) -> Any:
-        """Replay the graph captured for ``key`` (or its ``part``) on the current stream.
+    def replay(self, key: GraphKey, *, part: int = 0) -> Any:
+        """Replay the graph captured for ``key`` (its ``part``, for an entry captured in parts) on the current stream.
 
         Returns:
             The entry's static outputs.
@@ -1048,11 +852,12 @@ class GraphController:
         Raises:
             GraphKeyMismatchError: no graph for ``key`` (refused, nothing launched).
             GraphBufferError: one of its buffers moved.
+            GraphError: ``part`` is out of range.
         """
         entry = self.cache.get(key)
         if entry is None:
             raise GraphKeyMismatchError(self._mismatch_message(key))
-        return entry.replay(check_addresses=self.check_addresses, part=part)
+        return entry.replay(part)
 
     def entry(self, key: GraphKey) -> CapturedGraph | None:
         """The cached entry for ``key`` or None."""

@@ -30,7 +30,6 @@ from afd_ext.graphs import (
     decide_step_mode,
     make_graph_key,
     pad_rows_into,
-    pad_stage_counts,
 )
 
 
@@ -128,14 +127,6 @@ def test_conflicting_flags_are_refused():
         decide_step_mode(payload(is_warmup=True, is_graph_replaying=True))
 
 
-def test_graph_flags_refused_when_graphs_disabled():
-    with pytest.raises(GraphModeError, match="disabled"):
-        decide_step_mode(payload(is_graph_replaying=True), graphs_enabled=False)
-    with pytest.raises(GraphModeError, match="disabled"):
-        decide_step_mode(payload(is_graph_capturing=True), graphs_enabled=False)
-    assert decide_step_mode(payload(is_warmup=True), graphs_enabled=False) is StepMode.WARMUP
-
-
 # --- padding --------------------------------------------------------------------
 
 
@@ -155,20 +146,30 @@ def test_capture_sizes_validated(sizes):
         capture_size_for(1, sizes)
 
 
-def test_pad_stage_counts_pads_every_peer_per_stage():
-    assert pad_stage_counts({0: [3, 0], 1: [7, 1]}, [1, 2, 4, 8]) == {0: (4, 4), 1: (8, 8)}
-    assert pad_stage_counts({0: [0, 0]}, [1, 2]) == {0: (1, 1)}
-    assert pad_stage_counts({0: [1, 9]}, [1, 2, 4, 8]) is None
+def _pad(counts, sizes):
+    """``schedule.pad_sizes`` (the one padding rule) for per-stage per-attention-rank ``counts`` at ``A x 1``."""
+    from afd_ext.metadata import AFDControlPayload
+    from afd_ext.schedule import pad_sizes
+    from afd_ext.topology import Topology
+
+    A = len(next(iter(counts.values())))
+    return pad_sizes(Topology(A, 1), AFDControlPayload(dp_metadata_list={s: list(c) for s, c in counts.items()}), sizes)
+
+
+def test_padding_pads_every_peer_per_stage():
+    assert _pad({0: [3, 0], 1: [7, 1]}, [1, 2, 4, 8]) == {0: 4, 1: 8}
+    assert _pad({0: [0, 0]}, [1, 2]) == {0: 1}
+    assert _pad({0: [1, 9]}, [1, 2, 4, 8]) is None
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(0, 64), min_size=1, max_size=6))
 def test_padded_counts_hold_every_peer_and_are_capture_sizes(counts):
     sizes = [1, 2, 4, 8, 16, 32, 64]
-    padded = pad_stage_counts({0: counts}, sizes)[0]
-    assert len(set(padded)) == 1 and padded[0] in sizes
-    assert all(p >= c for p, c in zip(padded, counts))
-    smaller = [s for s in sizes if s < padded[0]]
+    padded = _pad({0: counts}, sizes)[0]
+    assert padded in sizes
+    assert all(padded >= c for c in counts)
+    smaller = [s for s in sizes if s < padded]
     assert not smaller or max(counts) > smaller[-1]
 
 
@@ -225,7 +226,7 @@ def _entry(k, backend, nbytes_rows=4):
     arena = StaticArena("cpu", label=k.describe())
     arena.buffer("buf", (nbytes_rows, 4), torch.float32)
     arena.freeze()
-    return graphs.CapturedGraph(k, lambda: None, arena, None, backend)
+    return graphs.CapturedGraph(k, (lambda: None,), arena, None, backend)
 
 
 def test_cache_lru_eviction_releases_graph_and_buffers_together():
@@ -235,26 +236,19 @@ def test_cache_lru_eviction_releases_graph_and_buffers_together():
     assert cache.put(e1) == [] and cache.put(e2) == []
     assert cache.get(e1.key) is e1  # e1 becomes most recently used
     assert cache.put(e3) == [e2.key]
-    assert e2.released and e2.arena.names() == [] and e2.graph is None
+    assert e2.released and e2.arena.nbytes == 0 and e2.graphs == ()
     assert not e1.released and e1.key in cache and e3.key in cache
     assert (len(cache), cache.evictions) == (2, 1)
     with pytest.raises(GraphError, match="released"):
         e2.replay()
 
 
-def test_cache_never_evicts_a_replaying_graph():
+def test_cache_evict_releases_the_entry():
     backend = EagerRecordingBackend()
     cache = GraphCache(1)
-    e1, e2 = _entry(key([1]), backend), _entry(key([2]), backend)
+    e1 = _entry(key([1]), backend)
     cache.put(e1)
-    e1._in_use = 1  # a replay of e1 is being issued
-    with pytest.raises(GraphError, match="every entry is replaying"):
-        cache.put(e2)
-    assert not e1.released
-    with pytest.raises(GraphError, match="while it is replaying"):
-        cache.evict(e1.key)
-    e1._in_use = 0
-    assert cache.evict(e1.key) and e1.released
+    assert cache.evict(e1.key) and e1.released and backend.released == 1
     assert not cache.evict(e1.key)
 
 
@@ -285,7 +279,7 @@ def _capture_doubler(ctl, k, rows):
 
 def test_replay_refused_when_key_not_captured():
     ctl = _controller()
-    ctl.note_eager_step(StepMode.WARMUP, key([4, 4]))
+    ctl.warmed_up = True
     assert ctl.decide(payload(is_graph_capturing=True), key([4, 4])) is StepMode.CAPTURE
     _capture_doubler(ctl, key([4, 4]), 8)
     # [7, 1] has the same total as [4, 4]: the FFN side must not replay [4, 4] for it.
@@ -302,12 +296,12 @@ def test_capture_refused_before_warmup_with_rows_on_every_peer():
     ctl = _controller()
     with pytest.raises(GraphModeError, match="warm-up"):
         ctl.decide(payload(is_graph_capturing=True), key([2, 2]))
-    ctl.note_eager_step(StepMode.WARMUP, key([2, 0]))  # a cold edge stays cold
+    ctl.note_eager_step(StepMode.WARMUP, _schedule({0: [2, 0]}), 0)  # a cold edge stays cold
     with pytest.raises(GraphModeError, match="warm-up"):
         ctl.decide(payload(is_graph_capturing=True), key([2, 2]))
-    ctl.note_eager_step(StepMode.EAGER, key([2, 2]))  # an eager step is not a warm-up
+    ctl.note_eager_step(StepMode.EAGER, _schedule({0: [2, 2]}), 0)  # an eager step is not a warm-up
     assert not ctl.warmed_up
-    ctl.note_eager_step(StepMode.WARMUP, key([2, 2]))
+    ctl.note_eager_step(StepMode.WARMUP, _schedule({0: [2, 2]}), 0)
     assert ctl.decide(payload(is_graph_capturing=True), key([2, 2])) is StepMode.CAPTURE
     with pytest.raises(GraphModeError, match="needs the step's graph key"):
         ctl.decide(payload(is_graph_replaying=True))
@@ -381,7 +375,6 @@ def test_controller_arguments_validated():
     with pytest.raises(ValueError, match="increasing"):
         GraphController(role="ffn", cache_size=1, backend=EagerRecordingBackend(), device="cpu", capture_sizes=[4, 2])
     ctl = _controller()
-    assert ctl.pad_counts({0: [3, 1]}) == {0: (4, 4)}
     with pytest.raises(GraphBufferError, match="arena is on"):
         ctl.capture(key([1]), StaticArena("meta"), lambda: None)
 
@@ -422,27 +415,32 @@ def test_cold_edges_and_warmup_from_schedule():
     assert graphs.cold_edges(sched, "ffn", 0) == [(1, 0)]
     assert graphs.cold_edges(sched, "attention", 0) == []
     ctl = _controller()
-    ctl.note_eager_step(StepMode.WARMUP, None, schedule=sched, role_rank=0)
+    ctl.note_eager_step(StepMode.WARMUP, sched, 0)
     assert not ctl.warmed_up
     warm = schedule_mod.build_step_schedule(
         topology_mod.Topology(1, 2), schedule_mod.warmup_payload(topology_mod.Topology(1, 2)),
         schedule_mod.ScheduleConfig(num_layers=1, hidden_size=4, hidden_dtype=torch.float32),
     )
     assert graphs.cold_edges(warm, "attention", 0) == []
-    ctl.note_eager_step(StepMode.WARMUP, None, schedule=warm, role_rank=0)
+    ctl.note_eager_step(StepMode.WARMUP, warm, 0)
     assert ctl.warmed_up
 
 
 def test_reserve_buffers_at_captured_capacity():
     sched = _schedule({0: [3, 0], 1: [2, 2]}, pad={0: 4, 1: 2}, router_logits_width=8, send_token_ids=True)
     arena = StaticArena("cpu")
-    ffn = graphs.reserve_ffn_buffers(arena, sched, 0)
+
+    def reserve_ffn():
+        return {s: schedule_mod.stage_buffers(arena.buffer, sched.config, s, sched.ffn_rows(s, 0), ("output",),
+                                              fan_in=True) for s in sched.stages}
+
+    ffn = reserve_ffn()
     assert ffn[0]["hidden"].shape == (8, 16) and ffn[1]["output"].shape == (4, 16)
     assert ffn[0]["router_logits"].shape == (8, 8) and ffn[0]["token_ids"].dtype == torch.int32
-    att = graphs.reserve_attention_buffers(StaticArena("cpu"), sched, 1)
-    assert att[0]["hidden"].shape == (4, 16) and att[0]["reply"].shape == (4, 16)
+    att = schedule_mod.stage_buffers(StaticArena("cpu").buffer, sched.config, 0, sched.attention_rows(0, 1), ("reply",))
+    assert att["hidden"].shape == (4, 16) and att["reply"].shape == (4, 16)
     # Reserving again returns the very same tensors (the arena never reallocates).
-    again = graphs.reserve_ffn_buffers(arena, sched, 0)
+    again = reserve_ffn()
     assert all(again[s][n] is ffn[s][n] for s in ffn for n in ffn[s] if ffn[s][n] is not None)
 
 

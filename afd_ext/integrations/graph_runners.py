@@ -18,7 +18,6 @@ import torch
 from ..errors import AFDConfigError, GraphError, GraphKeyMismatchError, GraphModeError
 from ..graphs import (
     DEFAULT_CAPTURE_SIZES,
-    GraphBackend,
     GraphController,
     GraphKey,
     StaticArena,
@@ -105,7 +104,7 @@ class AttentionGraphRunner:
     """
 
     def __init__(self, exchange: Any, connector: Any, *, capture_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32),
-                 cache_size: int | None = None, backend: GraphBackend | None = None):
+                 cache_size: int | None = None, backend: Any = None):
         self.exchange = exchange
         self.connector = connector
         self.ctl = GraphController(role="attention", cache_size=_cache_size(connector, cache_size), backend=backend,
@@ -113,13 +112,8 @@ class AttentionGraphRunner:
         # init_afd_connector warms every edge and direction unless told not to.
         self.ctl.warmed_up = connector.warmup_on_init
         self.active = False
-        self.replayed_steps = 0
-        self.eager_steps = 0
         self._key: GraphKey | None = None
         self._layer = 0
-
-    def _static(self, key: GraphKey) -> dict[int, dict[str, torch.Tensor | None]]:
-        return self.ctl.entry(key).outputs
 
     def begin_step(self, payload: Any, *, dp_rank: int, row_mask: torch.Tensor | None = None,
                    send: bool = True) -> list[int]:
@@ -129,11 +123,8 @@ class AttentionGraphRunner:
         pad = pad_sizes(self.connector.topology, payload, self.ctl.capture_sizes)
         if pad is None or not send:
             self.active = False
-            self.eager_steps += 1
             return self.exchange.begin_eager_step(payload, dp_rank=dp_rank, row_mask=row_mask, send=send)
-        rows = [int(payload.dp_metadata_list[s].counts[dp_rank]) for s in sorted(payload.dp_metadata_list)]
-        if row_mask is not None and int(row_mask.sum()) != sum(rows):
-            raise AFDConfigError(f"row_mask selects {int(row_mask.sum())} rows but the payload gives this rank {sum(rows)}")
+        rows = self.exchange.step_rows(payload, dp_rank, row_mask)
         key, _ = _step_key(self.connector, padded_payload(payload, pad))
         if key not in self.ctl.cache:
             self._warmup_and_capture(payload, pad, key)
@@ -144,12 +135,7 @@ class AttentionGraphRunner:
         cp.send_dp_metadata_list(replay)
         self.active, self._key, self._layer = True, key, 0
         self.exchange.set_step_rows(rows, row_mask)
-        self.replayed_steps += 1
         return rows
-
-    def _dummy_layers(self, static: Mapping[int, Mapping[str, torch.Tensor | None]], layers: int) -> None:
-        for layer in range(layers):
-            self._dummy_layer(static, layer)
 
     def _alloc_static(self, arena: StaticArena, pad: Mapping[int, int]) -> dict[int, dict[str, torch.Tensor | None]]:
         cfg = self.connector.schedule_config
@@ -163,8 +149,10 @@ class AttentionGraphRunner:
         mode = self.ctl.decide(warm, key)
         cp.update_state_from_dp_metadata(warm)
         cp.send_dp_metadata_list(warm)
-        self._dummy_layers(self._alloc_static(StaticArena(conn.device, label="warm-up"), pad), layers)
-        self.ctl.note_eager_step(mode, key, schedule=conn.step_schedule, role_rank=conn.role_rank)
+        warm_static = self._alloc_static(StaticArena(conn.device, label="warm-up"), pad)
+        for layer in range(layers):
+            self._dummy_layer(warm_static, layer)
+        self.ctl.note_eager_step(mode, conn.step_schedule, conn.role_rank)
         # 2. capture step: buffers from the graph's arena, one graph per layer.
         cap = padded_payload(payload, pad, is_graph_capturing=True)
         self.ctl.decide(cap, key)
@@ -181,20 +169,9 @@ class AttentionGraphRunner:
             conn.use_static_arena(None)
 
     def _dummy_layer(self, static, layer: int) -> None:
-        from ..metadata import AFDTransferContext, AFDTransferMetadata
-
-        conn = self.connector
         for s in sorted(static):
             b = static[s]
-            ctx = AFDTransferContext(AFDTransferMetadata.create_attention_metadata(
-                layer_idx=layer, stage_idx=s, seq_len=b["hidden"].shape[0]))
-            kw = {}
-            if b["router_logits"] is not None:
-                kw["router_logits"] = b["router_logits"]
-            if b["token_ids"] is not None:
-                kw["input_ids"] = b["token_ids"]
-            conn.send_attn_output(b["hidden"], ctx, **kw)
-            conn.recv_ffn_output(ref_tensor=b["hidden"], ubatch_idx=s)
+            self.exchange.send_recv(layer, s, b["hidden"], b["router_logits"], b["token_ids"])
 
     def exchange_rows(self, layer_idx: int, rows: torch.Tensor, router_logits: torch.Tensor | None,
                       token_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -210,7 +187,7 @@ class AttentionGraphRunner:
         part = self._layer % layers
         self._layer += 1
         stage_rows = self.exchange.rows_for(rows.shape[0])
-        static = self._static(self._key)
+        static = self.ctl.entry(self._key).outputs
         start = 0
         for s, n in zip(sorted(static), stage_rows):
             b = static[s]
@@ -224,17 +201,10 @@ class AttentionGraphRunner:
                     raise AFDConfigError(f"layer {layer_idx}: token ids are configured but none were given")
                 pad_rows_into(token_ids[start:start + n].to(torch.int32), b["token_ids"])
             start += n
-        ex = self.exchange
-        with ex.timed(layer_idx, rows.device):
+        with self.exchange.timed(layer_idx, rows.device):
             self.ctl.replay(self._key, part=part)
             self.connector.track_graph_replay(f"CUDA-graph replay of layer {layer_idx}")
-        outs = []
-        for s, n in zip(sorted(static), stage_rows):
-            outs.append(static[s]["hidden"][:n].clone())
-        # Bytes of real rows only; the padding rows travel too but carry nothing.
-        ex.count_bytes(rows.numel() * rows.element_size() + (
-            0 if router_logits is None else router_logits.numel() * router_logits.element_size()),
-            rows.numel() * rows.element_size())
+        outs = [static[s]["hidden"][:n].clone() for s, n in zip(sorted(static), stage_rows)]
         return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
 
     def end_step(self) -> None:
@@ -267,7 +237,7 @@ class FFNGraphServer:
     """
 
     def __init__(self, server: Any, *, cache_size: int | None = None,
-                 capture_sizes: Sequence[int] = DEFAULT_CAPTURE_SIZES, backend: GraphBackend | None = None):
+                 capture_sizes: Sequence[int] = DEFAULT_CAPTURE_SIZES, backend: Any = None):
         self.server = server
         conn = server.connector
         self.ctl = GraphController(role="ffn", cache_size=_cache_size(conn, cache_size), backend=backend,
@@ -304,20 +274,12 @@ class FFNGraphServer:
                 srv.rows_served = rows_before  # a capture moves nothing
         else:
             srv.serve_step(payload)
-            self.ctl.note_eager_step(mode, key, schedule=sched, role_rank=conn.role_rank)
+            self.ctl.note_eager_step(mode, sched, conn.role_rank)
         return mode
 
     def serve(self, *, max_steps: int | None = None) -> int:
         """Serve steps until a shutdown payload (no stages) or ``max_steps``; return the steps served."""
-        served = 0
-        conn = self.server.connector
-        while max_steps is None or served < max_steps:
-            payload = conn.control_plane.recv_dp_metadata_list()
-            if not payload.dp_metadata_list:
-                break
-            self.serve_step(payload)
-            served += 1
-        return served
+        return self.server.serve(max_steps=max_steps, step=self.serve_step)
 
     def close(self) -> None:
         """Release every captured graph and its buffers."""

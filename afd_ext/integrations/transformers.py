@@ -301,18 +301,17 @@ class _ExchangeTimer:
         self.stats = stats
         self._pending: list[tuple[int, Any, Any]] = []  # (layer_idx, start event, end event)
 
-    def start(self, device: torch.device) -> Any:
-        if device.type == "cuda":
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
-        return time.perf_counter_ns()
-
-    def stop(self, layer_idx: int, start: Any) -> None:
-        if isinstance(start, int):
-            self.stats.latency_ns.setdefault(layer_idx, []).append(time.perf_counter_ns() - start)
+    @contextlib.contextmanager
+    def measure(self, layer_idx: int, device: torch.device) -> Any:
+        """Record the latency of the ``with`` body (not when it raises)."""
+        if device.type != "cuda":
+            t0 = time.perf_counter_ns()
+            yield
+            self.stats.latency_ns.setdefault(layer_idx, []).append(time.perf_counter_ns() - t0)
             return
-        end = torch.cuda.Event(enable_timing=True)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        yield
         end.record()
         self._pending.append((layer_idx, start, end))
 
@@ -428,6 +427,20 @@ class AttentionExchange:
         send: bool = True,
     ) -> list[int]:
         """:meth:`begin_step` without the graph runner (the runner calls it for the steps it runs eagerly)."""
+        rows = self.step_rows(payload, dp_rank, row_mask)
+        cp = self.connector.control_plane
+        cp.update_state_from_dp_metadata(payload)
+        if send:
+            cp.send_dp_metadata_list(payload)
+        self.set_step_rows(rows, row_mask)
+        return rows
+
+    def step_rows(self, payload: AFDControlPayload, dp_rank: int, row_mask: torch.Tensor | None) -> list[int]:
+        """This rank's rows per stage in ``payload``, checked against ``num_stages`` and ``row_mask``.
+
+        Raises:
+            AFDConfigError: as :meth:`begin_step`.
+        """
         stages = sorted(payload.dp_metadata_list)
         if stages != list(range(self.num_stages)):
             raise AFDConfigError(
@@ -447,11 +460,6 @@ class AttentionExchange:
                     f"row_mask selects {n} rows but the payload gives this rank {sum(rows)} "
                     f"(per stage {rows})"
                 )
-        cp = self.connector.control_plane
-        cp.update_state_from_dp_metadata(payload)
-        if send:
-            cp.send_dp_metadata_list(payload)
-        self.set_step_rows(rows, row_mask)
         return rows
 
     def set_step_rows(self, rows: list[int], row_mask: torch.Tensor | None) -> None:
@@ -526,61 +534,41 @@ class AttentionExchange:
             AFDProtocolError: the FFN output's shape differs from the rows sent.
         """
         if self.graph_runner is not None and self.graph_runner.active:
-            return self.graph_runner.exchange_rows(layer_idx, rows, router_logits)
-        stage_rows = self.rows_for(rows.shape[0])
-        conn = self.connector
-        outs = []
-        start = 0
-        for s, n in enumerate(stage_rows):
-            x = rows[start : start + n]
-            lg = router_logits[start : start + n] if router_logits is not None else None
-            start += n
-            ctx = AFDTransferContext(
-                metadata=AFDTransferMetadata.create_attention_metadata(
-                    layer_idx=layer_idx, stage_idx=s, seq_len=n
-                )
-            )
-            t0 = None if self._timer is None else self._timer.start(rows.device)
-            if lg is not None:
-                conn.send_attn_output(x, ctx, router_logits=lg)
-            else:
-                conn.send_attn_output(x, ctx)
-            y = conn.recv_ffn_output(ref_tensor=x, ubatch_idx=s)
-            if t0 is not None:
-                self._timer.stop(layer_idx, t0)
-            sent = x.numel() * x.element_size()
-            if lg is not None:
-                sent += lg.numel() * lg.element_size()
-            self.count_bytes(sent, y.numel() * y.element_size())
-            if tuple(y.shape) != tuple(x.shape):
-                raise AFDProtocolError(
-                    f"layer {layer_idx} stage {s}: FFN output has shape {tuple(y.shape)}, "
-                    f"expected {tuple(x.shape)}"
-                )
-            outs.append(y)
-        return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+            out = self.graph_runner.exchange_rows(layer_idx, rows, router_logits)
+        else:
+            outs = []
+            start = 0
+            for s, n in enumerate(self.rows_for(rows.shape[0])):
+                x = rows[start : start + n]
+                lg = router_logits[start : start + n] if router_logits is not None else None
+                start += n
+                with self.timed(layer_idx, rows.device):
+                    y = self.send_recv(layer_idx, s, x, lg)
+                if tuple(y.shape) != tuple(x.shape):
+                    raise AFDProtocolError(
+                        f"layer {layer_idx} stage {s}: FFN output has shape {tuple(y.shape)}, "
+                        f"expected {tuple(x.shape)}"
+                    )
+                outs.append(y)
+            out = outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+        # Wire payload bytes of the real rows (graph padding rows travel too but carry nothing).
+        self._stats.bytes_sent += rows.nbytes + (0 if router_logits is None else router_logits.nbytes)
+        self._stats.bytes_received += out.nbytes
+        return out
 
-
-    def count_bytes(self, sent: int, received: int) -> None:
-        """Add one exchange's wire payload bytes to :attr:`stats`."""
-        self._stats.bytes_sent += sent
-        self._stats.bytes_received += received
+    def send_recv(self, layer_idx: int, stage: int, x: torch.Tensor, router_logits: torch.Tensor | None = None,
+                  token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """One (layer, stage) exchange through the connector: send ``x`` ``[n, hidden]`` (with the router
+        logits and token ids when given), then receive the FFN output, ``[n, hidden]`` like ``x``."""
+        ctx = AFDTransferContext(metadata=AFDTransferMetadata.create_attention_metadata(
+            layer_idx=layer_idx, stage_idx=stage, seq_len=x.shape[0]))
+        kw = {k: v for k, v in (("router_logits", router_logits), ("input_ids", token_ids)) if v is not None}
+        self.connector.send_attn_output(x, ctx, **kw)
+        return self.connector.recv_ffn_output(ref_tensor=x, ubatch_idx=stage)
 
     def timed(self, layer_idx: int, device: torch.device) -> Any:
         """A context that records one exchange's latency when ``timing`` is on (no device sync)."""
-        return contextlib.nullcontext() if self._timer is None else _Timed(self._timer, layer_idx, device)
-
-
-class _Timed:
-    def __init__(self, timer: _ExchangeTimer, layer_idx: int, device: torch.device):
-        self.timer, self.layer_idx, self.device = timer, layer_idx, device
-
-    def __enter__(self) -> None:
-        self.t0 = self.timer.start(self.device)
-
-    def __exit__(self, *exc: Any) -> None:
-        if exc[0] is None:
-            self.timer.stop(self.layer_idx, self.t0)
+        return contextlib.nullcontext() if self._timer is None else self._timer.measure(layer_idx, device)
 
 
 class RemoteMLP(nn.Module):
@@ -769,10 +757,9 @@ class ReceivedLogitsGate(nn.Module):
     def __init__(self, original: nn.Module):
         super().__init__()
         self.original = original
-        self.is_linear = isinstance(original, nn.Linear)
-        self.router = None if self.is_linear else _identity_router(original)
+        self.router = None if isinstance(original, nn.Linear) else _identity_router(original)
         self.pending: torch.Tensor | None = None
-        self._self_check()
+        _check_received_routing(original)
 
     def forward(self, hidden_states: torch.Tensor) -> Any:  # noqa: D102
         logits = self.pending
@@ -785,41 +772,39 @@ class ReceivedLogitsGate(nn.Module):
         if logits.shape[0] != n:
             raise AFDProtocolError(f"received router logits have {logits.shape[0]} rows, the block has {n}")
         logits = logits.to(self.original.weight.dtype)
-        if self.is_linear:
-            return logits
-        return self.router(logits)
+        return logits if self.router is None else self.router(logits)
 
-    def _self_check(self) -> None:
-        g32 = copy.deepcopy(self.original).float().cpu()
-        gen = torch.Generator().manual_seed(1234)
-        x = torch.randn(7, g32.weight.shape[1], generator=gen)
-        with torch.no_grad():
-            ref = _flatten(g32(x))
-            probe = ReceivedLogitsGate.__new__(ReceivedLogitsGate)
-            nn.Module.__init__(probe)
-            probe.original = g32
-            probe.is_linear = self.is_linear
-            probe.router = None if self.is_linear else _identity_router(g32)
-            probe.pending = router_logits_from_gate(g32, x)
-            got = _flatten(probe(x))
-        ok = len(ref) == len(got)
-        for a, b in zip(ref, got):
-            if not ok:
-                break
-            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-                ok = a.shape == b.shape and (
-                    torch.allclose(a.float(), b.float(), atol=1e-5, rtol=1e-5)
-                    if a.is_floating_point()
-                    else torch.equal(a, b)
-                )
-            else:
-                ok = a == b
+
+def _check_received_routing(gate: nn.Module) -> None:
+    """Probe, on float32 CPU copies, that routing from received logits gives the router's own outputs.
+
+    Raises:
+        NotImplementedError: the outputs differ (the router cannot be driven by received logits).
+    """
+    g32 = copy.deepcopy(gate).float().cpu()
+    x = torch.randn(7, g32.weight.shape[1], generator=torch.Generator().manual_seed(1234))
+    with torch.no_grad():
+        ref = _flatten(g32(x))
+        logits = router_logits_from_gate(g32, x)
+        got = _flatten(logits if isinstance(g32, nn.Linear) else _identity_router(g32)(logits))
+    ok = len(ref) == len(got)
+    for a, b in zip(ref, got):
         if not ok:
-            raise NotImplementedError(
-                f"router {type(self.original).__name__} cannot be driven by received router logits "
-                "(its outputs differ from the original's on a probe); run with the gate on the "
-                "FFN side (gate_on_attention=False)"
+            break
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            ok = a.shape == b.shape and (
+                torch.allclose(a.float(), b.float(), atol=1e-5, rtol=1e-5)
+                if a.is_floating_point()
+                else torch.equal(a, b)
             )
+        else:
+            ok = a == b
+    if not ok:
+        raise NotImplementedError(
+            f"router {type(gate).__name__} cannot be driven by received router logits "
+            "(its outputs differ from the original's on a probe); run with the gate on the "
+            "FFN side (gate_on_attention=False)"
+        )
 
 
 def extract_ffn_modules(model: nn.Module, *, gate_on_attention: bool = False) -> dict[int, nn.Module]:
@@ -961,17 +946,23 @@ class FFNServer:
                 self.rows_served += int(p.hidden_states.shape[0])
                 conn.send_ffn_output(y, ctx)
 
-    def serve(self, *, max_steps: int | None = None) -> int:
+    def serve(self, *, max_steps: int | None = None,
+              step: Callable[[AFDControlPayload], Any] | None = None) -> int:
         """Serve steps until a shutdown payload (or ``max_steps``); return the steps served.
 
         Every wait is bounded by the connector's deadlines (``recv_dp_metadata_list``
         raises when no payload arrives in time).
+
+        Args:
+            max_steps: stop after this many steps (default: only at shutdown).
+            step: serves one payload (default :meth:`serve_step`; the graph server passes its own).
         """
+        step = step or self.serve_step
         served = 0
         while max_steps is None or served < max_steps:
             payload = self.connector.control_plane.recv_dp_metadata_list()
             if is_shutdown_payload(payload):
                 break
-            self.serve_step(payload)
+            step(payload)
             served += 1
         return served

@@ -314,14 +314,14 @@ class _Ctx:
         return bufs
 
     def buffers(self, arena, sched):
-        g = self.graphs
+        """The rank's static buffers of every stage (``schedule.stage_buffers``, the one stage layout)."""
+        from afd_ext.schedule import stage_buffers
+
         if self.role == "ffn":
-            return g.reserve_ffn_buffers(arena, sched, self.rr)
-        bufs = g.reserve_attention_buffers(arena, sched, self.rr)
-        for s in sched.stages:
-            n = sched.attention_rows(s, self.rr)
-            bufs[s]["send"] = arena.buffer(("send", s), (n, self.setup.hidden), getattr(torch, self.setup.dtype))
-        return bufs
+            return {s: stage_buffers(arena.buffer, sched.config, s, sched.ffn_rows(s, self.rr), ("output",),
+                                     fan_in=True) for s in sched.stages}
+        return {s: stage_buffers(arena.buffer, sched.config, s, sched.attention_rows(s, self.rr), ("reply", "send"))
+                for s in sched.stages}
 
     def fill(self, sched, bufs, step: Step):
         """Attention side: copy fresh real rows into the step's buffers, zero the padding rows."""
@@ -388,7 +388,7 @@ def run_script(ctx, setup: Setup, script_name: str) -> dict:
             bufs = ctx.buffers(StaticArena(ctx.device, label="eager"), sched)
             real = ctx.fill(sched, bufs, step) if ctx.role == "attention" else None
             (ctx.ffn_loop if ctx.role == "ffn" else ctx.attention_loop)(sched, bufs)
-            ctx.ctl.note_eager_step(mode, key, schedule=sched, role_rank=ctx.rr)
+            ctx.ctl.note_eager_step(mode, sched, ctx.rr)
         # Every captured graph keeps its buffers where they were captured.
         for k, addr in addresses.items():
             e = ctx.ctl.entry(k)

@@ -63,7 +63,7 @@ def _worker(rank: int, nprocs: int, args: dict, port: int) -> dict:
         payload, sched, key = ctx.schedule(Step(((max_t,),), "warmup", seed=1))
         bufs = ctx.buffers(ctx.ctl.new_arena(key), sched)
         _exchange_only(ctx, sched, bufs, 1)
-        ctx.ctl.note_eager_step(ctx.ctl.decide(payload, key), key, schedule=sched, role_rank=ctx.rr)
+        ctx.ctl.note_eager_step(ctx.ctl.decide(payload, key), sched, ctx.rr)
         for t in args["tokens"]:
             payload, sched, key = ctx.schedule(Step(((t,),), "capture"))
             assert ctx.ctl.decide(payload, key) is StepMode.CAPTURE
@@ -77,7 +77,7 @@ def _worker(rank: int, nprocs: int, args: dict, port: int) -> dict:
             eager = time_eager(lambda: _exchange_only(ctx, sched, bufs, 1), args["iters"], args["warmup"],
                                cuda=True, timed=timed, what=f"eager exchange T={t}")
             entry = ctx.ctl.capture(key, arena, lambda: _exchange_only(ctx, sched, bufs, setup.layers))
-            graph = time_graph(entry.graph, args["replays"], args["warmup"], setup.layers, timed=timed,
+            graph = time_graph(entry.graphs[0], args["replays"], args["warmup"], setup.layers, timed=timed,
                                what=f"graph exchange T={t}")
             torch.cuda.synchronize()
             if timed:
