@@ -113,14 +113,14 @@ class AFDConnectorFactory:
             cls._classes.pop(name, None)
 
     @classmethod
-    def load_entry_points(cls, *, refresh: bool = False) -> None:
+    def load_entry_points(cls) -> None:
         """Register every connector of the ``afd_ext.connectors`` entry-point group.
 
         Called lazily by lookups; names already registered win (a warning is
         logged). A malformed entry point value is logged and skipped.
         """
         with cls._lock:
-            if cls._entry_points_loaded and not refresh:
+            if cls._entry_points_loaded:
                 return
             cls._entry_points_loaded = True
             try:
@@ -357,31 +357,8 @@ def _register_builtins() -> None:
 _register_builtins()
 
 
-def register_connector(name: str, module_path: str, class_name: str, replace: bool = False) -> None:
-    """Module-level :meth:`AFDConnectorFactory.register_connector`."""
-    AFDConnectorFactory.register_connector(name, module_path, class_name, replace=replace)
-
-
-def get_connector_class(name: str) -> type:
-    """Module-level :meth:`AFDConnectorFactory.get_connector_class`."""
-    return AFDConnectorFactory.get_connector_class(name)
-
-
-def create_connector(
-    rank: int,
-    local_rank: int,
-    config: Any,
-    afd_config: AFDConfig | Mapping[str, Any] | None = None,
-    *,
-    role_rank: int | None = None,
-    **kwargs: Any,
-) -> Any:
-    """Module-level :meth:`AFDConnectorFactory.create_connector`."""
-    return AFDConnectorFactory.create_connector(
-        rank, local_rank, config, afd_config, role_rank=role_rank, **kwargs
-    )
-
-
-def known_connectors() -> tuple[str, ...]:
-    """Module-level :meth:`AFDConnectorFactory.known_connectors`."""
-    return AFDConnectorFactory.known_connectors()
+# The module-level API is the class's: one implementation, two spellings (the reference's is the class).
+register_connector = AFDConnectorFactory.register_connector
+get_connector_class = AFDConnectorFactory.get_connector_class
+create_connector = AFDConnectorFactory.create_connector
+known_connectors = AFDConnectorFactory.known_connectors

@@ -49,6 +49,7 @@ import shutil
 import sys
 from typing import TYPE_CHECKING, NamedTuple, Sequence
 
+from afd_ext import envs
 from afd_ext.errors import AFDConfigError, AFDError
 
 if TYPE_CHECKING:
@@ -70,16 +71,6 @@ class LaunchedRank(NamedTuple):
 # ---------------------------------------------------------------------------
 # Inside a rank: who am I
 # ---------------------------------------------------------------------------
-
-
-def _env(name: str):
-    """An ``AFD_*`` variable through :mod:`afd_ext.envs`; a bad value is an AFDConfigError."""
-    from afd_ext import envs
-
-    try:
-        return envs.get(name)
-    except ValueError as e:
-        raise AFDConfigError(str(e)) from None
 
 
 def _launcher_int(name: str) -> int | None:
@@ -138,11 +129,11 @@ def resolve_role(num_attention_ranks: int, num_ffn_ranks: int, *, rank: int | No
             or the role rank is out of range; the message names the variable.
     """
     A, F = num_attention_ranks, num_ffn_ranks
-    role = _env("AFD_ROLE")
+    role = envs.get("AFD_ROLE")
     if role is not None:
         if role not in ("attention", "ffn"):
             raise AFDConfigError(f"AFD_ROLE={role!r}: expected 'attention' or 'ffn'")
-        role_rank = _env("AFD_ROLE_RANK")
+        role_rank = envs.get("AFD_ROLE_RANK")
         if role_rank is None:
             raise AFDConfigError("AFD_ROLE is set but AFD_ROLE_RANK is not: set both, or neither under torchrun")
         ffn0_is_rank0 = False
@@ -159,7 +150,7 @@ def resolve_role(num_attention_ranks: int, num_ffn_ranks: int, *, rank: int | No
                 "(torchrun --nproc-per-node on each node, summed over the nodes)")
         if rank >= world:
             raise AFDConfigError(f"RANK={rank} is out of range for WORLD_SIZE={world}")
-        mapping = _env("AFD_ROLES")
+        mapping = envs.get("AFD_ROLES")
         if mapping is not None:
             roles = _parse_roles(mapping)
             if len(roles) != world or roles.count("ffn") != F:
@@ -197,11 +188,11 @@ def config_from_env(**overrides) -> LaunchedRank:
     from afd_ext.config import AFDConfig
 
     overrides = dict(overrides)
-    A, F = _counts(overrides.pop("num_attention_ranks", None) or _env("AFD_NUM_ATTENTION_RANKS"),
-                   overrides.pop("num_ffn_ranks", None) or _env("AFD_NUM_FFN_RANKS"),
+    A, F = _counts(overrides.pop("num_attention_ranks", None) or envs.get("AFD_NUM_ATTENTION_RANKS"),
+                   overrides.pop("num_ffn_ranks", None) or envs.get("AFD_NUM_FFN_RANKS"),
                    _launcher_int("WORLD_SIZE"))
     role, role_rank, ffn0_is_rank0 = resolve_role(A, F)
-    host = overrides.pop("host", None) or _env("AFD_HOST")
+    host = overrides.pop("host", None) or envs.get("AFD_HOST")
     if host is None:
         if not ffn0_is_rank0:
             raise AFDConfigError(
@@ -212,9 +203,9 @@ def config_from_env(**overrides) -> LaunchedRank:
         if not host:
             raise AFDConfigError("neither AFD_HOST nor torchrun's MASTER_ADDR is set: set AFD_HOST to the "
                                  "address of FFN rank 0's machine")
-    port = overrides.pop("port", None) or _env("AFD_PORT")
+    port = overrides.pop("port", None) or envs.get("AFD_PORT")
     extra: dict = {}
-    raw_extra = _env("AFD_CONNECTOR_EXTRA_CONFIG")
+    raw_extra = envs.get("AFD_CONNECTOR_EXTRA_CONFIG")
     if raw_extra:
         try:
             extra = json.loads(raw_extra)
@@ -240,12 +231,12 @@ def local_device() -> int | None:
     Raises:
         AFDConfigError: a GPU list does not parse or has the wrong length.
     """
-    device = _env("AFD_DEVICE")
+    device = envs.get("AFD_DEVICE")
     if device is not None:
         return device
-    lists = {"attention": _env("AFD_ATTENTION_GPUS"), "ffn": _env("AFD_FFN_GPUS")}
+    lists = {"attention": envs.get("AFD_ATTENTION_GPUS"), "ffn": envs.get("AFD_FFN_GPUS")}
     if any(lists.values()):
-        A, F = _counts(_env("AFD_NUM_ATTENTION_RANKS"), _env("AFD_NUM_FFN_RANKS"), _launcher_int("WORLD_SIZE"))
+        A, F = _counts(envs.get("AFD_NUM_ATTENTION_RANKS"), envs.get("AFD_NUM_FFN_RANKS"), _launcher_int("WORLD_SIZE"))
         role, role_rank, _ = resolve_role(A, F)
         if lists[role]:
             name = "AFD_ATTENTION_GPUS" if role == "attention" else "AFD_FFN_GPUS"

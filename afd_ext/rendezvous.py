@@ -67,6 +67,7 @@ out its deadline. A claim whose process is gone is taken over.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import datetime
 import json
 import logging
@@ -76,7 +77,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 logger = logging.getLogger(__name__)
 
@@ -349,12 +350,6 @@ class AFDStore:
         what = f"checking {keys[0]!r}" if keys else "checking keys"
         return bool(self.call(lambda: self.store.check(keys), what, timeout_s))
 
-    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str,
-                    timeout_s: float | None = None) -> bytes:
-        """``store.compare_set``: set ``key`` to ``desired`` if it equals ``expected`` (``""``: absent)."""
-        return bytes(self.call(lambda: self.store.compare_set(key, expected, desired), f"updating {key!r}",
-                               timeout_s))
-
     @property
     def generation_key(self) -> str:
         """A string unique to this store instance and generation (for naming OS resources)."""
@@ -381,7 +376,6 @@ class AbortSignal:
 
     def __init__(self, store: AFDStore, me: str | None = None):
         self._store = store
-        self.store = store
         self.me = store.label() if me is None else me
         self._lost_logged = False
         self._lock = threading.Lock()
@@ -490,22 +484,15 @@ def _timedelta(timeout_s: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=float(timeout_s))
 
 
-class _guard:
+@contextlib.contextmanager
+def _guard(store: "AFDStore", what: str) -> Iterator[None]:
     """Turn a lost store connection into :class:`StoreUnavailableError` naming FFN rank 0."""
-
-    def __init__(self, store: "AFDStore", what: str):
-        self.store = store
-        self.what = what
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, et, ev, tb):
-        if ev is None or not isinstance(ev, RuntimeError) or isinstance(ev, (StepAbortedError, RendezvousError)):
-            return False
+    try:
+        yield
+    except RuntimeError as ev:
         if type(ev).__name__ in ("DistNetworkError", "DistStoreError", "DistError"):
-            raise self.store.lost_error(self.what, RuntimeError(error_text(ev))) from None
-        return False
+            raise store.lost_error(what, RuntimeError(error_text(ev))) from None
+        raise
 
 
 def process_group_error(exc: BaseException, *, me: str, label: Callable[[int], str], world_size: int,
@@ -610,28 +597,22 @@ def _open_tcp_store(host: str, port: int, world_rank: int, timeout_s: float, dea
             missing=(0,), what="rendezvous store") from None
     # The client's constructor has no timeout against a listener that never answers
     # (another program on the port, a stopped FFN rank 0): build it on a thread.
-    box: dict[str, Any] = {}
-
-    def build() -> None:
-        try:
-            box["store"] = dist.TCPStore(host, port, None, False, _timedelta(timeout_s), wait_for_workers=False)
-        except Exception as e:  # noqa: BLE001 - reported below
-            box["error"] = e
-
-    t = threading.Thread(target=build, name=f"afd-store-connect {host}:{port}", daemon=True)
-    t.start()
-    t.join(max(deadline - time.monotonic(), _MIN_ROUND_TRIP_S))
-    if t.is_alive():
+    builder = CallThread(f"afd-store-connect {host}:{port}")
+    fut = builder.submit(lambda: dist.TCPStore(host, port, None, False, _timedelta(timeout_s),
+                                                wait_for_workers=False))
+    builder.stop()
+    try:
+        return fut.result(max(deadline - time.monotonic(), _MIN_ROUND_TRIP_S))
+    except cf.TimeoutError:
         raise RendezvousTimeoutError(
             f"{where}: a process accepts connections on that port but does not answer as an AFD rendezvous "
             "store. Another program holds the port (choose another port on every rank), or FFN rank 0's "
             "process is stopped or frozen.",
-            missing=(0,), what="rendezvous store")
-    if "error" in box:
+            missing=(0,), what="rendezvous store") from None
+    except Exception as e:  # noqa: BLE001 - any failure to build the client is named here
         raise RendezvousTimeoutError(
-            f"{where}: {error_text(box['error'])}. Check that FFN rank 0 is running and that host/port are "
+            f"{where}: {error_text(e)}. Check that FFN rank 0 is running and that host/port are "
             "the same on every rank.", missing=(0,), what="rendezvous store") from None
-    return box["store"]
 
 
 def _wait_listening(host: str, port: int, deadline: float, report: WaitReport | None = None) -> str | None:

@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -81,7 +81,6 @@ __all__ = [
     "WirePart",
     "stage_buffers",
     "schedule_config",
-    "Message",
     "FanInPlan",
     "SendPlan",
     "StepSchedule",
@@ -215,11 +214,6 @@ class ScheduleConfig:
             parts.append(WirePart("token_ids", (), TOKEN_IDS_DTYPE))
         return tuple(parts)
 
-    @property
-    def num_wire_tensors(self) -> int:
-        """Wire tensors per a2f message: hidden states, plus logits and ids when they travel."""
-        return len(self.wire_parts)
-
 
 def stage_buffers(alloc: Callable[[tuple[str, int], tuple[int, ...], torch.dtype], Any], config: ScheduleConfig,
                   stage: int, rows: int, extra: Sequence[str] = (), *, fan_in: bool = False) -> dict[str, Any]:
@@ -264,13 +258,6 @@ def schedule_config(spec: Any, extra: Any) -> ScheduleConfig:
         router_logits_width=spec.router_logits_width, router_logits_dtype=spec.router_logits_dtype,
         send_token_ids=spec.send_token_ids, clamp_idle_to_one=extra.clamp_idle_to_one, max_stages=extra.max_stages,
         hidden_wire=getattr(extra, "hidden_wire_dtype", None), fp8_delivery=getattr(extra, "fp8_delivery", "dequant"))
-
-
-class Message(NamedTuple):
-    """One message of one (layer, stage, edge, direction)."""
-
-    rows: int
-    skipped: bool
 
 
 class FanInPlan(NamedTuple):
@@ -389,12 +376,9 @@ class StepSchedule:
         return plan
 
     def edge_rows(self, stage: int, a: int, f: int) -> int:
-        """Rows on edge (attention rank ``a``, FFN rank ``f``) in ``stage`` (same both directions)."""
+        """Rows on edge (attention rank ``a``, FFN rank ``f``) in ``stage`` (same both directions;
+        0: the message is skipped on both sides)."""
         return self._edge(stage, a, f)[0]
-
-    def edge_valid_rows(self, stage: int, a: int, f: int) -> int:
-        """Real rows at the start of the edge's range."""
-        return self._edge(stage, a, f)[1]
 
     def _edge(self, stage: int, a: int, f: int) -> tuple[int, int]:
         plan = self.attention_plan(stage, a)
@@ -429,29 +413,6 @@ class StepSchedule:
     def ffn_rows(self, stage: int, f: int) -> int:
         """Rows of FFN rank ``f``'s concatenated tensor in ``stage``."""
         return self.ffn_plan(stage, f).total
-
-    def message(self, layer: int, stage: int, a: int, f: int, direction: str) -> Message:
-        """The message of one (layer, stage, edge, direction).
-
-        Raises:
-            AFDConfigError: layer out of range, unknown stage or direction, or
-                ``(a, f)`` not an edge.
-        """
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.config.num_layers:
-            raise AFDConfigError(f"layer must be in 0..{self.config.num_layers - 1}, got {layer!r}")
-        if direction not in DIRECTIONS:
-            raise AFDConfigError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
-        rows = self.edge_rows(stage, a, f)
-        return Message(rows, rows == 0)
-
-    def messages(self) -> Iterator[tuple[int, int, int, int, str, Message]]:
-        """Every ``(layer, stage, a, f, direction, message)`` in issue order (layer-major, stage-minor)."""
-        edges = self.topology.edges()
-        for layer in range(self.config.num_layers):
-            for stage in self.stages:
-                for direction in DIRECTIONS:
-                    for a, f in edges:
-                        yield layer, stage, a, f, direction, self.message(layer, stage, a, f, direction)
 
     # -- input checks ------------------------------------------------------------
 

@@ -346,22 +346,17 @@ class Watchdog:
 
     def _bounded_blame(self, op: TrackedOp) -> tuple[str, Iterable[str]] | None:
         """``blame(op)``, given at most :data:`BLAME_WAIT_S` (it reads the store, which may be silent)."""
-        box: list = []
-
-        def run() -> None:
-            try:
-                box.append(self._blame(op))
-            except Exception:  # noqa: BLE001 - the timeout itself is what matters
-                logger.exception("AFD watchdog blame callback raised")
-                box.append(None)
-
-        t = threading.Thread(target=run, name=f"afd-watchdog-blame {self.owner}", daemon=True)
-        t.start()
-        t.join(BLAME_WAIT_S)
-        if not box:
+        runner = CallThread(f"afd-watchdog-blame {self.owner}")
+        fut = runner.submit(lambda: self._blame(op))
+        runner.stop()
+        try:
+            return fut.result(BLAME_WAIT_S)
+        except cf.TimeoutError:
             return (f"(Which peer did not make its call is unknown: the rendezvous store did not answer "
                     f"within {BLAME_WAIT_S:g} s; FFN rank 0, which hosts it, may be stopped.)", ())
-        return box[0]
+        except Exception:  # noqa: BLE001 - the timeout itself is what matters
+            logger.exception("AFD watchdog blame callback raised")
+            return None
 
     def _run(self) -> None:
         # Deadlines and communicator errors only: nothing here waits on the store.
