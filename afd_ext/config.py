@@ -325,7 +325,7 @@ class AFDConfig:
     num_attention_ranks: int = 1
     num_ffn_ranks: int = 1
     compute_gate_on_attention: bool = False
-    connector_extra_config: Mapping[str, Any] = field(default_factory=dict)
+    connector_extra_config: Mapping[str, Any] = field(default_factory=dict, hash=False)  # a dict: not hashed
     extra: AfdExtConnectorConfig | None = field(default=None, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -360,9 +360,6 @@ class AFDConfig:
         set_("connector_extra_config", dict(extra))
         if self.connector in BUILTIN_CONNECTOR_NAMES:
             set_("extra", AfdExtConnectorConfig.from_mapping(extra))
-
-    def __hash__(self) -> int:
-        return hash(json.dumps(self.to_dict(), sort_keys=True, default=str))
 
     # -- parsing ---------------------------------------------------------------
 

@@ -81,7 +81,6 @@ class AFDConnectorFactory:
     """Class-level connector registry (reference name). Module functions wrap it."""
 
     _registry: dict[str, _Spec] = {}
-    _classes: dict[str, type] = {}
     _entry_points_loaded = False
     _lock = threading.RLock()
 
@@ -110,7 +109,6 @@ class AFDConnectorFactory:
             if name in cls._registry and not replace:
                 raise AFDConfigError(f"connector {name!r} is already registered")
             cls._registry[name] = _Spec(module_path, class_name, source)
-            cls._classes.pop(name, None)
 
     @classmethod
     def load_entry_points(cls) -> None:
@@ -129,10 +127,10 @@ class AFDConnectorFactory:
                 logger.warning("could not read entry points of group %s: %s", ENTRY_POINT_GROUP, e)
                 return
             for ep in eps:
-                module_path, sep, class_name = ep.value.partition(":")
-                module_path, class_name = module_path.strip(), class_name.strip()
+                match = ep.pattern.match(ep.value)  # importlib's own grammar of 'pkg.module:attr'
+                module_path, class_name = (match.group("module"), match.group("attr")) if match else ("", None)
                 dist = getattr(getattr(ep, "dist", None), "name", None) or "unknown distribution"
-                if not sep or not class_name.isidentifier() or not all(p.isidentifier() for p in module_path.split(".")):
+                if not class_name or not class_name.isidentifier():
                     logger.warning(
                         "ignoring entry point %s = %r of %s: expected 'pkg.module:ClassName'", ep.name, ep.value, dist
                     )
@@ -156,7 +154,7 @@ class AFDConnectorFactory:
 
     @classmethod
     def get_connector_class(cls, name: str) -> type:
-        """Import (once) and return the class registered under ``name``.
+        """Import and return the class registered under ``name`` (Python caches the module).
 
         Raises:
             AFDConfigError: unknown name (the message lists the known names).
@@ -166,9 +164,6 @@ class AFDConnectorFactory:
         """
         _check_name(name, "connector name")
         with cls._lock:
-            klass = cls._classes.get(name)
-            if klass is not None:
-                return klass
             spec = cls._registry.get(name)
         if spec is None:
             cls.load_entry_points()
@@ -196,8 +191,6 @@ class AFDConnectorFactory:
             raise TypeError(
                 f"{spec.module_path}.{spec.class_name} is not an AFD connector: it lacks {missing}"
             )
-        with cls._lock:
-            cls._classes[name] = klass
         return klass
 
     @classmethod

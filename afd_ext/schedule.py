@@ -61,7 +61,7 @@ dtypes and which optional tensors travel.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
@@ -145,7 +145,7 @@ class ScheduleConfig:
     router_logits_dtype: torch.dtype = torch.float32
     send_token_ids: bool = False
     clamp_idle_to_one: bool = False
-    pad_to: Mapping[int, int] | None = None
+    pad_to: Mapping[int, int] | None = field(default=None, hash=False)  # a dict: compared, not hashed
     max_stages: int | None = None
     hidden_wire: str | None = None
     fp8_delivery: str = "dequant"
@@ -183,16 +183,6 @@ class ScheduleConfig:
                 raise AFDConfigError(f"hidden_wire must be None or one of {list(HIDDEN_WIRE_DTYPES)}, "
                                      f"got {self.hidden_wire!r}")
             check_hidden(self.hidden_size, self.hidden_dtype)
-
-    def __hash__(self) -> int:
-        pad = None if self.pad_to is None else tuple(self.pad_to.items())
-        return hash(
-            (
-                self.num_layers, self.hidden_size, self.hidden_dtype, self.router_logits_width,
-                self.router_logits_dtype, self.send_token_ids,
-                self.clamp_idle_to_one, pad, self.max_stages, self.hidden_wire, self.fp8_delivery,
-            )
-        )
 
     @property
     def wire_parts(self) -> tuple[WirePart, ...]:
