@@ -92,17 +92,12 @@ def coerce_float(value: Any, name: str) -> float:
     Raises:
         TypeError: not a number. AFDConfigError: not finite.
     """
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be a number, got {value!r}")
-    if isinstance(value, (int, float)):
-        out = float(value)
-    elif isinstance(value, str):
-        try:
-            out = float(value.strip())
-        except ValueError:
-            raise TypeError(f"{name} must be a number, got {value!r}") from None
-    else:
-        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    try:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise ValueError
+        out = float(value)  # a string may carry spaces around the number
+    except ValueError:
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}") from None
     if not math.isfinite(out):
         raise AFDConfigError(f"{name} must be finite, got {value!r}")
     return out

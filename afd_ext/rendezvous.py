@@ -724,7 +724,8 @@ def _check_world(st: "AFDStore", root: Any, mine: dict[str, Any], job_source: st
     msg = (f"AFD handshake mismatch in field {name!r}: {st.label()} has {a!r}, FFN rank 0 (world rank 0) "
            f"opened the store at {st.host}:{st.port} with {b!r}. Every attention and FFN rank must be "
            "started with the same num_attention_ranks and num_ffn_ranks.")
-    _abort_handshake(st, root, msg, theirs)
+    # stop the ranks waiting in FFN rank 0's current handshake, unless that job already runs
+    _abort_waiting_init(st, root, {"reason": msg, "by": st.label()}, int(theirs.get("world_size") or 0), (0,))
     raise HandshakeMismatchError(msg, field=name, local_value=a, peer_value=b,
                                  local_rank=st.world_rank, peer_rank=0)
 
@@ -739,11 +740,6 @@ def _shape_difference(mine: Mapping[str, Any], theirs: Mapping[str, Any]) -> tup
     if mine["world_size"] != theirs.get("world_size"):
         return "num_attention_ranks + num_ffn_ranks", mine["world_size"], theirs.get("world_size")
     return None
-
-
-def _abort_handshake(st: "AFDStore", root: Any, reason: str, theirs: Mapping[str, Any]) -> None:
-    """Stop the ranks waiting in FFN rank 0's current handshake, unless that job already runs."""
-    _abort_waiting_init(st, root, {"reason": reason, "by": st.label()}, int(theirs.get("world_size") or 0), (0,))
 
 
 def _abort_waiting_init(st: "AFDStore", root: Any, record: Mapping[str, Any], world_size: int,

@@ -247,10 +247,6 @@ class Topology:
         self.check_role_rank(FFN, f)
         return f % self.min_size
 
-    def control_senders(self) -> tuple[int, ...]:
-        """Attention role ranks that send control payloads: ``0..min(A, F)-1``."""
-        return tuple(range(self.min_size))
-
     # -- counts -------------------------------------------------------------------
 
     def expand_counts(
