@@ -43,7 +43,6 @@ free port; on several nodes only what you give), ``AFD_CONNECTOR_EXTRA_CONFIG``
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -204,15 +203,7 @@ def config_from_env(**overrides) -> LaunchedRank:
             raise AFDConfigError("neither AFD_HOST nor torchrun's MASTER_ADDR is set: set AFD_HOST to the "
                                  "address of FFN rank 0's machine")
     port = overrides.pop("port", None) or envs.get("AFD_PORT")
-    extra: dict = {}
-    raw_extra = envs.get("AFD_CONNECTOR_EXTRA_CONFIG")
-    if raw_extra:
-        try:
-            extra = json.loads(raw_extra)
-        except ValueError as e:
-            raise AFDConfigError(f"AFD_CONNECTOR_EXTRA_CONFIG is not valid JSON: {e}") from None
-        if not isinstance(extra, dict):
-            raise AFDConfigError("AFD_CONNECTOR_EXTRA_CONFIG must be a JSON object")
+    extra = dict(envs.get("AFD_CONNECTOR_EXTRA_CONFIG") or {})
     extra.update(overrides.pop("connector_extra_config", None) or {})
     fields = {"role": role, "host": host, "num_attention_ranks": A, "num_ffn_ranks": F,
               "connector_extra_config": extra, **overrides}
@@ -378,8 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(e))
     if args.extra_config is not None:
         try:
-            if not isinstance(json.loads(args.extra_config), dict):
-                raise AFDConfigError("not a JSON object")
+            envs.json_object(args.extra_config)
         except ValueError as e:
             parser.error(f"--extra-config must be a JSON object: {e}")
     if args.port is not None and not 0 < args.port < 65536:

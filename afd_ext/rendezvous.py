@@ -100,6 +100,12 @@ _MIN_ROUND_TRIP_S = 0.5
 _PROBE_S = 10.0
 
 
+def _left(deadline: float) -> float:
+    """Seconds to ``deadline`` (``time.monotonic()``), at least :data:`_MIN_ROUND_TRIP_S`: the bound of one
+    store round trip inside a wait (its last poll still gets a fair chance)."""
+    return max(deadline - time.monotonic(), _MIN_ROUND_TRIP_S)
+
+
 def wait_log_interval_s(timeout_s: float) -> float:
     """Seconds between two log lines of a rendezvous wait with deadline ``timeout_s``: a tenth of it,
     within 1..30 s (30 s at the default 600 s; 1 s for a test's short deadline)."""
@@ -688,16 +694,15 @@ def _world_record(job_id: str, world_size: int, num_ffn_ranks: int | None) -> di
 
 def _check_world(st: "AFDStore", root: Any, mine: dict[str, Any], job_source: str, deadline: float) -> None:
     """Compare this rank's job and world shape with the store's (written by FFN rank 0)."""
-    left = lambda: max(deadline - time.monotonic(), _MIN_ROUND_TRIP_S)  # noqa: E731
     enc = json.dumps(mine, sort_keys=True)
     if st.world_rank == 0:
         # FFN rank 0 opened the store: its view is the job's (a re-join reads it back).
-        raw = st.call(lambda: root.compare_set("world", "", enc), "recording the job", left())
+        raw = st.call(lambda: root.compare_set("world", "", enc), "recording the job", _left(deadline))
     else:
         sleep = 0.001
         report = WaitReport(st.label(), f"the job record in the AFD rendezvous store at {st.host}:{st.port}",
                             deadline)
-        while not st.call(lambda: root.check(["world"]), "reading the job", left()):
+        while not st.call(lambda: root.check(["world"]), "reading the job", _left(deadline)):
             if report.due():
                 report.log("FFN rank 0 (world rank 0), which opened the store")
             if time.monotonic() >= deadline:
@@ -707,7 +712,7 @@ def _check_world(st: "AFDStore", root: Any, mine: dict[str, Any], job_source: st
                     "right after opening it.", missing=(0,), what="the job record")
             time.sleep(sleep)
             sleep = min(2 * sleep, _MAX_POLL_S)
-        raw = st.call(lambda: root.get("world"), "reading the job", left())
+        raw = st.call(lambda: root.get("world"), "reading the job", _left(deadline))
     theirs = json.loads(bytes(raw).decode("utf-8"))
     if theirs.get("job_id") != mine["job_id"]:
         raise JobMismatchError(
@@ -820,11 +825,10 @@ def _second_store_host(host: str, port: int, world_size: int, num_ffn_ranks: int
 
 def _claim_rank(st: "AFDStore", root: Any, deadline: float) -> None:
     """Claim this world rank for this process; refuse a second live process claiming it."""
-    left = lambda: max(deadline - time.monotonic(), _MIN_ROUND_TRIP_S)  # noqa: E731
     me = _process_token()
     enc = json.dumps(me, sort_keys=True)
     key = f"owner/{st.world_rank}"
-    prev = bytes(st.call(lambda: root.compare_set(key, "", enc), "claiming this rank", left()))
+    prev = bytes(st.call(lambda: root.compare_set(key, "", enc), "claiming this rank", _left(deadline)))
     for _ in range(3):
         try:
             holder = json.loads(prev.decode("utf-8"))
@@ -839,7 +843,7 @@ def _claim_rank(st: "AFDStore", root: Any, deadline: float) -> None:
         if alive is None:
             logger.warning("%s: taking over this rank from %s (another host; assumed gone). If that process "
                            "still runs, two processes were started with the same role rank.", st.label(), who)
-        got = bytes(st.call(lambda: root.compare_set(key, prev, enc), "claiming this rank", left()))
+        got = bytes(st.call(lambda: root.compare_set(key, prev, enc), "claiming this rank", _left(deadline)))
         if got == enc.encode("utf-8"):
             return
         prev = got
@@ -908,7 +912,6 @@ def connect(
 
     job, job_source = resolve_job_id(job_id)
     deadline = time.monotonic() + float(timeout_s)
-    left = lambda: max(deadline - time.monotonic(), _MIN_ROUND_TRIP_S)  # noqa: E731
 
     def handle(base: Any, runner: _StoreRunner | None, store: Any = None) -> AFDStore:
         return AFDStore(store=store, base=base, host=host, port=port, world_rank=world_rank,
@@ -920,7 +923,7 @@ def connect(
         lock = _KEY_LOCKS.setdefault(key, threading.Lock())
     with lock:  # per rank: ranks that are threads of one process connect concurrently
         entry = _STORES.get(key)
-        if entry is not None and not _store_alive(handle(*entry), left()):
+        if entry is not None and not _store_alive(handle(*entry), _left(deadline)):
             logger.warning("cached AFD rendezvous store %s:%d is unusable; reconnecting", host, port)
             entry[1].stop()
             entry = None
@@ -944,7 +947,7 @@ def connect(
     st = handle(base, runner, root)
     _check_world(st, root, _world_record(job, world_size, num_ffn_ranks), job_source, deadline)
     _claim_rank(st, root, deadline)
-    st.generation = int(st.call(lambda: root.add(f"join/{world_rank}", 1), "joining", left()))
+    st.generation = int(st.call(lambda: root.add(f"join/{world_rank}", 1), "joining", _left(deadline)))
     with _STORES_LOCK:
         own = _OWN_JOINS[(host, port, namespace, world_rank)] = _OWN_JOINS.get((host, port, namespace, world_rank), 0) + 1
     if own != st.generation:
@@ -1103,7 +1106,6 @@ def wait_for_keys(
     """
     timeout = store.timeout_s if timeout_s is None else float(timeout_s)
     deadline = time.monotonic() + timeout
-    left = lambda: max(deadline - time.monotonic(), _MIN_ROUND_TRIP_S)  # noqa: E731
     pending = dict(keys)
     report = WaitReport(store.label(), what, deadline)
     missing = lambda: sorted({r for k, r in pending.items()  # noqa: E731
@@ -1112,7 +1114,7 @@ def wait_for_keys(
     while True:
         # One store round trip per poll (every rank polls FFN rank 0's store);
         # which keys are missing is worked out only for the reports and the error.
-        if not pending or store.check(list(pending), timeout_s=left()):
+        if not pending or store.check(list(pending), timeout_s=_left(deadline)):
             report.done()
             return
         found = store.abort_signal.read()
@@ -1230,12 +1232,11 @@ def handshake(
         )
     mine = json.loads(json.dumps(dict(fields), default=str, sort_keys=True))
     deadline = time.monotonic() + (store.timeout_s if timeout_s is None else float(timeout_s))
-    left = lambda: max(deadline - time.monotonic(), _MIN_ROUND_TRIP_S)  # noqa: E731
-    store.set(f"handshake/{world_rank}", json.dumps(mine, sort_keys=True).encode("utf-8"), timeout_s=left())
-    wait_for_keys(store, {f"handshake/{r}": r for r in range(world_size)}, left(), "the AFD handshake")
+    store.set(f"handshake/{world_rank}", json.dumps(mine, sort_keys=True).encode("utf-8"), timeout_s=_left(deadline))
+    wait_for_keys(store, {f"handshake/{r}": r for r in range(world_size)}, _left(deadline), "the AFD handshake")
     everyone: dict[int, dict[str, Any]] = {}
     for r in range(world_size):
-        everyone[r] = json.loads(store.get(f"handshake/{r}", timeout_s=left()).decode("utf-8"))
+        everyone[r] = json.loads(store.get(f"handshake/{r}", timeout_s=_left(deadline)).decode("utf-8"))
     # Everyone has read every fingerprint before anyone may raise and exit: FFN rank 0
     # hosts the store, and its exit would turn the peers' mismatch error into a lost store.
     barrier(store, world_rank, world_size, "handshake-read", timeout_s)
