@@ -98,17 +98,13 @@ class AFDConnectorFactory:
             AFDConfigError: ``name`` is already registered and ``replace`` is False,
                 or an argument is empty.
         """
-        cls._register(name, module_path, class_name, replace=replace, source="register_connector")
-
-    @classmethod
-    def _register(cls, name: str, module_path: str, class_name: str, *, replace: bool, source: str) -> None:
         _check_name(name, "connector name")
         _check_name(module_path, "module_path")
         _check_name(class_name, "class_name")
         with cls._lock:
             if name in cls._registry and not replace:
                 raise AFDConfigError(f"connector {name!r} is already registered")
-            cls._registry[name] = _Spec(module_path, class_name, source)
+            cls._registry[name] = _Spec(module_path, class_name, "register_connector")
 
     @classmethod
     def load_entry_points(cls) -> None:
@@ -342,12 +338,8 @@ def _as_afd_config(value: Any) -> AFDConfig:
     raise TypeError(f"afd_config must be an AFDConfig or a mapping, got {type(value).__name__}")
 
 
-def _register_builtins() -> None:
-    for name in (DEFAULT_CONNECTOR, REFERENCE_CONNECTOR):
-        AFDConnectorFactory._register(name, "afd_ext.connector", "AFDConnector", replace=True, source="builtin")
-
-
-_register_builtins()
+for _name in (DEFAULT_CONNECTOR, REFERENCE_CONNECTOR):
+    AFDConnectorFactory._registry[_name] = _Spec("afd_ext.connector", "AFDConnector", "builtin")
 
 
 # The module-level API is the class's: one implementation, two spellings (the reference's is the class).

@@ -67,7 +67,6 @@ out its deadline. A claim whose process is gone is taken over.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import contextlib
 import datetime
 import json
 import logging
@@ -77,7 +76,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 logger = logging.getLogger(__name__)
 
@@ -275,8 +274,8 @@ class AFDStore:
     generation: int
     namespace: str
     timeout_s: float
+    _runner: _StoreRunner = field(repr=False)
     _barrier_seq: dict[str, int] = field(default_factory=dict, repr=False)
-    _runner: _StoreRunner | None = field(default=None, repr=False)
     _abort: "AbortSignal | None" = field(default=None, repr=False)
 
     def label(self, world_rank: int | None = None) -> str:
@@ -307,23 +306,28 @@ class AFDStore:
             StoreUnavailableError: the connection to the store was lost.
         """
         runner = self._runner
-        if runner is not None and runner.lost is not None:
+        if runner.lost is not None:
             raise self.lost_error(what, runner.lost)
         try:
-            with _guard(self, what):
-                if runner is None or runner.on_thread():
-                    return fn()
-                bound = self.timeout_s if timeout_s is None else max(0.0, float(timeout_s))
-                fut = runner.submit(fn)
-                try:
-                    return fut.result(bound)
-                except cf.TimeoutError:
-                    if cancel:
-                        fut.cancel()
-                    raise self.silent_error(what, bound) from None
-        except StoreUnavailableError as e:
-            if runner is not None and not isinstance(e, StoreTimeoutError):
+            if runner.on_thread():
+                return fn()
+            bound = self.timeout_s if timeout_s is None else max(0.0, float(timeout_s))
+            fut = runner.submit(fn)
+            try:
+                return fut.result(bound)
+            except cf.TimeoutError:
+                if cancel:
+                    fut.cancel()
+                raise self.silent_error(what, bound) from None
+        except StoreTimeoutError:
+            raise
+        except RuntimeError as e:
+            # A lost connection (a TCPStore client never reconnects): every later call fails at once.
+            if isinstance(e, StoreUnavailableError):
                 runner.lost = e
+            elif type(e).__name__ in ("DistNetworkError", "DistStoreError", "DistError"):
+                runner.lost = self.lost_error(what, RuntimeError(error_text(e)))
+                raise runner.lost from None
             raise
 
     def lost_error(self, what: str, cause: BaseException) -> StoreUnavailableError:
@@ -399,7 +403,7 @@ class AbortSignal:
         if self._posted is not None:
             return self._posted
         runner = self._store._runner
-        if runner is None or runner.on_thread() or runner.lost is not None:
+        if runner.on_thread() or runner.lost is not None:
             return self._fetch()
         if runner.stuck_s() > wait_s:
             return self._posted  # an earlier round trip is unanswered: queue no more behind it
@@ -488,17 +492,6 @@ def forget_cached_stores() -> None:
 
 def _timedelta(timeout_s: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=float(timeout_s))
-
-
-@contextlib.contextmanager
-def _guard(store: "AFDStore", what: str) -> Iterator[None]:
-    """Turn a lost store connection into :class:`StoreUnavailableError` naming FFN rank 0."""
-    try:
-        yield
-    except RuntimeError as ev:
-        if type(ev).__name__ in ("DistNetworkError", "DistStoreError", "DistError"):
-            raise store.lost_error(what, RuntimeError(error_text(ev))) from None
-        raise
 
 
 def process_group_error(exc: BaseException, *, me: str, label: Callable[[int], str], world_size: int,
@@ -608,7 +601,7 @@ def _open_tcp_store(host: str, port: int, world_rank: int, timeout_s: float, dea
                                                 wait_for_workers=False))
     builder.stop()
     try:
-        return fut.result(max(deadline - time.monotonic(), _MIN_ROUND_TRIP_S))
+        return fut.result(_left(deadline))
     except cf.TimeoutError:
         raise RendezvousTimeoutError(
             f"{where}: a process accepts connections on that port but does not answer as an AFD rendezvous "
@@ -621,7 +614,7 @@ def _open_tcp_store(host: str, port: int, world_rank: int, timeout_s: float, dea
             "the same on every rank.", missing=(0,), what="rendezvous store") from None
 
 
-def _wait_listening(host: str, port: int, deadline: float, report: WaitReport | None = None) -> str | None:
+def _wait_listening(host: str, port: int, deadline: float, report: WaitReport) -> str | None:
     """Connect to ``host:port`` until something accepts or ``deadline`` passes; None or the last error.
 
     ``report`` logs the wait (FFN rank 0 not listening yet: it may still be loading its model).
@@ -631,15 +624,14 @@ def _wait_listening(host: str, port: int, deadline: float, report: WaitReport | 
         left = deadline - time.monotonic()
         try:
             with socket.create_connection((host, port), timeout=max(0.05, min(left, 2.0))):
-                if report is not None:
-                    report.done()
+                report.done()
                 return None
         except OSError as e:
             err = e.strerror or str(e)
         left = deadline - time.monotonic()
         if left <= 0:
             return err
-        if report is not None and report.due():
+        if report.due():
             report.log(f"FFN rank 0 (world rank 0), which hosts it ({err})")
         time.sleep(min(sleep, left))
         sleep = min(2 * sleep, 0.25)
@@ -1066,7 +1058,7 @@ def post_abort(store: AFDStore, reason: str, by: str | None = None) -> bool:
     by = by or store.label()
     value = json.dumps({"reason": str(reason), "by": by}).encode("utf-8")
     runner = store._runner
-    if runner is not None and not runner.on_thread() and runner.stuck_s() > ABORT_READ_WAIT_S:
+    if not runner.on_thread() and runner.stuck_s() > ABORT_READ_WAIT_S:
         # The store is silent already: queue the post (it lands if the host wakes), wait for nothing.
         runner.submit(lambda: store.store.compare_set("abort", "", value))
         logger.warning("%s: the AFD abort (%s) is queued: the rendezvous store at %s:%d does not answer "

@@ -201,10 +201,6 @@ def _end_loop(why: str, cause: BaseException) -> None:
     raise SystemExit(f"AFD FFN worker loop ended: {why}") from cause
 
 
-def _on_plugin_ffn_loop() -> bool:
-    return threading.current_thread().name in PLUGIN_FFN_LOOP_THREADS
-
-
 # ---------------------------------------------------------------------------
 # Registration (the vllm.general_plugins entry point)
 # ---------------------------------------------------------------------------
@@ -427,7 +423,7 @@ if HAVE_AFD_PLUGIN:
                 return owner._inner.control_plane.recv_dp_metadata_list()
             except AFDError as e:
                 orderly = owner._closing or type(e) is ControlChannelClosed
-                if not (orderly and _on_plugin_ffn_loop()):
+                if not (orderly and threading.current_thread().name in PLUGIN_FFN_LOOP_THREADS):
                     raise
                 _end_loop("this FFN rank's connector was closed" if owner._closing else str(e), e)
 
