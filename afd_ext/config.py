@@ -272,19 +272,9 @@ class AfdExtConnectorConfig:
 # AFDConfig
 # ---------------------------------------------------------------------------
 
-# canonical field -> accepted spellings (canonical first), as the reference
-_ALIASES: dict[str, tuple[str, ...]] = {
-    "connector": ("connector", "afd_connector"),
-    "async_dp": ("async_dp", "async"),
-    "role": ("role", "afd_role"),
-    "port": ("port", "afd_port"),
-    "host": ("host", "afd_host"),
-    "num_attention_ranks": ("num_attention_ranks",),
-    "num_ffn_ranks": ("num_ffn_ranks",),
-    "compute_gate_on_attention": ("compute_gate_on_attention",),
-    "connector_extra_config": ("connector_extra_config",),
-}
-_SPELLING_TO_FIELD = {s: canon for canon, spellings in _ALIASES.items() for s in spellings}
+# the reference's other spelling of a field -> the field (every field is also accepted by its own name)
+_ALIASES = {"afd_connector": "connector", "async": "async_dp", "afd_role": "role", "afd_port": "port",
+            "afd_host": "host"}
 
 
 @dataclass(frozen=True)
@@ -415,7 +405,7 @@ class AFDConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Canonical field names -> values (round-trips through :meth:`from_dict`)."""
-        return {name: getattr(self, name) for name in _ALIASES if name != "connector_extra_config"} | {
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.init} | {
             "connector_extra_config": dict(self.connector_extra_config)
         }
 
@@ -460,6 +450,9 @@ class AFDConfig:
         return self.extra if self.extra is not None else AfdExtConnectorConfig.from_mapping(
             self.connector_extra_config
         )
+
+
+_SPELLING_TO_FIELD = {f.name: f.name for f in fields(AFDConfig) if f.init} | _ALIASES
 
 
 def _additional_config(source: Any) -> Mapping[str, Any] | None:

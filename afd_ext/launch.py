@@ -317,10 +317,6 @@ def _fail(msg: str, code: int = 2) -> int:
     return code
 
 
-def _exit_code(rc: int) -> int:
-    return 128 - rc if rc < 0 else rc
-
-
 def _rank_label(rank: int, A: int, F: int) -> str:
     """``"rank 2 (attention rank 1)"`` under the exported mapping, or just ``"rank 2"``."""
     try:
@@ -418,7 +414,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         torchrun.run(targs)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
-        code = _exit_code(failure.exitcode)
+        code = 128 - failure.exitcode if failure.exitcode < 0 else failure.exitcode  # -N: killed by signal N
         return _fail(f"{_rank_label(rank, A, F)} exited with code {code}; torchrun stopped the other ranks",
                      code or 1)
     except SignalException as e:

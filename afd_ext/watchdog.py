@@ -77,7 +77,7 @@ _NCCL_ERRORS = {
 }
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: two ops may describe the same exchange
 class TrackedOp:
     """One in-flight operation.
 
@@ -276,26 +276,24 @@ class Watchdog:
             suspended = self._suspended > 0
             ops = list(self._ops)
         if not suspended and ops:
-            still = []
+            done = []
             for op in ops:
                 try:
-                    finished = bool(op.done())
+                    if op.done():
+                        done.append(op)
                 except Exception as e:  # noqa: BLE001 - a failed query is a failed op
                     self.fail(AFDPeerError(
                         f"AFD {self.owner}: {op.describe()} failed: {e}",
                         op=op.what, peer=", ".join(op.peers) or None, layer=op.layer, stage=op.stage))
                     return
-                if not finished:
-                    still.append(op)
-            done_ids = {id(op) for op in ops} - {id(op) for op in still}
             with self._lock:
-                self._ops = [op for op in self._ops if id(op) not in done_ids]
-            for op in ops:
-                if id(op) in done_ids and op.on_done is not None:
+                self._ops = [op for op in self._ops if op not in done]
+            for op in done:
+                if op.on_done is not None:
                     op.on_done()
-            for op in still:
+            for op in ops:
                 age = now - op.started
-                if age > self.deadline_s:
+                if op not in done and age > self.deadline_s:
                     self.fail(self.timeout_error(op, age))
                     return
         if self._comms is not None and self._async_error is not None:
