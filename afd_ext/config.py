@@ -92,12 +92,13 @@ def coerce_float(value: Any, name: str) -> float:
     Raises:
         TypeError: not a number. AFDConfigError: not finite.
     """
+    bad = TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise bad
     try:
-        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-            raise ValueError
         out = float(value)  # a string may carry spaces around the number
     except ValueError:
-        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}") from None
+        raise bad from None
     if not math.isfinite(out):
         raise AFDConfigError(f"{name} must be finite, got {value!r}")
     return out

@@ -129,11 +129,11 @@ def json_object(value: str) -> dict:
     """A JSON object's text as a dict (blank: ``{}``).
 
     Raises:
-        ValueError: not JSON, or JSON but not an object.
+        ValueError: not JSON; AFDConfigError (a ValueError): JSON but not an object.
     """
     out = json.loads(value) if value.strip() else {}
     if not isinstance(out, dict):
-        raise ValueError(f"expected a JSON object, got {value!r}")
+        raise AFDConfigError(f"expected a JSON object, got {value!r}")
     return out
 
 
