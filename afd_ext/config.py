@@ -21,20 +21,6 @@ from typing import Any, Mapping
 
 from .errors import AFDConfigError
 
-__all__ = [
-    "DEFAULT_CONNECTOR",
-    "REFERENCE_CONNECTOR",
-    "BUILTIN_CONNECTOR_NAMES",
-    "AFDConfig",
-    "AfdExtConnectorConfig",
-    "coerce_bool",
-    "coerce_int",
-    "parse_afd_config",
-    "parse_optional_afd_config",
-    "has_afd_config",
-    "resolve_job_id",
-]
-
 #: Fields of ``connector_extra_config`` that once chose the packed wire format (removed: one message
 #: per tensor won at every size in CUDA graphs, docs/benchmarks.md); still accepted, with a warning.
 _DEPRECATED_EXTRA = ("wire_format", "packed_max_bytes")

@@ -18,8 +18,6 @@ from typing import Any, Callable
 
 from .errors import AFDConfigError
 
-__all__ = ["EnvVar", "register", "get", "describe", "parse_bool", "json_object"]
-
 
 def parse_bool(value: str) -> bool:
     """``1/true/yes/on`` -> True, ``0/false/no/off/""`` -> False (case-insensitive).

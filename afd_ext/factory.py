@@ -36,17 +36,6 @@ from .config import AFDConfig, DEFAULT_CONNECTOR, REFERENCE_CONNECTOR
 from .errors import AFDConfigError
 from .topology import validate_role_rank
 
-__all__ = [
-    "ENTRY_POINT_GROUP",
-    "REQUIRED_CONNECTOR_METHODS",
-    "AFDConnectorFactory",
-    "register_connector",
-    "get_connector_class",
-    "create_connector",
-    "known_connectors",
-    "resolve_role_rank",
-]
-
 logger = logging.getLogger(__name__)
 
 #: Python entry-point group scanned for third-party connectors.

@@ -54,8 +54,6 @@ from afd_ext.errors import AFDConfigError, AFDError
 if TYPE_CHECKING:
     from afd_ext.config import AFDConfig
 
-__all__ = ["main", "build_parser", "check_port_free", "config_from_env", "resolve_role", "local_device", "LaunchedRank"]
-
 _ROLE_NAMES = {"a": "attention", "attention": "attention", "f": "ffn", "ffn": "ffn"}
 
 

@@ -78,6 +78,21 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
+from .errors import (  # defined once, in errors.py; rendezvous.StepAbortedError etc. stay importable
+    AFDConfigError,
+    AFDError,
+    DuplicateRankError,
+    HandshakeMismatchError,
+    JobMismatchError,
+    RendezvousError,
+    RendezvousTimeoutError,
+    StepAbortedError,
+    StoreTimeoutError,
+    StoreUnavailableError,
+)
+from .topology import rank_label  # the one rank label (also importable from here)
+from .watchdog import CallThread
+
 logger = logging.getLogger(__name__)
 
 #: Default deadline, in seconds, for connecting to the store and for every
@@ -151,54 +166,6 @@ class WaitReport:
             logger.info("%s: %s arrived after %.0f s", self.me, self.what, time.monotonic() - self.t0)
 
 
-__all__ = [
-    "DEFAULT_RENDEZVOUS_TIMEOUT_S",
-    "AFDStore",
-    "RendezvousError",
-    "RendezvousTimeoutError",
-    "StoreUnavailableError",
-    "HandshakeMismatchError",
-    "StepAbortedError",
-    "StoreTimeoutError",
-    "JobMismatchError",
-    "DuplicateRankError",
-    "AbortSignal",
-    "ABORT_READ_WAIT_S",
-    "POST_ABORT_WAIT_S",
-    "error_text",
-    "process_group_error",
-    "rank_label",
-    "connect",
-    "exchange_unique_id",
-    "handshake",
-    "barrier",
-    "post_abort",
-    "check_abort",
-    "raise_if_aborted",
-    "wait_for_keys",
-    "WaitReport",
-    "wait_log_interval_s",
-    "host_identity",
-    "forget_cached_stores",
-]
-
-
-from .topology import rank_label  # noqa: E402,F401  the one rank label, re-exported here
-from .watchdog import CallThread  # noqa: E402
-from .errors import (  # noqa: E402  defined once, in errors.py
-    AFDConfigError,
-    AFDError,
-    DuplicateRankError,
-    HandshakeMismatchError,
-    JobMismatchError,
-    RendezvousError,
-    RendezvousTimeoutError,
-    StepAbortedError,
-    StoreTimeoutError,
-    StoreUnavailableError,
-)
-
-
 def error_text(exc: BaseException) -> str:
     """The first line of a torch/gloo error, without C++ frames or ``[file.cc:123]``/``[c10d]`` tags."""
     import re
@@ -210,8 +177,6 @@ def error_text(exc: BaseException) -> str:
     line = re.sub(r"\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*", "", line)
     line = re.sub(r"\s*GLHF!?", "", line)
     return line.strip() or type(exc).__name__
-
-
 
 
 def host_identity() -> str:

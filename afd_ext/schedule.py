@@ -72,26 +72,6 @@ from .topology import Topology
 from .spec import HIDDEN_DTYPES as _HIDDEN_DTYPES  # the one dtype table
 from .spec import TOKEN_IDS_DTYPE
 
-__all__ = [
-    "A2F",
-    "F2A",
-    "DIRECTIONS",
-    "TOKEN_IDS_DTYPE",
-    "ScheduleConfig",
-    "WirePart",
-    "stage_buffers",
-    "schedule_config",
-    "FanInPlan",
-    "SendPlan",
-    "StepSchedule",
-    "build_step_schedule",
-    "pad_sizes",
-    "capture_size_for",
-    "check_capture_sizes",
-    "DEFAULT_CAPTURE_SIZES",
-    "warmup_payload",
-]
-
 A2F = "a2f"
 F2A = "f2a"
 DIRECTIONS = (A2F, F2A)

@@ -17,10 +17,6 @@ import torch
 
 from .errors import AFDConfigError
 
-__all__ = ["ExchangeSpec", "SPEC_KWARGS", "moe_layer_indices", "router_logits_dtype",
-           "DTYPE_CODES", "WIRE_DTYPES", "HIDDEN_DTYPES", "TOKEN_IDS_DTYPE", "dtype_code", "dtype_name",
-           "dtype_from_code", "as_dtype"]
-
 #: Stable wire codes of every dtype that may travel (headers, handshakes). Never renumber.
 DTYPE_CODES: dict[torch.dtype, int] = {
     torch.float32: 1,

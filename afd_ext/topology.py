@@ -34,16 +34,6 @@ from typing import Sequence
 
 from .errors import AFDConfigError
 
-__all__ = [
-    "ATTENTION",
-    "FFN",
-    "ROLES",
-    "Topology",
-    "validate_role_rank",
-    "rank_label",
-    "step_words",
-]
-
 ATTENTION = "attention"
 FFN = "ffn"
 ROLES = (ATTENTION, FFN)

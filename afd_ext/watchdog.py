@@ -59,8 +59,6 @@ from .errors import AFDConfigError, AFDPeerError, AFDTimeoutError, AFDTransportE
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TrackedOp", "Watchdog", "host_wait", "CallThread", "DEFAULT_POLL_INTERVAL_S", "NCCL_IN_PROGRESS", "BLAME_WAIT_S"]
-
 #: How often the watchdog thread polls, in seconds.
 DEFAULT_POLL_INTERVAL_S = 0.005
 #: Longest an expiring operation waits for ``blame`` (store reads) before it is recorded without it, seconds.

@@ -72,19 +72,6 @@ from ..spec import ExchangeSpec, as_dtype, dtype_name
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "PLUGIN_CONNECTOR_NAME",
-    "TESTED_VLLM_VERSION",
-    "HAVE_AFD_PLUGIN",
-    "AdapterExtraConfig",
-    "AfdExtAFDConnector",
-    "PLUGIN_FFN_LOOP_THREADS",
-    "exchange_spec",
-    "factory_report",
-    "register",
-    "versions",
-]
-
 #: The name this connector is always registered under in the reference's factory.
 PLUGIN_CONNECTOR_NAME = DEFAULT_CONNECTOR
 
