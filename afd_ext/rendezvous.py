@@ -1132,8 +1132,6 @@ def exchange_unique_id(
     full = f"uid/{key}"
     if is_creator:
         uid = make_id()
-        if isinstance(uid, (bytearray, memoryview)):
-            uid = bytes(uid)
         if not isinstance(uid, bytes):
             raise TypeError(f"make_id must return bytes, got {type(uid).__name__}")
         if not uid:

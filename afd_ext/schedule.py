@@ -270,6 +270,7 @@ def _fmt_shape(shape: Sequence[int]) -> str:
     return "[" + ", ".join(str(int(s)) for s in shape) + "]"
 
 
+@dataclass(slots=True, eq=False, repr=False)
 class StepSchedule:
     """The rows of every message of one step. Build with :func:`build_step_schedule`.
 
@@ -280,20 +281,14 @@ class StepSchedule:
         stages: sorted stage ids.
     """
 
-    __slots__ = ("topology", "config", "payload", "stages", "_counts", "_rows",
-                 "_ffn_plans", "_attn_plans")
-
-    def __init__(self, topology: Topology, config: ScheduleConfig, payload: AFDControlPayload,
-                 stages: tuple[int, ...], counts: dict[int, tuple[int, ...]],
-                 rows: dict[int, tuple[int, ...]]):
-        self.topology = topology
-        self.config = config
-        self.payload = payload
-        self.stages = stages
-        self._counts = counts
-        self._rows = rows
-        self._ffn_plans: dict[tuple[int, int], FanInPlan] = {}
-        self._attn_plans: dict[tuple[int, int], SendPlan] = {}
+    topology: Topology
+    config: ScheduleConfig
+    payload: AFDControlPayload
+    stages: tuple[int, ...]
+    _counts: dict[int, tuple[int, ...]]  # real counts per stage
+    _rows: dict[int, tuple[int, ...]]  # wire rows per stage (padded under pad_to)
+    _ffn_plans: dict[tuple[int, int], FanInPlan] = field(default_factory=dict)
+    _attn_plans: dict[tuple[int, int], SendPlan] = field(default_factory=dict)
 
     def __repr__(self) -> str:
         return (f"StepSchedule(A={self.topology.num_attention_ranks}, F={self.topology.num_ffn_ranks}, "
