@@ -21,20 +21,6 @@ from typing import Any, Mapping
 
 from .errors import AFDConfigError
 
-__all__ = [
-    "DEFAULT_CONNECTOR",
-    "REFERENCE_CONNECTOR",
-    "BUILTIN_CONNECTOR_NAMES",
-    "AFDConfig",
-    "AfdExtConnectorConfig",
-    "coerce_bool",
-    "coerce_int",
-    "parse_afd_config",
-    "parse_optional_afd_config",
-    "has_afd_config",
-    "resolve_job_id",
-]
-
 #: Fields of ``connector_extra_config`` that once chose the packed wire format (removed: one message
 #: per tensor won at every size in CUDA graphs, docs/benchmarks.md); still accepted, with a warning.
 _DEPRECATED_EXTRA = ("wire_format", "packed_max_bytes")
@@ -92,17 +78,13 @@ def coerce_float(value: Any, name: str) -> float:
     Raises:
         TypeError: not a number. AFDConfigError: not finite.
     """
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be a number, got {value!r}")
-    if isinstance(value, (int, float)):
-        out = float(value)
-    elif isinstance(value, str):
-        try:
-            out = float(value.strip())
-        except ValueError:
-            raise TypeError(f"{name} must be a number, got {value!r}") from None
-    else:
-        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    bad = TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise bad
+    try:
+        out = float(value)  # a string may carry spaces around the number
+    except ValueError:
+        raise bad from None
     if not math.isfinite(out):
         raise AFDConfigError(f"{name} must be finite, got {value!r}")
     return out
@@ -277,19 +259,9 @@ class AfdExtConnectorConfig:
 # AFDConfig
 # ---------------------------------------------------------------------------
 
-# canonical field -> accepted spellings (canonical first), as the reference
-_ALIASES: dict[str, tuple[str, ...]] = {
-    "connector": ("connector", "afd_connector"),
-    "async_dp": ("async_dp", "async"),
-    "role": ("role", "afd_role"),
-    "port": ("port", "afd_port"),
-    "host": ("host", "afd_host"),
-    "num_attention_ranks": ("num_attention_ranks",),
-    "num_ffn_ranks": ("num_ffn_ranks",),
-    "compute_gate_on_attention": ("compute_gate_on_attention",),
-    "connector_extra_config": ("connector_extra_config",),
-}
-_SPELLING_TO_FIELD = {s: canon for canon, spellings in _ALIASES.items() for s in spellings}
+# the reference's other spelling of a field -> the field (every field is also accepted by its own name)
+_ALIASES = {"afd_connector": "connector", "async": "async_dp", "afd_role": "role", "afd_port": "port",
+            "afd_host": "host"}
 
 
 @dataclass(frozen=True)
@@ -325,7 +297,7 @@ class AFDConfig:
     num_attention_ranks: int = 1
     num_ffn_ranks: int = 1
     compute_gate_on_attention: bool = False
-    connector_extra_config: Mapping[str, Any] = field(default_factory=dict)
+    connector_extra_config: Mapping[str, Any] = field(default_factory=dict, hash=False)  # a dict: not hashed
     extra: AfdExtConnectorConfig | None = field(default=None, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -360,9 +332,6 @@ class AFDConfig:
         set_("connector_extra_config", dict(extra))
         if self.connector in BUILTIN_CONNECTOR_NAMES:
             set_("extra", AfdExtConnectorConfig.from_mapping(extra))
-
-    def __hash__(self) -> int:
-        return hash(json.dumps(self.to_dict(), sort_keys=True, default=str))
 
     # -- parsing ---------------------------------------------------------------
 
@@ -423,7 +392,7 @@ class AFDConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Canonical field names -> values (round-trips through :meth:`from_dict`)."""
-        return {name: getattr(self, name) for name in _ALIASES if name != "connector_extra_config"} | {
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.init} | {
             "connector_extra_config": dict(self.connector_extra_config)
         }
 
@@ -468,6 +437,9 @@ class AFDConfig:
         return self.extra if self.extra is not None else AfdExtConnectorConfig.from_mapping(
             self.connector_extra_config
         )
+
+
+_SPELLING_TO_FIELD = {f.name: f.name for f in fields(AFDConfig) if f.init} | _ALIASES
 
 
 def _additional_config(source: Any) -> Mapping[str, Any] | None:

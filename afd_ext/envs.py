@@ -11,13 +11,12 @@ the list is complete.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from .errors import AFDConfigError
-
-__all__ = ["EnvVar", "register", "get", "describe", "parse_bool"]
 
 
 def parse_bool(value: str) -> bool:
@@ -124,8 +123,20 @@ register("AFD_FFN_GPUS", None, "launch: GPU per FFN rank, e.g. '1' (one entry: s
 register("AFD_JOB_ID", None,
          "rendezvous: identity of this AFD job (same on every rank); the store refuses a rank of another "
          "job. Overrides torchrun's TORCHELASTIC_RUN_ID; connector_extra_config.job_id overrides both")
+def json_object(value: str) -> dict:
+    """A JSON object's text as a dict (blank: ``{}``).
+
+    Raises:
+        ValueError: not JSON; AFDConfigError (a ValueError): JSON but not an object.
+    """
+    out = json.loads(value) if value.strip() else {}
+    if not isinstance(out, dict):
+        raise AFDConfigError(f"expected a JSON object, got {value!r}")
+    return out
+
+
 register("AFD_CONNECTOR_EXTRA_CONFIG", None,
-         "launch: JSON object merged into connector_extra_config by config_from_env")
+         "launch: JSON object merged into connector_extra_config by config_from_env", json_object)
 
 # --- control plane (afd_ext.control) -------------------------------------------
 register("AFD_CONTROL_ADDR", None,

@@ -36,17 +36,6 @@ from .config import AFDConfig, DEFAULT_CONNECTOR, REFERENCE_CONNECTOR
 from .errors import AFDConfigError
 from .topology import validate_role_rank
 
-__all__ = [
-    "ENTRY_POINT_GROUP",
-    "REQUIRED_CONNECTOR_METHODS",
-    "AFDConnectorFactory",
-    "register_connector",
-    "get_connector_class",
-    "create_connector",
-    "known_connectors",
-    "resolve_role_rank",
-]
-
 logger = logging.getLogger(__name__)
 
 #: Python entry-point group scanned for third-party connectors.
@@ -81,7 +70,6 @@ class AFDConnectorFactory:
     """Class-level connector registry (reference name). Module functions wrap it."""
 
     _registry: dict[str, _Spec] = {}
-    _classes: dict[str, type] = {}
     _entry_points_loaded = False
     _lock = threading.RLock()
 
@@ -99,28 +87,23 @@ class AFDConnectorFactory:
             AFDConfigError: ``name`` is already registered and ``replace`` is False,
                 or an argument is empty.
         """
-        cls._register(name, module_path, class_name, replace=replace, source="register_connector")
-
-    @classmethod
-    def _register(cls, name: str, module_path: str, class_name: str, *, replace: bool, source: str) -> None:
         _check_name(name, "connector name")
         _check_name(module_path, "module_path")
         _check_name(class_name, "class_name")
         with cls._lock:
             if name in cls._registry and not replace:
                 raise AFDConfigError(f"connector {name!r} is already registered")
-            cls._registry[name] = _Spec(module_path, class_name, source)
-            cls._classes.pop(name, None)
+            cls._registry[name] = _Spec(module_path, class_name, "register_connector")
 
     @classmethod
-    def load_entry_points(cls, *, refresh: bool = False) -> None:
+    def load_entry_points(cls) -> None:
         """Register every connector of the ``afd_ext.connectors`` entry-point group.
 
         Called lazily by lookups; names already registered win (a warning is
         logged). A malformed entry point value is logged and skipped.
         """
         with cls._lock:
-            if cls._entry_points_loaded and not refresh:
+            if cls._entry_points_loaded:
                 return
             cls._entry_points_loaded = True
             try:
@@ -129,10 +112,10 @@ class AFDConnectorFactory:
                 logger.warning("could not read entry points of group %s: %s", ENTRY_POINT_GROUP, e)
                 return
             for ep in eps:
-                module_path, sep, class_name = ep.value.partition(":")
-                module_path, class_name = module_path.strip(), class_name.strip()
+                match = ep.pattern.match(ep.value)  # importlib's own grammar of 'pkg.module:attr'
+                module_path, class_name = (match.group("module"), match.group("attr")) if match else ("", None)
                 dist = getattr(getattr(ep, "dist", None), "name", None) or "unknown distribution"
-                if not sep or not class_name.isidentifier() or not all(p.isidentifier() for p in module_path.split(".")):
+                if not class_name or not class_name.isidentifier():
                     logger.warning(
                         "ignoring entry point %s = %r of %s: expected 'pkg.module:ClassName'", ep.name, ep.value, dist
                     )
@@ -156,7 +139,7 @@ class AFDConnectorFactory:
 
     @classmethod
     def get_connector_class(cls, name: str) -> type:
-        """Import (once) and return the class registered under ``name``.
+        """Import and return the class registered under ``name`` (Python caches the module).
 
         Raises:
             AFDConfigError: unknown name (the message lists the known names).
@@ -166,9 +149,6 @@ class AFDConnectorFactory:
         """
         _check_name(name, "connector name")
         with cls._lock:
-            klass = cls._classes.get(name)
-            if klass is not None:
-                return klass
             spec = cls._registry.get(name)
         if spec is None:
             cls.load_entry_points()
@@ -196,8 +176,6 @@ class AFDConnectorFactory:
             raise TypeError(
                 f"{spec.module_path}.{spec.class_name} is not an AFD connector: it lacks {missing}"
             )
-        with cls._lock:
-            cls._classes[name] = klass
         return klass
 
     @classmethod
@@ -349,39 +327,12 @@ def _as_afd_config(value: Any) -> AFDConfig:
     raise TypeError(f"afd_config must be an AFDConfig or a mapping, got {type(value).__name__}")
 
 
-def _register_builtins() -> None:
-    for name in (DEFAULT_CONNECTOR, REFERENCE_CONNECTOR):
-        AFDConnectorFactory._register(name, "afd_ext.connector", "AFDConnector", replace=True, source="builtin")
+for _name in (DEFAULT_CONNECTOR, REFERENCE_CONNECTOR):
+    AFDConnectorFactory._registry[_name] = _Spec("afd_ext.connector", "AFDConnector", "builtin")
 
 
-_register_builtins()
-
-
-def register_connector(name: str, module_path: str, class_name: str, replace: bool = False) -> None:
-    """Module-level :meth:`AFDConnectorFactory.register_connector`."""
-    AFDConnectorFactory.register_connector(name, module_path, class_name, replace=replace)
-
-
-def get_connector_class(name: str) -> type:
-    """Module-level :meth:`AFDConnectorFactory.get_connector_class`."""
-    return AFDConnectorFactory.get_connector_class(name)
-
-
-def create_connector(
-    rank: int,
-    local_rank: int,
-    config: Any,
-    afd_config: AFDConfig | Mapping[str, Any] | None = None,
-    *,
-    role_rank: int | None = None,
-    **kwargs: Any,
-) -> Any:
-    """Module-level :meth:`AFDConnectorFactory.create_connector`."""
-    return AFDConnectorFactory.create_connector(
-        rank, local_rank, config, afd_config, role_rank=role_rank, **kwargs
-    )
-
-
-def known_connectors() -> tuple[str, ...]:
-    """Module-level :meth:`AFDConnectorFactory.known_connectors`."""
-    return AFDConnectorFactory.known_connectors()
+# The module-level API is the class's: one implementation, two spellings (the reference's is the class).
+register_connector = AFDConnectorFactory.register_connector
+get_connector_class = AFDConnectorFactory.get_connector_class
+create_connector = AFDConnectorFactory.create_connector
+known_connectors = AFDConnectorFactory.known_connectors

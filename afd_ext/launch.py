@@ -43,18 +43,16 @@ free port; on several nodes only what you give), ``AFD_CONNECTOR_EXTRA_CONFIG``
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
 from typing import TYPE_CHECKING, NamedTuple, Sequence
 
+from afd_ext import envs
 from afd_ext.errors import AFDConfigError, AFDError
 
 if TYPE_CHECKING:
     from afd_ext.config import AFDConfig
-
-__all__ = ["main", "build_parser", "check_port_free", "config_from_env", "resolve_role", "local_device", "LaunchedRank"]
 
 _ROLE_NAMES = {"a": "attention", "attention": "attention", "f": "ffn", "ffn": "ffn"}
 
@@ -70,16 +68,6 @@ class LaunchedRank(NamedTuple):
 # ---------------------------------------------------------------------------
 # Inside a rank: who am I
 # ---------------------------------------------------------------------------
-
-
-def _env(name: str):
-    """An ``AFD_*`` variable through :mod:`afd_ext.envs`; a bad value is an AFDConfigError."""
-    from afd_ext import envs
-
-    try:
-        return envs.get(name)
-    except ValueError as e:
-        raise AFDConfigError(str(e)) from None
 
 
 def _launcher_int(name: str) -> int | None:
@@ -138,11 +126,11 @@ def resolve_role(num_attention_ranks: int, num_ffn_ranks: int, *, rank: int | No
             or the role rank is out of range; the message names the variable.
     """
     A, F = num_attention_ranks, num_ffn_ranks
-    role = _env("AFD_ROLE")
+    role = envs.get("AFD_ROLE")
     if role is not None:
         if role not in ("attention", "ffn"):
             raise AFDConfigError(f"AFD_ROLE={role!r}: expected 'attention' or 'ffn'")
-        role_rank = _env("AFD_ROLE_RANK")
+        role_rank = envs.get("AFD_ROLE_RANK")
         if role_rank is None:
             raise AFDConfigError("AFD_ROLE is set but AFD_ROLE_RANK is not: set both, or neither under torchrun")
         ffn0_is_rank0 = False
@@ -159,7 +147,7 @@ def resolve_role(num_attention_ranks: int, num_ffn_ranks: int, *, rank: int | No
                 "(torchrun --nproc-per-node on each node, summed over the nodes)")
         if rank >= world:
             raise AFDConfigError(f"RANK={rank} is out of range for WORLD_SIZE={world}")
-        mapping = _env("AFD_ROLES")
+        mapping = envs.get("AFD_ROLES")
         if mapping is not None:
             roles = _parse_roles(mapping)
             if len(roles) != world or roles.count("ffn") != F:
@@ -197,11 +185,11 @@ def config_from_env(**overrides) -> LaunchedRank:
     from afd_ext.config import AFDConfig
 
     overrides = dict(overrides)
-    A, F = _counts(overrides.pop("num_attention_ranks", None) or _env("AFD_NUM_ATTENTION_RANKS"),
-                   overrides.pop("num_ffn_ranks", None) or _env("AFD_NUM_FFN_RANKS"),
+    A, F = _counts(overrides.pop("num_attention_ranks", None) or envs.get("AFD_NUM_ATTENTION_RANKS"),
+                   overrides.pop("num_ffn_ranks", None) or envs.get("AFD_NUM_FFN_RANKS"),
                    _launcher_int("WORLD_SIZE"))
     role, role_rank, ffn0_is_rank0 = resolve_role(A, F)
-    host = overrides.pop("host", None) or _env("AFD_HOST")
+    host = overrides.pop("host", None) or envs.get("AFD_HOST")
     if host is None:
         if not ffn0_is_rank0:
             raise AFDConfigError(
@@ -212,16 +200,8 @@ def config_from_env(**overrides) -> LaunchedRank:
         if not host:
             raise AFDConfigError("neither AFD_HOST nor torchrun's MASTER_ADDR is set: set AFD_HOST to the "
                                  "address of FFN rank 0's machine")
-    port = overrides.pop("port", None) or _env("AFD_PORT")
-    extra: dict = {}
-    raw_extra = _env("AFD_CONNECTOR_EXTRA_CONFIG")
-    if raw_extra:
-        try:
-            extra = json.loads(raw_extra)
-        except ValueError as e:
-            raise AFDConfigError(f"AFD_CONNECTOR_EXTRA_CONFIG is not valid JSON: {e}") from None
-        if not isinstance(extra, dict):
-            raise AFDConfigError("AFD_CONNECTOR_EXTRA_CONFIG must be a JSON object")
+    port = overrides.pop("port", None) or envs.get("AFD_PORT")
+    extra = dict(envs.get("AFD_CONNECTOR_EXTRA_CONFIG") or {})
     extra.update(overrides.pop("connector_extra_config", None) or {})
     fields = {"role": role, "host": host, "num_attention_ranks": A, "num_ffn_ranks": F,
               "connector_extra_config": extra, **overrides}
@@ -240,12 +220,12 @@ def local_device() -> int | None:
     Raises:
         AFDConfigError: a GPU list does not parse or has the wrong length.
     """
-    device = _env("AFD_DEVICE")
+    device = envs.get("AFD_DEVICE")
     if device is not None:
         return device
-    lists = {"attention": _env("AFD_ATTENTION_GPUS"), "ffn": _env("AFD_FFN_GPUS")}
+    lists = {"attention": envs.get("AFD_ATTENTION_GPUS"), "ffn": envs.get("AFD_FFN_GPUS")}
     if any(lists.values()):
-        A, F = _counts(_env("AFD_NUM_ATTENTION_RANKS"), _env("AFD_NUM_FFN_RANKS"), _launcher_int("WORLD_SIZE"))
+        A, F = _counts(envs.get("AFD_NUM_ATTENTION_RANKS"), envs.get("AFD_NUM_FFN_RANKS"), _launcher_int("WORLD_SIZE"))
         role, role_rank, _ = resolve_role(A, F)
         if lists[role]:
             name = "AFD_ATTENTION_GPUS" if role == "attention" else "AFD_FFN_GPUS"
@@ -335,10 +315,6 @@ def _fail(msg: str, code: int = 2) -> int:
     return code
 
 
-def _exit_code(rc: int) -> int:
-    return 128 - rc if rc < 0 else rc
-
-
 def _rank_label(rank: int, A: int, F: int) -> str:
     """``"rank 2 (attention rank 1)"`` under the exported mapping, or just ``"rank 2"``."""
     try:
@@ -387,8 +363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(e))
     if args.extra_config is not None:
         try:
-            if not isinstance(json.loads(args.extra_config), dict):
-                raise AFDConfigError("not a JSON object")
+            envs.json_object(args.extra_config)
         except ValueError as e:
             parser.error(f"--extra-config must be a JSON object: {e}")
     if args.port is not None and not 0 < args.port < 65536:
@@ -437,7 +412,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         torchrun.run(targs)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
-        code = _exit_code(failure.exitcode)
+        code = 128 - failure.exitcode if failure.exitcode < 0 else failure.exitcode  # -N: killed by signal N
         return _fail(f"{_rank_label(rank, A, F)} exited with code {code}; torchrun stopped the other ranks",
                      code or 1)
     except SignalException as e:

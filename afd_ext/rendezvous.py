@@ -78,6 +78,21 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
+from .errors import (  # defined once, in errors.py; rendezvous.StepAbortedError etc. stay importable
+    AFDConfigError,
+    AFDError,
+    DuplicateRankError,
+    HandshakeMismatchError,
+    JobMismatchError,
+    RendezvousError,
+    RendezvousTimeoutError,
+    StepAbortedError,
+    StoreTimeoutError,
+    StoreUnavailableError,
+)
+from .topology import rank_label  # the one rank label (also importable from here)
+from .watchdog import CallThread
+
 logger = logging.getLogger(__name__)
 
 #: Default deadline, in seconds, for connecting to the store and for every
@@ -97,6 +112,12 @@ POST_ABORT_WAIT_S = 0.5
 _MIN_ROUND_TRIP_S = 0.5
 #: Longest FFN rank 0 looks, when its port is in use, whether this job's live FFN rank 0 holds it, in seconds.
 _PROBE_S = 10.0
+
+
+def _left(deadline: float) -> float:
+    """Seconds to ``deadline`` (``time.monotonic()``), at least :data:`_MIN_ROUND_TRIP_S`: the bound of one
+    store round trip inside a wait (its last poll still gets a fair chance)."""
+    return max(deadline - time.monotonic(), _MIN_ROUND_TRIP_S)
 
 
 def wait_log_interval_s(timeout_s: float) -> float:
@@ -145,54 +166,6 @@ class WaitReport:
             logger.info("%s: %s arrived after %.0f s", self.me, self.what, time.monotonic() - self.t0)
 
 
-__all__ = [
-    "DEFAULT_RENDEZVOUS_TIMEOUT_S",
-    "AFDStore",
-    "RendezvousError",
-    "RendezvousTimeoutError",
-    "StoreUnavailableError",
-    "HandshakeMismatchError",
-    "StepAbortedError",
-    "StoreTimeoutError",
-    "JobMismatchError",
-    "DuplicateRankError",
-    "AbortSignal",
-    "ABORT_READ_WAIT_S",
-    "POST_ABORT_WAIT_S",
-    "error_text",
-    "process_group_error",
-    "rank_label",
-    "connect",
-    "exchange_unique_id",
-    "handshake",
-    "barrier",
-    "post_abort",
-    "check_abort",
-    "raise_if_aborted",
-    "wait_for_keys",
-    "WaitReport",
-    "wait_log_interval_s",
-    "host_identity",
-    "forget_cached_stores",
-]
-
-
-from .topology import rank_label  # noqa: E402,F401  the one rank label, re-exported here
-from .watchdog import CallThread  # noqa: E402
-from .errors import (  # noqa: E402  defined once, in errors.py
-    AFDConfigError,
-    AFDError,
-    DuplicateRankError,
-    HandshakeMismatchError,
-    JobMismatchError,
-    RendezvousError,
-    RendezvousTimeoutError,
-    StepAbortedError,
-    StoreTimeoutError,
-    StoreUnavailableError,
-)
-
-
 def error_text(exc: BaseException) -> str:
     """The first line of a torch/gloo error, without C++ frames or ``[file.cc:123]``/``[c10d]`` tags."""
     import re
@@ -204,8 +177,6 @@ def error_text(exc: BaseException) -> str:
     line = re.sub(r"\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*", "", line)
     line = re.sub(r"\s*GLHF!?", "", line)
     return line.strip() or type(exc).__name__
-
-
 
 
 def host_identity() -> str:
@@ -268,8 +239,8 @@ class AFDStore:
     generation: int
     namespace: str
     timeout_s: float
+    _runner: _StoreRunner = field(repr=False)
     _barrier_seq: dict[str, int] = field(default_factory=dict, repr=False)
-    _runner: _StoreRunner | None = field(default=None, repr=False)
     _abort: "AbortSignal | None" = field(default=None, repr=False)
 
     def label(self, world_rank: int | None = None) -> str:
@@ -300,23 +271,28 @@ class AFDStore:
             StoreUnavailableError: the connection to the store was lost.
         """
         runner = self._runner
-        if runner is not None and runner.lost is not None:
+        if runner.lost is not None:
             raise self.lost_error(what, runner.lost)
         try:
-            with _guard(self, what):
-                if runner is None or runner.on_thread():
-                    return fn()
-                bound = self.timeout_s if timeout_s is None else max(0.0, float(timeout_s))
-                fut = runner.submit(fn)
-                try:
-                    return fut.result(bound)
-                except cf.TimeoutError:
-                    if cancel:
-                        fut.cancel()
-                    raise self.silent_error(what, bound) from None
-        except StoreUnavailableError as e:
-            if runner is not None and not isinstance(e, StoreTimeoutError):
+            if runner.on_thread():
+                return fn()
+            bound = self.timeout_s if timeout_s is None else max(0.0, float(timeout_s))
+            fut = runner.submit(fn)
+            try:
+                return fut.result(bound)
+            except cf.TimeoutError:
+                if cancel:
+                    fut.cancel()
+                raise self.silent_error(what, bound) from None
+        except StoreTimeoutError:
+            raise
+        except RuntimeError as e:
+            # A lost connection (a TCPStore client never reconnects): every later call fails at once.
+            if isinstance(e, StoreUnavailableError):
                 runner.lost = e
+            elif type(e).__name__ in ("DistNetworkError", "DistStoreError", "DistError"):
+                runner.lost = self.lost_error(what, RuntimeError(error_text(e)))
+                raise runner.lost from None
             raise
 
     def lost_error(self, what: str, cause: BaseException) -> StoreUnavailableError:
@@ -349,12 +325,6 @@ class AFDStore:
         what = f"checking {keys[0]!r}" if keys else "checking keys"
         return bool(self.call(lambda: self.store.check(keys), what, timeout_s))
 
-    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str,
-                    timeout_s: float | None = None) -> bytes:
-        """``store.compare_set``: set ``key`` to ``desired`` if it equals ``expected`` (``""``: absent)."""
-        return bytes(self.call(lambda: self.store.compare_set(key, expected, desired), f"updating {key!r}",
-                               timeout_s))
-
     @property
     def generation_key(self) -> str:
         """A string unique to this store instance and generation (for naming OS resources)."""
@@ -381,7 +351,6 @@ class AbortSignal:
 
     def __init__(self, store: AFDStore, me: str | None = None):
         self._store = store
-        self.store = store
         self.me = store.label() if me is None else me
         self._lost_logged = False
         self._lock = threading.Lock()
@@ -399,7 +368,7 @@ class AbortSignal:
         if self._posted is not None:
             return self._posted
         runner = self._store._runner
-        if runner is None or runner.on_thread() or runner.lost is not None:
+        if runner.on_thread() or runner.lost is not None:
             return self._fetch()
         if runner.stuck_s() > wait_s:
             return self._posted  # an earlier round trip is unanswered: queue no more behind it
@@ -488,24 +457,6 @@ def forget_cached_stores() -> None:
 
 def _timedelta(timeout_s: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=float(timeout_s))
-
-
-class _guard:
-    """Turn a lost store connection into :class:`StoreUnavailableError` naming FFN rank 0."""
-
-    def __init__(self, store: "AFDStore", what: str):
-        self.store = store
-        self.what = what
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, et, ev, tb):
-        if ev is None or not isinstance(ev, RuntimeError) or isinstance(ev, (StepAbortedError, RendezvousError)):
-            return False
-        if type(ev).__name__ in ("DistNetworkError", "DistStoreError", "DistError"):
-            raise self.store.lost_error(self.what, RuntimeError(error_text(ev))) from None
-        return False
 
 
 def process_group_error(exc: BaseException, *, me: str, label: Callable[[int], str], world_size: int,
@@ -610,31 +561,25 @@ def _open_tcp_store(host: str, port: int, world_rank: int, timeout_s: float, dea
             missing=(0,), what="rendezvous store") from None
     # The client's constructor has no timeout against a listener that never answers
     # (another program on the port, a stopped FFN rank 0): build it on a thread.
-    box: dict[str, Any] = {}
-
-    def build() -> None:
-        try:
-            box["store"] = dist.TCPStore(host, port, None, False, _timedelta(timeout_s), wait_for_workers=False)
-        except Exception as e:  # noqa: BLE001 - reported below
-            box["error"] = e
-
-    t = threading.Thread(target=build, name=f"afd-store-connect {host}:{port}", daemon=True)
-    t.start()
-    t.join(max(deadline - time.monotonic(), _MIN_ROUND_TRIP_S))
-    if t.is_alive():
+    builder = CallThread(f"afd-store-connect {host}:{port}")
+    fut = builder.submit(lambda: dist.TCPStore(host, port, None, False, _timedelta(timeout_s),
+                                                wait_for_workers=False))
+    builder.stop()
+    try:
+        return fut.result(_left(deadline))
+    except cf.TimeoutError:
         raise RendezvousTimeoutError(
             f"{where}: a process accepts connections on that port but does not answer as an AFD rendezvous "
             "store. Another program holds the port (choose another port on every rank), or FFN rank 0's "
             "process is stopped or frozen.",
-            missing=(0,), what="rendezvous store")
-    if "error" in box:
+            missing=(0,), what="rendezvous store") from None
+    except Exception as e:  # noqa: BLE001 - any failure to build the client is named here
         raise RendezvousTimeoutError(
-            f"{where}: {error_text(box['error'])}. Check that FFN rank 0 is running and that host/port are "
+            f"{where}: {error_text(e)}. Check that FFN rank 0 is running and that host/port are "
             "the same on every rank.", missing=(0,), what="rendezvous store") from None
-    return box["store"]
 
 
-def _wait_listening(host: str, port: int, deadline: float, report: WaitReport | None = None) -> str | None:
+def _wait_listening(host: str, port: int, deadline: float, report: WaitReport) -> str | None:
     """Connect to ``host:port`` until something accepts or ``deadline`` passes; None or the last error.
 
     ``report`` logs the wait (FFN rank 0 not listening yet: it may still be loading its model).
@@ -644,15 +589,14 @@ def _wait_listening(host: str, port: int, deadline: float, report: WaitReport | 
         left = deadline - time.monotonic()
         try:
             with socket.create_connection((host, port), timeout=max(0.05, min(left, 2.0))):
-                if report is not None:
-                    report.done()
+                report.done()
                 return None
         except OSError as e:
             err = e.strerror or str(e)
         left = deadline - time.monotonic()
         if left <= 0:
             return err
-        if report is not None and report.due():
+        if report.due():
             report.log(f"FFN rank 0 (world rank 0), which hosts it ({err})")
         time.sleep(min(sleep, left))
         sleep = min(2 * sleep, 0.25)
@@ -707,16 +651,15 @@ def _world_record(job_id: str, world_size: int, num_ffn_ranks: int | None) -> di
 
 def _check_world(st: "AFDStore", root: Any, mine: dict[str, Any], job_source: str, deadline: float) -> None:
     """Compare this rank's job and world shape with the store's (written by FFN rank 0)."""
-    left = lambda: max(deadline - time.monotonic(), _MIN_ROUND_TRIP_S)  # noqa: E731
     enc = json.dumps(mine, sort_keys=True)
     if st.world_rank == 0:
         # FFN rank 0 opened the store: its view is the job's (a re-join reads it back).
-        raw = st.call(lambda: root.compare_set("world", "", enc), "recording the job", left())
+        raw = st.call(lambda: root.compare_set("world", "", enc), "recording the job", _left(deadline))
     else:
         sleep = 0.001
         report = WaitReport(st.label(), f"the job record in the AFD rendezvous store at {st.host}:{st.port}",
                             deadline)
-        while not st.call(lambda: root.check(["world"]), "reading the job", left()):
+        while not st.call(lambda: root.check(["world"]), "reading the job", _left(deadline)):
             if report.due():
                 report.log("FFN rank 0 (world rank 0), which opened the store")
             if time.monotonic() >= deadline:
@@ -726,7 +669,7 @@ def _check_world(st: "AFDStore", root: Any, mine: dict[str, Any], job_source: st
                     "right after opening it.", missing=(0,), what="the job record")
             time.sleep(sleep)
             sleep = min(2 * sleep, _MAX_POLL_S)
-        raw = st.call(lambda: root.get("world"), "reading the job", left())
+        raw = st.call(lambda: root.get("world"), "reading the job", _left(deadline))
     theirs = json.loads(bytes(raw).decode("utf-8"))
     if theirs.get("job_id") != mine["job_id"]:
         raise JobMismatchError(
@@ -743,7 +686,8 @@ def _check_world(st: "AFDStore", root: Any, mine: dict[str, Any], job_source: st
     msg = (f"AFD handshake mismatch in field {name!r}: {st.label()} has {a!r}, FFN rank 0 (world rank 0) "
            f"opened the store at {st.host}:{st.port} with {b!r}. Every attention and FFN rank must be "
            "started with the same num_attention_ranks and num_ffn_ranks.")
-    _abort_handshake(st, root, msg, theirs)
+    # stop the ranks waiting in FFN rank 0's current handshake, unless that job already runs
+    _abort_waiting_init(st, root, {"reason": msg, "by": st.label()}, int(theirs.get("world_size") or 0), (0,))
     raise HandshakeMismatchError(msg, field=name, local_value=a, peer_value=b,
                                  local_rank=st.world_rank, peer_rank=0)
 
@@ -758,11 +702,6 @@ def _shape_difference(mine: Mapping[str, Any], theirs: Mapping[str, Any]) -> tup
     if mine["world_size"] != theirs.get("world_size"):
         return "num_attention_ranks + num_ffn_ranks", mine["world_size"], theirs.get("world_size")
     return None
-
-
-def _abort_handshake(st: "AFDStore", root: Any, reason: str, theirs: Mapping[str, Any]) -> None:
-    """Stop the ranks waiting in FFN rank 0's current handshake, unless that job already runs."""
-    _abort_waiting_init(st, root, {"reason": reason, "by": st.label()}, int(theirs.get("world_size") or 0), (0,))
 
 
 def _abort_waiting_init(st: "AFDStore", root: Any, record: Mapping[str, Any], world_size: int,
@@ -843,11 +782,10 @@ def _second_store_host(host: str, port: int, world_size: int, num_ffn_ranks: int
 
 def _claim_rank(st: "AFDStore", root: Any, deadline: float) -> None:
     """Claim this world rank for this process; refuse a second live process claiming it."""
-    left = lambda: max(deadline - time.monotonic(), _MIN_ROUND_TRIP_S)  # noqa: E731
     me = _process_token()
     enc = json.dumps(me, sort_keys=True)
     key = f"owner/{st.world_rank}"
-    prev = bytes(st.call(lambda: root.compare_set(key, "", enc), "claiming this rank", left()))
+    prev = bytes(st.call(lambda: root.compare_set(key, "", enc), "claiming this rank", _left(deadline)))
     for _ in range(3):
         try:
             holder = json.loads(prev.decode("utf-8"))
@@ -862,7 +800,7 @@ def _claim_rank(st: "AFDStore", root: Any, deadline: float) -> None:
         if alive is None:
             logger.warning("%s: taking over this rank from %s (another host; assumed gone). If that process "
                            "still runs, two processes were started with the same role rank.", st.label(), who)
-        got = bytes(st.call(lambda: root.compare_set(key, prev, enc), "claiming this rank", left()))
+        got = bytes(st.call(lambda: root.compare_set(key, prev, enc), "claiming this rank", _left(deadline)))
         if got == enc.encode("utf-8"):
             return
         prev = got
@@ -931,7 +869,6 @@ def connect(
 
     job, job_source = resolve_job_id(job_id)
     deadline = time.monotonic() + float(timeout_s)
-    left = lambda: max(deadline - time.monotonic(), _MIN_ROUND_TRIP_S)  # noqa: E731
 
     def handle(base: Any, runner: _StoreRunner | None, store: Any = None) -> AFDStore:
         return AFDStore(store=store, base=base, host=host, port=port, world_rank=world_rank,
@@ -943,7 +880,7 @@ def connect(
         lock = _KEY_LOCKS.setdefault(key, threading.Lock())
     with lock:  # per rank: ranks that are threads of one process connect concurrently
         entry = _STORES.get(key)
-        if entry is not None and not _store_alive(handle(*entry), left()):
+        if entry is not None and not _store_alive(handle(*entry), _left(deadline)):
             logger.warning("cached AFD rendezvous store %s:%d is unusable; reconnecting", host, port)
             entry[1].stop()
             entry = None
@@ -967,7 +904,7 @@ def connect(
     st = handle(base, runner, root)
     _check_world(st, root, _world_record(job, world_size, num_ffn_ranks), job_source, deadline)
     _claim_rank(st, root, deadline)
-    st.generation = int(st.call(lambda: root.add(f"join/{world_rank}", 1), "joining", left()))
+    st.generation = int(st.call(lambda: root.add(f"join/{world_rank}", 1), "joining", _left(deadline)))
     with _STORES_LOCK:
         own = _OWN_JOINS[(host, port, namespace, world_rank)] = _OWN_JOINS.get((host, port, namespace, world_rank), 0) + 1
     if own != st.generation:
@@ -1086,7 +1023,7 @@ def post_abort(store: AFDStore, reason: str, by: str | None = None) -> bool:
     by = by or store.label()
     value = json.dumps({"reason": str(reason), "by": by}).encode("utf-8")
     runner = store._runner
-    if runner is not None and not runner.on_thread() and runner.stuck_s() > ABORT_READ_WAIT_S:
+    if not runner.on_thread() and runner.stuck_s() > ABORT_READ_WAIT_S:
         # The store is silent already: queue the post (it lands if the host wakes), wait for nothing.
         runner.submit(lambda: store.store.compare_set("abort", "", value))
         logger.warning("%s: the AFD abort (%s) is queued: the rendezvous store at %s:%d does not answer "
@@ -1126,7 +1063,6 @@ def wait_for_keys(
     """
     timeout = store.timeout_s if timeout_s is None else float(timeout_s)
     deadline = time.monotonic() + timeout
-    left = lambda: max(deadline - time.monotonic(), _MIN_ROUND_TRIP_S)  # noqa: E731
     pending = dict(keys)
     report = WaitReport(store.label(), what, deadline)
     missing = lambda: sorted({r for k, r in pending.items()  # noqa: E731
@@ -1135,7 +1071,7 @@ def wait_for_keys(
     while True:
         # One store round trip per poll (every rank polls FFN rank 0's store);
         # which keys are missing is worked out only for the reports and the error.
-        if not pending or store.check(list(pending), timeout_s=left()):
+        if not pending or store.check(list(pending), timeout_s=_left(deadline)):
             report.done()
             return
         found = store.abort_signal.read()
@@ -1196,8 +1132,6 @@ def exchange_unique_id(
     full = f"uid/{key}"
     if is_creator:
         uid = make_id()
-        if isinstance(uid, (bytearray, memoryview)):
-            uid = bytes(uid)
         if not isinstance(uid, bytes):
             raise TypeError(f"make_id must return bytes, got {type(uid).__name__}")
         if not uid:
@@ -1253,12 +1187,11 @@ def handshake(
         )
     mine = json.loads(json.dumps(dict(fields), default=str, sort_keys=True))
     deadline = time.monotonic() + (store.timeout_s if timeout_s is None else float(timeout_s))
-    left = lambda: max(deadline - time.monotonic(), _MIN_ROUND_TRIP_S)  # noqa: E731
-    store.set(f"handshake/{world_rank}", json.dumps(mine, sort_keys=True).encode("utf-8"), timeout_s=left())
-    wait_for_keys(store, {f"handshake/{r}": r for r in range(world_size)}, left(), "the AFD handshake")
+    store.set(f"handshake/{world_rank}", json.dumps(mine, sort_keys=True).encode("utf-8"), timeout_s=_left(deadline))
+    wait_for_keys(store, {f"handshake/{r}": r for r in range(world_size)}, _left(deadline), "the AFD handshake")
     everyone: dict[int, dict[str, Any]] = {}
     for r in range(world_size):
-        everyone[r] = json.loads(store.get(f"handshake/{r}", timeout_s=left()).decode("utf-8"))
+        everyone[r] = json.loads(store.get(f"handshake/{r}", timeout_s=_left(deadline)).decode("utf-8"))
     # Everyone has read every fingerprint before anyone may raise and exit: FFN rank 0
     # hosts the store, and its exit would turn the peers' mismatch error into a lost store.
     barrier(store, world_rank, world_size, "handshake-read", timeout_s)

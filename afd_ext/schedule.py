@@ -61,8 +61,8 @@ dtypes and which optional tensors travel.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -71,27 +71,6 @@ from .metadata import AFDControlPayload
 from .topology import Topology
 from .spec import HIDDEN_DTYPES as _HIDDEN_DTYPES  # the one dtype table
 from .spec import TOKEN_IDS_DTYPE
-
-__all__ = [
-    "A2F",
-    "F2A",
-    "DIRECTIONS",
-    "TOKEN_IDS_DTYPE",
-    "ScheduleConfig",
-    "WirePart",
-    "stage_buffers",
-    "schedule_config",
-    "Message",
-    "FanInPlan",
-    "SendPlan",
-    "StepSchedule",
-    "build_step_schedule",
-    "pad_sizes",
-    "capture_size_for",
-    "check_capture_sizes",
-    "DEFAULT_CAPTURE_SIZES",
-    "warmup_payload",
-]
 
 A2F = "a2f"
 F2A = "f2a"
@@ -146,7 +125,7 @@ class ScheduleConfig:
     router_logits_dtype: torch.dtype = torch.float32
     send_token_ids: bool = False
     clamp_idle_to_one: bool = False
-    pad_to: Mapping[int, int] | None = None
+    pad_to: Mapping[int, int] | None = field(default=None, hash=False)  # a dict: compared, not hashed
     max_stages: int | None = None
     hidden_wire: str | None = None
     fp8_delivery: str = "dequant"
@@ -185,16 +164,6 @@ class ScheduleConfig:
                                      f"got {self.hidden_wire!r}")
             check_hidden(self.hidden_size, self.hidden_dtype)
 
-    def __hash__(self) -> int:
-        pad = None if self.pad_to is None else tuple(self.pad_to.items())
-        return hash(
-            (
-                self.num_layers, self.hidden_size, self.hidden_dtype, self.router_logits_width,
-                self.router_logits_dtype, self.send_token_ids,
-                self.clamp_idle_to_one, pad, self.max_stages, self.hidden_wire, self.fp8_delivery,
-            )
-        )
-
     @property
     def wire_parts(self) -> tuple[WirePart, ...]:
         """The one wire layout: the tensors of an a2f message, in the order they travel.
@@ -214,11 +183,6 @@ class ScheduleConfig:
         if self.send_token_ids:
             parts.append(WirePart("token_ids", (), TOKEN_IDS_DTYPE))
         return tuple(parts)
-
-    @property
-    def num_wire_tensors(self) -> int:
-        """Wire tensors per a2f message: hidden states, plus logits and ids when they travel."""
-        return len(self.wire_parts)
 
 
 def stage_buffers(alloc: Callable[[tuple[str, int], tuple[int, ...], torch.dtype], Any], config: ScheduleConfig,
@@ -266,13 +230,6 @@ def schedule_config(spec: Any, extra: Any) -> ScheduleConfig:
         hidden_wire=getattr(extra, "hidden_wire_dtype", None), fp8_delivery=getattr(extra, "fp8_delivery", "dequant"))
 
 
-class Message(NamedTuple):
-    """One message of one (layer, stage, edge, direction)."""
-
-    rows: int
-    skipped: bool
-
-
 class FanInPlan(NamedTuple):
     """An FFN rank's view of one stage.
 
@@ -313,6 +270,7 @@ def _fmt_shape(shape: Sequence[int]) -> str:
     return "[" + ", ".join(str(int(s)) for s in shape) + "]"
 
 
+@dataclass(slots=True, eq=False, repr=False)
 class StepSchedule:
     """The rows of every message of one step. Build with :func:`build_step_schedule`.
 
@@ -323,20 +281,14 @@ class StepSchedule:
         stages: sorted stage ids.
     """
 
-    __slots__ = ("topology", "config", "payload", "stages", "_counts", "_rows",
-                 "_ffn_plans", "_attn_plans")
-
-    def __init__(self, topology: Topology, config: ScheduleConfig, payload: AFDControlPayload,
-                 stages: tuple[int, ...], counts: dict[int, tuple[int, ...]],
-                 rows: dict[int, tuple[int, ...]]):
-        self.topology = topology
-        self.config = config
-        self.payload = payload
-        self.stages = stages
-        self._counts = counts
-        self._rows = rows
-        self._ffn_plans: dict[tuple[int, int], FanInPlan] = {}
-        self._attn_plans: dict[tuple[int, int], SendPlan] = {}
+    topology: Topology
+    config: ScheduleConfig
+    payload: AFDControlPayload
+    stages: tuple[int, ...]
+    _counts: dict[int, tuple[int, ...]]  # real counts per stage
+    _rows: dict[int, tuple[int, ...]]  # wire rows per stage (padded under pad_to)
+    _ffn_plans: dict[tuple[int, int], FanInPlan] = field(default_factory=dict)
+    _attn_plans: dict[tuple[int, int], SendPlan] = field(default_factory=dict)
 
     def __repr__(self) -> str:
         return (f"StepSchedule(A={self.topology.num_attention_ranks}, F={self.topology.num_ffn_ranks}, "
@@ -389,12 +341,9 @@ class StepSchedule:
         return plan
 
     def edge_rows(self, stage: int, a: int, f: int) -> int:
-        """Rows on edge (attention rank ``a``, FFN rank ``f``) in ``stage`` (same both directions)."""
+        """Rows on edge (attention rank ``a``, FFN rank ``f``) in ``stage`` (same both directions;
+        0: the message is skipped on both sides)."""
         return self._edge(stage, a, f)[0]
-
-    def edge_valid_rows(self, stage: int, a: int, f: int) -> int:
-        """Real rows at the start of the edge's range."""
-        return self._edge(stage, a, f)[1]
 
     def _edge(self, stage: int, a: int, f: int) -> tuple[int, int]:
         plan = self.attention_plan(stage, a)
@@ -429,29 +378,6 @@ class StepSchedule:
     def ffn_rows(self, stage: int, f: int) -> int:
         """Rows of FFN rank ``f``'s concatenated tensor in ``stage``."""
         return self.ffn_plan(stage, f).total
-
-    def message(self, layer: int, stage: int, a: int, f: int, direction: str) -> Message:
-        """The message of one (layer, stage, edge, direction).
-
-        Raises:
-            AFDConfigError: layer out of range, unknown stage or direction, or
-                ``(a, f)`` not an edge.
-        """
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.config.num_layers:
-            raise AFDConfigError(f"layer must be in 0..{self.config.num_layers - 1}, got {layer!r}")
-        if direction not in DIRECTIONS:
-            raise AFDConfigError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
-        rows = self.edge_rows(stage, a, f)
-        return Message(rows, rows == 0)
-
-    def messages(self) -> Iterator[tuple[int, int, int, int, str, Message]]:
-        """Every ``(layer, stage, a, f, direction, message)`` in issue order (layer-major, stage-minor)."""
-        edges = self.topology.edges()
-        for layer in range(self.config.num_layers):
-            for stage in self.stages:
-                for direction in DIRECTIONS:
-                    for a, f in edges:
-                        yield layer, stage, a, f, direction, self.message(layer, stage, a, f, direction)
 
     # -- input checks ------------------------------------------------------------
 

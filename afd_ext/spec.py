@@ -17,10 +17,6 @@ import torch
 
 from .errors import AFDConfigError
 
-__all__ = ["ExchangeSpec", "SPEC_KWARGS", "moe_layer_indices", "router_logits_dtype",
-           "DTYPE_CODES", "WIRE_DTYPES", "HIDDEN_DTYPES", "TOKEN_IDS_DTYPE", "dtype_code", "dtype_name",
-           "dtype_from_code", "as_dtype"]
-
 #: Stable wire codes of every dtype that may travel (headers, handshakes). Never renumber.
 DTYPE_CODES: dict[torch.dtype, int] = {
     torch.float32: 1,
@@ -30,17 +26,14 @@ DTYPE_CODES: dict[torch.dtype, int] = {
     torch.int64: 5,
     torch.uint8: 6,
     torch.float64: 7,
+    torch.float8_e4m3fn: 8,
+    torch.float8_e5m2: 9,
 }
-for _name, _code in (("float8_e4m3fn", 8), ("float8_e5m2", 9)):
-    if hasattr(torch, _name):
-        DTYPE_CODES[getattr(torch, _name)] = _code
 _CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 
 #: Dtypes the compiled ops move (as bytes; fp8 included).
-WIRE_DTYPES: tuple[torch.dtype, ...] = tuple(
-    d for d in (torch.bfloat16, torch.float16, torch.float32, getattr(torch, "float8_e4m3fn", None),
-                getattr(torch, "float8_e5m2", None), torch.int32, torch.int64, torch.uint8)
-    if d is not None)
+WIRE_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn,
+                                         torch.float8_e5m2, torch.int32, torch.int64, torch.uint8)
 #: Dtypes the hidden states may have on the wire.
 HIDDEN_DTYPES: tuple[torch.dtype, ...] = tuple(d for d in WIRE_DTYPES if d.is_floating_point)
 #: Token ids travel as int32 (the reference's wire dtype).
@@ -82,7 +75,6 @@ def as_dtype(value: Any, name: str) -> torch.dtype:
         d = getattr(torch, value.replace("torch.", ""), None)
         if isinstance(d, torch.dtype):
             return d
-    if isinstance(value, str):
         raise AFDConfigError(f"{name}: unknown dtype name {value!r}; pass a torch.dtype or its name (e.g. 'bfloat16')")
     raise AFDConfigError(f"{name} must be a torch.dtype or its name (e.g. 'bfloat16'), got {value!r}")
 

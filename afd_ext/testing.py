@@ -16,7 +16,6 @@ user's NCCL run.
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing as mp
 import os
 import queue as queue_mod
@@ -25,7 +24,8 @@ import socket
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
+from unittest import mock
 
 
 class WorkerError(RuntimeError):
@@ -230,21 +230,6 @@ def place_processes(num_attention_ranks: int, num_ffn_ranks: int, num_gpus: int 
     return GpuPlacement(A, F, tuple(labels[g] for g in world), arrangement, hostids)
 
 
-@contextlib.contextmanager
-def _environ(extra: Mapping[str, str]) -> Iterator[None]:
-    """``os.environ`` plus ``extra`` inside the block (a spawned child inherits it), restored after."""
-    saved = {k: os.environ.get(k) for k in extra}
-    os.environ.update(extra)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def _entry(fn, rank, nprocs, args, q):
     # Ctrl-C reaches every process of the terminal; the parent stops the workers itself
     # (run_workers' finally), so a worker's own KeyboardInterrupt would only add a traceback.
@@ -312,7 +297,7 @@ def run_workers(
             if per_rank_env is not None:
                 wenv.update(per_rank_env[rank])
             p = ctx.Process(target=_entry, args=(fn, rank, nprocs, tuple(args), q), daemon=True)
-            with _environ(wenv):  # spawn copies os.environ into the child at start()
+            with mock.patch.dict(os.environ, wenv):  # spawn copies os.environ into the child at start()
                 p.start()
             procs.append(p)
         deadline = time.monotonic() + timeout_s

@@ -34,16 +34,6 @@ from typing import Sequence
 
 from .errors import AFDConfigError
 
-__all__ = [
-    "ATTENTION",
-    "FFN",
-    "ROLES",
-    "Topology",
-    "validate_role_rank",
-    "rank_label",
-    "step_words",
-]
-
 ATTENTION = "attention"
 FFN = "ffn"
 ROLES = (ATTENTION, FFN)
@@ -246,10 +236,6 @@ class Topology:
         """The attention role rank FFN rank ``f`` receives each step's payload from."""
         self.check_role_rank(FFN, f)
         return f % self.min_size
-
-    def control_senders(self) -> tuple[int, ...]:
-        """Attention role ranks that send control payloads: ``0..min(A, F)-1``."""
-        return tuple(range(self.min_size))
 
     # -- counts -------------------------------------------------------------------
 

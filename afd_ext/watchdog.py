@@ -59,8 +59,6 @@ from .errors import AFDConfigError, AFDPeerError, AFDTimeoutError, AFDTransportE
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TrackedOp", "Watchdog", "host_wait", "CallThread", "DEFAULT_POLL_INTERVAL_S", "NCCL_IN_PROGRESS", "BLAME_WAIT_S"]
-
 #: How often the watchdog thread polls, in seconds.
 DEFAULT_POLL_INTERVAL_S = 0.005
 #: Longest an expiring operation waits for ``blame`` (store reads) before it is recorded without it, seconds.
@@ -77,7 +75,7 @@ _NCCL_ERRORS = {
 }
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: two ops may describe the same exchange
 class TrackedOp:
     """One in-flight operation.
 
@@ -276,26 +274,24 @@ class Watchdog:
             suspended = self._suspended > 0
             ops = list(self._ops)
         if not suspended and ops:
-            still = []
+            done = []
             for op in ops:
                 try:
-                    finished = bool(op.done())
+                    if op.done():
+                        done.append(op)
                 except Exception as e:  # noqa: BLE001 - a failed query is a failed op
                     self.fail(AFDPeerError(
                         f"AFD {self.owner}: {op.describe()} failed: {e}",
                         op=op.what, peer=", ".join(op.peers) or None, layer=op.layer, stage=op.stage))
                     return
-                if not finished:
-                    still.append(op)
-            done_ids = {id(op) for op in ops} - {id(op) for op in still}
             with self._lock:
-                self._ops = [op for op in self._ops if id(op) not in done_ids]
-            for op in ops:
-                if id(op) in done_ids and op.on_done is not None:
+                self._ops = [op for op in self._ops if op not in done]
+            for op in done:
+                if op.on_done is not None:
                     op.on_done()
-            for op in still:
+            for op in ops:
                 age = now - op.started
-                if age > self.deadline_s:
+                if op not in done and age > self.deadline_s:
                     self.fail(self.timeout_error(op, age))
                     return
         if self._comms is not None and self._async_error is not None:
@@ -346,22 +342,17 @@ class Watchdog:
 
     def _bounded_blame(self, op: TrackedOp) -> tuple[str, Iterable[str]] | None:
         """``blame(op)``, given at most :data:`BLAME_WAIT_S` (it reads the store, which may be silent)."""
-        box: list = []
-
-        def run() -> None:
-            try:
-                box.append(self._blame(op))
-            except Exception:  # noqa: BLE001 - the timeout itself is what matters
-                logger.exception("AFD watchdog blame callback raised")
-                box.append(None)
-
-        t = threading.Thread(target=run, name=f"afd-watchdog-blame {self.owner}", daemon=True)
-        t.start()
-        t.join(BLAME_WAIT_S)
-        if not box:
+        runner = CallThread(f"afd-watchdog-blame {self.owner}")
+        fut = runner.submit(lambda: self._blame(op))
+        runner.stop()
+        try:
+            return fut.result(BLAME_WAIT_S)
+        except cf.TimeoutError:
             return (f"(Which peer did not make its call is unknown: the rendezvous store did not answer "
                     f"within {BLAME_WAIT_S:g} s; FFN rank 0, which hosts it, may be stopped.)", ())
-        return box[0]
+        except Exception:  # noqa: BLE001 - the timeout itself is what matters
+            logger.exception("AFD watchdog blame callback raised")
+            return None
 
     def _run(self) -> None:
         # Deadlines and communicator errors only: nothing here waits on the store.

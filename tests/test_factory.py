@@ -43,7 +43,6 @@ CONNECTOR_SRC = textwrap.dedent(
 def fresh_registry(monkeypatch):
     """Isolate the class-level registry; built-ins stay registered."""
     monkeypatch.setattr(AFDConnectorFactory, "_registry", dict(AFDConnectorFactory._registry))
-    monkeypatch.setattr(AFDConnectorFactory, "_classes", {})
     monkeypatch.setattr(AFDConnectorFactory, "_entry_points_loaded", False)
 
 

@@ -9,8 +9,6 @@ from hypothesis import strategies as st
 
 from afd_ext.metadata import AFDControlPayload
 from afd_ext.schedule import (
-    A2F,
-    F2A,
     ScheduleConfig,
     build_step_schedule,
     pad_sizes,
@@ -44,10 +42,6 @@ def check_invariants(s):
             for f, r in zip(ap.peers, ap.rows):
                 fp = s.ffn_plan(stage, f)
                 assert fp.rows[fp.peers.index(a)] == r == s.edge_rows(stage, a, f)
-                for layer in range(s.config.num_layers):
-                    for d in (A2F, F2A):
-                        m = s.message(layer, stage, a, f, d)
-                        assert m.rows == r and m.skipped == (r == 0)
         for f in range(t.num_ffn_ranks):
             fp = s.ffn_plan(stage, f)
             assert fp.peers == t.ffn_peers(f)
@@ -60,8 +54,8 @@ def test_basic_3a2f():
     assert s.stages == (0, 1)
     assert s.ffn_plan(0, 0) == ((0, 1), (1, 0), (0, 1), 1, (1, 0))
     assert s.ffn_plan(0, 1).total == 5
-    assert s.message(0, 0, 1, 0, A2F).skipped
-    assert not s.message(1, 0, 0, 0, F2A).skipped
+    assert s.edge_rows(0, 1, 0) == 0  # skipped on both sides
+    assert s.edge_rows(0, 0, 0) == 1
     check_invariants(s)
 
 
@@ -69,7 +63,7 @@ def test_a_less_than_f_splits():
     s = sched(2, 5, {0: [7, 1]})
     assert s.attention_plan(0, 0) == ((0, 1, 2), (3, 2, 2), (0, 3, 5), 7, (3, 2, 2))
     assert s.attention_plan(0, 1).rows == (1, 0)
-    assert s.ffn_plan(0, 4).total == 0 and s.message(0, 0, 1, 4, A2F).skipped
+    assert s.ffn_plan(0, 4).total == 0 and s.edge_rows(0, 1, 4) == 0
     check_invariants(s)
 
 
@@ -86,14 +80,7 @@ def test_stages_sorted_and_empty_step():
     s = sched(1, 1, {3: [1], 0: [2], 1: [0]})
     assert s.stages == (0, 1, 3)
     e = sched(1, 1, {})
-    assert e.stages == () and list(e.messages()) == []
-
-
-def test_messages_issue_order_layer_major_stage_minor():
-    s = sched(2, 1, {1: [1, 1], 0: [2, 0]}, num_layers=2)
-    order = [(l, st) for l, st, *_ in s.messages()]
-    assert order == sorted(order)
-    assert len(order) == 2 * 2 * 2 * 2  # layers x stages x directions x edges
+    assert e.stages == ()
 
 
 @pytest.mark.parametrize(
@@ -116,10 +103,6 @@ def test_lookup_errors():
         s.attention_rows(5, 0)
     with pytest.raises(ValueError, match="not peers"):
         s.edge_rows(0, 0, 1)
-    with pytest.raises(ValueError, match="layer"):
-        s.message(2, 0, 0, 0, A2F)
-    with pytest.raises(ValueError, match="direction"):
-        s.message(0, 0, 0, 0, "sideways")
     with pytest.raises(ValueError, match="within attention size"):
         s.attention_plan(0, 4)
     with pytest.raises(ValueError):
@@ -144,7 +127,7 @@ def test_padding():
     assert s.real_rows(0, 0) == 3 and s.attention_rows(0, 1) == 4
     fp = s.ffn_plan(0, 0)
     assert fp.rows == (4, 4) and fp.valid_rows == (3, 0) and fp.total == 8
-    assert not s.message(0, 0, 1, 0, A2F).skipped  # padded rows travel
+    assert s.edge_rows(0, 1, 0) == 4  # padded rows travel
     check_invariants(s)
     s = sched(1, 2, {0: [3]}, pad_to={0: 8})
     assert s.attention_plan(0, 0) == ((0, 1), (4, 4), (0, 4), 8, (3, 0))
@@ -160,7 +143,7 @@ def test_pad_sizes_and_warmup():
         topo = Topology(A, F)
         s = build_step_schedule(topo, warmup_payload(topo, 2), cfg())
         assert s.payload.is_warmup
-        assert all(not m.skipped for *_, m in s.messages())
+        assert all(s.edge_rows(st, a, f) > 0 for st in s.stages for a, f in topo.edges())
 
 
 def test_graph_key():
@@ -263,7 +246,7 @@ def test_one_stage_layout_for_every_role_keyed_by_name_and_stage():
     c = cfg(router_logits_width=8, send_token_ids=True)
     assert c.wire_parts == (WirePart("hidden", (H,), torch.bfloat16), WirePart("router_logits", (8,), torch.float32),
                             WirePart("token_ids", (), torch.int32))
-    assert c.num_wire_tensors == 3 and cfg().wire_parts == (WirePart("hidden", (H,), torch.bfloat16),)
+    assert len(c.wire_parts) == 3 and cfg().wire_parts == (WirePart("hidden", (H,), torch.bfloat16),)
     calls = []
 
     def alloc(key, shape, dtype):

@@ -68,22 +68,9 @@ from .. import envs
 from ..config import DEFAULT_CONNECTOR, REFERENCE_CONNECTOR, AFDConfig, AfdExtConnectorConfig, coerce_bool, coerce_int
 from ..errors import AFDConfigError, AFDError, AFDStateError, ControlChannelClosed
 from ..metadata import AFDControlPayload, AFDTransferContext, AFDTransferMetadata
-from ..spec import ExchangeSpec
+from ..spec import ExchangeSpec, as_dtype, dtype_name
 
 logger = logging.getLogger(__name__)
-
-__all__ = [
-    "PLUGIN_CONNECTOR_NAME",
-    "TESTED_VLLM_VERSION",
-    "HAVE_AFD_PLUGIN",
-    "AdapterExtraConfig",
-    "AfdExtAFDConnector",
-    "PLUGIN_FFN_LOOP_THREADS",
-    "exchange_spec",
-    "factory_report",
-    "register",
-    "versions",
-]
 
 #: The name this connector is always registered under in the reference's factory.
 PLUGIN_CONNECTOR_NAME = DEFAULT_CONNECTOR
@@ -201,10 +188,6 @@ def _end_loop(why: str, cause: BaseException) -> None:
     raise SystemExit(f"AFD FFN worker loop ended: {why}") from cause
 
 
-def _on_plugin_ffn_loop() -> bool:
-    return threading.current_thread().name in PLUGIN_FFN_LOOP_THREADS
-
-
 # ---------------------------------------------------------------------------
 # Registration (the vllm.general_plugins entry point)
 # ---------------------------------------------------------------------------
@@ -288,7 +271,7 @@ class AdapterExtraConfig:
                 raise AFDConfigError(f"connector_extra_config.num_exchange_layers must be >= 1, got {layers}")
         ldtype = rest.pop("router_logits_dtype", None)
         if ldtype is not None:
-            ldtype = _dtype_name(ldtype, "connector_extra_config.router_logits_dtype")
+            ldtype = dtype_name(as_dtype(ldtype, "connector_extra_config.router_logits_dtype"))
         ids = coerce_bool(rest.pop("send_token_ids", False), "connector_extra_config.send_token_ids")
         rest.setdefault("clamp_idle_to_one", True)
         return cls(AfdExtConnectorConfig.from_mapping(rest), layers, ldtype, ids)
@@ -298,13 +281,6 @@ class AdapterExtraConfig:
         out = self.connector.to_mapping()
         out.update({k: getattr(self, k) for k in _ADAPTER_KEYS if getattr(self, k) not in (None, False)})
         return out
-
-
-def _dtype_name(value: Any, what: str) -> str:
-    name = str(value).removeprefix("torch.")
-    if not isinstance(getattr(torch, name, None), torch.dtype):
-        raise AFDConfigError(f"{what} must be a torch dtype name such as 'float32', got {value!r}")
-    return name
 
 
 def exchange_spec(vllm_config: Any, afd_config: Any, extra: AdapterExtraConfig) -> ExchangeSpec:
@@ -434,7 +410,7 @@ if HAVE_AFD_PLUGIN:
                 return owner._inner.control_plane.recv_dp_metadata_list()
             except AFDError as e:
                 orderly = owner._closing or type(e) is ControlChannelClosed
-                if not (orderly and _on_plugin_ffn_loop()):
+                if not (orderly and threading.current_thread().name in PLUGIN_FFN_LOOP_THREADS):
                     raise
                 _end_loop("this FFN rank's connector was closed" if owner._closing else str(e), e)
 
