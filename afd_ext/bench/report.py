@@ -199,9 +199,10 @@ def render_markdown(doc: dict) -> str:
                           fan)
     if doc.get("targets"):
         # The targets are for the NCCL data path: a gloo run's times cannot meet or miss them.
+        verdict = {True: "yes", False: "**no**", None: "n/a"}
         rows = [[t["target"], _fmt(t["value"], ".2f"), t["goal"], _fmt(t["ratio"], ".2f", "×"),
-                 "not applicable on gloo" if backend == "gloo" else {True: "yes", False: "**no**", None: "n/a"}[t["met"]],
-                 t["detail"]] for t in doc["targets"]]
+                 "not applicable on gloo" if backend == "gloo" else verdict[t["met"]], t["detail"]]
+                for t in doc["targets"]]
         lines += _section("Targets (docs/benchmarks.md, for the NCCL path on GPUs; `ratio` = reference or floor / "
                           "ours, higher is better)", ["target", "measured", "goal", "ratio", "met", "detail"], rows)
     if doc.get("skipped"):

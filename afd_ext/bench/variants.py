@@ -44,13 +44,12 @@ reply bit-exactly. :func:`pattern_bytes` is the shared pattern.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from afd_ext.bench.plan import Case
-from afd_ext.errors import AFDStateError
 
 __all__ = [
     "XOR_BYTE",
@@ -58,8 +57,6 @@ __all__ = [
     "Ctx",
     "Variant",
     "VARIANTS",
-    "make_variant",
-    "variant_applicable",
     "pattern_bytes",
     "rows_bytes",
 ]
@@ -104,24 +101,26 @@ class Ctx:
 
     Attributes:
         role: ``"attention"`` or ``"ffn"``.
-        role_rank, world_rank: ranks of this process.
+        role_rank: this process's role rank.
         backend: ``"nccl"`` (CUDA tensors, our ops) or ``"gloo"`` (CPU tensors).
         device: where tensors live.
         links: edges of this rank, in fan-in order (FFN) or peer order (attention).
-        gloo_transport: this package's gloo transport on the CPU path, or None.
+        gloo_transport: this package's gloo transport on the CPU path, None on the NCCL path.
+        store, topology, timeout_s: the runner's TCPStore, topology and peer deadline (the peer plane's set-up).
         graph_mode: set by the runner while a variant is captured/replayed
             (the reference pattern then uses its preallocated receive buffers).
     """
 
     role: str
     role_rank: int
-    world_rank: int
     backend: str
     device: torch.device
     links: list[Link]
-    gloo_transport: Any = None
+    gloo_transport: Any
+    store: Any
+    topology: Any
+    timeout_s: float
     graph_mode: bool = False
-    extra: dict = field(default_factory=dict)
 
     @property
     def rows(self) -> int:
@@ -204,6 +203,11 @@ class Variant:
     graph_ok = True
     checkable = True
     backends = ("nccl", "gloo")
+
+    @classmethod
+    def skip_reason(cls, case: Case, backend: str) -> str | None:
+        """``None`` when this variant applies to ``case`` on ``backend``, else why it is skipped."""
+        return None if backend in cls.backends else f"{cls.name} runs on {'/'.join(cls.backends)} only"
 
     def __init__(self, ctx: Ctx, case: Case):
         self.ctx = ctx
@@ -326,10 +330,8 @@ class OursPerTensor(Variant):
             self.reply = torch.zeros(n, case.hidden, dtype=torch.bfloat16, device=self.dev)
         self.a2f = self._lists("a2f")
         self.f2a = self._lists("f2a")
-        self.tr = ctx.gloo_transport if ctx.backend == "gloo" else None
-        if ctx.backend == "gloo":
-            if self.tr is None:
-                raise AFDStateError("this package's gloo transport (afd_ext.transport.gloo) is not available")
+        self.tr = ctx.gloo_transport
+        if self.tr is not None:
             from afd_ext.transport.base import MessageTag
 
             self.tag_a2f = MessageTag("bench", "a2f", 0, 0, 0)
@@ -375,6 +377,13 @@ class _Fp8Wire:
     """FP8 hidden states on the wire: the byte accounting and random inputs (zeros would all take the zero-scale path)."""
 
     checkable = False
+
+    @classmethod
+    def skip_reason(cls, case: Case, backend: str) -> str | None:
+        why = super().skip_reason(case, backend)  # type: ignore[misc]
+        if why is None and case.hidden % 128:
+            why = f"{cls.name} needs a hidden size that is a multiple of 128 (one FP8 scale per 128 channels)"
+        return why
 
     def hidden_bytes_per_token(self) -> int:
         from afd_ext.fp8 import wire_bytes_per_token
@@ -439,16 +448,14 @@ class PeerMemory(Variant):
 
         from afd_ext.transport.peer.plane import WireSpec, open_plane
 
-        store, topo = ctx.extra.get("store"), ctx.extra.get("topology")
-        if store is None or topo is None:
-            raise AFDStateError("the peer variant needs the runner's store and topology (Ctx.extra)")
+        topo = ctx.topology
         PeerMemory._setups += 1
         spec = WireSpec(case.hidden, torch.bfloat16, case.logits_width if case.extras else 0, torch.float32,
                         case.extras, self.fp8)
-        self.plane = open_plane(dist.PrefixStore(f"peer/{case.key()}/{PeerMemory._setups}/", store), topo,
+        self.plane = open_plane(dist.PrefixStore(f"peer/{case.key()}/{PeerMemory._setups}/", ctx.store), topo,
                                 ctx.role, ctx.role_rank, spec, max_tokens=case.tokens, num_stages=1,
-                                device=ctx.device, timeout_s=float(ctx.extra.get("timeout_s", 60.0)),
-                                setup_timeout_s=float(ctx.extra.get("timeout_s", 60.0)), generation=1)
+                                device=ctx.device, timeout_s=ctx.timeout_s, setup_timeout_s=ctx.timeout_s,
+                                generation=1)
         n = ctx.rows
         self.rows = [l.count for l in ctx.links]  # every topology peer, in the plane's peer order
         if ctx.is_attention:
@@ -654,26 +661,3 @@ VARIANTS: dict[str, type[Variant]] = {
     "ours_fp8": OursFp8,
     "peer_fp8": PeerFp8,
 }
-
-
-def variant_applicable(name: str, case: Case, backend: str) -> str | None:
-    """``None`` when variant ``name`` applies to ``case`` on ``backend``, else the reason it is skipped."""
-    cls = VARIANTS.get(name)
-    if cls is None:
-        return f"unknown variant {name!r}; expected one of {', '.join(VARIANTS)}"
-    if backend not in cls.backends:
-        return f"{name} runs on {'/'.join(cls.backends)} only"
-    if issubclass(cls, _Fp8Wire) and case.hidden % 128:
-        return f"{name} needs a hidden size that is a multiple of 128 (one FP8 scale per 128 channels)"
-    return None
-
-
-def make_variant(name: str, ctx: Ctx, case: Case) -> Variant:
-    """Allocate variant ``name`` for ``case`` on this rank.
-
-    Raises:
-        KeyError: unknown name.
-        AFDConfigError / AFDStateError: the variant cannot run here (layout, missing
-            runner state).
-    """
-    return VARIANTS[name](ctx, case)
