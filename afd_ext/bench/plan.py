@@ -7,7 +7,7 @@ the plan before any process starts.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Iterable, Sequence
+from typing import Sequence
 
 from afd_ext.errors import AFDConfigError
 from afd_ext.testing import GpuPlacement, place_processes
@@ -89,26 +89,15 @@ class Case:
         return asdict(self)
 
 
-def _cases(hiddens_tokens: Iterable[tuple[int, Sequence[int]]], extras: Sequence[bool]) -> list[Case]:
-    out = []
-    for hidden, tokens in hiddens_tokens:
-        for t in tokens:
-            for e in extras:
-                out.append(Case(hidden, t, e))
-    return out
-
-
 def default_cases() -> list[Case]:
     """The default sweep: 1..8192 tokens at hidden 7168, three sizes at 2048 and 4096; with and without extras."""
-    return _cases(
-        [(7168, DEFAULT_TOKENS), (2048, (1, 128, 2048)), (4096, (1, 128, 2048))],
-        (True, False),
-    )
+    sizes = [(7168, DEFAULT_TOKENS), (2048, (1, 128, 2048)), (4096, (1, 128, 2048))]
+    return [Case(h, t, e) for h, tokens in sizes for t in tokens for e in (True, False)]
 
 
 def quick_cases() -> list[Case]:
     """``--quick`` on GPUs: 1, 128 and 8192 tokens at hidden 7168 with extras."""
-    return _cases([(7168, (1, 128, 8192))], (True,))
+    return [Case(7168, t, True) for t in (1, 128, 8192)]
 
 
 def gloo_cases() -> list[Case]:
@@ -120,7 +109,7 @@ def check_cases(cuda: bool) -> list[Case]:
     """Sizes for ``--check``: odd row counts and a multi-MB message, with and without extras."""
     if not cuda:
         return [Case(48, t, e, logits_width=8) for t in (1, 7) for e in (True, False)]
-    return _cases([(7168, (1, 127, 1000))], (True, False)) + [Case(2048, 3, True)]
+    return [Case(7168, t, e) for t in (1, 127, 1000) for e in (True, False)] + [Case(2048, 3, True)]
 
 
 def parse_int_list(text: str, what: str) -> tuple[int, ...]:

@@ -300,7 +300,7 @@ def _check_case(env: _Env, case: Case, ctx, variants: list) -> list[dict]:
                 if env.role == ATTENTION:
                     errors += _compare(rows_bytes(v.attn_reply()), expected, f"reply at {env.label()}")
                     continue
-                snap, cols = v.snapshot(), v.input_cols()
+                snap, cols = v.snap, v.input_cols()
                 if snap is None or len(snap) != len(cols):
                     errors.append(f"the FFN check hook saw {snap and len(snap)} tensors, expected {len(cols)}")
                     continue

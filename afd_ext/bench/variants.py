@@ -193,10 +193,11 @@ def p2p_recv(ctx: Ctx, t: torch.Tensor, link: Link, direction: str) -> None:
 class Variant:
     """Base class: buffers for one case, the four half-steps, check hooks.
 
-    Subclasses allocate in ``__init__`` and implement ``attn_send``,
-    ``attn_recv``, ``ffn_recv``, ``ffn_send`` (and may override
-    ``attn_round``), plus the check accessors ``attn_inputs``, ``attn_reply``,
-    ``ffn_received``, ``ffn_out``.
+    Subclasses allocate in ``__init__`` and implement ``attn_send`` and
+    ``attn_recv`` (or override ``attn_round``), ``ffn_recv`` and ``ffn_send``;
+    the check accessors ``attn_inputs``, ``attn_reply``, ``ffn_received``,
+    ``ffn_out`` default to ``(h, l, i)`` wire tensors and an attention ``reply``.
+    In a checked FFN round trip, ``snap`` keeps clones of what was received.
     """
 
     name = "base"
@@ -215,7 +216,7 @@ class Variant:
         self.check = False
         self.dev = ctx.device
         self.live = [l for l in ctx.links if l.count > 0]
-        self._snap: list[torch.Tensor] | None = None
+        self.snap: list[torch.Tensor] | None = None
 
     # -- helpers ---------------------------------------------------------------
 
@@ -238,30 +239,15 @@ class Variant:
         comms = [l.comm(direction) for l in self.live]
         return comms, [l.nccl_peer for l in self.live], [l.count for l in self.live]
 
-    # -- half-steps ------------------------------------------------------------
-
-    def attn_send(self) -> None:
-        raise NotImplementedError
-
-    def attn_recv(self) -> None:
-        raise NotImplementedError
-
     def attn_round(self) -> None:
         self.attn_send()
         self.attn_recv()
-
-    def ffn_recv(self) -> None:
-        raise NotImplementedError
-
-    def ffn_send(self) -> None:
-        raise NotImplementedError
 
     def close(self) -> None:
         """Release anything beyond tensors (nothing by default)."""
 
     # -- check hooks -----------------------------------------------------------
 
-    # Defaults for variants holding (h, l, i) wire tensors, ``reply`` on the attention rank.
     def attn_inputs(self) -> list[torch.Tensor]:
         return [t for t in (self.h, self.l, self.i) if t is not None]
 
@@ -284,12 +270,8 @@ class Variant:
 
     def _check_hook(self) -> None:
         rec = self.ffn_received()
-        self._snap = [t.clone() for t in rec]
+        self.snap = [t.clone() for t in rec]
         torch.bitwise_xor(rows_bytes(rec[0])[:, :self.case.f2a_row_bytes()], XOR_BYTE, out=rows_bytes(self.ffn_out()))
-
-    def snapshot(self) -> list[torch.Tensor] | None:
-        """What the FFN rank received in the last checked iteration (clones), or None."""
-        return self._snap
 
     # -- steps -------------------------------------------------------------------
 
@@ -330,41 +312,38 @@ class OursPerTensor(Variant):
             self.reply = torch.zeros(n, case.hidden, dtype=torch.bfloat16, device=self.dev)
         self.a2f = self._lists("a2f")
         self.f2a = self._lists("f2a")
+        # Attention -> FFN: the ops' (hidden, logits, ids) and their trailing scales; the gloo transport's tuple.
+        self.wire, self.scales = (self.h, self.l, self.i), ()
+        self.gloo_wire = self.wire
         self.tr = ctx.gloo_transport
         if self.tr is not None:
             from afd_ext.transport.base import MessageTag
 
-            self.tag_a2f = MessageTag("bench", "a2f", 0, 0, 0)
-            self.tag_f2a = MessageTag("bench", "f2a", 0, 0, 0)
+            self.tags = {d: MessageTag("bench", d, 0, 0, 0) for d in ("a2f", "f2a")}
             self.peer_ids = [l.peer for l in self.live]
 
-    def _a2f_tensors(self) -> tuple:
-        return (self.h, self.l, self.i)
-
-    # gloo transport calls
+    # gloo transport calls (rows per peer are the same both ways)
     def _g_send(self, tensors: tuple, d: str):
-        return self.tr.split_back(tensors, self.peer_ids, (self.a2f if d == "a2f" else self.f2a)[2],
-                                  tag=self.tag_a2f if d == "a2f" else self.tag_f2a)
+        return self.tr.split_back(tensors, self.peer_ids, self.a2f[2], tag=self.tags[d])
 
     def _g_recv(self, tensors: tuple, d: str) -> None:
-        self.tr.fan_in(tensors, self.peer_ids, (self.a2f if d == "a2f" else self.f2a)[2],
-                       tag=self.tag_a2f if d == "a2f" else self.tag_f2a)
+        self.tr.fan_in(tensors, self.peer_ids, self.a2f[2], tag=self.tags[d])
 
     def attn_round(self) -> None:
         if self.tr is not None:
-            pending = self._g_send(self._a2f_tensors(), "a2f")
+            pending = self._g_send(self.gloo_wire, "a2f")
             self._g_recv((self.reply, None, None), "f2a")
             pending.wait()
             return
         sc, peers, rows = self.a2f
-        _ops().split_back(self.h, self.l, self.i, sc, peers, rows)  # the connector's two calls
+        _ops().split_back(*self.wire, sc, peers, rows, *self.scales)  # the connector's two calls
         _ops().fan_in(self.reply, None, None, self.f2a[0], peers, rows)
 
     def ffn_recv(self) -> None:
         if self.tr is not None:
-            self._g_recv(self._a2f_tensors(), "a2f")
+            self._g_recv(self.gloo_wire, "a2f")
             return
-        _ops().fan_in(self.h, self.l, self.i, *self.a2f)
+        _ops().fan_in(*self.wire, *self.a2f, *self.scales)
 
     def ffn_send(self) -> None:
         if self.tr is not None:
@@ -409,23 +388,15 @@ class OursFp8(_Fp8Wire, OursPerTensor):
         self._fill()
         self.v = torch.zeros(n, case.hidden, dtype=torch.float8_e4m3fn, device=self.dev)
         self.s = torch.zeros(n, case.hidden // 128, dtype=torch.float32, device=self.dev)
+        self.wire, self.scales = (self.v, self.l, self.i), (self.s,)
+        self.gloo_wire = (self.v, self.s, self.l, self.i)  # values then their scales (the transports' wire order)
 
     def attn_round(self) -> None:
         _ops().fp8_quantize(self.h, self.v, self.s)
-        if self.tr is not None:
-            pending = self._g_send((self.v, self.s, self.l, self.i), "a2f")
-            self._g_recv((self.reply, None, None), "f2a")
-            pending.wait()
-            return
-        sc, peers, rows = self.a2f
-        _ops().split_back(self.v, self.l, self.i, sc, peers, rows, self.s)
-        _ops().fan_in(self.reply, None, None, self.f2a[0], peers, rows)
+        super().attn_round()
 
     def ffn_recv(self) -> None:
-        if self.tr is not None:
-            self._g_recv((self.v, self.s, self.l, self.i), "a2f")
-        else:
-            _ops().fan_in(self.v, self.l, self.i, *self.a2f, self.s)
+        super().ffn_recv()
         _ops().fp8_dequantize(self.v, self.s, self.h)
 
 
