@@ -81,8 +81,6 @@ def build_parser(prog: str = "afd-ext bench") -> argparse.ArgumentParser:
                    help="eager and/or graph (default: both; graph needs CUDA)")
     p.add_argument("--time-per-point", type=float, default=None, metavar="S",
                    help="timed seconds per (case, variant, mode); default 0.05 (0.02 with --quick)")
-    p.add_argument("--rounds", type=int, default=None, metavar="N",
-                   help="blocks per measurement, variants alternated per block (default 2; 1 on gloo)")
     p.add_argument("--control-only", action="store_true",
                    help="only the control-plane table: end to end at step gaps of --control-gaps ms, shm and "
                         "tcp beside the reference pattern over gloo, p50 / p99 per gap (about 1 min)")
@@ -189,14 +187,11 @@ def _config(args: argparse.Namespace) -> RunConfig:
         cases = default_cases()
     variants = parse_names(args.variants, ALL_VARIANTS + FP8_VARIANTS, "--variants")
     modes = parse_names(args.modes, MODES, "--modes")
-    if not cuda:
-        modes = tuple(m for m in modes if m == "eager") or ("eager",)
     if cuda:
-        reps = Reps(target_s=args.time_per_point or (0.02 if args.quick else 0.05),
-                    rounds=args.rounds or 2, max_iters=400)
-    else:
-        reps = Reps(target_s=args.time_per_point or 0.005, min_iters=4, max_iters=20, warmup=1,
-                    rounds=args.rounds or 1)
+        reps = Reps(target_s=args.time_per_point or (0.02 if args.quick else 0.05))
+    else:  # CPU tensors: eager only, few short blocks
+        modes = ("eager",)
+        reps = Reps(target_s=args.time_per_point or 0.005, min_iters=4, max_iters=20, warmup=1, rounds=1)
     case_timeout = args.case_timeout or (60.0 if cuda else 20.0)
     if case_timeout <= 0:
         raise AFDConfigError(f"--case-timeout must be > 0 seconds, got {case_timeout}")
