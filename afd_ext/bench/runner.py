@@ -27,11 +27,7 @@ from typing import Any
 from afd_ext.bench.plan import Case, RunConfig
 from afd_ext.bench.timing import capture_graph, summarize, time_eager, time_graph, wait_event
 from afd_ext.errors import AFDConfigError
-
-logger = logging.getLogger("afd_ext.bench")
-
-ATTENTION = "attention"
-FFN = "ffn"
+from afd_ext.topology import ATTENTION, FFN
 
 
 # ---------------------------------------------------------------------------
@@ -97,14 +93,6 @@ class _Env:
             ev.record()
             wait_event(ev, self.cfg.case_timeout_s, f"{self.label()}: {what}")
 
-    def agree(self, value: Any) -> list[Any]:
-        """All ranks' ``value`` (gloo all_gather_object)."""
-        import torch.distributed as dist
-
-        out: list[Any] = [None] * self.nprocs
-        dist.all_gather_object(out, value)
-        return out
-
     def _create_comms(self) -> None:
         import torch
 
@@ -168,6 +156,8 @@ class _Env:
 
 
 def _setup_variants(env: _Env, case: Case, ctx) -> tuple[list, dict[str, str]]:
+    import torch.distributed as dist
+
     from afd_ext.bench.variants import VARIANTS
 
     local: dict[str, Any] = {}
@@ -181,8 +171,10 @@ def _setup_variants(env: _Env, case: Case, ctx) -> tuple[list, dict[str, str]]:
             why = f"{type(e).__name__}: {e}"
         if why is not None:
             reasons[name] = why
+    every: list[Any] = [None] * env.nprocs
+    dist.all_gather_object(every, reasons)  # a variant skipped on one rank is skipped on all
     merged: dict[str, str] = {}
-    for r in env.agree(reasons):
+    for r in every:
         for k, v in r.items():
             merged.setdefault(k, v)
     variants = [local[n] for n in env.cfg.variants if n in local and n not in merged]

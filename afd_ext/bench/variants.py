@@ -50,6 +50,7 @@ from typing import Any, Callable
 import torch
 
 from afd_ext.bench.plan import Case
+from afd_ext.topology import ATTENTION
 
 __all__ = [
     "XOR_BYTE",
@@ -61,8 +62,6 @@ __all__ = [
     "rows_bytes",
 ]
 
-ATTENTION = "attention"
-FFN = "ffn"
 #: The check-mode FFN replies with every received hidden byte XOR this.
 XOR_BYTE = 0x55
 
