@@ -9,6 +9,7 @@ a quick timed sweep (needs 2 distinct GPUs).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -179,7 +180,7 @@ def test_rows_bytes_views():
 
 def _rec(tokens, variant, mode, direction, median, extras=True, **kw):
     c = Case(7168, tokens, extras)
-    r = {"case": c.to_dict(), "case_key": c.key(), "A": 1, "F": 1, "variant": variant, "mode": mode,
+    r = {"case": dataclasses.asdict(c), "case_key": c.key(), "A": 1, "F": 1, "variant": variant, "mode": mode,
          "direction": direction, "role": "attention", "role_rank": 0, "peers": [0], "rows": tokens,
          "bytes_a2f": c.a2f_bytes(), "bytes_f2a": c.f2a_bytes(),
          "stats_us": {"median": median, "p10": median * 0.9, "p90": median * 1.1, "mean": median,

@@ -135,8 +135,8 @@ def build_library(arch: str = "sm_90") -> str:
     with open(cu, "w") as f:
         f.write(src)
     nvcc = os.path.join(os.environ.get("CUDA_HOME") or "/usr/local/cuda", "bin", "nvcc")
-    cmd = [nvcc if os.path.isfile(nvcc) else "nvcc", f"-arch={arch}", "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-Xptxas", "-v",
-           "-o", so + ".tmp", cu]
+    cmd = [nvcc if os.path.isfile(nvcc) else "nvcc", f"-arch={arch}", "-O3", "-std=c++17", "-shared",
+           "-Xcompiler", "-fPIC", "-Xptxas", "-v", "-o", so + ".tmp", cu]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     except (OSError, subprocess.SubprocessError) as e:

@@ -6,7 +6,7 @@ the plan before any process starts.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Sequence
 
 from afd_ext.errors import AFDConfigError
@@ -83,10 +83,6 @@ class Case:
     def key(self) -> str:
         """Stable label, e.g. ``h7168-t128-extras``."""
         return f"h{self.hidden}-t{self.tokens}-{'extras' if self.extras else 'hidden'}"
-
-    def to_dict(self) -> dict:
-        """Plain dict for JSON."""
-        return asdict(self)
 
 
 def default_cases() -> list[Case]:
