@@ -26,7 +26,7 @@
 #   peer-structure  afd-ext bench --peer-structure (issue #35): the peer-memory plane against
 #                minimal put/wait kernels, ratio per size; with two GPUs attention on cuda:0 and
 #                FFN on cuda:1 (NVLink), and again both on cuda:0 (the one-GPU records)
-#   bench        the default sweep (every variant: ours, reference, raw, bare, torch_dist, peer;
+#   bench        the default sweep (every default variant: ours_per_tensor, reference, raw, peer;
 #                one process per GPU on two GPUs), $BENCH_ARGS appended
 #   bench-fp8    FP8 hidden states against bf16 on both GPU transports (bytes per token and time;
 #                docs/fp8.md): ours_per_tensor, ours_fp8, peer, peer_fp8

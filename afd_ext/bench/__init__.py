@@ -9,7 +9,8 @@ Typical runs on the two-GPU machine::
     python -m afd_ext bench --check --out out/check          # bit-exact self-check, every variant
     python -m afd_ext bench --out out/bench                  # default sweep, ~3-5 min
     python -m afd_ext bench --quick --out out/quick          # 1, 128, 8192 tokens
-    python -m afd_ext bench --merge a/bench.json b/bench.json --out out/merged
+    python -m afd_ext bench --control-only --out out/control # the control plane at real step gaps
+    python -m afd_ext bench --peer-structure --out out/ps    # the peer-memory plane vs minimal kernels
 
 Without GPUs (CI) the same commands run the gloo path at tiny sizes.
 """
@@ -26,6 +27,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from typing import Any, Sequence
 
 from afd_ext.bench.plan import (
@@ -40,11 +42,12 @@ from afd_ext.bench.plan import (
     gloo_cases,
     make_layout,
     parse_int_list,
+    parse_names,
     quick_cases,
 )
 from afd_ext.errors import AFDConfigError
 
-__all__ = ["main", "build_parser", "run"]
+__all__ = ["main", "build_parser"]
 
 logger = logging.getLogger("afd_ext.bench")
 
@@ -62,15 +65,12 @@ def build_parser(prog: str = "afd-ext bench") -> argparse.ArgumentParser:
                    help="small sweep (GPU: 1, 128, 8192 tokens at hidden 7168 with logits+ids; CPU: tiny gloo sizes)")
     p.add_argument("--check", action="store_true",
                    help="verify every variant's received data bit-exactly at a few sizes (no timing)")
-    p.add_argument("--merge", nargs="+", metavar="JSON", help="merge earlier results into one report and exit")
     p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
                    help="nccl: CUDA tensors over this package's NCCL ops; gloo: CPU tensors (smoke test)")
     p.add_argument("--attention-ranks", type=int, default=1, metavar="A", help="attention processes (default: 1)")
     p.add_argument("--ffn-ranks", type=int, default=1, metavar="F", help="FFN processes (default: 1)")
     p.add_argument("--gpu-map", default=None, metavar="LIST",
                    help="GPU index per process, attention ranks first then FFN ranks (e.g. 0,0,1 for 2A1F)")
-    p.add_argument("--allow-shared", action="store_true",
-                   help="time even when processes share a GPU (results are flagged as not meaningful)")
     p.add_argument("--hidden", default=None, metavar="LIST", help="hidden sizes, e.g. 7168 or 2048,7168 (overrides the sweep)")
     p.add_argument("--tokens", default=None, metavar="LIST", help="tokens per attention rank, e.g. 1,128,8192 (overrides the sweep)")
     p.add_argument("--extras", choices=("both", "on", "off"), default="both",
@@ -81,8 +81,6 @@ def build_parser(prog: str = "afd-ext bench") -> argparse.ArgumentParser:
                    help="eager and/or graph (default: both; graph needs CUDA)")
     p.add_argument("--time-per-point", type=float, default=None, metavar="S",
                    help="timed seconds per (case, variant, mode); default 0.05 (0.02 with --quick)")
-    p.add_argument("--rounds", type=int, default=None, metavar="N",
-                   help="blocks per measurement, variants alternated per block (default 2; 1 on gloo)")
     p.add_argument("--control-only", action="store_true",
                    help="only the control-plane table: end to end at step gaps of --control-gaps ms, shm and "
                         "tcp beside the reference pattern over gloo, p50 / p99 per gap (about 1 min)")
@@ -98,14 +96,6 @@ def build_parser(prog: str = "afd-ext bench") -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p
-
-
-def _csv(text: str, allowed: Sequence[str], what: str) -> tuple[str, ...]:
-    items = tuple(x.strip() for x in text.split(",") if x.strip())
-    bad = [x for x in items if x not in allowed]
-    if bad or not items:
-        raise AFDConfigError(f"{what}: {bad or 'empty'} not in {', '.join(allowed)}")
-    return items
 
 
 def _gpu_count() -> int:
@@ -127,17 +117,13 @@ def _gpu_count() -> int:
 
 
 def _git_commit() -> str:
-    here = os.path.dirname(os.path.abspath(__file__))
+    """The checkout's commit, ``-dirty`` when tracked files changed (tags excluded: always the hash)."""
     try:
-        r = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
-        if r.returncode == 0:
-            commit = r.stdout.strip()
-            d = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, timeout=5)
-            return commit + ("-dirty" if d.stdout.strip() else "")
+        r = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=40", "--exclude=*"],
+                           cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.SubprocessError):
-        pass
-    return "unknown"
+        return "unknown"
+    return r.stdout.strip() if r.returncode == 0 else "unknown"
 
 
 def _meta(cfg: RunConfig, argv: Sequence[str]) -> dict:
@@ -153,7 +139,7 @@ def _meta(cfg: RunConfig, argv: Sequence[str]) -> dict:
         "backend": cfg.backend,
         "layout": dict(dataclasses.asdict(cfg.layout), description=cfg.layout.describe()),
         "shared_gpu": cfg.layout.shared,
-        "reps": cfg.reps.to_dict(),
+        "reps": dataclasses.asdict(cfg.reps),
         "modes": list(cfg.modes),
         "variants": list(cfg.variants),
         "argv": list(argv),
@@ -199,65 +185,34 @@ def _config(args: argparse.Namespace) -> RunConfig:
         cases = quick_cases()
     else:
         cases = default_cases()
-    variants = _csv(args.variants, ALL_VARIANTS + FP8_VARIANTS, "--variants")
-    modes = _csv(args.modes, MODES, "--modes")
-    if not cuda:
-        modes = tuple(m for m in modes if m == "eager") or ("eager",)
+    variants = parse_names(args.variants, ALL_VARIANTS + FP8_VARIANTS, "--variants")
+    modes = parse_names(args.modes, MODES, "--modes")
     if cuda:
-        reps = Reps(target_s=args.time_per_point or (0.02 if args.quick else 0.05),
-                    rounds=args.rounds or 2, max_iters=400)
-    else:
-        reps = Reps(target_s=args.time_per_point or 0.005, min_iters=4, max_iters=20, warmup=1,
-                    rounds=args.rounds or 1)
-    timeout = args.timeout or (240.0 if args.check else 420.0)
+        reps = Reps(target_s=args.time_per_point or (0.02 if args.quick else 0.05))
+    else:  # CPU tensors: eager only, few short blocks
+        modes = ("eager",)
+        reps = Reps(target_s=args.time_per_point or 0.005, min_iters=4, max_iters=20, warmup=1, rounds=1)
     case_timeout = args.case_timeout or (60.0 if cuda else 20.0)
     if case_timeout <= 0:
         raise AFDConfigError(f"--case-timeout must be > 0 seconds, got {case_timeout}")
     return RunConfig(
         backend=backend, layout=layout, cases=cases, variants=variants, modes=modes,
-        reps=reps, master_port=find_free_port(), check=bool(args.check),
-        timeout_s=max(30.0, timeout - 15.0), progress=not args.no_progress,
+        reps=reps, master_port=find_free_port(), check=bool(args.check), progress=not args.no_progress,
         case_timeout_s=case_timeout,
     )
-
-
-def run(cfg: RunConfig, timeout_s: float) -> list[dict]:
-    """Start one worker per AFD world rank and return their results (indexed by world rank).
-
-    Raises:
-        afd_ext.testing.WorkerError / TimeoutError / RuntimeError: as ``run_workers``.
-    """
-    from afd_ext.bench.runner import bench_worker
-    from afd_ext.testing import run_workers
-
-    lay = cfg.layout
-    return run_workers(bench_worker, lay.num_attention_ranks + lay.num_ffn_ranks, (cfg,), timeout_s=timeout_s,
-                       per_rank_env=lay.env() or None)
 
 
 def _assemble(meta: dict, cfg: RunConfig, results: list[dict]) -> dict:
     from afd_ext.bench.report import SCHEMA, evaluate_targets
 
-    records, skipped, notes, checks = [], [], [], []
-    devices = []
-    for r in results:
-        records += r["records"]
-        checks += r["checks"]
-        for s in r["skipped"]:
-            if s not in skipped:
-                skipped.append(s)
-        for n in r["notes"]:
-            if n not in notes:
-                notes.append(n)
-        if r.get("device"):
-            devices.append(f"{r['role']}{r['role_rank']}: {r['device']} (GPU {r.get('cuda_visible_devices')})")
-    meta["devices"] = "; ".join(devices) if devices else "CPU"
-    doc = {
-        "schema": SCHEMA, "meta": meta, "records": records, "skipped": skipped, "notes": notes,
-        "targets": [],
-    }
+    devices = [f"{r['role']}{r['role_rank']}: {r['device']} (GPU {r.get('cuda_visible_devices')})"
+               for r in results if r.get("device")]
+    meta["devices"] = "; ".join(devices) or "CPU"
+    # Every rank reports the same skipped variants (agreed in runner._setup_variants).
+    doc = {"schema": SCHEMA, "meta": meta, "records": [x for r in results for x in r["records"]],
+           "skipped": results[0]["skipped"], "targets": []}
     if cfg.check:
-        doc["checks"] = checks
+        doc["checks"] = [c for r in results for c in r["checks"]]
     else:
         doc["targets"] = evaluate_targets(doc)
     return doc
@@ -265,13 +220,10 @@ def _assemble(meta: dict, cfg: RunConfig, results: list[dict]) -> dict:
 
 def _print_checks(checks: list[dict]) -> int:
     bad = [c for c in checks if not c["ok"]]
-    groups: dict[tuple, list[dict]] = {}
-    for c in checks:
-        groups.setdefault((c["variant"], c["mode"]), []).append(c)
+    failed = Counter((c["variant"], c["mode"]) for c in bad)
     print(f"{'variant':<16} {'mode':<6} {'checks':>6}  result")
-    for (v, m), cs in sorted(groups.items()):
-        nbad = sum(1 for c in cs if not c["ok"])
-        print(f"{v:<16} {m:<6} {len(cs):>6}  {'OK' if nbad == 0 else f'FAILED ({nbad})'}")
+    for (v, m), n in sorted(Counter((c["variant"], c["mode"]) for c in checks).items()):
+        print(f"{v:<16} {m:<6} {n:>6}  {f'FAILED ({failed[v, m]})' if failed[v, m] else 'OK'}")
     for c in bad[:20]:
         print(f"FAIL {c['case_key']} {c['variant']}/{c['mode']} at {c['role']} "
               f"{c['role_rank']}: {'; '.join(c['errors'])}")
@@ -300,30 +252,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
         return control_main(gaps, out=args.out)
-    if args.merge:
-        try:
-            doc = report.merge_documents(report.load_documents(args.merge))
-        except (OSError, ValueError) as e:
-            print(f"afd-ext bench --merge: {e}", file=sys.stderr)
-            return 2
-        paths = report.write_outputs(doc, args.out, plot=not args.no_plot)
-        print(report.render_markdown(doc))
-        print("wrote " + ", ".join(paths.values()))
-        return 0
     try:
         cfg = _config(args)
     except ValueError as e:
         print(f"afd-ext bench: {e}", file=sys.stderr)
         return 2
     if cfg.layout.shared and not cfg.check:
-        msg = (f"processes share a GPU ({cfg.layout.describe()}): the driver time-slices them (about 2.2 ms "
-               "per round trip whatever the size; ~4.5 ms when NCCL goes over sockets on one GPU), so timings "
-               "would be meaningless. Give every process its own GPU, use --check for correctness, or pass "
-               "--allow-shared to time anyway (flagged).")
-        if not args.allow_shared:
-            print(f"afd-ext bench: refusing to time: {msg}", file=sys.stderr)
-            return 2
-        logger.warning("WARNING: %s", msg)
+        print(f"afd-ext bench: refusing to time: processes share a GPU ({cfg.layout.describe()}): the driver "
+              "time-slices them (about 2.2 ms per round trip whatever the size; ~4.5 ms when NCCL goes over "
+              "sockets on one GPU), so timings would be meaningless. Give every process its own GPU, or use "
+              "--check for correctness.", file=sys.stderr)
+        return 2
     what = "check" if cfg.check else "sweep"
     if cfg.backend == "gloo":
         why = "--backend gloo" if args.backend == "gloo" else "no usable GPU here"
@@ -335,9 +274,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 cfg.layout.describe(), len(cfg.cases), ",".join(cfg.variants), ",".join(cfg.modes))
     meta = _meta(cfg, argv)
     t0 = time.monotonic()
-    deadline_s = cfg.timeout_s + 10.0
-    try:
-        results = run(cfg, deadline_s)
+    from afd_ext.bench.runner import bench_worker
+    from afd_ext.testing import run_workers
+
+    lay, timeout = cfg.layout, args.timeout or (240.0 if cfg.check else 420.0)
+    try:  # the workers' deadline leaves 5 s of --timeout to end them
+        results = run_workers(bench_worker, lay.num_attention_ranks + lay.num_ffn_ranks, (cfg,),
+                              timeout_s=max(40.0, timeout - 5.0), per_rank_env=lay.env() or None)
     except Exception as e:  # noqa: BLE001 - one clear line, then the worker's traceback
         print(f"afd-ext bench: the {what} failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1

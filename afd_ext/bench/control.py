@@ -54,24 +54,23 @@ def pick_control_cpus() -> tuple[int, int] | None:
     allowed = sorted(os.sched_getaffinity(0))
     if len(allowed) < 4:
         return None
-    cores: dict[str, int] = {}
-    for c in allowed:
-        try:
-            with open(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list") as f:
-                cores.setdefault(f.read().strip(), c)
-        except OSError:
-            return None
-    picked = [c for c in cores.values() if c != 0 and 0 not in _siblings(c)]
+    cores: dict[frozenset[int], int] = {}  # a physical core's hyperthreads -> its first allowed CPU
+    try:
+        for c in allowed:
+            cores.setdefault(_siblings(c), c)
+    except OSError:
+        return None
+    picked = [c for siblings, c in cores.items() if 0 not in siblings]
     return (picked[0], picked[1]) if len(picked) >= 2 else None
 
 
-def _siblings(cpu: int) -> set[int]:
+def _siblings(cpu: int) -> frozenset[int]:
     with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
         out: set[int] = set()
         for part in f.read().strip().split(","):
             lo, _, hi = part.partition("-")
             out.update(range(int(lo), int(hi or lo) + 1))
-        return out
+        return frozenset(out)
 
 
 def _pause(gap_s: float, spin: bool) -> None:
@@ -232,8 +231,7 @@ def measure_control_plane(kind: str = "auto", iterations: int = 2000, *, warmup:
 
 
 def control_table(gaps_ms: tuple[float, ...] = DEFAULT_GAPS_MS, kinds: tuple[str, ...] = ("shm", "tcp"), *,
-                  seconds_per_cell: float = 5.0, reference: bool = True, pin: bool | None = None,
-                  progress: Any = None) -> list[dict]:
+                  seconds_per_cell: float = 5.0, progress: Any = None) -> list[dict]:
     """The control-plane table: per gap, each channel's and the reference pattern's result.
 
     Each column runs in one pair of processes over every gap, ``seconds_per_cell`` of steps per
@@ -243,16 +241,15 @@ def control_table(gaps_ms: tuple[float, ...] = DEFAULT_GAPS_MS, kinds: tuple[str
         One row per gap: ``{"gap_ms", "<kind>": result, "reference": result}``, results as
         :func:`measure_control_plane` returns them, or ``{"error": ...}``.
     """
-    cols = list(kinds) + (["reference"] if reference else [])
     rows: list[dict[str, Any]] = [{"gap_ms": g} for g in gaps_ms]
-    for name in cols:
+    for name in [*kinds, "reference"]:
         share = 3 if name == "reference" else 1
         sched = []
         for g in gaps_ms:
             it = max(100, min(2000, int(seconds_per_cell / share / (g * 1e-3))))
             sched.append((g * 1000.0, it, max(5, min(50, it // 10))))
         try:
-            results = _measure(name, sched, PAYLOAD_STAGES, None, pin)
+            results = _measure(name, sched, PAYLOAD_STAGES, None, None)
         except Exception as e:  # noqa: BLE001 - reported in the table, the run goes on
             logger.warning("control-plane measurement %s failed: %s", name, e)
             results = [{"error": f"{type(e).__name__}: {e}"}] * len(gaps_ms)
@@ -265,25 +262,24 @@ def control_table(gaps_ms: tuple[float, ...] = DEFAULT_GAPS_MS, kinds: tuple[str
 
 def format_control_table(rows: list[dict], kinds: tuple[str, ...] = ("shm", "tcp")) -> str:
     """Markdown: one line per gap, p50 / p99 in µs per channel and for the reference pattern."""
-    cols = list(kinds) + (["reference"] if any("reference" in r for r in rows) else [])
-    names = {"reference": "reference pattern (gloo), p50 / p99"}
-    out = ["| gap between steps | " + " | ".join(names.get(c, f"{c}, p50 / p99") for c in cols) + " |",
-           "|" + " --- |" * (len(cols) + 1)]
-    for r in rows:
-        cells = ["-" if not r.get(c) else "failed" if "error" in r[c] else
-                 f"{r[c]['p50_us']:.1f} / {r[c]['p99_us']:.1f} µs (n={r[c]['n']})" for c in cols]
-        out.append(f"| {r['gap_ms']:g} ms | " + " | ".join(cells) + " |")
-    return "\n".join(out)
+    from afd_ext.bench.report import md_table
+
+    def cell(r: dict | None) -> str:
+        if not r:
+            return "-"
+        return "failed" if "error" in r else f"{r['p50_us']:.1f} / {r['p99_us']:.1f} µs (n={r['n']})"
+
+    head = ["gap between steps", *(f"{c}, p50 / p99" for c in kinds), "reference pattern (gloo), p50 / p99"]
+    return "\n".join(md_table(head, [[f"{r['gap_ms']:g} ms", *(cell(r.get(c)) for c in (*kinds, "reference"))]
+                                     for r in rows]))
 
 
-def control_main(gaps_ms: tuple[float, ...] = DEFAULT_GAPS_MS, kinds: tuple[str, ...] = ("shm", "tcp"), *,
-                 seconds_per_cell: float = 5.0, reference: bool = True, out: str | None = None,
-                 pin: bool | None = None) -> int:
+def control_main(gaps_ms: tuple[float, ...] = DEFAULT_GAPS_MS, out: str | None = None) -> int:
     """``afd-ext bench --control-only``: measure and print the control-plane table (and save JSON).
 
     Returns 0, or 1 when a channel's measurement failed.
     """
-    cpus = pick_control_cpus() if pin is not False else None
+    cpus = pick_control_cpus()
     print(f"control plane, end to end (attention send_dp_metadata_list call -> FFN recv_dp_metadata_list "
           f"return), new counts every step, payload {PAYLOAD_ATTENTION_RANKS} attention ranks x {PAYLOAD_STAGES} "
           f"stages; {os.cpu_count()} CPUs, " + (f"FFN on CPU {cpus[0]}, attention on CPU {cpus[1]}" if cpus
@@ -294,9 +290,8 @@ def control_main(gaps_ms: tuple[float, ...] = DEFAULT_GAPS_MS, kinds: tuple[str,
               f"p50 {r['p50_us']:.1f} µs, p99 {r['p99_us']:.1f} µs (n={r['n']}, {r['payload_bytes']} B)"), flush=True)
 
     t = time.monotonic()
-    rows = control_table(gaps_ms, kinds, seconds_per_cell=seconds_per_cell, reference=reference, pin=pin,
-                         progress=progress)
-    print(format_control_table(rows, kinds), flush=True)
+    rows = control_table(gaps_ms, progress=progress)
+    print(format_control_table(rows), flush=True)
     print(f"control plane measured in {time.monotonic() - t:.0f} s", flush=True)
     if out:
         os.makedirs(out, exist_ok=True)
@@ -304,4 +299,4 @@ def control_main(gaps_ms: tuple[float, ...] = DEFAULT_GAPS_MS, kinds: tuple[str,
         with open(path, "w") as f:
             json.dump({"rows": rows, "cpus": list(cpus) if cpus else None}, f, indent=1)
         print(f"wrote {path}", flush=True)
-    return 1 if any("error" in (r.get(k) or {}) for r in rows for k in kinds) else 0
+    return 1 if any("error" in (r.get(k) or {}) for r in rows for k in ("shm", "tcp")) else 0

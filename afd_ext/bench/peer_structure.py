@@ -41,7 +41,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
+from unittest import mock
 
+from afd_ext.bench.plan import parse_int_list, parse_names
 from afd_ext.errors import AFDConfigError, AFDDeviceError
 
 __all__ = ["STRUCTURES", "Plan", "build_parser", "parse_plan", "main"]
@@ -49,8 +51,8 @@ __all__ = ["STRUCTURES", "Plan", "build_parser", "parse_plan", "main"]
 STRUCTURES = ("floor", "min", "fused", "plane", "plane_nopdl")
 PLANES = ("plane", "plane_nopdl")  # structures that run afd_ext's PeerPlane
 DEFAULT_TOKENS = (1, 8, 128, 1024, 8192)
-THREADS = 512  # threads per block of every minimal kernel (the plane's kThreads)
 BYTES_PER_BLOCK = 64 << 10  # the plane's launch rule (blocks_for): ~64 KiB per block
+PUT_BLOCKS_PER_SM = 2  # ... and puts at most 2 blocks per SM (copying waits at most 1)
 
 #: The minimal kernels' CUDA source, shipped as package data beside this module.
 CUDA_FILE = Path(__file__).with_name("peer_structure.cu")
@@ -65,8 +67,6 @@ class Plan:
         tokens: tokens per round trip (``floor`` runs at 1 token only).
         hidden: hidden size (bf16 elements); logits: router-logits width (fp32); rounds: round trips per graph;
         replays: timed replays (best taken; one warm-up replay before them).
-        block_kib, put_blocks_per_sm: launch shape of the minimal kernels (the plane's rule by default:
-            64 KiB per block, puts at most 2 blocks per SM, copying waits at most 1).
     """
 
     structures: tuple[str, ...]
@@ -75,12 +75,11 @@ class Plan:
     logits: int = 256
     rounds: int = 100
     replays: int = 8
-    block_kib: int = BYTES_PER_BLOCK >> 10
-    put_blocks_per_sm: int = 2
 
-    def blocks(self, nbytes: int, cap: int) -> int:
-        """Grid of a minimal kernel moving ``nbytes``: one block per ``block_kib`` KiB, at most ``cap``."""
-        return max(1, min(cap, -(-nbytes // (self.block_kib << 10))))
+    @staticmethod
+    def blocks(nbytes: int, cap: int) -> int:
+        """Grid of a minimal kernel moving ``nbytes`` (the plane's rule): one block per 64 KiB, at most ``cap``."""
+        return max(1, min(cap, -(-nbytes // BYTES_PER_BLOCK)))
 
     def fan_in_bytes(self, t: int) -> int:
         """Bytes one round trip moves to the FFN."""
@@ -99,14 +98,6 @@ def build_parser(prog: str = "afd-ext bench --peer-structure") -> argparse.Argum
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--structures", default=",".join(STRUCTURES), help="comma list of " + ", ".join(STRUCTURES))
     p.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="tokens per round trip")
-    p.add_argument("--hidden", type=int, default=7168, help="hidden size (bf16)")
-    p.add_argument("--logits", type=int, default=256, help="router-logits width (fp32)")
-    p.add_argument("--rounds", type=int, default=100, help="round trips per CUDA graph")
-    p.add_argument("--replays", type=int, default=8, help="timed graph replays (best is reported)")
-    p.add_argument("--block-kib", type=int, default=BYTES_PER_BLOCK >> 10,
-                   help="minimal kernels: KiB per block (the plane's rule: 64)")
-    p.add_argument("--put-blocks-per-sm", type=int, default=2,
-                   help="minimal kernels: most put blocks per SM (the plane's rule: 2)")
     p.add_argument("--out", default=None, help="folder for peer_structure.json")
     return p
 
@@ -115,39 +106,15 @@ def parse_plan(args: argparse.Namespace) -> Plan:
     """The plan of parsed arguments.
 
     Raises:
-        AFDConfigError: an unknown structure, a bad token list, or a size/count < 1.
+        AFDConfigError: an unknown structure, a bad token list, or nothing to run.
     """
-    structures = tuple(x.strip() for x in args.structures.split(",") if x.strip())
-    bad = [s for s in structures if s not in STRUCTURES]
-    if bad or not structures:
-        raise AFDConfigError(f"--structures: {bad or 'empty'} not in {', '.join(STRUCTURES)}")
-    try:
-        tokens = tuple(int(x) for x in args.tokens.split(",") if x.strip())
-    except ValueError:
-        raise AFDConfigError(f"--tokens: expected comma-separated integers, got {args.tokens!r}") from None
-    if not tokens or min(tokens) < 1:
-        raise AFDConfigError(f"--tokens: every size must be >= 1, got {args.tokens!r}")
-    for name in ("hidden", "rounds", "replays", "block_kib", "put_blocks_per_sm"):
-        if getattr(args, name) < 1:
-            raise AFDConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.logits < 0 or args.hidden % 8:
-        raise AFDConfigError(f"--hidden must be a multiple of 8 and --logits >= 0, got {args.hidden}, {args.logits}")
-    plan = Plan(structures, tokens, args.hidden, args.logits, args.rounds, args.replays, args.block_kib,
-                args.put_blocks_per_sm)
+    plan = Plan(parse_names(args.structures, STRUCTURES, "--structures"), parse_int_list(args.tokens, "--tokens"))
     if not plan.cases():
         raise AFDConfigError("nothing to run: 'floor' runs at 1 token only; add 1 to --tokens")
     return plan
 
 
 # ------------------------------------------------------------------ the bench-only library
-
-
-def _nvcc() -> str:
-    home = os.environ.get("CUDA_HOME") or "/usr/local/cuda"
-    for cand in (os.path.join(home, "bin", "nvcc"), "nvcc"):
-        if os.path.isfile(cand) or cand == "nvcc":
-            return cand
-    return "nvcc"
 
 
 def build_library(arch: str = "sm_90") -> str:
@@ -167,8 +134,9 @@ def build_library(arch: str = "sm_90") -> str:
     cu = os.path.join(cache, f"ps_{key}.cu")
     with open(cu, "w") as f:
         f.write(src)
-    cmd = [_nvcc(), f"-arch={arch}", "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-Xptxas", "-v",
-           "-o", so + ".tmp", cu]
+    nvcc = os.path.join(os.environ.get("CUDA_HOME") or "/usr/local/cuda", "bin", "nvcc")
+    cmd = [nvcc if os.path.isfile(nvcc) else "nvcc", f"-arch={arch}", "-O3", "-std=c++17", "-shared",
+           "-Xcompiler", "-fPIC", "-Xptxas", "-v", "-o", so + ".tmp", cu]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     except (OSError, subprocess.SubprocessError) as e:
@@ -317,7 +285,7 @@ class _Case:
             lib.call("ps_floor_attn", st, n, nparts, src, dst, nb, seq, self.flag_f.data_ptr(),
                      self.flag_a.data_ptr(), self.reply.data_ptr(), self.out.data_ptr(), cbytes)
             return
-        put_grid = self.plan.blocks(self.plan.fan_in_bytes(T), self.plan.put_blocks_per_sm * self.sms)
+        put_grid = self.plan.blocks(self.plan.fan_in_bytes(T), PUT_BLOCKS_PER_SM * self.sms)
         for _ in range(n):
             if s == "min":
                 lib.call("ps_put", st, put_grid, nparts, src, dst, nb, done, seq, self.flag_f.data_ptr())
@@ -348,14 +316,13 @@ class _Case:
         nparts, src, dst, nb = lib.parts([self.fan_in[0]], [self.reply])
         for _ in range(n):
             lib.call("ps_wait", st, 1, self.flag_f.data_ptr(), seq, 1, None, None, 0)
-            lib.call("ps_put", st, self.plan.blocks(cbytes, self.plan.put_blocks_per_sm * self.sms), nparts,
+            lib.call("ps_put", st, self.plan.blocks(cbytes, PUT_BLOCKS_PER_SM * self.sms), nparts,
                      src, dst, nb, done, seq, self.flag_a.data_ptr())
 
     def close(self) -> None:
         import torch
 
-        for d in {self.att_dev, self.ffn_dev}:
-            torch.cuda.synchronize(d)
+        _sync({self.att_dev, self.ffn_dev})
         if self.plane is not None:
             for p in self.plane:
                 p.close()
@@ -374,19 +341,12 @@ def _run_case(plan: Plan, case: _Case) -> dict:
 
     devs = sorted({case.att_dev.index, case.ffn_dev.index})
     ga, gf = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-    pdl_before = os.environ.get("AFD_PEER_PDL")
-    if case.structure == "plane_nopdl":  # read by the plane's launcher at capture time
-        os.environ["AFD_PEER_PDL"] = "0"
-    try:
+    # AFD_PEER_PDL is read by the plane's launcher at capture time; restored afterwards.
+    with mock.patch.dict(os.environ, {"AFD_PEER_PDL": "0"} if case.structure == "plane_nopdl" else {}):
         with torch.cuda.device(case.ffn_dev), torch.cuda.graph(gf, stream=case.sf):
             case.ffn_rounds(plan.rounds)
         with torch.cuda.device(case.att_dev), torch.cuda.graph(ga, stream=case.sa):
             case.att_rounds(plan.rounds)
-    finally:
-        if pdl_before is None:
-            os.environ.pop("AFD_PEER_PDL", None)
-        else:
-            os.environ["AFD_PEER_PDL"] = pdl_before
     _sync(devs)
 
     def replay() -> float:
@@ -420,24 +380,24 @@ def _run_case(plan: Plan, case: _Case) -> dict:
 
 
 def _table(recs: list[dict], plan: Plan) -> str:
+    """µs per round trip per structure and size, then each plane structure's ratio to ``min``."""
+    from afd_ext.bench.report import md_table
+
     by = {(r["structure"], r["tokens"]): r for r in recs}
-    head = "| structure | " + " | ".join(str(t) for t in plan.tokens) + " |"
-    lines = [f"µs per round trip (best of {plan.replays} replays of {plan.rounds}-round-trip graphs)", "",
-             head, "|" + " --- |" * (len(plan.tokens) + 1)]
-    for s in plan.structures:
-        cells = []
-        for t in plan.tokens:
-            r = by.get((s, t))
-            cells.append("" if r is None else f"{r['best_us']:.2f}" + ("" if r["valid"] else " INVALID"))
-        lines.append(f"| {s} | " + " | ".join(cells) + " |")
-    for plane in PLANES:
-        if plane in plan.structures and "min" in plan.structures:
-            cells = []
-            for t in plan.tokens:
-                a, b = by.get((plane, t)), by.get(("min", t))
-                cells.append(f"{a['best_us'] / b['best_us']:.2f}x" if a and b else "")
-            lines.append(f"| {plane}/min | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+
+    def cell(s: str, t: int) -> str:
+        r = by.get((s, t))
+        return "" if r is None else f"{r['best_us']:.2f}" + ("" if r["valid"] else " INVALID")
+
+    def ratio(s: str, t: int) -> str:
+        a, b = by.get((s, t)), by.get(("min", t))
+        return f"{a['best_us'] / b['best_us']:.2f}x" if a and b else ""
+
+    rows = [[s, *(cell(s, t) for t in plan.tokens)] for s in plan.structures]
+    if "min" in plan.structures:
+        rows += [[f"{s}/min", *(ratio(s, t) for t in plan.tokens)] for s in PLANES if s in plan.structures]
+    return "\n".join([f"µs per round trip (best of {plan.replays} replays of {plan.rounds}-round-trip graphs)", "",
+                      *md_table(["structure", *map(str, plan.tokens)], rows)])
 
 
 def run(plan: Plan, out: Optional[str]) -> int:

@@ -6,8 +6,8 @@ the plan before any process starts.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
 from afd_ext.errors import AFDConfigError
 from afd_ext.testing import GpuPlacement, place_processes
@@ -24,6 +24,7 @@ __all__ = [
     "gloo_cases",
     "make_layout",
     "parse_int_list",
+    "parse_names",
     "Reps",
     "RunConfig",
 ]
@@ -34,7 +35,6 @@ ALL_VARIANTS = ("ours_per_tensor", "reference", "raw", "peer")
 #: Accepted by ``--variants`` but not run by default: FP8 hidden states on the wire (docs/fp8.md).
 FP8_VARIANTS = ("ours_fp8", "peer_fp8")
 DEFAULT_TOKENS = (1, 8, 32, 128, 512, 2048, 8192)
-DEFAULT_SIDE_TOKENS = (1, 128, 2048)
 ROUTER_LOGITS_WIDTH = 256
 
 
@@ -84,31 +84,16 @@ class Case:
         """Stable label, e.g. ``h7168-t128-extras``."""
         return f"h{self.hidden}-t{self.tokens}-{'extras' if self.extras else 'hidden'}"
 
-    def to_dict(self) -> dict:
-        """Plain dict for JSON."""
-        return asdict(self)
-
-
-def _cases(hiddens_tokens: Iterable[tuple[int, Sequence[int]]], extras: Sequence[bool]) -> list[Case]:
-    out = []
-    for hidden, tokens in hiddens_tokens:
-        for t in tokens:
-            for e in extras:
-                out.append(Case(hidden, t, e))
-    return out
-
 
 def default_cases() -> list[Case]:
     """The default sweep: 1..8192 tokens at hidden 7168, three sizes at 2048 and 4096; with and without extras."""
-    return _cases(
-        [(7168, DEFAULT_TOKENS), (2048, DEFAULT_SIDE_TOKENS), (4096, DEFAULT_SIDE_TOKENS)],
-        (True, False),
-    )
+    sizes = [(7168, DEFAULT_TOKENS), (2048, (1, 128, 2048)), (4096, (1, 128, 2048))]
+    return [Case(h, t, e) for h, tokens in sizes for t in tokens for e in (True, False)]
 
 
 def quick_cases() -> list[Case]:
     """``--quick`` on GPUs: 1, 128 and 8192 tokens at hidden 7168 with extras."""
-    return _cases([(7168, (1, 128, 8192))], (True,))
+    return [Case(7168, t, True) for t in (1, 128, 8192)]
 
 
 def gloo_cases() -> list[Case]:
@@ -120,7 +105,7 @@ def check_cases(cuda: bool) -> list[Case]:
     """Sizes for ``--check``: odd row counts and a multi-MB message, with and without extras."""
     if not cuda:
         return [Case(48, t, e, logits_width=8) for t in (1, 7) for e in (True, False)]
-    return _cases([(7168, (1, 127, 1000))], (True, False)) + [Case(2048, 3, True)]
+    return [Case(7168, t, e) for t in (1, 127, 1000) for e in (True, False)] + [Case(2048, 3, True)]
 
 
 def parse_int_list(text: str, what: str) -> tuple[int, ...]:
@@ -136,6 +121,19 @@ def parse_int_list(text: str, what: str) -> tuple[int, ...]:
     if not out or min(out) < 1:
         raise AFDConfigError(f"{what}: expected positive integers, got {text!r}")
     return tuple(out)
+
+
+def parse_names(text: str, allowed: Sequence[str], what: str) -> tuple[str, ...]:
+    """Parse ``"a,b"`` into names out of ``allowed``.
+
+    Raises:
+        AFDConfigError: an unknown name, or none (names ``what``).
+    """
+    items = tuple(x.strip() for x in text.split(",") if x.strip())
+    bad = [x for x in items if x not in allowed]
+    if bad or not items:
+        raise AFDConfigError(f"{what}: {bad or 'empty'} not in {', '.join(allowed)}")
+    return items
 
 
 def make_layout(num_attention_ranks: int, num_ffn_ranks: int, num_gpus: int,
@@ -222,9 +220,6 @@ class Reps:
         k = self.graph_k(nbytes)
         return max(3, self.iters(nbytes, eager=False) // (k * max(1, self.rounds)))
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
 
 @dataclass
 class RunConfig:
@@ -238,7 +233,6 @@ class RunConfig:
     reps: Reps
     master_port: int
     check: bool = False
-    timeout_s: float = 120.0
     progress: bool = True
     #: Deadline of every wait on the device or a peer within a case, seconds.
     case_timeout_s: float = 60.0

@@ -17,6 +17,7 @@ attention side); FFN ranks time their own loop too (reported separately).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
@@ -26,11 +27,7 @@ from typing import Any
 from afd_ext.bench.plan import Case, RunConfig
 from afd_ext.bench.timing import capture_graph, summarize, time_eager, time_graph, wait_event
 from afd_ext.errors import AFDConfigError
-
-logger = logging.getLogger("afd_ext.bench")
-
-ATTENTION = "attention"
-FFN = "ffn"
+from afd_ext.topology import ATTENTION, FFN
 
 
 # ---------------------------------------------------------------------------
@@ -66,20 +63,26 @@ class _Env:
         dist.init_process_group("gloo", store=self.store, rank=rank, world_size=nprocs, timeout=td)
         self.comms: dict[tuple[int, int, str], int] = {}
         self.gloo_transport = None
-        self.notes: list[str] = []
         if self.cuda:
             self._create_comms()
-        else:
-            self.gloo_transport = self._make_gloo_transport()
+        else:  # this package's gloo transport over the default group: the ours_* variants' CPU path
+            from afd_ext.transport.base import PeerMap
+            from afd_ext.transport.gloo import GlooTransport
+
+            peers = PeerMap(self.role, self.role_rank, self.topo.num_attention_ranks, self.topo.num_ffn_ranks)
+            self.gloo_transport = GlooTransport(self.store, peers, timeout_s=cfg.peer_wait_s,
+                                                init_timeout_s=cfg.peer_wait_s)
 
     # -- helpers -------------------------------------------------------------
 
     def label(self) -> str:
         return f"{self.role} rank {self.role_rank} (world rank {self.rank})"
 
-    def barrier(self) -> None:
+    def sync(self, what: str) -> None:
+        """Drain this rank's stream, then meet every rank: nothing of one block overlaps the next."""
         import torch.distributed as dist
 
+        self.drain(what)
         dist.barrier()
 
     def drain(self, what: str) -> None:
@@ -90,19 +93,6 @@ class _Env:
             ev.record()
             wait_event(ev, self.cfg.case_timeout_s, f"{self.label()}: {what}")
 
-    def agree(self, value: Any) -> list[Any]:
-        """All ranks' ``value`` (gloo all_gather_object)."""
-        import torch.distributed as dist
-
-        out: list[Any] = [None] * self.nprocs
-        dist.all_gather_object(out, value)
-        return out
-
-    def _my_edges(self) -> list[tuple[int, int]]:
-        me_a = self.role_rank if self.role == ATTENTION else None
-        me_f = self.role_rank if self.role == FFN else None
-        return [(a, f) for a, f in self.topo.edges() if a == me_a or f == me_f]
-
     def _create_comms(self) -> None:
         import torch
 
@@ -110,7 +100,8 @@ class _Env:
 
         # Global edge order on every rank: each 2-rank comm_create blocks until
         # both ends arrive, and a total order cannot deadlock.
-        for a, f in self._my_edges():
+        mine = 0 if self.role == ATTENTION else 1
+        for a, f in [e for e in self.topo.edges() if e[mine] == self.role_rank]:
             for d in ("a2f", "f2a"):
                 key = f"afd-bench/uid/{a}/{f}/{d}"
                 if self.role == FFN:
@@ -121,53 +112,26 @@ class _Env:
                     uid = torch.frombuffer(bytearray(raw), dtype=torch.uint8).clone()
                 self.comms[(a, f, d)] = ops.comm_create(uid, 2, 0 if self.role == FFN else 1, 0)
 
-    def _make_gloo_transport(self) -> Any:
-        """This package's gloo transport over the default group, or None (the variant is then skipped)."""
-        from afd_ext.transport.base import PeerMap
-        from afd_ext.transport.gloo import GlooTransport
+    def ctx(self, case: Case):
+        """This rank's side of ``case``: its edges (rows per edge from the topology) and transports."""
+        from afd_ext.bench.variants import Ctx, Link
 
-        try:
-            peers = PeerMap(self.role, self.role_rank, self.topo.num_attention_ranks, self.topo.num_ffn_ranks)
-            return GlooTransport(self.store, peers, timeout_s=self.cfg.peer_wait_s,
-                                 init_timeout_s=self.cfg.peer_wait_s)
-        except Exception as e:  # noqa: BLE001 - reported, the variant is skipped
-            self.notes.append(f"this package's gloo transport could not be created: {type(e).__name__}: {e}")
-            return None
-
-    def links(self, case: Case) -> list:
-        """This rank's edges for ``case`` (rows per edge from the topology)."""
-
-        topo, n = self.topo, case.tokens
-        out = []
+        topo, n, links = self.topo, case.tokens, []
         if self.role == ATTENTION:
             a = self.role_rank
             for f, start, count in topo.split_rows(a, n):
-                out.append(self._link(a, f, peer=f, peer_world=topo.world_rank(FFN, f), start=start,
-                                      count=count, offset=start, nccl_peer=0))
+                links.append(Link(f, topo.world_rank(FFN, f), start, count, offset=start, nccl_peer=0,
+                                  comm_a2f=self.comms.get((a, f, "a2f"), 0), comm_f2a=self.comms.get((a, f, "f2a"), 0)))
         else:
-            f = self.role_rank
-            off = 0
+            f, off = self.role_rank, 0
             for a in topo.ffn_peers(f):
                 start, count = next((s, c) for ff, s, c in topo.split_rows(a, n) if ff == f)
-                out.append(self._link(a, f, peer=a, peer_world=topo.world_rank(ATTENTION, a), start=start,
-                                      count=count, offset=off, nccl_peer=1))
+                links.append(Link(a, topo.world_rank(ATTENTION, a), start, count, offset=off, nccl_peer=1,
+                                  comm_a2f=self.comms.get((a, f, "a2f"), 0), comm_f2a=self.comms.get((a, f, "f2a"), 0)))
                 off += count
-        return out
-
-    def _link(self, a: int, f: int, **kw: Any):
-        from afd_ext.bench.variants import Link
-
-        return Link(
-            comm_a2f=self.comms.get((a, f, "a2f"), 0), comm_f2a=self.comms.get((a, f, "f2a"), 0), **kw,
-        )
-
-    def ctx(self, case: Case):
-        from afd_ext.bench.variants import Ctx
-
-        return Ctx(role=self.role, role_rank=self.role_rank, world_rank=self.rank, backend=self.cfg.backend,
-                   device=self.device, links=self.links(case),
-                   gloo_transport=self.gloo_transport,
-                   extra={"store": self.store, "topology": self.topo, "timeout_s": self.cfg.peer_wait_s})
+        return Ctx(role=self.role, role_rank=self.role_rank, backend=self.cfg.backend, device=self.device,
+                   links=links, gloo_transport=self.gloo_transport, store=self.store, topology=topo,
+                   timeout_s=self.cfg.peer_wait_s)
 
     def close(self) -> None:
         import torch.distributed as dist
@@ -192,21 +156,25 @@ class _Env:
 
 
 def _setup_variants(env: _Env, case: Case, ctx) -> tuple[list, dict[str, str]]:
-    from afd_ext.bench.variants import make_variant, variant_applicable
+    import torch.distributed as dist
+
+    from afd_ext.bench.variants import VARIANTS
 
     local: dict[str, Any] = {}
     reasons: dict[str, str] = {}
     for name in env.cfg.variants:
-        why = variant_applicable(name, case, env.cfg.backend)
-        if why is None:
-            try:
-                local[name] = make_variant(name, ctx, case)
-            except Exception as e:  # noqa: BLE001 - agreed below, reported in the JSON
-                why = f"{type(e).__name__}: {e}"
+        try:
+            why = VARIANTS[name].skip_reason(case, env.cfg.backend)
+            if why is None:
+                local[name] = VARIANTS[name](ctx, case)
+        except Exception as e:  # noqa: BLE001 - agreed below, reported in the JSON
+            why = f"{type(e).__name__}: {e}"
         if why is not None:
             reasons[name] = why
+    every: list[Any] = [None] * env.nprocs
+    dist.all_gather_object(every, reasons)  # a variant skipped on one rank is skipped on all
     merged: dict[str, str] = {}
-    for r in env.agree(reasons):
+    for r in every:
         for k, v in r.items():
             merged.setdefault(k, v)
     variants = [local[n] for n in env.cfg.variants if n in local and n not in merged]
@@ -220,42 +188,39 @@ def _seed(*parts: Any) -> int:
     return zlib.crc32("/".join(str(p) for p in parts).encode()) & 0x7FFFFFFF
 
 
+def _key(env: _Env, case: Case, name: str, mode: str) -> dict:
+    """The fields naming one measurement (or one check) of this rank."""
+    return {"case": dataclasses.asdict(case), "case_key": case.key(), "variant": name, "mode": mode,
+            "direction": "round_trip", "role": env.role, "role_rank": env.role_rank}
+
+
 # ---------------------------------------------------------------------------
 # Timing
 # ---------------------------------------------------------------------------
 
 
-def _nbytes(case: Case) -> int:
-    return case.a2f_bytes() + case.f2a_bytes()
-
-
 def _time_case(env: _Env, case: Case, ctx, variants: list) -> list[dict]:
     """Round trips of every variant, eager then graph, variants alternated per timed block."""
-    cfg, reps, nb = env.cfg, env.cfg.reps, _nbytes(case)
+    cfg, reps, nb = env.cfg, env.cfg.reps, case.a2f_bytes() + case.f2a_bytes()
     records: list[dict] = []
     for mode in cfg.modes:
-        if mode == "graph" and not env.cuda:
-            continue
         ctx.graph_mode = mode == "graph"
         vlist = [v for v in variants if mode == "eager" or v.graph_ok]
         # Eager warm-up of every edge (NCCL connects lazily, never inside a capture).
         for v in vlist:
-            env.drain("warm-up")
-            env.barrier()
+            env.sync("warm-up")
             time_eager(v.step(), iters=reps.warmup, warmup=0, cuda=env.cuda, timed=False,
                        timeout_s=cfg.case_timeout_s, what=f"{env.label()} warm-up {v.name}")
         graphs: dict[str, Any] = {}
         k = reps.graph_k(nb)
         if mode == "graph":
             for v in vlist:
-                env.drain("before capture")
-                env.barrier()
+                env.sync("before capture")
                 graphs[v.name] = capture_graph(v.step(), k)
         samples: dict[str, list[float]] = {v.name: [] for v in vlist}
         for _ in range(reps.rounds):
             for v in vlist:
-                env.drain("between variants")
-                env.barrier()
+                env.sync("between variants")
                 what = f"{env.label()} {case.key()} {v.name}/{mode}"
                 if mode == "eager":
                     s = time_eager(v.step(), iters=reps.per_round(nb, True), warmup=reps.warmup,
@@ -267,36 +232,18 @@ def _time_case(env: _Env, case: Case, ctx, variants: list) -> list[dict]:
         env.drain("end of mode")
         graphs.clear()
         ctx.graph_mode = False
-        byname = {v.name: v for v in vlist}
-        for name, s in samples.items():
-            rec = _record(env, case, name, mode, summarize(s), ctx)
-            rec["bytes_a2f"] = ctx.rows * byname[name].a2f_row_bytes()  # FP8 variants move fewer
-            rec["hidden_bytes_per_token"] = byname[name].hidden_bytes_per_token()
-            rec["gbps"] = (rec["bytes_a2f"] + rec["bytes_f2a"]) / (rec["stats_us"]["median"] * 1e3)
+        for v in vlist:
+            stats = dataclasses.asdict(summarize(samples[v.name]))
+            rec = dict(_key(env, case, v.name, mode), A=env.topo.num_attention_ranks, F=env.topo.num_ffn_ranks,
+                       peers=[l.peer for l in ctx.links if l.count > 0], rows=ctx.rows,
+                       bytes_a2f=ctx.rows * v.a2f_row_bytes(),  # FP8 variants move fewer
+                       bytes_f2a=case.f2a_bytes(ctx.rows), hidden_bytes_per_token=v.hidden_bytes_per_token(),
+                       stats_us=stats)
+            rec["gbps"] = (rec["bytes_a2f"] + rec["bytes_f2a"]) / (stats["median"] * 1e3)
             if mode == "graph":
                 rec["graph_iters"] = k
             records.append(rec)
     return records
-
-
-def _record(env: _Env, case: Case, name: str, mode: str, st, ctx) -> dict:
-    rows = ctx.rows
-    return {
-        "case": case.to_dict(),
-        "case_key": case.key(),
-        "A": env.topo.num_attention_ranks,
-        "F": env.topo.num_ffn_ranks,
-        "variant": name,
-        "mode": mode,
-        "direction": "round_trip",
-        "role": env.role,
-        "role_rank": env.role_rank,
-        "peers": [l.peer for l in ctx.links if l.count > 0],
-        "rows": rows,
-        "bytes_a2f": case.a2f_bytes(rows),
-        "bytes_f2a": case.f2a_bytes(rows),
-        "stats_us": st.to_dict(),
-    }
 
 
 # ---------------------------------------------------------------------------
@@ -314,19 +261,16 @@ def _check_case(env: _Env, case: Case, ctx, variants: list) -> list[dict]:
     out: list[dict] = []
     hb = case.f2a_row_bytes()
     for mode in env.cfg.modes:
-        if mode == "graph" and not env.cuda:
-            continue
         ctx.graph_mode = mode == "graph"
         for v in [v for v in variants if (mode == "eager" or v.graph_ok) and v.checkable]:
             v.check = True
             step = v.step()
-            env.drain("check warm-up")
-            env.barrier()
+            env.sync("check warm-up")
             step()  # eager warm-up of this edge
             env.drain("check warm-up")
             graph = None
             if mode == "graph":
-                env.barrier()
+                env.sync("before capture")
                 graph = capture_graph(step, 1)
             errors: list[str] = []
             for it in range(2):
@@ -339,8 +283,7 @@ def _check_case(env: _Env, case: Case, ctx, variants: list) -> list[dict]:
                     reply = v.attn_reply()
                     if all(reply.data_ptr() != t.data_ptr() for t in v.attn_inputs()):
                         reply.zero_()
-                env.drain("check fill")
-                env.barrier()
+                env.sync("check fill")
                 if graph is None:
                     step()
                 else:
@@ -349,7 +292,7 @@ def _check_case(env: _Env, case: Case, ctx, variants: list) -> list[dict]:
                 if env.role == ATTENTION:
                     errors += _compare(rows_bytes(v.attn_reply()), expected, f"reply at {env.label()}")
                     continue
-                snap, cols = v.snapshot(), v.input_cols()
+                snap, cols = v.snap, v.input_cols()
                 if snap is None or len(snap) != len(cols):
                     errors.append(f"the FFN check hook saw {snap and len(snap)} tensors, expected {len(cols)}")
                     continue
@@ -361,9 +304,7 @@ def _check_case(env: _Env, case: Case, ctx, variants: list) -> list[dict]:
                                                pat[l.start:l.start + l.count],
                                                f"tensor {k} rows of attention rank {l.peer} at {env.label()}")
             del graph
-            out.append({"case": case.to_dict(), "case_key": case.key(), "variant": v.name, "mode": mode,
-                        "direction": "round_trip", "role": env.role, "role_rank": env.role_rank,
-                        "ok": not errors, "errors": errors[:5]})
+            out.append(dict(_key(env, case, v.name, mode), ok=not errors, errors=errors[:5]))
             v.check = False
         ctx.graph_mode = False
     return out
@@ -377,9 +318,8 @@ def _compare(got, expected, what: str) -> list[str]:
     if torch.equal(got, expected):
         return []
     bad = (got != expected)
-    nbad = int(bad.sum().item())
     first = bad.nonzero()[0].tolist()
-    return [f"{what}: {nbad} of {got.numel()} bytes differ, first at row {first[0]} byte {first[1]}"]
+    return [f"{what}: {int(bad.sum())} of {got.numel()} bytes differ, first at row {first[0]} byte {first[1]}"]
 
 
 # ---------------------------------------------------------------------------
@@ -395,48 +335,39 @@ def bench_worker(rank: int, nprocs: int, cfg: RunConfig) -> dict:
     interrupted (a hung NCCL call holds the GIL) is ended by the run's overall timeout.
 
     Returns:
-        ``{"rank", "role", "role_rank", "records", "checks", "skipped", "notes", "device"}``.
+        ``{"rank", "role", "role_rank", "records", "checks", "skipped", "device"?, "cuda_visible_devices"?}``.
     """
     logging.basicConfig(level=logging.INFO, format=f"[bench r{rank}] %(message)s")
     env = _Env(rank, nprocs, cfg)
     info: dict[str, Any] = {"rank": rank, "role": env.role, "role_rank": env.role_rank, "records": [],
-                            "checks": [], "skipped": [], "notes": env.notes}
+                            "checks": [], "skipped": []}
     if env.cuda:
         import torch
 
         info["device"] = torch.cuda.get_device_name(0)
         info["cuda_visible_devices"] = os.environ.get("CUDA_VISIBLE_DEVICES")
-    bar = None
-    show = cfg.progress and env.role == ATTENTION and env.role_rank == 0
-    try:
-        if show:
-            import sys
-            import threading
+    cases = cfg.cases
+    if cfg.progress and env.role == ATTENTION and env.role_rank == 0:  # the one progress display: cases done
+        import sys
+        import threading
 
-            from tqdm import tqdm
+        from tqdm import tqdm
 
-            # A thread lock: tqdm's default multiprocessing lock leaks a semaphore at exit.
-            tqdm.set_lock(threading.RLock())
-            # The one progress display of a run: cases done.
-            bar = tqdm(total=len(cfg.cases), unit="case", desc=f"afd-ext bench {'check' if cfg.check else 'sweep'} over {cfg.backend}",
-                       mininterval=1.0 if sys.stderr.isatty() else 15.0)
-        for case in cfg.cases:
-            ctx = env.ctx(case)
-            variants, skipped = _setup_variants(env, case, ctx)
-            info["skipped"] += [{"case_key": case.key(), "variant": n, "reason": why} for n, why in skipped.items()]
-            if cfg.check:
-                info["checks"] += _check_case(env, case, ctx, variants)
-            else:
-                info["records"] += _time_case(env, case, ctx, variants)
-            if bar is not None:
-                bar.update(1)
-            for v in variants:
-                v.close()
-            del variants
-            env.drain("end of case")
-    finally:
-        if bar is not None:
-            bar.close()
-    env.barrier()
+        tqdm.set_lock(threading.RLock())  # tqdm's default multiprocessing lock leaks a semaphore at exit
+        cases = tqdm(cases, unit="case", desc=f"afd-ext bench {'check' if cfg.check else 'sweep'} over {cfg.backend}",
+                     mininterval=1.0 if sys.stderr.isatty() else 15.0)
+    for case in cases:
+        ctx = env.ctx(case)
+        variants, skipped = _setup_variants(env, case, ctx)
+        info["skipped"] += [{"case_key": case.key(), "variant": n, "reason": why} for n, why in skipped.items()]
+        if cfg.check:
+            info["checks"] += _check_case(env, case, ctx, variants)
+        else:
+            info["records"] += _time_case(env, case, ctx, variants)
+        for v in variants:
+            v.close()
+        del variants
+        env.drain("end of case")
+    env.sync("end of run")
     env.close()
     return info

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from afd_ext.errors import AFDConfigError, AFDTimeoutError
@@ -62,11 +62,6 @@ class Stats:
     mean: float
     min: float
     n: int
-
-    def to_dict(self) -> dict[str, float]:
-        """Plain dict for JSON (keys ``median, p10, p90, mean, min, n``)."""
-        return asdict(self)
-
 
 
 def summarize(samples_us: Sequence[float]) -> Stats:
@@ -110,9 +105,20 @@ def wait_event(event: Any, timeout_s: float, what: str, poll_s: float = 0.0005) 
 
 
 def _timed_loop(run: Callable[[], Any], n: int, cuda: bool, timeout_s: float, what: str,
-                divide_by: int = 1) -> list[float]:
+                divide_by: int = 1, timed: bool = True) -> list[float]:
     """Run ``run`` ``n`` times with a mark (CUDA event on the current stream, or the host clock) before
-    each and after the last; the µs between consecutive marks, each divided by ``divide_by``."""
+    each and after the last; the µs between consecutive marks, each divided by ``divide_by``.
+    Untimed (``timed=False``): the same runs, one wait for the device at the end, ``[]``."""
+    if not timed:
+        for _ in range(n):
+            run()
+        if cuda:
+            import torch
+
+            ev = torch.cuda.Event()
+            ev.record()
+            wait_event(ev, timeout_s, what)
+        return []
     if cuda:
         import torch
 
@@ -157,17 +163,7 @@ def time_eager(step: Callable[[], Any], iters: int, warmup: int, *, cuda: bool,
         raise AFDConfigError(f"time_eager needs iters >= 1 and warmup >= 0, got {iters}, {warmup}")
     for _ in range(warmup):
         step()
-    if not timed:
-        for _ in range(iters):
-            step()
-        if cuda:
-            import torch
-
-            ev = torch.cuda.Event()
-            ev.record()
-            wait_event(ev, timeout_s, what)
-        return []
-    return _timed_loop(step, iters, cuda, timeout_s, what)
+    return _timed_loop(step, iters, cuda, timeout_s, what, timed=timed)
 
 
 def capture_graph(step: Callable[[], Any], graph_iters: int) -> Any:
@@ -201,8 +197,8 @@ def capture_graph(step: Callable[[], Any], graph_iters: int) -> Any:
     return graph
 
 
-def time_graph(graph: Any, replays: int, warmup: int, graph_iters: int, *,
-               timeout_s: float = DEFAULT_WAIT_TIMEOUT_S, what: str = "graph replay") -> list[float]:
+def time_graph(graph: Any, replays: int, warmup: int, graph_iters: int, *, timeout_s: float = DEFAULT_WAIT_TIMEOUT_S,
+               what: str = "graph replay", timed: bool = True) -> list[float]:
     """Replay a captured graph; per-iteration µs (one sample per replay, divided by ``graph_iters``).
 
     Args:
@@ -212,6 +208,7 @@ def time_graph(graph: Any, replays: int, warmup: int, graph_iters: int, *,
         graph_iters: iterations captured in the graph.
         timeout_s: deadline for the device.
         what: names the loop in a timeout error.
+        timed: False on the side that only keeps lockstep (replays, waits, returns ``[]``).
 
     Raises:
         AFDConfigError: ``replays < 1`` or ``warmup < 0``.
@@ -221,4 +218,4 @@ def time_graph(graph: Any, replays: int, warmup: int, graph_iters: int, *,
         raise AFDConfigError(f"time_graph needs replays >= 1 and warmup >= 0, got {replays}, {warmup}")
     for _ in range(warmup):
         graph.replay()
-    return _timed_loop(graph.replay, replays, True, timeout_s, what, divide_by=graph_iters)
+    return _timed_loop(graph.replay, replays, True, timeout_s, what, divide_by=graph_iters, timed=timed)

@@ -44,13 +44,13 @@ reply bit-exactly. :func:`pattern_bytes` is the shared pattern.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from afd_ext.bench.plan import Case
-from afd_ext.errors import AFDStateError
+from afd_ext.topology import ATTENTION
 
 __all__ = [
     "XOR_BYTE",
@@ -58,14 +58,10 @@ __all__ = [
     "Ctx",
     "Variant",
     "VARIANTS",
-    "make_variant",
-    "variant_applicable",
     "pattern_bytes",
     "rows_bytes",
 ]
 
-ATTENTION = "attention"
-FFN = "ffn"
 #: The check-mode FFN replies with every received hidden byte XOR this.
 XOR_BYTE = 0x55
 
@@ -104,24 +100,26 @@ class Ctx:
 
     Attributes:
         role: ``"attention"`` or ``"ffn"``.
-        role_rank, world_rank: ranks of this process.
+        role_rank: this process's role rank.
         backend: ``"nccl"`` (CUDA tensors, our ops) or ``"gloo"`` (CPU tensors).
         device: where tensors live.
         links: edges of this rank, in fan-in order (FFN) or peer order (attention).
-        gloo_transport: this package's gloo transport on the CPU path, or None.
+        gloo_transport: this package's gloo transport on the CPU path, None on the NCCL path.
+        store, topology, timeout_s: the runner's TCPStore, topology and peer deadline (the peer plane's set-up).
         graph_mode: set by the runner while a variant is captured/replayed
             (the reference pattern then uses its preallocated receive buffers).
     """
 
     role: str
     role_rank: int
-    world_rank: int
     backend: str
     device: torch.device
     links: list[Link]
-    gloo_transport: Any = None
+    gloo_transport: Any
+    store: Any
+    topology: Any
+    timeout_s: float
     graph_mode: bool = False
-    extra: dict = field(default_factory=dict)
 
     @property
     def rows(self) -> int:
@@ -194,10 +192,11 @@ def p2p_recv(ctx: Ctx, t: torch.Tensor, link: Link, direction: str) -> None:
 class Variant:
     """Base class: buffers for one case, the four half-steps, check hooks.
 
-    Subclasses allocate in ``__init__`` and implement ``attn_send``,
-    ``attn_recv``, ``ffn_recv``, ``ffn_send`` (and may override
-    ``attn_round``), plus the check accessors ``attn_inputs``, ``attn_reply``,
-    ``ffn_received``, ``ffn_out``.
+    Subclasses allocate in ``__init__`` and implement ``attn_send`` and
+    ``attn_recv`` (or override ``attn_round``), ``ffn_recv`` and ``ffn_send``;
+    the check accessors ``attn_inputs``, ``attn_reply``, ``ffn_received``,
+    ``ffn_out`` default to ``(h, l, i)`` wire tensors and an attention ``reply``.
+    In a checked FFN round trip, ``snap`` keeps clones of what was received.
     """
 
     name = "base"
@@ -205,13 +204,18 @@ class Variant:
     checkable = True
     backends = ("nccl", "gloo")
 
+    @classmethod
+    def skip_reason(cls, case: Case, backend: str) -> str | None:
+        """``None`` when this variant applies to ``case`` on ``backend``, else why it is skipped."""
+        return None if backend in cls.backends else f"{cls.name} runs on {'/'.join(cls.backends)} only"
+
     def __init__(self, ctx: Ctx, case: Case):
         self.ctx = ctx
         self.case = case
         self.check = False
         self.dev = ctx.device
         self.live = [l for l in ctx.links if l.count > 0]
-        self._snap: list[torch.Tensor] | None = None
+        self.snap: list[torch.Tensor] | None = None
 
     # -- helpers ---------------------------------------------------------------
 
@@ -234,30 +238,15 @@ class Variant:
         comms = [l.comm(direction) for l in self.live]
         return comms, [l.nccl_peer for l in self.live], [l.count for l in self.live]
 
-    # -- half-steps ------------------------------------------------------------
-
-    def attn_send(self) -> None:
-        raise NotImplementedError
-
-    def attn_recv(self) -> None:
-        raise NotImplementedError
-
     def attn_round(self) -> None:
         self.attn_send()
         self.attn_recv()
-
-    def ffn_recv(self) -> None:
-        raise NotImplementedError
-
-    def ffn_send(self) -> None:
-        raise NotImplementedError
 
     def close(self) -> None:
         """Release anything beyond tensors (nothing by default)."""
 
     # -- check hooks -----------------------------------------------------------
 
-    # Defaults for variants holding (h, l, i) wire tensors, ``reply`` on the attention rank.
     def attn_inputs(self) -> list[torch.Tensor]:
         return [t for t in (self.h, self.l, self.i) if t is not None]
 
@@ -280,12 +269,8 @@ class Variant:
 
     def _check_hook(self) -> None:
         rec = self.ffn_received()
-        self._snap = [t.clone() for t in rec]
+        self.snap = [t.clone() for t in rec]
         torch.bitwise_xor(rows_bytes(rec[0])[:, :self.case.f2a_row_bytes()], XOR_BYTE, out=rows_bytes(self.ffn_out()))
-
-    def snapshot(self) -> list[torch.Tensor] | None:
-        """What the FFN rank received in the last checked iteration (clones), or None."""
-        return self._snap
 
     # -- steps -------------------------------------------------------------------
 
@@ -326,43 +311,38 @@ class OursPerTensor(Variant):
             self.reply = torch.zeros(n, case.hidden, dtype=torch.bfloat16, device=self.dev)
         self.a2f = self._lists("a2f")
         self.f2a = self._lists("f2a")
-        self.tr = ctx.gloo_transport if ctx.backend == "gloo" else None
-        if ctx.backend == "gloo":
-            if self.tr is None:
-                raise AFDStateError("this package's gloo transport (afd_ext.transport.gloo) is not available")
+        # Attention -> FFN: the ops' (hidden, logits, ids) and their trailing scales; the gloo transport's tuple.
+        self.wire, self.scales = (self.h, self.l, self.i), ()
+        self.gloo_wire = self.wire
+        self.tr = ctx.gloo_transport
+        if self.tr is not None:
             from afd_ext.transport.base import MessageTag
 
-            self.tag_a2f = MessageTag("bench", "a2f", 0, 0, 0)
-            self.tag_f2a = MessageTag("bench", "f2a", 0, 0, 0)
+            self.tags = {d: MessageTag("bench", d, 0, 0, 0) for d in ("a2f", "f2a")}
             self.peer_ids = [l.peer for l in self.live]
 
-    def _a2f_tensors(self) -> tuple:
-        return (self.h, self.l, self.i)
-
-    # gloo transport calls
+    # gloo transport calls (rows per peer are the same both ways)
     def _g_send(self, tensors: tuple, d: str):
-        return self.tr.split_back(tensors, self.peer_ids, (self.a2f if d == "a2f" else self.f2a)[2],
-                                  tag=self.tag_a2f if d == "a2f" else self.tag_f2a)
+        return self.tr.split_back(tensors, self.peer_ids, self.a2f[2], tag=self.tags[d])
 
     def _g_recv(self, tensors: tuple, d: str) -> None:
-        self.tr.fan_in(tensors, self.peer_ids, (self.a2f if d == "a2f" else self.f2a)[2],
-                       tag=self.tag_a2f if d == "a2f" else self.tag_f2a)
+        self.tr.fan_in(tensors, self.peer_ids, self.a2f[2], tag=self.tags[d])
 
     def attn_round(self) -> None:
         if self.tr is not None:
-            pending = self._g_send(self._a2f_tensors(), "a2f")
+            pending = self._g_send(self.gloo_wire, "a2f")
             self._g_recv((self.reply, None, None), "f2a")
             pending.wait()
             return
         sc, peers, rows = self.a2f
-        _ops().split_back(self.h, self.l, self.i, sc, peers, rows)  # the connector's two calls
+        _ops().split_back(*self.wire, sc, peers, rows, *self.scales)  # the connector's two calls
         _ops().fan_in(self.reply, None, None, self.f2a[0], peers, rows)
 
     def ffn_recv(self) -> None:
         if self.tr is not None:
-            self._g_recv(self._a2f_tensors(), "a2f")
+            self._g_recv(self.gloo_wire, "a2f")
             return
-        _ops().fan_in(self.h, self.l, self.i, *self.a2f)
+        _ops().fan_in(*self.wire, *self.a2f, *self.scales)
 
     def ffn_send(self) -> None:
         if self.tr is not None:
@@ -375,6 +355,13 @@ class _Fp8Wire:
     """FP8 hidden states on the wire: the byte accounting and random inputs (zeros would all take the zero-scale path)."""
 
     checkable = False
+
+    @classmethod
+    def skip_reason(cls, case: Case, backend: str) -> str | None:
+        why = super().skip_reason(case, backend)  # type: ignore[misc]
+        if why is None and case.hidden % 128:
+            why = f"{cls.name} needs a hidden size that is a multiple of 128 (one FP8 scale per 128 channels)"
+        return why
 
     def hidden_bytes_per_token(self) -> int:
         from afd_ext.fp8 import wire_bytes_per_token
@@ -400,23 +387,15 @@ class OursFp8(_Fp8Wire, OursPerTensor):
         self._fill()
         self.v = torch.zeros(n, case.hidden, dtype=torch.float8_e4m3fn, device=self.dev)
         self.s = torch.zeros(n, case.hidden // 128, dtype=torch.float32, device=self.dev)
+        self.wire, self.scales = (self.v, self.l, self.i), (self.s,)
+        self.gloo_wire = (self.v, self.s, self.l, self.i)  # values then their scales (the transports' wire order)
 
     def attn_round(self) -> None:
         _ops().fp8_quantize(self.h, self.v, self.s)
-        if self.tr is not None:
-            pending = self._g_send((self.v, self.s, self.l, self.i), "a2f")
-            self._g_recv((self.reply, None, None), "f2a")
-            pending.wait()
-            return
-        sc, peers, rows = self.a2f
-        _ops().split_back(self.v, self.l, self.i, sc, peers, rows, self.s)
-        _ops().fan_in(self.reply, None, None, self.f2a[0], peers, rows)
+        super().attn_round()
 
     def ffn_recv(self) -> None:
-        if self.tr is not None:
-            self._g_recv((self.v, self.s, self.l, self.i), "a2f")
-        else:
-            _ops().fan_in(self.v, self.l, self.i, *self.a2f, self.s)
+        super().ffn_recv()
         _ops().fp8_dequantize(self.v, self.s, self.h)
 
 
@@ -439,16 +418,14 @@ class PeerMemory(Variant):
 
         from afd_ext.transport.peer.plane import WireSpec, open_plane
 
-        store, topo = ctx.extra.get("store"), ctx.extra.get("topology")
-        if store is None or topo is None:
-            raise AFDStateError("the peer variant needs the runner's store and topology (Ctx.extra)")
+        topo = ctx.topology
         PeerMemory._setups += 1
         spec = WireSpec(case.hidden, torch.bfloat16, case.logits_width if case.extras else 0, torch.float32,
                         case.extras, self.fp8)
-        self.plane = open_plane(dist.PrefixStore(f"peer/{case.key()}/{PeerMemory._setups}/", store), topo,
+        self.plane = open_plane(dist.PrefixStore(f"peer/{case.key()}/{PeerMemory._setups}/", ctx.store), topo,
                                 ctx.role, ctx.role_rank, spec, max_tokens=case.tokens, num_stages=1,
-                                device=ctx.device, timeout_s=float(ctx.extra.get("timeout_s", 60.0)),
-                                setup_timeout_s=float(ctx.extra.get("timeout_s", 60.0)), generation=1)
+                                device=ctx.device, timeout_s=ctx.timeout_s, setup_timeout_s=ctx.timeout_s,
+                                generation=1)
         n = ctx.rows
         self.rows = [l.count for l in ctx.links]  # every topology peer, in the plane's peer order
         if ctx.is_attention:
@@ -654,26 +631,3 @@ VARIANTS: dict[str, type[Variant]] = {
     "ours_fp8": OursFp8,
     "peer_fp8": PeerFp8,
 }
-
-
-def variant_applicable(name: str, case: Case, backend: str) -> str | None:
-    """``None`` when variant ``name`` applies to ``case`` on ``backend``, else the reason it is skipped."""
-    cls = VARIANTS.get(name)
-    if cls is None:
-        return f"unknown variant {name!r}; expected one of {', '.join(VARIANTS)}"
-    if backend not in cls.backends:
-        return f"{name} runs on {'/'.join(cls.backends)} only"
-    if issubclass(cls, _Fp8Wire) and case.hidden % 128:
-        return f"{name} needs a hidden size that is a multiple of 128 (one FP8 scale per 128 channels)"
-    return None
-
-
-def make_variant(name: str, ctx: Ctx, case: Case) -> Variant:
-    """Allocate variant ``name`` for ``case`` on this rank.
-
-    Raises:
-        KeyError: unknown name.
-        AFDConfigError / AFDStateError: the variant cannot run here (layout, missing
-            runner state).
-    """
-    return VARIANTS[name](ctx, case)
