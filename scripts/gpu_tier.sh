@@ -18,7 +18,7 @@
 #                TEST_JOBS=3 (only without GPU_TESTS) runs three pytest processes at once, each
 #                on its own files: connector | graphs + ops | everything else (demo, bench, new
 #                files); TEST_JOBS=5 also runs the peer connector and the peer kernels on their
-#                own, TEST_JOBS=6 the FP8 tests too; logs gpu-tests-N.log, junit gpu-junit-N.xml. On one GPU
+#                own, TEST_JOBS=6 the FP8 tests too, 7 the bench's GPU tests; logs gpu-tests-N.log, junit gpu-junit-N.xml. On one GPU
 #                their processes all share it: correctness is unaffected, wall time drops.
 #   time         tests/gpu/time_graph_exchange.py (per-layer exchange, eager vs CUDA graph)
 #   bench-quick  afd-ext bench --quick (two variants, eager): the smoke test
@@ -79,10 +79,11 @@ for phase in $phases; do
     build) run build $PY -m pip install --no-build-isolation --no-deps -e . && run info $PY -m afd_ext info ;;
     tests) if [ "${TEST_JOBS:-1}" -gt 1 ] && [ -z "${GPU_TESTS:-}" ]; then
              # TEST_JOBS=3: connector NCCL | graphs + ops | the rest; TEST_JOBS=5 also
-             # takes the peer connector and the peer kernels out of the rest, 6 the FP8 tests.
+             # takes the peer connector and the peer kernels out of the rest, 6 the FP8 tests, 7 the bench's.
              groups=(tests/gpu/test_connector_nccl.py "tests/gpu/test_graphs_gpu.py tests/gpu/test_ops_gpu.py")
              [ "$TEST_JOBS" -ge 5 ] && groups+=(tests/gpu/test_connector_peer.py tests/gpu/test_peer_gpu.py)
              [ "$TEST_JOBS" -ge 6 ] && groups+=(tests/gpu/test_fp8_gpu.py)
+             [ "$TEST_JOBS" -ge 7 ] && groups+=(tests/test_bench.py)
              rest="tests"
              for g in "${groups[@]}"; do for f in $g; do rest+=" --ignore=$f"; done; done
              groups+=("$rest")
