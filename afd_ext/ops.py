@@ -272,9 +272,10 @@ def _not_traceable(op: str, *args, **kwargs):
 
 
 # The host-side handle calls: their fakes refuse tracing, naming the op.
-for _op in ("comm_create", "comm_destroy", "comm_abort", "comm_async_error", "peer_plane_create",
-            "peer_plane_destroy", "peer_plane_error", "peer_plane_abort", "peer_region_alloc",
-            "peer_region_export", "peer_region_open", "peer_region_close", "peer_region_view"):
+_HOST_CALLS = ("comm_create", "comm_destroy", "comm_abort", "comm_async_error", "peer_plane_create",
+               "peer_plane_destroy", "peer_plane_error", "peer_plane_abort", "peer_region_alloc",
+               "peer_region_export", "peer_region_open", "peer_region_close", "peer_region_view")
+for _op in _HOST_CALLS:
     torch.library.register_fake(f"afd_ext::{_op}")(functools.partial(_not_traceable, _op))
 
 
