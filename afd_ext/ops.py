@@ -2,8 +2,9 @@
 
 Importing this module loads the compiled core (``afd_ext._C``), which
 registers every schema (see ``csrc/bindings.cpp``). Each wrapper below is
-followed by exactly one ``torch.library.register_fake``, so the ops trace
-under ``torch.compile``/FakeTensorMode and run on ``meta`` tensors.
+followed by exactly one ``torch.library.register_fake`` (the host-side handle
+calls named in ``_HOST_CALLS`` share one refusing fake, registered in a loop),
+so the ops trace under ``torch.compile``/FakeTensorMode and run on ``meta`` tensors.
 
 Conventions shared by every communication op:
 
