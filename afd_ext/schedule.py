@@ -10,7 +10,7 @@ payload fails before the first byte of the step moves.
 Terms: direction ``"a2f"`` carries the wire tensors (hidden states, optional
 router logits, optional int32 token ids) from an attention rank to an FFN
 rank; ``"f2a"`` carries the FFN output (hidden states) back. Each wire tensor
-is its own message (the one wire layout: :func:`afd_ext.spec.stage_layout`).
+is its own message (the one wire layout: :attr:`ScheduleConfig.wire_parts`).
 
 NCCL issue order (the connector and transports follow it; it cannot deadlock
 at any message size):
