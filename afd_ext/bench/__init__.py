@@ -7,7 +7,7 @@ the method and the published numbers.
 Typical runs on the two-GPU machine::
 
     python -m afd_ext bench --check --out out/check          # bit-exact self-check, every variant
-    python -m afd_ext bench --out out/bench                  # default sweep, ~3-5 min
+    python -m afd_ext bench --out out/bench                  # default sweep, ~1 min on 2x H200
     python -m afd_ext bench --quick --out out/quick          # 1, 128, 8192 tokens
     python -m afd_ext bench --control-only --out out/control # the control plane at real step gaps
     python -m afd_ext bench --peer-structure --out out/ps    # the peer-memory plane vs minimal kernels
@@ -80,7 +80,7 @@ def build_parser(prog: str = "afd-ext bench") -> argparse.ArgumentParser:
     p.add_argument("--modes", default=",".join(MODES), metavar="LIST",
                    help="eager and/or graph (default: both; graph needs CUDA)")
     p.add_argument("--time-per-point", type=float, default=None, metavar="S",
-                   help="timed seconds per (case, variant, mode); default 0.05 (0.02 with --quick)")
+                   help="timed seconds per (case, variant, mode); default 0.05 (0.02 with --quick, 0.005 on gloo)")
     p.add_argument("--control-only", action="store_true",
                    help="only the control-plane table: end to end at step gaps of --control-gaps ms, shm and "
                         "tcp beside the reference pattern over gloo, p50 / p99 per gap (about 1 min)")
