@@ -57,7 +57,7 @@ REQUIRED_CONNECTOR_METHODS = (
 class _Spec:
     module_path: str
     class_name: str
-    source: str  # "builtin", "register_connector" or "entry point <dist>"
+    source: str  # "builtin", "register_connector" or "entry point of <dist>"
 
 
 def _check_name(name: Any, what: str) -> str:
@@ -67,7 +67,7 @@ def _check_name(name: Any, what: str) -> str:
 
 
 class AFDConnectorFactory:
-    """Class-level connector registry (reference name). Module functions wrap it."""
+    """Class-level connector registry (reference name). The module-level functions are its methods."""
 
     _registry: dict[str, _Spec] = {}
     _entry_points_loaded = False
