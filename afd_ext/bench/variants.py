@@ -31,8 +31,8 @@ between this process and its peers (the :class:`Link` list of this rank):
                         (the received bytes are not the sent pattern).
 ======================  ==========================================================
 
-On the CPU/gloo path ``ours_*`` use this package's gloo transport when it is
-installed, ``reference``/``raw`` use ``torch.distributed``.
+On the CPU/gloo path ``ours_*`` use this package's gloo transport (always built
+there), ``reference``/``raw`` use ``torch.distributed``.
 
 Check mode (``--check``): the attention rank fills its wire tensors with a
 per-rank byte pattern, the FFN rank snapshots what it received (verified
