@@ -166,6 +166,15 @@ register("AFD_EXT_REPLACE_P2P", False,
          "'P2pNcclAFDConnector' (replacing the reference's NCCL connector) when vLLM loads its plugins, "
          "so the reference's runners build afd_ext; set it in every attention and FFN process", parse_bool)
 
+# --- tests and the bench --------------------------------------------------------------------
+register("AFD_TEST_SHARE_GPU", False,
+         "tests and bench: 1 forces the shared-GPU arrangement (every process on GPU 0 with its own "
+         "NCCL_HOSTID, NCCL over sockets; correctness only) on a machine with several GPUs, to rehearse "
+         "a one-GPU run (afd_ext.testing.place_processes)", parse_bool)
+register("AFD_PEER_STRUCTURE_ONE_GPU", False,
+         "bench --peer-structure: 1 keeps both roles on cuda:0 where two GPUs are visible (the one-GPU "
+         "records; scripts/gpu_tier.sh)", parse_bool)
+
 # --- peer-memory plane (csrc/cuda/peer_kernels.cu reads it at each launch) ------------------
 register("AFD_PEER_PDL", None,
          "peer-memory plane: 1 / 0 forces programmatic dependent launch of peer_put/peer_wait (their "

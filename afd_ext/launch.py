@@ -326,8 +326,8 @@ def _rank_label(rank: int, A: int, F: int) -> str:
 
 def _rank_names(A: int, F: int) -> str:
     """``"rank 0 = FFN 0, ranks 1-2 = attention 0-1"`` (the default, FFN-first order), or the AFD_ROLES mapping."""
-    if os.environ.get("AFD_ROLES"):
-        return f"roles by rank: AFD_ROLES={os.environ['AFD_ROLES']}"
+    if roles := envs.get("AFD_ROLES"):
+        return f"roles by rank: AFD_ROLES={roles}"
 
     def span(lo: int, n: int, what: str) -> str:
         return f"rank {lo} = {what} 0" if n == 1 else f"ranks {lo}-{lo + n - 1} = {what} 0-{n - 1}"

@@ -172,8 +172,14 @@ def visible_gpu_count() -> int:
 
 
 def share_gpu_forced() -> bool:
-    """``AFD_TEST_SHARE_GPU`` is set to a true value (1, true, yes)."""
-    return os.environ.get(SHARE_GPU_ENV, "").strip().lower() in ("1", "true", "yes")
+    """``AFD_TEST_SHARE_GPU`` is set to a true value (``envs.parse_bool``: 1, true, yes, on).
+
+    Raises:
+        AFDConfigError: a value that is not a boolean.
+    """
+    from afd_ext import envs
+
+    return envs.get(SHARE_GPU_ENV)
 
 
 def place_processes(num_attention_ranks: int, num_ffn_ranks: int, num_gpus: int | None = None, *,

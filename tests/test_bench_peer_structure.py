@@ -74,6 +74,16 @@ def test_no_gpu_is_a_clean_refusal(capsys, tmp_path):
     assert not os.listdir(tmp_path)  # nothing written, nothing half-run
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_listed_in_bench_help_and_taken_anywhere_in_the_command(capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        bench_main(["--help"])
+    assert "--peer-structure" in capsys.readouterr().out
+    # After another option too (it once had to come first: "unrecognized arguments" otherwise).
+    assert bench_main(["--out", str(tmp_path), "--peer-structure", "--tokens", "1"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None and not os.path.exists("/usr/local/cuda/bin/nvcc"),
                     reason="needs nvcc")
 def test_the_bench_kernels_compile_for_hopper(tmp_path, monkeypatch):

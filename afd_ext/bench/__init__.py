@@ -81,6 +81,9 @@ def build_parser(prog: str = "afd-ext bench") -> argparse.ArgumentParser:
                    help="eager and/or graph (default: both; graph needs CUDA)")
     p.add_argument("--time-per-point", type=float, default=None, metavar="S",
                    help="timed seconds per (case, variant, mode); default 0.05 (0.02 with --quick, 0.005 on gloo)")
+    p.add_argument("--peer-structure", action="store_true",
+                   help="only the peer-memory plane against minimal put/wait kernels on one GPU, ratio per size; "
+                        "its own options: --structures, --tokens, --out (afd-ext bench --peer-structure --help)")
     p.add_argument("--control-only", action="store_true",
                    help="only the control-plane table: end to end at step gaps of --control-gaps ms, shm and "
                         "tcp beside the reference pattern over gloo, p50 / p99 per gap (about 1 min)")
@@ -234,10 +237,11 @@ def _print_checks(checks: list[dict]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``afd-ext bench``; returns the process exit code (0 ok, 1 failed check/run, 2 bad usage)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--peer-structure"]:  # the plane against minimal kernels: its own options
+    if "--peer-structure" in argv:  # the plane against minimal kernels: its own options
         from afd_ext.bench.peer_structure import main as peer_structure_main
 
-        return peer_structure_main(argv[1:])
+        argv.remove("--peer-structure")
+        return peer_structure_main(argv)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
     from afd_ext.bench import report

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 from unittest import mock
 
+from afd_ext import envs
 from afd_ext.bench.plan import parse_int_list, parse_names
 from afd_ext.errors import AFDConfigError, AFDDeviceError
 
@@ -415,7 +416,7 @@ def run(plan: Plan, out: Optional[str]) -> int:
 
         if not ops.is_cuda_built():
             raise AFDConfigError("the 'plane' structures need a CUDA build of afd_ext (this build has no CUDA ops)")
-    two = torch.cuda.device_count() >= 2 and os.environ.get("AFD_PEER_STRUCTURE_ONE_GPU") != "1"
+    two = torch.cuda.device_count() >= 2 and not envs.get("AFD_PEER_STRUCTURE_ONE_GPU")
     att_dev, ffn_dev = torch.device("cuda", 0), torch.device("cuda", 1 if two else 0)
     lib = None
     if any(s not in PLANES for s in plan.structures):
