@@ -174,12 +174,15 @@ def load_prompts(path: str | None = None) -> list[str]:
     """Prompts, one per line (blank lines and ``#`` comments skipped); default the shipped file.
 
     Raises:
-        AFDConfigError: the file has no prompt.
+        AFDConfigError: the file cannot be read, or has no prompt.
     """
     if path is None:
         text = importlib.resources.files(_DATA).joinpath("prompts.txt").read_text("utf-8")
     else:
-        text = Path(path).read_text(encoding="utf-8")
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise AFDConfigError(f"--prompts {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
     prompts = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
     if not prompts:
         raise AFDConfigError(f"no prompts in {path or 'afd_ext/data/prompts.txt'}")
@@ -689,15 +692,30 @@ def _torch_dtype(name: str):
     return getattr(torch, name)  # "float32" / "bfloat16" (argparse's choices)
 
 
+def _connector_class(name: str) -> type:
+    """The connector class ``--connector`` names (a registry name, or ``module:Class``, registered here).
+
+    Raises:
+        AFDConfigError: unknown name, a module that does not import, or not a connector class.
+    """
+    from afd_ext.factory import get_connector_class, known_connectors, register_connector
+
+    if ":" in name and name not in known_connectors():
+        module, _, cls = name.partition(":")
+        register_connector(name, module, cls)
+    try:
+        return get_connector_class(name)
+    except (ImportError, TypeError) as e:
+        raise AFDConfigError(f"--connector {name}: {e}") from None
+
+
 def _make_connector(plan: DemoPlan, role: str, role_rank: int, world_rank: int, model) -> Any:
     """Create (not initialise) this process's connector through the factory."""
     from afd_ext.config import AFDConfig
-    from afd_ext.factory import create_connector, known_connectors, register_connector
+    from afd_ext.factory import create_connector
     from afd_ext.integrations.transformers import describe_layers, remote_layer_indices
 
-    if ":" in plan.connector and plan.connector not in known_connectors():
-        module, _, cls = plan.connector.partition(":")
-        register_connector(plan.connector, module, cls)
+    _connector_class(plan.connector)
     afd = AFDConfig(
         connector=plan.connector,
         role=role,
@@ -1138,6 +1156,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--stages must be >= 1")
     if args.requests_per_rank < 1 or args.max_new_tokens < 1:
         p.error("--requests-per-rank and --max-new-tokens must be >= 1")
+    if args.step_timeout <= 0 or args.timeout <= 0:
+        p.error("--step-timeout and --timeout must be > 0 seconds")
+    if args.threads < 1:
+        p.error("--threads must be >= 1")
     return args
 
 
@@ -1162,10 +1184,12 @@ def build_plan(args: argparse.Namespace) -> DemoPlan:
     """Resolve arguments into a :class:`DemoPlan` (backend, dtype, ports, requests)."""
     from afd_ext.testing import find_free_port
 
-    if args.port:
-        from afd_ext.launch import check_port_free
+    from afd_ext.launch import check_port_free
 
-        check_port_free(args.host, args.port)  # now, not when FFN rank 0 binds it seconds later
+    # A busy port, or a host that is not this machine's, named now (port 0: the host alone), not
+    # when FFN rank 0 binds it seconds later.
+    check_port_free(args.host, args.port)
+    _connector_class(args.connector)
     backend = args.backend
     if backend == "auto":
         import torch
@@ -1188,6 +1212,12 @@ def build_plan(args: argparse.Namespace) -> DemoPlan:
     if args.fp8 and dtype != "bfloat16":
         raise AFDConfigError("--fp8 quantizes bfloat16 hidden states; drop --dtype float32")
     model_config = load_model_config(args.dims, num_layers=args.layers)
+    if args.fp8:
+        import torch
+
+        from afd_ext import fp8
+
+        fp8.check_hidden(model_config["hidden_size"], torch.bfloat16)
     prompts = load_prompts(args.prompts)
     requests = make_requests(A, args.requests_per_rank, args.max_new_tokens, prompts=prompts,
                              max_prompt_len=args.max_prompt_len)

@@ -257,6 +257,39 @@ def _flush(q) -> None:
     q.join_thread()
 
 
+#: Errors that report another rank's failure (it closed its channel, died, or aborted the step). A failing
+#: rank closes its connector before its own report reaches the queue, so its peer's follow-on error can
+#: arrive first; run_workers then waits up to ROOT_CAUSE_WAIT_S for a report that names the cause.
+FOLLOW_ON_ERRORS = ("ControlChannelClosed", "PeerDeadError", "StepAbortedError")
+ROOT_CAUSE_WAIT_S = 2.0
+
+
+def _error_class(tb: str) -> str:
+    """The exception class a formatted traceback ends with (unqualified)."""
+    last = next((line for line in reversed(tb.strip().splitlines()) if line and not line[0].isspace()), "")
+    return last.split(":", 1)[0].rsplit(".", 1)[-1]
+
+
+def _root_cause(first: WorkerError, q: Any, procs: Sequence[Any], results: dict[int, Any]) -> WorkerError:
+    """``first``, or another worker's error reported within ROOT_CAUSE_WAIT_S that is not a follow-on."""
+    if _error_class(first.traceback) not in FOLLOW_ON_ERRORS:
+        return first
+    end = time.monotonic() + ROOT_CAUSE_WAIT_S
+    pending = {r for r in range(len(procs)) if r not in results and r != first.rank}
+    while pending and (left := end - time.monotonic()) > 0:
+        try:
+            rank, ok, payload = q.get(timeout=min(left, 0.1))
+        except queue_mod.Empty:
+            pending = {r for r in pending if procs[r].is_alive()}  # exited without a report: nothing to wait for
+            continue
+        pending.discard(rank)
+        if ok:
+            results[rank] = payload
+        elif _error_class(payload) not in FOLLOW_ON_ERRORS:
+            return WorkerError(rank, payload)
+    return first
+
+
 def run_workers(
     fn: Callable[..., Any],
     nprocs: int,
@@ -284,7 +317,9 @@ def run_workers(
         The workers' return values, indexed by rank.
 
     Raises:
-        WorkerError: the first worker that raised (others are killed).
+        WorkerError: the first worker that raised (others are killed); when that error only reports
+            another rank's failure (:data:`FOLLOW_ON_ERRORS`), the cause reported within
+            :data:`ROOT_CAUSE_WAIT_S` instead.
         TimeoutError: the deadline passed; the message names the ranks still running.
         RuntimeError: a worker died without reporting (e.g. a segfault), named by rank
             and exit code.
@@ -328,7 +363,7 @@ def run_workers(
                 else:
                     continue
             if not ok:
-                raise WorkerError(rank, payload)
+                raise _root_cause(WorkerError(rank, payload), q, procs, results)
             results[rank] = payload
         return [results[r] for r in range(nprocs)]
     finally:

@@ -149,6 +149,27 @@ def test_bad_variant_name_is_usage_error(tmp_path, capsys):
     assert "--variants" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, what", [
+    (["--backend", "gloo", "--modes", "graph"], "graph mode needs CUDA"),  # was: an eager sweep, silently
+    (["--control-only", "--control-gaps", "0"], "--control-gaps"),  # was: ZeroDivisionError after start-up
+    (["--control-only", "--control-gaps", "1,-5"], "--control-gaps"),
+])
+def test_bad_mode_or_gap_is_usage_error_before_anything_runs(argv, what, tmp_path, capsys):
+    assert main([*argv, "--out", str(tmp_path / "x")]) == 2
+    assert what in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_gpu_map_takes_gpu_zero():
+    from afd_ext.bench.plan import parse_int_list
+
+    assert parse_int_list("0,0,1", "--gpu-map", least=0) == (0, 0, 1)  # the help's own example (was refused)
+    with pytest.raises(AFDConfigError, match="--gpu-map: expected integers >= 0"):
+        parse_int_list("0,-1", "--gpu-map", least=0)
+    with pytest.raises(AFDConfigError, match="--tokens: expected positive integers"):
+        parse_int_list("0,8", "--tokens")
+
+
 # ---------------------------------------------------------------------------
 # Check patterns
 # ---------------------------------------------------------------------------

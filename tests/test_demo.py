@@ -99,6 +99,30 @@ def test_demo_rejects_bad_arguments(capsys):
     assert "unknown model dims" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, what", [
+    # Each was found only inside a worker after ~10 s of start-up, or raised raw (OSError,
+    # FileNotFoundError, a socket timeout after 0 ms, libgomp warnings).
+    (["--step-timeout", "0"], "--step-timeout"),
+    (["--threads", "0"], "--threads"),
+    (["--host", "192.0.2.1"], "not an address of this machine"),
+    (["--connector", "nosuch"], "unsupported AFD connector type: 'nosuch'"),
+    (["--connector", "no_such_module_xyz:Cls"], "--connector no_such_module_xyz:Cls"),
+    (["--fp8", "--dims", "tiny"], "multiple of 128"),
+    (["--prompts", "/nonexistent/prompts.txt"], "--prompts /nonexistent/prompts.txt: cannot read it"),
+])
+def test_demo_bad_input_is_a_usage_error_before_any_process_starts(argv, what, capsys, monkeypatch):
+    from afd_ext import testing
+
+    started = []
+    monkeypatch.setattr(testing, "run_workers", lambda *a, **k: started.append(a) or [])
+    try:
+        rc = demo.main([*argv, "--backend", "gloo", "--no-progress"])
+    except SystemExit as e:  # argparse's usage error
+        rc = e.code
+    assert rc == 2 and not started
+    assert what in capsys.readouterr().err
+
+
 def test_shipped_configs_meet_the_brief():
     for name in demo.available_dims():
         cfg = demo.load_model_config(name)

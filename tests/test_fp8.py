@@ -292,3 +292,6 @@ def test_demo_runs_with_fp8_on_gloo(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     s = json.loads(out.read_text())
     assert s["self_check"]["ok"] and s["self_check"]["tolerance"] == pytest.approx(0.25 * 2)
+    # The summary counts FP8 wire bytes (H + 4 H / 128 per token) attention -> FFN, bf16 (2 H) back.
+    h = s["model"]["hidden_size"]
+    assert s["bytes"]["attention_to_ffn"] * 2 * h == s["bytes"]["ffn_to_attention"] * (h + 4 * h // 128)

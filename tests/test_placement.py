@@ -10,6 +10,7 @@ demo's use of it.
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -114,6 +115,40 @@ def test_run_workers_env_is_there_from_the_child_interpreters_start():
     assert out == [{"CUDA_VISIBLE_DEVICES": "0", "NCCL_HOSTID": p.nccl_hostids[r], "AFD_TEST_COMMON": "x"}
                    for r in range(2)]
     assert {k: os.environ.get(k) for k in keys} == before  # the parent's environment is restored
+
+
+def _fail_in_order(rank: int, nprocs: int, errors: tuple) -> None:
+    # Rank 0 fails at once with its error; the others fail 0.3 s later (a rank that closes its
+    # connector before its own report is queued: its peer's follow-on error arrives first).
+    import time
+
+    from afd_ext import errors as E
+
+    if rank:
+        time.sleep(0.3)
+    cls, msg = errors[rank]
+    if cls == "StepAbortedError":
+        raise E.StepAbortedError(msg, "FFN rank 0")
+    raise (ValueError if cls == "ValueError" else getattr(E, cls))(msg)
+
+
+def test_run_workers_raises_the_cause_not_the_peers_follow_on_error():
+    with pytest.raises(testing.WorkerError) as ei:
+        run_workers(_fail_in_order, 2, ((("ControlChannelClosed", "attention rank 0 closed the control channel"),
+                                         ("ValueError", "the cause")),), timeout_s=60)
+    assert ei.value.rank == 1 and "ValueError: the cause" in ei.value.traceback
+    # Only follow-on errors: the first one, after at most ROOT_CAUSE_WAIT_S.
+    t0 = time.monotonic()
+    with pytest.raises(testing.WorkerError) as ei:
+        run_workers(_fail_in_order, 2, ((("ControlChannelClosed", "closed"), ("StepAbortedError", "aborted")),),
+                    timeout_s=60)
+    assert ei.value.rank == 0 and "ControlChannelClosed: closed" in ei.value.traceback
+    assert time.monotonic() - t0 < testing.ROOT_CAUSE_WAIT_S + 30  # spawn start-up included
+    # A root cause first is raised as it is.
+    with pytest.raises(testing.WorkerError) as ei:
+        run_workers(_fail_in_order, 2, ((("ValueError", "first"), ("ControlChannelClosed", "closed")),),
+                    timeout_s=60)
+    assert ei.value.rank == 0 and "ValueError: first" in ei.value.traceback
 
 
 def test_gpu_tier_skip_reason_names_what_is_missing(monkeypatch):

@@ -171,7 +171,7 @@ def _config(args: argparse.Namespace) -> RunConfig:
         if args.backend == "nccl" and ngpu == 0:
             raise AFDConfigError("--backend nccl needs a visible GPU and a CUDA build of afd_ext")
     backend = "nccl" if ngpu > 0 else "gloo"
-    gpu_map = parse_int_list(args.gpu_map, "--gpu-map") if args.gpu_map else None
+    gpu_map = parse_int_list(args.gpu_map, "--gpu-map", least=0) if args.gpu_map else None
     layout = make_layout(args.attention_ranks, args.ffn_ranks, ngpu, gpu_map)
     cuda = backend == "nccl"
     if args.hidden or args.tokens:
@@ -193,6 +193,9 @@ def _config(args: argparse.Namespace) -> RunConfig:
     if cuda:
         reps = Reps(target_s=args.time_per_point or (0.02 if args.quick else 0.05))
     else:  # CPU tensors: eager only, few short blocks
+        if "graph" in modes and args.modes != ",".join(MODES):
+            raise AFDConfigError(f"--modes {args.modes}: graph mode needs CUDA (the NCCL backend); on CPU "
+                                 "(gloo) the bench runs eager only")
         modes = ("eager",)
         reps = Reps(target_s=args.time_per_point or 0.005, min_iters=4, max_iters=20, warmup=1, rounds=1)
     case_timeout = args.case_timeout or (60.0 if cuda else 20.0)
@@ -251,8 +254,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         try:
             gaps = tuple(float(g) for g in args.control_gaps.split(","))
+            if not gaps or min(gaps) <= 0:
+                raise ValueError
         except ValueError:
-            print(f"afd-ext bench: --control-gaps: expected comma-separated ms, got {args.control_gaps!r}",
+            print(f"afd-ext bench: --control-gaps: expected comma-separated ms > 0, got {args.control_gaps!r}",
                   file=sys.stderr)
             return 2
         return control_main(gaps, out=args.out)

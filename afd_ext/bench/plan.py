@@ -108,18 +108,19 @@ def check_cases(cuda: bool) -> list[Case]:
     return [Case(7168, t, e) for t in (1, 127, 1000) for e in (True, False)] + [Case(2048, 3, True)]
 
 
-def parse_int_list(text: str, what: str) -> tuple[int, ...]:
-    """Parse ``"1,8,32"`` into positive ints.
+def parse_int_list(text: str, what: str, *, least: int = 1) -> tuple[int, ...]:
+    """Parse ``"1,8,32"`` into ints of at least ``least`` (1: sizes; 0: GPU indices).
 
     Raises:
-        AFDConfigError: an entry is not a positive integer (names ``what``).
+        AFDConfigError: an entry is not an integer of at least ``least`` (names ``what``).
     """
     try:
         out = [int(x) for x in str(text).split(",") if x.strip()]
     except ValueError:
         raise AFDConfigError(f"{what}: {text!r} is not a comma list of integers (e.g. 1,8,128)") from None
-    if not out or min(out) < 1:
-        raise AFDConfigError(f"{what}: expected positive integers, got {text!r}")
+    if not out or min(out) < least:
+        kind = "positive integers" if least == 1 else f"integers >= {least}"
+        raise AFDConfigError(f"{what}: expected {kind}, got {text!r}")
     return tuple(out)
 
 

@@ -59,6 +59,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from afd_ext import fp8
 from afd_ext.errors import AFDConfigError, AFDProtocolError, AFDStateError
 from afd_ext.metadata import (
     AFDControlPayload,
@@ -283,8 +284,9 @@ class ExchangeStats:
             one (layer, stage) on this rank, recorded only with ``timing=True``
             (CUDA: two events on the caller's stream, read back when the stats
             are read; no device synchronisation).
-        bytes_sent / bytes_received: wire payload bytes (hidden states, router
-            logits) this rank sent to / received from FFN ranks, in total.
+        bytes_sent / bytes_received: wire payload bytes (hidden states, as FP8 values
+            and scales when the connector sends FP8; router logits) this rank sent to /
+            received from FFN ranks, in total.
         steps: steps begun.
     """
 
@@ -350,6 +352,9 @@ class AttentionExchange:
         self._stats = ExchangeStats()
         self._timer = _ExchangeTimer(self._stats) if timing else None
         self.proxies: list[RemoteMLP] = []
+        # Hidden-state wire bytes per row: FP8 values + scales when the connector sends FP8 (docs/fp8.md).
+        fp8_wire = getattr(getattr(connector, "extra", None), "hidden_wire_dtype", None) is not None
+        self._hidden_wire_bytes = fp8.wire_bytes_per_token(hidden_size) if fp8_wire else None
         self._stage_rows: list[int] | None = None
         self._row_mask: torch.Tensor | None = None
         # (mask object, device, flat row index): the step's mask as an index, built
@@ -552,7 +557,8 @@ class AttentionExchange:
                 outs.append(y)
             out = outs[0] if len(outs) == 1 else torch.cat(outs, 0)
         # Wire payload bytes of the real rows (graph padding rows travel too but carry nothing).
-        self._stats.bytes_sent += rows.nbytes + (0 if router_logits is None else router_logits.nbytes)
+        hidden = rows.nbytes if self._hidden_wire_bytes is None else rows.shape[0] * self._hidden_wire_bytes
+        self._stats.bytes_sent += hidden + (0 if router_logits is None else router_logits.nbytes)
         self._stats.bytes_received += out.nbytes
         return out
 
