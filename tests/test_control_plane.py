@@ -410,6 +410,31 @@ def _recv_in_thread(rx, out, timeout_s=30.0):
     return t
 
 
+@pytest.mark.parametrize("first_take", ["slice", "stopped"])
+def test_a_message_sent_just_before_close_is_received_not_lost(first_take):
+    """The sender publishes its last message and closes while the receiver is between two looks at
+    its slot (the take's slice just ended, or it saw the stop word before the slot): the message
+    comes first, then ControlChannelClosed (found in the demo under load: the FFN rank lost the
+    attention rank's shutdown payload and failed with ControlChannelClosed)."""
+    with _pair("shm") as (rx, tx):
+        tx.send(_message(7, 40))
+        tx.close()
+        native, calls = rx._C, []
+
+        class FirstTakeMisses:  # the native take of the slice that ended before the publish
+            def __getattr__(self, name):
+                return getattr(native, name)
+
+            def ctrl_shm_take(self, *a):
+                calls.append(a)
+                return (-1 if first_take == "slice" else -2) if len(calls) == 1 else native.ctrl_shm_take(*a)
+
+        rx._C = FirstTakeMisses()
+        assert rx.recv(5.0) == _message(7, 40)
+        with pytest.raises(cp.ControlChannelClosed):
+            rx.recv(5.0)
+
+
 def test_ring_wraps_and_flow_control_blocks_only_when_full():
     with _pair("shm", slot_bytes=64, nslots=2) as (rx, tx):
         for i in range(50):

@@ -195,6 +195,10 @@ class ShmControlChannel(ControlChannel):
     def _take(self, op: str, spin_until_ns: int, end_ns: int, limit: int) -> Any:
         r = self._C.ctrl_shm_take(self._mm, spin_until_ns, end_ns, DEFAULT_MAX_STAGES if limit else -1,
                                   DEFAULT_MAX_RANKS)
+        if type(r) is int and r != _K_CORRUPT and self._hdr[_W_SENDER_STATE] == _STATE_CLOSED:
+            # The sender closed: a message it published just before (after this take's last look at
+            # its slot, or before the stop word it set next) still comes first.
+            r = self._C.ctrl_shm_take(self._mm, 0, 0, DEFAULT_MAX_STAGES if limit else -1, DEFAULT_MAX_RANKS)
         if type(r) is tuple and type(r[2]) is tuple and r[1] == self.peer_rank and r[0] <= limit:
             return r[2]  # the per-step case: a payload whole in its slot, decoded
         r = self._take_one(op, 0, r)  # raises if corrupt
