@@ -898,6 +898,9 @@ def run_demo(plan: DemoPlan, *, timeout_s: float = 600.0) -> dict[str, Any]:
     except WorkerError as e:
         e.label = rank_label(e.rank, plan.num_ffn)  # the one-line error names the role (afd_ext.cli.error_line)
         raise
+    except TimeoutError as e:
+        still = ", ".join(rank_label(r, plan.num_ffn) for r in getattr(e, "ranks", ()))
+        raise TimeoutError(f"the demo did not finish within --timeout {timeout_s:g} s; still running: {still}") from None
     run_s = time.perf_counter() - t0
     att = sorted((o["result"] for o in outs if o["role"] == "attention"), key=lambda r: r.rank)
     ffn = [o for o in outs if o["role"] == "ffn"]

@@ -320,7 +320,8 @@ def run_workers(
         WorkerError: the first worker that raised (others are killed); when that error only reports
             another rank's failure (:data:`FOLLOW_ON_ERRORS`), the cause reported within
             :data:`ROOT_CAUSE_WAIT_S` instead.
-        TimeoutError: the deadline passed; the message names the ranks still running.
+        TimeoutError: the deadline passed; the message names the ranks still running (also in
+            its ``ranks`` attribute).
         RuntimeError: a worker died without reporting (e.g. a segfault), named by rank
             and exit code.
     """
@@ -346,7 +347,9 @@ def run_workers(
             left = deadline - time.monotonic()
             if left <= 0:
                 alive = [r for r in range(nprocs) if r not in results]
-                raise TimeoutError(f"workers {alive} of {nprocs} still running after {timeout_s:.0f} s")
+                err = TimeoutError(f"workers {alive} of {nprocs} still running after {timeout_s:.0f} s")
+                err.ranks = alive  # the callers that know the roles name them (afd_ext.demo)
+                raise err
             try:
                 rank, ok, payload = q.get(timeout=min(left, 0.5))
             except queue_mod.Empty:

@@ -153,6 +153,7 @@ def test_bad_variant_name_is_usage_error(tmp_path, capsys):
     (["--backend", "gloo", "--modes", "graph"], "graph mode needs CUDA"),  # was: an eager sweep, silently
     (["--control-only", "--control-gaps", "0"], "--control-gaps"),  # was: ZeroDivisionError after start-up
     (["--control-only", "--control-gaps", "1,-5"], "--control-gaps"),
+    (["--backend", "gloo", "--control-gaps", "2"], "applies to --control-only only"),  # was: ignored
 ])
 def test_bad_mode_or_gap_is_usage_error_before_anything_runs(argv, what, tmp_path, capsys):
     assert main([*argv, "--out", str(tmp_path / "x")]) == 2

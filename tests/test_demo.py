@@ -123,6 +123,21 @@ def test_demo_bad_input_is_a_usage_error_before_any_process_starts(argv, what, c
     assert what in capsys.readouterr().err
 
 
+def test_demo_timeout_names_the_roles_still_running(monkeypatch):
+    from afd_ext import testing
+
+    def late(*a, **k):
+        err = TimeoutError("workers [0, 2] of 3 still running after 3 s")
+        err.ranks = [0, 2]
+        raise err
+
+    monkeypatch.setattr(testing, "run_workers", late)
+    plan = demo.build_plan(demo.parse_args(["--topology", "2A1F", "--backend", "gloo", "--no-progress"]))
+    with pytest.raises(TimeoutError, match=r"--timeout 3 s; still running: FFN rank 0 \(world rank 0\), "
+                                           r"attention rank 1 \(world rank 2\)"):
+        demo.run_demo(plan, timeout_s=3)
+
+
 def test_shipped_configs_meet_the_brief():
     for name in demo.available_dims():
         cfg = demo.load_model_config(name)

@@ -261,6 +261,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
         return control_main(gaps, out=args.out)
+    if args.control_gaps != build_parser().get_default("control_gaps"):
+        print("afd-ext bench: --control-gaps applies to --control-only only", file=sys.stderr)
+        return 2
     try:
         cfg = _config(args)
     except ValueError as e:
