@@ -547,19 +547,24 @@ class CapturedGraph:
         self.released = False
         self._backend = backend
 
-    def replay(self, part: int = 0) -> Any:
+    def replay(self, part: int | None = None) -> Any:
         """Replay graph ``part`` on the current stream and return the static outputs.
 
-        The arena's addresses are checked before part 0 (a cheap host check).
+        ``part`` may be omitted for an entry of one graph; an entry captured in parts needs it (replaying
+        part 0 alone would run only the first layer). The arena's addresses are checked before part 0
+        (a cheap host check).
 
         Raises:
-            GraphError: the entry was released, or ``part`` is out of range.
+            GraphError: the entry was released, or ``part`` is missing or out of range.
             GraphBufferError: a static buffer moved (checked before launching).
         """
         if self.released:
             raise GraphError(f"graph for {self.key.describe()} was released; capture it again")
-        if not 0 <= part < len(self.graphs):
-            raise GraphError(f"graph for {self.key.describe()} has {len(self.graphs)} parts, got part={part}")
+        if part is None and len(self.graphs) == 1:
+            part = 0
+        if type(part) is not int or not 0 <= part < len(self.graphs):
+            raise GraphError(f"graph for {self.key.describe()} has {len(self.graphs)} parts: pass "
+                             f"part=0..{len(self.graphs) - 1}, got part={part!r}")
         if part == 0:
             self.arena.check_stable()
         fresh = self._backend.replay(self.graphs[part])
@@ -843,7 +848,7 @@ class GraphController:
                      arena.nbytes, len(evicted))
         return entry
 
-    def replay(self, key: GraphKey, *, part: int = 0) -> Any:
+    def replay(self, key: GraphKey, *, part: int | None = None) -> Any:
         """Replay the graph captured for ``key`` (its ``part``, for an entry captured in parts) on the current stream.
 
         Returns:
@@ -852,7 +857,7 @@ class GraphController:
         Raises:
             GraphKeyMismatchError: no graph for ``key`` (refused, nothing launched).
             GraphBufferError: one of its buffers moved.
-            GraphError: ``part`` is out of range.
+            GraphError: ``part`` is missing (an entry captured in parts) or out of range.
         """
         entry = self.cache.get(key)
         if entry is None:

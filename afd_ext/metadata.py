@@ -697,11 +697,13 @@ def decode_control_payload(
         if len(counts) > max_ranks:
             raise ControlProtocolError(f"control payload: dp_metadata_list[{key}] has {len(counts)} ranks, "
                                        f"exceeding max_ranks={max_ranks}")
-        dp[int(key)] = (counts, mx)
+        try:  # the constructor names the value; the stage is named here
+            dp[int(key)] = AFDDPMetadata(counts, mx)
+        except AFDConfigError as e:
+            raise ControlProtocolError(f"control payload: dp_metadata_list[{key}]: {e}") from None
     try:
-        return AFDControlPayload({s: AFDDPMetadata(c, mx) for s, (c, mx) in dp.items()},
-                                 *(doc.get(name, False) for name in _FLAG_NAMES))
-    except AFDConfigError as e:  # a count or a flag: the constructors name it
+        return AFDControlPayload(dp, *(doc.get(name, False) for name in _FLAG_NAMES))
+    except AFDConfigError as e:  # a flag: the constructor names it
         raise ControlProtocolError(f"control payload: {e}") from None
 
 

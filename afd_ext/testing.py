@@ -16,6 +16,7 @@ user's NCCL run.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue as queue_mod
@@ -24,8 +25,7 @@ import socket
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
-from unittest import mock
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 
 class WorkerError(RuntimeError):
@@ -236,6 +236,25 @@ def place_processes(num_attention_ranks: int, num_ffn_ranks: int, num_gpus: int 
     return GpuPlacement(A, F, tuple(labels[g] for g in world), arrangement, hostids)
 
 
+@contextlib.contextmanager
+def patched_env(values: Mapping[str, str]) -> Iterator[None]:
+    """Set ``values`` in ``os.environ`` for the block; restore exactly those keys afterwards.
+
+    Unlike ``mock.patch.dict(os.environ, ...)``, which clears the whole environment and writes it
+    back on exit, no other variable is touched, so another thread's ``getenv`` never sees it empty.
+    """
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def _entry(fn, rank, nprocs, args, q):
     # Ctrl-C reaches every process of the terminal; the parent stops the workers itself
     # (run_workers' finally), so a worker's own KeyboardInterrupt would only add a traceback.
@@ -339,7 +358,7 @@ def run_workers(
             if per_rank_env is not None:
                 wenv.update(per_rank_env[rank])
             p = ctx.Process(target=_entry, args=(fn, rank, nprocs, tuple(args), q), daemon=True)
-            with mock.patch.dict(os.environ, wenv):  # spawn copies os.environ into the child at start()
+            with patched_env(wenv):  # spawn copies os.environ into the child at start()
                 p.start()
             procs.append(p)
         deadline = time.monotonic() + timeout_s

@@ -324,6 +324,23 @@ def test_capture_then_replay_with_fresh_inputs_and_stable_addresses():
     assert entry.replays == 5 and entry.arena.addresses() == addresses
 
 
+def test_an_entry_captured_in_parts_replays_the_part_asked_for_and_refuses_none():
+    ctl = _controller()
+    ctl.warmed_up = True
+    arena = ctl.new_arena(key([2]))
+    x = arena.buffer("x", (2, 2), torch.float32)
+    y = arena.buffer("y", (2, 2), torch.float32)
+    ctl.capture_parts(key([2]), arena, [lambda: torch.mul(x, 2, out=y), lambda: torch.add(y, 1, out=y)], outputs=y)
+    x.copy_(torch.ones(2, 2))
+    # Part 0 alone would be only the first layer: an entry in parts needs its part (was: part 0, silently).
+    for bad in (None, 2, -1, "0"):
+        with pytest.raises(GraphError, match=r"has 2 parts: pass part=0\.\.1"):
+            ctl.replay(key([2]), **({} if bad is None else {"part": bad}))
+    assert ctl.backend.replays == 0
+    ctl.replay(key([2]), part=0)
+    assert torch.equal(ctl.replay(key([2]), part=1), torch.full((2, 2), 3.0))
+
+
 def test_replay_refused_when_a_buffer_moved():
     ctl = _controller()
     entry, x, _ = _capture_doubler(ctl, key([1]), 1)

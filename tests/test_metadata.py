@@ -196,6 +196,16 @@ def test_malformed_inputs_raise_value_error(data, match):
         decode_control_payload(data)
 
 
+@pytest.mark.parametrize("stage, entry, what", [
+    ("0", b'{"num_tokens_across_dp_cpu":[1.0],"max_tokens_across_dp_cpu":1}', r"num_tokens_across_dp_cpu\[0\] must be an int"),
+    ("3", b'{"num_tokens_across_dp_cpu":[1],"max_tokens_across_dp_cpu":-1}', "max_tokens_across_dp_cpu must be >= 0"),
+])
+def test_a_bad_count_names_its_stage(stage, entry, what):
+    data = b'{"dp_metadata_list":{"' + stage.encode() + b'":' + entry + b"}}"
+    with pytest.raises(ControlProtocolError, match=rf"dp_metadata_list\[{stage}\]: {what}"):
+        decode_control_payload(data)
+
+
 def test_limits():
     big = encode_control_payload(AFDControlPayload({0: list(range(100))}))
     with pytest.raises(ValueError, match="max_bytes"):

@@ -117,6 +117,22 @@ def test_run_workers_env_is_there_from_the_child_interpreters_start():
     assert {k: os.environ.get(k) for k in keys} == before  # the parent's environment is restored
 
 
+def test_patched_env_touches_only_its_keys(monkeypatch):
+    monkeypatch.setenv("AFD_TEST_KEEP", "kept")
+    monkeypatch.setenv("AFD_TEST_OVER", "old")
+    monkeypatch.delenv("AFD_TEST_NEW", raising=False)
+    writes = []
+    real_putenv, real_unsetenv = os.putenv, os.unsetenv
+    monkeypatch.setattr(os, "putenv", lambda k, v: (writes.append(k), real_putenv(k, v)))
+    monkeypatch.setattr(os, "unsetenv", lambda k: (writes.append(k), real_unsetenv(k)))
+    with testing.patched_env({"AFD_TEST_OVER": "new", "AFD_TEST_NEW": "1"}):
+        assert os.environ["AFD_TEST_OVER"] == "new" and os.environ["AFD_TEST_NEW"] == "1"
+    assert os.environ["AFD_TEST_OVER"] == "old" and "AFD_TEST_NEW" not in os.environ
+    assert os.environ["AFD_TEST_KEEP"] == "kept"
+    # Only the two keys were written to the C environment (mock.patch.dict rewrites every variable).
+    assert {os.fsdecode(k) for k in writes} == {"AFD_TEST_OVER", "AFD_TEST_NEW"}, sorted(set(writes))[:10]
+
+
 def _fail_in_order(rank: int, nprocs: int, errors: tuple) -> None:
     # Rank 0 fails at once with its error; the others fail 0.3 s later (a rank that closes its
     # connector before its own report is queued: its peer's follow-on error arrives first).

@@ -41,10 +41,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
-from unittest import mock
 
 from afd_ext import envs
 from afd_ext.bench.plan import parse_int_list, parse_names
+from afd_ext.testing import patched_env
 from afd_ext.errors import AFDConfigError, AFDDeviceError
 
 __all__ = ["STRUCTURES", "Plan", "build_parser", "parse_plan", "main"]
@@ -343,7 +343,7 @@ def _run_case(plan: Plan, case: _Case) -> dict:
     devs = sorted({case.att_dev.index, case.ffn_dev.index})
     ga, gf = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
     # AFD_PEER_PDL is read by the plane's launcher at capture time; restored afterwards.
-    with mock.patch.dict(os.environ, {"AFD_PEER_PDL": "0"} if case.structure == "plane_nopdl" else {}):
+    with patched_env({"AFD_PEER_PDL": "0"} if case.structure == "plane_nopdl" else {}):
         with torch.cuda.device(case.ffn_dev), torch.cuda.graph(gf, stream=case.sf):
             case.ffn_rounds(plan.rounds)
         with torch.cuda.device(case.att_dev), torch.cuda.graph(ga, stream=case.sa):
