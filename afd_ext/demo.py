@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-from afd_ext.errors import AFDConfigError, AFDError
+from afd_ext.errors import AFDConfigError, AFDError, AFDTimeoutError
 from afd_ext.topology import rank_label
 
 if TYPE_CHECKING:
@@ -900,7 +900,7 @@ def run_demo(plan: DemoPlan, *, timeout_s: float = 600.0) -> dict[str, Any]:
         raise
     except TimeoutError as e:
         still = ", ".join(rank_label(r, plan.num_ffn) for r in getattr(e, "ranks", ()))
-        raise TimeoutError(f"the demo did not finish within --timeout {timeout_s:g} s; still running: {still}") from None
+        raise AFDTimeoutError(f"the demo did not finish within --timeout {timeout_s:g} s; still running: {still}") from None
     run_s = time.perf_counter() - t0
     att = sorted((o["result"] for o in outs if o["role"] == "attention"), key=lambda r: r.rank)
     ffn = [o for o in outs if o["role"] == "ffn"]

@@ -17,6 +17,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from afd_ext import demo  # noqa: E402
+from afd_ext.errors import AFDTimeoutError  # noqa: E402
 
 TIMEOUT = 240
 
@@ -133,7 +134,7 @@ def test_demo_timeout_names_the_roles_still_running(monkeypatch):
 
     monkeypatch.setattr(testing, "run_workers", late)
     plan = demo.build_plan(demo.parse_args(["--topology", "2A1F", "--backend", "gloo", "--no-progress"]))
-    with pytest.raises(TimeoutError, match=r"--timeout 3 s; still running: FFN rank 0 \(world rank 0\), "
+    with pytest.raises(AFDTimeoutError, match=r"--timeout 3 s; still running: FFN rank 0 \(world rank 0\), "
                                            r"attention rank 1 \(world rank 2\)"):
         demo.run_demo(plan, timeout_s=3)
 

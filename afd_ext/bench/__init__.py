@@ -254,9 +254,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         try:
             gaps = tuple(float(g) for g in args.control_gaps.split(","))
-            if not gaps or min(gaps) <= 0:
-                raise ValueError
         except ValueError:
+            gaps = ()
+        if not gaps or min(gaps) <= 0:
             print(f"afd-ext bench: --control-gaps: expected comma-separated ms > 0, got {args.control_gaps!r}",
                   file=sys.stderr)
             return 2
