@@ -74,24 +74,15 @@ def missing_extra(command: str, argv: Sequence[str] = ()) -> str | None:
 
 
 def _worker_error_line(e: BaseException) -> str | None:
-    """``"<Class> in <worker>: <first line>"`` for a worker's failure (:class:`afd_ext.testing.WorkerError`).
+    """``"<Class> in <worker>: <first line>"`` for a worker's failure (:class:`afd_ext.testing.WorkerError`)."""
+    from afd_ext.testing import WorkerError
 
-    The worker's traceback text ends with its exception: the lines after the
-    last frame (``  File ...`` and its indented source lines).
-    """
-    tb = getattr(e, "traceback", None)
-    if not isinstance(tb, str) or not hasattr(e, "rank"):
+    line = e.exception_line() if isinstance(e, WorkerError) else None
+    if line is None:
         return None
-    lines = tb.rstrip("\n").splitlines()
-    frames = [i for i, ln in enumerate(lines) if ln.startswith('  File "')]
-    i = frames[-1] + 1 if frames else 0
-    while i < len(lines) and lines[i].startswith("    "):
-        i += 1
-    if i >= len(lines):
-        return None
-    cls, _, msg = lines[i].partition(": ")
+    cls, msg = line
     who = getattr(e, "label", None) or f"worker rank {e.rank}"
-    return f"{cls.rsplit('.', 1)[-1]} in {who}: {msg}" if msg else f"{cls.rsplit('.', 1)[-1]} in {who}"
+    return f"{cls} in {who}: {msg}" if msg else f"{cls} in {who}"
 
 
 def error_line(command: str, e: BaseException) -> str:

@@ -36,6 +36,22 @@ class WorkerError(RuntimeError):
         self.rank = rank
         self.traceback = tb
 
+    def exception_line(self) -> tuple[str, str] | None:
+        """The worker's exception as ``(class name, first line of its message)``, or None if unreadable.
+
+        The traceback text ends with the exception: the lines after the last frame (``  File ...``
+        and its indented source lines); the class name is unqualified.
+        """
+        lines = self.traceback.rstrip("\n").splitlines()
+        frames = [i for i, ln in enumerate(lines) if ln.startswith('  File "')]
+        i = frames[-1] + 1 if frames else 0
+        while i < len(lines) and lines[i].startswith("    "):
+            i += 1
+        if i >= len(lines):
+            return None
+        cls, _, msg = lines[i].partition(": ")
+        return cls.rsplit(".", 1)[-1], msg
+
 
 def _ephemeral_low() -> int:
     """The lowest port the kernel hands out for outgoing connections (Linux default 32768)."""
@@ -283,15 +299,14 @@ FOLLOW_ON_ERRORS = ("ControlChannelClosed", "PeerDeadError", "StepAbortedError")
 ROOT_CAUSE_WAIT_S = 2.0
 
 
-def _error_class(tb: str) -> str:
-    """The exception class a formatted traceback ends with (unqualified)."""
-    last = next((line for line in reversed(tb.strip().splitlines()) if line and not line[0].isspace()), "")
-    return last.split(":", 1)[0].rsplit(".", 1)[-1]
+def _follow_on(e: WorkerError) -> bool:
+    line = e.exception_line()
+    return line is not None and line[0] in FOLLOW_ON_ERRORS
 
 
 def _root_cause(first: WorkerError, q: Any, procs: Sequence[Any], results: dict[int, Any]) -> WorkerError:
     """``first``, or another worker's error reported within ROOT_CAUSE_WAIT_S that is not a follow-on."""
-    if _error_class(first.traceback) not in FOLLOW_ON_ERRORS:
+    if not _follow_on(first):
         return first
     end = time.monotonic() + ROOT_CAUSE_WAIT_S
     pending = {r for r in range(len(procs)) if r not in results and r != first.rank}
@@ -304,8 +319,8 @@ def _root_cause(first: WorkerError, q: Any, procs: Sequence[Any], results: dict[
         pending.discard(rank)
         if ok:
             results[rank] = payload
-        elif _error_class(payload) not in FOLLOW_ON_ERRORS:
-            return WorkerError(rank, payload)
+        elif not _follow_on(err := WorkerError(rank, payload)):
+            return err
     return first
 
 

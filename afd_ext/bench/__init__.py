@@ -87,7 +87,7 @@ def build_parser(prog: str = "afd-ext bench") -> argparse.ArgumentParser:
     p.add_argument("--control-only", action="store_true",
                    help="only the control-plane table: end to end at step gaps of --control-gaps ms, shm and "
                         "tcp beside the reference pattern over gloo, p50 / p99 per gap (about 1 min)")
-    p.add_argument("--control-gaps", default="1,5,20,50", metavar="MS",
+    p.add_argument("--control-gaps", default=None, metavar="MS",
                    help="step gaps of the control-plane table, ms (default: 1,5,20,50)")
     p.add_argument("--timeout", type=float, default=None, metavar="S",
                    help="deadline for the whole run, seconds (default 420; 240 with --check): past it the "
@@ -250,10 +250,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from afd_ext.bench import report
 
     if args.control_only:
-        from afd_ext.bench.control import control_main
+        from afd_ext.bench.control import DEFAULT_GAPS_MS, control_main
 
         try:
-            gaps = tuple(float(g) for g in args.control_gaps.split(","))
+            gaps = DEFAULT_GAPS_MS if args.control_gaps is None else tuple(
+                float(g) for g in args.control_gaps.split(","))
         except ValueError:
             gaps = ()
         if not gaps or min(gaps) <= 0:
@@ -261,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
         return control_main(gaps, out=args.out)
-    if args.control_gaps != build_parser().get_default("control_gaps"):
+    if args.control_gaps is not None:
         print("afd-ext bench: --control-gaps applies to --control-only only", file=sys.stderr)
         return 2
     try:
