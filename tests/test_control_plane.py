@@ -98,7 +98,7 @@ def _plane_worker(rank, nprocs, port, A, F, kind, steps):
     store = rdzv.connect(HOST, port, rank, topo.world_size, 30.0, num_ffn_ranks=F)
     chans = cp.open_control_channels(store, topo, role, role_rank, kind, 30.0)
     applied = []
-    plane = cp.ChannelControlPlane(applied.append, topo, role, role_rank, chans, store=store)
+    plane = cp.AFDControlPlane(applied.append, topo, role, role_rank, chans, store=store)
     got = []
     try:
         for step in range(steps):
@@ -168,7 +168,7 @@ def _store_host_exits_first_worker(rank, nprocs, port):
     store = rdzv.connect(HOST, port, rank, 3, 30.0, num_ffn_ranks=2)
     chans = cp.open_control_channels(store, topo, role, role_rank, "shm", 30.0,
                                      options=cp.ChannelOptions(**FAST))
-    plane = cp.ChannelControlPlane(lambda p: None, topo, role, role_rank, chans, store=store)
+    plane = cp.AFDControlPlane(lambda p: None, topo, role, role_rank, chans, store=store)
     rdzv.barrier(store, rank, 3, "ready", 30.0)
     if role == "attention":
         plane.send_dp_metadata_list(_payload(0, 1))
@@ -217,7 +217,7 @@ def _liveness_worker(rank, port, kind, scenario):
     topo = Topology(1, 1)
     role = "ffn" if rank == 0 else "attention"
     chans = cp.open_control_channels(store, topo, role, 0, kind, 30.0, options=cp.ChannelOptions(**FAST))
-    plane = cp.ChannelControlPlane(lambda p: None, topo, role, 0, chans, store=store)
+    plane = cp.AFDControlPlane(lambda p: None, topo, role, 0, chans, store=store)
     if role == "attention":
         store.set("pid/1", str(os.getpid()))
         plane.send_dp_metadata_list(_payload(0, 1))
@@ -661,8 +661,8 @@ def test_idle_threshold_comes_from_the_environment_and_removed_variables_only_wa
 
 def test_control_plane_rejects_channels_that_do_not_match_the_topology():
     with pytest.raises(ValueError, match="control routing"):
-        cp.ChannelControlPlane(lambda p: None, Topology(2, 1), "attention", 1, {0: object()})
-    plane = cp.ChannelControlPlane(lambda p: None, Topology(2, 1), "attention", 1, {})
+        cp.AFDControlPlane(lambda p: None, Topology(2, 1), "attention", 1, {0: object()})
+    plane = cp.AFDControlPlane(lambda p: None, Topology(2, 1), "attention", 1, {})
     assert not plane.is_sender
     plane.send_dp_metadata_list(_payload(0, 2))  # a no-op on a non-sender
     with pytest.raises(RuntimeError, match="FFN ranks only"):
@@ -672,7 +672,7 @@ def test_control_plane_rejects_channels_that_do_not_match_the_topology():
 def test_one_control_plane_class_opens_closes_and_reopens():
     applied = []
     plane = cp.AFDControlPlane(applied.append, Topology(1, 1), "ffn", 0, label="FFN rank 0 (world rank 0)")
-    assert cp.ChannelControlPlane is cp.AFDControlPlane and not plane.is_open
+    assert not plane.is_open
     with pytest.raises(AFDStateError, match=r"FFN rank 0 \(world rank 0\)\) is not initialized"):
         plane.recv_dp_metadata_list()
     plane.update_state_from_dp_metadata("p")  # local: no channel needed

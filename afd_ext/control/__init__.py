@@ -134,7 +134,7 @@ from .channel import (
     ControlRecvTimeout,
     PeerDeadError,
 )
-from .plane import AFDControlPlane, ChannelControlPlane, open_control_channels
+from .plane import AFDControlPlane, open_control_channels
 from .shm import ShmControlChannel
 from .tcp import TcpControlChannel
 
@@ -154,5 +154,4 @@ __all__ = [
     "TcpControlChannel",
     "open_control_channels",
     "AFDControlPlane",
-    "ChannelControlPlane",
 ]

@@ -406,6 +406,3 @@ class AFDControlPlane:
                 self.store.abort_signal.check(_OP_RECV)  # a lost store reads as no abort: the close stands
             raise
 
-
-#: The name of the channel-based implementation before it became the one class.
-ChannelControlPlane = AFDControlPlane
