@@ -435,6 +435,25 @@ def test_a_message_sent_just_before_close_is_received_not_lost(first_take):
             rx.recv(5.0)
 
 
+def test_a_close_seen_between_slices_does_not_lose_the_message_published_before_it():
+    """The slice ends with nothing (the sender still attached), then the sender publishes and closes
+    before the receiver's between-slice peer check: the message still comes first."""
+    with _pair("shm") as (rx, tx):
+        take = rx._take
+
+        def slice_then_publish_and_close(*a):
+            got = take(*a)
+            if tx._closed is False:
+                tx.send(_message(8, 40))
+                tx.close()
+            return got
+
+        rx._take = slice_then_publish_and_close
+        assert rx.recv(5.0) == _message(8, 40)
+        with pytest.raises(cp.ControlChannelClosed):
+            rx.recv(5.0)
+
+
 def test_ring_wraps_and_flow_control_blocks_only_when_full():
     with _pair("shm", slot_bytes=64, nslots=2) as (rx, tx):
         for i in range(50):

@@ -195,10 +195,6 @@ class ShmControlChannel(ControlChannel):
     def _take(self, op: str, spin_until_ns: int, end_ns: int, limit: int) -> Any:
         r = self._C.ctrl_shm_take(self._mm, spin_until_ns, end_ns, DEFAULT_MAX_STAGES if limit else -1,
                                   DEFAULT_MAX_RANKS)
-        if type(r) is int and r != _K_CORRUPT and self._hdr[_W_SENDER_STATE] == _STATE_CLOSED:
-            # The sender closed: a message it published just before (after this take's last look at
-            # its slot, or before the stop word it set next) still comes first.
-            r = self._C.ctrl_shm_take(self._mm, 0, 0, DEFAULT_MAX_STAGES if limit else -1, DEFAULT_MAX_RANKS)
         if type(r) is tuple and type(r[2]) is tuple and r[1] == self.peer_rank and r[0] <= limit:
             return r[2]  # the per-step case: a payload whole in its slot, decoded
         r = self._take_one(op, 0, r)  # raises if corrupt
@@ -216,7 +212,7 @@ class ShmControlChannel(ControlChannel):
             nxt = self._take_one(op, int(min(give_up, time.monotonic() + 0.1) * 1e9))
             if nxt is None:
                 self._require(False, op)
-                if time.monotonic() >= give_up or self._hdr[_W_SENDER_STATE] == _STATE_CLOSED or self._peer_gone():
+                if time.monotonic() >= give_up or self._sender_done() or self._peer_gone():
                     raise ControlProtocolError(
                         f"{op}: a control message from {self.peer} stopped after {have} of {total} bytes "
                         "(its sender gave up mid-message)")
@@ -229,8 +225,15 @@ class ShmControlChannel(ControlChannel):
             have += len(nxt[2])
         return self._decoded(op, b"".join(parts), total, limit)
 
+    def _sender_done(self) -> bool:
+        """The sender closed and every slot it published was taken: nothing more can come. (It bumps
+        the write count before it sets CLOSED, so a message published just before the close is
+        still taken first, whenever this end's take last looked.)"""
+        return (self._hdr[_W_SENDER_STATE] == _STATE_CLOSED
+                and self._hdr[_W_WRITE_COUNT] == self._hdr[_W_READ_COUNT])
+
     def _check_peer(self, op: str) -> None:
-        if self._hdr[_W_SENDER_STATE] == _STATE_CLOSED:
+        if self._sender_done():
             raise ControlChannelClosed(f"{op}: {self.peer} closed the control channel")
         if self._peer_gone():
             raise PeerDeadError(self.peer, op, "its process exited")
