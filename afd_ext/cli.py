@@ -129,14 +129,12 @@ def info_report() -> dict:
     choice = select_transport("auto")
     # vLLM logs to stdout from its first import (the integration imports afd-plugin, which imports
     # vLLM); its level variable is read then: quiet it (info --json prints JSON).
-    env = os.environ.get("VLLM_LOGGING_LEVEL")
-    os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"
-    try:
+    from afd_ext.testing import patched_env
+
+    with patched_env({"VLLM_LOGGING_LEVEL": "ERROR"}):
         from afd_ext.integrations.afd_plugin import factory_report
 
         vllm = factory_report()
-    finally:
-        os.environ.pop("VLLM_LOGGING_LEVEL") if env is None else os.environ.__setitem__("VLLM_LOGGING_LEVEL", env)
     return {"afd_ext": __version__, **built, "gpus_visible": n, "gpu_names": names, "vllm": vllm,
             "transports": [t for t, why in avail.items() if why is None],
             "unavailable": {t: why for t, why in avail.items() if why is not None},

@@ -151,6 +151,7 @@ def test_bad_variant_name_is_usage_error(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, what", [
     (["--backend", "gloo", "--modes", "graph"], "graph mode needs CUDA"),  # was: an eager sweep, silently
+    (["--backend", "gloo", "--modes", "eager,graph"], "graph mode needs CUDA"),  # the default's spelling
     (["--control-only", "--control-gaps", "0"], "--control-gaps"),  # was: ZeroDivisionError after start-up
     (["--control-only", "--control-gaps", "1,-5"], "--control-gaps"),
     (["--backend", "gloo", "--control-gaps", "2"], "applies to --control-only only"),  # was: ignored

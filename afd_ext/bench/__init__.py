@@ -77,7 +77,7 @@ def build_parser(prog: str = "afd-ext bench") -> argparse.ArgumentParser:
                    help="with --hidden/--tokens: fp32 router logits [n, 256] + int32 ids on, off or both")
     p.add_argument("--variants", default=",".join(ALL_VARIANTS), metavar="LIST",
                    help="comma list of " + ", ".join(ALL_VARIANTS + FP8_VARIANTS) + " (default: all but the FP8 ones)")
-    p.add_argument("--modes", default=",".join(MODES), metavar="LIST",
+    p.add_argument("--modes", default=None, metavar="LIST",
                    help="eager and/or graph (default: both; graph needs CUDA)")
     p.add_argument("--time-per-point", type=float, default=None, metavar="S",
                    help="timed seconds per (case, variant, mode); default 0.05 (0.02 with --quick, 0.005 on gloo)")
@@ -189,11 +189,11 @@ def _config(args: argparse.Namespace) -> RunConfig:
     else:
         cases = default_cases()
     variants = parse_names(args.variants, ALL_VARIANTS + FP8_VARIANTS, "--variants")
-    modes = parse_names(args.modes, MODES, "--modes")
+    modes = parse_names(args.modes or ",".join(MODES), MODES, "--modes")
     if cuda:
         reps = Reps(target_s=args.time_per_point or (0.02 if args.quick else 0.05))
     else:  # CPU tensors: eager only, few short blocks
-        if "graph" in modes and args.modes != ",".join(MODES):
+        if "graph" in modes and args.modes is not None:
             raise AFDConfigError(f"--modes {args.modes}: graph mode needs CUDA (the NCCL backend); on CPU "
                                  "(gloo) the bench runs eager only")
         modes = ("eager",)

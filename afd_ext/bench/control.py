@@ -36,6 +36,9 @@ __all__ = ["measure_control_plane", "pick_control_cpus", "control_table", "forma
 #: Gaps between steps of the control-plane table, in ms (decode steps are 10-50 ms apart).
 DEFAULT_GAPS_MS = (1.0, 5.0, 20.0, 50.0)
 
+#: The channel kinds of the table (the reference pattern is always beside them).
+CONTROL_KINDS = ("shm", "tcp")
+
 #: Payload shape used by both measurements (matches measure_control_plane's default).
 PAYLOAD_ATTENTION_RANKS = 8
 PAYLOAD_STAGES = 2
@@ -230,7 +233,7 @@ def measure_control_plane(kind: str = "auto", iterations: int = 2000, *, warmup:
     return _measure(kind, [(gap_us, iterations, warmup)], stages, timeout_s, pin)[0]
 
 
-def control_table(gaps_ms: tuple[float, ...] = DEFAULT_GAPS_MS, kinds: tuple[str, ...] = ("shm", "tcp"), *,
+def control_table(gaps_ms: tuple[float, ...] = DEFAULT_GAPS_MS, kinds: tuple[str, ...] = CONTROL_KINDS, *,
                   seconds_per_cell: float = 5.0, progress: Any = None) -> list[dict]:
     """The control-plane table: per gap, each channel's and the reference pattern's result.
 
@@ -260,7 +263,7 @@ def control_table(gaps_ms: tuple[float, ...] = DEFAULT_GAPS_MS, kinds: tuple[str
     return rows
 
 
-def format_control_table(rows: list[dict], kinds: tuple[str, ...] = ("shm", "tcp")) -> str:
+def format_control_table(rows: list[dict], kinds: tuple[str, ...] = CONTROL_KINDS) -> str:
     """Markdown: one line per gap, p50 / p99 in µs per channel and for the reference pattern."""
     from afd_ext.bench.report import md_table
 
@@ -299,4 +302,4 @@ def control_main(gaps_ms: tuple[float, ...] = DEFAULT_GAPS_MS, out: str | None =
         with open(path, "w") as f:
             json.dump({"rows": rows, "cpus": list(cpus) if cpus else None}, f, indent=1)
         print(f"wrote {path}", flush=True)
-    return 1 if any("error" in (r.get(k) or {}) for r in rows for k in ("shm", "tcp")) else 0
+    return 1 if any("error" in (r.get(k) or {}) for r in rows for k in CONTROL_KINDS) else 0

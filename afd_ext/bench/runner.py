@@ -25,7 +25,7 @@ import zlib
 from typing import Any
 
 from afd_ext.bench.plan import Case, RunConfig
-from afd_ext.bench.timing import capture_graph, summarize, time_eager, time_graph, wait_event
+from afd_ext.bench.timing import capture_graph, drain_stream, summarize, time_eager, time_graph
 from afd_ext.errors import AFDConfigError
 from afd_ext.topology import ATTENTION, FFN
 
@@ -87,11 +87,7 @@ class _Env:
 
     def drain(self, what: str) -> None:
         if self.cuda:
-            import torch
-
-            ev = torch.cuda.Event()
-            ev.record()
-            wait_event(ev, self.cfg.case_timeout_s, f"{self.label()}: {what}")
+            drain_stream(self.cfg.case_timeout_s, f"{self.label()}: {what}")
 
     def _create_comms(self) -> None:
         import torch
@@ -117,17 +113,19 @@ class _Env:
         from afd_ext.bench.variants import Ctx, Link
 
         topo, n, links = self.topo, case.tokens, []
+
+        def comms(a: int, f: int) -> dict:
+            return {"comm_a2f": self.comms.get((a, f, "a2f"), 0), "comm_f2a": self.comms.get((a, f, "f2a"), 0)}
+
         if self.role == ATTENTION:
             a = self.role_rank
             for f, start, count in topo.split_rows(a, n):
-                links.append(Link(f, topo.world_rank(FFN, f), start, count, offset=start, nccl_peer=0,
-                                  comm_a2f=self.comms.get((a, f, "a2f"), 0), comm_f2a=self.comms.get((a, f, "f2a"), 0)))
+                links.append(Link(f, topo.world_rank(FFN, f), start, count, offset=start, nccl_peer=0, **comms(a, f)))
         else:
             f, off = self.role_rank, 0
             for a in topo.ffn_peers(f):
                 start, count = next((s, c) for ff, s, c in topo.split_rows(a, n) if ff == f)
-                links.append(Link(a, topo.world_rank(ATTENTION, a), start, count, offset=off, nccl_peer=1,
-                                  comm_a2f=self.comms.get((a, f, "a2f"), 0), comm_f2a=self.comms.get((a, f, "f2a"), 0)))
+                links.append(Link(a, topo.world_rank(ATTENTION, a), start, count, offset=off, nccl_peer=1, **comms(a, f)))
                 off += count
         return Ctx(role=self.role, role_rank=self.role_rank, backend=self.cfg.backend, device=self.device,
                    links=links, gloo_transport=self.gloo_transport, store=self.store, topology=topo,
@@ -267,11 +265,12 @@ def _check_case(env: _Env, case: Case, ctx, variants: list) -> list[dict]:
             step = v.step()
             env.sync("check warm-up")
             step()  # eager warm-up of this edge
-            env.drain("check warm-up")
             graph = None
             if mode == "graph":
-                env.sync("before capture")
+                env.sync("before capture")  # drained and met: the warm-up never overlaps the capture
                 graph = capture_graph(step, 1)
+            else:
+                env.drain("check warm-up")
             errors: list[str] = []
             for it in range(2):
                 seed = _seed(case.key(), v.name, mode, it)

@@ -38,6 +38,7 @@ __all__ = [
     "Stats",
     "summarize",
     "wait_event",
+    "drain_stream",
     "time_eager",
     "capture_graph",
     "time_graph",
@@ -104,6 +105,15 @@ def wait_event(event: Any, timeout_s: float, what: str, poll_s: float = 0.0005) 
         time.sleep(poll_s)
 
 
+def drain_stream(timeout_s: float, what: str) -> None:
+    """Wait, at most ``timeout_s`` (:func:`wait_event`), for everything queued on the current CUDA stream."""
+    import torch
+
+    ev = torch.cuda.Event()
+    ev.record()
+    wait_event(ev, timeout_s, what)
+
+
 def _timed_loop(run: Callable[[], Any], n: int, cuda: bool, timeout_s: float, what: str,
                 divide_by: int = 1, timed: bool = True) -> list[float]:
     """Run ``run`` ``n`` times with a mark (CUDA event on the current stream, or the host clock) before
@@ -113,11 +123,7 @@ def _timed_loop(run: Callable[[], Any], n: int, cuda: bool, timeout_s: float, wh
         for _ in range(n):
             run()
         if cuda:
-            import torch
-
-            ev = torch.cuda.Event()
-            ev.record()
-            wait_event(ev, timeout_s, what)
+            drain_stream(timeout_s, what)
         return []
     if cuda:
         import torch
