@@ -674,7 +674,7 @@ def decode_control_payload(
         raise ControlProtocolError(f"control payload of {len(data)} bytes exceeds max_bytes={max_bytes}; "
                                    "raise the limit on both sides if the topology really needs it")
     try:
-        doc = json.loads(bytes(data))
+        doc = json.loads(bytes(data).decode("utf-8"))
     except (ValueError, RecursionError) as e:  # not UTF-8 or JSON, nested too deeply, an int too long
         raise ControlProtocolError(f"control payload is not valid UTF-8 JSON: {e}") from None
     stages = doc.get("dp_metadata_list") if type(doc) is dict else None

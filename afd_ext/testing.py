@@ -317,9 +317,7 @@ def _root_cause(first: WorkerError, q: Any, procs: Sequence[Any], results: dict[
             pending = {r for r in pending if procs[r].is_alive()}  # exited without a report: nothing to wait for
             continue
         pending.discard(rank)
-        if ok:
-            results[rank] = payload
-        elif not _follow_on(err := WorkerError(rank, payload)):
+        if not ok and not _follow_on(err := WorkerError(rank, payload)):
             return err
     return first
 

@@ -167,6 +167,7 @@ def _doc(**over):
     [
         (b"", "JSON"),
         (b"\xff\xfe", "UTF-8|JSON"),
+        (_doc().decode().encode("utf-16"), "UTF-8"),  # valid JSON, but not UTF-8 (json.loads alone would guess)
         (b"[1, 2]", "JSON object"),
         (b'{"format_version": 2}', "dp_metadata_list"),
         (_doc(format_version=3), "format_version 3"),

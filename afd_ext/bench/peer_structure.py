@@ -321,8 +321,6 @@ class _Case:
                      src, dst, nb, done, seq, self.flag_a.data_ptr())
 
     def close(self) -> None:
-        import torch
-
         _sync({self.att_dev, self.ffn_dev})
         if self.plane is not None:
             for p in self.plane:

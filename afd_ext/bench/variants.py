@@ -50,6 +50,7 @@ from typing import Any, Callable
 import torch
 
 from afd_ext.bench.plan import Case
+from afd_ext.fp8 import GROUP as FP8_GROUP
 from afd_ext.topology import ATTENTION
 
 __all__ = [
@@ -359,8 +360,9 @@ class _Fp8Wire:
     @classmethod
     def skip_reason(cls, case: Case, backend: str) -> str | None:
         why = super().skip_reason(case, backend)  # type: ignore[misc]
-        if why is None and case.hidden % 128:
-            why = f"{cls.name} needs a hidden size that is a multiple of 128 (one FP8 scale per 128 channels)"
+        if why is None and case.hidden % FP8_GROUP:
+            why = (f"{cls.name} needs a hidden size that is a multiple of {FP8_GROUP} "
+                   f"(one FP8 scale per {FP8_GROUP} channels)")
         return why
 
     def hidden_bytes_per_token(self) -> int:
@@ -386,7 +388,7 @@ class OursFp8(_Fp8Wire, OursPerTensor):
         n = ctx.rows
         self._fill()
         self.v = torch.zeros(n, case.hidden, dtype=torch.float8_e4m3fn, device=self.dev)
-        self.s = torch.zeros(n, case.hidden // 128, dtype=torch.float32, device=self.dev)
+        self.s = torch.zeros(n, case.hidden // FP8_GROUP, dtype=torch.float32, device=self.dev)
         self.wire, self.scales = (self.v, self.l, self.i), (self.s,)
         self.gloo_wire = (self.v, self.s, self.l, self.i)  # values then their scales (the transports' wire order)
 

@@ -353,7 +353,7 @@ class AttentionExchange:
         self._timer = _ExchangeTimer(self._stats) if timing else None
         self.proxies: list[RemoteMLP] = []
         # Hidden-state wire bytes per row: FP8 values + scales when the connector sends FP8 (docs/fp8.md).
-        fp8_wire = getattr(getattr(connector, "extra", None), "hidden_wire_dtype", None) is not None
+        fp8_wire = getattr(getattr(connector, "schedule_config", None), "hidden_wire", None) is not None
         self._hidden_wire_bytes = fp8.wire_bytes_per_token(hidden_size) if fp8_wire else None
         self._stage_rows: list[int] | None = None
         self._row_mask: torch.Tensor | None = None
