@@ -535,6 +535,7 @@ class NcclTransport(Transport):
             end = time.monotonic() + slice_s
             while True:
                 if ev.query():
+                    wd.check()  # an abort ends the NCCL kernels too: their buffers hold no data then
                     return True
                 wd.check()
                 if time.monotonic() >= end:
