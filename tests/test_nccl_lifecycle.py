@@ -248,6 +248,32 @@ def test_a_stuck_synchronize_names_the_oldest_exchange_not_layer_minus_one(fake)
         t.close()
 
 
+class _DoneEvent:
+    """Stands in for a CUDA event already complete (here: because an abort ended the NCCL kernels)."""
+
+    def query(self) -> bool:
+        return True
+
+
+def test_a_wait_ended_by_an_abort_raises_the_recorded_failure(fake):
+    """Aborting the communicators ends their kernels, so the event of a receive completes with nothing
+    received: the wait must raise the watchdog's failure, not return (a strict-mode header fan-in then
+    read an unfilled buffer and reported a header mismatch instead of the step abort; GPU run 71)."""
+    from afd_ext.transport.base import AFDTimeoutError, MessageTag
+
+    out = _build_all(1, 1)
+    ffn = out[0]
+    ffn._signal = _Signal(lambda exc: None)
+    failure = AFDTimeoutError("attention rank 0 (world rank 1) stalled")
+    ffn.watchdog.fail(failure)
+    with pytest.raises(AFDTimeoutError) as ei:
+        ffn.wait_event(_DoneEvent(), "receive (fan-in)", ["attention rank 0 (world rank 1)"],
+                       MessageTag("recv_attn_output", "a2f", 3, 1, 0), [1])
+    assert ei.value is failure
+    for t in out.values():
+        t.close()
+
+
 def test_watchdog_failure_posts_the_abort_before_aborting_the_communicators(fake):
     """Aborting releases the sends queued behind a stuck fan-in; a peer receiving one must already
     find the abort posted (its synchronize() then ends the step with the error)."""
