@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from ..errors import AFDConfigError, GraphError, GraphKeyMismatchError, GraphModeError
+from ..errors import AFDConfigError, GraphError, GraphModeError
 from ..graphs import (
     DEFAULT_CAPTURE_SIZES,
     GraphController,

@@ -50,10 +50,9 @@ import contextlib
 
 import copy
 import logging
-import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.nn.functional as F
