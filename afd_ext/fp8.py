@@ -2,12 +2,12 @@
 
 The format of DeepEP's low-latency dispatch and DeepGEMM: ``float8_e4m3fn``
 values ``[T, H]`` and float32 scales ``[T, H/128]``, one per token and 128
-channels. Per group: ``scale = amax(|x|) / 448`` (``1.0`` when that is 0, so an
-all-zero group gives zeros), ``values = x / scale`` in float32, saturated to
-+-448 and rounded to nearest even; ``x ~= values * scale``. The CUDA kernels
-(``csrc/cuda/peer_kernels.cu``) compute the same bytes; this is the rule on
-CPU (the gloo transport, and the ops' CPU kernels). Non-finite inputs are not
-handled (an inf or NaN makes its group's values NaN or 0). docs/fp8.md.
+channels. Per group: ``scale = amax(|x|) / 448`` over its finite ``x`` (``1.0``
+when that is 0, so an all-zero group gives zeros), ``values = x / scale`` in
+float32, saturated to +-448 and rounded to nearest even; ``x ~= values * scale``;
+an inf or NaN ``x`` becomes the NaN byte with its sign (``0x7F`` / ``0xFF``).
+The CUDA kernels (``csrc/cuda/peer_kernels.cu``) compute the same bytes; this is
+the rule on CPU (the gloo transport, and the ops' CPU kernels). docs/fp8.md.
 """
 
 from __future__ import annotations
@@ -47,8 +47,9 @@ def quantize(x: torch.Tensor, values: torch.Tensor | None = None,
              scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The rule on ``x`` ``[T, H]`` (any float dtype, CPU): ``(values e4m3 [T, H], scales fp32 [T, H/128])``.
 
-    A scale is its 128-channel group's absolute maximum over 448 (1.0 for an all-zero group); a value
-    is ``x / scale`` in float32, saturated to +-448 and rounded to nearest even (docs/fp8.md). Writes
+    A scale is its 128-channel group's largest finite ``|x|`` over 448 (1.0 when that is 0); a finite
+    value is ``x / scale`` in float32, saturated to +-448 and rounded to nearest even, an inf or NaN
+    the NaN byte with its sign, ``0x7F`` / ``0xFF`` (docs/fp8.md). Writes
     into ``values`` (``float8_e4m3fn [T, H]``) / ``scales`` (``float32 [T, H/128]``) when given, on
     ``x``'s device.
 
@@ -57,10 +58,14 @@ def quantize(x: torch.Tensor, values: torch.Tensor | None = None,
             shapes; :func:`check_hidden` refuses such a hidden size at connector build instead.
     """
     xf = x.float().reshape(x.shape[0], x.shape[1] // GROUP, GROUP)
-    amax = xf.abs().amax(-1)
+    finite = xf.isfinite()
+    amax = torch.where(finite, xf.abs(), 0.0).amax(-1)  # an inf or NaN does not set its group's scale
     scale = amax / torch.full_like(amax, FP8_MAX)  # tensor / tensor: a true division on every device
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-    q = (xf / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).reshape(x.shape)
+    q = (xf / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(torch.uint8)
+    # An inf or NaN x: e4m3fn's NaN 0x7F with x's sign (torch's cast would saturate an inf to +-448).
+    nan = xf.signbit().to(torch.uint8) << 7 | 0x7F
+    q = torch.where(finite, q, nan).view(FP8_DTYPE).reshape(x.shape)
     if values is None:
         return q, scale
     values.copy_(q)

@@ -1,8 +1,8 @@
 """FP8 hidden states on the wire (CPU tier): the rule, the CPU path, gloo round trips, refusals, fakes.
 
-``reference_quantize`` / ``reference_dequantize`` are the definition (issue #35; DeepEP's
-low-latency dispatch format), written here group by group, independently of ``afd_ext.fp8``;
-the CPU path and the CUDA kernels (tests/gpu/test_fp8_gpu.py) must match them bit for bit.
+The reference is ``tests/fp8_reference.py`` (numpy and integer arithmetic, independent of
+``afd_ext.fp8``), pinned here by hand-computed bytes; the CPU path and the CUDA kernels
+(tests/gpu/test_fp8_gpu.py) must match it bit for bit, values and scales.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,90 +18,234 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import connector_scenarios as cs  # noqa: E402
 from afd_ext.errors import AFDConfigError  # noqa: E402
+from afd_ext.fp8 import GROUP  # noqa: E402
 from afd_ext.testing import find_free_port, run_workers  # noqa: E402
+from fp8_reference import decode_e4m3, encode_e4m3, reference_dequantize, reference_quantize  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 
 E4M3 = torch.float8_e4m3fn
-
-
-def reference_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rule, one 128-channel group at a time on CPU: scale = amax / 448 (1 if 0), q = RNE(sat(x / scale))."""
-    x = x.detach().cpu().float()
-    t, h = x.shape
-    values = torch.empty(t, h, dtype=E4M3)
-    scales = torch.empty(t, h // 128, dtype=torch.float32)
-    for r in range(t):
-        for g in range(h // 128):
-            grp = x[r, g * 128:(g + 1) * 128]
-            s = torch.div(grp.abs().max(), torch.tensor(448.0))  # float32 division, exactly rounded
-            if s.item() == 0.0:
-                s = torch.tensor(1.0)
-            values[r, g * 128:(g + 1) * 128] = torch.div(grp, s).clamp(-448.0, 448.0).to(E4M3)
-            scales[r, g] = s
-    return values, scales
-
-
-def reference_dequantize(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """values * their group's scale in float32, rounded once to bf16."""
-    v = values.cpu().float()
-    return (v * scales.cpu().repeat_interleave(128, dim=1)).to(torch.bfloat16)
+INF, NAN = float("inf"), float("nan")
 
 
 def error_bound(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """Per element |dequant(quant(x)) - x| bound (docs/fp8.md): e4m3 rounding 2^-4 |x| (normal)
     or 2^-10 scale (subnormal), plus the bf16 rounding of the result 2^-8 |x| (with margin); 2^-132
     absolute where bf16 / the fp32 scale are subnormal (|x| < 1e-38, fixed spacing)."""
-    xf, s = x.float().cpu(), scales.cpu().repeat_interleave(128, dim=1)
+    xf, s = x.float().cpu(), scales.cpu().repeat_interleave(GROUP, dim=1)
     return 2.0 ** -4 * xf.abs() + 2.0 ** -10 * s + 2.0 ** -8 * xf.abs() + 2.0 ** -132
 
 
 def hard_inputs(t: int = 6, h: int = 256, seed: int = 0) -> torch.Tensor:
-    """Random bf16 rows ``[t, h]`` (``h % 128 == 0``) of mixed scale whose first 128-channel groups, in
-    row-major order (group ``k`` is row ``k // (h/128)``, channels ``128 (k % (h/128))`` on), are the edge
+    """Random bf16 rows ``[t, h]`` (``h % GROUP == 0``) of mixed scale whose first groups, in row-major
+    order (group ``k`` is row ``k // (h/GROUP)``, channels ``GROUP (k % (h/GROUP))`` on), are the edge
     cases: 0 all zero, 1 bf16 subnormals (a subnormal fp32 scale), 2 huge, 3 exact ties after scaling,
-    4 +-448, +-0, +-subnormal x and e4m3-subnormal ties at scale 1. Needs ``t * h / 128 >= 5``."""
-    groups = h // 128
-    if h % 128 or t * groups < 5:
-        raise ValueError(f"hard_inputs needs h % 128 == 0 and t * h / 128 >= 5 groups, got t={t}, h={h}")
+    4 +-448, +-0, +-subnormal x and e4m3-subnormal ties at scale 1. Needs ``t * h / GROUP >= 5``. All finite."""
+    groups = h // GROUP
+    if h % GROUP or t * groups < 5:
+        raise ValueError(f"hard_inputs needs h % {GROUP} == 0 and t * h / {GROUP} >= 5 groups, got t={t}, h={h}")
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(t, h, generator=g) * torch.logspace(-3, 3, t).unsqueeze(1)
     cases = [
-        torch.zeros(128),                                 # scale 1, values 0
-        torch.randn(128, generator=g) * 1e-39,            # bf16 subnormals: amax / 448 is a subnormal fp32
-        torch.randn(128, generator=g) * 1e37,             # huge
-        torch.arange(128) / 8 - 8,                        # scale 8/448: x / scale ~ 7k, 10 exact e4m3 ties
+        torch.zeros(GROUP),                               # scale 1, values 0
+        torch.randn(GROUP, generator=g) * 1e-39,          # bf16 subnormals: amax / 448 is a subnormal fp32
+        torch.randn(GROUP, generator=g) * 1e37,           # huge
+        torch.arange(GROUP) / 8 - 8,                      # scale 8/448: x / scale ~ 7k, 10 exact e4m3 ties
         torch.cat([torch.tensor([448.0, -448.0, 0.0, -0.0, 1e-39, -1e-39, 2.0 ** -10, 3 * 2.0 ** -10]),
-                   torch.randn(120, generator=g)]),        # scale 1: -0, flushed x, ties between e4m3 subnormals
+                   torch.randn(GROUP - 8, generator=g)]),  # scale 1: -0, flushed x, ties between e4m3 subnormals
     ]
-    flat = x.view(t * groups, 128)
+    flat = x.view(t * groups, GROUP)
     for k, c in enumerate(cases):
         flat[k] = c
     return x.to(torch.bfloat16)
 
 
+def nonfinite_inputs(t: int = 4, h: int = 256, seed: int = 0) -> torch.Tensor:
+    """``hard_inputs`` with +-inf and +-NaN (bf16 0x7F80, 0xFF80, 0x7FC0, 0xFFC0, and NaN payloads 0x7F81,
+    0xFFFF) at random places in a third of the groups, one group all non-finite, one inf beside tiny values."""
+    x = hard_inputs(max(t, 5), h, seed)[:t].view(torch.int16).clone()
+    g = torch.Generator().manual_seed(seed + 7)
+    special = torch.tensor([0x7F80, 0xFF80, 0x7FC0, 0xFFC0, 0x7F81, 0xFFFF], dtype=torch.int32).to(torch.int16)
+    flat = x.view(-1, GROUP)
+    for k in range(0, flat.shape[0], 3):
+        pos = torch.randint(0, GROUP, (1 + k % 4,), generator=g)
+        flat[k, pos] = special[torch.randint(0, len(special), pos.shape, generator=g)]
+    flat[-1] = special[torch.arange(GROUP) % len(special)]
+    if flat.shape[0] > 2:
+        flat[1, 0] = special[1]  # group 1 is bf16 subnormals: the inf must not take their scale
+    return x.view(torch.bfloat16)
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8 if t.element_size() == 1 else torch.int32)
+    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def same_bf16(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit, any NaN equal to any NaN (torch's CPU bf16 conversion writes 0xFFFF for every NaN,
+    CUDA's and the reference's other NaNs: the NaN's bits are not part of the rule)."""
+    a, b = a.cpu(), b.cpu()
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(bits(a)[~nan], bits(b)[~nan])
+
+
+# -- the reference, pinned by hand ----------------------------------------------------------
+
+E = 2.0 ** -10  # half the e4m3 subnormal step 2^-9
+ENCODE_CASES = [  # (float32 x / scale, e4m3fn byte)
+    (1.0, 0x38), (1.0625, 0x38), (1.1875, 0x3A),     # ties at 1: down to 1.0 (even), up to 1.25 (even)
+    (-1.0625, 0xB8), (-1.1875, 0xBA),                  # the same, negative
+    (17.0, 0x58), (19.0, 0x5A),                        # ties at 16: 16 | 18, 18 | 20
+    (15.5, 0x58),                                      # tie 15 | 16: up, carries into the next binade
+    (400.0, 0x7C), (432.0, 0x7E),                      # ties 384 | 416 (down), 416 | 448 (up)
+    (448.0, 0x7E), (449.0, 0x7E), (464.0, 0x7E),       # saturation: 464 would round to 480 (0x7F is NaN)
+    (1e30, 0x7E), (-448.0, 0xFE), (-3.4e38, 0xFE),
+    (2 * E, 0x01), (14 * E, 0x07), (16 * E, 0x08),     # subnormals 2^-9, 7 * 2^-9; 2^-6 the smallest normal
+    (E, 0x00), (3 * E, 0x02), (5 * E, 0x02), (7 * E, 0x04),  # subnormal ties: 0|1, 1|2, 2|3, 3|4 to even
+    (15 * E, 0x08),                                    # tie 7 * 2^-9 | 2^-6: up to the normal
+    (float(np.nextafter(np.float32(E), np.float32(1))), 0x01),  # just above a tie
+    (2.0 ** -149, 0x00), (-(2.0 ** -149), 0x80), (0.0, 0x00), (-0.0, 0x80),
+    (INF, 0x7F), (-INF, 0xFF), (NAN, 0x7F), (-NAN, 0xFF),  # no inf in e4m3fn: NaN, with the sign
+]
+
+
+@pytest.mark.parametrize("v,byte", ENCODE_CASES)
+def test_reference_encoder_hand_computed(v, byte):
+    x = np.array([v], dtype=np.float32)
+    if np.isnan(v):
+        x = (x.view(np.uint32) | (0x80000000 if np.signbit(v) else 0)).view(np.float32)
+    assert encode_e4m3(x)[0] == byte, hex(encode_e4m3(x)[0])
+
+
+def test_reference_encoder_rounds_every_midpoint_half_to_even():
+    """Between every two neighbouring e4m3 values: the midpoint goes to the even byte, one float32 ulp
+    off it to the nearer one; every byte but NaN decodes and encodes back to itself."""
+    b = np.arange(0x7E, dtype=np.int64)  # lower neighbours 0 .. 416
+    lo, hi = decode_e4m3(b), decode_e4m3(b + 1)
+    mid = ((lo.astype(np.float64) + hi) / 2).astype(np.float32)  # exact in float32
+    assert ((mid - lo) == (hi - mid)).all()
+    below, above = np.nextafter(mid, np.float32(0)), np.nextafter(mid, np.float32(np.inf))
+    for sign in (1, -1):
+        s = 0x80 if sign < 0 else 0
+        assert (encode_e4m3(sign * mid) == np.where(b % 2 == 0, b, b + 1) | s).all()
+        assert (encode_e4m3(sign * below) == b | s).all() and (encode_e4m3(sign * above) == (b + 1) | s).all()
+    every = np.array([v for v in range(256) if (v & 0x7F) != 0x7F], dtype=np.uint8)
+    assert (encode_e4m3(decode_e4m3(every)) == every).all()
+    assert decode_e4m3(np.array([0x7E, 0x01, 0x08, 0x38, 0x80])).tolist() == [448.0, 2.0 ** -9, 2.0 ** -6, 1.0, -0.0]
+
+
+def _group(head: list[float], dtype=torch.bfloat16, fill: float = 0.0) -> torch.Tensor:
+    """One row of one group: ``head``, then ``fill``; a NaN is the quiet NaN with its sign, set in the bits
+    (torch's float32 -> bf16 conversion makes every NaN 0xFFFF)."""
+    x = torch.tensor(head + [fill] * (GROUP - len(head)), dtype=torch.float32).to(dtype).unsqueeze(0)
+    quiet, sign = {2: (0x7FC0, 1 << 15), 4: (0x7FC00000, 1 << 31)}[x.element_size()]
+    for i, v in enumerate(head):
+        if np.isnan(v):
+            bits(x)[0, i] = torch.tensor(quiet | (sign if np.signbit(v) else 0)).to(bits(x).dtype)  # wraps
+    return x
+
+
+T = 2.0 ** -133  # the smallest bf16 (subnormal)
+F32_TINY = 2.0 ** -149  # the smallest float32 (subnormal)
+GROUP_CASES = {  # name: (x [1, GROUP], scale's float32 bits, first bytes, the rest's byte)
+    # scale RNE(3/448) = 2^-8 * 12/7 = 2^-8 * 1.(101)...b -> mantissa rounds up: 0x3BDB6DB7;
+    # 1 / scale = 149.33 -> 144 (0x71; the step at 128..256 is 16)
+    "rounded scale": (_group([3.0, 1.0, -1.0]), 0x3BDB6DB7, [0x7E, 0x71, 0xF1], 0x00),
+    # scale 7/448 = 2^-6 exactly: x / scale = 64 x; 17/64 and 19/64 are ties at 16
+    "exact scale, ties": (_group([7.0, -7.0, 17 / 64, 19 / 64, -3.5]), 0x3C800000, [0x7E, 0xFE, 0x58, 0x5A, 0xF6], 0),
+    # scale 1 (amax 448): ENCODE_CASES' ties and subnormals in a group
+    "scale 1": (_group([448.0, -448.0, 1.0625, 1.1875, 17.0, 19.0, 15.5, 432.0, 400.0, E, 3 * E, 15 * E]),
+                0x3F800000, [0x7E, 0xFE, 0x38, 0x3A, 0x58, 0x5A, 0x58, 0x7E, 0x7C, 0x00, 0x02, 0x08], 0x00),
+    # the zero guard: scale 1, values +-0
+    "all zero": (_group([]), 0x3F800000, [], 0x00),
+    "all -0": (_group([], fill=-0.0), 0x3F800000, [], 0x80),
+    # no floor: 2^-133 / 448 = (1024/7) 2^-149 = 146.29 2^-149 -> 146 2^-149 (bits 0x92, subnormal);
+    # x / scale = 65536/146 = 448.88: saturates to 448
+    "all tiny bf16": (_group([T, -T]), 0x00000092, [0x7E, 0xFE], 0x00),
+    # float32 input (fp8.quantize takes any float): 224 2^-149 / 448 is half the smallest float32,
+    # a tie that rounds to 0, so the zero guard gives scale 1 and the values round to 0 ...
+    "float32 below the floor": (_group([224 * F32_TINY, -224 * F32_TINY], torch.float32), 0x3F800000, [0x00, 0x80], 0),
+    # ... while 225 2^-149 / 448 = 0.502 2^-149 rounds up: scale 2^-149, value 225 -> 224 (0x76)
+    "float32 at the floor": (_group([225 * F32_TINY], torch.float32), 0x00000001, [0x76], 0x00),
+    # inf and NaN do not set the scale (7/448 = 2^-6) and become NaN with their sign
+    "inf and nan": (_group([INF, -INF, NAN, -NAN, 7.0, -3.5, 0.5]), 0x3C800000,
+                    [0x7F, 0xFF, 0x7F, 0xFF, 0x7E, 0xF6, 0x60], 0x00),
+    # only non-finite: amax over no finite value is 0 -> scale 1
+    "all inf": (_group([], fill=-INF), 0x3F800000, [], 0xFF),
+    # an inf among tiny values: the tiny values keep their own scale
+    "inf beside tiny": (_group([INF, T]), 0x00000092, [0x7F, 0x7E], 0x00),
+}
+
+
+@pytest.mark.parametrize("name", list(GROUP_CASES))
+def test_reference_groups_hand_computed(name):
+    from afd_ext import fp8
+
+    x, scale_bits, head, rest = GROUP_CASES[name]
+    want = torch.tensor(head + [rest] * (GROUP - len(head)), dtype=torch.int32).to(torch.uint8)
+    for v, s in (reference_quantize(x), fp8.quantize(x)):
+        assert bits(s).tolist() == [[scale_bits]], hex(bits(s).item())
+        assert torch.equal(bits(v)[0], want), [hex(b) for b in bits(v)[0, :len(head) + 1].tolist()]
+
+
+def test_reference_dequantize_hand_computed():
+    v, s = reference_quantize(GROUP_CASES["all tiny bf16"][0])  # 448 * 146 2^-149 = 0.998 2^-133 -> 2^-133
+    assert bits(reference_dequantize(v, s))[0, :3].tolist() == [0x0001, -0x7FFF, 0]
+    x = GROUP_CASES["inf and nan"][0]
+    out = reference_dequantize(*reference_quantize(x))[0]
+    assert out[:4].isnan().all() and out[4:7].tolist() == [7.0, -3.5, 0.5] and not out[7:].any()
+
+
+# -- the CPU path against it ----------------------------------------------------------------
+
+def adversarial_inputs(seed: int = 0) -> list[torch.Tensor]:
+    """bf16 and float32 ``[T, H]`` inputs for the bit-for-bit comparison: the edge cases, every bf16
+    bit pattern, random bits with one exponent band per group (so the values span e4m3's normals,
+    subnormals and zeros), random mixed magnitudes, inf and NaN."""
+    g = np.random.default_rng(seed)
+    every = torch.from_numpy(g.permutation(np.arange(1 << 16, dtype=np.uint16)).view(np.int16)).view(torch.bfloat16)
+
+    def banded(rows: int, width: int, fbits: int, ebits: int, emax: int) -> np.ndarray:
+        """Random sign and mantissa, exponent within 24 of a per-group base drawn from [0, emax]."""
+        base = g.integers(0, emax + 1, (rows, width // GROUP, 1))
+        e = np.clip(base - g.integers(0, 24, (rows, width // GROUP, GROUP)), 0, emax)
+        u = (g.integers(0, 2, e.shape) << (fbits + ebits)) | (e << fbits) | g.integers(0, 1 << fbits, e.shape)
+        return u.reshape(rows, width)
+
+    bf_banded = torch.from_numpy(banded(64, 512, 7, 8, 254).astype(np.uint16).view(np.int16)).view(torch.bfloat16)
+    f32_banded = torch.from_numpy(banded(64, 512, 23, 8, 254).astype(np.uint32).view(np.float32))
+    f32_tiny = torch.from_numpy(banded(8, 512, 23, 8, 3).astype(np.uint32).view(np.float32))  # scales at the floor
+    mixed = (torch.randn(64, 1024, generator=torch.Generator().manual_seed(seed))
+             * torch.logspace(-38, 38, 64).unsqueeze(1)).bfloat16()
+    return [hard_inputs(), every.view(-1, 2 * GROUP), bf_banded, f32_banded, f32_tiny, mixed,
+            nonfinite_inputs(16, 512, seed), torch.from_numpy(banded(4, 256, 23, 8, 255).astype(np.uint32)
+                                                               .view(np.float32))]  # float32 with inf/NaN
 
 
 def test_cpu_path_is_the_reference_bit_for_bit():
     from afd_ext import fp8, ops
 
+    for i, x in enumerate(adversarial_inputs()):
+        rv, rs = reference_quantize(x)
+        v, s = fp8.quantize(x)
+        assert torch.equal(bits(v), bits(rv)) and torch.equal(bits(s), bits(rs)), i
+        assert same_bf16(fp8.dequantize(v, s), reference_dequantize(rv, rs)), i
+        if x.dtype != torch.bfloat16:
+            continue
+        ov, os_ = torch.empty_like(v), torch.empty_like(s)
+        ops.fp8_quantize(x, ov, os_)  # the op's CPU kernel
+        assert torch.equal(bits(ov), bits(rv)) and torch.equal(bits(os_), bits(rs)), i
+        out = torch.empty_like(x)
+        ops.fp8_dequantize(rv, rs, out)
+        assert same_bf16(out, reference_dequantize(rv, rs)), i
+        finite = x.isfinite()
+        assert torch.equal(out.isnan(), ~finite), i  # NaN exactly where x was inf or NaN
+        assert ((out.float() - x.float()).abs() <= error_bound(x, rs))[finite].all(), i
     x = hard_inputs()
     rv, rs = reference_quantize(x)
-    v, s = fp8.quantize(x)
-    assert torch.equal(bits(v), bits(rv)) and torch.equal(bits(s), bits(rs))
-    assert rs[0, 0].item() == 1.0 and not bits(rv[0, :128]).any()  # the zero guard
+    assert rs[0, 0].item() == 1.0 and not bits(rv[0, :GROUP]).any()  # the zero guard
     assert 0 < rs[0, 1].item() < torch.finfo(torch.float32).tiny  # a subnormal scale survives
-    assert bits(rv[0, 128:]).any()  # and its values are not flushed
+    assert bits(rv[0, GROUP:]).any()  # and its values are not flushed
     assert rs[2, 0].item() == 1.0 and bits(rv[2, :8]).tolist() == [0x7E, 0xFE, 0, 0x80, 0, 0x80, 0, 2]
-    ov, os_ = torch.empty_like(v), torch.empty_like(s)
-    ops.fp8_quantize(x, ov, os_)  # the op's CPU kernel
-    assert torch.equal(bits(ov), bits(rv)) and torch.equal(bits(os_), bits(rs))
-    out = torch.empty_like(x)
-    ops.fp8_dequantize(rv, rs, out)
-    assert torch.equal(out, reference_dequantize(rv, rs))
-    assert ((out.float() - x.float()).abs() <= error_bound(x, rs)).all()
     v0, s0 = fp8.quantize(x[:0])  # a zero-token stage
     assert (tuple(v0.shape), tuple(s0.shape)) == ((0, 256), (0, 2))
 
@@ -131,12 +276,12 @@ def test_kernels_emit_no_flushing_float_op(tmp_path):
 def test_hidden_size_not_a_multiple_of_128_is_refused(h):
     from afd_ext.schedule import ScheduleConfig
 
-    with pytest.raises(AFDConfigError, match="multiple of 128"):
+    with pytest.raises(AFDConfigError, match=f"multiple of {GROUP}"):
         ScheduleConfig(num_layers=1, hidden_size=h, hidden_dtype=torch.bfloat16, hidden_wire="fp8_e4m3")
     with pytest.raises(AFDConfigError, match="bfloat16"):
         ScheduleConfig(num_layers=1, hidden_size=256, hidden_dtype=torch.float32, hidden_wire="fp8_e4m3")
     sc = cs.Scenario(A=1, F=1, hidden=h, dtype="bfloat16", strict=False, extra=(("hidden_wire_dtype", "fp8_e4m3"),))
-    with pytest.raises(AFDConfigError, match="multiple of 128"):
+    with pytest.raises(AFDConfigError, match=f"multiple of {GROUP}"):
         cs.make_connector(sc, 0, find_free_port())  # at construction, before any rendezvous
 
 
@@ -193,7 +338,7 @@ def test_fakes_give_shapes_under_compile():
 
     with FakeTensorMode():
         bad = torch.empty(4, 200, dtype=torch.bfloat16)
-        with pytest.raises(AFDConfigError, match="multiple of 128"):
+        with pytest.raises(AFDConfigError, match=f"multiple of {GROUP}"):
             ops.fp8_quantize(bad, torch.empty(4, 200, dtype=E4M3), torch.empty(4, 1))
 
 
@@ -292,6 +437,6 @@ def test_demo_runs_with_fp8_on_gloo(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     s = json.loads(out.read_text())
     assert s["self_check"]["ok"] and s["self_check"]["tolerance"] == pytest.approx(0.25 * 2)
-    # The summary counts FP8 wire bytes (H + 4 H / 128 per token) attention -> FFN, bf16 (2 H) back.
+    # The summary counts FP8 wire bytes (H + 4 H / GROUP per token) attention -> FFN, bf16 (2 H) back.
     h = s["model"]["hidden_size"]
-    assert s["bytes"]["attention_to_ffn"] * 2 * h == s["bytes"]["ffn_to_attention"] * (h + 4 * h // 128)
+    assert s["bytes"]["attention_to_ffn"] * 2 * h == s["bytes"]["ffn_to_attention"] * (h + 4 * h // GROUP)

@@ -124,12 +124,13 @@ __device__ __forceinline__ void copy_range(char* dst, const char* src, long long
   for (long long b = done + t; b < n; b += nthreads) dst[b] = src[b];
 }
 
-// FP8 hidden states (docs/fp8.md): per row and 128 channels, scale = amax / 448 (1 when that
-// is 0), values = x / scale rounded to nearest even, saturated to +-448. Bit-exact with the
-// torch rule in afd_ext/fp8.py, so no float operation the build's --use_fast_math (-ftz=true)
-// can flush: amax compares bf16 bit patterns (|x| as integers orders like the floats), the
-// divisions and the product are PTX .rn without .ftz, and the zero test reads the scale's bits
-// (a float `s == 0` compiles to setp.eq.ftz, true for a subnormal scale).
+// FP8 hidden states (docs/fp8.md): per row and 128 channels, scale = amax / 448 over the finite
+// x (1 when that is 0), values = x / scale rounded to nearest even, saturated to +-448; an inf or
+// NaN x is the NaN byte 0x7F with x's sign. Bit-exact with the torch rule in afd_ext/fp8.py, so
+// no float operation the build's --use_fast_math (-ftz=true) can flush: amax compares bf16 bit
+// patterns (|x| as integers orders like the floats), the divisions and the product are PTX .rn
+// without .ftz, and the zero test reads the scale's bits (a float `s == 0` compiles to
+// setp.eq.ftz, true for a subnormal scale).
 __device__ __forceinline__ float div_rn(float a, float b) {
   float r;
   asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
@@ -142,6 +143,13 @@ __device__ __forceinline__ float mul_rn(float a, float b) {
   return r;
 }
 
+// |x| of the bf16 in the low half of `h` as an integer (orders like the floats); 0 for an inf or
+// NaN, which do not set their group's scale.
+__device__ __forceinline__ unsigned finite_abs_bf16(unsigned h) {
+  const unsigned a = h & 0x7fffu;
+  return a < 0x7f80u ? a : 0u;
+}
+
 // One warp per 128-channel group (lane l: channels 4l..4l+3); groups are consecutive in a
 // row-major [rows, H] tensor (H a multiple of 128), so group g is elements [128 g, 128 g + 128)
 // and its scale is scales[g]. `t`/`nthreads`: the grid's thread index and size (multiples of
@@ -152,17 +160,20 @@ __device__ __forceinline__ void quantize_groups(unsigned char* values, float* sc
   const int lane = threadIdx.x & 31;
   for (long long g = t >> 5; g < groups; g += nthreads >> 5) {
     const uint2 raw = reinterpret_cast<const uint2*>(x + g * (kFp8Group * 2))[lane];
-    unsigned m = max(max(raw.x & 0x7fffu, (raw.x >> 16) & 0x7fffu),
-                     max(raw.y & 0x7fffu, (raw.y >> 16) & 0x7fffu));
+    unsigned m = max(max(finite_abs_bf16(raw.x), finite_abs_bf16(raw.x >> 16)),
+                     max(finite_abs_bf16(raw.y), finite_abs_bf16(raw.y >> 16)));
     m = __reduce_max_sync(0xffffffffu, m);
     float s = div_rn(__uint_as_float(m << 16), 448.0f);
     if (__float_as_uint(s) == 0u) s = 1.0f;  // s >= 0: +0 only
     const unsigned w[4] = {raw.x << 16, raw.x & 0xffff0000u, raw.y << 16, raw.y & 0xffff0000u};
     unsigned packed = 0;
     for (int j = 0; j < 4; ++j) {
-      // satfinite: +-448 for larger magnitudes (the reference clamps, then rounds: the same bytes)
-      const __nv_fp8_storage_t q = __nv_cvt_float_to_fp8(div_rn(__uint_as_float(w[j]), s), __NV_SATFINITE, __NV_E4M3);
-      packed |= static_cast<unsigned>(q) << (8 * j);
+      // satfinite: +-448 for larger magnitudes (the reference clamps, then rounds: the same bytes);
+      // an inf would saturate too, so non-finite x take the NaN byte here, with their sign
+      const unsigned q = (w[j] & 0x7fffffffu) >= 0x7f800000u
+                             ? 0x7fu | ((w[j] >> 24) & 0x80u)
+                             : __nv_cvt_float_to_fp8(div_rn(__uint_as_float(w[j]), s), __NV_SATFINITE, __NV_E4M3);
+      packed |= q << (8 * j);
     }
     if (dead) return;
     reinterpret_cast<unsigned*>(values + g * kFp8Group)[lane] = packed;
