@@ -1,12 +1,13 @@
 """FP8 hidden states on the wire (GPU tier): the CUDA kernels against the reference rule, bit for bit.
 
 * ``fp8_quantize`` (the NCCL path's send-buffer kernel) and ``fp8_dequantize`` (its fan-in kernel)
-  against ``tests/test_fp8.py``'s reference on random data with all-zero, subnormal, huge and tie groups;
-* the peer plane's put with the quantization fused in, and its wait dequantizing (or not);
+  against the numpy reference (``tests/fp8_reference.py``) on random data with all-zero, subnormal,
+  huge and tie groups, on ``tests/test_fp8.py``'s hand-computed groups and adversarial inputs (every
+  bf16 bit pattern, banded random bits), and with inf and NaN (values NaN with their sign, scales
+  from the finite channels: docs/fp8.md);
+* the peer plane's put with the quantization fused in, and its wait dequantizing (or not), also with inf and NaN;
 * a graph-captured round trip over the plane (both roles on one GPU);
 * connector round trips per transport (NCCL, peer memory) and per delivery form (2A1F).
-
-Non-finite inputs are outside the rule (docs/fp8.md) and not tested.
 
 Run: ``python3 -m pytest -q tests/gpu/test_fp8_gpu.py``.
 """
@@ -25,16 +26,19 @@ from afd_ext import fp8, ops  # noqa: E402
 from afd_ext.testing import find_free_port, place_processes, run_workers  # noqa: E402
 from afd_ext.topology import ATTENTION, FFN, Topology  # noqa: E402
 from afd_ext.transport.peer.plane import PeerPlane, WireSpec  # noqa: E402
-from test_fp8 import E4M3, bits, error_bound, fp8_worker, hard_inputs, reference_dequantize, reference_quantize  # noqa: E402
+from fp8_reference import reference_dequantize, reference_quantize  # noqa: E402
+from test_fp8 import (E4M3, GROUP_CASES, adversarial_inputs, bits, error_bound, fp8_worker, hard_inputs,  # noqa: E402
+                      nonfinite_inputs, same_bf16)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(240)]
 
 DEV = torch.device("cuda", 0)
 
 
-def inputs(t: int, h: int, seed: int) -> torch.Tensor:
-    """``hard_inputs`` rows first (its edge-case groups lead), random rows of mixed scale after."""
-    x = hard_inputs(max(t, 5), h, seed)
+def inputs(t: int, h: int, seed: int, nonfinite: bool = False) -> torch.Tensor:
+    """``hard_inputs`` rows first (its edge-case groups lead; with ``nonfinite``, ``nonfinite_inputs``'),
+    random rows of mixed scale after."""
+    x = (nonfinite_inputs if nonfinite else hard_inputs)(max(t, 5), h, seed)
     if t > 5:
         g = torch.Generator().manual_seed(seed + 1)
         x = torch.cat([x, (torch.randn(t - 5, h, generator=g) * 10.0 ** torch.randint(-6, 6, (t - 5, 1),
@@ -42,18 +46,36 @@ def inputs(t: int, h: int, seed: int) -> torch.Tensor:
     return x[:t]
 
 
-@pytest.mark.parametrize("t,h", [(0, 256), (1, 128), (4, 256), (7, 7168), (300, 7168), (4097, 512)])
-def test_cuda_kernels_are_the_reference_bit_for_bit(t, h):
-    x = inputs(t, h, seed=t + h)
-    rv, rs = reference_quantize(x) if t * h <= 300 * 7168 else fp8.quantize(x)  # the loop is slow; fp8.quantize == it (CPU tier)
+def check_kernels(x: torch.Tensor) -> None:
+    """Both kernels on bf16 ``x`` against the reference: values and scales bit for bit, the bf16 round trip
+    bit for bit (any NaN equal to any NaN), NaN exactly where ``x`` is not finite, the bound elsewhere."""
+    t, h = x.shape
+    rv, rs = reference_quantize(x)
     v = torch.full((t, h), 0x7f, dtype=torch.uint8, device=DEV).view(E4M3)  # poisoned
-    s = torch.full((t, h // 128), float("nan"), device=DEV)
+    s = torch.full((t, h // fp8.GROUP), float("nan"), device=DEV)
     ops.fp8_quantize(x.to(DEV), v, s)
     assert torch.equal(bits(v).cpu(), bits(rv)) and torch.equal(bits(s).cpu(), bits(rs))
     out = torch.full((t, h), float("nan"), dtype=torch.bfloat16, device=DEV)
     ops.fp8_dequantize(v, s, out)
-    assert torch.equal(out.cpu(), reference_dequantize(rv, rs))
-    assert ((out.cpu().float() - x.float()).abs() <= error_bound(x, rs)).all()
+    assert same_bf16(out, reference_dequantize(rv, rs))
+    finite = x.isfinite()
+    assert torch.equal(out.cpu().isnan(), ~finite)
+    assert ((out.cpu().float() - x.float()).abs() <= error_bound(x, rs))[finite].all()
+
+
+@pytest.mark.parametrize("nonfinite", [False, True])
+@pytest.mark.parametrize("t,h", [(0, 256), (1, 128), (4, 256), (7, 7168), (300, 7168), (4097, 512)])
+def test_cuda_kernels_are_the_reference_bit_for_bit(t, h, nonfinite):
+    check_kernels(inputs(t, h, seed=t + h, nonfinite=nonfinite))
+
+
+def test_cuda_kernels_on_hand_computed_and_adversarial_inputs():
+    for x, *_ in GROUP_CASES.values():
+        if x.dtype == torch.bfloat16:  # the kernels take bf16 (the float32 floor cases are CPU-only)
+            check_kernels(x)
+    for x in adversarial_inputs():
+        if x.dtype == torch.bfloat16:
+            check_kernels(x)
 
 
 def _pair(spec: WireSpec, max_tokens: int) -> tuple[PeerPlane, PeerPlane]:
@@ -65,12 +87,13 @@ def _pair(spec: WireSpec, max_tokens: int) -> tuple[PeerPlane, PeerPlane]:
     return att, ffn
 
 
-def test_fused_peer_put_and_dequantizing_wait_are_the_reference_bit_for_bit():
+@pytest.mark.parametrize("nonfinite", [False, True])
+def test_fused_peer_put_and_dequantizing_wait_are_the_reference_bit_for_bit(nonfinite):
     spec = WireSpec(7168, torch.bfloat16, 256, torch.float32, True, hidden_fp8=True)
     att, ffn = _pair(spec, 200)
     try:
         for layer, n in enumerate([1, 0, 129, 7, 200]):
-            x = inputs(n, 7168, seed=layer)
+            x = inputs(n, 7168, seed=layer, nonfinite=nonfinite)
             lg = torch.randn(n, 256, device=DEV)
             ids = torch.arange(n, dtype=torch.int32, device=DEV) + 1000 * layer
             att.put(0, (x.to(DEV), lg, ids), [n], [0])
@@ -85,9 +108,9 @@ def test_fused_peer_put_and_dequantizing_wait_are_the_reference_bit_for_bit():
             assert torch.equal(bits(v).cpu(), bits(rv)) and torch.equal(bits(s).cpu(), bits(rs)), layer
             assert torch.equal(glg, lg) and torch.equal(gids, ids)
             if layer % 2:
-                assert torch.equal(dq.cpu(), reference_dequantize(rv, rs)) and torch.equal(reply, dq)
+                assert same_bf16(dq, reference_dequantize(rv, rs)) and torch.equal(bits(reply), bits(dq))
             else:
-                assert torch.equal(reply.cpu(), x)  # the reply stays bf16
+                assert torch.equal(bits(reply).cpu(), bits(x))  # the reply stays bf16
         att.raise_if_failed()
         ffn.raise_if_failed()
     finally:
