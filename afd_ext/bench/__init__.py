@@ -56,8 +56,8 @@ def build_parser(prog: str = "afd-ext bench") -> argparse.ArgumentParser:
     """The ``afd-ext bench`` argument parser."""
     p = argparse.ArgumentParser(
         prog=prog,
-        description="Benchmark the AFD layer exchange (this package vs the reference connector's call "
-                    "pattern and raw NCCL, or gloo on CPU); JSON + markdown + PNG.",
+        description="Benchmark the AFD layer exchange (this package's ops and its connector's data calls vs the "
+                    "reference connector's call pattern and raw NCCL, or gloo on CPU); JSON + markdown + PNG.",
     )
     p.add_argument("--out", default="bench-out", metavar="PATH",
                    help="output directory (bench.json, bench.md, bench.png) or a .json path (default: bench-out)")
