@@ -325,7 +325,7 @@ def test_connector_variant_times_the_four_data_calls_beside_the_ops(tmp_path):
         assert o["overhead_us"] == pytest.approx(o["us"] - o["op_us"]) and o["ratio"] == pytest.approx(o["us"] / o["op_us"])
     md = (out / "bench.md").read_text()
     assert "## Connector overhead per data call (eager, host µs per call" in md and "| connector |" in md
-    assert "| 128 | connector vs ours per-tensor | recv_attn_output |" in md
+    assert "| h64-t128-extras | connector vs ours per-tensor | recv_attn_output |" in md
 
 
 def _check_cfg(port: int, A: int = 1, F: int = 1, cases=None) -> RunConfig:

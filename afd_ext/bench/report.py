@@ -234,12 +234,12 @@ def render_markdown(doc: dict) -> str:
             lines += _section(f"Round trip, {A}A{F}F, hidden {hidden} bf16{wire}, {payload}, {mode}", head, rows)
     over = doc.get("connector_overhead") or connector_overhead(doc)
     if over:
-        rows = [[str(o["tokens"]), f"{variant_label(o['variant'])} vs {variant_label(o['op_variant'], backend)}",
+        rows = [[o["case_key"], f"{variant_label(o['variant'])} vs {variant_label(o['op_variant'], backend)}",
                  o["call"], f"{o['us']:.1f}", f"{o['op_us']:.1f}", f"{o['overhead_us']:+.1f}",
                  _fmt(o["ratio"], ".2f", "×")] for o in sorted(over, key=lambda o: (o["tokens"], o["case_key"]))]
         note = ("; on gloo a receive's time includes the wait for its peer" if backend == "gloo" else "")
         lines += _section(f"Connector overhead per data call (eager, host µs per call, median{note})",
-                          ["tokens", "variants", "call", "connector µs", "op µs", "overhead µs", "ratio"], rows)
+                          ["case", "variants", "call", "connector µs", "op µs", "overhead µs", "ratio"], rows)
     fan = _fan_in_rows(doc, backend)
     if fan:
         lines += _section("Fan-in (several attention ranks per FFN rank)",
