@@ -31,6 +31,15 @@ DEFAULT_CONNECTOR = "AfdExtConnector"
 REFERENCE_CONNECTOR = "P2pNcclAFDConnector"
 BUILTIN_CONNECTOR_NAMES = (DEFAULT_CONNECTOR, REFERENCE_CONNECTOR)
 
+#: Transports ``connector_extra_config.transport`` can name (besides ``"auto"``): name -> ``"module:Class"``,
+#: imported on first use by :mod:`afd_ext.transport`; :func:`afd_ext.transport.register_transport` adds to it.
+#: Plain strings here, so configuration stays free of torch and below the transports.
+TRANSPORTS: dict[str, str] = {
+    "nccl": "afd_ext.transport.nccl:NcclTransport",
+    "gloo": "afd_ext.transport.gloo:GlooTransport",
+    "peer": "afd_ext.transport.peer:PeerTransport",
+}
+
 _ROLES = ("attention", "ffn")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -148,7 +157,8 @@ class AfdExtConnectorConfig:
             (CUDA tensors written straight into the peer's memory over CUDA IPC,
             one node; docs/peer-memory.md) or ``"auto"`` (gloo for a CPU device;
             peer when every rank opens every peer's memory and a flag round trip
-            succeeds; NCCL otherwise).
+            succeeds; NCCL otherwise), or a name given to
+            :func:`afd_ext.transport.register_transport`.
         control_channel: ``"auto"`` (shared memory on one host, else TCP),
             ``"shm"`` or ``"tcp"``.
         max_stages: most stages per step (checked at handshake and per step).
@@ -192,7 +202,7 @@ class AfdExtConnectorConfig:
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
         set_("job_id", resolve_job_id(self.job_id)[0])
-        _one_of(self.transport, "connector_extra_config.transport", ("nccl", "gloo", "peer", "auto"))
+        _one_of(self.transport, "connector_extra_config.transport", (*TRANSPORTS, "auto"))
         _one_of(self.control_channel, "connector_extra_config.control_channel", ("auto", "shm", "tcp"))
         if self.hidden_wire_dtype is not None:
             _one_of(self.hidden_wire_dtype, "connector_extra_config.hidden_wire_dtype", ("fp8_e4m3",))

@@ -708,19 +708,19 @@ elif not any(isinstance(f, _InductorImportHook) for f in sys.meta_path):
 # Peer-memory plane (docs/peer-memory.md): ranks on one node write rows
 # straight into each other's memory through CUDA IPC, then publish a flag.
 # Planes and regions are int handles into a C++ table (never raw pointers).
-# The constants mirror csrc/peer.h.
+# The constants come from the compiled core (csrc/peer.h states them once).
 # ---------------------------------------------------------------------------
 
 #: Bytes of a CUDA IPC memory handle (``cudaIpcMemHandle_t``).
-PEER_IPC_HANDLE_BYTES = 64
+PEER_IPC_HANDLE_BYTES: int = _C.PEER_IPC_HANDLE_BYTES
 #: Most peers one ``peer_put`` / ``peer_wait`` may name.
-PEER_MAX_PEERS = 64
+PEER_MAX_PEERS: int = _C.PEER_MAX_PEERS
 #: Generations are 16 bits of every flag word: ``1..PEER_MAX_GENERATION``.
-PEER_MAX_GENERATION = 0xFFFF
+PEER_MAX_GENERATION: int = _C.PEER_MAX_GENERATION
 #: Names of the words of :func:`peer_plane_error`'s record, in order.
-PEER_ERR_WORDS = ("code", "op", "peer", "layer", "stage", "want", "seen", "waited_ns")
+PEER_ERR_WORDS: tuple[str, ...] = tuple(_C.PEER_ERR_WORDS.split(","))
 #: Error codes of the record's ``code`` word.
-PEER_OK, PEER_TIMEOUT, PEER_PROTOCOL, PEER_ABORTED = 0, 1, 2, 3
+PEER_OK, PEER_TIMEOUT, PEER_PROTOCOL, PEER_ABORTED = _C.PEER_OK, _C.PEER_TIMEOUT, _C.PEER_PROTOCOL, _C.PEER_ABORTED
 
 
 @_boundary

@@ -18,6 +18,7 @@
 #include "checks.h"
 #include "cpu/control.h"
 #include "ops.h"
+#include "peer.h"
 
 #ifdef AFD_WITH_CUDA
 #include <nccl.h>
@@ -452,7 +453,16 @@ PyMODINIT_FUNC PyInit__C(void) {
       PyModule_AddStringConstant(mod, "ARCH_LIST", AFD_ARCH_LIST) < 0 ||
       PyModule_AddIntConstant(mod, "CTRL_HEADER_BYTES", afd::ctrl::kHeaderBytes) < 0 ||
       PyModule_AddIntConstant(mod, "CTRL_SLOT_HEADER", afd::ctrl::kSlotHeader) < 0 ||
-      PyModule_AddStringConstant(mod, "WIRE_DTYPES", afd::wire_dtype_names().c_str()) < 0) {
+      PyModule_AddStringConstant(mod, "WIRE_DTYPES", afd::wire_dtype_names().c_str()) < 0 ||
+      // The peer plane's facts, read by afd_ext.ops (one statement: csrc/peer.h).
+      PyModule_AddIntConstant(mod, "PEER_IPC_HANDLE_BYTES", afd::kPeerIpcHandleBytes) < 0 ||
+      PyModule_AddIntConstant(mod, "PEER_MAX_PEERS", afd::kPeerMaxPeers) < 0 ||
+      PyModule_AddIntConstant(mod, "PEER_MAX_GENERATION", afd::kPeerMaxGeneration) < 0 ||
+      PyModule_AddStringConstant(mod, "PEER_ERR_WORDS", afd::kPeerErrWordNames) < 0 ||
+      PyModule_AddIntConstant(mod, "PEER_OK", afd::kPeerOk) < 0 ||
+      PyModule_AddIntConstant(mod, "PEER_TIMEOUT", afd::kPeerTimeout) < 0 ||
+      PyModule_AddIntConstant(mod, "PEER_PROTOCOL", afd::kPeerProtocol) < 0 ||
+      PyModule_AddIntConstant(mod, "PEER_ABORTED", afd::kPeerAborted) < 0) {
     Py_DECREF(mod);
     return nullptr;
   }

@@ -27,6 +27,8 @@ namespace afd {
 constexpr int kPeerMaxPeers = 64;
 // Wire tensors per put (hidden states, router logits, token ids).
 constexpr int kPeerMaxParts = 3;
+// Bytes of a CUDA IPC memory handle (sizeof(cudaIpcMemHandle_t), asserted where the CUDA header is seen).
+constexpr int kPeerIpcHandleBytes = 64;
 // FP8 hidden states (e4m3, DeepEP/DeepGEMM format): one float32 scale per row and this many channels.
 constexpr int kFp8Group = 128;
 
@@ -50,8 +52,13 @@ enum PeerErrCode : int {
   kPeerAborted = 3,   // the host aborted the plane (peer_plane_abort)
 };
 
+// Names of the error record's words in PeerErrWord order (exported to Python as _C.PEER_ERR_WORDS).
+constexpr const char* kPeerErrWordNames = "code,op,peer,layer,stage,want,seen,waited_ns";
+
 constexpr int kPeerGenShift = 48;
 constexpr uint64_t kPeerSeqMask = (uint64_t{1} << kPeerGenShift) - 1;
+// Generations are the flag word's bits above the sequence number: 1..kPeerMaxGeneration.
+constexpr int kPeerMaxGeneration = (1 << (64 - kPeerGenShift)) - 1;
 
 // Device state of one plane (pointers valid on the plane's device).
 struct PeerPlaneDev {

@@ -286,22 +286,51 @@ def test_quick_gloo_emits_valid_json(tmp_path, capfd):
     case_keys = {r["case_key"] for r in recs}
     assert case_keys == {"h64-t1-extras", "h64-t5-extras", "h64-t1-hidden", "h64-t5-hidden"}
     for ck in case_keys:
-        for v in ("ours_per_tensor", "reference", "raw"):
+        for v in ("ours_per_tensor", "connector", "reference", "raw"):
             r = report.lookup(doc, ck, v, "eager")
             assert r is not None, (ck, v)
             s = r["stats_us"]
             assert 0 < s["min"] <= s["p10"] <= s["median"] <= s["p90"] and s["n"] >= 4
             assert r["gbps"] > 0
-    # peer is NCCL-only and reported as skipped
-    assert {s["variant"] for s in doc["skipped"]} >= {"peer"}
+    # peer and connector_peer are NCCL-only and reported as skipped
+    assert {s["variant"] for s in doc["skipped"]} >= {"peer", "connector_peer"}
     assert "control_plane" not in doc and "Control plane" not in md  # its table: afd-ext bench --control-only
     ffn = [r for r in doc["records"] if r["role"] == "ffn"]
     assert ffn, "the FFN rank's own loop times are recorded too"
 
 
+@pytest.mark.timeout(240)
+def test_connector_variant_times_the_four_data_calls_beside_the_ops(tmp_path):
+    out = tmp_path / "conn"
+    rc = main(["--backend", "gloo", "--variants", "ours_per_tensor,connector,raw", "--hidden", "64", "--tokens", "1,128",
+               "--extras", "on", "--rounds", "2", "--time-per-point", "0.01", "--no-progress", "--out", str(out)])
+    assert rc == 0
+    doc = json.loads((out / "bench.json").read_text())
+    _validate(doc)
+    assert doc["meta"]["reps"]["rounds"] == 2
+    calls = [c for cs in report.DATA_CALLS.values() for c in cs]
+    assert calls == ["send_attn_output", "recv_ffn_output", "recv_attn_output", "send_ffn_output"]
+    for t in (1, 128):
+        for role, mine in report.DATA_CALLS.items():
+            for v in ("connector", "ours_per_tensor"):  # the connector's calls and the transport calls they make
+                r = report.lookup(doc, f"h64-t{t}-extras", v, "eager", role)
+                assert set(r["calls_us"]) == set(mine), (t, role, v)
+                for s in r["calls_us"].values():
+                    assert 0 < s["min"] <= s["median"] and s["n"] >= 4
+        assert "calls_us" not in report.lookup(doc, f"h64-t{t}-extras", "raw", "eager")
+    over = doc["connector_overhead"]
+    assert [(o["tokens"], o["call"]) for o in over] == [(t, c) for t in (1, 128) for c in (*calls, "round trip")]
+    for o in over:
+        assert (o["variant"], o["op_variant"]) == ("connector", "ours_per_tensor") and o["op_us"] > 0
+        assert o["overhead_us"] == pytest.approx(o["us"] - o["op_us"]) and o["ratio"] == pytest.approx(o["us"] / o["op_us"])
+    md = (out / "bench.md").read_text()
+    assert "## Connector overhead per data call (eager, host µs per call" in md and "| connector |" in md
+    assert "| h64-t128-extras | connector vs ours per-tensor | recv_attn_output |" in md
+
+
 def _check_cfg(port: int, A: int = 1, F: int = 1, cases=None) -> RunConfig:
     return RunConfig(backend="gloo", layout=make_layout(A, F, 0), cases=cases or [Case(40, 3, True, logits_width=8)],
-                     variants=("ours_per_tensor", "reference", "raw"),
+                     variants=("ours_per_tensor", "connector", "reference", "raw"),
                      modes=("eager",), reps=Reps(),
                      master_port=port, check=True, progress=False)
 
@@ -327,16 +356,17 @@ def test_check_passes_and_detects_corruption():
     ok = run_workers(_corrupting_worker, 2, (_check_cfg(find_free_port()), None), timeout_s=120)
     cs = _checks(ok)
     assert cs and all(c["ok"] for c in cs), [c for c in cs if not c["ok"]]
-    assert {c["variant"] for c in cs} == {"ours_per_tensor", "reference", "raw"}
+    every = {"ours_per_tensor", "connector", "reference", "raw"}
+    assert {c["variant"] for c in cs} == every
 
     bad = _checks(run_workers(_corrupting_worker, 2, (_check_cfg(find_free_port()), "reply"), timeout_s=120))
     failed = {c["variant"] for c in bad if not c["ok"]}
-    assert failed == {"ours_per_tensor", "reference", "raw"}
+    assert failed == every
     assert all(c["role"] == "attention" for c in bad if not c["ok"])  # the FFN rank received the right bytes
 
     bad = _checks(run_workers(_corrupting_worker, 2, (_check_cfg(find_free_port()), "payload"), timeout_s=120))
     failed = [c for c in bad if not c["ok"]]
-    assert {c["variant"] for c in failed if c["role"] == "ffn"} == {"ours_per_tensor", "reference", "raw"}
+    assert {c["variant"] for c in failed if c["role"] == "ffn"} == every
     assert any("differ" in e for c in failed for e in c["errors"])
 
 
@@ -384,6 +414,11 @@ def test_gpu_quick_sweep(tmp_path):
         for v in ("ours_per_tensor", "reference", "raw"):
             r = report.lookup(doc, "h7168-t128-extras", v, mode)
             assert r is not None and r["stats_us"]["median"] > 0, (v, mode)
+    # The connector's eager calls beside the ops they issue, over NCCL and over peer memory.
+    pairs = {(o["variant"], o["tokens"], o["call"]) for o in doc["connector_overhead"]}
+    for v in ("connector", "connector_peer"):
+        assert {(v, t, c) for t in (1, 128) for c in ("send_attn_output", "recv_ffn_output", "recv_attn_output",
+                                                       "send_ffn_output", "round trip")} <= pairs, v
 
 
 @pytest.mark.timeout(180)
@@ -396,7 +431,7 @@ def test_check_fan_in_and_split_gloo(A, F):
     assert cs and all(c["ok"] for c in cs), [c for c in cs if not c["ok"]]
     assert {(c["role"], c["role_rank"]) for c in cs} == (
         {("attention", a) for a in range(A)} | {("ffn", f) for f in range(F)})
-    assert {"ours_per_tensor", "reference", "raw"} <= {c["variant"] for c in cs}
+    assert {"ours_per_tensor", "connector", "reference", "raw"} <= {c["variant"] for c in cs}
 
 
 def test_gloo_document_names_its_transport_and_says_what_it_cannot_show(tmp_path):

@@ -145,3 +145,16 @@ def test_the_python_wire_dtype_table_mirrors_the_extensions():
     native = [n.strip() for n in _C.WIRE_DTYPES.split(",")]
     assert native == [spec.dtype_name(d) for d in spec.WIRE_DTYPES]
     assert ops.WIRE_DTYPES == spec.WIRE_DTYPES
+
+
+def test_the_peer_constants_come_from_the_extension():
+    # csrc/peer.h states the peer plane's limits and error record once; ops reads them from _C, and the
+    # record's decoder must name its words in the same order.
+    import dataclasses
+
+    from afd_ext import _C
+    from afd_ext.transport.peer.plane import PeerFailure
+
+    assert ops.PEER_ERR_WORDS == tuple(_C.PEER_ERR_WORDS.split(",")) == tuple(
+        f.name for f in dataclasses.fields(PeerFailure))
+    assert ops.PEER_OK == 0 and len({ops.PEER_OK, ops.PEER_TIMEOUT, ops.PEER_PROTOCOL, ops.PEER_ABORTED}) == 4

@@ -85,6 +85,26 @@ def test_selection_is_by_name_and_unknown_names_are_config_errors():
     assert isinstance(checked, StrictTransport) and checked.inner is plain and checked.kind == "loopback"
 
 
+def test_a_registered_transport_can_be_named_in_the_config(monkeypatch):
+    """register_transport is the whole job: the config accepts the name and the connector picks the class."""
+    from afd_ext import config
+    from afd_ext.config import AFDConfig
+    from afd_ext.connector import AFDConnector
+
+    monkeypatch.setattr(config, "TRANSPORTS", dict(config.TRANSPORTS))  # the registration ends with this test
+    import afd_ext.transport as tp
+
+    monkeypatch.setattr(tp, "_REGISTRY", config.TRANSPORTS)
+    raw = {"role": "ffn", "num_attention_ranks": 1, "num_ffn_ranks": 1,
+           "connector_extra_config": {"transport": "loopback2"}}
+    with pytest.raises(AFDConfigError, match="transport must be one of"):
+        AFDConfig.from_dict(raw)
+    register_transport("loopback2", LoopbackTransport)
+    conn = AFDConnector(0, 0, AFDConfig.from_dict(raw), 0, hidden_size=4, num_layers=1)
+    assert conn.transport_kind == "loopback2" and conn.device == torch.device("cpu")
+    assert transport_class("loopback2") is LoopbackTransport
+
+
 def test_strict_wrapper_checks_headers_over_any_transport():
     (_, ffn), (_, att) = _pair(strict=True)
     h = torch.arange(12, dtype=torch.float32).reshape(3, 4)

@@ -56,8 +56,8 @@ def build_parser(prog: str = "afd-ext bench") -> argparse.ArgumentParser:
     """The ``afd-ext bench`` argument parser."""
     p = argparse.ArgumentParser(
         prog=prog,
-        description="Benchmark the AFD layer exchange (this package vs the reference connector's call "
-                    "pattern and raw NCCL, or gloo on CPU); JSON + markdown + PNG.",
+        description="Benchmark the AFD layer exchange (this package's ops and its connector's data calls vs the "
+                    "reference connector's call pattern and raw NCCL, or gloo on CPU); JSON + markdown + PNG.",
     )
     p.add_argument("--out", default="bench-out", metavar="PATH",
                    help="output directory (bench.json, bench.md, bench.png) or a .json path (default: bench-out)")
@@ -81,6 +81,9 @@ def build_parser(prog: str = "afd-ext bench") -> argparse.ArgumentParser:
                    help="eager and/or graph (default: both; graph needs CUDA)")
     p.add_argument("--time-per-point", type=float, default=None, metavar="S",
                    help="timed seconds per (case, variant, mode); default 0.05 (0.02 with --quick, 0.005 on gloo)")
+    p.add_argument("--rounds", type=int, default=None, metavar="N",
+                   help="blocks per measurement, the variants alternated block by block (default 2 on GPUs, "
+                        "1 on gloo); medians pool every block's samples")
     p.add_argument("--peer-structure", action="store_true",
                    help="only the peer-memory plane against minimal put/wait kernels on one GPU, ratio per size; "
                         "its own options: --structures, --tokens, --out (afd-ext bench --peer-structure --help)")
@@ -190,14 +193,17 @@ def _config(args: argparse.Namespace) -> RunConfig:
         cases = default_cases()
     variants = parse_names(args.variants, ALL_VARIANTS + FP8_VARIANTS, "--variants")
     modes = parse_names(args.modes or ",".join(MODES), MODES, "--modes")
+    if args.rounds is not None and args.rounds < 1:
+        raise AFDConfigError(f"--rounds must be >= 1, got {args.rounds}")
     if cuda:
-        reps = Reps(target_s=args.time_per_point or (0.02 if args.quick else 0.05))
-    else:  # CPU tensors: eager only, few short blocks
+        reps = Reps(target_s=args.time_per_point or (0.02 if args.quick else 0.05), rounds=args.rounds or 2)
+    else:  # CPU tensors: eager only, few short blocks unless asked for more
         if "graph" in modes and args.modes is not None:
             raise AFDConfigError(f"--modes {args.modes}: graph mode needs CUDA (the NCCL backend); on CPU "
                                  "(gloo) the bench runs eager only")
         modes = ("eager",)
-        reps = Reps(target_s=args.time_per_point or 0.005, min_iters=4, max_iters=20, warmup=1, rounds=1)
+        reps = Reps(target_s=args.time_per_point or 0.005, min_iters=4,
+                    max_iters=20 if args.time_per_point is None else 400, warmup=1, rounds=args.rounds or 1)
     case_timeout = args.case_timeout or (60.0 if cuda else 20.0)
     if case_timeout <= 0:
         raise AFDConfigError(f"--case-timeout must be > 0 seconds, got {case_timeout}")
@@ -209,7 +215,7 @@ def _config(args: argparse.Namespace) -> RunConfig:
 
 
 def _assemble(meta: dict, cfg: RunConfig, results: list[dict]) -> dict:
-    from afd_ext.bench.report import SCHEMA, evaluate_targets
+    from afd_ext.bench.report import SCHEMA, connector_overhead, evaluate_targets
 
     devices = [f"{r['role']}{r['role_rank']}: {r['device']} (GPU {r.get('cuda_visible_devices')})"
                for r in results if r.get("device")]
@@ -221,6 +227,7 @@ def _assemble(meta: dict, cfg: RunConfig, results: list[dict]) -> dict:
         doc["checks"] = [c for r in results for c in r["checks"]]
     else:
         doc["targets"] = evaluate_targets(doc)
+        doc["connector_overhead"] = connector_overhead(doc)
     return doc
 
 

@@ -31,7 +31,7 @@ __all__ = [
 
 MODES = ("eager", "graph")
 #: Variant names, in the order they are alternated inside a case.
-ALL_VARIANTS = ("ours_per_tensor", "reference", "raw", "peer")
+ALL_VARIANTS = ("ours_per_tensor", "connector", "reference", "raw", "peer", "connector_peer")
 #: Accepted by ``--variants`` but not run by default: FP8 hidden states on the wire (docs/fp8.md).
 FP8_VARIANTS = ("ours_fp8", "peer_fp8")
 DEFAULT_TOKENS = (1, 8, 32, 128, 512, 2048, 8192)

@@ -9,11 +9,15 @@ JSON document (``schema: "afd-ext-bench/1"``)::
                   "gbps"?, "graph_iters"?, ...}],
      "skipped": [{"case_key", "variant", "reason"}],
      "targets": [{"target", "value", "goal", "ratio", "met", "detail"}],
+     "connector_overhead": [{"case_key", "tokens", "variant", "op_variant", "role",
+                             "call", "us", "op_us", "overhead_us", "ratio"}],
      "checks": [...]  (``--check`` runs only)}
 
 Ratios: ``speed-up vs reference = reference median / variant median`` (above
 1: faster than the reference pattern); ``x raw = variant median / raw
-median`` (how far above the one-message floor).
+median`` (how far above the one-message floor). Connector overhead per data call
+(eager records carry ``calls_us``: host µs per call, keyed by the connector's call
+names): ``overhead_us = connector median - op median``, ``ratio = connector / op``.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ __all__ = [
     "attention_records",
     "lookup",
     "evaluate_targets",
+    "connector_overhead",
     "render_markdown",
     "render_plot",
     "write_outputs",
@@ -42,7 +47,13 @@ LABELS = {
     "ours_fp8": "ours FP8 hidden",
     "peer_fp8": "peer FP8 hidden",
     "reference": "reference pattern",
+    "connector_peer": "connector (peer)",
 }
+
+#: Each connector variant and the op variant it is compared with (the calls its transport makes).
+CONNECTOR_PAIRS = (("connector", "ours_per_tensor"), ("connector_peer", "peer"))
+#: The connector's data calls per role, in call order.
+DATA_CALLS = {"attention": ("send_attn_output", "recv_ffn_output"), "ffn": ("recv_attn_output", "send_ffn_output")}
 
 #: What a CPU (gloo) run can and cannot show; heads its bench.md (the console output ends with a reminder).
 CPU_RUN_NOTE = (
@@ -74,10 +85,10 @@ def attention_records(doc: dict) -> list[dict]:
     return [r for r in doc["records"] if r["role"] == "attention"]
 
 
-def lookup(doc: dict, case_key: str, variant: str, mode: str) -> dict | None:
-    """Attention rank 0's record for one measurement."""
-    for r in attention_records(doc):
-        if (r["case_key"], r["variant"], r["mode"], r["role_rank"]) == (case_key, variant, mode, 0):
+def lookup(doc: dict, case_key: str, variant: str, mode: str, role: str = "attention") -> dict | None:
+    """Rank 0 of ``role``'s record for one measurement (the attention rank's: the round trip)."""
+    for r in doc["records"]:
+        if (r["case_key"], r["variant"], r["mode"], r["role"], r["role_rank"]) == (case_key, variant, mode, role, 0):
             return r
     return None
 
@@ -117,6 +128,32 @@ def evaluate_targets(doc: dict) -> list[dict]:
             out.append({"target": f"vs reference pattern, {mode}, {t} tokens", "value": ours, "goal": f">= {goal}x",
                         "ratio": ratio, "met": None if ratio is None else ratio >= goal,
                         "detail": f"reference {ref and round(ref, 2)} µs / ours {ours and round(ours, 2)} µs"})
+    return out
+
+
+def connector_overhead(doc: dict) -> list[dict]:
+    """Eager host µs of each connector data call against the op call it makes, rank 0 of each role, per case.
+
+    One row per (case, connector variant, call) where both variants were timed (``CONNECTOR_PAIRS``),
+    then one ``"round trip"`` row (the attention rank's round trip, both data calls of both roles).
+    Medians of the run's alternated blocks; ``overhead_us`` = connector - op, ``ratio`` = connector / op.
+    """
+    out: list[dict] = []
+    for c in _cases(doc):
+        for conn, op in CONNECTOR_PAIRS:
+            pairs = []
+            for role, calls in DATA_CALLS.items():
+                a, b = lookup(doc, c["key"], conn, "eager", role), lookup(doc, c["key"], op, "eager", role)
+                for call in calls:
+                    x, y = (r and r.get("calls_us", {}).get(call) for r in (a, b))
+                    if x and y:
+                        pairs.append((role, call, x["median"], y["median"]))
+            a, b = lookup(doc, c["key"], conn, "eager"), lookup(doc, c["key"], op, "eager")
+            if a and b:
+                pairs.append(("attention", "round trip", _med(a), _med(b)))
+            out += [{"case_key": c["key"], "tokens": c["tokens"], "variant": conn, "op_variant": op, "role": role,
+                     "call": call, "us": x, "op_us": y, "overhead_us": x - y, "ratio": x / y if y else None}
+                    for role, call, x, y in pairs]
     return out
 
 
@@ -165,7 +202,8 @@ def render_markdown(doc: dict) -> str:
     lines.append("- times: median µs (p10–p90), per iteration; ratios from medians measured side by side; "
                  f"`vs ref` = reference / ours-default (higher is better), `x raw` = ours-default / raw {tname}.")
     lines.append("")
-    variants_present = [v for v in ("ours_per_tensor", "reference", "raw", "peer", "ours_fp8", "peer_fp8")
+    variants_present = [v for v in ("ours_per_tensor", "connector", "reference", "raw", "peer", "connector_peer",
+                                     "ours_fp8", "peer_fp8")
                         if any(r["variant"] == v for r in doc["records"])]
     groups: dict[tuple, list[dict]] = {}
     for c in _cases(doc):
@@ -194,6 +232,14 @@ def render_markdown(doc: dict) -> str:
             wire = (f" ({2 * hidden:,} B/token; FP8 variants {fp8[0]['hidden_bytes_per_token']:,} B/token)"
                     if fp8 else "")
             lines += _section(f"Round trip, {A}A{F}F, hidden {hidden} bf16{wire}, {payload}, {mode}", head, rows)
+    over = doc.get("connector_overhead") or connector_overhead(doc)
+    if over:
+        rows = [[o["case_key"], f"{variant_label(o['variant'])} vs {variant_label(o['op_variant'], backend)}",
+                 o["call"], f"{o['us']:.1f}", f"{o['op_us']:.1f}", f"{o['overhead_us']:+.1f}",
+                 _fmt(o["ratio"], ".2f", "×")] for o in sorted(over, key=lambda o: (o["tokens"], o["case_key"]))]
+        note = ("; on gloo a receive's time includes the wait for its peer" if backend == "gloo" else "")
+        lines += _section(f"Connector overhead per data call (eager, host µs per call, median{note})",
+                          ["case", "variants", "call", "connector µs", "op µs", "overhead µs", "ratio"], rows)
     fan = _fan_in_rows(doc, backend)
     if fan:
         lines += _section("Fan-in (several attention ranks per FFN rank)",
@@ -250,7 +296,7 @@ def render_plot(doc: dict, path: str) -> str | None:
     backend = doc.get("meta", {}).get("backend")
     fig, ax = plt.subplots(figsize=(8, 5))
     for mode, style in (("graph", "-"), ("eager", "--")):
-        for v in ("ours_per_tensor", "reference", "raw", "peer"):
+        for v in ("ours_per_tensor", "connector", "reference", "raw", "peer"):
             pts = sorted((c["tokens"], _med(r)) for c in pick if (r := lookup(doc, c["key"], v, mode)))
             if pts:
                 ax.plot(*zip(*pts), style, marker="o", ms=3, label=f"{variant_label(v, backend)}, {mode}")

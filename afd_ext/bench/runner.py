@@ -22,6 +22,7 @@ import datetime
 import logging
 import os
 import zlib
+from collections import defaultdict
 from typing import Any
 
 from afd_ext.bench.plan import Case, RunConfig
@@ -216,13 +217,18 @@ def _time_case(env: _Env, case: Case, ctx, variants: list) -> list[dict]:
                 env.sync("before capture")
                 graphs[v.name] = capture_graph(v.step(), k)
         samples: dict[str, list[float]] = {v.name: [] for v in vlist}
+        calls: dict[str, defaultdict[str, list[float]]] = {v.name: defaultdict(list) for v in vlist}
         for _ in range(reps.rounds):
             for v in vlist:
                 env.sync("between variants")
                 what = f"{env.label()} {case.key()} {v.name}/{mode}"
                 if mode == "eager":
+                    v.call_us = defaultdict(list)  # host µs per data call, warm-up iterations first
                     s = time_eager(v.step(), iters=reps.per_round(nb, True), warmup=reps.warmup,
                                    cuda=env.cuda, timeout_s=cfg.case_timeout_s, what=what)
+                    for call, us in v.call_us.items():
+                        calls[v.name][call] += us[reps.warmup:]
+                    v.call_us = None
                 else:
                     s = time_graph(graphs[v.name], reps.graph_replays_per_round(nb), warmup=1, graph_iters=k,
                                    timeout_s=cfg.case_timeout_s, what=what)
@@ -240,6 +246,8 @@ def _time_case(env: _Env, case: Case, ctx, variants: list) -> list[dict]:
             rec["gbps"] = (rec["bytes_a2f"] + rec["bytes_f2a"]) / (stats["median"] * 1e3)
             if mode == "graph":
                 rec["graph_iters"] = k
+            if calls[v.name]:
+                rec["calls_us"] = {c: dataclasses.asdict(summarize(us)) for c, us in calls[v.name].items()}
             records.append(rec)
     return records
 

@@ -23,6 +23,12 @@ between this process and its peers (the :class:`Link` list of this rank):
                         reply into its tensor (one kernel each); FFN ``peer_wait``
                         (the fan-in is a view of its region) and ``peer_put`` of
                         the reply. CUDA IPC between the processes; GPUs only.
+``connector``,          the connector's four data calls (``send_attn_output``,
+``connector_peer``      ``recv_ffn_output``; ``recv_attn_output``, ``send_ffn_output``),
+                        eager, over the run's transport (NCCL on GPUs, gloo on CPU)
+                        or the peer-memory plane: the path vLLM's eager steps take.
+                        Steps of :data:`CONNECTOR_LAYERS` exchanges, strict mode off;
+                        a step's control-plane calls fall in its first iteration.
 ``ours_fp8``,           ``ours_per_tensor`` / ``peer`` with FP8 hidden states on the
 ``peer_fp8``            wire (docs/fp8.md): quantized in the send path (NCCL: one
                         kernel into the send buffers; peer: in the put), the FFN
@@ -39,11 +45,19 @@ per-rank byte pattern, the FFN rank snapshots what it received (verified
 bit-exactly against the pattern of each peer's rows) and replies with the
 received hidden-state bytes XOR ``0x55``; the attention rank verifies the
 reply bit-exactly. :func:`pattern_bytes` is the shared pattern.
+
+Host time per data call: ``connector``, ``connector_peer`` and the op variants
+they are compared with (``ours_per_tensor``, ``peer``) record each call's host
+µs under the connector's call names while the runner collects them
+(:attr:`Variant.call_us`); on a blocking transport (gloo) a receive's time
+includes the wait for the peer.
 """
 
 from __future__ import annotations
 
 import math
+import time
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -51,7 +65,7 @@ import torch
 
 from afd_ext.bench.plan import Case
 from afd_ext.fp8 import GROUP as FP8_GROUP
-from afd_ext.topology import ATTENTION
+from afd_ext.topology import ATTENTION, FFN
 
 __all__ = [
     "XOR_BYTE",
@@ -59,12 +73,16 @@ __all__ = [
     "Ctx",
     "Variant",
     "VARIANTS",
+    "CONNECTOR_LAYERS",
     "pattern_bytes",
     "rows_bytes",
 ]
 
 #: The check-mode FFN replies with every received hidden byte XOR this.
 XOR_BYTE = 0x55
+#: Layer exchanges per step of the connector variants: one iteration in this many also runs the step's
+#: control-plane calls (outside the per-call times; inside the round trip, where the median leaves it out).
+CONNECTOR_LAYERS = 64
 
 
 @dataclass
@@ -217,6 +235,8 @@ class Variant:
         self.dev = ctx.device
         self.live = [l for l in ctx.links if l.count > 0]
         self.snap: list[torch.Tensor] | None = None
+        #: ``{call name: [host µs]}`` while the runner collects per-call host times, else None.
+        self.call_us: defaultdict[str, list[float]] | None = None
 
     # -- helpers ---------------------------------------------------------------
 
@@ -242,6 +262,13 @@ class Variant:
     def attn_round(self) -> None:
         self.attn_send()
         self.attn_recv()
+
+    def _took(self, call: str, t0: int) -> int:
+        """Record ``call``'s host µs since ``t0`` (``perf_counter_ns``) while the runner collects; returns now."""
+        t1 = time.perf_counter_ns()
+        if self.call_us is not None:
+            self.call_us[call].append((t1 - t0) / 1e3)
+        return t1
 
     def close(self) -> None:
         """Release anything beyond tensors (nothing by default)."""
@@ -322,34 +349,38 @@ class OursPerTensor(Variant):
             self.tags = {d: MessageTag("bench", d, 0, 0, 0) for d in ("a2f", "f2a")}
             self.peer_ids = [l.peer for l in self.live]
 
-    # gloo transport calls (rows per peer are the same both ways)
-    def _g_send(self, tensors: tuple, d: str):
-        return self.tr.split_back(tensors, self.peer_ids, self.a2f[2], tag=self.tags[d])
-
-    def _g_recv(self, tensors: tuple, d: str) -> None:
-        self.tr.fan_in(tensors, self.peer_ids, self.a2f[2], tag=self.tags[d])
-
+    # Each call is timed under the connector call it stands for (gloo: the transport's calls the connector makes,
+    # with the wait for the send that the connector's receive of the reply includes).
     def attn_round(self) -> None:
+        t = time.perf_counter_ns()
         if self.tr is not None:
-            pending = self._g_send(self.gloo_wire, "a2f")
-            self._g_recv((self.reply, None, None), "f2a")
+            pending = self.tr.split_back(self.gloo_wire, self.peer_ids, self.a2f[2], tag=self.tags["a2f"])
+            t = self._took("send_attn_output", t)
+            self.tr.fan_in((self.reply, None, None), self.peer_ids, self.a2f[2], tag=self.tags["f2a"])
             pending.wait()
+            self._took("recv_ffn_output", t)
             return
         sc, peers, rows = self.a2f
         _ops().split_back(*self.wire, sc, peers, rows, *self.scales)  # the connector's two calls
+        t = self._took("send_attn_output", t)
         _ops().fan_in(self.reply, None, None, self.f2a[0], peers, rows)
+        self._took("recv_ffn_output", t)
 
     def ffn_recv(self) -> None:
+        t = time.perf_counter_ns()
         if self.tr is not None:
-            self._g_recv(self.gloo_wire, "a2f")
-            return
-        _ops().fan_in(*self.wire, *self.a2f, *self.scales)
+            self.tr.fan_in(self.gloo_wire, self.peer_ids, self.a2f[2], tag=self.tags["a2f"])
+        else:
+            _ops().fan_in(*self.wire, *self.a2f, *self.scales)
+        self._took("recv_attn_output", t)
 
     def ffn_send(self) -> None:
+        t = time.perf_counter_ns()
         if self.tr is not None:
-            self._g_send((self.h, None, None), "f2a").wait()
-            return
-        _ops().split_back(self.h, None, None, *self.f2a)
+            self.tr.split_back((self.h, None, None), self.peer_ids, self.a2f[2], tag=self.tags["f2a"]).wait()
+        else:
+            _ops().split_back(self.h, None, None, *self.f2a)
+        self._took("send_ffn_output", t)
 
 
 class _Fp8Wire:
@@ -401,6 +432,101 @@ class OursFp8(_Fp8Wire, OursPerTensor):
         _ops().fp8_dequantize(self.v, self.s, self.h)
 
 
+class ConnectorCalls(Variant):
+    """The connector's four data calls, eager (the path vLLM's eager steps take), beside the ops they issue.
+
+    Each rank builds an :class:`~afd_ext.connector.AFDConnector` of the run's topology (strict mode off,
+    its own rendezvous on a port FFN rank 0 picks) and walks steps of :data:`CONNECTOR_LAYERS` exchanges
+    of stage 0: the attention rank applies and sends the step's payload before the first exchange, the
+    FFN rank receives and applies it. :meth:`close` finishes the step untimed, so no rank aborts.
+    """
+
+    name = "connector"
+    graph_ok = False
+    transport: str | None = None  # None: the run's backend (nccl or gloo)
+    _setups = 0  # one fresh port key per construction (every rank builds the same sequence)
+
+    def __init__(self, ctx: Ctx, case: Case):
+        super().__init__(ctx, case)
+        from afd_ext.config import AFDConfig
+        from afd_ext.connector import AFDConnector
+        from afd_ext.metadata import AFDControlPayload, AFDTransferContext, AFDTransferMetadata
+        from afd_ext.testing import find_free_port
+
+        ConnectorCalls._setups += 1
+        key = f"afd-bench/connector-port/{ConnectorCalls._setups}"
+        if ctx.role == FFN and ctx.role_rank == 0:  # world rank 0 hosts the connector's store
+            ctx.store.set(key, str(find_free_port()))
+        topo, n = ctx.topology, ctx.rows
+        cfg = AFDConfig(role=ctx.role, host="127.0.0.1", port=int(ctx.store.get(key)),
+                        num_attention_ranks=topo.num_attention_ranks, num_ffn_ranks=topo.num_ffn_ranks,
+                        connector_extra_config={"transport": self.transport or ctx.backend, "strict": False,
+                                                "step_timeout_s": ctx.timeout_s, "init_timeout_s": ctx.timeout_s})
+        self.conn = AFDConnector(topo.world_rank(ctx.role, ctx.role_rank), ctx.device.index or 0, cfg,
+                                 ctx.role_rank, hidden_size=case.hidden, num_layers=CONNECTOR_LAYERS,
+                                 dtype=torch.bfloat16, router_logits_width=case.logits_width if case.extras else None,
+                                 send_token_ids=case.extras, device=ctx.device)
+        self.conn.init_afd_connector()
+        self.payload = AFDControlPayload(dp_metadata_list={0: [case.tokens] * topo.num_attention_ranks})
+        self.layer = 0
+        if ctx.is_attention:
+            self.h, self.l, self.i = self._wire(n)
+            self.reply = torch.zeros(n, case.hidden, dtype=torch.bfloat16, device=self.dev)
+            self.contexts = [AFDTransferContext(AFDTransferMetadata.create_attention_metadata(
+                layer_idx=k, stage_idx=0, seq_len=n)) for k in range(CONNECTOR_LAYERS)]
+        else:
+            self.out = torch.zeros(n, case.hidden, dtype=torch.bfloat16, device=self.dev)
+            self.got = None
+
+    def attn_round(self) -> None:
+        c = self.conn
+        if self.layer == 0:
+            c.control_plane.update_state_from_dp_metadata(self.payload)
+            c.control_plane.send_dp_metadata_list(self.payload)
+        t = time.perf_counter_ns()
+        c.send_attn_output(self.h, self.contexts[self.layer], self.l, self.i)
+        t = self._took("send_attn_output", t)
+        c.recv_ffn_output(self.reply, 0)
+        self._took("recv_ffn_output", t)
+        self.layer = (self.layer + 1) % CONNECTOR_LAYERS
+
+    def ffn_recv(self) -> None:
+        c = self.conn
+        if self.layer == 0:
+            c.control_plane.update_state_from_dp_metadata(c.control_plane.recv_dp_metadata_list())
+        t = time.perf_counter_ns()
+        self.got = c.recv_attn_output(0)
+        self._took("recv_attn_output", t)
+
+    def ffn_send(self) -> None:
+        t = time.perf_counter_ns()
+        self.conn.send_ffn_output(self.out, self.got.context)
+        self._took("send_ffn_output", t)
+        self.layer = (self.layer + 1) % CONNECTOR_LAYERS
+
+    def close(self) -> None:
+        self.check, self.call_us = False, None
+        step = self.step()
+        while self.layer:  # both roles stand at the same layer: finish the step together (an incomplete one aborts)
+            step()
+        self.conn.close()
+
+    def ffn_received(self) -> list[torch.Tensor]:
+        g = self.got
+        return [t for t in (g.hidden_states, g.router_logits, g.input_ids) if t is not None]
+
+    def ffn_out(self) -> torch.Tensor:
+        return self.out
+
+
+class ConnectorPeer(ConnectorCalls):
+    """``connector`` over the peer-memory plane (``transport: "peer"``), beside ``peer``; GPUs only."""
+
+    name = "connector_peer"
+    backends = ("nccl",)
+    transport = "peer"
+
+
 # ---------------------------------------------------------------------------
 # The reference connector's call pattern
 # ---------------------------------------------------------------------------
@@ -448,16 +574,24 @@ class PeerMemory(Variant):
             self.out = torch.zeros(n, case.hidden, dtype=torch.bfloat16, device=self.dev)
 
     def attn_send(self) -> None:
+        t = time.perf_counter_ns()
         self.plane.put(0, (self.h, self.l, self.i), self.rows, self.dst)
+        self._took("send_attn_output", t)
 
     def attn_recv(self) -> None:
+        t = time.perf_counter_ns()
         self.plane.wait(0, self.ctx.rows, layer=0, out=self.reply)
+        self._took("recv_ffn_output", t)
 
     def ffn_recv(self) -> None:
+        t = time.perf_counter_ns()
         self.plane.wait(0, self.ctx.rows, layer=0, out=self.out if self.fp8 else None)
+        self._took("recv_attn_output", t)
 
     def ffn_send(self) -> None:
+        t = time.perf_counter_ns()
         self.plane.put(0, (self.out,), self.rows, self.dst)
+        self._took("send_ffn_output", t)
 
     def close(self) -> None:
         self.plane.close()
@@ -632,4 +766,6 @@ VARIANTS: dict[str, type[Variant]] = {
     "peer": PeerMemory,
     "ours_fp8": OursFp8,
     "peer_fp8": PeerFp8,
+    "connector": ConnectorCalls,
+    "connector_peer": ConnectorPeer,
 }

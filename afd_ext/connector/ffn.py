@@ -15,7 +15,7 @@ import torch
 from ..errors import AFDConfigError, AFDStateError
 from ..metadata import AFDA2FTransferPayload, AFDExpertRoutingSpec, AFDTransferContext, AFDTransferMetadata
 from .session import RoleSide, Session
-from .step import AfdExtTransferState, ReplySend, Step, context_metadata, flag_arg, routing_spec_arg
+from .step import AfdExtTransferState, ReplySend, Step, check_routing_spec, context_metadata, flag_arg
 
 __all__ = ["FFNSide"]
 
@@ -36,15 +36,7 @@ class FFNSide(RoleSide):
         cfg = st.schedule.config
         try:
             layer, stage = st.seq.next_fan_in(ubatch_idx, op)
-            spec = routing_spec_arg(routing_spec)
-            if spec is not None:
-                if cfg.router_logits_width is None:
-                    raise AFDConfigError(f"{op}: routing_spec {routing_spec} given, but the connector was initialised "
-                                     "without router logits; pass router_logits_width (or routing_spec) at "
-                                     "construction on both roles")
-                if spec != (cfg.router_logits_width, cfg.router_logits_dtype):
-                    raise AFDConfigError(f"{op}: routing_spec {routing_spec} differs from the configured router logits "
-                                     f"[{cfg.router_logits_width}] {cfg.router_logits_dtype}")
+            check_routing_spec(routing_spec, cfg.router_logits_width, cfg.router_logits_dtype)
             if flag_arg(recv_input_ids, "recv_input_ids") and not cfg.send_token_ids:
                 raise AFDConfigError(f"{op}: recv_input_ids=True but the connector was initialised with "
                                  "send_token_ids=False; enable it on both roles")

@@ -16,7 +16,7 @@ from ..transport.base import MessageTag, PendingSend
 from .sequencer import StepSequencer, stage_arg
 
 __all__ = ["AfdExtTransferState", "Step", "Exchange", "ReplySend", "context_metadata", "canonical_strides",
-           "routing_spec_arg", "flag_arg"]
+           "check_routing_spec", "flag_arg"]
 
 #: Bound of a context's ``layer_idx`` (it travels in int32/int64 header fields).
 _MAX_INDEX = 2**31
@@ -60,23 +60,38 @@ def context_metadata(context: Any, op: str) -> AFDTransferMetadata:
         raise AFDConfigError(f"context.metadata.{e}") from None
 
 
-def routing_spec_arg(spec: Any) -> tuple[int, torch.dtype] | None:
-    """``(router_logits_width, router_logits_dtype)`` of ``recv_attn_output``'s ``routing_spec``, or None.
+def check_routing_spec(spec: Any, width: int | None, dtype: torch.dtype) -> None:
+    """Refuse a ``routing_spec`` (``recv_attn_output``'s; None passes) other than the configured router logits.
+
+    Args:
+        spec: what the caller passed: None or an ``AFDExpertRoutingSpec`` (or the reference's: any object
+            with an int ``router_logits_width`` and a ``torch.dtype`` ``router_logits_dtype``).
+        width, dtype: the configured router logits ``[n, width]`` of ``dtype``; ``width`` None: none travel.
 
     Raises:
-        AFDConfigError: not None and not an ``AFDExpertRoutingSpec`` (or the reference's: any object
-            with an int ``router_logits_width`` and a ``torch.dtype`` ``router_logits_dtype``).
+        AFDConfigError: not a routing spec, given without router logits, or another width or dtype;
+            the message says what to set on both roles.
     """
     if spec is None:
-        return None
+        return
     try:
-        width, dtype = spec.router_logits_width, spec.router_logits_dtype
+        got = (spec.router_logits_width, spec.router_logits_dtype)
     except AttributeError:
-        width = dtype = None
-    if isinstance(width, bool) or not isinstance(width, int) or not isinstance(dtype, torch.dtype):
+        got = (None, None)
+    if isinstance(got[0], bool) or not isinstance(got[0], int) or not isinstance(got[1], torch.dtype):
         raise AFDConfigError("routing_spec must be None or an AFDExpertRoutingSpec(router_logits_width: int, "
                              f"router_logits_dtype: torch.dtype), got {type(spec).__name__} {spec!r}"[:300])
-    return width, dtype
+    if width is None:
+        raise AFDConfigError(
+            f"routing_spec [{got[0]}] {got[1]} given, but the connector was initialised without router logits: "
+            "pass router_logits_width (or routing_spec) at construction, or under vLLM set "
+            "compute_gate_on_attention to true, on both roles")
+    if got != (width, dtype):
+        raise AFDConfigError(
+            f"routing_spec is [{got[0]}] {got[1]}, but the connector's router logits are [{width}] {dtype}: "
+            "construct both roles with this width and dtype (under vLLM afd_ext derives them from the model "
+            "config: the expert count, and the dtype of vLLM's DeepSeek gate unless "
+            f"connector_extra_config.router_logits_dtype is set, here to '{str(got[1]).removeprefix('torch.')}')")
 
 
 def flag_arg(value: Any, name: str) -> bool:

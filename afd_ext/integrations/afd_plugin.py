@@ -607,26 +607,13 @@ if HAVE_AFD_PLUGIN:
                 AFDConfigError / AFDStateError / AFDError: see afd_ext's ``recv_attn_output``.
             """
             spec = kwargs.get("routing_spec")
-            if spec is not None and spec != self._spec_ok:
-                self._check_routing_spec(spec)
+            if spec is not None and spec != self._spec_ok:  # checked before the connector is touched
+                from ..connector.step import check_routing_spec
+
+                check_routing_spec(spec, self.spec.router_logits_width, self.spec.router_logits_dtype)
+                self._spec_ok = spec
             return self._inner.recv_attn_output(ubatch_idx=ubatch_idx, routing_spec=spec,
                                                 recv_input_ids=bool(kwargs.get("recv_input_ids", False)))
-
-        def _check_routing_spec(self, spec: Any) -> None:
-            width, dtype = self.spec.router_logits_width, self.spec.router_logits_dtype
-            got = (int(spec.router_logits_width), spec.router_logits_dtype)
-            if width is None:
-                raise AFDConfigError(
-                    f"the FFN runner passed routing_spec {got}, but compute_gate_on_attention is false in the "
-                    "AFD config: set it to true on both roles")
-            if got != (width, dtype):
-                raise AFDConfigError(
-                    f"the model's routing_spec is [{got[0]}] {got[1]}, but afd_ext derived router logits "
-                    f"[{width}] {dtype} from the model config (expert count, model type, moe_router_dtype); "
-                    "this model's gate differs from vLLM's DeepSeek gate: set "
-                    f"connector_extra_config.router_logits_dtype (to '{str(got[1]).removeprefix('torch.')}') "
-                    "on both roles")
-            self._spec_ok = spec
 
         def send_ffn_output(self, ffn_output: torch.Tensor, context: Any, **kwargs: Any) -> None:
             """Split-back of ``ffn_output`` ``[total, hidden_size]`` by the context's per-peer rows."""

@@ -34,6 +34,7 @@ import importlib
 import logging
 from typing import Any, NamedTuple
 
+from ..config import TRANSPORTS
 from .base import (
     AFDPeerError,
     AFDProtocolError,
@@ -60,7 +61,6 @@ __all__ = [
     "StepProgress",
     "Transport",
     "TransportSetup",
-    "TRANSPORT_KINDS",
     "auto_transport",
     "AUTO_ORDER",
     "TransportChoice",
@@ -73,15 +73,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# name -> "module:Class", imported on first use.
-_REGISTRY: dict[str, str] = {
-    "nccl": "afd_ext.transport.nccl:NcclTransport",
-    "gloo": "afd_ext.transport.gloo:GlooTransport",
-    "peer": "afd_ext.transport.peer:PeerTransport",
-}
-
-#: Transport names accepted by the connector's ``transport`` setting (built-in ones).
-TRANSPORT_KINDS = tuple(_REGISTRY) + ("auto",)
+# name -> "module:Class", imported on first use: the configuration's table, so a registered name is a valid setting.
+_REGISTRY: dict[str, str] = TRANSPORTS
 
 #: The transports ``transport: "auto"`` considers, best first. Peer memory stays behind NCCL
 #: until a two-GPU timing shows it ahead (issue #35: on one GPU it is only measured against
@@ -90,7 +83,7 @@ AUTO_ORDER: list[str] = ["nccl", "peer", "gloo"]
 
 
 def register_transport(name: str, target: str | type[Transport], *, auto: bool = False) -> None:
-    """Make ``name`` a transport the connector can be configured with.
+    """Make ``name`` a transport the connector can be configured with (``connector_extra_config.transport``).
 
     Args:
         name: the ``connector_extra_config.transport`` value.

@@ -28,6 +28,8 @@
 
 namespace afd {
 
+static_assert(sizeof(cudaIpcMemHandle_t) == kPeerIpcHandleBytes, "peer.h: kPeerIpcHandleBytes is stale");
+
 namespace {
 
 // Memory whose last reference went away, freed at the next management op.
@@ -211,8 +213,8 @@ int64_t peer_plane_create(int64_t device, int64_t generation, int64_t num_slots,
   TORCH_CHECK(device >= 0 && device < count, "afd_ext.peer_plane_create: device ", device,
               " is not a CUDA device of this process (", count, " visible",
               count_err != cudaSuccess ? std::string(": ") + cudaGetErrorString(count_err) : "", ")");
-  TORCH_CHECK(generation >= 1 && generation <= 0xFFFF, "afd_ext.peer_plane_create: generation ",
-              generation, " must be in [1, 65535] (16 bits of every flag word)");
+  TORCH_CHECK(generation >= 1 && generation <= kPeerMaxGeneration, "afd_ext.peer_plane_create: generation ",
+              generation, " must be in [1, ", kPeerMaxGeneration, "] (16 bits of every flag word)");
   TORCH_CHECK(num_slots >= 1 && num_slots <= 4096, "afd_ext.peer_plane_create: num_slots ",
               num_slots, " must be in [1, 4096]");
   TORCH_CHECK(max_peers >= 1 && max_peers <= kPeerMaxPeers, "afd_ext.peer_plane_create: max_peers ",

@@ -1,0 +1,44 @@
+"""Python calls inside the package per connector data call: at most today's, so they cannot creep back.
+
+Counted as issue #43 describes (``tests/call_counts.py``: 1A1F gloo, 1 token, 4 layers, layer 2, strict
+off). :data:`CEILING` is the count at ab09dfe; the redesign of #43 lowers it to 25 per call.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from call_counts import count_package_calls, data_call_counts  # noqa: E402
+
+#: Python calls inside afd_ext (transport/gloo.py, torch and the standard library not counted), at ab09dfe.
+CEILING = {"send_attn_output": 51, "recv_attn_output": 40, "recv_ffn_output": 40, "send_ffn_output": 37}
+
+
+def test_the_counter_counts_the_package_and_nothing_else():
+    import torch
+
+    from afd_ext.topology import Topology, rank_label
+
+    with count_package_calls() as c:
+        rank_label(1, 1)
+        torch.zeros(2).sum()  # torch and the standard library are not counted
+        os.path.join("a", "b")
+    assert c == {"topology.py:rank_label": 1}
+    with count_package_calls(exclude=()) as c:
+        Topology(1, 1)
+    assert sum(c.values()) >= 1 and all(k.startswith("topology.py:") for k in c), c
+
+
+@pytest.mark.timeout(180)
+def test_data_calls_stay_under_the_ceiling():
+    counts = data_call_counts()
+    got = {name: sum(c.values()) for name, c in counts.items()}
+    over = {name: f"{got[name]} > {CEILING[name]}: {sorted(counts[name].items())}" for name in got
+            if got[name] > CEILING[name]}
+    assert not over, over
+    assert not any(f.startswith("transport/gloo.py") for c in counts.values() for f in c)
