@@ -33,14 +33,17 @@ from types import CodeType
 from typing import Any, Callable
 
 
-def _resolve(func: Any, text: str) -> tuple[CodeType, int]:
-    """The code object of ``func`` and the number of its one line containing ``text``."""
+def _resolve(func: Any, text: str | int) -> tuple[CodeType, int]:
+    """The code object of ``func`` and the number of its one line containing ``text`` (or numbered ``text``)."""
     func = inspect.unwrap(func)
     code = func if isinstance(func, CodeType) else getattr(func, "__code__", None)
     if code is None:
         raise TypeError(f"interleave: {func!r} has no code object (pass a Python function or method)")
     lines, first = inspect.getsourcelines(code)
-    hits = [first + i for i, s in enumerate(lines) if text in s]
+    if isinstance(text, int):
+        hits = [text] if first <= text < first + len(lines) else []
+    else:
+        hits = [first + i for i, s in enumerate(lines) if text in s]
     if len(hits) != 1:
         raise ValueError(f"interleave: {text!r} is on {len(hits)} lines of {code.co_name} "
                          f"({code.co_filename}:{first}); name exactly one")
@@ -57,14 +60,14 @@ class LineHold:
 
     Args:
         func: the function (or method, code object) that holds the line.
-        text: a piece of the line's source text, found on exactly one line of ``func``.
+        text: a piece of the line's source text, found on exactly one line of ``func``; or its line number.
         timeout_s: bound on every wait here, in seconds.
 
     Raises:
         ValueError: ``text`` is on no line, or several, of ``func``.
     """
 
-    def __init__(self, func: Any, text: str, *, timeout_s: float = 5.0):
+    def __init__(self, func: Any, text: str | int, *, timeout_s: float = 5.0):
         self.code, self.lineno = _resolve(func, text)
         self.where = f"{self.code.co_name} line {self.lineno} ({text!r})"
         self.timeout_s = timeout_s
