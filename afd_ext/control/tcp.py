@@ -138,15 +138,15 @@ class TcpControlChannel(ControlChannel):
                                     "(TCP send buffer full)") from None
             except OSError as e:
                 self._broken = True
+                if typ == _T_DATA:
+                    self._require(True, _OP_SEND)  # this end closed by another thread: not the peer's fault
                 raise PeerDeadError(self.peer, _OP_SEND, f"connection lost ({e})") from None
         finally:
             self._lock.release()
         return rest
 
-    def send_payload(self, payload: Any) -> None:
-        """As :meth:`ControlChannel.send_payload`; the per-step case encoded and sent in one native call."""
-        if self._closed or not self.is_sender or self._frame(_T_DATA, payload) is None:
-            super().send_payload(payload)  # the checks, a payload to convert
+    def _send_fast(self, payload: Any) -> bool:
+        return self._frame(_T_DATA, payload) is not None  # None: a payload to convert
 
     def _send(self, data: bytes) -> None:
         self._frame(_T_DATA, data)
