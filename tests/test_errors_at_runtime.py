@@ -35,7 +35,7 @@ CONTROL = str(Path(cp.__file__).parent)
 
 def _plane(kind: str, role: str, **opts):
     """(a plane of ``role`` over a fresh pair of ``kind``, the pair's ends to close after)."""
-    rx, tx = PAIRS[kind](**opts)
+    rx, tx = PAIRS[kind](heartbeat_timeout_s=60.0, **opts)  # only the close can end a wait in time
     ch = tx if role == "attention" else rx
     return cp.AFDControlPlane(lambda p: None, Topology(1, 1), role, 0, {0: ch}), (rx, tx)
 
@@ -119,7 +119,7 @@ def test_a_close_from_another_thread_at_any_line_of_a_call_ends_it_promptly_with
             bad.append(f"{where}: {type(got.error).__name__}: {got.error}")
         elif closed.error is not None:
             bad.append(f"{where}: close() raised {type(closed.error).__name__}: {closed.error}")
-        elif got.ended_at - got.released_at > 1.0:
+        elif got.ended_at - got.released_at > 2.0:
             bad.append(f"{where}: the call ended {got.ended_at - got.released_at:.1f} s after the close")
     assert not bad, f"{name} over {kind}, {len(lines)} lines held: " + "; ".join(bad)
 
