@@ -189,7 +189,7 @@ class TcpControlChannel(ControlChannel):
 
     def _check_peer(self, op: str) -> None:
         if self._ended == "close":
-            raise ControlChannelClosed(f"{op}: {self.peer} closed the control channel")
+            raise ControlChannelClosed(f"{op}: {self.peer} closed the control channel", op=op, peer=self.peer)
         if self._ended == "eof":
             raise PeerDeadError(self.peer, op, "its connection closed without a goodbye (process exited)")
         self._silent(op, max(self._last_seen, self._last_msg))  # a payload is a sign of life too
