@@ -321,14 +321,26 @@ static PyObject* ctrl_shm_take_py(PyObject*, PyObject* args) {
   return body ? Py_BuildValue("(KkN)", (unsigned long long)total, (unsigned long)sender, body) : nullptr;
 }
 
-// ctrl_shm_stop(ring) -> None
+// ctrl_shm_stop(ring, sender) -> None: the close of the sending (True) or receiving end.
 static PyObject* ctrl_shm_stop_py(PyObject*, PyObject* args) {
   Py_buffer b;
+  int sender;
   afd::ctrl::Ring r;
-  if (!PyArg_ParseTuple(args, "w*", &b) || !ctrl_ring(&b, &r)) return nullptr;
-  afd::ctrl::shm_stop(r.base);
+  if (!PyArg_ParseTuple(args, "w*p", &b, &sender) || !ctrl_ring(&b, &r)) return nullptr;
+  afd::ctrl::shm_stop(r.base, sender);
   PyBuffer_Release(&b);
   Py_RETURN_NONE;
+}
+
+// ctrl_shm_ends(ring) -> (sender state, receiver state, slots put and not yet taken), in one ordered read.
+static PyObject* ctrl_shm_ends_py(PyObject*, PyObject* args) {
+  Py_buffer b;
+  uint64_t s, rs, unread;
+  afd::ctrl::Ring r;
+  if (!PyArg_ParseTuple(args, "w*", &b) || !ctrl_ring(&b, &r)) return nullptr;
+  afd::ctrl::shm_ends(r.base, &s, &rs, &unread);
+  PyBuffer_Release(&b);
+  return Py_BuildValue("(KKK)", (unsigned long long)s, (unsigned long long)rs, (unsigned long long)unread);
 }
 
 // ctrl_tcp_send(fd, type, sender, data, max_bytes) -> True (sent) | bytes (the rest of the frame, which
@@ -425,6 +437,7 @@ static PyMethodDef afd_methods[] = {
     {"ctrl_shm_put", ctrl_shm_put_py, METH_VARARGS, "Control plane: publish a message in a shared-memory ring."},
     {"ctrl_shm_take", ctrl_shm_take_py, METH_VARARGS, "Control plane: wait for a ring's next message (control/shm.py)."},
     {"ctrl_shm_stop", ctrl_shm_stop_py, METH_VARARGS, "Control plane: end a shared-memory ring's waits (close)."},
+    {"ctrl_shm_ends", ctrl_shm_ends_py, METH_VARARGS, "Control plane: a ring's end states and unread slots."},
     {"ctrl_tcp_send", ctrl_tcp_send_py, METH_VARARGS, "Control plane: send one frame on a TCP control socket."},
     {"ctrl_tcp_take", ctrl_tcp_take_py, METH_VARARGS, "Control plane: wait for a TCP control socket's next frame."},
     {nullptr, nullptr, 0, nullptr}};

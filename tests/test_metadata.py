@@ -248,7 +248,8 @@ def test_property_round_trip(p):
 def test_property_random_bytes_only_value_error(data):
     try:
         p = decode_control_payload(data)
-    except ValueError:
+    except ValueError as e:
+        assert isinstance(e, ControlProtocolError), repr(e)  # named: an AFDError, not json's own ValueError
         return
     assert isinstance(p, AFDControlPayload)
 
@@ -271,7 +272,8 @@ json_values = st.recursive(
 def test_property_structured_garbage_only_value_error(doc):
     try:
         p = decode_control_payload(json.dumps(doc).encode())
-    except ValueError:
+    except ValueError as e:
+        assert isinstance(e, ControlProtocolError), repr(e)
         return
     # whatever decoded must re-encode and decode to the same thing
     q = decode_control_payload(encode_control_payload(p))

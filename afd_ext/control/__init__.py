@@ -24,7 +24,8 @@ device sync on the FFN side), the payload never touches a GPU. Each
       header (256 B): magic u64 | version u32 | nslots u32 | slot_bytes u64 |
                       sender pid u64 | sender start time u64 | receiver pid u64 |
                       receiver start time u64 | ... ;
-                      [64]  read_count u64   (receiver: slots consumed)
+                      [64]  read_count u64   (receiver: slots consumed) |
+                            receiver_state u64 (0 open, 2 closed)
                       [128] heartbeat_ns u64 (sender: CLOCK_MONOTONIC) |
                             sender_state u64 (0 new, 1 attached, 2 closed) |
                             write_count u64 (sender: slots published)
@@ -105,7 +106,9 @@ closed without a goodbye, and :class:`~afd_ext.rendezvous.StepAbortedError`
 when some rank posted the step-abort signal. A live idle peer is waited for
 forever, or until the optional ``recv_timeout_s``. A sender that closes its
 channel cleanly makes the receiver raise :class:`ControlChannelClosed`, so an
-FFN serving loop can end.
+FFN serving loop can end; a receiver that closes its shm end cleanly makes the
+sender's next send raise it, naming the FFN rank. Nothing published before a
+close or an exit is lost (the ordering rule: docs/internals.md, "How a channel ends").
 
 The payload travels in the compact binary layout of
 :func:`~afd_ext.metadata.encode_control_binary` (both ends are ``afd_ext``);

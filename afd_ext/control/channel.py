@@ -123,7 +123,8 @@ class ControlChannel:
 
     One thread sends (or receives) on an end at a time, as the control plane
     calls it; a sender's heartbeat thread shares the end (a tcp sender's frames
-    take the end's send lock). Subclasses: :class:`~afd_ext.control.shm.ShmControlChannel`,
+    take the end's send lock); :meth:`close` may come from any thread, and ends
+    the calls in flight with :class:`AFDStateError`. Subclasses: :class:`~afd_ext.control.shm.ShmControlChannel`,
     :class:`~afd_ext.control.tcp.TcpControlChannel`.
 
     Attributes:
@@ -145,7 +146,9 @@ class ControlChannel:
         self._idle_s = options.idle_s
         self._abort_check = abort_check
         self._closed = False
-        self._inflight = False  # a receive holds this end's memory / socket (close defers the release)
+        # One entry per call using this end's memory or socket (list ops are atomic); after close() the
+        # last one out releases them, so no call ever meets a released buffer.
+        self._users: list[str] = []
         self._store_lost_at: float | None = None
         self._last_msg = time.monotonic()  # receiver: it spins until idle_s after the last payload
         self._hb_stop = threading.Event()
@@ -163,22 +166,30 @@ class ControlChannel:
 
         Raises:
             AFDConfigError: message too large; AFDStateError: wrong end or closed
-            channel; PeerDeadError: the receiver is gone.
+            channel (also by another thread meanwhile); PeerDeadError: the receiver is gone;
+            ControlChannelClosed: the receiver closed its end (shm).
         """
-        if self._closed or not self.is_sender:
-            self._require(True, _OP_SEND)
-        if len(data) > self._max_bytes:
-            raise AFDConfigError(f"control message of {len(data)} bytes exceeds max_message_bytes="
-                                 f"{self._max_bytes}; raise it on both ends")
-        self._send(data)
+        self._enter(True, _OP_SEND)
+        try:
+            if len(data) > self._max_bytes:
+                raise AFDConfigError(f"control message of {len(data)} bytes exceeds max_message_bytes="
+                                     f"{self._max_bytes}; raise it on both ends")
+            self._send(data)
+        finally:
+            self._leave()
 
     def send_payload(self, payload: Any) -> None:
-        """Send an :class:`~afd_ext.metadata.AFDControlPayload` in the binary layout (the kinds encode
-        the per-step case natively, straight into the slot or frame; this is the general path).
+        """Send an :class:`~afd_ext.metadata.AFDControlPayload` in the binary layout (the per-step case
+        encoded natively, straight into the slot or frame, by the kind's :meth:`_send_fast`).
 
         Raises: AFDConfigError for an invalid payload (nothing is sent); else as :meth:`send`.
         """
-        self.send(encode_control_binary(payload))
+        self._enter(True, _OP_SEND)
+        try:
+            if not self._send_fast(payload):
+                self.send(encode_control_binary(payload))  # a payload to convert, fragments, a full ring
+        finally:
+            self._leave()
 
     def recv(self, timeout_s: float | None = None, op: str = _OP_RECV, max_payload: int = 0) -> Any:
         """Receive the next message (receiver end only), in send order.
@@ -207,10 +218,8 @@ class ControlChannel:
                 malformed payload, or one larger than ``max_payload``.
             AFDStateError: this end is closed (also by another thread while it waits).
         """
-        self._inflight = True  # from here a close() on another thread leaves the release to this wait
+        self._enter(False, op)
         try:
-            if self._closed or self.is_sender:
-                self._require(False, op)
             now = time.monotonic()
             deadline = None if timeout_s is None else now + timeout_s
             while True:
@@ -231,21 +240,23 @@ class ControlChannel:
                     raise ControlRecvTimeout(
                         f"{op}: no control payload from {self.peer} within {within} (the peer is alive but idle)")
         finally:
-            self._inflight = False
-            if self._closed:
-                self._release()
+            self._leave()
 
     def close(self) -> None:
-        """Release the channel (idempotent). On the sender, tell the receiver (clean shutdown)."""
+        """Close this end (idempotent, from any thread) and tell the peer (a clean shutdown). Calls in
+        flight on other threads end with :class:`AFDStateError`; the last of them releases the memory
+        or socket."""
         if self._closed:
             return
+        self._users.append("close")  # _shutdown uses the memory / socket too
         self._closed = True
-        self._hb_stop.set()
-        if self._hb_thread is not None and self._hb_thread is not threading.current_thread():
-            self._hb_thread.join(timeout=5)
-        self._shutdown()
-        if not self._inflight:  # else the waiting thread releases on its way out
-            self._release()
+        try:
+            self._hb_stop.set()
+            if self._hb_thread is not None and self._hb_thread is not threading.current_thread():
+                self._hb_thread.join(timeout=5)
+            self._shutdown()
+        finally:
+            self._leave()
 
     @property
     def closed(self) -> bool:
@@ -255,6 +266,10 @@ class ControlChannel:
 
     def _send(self, data: bytes) -> None:
         raise NotImplementedError
+
+    def _send_fast(self, payload: Any) -> bool:
+        """Send a payload in one native call if the kind can as it is; False: nothing sent."""
+        return False
 
     def _take(self, op: str, spin_until_ns: int, end_ns: int, limit: int) -> Any:
         """One wait slice: the next whole message (its bytes; with ``limit``, its decoded fields,
@@ -273,7 +288,7 @@ class ControlChannel:
         """close(): tell the peer (sender) and end this end's waits."""
 
     def _release(self) -> None:
-        """close(), once no native wait holds them: free the memory / socket."""
+        """close(), once no call uses them: free the memory / socket (idempotent)."""
 
     # -- shared helpers -----------------------------------------------------------------------
 
@@ -335,6 +350,19 @@ class ControlChannel:
         if type(body) is str:
             raise ControlProtocolError(f"{op}: malformed control payload from {self.peer}: {body}")
         return body
+
+    def _enter(self, sender: bool, op: str) -> None:
+        """A call starts using this end (registered before the look at ``_closed``: a close() after it
+        leaves the release to :meth:`_leave`); raises as :meth:`_require`."""
+        self._users.append(op)
+        if self._closed or self.is_sender != sender:
+            self._leave()
+            self._require(sender, op)
+
+    def _leave(self) -> None:
+        self._users.pop()
+        if self._closed and not self._users:
+            self._release()
 
     def _require(self, sender: bool, what: str) -> None:
         if self._closed:

@@ -254,11 +254,11 @@ class AFDControlPlane:
             self.destinations = ()
             self.source = topology.control_source(role_rank)
         self.channels: dict[int, ControlChannel] = {}
-        self._sends: tuple[ControlChannel, ...] = ()  # the channels to self.destinations, in order
-        self._source_channel: ControlChannel | None = None
         self.store: AFDStore | None = None
-        self._received: Any = None  # the payload recv_dp_metadata_list returned last (not yet applied)
-        self._open = False
+        # While open: (the channels to self.destinations in order, the source's channel, the store). One
+        # attribute, read once per call: a close() on another thread swaps it for None in one store.
+        self._links: tuple[tuple[ControlChannel, ...], ControlChannel | None, AFDStore | None] | None = None
+        self._received: Any = None  # (payload, sender's label, store) recv_dp_metadata_list returned last
         if channels is not None:
             self.attach(channels, store=store)
 
@@ -278,7 +278,7 @@ class AFDControlPlane:
             AFDStateError: already open.
             Whatever :func:`open_control_channels` raises (nothing is left open then).
         """
-        if self._open:
+        if self._links is not None:
             raise AFDStateError(f"the control plane of {self.label} is already open; close() it first")
         self.attach(open_control_channels(store, self.topology, self.role, self.role_rank, kind, timeout_s,
                                           options=options), store=store)
@@ -296,15 +296,13 @@ class AFDControlPlane:
                 f"control routing {sorted(expected)}; build them with open_control_channels"
             )
         self.channels = dict(channels)
-        self._sends = tuple(self.channels[f] for f in self.destinations)
-        self._source_channel = self.channels.get(self.source)  # type: ignore[arg-type]
         self.store = store
-        self._open = True
+        self._links = (tuple(self.channels[f] for f in self.destinations), self.channels.get(self.source), store)
 
     @property
     def is_open(self) -> bool:
         """Whether the channels are open (between :meth:`open` and :meth:`close`)."""
-        return self._open
+        return self._links is not None
 
     @property
     def is_sender(self) -> bool:
@@ -312,10 +310,12 @@ class AFDControlPlane:
         return bool(self.destinations)
 
     def close(self) -> None:
-        """Close every channel (idempotent; a sender's close tells its FFN ranks). :meth:`open` may follow."""
+        """Close every channel (idempotent; a sender's close tells its FFN ranks). :meth:`open` may follow.
+
+        From any thread: a call in flight on another thread ends promptly with :class:`AFDStateError`.
+        """
         channels, self.channels = self.channels, {}
-        self._sends, self._source_channel = (), None
-        self._open = False
+        self._links = None
         self.store = None
         for ch in channels.values():
             try:
@@ -323,11 +323,14 @@ class AFDControlPlane:
             except Exception as e:  # noqa: BLE001 - close must not raise
                 logger.warning("closing control channel to %s: %s", ch.peer, e)
 
-    def _require_open(self, op: str) -> None:
-        if not self._open:
+    def _require_open(self, op: str) -> Any:
+        """The links, read once; AFDStateError when closed."""
+        links = self._links
+        if links is None:
             raise AFDStateError(
                 f"AFD connector ({self.label}) is not initialized; call init_afd_connector() before {op}"
             )
+        return links
 
     # -- the reference's three calls ------------------------------------------------
 
@@ -343,17 +346,18 @@ class AFDControlPlane:
                 fault, named; the step-abort signal is posted first, so every rank stops at once.
             Whatever ``apply_payload`` raises for an invalid step or a wrong state.
         """
-        if payload is None or payload is not self._received:
+        received = self._received
+        if payload is None or received is None or payload is not received[0]:
             self._apply(payload)
             return
         self._received = None
         try:
             self._apply(payload)
         except ValueError as e:
-            err = ControlProtocolError(f"{_OP_RECV}: the control payload from {self.channels[self.source].peer} "
+            err = ControlProtocolError(f"{_OP_RECV}: the control payload from {received[1]} "
                                        f"does not fit this job: {e}")
-            if self.store is not None:
-                rdzv.post_abort(self.store, str(err))
+            if received[2] is not None:
+                rdzv.post_abort(received[2], str(err))
             raise err from None
 
     def send_dp_metadata_list(self, payload: Any) -> None:
@@ -363,15 +367,15 @@ class AFDControlPlane:
             payload: an :class:`~afd_ext.metadata.AFDControlPayload`.
 
         Raises:
-            AFDStateError: not open (connector not initialised).
+            AFDStateError: not open (connector not initialised), or closed meanwhile by another thread.
             AFDConfigError: not a valid control payload, or larger than the channel's limit.
             PeerDeadError: a destination FFN rank is gone.
+            ControlChannelClosed: a destination FFN rank closed its channel (shm).
         """
-        if not self._open:
-            self._require_open("send_dp_metadata_list")
+        sends = self._require_open("send_dp_metadata_list")[0]
         if self._check_send is not None:
             self._check_send(payload)
-        for ch in self._sends:  # an invalid payload fails the first, before anything moves
+        for ch in sends:  # an invalid payload fails the first, before anything moves
             ch.send_payload(payload)
 
     def recv_dp_metadata_list(self) -> Any:
@@ -382,7 +386,7 @@ class AFDControlPlane:
             int32 tensors on access, as the reference's runners read them).
 
         Raises:
-            AFDStateError: called on an attention rank, or not open.
+            AFDStateError: called on an attention rank, or not open, or closed meanwhile by another thread.
             PeerDeadError: the source attention rank died (its heartbeat stopped).
             ControlChannelClosed: the source closed its channel (clean shutdown).
             ControlRecvTimeout: ``recv_timeout_s`` passed.
@@ -392,17 +396,17 @@ class AFDControlPlane:
         """
         if self.role != "ffn":
             raise AFDStateError(f"recv_dp_metadata_list is called on FFN ranks only; this is {self.label}")
-        if not self._open:
-            self._require_open(_OP_RECV)
+        _, ch, store = self._require_open(_OP_RECV)
         try:  # the channel's native take decodes the payload
-            self._received = p = self._source_channel.recv(self.recv_timeout_s, _OP_RECV, self.max_payload_bytes)
-            return p
+            p = ch.recv(self.recv_timeout_s, _OP_RECV, self.max_payload_bytes)
         except ControlProtocolError as e:
-            if self.store is not None:  # every rank stops at once
-                rdzv.post_abort(self.store, str(e))
+            if store is not None:  # every rank stops at once
+                rdzv.post_abort(store, str(e))
             raise
         except ControlChannelClosed:
-            if self.store is not None:  # a sender that aborted the step closes its channel: report the cause
-                self.store.abort_signal.check(_OP_RECV)  # a lost store reads as no abort: the close stands
+            if store is not None:  # a sender that aborted the step closes its channel: report the cause
+                store.abort_signal.check(_OP_RECV)  # a lost store reads as no abort: the close stands
             raise
+        self._received = (p, ch.peer, store)
+        return p
 

@@ -22,12 +22,12 @@ from .channel import _OP_SEND, ControlChannel, _proc_start_time
 
 _SHM_DIR = "/dev/shm"
 _SHM_MAGIC = 0x4C525443_44464141  # b"AAFDCTRL" as little-endian u64
-_SHM_VERSION = 3  # follows the header layout of csrc/cpu/control.h
+_SHM_VERSION = 4  # follows the header layout of csrc/cpu/control.h
 # u64 word indices in the header
 _W_MAGIC, _W_VER_NSLOTS, _W_SLOT_BYTES = 0, 1, 2
 _W_SENDER_PID, _W_SENDER_START, _W_RECEIVER_PID, _W_RECEIVER_START = 3, 4, 5, 6
-_W_READ_COUNT = 8  # byte 64: own cache line
-_W_HEARTBEAT, _W_SENDER_STATE, _W_WRITE_COUNT = 16, 17, 18  # byte 128: the sender's cache line
+_W_READ_COUNT = 8  # byte 64: the receiver's cache line (its state next, native)
+_W_HEARTBEAT, _W_SENDER_STATE = 16, 17  # byte 128: the sender's cache line (the write count next, native)
 _STATE_NEW, _STATE_ATTACHED, _STATE_CLOSED = 0, 1, 2
 _K_STOPPED, _K_CORRUPT = -2, -3  # what a take returns (csrc/cpu/control.h)
 
@@ -156,11 +156,8 @@ class ShmControlChannel(ControlChannel):
             return False
         return True
 
-    def send_payload(self, payload: Any) -> None:
-        """As :meth:`ControlChannel.send_payload`; the per-step case (one slot, room in the ring) in one native call."""
-        if self._closed or not self.is_sender or self._C.ctrl_shm_put(self._mm, self.local_rank, payload,
-                                                                           self._max_bytes) is not True:
-            super().send_payload(payload)  # the checks, a payload to convert, fragments, a full ring
+    def _send_fast(self, payload: Any) -> bool:
+        return self._C.ctrl_shm_put(self._mm, self.local_rank, payload, self._max_bytes) is True  # one slot, room
 
     def _send(self, data: bytes) -> None:
         n, sb, put = len(data), self._slot_bytes, self._C.ctrl_shm_put
@@ -170,9 +167,16 @@ class ShmControlChannel(ControlChannel):
                 self._wait_space()
 
     def _wait_space(self) -> None:
-        """Sender, ring full: wait for the receiver, at most ``heartbeat_timeout_s``."""
+        """Sender, nothing put: wait for room, at most ``heartbeat_timeout_s``; raise if the receiver closed."""
         deadline = time.monotonic() + self.options.heartbeat_timeout_s
-        while self._hdr[_W_WRITE_COUNT] - self._hdr[_W_READ_COUNT] >= self._nslots:
+        while True:
+            self._require(True, _OP_SEND)  # closed by another thread: end the wait now
+            _, receiver_state, unread = self._C.ctrl_shm_ends(self._mm)
+            if receiver_state == _STATE_CLOSED:
+                raise ControlChannelClosed(f"{_OP_SEND}: {self.peer} closed the control channel", op=_OP_SEND,
+                                           peer=self.peer)
+            if unread < self._nslots:
+                return
             if self._peer_gone():
                 raise PeerDeadError(self.peer, _OP_SEND, "its process exited (control ring full)")
             if time.monotonic() > deadline:
@@ -212,7 +216,8 @@ class ShmControlChannel(ControlChannel):
             nxt = self._take_one(op, int(min(give_up, time.monotonic() + 0.1) * 1e9))
             if nxt is None:
                 self._require(False, op)
-                if time.monotonic() >= give_up or self._sender_done() or self._peer_gone():
+                self._check_peer(op)  # a sender that closed or died mid-message is named as such
+                if time.monotonic() >= give_up:
                     raise ControlProtocolError(
                         f"{op}: a control message from {self.peer} stopped after {have} of {total} bytes "
                         "(its sender gave up mid-message)")
@@ -225,24 +230,21 @@ class ShmControlChannel(ControlChannel):
             have += len(nxt[2])
         return self._decoded(op, b"".join(parts), total, limit)
 
-    def _sender_done(self) -> bool:
-        """The sender closed and every slot it published was taken: nothing more can come. (It bumps
-        the write count before it sets CLOSED, so a message published just before the close is
-        still taken first, whenever this end's take last looked.)"""
-        return (self._hdr[_W_SENDER_STATE] == _STATE_CLOSED
-                and self._hdr[_W_WRITE_COUNT] == self._hdr[_W_READ_COUNT])
-
     def _check_peer(self, op: str) -> None:
-        if self._sender_done():
-            raise ControlChannelClosed(f"{op}: {self.peer} closed the control channel")
-        if self._peer_gone():
+        # The liveness look comes first: a sender that exited had put every slot before, so the
+        # ends read after it count them (docs/internals.md, the ordering rule).
+        gone = self._peer_gone()
+        sender_state, _, unread = self._C.ctrl_shm_ends(self._mm)
+        if unread:
+            return  # published slots first: the next take has them, whatever the sender did since
+        if sender_state == _STATE_CLOSED:
+            raise ControlChannelClosed(f"{op}: {self.peer} closed the control channel", op=op, peer=self.peer)
+        if gone:
             raise PeerDeadError(self.peer, op, "its process exited")
         self._silent(op, self._hdr[_W_HEARTBEAT] * 1e-9)
 
     def _shutdown(self) -> None:
-        if self.is_sender:
-            self._hdr[_W_SENDER_STATE] = _STATE_CLOSED
-        self._C.ctrl_shm_stop(self._mm)
+        self._C.ctrl_shm_stop(self._mm, self.is_sender)
         if self._owner:
             self._unlink()
 

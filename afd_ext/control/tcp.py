@@ -138,15 +138,15 @@ class TcpControlChannel(ControlChannel):
                                     "(TCP send buffer full)") from None
             except OSError as e:
                 self._broken = True
+                if typ == _T_DATA:
+                    self._require(True, _OP_SEND)  # this end closed by another thread: not the peer's fault
                 raise PeerDeadError(self.peer, _OP_SEND, f"connection lost ({e})") from None
         finally:
             self._lock.release()
         return rest
 
-    def send_payload(self, payload: Any) -> None:
-        """As :meth:`ControlChannel.send_payload`; the per-step case encoded and sent in one native call."""
-        if self._closed or not self.is_sender or self._frame(_T_DATA, payload) is None:
-            super().send_payload(payload)  # the checks, a payload to convert
+    def _send_fast(self, payload: Any) -> bool:
+        return self._frame(_T_DATA, payload) is not None  # None: a payload to convert
 
     def _send(self, data: bytes) -> None:
         self._frame(_T_DATA, data)
@@ -189,7 +189,7 @@ class TcpControlChannel(ControlChannel):
 
     def _check_peer(self, op: str) -> None:
         if self._ended == "close":
-            raise ControlChannelClosed(f"{op}: {self.peer} closed the control channel")
+            raise ControlChannelClosed(f"{op}: {self.peer} closed the control channel", op=op, peer=self.peer)
         if self._ended == "eof":
             raise PeerDeadError(self.peer, op, "its connection closed without a goodbye (process exited)")
         self._silent(op, max(self._last_seen, self._last_msg))  # a payload is a sign of life too

@@ -10,9 +10,11 @@ namespace afd::ctrl {
 // Shared-memory ring: a header of kHeaderBytes, then nslots slots of `stride` bytes (32 + slot_bytes
 // rounded up to 64); a slot is seq u64 | total u64 | frag u32 | sender u32 | crc u32 | pad u32 | payload.
 // Header, u64 words: [0] magic, [1] version u32 | nslots u32, [2] slot_bytes, [3..6] the ends' pids and
-// start times (afd_ext/control/shm.py writes these); [8] read count (receiver: slots taken);
-// [16] heartbeat ns, [17] sender state, [18] write count (sender: slots put); bytes [192, 204) waiting
-// flag | doorbell | stop word (u32, this file's). Python reads the sizes through _C.
+// start times (afd_ext/control/shm.py writes these); [8] read count (receiver: slots taken), [9] receiver
+// state; [16] heartbeat ns, [17] sender state, [18] write count (sender: slots put); bytes [192, 204)
+// waiting flag | doorbell | stop word (u32, this file's). Python reads the sizes through _C.
+// An end's state: 0 new, 1 attached (sender), 2 closed; the ordering rule is docs/internals.md's "How a
+// channel ends".
 constexpr int64_t kHeaderBytes = 256;
 constexpr int64_t kSlotHeader = 32;
 
@@ -28,17 +30,23 @@ constexpr int64_t kSlice = -1;    // the slice's deadline passed
 constexpr int64_t kStopped = -2;  // an end set the ring's stop word (close)
 constexpr int64_t kCorrupt = -3;  // a published slot stayed inconsistent for a second
 
+constexpr uint64_t kClosed = 2;  // an end's state word after its close
+
 // Writes the next message (a fragment of `total` bytes from world rank `sender`) into its slot and
 // publishes it (seqlock: seq 2k+1 while written, 2k+2 once done); wakes a blocked receiver.
-// Returns false, writing nothing, while the ring is full (the receiver has not taken k - nslots).
+// Returns false, writing nothing, while the ring is full (the receiver has not taken k - nslots) or
+// after the receiver closed (shm_ends tells which).
 bool shm_put(const Ring& r, uint64_t total, uint32_t sender, const uint8_t* data, uint32_t n);
 // Waits for the next message: spins until `spin_until`, then sleeps on the doorbell (a futex) until
 // `deadline` (CLOCK_MONOTONIC ns). Copies a consistent fragment (CRC-checked) into `out` (slot_bytes)
 // and advances the read count.
 int64_t shm_take(const Ring& r, uint8_t* out, uint64_t* total, uint32_t* sender, int64_t spin_until,
                  int64_t deadline);
-// Sets the stop word and rings the doorbell: a waiting take returns kStopped.
-void shm_stop(uint8_t* ring);
+// An end's close: stores kClosed in its state word, sets the stop word and rings the doorbell (a waiting
+// take returns kStopped).
+void shm_stop(uint8_t* ring, bool sender);
+// Both ends' states and the slots put but not yet taken, read in that order (see the state words above).
+void shm_ends(uint8_t* ring, uint64_t* sender_state, uint64_t* receiver_state, uint64_t* unread);
 
 // TCP frames: magic u32 | type u32 | sender world rank u32 | length u64 | body.
 constexpr uint32_t kTcpMagic = 0xAFDC7C01;

@@ -23,7 +23,7 @@ namespace afd::ctrl {
 namespace {
 
 constexpr size_t kWaiting = 192, kBell = 196, kStop = 200;  // u32 header words
-constexpr size_t kReadCount = 64, kWriteCount = 144;         // u64 header words
+constexpr size_t kReadCount = 64, kReceiverState = 72, kSenderState = 136, kWriteCount = 144;  // u64 words
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the ring and the payload are little-endian");
 constexpr int64_t kCorruptAfterNs = 1000000000;
 
@@ -88,7 +88,9 @@ bool ring_of(uint8_t* buf, uint64_t len, Ring* r) {
 
 bool shm_put(const Ring& r, uint64_t total, uint32_t sender, const uint8_t* data, uint32_t n) {
   const uint64_t k = *u64(r.base, kWriteCount);  // this end's own word
-  if (k - __atomic_load_n(u64(r.base, kReadCount), __ATOMIC_ACQUIRE) >= r.nslots) return false;
+  if (__atomic_load_n(u64(r.base, kReceiverState), __ATOMIC_ACQUIRE) == kClosed ||
+      k - __atomic_load_n(u64(r.base, kReadCount), __ATOMIC_ACQUIRE) >= r.nslots)
+    return false;
   uint8_t* s = slot_of(r, k);
   auto* seq = reinterpret_cast<uint64_t*>(s);
   __atomic_store_n(seq, 2 * k + 1, __ATOMIC_RELAXED);
@@ -100,16 +102,24 @@ bool shm_put(const Ring& r, uint64_t total, uint32_t sender, const uint8_t* data
   const uint32_t c = slot_crc(2 * k + 2, s + 8, data, n);
   std::memcpy(s + 24, &c, 4);
   __atomic_store_n(seq, 2 * k + 2, __ATOMIC_RELEASE);
-  *u64(r.base, kWriteCount) = k + 1;
+  __atomic_store_n(u64(r.base, kWriteCount), k + 1, __ATOMIC_RELEASE);
   // A full fence orders the publish before the waiting flag's read (the receiver's mirror image).
   __atomic_thread_fence(__ATOMIC_SEQ_CST);
   if (__atomic_load_n(word(r.base, kWaiting), __ATOMIC_RELAXED)) ring_bell(r.base);
   return true;
 }
 
-void shm_stop(uint8_t* ring) {
+void shm_stop(uint8_t* ring, bool sender) {
+  __atomic_store_n(u64(ring, sender ? kSenderState : kReceiverState), kClosed, __ATOMIC_RELEASE);
   __atomic_store_n(word(ring, kStop), 1, __ATOMIC_SEQ_CST);
   ring_bell(ring);
+}
+
+void shm_ends(uint8_t* ring, uint64_t* sender_state, uint64_t* receiver_state, uint64_t* unread) {
+  *sender_state = __atomic_load_n(u64(ring, kSenderState), __ATOMIC_ACQUIRE);
+  *receiver_state = __atomic_load_n(u64(ring, kReceiverState), __ATOMIC_ACQUIRE);
+  *unread = __atomic_load_n(u64(ring, kWriteCount), __ATOMIC_ACQUIRE) -
+            __atomic_load_n(u64(ring, kReadCount), __ATOMIC_ACQUIRE);
 }
 
 int64_t shm_take(const Ring& r, uint8_t* out, uint64_t* total, uint32_t* sender, int64_t spin_until,
