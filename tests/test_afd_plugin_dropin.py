@@ -188,6 +188,9 @@ def test_factory_builds_afd_ext_with_the_reference_constructor(plugin, monkeypat
         graphs = _vc(connector_extra_config={"transport": "gloo", "strict": True})
         graphs.model_config.enforce_eager = False
         plugin.factory.create_connector(0, 0, graphs, plugin.config.parse_afd_config(graphs))
+    with pytest.raises(AFDConfigError, match="fp8_delivery 'fp8'.*use 'dequant'"):  # at construction, not at step 1
+        fp8 = _vc(connector_extra_config={"transport": "gloo", "hidden_wire_dtype": "fp8_e4m3", "fp8_delivery": "fp8"})
+        plugin.factory.create_connector(0, 0, fp8, plugin.config.parse_afd_config(fp8))
     ids = _vc(connector_extra_config={"transport": "gloo", "send_token_ids": "true"})
     assert plugin.factory.create_connector(0, 0, ids, plugin.config.parse_afd_config(ids)).connector.send_token_ids
     with pytest.raises(ValueError, match="unknown connector_extra_config field"):

@@ -251,7 +251,8 @@ class AdapterExtraConfig:
         Raises:
             TypeError: not a mapping, or a value of the wrong type.
             AFDConfigError / ValueError: unknown key (all accepted keys listed), a
-                value out of range (see :meth:`afd_ext.config.AfdExtConnectorConfig.from_mapping`).
+                value out of range (see :meth:`afd_ext.config.AfdExtConnectorConfig.from_mapping`),
+                ``fp8_delivery: "fp8"`` (the plugin's FFN models take bf16).
         """
         if raw is None:
             raw = {}
@@ -274,7 +275,12 @@ class AdapterExtraConfig:
             ldtype = dtype_name(as_dtype(ldtype, "connector_extra_config.router_logits_dtype"))
         ids = coerce_bool(rest.pop("send_token_ids", False), "connector_extra_config.send_token_ids")
         rest.setdefault("clamp_idle_to_one", True)
-        return cls(AfdExtConnectorConfig.from_mapping(rest), layers, ldtype, ids)
+        connector = AfdExtConnectorConfig.from_mapping(rest)
+        if connector.fp8_delivery == "fp8":
+            # The plugin's FFN models take bf16 activations (docs/fp8.md): refuse before any step, not at step 1.
+            raise AFDConfigError("connector_extra_config.fp8_delivery 'fp8' hands the FFN float8 activations, which "
+                                 "afd-plugin's FFN models cannot take; use 'dequant' (the default) under afd-plugin")
+        return cls(connector, layers, ldtype, ids)
 
     def to_mapping(self) -> dict[str, Any]:
         """All fields as one flat mapping (round-trips through :meth:`from_mapping`)."""
