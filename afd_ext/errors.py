@@ -129,6 +129,13 @@ class StepAbortedError(AFDAbortedError):
         self.by = by
 
 
+class PeerClosedError(StepAbortedError):
+    """A peer closed its connector in order (``close()``, a shutdown) with this rank's step in flight.
+
+    Not a failure of either rank: the peer stopped; this rank's call ends without waiting for its deadline.
+    """
+
+
 class PeerDeadError(AFDPeerError):
     """The peer at the other end of a control channel is gone.
 

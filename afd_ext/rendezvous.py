@@ -84,6 +84,7 @@ from .errors import (  # defined once, in errors.py; rendezvous.StepAbortedError
     DuplicateRankError,
     HandshakeMismatchError,
     JobMismatchError,
+    PeerClosedError,
     RendezvousError,
     RendezvousTimeoutError,
     StepAbortedError,
@@ -402,7 +403,7 @@ class AbortSignal:
                             self.me, op or "waiting", e)
             return
         if found is not None:
-            raise StepAbortedError(found[0], found[1], op=op)
+            raise _abort_error(self._store, found, op)
 
     def probe(self, op: str = "in-flight work") -> BaseException | None:
         """The error :meth:`check` would raise, or None (for polling threads)."""
@@ -412,14 +413,16 @@ class AbortSignal:
             return e
         return None
 
-    def post(self, exc: BaseException | str) -> None:
+    def post(self, exc: BaseException | str, kind: str | None = None) -> None:
         """Post ``exc`` as the abort reason (first post wins; a posted abort itself is not re-posted).
 
+        ``kind``: ``"closed"`` for an orderly close (peers raise :class:`PeerClosedError`).
         Waits for the store at most :data:`POST_ABORT_WAIT_S` (see :func:`post_abort`).
         """
         if isinstance(exc, StepAbortedError):
             return
-        post_abort(self._store, str(exc).splitlines()[0][:2000] if str(exc) else type(exc).__name__, by=self.me)
+        post_abort(self._store, str(exc).splitlines()[0][:2000] if str(exc) else type(exc).__name__, by=self.me,
+                   kind=kind)
 
     def learn(self, reason: str, by: str, record: Mapping[str, Any] | None = None) -> None:
         """Record an abort this rank posted or read elsewhere."""
@@ -984,11 +987,12 @@ def raise_if_aborted(store: AFDStore, op: str = "") -> None:
 
 
 def _abort_error(store: AFDStore, found: tuple[str, str], op: str, missing: Iterable[int] = ()) -> AFDError:
-    """The error of a posted abort: :class:`DuplicateRankError` for a role rank started twice, else
-    :class:`StepAbortedError`. ``missing``: world ranks not arrived yet (named with a duplicate)."""
+    """The error of a posted abort: :class:`DuplicateRankError` for a role rank started twice,
+    :class:`PeerClosedError` for an orderly close, else :class:`StepAbortedError`. ``missing``: world
+    ranks not arrived yet (named with a duplicate)."""
     rec = store.abort_signal.record
     if rec.get("kind") != "duplicate":
-        return StepAbortedError(found[0], found[1], op=op)
+        return (PeerClosedError if rec.get("kind") == "closed" else StepAbortedError)(found[0], found[1], op=op)
     wr = int(rec.get("world_rank", -1))
     holder, claimant = str(rec.get("holder")), str(rec.get("claimant"))
     if rec.get("holder_nonce") == _process_token()["nonce"]:
@@ -1003,7 +1007,7 @@ def _abort_error(store: AFDStore, found: tuple[str, str], op: str, missing: Iter
         "init_timeout_s).", world_rank=wr, holder=str(rec.get("holder")))
 
 
-def post_abort(store: AFDStore, reason: str, by: str | None = None) -> bool:
+def post_abort(store: AFDStore, reason: str, by: str | None = None, kind: str | None = None) -> bool:
     """Post the step-abort signal for this generation (the first post wins).
 
     Every rank waiting in this module, or polling :func:`check_abort` (the
@@ -1015,13 +1019,14 @@ def post_abort(store: AFDStore, reason: str, by: str | None = None) -> bool:
         store: the generation's store.
         reason: what went wrong, e.g. ``"send_attn_output layer 3 stage 0: peer FFN rank 1 dead"``.
         by: who aborts; default this rank's label.
+        kind: ``"closed"``: ``by`` closed in order (waiters raise :class:`PeerClosedError`).
 
     Returns:
         True if this call posted the abort, False if one was already posted or
         the store did not take it.
     """
     by = by or store.label()
-    value = json.dumps({"reason": str(reason), "by": by}).encode("utf-8")
+    value = json.dumps({"reason": str(reason), "by": by, **({"kind": kind} if kind else {})}).encode("utf-8")
     runner = store._runner
     if not runner.on_thread() and runner.stuck_s() > ABORT_READ_WAIT_S:
         # The store is silent already: queue the post (it lands if the host wakes), wait for nothing.
