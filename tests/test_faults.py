@@ -212,13 +212,24 @@ def test_two_processes_claiming_one_role_rank_are_refused_by_name(store_host):
     print(f"\n[item 8] second process on a held role rank: DuplicateRankError after {float(took):.2f} s")
 
 
-def _duplicate_rank_worker(rank, nprocs, sc, port, world_ranks):
+def _duplicate_rank_worker(rank, nprocs, sc, port, world_ranks, starve_s=0.0):
     """Process ``rank`` runs as AFD world rank ``world_ranks[rank]``: two processes get attention rank 0, so
-    attention rank 1 never starts. Returns the init error, its fields and when it came (wall clock)."""
+    attention rank 1 never starts. Returns the init error, its fields and when it came (wall clock).
+    ``starve_s``: each store round trip of a refusal's abort post first waits that long on the store thread
+    (a thread starved on a loaded host)."""
     import socket
 
     import connector_scenarios as cs
 
+    if starve_s:
+        call = rdzv.AFDStore.call
+
+        def slow(self, fn, what, *a, **kw):
+            if what in ("reading generations", "reading the handshake", "posting the abort"):
+                fn = (lambda f: lambda: (time.sleep(starve_s), f())[1])(fn)
+            return call(self, fn, what, *a, **kw)
+
+        rdzv.AFDStore.call = slow
     conn = cs.make_connector(sc, world_ranks[rank], port)
     t0, start = time.monotonic(), time.time()
     try:
@@ -230,6 +241,50 @@ def _duplicate_rank_worker(rank, nprocs, sc, port, world_ranks):
     finally:
         conn.close()
     return {"error": None, "took": time.monotonic() - t0}
+
+
+def _refused_and_the_rest(res):
+    assert all(r["error"] == "DuplicateRankError" for r in res), res
+    refused = [r for r in res[1:] if "is already held by another running process" in r["msg"]]
+    assert len(refused) == 1, res
+    return refused[0], [r for r in res if r is not refused[0]]
+
+
+@pytest.mark.timeout(200)
+def test_a_duplicate_rank_stops_every_rank_when_the_refused_process_store_thread_is_starved():
+    """Issue 41 item 7: the refused process's abort post was bounded by 2 s per store round trip; a store thread
+    starved on a loaded host (each round trip 2.5 s here) dropped it, and the job's other ranks waited out
+    init_timeout_s with RendezvousTimeoutError. The post now has the refused process's init deadline."""
+    import connector_scenarios as cs
+    from afd_ext.testing import run_workers
+
+    sc = cs.Scenario(A=2, F=1, layers=1, strict=False, extra=(("init_timeout_s", 60.0),))
+    res = run_workers(_duplicate_rank_worker, 3, (sc, find_free_port(HOST), [0, 1, 1], 2.5), timeout_s=150)
+    refused, rest = _refused_and_the_rest(res)
+    for r in rest:  # every other rank within 1 s of the refusal (or of its own start, if later)
+        assert r["at"] - max(r["start"], refused["at"]) < 1.0 and r["took"] < 30.0, (r, refused)
+
+
+@pytest.mark.timeout(600)
+def test_a_duplicate_rank_under_cpu_load_stops_every_rank_within_a_second():
+    """Issue 41 item 7: the duplicate case again and again with busy-loop processes taking the CPUs."""
+    import subprocess
+
+    import connector_scenarios as cs
+    from afd_ext.testing import run_workers
+
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3)]
+    try:
+        for i in range(6):
+            sc = cs.Scenario(A=2, F=1, layers=1, strict=False, extra=(("init_timeout_s", 30.0),))
+            res = run_workers(_duplicate_rank_worker, 3, (sc, find_free_port(HOST), [0, 1, 1]), timeout_s=120)
+            refused, rest = _refused_and_the_rest(res)
+            for r in rest:
+                assert r["at"] - max(r["start"], refused["at"]) < 1.0, (i, r, refused)
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
 
 
 @pytest.mark.parametrize("twice,control", [("attention rank 0", "shm"), ("attention rank 0", "tcp"),
