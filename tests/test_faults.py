@@ -871,3 +871,69 @@ def test_gloo_error_text_carries_no_source_locations_or_banners():
     text = rdzv.error_text(RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] [c10d] Connection "
                                         "closed by peer [127.0.0.1]:5555"))
     assert text == "Connection closed by peer [127.0.0.1]:5555", text
+
+
+# ---------------------------------------------------------------- issue 41 item 2: a local close mid-step
+def _close_mid_step_worker(rank, nprocs, port, done):
+    """1A1F gloo: the attention rank's thread waits in recv_ffn_output (the FFN rank holds its reply) when the
+    attention main thread calls close(); then the FFN rank replies into the closed step."""
+    import threading
+
+    import connector_scenarios as cs
+    import torch
+    from afd_ext.errors import AFDError
+
+    sc = cs.Scenario(A=1, F=1, layers=1, strict=False, step_timeout_s=60.0)
+    conn = cs.make_connector(sc, rank, port)
+    conn.init_afd_connector()
+    out = {}
+    try:
+        if rank == 0:
+            conn.control_plane.update_state_from_dp_metadata(conn.control_plane.recv_dp_metadata_list())
+            got = conn.recv_attn_output(ubatch_idx=0)
+            done.wait(60)  # the attention rank closed
+            t0 = time.monotonic()
+            try:
+                conn.send_ffn_output(got.hidden_states, got.context)
+            except AFDError as e:
+                out = {"error": type(e).__name__, "msg": str(e), "took": time.monotonic() - t0}
+            return out
+        p = cs._payload({0: [3]})
+        conn.control_plane.update_state_from_dp_metadata(p)
+        conn.control_plane.send_dp_metadata_list(p)
+        h = torch.ones(3, sc.hidden)
+        conn.send_attn_output(h, cs._ctx(0, 0, 3))
+
+        def wait_reply():
+            try:
+                conn.recv_ffn_output(h, ubatch_idx=0)
+            except BaseException as e:  # noqa: BLE001 - returned to the test
+                out.update(error=type(e).__name__, msg=str(e), ended=time.monotonic())
+
+        t = threading.Thread(target=wait_reply)
+        t.start()
+        time.sleep(0.5)  # in recv_ffn_output's wait
+        t0 = time.monotonic()
+        conn.close()
+        t.join(10)
+        out.update(alive=t.is_alive(), took=out.get("ended", float("inf")) - t0)
+        done.wait(60)
+        return out
+    finally:
+        conn.close()
+
+
+def test_a_local_close_mid_step_ends_this_ranks_call_as_closed_and_the_peer_gets_peer_closed():
+    """Issue 41 item 2, any caller: a close() while another thread of the rank waits in a call ends that call
+    promptly with AFDClosedError (a stop, not a failure); the peer's next call raises PeerClosedError naming
+    the rank that closed, long before step_timeout_s."""
+    import multiprocessing as mp
+
+    from afd_ext.testing import run_workers
+
+    ffn, att = run_workers(_close_mid_step_worker, 2, (find_free_port(HOST), mp.get_context("spawn").Barrier(2)),
+                           timeout_s=120)
+    assert not att["alive"] and att["error"] == "AFDClosedError" and att["took"] < 1.0, att
+    assert "this connector was closed" in att["msg"], att
+    assert ffn["error"] == "PeerClosedError" and ffn["took"] < 5.0, ffn
+    assert "attention rank 0 (world rank 1) closed its connector (an orderly close(), not a failure)" in ffn["msg"]
