@@ -544,7 +544,6 @@ def stop_mid_step_worker(rank: int, nprocs: int, sc: PluginScenario, port: int, 
     (``AFDFFNWorker``: any ``Exception`` recorded as a failure) on a thread of its name."""
     import threading
     import time
-    import traceback
 
     dtype = torch.float32
     conn, role, role_rank, dp_rank = build(sc, rank, port, torch.device("cpu"), dtype)
@@ -554,6 +553,7 @@ def stop_mid_step_worker(rank: int, nprocs: int, sc: PluginScenario, port: int, 
         if role == "ffn":
             failures: list = []
             hooked: list = []
+            ended: list = []
             threading.excepthook = lambda a: hooked.append(a.exc_type.__name__)
 
             def loop() -> None:
@@ -562,6 +562,9 @@ def stop_mid_step_worker(rank: int, nprocs: int, sc: PluginScenario, port: int, 
                         ffn_step(conn, sc, dtype)
                 except Exception as e:  # noqa: BLE001 - what afd-plugin's loop does: a recorded failure
                     failures.append(f"{type(e).__name__}: {e}")
+                except BaseException as e:
+                    ended.append(f"{type(e).__name__}: {e} <- {e.__cause__!r}")
+                    raise
 
             t = threading.Thread(target=loop, name="afd-ffn-worker-loop", daemon=True)
             t.start()
@@ -570,42 +573,35 @@ def stop_mid_step_worker(rank: int, nprocs: int, sc: PluginScenario, port: int, 
             while not _in_call(t, "recv_attn_output") and time.monotonic() < end:
                 time.sleep(0.01)
             assert _in_call(t, "recv_attn_output"), ("the loop thread never waited in recv_attn_output", failures,
-                                                     t.is_alive(), traceback.format_stack(
-                                                         sys._current_frames().get(t.ident)))
+                                                     ended, t.is_alive())
             t0 = time.monotonic()
-            if first == "attention":
-                done.wait(60)  # attention rank 1 closes now
             if first == "ffn":
                 conn.close()  # what afd-plugin's stop_ffn_server_loop does (via model_runner.shutdown)
+            done.wait(60)  # ffn: the attention ranks may call now; attention: attention rank 1 closes now
             t.join(5)
             out.update(loop_ended_s=time.monotonic() - t0, alive=t.is_alive(), failures=failures, hooked=hooked)
-            if first == "ffn":
-                done.wait(60)  # the attention ranks may call now
+            done.wait(60)
         else:
             attention_step(conn, sc, 0, sc.steps[0], role_rank, dp_rank, torch.device("cpu"), dtype)
             p = reference_payload(sc.steps[1])
             conn.control_plane.update_state_from_dp_metadata(p)
             conn.control_plane.send_dp_metadata_list(p)
             h, _ = inputs(sc, 1, 0, 0, role_rank, int(sc.steps[1][0][dp_rank]), torch.device("cpu"), dtype)
+            done.wait(60)  # the FFN loop thread now waits in recv_attn_output
+            if role_rank == 1 or first == "attention":
+                done.wait(60)  # ffn: the FFN rank has closed; attention: the FFN rank saw its loop thread wait
+            if role_rank == 1 and first == "attention":
+                conn.close()  # mid-step: it sent the payload, not its rows
+                done.wait(60)
+                return {**out, "closed": True}
             t0 = time.monotonic()
-            try:
-                if role_rank == 0:
-                    done.wait(60)
-                    proxy_exchange(conn, h, 0, 0)  # in recv_ffn_output when the other side stops
-                else:
-                    done.wait(60)
-                    if first == "attention":
-                        conn.close()  # mid-step: it sent the payload, not its rows
-                        done.wait(60)
-                        return {**out, "closed": True}
-                    done.wait(60)  # the FFN rank has closed
-                    proxy_exchange(conn, h, 0, 0)
+            try:  # attention rank 0 (ffn first): waits in recv_ffn_output when the FFN rank closes
+                proxy_exchange(conn, h, 0, 0)
             except Exception as e:  # noqa: BLE001 - returned to the test
                 out.update(error=type(e).__name__, msg=str(e), took=time.monotonic() - t0)
-            if first == "attention" and role_rank == 0:
+            if role_rank == 0 and first == "ffn":
                 done.wait(60)
-            if first == "ffn" and role_rank == 0:
-                done.wait(60)
+            done.wait(60)
         return out
     finally:
         conn.close()
