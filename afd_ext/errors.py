@@ -129,6 +129,13 @@ class StepAbortedError(AFDAbortedError):
         self.by = by
 
 
+class PeerClosedError(StepAbortedError):
+    """A peer closed its connector in order (``close()``, a shutdown) with this rank's step in flight.
+
+    Not a failure of either rank: the peer stopped; this rank's call ends without waiting for its deadline.
+    """
+
+
 class PeerDeadError(AFDPeerError):
     """The peer at the other end of a control channel is gone.
 
@@ -250,6 +257,10 @@ class GraphBufferError(AFDGraphError):
 
 
 GraphError = AFDGraphError
+
+#: Errors that report another rank's failure (a peer gone or silent, an abort, a channel closed):
+#: launchers report the rank that caused them instead (:func:`afd_ext.testing.run_workers`).
+FOLLOW_ON_ERRORS = (AFDPeerError, AFDAbortedError, AFDClosedError, AFDTimeoutError)
 
 __all__ = sorted(n for n, o in list(globals().items())
                  if isinstance(o, type) and issubclass(o, Exception) and not n.startswith("_"))

@@ -84,6 +84,7 @@ from .errors import (  # defined once, in errors.py; rendezvous.StepAbortedError
     DuplicateRankError,
     HandshakeMismatchError,
     JobMismatchError,
+    PeerClosedError,
     RendezvousError,
     RendezvousTimeoutError,
     StepAbortedError,
@@ -402,7 +403,7 @@ class AbortSignal:
                             self.me, op or "waiting", e)
             return
         if found is not None:
-            raise StepAbortedError(found[0], found[1], op=op)
+            raise _abort_error(self._store, found, op)
 
     def probe(self, op: str = "in-flight work") -> BaseException | None:
         """The error :meth:`check` would raise, or None (for polling threads)."""
@@ -412,14 +413,16 @@ class AbortSignal:
             return e
         return None
 
-    def post(self, exc: BaseException | str) -> None:
+    def post(self, exc: BaseException | str, kind: str | None = None) -> None:
         """Post ``exc`` as the abort reason (first post wins; a posted abort itself is not re-posted).
 
+        ``kind``: ``"closed"`` for an orderly close (peers raise :class:`PeerClosedError`).
         Waits for the store at most :data:`POST_ABORT_WAIT_S` (see :func:`post_abort`).
         """
         if isinstance(exc, StepAbortedError):
             return
-        post_abort(self._store, str(exc).splitlines()[0][:2000] if str(exc) else type(exc).__name__, by=self.me)
+        post_abort(self._store, str(exc).splitlines()[0][:2000] if str(exc) else type(exc).__name__, by=self.me,
+                   kind=kind)
 
     def learn(self, reason: str, by: str, record: Mapping[str, Any] | None = None) -> None:
         """Record an abort this rank posted or read elsewhere."""
@@ -687,7 +690,8 @@ def _check_world(st: "AFDStore", root: Any, mine: dict[str, Any], job_source: st
            f"opened the store at {st.host}:{st.port} with {b!r}. Every attention and FFN rank must be "
            "started with the same num_attention_ranks and num_ffn_ranks.")
     # stop the ranks waiting in FFN rank 0's current handshake, unless that job already runs
-    _abort_waiting_init(st, root, {"reason": msg, "by": st.label()}, int(theirs.get("world_size") or 0), (0,))
+    _abort_waiting_init(st, root, {"reason": msg, "by": st.label()}, int(theirs.get("world_size") or 0), (0,),
+                        deadline)
     raise HandshakeMismatchError(msg, field=name, local_value=a, peer_value=b,
                                  local_rank=st.world_rank, peer_rank=0)
 
@@ -705,30 +709,35 @@ def _shape_difference(mine: Mapping[str, Any], theirs: Mapping[str, Any]) -> tup
 
 
 def _abort_waiting_init(st: "AFDStore", root: Any, record: Mapping[str, Any], world_size: int,
-                        ranks: Iterable[int]) -> None:
+                        ranks: Iterable[int], deadline: float) -> None:
     """Post ``record`` as the abort of the generation that ``ranks`` joined last, unless it is past its handshake.
 
     The ranks of one init share a generation; a generation whose handshake
     every rank has read is a running job, which is not disturbed. A rank that
-    has not joined yet (join count 0) will join generation 1.
+    has not joined yet (join count 0) will join generation 1. Each round trip
+    may take until this rank's init ``deadline`` (at least 2 s): the waiting
+    ranks learn of the refusal only from this post, and a store thread starved
+    on a loaded host must not drop it (they would wait out their init timeout).
     """
     import torch.distributed as dist
 
     value = json.dumps(dict(record))
+    bound = lambda: max(2.0, deadline - time.monotonic())  # noqa: E731
     try:
-        gens = {max(1, int(st.call(lambda r=r: root.add(f"join/{r}", 0), "reading generations", 2.0)))
+        gens = {max(1, int(st.call(lambda r=r: root.add(f"join/{r}", 0), "reading generations", bound())))
                 for r in ranks}
         done = [f"barrier/handshake-read/0/{r}" for r in range(world_size)]
         for g in sorted(gens):
             gen = dist.PrefixStore(f"g{g}/", root)
-            if done and st.call(lambda: gen.check(done), "reading the handshake", 2.0):
+            if done and st.call(lambda: gen.check(done), "reading the handshake", bound()):
                 continue  # that generation is past its handshake: a running job is not disturbed
-            st.call(lambda: gen.compare_set("abort", "", value), "posting the abort", 2.0)
-    except Exception as e:  # noqa: BLE001 - only speeds up the other ranks' errors
-        logger.debug("could not abort the waiting init: %s", e)
+            st.call(lambda: gen.compare_set("abort", "", value), "posting the abort", bound())
+    except Exception as e:  # noqa: BLE001 - the refusal itself stands; the others then wait out their deadline
+        logger.warning("%s: could not stop the job's ranks waiting at init (%s); they wait out their "
+                       "init_timeout_s", st.label(), e)
 
 
-def _refuse_duplicate(st: "AFDStore", root: Any, holder: Mapping[str, Any]) -> DuplicateRankError:
+def _refuse_duplicate(st: "AFDStore", root: Any, holder: Mapping[str, Any], deadline: float) -> DuplicateRankError:
     """This process claims a world rank a live process (``holder``) holds: stop the job's ranks waiting at init
     (they wait for the rank the launcher meant this process to be), naming both processes; the error to raise."""
     who = f"pid {holder.get('pid')} on {holder.get('name', 'another host')}"
@@ -738,7 +747,7 @@ def _refuse_duplicate(st: "AFDStore", root: Any, holder: Mapping[str, Any]) -> D
         "kind": "duplicate", "world_rank": st.world_rank, "holder": who, "claimant": mine,
         "holder_nonce": holder.get("nonce"), "by": f"a second process started as {st.label()} ({mine})",
         "reason": f"{st.label()} was started twice: {who} holds it, {mine} was refused"},
-        st.world_size, {0, st.world_rank})
+        st.world_size, {0, st.world_rank}, deadline)
     return DuplicateRankError(
         f"{st.label()} is already held by another running process ({who}) on the AFD rendezvous "
         f"store at {st.host}:{st.port}; this process ({mine}) is refused: two processes were started "
@@ -772,7 +781,7 @@ def _second_store_host(host: str, port: int, world_size: int, num_ffn_ranks: int
         if world.get("job_id") != job or _shape_difference(_world_record(job, world_size, num_ffn_ranks), world) \
                 or not _holder_alive(holder):
             return err
-        return _refuse_duplicate(st, root, holder)
+        return _refuse_duplicate(st, root, holder, end)
     except Exception as e:  # noqa: BLE001 - not a store of this job: the bind error stands
         logger.debug("%s:%d is in use and is not this job's live store (%s)", host, port, e)
         return err
@@ -796,7 +805,7 @@ def _claim_rank(st: "AFDStore", root: Any, deadline: float) -> None:
         who = f"pid {holder.get('pid')} on {holder.get('name', 'another host')}"
         alive = _holder_alive(holder)
         if alive:
-            raise _refuse_duplicate(st, root, holder)
+            raise _refuse_duplicate(st, root, holder, deadline)
         if alive is None:
             logger.warning("%s: taking over this rank from %s (another host; assumed gone). If that process "
                            "still runs, two processes were started with the same role rank.", st.label(), who)
@@ -984,11 +993,12 @@ def raise_if_aborted(store: AFDStore, op: str = "") -> None:
 
 
 def _abort_error(store: AFDStore, found: tuple[str, str], op: str, missing: Iterable[int] = ()) -> AFDError:
-    """The error of a posted abort: :class:`DuplicateRankError` for a role rank started twice, else
-    :class:`StepAbortedError`. ``missing``: world ranks not arrived yet (named with a duplicate)."""
+    """The error of a posted abort: :class:`DuplicateRankError` for a role rank started twice,
+    :class:`PeerClosedError` for an orderly close, else :class:`StepAbortedError`. ``missing``: world
+    ranks not arrived yet (named with a duplicate)."""
     rec = store.abort_signal.record
     if rec.get("kind") != "duplicate":
-        return StepAbortedError(found[0], found[1], op=op)
+        return (PeerClosedError if rec.get("kind") == "closed" else StepAbortedError)(found[0], found[1], op=op)
     wr = int(rec.get("world_rank", -1))
     holder, claimant = str(rec.get("holder")), str(rec.get("claimant"))
     if rec.get("holder_nonce") == _process_token()["nonce"]:
@@ -1003,7 +1013,7 @@ def _abort_error(store: AFDStore, found: tuple[str, str], op: str, missing: Iter
         "init_timeout_s).", world_rank=wr, holder=str(rec.get("holder")))
 
 
-def post_abort(store: AFDStore, reason: str, by: str | None = None) -> bool:
+def post_abort(store: AFDStore, reason: str, by: str | None = None, kind: str | None = None) -> bool:
     """Post the step-abort signal for this generation (the first post wins).
 
     Every rank waiting in this module, or polling :func:`check_abort` (the
@@ -1015,13 +1025,14 @@ def post_abort(store: AFDStore, reason: str, by: str | None = None) -> bool:
         store: the generation's store.
         reason: what went wrong, e.g. ``"send_attn_output layer 3 stage 0: peer FFN rank 1 dead"``.
         by: who aborts; default this rank's label.
+        kind: ``"closed"``: ``by`` closed in order (waiters raise :class:`PeerClosedError`).
 
     Returns:
         True if this call posted the abort, False if one was already posted or
         the store did not take it.
     """
     by = by or store.label()
-    value = json.dumps({"reason": str(reason), "by": by}).encode("utf-8")
+    value = json.dumps({"reason": str(reason), "by": by, **({"kind": kind} if kind else {})}).encode("utf-8")
     runner = store._runner
     if not runner.on_thread() and runner.stuck_s() > ABORT_READ_WAIT_S:
         # The store is silent already: queue the post (it lands if the host wakes), wait for nothing.

@@ -405,6 +405,7 @@ class StepSchedule:
         token_ids: Any = None,
         *,
         device: torch.device | str | None = None,
+        hidden_align: int = 1,
     ) -> None:
         """Check attention rank ``a``'s wire tensors for ``stage`` before anything is sent.
 
@@ -417,6 +418,8 @@ class StepSchedule:
                 ``router_logits_dtype`` iff router logits are configured, else ``None``.
             token_ids: ``[rows]`` int32 iff ``send_token_ids``, else ``None``.
             device: when given, every tensor must be on it.
+            hidden_align: with FP8 on the wire, the byte alignment ``hidden_states`` must have
+                (the transport's ``fp8_hidden_align``: 8 for the CUDA kernels, 1 for gloo).
 
         Raises:
             AFDConfigError: naming the tensor, what was expected and what to do.
@@ -426,6 +429,10 @@ class StepSchedule:
         who = f"attention rank {a}, stage {stage}"
         self._check("hidden_states", hidden_states, (rows, cfg.hidden_size), cfg.hidden_dtype, who, device,
                     f"; cast with .to({cfg.hidden_dtype})")
+        if cfg.hidden_wire is not None and rows and hidden_states.data_ptr() % hidden_align:
+            raise AFDConfigError(f"hidden_states must be {hidden_align}-byte aligned for {who} with FP8 on the wire "
+                                 f"(the FP8 kernels read {hidden_align} bytes at a time), got address "
+                                 f"{hidden_states.data_ptr():#x}; pass hidden_states.clone()")
         if cfg.router_logits_width is None:
             if router_logits is not None:
                 raise AFDConfigError(

@@ -31,10 +31,12 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 class WorkerError(RuntimeError):
     """A worker raised; ``rank`` is the failing worker, the message holds its traceback."""
 
-    def __init__(self, rank: int, tb: str):
+    def __init__(self, rank: int, tb: str, follow_on: bool = False):
         super().__init__(f"worker rank {rank} failed:\n{tb}")
         self.rank = rank
         self.traceback = tb
+        #: the error only reports another rank's failure (:data:`afd_ext.errors.FOLLOW_ON_ERRORS`)
+        self.follow_on = follow_on
 
     def exception_line(self) -> tuple[str, str] | None:
         """The worker's exception as ``(class name, first line of its message)``, or None if unreadable.
@@ -278,8 +280,10 @@ def _entry(fn, rank, nprocs, args, q):
     try:
         result = fn(rank, nprocs, *args)
         q.put((rank, True, result))
-    except BaseException:  # noqa: BLE001 - forwarded to the parent verbatim
-        q.put((rank, False, traceback.format_exc()))
+    except BaseException as e:  # noqa: BLE001 - forwarded to the parent verbatim
+        from .errors import FOLLOW_ON_ERRORS
+
+        q.put((rank, False, (traceback.format_exc(), isinstance(e, FOLLOW_ON_ERRORS))))
         _flush(q)
         raise SystemExit(1)
     _flush(q)
@@ -292,32 +296,37 @@ def _flush(q) -> None:
     q.join_thread()
 
 
-#: Errors that report another rank's failure (it closed its channel, died, or aborted the step). A failing
-#: rank closes its connector before its own report reaches the queue, so its peer's follow-on error can
-#: arrive first; run_workers then waits up to ROOT_CAUSE_WAIT_S for a report that names the cause.
-FOLLOW_ON_ERRORS = ("ControlChannelClosed", "PeerDeadError", "StepAbortedError")
-ROOT_CAUSE_WAIT_S = 2.0
+#: A failing rank closes its connector before its own report reaches the queue, so its peers' follow-on
+#: errors (:data:`afd_ext.errors.FOLLOW_ON_ERRORS`) can arrive first, or it dies without a report: run_workers
+#: then waits up to ROOT_CAUSE_WAIT_S for the report or the exit of the rank that caused them.
+ROOT_CAUSE_WAIT_S = 5.0
 
 
-def _follow_on(e: WorkerError) -> bool:
-    line = e.exception_line()
-    return line is not None and line[0] in FOLLOW_ON_ERRORS
+def _died(rank: int, exitcode: int | None) -> RuntimeError:
+    err = RuntimeError(f"worker rank {rank} died with exit code {exitcode} without reporting")
+    err.rank = rank  # type: ignore[attr-defined]
+    return err
 
 
-def _root_cause(first: WorkerError, q: Any, procs: Sequence[Any], results: dict[int, Any]) -> WorkerError:
-    """``first``, or another worker's error reported within ROOT_CAUSE_WAIT_S that is not a follow-on."""
-    if not _follow_on(first):
+def _root_cause(first: WorkerError, q: Any, procs: Sequence[Any], results: dict[int, Any]) -> BaseException:
+    """``first``, or what caused it: another worker's error that is not a follow-on, or a worker that died
+    without a report, seen within ROOT_CAUSE_WAIT_S."""
+    if not first.follow_on:
         return first
     end = time.monotonic() + ROOT_CAUSE_WAIT_S
     pending = {r for r in range(len(procs)) if r not in results and r != first.rank}
     while pending and (left := end - time.monotonic()) > 0:
+        dead = [r for r in sorted(pending) if not procs[r].is_alive()]  # before the read: their reports are in
         try:
             rank, ok, payload = q.get(timeout=min(left, 0.1))
         except queue_mod.Empty:
-            pending = {r for r in pending if procs[r].is_alive()}  # exited without a report: nothing to wait for
+            for r in dead:
+                if procs[r].exitcode != 0:
+                    return _died(r, procs[r].exitcode)
+            pending -= set(dead)
             continue
         pending.discard(rank)
-        if not ok and not _follow_on(err := WorkerError(rank, payload)):
+        if not ok and not (err := WorkerError(rank, *payload)).follow_on:
             return err
     return first
 
@@ -350,12 +359,12 @@ def run_workers(
 
     Raises:
         WorkerError: the first worker that raised (others are killed); when that error only reports
-            another rank's failure (:data:`FOLLOW_ON_ERRORS`), the cause reported within
-            :data:`ROOT_CAUSE_WAIT_S` instead.
+            another rank's failure (:data:`afd_ext.errors.FOLLOW_ON_ERRORS`), the cause seen within
+            :data:`ROOT_CAUSE_WAIT_S` instead (another worker's error, or the RuntimeError below).
         TimeoutError: the deadline passed; the message names the ranks still running (also in
             its ``ranks`` attribute).
-        RuntimeError: a worker died without reporting (e.g. a segfault), named by rank
-            and exit code.
+        RuntimeError: a worker died without reporting (a signal, ``os._exit``, a segfault), named by
+            rank (its ``rank`` attribute) and exit code.
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
@@ -382,23 +391,15 @@ def run_workers(
                 err = TimeoutError(f"workers {alive} of {nprocs} still running after {timeout_s:.0f} s")
                 err.ranks = alive  # the callers that know the roles name them (afd_ext.demo)
                 raise err
-            try:
+            dead = [r for r, p in enumerate(procs) if r not in results and not p.is_alive() and p.exitcode != 0]
+            try:  # a worker dead before this read has its report (if any) in the queue already
                 rank, ok, payload = q.get(timeout=min(left, 0.5))
             except queue_mod.Empty:
-                for r, p in enumerate(procs):
-                    if r not in results and not p.is_alive() and p.exitcode not in (None, 0):
-                        # Give a late queue message a moment to arrive.
-                        try:
-                            rank, ok, payload = q.get(timeout=1.0)
-                        except queue_mod.Empty:
-                            raise RuntimeError(
-                                f"worker rank {r} died with exit code {p.exitcode} without reporting"
-                            ) from None
-                        break
-                else:
-                    continue
+                if dead:
+                    raise _died(dead[0], procs[dead[0]].exitcode) from None
+                continue
             if not ok:
-                raise _root_cause(WorkerError(rank, payload), q, procs, results)
+                raise _root_cause(WorkerError(rank, *payload), q, procs, results)
             results[rank] = payload
         return [results[r] for r in range(nprocs)]
     finally:

@@ -521,3 +521,87 @@ def ffn_graph_worker(rank: int, nprocs: int, sc: PluginScenario, port: int, repl
         return {"role": role, "checked": checked}
     finally:
         conn.close()
+
+
+# ---------------------------------------------------------------------------
+# A stop with a step in flight (issue 41 item 2)
+# ---------------------------------------------------------------------------
+
+
+def _in_call(thread, name: str) -> bool:
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None:
+        if frame.f_code.co_name == name:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def stop_mid_step_worker(rank: int, nprocs: int, sc: PluginScenario, port: int, first: str, done) -> dict:
+    """2A1F; step 2 is in flight: attention rank 0 sent its rows and waits for the reply, attention rank 1
+    has sent nothing, FFN rank 0's loop thread waits in ``recv_attn_output`` for rank 1's rows. Then
+    ``first`` (``"ffn"`` or ``"attention"``: attention rank 1) closes. The FFN loop is afd-plugin's
+    (``AFDFFNWorker``: any ``Exception`` recorded as a failure) on a thread of its name."""
+    import threading
+    import time
+
+    dtype = torch.float32
+    conn, role, role_rank, dp_rank = build(sc, rank, port, torch.device("cpu"), dtype)
+    conn.init_afd_connector()
+    out: dict = {"role": role}
+    try:
+        if role == "ffn":
+            failures: list = []
+            hooked: list = []
+            ended: list = []
+            threading.excepthook = lambda a: hooked.append(a.exc_type.__name__)
+
+            def loop() -> None:
+                try:
+                    while True:
+                        ffn_step(conn, sc, dtype)
+                except Exception as e:  # noqa: BLE001 - what afd-plugin's loop does: a recorded failure
+                    failures.append(f"{type(e).__name__}: {e}")
+                except BaseException as e:
+                    ended.append(f"{type(e).__name__}: {e} <- {e.__cause__!r}")
+                    raise
+
+            t = threading.Thread(target=loop, name="afd-ffn-worker-loop", daemon=True)
+            t.start()
+            done.wait(60)  # step 1 served; attention rank 0 sent step 2's payload and rows
+            end = time.monotonic() + 30
+            while not _in_call(t, "recv_attn_output") and time.monotonic() < end:
+                time.sleep(0.01)
+            assert _in_call(t, "recv_attn_output"), ("the loop thread never waited in recv_attn_output", failures,
+                                                     ended, t.is_alive())
+            t0 = time.monotonic()
+            if first == "ffn":
+                conn.close()  # what afd-plugin's stop_ffn_server_loop does (via model_runner.shutdown)
+            done.wait(60)  # ffn: the attention ranks may call now; attention: attention rank 1 closes now
+            t.join(5)
+            out.update(loop_ended_s=time.monotonic() - t0, alive=t.is_alive(), failures=failures, hooked=hooked)
+            done.wait(60)
+        else:
+            attention_step(conn, sc, 0, sc.steps[0], role_rank, dp_rank, torch.device("cpu"), dtype)
+            p = reference_payload(sc.steps[1])
+            conn.control_plane.update_state_from_dp_metadata(p)
+            conn.control_plane.send_dp_metadata_list(p)
+            h, _ = inputs(sc, 1, 0, 0, role_rank, int(sc.steps[1][0][dp_rank]), torch.device("cpu"), dtype)
+            done.wait(60)  # the FFN loop thread now waits in recv_attn_output
+            if role_rank == 1 or first == "attention":
+                done.wait(60)  # ffn: the FFN rank has closed; attention: the FFN rank saw its loop thread wait
+            if role_rank == 1 and first == "attention":
+                conn.close()  # mid-step: it sent the payload, not its rows
+                done.wait(60)
+                return {**out, "closed": True}
+            t0 = time.monotonic()
+            try:  # attention rank 0 (ffn first): waits in recv_ffn_output when the FFN rank closes
+                proxy_exchange(conn, h, 0, 0)
+            except Exception as e:  # noqa: BLE001 - returned to the test
+                out.update(error=type(e).__name__, msg=str(e), took=time.monotonic() - t0)
+            if role_rank == 0 and first == "ffn":
+                done.wait(60)
+            done.wait(60)
+        return out
+    finally:
+        conn.close()

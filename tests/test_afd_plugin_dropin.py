@@ -188,6 +188,9 @@ def test_factory_builds_afd_ext_with_the_reference_constructor(plugin, monkeypat
         graphs = _vc(connector_extra_config={"transport": "gloo", "strict": True})
         graphs.model_config.enforce_eager = False
         plugin.factory.create_connector(0, 0, graphs, plugin.config.parse_afd_config(graphs))
+    with pytest.raises(AFDConfigError, match="fp8_delivery 'fp8'.*use 'dequant'"):  # at construction, not at step 1
+        fp8 = _vc(connector_extra_config={"transport": "gloo", "hidden_wire_dtype": "fp8_e4m3", "fp8_delivery": "fp8"})
+        plugin.factory.create_connector(0, 0, fp8, plugin.config.parse_afd_config(fp8))
     ids = _vc(connector_extra_config={"transport": "gloo", "send_token_ids": "true"})
     assert plugin.factory.create_connector(0, 0, ids, plugin.config.parse_afd_config(ids)).connector.send_token_ids
     with pytest.raises(ValueError, match="unknown connector_extra_config field"):
@@ -388,3 +391,22 @@ def test_native_connector_reads_gate_on_attention_from_the_config():
     sc = pr.PluginScenario(layers=4, gate=True, experts=4, extra=(("transport", "gloo"),))
     att = _native(sc, "attention", 0)
     assert (att.num_layers, att.router_logits_width) == (3, 4)
+
+
+@pytest.mark.parametrize("control", ["shm", "tcp"])
+@pytest.mark.parametrize("first", ["ffn", "attention"])
+def test_a_stop_with_a_step_in_flight_ends_the_ffn_loop_quietly_and_names_the_closed_peer(first, control):
+    """Issue 41 item 2: the FFN loop thread waits in recv_attn_output (step 2 in flight). A local close() of
+    the FFN rank, or attention rank 1's close(), ends it within 1 s with nothing recorded as a failure (a
+    quiet SystemExit); an attention rank waiting for its reply gets PeerClosedError naming who closed."""
+    sc = pr.PluginScenario(attn=(2, 1, 1), steps=({0: [2, 3]}, {0: [1, 2]}), layers=1,
+                           extra=(("control_channel", control), ("step_timeout_s", 60.0)))
+    ffn, a0, a1 = run_workers(pr.stop_mid_step_worker, 3, (sc, find_free_port(), first, pr.finish_barrier(3)),
+                              timeout_s=180)
+    assert not ffn["alive"] and ffn["loop_ended_s"] < 1.0, ffn
+    assert ffn["failures"] == [] and ffn["hooked"] == ["SystemExit"], ffn
+    closer = "FFN rank 0 (world rank 0)" if first == "ffn" else "attention rank 1 (world rank 2)"
+    for a in ([a0, a1] if first == "ffn" else [a0]):
+        assert a["error"] == "PeerClosedError" and f"aborted by {closer}" in a["msg"], a
+        assert "closed its connector (an orderly close(), not a failure)" in a["msg"], a
+        assert a["took"] < 10.0, a  # step_timeout_s is 60

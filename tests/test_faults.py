@@ -212,13 +212,24 @@ def test_two_processes_claiming_one_role_rank_are_refused_by_name(store_host):
     print(f"\n[item 8] second process on a held role rank: DuplicateRankError after {float(took):.2f} s")
 
 
-def _duplicate_rank_worker(rank, nprocs, sc, port, world_ranks):
+def _duplicate_rank_worker(rank, nprocs, sc, port, world_ranks, starve_s=0.0):
     """Process ``rank`` runs as AFD world rank ``world_ranks[rank]``: two processes get attention rank 0, so
-    attention rank 1 never starts. Returns the init error, its fields and when it came (wall clock)."""
+    attention rank 1 never starts. Returns the init error, its fields and when it came (wall clock).
+    ``starve_s``: each store round trip of a refusal's abort post first waits that long on the store thread
+    (a thread starved on a loaded host)."""
     import socket
 
     import connector_scenarios as cs
 
+    if starve_s:
+        call = rdzv.AFDStore.call
+
+        def slow(self, fn, what, *a, **kw):
+            if what in ("reading generations", "reading the handshake", "posting the abort"):
+                fn = (lambda f: lambda: (time.sleep(starve_s), f())[1])(fn)
+            return call(self, fn, what, *a, **kw)
+
+        rdzv.AFDStore.call = slow
     conn = cs.make_connector(sc, world_ranks[rank], port)
     t0, start = time.monotonic(), time.time()
     try:
@@ -230,6 +241,50 @@ def _duplicate_rank_worker(rank, nprocs, sc, port, world_ranks):
     finally:
         conn.close()
     return {"error": None, "took": time.monotonic() - t0}
+
+
+def _refused_and_the_rest(res):
+    assert all(r["error"] == "DuplicateRankError" for r in res), res
+    refused = [r for r in res[1:] if "is already held by another running process" in r["msg"]]
+    assert len(refused) == 1, res
+    return refused[0], [r for r in res if r is not refused[0]]
+
+
+@pytest.mark.timeout(200)
+def test_a_duplicate_rank_stops_every_rank_when_the_refused_process_store_thread_is_starved():
+    """Issue 41 item 7: the refused process's abort post was bounded by 2 s per store round trip; a store thread
+    starved on a loaded host (each round trip 2.5 s here) dropped it, and the job's other ranks waited out
+    init_timeout_s with RendezvousTimeoutError. The post now has the refused process's init deadline."""
+    import connector_scenarios as cs
+    from afd_ext.testing import run_workers
+
+    sc = cs.Scenario(A=2, F=1, layers=1, strict=False, extra=(("init_timeout_s", 60.0),))
+    res = run_workers(_duplicate_rank_worker, 3, (sc, find_free_port(HOST), [0, 1, 1], 2.5), timeout_s=150)
+    refused, rest = _refused_and_the_rest(res)
+    for r in rest:  # every other rank within 1 s of the refusal (or of its own start, if later)
+        assert r["at"] - max(r["start"], refused["at"]) < 1.0 and r["took"] < 30.0, (r, refused)
+
+
+@pytest.mark.timeout(600)
+def test_a_duplicate_rank_under_cpu_load_stops_every_rank_within_a_second():
+    """Issue 41 item 7: the duplicate case again and again with busy-loop processes taking the CPUs."""
+    import subprocess
+
+    import connector_scenarios as cs
+    from afd_ext.testing import run_workers
+
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3)]
+    try:
+        for i in range(6):
+            sc = cs.Scenario(A=2, F=1, layers=1, strict=False, extra=(("init_timeout_s", 30.0),))
+            res = run_workers(_duplicate_rank_worker, 3, (sc, find_free_port(HOST), [0, 1, 1]), timeout_s=120)
+            refused, rest = _refused_and_the_rest(res)
+            for r in rest:
+                assert r["at"] - max(r["start"], refused["at"]) < 1.0, (i, r, refused)
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
 
 
 @pytest.mark.parametrize("twice,control", [("attention rank 0", "shm"), ("attention rank 0", "tcp"),
@@ -816,3 +871,69 @@ def test_gloo_error_text_carries_no_source_locations_or_banners():
     text = rdzv.error_text(RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] [c10d] Connection "
                                         "closed by peer [127.0.0.1]:5555"))
     assert text == "Connection closed by peer [127.0.0.1]:5555", text
+
+
+# ---------------------------------------------------------------- issue 41 item 2: a local close mid-step
+def _close_mid_step_worker(rank, nprocs, port, done):
+    """1A1F gloo: the attention rank's thread waits in recv_ffn_output (the FFN rank holds its reply) when the
+    attention main thread calls close(); then the FFN rank replies into the closed step."""
+    import threading
+
+    import connector_scenarios as cs
+    import torch
+    from afd_ext.errors import AFDError
+
+    sc = cs.Scenario(A=1, F=1, layers=1, strict=False, step_timeout_s=60.0)
+    conn = cs.make_connector(sc, rank, port)
+    conn.init_afd_connector()
+    out = {}
+    try:
+        if rank == 0:
+            conn.control_plane.update_state_from_dp_metadata(conn.control_plane.recv_dp_metadata_list())
+            got = conn.recv_attn_output(ubatch_idx=0)
+            done.wait(60)  # the attention rank closed
+            t0 = time.monotonic()
+            try:
+                conn.send_ffn_output(got.hidden_states, got.context)
+            except AFDError as e:
+                out = {"error": type(e).__name__, "msg": str(e), "took": time.monotonic() - t0}
+            return out
+        p = cs._payload({0: [3]})
+        conn.control_plane.update_state_from_dp_metadata(p)
+        conn.control_plane.send_dp_metadata_list(p)
+        h = torch.ones(3, sc.hidden)
+        conn.send_attn_output(h, cs._ctx(0, 0, 3))
+
+        def wait_reply():
+            try:
+                conn.recv_ffn_output(h, ubatch_idx=0)
+            except BaseException as e:  # noqa: BLE001 - returned to the test
+                out.update(error=type(e).__name__, msg=str(e), ended=time.monotonic())
+
+        t = threading.Thread(target=wait_reply)
+        t.start()
+        time.sleep(0.5)  # in recv_ffn_output's wait
+        t0 = time.monotonic()
+        conn.close()
+        t.join(10)
+        out.update(alive=t.is_alive(), took=out.get("ended", float("inf")) - t0)
+        done.wait(60)
+        return out
+    finally:
+        conn.close()
+
+
+def test_a_local_close_mid_step_ends_this_ranks_call_as_closed_and_the_peer_gets_peer_closed():
+    """Issue 41 item 2, any caller: a close() while another thread of the rank waits in a call ends that call
+    promptly with AFDClosedError (a stop, not a failure); the peer's next call raises PeerClosedError naming
+    the rank that closed, long before step_timeout_s."""
+    import multiprocessing as mp
+
+    from afd_ext.testing import run_workers
+
+    ffn, att = run_workers(_close_mid_step_worker, 2, (find_free_port(HOST), mp.get_context("spawn").Barrier(2)),
+                           timeout_s=120)
+    assert not att["alive"] and att["error"] == "AFDClosedError" and att["took"] < 1.0, att
+    assert "this connector was closed" in att["msg"], att
+    assert ffn["error"] == "PeerClosedError" and ffn["took"] < 5.0, ffn
+    assert "attention rank 0 (world rank 1) closed its connector (an orderly close(), not a failure)" in ffn["msg"]

@@ -345,10 +345,12 @@ def test_fakes_give_shapes_under_compile():
 # -- over gloo, in processes ------------------------------------------------------------------
 
 def fp8_worker(rank: int, nprocs: int, port: int, A: int, delivery: str, mismatch: bool = False,
-               transport: str = "gloo") -> dict:
+               transport: str = "gloo", misaligned: bool = False) -> dict:
     """A:1 with FP8 on the wire (also run over NCCL and peer memory by tests/gpu/test_fp8_gpu.py); the FFN
     doubles what it receives; the attention side checks every reply against the reference round trip
-    (exactly: every path computes the rule's bytes) and the stated bound."""
+    (exactly: every path computes the rule's bytes) and the stated bound. ``misaligned``: each layer-0
+    send is first tried with a contiguous bf16 copy 2 bytes off 8-byte alignment; a refusal (CUDA
+    transports) is recorded and the aligned tensor sent instead."""
     from afd_ext import ops
 
     extra = (("hidden_wire_dtype", None if mismatch and rank == 0 else "fp8_e4m3"), ("fp8_delivery", delivery))
@@ -368,7 +370,7 @@ def fp8_worker(rank: int, nprocs: int, port: int, A: int, delivery: str, mismatc
             raise AssertionError("a hidden_wire_dtype mismatch passed the handshake")
         conn.init_afd_connector()
         steps = ({0: [3] * A}, {0: [0] * A, 1: [130] * A})
-        checked = 0
+        checked, refused = 0, []
         for step in steps:
             if conn.role == "ffn":
                 payload = conn.control_plane.recv_dp_metadata_list()
@@ -395,7 +397,16 @@ def fp8_worker(rank: int, nprocs: int, port: int, A: int, delivery: str, mismatc
                 for s in sorted(step):
                     n = step[s][conn.role_rank]
                     x = hard_inputs(max(n, 4), 256, seed=100 * layer + 10 * s + conn.role_rank)[:n]
-                    conn.send_attn_output(x.to(dev), cs._ctx(layer, s, n))
+                    sent = False
+                    if misaligned and layer == 0 and n:
+                        odd = torch.empty(n * 256 + 1, dtype=x.dtype, device=dev)[1:].view(n, 256).copy_(x)
+                        try:
+                            conn.send_attn_output(odd, cs._ctx(layer, s, n))
+                            sent = True
+                        except AFDConfigError as e:
+                            refused.append(str(e))
+                    if not sent:
+                        conn.send_attn_output(x.to(dev), cs._ctx(layer, s, n))
                     out = conn.recv_ffn_output(torch.empty(x.shape, dtype=x.dtype, device=dev), ubatch_idx=s)
                     if dev.type == "cuda":
                         conn.synchronize()
@@ -405,7 +416,7 @@ def fp8_worker(rank: int, nprocs: int, port: int, A: int, delivery: str, mismatc
                         assert torch.equal(out, reference_dequantize(rv, rs) * 2)
                         assert ((out.float() / 2 - x.float()).abs() <= error_bound(x, rs)).all()
                     checked += n
-        return {"role": conn.role, "checked": checked, "transport": conn.transport_kind}
+        return {"role": conn.role, "checked": checked, "transport": conn.transport_kind, "refused": refused}
     finally:
         conn.close()
 
@@ -415,6 +426,34 @@ def test_gloo_round_trip(delivery):
     res = run_workers(fp8_worker, 3, (find_free_port(), 2, delivery), timeout_s=150)
     total = 2 * (3 + 130) * 2  # layers x rows x attention ranks
     assert sorted(r["checked"] for r in res) == [total // 2, total // 2, total]
+
+
+def test_misaligned_hidden_states_pass_on_gloo_and_are_refused_where_the_kernels_need_alignment():
+    """Issue 41 item 9: the CUDA FP8 kernels read bf16 hidden states 8 bytes at a time, so the input checks
+    refuse a misaligned row start on the transports that run them (on the calling rank, before anything
+    moves: tests/gpu/test_fp8_gpu.py); gloo quantizes in torch and takes it."""
+    from afd_ext.metadata import AFDControlPayload
+    from afd_ext.schedule import ScheduleConfig, build_step_schedule
+    from afd_ext.topology import Topology
+    from afd_ext.transport.gloo import GlooTransport
+    from afd_ext.transport.nccl import NcclTransport
+    from afd_ext.transport.peer.transport import PeerTransport
+
+    assert (NcclTransport.fp8_hidden_align, PeerTransport.fp8_hidden_align, GlooTransport.fp8_hidden_align) == (8, 8, 1)
+    cfg = ScheduleConfig(num_layers=1, hidden_size=256, hidden_dtype=torch.bfloat16, hidden_wire="fp8_e4m3")
+    sch = build_step_schedule(Topology(1, 1), AFDControlPayload({0: [3]}), cfg)
+    odd = torch.empty(3 * 256 + 1, dtype=torch.bfloat16)[1:].view(3, 256)
+    assert odd.is_contiguous() and odd.data_ptr() % 8 == 2
+    with pytest.raises(AFDConfigError, match=r"hidden_states must be 8-byte aligned for attention rank 0, stage 0 "
+                                             r"with FP8 on the wire .*clone\(\)"):
+        sch.check_attention_tensors(0, 0, odd, hidden_align=8)
+    sch.check_attention_tensors(0, 0, odd.clone(), hidden_align=8)
+    sch.check_attention_tensors(0, 0, odd)  # gloo
+    plain = build_step_schedule(Topology(1, 1), AFDControlPayload({0: [3]}),
+                                ScheduleConfig(num_layers=1, hidden_size=256, hidden_dtype=torch.bfloat16))
+    plain.check_attention_tensors(0, 0, odd, hidden_align=8)  # no FP8 on the wire: any alignment
+    res = run_workers(fp8_worker, 2, (find_free_port(), 1, "dequant", False, "gloo", True), timeout_s=150)
+    assert [r["refused"] for r in res] == [[], []] and sorted(r["checked"] for r in res) == [2 * 133] * 2
 
 
 def test_handshake_refuses_a_mismatch():

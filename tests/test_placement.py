@@ -228,3 +228,43 @@ def test_find_free_port_avoids_the_ephemeral_range_and_is_bindable():
             assert 10000 <= p < low, (p, low)
         with socket.socket() as s:
             s.bind(("127.0.0.1", p))
+
+
+def _ffn_fails_at_its_first_step(rank: int, nprocs: int, port: int, how: str) -> int:
+    # 2A1F over gloo; FFN rank 0 (world rank 0, the store host) fails in its first step while the attention
+    # ranks wait for its replies: they then see its absence (a peer gone, an abort) and report that.
+    import signal as sig
+
+    import connector_scenarios as cs
+    from afd_ext.errors import TorchMismatchError
+
+    sc = cs.Scenario(A=2, F=1, layers=1, strict=False, steps=({0: [2, 3]},),
+                     extra=(("init_timeout_s", 60.0), ("step_timeout_s", 60.0)))
+    conn = cs.make_connector(sc, rank, port)
+    conn.init_afd_connector()
+    try:
+        if rank:
+            return cs.attention_step(conn, sc, 0, sc.steps[0])
+        conn.control_plane.update_state_from_dp_metadata(conn.control_plane.recv_dp_metadata_list())
+        if how == "raise":  # what a broken build shows at the FFN's first use of the ops
+            raise TorchMismatchError("afd_ext was built against torch 2.11.0, this is torch 2.14.1", built="2.11.0",
+                                     installed="2.14.1")
+        os.kill(os.getpid(), sig.SIGKILL) if how == "signal" else os._exit(3)
+    finally:
+        conn.close()
+        if not rank:
+            time.sleep(1.5)  # a slow teardown (CUDA, vLLM): the peers' follow-on errors come first
+    return 0
+
+
+@pytest.mark.parametrize("how,cause", [("raise", "TorchMismatchError: afd_ext was built against torch 2.11.0"),
+                                       ("signal", "worker rank 0 died with exit code -9 without reporting"),
+                                       ("exit", "worker rank 0 died with exit code 3 without reporting")])
+def test_run_workers_reports_the_failed_process_not_its_peers_follow_on_errors(how, cause):
+    """Issue 41 item 8: a process that raises, is killed or exits names itself, whatever its peers report first."""
+    from afd_ext.testing import find_free_port
+
+    with pytest.raises((testing.WorkerError, RuntimeError)) as ei:
+        run_workers(_ffn_fails_at_its_first_step, 3, (find_free_port(), how), timeout_s=120)
+    assert cause in str(ei.value), str(ei.value)[-2000:]
+    assert getattr(ei.value, "rank", 0) == 0, str(ei.value)[-2000:]

@@ -232,9 +232,11 @@ class AFDConnector:
         """Release everything (idempotent; safe after a partial init or an abort).
 
         Order: step state and buffers first, then the control channels, then
-        the transport. A step still incomplete is aborted on every rank first
-        (the abort names this rank), so peers waiting on it stop at once. After
-        an abort it does not wait for the peers' teardown. Leaves
+        the transport. A step still incomplete is ended on every rank first:
+        the peers' calls raise :class:`~afd_ext.errors.PeerClosedError` naming
+        this rank (a close, not a failure), and a call of this rank still in
+        flight on another thread raises :class:`~afd_ext.errors.AFDClosedError`.
+        After an abort it does not wait for the peers' teardown. Leaves
         :attr:`is_initialized` False; :meth:`init_afd_connector` may be called again.
         """
         self._teardown()

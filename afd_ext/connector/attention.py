@@ -45,7 +45,8 @@ class AttentionSide(RoleSide):
                 raise AFDConfigError(f"hidden_states shape {tuple(hidden_states.shape)!r} does not match AFD metadata "
                                  f"token count {md.total_tokens}.")
             # One check of the wire tensors (types, shapes, dtypes, contiguity), then the device.
-            st.schedule.check_attention_tensors(stage, self.role_rank, hidden_states, router_logits, input_ids)
+            st.schedule.check_attention_tensors(stage, self.role_rank, hidden_states, router_logits, input_ids,
+                                                hidden_align=tr.fp8_hidden_align)
             for name, t in (("hidden_states", hidden_states), ("router_logits", router_logits),
                             ("input_ids", input_ids)):
                 if t is not None:

@@ -16,7 +16,8 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..errors import AFDConfigError, AFDError, AFDPeerError, AFDProtocolError, AFDStateError, ConnectorStateError
+from ..errors import (AFDClosedError, AFDConfigError, AFDError, AFDPeerError, AFDProtocolError, AFDStateError,
+                      ConnectorStateError)
 from ..metadata import AFDControlPayload
 from ..schedule import StepSchedule
 from ..transport.base import MessageTag, StepProgress, Transport
@@ -89,6 +90,7 @@ class Session:
         self.transport: Transport | None = None  # the plain transport
         self.checked: Transport | None = None  # its strict-mode view (itself when not strict)
         self.broken: BaseException | None = None
+        self.closing = False  # a local close() began: a call it ends raises AFDClosedError, not a failure
         self.step: Step | None = None
         self.step_counter = 0  # every step of this generation, warm-ups included: orders progress reports
         self.user_steps = 0  # the steps the caller applied: what messages count ("step 1" is the first)
@@ -98,6 +100,7 @@ class Session:
     def reset(self) -> None:
         """Forget the previous generation's failure and step (a new init)."""
         self.broken = None
+        self.closing = False
         self.step = None
         self.step_counter = 0
         self.user_steps = 0
@@ -111,6 +114,7 @@ class Session:
             control: the control plane (its channels are closed after the step state, before the transport), or None.
             replies: the FFN side (its replies in flight are delivered when healthy, else dropped), or None.
         """
+        self.closing = True
         st = self.step
         if self.initialized and self.broken is None and st is not None and not st.seq.complete:
             # The peers may be blocked in this step's exchanges (a rejected call is no longer an
@@ -143,12 +147,12 @@ class Session:
         self.signal = None
 
     def _abort_on_close(self, st: Step) -> None:
-        """Abort the incomplete step ``st`` on every rank: this rank is closing (named, with its last rejection)."""
+        """End the incomplete step ``st`` on every rank: this rank is closing (peers get :class:`PeerClosedError`)."""
         after = f"; its last rejected call: {st.seq.rejected}" if st.seq.rejected else ""
-        exc = ConnectorStateError(f"close() on {self.me} with {st.seq.label} incomplete ({st.seq.progress()})"
-                                  f"{after}")
-        logger.warning("%s: closing mid-step; aborting %s on every rank", self.me, st.seq.label)
-        self.fail_step(exc)
+        exc = ConnectorStateError(f"{self.me} closed its connector (an orderly close(), not a failure) with "
+                                  f"{st.seq.label} incomplete ({st.seq.progress()}){after}")
+        logger.info("%s: closing mid-step; ending %s on every rank", self.me, st.seq.label)
+        self.fail_step(exc, kind="closed")
 
     def open(self, conn: Any, control: Any) -> None:
         """Build this generation's links for connector ``conn`` (collective): store, handshake, transport, channels.
@@ -243,12 +247,12 @@ class Session:
 
     # -- failures ------------------------------------------------------------------------
 
-    def fail_step(self, exc: BaseException) -> None:
-        """Abort the step on every rank: post the abort signal, abort our transport."""
+    def fail_step(self, exc: BaseException, kind: str | None = None) -> None:
+        """Abort the step on every rank: post the abort signal (``kind``: see ``AbortSignal.post``), abort our transport."""
         if self.broken is None:
             self.broken = exc
         if self.signal is not None:
-            self.signal.post(exc)
+            self.signal.post(exc, kind)
         if self.transport is not None:
             try:
                 self.transport.abort(str(exc).splitlines()[0][:200])
@@ -267,6 +271,9 @@ class Session:
         try:
             return fn(*args, **kwargs)
         except AFDError as e:  # every transport error (AFDPeerError is a ConnectionError)
+            if self.closing:  # this rank's own close() ended the call: a stop, not a failure
+                raise AFDClosedError(f"{self.me}: the call ended because this connector was closed (close() "
+                                     "on this rank)") from e
             self.fail_step(e)
             raise
         except RuntimeError as e:

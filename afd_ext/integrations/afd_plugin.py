@@ -66,7 +66,7 @@ import torch
 
 from .. import envs
 from ..config import DEFAULT_CONNECTOR, REFERENCE_CONNECTOR, AFDConfig, AfdExtConnectorConfig, coerce_bool, coerce_int
-from ..errors import AFDConfigError, AFDError, AFDStateError, ControlChannelClosed
+from ..errors import AFDConfigError, AFDError, AFDStateError, ControlChannelClosed, PeerClosedError
 from ..metadata import AFDControlPayload, AFDTransferContext, AFDTransferMetadata
 from ..spec import ExchangeSpec, as_dtype, dtype_name
 
@@ -188,6 +188,14 @@ def _end_loop(why: str, cause: BaseException) -> None:
     raise SystemExit(f"AFD FFN worker loop ended: {why}") from cause
 
 
+def _end_loop_if_stopped(owner: Any, e: AFDError) -> None:
+    """On afd-plugin's FFN loop thread, end the loop (:func:`_end_loop`) when ``e`` comes from a stop: this
+    connector's ``close()``, or a peer's orderly close (its goodbye, or its close with a step in flight)."""
+    stopped = owner._closing or type(e) is ControlChannelClosed or isinstance(e, PeerClosedError)
+    if stopped and threading.current_thread().name in PLUGIN_FFN_LOOP_THREADS:
+        _end_loop("this FFN rank's connector was closed" if owner._closing else str(e), e)
+
+
 # ---------------------------------------------------------------------------
 # Registration (the vllm.general_plugins entry point)
 # ---------------------------------------------------------------------------
@@ -251,7 +259,8 @@ class AdapterExtraConfig:
         Raises:
             TypeError: not a mapping, or a value of the wrong type.
             AFDConfigError / ValueError: unknown key (all accepted keys listed), a
-                value out of range (see :meth:`afd_ext.config.AfdExtConnectorConfig.from_mapping`).
+                value out of range (see :meth:`afd_ext.config.AfdExtConnectorConfig.from_mapping`),
+                ``fp8_delivery: "fp8"`` (the plugin's FFN models take bf16).
         """
         if raw is None:
             raw = {}
@@ -274,7 +283,12 @@ class AdapterExtraConfig:
             ldtype = dtype_name(as_dtype(ldtype, "connector_extra_config.router_logits_dtype"))
         ids = coerce_bool(rest.pop("send_token_ids", False), "connector_extra_config.send_token_ids")
         rest.setdefault("clamp_idle_to_one", True)
-        return cls(AfdExtConnectorConfig.from_mapping(rest), layers, ldtype, ids)
+        connector = AfdExtConnectorConfig.from_mapping(rest)
+        if connector.fp8_delivery == "fp8":
+            # The plugin's FFN models take bf16 activations (docs/fp8.md): refuse before any step, not at step 1.
+            raise AFDConfigError("connector_extra_config.fp8_delivery 'fp8' hands the FFN float8 activations, which "
+                                 "afd-plugin's FFN models cannot take; use 'dequant' (the default) under afd-plugin")
+        return cls(connector, layers, ldtype, ids)
 
     def to_mapping(self) -> dict[str, Any]:
         """All fields as one flat mapping (round-trips through :meth:`from_mapping`)."""
@@ -387,7 +401,11 @@ if HAVE_AFD_PLUGIN:
 
         def update_state_from_dp_metadata(self, payload: Any) -> None:
             """Apply a payload locally (see :meth:`AfdExtAFDConnector.apply_payload`)."""
-            self._owner.apply_payload(payload)
+            try:
+                self._owner.apply_payload(payload)
+            except AFDError as e:
+                _end_loop_if_stopped(self._owner, e)
+                raise
 
         def send_dp_metadata_list(self, payload: Any) -> None:
             """Send the payload to this attention rank's FFN destinations (no-op on other ranks)."""
@@ -397,10 +415,10 @@ if HAVE_AFD_PLUGIN:
             """FFN side: block until the next payload (afd_ext's class; the runners read its fields).
 
             Raises:
-                SystemExit: on afd-plugin's FFN loop thread only, when the channel
-                    closed in order (this connector's ``close()``, or the source
-                    attention rank's goodbye): the loop thread ends quietly (see
-                    ``_end_loop`` for why this is safe).
+                SystemExit: on afd-plugin's FFN loop thread only, when this connector
+                    was closed (``close()``) or a peer closed in order (the source
+                    attention rank's goodbye, or ``PeerClosedError``): the loop thread
+                    ends quietly (see ``_end_loop`` for why this is safe).
                 AFDError: every other failure (a dead or silent peer, an abort, a
                     timeout), and an orderly close on any other thread.
             """
@@ -409,10 +427,8 @@ if HAVE_AFD_PLUGIN:
             try:
                 return owner._inner.control_plane.recv_dp_metadata_list()
             except AFDError as e:
-                orderly = owner._closing or type(e) is ControlChannelClosed
-                if not (orderly and threading.current_thread().name in PLUGIN_FFN_LOOP_THREADS):
-                    raise
-                _end_loop("this FFN rank's connector was closed" if owner._closing else str(e), e)
+                _end_loop_if_stopped(owner, e)
+                raise
 
     class AfdExtAFDConnector(_ConnectorBase):
         """afd_ext's connector behind the reference's ``AFDConnectorBase`` contract.
@@ -496,9 +512,10 @@ if HAVE_AFD_PLUGIN:
         def close(self) -> None:
             """Release everything (idempotent); graph arenas stay alive while a captured graph may replay.
 
-            An FFN worker loop blocked in ``control_plane.recv_dp_metadata_list``
-            on afd-plugin's loop thread wakes and that thread ends quietly
-            (``SystemExit``; a dead or silent peer still raises its named error).
+            afd-plugin's FFN loop thread, blocked in any afd_ext call or wait
+            (``recv_dp_metadata_list``, or mid-step in ``recv_attn_output`` /
+            ``send_ffn_output``), wakes and ends quietly (``SystemExit``); the
+            peers get :class:`~afd_ext.errors.PeerClosedError`.
             """
             self._closing = True
             self._leave_capture()
@@ -605,6 +622,8 @@ if HAVE_AFD_PLUGIN:
                 AFDConfigError: ``routing_spec`` differs from what this connector
                     configured from the model config (the message says what to set).
                 AFDConfigError / AFDStateError / AFDError: see afd_ext's ``recv_attn_output``.
+                SystemExit: on afd-plugin's FFN loop thread only, when this connector or a
+                    peer closed in order (see ``recv_dp_metadata_list``).
             """
             spec = kwargs.get("routing_spec")
             if spec is not None and spec != self._spec_ok:  # checked before the connector is touched
@@ -612,12 +631,25 @@ if HAVE_AFD_PLUGIN:
 
                 check_routing_spec(spec, self.spec.router_logits_width, self.spec.router_logits_dtype)
                 self._spec_ok = spec
-            return self._inner.recv_attn_output(ubatch_idx=ubatch_idx, routing_spec=spec,
-                                                recv_input_ids=bool(kwargs.get("recv_input_ids", False)))
+            try:
+                return self._inner.recv_attn_output(ubatch_idx=ubatch_idx, routing_spec=spec,
+                                                    recv_input_ids=bool(kwargs.get("recv_input_ids", False)))
+            except AFDError as e:
+                _end_loop_if_stopped(self, e)
+                raise
 
         def send_ffn_output(self, ffn_output: torch.Tensor, context: Any, **kwargs: Any) -> None:
-            """Split-back of ``ffn_output`` ``[total, hidden_size]`` by the context's per-peer rows."""
-            self._inner.send_ffn_output(ffn_output, context)
+            """Split-back of ``ffn_output`` ``[total, hidden_size]`` by the context's per-peer rows.
+
+            Raises:
+                SystemExit: on afd-plugin's FFN loop thread only, after an orderly close
+                    (see ``recv_dp_metadata_list``); AFDError: see afd_ext's ``send_ffn_output``.
+            """
+            try:
+                self._inner.send_ffn_output(ffn_output, context)
+            except AFDError as e:
+                _end_loop_if_stopped(self, e)
+                raise
 
         def __repr__(self) -> str:
             return f"AfdExtAFDConnector({self._inner!r})"

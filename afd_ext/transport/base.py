@@ -278,6 +278,9 @@ class Transport(abc.ABC):
     #: from the setup's schedule config. The attention side's ``split_back`` then quantizes the
     #: bf16 hidden states in its send path; the FFN side's ``fan_in`` receives the wire tuple.
     fp8: bool = False
+    #: Byte alignment the transport's FP8 quantization needs of the bf16 hidden states' first row
+    #: (1: none; the CUDA kernels read 8 bytes at a time), checked with the other input checks.
+    fp8_hidden_align: int = 1
 
     def __init__(self, peers: PeerMap, device: torch.device, *, timeout_s: float):
         self.peers = peers

@@ -349,6 +349,7 @@ class NcclTransport(Transport):
     """
 
     kind = "nccl"
+    fp8_hidden_align = 8
     device_type = "cuda"
 
     def __init__(self, store: Any, topology: Any, peers: PeerMap, device: torch.device, *,

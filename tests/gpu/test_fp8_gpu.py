@@ -166,6 +166,23 @@ def test_connector_round_trip(transport, delivery):
     assert {r["transport"] for r in res} == {transport}
 
 
+@pytest.mark.parametrize("transport", ["nccl", "peer"])
+def test_misaligned_hidden_states_are_refused_on_the_calling_rank_only(transport):
+    """Issue 41 item 9: each attention rank's layer-0 send of a contiguous bf16 tensor 2 bytes off 8-byte
+    alignment is refused by the input checks on that rank (AFDConfigError, nothing moved); the aligned
+    call that follows proceeds and every reply is exact, so no step was aborted."""
+    A, F = 2, 1
+    res = run_workers(fp8_worker, A + F, (find_free_port(), A, "dequant", False, transport, True), timeout_s=200,
+                      per_rank_env=place_processes(A, F).env())
+    assert sorted(r["checked"] for r in res) == [2 * (3 + 130)] * A + [2 * (3 + 130) * A]
+    for r in res:
+        if r["role"] == "ffn":
+            assert r["refused"] == []
+            continue
+        assert len(r["refused"]) == 2, r  # layer 0 of step 1 stage 0 and of step 2 stage 1 (its stage 0 has 0 rows)
+        assert all("hidden_states must be 8-byte aligned" in m for m in r["refused"]), r["refused"]
+
+
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("backend,graph", [("nccl", False), ("peer", True)])
 def test_demo_with_fp8(tmp_path, backend, graph):

@@ -44,6 +44,9 @@ ONE_ONE = (
     W.Scenario("compile-inductor", compile="inductor", steps=({0: [3]}, {0: [5]})),
     W.Scenario("router-dtype-mismatch", gate=True, model="dsv3_fp32router", ffn_model="dsv3", mismatch=True),
 )
+#: 1A1F, a stop with a step in flight (the FFN loop thread waiting in recv_attn_output): both orders, both channels.
+IN_FLIGHT = tuple(W.Scenario(f"in-flight-{c}-{o}", control=c, order=o, in_flight={0: [4]}, steps=({0: [3]},))
+                  for c in ("shm", "tcp") for o in ("ffn_first", "attn_first"))
 #: 2A1F with attention DP=2 (vLLM's DPMetadata.make), an idle DP rank's one-token dummy batch.
 TWO_ONE = (
     W.Scenario("2A1F-dp2", attn=(2, 1), steps=({0: [3, 2]}, {0: [0, 4]}, {0: [5, 0]})),
@@ -134,6 +137,13 @@ def _check(group, recs):
             else:
                 layers = W.LAYERS - 1 if sc.gate else W.LAYERS
                 assert rec["checked"] == layers * sum(len(step) for step in sc.steps), (sc.name, rec)
+                if sc.in_flight is not None and sc.order == "ffn_first":  # the closed FFN rank is named, promptly
+                    err = rec["stop_error"]
+                    assert err.startswith("PeerClosedError: ") and "FFN rank 0 (world rank 0) closed its " \
+                        "connector (an orderly close(), not a failure)" in err, err
+                    assert rec["stop_error_s"] < 5.0, rec  # step_timeout_s is 120
+                else:
+                    assert "stop_error" not in rec, rec
                 if sc.compile:
                     assert rec["graphs"] and all(n >= 1 for n in rec["graphs"]), (sc.name, rec["graphs"])
 
@@ -142,6 +152,14 @@ def test_one_attention_one_ffn(model_dirs):
     """1A1F: 13 scenarios in the same two processes (see ONE_ONE)."""
     recs = _run(ONE_ONE, model_dirs, timeout_s=900)
     _check(ONE_ONE, recs)
+
+
+def test_a_stop_with_a_step_in_flight(model_dirs):
+    """1A1F, the FFN loop thread in recv_attn_output when the FFN worker shuts down (the attention side's next
+    call: PeerClosedError naming it) or the attention side closes: the loop ends within 1 s, nothing is recorded,
+    vLLM's Worker.shutdown() runs; over the shm and TCP control channels (see IN_FLIGHT)."""
+    recs = _run(IN_FLIGHT, model_dirs, timeout_s=600)
+    _check(IN_FLIGHT, recs)
 
 
 def test_two_attention_one_ffn_dp2(model_dirs):

@@ -62,6 +62,9 @@ class Scenario:
         mismatch: the roles' configs disagree: both must refuse at the handshake.
         attention_dies: the attention process exits after its steps without closing (no goodbye):
             the FFN loop must end in a named error, recorded by afd-plugin as a failure.
+        in_flight: after ``steps``, a step (``{stage: counts}``) whose payload the attention side
+            applies and sends but whose rows it never sends: the FFN loop thread waits in
+            ``recv_attn_output`` when ``order``'s first role stops.
     """
 
     name: str
@@ -79,6 +82,7 @@ class Scenario:
     ffn_model: str | None = None
     mismatch: bool = False
     attention_dies: bool = False
+    in_flight: dict | None = None
 
     @property
     def A(self) -> int:  # noqa: N802
@@ -292,7 +296,30 @@ def ffn_role(sc: Scenario, rank: int, vc: Any, done: Any) -> dict[str, Any]:
         return {"role": "ffn", "calls": model.calls, "loop_error": f"{type(loop_error).__name__}: {loop_error}",
                 "stop_error": str(stop_error), "cause": type(stop_error.__cause__).__name__,
                 "worker_shutdown_ran": spy.done - before}
-    if sc.order == "attn_first":
+    if sc.in_flight is not None:
+        done.wait(600)  # the attention side sent the in-flight step's payload, not its rows
+        end = time.monotonic() + 60
+        while not _in_call(thread, "recv_attn_output") and time.monotonic() < end:
+            time.sleep(0.01)
+        if not _in_call(thread, "recv_attn_output"):
+            import sys
+            import traceback
+
+            raise AssertionError("the FFN loop thread is not waiting in recv_attn_output: " + "".join(
+                traceback.format_stack(sys._current_frames().get(thread.ident))) + repr(w._ffn_loop_error))
+        t0 = time.monotonic()
+        if sc.order == "attn_first":
+            done.wait(600)  # the attention side closes mid-step now
+            thread.join(timeout=5)
+            assert not thread.is_alive() and time.monotonic() - t0 < 1.0, "the loop did not end on the close"
+            assert w._ffn_loop_error is None, repr(w._ffn_loop_error)
+            t0 = time.monotonic()
+        w.shutdown()  # stop_ffn_server_loop (the loop thread is in recv_attn_output if still running), Worker.shutdown
+        took = time.monotonic() - t0
+        if sc.order == "ffn_first":
+            done.wait(600)  # the attention side calls now
+        done.wait(600)  # the attention side is done
+    elif sc.order == "attn_first":
         thread.join(timeout=600)  # ends on the attention side's goodbye
         assert not thread.is_alive(), "the FFN loop thread did not end on the peer's goodbye"
         assert w._ffn_loop_error is None, repr(w._ffn_loop_error)
@@ -313,6 +340,16 @@ def ffn_role(sc: Scenario, rank: int, vc: Any, done: Any) -> dict[str, Any]:
     threading.excepthook = original_hook
     assert hooked == ["afd-ffn-worker-loop: SystemExit"], hooked  # the loop ended quietly, nothing else raised
     return {"role": "ffn", "calls": model.calls, "shutdown_s": took, "router_dtype": str(model.router_dtype)}
+
+
+def _in_call(thread: Any, name: str) -> bool:
+    """Whether ``thread`` is inside a function called ``name`` now."""
+    import sys
+
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None and frame.f_code.co_name != name:
+        frame = frame.f_back
+    return frame is not None
 
 
 # ---------------------------------------------------------------------------- attention role
@@ -404,6 +441,8 @@ def attention_role(sc: Scenario, rank: int, role_rank: int, dp_rank: int, vc: An
                     assert out.dtype == dtype and out.shape == h.shape
                     assert torch.equal(out, want), f"step {i} layer {layer} stage {s}: reply differs\n{out}\n{want}"
                     checked += 1
+        if sc.in_flight is not None:
+            return _stop_in_flight(sc, conn, vc, calls, mods, role_rank, dp_rank, done, checked)
         if sc.attention_dies:
             os._exit(0)  # no close, no goodbye: the process is gone
         if sc.order == "ffn_first":
@@ -414,6 +453,39 @@ def attention_role(sc: Scenario, rank: int, role_rank: int, dp_rank: int, vc: An
     if sc.order == "attn_first":
         done.wait(600)  # the FFN worker ended its loop on the goodbye and shut down
     return {"role": "attention", "checked": checked, "graphs": graphs}
+
+
+def _stop_in_flight(sc: Scenario, conn: Any, vc: Any, calls: dict, mods: dict, role_rank: int, dp_rank: int,
+                    done: Any, checked: int) -> dict[str, Any]:
+    """Apply and send the in-flight step's payload, then stop in ``sc.order`` (see ``ffn_role``)."""
+    from afd_plugin.connectors import AFDControlPayload, AFDForwardContextMetadata
+    from vllm.forward_context import get_forward_context, set_forward_context
+
+    p = AFDControlPayload({s: dp_metadata(vc, c) for s, c in sc.in_flight.items()}, is_graph_capturing=False,
+                          is_warmup=False)
+    conn.control_plane.update_state_from_dp_metadata(p)
+    conn.control_plane.send_dp_metadata_list(p)
+    done.wait(600)  # the FFN loop thread now waits in recv_attn_output for this step's rows
+    out: dict[str, Any] = {"role": "attention", "checked": checked, "graphs": []}
+    done.wait(600)  # attn_first: the FFN rank saw its loop thread wait; ffn_first: the FFN worker has shut down
+    if sc.order == "attn_first":
+        conn.close()  # mid-step
+    else:
+        layer, rows = min(mods), max(1, int(sc.in_flight[0][dp_rank]))
+        t0 = time.monotonic()
+        try:
+            with set_forward_context(None, vc):
+                fc = get_forward_context()
+                fc.dp_metadata = p.dp_metadata_list[0]
+                fc.additional_kwargs["afd_metadata"] = AFDForwardContextMetadata(
+                    tokens_start_loc=[0], requests_start_loc=[0], stage_idx=0, connector=conn,
+                    tokens_lens=[rows], num_stages=1)
+                calls[layer](inputs(len(sc.steps), layer, 0, role_rank, rows, vc.model_config.dtype))
+        except Exception as e:  # noqa: BLE001 - checked by the test
+            out.update(stop_error=f"{type(e).__name__}: {e}", stop_error_s=time.monotonic() - t0)
+        conn.close()
+    done.wait(600)
+    return out
 
 
 # ---------------------------------------------------------------------------- entry

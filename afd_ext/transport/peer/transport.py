@@ -67,6 +67,7 @@ class PeerTransport(Transport):
     """
 
     kind = "peer"
+    fp8_hidden_align = 8
     device_type = "cuda"
 
     @classmethod
