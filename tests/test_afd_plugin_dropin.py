@@ -198,6 +198,45 @@ def test_factory_builds_afd_ext_with_the_reference_constructor(plugin, monkeypat
     assert not conn_off.connector.extra.clamp_idle_to_one
 
 
+@pytest.mark.parametrize("base_name", ["afd_plugin.connectors.base.AFDConnectorBase",
+                                       "afd_plugin.connectors.base.AFDControlPlane"])
+def test_a_newer_afd_plugin_base_with_a_member_afd_ext_lacks_is_named_at_construction(request, monkeypatch,
+                                                                                      base_name):
+    # A newer afd-plugin whose base declares one more abstract member: the factory's construction raises
+    # afd_ext's error naming it and both versions (Python's own TypeError would surface inside vLLM).
+    import abc
+
+    from afd_ext.errors import AFDConfigError
+
+    ours = lambda n: n in ("afd_plugin", "afd_ext.integrations.afd_plugin") or n.startswith("afd_plugin.")  # noqa: E731
+    for name in [m for m in sys.modules if ours(m)]:
+        monkeypatch.delitem(sys.modules, name)
+    # The modules built on the patched base go before monkeypatch puts the originals back.
+    request.addfinalizer(lambda: [sys.modules.pop(m) for m in list(sys.modules) if ours(m)])
+    module, cls_name = base_name.rsplit(".", 1)
+    base = getattr(importlib.import_module(module), cls_name)
+    monkeypatch.setattr(base, "drain_stage", abc.abstractmethod(lambda self: None), raising=False)
+    monkeypatch.setattr(base, "__abstractmethods__", base.__abstractmethods__ | {"drain_stage"})
+    adapter = importlib.import_module("afd_ext.integrations.afd_plugin")  # subclasses the newer base
+    monkeypatch.setattr(adapter, "versions", lambda: {"afd_ext": "0.1.0", "afd_plugin": "0.9.1", "vllm": None})
+    adapter.register()
+    factory = importlib.import_module("afd_plugin.connectors.factory").AFDConnectorFactory
+    vc = _vc(connector="AfdExtConnector", connector_extra_config={"transport": "gloo"})
+    cfg = importlib.import_module("afd_plugin.config").parse_afd_config(vc, validate=False)
+    with pytest.raises(AFDConfigError) as e:
+        factory.create_connector(0, 0, vc, cfg)
+    assert str(e.value).startswith(f"afd_ext 0.1.0 does not implement {cls_name}.drain_stage, abstract in the "
+                                   "installed afd-plugin 0.9.1: "), e.value
+
+
+def test_declares_the_capabilities_newer_afd_plugin_modules_read(plugin):
+    # afd-plugin's newer attention modules read connector.yield_after_attn_send (no getattr default).
+    plugin.adapter.register()
+    vc = _vc(connector="AfdExtConnector", connector_extra_config={"transport": "gloo"})
+    conn = plugin.factory.create_connector(0, 0, vc, plugin.config.parse_afd_config(vc, validate=False))
+    assert conn.yield_after_attn_send is True
+
+
 def _spec(vc, gate, extra, role="attention"):
     from afd_ext.integrations.afd_plugin import AdapterExtraConfig, exchange_spec
 

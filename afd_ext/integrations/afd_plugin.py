@@ -170,6 +170,23 @@ def _log_connected(conn: Any) -> None:
                        TESTED_VLLM_VERSION, v["vllm"])
 
 
+def _check_contract(cls: type) -> None:
+    """Refuse to build ``cls`` when the installed afd-plugin's bases declare members afd_ext lacks.
+
+    Raises:
+        AFDConfigError: names every missing abstract member (of the connector
+            and of its control plane) with the afd_ext and afd-plugin versions.
+    """
+    missing = [f"{base.__name__}.{name}" for c, base in ((cls, _ConnectorBase), (_PluginControlPlane, _ControlPlaneBase))
+               for name in sorted(c.__abstractmethods__)]
+    if missing:
+        v = versions()
+        raise AFDConfigError(
+            f"afd_ext {v['afd_ext']} does not implement {', '.join(missing)}, abstract in the installed "
+            f"afd-plugin {v['afd_plugin'] or '(version unknown)'}: install the afd-plugin version afd_ext supports "
+            "(docs/vllm.md, Versions) or an afd_ext that implements them")
+
+
 def _end_loop(why: str, cause: BaseException) -> None:
     """End afd-plugin's FFN loop thread after an orderly close: raise ``SystemExit``.
 
@@ -428,9 +445,20 @@ if HAVE_AFD_PLUGIN:
         Construction is device-light (no communication).
 
         Raises:
-            AFDConfigError: ``async_dp`` set, or a model fact missing from ``vllm_config``.
+            AFDConfigError: the installed afd-plugin's bases declare an abstract
+                member this class lacks (named, with both versions; checked
+                before anything else), ``async_dp`` set, or a model fact missing
+                from ``vllm_config``.
             AFDConfigError / TypeError: a bad ``connector_extra_config`` or role rank.
         """
+
+        #: Read as a plain attribute by afd-plugin's newer attention modules: yield to the other DBO
+        #: ubatch between send and receive, as 2e4378f's do always (each stage has its own streams here).
+        yield_after_attn_send = True
+
+        def __new__(cls, *args: Any, **kwargs: Any) -> "AfdExtAFDConnector":
+            _check_contract(cls)  # else Python's TypeError, raised inside afd-plugin's factory under vLLM
+            return super().__new__(cls)
 
         def __init__(self, rank: int, local_rank: int, vllm_config: Any, afd_config: Any, role_rank: int) -> None:
             super().__init__(rank, local_rank, vllm_config, afd_config, role_rank)
