@@ -237,6 +237,37 @@ def test_declares_the_capabilities_newer_afd_plugin_modules_read(plugin):
     assert conn.yield_after_attn_send is True
 
 
+def test_untested_vllm_version_is_warned_once_naming_the_tested_ones(plugin, monkeypatch, caplog):
+    import logging
+    import re
+    from pathlib import Path
+
+    m = plugin.adapter
+    # One source: every pinned test-vllm environment is a tested version, and no other.
+    pins = sorted(Path(__file__).parent.glob("integration_vllm/pins*.txt"))
+    pinned = [re.search(r"^vllm==(\S+)$", p.read_text(), re.M).group(1) for p in pins]
+    assert sorted(pinned) == sorted(m.TESTED_VLLM_VERSIONS), (pins, pinned)
+    inner = types.SimpleNamespace(control_plane=types.SimpleNamespace(channels={0: types.SimpleNamespace(kind="tcp")}),
+                                  transport_kind="nccl", attn_size=2, ffn_size=1,
+                                  peer_map=types.SimpleNamespace(me="FFN rank 0 (world rank 0)"))
+    conn = types.SimpleNamespace(_inner=inner)
+    caplog.set_level(logging.INFO, logger=m.__name__)
+    for tested in m.TESTED_VLLM_VERSIONS:
+        monkeypatch.setattr(m, "versions", lambda: {"afd_ext": "0.1.0", "vllm": tested, "afd_plugin": "0.0.0"})
+        m._log_connected(conn)
+    assert [r.levelname for r in caplog.records] == ["INFO"] * len(m.TESTED_VLLM_VERSIONS)
+    assert caplog.records[0].getMessage() == (f"afd_ext 0.1.0 is the AFD connector (vLLM {m.TESTED_VLLM_VERSIONS[0]}, "
+                                              "afd-plugin 0.0.0): FFN rank 0 (world rank 0), transport nccl, "
+                                              "topology 2A1F, control channel tcp")
+    caplog.clear()
+    monkeypatch.setattr(m, "versions", lambda: {"afd_ext": "0.1.0", "vllm": "0.27.1", "afd_plugin": "0.0.0"})
+    m._log_connected(conn)
+    m._log_connected(conn)  # a second connector in the same process: no second warning
+    assert [r.levelname for r in caplog.records] == ["INFO", "WARNING", "INFO"]
+    assert caplog.records[1].getMessage() == (f"afd_ext is tested with vLLM {', '.join(m.TESTED_VLLM_VERSIONS)} "
+                                              "(make test-vllm); this is vLLM 0.27.1")
+
+
 def _spec(vc, gate, extra, role="attention"):
     from afd_ext.integrations.afd_plugin import AdapterExtraConfig, exchange_spec
 

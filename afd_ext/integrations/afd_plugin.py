@@ -18,7 +18,7 @@ under the reference's ``"P2pNcclAFDConnector"`` (``replace=True``). The
 second name is what the real runners need: their config validation accepts
 only the reference's three connector names, and choosing
 ``P2pNcclAFDConnector`` also applies the reference's ``validate_p2p_topology``
-(``A >= F`` and ``A % F == 0``). ``docs/vllm.md`` says what a user writes.
+(``A >= F``, and ``A % F == 0`` at afd-plugin 2e4378f). ``docs/vllm.md`` says what a user writes.
 
 What changes under the reference's runners (all documented in ``docs/vllm.md``):
 
@@ -96,8 +96,9 @@ else:
 PLUGIN_FFN_LOOP_THREADS = frozenset({"afd-ffn-worker-loop", "afd-npu-ffn-worker-loop"})
 
 
-#: The vLLM release the integration suite (``make test-vllm``, ``tests/integration_vllm/``) runs against.
-TESTED_VLLM_VERSION = "0.26.0"
+#: The vLLM releases the integration suite (``make test-vllm``, ``tests/integration_vllm/``) runs against,
+#: one environment each (``tests/integration_vllm/pins*.txt``; docs/vllm.md says what each runs).
+TESTED_VLLM_VERSIONS = ("0.26.0", "0.30.0")
 
 
 def versions() -> dict[str, str | None]:
@@ -124,11 +125,11 @@ def factory_report() -> dict[str, Any]:
     ``"AfdExtConnector"``.
 
     Returns:
-        :func:`versions` plus ``tested_vllm`` and ``factory``: ``{name:
+        :func:`versions` plus ``tested_vllm`` (:data:`TESTED_VLLM_VERSIONS`) and ``factory``: ``{name:
         "module.Class" or "not resolvable: ..."}``, or ``None`` with ``why``
         when afd-plugin is not installed.
     """
-    out: dict[str, Any] = {**versions(), "tested_vllm": TESTED_VLLM_VERSION, "factory": None, "why": None}
+    out: dict[str, Any] = {**versions(), "tested_vllm": list(TESTED_VLLM_VERSIONS), "factory": None, "why": None}
     if out["afd_plugin"] is None or not HAVE_AFD_PLUGIN:
         out["why"] = "afd-plugin is not installed" if out["afd_plugin"] is None else f"not importable: {_IMPORT_ERROR}"
         return out
@@ -157,17 +158,21 @@ def factory_report() -> dict[str, Any]:
     return out
 
 
+_WARNED_UNTESTED: list[str] = []
+
+
 def _log_connected(conn: Any) -> None:
-    """The one INFO line saying afd_ext is the transport, and a warning on an untested vLLM."""
+    """The INFO line saying afd_ext is the transport; once per process, a warning on an untested vLLM."""
     v = versions()
     inner = conn._inner
     kinds = sorted({getattr(ch, "kind", "?") for ch in getattr(inner.control_plane, "channels", {}).values()})
     logger.info("afd_ext %s is the AFD connector (vLLM %s, afd-plugin %s): %s, transport %s, topology %dA%dF, "
                 "control channel %s", v["afd_ext"], v["vllm"], v["afd_plugin"], inner.peer_map.me,
                 inner.transport_kind, inner.attn_size, inner.ffn_size, "/".join(kinds) or "none")
-    if v["vllm"] is not None and v["vllm"] != TESTED_VLLM_VERSION:
+    if v["vllm"] is not None and v["vllm"] not in TESTED_VLLM_VERSIONS and not _WARNED_UNTESTED:
+        _WARNED_UNTESTED.append(v["vllm"])  # a worker that reconnects says it once
         logger.warning("afd_ext is tested with vLLM %s (make test-vllm); this is vLLM %s",
-                       TESTED_VLLM_VERSION, v["vllm"])
+                       ", ".join(TESTED_VLLM_VERSIONS), v["vllm"])
 
 
 def _check_contract(cls: type) -> None:
