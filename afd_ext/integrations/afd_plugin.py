@@ -182,8 +182,8 @@ def _check_contract(cls: type) -> None:
         AFDConfigError: names every missing abstract member (of the connector
             and of its control plane) with the afd_ext and afd-plugin versions.
     """
-    missing = [f"{base.__name__}.{name}" for c, base in ((cls, _ConnectorBase), (_PluginControlPlane, _ControlPlaneBase))
-               for name in sorted(c.__abstractmethods__)]
+    pairs = ((cls, _ConnectorBase), (_PluginControlPlane, _ControlPlaneBase))
+    missing = [f"{base.__name__}.{name}" for c, base in pairs for name in sorted(c.__abstractmethods__)]
     if missing:
         v = versions()
         raise AFDConfigError(
