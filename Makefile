@@ -1,8 +1,9 @@
 # Two entry points on a fresh machine with Python 3.10+ and pip:
 #   make test   set up .venv (torch, build tools, afd_ext in place) and run the CPU test tier
 #   make demo   same setup, then run the demo (python -m afd_ext demo)
-#   make test-vllm  the vLLM integration suite in its own environment (vLLM 0.26.0 from PyPI, about
-#              8 GB, cached outside the clone; afd-plugin from AFD_PLUGIN_SRC; docs/vllm.md)
+#   make test-vllm  the vLLM integration suite, in one environment per pins file (VLLM_PINS: vLLM 0.26.0,
+#              the whole suite; vLLM 0.30.0, a part), each from PyPI, about 8 GB, cached outside the
+#              clone; afd-plugin from AFD_PLUGIN_SRC; docs/vllm.md)
 # Other targets: setup, cmake-check (CMake compiles the CPU part of the same sources), clean.
 #
 # The extension is compiled once and again only when its inputs change: a file under csrc/,
@@ -12,7 +13,8 @@
 #
 # Variables: PYTHON (interpreter that creates .venv), VENV, MAX_JOBS (parallel compile jobs),
 # TORCH_CUDA_ARCH_LIST (default 9.0), AFD_USE_CUDA=0/1 (force CPU-only / require CUDA),
-# PYTEST_ARGS (extra pytest arguments), DEMO_ARGS (extra demo arguments).
+# PYTEST_ARGS (extra pytest arguments), DEMO_ARGS (extra demo arguments), VLLM_PINS (test-vllm's
+# environments, pins files in tests/integration_vllm/).
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -23,6 +25,7 @@ TORCH_CUDA_ARCH_LIST ?= 9.0
 CUDA_HOME ?= $(shell [ -x /usr/local/cuda/bin/nvcc ] && echo /usr/local/cuda)
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
+VLLM_PINS ?= pins.txt pins-vllm030.txt
 
 export MAX_JOBS TORCH_CUDA_ARCH_LIST
 ifneq ($(strip $(CUDA_HOME)),)
@@ -69,14 +72,15 @@ test: setup
 	$(PY) -m pytest -m "not gpu" $(PYTEST_ARGS) || { rc=$$?; \
 	  [ $$rc -eq 5 ] && echo "make test: no tests ran (pytest exit 5) -- that is a failure"; exit $$rc; }
 
-# tests/integration_vllm/env.sh makes (once) and reuses the env, installs afd-plugin, builds this clone into it
-# (in place: the extension then matches that env's torch, so the .venv build is redone by the next
-# `make test`), and prints "<python> <afd-plugin source>". Its variables: tests/integration_vllm/env.sh.
+# Per pins file, tests/integration_vllm/env.sh makes (once) and reuses the env, installs afd-plugin, builds
+# this clone into it (in place: the extension then matches that env's torch, so the .venv build is redone
+# by the next `make test`), and prints "<python> <afd-plugin source>". Its variables: that script.
 test-vllm:
-	@start=$$(date +%s); out=$$(bash tests/integration_vllm/env.sh) && set -- $$out && rm -f $(BUILT_STAMP) && \
-	  echo "test-vllm: environment ready in $$(( $$(date +%s) - start )) s" && \
+	@for pins in $(VLLM_PINS); do start=$$(date +%s); \
+	  out=$$(AFD_VLLM_PINS=$$pins bash tests/integration_vllm/env.sh) && set -- $$out && rm -f $(BUILT_STAMP) && \
+	  echo "test-vllm ($$pins): environment ready in $$(( $$(date +%s) - start )) s" && \
 	  AFD_PLUGIN_SRC="$$2" "$$1" -m pytest tests/integration_vllm $(PYTEST_ARGS) && \
-	  echo "test-vllm: passed in $$(( $$(date +%s) - start )) s"
+	  echo "test-vllm ($$pins): passed in $$(( $$(date +%s) - start )) s" || exit 1; done
 
 demo: setup
 	$(PY) -m afd_ext demo $(DEMO_ARGS)

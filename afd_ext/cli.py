@@ -153,7 +153,7 @@ def _info_lines(info: dict) -> list[tuple[str, str]]:
         f"; not {t}: {why}" for t, why in info["unavailable"].items())
     default = f"{info['default_transport']} (connector_extra_config.transport \"auto\" without device=)"
     vr = info["vllm"]
-    vllm = [("vLLM", f"{vr['vllm'] or 'not installed'} (tested: {vr['tested_vllm']}); "
+    vllm = [("vLLM", f"{vr['vllm'] or 'not installed'} (tested: {', '.join(vr['tested_vllm'])}); "
                      f"afd-plugin {vr['afd_plugin'] or 'not installed'}")]
     for name, cls in (vr["factory"] or {}).items():
         who = "afd_ext" if cls.startswith("afd_ext.") else "NOT afd_ext"

@@ -311,26 +311,43 @@ class AFDDPMetadata:
     # -- vLLM DPMetadata-compatible helpers ---------------------------------
 
     @contextlib.contextmanager
-    def sp_local_sizes(self, sequence_parallel_size: int) -> Iterator[list[int]]:
-        """Set ``local_sizes`` to ``ceil(n / sp)`` per rank, repeated ``sp`` times.
+    def sp_local_sizes(self, sequence_parallel_size: int, pcp_size: int = 1,
+                       use_ep: bool = False) -> Iterator[list[int]]:
+        """Set ``local_sizes`` to each sequence-parallel rank's token count, as vLLM's ``DPMetadata``.
+
+        A DP rank's count ``n`` becomes, with prefill context parallelism
+        (``pcp_size > 1``), ``pcp_size`` entries of ``n`` under expert
+        parallelism (``use_ep``) or one entry of ``n * pcp_size`` otherwise;
+        each entry is then ``ceil(entry / sp)`` repeated ``sp`` times. vLLM
+        0.33's MoE runner passes ``pcp_size`` and ``use_ep``; older ones
+        pass ``sp`` alone.
 
         Args:
             sequence_parallel_size: sequence-parallel degree, >= 1.
+            pcp_size: prefill context-parallel degree, >= 1.
+            use_ep: whether the MoE layer runs expert parallel.
 
         Yields:
-            The local sizes (list of ints, length ``num_dp_ranks * sp``);
-            ``local_sizes`` is reset to ``None`` on exit.
+            The local sizes (list of ints); ``local_sizes`` is reset to
+            ``None`` on exit.
+
+        Raises:
+            AFDConfigError: a degree is not an int >= 1, or ``use_ep`` is not a bool.
         """
-        self.local_sizes = self._sp_sizes(sequence_parallel_size)
+        self.local_sizes = self._sp_sizes(sequence_parallel_size, pcp_size, use_ep)
         try:
             yield self.local_sizes
         finally:
             self.local_sizes = None
 
-    def _sp_sizes(self, sp: int) -> list[int]:
-        if isinstance(sp, bool) or not isinstance(sp, int) or sp < 1:
-            raise AFDConfigError(f"sequence_parallel_size must be an int >= 1, got {sp!r}")
-        return [-(-n // sp) for n in self.counts for _ in range(sp)]
+    def _sp_sizes(self, sp: int, pcp: int = 1, use_ep: bool = False) -> list[int]:
+        for what, v in (("sequence_parallel_size", sp), ("pcp_size", pcp)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise AFDConfigError(f"{what} must be an int >= 1, got {v!r}")
+        if not isinstance(use_ep, bool):
+            raise AFDConfigError(f"use_ep must be a bool, got {use_ep!r}")
+        counts = [n for n in self.counts for _ in range(pcp)] if use_ep else [n * pcp for n in self.counts]
+        return [-(-n // sp) for n in counts for _ in range(sp)]
 
     def get_chunk_sizes_across_dp_rank(self) -> list[int] | None:
         """Return ``local_sizes`` (set inside the context managers), else ``None``."""

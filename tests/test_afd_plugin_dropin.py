@@ -201,6 +201,76 @@ def test_factory_builds_afd_ext_with_the_reference_constructor(plugin, monkeypat
     assert not conn_off.connector.extra.clamp_idle_to_one
 
 
+@pytest.mark.parametrize("base_name", ["afd_plugin.connectors.base.AFDConnectorBase",
+                                       "afd_plugin.connectors.base.AFDControlPlane"])
+def test_a_newer_afd_plugin_base_with_a_member_afd_ext_lacks_is_named_at_construction(request, monkeypatch,
+                                                                                      base_name):
+    # A newer afd-plugin whose base declares one more abstract member: the factory's construction raises
+    # afd_ext's error naming it and both versions (Python's own TypeError would surface inside vLLM).
+    import abc
+
+    from afd_ext.errors import AFDConfigError
+
+    ours = lambda n: n in ("afd_plugin", "afd_ext.integrations.afd_plugin") or n.startswith("afd_plugin.")  # noqa: E731
+    for name in [m for m in sys.modules if ours(m)]:
+        monkeypatch.delitem(sys.modules, name)
+    # The modules built on the patched base go before monkeypatch puts the originals back.
+    request.addfinalizer(lambda: [sys.modules.pop(m) for m in list(sys.modules) if ours(m)])
+    module, cls_name = base_name.rsplit(".", 1)
+    base = getattr(importlib.import_module(module), cls_name)
+    monkeypatch.setattr(base, "drain_stage", abc.abstractmethod(lambda self: None), raising=False)
+    monkeypatch.setattr(base, "__abstractmethods__", base.__abstractmethods__ | {"drain_stage"})
+    adapter = importlib.import_module("afd_ext.integrations.afd_plugin")  # subclasses the newer base
+    monkeypatch.setattr(adapter, "versions", lambda: {"afd_ext": "0.1.0", "afd_plugin": "0.9.1", "vllm": None})
+    adapter.register()
+    factory = importlib.import_module("afd_plugin.connectors.factory").AFDConnectorFactory
+    vc = _vc(connector="AfdExtConnector", connector_extra_config={"transport": "gloo"})
+    cfg = importlib.import_module("afd_plugin.config").parse_afd_config(vc, validate=False)
+    with pytest.raises(AFDConfigError) as e:
+        factory.create_connector(0, 0, vc, cfg)
+    assert str(e.value).startswith(f"afd_ext 0.1.0 does not implement {cls_name}.drain_stage, abstract in the "
+                                   "installed afd-plugin 0.9.1: "), e.value
+
+
+def test_declares_the_capabilities_newer_afd_plugin_modules_read(plugin):
+    # afd-plugin's newer attention modules read connector.yield_after_attn_send (no getattr default).
+    plugin.adapter.register()
+    vc = _vc(connector="AfdExtConnector", connector_extra_config={"transport": "gloo"})
+    conn = plugin.factory.create_connector(0, 0, vc, plugin.config.parse_afd_config(vc, validate=False))
+    assert conn.yield_after_attn_send is True
+
+
+def test_untested_vllm_version_is_warned_once_naming_the_tested_ones(plugin, monkeypatch, caplog):
+    import logging
+    import re
+    from pathlib import Path
+
+    m = plugin.adapter
+    # One source: every pinned test-vllm environment is a tested version, and no other.
+    pins = sorted(Path(__file__).parent.glob("integration_vllm/pins*.txt"))
+    pinned = [re.search(r"^vllm==(\S+)$", p.read_text(), re.M).group(1) for p in pins]
+    assert sorted(pinned) == sorted(m.TESTED_VLLM_VERSIONS), (pins, pinned)
+    inner = types.SimpleNamespace(control_plane=types.SimpleNamespace(channels={0: types.SimpleNamespace(kind="tcp")}),
+                                  transport_kind="nccl", attn_size=2, ffn_size=1,
+                                  peer_map=types.SimpleNamespace(me="FFN rank 0 (world rank 0)"))
+    conn = types.SimpleNamespace(_inner=inner)
+    caplog.set_level(logging.INFO, logger=m.__name__)
+    for tested in m.TESTED_VLLM_VERSIONS:
+        monkeypatch.setattr(m, "versions", lambda: {"afd_ext": "0.1.0", "vllm": tested, "afd_plugin": "0.0.0"})
+        m._log_connected(conn)
+    assert [r.levelname for r in caplog.records] == ["INFO"] * len(m.TESTED_VLLM_VERSIONS)
+    assert caplog.records[0].getMessage() == (f"afd_ext 0.1.0 is the AFD connector (vLLM {m.TESTED_VLLM_VERSIONS[0]}, "
+                                              "afd-plugin 0.0.0): FFN rank 0 (world rank 0), transport nccl, "
+                                              "topology 2A1F, control channel tcp")
+    caplog.clear()
+    monkeypatch.setattr(m, "versions", lambda: {"afd_ext": "0.1.0", "vllm": "0.27.1", "afd_plugin": "0.0.0"})
+    m._log_connected(conn)
+    m._log_connected(conn)  # a second connector in the same process: no second warning
+    assert [r.levelname for r in caplog.records] == ["INFO", "WARNING", "INFO"]
+    assert caplog.records[1].getMessage() == (f"afd_ext is tested with vLLM {', '.join(m.TESTED_VLLM_VERSIONS)} "
+                                              "(make test-vllm); this is vLLM 0.27.1")
+
+
 def _spec(vc, gate, extra, role="attention"):
     from afd_ext.integrations.afd_plugin import AdapterExtraConfig, exchange_spec
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
 import torch
@@ -53,6 +54,29 @@ def test_dp_metadata_vllm_helpers():
     assert m.cu_tokens_across_sp(2).tolist() == [3, 6, 7, 8]
     with m.chunked_sizes(1, 3, 1) as sizes:
         assert sizes == [2, 1]  # 5-3=2; 2-3<1 -> 1
+    assert m.local_sizes is None
+
+
+def test_dp_metadata_sp_local_sizes_takes_vllm_033s_keywords():
+    # vLLM 0.33's MoE runner: dp_metadata.sp_local_sizes(sp_size, pcp_size=pcp_size, use_ep=use_ep).
+    # Hand-computed from vLLM's rule: under EP each PCP rank holds its DP rank's n, else one entry of
+    # n * pcp; each entry is split as ceil(entry / sp) over the sp ranks.
+    m = AFDDPMetadata([5, 2])
+    moe = types.SimpleNamespace(sp_size=2, pcp_size=2, use_ep=True)
+    with m.sp_local_sizes(moe.sp_size, pcp_size=moe.pcp_size, use_ep=moe.use_ep) as sizes:
+        assert sizes == [3, 3, 3, 3, 1, 1, 1, 1]  # entries 5, 5, 2, 2
+        assert m.get_chunk_sizes_across_dp_rank() == sizes
+    assert m.local_sizes is None
+    with m.sp_local_sizes(2, pcp_size=2, use_ep=False) as sizes:
+        assert sizes == [5, 5, 2, 2]  # entries 10, 4
+    with m.sp_local_sizes(4, pcp_size=3, use_ep=False) as sizes:
+        assert sizes == [4] * 4 + [2] * 4  # entries 15, 6: ceil(15 / 4) = 4, not 3 * ceil(5 / 4) = 6
+    with m.sp_local_sizes(2, pcp_size=1, use_ep=True) as sizes:
+        assert sizes == [3, 3, 1, 1]  # no PCP: the older call's sizes
+    for bad in ({"pcp_size": 0}, {"pcp_size": True}, {"use_ep": 1}):
+        with pytest.raises(AFDConfigError):
+            with m.sp_local_sizes(2, **bad):
+                pass
     assert m.local_sizes is None
 
 

@@ -18,7 +18,7 @@ under the reference's ``"P2pNcclAFDConnector"`` (``replace=True``). The
 second name is what the real runners need: their config validation accepts
 only the reference's three connector names, and choosing
 ``P2pNcclAFDConnector`` also applies the reference's ``validate_p2p_topology``
-(``A >= F`` and ``A % F == 0``). ``docs/vllm.md`` says what a user writes.
+(``A >= F``, and ``A % F == 0`` at afd-plugin 2e4378f). ``docs/vllm.md`` says what a user writes.
 
 What changes under the reference's runners (all documented in ``docs/vllm.md``):
 
@@ -96,8 +96,9 @@ else:
 PLUGIN_FFN_LOOP_THREADS = frozenset({"afd-ffn-worker-loop", "afd-npu-ffn-worker-loop"})
 
 
-#: The vLLM release the integration suite (``make test-vllm``, ``tests/integration_vllm/``) runs against.
-TESTED_VLLM_VERSION = "0.26.0"
+#: The vLLM releases the integration suite (``make test-vllm``, ``tests/integration_vllm/``) runs against,
+#: one environment each (``tests/integration_vllm/pins*.txt``; docs/vllm.md says what each runs).
+TESTED_VLLM_VERSIONS = ("0.26.0", "0.30.0")
 
 
 def versions() -> dict[str, str | None]:
@@ -124,11 +125,11 @@ def factory_report() -> dict[str, Any]:
     ``"AfdExtConnector"``.
 
     Returns:
-        :func:`versions` plus ``tested_vllm`` and ``factory``: ``{name:
+        :func:`versions` plus ``tested_vllm`` (:data:`TESTED_VLLM_VERSIONS`) and ``factory``: ``{name:
         "module.Class" or "not resolvable: ..."}``, or ``None`` with ``why``
         when afd-plugin is not installed.
     """
-    out: dict[str, Any] = {**versions(), "tested_vllm": TESTED_VLLM_VERSION, "factory": None, "why": None}
+    out: dict[str, Any] = {**versions(), "tested_vllm": list(TESTED_VLLM_VERSIONS), "factory": None, "why": None}
     if out["afd_plugin"] is None or not HAVE_AFD_PLUGIN:
         out["why"] = "afd-plugin is not installed" if out["afd_plugin"] is None else f"not importable: {_IMPORT_ERROR}"
         return out
@@ -157,17 +158,38 @@ def factory_report() -> dict[str, Any]:
     return out
 
 
+_WARNED_UNTESTED: list[str] = []
+
+
 def _log_connected(conn: Any) -> None:
-    """The one INFO line saying afd_ext is the transport, and a warning on an untested vLLM."""
+    """The INFO line saying afd_ext is the transport; once per process, a warning on an untested vLLM."""
     v = versions()
     inner = conn._inner
     kinds = sorted({getattr(ch, "kind", "?") for ch in getattr(inner.control_plane, "channels", {}).values()})
     logger.info("afd_ext %s is the AFD connector (vLLM %s, afd-plugin %s): %s, transport %s, topology %dA%dF, "
                 "control channel %s", v["afd_ext"], v["vllm"], v["afd_plugin"], inner.peer_map.me,
                 inner.transport_kind, inner.attn_size, inner.ffn_size, "/".join(kinds) or "none")
-    if v["vllm"] is not None and v["vllm"] != TESTED_VLLM_VERSION:
+    if v["vllm"] is not None and v["vllm"] not in TESTED_VLLM_VERSIONS and not _WARNED_UNTESTED:
+        _WARNED_UNTESTED.append(v["vllm"])  # a worker that reconnects says it once
         logger.warning("afd_ext is tested with vLLM %s (make test-vllm); this is vLLM %s",
-                       TESTED_VLLM_VERSION, v["vllm"])
+                       ", ".join(TESTED_VLLM_VERSIONS), v["vllm"])
+
+
+def _check_contract(cls: type) -> None:
+    """Refuse to build ``cls`` when the installed afd-plugin's bases declare members afd_ext lacks.
+
+    Raises:
+        AFDConfigError: names every missing abstract member (of the connector
+            and of its control plane) with the afd_ext and afd-plugin versions.
+    """
+    pairs = ((cls, _ConnectorBase), (_PluginControlPlane, _ControlPlaneBase))
+    missing = [f"{base.__name__}.{name}" for c, base in pairs for name in sorted(c.__abstractmethods__)]
+    if missing:
+        v = versions()
+        raise AFDConfigError(
+            f"afd_ext {v['afd_ext']} does not implement {', '.join(missing)}, abstract in the installed "
+            f"afd-plugin {v['afd_plugin'] or '(version unknown)'}: install the afd-plugin version afd_ext supports "
+            "(docs/vllm.md, Versions) or an afd_ext that implements them")
 
 
 def _end_loop(why: str, cause: BaseException) -> None:
@@ -444,9 +466,20 @@ if HAVE_AFD_PLUGIN:
         Construction is device-light (no communication).
 
         Raises:
-            AFDConfigError: ``async_dp`` set, or a model fact missing from ``vllm_config``.
+            AFDConfigError: the installed afd-plugin's bases declare an abstract
+                member this class lacks (named, with both versions; checked
+                before anything else), ``async_dp`` set, or a model fact missing
+                from ``vllm_config``.
             AFDConfigError / TypeError: a bad ``connector_extra_config`` or role rank.
         """
+
+        #: Read as a plain attribute by afd-plugin's newer attention modules: yield to the other DBO
+        #: ubatch between send and receive, as 2e4378f's do always (each stage has its own streams here).
+        yield_after_attn_send = True
+
+        def __new__(cls, *args: Any, **kwargs: Any) -> "AfdExtAFDConnector":
+            _check_contract(cls)  # else Python's TypeError, raised inside afd-plugin's factory under vLLM
+            return super().__new__(cls)
 
         def __init__(self, rank: int, local_rank: int, vllm_config: Any, afd_config: Any, role_rank: int) -> None:
             super().__init__(rank, local_rank, vllm_config, afd_config, role_rank)

@@ -1,18 +1,24 @@
 #!/usr/bin/env bash
-# Create (once, cached outside the clone, keyed on tests/integration_vllm/pins.txt and the interpreter) the
-# environment for the vLLM integration suite, install afd-plugin from a source tree into it, then build
-# this clone's afd_ext into it (every run: the editable install must point at the clone under test).
+# Create (once, cached outside the clone, keyed on its pins file and the interpreter) an environment for
+# the vLLM integration suite, install afd-plugin from a source tree into it, then build this clone's
+# afd_ext into it (every run: the editable install must point at the clone under test).
 # Prints "<the environment's python> <the afd-plugin source tree>" on stdout (the only line there).
 #
-# Variables: PYTHON (interpreter, default python3), AFD_VLLM_ENV_DIR (the env; default
-# ~/.cache/afd_ext/vllm-env-<hash>), AFD_PLUGIN_SRC (afd-plugin source tree, installed editable; default a
-# writable copy of ../shared/third_party/afd-plugin-2e4378f under the env), AFD_VLLM_MIN_FREE_GB (10).
+# Variables: AFD_VLLM_PINS (a pins file in tests/integration_vllm/, default pins.txt: vLLM 0.26.0;
+# pins-vllm030.txt: vLLM 0.30.0), PYTHON (interpreter, default python3), AFD_VLLM_ENV_DIR (the env of
+# pins.txt; that of pins-<tag>.txt is $AFD_VLLM_ENV_DIR-<tag>; default ~/.cache/afd_ext/vllm-env-<hash>),
+# AFD_PLUGIN_SRC (afd-plugin source tree, installed editable; default a writable copy of
+# ../shared/third_party/afd-plugin-2e4378f under the env), AFD_VLLM_MIN_FREE_GB (10).
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/../.." && pwd)"
-pins="$repo/tests/integration_vllm/pins.txt"
+pins_name="${AFD_VLLM_PINS:-pins.txt}"
+pins="$repo/tests/integration_vllm/$pins_name"
+[ -f "$pins" ] || { echo "test-vllm: no pins file $pins (AFD_VLLM_PINS names one in tests/integration_vllm/)" >&2; exit 2; }
+tag="${pins_name#pins}"; tag="${tag%.txt}"  # "" for pins.txt, "-vllm030" for pins-vllm030.txt
 py="${PYTHON:-python3}"
 key="$( { cat "$pins"; "$py" -c 'import sys; print(sys.version)'; } | sha256sum | cut -c1-12)"
-env_dir="${AFD_VLLM_ENV_DIR:-${HOME}/.cache/afd_ext/vllm-env-$key}"
+env_dir="${AFD_VLLM_ENV_DIR:+$AFD_VLLM_ENV_DIR$tag}"
+env_dir="${env_dir:-${HOME}/.cache/afd_ext/vllm-env-$key}"
 vpy="$env_dir/bin/python"
 log() { echo "test-vllm: $*" >&2; }
 
@@ -22,10 +28,10 @@ if [ ! -f "$env_dir/.afd-ready" ]; then
     free_gb=$(( $(df -Pk "$parent" | awk 'NR==2 {print $4}') / 1024 / 1024 ))
     if [ "$free_gb" -lt "$need_gb" ]; then
         log "not enough free disk for the vLLM env: $free_gb GB free under $parent, need $need_gb GB" \
-            "(vllm==0.26.0 with torch 2.11 cu130 is about 8 GB). Free space or set AFD_VLLM_ENV_DIR elsewhere."
+            "(vLLM with its CUDA torch is about 8 GB). Free space or set AFD_VLLM_ENV_DIR elsewhere."
         exit 2
     fi
-    log "creating $env_dir ($free_gb GB free; about 8 GB will be used; this takes a while)"
+    log "creating $env_dir from $pins_name ($free_gb GB free; about 8 GB will be used; this takes a while)"
     rm -rf "$env_dir"
     "$py" -m venv "$env_dir"
     "$vpy" -m pip install --no-cache-dir -q --upgrade pip >&2

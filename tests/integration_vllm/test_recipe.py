@@ -1,10 +1,10 @@
-"""docs/vllm.md's recipe against the real vLLM 0.26.0 and afd-plugin: the commands parse, ``afd-ext info``
-says which connector afd-plugin's factory resolves, the router-logit dtype rule is vLLM's, and an
-untested vLLM version is warned about."""
+"""docs/vllm.md's recipe against the installed vLLM and afd-plugin: the commands parse with that vLLM's
+parser, ``afd-ext info`` says which connector afd-plugin's factory resolves, and the router-logit dtype
+rule is vLLM's. (The warning on an untested vLLM is tested in the CPU tier, test_afd_plugin_dropin.py.)"""
 
 from __future__ import annotations
 
-import logging
+import importlib
 import os
 import re
 import shlex
@@ -19,7 +19,9 @@ import torch
 pytest.importorskip("vllm.config", reason="the vLLM integration suite runs in make test-vllm's environment")
 pytest.importorskip("afd_plugin.v1.worker.ffn_worker", reason="needs afd-plugin (make test-vllm)")
 
-pytestmark = pytest.mark.vllm
+from afd_ext.integrations.afd_plugin import TESTED_VLLM_VERSIONS, versions  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.every_vllm]
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "vllm.md"
 
@@ -35,14 +37,27 @@ def _serve_commands() -> list[list[str]]:
     return out
 
 
+def _serve_arg_parser():
+    """``vllm serve``'s ``make_arg_parser``, wherever this vLLM keeps it."""
+    for module in ("vllm.entrypoints.openai.cli_args",  # 0.26
+                   "vllm.entrypoints.launchers.cli_args",  # 0.30
+                   "vllm.entrypoints.common.cli_args"):  # 0.33
+        try:
+            return importlib.import_module(module).make_arg_parser
+        except ModuleNotFoundError as e:
+            if e.name != module:  # the module is there but an import inside it failed
+                raise
+    raise AssertionError("this vLLM has make_arg_parser in none of the known modules")
+
+
 def test_docs_serve_commands_parse_with_vllms_own_parser(monkeypatch):
     from afd_plugin.config import parse_afd_config
-    from vllm.entrypoints.openai.cli_args import make_arg_parser
     from vllm.platforms import current_platform
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     # No GPU here: the parser's defaults build a DeviceConfig, which needs a device type.
     monkeypatch.setattr(current_platform, "device_type", "cpu", raising=False)
+    make_arg_parser = _serve_arg_parser()
 
     cmds = _serve_commands()
     assert len(cmds) == 2, cmds
@@ -70,7 +85,9 @@ def test_afd_ext_info_says_what_afd_plugins_factory_resolves(replace):
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = dict(re.split(r"\s{2,}", ln, maxsplit=1) for ln in out.stdout.splitlines() if re.search(r"\s{2,}", ln))
-    assert lines["vLLM"].startswith("0.26.0 (tested: 0.26.0); afd-plugin "), lines
+    vllm = versions()["vllm"]
+    assert vllm in TESTED_VLLM_VERSIONS, vllm  # this environment runs a version the warning calls tested
+    assert lines["vLLM"].startswith(f"{vllm} (tested: {', '.join(TESTED_VLLM_VERSIONS)}); afd-plugin "), lines
     p2p = lines["afd-plugin P2pNcclAFDConnector"]
     if replace:
         assert p2p == "afd_ext (afd_ext.integrations.afd_plugin.AfdExtAFDConnector)", p2p
@@ -91,24 +108,3 @@ def test_router_logits_dtype_is_what_vllms_gate_emits(model_type, router, model_
     hf = types.SimpleNamespace(model_type=model_type, moe_router_dtype=router)
     gate = native._get_moe_router_dtype(hf) or model_dtype  # GateLinear: out_dtype, else its weight's dtype
     assert router_logits_dtype(types.SimpleNamespace(hf_config=hf, hf_text_config=hf), model_dtype) == gate
-
-
-def test_untested_vllm_version_is_warned_about(monkeypatch, caplog):
-    import afd_ext.integrations.afd_plugin as m
-
-    ch = types.SimpleNamespace(kind="tcp")
-    inner = types.SimpleNamespace(control_plane=types.SimpleNamespace(channels={0: ch}), transport_kind="nccl",
-                                  peer_map=types.SimpleNamespace(me="FFN rank 0 (world rank 0)"),
-                                  attn_size=2, ffn_size=1)
-    conn = types.SimpleNamespace(_inner=inner)
-    caplog.set_level(logging.INFO, logger=m.__name__)
-    m._log_connected(conn)
-    assert [r.levelname for r in caplog.records] == ["INFO"]
-    assert "(vLLM 0.26.0, afd-plugin " in caplog.records[0].getMessage()
-    assert "transport nccl, topology 2A1F, control channel tcp" in caplog.records[0].getMessage()
-    caplog.clear()
-    monkeypatch.setattr(m, "versions", lambda: {"afd_ext": "0.1.0", "vllm": "0.27.1", "afd_plugin": "0.0.0"})
-    m._log_connected(conn)
-    assert [r.levelname for r in caplog.records] == ["INFO", "WARNING"]
-    assert caplog.records[1].getMessage() == ("afd_ext is tested with vLLM 0.26.0 (make test-vllm); "
-                                              "this is vLLM 0.27.1")

@@ -1,4 +1,4 @@
-"""Worker processes of the vLLM integration suite: real vLLM 0.26.0 and afd-plugin, afd_ext as the transport.
+"""Worker processes of the vLLM integration suite: real vLLM and afd-plugin, afd_ext as the transport.
 
 Each worker is the module-level ``worker(rank, nprocs, scenarios, ports, model_dirs, done)`` for
 :func:`afd_ext.testing.run_workers`; ranks ``0..F-1`` are FFN workers, ``F..F+A-1`` attention
@@ -29,15 +29,21 @@ import logging
 import os
 import threading
 import time
+import types
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+#: The vLLM the whole suite runs on (afd-plugin 2e4378f's); conftest.py skips the rest on the others.
+FULL_SUITE_VLLM = "0.26.0"
+
 #: The attention side's MoE layers are 1..L-1 (``first_k_dense_replace=1``).
 LAYERS = 3
 HIDDEN = 64
 EXPERTS = 8
+#: The sequence-parallel size the FFN model hands vLLM's MoE runner (its ``moe_config.sp_size``).
+SP = 2
 
 
 @dataclass(frozen=True)
@@ -160,14 +166,27 @@ class FFNModel:
         return AFDExpertRoutingSpec(router_logits_width=EXPERTS, router_logits_dtype=self.router_dtype)
 
     def compute_ffn_output(self, hidden_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
-        self.calls.append((layer_idx, int(hidden_states.shape[0]), False))
+        self.calls.append((layer_idx, int(hidden_states.shape[0]), False, self._moe_runner_sizes()))
         return ffn_fn(hidden_states, None, layer_idx)
 
     def compute_experts_output(self, hidden_states: torch.Tensor, layer_idx: int,
                                router_logits: torch.Tensor) -> torch.Tensor:
         assert router_logits.dtype == self.router_dtype, (router_logits.dtype, self.router_dtype)
-        self.calls.append((layer_idx, int(hidden_states.shape[0]), True))
+        self.calls.append((layer_idx, int(hidden_states.shape[0]), True, self._moe_runner_sizes()))
         return ffn_fn(hidden_states, router_logits, layer_idx)
+
+    @staticmethod
+    def _moe_runner_sizes() -> list[int]:
+        """vLLM's MoE runner's own calls on the forward context's DP metadata (afd_ext's, set by the
+        FFN runner from the payload): its sequence-parallel context, then the per-rank sizes."""
+        from vllm.forward_context import get_forward_context
+        from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+        moe = types.SimpleNamespace(moe_config=types.SimpleNamespace(sp_size=SP, pcp_size=1, use_ep=True))
+        dp = get_forward_context().dp_metadata
+        assert type(dp).__module__ == "afd_ext.metadata", type(dp)
+        with MoERunner._sequence_parallel_context(moe):
+            return list(dp.get_chunk_sizes_across_dp_rank())
 
 
 # ---------------------------------------------------------------------------- vLLM state
@@ -253,6 +272,7 @@ class _ShutdownSpy:
 def ffn_role(sc: Scenario, rank: int, vc: Any, done: Any) -> dict[str, Any]:
     from afd_plugin.v1.worker.ffn_model_runner import GPUFFNModelRunner
     from afd_plugin.v1.worker.ffn_worker import AFDFFNWorker
+    from vllm.distributed.elastic_ep.elastic_execute import ElasticEPScalingExecutor
 
     spy = _STATE.get("spy") or _STATE.setdefault("spy", _ShutdownSpy())
     hooked: list[str] = []  # what reached threading.excepthook, whose default ignores exactly SystemExit
@@ -265,10 +285,12 @@ def ffn_role(sc: Scenario, rank: int, vc: Any, done: Any) -> dict[str, Any]:
     assert type(runner.connector).__module__ == "afd_ext.integrations.afd_plugin", type(runner.connector)
     model = FFNModel(vc.model_config.hf_config, vc.model_config.dtype)
     runner.model = model
-    # The worker as vLLM builds it, minus Worker.__init__/init_device (a GPU's): the fields they set.
+    # The worker as vLLM builds it, minus Worker.__init__/init_device (a GPU's): the fields they set
+    # (vLLM >= 0.30's Worker.shutdown() calls elastic_ep_executor.shutdown()).
     w = AFDFFNWorker.__new__(AFDFFNWorker)
     w.vllm_config, w.cache_config, w.model_runner = vc, vc.cache_config, runner
     w.device, w.profiler = torch.device("cpu"), None
+    w.elastic_ep_executor = ElasticEPScalingExecutor(w)
     w._ffn_thread = w._ffn_shutdown_event = w._ffn_loop_error = None
     if sc.mismatch:
         try:
