@@ -233,7 +233,8 @@ class TorchMismatchError(AFDError, ImportError):
 
 
 class ControlChannelClosed(AFDClosedError):
-    """The sender closed the control channel cleanly (shutdown); no more payloads will come."""
+    """The peer's end of the control channel was closed in order: the receiver gets it after the sender's
+    last payload, a sender once the receiver (the FFN rank) closed (shm). Not a failure of either."""
 
 
 class ControlRecvTimeout(AFDTimeoutError):

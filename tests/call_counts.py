@@ -98,11 +98,12 @@ def _worker(rank: int, nprocs: int, port: int, layers: int, at: int, steps: int)
     return dict(out)
 
 
-def data_call_counts(layers: int = 4, at: int = 2, steps: int = 2) -> dict[str, collections.Counter]:
+def data_call_counts(layers: int = 4, at: int = 2, steps: int = 6) -> dict[str, collections.Counter]:
     """The package's Python calls in each data call at layer ``at`` of ``layers``-layer 1A1F gloo steps.
 
     Returns:
-        ``{data call: Counter("file:function" -> calls)}`` for :data:`DATA_CALLS`, the step with the fewest.
+        ``{data call: Counter("file:function" -> calls)}`` for :data:`DATA_CALLS`, the step with the fewest
+        (a receive that waits longer than a wait slice polls again: on a loaded host, the least is the path).
     """
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # connector_scenarios, in the workers too
     from afd_ext.testing import find_free_port, run_workers

@@ -12,7 +12,7 @@ source, so the test survives edits above it)::
     from interleave import interleave
 
     victim, closer = interleave(lambda: plane.recv_dp_metadata_list(),
-                                (AFDControlPlane.recv_dp_metadata_list, "self._source_channel"),
+                                (AFDControlPlane.recv_dp_metadata_list, "self._require_open("),
                                 plane.close)
     assert isinstance(victim.error, AFDError), victim.error
 

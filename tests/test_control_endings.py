@@ -22,7 +22,7 @@ from test_control_plane import ATTN, FAST, FFN, _message, _pair, _payload, _ring
 from afd_ext import control as cp  # noqa: E402
 from afd_ext.control import channel as cchannel  # noqa: E402
 from afd_ext.control import shm as cshm  # noqa: E402
-from afd_ext.errors import AFDError, AFDStateError  # noqa: E402
+from afd_ext.errors import AFDClosedError, AFDError  # noqa: E402
 from afd_ext.topology import Topology  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -153,7 +153,7 @@ def test_sends_after_the_receivers_orderly_close_fail_at_once_naming_it():
 
 def test_a_plane_closed_between_its_open_check_and_its_channel_read_raises_the_closed_error():
     """recv_dp_metadata_list held just before it reads its channel while another thread closes the plane:
-    AFDStateError (was: AttributeError 'NoneType' object has no attribute 'recv')."""
+    AFDClosedError (was: AttributeError 'NoneType' object has no attribute 'recv')."""
     rx, tx = _ring(idle_s=0.0, **SLOW_DEATH)
     try:
         plane = cp.AFDControlPlane(lambda p: None, Topology(1, 1), "ffn", 0, {0: rx})
@@ -161,14 +161,14 @@ def test_a_plane_closed_between_its_open_check_and_its_channel_read_raises_the_c
                                  (cp.AFDControlPlane.recv_dp_metadata_list,
                                   ".recv(self.recv_timeout_s, _OP_RECV, self.max_payload_bytes)"), plane.close)
         assert closed.error is None
-        assert isinstance(got.error, AFDStateError) and "closed" in str(got.error), got
+        assert isinstance(got.error, AFDClosedError) and "closed" in str(got.error), got
         assert got.ended_at - got.released_at < 0.5
     finally:
         tx.close()
 
 
 def test_a_shm_sender_blocked_on_a_full_ring_ends_promptly_when_another_thread_closes_it():
-    """The ring is full and the send waits for room; another thread closes the sending end: AFDStateError at
+    """The ring is full and the send waits for room; another thread closes the sending end: AFDClosedError at
     once (was: ValueError 'operation forbidden on released memoryview object', or a wait of
     heartbeat_timeout_s)."""
     with _pair("shm", slot_bytes=64, nslots=2, **SLOW_DEATH) as (rx, tx):
@@ -177,7 +177,7 @@ def test_a_shm_sender_blocked_on_a_full_ring_ends_promptly_when_another_thread_c
         got, closed = interleave(lambda: tx.send(b"c"), (cshm.ShmControlChannel._wait_space, "self._peer_gone()"),
                                  tx.close)
         assert closed.error is None
-        assert isinstance(got.error, AFDStateError) and "closed" in str(got.error), got
+        assert isinstance(got.error, AFDClosedError) and "closed" in str(got.error), got
         assert got.ended_at - got.released_at < 0.5
         out: list = []  # and without a forced interleaving: the close ends a wait in progress
     with _pair("shm", slot_bytes=64, nslots=2, **SLOW_DEATH) as (rx, tx):
@@ -189,7 +189,7 @@ def test_a_shm_sender_blocked_on_a_full_ring_ends_promptly_when_another_thread_c
         t0 = time.monotonic()
         tx.close()
         t.join(5)
-        assert isinstance(out[0], AFDStateError) and time.monotonic() - t0 < 0.5, out
+        assert isinstance(out[0], AFDClosedError) and time.monotonic() - t0 < 0.5, out
 
 
 def _outcome(fn):

@@ -20,7 +20,7 @@ from afd_ext import control as cp
 from afd_ext import rendezvous as rdzv
 from afd_ext.control import channel as cchannel
 from afd_ext.control import shm as cshm
-from afd_ext.errors import AFDConfigError, AFDStateError, ControlProtocolError
+from afd_ext.errors import AFDClosedError, AFDConfigError, AFDStateError, ControlProtocolError
 from afd_ext.metadata import AFDControlPayload, AFDDPMetadata
 from afd_ext.testing import find_free_port, run_workers
 from afd_ext.topology import Topology
@@ -570,7 +570,7 @@ def test_a_receiver_closed_by_another_thread_while_it_waits_gets_a_named_error_a
             rx.close()
             t.join(5)
             assert time.monotonic() - t0 < 0.5
-            assert isinstance(out[0], AFDStateError) and "closed" in str(out[0]), out
+            assert isinstance(out[0], AFDClosedError) and "closed" in str(out[0]), out
 
 
 @pytest.mark.parametrize("kind", ["shm", "tcp"])

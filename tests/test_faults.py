@@ -937,3 +937,47 @@ def test_a_local_close_mid_step_ends_this_ranks_call_as_closed_and_the_peer_gets
     assert "this connector was closed" in att["msg"], att
     assert ffn["error"] == "PeerClosedError" and ffn["took"] < 5.0, ffn
     assert "attention rank 0 (world rank 1) closed its connector (an orderly close(), not a failure)" in ffn["msg"]
+
+
+def _close_races_data_call_worker(rank, nprocs, port, done):
+    """1A1F gloo: the attention rank's recv_ffn_output held just before it takes the step's transport while
+    its main thread closes the connector; the FFN rank waits for the attention rank's close."""
+    import connector_scenarios as cs
+    import torch
+    from interleave import interleave
+
+    from afd_ext.connector.attention import AttentionSide
+
+    sc = cs.Scenario(A=1, F=1, layers=1, strict=False, step_timeout_s=60.0)
+    conn = cs.make_connector(sc, rank, port)
+    conn.init_afd_connector()
+    try:
+        if rank == 0:
+            conn.control_plane.update_state_from_dp_metadata(conn.control_plane.recv_dp_metadata_list())
+            conn.recv_attn_output(ubatch_idx=0)
+            done.wait(60)
+            return {}
+        p = cs._payload({0: [3]})
+        conn.control_plane.update_state_from_dp_metadata(p)
+        conn.control_plane.send_dp_metadata_list(p)
+        h = torch.ones(3, sc.hidden)
+        conn.send_attn_output(h, cs._ctx(0, 0, 3))
+        got, closed = interleave(lambda: conn.recv_ffn_output(h, ubatch_idx=0),
+                                 (AttentionSide._recv_reply, "c.data(st).fan_in"), conn.close)
+        done.wait(60)
+        return {"error": type(got.error).__name__, "msg": str(got.error), "close_error": repr(closed.error)}
+    finally:
+        conn.close()
+
+
+def test_a_data_call_racing_a_local_close_gets_the_closed_error():
+    """Issue 41 item 3 on the data path: a data call that passed its checks when another thread's close() takes
+    the transport ends with AFDClosedError (was: AttributeError 'NoneType' object has no attribute 'fan_in')."""
+    import multiprocessing as mp
+
+    from afd_ext.testing import run_workers
+
+    _, att = run_workers(_close_races_data_call_worker, 2,
+                         (find_free_port(HOST), mp.get_context("spawn").Barrier(2)), timeout_s=120)
+    assert att["close_error"] == "None", att
+    assert att["error"] == "AFDClosedError" and "this connector was closed" in att["msg"], att

@@ -267,4 +267,4 @@ def test_run_workers_reports_the_failed_process_not_its_peers_follow_on_errors(h
     with pytest.raises((testing.WorkerError, RuntimeError)) as ei:
         run_workers(_ffn_fails_at_its_first_step, 3, (find_free_port(), how), timeout_s=120)
     assert cause in str(ei.value), str(ei.value)[-2000:]
-    assert getattr(ei.value, "rank", 0) == 0, str(ei.value)[-2000:]
+    assert ei.value.rank == 0, str(ei.value)[-2000:]

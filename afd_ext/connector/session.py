@@ -200,13 +200,17 @@ class Session:
         """The plain transport, after checking the connector is initialised, unbroken and healthy.
 
         Raises:
+            AFDClosedError: this rank's close() has begun (on another thread).
             ConnectorStateError: not initialised, or broken by an earlier failure.
             The transport's pending failure (the step is then aborted everywhere).
         """
         self.last_call = time.monotonic()
-        if not self.initialized or self.transport is None:
+        tr = self.transport  # read once: a close() on another thread sets it to None
+        if not self.initialized or tr is None:
             raise ConnectorStateError(
                 f"AFD connector ({self.me}) is not initialized; call init_afd_connector() before {op}")
+        if self.closing:  # a close() in progress on another thread
+            raise self.closed_error(op)
         if self.broken is not None:
             cause = str(self.broken).rstrip().rstrip(".")
             # The failure's own message may already say how to recover; say it once.
@@ -214,7 +218,6 @@ class Session:
                 f"; call close() and init_afd_connector() on every rank before {op}"
             raise ConnectorStateError(
                 f"AFD connector ({self.me}) is unusable after a failed step ({cause}){again}") from self.broken
-        tr = self.transport
         tag = self.tag(op)
         try:
             tr.check_health(tag)
@@ -242,8 +245,19 @@ class Session:
         return st
 
     def data(self, st: Step) -> Transport:
-        """The transport of ``st``'s data calls: the strict-mode view unless the step is captured/replayed."""
-        return self.checked if st.strict else self.transport
+        """The transport of ``st``'s data calls: the strict-mode view unless the step is captured/replayed.
+
+        Raises:
+            AFDClosedError: a close() on another thread took the transport since :meth:`check_usable`.
+        """
+        tr = self.checked if st.strict else self.transport
+        if tr is None:
+            raise self.closed_error("a data call")
+        return tr
+
+    def closed_error(self, op: str) -> AFDClosedError:
+        """The error of a call that this rank's own close() ended (a stop, not a failure)."""
+        return AFDClosedError(f"{self.me}: {op} ended because this connector was closed (close() on this rank)")
 
     # -- failures ------------------------------------------------------------------------
 
@@ -272,11 +286,12 @@ class Session:
             return fn(*args, **kwargs)
         except AFDError as e:  # every transport error (AFDPeerError is a ConnectionError)
             if self.closing:  # this rank's own close() ended the call: a stop, not a failure
-                raise AFDClosedError(f"{self.me}: the call ended because this connector was closed (close() "
-                                     "on this rank)") from e
+                raise self.closed_error("the call") from e
             self.fail_step(e)
             raise
         except RuntimeError as e:
+            if self.closing:
+                raise self.closed_error("the call") from e
             exc = _raw_error(e, self.transport, kwargs.get("tag"), args[1] if len(args) > 1 else None)
             self.fail_step(exc or e)
             if exc is None:

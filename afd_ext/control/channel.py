@@ -17,6 +17,7 @@ from typing import Any, Callable
 from afd_ext import rendezvous as rdzv
 from afd_ext.errors import (  # noqa: F401 - ControlChannelClosed, ControlProtocolError: re-exported by the package
     AFDConfigError,
+    AFDClosedError,
     AFDStateError,
     ControlChannelClosed,
     ControlProtocolError,
@@ -124,7 +125,7 @@ class ControlChannel:
     One thread sends (or receives) on an end at a time, as the control plane
     calls it; a sender's heartbeat thread shares the end (a tcp sender's frames
     take the end's send lock); :meth:`close` may come from any thread, and ends
-    the calls in flight with :class:`AFDStateError`. Subclasses: :class:`~afd_ext.control.shm.ShmControlChannel`,
+    the calls in flight with :class:`AFDClosedError`. Subclasses: :class:`~afd_ext.control.shm.ShmControlChannel`,
     :class:`~afd_ext.control.tcp.TcpControlChannel`.
 
     Attributes:
@@ -165,7 +166,7 @@ class ControlChannel:
                 ``options.max_message_bytes``.
 
         Raises:
-            AFDConfigError: message too large; AFDStateError: wrong end or closed
+            AFDConfigError: message too large; AFDStateError: wrong end; AFDClosedError: this end closed
             channel (also by another thread meanwhile); PeerDeadError: the receiver is gone;
             ControlChannelClosed: the receiver closed its end (shm).
         """
@@ -216,7 +217,7 @@ class ControlChannel:
             StepAbortedError: some rank posted the step-abort signal.
             ControlProtocolError: a frame from an unexpected sender, a corrupt frame or slot; a
                 malformed payload, or one larger than ``max_payload``.
-            AFDStateError: this end is closed (also by another thread while it waits).
+            AFDClosedError: this end is closed (also by another thread while it waits).
         """
         self._enter(False, op)
         try:
@@ -244,7 +245,7 @@ class ControlChannel:
 
     def close(self) -> None:
         """Close this end (idempotent, from any thread) and tell the peer (a clean shutdown). Calls in
-        flight on other threads end with :class:`AFDStateError`; the last of them releases the memory
+        flight on other threads end with :class:`AFDClosedError`; the last of them releases the memory
         or socket."""
         if self._closed:
             return
@@ -366,7 +367,8 @@ class ControlChannel:
 
     def _require(self, sender: bool, what: str) -> None:
         if self._closed:
-            raise AFDStateError(f"{what} on a closed {self.kind} control channel to {self.peer}")
+            # a local close is a stop, named as the data calls name it (AFDClosedError), not misuse
+            raise AFDClosedError(f"{what} on a closed {self.kind} control channel to {self.peer}")
         if self.is_sender != sender:
             end = "sending (attention)" if self.is_sender else "receiving (FFN)"
             raise AFDStateError(f"{what} called on the {end} end of the control channel to {self.peer}")

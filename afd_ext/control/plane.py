@@ -312,7 +312,7 @@ class AFDControlPlane:
     def close(self) -> None:
         """Close every channel (idempotent; a sender's close tells its FFN ranks). :meth:`open` may follow.
 
-        From any thread: a call in flight on another thread ends promptly with :class:`AFDStateError`.
+        From any thread: a call in flight on another thread ends promptly with :class:`AFDClosedError`.
         """
         channels, self.channels = self.channels, {}
         self._links = None
@@ -324,7 +324,7 @@ class AFDControlPlane:
                 logger.warning("closing control channel to %s: %s", ch.peer, e)
 
     def _require_open(self, op: str) -> Any:
-        """The links, read once; AFDStateError when closed."""
+        """The links, read once; AFDStateError when not open (never opened, or closed before this call)."""
         links = self._links
         if links is None:
             raise AFDStateError(
@@ -367,7 +367,8 @@ class AFDControlPlane:
             payload: an :class:`~afd_ext.metadata.AFDControlPayload`.
 
         Raises:
-            AFDStateError: not open (connector not initialised), or closed meanwhile by another thread.
+            AFDStateError: not open (connector not initialised).
+            AFDClosedError: closed meanwhile by another thread.
             AFDConfigError: not a valid control payload, or larger than the channel's limit.
             PeerDeadError: a destination FFN rank is gone.
             ControlChannelClosed: a destination FFN rank closed its channel (shm).
@@ -386,7 +387,8 @@ class AFDControlPlane:
             int32 tensors on access, as the reference's runners read them).
 
         Raises:
-            AFDStateError: called on an attention rank, or not open, or closed meanwhile by another thread.
+            AFDStateError: called on an attention rank, or not open.
+            AFDClosedError: closed meanwhile by another thread.
             PeerDeadError: the source attention rank died (its heartbeat stopped).
             ControlChannelClosed: the source closed its channel (clean shutdown).
             ControlRecvTimeout: ``recv_timeout_s`` passed.

@@ -29,7 +29,7 @@ _W_SENDER_PID, _W_SENDER_START, _W_RECEIVER_PID, _W_RECEIVER_START = 3, 4, 5, 6
 _W_READ_COUNT = 8  # byte 64: the receiver's cache line (its state next, native)
 _W_HEARTBEAT, _W_SENDER_STATE = 16, 17  # byte 128: the sender's cache line (the write count next, native)
 _STATE_NEW, _STATE_ATTACHED, _STATE_CLOSED = 0, 1, 2
-_K_STOPPED, _K_CORRUPT = -2, -3  # what a take returns (csrc/cpu/control.h)
+_K_CORRUPT = -3  # a take's corrupt-slot return (csrc/cpu/control.h)
 
 
 def _stride(C: Any, slot_bytes: int) -> int:

@@ -183,7 +183,7 @@ def _check_contract(cls: type) -> None:
             and of its control plane) with the afd_ext and afd-plugin versions.
     """
     pairs = ((cls, _ConnectorBase), (_PluginControlPlane, _ControlPlaneBase))
-    missing = [f"{base.__name__}.{name}" for c, base in pairs for name in sorted(c.__abstractmethods__)]
+    missing = [f"{base.__name__}.{name}" for c, base in pairs for name in sorted(getattr(c, "__abstractmethods__", ()))]
     if missing:
         v = versions()
         raise AFDConfigError(
