@@ -115,10 +115,10 @@ _MIN_ROUND_TRIP_S = 0.5
 _PROBE_S = 10.0
 
 
-def _left(deadline: float) -> float:
-    """Seconds to ``deadline`` (``time.monotonic()``), at least :data:`_MIN_ROUND_TRIP_S`: the bound of one
-    store round trip inside a wait (its last poll still gets a fair chance)."""
-    return max(deadline - time.monotonic(), _MIN_ROUND_TRIP_S)
+def _left(deadline: float, floor: float = _MIN_ROUND_TRIP_S) -> float:
+    """Seconds to ``deadline`` (``time.monotonic()``), at least ``floor``: the bound of one store round trip
+    inside a wait (its last poll still gets a fair chance)."""
+    return max(deadline - time.monotonic(), floor)
 
 
 def wait_log_interval_s(timeout_s: float) -> float:
@@ -722,7 +722,7 @@ def _abort_waiting_init(st: "AFDStore", root: Any, record: Mapping[str, Any], wo
     import torch.distributed as dist
 
     value = json.dumps(dict(record))
-    bound = lambda: max(2.0, deadline - time.monotonic())  # noqa: E731
+    bound = lambda: _left(deadline, 2.0)  # noqa: E731
     try:
         gens = {max(1, int(st.call(lambda r=r: root.add(f"join/{r}", 0), "reading generations", bound())))
                 for r in ranks}

@@ -166,8 +166,8 @@ class ControlChannel:
                 ``options.max_message_bytes``.
 
         Raises:
-            AFDConfigError: message too large; AFDStateError: wrong end; AFDClosedError: this end closed
-            channel (also by another thread meanwhile); PeerDeadError: the receiver is gone;
+            AFDConfigError: message too large; AFDStateError: wrong end; AFDClosedError: this end is
+            closed (also by another thread meanwhile); PeerDeadError: the receiver is gone;
             ControlChannelClosed: the receiver closed its end (shm).
         """
         self._enter(True, _OP_SEND)
