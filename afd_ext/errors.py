@@ -234,7 +234,7 @@ class TorchMismatchError(AFDError, ImportError):
 
 class ControlChannelClosed(AFDClosedError):
     """The peer's end of the control channel was closed in order: the receiver gets it after the sender's
-    last payload, a sender once the receiver (the FFN rank) closed (shm). Not a failure of either."""
+    last payload, a sender once the receiver (the FFN rank) closed. Not a failure of either."""
 
 
 class ControlRecvTimeout(AFDTimeoutError):

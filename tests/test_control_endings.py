@@ -1,4 +1,4 @@
-"""How a control channel's life ends (issue 41 items 1, 3, 4, 5): nothing published is lost, a local close
+"""How a control channel's life ends (issue 41 items 1, 3, 4, 5; shm and tcp): nothing published is lost, a local close
 ends every call on the closing rank promptly with a named error, a closed receiver is named at once, a sender
 dead mid-message is named dead. Senders that must really exit run in their own process."""
 
@@ -8,6 +8,7 @@ import multiprocessing as mp
 import os
 import re
 import signal
+import socket
 import sys
 import threading
 import time
@@ -134,10 +135,13 @@ def test_a_sender_killed_mid_message_is_a_dead_peer_not_a_protocol_error():
 # ---------------------------------------------------------------- item 4: a closed receiver is named at once
 
 
-def test_sends_after_the_receivers_orderly_close_fail_at_once_naming_it():
-    """The FFN end closes in order: the next send (every one after it too) is ControlChannelClosed naming the
-    FFN rank, at once (was: nslots sends into a ring nobody reads, then heartbeat_timeout_s and "dead")."""
-    with _pair("shm", nslots=4, **SLOW_DEATH) as (rx, tx):
+@pytest.mark.parametrize("kind", ["shm", "tcp"])
+def test_sends_after_the_receivers_orderly_close_fail_at_once_naming_it(kind):
+    """The FFN end closes in order (an unread payload in its socket: tcp resets the connection): the next send
+    (every one after it too) is ControlChannelClosed naming the FFN rank, at once (was: shm, nslots sends into
+    a ring nobody reads, then heartbeat_timeout_s and "dead"; tcp, one send into the socket, then PeerDeadError
+    "connection lost")."""
+    with _pair(kind, nslots=4, **SLOW_DEATH) as (rx, tx):
         tx.send_payload(_payload(0, 1))
         rx.close()
         plane = cp.AFDControlPlane(lambda p: None, Topology(1, 1), "attention", 0, {0: tx})
@@ -197,3 +201,101 @@ def _outcome(fn):
         return fn()
     except Exception as e:  # noqa: BLE001 - the test looks at it
         return e
+
+
+def _receiver(kind: str, conn, go: "mp.synchronize.Event", how: str) -> None:
+    """An FFN (receiving) end in its own process: open, tell ``conn`` where, wait for ``go``; then close in order
+    and exit ("close-exit"), or wait to be killed."""
+    kw = dict(local_rank=0, peer_rank=1, peer=ATTN, options=cp.ChannelOptions(**{**FAST, **SLOW_DEATH}),
+              abort_check=None)
+    if kind == "shm":
+        rx = cp.ShmControlChannel.create(f"afd-test-{os.getpid()}", **kw)
+        conn.send(rx.name)
+        rx.wait_attached(time.monotonic() + 60)
+    else:
+        ls = socket.create_server(("127.0.0.1", 0))
+        conn.send(ls.getsockname()[:2])
+        rx = cp.TcpControlChannel.accept(ls, time.monotonic() + 60, token=b"t", **kw)
+    assert go.wait(60)
+    if how == "close-exit":
+        rx.close()
+    else:
+        time.sleep(60)
+
+
+@pytest.mark.parametrize("kind,how", [("shm", "close-exit"), ("tcp", "close-exit"), ("tcp", "killed")])
+def test_a_sender_is_told_its_receivers_process_closed_in_order_or_died(kind, how):
+    """The FFN process closes its end in order and exits (or is killed, tcp): every send after it raises at once
+    ControlChannelClosed naming the FFN rank (a death: PeerDeadError), not heartbeat_timeout_s later (was, tcp:
+    the first send succeeded into the socket, the next raised PeerDeadError "connection lost")."""
+    ctx = mp.get_context("spawn")
+    go, (here, there) = ctx.Event(), ctx.Pipe()
+    proc = ctx.Process(target=_receiver, args=(kind, there, go, how), daemon=True)
+    proc.start()
+    try:
+        while not here.poll(0.1):
+            assert proc.is_alive(), proc.exitcode  # the receiver failed to open its end
+        where, opts = here.recv(), cp.ChannelOptions(**{**FAST, **SLOW_DEATH})
+        kw = dict(local_rank=1, peer_rank=0, peer=FFN, options=opts, abort_check=None)
+        tx = (cp.ShmControlChannel.attach(where, **kw) if kind == "shm"
+              else cp.TcpControlChannel.connect(where, time.monotonic() + 60, b"t", **kw))
+        tx.send(_message(1, 40))
+        if how == "killed":  # killed as it waits for go: setting go then would wait for the dead waiter
+            os.kill(proc.pid, signal.SIGKILL)
+        _exited(proc, go if how == "close-exit" else None)
+        want = cp.ControlChannelClosed if how == "close-exit" else cp.PeerDeadError
+        for _ in range(3):
+            t0 = time.monotonic()
+            with pytest.raises(want, match=re.escape(f"send_dp_metadata_list: {FFN} closed" if how == "close-exit"
+                                                     else f"peer {FFN} is dead")) as e:
+                tx.send(_message(2, 40))
+            assert e.value.peer == FFN and time.monotonic() - t0 < 0.5
+        tx.close()
+    finally:
+        proc.kill()
+
+
+# ---------------------------------------------------------------- a local close: bounded, once
+
+
+@pytest.mark.parametrize("blocked", ["send", "heartbeat"])
+def test_a_tcp_close_from_another_thread_ends_a_send_blocked_on_a_full_socket_at_once(blocked):
+    """The receiver reads nothing; a 32 MiB send (or, the socket filled, a heartbeat frame) waits for socket
+    space, holding the send lock; another thread closes the sending end: close() returns within a second, the
+    send ends with AFDClosedError (was: close waited heartbeat_timeout_s for the send lock, or 5 s for the
+    heartbeat thread)."""
+    with _pair("tcp", heartbeat_timeout_s=10.0, max_message_bytes=64 << 20) as (rx, tx):
+        out: list = []
+        t = threading.Thread(target=lambda: out.append(_outcome(lambda: tx.send(b"x" * (32 << 20)))))
+        if blocked == "send":
+            t.start()
+        else:  # raw frames (the receiver reads none) until the heartbeat thread's frame waits for space
+            tx._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            deadline = time.monotonic() + 20
+            while not tx._lock.locked():
+                assert time.monotonic() < deadline, "the socket did not fill"
+                while tx._C.ctrl_tcp_send(tx._fd, 2, 1, b"x" * 65536, 1 << 20) is True:
+                    pass
+                time.sleep(0.05)
+        time.sleep(0.5)
+        assert tx._lock.locked(), out  # the send or the heartbeat is blocked: the socket is full
+        t0 = time.monotonic()
+        tx.close()
+        closed_in = time.monotonic() - t0
+        assert closed_in < 1.0, closed_in
+        if blocked == "send":
+            t.join(5)
+            assert not t.is_alive() and type(out[0]) is AFDClosedError and "closed" in str(out[0]), out
+        assert not tx._hb_thread.is_alive()
+
+
+@pytest.mark.parametrize("end", ["receiver", "sender"])
+@pytest.mark.parametrize("kind", ["shm", "tcp"])
+def test_two_threads_closing_one_end_close_it_once_without_an_error(kind, end):
+    """One close() held just after its look at the closed flag while another thread closes the end: both return,
+    no error (was, shm: TypeError from the second close stopping a ring the first had released)."""
+    with _pair(kind, **SLOW_DEATH) as (rx, tx):
+        ch = rx if end == "receiver" else tx
+        first, second = interleave(ch.close, (cchannel.ControlChannel.close, 'self._users.append("close")'), ch.close)
+        assert first.error is None and second.error is None, (first, second)
+        assert ch.closed and not ch._users

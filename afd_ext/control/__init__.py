@@ -106,7 +106,7 @@ closed without a goodbye, and :class:`~afd_ext.rendezvous.StepAbortedError`
 when some rank posted the step-abort signal. A live idle peer is waited for
 forever, or until the optional ``recv_timeout_s``. A sender that closes its
 channel cleanly makes the receiver raise :class:`ControlChannelClosed`, so an
-FFN serving loop can end; a receiver that closes its shm end cleanly makes the
+FFN serving loop can end; a receiver that closes its end cleanly makes the
 sender's next send raise it, naming the FFN rank. Nothing published before a
 close or an exit is lost (the ordering rule: docs/internals.md, "How a channel ends").
 

@@ -147,6 +147,7 @@ class ControlChannel:
         self._idle_s = options.idle_s
         self._abort_check = abort_check
         self._closed = False
+        self._closing = threading.Lock()  # held for good by the one close() that runs: an atomic check-and-set
         # One entry per call using this end's memory or socket (list ops are atomic); after close() the
         # last one out releases them, so no call ever meets a released buffer.
         self._users: list[str] = []
@@ -168,7 +169,7 @@ class ControlChannel:
         Raises:
             AFDConfigError: message too large; AFDStateError: wrong end; AFDClosedError: this end is
             closed (also by another thread meanwhile); PeerDeadError: the receiver is gone;
-            ControlChannelClosed: the receiver closed its end (shm).
+            ControlChannelClosed: the receiver closed its end.
         """
         self._enter(True, _OP_SEND)
         try:
@@ -246,16 +247,16 @@ class ControlChannel:
     def close(self) -> None:
         """Close this end (idempotent, from any thread) and tell the peer (a clean shutdown). Calls in
         flight on other threads end with :class:`AFDClosedError`; the last of them releases the memory
-        or socket."""
-        if self._closed:
+        or socket. A second close(), on any thread, returns at once."""
+        if not self._closing.acquire(blocking=False):
             return
         self._users.append("close")  # _shutdown uses the memory / socket too
         self._closed = True
         try:
             self._hb_stop.set()
+            self._shutdown()  # first: it ends a heartbeat frame blocked on a full socket
             if self._hb_thread is not None and self._hb_thread is not threading.current_thread():
                 self._hb_thread.join(timeout=5)
-            self._shutdown()
         finally:
             self._leave()
 

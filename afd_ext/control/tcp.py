@@ -7,6 +7,7 @@ a payload); the checks are here.
 
 from __future__ import annotations
 
+import contextlib
 import select
 import socket
 import threading
@@ -14,10 +15,10 @@ import time
 from typing import Any
 
 from afd_ext import rendezvous as rdzv
-from afd_ext.errors import ControlChannelClosed, ControlProtocolError, PeerDeadError
+from afd_ext.errors import AFDError, ControlChannelClosed, ControlProtocolError, PeerDeadError
 from afd_ext.metadata import DEFAULT_MAX_RANKS, DEFAULT_MAX_STAGES, _native
 
-from .channel import _OP_SEND, ControlChannel, logger
+from .channel import _OP_SEND, _SLICE_S, ControlChannel, logger
 
 _T_HELLO, _T_DATA, _T_HEARTBEAT, _T_CLOSE = 1, 2, 3, 4
 
@@ -52,7 +53,7 @@ class TcpControlChannel(ControlChannel):
         self._broken = False  # a frame was left part-sent: nothing more goes out
         self._rbuf = rbuf if rbuf is not None else bytearray()  # received bytes not yet taken
         self._last_seen = time.monotonic()
-        self._ended: str | None = None  # receiver: "close" (a goodbye frame) or "eof"
+        self._ended: str | None = None  # the peer's end: "close" (its goodbye frame) or "eof"
 
     @staticmethod
     def listen(store: Any) -> socket.socket:
@@ -114,33 +115,41 @@ class TcpControlChannel(ControlChannel):
         ch._start_heartbeat()
         return ch
 
-    def _frame(self, typ: int, data: Any = b"", wait: bool = True) -> Any:
-        """Send one frame (``data``: bytes, or a payload encoded natively) under the send lock.
+    def _frame(self, typ: int, data: Any = b"", lock_s: float | None = None) -> Any:
+        """Send one frame (``data``: bytes, or a payload encoded natively) under the send lock, taken within
+        ``lock_s`` seconds (None: ``heartbeat_timeout_s``, then PeerDeadError).
 
         Returns None, nothing sent, for a payload the native encoder does not take as it is, or when
-        not ``wait`` and the lock is busy; else True.
+        ``lock_s`` passed with the lock busy; else True. A sender first looks for the receiver's end.
         """
-        if not self._lock.acquire(timeout=self.options.heartbeat_timeout_s if wait else 0):
-            if not wait:
+        if not self._lock.acquire(timeout=self.options.heartbeat_timeout_s if lock_s is None else lock_s):
+            if lock_s is not None:
                 return None
             raise PeerDeadError(self.peer, _OP_SEND, "another send stayed blocked for heartbeat_timeout_s")
         try:
+            if self.is_sender and self._ended is None:
+                try:  # one read that does not wait: a receiver sends nothing but its goodbye
+                    got = self._C.ctrl_tcp_take(self._fd, self._rbuf, self._max_bytes, 0, 0, -1, 0)
+                except OSError:
+                    got = 0  # reset: gone without a goodbye
+                if got is not None:
+                    self._ended = "close" if type(got) is tuple and got[:2] == (_T_CLOSE, self.peer_rank) else "eof"
+            if self._ended is not None:
+                self._check_peer(_OP_SEND)
             if self._broken:
                 raise PeerDeadError(self.peer, _OP_SEND, "an earlier frame was left part-sent (the stream is broken)")
             try:
                 rest = self._C.ctrl_tcp_send(self._fd, typ, self.local_rank, data, self._max_bytes)
                 if type(rest) is bytes:
-                    self._sock.sendall(rest)  # the send buffer is full: wait, at most heartbeat_timeout_s
+                    self._sock.sendall(rest)  # the send buffer is full: wait, at most the socket's timeout
                     rest = True
-            except socket.timeout:
-                self._broken = True
-                raise PeerDeadError(self.peer, _OP_SEND, f"it read nothing for {self.options.heartbeat_timeout_s:g} s "
-                                    "(TCP send buffer full)") from None
             except OSError as e:
                 self._broken = True
                 if typ == _T_DATA:
                     self._require(True, _OP_SEND)  # this end closed by another thread: not the peer's fault
-                raise PeerDeadError(self.peer, _OP_SEND, f"connection lost ({e})") from None
+                raise PeerDeadError(self.peer, _OP_SEND, f"it read nothing for {self.options.heartbeat_timeout_s:g} s "
+                                    "(TCP send buffer full)" if isinstance(e, socket.timeout)
+                                    else f"connection lost ({e})") from None
         finally:
             self._lock.release()
         return rest
@@ -153,8 +162,8 @@ class TcpControlChannel(ControlChannel):
 
     def _beat(self) -> bool:
         try:
-            self._frame(_T_HEARTBEAT, wait=False)  # a long send holds the lock: skip this beat
-        except PeerDeadError:
+            self._frame(_T_HEARTBEAT, lock_s=0)  # a long send holds the lock: skip this beat
+        except AFDError:  # the receiver closed or went
             return False
         return True
 
@@ -195,15 +204,13 @@ class TcpControlChannel(ControlChannel):
         self._silent(op, max(self._last_seen, self._last_msg))  # a payload is a sign of life too
 
     def _shutdown(self) -> None:
-        if self.is_sender:
-            try:
-                self._frame(_T_CLOSE)
-            except PeerDeadError:
-                pass
-        try:
+        # Bounded: the goodbye (either end's) waits at most _SLICE_S for the lock and for socket space; a
+        # send blocked on a full socket keeps the lock, and the shutdown below ends it.
+        with contextlib.suppress(AFDError, OSError):
+            self._sock.settimeout(_SLICE_S)
+            self._frame(_T_CLOSE, lock_s=_SLICE_S)
+        with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)  # ends a native wait on this socket at once
-        except OSError:
-            pass
 
     def _release(self) -> None:
         self._sock.close()
