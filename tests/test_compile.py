@@ -239,3 +239,77 @@ def test_compile_time_is_bounded():
             torch.randn(3, 8), torch.randn(5, 8), torch.randn(8, 8)
         )
     assert time.monotonic() - t0 < 120
+
+
+# A stand-in with the data ops' list schema (``Tensor(a!)[]``, as torch's ``_foreach_*_`` ops): the
+# wire is a list of tensors (afd_ext/wire.py), so the compiler must keep the list whole and copy nothing.
+_list_log: list = []
+_list_lib = torch.library.Library("afd_ext_list_test", "DEF")
+_list_lib.define("move(Tensor(a!)[] tensors, int[] rows, int comm) -> ()")
+
+
+def _list_move_cpu(tensors, rows, comm):
+    _list_log.append((comm, [t.data_ptr() for t in tensors], [tuple(t.shape) for t in tensors]))
+    for t in tensors:
+        t.add_(1)
+
+
+_list_lib.impl("move", _list_move_cpu, "CPU")
+
+
+@torch.library.register_fake("afd_ext_list_test::move", lib=_list_lib)
+def _list_move_fake(tensors, rows, comm):
+    for t in tensors:
+        if t.shape[0] != sum(rows):
+            raise ValueError(f"rows {list(rows)} do not add up to {t.shape[0]}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_list_arguments_survive_compile_without_copies(backend):
+    """fullgraph compile keeps a mutable tensor-list argument: one call per site, the caller's own
+    memory (no copy in or out), mutations visible, and no copy kernel in Inductor's code."""
+    from torch._inductor.utils import run_and_get_code
+
+    def forward(h, logits, ids):
+        parts = [h, logits, ids]
+        torch.ops.afd_ext_list_test.move(parts, [h.shape[0]], 7)
+        torch.ops.afd_ext_list_test.move([h], [h.shape[0]], 8)
+        return h * 2
+
+    torch._dynamo.reset()
+    h, logits, ids = torch.zeros(4, 8), torch.zeros(4, 3), torch.zeros(4, dtype=torch.int32)
+    ptrs = [t.data_ptr() for t in (h, logits, ids)]
+    _list_log.clear()
+    compiled = torch.compile(forward, backend=backend, fullgraph=True)
+    if backend == "inductor":
+        out, code = run_and_get_code(compiled, h, logits, ids)
+        src = "\n".join(code)
+        import re
+
+        calls = re.findall(r"torch\.ops\.afd_ext_list_test\.move\.default\(\[([^\]]*)\]", src)
+        # One call per site, each given the graph's inputs themselves: no buffer copied in between.
+        assert calls == ["arg0_1, arg1_1, arg2_1", "arg0_1"], src
+        for copy in ("copy_(", "clone("):
+            assert copy not in src, f"Inductor added {copy!r} around the list op:\n{src}"
+    else:
+        out = compiled(h, logits, ids)
+    assert [c for c, _, _ in _list_log] == [7, 8]
+    if backend == "inductor":  # re-inplaced: the op gets the caller's tensors (aot_eager functionalizes: copies)
+        assert [p for _, p, _ in _list_log] == [ptrs, ptrs[:1]]
+    assert [s for _, _, s in _list_log][0] == [(4, 8), (4, 3), (4,)]
+    assert torch.equal(h, torch.full((4, 8), 2.0)) and torch.equal(ids, torch.ones(4, dtype=torch.int32))
+    assert torch.equal(out, torch.full((4, 8), 4.0))
+
+
+def test_list_fake_checks_rows_at_compile_time():
+    """The list op's fake runs while compiling (a mis-sized list fails before anything runs)."""
+    torch._dynamo.reset()
+
+    def bad(h):
+        torch.ops.afd_ext_list_test.move([h, h], [h.shape[0] + 1], 9)
+        return h
+
+    _list_log.clear()
+    with pytest.raises(Exception, match="add up"):
+        torch.compile(bad, backend="aot_eager", fullgraph=True)(torch.randn(2, 4))
+    assert _list_log == []
