@@ -37,11 +37,14 @@ def comm_log():
     def recorder(name):
         def kernel(*args):
             # The communicator handle identifies the call: every call site below uses its own.
-            comm = {"send": 1, "recv": 1}.get(name, 3)
+            comm = {"send": 1, "recv": 1}.get(name, 1)
             comm = args[comm]
             log.append((name, comm if isinstance(comm, int) else tuple(comm)))
-            if name in ("fan_in", "recv"):
+            if name == "recv":
                 args[0].fill_(1)
+            if name == "fan_in":  # the wire parts, a list
+                for t in args[0]:
+                    t.fill_(1)
 
         return kernel
 
@@ -73,8 +76,8 @@ def attention_forward_one_stage(h, w_attn, w_gate, token_ids):
         h = h + torch.tanh(h @ w_attn)
         logits = (h @ w_gate).float()
         reply = torch.empty_like(h)
-        ops.split_back(h, logits, token_ids, [10 + layer], [0], [h.shape[0]])
-        ops.fan_in(reply, None, None, [20 + layer], [0], [h.shape[0]])
+        ops.split_back([h, logits, token_ids], [10 + layer], [0], [h.shape[0]])
+        ops.fan_in([reply], [20 + layer], [0], [h.shape[0]])
         h = h + reply
     return h
 
@@ -87,8 +90,8 @@ def attention_forward_two_stages(h0, h1, w_attn):
             h = torch.tanh(hs[stage] @ w_attn)
             reply = torch.empty_like(h)
             n = h.shape[0]
-            ops.split_back(h, None, None, [100 + 10 * layer + stage], [0], [n])
-            ops.fan_in(reply, None, None, [200 + 10 * layer + stage], [0], [n])
+            ops.split_back([h], [100 + 10 * layer + stage], [0], [n])
+            ops.fan_in([reply], [200 + 10 * layer + stage], [0], [n])
             hs[stage] = h + reply
     return torch.cat(hs)
 
@@ -221,7 +224,7 @@ def test_compiled_ops_on_fake_tensors_check_rows():
 
     def bad(h):
         reply = torch.empty_like(h)
-        ops.fan_in(reply, None, None, [1], [0], [h.shape[0] + 1])
+        ops.fan_in([reply], [1], [0], [h.shape[0] + 1])
         return reply
 
     with pytest.raises(Exception, match="rows"):

@@ -45,10 +45,8 @@ class FFNSide(RoleSide):
         sch = st.schedule
         plan = sch.ffn_plan(stage, self.role_rank)
         bufs = st.bufs[stage]
-        hidden, logits, ids = bufs["hidden"], bufs["router_logits"], bufs["token_ids"]
-        wire, kw, scales = (hidden, logits, ids), {}, None
+        hidden, kw, scales = bufs.get("hidden"), {}, None
         if cfg.hidden_wire is not None:  # FP8 arrives; "dequant" delivery: bf16 written in the fan-in
-            wire = (bufs["hidden_fp8"], bufs["hidden_scales"], logits, ids)
             if hidden is not None:
                 kw = {"dequant": hidden}
             else:
@@ -58,12 +56,12 @@ class FFNSide(RoleSide):
         # caller computed in place in this buffer (gloo); it completes as soon as
         # the peer posts its receive, which it does without waiting for us.
         self._wait_reply_send(stage, release=False)
-        c.transport_call(c.data(st).fan_in, wire, plan.peers, plan.rows, tag=tag, **kw)
+        c.transport_call(c.data(st).fan_in, st.wire[stage], plan.peers, plan.rows, tag=tag, **kw)
         self._reply_sends.pop(stage, None)  # the previous reply's memory is free for the caller again
         st.seq.received += 1
         meta = AFDTransferMetadata.create_ffn_metadata(layer_idx=layer, stage_idx=stage, seq_lens=list(plan.rows))
         ctx = AFDTransferContext(meta, AfdExtTransferState(st.step, layer, stage))
-        return AFDA2FTransferPayload(hidden, ctx, logits, ids, scales)
+        return AFDA2FTransferPayload(hidden, ctx, bufs.get("router_logits"), bufs.get("token_ids"), scales, bufs)
 
     def send_ffn_output(self, ffn_output: torch.Tensor, context: AFDTransferContext) -> None:
         op = "send_ffn_output"
@@ -98,8 +96,7 @@ class FFNSide(RoleSide):
             raise c.reject(st, e, op) from None
         plan = st.schedule.ffn_plan(stage, self.role_rank)
         tag = st.tag(op, "f2a", layer, stage, layer)
-        pending = c.transport_call(c.data(st).split_back, (ffn_output, None, None), plan.peers, plan.rows,
-                                    tag=tag)
+        pending = c.transport_call(c.data(st).split_back, [ffn_output], plan.peers, plan.rows, tag=tag)
         # Keep ffn_output alive until the stage stream is joined again (next
         # recv_attn_output of this stage, or the end of the step): the caching
         # allocator must not hand its memory to the caller's stream while the

@@ -437,6 +437,7 @@ class Session:
         for s in sch.stages:
             own = self.transport.receive_buffers(sch, s) if self.transport is not None else None
             st.bufs[s] = own if own is not None else self.buffers.stage(sch, s)
+            st.wire[s] = [st.bufs[s][p.name] for p in sch.config.wire_parts] if st.bufs[s] else []
         if self.transport is not None:
             self.transport.begin_step(sch)
         self.step = st

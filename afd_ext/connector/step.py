@@ -166,6 +166,7 @@ class Step:
         schedule: the step's :class:`~afd_ext.schedule.StepSchedule`.
         strict: strict-mode headers on this step (off for captured / replayed steps).
         bufs: per stage, this rank's buffers (taken when the payload is applied).
+        wire: per stage, an FFN rank's fan-in targets in wire order (``bufs`` of ``schedule.config.wire_parts``).
         pending: per stage, attention sends awaiting their reply, oldest first.
     """
 
@@ -173,6 +174,7 @@ class Step:
     schedule: StepSchedule
     strict: bool
     bufs: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    wire: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     pending: dict[int, deque] = field(default_factory=dict)
 
     @property
