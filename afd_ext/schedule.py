@@ -390,8 +390,11 @@ class StepSchedule:
 
     def check_attention_tensors(self, stage: int, a: int, hidden_states: Any, router_logits: Any = None,
                                 token_ids: Any = None, *, device: torch.device | str | None = None,
-                                hidden_align: int = 1, **parts: Any) -> list[torch.Tensor]:
+                                hidden_align: int = 1, check_device: Callable[[Any, str], None] | None = None,
+                                rows: int | None = None, **parts: Any) -> list[torch.Tensor]:
         """Check attention rank ``a``'s tensors for ``stage`` before anything is sent; return them in wire order.
+
+        The one check of rows, dtypes, devices and layout of the attention side's wire tensors.
 
         Args:
             stage: stage id.
@@ -404,6 +407,9 @@ class StepSchedule:
             device: when given, every tensor must be on it.
             hidden_align: with FP8 on the wire, the byte alignment ``hidden_states`` must have
                 (the transport's ``fp8_hidden_align``: 8 for the CUDA kernels, 1 for gloo).
+            check_device: ``check_device(tensor, name)`` raises the transport's error for a tensor
+                off ``device`` (default: this check's own message).
+            rows: ``attention_plan(stage, a).total`` when the caller has the plan at hand.
 
         Returns:
             The tensors of :attr:`ScheduleConfig.caller_parts`, in that order.
@@ -411,51 +417,78 @@ class StepSchedule:
         Raises:
             AFDConfigError: naming the tensor, what was expected and what to do.
         """
-        rows = self.attention_rows(stage, a)
+        if rows is None:
+            rows = self.attention_plan(stage, a).total
         cfg = self.config
         args = {"hidden_states": hidden_states, "router_logits": router_logits, "input_ids": token_ids, **parts}
-        who = f"attention rank {a}, stage {stage}"
         out = []
         for p in cfg.caller_parts:
             t = args.get(p.arg)
-            label = p.arg if p.arg.startswith(p.name) else p.name
-            if t is None:
-                raise AFDConfigError(f"{label}{'' if label == p.arg else f' ({p.arg})'} missing for {who}: the "
-                                     "connector is configured to send "
-                                     f"{_fmt_shape((rows,) + p.cols)} {p.dtype} {p.name}")
-            self._check(label, t, (rows,) + p.cols, p.dtype, who, device, f"; cast with .to({p.dtype})")
+            shape = (rows,) + p.cols
+            if not (type(t) is torch.Tensor and t.shape == shape and t.dtype == p.dtype  # the hot path: no call
+                    and (device is None or t.device == device) and t.is_contiguous()):
+                self._refuse(p, t, shape, f"attention rank {a}, stage {stage}", device, check_device)
             out.append(t)
         for arg in cfg.absent_args:
             if args.get(arg) is not None:
-                raise AFDConfigError(f"{arg} given for {who} but the connector is configured without them (that "
-                                     "part does not travel under its configuration); configure them on both roles")
+                raise AFDConfigError(f"{arg} given for attention rank {a}, stage {stage} but the connector is "
+                                     "configured without them (that part does not travel under its "
+                                     "configuration); configure them on both roles")
         if cfg.hidden_wire is not None and rows and hidden_states.data_ptr() % hidden_align:
-            raise AFDConfigError(f"hidden_states must be {hidden_align}-byte aligned for {who} with FP8 on the wire "
-                                 f"(the FP8 kernels read {hidden_align} bytes at a time), got address "
-                                 f"{hidden_states.data_ptr():#x}; pass hidden_states.clone()")
+            raise AFDConfigError(f"hidden_states must be {hidden_align}-byte aligned for attention rank {a}, stage "
+                                 f"{stage} with FP8 on the wire (the FP8 kernels read {hidden_align} bytes at a "
+                                 f"time), got address {hidden_states.data_ptr():#x}; pass hidden_states.clone()")
         return out
 
+    def _refuse(self, p: WirePart, t: Any, shape: tuple[int, ...], who: str, device: Any,
+                check_device: Callable[[Any, str], None] | None) -> None:
+        """Raise the error for part ``p``'s tensor ``t`` that failed the check (named after its argument)."""
+        label = p.arg if p.arg.startswith(p.name) else p.name
+        if t is None:
+            raise AFDConfigError(f"{label}{'' if label == p.arg else f' ({p.arg})'} missing for {who}: the "
+                                 f"connector is configured to send {_fmt_shape(shape)} {p.dtype} {p.name}")
+        if check_device is not None and isinstance(t, torch.Tensor) and t.device != device:
+            check_device(t, label)
+        self._check(label, t, shape, p.dtype, who, device, f"; cast with .to({p.dtype})")
+
     def check_attention_reply(self, stage: int, a: int, ref_tensor: Any, *,
-                              device: torch.device | str | None = None) -> None:
-        """Check the tensor the reply lands in: ``[attention_rows, hidden_size]`` ``hidden_dtype``.
+                              device: torch.device | str | None = None,
+                              check_device: Callable[[Any, str], None] | None = None, rows: int | None = None) -> None:
+        """Check the tensor the reply lands in: ``[attention_rows, hidden_size]`` ``hidden_dtype`` (on ``device``).
+
+        ``check_device`` and ``rows`` as in :meth:`check_attention_tensors`.
 
         Raises:
             AFDConfigError: naming ``ref_tensor`` and what was expected.
         """
-        rows = self.attention_rows(stage, a)
-        self._check("ref_tensor", ref_tensor, (rows, self.config.hidden_size), self.config.hidden_dtype,
-                    f"attention rank {a}, stage {stage}", device)
+        shape = (self.attention_plan(stage, a).total if rows is None else rows, self.config.hidden_size)
+        t = ref_tensor
+        if not (type(t) is torch.Tensor and t.shape == shape and t.dtype == self.config.hidden_dtype  # no call
+                and (device is None or t.device == device) and t.is_contiguous()):
+            self._refuse_output("ref_tensor", t, shape, f"attention rank {a}, stage {stage}", device, check_device)
 
     def check_ffn_output(self, stage: int, f: int, ffn_output: Any, *,
-                         device: torch.device | str | None = None) -> None:
-        """Check FFN rank ``f``'s output: ``[ffn_rows(stage, f), hidden_size]`` ``hidden_dtype``.
+                         device: torch.device | str | None = None,
+                         check_device: Callable[[Any, str], None] | None = None, rows: int | None = None) -> None:
+        """Check FFN rank ``f``'s output: ``[ffn_rows(stage, f), hidden_size]`` ``hidden_dtype`` (on ``device``).
+
+        ``check_device`` and ``rows`` (``ffn_plan(stage, f).total``) as in :meth:`check_attention_tensors`.
 
         Raises:
             AFDConfigError: naming ``ffn_output`` and what was expected.
         """
-        rows = self.ffn_rows(stage, f)
-        self._check("ffn_output", ffn_output, (rows, self.config.hidden_size), self.config.hidden_dtype,
-                     f"FFN rank {f}, stage {stage}", device, f"; cast with .to({self.config.hidden_dtype})")
+        shape = (self.ffn_plan(stage, f).total if rows is None else rows, self.config.hidden_size)
+        t = ffn_output
+        if not (type(t) is torch.Tensor and t.shape == shape and t.dtype == self.config.hidden_dtype  # no call
+                and (device is None or t.device == device) and t.is_contiguous()):
+            self._refuse_output("ffn_output", t, shape, f"FFN rank {f}, stage {stage}", device, check_device)
+
+    def _refuse_output(self, name: str, t: Any, shape: tuple[int, int], who: str, device: Any,
+                       check_device: Callable[[Any, str], None] | None) -> None:
+        if check_device is not None and isinstance(t, torch.Tensor) and t.device != device:
+            check_device(t, name)
+        dtype = self.config.hidden_dtype
+        self._check(name, t, shape, dtype, who, device, f"; cast with .to({dtype})")
 
 
 def build_step_schedule(

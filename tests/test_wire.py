@@ -31,30 +31,34 @@ def declare_topk() -> None:
     wire.declare_part("topk_ids", dtype=torch.int32, cols=(K,))
 
 
-def _connector(role: str, role_rank: int, port: int, A: int, F: int, strict: bool):
+def _connector(role: str, role_rank: int, port: int, A: int, F: int, strict: bool, transport: str, device: str):
     from afd_ext.config import AFDConfig
     from afd_ext.connector import AFDConnector
 
     cfg = AFDConfig(role=role, host="127.0.0.1", port=port, num_attention_ranks=A, num_ffn_ranks=F,
-                    connector_extra_config={"transport": "gloo", "strict": strict, "step_timeout_s": 30,
-                                            "init_timeout_s": 30})
+                    connector_extra_config={"transport": transport, "strict": strict, "step_timeout_s": 30,
+                                            "init_timeout_s": 60})
     world = role_rank if role == "ffn" else F + role_rank
     return AFDConnector(world, 0, cfg, role_rank, hidden_size=8, num_layers=LAYERS, dtype=torch.float32,
-                        router_logits_width=5, device="cpu", warmup_on_init=True)
+                        router_logits_width=5, device=device, warmup_on_init=True)
 
 
-def _topk(a: int, layer: int, n: int) -> torch.Tensor:
-    return (torch.arange(n * K, dtype=torch.int32).reshape(n, K) * 7 + 100 * a + 10 * layer)
+def _topk(a: int, layer: int, n: int, device: str = "cpu") -> torch.Tensor:
+    return (torch.arange(n * K, dtype=torch.int32, device=device).reshape(n, K) * 7 + 100 * a + 10 * layer)
 
 
-def add_a_part_worker(rank: int, nprocs: int, port: int, strict: bool, declare_on: tuple[str, ...]):
+def add_a_part_worker(rank: int, nprocs: int, port: int, strict: bool, declare_on: tuple[str, ...],
+                      transport: str = "gloo", device: str = "cpu"):
+    """One rank of the add-a-part exchange (also the GPU tier's, tests/gpu/test_wire_gpu.py)."""
     from afd_ext.metadata import AFDControlPayload, AFDTransferContext, AFDTransferMetadata
 
     A, F = len(COUNTS), nprocs - len(COUNTS)
     role, rr = ("ffn", rank) if rank < F else ("attention", rank - F)
     if role in declare_on:
         declare_topk()
-    conn = _connector(role, rr, port, A, F, strict)
+    if device != "cpu":
+        torch.cuda.set_device(torch.device(device))
+    conn = _connector(role, rr, port, A, F, strict, transport, device)
     conn.init_afd_connector()
     payload = AFDControlPayload(dp_metadata_list={0: list(COUNTS)})
     got = []
@@ -64,10 +68,10 @@ def add_a_part_worker(rank: int, nprocs: int, port: int, strict: bool, declare_o
             conn.control_plane.send_dp_metadata_list(payload)
             n = COUNTS[rr]
             for layer in range(LAYERS):
-                h = torch.full((n, 8), float(rr + layer))
+                h = torch.full((n, 8), float(rr + layer), device=device)
                 ctx = AFDTransferContext(AFDTransferMetadata.create_attention_metadata(
                     layer_idx=layer, stage_idx=0, seq_len=n))
-                conn.send_attn_output(h, ctx, torch.zeros(n, 5), topk_ids=_topk(rr, layer, n))
+                conn.send_attn_output(h, ctx, torch.zeros(n, 5, device=device), topk_ids=_topk(rr, layer, n, device))
                 reply = conn.recv_ffn_output(torch.empty_like(h), 0)
                 got.append(reply[:, 0].tolist())
         else:
@@ -78,23 +82,27 @@ def add_a_part_worker(rank: int, nprocs: int, port: int, strict: bool, declare_o
                 got.append(t.tolist())
                 # Reply with each row's first expert id, so the attention side sees the part came through.
                 conn.send_ffn_output(t[:, :1].float().expand(-1, 8).contiguous(), p.context)
-            conn.synchronize()
+        conn.synchronize()
     finally:
         conn.close()
-    return role, rr, got
+    return role, rr, got, conn.transport_kind
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("strict", [False, True])
-def test_add_a_part_moves_end_to_end_on_gloo(strict):
-    results = run_workers(add_a_part_worker, 1 + len(COUNTS), (find_free_port(), strict, ("attention", "ffn")),
-                          timeout_s=90)
-    for role, rr, got in results:
+def check_add_a_part(results: list) -> None:
+    """Every attention rank's ids reached the FFN rank in fan-in order, and came back in the replies."""
+    for role, rr, got, _ in results:
         if role == "ffn":  # every attention rank's ids, in fan-in order, layer by layer
             assert got == [torch.cat([_topk(a, layer, n) for a, n in enumerate(COUNTS)]).tolist()
                            for layer in range(LAYERS)]
         else:
             assert got == [_topk(rr, layer, COUNTS[rr])[:, 0].float().tolist() for layer in range(LAYERS)]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("strict", [False, True])
+def test_add_a_part_moves_end_to_end_on_gloo(strict):
+    check_add_a_part(run_workers(add_a_part_worker, 1 + len(COUNTS),
+                                 (find_free_port(), strict, ("attention", "ffn")), timeout_s=90))
 
 
 @pytest.mark.timeout(120)

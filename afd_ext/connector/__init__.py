@@ -313,8 +313,8 @@ class AFDConnector:
         CUDA graphs: capturable (stage stream forked from the current stream;
         no allocation, no host sync outside strict mode).
         """
-        self._side("attention", "send_attn_output").send_attn_output(hidden_states, context, router_logits,
-                                                                    input_ids, **kwargs)
+        (self._attention or self._side("attention", "send_attn_output")).send_attn_output(
+            hidden_states, context, router_logits, input_ids, **kwargs)
 
     def recv_ffn_output(self, ref_tensor: torch.Tensor, ubatch_idx: int = 0, **kwargs: Any) -> torch.Tensor:
         """Attention side: receive the FFN output of the oldest outstanding exchange into ``ref_tensor``.
@@ -339,7 +339,8 @@ class AFDConnector:
                 on this rank only, nothing received: repeat the call corrected.
             AFDTransportError, StepAbortedError: transport failure (the step is aborted everywhere).
         """
-        return self._side("attention", "recv_ffn_output").recv_ffn_output(ref_tensor, ubatch_idx)
+        side = self._attention or self._side("attention", "recv_ffn_output")  # a call only on the wrong role
+        return side.recv_ffn_output(ref_tensor, ubatch_idx)
 
     def abandon_step(self) -> None:
         """Attention side: finish the current step without data after a rejected first exchange.
@@ -392,7 +393,8 @@ class AFDConnector:
             AFDTransportError, StepAbortedError: transport failure (a dead
                 peer is named with the layer and stage).
         """
-        return self._side("ffn", "recv_attn_output").recv_attn_output(ubatch_idx, routing_spec, recv_input_ids)
+        side = self._ffn or self._side("ffn", "recv_attn_output")
+        return side.recv_attn_output(ubatch_idx, routing_spec, recv_input_ids)
 
     def send_ffn_output(self, ffn_output: torch.Tensor, context: AFDTransferContext, **kwargs: Any) -> None:
         """FFN side: return each attention peer its rows of ``ffn_output`` (split-back).
@@ -412,7 +414,7 @@ class AFDConnector:
                 call with the right tensor and the step completes on every rank.
             AFDTransportError, StepAbortedError: transport failure.
         """
-        self._side("ffn", "send_ffn_output").send_ffn_output(ffn_output, context)
+        (self._ffn or self._side("ffn", "send_ffn_output")).send_ffn_output(ffn_output, context)
 
     # ------------------------------------------------------------------ warm-up, synchronize, graphs
 

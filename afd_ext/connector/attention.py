@@ -14,11 +14,11 @@ from typing import Any, Callable
 import torch
 
 from .. import fp8
-from ..errors import AFDConfigError, AFDProtocolError, AFDStateError
+from ..errors import AFDConfigError, AFDError, AFDProtocolError, AFDStateError
 from ..metadata import AFDTransferContext, AFDTransferMetadata
 from ..schedule import stage_buffers
 from .session import RoleSide
-from .step import Exchange, Step, canonical_strides, context_metadata
+from .step import Exchange, Step, context_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -44,22 +44,26 @@ class AttentionSide(RoleSide):
             if not md.validate_tensor_shape(tuple(hidden_states.shape)):
                 raise AFDConfigError(f"hidden_states shape {tuple(hidden_states.shape)!r} does not match AFD metadata "
                                  f"token count {md.total_tokens}.")
-            # One check of the wire tensors (types, shapes, dtypes, contiguity), then the device.
+            plan = st.schedule.attention_plan(stage, self.role_rank)
+            # The one check of the wire tensors: types, rows, dtypes, devices, contiguity.
             wire = st.schedule.check_attention_tensors(stage, self.role_rank, hidden_states, router_logits,
-                                                       input_ids, hidden_align=tr.fp8_hidden_align, **parts)
-            for t in wire:
-                tr.check_device(t, "hidden_states" if t is hidden_states else "a wire tensor")
+                                                       input_ids, device=tr.device, check_device=tr.check_device,
+                                                       hidden_align=tr.fp8_hidden_align, rows=plan.total,
+                                                       **parts)
         except (ValueError, AFDStateError) as e:
             raise c.reject(st, e, op, stage=stage) from None
         st.seq.abandoned = False
-        self._send_rows(st, layer, stage, [canonical_strides(t) for t in wire], md.layer_idx, op)
+        self._send_rows(st, layer, stage, wire, md.layer_idx, op, plan)
 
-    def _send_rows(self, st: Step, layer: int, stage: int, wire: list, layer_idx: int, op: str) -> None:
+    def _send_rows(self, st: Step, layer: int, stage: int, wire: list, layer_idx: int, op: str, plan=None) -> None:
         c = self.s
-        sch = st.schedule
-        plan = sch.attention_plan(stage, self.role_rank)
+        if plan is None:
+            plan = st.schedule.attention_plan(stage, self.role_rank)
         tag = st.tag(op, "a2f", layer, stage, layer_idx)
-        pending = c.transport_call(c.data(st).split_back, wire, plan.peers, plan.rows, tag=tag)
+        try:
+            pending = c.data(st).split_back(wire, plan.peers, plan.rows, tag=tag)
+        except (AFDError, RuntimeError) as e:
+            c.transport_failed(e, tag, plan.peers)
         st.pending[stage].append(Exchange(layer, stage, tag, pending, wire))
         st.seq.sent += 1
 
@@ -72,20 +76,25 @@ class AttentionSide(RoleSide):
             layer, stage = st.seq.next_reply(ubatch_idx, op)
             if not isinstance(ref_tensor, torch.Tensor):
                 raise AFDConfigError(f"ref_tensor must be a torch.Tensor, got {type(ref_tensor).__name__}")
-            tr.check_device(ref_tensor, "ref_tensor")
-            st.schedule.check_attention_reply(stage, self.role_rank, ref_tensor)
+            plan = st.schedule.attention_plan(stage, self.role_rank)
+            st.schedule.check_attention_reply(stage, self.role_rank, ref_tensor, device=tr.device,
+                                              check_device=tr.check_device, rows=plan.total)
         except (ValueError, AFDStateError) as e:
             raise c.reject(st, e, op, stage=ubatch_idx) from None
-        self._recv_reply(st, st.pending[stage][0], ref_tensor, op)
+        self._recv_reply(st, st.pending[stage][0], ref_tensor, op, plan)
         return ref_tensor
 
-    def _recv_reply(self, st: Step, ex: Exchange, ref_tensor: torch.Tensor, op: str) -> None:
+    def _recv_reply(self, st: Step, ex: Exchange, ref_tensor: torch.Tensor, op: str, plan=None) -> None:
         c = self.s
-        plan = st.schedule.attention_plan(ex.stage, self.role_rank)
+        if plan is None:
+            plan = st.schedule.attention_plan(ex.stage, self.role_rank)
         tag = st.tag(op, "f2a", ex.layer, ex.stage, ex.tag.layer_idx)
-        c.transport_call(c.data(st).fan_in, [ref_tensor], plan.peers, plan.rows, tag=tag)
-        # The reply came back, so our sends of this exchange were received: safe to release.
-        c.transport_call(ex.pending.wait)
+        try:
+            c.data(st).fan_in([ref_tensor], plan.peers, plan.rows, tag=tag)
+            # The reply came back, so our sends of this exchange were received: safe to release.
+            ex.pending.wait()
+        except (AFDError, RuntimeError) as e:
+            c.transport_failed(e, tag, plan.peers)
         st.pending[ex.stage].popleft()
         st.seq.received += 1
 

@@ -154,6 +154,8 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     """A uint8 view of a contiguous tensor (gloo then needs no dtype support, e.g. for fp8)."""
     if t.dim() == 0:
         t = t.reshape(1)
+    elif t.stride(-1) != 1:  # torch calls [n, 1] with an odd last stride contiguous; a byte view needs 1
+        t = t.as_strided(t.shape, t.stride()[:-1] + (1,))
     return t.view(torch.uint8) if t.dtype != torch.uint8 else t
 
 

@@ -174,8 +174,8 @@ void grouped(const char* op, Dir dir, at::TensorList tensors, c10::IntArrayRef c
   if (edges.empty()) {
     // No peer: nothing to move, but the tensors must still be empty.
     for (size_t k = 0; k < tensors.size(); ++k) {
-      TORCH_CHECK_VALUE(tensors[k].dim() >= 1 && tensors[k].size(0) == 0, "afd_ext.", op, ": no peers given but tensors[",
-                        k, "] has shape ", tensors[k].sizes(), " (expected 0 rows)");
+      TORCH_CHECK_VALUE(tensors[k].dim() >= 1 && tensors[k].size(0) == 0, "afd_ext.", op,
+                        ": no peers given but tensors[", k, "] has shape ", tensors[k].sizes(), " (expected 0 rows)");
     }
     return;
   }

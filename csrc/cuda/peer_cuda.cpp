@@ -466,7 +466,7 @@ void peer_put_cuda(at::TensorList ts, int64_t plane, int64_t slot, c10::IntArray
   }
   // Quantizing: the first tensor takes two parts (values, then scales).
   const size_t q = quantize_first ? 1 : 0;
-  TORCH_CHECK(!ts.empty() && ts.size() + q <= kPeerMaxParts, "afd_ext.", op, ": ", ts.size(),
+  TORCH_CHECK(!ts.empty() && ts.size() + q <= static_cast<size_t>(kPeerMaxParts), "afd_ext.", op, ": ", ts.size(),
               " tensors given; a put moves 1 to ", kPeerMaxParts, " parts (FP8 values and scales count two)");
   TORCH_CHECK(part_offsets.size() == ts.size() + q, "afd_ext.", op, ": part_offsets has ",
               part_offsets.size(), " entries but ", ts.size() + q,
@@ -560,7 +560,9 @@ void peer_wait_cuda(at::TensorList ts, const OptTensor& out, int64_t plane, int6
               " but the plane is on cuda:", pl->device, "; a plane waits in its own region");
   TORCH_CHECK(!ts.empty() && (!dequantize || (ts.size() >= 2 && out.has_value())), "afd_ext.", op,
               ": give the guarded tensors (", ts.size(), " given), and with dequantize values, scales and out");
-  for (size_t k = 0; k < ts.size(); ++k) check_on(op, ("tensors[" + std::to_string(k) + "]").c_str(), ts[k], pl->device);
+  for (size_t k = 0; k < ts.size(); ++k) {
+    check_on(op, ("tensors[" + std::to_string(k) + "]").c_str(), ts[k], pl->device);
+  }
   const at::Tensor& src = ts[0];
   PeerWaitArgs a{};
   a.plane = pl->dev;

@@ -311,7 +311,7 @@ class _Ctx:
                 b = bufs[s]
                 plan = sched.ffn_plan(s, self.rr)
                 self.ffn_fan_in(b, plan)
-                ffn_compute(layer, b["hidden"], b["router_logits"], b["token_ids"], b["output"])
+                ffn_compute(layer, b["hidden"], b.get("router_logits"), b.get("token_ids"), b["output"])
                 self.ffn_split_back(b["output"], plan)
         return bufs
 
