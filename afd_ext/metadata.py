@@ -519,7 +519,7 @@ class AFDTransferMetadata:
 
     def validate_tensor_shape(self, tensor_shape: tuple[int, ...]) -> bool:
         """True when ``tensor_shape`` has a leading dimension equal to ``total_tokens``."""
-        return len(tensor_shape) > 0 and tensor_shape[0] == self.total_tokens
+        return len(tensor_shape) > 0 and tensor_shape[0] == sum(self.seq_lens)  # total_tokens, without its hop
 
     @classmethod
     def create_attention_metadata(
