@@ -27,7 +27,7 @@ import array
 import contextlib
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
@@ -519,7 +519,7 @@ class AFDTransferMetadata:
 
     def validate_tensor_shape(self, tensor_shape: tuple[int, ...]) -> bool:
         """True when ``tensor_shape`` has a leading dimension equal to ``total_tokens``."""
-        return len(tensor_shape) > 0 and tensor_shape[0] == self.total_tokens
+        return len(tensor_shape) > 0 and tensor_shape[0] == sum(self.seq_lens)  # total_tokens, without its hop
 
     @classmethod
     def create_attention_metadata(
@@ -564,6 +564,8 @@ class AFDA2FTransferPayload:
         hidden_scales: with FP8 on the wire and ``fp8_delivery: "fp8"`` (docs/fp8.md),
             ``hidden_states`` are ``float8_e4m3fn`` and these their float32 scales
             ``[total_tokens, hidden/128]``; else ``None``.
+        parts: every received part by its name (:mod:`afd_ext.wire`), e.g. a declared
+            ``"topk_ids"``; views of the same buffers as the fields above.
     """
 
     hidden_states: torch.Tensor
@@ -571,6 +573,7 @@ class AFDA2FTransferPayload:
     router_logits: torch.Tensor | None = None
     input_ids: torch.Tensor | None = None
     hidden_scales: torch.Tensor | None = None
+    parts: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

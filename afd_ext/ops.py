@@ -228,7 +228,7 @@ def _concrete(xs) -> bool:
     return all(isinstance(x, int) for x in xs)
 
 
-def _fake_check_rows(op: str, named: Sequence[tuple[str, Optional[Tensor]]], lists: dict) -> None:
+def _fake_check_rows(op: str, tensors: Sequence[Tensor], lists: dict) -> None:
     lengths = {k: len(v) for k, v in lists.items()}
     if len(set(lengths.values())) > 1:
         raise AFDConfigError(f"afd_ext.{op}: {', '.join(lengths)} must have equal lengths, got {lengths}")
@@ -236,14 +236,12 @@ def _fake_check_rows(op: str, named: Sequence[tuple[str, Optional[Tensor]]], lis
     if not _concrete(rows):
         return
     total = sum(rows)
-    for name, t in named:
-        if t is None:
-            continue
+    for k, t in enumerate(tensors):
         if t.dim() < 1:
-            raise AFDConfigError(f"afd_ext.{op}: {name} must have a row dimension, got shape {tuple(t.shape)}")
+            raise AFDConfigError(f"afd_ext.{op}: tensors[{k}] must have a row dimension, got shape {tuple(t.shape)}")
         if isinstance(t.shape[0], int) and t.shape[0] != total:
             raise AFDConfigError(
-                f"afd_ext.{op}: {name} has {t.shape[0]} rows but rows={list(rows)} add up to {total}"
+                f"afd_ext.{op}: tensors[{k}] has {t.shape[0]} rows but rows={list(rows)} add up to {total}"
             )
 
 
@@ -456,63 +454,40 @@ def _ints(xs: Sequence[int]) -> list[int]:
 
 
 @_boundary
-def fan_in(
-    hidden_states: Tensor,
-    router_logits: Optional[Tensor],
-    token_ids: Optional[Tensor],
-    comms: Sequence[int],
-    peers: Sequence[int],
-    rows: Sequence[int],
-    hidden_scales: Optional[Tensor] = None,
-) -> None:
+def fan_in(tensors: Sequence[Tensor], comms: Sequence[int], peers: Sequence[int], rows: Sequence[int]) -> None:
     """FFN side: receive every peer's rows, in one NCCL group, into consecutive row ranges.
 
     Peer ``i`` (rank ``peers[i]`` on communicator ``comms[i]``) fills rows
-    ``[sum(rows[:i]), sum(rows[:i+1]))`` of every given tensor, so the
+    ``[sum(rows[:i]), sum(rows[:i+1]))`` of every tensor, so the
     concatenation costs no copy and all peers are in flight at once. Peers
     with ``rows[i] == 0`` are skipped.
 
     Args:
-        hidden_states: ``[sum(rows), hidden]`` output (mutated), e.g. bf16.
-        router_logits: optional ``[sum(rows), num_experts]`` output (mutated), e.g. fp32.
-        token_ids: optional ``[sum(rows)]`` output (mutated), int32.
+        tensors: the wire parts in wire order (:mod:`afd_ext.wire`; e.g. ``[hidden [T, H] bf16,
+            router logits [T, E] fp32]``), each ``[sum(rows), ...]`` (mutated); one message per
+            tensor and peer, in list order.
         comms: communicator handle per peer (one communicator per edge), all on one device.
         peers: the peer's rank in its communicator.
         rows: rows per peer, >= 0.
-        hidden_scales: with float8_e4m3fn ``hidden_states``, their float32 scales
-            ``[sum(rows), hidden/128]`` (mutated); they travel right after the hidden states.
 
     All tensors: CUDA on the communicators' device, contiguous rows, a wire dtype.
 
     Raises:
-        RuntimeError: lengths differ, a row count does not add up, a tensor on the
-            wrong device/dtype/layout, a peer out of range, a dead handle (all before
-            any NCCL call); NCCL error.
+        AFDConfigError: lengths differ, a row count does not add up, a tensor on the wrong
+            device or not contiguous, a peer out of range, a dead handle (all before any NCCL
+            call); AFDTypeError: a tensor not of a wire dtype; AFDPeerError: NCCL failed.
     """
-    _ops.fan_in(hidden_states, router_logits, token_ids, _ints(comms), _ints(peers), _ints(rows), hidden_scales)
+    _ops.fan_in(tensors, _ints(comms), _ints(peers), _ints(rows))
 
 
 @torch.library.register_fake("afd_ext::fan_in")
-def _fan_in_fake(hidden_states, router_logits, token_ids, comms, peers, rows, hidden_scales=None) -> None:
-    _fake_check_rows(
-        "fan_in",
-        [("hidden_states", hidden_states), ("router_logits", router_logits), ("token_ids", token_ids),
-         ("hidden_scales", hidden_scales)],
-        {"comms": comms, "peers": peers, "rows": rows},
-    )
+def _fan_in_fake(tensors, comms, peers, rows) -> None:
+    _fake_check_rows("fan_in", tensors, {"comms": comms, "peers": peers, "rows": rows})
 
 
 @_boundary
-def split_back(
-    hidden_states: Tensor,
-    router_logits: Optional[Tensor],
-    token_ids: Optional[Tensor],
-    comms: Sequence[int],
-    peers: Sequence[int],
-    rows: Sequence[int],
-    hidden_scales: Optional[Tensor] = None,
-) -> None:
-    """Send each peer its consecutive row range of every given tensor, in one NCCL group.
+def split_back(tensors: Sequence[Tensor], comms: Sequence[int], peers: Sequence[int], rows: Sequence[int]) -> None:
+    """Send each peer its consecutive row range of every tensor, in one NCCL group.
 
     The FFN side returns each attention rank exactly its rows; the attention
     side uses it to send its rows (one peer when A >= F, several when A < F).
@@ -520,20 +495,14 @@ def split_back(
     the tensors are only read (declared mutated so compiled code keeps the call).
 
     Raises:
-        RuntimeError: as :func:`fan_in`.
+        As :func:`fan_in`.
     """
-    _ops.split_back(hidden_states, router_logits, token_ids, _ints(comms), _ints(peers), _ints(rows),
-                    hidden_scales)
+    _ops.split_back(tensors, _ints(comms), _ints(peers), _ints(rows))
 
 
 @torch.library.register_fake("afd_ext::split_back")
-def _split_back_fake(hidden_states, router_logits, token_ids, comms, peers, rows, hidden_scales=None) -> None:
-    _fake_check_rows(
-        "split_back",
-        [("hidden_states", hidden_states), ("router_logits", router_logits), ("token_ids", token_ids),
-         ("hidden_scales", hidden_scales)],
-        {"comms": comms, "peers": peers, "rows": rows},
-    )
+def _split_back_fake(tensors, comms, peers, rows) -> None:
+    _fake_check_rows("split_back", tensors, {"comms": comms, "peers": peers, "rows": rows})
 
 
 def _fp8_check(op: str, x: Tensor, values: Tensor, scales: Tensor) -> None:
@@ -893,22 +862,12 @@ def peer_region_view(region: int, offset: int, nbytes: int) -> Tensor:
 
 
 @_boundary
-def peer_put(
-    hidden_states: Tensor,
-    router_logits: Optional[Tensor],
-    token_ids: Optional[Tensor],
-    plane: int,
-    slot: int,
-    regions: Sequence[int],
-    rows: Sequence[int],
-    dst_rows: Sequence[int],
-    part_offsets: Sequence[int],
-    flag_offsets: Sequence[int],
-    quantize_hidden: bool = False,
-) -> None:
+def peer_put(tensors: Sequence[Tensor], plane: int, slot: int, regions: Sequence[int], rows: Sequence[int],
+             dst_rows: Sequence[int], part_offsets: Sequence[int], flag_offsets: Sequence[int],
+             quantize_first: bool = False) -> None:
     """Write rows straight into peers' memory, then publish one flag per peer (one kernel).
 
-    Peer ``i`` gets rows ``[sum(rows[:i]), sum(rows[:i+1]))`` of every given
+    Peer ``i`` gets rows ``[sum(rows[:i]), sum(rows[:i+1]))`` of every
     tensor, written at row ``dst_rows[i]`` of the part that starts at byte
     ``part_offsets[k]`` of region ``regions[i]`` (dense rows of the source's
     row size). After all data stores (fence at system scope), flag word
@@ -918,62 +877,44 @@ def peer_put(
     their flag still advances. A failed plane writes nothing.
 
     Args:
-        hidden_states: ``[sum(rows), hidden]``, a wire dtype, contiguous, on the plane's device.
-        router_logits: optional ``[sum(rows), num_experts]``.
-        token_ids: optional ``[sum(rows)]`` int32.
+        tensors: the wire parts in wire order (:mod:`afd_ext.wire`), each ``[sum(rows), ...]``,
+            a wire dtype, contiguous, on the plane's device; at most 8 parts (``kPeerMaxParts``, csrc/peer.h; FP8 values and scales count two).
         plane: plane handle; slot: counter slot (one per direction and stage).
         regions: opened peer regions (or own ones), one per peer.
         rows, dst_rows: rows per peer and their first row in the peer's part.
-        part_offsets: byte offset of each given tensor's part in every destination region.
+        part_offsets: byte offset of each part in every destination region.
         flag_offsets: byte offset (8-aligned) of this rank's flag in each destination region.
-        quantize_hidden: bf16 ``hidden_states`` (H a multiple of 128) are written as FP8 values
-            and float32 scales (:mod:`afd_ext.fp8`), two parts: ``part_offsets`` then has one
-            entry more (values, scales, then the other tensors').
+        quantize_first: ``tensors[0]`` (bf16 ``[T, H]``, H a multiple of 128) is written as FP8
+            values and float32 scales (:mod:`afd_ext.fp8`), two parts: ``part_offsets`` then
+            has one entry more (values, scales, then the other tensors').
 
     The tensors are only read (declared mutated so compiled code keeps the
     call). Enqueued on the current stream; no allocation, no sync: capturable
     in a CUDA graph, and replays advance the device counters.
 
     Raises:
-        RuntimeError: lengths differ, rows do not add up, a write past a
+        AFDConfigError / AFDTypeError: lengths differ, rows do not add up, a write past a
             region's end (capacity), a bad tensor/handle/slot (all before the launch).
     """
-    _ops.peer_put(hidden_states, router_logits, token_ids, int(plane), int(slot), _ints(regions),
-                  _ints(rows), _ints(dst_rows), _ints(part_offsets), _ints(flag_offsets), bool(quantize_hidden))
+    _ops.peer_put(tensors, int(plane), int(slot), _ints(regions), _ints(rows), _ints(dst_rows),
+                  _ints(part_offsets), _ints(flag_offsets), bool(quantize_first))
 
 
 @torch.library.register_fake("afd_ext::peer_put")
-def _peer_put_fake(hidden_states, router_logits, token_ids, plane, slot, regions, rows, dst_rows,
-                   part_offsets, flag_offsets, quantize_hidden=False) -> None:
-    _fake_check_rows(
-        "peer_put",
-        [("hidden_states", hidden_states), ("router_logits", router_logits), ("token_ids", token_ids)],
-        {"regions": regions, "rows": rows, "dst_rows": dst_rows, "flag_offsets": flag_offsets},
-    )
-    given = 1 + bool(quantize_hidden) + (router_logits is not None) + (token_ids is not None)
-    if len(part_offsets) != given:
-        raise AFDConfigError(f"afd_ext.peer_put: part_offsets has {len(part_offsets)} entries but {given} "
-                           "wire tensors were given")
+def _peer_put_fake(tensors, plane, slot, regions, rows, dst_rows, part_offsets, flag_offsets,
+                   quantize_first=False) -> None:
+    _fake_check_rows("peer_put", tensors,
+                     {"regions": regions, "rows": rows, "dst_rows": dst_rows, "flag_offsets": flag_offsets})
+    if len(part_offsets) != len(tensors) + bool(quantize_first):
+        raise AFDConfigError(f"afd_ext.peer_put: part_offsets has {len(part_offsets)} entries but "
+                             f"{len(tensors) + bool(quantize_first)} wire parts travel")
 
 
 @_boundary
-def peer_wait(
-    hidden_states: Tensor,
-    router_logits: Optional[Tensor],
-    token_ids: Optional[Tensor],
-    out: Optional[Tensor],
-    plane: int,
-    slot: int,
-    region: int,
-    flag_offsets: Sequence[int],
-    peers: Sequence[int],
-    op: int,
-    layer: int,
-    stage: int,
-    timeout_ns: int,
-    hidden_scales: Optional[Tensor] = None,
-) -> None:
-    """Wait for every peer's flag in this rank's region, then optionally copy ``hidden_states`` into ``out``.
+def peer_wait(tensors: Sequence[Tensor], out: Optional[Tensor], plane: int, slot: int, region: int,
+              flag_offsets: Sequence[int], peers: Sequence[int], op: int, layer: int, stage: int,
+              timeout_ns: int, dequantize: bool = False) -> None:
+    """Wait for every peer's flag in this rank's region, then optionally copy ``tensors[0]`` into ``out``.
 
     Flag ``i`` (byte ``flag_offsets[i]`` of ``region``) must reach
     ``generation << 48 | seq`` with ``seq`` the plane's device counter
@@ -985,11 +926,10 @@ def peer_wait(
     at once. A wait never blocks the host.
 
     Args:
-        hidden_states: the tensor the flags guard (a view of ``region``), and the
-            copy source when ``out`` is given. Declared mutated, so compiled code
-            orders later reads after the wait.
-        router_logits, token_ids: optional further guarded views.
-        out: optional contiguous copy target (``hidden_states``' dtype and shape),
+        tensors: the views of ``region`` the flags guard, in wire order; ``tensors[0]`` is the
+            copy source when ``out`` is given. Declared mutated, so compiled code orders later
+            reads after the wait.
+        out: optional contiguous copy target (``tensors[0]``'s dtype and shape),
             written after the flags (the reply copied into ``ref_tensor``).
         plane, slot: plane handle and counter slot.
         region: this rank's region holding the flags.
@@ -997,25 +937,26 @@ def peer_wait(
         peers: role rank of each peer (for the error record).
         op, layer, stage: recorded on failure.
         timeout_ns: deadline of each spin, ns (> 0).
-        hidden_scales: with FP8 ``hidden_states`` and a bf16 ``out``: their scales ``[T, H/128]``
-            float32; the copy then dequantizes (the FP8 fan-in delivered as bf16).
+        dequantize: ``tensors[0]`` are FP8 values ``[T, H]``, ``tensors[1]`` their float32
+            scales ``[T, H/128]`` and ``out`` bf16: the copy dequantizes (docs/fp8.md).
 
     Raises:
-        RuntimeError: bad arguments, tensors on another device (before the launch).
+        AFDConfigError / AFDTypeError: bad arguments, tensors on another device (before the launch).
     """
-    _ops.peer_wait(hidden_states, router_logits, token_ids, out, int(plane), int(slot), int(region),
-                   _ints(flag_offsets), _ints(peers), int(op), int(layer), int(stage), int(timeout_ns),
-                   hidden_scales)
+    _ops.peer_wait(tensors, out, int(plane), int(slot), int(region), _ints(flag_offsets), _ints(peers), int(op),
+                   int(layer), int(stage), int(timeout_ns), bool(dequantize))
 
 
 @torch.library.register_fake("afd_ext::peer_wait")
-def _peer_wait_fake(hidden_states, router_logits, token_ids, out, plane, slot, region, flag_offsets, peers,
-                    op, layer, stage, timeout_ns, hidden_scales=None) -> None:
+def _peer_wait_fake(tensors, out, plane, slot, region, flag_offsets, peers, op, layer, stage, timeout_ns,
+                    dequantize=False) -> None:
     if len(flag_offsets) != len(peers):
         raise AFDConfigError(f"afd_ext.peer_wait: flag_offsets and peers must have equal lengths, got "
-                           f"{len(flag_offsets)} and {len(peers)}")
-    if hidden_scales is not None and out is not None:
-        _fp8_check("peer_wait", out, hidden_states, hidden_scales)
-    elif out is not None and (out.dtype != hidden_states.dtype or tuple(out.shape) != tuple(hidden_states.shape)):
-        raise AFDConfigError(f"afd_ext.peer_wait: out must match hidden_states ({hidden_states.dtype} "
-                           f"{tuple(hidden_states.shape)}), got {out.dtype} {tuple(out.shape)}")
+                             f"{len(flag_offsets)} and {len(peers)}")
+    if dequantize:
+        if out is None or len(tensors) < 2:
+            raise AFDConfigError("afd_ext.peer_wait: dequantize needs out and tensors [values, scales, ...]")
+        _fp8_check("peer_wait", out, tensors[0], tensors[1])
+    elif out is not None and (out.dtype != tensors[0].dtype or tuple(out.shape) != tuple(tensors[0].shape)):
+        raise AFDConfigError(f"afd_ext.peer_wait: out must match tensors[0] ({tensors[0].dtype} "
+                             f"{tuple(tensors[0].shape)}), got {out.dtype} {tuple(out.shape)}")

@@ -7,10 +7,9 @@ answer; neither decides from its own tensors. It validates the whole step up
 front (stages, count vector lengths, negative counts, padding), so a bad
 payload fails before the first byte of the step moves.
 
-Terms: direction ``"a2f"`` carries the wire tensors (hidden states, optional
-router logits, optional int32 token ids) from an attention rank to an FFN
-rank; ``"f2a"`` carries the FFN output (hidden states) back. Each wire tensor
-is its own message (the one wire layout: :attr:`ScheduleConfig.wire_parts`).
+Terms: direction ``"a2f"`` carries the wire parts (declared once, in
+:mod:`afd_ext.wire`) from an attention rank to an FFN rank; ``"f2a"`` carries
+the FFN output back. Each part is its own message, in wire order.
 
 NCCL issue order (the connector and transports follow it; it cannot deadlock
 at any message size):
@@ -61,7 +60,8 @@ dtypes and which optional tensors travel.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
@@ -70,19 +70,11 @@ from .errors import AFDConfigError
 from .metadata import AFDControlPayload
 from .topology import Topology
 from .spec import HIDDEN_DTYPES as _HIDDEN_DTYPES  # the one dtype table
-from .spec import TOKEN_IDS_DTYPE
+from .wire import WirePart, declared_args, layout
 
 A2F = "a2f"
 F2A = "f2a"
 DIRECTIONS = (A2F, F2A)
-
-
-class WirePart(NamedTuple):
-    """One tensor of the wire layout: its name, its columns per row (``()``: one value per row), its dtype."""
-
-    name: str
-    cols: tuple[int, ...]
-    dtype: torch.dtype
 
 
 def _pos_int(v: Any, name: str, *, allow_zero: bool = False) -> int:
@@ -164,25 +156,33 @@ class ScheduleConfig:
                                      f"got {self.hidden_wire!r}")
             check_hidden(self.hidden_size, self.hidden_dtype)
 
-    @property
+    @functools.cached_property
     def wire_parts(self) -> tuple[WirePart, ...]:
-        """The one wire layout: the tensors of an a2f message, in the order they travel.
+        """The wire layout (:func:`afd_ext.wire.layout`): the parts of an a2f message, in the order they travel."""
+        return layout(self)
 
-        ``hidden`` ``[rows, hidden_size]`` (with FP8 on the wire: ``hidden_fp8`` e4m3 and
-        ``hidden_scales`` ``[rows, hidden_size/128]`` float32), then ``router_logits`` ``[rows, width]``
-        and ``token_ids`` ``[rows]`` int32 when they travel. Every transport moves exactly these
-        tensors, each as its own message; strict headers number them in this order.
-        """
-        if self.hidden_wire is None:
-            parts = [WirePart("hidden", (self.hidden_size,), self.hidden_dtype)]
-        else:
-            parts = [WirePart("hidden_fp8", (self.hidden_size,), torch.float8_e4m3fn),
-                     WirePart("hidden_scales", (self.hidden_size // 128,), torch.float32)]
-        if self.router_logits_width is not None:
-            parts.append(WirePart("router_logits", (self.router_logits_width,), self.router_logits_dtype))
-        if self.send_token_ids:
-            parts.append(WirePart("token_ids", (), TOKEN_IDS_DTYPE))
-        return tuple(parts)
+    @functools.cached_property
+    def caller_parts(self) -> tuple[WirePart, ...]:
+        """The a2f parts as the attention caller passes them (FP8 not applied: :func:`afd_ext.wire.layout`)."""
+        return layout(self, caller=True)
+
+    @functools.cached_property
+    def without_fp8(self) -> "ScheduleConfig":
+        """This config with the hidden states travelling in their own dtype."""
+        return replace(self, hidden_wire=None)
+
+    @functools.cached_property
+    def absent_args(self) -> tuple[str, ...]:
+        """Connector arguments of declared a2f parts that do not travel under this config (must be None)."""
+        given = {p.arg for p in self.caller_parts}
+        return tuple(a for a in declared_args() if a not in given)
+
+    @property
+    def fp8_group(self) -> int:
+        """Channels per FP8 scale (:data:`afd_ext.fp8.GROUP`)."""
+        from .fp8 import GROUP
+
+        return GROUP
 
 
 def stage_buffers(alloc: Callable[[tuple[str, int], tuple[int, ...], torch.dtype], Any], config: ScheduleConfig,
@@ -196,26 +196,18 @@ def stage_buffers(alloc: Callable[[tuple[str, int], tuple[int, ...], torch.dtype
         stage: the stage id; rows: the stage's rows on this rank.
         extra: names of further ``[rows, hidden_size]`` buffers of the hidden dtype, e.g. ``"output"``
             (an FFN rank's split-back source) or ``"reply"`` (where an attention rank's reply lands).
-        fan_in: an FFN rank's fan-in buffers (what arrives: :attr:`ScheduleConfig.wire_parts`, wire
-            parts first, in wire order) rather than what the attention caller passes (``hidden`` in
-            the hidden dtype). They differ only with FP8 on the wire: then ``hidden_fp8`` and
-            ``hidden_scales`` arrive, and ``"dequant"`` delivery adds ``hidden`` (bf16) after them.
+        fan_in: an FFN rank's fan-in buffers (what arrives: :attr:`ScheduleConfig.wire_parts`) rather
+            than what the attention caller passes (:attr:`ScheduleConfig.caller_parts`). They differ
+            only with FP8 on the wire: then ``hidden_fp8`` and ``hidden_scales`` arrive, and
+            ``"dequant"`` delivery adds ``hidden`` (bf16) after them.
 
     Returns:
-        ``{"hidden", "router_logits", "token_ids", *extra}`` (with FP8 on the wire and ``fan_in``,
-        also ``"hidden_fp8"``, ``"hidden_scales"``; ``"hidden"`` None under ``"fp8"`` delivery);
-        an optional wire tensor that does not travel maps to None.
+        ``{part name: buffer}`` in wire order, then ``extra``'s; a part that does not travel is absent.
     """
-    out: dict[str, Any] = {"router_logits": None, "token_ids": None}
-    fp8 = config.hidden_wire is not None
-    parts = config.wire_parts
-    if fp8 and not fan_in:
-        parts = (WirePart("hidden", (config.hidden_size,), config.hidden_dtype),) + parts[2:]
-    for p in parts:
-        out[p.name] = alloc((p.name, stage), (rows,) + p.cols, p.dtype)
-    if fp8 and fan_in:
-        out["hidden"] = None if config.fp8_delivery == "fp8" else \
-            alloc(("hidden", stage), (rows, config.hidden_size), config.hidden_dtype)
+    parts = config.wire_parts if fan_in else config.caller_parts
+    out = {p.name: alloc((p.name, stage), (rows,) + p.cols, p.dtype) for p in parts}
+    if fan_in and config.hidden_wire is not None and config.fp8_delivery != "fp8":
+        out["hidden"] = alloc(("hidden", stage), (rows, config.hidden_size), config.hidden_dtype)
     for name in extra:
         out[name] = alloc((name, stage), (rows, config.hidden_size), config.hidden_dtype)
     return out
@@ -396,88 +388,107 @@ class StepSchedule:
         if not t.is_contiguous():
             raise AFDConfigError(f"{name} must be contiguous for {who}; call .contiguous()")
 
-    def check_attention_tensors(
-        self,
-        stage: int,
-        a: int,
-        hidden_states: Any,
-        router_logits: Any = None,
-        token_ids: Any = None,
-        *,
-        device: torch.device | str | None = None,
-        hidden_align: int = 1,
-    ) -> None:
-        """Check attention rank ``a``'s wire tensors for ``stage`` before anything is sent.
+    def check_attention_tensors(self, stage: int, a: int, hidden_states: Any, router_logits: Any = None,
+                                token_ids: Any = None, *, device: torch.device | str | None = None,
+                                hidden_align: int = 1, check_device: Callable[[Any, str], None] | None = None,
+                                rows: int | None = None, **parts: Any) -> list[torch.Tensor]:
+        """Check attention rank ``a``'s tensors for ``stage`` before anything is sent; return them in wire order.
+
+        The one check of rows, dtypes, devices and layout of the attention side's wire tensors.
 
         Args:
             stage: stage id.
             a: attention role rank.
-            hidden_states: ``[attention_rows(stage, a), hidden_size]`` of
-                ``hidden_dtype``, contiguous.
-            router_logits: ``[rows, router_logits_width]`` of
-                ``router_logits_dtype`` iff router logits are configured, else ``None``.
-            token_ids: ``[rows]`` int32 iff ``send_token_ids``, else ``None``.
+            hidden_states, router_logits, token_ids, **parts: the connector's arguments (``token_ids``
+                is ``input_ids``; ``parts`` by the keyword a declared part names, others ignored).
+                Each part of :attr:`ScheduleConfig.caller_parts` must be given as ``[rows, *cols]``
+                of its dtype, contiguous (``hidden_states``: ``[attention_rows(stage, a),
+                hidden_size]`` of ``hidden_dtype``); a declared part that does not travel must be None.
             device: when given, every tensor must be on it.
             hidden_align: with FP8 on the wire, the byte alignment ``hidden_states`` must have
                 (the transport's ``fp8_hidden_align``: 8 for the CUDA kernels, 1 for gloo).
+            check_device: ``check_device(tensor, name)`` raises the transport's error for a tensor
+                off ``device`` (default: this check's own message).
+            rows: ``attention_plan(stage, a).total`` when the caller has the plan at hand.
+
+        Returns:
+            The tensors of :attr:`ScheduleConfig.caller_parts`, in that order.
 
         Raises:
             AFDConfigError: naming the tensor, what was expected and what to do.
         """
-        rows = self.attention_rows(stage, a)
+        if rows is None:
+            rows = self.attention_plan(stage, a).total
         cfg = self.config
-        who = f"attention rank {a}, stage {stage}"
-        self._check("hidden_states", hidden_states, (rows, cfg.hidden_size), cfg.hidden_dtype, who, device,
-                    f"; cast with .to({cfg.hidden_dtype})")
+        args = {"hidden_states": hidden_states, "router_logits": router_logits, "input_ids": token_ids, **parts}
+        out = []
+        for p in cfg.caller_parts:
+            t = args.get(p.arg)
+            shape = (rows,) + p.cols
+            if not (type(t) is torch.Tensor and t.shape == shape and t.dtype == p.dtype  # the hot path: no call
+                    and (device is None or t.device == device) and t.is_contiguous()):
+                self._refuse(p, t, shape, f"attention rank {a}, stage {stage}", device, check_device)
+            out.append(t)
+        for arg in cfg.absent_args:
+            if args.get(arg) is not None:
+                raise AFDConfigError(f"{arg} given for attention rank {a}, stage {stage} but the connector is "
+                                     "configured without them (that part does not travel under its "
+                                     "configuration); configure them on both roles")
         if cfg.hidden_wire is not None and rows and hidden_states.data_ptr() % hidden_align:
-            raise AFDConfigError(f"hidden_states must be {hidden_align}-byte aligned for {who} with FP8 on the wire "
-                                 f"(the FP8 kernels read {hidden_align} bytes at a time), got address "
-                                 f"{hidden_states.data_ptr():#x}; pass hidden_states.clone()")
-        if cfg.router_logits_width is None:
-            if router_logits is not None:
-                raise AFDConfigError(
-                    f"router_logits given for {who} but the connector is configured without them "
-                    "(router_logits_width=None, compute_gate_on_attention=False); configure them on both roles"
-                )
-        else:
-            if router_logits is None:
-                raise AFDConfigError(
-                    f"router_logits missing for {who}: the connector is configured to send "
-                    f"[{rows}, {cfg.router_logits_width}] {cfg.router_logits_dtype} router logits"
-                )
-            self._check("router_logits", router_logits, (rows, cfg.router_logits_width),
-                        cfg.router_logits_dtype, who, device, f"; cast with .to({cfg.router_logits_dtype})")
-        if cfg.send_token_ids:
-            if token_ids is None:
-                raise AFDConfigError(f"token_ids (input_ids) missing for {who}: the connector is configured "
-                                 f"to send [{rows}] int32 token ids")
-            self._check("token_ids", token_ids, (rows,), TOKEN_IDS_DTYPE, who, device,
-                        "; cast with .to(torch.int32)")
-        elif token_ids is not None:
-            raise AFDConfigError(f"token_ids (input_ids) given for {who} but the connector is configured without "
-                             "them (send_token_ids=False); configure them on both roles")
+            raise AFDConfigError(f"hidden_states must be {hidden_align}-byte aligned for attention rank {a}, stage "
+                                 f"{stage} with FP8 on the wire (the FP8 kernels read {hidden_align} bytes at a "
+                                 f"time), got address {hidden_states.data_ptr():#x}; pass hidden_states.clone()")
+        return out
+
+    def _refuse(self, p: WirePart, t: Any, shape: tuple[int, ...], who: str, device: Any,
+                check_device: Callable[[Any, str], None] | None) -> None:
+        """Raise the error for part ``p``'s tensor ``t`` that failed the check (named after its argument)."""
+        label = p.arg if p.arg.startswith(p.name) else p.name
+        if t is None:
+            raise AFDConfigError(f"{label}{'' if label == p.arg else f' ({p.arg})'} missing for {who}: the "
+                                 f"connector is configured to send {_fmt_shape(shape)} {p.dtype} {p.name}")
+        if check_device is not None and isinstance(t, torch.Tensor) and t.device != device:
+            check_device(t, label)
+        self._check(label, t, shape, p.dtype, who, device, f"; cast with .to({p.dtype})")
 
     def check_attention_reply(self, stage: int, a: int, ref_tensor: Any, *,
-                              device: torch.device | str | None = None) -> None:
-        """Check the tensor the reply lands in: ``[attention_rows, hidden_size]`` ``hidden_dtype``.
+                              device: torch.device | str | None = None,
+                              check_device: Callable[[Any, str], None] | None = None, rows: int | None = None) -> None:
+        """Check the tensor the reply lands in: ``[attention_rows, hidden_size]`` ``hidden_dtype`` (on ``device``).
+
+        ``check_device`` and ``rows`` as in :meth:`check_attention_tensors`.
 
         Raises:
             AFDConfigError: naming ``ref_tensor`` and what was expected.
         """
-        rows = self.attention_rows(stage, a)
-        self._check("ref_tensor", ref_tensor, (rows, self.config.hidden_size), self.config.hidden_dtype,
-                    f"attention rank {a}, stage {stage}", device)
+        shape = (self.attention_plan(stage, a).total if rows is None else rows, self.config.hidden_size)
+        t = ref_tensor
+        if not (type(t) is torch.Tensor and t.shape == shape and t.dtype == self.config.hidden_dtype  # no call
+                and (device is None or t.device == device) and t.is_contiguous()):
+            self._refuse_output("ref_tensor", t, shape, f"attention rank {a}, stage {stage}", device, check_device)
 
     def check_ffn_output(self, stage: int, f: int, ffn_output: Any, *,
-                         device: torch.device | str | None = None) -> None:
-        """Check FFN rank ``f``'s output: ``[ffn_rows(stage, f), hidden_size]`` ``hidden_dtype``.
+                         device: torch.device | str | None = None,
+                         check_device: Callable[[Any, str], None] | None = None, rows: int | None = None) -> None:
+        """Check FFN rank ``f``'s output: ``[ffn_rows(stage, f), hidden_size]`` ``hidden_dtype`` (on ``device``).
+
+        ``check_device`` and ``rows`` (``ffn_plan(stage, f).total``) as in :meth:`check_attention_tensors`.
 
         Raises:
             AFDConfigError: naming ``ffn_output`` and what was expected.
         """
-        rows = self.ffn_rows(stage, f)
-        self._check("ffn_output", ffn_output, (rows, self.config.hidden_size), self.config.hidden_dtype,
-                     f"FFN rank {f}, stage {stage}", device, f"; cast with .to({self.config.hidden_dtype})")
+        shape = (self.ffn_plan(stage, f).total if rows is None else rows, self.config.hidden_size)
+        t = ffn_output
+        if not (type(t) is torch.Tensor and t.shape == shape and t.dtype == self.config.hidden_dtype  # no call
+                and (device is None or t.device == device) and t.is_contiguous()):
+            self._refuse_output("ffn_output", t, shape, f"FFN rank {f}, stage {stage}", device, check_device)
+
+    def _refuse_output(self, name: str, t: Any, shape: tuple[int, int], who: str, device: Any,
+                       check_device: Callable[[Any, str], None] | None) -> None:
+        if check_device is not None and isinstance(t, torch.Tensor) and t.device != device:
+            check_device(t, name)
+        dtype = self.config.hidden_dtype
+        self._check(name, t, shape, dtype, who, device, f"; cast with .to({dtype})")
 
 
 def build_step_schedule(

@@ -45,14 +45,10 @@ TORCH_LIBRARY(afd_ext, m) {
   m.def("send(Tensor(a!) t, int comm, int peer) -> ()");
   // Receives all of `t` from `peer` on communicator `comm`, on the current CUDA stream.
   m.def("recv(Tensor(a!) t, int comm, int peer) -> ()");
-  // One NCCL group: receives rows[i] rows from peers[i] on comms[i] into consecutive row ranges of each given tensor.
-  m.def(
-      "fan_in(Tensor(a!) hidden_states, Tensor(b!)? router_logits, Tensor(c!)? token_ids, "
-      "int[] comms, int[] peers, int[] rows, Tensor(d!)? hidden_scales=None) -> ()");
-  // One NCCL group: sends consecutive row ranges of each given tensor, rows[i] rows to peers[i] on comms[i].
-  m.def(
-      "split_back(Tensor(a!) hidden_states, Tensor(b!)? router_logits, Tensor(c!)? token_ids, "
-      "int[] comms, int[] peers, int[] rows, Tensor(d!)? hidden_scales=None) -> ()");
+  // One NCCL group: receives rows[i] rows from peers[i] on comms[i] into consecutive row ranges of each tensor (the wire parts, in order).
+  m.def("fan_in(Tensor(a!)[] tensors, int[] comms, int[] peers, int[] rows) -> ()");
+  // One NCCL group: sends consecutive row ranges of each tensor (the wire parts, in order), rows[i] rows to peers[i] on comms[i].
+  m.def("split_back(Tensor(a!)[] tensors, int[] comms, int[] peers, int[] rows) -> ()");
   // FP8 hidden states (docs/fp8.md): bf16 x [T, H] -> e4m3 values [T, H] and float32 scales [T, H/128], one scale per 128 channels.
   m.def("fp8_quantize(Tensor x, Tensor(a!) values, Tensor(b!) scales) -> ()");
   // The inverse: out[t, h] = bf16(float(values[t, h]) * scales[t, h / 128]).
@@ -75,16 +71,14 @@ TORCH_LIBRARY(afd_ext, m) {
   m.def("peer_region_close(int region) -> ()");
   // A CUDA uint8 tensor over bytes [offset, offset + nbytes) of a region; it keeps the memory alive.
   m.def("peer_region_view(int region, int offset, int nbytes) -> Tensor");
-  // Writes rows[i] consecutive rows of each given tensor into regions[i] at row dst_rows[i] of the part at part_offsets[k], then publishes flag (generation, seq) at flag_offsets[i]; quantize_hidden: bf16 hidden states go as FP8 values + scales (two parts).
+  // Writes rows[i] consecutive rows of each tensor (the wire parts, in order) into regions[i] at row dst_rows[i] of the part at part_offsets[k], then publishes flag (generation, seq) at flag_offsets[i]; quantize_first: tensors[0] (bf16) goes as FP8 values + scales (two parts).
   m.def(
-      "peer_put(Tensor(a!) hidden_states, Tensor(b!)? router_logits, Tensor(c!)? token_ids, "
-      "int plane, int slot, int[] regions, int[] rows, int[] dst_rows, int[] part_offsets, "
-      "int[] flag_offsets, bool quantize_hidden=False) -> ()");
-  // Waits (bounded by timeout_ns on the device clock) for every flag at flag_offsets of `region`, then copies hidden_states into `out` when given (dequantized with hidden_scales when given).
+      "peer_put(Tensor(a!)[] tensors, int plane, int slot, int[] regions, int[] rows, int[] dst_rows, "
+      "int[] part_offsets, int[] flag_offsets, bool quantize_first=False) -> ()");
+  // Waits (bounded by timeout_ns on the device clock) for every flag at flag_offsets of `region`, then copies tensors[0] into `out` when given (dequantized with tensors[1] as its scales when dequantize).
   m.def(
-      "peer_wait(Tensor(a!) hidden_states, Tensor(b!)? router_logits, Tensor(c!)? token_ids, "
-      "Tensor(d!)? out, int plane, int slot, int region, int[] flag_offsets, int[] peers, int op, "
-      "int layer, int stage, int timeout_ns, Tensor(e!)? hidden_scales=None) -> ()");
+      "peer_wait(Tensor(a!)[] tensors, Tensor(b!)? out, int plane, int slot, int region, int[] flag_offsets, "
+      "int[] peers, int op, int layer, int stage, int timeout_ns, bool dequantize=False) -> ()");
 }
 
 // The communicator- and plane-management ops take no CUDA tensor (unique ids

@@ -27,12 +27,10 @@ int64_t comm_async_error(int64_t handle);
 // --- point-to-point ops (cuda/p2p_cuda.cpp; CPU-key impls in cpu/comm_cpu.cpp raise) ---
 void send_cuda(const at::Tensor& t, int64_t comm, int64_t peer);
 void recv_cuda(const at::Tensor& t, int64_t comm, int64_t peer);
-void fan_in_cuda(const at::Tensor& hidden_states, const OptTensor& router_logits,
-                 const OptTensor& token_ids, c10::IntArrayRef comms, c10::IntArrayRef peers,
-                 c10::IntArrayRef rows, const OptTensor& hidden_scales);
-void split_back_cuda(const at::Tensor& hidden_states, const OptTensor& router_logits,
-                     const OptTensor& token_ids, c10::IntArrayRef comms,
-                     c10::IntArrayRef peers, c10::IntArrayRef rows, const OptTensor& hidden_scales);
+// `tensors`: the wire parts in order (afd_ext/wire.py states them; the ops never name one).
+void fan_in_cuda(at::TensorList tensors, c10::IntArrayRef comms, c10::IntArrayRef peers, c10::IntArrayRef rows);
+void split_back_cuda(at::TensorList tensors, c10::IntArrayRef comms, c10::IntArrayRef peers,
+                     c10::IntArrayRef rows);
 // FP8 hidden states (cuda/p2p_cuda.cpp; the CPU impls are afd_ext/fp8.py's torch rule)
 void fp8_quantize_cuda(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales);
 void fp8_dequantize_cuda(const at::Tensor& values, const at::Tensor& scales, const at::Tensor& out);
@@ -48,14 +46,11 @@ void peer_region_export(int64_t region, const at::Tensor& out);
 int64_t peer_region_open(int64_t plane, const at::Tensor& ipc_handle, int64_t nbytes);
 void peer_region_close(int64_t region);
 at::Tensor peer_region_view(int64_t region, int64_t offset, int64_t nbytes);
-void peer_put_cuda(const at::Tensor& hidden_states, const OptTensor& router_logits,
-                   const OptTensor& token_ids, int64_t plane, int64_t slot,
-                   c10::IntArrayRef regions, c10::IntArrayRef rows, c10::IntArrayRef dst_rows,
-                   c10::IntArrayRef part_offsets, c10::IntArrayRef flag_offsets, bool quantize_hidden);
-void peer_wait_cuda(const at::Tensor& hidden_states, const OptTensor& router_logits,
-                    const OptTensor& token_ids, const OptTensor& out, int64_t plane, int64_t slot,
-                    int64_t region, c10::IntArrayRef flag_offsets, c10::IntArrayRef peers,
-                    int64_t op_code, int64_t layer, int64_t stage, int64_t timeout_ns,
-                    const OptTensor& hidden_scales);
+void peer_put_cuda(at::TensorList tensors, int64_t plane, int64_t slot, c10::IntArrayRef regions,
+                   c10::IntArrayRef rows, c10::IntArrayRef dst_rows, c10::IntArrayRef part_offsets,
+                   c10::IntArrayRef flag_offsets, bool quantize_first);
+void peer_wait_cuda(at::TensorList tensors, const OptTensor& out, int64_t plane, int64_t slot, int64_t region,
+                    c10::IntArrayRef flag_offsets, c10::IntArrayRef peers, int64_t op_code, int64_t layer,
+                    int64_t stage, int64_t timeout_ns, bool dequantize);
 
 }  // namespace afd

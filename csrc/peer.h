@@ -25,8 +25,8 @@ namespace afd {
 // Most peers one call may name (the launcher passes the kernels arguments sized
 // for 1, 8 or this many peers).
 constexpr int kPeerMaxPeers = 64;
-// Wire tensors per put (hidden states, router logits, token ids).
-constexpr int kPeerMaxParts = 3;
+// Most wire parts (destination parts, FP8's values and scales counting two) one put moves.
+constexpr int kPeerMaxParts = 8;
 // Bytes of a CUDA IPC memory handle (sizeof(cudaIpcMemHandle_t), asserted where the CUDA header is seen).
 constexpr int kPeerIpcHandleBytes = 64;
 // FP8 hidden states (e4m3, DeepEP/DeepGEMM format): one float32 scale per row and this many channels.
@@ -70,22 +70,22 @@ struct PeerPlaneDev {
   int max_peers;
 };
 
-// One peer_put launch: nparts wire tensors, rows of peer i go to dst_base[i].
+// One peer_put launch: nparts source tensors, rows of peer i go to dst_base[i].
 struct PeerPutArgs {
   PeerPlaneDev plane;
   int slot;
   int npeers;
   int nparts;
-  const char* src[kPeerMaxParts];      // row 0 of each wire tensor (dense rows)
-  long long row_bytes[kPeerMaxParts];  // bytes per row of each wire tensor
+  const char* src[kPeerMaxParts];      // row 0 of each source tensor (dense rows)
+  long long row_bytes[kPeerMaxParts];  // bytes per row of each source tensor
   long long part_off[kPeerMaxParts];   // byte offset of each part's row 0 in a destination region
   char* dst_base[kPeerMaxPeers];       // destination region of peer i
   unsigned long long* flag[kPeerMaxPeers];
   long long rows[kPeerMaxPeers];
   long long src_row[kPeerMaxPeers];
   long long dst_row[kPeerMaxPeers];
-  // Nonzero: src[0] is bf16 hidden states, quantized in the put to e4m3 values
-  // (part_off[0], hidden bytes per row) and float32 scales (scales_off).
+  // Nonzero: src[0] is bf16, quantized in the put to e4m3 values (part_off[0],
+  // one byte per channel) and float32 scales (scales_off).
   int quant;
   long long scales_off;
 };

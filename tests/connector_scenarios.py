@@ -769,7 +769,7 @@ def strict_mismatch_worker(rank: int, nprocs: int, port: int) -> dict:
     try:
         h = torch.arange(12, dtype=torch.float32).reshape(3, 4)
         if role == "attention":
-            pending = tr.split_back((h, None, None), [0], [3], tag=MessageTag("send_attn_output", "a2f", 1, 1, 0))
+            pending = tr.split_back([h], [0], [3], tag=MessageTag("send_attn_output", "a2f", 1, 1, 0))
             try:
                 pending.wait()  # the receiver rejects the header and never takes the data
             except AFDTransportError as e:
@@ -777,7 +777,7 @@ def strict_mismatch_worker(rank: int, nprocs: int, port: int) -> dict:
             return {"sent": True}
         buf = torch.empty(3, 4)
         try:
-            tr.fan_in((buf, None, None), [0], [3], tag=MessageTag("recv_attn_output", "a2f", 1, 0, 0))
+            tr.fan_in([buf], [0], [3], tag=MessageTag("recv_attn_output", "a2f", 1, 0, 0))
         except AFDProtocolError as e:
             return {"error": str(e), "field_layer": "'layer'" in str(e)}
         return {"error": None}

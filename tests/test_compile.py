@@ -37,11 +37,14 @@ def comm_log():
     def recorder(name):
         def kernel(*args):
             # The communicator handle identifies the call: every call site below uses its own.
-            comm = {"send": 1, "recv": 1}.get(name, 3)
+            comm = {"send": 1, "recv": 1}.get(name, 1)
             comm = args[comm]
             log.append((name, comm if isinstance(comm, int) else tuple(comm)))
-            if name in ("fan_in", "recv"):
+            if name == "recv":
                 args[0].fill_(1)
+            if name == "fan_in":  # the wire parts, a list
+                for t in args[0]:
+                    t.fill_(1)
 
         return kernel
 
@@ -73,8 +76,8 @@ def attention_forward_one_stage(h, w_attn, w_gate, token_ids):
         h = h + torch.tanh(h @ w_attn)
         logits = (h @ w_gate).float()
         reply = torch.empty_like(h)
-        ops.split_back(h, logits, token_ids, [10 + layer], [0], [h.shape[0]])
-        ops.fan_in(reply, None, None, [20 + layer], [0], [h.shape[0]])
+        ops.split_back([h, logits, token_ids], [10 + layer], [0], [h.shape[0]])
+        ops.fan_in([reply], [20 + layer], [0], [h.shape[0]])
         h = h + reply
     return h
 
@@ -87,8 +90,8 @@ def attention_forward_two_stages(h0, h1, w_attn):
             h = torch.tanh(hs[stage] @ w_attn)
             reply = torch.empty_like(h)
             n = h.shape[0]
-            ops.split_back(h, None, None, [100 + 10 * layer + stage], [0], [n])
-            ops.fan_in(reply, None, None, [200 + 10 * layer + stage], [0], [n])
+            ops.split_back([h], [100 + 10 * layer + stage], [0], [n])
+            ops.fan_in([reply], [200 + 10 * layer + stage], [0], [n])
             hs[stage] = h + reply
     return torch.cat(hs)
 
@@ -221,7 +224,7 @@ def test_compiled_ops_on_fake_tensors_check_rows():
 
     def bad(h):
         reply = torch.empty_like(h)
-        ops.fan_in(reply, None, None, [1], [0], [h.shape[0] + 1])
+        ops.fan_in([reply], [1], [0], [h.shape[0] + 1])
         return reply
 
     with pytest.raises(Exception, match="rows"):
@@ -239,3 +242,77 @@ def test_compile_time_is_bounded():
             torch.randn(3, 8), torch.randn(5, 8), torch.randn(8, 8)
         )
     assert time.monotonic() - t0 < 120
+
+
+# A stand-in with the data ops' list schema (``Tensor(a!)[]``, as torch's ``_foreach_*_`` ops): the
+# wire is a list of tensors (afd_ext/wire.py), so the compiler must keep the list whole and copy nothing.
+_list_log: list = []
+_list_lib = torch.library.Library("afd_ext_list_test", "DEF")
+_list_lib.define("move(Tensor(a!)[] tensors, int[] rows, int comm) -> ()")
+
+
+def _list_move_cpu(tensors, rows, comm):
+    _list_log.append((comm, [t.data_ptr() for t in tensors], [tuple(t.shape) for t in tensors]))
+    for t in tensors:
+        t.add_(1)
+
+
+_list_lib.impl("move", _list_move_cpu, "CPU")
+
+
+@torch.library.register_fake("afd_ext_list_test::move", lib=_list_lib)
+def _list_move_fake(tensors, rows, comm):
+    for t in tensors:
+        if t.shape[0] != sum(rows):
+            raise ValueError(f"rows {list(rows)} do not add up to {t.shape[0]}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_list_arguments_survive_compile_without_copies(backend):
+    """fullgraph compile keeps a mutable tensor-list argument: one call per site, the caller's own
+    memory (no copy in or out), mutations visible, and no copy kernel in Inductor's code."""
+    from torch._inductor.utils import run_and_get_code
+
+    def forward(h, logits, ids):
+        parts = [h, logits, ids]
+        torch.ops.afd_ext_list_test.move(parts, [h.shape[0]], 7)
+        torch.ops.afd_ext_list_test.move([h], [h.shape[0]], 8)
+        return h * 2
+
+    torch._dynamo.reset()
+    h, logits, ids = torch.zeros(4, 8), torch.zeros(4, 3), torch.zeros(4, dtype=torch.int32)
+    ptrs = [t.data_ptr() for t in (h, logits, ids)]
+    _list_log.clear()
+    compiled = torch.compile(forward, backend=backend, fullgraph=True)
+    if backend == "inductor":
+        out, code = run_and_get_code(compiled, h, logits, ids)
+        src = "\n".join(code)
+        import re
+
+        calls = re.findall(r"torch\.ops\.afd_ext_list_test\.move\.default\(\[([^\]]*)\]", src)
+        # One call per site, each given the graph's inputs themselves: no buffer copied in between.
+        assert calls == ["arg0_1, arg1_1, arg2_1", "arg0_1"], src
+        for copy in ("copy_(", "clone("):
+            assert copy not in src, f"Inductor added {copy!r} around the list op:\n{src}"
+    else:
+        out = compiled(h, logits, ids)
+    assert [c for c, _, _ in _list_log] == [7, 8]
+    if backend == "inductor":  # re-inplaced: the op gets the caller's tensors (aot_eager functionalizes: copies)
+        assert [p for _, p, _ in _list_log] == [ptrs, ptrs[:1]]
+    assert [s for _, _, s in _list_log][0] == [(4, 8), (4, 3), (4,)]
+    assert torch.equal(h, torch.full((4, 8), 2.0)) and torch.equal(ids, torch.ones(4, dtype=torch.int32))
+    assert torch.equal(out, torch.full((4, 8), 4.0))
+
+
+def test_list_fake_checks_rows_at_compile_time():
+    """The list op's fake runs while compiling (a mis-sized list fails before anything runs)."""
+    torch._dynamo.reset()
+
+    def bad(h):
+        torch.ops.afd_ext_list_test.move([h, h], [h.shape[0] + 1], 9)
+        return h
+
+    _list_log.clear()
+    with pytest.raises(Exception, match="add up"):
+        torch.compile(bad, backend="aot_eager", fullgraph=True)(torch.randn(2, 4))
+    assert _list_log == []

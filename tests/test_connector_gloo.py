@@ -422,7 +422,7 @@ def test_headers_round_trip_and_mismatch():
     h = torch.zeros(3, 8)
     ids = torch.zeros(3, dtype=torch.int32)
     tag = MessageTag("recv_attn_output", "a2f", 4, 2, 1)
-    msgs = [(0, h), (2, ids)]
+    msgs = [h, ids]  # the exchange's tensors, in wire order
     block = encode_headers(tag, 2, 0, 3, msgs)
     check_headers(block.clone(), block, tag=tag, receiver_label="r", sender_label="s", label=pm.label)
     other = encode_headers(tag, 2, 0, 4, msgs)

@@ -207,8 +207,8 @@ def _op_cases():
     return [  # (call, builtin the failure was before the boundary and still is)
         (lambda: ops.send(h, 1, 0), ValueError),
         (lambda: ops.recv(h, "one", 0), ValueError),  # int("one")
-        (lambda: ops.fan_in(h, None, ids, [1], [0], [2]), ValueError),
-        (lambda: ops.split_back(h, None, None, None, [0], [2]), TypeError),  # a list is required
+        (lambda: ops.fan_in([h, ids], [1], [0], [2]), ValueError),
+        (lambda: ops.split_back([h], None, [0], [2]), TypeError),  # a list is required
         (lambda: ops.comm_destroy(None), TypeError),
         (lambda: ops.comm_create(u8, 2, 0, 0), ValueError),
         (lambda: ops.nccl_unique_id(u8), ValueError),

@@ -314,7 +314,7 @@ def test_layout_bytes_and_graph_key():
     assert (got["hidden_fp8"].dtype, tuple(got["hidden_scales"].shape)) == (E4M3, (5, 56))
     assert got["hidden"].dtype == torch.bfloat16
     raw = stage_buffers(meta, ScheduleConfig(**base, hidden_wire="fp8_e4m3", fp8_delivery="fp8"), 0, 5, fan_in=True)
-    assert raw["hidden"] is None and raw["hidden_fp8"].dtype == E4M3
+    assert "hidden" not in raw and raw["hidden_fp8"].dtype == E4M3  # "fp8" delivery: no bf16 buffer
     payload = AFDControlPayload({0: [3]})
     keys = [graph_key_from_schedule(build_step_schedule(Topology(1, 1), payload, c))
             for c in (ScheduleConfig(**base), cfg)]

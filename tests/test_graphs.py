@@ -458,7 +458,7 @@ def test_reserve_buffers_at_captured_capacity():
     assert att["hidden"].shape == (4, 16) and att["reply"].shape == (4, 16)
     # Reserving again returns the very same tensors (the arena never reallocates).
     again = reserve_ffn()
-    assert all(again[s][n] is ffn[s][n] for s in ffn for n in ffn[s] if ffn[s][n] is not None)
+    assert all(again[s][n] is ffn[s][n] for s in ffn for n in ffn[s])
 
 
 # --- the GPU tier's scripts, run on CPU ------------------------------------------------
@@ -493,26 +493,25 @@ class _QueueOps:
         self.q = queues
         self.corrupt = set(corrupt)  # communicators whose messages arrive with their rows reversed
 
-    def split_back(self, t, lg, ids, comms, peers, rows):
+    def split_back(self, tensors, comms, peers, rows):
         off = 0
         for c, r in zip(comms, rows):
             if r:
-                msg = tuple(None if x is None else x[off:off + r].clone() for x in (t, lg, ids))
+                msg = tuple(x[off:off + r].clone() for x in tensors)
                 if c in self.corrupt:
-                    msg = tuple(None if x is None else x.flip(0) for x in msg)
+                    msg = tuple(x.flip(0) for x in msg)
                 self.q[c].put(msg)
             off += r
 
-    def fan_in(self, t, lg, ids, comms, peers, rows):
+    def fan_in(self, tensors, comms, peers, rows):
         off = 0
         for c, r in zip(comms, rows):
             if r:
                 got = self.q[c].get(timeout=30)
-                for dst, src in zip((t, lg, ids), got):
-                    assert (dst is None) == (src is None), "optional tensors differ between the roles"
-                    if dst is not None:
-                        assert src.shape[0] == r and src.dtype == dst.dtype, (tuple(src.shape), r, src.dtype)
-                        dst[off:off + r].copy_(src)
+                assert len(got) == len(tensors), "the wire parts differ between the roles"
+                for dst, src in zip(tensors, got):
+                    assert src.shape[0] == r and src.dtype == dst.dtype, (tuple(src.shape), r, src.dtype)
+                    dst[off:off + r].copy_(src)
             off += r
 
 

@@ -36,8 +36,8 @@ def test_comm_op_fakes_accept_well_formed_calls(fake, device):
     h, lg, ids = _wire_tensors(8, device)
     assert A.send(h, 1, 1) is None
     assert A.recv(h, 1, 1) is None
-    assert A.fan_in(h, lg, ids, [1, 2], [1, 1], [5, 3]) is None
-    assert A.split_back(h, None, None, [1, 2, 3], [0, 0, 0], [3, 0, 5]) is None
+    assert A.fan_in([h, lg, ids], [1, 2], [1, 1], [5, 3]) is None
+    assert A.split_back([h], [1, 2, 3], [0, 0, 0], [3, 0, 5]) is None
     # Outputs keep their shapes and dtypes (the ops write in place).
     assert h.shape == (8, 16) and h.dtype == torch.bfloat16 and h.device.type == device
 
@@ -45,9 +45,9 @@ def test_comm_op_fakes_accept_well_formed_calls(fake, device):
 @pytest.mark.parametrize(
     "call, pattern",
     [
-        (lambda h, lg, ids: A.fan_in(h, lg, ids, [1, 2], [1, 1], [5, 2]), r"hidden_states has 8 rows but rows=\[5, 2\]"),
-        (lambda h, lg, ids: A.split_back(h, lg, None, [1], [1, 1], [8]), r"equal lengths"),
-        (lambda h, lg, ids: A.fan_in(h, lg[:4], None, [1], [1], [8]), r"router_logits has 4 rows"),
+        (lambda h, lg, ids: A.fan_in([h, lg, ids], [1, 2], [1, 1], [5, 2]), r"tensors\[0\] has 8 rows but rows=\[5, 2\]"),
+        (lambda h, lg, ids: A.split_back([h, lg], [1], [1, 1], [8]), r"equal lengths"),
+        (lambda h, lg, ids: A.fan_in([h, lg[:4]], [1], [1], [8]), r"tensors\[1\] has 4 rows"),
     ],
 )
 def test_comm_op_fakes_check_rows(fake, call, pattern):
@@ -58,8 +58,8 @@ def test_comm_op_fakes_check_rows(fake, call, pattern):
 
 def test_comm_ops_run_on_meta_tensors():
     h, lg, ids = _wire_tensors(4, "meta")
-    A.fan_in(h, lg, ids, [1], [1], [4])
-    A.split_back(h, lg, ids, [1], [1], [4])
+    A.fan_in([h, lg, ids], [1], [1], [4])
+    A.split_back([h, lg, ids], [1], [1], [4])
     A.send(h, 1, 1)
     A.recv(h, 1, 1)
 
@@ -116,8 +116,8 @@ def _no_cuda_or(pattern_cuda: str) -> str:
     [
         lambda h, lg, ids: ops.send(h, 1, 1),
         lambda h, lg, ids: ops.recv(h, 1, 1),
-        lambda h, lg, ids: ops.fan_in(h, lg, ids, [1], [1], [8]),
-        lambda h, lg, ids: ops.split_back(h, lg, ids, [1], [1], [8]),
+        lambda h, lg, ids: ops.fan_in([h, lg, ids], [1], [1], [8]),
+        lambda h, lg, ids: ops.split_back([h, lg, ids], [1], [1], [8]),
     ],
     ids=["send", "recv", "fan_in", "split_back"],
 )

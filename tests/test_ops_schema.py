@@ -18,14 +18,9 @@ SCHEMAS = {
     "comm_async_error": "afd_ext::comm_async_error(int handle) -> int",
     "send": "afd_ext::send(Tensor(a!) t, int comm, int peer) -> ()",
     "recv": "afd_ext::recv(Tensor(a!) t, int comm, int peer) -> ()",
-    "fan_in": (
-        "afd_ext::fan_in(Tensor(a!) hidden_states, Tensor(b!)? router_logits, Tensor(c!)? token_ids, "
-        "int[] comms, int[] peers, int[] rows, Tensor(d!)? hidden_scales=None) -> ()"
-    ),
-    "split_back": (
-        "afd_ext::split_back(Tensor(a!) hidden_states, Tensor(b!)? router_logits, Tensor(c!)? token_ids, "
-        "int[] comms, int[] peers, int[] rows, Tensor(d!)? hidden_scales=None) -> ()"
-    ),
+    # The data ops take the wire parts as one mutable list, in wire order (afd_ext/wire.py), as torch's _foreach_*_.
+    "fan_in": "afd_ext::fan_in(Tensor(a!)[] tensors, int[] comms, int[] peers, int[] rows) -> ()",
+    "split_back": "afd_ext::split_back(Tensor(a!)[] tensors, int[] comms, int[] peers, int[] rows) -> ()",
     "fp8_quantize": "afd_ext::fp8_quantize(Tensor x, Tensor(a!) values, Tensor(b!) scales) -> ()",
     "fp8_dequantize": "afd_ext::fp8_dequantize(Tensor values, Tensor scales, Tensor(a!) out) -> ()",
     "peer_plane_create": "afd_ext::peer_plane_create(int device, int generation, int num_slots, int max_peers) -> int",
@@ -38,14 +33,12 @@ SCHEMAS = {
     "peer_region_close": "afd_ext::peer_region_close(int region) -> ()",
     "peer_region_view": "afd_ext::peer_region_view(int region, int offset, int nbytes) -> Tensor",
     "peer_put": (
-        "afd_ext::peer_put(Tensor(a!) hidden_states, Tensor(b!)? router_logits, Tensor(c!)? token_ids, "
-        "int plane, int slot, int[] regions, int[] rows, int[] dst_rows, int[] part_offsets, "
-        "int[] flag_offsets, bool quantize_hidden=False) -> ()"
+        "afd_ext::peer_put(Tensor(a!)[] tensors, int plane, int slot, int[] regions, int[] rows, int[] dst_rows, "
+        "int[] part_offsets, int[] flag_offsets, bool quantize_first=False) -> ()"
     ),
     "peer_wait": (
-        "afd_ext::peer_wait(Tensor(a!) hidden_states, Tensor(b!)? router_logits, Tensor(c!)? token_ids, "
-        "Tensor(d!)? out, int plane, int slot, int region, int[] flag_offsets, int[] peers, int op, "
-        "int layer, int stage, int timeout_ns, Tensor(e!)? hidden_scales=None) -> ()"
+        "afd_ext::peer_wait(Tensor(a!)[] tensors, Tensor(b!)? out, int plane, int slot, int region, "
+        "int[] flag_offsets, int[] peers, int op, int layer, int stage, int timeout_ns, bool dequantize=False) -> ()"
     ),
 }
 COMM_OPS = ("send", "recv", "fan_in", "split_back", "peer_put", "peer_wait")

@@ -29,14 +29,23 @@ from afd_ext.transport.peer.plane import (  # noqa: E402
     WireSpec,
     failure_error,
 )
+from afd_ext.schedule import ScheduleConfig  # noqa: E402
 from afd_ext.topology import ATTENTION, FFN, Topology  # noqa: E402
+
+
+def _spec(hidden, dtype, width=0, ldtype=torch.float32, ids=False, fp8=False):
+    """The plane's spec of a connector config: its wire layout (afd_ext.wire)."""
+    return WireSpec.of(ScheduleConfig(1, hidden, dtype, width or None, ldtype, ids,
+                                      hidden_wire="fp8_e4m3" if fp8 else None))
+
 
 TOPOLOGIES = [(1, 1), (2, 1), (4, 2), (3, 2), (1, 2), (2, 2)]
 SPECS = [
-    WireSpec(7168, torch.bfloat16, 256, torch.float32, True),
-    WireSpec(96, torch.float16),
-    WireSpec(33, torch.float32, 7, torch.bfloat16, False),
-    WireSpec(5, torch.float8_e4m3fn, 0, torch.float32, True),
+    _spec(7168, torch.bfloat16, 256, torch.float32, True),
+    _spec(96, torch.float16),
+    _spec(33, torch.float32, 7, torch.bfloat16, False),
+    _spec(5, torch.float8_e4m3fn, 0, torch.float32, True),
+    _spec(256, torch.bfloat16, 8, torch.float32, True, fp8=True),
 ]
 
 
@@ -79,7 +88,7 @@ def test_memory_formula_ranks_tokens_row_bytes_stages():
     att = RegionLayout.for_rank(topo, ATTENTION, 3, spec, max_tokens=T, num_stages=S)
     assert att.nbytes == S * T * 7168 * 2 + REGION_ALIGN
     # Parts are padded to the alignment, never shrunk.
-    small = RegionLayout.for_rank(Topology(1, 1), FFN, 0, WireSpec(3, torch.float32, 0, torch.float32, True),
+    small = RegionLayout.for_rank(Topology(1, 1), FFN, 0, _spec(3, torch.float32, 0, torch.float32, True),
                                   max_tokens=5, num_stages=1)
     assert small.nbytes == REGION_ALIGN + REGION_ALIGN + REGION_ALIGN
 
@@ -97,8 +106,8 @@ def test_layout_rejects_bad_sizes():
         RegionLayout.for_rank(Topology(1, 1), FFN, 0, SPECS[1], max_tokens=0, num_stages=1)
     with pytest.raises(ValueError, match="role"):
         RegionLayout.for_rank(Topology(1, 1), "mlp", 0, SPECS[1], max_tokens=1, num_stages=1)
-    with pytest.raises(ValueError, match="hidden_size"):
-        WireSpec(0, torch.bfloat16)
+    with pytest.raises(ValueError, match="columns >= 1"):
+        WireSpec(((torch.bfloat16, (0,)),), ((torch.bfloat16, (0,)),), ((torch.bfloat16, (0,)),))
 
 
 # ------------------------------------------------------------------ ops without a GPU
@@ -106,11 +115,11 @@ def test_layout_rejects_bad_sizes():
 
 def _put_args(n=4, h=None):
     h = torch.zeros(n, 8) if h is None else h
-    return (h, None, None, 1, 0, [1], [n], [0], [256], [0])
+    return ([h], 1, 0, [1], [n], [0], [256], [0])
 
 
 def _wait_args(n=4, out=None):
-    return (torch.zeros(n, 8), None, None, out, 1, 2, 1, [0], [0], OP_RECV_FFN, 0, 0, 10**9)
+    return ([torch.zeros(n, 8)], out, 1, 2, 1, [0], [0], OP_RECV_FFN, 0, 0, 10**9)
 
 
 def test_cpu_tensors_get_a_clear_error():
@@ -148,18 +157,18 @@ def test_peer_fakes_accept_well_formed_calls(fake):
     h = torch.empty(6, 8, device="cuda")
     lg = torch.empty(6, 4, device="cuda")
     ids = torch.empty(6, dtype=torch.int32, device="cuda")
-    ops.peer_put(h, lg, ids, 1, 0, [1, 2], [2, 4], [0, 0], [256, 512, 768], [0, 64])
-    ops.peer_wait(h, lg, ids, None, 1, 2, 1, [0, 64], [0, 1], OP_RECV_ATTN, 3, 1, 10**9)
-    ops.peer_wait(h, None, None, torch.empty(6, 8, device="cuda"), 1, 2, 1, [0], [0], OP_RECV_FFN, 3, 1, 10**9)
+    ops.peer_put([h, lg, ids], 1, 0, [1, 2], [2, 4], [0, 0], [256, 512, 768], [0, 64])
+    ops.peer_wait([h, lg, ids], None, 1, 2, 1, [0, 64], [0, 1], OP_RECV_ATTN, 3, 1, 10**9)
+    ops.peer_wait([h], torch.empty(6, 8, device="cuda"), 1, 2, 1, [0], [0], OP_RECV_FFN, 3, 1, 10**9)
 
 
 @pytest.mark.parametrize("call,pattern", [
-    (lambda: ops.peer_put(torch.empty(6, 8), None, None, 1, 0, [1, 2], [2], [0, 0], [256], [0, 64]),
+    (lambda: ops.peer_put([torch.empty(6, 8)], 1, 0, [1, 2], [2], [0, 0], [256], [0, 64]),
      "equal lengths"),
-    (lambda: ops.peer_put(torch.empty(6, 8), None, None, 1, 0, [1], [5], [0], [256], [0]), "add up to 5"),
-    (lambda: ops.peer_put(torch.empty(6, 8), None, None, 1, 0, [1], [6], [0], [256, 512], [0]), "part_offsets"),
-    (lambda: ops.peer_wait(torch.empty(6, 8), None, None, None, 1, 2, 1, [0, 64], [0], 1, 0, 0, 1), "equal lengths"),
-    (lambda: ops.peer_wait(torch.empty(6, 8), None, None, torch.empty(5, 8), 1, 2, 1, [0], [0], 1, 0, 0, 1),
+    (lambda: ops.peer_put([torch.empty(6, 8)], 1, 0, [1], [5], [0], [256], [0]), "add up to 5"),
+    (lambda: ops.peer_put([torch.empty(6, 8)], 1, 0, [1], [6], [0], [256, 512], [0]), "part_offsets"),
+    (lambda: ops.peer_wait([torch.empty(6, 8)], None, 1, 2, 1, [0, 64], [0], 1, 0, 0, 1), "equal lengths"),
+    (lambda: ops.peer_wait([torch.empty(6, 8)], torch.empty(5, 8), 1, 2, 1, [0], [0], 1, 0, 0, 1),
      "out must match"),
 ])
 def test_peer_fakes_check_their_arguments(fake, call, pattern):
@@ -199,13 +208,13 @@ def peer_log():
     log: list[tuple[str, int]] = []
     lib = torch.library.Library("afd_ext", "IMPL")
 
-    def put(h, lg, ids, plane, slot, regions, rows, dst_rows, parts, flags):
+    def put(tensors, plane, slot, regions, rows, dst_rows, parts, flags, *quantize_first):
         log.append(("peer_put", slot))
 
-    def wait(h, lg, ids, out, plane, slot, region, flags, peers, op, layer, stage, timeout_ns):
+    def wait(tensors, out, plane, slot, region, flags, peers, op, layer, stage, timeout_ns, *dequantize):
         log.append(("peer_wait", layer))
         if out is not None:
-            out.copy_(h + 1)
+            out.copy_(tensors[0] + 1)
 
     lib.impl("peer_put", put, "CPU")
     lib.impl("peer_wait", wait, "CPU")
@@ -222,9 +231,9 @@ def test_compiled_layer_loop_keeps_every_put_and_wait_in_order(backend, peer_log
     def forward(x):
         for layer in range(3):
             h = x * 2  # a temporary that nothing reads after the put
-            ops.peer_put(h, None, None, 1, layer, [1], [4], [0], [256], [0])
+            ops.peer_put([h], 1, layer, [1], [4], [0], [256], [0])
             out = torch.empty_like(reply)
-            ops.peer_wait(reply, None, None, out, 1, 2, 1, [0], [0], OP_RECV_FFN, layer, 0, 10**9)
+            ops.peer_wait([reply], out, 1, 2, 1, [0], [0], OP_RECV_FFN, layer, 0, 10**9)
             x = out + x
         return x
 
@@ -463,7 +472,7 @@ def test_every_put_lands_at_the_offsets_the_receiver_expects(A, F):
     topo = Topology(A, F)
     counts = {0: [(3 * a + 2) % 7 for a in range(A)]}
     sch = _schedule(topo, counts)
-    spec = WireSpec(8, torch.bfloat16, 4, torch.float32, True)
+    spec = _spec(8, torch.bfloat16, 4, torch.float32, True)
     for role, n in ((ATTENTION, A), (FFN, F)):
         for r in range(n):
             plane = _FakePlane(topo, role, r, spec, max_tokens=16, stages=1)
@@ -473,8 +482,8 @@ def test_every_put_lands_at_the_offsets_the_receiver_expects(A, F):
                 assert tr.step_kind == "peer"
                 if role == ATTENTION:
                     plan = sch.attention_plan(0, r)
-                    tensors = (torch.zeros(plan.total, 8), torch.zeros(plan.total, 4),
-                               torch.zeros(plan.total, dtype=torch.int32))
+                    tensors = [torch.zeros(plan.total, 8), torch.zeros(plan.total, 4),
+                               torch.zeros(plan.total, dtype=torch.int32)]
                     tr.split_back(tensors, plan.peers, plan.rows, tag=MessageTag("t", "a2f", 1, 0, 0))
                     # Independent expectation: my rows to f land after every earlier peer of f's rows to f.
                     want_dst = []
@@ -489,7 +498,7 @@ def test_every_put_lands_at_the_offsets_the_receiver_expects(A, F):
                     assert plane.puts == [(0, 3, want_rows, want_dst)]
                 else:
                     plan = sch.ffn_plan(0, r)
-                    tr.split_back((torch.zeros(plan.total, 8), None, None), plan.peers, plan.rows,
+                    tr.split_back([torch.zeros(plan.total, 8)], plan.peers, plan.rows,
                                   tag=MessageTag("t", "f2a", 1, 0, 0))
                     shares = [next((s, c) for ff, s, c in topo.split_rows(a, counts[0][a]) if ff == r)
                               for a in plane.peers]
@@ -500,7 +509,7 @@ def test_every_put_lands_at_the_offsets_the_receiver_expects(A, F):
 
 def test_steps_beyond_capacity_go_over_the_fallback_and_without_it_are_refused():
     topo = Topology(2, 1)
-    spec = WireSpec(8, torch.bfloat16, 4, torch.float32, True)
+    spec = _spec(8, torch.bfloat16, 4, torch.float32, True)
     plane = _FakePlane(topo, ATTENTION, 0, spec, max_tokens=4, stages=2)
     tr = _transport(plane)
     try:

@@ -42,7 +42,7 @@ def test_strict_header_shows_the_callers_step():
     from afd_ext.transport.strict import _describe_header, encode_headers
 
     tag = MessageTag("send_attn_output", "a2f", 3, 1, 0, user_step=2)
-    rows = encode_headers(tag, 1, 0, 4, [(0, torch.zeros(4, 8))])
+    rows = encode_headers(tag, 1, 0, 4, [torch.zeros(4, 8)])
     assert "step 2, layer 1, stage 0" in _describe_header(rows[0].tolist(), str)
 
 

@@ -109,14 +109,14 @@ def test_strict_wrapper_checks_headers_over_any_transport():
     (_, ffn), (_, att) = _pair(strict=True)
     h = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     ids = torch.arange(3, dtype=torch.int32)
-    att.split_back((h, None, ids), [0], [3], tag=MessageTag("send_attn_output", "a2f", 1, 0, 0)).wait()
+    att.split_back([h, ids], [0], [3], tag=MessageTag("send_attn_output", "a2f", 1, 0, 0)).wait()
     got_h, got_ids = torch.empty(3, 4), torch.empty(3, dtype=torch.int32)
-    ffn.fan_in((got_h, None, got_ids), [0], [3], tag=MessageTag("recv_attn_output", "a2f", 1, 0, 0))
+    ffn.fan_in([got_h, got_ids], [0], [3], tag=MessageTag("recv_attn_output", "a2f", 1, 0, 0))
     assert torch.equal(got_h, h) and torch.equal(got_ids, ids)
     # the sender claims layer 1, the receiver expects layer 0: named, before the data is taken
-    att.split_back((h, None, ids), [0], [3], tag=MessageTag("send_attn_output", "a2f", 2, 1, 0))
+    att.split_back([h, ids], [0], [3], tag=MessageTag("send_attn_output", "a2f", 2, 1, 0))
     with pytest.raises(AFDProtocolError, match="field 'layer' differs") as ei:
-        ffn.fan_in((got_h, None, got_ids), [0], [3], tag=MessageTag("recv_attn_output", "a2f", 2, 0, 0))
+        ffn.fan_in([got_h, got_ids], [0], [3], tag=MessageTag("recv_attn_output", "a2f", 2, 0, 0))
     assert "attention rank 0 (world rank 1)" in str(ei.value) and "FFN rank 0 (world rank 0)" in str(ei.value)
 
 

@@ -216,11 +216,12 @@ class _Case:
     def _make_plane(self) -> None:
         import torch
 
+        from afd_ext.schedule import ScheduleConfig
         from afd_ext.transport.peer.plane import PeerPlane, WireSpec
         from afd_ext.topology import ATTENTION, FFN, Topology
 
         p = self.plan
-        spec = WireSpec(p.hidden, torch.bfloat16, p.logits, torch.float32, True)
+        spec = WireSpec.of(ScheduleConfig(1, p.hidden, torch.bfloat16, p.logits or None, send_token_ids=True))
         topo = Topology(1, 1)
         kw = dict(max_tokens=self.T, num_stages=1, generation=5, timeout_s=30.0)
         self.att = PeerPlane(topo, ATTENTION, 0, spec, device=self.att_dev, **kw)
@@ -271,7 +272,7 @@ class _Case:
         s, T, lib = self.structure, self.T, self.lib
         if s in PLANES:
             for layer in range(n):
-                self.att.put(0, self.inp, [T], [0])
+                self.att.put(0, [t for t in self.inp if t is not None], [T], [0])
                 self.att.wait(0, T, layer=layer, out=self.out)
             return
         import torch
@@ -303,7 +304,7 @@ class _Case:
         if s in PLANES:
             for layer in range(n):
                 x, _lg, _ids = self.ffn.wait(0, T, layer=layer)
-                self.ffn.put(0, (x,), [T], [0])
+                self.ffn.put(0, [x], [T], [0])
             return
         import torch
 

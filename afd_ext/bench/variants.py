@@ -339,9 +339,8 @@ class OursPerTensor(Variant):
             self.reply = torch.zeros(n, case.hidden, dtype=torch.bfloat16, device=self.dev)
         self.a2f = self._lists("a2f")
         self.f2a = self._lists("f2a")
-        # Attention -> FFN: the ops' (hidden, logits, ids) and their trailing scales; the gloo transport's tuple.
-        self.wire, self.scales = (self.h, self.l, self.i), ()
-        self.gloo_wire = self.wire
+        # Attention -> FFN: the wire parts in wire order (afd_ext.wire), for the ops and the gloo transport.
+        self.wire = [t for t in (self.h, self.l, self.i) if t is not None]
         self.tr = ctx.gloo_transport
         if self.tr is not None:
             from afd_ext.transport.base import MessageTag
@@ -354,32 +353,32 @@ class OursPerTensor(Variant):
     def attn_round(self) -> None:
         t = time.perf_counter_ns()
         if self.tr is not None:
-            pending = self.tr.split_back(self.gloo_wire, self.peer_ids, self.a2f[2], tag=self.tags["a2f"])
+            pending = self.tr.split_back(self.wire, self.peer_ids, self.a2f[2], tag=self.tags["a2f"])
             t = self._took("send_attn_output", t)
-            self.tr.fan_in((self.reply, None, None), self.peer_ids, self.a2f[2], tag=self.tags["f2a"])
+            self.tr.fan_in([self.reply], self.peer_ids, self.a2f[2], tag=self.tags["f2a"])
             pending.wait()
             self._took("recv_ffn_output", t)
             return
         sc, peers, rows = self.a2f
-        _ops().split_back(*self.wire, sc, peers, rows, *self.scales)  # the connector's two calls
+        _ops().split_back(self.wire, sc, peers, rows)  # the connector's two calls
         t = self._took("send_attn_output", t)
-        _ops().fan_in(self.reply, None, None, self.f2a[0], peers, rows)
+        _ops().fan_in([self.reply], self.f2a[0], peers, rows)
         self._took("recv_ffn_output", t)
 
     def ffn_recv(self) -> None:
         t = time.perf_counter_ns()
         if self.tr is not None:
-            self.tr.fan_in(self.gloo_wire, self.peer_ids, self.a2f[2], tag=self.tags["a2f"])
+            self.tr.fan_in(self.wire, self.peer_ids, self.a2f[2], tag=self.tags["a2f"])
         else:
-            _ops().fan_in(*self.wire, *self.a2f, *self.scales)
+            _ops().fan_in(self.wire, *self.a2f)
         self._took("recv_attn_output", t)
 
     def ffn_send(self) -> None:
         t = time.perf_counter_ns()
         if self.tr is not None:
-            self.tr.split_back((self.h, None, None), self.peer_ids, self.a2f[2], tag=self.tags["f2a"]).wait()
+            self.tr.split_back([self.h], self.peer_ids, self.a2f[2], tag=self.tags["f2a"]).wait()
         else:
-            _ops().split_back(self.h, None, None, *self.f2a)
+            _ops().split_back([self.h], *self.f2a)
         self._took("send_ffn_output", t)
 
 
@@ -420,8 +419,7 @@ class OursFp8(_Fp8Wire, OursPerTensor):
         self._fill()
         self.v = torch.zeros(n, case.hidden, dtype=torch.float8_e4m3fn, device=self.dev)
         self.s = torch.zeros(n, case.hidden // FP8_GROUP, dtype=torch.float32, device=self.dev)
-        self.wire, self.scales = (self.v, self.l, self.i), (self.s,)
-        self.gloo_wire = (self.v, self.s, self.l, self.i)  # values then their scales (the transports' wire order)
+        self.wire = [self.v, self.s] + self.wire[1:]  # values then their scales (wire order)
 
     def attn_round(self) -> None:
         _ops().fp8_quantize(self.h, self.v, self.s)
@@ -544,12 +542,13 @@ class PeerMemory(Variant):
         super().__init__(ctx, case)
         import torch.distributed as dist
 
+        from afd_ext.schedule import ScheduleConfig
         from afd_ext.transport.peer.plane import WireSpec, open_plane
 
         topo = ctx.topology
         PeerMemory._setups += 1
-        spec = WireSpec(case.hidden, torch.bfloat16, case.logits_width if case.extras else 0, torch.float32,
-                        case.extras, self.fp8)
+        spec = WireSpec.of(ScheduleConfig(1, case.hidden, torch.bfloat16, case.logits_width if case.extras else None,
+                                          send_token_ids=case.extras, hidden_wire="fp8_e4m3" if self.fp8 else None))
         self.plane = open_plane(dist.PrefixStore(f"peer/{case.key()}/{PeerMemory._setups}/", ctx.store), topo,
                                 ctx.role, ctx.role_rank, spec, max_tokens=case.tokens, num_stages=1,
                                 device=ctx.device, timeout_s=ctx.timeout_s, setup_timeout_s=ctx.timeout_s,
@@ -575,7 +574,7 @@ class PeerMemory(Variant):
 
     def attn_send(self) -> None:
         t = time.perf_counter_ns()
-        self.plane.put(0, (self.h, self.l, self.i), self.rows, self.dst)
+        self.plane.put(0, [t for t in (self.h, self.l, self.i) if t is not None], self.rows, self.dst)
         self._took("send_attn_output", t)
 
     def attn_recv(self) -> None:
@@ -590,7 +589,7 @@ class PeerMemory(Variant):
 
     def ffn_send(self) -> None:
         t = time.perf_counter_ns()
-        self.plane.put(0, (self.out,), self.rows, self.dst)
+        self.plane.put(0, [self.out], self.rows, self.dst)
         self._took("send_ffn_output", t)
 
     def close(self) -> None:
@@ -719,14 +718,14 @@ class Raw(Variant):
 
     def _send_rows(self, buf: torch.Tensor, direction: str) -> None:
         if self.grouped:
-            _ops().split_back(buf, None, None, *(self.a2f if direction == "a2f" else self.f2a))
+            _ops().split_back([buf], *(self.a2f if direction == "a2f" else self.f2a))
             return
         for l in self.live:
             p2p_send(self.ctx, buf[l.offset:l.offset + l.count], l, direction)
 
     def _recv_rows(self, buf: torch.Tensor, direction: str) -> None:
         if self.grouped:
-            _ops().fan_in(buf, None, None, *(self.a2f if direction == "a2f" else self.f2a))
+            _ops().fan_in([buf], *(self.a2f if direction == "a2f" else self.f2a))
             return
         for l in self.live:
             p2p_recv(self.ctx, buf[l.offset:l.offset + l.count], l, direction)

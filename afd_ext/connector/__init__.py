@@ -22,6 +22,7 @@ from typing import Any, Iterator
 import torch
 
 from .. import rendezvous as rdzv
+from .. import wire
 from ..config import AFDConfig
 from ..control import AFDControlPlane
 from ..errors import AFDConfigError, ConnectorStateError
@@ -49,7 +50,7 @@ __all__ = [
 
 #: Version of the data-plane protocol (exchange order, header layout, wire
 #: formats); checked in the init handshake.
-CONNECTOR_FORMAT_VERSION = 2  # 2: the packed wire format is gone
+CONNECTOR_FORMAT_VERSION = 3  # 2: the packed wire format is gone; 3: the data ops take the wire parts as a list
 
 _MODEL_KWARGS = SPEC_KWARGS + ("device", "warmup_on_init")
 
@@ -195,6 +196,8 @@ class AFDConnector:
             "clamp_idle_to_one": self.extra.clamp_idle_to_one,
             "strict": self.extra.strict,
             "hidden_wire_dtype": self.extra.hidden_wire_dtype,
+            # The wire parts both ways (afd_ext.wire), so a part declared on one role only is refused.
+            "wire": wire.handshake_field(self.schedule_config),
             "transport": self.extra.transport,
             "max_stages": self.extra.max_stages,
             # Both roles' graph caches must evict the same graphs (same captures, same replays).
@@ -294,7 +297,8 @@ class AFDConnector:
             router_logits: ``[rows, router_logits_width]`` of the configured
                 dtype, iff router logits were configured.
             input_ids: ``[rows]`` int32, iff ``send_token_ids`` was configured.
-            **kwargs: ignored (reference extensions such as ``topk_ids``).
+            **kwargs: the keyword of a part declared with :func:`afd_ext.wire.declare_part` carries
+                that part (``[rows, *cols]`` of its dtype); any other is ignored (reference extensions).
 
         Raises:
             AFDConfigError: a bad input or stage, naming the call,
@@ -309,8 +313,8 @@ class AFDConnector:
         CUDA graphs: capturable (stage stream forked from the current stream;
         no allocation, no host sync outside strict mode).
         """
-        self._side("attention", "send_attn_output").send_attn_output(hidden_states, context, router_logits,
-                                                                    input_ids)
+        (self._attention or self._side("attention", "send_attn_output")).send_attn_output(
+            hidden_states, context, router_logits, input_ids, **kwargs)
 
     def recv_ffn_output(self, ref_tensor: torch.Tensor, ubatch_idx: int = 0, **kwargs: Any) -> torch.Tensor:
         """Attention side: receive the FFN output of the oldest outstanding exchange into ``ref_tensor``.
@@ -335,7 +339,8 @@ class AFDConnector:
                 on this rank only, nothing received: repeat the call corrected.
             AFDTransportError, StepAbortedError: transport failure (the step is aborted everywhere).
         """
-        return self._side("attention", "recv_ffn_output").recv_ffn_output(ref_tensor, ubatch_idx)
+        side = self._attention or self._side("attention", "recv_ffn_output")  # a call only on the wrong role
+        return side.recv_ffn_output(ref_tensor, ubatch_idx)
 
     def abandon_step(self) -> None:
         """Attention side: finish the current step without data after a rejected first exchange.
@@ -388,7 +393,8 @@ class AFDConnector:
             AFDTransportError, StepAbortedError: transport failure (a dead
                 peer is named with the layer and stage).
         """
-        return self._side("ffn", "recv_attn_output").recv_attn_output(ubatch_idx, routing_spec, recv_input_ids)
+        side = self._ffn or self._side("ffn", "recv_attn_output")
+        return side.recv_attn_output(ubatch_idx, routing_spec, recv_input_ids)
 
     def send_ffn_output(self, ffn_output: torch.Tensor, context: AFDTransferContext, **kwargs: Any) -> None:
         """FFN side: return each attention peer its rows of ``ffn_output`` (split-back).
@@ -408,7 +414,7 @@ class AFDConnector:
                 call with the right tensor and the step completes on every rank.
             AFDTransportError, StepAbortedError: transport failure.
         """
-        self._side("ffn", "send_ffn_output").send_ffn_output(ffn_output, context)
+        (self._ffn or self._side("ffn", "send_ffn_output")).send_ffn_output(ffn_output, context)
 
     # ------------------------------------------------------------------ warm-up, synchronize, graphs
 

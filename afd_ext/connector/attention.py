@@ -14,11 +14,11 @@ from typing import Any, Callable
 import torch
 
 from .. import fp8
-from ..errors import AFDConfigError, AFDProtocolError, AFDStateError
+from ..errors import AFDConfigError, AFDError, AFDProtocolError, AFDStateError
 from ..metadata import AFDTransferContext, AFDTransferMetadata
 from ..schedule import stage_buffers
 from .session import RoleSide
-from .step import Exchange, Step, canonical_strides, context_metadata
+from .step import Exchange, Step, context_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ class AttentionSide(RoleSide):
     """``send_attn_output`` / ``recv_ffn_output`` / ``abandon_step`` of one attention rank."""
 
     def send_attn_output(self, hidden_states: torch.Tensor, context: AFDTransferContext,
-                         router_logits: torch.Tensor | None, input_ids: torch.Tensor | None) -> None:
+                         router_logits: torch.Tensor | None, input_ids: torch.Tensor | None, **parts: Any) -> None:
         op = "send_attn_output"
         c = self.s
         tr = c.check_usable(op)
@@ -44,27 +44,27 @@ class AttentionSide(RoleSide):
             if not md.validate_tensor_shape(tuple(hidden_states.shape)):
                 raise AFDConfigError(f"hidden_states shape {tuple(hidden_states.shape)!r} does not match AFD metadata "
                                  f"token count {md.total_tokens}.")
-            # One check of the wire tensors (types, shapes, dtypes, contiguity), then the device.
-            st.schedule.check_attention_tensors(stage, self.role_rank, hidden_states, router_logits, input_ids,
-                                                hidden_align=tr.fp8_hidden_align)
-            for name, t in (("hidden_states", hidden_states), ("router_logits", router_logits),
-                            ("input_ids", input_ids)):
-                if t is not None:
-                    tr.check_device(t, name)
+            plan = st.schedule.attention_plan(stage, self.role_rank)
+            # The one check of the wire tensors: types, rows, dtypes, devices, contiguity.
+            wire = st.schedule.check_attention_tensors(stage, self.role_rank, hidden_states, router_logits,
+                                                       input_ids, device=tr.device, check_device=tr.check_device,
+                                                       hidden_align=tr.fp8_hidden_align, rows=plan.total,
+                                                       **parts)
         except (ValueError, AFDStateError) as e:
             raise c.reject(st, e, op, stage=stage) from None
         st.seq.abandoned = False
-        hidden_states, router_logits, input_ids = (canonical_strides(t) for t in (hidden_states, router_logits,
-                                                                                  input_ids))
-        self._send_rows(st, layer, stage, hidden_states, router_logits, input_ids, md.layer_idx, op)
+        self._send_rows(st, layer, stage, wire, md.layer_idx, op, plan)
 
-    def _send_rows(self, st: Step, layer: int, stage: int, hidden, logits, ids, layer_idx: int, op: str) -> None:
+    def _send_rows(self, st: Step, layer: int, stage: int, wire: list, layer_idx: int, op: str, plan=None) -> None:
         c = self.s
-        sch = st.schedule
-        plan = sch.attention_plan(stage, self.role_rank)
+        if plan is None:
+            plan = st.schedule.attention_plan(stage, self.role_rank)
         tag = st.tag(op, "a2f", layer, stage, layer_idx)
-        pending = c.transport_call(c.data(st).split_back, (hidden, logits, ids), plan.peers, plan.rows, tag=tag)
-        st.pending[stage].append(Exchange(layer, stage, tag, pending, (hidden, logits, ids)))
+        try:
+            pending = c.data(st).split_back(wire, plan.peers, plan.rows, tag=tag)
+        except (AFDError, RuntimeError) as e:
+            c.transport_failed(e, tag, plan.peers)
+        st.pending[stage].append(Exchange(layer, stage, tag, pending, wire))
         st.seq.sent += 1
 
     def recv_ffn_output(self, ref_tensor: torch.Tensor, ubatch_idx: int) -> torch.Tensor:
@@ -76,20 +76,25 @@ class AttentionSide(RoleSide):
             layer, stage = st.seq.next_reply(ubatch_idx, op)
             if not isinstance(ref_tensor, torch.Tensor):
                 raise AFDConfigError(f"ref_tensor must be a torch.Tensor, got {type(ref_tensor).__name__}")
-            tr.check_device(ref_tensor, "ref_tensor")
-            st.schedule.check_attention_reply(stage, self.role_rank, ref_tensor)
+            plan = st.schedule.attention_plan(stage, self.role_rank)
+            st.schedule.check_attention_reply(stage, self.role_rank, ref_tensor, device=tr.device,
+                                              check_device=tr.check_device, rows=plan.total)
         except (ValueError, AFDStateError) as e:
             raise c.reject(st, e, op, stage=ubatch_idx) from None
-        self._recv_reply(st, st.pending[stage][0], ref_tensor, op)
+        self._recv_reply(st, st.pending[stage][0], ref_tensor, op, plan)
         return ref_tensor
 
-    def _recv_reply(self, st: Step, ex: Exchange, ref_tensor: torch.Tensor, op: str) -> None:
+    def _recv_reply(self, st: Step, ex: Exchange, ref_tensor: torch.Tensor, op: str, plan=None) -> None:
         c = self.s
-        plan = st.schedule.attention_plan(ex.stage, self.role_rank)
+        if plan is None:
+            plan = st.schedule.attention_plan(ex.stage, self.role_rank)
         tag = st.tag(op, "f2a", ex.layer, ex.stage, ex.tag.layer_idx)
-        c.transport_call(c.data(st).fan_in, (ref_tensor, None, None), plan.peers, plan.rows, tag=tag)
-        # The reply came back, so our sends of this exchange were received: safe to release.
-        c.transport_call(ex.pending.wait)
+        try:
+            c.data(st).fan_in([ref_tensor], plan.peers, plan.rows, tag=tag)
+            # The reply came back, so our sends of this exchange were received: safe to release.
+            ex.pending.wait()
+        except (AFDError, RuntimeError) as e:
+            c.transport_failed(e, tag, plan.peers)
         st.pending[ex.stage].popleft()
         st.seq.received += 1
 
@@ -109,14 +114,13 @@ class AttentionSide(RoleSide):
         c.check_usable("draining an abandoned step")
         logger.warning("%s: draining abandoned %s (%d exchanges carry zeros)", c.me, st.seq.label,
                        st.seq.total)
-        zeros = {s: self._zeros(st, s) for s in st.schedule.stages}
+        zeros = {s: list(self._zeros(st, s).values()) for s in st.schedule.stages}
         op = "abandon_step (drain)"
         while st.seq.sent < st.seq.total:
             layer, stage = st.seq.seq[st.seq.sent]
-            z = zeros[stage]
-            h = z["hidden"]
-            self._send_rows(st, layer, stage, h, z["router_logits"], z["token_ids"], -1, op)
-            self._recv_reply(st, st.pending[stage][0], torch.empty_like(h), op)
+            wire = zeros[stage]
+            self._send_rows(st, layer, stage, wire, -1, op)
+            self._recv_reply(st, st.pending[stage][0], torch.empty_like(wire[0]), op)
         st.seq.abandoned = False
 
     def _zeros(self, st: Step, stage: int) -> dict[str, torch.Tensor | None]:
@@ -135,10 +139,10 @@ class AttentionSide(RoleSide):
             h = (torch.arange(n * hs, device=self.device) % 7 + 1 + self.role_rank).float().to(cfg.hidden_dtype)
             h = h.reshape(n, hs)
             z = self._zeros(st, s)
-            lg, ids = z["router_logits"], z["token_ids"]
+            rest = {p.arg: z[p.name] for p in cfg.caller_parts[1:]}
             ctx = AFDTransferContext(AFDTransferMetadata.create_attention_metadata(layer_idx=0, stage_idx=s,
                                                                                    seq_len=n))
-            self.send_attn_output(h, ctx, lg, ids)
+            self.send_attn_output(h, ctx, rest.pop("router_logits", None), rest.pop("input_ids", None), **rest)
             sent[s] = h
         outs = {s: self.recv_ffn_output(torch.empty_like(sent[s]), s) for s in st.schedule.stages}
         synchronize()  # bounded: a dead peer is a named error, not a hang

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from ..errors import AFDConfigError, AFDStateError
+from ..errors import AFDConfigError, AFDError, AFDStateError
 from ..metadata import AFDA2FTransferPayload, AFDExpertRoutingSpec, AFDTransferContext, AFDTransferMetadata
 from .session import RoleSide, Session
 from .step import AfdExtTransferState, ReplySend, Step, check_routing_spec, context_metadata, flag_arg
@@ -36,8 +36,9 @@ class FFNSide(RoleSide):
         cfg = st.schedule.config
         try:
             layer, stage = st.seq.next_fan_in(ubatch_idx, op)
-            check_routing_spec(routing_spec, cfg.router_logits_width, cfg.router_logits_dtype)
-            if flag_arg(recv_input_ids, "recv_input_ids") and not cfg.send_token_ids:
+            if routing_spec is not None:
+                check_routing_spec(routing_spec, cfg.router_logits_width, cfg.router_logits_dtype)
+            if recv_input_ids is not False and flag_arg(recv_input_ids, "recv_input_ids") and not cfg.send_token_ids:
                 raise AFDConfigError(f"{op}: recv_input_ids=True but the connector was initialised with "
                                  "send_token_ids=False; enable it on both roles")
         except (ValueError, AFDStateError) as e:
@@ -45,10 +46,8 @@ class FFNSide(RoleSide):
         sch = st.schedule
         plan = sch.ffn_plan(stage, self.role_rank)
         bufs = st.bufs[stage]
-        hidden, logits, ids = bufs["hidden"], bufs["router_logits"], bufs["token_ids"]
-        wire, kw, scales = (hidden, logits, ids), {}, None
+        hidden, kw, scales = bufs.get("hidden"), {}, None
         if cfg.hidden_wire is not None:  # FP8 arrives; "dequant" delivery: bf16 written in the fan-in
-            wire = (bufs["hidden_fp8"], bufs["hidden_scales"], logits, ids)
             if hidden is not None:
                 kw = {"dequant": hidden}
             else:
@@ -58,12 +57,15 @@ class FFNSide(RoleSide):
         # caller computed in place in this buffer (gloo); it completes as soon as
         # the peer posts its receive, which it does without waiting for us.
         self._wait_reply_send(stage, release=False)
-        c.transport_call(c.data(st).fan_in, wire, plan.peers, plan.rows, tag=tag, **kw)
+        try:
+            c.data(st).fan_in(st.wire[stage], plan.peers, plan.rows, tag=tag, **kw)
+        except (AFDError, RuntimeError) as e:
+            c.transport_failed(e, tag, plan.peers)
         self._reply_sends.pop(stage, None)  # the previous reply's memory is free for the caller again
         st.seq.received += 1
         meta = AFDTransferMetadata.create_ffn_metadata(layer_idx=layer, stage_idx=stage, seq_lens=list(plan.rows))
-        ctx = AFDTransferContext(meta, AfdExtTransferState(st.step, layer, stage))
-        return AFDA2FTransferPayload(hidden, ctx, logits, ids, scales)
+        ctx = AFDTransferContext(meta, AfdExtTransferState(st.seq.step, layer, stage))
+        return AFDA2FTransferPayload(hidden, ctx, bufs.get("router_logits"), bufs.get("token_ids"), scales, bufs)
 
     def send_ffn_output(self, ffn_output: torch.Tensor, context: AFDTransferContext) -> None:
         op = "send_ffn_output"
@@ -78,8 +80,8 @@ class FFNSide(RoleSide):
             except AttributeError:  # the reference's context may lack it
                 state = None
             if isinstance(state, AfdExtTransferState):
-                if (state.step, state.layer, state.stage) != (st.step, layer, stage):
-                    ctx_step = st.seq.label if state.step == st.step else "an earlier step"
+                if (state.step, state.layer, state.stage) != (st.seq.step, layer, stage):
+                    ctx_step = st.seq.label if state.step == st.seq.step else "an earlier step"
                     raise AFDConfigError(
                         f"{op} on {c.me} with the context of {ctx_step}, layer {state.layer}, "
                         f"stage {state.stage}, but the reply due next is {st.seq.label}, layer {layer}, stage "
@@ -92,14 +94,16 @@ class FFNSide(RoleSide):
             if not md.validate_tensor_shape(tuple(ffn_output.shape)):
                 raise AFDConfigError(f"ffn_output shape {tuple(ffn_output.shape)!r} does not match metadata "
                                  f"(total_tokens {md.total_tokens}).")
-            tr.check_device(ffn_output, "ffn_output")
-            st.schedule.check_ffn_output(stage, self.role_rank, ffn_output)
+            plan = st.schedule.ffn_plan(stage, self.role_rank)
+            st.schedule.check_ffn_output(stage, self.role_rank, ffn_output, device=tr.device,
+                                         check_device=tr.check_device, rows=plan.total)
         except (ValueError, AFDStateError) as e:
             raise c.reject(st, e, op) from None
-        plan = st.schedule.ffn_plan(stage, self.role_rank)
         tag = st.tag(op, "f2a", layer, stage, layer)
-        pending = c.transport_call(c.data(st).split_back, (ffn_output, None, None), plan.peers, plan.rows,
-                                    tag=tag)
+        try:
+            pending = c.data(st).split_back([ffn_output], plan.peers, plan.rows, tag=tag)
+        except (AFDError, RuntimeError) as e:
+            c.transport_failed(e, tag, plan.peers)
         # Keep ffn_output alive until the stage stream is joined again (next
         # recv_attn_output of this stage, or the end of the step): the caching
         # allocator must not hand its memory to the caller's stream while the

@@ -85,6 +85,8 @@ class StepSequencer:
         self.label = step_words(self.user_step)
         self.role = role
         self.seq = tuple(seq)
+        #: Exchanges of the step.
+        self.total = len(self.seq)
         self.me = me
         self.sent = 0
         self.received = 0
@@ -94,10 +96,6 @@ class StepSequencer:
         self.rejected: str | None = None
 
     # -- position -------------------------------------------------------------------
-
-    @property
-    def total(self) -> int:
-        return len(self.seq)
 
     @property
     def stages(self) -> tuple[int, ...]:
@@ -154,7 +152,8 @@ class StepSequencer:
                 was not received yet (one exchange per stage in flight).
             AFDConfigError: ``stage`` is not a stage id (:func:`stage_arg`) or not the next exchange's stage.
         """
-        stage = stage_arg(stage, "context.metadata.stage_idx")
+        if type(stage) is not int:  # the hot path takes an int as it is
+            stage = stage_arg(stage, "context.metadata.stage_idx")
         layer, want = self._due(
             self.sent, self.total, stage,
             lambda: (f"{op} on {self.me}: all {self.total} exchanges of {self.label} were already sent; "
@@ -164,9 +163,10 @@ class StepSequencer:
                 f"step ({self.label}) is "
                 f"layer {layer}, stage {want} (exchanges run layer-major, stage-minor over stages "
                 f"{list(self.stages)})"))
-        self._one_in_flight(self.received, self.sent, layer, want,
-                            f"{op} on {self.me} for {self.label}, layer {layer}, stage {want}", "received",
-                            f"recv_ffn_output(ubatch_idx={want})")
+        if self.received < self.sent:  # an exchange in flight: is it this stage's?
+            self._one_in_flight(self.received, self.sent, layer, want,
+                                f"{op} on {self.me} for {self.label}, layer {layer}, stage {want}", "received",
+                                f"recv_ffn_output(ubatch_idx={want})")
         return layer, want
 
     def next_reply(self, stage: Any, op: str) -> tuple[int, int]:
@@ -176,7 +176,8 @@ class StepSequencer:
             AFDStateError: no sent exchange awaits its reply.
             AFDConfigError: ``stage`` is not a stage id (:func:`stage_arg`) or not the stage of the oldest one.
         """
-        stage = stage_arg(stage, "ubatch_idx")
+        if type(stage) is not int:
+            stage = stage_arg(stage, "ubatch_idx")
         return self._due(
             self.received, self.sent, stage,
             lambda: (f"{op}(ubatch_idx={stage}) on {self.me}: no exchange of {self.label} is awaiting its reply "
@@ -195,7 +196,8 @@ class StepSequencer:
                 was not sent yet (one exchange per stage in flight).
             AFDConfigError: ``stage`` is not a stage id (:func:`stage_arg`) or not the next exchange's stage.
         """
-        stage = stage_arg(stage, "ubatch_idx")
+        if type(stage) is not int:
+            stage = stage_arg(stage, "ubatch_idx")
         layer, want = self._due(
             self.received, self.total, stage,
             lambda: (f"{op} on {self.me}: all {self.total} exchanges of {self.label} were received; "
@@ -203,9 +205,10 @@ class StepSequencer:
             lambda layer, want: (f"{op}(ubatch_idx={stage}) on {self.me}, but the next exchange is "
                                  f"{self.label}, layer {layer}, stage {want} (layer-major, stage-minor over "
                                  f"stages {list(self.stages)})"))
-        self._one_in_flight(self.sent, self.received, layer, want,
-                            f"{op}(ubatch_idx={want}) on {self.me} for {self.label}, layer {layer}", "sent",
-                            "send_ffn_output")
+        if self.sent < self.received:
+            self._one_in_flight(self.sent, self.received, layer, want,
+                                f"{op}(ubatch_idx={want}) on {self.me} for {self.label}, layer {layer}", "sent",
+                                "send_ffn_output")
         return layer, want
 
     def next_reply_send(self, op: str) -> tuple[int, int]:

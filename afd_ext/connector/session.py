@@ -93,6 +93,7 @@ class Session:
         self.closing = False  # a local close() began: a call it ends raises AFDClosedError, not a failure
         self.step: Step | None = None
         self.step_counter = 0  # every step of this generation, warm-ups included: orders progress reports
+        self._tags: dict[str, MessageTag] = {}  # the health checks' tags of this step, by op
         self.user_steps = 0  # the steps the caller applied: what messages count ("step 1" is the first)
         self.user_step = -1  # the last started step as the caller counts it (0: a warm-up), -1: none yet
         self.last_call = time.monotonic()
@@ -103,6 +104,7 @@ class Session:
         self.closing = False
         self.step = None
         self.step_counter = 0
+        self._tags = {}
         self.user_steps = 0
         self.user_step = -1
         self.last_call = time.monotonic()
@@ -218,7 +220,9 @@ class Session:
                 f"; call close() and init_afd_connector() on every rank before {op}"
             raise ConnectorStateError(
                 f"AFD connector ({self.me}) is unusable after a failed step ({cause}){again}") from self.broken
-        tag = self.tag(op)
+        tag = self._tags.get(op)  # the step knows it: built once per step and op
+        if tag is None:
+            tag = self._tags[op] = self.tag(op)
         try:
             tr.check_health(tag)
         except AFDError as e:
@@ -274,7 +278,7 @@ class Session:
                 logger.warning("aborting AFD transport: %s", e)
 
     def transport_call(self, fn, *args, **kwargs):
-        """``fn(*args, **kwargs)``; a transport error aborts the step everywhere, then propagates.
+        """``fn(*args, **kwargs)`` under :meth:`transport_failed` (for calls off the data path).
 
         Raises:
             The transport's :class:`~afd_ext.errors.AFDError`; a raw link error a transport
@@ -284,19 +288,29 @@ class Session:
         """
         try:
             return fn(*args, **kwargs)
-        except AFDError as e:  # every transport error (AFDPeerError is a ConnectionError)
-            if self.closing:  # this rank's own close() ended the call: a stop, not a failure
-                raise self.closed_error("the call") from e
+        except (AFDError, RuntimeError) as e:
+            self.transport_failed(e, kwargs.get("tag"), args[1] if len(args) > 1 else None)
+
+    def transport_failed(self, e: BaseException, tag: MessageTag | None, peers: Any = None) -> None:
+        """The step-failure rule for an error a transport call raised; call it in the ``except`` clause (it raises).
+
+        The data calls call the transport directly (``try: tr.split_back(...)``, ``except (AFDError,
+        RuntimeError) as e: session.transport_failed(e, tag, peers)``).
+
+        Raises:
+            :class:`~afd_ext.errors.AFDClosedError` when this rank's own close() ended the call; else
+            ``e`` after aborting the step everywhere, a raw link error as :func:`_raw_error` names it.
+        """
+        if self.closing:  # this rank's own close() ended the call: a stop, not a failure
+            raise self.closed_error("the call") from e
+        if isinstance(e, AFDError):  # every transport error (AFDPeerError is a ConnectionError)
             self.fail_step(e)
-            raise
-        except RuntimeError as e:
-            if self.closing:
-                raise self.closed_error("the call") from e
-            exc = _raw_error(e, self.transport, kwargs.get("tag"), args[1] if len(args) > 1 else None)
-            self.fail_step(exc or e)
-            if exc is None:
-                raise
-            raise exc from None
+            raise e
+        exc = _raw_error(e, self.transport, tag, peers)
+        self.fail_step(exc or e)
+        if exc is None:
+            raise e
+        raise exc from None
 
     def reject(self, st: Step, exc: BaseException, op: str, *, stage: int | None = None) -> AFDError:
         """A call failed its checks before anything of it moved: a named error on this rank only.
@@ -430,6 +444,7 @@ class Session:
         if not warmup:
             self.user_steps += 1
         self.user_step = 0 if warmup else self.user_steps
+        self._tags = {}
         strict = self.strict and not (payload.is_graph_capturing or payload.is_graph_replaying)
         seq = StepSequencer(self.step_counter, self.role, exchange_order(sch.config.num_layers, sch.stages), self.me,
                             self.user_step)
@@ -437,6 +452,7 @@ class Session:
         for s in sch.stages:
             own = self.transport.receive_buffers(sch, s) if self.transport is not None else None
             st.bufs[s] = own if own is not None else self.buffers.stage(sch, s)
+            st.wire[s] = [st.bufs[s][p.name] for p in sch.config.wire_parts] if st.bufs[s] else []
         if self.transport is not None:
             self.transport.begin_step(sch)
         self.step = st

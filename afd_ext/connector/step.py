@@ -15,8 +15,8 @@ from ..schedule import StepSchedule
 from ..transport.base import MessageTag, PendingSend
 from .sequencer import StepSequencer, stage_arg
 
-__all__ = ["AfdExtTransferState", "Step", "Exchange", "ReplySend", "context_metadata", "canonical_strides",
-           "check_routing_spec", "flag_arg"]
+__all__ = ["AfdExtTransferState", "Step", "Exchange", "ReplySend", "context_metadata", "check_routing_spec",
+           "flag_arg"]
 
 #: Bound of a context's ``layer_idx`` (it travels in int32/int64 header fields).
 _MAX_INDEX = 2**31
@@ -41,7 +41,7 @@ def context_metadata(context: Any, op: str) -> AFDTransferMetadata:
     if md is None:
         raise AFDConfigError(f"context must be an AFDTransferContext carrying AFDTransferMetadata, got {what}")
     if type(md) is AFDTransferMetadata and type(md.layer_idx) is int and 0 <= md.layer_idx < _MAX_INDEX and \
-            type(md.seq_lens) is list and all(type(n) is int and n >= 0 for n in md.seq_lens):
+            type(md.seq_lens) is list and set(map(type, md.seq_lens)) <= {int} and min(md.seq_lens, default=0) >= 0:
         return md  # the hot path: as built by create_attention_metadata / recv_attn_output
     try:
         fields = (md.layer_idx, md.stage_idx, md.seq_lens)
@@ -107,24 +107,6 @@ def flag_arg(value: Any, name: str) -> bool:
     raise AFDConfigError(f"{name} must be a bool, got {type(value).__name__} {value!r}"[:200])
 
 
-def canonical_strides(t: torch.Tensor | None) -> torch.Tensor | None:
-    """``t`` with the row-major strides of its shape (a view of the same memory; no copy).
-
-    torch calls a tensor contiguous when only its size-1 dimensions have odd
-    strides (``ids2d[:, 0]`` of a one-token ``[1, 2]`` tensor has stride 2);
-    the wire views it as bytes, which needs the last stride to be 1. For such a
-    tensor the strides of size-1 dimensions address nothing, so restriding is exact.
-    """
-    if t is None or not t.is_contiguous():
-        return t
-    want, acc = [], 1
-    for n in reversed(t.shape):
-        want.append(acc)
-        acc *= max(int(n), 1)
-    want.reverse()
-    return t if tuple(t.stride()) == tuple(want) else t.as_strided(t.shape, want)
-
-
 @dataclass(slots=True)
 class AfdExtTransferState(AFDTransferState):
     """Which exchange a context belongs to (carried from ``recv_attn_output`` to ``send_ffn_output``).
@@ -166,6 +148,7 @@ class Step:
         schedule: the step's :class:`~afd_ext.schedule.StepSchedule`.
         strict: strict-mode headers on this step (off for captured / replayed steps).
         bufs: per stage, this rank's buffers (taken when the payload is applied).
+        wire: per stage, an FFN rank's fan-in targets in wire order (``bufs`` of ``schedule.config.wire_parts``).
         pending: per stage, attention sends awaiting their reply, oldest first.
     """
 
@@ -173,6 +156,7 @@ class Step:
     schedule: StepSchedule
     strict: bool
     bufs: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    wire: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     pending: dict[int, deque] = field(default_factory=dict)
 
     @property

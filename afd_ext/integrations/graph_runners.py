@@ -171,7 +171,7 @@ class AttentionGraphRunner:
     def _dummy_layer(self, static, layer: int) -> None:
         for s in sorted(static):
             b = static[s]
-            self.exchange.send_recv(layer, s, b["hidden"], b["router_logits"], b["token_ids"])
+            self.exchange.send_recv(layer, s, b["hidden"], b.get("router_logits"), b.get("token_ids"))
 
     def exchange_rows(self, layer_idx: int, rows: torch.Tensor, router_logits: torch.Tensor | None,
                       token_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -192,11 +192,11 @@ class AttentionGraphRunner:
         for s, n in zip(sorted(static), stage_rows):
             b = static[s]
             pad_rows_into(rows[start:start + n], b["hidden"])
-            if b["router_logits"] is not None:
+            if "router_logits" in b:
                 if router_logits is None:
                     raise AFDConfigError(f"layer {layer_idx}: router logits are configured but none were given")
                 pad_rows_into(router_logits[start:start + n].to(b["router_logits"].dtype), b["router_logits"])
-            if b["token_ids"] is not None:
+            if "token_ids" in b:
                 if token_ids is None:
                     raise AFDConfigError(f"layer {layer_idx}: token ids are configured but none were given")
                 pad_rows_into(token_ids[start:start + n].to(torch.int32), b["token_ids"])

@@ -7,10 +7,12 @@ step sequence, offsets, fan-in order, buffers, the control plane) lives once in
 methods declared on :class:`Transport`; a transport is built by name through
 :func:`afd_ext.transport.create_transport` from one :class:`TransportSetup`.
 
-Two calls carry all data traffic of a step:
+Two calls carry all data traffic of a step, each on a list of tensors: the
+wire parts in wire order (:mod:`afd_ext.wire` states them; a transport never
+names one):
 
-* :meth:`Transport.split_back` sends ``rows[i]`` consecutive rows of one or
-  more tensors to ``peers[i]`` (attention -> its FFN peers, and the FFN side
+* :meth:`Transport.split_back` sends ``rows[i]`` consecutive rows of every
+  tensor to ``peers[i]`` (attention -> its FFN peers, and the FFN side
   returning each attention peer its rows of the output).
 * :meth:`Transport.fan_in` receives ``rows[i]`` rows from ``peers[i]`` into
   consecutive row ranges of caller-owned tensors.
@@ -71,7 +73,6 @@ __all__ = [
     "PeerMap",
     "PendingSend",
     "row_offsets",
-    "wire_split",
 ]
 
 
@@ -122,17 +123,6 @@ def row_offsets(rows: Sequence[int]) -> list[int]:
         out.append(off)
         off += int(r)
     return out
-
-
-def wire_split(tensors: Sequence[torch.Tensor | None]) -> tuple[Any, Any, Any, Any]:
-    """``(hidden, hidden_scales, router_logits, token_ids)`` of a tuple in wire order (None where absent).
-
-    FP8 values (``float8_e4m3fn``) are followed by their scales (:attr:`~afd_ext.schedule.ScheduleConfig.wire_parts`).
-    """
-    t = list(tensors)
-    scales, rest = (t[1], t[2:]) if t and t[0] is not None and t[0].dtype == torch.float8_e4m3fn else (None, t[1:])
-    rest = rest + [None] * (2 - len(rest))
-    return t[0], scales, rest[0], rest[1]
 
 
 class PendingSend:
@@ -275,8 +265,8 @@ class Transport(abc.ABC):
     kind: str = "?"
     device_type: str = "cpu"
     #: Attention -> FFN hidden states travel as FP8 (docs/fp8.md): set by :func:`afd_ext.transport.create_transport`
-    #: from the setup's schedule config. The attention side's ``split_back`` then quantizes the
-    #: bf16 hidden states in its send path; the FFN side's ``fan_in`` receives the wire tuple.
+    #: from the setup's schedule config. The attention side's a2f ``split_back`` then quantizes its first
+    #: (bf16) tensor into the first two parts (values, scales); the FFN side's ``fan_in`` receives the parts.
     fp8: bool = False
     #: Byte alignment the transport's FP8 quantization needs of the bf16 hidden states' first row
     #: (1: none; the CUDA kernels read 8 bytes at a time), checked with the other input checks.
@@ -344,10 +334,10 @@ class Transport(abc.ABC):
         """Send ``rows[i]`` consecutive rows of every tensor to ``peers[i]``.
 
         Args:
-            tensors: ``(hidden_states, router_logits|None, token_ids|None)``;
-                contiguous, on :attr:`device`, leading dim ``sum(rows)``. Not
+            tensors: the wire parts, a list in wire order (a2f: the attention caller's parts; f2a:
+                ``[ffn_output]``); contiguous, on :attr:`device`, leading dim ``sum(rows)``. Not
                 modified (device transports may declare them mutated for the compiler).
-                With :attr:`fp8` an attention rank's bf16 hidden states are quantized on the way.
+                With :attr:`fp8` an attention rank's first (bf16) tensor is quantized on the way.
             peers: role ranks of the other role, in range order.
             rows: rows per peer (>= 0; zero-row peers are skipped).
             tag: the exchange (``tag.stage`` picks the stage's stream, if any).
@@ -372,12 +362,12 @@ class Transport(abc.ABC):
         for strict-mode headers, which the host reads).
 
         Args:
-            tensors: receive targets (mutated), in wire order (:func:`wire_split`): with
-                :attr:`fp8`, an FFN rank's are ``(values, scales, router_logits|None, token_ids|None)``.
+            tensors: receive targets (mutated), a list in wire order (with :attr:`fp8`, an FFN
+                rank's first two are the FP8 values and their scales).
             peers, rows, tag: as in :meth:`split_back`.
             wait: return only once the data is in the tensors.
-            dequant: FP8 fan-in only: also write the dequantized bf16 hidden states
-                ``[sum(rows), hidden]`` here, in the fan-in (docs/fp8.md).
+            dequant: FP8 fan-in only: also write ``tensors[0]`` dequantized with ``tensors[1]``
+                (bf16 ``[sum(rows), hidden]``) here, in the fan-in (docs/fp8.md).
 
         Raises:
             AFDTransportError / StepAbortedError: see the module doc.

@@ -154,6 +154,8 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     """A uint8 view of a contiguous tensor (gloo then needs no dtype support, e.g. for fp8)."""
     if t.dim() == 0:
         t = t.reshape(1)
+    elif t.stride(-1) != 1:  # torch calls [n, 1] with an odd last stride contiguous; a byte view needs 1
+        t = t.as_strided(t.shape, t.stride()[:-1] + (1,))
     return t.view(torch.uint8) if t.dtype != torch.uint8 else t
 
 
@@ -354,8 +356,7 @@ class GlooTransport(Transport):
     def split_back(self, tensors, peers, rows, *, tag: MessageTag) -> PendingSend:
         self._check_open(tag)
         if self.fp8 and tag.direction == "a2f" and self.peers.role == "attention":
-            tensors = fp8.quantize(tensors[0]) + tuple(tensors[1:])  # the rule, on CPU; gloo moves the bytes
-        msgs = [t for t in tensors if t is not None]
+            tensors = list(fp8.quantize(tensors[0])) + list(tensors[1:])  # the rule, on CPU; gloo moves the bytes
         gtag = _TAGS[tag.direction]
         works: list[Any] = []
         keep: list[torch.Tensor] = []
@@ -376,7 +377,7 @@ class GlooTransport(Transport):
                 if mine is None:
                     mine = []
                     by_peer.append((names[-1], mine))
-                for t in msgs:
+                for t in tensors:
                     view = _bytes(t.narrow(0, off, r))
                     keep.append(view)
                     w = self._pg.send([view], dst, gtag)
@@ -402,7 +403,6 @@ class GlooTransport(Transport):
         self._check_open(tag)
         if self._rows_step is not None and tag.direction == "a2f" and self.peers.role == "ffn":
             self._check_rows(tag)
-        msgs = [t for t in tensors if t is not None]
         gtag = _TAGS[tag.direction]
         live = [(p, off, r) for p, off, r in zip(peers, row_offsets(rows), rows) if r > 0]
         if not live:
@@ -413,7 +413,7 @@ class GlooTransport(Transport):
         try:
             for name, (p, off, r) in zip(names, live):
                 src = self.peers.peer_world_rank(p)
-                mine = [self._pg.recv([_bytes(t.narrow(0, off, r))], src, gtag) for t in msgs]
+                mine = [self._pg.recv([_bytes(t.narrow(0, off, r))], src, gtag) for t in tensors]
                 by_peer.append((name, mine))
                 works.extend(mine)
         except RuntimeError as e:  # posting a receive on a pair the peer already closed

@@ -75,6 +75,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from .. import fp8
 from ..watchdog import Watchdog, host_wait
 from ..errors import AFDConfigError, AFDStateError
 from .base import (
@@ -86,7 +87,6 @@ from .base import (
     StepProgress,
     Transport,
     TransportSetup,
-    wire_split,
 )
 from .signal import AbortSignal
 from .stall import StallReports
@@ -573,19 +573,18 @@ class NcclTransport(Transport):
         if not live:
             return PendingSend()
         comms = [self._comm(p, tag.direction) for p in peers]
-        full = list(tensors) + [None] * (3 - len(tensors))
-        scales = None
+        keep = None
         with self._stages.on(tag.stage):
             if self.fp8 and tag.direction == "a2f" and self.peers.role == "attention":
                 # One quantize kernel writes the send buffers (stage-stream memory, kept until the reply).
-                h = full[0]
-                full[0] = torch.empty(h.shape, dtype=torch.float8_e4m3fn, device=h.device)
-                scales = torch.empty((h.shape[0], h.shape[1] // 128), dtype=torch.float32, device=h.device)
-                self._ops.fp8_quantize(h, full[0], scales)
-            self._ops.split_back(full[0], full[1], full[2], comms, [self._peer_index()] * len(peers), list(rows),
-                                 scales)
+                h = tensors[0]
+                keep = [torch.empty(h.shape, dtype=torch.float8_e4m3fn, device=h.device),
+                        torch.empty((h.shape[0], h.shape[1] // fp8.GROUP), dtype=torch.float32, device=h.device)]
+                self._ops.fp8_quantize(h, keep[0], keep[1])
+                tensors = keep + list(tensors[1:])
+            self._ops.split_back(tensors, comms, [self._peer_index()] * len(peers), rows)
             self._track("send (split-back)", live, tag)
-        return PendingSend(keep=None if scales is None else (full[0], scales))
+        return PendingSend(keep=keep)
 
     def fan_in(self, tensors, peers, rows, *, tag: MessageTag, wait: bool = False, dequant=None) -> None:
         self.check_health(tag)
@@ -593,11 +592,10 @@ class NcclTransport(Transport):
         if not live:
             return
         comms = [self._comm(p, tag.direction) for p in peers]
-        h, scales, logits, ids = wire_split(tensors)
         with self._stages.on(tag.stage):
-            self._ops.fan_in(h, logits, ids, comms, [self._peer_index()] * len(peers), list(rows), scales)
+            self._ops.fan_in(tensors, comms, [self._peer_index()] * len(peers), rows)
             if dequant is not None:  # the fan-in's bf16 output: one kernel after the receive, same stream
-                self._ops.fp8_dequantize(h, scales, dequant)
+                self._ops.fp8_dequantize(tensors[0], tensors[1], dequant)
             if wait:
                 ev = torch.cuda.Event()
                 ev.record()

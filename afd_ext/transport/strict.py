@@ -4,7 +4,7 @@
 (chosen at construction: the connector builds one when ``strict`` is
 configured and uses it for eager steps). Before each data call it moves one
 ``int64[K, HEADER_WORDS]`` block per (peer, exchange) over the same transport,
-row ``k`` describing data message ``k`` (which tensor, dtype, rows, columns,
+row ``k`` describing data message ``k`` (its part index, dtype, rows, columns,
 layer, stage, sender, receiver). The receiver waits for the headers on the
 host (bounded: ``fan_in(wait=True)``) and checks them before it posts the data
 receive, so a mis-ordered or mis-sized message is an
@@ -24,27 +24,15 @@ from ..spec import dtype_code, dtype_from_code
 from ..topology import step_words
 from .base import AFDProtocolError, MessageTag, PendingSend, Transport, TransportSetup
 
-__all__ = [
-    "HEADER_WORDS", "HEADER_MAGIC", "HEADER_VERSION", "TENSOR_HIDDEN", "TENSOR_LOGITS", "TENSOR_IDS",
-    "TENSOR_NAMES", "StrictTransport", "message_tensors", "encode_headers", "check_headers",
-]
+__all__ = ["HEADER_WORDS", "HEADER_MAGIC", "HEADER_VERSION", "StrictTransport", "encode_headers", "check_headers"]
 
 #: int64 words per header row.
 HEADER_WORDS = 16
 #: ``b"AFDH"`` as an int.
 HEADER_MAGIC = 0x41464448
-#: Bump when the header layout changes (checked in the init handshake).
-HEADER_VERSION = 1
-
-TENSOR_HIDDEN = 0
-TENSOR_LOGITS = 1
-TENSOR_IDS = 2
-#: Tensor ids in wire order (ScheduleConfig.wire_parts); an FP8 hidden state's scales take the next id.
-TENSOR_NAMES = {
-    TENSOR_HIDDEN: "hidden_states",
-    TENSOR_LOGITS: "router_logits",
-    TENSOR_IDS: "token_ids",
-}
+#: Bump when the header layout changes (checked in the init handshake). 2: the tensor word is the
+#: part's index in the exchange's list (wire order), not a fixed id per kind of tensor.
+HEADER_VERSION = 2
 
 _DIRECTION_CODES = {"a2f": 0, "f2a": 1}
 _CODE_DIRECTIONS = {v: k for k, v in _DIRECTION_CODES.items()}
@@ -54,31 +42,23 @@ _W_MAGIC, _W_VERSION, _W_DIRECTION, _W_SENDER, _W_RECEIVER, _W_STEP, _W_LAYER, _
 _W_TENSOR, _W_DTYPE, _W_ROWS, _W_COLS, _W_INDEX, _W_COUNT, _W_LAYER_IDX, _W_RESERVED = range(8, 16)
 
 
-def message_tensors(tensors: Sequence[torch.Tensor | None]) -> list[tuple[int, torch.Tensor]]:
-    """The data messages of one exchange: ``[(tensor id, tensor), ...]`` for the non-``None`` tensors.
-
-    ``tensors`` is ``(hidden_states, router_logits|None, token_ids|None)``.
-    """
-    return [(tid, t) for tid, t in zip((TENSOR_HIDDEN, TENSOR_LOGITS, TENSOR_IDS), tensors) if t is not None]
-
-
 def _cols(t: torch.Tensor) -> int:
     return int(t.shape[1]) if t.dim() >= 2 else 1
 
 
 def encode_headers(tag: MessageTag, sender: int, receiver: int, rows: int,
-                   messages: Sequence[tuple[int, torch.Tensor]]) -> torch.Tensor:
+                   messages: Sequence[torch.Tensor]) -> torch.Tensor:
     """The header block of one (peer, exchange): CPU ``int64[len(messages), HEADER_WORDS]``.
 
     Args:
         tag: the exchange.
         sender: world rank of the sender; receiver: world rank of the receiver.
         rows: rows of every message to this peer.
-        messages: ``[(tensor id, full tensor), ...]`` (dtype and columns are read from them).
+        messages: the exchange's tensors, in wire order (dtype and columns are read from them).
     """
     # Python lists, one tensor at the end: element-wise tensor writes cost ~90 us per call.
     out = []
-    for k, (tid, t) in enumerate(messages):
+    for k, t in enumerate(messages):
         row = [0] * HEADER_WORDS
         row[_W_MAGIC] = HEADER_MAGIC
         row[_W_VERSION] = HEADER_VERSION
@@ -88,7 +68,7 @@ def encode_headers(tag: MessageTag, sender: int, receiver: int, rows: int,
         row[_W_STEP] = tag.user_step if tag.user_step >= 0 else tag.step  # as messages name it
         row[_W_LAYER] = tag.layer
         row[_W_STAGE] = tag.stage
-        row[_W_TENSOR] = tid
+        row[_W_TENSOR] = k
         row[_W_DTYPE] = dtype_code(t.dtype)
         row[_W_ROWS] = rows
         row[_W_COLS] = _cols(t)
@@ -100,9 +80,8 @@ def encode_headers(tag: MessageTag, sender: int, receiver: int, rows: int,
 
 
 def _describe_header(row: Sequence[int], label) -> str:
-    tid = int(row[_W_TENSOR])
     return (
-        f"{_CODE_DIRECTIONS.get(int(row[_W_DIRECTION]), '?')} {TENSOR_NAMES.get(tid, f'tensor {tid}')} "
+        f"{_CODE_DIRECTIONS.get(int(row[_W_DIRECTION]), '?')} part {int(row[_W_TENSOR])} "
         f"[{int(row[_W_ROWS])}, {int(row[_W_COLS])}] {dtype_from_code(row[_W_DTYPE])}, "
         f"{step_words(int(row[_W_STEP]))}, layer {int(row[_W_LAYER])}, stage {int(row[_W_STAGE])}, "
         f"message {int(row[_W_INDEX])} of {int(row[_W_COUNT])}, from {label(int(row[_W_SENDER]))} "
@@ -184,11 +163,10 @@ class StrictTransport(Transport):
         if not live or _capturing(self.device):
             return self.inner.split_back(tensors, peers, rows, tag=tag)
         self.inner.check_health(tag)
-        msgs = message_tensors(tensors)
         pm = self.peers
-        hdr = torch.cat([encode_headers(tag, pm.world_rank, pm.peer_world_rank(p), r, msgs) for p, r in live])
+        hdr = torch.cat([encode_headers(tag, pm.world_rank, pm.peer_world_rank(p), r, tensors) for p, r in live])
         hdr = hdr.to(self.device)
-        head = self.inner.split_back((hdr, None, None), [p for p, _ in live], [len(msgs)] * len(live), tag=tag)
+        head = self.inner.split_back([hdr], [p for p, _ in live], [len(tensors)] * len(live), tag=tag)
         data = self.inner.split_back(tensors, peers, rows, tag=tag)
 
         def both() -> None:
@@ -201,15 +179,14 @@ class StrictTransport(Transport):
         live = [(p, r) for p, r in zip(peers, rows) if r > 0]
         if live and not _capturing(self.device):
             self.inner.check_health(tag)
-            msgs = message_tensors(tensors)
-            k = len(msgs)
+            k = len(tensors)
             hdr = torch.empty(len(live) * k, HEADER_WORDS, dtype=torch.int64, device=self.device)
-            self.inner.fan_in((hdr, None, None), [p for p, _ in live], [k] * len(live), tag=tag, wait=True)
+            self.inner.fan_in([hdr], [p for p, _ in live], [k] * len(live), tag=tag, wait=True)
             got = hdr.cpu()
             pm = self.peers
             for i, (p, r) in enumerate(live):
                 src = pm.peer_world_rank(p)
-                check_headers(got[i * k:(i + 1) * k], encode_headers(tag, src, pm.world_rank, r, msgs), tag=tag,
+                check_headers(got[i * k:(i + 1) * k], encode_headers(tag, src, pm.world_rank, r, tensors), tag=tag,
                               receiver_label=pm.me, sender_label=pm.label(src), label=pm.label)
         self.inner.fan_in(tensors, peers, rows, tag=tag, wait=wait)
 

@@ -16,12 +16,8 @@ namespace {
 
 void send_cpu(const at::Tensor&, int64_t, int64_t) { reject_cpu("send"); }
 void recv_cpu(const at::Tensor&, int64_t, int64_t) { reject_cpu("recv"); }
-void fan_in_cpu(const at::Tensor&, const OptTensor&, const OptTensor&, c10::IntArrayRef,
-                c10::IntArrayRef, c10::IntArrayRef, const OptTensor&) {
-  reject_cpu("fan_in");
-}
-void split_back_cpu(const at::Tensor&, const OptTensor&, const OptTensor&, c10::IntArrayRef,
-                    c10::IntArrayRef, c10::IntArrayRef, const OptTensor&) {
+void fan_in_cpu(at::TensorList, c10::IntArrayRef, c10::IntArrayRef, c10::IntArrayRef) { reject_cpu("fan_in"); }
+void split_back_cpu(at::TensorList, c10::IntArrayRef, c10::IntArrayRef, c10::IntArrayRef) {
   reject_cpu("split_back");
 }
 

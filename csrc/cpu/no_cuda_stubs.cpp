@@ -14,12 +14,8 @@ namespace {
 
 void send_no_cuda(const at::Tensor&, int64_t, int64_t) { no_cuda("send"); }
 void recv_no_cuda(const at::Tensor&, int64_t, int64_t) { no_cuda("recv"); }
-void fan_in_no_cuda(const at::Tensor&, const OptTensor&, const OptTensor&, c10::IntArrayRef,
-                    c10::IntArrayRef, c10::IntArrayRef, const OptTensor&) {
-  no_cuda("fan_in");
-}
-void split_back_no_cuda(const at::Tensor&, const OptTensor&, const OptTensor&,
-                        c10::IntArrayRef, c10::IntArrayRef, c10::IntArrayRef, const OptTensor&) {
+void fan_in_no_cuda(at::TensorList, c10::IntArrayRef, c10::IntArrayRef, c10::IntArrayRef) { no_cuda("fan_in"); }
+void split_back_no_cuda(at::TensorList, c10::IntArrayRef, c10::IntArrayRef, c10::IntArrayRef) {
   no_cuda("split_back");
 }
 

@@ -14,15 +14,13 @@ namespace {
                     "the peer-memory plane is unavailable");
 }
 
-void peer_put_cpu(const at::Tensor&, const OptTensor&, const OptTensor&, int64_t, int64_t,
-                  c10::IntArrayRef, c10::IntArrayRef, c10::IntArrayRef, c10::IntArrayRef,
-                  c10::IntArrayRef, bool) {
+void peer_put_cpu(at::TensorList, int64_t, int64_t, c10::IntArrayRef, c10::IntArrayRef, c10::IntArrayRef,
+                  c10::IntArrayRef, c10::IntArrayRef, bool) {
   reject_cpu("peer_put");
 }
 
-void peer_wait_cpu(const at::Tensor&, const OptTensor&, const OptTensor&, const OptTensor&,
-                   int64_t, int64_t, int64_t, c10::IntArrayRef, c10::IntArrayRef, int64_t, int64_t,
-                   int64_t, int64_t, const OptTensor&) {
+void peer_wait_cpu(at::TensorList, const OptTensor&, int64_t, int64_t, int64_t, c10::IntArrayRef,
+                   c10::IntArrayRef, int64_t, int64_t, int64_t, int64_t, bool) {
   reject_cpu("peer_wait");
 }
 

@@ -14,15 +14,13 @@ namespace {
   throw_no_cuda(op, "the peer-memory plane is unavailable");
 }
 
-void peer_put_no_cuda(const at::Tensor&, const OptTensor&, const OptTensor&, int64_t, int64_t,
-                      c10::IntArrayRef, c10::IntArrayRef, c10::IntArrayRef, c10::IntArrayRef,
-                      c10::IntArrayRef, bool) {
+void peer_put_no_cuda(at::TensorList, int64_t, int64_t, c10::IntArrayRef, c10::IntArrayRef, c10::IntArrayRef,
+                      c10::IntArrayRef, c10::IntArrayRef, bool) {
   no_cuda("peer_put");
 }
 
-void peer_wait_no_cuda(const at::Tensor&, const OptTensor&, const OptTensor&, const OptTensor&,
-                       int64_t, int64_t, int64_t, c10::IntArrayRef, c10::IntArrayRef, int64_t,
-                       int64_t, int64_t, int64_t, const OptTensor&) {
+void peer_wait_no_cuda(at::TensorList, const OptTensor&, int64_t, int64_t, int64_t, c10::IntArrayRef,
+                       c10::IntArrayRef, int64_t, int64_t, int64_t, int64_t, bool) {
   no_cuda("peer_wait");
 }
 

@@ -10,6 +10,7 @@
 #include <torch/library.h>
 
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "../checks.h"
@@ -79,33 +80,13 @@ void check_tensor(const char* op, const char* name, const at::Tensor& t, int dev
   }
 }
 
-// Wire tensors of fan_in / split_back, in the order they travel (FP8 scales right after hidden).
-std::vector<at::Tensor> wire_tensors(const char* op, const at::Tensor& hidden_states,
-                                     const OptTensor& router_logits, const OptTensor& token_ids,
-                                     const OptTensor& hidden_scales, int device, int64_t rows) {
-  std::vector<at::Tensor> ts;
-  check_tensor(op, "hidden_states", hidden_states, device, rows, true);
-  ts.push_back(hidden_states);
-  if (hidden_scales.has_value()) {
-    check_tensor(op, "hidden_scales", *hidden_scales, device, rows, true);
-    TORCH_CHECK_TYPE(hidden_states.scalar_type() == c10::ScalarType::Float8_e4m3fn &&
-                         hidden_scales->scalar_type() == c10::ScalarType::Float,
-                     "afd_ext.", op, ": hidden_scales go with float8_e4m3fn hidden_states and are "
-                     "float32, got ", hidden_states.scalar_type(), " and ", hidden_scales->scalar_type());
-    ts.push_back(*hidden_scales);
+// The wire parts of fan_in / split_back, in the order they travel: device, dtype class and layout
+// here (afd_ext/wire.py states which parts there are; the schedule checks their rows and dtypes).
+void check_parts(const char* op, at::TensorList ts, int device, int64_t rows) {
+  for (size_t k = 0; k < ts.size(); ++k) {
+    const std::string name = "tensors[" + std::to_string(k) + "]";
+    check_tensor(op, name.c_str(), ts[k], device, rows, true);
   }
-  if (router_logits.has_value()) {
-    check_tensor(op, "router_logits", *router_logits, device, rows, true);
-    ts.push_back(*router_logits);
-  }
-  if (token_ids.has_value()) {
-    check_tensor(op, "token_ids", *token_ids, device, rows, true);
-    TORCH_CHECK_TYPE(token_ids->scalar_type() == c10::ScalarType::Int, "afd_ext.", op,
-                ": token_ids must be int32, got ", token_ids->scalar_type(),
-                "; cast with .to(torch.int32)");
-    ts.push_back(*token_ids);
-  }
-  return ts;
 }
 
 enum class Dir { kSend, kRecv };
@@ -119,8 +100,7 @@ struct P2p {
 };
 
 // Appends one message per (edge, tensor) with bytes > 0, in edge order.
-void plan(std::vector<P2p>& out, Dir dir, const std::vector<Edge>& edges,
-          const std::vector<at::Tensor>& ts) {
+void plan(std::vector<P2p>& out, Dir dir, const std::vector<Edge>& edges, at::TensorList ts) {
   for (const auto& e : edges) {
     if (e.rows == 0) continue;
     for (const auto& t : ts) {
@@ -187,41 +167,34 @@ void recv_cuda(const at::Tensor& t, int64_t comm, int64_t peer) {
 
 namespace {
 
-void grouped(const char* op, Dir dir, const at::Tensor& hidden_states,
-             const OptTensor& router_logits, const OptTensor& token_ids,
-             c10::IntArrayRef comms, c10::IntArrayRef peers, c10::IntArrayRef rows,
-             const OptTensor& hidden_scales) {
+void grouped(const char* op, Dir dir, at::TensorList tensors, c10::IntArrayRef comms, c10::IntArrayRef peers,
+             c10::IntArrayRef rows) {
   int device = -1;
   auto edges = resolve_edges(op, "comms", comms, peers, rows, &device);
   if (edges.empty()) {
     // No peer: nothing to move, but the tensors must still be empty.
-    TORCH_CHECK_VALUE(hidden_states.dim() >= 1 && hidden_states.size(0) == 0, "afd_ext.", op,
-                ": no peers given but hidden_states has shape ", hidden_states.sizes(),
-                " (expected 0 rows)");
+    for (size_t k = 0; k < tensors.size(); ++k) {
+      TORCH_CHECK_VALUE(tensors[k].dim() >= 1 && tensors[k].size(0) == 0, "afd_ext.", op,
+                        ": no peers given but tensors[", k, "] has shape ", tensors[k].sizes(), " (expected 0 rows)");
+    }
     return;
   }
-  auto ts = wire_tensors(op, hidden_states, router_logits, token_ids, hidden_scales, device,
-                         total_rows(edges));
+  check_parts(op, tensors, device, total_rows(edges));
   std::vector<P2p> msgs;
-  msgs.reserve(edges.size() * ts.size());
-  plan(msgs, dir, edges, ts);
+  msgs.reserve(edges.size() * tensors.size());
+  plan(msgs, dir, edges, tensors);
   launch(op, device, msgs);
 }
 
 }  // namespace
 
-void fan_in_cuda(const at::Tensor& hidden_states, const OptTensor& router_logits,
-                 const OptTensor& token_ids, c10::IntArrayRef comms, c10::IntArrayRef peers,
-                 c10::IntArrayRef rows, const OptTensor& hidden_scales) {
-  grouped("fan_in", Dir::kRecv, hidden_states, router_logits, token_ids, comms, peers, rows,
-          hidden_scales);
+void fan_in_cuda(at::TensorList tensors, c10::IntArrayRef comms, c10::IntArrayRef peers, c10::IntArrayRef rows) {
+  grouped("fan_in", Dir::kRecv, tensors, comms, peers, rows);
 }
 
-void split_back_cuda(const at::Tensor& hidden_states, const OptTensor& router_logits,
-                     const OptTensor& token_ids, c10::IntArrayRef comms,
-                     c10::IntArrayRef peers, c10::IntArrayRef rows, const OptTensor& hidden_scales) {
-  grouped("split_back", Dir::kSend, hidden_states, router_logits, token_ids, comms, peers, rows,
-          hidden_scales);
+void split_back_cuda(at::TensorList tensors, c10::IntArrayRef comms, c10::IntArrayRef peers,
+                     c10::IntArrayRef rows) {
+  grouped("split_back", Dir::kSend, tensors, comms, peers, rows);
 }
 
 namespace {

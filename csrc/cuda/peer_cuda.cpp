@@ -437,10 +437,9 @@ at::Tensor peer_region_view(int64_t region, int64_t offset, int64_t nbytes) {
 
 // ------------------------------------------------------------------ data ops
 
-void peer_put_cuda(const at::Tensor& hidden_states, const OptTensor& router_logits,
-                   const OptTensor& token_ids, int64_t plane, int64_t slot,
-                   c10::IntArrayRef regions, c10::IntArrayRef rows, c10::IntArrayRef dst_rows,
-                   c10::IntArrayRef part_offsets, c10::IntArrayRef flag_offsets, bool quantize_hidden) {
+void peer_put_cuda(at::TensorList ts, int64_t plane, int64_t slot, c10::IntArrayRef regions,
+                   c10::IntArrayRef rows, c10::IntArrayRef dst_rows, c10::IntArrayRef part_offsets,
+                   c10::IntArrayRef flag_offsets, bool quantize_first) {
   const char* op = "peer_put";
   const size_t n = regions.size();
   TORCH_CHECK(rows.size() == n && dst_rows.size() == n && flag_offsets.size() == n, "afd_ext.", op,
@@ -465,47 +464,40 @@ void peer_put_cuda(const at::Tensor& hidden_states, const OptTensor& router_logi
                 " and dst_rows[", i, "]=", dst_rows[i], " must be >= 0");
     total += rows[i];
   }
-  std::vector<const at::Tensor*> ts{&hidden_states};
-  const char* names[kPeerMaxParts] = {"hidden_states", "router_logits", "token_ids"};
-  std::vector<const char*> tnames{names[0]};
-  if (router_logits.has_value()) ts.push_back(&*router_logits), tnames.push_back(names[1]);
-  if (token_ids.has_value()) {
-    TORCH_CHECK(token_ids->scalar_type() == at::kInt, "afd_ext.", op,
-                ": token_ids must be int32, got ", token_ids->scalar_type());
-    ts.push_back(&*token_ids), tnames.push_back(names[2]);
-  }
-  // Quantizing: the hidden states take two parts (values, then scales).
-  const size_t q = quantize_hidden ? 1 : 0;
+  // Quantizing: the first tensor takes two parts (values, then scales).
+  const size_t q = quantize_first ? 1 : 0;
+  TORCH_CHECK(!ts.empty() && ts.size() + q <= static_cast<size_t>(kPeerMaxParts), "afd_ext.", op, ": ", ts.size(),
+              " tensors given; a put moves 1 to ", kPeerMaxParts, " parts (FP8 values and scales count two)");
   TORCH_CHECK(part_offsets.size() == ts.size() + q, "afd_ext.", op, ": part_offsets has ",
               part_offsets.size(), " entries but ", ts.size() + q,
-              " wire parts travel (one byte offset per part, in order; FP8 scales right after hidden)");
-  if (quantize_hidden) {
-    TORCH_CHECK(hidden_states.scalar_type() == at::kBFloat16 && hidden_states.dim() == 2 &&
-                    hidden_states.size(1) % kFp8Group == 0 &&
-                    reinterpret_cast<uintptr_t>(hidden_states.data_ptr()) % 8 == 0,
-                "afd_ext.", op, ": quantize_hidden needs 8-byte aligned bfloat16 hidden states [T, H] "
-                "with H a multiple of ", kFp8Group, ", got ", hidden_states.scalar_type(), " ",
-                hidden_states.sizes());
+              " wire parts travel (one byte offset per part, in order; FP8 scales right after their values)");
+  const at::Tensor& first = ts[0];
+  if (quantize_first) {
+    TORCH_CHECK(first.scalar_type() == at::kBFloat16 && first.dim() == 2 && first.size(1) % kFp8Group == 0 &&
+                    reinterpret_cast<uintptr_t>(first.data_ptr()) % 8 == 0,
+                "afd_ext.", op, ": quantize_first needs an 8-byte aligned bfloat16 tensors[0] [T, H] "
+                "with H a multiple of ", kFp8Group, ", got ", first.scalar_type(), " ", first.sizes());
   }
   PeerPutArgs a{};
   a.plane = pl->dev;
   a.slot = static_cast<int>(slot);
   a.npeers = static_cast<int>(n);
   a.nparts = static_cast<int>(ts.size());
-  a.quant = quantize_hidden ? 1 : 0;
-  a.scales_off = quantize_hidden ? part_offsets[1] : 0;
+  a.quant = quantize_first ? 1 : 0;
+  a.scales_off = quantize_first ? part_offsets[1] : 0;
   // Destination bytes per row of each part (values: 1 byte per channel; scales: 4 per group).
   std::vector<int64_t> dst_rb;
   std::vector<int64_t> dst_off;
   for (size_t k = 0; k < ts.size(); ++k) {
-    check_wire(op, tnames[k], *ts[k], pl->device, total);
-    a.src[k] = static_cast<const char*>(ts[k]->data_ptr());
-    a.row_bytes[k] = row_bytes_of(*ts[k]);
+    const std::string name = "tensors[" + std::to_string(k) + "]";
+    check_wire(op, name.c_str(), ts[k], pl->device, total);
+    a.src[k] = static_cast<const char*>(ts[k].data_ptr());
+    a.row_bytes[k] = row_bytes_of(ts[k]);
     a.part_off[k] = part_offsets[k == 0 ? 0 : k + q];
-    dst_rb.push_back(k == 0 && q ? hidden_states.size(1) : a.row_bytes[k]);
+    dst_rb.push_back(k == 0 && q ? first.size(1) : a.row_bytes[k]);
     dst_off.push_back(a.part_off[k]);
     if (k == 0 && q) {
-      dst_rb.push_back(hidden_states.size(1) / kFp8Group * 4);
+      dst_rb.push_back(first.size(1) / kFp8Group * 4);
       dst_off.push_back(a.scales_off);
     }
   }
@@ -531,8 +523,8 @@ void peer_put_cuda(const at::Tensor& hidden_states, const OptTensor& router_logi
     a.src_row[i] = 0;
     a.dst_row[i] = dst_rows[i];
   }
-  int64_t first = 0;
-  for (size_t i = 0; i < n; ++i) a.src_row[i] = first, first += rows[i];
+  int64_t src_row = 0;
+  for (size_t i = 0; i < n; ++i) a.src_row[i] = src_row, src_row += rows[i];
   const auto dev = static_cast<c10::DeviceIndex>(pl->device);
   c10::cuda::CUDAGuard guard(dev);
   const int err = peer_put_launch(a, 2 * pl->sm_count, c10::cuda::getCurrentCUDAStream(dev).stream());
@@ -542,11 +534,9 @@ void peer_put_cuda(const at::Tensor& hidden_states, const OptTensor& router_logi
   }
 }
 
-void peer_wait_cuda(const at::Tensor& hidden_states, const OptTensor& router_logits,
-                    const OptTensor& token_ids, const OptTensor& out, int64_t plane, int64_t slot,
-                    int64_t region, c10::IntArrayRef flag_offsets, c10::IntArrayRef peers,
-                    int64_t op_code, int64_t layer, int64_t stage, int64_t timeout_ns,
-                    const OptTensor& hidden_scales) {
+void peer_wait_cuda(at::TensorList ts, const OptTensor& out, int64_t plane, int64_t slot, int64_t region,
+                    c10::IntArrayRef flag_offsets, c10::IntArrayRef peers, int64_t op_code, int64_t layer,
+                    int64_t stage, int64_t timeout_ns, bool dequantize) {
   const char* op = "peer_wait";
   const size_t n = flag_offsets.size();
   TORCH_CHECK(peers.size() == n, "afd_ext.", op,
@@ -568,9 +558,12 @@ void peer_wait_cuda(const at::Tensor& hidden_states, const OptTensor& router_log
   TORCH_CHECK(timeout_ns > 0, "afd_ext.", op, ": timeout_ns must be > 0, got ", timeout_ns);
   TORCH_CHECK(mem->device == pl->device, "afd_ext.", op, ": the flags' region is on cuda:", mem->device,
               " but the plane is on cuda:", pl->device, "; a plane waits in its own region");
-  check_on(op, "hidden_states", hidden_states, pl->device);
-  if (router_logits.has_value()) check_on(op, "router_logits", *router_logits, pl->device);
-  if (token_ids.has_value()) check_on(op, "token_ids", *token_ids, pl->device);
+  TORCH_CHECK(!ts.empty() && (!dequantize || (ts.size() >= 2 && out.has_value())), "afd_ext.", op,
+              ": give the guarded tensors (", ts.size(), " given), and with dequantize values, scales and out");
+  for (size_t k = 0; k < ts.size(); ++k) {
+    check_on(op, ("tensors[" + std::to_string(k) + "]").c_str(), ts[k], pl->device);
+  }
+  const at::Tensor& src = ts[0];
   PeerWaitArgs a{};
   a.plane = pl->dev;
   a.slot = static_cast<int>(slot);
@@ -587,38 +580,34 @@ void peer_wait_cuda(const at::Tensor& hidden_states, const OptTensor& router_log
     a.flag[i] = reinterpret_cast<unsigned long long*>(mem->ptr + flag_offsets[i]);
     a.peer_id[i] = static_cast<int>(peers[i]);
   }
-  if (out.has_value() && hidden_scales.has_value()) {  // FP8 fan-in delivered as bf16
+  if (dequantize) {  // FP8 values (tensors[0]) and their scales (tensors[1]) delivered as bf16
+    const at::Tensor& scales = ts[1];
     check_on(op, "out", *out, pl->device);
-    check_on(op, "hidden_scales", *hidden_scales, pl->device);
-    const int64_t h = hidden_states.dim() == 2 ? hidden_states.size(1) : 0;
-    TORCH_CHECK(hidden_states.scalar_type() == at::kFloat8_e4m3fn && out->scalar_type() == at::kBFloat16 &&
-                    hidden_scales->scalar_type() == at::kFloat && h % kFp8Group == 0 &&
-                    out->sizes() == hidden_states.sizes() && hidden_scales->dim() == 2 &&
-                    hidden_scales->size(0) == hidden_states.size(0) &&
-                    hidden_scales->size(1) == h / kFp8Group && out->is_contiguous() &&
-                    hidden_states.is_contiguous() && hidden_scales->is_contiguous() &&
+    const int64_t h = src.dim() == 2 ? src.size(1) : 0;
+    TORCH_CHECK(src.scalar_type() == at::kFloat8_e4m3fn && out->scalar_type() == at::kBFloat16 &&
+                    scales.scalar_type() == at::kFloat && h % kFp8Group == 0 && out->sizes() == src.sizes() &&
+                    scales.dim() == 2 && scales.size(0) == src.size(0) && scales.size(1) == h / kFp8Group &&
+                    out->is_contiguous() && src.is_contiguous() && scales.is_contiguous() &&
                     reinterpret_cast<uintptr_t>(out->data_ptr()) % 16 == 0 &&
-                    reinterpret_cast<uintptr_t>(hidden_states.data_ptr()) % 8 == 0,
-                "afd_ext.", op, ": dequantizing needs float8_e4m3fn hidden_states [T, H] (H a multiple of ",
-                kFp8Group, "), float32 hidden_scales [T, H/", kFp8Group, "] and a bfloat16 out [T, H], "
-                "contiguous and aligned; got ", hidden_states.scalar_type(), " ", hidden_states.sizes(), ", ",
-                hidden_scales->scalar_type(), " ", hidden_scales->sizes(), ", ", out->scalar_type(), " ",
-                out->sizes());
-    a.copy_src = static_cast<const char*>(hidden_states.data_ptr());
+                    reinterpret_cast<uintptr_t>(src.data_ptr()) % 8 == 0,
+                "afd_ext.", op, ": dequantizing needs float8_e4m3fn values tensors[0] [T, H] (H a multiple of ",
+                kFp8Group, "), float32 scales tensors[1] [T, H/", kFp8Group, "] and a bfloat16 out [T, H], "
+                "contiguous and aligned; got ", src.scalar_type(), " ", src.sizes(), ", ", scales.scalar_type(),
+                " ", scales.sizes(), ", ", out->scalar_type(), " ", out->sizes());
+    a.copy_src = static_cast<const char*>(src.data_ptr());
     a.copy_dst = static_cast<char*>(out->data_ptr());
-    a.copy_bytes = hidden_states.numel();
-    a.dq_scales = hidden_scales->data_ptr<float>();
+    a.copy_bytes = src.numel();
+    a.dq_scales = scales.data_ptr<float>();
   } else if (out.has_value()) {
     check_on(op, "out", *out, pl->device);
-    TORCH_CHECK(out->scalar_type() == hidden_states.scalar_type() &&
-                    out->sizes() == hidden_states.sizes() && out->is_contiguous() &&
-                    hidden_states.is_contiguous(),
-                "afd_ext.", op, ": out must be a contiguous tensor of hidden_states' dtype and "
-                "shape (", hidden_states.scalar_type(), " ", hidden_states.sizes(), "), got ",
-                out->scalar_type(), " ", out->sizes(), out->is_contiguous() ? "" : " (not contiguous)");
-    a.copy_src = static_cast<const char*>(hidden_states.data_ptr());
+    TORCH_CHECK(out->scalar_type() == src.scalar_type() && out->sizes() == src.sizes() && out->is_contiguous() &&
+                    src.is_contiguous(),
+                "afd_ext.", op, ": out must be a contiguous tensor of tensors[0]'s dtype and shape (",
+                src.scalar_type(), " ", src.sizes(), "), got ", out->scalar_type(), " ", out->sizes(),
+                out->is_contiguous() ? "" : " (not contiguous)");
+    a.copy_src = static_cast<const char*>(src.data_ptr());
     a.copy_dst = static_cast<char*>(out->data_ptr());
-    a.copy_bytes = hidden_states.numel() * static_cast<int64_t>(hidden_states.element_size());
+    a.copy_bytes = src.numel() * static_cast<int64_t>(src.element_size());
   }
   const auto dev = static_cast<c10::DeviceIndex>(pl->device);
   c10::cuda::CUDAGuard guard(dev);

@@ -35,7 +35,7 @@ CASES = {
         "o.send(torch.zeros(3, device='cuda'), h, 0)", "must be a rank of communicator"),
     "live_comm_split_back_rows": (
         "h = o.comm_create(o.nccl_unique_id(), 1, 0, 0)\n"
-        "o.split_back(torch.zeros(4, 8, device='cuda'), None, None, [h], [0], [5])", "must be a rank"),
+        "o.split_back([torch.zeros(4, 8, device='cuda')], [h], [0], [5])", "must be a rank"),
     "direct_torch_ops_call": (
         "torch.ops.afd_ext.send(torch.zeros(3, device='cuda'), 987654, 0)", "not a live communicator"),
 }

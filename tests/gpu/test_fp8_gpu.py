@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 from afd_ext import fp8, ops  # noqa: E402
 from afd_ext.testing import find_free_port, place_processes, run_workers  # noqa: E402
 from afd_ext.topology import ATTENTION, FFN, Topology  # noqa: E402
+from afd_ext.schedule import ScheduleConfig  # noqa: E402
 from afd_ext.transport.peer.plane import PeerPlane, WireSpec  # noqa: E402
 from fp8_reference import reference_dequantize, reference_quantize  # noqa: E402
 from test_fp8 import (E4M3, GROUP_CASES, adversarial_inputs, bits, error_bound, fp8_worker, hard_inputs,  # noqa: E402
@@ -89,7 +90,7 @@ def _pair(spec: WireSpec, max_tokens: int) -> tuple[PeerPlane, PeerPlane]:
 
 @pytest.mark.parametrize("nonfinite", [False, True])
 def test_fused_peer_put_and_dequantizing_wait_are_the_reference_bit_for_bit(nonfinite):
-    spec = WireSpec(7168, torch.bfloat16, 256, torch.float32, True, hidden_fp8=True)
+    spec = WireSpec.of(ScheduleConfig(1, 7168, torch.bfloat16, 256, torch.float32, True, hidden_wire="fp8_e4m3"))
     att, ffn = _pair(spec, 200)
     try:
         for layer, n in enumerate([1, 0, 129, 7, 200]):
@@ -122,7 +123,7 @@ def test_fused_peer_put_and_dequantizing_wait_are_the_reference_bit_for_bit(nonf
 def test_graph_captured_round_trip_over_the_plane():
     """Both roles captured (put quantizing, wait dequantizing, reply, reply wait), replayed with fresh inputs."""
     n, h = 64, 1024
-    spec = WireSpec(h, torch.bfloat16, 0, torch.float32, False, hidden_fp8=True)
+    spec = WireSpec.of(ScheduleConfig(1, h, torch.bfloat16, hidden_wire="fp8_e4m3"))
     att, ffn = _pair(spec, n)
     sa, sf = torch.cuda.Stream(DEV), torch.cuda.Stream(DEV)
     try:

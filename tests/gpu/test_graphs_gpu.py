@@ -268,7 +268,9 @@ class _Ctx:
     # -- the two loops -----------------------------------------------------------
 
     def _send(self, b, comms, rows):
-        self.ops.split_back(b["send"], b["router_logits"], b["token_ids"], comms, [self._peer] * len(comms), rows)
+        # The wire parts in wire order (afd_ext.wire): the sent hidden states, then what else travels.
+        wire = [b["send"]] + [b[k] for k in ("router_logits", "token_ids") if k in b]
+        self.ops.split_back(wire, comms, [self._peer] * len(comms), rows)
 
     @property
     def _peer(self) -> int:
@@ -279,18 +281,18 @@ class _Ctx:
         a2f = [self.comms[(self.rr, f, "a2f")] for f in plan.peers]
         f2a = [self.comms[(self.rr, f, "f2a")] for f in plan.peers]
         self._send(b, a2f, list(plan.rows))
-        self.ops.fan_in(b["reply"], None, None, f2a, [self._peer] * len(f2a), list(plan.rows))
+        self.ops.fan_in([b["reply"]], f2a, [self._peer] * len(f2a), list(plan.rows))
 
     def ffn_fan_in(self, b, plan):
         """FFN side: fan in one stage from every peer into ``b``."""
         a2f = [self.comms[(a, self.rr, "a2f")] for a in plan.peers]
-        self.ops.fan_in(b["hidden"], b["router_logits"], b["token_ids"], a2f, [self._peer] * len(plan.peers),
-                        list(plan.rows))
+        wire = [b[k] for k in ("hidden", "router_logits", "token_ids") if k in b]
+        self.ops.fan_in(wire, a2f, [self._peer] * len(plan.peers), list(plan.rows))
 
     def ffn_split_back(self, out, plan):
         """FFN side: send each peer of one stage its rows of ``out``."""
         f2a = [self.comms[(a, self.rr, "f2a")] for a in plan.peers]
-        self.ops.split_back(out, None, None, f2a, [self._peer] * len(f2a), list(plan.rows))
+        self.ops.split_back([out], f2a, [self._peer] * len(f2a), list(plan.rows))
 
     def attention_loop(self, sched, bufs):
         """Per layer and stage: attention compute, split-back of the wire tensors, fan-in of the reply."""
@@ -309,7 +311,7 @@ class _Ctx:
                 b = bufs[s]
                 plan = sched.ffn_plan(s, self.rr)
                 self.ffn_fan_in(b, plan)
-                ffn_compute(layer, b["hidden"], b["router_logits"], b["token_ids"], b["output"])
+                ffn_compute(layer, b["hidden"], b.get("router_logits"), b.get("token_ids"), b["output"])
                 self.ffn_split_back(b["output"], plan)
         return bufs
 

@@ -169,9 +169,9 @@ def _w_fan_in_split_back(rank, nprocs, port, rows):
             h = torch.full((n, HIDDEN), float("nan"), dtype=torch.bfloat16, device="cuda")
             lg = torch.full((n, EXPERTS), float("nan"), device="cuda")
             ids = torch.full((n,), -1, dtype=torch.int32, device="cuda")
-            ops.fan_in(h, lg, ids, comms, [1] * A, rows)
+            ops.fan_in([h, lg, ids], comms, [1] * A, rows)
             out = _ffn_compute(h)
-            ops.split_back(out, None, None, comms, [1] * A, rows)
+            ops.split_back([out], comms, [1] * A, rows)
             torch.cuda.synchronize()
             for a, (o, r) in enumerate(zip(_offsets(rows), rows)):
                 eh, elg, eids = _inputs(a, it, r)
@@ -183,8 +183,8 @@ def _w_fan_in_split_back(rank, nprocs, port, rows):
             r = rows[a]
             h, lg, ids = _inputs(a, it, r)
             reply = torch.full((r, HIDDEN), float("nan"), dtype=torch.bfloat16, device="cuda")
-            ops.split_back(h, lg, ids, comms, [0], [r])
-            ops.fan_in(reply, None, None, comms, [0], [r])
+            ops.split_back([h, lg, ids], comms, [0], [r])
+            ops.fan_in([reply], comms, [0], [r])
             torch.cuda.synchronize()
             assert _same_bits(reply, _ffn_compute(h)), f"attention {a} got back other rows"
     _close(store, comms, nprocs)
@@ -203,9 +203,9 @@ def _w_graph(rank, nprocs, port, rows, replays):
         out = torch.zeros(n, HIDDEN, dtype=torch.bfloat16, device="cuda")
 
         def step():
-            ops.fan_in(h, lg, ids, comms, [1] * A, rows)
+            ops.fan_in([h, lg, ids], comms, [1] * A, rows)
             out.copy_(_ffn_compute(h))
-            ops.split_back(out, None, None, comms, [1] * A, rows)
+            ops.split_back([out], comms, [1] * A, rows)
     else:
         a = rank - 1
         r = rows[a]
@@ -213,8 +213,8 @@ def _w_graph(rank, nprocs, port, rows, replays):
         reply = torch.zeros(r, HIDDEN, dtype=torch.bfloat16, device="cuda")
 
         def step():
-            ops.split_back(h, lg, ids, comms, [0], [r])
-            ops.fan_in(reply, None, None, comms, [0], [r])
+            ops.split_back([h, lg, ids], comms, [0], [r])
+            ops.fan_in([reply], comms, [0], [r])
 
     def feed(it):
         if rank != 0:
@@ -279,29 +279,29 @@ def _w_bad_input(rank, nprocs, port):
     if rank == 1:
         h, lg, ids = _inputs(0, 0, r)
         reply = torch.zeros(r, HIDDEN, dtype=torch.bfloat16, device="cuda")
-        expect(r"hidden_states has 4 rows but rows add up to 5", lambda: ops.split_back(h, lg, ids, comms, [0], [5]))
-        expect(r"router_logits must be a CUDA tensor", lambda: ops.split_back(h, lg.cpu(), ids, comms, [0], [r]))
+        expect(r"tensors\[0\] has 4 rows but rows add up to 5", lambda: ops.split_back([h, lg, ids], comms, [0], [5]))
+        expect(r"tensors\[1\] must be a CUDA tensor", lambda: ops.split_back([h, lg.cpu(), ids], comms, [0], [r]))
         expect(r"has dtype Double", lambda: ops.send(torch.zeros(3, dtype=torch.float64, device="cuda"), c, 0))
         expect(r"must have contiguous rows", lambda: ops.send(torch.zeros(4, 6, device="cuda")[:, ::2], c, 0))
         expect(r"peers\[0\]=1 must be a rank of communicator", lambda: ops.send(h, c, 1))
-        expect(r"peers\[0\]=2 must be a rank", lambda: ops.fan_in(reply, None, None, comms, [2], [r]))
-        expect(r"equal lengths", lambda: ops.fan_in(reply, None, None, comms, [0, 0], [r]))
-        expect(r"rows\[0\]=-1 must be >= 0", lambda: ops.fan_in(reply, None, None, comms, [0], [-1]))
+        expect(r"peers\[0\]=2 must be a rank", lambda: ops.fan_in([reply], comms, [2], [r]))
+        expect(r"equal lengths", lambda: ops.fan_in([reply], comms, [0, 0], [r]))
+        expect(r"rows\[0\]=-1 must be >= 0", lambda: ops.fan_in([reply], comms, [0], [-1]))
         expect(r"is not a live communicator", lambda: ops.send(h, 987654, 0))
-        expect(r"hidden_states has \d+ rows but rows add up to", lambda: ops.fan_in(reply[:1], None, None, comms, [0], [r]))
+        expect(r"tensors\[0\] has \d+ rows but rows add up to", lambda: ops.fan_in([reply[:1]], comms, [0], [r]))
         # The communicator still works: a full exchange after every refusal.
-        ops.split_back(h, lg, ids, comms, [0], [r])
-        ops.fan_in(reply, None, None, comms, [0], [r])
+        ops.split_back([h, lg, ids], comms, [0], [r])
+        ops.fan_in([reply], comms, [0], [r])
         torch.cuda.synchronize()
         assert _same_bits(reply, _ffn_compute(h))
     else:
         h = torch.zeros(r, HIDDEN, dtype=torch.bfloat16, device="cuda")
         lg = torch.zeros(r, EXPERTS, device="cuda")
         ids = torch.zeros(r, dtype=torch.int32, device="cuda")
-        expect(r"token_ids must be int32", lambda: ops.fan_in(h, lg, ids.long(), comms, [1], [r]))
-        expect(r"token_ids must be a CUDA tensor on cuda:0", lambda: ops.fan_in(h, lg, ids.cpu(), comms, [1], [r]))
-        ops.fan_in(h, lg, ids, comms, [1], [r])
-        ops.split_back(_ffn_compute(h), None, None, comms, [1], [r])
+        # The op checks device and layout of each part (dtypes are the schedule's: test_schedule.py).
+        expect(r"tensors\[2\] must be a CUDA tensor on cuda:0", lambda: ops.fan_in([h, lg, ids.cpu()], comms, [1], [r]))
+        ops.fan_in([h, lg, ids], comms, [1], [r])
+        ops.split_back([_ffn_compute(h)], comms, [1], [r])
         torch.cuda.synchronize()
         eh, elg, eids = _inputs(0, 0, r)
         assert _same_bits(h, eh) and _same_bits(lg, elg) and _same_bits(ids, eids)

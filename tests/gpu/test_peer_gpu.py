@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -33,6 +34,7 @@ import torch
 ops = pytest.importorskip("afd_ext.ops", reason="afd_ext._C is not built")
 
 from afd_ext.errors import AFDAbortedError, AFDConfigError, AFDProtocolError, AFDTimeoutError  # noqa: E402
+from afd_ext.schedule import ScheduleConfig  # noqa: E402
 from afd_ext.transport.peer.plane import PeerPlane, WireSpec, open_plane  # noqa: E402
 from afd_ext.topology import ATTENTION, FFN, Topology  # noqa: E402
 
@@ -45,8 +47,22 @@ pytestmark = [
 DEV = torch.device("cuda", 0)
 # GPU clock cycles for torch.cuda._sleep: ~50-100 us on an H200 (a slow reader).
 SLEEP_CYCLES = 100_000
-SPEC_FULL = WireSpec(7168, torch.bfloat16, 256, torch.float32, True)
-SPEC_SMALL = WireSpec(96, torch.float16, 0, torch.float32, False)
+class Spec(NamedTuple):
+    """The tests' wire facts; :meth:`plane` is the plane's WireSpec, built from the connector's layout."""
+
+    hidden_size: int
+    hidden_dtype: torch.dtype
+    logits_width: int = 0
+    logits_dtype: torch.dtype = torch.float32
+    has_token_ids: bool = False
+
+    def plane(self) -> WireSpec:
+        return WireSpec.of(ScheduleConfig(1, self.hidden_size, self.hidden_dtype, self.logits_width or None,
+                                          self.logits_dtype, self.has_token_ids))
+
+
+SPEC_FULL = Spec(7168, torch.bfloat16, 256, torch.float32, True)
+SPEC_SMALL = Spec(96, torch.float16, 0, torch.float32, False)
 
 
 # ------------------------------------------------------------------ helpers
@@ -61,8 +77,8 @@ class World:
         self.stages = stages
         self.devices = (att_dev, ffn_dev)
         kw = dict(max_tokens=max_tokens, num_stages=stages, generation=generation, timeout_s=timeout_s)
-        self.att = [PeerPlane(self.topo, ATTENTION, a, spec, device=att_dev, **kw) for a in range(A)]
-        self.ffn = [PeerPlane(self.topo, FFN, f, spec, device=ffn_dev, **kw) for f in range(F)]
+        self.att = [PeerPlane(self.topo, ATTENTION, a, spec.plane(), device=att_dev, **kw) for a in range(A)]
+        self.ffn = [PeerPlane(self.topo, FFN, f, spec.plane(), device=ffn_dev, **kw) for f in range(F)]
         for p in self.att:
             for f in p.peers:
                 p.attach(f, self.ffn[f].ipc_handle, self.ffn[f].layout.nbytes)
@@ -100,7 +116,7 @@ class World:
         lg = torch.randn(n, s.logits_width, generator=g, device=DEV).to(s.logits_dtype) if s.logits_width else None
         ids = (torch.randint(0, 1 << 30, (n,), generator=g, device=DEV, dtype=torch.int32)
                if s.has_token_ids else None)
-        return h, lg, ids
+        return [t for t in (h, lg, ids) if t is not None]  # the wire parts present, in wire order
 
     def close(self):
         for d in self.devices:
@@ -224,7 +240,7 @@ def _stress(rows, H, E, exchanges, att_dev, ffn_dev):
     (sleep kernels) in a few layers of every replay let the writers run as far
     ahead as the protocol allows.
     """
-    spec = WireSpec(H, torch.float32, E, torch.float32, True)
+    spec = Spec(H, torch.float32, E, torch.float32, True)
     S, L, K = 2, STRESS_LAYERS, STRESS_SETS
     w = World(1, 1, spec, max_tokens=rows, stages=S, timeout_s=30.0, att_dev=att_dev, ffn_dev=ffn_dev)
     try:
@@ -528,9 +544,9 @@ def _ipc_worker(rank, nprocs, port, A, F, steps, victim):
     topo = Topology(A, F)
     role, rr = (FFN, rank) if rank < F else (ATTENTION, rank - F)
     store = rendezvous.connect("127.0.0.1", port, rank, A + F, 120.0, num_ffn_ranks=F)
-    spec = WireSpec(512, torch.bfloat16, 16, torch.float32, True)
+    spec = Spec(512, torch.bfloat16, 16, torch.float32, True)
     timeout = 3.0 if victim else 60.0
-    plane = open_plane(store, topo, role, rr, spec, max_tokens=16, num_stages=2, device=DEV, timeout_s=timeout,
+    plane = open_plane(store, topo, role, rr, spec.plane(), max_tokens=16, num_stages=2, device=DEV, timeout_s=timeout,
                        setup_timeout_s=120.0)
     assert plane.record() is None
     rendezvous.barrier(store, rank, A + F, "opened", 120.0)

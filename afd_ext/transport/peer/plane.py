@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -44,6 +45,7 @@ from ...errors import (
     PeerMemoryUnavailableError,
 )
 from ...topology import ATTENTION, FFN, ROLES, Topology, rank_label
+from ...wire import layout
 
 logger = logging.getLogger(__name__)
 
@@ -84,58 +86,55 @@ def _align(n: int, a: int = REGION_ALIGN) -> int:
     return (n + a - 1) // a * a
 
 
+def _row_bytes(parts: tuple[tuple[torch.dtype, tuple[int, ...]], ...]) -> tuple[int, ...]:
+    return tuple(d.itemsize * math.prod(cols) for d, cols in parts)
+
+
 @dataclass(frozen=True)
 class WireSpec:
-    """What travels per token from an attention rank to its FFN rank.
+    """What travels, as the plane lays it out: ``(dtype, cols)`` of each part (``cols`` ``()``: one value per row).
+
+    Build it from the connector's config with :meth:`of` (the one statement of the wire: :mod:`afd_ext.wire`).
 
     Attributes:
-        hidden_size: hidden-state width (elements); the FFN output has the same width and dtype.
-        hidden_dtype: dtype of hidden states and of the FFN output.
-        logits_width: router-logits width (number of experts); 0: no logits travel.
-        logits_dtype: dtype of the router logits.
-        has_token_ids: whether an int32 token id travels with each row.
-        hidden_fp8: hidden states travel as FP8 values + float32 scales (docs/fp8.md), quantized
-            in the attention rank's put; the reply stays ``hidden_dtype``.
+        fan_in: the parts an FFN rank's region holds, in wire order.
+        send: the tensors an attention rank's put takes (with ``quantize_first`` its first
+            stands for the first two fan-in parts).
+        reply: the parts of the reply (the FFN output) an attention rank's region holds.
+        quantize_first: FP8 on the wire (docs/fp8.md): the put quantizes the attention rank's
+            first (bf16) tensor into the first two fan-in parts, values and scales.
     """
 
-    hidden_size: int
-    hidden_dtype: torch.dtype
-    logits_width: int = 0
-    logits_dtype: torch.dtype = torch.float32
-    has_token_ids: bool = False
-    hidden_fp8: bool = False
+    fan_in: tuple[tuple[torch.dtype, tuple[int, ...]], ...]
+    send: tuple[tuple[torch.dtype, tuple[int, ...]], ...]
+    reply: tuple[tuple[torch.dtype, tuple[int, ...]], ...]
+    quantize_first: bool = False
 
     def __post_init__(self) -> None:
-        if self.hidden_size < 1 or self.logits_width < 0:
-            raise AFDConfigError(
-                f"WireSpec: hidden_size must be >= 1 and logits_width >= 0, got {self.hidden_size} "
-                f"and {self.logits_width}")
+        if not self.fan_in or not self.reply or any(c < 1 for _, cols in self.fan_in + self.reply for c in cols):
+            raise AFDConfigError(f"WireSpec: every part needs columns >= 1 and both directions a part, got "
+                                 f"{self.fan_in} and {self.reply}")
 
-    @property
-    def fan_in_parts(self) -> tuple[tuple[torch.dtype, int], ...]:
-        """(dtype, columns; 0: one value per row) of each fan-in part: hidden (FP8: values, scales), logits, ids."""
-        parts = [(torch.float8_e4m3fn, self.hidden_size), (torch.float32, self.hidden_size // 128)] \
-            if self.hidden_fp8 else [(self.hidden_dtype, self.hidden_size)]
-        if self.logits_width:
-            parts.append((self.logits_dtype, self.logits_width))
-        if self.has_token_ids:
-            parts.append((torch.int32, 0))
-        return tuple(parts)
+    @classmethod
+    def of(cls, cfg: Any) -> "WireSpec":
+        """The spec of a :class:`~afd_ext.schedule.ScheduleConfig` (its :func:`afd_ext.wire.layout`)."""
+        pairs = lambda ps: tuple((p.dtype, p.cols) for p in ps)  # noqa: E731
+        return cls(pairs(cfg.wire_parts), pairs(cfg.caller_parts), pairs(layout(cfg, "f2a")),
+                   cfg.hidden_wire is not None)
 
     @property
     def fan_in_row_bytes(self) -> tuple[int, ...]:
-        """Bytes per row of each fan-in part (:attr:`fan_in_parts`)."""
-        return tuple(d.itemsize * max(c, 1) for d, c in self.fan_in_parts)
+        """Bytes per row of each fan-in part (:attr:`fan_in`)."""
+        return _row_bytes(self.fan_in)
 
     @property
     def reply_row_bytes(self) -> tuple[int, ...]:
-        """Bytes per row of the reply (the FFN output)."""
-        return (self.hidden_size * self.hidden_dtype.itemsize,)
+        """Bytes per row of each reply part."""
+        return _row_bytes(self.reply)
 
     def signature(self) -> str:
         """A string equal on two ranks exactly when their specs are equal (checked at set-up)."""
-        return (f"h{self.hidden_size}:{self.hidden_dtype}:l{self.logits_width}:{self.logits_dtype}:"
-                f"i{int(self.has_token_ids)}" + (":fp8" if self.hidden_fp8 else ""))
+        return repr((self.fan_in, self.send, self.reply, self.quantize_first))
 
 
 @dataclass(frozen=True)
@@ -360,10 +359,8 @@ class PeerPlane:
         rb = self.layout.row_bytes[part]
         raw = ops.peer_region_view(self._region, self.layout.part_offset(stage, part),
                                    self.layout.capacity_rows * rb)
-        if self.role == ATTENTION:
-            return raw.view(self.spec.hidden_dtype).view(self.layout.capacity_rows, self.spec.hidden_size)
-        dtype, cols = self.spec.fan_in_parts[part]
-        return raw.view(dtype).view(self.layout.capacity_rows, cols) if cols else raw.view(dtype)
+        dtype, cols = (self.spec.reply if self.role == ATTENTION else self.spec.fan_in)[part]
+        return raw.view(dtype).view((self.layout.capacity_rows,) + cols)
 
     # -- set-up ----------------------------------------------------------------
 
@@ -386,8 +383,8 @@ class PeerPlane:
         if nbytes != self.peer_layouts[i].nbytes:
             raise AFDProtocolError(
                 f"{self.me}: {self.label(self.other_role, peer)} published a peer-memory region of {nbytes} bytes "
-                f"but this rank expects {self.peer_layouts[i].nbytes}: the ranks disagree on hidden size, "
-                "dtypes, router logits/token ids, max tokens per step or stages", op="peer-memory set-up",
+                f"but this rank expects {self.peer_layouts[i].nbytes}: the ranks disagree on the wire parts "
+                "(sizes, dtypes), max tokens per step or stages", op="peer-memory set-up",
                 peer=self.label(self.other_role, peer))
         if peer in self._peer_regions:
             ops.peer_region_close(self._peer_regions.pop(peer))
@@ -408,9 +405,9 @@ class PeerPlane:
 
         Args:
             stage: the stage.
-            tensors: attention rank: ``(hidden_states, router_logits|None, token_ids|None)``
-                matching the spec; FFN rank: ``(ffn_output,)``. Leading dim ``sum(rows)``,
-                contiguous, on :attr:`device`.
+            tensors: attention rank: the spec's ``send`` parts; FFN rank: its ``reply`` parts
+                (``[ffn_output]``). A list in wire order, leading dim ``sum(rows)``, contiguous,
+                on :attr:`device`.
             rows: rows for each peer (in :attr:`peers` order); zero moves no bytes.
             dst_rows: first row of each peer's range in that peer's part (the FFN
                 rank's fan-in offset of this attention rank; the attention rank's
@@ -425,20 +422,14 @@ class PeerPlane:
         if not self._put_regions:
             raise AFDStateError(f"{self.me}: put before every peer's region was attached (use open_plane)",
                                 op="peer_put")
-        given = [t for t in tensors if t is not None]
-        quant = self.spec.hidden_fp8 and self.role == ATTENTION  # bf16 in, values + scales out (two parts)
+        quant = self.spec.quantize_first and self.role == ATTENTION  # one tensor in, values + scales out
         nparts = len(self.peer_layouts[0].row_bytes) - quant
-        if len(given) != nparts or (self.role == ATTENTION and len(tensors) == 3 and (
-                (tensors[1] is None) != (not self.spec.logits_width)
-                or (tensors[2] is None) != (not self.spec.has_token_ids))):
-            raise AFDConfigError(
-                f"{self.me}: put got {len(given)} tensors but the plane was set up for {nparts} "
-                f"(router logits {'travel' if self.spec.logits_width else 'do not travel'}, token ids "
-                f"{'travel' if self.spec.has_token_ids else 'do not travel'})")
+        if len(tensors) != nparts:
+            raise AFDConfigError(f"{self.me}: put got {len(tensors)} tensors but the plane was set up for {nparts} "
+                                 "(the wire parts, in order: afd_ext.wire)")
         self._check_capacity(rows, dst_rows)
-        h, lg, ids = (list(tensors) + [None, None])[:3]
-        ops.peer_put(h, lg, ids, self._plane, stage, self._put_regions, rows, dst_rows,
-                     self._put_parts[stage], self._put_flags[stage], quant)
+        ops.peer_put(tensors, self._plane, stage, self._put_regions, rows, dst_rows, self._put_parts[stage],
+                     self._put_flags[stage], quant)
 
     def _check_capacity(self, rows: Sequence[int], dst_rows: Sequence[int]) -> None:
         # The op only bounds a write by the peer region's end; a range past a part's capacity
@@ -471,8 +462,8 @@ class PeerPlane:
             op: op code for the error record (default by role).
 
         Returns:
-            FFN rank: views ``(hidden_states, router_logits?, token_ids?)`` of the
-            fan-in region; attention rank: ``(out,)`` or ``(reply view,)``.
+            FFN rank: views of the fan-in region's parts, in wire order; attention rank:
+            ``(out,)`` or the reply parts' views.
 
         Raises:
             AFDConfigError: ``rows`` exceeds the region's capacity (before anything is launched).
@@ -483,11 +474,9 @@ class PeerPlane:
         vs = self.views(stage, rows)
         if op is None:
             op = OP_RECV_ATTN if self.role == FFN else OP_RECV_FFN
-        fp8 = self.spec.hidden_fp8 and self.role == FFN
-        h, scales, rest = (vs[0], vs[1], vs[2:]) if fp8 else (vs[0], None, vs[1:])
-        lg, ids = (list(rest) + [None, None])[:2]
-        ops.peer_wait(h, lg, ids, out, self._plane, self.num_stages + stage, self._region,
-                      self._wait_flags[stage], self.peers, op, layer, stage, self.timeout_ns, scales)
+        fp8 = self.spec.quantize_first and self.role == FFN  # values and scales: out is their bf16
+        ops.peer_wait(vs, out, self._plane, self.num_stages + stage, self._region, self._wait_flags[stage],
+                      self.peers, op, layer, stage, self.timeout_ns, fp8 and out is not None)
         return (out,) if out is not None and not fp8 else vs
 
     # -- failure ---------------------------------------------------------------
@@ -581,11 +570,8 @@ def _probe(plane: PeerPlane, timeout_ns: int) -> None:
     try:
         stream = torch.cuda.Stream(plane.device)
         spec = plane.spec
-        zeros = torch.empty(0, spec.hidden_size, dtype=spec.hidden_dtype, device=plane.device)
-        wire = (zeros,
-                torch.empty(0, spec.logits_width, dtype=spec.logits_dtype, device=plane.device)
-                if spec.logits_width else None,
-                torch.empty(0, dtype=torch.int32, device=plane.device) if spec.has_token_ids else None)
+        empty = lambda parts: [torch.empty((0,) + cols, dtype=d, device=plane.device) for d, cols in parts]  # noqa: E731
+        wire, reply = empty(spec.send), empty(spec.reply)
         none = plane._zero_rows
         stream.wait_stream(torch.cuda.current_stream(plane.device))
         with torch.cuda.stream(stream):
@@ -595,7 +581,7 @@ def _probe(plane: PeerPlane, timeout_ns: int) -> None:
                     plane.wait(s, 0, layer=-1, op=OP_PROBE)
                 else:
                     plane.wait(s, 0, layer=-1, op=OP_PROBE)
-                    plane.put(s, (zeros,), none, none)
+                    plane.put(s, reply, none, none)
         stream.synchronize()  # bounded: every wait above has the probe deadline
     finally:
         plane.timeout_ns = saved

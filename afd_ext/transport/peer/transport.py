@@ -110,8 +110,7 @@ class PeerTransport(Transport):
         max_tokens = int(getattr(extra, "peer_max_tokens", 8192))
         stages = int(getattr(extra, "peer_stages", 2))
         with_fallback = bool(getattr(extra, "peer_fallback", True))
-        spec = WireSpec(cfg.hidden_size, cfg.hidden_dtype, cfg.router_logits_width or 0, cfg.router_logits_dtype,
-                        bool(cfg.send_token_ids), cfg.hidden_wire is not None)
+        spec = WireSpec.of(cfg)
         # No CUDA call before the collective set-up: a rank without a usable GPU must still
         # publish its verdict there, or its peers would wait for it until the init deadline.
         device = setup.device if setup.device.index is not None else torch.device("cuda", 0)
@@ -230,8 +229,7 @@ class PeerTransport(Transport):
         if self.step_kind == "nccl":
             return True
         t = tensors[0]
-        if len(tensors) >= 1 and t.dtype == torch.int64 and all(x is None for x in tensors[1:]) and \
-                t.dim() == 2 and t.shape[1] == HEADER_WORDS:
+        if len(tensors) == 1 and t.dtype == torch.int64 and t.dim() == 2 and t.shape[1] == HEADER_WORDS:
             if self.fallback is None:
                 raise AFDConfigError("strict mode over the peer transport sends its headers over NCCL: enable "
                                      "peer_fallback, or turn strict off")
@@ -242,12 +240,9 @@ class PeerTransport(Transport):
         if self._nccl_for(tensors):
             return self.fallback.split_back(tensors, peers, rows, tag=tag)
         self.check_health(tag)
-        full = list(tensors) + [None] * (3 - len(tensors))
-        if self.plane.role == "ffn":
-            full = [full[0]]
         out_rows, dst = self._targets(tag.stage, peers, rows)
         with self._stages.on(tag.stage):
-            self.plane.put(tag.stage, full, out_rows, dst)
+            self.plane.put(tag.stage, tensors, out_rows, dst)
         return PendingSend()
 
     def receive_buffers(self, schedule: Any, stage: int) -> Optional[dict[str, torch.Tensor]]:
@@ -278,7 +273,7 @@ class PeerTransport(Transport):
                 plane.wait(tag.stage, n, layer=tag.layer, out=tensors[0])
             else:
                 views = plane.wait(tag.stage, n, layer=tag.layer, out=dequant)  # FP8: dequantized in the wait
-                for t, v in zip([t for t in tensors if t is not None], views):
+                for t, v in zip(tensors, views):
                     if t.data_ptr() != v.data_ptr():
                         t.copy_(v)  # the caller's own buffers: one copy (receive_buffers avoids it)
         self._stages.join((tag.stage,))
