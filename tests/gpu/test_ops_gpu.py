@@ -341,5 +341,5 @@ def test_cuda_graph_capture_and_replay_bit_exact(rows):
 
 def test_bad_input_raises_and_the_communicator_still_works():
     counts = _run(_w_bad_input, 1)
-    assert counts == [2, 10]
+    assert counts == [1, 10]  # the FFN rank: its device refusal (dtypes are the schedule's, test_schedule.py)
 
