@@ -176,6 +176,8 @@ class AfdExtConnectorConfig:
         fp8_delivery: with FP8 on the wire, what ``recv_attn_output`` returns on an FFN rank:
             ``"dequant"`` (bf16, dequantized in the fan-in) or ``"fp8"`` (the values, and the
             scales in ``payload.hidden_scales``).
+        fp8_scale_format: with FP8 on the wire, its scales: ``"fp32"`` (``amax / 448``) or ``"ue8m0"``
+            (that rounded up to a power of two, DeepEP's ``round_scale``; docs/fp8.md). Both roles must agree.
         job_id: identity of this AFD job; the rendezvous store refuses a rank of
             another job (:class:`~afd_ext.errors.JobMismatchError`). Default
             (None): :func:`resolve_job_id` (``AFD_JOB_ID``, then torchrun's
@@ -197,6 +199,7 @@ class AfdExtConnectorConfig:
     peer_fallback: bool = True
     hidden_wire_dtype: str | None = None
     fp8_delivery: str = "dequant"
+    fp8_scale_format: str = "fp32"
     job_id: str | None = None
 
     def __post_init__(self) -> None:
@@ -207,6 +210,10 @@ class AfdExtConnectorConfig:
         if self.hidden_wire_dtype is not None:
             _one_of(self.hidden_wire_dtype, "connector_extra_config.hidden_wire_dtype", ("fp8_e4m3",))
         _one_of(self.fp8_delivery, "connector_extra_config.fp8_delivery", ("dequant", "fp8"))
+        _one_of(self.fp8_scale_format, "connector_extra_config.fp8_scale_format", ("fp32", "ue8m0"))
+        if self.fp8_scale_format != "fp32" and self.hidden_wire_dtype is None:
+            raise AFDConfigError(f"connector_extra_config.fp8_scale_format {self.fp8_scale_format!r} sets the scales of "
+                                 "FP8 hidden states; set hidden_wire_dtype 'fp8_e4m3' too, or drop it")
         for name in ("strict", "clamp_idle_to_one", "peer_fallback"):
             set_(name, coerce_bool(getattr(self, name), f"connector_extra_config.{name}"))
         for name, lo in (("max_stages", 1), ("graph_cache_size", 0), ("peer_max_tokens", 1),

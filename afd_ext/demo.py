@@ -675,7 +675,7 @@ class DemoPlan:
     gpu_placement: GpuPlacement | None = None
     graph: bool = False
     verbose: bool = False
-    fp8: bool = False
+    fp8: str | None = None  # FP8 hidden states: their scale format ("fp32" or "ue8m0"); None: off
 
     @property
     def device_type(self) -> str:
@@ -729,7 +729,7 @@ def _make_connector(plan: DemoPlan, role: str, role_rank: int, world_rank: int, 
             "step_timeout_s": plan.step_timeout_s,
             "init_timeout_s": plan.init_timeout_s,
             "max_stages": max(4, plan.stages),
-            **({"hidden_wire_dtype": "fp8_e4m3"} if plan.fp8 else {}),
+            **({"hidden_wire_dtype": "fp8_e4m3", "fp8_scale_format": plan.fp8} if plan.fp8 else {}),
         },
     )
     import torch
@@ -918,7 +918,8 @@ def run_demo(plan: DemoPlan, *, timeout_s: float = 600.0) -> dict[str, Any]:
         infos = describe_layers(whole)
         for i in remote_layer_indices(whole, gate_on_attention=plan.gate_on_attention):
             getattr(decoder_layers(whole)[i], infos[i].mlp_attr).register_forward_pre_hook(
-                lambda m, a: (fp8.dequantize(*fp8.quantize(a[0].reshape(-1, a[0].shape[-1]).cpu()))
+                lambda m, a: (fp8.dequantize(*fp8.quantize(a[0].reshape(-1, a[0].shape[-1]).cpu(),
+                                                           ue8m0=plan.fp8 == "ue8m0"))
                               .reshape(a[0].shape).to(a[0].device),) + a[1:])
         tol *= LOGIT_ATOL_FP8_FACTOR
     results = [r for a in att for r in a.requests]
@@ -962,6 +963,7 @@ def summarize(plan: DemoPlan, att: Sequence[RankResult], ffn: Sequence[Mapping[s
         "num_attention_ranks": plan.num_attention,
         "num_ffn_ranks": plan.num_ffn,
         "backend": plan.backend,
+        "fp8": plan.fp8,
         "device": plan.device_type,
         "placement": _placement_text(plan),
         # Processes sharing a GPU are time-sliced (and on one GPU NCCL goes over sockets).
@@ -1149,9 +1151,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="graph mode: steps whose per-rank counts fit the capture sizes "
                         f"{list(GRAPH_CAPTURE_SIZES)} are padded and replayed from CUDA graphs on both roles "
                         "(on CPU/gloo the same protocol runs with eager re-execution instead of graphs)")
-    p.add_argument("--fp8", action="store_true", help="FP8 hidden states attention -> FFN (hidden_wire_dtype "
-                   "fp8_e4m3, docs/fp8.md; bfloat16); the whole model checking it rounds its FFN inputs "
-                   "the same way, and the self-check's tolerance doubles")
+    p.add_argument("--fp8", nargs="?", const="fp32", choices=("fp32", "ue8m0"), metavar="SCALES",
+                   help="FP8 hidden states attention -> FFN (hidden_wire_dtype fp8_e4m3, docs/fp8.md; bfloat16), "
+                   "SCALES their fp8_scale_format: fp32 (default) or ue8m0; the whole model checking it "
+                   "rounds its FFN inputs the same way, and the self-check's tolerance doubles")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)

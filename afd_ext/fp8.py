@@ -6,6 +6,8 @@ channels. Per group: ``scale = amax(|x|) / 448`` over its finite ``x`` (``1.0``
 when that is 0, so an all-zero group gives zeros), ``values = x / scale`` in
 float32, saturated to +-448 and rounded to nearest even; ``x ~= values * scale``;
 an inf or NaN ``x`` becomes the NaN byte with its sign (``0x7F`` / ``0xFF``).
+UE8M0 scales (``fp8_scale_format: "ue8m0"``): ``scale = 2^ceil(log2(amax / 448))``,
+at least ``2^-22`` (DeepEP's ``round_scale``, its amax floor 1e-4); the values the same way.
 The CUDA kernels (``csrc/cuda/peer_kernels.cu``) compute the same bytes; this is
 the rule on CPU (the gloo transport, and the ops' CPU kernels). docs/fp8.md.
 """
@@ -16,8 +18,8 @@ import torch
 
 from .errors import AFDConfigError
 
-__all__ = ["GROUP", "FP8_MAX", "FP8_DTYPE", "HIDDEN_WIRE_DTYPES", "DELIVERIES", "check_hidden",
-           "quantize", "dequantize", "wire_bytes_per_token"]
+__all__ = ["GROUP", "FP8_MAX", "FP8_DTYPE", "HIDDEN_WIRE_DTYPES", "DELIVERIES", "SCALE_FORMATS", "UE8M0_MIN_EXP",
+           "check_hidden", "quantize", "dequantize", "wire_bytes_per_token"]
 
 #: Channels per scale.
 GROUP = 128
@@ -28,6 +30,10 @@ FP8_DTYPE = torch.float8_e4m3fn
 HIDDEN_WIRE_DTYPES = ("fp8_e4m3",)
 #: ``connector_extra_config.fp8_delivery``: what an FFN rank's ``recv_attn_output`` returns.
 DELIVERIES = ("dequant", "fp8")
+#: ``connector_extra_config.fp8_scale_format``: float32 ``amax / 448``, or that rounded up to a power of two.
+SCALE_FORMATS = ("fp32", "ue8m0")
+#: Smallest UE8M0 scale's float32 exponent field: 2^-22 = 2^ceil(log2(1e-4 / 448)), DeepEP's amax floor 1e-4.
+UE8M0_MIN_EXP = 127 - 22
 
 
 def check_hidden(hidden_size: int, dtype: torch.dtype) -> None:
@@ -43,12 +49,13 @@ def check_hidden(hidden_size: int, dtype: torch.dtype) -> None:
         raise AFDConfigError(f"hidden_wire_dtype 'fp8_e4m3' quantizes bfloat16 hidden states, got {dtype}")
 
 
-def quantize(x: torch.Tensor, values: torch.Tensor | None = None,
-             scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(x: torch.Tensor, values: torch.Tensor | None = None, scales: torch.Tensor | None = None,
+             ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The rule on ``x`` ``[T, H]`` (any float dtype, CPU): ``(values e4m3 [T, H], scales fp32 [T, H/128])``.
 
-    A scale is its 128-channel group's largest finite ``|x|`` over 448 (1.0 when that is 0); a finite
-    value is ``x / scale`` in float32, saturated to +-448 and rounded to nearest even, an inf or NaN
+    A scale is its 128-channel group's largest finite ``|x|`` over 448 (1.0 when that is 0; with
+    ``ue8m0`` rounded up to a power of two, at least 2^-22); a finite value is ``x / scale`` in
+    float32, saturated to +-448 and rounded to nearest even, an inf or NaN
     the NaN byte with its sign, ``0x7F`` / ``0xFF`` (docs/fp8.md). Writes
     into ``values`` (``float8_e4m3fn [T, H]``) / ``scales`` (``float32 [T, H/128]``) when given, on
     ``x``'s device.
@@ -61,7 +68,11 @@ def quantize(x: torch.Tensor, values: torch.Tensor | None = None,
     finite = xf.isfinite()
     amax = torch.where(finite, xf.abs(), 0.0).amax(-1)  # an inf or NaN does not set its group's scale
     scale = amax / torch.full_like(amax, FP8_MAX)  # tensor / tensor: a true division on every device
-    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    if ue8m0:  # the exponent field, one up where a mantissa bit is set (scale >= 0: int32 bits order like it)
+        b = scale.view(torch.int32)
+        scale = (((b >> 23) + (b & 0x7FFFFF != 0)).clamp_min(UE8M0_MIN_EXP) << 23).view(torch.float32)
+    else:
+        scale = torch.where(scale == 0, torch.ones_like(scale), scale)
     q = (xf / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(torch.uint8)
     # An inf or NaN x: e4m3fn's NaN 0x7F with x's sign (torch's cast would saturate an inf to +-448).
     nan = xf.signbit().to(torch.uint8) << 7 | 0x7F

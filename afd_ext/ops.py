@@ -519,22 +519,22 @@ def _fp8_check(op: str, x: Tensor, values: Tensor, scales: Tensor) -> None:
 
 
 @_boundary
-def fp8_quantize(x: Tensor, values: Tensor, scales: Tensor) -> None:
+def fp8_quantize(x: Tensor, values: Tensor, scales: Tensor, ue8m0: bool = False) -> None:
     """Quantize bf16 hidden states ``x`` ``[T, H]`` into ``values`` (e4m3 ``[T, H]``) and ``scales`` (fp32 ``[T, H/128]``).
 
     The rule of :mod:`afd_ext.fp8` (the CPU kernel *is* :func:`afd_ext.fp8.quantize`; the CUDA
-    kernel matches it bit for bit). Same device, contiguous; ``values``/``scales`` mutated; on the
+    kernel matches it bit for bit); ``ue8m0``: scales rounded up to powers of two. Same device, contiguous; ``values``/``scales`` mutated; on the
     current stream, no allocation (capturable).
 
     Raises:
         AFDConfigError / AFDTypeError: shapes (H not a multiple of 128) or dtypes.
     """
     _fp8_check("fp8_quantize", x, values, scales)
-    _ops.fp8_quantize(x, values, scales)
+    _ops.fp8_quantize(x, values, scales, bool(ue8m0))
 
 
 @torch.library.register_fake("afd_ext::fp8_quantize")
-def _fp8_quantize_fake(x, values, scales) -> None:
+def _fp8_quantize_fake(x, values, scales, ue8m0=False) -> None:
     _fp8_check("fp8_quantize", x, values, scales)
 
 
@@ -555,10 +555,10 @@ def _fp8_dequantize_fake(values, scales, out) -> None:
 
 
 @torch.library.impl("afd_ext::fp8_quantize", "CPU")
-def _fp8_quantize_cpu(x, values, scales) -> None:
+def _fp8_quantize_cpu(x, values, scales, ue8m0=False) -> None:
     from . import fp8
 
-    fp8.quantize(x, values, scales)
+    fp8.quantize(x, values, scales, ue8m0)
 
 
 @torch.library.impl("afd_ext::fp8_dequantize", "CPU")
@@ -864,7 +864,7 @@ def peer_region_view(region: int, offset: int, nbytes: int) -> Tensor:
 @_boundary
 def peer_put(tensors: Sequence[Tensor], plane: int, slot: int, regions: Sequence[int], rows: Sequence[int],
              dst_rows: Sequence[int], part_offsets: Sequence[int], flag_offsets: Sequence[int],
-             quantize_first: bool = False) -> None:
+             quantize_first: bool = False, ue8m0: bool = False) -> None:
     """Write rows straight into peers' memory, then publish one flag per peer (one kernel).
 
     Peer ``i`` gets rows ``[sum(rows[:i]), sum(rows[:i+1]))`` of every
@@ -886,7 +886,8 @@ def peer_put(tensors: Sequence[Tensor], plane: int, slot: int, regions: Sequence
         flag_offsets: byte offset (8-aligned) of this rank's flag in each destination region.
         quantize_first: ``tensors[0]`` (bf16 ``[T, H]``, H a multiple of 128) is written as FP8
             values and float32 scales (:mod:`afd_ext.fp8`), two parts: ``part_offsets`` then
-            has one entry more (values, scales, then the other tensors').
+            has one entry more (values, scales, then the other tensors'); ``ue8m0``: its scales are
+            rounded up to powers of two.
 
     The tensors are only read (declared mutated so compiled code keeps the
     call). Enqueued on the current stream; no allocation, no sync: capturable
@@ -897,12 +898,12 @@ def peer_put(tensors: Sequence[Tensor], plane: int, slot: int, regions: Sequence
             region's end (capacity), a bad tensor/handle/slot (all before the launch).
     """
     _ops.peer_put(tensors, int(plane), int(slot), _ints(regions), _ints(rows), _ints(dst_rows),
-                  _ints(part_offsets), _ints(flag_offsets), bool(quantize_first))
+                  _ints(part_offsets), _ints(flag_offsets), bool(quantize_first), bool(ue8m0))
 
 
 @torch.library.register_fake("afd_ext::peer_put")
 def _peer_put_fake(tensors, plane, slot, regions, rows, dst_rows, part_offsets, flag_offsets,
-                   quantize_first=False) -> None:
+                   quantize_first=False, ue8m0=False) -> None:
     _fake_check_rows("peer_put", tensors,
                      {"regions": regions, "rows": rows, "dst_rows": dst_rows, "flag_offsets": flag_offsets})
     if len(part_offsets) != len(tensors) + bool(quantize_first):

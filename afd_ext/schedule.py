@@ -105,6 +105,7 @@ class ScheduleConfig:
             (attention -> FFN as FP8 values + scales, :mod:`afd_ext.fp8`; the reply stays ``hidden_dtype``).
         fp8_delivery: an FFN rank's fan-in with FP8 on the wire: ``"dequant"`` (bf16 ``hidden``,
             dequantized in the fan-in) or ``"fp8"`` (``hidden_fp8`` and ``hidden_scales``).
+        fp8_scale_format: the FP8 scales: ``"fp32"`` (``amax / 448``) or ``"ue8m0"`` (rounded up to a power of two).
 
     Raises:
         AFDConfigError: a field out of range or of the wrong type.
@@ -121,6 +122,7 @@ class ScheduleConfig:
     max_stages: int | None = None
     hidden_wire: str | None = None
     fp8_delivery: str = "dequant"
+    fp8_scale_format: str = "fp32"
 
     def __post_init__(self) -> None:
         _pos_int(self.num_layers, "num_layers")
@@ -148,9 +150,11 @@ class ScheduleConfig:
                 _pos_int(p, f"pad_to[{s}]", allow_zero=True)
                 pad[s] = p
             object.__setattr__(self, "pad_to", dict(sorted(pad.items())))
-        if self.hidden_wire is not None:
-            from .fp8 import HIDDEN_WIRE_DTYPES, check_hidden
+        from .fp8 import HIDDEN_WIRE_DTYPES, SCALE_FORMATS, check_hidden
 
+        if self.fp8_scale_format not in SCALE_FORMATS:
+            raise AFDConfigError(f"fp8_scale_format must be one of {list(SCALE_FORMATS)}, got {self.fp8_scale_format!r}")
+        if self.hidden_wire is not None:
             if self.hidden_wire not in HIDDEN_WIRE_DTYPES:
                 raise AFDConfigError(f"hidden_wire must be None or one of {list(HIDDEN_WIRE_DTYPES)}, "
                                      f"got {self.hidden_wire!r}")
@@ -219,7 +223,8 @@ def schedule_config(spec: Any, extra: Any) -> ScheduleConfig:
         num_layers=spec.num_layers, hidden_size=spec.hidden_size, hidden_dtype=spec.dtype,
         router_logits_width=spec.router_logits_width, router_logits_dtype=spec.router_logits_dtype,
         send_token_ids=spec.send_token_ids, clamp_idle_to_one=extra.clamp_idle_to_one, max_stages=extra.max_stages,
-        hidden_wire=getattr(extra, "hidden_wire_dtype", None), fp8_delivery=getattr(extra, "fp8_delivery", "dequant"))
+        hidden_wire=getattr(extra, "hidden_wire_dtype", None), fp8_delivery=getattr(extra, "fp8_delivery", "dequant"),
+        fp8_scale_format=getattr(extra, "fp8_scale_format", "fp32"))
 
 
 class FanInPlan(NamedTuple):

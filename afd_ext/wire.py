@@ -1,7 +1,7 @@
 """The wire, stated once: every tensor that travels between an attention rank and its FFN ranks.
 
 Each tensor is a *part*, declared here with :func:`declare_part`: its name, its
-dtype rule, its row width, its direction and when it is present. Declaration
+dtype rule, its row width, its direction, when it is present and its encoding. Declaration
 order is wire order. Everything else reads :func:`layout`: the schedule's input
 checks, the buffers (:func:`afd_ext.schedule.stage_buffers`), the handshake
 (:func:`handshake_field`), the strict headers and the peer plane's regions. The
@@ -38,22 +38,25 @@ class Part(NamedTuple):
     cols: Rule
     present: Rule
     arg: str | None
+    encoding: Rule = None
 
 
 class WirePart(NamedTuple):
-    """A part under one config: its name, columns per row (``()``: one value per row), dtype, connector argument."""
+    """A part under one config: its name, columns per row (``()``: one value per row), dtype, connector
+    argument, encoding (None: plain values of the dtype)."""
 
     name: str
     cols: tuple[int, ...]
     dtype: torch.dtype
     arg: str | None = None
+    encoding: str | None = None
 
 
 _PARTS: list[Part] = []
 
 
 def declare_part(name: str, *, dtype: Rule, cols: Rule = (), present: Rule = True, direction: str = "a2f",
-                 arg: str | None = "") -> Part:
+                 arg: str | None = "", encoding: Rule = None) -> Part:
     """Declare a part of the wire; it travels after every part declared before it.
 
     Args:
@@ -64,6 +67,8 @@ def declare_part(name: str, *, dtype: Rule, cols: Rule = (), present: Rule = Tru
         direction: ``"a2f"`` (attention -> FFN) or ``"f2a"`` (the reply).
         arg: the keyword of ``send_attn_output`` that carries it (default ``name``); None for a part
             the transport makes itself (FP8 scales).
+        encoding: what the dtype's values mean beyond their type, a string or ``cfg -> str``, compared at
+            the handshake like the dtype (FP8 scales: ``"fp32"`` or ``"ue8m0"``, docs/fp8.md); None: plain.
 
     Declare parts before building connectors (a connector reads the layout once); both roles
     must declare the same parts, which the init handshake checks (:func:`handshake_field`).
@@ -75,7 +80,7 @@ def declare_part(name: str, *, dtype: Rule, cols: Rule = (), present: Rule = Tru
         raise AFDConfigError(f"direction must be 'a2f' or 'f2a', got {direction!r}")
     if any(p.name == name for p in _PARTS):
         raise AFDConfigError(f"wire part {name!r} is already declared")
-    part = Part(name, direction, dtype, cols, present, name if arg == "" else arg)
+    part = Part(name, direction, dtype, cols, present, name if arg == "" else arg, encoding)
     _PARTS.append(part)
     return part
 
@@ -105,7 +110,7 @@ def layout(cfg: Any, direction: str = "a2f", *, caller: bool = False) -> tuple[W
     """
     if caller and cfg.hidden_wire is not None:
         cfg = cfg.without_fp8
-    return tuple(WirePart(p.name, tuple(_rule(p.cols, cfg)), _rule(p.dtype, cfg), p.arg)
+    return tuple(WirePart(p.name, tuple(_rule(p.cols, cfg)), _rule(p.dtype, cfg), p.arg, _rule(p.encoding, cfg))
                  for p in _PARTS if p.direction == direction and _rule(p.present, cfg))
 
 
@@ -115,8 +120,9 @@ def declared_args(direction: str = "a2f") -> tuple[str, ...]:
 
 
 def handshake_field(cfg: Any) -> list[list[Any]]:
-    """Both directions' layouts as ``[[direction, name, cols, dtype name], ...]``: both roles must agree."""
-    return [[d, p.name, list(p.cols), dtype_name(p.dtype)] for d in ("a2f", "f2a") for p in layout(cfg, d)]
+    """Both directions' layouts as ``[[direction, name, cols, dtype name(, encoding)], ...]``: both roles must agree."""
+    return [[d, p.name, list(p.cols), dtype_name(p.dtype)] + ([p.encoding] if p.encoding else [])
+            for d in ("a2f", "f2a") for p in layout(cfg, d)]
 
 
 def _fp8(cfg: Any) -> bool:
@@ -128,7 +134,8 @@ declare_part("hidden", dtype=lambda c: c.hidden_dtype, cols=lambda c: (c.hidden_
              present=lambda c: not _fp8(c), arg="hidden_states")
 declare_part("hidden_fp8", dtype=torch.float8_e4m3fn, cols=lambda c: (c.hidden_size,), present=_fp8,
              arg="hidden_states")
-declare_part("hidden_scales", dtype=torch.float32, cols=lambda c: (c.hidden_size // c.fp8_group,), present=_fp8)
+declare_part("hidden_scales", dtype=torch.float32, cols=lambda c: (c.hidden_size // c.fp8_group,), present=_fp8,
+             encoding=lambda c: c.fp8_scale_format)
 declare_part("router_logits", dtype=lambda c: c.router_logits_dtype, cols=lambda c: (c.router_logits_width,),
              present=lambda c: c.router_logits_width is not None)
 declare_part("token_ids", dtype=TOKEN_IDS_DTYPE, present=lambda c: c.send_token_ids, arg="input_ids")

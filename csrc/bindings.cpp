@@ -49,8 +49,8 @@ TORCH_LIBRARY(afd_ext, m) {
   m.def("fan_in(Tensor(a!)[] tensors, int[] comms, int[] peers, int[] rows) -> ()");
   // One NCCL group: sends consecutive row ranges of each tensor (the wire parts, in order), rows[i] rows to peers[i] on comms[i].
   m.def("split_back(Tensor(a!)[] tensors, int[] comms, int[] peers, int[] rows) -> ()");
-  // FP8 hidden states (docs/fp8.md): bf16 x [T, H] -> e4m3 values [T, H] and float32 scales [T, H/128], one scale per 128 channels.
-  m.def("fp8_quantize(Tensor x, Tensor(a!) values, Tensor(b!) scales) -> ()");
+  // FP8 hidden states (docs/fp8.md): bf16 x [T, H] -> e4m3 values [T, H] and float32 scales [T, H/128], one scale per 128 channels (ue8m0: powers of two).
+  m.def("fp8_quantize(Tensor x, Tensor(a!) values, Tensor(b!) scales, bool ue8m0=False) -> ()");
   // The inverse: out[t, h] = bf16(float(values[t, h]) * scales[t, h / 128]).
   m.def("fp8_dequantize(Tensor values, Tensor scales, Tensor(a!) out) -> ()");
   // Peer-memory plane (docs/peer-memory.md): device counters and a host-mapped error record on CUDA `device`; returns a plane handle (>= 1).
@@ -71,10 +71,10 @@ TORCH_LIBRARY(afd_ext, m) {
   m.def("peer_region_close(int region) -> ()");
   // A CUDA uint8 tensor over bytes [offset, offset + nbytes) of a region; it keeps the memory alive.
   m.def("peer_region_view(int region, int offset, int nbytes) -> Tensor");
-  // Writes rows[i] consecutive rows of each tensor (the wire parts, in order) into regions[i] at row dst_rows[i] of the part at part_offsets[k], then publishes flag (generation, seq) at flag_offsets[i]; quantize_first: tensors[0] (bf16) goes as FP8 values + scales (two parts).
+  // Writes rows[i] consecutive rows of each tensor (the wire parts, in order) into regions[i] at row dst_rows[i] of the part at part_offsets[k], then publishes flag (generation, seq) at flag_offsets[i]; quantize_first: tensors[0] (bf16) goes as FP8 values + scales (two parts; ue8m0: power-of-two scales).
   m.def(
       "peer_put(Tensor(a!)[] tensors, int plane, int slot, int[] regions, int[] rows, int[] dst_rows, "
-      "int[] part_offsets, int[] flag_offsets, bool quantize_first=False) -> ()");
+      "int[] part_offsets, int[] flag_offsets, bool quantize_first=False, bool ue8m0=False) -> ()");
   // Waits (bounded by timeout_ns on the device clock) for every flag at flag_offsets of `region`, then copies tensors[0] into `out` when given (dequantized with tensors[1] as its scales when dequantize).
   m.def(
       "peer_wait(Tensor(a!)[] tensors, Tensor(b!)? out, int plane, int slot, int region, int[] flag_offsets, "

@@ -32,7 +32,7 @@ void fan_in_cuda(at::TensorList tensors, c10::IntArrayRef comms, c10::IntArrayRe
 void split_back_cuda(at::TensorList tensors, c10::IntArrayRef comms, c10::IntArrayRef peers,
                      c10::IntArrayRef rows);
 // FP8 hidden states (cuda/p2p_cuda.cpp; the CPU impls are afd_ext/fp8.py's torch rule)
-void fp8_quantize_cuda(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales);
+void fp8_quantize_cuda(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales, bool ue8m0);
 void fp8_dequantize_cuda(const at::Tensor& values, const at::Tensor& scales, const at::Tensor& out);
 
 // --- peer-memory plane (cuda/peer_cuda.cpp, or cpu/peer_no_cuda.cpp; CPU-key
@@ -48,7 +48,7 @@ void peer_region_close(int64_t region);
 at::Tensor peer_region_view(int64_t region, int64_t offset, int64_t nbytes);
 void peer_put_cuda(at::TensorList tensors, int64_t plane, int64_t slot, c10::IntArrayRef regions,
                    c10::IntArrayRef rows, c10::IntArrayRef dst_rows, c10::IntArrayRef part_offsets,
-                   c10::IntArrayRef flag_offsets, bool quantize_first);
+                   c10::IntArrayRef flag_offsets, bool quantize_first, bool ue8m0);
 void peer_wait_cuda(at::TensorList tensors, const OptTensor& out, int64_t plane, int64_t slot, int64_t region,
                     c10::IntArrayRef flag_offsets, c10::IntArrayRef peers, int64_t op_code, int64_t layer,
                     int64_t stage, int64_t timeout_ns, bool dequantize);

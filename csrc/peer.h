@@ -85,7 +85,7 @@ struct PeerPutArgs {
   long long src_row[kPeerMaxPeers];
   long long dst_row[kPeerMaxPeers];
   // Nonzero: src[0] is bf16, quantized in the put to e4m3 values (part_off[0],
-  // one byte per channel) and float32 scales (scales_off).
+  // one byte per channel) and float32 scales (scales_off); 2: UE8M0 scales.
   int quant;
   long long scales_off;
 };
@@ -114,9 +114,10 @@ int peer_put_launch(const PeerPutArgs& args, int max_blocks, void* stream);
 int peer_wait_launch(const PeerWaitArgs& args, int max_blocks, void* stream);
 
 // FP8 hidden states outside the plane (the NCCL path), same rule and device code as the put/wait:
-// x bf16 [groups * 128] -> values e4m3 [groups * 128] and scales float32 [groups]; and back to bf16.
-int fp8_quantize_launch(const void* x, void* values, float* scales, long long groups, int max_blocks,
-                        void* stream);
+// x bf16 [groups * 128] -> values e4m3 [groups * 128] and scales float32 [groups] (ue8m0: powers of
+// two); and back to bf16.
+int fp8_quantize_launch(const void* x, void* values, float* scales, long long groups, int ue8m0,
+                        int max_blocks, void* stream);
 int fp8_dequantize_launch(const void* values, const float* scales, void* out, long long numel,
                           int max_blocks, void* stream);
 

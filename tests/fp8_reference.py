@@ -7,7 +7,9 @@ operations are numpy's correctly rounded float32 division and product that the r
 
 Per token and group of ``GROUP`` channels (float32): ``scale = amax / 448`` over the group's finite
 ``|x|`` (1 when that is 0); a finite ``x`` becomes ``RNE(sat(x / scale))``, an inf or NaN ``x`` the
-NaN byte with its sign (``0x7F`` / ``0xFF``).
+NaN byte with its sign (``0x7F`` / ``0xFF``). UE8M0 scales (``ue8m0=True``): ``scale =
+2^ceil(log2(max(amax, 1e-4) / 448))`` (DeepEP's ``round_scale``), here from the exact quotient in
+float64 split by ``frexp`` (no float32 rounding, no bit tricks).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from afd_ext.fp8 import GROUP
 
 FP8_MAX_BITS = 0x43E00000  # 448.0 as float32 bits
 NAN_BYTE = 0x7F  # e4m3fn's NaN (with the sign bit: 0xFF); it has no inf
+AMAX_FLOOR = np.float32(1e-4)  # DeepEP's kFP8Margin, a float32 constant: UE8M0 scales only
 
 
 def encode_e4m3(v: np.ndarray) -> np.ndarray:
@@ -62,14 +65,29 @@ def f32_to_bf16_bits(f: np.ndarray) -> np.ndarray:
     return np.where((u & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, r).astype(np.uint16)
 
 
-def quantize_np(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def ue8m0_scale(amax: np.ndarray) -> np.ndarray:
+    """float32 ``amax`` (>= 0, finite) -> ``2^ceil(log2(max(amax, 1e-4) / 448))`` as float32.
+
+    The quotient of two float32 in float64 is a power of two exactly when the real one is (a float32
+    has 24 significant bits, so a real quotient off a power of two is off by far more than float64's
+    rounding); ``frexp`` gives ``q = m 2^e`` with ``m`` in [0.5, 1): ``ceil(log2 q)`` is ``e - 1`` when
+    ``m == 0.5``, else ``e``."""
+    q = np.maximum(np.asarray(amax, dtype=np.float32), AMAX_FLOOR).astype(np.float64) / 448.0
+    m, e = np.frexp(q)
+    return np.ldexp(1.0, np.where(m == 0.5, e - 1, e)).astype(np.float32)
+
+
+def quantize_np(x: np.ndarray, ue8m0: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """float32 ``[T, H]`` (``H % GROUP == 0``) -> (e4m3fn bytes uint8 ``[T, H]``, float32 scales ``[T, H/GROUP]``)."""
     t, h = x.shape
     xg = np.asarray(x, dtype=np.float32).reshape(t, h // GROUP, GROUP)
     finite = np.isfinite(xg)
     amax = np.where(finite, np.abs(xg), np.float32(0)).max(-1, initial=np.float32(0))
-    scale = amax / np.float32(448.0)
-    scale = np.where(scale == 0, np.float32(1.0), scale).astype(np.float32)
+    if ue8m0:
+        scale = ue8m0_scale(amax)
+    else:
+        scale = amax / np.float32(448.0)
+        scale = np.where(scale == 0, np.float32(1.0), scale).astype(np.float32)
     v = np.where(finite, xg, np.float32(0)) / scale[..., None]  # non-finite x: their bytes come from x itself
     q = np.where(finite, encode_e4m3(v), encode_e4m3(xg))
     return q.reshape(t, h), scale
@@ -79,7 +97,8 @@ def dequantize_np(values: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """e4m3fn bytes ``[T, H]`` and float32 scales ``[T, H/GROUP]`` -> bf16 bits ``[T, H]`` (one float32
     product, rounded to nearest even)."""
     t, h = values.shape
-    f = decode_e4m3(values).reshape(t, h // GROUP, GROUP) * np.asarray(scales, dtype=np.float32)[..., None]
+    with np.errstate(over="ignore"):  # UE8M0 scales: 256 * 2^120 is inf, as the rule says
+        f = decode_e4m3(values).reshape(t, h // GROUP, GROUP) * np.asarray(scales, dtype=np.float32)[..., None]
     return f32_to_bf16_bits(f.astype(np.float32)).reshape(t, h)
 
 
@@ -93,10 +112,10 @@ def to_f32(x: torch.Tensor) -> np.ndarray:
     return x.numpy().copy()
 
 
-def reference_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_quantize(x: torch.Tensor, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The rule on ``x`` ``[T, H]`` (bf16 or float32; TypeError otherwise): ``(values float8_e4m3fn
-    [T, H], scales float32 [T, H/GROUP])``, on CPU."""
-    q, s = quantize_np(to_f32(x))
+    [T, H], scales float32 [T, H/GROUP])``, on CPU; ``ue8m0``: UE8M0 scales."""
+    q, s = quantize_np(to_f32(x), ue8m0)
     return torch.from_numpy(q).view(torch.float8_e4m3fn), torch.from_numpy(s)
 
 

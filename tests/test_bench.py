@@ -370,6 +370,31 @@ def test_check_passes_and_detects_corruption():
     assert any("differ" in e for c in failed for e in c["errors"])
 
 
+def _fp8_worker(rank, nprocs, cfg, flip):
+    import afd_ext.bench.variants as v
+    from afd_ext.bench.runner import bench_worker
+
+    if flip and rank == 0:  # the FFN rank expects the other scale format than the one on the wire
+        v._Fp8Wire.ue8m0 = property(lambda self: self.ctx.fp8_scale_format != "ue8m0")
+    return bench_worker(rank, nprocs, cfg)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("fmt", ["fp32", "ue8m0"])
+def test_fp8_check_passes_per_scale_format_and_detects_the_other(fmt):
+    """``--check`` of ``ours_fp8`` on gloo: the FFN rank gets the CPU rule's values and scales of the pattern
+    (``--fp8-scale-format``), the attention rank the XOR of their bf16 form; expecting the other format fails."""
+    from dataclasses import replace
+
+    cfg = replace(_check_cfg(find_free_port(), cases=[Case(256, 3, True, logits_width=8), Case(128, 1, False)]),
+                  variants=("ours_fp8",), fp8_scale_format=fmt)
+    cs = _checks(run_workers(_fp8_worker, 2, (cfg, False), timeout_s=120))
+    assert len(cs) == 4 and all(c["ok"] and c["variant"] == "ours_fp8" for c in cs), cs
+    bad = _checks(run_workers(_fp8_worker, 2, (replace(cfg, master_port=find_free_port()), True), timeout_s=120))
+    assert {(c["role"], c["ok"]) for c in bad} == {("ffn", False), ("attention", True)}, bad
+    assert all("tensor 1 rows" in " ".join(c["errors"]) for c in bad if not c["ok"])  # the scales differ
+
+
 # ---------------------------------------------------------------------------
 # GPU tier: a CUDA build of afd_ext; --check on one GPU shares it (NCCL over sockets), timings need 2
 # ---------------------------------------------------------------------------

@@ -20,7 +20,8 @@ import connector_scenarios as cs  # noqa: E402
 from afd_ext.errors import AFDConfigError  # noqa: E402
 from afd_ext.fp8 import GROUP  # noqa: E402
 from afd_ext.testing import find_free_port, run_workers  # noqa: E402
-from fp8_reference import decode_e4m3, encode_e4m3, reference_dequantize, reference_quantize  # noqa: E402
+from fp8_reference import (decode_e4m3, encode_e4m3, reference_dequantize, reference_quantize,  # noqa: E402
+                           ue8m0_scale)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -195,6 +196,77 @@ def test_reference_dequantize_hand_computed():
     assert out[:4].isnan().all() and out[4:7].tolist() == [7.0, -3.5, 0.5] and not out[7:].any()
 
 
+F32_MAX = float(np.finfo(np.float32).max)
+UE8M0_GROUP_CASES = {  # name: (x [1, GROUP], scale's float32 bits, first bytes, the rest's byte); 2^-22 = 0x34800000
+    # amax 0 under the 1e-4 floor: 1e-4 / 448 = 2.23e-7 -> 2^-22 (the UE8M0 byte 105 = 0x69); values +-0
+    "all zero": (_group([]), 0x34800000, [], 0x00),
+    "all -0": (_group([], fill=-0.0), 0x34800000, [], 0x80),
+    # bf16 subnormals (fp32 scales: a subnormal scale) are floored too: 2^-133 / 2^-22 = 2^-111 -> 0
+    "all tiny bf16": (_group([T, -T]), 0x34800000, [0x00, 0x80], 0x00),
+    # below the floor: 2^-15 / 2^-22 = 128 (0x70), 3 2^-16 / 2^-22 = 192 (0x74)
+    "below the floor": (_group([2.0 ** -15, -3 * 2.0 ** -16]), 0x34800000, [0x70, 0xF4], 0x00),
+    # exact powers of two: 448 2^-22 = 7 2^-16 -> exactly 2^-22, value 448; 448 -> scale 1
+    "exact 2^-22": (_group([7 * 2.0 ** -16]), 0x34800000, [0x7E], 0x00),
+    "scale 1": (GROUP_CASES["scale 1"][0], 0x3F800000, GROUP_CASES["scale 1"][2], 0x00),
+    # one bf16 ulp above 448 2^-22 doubles the scale: 1.7578125 2^-14 / 2^-21 = 225 -> 224 (0x76)
+    "one ulp above": (_group([1.7578125 * 2.0 ** -14]), 0x35000000, [0x76], 0x00),
+    # 450 / 448 > 1 -> scale 2: 225 -> 224 (0x76), 0.5 (0x30)
+    "450": (_group([450.0, -450.0, 1.0]), 0x40000000, [0x76, 0xF6, 0x30], 0x00),
+    # 3 / 448 = 1.71 2^-8 -> 2^-7: 3 * 128 = 384 (0x7C), 128 (0x70)
+    "rounded scale": (_group([3.0, 1.0, -1.0]), 0x3C000000, [0x7C, 0x70, 0xF0], 0x00),
+    # 7 / 448 = 2^-6 exactly: the fp32 bytes (ties and saturation as there), also beside inf and NaN
+    "exact scale, ties": (GROUP_CASES["exact scale, ties"][0], 0x3C800000, GROUP_CASES["exact scale, ties"][2], 0),
+    "inf and nan": (GROUP_CASES["inf and nan"][0], 0x3C800000, GROUP_CASES["inf and nan"][2], 0x00),
+    # only non-finite: amax over no finite value is 0 -> the floor's 2^-22, values NaN with their sign
+    "all inf": (_group([], fill=-INF), 0x34800000, [], 0xFF),
+    "inf beside tiny": (_group([INF, T]), 0x34800000, [0x7F, 0x00], 0x00),
+    # float32 input: the largest float, (2^128 - 2^104) / 448 = 2^119.2 -> 2^120 (0x7B800000), value 256 (0x78)
+    "float32 max": (_group([F32_MAX, -F32_MAX], torch.float32), 0x7B800000, [0x78, 0xF8], 0x00),
+    "float32 tiny": (_group([F32_TINY], torch.float32), 0x34800000, [0x00], 0x00),
+}
+
+
+@pytest.mark.parametrize("name", list(UE8M0_GROUP_CASES))
+def test_reference_ue8m0_groups_hand_computed(name):
+    from afd_ext import fp8
+
+    x, scale_bits, head, rest = UE8M0_GROUP_CASES[name]
+    want = torch.tensor(head + [rest] * (GROUP - len(head)), dtype=torch.int32).to(torch.uint8)
+    for v, s in (reference_quantize(x, ue8m0=True), fp8.quantize(x, ue8m0=True)):
+        assert bits(s).tolist() == [[scale_bits]], hex(bits(s).item())
+        assert torch.equal(bits(v)[0], want), [hex(b) for b in bits(v)[0, :len(head) + 1].tolist()]
+        assert (bits(s) >> 23).tolist() == [[scale_bits >> 23]]  # the UE8M0 byte: the exponent field
+
+
+def test_ue8m0_reference_is_deepep_round_scale_and_deepgemm_ceil():
+    """The reference's scale (exact quotient, frexp) equals DeepEP's kernel (csrc/kernels/legacy/utils.cuh:
+    ``amax = fmaxf(1e-4f, amax)``, ``fast_log2_ceil(amax * (1 / 448.0f))`` on the float32 product's bits,
+    ``fast_pow2``) and DeepGEMM's ``ceil_to_ue8m0(amax.clamp(1e-4) / 448)`` (float32 quotient) for every
+    finite bf16 amax and for float32 ones around every 448 2^k and at random."""
+    def deepep(amax):
+        p = (np.maximum(np.float32(1e-4), amax) * (np.float32(1) / np.float32(448))).astype(np.float32)
+        b = p.view(np.uint32).astype(np.int64)
+        e = ((b >> 23) & 0xFF) - 127 + ((b & 0x7FFFFF) != 0)
+        return ((e + 127) << 23).astype(np.uint32).view(np.float32)
+
+    def deepgemm(amax):
+        q = (np.maximum(amax, np.float32(1e-4)) / np.float32(448)).astype(np.float32)
+        b = q.view(np.uint32).astype(np.int64)  # 2^ceil(log2 q), exactly (torch.log2 in float32 is not)
+        return (((b >> 23) + ((b & 0x7FFFFF) != 0)) << 23).astype(np.uint32).view(np.float32)
+
+    bf = (np.arange(0x7F80, dtype=np.uint32) << 16).view(np.float32)  # every finite bf16 >= 0
+    g = np.random.default_rng(0)
+    k = np.arange(-40, 120, dtype=np.float64)
+    at = (448.0 * 2.0 ** k).astype(np.float32)
+    f32 = np.concatenate([at, np.nextafter(at, np.float32(0)), np.nextafter(at, np.float32(np.inf)),
+                          g.integers(0, 0x7F800000, 1 << 20, dtype=np.uint32).view(np.float32)])
+    for amax in (bf, f32):
+        ref = ue8m0_scale(amax)
+        assert np.array_equal(ref, deepep(amax)) and np.array_equal(ref, deepgemm(amax))
+        assert (ref.view(np.uint32) & 0x807FFFFF == 0).all() and ref.min() == np.float32(2.0 ** -22)
+    assert ue8m0_scale(np.float32([448 * 2.0 ** -22, 0])).tolist() == [2.0 ** -22] * 2
+
+
 # -- the CPU path against it ----------------------------------------------------------------
 
 def adversarial_inputs(seed: int = 0) -> list[torch.Tensor]:
@@ -221,25 +293,35 @@ def adversarial_inputs(seed: int = 0) -> list[torch.Tensor]:
                                                                .view(np.float32))]  # float32 with inf/NaN
 
 
-def test_cpu_path_is_the_reference_bit_for_bit():
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_cpu_path_is_the_reference_bit_for_bit(ue8m0):
     from afd_ext import fp8, ops
 
     for i, x in enumerate(adversarial_inputs()):
-        rv, rs = reference_quantize(x)
-        v, s = fp8.quantize(x)
+        rv, rs = reference_quantize(x, ue8m0)
+        v, s = fp8.quantize(x, ue8m0=ue8m0)
         assert torch.equal(bits(v), bits(rv)) and torch.equal(bits(s), bits(rs)), i
         assert same_bf16(fp8.dequantize(v, s), reference_dequantize(rv, rs)), i
         if x.dtype != torch.bfloat16:
             continue
         ov, os_ = torch.empty_like(v), torch.empty_like(s)
-        ops.fp8_quantize(x, ov, os_)  # the op's CPU kernel
+        ops.fp8_quantize(x, ov, os_, ue8m0)  # the op's CPU kernel
         assert torch.equal(bits(ov), bits(rv)) and torch.equal(bits(os_), bits(rs)), i
         out = torch.empty_like(x)
         ops.fp8_dequantize(rv, rs, out)
         assert same_bf16(out, reference_dequantize(rv, rs)), i
         finite = x.isfinite()
         assert torch.equal(out.isnan(), ~finite), i  # NaN exactly where x was inf or NaN
-        assert ((out.float() - x.float()).abs() <= error_bound(x, rs))[finite].all(), i
+        # UE8M0 only: |x| >= 248 2^120 (the scale 2^120, x / scale rounds to 256) comes back as +-inf
+        top = finite & (x.float().abs() >= 248 * 2.0 ** 120) if ue8m0 else torch.zeros_like(finite)
+        assert torch.equal(out.float()[top], x.float()[top].sign() * INF), i
+        assert ((out.float() - x.float()).abs() <= error_bound(x, rs))[finite & ~top].all(), i
+        if ue8m0:  # a power of two in [q, 2 q), q = max(amax, 1e-4) / 448 over the finite |x|
+            xf = x.double().reshape(x.shape[0], -1, GROUP)
+            q = torch.where(xf.isfinite(), xf.abs(), 0).amax(-1).clamp_min(float(np.float32(1e-4))) / 448
+            assert (bits(rs) & 0x807FFFFF == 0).all() and (q <= rs).all() and (rs < 2 * q).all(), i
+    if ue8m0:
+        return
     x = hard_inputs()
     rv, rs = reference_quantize(x)
     assert rs[0, 0].item() == 1.0 and not bits(rv[0, :GROUP]).any()  # the zero guard
@@ -294,6 +376,13 @@ def test_config_refusals():
         AfdExtConnectorConfig(hidden_wire_dtype="fp8_e4m3", strict=True)
     with pytest.raises(AFDConfigError, match="fp8_delivery"):
         AfdExtConnectorConfig(fp8_delivery="bf16")
+    with pytest.raises(AFDConfigError, match=r"fp8_scale_format must be one of .*'fp32', 'ue8m0'.* got 'e8m0'"):
+        AfdExtConnectorConfig(hidden_wire_dtype="fp8_e4m3", fp8_scale_format="e8m0")
+    with pytest.raises(AFDConfigError, match="fp8_scale_format 'ue8m0' sets the scales of FP8 hidden states; set "
+                                             "hidden_wire_dtype 'fp8_e4m3' too"):
+        AfdExtConnectorConfig.from_mapping({"fp8_scale_format": "ue8m0"})
+    cfg = AfdExtConnectorConfig.from_mapping({"hidden_wire_dtype": "fp8_e4m3", "fp8_scale_format": "ue8m0"})
+    assert cfg.fp8_scale_format == "ue8m0" and AfdExtConnectorConfig().fp8_scale_format == "fp32"
 
 
 def test_layout_bytes_and_graph_key():
@@ -321,18 +410,41 @@ def test_layout_bytes_and_graph_key():
     assert keys[0] != keys[1] and keys[1].hidden_wire == "fp8_e4m3"
 
 
-def test_fakes_give_shapes_under_compile():
+def test_scale_format_is_a_property_of_the_scales_part():
+    """UE8M0 is the scales part's encoding (afd_ext/wire.py): the same bytes on the wire, compared at the
+    handshake beside the dtype, carried to the peer plane's spec; a ScheduleConfig refuses another format."""
+    from afd_ext import wire
+    from afd_ext.schedule import ScheduleConfig
+    from afd_ext.transport.peer.plane import WireSpec
+
+    base = dict(num_layers=1, hidden_size=7168, hidden_dtype=torch.bfloat16, hidden_wire="fp8_e4m3")
+    fp32, ue = ScheduleConfig(**base), ScheduleConfig(**base, fp8_scale_format="ue8m0")
+    assert [(p.name, p.encoding) for p in ue.wire_parts[:2]] == [("hidden_fp8", None), ("hidden_scales", "ue8m0")]
+    assert [p[:4] for p in ue.wire_parts] == [p[:4] for p in fp32.wire_parts]  # same parts, dtypes, widths
+    a, b = wire.handshake_field(fp32), wire.handshake_field(ue)
+    assert [i for i in range(len(a)) if a[i] != b[i]] == [1]
+    assert (a[1], b[1]) == (["a2f", "hidden_scales", [56], "float32", "fp32"], ["a2f", "hidden_scales", [56], "float32", "ue8m0"])
+    assert a[0] == ["a2f", "hidden_fp8", [7168], "float8_e4m3fn"]  # a part without an encoding: as before
+    assert (WireSpec.of(fp32).ue8m0, WireSpec.of(ue).ue8m0) == (False, True)
+    assert WireSpec.of(fp32).signature() != WireSpec.of(ue).signature()
+    assert WireSpec.of(ScheduleConfig(1, 256, torch.bfloat16, fp8_scale_format="ue8m0")).ue8m0 is False  # no FP8
+    with pytest.raises(AFDConfigError, match="fp8_scale_format must be one of"):
+        ScheduleConfig(**base, fp8_scale_format="e8m0")
+
+
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_fakes_give_shapes_under_compile(ue8m0):
     from afd_ext import ops
 
     def f(x, v, s, out):
-        ops.fp8_quantize(x, v, s)
+        ops.fp8_quantize(x, v, s, ue8m0)
         ops.fp8_dequantize(v, s, out)
         return out * 2
 
     x = hard_inputs(4, 256)
     v, s, out = torch.empty(4, 256, dtype=E4M3), torch.empty(4, 2), torch.empty(4, 256, dtype=torch.bfloat16)
     got = torch.compile(f, fullgraph=True, backend="aot_eager")(x, v, s, out)
-    rv, rs = reference_quantize(x)
+    rv, rs = reference_quantize(x, ue8m0)
     assert torch.equal(bits(v), bits(rv)) and torch.equal(got, reference_dequantize(rv, rs) * 2)
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -345,15 +457,19 @@ def test_fakes_give_shapes_under_compile():
 # -- over gloo, in processes ------------------------------------------------------------------
 
 def fp8_worker(rank: int, nprocs: int, port: int, A: int, delivery: str, mismatch: bool = False,
-               transport: str = "gloo", misaligned: bool = False) -> dict:
+               transport: str = "gloo", misaligned: bool = False, scales: str = "fp32") -> dict:
     """A:1 with FP8 on the wire (also run over NCCL and peer memory by tests/gpu/test_fp8_gpu.py); the FFN
     doubles what it receives; the attention side checks every reply against the reference round trip
     (exactly: every path computes the rule's bytes) and the stated bound. ``misaligned``: each layer-0
     send is first tried with a contiguous bf16 copy 2 bytes off 8-byte alignment; a refusal (CUDA
-    transports) is recorded and the aligned tensor sent instead."""
+    transports) is recorded and the aligned tensor sent instead. ``scales``: ``fp8_scale_format``;
+    ``"mix"``: UE8M0 on rank 0, fp32 elsewhere (a mismatch the handshake must refuse)."""
     from afd_ext import ops
 
-    extra = (("hidden_wire_dtype", None if mismatch and rank == 0 else "fp8_e4m3"), ("fp8_delivery", delivery))
+    mismatch = mismatch or scales == "mix"
+    fmt = ("ue8m0" if rank == 0 else "fp32") if scales == "mix" else scales
+    extra = (("hidden_wire_dtype", None if mismatch and scales != "mix" and rank == 0 else "fp8_e4m3"),
+             ("fp8_delivery", delivery), ("fp8_scale_format", fmt))
     sc = cs.Scenario(A=A, F=1, hidden=256, layers=2, dtype="bfloat16", strict=False, extra=extra,
                      transport=transport)
     cs._setup_device(sc)
@@ -367,7 +483,7 @@ def fp8_worker(rank: int, nprocs: int, port: int, A: int, delivery: str, mismatc
                 conn.init_afd_connector()
             except HandshakeMismatchError as e:
                 return {"field": e.field, "message": str(e)}
-            raise AssertionError("a hidden_wire_dtype mismatch passed the handshake")
+            raise AssertionError("a hidden_wire_dtype or fp8_scale_format mismatch passed the handshake")
         conn.init_afd_connector()
         steps = ({0: [3] * A}, {0: [0] * A, 1: [130] * A})
         checked, refused = 0, []
@@ -412,7 +528,7 @@ def fp8_worker(rank: int, nprocs: int, port: int, A: int, delivery: str, mismatc
                         conn.synchronize()
                     out = out.cpu()
                     if n:
-                        rv, rs = reference_quantize(x)
+                        rv, rs = reference_quantize(x, fmt == "ue8m0")
                         assert torch.equal(out, reference_dequantize(rv, rs) * 2)
                         assert ((out.float() / 2 - x.float()).abs() <= error_bound(x, rs)).all()
                     checked += n
@@ -421,9 +537,10 @@ def fp8_worker(rank: int, nprocs: int, port: int, A: int, delivery: str, mismatc
         conn.close()
 
 
+@pytest.mark.parametrize("scales", ["fp32", "ue8m0"])
 @pytest.mark.parametrize("delivery", ["dequant", "fp8"])
-def test_gloo_round_trip(delivery):
-    res = run_workers(fp8_worker, 3, (find_free_port(), 2, delivery), timeout_s=150)
+def test_gloo_round_trip(delivery, scales):
+    res = run_workers(fp8_worker, 3, (find_free_port(), 2, delivery, False, "gloo", False, scales), timeout_s=150)
     total = 2 * (3 + 130) * 2  # layers x rows x attention ranks
     assert sorted(r["checked"] for r in res) == [total // 2, total // 2, total]
 
@@ -464,18 +581,31 @@ def test_handshake_refuses_a_mismatch():
         assert "FFN rank 0" in r["message"] and "attention rank 0" in r["message"]
 
 
+def test_handshake_refuses_a_mix_of_scale_formats():
+    """UE8M0 scales on one role and fp32 on the other: refused at init, naming the option, both values and ranks."""
+    res = run_workers(fp8_worker, 2, (find_free_port(), 1, "dequant", False, "gloo", False, "mix"), timeout_s=120)
+    for r in res:
+        assert r["field"] == "fp8_scale_format"
+        assert "'ue8m0'" in r["message"] and "'fp32'" in r["message"]
+        assert "FFN rank 0" in r["message"] and "attention rank 0" in r["message"]
+
+
 @pytest.mark.timeout(300)
-def test_demo_runs_with_fp8_on_gloo(tmp_path):
-    """The demo with FP8 hidden states passes its self-check against the whole model rounding the same way."""
+@pytest.mark.parametrize("scales", [[], ["ue8m0"]])
+def test_demo_runs_with_fp8_on_gloo(tmp_path, scales):
+    """The demo with FP8 hidden states (``--fp8``: fp32 scales; ``--fp8 ue8m0``) passes its self-check against
+    the whole model rounding the same way."""
     import json
     import subprocess
 
     out = tmp_path / "s.json"
-    proc = subprocess.run([sys.executable, "-m", "afd_ext", "demo", "--backend", "gloo", "--fp8", "--no-progress",
-                           "--topology", "2A1F", "--json", str(out)], capture_output=True, text=True, timeout=280)
+    proc = subprocess.run([sys.executable, "-m", "afd_ext", "demo", "--backend", "gloo", "--fp8", *scales,
+                           "--no-progress", "--topology", "2A1F", "--json", str(out)],
+                          capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     s = json.loads(out.read_text())
     assert s["self_check"]["ok"] and s["self_check"]["tolerance"] == pytest.approx(0.25 * 2)
+    assert s["fp8"] == (scales or ["fp32"])[0]
     # The summary counts FP8 wire bytes (H + 4 H / GROUP per token) attention -> FFN, bf16 (2 H) back.
     h = s["model"]["hidden_size"]
     assert s["bytes"]["attention_to_ffn"] * 2 * h == s["bytes"]["ffn_to_attention"] * (h + 4 * h // GROUP)

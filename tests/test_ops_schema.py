@@ -21,7 +21,7 @@ SCHEMAS = {
     # The data ops take the wire parts as one mutable list, in wire order (afd_ext/wire.py), as torch's _foreach_*_.
     "fan_in": "afd_ext::fan_in(Tensor(a!)[] tensors, int[] comms, int[] peers, int[] rows) -> ()",
     "split_back": "afd_ext::split_back(Tensor(a!)[] tensors, int[] comms, int[] peers, int[] rows) -> ()",
-    "fp8_quantize": "afd_ext::fp8_quantize(Tensor x, Tensor(a!) values, Tensor(b!) scales) -> ()",
+    "fp8_quantize": "afd_ext::fp8_quantize(Tensor x, Tensor(a!) values, Tensor(b!) scales, bool ue8m0=False) -> ()",
     "fp8_dequantize": "afd_ext::fp8_dequantize(Tensor values, Tensor scales, Tensor(a!) out) -> ()",
     "peer_plane_create": "afd_ext::peer_plane_create(int device, int generation, int num_slots, int max_peers) -> int",
     "peer_plane_destroy": "afd_ext::peer_plane_destroy(int plane) -> ()",
@@ -34,7 +34,7 @@ SCHEMAS = {
     "peer_region_view": "afd_ext::peer_region_view(int region, int offset, int nbytes) -> Tensor",
     "peer_put": (
         "afd_ext::peer_put(Tensor(a!)[] tensors, int plane, int slot, int[] regions, int[] rows, int[] dst_rows, "
-        "int[] part_offsets, int[] flag_offsets, bool quantize_first=False) -> ()"
+        "int[] part_offsets, int[] flag_offsets, bool quantize_first=False, bool ue8m0=False) -> ()"
     ),
     "peer_wait": (
         "afd_ext::peer_wait(Tensor(a!)[] tensors, Tensor(b!)? out, int plane, int slot, int region, "

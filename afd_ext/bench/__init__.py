@@ -77,6 +77,8 @@ def build_parser(prog: str = "afd-ext bench") -> argparse.ArgumentParser:
                    help="with --hidden/--tokens: fp32 router logits [n, 256] + int32 ids on, off or both")
     p.add_argument("--variants", default=",".join(ALL_VARIANTS), metavar="LIST",
                    help="comma list of " + ", ".join(ALL_VARIANTS + FP8_VARIANTS) + " (default: all but the FP8 ones)")
+    p.add_argument("--fp8-scale-format", choices=("fp32", "ue8m0"), default="fp32",
+                   help="the FP8 variants' scales: fp32 (amax / 448) or ue8m0 (powers of two); docs/fp8.md")
     p.add_argument("--modes", default=None, metavar="LIST",
                    help="eager and/or graph (default: both; graph needs CUDA)")
     p.add_argument("--time-per-point", type=float, default=None, metavar="S",
@@ -148,6 +150,7 @@ def _meta(cfg: RunConfig, argv: Sequence[str]) -> dict:
         "reps": dataclasses.asdict(cfg.reps),
         "modes": list(cfg.modes),
         "variants": list(cfg.variants),
+        "fp8_scale_format": cfg.fp8_scale_format,
         "argv": list(argv),
         "env": {k: v for k, v in sorted(os.environ.items())
                 if k.startswith(("NCCL_", "AFD_", "TORCH_NCCL", "CUDA_VISIBLE", "TORCH_SYMM"))},
@@ -210,7 +213,7 @@ def _config(args: argparse.Namespace) -> RunConfig:
     return RunConfig(
         backend=backend, layout=layout, cases=cases, variants=variants, modes=modes,
         reps=reps, master_port=find_free_port(), check=bool(args.check), progress=not args.no_progress,
-        case_timeout_s=case_timeout,
+        case_timeout_s=case_timeout, fp8_scale_format=args.fp8_scale_format,
     )
 
 

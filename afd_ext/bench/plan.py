@@ -235,6 +235,8 @@ class RunConfig:
     master_port: int
     check: bool = False
     progress: bool = True
+    #: The FP8 variants' scales (``--fp8-scale-format``; docs/fp8.md).
+    fp8_scale_format: str = "fp32"
     #: Deadline of every wait on the device or a peer within a case, seconds.
     case_timeout_s: float = 60.0
 

@@ -130,7 +130,7 @@ class _Env:
                 off += count
         return Ctx(role=self.role, role_rank=self.role_rank, backend=self.cfg.backend, device=self.device,
                    links=links, gloo_transport=self.gloo_transport, store=self.store, topology=topo,
-                   timeout_s=self.cfg.peer_wait_s)
+                   timeout_s=self.cfg.peer_wait_s, fp8_scale_format=self.cfg.fp8_scale_format)
 
     def close(self) -> None:
         import torch.distributed as dist
@@ -286,7 +286,7 @@ def _check_case(env: _Env, case: Case, ctx, variants: list) -> list[dict]:
                     for k, t in enumerate(v.attn_inputs()):
                         rows_bytes(t).copy_(pattern_bytes(t.shape[0], rows_bytes(t).shape[1], seed,
                                                           env.role_rank * 8 + k, env.device))
-                    expected = torch.bitwise_xor(rows_bytes(v.attn_inputs()[0])[:, :hb], XOR_BYTE)
+                    expected = torch.bitwise_xor(rows_bytes(v.delivered(v.attn_inputs()[0]))[:, :hb], XOR_BYTE)
                     reply = v.attn_reply()
                     if all(reply.data_ptr() != t.data_ptr() for t in v.attn_inputs()):
                         reply.zero_()
@@ -300,16 +300,15 @@ def _check_case(env: _Env, case: Case, ctx, variants: list) -> list[dict]:
                     errors += _compare(rows_bytes(v.attn_reply()), expected, f"reply at {env.label()}")
                     continue
                 snap, cols = v.snap, v.input_cols()
-                if snap is None or len(snap) != len(cols):
-                    errors.append(f"the FFN check hook saw {snap and len(snap)} tensors, expected {len(cols)}")
-                    continue
-                for k, t in enumerate(snap):
-                    for l in ctx.links:
-                        if l.count:
-                            pat = pattern_bytes(case.tokens, cols[k], seed, l.peer * 8 + k, env.device)
-                            errors += _compare(rows_bytes(t)[l.offset:l.offset + l.count],
-                                               pat[l.start:l.start + l.count],
-                                               f"tensor {k} rows of attention rank {l.peer} at {env.label()}")
+                for l in [l for l in ctx.links if l.count]:
+                    want = v.as_received([pattern_bytes(case.tokens, c, seed, l.peer * 8 + k, env.device)
+                                          [l.start:l.start + l.count] for k, c in enumerate(cols)])
+                    if snap is None or len(snap) != len(want):
+                        errors.append(f"the FFN check hook saw {snap and len(snap)} tensors, expected {len(want)}")
+                        break
+                    for k, t in enumerate(snap):
+                        errors += _compare(rows_bytes(t)[l.offset:l.offset + l.count], want[k],
+                                           f"tensor {k} rows of attention rank {l.peer} at {env.label()}")
             del graph
             out.append(dict(_key(env, case, v.name, mode), ok=not errors, errors=errors[:5]))
             v.check = False

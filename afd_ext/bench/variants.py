@@ -32,9 +32,10 @@ between this process and its peers (the :class:`Link` list of this rank):
 ``ours_fp8``,           ``ours_per_tensor`` / ``peer`` with FP8 hidden states on the
 ``peer_fp8``            wire (docs/fp8.md): quantized in the send path (NCCL: one
                         kernel into the send buffers; peer: in the put), the FFN
-                        rank's fan-in dequantized to bf16; the reply stays bf16.
-                        Not in the default list (``--variants``); no ``--check``
-                        (the received bytes are not the sent pattern).
+                        rank's fan-in dequantized to bf16; the reply stays bf16;
+                        scales as ``--fp8-scale-format`` (fp32 or ue8m0). Not in the
+                        default list (``--variants``); ``--check`` compares values and
+                        scales with the CPU rule (``afd_ext.fp8``) of the pattern.
 ======================  ==========================================================
 
 On the CPU/gloo path ``ours_*`` use this package's gloo transport (always built
@@ -44,7 +45,8 @@ Check mode (``--check``): the attention rank fills its wire tensors with a
 per-rank byte pattern, the FFN rank snapshots what it received (verified
 bit-exactly against the pattern of each peer's rows) and replies with the
 received hidden-state bytes XOR ``0x55``; the attention rank verifies the
-reply bit-exactly. :func:`pattern_bytes` is the shared pattern.
+reply bit-exactly (FP8 variants: the CPU rule's bytes of the pattern, :meth:`Variant.as_received`, and
+the reply of its bf16 form). :func:`pattern_bytes` is the shared pattern.
 
 Host time per data call: ``connector``, ``connector_peer`` and the op variants
 they are compared with (``ours_per_tensor``, ``peer``) record each call's host
@@ -139,6 +141,7 @@ class Ctx:
     topology: Any
     timeout_s: float
     graph_mode: bool = False
+    fp8_scale_format: str = "fp32"
 
     @property
     def rows(self) -> int:
@@ -295,6 +298,14 @@ class Variant:
             cols += [4 * c.logits_width, 4]
         return cols
 
+    def as_received(self, pats: list[torch.Tensor]) -> list[torch.Tensor]:
+        """What the FFN rank receives (uint8 rows per part) for attention inputs of bytes ``pats``."""
+        return pats
+
+    def delivered(self, h: torch.Tensor) -> torch.Tensor:
+        """The hidden states the FFN rank replies with (XOR-ed) for attention hidden states ``h``."""
+        return h
+
     def _check_hook(self) -> None:
         rec = self.ffn_received()
         self.snap = [t.clone() for t in rec]
@@ -383,9 +394,31 @@ class OursPerTensor(Variant):
 
 
 class _Fp8Wire:
-    """FP8 hidden states on the wire: the byte accounting and random inputs (zeros would all take the zero-scale path)."""
+    """FP8 hidden states on the wire: the byte accounting, random inputs (zeros would all take the zero-scale path),
+    the check's expected bytes (the CPU rule of afd_ext.fp8)."""
 
-    checkable = False
+    @property
+    def ue8m0(self) -> bool:
+        return self.ctx.fp8_scale_format == "ue8m0"
+
+    def as_received(self, pats):
+        from afd_ext import fp8
+
+        h = pats[0].cpu().contiguous().view(torch.bfloat16)
+        return [rows_bytes(t).to(pats[0].device) for t in fp8.quantize(h, ue8m0=self.ue8m0)] + pats[1:]
+
+    def delivered(self, h):
+        from afd_ext import fp8
+
+        v, s = (t.to(h.device) for t in fp8.quantize(h.cpu(), ue8m0=self.ue8m0))
+        out = torch.empty_like(h)
+        _ops().fp8_dequantize(v, s, out)  # the device's kernel: a NaN's bits are its own (docs/fp8.md)
+        return out
+
+    def _check_hook(self) -> None:
+        self.snap = [t.clone() for t in self.ffn_received()]  # values, scales, then the other parts
+        out = rows_bytes(self.ffn_out())  # the dequantized hidden states
+        torch.bitwise_xor(out, XOR_BYTE, out=out)
 
     @classmethod
     def skip_reason(cls, case: Case, backend: str) -> str | None:
@@ -422,12 +455,15 @@ class OursFp8(_Fp8Wire, OursPerTensor):
         self.wire = [self.v, self.s] + self.wire[1:]  # values then their scales (wire order)
 
     def attn_round(self) -> None:
-        _ops().fp8_quantize(self.h, self.v, self.s)
+        _ops().fp8_quantize(self.h, self.v, self.s, self.ue8m0)
         super().attn_round()
 
     def ffn_recv(self) -> None:
         super().ffn_recv()
         _ops().fp8_dequantize(self.v, self.s, self.h)
+
+    def ffn_received(self):
+        return self.wire
 
 
 class ConnectorCalls(Variant):
@@ -548,7 +584,8 @@ class PeerMemory(Variant):
         topo = ctx.topology
         PeerMemory._setups += 1
         spec = WireSpec.of(ScheduleConfig(1, case.hidden, torch.bfloat16, case.logits_width if case.extras else None,
-                                          send_token_ids=case.extras, hidden_wire="fp8_e4m3" if self.fp8 else None))
+                                          send_token_ids=case.extras, hidden_wire="fp8_e4m3" if self.fp8 else None,
+                                          fp8_scale_format=ctx.fp8_scale_format))
         self.plane = open_plane(dist.PrefixStore(f"peer/{case.key()}/{PeerMemory._setups}/", ctx.store), topo,
                                 ctx.role, ctx.role_rank, spec, max_tokens=case.tokens, num_stages=1,
                                 device=ctx.device, timeout_s=ctx.timeout_s, setup_timeout_s=ctx.timeout_s,

@@ -196,6 +196,7 @@ class AFDConnector:
             "clamp_idle_to_one": self.extra.clamp_idle_to_one,
             "strict": self.extra.strict,
             "hidden_wire_dtype": self.extra.hidden_wire_dtype,
+            "fp8_scale_format": self.extra.fp8_scale_format,
             # The wire parts both ways (afd_ext.wire), so a part declared on one role only is refused.
             "wire": wire.handshake_field(self.schedule_config),
             "transport": self.extra.transport,

@@ -148,7 +148,7 @@ class AttentionSide(RoleSide):
         synchronize()  # bounded: a dead peer is a named error, not a hang
         for s, out in outs.items():
             if cfg.hidden_wire is not None:  # the echo of FP8 on the wire: the rule's round trip, exactly
-                sent[s] = fp8.dequantize(*fp8.quantize(sent[s].cpu())).to(out.device)
+                sent[s] = fp8.dequantize(*fp8.quantize(sent[s].cpu(), ue8m0=cfg.fp8_scale_format == "ue8m0")).to(out.device)
             if not torch.equal(out, sent[s]):
                 raise AFDProtocolError(f"{op} on {c.me}: stage {s} echo differs from what was sent",
                                        op=op, stage=s)

@@ -211,9 +211,10 @@ def create_transport(name: str, setup: TransportSetup, *, strict: bool = False) 
     """
     plain = auto_transport(setup) if name == "auto" else transport_class(name).from_setup(setup)
     fp8 = getattr(setup.schedule_config, "hidden_wire", None) is not None
+    ue8m0 = fp8 and setup.schedule_config.fp8_scale_format == "ue8m0"
     for t in (plain, getattr(plain, "fallback", None)):
         if t is not None:
-            t.fp8 = fp8
+            t.fp8, t.fp8_ue8m0 = fp8, ue8m0
     if not strict:
         return plain, plain
     from .strict import StrictTransport

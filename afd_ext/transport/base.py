@@ -268,6 +268,8 @@ class Transport(abc.ABC):
     #: from the setup's schedule config. The attention side's a2f ``split_back`` then quantizes its first
     #: (bf16) tensor into the first two parts (values, scales); the FFN side's ``fan_in`` receives the parts.
     fp8: bool = False
+    #: With :attr:`fp8`: the scales are UE8M0 (``fp8_scale_format: "ue8m0"``, rounded up to powers of two).
+    fp8_ue8m0: bool = False
     #: Byte alignment the transport's FP8 quantization needs of the bf16 hidden states' first row
     #: (1: none; the CUDA kernels read 8 bytes at a time), checked with the other input checks.
     fp8_hidden_align: int = 1

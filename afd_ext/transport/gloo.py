@@ -356,7 +356,7 @@ class GlooTransport(Transport):
     def split_back(self, tensors, peers, rows, *, tag: MessageTag) -> PendingSend:
         self._check_open(tag)
         if self.fp8 and tag.direction == "a2f" and self.peers.role == "attention":
-            tensors = list(fp8.quantize(tensors[0])) + list(tensors[1:])  # the rule, on CPU; gloo moves the bytes
+            tensors = list(fp8.quantize(tensors[0], ue8m0=self.fp8_ue8m0)) + list(tensors[1:])  # the rule, on CPU; gloo moves the bytes
         gtag = _TAGS[tag.direction]
         works: list[Any] = []
         keep: list[torch.Tensor] = []

@@ -580,7 +580,7 @@ class NcclTransport(Transport):
                 h = tensors[0]
                 keep = [torch.empty(h.shape, dtype=torch.float8_e4m3fn, device=h.device),
                         torch.empty((h.shape[0], h.shape[1] // fp8.GROUP), dtype=torch.float32, device=h.device)]
-                self._ops.fp8_quantize(h, keep[0], keep[1])
+                self._ops.fp8_quantize(h, keep[0], keep[1], self.fp8_ue8m0)
                 tensors = keep + list(tensors[1:])
             self._ops.split_back(tensors, comms, [self._peer_index()] * len(peers), rows)
             self._track("send (split-back)", live, tag)

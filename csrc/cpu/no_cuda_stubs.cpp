@@ -19,7 +19,7 @@ void split_back_no_cuda(at::TensorList, c10::IntArrayRef, c10::IntArrayRef, c10:
   no_cuda("split_back");
 }
 
-void fp8_quantize_no_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+void fp8_quantize_no_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool) {
   no_cuda("fp8_quantize");
 }
 void fp8_dequantize_no_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&) {

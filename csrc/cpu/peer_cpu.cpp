@@ -15,7 +15,7 @@ namespace {
 }
 
 void peer_put_cpu(at::TensorList, int64_t, int64_t, c10::IntArrayRef, c10::IntArrayRef, c10::IntArrayRef,
-                  c10::IntArrayRef, c10::IntArrayRef, bool) {
+                  c10::IntArrayRef, c10::IntArrayRef, bool, bool) {
   reject_cpu("peer_put");
 }
 

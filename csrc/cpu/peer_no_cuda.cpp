@@ -15,7 +15,7 @@ namespace {
 }
 
 void peer_put_no_cuda(at::TensorList, int64_t, int64_t, c10::IntArrayRef, c10::IntArrayRef, c10::IntArrayRef,
-                      c10::IntArrayRef, c10::IntArrayRef, bool) {
+                      c10::IntArrayRef, c10::IntArrayRef, bool, bool) {
   no_cuda("peer_put");
 }
 

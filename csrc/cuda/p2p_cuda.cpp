@@ -232,12 +232,12 @@ int max_blocks(int device) {
 
 }  // namespace
 
-void fp8_quantize_cuda(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales) {
+void fp8_quantize_cuda(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales, bool ue8m0) {
   check_fp8("fp8_quantize", x, values, scales, 8);
   const auto dev = x.device().index();
   c10::cuda::CUDAGuard guard(dev);
   const int err = fp8_quantize_launch(x.data_ptr(), values.data_ptr(), scales.data_ptr<float>(),
-                                      scales.numel(), max_blocks(dev),
+                                      scales.numel(), ue8m0, max_blocks(dev),
                                       c10::cuda::getCurrentCUDAStream(dev).stream());
   if (err != 0) {
     throw_cuda_error("fp8_quantize_launch", err, cudaGetErrorString(static_cast<cudaError_t>(err)),

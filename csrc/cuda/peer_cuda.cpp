@@ -439,7 +439,7 @@ at::Tensor peer_region_view(int64_t region, int64_t offset, int64_t nbytes) {
 
 void peer_put_cuda(at::TensorList ts, int64_t plane, int64_t slot, c10::IntArrayRef regions,
                    c10::IntArrayRef rows, c10::IntArrayRef dst_rows, c10::IntArrayRef part_offsets,
-                   c10::IntArrayRef flag_offsets, bool quantize_first) {
+                   c10::IntArrayRef flag_offsets, bool quantize_first, bool ue8m0) {
   const char* op = "peer_put";
   const size_t n = regions.size();
   TORCH_CHECK(rows.size() == n && dst_rows.size() == n && flag_offsets.size() == n, "afd_ext.", op,
@@ -483,7 +483,7 @@ void peer_put_cuda(at::TensorList ts, int64_t plane, int64_t slot, c10::IntArray
   a.slot = static_cast<int>(slot);
   a.npeers = static_cast<int>(n);
   a.nparts = static_cast<int>(ts.size());
-  a.quant = quantize_first ? 1 : 0;
+  a.quant = quantize_first ? 1 + ue8m0 : 0;
   a.scales_off = quantize_first ? part_offsets[1] : 0;
   // Destination bytes per row of each part (values: 1 byte per channel; scales: 4 per group).
   std::vector<int64_t> dst_rb;

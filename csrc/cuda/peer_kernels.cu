@@ -126,7 +126,8 @@ __device__ __forceinline__ void copy_range(char* dst, const char* src, long long
 
 // FP8 hidden states (docs/fp8.md): per row and 128 channels, scale = amax / 448 over the finite
 // x (1 when that is 0), values = x / scale rounded to nearest even, saturated to +-448; an inf or
-// NaN x is the NaN byte 0x7F with x's sign. Bit-exact with the torch rule in afd_ext/fp8.py, so
+// NaN x is the NaN byte 0x7F with x's sign; UE8M0 scales are rounded up to a power of two, at least
+// 2^-22 (DeepEP's round_scale with its 1e-4 amax floor). Bit-exact with the torch rule in afd_ext/fp8.py, so
 // no float operation the build's --use_fast_math (-ftz=true) can flush: amax compares bf16 bit
 // patterns (|x| as integers orders like the floats), the divisions and the product are PTX .rn
 // without .ftz, and the zero test reads the scale's bits (a float `s == 0` compiles to
@@ -150,21 +151,30 @@ __device__ __forceinline__ unsigned finite_abs_bf16(unsigned h) {
   return a < 0x7f80u ? a : 0u;
 }
 
+// The scale of a group whose largest finite |x| has float32 bits `amax`: amax / 448, 1 when that is
+// +0; with `ue8m0`, 2^ceil(log2(amax / 448)) from the quotient's bits (exponent up where any
+// mantissa bit is set), exponent at least 105 (2^-22 = 2^ceil(log2(1e-4 / 448)), the floor's).
+__device__ __forceinline__ float group_scale(unsigned amax, int ue8m0) {
+  const float s = div_rn(__uint_as_float(amax), 448.0f);
+  const unsigned b = __float_as_uint(s);
+  if (!ue8m0) return b == 0u ? 1.0f : s;
+  return __uint_as_float(max((b >> 23) + ((b & 0x7fffffu) != 0u), 105u) << 23);
+}
+
 // One warp per 128-channel group (lane l: channels 4l..4l+3); groups are consecutive in a
 // row-major [rows, H] tensor (H a multiple of 128), so group g is elements [128 g, 128 g + 128)
 // and its scale is scales[g]. `t`/`nthreads`: the grid's thread index and size (multiples of
 // 32). Stores nothing when `dead`.
 __device__ __forceinline__ void quantize_groups(unsigned char* values, float* scales, const char* x,
                                                 long long groups, long long t, long long nthreads,
-                                                int dead) {
+                                                int dead, int ue8m0) {
   const int lane = threadIdx.x & 31;
   for (long long g = t >> 5; g < groups; g += nthreads >> 5) {
     const uint2 raw = reinterpret_cast<const uint2*>(x + g * (kFp8Group * 2))[lane];
     unsigned m = max(max(finite_abs_bf16(raw.x), finite_abs_bf16(raw.x >> 16)),
                      max(finite_abs_bf16(raw.y), finite_abs_bf16(raw.y >> 16)));
     m = __reduce_max_sync(0xffffffffu, m);
-    float s = div_rn(__uint_as_float(m << 16), 448.0f);
-    if (__float_as_uint(s) == 0u) s = 1.0f;  // s >= 0: +0 only
+    const float s = group_scale(m << 16, ue8m0);
     const unsigned w[4] = {raw.x << 16, raw.x & 0xffff0000u, raw.y << 16, raw.y & 0xffff0000u};
     unsigned packed = 0;
     for (int j = 0; j < 4; ++j) {
@@ -321,7 +331,7 @@ __global__ void __launch_bounds__(kThreads) peer_put_kernel(const __grid_constan
         const long long h = rb >> 1, groups = h / kFp8Group;
         quantize_groups(reinterpret_cast<unsigned char*>(a.dst_base[i] + a.part_off[0]) + a.dst_row[i] * h,
                         reinterpret_cast<float*>(a.dst_base[i] + a.scales_off) + a.dst_row[i] * groups,
-                        a.src[0] + a.src_row[i] * rb, a.rows[i] * groups, t, nt, dead);
+                        a.src[0] + a.src_row[i] * rb, a.rows[i] * groups, t, nt, dead, a.quant == 2);
         continue;
       }
       copy_range(a.dst_base[i] + a.part_off[k] + a.dst_row[i] * rb, a.src[k] + a.src_row[i] * rb,
@@ -388,9 +398,9 @@ __global__ void __launch_bounds__(kThreads) peer_wait_kernel(const __grid_consta
 }
 
 __global__ void __launch_bounds__(kThreads) fp8_quantize_kernel(const char* x, unsigned char* values,
-                                                                float* scales, long long groups) {
+                                                                float* scales, long long groups, int ue8m0) {
   quantize_groups(values, scales, x, groups, static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x,
-                  static_cast<long long>(gridDim.x) * blockDim.x, 0);
+                  static_cast<long long>(gridDim.x) * blockDim.x, 0, ue8m0);
 }
 
 __global__ void __launch_bounds__(kThreads) fp8_dequantize_kernel(const char* values, const float* scales,
@@ -510,12 +520,12 @@ int peer_wait_launch(const PeerWaitArgs& args, int max_blocks, void* stream) {
   return launch_wait<kPeerMaxPeers>(args, grid, s);
 }
 
-int fp8_quantize_launch(const void* x, void* values, float* scales, long long groups, int max_blocks,
-                        void* stream) {
+int fp8_quantize_launch(const void* x, void* values, float* scales, long long groups, int ue8m0,
+                        int max_blocks, void* stream) {
   if (groups == 0) return 0;
   const int grid = blocks_for(groups * kFp8Group * 2, max_blocks);
   fp8_quantize_kernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      static_cast<const char*>(x), static_cast<unsigned char*>(values), scales, groups);
+      static_cast<const char*>(x), static_cast<unsigned char*>(values), scales, groups, ue8m0);
   return static_cast<int>(cudaGetLastError());
 }
 

@@ -103,12 +103,14 @@ class WireSpec:
         reply: the parts of the reply (the FFN output) an attention rank's region holds.
         quantize_first: FP8 on the wire (docs/fp8.md): the put quantizes the attention rank's
             first (bf16) tensor into the first two fan-in parts, values and scales.
+        ue8m0: with ``quantize_first``, the scales are UE8M0 (powers of two).
     """
 
     fan_in: tuple[tuple[torch.dtype, tuple[int, ...]], ...]
     send: tuple[tuple[torch.dtype, tuple[int, ...]], ...]
     reply: tuple[tuple[torch.dtype, tuple[int, ...]], ...]
     quantize_first: bool = False
+    ue8m0: bool = False
 
     def __post_init__(self) -> None:
         if not self.fan_in or not self.reply or any(c < 1 for _, cols in self.fan_in + self.reply for c in cols):
@@ -120,7 +122,7 @@ class WireSpec:
         """The spec of a :class:`~afd_ext.schedule.ScheduleConfig` (its :func:`afd_ext.wire.layout`)."""
         pairs = lambda ps: tuple((p.dtype, p.cols) for p in ps)  # noqa: E731
         return cls(pairs(cfg.wire_parts), pairs(cfg.caller_parts), pairs(layout(cfg, "f2a")),
-                   cfg.hidden_wire is not None)
+                   cfg.hidden_wire is not None, cfg.hidden_wire is not None and cfg.fp8_scale_format == "ue8m0")
 
     @property
     def fan_in_row_bytes(self) -> tuple[int, ...]:
@@ -134,7 +136,7 @@ class WireSpec:
 
     def signature(self) -> str:
         """A string equal on two ranks exactly when their specs are equal (checked at set-up)."""
-        return repr((self.fan_in, self.send, self.reply, self.quantize_first))
+        return repr((self.fan_in, self.send, self.reply, self.quantize_first, self.ue8m0))
 
 
 @dataclass(frozen=True)
@@ -429,7 +431,7 @@ class PeerPlane:
                                  "(the wire parts, in order: afd_ext.wire)")
         self._check_capacity(rows, dst_rows)
         ops.peer_put(tensors, self._plane, stage, self._put_regions, rows, dst_rows, self._put_parts[stage],
-                     self._put_flags[stage], quant)
+                     self._put_flags[stage], quant, quant and self.spec.ue8m0)
 
     def _check_capacity(self, rows: Sequence[int], dst_rows: Sequence[int]) -> None:
         # The op only bounds a write by the peer region's end; a range past a part's capacity
