@@ -14,7 +14,7 @@ unchanged. Where the reference is limited, this module goes further:
 * between two ``afd_ext`` ranks the control plane sends a compact binary
   encoding (:func:`encode_control_binary` / :func:`decode_control_binary`,
   native); the JSON codec is the reference-format API (the reference's own
-  two-message framing is rebuilt where it is measured, ``afd_ext.bench.control``).
+  two-message framing is rebuilt where it is measured, ``afd_ext.tools.bench.control``).
 
 :class:`StepCountAgreement` lets the attention ranks agree on each step's
 per-rank token counts through an injected all-gather, for runtimes that do not

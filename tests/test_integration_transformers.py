@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from afd_ext import demo  # noqa: E402
+from afd_ext.tools import demo  # noqa: E402
 from afd_ext.errors import AFDConfigError, AFDStateError  # noqa: E402
 from afd_ext.integrations import transformers as integ  # noqa: E402
 from afd_ext.metadata import (  # noqa: E402

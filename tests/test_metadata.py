@@ -706,7 +706,7 @@ def _agreement_worker(rank, nprocs, port):
 
 @pytest.mark.timeout(120)
 def test_step_count_agreement_over_gloo():
-    from afd_ext.testing import find_free_port, run_workers
+    from afd_ext.tools.testing import find_free_port, run_workers
 
     res = run_workers(_agreement_worker, 3, (find_free_port(),), timeout_s=90)
     expected = [({0: (0, 1, 2), 1: (0, 0, 0)}, True), ({0: (1, 2, 3), 1: (0, 0, 0)}, False)]

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from afd_ext import rendezvous as rdzv
-from afd_ext.testing import find_free_port, run_workers
+from afd_ext.tools.testing import find_free_port, run_workers
 
 HOST = "127.0.0.1"
 

@@ -75,7 +75,7 @@ def test_no_import_cycles():
 def test_ctypes_is_not_in_the_core():
     users = sorted(m for m, p in _modules().items() if "ctypes" in _imports_raw(p))
     # The bench's baseline of minimal peer kernels loads a library that is not the extension.
-    core = [m for m in users if m != "afd_ext.bench.peer_structure"]
+    core = [m for m in users if m != "afd_ext.tools.bench.peer_structure"]
     assert not core, f"ctypes imported by {core} (only the bench's baselines may use it)"
 
 

@@ -116,7 +116,7 @@ the JSON codec stays the reference-format API. A malformed payload, a corrupt
 ring or a frame from the wrong rank posts the step-abort signal before it
 raises :class:`ControlProtocolError`, so the attention ranks stop at once.
 
-Measured cost: ``afd-ext bench --control-only`` (:mod:`afd_ext.bench.control`)
+Measured cost: ``afd-ext bench --control-only`` (:mod:`afd_ext.tools.bench.control`)
 measures attention ``send_dp_metadata_list`` call start -> FFN
 ``recv_dp_metadata_list`` return at step gaps of 1-50 ms; see
 docs/benchmarks.md.

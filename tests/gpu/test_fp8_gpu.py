@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
 from afd_ext import fp8, ops  # noqa: E402
-from afd_ext.testing import find_free_port, place_processes, run_workers  # noqa: E402
+from afd_ext.tools.testing import find_free_port, place_processes, run_workers  # noqa: E402
 from afd_ext.topology import ATTENTION, FFN, Topology  # noqa: E402
 from afd_ext.transport.peer.plane import PeerPlane, WireSpec  # noqa: E402
 from fp8_reference import reference_dequantize, reference_quantize  # noqa: E402

@@ -281,7 +281,7 @@ def _entry(fn, rank, nprocs, args, q):
         result = fn(rank, nprocs, *args)
         q.put((rank, True, result))
     except BaseException as e:  # noqa: BLE001 - forwarded to the parent verbatim
-        from .errors import FOLLOW_ON_ERRORS
+        from afd_ext.errors import FOLLOW_ON_ERRORS
 
         q.put((rank, False, (traceback.format_exc(), isinstance(e, FOLLOW_ON_ERRORS))))
         _flush(q)
@@ -389,7 +389,7 @@ def run_workers(
             if left <= 0:
                 alive = [r for r in range(nprocs) if r not in results]
                 err = TimeoutError(f"workers {alive} of {nprocs} still running after {timeout_s:.0f} s")
-                err.ranks = alive  # the callers that know the roles name them (afd_ext.demo)
+                err.ranks = alive  # the callers that know the roles name them (afd_ext.tools.demo)
                 raise err
             dead = [r for r, p in enumerate(procs) if r not in results and not p.is_alive() and p.exitcode != 0]
             try:  # a worker dead before this read has its report (if any) in the queue already

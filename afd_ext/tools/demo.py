@@ -53,9 +53,9 @@ from afd_ext.errors import AFDConfigError, AFDError, AFDTimeoutError
 from afd_ext.topology import rank_label
 
 if TYPE_CHECKING:
-    from afd_ext.testing import GpuPlacement
+    from afd_ext.tools.testing import GpuPlacement
 
-logger = logging.getLogger("afd_ext.demo")
+logger = logging.getLogger("afd_ext.tools.demo")
 
 __all__ = [
     "LOGIT_ATOL_FP32",
@@ -650,7 +650,7 @@ class DemoPlan:
             (:mod:`afd_ext.graphs`); on CPU/gloo a stand-in re-runs the
             captured exchanges instead (the same protocol, no CUDA graph).
         gpu_placement: the GPU of every process (NCCL only;
-            :func:`afd_ext.testing.place_processes`: one GPU per process with
+            :func:`afd_ext.tools.testing.place_processes`: one GPU per process with
             enough GPUs, else shared, on one GPU with NCCL over sockets).
     """
 
@@ -872,12 +872,12 @@ def run_demo(plan: DemoPlan, *, timeout_s: float = 600.0) -> dict[str, Any]:
 
     Raises:
         AFDConfigError: a CUDA plan without a placement and no usable GPU.
-        afd_ext.testing.WorkerError / TimeoutError: a process failed or hung.
+        afd_ext.tools.testing.WorkerError / TimeoutError: a process failed or hung.
     """
     import torch
     import torch.distributed as dist
 
-    from afd_ext.testing import WorkerError, run_workers
+    from afd_ext.tools.testing import WorkerError, run_workers
 
     # The attention ranks' count-agreement store: bound here, before any worker
     # starts, so no other socket can take its port in between.
@@ -896,7 +896,7 @@ def run_demo(plan: DemoPlan, *, timeout_s: float = 600.0) -> dict[str, Any]:
             per_rank_env=per_rank_env,
         )
     except WorkerError as e:
-        e.label = rank_label(e.rank, plan.num_ffn)  # the one-line error names the role (afd_ext.cli.error_line)
+        e.label = rank_label(e.rank, plan.num_ffn)  # the one-line error names the role (afd_ext.tools.cli.error_line)
         raise
     except TimeoutError as e:
         still = ", ".join(rank_label(r, plan.num_ffn) for r in getattr(e, "ranks", ()))
@@ -1167,13 +1167,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def _gpu_placement(num_attention: int, num_ffn: int) -> GpuPlacement:
-    """Where the demo's NCCL processes run (:func:`afd_ext.testing.place_processes`).
+    """Where the demo's NCCL processes run (:func:`afd_ext.tools.testing.place_processes`).
 
     Raises:
         AFDConfigError: no GPU is visible, or afd_ext was built without CUDA.
     """
     from afd_ext import ops
-    from afd_ext.testing import place_processes, visible_gpu_count
+    from afd_ext.tools.testing import place_processes, visible_gpu_count
 
     n = visible_gpu_count()
     if n < 1:
@@ -1185,9 +1185,9 @@ def _gpu_placement(num_attention: int, num_ffn: int) -> GpuPlacement:
 
 def build_plan(args: argparse.Namespace) -> DemoPlan:
     """Resolve arguments into a :class:`DemoPlan` (backend, dtype, ports, requests)."""
-    from afd_ext.testing import find_free_port
+    from afd_ext.tools.testing import find_free_port
 
-    from afd_ext.launch import check_port_free
+    from afd_ext.tools.launch import check_port_free
 
     # A busy port, or a host that is not this machine's, named now (port 0: the host alone), not
     # when FFN rank 0 binds it seconds later.
@@ -1257,6 +1257,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    from afd_ext.cli import main as cli_main
+    from afd_ext.tools.cli import main as cli_main
 
     sys.exit(cli_main(["demo", *sys.argv[1:]]))
