@@ -16,7 +16,7 @@ import torch
 from afd_ext.config import AFDConfig
 from afd_ext.factory import create_connector
 from afd_ext.metadata import AFDControlPayload, AFDTransferContext, AFDTransferMetadata
-from afd_ext.tools.testing import find_free_port, run_workers
+from afd_ext.testing import find_free_port, run_workers
 
 A, F, HIDDEN, LAYERS = 2, 1, 16, 2
 STEPS = [[3, 5], [0, 4], [2, 0]]  # per-step token counts of attention ranks 0 and 1 (zero is fine)
