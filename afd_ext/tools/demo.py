@@ -3,7 +3,7 @@
 What it does, in order:
 
 1. Builds a Hugging Face ``transformers`` mixture-of-experts decoder from a
-   config kept in this package (``afd_ext/data/models/*.json``; Qwen3-MoE by
+   config kept in this package (``afd_ext/tools/data/models/*.json``; Qwen3-MoE by
    default, ``--dims deepseek-v2-lite`` for DeepSeek-V2-Lite's MoE shapes) with
    weights drawn from a fixed seed, identical in every process (each
    parameter has its own generator seeded from its name).
@@ -12,7 +12,7 @@ What it does, in order:
    attention, norms, the LM head and their own KV cache; FFN processes hold
    the MLP / MoE blocks (:mod:`afd_ext.integrations.transformers`).
 3. Each attention rank serves its own requests (prompts from
-   ``afd_ext/data/prompts.txt``, UTF-8 bytes, different lengths, different
+   ``afd_ext/tools/data/prompts.txt``, UTF-8 bytes, different lengths, different
    numbers of tokens to generate): one prefill step, then greedy decoding with
    a KV cache. Requests leave the batch when done, so later steps see ranks
    with zero tokens. The attention ranks agree on every step's per-rank
@@ -115,7 +115,7 @@ PAD_ID = 256
 BOS_ID = 257
 EOS_ID = 258
 
-_DATA = "afd_ext.data"
+_DATA = "afd_ext.tools.data"
 
 
 # ---------------------------------------------------------------------------
@@ -124,7 +124,7 @@ _DATA = "afd_ext.data"
 
 
 def available_dims() -> list[str]:
-    """Names of the model configs shipped in ``afd_ext/data/models`` (without ``.json``)."""
+    """Names of the model configs shipped in ``afd_ext/tools/data/models`` (without ``.json``)."""
     root = importlib.resources.files(_DATA).joinpath("models")
     return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".json"))
 
@@ -185,7 +185,7 @@ def load_prompts(path: str | None = None) -> list[str]:
             raise AFDConfigError(f"--prompts {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
     prompts = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
     if not prompts:
-        raise AFDConfigError(f"no prompts in {path or 'afd_ext/data/prompts.txt'}")
+        raise AFDConfigError(f"no prompts in {path or 'afd_ext/tools/data/prompts.txt'}")
     return prompts
 
 
@@ -1135,7 +1135,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=16,
                    help="most tokens generated per request; requests get different budgets up to it (default 16)")
     p.add_argument("--max-prompt-len", type=int, default=32, help="prompt tokens (bytes + BOS) kept per request")
-    p.add_argument("--prompts", default=None, help="prompts file (default: the shipped afd_ext/data/prompts.txt)")
+    p.add_argument("--prompts", default=None, help="prompts file (default: the shipped afd_ext/tools/data/prompts.txt)")
     p.add_argument("--connector", default="AfdExtConnector",
                    help="connector registry name, or module:Class of your own connector")
     p.add_argument("--seed", type=int, default=0, help="weight seed, identical in every process (default 0)")
