@@ -291,7 +291,7 @@ def check_port_free(host: str, port: int) -> None:
         afd_ext.errors.RendezvousError: the port is in use, or ``host`` is not
             an address of this machine; the message says which and what to do.
     """
-    from afd_ext.rendezvous import _listen_socket
+    from afd_ext.rendezvous.store import _listen_socket
 
     os.close(_listen_socket(host, port))
 
