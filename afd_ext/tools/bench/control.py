@@ -138,7 +138,7 @@ def _reference_pair(rank: int, host: str, port: int, schedule: list, counts: lis
     import torch
     import torch.distributed as dist
 
-    from afd_ext.metadata import decode_control_payload, encode_control_payload
+    from afd_ext.control.codec import decode_control_payload, encode_control_payload
 
     dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=60))
@@ -179,7 +179,7 @@ def _measure(kind: str, schedule: list[tuple[float, int, int]], stages: int, tim
     """Run ``schedule`` (``(gap_us, iterations, warmup)`` entries) in one pair of processes;
     one result per entry (see :func:`measure_control_plane`)."""
     from afd_ext.errors import AFDConfigError
-    from afd_ext.metadata import encode_control_binary, encode_control_payload
+    from afd_ext.control.codec import encode_control_binary, encode_control_payload
     from afd_ext.tools.testing import find_free_port, run_workers
 
     if not schedule or any(int(it) < 1 for _, it, _ in schedule):
