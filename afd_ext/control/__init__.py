@@ -76,7 +76,7 @@ destination, which encodes the payload straight into the ring slot (or the
 frame) and publishes it; the FFN rank's wait, ``_C.ctrl_shm_take`` (or
 ``ctrl_tcp_take``), returns the payload already decoded, as tuples and ints that
 a few lines of Python (``codec._payload_of``) wrap into the payload objects.
-The codec exists once, in C++ (``csrc/bindings.cpp`` reads and builds the
+The codec exists once, in C++ (``csrc/control_bindings.cpp`` reads and builds the
 Python objects, ``csrc/cpu/control_poll.cpp`` checks the untrusted bytes,
 bounding every length before it reads); :func:`~afd_ext.control.codec.encode_control_binary`
 and :func:`~afd_ext.control.codec.decode_control_binary` call it. A payload the

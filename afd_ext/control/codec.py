@@ -5,7 +5,7 @@
   a payload without one is read as the reference's format, version 1); the reference-format API (the
   reference's own two-message framing is rebuilt where it is measured, ``afd_ext.tools.bench.control``).
 * :func:`encode_control_binary` / :func:`decode_control_binary`: the compact binary layout the
-  channels carry between two ``afd_ext`` ranks, native (``csrc/bindings.cpp``).
+  channels carry between two ``afd_ext`` ranks, native (``csrc/control_bindings.cpp``).
 
 Both decoders bound their input (size, stages, ranks) and check every value; every failure is a
 ``ControlProtocolError`` (a ``ValueError``).
@@ -171,7 +171,7 @@ _new = object.__new__
 
 
 def _native() -> Any:
-    """The compiled core, whose control-plane functions hold the binary codec (``csrc/bindings.cpp``)."""
+    """The compiled core, whose control-plane functions hold the binary codec (``csrc/control_bindings.cpp``)."""
     from afd_ext import _C
 
     return _C
@@ -200,7 +200,7 @@ def encode_control_binary(payload: AFDControlPayload) -> bytes:
         per stage, in increasing stage order:
             stage u32 | n u32 | max_tokens_across_dp_cpu u32 | counts int32[n]
 
-    The codec is native (``csrc/bindings.cpp``, ``csrc/cpu/control_poll.cpp``); the control
+    The codec is native (``csrc/control_bindings.cpp``, ``csrc/cpu/control_poll.cpp``); the control
     channels encode with it straight into their ring slot or frame. The reference cannot read it;
     :func:`encode_control_payload` (JSON) is the reference-format API.
 

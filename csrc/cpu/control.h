@@ -1,5 +1,5 @@
 // The control plane's native part (control_poll.cpp): the shm ring, the waits, the payload's
-// layout check. Bound in bindings.cpp (the one place that touches Python objects).
+// layout check. Bound in control_bindings.cpp (the one place that touches Python objects).
 #pragma once
 #include <cstddef>
 #include <cstdint>
