@@ -1,2 +1,2 @@
-"""The harness's public import path (``run_workers``, ``find_free_port``, ...); it lives in :mod:`afd_ext.tools.testing`."""
+"""The harness's public import path (``run_workers``, ``find_free_port``, ...): :mod:`afd_ext.tools.testing`."""
 from afd_ext.tools.testing import *  # noqa: F401,F403

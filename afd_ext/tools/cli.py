@@ -36,7 +36,8 @@ __all__ = ["main", "SUBCOMMANDS", "EXTRAS", "info_report", "missing_extra", "err
 
 #: subcommand -> (module, function, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
-    "demo": ("afd_ext.tools.demo", "main", "serve a transformers MoE model AFD-style and check it against the whole model"),
+    "demo": ("afd_ext.tools.demo", "main",
+             "serve a transformers MoE model AFD-style and check it against the whole model"),
     "bench": ("afd_ext.tools.bench", "main", "run the transport benchmarks"),
     "launch": ("afd_ext.tools.launch", "main", "start attention and FFN processes"),
     "info": ("afd_ext.tools.cli", "_info",
