@@ -99,7 +99,7 @@ register(
 )
 
 
-# --- process launch (set by `afd-ext launch` or you, read by afd_ext.launch.config_from_env) ---
+# --- process launch (set by `afd-ext launch` or you, read by afd_ext.tools.launch.config_from_env) ---
 def _non_negative_int(value: str) -> int:
     v = int(value)
     if v < 0:
@@ -170,7 +170,7 @@ register("AFD_EXT_REPLACE_P2P", False,
 register("AFD_TEST_SHARE_GPU", False,
          "tests and bench: 1 forces the shared-GPU arrangement (every process on GPU 0 with its own "
          "NCCL_HOSTID, NCCL over sockets; correctness only) on a machine with several GPUs, to rehearse "
-         "a one-GPU run (afd_ext.testing.place_processes)", parse_bool)
+         "a one-GPU run (afd_ext.tools.testing.place_processes)", parse_bool)
 register("AFD_PEER_STRUCTURE_ONE_GPU", False,
          "bench --peer-structure: 1 keeps both roles on cuda:0 where two GPUs are visible (the one-GPU "
          "records; scripts/gpu_tier.sh)", parse_bool)

@@ -260,7 +260,7 @@ class GraphBufferError(AFDGraphError):
 GraphError = AFDGraphError
 
 #: Errors that report another rank's failure (a peer gone or silent, an abort, a channel closed):
-#: launchers report the rank that caused them instead (:func:`afd_ext.testing.run_workers`).
+#: launchers report the rank that caused them instead (:func:`afd_ext.tools.testing.run_workers`).
 FOLLOW_ON_ERRORS = (AFDPeerError, AFDAbortedError, AFDClosedError, AFDTimeoutError)
 
 __all__ = sorted(n for n, o in list(globals().items())

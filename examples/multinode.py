@@ -1,6 +1,6 @@
 """AFD under torchrun: 2 attention ranks and 1 FFN rank, on one host or across hosts.
 
-Every process is started by a launcher; :func:`afd_ext.launch.config_from_env`
+Every process is started by a launcher; :func:`afd_ext.tools.launch.config_from_env`
 turns torchrun's ``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` into the AFD role,
 role rank and rendezvous address (FFN ranks first: rank 0 is FFN rank 0, which
 hosts the AFD store). The attention ranks run four steps of a two-layer
@@ -38,7 +38,7 @@ import socket
 import torch
 
 from afd_ext.factory import create_connector
-from afd_ext.launch import config_from_env, local_device
+from afd_ext.tools.launch import config_from_env, local_device
 from afd_ext.metadata import AFDControlPayload, AFDTransferContext, AFDTransferMetadata
 
 HIDDEN, LAYERS = 16, 2

@@ -2,7 +2,7 @@
 # The GPU tier in one call on a GPU machine (one GPU: nvidia-h200, or two:
 # nvidia-h200-x2): build against the machine's torch, run the `gpu`-marked tests,
 # the timing scripts, the benchmark and the demo; logs and JSON land in $OUT (or
-# ./gpu-out). Process placement (afd_ext.testing.place_processes) is printed first:
+# ./gpu-out). Process placement (afd_ext.tools.testing.place_processes) is printed first:
 # one GPU per process where there are enough, attention/FFN on GPUs 0/1 on two,
 # every process on GPU 0 with its own NCCL_HOSTID (NCCL over sockets, correctness
 # only) on one; AFD_TEST_SHARE_GPU=1 forces the last on several GPUs. When 1A1F
@@ -59,13 +59,13 @@ run() {  # run NAME CMD...: log to $OUT/NAME.log, remember failures, keep going
   nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader
   $PY -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version(), "gpus", torch.cuda.device_count())'
   $PY -c 'import transformers; print("transformers", transformers.__version__)' 2>&1
-  # afd_ext.testing needs only torch (no build): the arrangement every phase below uses.
-  $PY -c 'from afd_ext.testing import place_processes as p, visible_gpu_count as n
+  # afd_ext.tools.testing needs only torch (no build): the arrangement every phase below uses.
+  $PY -c 'from afd_ext.tools.testing import place_processes as p, visible_gpu_count as n
 if n() < 1: print("arrangement: no CUDA GPU visible")
 else: print("arrangement (1A1F):", p(1, 1).describe()); print("arrangement (2A1F):", p(2, 1).describe())' 2>&1
 } | tee "$OUT/summary.txt"
 # 1 when 1A1F has a GPU per process (timings mean something), else 0.
-timings_ok=$($PY -c 'from afd_ext.testing import place_processes as p, visible_gpu_count as n
+timings_ok=$($PY -c 'from afd_ext.tools.testing import place_processes as p, visible_gpu_count as n
 print(int(n() > 0 and p(1, 1).timings_meaningful))' 2>/dev/null || echo 0)
 # The gpu-marked tests (paths appended), verbose, with per-test durations.
 pytest_gpu=("$PY" -m pytest -m gpu -v -rA -p no:cacheprovider --durations=0 --timeout 240)

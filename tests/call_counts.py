@@ -106,7 +106,7 @@ def data_call_counts(layers: int = 4, at: int = 2, steps: int = 6) -> dict[str, 
         (a receive that waits longer than a wait slice polls again: on a loaded host, the least is the path).
     """
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # connector_scenarios, in the workers too
-    from afd_ext.testing import find_free_port, run_workers
+    from afd_ext.tools.testing import find_free_port, run_workers
 
     res = run_workers(_worker, 2, (find_free_port(), layers, at, steps), timeout_s=120)
     merged = {k: v for r in res for k, v in r.items()}

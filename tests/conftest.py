@@ -3,7 +3,7 @@
 Tests marked ``gpu`` need a CUDA build of ``afd_ext._C`` and at least one CUDA
 GPU. Elsewhere they are skipped with a reason that says exactly that, so a
 skipped GPU test is never mistaken for a passed one. Their processes are
-placed by :func:`afd_ext.testing.place_processes`: one per GPU where there
+placed by :func:`afd_ext.tools.testing.place_processes`: one per GPU where there
 are enough GPUs, attention and FFN ranks on different GPUs on two, and every
 process on GPU 0 on one GPU (each with its own ``NCCL_HOSTID``: NCCL over
 sockets, correctness only). The arrangement is printed in pytest's header.
@@ -58,7 +58,7 @@ def _gpu_tier_missing() -> str | None:
 def pytest_report_header(config):
     if _gpu_tier_missing() is not None:
         return None
-    from afd_ext.testing import place_processes
+    from afd_ext.tools.testing import place_processes
 
     return [f"GPU arrangement (1A1F): {place_processes(1, 1).describe()}",
             f"GPU arrangement (2A1F): {place_processes(2, 1).describe()}"]
@@ -75,7 +75,7 @@ def pytest_collection_modifyitems(config, items):
             continue
         m = item.get_closest_marker("distinct_gpus")
         if m is not None:
-            from afd_ext.testing import distinct_gpus_missing
+            from afd_ext.tools.testing import distinct_gpus_missing
 
             why = distinct_gpus_missing(*m.args)
             if why is not None:

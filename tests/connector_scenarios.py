@@ -3,7 +3,7 @@
 Used by ``tests/test_connector_gloo.py`` (CPU tier) and
 ``tests/gpu/test_connector_nccl.py`` (GPU tier). Every worker is a
 module-level function ``fn(rank, nprocs, ...)`` for
-:func:`afd_ext.testing.run_workers`: ranks ``0..F-1`` are the FFN ranks and
+:func:`afd_ext.tools.testing.run_workers`: ranks ``0..F-1`` are the FFN ranks and
 ``F..F+A-1`` the attention ranks (the AFD world order).
 
 The FFN "model" is :func:`ffn_fn`, a fixed elementwise function of the hidden

@@ -2,7 +2,7 @@
 
 Usage: ``torchrun ... tests/multinode_worker.py SCENARIO OUT_DIR``. The rank
 takes its role, role rank and rendezvous address from torchrun's environment
-only (:func:`afd_ext.launch.config_from_env`) and writes
+only (:func:`afd_ext.tools.launch.config_from_env`) and writes
 ``OUT_DIR/rank<RANK>.json``: its role, host name, control-channel kinds and
 what it checked.
 
@@ -30,7 +30,7 @@ import connector_scenarios as cs  # this directory is sys.path[0]
 import torch
 
 from afd_ext.connector import AFDConnector
-from afd_ext.launch import config_from_env
+from afd_ext.tools.launch import config_from_env
 
 STEP_TIMEOUT_S = 8.0
 

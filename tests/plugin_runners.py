@@ -2,7 +2,7 @@
 
 Shared by ``tests/test_afd_plugin_dropin.py`` (CPU tier, gloo) and
 ``tests/gpu/test_afd_plugin_gpu.py`` (GPU tier, NCCL). Each worker is a
-module-level ``fn(rank, nprocs, ...)`` for :func:`afd_ext.testing.run_workers`:
+module-level ``fn(rank, nprocs, ...)`` for :func:`afd_ext.tools.testing.run_workers`:
 ranks ``0..F-1`` are FFN workers, ``F..F+A-1`` attention workers.
 
 What each worker does, as a vLLM worker with the reference plugin would

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 import plugin_runners as pr  # noqa: E402
-from afd_ext.testing import find_free_port, run_workers  # noqa: E402
+from afd_ext.tools.testing import find_free_port, run_workers  # noqa: E402
 
 sys.path.insert(0, pr.FAKE_PLUGIN)
 pytestmark = pytest.mark.timeout(240)

@@ -17,17 +17,17 @@ import numpy as np
 import pytest
 import torch
 
-from afd_ext.bench import main
-from afd_ext.bench import report
-from afd_ext.bench.plan import Case, Reps, RunConfig, make_layout
-from afd_ext.bench.timing import summarize, time_eager
-from afd_ext.bench.variants import pattern_bytes, rows_bytes
+from afd_ext.tools.bench import main
+from afd_ext.tools.bench import report
+from afd_ext.tools.bench.plan import Case, Reps, RunConfig, make_layout
+from afd_ext.tools.bench.timing import summarize, time_eager
+from afd_ext.tools.bench.variants import pattern_bytes, rows_bytes
 from afd_ext.errors import AFDConfigError
-from afd_ext.testing import find_free_port, run_workers
+from afd_ext.tools.testing import find_free_port, run_workers
 
 
 def _validate(doc):
-    """The JSON document's structure (``afd_ext/bench/report.py``'s schema; docs/benchmarks.md relies on it)."""
+    """The JSON document's structure (``afd_ext/tools/bench/report.py``'s schema; docs/benchmarks.md relies on it)."""
     assert isinstance(doc, dict) and doc["schema"] == report.SCHEMA
     for key, typ in (("meta", dict), ("records", list), ("skipped", list), ("targets", list)):
         assert isinstance(doc.get(key), typ), key
@@ -124,7 +124,7 @@ def test_one_gpu_layout_shares_gpu0_with_a_hostid_per_process(monkeypatch):
 
 
 def test_timing_refused_on_one_gpu_but_check_is_not(monkeypatch, tmp_path, capsys):
-    import afd_ext.bench as bench
+    import afd_ext.tools.bench as bench
 
     monkeypatch.setattr(bench, "_gpu_count", lambda: 1)
     assert main(["--out", str(tmp_path / "x")]) == 2
@@ -135,7 +135,7 @@ def test_timing_refused_on_one_gpu_but_check_is_not(monkeypatch, tmp_path, capsy
 
 
 def test_timing_refused_when_gpus_shared(monkeypatch, tmp_path, capsys):
-    import afd_ext.bench as bench
+    import afd_ext.tools.bench as bench
 
     monkeypatch.setattr(bench, "_gpu_count", lambda: 2)
     rc = main(["--attention-ranks", "2", "--out", str(tmp_path / "x")])
@@ -163,7 +163,7 @@ def test_bad_mode_or_gap_is_usage_error_before_anything_runs(argv, what, tmp_pat
 
 
 def test_gpu_map_takes_gpu_zero():
-    from afd_ext.bench.plan import parse_int_list
+    from afd_ext.tools.bench.plan import parse_int_list
 
     assert parse_int_list("0,0,1", "--gpu-map", least=0) == (0, 0, 1)  # the help's own example (was refused)
     with pytest.raises(AFDConfigError, match="--gpu-map: expected integers >= 0"):
@@ -336,8 +336,8 @@ def _check_cfg(port: int, A: int = 1, F: int = 1, cases=None) -> RunConfig:
 
 
 def _corrupting_worker(rank, nprocs, cfg, corrupt):
-    import afd_ext.bench.variants as v
-    from afd_ext.bench.runner import bench_worker
+    import afd_ext.tools.bench.variants as v
+    from afd_ext.tools.bench.runner import bench_worker
 
     if corrupt == "reply" and rank == 0:  # the FFN rank replies with the wrong transform
         v.XOR_BYTE = 0x33
@@ -371,8 +371,8 @@ def test_check_passes_and_detects_corruption():
 
 
 def _fp8_worker(rank, nprocs, cfg, flip):
-    import afd_ext.bench.variants as v
-    from afd_ext.bench.runner import bench_worker
+    import afd_ext.tools.bench.variants as v
+    from afd_ext.tools.bench.runner import bench_worker
 
     if flip and rank == 0:  # the FFN rank expects the other scale format than the one on the wire
         v._Fp8Wire.ue8m0 = property(lambda self: self.ctx.fp8_scale_format != "ue8m0")

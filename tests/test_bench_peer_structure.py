@@ -15,8 +15,8 @@ import subprocess
 import pytest
 import torch
 
-from afd_ext.bench import main as bench_main
-from afd_ext.bench import peer_structure as ps
+from afd_ext.tools.bench import main as bench_main
+from afd_ext.tools.bench import peer_structure as ps
 from afd_ext.errors import AFDConfigError
 
 

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from afd_ext import cli, errors
+from afd_ext import errors
+from afd_ext.tools import cli
 from afd_ext.topology import rank_label
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -166,8 +167,8 @@ def _worker_traceback() -> str:
 
 def test_errors_are_one_line_with_the_class_and_exit_1(monkeypatch, capsys):
     pytest.importorskip("transformers")
-    from afd_ext import demo
-    from afd_ext.testing import WorkerError
+    from afd_ext.tools import demo
+    from afd_ext.tools.testing import WorkerError
 
     def timeout(plan, timeout_s):
         raise errors.AFDTimeoutError("send_attn_output on attention rank 0 at step 3\nmore detail")
@@ -202,7 +203,7 @@ def test_error_line_without_a_message_and_for_plain_exceptions():
 
 def test_ctrl_c_is_one_line_and_130(monkeypatch, capsys):
     pytest.importorskip("transformers")
-    from afd_ext import demo
+    from afd_ext.tools import demo
 
     def interrupted(plan, timeout_s):
         raise KeyboardInterrupt
@@ -294,7 +295,7 @@ def test_launch_names_a_busy_port_before_torch_starts(busy_port):
 
 
 def test_launch_max_nodes():
-    from afd_ext.launch import _max_nodes
+    from afd_ext.tools.launch import _max_nodes
 
     assert _max_nodes([]) == 1
     assert _max_nodes(["--nnodes", "2"]) == 2
@@ -305,7 +306,7 @@ def test_launch_max_nodes():
 # ---------------------------------------------------------------------- topology
 def test_topology_accepts_every_form_its_help_shows():
     pytest.importorskip("transformers")
-    from afd_ext import demo
+    from afd_ext.tools import demo
 
     for text, want in [("2A1F", (2, 1)), ("2a1f", (2, 1)), ("2x1", (2, 1)), ("2X1", (2, 1)), ("2:1", (2, 1)),
                        (" 3 : 2 ", (3, 2)), ("12A3F", (12, 3))]:
@@ -336,7 +337,7 @@ def test_progress_bar_ends_its_own_line_at_the_steps_run():
 
     from tqdm import tqdm
 
-    from afd_ext import demo
+    from afd_ext.tools import demo
 
     assert demo._progress_bar(8, io.StringIO()) is None  # not a terminal: no bar (no \r frames in logs)
     stream = _TTY()
@@ -358,8 +359,8 @@ def test_a_worker_with_the_bar_leaves_no_semaphore(tmp_path):
     script = tmp_path / "bar_worker.py"
     script.write_text(textwrap.dedent("""
         import io
-        from afd_ext import demo
-        from afd_ext.testing import run_workers
+        from afd_ext.tools import demo
+        from afd_ext.tools.testing import run_workers
 
         class TTY(io.StringIO):
             def isatty(self):
@@ -383,8 +384,8 @@ def test_a_worker_with_the_bar_leaves_no_semaphore(tmp_path):
 # ---------------------------------------------------------------- the one-GPU note
 def test_one_gpu_note_names_the_backends_data_path():
     pytest.importorskip("transformers")
-    from afd_ext import demo
-    from afd_ext.testing import place_processes
+    from afd_ext.tools import demo
+    from afd_ext.tools.testing import place_processes
 
     placement = place_processes(2, 1, 1)  # one GPU: every process on GPU 0
     assert placement.shared and placement.nccl_hostids

@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 import connector_scenarios as cs  # noqa: E402
-from afd_ext.testing import find_free_port, run_workers  # noqa: E402
+from afd_ext.tools.testing import find_free_port, run_workers  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -19,7 +19,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 import connector_scenarios as cs  # noqa: E402
-from afd_ext.testing import find_free_port, run_workers  # noqa: E402
+from afd_ext.tools.testing import find_free_port, run_workers  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -27,7 +27,8 @@ STEPS = ({0: [2, 3]}, {0: [1, 2], 1: [2, 2]})
 
 
 def _bad_bytes(case: str) -> bytes:
-    from afd_ext.metadata import AFDControlPayload, encode_control_binary
+    from afd_ext.control.codec import encode_control_binary
+    from afd_ext.metadata import AFDControlPayload
 
     good = encode_control_binary(cs._payload(STEPS[1]))
     if case == "wrong-length counts":

@@ -22,7 +22,7 @@ from afd_ext.control import channel as cchannel
 from afd_ext.control import shm as cshm
 from afd_ext.errors import AFDClosedError, AFDConfigError, AFDStateError, ControlProtocolError
 from afd_ext.metadata import AFDControlPayload, AFDDPMetadata
-from afd_ext.testing import find_free_port, run_workers
+from afd_ext.tools.testing import find_free_port, run_workers
 from afd_ext.topology import Topology
 
 HOST = "127.0.0.1"
@@ -839,13 +839,13 @@ def test_an_ffn_rank_gone_during_init_is_not_reported_as_a_missing_dev_shm(how):
 
 
 # ---------------------------------------------------------------------------
-# The measurement (afd_ext.bench.control)
+# The measurement (afd_ext.tools.bench.control)
 # ---------------------------------------------------------------------------
 
 
 @pytest.mark.timeout(120)
 def test_measure_control_plane_reports_percentiles():
-    from afd_ext.bench.control import measure_control_plane
+    from afd_ext.tools.bench.control import measure_control_plane
 
     r = measure_control_plane("shm", 200, warmup=20)  # the receiver checks every step's counts
     assert r["kind"] == "shm" and r["n"] == 200
@@ -855,7 +855,7 @@ def test_measure_control_plane_reports_percentiles():
 
 @pytest.mark.timeout(180)
 def test_control_table_has_each_gap_channel_and_the_reference():
-    from afd_ext.bench.control import control_table, format_control_table
+    from afd_ext.tools.bench.control import control_table, format_control_table
 
     rows = control_table((1.0, 2.0), ("shm", "tcp"), seconds_per_cell=0.2)
     assert [r["gap_ms"] for r in rows] == [1.0, 2.0]

@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from afd_ext import demo  # noqa: E402
+from afd_ext.tools import demo  # noqa: E402
 from afd_ext.errors import AFDTimeoutError  # noqa: E402
 
 TIMEOUT = 240
@@ -112,7 +112,7 @@ def test_demo_rejects_bad_arguments(capsys):
     (["--prompts", "/nonexistent/prompts.txt"], "--prompts /nonexistent/prompts.txt: cannot read it"),
 ])
 def test_demo_bad_input_is_a_usage_error_before_any_process_starts(argv, what, capsys, monkeypatch):
-    from afd_ext import testing
+    from afd_ext.tools import testing
 
     started = []
     monkeypatch.setattr(testing, "run_workers", lambda *a, **k: started.append(a) or [])
@@ -125,7 +125,7 @@ def test_demo_bad_input_is_a_usage_error_before_any_process_starts(argv, what, c
 
 
 def test_demo_timeout_names_the_roles_still_running(monkeypatch):
-    from afd_ext import testing
+    from afd_ext.tools import testing
 
     def late(*a, **k):
         err = TimeoutError("workers [0, 2] of 3 still running after 3 s")
@@ -178,7 +178,7 @@ def test_a_failed_self_check_exits_non_zero_and_says_where(monkeypatch, capsys):
 
 
 def test_cli_dispatch(capsys):
-    from afd_ext import cli
+    from afd_ext.tools import cli
 
     assert cli.main(["info", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)

@@ -98,7 +98,7 @@ def _not_afd(mod):
 
 
 #: Not the library's runtime: the multi-process test harness (its WorkerError carries a worker's traceback).
-_HARNESS = ("afd_ext.testing",)
+_HARNESS = ("afd_ext.tools.testing",)
 
 
 def test_every_exception_class_defined_in_the_package_is_an_afd_error():
@@ -129,7 +129,7 @@ def test_every_deliberate_raise_is_an_afd_error():
     mods = [m for m in _modules() if m.__name__ not in _HARNESS]
     names = {m.__name__ for m in mods}
     # the walk reaches the leaves of the package, not only the connector
-    assert {"afd_ext.metadata", "afd_ext.demo", "afd_ext.bench.variants", "afd_ext.control.tcp",
+    assert {"afd_ext.metadata", "afd_ext.tools.demo", "afd_ext.tools.bench.variants", "afd_ext.control.tcp",
             "afd_ext.integrations.transformers", "afd_ext.integrations.afd_plugin"} <= names, names
     bad = [b for m in mods for b in _not_afd(m)]
     assert not bad, bad

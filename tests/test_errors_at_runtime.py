@@ -24,7 +24,6 @@ from interleave import interleave  # noqa: E402
 from test_control_plane import PAIRS, _pair, _payload  # noqa: E402
 
 import afd_ext.control as cp  # noqa: E402
-from afd_ext import metadata as md  # noqa: E402
 from afd_ext.control import channel as cchannel  # noqa: E402
 from afd_ext.errors import AFDError  # noqa: E402
 from afd_ext.topology import Topology  # noqa: E402
@@ -129,7 +128,7 @@ def test_fuzzed_control_messages_give_a_payload_or_an_afd_error(kind):
     """Valid payloads cut, flipped, stretched and the stage count rewritten, sent through a real channel (the
     shm ring in one slot or several): the receiver returns a payload or raises an AFDError, never another."""
     rng = random.Random(41)
-    good = [md.encode_control_binary(_payload(s, rng.randrange(1, 9), rng.randrange(1, 4))) for s in range(8)]
+    good = [cp.codec.encode_control_binary(_payload(s, rng.randrange(1, 9), rng.randrange(1, 4))) for s in range(8)]
     errors = 0
     with _pair(kind, slot_bytes=64, nslots=8, max_message_bytes=4096) as (rx, tx):
         for i in range(400):

@@ -19,7 +19,7 @@ from fault_helpers import StoreHost, timed  # noqa: E402
 
 from afd_ext import rendezvous as rdzv  # noqa: E402
 from afd_ext.errors import StoreTimeoutError  # noqa: E402
-from afd_ext.testing import find_free_port  # noqa: E402
+from afd_ext.tools.testing import find_free_port  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 HOST = "127.0.0.1"
@@ -256,7 +256,7 @@ def test_a_duplicate_rank_stops_every_rank_when_the_refused_process_store_thread
     starved on a loaded host (each round trip 2.5 s here) dropped it, and the job's other ranks waited out
     init_timeout_s with RendezvousTimeoutError. The post now has the refused process's init deadline."""
     import connector_scenarios as cs
-    from afd_ext.testing import run_workers
+    from afd_ext.tools.testing import run_workers
 
     sc = cs.Scenario(A=2, F=1, layers=1, strict=False, extra=(("init_timeout_s", 60.0),))
     res = run_workers(_duplicate_rank_worker, 3, (sc, find_free_port(HOST), [0, 1, 1], 2.5), timeout_s=150)
@@ -271,7 +271,7 @@ def test_a_duplicate_rank_under_cpu_load_stops_every_rank_within_a_second():
     import subprocess
 
     import connector_scenarios as cs
-    from afd_ext.testing import run_workers
+    from afd_ext.tools.testing import run_workers
 
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3)]
     try:
@@ -297,7 +297,7 @@ def test_a_role_rank_started_twice_stops_every_rank_of_the_job_naming_both_proce
     fail within 2 s of it, naming the duplicated role rank, both processes (pid, host) and the rank that never
     came."""
     import connector_scenarios as cs
-    from afd_ext.testing import run_workers
+    from afd_ext.tools.testing import run_workers
 
     init_timeout = 30.0
     extra = (("init_timeout_s", init_timeout), ("control_channel", control))
@@ -358,7 +358,7 @@ def _shape_worker(rank, nprocs, port, bad_rank, field):
 
 @pytest.mark.parametrize("field,mine,theirs", [("num_attention_ranks", 3, 2), ("num_ffn_ranks", 2, 1)])
 def test_ranks_started_with_different_num_attention_or_ffn_ranks_fail_fast_naming_the_field(field, mine, theirs):
-    from afd_ext.testing import run_workers
+    from afd_ext.tools.testing import run_workers
 
     res = run_workers(_shape_worker, 3, (find_free_port(HOST), 2, field), timeout_s=60)
     bad = res[2]
@@ -461,7 +461,7 @@ def _frozen_host_worker(rank, nprocs, sc, port, resume_after_s):
 
 def test_attention_ranks_meet_their_deadline_while_the_store_host_is_stopped():
     import connector_scenarios as cs
-    from afd_ext.testing import run_workers
+    from afd_ext.tools.testing import run_workers
 
     sc = cs.Scenario(A=2, F=1, steps=({0: [2, 3]}, {0: [2, 2]}), step_timeout_s=2.0, strict=False)
     resume_after_s = 15.0
@@ -517,7 +517,7 @@ def _bad_args_worker(rank, nprocs, sc, port, cases):
 
 def _check_bad_args(cases):
     import connector_scenarios as cs
-    from afd_ext.testing import run_workers
+    from afd_ext.tools.testing import run_workers
 
     sc = cs.Scenario(A=1, F=1, steps=({0: [3]},), layers=1, send_ids=True)
     ffn, att = run_workers(_bad_args_worker, 2, (sc, find_free_port(HOST), cases), timeout_s=90)
@@ -567,7 +567,7 @@ def _strided_ids_worker(rank, nprocs, sc, port):
 
 def test_a_one_token_strided_ids_tensor_is_sent_correctly():
     import connector_scenarios as cs
-    from afd_ext.testing import run_workers
+    from afd_ext.tools.testing import run_workers
 
     sc = cs.Scenario(A=1, F=1, steps=({0: [1]}, {0: [1]}), layers=2, send_ids=True, strict=False)
     res = run_workers(_strided_ids_worker, 2, (sc, find_free_port(HOST)), timeout_s=90)
@@ -787,7 +787,7 @@ def test_an_attention_rank_blocked_in_recv_closes_at_once_when_the_ffn_aborts(tm
     the FFN tore down its pairs (here 15 s later; at most step_timeout_s + 6 s, gloo's own timeout). It
     no longer waits for the peer after an abort. (With the FFN closing at once it did not reproduce.)"""
     import connector_scenarios as cs
-    from afd_ext.testing import run_workers
+    from afd_ext.tools.testing import run_workers
 
     sc = cs.Scenario(A=1, F=1, steps=({0: [2]},), layers=2, strict=False, step_timeout_s=30.0)
     ffn, att = run_workers(_abort_while_receiving_worker, 2, (sc, find_free_port(HOST), str(tmp_path / "closed")),
@@ -847,7 +847,7 @@ def test_no_raw_gloo_error_reaches_a_caller_when_an_abort_and_a_closed_connectio
     abort with gloo's raw RuntimeError ("Connection closed by peer", source location, banner) chained
     as its context; the error is now the named abort alone."""
     import connector_scenarios as cs
-    from afd_ext.testing import run_workers
+    from afd_ext.tools.testing import run_workers
 
     sc = cs.Scenario(A=1, F=3, steps=({0: [6]},), layers=2, strict=False, step_timeout_s=30.0)
     res = run_workers(_raw_error_worker, sc.nprocs, (sc, find_free_port(HOST)), timeout_s=100)
@@ -929,7 +929,7 @@ def test_a_local_close_mid_step_ends_this_ranks_call_as_closed_and_the_peer_gets
     the rank that closed, long before step_timeout_s."""
     import multiprocessing as mp
 
-    from afd_ext.testing import run_workers
+    from afd_ext.tools.testing import run_workers
 
     ffn, att = run_workers(_close_mid_step_worker, 2, (find_free_port(HOST), mp.get_context("spawn").Barrier(2)),
                            timeout_s=120)
@@ -975,7 +975,7 @@ def test_a_data_call_racing_a_local_close_gets_the_closed_error():
     the transport ends with AFDClosedError (was: AttributeError 'NoneType' object has no attribute 'fan_in')."""
     import multiprocessing as mp
 
-    from afd_ext.testing import run_workers
+    from afd_ext.tools.testing import run_workers
 
     _, att = run_workers(_close_races_data_call_worker, 2,
                          (find_free_port(HOST), mp.get_context("spawn").Barrier(2)), timeout_s=120)

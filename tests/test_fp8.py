@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import connector_scenarios as cs  # noqa: E402
 from afd_ext.errors import AFDConfigError  # noqa: E402
 from afd_ext.fp8 import GROUP  # noqa: E402
-from afd_ext.testing import find_free_port, run_workers  # noqa: E402
+from afd_ext.tools.testing import find_free_port, run_workers  # noqa: E402
 from fp8_reference import (decode_e4m3, encode_e4m3, reference_dequantize, reference_quantize,  # noqa: E402
                            ue8m0_scale)
 

@@ -589,7 +589,7 @@ def test_demo_graph_mode_on_cpu_matches_whole_model():
     """
     pytest.importorskip("transformers")
     pytest.importorskip("afd_ext.connector")
-    from afd_ext import demo
+    from afd_ext.tools import demo
 
     plan = demo.build_plan(demo.parse_args([
         "--dims", "tiny", "--backend", "gloo", "--no-progress", "--topology", "2A1F",

@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from afd_ext import demo  # noqa: E402
+from afd_ext.tools import demo  # noqa: E402
 from afd_ext.errors import AFDConfigError, AFDStateError  # noqa: E402
 from afd_ext.integrations import transformers as integ  # noqa: E402
 from afd_ext.metadata import (  # noqa: E402
@@ -206,7 +206,7 @@ def test_dense_layer_stays_local_with_gate_on_attention():
 
 
 def test_shutdown_payload_roundtrips_the_codec():
-    from afd_ext.metadata import decode_control_payload, encode_control_payload
+    from afd_ext.control.codec import decode_control_payload, encode_control_payload
 
     p = decode_control_payload(encode_control_payload(integ.make_shutdown_payload()))
     assert integ.is_shutdown_payload(p)

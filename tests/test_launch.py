@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from afd_ext import launch
+from afd_ext.tools import launch
 from afd_ext.errors import AFDConfigError
 
 PY = sys.executable
@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLE_LINE = re.compile(r"\[rank (\d+)\] multinode example: (\w+ rank \d+) on \S+: 4 steps, (\d+) rows exact")
 
 SHOW = (
-    "import json, os; from afd_ext.launch import config_from_env, local_device; "
+    "import json, os; from afd_ext.tools.launch import config_from_env, local_device; "
     "r = config_from_env(); c = r.config; "
     "print('SHOW ' + json.dumps({'role': r.role, 'rr': r.role_rank, 'host': c.host, 'port': c.port, "
     "'A': c.num_attention_ranks, 'F': c.num_ffn_ranks, 'extra': c.connector_extra_config, "

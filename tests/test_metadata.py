@@ -11,9 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from afd_ext import metadata as md
+from afd_ext.control import codec
+from afd_ext.control.codec import CONTROL_FORMAT_VERSION, decode_control_payload, encode_control_payload
 from afd_ext.errors import AFDConfigError, AFDProtocolError, ControlProtocolError
 from afd_ext.metadata import (
-    CONTROL_FORMAT_VERSION,
     AFDA2FTransferPayload,
     AFDControlPayload,
     AFDDPMetadata,
@@ -22,8 +23,6 @@ from afd_ext.metadata import (
     AFDTransferContext,
     AFDTransferMetadata,
     StepCountAgreement,
-    decode_control_payload,
-    encode_control_payload,
 )
 
 # ---------------------------------------------------------------- types
@@ -435,9 +434,9 @@ def test_decoder_bounds_stages_and_ranks():
 @settings(max_examples=200, deadline=None)
 @given(payloads)
 def test_property_binary_round_trip(p):
-    b = md.encode_control_binary(p)
+    b = codec.encode_control_binary(p)
     assert len(b) == 8 + sum(12 + 4 * len(m.counts) for m in p.dp_metadata_list.values())
-    q = md.decode_control_binary(b)
+    q = codec.decode_control_binary(b)
     assert q == p and list(q.dp_metadata_list) == sorted(p.dp_metadata_list)
     assert q.dp_metadata_list is not p.dp_metadata_list
     for s, m in q.dp_metadata_list.items():  # what the reference's runners read
@@ -453,7 +452,7 @@ def test_binary_layout_is_documented_one():
     want = (b"AFDb" + bytes([1, 0b1010]) + (2).to_bytes(2, "little")
             + b"".join(v.to_bytes(4, "little") for v in (0, 1, 5, 5))
             + b"".join(v.to_bytes(4, "little") for v in (1, 2, 3, 3, 0)))
-    assert md.encode_control_binary(p) == want
+    assert codec.encode_control_binary(p) == want
 
 
 def _bin(stages, flags=0, magic=b"AFDb", version=1, tail=b""):
@@ -482,29 +481,29 @@ def _bin(stages, flags=0, magic=b"AFDb", version=1, tail=b""):
 def test_binary_malformed_inputs_raise_value_error(data, match):
     # both are ValueErrors: a wrong argument type is the caller's, bad bytes are the sender's
     with pytest.raises(AFDConfigError if isinstance(data, str) else ControlProtocolError, match=match):
-        md.decode_control_binary(data)
+        codec.decode_control_binary(data)
 
 
 def test_binary_bounds_and_encoder_checks():
-    b = md.encode_control_binary(AFDControlPayload({s: [1, 2, 3] for s in range(3)}))
+    b = codec.encode_control_binary(AFDControlPayload({s: [1, 2, 3] for s in range(3)}))
     with pytest.raises(ValueError, match="max_stages"):
-        md.decode_control_binary(b, max_stages=2)
+        codec.decode_control_binary(b, max_stages=2)
     with pytest.raises(ValueError, match="max_ranks"):
-        md.decode_control_binary(b, max_ranks=2)
+        codec.decode_control_binary(b, max_ranks=2)
     with pytest.raises(ValueError, match="AFDControlPayload"):
-        md.encode_control_binary({0: [1]})  # type: ignore[arg-type]
+        codec.encode_control_binary({0: [1]})  # type: ignore[arg-type]
     p = AFDControlPayload({0: [1]})
     p.is_warmup = 1  # modified after construction into something invalid
     with pytest.raises(ValueError, match="bools"):
-        md.encode_control_binary(p)
+        codec.encode_control_binary(p)
     p = AFDControlPayload({2**32: [1]})
     with pytest.raises(ValueError, match="2\\*\\*32"):
-        md.encode_control_binary(p)
+        codec.encode_control_binary(p)
 
 
 @pytest.mark.parametrize("stages", [{0: [1, 2], 5: [], 2**31: [3], 2**32 - 1: [0, 7, 2**31 - 1]}, {4: [1], 3: [4] * 5}])
 def test_binary_round_trip_of_any_stage_keys_and_lengths(stages):
-    q = md.decode_control_binary(md.encode_control_binary(AFDControlPayload(stages, is_warmup=True, is_profile=True)))
+    q = codec.decode_control_binary(codec.encode_control_binary(AFDControlPayload(stages, is_warmup=True, is_profile=True)))
     assert q.stage_counts() == {s: tuple(c) for s, c in sorted(stages.items())}
     assert [q.dp_metadata_list[s].max_tokens for s in sorted(stages)] == [max(c, default=0) for _, c in sorted(stages.items())]
     assert (q.is_graph_capturing, q.is_warmup, q.is_graph_replaying, q.is_profile) == (False, True, False, True)
@@ -513,10 +512,10 @@ def test_binary_round_trip_of_any_stage_keys_and_lengths(stages):
 @settings(max_examples=300, deadline=None)
 @given(payloads, st.integers(0, 400), st.binary(min_size=0, max_size=3))
 def test_property_binary_garbage_only_value_error(p, cut, insert):
-    good = md.encode_control_binary(p)
+    good = codec.encode_control_binary(p)
     for data in (good[:cut] + insert + good[cut:], good[:cut] + good[cut + 1:], insert * 4):
         try:
-            q = md.decode_control_binary(data)
+            q = codec.decode_control_binary(data)
         except ValueError:
             continue
         for m in q.dp_metadata_list.values():  # whatever decodes is a valid payload
@@ -536,29 +535,29 @@ def test_native_encoder_writes_the_documented_layout_for_any_stage_keys_and_flag
     for s in sorted(stages):
         c = stages[s]
         want += struct.pack(f"<III{len(c)}i", s, len(c), max(c, default=0), *c)
-    assert md.encode_control_binary(p) == want
+    assert codec.encode_control_binary(p) == want
 
 
 @pytest.mark.parametrize("bits", range(16))
 def test_every_flag_combination_round_trips_and_higher_bits_are_refused(bits):
     names = ("is_graph_capturing", "is_warmup", "is_graph_replaying", "is_profile")
     p = AFDControlPayload({0: [1]}, **{n: bool(bits >> i & 1) for i, n in enumerate(names)})
-    b = md.encode_control_binary(p)
+    b = codec.encode_control_binary(p)
     assert b[5] == bits
-    q = md.decode_control_binary(b)
+    q = codec.decode_control_binary(b)
     assert [getattr(q, n) for n in names] == [bool(bits >> i & 1) for i in range(4)]
     with pytest.raises(ControlProtocolError, match="unknown flag bits"):
-        md.decode_control_binary(b[:5] + bytes([bits | 0x10 << (bits % 4)]) + b[6:])
+        codec.decode_control_binary(b[:5] + bytes([bits | 0x10 << (bits % 4)]) + b[6:])
 
 
 def test_every_truncation_and_any_trailing_bytes_are_named():
     good = _bin([(0, [1, 2, 3], 3), (4, [], 0), (9, [7], 7)])
     for cut in range(len(good)):
         with pytest.raises(ControlProtocolError, match="shorter than its header|truncated"):
-            md.decode_control_binary(good[:cut])
+            codec.decode_control_binary(good[:cut])
     for extra in range(1, 9):
         with pytest.raises(ControlProtocolError, match=f"has {extra} trailing bytes"):
-            md.decode_control_binary(good + b"\0" * extra)
+            codec.decode_control_binary(good + b"\0" * extra)
 
 
 def test_counts_and_stages_announced_beyond_the_bytes_are_refused_without_reading_past_them():
@@ -566,14 +565,14 @@ def test_counts_and_stages_announced_beyond_the_bytes_are_refused_without_readin
 
     huge = b"AFDb" + struct.pack("<BBH", 1, 0, 1) + struct.pack("<III", 0, 2**32 - 1, 0) + b"\0" * 8
     with pytest.raises(ControlProtocolError, match="max_ranks"):
-        md.decode_control_binary(huge)
+        codec.decode_control_binary(huge)
     with pytest.raises(ControlProtocolError, match="truncated \\(stage 0 counts\\)"):
-        md.decode_control_binary(huge, max_ranks=2**32)
+        codec.decode_control_binary(huge, max_ranks=2**32)
     many = b"AFDb" + struct.pack("<BBH", 1, 0, 0xFFFF) + struct.pack("<III", 0, 0, 0)
     with pytest.raises(ControlProtocolError, match="65535 stages exceed max_stages=64"):
-        md.decode_control_binary(many)
+        codec.decode_control_binary(many)
     with pytest.raises(ControlProtocolError, match="truncated \\(stage header\\)"):
-        md.decode_control_binary(many, max_stages=0xFFFF)
+        codec.decode_control_binary(many, max_stages=0xFFFF)
 
 
 @pytest.mark.parametrize("stages,match", [
@@ -589,31 +588,31 @@ def test_native_decoder_names_order_sign_and_range_faults(stages, match):
     for s, counts, mx in stages:
         data += struct.pack(f"<III{len(counts)}i", s, len(counts), mx, *counts)
     with pytest.raises(ControlProtocolError, match=match):
-        md.decode_control_binary(data)
+        codec.decode_control_binary(data)
     with pytest.raises(ControlProtocolError, match=match):
-        md.decode_control_binary(bytearray(data))
+        codec.decode_control_binary(bytearray(data))
 
 
 def test_native_encoder_reads_tensors_modified_in_place_and_converts_other_payload_classes():
     t = torch.tensor([1, 2, 3], dtype=torch.int32)
     p = AFDControlPayload({0: AFDDPMetadata(t), 1: AFDDPMetadata([4])})
     t[1] = 9  # modified after construction: the encoder sends what the tensor holds now
-    assert md.decode_control_binary(md.encode_control_binary(p)).stage_counts() == {0: (1, 9, 3), 1: (4,)}
+    assert codec.decode_control_binary(codec.encode_control_binary(p)).stage_counts() == {0: (1, 9, 3), 1: (4,)}
     t[0] = -1
     with pytest.raises(AFDConfigError, match="modified in place"):
-        md.encode_control_binary(p)
+        codec.encode_control_binary(p)
 
     class Foreign:  # the reference plugin's own class: int flags, count lists
         dp_metadata_list = {1: [3, 0], 0: [5]}
         is_graph_capturing, is_warmup = 0, 1
 
-    want = md.encode_control_binary(AFDControlPayload({1: [3, 0], 0: [5]}, is_warmup=True))
-    assert md.encode_control_binary(Foreign()) == want
+    want = codec.encode_control_binary(AFDControlPayload({1: [3, 0], 0: [5]}, is_warmup=True))
+    assert codec.encode_control_binary(Foreign()) == want
 
     class Sub(AFDDPMetadata):  # a subclass is read through its public fields
         pass
 
-    assert md.encode_control_binary(AFDControlPayload({1: Sub([3, 0]), 0: [5]}, is_warmup=True)) == want
+    assert codec.encode_control_binary(AFDControlPayload({1: Sub([3, 0]), 0: [5]}, is_warmup=True)) == want
 
 
 
@@ -622,7 +621,7 @@ def test_whatever_the_native_decoder_accepts_re_encodes_to_the_same_bytes():
     import struct
 
     rng = random.Random(1)
-    good = [md.encode_control_binary(AFDControlPayload(
+    good = [codec.encode_control_binary(AFDControlPayload(
         {s: [rng.randrange(100) for _ in range(rng.randrange(9))] for s in rng.sample(range(50), rng.randrange(5))}))
         for _ in range(20)]
     accepted = 0
@@ -639,12 +638,12 @@ def test_whatever_the_native_decoder_accepts_re_encodes_to_the_same_bytes():
             elif len(b) >= 8:
                 b[6:8] = struct.pack("<H", rng.randrange(65536))
         try:
-            q = md.decode_control_binary(bytes(b), max_stages=rng.choice([1, 64, 65535]),
+            q = codec.decode_control_binary(bytes(b), max_stages=rng.choice([1, 64, 65535]),
                                          max_ranks=rng.choice([8, 4096, 2**32]))
         except ControlProtocolError:
             continue
         accepted += 1
-        assert md.encode_control_binary(q) == bytes(b)  # one canonical layout: nothing is read loosely
+        assert codec.encode_control_binary(q) == bytes(b)  # one canonical layout: nothing is read loosely
     assert accepted > 100
 
 
@@ -706,7 +705,7 @@ def _agreement_worker(rank, nprocs, port):
 
 @pytest.mark.timeout(120)
 def test_step_count_agreement_over_gloo():
-    from afd_ext.testing import find_free_port, run_workers
+    from afd_ext.tools.testing import find_free_port, run_workers
 
     res = run_workers(_agreement_worker, 3, (find_free_port(),), timeout_s=90)
     expected = [({0: (0, 1, 2), 1: (0, 0, 0)}, True), ({0: (1, 2, 3), 1: (0, 0, 0)}, False)]
@@ -731,7 +730,7 @@ def test_repeated_payload_decodes_to_fresh_objects_and_bounds_still_apply():
                                     "p.dp_metadata_list = ()"])
 def test_a_payload_changed_after_construction_is_a_config_error_before_it_is_sent(change):
     from afd_ext.errors import AFDConfigError
-    from afd_ext.metadata import encode_control_binary
+    from afd_ext.control.codec import encode_control_binary
 
     p = AFDControlPayload(dp_metadata_list={0: AFDDPMetadata([1])})
     exec(change)

@@ -279,7 +279,7 @@ def test_rank_killed_on_the_remote_host_is_a_named_error_on_the_store_host(two_h
 
 @pytest.mark.timeout(120)
 def test_example_2a1f_as_two_local_nodes_afd_ext_launch_and_torchrun():
-    from afd_ext.testing import find_free_port
+    from afd_ext.tools.testing import find_free_port
 
     afd_port, master_port = find_free_port(), find_free_port()
     # Node 0 through afd-ext launch (torchrun options passed through), node 1 through plain torchrun.

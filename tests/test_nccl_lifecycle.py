@@ -18,7 +18,7 @@ import torch
 
 from afd_ext import ops
 from afd_ext import rendezvous as rdzv
-from afd_ext.testing import find_free_port
+from afd_ext.tools.testing import find_free_port
 from afd_ext.topology import Topology
 from afd_ext.transport import nccl as nccl_mod
 from afd_ext.transport.base import AFDTransportClosedError, PeerMap

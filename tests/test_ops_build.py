@@ -124,7 +124,8 @@ def test_info_says_what_was_built_and_what_is_visible(monkeypatch, capsys, cuda_
 
     import torch
 
-    from afd_ext import cli, ops
+    from afd_ext import ops
+    from afd_ext.tools import cli
 
     monkeypatch.setattr(ops, "is_cuda_built", lambda: cuda_built)
     monkeypatch.setattr(ops._ops, "nccl_version", lambda: 22809 if cuda_built else 0)

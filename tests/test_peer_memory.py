@@ -311,7 +311,7 @@ def _open_without_gpu(rank, nprocs, port, kind):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the verdict on a machine without a GPU")
 @pytest.mark.parametrize("kind", ["afd", "torch"])
 def test_every_rank_learns_together_that_the_plane_is_unavailable(kind):
-    from afd_ext.testing import find_free_port, run_workers
+    from afd_ext.tools.testing import find_free_port, run_workers
 
     results = run_workers(_open_without_gpu, 2, (find_free_port(), kind), timeout_s=180)
     for reasons, msg in results:
@@ -345,7 +345,7 @@ def test_auto_on_cpu_tensors_is_gloo_and_the_connector_reports_it():
     sys.path.insert(0, os.path.dirname(__file__))
     import connector_scenarios as cs
 
-    from afd_ext.testing import find_free_port, run_workers
+    from afd_ext.tools.testing import find_free_port, run_workers
 
     sc = cs.Scenario(A=2, F=1, steps=cs.default_steps(2), transport="auto")
     if cs.device_for(sc).type != "cpu":

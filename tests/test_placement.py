@@ -1,8 +1,8 @@
 """GPU placement of multi-process tests, the demo and the benchmark (CPU tier, fake GPU counts).
 
-:func:`afd_ext.testing.place_processes` is the one place that decides which GPU
+:func:`afd_ext.tools.testing.place_processes` is the one place that decides which GPU
 each process uses; these tests pin its three arrangements, the environment it
-hands to :func:`afd_ext.testing.run_workers` (which must reach the child before
+hands to :func:`afd_ext.tools.testing.run_workers` (which must reach the child before
 its interpreter imports anything), the ``gpu`` tier's skip reasons, and the
 demo's use of it.
 """
@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from afd_ext import testing
-from afd_ext.testing import GpuPlacement, place_processes, run_workers
+from afd_ext.tools import testing
+from afd_ext.tools.testing import GpuPlacement, place_processes, run_workers
 
 
 @pytest.fixture(autouse=True)
@@ -183,7 +183,8 @@ def test_gpu_tier_skip_reason_names_what_is_missing(monkeypatch):
 
 
 def test_demo_nccl_on_one_gpu_shares_it(monkeypatch):
-    from afd_ext import demo, ops
+    from afd_ext import ops
+    from afd_ext.tools import demo
 
     monkeypatch.setattr(testing, "visible_gpu_count", lambda: 1)
     monkeypatch.setattr(ops, "is_cuda_built", lambda: True)
@@ -198,7 +199,7 @@ def test_demo_nccl_on_one_gpu_shares_it(monkeypatch):
 def test_demo_summary_says_when_latencies_are_not_meaningful(monkeypatch, ngpu, note):
     import dataclasses
 
-    from afd_ext import demo
+    from afd_ext.tools import demo
 
     plan = demo.build_plan(demo.parse_args(["--backend", "gloo", "--topology", "1A1F", "--dims", "tiny"]))
     plan = dataclasses.replace(plan, gpu_placement=place_processes(1, 1, ngpu))
@@ -218,7 +219,7 @@ def test_find_free_port_avoids_the_ephemeral_range_and_is_bindable():
     (EADDRINUSE with several test groups at once); the harness picks below that range."""
     import socket
 
-    from afd_ext.testing import _ephemeral_low, find_free_port
+    from afd_ext.tools.testing import _ephemeral_low, find_free_port
 
     low = _ephemeral_low()
     ports = {find_free_port() for _ in range(20)}
@@ -262,7 +263,7 @@ def _ffn_fails_at_its_first_step(rank: int, nprocs: int, port: int, how: str) ->
                                        ("exit", "worker rank 0 died with exit code 3 without reporting")])
 def test_run_workers_reports_the_failed_process_not_its_peers_follow_on_errors(how, cause):
     """Issue 41 item 8: a process that raises, is killed or exits names itself, whatever its peers report first."""
-    from afd_ext.testing import find_free_port
+    from afd_ext.tools.testing import find_free_port
 
     with pytest.raises((testing.WorkerError, RuntimeError)) as ei:
         run_workers(_ffn_fails_at_its_first_step, 3, (find_free_port(), how), timeout_s=120)

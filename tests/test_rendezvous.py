@@ -7,7 +7,7 @@ import time
 import pytest
 
 from afd_ext import rendezvous as rdzv
-from afd_ext.testing import find_free_port, run_workers
+from afd_ext.tools.testing import find_free_port, run_workers
 
 HOST = "127.0.0.1"
 
@@ -278,16 +278,18 @@ def test_ranks_run_as_threads_of_one_process_share_one_claim_token(monkeypatch):
     # another running process" (its own pid): DuplicateRankError, ~40 % of runs of the NCCL fake tests.
     import threading
 
-    monkeypatch.setattr(rdzv, "_TOKEN", {})
-    slow = rdzv._start_time
+    from afd_ext.rendezvous import store
+
+    monkeypatch.setattr(store, "_TOKEN", {})
+    slow = store._start_time
 
     def start_time(pid):
         time.sleep(0.05)  # widen the window between "no token yet" and the token built
         return slow(pid)
 
-    monkeypatch.setattr(rdzv, "_start_time", start_time)
+    monkeypatch.setattr(store, "_start_time", start_time)
     seen = []
-    threads = [threading.Thread(target=lambda: seen.append(dict(rdzv._process_token()))) for _ in range(4)]
+    threads = [threading.Thread(target=lambda: seen.append(dict(store._process_token()))) for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:

@@ -9,7 +9,7 @@ from afd_ext.config import AFDConfig
 from afd_ext.connector.sequencer import StepSequencer
 from afd_ext.factory import create_connector
 from afd_ext.metadata import AFDControlPayload, AFDTransferContext, AFDTransferMetadata
-from afd_ext.testing import find_free_port, run_workers
+from afd_ext.tools.testing import find_free_port, run_workers
 from afd_ext.topology import step_words
 from afd_ext.transport.base import MessageTag, StepProgress
 

@@ -186,7 +186,7 @@ def test_readme_excerpt_is_what_the_test_runs():
 
 @pytest.mark.timeout(120)
 def test_readme_snippet_runs_on_a_cpu_machine_as_written():
-    from afd_ext.testing import find_free_port, run_workers
+    from afd_ext.tools.testing import find_free_port, run_workers
 
     rows = run_workers(_readme_worker, 3, (find_free_port(),), timeout_s=100, env={"CUDA_VISIBLE_DEVICES": ""})
     assert rows == [0, 3, 5]

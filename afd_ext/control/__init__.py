@@ -75,11 +75,11 @@ One native call per step on each end: the attention rank's
 destination, which encodes the payload straight into the ring slot (or the
 frame) and publishes it; the FFN rank's wait, ``_C.ctrl_shm_take`` (or
 ``ctrl_tcp_take``), returns the payload already decoded, as tuples and ints that
-a few lines of Python (``metadata._payload_of``) wrap into the payload objects.
-The codec exists once, in C++ (``csrc/bindings.cpp`` reads and builds the
+a few lines of Python (``codec._payload_of``) wrap into the payload objects.
+The codec exists once, in C++ (``csrc/control_bindings.cpp`` reads and builds the
 Python objects, ``csrc/cpu/control_poll.cpp`` checks the untrusted bytes,
-bounding every length before it reads); :func:`~afd_ext.metadata.encode_control_binary`
-and :func:`~afd_ext.metadata.decode_control_binary` call it. A payload the
+bounding every length before it reads); :func:`~afd_ext.control.codec.encode_control_binary`
+and :func:`~afd_ext.control.codec.decode_control_binary` call it. A payload the
 native encoder does not take as it is (another class, values to convert) is
 converted in Python first, and a message over several slots is joined, then
 decoded, in Python. It waits in slices of 0.1-0.2 s (jittered, so that they never line up with a
@@ -111,12 +111,12 @@ sender's next send raise it, naming the FFN rank. Nothing published before a
 close or an exit is lost (the ordering rule: docs/internals.md, "How a channel ends").
 
 The payload travels in the compact binary layout of
-:func:`~afd_ext.metadata.encode_control_binary` (both ends are ``afd_ext``);
+:func:`~afd_ext.control.codec.encode_control_binary` (both ends are ``afd_ext``);
 the JSON codec stays the reference-format API. A malformed payload, a corrupt
 ring or a frame from the wrong rank posts the step-abort signal before it
 raises :class:`ControlProtocolError`, so the attention ranks stop at once.
 
-Measured cost: ``afd-ext bench --control-only`` (:mod:`afd_ext.bench.control`)
+Measured cost: ``afd-ext bench --control-only`` (:mod:`afd_ext.tools.bench.control`)
 measures attention ``send_dp_metadata_list`` call start -> FFN
 ``recv_dp_metadata_list`` return at step gaps of 1-50 ms; see
 docs/benchmarks.md.

@@ -24,7 +24,7 @@ from afd_ext.errors import (  # noqa: F401 - ControlChannelClosed, ControlProtoc
     ControlRecvTimeout,
     PeerDeadError,
 )
-from afd_ext.metadata import DEFAULT_MAX_RANKS, DEFAULT_MAX_STAGES, _native, _payload_of, encode_control_binary
+from .codec import DEFAULT_MAX_RANKS, DEFAULT_MAX_STAGES, _native, _payload_of, encode_control_binary
 
 logger = logging.getLogger("afd_ext.control_plane")  # the name users configure (docs/troubleshooting.md)
 

@@ -237,7 +237,7 @@ class AFDControlPlane:
         label: str | None = None,
         check_send: Callable[[Any], None] | None = None,
     ):
-        from afd_ext import metadata as md
+        from .codec import DEFAULT_MAX_CONTROL_BYTES
 
         self._apply = apply_payload
         self._check_send = check_send
@@ -246,7 +246,7 @@ class AFDControlPlane:
         self.role_rank = role_rank
         self.label = label or f"{self.role} rank {role_rank}"
         self.recv_timeout_s = recv_timeout_s
-        self.max_payload_bytes = max_payload_bytes or md.DEFAULT_MAX_CONTROL_BYTES
+        self.max_payload_bytes = max_payload_bytes or DEFAULT_MAX_CONTROL_BYTES
         if self.role == "attention":
             self.destinations: tuple[int, ...] = tuple(topology.control_destinations(role_rank))
             self.source: int | None = None

@@ -16,7 +16,7 @@ from typing import Any
 from afd_ext import rendezvous as rdzv
 from afd_ext.errors import ControlChannelClosed, ControlProtocolError, PeerDeadError
 
-from afd_ext.metadata import DEFAULT_MAX_RANKS, DEFAULT_MAX_STAGES, _native
+from .codec import DEFAULT_MAX_RANKS, DEFAULT_MAX_STAGES, _native
 
 from .channel import _OP_SEND, ControlChannel, _proc_start_time
 

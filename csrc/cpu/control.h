@@ -1,5 +1,5 @@
 // The control plane's native part (control_poll.cpp): the shm ring, the waits, the payload's
-// layout check. Bound in bindings.cpp (the one place that touches Python objects).
+// layout check. Bound in control_bindings.cpp (the one place that touches Python objects).
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -55,7 +55,7 @@ constexpr size_t kFrameHeader = 20;
 // `spin_until`, then waits in poll() until `deadline`. Returns bytes read, 0 at EOF, kSlice, or -errno.
 int64_t tcp_read(int fd, uint8_t* buf, uint64_t cap, int64_t spin_until, int64_t deadline);
 
-// The binary control payload, little-endian (afd_ext.metadata.encode_control_binary documents it):
+// The binary control payload, little-endian (afd_ext.control.codec.encode_control_binary documents it):
 // "AFDb" | version u8 | flags u8 | stages u16 | per stage, increasing: stage u32 | n u32 | max u32 | i32[n].
 constexpr size_t kPayloadHead = 8, kStageHead = 12;
 constexpr uint8_t kPayloadVersion = 1;

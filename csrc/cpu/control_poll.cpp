@@ -1,5 +1,5 @@
 // The control plane's waits: an FFN rank waits here for the step's payload with the GIL
-// released (bindings.cpp binds these). Spinning while the engine serves, because waking a
+// released (control_bindings.cpp binds these). Spinning while the engine serves, because waking a
 // sleeping thread costs ~110 us on a server host (docs/internals.md); sleeping once idle.
 // Also the payload's layout check: the bytes are untrusted, so every length is bounded first.
 #include "control.h"

@@ -11,7 +11,7 @@ Run on the GPU machine (after ``pip install --no-build-isolation -e .``):
 
     pytest -m gpu tests/gpu/test_afd_plugin_gpu.py -v
 
-Placement: ``afd_ext.testing.place_processes`` (attention and FFN workers on
+Placement: ``afd_ext.tools.testing.place_processes`` (attention and FFN workers on
 different GPUs where there are two; on one GPU every worker shares it, each
 with its own ``NCCL_HOSTID``, NCCL then using its socket transport).
 """
@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
 import plugin_runners as pr  # noqa: E402
-from afd_ext.testing import find_free_port, run_workers  # noqa: E402
+from afd_ext.tools.testing import find_free_port, run_workers  # noqa: E402
 
 
 def _cuda_ready() -> bool:
@@ -49,8 +49,8 @@ pytestmark = [
 
 
 def _env(sc: pr.PluginScenario) -> list[dict]:
-    # The GPU tier's one placement rule (afd_ext.testing on main): per world rank, FFN ranks first.
-    from afd_ext.testing import place_processes
+    # The GPU tier's one placement rule (afd_ext.tools.testing on main): per world rank, FFN ranks first.
+    from afd_ext.tools.testing import place_processes
 
     return place_processes(sc.A, sc.F).env()
 

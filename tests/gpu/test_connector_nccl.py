@@ -1,6 +1,6 @@
 """The connector scenarios of the CPU tier, over NCCL (GPU tier).
 
-Processes placed by :func:`afd_ext.testing.place_processes`: on two GPUs
+Processes placed by :func:`afd_ext.tools.testing.place_processes`: on two GPUs
 attention processes on GPU 0 and FFN processes on GPU 1 (several processes of
 one role share a GPU; one size-2 communicator per edge and direction makes that
 legal); on one GPU every process on GPU 0 with its own ``NCCL_HOSTID`` (NCCL
@@ -29,7 +29,7 @@ pytest.importorskip("torch")
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
 import connector_scenarios as cs  # noqa: E402
-from afd_ext.testing import find_free_port, place_processes, run_workers  # noqa: E402
+from afd_ext.tools.testing import find_free_port, place_processes, run_workers  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 

@@ -1,6 +1,6 @@
 """The connector scenarios over the peer-memory transport (GPU tier), and the ``auto`` rule.
 
-Processes are placed by :func:`afd_ext.testing.place_processes`: on two GPUs
+Processes are placed by :func:`afd_ext.tools.testing.place_processes`: on two GPUs
 attention processes on GPU 0 and FFN processes on GPU 1 (CUDA IPC over
 NVLink); on one GPU every process on GPU 0 (CUDA IPC within one GPU,
 time-sliced: correctness only). The peer transport also builds its NCCL
@@ -26,7 +26,7 @@ pytest.importorskip("torch")
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
 import connector_scenarios as cs  # noqa: E402
-from afd_ext.testing import find_free_port, place_processes, run_workers  # noqa: E402
+from afd_ext.tools.testing import find_free_port, place_processes, run_workers  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(240)]
 

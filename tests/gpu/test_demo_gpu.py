@@ -5,7 +5,7 @@ Run on the GPU machine from the repository root, after the CUDA build:
     pytest -m gpu tests/gpu/test_demo_gpu.py -v -s
 
 ``-s`` shows the summaries (paste them into the issue's closing note). The demo
-places its processes with :func:`afd_ext.testing.place_processes`: on two GPUs
+places its processes with :func:`afd_ext.tools.testing.place_processes`: on two GPUs
 attention on GPU 0 and FFN on GPU 1 (2A1F puts both attention ranks on GPU 0);
 on one GPU every process on GPU 0, NCCL over sockets. Wherever processes share
 a GPU the summary must say its latencies are not meaningful.
@@ -39,7 +39,7 @@ def _demo(tmp_path, *args: str) -> dict:
     assert s["backend"] == "nccl" and s["device"] == "cuda"
     assert s["self_check"]["ok"], s["self_check"]["failures"]
     assert s["generated_tokens"] > 0 and s["exchange_latency_us"]["count"] > 0
-    from afd_ext.testing import place_processes
+    from afd_ext.tools.testing import place_processes
 
     placement = place_processes(s["num_attention_ranks"], s["num_ffn_ranks"])
     assert s["placement"] == placement.describe()

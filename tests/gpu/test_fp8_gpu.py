@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
 from afd_ext import fp8, ops  # noqa: E402
-from afd_ext.testing import find_free_port, place_processes, run_workers  # noqa: E402
+from afd_ext.tools.testing import find_free_port, place_processes, run_workers  # noqa: E402
 from afd_ext.topology import ATTENTION, FFN, Topology  # noqa: E402
 from afd_ext.schedule import ScheduleConfig  # noqa: E402
 from afd_ext.transport.peer.plane import PeerPlane, WireSpec  # noqa: E402
@@ -223,7 +223,7 @@ def test_bench_check_of_the_fp8_variants(tmp_path, scales):
     the FFN's values and scales are the CPU rule's of the sent pattern, the reply their bf16 form."""
     import json
 
-    from afd_ext.bench import main
+    from afd_ext.tools.bench import main
 
     rc = main(["--check", "--variants", "ours_fp8,peer_fp8", "--fp8-scale-format", scales, "--out",
                str(tmp_path / "c"), "--timeout", "280", "--no-progress"])

@@ -4,7 +4,7 @@ Run on the GPU machine from the repository root, after the CUDA build:
 
     pytest -m gpu tests/gpu/test_graphs_gpu.py -v
 
-Processes are placed by :func:`afd_ext.testing.place_processes`
+Processes are placed by :func:`afd_ext.tools.testing.place_processes`
 (``CUDA_VISIBLE_DEVICES`` per process): on two GPUs FFN ranks on GPU 1 and
 attention ranks on GPU 0; on one GPU every process on GPU 0 with its own
 ``NCCL_HOSTID`` (NCCL over sockets, ~4.5 ms per round trip). Several processes
@@ -422,7 +422,7 @@ def run_script(ctx, setup: Setup, script_name: str) -> dict:
 
 
 def _run(setup: Setup, script: str) -> list[dict]:
-    from afd_ext.testing import find_free_port, place_processes, run_workers
+    from afd_ext.tools.testing import find_free_port, place_processes, run_workers
 
     n = setup.A + setup.F
     per_rank = place_processes(setup.A, setup.F).env()
@@ -436,7 +436,7 @@ def _run(setup: Setup, script: str) -> list[dict]:
 
 def _replays() -> int:
     """Replays per capture size for this machine's arrangement (fewer when NCCL goes over sockets)."""
-    from afd_ext.testing import place_processes
+    from afd_ext.tools.testing import place_processes
 
     return SHARED_REPLAYS if place_processes(1, 1).nccl_hostids else REPLAYS
 

@@ -37,7 +37,7 @@ pytestmark = [
 
 
 def test_example_over_nccl_as_two_torchrun_hosts():
-    from afd_ext.testing import find_free_port
+    from afd_ext.tools.testing import find_free_port
 
     base = {k: v for k, v in os.environ.items() if not k.startswith("AFD_") and k not in ("RANK", "WORLD_SIZE")}
     base.update(PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), AFD_NUM_FFN_RANKS="1",

@@ -6,7 +6,7 @@ Run on the GPU machine, from the repository root, after the CUDA build
     pytest -m gpu tests/gpu/test_ops_gpu.py -v
 
 Layout: process 0 is the FFN rank, processes 1..A are attention ranks, placed
-by :func:`afd_ext.testing.place_processes` (two GPUs: FFN on GPU 1, attention
+by :func:`afd_ext.tools.testing.place_processes` (two GPUs: FFN on GPU 1, attention
 on GPU 0; one GPU: all on GPU 0, each with its own ``NCCL_HOSTID``, NCCL over
 sockets). ``CUDA_VISIBLE_DEVICES`` is set per process before its interpreter
 starts, so each process sees its GPU as ``cuda:0``. One NCCL communicator per
@@ -29,7 +29,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 ops = pytest.importorskip("afd_ext.ops", reason="afd_ext._C is not built")
-from afd_ext.testing import find_free_port, place_processes, run_workers  # noqa: E402
+from afd_ext.tools.testing import find_free_port, place_processes, run_workers  # noqa: E402
 
 # No CUDA call at import time: spawned workers import this module before they
 # set CUDA_VISIBLE_DEVICES.

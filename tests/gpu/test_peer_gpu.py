@@ -631,7 +631,7 @@ def _ipc_worker(rank, nprocs, port, A, F, steps, victim):
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("victim", [ATTENTION, FFN])
 def test_a_role_dying_mid_spin_gives_the_survivor_the_named_error_and_a_working_reinit(victim):
-    from afd_ext.testing import find_free_port, place_processes, run_workers
+    from afd_ext.tools.testing import find_free_port, place_processes, run_workers
 
     res = run_workers(_ipc_worker, 2, (find_free_port(), 1, 1, 1, victim), timeout_s=150,
                       per_rank_env=place_processes(1, 1).env())

@@ -8,7 +8,7 @@ The FFN rank runs on GPU 1, the attention rank on GPU 0. One layer exchange is
 the attention rank's split-back of its wire tensors (hidden states
 ``[T, 7168]`` bf16, fp32 router logits ``[T, 256]``, int32 token ids) to the FFN rank, the FFN rank's fan-in, its
 split-back of the hidden states (no compute), and the attention rank's fan-in
-of the reply. Eager: ``afd_ext.bench.timing.time_eager`` over single layers.
+of the reply. Eager: ``afd_ext.tools.bench.timing.time_eager`` over single layers.
 Graph: ``GraphController`` captures ``--layers`` layers on both roles (after an
 eager warm-up of both edges), ``time_graph`` divides each replay by the layer
 count. Both are median (p10, p90) µs per layer over the same run, alternating
@@ -49,7 +49,7 @@ def _exchange_only(ctx: _Ctx, sched, bufs, layers: int):
 
 
 def _worker(rank: int, nprocs: int, args: dict, port: int) -> dict:
-    from afd_ext.bench.timing import summarize, time_eager, time_graph
+    from afd_ext.tools.bench.timing import summarize, time_eager, time_graph
     from afd_ext.graphs import StepMode
 
     setup = Setup(1, 1, hidden=args["hidden"], layers=args["layers"],
@@ -109,7 +109,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from afd_ext import ops
-    from afd_ext.testing import find_free_port, place_processes, run_workers, visible_gpu_count
+    from afd_ext.tools.testing import find_free_port, place_processes, run_workers, visible_gpu_count
 
     if visible_gpu_count() < 1:
         p.error("needs a CUDA GPU")

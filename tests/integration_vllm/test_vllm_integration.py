@@ -18,7 +18,7 @@ pytest.importorskip("vllm.config", reason="the vLLM integration suite runs in ma
 pytest.importorskip("afd_plugin.v1.worker.ffn_worker", reason="needs afd-plugin (make test-vllm)")
 
 from afd_ext.integrations.afd_plugin import versions  # noqa: E402
-from afd_ext.testing import find_free_port, run_workers  # noqa: E402
+from afd_ext.tools.testing import find_free_port, run_workers  # noqa: E402
 
 import vllm_workers as W  # noqa: E402
 

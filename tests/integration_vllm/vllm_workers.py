@@ -1,7 +1,7 @@
 """Worker processes of the vLLM integration suite: real vLLM and afd-plugin, afd_ext as the transport.
 
 Each worker is the module-level ``worker(rank, nprocs, scenarios, ports, model_dirs, done)`` for
-:func:`afd_ext.testing.run_workers`; ranks ``0..F-1`` are FFN workers, ``F..F+A-1`` attention
+:func:`afd_ext.tools.testing.run_workers`; ranks ``0..F-1`` are FFN workers, ``F..F+A-1`` attention
 workers. What is real (nothing of vLLM or afd-plugin is stood in for):
 
 * vLLM's plugin loader (``vllm.plugins.load_general_plugins``: afd-plugin's ``register_afd`` and

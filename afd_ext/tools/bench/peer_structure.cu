@@ -1,4 +1,4 @@
-// Bench-only minimal put/wait kernels (afd_ext/bench/peer_structure.py). Flags are
+// Bench-only minimal put/wait kernels (afd_ext/tools/bench/peer_structure.py). Flags are
 // 64-bit sequence numbers in the receiver's memory; each side keeps one device
 // counter `seq` (its puts so far), advanced only by its put's last block. A
 // spin that outlives ~10 s traps (the process fails instead of hanging).

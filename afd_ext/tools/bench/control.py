@@ -28,7 +28,7 @@ import os
 import time
 from typing import Any
 
-logger = logging.getLogger("afd_ext.bench")
+logger = logging.getLogger("afd_ext.tools.bench")
 
 __all__ = ["measure_control_plane", "pick_control_cpus", "control_table", "format_control_table",
            "DEFAULT_GAPS_MS"]
@@ -138,7 +138,7 @@ def _reference_pair(rank: int, host: str, port: int, schedule: list, counts: lis
     import torch
     import torch.distributed as dist
 
-    from afd_ext.metadata import decode_control_payload, encode_control_payload
+    from afd_ext.control.codec import decode_control_payload, encode_control_payload
 
     dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=60))
@@ -179,8 +179,8 @@ def _measure(kind: str, schedule: list[tuple[float, int, int]], stages: int, tim
     """Run ``schedule`` (``(gap_us, iterations, warmup)`` entries) in one pair of processes;
     one result per entry (see :func:`measure_control_plane`)."""
     from afd_ext.errors import AFDConfigError
-    from afd_ext.metadata import encode_control_binary, encode_control_payload
-    from afd_ext.testing import find_free_port, run_workers
+    from afd_ext.control.codec import encode_control_binary, encode_control_payload
+    from afd_ext.tools.testing import find_free_port, run_workers
 
     if not schedule or any(int(it) < 1 for _, it, _ in schedule):
         raise AFDConfigError(f"every schedule entry needs iterations >= 1, got {schedule!r}")
@@ -265,7 +265,7 @@ def control_table(gaps_ms: tuple[float, ...] = DEFAULT_GAPS_MS, kinds: tuple[str
 
 def format_control_table(rows: list[dict], kinds: tuple[str, ...] = CONTROL_KINDS) -> str:
     """Markdown: one line per gap, p50 / p99 in µs per channel and for the reference pattern."""
-    from afd_ext.bench.report import md_table
+    from afd_ext.tools.bench.report import md_table
 
     def cell(r: dict | None) -> str:
         if not r:

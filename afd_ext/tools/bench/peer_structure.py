@@ -43,8 +43,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from afd_ext import envs
-from afd_ext.bench.plan import parse_int_list, parse_names
-from afd_ext.testing import patched_env
+from afd_ext.tools.bench.plan import parse_int_list, parse_names
+from afd_ext.tools.testing import patched_env
 from afd_ext.errors import AFDConfigError, AFDDeviceError
 
 __all__ = ["STRUCTURES", "Plan", "build_parser", "parse_plan", "main"]
@@ -381,7 +381,7 @@ def _run_case(plan: Plan, case: _Case) -> dict:
 
 def _table(recs: list[dict], plan: Plan) -> str:
     """µs per round trip per structure and size, then each plane structure's ratio to ``min``."""
-    from afd_ext.bench.report import md_table
+    from afd_ext.tools.bench.report import md_table
 
     by = {(r["structure"], r["tokens"]): r for r in recs}
 

@@ -1,7 +1,7 @@
 """``afd-ext bench``: the layer exchange against the reference call pattern and raw NCCL.
 
 Entry point :func:`main` (``python -m afd_ext bench ...`` dispatches here;
-``python -m afd_ext.bench ...`` works too). See ``docs/benchmarks.md`` for
+``python -m afd_ext.tools.bench ...`` works too). See ``docs/benchmarks.md`` for
 the method and the published numbers.
 
 Typical runs on the two-GPU machine::
@@ -30,7 +30,7 @@ import time
 from collections import Counter
 from typing import Any, Sequence
 
-from afd_ext.bench.plan import (
+from afd_ext.tools.bench.plan import (
     ALL_VARIANTS,
     FP8_VARIANTS,
     MODES,
@@ -49,7 +49,7 @@ from afd_ext.errors import AFDConfigError
 
 __all__ = ["main", "build_parser"]
 
-logger = logging.getLogger("afd_ext.bench")
+logger = logging.getLogger("afd_ext.tools.bench")
 
 
 def build_parser(prog: str = "afd-ext bench") -> argparse.ArgumentParser:
@@ -168,7 +168,7 @@ def _meta(cfg: RunConfig, argv: Sequence[str]) -> dict:
 
 
 def _config(args: argparse.Namespace) -> RunConfig:
-    from afd_ext.testing import find_free_port
+    from afd_ext.tools.testing import find_free_port
 
     if args.backend == "gloo":
         ngpu = 0
@@ -218,7 +218,7 @@ def _config(args: argparse.Namespace) -> RunConfig:
 
 
 def _assemble(meta: dict, cfg: RunConfig, results: list[dict]) -> dict:
-    from afd_ext.bench.report import SCHEMA, connector_overhead, evaluate_targets
+    from afd_ext.tools.bench.report import SCHEMA, connector_overhead, evaluate_targets
 
     devices = [f"{r['role']}{r['role_rank']}: {r['device']} (GPU {r.get('cuda_visible_devices')})"
                for r in results if r.get("device")]
@@ -251,16 +251,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``afd-ext bench``; returns the process exit code (0 ok, 1 failed check/run, 2 bad usage)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--peer-structure" in argv:  # the plane against minimal kernels: its own options
-        from afd_ext.bench.peer_structure import main as peer_structure_main
+        from afd_ext.tools.bench.peer_structure import main as peer_structure_main
 
         argv.remove("--peer-structure")
         return peer_structure_main(argv)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
-    from afd_ext.bench import report
+    from afd_ext.tools.bench import report
 
     if args.control_only:
-        from afd_ext.bench.control import DEFAULT_GAPS_MS, control_main
+        from afd_ext.tools.bench.control import DEFAULT_GAPS_MS, control_main
 
         try:
             gaps = DEFAULT_GAPS_MS if args.control_gaps is None else tuple(
@@ -297,8 +297,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 cfg.layout.describe(), len(cfg.cases), ",".join(cfg.variants), ",".join(cfg.modes))
     meta = _meta(cfg, argv)
     t0 = time.monotonic()
-    from afd_ext.bench.runner import bench_worker
-    from afd_ext.testing import run_workers
+    from afd_ext.tools.bench.runner import bench_worker
+    from afd_ext.tools.testing import run_workers
 
     lay, timeout = cfg.layout, args.timeout or (240.0 if cfg.check else 420.0)
     try:  # the workers' deadline leaves 5 s of --timeout to end them

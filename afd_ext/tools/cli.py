@@ -3,10 +3,10 @@
 Subcommands (each forwards the rest of the command line to its module's
 ``main(argv)``, imported only when chosen):
 
-* ``demo``   -> :func:`afd_ext.demo.main`: a transformers MoE decoder served
+* ``demo``   -> :func:`afd_ext.tools.demo.main`: a transformers MoE decoder served
   AFD-style across processes, checked against the whole model;
-* ``bench``  -> :func:`afd_ext.bench.main`: the benchmarks;
-* ``launch`` -> :func:`afd_ext.launch.main`: start AFD processes;
+* ``bench``  -> :func:`afd_ext.tools.bench.main`: the benchmarks;
+* ``launch`` -> :func:`afd_ext.tools.launch.main`: start AFD processes;
 * ``info``   -> what was built (:func:`afd_ext.ops.build_info`: CUDA kernels and
   NCCL ops or CPU only, NCCL, torch, arch list), what this machine shows
   (visible GPUs) and so which transports can run here.
@@ -36,10 +36,11 @@ __all__ = ["main", "SUBCOMMANDS", "EXTRAS", "info_report", "missing_extra", "err
 
 #: subcommand -> (module, function, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
-    "demo": ("afd_ext.demo", "main", "serve a transformers MoE model AFD-style and check it against the whole model"),
-    "bench": ("afd_ext.bench", "main", "run the transport benchmarks"),
-    "launch": ("afd_ext.launch", "main", "start attention and FFN processes"),
-    "info": ("afd_ext.cli", "_info",
+    "demo": ("afd_ext.tools.demo", "main",
+             "serve a transformers MoE model AFD-style and check it against the whole model"),
+    "bench": ("afd_ext.tools.bench", "main", "run the transport benchmarks"),
+    "launch": ("afd_ext.tools.launch", "main", "start attention and FFN processes"),
+    "info": ("afd_ext.tools.cli", "_info",
              "print what was built (CUDA/NCCL or CPU only), the GPUs visible here, and the transports that can run"),
 }
 
@@ -74,8 +75,8 @@ def missing_extra(command: str, argv: Sequence[str] = ()) -> str | None:
 
 
 def _worker_error_line(e: BaseException) -> str | None:
-    """``"<Class> in <worker>: <first line>"`` for a worker's failure (:class:`afd_ext.testing.WorkerError`)."""
-    from afd_ext.testing import WorkerError
+    """``"<Class> in <worker>: <first line>"`` for a worker's failure (:class:`afd_ext.tools.testing.WorkerError`)."""
+    from afd_ext.tools.testing import WorkerError
 
     line = e.exception_line() if isinstance(e, WorkerError) else None
     if line is None:
@@ -129,7 +130,7 @@ def info_report() -> dict:
     choice = select_transport("auto")
     # vLLM logs to stdout from its first import (the integration imports afd-plugin, which imports
     # vLLM); its level variable is read then: quiet it (info --json prints JSON).
-    from afd_ext.testing import patched_env
+    from afd_ext.tools.testing import patched_env
 
     with patched_env({"VLLM_LOGGING_LEVEL": "ERROR"}):
         from afd_ext.integrations.afd_plugin import factory_report

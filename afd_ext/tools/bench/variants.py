@@ -65,7 +65,7 @@ from typing import Any, Callable
 
 import torch
 
-from afd_ext.bench.plan import Case
+from afd_ext.tools.bench.plan import Case
 from afd_ext.fp8 import GROUP as FP8_GROUP
 from afd_ext.topology import ATTENTION, FFN
 
@@ -485,7 +485,7 @@ class ConnectorCalls(Variant):
         from afd_ext.config import AFDConfig
         from afd_ext.connector import AFDConnector
         from afd_ext.metadata import AFDControlPayload, AFDTransferContext, AFDTransferMetadata
-        from afd_ext.testing import find_free_port
+        from afd_ext.tools.testing import find_free_port
 
         ConnectorCalls._setups += 1
         key = f"afd-bench/connector-port/{ConnectorCalls._setups}"

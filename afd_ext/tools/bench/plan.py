@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from afd_ext.errors import AFDConfigError
-from afd_ext.testing import GpuPlacement, place_processes
+from afd_ext.tools.testing import GpuPlacement, place_processes
 
 __all__ = [
     "Case",
@@ -139,7 +139,7 @@ def parse_names(text: str, allowed: Sequence[str], what: str) -> tuple[str, ...]
 
 def make_layout(num_attention_ranks: int, num_ffn_ranks: int, num_gpus: int,
                 gpu_map: Sequence[int] | None = None) -> GpuPlacement:
-    """Assign GPUs to processes (:func:`afd_ext.testing.place_processes` decides; no GPU: arrangement ``cpu``).
+    """Assign GPUs to processes (:func:`afd_ext.tools.testing.place_processes` decides; no GPU: arrangement ``cpu``).
 
     With enough GPUs every process gets its own: attention ranks on the first
     GPUs, FFN ranks on the next (1A1F: attention on GPU 0, FFN on GPU 1).

@@ -3,7 +3,7 @@
 What it does, in order:
 
 1. Builds a Hugging Face ``transformers`` mixture-of-experts decoder from a
-   config kept in this package (``afd_ext/data/models/*.json``; Qwen3-MoE by
+   config kept in this package (``afd_ext/tools/data/models/*.json``; Qwen3-MoE by
    default, ``--dims deepseek-v2-lite`` for DeepSeek-V2-Lite's MoE shapes) with
    weights drawn from a fixed seed, identical in every process (each
    parameter has its own generator seeded from its name).
@@ -12,7 +12,7 @@ What it does, in order:
    attention, norms, the LM head and their own KV cache; FFN processes hold
    the MLP / MoE blocks (:mod:`afd_ext.integrations.transformers`).
 3. Each attention rank serves its own requests (prompts from
-   ``afd_ext/data/prompts.txt``, UTF-8 bytes, different lengths, different
+   ``afd_ext/tools/data/prompts.txt``, UTF-8 bytes, different lengths, different
    numbers of tokens to generate): one prefill step, then greedy decoding with
    a KV cache. Requests leave the batch when done, so later steps see ranks
    with zero tokens. The attention ranks agree on every step's per-rank
@@ -53,9 +53,9 @@ from afd_ext.errors import AFDConfigError, AFDError, AFDTimeoutError
 from afd_ext.topology import rank_label
 
 if TYPE_CHECKING:
-    from afd_ext.testing import GpuPlacement
+    from afd_ext.tools.testing import GpuPlacement
 
-logger = logging.getLogger("afd_ext.demo")
+logger = logging.getLogger("afd_ext.tools.demo")
 
 __all__ = [
     "LOGIT_ATOL_FP32",
@@ -115,7 +115,7 @@ PAD_ID = 256
 BOS_ID = 257
 EOS_ID = 258
 
-_DATA = "afd_ext.data"
+_DATA = "afd_ext.tools.data"
 
 
 # ---------------------------------------------------------------------------
@@ -124,7 +124,7 @@ _DATA = "afd_ext.data"
 
 
 def available_dims() -> list[str]:
-    """Names of the model configs shipped in ``afd_ext/data/models`` (without ``.json``)."""
+    """Names of the model configs shipped in ``afd_ext/tools/data/models`` (without ``.json``)."""
     root = importlib.resources.files(_DATA).joinpath("models")
     return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".json"))
 
@@ -185,7 +185,7 @@ def load_prompts(path: str | None = None) -> list[str]:
             raise AFDConfigError(f"--prompts {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
     prompts = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
     if not prompts:
-        raise AFDConfigError(f"no prompts in {path or 'afd_ext/data/prompts.txt'}")
+        raise AFDConfigError(f"no prompts in {path or 'afd_ext/tools/data/prompts.txt'}")
     return prompts
 
 
@@ -650,7 +650,7 @@ class DemoPlan:
             (:mod:`afd_ext.graphs`); on CPU/gloo a stand-in re-runs the
             captured exchanges instead (the same protocol, no CUDA graph).
         gpu_placement: the GPU of every process (NCCL only;
-            :func:`afd_ext.testing.place_processes`: one GPU per process with
+            :func:`afd_ext.tools.testing.place_processes`: one GPU per process with
             enough GPUs, else shared, on one GPU with NCCL over sockets).
     """
 
@@ -872,12 +872,12 @@ def run_demo(plan: DemoPlan, *, timeout_s: float = 600.0) -> dict[str, Any]:
 
     Raises:
         AFDConfigError: a CUDA plan without a placement and no usable GPU.
-        afd_ext.testing.WorkerError / TimeoutError: a process failed or hung.
+        afd_ext.tools.testing.WorkerError / TimeoutError: a process failed or hung.
     """
     import torch
     import torch.distributed as dist
 
-    from afd_ext.testing import WorkerError, run_workers
+    from afd_ext.tools.testing import WorkerError, run_workers
 
     # The attention ranks' count-agreement store: bound here, before any worker
     # starts, so no other socket can take its port in between.
@@ -896,7 +896,7 @@ def run_demo(plan: DemoPlan, *, timeout_s: float = 600.0) -> dict[str, Any]:
             per_rank_env=per_rank_env,
         )
     except WorkerError as e:
-        e.label = rank_label(e.rank, plan.num_ffn)  # the one-line error names the role (afd_ext.cli.error_line)
+        e.label = rank_label(e.rank, plan.num_ffn)  # the one-line error names the role (afd_ext.tools.cli.error_line)
         raise
     except TimeoutError as e:
         still = ", ".join(rank_label(r, plan.num_ffn) for r in getattr(e, "ranks", ()))
@@ -1137,7 +1137,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=16,
                    help="most tokens generated per request; requests get different budgets up to it (default 16)")
     p.add_argument("--max-prompt-len", type=int, default=32, help="prompt tokens (bytes + BOS) kept per request")
-    p.add_argument("--prompts", default=None, help="prompts file (default: the shipped afd_ext/data/prompts.txt)")
+    p.add_argument("--prompts", default=None, help="prompts file (default: the shipped afd_ext/tools/data/prompts.txt)")
     p.add_argument("--connector", default="AfdExtConnector",
                    help="connector registry name, or module:Class of your own connector")
     p.add_argument("--seed", type=int, default=0, help="weight seed, identical in every process (default 0)")
@@ -1170,13 +1170,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def _gpu_placement(num_attention: int, num_ffn: int) -> GpuPlacement:
-    """Where the demo's NCCL processes run (:func:`afd_ext.testing.place_processes`).
+    """Where the demo's NCCL processes run (:func:`afd_ext.tools.testing.place_processes`).
 
     Raises:
         AFDConfigError: no GPU is visible, or afd_ext was built without CUDA.
     """
     from afd_ext import ops
-    from afd_ext.testing import place_processes, visible_gpu_count
+    from afd_ext.tools.testing import place_processes, visible_gpu_count
 
     n = visible_gpu_count()
     if n < 1:
@@ -1188,9 +1188,9 @@ def _gpu_placement(num_attention: int, num_ffn: int) -> GpuPlacement:
 
 def build_plan(args: argparse.Namespace) -> DemoPlan:
     """Resolve arguments into a :class:`DemoPlan` (backend, dtype, ports, requests)."""
-    from afd_ext.testing import find_free_port
+    from afd_ext.tools.testing import find_free_port
 
-    from afd_ext.launch import check_port_free
+    from afd_ext.tools.launch import check_port_free
 
     # A busy port, or a host that is not this machine's, named now (port 0: the host alone), not
     # when FFN rank 0 binds it seconds later.
@@ -1260,6 +1260,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    from afd_ext.cli import main as cli_main
+    from afd_ext.tools.cli import main as cli_main
 
     sys.exit(cli_main(["demo", *sys.argv[1:]]))

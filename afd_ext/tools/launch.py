@@ -256,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,  # an abbreviation could swallow a torchrun option
         usage="afd-ext launch -A N -F M [AFD options] [torchrun options] -- command [args ...]",
         description="Run COMMAND as A attention + F FFN ranks under torchrun (torch.distributed.run), with "
-                    "the AFD variables exported; inside, afd_ext.launch.config_from_env() says which rank "
+                    "the AFD variables exported; inside, afd_ext.tools.launch.config_from_env() says which rank "
                     "is which. Options not listed here (--nnodes, --node-rank, --master-addr, "
                     "--nproc-per-node, --rdzv-*, ...) are passed to torchrun.",
         epilog="Example: afd-ext launch -A 2 -F 1 -- python examples/multinode.py",
@@ -291,7 +291,7 @@ def check_port_free(host: str, port: int) -> None:
         afd_ext.errors.RendezvousError: the port is in use, or ``host`` is not
             an address of this machine; the message says which and what to do.
     """
-    from afd_ext.rendezvous import _listen_socket
+    from afd_ext.rendezvous.store import _listen_socket
 
     os.close(_listen_socket(host, port))
 
@@ -393,7 +393,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     host = args.host or ("127.0.0.1" if one_node else None)
     port = args.port
     if port is None and one_node:
-        from afd_ext.testing import find_free_port
+        from afd_ext.tools.testing import find_free_port
 
         port = find_free_port(host)
     exported = {"AFD_NUM_ATTENTION_RANKS": str(A), "AFD_NUM_FFN_RANKS": str(F), "AFD_HOST": host,

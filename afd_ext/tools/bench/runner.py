@@ -1,7 +1,7 @@
 """The per-process benchmark loop: set up links, alternate variants, time, check.
 
 One process per AFD world rank (FFN ranks first), started by
-:func:`afd_ext.testing.run_workers` with ``CUDA_VISIBLE_DEVICES`` bound per
+:func:`afd_ext.tools.testing.run_workers` with ``CUDA_VISIBLE_DEVICES`` bound per
 rank before the first CUDA call. Processes meet through a ``TCPStore`` hosted
 by world rank 0 and a gloo process group (barriers, agreement, unique ids);
 the data plane uses one pair of 2-rank NCCL communicators (one per direction)
@@ -25,8 +25,8 @@ import zlib
 from collections import defaultdict
 from typing import Any
 
-from afd_ext.bench.plan import Case, RunConfig
-from afd_ext.bench.timing import capture_graph, drain_stream, summarize, time_eager, time_graph
+from afd_ext.tools.bench.plan import Case, RunConfig
+from afd_ext.tools.bench.timing import capture_graph, drain_stream, summarize, time_eager, time_graph
 from afd_ext.errors import AFDConfigError
 from afd_ext.topology import ATTENTION, FFN
 
@@ -111,7 +111,7 @@ class _Env:
 
     def ctx(self, case: Case):
         """This rank's side of ``case``: its edges (rows per edge from the topology) and transports."""
-        from afd_ext.bench.variants import Ctx, Link
+        from afd_ext.tools.bench.variants import Ctx, Link
 
         topo, n, links = self.topo, case.tokens, []
 
@@ -157,7 +157,7 @@ class _Env:
 def _setup_variants(env: _Env, case: Case, ctx) -> tuple[list, dict[str, str]]:
     import torch.distributed as dist
 
-    from afd_ext.bench.variants import VARIANTS
+    from afd_ext.tools.bench.variants import VARIANTS
 
     local: dict[str, Any] = {}
     reasons: dict[str, str] = {}
@@ -262,7 +262,7 @@ def _check_case(env: _Env, case: Case, ctx, variants: list) -> list[dict]:
     against each attention peer's pattern, the attention rank the XOR-ed reply."""
     import torch
 
-    from afd_ext.bench.variants import XOR_BYTE, pattern_bytes, rows_bytes
+    from afd_ext.tools.bench.variants import XOR_BYTE, pattern_bytes, rows_bytes
 
     out: list[dict] = []
     hb = case.f2a_row_bytes()
@@ -334,7 +334,7 @@ def _compare(got, expected, what: str) -> list[str]:
 
 
 def bench_worker(rank: int, nprocs: int, cfg: RunConfig) -> dict:
-    """Worker body for :func:`afd_ext.testing.run_workers` (one process per AFD world rank).
+    """Worker body for :func:`afd_ext.tools.testing.run_workers` (one process per AFD world rank).
 
     Every wait on the device or a peer is bounded by ``cfg.case_timeout_s`` and fails with a
     ``TimeoutError`` naming the rank, case, variant and direction; a call that cannot be
