@@ -21,7 +21,7 @@ from typing import Any, Callable, NamedTuple, Union
 import torch
 
 from .errors import AFDConfigError
-from .spec import TOKEN_IDS_DTYPE, dtype_name
+from .spec import TOKEN_IDS_DTYPE, WIRE_DTYPES, dtype_name
 
 __all__ = ["Part", "WirePart", "declare_part", "remove_part", "layout", "declared_args", "handshake_field"]
 
@@ -74,12 +74,19 @@ def declare_part(name: str, *, dtype: Rule, cols: Rule = (), present: Rule = Tru
     must declare the same parts, which the init handshake checks (:func:`handshake_field`).
 
     Raises:
-        AFDConfigError: a name already declared, or a bad direction.
+        AFDConfigError: a name already declared or not a non-empty string, a bad direction, ``arg`` not a
+            string or None, or a fixed dtype, cols, present or encoding of the wrong kind (a rule's value
+            is checked the same way when :func:`layout` applies it).
     """
+    if not isinstance(name, str) or not name:
+        raise AFDConfigError(f"a wire part's name must be a non-empty string, got {name!r}")
     if direction not in ("a2f", "f2a"):
-        raise AFDConfigError(f"direction must be 'a2f' or 'f2a', got {direction!r}")
+        raise AFDConfigError(f"wire part {name!r}: direction must be 'a2f' or 'f2a', got {direction!r}")
     if any(p.name == name for p in _PARTS):
         raise AFDConfigError(f"wire part {name!r} is already declared")
+    if not (arg is None or isinstance(arg, str)):
+        raise AFDConfigError(f"wire part {name!r}: arg must be a keyword name or None, got {arg!r}")
+    _checked(name, *(None if callable(r) else r for r in (cols, dtype, present, encoding)))
     part = Part(name, direction, dtype, cols, present, name if arg == "" else arg, encoding)
     _PARTS.append(part)
     return part
@@ -102,16 +109,40 @@ def _rule(r: Rule, cfg: Any) -> Any:
     return r(cfg) if callable(r) else r
 
 
+def _checked(name: str, cols: Any = None, dtype: Any = None, present: Any = None, encoding: Any = None) -> Any:
+    """Refuse a part's value of the wrong kind (None: not given); returns ``present``."""
+    bad = ("cols", cols) if cols is not None and not (
+        isinstance(cols, tuple) and all(type(c) is int and c >= 1 for c in cols)) else \
+        ("dtype", dtype) if dtype is not None and dtype not in WIRE_DTYPES else \
+        ("present", present) if present is not None and not isinstance(present, bool) else \
+        ("encoding", encoding) if encoding is not None and not isinstance(encoding, str) else None
+    if bad:
+        raise AFDConfigError(f"wire part {name!r}: {bad[0]} {bad[1]!r} is not a tuple of positive ints (cols), one "
+                             f"of {[dtype_name(d) for d in WIRE_DTYPES]} (dtype), a bool (present) or a string "
+                             "(encoding), as its field needs")
+    return present
+
+
 def layout(cfg: Any, direction: str = "a2f", *, caller: bool = False) -> tuple[WirePart, ...]:
     """The parts of ``direction`` present under ``cfg``, in wire order.
 
     ``caller``: as the attention caller passes them (FP8 not applied: hidden states in the
     hidden dtype, no scales).
+
+    Raises:
+        AFDConfigError: a rule's value of the wrong kind (as :func:`declare_part`), or two present parts
+            carried by one connector argument.
     """
     if caller and cfg.hidden_wire is not None:
         cfg = cfg.without_fp8
-    return tuple(WirePart(p.name, tuple(_rule(p.cols, cfg)), _rule(p.dtype, cfg), p.arg, _rule(p.encoding, cfg))
-                 for p in _PARTS if p.direction == direction and _rule(p.present, cfg))
+    out = tuple(WirePart(p.name, _rule(p.cols, cfg), _rule(p.dtype, cfg), p.arg, _rule(p.encoding, cfg))
+                for p in _PARTS if p.direction == direction and _checked(p.name, present=_rule(p.present, cfg)))
+    for i, p in enumerate(out):
+        _checked(p.name, p.cols, p.dtype, None, p.encoding)
+        if p.arg and any(q.arg == p.arg for q in out[:i]):
+            raise AFDConfigError(f"wire parts {[q.name for q in out if q.arg == p.arg]} are all carried by the "
+                                 f"connector argument {p.arg!r} under this config: give each its own")
+    return out
 
 
 def declared_args(direction: str = "a2f") -> tuple[str, ...]:

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from afd_ext import wire
+from afd_ext.errors import AFDConfigError
 from afd_ext.schedule import ScheduleConfig
 from afd_ext.testing import WorkerError, find_free_port, run_workers
 
@@ -137,6 +138,40 @@ def test_a_declared_part_is_checked_like_the_others():
     finally:
         wire.remove_part("topk_ids")
     assert [p.name for p in ScheduleConfig(1, 8, torch.float32).wire_parts] == ["hidden"]
+
+
+@pytest.mark.parametrize("kwargs, what", [
+    ({"name": "", "dtype": torch.int32}, "non-empty string"),
+    ({"name": 5, "dtype": torch.int32}, "non-empty string"),
+    ({"name": "p", "dtype": torch.complex64}, "dtype torch.complex64"),
+    ({"name": "p", "dtype": "float32"}, "dtype 'float32'"),
+    ({"name": "p", "dtype": torch.int32, "cols": 4}, "cols 4"),
+    ({"name": "p", "dtype": torch.int32, "cols": (-3,)}, r"cols \(-3,\)"),
+    ({"name": "p", "dtype": torch.int32, "present": "no"}, "present 'no'"),
+    ({"name": "p", "dtype": torch.int32, "arg": 3}, "arg must be"),
+    ({"name": "p", "dtype": torch.int32, "direction": "up"}, "direction"),
+])
+def test_a_bad_declaration_is_refused_before_it_is_kept(kwargs, what):
+    n = len(wire._PARTS)
+    with pytest.raises(AFDConfigError, match=what):
+        wire.declare_part(**kwargs)
+    assert len(wire._PARTS) == n
+
+
+@pytest.mark.parametrize("kwargs, what", [
+    ({"cols": lambda c: (0,)}, r"cols \(0,\)"),
+    ({"cols": lambda c: [K]}, r"cols \[3\]"),
+    ({"dtype": lambda c: torch.complex64}, "dtype torch.complex64"),
+    ({"present": lambda c: 1}, "present 1"),
+    ({"arg": "hidden_states"}, r"\['hidden', 'p'\] are all carried by the connector argument 'hidden_states'"),
+])
+def test_a_rule_of_the_wrong_kind_is_refused_when_the_layout_is_made(kwargs, what):
+    wire.declare_part("p", **{"dtype": torch.int32, **kwargs})
+    try:
+        with pytest.raises(AFDConfigError, match=what):
+            ScheduleConfig(num_layers=1, hidden_size=8, hidden_dtype=torch.float32).wire_parts
+    finally:
+        wire.remove_part("p")
 
 
 _PART_NAMES = re.compile(r"hidden_scales|router_logits|token_ids")
