@@ -591,21 +591,23 @@ def test_handshake_refuses_a_mix_of_scale_formats():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("scales", [[], ["ue8m0"]])
-def test_demo_runs_with_fp8_on_gloo(tmp_path, scales):
+@pytest.mark.parametrize("scales, gate", [([], []), (["ue8m0"], []), (["ue8m0"], ["--gate-on-attention"])])
+def test_demo_runs_with_fp8_on_gloo(tmp_path, scales, gate):
     """The demo with FP8 hidden states (``--fp8``: fp32 scales; ``--fp8 ue8m0``) passes its self-check against
-    the whole model rounding the same way."""
+    the whole model rounding the same way (with the gate on the attention side, only the experts' input)."""
     import json
     import subprocess
 
     out = tmp_path / "s.json"
     proc = subprocess.run([sys.executable, "-m", "afd_ext", "demo", "--backend", "gloo", "--fp8", *scales,
-                           "--no-progress", "--topology", "2A1F", "--json", str(out)],
+                           "--no-progress", "--topology", "2A1F", "--json", str(out), *gate],
                           capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     s = json.loads(out.read_text())
     assert s["self_check"]["ok"] and s["self_check"]["tolerance"] == pytest.approx(0.25 * 2)
     assert s["fp8"] == (scales or ["fp32"])[0]
+    if gate:  # router logits travel too: the byte count below is hidden states alone
+        return
     # The summary counts FP8 wire bytes (H + 4 H / GROUP per token) attention -> FFN, bf16 (2 H) back.
     h = s["model"]["hidden_size"]
     assert s["bytes"]["attention_to_ffn"] * 2 * h == s["bytes"]["ffn_to_attention"] * (h + 4 * h // GROUP)

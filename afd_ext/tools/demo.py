@@ -915,12 +915,18 @@ def run_demo(plan: DemoPlan, *, timeout_s: float = 600.0) -> dict[str, Any]:
         from afd_ext import fp8
         from afd_ext.integrations.transformers import decoder_layers, describe_layers, remote_layer_indices
 
+        def rounded(m: torch.nn.Module, a: tuple) -> tuple:
+            m.afd_unrounded = a[0]  # the gate's input when it runs on the attention side
+            x = fp8.quantize(a[0].reshape(-1, a[0].shape[-1]).cpu(), ue8m0=plan.fp8 == "ue8m0")
+            return (fp8.dequantize(*x).reshape(a[0].shape).to(a[0].device),) + a[1:]
+
         infos = describe_layers(whole)
         for i in remote_layer_indices(whole, gate_on_attention=plan.gate_on_attention):
-            getattr(decoder_layers(whole)[i], infos[i].mlp_attr).register_forward_pre_hook(
-                lambda m, a: (fp8.dequantize(*fp8.quantize(a[0].reshape(-1, a[0].shape[-1]).cpu(),
-                                                           ue8m0=plan.fp8 == "ue8m0"))
-                              .reshape(a[0].shape).to(a[0].device),) + a[1:])
+            mlp = getattr(decoder_layers(whole)[i], infos[i].mlp_attr)
+            mlp.register_forward_pre_hook(rounded)
+            if plan.gate_on_attention:  # the router sees what the attention rank has: the input unrounded
+                getattr(mlp, infos[i].gate_attr).register_forward_pre_hook(
+                    lambda g, a, mlp=mlp: (mlp.afd_unrounded.reshape(a[0].shape),) + a[1:])
         tol *= LOGIT_ATOL_FP8_FACTOR
     results = [r for a in att for r in a.requests]
     check = self_check(results, lambda seq: reference_logits(whole, seq, ref_device), tol)
