@@ -215,7 +215,10 @@ def extensions():
         kwargs = dict(
             include_dirs=[nccl_inc],
             library_dirs=[nccl_lib],
-            extra_link_args=shared_libstdcxx_args() + ["-l:libnccl.so.2", f"-Wl,-rpath,{nccl_lib}"],
+            # torch loads libnccl.so.2 first (libtorch_cuda needs it); the rpath is for a lone dlopen: the
+            # nvidia-nccl wheel beside an installed wheel, else the one this build used.
+            extra_link_args=shared_libstdcxx_args() + ["-l:libnccl.so.2", "-Wl,-rpath,$ORIGIN/../nvidia/nccl/lib",
+                                                       f"-Wl,-rpath,{nccl_lib}"],
             extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "--use_fast_math"]},
         )
         print(f"afd_ext: CUDA build (torch CUDA {torch.version.cuda}, toolkit {cuda_home}, "
