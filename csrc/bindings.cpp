@@ -1,5 +1,5 @@
 // Every afd_ext op schema, in one STABLE_TORCH_LIBRARY block (torch's stable ABI: one build serves
-// every torch from 2.11 on; docs/install.md).
+// every torch from 2.11 on; README.md, Building).
 //
 // Communication ops declare each tensor they touch as mutated (Tensor(a!),
 // distinct alias sets) and return (): an op that returns nothing and mutates

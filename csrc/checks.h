@@ -86,17 +86,11 @@ inline cudaStream_t current_stream(int device) {
 }  // namespace afd
 
 #define AFD_CHECK_VALUE(cond, ...) \
-  do {                                 \
-    if (!(cond)) throw std::invalid_argument(::afd::cat(__VA_ARGS__)); \
-  } while (0)
+  if (!(cond)) throw std::invalid_argument(::afd::cat(__VA_ARGS__))
 #define AFD_CHECK_TYPE(cond, ...) \
-  do {                                 \
-    if (!(cond)) throw std::invalid_argument(::afd::cat("TypeError: ", __VA_ARGS__)); \
-  } while (0)
+  if (!(cond)) throw std::invalid_argument(::afd::cat("TypeError: ", __VA_ARGS__))
 #define AFD_CHECK(cond, ...) \
-  do {                                 \
-    if (!(cond)) throw std::runtime_error(::afd::cat(__VA_ARGS__)); \
-  } while (0)
+  if (!(cond)) throw std::runtime_error(::afd::cat(__VA_ARGS__))
 
 #ifdef AFD_WITH_CUDA
 #define AFD_CHECK_CUDA(expr)                                                                  \
