@@ -6,7 +6,9 @@
 #                                               floor), repair with auditwheel (installed into TOOLS_PY's
 #                                               environment, default BUILD_PY's) into dist/
 #   bash scripts/wheel.sh test TEST_PY [args]   install dist/'s wheel into TEST_PY's environment and run
-#                                               the CPU tier (pytest args) on it
+#                                               the CPU tier (pytest args) on it; `-m gpu tests/gpu`
+#                                               (a later -m wins) runs the GPU tier on it instead (on the
+#                                               GPU machine: carry dist/, export gpu_tier.sh's NCCL settings)
 #
 # build: from a copy of the tracked files (the clone's in-place build and its record stay as they are),
 # CUDA required, kernels for WHEEL_ARCH_LIST (default sm_90, sm_100 and PTX for newer); auditwheel sets
