@@ -37,7 +37,7 @@ Table& table() {
 }
 
 // Removes `handle` from the table; nullptr when it is not live. A ValueError
-// error when it was never issued (a typo, not a double destroy).
+// when it was never issued (a typo, not a double destroy).
 std::shared_ptr<Comm> take(int64_t handle, const char* op) {
   Table& t = table();
   std::lock_guard<std::mutex> lock(t.mu);
@@ -78,9 +78,11 @@ constexpr double kConnectTimeoutS = 120.0;
 // the stream and the async error, aborts after kConnectTimeoutS.
 void connect_both_ways(ncclComm_t comm, int rank, int device) {
   void* pool = nullptr;
-  if (torch_get_cuda_stream_from_pool(false, device, &pool) != 0) throw std::runtime_error("afd_ext.comm_create: no pool stream");
+  AFD_CHECK(torch_get_cuda_stream_from_pool(false, device, &pool) == AOTI_TORCH_SUCCESS,
+            "afd_ext.comm_create: torch gave no pool stream for cuda:", device);
   const auto stream = static_cast<cudaStream_t>(pool);
-  Tensor buf = torch::stable::empty({2}, ScalarType::Byte, std::nullopt, torch::stable::Device(torch::headeronly::DeviceType::CUDA, static_cast<int32_t>(device)));
+  Tensor buf = torch::stable::empty({2}, ScalarType::Byte, std::nullopt,
+                                    torch::stable::Device(torch::headeronly::DeviceType::CUDA, device));
   torch::stable::zero_(buf);
   const int peer = 1 - rank;
   char* p = static_cast<char*>(buf.data_ptr());
@@ -102,8 +104,8 @@ void connect_both_ways(ncclComm_t comm, int rank, int device) {
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (async != ncclSuccess || waited > kConnectTimeoutS) {
       ncclCommAbort(comm);
-      throw std::runtime_error(cat("DistBackendError: afd_ext.comm_create: connecting rank ", rank, " with peer rank ", peer,
-                  " on cuda:", device, " failed (", async != ncclSuccess
+      throw std::runtime_error(cat("DistBackendError: afd_ext.comm_create: connecting rank ", rank, " with peer rank ",
+                  peer, " on cuda:", device, " failed (", async != ncclSuccess
                       ? std::string("NCCL async error: ") + ncclGetErrorString(async)
                       : std::string("no reply within ") + std::to_string(kConnectTimeoutS) + " s",
                   "); the communicator was aborted"));

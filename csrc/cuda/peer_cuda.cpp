@@ -582,8 +582,8 @@ void peer_wait_cuda(TensorList ts, const OptTensor& out, int64_t plane, int64_t 
     check_on(op, "out", *out, pl->device);
     const int64_t h = src.dim() == 2 ? src.size(1) : 0;
     AFD_CHECK(src.scalar_type() == ScalarType::Float8_e4m3fn && out->scalar_type() == ScalarType::BFloat16 &&
-                    scales.scalar_type() == ScalarType::Float && h % kFp8Group == 0 && out->sizes().equals(src.sizes()) &&
-                    scales.dim() == 2 && scales.size(0) == src.size(0) && scales.size(1) == h / kFp8Group &&
+                    scales.scalar_type() == ScalarType::Float && h % kFp8Group == 0 &&
+                    out->sizes().equals(src.sizes()) && scales.dim() == 2 && scales.size(0) == src.size(0) && scales.size(1) == h / kFp8Group &&
                     out->is_contiguous() && src.is_contiguous() && scales.is_contiguous() &&
                     reinterpret_cast<uintptr_t>(out->data_ptr()) % 16 == 0 &&
                     reinterpret_cast<uintptr_t>(src.data_ptr()) % 8 == 0,
