@@ -1,9 +1,14 @@
-# Two entry points on a fresh machine with Python 3.10+ and pip:
+# Two entry points on a fresh machine with Python 3.11+ and pip:
 #   make test   set up .venv (torch, build tools, afd_ext in place) and run the CPU test tier
 #   make demo   same setup, then run the demo (python -m afd_ext demo)
 #   make test-vllm  the vLLM integration suite, in one environment per pins file (VLLM_PINS: vLLM 0.26.0,
 #              the whole suite; vLLM 0.30.0, a part), each from PyPI, about 8 GB, cached outside the
 #              clone; afd-plugin from AFD_PLUGIN_SRC; docs/vllm.md)
+#   make wheel  the binary wheel in dist/ (scripts/wheel.sh): torch's stable ABI and Python's limited API, so one
+#              wheel serves CPython 3.11+ and torch 2.11 through the newest; compiled against WHEEL_PY's torch
+#              (default: torch 2.11 of test-vllm's vLLM 0.26 environment, made once), kernels for sm_90, sm_100
+#              and PTX (WHEEL_ARCH_LIST), checked by auditwheel
+#   make test-wheel  the CPU tier on that wheel, installed into $(WHEEL_VENV) with the newest torch
 # Other targets: setup, cmake-check (CMake compiles the CPU part of the same sources), clean.
 #
 # The extension is compiled once and again only when its inputs change: a file under csrc/,
@@ -26,13 +31,15 @@ CUDA_HOME ?= $(shell [ -x /usr/local/cuda/bin/nvcc ] && echo /usr/local/cuda)
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 VLLM_PINS ?= pins.txt pins-vllm030.txt
+WHEEL_PY ?=
+WHEEL_VENV ?= .venv-wheel
 
 export MAX_JOBS TORCH_CUDA_ARCH_LIST
 ifneq ($(strip $(CUDA_HOME)),)
 export CUDA_HOME
 endif
 
-.PHONY: test test-vllm demo setup cmake-check clean FORCE
+.PHONY: test test-vllm wheel test-wheel demo setup cmake-check clean FORCE
 
 # Stamps in the venv: a new venv starts from nothing.
 TOOLS_STAMP := $(VENV)/.afd_ext-tools
@@ -82,6 +89,15 @@ test-vllm:
 	  AFD_PLUGIN_SRC="$$2" "$$1" -m pytest tests/integration_vllm $(PYTEST_ARGS) && \
 	  echo "test-vllm ($$pins): passed in $$(( $$(date +%s) - start )) s" || exit 1; done
 
+wheel: $(TOOLS_STAMP)
+	py="$(WHEEL_PY)"; [ -n "$$py" ] || py=$$(AFD_VLLM_ENV_ONLY=1 bash tests/integration_vllm/env.sh) && \
+	  TOOLS_PY=$(PY) bash scripts/wheel.sh build "$$py"
+
+test-wheel:
+	[ -x $(WHEEL_VENV)/bin/python ] || $(PYTHON) -m venv $(WHEEL_VENV)
+	$(WHEEL_VENV)/bin/python -m pip install -q --upgrade "torch>=2.11"
+	bash scripts/wheel.sh test $(WHEEL_VENV)/bin/python $(PYTEST_ARGS)
+
 demo: setup
 	$(PY) -m afd_ext demo $(DEMO_ARGS)
 
@@ -96,4 +112,4 @@ cmake-check: $(PY)
 	  print('cmake build registers', len(names), 'ops'); assert str(names) == pip, (names, pip)"
 
 clean:
-	rm -rf build afd_ext/_C*.so *.egg-info $(BUILT_STAMP) $(BUILD_KEY)
+	rm -rf build dist afd_ext/_C*.so *.egg-info $(BUILT_STAMP) $(BUILD_KEY)

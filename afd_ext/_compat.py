@@ -1,10 +1,12 @@
-"""Refuse to load the compiled core under a torch other than the one it was built against.
+"""Refuse to load the compiled core under a torch it cannot run with.
 
-``afd_ext._C`` links against the libraries of the torch it was compiled with
-(``libc10.so``, ``libc10_cuda.so``, ``libtorch*.so``) and uses their C++ ABI,
-which torch does not keep between releases: loaded under another torch it
-ends in a raw ``ImportError`` (``libc10_cuda.so: cannot open shared object
-file``, an undefined symbol) or worse. ``setup.py`` records that torch in the
+``afd_ext._C`` is built on torch's stable ABI (``STABLE_ABI`` in the record: it
+loads under that torch and every later one) and needs, when it has CUDA kernels,
+a torch of the same CUDA major (``libcudart``). A build without that record (an
+older, non-stable build) used torch's C++ ABI, which torch does not keep between
+releases: loaded under another torch it ends in a raw ``ImportError`` (an
+undefined symbol) or worse, so it must meet the very torch it was built against.
+``setup.py`` records the build's torch in the
 generated module ``afd_ext/_built_with.py``; :func:`check_torch` compares it
 with the torch imported now, and the import hook installed by
 ``afd_ext/__init__.py`` runs it before the library is loaded, whichever module
@@ -26,13 +28,18 @@ def built_with() -> dict | None:
     """The torch the compiled core was built against, or None (a build older than the record).
 
     Returns:
-        ``{"torch": "2.14.1+cu130", "torch_cuda": "13.0" or None}``.
+        ``{"torch": "2.14.1+cu130", "torch_cuda": "13.0" or None}``, plus for a stable-ABI build
+        ``"stable_abi": "2.11"`` (the oldest torch it loads under) and ``"core_cuda"`` ("13.0", or
+        None for a core without CUDA kernels).
     """
     try:
         rec = importlib.import_module(f"{_PKG}._built_with")
     except ImportError:
         return None
-    return {"torch": rec.TORCH_VERSION, "torch_cuda": rec.TORCH_CUDA}
+    out = {"torch": rec.TORCH_VERSION, "torch_cuda": rec.TORCH_CUDA}
+    if getattr(rec, "STABLE_ABI", None):
+        out.update(stable_abi=rec.STABLE_ABI, core_cuda=rec.CORE_CUDA)
+    return out
 
 
 def rebuild_command() -> str:
@@ -44,10 +51,12 @@ def rebuild_command() -> str:
 
 
 def check_torch() -> None:
-    """Raise unless the torch imported now is the one the compiled core was built against.
+    """Raise unless the compiled core can run under the torch imported now.
 
-    Compares ``torch.__version__`` and ``torch.version.cuda`` with the build's
-    record; without a record (an older build) there is nothing to compare.
+    A stable-ABI build: that torch is at least ``STABLE_ABI`` and, for a core with
+    CUDA kernels, a CUDA build of the same CUDA major. Any other build: that torch
+    is the one it was built against (``torch.__version__`` and ``torch.version.cuda``).
+    Without a record (an older build) there is nothing to compare.
 
     Raises:
         afd_ext.errors.TorchMismatchError: (an ``ImportError``) naming both torch
@@ -59,12 +68,25 @@ def check_torch() -> None:
     import torch
 
     now = {"torch": torch.__version__, "torch_cuda": torch.version.cuda}
-    if now == rec:
-        return
     from .errors import TorchMismatchError
 
     def show(d: dict) -> str:
         return d["torch"] + (f" (CUDA {d['torch_cuda']})" if d["torch_cuda"] else " (CPU build)")
+
+    if "stable_abi" in rec:
+        cuda = rec["core_cuda"]
+        if torch.torch_version.TorchVersion(torch.__version__) < rec["stable_abi"]:
+            why = f"needs torch >= {rec['stable_abi']}"
+        elif cuda and (now["torch_cuda"] or "").split(".")[0] != cuda.split(".")[0]:
+            why = f"has CUDA {cuda} kernels and needs a torch built for CUDA {cuda.split('.')[0]}.x"
+        else:
+            return
+        raise TorchMismatchError(
+            f"afd_ext's compiled core (torch's stable ABI, built against torch {show(rec)}) {why}, but torch "
+            f"{show(now)} is installed; install such a torch, or rebuild afd_ext: {rebuild_command()}",
+            built=rec["torch"], installed=now["torch"])
+    if now == {"torch": rec["torch"], "torch_cuda": rec["torch_cuda"]}:
+        return
 
     raise TorchMismatchError(
         f"afd_ext's compiled core was built against torch {show(rec)} but torch {show(now)} is installed; "

@@ -135,10 +135,11 @@ _ops = torch.ops.afd_ext
 def op_error(op: str, e: BaseException) -> AFDError:
     """The package error for a failure of ``torch.ops.afd_ext.<op>`` (the ops boundary's one mapping).
 
-    csrc raises a caller error as ``ValueError`` (``TORCH_CHECK_VALUE``) or ``TypeError``
-    (``TORCH_CHECK_TYPE``), an NCCL failure as ``torch.distributed.DistBackendError`` and a CUDA
-    failure as a ``RuntimeError`` that says "CUDA error"; any other check of an op names the op
-    (``"afd_ext.<op>: ..."``) and is a caller error too.
+    csrc (torch's stable ABI: std exceptions only) raises a caller error as ``ValueError``
+    (``AFD_CHECK_VALUE``; a dtype's, ``AFD_CHECK_TYPE``, says ``"TypeError: "`` first), an NCCL
+    failure as a ``RuntimeError`` that says ``"DistBackendError: "`` first and a CUDA failure as
+    one that says "CUDA error"; any other check of an op names the op (``"afd_ext.<op>: ..."``)
+    and is a caller error too. The leading class names are dropped from the message.
 
     Returns:
         ``e`` itself when it is already an ``AFDError``; else :class:`AFDTypeError`,
@@ -148,9 +149,12 @@ def op_error(op: str, e: BaseException) -> AFDError:
     if isinstance(e, AFDError):
         return e
     msg = str(e)
-    if isinstance(e, TypeError):
+    kind, _, rest = msg.partition(": ")
+    if kind in ("TypeError", "DistBackendError") and rest.startswith("afd_ext"):
+        msg = rest
+    if isinstance(e, TypeError) or kind == "TypeError":
         cls = AFDTypeError
-    elif isinstance(e, torch.distributed.DistBackendError):
+    elif isinstance(e, torch.distributed.DistBackendError) or kind == "DistBackendError":
         cls = AFDPeerError
     elif not isinstance(e, (ValueError, IndexError, NotImplementedError)) and "CUDA error" in msg:
         cls = AFDDeviceError
@@ -179,6 +183,10 @@ def _boundary(fn):
 
     return call
 _NCCL_RUNTIME_VERSION = int(_ops.nccl_version())
+# comm_create refuses another NCCL major; an older minor works but may lack what the build expects.
+if 0 < _NCCL_RUNTIME_VERSION // 100 < int(_C.NCCL_VERSION_CODE) // 100:
+    warnings.warn(f"afd_ext: compiled against NCCL {_C.NCCL_VERSION_CODE} but the loaded libnccl.so.2 is older "
+                  f"({_NCCL_RUNTIME_VERSION}); rebuild afd_ext against the NCCL that torch loads", stacklevel=2)
 
 #: Bytes of an ``ncclUniqueId``.
 NCCL_UNIQUE_ID_BYTES = 128

@@ -1,12 +1,15 @@
-// Every afd_ext op schema, in one TORCH_LIBRARY block.
+// Every afd_ext op schema, in one STABLE_TORCH_LIBRARY block (torch's stable ABI: one build serves
+// every torch from 2.11 on; README.md, Building).
 //
 // Communication ops declare each tensor they touch as mutated (Tensor(a!),
 // distinct alias sets) and return (): an op that returns nothing and mutates
 // nothing is dead code to torch.compile, and a declared mutation also keeps
 // the ops in program order. Dispatch-key impls are registered beside their
 // code (cpu/, cuda/); the Python fakes are in afd_ext/ops.py.
+#undef Py_LIMITED_API  // Python's limited API from 3.11 (Py_buffer): one cp311-abi3 build; torch's flag says 3.10
+#define Py_LIMITED_API 0x030B0000
 #include <Python.h>
-#include <torch/library.h>
+#include <torch/csrc/stable/library.h>
 
 #include "checks.h"
 #include "ops.h"
@@ -20,7 +23,7 @@
 #define AFD_ARCH_LIST ""
 #endif
 
-TORCH_LIBRARY(afd_ext, m) {
+STABLE_TORCH_LIBRARY(afd_ext, m) {
   // NCCL version loaded at run time (ncclGetVersion, e.g. 22807); 0 in a CPU-only build.
   m.def("nccl_version() -> int");
   // Fills `out` (CPU uint8 [128]) with a fresh ncclUniqueId; rank 0 makes it, the others receive it.
@@ -75,22 +78,22 @@ TORCH_LIBRARY(afd_ext, m) {
 
 // The communicator- and plane-management ops take no CUDA tensor (unique ids
 // and IPC handles live on the CPU), so one kernel serves every dispatch key.
-TORCH_LIBRARY_IMPL(afd_ext, CompositeExplicitAutograd, m) {
-  m.impl("nccl_version", &afd::nccl_version);
-  m.impl("nccl_unique_id", &afd::nccl_unique_id);
-  m.impl("comm_create", &afd::comm_create);
-  m.impl("comm_destroy", &afd::comm_destroy);
-  m.impl("comm_abort", &afd::comm_abort);
-  m.impl("comm_async_error", &afd::comm_async_error);
-  m.impl("peer_plane_create", &afd::peer_plane_create);
-  m.impl("peer_plane_destroy", &afd::peer_plane_destroy);
-  m.impl("peer_plane_error", &afd::peer_plane_error);
-  m.impl("peer_plane_abort", &afd::peer_plane_abort);
-  m.impl("peer_region_alloc", &afd::peer_region_alloc);
-  m.impl("peer_region_export", &afd::peer_region_export);
-  m.impl("peer_region_open", &afd::peer_region_open);
-  m.impl("peer_region_close", &afd::peer_region_close);
-  m.impl("peer_region_view", &afd::peer_region_view);
+STABLE_TORCH_LIBRARY_IMPL(afd_ext, CompositeExplicitAutograd, m) {
+  m.impl("nccl_version", TORCH_BOX(&afd::nccl_version));
+  m.impl("nccl_unique_id", TORCH_BOX(&afd::nccl_unique_id));
+  m.impl("comm_create", TORCH_BOX(&afd::comm_create));
+  m.impl("comm_destroy", TORCH_BOX(&afd::comm_destroy));
+  m.impl("comm_abort", TORCH_BOX(&afd::comm_abort));
+  m.impl("comm_async_error", TORCH_BOX(&afd::comm_async_error));
+  m.impl("peer_plane_create", TORCH_BOX(&afd::peer_plane_create));
+  m.impl("peer_plane_destroy", TORCH_BOX(&afd::peer_plane_destroy));
+  m.impl("peer_plane_error", TORCH_BOX(&afd::peer_plane_error));
+  m.impl("peer_plane_abort", TORCH_BOX(&afd::peer_plane_abort));
+  m.impl("peer_region_alloc", TORCH_BOX(&afd::peer_region_alloc));
+  m.impl("peer_region_export", TORCH_BOX(&afd::peer_region_export));
+  m.impl("peer_region_open", TORCH_BOX(&afd::peer_region_open));
+  m.impl("peer_region_close", TORCH_BOX(&afd::peer_region_close));
+  m.impl("peer_region_view", TORCH_BOX(&afd::peer_region_view));
 }
 
 namespace afd {  // the control plane's module functions (csrc/control_bindings.cpp)

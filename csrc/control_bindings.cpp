@@ -3,6 +3,8 @@
 // decodes it. Python objects are read and built here only, through the C API and the objects' public
 // fields: the payload's, and each stage's counts (a tuple of ints) and max_tokens.
 // bindings.cpp, which holds the op schemas, adds them to the module _C (afd::ctrl_methods, ctrl_module_init).
+#undef Py_LIMITED_API  // as bindings.cpp: the limited API of Python 3.11
+#define Py_LIMITED_API 0x030B0000
 #include <Python.h>
 #include <sys/socket.h>
 
@@ -45,7 +47,7 @@ static int ctrl_encode_into(PyObject* payload, std::string& out, size_t off, siz
     flags |= unsigned(f == Py_True) << (i - 1);
   }
   PyObject* dp = PyObject_GetAttr(payload, g_names[0]);
-  int rc = dp != nullptr && PyDict_CheckExact(dp) && PyDict_GET_SIZE(dp) <= 0xFFFF;
+  int rc = dp != nullptr && PyDict_CheckExact(dp) && PyDict_Size(dp) <= 0xFFFF;
   PyErr_Clear();
   Py_ssize_t pos = 0;
   PyObject *key, *md;
@@ -62,8 +64,8 @@ static int ctrl_encode_into(PyObject* payload, std::string& out, size_t off, siz
     Py_DECREF(md);
     st.push_back(g);
     if (g.max == nullptr) rc = PyErr_ExceptionMatches(PyExc_AttributeError) ? (PyErr_Clear(), 0) : -1;
-    else if (!PyTuple_CheckExact(g.counts) || PyTuple_GET_SIZE(g.counts) > INT32_MAX) rc = 0;
-    else n += afd::ctrl::kStageHead + 4 * size_t(PyTuple_GET_SIZE(g.counts));
+    else if (!PyTuple_CheckExact(g.counts) || PyTuple_Size(g.counts) > INT32_MAX) rc = 0;
+    else n += afd::ctrl::kStageHead + 4 * size_t(PyTuple_Size(g.counts));
   }
   Py_XDECREF(dp);
   if (rc == 1) {
@@ -76,13 +78,13 @@ static int ctrl_encode_into(PyObject* payload, std::string& out, size_t off, siz
     p += afd::ctrl::kPayloadHead;
     for (size_t i = 0; rc == 1 && i < st.size(); ++i) {
       long long v = 0;
-      const auto k = uint32_t(PyTuple_GET_SIZE(st[i].counts));
+      const auto k = uint32_t(PyTuple_Size(st[i].counts));
       rc = ctrl_int_in(st[i].max, 0, INT32_MAX, &v);
       const uint32_t head[3] = {uint32_t(st[i].s), k, uint32_t(v)};
       std::memcpy(p, head, afd::ctrl::kStageHead);
       p += afd::ctrl::kStageHead;
       for (uint32_t j = 0; rc == 1 && j < k; ++j, p += 4) {
-        rc = ctrl_int_in(PyTuple_GET_ITEM(st[i].counts, j), 0, INT32_MAX, &v);
+        rc = ctrl_int_in(PyTuple_GetItem(st[i].counts, j), 0, INT32_MAX, &v);
         const auto c = int32_t(v);
         std::memcpy(p, &c, 4);
       }
@@ -108,8 +110,8 @@ static PyObject* ctrl_decode_from(const uint8_t* p, uint64_t size, long long max
     Py_XDECREF(out);
     return nullptr;
   }
-  for (int i = 0; i < 4; ++i) PyTuple_SET_ITEM(out, i, PyBool_FromLong(p[5] >> i & 1));
-  PyTuple_SET_ITEM(out, 4, stages);
+  for (int i = 0; i < 4; ++i) PyTuple_SetItem(out, i, PyBool_FromLong(p[5] >> i & 1));
+  PyTuple_SetItem(out, 4, stages);
   p += afd::ctrl::kPayloadHead;
   for (Py_ssize_t i = 0; i < ns; ++i) {
     uint32_t h[3];
@@ -122,15 +124,15 @@ static PyObject* ctrl_decode_from(const uint8_t* p, uint64_t size, long long max
       Py_DECREF(out);
       return nullptr;
     }
-    PyTuple_SET_ITEM(stages, i, stage);
-    PyTuple_SET_ITEM(stage, 2, counts);
+    PyTuple_SetItem(stages, i, stage);
+    PyTuple_SetItem(stage, 2, counts);
     for (uint32_t j = 0; j < h[1]; ++j, p += 4) {
       int32_t c;
       std::memcpy(&c, p, 4);
-      PyTuple_SET_ITEM(counts, j, PyLong_FromLong(c));
+      PyTuple_SetItem(counts, j, PyLong_FromLong(c));
     }
-    PyTuple_SET_ITEM(stage, 0, PyLong_FromUnsignedLong(h[0]));
-    PyTuple_SET_ITEM(stage, 1, PyLong_FromUnsignedLong(h[2]));
+    PyTuple_SetItem(stage, 0, PyLong_FromUnsignedLong(h[0]));
+    PyTuple_SetItem(stage, 1, PyLong_FromUnsignedLong(h[2]));
     if (PyErr_Occurred()) {
       Py_DECREF(out);
       return nullptr;
@@ -292,8 +294,8 @@ static PyObject* ctrl_tcp_take_py(PyObject*, PyObject* args) {
     return nullptr;
   auto* tmp = reinterpret_cast<uint8_t*>(ctrl_scratch(kRead).data());
   for (;;) {
-    const Py_ssize_t len = PyByteArray_GET_SIZE(rbuf);
-    const uint8_t* p = reinterpret_cast<const uint8_t*>(PyByteArray_AS_STRING(rbuf));
+    const Py_ssize_t len = PyByteArray_Size(rbuf);
+    const uint8_t* p = reinterpret_cast<const uint8_t*>(PyByteArray_AsString(rbuf));
     if (len >= kHdr) {
       uint32_t h[3];
       uint64_t n;
@@ -307,7 +309,7 @@ static PyObject* ctrl_tcp_take_py(PyObject*, PyObject* args) {
                              : PyBytes_FromStringAndSize(reinterpret_cast<const char*>(p + kHdr), Py_ssize_t(n));
         if (body == nullptr) return nullptr;
         const Py_ssize_t rest = len - kHdr - Py_ssize_t(n);
-        std::memmove(PyByteArray_AS_STRING(rbuf), p + kHdr + n, size_t(rest));
+        std::memmove(PyByteArray_AsString(rbuf), p + kHdr + n, size_t(rest));
         if (PyByteArray_Resize(rbuf, rest) < 0) {
           Py_DECREF(body);
           return nullptr;
@@ -329,7 +331,7 @@ static PyObject* ctrl_tcp_take_py(PyObject*, PyObject* args) {
     }
     if (r == 0) return PyLong_FromLong(0);
     if (PyByteArray_Resize(rbuf, len + r) < 0) return nullptr;
-    std::memcpy(PyByteArray_AS_STRING(rbuf) + len, tmp, size_t(r));
+    std::memcpy(PyByteArray_AsString(rbuf) + len, tmp, size_t(r));
   }
 }
 

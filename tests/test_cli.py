@@ -82,6 +82,33 @@ def test_a_core_built_against_this_torch_loads():
     assert r.returncode == 0 and "LOADED True" in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.parametrize("floor, core_cuda, loads", [("2.11", None, True), ("99.0", None, False),
+                                                     ("2.11", "cuda-major", True), ("2.11", "other-major", False)])
+def test_a_stable_abi_core_loads_under_any_torch_from_its_floor(floor, core_cuda, loads):
+    # A stable-ABI build's record: any torch >= STABLE_ABI, of the CUDA major of the core's kernels.
+    pytest.importorskip("afd_ext.ops", reason="afd_ext._C is not built")
+    r = _run_py(f"""
+        import sys, types, torch
+        cuda = {{"cuda-major": torch.version.cuda, "other-major": "1.0"}}.get({core_cuda!r})
+        sys.modules["afd_ext._built_with"] = types.SimpleNamespace(TORCH_VERSION="2.11.0+cu130", TORCH_CUDA="13.0",
+                                                                   STABLE_ABI={floor!r}, CORE_CUDA=cuda)
+        from afd_ext.errors import TorchMismatchError
+        try:
+            from afd_ext import _compat
+            _compat.check_torch()
+            print("LOADED")
+        except TorchMismatchError as e:
+            print("REFUSED", e)
+    """)
+    assert r.returncode == 0, r.stdout + r.stderr
+    import torch
+
+    loads = loads and not (core_cuda == "cuda-major" and torch.version.cuda is None)  # a CPU torch: no CUDA
+    assert ("LOADED" in r.stdout) == loads, r.stdout
+    if not loads:
+        assert "stable ABI" in r.stdout and ("torch >= 99.0" in r.stdout or "CUDA 1.0 kernels" in r.stdout)
+
+
 def test_setup_records_the_torch_it_builds_against(tmp_path):
     import importlib.util
 
@@ -89,15 +116,16 @@ def test_setup_records_the_torch_it_builds_against(tmp_path):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     path = tmp_path / "_built_with.py"
-    mod.write_torch_record("2.13.0+cpu", None, path)
+    mod.write_torch_record("2.13.0+cpu", None, path=path)
     ns: dict = {}
     exec(path.read_text(), ns)
-    assert (ns["TORCH_VERSION"], ns["TORCH_CUDA"]) == ("2.13.0+cpu", None)
-    mod.write_torch_record("2.14.1+cu130", "13.0", path)
+    assert (ns["TORCH_VERSION"], ns["TORCH_CUDA"], ns["CORE_CUDA"]) == ("2.13.0+cpu", None, None)
+    assert ns["STABLE_ABI"] == "2.11"  # setup.py's TORCH_TARGET_VERSION, the package's torch floor
+    mod.write_torch_record("2.14.1+cu130", "13.0", True, path=path)
     exec(path.read_text(), ns)
-    assert (ns["TORCH_VERSION"], ns["TORCH_CUDA"]) == ("2.14.1+cu130", "13.0")
+    assert (ns["TORCH_VERSION"], ns["TORCH_CUDA"], ns["CORE_CUDA"]) == ("2.14.1+cu130", "13.0", "13.0")
     # The build writes it before setup() collects the package's modules, and git ignores it.
-    assert "write_torch_record(torch.__version__, torch.version.cuda)" in (ROOT / "setup.py").read_text()
+    assert "write_torch_record(torch.__version__, torch.version.cuda, use_cuda)" in (ROOT / "setup.py").read_text()
     assert "/afd_ext/_built_with.py" in (ROOT / ".gitignore").read_text()
 
 

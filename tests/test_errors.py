@@ -240,5 +240,10 @@ def test_op_error_maps_each_native_failure_kind_to_its_leaf():
     assert type(dtype) is errors.AFDTypeError and isinstance(dtype, TypeError) and isinstance(dtype, ValueError)
     check = op_error("peer_wait", RuntimeError("afd_ext.peer_wait: plane 3 is not live"))
     assert type(check) is errors.AFDConfigError and str(check) == "afd_ext.peer_wait: plane 3 is not live"
+    # The stable-ABI core raises std exceptions only: the class rides at the head of the message.
+    stable_dtype = op_error("fan_in", ValueError("TypeError: afd_ext.fan_in: tensors[0] has dtype Bool"))
+    assert type(stable_dtype) is errors.AFDTypeError and str(stable_dtype) == "afd_ext.fan_in: tensors[0] has dtype Bool"
+    stable_nccl = op_error("send", RuntimeError("DistBackendError: afd_ext: NCCL error 6 (remote process exited)"))
+    assert type(stable_nccl) is errors.AFDPeerError and str(stable_nccl).startswith("afd_ext: NCCL error 6")
     same = errors.AFDStateError("x")
     assert op_error("send", same) is same

@@ -1,7 +1,7 @@
 // CPU-only build: the peer-memory plane's management ops and the CUDA-key
 // impls of its data ops exist (every schema is callable, fakes and tests
 // work) but say clearly that the library was built without CUDA.
-#include <torch/library.h>
+#include <torch/csrc/stable/library.h>
 
 #include "../checks.h"
 #include "../ops.h"
@@ -14,13 +14,13 @@ namespace {
   throw_no_cuda(op, "the peer-memory plane is unavailable");
 }
 
-void peer_put_no_cuda(at::TensorList, int64_t, int64_t, c10::IntArrayRef, c10::IntArrayRef, c10::IntArrayRef,
-                      c10::IntArrayRef, c10::IntArrayRef, bool, bool) {
+void peer_put_no_cuda(TensorList, int64_t, int64_t, IntList, IntList, IntList,
+                      IntList, IntList, bool, bool) {
   no_cuda("peer_put");
 }
 
-void peer_wait_no_cuda(at::TensorList, const OptTensor&, int64_t, int64_t, int64_t, c10::IntArrayRef,
-                       c10::IntArrayRef, int64_t, int64_t, int64_t, int64_t, bool) {
+void peer_wait_no_cuda(TensorList, const OptTensor&, int64_t, int64_t, int64_t, IntList,
+                       IntList, int64_t, int64_t, int64_t, int64_t, bool) {
   no_cuda("peer_wait");
 }
 
@@ -31,14 +31,14 @@ void peer_plane_destroy(int64_t) { no_cuda("peer_plane_destroy"); }
 std::vector<int64_t> peer_plane_error(int64_t) { no_cuda("peer_plane_error"); }
 void peer_plane_abort(int64_t, int64_t) { no_cuda("peer_plane_abort"); }
 int64_t peer_region_alloc(int64_t, int64_t) { no_cuda("peer_region_alloc"); }
-void peer_region_export(int64_t, const at::Tensor&) { no_cuda("peer_region_export"); }
-int64_t peer_region_open(int64_t, const at::Tensor&, int64_t) { no_cuda("peer_region_open"); }
+void peer_region_export(int64_t, const Tensor&) { no_cuda("peer_region_export"); }
+int64_t peer_region_open(int64_t, const Tensor&, int64_t) { no_cuda("peer_region_open"); }
 void peer_region_close(int64_t) { no_cuda("peer_region_close"); }
-at::Tensor peer_region_view(int64_t, int64_t, int64_t) { no_cuda("peer_region_view"); }
+Tensor peer_region_view(int64_t, int64_t, int64_t) { no_cuda("peer_region_view"); }
 
-TORCH_LIBRARY_IMPL(afd_ext, CUDA, m) {
-  m.impl("peer_put", &peer_put_no_cuda);
-  m.impl("peer_wait", &peer_wait_no_cuda);
+STABLE_TORCH_LIBRARY_IMPL(afd_ext, CUDA, m) {
+  m.impl("peer_put", TORCH_BOX(&peer_put_no_cuda));
+  m.impl("peer_wait", TORCH_BOX(&peer_wait_no_cuda));
 }
 
 }  // namespace afd

@@ -1,17 +1,12 @@
 // NCCL communicator table and the communicator-management ops.
-#include <c10/cuda/CUDAFunctions.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/util/Exception.h>
-#include <torch/library.h>
-
-#include <ATen/ATen.h>
-#include <c10/cuda/CUDAStream.h>
+#include <torch/csrc/stable/accelerator.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
 
 #include <chrono>
 #include <cstring>
 #include <mutex>
 #include <thread>
-#include <sstream>
 #include <unordered_map>
 
 #include "../checks.h"
@@ -22,12 +17,10 @@ namespace afd {
 
 void throw_nccl_error(const char* expr, ncclResult_t res, ncclComm_t comm, const char* file,
                       int line) {
-  std::ostringstream os;
-  os << "afd_ext: NCCL error " << static_cast<int>(res) << " (" << ncclGetErrorString(res)
-     << ") from `" << expr << "` at " << file << ":" << line;
   const char* last = ncclGetLastError(comm);
-  if (last != nullptr && last[0] != '\0') os << "; ncclGetLastError: " << last;
-  TORCH_CHECK_WITH(DistBackendError, false, os.str());
+  throw std::runtime_error(cat("DistBackendError: afd_ext: NCCL error ", static_cast<int>(res), " (",
+                               ncclGetErrorString(res), ") from `", expr, "` at ", file, ":", line,
+                               last != nullptr && last[0] != '\0' ? "; ncclGetLastError: " : "", last ? last : ""));
 }
 
 namespace {
@@ -43,12 +36,12 @@ Table& table() {
   return *t;
 }
 
-// Removes `handle` from the table; nullptr when it is not live. TORCH_CHECK
-// error when it was never issued (a typo, not a double destroy).
+// Removes `handle` from the table; nullptr when it is not live. A ValueError
+// when it was never issued (a typo, not a double destroy).
 std::shared_ptr<Comm> take(int64_t handle, const char* op) {
   Table& t = table();
   std::lock_guard<std::mutex> lock(t.mu);
-  TORCH_CHECK_VALUE(handle >= 1 && handle < t.next_handle, "afd_ext.", op, ": handle ", handle,
+  AFD_CHECK_VALUE(handle >= 1 && handle < t.next_handle, "afd_ext.", op, ": handle ", handle,
               " was never issued by comm_create in this process");
   auto it = t.live.find(handle);
   if (it == t.live.end()) return nullptr;
@@ -62,15 +55,10 @@ void check_version() {
   AFD_CHECK_NCCL(ncclGetVersion(&runtime), nullptr);
   // Codes: major*10000 + minor*100 + patch for NCCL >= 2.9.
   const int compiled = NCCL_VERSION_CODE;
-  TORCH_CHECK_VALUE(runtime / 10000 == compiled / 10000, "afd_ext: compiled against NCCL ", compiled,
+  AFD_CHECK_VALUE(runtime / 10000 == compiled / 10000, "afd_ext: compiled against NCCL ", compiled,
               " but the loaded libnccl.so.2 is ", runtime,
               " (major versions differ); reinstall the nvidia-nccl-cu* wheel torch uses and "
               "rebuild afd_ext");
-  if (runtime / 100 < compiled / 100) {
-    TORCH_WARN_ONCE("afd_ext: compiled against NCCL ", compiled,
-                    " but the loaded libnccl.so.2 is older (", runtime,
-                    "); rebuild afd_ext against the NCCL that torch loads");
-  }
 }
 
 // Seconds the eager connect of a new 2-rank communicator may take before it
@@ -89,20 +77,25 @@ constexpr double kConnectTimeoutS = 120.0;
 // here, no later grouping on this communicator can trip that. Bounded: polls
 // the stream and the async error, aborts after kConnectTimeoutS.
 void connect_both_ways(ncclComm_t comm, int rank, int device) {
-  c10::cuda::CUDAStream stream = c10::cuda::getStreamFromPool(false, static_cast<c10::DeviceIndex>(device));
-  at::Tensor buf = at::zeros({2}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA, device));
+  void* pool = nullptr;
+  AFD_CHECK(torch_get_cuda_stream_from_pool(false, device, &pool) == AOTI_TORCH_SUCCESS,
+            "afd_ext.comm_create: torch gave no pool stream for cuda:", device);
+  const auto stream = static_cast<cudaStream_t>(pool);
+  Tensor buf = torch::stable::empty({2}, ScalarType::Byte, std::nullopt,
+                                    torch::stable::Device(torch::headeronly::DeviceType::CUDA, device));
+  torch::stable::zero_(buf);
   const int peer = 1 - rank;
   char* p = static_cast<char*>(buf.data_ptr());
   AFD_CHECK_NCCL(ncclGroupStart(), comm);
-  ncclResult_t r1 = ncclSend(p, 1, ncclUint8, peer, comm, stream.stream());
-  ncclResult_t r2 = ncclRecv(p + 1, 1, ncclUint8, peer, comm, stream.stream());
+  ncclResult_t r1 = ncclSend(p, 1, ncclUint8, peer, comm, stream);
+  ncclResult_t r2 = ncclRecv(p + 1, 1, ncclUint8, peer, comm, stream);
   ncclResult_t end = ncclGroupEnd();
   if (r1 != ncclSuccess) throw_nccl_error("ncclSend (connect)", r1, comm, __FILE__, __LINE__);
   if (r2 != ncclSuccess) throw_nccl_error("ncclRecv (connect)", r2, comm, __FILE__, __LINE__);
   if (end != ncclSuccess) throw_nccl_error("ncclGroupEnd (connect)", end, comm, __FILE__, __LINE__);
   const auto start = std::chrono::steady_clock::now();
   while (true) {
-    cudaError_t q = cudaStreamQuery(stream.stream());
+    cudaError_t q = cudaStreamQuery(stream);
     if (q == cudaSuccess) break;
     if (q != cudaErrorNotReady) AFD_CHECK_CUDA(q);
     ncclResult_t async = ncclSuccess;
@@ -111,11 +104,11 @@ void connect_both_ways(ncclComm_t comm, int rank, int device) {
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (async != ncclSuccess || waited > kConnectTimeoutS) {
       ncclCommAbort(comm);
-      TORCH_CHECK_WITH(DistBackendError, false, "afd_ext.comm_create: connecting rank ", rank, " with peer rank ", peer,
-                  " on cuda:", device, " failed (", async != ncclSuccess
+      throw std::runtime_error(cat("DistBackendError: afd_ext.comm_create: connecting rank ", rank, " with peer rank ",
+                  peer, " on cuda:", device, " failed (", async != ncclSuccess
                       ? std::string("NCCL async error: ") + ncclGetErrorString(async)
                       : std::string("no reply within ") + std::to_string(kConnectTimeoutS) + " s",
-                  "); the communicator was aborted");
+                  "); the communicator was aborted"));
     }
     std::this_thread::sleep_for(std::chrono::microseconds(50));
   }
@@ -128,7 +121,7 @@ std::shared_ptr<Comm> comm_get(int64_t handle, const char* op, const char* arg_n
   std::lock_guard<std::mutex> lock(t.mu);
   auto it = t.live.find(handle);
   if (it != t.live.end()) return it->second;
-  TORCH_CHECK_VALUE(false, "afd_ext.", op, ": ", arg_name, "=", handle, " is not a live communicator ",
+  AFD_CHECK_VALUE(false, "afd_ext.", op, ": ", arg_name, "=", handle, " is not a live communicator ",
               handle >= 1 && handle < t.next_handle ? "(it was destroyed or aborted)"
                                                      : "(never issued by comm_create)",
               "; create one with afd_ext.ops.comm_create");
@@ -140,8 +133,8 @@ int64_t nccl_version() {
   return v;
 }
 
-void nccl_unique_id(const at::Tensor& out) {
-  TORCH_CHECK_VALUE(out.is_cpu() && out.scalar_type() == c10::ScalarType::Byte &&
+void nccl_unique_id(const Tensor& out) {
+  AFD_CHECK_VALUE(out.is_cpu() && out.scalar_type() == ScalarType::Byte &&
                   out.numel() == NCCL_UNIQUE_ID_BYTES && out.is_contiguous(),
               "afd_ext.nccl_unique_id: out must be a contiguous CPU uint8 tensor of ",
               NCCL_UNIQUE_ID_BYTES, " elements, got ", out.scalar_type(), " ", out.sizes(),
@@ -151,24 +144,25 @@ void nccl_unique_id(const at::Tensor& out) {
   std::memcpy(out.data_ptr(), id.internal, NCCL_UNIQUE_ID_BYTES);
 }
 
-int64_t comm_create(const at::Tensor& unique_id, int64_t world_size, int64_t rank,
+int64_t comm_create(const Tensor& unique_id, int64_t world_size, int64_t rank,
                     int64_t device) {
-  TORCH_CHECK_VALUE(unique_id.is_cpu() && unique_id.scalar_type() == c10::ScalarType::Byte &&
+  AFD_CHECK_VALUE(unique_id.is_cpu() && unique_id.scalar_type() == ScalarType::Byte &&
                   unique_id.numel() == NCCL_UNIQUE_ID_BYTES && unique_id.is_contiguous(),
               "afd_ext.comm_create: unique_id must be a contiguous CPU uint8 tensor of ",
               NCCL_UNIQUE_ID_BYTES, " elements (from nccl_unique_id), got ",
               unique_id.scalar_type(), " ", unique_id.sizes(), " on ", unique_id.device());
-  TORCH_CHECK_VALUE(world_size >= 1, "afd_ext.comm_create: world_size must be >= 1, got ", world_size);
-  TORCH_CHECK_VALUE(rank >= 0 && rank < world_size, "afd_ext.comm_create: rank must be in [0, ",
+  AFD_CHECK_VALUE(world_size >= 1, "afd_ext.comm_create: world_size must be >= 1, got ", world_size);
+  AFD_CHECK_VALUE(rank >= 0 && rank < world_size, "afd_ext.comm_create: rank must be in [0, ",
               world_size, "), got ", rank);
-  const int64_t ndev = c10::cuda::device_count();
-  TORCH_CHECK_VALUE(device >= 0 && device < ndev, "afd_ext.comm_create: device must be in [0, ", ndev,
+  int ndev = 0;
+  if (cudaGetDeviceCount(&ndev) != cudaSuccess) ndev = 0;  // no driver, no device: as torch counts
+  AFD_CHECK_VALUE(device >= 0 && device < ndev, "afd_ext.comm_create: device must be in [0, ", ndev,
               ") (visible CUDA devices), got ", device);
   check_version();
 
   ncclUniqueId id;
   std::memcpy(id.internal, unique_id.data_ptr(), NCCL_UNIQUE_ID_BYTES);
-  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  DeviceGuard guard(static_cast<int32_t>(device));
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   // Blocking init: returns once every rank joined. Callers rendezvous first
   // (a store exchange with a deadline) so all ranks reach this call.
@@ -194,14 +188,14 @@ int64_t comm_create(const at::Tensor& unique_id, int64_t world_size, int64_t ran
 void comm_destroy(int64_t handle) {
   auto c = take(handle, "comm_destroy");
   if (!c) return;  // already destroyed or aborted
-  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(c->device));
+  DeviceGuard guard(c->device);
   AFD_CHECK_NCCL(ncclCommDestroy(c->comm), nullptr);
 }
 
 void comm_abort(int64_t handle) {
   auto c = take(handle, "comm_abort");
   if (!c) return;
-  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(c->device));
+  DeviceGuard guard(c->device);
   AFD_CHECK_NCCL(ncclCommAbort(c->comm), nullptr);
 }
 

@@ -17,7 +17,7 @@ struct Comm {
   int64_t handle;
 };
 
-// The live communicator behind `handle`; TORCH_CHECK error naming the op and
+// The live communicator behind `handle`; a ValueError naming the op and
 // argument when it is not live (never issued, destroyed or aborted).
 std::shared_ptr<Comm> comm_get(int64_t handle, const char* op, const char* arg_name);
 

@@ -5,9 +5,7 @@
 // on the current stream of the communicators' device: no allocation, no host
 // synchronisation, so a CUDA graph can capture it. Bytes move as ncclUint8
 // (point-to-point needs no reduction type), which covers fp8 as well.
-#include <c10/cuda/CUDAStream.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
+#include <torch/csrc/stable/library.h>
 
 #include <memory>
 #include <string>
@@ -31,9 +29,9 @@ struct Edge {
 
 // Checks the per-peer lists and resolves the handles; all communicators
 // must live on one device (returned through `device`).
-std::vector<Edge> resolve_edges(const char* op, const char* comms_name, c10::IntArrayRef comms,
-                                c10::IntArrayRef peers, c10::IntArrayRef rows, int* device) {
-  TORCH_CHECK_VALUE(comms.size() == peers.size() && peers.size() == rows.size(), "afd_ext.", op, ": ",
+std::vector<Edge> resolve_edges(const char* op, const char* comms_name, IntList comms,
+                                IntList peers, IntList rows, int* device) {
+  AFD_CHECK_VALUE(comms.size() == peers.size() && peers.size() == rows.size(), "afd_ext.", op, ": ",
               comms_name, ", peers and rows must have equal lengths (one entry per peer), got ",
               comms.size(), ", ", peers.size(), " and ", rows.size());
   std::vector<Edge> edges;
@@ -41,12 +39,12 @@ std::vector<Edge> resolve_edges(const char* op, const char* comms_name, c10::Int
   int64_t first = 0;
   for (size_t i = 0; i < comms.size(); ++i) {
     auto c = comm_get(comms[i], op, comms_name);
-    TORCH_CHECK_VALUE(peers[i] >= 0 && peers[i] < c->size && peers[i] != c->rank, "afd_ext.", op,
+    AFD_CHECK_VALUE(peers[i] >= 0 && peers[i] < c->size && peers[i] != c->rank, "afd_ext.", op,
                 ": peers[", i, "]=", peers[i], " must be a rank of communicator ", comms[i],
                 " in [0, ", c->size, ") other than this rank (", c->rank, ")");
-    TORCH_CHECK_VALUE(rows[i] >= 0, "afd_ext.", op, ": rows[", i, "]=", rows[i], " must be >= 0");
+    AFD_CHECK_VALUE(rows[i] >= 0, "afd_ext.", op, ": rows[", i, "]=", rows[i], " must be >= 0");
     if (*device < 0) *device = c->device;
-    TORCH_CHECK_VALUE(c->device == *device, "afd_ext.", op, ": ", comms_name, "[", i, "]=", comms[i],
+    AFD_CHECK_VALUE(c->device == *device, "afd_ext.", op, ": ", comms_name, "[", i, "]=", comms[i],
                 " is on cuda:", c->device, " but earlier communicators are on cuda:", *device,
                 "; one call works on one device");
     edges.push_back(Edge{c, static_cast<int>(peers[i]), rows[i], first});
@@ -61,28 +59,28 @@ int64_t total_rows(const std::vector<Edge>& edges) {
   return n;
 }
 
-void check_tensor(const char* op, const char* name, const at::Tensor& t, int device,
+void check_tensor(const char* op, const char* name, const Tensor& t, int device,
                   int64_t rows, bool need_rows) {
-  TORCH_CHECK_VALUE(t.defined(), "afd_ext.", op, ": ", name, " is undefined");
-  TORCH_CHECK_VALUE(t.is_cuda() && t.get_device() == device, "afd_ext.", op, ": ", name,
+  AFD_CHECK_VALUE(t.defined(), "afd_ext.", op, ": ", name, " is undefined");
+  AFD_CHECK_VALUE(t.is_cuda() && t.get_device() == device, "afd_ext.", op, ": ", name,
               " must be a CUDA tensor on cuda:", device, " (the communicator's device), got ",
               t.device(), "; move it with .to('cuda:", device, "')");
-  TORCH_CHECK_TYPE(is_wire_dtype(t.scalar_type()), "afd_ext.", op, ": ", name, " has dtype ",
+  AFD_CHECK_TYPE(is_wire_dtype(t.scalar_type()), "afd_ext.", op, ": ", name, " has dtype ",
               t.scalar_type(), ", expected one of ", wire_dtype_names());
-  TORCH_CHECK_VALUE(t.is_contiguous(), "afd_ext.", op, ": ", name,
+  AFD_CHECK_VALUE(t.is_contiguous(), "afd_ext.", op, ": ", name,
               " must have contiguous rows (row-major; row slices t[a:b] are fine), got strides ",
               t.strides(), " for shape ", t.sizes(), "; pass .contiguous()");
   if (need_rows) {
-    TORCH_CHECK_VALUE(t.dim() >= 1, "afd_ext.", op, ": ", name,
+    AFD_CHECK_VALUE(t.dim() >= 1, "afd_ext.", op, ": ", name,
                 " must have a row dimension, got a 0-d tensor");
-    TORCH_CHECK_VALUE(t.size(0) == rows, "afd_ext.", op, ": ", name, " has ", t.size(0),
+    AFD_CHECK_VALUE(t.size(0) == rows, "afd_ext.", op, ": ", name, " has ", t.size(0),
                 " rows but rows add up to ", rows, " (one row range per peer, in peer order)");
   }
 }
 
 // The wire parts of fan_in / split_back, in the order they travel: device, dtype class and layout
 // here (afd_ext/wire.py states which parts there are; the schedule checks their rows and dtypes).
-void check_parts(const char* op, at::TensorList ts, int device, int64_t rows) {
+void check_parts(const char* op, TensorList ts, int device, int64_t rows) {
   for (size_t k = 0; k < ts.size(); ++k) {
     const std::string name = "tensors[" + std::to_string(k) + "]";
     check_tensor(op, name.c_str(), ts[k], device, rows, true);
@@ -100,7 +98,7 @@ struct P2p {
 };
 
 // Appends one message per (edge, tensor) with bytes > 0, in edge order.
-void plan(std::vector<P2p>& out, Dir dir, const std::vector<Edge>& edges, at::TensorList ts) {
+void plan(std::vector<P2p>& out, Dir dir, const std::vector<Edge>& edges, TensorList ts) {
   for (const auto& e : edges) {
     if (e.rows == 0) continue;
     for (const auto& t : ts) {
@@ -117,8 +115,8 @@ void plan(std::vector<P2p>& out, Dir dir, const std::vector<Edge>& edges, at::Te
 // The group is always closed, even when a call inside it fails.
 void launch(const char* op, int device, const std::vector<P2p>& msgs) {
   if (msgs.empty()) return;
-  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
+  DeviceGuard guard(device);
+  cudaStream_t stream = current_stream(device);
   AFD_CHECK_NCCL(ncclGroupStart(), nullptr);
   ncclResult_t first_err = ncclSuccess;
   ncclComm_t err_comm = nullptr;
@@ -141,7 +139,7 @@ void launch(const char* op, int device, const std::vector<P2p>& msgs) {
 
 }  // namespace
 
-void send_cuda(const at::Tensor& t, int64_t comm, int64_t peer) {
+void send_cuda(const Tensor& t, int64_t comm, int64_t peer) {
   int device = -1;
   const int64_t rows = 1;
   auto edges = resolve_edges("send", "comm", {comm}, {peer}, {rows}, &device);
@@ -153,7 +151,7 @@ void send_cuda(const at::Tensor& t, int64_t comm, int64_t peer) {
   launch("send", device, msgs);
 }
 
-void recv_cuda(const at::Tensor& t, int64_t comm, int64_t peer) {
+void recv_cuda(const Tensor& t, int64_t comm, int64_t peer) {
   int device = -1;
   const int64_t rows = 1;
   auto edges = resolve_edges("recv", "comm", {comm}, {peer}, {rows}, &device);
@@ -167,14 +165,14 @@ void recv_cuda(const at::Tensor& t, int64_t comm, int64_t peer) {
 
 namespace {
 
-void grouped(const char* op, Dir dir, at::TensorList tensors, c10::IntArrayRef comms, c10::IntArrayRef peers,
-             c10::IntArrayRef rows) {
+void grouped(const char* op, Dir dir, TensorList tensors, IntList comms, IntList peers,
+             IntList rows) {
   int device = -1;
   auto edges = resolve_edges(op, "comms", comms, peers, rows, &device);
   if (edges.empty()) {
     // No peer: nothing to move, but the tensors must still be empty.
     for (size_t k = 0; k < tensors.size(); ++k) {
-      TORCH_CHECK_VALUE(tensors[k].dim() >= 1 && tensors[k].size(0) == 0, "afd_ext.", op,
+      AFD_CHECK_VALUE(tensors[k].dim() >= 1 && tensors[k].size(0) == 0, "afd_ext.", op,
                         ": no peers given but tensors[", k, "] has shape ", tensors[k].sizes(), " (expected 0 rows)");
     }
     return;
@@ -188,12 +186,12 @@ void grouped(const char* op, Dir dir, at::TensorList tensors, c10::IntArrayRef c
 
 }  // namespace
 
-void fan_in_cuda(at::TensorList tensors, c10::IntArrayRef comms, c10::IntArrayRef peers, c10::IntArrayRef rows) {
+void fan_in_cuda(TensorList tensors, IntList comms, IntList peers, IntList rows) {
   grouped("fan_in", Dir::kRecv, tensors, comms, peers, rows);
 }
 
-void split_back_cuda(at::TensorList tensors, c10::IntArrayRef comms, c10::IntArrayRef peers,
-                     c10::IntArrayRef rows) {
+void split_back_cuda(TensorList tensors, IntList comms, IntList peers,
+                     IntList rows) {
   grouped("split_back", Dir::kSend, tensors, comms, peers, rows);
 }
 
@@ -201,24 +199,24 @@ namespace {
 
 // The FP8 ops' checks: bf16 [rows, H] with H % 128 == 0, e4m3 values of that shape, float32
 // scales [rows, H / 128]; contiguous, aligned for the kernels' vector accesses, one device.
-void check_fp8(const char* op, const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
+void check_fp8(const char* op, const Tensor& x, const Tensor& values, const Tensor& scales,
                int x_align) {
-  TORCH_CHECK_VALUE(x.is_cuda() && values.device() == x.device() && scales.device() == x.device(),
+  AFD_CHECK_VALUE(x.is_cuda() && values.device() == x.device() && scales.device() == x.device(),
                     "afd_ext.", op, ": every tensor must be on one CUDA device, got ", x.device(), ", ",
                     values.device(), " and ", scales.device());
-  TORCH_CHECK_TYPE(x.scalar_type() == at::kBFloat16 && values.scalar_type() == at::kFloat8_e4m3fn &&
-                       scales.scalar_type() == at::kFloat,
+  AFD_CHECK_TYPE(x.scalar_type() == ScalarType::BFloat16 && values.scalar_type() == ScalarType::Float8_e4m3fn &&
+                       scales.scalar_type() == ScalarType::Float,
                    "afd_ext.", op, ": expected bfloat16 hidden states, float8_e4m3fn values and float32 "
                    "scales, got ", x.scalar_type(), ", ", values.scalar_type(), " and ", scales.scalar_type());
-  TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) % kFp8Group == 0 && values.sizes() == x.sizes() &&
+  AFD_CHECK_VALUE(x.dim() == 2 && x.size(1) % kFp8Group == 0 && values.sizes().equals(x.sizes()) &&
                         scales.dim() == 2 && scales.size(0) == x.size(0) &&
                         scales.size(1) == x.size(1) / kFp8Group,
                     "afd_ext.", op, ": expected hidden states and values [T, H] with H a multiple of ",
                     kFp8Group, " and scales [T, H/", kFp8Group, "], got ", x.sizes(), ", ",
                     values.sizes(), " and ", scales.sizes());
-  TORCH_CHECK_VALUE(x.is_contiguous() && values.is_contiguous() && scales.is_contiguous(), "afd_ext.", op,
+  AFD_CHECK_VALUE(x.is_contiguous() && values.is_contiguous() && scales.is_contiguous(), "afd_ext.", op,
                     ": the tensors must be contiguous");
-  TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(x.data_ptr()) % x_align == 0 &&
+  AFD_CHECK_VALUE(reinterpret_cast<uintptr_t>(x.data_ptr()) % x_align == 0 &&
                         reinterpret_cast<uintptr_t>(values.data_ptr()) % 8 == 0,
                     "afd_ext.", op, ": the bf16 tensor must be ", x_align, "-byte aligned and the values "
                     "8-byte aligned (row slices t[a:b] of an allocation are)");
@@ -232,39 +230,39 @@ int max_blocks(int device) {
 
 }  // namespace
 
-void fp8_quantize_cuda(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales, bool ue8m0) {
+void fp8_quantize_cuda(const Tensor& x, const Tensor& values, const Tensor& scales, bool ue8m0) {
   check_fp8("fp8_quantize", x, values, scales, 8);
   const auto dev = x.device().index();
-  c10::cuda::CUDAGuard guard(dev);
-  const int err = fp8_quantize_launch(x.data_ptr(), values.data_ptr(), scales.data_ptr<float>(),
+  DeviceGuard guard(dev);
+  const int err = fp8_quantize_launch(x.data_ptr(), values.data_ptr(), static_cast<float*>(scales.data_ptr()),
                                       scales.numel(), ue8m0, max_blocks(dev),
-                                      c10::cuda::getCurrentCUDAStream(dev).stream());
+                                      current_stream(dev));
   if (err != 0) {
     throw_cuda_error("fp8_quantize_launch", err, cudaGetErrorString(static_cast<cudaError_t>(err)),
                      __FILE__, __LINE__);
   }
 }
 
-void fp8_dequantize_cuda(const at::Tensor& values, const at::Tensor& scales, const at::Tensor& out) {
+void fp8_dequantize_cuda(const Tensor& values, const Tensor& scales, const Tensor& out) {
   check_fp8("fp8_dequantize", out, values, scales, 16);
   const auto dev = out.device().index();
-  c10::cuda::CUDAGuard guard(dev);
-  const int err = fp8_dequantize_launch(values.data_ptr(), scales.data_ptr<float>(), out.data_ptr(),
+  DeviceGuard guard(dev);
+  const int err = fp8_dequantize_launch(values.data_ptr(), static_cast<float*>(scales.data_ptr()), out.data_ptr(),
                                         values.numel(), max_blocks(dev),
-                                        c10::cuda::getCurrentCUDAStream(dev).stream());
+                                        current_stream(dev));
   if (err != 0) {
     throw_cuda_error("fp8_dequantize_launch", err, cudaGetErrorString(static_cast<cudaError_t>(err)),
                      __FILE__, __LINE__);
   }
 }
 
-TORCH_LIBRARY_IMPL(afd_ext, CUDA, m) {
-  m.impl("send", &send_cuda);
-  m.impl("recv", &recv_cuda);
-  m.impl("fan_in", &fan_in_cuda);
-  m.impl("split_back", &split_back_cuda);
-  m.impl("fp8_quantize", &fp8_quantize_cuda);
-  m.impl("fp8_dequantize", &fp8_dequantize_cuda);
+STABLE_TORCH_LIBRARY_IMPL(afd_ext, CUDA, m) {
+  m.impl("send", TORCH_BOX(&send_cuda));
+  m.impl("recv", TORCH_BOX(&recv_cuda));
+  m.impl("fan_in", TORCH_BOX(&fan_in_cuda));
+  m.impl("split_back", TORCH_BOX(&split_back_cuda));
+  m.impl("fp8_quantize", TORCH_BOX(&fp8_quantize_cuda));
+  m.impl("fp8_dequantize", TORCH_BOX(&fp8_dequantize_cuda));
 }
 
 }  // namespace afd

@@ -9,10 +9,8 @@
 // CUDA IPC cannot export memory of expandable segments), or a peer's region
 // opened from its 64-byte CUDA IPC handle. Data ops check everything first,
 // then launch one kernel on the current stream: no allocation, no sync.
-#include <ATen/ATen.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
 
 #include <atomic>
 #include <cstring>
@@ -137,10 +135,10 @@ Table& table() {
 }
 
 std::shared_ptr<PeerPlane> get_plane_locked(Table& t, int64_t handle, const char* op) {
-  TORCH_CHECK(handle >= 1 && handle < t.next_plane, "afd_ext.", op, ": plane handle ", handle,
+  AFD_CHECK(handle >= 1 && handle < t.next_plane, "afd_ext.", op, ": plane handle ", handle,
               " was never issued by peer_plane_create in this process");
   auto it = t.planes.find(handle);
-  TORCH_CHECK(it != t.planes.end(), "afd_ext.", op, ": plane ", handle,
+  AFD_CHECK(it != t.planes.end(), "afd_ext.", op, ": plane ", handle,
               " was destroyed; re-initialise the peer-memory plane");
   return it->second;
 }
@@ -152,10 +150,10 @@ std::shared_ptr<PeerPlane> get_plane(int64_t handle, const char* op) {
 }
 
 RegionRef get_region_locked(Table& t, int64_t handle, const char* op, const char* what) {
-  TORCH_CHECK(handle >= 1 && handle < t.next_region, "afd_ext.", op, ": ", what, " ", handle,
+  AFD_CHECK(handle >= 1 && handle < t.next_region, "afd_ext.", op, ": ", what, " ", handle,
               " was never issued by peer_region_alloc/peer_region_open in this process");
   auto it = t.regions.find(handle);
-  TORCH_CHECK(it != t.regions.end(), "afd_ext.", op, ": ", what, " ", handle, " was closed");
+  AFD_CHECK(it != t.regions.end(), "afd_ext.", op, ": ", what, " ", handle, " was closed");
   return it->second;
 }
 
@@ -167,20 +165,20 @@ void zero_device(const PeerPlane& pl, void* p, int64_t bytes) {
 const char* const kNoCudaTensor =
     " must be a CUDA tensor on the plane's device; the peer-memory plane moves CUDA tensors";
 
-void check_on(const char* op, const char* name, const at::Tensor& t, int device) {
-  TORCH_CHECK(t.defined(), "afd_ext.", op, ": ", name, " is undefined");
-  TORCH_CHECK(t.is_cuda() && t.get_device() == device, "afd_ext.", op, ": ", name, kNoCudaTensor,
+void check_on(const char* op, const char* name, const Tensor& t, int device) {
+  AFD_CHECK(t.defined(), "afd_ext.", op, ": ", name, " is undefined");
+  AFD_CHECK(t.is_cuda() && t.get_device() == device, "afd_ext.", op, ": ", name, kNoCudaTensor,
               " (cuda:", device, "), got ", t.device());
 }
 
-void check_wire(const char* op, const char* name, const at::Tensor& t, int device, int64_t rows) {
+void check_wire(const char* op, const char* name, const Tensor& t, int device, int64_t rows) {
   check_on(op, name, t, device);
-  TORCH_CHECK(is_wire_dtype(t.scalar_type()), "afd_ext.", op, ": ", name, " has dtype ",
+  AFD_CHECK(is_wire_dtype(t.scalar_type()), "afd_ext.", op, ": ", name, " has dtype ",
               t.scalar_type(), ", expected one of ", wire_dtype_names());
-  TORCH_CHECK(t.is_contiguous(), "afd_ext.", op, ": ", name,
+  AFD_CHECK(t.is_contiguous(), "afd_ext.", op, ": ", name,
               " must have contiguous rows (row slices t[a:b] are fine), got strides ", t.strides(),
               " for shape ", t.sizes());
-  TORCH_CHECK(t.dim() >= 1 && t.size(0) == rows, "afd_ext.", op, ": ", name, " has shape ",
+  AFD_CHECK(t.dim() >= 1 && t.size(0) == rows, "afd_ext.", op, ": ", name, " has shape ",
               t.sizes(), " but rows add up to ", rows, " (one row range per peer, in peer order)");
 }
 
@@ -210,17 +208,17 @@ int64_t peer_plane_create(int64_t device, int64_t generation, int64_t num_slots,
     cudaGetLastError();  // no driver or no device: not sticky, clear it
     count = 0;
   }
-  TORCH_CHECK(device >= 0 && device < count, "afd_ext.peer_plane_create: device ", device,
+  AFD_CHECK(device >= 0 && device < count, "afd_ext.peer_plane_create: device ", device,
               " is not a CUDA device of this process (", count, " visible",
               count_err != cudaSuccess ? std::string(": ") + cudaGetErrorString(count_err) : "", ")");
-  TORCH_CHECK(generation >= 1 && generation <= kPeerMaxGeneration, "afd_ext.peer_plane_create: generation ",
+  AFD_CHECK(generation >= 1 && generation <= kPeerMaxGeneration, "afd_ext.peer_plane_create: generation ",
               generation, " must be in [1, ", kPeerMaxGeneration, "] (16 bits of every flag word)");
-  TORCH_CHECK(num_slots >= 1 && num_slots <= 4096, "afd_ext.peer_plane_create: num_slots ",
+  AFD_CHECK(num_slots >= 1 && num_slots <= 4096, "afd_ext.peer_plane_create: num_slots ",
               num_slots, " must be in [1, 4096]");
-  TORCH_CHECK(max_peers >= 1 && max_peers <= kPeerMaxPeers, "afd_ext.peer_plane_create: max_peers ",
+  AFD_CHECK(max_peers >= 1 && max_peers <= kPeerMaxPeers, "afd_ext.peer_plane_create: max_peers ",
               max_peers, " must be in [1, ", kPeerMaxPeers, "]");
   drain_graveyard();
-  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  DeviceGuard guard(device);
   auto pl = std::make_shared<PeerPlane>();
   pl->device = static_cast<int>(device);
   pl->generation = static_cast<int>(generation);
@@ -259,7 +257,7 @@ void peer_plane_destroy(int64_t plane) {
   {
     Table& t = table();
     std::lock_guard<std::mutex> lock(t.mu);
-    TORCH_CHECK(plane >= 1 && plane < t.next_plane, "afd_ext.peer_plane_destroy: plane handle ",
+    AFD_CHECK(plane >= 1 && plane < t.next_plane, "afd_ext.peer_plane_destroy: plane handle ",
                 plane, " was never issued by peer_plane_create in this process");
     auto it = t.planes.find(plane);
     if (it == t.planes.end()) return;  // idempotent
@@ -291,8 +289,8 @@ void peer_plane_abort(int64_t plane, int64_t op) {
 int64_t peer_region_alloc(int64_t plane, int64_t nbytes) {
   drain_graveyard();
   auto pl = get_plane(plane, "peer_region_alloc");
-  TORCH_CHECK(nbytes > 0, "afd_ext.peer_region_alloc: nbytes must be > 0, got ", nbytes);
-  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(pl->device));
+  AFD_CHECK(nbytes > 0, "afd_ext.peer_region_alloc: nbytes must be > 0, got ", nbytes);
+  DeviceGuard guard(pl->device);
   auto mem = std::make_shared<PeerMem>();
   mem->device = pl->device;
   mem->own = true;
@@ -300,7 +298,7 @@ int64_t peer_region_alloc(int64_t plane, int64_t nbytes) {
   cudaError_t err = cudaMalloc(&p, static_cast<size_t>(nbytes));
   if (err != cudaSuccess) {
     cudaGetLastError();  // clear the sticky-free error state of a failed allocation
-    TORCH_CHECK(false, "afd_ext.peer_region_alloc: cudaMalloc of ", nbytes, " bytes on cuda:",
+    AFD_CHECK(false, "afd_ext.peer_region_alloc: cudaMalloc of ", nbytes, " bytes on cuda:",
                 pl->device, " failed (", cudaGetErrorString(err),
                 "); lower max_tokens_per_step or the number of stages (see docs/peer-memory.md "
                 "for the memory formula)");
@@ -315,8 +313,8 @@ int64_t peer_region_alloc(int64_t plane, int64_t nbytes) {
   return h;
 }
 
-void peer_region_export(int64_t region, const at::Tensor& out) {
-  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kByte && out.dim() == 1 &&
+void peer_region_export(int64_t region, const Tensor& out) {
+  AFD_CHECK(out.device().is_cpu() && out.scalar_type() == ScalarType::Byte && out.dim() == 1 &&
                   out.numel() == static_cast<int64_t>(sizeof(cudaIpcMemHandle_t)) &&
                   out.is_contiguous(),
               "afd_ext.peer_region_export: out must be a contiguous CPU uint8 tensor [",
@@ -325,10 +323,10 @@ void peer_region_export(int64_t region, const at::Tensor& out) {
   Table& t = table();
   std::lock_guard<std::mutex> lock(t.mu);
   auto mem = get_region_locked(t, region, "peer_region_export", "region").mem;
-  TORCH_CHECK(mem->own, "afd_ext.peer_region_export: region ", region,
+  AFD_CHECK(mem->own, "afd_ext.peer_region_export: region ", region,
               " was opened from a peer; only this process's own regions can be exported");
   if (mem->ipc.empty()) {
-    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(mem->device));
+    DeviceGuard guard(mem->device);
     cudaIpcMemHandle_t h;
     AFD_CHECK_CUDA(cudaIpcGetMemHandle(&h, mem->ptr));
     mem->ipc.assign(reinterpret_cast<const char*>(&h), sizeof(h));
@@ -337,16 +335,16 @@ void peer_region_export(int64_t region, const at::Tensor& out) {
   std::memcpy(out.data_ptr(), mem->ipc.data(), mem->ipc.size());
 }
 
-int64_t peer_region_open(int64_t plane, const at::Tensor& ipc_handle, int64_t nbytes) {
-  TORCH_CHECK(ipc_handle.device().is_cpu() && ipc_handle.scalar_type() == at::kByte &&
+int64_t peer_region_open(int64_t plane, const Tensor& ipc_handle, int64_t nbytes) {
+  AFD_CHECK(ipc_handle.device().is_cpu() && ipc_handle.scalar_type() == ScalarType::Byte &&
                   ipc_handle.dim() == 1 &&
                   ipc_handle.numel() == static_cast<int64_t>(sizeof(cudaIpcMemHandle_t)),
               "afd_ext.peer_region_open: ipc_handle must be a CPU uint8 tensor [",
               sizeof(cudaIpcMemHandle_t), "] from peer_region_export, got ",
               ipc_handle.scalar_type(), " ", ipc_handle.sizes(), " on ", ipc_handle.device());
-  TORCH_CHECK(nbytes > 0, "afd_ext.peer_region_open: nbytes must be > 0, got ", nbytes);
+  AFD_CHECK(nbytes > 0, "afd_ext.peer_region_open: nbytes must be > 0, got ", nbytes);
   auto pl = get_plane(plane, "peer_region_open");
-  at::Tensor h = ipc_handle.contiguous();
+  Tensor h = torch::stable::contiguous(ipc_handle);
   std::string key(static_cast<const char*>(h.data_ptr()), sizeof(cudaIpcMemHandle_t));
   Table& t = table();
   {
@@ -354,16 +352,16 @@ int64_t peer_region_open(int64_t plane, const at::Tensor& ipc_handle, int64_t nb
     auto it = t.exported.find(key);
     if (it != t.exported.end()) {
       if (auto mem = it->second.lock()) {
-        TORCH_CHECK(nbytes <= mem->bytes, "afd_ext.peer_region_open: nbytes ", nbytes,
+        AFD_CHECK(nbytes <= mem->bytes, "afd_ext.peer_region_open: nbytes ", nbytes,
                     " exceeds the region's ", mem->bytes, " bytes");
         if (mem->device != pl->device) {
           // Another GPU of this process (both roles in one process, e.g. the stress
           // test on two GPUs): the plane's device reaches it through peer access.
           int can = 0;
           AFD_CHECK_CUDA(cudaDeviceCanAccessPeer(&can, pl->device, mem->device));
-          TORCH_CHECK(can, "afd_ext.peer_region_open: cuda:", pl->device, " cannot access cuda:",
+          AFD_CHECK(can, "afd_ext.peer_region_open: cuda:", pl->device, " cannot access cuda:",
                       mem->device, " (no peer access between the GPUs)");
-          c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(pl->device));
+          DeviceGuard guard(pl->device);
           const cudaError_t e = cudaDeviceEnablePeerAccess(mem->device, 0);
           if (e == cudaErrorPeerAccessAlreadyEnabled) {
             cudaGetLastError();
@@ -378,14 +376,14 @@ int64_t peer_region_open(int64_t plane, const at::Tensor& ipc_handle, int64_t nb
       t.exported.erase(it);
     }
   }
-  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(pl->device));
+  DeviceGuard guard(pl->device);
   cudaIpcMemHandle_t ipc;
   std::memcpy(&ipc, key.data(), sizeof(ipc));
   void* p = nullptr;
   cudaError_t err = cudaIpcOpenMemHandle(&p, ipc, cudaIpcMemLazyEnablePeerAccess);
   if (err != cudaSuccess) {
     cudaGetLastError();  // not sticky: clear it so later calls do not report it
-    TORCH_CHECK(false, "afd_ext.peer_region_open: cudaIpcOpenMemHandle on cuda:", pl->device,
+    AFD_CHECK(false, "afd_ext.peer_region_open: cudaIpcOpenMemHandle on cuda:", pl->device,
                 " failed: ", cudaGetErrorString(err), " (error ", static_cast<int>(err),
                 "); the peer is on another host, in another container without a shared IPC "
                 "namespace, or its GPU cannot be reached by peer access from this one");
@@ -406,7 +404,7 @@ void peer_region_close(int64_t region) {
     std::shared_ptr<PeerMem> mem;  // dropped after the table lock is released
     Table& t = table();
     std::lock_guard<std::mutex> lock(t.mu);
-    TORCH_CHECK(region >= 1 && region < t.next_region, "afd_ext.peer_region_close: region ", region,
+    AFD_CHECK(region >= 1 && region < t.next_region, "afd_ext.peer_region_close: region ", region,
                 " was never issued by peer_region_alloc/peer_region_open in this process");
     auto it = t.regions.find(region);
     if (it == t.regions.end()) return;  // idempotent
@@ -417,32 +415,31 @@ void peer_region_close(int64_t region) {
   drain_graveyard();
 }
 
-at::Tensor peer_region_view(int64_t region, int64_t offset, int64_t nbytes) {
+Tensor peer_region_view(int64_t region, int64_t offset, int64_t nbytes) {
   std::shared_ptr<PeerMem> mem;
   {
     Table& t = table();
     std::lock_guard<std::mutex> lock(t.mu);
     mem = get_region_locked(t, region, "peer_region_view", "region").mem;
   }
-  TORCH_CHECK(offset >= 0 && nbytes >= 0 && offset + nbytes <= mem->bytes,
+  AFD_CHECK(offset >= 0 && nbytes >= 0 && offset + nbytes <= mem->bytes,
               "afd_ext.peer_region_view: bytes [", offset, ", ", offset + nbytes,
               ") are outside the region's ", mem->bytes, " bytes");
-  auto opts = at::TensorOptions().dtype(at::kByte).device(at::kCUDA, mem->device);
   // The deleter holds the memory: a view outlives peer_region_close safely.
-  return at::for_blob(mem->ptr + offset, {nbytes})
-      .deleter([mem](void*) {})
-      .options(opts)
-      .make_tensor();
+  const int64_t stride = 1;
+  return torch::stable::from_blob(mem->ptr + offset, {nbytes}, {&stride, 1},
+                                  torch::stable::Device(torch::headeronly::DeviceType::CUDA, mem->device),
+                                  ScalarType::Byte, [mem](void*) {});
 }
 
 // ------------------------------------------------------------------ data ops
 
-void peer_put_cuda(at::TensorList ts, int64_t plane, int64_t slot, c10::IntArrayRef regions,
-                   c10::IntArrayRef rows, c10::IntArrayRef dst_rows, c10::IntArrayRef part_offsets,
-                   c10::IntArrayRef flag_offsets, bool quantize_first, bool ue8m0) {
+void peer_put_cuda(TensorList ts, int64_t plane, int64_t slot, IntList regions,
+                   IntList rows, IntList dst_rows, IntList part_offsets,
+                   IntList flag_offsets, bool quantize_first, bool ue8m0) {
   const char* op = "peer_put";
   const size_t n = regions.size();
-  TORCH_CHECK(rows.size() == n && dst_rows.size() == n && flag_offsets.size() == n, "afd_ext.", op,
+  AFD_CHECK(rows.size() == n && dst_rows.size() == n && flag_offsets.size() == n, "afd_ext.", op,
               ": regions, rows, dst_rows and flag_offsets must have equal lengths (one per peer), "
               "got ", n, ", ", rows.size(), ", ", dst_rows.size(), ", ", flag_offsets.size());
   Table& t = table();
@@ -454,26 +451,26 @@ void peer_put_cuda(at::TensorList ts, int64_t plane, int64_t slot, c10::IntArray
     pl = get_plane_locked(t, plane, op);
     for (size_t i = 0; i < n; ++i) mems.push_back(get_region_locked(t, regions[i], op, "region"));
   }
-  TORCH_CHECK(static_cast<int>(n) <= pl->max_peers, "afd_ext.", op, ": ", n,
+  AFD_CHECK(static_cast<int>(n) <= pl->max_peers, "afd_ext.", op, ": ", n,
               " peers but the plane was created for at most ", pl->max_peers);
-  TORCH_CHECK(slot >= 0 && slot < pl->num_slots, "afd_ext.", op, ": slot ", slot,
+  AFD_CHECK(slot >= 0 && slot < pl->num_slots, "afd_ext.", op, ": slot ", slot,
               " must be in [0, ", pl->num_slots, ")");
   int64_t total = 0;
   for (size_t i = 0; i < n; ++i) {
-    TORCH_CHECK(rows[i] >= 0 && dst_rows[i] >= 0, "afd_ext.", op, ": rows[", i, "]=", rows[i],
+    AFD_CHECK(rows[i] >= 0 && dst_rows[i] >= 0, "afd_ext.", op, ": rows[", i, "]=", rows[i],
                 " and dst_rows[", i, "]=", dst_rows[i], " must be >= 0");
     total += rows[i];
   }
   // Quantizing: the first tensor takes two parts (values, then scales).
   const size_t q = quantize_first ? 1 : 0;
-  TORCH_CHECK(!ts.empty() && ts.size() + q <= static_cast<size_t>(kPeerMaxParts), "afd_ext.", op, ": ", ts.size(),
+  AFD_CHECK(!ts.empty() && ts.size() + q <= static_cast<size_t>(kPeerMaxParts), "afd_ext.", op, ": ", ts.size(),
               " tensors given; a put moves 1 to ", kPeerMaxParts, " parts (FP8 values and scales count two)");
-  TORCH_CHECK(part_offsets.size() == ts.size() + q, "afd_ext.", op, ": part_offsets has ",
+  AFD_CHECK(part_offsets.size() == ts.size() + q, "afd_ext.", op, ": part_offsets has ",
               part_offsets.size(), " entries but ", ts.size() + q,
               " wire parts travel (one byte offset per part, in order; FP8 scales right after their values)");
-  const at::Tensor& first = ts[0];
+  const Tensor& first = ts[0];
   if (quantize_first) {
-    TORCH_CHECK(first.scalar_type() == at::kBFloat16 && first.dim() == 2 && first.size(1) % kFp8Group == 0 &&
+    AFD_CHECK(first.scalar_type() == ScalarType::BFloat16 && first.dim() == 2 && first.size(1) % kFp8Group == 0 &&
                     reinterpret_cast<uintptr_t>(first.data_ptr()) % 8 == 0,
                 "afd_ext.", op, ": quantize_first needs an 8-byte aligned bfloat16 tensors[0] [T, H] "
                 "with H a multiple of ", kFp8Group, ", got ", first.scalar_type(), " ", first.sizes());
@@ -502,19 +499,19 @@ void peer_put_cuda(at::TensorList ts, int64_t plane, int64_t slot, c10::IntArray
     }
   }
   for (size_t k = 0; k < part_offsets.size(); ++k) {
-    TORCH_CHECK(part_offsets[k] >= 0, "afd_ext.", op, ": part_offsets[", k, "] must be >= 0");
+    AFD_CHECK(part_offsets[k] >= 0, "afd_ext.", op, ": part_offsets[", k, "] must be >= 0");
   }
   for (size_t i = 0; i < n; ++i) {
-    TORCH_CHECK(mems[i].device == pl->device, "afd_ext.", op, ": regions[", i, "] is mapped for cuda:",
+    AFD_CHECK(mems[i].device == pl->device, "afd_ext.", op, ": regions[", i, "] is mapped for cuda:",
                 mems[i].device, " but the plane is on cuda:", pl->device);
     const PeerMem& m = *mems[i].mem;
     for (size_t k = 0; k < dst_rb.size(); ++k) {
       const int64_t end = dst_off[k] + (dst_rows[i] + rows[i]) * dst_rb[k];
-      TORCH_CHECK(end <= m.bytes, "afd_ext.", op, ": part ", k, " rows [", dst_rows[i], ", ",
+      AFD_CHECK(end <= m.bytes, "afd_ext.", op, ": part ", k, " rows [", dst_rows[i], ", ",
                   dst_rows[i] + rows[i], ") for peer ", i, " end at byte ", end,
                   ", past the peer region's ", m.bytes, " bytes (capacity exceeded)");
     }
-    TORCH_CHECK(flag_offsets[i] >= 0 && flag_offsets[i] % 8 == 0 && flag_offsets[i] + 8 <= m.bytes,
+    AFD_CHECK(flag_offsets[i] >= 0 && flag_offsets[i] % 8 == 0 && flag_offsets[i] + 8 <= m.bytes,
                 "afd_ext.", op, ": flag_offsets[", i, "]=", flag_offsets[i],
                 " must be 8-byte aligned inside the region's ", m.bytes, " bytes");
     a.dst_base[i] = m.ptr;
@@ -525,21 +522,21 @@ void peer_put_cuda(at::TensorList ts, int64_t plane, int64_t slot, c10::IntArray
   }
   int64_t src_row = 0;
   for (size_t i = 0; i < n; ++i) a.src_row[i] = src_row, src_row += rows[i];
-  const auto dev = static_cast<c10::DeviceIndex>(pl->device);
-  c10::cuda::CUDAGuard guard(dev);
-  const int err = peer_put_launch(a, 2 * pl->sm_count, c10::cuda::getCurrentCUDAStream(dev).stream());
+  const auto dev = pl->device;
+  DeviceGuard guard(dev);
+  const int err = peer_put_launch(a, 2 * pl->sm_count, current_stream(dev));
   if (err != 0) {
     throw_cuda_error("peer_put_launch", err, cudaGetErrorString(static_cast<cudaError_t>(err)),
                      __FILE__, __LINE__);
   }
 }
 
-void peer_wait_cuda(at::TensorList ts, const OptTensor& out, int64_t plane, int64_t slot, int64_t region,
-                    c10::IntArrayRef flag_offsets, c10::IntArrayRef peers, int64_t op_code, int64_t layer,
+void peer_wait_cuda(TensorList ts, const OptTensor& out, int64_t plane, int64_t slot, int64_t region,
+                    IntList flag_offsets, IntList peers, int64_t op_code, int64_t layer,
                     int64_t stage, int64_t timeout_ns, bool dequantize) {
   const char* op = "peer_wait";
   const size_t n = flag_offsets.size();
-  TORCH_CHECK(peers.size() == n, "afd_ext.", op,
+  AFD_CHECK(peers.size() == n, "afd_ext.", op,
               ": flag_offsets and peers must have equal lengths (one per peer), got ", n, " and ",
               peers.size());
   Table& t = table();
@@ -551,19 +548,19 @@ void peer_wait_cuda(at::TensorList ts, const OptTensor& out, int64_t plane, int6
     ref = get_region_locked(t, region, op, "region");
   }
   const std::shared_ptr<PeerMem>& mem = ref.mem;
-  TORCH_CHECK(static_cast<int>(n) <= pl->max_peers, "afd_ext.", op, ": ", n,
+  AFD_CHECK(static_cast<int>(n) <= pl->max_peers, "afd_ext.", op, ": ", n,
               " peers but the plane was created for at most ", pl->max_peers);
-  TORCH_CHECK(slot >= 0 && slot < pl->num_slots, "afd_ext.", op, ": slot ", slot,
+  AFD_CHECK(slot >= 0 && slot < pl->num_slots, "afd_ext.", op, ": slot ", slot,
               " must be in [0, ", pl->num_slots, ")");
-  TORCH_CHECK(timeout_ns > 0, "afd_ext.", op, ": timeout_ns must be > 0, got ", timeout_ns);
-  TORCH_CHECK(mem->device == pl->device, "afd_ext.", op, ": the flags' region is on cuda:", mem->device,
+  AFD_CHECK(timeout_ns > 0, "afd_ext.", op, ": timeout_ns must be > 0, got ", timeout_ns);
+  AFD_CHECK(mem->device == pl->device, "afd_ext.", op, ": the flags' region is on cuda:", mem->device,
               " but the plane is on cuda:", pl->device, "; a plane waits in its own region");
-  TORCH_CHECK(!ts.empty() && (!dequantize || (ts.size() >= 2 && out.has_value())), "afd_ext.", op,
+  AFD_CHECK(!ts.empty() && (!dequantize || (ts.size() >= 2 && out.has_value())), "afd_ext.", op,
               ": give the guarded tensors (", ts.size(), " given), and with dequantize values, scales and out");
   for (size_t k = 0; k < ts.size(); ++k) {
     check_on(op, ("tensors[" + std::to_string(k) + "]").c_str(), ts[k], pl->device);
   }
-  const at::Tensor& src = ts[0];
+  const Tensor& src = ts[0];
   PeerWaitArgs a{};
   a.plane = pl->dev;
   a.slot = static_cast<int>(slot);
@@ -573,7 +570,7 @@ void peer_wait_cuda(at::TensorList ts, const OptTensor& out, int64_t plane, int6
   a.stage = static_cast<int>(stage);
   a.timeout_ns = timeout_ns;
   for (size_t i = 0; i < n; ++i) {
-    TORCH_CHECK(flag_offsets[i] >= 0 && flag_offsets[i] % 8 == 0 &&
+    AFD_CHECK(flag_offsets[i] >= 0 && flag_offsets[i] % 8 == 0 &&
                     flag_offsets[i] + 8 <= mem->bytes,
                 "afd_ext.", op, ": flag_offsets[", i, "]=", flag_offsets[i],
                 " must be 8-byte aligned inside the region's ", mem->bytes, " bytes");
@@ -581,12 +578,12 @@ void peer_wait_cuda(at::TensorList ts, const OptTensor& out, int64_t plane, int6
     a.peer_id[i] = static_cast<int>(peers[i]);
   }
   if (dequantize) {  // FP8 values (tensors[0]) and their scales (tensors[1]) delivered as bf16
-    const at::Tensor& scales = ts[1];
+    const Tensor& scales = ts[1];
     check_on(op, "out", *out, pl->device);
     const int64_t h = src.dim() == 2 ? src.size(1) : 0;
-    TORCH_CHECK(src.scalar_type() == at::kFloat8_e4m3fn && out->scalar_type() == at::kBFloat16 &&
-                    scales.scalar_type() == at::kFloat && h % kFp8Group == 0 && out->sizes() == src.sizes() &&
-                    scales.dim() == 2 && scales.size(0) == src.size(0) && scales.size(1) == h / kFp8Group &&
+    AFD_CHECK(src.scalar_type() == ScalarType::Float8_e4m3fn && out->scalar_type() == ScalarType::BFloat16 &&
+                    scales.scalar_type() == ScalarType::Float && h % kFp8Group == 0 &&
+                    out->sizes().equals(src.sizes()) && scales.dim() == 2 && scales.size(0) == src.size(0) && scales.size(1) == h / kFp8Group &&
                     out->is_contiguous() && src.is_contiguous() && scales.is_contiguous() &&
                     reinterpret_cast<uintptr_t>(out->data_ptr()) % 16 == 0 &&
                     reinterpret_cast<uintptr_t>(src.data_ptr()) % 8 == 0,
@@ -597,10 +594,10 @@ void peer_wait_cuda(at::TensorList ts, const OptTensor& out, int64_t plane, int6
     a.copy_src = static_cast<const char*>(src.data_ptr());
     a.copy_dst = static_cast<char*>(out->data_ptr());
     a.copy_bytes = src.numel();
-    a.dq_scales = scales.data_ptr<float>();
+    a.dq_scales = static_cast<float*>(scales.data_ptr());
   } else if (out.has_value()) {
     check_on(op, "out", *out, pl->device);
-    TORCH_CHECK(out->scalar_type() == src.scalar_type() && out->sizes() == src.sizes() && out->is_contiguous() &&
+    AFD_CHECK(out->scalar_type() == src.scalar_type() && out->sizes().equals(src.sizes()) && out->is_contiguous() &&
                     src.is_contiguous(),
                 "afd_ext.", op, ": out must be a contiguous tensor of tensors[0]'s dtype and shape (",
                 src.scalar_type(), " ", src.sizes(), "), got ", out->scalar_type(), " ", out->sizes(),
@@ -609,20 +606,20 @@ void peer_wait_cuda(at::TensorList ts, const OptTensor& out, int64_t plane, int6
     a.copy_dst = static_cast<char*>(out->data_ptr());
     a.copy_bytes = src.numel() * static_cast<int64_t>(src.element_size());
   }
-  const auto dev = static_cast<c10::DeviceIndex>(pl->device);
-  c10::cuda::CUDAGuard guard(dev);
+  const auto dev = pl->device;
+  DeviceGuard guard(dev);
   // At most one block per SM: spinning blocks never fill the GPU, so the
   // peer's put (maybe on another stream of this process) always finds room.
-  const int err = peer_wait_launch(a, pl->sm_count, c10::cuda::getCurrentCUDAStream(dev).stream());
+  const int err = peer_wait_launch(a, pl->sm_count, current_stream(dev));
   if (err != 0) {
     throw_cuda_error("peer_wait_launch", err, cudaGetErrorString(static_cast<cudaError_t>(err)),
                      __FILE__, __LINE__);
   }
 }
 
-TORCH_LIBRARY_IMPL(afd_ext, CUDA, m) {
-  m.impl("peer_put", &peer_put_cuda);
-  m.impl("peer_wait", &peer_wait_cuda);
+STABLE_TORCH_LIBRARY_IMPL(afd_ext, CUDA, m) {
+  m.impl("peer_put", TORCH_BOX(&peer_put_cuda));
+  m.impl("peer_wait", TORCH_BOX(&peer_wait_cuda));
 }
 
 }  // namespace afd

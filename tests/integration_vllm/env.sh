@@ -4,7 +4,7 @@
 # afd_ext into it (every run: the editable install must point at the clone under test).
 # Prints "<the environment's python> <the afd-plugin source tree>" on stdout (the only line there).
 #
-# Variables: AFD_VLLM_PINS (a pins file in tests/integration_vllm/, default pins.txt: vLLM 0.26.0;
+# Variables: AFD_VLLM_ENV_ONLY (1: only make the env, print its python), AFD_VLLM_PINS (a pins file in tests/integration_vllm/, default pins.txt: vLLM 0.26.0;
 # pins-vllm030.txt: vLLM 0.30.0), PYTHON (interpreter, default python3), AFD_VLLM_ENV_DIR (the env of
 # pins.txt; that of pins-<tag>.txt is $AFD_VLLM_ENV_DIR-<tag>; default ~/.cache/afd_ext/vllm-env-<hash>),
 # AFD_PLUGIN_SRC (afd-plugin source tree, installed editable; default a writable copy of
@@ -40,6 +40,8 @@ if [ ! -f "$env_dir/.afd-ready" ]; then
 else
     log "using cached env $env_dir"
 fi
+# AFD_VLLM_ENV_ONLY=1: the environment alone (make wheel compiles against its torch): print its python, stop.
+[ -z "${AFD_VLLM_ENV_ONLY:-}" ] || { echo "$vpy"; exit 0; }
 
 # afd-plugin from source. The snapshot has no .git, hence the pretended version; no Ascend ops on CPU.
 src="${AFD_PLUGIN_SRC:-}"
