@@ -395,6 +395,14 @@ def test_fp8_check_passes_per_scale_format_and_detects_the_other(fmt):
     assert all("tensor 1 rows" in " ".join(c["errors"]) for c in bad if not c["ok"])  # the scales differ
 
 
+def test_cpu_check_sizes_take_every_variant_gloo_runs():
+    """The CPU ``--check`` sizes suit the FP8 variant too (hidden a multiple of fp8.GROUP): none is skipped."""
+    from afd_ext.fp8 import GROUP
+    from afd_ext.tools.bench.plan import check_cases
+
+    assert all(c.hidden % GROUP == 0 for c in check_cases(cuda=False))
+
+
 # ---------------------------------------------------------------------------
 # GPU tier: a CUDA build of afd_ext; --check on one GPU shares it (NCCL over sockets), timings need 2
 # ---------------------------------------------------------------------------

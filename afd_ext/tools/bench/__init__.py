@@ -243,7 +243,7 @@ def _print_checks(checks: list[dict]) -> int:
     for c in bad[:20]:
         print(f"FAIL {c['case_key']} {c['variant']}/{c['mode']} at {c['role']} "
               f"{c['role_rank']}: {'; '.join(c['errors'])}")
-    print(f"check: {len(checks) - len(bad)} of {len(checks)} passed")
+    print(f"check: {len(checks) - len(bad)} of {len(checks)} passed" if checks else "check: no check ran (see skipped)")
     return len(bad)
 
 

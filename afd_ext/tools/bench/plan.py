@@ -104,7 +104,7 @@ def gloo_cases() -> list[Case]:
 def check_cases(cuda: bool) -> list[Case]:
     """Sizes for ``--check``: odd row counts and a multi-MB message, with and without extras."""
     if not cuda:
-        return [Case(48, t, e, logits_width=8) for t in (1, 7) for e in (True, False)]
+        return [Case(128, t, e, logits_width=8) for t in (1, 7) for e in (True, False)]  # 128: FP8's group
     return [Case(7168, t, e) for t in (1, 127, 1000) for e in (True, False)] + [Case(2048, 3, True)]
 
 
