@@ -19,7 +19,7 @@ import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
-from .errors import AFDConfigError
+from .errors import AFDConfigError, AFDTypeError
 
 #: Fields of ``connector_extra_config`` that once chose the packed wire format (removed: one message
 #: per tensor won at every size in CUDA graphs, docs/benchmarks.md); still accepted, with a warning.
@@ -49,7 +49,7 @@ def coerce_bool(value: Any, name: str) -> bool:
     """The reference's bool rule: a bool, 0/1, or "1/true/yes/on" / "0/false/no/off".
 
     Raises:
-        TypeError: anything else.
+        AFDTypeError (a TypeError): anything else.
     """
     if isinstance(value, bool):
         return value
@@ -61,33 +61,33 @@ def coerce_bool(value: Any, name: str) -> bool:
             return True
         if v in _FALSE:
             return False
-    raise TypeError(f"{name} must be a bool (true/false, 1/0, yes/no, on/off), got {value!r}")
+    raise AFDTypeError(f"{name} must be a bool (true/false, 1/0, yes/no, on/off), got {value!r}")
 
 
 def coerce_int(value: Any, name: str) -> int:
     """An int, or a string of decimal digits; bools and floats are rejected.
 
     Raises:
-        TypeError: anything else.
+        AFDTypeError (a TypeError): anything else.
     """
     if isinstance(value, bool) or isinstance(value, float):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        raise AFDTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if isinstance(value, int):
         return value
     if isinstance(value, str):
         v = value.strip()
         if v.lstrip("+-").isdigit() and v.isascii():
             return int(v)
-    raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    raise AFDTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
 
 
 def coerce_float(value: Any, name: str) -> float:
     """An int, a float or a numeric string; bools, NaN and infinities are rejected.
 
     Raises:
-        TypeError: not a number. AFDConfigError: not finite.
+        AFDTypeError (a TypeError): not a number. AFDConfigError: not finite.
     """
-    bad = TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    bad = AFDTypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise bad
     try:
@@ -108,11 +108,11 @@ def resolve_job_id(explicit: Any = None) -> tuple[str, str]:
     world rank a live process holds).
 
     Raises:
-        TypeError: ``explicit`` is neither None nor a string.
+        AFDTypeError (a TypeError): ``explicit`` is neither None nor a string.
     """
     if explicit is not None:
         if not isinstance(explicit, str):
-            raise TypeError(f"connector_extra_config.job_id must be a string, got {type(explicit).__name__}")
+            raise AFDTypeError(f"connector_extra_config.job_id must be a string, got {type(explicit).__name__}")
         return explicit.strip(), "connector_extra_config.job_id"
     from . import envs
 
@@ -244,14 +244,14 @@ class AfdExtConnectorConfig:
         ``DeprecationWarning``.
 
         Raises:
-            TypeError: ``raw`` is not a mapping, or a value has the wrong type.
+            AFDTypeError (a TypeError): ``raw`` is not a mapping, or a value has the wrong type.
             AFDConfigError: unknown key (the message lists the known ones) or a
                 value out of range.
         """
         if raw is None:
             return cls()
         if not isinstance(raw, Mapping):
-            raise TypeError("connector_extra_config must be a mapping")
+            raise AFDTypeError("connector_extra_config must be a mapping")
         old = [k for k in _DEPRECATED_EXTRA if k in raw]
         if old:
             warnings.warn(f"connector_extra_config field(s) {old} are deprecated and ignored: the packed wire "
@@ -345,7 +345,7 @@ class AFDConfig:
         if extra is None:
             extra = {}
         if not isinstance(extra, Mapping):
-            raise TypeError("connector_extra_config must be a mapping")
+            raise AFDTypeError("connector_extra_config must be a mapping")
         set_("connector_extra_config", dict(extra))
         if self.connector in BUILTIN_CONNECTOR_NAMES:
             set_("extra", AfdExtConnectorConfig.from_mapping(extra))
@@ -361,7 +361,7 @@ class AFDConfig:
             expected_role: when given, the parsed role must equal it.
 
         Raises:
-            TypeError: ``raw`` or ``connector_extra_config`` not a mapping, a
+            AFDTypeError (a TypeError): ``raw`` or ``connector_extra_config`` not a mapping, a
                 bool/int field of the wrong type.
             AFDConfigError: unknown field ("put connector-specific values under
                 'connector_extra_config'"), a field given under two spellings,
@@ -369,7 +369,7 @@ class AFDConfig:
                 extra config.
         """
         if not isinstance(raw, Mapping):
-            raise TypeError(f"AFD config must be a mapping, got {type(raw).__name__}")
+            raise AFDTypeError(f"AFD config must be a mapping, got {type(raw).__name__}")
         seen: dict[str, str] = {}
         kwargs: dict[str, Any] = {}
         for key, value in raw.items():
@@ -386,7 +386,7 @@ class AFDConfig:
             seen[canon] = key
             kwargs[canon] = value
         if "connector_extra_config" in kwargs and not isinstance(kwargs["connector_extra_config"], Mapping):
-            raise TypeError("connector_extra_config must be a mapping")
+            raise AFDTypeError("connector_extra_config must be a mapping")
         cfg = cls(**kwargs)
         if expected_role is not None and cfg.role != expected_role:
             raise AFDConfigError(f"AFD config role is {cfg.role!r} but this process runs the {expected_role!r} role")
@@ -464,13 +464,13 @@ def _additional_config(source: Any) -> Mapping[str, Any] | None:
     if source is None or isinstance(source, Mapping):
         return source
     if not hasattr(source, "additional_config"):
-        raise TypeError(
+        raise AFDTypeError(
             f"expected vLLM's additional_config mapping or a VllmConfig-like object with an "
             f"additional_config attribute, got {type(source).__name__}"
         )
     extra = source.additional_config
     if extra is not None and not isinstance(extra, Mapping):
-        raise TypeError(f"additional_config must be a mapping, got {type(extra).__name__}")
+        raise AFDTypeError(f"additional_config must be a mapping, got {type(extra).__name__}")
     return extra
 
 
@@ -490,7 +490,7 @@ def parse_afd_config(source: Any, *, expected_role: str | None = None) -> AFDCon
 
     Raises:
         AFDConfigError: no ``"afd"`` section, plus everything :meth:`AFDConfig.from_dict` raises.
-        TypeError: ``source`` is neither a mapping nor has ``additional_config``.
+        AFDTypeError (a TypeError): ``source`` is neither a mapping nor has ``additional_config``.
     """
     extra = _additional_config(source)
     if not (isinstance(extra, Mapping) and "afd" in extra):

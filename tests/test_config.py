@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from afd_ext.errors import AFDTypeError
 from afd_ext.config import (
     DEFAULT_CONNECTOR,
     REFERENCE_CONNECTOR,
@@ -79,7 +80,7 @@ def test_errors(raw, exc, match):
 
 
 def test_not_a_mapping():
-    with pytest.raises(TypeError):
+    with pytest.raises(AFDTypeError):
         AFDConfig.from_dict([("role", "ffn")])  # type: ignore[arg-type]
 
 
@@ -95,11 +96,11 @@ def test_coercion_rules():
     for v in (False, 0, "0", "false", "no", "off"):
         assert coerce_bool(v, "x") is False
     for v in (2, "", "y", None, 1.0):
-        with pytest.raises(TypeError):
+        with pytest.raises(AFDTypeError):
             coerce_bool(v, "x")
     assert coerce_int(5, "x") == 5 and coerce_int("42", "x") == 42
     for v in (True, 1.0, "4.0", None, "٣"):
-        with pytest.raises(TypeError):
+        with pytest.raises(AFDTypeError):
             coerce_int(v, "x")
 
 
@@ -114,7 +115,7 @@ def test_extra_config_parsing_and_round_trip():
     assert AfdExtConnectorConfig.from_mapping(e.to_mapping()) == e
     assert c.extra_config() is e
     assert AfdExtConnectorConfig.from_mapping(None) == AfdExtConnectorConfig()
-    with pytest.raises(TypeError):
+    with pytest.raises(AFDTypeError):
         AfdExtConnectorConfig.from_mapping([1])  # type: ignore[arg-type]
 
 
