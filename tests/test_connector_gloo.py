@@ -215,7 +215,7 @@ def test_constructor_is_device_light_and_validates():
 
 def test_watchdog_names_op_peer_layer_stage_and_aborts():
     from afd_ext.transport.base import AFDPeerError, AFDTimeoutError
-    from afd_ext.watchdog import Watchdog
+    from afd_ext.health.watchdog import Watchdog
 
     failures = []
     wd = Watchdog(0.05, owner="FFN rank 0", on_failure=failures.append)
@@ -251,7 +251,7 @@ def test_watchdog_names_op_peer_layer_stage_and_aborts():
 
 def test_watchdog_blame_names_the_culprit_and_on_tick_sees_the_oldest_op():
     from afd_ext.transport.base import AFDTimeoutError, MessageTag
-    from afd_ext.watchdog import Watchdog
+    from afd_ext.health.watchdog import Watchdog
 
     ticks = []
     wd = Watchdog(0.05, owner="FFN rank 0", poll_interval_s=0.001, abort_poll_s=0.001,
@@ -312,7 +312,7 @@ class _Rank:
 
     def __init__(self, role: str, role_rank: int, store, *, A=2, F=1, timeout_s=5.0):
         from afd_ext.transport.base import PeerMap
-        from afd_ext.transport.stall import StallReports
+        from afd_ext.health.stall import StallReports
 
         self.step, self.sent, self.received, self.idle_s = 1, 0, 0, 0.0
         self.role = role
@@ -352,7 +352,7 @@ def test_connector_progress_snapshot_matches_its_step():
 def test_progress_reports_let_a_fan_in_timeout_name_the_stalled_or_dead_attention_rank():
     """NCCL fan-in completes as a whole: the FFN names the missing peer from the peers' progress reports."""
     from afd_ext.transport.base import MessageTag
-    from afd_ext.watchdog import TrackedOp
+    from afd_ext.health.watchdog import TrackedOp
 
     store = _DictStore()
     ffn = _Rank("ffn", 0, store)
@@ -436,7 +436,7 @@ def test_a_remote_error_waits_for_the_posted_abort_that_names_the_root_cause():
     """A peer that posts the step abort and then aborts its communicators shows here as ncclRemoteError
     first; the posted abort (naming the failed rank) must win if it arrives within REMOTE_GRACE_S."""
     from afd_ext.transport.base import AFDPeerError
-    from afd_ext.watchdog import REMOTE_GRACE_S, Watchdog
+    from afd_ext.health.watchdog import REMOTE_GRACE_S, Watchdog
 
     posted: list[str] = []
     wd = Watchdog(10, owner="attention rank 0", comms=lambda: [(5, "f2a a0-f0")], async_error=lambda h: 6,

@@ -21,7 +21,7 @@ from ..errors import (AFDClosedError, AFDConfigError, AFDError, AFDPeerError, AF
 from ..metadata import AFDControlPayload
 from ..schedule import StepSchedule
 from ..transport.base import MessageTag, StepProgress, Transport
-from ..transport.signal import AbortSignal
+from ..health import AbortSignal
 from .buffers import BufferPool
 from .sequencer import StepSequencer, exchange_order
 from .step import Step

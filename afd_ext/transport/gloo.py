@@ -16,7 +16,7 @@ Bounded waits: a gloo wait that times out closes the pair it waits on, so
 waits cannot be sliced with short gloo timeouts. Instead a daemon waiter
 thread calls ``work.wait(deadline)`` while the calling thread polls its
 completion in short slices and checks the rendezvous abort signal between
-slices (:func:`afd_ext.watchdog.host_wait`). A gloo wait cannot be
+slices (:func:`afd_ext.health.host_wait`). A gloo wait cannot be
 interrupted: :meth:`GlooTransport.close` joins the waiter when healthy
 (bounded by the deadline) and, after an abort, leaves a wait still blocked
 to end on its own thread (when the peer drops its end, or at gloo's own
@@ -41,7 +41,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..watchdog import CallThread, host_wait
+from ..health import AbortSignal, CallThread, host_wait
 from .base import (
     AFDPeerError,
     AFDProtocolError,
@@ -56,7 +56,6 @@ from .base import (
 )
 from .. import fp8
 from ..errors import AFDConfigError
-from .signal import AbortSignal
 from ..rendezvous import error_text
 
 logger = logging.getLogger(__name__)
@@ -168,7 +167,7 @@ class GlooTransport(Transport):
         peers: the :class:`~afd_ext.transport.base.PeerMap` of this rank.
         timeout_s: deadline of every wait inside a step, seconds (> 0).
         init_timeout_s: deadline for building the process group, seconds.
-        abort: the generation's :class:`~afd_ext.transport.signal.AbortSignal`
+        abort: the generation's :class:`~afd_ext.health.AbortSignal`
             (checked between wait slices and by :meth:`check_health`), or None.
 
     Raises:

@@ -39,7 +39,7 @@ the capturing stream through events; :meth:`NcclTransport.prepare_stages`
 creates them before any capture).
 
 No hang: after each group an event is recorded on the stream and handed to the
-:class:`~afd_ext.watchdog.Watchdog` with a description (op, peers, layer,
+:class:`~afd_ext.health.Watchdog` with a description (op, peers, layer,
 stage, the exchange's tag); on expiry or an asynchronous communicator error
 the watchdog posts the abort signal (bounded, *before* the communicators are aborted: aborting releases queued sends, so a peer that
 receives one afterwards finds the abort already posted), aborts every
@@ -49,7 +49,7 @@ for strict headers, ``barrier``) are tracked like any operation, so the watchdog
 the error names the *oldest* unfinished operation (its op, peers, layer and
 stage), not the wait that noticed it; the host wait itself only has a backstop
 deadline a little later. Which peer of a multi-peer group did not send is
-decided from the peers' published progress (:mod:`afd_ext.transport.stall`).
+decided from the peers' published progress (:mod:`afd_ext.health.stall`).
 
 No fused send-and-receive op: the connector API is two calls
 (``send_attn_output``, later ``recv_ffn_output``), so fusing would hold the
@@ -76,7 +76,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from .. import fp8
-from ..watchdog import Watchdog, host_wait
+from ..health import AbortSignal, StallReports, Watchdog, host_wait
 from ..errors import AFDConfigError, AFDStateError
 from .base import (
     AFDTimeoutError,
@@ -88,8 +88,6 @@ from .base import (
     Transport,
     TransportSetup,
 )
-from .signal import AbortSignal
-from .stall import StallReports
 from .streams import StageStreams  # noqa: F401 - was defined here; still importable from this module
 
 logger = logging.getLogger(__name__)
@@ -332,11 +330,11 @@ class NcclTransport(Transport):
         timeout_s: deadline of an in-flight operation, seconds.
         init_timeout_s: one deadline for the whole setup (unique-id exchange and every
             ``ncclCommInitRank``), seconds.
-        abort: the generation's :class:`~afd_ext.transport.signal.AbortSignal`, polled by the
+        abort: the generation's :class:`~afd_ext.health.AbortSignal`, polled by the
             watchdog and posted on failure; or None (nothing polled or posted).
         progress: callable returning this rank's :class:`~afd_ext.transport.base.StepProgress`,
-            for naming the stalled peer (:mod:`afd_ext.transport.stall`); or None.
-        publish_after_s: see :class:`~afd_ext.transport.stall.StallReports` (default ``0.4 * timeout_s``).
+            for naming the stalled peer (:mod:`afd_ext.health.stall`); or None.
+        publish_after_s: see :class:`~afd_ext.health.stall.StallReports` (default ``0.4 * timeout_s``).
 
     Raises:
         RendezvousTimeoutError: a peer did not publish its unique id, or did not join

@@ -55,7 +55,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
-from .errors import AFDConfigError, AFDPeerError, AFDTimeoutError, AFDTransportError
+from ..errors import AFDConfigError, AFDPeerError, AFDTimeoutError, AFDTransportError
 
 logger = logging.getLogger(__name__)
 
