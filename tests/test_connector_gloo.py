@@ -214,8 +214,9 @@ def test_constructor_is_device_light_and_validates():
 
 
 def test_watchdog_names_op_peer_layer_stage_and_aborts():
-    from afd_ext.transport.base import AFDPeerError, AFDTimeoutError
     from afd_ext.health.watchdog import Watchdog
+    from afd_ext.transport.base import AFDPeerError, AFDTimeoutError
+    from afd_ext.transport.nccl import CommErrors
 
     failures = []
     wd = Watchdog(0.05, owner="FFN rank 0", on_failure=failures.append)
@@ -232,10 +233,10 @@ def test_watchdog_names_op_peer_layer_stage_and_aborts():
     with pytest.raises(AFDTimeoutError):
         wd.check()
 
-    wd2 = Watchdog(10, owner="x", comms=lambda: [(5, "a2f a0-f0")], async_error=lambda h: 6)
+    wd2 = Watchdog(10, owner="x", polls=[CommErrors(lambda: [(5, "a2f a0-f0")], lambda h: 6)])
     wd2.poll_once()
     assert isinstance(wd2.failure, AFDPeerError) and "a2f a0-f0" in str(wd2.failure)
-    wd3 = Watchdog(10, owner="x", comms=lambda: [(5, "a2f a0-f0")], async_error=lambda h: 7)
+    wd3 = Watchdog(10, owner="x", polls=[CommErrors(lambda: [(5, "a2f a0-f0")], lambda h: 7)])
     wd3.poll_once()
     assert wd3.failure is None  # ncclInProgress is not an error
 
@@ -435,11 +436,12 @@ def test_headers_round_trip_and_mismatch():
 def test_a_remote_error_waits_for_the_posted_abort_that_names_the_root_cause():
     """A peer that posts the step abort and then aborts its communicators shows here as ncclRemoteError
     first; the posted abort (naming the failed rank) must win if it arrives within REMOTE_GRACE_S."""
+    from afd_ext.health.watchdog import Watchdog
     from afd_ext.transport.base import AFDPeerError
-    from afd_ext.health.watchdog import REMOTE_GRACE_S, Watchdog
+    from afd_ext.transport.nccl import REMOTE_GRACE_S, CommErrors
 
     posted: list[str] = []
-    wd = Watchdog(10, owner="attention rank 0", comms=lambda: [(5, "f2a a0-f0")], async_error=lambda h: 6,
+    wd = Watchdog(10, owner="attention rank 0", polls=[CommErrors(lambda: [(5, "f2a a0-f0")], lambda h: 6)],
                   abort_check=lambda: posted[0] if posted else None)
     t0 = time.monotonic()
     wd.poll_once(now=t0)
@@ -449,7 +451,7 @@ def test_a_remote_error_waits_for_the_posted_abort_that_names_the_root_cause():
     wd.poll_once(now=t0 + REMOTE_GRACE_S + 0.1)
     assert "attention rank 1 (world rank 2)" in str(wd.failure)
 
-    alone = Watchdog(10, owner="attention rank 0", comms=lambda: [(5, "f2a a0-f0")], async_error=lambda h: 6,
+    alone = Watchdog(10, owner="attention rank 0", polls=[CommErrors(lambda: [(5, "f2a a0-f0")], lambda h: 6)],
                      abort_check=lambda: None)
     alone.poll_once(now=t0)
     assert alone.failure is None

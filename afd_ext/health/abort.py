@@ -90,6 +90,11 @@ class AbortSignal:
         except cf.TimeoutError:
             return self._posted
 
+    @property
+    def calls(self) -> Any:
+        """The :class:`~afd_ext.health.CallThread` that makes the store's round trips (the watchdog's store hooks run there)."""
+        return self._store._runner
+
     def error(self, found: tuple[str, str], op: str = "", missing: Any = ()) -> BaseException:
         """The error of the posted abort ``found`` (``(reason, by)``) met while ``op``; ``missing``: ranks
         not arrived yet (named with a duplicate rank)."""

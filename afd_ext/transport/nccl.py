@@ -79,6 +79,7 @@ from .. import fp8
 from ..health import AbortSignal, StallReports, Watchdog, host_wait
 from ..errors import AFDConfigError, AFDStateError
 from .base import (
+    AFDPeerError,
     AFDTimeoutError,
     AFDTransportError,
     MessageTag,
@@ -92,7 +93,7 @@ from .streams import StageStreams  # noqa: F401 - was defined here; still import
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NcclTransport", "DIRECTIONS", "RELEASE_TIMEOUT_S", "WAIT_BACKSTOP_S", "POST_ABORT_WAIT_S", "EXIT_WAIT_S",
+__all__ = ["NcclTransport", "CommErrors", "DIRECTIONS", "RELEASE_TIMEOUT_S", "WAIT_BACKSTOP_S", "POST_ABORT_WAIT_S", "EXIT_WAIT_S",
            "pending_releases"]
 
 DIRECTIONS = ("a2f", "f2a")
@@ -103,6 +104,16 @@ RELEASE_TIMEOUT_S = 15.0
 WAIT_BACKSTOP_S = 2.0
 #: How long a failing rank waits for its abort post (store round trip) before aborting its communicators.
 POST_ABORT_WAIT_S = 1.0
+#: ``ncclInProgress``: an asynchronous communicator operation is still running (not an error).
+NCCL_IN_PROGRESS = 7
+NCCL_REMOTE_ERROR = 6
+#: Seconds a communicator's ncclRemoteError waits for the watchdog to find the posted abort
+#: (the root cause, naming the rank that failed) before it is reported itself.
+REMOTE_GRACE_S = 1.0
+_NCCL_ERRORS = {
+    1: "ncclUnhandledCudaError", 2: "ncclSystemError", 3: "ncclInternalError",
+    4: "ncclInvalidArgument", 5: "ncclInvalidUsage", 6: "ncclRemoteError",
+}
 
 # NCCL management calls that overran their bound and may still be running in a
 # helper thread (thread, description); a new transport waits for them first.
@@ -205,6 +216,50 @@ def _wait_pending(timeout_s: float, owner: str) -> None:
             f"AFD {owner}: earlier NCCL calls of this process are still running after {timeout_s:.0f} s: "
             f"{'; '.join(left)}. A new communicator would queue behind them on the GPU and hang; restart "
             "this process (its GPU work is stuck; see the stack dump / NCCL_DEBUG=INFO output).")
+
+
+class CommErrors:
+    """The NCCL transport's poll of its own state, run by the watchdog: a communicator's asynchronous error.
+
+    Args:
+        comms: callable returning ``[(handle, name)]`` of the live communicators.
+        async_error: ``handle -> int`` (``ops.comm_async_error``).
+
+    Called as ``poll(watchdog, now)``: the :class:`~afd_ext.errors.AFDPeerError` of the first
+    communicator in error (naming the oldest in-flight operation), or None. A peer aborting its
+    communicators after posting the step abort shows here first as ncclRemoteError: while the
+    watchdog reads the abort signal, that error waits :data:`REMOTE_GRACE_S` for the posted root cause.
+    """
+
+    def __init__(self, comms: Callable[[], Sequence[tuple[int, str]]], async_error: Callable[[int], int]):
+        self.comms = comms
+        self.async_error = async_error
+        self._remote_seen: float | None = None  # when a communicator first reported a remote error
+
+    def __call__(self, wd: Watchdog, now: float) -> BaseException | None:
+        for handle, desc in list(self.comms()):
+            try:
+                code = int(self.async_error(handle))
+            except Exception as e:  # noqa: BLE001
+                code, err = -1, str(e)
+            else:
+                err = _NCCL_ERRORS.get(code, f"NCCL error {code}")
+            if code in (0, NCCL_IN_PROGRESS):
+                continue
+            if code == NCCL_REMOTE_ERROR and wd.posts_abort:
+                if self._remote_seen is None:
+                    self._remote_seen = now
+                if now - self._remote_seen < REMOTE_GRACE_S:
+                    continue
+            last = wd.in_flight
+            op0 = last[0] if last else None
+            ctx = f"; in flight: {op0.describe()}" if op0 else ""
+            return AFDPeerError(
+                f"AFD {wd.owner}: communicator {desc} reported {err}{ctx}. The peer probably died "
+                "or its network failed; close and re-initialise the connector.",
+                op=op0.what if op0 else None, peer=desc, layer=op0.layer if op0 else None,
+                stage=op0.stage if op0 else None)
+        return None
 
 
 def _capturing() -> bool:
@@ -377,10 +432,10 @@ class NcclTransport(Transport):
         self.stall = stall
         self.watchdog = Watchdog(
             timeout_s, owner=peers.me, on_failure=self._on_watchdog_failure,
-            comms=self._named_comms, async_error=ops.comm_async_error,
+            polls=[CommErrors(self._named_comms, ops.comm_async_error)],
             abort_check=None if abort is None else abort.probe,
             blame=None if stall is None else stall.blame, on_tick=None if stall is None else stall.tick,
-        )
+            calls=None if abort is None else abort.calls)
         t0 = time.monotonic()
         self._init_comms(store, topology, init_timeout_s, rdzv)
         # This rank's peers (role ranks), for replays: derived once, not per replay.
