@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
 from ..errors import AFDConfigError, AFDPeerError, AFDTimeoutError, AFDTransportError
+from .abort import POST_ABORT_WAIT_S
 
 logger = logging.getLogger(__name__)
 
@@ -108,9 +109,11 @@ class Watchdog:
         deadline_s: an operation older than this is declared stuck, seconds (> 0).
         owner: label of this rank (for messages).
         on_failure: called once, from the watchdog thread, with the failure
-            exception; it should abort the communicators (ending stuck kernels)
-            and post the rendezvous abort signal. Exceptions it raises are logged.
-            More hooks: :meth:`watch`.
+            exception, after ``post``; it should abort the communicators (ending
+            stuck kernels). Exceptions it raises are logged. More hooks: :meth:`watch`.
+        post: posts the failure as the step abort (``AbortSignal.post``), first: aborting
+            releases sends queued behind a stuck one, and a peer that receives one must find the
+            abort posted. Run on the store thread, waited for at most ``POST_ABORT_WAIT_S``.
         polls: a transport's polls of its own state, ``poll(watchdog, now) -> exception | None``
             (run every ``poll_interval_s`` on the deadline thread; never wait). More: :meth:`watch`.
         abort_check: callable returning the posted abort (text or a ready
@@ -140,6 +143,7 @@ class Watchdog:
         *,
         owner: str = "",
         on_failure: Callable[[BaseException], None] | None = None,
+        post: Callable[[BaseException], None] | None = None,
         polls: Iterable[Callable[["Watchdog", float], BaseException | None]] = (),
         abort_check: Callable[[], str | BaseException | None] | None = None,
         abort_error: Callable[[str], BaseException] | None = None,
@@ -155,6 +159,7 @@ class Watchdog:
         self.owner = owner
         self._on_failure = [] if on_failure is None else [on_failure]
         self._polls = list(polls)
+        self._post = post
         self._abort_check = abort_check
         self._abort_error = abort_error or (lambda text: AFDPeerError(f"AFD step aborted: {text}"))
         self._poll = float(poll_interval_s)
@@ -250,6 +255,14 @@ class Watchdog:
                 return
             self._failure = exc
         logger.error("%s: %s", self.owner or "AFD watchdog", exc)
+        if self._post is not None:
+            try:
+                self._calls.submit(lambda: self._post(exc)).result(POST_ABORT_WAIT_S)
+            except cf.TimeoutError:
+                logger.warning("%s: posting the abort signal takes over %.1f s (store host gone?); aborting "
+                               "meanwhile", self.owner, POST_ABORT_WAIT_S)
+            except Exception as e:  # noqa: BLE001 - the failure itself is what matters
+                logger.warning("%s: posting the abort signal raised: %s", self.owner, e)
         for hook in list(self._on_failure):
             try:
                 hook(exc)

@@ -93,7 +93,7 @@ from .streams import StageStreams  # noqa: F401 - was defined here; still import
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NcclTransport", "CommErrors", "DIRECTIONS", "RELEASE_TIMEOUT_S", "WAIT_BACKSTOP_S", "POST_ABORT_WAIT_S", "EXIT_WAIT_S",
+__all__ = ["NcclTransport", "CommErrors", "DIRECTIONS", "RELEASE_TIMEOUT_S", "WAIT_BACKSTOP_S", "EXIT_WAIT_S",
            "pending_releases"]
 
 DIRECTIONS = ("a2f", "f2a")
@@ -102,8 +102,6 @@ DIRECTIONS = ("a2f", "f2a")
 RELEASE_TIMEOUT_S = 15.0
 #: A host wait on an event gives up this long after the deadline if the watchdog did not report first.
 WAIT_BACKSTOP_S = 2.0
-#: How long a failing rank waits for its abort post (store round trip) before aborting its communicators.
-POST_ABORT_WAIT_S = 1.0
 #: ``ncclInProgress``: an asynchronous communicator operation is still running (not an error).
 NCCL_IN_PROGRESS = 7
 NCCL_REMOTE_ERROR = 6
@@ -267,7 +265,7 @@ def _capturing() -> bool:
 
 
 def _release_comms(ops: Any, comms: dict, me: str, *, abort: bool, timeout_s: float,
-                   wait: bool = True) -> list[tuple[threading.Thread, str]]:
+                   ) -> list[tuple[threading.Thread, str]]:
     """Release ``comms`` ({(a, f, direction): handle}), bounded (never raises); ``me`` names this rank in logs.
 
     ``abort=True``: ``comm_abort`` of every communicator at once, one thread
@@ -277,7 +275,7 @@ def _release_comms(ops: Any, comms: dict, me: str, *, abort: bool, timeout_s: fl
     ends whatever the destroy waits for).
 
     Returns:
-        The helper threads (already joined unless ``wait=False``).
+        The helper threads (joined, each until the bound).
     """
     if not comms:
         return []
@@ -308,12 +306,11 @@ def _release_comms(ops: Any, comms: dict, me: str, *, abort: bool, timeout_s: fl
     for k, h in comms.items():
         what = f"ncclCommAbort of {desc[k]} on {me}"
         threads.append((_start(call(ops.comm_abort, h, "abort"), what)[0], what))
-    if wait:
-        left = _join_all(threads, deadline)
-        if left:
-            logger.error("%s: NCCL abort did not return within %.0f s: %s. The next connector "
-                         "init of this process will wait for it and then refuse to start.",
-                         me, timeout_s, "; ".join(left))
+    left = _join_all(threads, deadline)
+    if left:
+        logger.error("%s: NCCL abort did not return within %.0f s: %s. The next connector "
+                     "init of this process will wait for it and then refuse to start.",
+                     me, timeout_s, "; ".join(left))
     return threads
 
 
@@ -431,7 +428,7 @@ class NcclTransport(Transport):
                                  0.4 * timeout_s if publish_after_s is None else publish_after_s)
         self.stall = stall
         self.watchdog = Watchdog(
-            timeout_s, owner=peers.me, on_failure=self._on_watchdog_failure,
+            timeout_s, owner=peers.me, on_failure=self._on_watchdog_failure, post=self._post_abort,
             polls=[CommErrors(self._named_comms, ops.comm_async_error)],
             abort_check=None if abort is None else abort.probe,
             blame=None if stall is None else stall.blame, on_tick=None if stall is None else stall.tick,
@@ -694,35 +691,20 @@ class NcclTransport(Transport):
         ev.record()
         self.wait_event(ev, "drain", ["every peer"], MessageTag("barrier", "a2f", -1, -1, -1))
 
-    def _release(self, *, abort: bool, timeout_s: float, wait: bool = True) -> list[tuple[threading.Thread, str]]:
+    def _release(self, *, abort: bool, timeout_s: float) -> list[tuple[threading.Thread, str]]:
         """Release every communicator of this transport, bounded (never raises); see :func:`_release_comms`."""
         comms, self._comms = dict(self._comms), {}
-        return _release_comms(self._ops, comms, self.peers.me, abort=abort, timeout_s=timeout_s, wait=wait)
+        return _release_comms(self._ops, comms, self.peers.me, abort=abort, timeout_s=timeout_s)
 
     def _on_watchdog_failure(self, exc: BaseException) -> None:
         self._aborted = True
         if self._closed is None:
             self._closed = exc
-        # Tell the peers first (posting the abort signal), bounded by POST_ABORT_WAIT_S
-        # so a dead store host cannot delay the aborts much: aborting our communicators
-        # lets sends queued behind the stuck operation through, and a peer that
-        # receives one of them must find the abort already posted (its synchronize()
-        # then reports the aborted step instead of returning replies computed from
-        # an incomplete fan-in). Then abort, and wait for the aborts (bounded).
+        self._release(abort=True, timeout_s=RELEASE_TIMEOUT_S)  # after the watchdog's abort post
+
+    def _post_abort(self, exc: BaseException) -> None:
         if self._signal is not None:
-            poster, box = _start(lambda: self._signal.post(exc), f"posting the abort of {self.peers.me}",
-                                 register=False)
-            poster.join(POST_ABORT_WAIT_S)
-            if poster.is_alive():
-                logger.warning("%s: posting the abort signal takes over %.1f s (store host gone?); aborting the "
-                               "communicators meanwhile", self.peers.me, POST_ABORT_WAIT_S)
-            elif "error" in box:
-                logger.warning("%s: posting the abort signal raised: %s", self.peers.me, box["error"])
-        threads = self._release(abort=True, timeout_s=RELEASE_TIMEOUT_S, wait=False)
-        left = _join_all(threads, time.monotonic() + RELEASE_TIMEOUT_S)
-        if left:
-            logger.error("%s: NCCL abort did not return within %.0f s: %s", self.peers.me,
-                         RELEASE_TIMEOUT_S, "; ".join(left))
+            self._signal.post(exc)
 
     def abort(self, reason: str) -> None:
         """Abort every communicator now (concurrently, bounded); later calls raise. Idempotent."""

@@ -90,9 +90,11 @@ class PeerTransport(Transport):
         # One health thread per rank: the fallback's watchdog also polls the plane, else one of our own.
         self.watchdog = fallback.watchdog if fallback is not None else Watchdog(
             setup.timeout_s, owner=self.peers.me, poll_interval_s=POLL_S,
+            post=None if self._signal is None else self._signal.post,
             abort_check=None if self._signal is None else lambda: self._signal.probe("peer-memory exchange"),
             calls=None if self._signal is None else self._signal.calls)
-        self.watchdog.watch(lambda wd, now: self.plane.failure(), self._on_failure)
+        # On a failure (posted first), every spinning wait of this rank returns at once.
+        self.watchdog.watch(lambda wd, now: self.plane.failure(), lambda exc: self.plane.abort())
         self.watchdog.start()
 
     @classmethod
@@ -137,15 +139,6 @@ class PeerTransport(Transport):
         return cls(setup, plane, fallback)
 
     # -- failure ---------------------------------------------------------------
-
-    def _on_failure(self, exc: BaseException) -> None:
-        """The watchdog's hook: every spinning wait of this rank returns now; the peers learn of it."""
-        self.plane.abort()
-        if self._signal is not None:  # a posted abort itself is not posted again
-            try:
-                self._signal.post(exc)
-            except Exception as e:  # noqa: BLE001 - the failure itself is what matters
-                logger.warning("%s: posting the abort signal failed: %s", self.peers.me, e)
 
     def check_health(self, tag: MessageTag | None = None) -> None:
         # The watchdog reads the error record every POLL_S: no op call on the hot path.
