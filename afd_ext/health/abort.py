@@ -123,14 +123,6 @@ class AbortSignal:
         if found is not None:
             raise self.error(found, op)
 
-    def probe(self, op: str = "in-flight work") -> BaseException | None:
-        """The error :meth:`check` would raise, or None (for polling threads)."""
-        try:
-            self.check(op)
-        except BaseException as e:  # noqa: BLE001
-            return e
-        return None
-
     def post(self, exc: BaseException | str, kind: str | None = None) -> None:
         """Post ``exc`` as the abort reason (first post wins; a posted abort itself is not re-posted).
 

@@ -59,7 +59,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
-from ..errors import AFDConfigError, AFDPeerError, AFDTimeoutError, AFDTransportError
+from ..errors import AFDConfigError, AFDError, AFDPeerError, AFDTimeoutError, AFDTransportError
 from .abort import POST_ABORT_WAIT_S
 
 logger = logging.getLogger(__name__)
@@ -116,8 +116,8 @@ class Watchdog:
             abort posted. Run on the store thread, waited for at most ``POST_ABORT_WAIT_S``.
         polls: a transport's polls of its own state, ``poll(watchdog, now) -> exception | None``
             (run every ``poll_interval_s`` on the deadline thread; never wait). More: :meth:`watch`.
-        abort_check: callable returning the posted abort (text or a ready
-            exception), or None (``rendezvous.check_abort``); polled every ``abort_poll_s``.
+        abort_check: callable returning the posted abort's text (``check_abort``) or raising its
+            error (``AbortSignal.check``), else None; polled every ``abort_poll_s``.
         abort_error: callable ``text -> exception`` building the error for a
             posted abort (default: :class:`AFDPeerError`).
         poll_interval_s: polling period of events and communicators, seconds.
@@ -385,6 +385,8 @@ class Watchdog:
             return None
         try:
             return self._abort_check()
+        except AFDError as e:  # the posted abort's error
+            return e
         except Exception as e:  # noqa: BLE001 - an unreadable store is itself a failure
             return AFDTransportError(f"AFD {self.owner}: reading the abort signal failed: {e}")
 

@@ -64,6 +64,7 @@ from ..errors import AFDConfigError, AFDError, DuplicateRankError, HandshakeMism
 from ..errors import RendezvousError, RendezvousTimeoutError, StepAbortedError, StoreTimeoutError, StoreUnavailableError
 from ..topology import rank_label
 from ..health.abort import AbortSignal
+from ..health.links import error_text
 from ..health.watchdog import CallThread
 
 logger = logging.getLogger("afd_ext.rendezvous")  # the name users configure (docs/troubleshooting.md)
@@ -129,19 +130,6 @@ class WaitReport:
         """The wait ended well: say so if it was reported as long (WARNING lines were logged)."""
         if self.lines > 1:
             logger.info("%s: %s arrived after %.0f s", self.me, self.what, time.monotonic() - self.t0)
-
-
-def error_text(exc: BaseException) -> str:
-    """The first line of a torch/gloo error, without C++ frames or ``[file.cc:123]``/``[c10d]`` tags."""
-    import re
-
-    text = str(exc).strip()
-    line = text.splitlines()[0] if text else type(exc).__name__
-    line = re.sub(r"^(\[[^\]]*\]\s*)+", "", line)
-    # source locations anywhere in the line ("[enforce fail at pair.cc:446]") and gloo's sign-off
-    line = re.sub(r"\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*", "", line)
-    line = re.sub(r"\s*GLHF!?", "", line)
-    return line.strip() or type(exc).__name__
 
 
 def host_identity() -> str:

@@ -430,7 +430,7 @@ class NcclTransport(Transport):
         self.watchdog = Watchdog(
             timeout_s, owner=peers.me, on_failure=self._on_watchdog_failure, post=self._post_abort,
             polls=[CommErrors(self._named_comms, ops.comm_async_error)],
-            abort_check=None if abort is None else abort.probe,
+            abort_check=None if abort is None else lambda: abort.check("in-flight work"),
             blame=None if stall is None else stall.blame, on_tick=None if stall is None else stall.tick,
             calls=None if abort is None else abort.calls)
         t0 = time.monotonic()

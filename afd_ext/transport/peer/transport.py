@@ -91,7 +91,7 @@ class PeerTransport(Transport):
         self.watchdog = fallback.watchdog if fallback is not None else Watchdog(
             setup.timeout_s, owner=self.peers.me, poll_interval_s=POLL_S,
             post=None if self._signal is None else self._signal.post,
-            abort_check=None if self._signal is None else lambda: self._signal.probe("peer-memory exchange"),
+            abort_check=None if self._signal is None else lambda: self._signal.check("peer-memory exchange"),
             calls=None if self._signal is None else self._signal.calls)
         # On a failure (posted first), every spinning wait of this rank returns at once.
         self.watchdog.watch(lambda wd, now: self.plane.failure(), lambda exc: self.plane.abort())
@@ -264,10 +264,7 @@ class PeerTransport(Transport):
         ev.record(torch.cuda.current_stream(self.device))
         end = time.monotonic() + self.plane.timeout_ns / 1e9 + WAIT_BACKSTOP_S
         while not ev.query():
-            err = self.plane.failure()
-            if err is not None:
-                self.watchdog.fail(err)
-            self.check_health(tag)
+            self.check_health(tag)  # the watchdog polls the plane's error record
             if time.monotonic() >= end:
                 peers = ", ".join(self.peers.peer_label(p) for p in self.plane.peers)
                 err = AFDTimeoutError(
