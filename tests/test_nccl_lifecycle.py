@@ -384,15 +384,15 @@ def test_the_watchdog_records_a_timeout_while_the_store_host_is_frozen(fake):
 
 _EXIT_SCRIPT = r"""
 import sys, time
-from afd_ext.transport import nccl
-nccl.EXIT_WAIT_S = float(sys.argv[2])
+from afd_ext.health import watchdog
+watchdog.EXIT_WAIT_S = float(sys.argv[2])
 marker, hold_s = sys.argv[1], float(sys.argv[3])
 
 def release():  # stands in for an ncclCommAbort whose peer stalled: a native call with the GIL released
     time.sleep(hold_s)
     open(marker, "w").write("released")
 
-nccl._start(release, "ncclCommAbort of a2f a0-f0 (handle 7) on FFN rank 0")
+watchdog.spawn(release, "ncclCommAbort of a2f a0-f0 (handle 7) on FFN rank 0")
 print("worker done", flush=True)  # the worker returns at once; the release is still running
 """
 

@@ -6,4 +6,4 @@ from .abort import (ABORT_READ_WAIT_S, POST_ABORT_WAIT_S, AbortSignal, check_abo
                     raise_if_aborted)
 from .links import error_text, link_error  # noqa: F401
 from .stall import StallReports  # noqa: F401
-from .watchdog import CallThread, TrackedOp, Watchdog, host_wait  # noqa: F401
+from .watchdog import CallThread, TrackedOp, Watchdog, host_wait, join_all, leave, spawn, still_running  # noqa: F401

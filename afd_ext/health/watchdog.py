@@ -50,10 +50,13 @@ event on the replay stream after ``graph.replay()`` and :meth:`Watchdog.track` i
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures as cf
 import contextlib
 import logging
+import os
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -511,3 +514,87 @@ class CallThread:
                 fut.set_result(result)
             finally:
                 self._busy_since = None
+
+
+# Calls that may outlive their caller's bound, on daemon threads (NCCL releases, gloo waits blocked at close):
+# (thread, what, seconds process exit waits for it or None for EXIT_WAIT_S), until they end.
+_LEFT: list[tuple[threading.Thread, str, Callable[[], float] | None]] = []
+_LEFT_LOCK = threading.Lock()
+#: How long process exit waits for calls still running on helper threads, seconds.
+EXIT_WAIT_S = 15.0
+
+
+def spawn(fn: Callable[[], Any], what: str, *, keep: bool = True) -> tuple[threading.Thread, dict]:
+    """Run ``fn`` on a daemon thread of its own; ``keep``: listed (:func:`still_running`) until it ends.
+
+    The returned ``box`` gets ``"result"`` or ``"error"``.
+    """
+    box: dict = {}
+
+    def body() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as e:  # noqa: BLE001 - reported by the waiter
+            box["error"] = e
+
+    t = threading.Thread(target=body, name=f"afd {what}", daemon=True)
+    if keep:
+        leave(t, what)
+    t.start()
+    return t, box
+
+
+def leave(thread: threading.Thread, what: str, exit_wait_s: Callable[[], float] | None = None) -> None:
+    """List ``thread`` (a call its caller stopped waiting for) until it ends; process exit waits for it,
+    at most ``exit_wait_s()`` seconds (default :data:`EXIT_WAIT_S`)."""
+    with _LEFT_LOCK:
+        _LEFT.append((thread, what, exit_wait_s))
+
+
+def still_running() -> list[tuple[threading.Thread, str]]:
+    """The listed calls still running (thread, what); drops the rest."""
+    with _LEFT_LOCK:
+        _LEFT[:] = [e for e in _LEFT if e[0].is_alive()]
+        return [(t, d) for t, d, _ in _LEFT]
+
+
+def join_all(threads: Iterable[tuple[threading.Thread, str]], deadline: float) -> list[str]:
+    """Join every thread until ``deadline`` (monotonic); return the descriptions still running."""
+    threads = list(threads)
+    for t, _ in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return [d for t, d in threads if t.is_alive()]
+
+
+@atexit.register
+def _join_at_exit() -> None:
+    """Before the interpreter finalises, wait (bounded) for the listed calls still running.
+
+    A helper returning from its torch op while the interpreter finalises is ended by CPython
+    (``pthread_exit`` when it asks for the GIL back, Python 3.11 / 3.12) through torch's noexcept
+    GIL guard, or meets c10's CUDA hooks already torn down: either way the process dies with
+    SIGABRT (GPU run 35: a stalled peer's ``ncclCommAbort`` outlived the worker's ``return``; a gloo
+    wait left blocked aborts in gloo's destructors). Past its bound the process leaves without
+    finalising (``os._exit(1)``), the calls named in the log. An abandoned ``ncclCommInitRank``
+    (not listed: it returns only if its peer joins late) is not waited for.
+    """
+    with _LEFT_LOCK:
+        left = [e for e in _LEFT if e[0].is_alive()]
+    if not left:
+        return
+    logger.warning("afd_ext: waiting up to %.0f s at exit for calls still running: %s",
+                   EXIT_WAIT_S, "; ".join(d for _, d, _ in left))
+    t0 = time.monotonic()
+    for t, _, wait in left:
+        t.join(max(0.0, t0 + (EXIT_WAIT_S if wait is None else max(wait(), 0.1)) - time.monotonic()))
+    stuck = [d for t, d, _ in left if t.is_alive()]
+    if not stuck:
+        return
+    logger.error("afd_ext: calls still running %.0f s after exit began: %s. Leaving without finalising "
+                 "(exit status 1): their return into a finalising interpreter would abort the process.",
+                 time.monotonic() - t0, "; ".join(stuck))
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(1)

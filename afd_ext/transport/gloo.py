@@ -31,7 +31,6 @@ the stage; a peer that is alive but silent becomes an
 
 from __future__ import annotations
 
-import atexit
 import concurrent.futures as cf
 import datetime
 import logging
@@ -41,7 +40,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..health import AbortSignal, CallThread, host_wait
+from ..health import AbortSignal, CallThread, host_wait, leave
 from .base import (
     AFDPeerError,
     AFDProtocolError,
@@ -92,29 +91,15 @@ class _Waiter(CallThread):
         """Stop the thread; wait up to ``join_timeout_s`` for a wait in progress to end.
 
         Returns False if the thread is still blocked in gloo; it then ends by
-        itself within :attr:`bound_s`, and :func:`_join_left_waits` holds the
-        process's exit until it has (an exit with a gloo wait blocked aborts the
+        itself within :attr:`bound_s`, and the process's exit waits until it has
+        (:func:`afd_ext.health.leave`; an exit with a gloo wait blocked aborts the
         process in gloo's destructors).
         """
         t = self._thread
         if super().stop(join_timeout_s):
             return True
-        with _LEFT_LOCK:
-            _LEFT.append((self, t))
+        leave(t, f"a gloo wait ({self._name})", lambda: self.bound_s + 1.0 - self.stuck_s())
         return False
-
-
-# Waits still blocked in gloo after their transport closed; joined (bounded) before the process exits.
-_LEFT: list[tuple[_Waiter, threading.Thread]] = []
-_LEFT_LOCK = threading.Lock()
-
-
-@atexit.register
-def _join_left_waits() -> None:
-    with _LEFT_LOCK:
-        left, _LEFT[:] = list(_LEFT), []
-    for w, t in left:
-        t.join(max(w.bound_s + 1.0 - w.stuck_s(), 0.1))
 
 
 def _completed_ok(work: Any) -> bool:

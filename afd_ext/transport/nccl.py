@@ -26,7 +26,7 @@ drain, and is itself bounded (the remaining communicators are aborted when it
 overruns). A release that overruns its bound is logged with the communicator
 it is stuck on, and the next :class:`NcclTransport` of this process waits for
 it (bounded) and then refuses to start, naming it, instead of hanging inside
-``ncclCommInitRank``; process exit waits for it too (bounded, :data:`EXIT_WAIT_S`), since a
+``ncclCommInitRank``; process exit waits for it too (bounded, ``health.watchdog.EXIT_WAIT_S``), since a
 helper returning into a finalising interpreter aborts the process.
 
 Every data call is one NCCL group over all peers (``ops.split_back`` /
@@ -64,11 +64,8 @@ generation.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
-import os
-import sys
 import threading
 import time
 from typing import Any, Callable, Iterator, Sequence
@@ -76,7 +73,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from .. import fp8
-from ..health import AbortSignal, StallReports, Watchdog, host_wait
+from ..health import AbortSignal, StallReports, Watchdog, host_wait, join_all, spawn, still_running
 from ..errors import AFDConfigError, AFDStateError
 from .base import (
     AFDPeerError,
@@ -93,7 +90,7 @@ from .streams import StageStreams  # noqa: F401 - was defined here; still import
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NcclTransport", "CommErrors", "DIRECTIONS", "RELEASE_TIMEOUT_S", "WAIT_BACKSTOP_S", "EXIT_WAIT_S",
+__all__ = ["NcclTransport", "CommErrors", "DIRECTIONS", "RELEASE_TIMEOUT_S", "WAIT_BACKSTOP_S",
            "pending_releases"]
 
 DIRECTIONS = ("a2f", "f2a")
@@ -113,86 +110,13 @@ _NCCL_ERRORS = {
     4: "ncclInvalidArgument", 5: "ncclInvalidUsage", 6: "ncclRemoteError",
 }
 
-# NCCL management calls that overran their bound and may still be running in a
-# helper thread (thread, description); a new transport waits for them first.
-_PENDING_LOCK = threading.Lock()
-_PENDING: list[tuple[threading.Thread, str]] = []
 # Buffers of a generation whose NCCL abort overran its bound (see NcclTransport.close); never freed.
 _STUCK_BUFFERS: list[torch.Tensor] = []
 
 
-def _running() -> list[tuple[threading.Thread, str]]:
-    """The registered NCCL management calls still running (thread, description); drops the rest."""
-    with _PENDING_LOCK:
-        _PENDING[:] = [(t, d) for t, d in _PENDING if t.is_alive()]
-        return list(_PENDING)
-
-
 def pending_releases() -> list[str]:
-    """Descriptions of NCCL management calls (abort/destroy/init) still running in helper threads."""
-    return [d for _, d in _running()]
-
-
-#: How long process exit waits for NCCL releases still running in helper threads, seconds.
-EXIT_WAIT_S = RELEASE_TIMEOUT_S
-
-
-@atexit.register
-def _join_releases_at_exit() -> None:
-    """Before the interpreter finalises, wait (bounded) for the NCCL releases still in helper threads.
-
-    A helper returning from its torch op while the interpreter finalises is ended by CPython
-    (``pthread_exit`` when it asks for the GIL back, Python 3.11 / 3.12) through torch's noexcept
-    GIL guard, or meets c10's CUDA hooks already torn down: either way the process dies with
-    SIGABRT (GPU run 35: a stalled peer's ``ncclCommAbort`` outlived the worker's ``return``). Past
-    :data:`EXIT_WAIT_S` the process leaves without finalising (``os._exit(1)``), the calls named
-    in the log. An abandoned ``ncclCommInitRank`` (not registered: it returns only if its peer
-    joins late) is not waited for.
-    """
-    threads = _running()
-    if not threads:
-        return
-    logger.warning("afd_ext: waiting up to %.0f s at exit for NCCL calls still running: %s",
-                   EXIT_WAIT_S, "; ".join(d for _, d in threads))
-    left = _join_all(threads, time.monotonic() + EXIT_WAIT_S)
-    if not left:
-        return
-    logger.error("afd_ext: NCCL calls still running %.0f s after exit began: %s. Leaving without "
-                 "finalising (exit status 1): their return into a finalising interpreter would abort "
-                 "the process.", EXIT_WAIT_S, "; ".join(left))
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(1)
-
-
-def _start(fn: Callable[[], Any], what: str, *, register: bool = True) -> tuple[threading.Thread, dict]:
-    """Run ``fn`` in a daemon thread (registered in the pending list unless ``register=False``).
-
-    The returned ``box`` gets ``"result"`` or ``"error"``.
-    """
-    box: dict = {}
-
-    def body() -> None:
-        try:
-            box["result"] = fn()
-        except BaseException as e:  # noqa: BLE001 - reported by the waiter
-            box["error"] = e
-
-    t = threading.Thread(target=body, name=f"afd-nccl {what}", daemon=True)
-    if register:
-        with _PENDING_LOCK:
-            _PENDING.append((t, what))
-    t.start()
-    return t, box
-
-
-def _join_all(threads: Sequence[tuple[threading.Thread, str]], deadline: float) -> list[str]:
-    """Join every thread until ``deadline`` (monotonic); return the descriptions still running."""
-    for t, _ in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-    return [d for t, d in threads if t.is_alive()]
+    """Descriptions of NCCL management calls (abort/destroy) still running in helper threads."""
+    return [d for _, d in still_running() if d.startswith("nccl")]
 
 
 def _wait_pending(timeout_s: float, owner: str) -> None:
@@ -295,8 +219,8 @@ def _release_comms(ops: Any, comms: dict, me: str, *, abort: bool, timeout_s: fl
             for k, h in comms.items():
                 call(ops.comm_destroy, h, "destroy")()
         what = f"ncclCommDestroy of {', '.join(desc.values())} on {me}"
-        threads = [(_start(destroy_all, what)[0], what)]
-        left = _join_all(threads, deadline)
+        threads = [(spawn(destroy_all, what)[0], what)]
+        left = join_all(threads, deadline)
         if not left:
             return threads
         logger.error("%s: destroying the NCCL communicators did not finish within %.0f s (queued work "
@@ -305,8 +229,8 @@ def _release_comms(ops: Any, comms: dict, me: str, *, abort: bool, timeout_s: fl
     threads = []
     for k, h in comms.items():
         what = f"ncclCommAbort of {desc[k]} on {me}"
-        threads.append((_start(call(ops.comm_abort, h, "abort"), what)[0], what))
-    left = _join_all(threads, deadline)
+        threads.append((spawn(call(ops.comm_abort, h, "abort"), what)[0], what))
+    left = join_all(threads, deadline)
     if left:
         logger.error("%s: NCCL abort did not return within %.0f s: %s. The next connector "
                      "init of this process will wait for it and then refuse to start.",
@@ -337,7 +261,7 @@ def _create_comm(ops: Any, index: int, peers: PeerMap, uid_t: torch.Tensor, rank
         return h
 
     # Not registered as pending: an abandoned init holds no GPU work of ours.
-    t, box = _start(create, f"ncclCommInitRank of {what} on {peers.me}", register=False)
+    t, box = spawn(create, f"ncclCommInitRank of {what} on {peers.me}", keep=False)
     next_abort = 0.0
     while True:
         t.join(0.005)
