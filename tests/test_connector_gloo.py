@@ -214,6 +214,7 @@ def test_constructor_is_device_light_and_validates():
 
 
 def test_watchdog_names_op_peer_layer_stage_and_aborts():
+    from afd_ext.errors import StepAbortedError
     from afd_ext.health.watchdog import Watchdog
     from afd_ext.transport.base import AFDPeerError, AFDTimeoutError
     from afd_ext.transport.nccl import CommErrors
@@ -240,8 +241,8 @@ def test_watchdog_names_op_peer_layer_stage_and_aborts():
     wd3.poll_once()
     assert wd3.failure is None  # ncclInProgress is not an error
 
-    wd4 = Watchdog(10, owner="x", abort_check=lambda: "bad input (by attention rank 1)", poll_interval_s=0.001,
-                   abort_poll_s=0.001)
+    wd4 = Watchdog(10, owner="x", abort_check=lambda: StepAbortedError("bad input", "attention rank 1"),
+                   poll_interval_s=0.001, abort_poll_s=0.001)
     wd4.start()
     t0 = time.monotonic()
     while wd4.failure is None and time.monotonic() - t0 < 5:
@@ -436,18 +437,19 @@ def test_headers_round_trip_and_mismatch():
 def test_a_remote_error_waits_for_the_posted_abort_that_names_the_root_cause():
     """A peer that posts the step abort and then aborts its communicators shows here as ncclRemoteError
     first; the posted abort (naming the failed rank) must win if it arrives within REMOTE_GRACE_S."""
+    from afd_ext.errors import StepAbortedError
     from afd_ext.health.watchdog import Watchdog
     from afd_ext.transport.base import AFDPeerError
     from afd_ext.transport.nccl import REMOTE_GRACE_S, CommErrors
 
-    posted: list[str] = []
+    posted: list[StepAbortedError] = []
     wd = Watchdog(10, owner="attention rank 0", polls=[CommErrors(lambda: [(5, "f2a a0-f0")], lambda h: 6)],
                   abort_check=lambda: posted[0] if posted else None)
     t0 = time.monotonic()
     wd.poll_once(now=t0)
     assert wd.failure is None  # within the grace: the abort thread may still name the root cause
-    posted.append("attention rank 1 (world rank 2) stalled (by FFN rank 0)")
-    wd.fail(wd._abort_error(posted[0]))  # what the abort thread does when it reads the post
+    posted.append(StepAbortedError("attention rank 1 (world rank 2) stalled", "FFN rank 0"))
+    wd.fail(posted[0])  # what the watchdog does when its store round reads the post
     wd.poll_once(now=t0 + REMOTE_GRACE_S + 0.1)
     assert "attention rank 1 (world rank 2)" in str(wd.failure)
 

@@ -119,10 +119,8 @@ class Watchdog:
             abort posted. Run on the store thread, waited for at most ``POST_ABORT_WAIT_S``.
         polls: a transport's polls of its own state, ``poll(watchdog, now) -> exception | None``
             (run every ``poll_interval_s`` on the deadline thread; never wait). More: :meth:`watch`.
-        abort_check: callable returning the posted abort's text (``check_abort``) or raising its
-            error (``AbortSignal.check``), else None; polled every ``abort_poll_s``.
-        abort_error: callable ``text -> exception`` building the error for a
-            posted abort (default: :class:`AFDPeerError`).
+        abort_check: callable raising (``AbortSignal.check``) or returning the posted abort's error,
+            else returning None; polled every ``abort_poll_s``.
         poll_interval_s: polling period of events and communicators, seconds.
         abort_poll_s: polling period of ``abort_check`` and ``on_tick``, seconds.
         blame: callable ``op -> (text, culprits) | None`` run when ``op``
@@ -148,8 +146,7 @@ class Watchdog:
         on_failure: Callable[[BaseException], None] | None = None,
         post: Callable[[BaseException], None] | None = None,
         polls: Iterable[Callable[["Watchdog", float], BaseException | None]] = (),
-        abort_check: Callable[[], str | BaseException | None] | None = None,
-        abort_error: Callable[[str], BaseException] | None = None,
+        abort_check: Callable[[], BaseException | None] | None = None,
         poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
         abort_poll_s: float = 0.1,
         blame: Callable[[TrackedOp], tuple[str, Iterable[str]] | None] | None = None,
@@ -164,7 +161,6 @@ class Watchdog:
         self._polls = list(polls)
         self._post = post
         self._abort_check = abort_check
-        self._abort_error = abort_error or (lambda text: AFDPeerError(f"AFD step aborted: {text}"))
         self._poll = float(poll_interval_s)
         self._abort_poll = float(abort_poll_s)
         self._blame = blame
@@ -363,10 +359,8 @@ class Watchdog:
                 if hooks and self._failure is None:
                     if fut is not None and fut.done():
                         found, fut = fut.result(), None
-                        if isinstance(found, BaseException):
+                        if found is not None:
                             self.fail(found)
-                        elif found:
-                            self.fail(self._abort_error(found))
                     now = time.monotonic()
                     if fut is None and now >= next_round and self._failure is None:
                         next_round = now + self._abort_poll
@@ -377,7 +371,7 @@ class Watchdog:
             if self._failure is not None:
                 return
 
-    def _store_round(self) -> str | BaseException | None:
+    def _store_round(self) -> BaseException | None:
         """The store thread: ``on_tick``, then ``abort_check``'s answer (never raises)."""
         if self._on_tick is not None:
             try:
