@@ -214,8 +214,10 @@ def test_constructor_is_device_light_and_validates():
 
 
 def test_watchdog_names_op_peer_layer_stage_and_aborts():
+    from afd_ext.errors import StepAbortedError
+    from afd_ext.health.watchdog import Watchdog
     from afd_ext.transport.base import AFDPeerError, AFDTimeoutError
-    from afd_ext.watchdog import Watchdog
+    from afd_ext.transport.nccl import CommErrors
 
     failures = []
     wd = Watchdog(0.05, owner="FFN rank 0", on_failure=failures.append)
@@ -232,15 +234,15 @@ def test_watchdog_names_op_peer_layer_stage_and_aborts():
     with pytest.raises(AFDTimeoutError):
         wd.check()
 
-    wd2 = Watchdog(10, owner="x", comms=lambda: [(5, "a2f a0-f0")], async_error=lambda h: 6)
+    wd2 = Watchdog(10, owner="x", polls=[CommErrors(lambda: [(5, "a2f a0-f0")], lambda h: 6)])
     wd2.poll_once()
     assert isinstance(wd2.failure, AFDPeerError) and "a2f a0-f0" in str(wd2.failure)
-    wd3 = Watchdog(10, owner="x", comms=lambda: [(5, "a2f a0-f0")], async_error=lambda h: 7)
+    wd3 = Watchdog(10, owner="x", polls=[CommErrors(lambda: [(5, "a2f a0-f0")], lambda h: 7)])
     wd3.poll_once()
     assert wd3.failure is None  # ncclInProgress is not an error
 
-    wd4 = Watchdog(10, owner="x", abort_check=lambda: "bad input (by attention rank 1)", poll_interval_s=0.001,
-                   abort_poll_s=0.001)
+    wd4 = Watchdog(10, owner="x", abort_check=lambda: StepAbortedError("bad input", "attention rank 1"),
+                   poll_interval_s=0.001, abort_poll_s=0.001)
     wd4.start()
     t0 = time.monotonic()
     while wd4.failure is None and time.monotonic() - t0 < 5:
@@ -251,7 +253,7 @@ def test_watchdog_names_op_peer_layer_stage_and_aborts():
 
 def test_watchdog_blame_names_the_culprit_and_on_tick_sees_the_oldest_op():
     from afd_ext.transport.base import AFDTimeoutError, MessageTag
-    from afd_ext.watchdog import Watchdog
+    from afd_ext.health.watchdog import Watchdog
 
     ticks = []
     wd = Watchdog(0.05, owner="FFN rank 0", poll_interval_s=0.001, abort_poll_s=0.001,
@@ -312,7 +314,7 @@ class _Rank:
 
     def __init__(self, role: str, role_rank: int, store, *, A=2, F=1, timeout_s=5.0):
         from afd_ext.transport.base import PeerMap
-        from afd_ext.transport.stall import StallReports
+        from afd_ext.health.stall import StallReports
 
         self.step, self.sent, self.received, self.idle_s = 1, 0, 0, 0.0
         self.role = role
@@ -352,7 +354,7 @@ def test_connector_progress_snapshot_matches_its_step():
 def test_progress_reports_let_a_fan_in_timeout_name_the_stalled_or_dead_attention_rank():
     """NCCL fan-in completes as a whole: the FFN names the missing peer from the peers' progress reports."""
     from afd_ext.transport.base import MessageTag
-    from afd_ext.watchdog import TrackedOp
+    from afd_ext.health.watchdog import TrackedOp
 
     store = _DictStore()
     ffn = _Rank("ffn", 0, store)
@@ -435,21 +437,23 @@ def test_headers_round_trip_and_mismatch():
 def test_a_remote_error_waits_for_the_posted_abort_that_names_the_root_cause():
     """A peer that posts the step abort and then aborts its communicators shows here as ncclRemoteError
     first; the posted abort (naming the failed rank) must win if it arrives within REMOTE_GRACE_S."""
+    from afd_ext.errors import StepAbortedError
+    from afd_ext.health.watchdog import Watchdog
     from afd_ext.transport.base import AFDPeerError
-    from afd_ext.watchdog import REMOTE_GRACE_S, Watchdog
+    from afd_ext.transport.nccl import REMOTE_GRACE_S, CommErrors
 
-    posted: list[str] = []
-    wd = Watchdog(10, owner="attention rank 0", comms=lambda: [(5, "f2a a0-f0")], async_error=lambda h: 6,
+    posted: list[StepAbortedError] = []
+    wd = Watchdog(10, owner="attention rank 0", polls=[CommErrors(lambda: [(5, "f2a a0-f0")], lambda h: 6)],
                   abort_check=lambda: posted[0] if posted else None)
     t0 = time.monotonic()
     wd.poll_once(now=t0)
     assert wd.failure is None  # within the grace: the abort thread may still name the root cause
-    posted.append("attention rank 1 (world rank 2) stalled (by FFN rank 0)")
-    wd.fail(wd._abort_error(posted[0]))  # what the abort thread does when it reads the post
+    posted.append(StepAbortedError("attention rank 1 (world rank 2) stalled", "FFN rank 0"))
+    wd.fail(posted[0])  # what the watchdog does when its store round reads the post
     wd.poll_once(now=t0 + REMOTE_GRACE_S + 0.1)
     assert "attention rank 1 (world rank 2)" in str(wd.failure)
 
-    alone = Watchdog(10, owner="attention rank 0", comms=lambda: [(5, "f2a a0-f0")], async_error=lambda h: 6,
+    alone = Watchdog(10, owner="attention rank 0", polls=[CommErrors(lambda: [(5, "f2a a0-f0")], lambda h: 6)],
                      abort_check=lambda: None)
     alone.poll_once(now=t0)
     assert alone.failure is None

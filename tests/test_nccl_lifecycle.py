@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from afd_ext import ops
+from afd_ext.health import POST_ABORT_WAIT_S
 from afd_ext import rendezvous as rdzv
 from afd_ext.tools.testing import find_free_port
 from afd_ext.topology import Topology
@@ -293,7 +294,7 @@ def test_watchdog_failure_posts_the_abort_before_aborting_the_communicators(fake
     att._signal = _Signal(lambda exc: release.wait(10))
     t0 = time.monotonic()
     att.watchdog.fail(AFDTimeoutError("reply stuck"))
-    assert time.monotonic() - t0 < nccl_mod.POST_ABORT_WAIT_S + 2.0
+    assert time.monotonic() - t0 < POST_ABORT_WAIT_S + 2.0
     assert all(h in fake.aborted for h in (att._comms or {}).values()) and len(fake.aborted) == 4
     release.set()
     for t in out.values():
@@ -383,15 +384,15 @@ def test_the_watchdog_records_a_timeout_while_the_store_host_is_frozen(fake):
 
 _EXIT_SCRIPT = r"""
 import sys, time
-from afd_ext.transport import nccl
-nccl.EXIT_WAIT_S = float(sys.argv[2])
+from afd_ext.health import watchdog
+watchdog.EXIT_WAIT_S = float(sys.argv[2])
 marker, hold_s = sys.argv[1], float(sys.argv[3])
 
 def release():  # stands in for an ncclCommAbort whose peer stalled: a native call with the GIL released
     time.sleep(hold_s)
     open(marker, "w").write("released")
 
-nccl._start(release, "ncclCommAbort of a2f a0-f0 (handle 7) on FFN rank 0")
+watchdog.spawn(release, "ncclCommAbort of a2f a0-f0 (handle 7) on FFN rank 0")
 print("worker done", flush=True)  # the worker returns at once; the release is still running
 """
 

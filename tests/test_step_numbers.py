@@ -31,7 +31,7 @@ def test_tags_and_sequencer_name_the_callers_step():
 
 
 def test_stall_report_names_the_peers_step():
-    from afd_ext.transport.stall import _label
+    from afd_ext.health.stall import _label
 
     assert _label({"step": 3, "user_step": 2}) == "step 2"
     assert _label({"step": 1, "user_step": 0}) == "warm-up step"

@@ -16,12 +16,12 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..errors import (AFDClosedError, AFDConfigError, AFDError, AFDPeerError, AFDProtocolError, AFDStateError,
+from ..errors import (AFDClosedError, AFDConfigError, AFDError, AFDProtocolError, AFDStateError,
                       ConnectorStateError)
+from ..health import AbortSignal, link_error as _raw_error
 from ..metadata import AFDControlPayload
 from ..schedule import StepSchedule
 from ..transport.base import MessageTag, StepProgress, Transport
-from ..transport.signal import AbortSignal
 from .buffers import BufferPool
 from .sequencer import StepSequencer, exchange_order
 from .step import Step
@@ -32,42 +32,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = ["Session", "RoleSide"]
-
-
-def _raw_error(exc: RuntimeError, tr: Transport | None, tag: MessageTag | None,
-               peers: Any = None) -> AFDError | None:
-    """The named error for a raw ``torch.distributed`` / gloo error that reached the connector, or None.
-
-    Only errors of the links are translated (``torch.distributed``'s ``DistError``
-    family, or a message about a closed / reset connection or a timeout): a
-    timeout becomes :class:`~afd_ext.errors.AFDTimeoutError`, the rest
-    :class:`~afd_ext.errors.AFDPeerError`, naming the op, the peers, the step,
-    layer and stage. Anything else (a CUDA error) is not a link error: None.
-    """
-    from ..errors import AFDTimeoutError
-    from ..rendezvous import error_text
-
-    text = error_text(exc)
-    low = text.lower()
-    dist_error = any(c.__name__ == "DistError" for c in type(exc).__mro__)
-    timeout = "timed out" in low or "timeout" in low
-    if not (dist_error or timeout or any(w in low for w in ("connection", "closed by peer", "reset by peer",
-                                                            "broken pipe"))):
-        return None
-    me = tr.peers.me if tr is not None else "this rank"
-    kind = tr.kind if tr is not None else "AFD"
-    where = f"{tag.op} at {tag.where()}" if tag is not None else "a transport call"
-    try:
-        who = ", ".join(tr.peers.peer_label(int(p)) for p in peers) if tr is not None and peers else None
-    except (TypeError, ValueError):
-        who = None
-    with_ = f" with {who}" if who else ""
-    cls = AFDTimeoutError if timeout else AFDPeerError
-    return cls(f"AFD {where}{with_} on {me} failed in the {kind} transport: {type(exc).__name__}: {text}. "
-               "A peer or the rendezvous store (FFN rank 0) went away or stopped answering; check the other "
-               "ranks' logs, then close and re-initialise the connector on every rank.",
-               op=None if tag is None else tag.op, peer=who, layer=None if tag is None else tag.layer,
-               stage=None if tag is None else tag.stage)
 
 
 class Session:
@@ -225,18 +189,8 @@ class Session:
             tag = self._tags[op] = self.tag(op)
         try:
             tr.check_health(tag)
-        except AFDError as e:
-            self.fail_step(e)
-            raise
-        except RuntimeError as e:  # a raw torch.distributed error the transport let through
-            exc = _raw_error(e, tr, tag)
-            self.fail_step(exc or e)
-            if exc is None:
-                raise
-            raise exc from None
-        except BaseException as e:
-            self.fail_step(e)
-            raise
+        except BaseException as e:  # a failed health check is a link failure: the step ends everywhere
+            self.transport_failed(e, tag)
         return tr
 
     def require_step(self, op: str) -> Step:

@@ -6,7 +6,8 @@ from ..errors import (AFDConfigError, DuplicateRankError, HandshakeMismatchError
                       StoreUnavailableError)
 from ..topology import rank_label  # noqa: F401
 from .join import connect  # noqa: F401
-from .store import (ABORT_READ_WAIT_S, DEFAULT_RENDEZVOUS_TIMEOUT_S, POST_ABORT_WAIT_S, AbortSignal,  # noqa: F401
-                    AFDStore, WaitReport, barrier, check_abort, error_text, exchange_unique_id, forget_cached_stores,
-                    handshake, host_identity, post_abort, process_group_error, raise_if_aborted, wait_for_keys,
-                    wait_log_interval_s)
+from ..health.abort import (ABORT_READ_WAIT_S, POST_ABORT_WAIT_S, AbortSignal, check_abort, post_abort,  # noqa: F401
+                            raise_if_aborted)
+from .store import (DEFAULT_RENDEZVOUS_TIMEOUT_S, AFDStore, WaitReport, barrier, error_text,  # noqa: F401
+                    exchange_unique_id, forget_cached_stores, handshake, host_identity, process_group_error,
+                    wait_for_keys, wait_log_interval_s)

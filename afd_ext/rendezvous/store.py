@@ -28,9 +28,9 @@ Every wait here polls the store with a short back-off, has a deadline
 (default :data:`DEFAULT_RENDEZVOUS_TIMEOUT_S`, generous because the two roles
 reach the rendezvous before and after loading their weights respectively)
 and, while waiting, looks at the generation's abort key: a rank that fails
-mid-step calls :func:`post_abort`, and every rank blocked in a wait of this
-module, or polling :func:`check_abort`, raises :class:`StepAbortedError`
-naming who aborted and why. A timeout is a :class:`RendezvousTimeoutError`
+mid-step posts the abort signal (:mod:`afd_ext.health.abort`), and every rank
+blocked in a wait of this module raises :class:`StepAbortedError` naming who
+aborted and why. A timeout is a :class:`RendezvousTimeoutError`
 naming the ranks that did not arrive and what was awaited. No wait is silent:
 :class:`WaitReport` logs one line when it starts and one every
 :func:`wait_log_interval_s`, naming the ranks awaited, what and the time left.
@@ -43,10 +43,7 @@ trip blocks until the server answers. So no caller makes a round trip
 itself: each rank's client has one thread that makes them (``_StoreRunner``)
 and the caller waits for the answer with its own bound, the time left to its
 deadline, and gets a :class:`StoreTimeoutError` past it. The abort signal
-(:class:`AbortSignal`) is read the same way but never raises for silence: a
-read waits at most :data:`ABORT_READ_WAIT_S` and, while an earlier read is
-still unanswered, answers at once from what it last learned, so a deadline
-never waits on the abort poll.
+is read the same way but never raises for silence (:mod:`afd_ext.health.abort`).
 """
 
 from __future__ import annotations
@@ -66,7 +63,9 @@ from typing import Any, Callable, Iterable, Mapping
 from ..errors import AFDConfigError, AFDError, DuplicateRankError, HandshakeMismatchError, PeerClosedError
 from ..errors import RendezvousError, RendezvousTimeoutError, StepAbortedError, StoreTimeoutError, StoreUnavailableError
 from ..topology import rank_label
-from ..watchdog import CallThread
+from ..health.abort import AbortSignal
+from ..health.links import error_text
+from ..health.watchdog import CallThread
 
 logger = logging.getLogger("afd_ext.rendezvous")  # the name users configure (docs/troubleshooting.md)
 
@@ -77,12 +76,6 @@ DEFAULT_RENDEZVOUS_TIMEOUT_S = 600.0
 
 #: Longest sleep between two polls of the store while waiting, in seconds.
 _MAX_POLL_S = 0.05
-#: Longest a read of the abort signal waits for the store's answer, in seconds;
-#: past it the read answers from what it last learned (the store host is frozen).
-ABORT_READ_WAIT_S = 0.1
-#: Longest :func:`post_abort` waits for the store to take the abort, in seconds
-#: (the post still lands if a frozen store host wakes up).
-POST_ABORT_WAIT_S = 0.5
 #: Shortest bound of one store round trip inside a wait (its last poll), in seconds.
 _MIN_ROUND_TRIP_S = 0.5
 
@@ -137,19 +130,6 @@ class WaitReport:
         """The wait ended well: say so if it was reported as long (WARNING lines were logged)."""
         if self.lines > 1:
             logger.info("%s: %s arrived after %.0f s", self.me, self.what, time.monotonic() - self.t0)
-
-
-def error_text(exc: BaseException) -> str:
-    """The first line of a torch/gloo error, without C++ frames or ``[file.cc:123]``/``[c10d]`` tags."""
-    import re
-
-    text = str(exc).strip()
-    line = text.splitlines()[0] if text else type(exc).__name__
-    line = re.sub(r"^(\[[^\]]*\]\s*)+", "", line)
-    # source locations anywhere in the line ("[enforce fail at pair.cc:446]") and gloo's sign-off
-    line = re.sub(r"\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*", "", line)
-    line = re.sub(r"\s*GLHF!?", "", line)
-    return line.strip() or type(exc).__name__
 
 
 def host_identity() -> str:
@@ -214,7 +194,7 @@ class AFDStore:
     timeout_s: float
     _runner: _StoreRunner = field(repr=False)
     _barrier_seq: dict[str, int] = field(default_factory=dict, repr=False)
-    _abort: "AbortSignal | None" = field(default=None, repr=False)
+    _abort: AbortSignal | None = field(default=None, repr=False)
 
     def label(self, world_rank: int | None = None) -> str:
         """Name of ``world_rank`` (default: this rank), e.g. ``"FFN rank 0 (world rank 0)"``."""
@@ -223,10 +203,10 @@ class AFDStore:
         return rank_label(self.world_rank if world_rank is None else world_rank, self.num_ffn_ranks)
 
     @property
-    def abort_signal(self) -> "AbortSignal":
+    def abort_signal(self) -> AbortSignal:
         """This generation's :class:`AbortSignal` (one per store: its read state is shared)."""
         if self._abort is None:
-            self._abort = AbortSignal(self)
+            self._abort = AbortSignal(self, _abort_error)
         return self._abort
 
     def call(self, fn: Callable[[], Any], what: str, timeout_s: float | None = None, *,
@@ -302,113 +282,6 @@ class AFDStore:
     def generation_key(self) -> str:
         """A string unique to this store instance and generation (for naming OS resources)."""
         return f"{self.namespace}-{self.port}-g{self.generation}"
-
-
-def _decode_abort(raw: bytes) -> tuple[str, str, dict[str, Any]]:
-    """``(reason, by, record)`` of an abort value (``record``: the whole JSON object, ``{}`` if not JSON)."""
-    try:
-        d = json.loads(raw.decode("utf-8"))
-        return str(d["reason"]), str(d["by"]), d
-    except (ValueError, KeyError, TypeError):
-        return raw.decode("utf-8", "replace"), "an unknown rank", {}
-
-
-class AbortSignal:
-    """A generation's step-abort key, read so that a waiter never waits on the store.
-
-    :meth:`read` asks the store (one round trip on the rank's store thread) and
-    waits at most ``wait_s`` for the answer; while an earlier read is still
-    unanswered (a frozen store host) it answers at once from what it last
-    learned. An abort once seen is kept.
-    """
-
-    def __init__(self, store: AFDStore, me: str | None = None):
-        self._store = store
-        self.me = store.label() if me is None else me
-        self._lost_logged = False
-        self._lock = threading.Lock()
-        self._queued: cf.Future | None = None
-        self._posted: tuple[str, str] | None = None
-        #: The posted abort's whole record (``kind: "duplicate"``: a role rank started twice, see :func:`connect`).
-        self.record: dict[str, Any] = {}
-
-    def read(self, wait_s: float = ABORT_READ_WAIT_S) -> tuple[str, str] | None:
-        """``(reason, by)`` of the posted abort, or None (none posted, or the store is silent).
-
-        Raises:
-            StoreUnavailableError: the connection to the store was lost (FFN rank 0 exited).
-        """
-        if self._posted is not None:
-            return self._posted
-        runner = self._store._runner
-        if runner.on_thread() or runner.lost is not None:
-            return self._fetch()
-        if runner.stuck_s() > wait_s:
-            return self._posted  # an earlier round trip is unanswered: queue no more behind it
-        with self._lock:
-            fut = self._queued
-            if fut is None or fut.running() or fut.done():
-                fut = self._queued = runner.submit(self._fetch)
-        try:
-            return fut.result(wait_s)
-        except cf.TimeoutError:
-            return self._posted
-
-    def check(self, op: str = "") -> None:
-        """Raise if an abort was posted (waits for the store at most :data:`ABORT_READ_WAIT_S`).
-
-        A lost store (FFN rank 0, its host, exited) reads as "no abort": when
-        A = F, FFN rank 0 finishing normally takes the store with it while other
-        edges are still mid-step and healthy. A peer that really died is still
-        found by the transport itself (its connection closes, or its deadline passes).
-
-        Raises:
-            StepAbortedError: naming the aborting rank, its reason and ``op``.
-        """
-        try:
-            found = self.read()
-        except StoreUnavailableError as e:
-            if not self._lost_logged:
-                self._lost_logged = True
-                logger.info("AFD %s: the rendezvous store (FFN rank 0) is gone while %s (%s); no abort can be "
-                            "posted or read any more, the transport's own deadlines and peer checks remain",
-                            self.me, op or "waiting", e)
-            return
-        if found is not None:
-            raise _abort_error(self._store, found, op)
-
-    def probe(self, op: str = "in-flight work") -> BaseException | None:
-        """The error :meth:`check` would raise, or None (for polling threads)."""
-        try:
-            self.check(op)
-        except BaseException as e:  # noqa: BLE001
-            return e
-        return None
-
-    def post(self, exc: BaseException | str, kind: str | None = None) -> None:
-        """Post ``exc`` as the abort reason (first post wins; a posted abort itself is not re-posted).
-
-        ``kind``: ``"closed"`` for an orderly close (peers raise :class:`PeerClosedError`).
-        Waits for the store at most :data:`POST_ABORT_WAIT_S` (see :func:`post_abort`).
-        """
-        if isinstance(exc, StepAbortedError):
-            return
-        post_abort(self._store, str(exc).splitlines()[0][:2000] if str(exc) else type(exc).__name__, by=self.me,
-                   kind=kind)
-
-    def learn(self, reason: str, by: str, record: Mapping[str, Any] | None = None) -> None:
-        """Record an abort this rank posted or read elsewhere."""
-        if self._posted is None:
-            self._posted = (reason, by)
-            self.record = dict(record or {})
-
-    def _fetch(self) -> tuple[str, str] | None:
-        st = self._store
-        raw = st.call(lambda: bytes(st.store.get("abort")) if st.store.check(["abort"]) else None,
-                      "reading the abort signal")
-        if raw is not None:
-            self.learn(*_decode_abort(raw))
-        return self._posted
 
 
 # TCPStore clients (with their round-trip thread) cached per process: the server
@@ -636,33 +509,6 @@ def _generation_hint(store: AFDStore, missing: Iterable[int]) -> str:
     return f" ({'; '.join(notes)}, {mine} of the store at {addr}). {order[0]} {order[1]}"
 
 
-def check_abort(store: AFDStore) -> str | None:
-    """Return the posted abort (``"<reason> (by <who>)"``) of this generation, or None.
-
-    Waits for the store at most :data:`ABORT_READ_WAIT_S` (see :class:`AbortSignal`):
-    a silent store reads as "no abort", so a caller's own deadline still holds.
-
-    Raises:
-        StoreUnavailableError: the connection to the store was lost.
-    """
-    found = store.abort_signal.read()
-    return None if found is None else f"{found[0]} (by {found[1]})"
-
-
-def raise_if_aborted(store: AFDStore, op: str = "") -> None:
-    """Raise :class:`StepAbortedError` if an abort was posted in this generation.
-
-    Waits for the store at most :data:`ABORT_READ_WAIT_S` (see :func:`check_abort`).
-
-    Raises:
-        StepAbortedError: naming the aborting rank, its reason and ``op``.
-        StoreUnavailableError: the connection to the store was lost.
-    """
-    found = store.abort_signal.read()
-    if found is not None:
-        raise _abort_error(store, found, op)
-
-
 def _abort_error(store: AFDStore, found: tuple[str, str], op: str, missing: Iterable[int] = ()) -> AFDError:
     """The error of a posted abort: :class:`DuplicateRankError` for a role rank started twice,
     :class:`PeerClosedError` for an orderly close, else :class:`StepAbortedError`. ``missing``: world
@@ -682,43 +528,6 @@ def _abort_error(store: AFDStore, found: tuple[str, str], op: str, missing: Iter
         f"store at {store.host}:{store.port}: {holder} holds it, {claimant} was refused.{hint} Give every "
         "process its own role rank and restart the job (every rank of it fails now instead of waiting out "
         "init_timeout_s).", world_rank=wr, holder=str(rec.get("holder")))
-
-
-def post_abort(store: AFDStore, reason: str, by: str | None = None, kind: str | None = None) -> bool:
-    """Post the step-abort signal for this generation (the first post wins).
-
-    Every rank waiting in this module, or polling :func:`check_abort` (the
-    control plane's receive does), raises :class:`StepAbortedError`. Waits for
-    the store at most :data:`POST_ABORT_WAIT_S`; a post a frozen store did not
-    take in time still lands if it wakes up.
-
-    Args:
-        store: the generation's store.
-        reason: what went wrong, e.g. ``"send_attn_output layer 3 stage 0: peer FFN rank 1 dead"``.
-        by: who aborts; default this rank's label.
-        kind: ``"closed"``: ``by`` closed in order (waiters raise :class:`PeerClosedError`).
-
-    Returns:
-        True if this call posted the abort, False if one was already posted or
-        the store did not take it.
-    """
-    by = by or store.label()
-    value = json.dumps({"reason": str(reason), "by": by, **({"kind": kind} if kind else {})}).encode("utf-8")
-    runner = store._runner
-    if not runner.on_thread() and runner.stuck_s() > ABORT_READ_WAIT_S:
-        # The store is silent already: queue the post (it lands if the host wakes), wait for nothing.
-        runner.submit(lambda: store.store.compare_set("abort", "", value))
-        logger.warning("%s: the AFD abort (%s) is queued: the rendezvous store at %s:%d does not answer "
-                       "(FFN rank 0 stopped or unreachable)", store.label(), reason, store.host, store.port)
-        return False
-    try:
-        prev = bytes(store.call(lambda: store.store.compare_set("abort", "", value), "posting the abort",
-                                POST_ABORT_WAIT_S, cancel=False))
-    except Exception as e:  # noqa: BLE001 - the store may be gone with a dead FFN rank 0
-        logger.warning("could not post AFD abort (%s): %s", reason, e)
-        return False
-    store.abort_signal.learn(*_decode_abort(bytes(prev)))
-    return bytes(prev) == value
 
 
 def wait_for_keys(

@@ -221,7 +221,7 @@ class TransportSetup:
         device: the device wire tensors live on.
         timeout_s: deadline of one in-flight operation or wait, seconds.
         init_timeout_s: deadline of the whole setup, seconds.
-        abort: the generation's :class:`~afd_ext.transport.signal.AbortSignal`, or None.
+        abort: the generation's :class:`~afd_ext.health.AbortSignal`, or None.
         progress: callable returning this rank's :class:`StepProgress` (None
             outside a step), for stall diagnostics; or None.
         publish_after_s: a rank waiting (or idle mid-step) longer than this

@@ -16,7 +16,7 @@ Bounded waits: a gloo wait that times out closes the pair it waits on, so
 waits cannot be sliced with short gloo timeouts. Instead a daemon waiter
 thread calls ``work.wait(deadline)`` while the calling thread polls its
 completion in short slices and checks the rendezvous abort signal between
-slices (:func:`afd_ext.watchdog.host_wait`). A gloo wait cannot be
+slices (:func:`afd_ext.health.host_wait`). A gloo wait cannot be
 interrupted: :meth:`GlooTransport.close` joins the waiter when healthy
 (bounded by the deadline) and, after an abort, leaves a wait still blocked
 to end on its own thread (when the peer drops its end, or at gloo's own
@@ -31,7 +31,6 @@ the stage; a peer that is alive but silent becomes an
 
 from __future__ import annotations
 
-import atexit
 import concurrent.futures as cf
 import datetime
 import logging
@@ -41,7 +40,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..watchdog import CallThread, host_wait
+from ..health import AbortSignal, CallThread, host_wait, leave
 from .base import (
     AFDPeerError,
     AFDProtocolError,
@@ -56,7 +55,6 @@ from .base import (
 )
 from .. import fp8
 from ..errors import AFDConfigError
-from .signal import AbortSignal
 from ..rendezvous import error_text
 
 logger = logging.getLogger(__name__)
@@ -93,29 +91,15 @@ class _Waiter(CallThread):
         """Stop the thread; wait up to ``join_timeout_s`` for a wait in progress to end.
 
         Returns False if the thread is still blocked in gloo; it then ends by
-        itself within :attr:`bound_s`, and :func:`_join_left_waits` holds the
-        process's exit until it has (an exit with a gloo wait blocked aborts the
+        itself within :attr:`bound_s`, and the process's exit waits until it has
+        (:func:`afd_ext.health.leave`; an exit with a gloo wait blocked aborts the
         process in gloo's destructors).
         """
         t = self._thread
         if super().stop(join_timeout_s):
             return True
-        with _LEFT_LOCK:
-            _LEFT.append((self, t))
+        leave(t, f"a gloo wait ({self._name})", lambda: self.bound_s + 1.0 - self.stuck_s())
         return False
-
-
-# Waits still blocked in gloo after their transport closed; joined (bounded) before the process exits.
-_LEFT: list[tuple[_Waiter, threading.Thread]] = []
-_LEFT_LOCK = threading.Lock()
-
-
-@atexit.register
-def _join_left_waits() -> None:
-    with _LEFT_LOCK:
-        left, _LEFT[:] = list(_LEFT), []
-    for w, t in left:
-        t.join(max(w.bound_s + 1.0 - w.stuck_s(), 0.1))
 
 
 def _completed_ok(work: Any) -> bool:
@@ -168,7 +152,7 @@ class GlooTransport(Transport):
         peers: the :class:`~afd_ext.transport.base.PeerMap` of this rank.
         timeout_s: deadline of every wait inside a step, seconds (> 0).
         init_timeout_s: deadline for building the process group, seconds.
-        abort: the generation's :class:`~afd_ext.transport.signal.AbortSignal`
+        abort: the generation's :class:`~afd_ext.health.AbortSignal`
             (checked between wait slices and by :meth:`check_health`), or None.
 
     Raises:

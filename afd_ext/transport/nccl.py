@@ -26,7 +26,7 @@ drain, and is itself bounded (the remaining communicators are aborted when it
 overruns). A release that overruns its bound is logged with the communicator
 it is stuck on, and the next :class:`NcclTransport` of this process waits for
 it (bounded) and then refuses to start, naming it, instead of hanging inside
-``ncclCommInitRank``; process exit waits for it too (bounded, :data:`EXIT_WAIT_S`), since a
+``ncclCommInitRank``; process exit waits for it too (bounded, ``health.watchdog.EXIT_WAIT_S``), since a
 helper returning into a finalising interpreter aborts the process.
 
 Every data call is one NCCL group over all peers (``ops.split_back`` /
@@ -39,7 +39,7 @@ the capturing stream through events; :meth:`NcclTransport.prepare_stages`
 creates them before any capture).
 
 No hang: after each group an event is recorded on the stream and handed to the
-:class:`~afd_ext.watchdog.Watchdog` with a description (op, peers, layer,
+:class:`~afd_ext.health.Watchdog` with a description (op, peers, layer,
 stage, the exchange's tag); on expiry or an asynchronous communicator error
 the watchdog posts the abort signal (bounded, *before* the communicators are aborted: aborting releases queued sends, so a peer that
 receives one afterwards finds the abort already posted), aborts every
@@ -49,7 +49,7 @@ for strict headers, ``barrier``) are tracked like any operation, so the watchdog
 the error names the *oldest* unfinished operation (its op, peers, layer and
 stage), not the wait that noticed it; the host wait itself only has a backstop
 deadline a little later. Which peer of a multi-peer group did not send is
-decided from the peers' published progress (:mod:`afd_ext.transport.stall`).
+decided from the peers' published progress (:mod:`afd_ext.health.stall`).
 
 No fused send-and-receive op: the connector API is two calls
 (``send_attn_output``, later ``recv_ffn_output``), so fusing would hold the
@@ -64,11 +64,8 @@ generation.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
-import os
-import sys
 import threading
 import time
 from typing import Any, Callable, Iterator, Sequence
@@ -76,9 +73,10 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from .. import fp8
-from ..watchdog import Watchdog, host_wait
+from ..health import AbortSignal, StallReports, Watchdog, host_wait, join_all, spawn, still_running
 from ..errors import AFDConfigError, AFDStateError
 from .base import (
+    AFDPeerError,
     AFDTimeoutError,
     AFDTransportError,
     MessageTag,
@@ -88,13 +86,11 @@ from .base import (
     Transport,
     TransportSetup,
 )
-from .signal import AbortSignal
-from .stall import StallReports
 from .streams import StageStreams  # noqa: F401 - was defined here; still importable from this module
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NcclTransport", "DIRECTIONS", "RELEASE_TIMEOUT_S", "WAIT_BACKSTOP_S", "POST_ABORT_WAIT_S", "EXIT_WAIT_S",
+__all__ = ["NcclTransport", "CommErrors", "DIRECTIONS", "RELEASE_TIMEOUT_S", "WAIT_BACKSTOP_S",
            "pending_releases"]
 
 DIRECTIONS = ("a2f", "f2a")
@@ -103,89 +99,24 @@ DIRECTIONS = ("a2f", "f2a")
 RELEASE_TIMEOUT_S = 15.0
 #: A host wait on an event gives up this long after the deadline if the watchdog did not report first.
 WAIT_BACKSTOP_S = 2.0
-#: How long a failing rank waits for its abort post (store round trip) before aborting its communicators.
-POST_ABORT_WAIT_S = 1.0
+#: ``ncclInProgress``: an asynchronous communicator operation is still running (not an error).
+NCCL_IN_PROGRESS = 7
+NCCL_REMOTE_ERROR = 6
+#: Seconds a communicator's ncclRemoteError waits for the watchdog to find the posted abort
+#: (the root cause, naming the rank that failed) before it is reported itself.
+REMOTE_GRACE_S = 1.0
+_NCCL_ERRORS = {
+    1: "ncclUnhandledCudaError", 2: "ncclSystemError", 3: "ncclInternalError",
+    4: "ncclInvalidArgument", 5: "ncclInvalidUsage", 6: "ncclRemoteError",
+}
 
-# NCCL management calls that overran their bound and may still be running in a
-# helper thread (thread, description); a new transport waits for them first.
-_PENDING_LOCK = threading.Lock()
-_PENDING: list[tuple[threading.Thread, str]] = []
 # Buffers of a generation whose NCCL abort overran its bound (see NcclTransport.close); never freed.
 _STUCK_BUFFERS: list[torch.Tensor] = []
 
 
-def _running() -> list[tuple[threading.Thread, str]]:
-    """The registered NCCL management calls still running (thread, description); drops the rest."""
-    with _PENDING_LOCK:
-        _PENDING[:] = [(t, d) for t, d in _PENDING if t.is_alive()]
-        return list(_PENDING)
-
-
 def pending_releases() -> list[str]:
-    """Descriptions of NCCL management calls (abort/destroy/init) still running in helper threads."""
-    return [d for _, d in _running()]
-
-
-#: How long process exit waits for NCCL releases still running in helper threads, seconds.
-EXIT_WAIT_S = RELEASE_TIMEOUT_S
-
-
-@atexit.register
-def _join_releases_at_exit() -> None:
-    """Before the interpreter finalises, wait (bounded) for the NCCL releases still in helper threads.
-
-    A helper returning from its torch op while the interpreter finalises is ended by CPython
-    (``pthread_exit`` when it asks for the GIL back, Python 3.11 / 3.12) through torch's noexcept
-    GIL guard, or meets c10's CUDA hooks already torn down: either way the process dies with
-    SIGABRT (GPU run 35: a stalled peer's ``ncclCommAbort`` outlived the worker's ``return``). Past
-    :data:`EXIT_WAIT_S` the process leaves without finalising (``os._exit(1)``), the calls named
-    in the log. An abandoned ``ncclCommInitRank`` (not registered: it returns only if its peer
-    joins late) is not waited for.
-    """
-    threads = _running()
-    if not threads:
-        return
-    logger.warning("afd_ext: waiting up to %.0f s at exit for NCCL calls still running: %s",
-                   EXIT_WAIT_S, "; ".join(d for _, d in threads))
-    left = _join_all(threads, time.monotonic() + EXIT_WAIT_S)
-    if not left:
-        return
-    logger.error("afd_ext: NCCL calls still running %.0f s after exit began: %s. Leaving without "
-                 "finalising (exit status 1): their return into a finalising interpreter would abort "
-                 "the process.", EXIT_WAIT_S, "; ".join(left))
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(1)
-
-
-def _start(fn: Callable[[], Any], what: str, *, register: bool = True) -> tuple[threading.Thread, dict]:
-    """Run ``fn`` in a daemon thread (registered in the pending list unless ``register=False``).
-
-    The returned ``box`` gets ``"result"`` or ``"error"``.
-    """
-    box: dict = {}
-
-    def body() -> None:
-        try:
-            box["result"] = fn()
-        except BaseException as e:  # noqa: BLE001 - reported by the waiter
-            box["error"] = e
-
-    t = threading.Thread(target=body, name=f"afd-nccl {what}", daemon=True)
-    if register:
-        with _PENDING_LOCK:
-            _PENDING.append((t, what))
-    t.start()
-    return t, box
-
-
-def _join_all(threads: Sequence[tuple[threading.Thread, str]], deadline: float) -> list[str]:
-    """Join every thread until ``deadline`` (monotonic); return the descriptions still running."""
-    for t, _ in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-    return [d for t, d in threads if t.is_alive()]
+    """Descriptions of NCCL management calls (abort/destroy) still running in helper threads."""
+    return [d for _, d in still_running() if d.startswith("nccl")]
 
 
 def _wait_pending(timeout_s: float, owner: str) -> None:
@@ -209,12 +140,56 @@ def _wait_pending(timeout_s: float, owner: str) -> None:
             "this process (its GPU work is stuck; see the stack dump / NCCL_DEBUG=INFO output).")
 
 
+class CommErrors:
+    """The NCCL transport's poll of its own state, run by the watchdog: a communicator's asynchronous error.
+
+    Args:
+        comms: callable returning ``[(handle, name)]`` of the live communicators.
+        async_error: ``handle -> int`` (``ops.comm_async_error``).
+
+    Called as ``poll(watchdog, now)``: the :class:`~afd_ext.errors.AFDPeerError` of the first
+    communicator in error (naming the oldest in-flight operation), or None. A peer aborting its
+    communicators after posting the step abort shows here first as ncclRemoteError: while the
+    watchdog reads the abort signal, that error waits :data:`REMOTE_GRACE_S` for the posted root cause.
+    """
+
+    def __init__(self, comms: Callable[[], Sequence[tuple[int, str]]], async_error: Callable[[int], int]):
+        self.comms = comms
+        self.async_error = async_error
+        self._remote_seen: float | None = None  # when a communicator first reported a remote error
+
+    def __call__(self, wd: Watchdog, now: float) -> BaseException | None:
+        for handle, desc in list(self.comms()):
+            try:
+                code = int(self.async_error(handle))
+            except Exception as e:  # noqa: BLE001
+                code, err = -1, str(e)
+            else:
+                err = _NCCL_ERRORS.get(code, f"NCCL error {code}")
+            if code in (0, NCCL_IN_PROGRESS):
+                continue
+            if code == NCCL_REMOTE_ERROR and wd.posts_abort:
+                if self._remote_seen is None:
+                    self._remote_seen = now
+                if now - self._remote_seen < REMOTE_GRACE_S:
+                    continue
+            last = wd.in_flight
+            op0 = last[0] if last else None
+            ctx = f"; in flight: {op0.describe()}" if op0 else ""
+            return AFDPeerError(
+                f"AFD {wd.owner}: communicator {desc} reported {err}{ctx}. The peer probably died "
+                "or its network failed; close and re-initialise the connector.",
+                op=op0.what if op0 else None, peer=desc, layer=op0.layer if op0 else None,
+                stage=op0.stage if op0 else None)
+        return None
+
+
 def _capturing() -> bool:
     return torch.cuda.is_current_stream_capturing()
 
 
 def _release_comms(ops: Any, comms: dict, me: str, *, abort: bool, timeout_s: float,
-                   wait: bool = True) -> list[tuple[threading.Thread, str]]:
+                   ) -> list[tuple[threading.Thread, str]]:
     """Release ``comms`` ({(a, f, direction): handle}), bounded (never raises); ``me`` names this rank in logs.
 
     ``abort=True``: ``comm_abort`` of every communicator at once, one thread
@@ -224,7 +199,7 @@ def _release_comms(ops: Any, comms: dict, me: str, *, abort: bool, timeout_s: fl
     ends whatever the destroy waits for).
 
     Returns:
-        The helper threads (already joined unless ``wait=False``).
+        The helper threads (joined, each until the bound).
     """
     if not comms:
         return []
@@ -244,8 +219,8 @@ def _release_comms(ops: Any, comms: dict, me: str, *, abort: bool, timeout_s: fl
             for k, h in comms.items():
                 call(ops.comm_destroy, h, "destroy")()
         what = f"ncclCommDestroy of {', '.join(desc.values())} on {me}"
-        threads = [(_start(destroy_all, what)[0], what)]
-        left = _join_all(threads, deadline)
+        threads = [(spawn(destroy_all, what)[0], what)]
+        left = join_all(threads, deadline)
         if not left:
             return threads
         logger.error("%s: destroying the NCCL communicators did not finish within %.0f s (queued work "
@@ -254,13 +229,12 @@ def _release_comms(ops: Any, comms: dict, me: str, *, abort: bool, timeout_s: fl
     threads = []
     for k, h in comms.items():
         what = f"ncclCommAbort of {desc[k]} on {me}"
-        threads.append((_start(call(ops.comm_abort, h, "abort"), what)[0], what))
-    if wait:
-        left = _join_all(threads, deadline)
-        if left:
-            logger.error("%s: NCCL abort did not return within %.0f s: %s. The next connector "
-                         "init of this process will wait for it and then refuse to start.",
-                         me, timeout_s, "; ".join(left))
+        threads.append((spawn(call(ops.comm_abort, h, "abort"), what)[0], what))
+    left = join_all(threads, deadline)
+    if left:
+        logger.error("%s: NCCL abort did not return within %.0f s: %s. The next connector "
+                     "init of this process will wait for it and then refuse to start.",
+                     me, timeout_s, "; ".join(left))
     return threads
 
 
@@ -287,7 +261,7 @@ def _create_comm(ops: Any, index: int, peers: PeerMap, uid_t: torch.Tensor, rank
         return h
 
     # Not registered as pending: an abandoned init holds no GPU work of ours.
-    t, box = _start(create, f"ncclCommInitRank of {what} on {peers.me}", register=False)
+    t, box = spawn(create, f"ncclCommInitRank of {what} on {peers.me}", keep=False)
     next_abort = 0.0
     while True:
         t.join(0.005)
@@ -332,11 +306,11 @@ class NcclTransport(Transport):
         timeout_s: deadline of an in-flight operation, seconds.
         init_timeout_s: one deadline for the whole setup (unique-id exchange and every
             ``ncclCommInitRank``), seconds.
-        abort: the generation's :class:`~afd_ext.transport.signal.AbortSignal`, polled by the
+        abort: the generation's :class:`~afd_ext.health.AbortSignal`, polled by the
             watchdog and posted on failure; or None (nothing polled or posted).
         progress: callable returning this rank's :class:`~afd_ext.transport.base.StepProgress`,
-            for naming the stalled peer (:mod:`afd_ext.transport.stall`); or None.
-        publish_after_s: see :class:`~afd_ext.transport.stall.StallReports` (default ``0.4 * timeout_s``).
+            for naming the stalled peer (:mod:`afd_ext.health.stall`); or None.
+        publish_after_s: see :class:`~afd_ext.health.stall.StallReports` (default ``0.4 * timeout_s``).
 
     Raises:
         RendezvousTimeoutError: a peer did not publish its unique id, or did not join
@@ -378,11 +352,11 @@ class NcclTransport(Transport):
                                  0.4 * timeout_s if publish_after_s is None else publish_after_s)
         self.stall = stall
         self.watchdog = Watchdog(
-            timeout_s, owner=peers.me, on_failure=self._on_watchdog_failure,
-            comms=self._named_comms, async_error=ops.comm_async_error,
-            abort_check=None if abort is None else abort.probe,
+            timeout_s, owner=peers.me, on_failure=self._on_watchdog_failure, post=self._post_abort,
+            polls=[CommErrors(self._named_comms, ops.comm_async_error)],
+            abort_check=None if abort is None else lambda: abort.check("in-flight work"),
             blame=None if stall is None else stall.blame, on_tick=None if stall is None else stall.tick,
-        )
+            calls=None if abort is None else abort.calls)
         t0 = time.monotonic()
         self._init_comms(store, topology, init_timeout_s, rdzv)
         # This rank's peers (role ranks), for replays: derived once, not per replay.
@@ -641,35 +615,20 @@ class NcclTransport(Transport):
         ev.record()
         self.wait_event(ev, "drain", ["every peer"], MessageTag("barrier", "a2f", -1, -1, -1))
 
-    def _release(self, *, abort: bool, timeout_s: float, wait: bool = True) -> list[tuple[threading.Thread, str]]:
+    def _release(self, *, abort: bool, timeout_s: float) -> list[tuple[threading.Thread, str]]:
         """Release every communicator of this transport, bounded (never raises); see :func:`_release_comms`."""
         comms, self._comms = dict(self._comms), {}
-        return _release_comms(self._ops, comms, self.peers.me, abort=abort, timeout_s=timeout_s, wait=wait)
+        return _release_comms(self._ops, comms, self.peers.me, abort=abort, timeout_s=timeout_s)
 
     def _on_watchdog_failure(self, exc: BaseException) -> None:
         self._aborted = True
         if self._closed is None:
             self._closed = exc
-        # Tell the peers first (posting the abort signal), bounded by POST_ABORT_WAIT_S
-        # so a dead store host cannot delay the aborts much: aborting our communicators
-        # lets sends queued behind the stuck operation through, and a peer that
-        # receives one of them must find the abort already posted (its synchronize()
-        # then reports the aborted step instead of returning replies computed from
-        # an incomplete fan-in). Then abort, and wait for the aborts (bounded).
+        self._release(abort=True, timeout_s=RELEASE_TIMEOUT_S)  # after the watchdog's abort post
+
+    def _post_abort(self, exc: BaseException) -> None:
         if self._signal is not None:
-            poster, box = _start(lambda: self._signal.post(exc), f"posting the abort of {self.peers.me}",
-                                 register=False)
-            poster.join(POST_ABORT_WAIT_S)
-            if poster.is_alive():
-                logger.warning("%s: posting the abort signal takes over %.1f s (store host gone?); aborting the "
-                               "communicators meanwhile", self.peers.me, POST_ABORT_WAIT_S)
-            elif "error" in box:
-                logger.warning("%s: posting the abort signal raised: %s", self.peers.me, box["error"])
-        threads = self._release(abort=True, timeout_s=RELEASE_TIMEOUT_S, wait=False)
-        left = _join_all(threads, time.monotonic() + RELEASE_TIMEOUT_S)
-        if left:
-            logger.error("%s: NCCL abort did not return within %.0f s: %s", self.peers.me,
-                         RELEASE_TIMEOUT_S, "; ".join(left))
+            self._signal.post(exc)
 
     def abort(self, reason: str) -> None:
         """Abort every communicator now (concurrently, bounded); later calls raise. Idempotent."""

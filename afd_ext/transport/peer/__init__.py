@@ -13,6 +13,6 @@ from __future__ import annotations
 
 from . import plane
 from .plane import *  # noqa: F401,F403
-from .transport import ABORT_POLL_S, POLL_S, WAIT_BACKSTOP_S, PeerTransport
+from .transport import POLL_S, WAIT_BACKSTOP_S, PeerTransport
 
-__all__ = [*plane.__all__, "PeerTransport", "POLL_S", "ABORT_POLL_S", "WAIT_BACKSTOP_S"]
+__all__ = [*plane.__all__, "PeerTransport", "POLL_S", "WAIT_BACKSTOP_S"]

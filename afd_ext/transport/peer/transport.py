@@ -18,23 +18,25 @@ step of several stages runs each stage on its own stream forked from and
 joined into the caller's, so a stage's wait never holds back another stage's
 put (the FFN side may take stage 1's fan-in before it replies to stage 0).
 
-No hang: every device wait has the plane's deadline; a thread polls the
-plane's host-mapped error record (and the generation's abort signal) and turns
-a failure into the named error the next call raises, posting the abort for
-the other ranks; a posted abort ends this rank's spinning waits at once.
+No hang: every device wait has the plane's deadline; the rank's watchdog
+(:class:`afd_ext.health.Watchdog`, the NCCL fallback's when there is one)
+polls the plane's host-mapped error record and the generation's abort signal
+and turns a failure into the named error the next call raises, posting the
+abort for the other ranks; a failure or a posted abort ends this rank's
+spinning waits at once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
 from ...errors import AFDConfigError, AFDTimeoutError, AFDTransportError
+from ...health import Watchdog
 from ...schedule import stage_buffers
 from ..base import MessageTag, PendingSend, Transport, TransportSetup
 from ..streams import StageStreams
@@ -43,12 +45,10 @@ from .plane import PeerPlane, WireSpec, open_plane
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PeerTransport", "POLL_S", "ABORT_POLL_S", "WAIT_BACKSTOP_S"]
+__all__ = ["PeerTransport", "POLL_S", "WAIT_BACKSTOP_S"]
 
-#: How often the failure thread reads the plane's error record, seconds.
+#: How often a watchdog of its own (no NCCL fallback) reads the plane's error record, seconds.
 POLL_S = 0.002
-#: How often it reads the generation's abort signal (a store round trip), seconds.
-ABORT_POLL_S = 0.1
 #: A host wait gives up this long after the deadline if the device did not report first.
 WAIT_BACKSTOP_S = 2.0
 
@@ -86,11 +86,16 @@ class PeerTransport(Transport):
         self._schedule: Any = None
         self._stages = StageStreams(self.device)
         self._stages.separate = False  # until a step of several stages is prepared
-        self._failure: Optional[BaseException] = None
         self._dequant: dict[int, torch.Tensor] = {}  # stage -> the FP8 fan-in's bf16 output (capacity rows)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name=f"afd-peer {self.peers.me}", daemon=True)
-        self._thread.start()
+        # One health thread per rank: the fallback's watchdog also polls the plane, else one of our own.
+        self.watchdog = fallback.watchdog if fallback is not None else Watchdog(
+            setup.timeout_s, owner=self.peers.me, poll_interval_s=POLL_S,
+            post=None if self._signal is None else self._signal.post,
+            abort_check=None if self._signal is None else lambda: self._signal.check("peer-memory exchange"),
+            calls=None if self._signal is None else self._signal.calls)
+        # On a failure (posted first), every spinning wait of this rank returns at once.
+        self.watchdog.watch(lambda wd, now: self.plane.failure(), lambda exc: self.plane.abort())
+        self.watchdog.start()
 
     @classmethod
     def from_setup(cls, setup: TransportSetup) -> "PeerTransport":
@@ -135,40 +140,9 @@ class PeerTransport(Transport):
 
     # -- failure ---------------------------------------------------------------
 
-    def _watch(self) -> None:
-        next_abort = 0.0
-        while not self._stop.wait(POLL_S):
-            try:
-                err = self.plane.failure()
-                if err is not None:
-                    self._fail(err, post=True)
-                    return
-                now = time.monotonic()
-                if self._signal is not None and now >= next_abort:
-                    next_abort = now + ABORT_POLL_S
-                    posted = self._signal.probe("peer-memory exchange")
-                    if posted is not None:
-                        self._fail(posted, post=False)
-                        return
-            except Exception as e:  # noqa: BLE001 - never let the thread die silently
-                self._fail(AFDTransportError(f"AFD {self.peers.me}: peer-memory watch failed: {e}"), post=False)
-                return
-
-    def _fail(self, exc: BaseException, *, post: bool) -> None:
-        if self._failure is None:
-            self._failure = exc
-            logger.error("%s: %s", self.peers.me, exc)
-        self.plane.abort()  # every spinning wait of this rank returns now
-        if post and self._signal is not None:
-            try:
-                self._signal.post(exc)
-            except Exception as e:  # noqa: BLE001 - the failure itself is what matters
-                logger.warning("%s: posting the abort signal failed: %s", self.peers.me, e)
-
     def check_health(self, tag: MessageTag | None = None) -> None:
-        # The watch thread reads the error record every POLL_S: no op call on the hot path.
-        if self._failure is not None:
-            raise self._failure
+        # The watchdog reads the error record every POLL_S: no op call on the hot path.
+        self.watchdog.check()
         self._check_open(tag)
         if self.fallback is not None:
             self.fallback.check_health(tag)
@@ -290,10 +264,7 @@ class PeerTransport(Transport):
         ev.record(torch.cuda.current_stream(self.device))
         end = time.monotonic() + self.plane.timeout_ns / 1e9 + WAIT_BACKSTOP_S
         while not ev.query():
-            err = self.plane.failure()
-            if err is not None:
-                self._fail(err, post=True)
-            self.check_health(tag)
+            self.check_health(tag)  # the watchdog polls the plane's error record
             if time.monotonic() >= end:
                 peers = ", ".join(self.peers.peer_label(p) for p in self.plane.peers)
                 err = AFDTimeoutError(
@@ -301,24 +272,24 @@ class PeerTransport(Transport):
                     f"{tag.where()} (peers {peers}) and the device reported no deadline: the GPU is stuck "
                     "behind other work", op=tag.op, peer=peers, layer=tag.layer if tag.layer >= 0 else None,
                     stage=tag.stage if tag.stage >= 0 else None)
-                self._fail(err, post=True)
+                self.watchdog.fail(err)
                 raise err
             time.sleep(0.0002)
         # The device writes its error record before the wait kernel returns: read it once the work
         # is done, not only while waiting (the watch thread may not have polled yet).
         err = self.plane.failure()
         if err is not None:
-            self._fail(err, post=True)
+            self.watchdog.fail(err)
         self.check_health(tag)
 
     def track_replay(self, what: str, tag: MessageTag) -> None:
-        # Device-side deadlines cover the plane inside a replay; the watch thread reports them.
+        # Device-side deadlines cover the plane inside a replay; the watchdog reports them.
         if self.step_kind == "nccl":
             self.fallback.track_replay(what, tag)
 
     @contextlib.contextmanager
     def capture_guard(self) -> Iterator[None]:
-        # The watch thread reads host memory only (no CUDA call), so it may run during a capture.
+        # The plane's poll reads host memory only (no CUDA call), so it may run during a capture.
         if self.fallback is not None:
             with self.fallback.capture_guard():
                 yield
@@ -342,9 +313,8 @@ class PeerTransport(Transport):
     def close(self, buffers: Sequence[torch.Tensor] = ()) -> None:
         if self._closed is None:
             self._closed = AFDTransportError("closed")
-        self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(1.0)
+        if self.fallback is None:
+            self.watchdog.stop(1.0)
         if self.fallback is not None:
             try:
                 self.fallback.close(buffers)  # first: its kernels must not hold the device sync below

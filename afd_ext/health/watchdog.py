@@ -2,18 +2,19 @@
 
 Two tools:
 
-* :class:`Watchdog` - a daemon thread for the NCCL transport. Every NCCL
-  operation the connector issues is recorded with a CUDA event (recorded on
-  the stage stream right after the operation) and a description (op, peer,
-  layer, stage). The thread polls the events, ``comm_async_error`` of every
-  communicator and the rendezvous abort signal. When an operation is older
-  than the deadline, a communicator reports an error, or another rank posted
-  the abort signal, the watchdog records the failure, calls ``on_failure``
-  (the connector posts the abort signal and aborts its communicators, which
-  ends the stuck NCCL kernels) and the next connector call raises the recorded
-  error: :class:`~afd_ext.transport.base.AFDTimeoutError` naming the op, the
-  peer, the layer and the stage, an
-  :class:`~afd_ext.transport.base.AFDPeerError`, or the abort.
+* :class:`Watchdog` - the health thread of a rank's device transports (one
+  per rank: the peer-memory transport shares its NCCL fallback's). Every NCCL
+  operation issued is recorded with a CUDA event (recorded on the stage stream
+  right after the operation) and a description (op, peer, layer, stage). The
+  thread polls the events, each transport's poll of its own state (NCCL: the
+  communicators' asynchronous errors; peer memory: the plane's error record)
+  and the rendezvous abort signal. When an operation is older than the
+  deadline, a poll reports a failure, or another rank posted the abort signal,
+  the watchdog records the failure, runs the ``on_failure`` hooks (post the
+  abort signal, abort the communicators and the plane, which ends stuck
+  kernels and spinning waits) and the next connector call raises the recorded
+  error: :class:`~afd_ext.errors.AFDTimeoutError` naming the op, the peer, the
+  layer and the stage, an :class:`~afd_ext.errors.AFDPeerError`, or the abort.
 
   Which peer: an NCCL group over several peers (a fan-in) completes as a
   whole, so its event cannot say whose rows are missing. Two hooks answer
@@ -25,10 +26,13 @@ Two tools:
   peer(s) that did not send: a dead peer publishes nothing, a stalled one
   says it has been idle in its caller).
 
-  The deadline never waits on the rendezvous store: ``abort_check`` and
-  ``on_tick`` (store round trips) run on a second thread, and ``blame`` gets
-  at most :data:`BLAME_WAIT_S`, so a frozen store host (FFN rank 0 stopped)
-  cannot keep an expired operation from being recorded.
+  The deadline never waits on the rendezvous store: ``abort_check``,
+  ``on_tick`` and ``blame`` (store round trips) run on the thread that makes
+  the store's round trips (the rank's store thread), the first two as a
+  round every ``abort_poll_s`` whose answer the deadline thread picks up when
+  it is there, ``blame`` waited for at most :data:`BLAME_WAIT_S`; so a frozen
+  store host (FFN rank 0 stopped) cannot keep an expired operation from being
+  recorded, and a rank has one health thread.
 * :func:`host_wait` - a bounded host-side wait used by the gloo transport and
   by strict-mode header checks: it polls a completion test in short slices,
   checks the abort signal between slices, and raises a named
@@ -46,16 +50,20 @@ event on the replay stream after ``graph.replay()`` and :meth:`Watchdog.track` i
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures as cf
 import contextlib
 import logging
+import os
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
-from .errors import AFDConfigError, AFDPeerError, AFDTimeoutError, AFDTransportError
+from ..errors import AFDConfigError, AFDError, AFDPeerError, AFDTimeoutError, AFDTransportError
+from .abort import POST_ABORT_WAIT_S
 
 logger = logging.getLogger(__name__)
 
@@ -63,16 +71,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_POLL_INTERVAL_S = 0.005
 #: Longest an expiring operation waits for ``blame`` (store reads) before it is recorded without it, seconds.
 BLAME_WAIT_S = 0.5
-#: ``ncclInProgress``: an asynchronous communicator operation is still running (not an error).
-NCCL_IN_PROGRESS = 7
-NCCL_REMOTE_ERROR = 6
-#: Seconds a communicator's ncclRemoteError waits for the abort thread to find the posted abort
-#: (the root cause, naming the rank that failed) before it is reported itself.
-REMOTE_GRACE_S = 1.0
-_NCCL_ERRORS = {
-    1: "ncclUnhandledCudaError", 2: "ncclSystemError", 3: "ncclInternalError",
-    4: "ncclInvalidArgument", 5: "ncclInvalidUsage", 6: "ncclRemoteError",
-}
 
 
 @dataclass(eq=False)  # compared by identity: two ops may describe the same exchange
@@ -108,21 +106,21 @@ class TrackedOp:
 
 
 class Watchdog:
-    """Follows in-flight operations, communicator errors and the abort signal.
+    """Follows in-flight operations, the transports' own state and the abort signal.
 
     Args:
         deadline_s: an operation older than this is declared stuck, seconds (> 0).
         owner: label of this rank (for messages).
         on_failure: called once, from the watchdog thread, with the failure
-            exception; it should abort the communicators (ending stuck kernels)
-            and post the rendezvous abort signal. Exceptions it raises are logged.
-        comms: callable returning ``[(handle, description)]`` of the live
-            communicators, polled with ``async_error``; or None.
-        async_error: callable ``handle -> int`` (``ops.comm_async_error``); or None.
-        abort_check: callable returning the posted abort (text or a ready
-            exception), or None (``rendezvous.check_abort``); polled every ``abort_poll_s``.
-        abort_error: callable ``text -> exception`` building the error for a
-            posted abort (default: :class:`AFDPeerError`).
+            exception, after ``post``; it should abort the communicators (ending
+            stuck kernels). Exceptions it raises are logged. More hooks: :meth:`watch`.
+        post: posts the failure as the step abort (``AbortSignal.post``), first: aborting
+            releases sends queued behind a stuck one, and a peer that receives one must find the
+            abort posted. Run on the store thread, waited for at most ``POST_ABORT_WAIT_S``.
+        polls: a transport's polls of its own state, ``poll(watchdog, now) -> exception | None``
+            (run every ``poll_interval_s`` on the deadline thread; never wait). More: :meth:`watch`.
+        abort_check: callable raising (``AbortSignal.check``) or returning the posted abort's error,
+            else returning None; polled every ``abort_poll_s``.
         poll_interval_s: polling period of events and communicators, seconds.
         abort_poll_s: polling period of ``abort_check`` and ``on_tick``, seconds.
         blame: callable ``op -> (text, culprits) | None`` run when ``op``
@@ -133,10 +131,11 @@ class Watchdog:
         on_tick: callable ``(now, oldest) -> None`` run every ``abort_poll_s``
             with ``time.monotonic()`` and the oldest in-flight
             :class:`TrackedOp` (or None); exceptions are logged and ignored.
+        calls: the :class:`CallThread` that runs ``abort_check``, ``on_tick`` and ``blame`` (they may
+            wait on the store): the store's own (``AbortSignal.calls``); default one of the watchdog's.
 
-    ``abort_check`` and ``on_tick`` run on their own thread (they may wait on
-    the store); the thread that checks deadlines never calls them. Both
-    threads start with :meth:`start` and end with :meth:`stop`.
+    The thread that checks deadlines never calls the store hooks. It starts
+    with :meth:`start` and ends with :meth:`stop`.
     """
 
     def __init__(
@@ -145,24 +144,23 @@ class Watchdog:
         *,
         owner: str = "",
         on_failure: Callable[[BaseException], None] | None = None,
-        comms: Callable[[], Iterable[tuple[int, str]]] | None = None,
-        async_error: Callable[[int], int] | None = None,
-        abort_check: Callable[[], str | BaseException | None] | None = None,
-        abort_error: Callable[[str], BaseException] | None = None,
+        post: Callable[[BaseException], None] | None = None,
+        polls: Iterable[Callable[["Watchdog", float], BaseException | None]] = (),
+        abort_check: Callable[[], BaseException | None] | None = None,
         poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
         abort_poll_s: float = 0.1,
         blame: Callable[[TrackedOp], tuple[str, Iterable[str]] | None] | None = None,
         on_tick: Callable[[float, TrackedOp | None], None] | None = None,
+        calls: "CallThread | None" = None,
     ):
         if not deadline_s or deadline_s <= 0:
             raise AFDConfigError(f"deadline_s must be > 0 seconds, got {deadline_s!r}")
         self.deadline_s = float(deadline_s)
         self.owner = owner
-        self._on_failure = on_failure
-        self._comms = comms
-        self._async_error = async_error
+        self._on_failure = [] if on_failure is None else [on_failure]
+        self._polls = list(polls)
+        self._post = post
         self._abort_check = abort_check
-        self._abort_error = abort_error or (lambda text: AFDPeerError(f"AFD step aborted: {text}"))
         self._poll = float(poll_interval_s)
         self._abort_poll = float(abort_poll_s)
         self._blame = blame
@@ -170,34 +168,44 @@ class Watchdog:
         self._lock = threading.Lock()
         self._ops: list[TrackedOp] = []
         self._failure: BaseException | None = None
-        self._remote_seen: float | None = None  # when a communicator first reported a remote error
         self._suspended = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._store_thread: threading.Thread | None = None
+        self._own_calls = calls is None
+        self._calls = calls or CallThread(f"afd-watchdog-store {owner}")
 
     # -- lifecycle -------------------------------------------------------------
 
+    def watch(self, poll: Callable[["Watchdog", float], BaseException | None] | None = None,
+              on_failure: Callable[[BaseException], None] | None = None) -> None:
+        """Add a transport's poll of its own state and its failure hook (run before the earlier hooks)."""
+        if poll is not None:
+            self._polls.append(poll)
+        if on_failure is not None:
+            self._on_failure.insert(0, on_failure)
+
+    @property
+    def posts_abort(self) -> bool:
+        """Whether the abort signal is read (a remote error may then wait for the posted root cause)."""
+        return self._abort_check is not None
+
     def start(self) -> None:
-        """Start the polling threads (idempotent)."""
+        """Start the polling thread (idempotent)."""
         if self._thread is None:
             self._stop.clear()
             self._thread = threading.Thread(target=self._run, name=f"afd-watchdog {self.owner}", daemon=True)
             self._thread.start()
-            if self._abort_check is not None or self._on_tick is not None:
-                self._store_thread = threading.Thread(target=self._run_store, daemon=True,
-                                                      name=f"afd-watchdog-store {self.owner}")
-                self._store_thread.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Stop the threads and forget tracked operations (idempotent).
+        """Stop the thread and forget tracked operations (idempotent).
 
-        The store thread is not waited for: it may be blocked on a silent store
-        (it is a daemon and ends after its current round trip).
+        A store round in progress is not waited for: it may be blocked on a
+        silent store (its thread is a daemon and ends after the round trip).
         """
         self._stop.set()
         t, self._thread = self._thread, None
-        self._store_thread = None
+        if self._own_calls:
+            self._calls.stop()
         if t is not None and t is not threading.current_thread():
             t.join(timeout_s)
         with self._lock:
@@ -246,9 +254,17 @@ class Watchdog:
                 return
             self._failure = exc
         logger.error("%s: %s", self.owner or "AFD watchdog", exc)
-        if self._on_failure is not None:
+        if self._post is not None:
             try:
-                self._on_failure(exc)
+                self._calls.submit(lambda: self._post(exc)).result(POST_ABORT_WAIT_S)
+            except cf.TimeoutError:
+                logger.warning("%s: posting the abort signal takes over %.1f s (store host gone?); aborting "
+                               "meanwhile", self.owner, POST_ABORT_WAIT_S)
+            except Exception as e:  # noqa: BLE001 - the failure itself is what matters
+                logger.warning("%s: posting the abort signal raised: %s", self.owner, e)
+        for hook in list(self._on_failure):
+            try:
+                hook(exc)
             except Exception:  # noqa: BLE001 - the failure itself is what matters
                 logger.exception("AFD watchdog on_failure callback raised")
 
@@ -294,31 +310,11 @@ class Watchdog:
                 if op not in done and age > self.deadline_s:
                     self.fail(self.timeout_error(op, age))
                     return
-        if self._comms is not None and self._async_error is not None:
-            for handle, desc in list(self._comms()):
-                try:
-                    code = int(self._async_error(handle))
-                except Exception as e:  # noqa: BLE001
-                    code, err = -1, str(e)
-                else:
-                    err = _NCCL_ERRORS.get(code, f"NCCL error {code}")
-                if code not in (0, NCCL_IN_PROGRESS):
-                    if code == NCCL_REMOTE_ERROR and self._abort_check is not None:
-                        # A peer aborting its communicators after posting the step abort shows here
-                        # first: give the abort thread REMOTE_GRACE_S to name the root cause.
-                        if self._remote_seen is None:
-                            self._remote_seen = now
-                        if now - self._remote_seen < REMOTE_GRACE_S:
-                            continue
-                    last = self.in_flight
-                    ctx = f"; in flight: {last[0].describe()}" if last else ""
-                    op0 = last[0] if last else None
-                    self.fail(AFDPeerError(
-                        f"AFD {self.owner}: communicator {desc} reported {err}{ctx}. The peer probably died "
-                        "or its network failed; close and re-initialise the connector.",
-                        op=op0.what if op0 else None, peer=desc, layer=op0.layer if op0 else None,
-                        stage=op0.stage if op0 else None))
-                    return
+        for poll in list(self._polls):
+            exc = poll(self, now)
+            if exc is not None:
+                self.fail(exc)
+                return
 
     def timeout_error(self, op: TrackedOp, age: float) -> AFDTimeoutError:
         """The error of an expired ``op`` (in flight ``age`` seconds), with ``blame``'s verdict."""
@@ -342,9 +338,7 @@ class Watchdog:
 
     def _bounded_blame(self, op: TrackedOp) -> tuple[str, Iterable[str]] | None:
         """``blame(op)``, given at most :data:`BLAME_WAIT_S` (it reads the store, which may be silent)."""
-        runner = CallThread(f"afd-watchdog-blame {self.owner}")
-        fut = runner.submit(lambda: self._blame(op))
-        runner.stop()
+        fut = self._calls.submit(lambda: self._blame(op))
         try:
             return fut.result(BLAME_WAIT_S)
         except cf.TimeoutError:
@@ -355,35 +349,43 @@ class Watchdog:
             return None
 
     def _run(self) -> None:
-        # Deadlines and communicator errors only: nothing here waits on the store.
+        # Deadlines and the transports' polls here; the store hooks' rounds on the store's thread.
+        hooks = self._abort_check is not None or self._on_tick is not None
+        fut: cf.Future | None = None
+        next_round = 0.0
         while not self._stop.wait(self._poll):
             try:
                 self.poll_once()
+                if hooks and self._failure is None:
+                    if fut is not None and fut.done():
+                        found, fut = fut.result(), None
+                        if found is not None:
+                            self.fail(found)
+                    now = time.monotonic()
+                    if fut is None and now >= next_round and self._failure is None:
+                        next_round = now + self._abort_poll
+                        fut = self._calls.submit(self._store_round)
             except Exception as e:  # noqa: BLE001 - never let the thread die silently
                 if self._failure is None:
                     self.fail(AFDTransportError(f"AFD {self.owner}: watchdog check failed: {e}"))
             if self._failure is not None:
                 return
 
-    def _run_store(self) -> None:
-        # The hooks that make store round trips, every abort_poll_s, off the deadline thread.
-        while not self._stop.wait(self._abort_poll):
-            if self._failure is not None:
-                return
-            if self._on_tick is not None:
-                try:
-                    self._on_tick(time.monotonic(), self.oldest())
-                except Exception:  # noqa: BLE001 - diagnostics only
-                    logger.exception("AFD watchdog on_tick callback raised")
-            if self._abort_check is not None and self._failure is None:
-                try:
-                    found = self._abort_check()
-                except Exception as e:  # noqa: BLE001 - an unreadable store is itself a failure
-                    found = AFDTransportError(f"AFD {self.owner}: reading the abort signal failed: {e}")
-                if isinstance(found, BaseException):
-                    self.fail(found)
-                elif found:
-                    self.fail(self._abort_error(found))
+    def _store_round(self) -> BaseException | None:
+        """The store thread: ``on_tick``, then ``abort_check``'s answer (never raises)."""
+        if self._on_tick is not None:
+            try:
+                self._on_tick(time.monotonic(), self.oldest())
+            except Exception:  # noqa: BLE001 - diagnostics only
+                logger.exception("AFD watchdog on_tick callback raised")
+        if self._abort_check is None:
+            return None
+        try:
+            return self._abort_check()
+        except AFDError as e:  # the posted abort's error
+            return e
+        except Exception as e:  # noqa: BLE001 - an unreadable store is itself a failure
+            return AFDTransportError(f"AFD {self.owner}: reading the abort signal failed: {e}")
 
 
 def host_wait(
@@ -506,3 +508,87 @@ class CallThread:
                 fut.set_result(result)
             finally:
                 self._busy_since = None
+
+
+# Calls that may outlive their caller's bound, on daemon threads (NCCL releases, gloo waits blocked at close):
+# (thread, what, seconds process exit waits for it or None for EXIT_WAIT_S), until they end.
+_LEFT: list[tuple[threading.Thread, str, Callable[[], float] | None]] = []
+_LEFT_LOCK = threading.Lock()
+#: How long process exit waits for calls still running on helper threads, seconds.
+EXIT_WAIT_S = 15.0
+
+
+def spawn(fn: Callable[[], Any], what: str, *, keep: bool = True) -> tuple[threading.Thread, dict]:
+    """Run ``fn`` on a daemon thread of its own; ``keep``: listed (:func:`still_running`) until it ends.
+
+    The returned ``box`` gets ``"result"`` or ``"error"``.
+    """
+    box: dict = {}
+
+    def body() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as e:  # noqa: BLE001 - reported by the waiter
+            box["error"] = e
+
+    t = threading.Thread(target=body, name=f"afd {what}", daemon=True)
+    if keep:
+        leave(t, what)
+    t.start()
+    return t, box
+
+
+def leave(thread: threading.Thread, what: str, exit_wait_s: Callable[[], float] | None = None) -> None:
+    """List ``thread`` (a call its caller stopped waiting for) until it ends; process exit waits for it,
+    at most ``exit_wait_s()`` seconds (default :data:`EXIT_WAIT_S`)."""
+    with _LEFT_LOCK:
+        _LEFT.append((thread, what, exit_wait_s))
+
+
+def still_running() -> list[tuple[threading.Thread, str]]:
+    """The listed calls still running (thread, what); drops the rest."""
+    with _LEFT_LOCK:
+        _LEFT[:] = [e for e in _LEFT if e[0].is_alive()]
+        return [(t, d) for t, d, _ in _LEFT]
+
+
+def join_all(threads: Iterable[tuple[threading.Thread, str]], deadline: float) -> list[str]:
+    """Join every thread until ``deadline`` (monotonic); return the descriptions still running."""
+    threads = list(threads)
+    for t, _ in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return [d for t, d in threads if t.is_alive()]
+
+
+@atexit.register
+def _join_at_exit() -> None:
+    """Before the interpreter finalises, wait (bounded) for the listed calls still running.
+
+    A helper returning from its torch op while the interpreter finalises is ended by CPython
+    (``pthread_exit`` when it asks for the GIL back, Python 3.11 / 3.12) through torch's noexcept
+    GIL guard, or meets c10's CUDA hooks already torn down: either way the process dies with
+    SIGABRT (GPU run 35: a stalled peer's ``ncclCommAbort`` outlived the worker's ``return``; a gloo
+    wait left blocked aborts in gloo's destructors). Past its bound the process leaves without
+    finalising (``os._exit(1)``), the calls named in the log. An abandoned ``ncclCommInitRank``
+    (not listed: it returns only if its peer joins late) is not waited for.
+    """
+    with _LEFT_LOCK:
+        left = [e for e in _LEFT if e[0].is_alive()]
+    if not left:
+        return
+    logger.warning("afd_ext: waiting up to %.0f s at exit for calls still running: %s",
+                   EXIT_WAIT_S, "; ".join(d for _, d, _ in left))
+    t0 = time.monotonic()
+    for t, _, wait in left:
+        t.join(max(0.0, t0 + (EXIT_WAIT_S if wait is None else max(wait(), 0.1)) - time.monotonic()))
+    stuck = [d for t, d, _ in left if t.is_alive()]
+    if not stuck:
+        return
+    logger.error("afd_ext: calls still running %.0f s after exit began: %s. Leaving without finalising "
+                 "(exit status 1): their return into a finalising interpreter would abort the process.",
+                 time.monotonic() - t0, "; ".join(stuck))
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(1)

@@ -17,7 +17,6 @@ import time
 from typing import Any, Callable
 
 from ..topology import step_words
-from .base import PeerMap, StepProgress
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +33,7 @@ class StallReports:
         publish_after_s: waiting or idling longer than this publishes a report, seconds.
     """
 
-    def __init__(self, store: Any, peers: PeerMap, progress: Callable[[], StepProgress | None],
+    def __init__(self, store: Any, peers: Any, progress: Callable[[], Any],
                  publish_after_s: float):
         self.store = store
         self.peers = peers
