@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import array
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
