@@ -209,8 +209,7 @@ class GlooTransport(Transport):
 
     def check_health(self, tag: MessageTag | None = None) -> None:
         """Raise if closed, or if another rank posted the abort signal (one store round trip)."""
-        if self._closed is not None:  # check_health ran at the call's start; a close since then
-            self._check_open(tag)
+        self._check_open(tag)
         if self._abort_check is not None:
             self._abort_check(tag.op if tag is not None else "")
 
