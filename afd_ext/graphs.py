@@ -3,8 +3,8 @@
 What this module gives the runtime (the attention runner and the FFN loop):
 
 * :class:`GraphKey` — what a captured graph depends on: the full per-stage,
-  per-attention-rank row-count vector, the wire dtypes, which optional tensors
-  travel, the layer count and the topology. Never a
+  per-attention-rank row-count vector, the wire layout (every part that travels,
+  its columns and dtype), the layer count and the topology. Never a
   total: per-peer counts ``[4, 4]`` and ``[7, 1]`` give different keys (the
   reference keyed FFN graphs so that both collided and replayed the wrong graph
   during an eager prefill, its issue #261).
@@ -90,7 +90,8 @@ __all__ = [
 ]
 
 from .schedule import DEFAULT_CAPTURE_SIZES, capture_size_for, check_capture_sizes  # noqa: E402
-from .spec import TOKEN_IDS_DTYPE, as_dtype, dtype_name  # noqa: E402  the one dtype table
+from .spec import dtype_name  # noqa: E402  the one dtype table
+from .wire import layout  # noqa: E402
 
 
 from .errors import (  # noqa: E402,F401  defined once, in errors.py
@@ -107,15 +108,6 @@ from .errors import (  # noqa: E402,F401  defined once, in errors.py
 # ---------------------------------------------------------------------------
 
 
-def _dtype_name(dtype: torch.dtype | str | None) -> str | None:
-    """The dtype's wire name (:func:`afd_ext.spec.dtype_name`), None for None.
-
-    Raises:
-        AFDConfigError: not a dtype or a dtype name.
-    """
-    return None if dtype is None else dtype_name(as_dtype(dtype, "dtype"))
-
-
 @dataclasses.dataclass(frozen=True)
 class GraphKey:
     """Everything a captured exchange graph depends on (hashable, comparable).
@@ -125,20 +117,16 @@ class GraphKey:
             ``counts[a]`` is the number of rows attention rank ``a`` sends in that
             stage (after graph padding). The full vector, never a total.
         num_layers: exchanges per stage per step (layer loop length).
-        hidden_size: columns of the hidden states on the wire.
-        hidden_dtype: wire dtype name of the hidden states, e.g. ``"bfloat16"``.
-        router_logits: ``(width, dtype name)`` when router logits travel, else None.
-        token_ids: dtype name of the token ids when they travel, else None.
+        parts: the wire of both directions, ``(direction, name, cols, dtype name, encoding)`` per part in
+            wire order (:func:`afd_ext.wire.layout`): the hidden size and dtypes, which optional tensors
+            travel, and any part declared through :func:`afd_ext.wire.declare_part`.
         topology: ``(num_attention_ranks, num_ffn_ranks, tp_size)`` or ``()``.
         hidden_wire: ``"fp8_e4m3"`` when hidden states travel as FP8 (docs/fp8.md), else None.
     """
 
     stage_counts: tuple[tuple[int, tuple[int, ...]], ...]
     num_layers: int
-    hidden_size: int
-    hidden_dtype: str
-    router_logits: tuple[int, str] | None = None
-    token_ids: str | None = None
+    parts: tuple[tuple[Any, ...], ...]
     topology: tuple[int, ...] = ()
     hidden_wire: str | None = None
 
@@ -171,75 +159,33 @@ class GraphKey:
         return f"GraphKey({stages}; {rest})"
 
 
-def make_graph_key(
-    stage_counts: Mapping[int, Sequence[int]],
-    *,
-    num_layers: int,
-    hidden_size: int,
-    hidden_dtype: torch.dtype | str,
-    router_logits_width: int | None = None,
-    router_logits_dtype: torch.dtype | str | None = None,
-    token_ids_dtype: torch.dtype | str | None = None,
-    topology: Sequence[int] = (),
-) -> GraphKey:
-    """Build a :class:`GraphKey` from plain values (stages sorted, dtypes by name).
+def make_graph_key(stage_counts: Mapping[int, Sequence[int]], *, num_layers: int, parts: Sequence[Sequence[Any]],
+                   topology: Sequence[int] = (), hidden_wire: str | None = None) -> GraphKey:
+    """Build a :class:`GraphKey` from plain values (stages sorted; ``parts`` as :attr:`GraphKey.parts`).
 
     The values are checked where they come from: :class:`~afd_ext.schedule.ScheduleConfig`
     and the step's schedule (:func:`graph_key_from_schedule`); the key only compares them.
-
-    Args:
-        stage_counts: stage id -> per-attention-rank row counts (ints >= 0, one
-            per attention rank, the same length in every stage). Row counts are
-            the ones that travel (after graph padding).
-        num_layers: layer exchanges per stage per step, >= 1.
-        hidden_size: hidden columns, >= 1.
-        hidden_dtype: wire dtype of the hidden states.
-        router_logits_width / router_logits_dtype: both given when router logits
-            travel, both None otherwise.
-        token_ids_dtype: dtype of the token ids when they travel (int32 for the
-            reference's wire), else None.
-        topology: ``(A, F[, tp])`` when known.
-
-    Returns:
-        The key.
-
-    Raises:
-        AFDConfigError: a dtype is not a dtype or a dtype name.
+    ``stage_counts``: stage id -> per-attention-rank row counts (the ones that travel, after graph padding).
     """
-    logits = None if router_logits_width is None else (int(router_logits_width), _dtype_name(router_logits_dtype))
-    return GraphKey(
-        stage_counts=tuple((s, tuple(int(c) for c in stage_counts[s])) for s in sorted(stage_counts)),
-        num_layers=int(num_layers),
-        hidden_size=int(hidden_size),
-        hidden_dtype=_dtype_name(hidden_dtype),
-        router_logits=logits,
-        token_ids=_dtype_name(token_ids_dtype),
-        topology=tuple(int(t) for t in topology),
-    )
+    return GraphKey(tuple((s, tuple(int(c) for c in stage_counts[s])) for s in sorted(stage_counts)),
+                    int(num_layers), tuple(tuple(p) for p in parts), tuple(int(t) for t in topology), hidden_wire)
 
 
 def graph_key_from_schedule(schedule: Any) -> GraphKey:
     """The :class:`GraphKey` of a :class:`~afd_ext.schedule.StepSchedule`.
 
     Uses the wire row vector of every stage (padded under ``pad_to``; never a
-    total), the layer count, the wire dtypes, which
-    optional tensors travel, and ``(A, F, tp)``. Both roles get the same key from
-    the same payload and config. Real counts under padding are not part of it:
-    a padded graph serves any real counts up to the padded size.
+    total), the layer count, the wire layout of both directions (every declared
+    part present under the config, with its columns and dtype), and ``(A, F, tp)``.
+    Both roles get the same key from the same payload and config. Real counts under
+    padding are not part of it: a padded graph serves any real counts up to the padded size.
     """
-    cfg = schedule.config
-    topo = schedule.topology
-    logits_dtype = cfg.router_logits_dtype if cfg.router_logits_width is not None else None
-    return dataclasses.replace(make_graph_key(
-        {s: schedule.rows_vector(s) for s in schedule.stages},
-        num_layers=cfg.num_layers,
-        hidden_size=cfg.hidden_size,
-        hidden_dtype=cfg.hidden_dtype,
-        router_logits_width=cfg.router_logits_width,
-        router_logits_dtype=logits_dtype,
-        token_ids_dtype=TOKEN_IDS_DTYPE if cfg.send_token_ids else None,
-        topology=(topo.num_attention_ranks, topo.num_ffn_ranks, topo.tp_size),
-    ), hidden_wire=cfg.hidden_wire)
+    cfg, topo = schedule.config, schedule.topology
+    parts = [(d, p.name, p.cols, dtype_name(p.dtype), p.encoding)
+             for d, ps in (("a2f", cfg.wire_parts), ("f2a", layout(cfg, "f2a"))) for p in ps]
+    return make_graph_key({s: schedule.rows_vector(s) for s in schedule.stages}, num_layers=cfg.num_layers,
+                          parts=parts, topology=(topo.num_attention_ranks, topo.num_ffn_ranks, topo.tp_size),
+                          hidden_wire=cfg.hidden_wire)
 
 
 def cold_edges(schedule: Any, role: str, role_rank: int) -> list[tuple[int, int]]:

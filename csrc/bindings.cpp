@@ -122,6 +122,7 @@ PyMODINIT_FUNC PyInit__C(void) {
       PyModule_AddIntConstant(mod, "NCCL_VERSION_CODE", nccl_compiled) < 0 ||
       PyModule_AddStringConstant(mod, "ARCH_LIST", AFD_ARCH_LIST) < 0 ||
       PyModule_AddStringConstant(mod, "WIRE_DTYPES", afd::wire_dtype_names().c_str()) < 0 ||
+      PyModule_AddIntConstant(mod, "FP8_GROUP", afd::kFp8Group) < 0 ||  // afd_ext.fp8.GROUP, tested equal
       // The peer plane's facts, read by afd_ext.ops (one statement: csrc/peer.h).
       PyModule_AddIntConstant(mod, "PEER_IPC_HANDLE_BYTES", afd::kPeerIpcHandleBytes) < 0 ||
       PyModule_AddIntConstant(mod, "PEER_MAX_PEERS", afd::kPeerMaxPeers) < 0 ||

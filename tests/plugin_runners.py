@@ -265,7 +265,8 @@ def attention_step(conn, sc: PluginScenario, i: int, step: dict, a: int, dp_rank
             h, lg = inputs(sc, i, layer, s, a, rows[s], device, dtype)
             want = ffn_fn(h.clone(), lg, layer)
             if sc.frozen_stage:
-                torch.ops.afd_ext_plugin.send_attn_output(h, lg, None, conn._handle, layer, 0)
+                torch.ops.afd_ext_plugin.send_attn_output(h, [{"router_logits": lg}.get(a) for a in conn.part_args],
+                                                          conn._handle, layer, 0)
             else:
                 md = AFDTransferMetadata.create_attention_metadata(layer_idx=layer, stage_idx=s, seq_len=rows[s])
                 conn.send_attn_output(h, AFDTransferContext(metadata=md), **({} if lg is None else

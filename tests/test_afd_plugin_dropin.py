@@ -410,6 +410,31 @@ def test_adapter_checks_before_anything_moves(plugin, monkeypatch):
         ffn.recv_attn_output(ubatch_idx=0, routing_spec=AFDExpertRoutingSpec(4, torch.bfloat16))
 
 
+def test_the_adapter_forwards_a_declared_part(plugin, monkeypatch):
+    # A part declared through afd_ext.wire reaches the connector under the plugin too: eager, and through the
+    # custom op a torch.compile trace calls (the op takes the parts as a list, in the adapter's part_args order).
+    from afd_plugin.connectors.metadata import AFDTransferContext, AFDTransferMetadata
+
+    from afd_ext import wire
+
+    wire.declare_part("topk_ids", dtype=torch.int32, cols=(3,))
+    try:
+        plugin.adapter.register()
+        vc = _vc(connector="AfdExtConnector", connector_extra_config={"transport": "gloo"})
+        att = plugin.factory.create_connector(0, 0, vc, plugin.config.parse_afd_config(vc, validate=False))
+    finally:
+        wire.remove_part("topk_ids")
+    assert att.part_args[-1] == "topk_ids"
+    got = []
+    monkeypatch.setattr(att._inner, "send_attn_output", lambda h, ctx, **kw: got.append((ctx.metadata, kw)))
+    h, topk = torch.zeros(2, 8), torch.ones(2, 3, dtype=torch.int32)
+    md = AFDTransferMetadata.create_attention_metadata(layer_idx=1, stage_idx=0, seq_len=2)
+    att.send_attn_output(h, AFDTransferContext(metadata=md), topk_ids=topk)
+    torch.ops.afd_ext_plugin.send_attn_output(h, [None] * (len(att.part_args) - 1) + [topk], att._handle, 1, 0)
+    assert [kw["topk_ids"] is topk for _, kw in got] == [True, True]
+    assert got[1][0].layer_idx == 1 and got[1][0].seq_lens == [2]
+
+
 def test_orderly_close_ends_only_the_plugins_ffn_loop_thread(plugin, monkeypatch):
     # afd-plugin's FFN loop records any Exception as a failure; after an orderly close its thread
     # (and only that thread) gets SystemExit, which threading ends quietly. Any other caller gets

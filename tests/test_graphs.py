@@ -37,9 +37,12 @@ def key(counts, **kw):
     """A key with defaults; ``counts`` is a list (one stage) or a dict stage -> list."""
     if not isinstance(counts, dict):
         counts = {0: counts}
-    base = dict(num_layers=2, hidden_size=16, hidden_dtype=torch.bfloat16)
+    base = dict(num_layers=2, parts=[HIDDEN, ("f2a", "output", (16,), "bfloat16", None)])
     base.update(kw)
     return make_graph_key(counts, **base)
+
+
+HIDDEN = ("a2f", "hidden", (16,), "bfloat16", None)
 
 
 def payload(**flags):
@@ -64,12 +67,13 @@ def test_key_keeps_per_peer_counts_not_totals():
 @pytest.mark.parametrize(
     "other",
     [
-        dict(hidden_dtype=torch.float16),
-        dict(router_logits_width=8, router_logits_dtype=torch.float32),
-        dict(token_ids_dtype=torch.int32),
+        dict(parts=[("a2f", "hidden", (16,), "float16", None), ("f2a", "output", (16,), "float16", None)]),
+        dict(parts=[HIDDEN, ("a2f", "router_logits", (8,), "float32", None)]),
+        dict(parts=[HIDDEN, ("a2f", "token_ids", (), "int32", None)]),
+        dict(parts=[("a2f", "hidden", (32,), "bfloat16", None)]),
         dict(num_layers=3),
-        dict(hidden_size=32),
         dict(topology=(2, 1)),
+        dict(hidden_wire="fp8_e4m3"),
     ],
 )
 def test_key_differs_on_every_field(other):
@@ -88,12 +92,6 @@ def test_key_stage_vector_order_and_stages():
     # Swapping which stage carries which counts is a different key.
     assert k != key({0: [3, 5], 1: [1, 2]})
     assert "stage 0: [1, 2]" in k.describe()
-
-
-def test_key_rejects_an_unknown_dtype():
-    # Counts, layers and sizes are checked by ScheduleConfig and the schedule the key comes from.
-    with pytest.raises(AFDConfigError, match="unknown dtype"):
-        make_graph_key({0: [1]}, num_layers=1, hidden_size=4, hidden_dtype="float99")
 
 
 @settings(max_examples=60, deadline=None)
@@ -423,8 +421,23 @@ def test_key_from_schedule_uses_per_peer_rows():
     kl = graphs.graph_key_from_schedule(
         _schedule({0: [4, 4]}, router_logits_width=8, send_token_ids=True)
     )
-    assert kl.router_logits == (8, "float32") and kl.token_ids == "int32"
+    assert {("a2f", "router_logits", (8,), "float32", None), ("a2f", "token_ids", (), "int32", None)} <= set(kl.parts)
     assert kl != k44
+
+
+def test_a_declared_part_changes_the_key():
+    from afd_ext import wire
+
+    before = graphs.graph_key_from_schedule(_schedule({0: [4, 4]}))
+    assert [p[:2] for p in before.parts] == [("a2f", "hidden"), ("f2a", "output")]
+    wire.declare_part("topk_ids", dtype=torch.int32, cols=(3,))
+    try:
+        after = graphs.graph_key_from_schedule(_schedule({0: [4, 4]}))
+    finally:
+        wire.remove_part("topk_ids")
+    assert after != before and ("a2f", "topk_ids", (3,), "int32", None) in after.parts
+    assert after.differences(before) == [f"parts: {after.parts!r} != {before.parts!r}"]
+    assert graphs.graph_key_from_schedule(_schedule({0: [4, 4]})) == before  # the part removed, the key back
 
 
 def test_cold_edges_and_warmup_from_schedule():

@@ -140,6 +140,14 @@ def test_the_python_wire_dtype_table_mirrors_the_extensions():
     assert ops.WIRE_DTYPES == spec.WIRE_DTYPES
 
 
+def test_the_fp8_group_is_the_extensions():
+    # csrc/peer.h's kFp8Group sizes the kernels' scale groups; afd_ext.fp8 (imported without the compiled
+    # core) states it for Python, so the two are compared here.
+    from afd_ext import _C, fp8
+
+    assert _C.FP8_GROUP == fp8.GROUP
+
+
 def test_the_peer_constants_come_from_the_extension():
     # csrc/peer.h states the peer plane's limits and error record once; ops reads them from _C, and the
     # record's decoder must name its words in the same order.

@@ -375,14 +375,15 @@ def _runtime_stage(traced: int) -> int:
 
 
 @torch.library.custom_op("afd_ext_plugin::send_attn_output", mutates_args=("hidden_states",))
-def _send_attn_op(hidden_states: torch.Tensor, router_logits: Optional[torch.Tensor],
-                  input_ids: Optional[torch.Tensor], handle: int, layer_idx: int, stage: int) -> None:
+def _send_attn_op(hidden_states: torch.Tensor, parts: list[Optional[torch.Tensor]], handle: int, layer_idx: int,
+                  stage: int) -> None:
     # Declared as mutating hidden_states (it does not) so the compiler keeps and orders the call.
-    _live(handle)._send_rows(hidden_states, layer_idx, _runtime_stage(stage), router_logits, input_ids)
+    # parts: the keywords of the connector's part_args, in that order (None: not given).
+    _live(handle)._send_rows(hidden_states, layer_idx, _runtime_stage(stage), parts)
 
 
 @_send_attn_op.register_fake
-def _(hidden_states, router_logits, input_ids, handle, layer_idx, stage) -> None:
+def _(hidden_states, parts, handle, layer_idx, stage) -> None:
     return None
 
 
@@ -502,6 +503,8 @@ if HAVE_AFD_PLUGIN:
                             connector_extra_config=info.connector.to_mapping())
             self.spec = exchange_spec(vllm_config, afd_config, info)
             self._inner = AFDConnector(rank, local_rank, cfg, role_rank, **dataclasses.asdict(self.spec))
+            #: send_attn_output's keywords after hidden_states: the parts that travel (afd_ext.wire), in wire order.
+            self.part_args = tuple(p.arg for p in self._inner.schedule_config.caller_parts if p.arg != "hidden_states")
             self.attn_size = cfg.num_attention_ranks
             self.ffn_size = cfg.num_ffn_ranks
             self.control_plane = _PluginControlPlane(self)
@@ -614,25 +617,24 @@ if HAVE_AFD_PLUGIN:
                     this rank's count of the stage (1 for an idle rank's dummy batch).
                 context: an ``AFDTransferContext`` (the reference's or ours).
                 **kwargs: ``router_logits`` ``[rows, width]`` (gate on attention),
-                    ``input_ids`` ``[rows]`` int32; others are ignored.
+                    ``input_ids`` ``[rows]`` int32, the keyword of a part declared with
+                    :func:`afd_ext.wire.declare_part` (before this connector was built); others are ignored.
 
             Raises:
                 AFDConfigError / AFDStateError / AFDError: see afd_ext's ``send_attn_output``.
             """
-            md = context.metadata
             if _tracing():
-                torch.ops.afd_ext_plugin.send_attn_output(hidden_states, kwargs.get("router_logits"),
-                                                          kwargs.get("input_ids"), self._handle,
-                                                          md.layer_idx, md.stage_idx)
+                md = context.metadata
+                torch.ops.afd_ext_plugin.send_attn_output(hidden_states, [kwargs.get(a) for a in self.part_args],
+                                                          self._handle, md.layer_idx, md.stage_idx)
                 return
-            self._inner.send_attn_output(hidden_states, context, router_logits=kwargs.get("router_logits"),
-                                         input_ids=kwargs.get("input_ids"))
+            self._inner.send_attn_output(hidden_states, context, **kwargs)
 
         def _send_rows(self, hidden_states: torch.Tensor, layer_idx: int, stage: int,
-                       router_logits: torch.Tensor | None, input_ids: torch.Tensor | None) -> None:
+                       parts: list[torch.Tensor | None]) -> None:
             ctx = AFDTransferContext(AFDTransferMetadata.create_attention_metadata(
                 layer_idx=layer_idx, stage_idx=stage, seq_len=int(hidden_states.shape[0])))
-            self._inner.send_attn_output(hidden_states, ctx, router_logits=router_logits, input_ids=input_ids)
+            self._inner.send_attn_output(hidden_states, ctx, **dict(zip(self.part_args, parts)))
 
         def recv_ffn_output(self, ref_tensor: torch.Tensor, ubatch_idx: int = 0, **kwargs: Any) -> torch.Tensor:
             """Receive the reply of the oldest outstanding exchange into ``ref_tensor`` and return it."""

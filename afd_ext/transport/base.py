@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
@@ -159,6 +159,15 @@ class PeerMap:
     role_rank: int
     num_attention_ranks: int
     num_ffn_ranks: int
+    #: Per peer (a role rank of the other role): its world rank and its label, computed once here so that
+    #: a data call indexes them (:meth:`peer_world_rank`, :meth:`peer_label` say the same).
+    peer_world: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    peer_labels: tuple[str, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        n = self.num_attention_ranks if self.role == "ffn" else self.num_ffn_ranks
+        self.peer_world = tuple(self.peer_world_rank(p) for p in range(n))
+        self.peer_labels = tuple(self.label(w) for w in self.peer_world)
 
     @property
     def world_rank(self) -> int:

@@ -181,6 +181,7 @@ class GlooTransport(Transport):
             raise process_group_error(e, me=peers.me, label=peers.label, world_size=world,
                                       timeout_s=max(init_timeout_s, timeout_s)) from None
         self._waiter = _Waiter(f"afd-gloo-wait {peers.me}", self.timeout_s + _WAIT_MARGIN_S)
+        self._wait_timeout = datetime.timedelta(seconds=self.timeout_s + _WAIT_MARGIN_S)  # of one gloo wait
         self._rows_step: Any = None  # this step's schedule until its rows messages went out / were checked
 
     @classmethod
@@ -206,12 +207,12 @@ class GlooTransport(Transport):
         peer(s) whose messages did not complete ("waiting on attention rank 1
         (world rank 2)") instead of every peer of the exchange.
         """
-        if not works:
+        if all(_completed_ok(w) for w in works):  # done already (a send whose reply came back): no waiter
             return
         waiter = self._waiter
         if waiter is None:
             self._check_open(tag)
-        timeout = datetime.timedelta(seconds=self.timeout_s + _WAIT_MARGIN_S)
+        timeout = self._wait_timeout
 
         def wait_all() -> None:
             for w in works:
@@ -338,7 +339,8 @@ class GlooTransport(Transport):
     # -- data --------------------------------------------------------------------
 
     def split_back(self, tensors, peers, rows, *, tag: MessageTag) -> PendingSend:
-        self._check_open(tag)
+        if self._closed is not None:  # check_health ran at the call's start; a close since then
+            self._check_open(tag)
         if self.fp8 and tag.direction == "a2f" and self.peers.role == "attention":
             tensors = list(fp8.quantize(tensors[0], ue8m0=self.fp8_ue8m0)) + list(tensors[1:])  # the rule, on CPU; gloo moves the bytes
         gtag = _TAGS[tag.direction]
@@ -355,8 +357,8 @@ class GlooTransport(Transport):
             for peer, off, r in zip(peers, row_offsets(rows), rows):
                 if r == 0:
                     continue
-                dst = self.peers.peer_world_rank(peer)
-                names.append(self.peers.label(dst))
+                dst = self.peers.peer_world[peer]
+                names.append(self.peers.peer_labels[peer])
                 mine = next((ws for label, ws in by_peer if label == names[-1]), None)
                 if mine is None:
                     mine = []
@@ -384,19 +386,20 @@ class GlooTransport(Transport):
             fp8.dequantize(tensors[0], tensors[1], dequant)
 
     def _fan_in(self, tensors, peers, rows, tag: MessageTag) -> None:
-        self._check_open(tag)
+        if self._closed is not None:  # check_health ran at the call's start; a close since then
+            self._check_open(tag)
         if self._rows_step is not None and tag.direction == "a2f" and self.peers.role == "ffn":
             self._check_rows(tag)
         gtag = _TAGS[tag.direction]
         live = [(p, off, r) for p, off, r in zip(peers, row_offsets(rows), rows) if r > 0]
         if not live:
             return
-        names = [self.peers.peer_label(p) for p, _, _ in live]
+        names = [self.peers.peer_labels[p] for p, _, _ in live]
         works = []
         by_peer = []
         try:
             for name, (p, off, r) in zip(names, live):
-                src = self.peers.peer_world_rank(p)
+                src = self.peers.peer_world[p]
                 mine = [self._pg.recv([_bytes(t.narrow(0, off, r))], src, gtag) for t in tensors]
                 by_peer.append((name, mine))
                 works.extend(mine)
