@@ -267,7 +267,10 @@ def test_ctrl_c_in_a_running_demo_exits_130_quietly():
     p = subprocess.Popen([PY, "-m", "afd_ext", "demo", "--dims", "tiny", "--backend", "gloo", "--topology", "1A1F",
                           "--max-new-tokens", "16", "--requests-per-rank", "3", "--step-timeout", "60"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT,
-                         start_new_session=True)
+                         start_new_session=True,
+                         # A terminal's Ctrl-C: the default disposition, even where this run inherited SIGINT
+                         # ignored (a job started with `&` by a shell without job control ignores it, as nohup runs do)
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 60
         # Both workers and the resource tracker are up and have set their SIGINT disposition.
@@ -284,8 +287,7 @@ def test_ctrl_c_in_a_running_demo_exits_130_quietly():
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
-    # A demo that ran to its end says so on stdout; the processes signalled say when it was sent.
-    assert p.returncode == 130, f"signalled {kids} ({[_ignores_sigint(k) for k in kids]}); stderr {err!r}; stdout {out[-800:]!r}"
+    assert p.returncode == 130, f"stderr {err!r}; stdout {out[-800:]!r}"  # a demo run to its end says so on stdout
     assert err == "afd-ext demo: interrupted\n", err
     assert out == ""
 
