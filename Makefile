@@ -96,7 +96,7 @@ wheel: $(TOOLS_STAMP)
 test-wheel:
 	[ -x $(WHEEL_VENV)/bin/python ] || $(PYTHON) -m venv $(WHEEL_VENV)
 	$(WHEEL_VENV)/bin/python -m pip install -q --upgrade "torch>=2.11"
-	bash scripts/wheel.sh test $(WHEEL_VENV)/bin/python $(PYTEST_ARGS)
+	bash scripts/wheel.sh test $(abspath $(WHEEL_VENV))/bin/python $(PYTEST_ARGS)
 
 demo: setup
 	$(PY) -m afd_ext demo $(DEMO_ARGS)
