@@ -202,3 +202,9 @@ def test_no_transport_op_or_csrc_file_names_a_wire_part(tmp_path):
     (tmp_path / "x.py").write_text('wire_split = 1  # router_logits\ns = "hidden_scales"\n')
     assert [i for i in _cpp_identifiers(tmp_path / "x.cpp") if _PART_NAMES.search(i)] == ["has_token_ids"]
     assert not [i for i in _py_identifiers(tmp_path / "x.py") if _PART_NAMES.search(i)]
+
+
+def test_the_connector_takes_each_caller_part_by_its_keyword_and_no_scales_keyword():
+    # FP8 scales are made by the transport from hidden_states (docs/fp8.md): no caller keyword carries them
+    assert wire.declared_args("a2f") == ("hidden_states", "router_logits", "input_ids")
+    assert wire.declared_args("f2a") == ("ffn_output",)
