@@ -47,7 +47,6 @@ from afd_ext.tools.bench.plan import parse_int_list, parse_names
 from afd_ext.tools.testing import patched_env
 from afd_ext.errors import AFDConfigError, AFDDeviceError
 
-__all__ = ["STRUCTURES", "Plan", "build_parser", "parse_plan", "main"]
 
 STRUCTURES = ("floor", "min", "fused", "plane", "plane_nopdl")
 PLANES = ("plane", "plane_nopdl")  # structures that run afd_ext's PeerPlane

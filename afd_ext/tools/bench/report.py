@@ -26,19 +26,6 @@ import json
 import os
 from typing import Sequence
 
-__all__ = [
-    "SCHEMA",
-    "attention_records",
-    "lookup",
-    "evaluate_targets",
-    "connector_overhead",
-    "render_markdown",
-    "render_plot",
-    "write_outputs",
-    "md_table",
-    "variant_label",
-    "CPU_RUN_NOTE",
-]
 
 SCHEMA = "afd-ext-bench/1"
 

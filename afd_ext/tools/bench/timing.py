@@ -34,15 +34,6 @@ from typing import Any, Callable, Sequence
 
 from afd_ext.errors import AFDConfigError, AFDTimeoutError
 
-__all__ = [
-    "Stats",
-    "summarize",
-    "wait_event",
-    "drain_stream",
-    "time_eager",
-    "capture_graph",
-    "time_graph",
-]
 
 #: Deadline, in seconds, for the device to finish one timed block.
 DEFAULT_WAIT_TIMEOUT_S = 120.0
