@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from typing import Any, Sequence
+from typing import Sequence
 
 from afd_ext.errors import AFDConfigError
 from afd_ext.tools.bench.plan import (ALL_VARIANTS, FP8_VARIANTS, MODES, Case, Reps, RunConfig, check_cases,

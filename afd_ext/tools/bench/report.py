@@ -24,7 +24,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from typing import Sequence
+
+from afd_ext.tools.bench.plan import ALL_VARIANTS, FP8_VARIANTS
 
 
 SCHEMA = "afd-ext-bench/1"
@@ -174,24 +177,18 @@ def render_markdown(doc: dict) -> str:
     """Markdown: round-trip tables per (hidden, payload, mode), fan-in, targets, skipped variants."""
     meta = doc.get("meta", {})
     backend = meta.get("backend") or "nccl"
-    tname = "gloo" if backend == "gloo" else "NCCL"
-    lines = ["# afd-ext bench results", ""]
-    if backend == "gloo":
-        lines += [CPU_RUN_NOTE, ""]
-    lines.append(f"- date: {meta.get('date', '?')}, commit: {meta.get('commit', '?')}")
-    lines.append(f"- machine: {meta.get('devices', '?')}; layout: {meta.get('layout', {}).get('description', '?')}")
-    if backend == "gloo":
-        lines.append(f"- transport timed: {tname}, torch.distributed's gloo backend (TCP) on CPU tensors; "
-                     f"torch {meta.get('torch', '?')}")
-    else:
-        lines.append(f"- transport timed: {tname}, this package's NCCL ops on CUDA tensors; torch "
-                     f"{meta.get('torch', '?')}, NCCL runtime {meta.get('nccl_runtime', '?')}")
-    lines.append("- times: median µs (p10–p90), per iteration; ratios from medians measured side by side; "
-                 f"`vs ref` = reference / ours-default (higher is better), `x raw` = ours-default / raw {tname}.")
-    lines.append("")
-    variants_present = [v for v in ("ours_per_tensor", "connector", "reference", "raw", "peer", "connector_peer",
-                                     "ours_fp8", "peer_fp8")
-                        if any(r["variant"] == v for r in doc["records"])]
+    gloo = backend == "gloo"
+    timed = (f"gloo, torch.distributed's gloo backend (TCP) on CPU tensors; torch {meta.get('torch', '?')}" if gloo
+             else f"NCCL, this package's NCCL ops on CUDA tensors; torch {meta.get('torch', '?')}, NCCL runtime "
+                  f"{meta.get('nccl_runtime', '?')}")
+    lines = ["# afd-ext bench results", "", *([CPU_RUN_NOTE, ""] if gloo else []),
+             f"- date: {meta.get('date', '?')}, commit: {meta.get('commit', '?')}",
+             f"- machine: {meta.get('devices', '?')}; layout: {meta.get('layout', {}).get('description', '?')}",
+             f"- transport timed: {timed}",
+             "- times: median µs (p10–p90), per iteration; ratios from medians measured side by side; `vs ref` = "
+             f"reference / ours-default (higher is better), `x raw` = ours-default / raw {'gloo' if gloo else 'NCCL'}.",
+             ""]
+    variants_present = [v for v in ALL_VARIANTS + FP8_VARIANTS if any(r["variant"] == v for r in doc["records"])]
     groups: dict[tuple, list[dict]] = {}
     for c in _cases(doc):
         groups.setdefault((c["A"], c["F"], c["hidden"], c["extras"]), []).append(c)
@@ -224,7 +221,7 @@ def render_markdown(doc: dict) -> str:
         rows = [[o["case_key"], f"{variant_label(o['variant'])} vs {variant_label(o['op_variant'], backend)}",
                  o["call"], f"{o['us']:.1f}", f"{o['op_us']:.1f}", f"{o['overhead_us']:+.1f}",
                  _fmt(o["ratio"], ".2f", "×")] for o in sorted(over, key=lambda o: (o["tokens"], o["case_key"]))]
-        note = ("; on gloo a receive's time includes the wait for its peer" if backend == "gloo" else "")
+        note = "; on gloo a receive's time includes the wait for its peer" if gloo else ""
         lines += _section(f"Connector overhead per data call (eager, host µs per call, median{note})",
                           ["case", "variants", "call", "connector µs", "op µs", "overhead µs", "ratio"], rows)
     fan = _fan_in_rows(doc, backend)
@@ -236,14 +233,12 @@ def render_markdown(doc: dict) -> str:
         # The targets are for the NCCL data path: a gloo run's times cannot meet or miss them.
         verdict = {True: "yes", False: "**no**", None: "n/a"}
         rows = [[t["target"], _fmt(t["value"], ".2f"), t["goal"], _fmt(t["ratio"], ".2f", "×"),
-                 "not applicable on gloo" if backend == "gloo" else verdict[t["met"]], t["detail"]]
+                 "not applicable on gloo" if gloo else verdict[t["met"]], t["detail"]]
                 for t in doc["targets"]]
         lines += _section("Targets (docs/benchmarks.md, for the NCCL path on GPUs; `ratio` = reference or floor / "
                           "ours, higher is better)", ["target", "measured", "goal", "ratio", "met", "detail"], rows)
     if doc.get("skipped"):
-        reasons: dict[tuple[str, str], int] = {}
-        for s in doc["skipped"]:
-            reasons[(s["variant"], s["reason"])] = reasons.get((s["variant"], s["reason"]), 0) + 1
+        reasons = Counter((s["variant"], s["reason"]) for s in doc["skipped"])
         lines += ["## Skipped", "", *(f"- {v} ({n} cases): {why}" for (v, why), n in sorted(reasons.items()))]
     return "\n".join(lines).rstrip() + "\n"
 
@@ -311,12 +306,8 @@ def write_outputs(doc: dict, out: str, plot: bool = True) -> dict[str, str]:
     Returns:
         ``{"json": path, "markdown": path, "plot": path}`` (plot absent when not drawn).
     """
-    if out.endswith(".json"):
-        base = out[:-5]
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    else:
-        os.makedirs(out, exist_ok=True)
-        base = os.path.join(out, "bench")
+    base = out[:-5] if out.endswith(".json") else os.path.join(out, "bench")
+    os.makedirs(os.path.dirname(os.path.abspath(base)), exist_ok=True)
     paths = {"json": base + ".json", "markdown": base + ".md"}
     with open(paths["json"], "w") as fh:
         json.dump(doc, fh, indent=1, default=str)

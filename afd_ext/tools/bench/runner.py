@@ -22,25 +22,29 @@ import dataclasses
 import datetime
 import logging
 import os
+import sys
+import threading
 import zlib
 from collections import defaultdict
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
+import afd_ext.tools.bench.variants as V  # attributes read at call time: the tests patch the pattern
+from afd_ext import ops
 from afd_ext.errors import AFDConfigError
 from afd_ext.tools.bench.plan import Case, RunConfig
 from afd_ext.tools.bench.timing import capture_graph, drain_stream, summarize, time_eager, time_graph
-from afd_ext.topology import ATTENTION, FFN
+from afd_ext.topology import ATTENTION, FFN, Topology
+from afd_ext.transport.base import PeerMap
+from afd_ext.transport.gloo import GlooTransport
 
 
 class _Env:
     """Everything set up once per process, and the current case's edges: the ``ctx`` every variant gets."""
 
     def __init__(self, rank: int, nprocs: int, cfg: RunConfig):
-        import torch
-        import torch.distributed as dist
-
-        from afd_ext.topology import Topology
-
         self.cfg, self.rank, self.nprocs = cfg, rank, nprocs
         self.backend, self.fp8_scale_format, self.cuda = cfg.backend, cfg.fp8_scale_format, cfg.backend == "nccl"
         self.topo = Topology(cfg.layout.num_attention_ranks, cfg.layout.num_ffn_ranks)
@@ -61,9 +65,6 @@ class _Env:
         if self.cuda:
             self._create_comms()
         else:  # this package's gloo transport over the default group: the ours_* variants' CPU path
-            from afd_ext.transport.base import PeerMap
-            from afd_ext.transport.gloo import GlooTransport
-
             peers = PeerMap(self.role, self.role_rank, self.topo.num_attention_ranks, self.topo.num_ffn_ranks)
             self.gloo_transport = GlooTransport(self.store, peers, timeout_s=cfg.peer_wait_s,
                                                 init_timeout_s=cfg.peer_wait_s)
@@ -73,8 +74,6 @@ class _Env:
 
     def sync(self, what: str) -> None:
         """Drain this rank's stream, then meet every rank: nothing of one block overlaps the next."""
-        import torch.distributed as dist
-
         self.drain(what)
         dist.barrier()
 
@@ -83,10 +82,6 @@ class _Env:
             drain_stream(self.cfg.case_timeout_s, f"{self.label()}: {what}")
 
     def _create_comms(self) -> None:
-        import torch
-
-        from afd_ext import ops
-
         # Global edge order on every rank: each 2-rank comm_create blocks until
         # both ends arrive, and a total order cannot deadlock.
         mine = 0 if self.role == ATTENTION else 1
@@ -103,8 +98,6 @@ class _Env:
 
     def set_case(self, case: Case) -> None:
         """This rank's edges for ``case`` (rows per edge from the topology), in fan-in order (FFN) or peer order."""
-        from afd_ext.tools.bench.variants import Link
-
         topo, n = self.topo, case.tokens
 
         def fan_in(f: int) -> dict[int, tuple[int, int, int]]:  # attention peer -> (start, count, offset in fan-in)
@@ -114,9 +107,9 @@ class _Env:
                 out[a], off = (start, count, off), off + count
             return out
 
-        def link(a: int, f: int, start: int, count: int, offset: int, dst: int) -> Link:
+        def link(a: int, f: int, start: int, count: int, offset: int, dst: int) -> V.Link:
             peer = (FFN, f) if self.role == ATTENTION else (ATTENTION, a)
-            return Link(peer[1], topo.world_rank(*peer), start, count, offset, dst,
+            return V.Link(peer[1], topo.world_rank(*peer), start, count, offset, dst,
                         {d: self.comms[(a, f, d)] for d in ("a2f", "f2a") if (a, f, d) in self.comms},
                         nccl_peer=0 if self.role == ATTENTION else 1)
 
@@ -135,14 +128,10 @@ class _Env:
         return sum(l.count for l in self.links)
 
     def close(self) -> None:
-        import torch.distributed as dist
-
         try:
             self.drain("close")
         finally:
             if self.cuda:
-                from afd_ext import ops
-
                 for h in self.comms.values():
                     try:
                         ops.comm_destroy(h)
@@ -153,17 +142,13 @@ class _Env:
 
 def _setup_variants(env: _Env, case: Case) -> tuple[list, dict[str, str]]:
     """The variants that run ``case``, agreed by every rank, and why the others are skipped."""
-    import torch.distributed as dist
-
-    from afd_ext.tools.bench.variants import VARIANTS
-
     local: dict[str, Any] = {}
     reasons: dict[str, str] = {}
     for name in env.cfg.variants:
         try:
-            why = VARIANTS[name].skip_reason(case, env.cfg.backend)
+            why = V.VARIANTS[name].skip_reason(case, env.cfg.backend)
             if why is None:
-                local[name] = VARIANTS[name](env, case)
+                local[name] = V.VARIANTS[name](env, case)
         except Exception as e:  # noqa: BLE001 - agreed below, reported in the JSON
             why = f"{type(e).__name__}: {e}"
         if why is not None:
@@ -241,10 +226,6 @@ def _time_case(env: _Env, case: Case, variants: list) -> list[dict]:
 def _check_case(env: _Env, case: Case, variants: list) -> list[dict]:
     """Two checked round trips per variant and mode: the FFN rank verifies every received byte
     against each attention peer's pattern, the attention rank the XOR-ed reply."""
-    import torch
-
-    from afd_ext.tools.bench.variants import XOR_BYTE, pattern_bytes, rows_bytes
-
     out: list[dict] = []
     hb = case.f2a_row_bytes()
     for mode in env.cfg.modes:
@@ -265,9 +246,9 @@ def _check_case(env: _Env, case: Case, variants: list) -> list[dict]:
                 seed = zlib.crc32(f"{case.key()}/{v.name}/{mode}/{it}".encode()) & 0x7FFFFFFF
                 if env.role == ATTENTION:
                     for k, t in enumerate(v.inputs):
-                        rows_bytes(t).copy_(pattern_bytes(t.shape[0], rows_bytes(t).shape[1], seed,
+                        V.rows_bytes(t).copy_(V.pattern_bytes(t.shape[0], V.rows_bytes(t).shape[1], seed,
                                                           env.role_rank * 8 + k, env.device))
-                    expected = torch.bitwise_xor(rows_bytes(v.delivered(v.inputs[0]))[:, :hb], XOR_BYTE)
+                    expected = torch.bitwise_xor(V.rows_bytes(v.delivered(v.inputs[0]))[:, :hb], V.XOR_BYTE)
                     if all(v.reply.data_ptr() != t.data_ptr() for t in v.inputs):
                         v.reply.zero_()
                 env.sync("check fill")
@@ -277,17 +258,17 @@ def _check_case(env: _Env, case: Case, variants: list) -> list[dict]:
                     graph.replay()
                 env.drain(f"check {v.name}/{mode}")
                 if env.role == ATTENTION:
-                    errors += _compare(rows_bytes(v.reply), expected, f"reply at {env.label()}")
+                    errors += _compare(V.rows_bytes(v.reply), expected, f"reply at {env.label()}")
                     continue
                 snap, cols = v.snap, v.input_cols()
                 for l in [l for l in env.links if l.count]:
-                    want = v.as_received([pattern_bytes(case.tokens, c, seed, l.peer * 8 + k, env.device)
+                    want = v.as_received([V.pattern_bytes(case.tokens, c, seed, l.peer * 8 + k, env.device)
                                           [l.start:l.start + l.count] for k, c in enumerate(cols)])
                     if snap is None or len(snap) != len(want):
                         errors.append(f"the FFN check hook saw {snap and len(snap)} tensors, expected {len(want)}")
                         break
                     for k, t in enumerate(snap):
-                        errors += _compare(rows_bytes(t)[l.offset:l.offset + l.count], want[k],
+                        errors += _compare(V.rows_bytes(t)[l.offset:l.offset + l.count], want[k],
                                            f"tensor {k} rows of attention rank {l.peer} at {env.label()}")
             del graph
             out.append(dict(_key(env, case, v.name, mode), ok=not errors, errors=errors[:5]))
@@ -297,8 +278,6 @@ def _check_case(env: _Env, case: Case, variants: list) -> list[dict]:
 
 
 def _compare(got, expected, what: str) -> list[str]:
-    import torch
-
     if tuple(got.shape) != tuple(expected.shape):
         return [f"{what}: shape {tuple(got.shape)} != expected {tuple(expected.shape)}"]
     if torch.equal(got, expected):
@@ -323,15 +302,10 @@ def bench_worker(rank: int, nprocs: int, cfg: RunConfig) -> dict:
     info: dict[str, Any] = {"rank": rank, "role": env.role, "role_rank": env.role_rank, "records": [],
                             "checks": [], "skipped": []}
     if env.cuda:
-        import torch
-
         info["device"] = torch.cuda.get_device_name(0)
         info["cuda_visible_devices"] = os.environ.get("CUDA_VISIBLE_DEVICES")
     cases = cfg.cases
     if cfg.progress and env.role == ATTENTION and env.role_rank == 0:  # the one progress display: cases done
-        import sys
-        import threading
-
         from tqdm import tqdm
 
         tqdm.set_lock(threading.RLock())  # tqdm's default multiprocessing lock leaks a semaphore at exit
