@@ -49,47 +49,34 @@ def build_parser(prog: str = "afd-ext bench") -> argparse.ArgumentParser:
                     "reference connector's call pattern and raw NCCL, or gloo on CPU); JSON + markdown + PNG.",
     )
     add = p.add_argument
-    add("--out", default="bench-out", metavar="PATH",
-        help="output directory (bench.json, bench.md, bench.png) or a .json path (default: bench-out)")
-    add("--quick", action="store_true",
-        help="small sweep (GPU: 1, 128, 8192 tokens at hidden 7168 with logits+ids; CPU: tiny gloo sizes)")
-    add("--check", action="store_true",
-        help="verify every variant's received data bit-exactly at a few sizes (no timing)")
+    add("--out", default="bench-out", metavar="PATH", help="output directory or a .json path (default: bench-out)")
+    add("--quick", action="store_true", help="small sweep (GPU: 1, 128, 8192 tokens, hidden 7168, logits+ids)")
+    add("--check", action="store_true", help="verify every variant's data bit-exactly at a few sizes (no timing)")
     add("--backend", choices=("auto", "nccl", "gloo"), default="auto",
         help="nccl: CUDA tensors over this package's NCCL ops; gloo: CPU tensors (smoke test)")
     add("--attention-ranks", type=int, default=1, metavar="A", help="attention processes (default: 1)")
     add("--ffn-ranks", type=int, default=1, metavar="F", help="FFN processes (default: 1)")
-    add("--gpu-map", default=None, metavar="LIST",
-        help="GPU index per process, attention ranks first then FFN ranks (e.g. 0,0,1 for 2A1F)")
-    add("--hidden", default=None, metavar="LIST", help="hidden sizes, e.g. 7168 or 2048,7168 (overrides the sweep)")
-    add("--tokens", default=None, metavar="LIST",
-        help="tokens per attention rank, e.g. 1,128,8192 (overrides the sweep)")
+    add("--gpu-map", metavar="LIST", help="GPU per process, attention ranks first (e.g. 0,0,1 for 2A1F)")
+    add("--hidden", metavar="LIST", help="hidden sizes, e.g. 2048,7168 (overrides the sweep)")
+    add("--tokens", metavar="LIST", help="tokens per attention rank, e.g. 1,128,8192 (overrides the sweep)")
     add("--extras", choices=("both", "on", "off"), default="both",
         help="with --hidden/--tokens: fp32 router logits [n, 256] + int32 ids on, off or both")
     add("--variants", default=",".join(ALL_VARIANTS), metavar="LIST",
-        help="comma list of " + ", ".join(ALL_VARIANTS + FP8_VARIANTS) + " (default: all but the FP8 ones)")
-    add("--fp8-scale-format", choices=("fp32", "ue8m0"), default="fp32",
-        help="the FP8 variants' scales: fp32 (amax / 448) or ue8m0 (powers of two); docs/fp8.md")
-    add("--modes", default=None, metavar="LIST", help="eager and/or graph (default: both; graph needs CUDA)")
-    add("--time-per-point", type=float, default=None, metavar="S",
+        help=f"comma list of {', '.join(ALL_VARIANTS + FP8_VARIANTS)} (default: all but the FP8 ones)")
+    add("--fp8-scale-format", choices=("fp32", "ue8m0"), default="fp32", help="the FP8 variants' scales (docs/fp8.md)")
+    add("--modes", metavar="LIST", help="eager and/or graph (default: both; graph needs CUDA)")
+    add("--time-per-point", type=float, metavar="S",
         help="timed seconds per (case, variant, mode); default 0.05 (0.02 with --quick, 0.005 on gloo)")
-    add("--rounds", type=int, default=None, metavar="N",
-        help="blocks per measurement, the variants alternated block by block (default 2 on GPUs, 1 on gloo); "
-             "medians pool every block's samples")
+    add("--rounds", type=int, metavar="N",
+        help="blocks per measurement, variants alternated block by block (default 2 on GPUs, 1 on gloo)")
     add("--peer-structure", action="store_true",
-        help="only the peer-memory plane against minimal put/wait kernels on one GPU, ratio per size; "
-             "its own options: --structures, --tokens, --out (afd-ext bench --peer-structure --help)")
-    add("--control-only", action="store_true",
-        help="only the control-plane table: end to end at step gaps of --control-gaps ms, shm and "
-             "tcp beside the reference pattern over gloo, p50 / p99 per gap (about 1 min)")
-    add("--control-gaps", default=None, metavar="MS",
-        help="step gaps of the control-plane table, ms (default: 1,5,20,50)")
-    add("--timeout", type=float, default=None, metavar="S",
-        help="deadline for the whole run, seconds (default 420; 240 with --check): past it the workers are ended "
-             "and the run fails")
-    add("--case-timeout", type=float, default=None, metavar="S",
-        help="deadline of every wait on the GPU or a peer, seconds (default 60 on GPUs, 20 on gloo): past it the "
-             "run fails naming the rank, case and variant")
+        help="only the peer-memory plane against minimal kernels (own options: --peer-structure --help)")
+    add("--control-only", action="store_true", help="only the control-plane table at --control-gaps (about 1 min)")
+    add("--control-gaps", metavar="MS", help="step gaps of the control-plane table, ms (default: 1,5,20,50)")
+    add("--timeout", type=float, metavar="S",
+        help="deadline for the whole run, s (default 420; 240 with --check): past it the workers are ended")
+    add("--case-timeout", type=float, metavar="S",
+        help="deadline of every wait on the GPU or a peer, s (default 60 on GPUs, 20 on gloo)")
     add("--no-plot", action="store_true", help="skip the PNG")
     add("--no-progress", action="store_true", help="no progress bar")
     add("-v", "--verbose", action="store_true", help="debug logging")
@@ -184,10 +171,8 @@ def _config(args: argparse.Namespace) -> RunConfig:
     if case_timeout <= 0:
         raise AFDConfigError(f"--case-timeout must be > 0 seconds, got {case_timeout}")
     if layout.shared and not args.check:
-        raise AFDConfigError(
-            f"refusing to time: processes share a GPU ({layout.describe()}): the driver time-slices them (about "
-            "2.2 ms per round trip whatever the size; ~4.5 ms when NCCL goes over sockets on one GPU), so timings "
-            "would be meaningless. Give every process its own GPU, or use --check for correctness.")
+        raise AFDConfigError(f"refusing to time: processes share a GPU ({layout.describe()}), so the driver "
+                             "time-slices them; give every process its own GPU, or use --check")
     return RunConfig(backend="nccl" if cuda else "gloo", layout=layout, cases=cases, variants=variants, modes=modes,
                      reps=reps, master_port=find_free_port(), check=bool(args.check), progress=not args.no_progress,
                      case_timeout_s=case_timeout, fp8_scale_format=args.fp8_scale_format)

@@ -224,11 +224,11 @@ def measure_control_plane(kind: str = "auto", iterations: int = 2000, *, warmup:
     """
     return _measure(kind, [(gap_us, iterations, warmup)], stages, timeout_s)[0]
 def control_table(gaps_ms: tuple[float, ...] = DEFAULT_GAPS_MS, kinds: tuple[str, ...] = CONTROL_KINDS, *,
-                  seconds_per_cell: float = 5.0, progress: Any = None) -> list[dict]:
+                  seconds_per_cell: float = 5.0) -> list[dict]:
     """The control-plane table: per gap, each channel's and the reference pattern's result.
 
     Each column runs in one pair of processes over every gap, ``seconds_per_cell`` of steps per
-    cell (200-2000 steps; the reference a third). ``progress(name, gap_ms, result)`` per cell.
+    cell (200-2000 steps; the reference a third); a line per cell is printed as it is measured.
 
     Returns:
         One row per gap: ``{"gap_ms", "<kind>": result, "reference": result}``, results as
@@ -248,8 +248,9 @@ def control_table(gaps_ms: tuple[float, ...] = DEFAULT_GAPS_MS, kinds: tuple[str
             results = [{"error": f"{type(e).__name__}: {e}"}] * len(gaps_ms)
         for row, r in zip(rows, results):
             row[name] = r
-            if progress is not None:
-                progress(name, row["gap_ms"], r)
+            print(f"  {name:9s} gap {row['gap_ms']:g} ms: " + (f"FAILED {r['error']}" if "error" in r else
+                  f"p50 {r['p50_us']:.1f} µs, p99 {r['p99_us']:.1f} µs (n={r['n']}, {r['payload_bytes']} B)"),
+                  flush=True)
     return rows
 
 
@@ -275,13 +276,8 @@ def control_main(gaps_ms: tuple[float, ...] = DEFAULT_GAPS_MS, out: str | None =
           f"return), new counts every step, payload {PAYLOAD_ATTENTION_RANKS} attention ranks x {PAYLOAD_STAGES} "
           f"stages; {os.cpu_count()} CPUs, " + (f"FFN on CPU {cpus[0]}, attention on CPU {cpus[1]}" if cpus
                                                else "not pinned"), flush=True)
-
-    def progress(name: str, gap: float, r: dict) -> None:
-        print(f"  {name:9s} gap {gap:g} ms: " + (f"FAILED {r['error']}" if "error" in r else
-              f"p50 {r['p50_us']:.1f} µs, p99 {r['p99_us']:.1f} µs (n={r['n']}, {r['payload_bytes']} B)"), flush=True)
-
     t = time.monotonic()
-    rows = control_table(gaps_ms, progress=progress)
+    rows = control_table(gaps_ms)
     print(format_control_table(rows), flush=True)
     print(f"control plane measured in {time.monotonic() - t:.0f} s", flush=True)
     if out:

@@ -224,7 +224,6 @@ class _Case:
 
     def fill(self, seed: int) -> None:
         """Fresh random inputs (in place: captured graphs read them)."""
-
         g = torch.Generator(device=self.att_dev).manual_seed(seed)
         h, lg, ids = self.inp
         h.copy_(torch.randn(h.shape, generator=g, device=self.att_dev))
@@ -239,7 +238,6 @@ class _Case:
 
     def check(self) -> Optional[str]:
         """None when every destination holds this round's data, else what differs."""
-
         fan = self.ffn.views(0, self.T) if self.plane is not None else self.fan_in
         names = ("fan-in hidden", "fan-in logits", "fan-in ids")
         for name, got, want in zip(names, fan, self.inp):
@@ -320,7 +318,6 @@ def _sync(devs) -> None:
 
 def _run_case(plan: Plan, case: _Case) -> dict:
     """Capture, time (best of plan.replays after one warm-up), then validate once on fresh data."""
-
     devs = sorted({case.att_dev.index, case.ffn_dev.index})
     ga, gf = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
     # AFD_PEER_PDL is read by the plane's launcher at capture time; restored afterwards.
@@ -363,7 +360,6 @@ def _run_case(plan: Plan, case: _Case) -> dict:
 
 def _table(recs: list[dict], plan: Plan) -> str:
     """µs per round trip per structure and size, then each plane structure's ratio to ``min``."""
-
     by = {(r["structure"], r["tokens"]): r for r in recs}
 
     def cell(s: str, t: int) -> str:
@@ -387,12 +383,10 @@ def run(plan: Plan, out: Optional[str]) -> int:
     Raises:
         AFDConfigError: no CUDA GPU, or (``plane``) no CUDA build of afd_ext.
     """
-
     if not torch.cuda.is_available() or torch.cuda.device_count() < 1:
         raise AFDConfigError("needs a CUDA GPU (none is visible)")
-    if set(PLANES) & set(plan.structures):
-        if not ops.is_cuda_built():
-            raise AFDConfigError("the 'plane' structures need a CUDA build of afd_ext (this build has no CUDA ops)")
+    if set(PLANES) & set(plan.structures) and not ops.is_cuda_built():
+        raise AFDConfigError("the 'plane' structures need a CUDA build of afd_ext (this build has no CUDA ops)")
     two = torch.cuda.device_count() >= 2 and not envs.get("AFD_PEER_STRUCTURE_ONE_GPU")
     att_dev, ffn_dev = torch.device("cuda", 0), torch.device("cuda", 1 if two else 0)
     lib = None
@@ -435,8 +429,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """``afd-ext bench --peer-structure [options]``: 0 ok, 1 a case failed validation, 2 bad usage / no GPU."""
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
-        plan = parse_plan(args)
-        return run(plan, args.out)
+        return run(parse_plan(args), args.out)
     except AFDConfigError as e:
         print(f"afd-ext bench --peer-structure: {e}", file=sys.stderr)
         return 2

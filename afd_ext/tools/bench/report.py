@@ -47,14 +47,11 @@ DATA_CALLS = {"attention": ("send_attn_output", "recv_ffn_output"), "ffn": ("rec
 
 #: What a CPU (gloo) run can and cannot show; heads its bench.md (the console output ends with a reminder).
 CPU_RUN_NOTE = (
-    "**CPU run over gloo: a check of the harness, not a measurement of this package's data path.** "
-    "It shows that every variant runs end to end (`--check` verifies their bytes) and what the host-side "
-    "Python costs on this machine. It cannot show GPU performance: the path this package is for is its NCCL "
-    "ops on CUDA tensors (eager and in CUDA graphs), which a CPU run never touches. Its gloo transport is the "
-    "CPU correctness path of CI and tests: it bounds every wait (a waiter thread polled in slices, so a dead "
-    "peer becomes an error), work per message that the bare `torch.distributed` calls of the `reference` and "
-    "`raw` columns do not do; so `vs ref` here, above or below 1×, says nothing about the NCCL path. GPU "
-    "results: `docs/benchmarks.md`."
+    "**CPU run over gloo: a check of the harness, not a measurement of this package's data path.** It shows that "
+    "every variant runs end to end and the host-side Python cost on this machine, never the NCCL ops on CUDA "
+    "tensors this package is for; its gloo transport bounds every wait, work that the bare `torch.distributed` "
+    "calls of `reference` and `raw` do not do, so `vs ref` here says nothing about the NCCL path. GPU results and "
+    "the long form of this note: `docs/benchmarks.md`."
 )
 
 

@@ -191,7 +191,7 @@ class Variant:
 
     def a2f_row_bytes(self) -> int:
         """Bytes per token attention -> FFN on this variant's wire."""
-        return self.case.a2f_row_bytes()
+        return self.case.a2f_row_bytes() - 2 * self.case.hidden + self.hidden_bytes_per_token()
 
     def hidden_bytes_per_token(self) -> int:
         """Hidden-state bytes per token attention -> FFN (bf16: 2 H)."""
@@ -333,9 +333,6 @@ class _Fp8Wire:
         from afd_ext.fp8 import wire_bytes_per_token
 
         return wire_bytes_per_token(self.case.hidden)
-
-    def a2f_row_bytes(self) -> int:
-        return self.case.a2f_row_bytes() - 2 * self.case.hidden + self.hidden_bytes_per_token()
 
     def _fill(self) -> None:
         self.h.copy_(torch.randn(self.h.shape, generator=torch.Generator().manual_seed(1)).to(self.h.dtype))
