@@ -167,7 +167,8 @@ def md_table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
 
 
 def _section(title: str, head: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    return [f"## {title}", "", *md_table(head, rows), ""]
+    """A titled table, or nothing without rows."""
+    return [f"## {title}", "", *md_table(head, rows), ""] if rows else []
 
 
 def render_markdown(doc: dict) -> str:
@@ -197,14 +198,10 @@ def render_markdown(doc: dict) -> str:
                 if not any(cells.values()):
                     continue
                 ours, ref, raw = cells.get("ours_per_tensor"), cells.get("reference"), cells.get("raw")
-                vs_ref = _med(ref) / _med(ours) if ref and ours else None
-                x_raw = _med(ours) / _med(raw) if raw and ours else None
-                gbps = ours.get("gbps") if ours else None
-                row = [str(c["tokens"])] + [_fmt_us(cells[v]) for v in variants_present]
-                row += [_fmt(vs_ref, ".2f", "×"), _fmt(x_raw, ".2f", "×"), _fmt(gbps, ".1f")]
-                rows.append(row)
-            if not rows:
-                continue
+                rows.append([str(c["tokens"]), *(_fmt_us(cells[v]) for v in variants_present),
+                             _fmt(_med(ref) / _med(ours) if ref and ours else None, ".2f", "×"),
+                             _fmt(_med(ours) / _med(raw) if raw and ours else None, ".2f", "×"),
+                             _fmt(ours and ours.get("gbps"), ".1f")])
             width = cs[0].get("logits_width", 256)
             payload = f"hidden + fp32 logits [n, {width}] + int32 ids" if extras else "hidden only"
             head = ["tokens", *(variant_label(v, backend) for v in variants_present), "vs ref", "x raw", "GB/s (rt)"]
@@ -214,26 +211,21 @@ def render_markdown(doc: dict) -> str:
                     if fp8 else "")
             lines += _section(f"Round trip, {A}A{F}F, hidden {hidden} bf16{wire}, {payload}, {mode}", head, rows)
     over = doc.get("connector_overhead") or connector_overhead(doc)
-    if over:
-        rows = [[o["case_key"], f"{variant_label(o['variant'])} vs {variant_label(o['op_variant'], backend)}",
-                 o["call"], f"{o['us']:.1f}", f"{o['op_us']:.1f}", f"{o['overhead_us']:+.1f}",
-                 _fmt(o["ratio"], ".2f", "×")] for o in sorted(over, key=lambda o: (o["tokens"], o["case_key"]))]
-        note = "; on gloo a receive's time includes the wait for its peer" if gloo else ""
-        lines += _section(f"Connector overhead per data call (eager, host µs per call, median{note})",
-                          ["case", "variants", "call", "connector µs", "op µs", "overhead µs", "ratio"], rows)
-    fan = _fan_in_rows(doc, backend)
-    if fan:
-        lines += _section("Fan-in (several attention ranks per FFN rank)",
-                          ["layout", "case", "mode", "variant", "rt median per attention rank (µs)", "spread (µs)"],
-                          fan)
-    if doc.get("targets"):
-        # The targets are for the NCCL data path: a gloo run's times cannot meet or miss them.
-        verdict = {True: "yes", False: "**no**", None: "n/a"}
-        rows = [[t["target"], _fmt(t["value"], ".2f"), t["goal"], _fmt(t["ratio"], ".2f", "×"),
-                 "not applicable on gloo" if gloo else verdict[t["met"]], t["detail"]]
-                for t in doc["targets"]]
-        lines += _section("Targets (docs/benchmarks.md, for the NCCL path on GPUs; `ratio` = reference or floor / "
-                          "ours, higher is better)", ["target", "measured", "goal", "ratio", "met", "detail"], rows)
+    rows = [[o["case_key"], f"{variant_label(o['variant'])} vs {variant_label(o['op_variant'], backend)}",
+             o["call"], f"{o['us']:.1f}", f"{o['op_us']:.1f}", f"{o['overhead_us']:+.1f}",
+             _fmt(o["ratio"], ".2f", "×")] for o in sorted(over, key=lambda o: (o["tokens"], o["case_key"]))]
+    note = "; on gloo a receive's time includes the wait for its peer" if gloo else ""
+    lines += _section(f"Connector overhead per data call (eager, host µs per call, median{note})",
+                      ["case", "variants", "call", "connector µs", "op µs", "overhead µs", "ratio"], rows)
+    lines += _section("Fan-in (several attention ranks per FFN rank)",
+                      ["layout", "case", "mode", "variant", "rt median per attention rank (µs)", "spread (µs)"],
+                      _fan_in_rows(doc, backend))
+    # The targets are for the NCCL data path: a gloo run's times cannot meet or miss them.
+    verdict = {True: "yes", False: "**no**", None: "n/a"}
+    rows = [[t["target"], _fmt(t["value"], ".2f"), t["goal"], _fmt(t["ratio"], ".2f", "×"),
+             "not applicable on gloo" if gloo else verdict[t["met"]], t["detail"]] for t in doc.get("targets") or ()]
+    lines += _section("Targets (docs/benchmarks.md, for the NCCL path on GPUs; `ratio` = reference or floor / "
+                      "ours, higher is better)", ["target", "measured", "goal", "ratio", "met", "detail"], rows)
     if doc.get("skipped"):
         reasons = Counter((s["variant"], s["reason"]) for s in doc["skipped"])
         lines += ["## Skipped", "", *(f"- {v} ({n} cases): {why}" for (v, why), n in sorted(reasons.items()))]
