@@ -15,6 +15,7 @@ Typical runs on the two-GPU machine::
 Without GPUs (CI) the same commands run the gloo path at tiny sizes.
 """
 
+
 from __future__ import annotations
 
 import argparse
@@ -28,24 +29,12 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from typing import Any, Sequence
+from typing import Sequence
 
-from afd_ext.tools.bench.plan import (
-    ALL_VARIANTS,
-    FP8_VARIANTS,
-    MODES,
-    Case,
-    Reps,
-    RunConfig,
-    check_cases,
-    default_cases,
-    gloo_cases,
-    make_layout,
-    parse_int_list,
-    parse_names,
-    quick_cases,
-)
 from afd_ext.errors import AFDConfigError
+from afd_ext.tools.bench.plan import (ALL_VARIANTS, FP8_VARIANTS, MODES, Case, Reps, RunConfig, check_cases,
+                                      default_cases, gloo_cases, make_layout, parse_int_list, parse_names,
+                                      quick_cases)
 
 __all__ = ["main", "build_parser"]
 
@@ -59,50 +48,38 @@ def build_parser(prog: str = "afd-ext bench") -> argparse.ArgumentParser:
         description="Benchmark the AFD layer exchange (this package's ops and its connector's data calls vs the "
                     "reference connector's call pattern and raw NCCL, or gloo on CPU); JSON + markdown + PNG.",
     )
-    p.add_argument("--out", default="bench-out", metavar="PATH",
-                   help="output directory (bench.json, bench.md, bench.png) or a .json path (default: bench-out)")
-    p.add_argument("--quick", action="store_true",
-                   help="small sweep (GPU: 1, 128, 8192 tokens at hidden 7168 with logits+ids; CPU: tiny gloo sizes)")
-    p.add_argument("--check", action="store_true",
-                   help="verify every variant's received data bit-exactly at a few sizes (no timing)")
-    p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
-                   help="nccl: CUDA tensors over this package's NCCL ops; gloo: CPU tensors (smoke test)")
-    p.add_argument("--attention-ranks", type=int, default=1, metavar="A", help="attention processes (default: 1)")
-    p.add_argument("--ffn-ranks", type=int, default=1, metavar="F", help="FFN processes (default: 1)")
-    p.add_argument("--gpu-map", default=None, metavar="LIST",
-                   help="GPU index per process, attention ranks first then FFN ranks (e.g. 0,0,1 for 2A1F)")
-    p.add_argument("--hidden", default=None, metavar="LIST", help="hidden sizes, e.g. 7168 or 2048,7168 (overrides the sweep)")
-    p.add_argument("--tokens", default=None, metavar="LIST", help="tokens per attention rank, e.g. 1,128,8192 (overrides the sweep)")
-    p.add_argument("--extras", choices=("both", "on", "off"), default="both",
-                   help="with --hidden/--tokens: fp32 router logits [n, 256] + int32 ids on, off or both")
-    p.add_argument("--variants", default=",".join(ALL_VARIANTS), metavar="LIST",
-                   help="comma list of " + ", ".join(ALL_VARIANTS + FP8_VARIANTS) + " (default: all but the FP8 ones)")
-    p.add_argument("--fp8-scale-format", choices=("fp32", "ue8m0"), default="fp32",
-                   help="the FP8 variants' scales: fp32 (amax / 448) or ue8m0 (powers of two); docs/fp8.md")
-    p.add_argument("--modes", default=None, metavar="LIST",
-                   help="eager and/or graph (default: both; graph needs CUDA)")
-    p.add_argument("--time-per-point", type=float, default=None, metavar="S",
-                   help="timed seconds per (case, variant, mode); default 0.05 (0.02 with --quick, 0.005 on gloo)")
-    p.add_argument("--rounds", type=int, default=None, metavar="N",
-                   help="blocks per measurement, the variants alternated block by block (default 2 on GPUs, "
-                        "1 on gloo); medians pool every block's samples")
-    p.add_argument("--peer-structure", action="store_true",
-                   help="only the peer-memory plane against minimal put/wait kernels on one GPU, ratio per size; "
-                        "its own options: --structures, --tokens, --out (afd-ext bench --peer-structure --help)")
-    p.add_argument("--control-only", action="store_true",
-                   help="only the control-plane table: end to end at step gaps of --control-gaps ms, shm and "
-                        "tcp beside the reference pattern over gloo, p50 / p99 per gap (about 1 min)")
-    p.add_argument("--control-gaps", default=None, metavar="MS",
-                   help="step gaps of the control-plane table, ms (default: 1,5,20,50)")
-    p.add_argument("--timeout", type=float, default=None, metavar="S",
-                   help="deadline for the whole run, seconds (default 420; 240 with --check): past it the "
-                        "workers are ended and the run fails")
-    p.add_argument("--case-timeout", type=float, default=None, metavar="S",
-                   help="deadline of every wait on the GPU or a peer, seconds (default 60 on GPUs, 20 on gloo): "
-                        "past it the run fails naming the rank, case and variant")
-    p.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    add = p.add_argument
+    add("--out", default="bench-out", metavar="PATH", help="output directory or a .json path (default: bench-out)")
+    add("--quick", action="store_true", help="small sweep (GPU: 1, 128, 8192 tokens, hidden 7168, logits+ids)")
+    add("--check", action="store_true", help="verify every variant's data bit-exactly at a few sizes (no timing)")
+    add("--backend", choices=("auto", "nccl", "gloo"), default="auto",
+        help="nccl: CUDA tensors over this package's NCCL ops; gloo: CPU tensors (smoke test)")
+    add("--attention-ranks", type=int, default=1, metavar="A", help="attention processes (default: 1)")
+    add("--ffn-ranks", type=int, default=1, metavar="F", help="FFN processes (default: 1)")
+    add("--gpu-map", metavar="LIST", help="GPU per process, attention ranks first (e.g. 0,0,1 for 2A1F)")
+    add("--hidden", metavar="LIST", help="hidden sizes, e.g. 2048,7168 (overrides the sweep)")
+    add("--tokens", metavar="LIST", help="tokens per attention rank, e.g. 1,128,8192 (overrides the sweep)")
+    add("--extras", choices=("both", "on", "off"), default="both",
+        help="with --hidden/--tokens: fp32 router logits [n, 256] + int32 ids on, off or both")
+    add("--variants", default=",".join(ALL_VARIANTS), metavar="LIST",
+        help=f"comma list of {', '.join(ALL_VARIANTS + FP8_VARIANTS)} (default: all but the FP8 ones)")
+    add("--fp8-scale-format", choices=("fp32", "ue8m0"), default="fp32", help="the FP8 variants' scales (docs/fp8.md)")
+    add("--modes", metavar="LIST", help="eager and/or graph (default: both; graph needs CUDA)")
+    add("--time-per-point", type=float, metavar="S",
+        help="timed seconds per (case, variant, mode); default 0.05 (0.02 with --quick, 0.005 on gloo)")
+    add("--rounds", type=int, metavar="N",
+        help="blocks per measurement, variants alternated block by block (default 2 on GPUs, 1 on gloo)")
+    add("--peer-structure", action="store_true",
+        help="only the peer-memory plane against minimal kernels (own options: --peer-structure --help)")
+    add("--control-only", action="store_true", help="only the control-plane table at --control-gaps (about 1 min)")
+    add("--control-gaps", metavar="MS", help="step gaps of the control-plane table, ms (default: 1,5,20,50)")
+    add("--timeout", type=float, metavar="S",
+        help="deadline for the whole run, s (default 420; 240 with --check): past it the workers are ended")
+    add("--case-timeout", type=float, metavar="S",
+        help="deadline of every wait on the GPU or a peer, s (default 60 on GPUs, 20 on gloo)")
+    add("--no-plot", action="store_true", help="skip the PNG")
+    add("--no-progress", action="store_true", help="no progress bar")
+    add("-v", "--verbose", action="store_true", help="debug logging")
     return p
 
 
@@ -114,11 +91,9 @@ def _gpu_count() -> int:
         from afd_ext.transport import transport_availability
 
         why = transport_availability()["nccl"]  # the connector's own check (CUDA build, visible GPU)
-        if why is not None:
-            if torch.cuda.device_count() > 0:  # GPUs that cannot be used deserve a word; none is the CPU case
-                logger.warning("not timing NCCL: %s; using the gloo path", why)
-            return 0
-        return torch.cuda.device_count()
+        if why is not None and torch.cuda.device_count() > 0:  # unusable GPUs deserve a word; none is the CPU case
+            logger.warning("not timing NCCL: %s; using the gloo path", why)
+        return 0 if why is not None else torch.cuda.device_count()
     except Exception as e:  # noqa: BLE001 - no usable GPU path
         logger.warning("no usable GPU path (%s: %s); using the gloo path", type(e).__name__, e)
         return 0
@@ -137,100 +112,101 @@ def _git_commit() -> str:
 def _meta(cfg: RunConfig, argv: Sequence[str]) -> dict:
     import torch
 
-    meta: dict[str, Any] = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": _git_commit(),
-        "host": socket.gethostname(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torch_cuda": torch.version.cuda,
-        "backend": cfg.backend,
-        "layout": dict(dataclasses.asdict(cfg.layout), description=cfg.layout.describe()),
-        "shared_gpu": cfg.layout.shared,
-        "reps": dataclasses.asdict(cfg.reps),
-        "modes": list(cfg.modes),
-        "variants": list(cfg.variants),
-        "fp8_scale_format": cfg.fp8_scale_format,
-        "argv": list(argv),
-        "env": {k: v for k, v in sorted(os.environ.items())
-                if k.startswith(("NCCL_", "AFD_", "TORCH_NCCL", "CUDA_VISIBLE", "TORCH_SYMM"))},
-    }
     try:
         from afd_ext import ops
 
         info = ops.build_info()
-        meta["build_info"] = info
-        meta["nccl_runtime"] = info.get("nccl_runtime")
-        meta["nccl_compiled"] = info.get("nccl_compiled")
     except Exception as e:  # noqa: BLE001 - informative only
-        meta["build_info"] = {"error": f"{type(e).__name__}: {e}"}
-    return meta
+        info = {"error": f"{type(e).__name__}: {e}"}
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": _git_commit(), "host": socket.gethostname(), "python": platform.python_version(),
+        "torch": torch.__version__, "torch_cuda": torch.version.cuda, "backend": cfg.backend,
+        "layout": dict(dataclasses.asdict(cfg.layout), description=cfg.layout.describe()),
+        "shared_gpu": cfg.layout.shared, "reps": dataclasses.asdict(cfg.reps), "modes": list(cfg.modes),
+        "variants": list(cfg.variants), "fp8_scale_format": cfg.fp8_scale_format, "argv": list(argv),
+        "env": {k: v for k, v in sorted(os.environ.items())
+                if k.startswith(("NCCL_", "AFD_", "TORCH_NCCL", "CUDA_VISIBLE", "TORCH_SYMM"))},
+        "build_info": info, "nccl_runtime": info.get("nccl_runtime"), "nccl_compiled": info.get("nccl_compiled"),
+    }
 
 
 def _config(args: argparse.Namespace) -> RunConfig:
+    """The run ``args`` ask for.
+
+    Raises:
+        AFDConfigError: a bad option, or a timing run whose processes would share a GPU.
+    """
     from afd_ext.tools.testing import find_free_port
 
-    if args.backend == "gloo":
-        ngpu = 0
-    else:
-        ngpu = _gpu_count()
-        if args.backend == "nccl" and ngpu == 0:
-            raise AFDConfigError("--backend nccl needs a visible GPU and a CUDA build of afd_ext")
-    backend = "nccl" if ngpu > 0 else "gloo"
+    ngpu = 0 if args.backend == "gloo" else _gpu_count()
+    if args.backend == "nccl" and ngpu == 0:
+        raise AFDConfigError("--backend nccl needs a visible GPU and a CUDA build of afd_ext")
+    cuda = ngpu > 0
     gpu_map = parse_int_list(args.gpu_map, "--gpu-map", least=0) if args.gpu_map else None
     layout = make_layout(args.attention_ranks, args.ffn_ranks, ngpu, gpu_map)
-    cuda = backend == "nccl"
     if args.hidden or args.tokens:
+        extras = {"both": (True, False), "on": (True,), "off": (False,)}[args.extras]
         hiddens = parse_int_list(args.hidden or "7168", "--hidden")
         tokens = parse_int_list(args.tokens or "1,128,8192", "--tokens")
-        extras = {"both": (True, False), "on": (True,), "off": (False,)}[args.extras]
-        lw = 256 if cuda else 16
-        cases = [Case(h, t, e, logits_width=lw) for h in hiddens for t in tokens for e in extras]
+        cases = [Case(h, t, e, logits_width=256 if cuda else 16) for h in hiddens for t in tokens for e in extras]
     elif args.check:
         cases = check_cases(cuda)
-    elif not cuda:
-        cases = gloo_cases()
-    elif args.quick:
-        cases = quick_cases()
     else:
-        cases = default_cases()
+        cases = (quick_cases() if args.quick else default_cases()) if cuda else gloo_cases()
     variants = parse_names(args.variants, ALL_VARIANTS + FP8_VARIANTS, "--variants")
     modes = parse_names(args.modes or ",".join(MODES), MODES, "--modes")
     if args.rounds is not None and args.rounds < 1:
         raise AFDConfigError(f"--rounds must be >= 1, got {args.rounds}")
     if cuda:
         reps = Reps(target_s=args.time_per_point or (0.02 if args.quick else 0.05), rounds=args.rounds or 2)
+    elif "graph" in modes and args.modes is not None:
+        raise AFDConfigError(f"--modes {args.modes}: graph mode needs CUDA (the NCCL backend); on CPU "
+                             "(gloo) the bench runs eager only")
     else:  # CPU tensors: eager only, few short blocks unless asked for more
-        if "graph" in modes and args.modes is not None:
-            raise AFDConfigError(f"--modes {args.modes}: graph mode needs CUDA (the NCCL backend); on CPU "
-                                 "(gloo) the bench runs eager only")
         modes = ("eager",)
         reps = Reps(target_s=args.time_per_point or 0.005, min_iters=4,
                     max_iters=20 if args.time_per_point is None else 400, warmup=1, rounds=args.rounds or 1)
     case_timeout = args.case_timeout or (60.0 if cuda else 20.0)
     if case_timeout <= 0:
         raise AFDConfigError(f"--case-timeout must be > 0 seconds, got {case_timeout}")
-    return RunConfig(
-        backend=backend, layout=layout, cases=cases, variants=variants, modes=modes,
-        reps=reps, master_port=find_free_port(), check=bool(args.check), progress=not args.no_progress,
-        case_timeout_s=case_timeout, fp8_scale_format=args.fp8_scale_format,
-    )
+    if layout.shared and not args.check:
+        raise AFDConfigError(f"refusing to time: processes share a GPU ({layout.describe()}), so the driver "
+                             "time-slices them; give every process its own GPU, or use --check")
+    return RunConfig(backend="nccl" if cuda else "gloo", layout=layout, cases=cases, variants=variants, modes=modes,
+                     reps=reps, master_port=find_free_port(), check=bool(args.check), progress=not args.no_progress,
+                     case_timeout_s=case_timeout, fp8_scale_format=args.fp8_scale_format)
+
+
+def _control_gaps(text: str | None) -> tuple[float, ...]:
+    """``--control-gaps``: ms between steps, each > 0.
+
+    Raises:
+        AFDConfigError: not a comma list of positive numbers.
+    """
+    from afd_ext.tools.bench.control import DEFAULT_GAPS_MS
+
+    try:
+        gaps = DEFAULT_GAPS_MS if text is None else tuple(float(g) for g in text.split(","))
+    except ValueError:
+        gaps = ()
+    if not gaps or min(gaps) <= 0:
+        raise AFDConfigError(f"--control-gaps: expected comma-separated ms > 0, got {text!r}")
+    return gaps
 
 
 def _assemble(meta: dict, cfg: RunConfig, results: list[dict]) -> dict:
     from afd_ext.tools.bench.report import SCHEMA, connector_overhead, evaluate_targets
 
-    devices = [f"{r['role']}{r['role_rank']}: {r['device']} (GPU {r.get('cuda_visible_devices')})"
-               for r in results if r.get("device")]
-    meta["devices"] = "; ".join(devices) or "CPU"
+    meta["devices"] = "; ".join(f"{r['role']}{r['role_rank']}: {r['device']} (GPU {r.get('cuda_visible_devices')})"
+                                for r in results if r.get("device")) or "CPU"
     # Every rank reports the same skipped variants (agreed in runner._setup_variants).
     doc = {"schema": SCHEMA, "meta": meta, "records": [x for r in results for x in r["records"]],
            "skipped": results[0]["skipped"], "targets": []}
     if cfg.check:
         doc["checks"] = [c for r in results for c in r["checks"]]
     else:
-        doc["targets"] = evaluate_targets(doc)
-        doc["connector_overhead"] = connector_overhead(doc)
+        doc["targets"], doc["connector_overhead"] = evaluate_targets(doc), connector_overhead(doc)
     return doc
 
 
@@ -257,50 +233,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         return peer_structure_main(argv)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
-    from afd_ext.tools.bench import report
-
-    if args.control_only:
-        from afd_ext.tools.bench.control import DEFAULT_GAPS_MS, control_main
-
-        try:
-            gaps = DEFAULT_GAPS_MS if args.control_gaps is None else tuple(
-                float(g) for g in args.control_gaps.split(","))
-        except ValueError:
-            gaps = ()
-        if not gaps or min(gaps) <= 0:
-            print(f"afd-ext bench: --control-gaps: expected comma-separated ms > 0, got {args.control_gaps!r}",
-                  file=sys.stderr)
-            return 2
-        return control_main(gaps, out=args.out)
-    if args.control_gaps is not None:
-        print("afd-ext bench: --control-gaps applies to --control-only only", file=sys.stderr)
-        return 2
     try:
-        cfg = _config(args)
+        if args.control_only:
+            gaps = _control_gaps(args.control_gaps)
+        elif args.control_gaps is not None:
+            raise AFDConfigError("--control-gaps applies to --control-only only")
+        else:
+            cfg = _config(args)
     except ValueError as e:
         print(f"afd-ext bench: {e}", file=sys.stderr)
         return 2
-    if cfg.layout.shared and not cfg.check:
-        print(f"afd-ext bench: refusing to time: processes share a GPU ({cfg.layout.describe()}): the driver "
-              "time-slices them (about 2.2 ms per round trip whatever the size; ~4.5 ms when NCCL goes over "
-              "sockets on one GPU), so timings would be meaningless. Give every process its own GPU, or use "
-              "--check for correctness.", file=sys.stderr)
-        return 2
-    what = "check" if cfg.check else "sweep"
-    if cfg.backend == "gloo":
-        why = "--backend gloo" if args.backend == "gloo" else "no usable GPU here"
-        timed = f"gloo on CPU tensors ({why}" + (
-            ")" if cfg.check else "; timings check the harness, not the GPU data path)")
-    else:
-        timed = "NCCL on CUDA tensors"
-    logger.info("afd-ext bench %s over %s: %s, %d cases, variants %s, modes %s", what, timed,
-                cfg.layout.describe(), len(cfg.cases), ",".join(cfg.variants), ",".join(cfg.modes))
-    meta = _meta(cfg, argv)
-    t0 = time.monotonic()
+    if args.control_only:
+        from afd_ext.tools.bench.control import control_main
+
+        return control_main(gaps, out=args.out)
+    from afd_ext.tools.bench import report
     from afd_ext.tools.bench.runner import bench_worker
     from afd_ext.tools.testing import run_workers
 
-    lay, timeout = cfg.layout, args.timeout or (240.0 if cfg.check else 420.0)
+    what = "check" if cfg.check else "sweep"
+    timed = "NCCL on CUDA tensors" if cfg.backend == "nccl" else "gloo on CPU tensors ({}{})".format(
+        "--backend gloo" if args.backend == "gloo" else "no usable GPU here",
+        "" if cfg.check else "; timings check the harness, not the GPU data path")
+    logger.info("afd-ext bench %s over %s: %s, %d cases, variants %s, modes %s", what, timed,
+                cfg.layout.describe(), len(cfg.cases), ",".join(cfg.variants), ",".join(cfg.modes))
+    meta, t0, lay = _meta(cfg, argv), time.monotonic(), cfg.layout
+    timeout = args.timeout or (240.0 if cfg.check else 420.0)
     try:  # the workers' deadline leaves 5 s of --timeout to end them
         results = run_workers(bench_worker, lay.num_attention_ranks + lay.num_ffn_ranks, (cfg,),
                               timeout_s=max(40.0, timeout - 5.0), per_rank_env=lay.env() or None)
@@ -314,10 +272,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         nbad = _print_checks(doc["checks"])
         for s in doc["skipped"]:
             print(f"skipped {s['case_key']} {s['variant']}: {s['reason']}")
-        print("wrote " + ", ".join(paths.values()))
-        return 1 if nbad or not doc["checks"] else 0
-    print(report.render_markdown(doc))
+    else:
+        print(report.render_markdown(doc))
     print("wrote " + ", ".join(paths.values()))
+    if cfg.check:
+        return 1 if nbad or not doc["checks"] else 0
     if cfg.backend == "gloo":
         print("note: these are gloo times on CPU tensors: they check the harness; they say nothing about the "
               "NCCL path on GPUs (see the note at the top of bench.md and docs/benchmarks.md)")

@@ -19,19 +19,30 @@ encoding) to FFN receive return (after decoding), ``time.perf_counter_ns``
 (8 attention ranks' counts, 2 stages, new counts every step).
 """
 
+
 from __future__ import annotations
 
+import datetime
 import json
 import logging
-import math
 import os
 import time
 from typing import Any
 
-logger = logging.getLogger("afd_ext.tools.bench")
+import numpy as np
+import torch
+import torch.distributed as dist
 
-__all__ = ["measure_control_plane", "pick_control_cpus", "control_table", "format_control_table",
-           "DEFAULT_GAPS_MS"]
+from afd_ext import control as cpl
+from afd_ext import rendezvous as rdzv
+from afd_ext.control.codec import decode_control_payload, encode_control_binary, encode_control_payload
+from afd_ext.errors import AFDConfigError, AFDProtocolError
+from afd_ext.metadata import AFDControlPayload, AFDDPMetadata
+from afd_ext.tools.bench.report import md_table
+from afd_ext.tools.testing import find_free_port, run_workers
+from afd_ext.topology import Topology
+
+logger = logging.getLogger("afd_ext.tools.bench")
 
 #: Gaps between steps of the control-plane table, in ms (decode steps are 10-50 ms apart).
 DEFAULT_GAPS_MS = (1.0, 5.0, 20.0, 50.0)
@@ -45,8 +56,6 @@ PAYLOAD_STAGES = 2
 
 
 def _step_payload(i: int, counts: list[int], stages: int) -> Any:
-    from afd_ext.metadata import AFDControlPayload, AFDDPMetadata
-
     return AFDControlPayload({s: AFDDPMetadata([i] + counts[1:]) for s in range(stages)})
 
 
@@ -86,6 +95,48 @@ def _pause(gap_s: float, spin: bool) -> None:
         pass
 
 
+class _PlanePair:
+    """This package's control plane between the two processes (``kind``: shm, tcp or auto)."""
+
+    def __init__(self, rank: int, host: str, port: int, kind: str):
+        self.rank = rank
+        self.store = rdzv.connect(host, port, rank, 2, 60.0, num_ffn_ranks=1)
+        self.plane = cpl.AFDControlPlane(lambda p: None, Topology(1, 1), "ffn" if rank == 0 else "attention", 0)
+        self.plane.open(self.store, kind, 60.0)
+        self.kind = next(iter(self.plane.channels.values())).kind
+        self.send, self.recv, self.close = (self.plane.send_dp_metadata_list, self.plane.recv_dp_metadata_list,
+                                            self.plane.close)
+
+    def barrier(self, name: str) -> None:
+        rdzv.barrier(self.store, self.rank, 2, name, 60.0)
+
+
+class _ReferencePair:
+    """The reference's two messages per step (int64 size, uint8 JSON) over gloo, CPU tensors."""
+
+    kind = "gloo"
+
+    def __init__(self, rank: int, host: str, port: int, kind: str):
+        dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=rank, world_size=2,
+                                timeout=datetime.timedelta(seconds=60))
+        self.close = dist.destroy_process_group
+
+    def barrier(self, name: str) -> None:
+        dist.barrier()
+
+    def send(self, payload: Any) -> None:
+        obj = torch.frombuffer(bytearray(encode_control_payload(payload)), dtype=torch.uint8)
+        dist.send(torch.tensor([obj.numel()], dtype=torch.long), dst=0)
+        dist.send(obj, dst=0)
+
+    def recv(self) -> Any:
+        size = torch.empty(1, dtype=torch.long)
+        dist.recv(size, src=1)
+        obj = torch.empty(int(size.item()), dtype=torch.uint8)  # the reference's sync point
+        dist.recv(obj, src=1)
+        return decode_control_payload(obj.numpy().tobytes())
+
+
 def _measure_worker(rank: int, nprocs: int, host: str, port: int, kind: str, schedule: list, stages: int,
                     spin: bool, cpus: tuple[int, int] | None) -> list:
     """One end: rank 0 the FFN receiver, rank 1 the attention sender. Per ``(gap_s, iterations,
@@ -94,98 +145,40 @@ def _measure_worker(rank: int, nprocs: int, host: str, port: int, kind: str, sch
         os.sched_setaffinity(0, {cpus[rank]})
     counts = [(7 * i + 3) % 64 for i in range(PAYLOAD_ATTENTION_RANKS)]
     clock = time.perf_counter_ns
-    if kind == "reference":
-        return _reference_pair(rank, host, port, schedule, counts, stages, spin)
-    from afd_ext import control as cpl
-    from afd_ext import rendezvous as rdzv
-    from afd_ext.errors import AFDProtocolError
-    from afd_ext.topology import Topology
-
-    role = "ffn" if rank == 0 else "attention"
-    store = rdzv.connect(host, port, rank, 2, 60.0, num_ffn_ranks=1)
-    plane = cpl.AFDControlPlane(lambda p: None, Topology(1, 1), role, 0)
-    plane.open(store, kind, 60.0)
+    pair = (_ReferencePair if kind == "reference" else _PlanePair)(rank, host, port, kind)
     out, step = [], 0
     try:
         for n, (gap_s, iterations, warmup) in enumerate(schedule):
-            rdzv.barrier(store, rank, 2, f"measure-start-{n}", 60.0)
+            pair.barrier(f"measure-start-{n}")
             stamps = []
             for i in range(step, step + warmup + iterations):
-                if role == "attention":
+                if rank == 1:
                     payload = _step_payload(i, counts, stages)  # new counts, built before the timed call
                     stamps.append(clock())
-                    plane.send_dp_metadata_list(payload)
+                    pair.send(payload)
                     _pause(gap_s, spin)
                 else:
-                    p = plane.recv_dp_metadata_list()
+                    p = pair.recv()
                     stamps.append(clock())
                     if p.dp_metadata_list[0].counts[0] != i:
                         raise AFDProtocolError(f"measurement: step {i} received the counts of step "
                                                f"{p.dp_metadata_list[0].counts[0]}")
             step += warmup + iterations
-            out.append({"kind": next(iter(plane.channels.values())).kind, "stamps": stamps[warmup:]})
-        rdzv.barrier(store, rank, 2, "measure-end", 60.0)
+            out.append({"kind": pair.kind, "stamps": stamps[warmup:]})
+        pair.barrier("measure-end")
     finally:
-        plane.close()
+        pair.close()
     return out
 
 
-def _reference_pair(rank: int, host: str, port: int, schedule: list, counts: list[int], stages: int,
-                    spin: bool) -> list:
-    """The reference's two messages per step (int64 size, uint8 JSON) over gloo, CPU tensors."""
-    import datetime
-
-    import torch
-    import torch.distributed as dist
-
-    from afd_ext.control.codec import decode_control_payload, encode_control_payload
-
-    dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
-    clock = time.perf_counter_ns
-    out = []
-    try:
-        for gap_s, iterations, warmup in schedule:
-            dist.barrier()
-            stamps: list[int] = []
-            for i in range(warmup + iterations):
-                if rank == 1:
-                    payload = _step_payload(i, counts, stages)
-                    stamps.append(clock())
-                    obj = torch.frombuffer(bytearray(encode_control_payload(payload)), dtype=torch.uint8)
-                    dist.send(torch.tensor([obj.numel()], dtype=torch.long), dst=0)
-                    dist.send(obj, dst=0)
-                    _pause(gap_s, spin)
-                else:
-                    size = torch.empty(1, dtype=torch.long)
-                    dist.recv(size, src=1)
-                    obj = torch.empty(int(size.item()), dtype=torch.uint8)  # the reference's sync point
-                    dist.recv(obj, src=1)
-                    decode_control_payload(obj.numpy().tobytes())
-                    stamps.append(clock())
-            out.append({"kind": "gloo", "stamps": stamps[warmup:]})
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    return out
-
-
-def _pct(lat: list[float], p: float) -> float:
-    return lat[min(len(lat) - 1, max(0, math.ceil(p / 100.0 * len(lat)) - 1))]
-
-
-def _measure(kind: str, schedule: list[tuple[float, int, int]], stages: int, timeout_s: float | None,
-             pin: bool | None) -> list[dict[str, Any]]:
+def _measure(kind: str, schedule: list[tuple[float, int, int]], stages: int, timeout_s: float | None
+             ) -> list[dict[str, Any]]:
     """Run ``schedule`` (``(gap_us, iterations, warmup)`` entries) in one pair of processes;
     one result per entry (see :func:`measure_control_plane`)."""
-    from afd_ext.errors import AFDConfigError
-    from afd_ext.control.codec import encode_control_binary, encode_control_payload
-    from afd_ext.tools.testing import find_free_port, run_workers
-
     if not schedule or any(int(it) < 1 for _, it, _ in schedule):
         raise AFDConfigError(f"every schedule entry needs iterations >= 1, got {schedule!r}")
     # gloo's I/O threads would share the one pinned CPU: the reference runs where the scheduler puts it.
-    cpus = pick_control_cpus() if pin is not False and kind != "reference" else None
+    cpus = pick_control_cpus() if kind != "reference" else None
     spin = (os.cpu_count() or 1) >= 4  # on 2 cores a spinning sender starves the receiver it measures
     sched = [(g * 1e-6, int(it), int(w)) for g, it, w in schedule]
     if timeout_s is None:
@@ -197,22 +190,23 @@ def _measure(kind: str, schedule: list[tuple[float, int, int]], stages: int, tim
     size = len(encode(_step_payload(0, [0] * PAYLOAD_ATTENTION_RANKS, stages)))
     out = []
     for (gap_us, _, _), ffn, attn in zip(schedule, res[0], res[1]):
-        lat = sorted((b - a) / 1000.0 for a, b in zip(attn["stamps"], ffn["stamps"]))
-        out.append({"kind": ffn["kind"], "n": len(lat), "p50_us": _pct(lat, 50), "p90_us": _pct(lat, 90),
-                    "p99_us": _pct(lat, 99), "mean_us": sum(lat) / len(lat), "min_us": lat[0], "max_us": lat[-1],
-                    "payload_bytes": size, "gap_us": gap_us, "sender_wait": "spin" if spin else "sleep",
-                    "cpus": list(cpus) if cpus else None})
+        lat = [(b - a) / 1000.0 for a, b in zip(attn["stamps"], ffn["stamps"])]
+        p50, p90, p99 = (float(x) for x in np.percentile(lat, (50, 90, 99), method="inverted_cdf"))  # nearest rank
+        out.append({"kind": ffn["kind"], "n": len(lat), "p50_us": p50, "p90_us": p90, "p99_us": p99,
+                    "mean_us": sum(lat) / len(lat), "min_us": min(lat), "max_us": max(lat), "payload_bytes": size,
+                    "gap_us": gap_us, "sender_wait": "spin" if spin else "sleep", "cpus": list(cpus) if cpus else None})
     return out
 
 
 def measure_control_plane(kind: str = "auto", iterations: int = 2000, *, warmup: int = 200, gap_us: float = 200.0,
-                          stages: int = PAYLOAD_STAGES, timeout_s: float | None = 120.0,
-                          pin: bool | None = None) -> dict[str, Any]:
+                          stages: int = PAYLOAD_STAGES, timeout_s: float | None = 120.0) -> dict[str, Any]:
     """Measure the control plane end to end in two processes on this host.
 
     An attention process calls ``send_dp_metadata_list`` every ``gap_us`` (new counts every
     step); an FFN process loops on ``recv_dp_metadata_list`` and checks each step's counts.
     Latency of step ``i``: FFN return minus attention call start (``time.perf_counter_ns``).
+    The two processes are pinned to CPUs of two physical cores where the host has them
+    (:func:`pick_control_cpus`; not the reference, whose gloo threads would share the CPU).
 
     Args:
         kind: ``"shm"``, ``"tcp"``, ``"auto"``, or ``"reference"`` (the reference's two gloo
@@ -220,8 +214,6 @@ def measure_control_plane(kind: str = "auto", iterations: int = 2000, *, warmup:
         iterations: measured steps (after ``warmup``); gap_us: pause between sends, µs.
         stages: stages in the payload (8 attention ranks' counts each).
         timeout_s: deadline for the whole measurement (None: from the steps' gaps).
-        pin: pin the two processes to CPUs of two physical cores (:func:`pick_control_cpus`);
-            None: where the host has them.
 
     Returns:
         ``{"kind", "n", "p50_us", "p90_us", "p99_us", "mean_us", "min_us", "max_us",
@@ -230,15 +222,13 @@ def measure_control_plane(kind: str = "auto", iterations: int = 2000, *, warmup:
     Raises:
         AFDConfigError: ``iterations < 1``.
     """
-    return _measure(kind, [(gap_us, iterations, warmup)], stages, timeout_s, pin)[0]
-
-
+    return _measure(kind, [(gap_us, iterations, warmup)], stages, timeout_s)[0]
 def control_table(gaps_ms: tuple[float, ...] = DEFAULT_GAPS_MS, kinds: tuple[str, ...] = CONTROL_KINDS, *,
-                  seconds_per_cell: float = 5.0, progress: Any = None) -> list[dict]:
+                  seconds_per_cell: float = 5.0) -> list[dict]:
     """The control-plane table: per gap, each channel's and the reference pattern's result.
 
     Each column runs in one pair of processes over every gap, ``seconds_per_cell`` of steps per
-    cell (200-2000 steps; the reference a third). ``progress(name, gap_ms, result)`` per cell.
+    cell (200-2000 steps; the reference a third); a line per cell is printed as it is measured.
 
     Returns:
         One row per gap: ``{"gap_ms", "<kind>": result, "reference": result}``, results as
@@ -252,21 +242,20 @@ def control_table(gaps_ms: tuple[float, ...] = DEFAULT_GAPS_MS, kinds: tuple[str
             it = max(100, min(2000, int(seconds_per_cell / share / (g * 1e-3))))
             sched.append((g * 1000.0, it, max(5, min(50, it // 10))))
         try:
-            results = _measure(name, sched, PAYLOAD_STAGES, None, None)
+            results = _measure(name, sched, PAYLOAD_STAGES, None)
         except Exception as e:  # noqa: BLE001 - reported in the table, the run goes on
             logger.warning("control-plane measurement %s failed: %s", name, e)
             results = [{"error": f"{type(e).__name__}: {e}"}] * len(gaps_ms)
         for row, r in zip(rows, results):
             row[name] = r
-            if progress is not None:
-                progress(name, row["gap_ms"], r)
+            print(f"  {name:9s} gap {row['gap_ms']:g} ms: " + (f"FAILED {r['error']}" if "error" in r else
+                  f"p50 {r['p50_us']:.1f} µs, p99 {r['p99_us']:.1f} µs (n={r['n']}, {r['payload_bytes']} B)"),
+                  flush=True)
     return rows
 
 
 def format_control_table(rows: list[dict], kinds: tuple[str, ...] = CONTROL_KINDS) -> str:
     """Markdown: one line per gap, p50 / p99 in µs per channel and for the reference pattern."""
-    from afd_ext.tools.bench.report import md_table
-
     def cell(r: dict | None) -> str:
         if not r:
             return "-"
@@ -287,13 +276,8 @@ def control_main(gaps_ms: tuple[float, ...] = DEFAULT_GAPS_MS, out: str | None =
           f"return), new counts every step, payload {PAYLOAD_ATTENTION_RANKS} attention ranks x {PAYLOAD_STAGES} "
           f"stages; {os.cpu_count()} CPUs, " + (f"FFN on CPU {cpus[0]}, attention on CPU {cpus[1]}" if cpus
                                                else "not pinned"), flush=True)
-
-    def progress(name: str, gap: float, r: dict) -> None:
-        print(f"  {name:9s} gap {gap:g} ms: " + (f"FAILED {r['error']}" if "error" in r else
-              f"p50 {r['p50_us']:.1f} µs, p99 {r['p99_us']:.1f} µs (n={r['n']}, {r['payload_bytes']} B)"), flush=True)
-
     t = time.monotonic()
-    rows = control_table(gaps_ms, progress=progress)
+    rows = control_table(gaps_ms)
     print(format_control_table(rows), flush=True)
     print(f"control plane measured in {time.monotonic() - t:.0f} s", flush=True)
     if out:

@@ -5,7 +5,6 @@ FFN on cuda:1 when two GPUs are visible), each side's 100 round trips captured
 in one CUDA graph, the two graphs replayed together; a round trip moves, per
 token, hidden ``H`` bf16 + router logits ``E`` fp32 + an int32 id to the FFN
 and ``H`` bf16 back (the FFN replies with its fan-in hidden states). Structures:
-
 * ``floor``: one persistent kernel per side, one block, flags between round trips (1 token only);
 * ``min``: put kernel (multi-block copy, last block releases a flag) + wait-and-copy-out kernel on the
   attention side; wait kernel + put kernel on the FFN side;
@@ -42,12 +41,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from afd_ext import envs
-from afd_ext.tools.bench.plan import parse_int_list, parse_names
-from afd_ext.tools.testing import patched_env
-from afd_ext.errors import AFDConfigError, AFDDeviceError
+import torch
 
-__all__ = ["STRUCTURES", "Plan", "build_parser", "parse_plan", "main"]
+from afd_ext import envs, ops
+from afd_ext.errors import AFDConfigError, AFDDeviceError
+from afd_ext.schedule import ScheduleConfig
+from afd_ext.tools.bench.plan import parse_int_list, parse_names
+from afd_ext.tools.bench.report import md_table
+from afd_ext.tools.testing import patched_env
+from afd_ext.topology import ATTENTION, FFN, Topology
+from afd_ext.transport.peer.plane import PeerPlane, WireSpec
+
 
 STRUCTURES = ("floor", "min", "fused", "plane", "plane_nopdl")
 PLANES = ("plane", "plane_nopdl")  # structures that run afd_ext's PeerPlane
@@ -126,18 +130,14 @@ def build_library(arch: str = "sm_90") -> str:
     """
     src = CUDA_FILE.read_text(encoding="utf-8")
     key = hashlib.sha256((src + arch).encode()).hexdigest()[:16]
-    cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(tempfile.gettempdir()),
-                         "afd_ext_peer_structure")
+    cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or tempfile.gettempdir(), "afd_ext_peer_structure")
     os.makedirs(cache, exist_ok=True)
     so = os.path.join(cache, f"ps_{key}.so")
     if os.path.exists(so):
         return so
-    cu = os.path.join(cache, f"ps_{key}.cu")
-    with open(cu, "w") as f:
-        f.write(src)
     nvcc = os.path.join(os.environ.get("CUDA_HOME") or "/usr/local/cuda", "bin", "nvcc")
     cmd = [nvcc if os.path.isfile(nvcc) else "nvcc", f"-arch={arch}", "-O3", "-std=c++17", "-shared",
-           "-Xcompiler", "-fPIC", "-Xptxas", "-v", "-o", so + ".tmp", cu]
+           "-Xcompiler", "-fPIC", "-Xptxas", "-v", "-o", so + ".tmp", str(CUDA_FILE)]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     except (OSError, subprocess.SubprocessError) as e:
@@ -188,23 +188,21 @@ class _Case:
     """Buffers and streams of one (structure, tokens) case; ``att_rounds``/``ffn_rounds`` enqueue round trips."""
 
     def __init__(self, plan: Plan, structure: str, tokens: int, lib: Optional[_Lib], att_dev, ffn_dev):
-        import torch
-
         self.plan, self.structure, self.T = plan, structure, tokens
         self.att_dev, self.ffn_dev = att_dev, ffn_dev
         self.lib = lib
         self.sa, self.sf = torch.cuda.Stream(att_dev), torch.cuda.Stream(ffn_dev)
         H, E = plan.hidden, plan.logits
-        self.inp = (torch.empty(tokens, H, dtype=torch.bfloat16, device=att_dev),
-                    torch.empty(tokens, E, dtype=torch.float32, device=att_dev) if E else None,
-                    torch.empty(tokens, dtype=torch.int32, device=att_dev))
+        self.inp = [torch.empty(tokens, H, dtype=torch.bfloat16, device=att_dev),
+                    torch.empty(tokens, E, dtype=torch.float32, device=att_dev),
+                    torch.empty(tokens, dtype=torch.int32, device=att_dev)]
         self.out = torch.empty(tokens, H, dtype=torch.bfloat16, device=att_dev)
         self.sms = torch.cuda.get_device_properties(att_dev).multi_processor_count
         self.plane = None
         if structure in PLANES:
             self._make_plane()
         else:
-            self.fan_in = tuple(torch.empty_like(t, device=ffn_dev) if t is not None else None for t in self.inp)
+            self.fan_in = [torch.empty_like(t, device=ffn_dev) for t in self.inp]
             self.reply = torch.empty(tokens, H, dtype=torch.bfloat16, device=att_dev)
             # flags: [0] the FFN's (in FFN memory), [8] the attention's (in attention memory); seq words per side
             self.flag_f = torch.zeros(8, dtype=torch.int64, device=ffn_dev)
@@ -214,14 +212,8 @@ class _Case:
         self.fill(seed=1)
 
     def _make_plane(self) -> None:
-        import torch
-
-        from afd_ext.schedule import ScheduleConfig
-        from afd_ext.transport.peer.plane import PeerPlane, WireSpec
-        from afd_ext.topology import ATTENTION, FFN, Topology
-
         p = self.plan
-        spec = WireSpec.of(ScheduleConfig(1, p.hidden, torch.bfloat16, p.logits or None, send_token_ids=True))
+        spec = WireSpec.of(ScheduleConfig(1, p.hidden, torch.bfloat16, p.logits, send_token_ids=True))
         topo = Topology(1, 1)
         kw = dict(max_tokens=self.T, num_stages=1, generation=5, timeout_s=30.0)
         self.att = PeerPlane(topo, ATTENTION, 0, spec, device=self.att_dev, **kw)
@@ -232,28 +224,23 @@ class _Case:
 
     def fill(self, seed: int) -> None:
         """Fresh random inputs (in place: captured graphs read them)."""
-        import torch
-
         g = torch.Generator(device=self.att_dev).manual_seed(seed)
         h, lg, ids = self.inp
         h.copy_(torch.randn(h.shape, generator=g, device=self.att_dev))
-        if lg is not None:
-            lg.copy_(torch.randn(lg.shape, generator=g, device=self.att_dev))
+        lg.copy_(torch.randn(lg.shape, generator=g, device=self.att_dev))
         ids.copy_(torch.randint(0, 1 << 30, ids.shape, generator=g, device=self.att_dev, dtype=torch.int32))
 
     def destinations(self):
         """Every tensor a round trip writes (poisoned before the validation replay)."""
         if self.plane is not None:
-            return [t for t in self.ffn.views(0, self.T)] + [self.att.views(0, self.T)[0], self.out]
-        return [t for t in self.fan_in if t is not None] + [self.reply, self.out]
+            return [*self.ffn.views(0, self.T), self.att.views(0, self.T)[0], self.out]
+        return [*self.fan_in, self.reply, self.out]
 
     def check(self) -> Optional[str]:
         """None when every destination holds this round's data, else what differs."""
-        import torch
-
         fan = self.ffn.views(0, self.T) if self.plane is not None else self.fan_in
         names = ("fan-in hidden", "fan-in logits", "fan-in ids")
-        for name, got, want in zip(names, [t for t in fan if t is not None], [t for t in self.inp if t is not None]):
+        for name, got, want in zip(names, fan, self.inp):
             if not torch.equal(got.to(want.device), want):
                 return f"{name} differs from the attention side's input"
         if not torch.equal(self.out, self.inp[0]):
@@ -272,15 +259,12 @@ class _Case:
         s, T, lib = self.structure, self.T, self.lib
         if s in PLANES:
             for layer in range(n):
-                self.att.put(0, [t for t in self.inp if t is not None], [T], [0])
+                self.att.put(0, self.inp, [T], [0])
                 self.att.wait(0, T, layer=layer, out=self.out)
             return
-        import torch
 
         st = torch.cuda.current_stream(self.att_dev).cuda_stream
-        srcs = [t for t in self.inp if t is not None]
-        dsts = [t for t in self.fan_in if t is not None]
-        nparts, src, dst, nb = lib.parts(srcs, dsts)
+        nparts, src, dst, nb = lib.parts(self.inp, self.fan_in)
         seq, done = self.ctr_a.data_ptr(), self.ctr_a.data_ptr() + 8
         cbytes = self.plan.reply_bytes(T)
         if s == "floor":
@@ -306,7 +290,6 @@ class _Case:
                 x, _lg, _ids = self.ffn.wait(0, T, layer=layer)
                 self.ffn.put(0, [x], [T], [0])
             return
-        import torch
 
         st = torch.cuda.current_stream(self.ffn_dev).cuda_stream
         seq, done = self.ctr_f.data_ptr(), self.ctr_f.data_ptr() + 8
@@ -329,16 +312,12 @@ class _Case:
 
 
 def _sync(devs) -> None:
-    import torch
-
     for d in devs:
         torch.cuda.synchronize(d)
 
 
 def _run_case(plan: Plan, case: _Case) -> dict:
     """Capture, time (best of plan.replays after one warm-up), then validate once on fresh data."""
-    import torch
-
     devs = sorted({case.att_dev.index, case.ffn_dev.index})
     ga, gf = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
     # AFD_PEER_PDL is read by the plane's launcher at capture time; restored afterwards.
@@ -381,8 +360,6 @@ def _run_case(plan: Plan, case: _Case) -> dict:
 
 def _table(recs: list[dict], plan: Plan) -> str:
     """µs per round trip per structure and size, then each plane structure's ratio to ``min``."""
-    from afd_ext.tools.bench.report import md_table
-
     by = {(r["structure"], r["tokens"]): r for r in recs}
 
     def cell(s: str, t: int) -> str:
@@ -406,15 +383,10 @@ def run(plan: Plan, out: Optional[str]) -> int:
     Raises:
         AFDConfigError: no CUDA GPU, or (``plane``) no CUDA build of afd_ext.
     """
-    import torch
-
     if not torch.cuda.is_available() or torch.cuda.device_count() < 1:
         raise AFDConfigError("needs a CUDA GPU (none is visible)")
-    if set(PLANES) & set(plan.structures):
-        from afd_ext import ops
-
-        if not ops.is_cuda_built():
-            raise AFDConfigError("the 'plane' structures need a CUDA build of afd_ext (this build has no CUDA ops)")
+    if set(PLANES) & set(plan.structures) and not ops.is_cuda_built():
+        raise AFDConfigError("the 'plane' structures need a CUDA build of afd_ext (this build has no CUDA ops)")
     two = torch.cuda.device_count() >= 2 and not envs.get("AFD_PEER_STRUCTURE_ONE_GPU")
     att_dev, ffn_dev = torch.device("cuda", 0), torch.device("cuda", 1 if two else 0)
     lib = None
@@ -457,12 +429,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """``afd-ext bench --peer-structure [options]``: 0 ok, 1 a case failed validation, 2 bad usage / no GPU."""
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
-        plan = parse_plan(args)
-        return run(plan, args.out)
+        return run(parse_plan(args), args.out)
     except AFDConfigError as e:
         print(f"afd-ext bench --peer-structure: {e}", file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -12,22 +12,6 @@ from typing import Sequence
 from afd_ext.errors import AFDConfigError
 from afd_ext.tools.testing import GpuPlacement, place_processes
 
-__all__ = [
-    "Case",
-    "MODES",
-    "ALL_VARIANTS",
-    "FP8_VARIANTS",
-    "DEFAULT_TOKENS",
-    "default_cases",
-    "quick_cases",
-    "check_cases",
-    "gloo_cases",
-    "make_layout",
-    "parse_int_list",
-    "parse_names",
-    "Reps",
-    "RunConfig",
-]
 
 MODES = ("eager", "graph")
 #: Variant names, in the order they are alternated inside a case.

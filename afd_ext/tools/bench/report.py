@@ -24,21 +24,11 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from typing import Sequence
 
-__all__ = [
-    "SCHEMA",
-    "attention_records",
-    "lookup",
-    "evaluate_targets",
-    "connector_overhead",
-    "render_markdown",
-    "render_plot",
-    "write_outputs",
-    "md_table",
-    "variant_label",
-    "CPU_RUN_NOTE",
-]
+from afd_ext.tools.bench.plan import ALL_VARIANTS, FP8_VARIANTS
+
 
 SCHEMA = "afd-ext-bench/1"
 
@@ -57,14 +47,11 @@ DATA_CALLS = {"attention": ("send_attn_output", "recv_ffn_output"), "ffn": ("rec
 
 #: What a CPU (gloo) run can and cannot show; heads its bench.md (the console output ends with a reminder).
 CPU_RUN_NOTE = (
-    "**CPU run over gloo: a check of the harness, not a measurement of this package's data path.** "
-    "It shows that every variant runs end to end (`--check` verifies their bytes) and what the host-side "
-    "Python costs on this machine. It cannot show GPU performance: the path this package is for is its NCCL "
-    "ops on CUDA tensors (eager and in CUDA graphs), which a CPU run never touches. Its gloo transport is the "
-    "CPU correctness path of CI and tests: it bounds every wait (a waiter thread polled in slices, so a dead "
-    "peer becomes an error), work per message that the bare `torch.distributed` calls of the `reference` and "
-    "`raw` columns do not do; so `vs ref` here, above or below 1×, says nothing about the NCCL path. GPU "
-    "results: `docs/benchmarks.md`."
+    "**CPU run over gloo: a check of the harness, not a measurement of this package's data path.** It shows that "
+    "every variant runs end to end and the host-side Python cost on this machine, never the NCCL ops on CUDA "
+    "tensors this package is for; its gloo transport bounds every wait, work that the bare `torch.distributed` "
+    "calls of `reference` and `raw` do not do, so `vs ref` here says nothing about the NCCL path. GPU results and "
+    "the long form of this note: `docs/benchmarks.md`."
 )
 
 
@@ -180,31 +167,26 @@ def md_table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
 
 
 def _section(title: str, head: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    return [f"## {title}", "", *md_table(head, rows), ""]
+    """A titled table, or nothing without rows."""
+    return [f"## {title}", "", *md_table(head, rows), ""] if rows else []
 
 
 def render_markdown(doc: dict) -> str:
     """Markdown: round-trip tables per (hidden, payload, mode), fan-in, targets, skipped variants."""
     meta = doc.get("meta", {})
     backend = meta.get("backend") or "nccl"
-    tname = "gloo" if backend == "gloo" else "NCCL"
-    lines = ["# afd-ext bench results", ""]
-    if backend == "gloo":
-        lines += [CPU_RUN_NOTE, ""]
-    lines.append(f"- date: {meta.get('date', '?')}, commit: {meta.get('commit', '?')}")
-    lines.append(f"- machine: {meta.get('devices', '?')}; layout: {meta.get('layout', {}).get('description', '?')}")
-    if backend == "gloo":
-        lines.append(f"- transport timed: {tname}, torch.distributed's gloo backend (TCP) on CPU tensors; "
-                     f"torch {meta.get('torch', '?')}")
-    else:
-        lines.append(f"- transport timed: {tname}, this package's NCCL ops on CUDA tensors; torch "
-                     f"{meta.get('torch', '?')}, NCCL runtime {meta.get('nccl_runtime', '?')}")
-    lines.append("- times: median µs (p10–p90), per iteration; ratios from medians measured side by side; "
-                 f"`vs ref` = reference / ours-default (higher is better), `x raw` = ours-default / raw {tname}.")
-    lines.append("")
-    variants_present = [v for v in ("ours_per_tensor", "connector", "reference", "raw", "peer", "connector_peer",
-                                     "ours_fp8", "peer_fp8")
-                        if any(r["variant"] == v for r in doc["records"])]
+    gloo = backend == "gloo"
+    timed = (f"gloo, torch.distributed's gloo backend (TCP) on CPU tensors; torch {meta.get('torch', '?')}" if gloo
+             else f"NCCL, this package's NCCL ops on CUDA tensors; torch {meta.get('torch', '?')}, NCCL runtime "
+                  f"{meta.get('nccl_runtime', '?')}")
+    lines = ["# afd-ext bench results", "", *([CPU_RUN_NOTE, ""] if gloo else []),
+             f"- date: {meta.get('date', '?')}, commit: {meta.get('commit', '?')}",
+             f"- machine: {meta.get('devices', '?')}; layout: {meta.get('layout', {}).get('description', '?')}",
+             f"- transport timed: {timed}",
+             "- times: median µs (p10–p90), per iteration; ratios from medians measured side by side; `vs ref` = "
+             f"reference / ours-default (higher is better), `x raw` = ours-default / raw {'gloo' if gloo else 'NCCL'}.",
+             ""]
+    variants_present = [v for v in ALL_VARIANTS + FP8_VARIANTS if any(r["variant"] == v for r in doc["records"])]
     groups: dict[tuple, list[dict]] = {}
     for c in _cases(doc):
         groups.setdefault((c["A"], c["F"], c["hidden"], c["extras"]), []).append(c)
@@ -216,14 +198,10 @@ def render_markdown(doc: dict) -> str:
                 if not any(cells.values()):
                     continue
                 ours, ref, raw = cells.get("ours_per_tensor"), cells.get("reference"), cells.get("raw")
-                vs_ref = _med(ref) / _med(ours) if ref and ours else None
-                x_raw = _med(ours) / _med(raw) if raw and ours else None
-                gbps = ours.get("gbps") if ours else None
-                row = [str(c["tokens"])] + [_fmt_us(cells[v]) for v in variants_present]
-                row += [_fmt(vs_ref, ".2f", "×"), _fmt(x_raw, ".2f", "×"), _fmt(gbps, ".1f")]
-                rows.append(row)
-            if not rows:
-                continue
+                rows.append([str(c["tokens"]), *(_fmt_us(cells[v]) for v in variants_present),
+                             _fmt(_med(ref) / _med(ours) if ref and ours else None, ".2f", "×"),
+                             _fmt(_med(ours) / _med(raw) if raw and ours else None, ".2f", "×"),
+                             _fmt(ours and ours.get("gbps"), ".1f")])
             width = cs[0].get("logits_width", 256)
             payload = f"hidden + fp32 logits [n, {width}] + int32 ids" if extras else "hidden only"
             head = ["tokens", *(variant_label(v, backend) for v in variants_present), "vs ref", "x raw", "GB/s (rt)"]
@@ -233,30 +211,23 @@ def render_markdown(doc: dict) -> str:
                     if fp8 else "")
             lines += _section(f"Round trip, {A}A{F}F, hidden {hidden} bf16{wire}, {payload}, {mode}", head, rows)
     over = doc.get("connector_overhead") or connector_overhead(doc)
-    if over:
-        rows = [[o["case_key"], f"{variant_label(o['variant'])} vs {variant_label(o['op_variant'], backend)}",
-                 o["call"], f"{o['us']:.1f}", f"{o['op_us']:.1f}", f"{o['overhead_us']:+.1f}",
-                 _fmt(o["ratio"], ".2f", "×")] for o in sorted(over, key=lambda o: (o["tokens"], o["case_key"]))]
-        note = ("; on gloo a receive's time includes the wait for its peer" if backend == "gloo" else "")
-        lines += _section(f"Connector overhead per data call (eager, host µs per call, median{note})",
-                          ["case", "variants", "call", "connector µs", "op µs", "overhead µs", "ratio"], rows)
-    fan = _fan_in_rows(doc, backend)
-    if fan:
-        lines += _section("Fan-in (several attention ranks per FFN rank)",
-                          ["layout", "case", "mode", "variant", "rt median per attention rank (µs)", "spread (µs)"],
-                          fan)
-    if doc.get("targets"):
-        # The targets are for the NCCL data path: a gloo run's times cannot meet or miss them.
-        verdict = {True: "yes", False: "**no**", None: "n/a"}
-        rows = [[t["target"], _fmt(t["value"], ".2f"), t["goal"], _fmt(t["ratio"], ".2f", "×"),
-                 "not applicable on gloo" if backend == "gloo" else verdict[t["met"]], t["detail"]]
-                for t in doc["targets"]]
-        lines += _section("Targets (docs/benchmarks.md, for the NCCL path on GPUs; `ratio` = reference or floor / "
-                          "ours, higher is better)", ["target", "measured", "goal", "ratio", "met", "detail"], rows)
+    rows = [[o["case_key"], f"{variant_label(o['variant'])} vs {variant_label(o['op_variant'], backend)}",
+             o["call"], f"{o['us']:.1f}", f"{o['op_us']:.1f}", f"{o['overhead_us']:+.1f}",
+             _fmt(o["ratio"], ".2f", "×")] for o in sorted(over, key=lambda o: (o["tokens"], o["case_key"]))]
+    note = "; on gloo a receive's time includes the wait for its peer" if gloo else ""
+    lines += _section(f"Connector overhead per data call (eager, host µs per call, median{note})",
+                      ["case", "variants", "call", "connector µs", "op µs", "overhead µs", "ratio"], rows)
+    lines += _section("Fan-in (several attention ranks per FFN rank)",
+                      ["layout", "case", "mode", "variant", "rt median per attention rank (µs)", "spread (µs)"],
+                      _fan_in_rows(doc, backend))
+    # The targets are for the NCCL data path: a gloo run's times cannot meet or miss them.
+    verdict = {True: "yes", False: "**no**", None: "n/a"}
+    rows = [[t["target"], _fmt(t["value"], ".2f"), t["goal"], _fmt(t["ratio"], ".2f", "×"),
+             "not applicable on gloo" if gloo else verdict[t["met"]], t["detail"]] for t in doc.get("targets") or ()]
+    lines += _section("Targets (docs/benchmarks.md, for the NCCL path on GPUs; `ratio` = reference or floor / "
+                      "ours, higher is better)", ["target", "measured", "goal", "ratio", "met", "detail"], rows)
     if doc.get("skipped"):
-        reasons: dict[tuple[str, str], int] = {}
-        for s in doc["skipped"]:
-            reasons[(s["variant"], s["reason"])] = reasons.get((s["variant"], s["reason"]), 0) + 1
+        reasons = Counter((s["variant"], s["reason"]) for s in doc["skipped"])
         lines += ["## Skipped", "", *(f"- {v} ({n} cases): {why}" for (v, why), n in sorted(reasons.items()))]
     return "\n".join(lines).rstrip() + "\n"
 
@@ -324,12 +295,8 @@ def write_outputs(doc: dict, out: str, plot: bool = True) -> dict[str, str]:
     Returns:
         ``{"json": path, "markdown": path, "plot": path}`` (plot absent when not drawn).
     """
-    if out.endswith(".json"):
-        base = out[:-5]
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    else:
-        os.makedirs(out, exist_ok=True)
-        base = os.path.join(out, "bench")
+    base = out[:-5] if out.endswith(".json") else os.path.join(out, "bench")
+    os.makedirs(os.path.dirname(os.path.abspath(base)), exist_ok=True)
     paths = {"json": base + ".json", "markdown": base + ".md"}
     with open(paths["json"], "w") as fh:
         json.dump(doc, fh, indent=1, default=str)

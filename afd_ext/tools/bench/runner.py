@@ -15,74 +15,66 @@ attention side); FFN ranks time their own loop too (reported separately).
 
 """
 
+
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import logging
 import os
+import sys
+import threading
 import zlib
 from collections import defaultdict
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
+import afd_ext.tools.bench.variants as V  # attributes read at call time: the tests patch the pattern
+from afd_ext import ops
+from afd_ext.errors import AFDConfigError
 from afd_ext.tools.bench.plan import Case, RunConfig
 from afd_ext.tools.bench.timing import capture_graph, drain_stream, summarize, time_eager, time_graph
-from afd_ext.errors import AFDConfigError
-from afd_ext.topology import ATTENTION, FFN
-
-
-# ---------------------------------------------------------------------------
-# Process setup
-# ---------------------------------------------------------------------------
+from afd_ext.topology import ATTENTION, FFN, Topology
+from afd_ext.transport.base import PeerMap
+from afd_ext.transport.gloo import GlooTransport
 
 
 class _Env:
-    """Everything set up once per process."""
+    """Everything set up once per process, and the current case's edges: the ``ctx`` every variant gets."""
 
     def __init__(self, rank: int, nprocs: int, cfg: RunConfig):
-        import torch
-        import torch.distributed as dist
-
-        from afd_ext.topology import Topology
-
-        self.cfg = cfg
-        self.rank = rank
-        self.nprocs = nprocs
+        self.cfg, self.rank, self.nprocs = cfg, rank, nprocs
+        self.backend, self.fp8_scale_format, self.cuda = cfg.backend, cfg.fp8_scale_format, cfg.backend == "nccl"
         self.topo = Topology(cfg.layout.num_attention_ranks, cfg.layout.num_ffn_ranks)
         self.role, self.role_rank = self.topo.role_of(rank)
-        self.cuda = cfg.backend == "nccl"
+        if self.cuda and not torch.cuda.is_available():
+            raise AFDConfigError(f"world rank {rank}: backend nccl but no CUDA device is visible "
+                                 f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+        self.device = torch.device("cuda", 0) if self.cuda else torch.device("cpu")
         if self.cuda:
-            if not torch.cuda.is_available():
-                raise AFDConfigError(f"world rank {rank}: backend nccl but no CUDA device is visible "
-                                   f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
             torch.cuda.set_device(0)
-            self.device = torch.device("cuda", 0)
-        else:
-            self.device = torch.device("cpu")
         td = datetime.timedelta(seconds=cfg.peer_wait_s)
         self.store = dist.TCPStore("127.0.0.1", cfg.master_port, nprocs, rank == 0, timeout=td)
         dist.init_process_group("gloo", store=self.store, rank=rank, world_size=nprocs, timeout=td)
         self.comms: dict[tuple[int, int, str], int] = {}
         self.gloo_transport = None
+        self.links: list = []  # this rank's edges in the current case (set_case)
+        self.graph_mode = False  # set while a variant is captured/replayed (the reference then preallocates)
         if self.cuda:
             self._create_comms()
         else:  # this package's gloo transport over the default group: the ours_* variants' CPU path
-            from afd_ext.transport.base import PeerMap
-            from afd_ext.transport.gloo import GlooTransport
-
             peers = PeerMap(self.role, self.role_rank, self.topo.num_attention_ranks, self.topo.num_ffn_ranks)
             self.gloo_transport = GlooTransport(self.store, peers, timeout_s=cfg.peer_wait_s,
                                                 init_timeout_s=cfg.peer_wait_s)
-
-    # -- helpers -------------------------------------------------------------
 
     def label(self) -> str:
         return f"{self.role} rank {self.role_rank} (world rank {self.rank})"
 
     def sync(self, what: str) -> None:
         """Drain this rank's stream, then meet every rank: nothing of one block overlaps the next."""
-        import torch.distributed as dist
-
         self.drain(what)
         dist.barrier()
 
@@ -91,10 +83,6 @@ class _Env:
             drain_stream(self.cfg.case_timeout_s, f"{self.label()}: {what}")
 
     def _create_comms(self) -> None:
-        import torch
-
-        from afd_ext import ops
-
         # Global edge order on every rank: each 2-rank comm_create blocks until
         # both ends arrive, and a total order cannot deadlock.
         mine = 0 if self.role == ATTENTION else 1
@@ -109,63 +97,56 @@ class _Env:
                     uid = torch.frombuffer(bytearray(raw), dtype=torch.uint8).clone()
                 self.comms[(a, f, d)] = ops.comm_create(uid, 2, 0 if self.role == FFN else 1, 0)
 
-    def ctx(self, case: Case):
-        """This rank's side of ``case``: its edges (rows per edge from the topology) and transports."""
-        from afd_ext.tools.bench.variants import Ctx, Link
+    def set_case(self, case: Case) -> None:
+        """This rank's edges for ``case`` (rows per edge from the topology), in fan-in order (FFN) or peer order."""
+        topo, n = self.topo, case.tokens
 
-        topo, n, links = self.topo, case.tokens, []
+        def fan_in(f: int) -> dict[int, tuple[int, int, int]]:  # attention peer -> (start, count, offset in fan-in)
+            out, off = {}, 0
+            for a in topo.ffn_peers(f):
+                start, count = next((s, c) for ff, s, c in topo.split_rows(a, n) if ff == f)
+                out[a], off = (start, count, off), off + count
+            return out
 
-        def comms(a: int, f: int) -> dict:
-            return {"comm_a2f": self.comms.get((a, f, "a2f"), 0), "comm_f2a": self.comms.get((a, f, "f2a"), 0)}
+        def link(a: int, f: int, start: int, count: int, offset: int, dst: int) -> V.Link:
+            peer = (FFN, f) if self.role == ATTENTION else (ATTENTION, a)
+            return V.Link(peer[1], topo.world_rank(*peer), start, count, offset, dst,
+                        {d: self.comms[(a, f, d)] for d in ("a2f", "f2a") if (a, f, d) in self.comms},
+                        nccl_peer=0 if self.role == ATTENTION else 1)
 
         if self.role == ATTENTION:
             a = self.role_rank
-            for f, start, count in topo.split_rows(a, n):
-                links.append(Link(f, topo.world_rank(FFN, f), start, count, offset=start, nccl_peer=0, **comms(a, f)))
+            self.links = [link(a, f, s, c, s, fan_in(f)[a][2]) for f, s, c in topo.split_rows(a, n)]
         else:
-            f, off = self.role_rank, 0
-            for a in topo.ffn_peers(f):
-                start, count = next((s, c) for ff, s, c in topo.split_rows(a, n) if ff == f)
-                links.append(Link(a, topo.world_rank(ATTENTION, a), start, count, offset=off, nccl_peer=1, **comms(a, f)))
-                off += count
-        return Ctx(role=self.role, role_rank=self.role_rank, backend=self.cfg.backend, device=self.device,
-                   links=links, gloo_transport=self.gloo_transport, store=self.store, topology=topo,
-                   timeout_s=self.cfg.peer_wait_s, fp8_scale_format=self.cfg.fp8_scale_format)
+            f = self.role_rank
+            self.links = [link(a, f, s, c, off, s) for a, (s, c, off) in fan_in(f).items()]
+
+    @property
+    def rows(self) -> int:
+        """Rows of this rank's tensors: the attention rank's tokens, or the FFN rank's fan-in total."""
+        if self.role == ATTENTION:
+            return max((l.offset + l.count for l in self.links), default=0)
+        return sum(l.count for l in self.links)
 
     def close(self) -> None:
-        import torch.distributed as dist
-
         try:
             self.drain("close")
         finally:
-            if self.cuda:
-                from afd_ext import ops
-
-                for h in self.comms.values():
-                    try:
-                        ops.comm_destroy(h)
-                    except Exception:  # noqa: BLE001 - best effort at exit
-                        pass
+            for h in self.comms.values():  # none on the CPU path
+                with contextlib.suppress(Exception):  # best effort at exit
+                    ops.comm_destroy(h)
             dist.destroy_process_group()
 
 
-# ---------------------------------------------------------------------------
-# Variants for one case, agreed by every rank
-# ---------------------------------------------------------------------------
-
-
-def _setup_variants(env: _Env, case: Case, ctx) -> tuple[list, dict[str, str]]:
-    import torch.distributed as dist
-
-    from afd_ext.tools.bench.variants import VARIANTS
-
+def _setup_variants(env: _Env, case: Case) -> tuple[list, dict[str, str]]:
+    """The variants that run ``case``, agreed by every rank, and why the others are skipped."""
     local: dict[str, Any] = {}
     reasons: dict[str, str] = {}
     for name in env.cfg.variants:
         try:
-            why = VARIANTS[name].skip_reason(case, env.cfg.backend)
+            why = V.VARIANTS[name].skip_reason(case, env.cfg.backend)
             if why is None:
-                local[name] = VARIANTS[name](ctx, case)
+                local[name] = V.VARIANTS[name](env, case)
         except Exception as e:  # noqa: BLE001 - agreed below, reported in the JSON
             why = f"{type(e).__name__}: {e}"
         if why is not None:
@@ -173,18 +154,11 @@ def _setup_variants(env: _Env, case: Case, ctx) -> tuple[list, dict[str, str]]:
     every: list[Any] = [None] * env.nprocs
     dist.all_gather_object(every, reasons)  # a variant skipped on one rank is skipped on all
     merged: dict[str, str] = {}
-    for r in every:
-        for k, v in r.items():
-            merged.setdefault(k, v)
-    variants = [local[n] for n in env.cfg.variants if n in local and n not in merged]
-    for n in merged:
-        if n in local:
-            local[n].close()
-    return variants, merged
-
-
-def _seed(*parts: Any) -> int:
-    return zlib.crc32("/".join(str(p) for p in parts).encode()) & 0x7FFFFFFF
+    for r in reversed(every):  # the lowest rank's reason
+        merged.update(r)
+    for n in [n for n in local if n in merged]:  # in the same order on every rank
+        local.pop(n).close()
+    return list(local.values()), merged
 
 
 def _key(env: _Env, case: Case, name: str, mode: str) -> dict:
@@ -193,17 +167,12 @@ def _key(env: _Env, case: Case, name: str, mode: str) -> dict:
             "direction": "round_trip", "role": env.role, "role_rank": env.role_rank}
 
 
-# ---------------------------------------------------------------------------
-# Timing
-# ---------------------------------------------------------------------------
-
-
-def _time_case(env: _Env, case: Case, ctx, variants: list) -> list[dict]:
+def _time_case(env: _Env, case: Case, variants: list) -> list[dict]:
     """Round trips of every variant, eager then graph, variants alternated per timed block."""
     cfg, reps, nb = env.cfg, env.cfg.reps, case.a2f_bytes() + case.f2a_bytes()
     records: list[dict] = []
     for mode in cfg.modes:
-        ctx.graph_mode = mode == "graph"
+        env.graph_mode = mode == "graph"
         vlist = [v for v in variants if mode == "eager" or v.graph_ok]
         # Eager warm-up of every edge (NCCL connects lazily, never inside a capture).
         for v in vlist:
@@ -235,13 +204,13 @@ def _time_case(env: _Env, case: Case, ctx, variants: list) -> list[dict]:
                 samples[v.name].extend(s)
         env.drain("end of mode")
         graphs.clear()
-        ctx.graph_mode = False
+        env.graph_mode = False
         for v in vlist:
             stats = dataclasses.asdict(summarize(samples[v.name]))
             rec = dict(_key(env, case, v.name, mode), A=env.topo.num_attention_ranks, F=env.topo.num_ffn_ranks,
-                       peers=[l.peer for l in ctx.links if l.count > 0], rows=ctx.rows,
-                       bytes_a2f=ctx.rows * v.a2f_row_bytes(),  # FP8 variants move fewer
-                       bytes_f2a=case.f2a_bytes(ctx.rows), hidden_bytes_per_token=v.hidden_bytes_per_token(),
+                       peers=[l.peer for l in env.links if l.count > 0], rows=env.rows,
+                       bytes_a2f=env.rows * v.a2f_row_bytes(),  # FP8 variants move fewer
+                       bytes_f2a=case.f2a_bytes(env.rows), hidden_bytes_per_token=v.hidden_bytes_per_token(),
                        stats_us=stats)
             rec["gbps"] = (rec["bytes_a2f"] + rec["bytes_f2a"]) / (stats["median"] * 1e3)
             if mode == "graph":
@@ -252,23 +221,14 @@ def _time_case(env: _Env, case: Case, ctx, variants: list) -> list[dict]:
     return records
 
 
-# ---------------------------------------------------------------------------
-# Check
-# ---------------------------------------------------------------------------
-
-
-def _check_case(env: _Env, case: Case, ctx, variants: list) -> list[dict]:
+def _check_case(env: _Env, case: Case, variants: list) -> list[dict]:
     """Two checked round trips per variant and mode: the FFN rank verifies every received byte
     against each attention peer's pattern, the attention rank the XOR-ed reply."""
-    import torch
-
-    from afd_ext.tools.bench.variants import XOR_BYTE, pattern_bytes, rows_bytes
-
     out: list[dict] = []
     hb = case.f2a_row_bytes()
     for mode in env.cfg.modes:
-        ctx.graph_mode = mode == "graph"
-        for v in [v for v in variants if (mode == "eager" or v.graph_ok) and v.checkable]:
+        env.graph_mode = mode == "graph"
+        for v in [v for v in variants if mode == "eager" or v.graph_ok]:
             v.check = True
             step = v.step()
             env.sync("check warm-up")
@@ -281,15 +241,14 @@ def _check_case(env: _Env, case: Case, ctx, variants: list) -> list[dict]:
                 env.drain("check warm-up")
             errors: list[str] = []
             for it in range(2):
-                seed = _seed(case.key(), v.name, mode, it)
+                seed = zlib.crc32(f"{case.key()}/{v.name}/{mode}/{it}".encode()) & 0x7FFFFFFF
                 if env.role == ATTENTION:
-                    for k, t in enumerate(v.attn_inputs()):
-                        rows_bytes(t).copy_(pattern_bytes(t.shape[0], rows_bytes(t).shape[1], seed,
+                    for k, t in enumerate(v.inputs):
+                        V.rows_bytes(t).copy_(V.pattern_bytes(t.shape[0], V.rows_bytes(t).shape[1], seed,
                                                           env.role_rank * 8 + k, env.device))
-                    expected = torch.bitwise_xor(rows_bytes(v.delivered(v.attn_inputs()[0]))[:, :hb], XOR_BYTE)
-                    reply = v.attn_reply()
-                    if all(reply.data_ptr() != t.data_ptr() for t in v.attn_inputs()):
-                        reply.zero_()
+                    expected = torch.bitwise_xor(V.rows_bytes(v.delivered(v.inputs[0]))[:, :hb], V.XOR_BYTE)
+                    if all(v.reply.data_ptr() != t.data_ptr() for t in v.inputs):
+                        v.reply.zero_()
                 env.sync("check fill")
                 if graph is None:
                     step()
@@ -297,28 +256,26 @@ def _check_case(env: _Env, case: Case, ctx, variants: list) -> list[dict]:
                     graph.replay()
                 env.drain(f"check {v.name}/{mode}")
                 if env.role == ATTENTION:
-                    errors += _compare(rows_bytes(v.attn_reply()), expected, f"reply at {env.label()}")
+                    errors += _compare(V.rows_bytes(v.reply), expected, f"reply at {env.label()}")
                     continue
                 snap, cols = v.snap, v.input_cols()
-                for l in [l for l in ctx.links if l.count]:
-                    want = v.as_received([pattern_bytes(case.tokens, c, seed, l.peer * 8 + k, env.device)
+                for l in [l for l in env.links if l.count]:
+                    want = v.as_received([V.pattern_bytes(case.tokens, c, seed, l.peer * 8 + k, env.device)
                                           [l.start:l.start + l.count] for k, c in enumerate(cols)])
                     if snap is None or len(snap) != len(want):
                         errors.append(f"the FFN check hook saw {snap and len(snap)} tensors, expected {len(want)}")
                         break
                     for k, t in enumerate(snap):
-                        errors += _compare(rows_bytes(t)[l.offset:l.offset + l.count], want[k],
+                        errors += _compare(V.rows_bytes(t)[l.offset:l.offset + l.count], want[k],
                                            f"tensor {k} rows of attention rank {l.peer} at {env.label()}")
             del graph
             out.append(dict(_key(env, case, v.name, mode), ok=not errors, errors=errors[:5]))
             v.check = False
-        ctx.graph_mode = False
+        env.graph_mode = False
     return out
 
 
 def _compare(got, expected, what: str) -> list[str]:
-    import torch
-
     if tuple(got.shape) != tuple(expected.shape):
         return [f"{what}: shape {tuple(got.shape)} != expected {tuple(expected.shape)}"]
     if torch.equal(got, expected):
@@ -326,11 +283,6 @@ def _compare(got, expected, what: str) -> list[str]:
     bad = (got != expected)
     first = bad.nonzero()[0].tolist()
     return [f"{what}: {int(bad.sum())} of {got.numel()} bytes differ, first at row {first[0]} byte {first[1]}"]
-
-
-# ---------------------------------------------------------------------------
-# Entry
-# ---------------------------------------------------------------------------
 
 
 def bench_worker(rank: int, nprocs: int, cfg: RunConfig) -> dict:
@@ -348,28 +300,23 @@ def bench_worker(rank: int, nprocs: int, cfg: RunConfig) -> dict:
     info: dict[str, Any] = {"rank": rank, "role": env.role, "role_rank": env.role_rank, "records": [],
                             "checks": [], "skipped": []}
     if env.cuda:
-        import torch
-
         info["device"] = torch.cuda.get_device_name(0)
         info["cuda_visible_devices"] = os.environ.get("CUDA_VISIBLE_DEVICES")
     cases = cfg.cases
     if cfg.progress and env.role == ATTENTION and env.role_rank == 0:  # the one progress display: cases done
-        import sys
-        import threading
-
         from tqdm import tqdm
 
         tqdm.set_lock(threading.RLock())  # tqdm's default multiprocessing lock leaks a semaphore at exit
         cases = tqdm(cases, unit="case", desc=f"afd-ext bench {'check' if cfg.check else 'sweep'} over {cfg.backend}",
                      mininterval=1.0 if sys.stderr.isatty() else 15.0)
     for case in cases:
-        ctx = env.ctx(case)
-        variants, skipped = _setup_variants(env, case, ctx)
+        env.set_case(case)
+        variants, skipped = _setup_variants(env, case)
         info["skipped"] += [{"case_key": case.key(), "variant": n, "reason": why} for n, why in skipped.items()]
         if cfg.check:
-            info["checks"] += _check_case(env, case, ctx, variants)
+            info["checks"] += _check_case(env, case, variants)
         else:
-            info["records"] += _time_case(env, case, ctx, variants)
+            info["records"] += _time_case(env, case, variants)
         for v in variants:
             v.close()
         del variants

@@ -1,7 +1,6 @@
 """The timing harness: warm-up, per-iteration timers, CUDA-graph capture and replay, statistics.
 
 Method (``docs/benchmarks.md`` has the long form):
-
 * **Eager**: the timed loop runs ``iters`` back-to-back iterations of a step
   function after ``warmup`` untimed ones. A timing event (a CUDA event on the
   current stream, or the host clock on CPU) is recorded before every iteration
@@ -32,17 +31,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from afd_ext.errors import AFDConfigError, AFDTimeoutError
+import numpy as np
+import torch
 
-__all__ = [
-    "Stats",
-    "summarize",
-    "wait_event",
-    "drain_stream",
-    "time_eager",
-    "capture_graph",
-    "time_graph",
-]
+from afd_ext.errors import AFDConfigError, AFDTimeoutError
 
 #: Deadline, in seconds, for the device to finish one timed block.
 DEFAULT_WAIT_TIMEOUT_S = 120.0
@@ -76,7 +68,6 @@ def summarize(samples_us: Sequence[float]) -> Stats:
         raise AFDConfigError("cannot summarize an empty list of timing samples")
     if not all(math.isfinite(v) for v in values):
         raise AFDConfigError("timing samples must be finite numbers")
-    import numpy as np
 
     p10, median, p90 = (float(x) for x in np.percentile(values, (10.0, 50.0, 90.0)))
     return Stats(median=median, p10=p10, p90=p90, mean=float(np.mean(values)), min=min(values), n=len(values))
@@ -107,7 +98,6 @@ def wait_event(event: Any, timeout_s: float, what: str, poll_s: float = 0.0005) 
 
 def drain_stream(timeout_s: float, what: str) -> None:
     """Wait, at most ``timeout_s`` (:func:`wait_event`), for everything queued on the current CUDA stream."""
-    import torch
 
     ev = torch.cuda.Event()
     ev.record()
@@ -126,8 +116,6 @@ def _timed_loop(run: Callable[[], Any], n: int, cuda: bool, timeout_s: float, wh
             drain_stream(timeout_s, what)
         return []
     if cuda:
-        import torch
-
         events = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
         for ev in events[:-1]:
             ev.record()
@@ -191,7 +179,6 @@ def capture_graph(step: Callable[[], Any], graph_iters: int) -> Any:
     Raises:
         AFDConfigError: ``graph_iters < 1``.
     """
-    import torch
 
     if graph_iters < 1:
         raise AFDConfigError(f"graph_iters must be >= 1, got {graph_iters}")
