@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <unordered_map>
 
@@ -77,39 +78,47 @@ constexpr double kConnectTimeoutS = 120.0;
 // here, no later grouping on this communicator can trip that. Bounded: polls
 // the stream and the async error, aborts after kConnectTimeoutS.
 void connect_both_ways(ncclComm_t comm, int rank, int device) {
-  void* pool = nullptr;
-  AFD_CHECK(torch_get_cuda_stream_from_pool(false, device, &pool) == AOTI_TORCH_SUCCESS,
-            "afd_ext.comm_create: torch gave no pool stream for cuda:", device);
-  const auto stream = static_cast<cudaStream_t>(pool);
-  Tensor buf = torch::stable::empty({2}, ScalarType::Byte, std::nullopt,
-                                    torch::stable::Device(torch::headeronly::DeviceType::CUDA, device));
-  torch::stable::zero_(buf);
-  const int peer = 1 - rank;
-  char* p = static_cast<char*>(buf.data_ptr());
-  AFD_CHECK_NCCL(ncclGroupStart(), comm);
-  ncclResult_t r1 = ncclSend(p, 1, ncclUint8, peer, comm, stream);
-  ncclResult_t r2 = ncclRecv(p + 1, 1, ncclUint8, peer, comm, stream);
-  ncclResult_t end = ncclGroupEnd();
-  if (r1 != ncclSuccess) throw_nccl_error("ncclSend (connect)", r1, comm, __FILE__, __LINE__);
-  if (r2 != ncclSuccess) throw_nccl_error("ncclRecv (connect)", r2, comm, __FILE__, __LINE__);
-  if (end != ncclSuccess) throw_nccl_error("ncclGroupEnd (connect)", end, comm, __FILE__, __LINE__);
-  const auto start = std::chrono::steady_clock::now();
-  while (true) {
-    cudaError_t q = cudaStreamQuery(stream);
-    if (q == cudaSuccess) break;
-    if (q != cudaErrorNotReady) AFD_CHECK_CUDA(q);
-    ncclResult_t async = ncclSuccess;
-    AFD_CHECK_NCCL(ncclCommGetAsyncError(comm, &async), comm);
-    const double waited =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (async != ncclSuccess || waited > kConnectTimeoutS) {  // comm_create aborts the communicator
-      throw std::runtime_error(cat("DistBackendError: afd_ext.comm_create: connecting rank ", rank, " with peer rank ",
-                  peer, " on cuda:", device, " failed (", async != ncclSuccess
-                      ? std::string("NCCL async error: ") + ncclGetErrorString(async)
-                      : std::string("no reply within ") + std::to_string(kConnectTimeoutS) + " s",
-                  "); the communicator was aborted"));
+  std::optional<Tensor> buf;  // outlives the abort below: the 1-byte kernels may still run on the pool stream
+  try {
+    void* pool = nullptr;
+    AFD_CHECK(torch_get_cuda_stream_from_pool(false, device, &pool) == AOTI_TORCH_SUCCESS,
+              "afd_ext.comm_create: torch gave no pool stream for cuda:", device);
+    const auto stream = static_cast<cudaStream_t>(pool);
+    buf = torch::stable::empty({2}, ScalarType::Byte, std::nullopt,
+                               torch::stable::Device(torch::headeronly::DeviceType::CUDA, device));
+    torch::stable::zero_(*buf);
+    const int peer = 1 - rank;
+    char* p = static_cast<char*>(buf->data_ptr());
+    AFD_CHECK_NCCL(ncclGroupStart(), comm);
+    ncclResult_t r1 = ncclSend(p, 1, ncclUint8, peer, comm, stream);
+    ncclResult_t r2 = ncclRecv(p + 1, 1, ncclUint8, peer, comm, stream);
+    ncclResult_t end = ncclGroupEnd();
+    if (r1 != ncclSuccess) throw_nccl_error("ncclSend (connect)", r1, comm, __FILE__, __LINE__);
+    if (r2 != ncclSuccess) throw_nccl_error("ncclRecv (connect)", r2, comm, __FILE__, __LINE__);
+    if (end != ncclSuccess) throw_nccl_error("ncclGroupEnd (connect)", end, comm, __FILE__, __LINE__);
+    const auto start = std::chrono::steady_clock::now();
+    while (true) {
+      cudaError_t q = cudaStreamQuery(stream);
+      if (q == cudaSuccess) break;
+      if (q != cudaErrorNotReady) AFD_CHECK_CUDA(q);
+      ncclResult_t async = ncclSuccess;
+      AFD_CHECK_NCCL(ncclCommGetAsyncError(comm, &async), comm);
+      const double waited =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (async != ncclSuccess || waited > kConnectTimeoutS) {
+        throw std::runtime_error(cat("DistBackendError: afd_ext.comm_create: connecting rank ", rank, " with peer rank ",
+                    peer, " on cuda:", device, " failed (", async != ncclSuccess
+                        ? std::string("NCCL async error: ") + ncclGetErrorString(async)
+                        : std::string("no reply within ") + std::to_string(kConnectTimeoutS) + " s",
+                    "); the communicator was aborted"));
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
-    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  } catch (...) {
+    // Every failure aborts the communicator (no handle names it yet), `buf` still alive; was: only the
+    // timeout and async-error paths did, a failed group or CUDA check leaked it with its proxy threads.
+    ncclCommAbort(comm);
+    throw;
   }
 }
 
@@ -179,15 +188,15 @@ int64_t comm_create(const Tensor& unique_id, int64_t world_size, int64_t rank,
   ncclComm_t comm = nullptr;
   const ncclResult_t init = ncclCommInitRankConfig(&comm, static_cast<int>(world_size), id,
                                                    static_cast<int>(rank), &config);
-  // No handle names the communicator yet: every throw below aborts it (a failed blocking init may leave it
-  // allocated; a failed connect leaves its proxy threads and device memory), the error text taken first.
-  try {
-    if (init != ncclSuccess) throw_nccl_error("ncclCommInitRankConfig", init, comm, __FILE__, __LINE__);
-    if (world_size == 2) connect_both_ways(comm, static_cast<int>(rank), static_cast<int>(device));
-  } catch (...) {
-    if (comm != nullptr) ncclCommAbort(comm);
-    throw;
+  if (init != ncclSuccess) {  // a failed blocking init may leave the communicator allocated: abort it
+    try {
+      throw_nccl_error("ncclCommInitRankConfig", init, comm, __FILE__, __LINE__);  // the error text first
+    } catch (...) {
+      if (comm != nullptr) ncclCommAbort(comm);
+      throw;
+    }
   }
+  if (world_size == 2) connect_both_ways(comm, static_cast<int>(rank), static_cast<int>(device));  // aborts on failure
 
   auto c = std::make_shared<Comm>();
   c->comm = comm;
