@@ -10,6 +10,8 @@
 
 #include <cerrno>
 #include <cstring>
+#include <exception>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -18,6 +20,18 @@
 static PyObject* g_names[7];  // dp_metadata_list, the four flags, counts, max_tokens (interned at import)
 static const char* const kNames[7] = {"dp_metadata_list", "is_graph_capturing", "is_warmup", "is_graph_replaying",
                                       "is_profile", "counts", "max_tokens"};
+
+// A buffer a function holds (PyArg_ParseTuple's w* / y*), released on every way out, a C++ exception's too.
+struct HeldBuffer {
+  Py_buffer view;
+  bool held = false;
+  HeldBuffer() = default;
+  HeldBuffer(const HeldBuffer&) = delete;
+  HeldBuffer& operator=(const HeldBuffer&) = delete;
+  ~HeldBuffer() {
+    if (held) PyBuffer_Release(&view);
+  }
+};
 
 static std::string& ctrl_scratch(size_t cap) {
   static thread_local std::string buf;
@@ -153,18 +167,15 @@ static PyObject* ctrl_encode_py(PyObject*, PyObject* payload) {
 
 // ctrl_decode(data, max_stages, max_ranks) -> the fields (ctrl_decode_from) | str (malformed).
 static PyObject* ctrl_decode_py(PyObject*, PyObject* args) {
-  Py_buffer b;
+  HeldBuffer b;
   long long max_stages, max_ranks;
-  if (!PyArg_ParseTuple(args, "y*LL", &b, &max_stages, &max_ranks)) return nullptr;
-  PyObject* r = ctrl_decode_from(static_cast<const uint8_t*>(b.buf), uint64_t(b.len), max_stages, max_ranks);
-  PyBuffer_Release(&b);
-  return r;
+  if (!(b.held = PyArg_ParseTuple(args, "y*LL", &b.view, &max_stages, &max_ranks))) return nullptr;
+  return ctrl_decode_from(static_cast<const uint8_t*>(b.view.buf), uint64_t(b.view.len), max_stages, max_ranks);
 }
 
-// The ring behind the parsed writable buffer `b` (the mapping), geometry from its header; releases `b` on failure.
-static bool ctrl_ring(Py_buffer* b, afd::ctrl::Ring* r) {
-  if (afd::ctrl::ring_of(static_cast<uint8_t*>(b->buf), uint64_t(b->len), r)) return true;
-  PyBuffer_Release(b);
+// The ring behind the parsed writable buffer `b` (the mapping), geometry from its header.
+static bool ctrl_ring(const HeldBuffer& b, afd::ctrl::Ring* r) {
+  if (afd::ctrl::ring_of(static_cast<uint8_t*>(b.view.buf), uint64_t(b.view.len), r)) return true;
   PyErr_SetString(PyExc_ValueError, "control ring: the header's geometry does not fit the mapping");
   return false;
 }
@@ -173,20 +184,19 @@ static bool ctrl_ring(Py_buffer* b, afd::ctrl::Ring* r) {
 // data: bytes-like, one fragment of a `total`-byte message; or a control payload, encoded here (None: not
 // one the encoder takes as it is, or larger than a slot or `total`: Python encodes it, or refuses it).
 static PyObject* ctrl_shm_put_py(PyObject*, PyObject* args) {
-  Py_buffer b, data;
+  HeldBuffer b, data;
   PyObject *obj, *res = nullptr;
   unsigned int sender;
   long long total;
   afd::ctrl::Ring r;
-  if (!PyArg_ParseTuple(args, "w*IOL", &b, &sender, &obj, &total) || !ctrl_ring(&b, &r)) return nullptr;
+  if (!(b.held = PyArg_ParseTuple(args, "w*IOL", &b.view, &sender, &obj, &total)) || !ctrl_ring(b, &r)) return nullptr;
   if (PyObject_CheckBuffer(obj)) {
-    if (PyObject_GetBuffer(obj, &data, PyBUF_SIMPLE) == 0) {
-      if (uint64_t(data.len) > r.slot_bytes)
+    if ((data.held = PyObject_GetBuffer(obj, &data.view, PyBUF_SIMPLE) == 0)) {
+      if (uint64_t(data.view.len) > r.slot_bytes)
         PyErr_SetString(PyExc_ValueError, "ctrl_shm_put: a fragment larger than a slot");
       else
-        res = PyBool_FromLong(afd::ctrl::shm_put(r, uint64_t(total), sender, static_cast<const uint8_t*>(data.buf),
-                                                 uint32_t(data.len)));
-      PyBuffer_Release(&data);
+        res = PyBool_FromLong(afd::ctrl::shm_put(r, uint64_t(total), sender,
+                                                 static_cast<const uint8_t*>(data.view.buf), uint32_t(data.view.len)));
     }
   } else {
     std::string& buf = ctrl_scratch(4096);
@@ -197,7 +207,6 @@ static PyObject* ctrl_shm_put_py(PyObject*, PyObject* args) {
     else if (rc >= 0)
       res = Py_NewRef(Py_None);
   }
-  PyBuffer_Release(&b);
   return res;
 }
 
@@ -205,10 +214,11 @@ static PyObject* ctrl_shm_put_py(PyObject*, PyObject* args) {
 // (-1 the slice passed, -2 stopped, -3 corrupt). body: the decoded fields (ctrl_decode_from) of a
 // message whole in its slot when max_stages >= 0; else the fragment's bytes.
 static PyObject* ctrl_shm_take_py(PyObject*, PyObject* args) {
-  Py_buffer b;
+  HeldBuffer b;
   long long spin_until, deadline, max_stages, max_ranks;
   afd::ctrl::Ring r;
-  if (!PyArg_ParseTuple(args, "w*LLLL", &b, &spin_until, &deadline, &max_stages, &max_ranks) || !ctrl_ring(&b, &r))
+  if (!(b.held = PyArg_ParseTuple(args, "w*LLLL", &b.view, &spin_until, &deadline, &max_stages, &max_ranks)) ||
+      !ctrl_ring(b, &r))
     return nullptr;
   auto* out = reinterpret_cast<uint8_t*>(ctrl_scratch(r.slot_bytes).data());
   uint64_t total = 0;
@@ -217,7 +227,6 @@ static PyObject* ctrl_shm_take_py(PyObject*, PyObject* args) {
   Py_BEGIN_ALLOW_THREADS
   n = afd::ctrl::shm_take(r, out, &total, &sender, spin_until, deadline);
   Py_END_ALLOW_THREADS
-  PyBuffer_Release(&b);
   if (n < 0) return PyErr_CheckSignals() < 0 ? nullptr : PyLong_FromLongLong(n);
   PyObject* body = max_stages >= 0 && uint64_t(n) == total
                        ? ctrl_decode_from(out, uint64_t(n), max_stages, max_ranks)
@@ -227,23 +236,21 @@ static PyObject* ctrl_shm_take_py(PyObject*, PyObject* args) {
 
 // ctrl_shm_stop(ring, sender) -> None: the close of the sending (True) or receiving end.
 static PyObject* ctrl_shm_stop_py(PyObject*, PyObject* args) {
-  Py_buffer b;
+  HeldBuffer b;
   int sender;
   afd::ctrl::Ring r;
-  if (!PyArg_ParseTuple(args, "w*p", &b, &sender) || !ctrl_ring(&b, &r)) return nullptr;
+  if (!(b.held = PyArg_ParseTuple(args, "w*p", &b.view, &sender)) || !ctrl_ring(b, &r)) return nullptr;
   afd::ctrl::shm_stop(r.base, sender);
-  PyBuffer_Release(&b);
   Py_RETURN_NONE;
 }
 
 // ctrl_shm_ends(ring) -> (sender state, receiver state, slots put and not yet taken), in one ordered read.
 static PyObject* ctrl_shm_ends_py(PyObject*, PyObject* args) {
-  Py_buffer b;
+  HeldBuffer b;
   uint64_t s, rs, unread;
   afd::ctrl::Ring r;
-  if (!PyArg_ParseTuple(args, "w*", &b) || !ctrl_ring(&b, &r)) return nullptr;
+  if (!(b.held = PyArg_ParseTuple(args, "w*", &b.view)) || !ctrl_ring(b, &r)) return nullptr;
   afd::ctrl::shm_ends(r.base, &s, &rs, &unread);
-  PyBuffer_Release(&b);
   return Py_BuildValue("(KKK)", (unsigned long long)s, (unsigned long long)rs, (unsigned long long)unread);
 }
 
@@ -260,12 +267,11 @@ static PyObject* ctrl_tcp_send_py(PyObject*, PyObject* args) {
   std::string& buf = ctrl_scratch(4096);
   size_t n = 0;
   if (PyObject_CheckBuffer(obj)) {
-    Py_buffer d;
-    if (PyObject_GetBuffer(obj, &d, PyBUF_SIMPLE) < 0) return nullptr;
-    n = size_t(d.len);
+    HeldBuffer d;
+    if (!(d.held = PyObject_GetBuffer(obj, &d.view, PyBUF_SIMPLE) == 0)) return nullptr;
+    n = size_t(d.view.len);
     if (buf.size() < kHdr + n) buf.resize(kHdr + n);
-    std::memcpy(buf.data() + kHdr, d.buf, n);
-    PyBuffer_Release(&d);
+    std::memcpy(buf.data() + kHdr, d.view.buf, n);
   } else if (const int rc = ctrl_encode_into(obj, buf, kHdr, &n); rc <= 0 || int64_t(n) > max_bytes) {
     return rc < 0 ? nullptr : Py_NewRef(Py_None);
   }
@@ -304,17 +310,21 @@ static PyObject* ctrl_tcp_take_py(PyObject*, PyObject* args) {
       if (n > uint64_t(max_bytes))
         return Py_BuildValue("(kkKO)", (unsigned long)h[1], (unsigned long)h[2], (unsigned long long)n, Py_None);
       if (uint64_t(len - kHdr) >= n) {
-        PyObject* body = max_stages >= 0 && n > 0
-                             ? ctrl_decode_from(p + kHdr, n, max_stages, max_ranks)
-                             : PyBytes_FromStringAndSize(reinterpret_cast<const char*>(p + kHdr), Py_ssize_t(n));
-        if (body == nullptr) return nullptr;
+        // The frame leaves rbuf before the decode makes tuples: a collection those allocations run may run a
+        // finalizer that resizes rbuf (p and len would then be stale). A bytes object is not collected.
+        const bool decode = max_stages >= 0 && n > 0;
+        const std::string frame(decode ? reinterpret_cast<const char*>(p + kHdr) : "", decode ? size_t(n) : 0);
+        PyObject* body = decode ? nullptr : PyBytes_FromStringAndSize(reinterpret_cast<const char*>(p + kHdr), Py_ssize_t(n));
+        if (!decode && body == nullptr) return nullptr;
         const Py_ssize_t rest = len - kHdr - Py_ssize_t(n);
         std::memmove(PyByteArray_AsString(rbuf), p + kHdr + n, size_t(rest));
         if (PyByteArray_Resize(rbuf, rest) < 0) {
-          Py_DECREF(body);
+          Py_XDECREF(body);
           return nullptr;
         }
-        return Py_BuildValue("(kkKN)", (unsigned long)h[1], (unsigned long)h[2], (unsigned long long)n, body);
+        if (decode) body = ctrl_decode_from(reinterpret_cast<const uint8_t*>(frame.data()), n, max_stages, max_ranks);
+        return body ? Py_BuildValue("(kkKN)", (unsigned long)h[1], (unsigned long)h[2], (unsigned long long)n, body)
+                    : nullptr;
       }
     }
     int64_t r;
@@ -335,16 +345,30 @@ static PyObject* ctrl_tcp_take_py(PyObject*, PyObject* args) {
   }
 }
 
+// No C++ exception may unwind into CPython's C frames (std::terminate: the process aborts): a failed allocation
+// (std::string, std::vector) is a MemoryError, any other a RuntimeError.
+template <PyObject* (*F)(PyObject*, PyObject*)>
+static PyObject* guarded(PyObject* self, PyObject* args) noexcept {
+  try {
+    return F(self, args);
+  } catch (const std::bad_alloc&) {
+    return PyErr_NoMemory();
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
 namespace afd {
 PyMethodDef ctrl_methods[] = {
-    {"ctrl_encode", ctrl_encode_py, METH_O, "Control plane: encode a control payload (afd_ext/control/codec.py)."},
-    {"ctrl_decode", ctrl_decode_py, METH_VARARGS, "Control plane: check and decode a binary control payload."},
-    {"ctrl_shm_put", ctrl_shm_put_py, METH_VARARGS, "Control plane: publish a message in a shared-memory ring."},
-    {"ctrl_shm_take", ctrl_shm_take_py, METH_VARARGS, "Control plane: wait for a ring's next message (control/shm.py)."},
-    {"ctrl_shm_stop", ctrl_shm_stop_py, METH_VARARGS, "Control plane: end a shared-memory ring's waits (close)."},
-    {"ctrl_shm_ends", ctrl_shm_ends_py, METH_VARARGS, "Control plane: a ring's end states and unread slots."},
-    {"ctrl_tcp_send", ctrl_tcp_send_py, METH_VARARGS, "Control plane: send one frame on a TCP control socket."},
-    {"ctrl_tcp_take", ctrl_tcp_take_py, METH_VARARGS, "Control plane: wait for a TCP control socket's next frame."},
+    {"ctrl_encode", guarded<ctrl_encode_py>, METH_O, "Control plane: encode a control payload (afd_ext/control/codec.py)."},
+    {"ctrl_decode", guarded<ctrl_decode_py>, METH_VARARGS, "Control plane: check and decode a binary control payload."},
+    {"ctrl_shm_put", guarded<ctrl_shm_put_py>, METH_VARARGS, "Control plane: publish a message in a shared-memory ring."},
+    {"ctrl_shm_take", guarded<ctrl_shm_take_py>, METH_VARARGS, "Control plane: wait for a ring's next message (control/shm.py)."},
+    {"ctrl_shm_stop", guarded<ctrl_shm_stop_py>, METH_VARARGS, "Control plane: end a shared-memory ring's waits (close)."},
+    {"ctrl_shm_ends", guarded<ctrl_shm_ends_py>, METH_VARARGS, "Control plane: a ring's end states and unread slots."},
+    {"ctrl_tcp_send", guarded<ctrl_tcp_send_py>, METH_VARARGS, "Control plane: send one frame on a TCP control socket."},
+    {"ctrl_tcp_take", guarded<ctrl_tcp_take_py>, METH_VARARGS, "Control plane: wait for a TCP control socket's next frame."},
     {nullptr, nullptr, 0, nullptr}};
 
 // Interns the field names above and adds the ring's layout constants to `mod`; -1 with an error set.

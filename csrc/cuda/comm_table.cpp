@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <unordered_map>
 
@@ -77,54 +78,68 @@ constexpr double kConnectTimeoutS = 120.0;
 // here, no later grouping on this communicator can trip that. Bounded: polls
 // the stream and the async error, aborts after kConnectTimeoutS.
 void connect_both_ways(ncclComm_t comm, int rank, int device) {
-  void* pool = nullptr;
-  AFD_CHECK(torch_get_cuda_stream_from_pool(false, device, &pool) == AOTI_TORCH_SUCCESS,
-            "afd_ext.comm_create: torch gave no pool stream for cuda:", device);
-  const auto stream = static_cast<cudaStream_t>(pool);
-  Tensor buf = torch::stable::empty({2}, ScalarType::Byte, std::nullopt,
-                                    torch::stable::Device(torch::headeronly::DeviceType::CUDA, device));
-  torch::stable::zero_(buf);
-  const int peer = 1 - rank;
-  char* p = static_cast<char*>(buf.data_ptr());
-  AFD_CHECK_NCCL(ncclGroupStart(), comm);
-  ncclResult_t r1 = ncclSend(p, 1, ncclUint8, peer, comm, stream);
-  ncclResult_t r2 = ncclRecv(p + 1, 1, ncclUint8, peer, comm, stream);
-  ncclResult_t end = ncclGroupEnd();
-  if (r1 != ncclSuccess) throw_nccl_error("ncclSend (connect)", r1, comm, __FILE__, __LINE__);
-  if (r2 != ncclSuccess) throw_nccl_error("ncclRecv (connect)", r2, comm, __FILE__, __LINE__);
-  if (end != ncclSuccess) throw_nccl_error("ncclGroupEnd (connect)", end, comm, __FILE__, __LINE__);
-  const auto start = std::chrono::steady_clock::now();
-  while (true) {
-    cudaError_t q = cudaStreamQuery(stream);
-    if (q == cudaSuccess) break;
-    if (q != cudaErrorNotReady) AFD_CHECK_CUDA(q);
-    ncclResult_t async = ncclSuccess;
-    AFD_CHECK_NCCL(ncclCommGetAsyncError(comm, &async), comm);
-    const double waited =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (async != ncclSuccess || waited > kConnectTimeoutS) {
-      ncclCommAbort(comm);
-      throw std::runtime_error(cat("DistBackendError: afd_ext.comm_create: connecting rank ", rank, " with peer rank ",
-                  peer, " on cuda:", device, " failed (", async != ncclSuccess
-                      ? std::string("NCCL async error: ") + ncclGetErrorString(async)
-                      : std::string("no reply within ") + std::to_string(kConnectTimeoutS) + " s",
-                  "); the communicator was aborted"));
+  std::optional<Tensor> buf;  // outlives the abort below: the 1-byte kernels may still run on the pool stream
+  try {
+    void* pool = nullptr;
+    AFD_CHECK(torch_get_cuda_stream_from_pool(false, device, &pool) == AOTI_TORCH_SUCCESS,
+              "afd_ext.comm_create: torch gave no pool stream for cuda:", device);
+    const auto stream = static_cast<cudaStream_t>(pool);
+    buf = torch::stable::empty({2}, ScalarType::Byte, std::nullopt,
+                               torch::stable::Device(torch::headeronly::DeviceType::CUDA, device));
+    torch::stable::zero_(*buf);
+    const int peer = 1 - rank;
+    char* p = static_cast<char*>(buf->data_ptr());
+    AFD_CHECK_NCCL(ncclGroupStart(), comm);
+    ncclResult_t r1 = ncclSend(p, 1, ncclUint8, peer, comm, stream);
+    ncclResult_t r2 = ncclRecv(p + 1, 1, ncclUint8, peer, comm, stream);
+    ncclResult_t end = ncclGroupEnd();
+    if (r1 != ncclSuccess) throw_nccl_error("ncclSend (connect)", r1, comm, __FILE__, __LINE__);
+    if (r2 != ncclSuccess) throw_nccl_error("ncclRecv (connect)", r2, comm, __FILE__, __LINE__);
+    if (end != ncclSuccess) throw_nccl_error("ncclGroupEnd (connect)", end, comm, __FILE__, __LINE__);
+    const auto start = std::chrono::steady_clock::now();
+    while (true) {
+      cudaError_t q = cudaStreamQuery(stream);
+      if (q == cudaSuccess) break;
+      if (q != cudaErrorNotReady) AFD_CHECK_CUDA(q);
+      ncclResult_t async = ncclSuccess;
+      AFD_CHECK_NCCL(ncclCommGetAsyncError(comm, &async), comm);
+      const double waited =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (async != ncclSuccess || waited > kConnectTimeoutS) {
+        throw std::runtime_error(cat("DistBackendError: afd_ext.comm_create: connecting rank ", rank, " with peer rank ",
+                    peer, " on cuda:", device, " failed (", async != ncclSuccess
+                        ? std::string("NCCL async error: ") + ncclGetErrorString(async)
+                        : std::string("no reply within ") + std::to_string(kConnectTimeoutS) + " s",
+                    "); the communicator was aborted"));
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
-    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  } catch (...) {
+    // Every failure aborts the communicator (no handle names it yet), `buf` still alive; was: only the
+    // timeout and async-error paths did, a failed group or CUDA check leaked it with its proxy threads.
+    ncclCommAbort(comm);
+    throw;
   }
 }
 
 }  // namespace
 
-std::shared_ptr<Comm> comm_get(int64_t handle, const char* op, const char* arg_name) {
-  Table& t = table();
-  std::lock_guard<std::mutex> lock(t.mu);
+namespace {
+// The live communicator behind `handle` (t.mu held); comm_get's ValueError when it is not live.
+const std::shared_ptr<Comm>& live_locked(Table& t, int64_t handle, const char* op, const char* arg_name) {
   auto it = t.live.find(handle);
   if (it != t.live.end()) return it->second;
   AFD_CHECK_VALUE(false, "afd_ext.", op, ": ", arg_name, "=", handle, " is not a live communicator ",
               handle >= 1 && handle < t.next_handle ? "(it was destroyed or aborted)"
                                                      : "(never issued by comm_create)",
               "; create one with afd_ext.ops.comm_create");
+}
+}  // namespace
+
+std::shared_ptr<Comm> comm_get(int64_t handle, const char* op, const char* arg_name) {
+  Table& t = table();
+  std::lock_guard<std::mutex> lock(t.mu);
+  return live_locked(t, handle, op, arg_name);
 }
 
 int64_t nccl_version() {
@@ -155,7 +170,10 @@ int64_t comm_create(const Tensor& unique_id, int64_t world_size, int64_t rank,
   AFD_CHECK_VALUE(rank >= 0 && rank < world_size, "afd_ext.comm_create: rank must be in [0, ",
               world_size, "), got ", rank);
   int ndev = 0;
-  if (cudaGetDeviceCount(&ndev) != cudaSuccess) ndev = 0;  // no driver, no device: as torch counts
+  if (cudaGetDeviceCount(&ndev) != cudaSuccess) {  // no driver, no device: as torch counts
+    cudaGetLastError();  // not sticky: clear it, or the next launch check reports it
+    ndev = 0;
+  }
   AFD_CHECK_VALUE(device >= 0 && device < ndev, "afd_ext.comm_create: device must be in [0, ", ndev,
               ") (visible CUDA devices), got ", device);
   check_version();
@@ -168,10 +186,17 @@ int64_t comm_create(const Tensor& unique_id, int64_t world_size, int64_t rank,
   // (a store exchange with a deadline) so all ranks reach this call.
   config.blocking = 1;
   ncclComm_t comm = nullptr;
-  AFD_CHECK_NCCL(ncclCommInitRankConfig(&comm, static_cast<int>(world_size), id,
-                                        static_cast<int>(rank), &config),
-                 comm);
-  if (world_size == 2) connect_both_ways(comm, static_cast<int>(rank), static_cast<int>(device));
+  const ncclResult_t init = ncclCommInitRankConfig(&comm, static_cast<int>(world_size), id,
+                                                   static_cast<int>(rank), &config);
+  if (init != ncclSuccess) {  // a failed blocking init may leave the communicator allocated: abort it
+    try {
+      throw_nccl_error("ncclCommInitRankConfig", init, comm, __FILE__, __LINE__);  // the error text first
+    } catch (...) {
+      if (comm != nullptr) ncclCommAbort(comm);
+      throw;
+    }
+  }
+  if (world_size == 2) connect_both_ways(comm, static_cast<int>(rank), static_cast<int>(device));  // aborts on failure
 
   auto c = std::make_shared<Comm>();
   c->comm = comm;
@@ -200,9 +225,14 @@ void comm_abort(int64_t handle) {
 }
 
 int64_t comm_async_error(int64_t handle) {
-  auto c = comm_get(handle, "comm_async_error", "handle");
+  // Under the table lock: the watchdog thread polls this while another thread may comm_abort /
+  // comm_destroy the same handle, which frees the ncclComm once take() has removed it (a shared_ptr
+  // to the Comm does not keep the ncclComm alive). ncclCommGetAsyncError only reads two atomics.
+  Table& t = table();
+  std::lock_guard<std::mutex> lock(t.mu);
+  const ncclComm_t comm = live_locked(t, handle, "comm_async_error", "handle")->comm;
   ncclResult_t state = ncclSuccess;
-  AFD_CHECK_NCCL(ncclCommGetAsyncError(c->comm, &state), c->comm);
+  AFD_CHECK_NCCL(ncclCommGetAsyncError(comm, &state), comm);
   return static_cast<int64_t>(state);
 }
 

@@ -7,6 +7,7 @@
 // (point-to-point needs no reduction type), which covers fp8 as well.
 #include <torch/csrc/stable/library.h>
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -42,7 +43,8 @@ std::vector<Edge> resolve_edges(const char* op, const char* comms_name, IntList 
     AFD_CHECK_VALUE(peers[i] >= 0 && peers[i] < c->size && peers[i] != c->rank, "afd_ext.", op,
                 ": peers[", i, "]=", peers[i], " must be a rank of communicator ", comms[i],
                 " in [0, ", c->size, ") other than this rank (", c->rank, ")");
-    AFD_CHECK_VALUE(rows[i] >= 0, "afd_ext.", op, ": rows[", i, "]=", rows[i], " must be >= 0");
+    AFD_CHECK_VALUE(rows[i] >= 0 && rows[i] <= INT64_MAX - first, "afd_ext.", op, ": rows[", i, "]=", rows[i],
+                    " must be >= 0 and the rows must add up to at most 2^63 - 1");  // no wrap to a tensor's rows
     if (*device < 0) *device = c->device;
     AFD_CHECK_VALUE(c->device == *device, "afd_ext.", op, ": ", comms_name, "[", i, "]=", comms[i],
                 " is on cuda:", c->device, " but earlier communicators are on cuda:", *device,

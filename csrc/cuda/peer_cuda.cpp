@@ -13,6 +13,7 @@
 #include <torch/csrc/stable/ops.h>
 
 #include <atomic>
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -422,7 +423,7 @@ Tensor peer_region_view(int64_t region, int64_t offset, int64_t nbytes) {
     std::lock_guard<std::mutex> lock(t.mu);
     mem = get_region_locked(t, region, "peer_region_view", "region").mem;
   }
-  AFD_CHECK(offset >= 0 && nbytes >= 0 && offset + nbytes <= mem->bytes,
+  AFD_CHECK(offset >= 0 && nbytes >= 0 && offset <= mem->bytes && nbytes <= mem->bytes - offset,
               "afd_ext.peer_region_view: bytes [", offset, ", ", offset + nbytes,
               ") are outside the region's ", mem->bytes, " bytes");
   // The deleter holds the memory: a view outlives peer_region_close safely.
@@ -457,8 +458,8 @@ void peer_put_cuda(TensorList ts, int64_t plane, int64_t slot, IntList regions,
               " must be in [0, ", pl->num_slots, ")");
   int64_t total = 0;
   for (size_t i = 0; i < n; ++i) {
-    AFD_CHECK(rows[i] >= 0 && dst_rows[i] >= 0, "afd_ext.", op, ": rows[", i, "]=", rows[i],
-                " and dst_rows[", i, "]=", dst_rows[i], " must be >= 0");
+    AFD_CHECK(rows[i] >= 0 && dst_rows[i] >= 0 && rows[i] <= INT64_MAX - total, "afd_ext.", op, ": rows[", i,
+                "]=", rows[i], " and dst_rows[", i, "]=", dst_rows[i], " must be >= 0 (rows adding up to < 2^63)");
     total += rows[i];
   }
   // Quantizing: the first tensor takes two parts (values, then scales).
@@ -506,12 +507,15 @@ void peer_put_cuda(TensorList ts, int64_t plane, int64_t slot, IntList regions,
                 mems[i].device, " but the plane is on cuda:", pl->device);
     const PeerMem& m = *mems[i].mem;
     for (size_t k = 0; k < dst_rb.size(); ++k) {
-      const int64_t end = dst_off[k] + (dst_rows[i] + rows[i]) * dst_rb[k];
-      AFD_CHECK(end <= m.bytes, "afd_ext.", op, ": part ", k, " rows [", dst_rows[i], ", ",
-                  dst_rows[i] + rows[i], ") for peer ", i, " end at byte ", end,
-                  ", past the peer region's ", m.bytes, " bytes (capacity exceeded)");
+      // end = dst_off + (dst_rows + rows) * row bytes, refused (not wrapped) past int64.
+      int64_t end = 0;
+      const bool wraps = __builtin_add_overflow(dst_rows[i], rows[i], &end) ||
+                         __builtin_mul_overflow(end, dst_rb[k], &end) || __builtin_add_overflow(end, dst_off[k], &end);
+      AFD_CHECK(!wraps && end <= m.bytes, "afd_ext.", op, ": part ", k, " rows [", dst_rows[i], ", ",
+                  dst_rows[i], " + ", rows[i], ") for peer ", i, " end at byte ", wraps ? std::string("> 2^63") :
+                  std::to_string(end), ", past the peer region's ", m.bytes, " bytes (capacity exceeded)");
     }
-    AFD_CHECK(flag_offsets[i] >= 0 && flag_offsets[i] % 8 == 0 && flag_offsets[i] + 8 <= m.bytes,
+    AFD_CHECK(flag_offsets[i] >= 0 && flag_offsets[i] % 8 == 0 && flag_offsets[i] <= m.bytes - 8,
                 "afd_ext.", op, ": flag_offsets[", i, "]=", flag_offsets[i],
                 " must be 8-byte aligned inside the region's ", m.bytes, " bytes");
     a.dst_base[i] = m.ptr;
@@ -570,8 +574,7 @@ void peer_wait_cuda(TensorList ts, const OptTensor& out, int64_t plane, int64_t 
   a.stage = static_cast<int>(stage);
   a.timeout_ns = timeout_ns;
   for (size_t i = 0; i < n; ++i) {
-    AFD_CHECK(flag_offsets[i] >= 0 && flag_offsets[i] % 8 == 0 &&
-                    flag_offsets[i] + 8 <= mem->bytes,
+    AFD_CHECK(flag_offsets[i] >= 0 && flag_offsets[i] % 8 == 0 && flag_offsets[i] <= mem->bytes - 8,
                 "afd_ext.", op, ": flag_offsets[", i, "]=", flag_offsets[i],
                 " must be 8-byte aligned inside the region's ", mem->bytes, " bytes");
     a.flag[i] = reinterpret_cast<unsigned long long*>(mem->ptr + flag_offsets[i]);
