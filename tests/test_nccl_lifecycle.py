@@ -421,3 +421,24 @@ def test_process_exit_waits_for_a_running_release_within_its_bound(tmp_path, cas
         assert took < 20, took  # the bound, not the 30 s release
         assert "ncclCommAbort of a2f a0-f0 (handle 7) on FFN rank 0" in r.stderr, r.stderr
         assert "Leaving without finalising" in r.stderr, r.stderr
+
+
+def test_a_call_thread_stopped_while_a_call_blocks_serves_the_next_call_on_a_new_thread():
+    # a watchdog round or a store client restarts its CallThread after stop(); the new thread must not inherit
+    # the old queue's stop mark (it would exit, and every later call would wait behind the blocked one)
+    from afd_ext.health.watchdog import CallThread
+
+    calls = CallThread("afd-test-calls")
+    release = threading.Event()
+    blocked = calls.submit(release.wait)
+    deadline = time.monotonic() + 5
+    while calls.stuck_s() == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not calls.stop(0.05)  # the call still blocks
+    try:
+        assert calls.submit(lambda: 42).result(timeout=5) == 42
+        assert calls.submit(lambda: 43).result(timeout=5) == 43
+    finally:
+        release.set()
+    assert blocked.result(timeout=5) is True
+    assert calls.stop(5)

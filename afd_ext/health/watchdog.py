@@ -204,10 +204,10 @@ class Watchdog:
         """
         self._stop.set()
         t, self._thread = self._thread, None
-        if self._own_calls:
-            self._calls.stop()
         if t is not None and t is not threading.current_thread():
             t.join(timeout_s)
+        if self._own_calls:  # after the join: a round still running would restart a stopped CallThread
+            self._calls.stop()
         with self._lock:
             self._ops.clear()
 
@@ -449,7 +449,7 @@ class CallThread:
 
     def __init__(self, name: str):
         self._name = name
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._q: queue.SimpleQueue = queue.SimpleQueue()  # the running thread's own (a new one per thread)
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._busy_since: float | None = None
@@ -458,11 +458,13 @@ class CallThread:
     def submit(self, fn: Callable[[], Any]) -> cf.Future:
         """Queue ``fn``; its future gets its result or exception."""
         fut: cf.Future = cf.Future()
-        self._q.put((fut, fn))
         with self._lock:
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                # a fresh queue: a thread stopped while a call blocks still holds the old one, with its stop mark
+                self._q = queue.SimpleQueue()
+                self._thread = threading.Thread(target=self._run, args=(self._q,), name=self._name, daemon=True)
                 self._thread.start()
+            self._q.put((fut, fn))
         return fut
 
     def on_thread(self) -> bool:
@@ -483,16 +485,16 @@ class CallThread:
         with self._lock:
             t, self._thread = self._thread, None
             if t is not None:
-                self._q.put(None)
+                self._q.put(None)  # after the calls queued so far
         if t is None:
             return True
         if join_timeout_s > 0:
             t.join(join_timeout_s)
         return not t.is_alive()
 
-    def _run(self) -> None:
+    def _run(self, q: queue.SimpleQueue) -> None:
         while True:
-            item = self._q.get()
+            item = q.get()
             if item is None:
                 self.keep = None
                 return
