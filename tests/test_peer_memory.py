@@ -520,3 +520,29 @@ def test_steps_beyond_capacity_go_over_the_fallback_and_without_it_are_refused()
             tr.begin_step(_schedule(topo, {0: [9, 1]}))
     finally:
         tr.close()
+
+
+def test_a_plane_is_kept_not_freed_while_an_nccl_teardown_of_its_fallback_still_runs(monkeypatch):
+    # freeing the plane (cudaFree) waits for the whole device, where the overrunning NCCL abort still runs
+    from afd_ext.transport import nccl
+    from afd_ext.transport.peer import transport as peer_transport
+
+    class _Fallback:
+        def close(self, buffers=()):
+            pass
+
+    topo = Topology(1, 1)
+    plane = _FakePlane(topo, ATTENTION, 0, _spec(8, torch.bfloat16, 4, torch.float32, True), 4, 1)
+    events = []
+    plane.abort, plane.close = (lambda: events.append("abort")), (lambda: events.append("close"))
+    tr = _transport(plane)
+    tr.fallback = _Fallback()
+    monkeypatch.setattr(nccl, "pending_releases", lambda: ["ncclCommAbort (attention rank 0)"])
+    monkeypatch.setattr(peer_transport, "_KEPT_PLANES", [])
+    tr.close()
+    assert events == ["abort"] and peer_transport._KEPT_PLANES == [plane]
+    monkeypatch.setattr(nccl, "pending_releases", lambda: [])
+    tr2 = _transport(plane)
+    tr2.fallback = _Fallback()
+    tr2.close()
+    assert events == ["abort", "close"]

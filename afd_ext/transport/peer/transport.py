@@ -38,10 +38,14 @@ import torch
 from ...errors import AFDConfigError, AFDTimeoutError, AFDTransportError
 from ...health import Watchdog
 from ...schedule import stage_buffers
+from .. import nccl
 from ..base import MessageTag, PendingSend, Transport, TransportSetup
 from ..streams import StageStreams
 from ..strict import HEADER_WORDS
 from .plane import PeerPlane, WireSpec, open_plane
+
+#: Planes not freed at close because an NCCL teardown still ran (freeing would wait for it without bound).
+_KEPT_PLANES: list[PeerPlane] = []
 
 logger = logging.getLogger(__name__)
 
@@ -73,9 +77,7 @@ class PeerTransport(Transport):
     @classmethod
     def unavailable(cls) -> str | None:
         """NCCL's answer: the plane's flag probe and its fallback need a CUDA build and a visible GPU."""
-        from ..nccl import NcclTransport
-
-        return NcclTransport.unavailable()
+        return nccl.NcclTransport.unavailable()
 
     def __init__(self, setup: TransportSetup, plane: PeerPlane, fallback: Optional[Transport] = None):
         super().__init__(setup.peers, plane.device, timeout_s=setup.timeout_s)
@@ -127,9 +129,7 @@ class PeerTransport(Transport):
         fallback = None
         try:
             if with_fallback:
-                from ..nccl import NcclTransport
-
-                fallback = NcclTransport.from_setup(setup)
+                fallback = nccl.NcclTransport.from_setup(setup)
         except BaseException:
             plane.close()
             raise
@@ -320,8 +320,15 @@ class PeerTransport(Transport):
                 self.fallback.close(buffers)  # first: its kernels must not hold the device sync below
             except Exception as e:  # noqa: BLE001 - close never raises
                 logger.warning("%s: closing the NCCL fallback: %s", self.peers.me, e)
-        try:
-            self.plane.close()  # aborts first: every wait returns, then the device sync is short
-        except Exception as e:  # noqa: BLE001
-            logger.warning("%s: closing the peer-memory plane: %s", self.peers.me, e)
+        left = nccl.pending_releases() if self.fallback is not None else []
+        if left:  # its cudaFree waits for the whole device, where an overrunning NCCL abort still runs
+            self.plane.abort()
+            _KEPT_PLANES.append(self.plane)
+            logger.error("%s: keeping the peer-memory plane for the process's life: NCCL teardown still running "
+                         "(%s)", self.peers.me, "; ".join(left))
+        else:
+            try:
+                self.plane.close()  # aborts first: every wait returns, then the device sync is short
+            except Exception as e:  # noqa: BLE001
+                logger.warning("%s: closing the peer-memory plane: %s", self.peers.me, e)
         self._stages.clear()
