@@ -381,9 +381,10 @@ def comm_destroy(handle: int) -> None:
 def comm_abort(handle: int) -> None:
     """Abort a communicator: cancels its in-flight NCCL work and frees it, without waiting for peers.
 
-    Idempotent for every handle this process was issued. Safe to call from a
-    watchdog thread while another thread is blocked in NCCL work of that
-    communicator.
+    Idempotent for every handle this process was issued. Meant for a
+    watchdog thread while another thread waits on NCCL work already enqueued
+    on that communicator (NCCL's ``ncclCommAbort`` contract); an op still
+    being enqueued on another thread is not serialised against it.
 
     Raises:
         RuntimeError: ``handle`` was never issued.
