@@ -162,6 +162,21 @@ def test_bad_mode_or_gap_is_usage_error_before_anything_runs(argv, what, tmp_pat
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.parametrize("option", ["--time-per-point", "--timeout", "--case-timeout"])
+def test_a_time_that_is_not_positive_is_a_usage_error(option, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--backend", "gloo", option, "-1", "--out", str(tmp_path / "x")])
+    assert e.value.code == 2 and "must be > 0 seconds" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("control", [False, True])
+def test_an_out_path_that_cannot_be_written_is_refused_before_anything_runs(control, tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    argv = ["--control-only"] if control else ["--backend", "gloo"]
+    assert main([*argv, "--out", str(tmp_path / "file" / "out")]) == 2  # was: a traceback after the whole run
+    assert "cannot write to" in capsys.readouterr().err
+
+
 def test_gpu_map_takes_gpu_zero():
     from afd_ext.tools.bench.plan import parse_int_list
 

@@ -27,6 +27,7 @@ import platform
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from typing import Sequence
@@ -39,6 +40,28 @@ from afd_ext.tools.bench.plan import (ALL_VARIANTS, FP8_VARIANTS, MODES, Case, R
 __all__ = ["main", "build_parser"]
 
 logger = logging.getLogger("afd_ext.tools.bench")
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: seconds > 0 (argparse turns the error into a usage error, exit 2)."""
+    v = float(text)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
+    return v
+
+
+def _check_out(out: str) -> None:
+    """Refuse an output path that cannot be written before anything runs.
+
+    Raises:
+        AFDConfigError: the directory (``out``, or a ``.json`` path's folder) cannot be made or written.
+    """
+    folder = (os.path.dirname(out) or ".") if out.endswith(".json") else out
+    try:
+        os.makedirs(folder, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as e:
+        raise AFDConfigError(f"--out {out}: cannot write to {folder} ({e.strerror or e})") from None
 
 
 def build_parser(prog: str = "afd-ext bench") -> argparse.ArgumentParser:
@@ -65,7 +88,7 @@ def build_parser(prog: str = "afd-ext bench") -> argparse.ArgumentParser:
         help=f"comma list of {', '.join(ALL_VARIANTS + FP8_VARIANTS)} (default: all but the FP8 ones)")
     add("--fp8-scale-format", choices=("fp32", "ue8m0"), default="fp32", help="the FP8 variants' scales (docs/fp8.md)")
     add("--modes", metavar="LIST", help="eager and/or graph (default: both; graph needs CUDA)")
-    add("--time-per-point", type=float, metavar="S",
+    add("--time-per-point", type=_seconds, metavar="S",
         help="timed seconds per (case, variant, mode); default 0.05 (0.02 with --quick, 0.005 on gloo)")
     add("--rounds", type=int, metavar="N",
         help="blocks per measurement, variants alternated block by block (default 2 on GPUs, 1 on gloo)")
@@ -73,9 +96,9 @@ def build_parser(prog: str = "afd-ext bench") -> argparse.ArgumentParser:
         help="only the peer-memory plane against minimal kernels (own options: --peer-structure --help)")
     add("--control-only", action="store_true", help="only the control-plane table at --control-gaps (about 1 min)")
     add("--control-gaps", metavar="MS", help="step gaps of the control-plane table, ms (default: 1,5,20,50)")
-    add("--timeout", type=float, metavar="S",
+    add("--timeout", type=_seconds, metavar="S",
         help="deadline for the whole run, s (default 420; 240 with --check): past it the workers are ended")
-    add("--case-timeout", type=float, metavar="S",
+    add("--case-timeout", type=_seconds, metavar="S",
         help="deadline of every wait on the GPU or a peer, s (default 60 on GPUs, 20 on gloo)")
     add("--no-plot", action="store_true", help="skip the PNG")
     add("--no-progress", action="store_true", help="no progress bar")
@@ -168,8 +191,6 @@ def _config(args: argparse.Namespace) -> RunConfig:
         reps = Reps(target_s=args.time_per_point or 0.005, min_iters=4,
                     max_iters=20 if args.time_per_point is None else 400, warmup=1, rounds=args.rounds or 1)
     case_timeout = args.case_timeout or (60.0 if cuda else 20.0)
-    if case_timeout <= 0:
-        raise AFDConfigError(f"--case-timeout must be > 0 seconds, got {case_timeout}")
     if layout.shared and not args.check:
         raise AFDConfigError(f"refusing to time: processes share a GPU ({layout.describe()}), so the driver "
                              "time-slices them; give every process its own GPU, or use --check")
@@ -240,6 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise AFDConfigError("--control-gaps applies to --control-only only")
         else:
             cfg = _config(args)
+        _check_out(args.out)  # last: a refused option leaves no folder behind
     except ValueError as e:
         print(f"afd-ext bench: {e}", file=sys.stderr)
         return 2
