@@ -505,3 +505,58 @@ def test_a_stop_with_a_step_in_flight_ends_the_ffn_loop_quietly_and_names_the_cl
         assert a["error"] == "PeerClosedError" and f"aborted by {closer}" in a["msg"], a
         assert "closed its connector (an orderly close(), not a failure)" in a["msg"], a
         assert a["took"] < 10.0, a  # step_timeout_s is 60
+
+
+@pytest.mark.parametrize("how", ["close", "killed", "timeout"])
+def test_on_attention_exit_rejoin_serves_restarted_attention_processes_on_the_same_ffn_loop(how):
+    """Issue 45: with on_attention_exit "rejoin", the attention process exits between steps (a goodbye, or
+    SIGKILL), a new one starts, and the same FFN loop thread serves it (replies checked exactly), logging
+    at WARNING whom it waits for. Then a local close() ends the next wait at once (a quiet SystemExit), or
+    the wait passes init_timeout_s: a named RendezvousTimeoutError the loop records."""
+    import multiprocessing as mp
+    import time
+
+    lives = (({0: [3]}, {0: [2]}), ({0: [4]}, {0: [1]}, {0: [2]}))
+    sc = pr.PluginScenario(layers=2, extra=(("on_attention_exit", "rejoin"), ("init_timeout_s", 30.0),
+                                            ("heartbeat_timeout_s", 1.0)))
+    ctx = mp.get_context("spawn")
+    q, go, port = ctx.Queue(), ctx.Event(), find_free_port()
+    procs = []
+
+    def start(rank, life):
+        procs.append(ctx.Process(target=pr.rejoin_worker, args=(rank, life, sc, port, lives, how, go, q)))
+        procs[-1].start()
+        return procs[-1]
+
+    def result(rank, life, p=None):
+        got = q.get(timeout=180)
+        assert got[:2] == (rank, life) and isinstance(got[2], dict), got
+        if p is not None:
+            p.join(60)
+            assert p.exitcode == (-9 if how == "killed" and life == 0 else 0), p.exitcode
+        return got[2]
+
+    try:
+        start(0, 0)
+        a = [result(1, 0, start(1, 0))]
+        time.sleep(3.5)  # one interval (init_timeout_s / 10) of the FFN rank's wait passes
+        a.append(result(1, 1, start(1, 1)))
+        go.set()
+        ffn = result(0, 0)
+    finally:
+        for p in procs:
+            p.kill() if p.is_alive() else None
+    assert [r["steps"] for r in a] == [[[(0, c[0][0])] for c in life] for life in lives]  # every reply checked
+    assert ffn["steps"] == [[(0, c[0])] for life in lives for c in life], ffn  # one loop thread served both
+    assert not ffn["alive"] and not ffn["initialized"], ffn
+    waits = [m for m in ffn["logged"] if "on_attention_exit is 'rejoin': waiting up to init_timeout_s" in m]
+    assert len(waits) == 2 and all(m.startswith("WARNING ") for m in waits), ffn["logged"]
+    assert ("PeerDeadError" if how == "killed" else "ControlChannelClosed") in waits[0], waits
+    still = [m for m in ffn["logged"] if "still waits for" in m and "attention rank 0 (world rank 1)" in m]
+    assert still and all(m.startswith("WARNING afd_ext.rendezvous") for m in still), ffn["logged"]
+    if how == "timeout":
+        assert ffn["hooked"] == [] and len(ffn["failures"]) == 1, ffn
+        assert ffn["failures"][0].startswith("RendezvousTimeoutError: ") and "attention rank 0" in ffn["failures"][0]
+    else:
+        assert ffn["failures"] == [] and ffn["hooked"] == ["SystemExit"], ffn
+        assert ffn["ended_s"] < 1.0, ffn  # init_timeout_s is 30
