@@ -196,6 +196,18 @@ def test_factory_builds_afd_ext_with_the_reference_constructor(plugin, monkeypat
     with pytest.raises(ValueError, match="unknown connector_extra_config field"):
         bad = _vc(connector_extra_config={"transport": "gloo", "wire": "packed"})
         plugin.factory.create_connector(0, 0, bad, plugin.config.parse_afd_config(bad))
+    for role, on_exit, refused in (("ffn", "rejoin", True), ("attention", "rejoin", False), ("ffn", "exit", False)):
+        graphs = _vc(role=role, connector_extra_config={"transport": "gloo", "on_attention_exit": on_exit})
+        graphs.model_config.enforce_eager = False  # the FFN runner would replay another generation's graphs
+        make = lambda vc=graphs: plugin.factory.create_connector(0, 0, vc, plugin.config.parse_afd_config(vc))  # noqa: E731
+        if refused:
+            with pytest.raises(AFDConfigError, match="on_attention_exit 'rejoin' needs enforce_eager"):
+                make()
+        else:
+            assert make().extra_info.config.on_attention_exit == on_exit
+    with pytest.raises(AFDConfigError, match="on_attention_exit must be 'exit' or 'rejoin', got 'wait'"):
+        bad = _vc(connector_extra_config={"transport": "gloo", "on_attention_exit": "wait"})
+        plugin.factory.create_connector(0, 0, bad, plugin.config.parse_afd_config(bad))
     off = _vc(connector_extra_config={"transport": "gloo", "clamp_idle_to_one": False})
     conn_off = plugin.factory.create_connector(0, 0, off, plugin.config.parse_afd_config(off))
     assert not conn_off.connector.extra.clamp_idle_to_one

@@ -309,7 +309,7 @@ class AdapterExtraConfig:
         on_attention_exit: what afd-plugin's FFN worker loop does when the attention side exits
             between steps: ``"exit"`` (default: it ends, quietly after a goodbye) or ``"rejoin"`` (it
             waits, up to ``init_timeout_s``, for the restarted attention ranks and serves them; needs
-            ``enforce_eager``). docs/vllm.md, "Restarting the attention side".
+            ``enforce_eager``; read on the FFN role). docs/vllm.md, "5. Restart one role".
     """
 
     connector: AfdExtConnectorConfig
@@ -546,7 +546,7 @@ if HAVE_AFD_PLUGIN:
                 raise AFDConfigError("afd_ext is a synchronous connector; set async_dp (async) to false")
             info: AdapterExtraConfig = self.extra_info.config
             eager = getattr(getattr(vllm_config, "model_config", None), "enforce_eager", True)
-            if info.on_attention_exit == "rejoin" and not eager:
+            if info.on_attention_exit == "rejoin" and afd_config.role == "ffn" and not eager:
                 # The FFN runner keeps the graphs it captured, against this generation's transport.
                 raise AFDConfigError("connector_extra_config.on_attention_exit 'rejoin' needs enforce_eager under "
                                      "afd-plugin's runners: its FFN runner would replay graphs captured against "

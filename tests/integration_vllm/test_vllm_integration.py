@@ -242,7 +242,7 @@ def test_a_restarted_attention_process_rejoins_the_running_ffn_worker(model_dirs
     env = {"AFD_EXT_REPLACE_P2P": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    procs, readies = [], [ctx.Event() for _ in lives]
+    procs, readies, barriers = [], [ctx.Event() for _ in lives], [ctx.Barrier(1) for _ in lives]  # kept alive
 
     def start(rank, scenario, done, ready=None):
         args = ((scenario,), (port,), _world_port(), model_dirs, done)
@@ -260,7 +260,7 @@ def test_a_restarted_attention_process_rejoins_the_running_ffn_worker(model_dirs
         attention = []
         for k, steps in enumerate(lives):
             one = dataclasses.replace(sc, steps=steps, killed=killed and k == 0)
-            p = start(1, one, ctx.Barrier(1), readies[k])  # imports vLLM now, connects once ready is set
+            p = start(1, one, barriers[k], readies[k])  # imports vLLM now, connects once ready is set
             if k:
                 time.sleep(8.0)  # more than one interval (init_timeout_s / 10) of the FFN side's wait passes
             readies[k].set()
