@@ -619,9 +619,9 @@ def rejoin_worker(rank: int, life: int, sc: PluginScenario, port: int, lives: tu
     ``rank`` 0 is FFN rank 0: its loop is afd-plugin's (a thread of its name, any ``Exception`` recorded as a
     failure) and serves ``lives`` (the steps of each attention process in turn); once ``go`` is set it
     ends as ``how`` says: ``"close"`` (its ``close()`` while the loop waits for a third attention process) or
-    ``"timeout"`` (the loop's wait passes a 3 s ``init_timeout_s``). ``rank`` 1 is attention rank 0 in its
-    ``life``-th process: it runs ``lives[life]``, then closes (a goodbye), or with ``how == "killed"`` its
-    first process is SIGKILLed after its steps. Puts ``(rank, life, record or traceback)`` on ``q``.
+    ``"timeout"`` (the loop's wait passes a 3 s ``init_timeout_s``). Ranks ``1..A`` are the attention ranks
+    in their ``life``-th process: each runs ``lives[life]``, then closes (a goodbye), or with ``how ==
+    "killed"`` its first process is SIGKILLed after its steps. Puts ``(rank, life, record or traceback)`` on ``q``.
     """
     import dataclasses
     import logging
