@@ -199,12 +199,12 @@ def test_factory_builds_afd_ext_with_the_reference_constructor(plugin, monkeypat
     for role, on_exit, refused in (("ffn", "rejoin", True), ("attention", "rejoin", False), ("ffn", "exit", False)):
         graphs = _vc(role=role, connector_extra_config={"transport": "gloo", "on_attention_exit": on_exit})
         graphs.model_config.enforce_eager = False  # the FFN runner would replay another generation's graphs
-        make = lambda vc=graphs: plugin.factory.create_connector(0, 0, vc, plugin.config.parse_afd_config(vc))  # noqa: E731
+        cfg = plugin.config.parse_afd_config(graphs)
         if refused:
             with pytest.raises(AFDConfigError, match="on_attention_exit 'rejoin' needs enforce_eager"):
-                make()
+                plugin.factory.create_connector(0, 0, graphs, cfg)
         else:
-            assert make().extra_info.config.on_attention_exit == on_exit
+            assert plugin.factory.create_connector(0, 0, graphs, cfg).extra_info.config.on_attention_exit == on_exit
     with pytest.raises(AFDConfigError, match="on_attention_exit must be 'exit' or 'rejoin', got 'wait'"):
         bad = _vc(connector_extra_config={"transport": "gloo", "on_attention_exit": "wait"})
         plugin.factory.create_connector(0, 0, bad, plugin.config.parse_afd_config(bad))

@@ -234,8 +234,7 @@ def _rejoin(owner: Any, e: AFDError) -> bool:
     inner, t0 = owner._inner, time.monotonic()
     logger.warning("afd_ext: %s: %s: %s; on_attention_exit is 'rejoin': waiting up to init_timeout_s (%.0f s) "
                    "for the %d restarted attention rank(s) to rejoin", inner.peer_map.me, type(e).__name__,
-                   str(e).splitlines()[0],
-                   inner.extra.init_timeout_s, owner.attn_size)
+                   str(e).splitlines()[0], inner.extra.init_timeout_s, owner.attn_size)
     inner.close()
     owner._rejoining = True
     try:
@@ -350,7 +349,8 @@ class AdapterExtraConfig:
         ids = coerce_bool(rest.pop("send_token_ids", False), "connector_extra_config.send_token_ids")
         on_exit = rest.pop("on_attention_exit", "exit")
         if on_exit not in ("exit", "rejoin"):
-            raise AFDConfigError(f"connector_extra_config.on_attention_exit must be 'exit' or 'rejoin', got {on_exit!r}")
+            raise AFDConfigError(f"connector_extra_config.on_attention_exit must be 'exit' or 'rejoin', "
+                                 f"got {on_exit!r}")
         rest.setdefault("clamp_idle_to_one", True)
         connector = AfdExtConnectorConfig.from_mapping(rest)
         if connector.fp8_delivery == "fp8":
@@ -613,8 +613,9 @@ if HAVE_AFD_PLUGIN:
 
             afd-plugin's FFN loop thread, blocked in any afd_ext call or wait
             (``recv_dp_metadata_list``, or mid-step in ``recv_attn_output`` /
-            ``send_ffn_output``), wakes and ends quietly (``SystemExit``); the
-            peers get :class:`~afd_ext.errors.PeerClosedError`.
+            ``send_ffn_output``, or ``_rejoin``'s wait for a restarted attention
+            side), wakes and ends quietly (``SystemExit``); the peers get
+            :class:`~afd_ext.errors.PeerClosedError`.
             """
             self._closing = True
             self._leave_capture()
