@@ -606,3 +606,77 @@ def stop_mid_step_worker(rank: int, nprocs: int, sc: PluginScenario, port: int, 
         return out
     finally:
         conn.close()
+
+
+# ---------------------------------------------------------------------------
+# on_attention_exit "rejoin": restarted attention processes served by the same FFN loop thread
+# ---------------------------------------------------------------------------
+
+
+def rejoin_worker(rank: int, life: int, sc: PluginScenario, port: int, lives: tuple, how: str, go, q) -> None:
+    """One process of a rejoin run (spawned by the test, which reaps each attention process before the next).
+
+    ``rank`` 0 is FFN rank 0: its loop is afd-plugin's (a thread of its name, any ``Exception`` recorded as a
+    failure) and serves ``lives`` (the steps of each attention process in turn); once ``go`` is set it
+    ends as ``how`` says: ``"close"`` (its ``close()`` while the loop waits for a third attention process) or
+    ``"timeout"`` (the loop's wait passes a 3 s ``init_timeout_s``). Ranks ``1..A`` are the attention ranks
+    in their ``life``-th process: each runs ``lives[life]``, then closes (a goodbye), or with ``how ==
+    "killed"`` its first process is SIGKILLed after its steps. Puts ``(rank, life, record or traceback)`` on ``q``.
+    """
+    import dataclasses
+    import logging
+    import signal
+    import threading
+    import time
+    import traceback
+
+    try:
+        dtype = torch.float32
+        logged: list = []
+        handler = logging.Handler(logging.WARNING)
+        handler.emit = lambda r: logged.append(f"{r.levelname} {r.name}: {r.getMessage()}")
+        logging.getLogger("afd_ext").addHandler(handler)
+        conn, role, role_rank, dp_rank = build(sc, rank, port, torch.device("cpu"), dtype)
+        conn.init_afd_connector()
+        if role == "attention":
+            rec = [attention_step(conn, sc, i, step, role_rank, dp_rank, torch.device("cpu"), dtype)
+                   for i, step in enumerate(lives[life])]
+            if how == "killed" and life == 0:
+                q.put((rank, life, {"steps": rec}))
+                time.sleep(1.0)  # the queue's feeder thread delivers the record
+                os.kill(os.getpid(), signal.SIGKILL)
+            conn.close()
+            q.put((rank, life, {"steps": rec, "logged": logged}))
+            return
+        served: list = []
+        failures: list = []
+        hooked: list = []
+        threading.excepthook = lambda a: hooked.append(a.exc_type.__name__)
+        total = sum(len(steps) for steps in lives)
+
+        def loop() -> None:
+            try:
+                while True:
+                    if len(served) == total and how == "timeout":
+                        conn._inner.extra = dataclasses.replace(conn._inner.extra, init_timeout_s=3.0)
+                    served.append(ffn_step(conn, sc, dtype))
+            except Exception as e:  # noqa: BLE001 - what afd-plugin's loop does: a recorded failure
+                failures.append(f"{type(e).__name__}: {e}")
+
+        t = threading.Thread(target=loop, name="afd-ffn-worker-loop", daemon=True)
+        t.start()
+        go.wait(240)  # every attention process has run and exited
+        end = time.monotonic() + 60
+        while how != "timeout" and (len(served) < total or not _in_call(t, "init_afd_connector")):
+            assert time.monotonic() < end and t.is_alive(), ("the loop never waited again", served, failures)
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        if how != "timeout":
+            conn.close()  # afd-plugin's stop_ffn_server_loop does this (model_runner.shutdown)
+        t.join(30)
+        q.put((rank, life, {"steps": served, "failures": failures, "hooked": hooked, "alive": t.is_alive(),
+                            "ended_s": time.monotonic() - t0, "logged": logged,
+                            "initialized": conn.is_initialized}))
+        conn.close()
+    except BaseException:  # noqa: BLE001 - reported to the test
+        q.put((rank, life, traceback.format_exc()))

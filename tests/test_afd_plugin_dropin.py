@@ -196,6 +196,18 @@ def test_factory_builds_afd_ext_with_the_reference_constructor(plugin, monkeypat
     with pytest.raises(ValueError, match="unknown connector_extra_config field"):
         bad = _vc(connector_extra_config={"transport": "gloo", "wire": "packed"})
         plugin.factory.create_connector(0, 0, bad, plugin.config.parse_afd_config(bad))
+    for role, on_exit, refused in (("ffn", "rejoin", True), ("attention", "rejoin", False), ("ffn", "exit", False)):
+        graphs = _vc(role=role, connector_extra_config={"transport": "gloo", "on_attention_exit": on_exit})
+        graphs.model_config.enforce_eager = False  # the FFN runner would replay another generation's graphs
+        cfg = plugin.config.parse_afd_config(graphs)
+        if refused:
+            with pytest.raises(AFDConfigError, match="on_attention_exit 'rejoin' needs enforce_eager"):
+                plugin.factory.create_connector(0, 0, graphs, cfg)
+        else:
+            assert plugin.factory.create_connector(0, 0, graphs, cfg).extra_info.config.on_attention_exit == on_exit
+    with pytest.raises(AFDConfigError, match="on_attention_exit must be 'exit' or 'rejoin', got 'wait'"):
+        bad = _vc(connector_extra_config={"transport": "gloo", "on_attention_exit": "wait"})
+        plugin.factory.create_connector(0, 0, bad, plugin.config.parse_afd_config(bad))
     off = _vc(connector_extra_config={"transport": "gloo", "clamp_idle_to_one": False})
     conn_off = plugin.factory.create_connector(0, 0, off, plugin.config.parse_afd_config(off))
     assert not conn_off.connector.extra.clamp_idle_to_one
@@ -505,3 +517,67 @@ def test_a_stop_with_a_step_in_flight_ends_the_ffn_loop_quietly_and_names_the_cl
         assert a["error"] == "PeerClosedError" and f"aborted by {closer}" in a["msg"], a
         assert "closed its connector (an orderly close(), not a failure)" in a["msg"], a
         assert a["took"] < 10.0, a  # step_timeout_s is 60
+
+
+@pytest.mark.parametrize("how,attn", [("close", 1), ("killed", 1), ("timeout", 1), ("close", 2)],
+                         ids=["close", "killed", "timeout", "2A1F-close"])
+def test_on_attention_exit_rejoin_serves_restarted_attention_processes_on_the_same_ffn_loop(how, attn):
+    """Issue 45: with on_attention_exit "rejoin", every attention process exits between steps (a goodbye,
+    or SIGKILL), new ones start, and the same FFN loop thread serves them (replies checked exactly), logging
+    at WARNING whom it waits for. Then a local close() ends the next wait at once (a quiet SystemExit), or
+    the wait passes init_timeout_s: a named RendezvousTimeoutError the loop records. 1A1F and 2A1F (DP 2)."""
+    import multiprocessing as mp
+    import time
+
+    lives = ((({0: [3]}, {0: [2]}), ({0: [4]}, {0: [1]}, {0: [2]})) if attn == 1 else
+             (({0: [3, 2]}, {0: [0, 4]}), ({0: [1, 2]},)))
+    sc = pr.PluginScenario(attn=(attn, 1, 1), layers=2, extra=(("on_attention_exit", "rejoin"),
+                                                                ("init_timeout_s", 30.0), ("heartbeat_timeout_s", 1.0)))
+    ctx = mp.get_context("spawn")
+    q, go, port = ctx.Queue(), ctx.Event(), find_free_port()
+    procs = []
+
+    def run(ranks, life):
+        """Start ``ranks`` in their ``life``-th processes; their records by rank once they exited (reaped)."""
+        started = {r: ctx.Process(target=pr.rejoin_worker, args=(r, life, sc, port, lives, how, go, q))
+                   for r in ranks}
+        procs.extend(started.values())
+        for p in started.values():
+            p.start()
+        if 0 in ranks:
+            return {}
+        got = [q.get(timeout=180) for _ in ranks]
+        assert all(g[1] == life and isinstance(g[2], dict) for g in got), got
+        for p in started.values():
+            p.join(60)
+            assert p.exitcode == (-9 if how == "killed" and life == 0 else 0), p.exitcode
+        return {g[0]: g[2] for g in got}
+
+    try:
+        run([0], 0)
+        a = [run(range(1, 1 + attn), 0)]
+        time.sleep(3.5)  # one interval (init_timeout_s / 10) of the FFN rank's wait passes
+        a.append(run(range(1, 1 + attn), 1))
+        go.set()
+        got = q.get(timeout=180)
+        assert got[:2] == (0, 0) and isinstance(got[2], dict), got
+        ffn = got[2]
+    finally:
+        for p in procs:
+            p.kill() if p.is_alive() else None
+    for r in range(attn):  # every reply checked, in each life
+        assert [recs[1 + r]["steps"] for recs in a] == [[[(0, max(1, c[0][r]))] for c in life] for life in lives]
+    want = [[(0, [max(1, n) for n in c[0]])] for life in lives for c in life]  # an idle DP rank: one row
+    assert ffn["steps"] == want, ffn  # one loop thread served every life
+    assert not ffn["alive"] and not ffn["initialized"], ffn
+    waits = [m for m in ffn["logged"] if "on_attention_exit is 'rejoin': waiting up to init_timeout_s" in m]
+    assert len(waits) == 2 and all(m.startswith("WARNING ") for m in waits), ffn["logged"]
+    assert ("PeerDeadError" if how == "killed" else "ControlChannelClosed") in waits[0], waits
+    still = [m for m in ffn["logged"] if "still waits for" in m and "attention rank 0 (world rank 1)" in m]
+    assert still and all(m.startswith("WARNING afd_ext.rendezvous") for m in still), ffn["logged"]
+    if how == "timeout":
+        assert ffn["hooked"] == [] and len(ffn["failures"]) == 1, ffn
+        assert ffn["failures"][0].startswith("RendezvousTimeoutError: ") and "attention rank 0" in ffn["failures"][0]
+    else:
+        assert ffn["failures"] == [] and ffn["hooked"] == ["SystemExit"], ffn
+        assert ffn["ended_s"] < 1.0, ffn  # init_timeout_s is 30

@@ -35,7 +35,10 @@ What changes under the reference's runners (all documented in ``docs/vllm.md``):
 * An orderly close (this rank's ``close()`` or the source's goodbye) ends
   afd-plugin's FFN worker loop thread quietly with ``SystemExit``, raised on
   that thread only (``_end_loop`` says why this is safe); a dead, silent or
-  aborting peer still raises its named error, which the loop records.
+  aborting peer still raises its named error, which the loop records. With
+  ``on_attention_exit: "rejoin"`` the attention side's exit between steps
+  (goodbye or death) re-initialises the connector instead, and the loop
+  serves the restarted attention ranks (``_rejoin``).
 * Facts come from :meth:`afd_ext.spec.ExchangeSpec.from_vllm_config` (the one
   parser, shared with afd_ext's own connector): the init handshake compares
   hidden size, layers, dtypes and the options, not each role's own TP size
@@ -59,6 +62,7 @@ import dataclasses
 import itertools
 import logging
 import threading
+import time
 import weakref
 from typing import Any, Mapping, Optional
 
@@ -66,7 +70,8 @@ import torch
 
 from .. import envs
 from ..config import DEFAULT_CONNECTOR, REFERENCE_CONNECTOR, AFDConfig, AfdExtConnectorConfig, coerce_bool, coerce_int
-from ..errors import AFDConfigError, AFDError, AFDStateError, ControlChannelClosed, PeerClosedError
+from ..errors import AFDClosedError, AFDConfigError, AFDError, AFDStateError, ControlChannelClosed, PeerClosedError
+from ..errors import PeerDeadError
 from ..metadata import AFDControlPayload, AFDTransferContext, AFDTransferMetadata
 from ..spec import ExchangeSpec, as_dtype, dtype_name
 
@@ -76,7 +81,7 @@ logger = logging.getLogger(__name__)
 PLUGIN_CONNECTOR_NAME = DEFAULT_CONNECTOR
 
 #: ``connector_extra_config`` keys read by this adapter itself (the rest are afd_ext's).
-_ADAPTER_KEYS = ("num_exchange_layers", "router_logits_dtype", "send_token_ids")
+_ADAPTER_KEYS = ("num_exchange_layers", "router_logits_dtype", "send_token_ids", "on_attention_exit")
 
 try:
     from afd_plugin.connectors.base import AFDConnectorBase as _ConnectorBase
@@ -210,6 +215,39 @@ def _end_loop(why: str, cause: BaseException) -> None:
     raise SystemExit(f"AFD FFN worker loop ended: {why}") from cause
 
 
+def _rejoin(owner: Any, e: AFDError) -> bool:
+    """``on_attention_exit: "rejoin"``: after the attention side's exit between steps (its goodbye, or its
+    death), close and re-initialise ``owner``'s connector, which takes the restarted attention ranks in
+    the next generation; returns True when it did (the caller receives again), False when it does not apply.
+
+    The wait is the rendezvous's, bounded by ``init_timeout_s`` (a restarted attention server loads its
+    weights again before it joins, as at its first start): one WARNING line here, then one every
+    interval from ``afd_ext.rendezvous`` naming the ranks awaited; past it the rendezvous's named
+    ``RendezvousTimeoutError``, which the loop records. A local ``close()`` ends the wait at once.
+
+    Raises:
+        AFDError: the re-initialisation failed (the connector is then closed).
+    """
+    gone = type(e) is ControlChannelClosed or isinstance(e, (PeerClosedError, PeerDeadError))
+    if owner.extra_info.config.on_attention_exit != "rejoin" or owner._closing or not gone:
+        return False
+    inner, t0 = owner._inner, time.monotonic()
+    logger.warning("afd_ext: %s: %s: %s; on_attention_exit is 'rejoin': waiting up to init_timeout_s (%.0f s) "
+                   "for the %d restarted attention rank(s) to rejoin", inner.peer_map.me, type(e).__name__,
+                   str(e).splitlines()[0], inner.extra.init_timeout_s, owner.attn_size)
+    inner.close()
+    owner._rejoining = True
+    try:
+        inner.init_afd_connector()
+    finally:
+        owner._rejoining = False
+    if owner._closing:  # close() came as the wait ended
+        inner.close()
+        raise AFDClosedError(f"{inner.peer_map.me}: closed while the attention side rejoined")
+    logger.info("afd_ext: %s: the attention side rejoined after %.1f s", inner.peer_map.me, time.monotonic() - t0)
+    return True
+
+
 def _end_loop_if_stopped(owner: Any, e: AFDError) -> None:
     """On afd-plugin's FFN loop thread, end the loop (:func:`_end_loop`) when ``e`` comes from a stop: this
     connector's ``close()``, or a peer's orderly close (its goodbye, or its close with a step in flight)."""
@@ -267,12 +305,17 @@ class AdapterExtraConfig:
             gate emits, :func:`afd_ext.spec.router_logits_dtype`; not needed for vLLM's models).
         send_token_ids: ``[rows]`` int32 token ids travel with the hidden states
             (the reference's ``input_ids`` / ``recv_input_ids``, DeepSeek-V4 hash routing).
+        on_attention_exit: what afd-plugin's FFN worker loop does when the attention side exits
+            between steps: ``"exit"`` (default: it ends, quietly after a goodbye) or ``"rejoin"`` (it
+            waits, up to ``init_timeout_s``, for the restarted attention ranks and serves them; needs
+            ``enforce_eager``; read on the FFN role). docs/vllm.md, "5. Restart one role".
     """
 
     connector: AfdExtConnectorConfig
     num_exchange_layers: int | None = None
     router_logits_dtype: str | None = None
     send_token_ids: bool = False
+    on_attention_exit: str = "exit"
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any] | None) -> "AdapterExtraConfig":
@@ -304,18 +347,22 @@ class AdapterExtraConfig:
         if ldtype is not None:
             ldtype = dtype_name(as_dtype(ldtype, "connector_extra_config.router_logits_dtype"))
         ids = coerce_bool(rest.pop("send_token_ids", False), "connector_extra_config.send_token_ids")
+        on_exit = rest.pop("on_attention_exit", "exit")
+        if on_exit not in ("exit", "rejoin"):
+            raise AFDConfigError(f"connector_extra_config.on_attention_exit must be 'exit' or 'rejoin', "
+                                 f"got {on_exit!r}")
         rest.setdefault("clamp_idle_to_one", True)
         connector = AfdExtConnectorConfig.from_mapping(rest)
         if connector.fp8_delivery == "fp8":
             # The plugin's FFN models take bf16 activations (docs/fp8.md): refuse before any step, not at step 1.
             raise AFDConfigError("connector_extra_config.fp8_delivery 'fp8' hands the FFN float8 activations, which "
                                  "afd-plugin's FFN models cannot take; use 'dequant' (the default) under afd-plugin")
-        return cls(connector, layers, ldtype, ids)
+        return cls(connector, layers, ldtype, ids, on_exit)
 
     def to_mapping(self) -> dict[str, Any]:
         """All fields as one flat mapping (round-trips through :meth:`from_mapping`)."""
         out = self.connector.to_mapping()
-        out.update({k: getattr(self, k) for k in _ADAPTER_KEYS if getattr(self, k) not in (None, False)})
+        out.update({k: getattr(self, k) for k in _ADAPTER_KEYS if getattr(self, k) not in (None, False, "exit")})
         return out
 
 
@@ -441,17 +488,26 @@ if HAVE_AFD_PLUGIN:
                 SystemExit: on afd-plugin's FFN loop thread only, when this connector
                     was closed (``close()``) or a peer closed in order (the source
                     attention rank's goodbye, or ``PeerClosedError``): the loop thread
-                    ends quietly (see ``_end_loop`` for why this is safe).
+                    ends quietly (see ``_end_loop`` for why this is safe). With
+                    ``on_attention_exit: "rejoin"`` a peer's exit re-initialises instead
+                    (``_rejoin``) and the next payload is the restarted attention side's.
                 AFDError: every other failure (a dead or silent peer, an abort, a
-                    timeout), and an orderly close on any other thread.
+                    timeout, a rejoin that failed), and an orderly close on any other thread.
             """
             owner = self._owner
             owner._leave_capture()
-            try:
-                return owner._inner.control_plane.recv_dp_metadata_list()
-            except AFDError as e:
-                _end_loop_if_stopped(owner, e)
-                raise
+            while True:
+                try:
+                    return owner._inner.control_plane.recv_dp_metadata_list()
+                except AFDError as e:
+                    try:
+                        if _rejoin(owner, e):
+                            continue
+                    except AFDError as again:
+                        _end_loop_if_stopped(owner, again)
+                        raise
+                    _end_loop_if_stopped(owner, e)
+                    raise
 
     class AfdExtAFDConnector(_ConnectorBase):
         """afd_ext's connector behind the reference's ``AFDConnectorBase`` contract.
@@ -489,7 +545,13 @@ if HAVE_AFD_PLUGIN:
             if getattr(afd_config, "async_dp", False):
                 raise AFDConfigError("afd_ext is a synchronous connector; set async_dp (async) to false")
             info: AdapterExtraConfig = self.extra_info.config
-            if info.connector.strict and not getattr(getattr(vllm_config, "model_config", None), "enforce_eager", True):
+            eager = getattr(getattr(vllm_config, "model_config", None), "enforce_eager", True)
+            if info.on_attention_exit == "rejoin" and afd_config.role == "ffn" and not eager:
+                # The FFN runner keeps the graphs it captured, against this generation's transport.
+                raise AFDConfigError("connector_extra_config.on_attention_exit 'rejoin' needs enforce_eager under "
+                                     "afd-plugin's runners: its FFN runner would replay graphs captured against "
+                                     "the previous generation's transport; run with --enforce-eager")
+            if info.connector.strict and not eager:
                 # The runners capture and replay graphs on each side at different steps (the FFN
                 # replays while the attention side may run eagerly): header-less graph traffic
                 # would meet header-checking eager traffic.
@@ -514,6 +576,7 @@ if HAVE_AFD_PLUGIN:
             self._last: tuple[Any, AFDControlPayload] | None = None
             self._spec_ok: Any = None
             self._closing = False
+            self._rejoining = False  # the FFN loop thread waits in _rejoin's init_afd_connector
             self._handle = next(_HANDLES)
             _LIVE[self._handle] = self
 
@@ -550,12 +613,18 @@ if HAVE_AFD_PLUGIN:
 
             afd-plugin's FFN loop thread, blocked in any afd_ext call or wait
             (``recv_dp_metadata_list``, or mid-step in ``recv_attn_output`` /
-            ``send_ffn_output``), wakes and ends quietly (``SystemExit``); the
-            peers get :class:`~afd_ext.errors.PeerClosedError`.
+            ``send_ffn_output``, or ``_rejoin``'s wait for a restarted attention
+            side), wakes and ends quietly (``SystemExit``); the peers get
+            :class:`~afd_ext.errors.PeerClosedError`.
             """
             self._closing = True
             self._leave_capture()
             self._last = None
+            store = self._inner._s.store if self._rejoining else None
+            if store is not None:  # end _rejoin's wait now: its rendezvous reads this abort, then releases all
+                store.abort_signal.post(f"{self._inner.peer_map.me} closed its connector while waiting for the "
+                                        "attention side to rejoin", "closed")
+                return
             self._inner.close()
 
         # -- control plane ------------------------------------------------------

@@ -221,3 +221,68 @@ def test_a_dead_attention_peer_is_a_failure_not_a_shutdown(model_dirs, control):
     assert rec["loop_error"].startswith("PeerDeadError: ") and "attention rank 0" in rec["loop_error"], rec
     assert rec["stop_error"] == "AFD FFN worker loop failed" and rec["cause"] == "PeerDeadError", rec
     assert rec["worker_shutdown_ran"] == 0  # afd-plugin's shutdown stops at the raised failure
+
+
+@pytest.mark.every_vllm
+@pytest.mark.parametrize("control,killed", [("shm", False), ("tcp", True)], ids=["goodbye-shm", "killed-tcp"])
+def test_a_restarted_attention_process_rejoins_the_running_ffn_worker(model_dirs, control, killed):
+    """Issue 45, on_attention_exit "rejoin": the attention process runs its steps and exits (closing in
+    order, or SIGKILLed: no goodbye), then a new attention process runs its steps and closes: the same
+    AFDFFNWorker loop thread (its process and weights kept) serves both, every reply checked exactly.
+    While it waits, the FFN side logs at WARNING whom it waits for; the worker's shutdown() ends its wait
+    for a third process at once, quietly (vLLM's Worker.shutdown() runs)."""
+    import dataclasses
+    import time
+
+    sc = W.Scenario(f"rejoin-{control}", control=control, steps=({0: [3]}, {0: [5]}), rejoin=(({0: [2]}, {0: [4]}),),
+                    killed=killed, heartbeat_timeout_s=1.0)
+    lives = (sc.steps, *sc.rejoin)
+    ctx = mp.get_context("spawn")
+    q, go, port = ctx.Queue(), ctx.Event(), find_free_port()
+    env = {"AFD_EXT_REPLACE_P2P": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    procs, readies, barriers = [], [ctx.Event() for _ in lives], [ctx.Barrier(1) for _ in lives]  # kept alive
+
+    def start(rank, scenario, done, ready=None):
+        args = ((scenario,), (port,), _world_port(), model_dirs, done)
+        procs.append(ctx.Process(target=W.worker_to_queue, args=(rank, 2, args, q, ready), daemon=True))
+        procs[-1].start()
+        return procs[-1]
+
+    def result(rank):
+        got = q.get(timeout=600)
+        assert got[:2] == (rank, "ok"), got
+        return got[2][0]
+
+    try:
+        start(0, sc, go)
+        attention = []
+        for k, steps in enumerate(lives):
+            one = dataclasses.replace(sc, steps=steps, killed=killed and k == 0)
+            p = start(1, one, barriers[k], readies[k])  # imports vLLM now, connects once ready is set
+            if k:
+                time.sleep(8.0)  # more than one interval (init_timeout_s / 10) of the FFN side's wait passes
+            readies[k].set()
+            if not one.killed:
+                attention.append(result(1))
+            p.join(600)
+            assert p.exitcode == (-9 if one.killed else 0), p.exitcode
+        go.set()
+        ffn = result(0)
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        for p in procs:
+            p.kill() if p.is_alive() else None
+    assert ffn["calls"] == W._ffn_calls(sc), (ffn["calls"], W._ffn_calls(sc))  # one loop served every process
+    assert ffn["shutdown_s"] < 1.0, ffn["shutdown_s"]  # init_timeout_s is 60
+    assert len([m for m in ffn["logged"] if " is the AFD connector " in m]) == 1, ffn["logged"]  # one connector
+    waits = [m for m in ffn["logged"] if "on_attention_exit is 'rejoin': waiting up to init_timeout_s" in m]
+    assert len(waits) == len(lives) and all(m.startswith("WARNING ") for m in waits), ffn["logged"]
+    assert ("PeerDeadError" if killed else "ControlChannelClosed") in waits[0], waits[0]
+    still = [m for m in ffn["logged"] if m.startswith("WARNING ") and "still waits for" in m]
+    assert still and all("attention rank 0 (world rank 1)" in m for m in still), ffn["logged"]
+    assert not [m for m in ffn["logged"] if m.startswith("ERROR")], ffn["logged"]
+    for rec, steps in zip(attention, lives[1:] if killed else lives):
+        assert rec["checked"] == W.LAYERS * len(steps), rec  # every reply checked exactly

@@ -71,6 +71,9 @@ class Scenario:
         in_flight: after ``steps``, a step (``{stage: counts}``) whose payload the attention side
             applies and sends but whose rows it never sends: the FFN loop thread waits in
             ``recv_attn_output`` when ``order``'s first role stops.
+        rejoin: ``on_attention_exit: "rejoin"``; the steps of each restarted attention process (the first
+            runs ``steps``), each a new process started once the last one has exited (``ffn_role``).
+        killed: with ``rejoin``, the first attention process is SIGKILLed after its steps (no goodbye).
     """
 
     name: str
@@ -89,6 +92,8 @@ class Scenario:
     mismatch: bool = False
     attention_dies: bool = False
     in_flight: dict | None = None
+    rejoin: tuple = ()
+    killed: bool = False
 
     @property
     def A(self) -> int:  # noqa: N802
@@ -229,6 +234,8 @@ def vllm_config(sc: Scenario, role: str, dp_rank: int, port: int, model_dir: str
     extra = {"transport": "gloo", "control_channel": sc.control, "step_timeout_s": 120.0, "init_timeout_s": 600.0,
              "heartbeat_interval_s": min(0.2, sc.heartbeat_timeout_s / 4),
              "heartbeat_timeout_s": sc.heartbeat_timeout_s}
+    if sc.rejoin:  # a wait's log interval is init_timeout_s / 10
+        extra.update(on_attention_exit="rejoin", init_timeout_s=60.0)
     afd = {"connector": "P2pNcclAFDConnector", "role": role, "host": "127.0.0.1", "port": port,
            "num_attention_ranks": sc.A, "num_ffn_ranks": sc.F, "compute_gate_on_attention": sc.gate,
            "connector_extra_config": extra}
@@ -318,7 +325,16 @@ def ffn_role(sc: Scenario, rank: int, vc: Any, done: Any) -> dict[str, Any]:
         return {"role": "ffn", "calls": model.calls, "loop_error": f"{type(loop_error).__name__}: {loop_error}",
                 "stop_error": str(stop_error), "cause": type(stop_error.__cause__).__name__,
                 "worker_shutdown_ran": spy.done - before}
-    if sc.in_flight is not None:
+    if sc.rejoin:
+        done.wait(600)  # every attention process has run its steps and exited (the test sets the event)
+        end = time.monotonic() + 60
+        while not (len(model.calls) == len(_ffn_calls(sc)) and _in_call(thread, "init_afd_connector")):
+            assert time.monotonic() < end and thread.is_alive(), ("the loop never waited again", model.calls)
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        w.shutdown()  # its connector's close() ends the loop's wait for the next attention process
+        took = time.monotonic() - t0
+    elif sc.in_flight is not None:
         done.wait(600)  # the attention side sent the in-flight step's payload, not its rows
         end = time.monotonic() + 60
         while not _in_call(thread, "recv_attn_output") and time.monotonic() < end:
@@ -362,6 +378,17 @@ def ffn_role(sc: Scenario, rank: int, vc: Any, done: Any) -> dict[str, Any]:
     threading.excepthook = original_hook
     assert hooked == ["afd-ffn-worker-loop: SystemExit"], hooked  # the loop ended quietly, nothing else raised
     return {"role": "ffn", "calls": model.calls, "shutdown_s": took, "router_dtype": str(model.router_dtype)}
+
+
+def _ffn_calls(sc: Scenario) -> list:
+    """The FFN model's calls of ``sc``: every attention process's steps (``rejoin``), each as in the runner."""
+    return [c for steps in (sc.steps, *sc.rejoin) for c in _layer_calls(sc, steps)]
+
+
+def _layer_calls(sc: Scenario, steps: tuple) -> list:
+    layers = range(1, LAYERS) if sc.gate else range(LAYERS)
+    return [(layer, sum(max(1, c) for c in step[s]), sc.gate, [-(-c // SP) for c in step[s] for _ in range(SP)])
+            for step in steps for layer in layers for s in sorted(step)]
 
 
 def _in_call(thread: Any, name: str) -> bool:
@@ -467,6 +494,10 @@ def attention_role(sc: Scenario, rank: int, role_rank: int, dp_rank: int, vc: An
             return _stop_in_flight(sc, conn, vc, calls, mods, role_rank, dp_rank, done, checked)
         if sc.attention_dies:
             os._exit(0)  # no close, no goodbye: the process is gone
+        if sc.killed:
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)  # every reply checked; no close, no goodbye
         if sc.order == "ffn_first":
             done.wait(600)  # every rank checked its replies
             done.wait(600)  # the FFN worker has shut down
@@ -513,11 +544,18 @@ def _stop_in_flight(sc: Scenario, conn: Any, vc: Any, calls: dict, mods: dict, r
 # ---------------------------------------------------------------------------- entry
 
 
-def worker_to_queue(rank: int, nprocs: int, args: tuple, q: Any) -> None:
-    """:func:`worker` in a process that may exit without reporting: its record (or traceback) goes to ``q``."""
+def worker_to_queue(rank: int, nprocs: int, args: tuple, q: Any, ready: Any = None) -> None:
+    """:func:`worker` in a process that may exit without reporting: its record (or traceback) goes to ``q``.
+
+    ``ready``: an event to wait for before starting (a restarted attention process imports vLLM first).
+    """
     import traceback
 
     try:
+        if ready is not None:
+            import vllm.config  # noqa: F401 - the slow part of a start, done before the wait
+
+            assert ready.wait(600)
         q.put((rank, "ok", worker(rank, nprocs, *args)))
     except BaseException:  # noqa: BLE001 - reported to the test
         q.put((rank, "error", traceback.format_exc()))
@@ -540,6 +578,8 @@ def worker(rank: int, nprocs: int, scenarios: tuple, ports: tuple, world_port: i
     log = logging.getLogger("afd_ext.integrations.afd_plugin")
     log.addHandler(handler)
     log.setLevel(logging.INFO)
+    if any(sc.rejoin for sc in scenarios):  # the rendezvous's waits, named
+        logging.getLogger("afd_ext.rendezvous").addHandler(handler)
     out = []
     for sc, port in zip(scenarios, ports):
         logged.clear()
