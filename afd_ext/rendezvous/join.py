@@ -332,17 +332,18 @@ def connect(
 
 
 def _open_generation(st: "AFDStore", root: Any, deadline: float) -> int:
-    """The generation this rank joins: the store's current one (key ``gen``), unless it is over (its handshake
-    done or an abort posted), then the next one, opened by the first rank that finds it over (module doc of
-    :mod:`.store`)."""
+    """The generation this rank joins: the store's current one (key ``gen``), unless it is over for this rank
+    (its handshake done, or an abort posted after this rank joined it), then the next one, opened by the
+    first rank that finds it over (module doc of :mod:`.store`)."""
     import torch.distributed as dist
 
     done = [f"barrier/handshake-read/0/{r}" for r in range(st.world_size)]
     call = lambda fn: st.call(fn, "opening a generation", _left(deadline))  # noqa: E731
     g = int(call(lambda: root.compare_set("gen", "", "1")))
+    last = int(call(lambda: root.add(f"join/{st.world_rank}", 0)))  # this rank's last generation, any process
     while True:
         gen = dist.PrefixStore(f"g{g}/", root)
-        if not call(lambda: gen.check(["abort"]) or gen.check(done)):
+        if not call(lambda: gen.check(done) or (last >= g and gen.check(["abort"]))):
             call(lambda: root.set(f"join/{st.world_rank}", str(g)))  # for the timeout's hint
             return g
         g = int(call(lambda g=g: root.compare_set("gen", str(g), str(g + 1))))

@@ -15,14 +15,17 @@ Generations
 -----------
 All keys of one meeting of the ranks live under ``<namespace>/g<generation>/``.
 The store holds the current generation (key ``gen``, 1 when FFN rank 0 opened
-it); :func:`connect` joins it unless it is over, that is, its handshake is
-done (every rank read every fingerprint) or an abort was posted in it; then it
-opens the next one (one ``compare_set``: every rank that finds ``g`` over moves
-to ``g + 1``, never further). So the ranks meet whoever re-initialises how
-often: after a step abort every rank closes and re-initialises into the next,
-empty key space; a restarted process of any role rank joins the generation its
-surviving peers re-initialise into; a rank whose init timed out and is retried
-joins the same, still open generation as before. Stale keys (unique ids, abort
+it); :func:`connect` joins it unless it is over for the joining rank: its
+handshake is done (every rank read every fingerprint), or an abort was posted
+in it after this rank (any process of this world rank, ``join/<world rank>``)
+had joined it; then it opens the next one (one ``compare_set``: every rank that
+finds ``g`` over moves to ``g + 1``, never further). A rank arriving late in a
+generation aborted before it joined (a refused duplicate or mismatched rank)
+still reads that abort. So the ranks meet however often each re-initialises:
+after a step abort every rank closes and re-initialises into the next, empty
+key space; a restarted process of any role rank joins the generation its
+surviving peers re-initialise into; a rank whose init timed out and is
+retried joins the same, still open generation as before. Stale keys (unique ids, abort
 flags, shared-memory names) of an earlier generation are never read again.
 
 The TCPStore server lives in FFN rank 0 and is cached per process with its
