@@ -135,6 +135,7 @@ def ffn_proc(emit, sc, wr, port, generations, kill_at=None):
                 except AFDError as e:
                     out["errors"].append(_named(e))
                     if len(out["rows"]) == generations:
+                        out["links"] = conn.links_id
                         return out
                     conn.close()
                     emit("waiting")
@@ -257,6 +258,7 @@ def test_all_attention_ranks_restarted_in_order_are_served_by_the_same_ffn_proce
     _check_attention(sc, a0, 0, [2, 3])
     _check_attention(sc, a1, 1, [2, 3])
     assert [e[0] for e in f0["errors"]] == ["ControlChannelClosed"] * 2, f0  # the goodbyes
+    assert f0["links"] == 2, f0  # one re-init of the same connector: its graphs would be dropped
     assert f0["rows"] == [[sum(_expected(sc, i, a) for a in range(2)) for i in g] for g in ([0, 1], [2, 3])], f0
     waited, lines = f0["waits"][0]
     assert lines and all("attention rank" in m and "the AFD handshake" in m for m in lines), f0["waits"]

@@ -220,7 +220,7 @@ class AFDConnector:
         """Meet every other rank and build the transport and control channels (collective; idempotent).
 
         Steps: join the rendezvous store hosted by FFN rank 0 at ``host:port``
-        (a new generation after each ``close``), the handshake
+        (the store's current generation, or the next when it is over: docs/internals.md), the handshake
         (:meth:`handshake_fields`), the transport
         (:func:`afd_ext.transport.create_transport`), the control channels,
         then :meth:`warmup` unless ``warmup_on_init=False``.
