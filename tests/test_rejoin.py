@@ -213,7 +213,10 @@ def _check_attention(sc, res, a, steps):
         assert res["checked"].get(i) == _expected(sc, i, a), (i, res)
 
 
-def _report(what, res):
+def _report(what, res, bound_s=5.0):
+    """Print the restarted process's time from its init call to its first step served, and hold it to
+    ``bound_s`` (issue 45's 5 s; measured 0.05-0.5 s with a load of 9-14 on 2 CPUs)."""
+    assert res["first_step_s"] < bound_s, (what, res)
     print(f"\n[rejoin] {what}: restarted process init -> first step served {res['first_step_s']:.2f} s "
           f"(load {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
 
@@ -286,7 +289,9 @@ def test_an_ffn_rank_killed_mid_step_is_restarted_and_the_attention_rank_carries
     total = lambda i: _expected(sc, i, 0)  # noqa: E731 - both FFN ranks together serve every row once
     assert [fo["rows"][1][k] + fv["rows"][0][k] for k in range(2)] == [total(2), total(3)], (fo, fv)
     assert fv["errors"][0][0] == "ControlChannelClosed", fv  # the attention rank's goodbye
-    _report(f"1A2F, FFN rank {victim} killed", fv)
+    # FFN rank 0 takes the store along: the abort cannot be posted, so the surviving FFN rank, blocked on the
+    # (healthy) attention rank, ends its step at step_timeout_s before it re-initialises (docs/internals.md)
+    _report(f"1A2F, FFN rank {victim} killed", fv, 5.0 if victim else sc.step_timeout_s + 5.0)
 
 
 # ------------------------------------------------------------------ waiting for a rejoin: bounded and named

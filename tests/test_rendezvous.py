@@ -411,3 +411,18 @@ def test_a_retried_and_a_restarted_rank_meet_their_peers_in_one_generation():
     finally:
         pool.shutdown()
         rdzv.forget_cached_stores()
+
+
+def test_a_close_ends_a_wait_for_a_restarting_store_host_at_once():
+    """A survivor reconnecting while FFN rank 0 restarts waits for its port; the connector's close() (the
+    ``stop`` event) ends that wait within one poll, not at init_timeout_s."""
+    import threading
+
+    from afd_ext.errors import AFDClosedError
+
+    stop = threading.Event()
+    threading.Timer(0.5, stop.set).start()
+    t0 = time.monotonic()
+    with pytest.raises(AFDClosedError, match="its connector was closed"):
+        rdzv.connect(HOST, find_free_port(HOST), 1, 2, 30.0, num_ffn_ranks=1, stop=stop)
+    assert time.monotonic() - t0 < 1.5

@@ -309,7 +309,7 @@ def connect(
         if entry is None:
             try:
                 base = _open_tcp_store(host, port, world_rank, timeout_s, deadline,
-                                       rank_label(world_rank, num_ffn_ranks))
+                                       rank_label(world_rank, num_ffn_ranks), stop)
             except RendezvousError as e:
                 if world_rank == 0 and getattr(e, "port_in_use", False):
                     raise _second_store_host(host, port, world_size, num_ffn_ranks, namespace, job, e,

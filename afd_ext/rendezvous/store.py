@@ -387,7 +387,8 @@ def _listen_socket(host: str, port: int) -> int:
     raise err
 
 
-def _open_tcp_store(host: str, port: int, world_rank: int, timeout_s: float, deadline: float, me: str = ""):
+def _open_tcp_store(host: str, port: int, world_rank: int, timeout_s: float, deadline: float, me: str = "",
+                    stop: threading.Event | None = None):
     import torch.distributed as dist
 
     if world_rank == 0:
@@ -413,7 +414,7 @@ def _open_tcp_store(host: str, port: int, world_rank: int, timeout_s: float, dea
     # timeout by a whole extra attempt.
     report = WaitReport(me or f"world rank {world_rank}", f"the AFD rendezvous store at {host}:{port}",
                         deadline)
-    last = _wait_listening(host, port, deadline, report)
+    last = _wait_listening(host, port, deadline, report, stop)
     if last is not None:
         raise RendezvousTimeoutError(
             f"{where}: {str(last).rstrip('.')}. Check that FFN rank 0 is running, that host/port are the same on every "
@@ -439,10 +440,12 @@ def _open_tcp_store(host: str, port: int, world_rank: int, timeout_s: float, dea
             "the same on every rank.", missing=(0,), what="rendezvous store") from None
 
 
-def _wait_listening(host: str, port: int, deadline: float, report: WaitReport) -> str | None:
+def _wait_listening(host: str, port: int, deadline: float, report: WaitReport,
+                    stop: threading.Event | None = None) -> str | None:
     """Connect to ``host:port`` until something accepts or ``deadline`` passes; None or the last error.
 
-    ``report`` logs the wait (FFN rank 0 not listening yet: it may still be loading its model).
+    ``report`` logs the wait (FFN rank 0 not listening yet: it may still be loading its model, or restarting).
+    ``stop`` set: raise :class:`AFDClosedError` (the connector's close() on another thread).
     """
     sleep = 0.01
     while True:
@@ -456,6 +459,8 @@ def _wait_listening(host: str, port: int, deadline: float, report: WaitReport) -
         left = deadline - time.monotonic()
         if left <= 0:
             return err
+        if stop is not None and stop.is_set():
+            raise AFDClosedError(f"{report.me} stopped waiting for {report.what}: its connector was closed")
         if report.due():
             report.log(f"FFN rank 0 (world rank 0), which hosts it ({err})")
         time.sleep(min(sleep, left))
