@@ -664,6 +664,19 @@ class GraphController:
         self._pool = backend.new_pool()
         self.cache = GraphCache(cache_size)
         self.warmed_up = False
+        self.links: Hashable = None
+
+    def follow(self, links: Hashable, warmed_up: bool) -> None:
+        """Drop every graph when the connector's links changed (``AFDConnector.links_id``: a re-init, e.g.
+        to meet a restarted peer): a graph holds the communicators and peer buffers it was captured with,
+        and must never replay against another generation's. ``warmed_up``: whether the new links were
+        warmed (``warmup_on_init``). Call before :meth:`decide` every step."""
+        if links != self.links:
+            if self.links is not None and len(self.cache):
+                logger.info("%s rank: the connector was re-initialised; dropping %d graph(s) of its old links",
+                            self.role, len(self.cache))
+            self.cache.clear()
+            self.links, self.warmed_up = links, warmed_up
 
     # -- decisions --------------------------------------------------------
 

@@ -126,37 +126,6 @@ def test_a_rank_of_another_job_is_refused_and_the_running_job_is_untouched(store
     print(f"\n[item 2] rank of another job: JobMismatchError after {took:.2f} s")
 
 
-@pytest.mark.slow  # ~11 s: a store host and a child process start, two 1.5 s handshake deadlines
-def test_a_second_job_on_the_port_is_named_instead_of_a_reinitialisation_mismatch(store_host, monkeypatch):
-    """Two jobs without a job id on one host:port: the second job's rank joins the first job's store (here
-    held by a stale FFN rank 0) at another generation. The timeout names a second job or a stale process
-    on that host:port and how to separate them, not only "re-initialise the same number of times"."""
-    monkeypatch.delenv("AFD_JOB_ID", raising=False)
-    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
-    host = store_host(world_size=3)  # the first job's FFN rank 0, still holding the port
-    port = host.port
-    assert _claim_in_child(port, 1, 3) == "joined"  # the first job's attention rank 0, since gone
-    st = rdzv.connect(HOST, port, 1, 3, 10.0, num_ffn_ranks=1)  # the second job's attention rank 0
-    assert st.generation == 2
-    took, _, err = timed(lambda: rdzv.handshake(st, 1, 3, {"x": 1}, 1.5), 20)
-    assert isinstance(err, rdzv.RendezvousTimeoutError), err
-    msg = str(err)
-    assert "FFN rank 0 (world rank 0) is at generation 1" in msg and "this process joined only 1 time" in msg, msg
-    assert "second job, or a stale process" in msg and f"127.0.0.1:{port}" in msg, msg
-    assert "own port" in msg and "connector_extra_config.job_id or AFD_JOB_ID" in msg, msg
-    assert msg.index("second job") < msg.index("the same number of times"), msg
-    assert took < _slack(1.5), took
-    # One job whose ranks re-initialised a different number of times (this process joined twice as
-    # attention rank 1): that explanation comes first.
-    rdzv.connect(HOST, port, 2, 3, 10.0, num_ffn_ranks=1)
-    st2 = rdzv.connect(HOST, port, 2, 3, 10.0, num_ffn_ranks=1)
-    _, _, err2 = timed(lambda: rdzv.handshake(st2, 2, 3, {"x": 1}, 1.5), 20)
-    msg2 = str(err2)
-    assert "is at generation 1" in msg2 and "this rank at 2 of the store" in msg2, msg2
-    assert msg2.index("the same number of times") < msg2.index("second job"), msg2
-    print(f"\n[item 2] second job on the port: RendezvousTimeoutError after {took:.2f} s naming it")
-
-
 def test_job_id_resolution_order(monkeypatch):
     from afd_ext.config import AfdExtConnectorConfig, resolve_job_id
 
@@ -334,7 +303,8 @@ def test_a_role_rank_whose_process_is_gone_can_be_taken_over(store_host):
     host = store_host()
     port = host.port
     assert _claim_in_child(port, 1) == "joined"  # that process exits, its claim stays in the store
-    assert rdzv.connect(HOST, port, 1, 2, 10.0, num_ffn_ranks=1).generation == 2
+    # generation 1 never reached its handshake: the new process joins it (issue 45: rendezvous/store.py doc)
+    assert rdzv.connect(HOST, port, 1, 2, 10.0, num_ffn_ranks=1).generation == 1
 
 
 # ---------------------------------------------------------------- item 14: A or F differ between ranks

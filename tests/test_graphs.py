@@ -290,6 +290,39 @@ def test_replay_refused_when_key_not_captured():
     assert ctl.decide(payload(), key([7, 1])) is StepMode.EAGER
 
 
+def test_graphs_of_old_links_are_dropped_when_the_connector_was_reinitialised(monkeypatch):
+    """Issue 45: a graph holds the communicators and peer buffers of the generation it was captured in; after a
+    re-init (AFDConnector.links_id changes: e.g. to meet a restarted peer) it is dropped, never replayed, and
+    a capture waits for the new links' warm-up unless init warmed them."""
+    from types import SimpleNamespace
+
+    from afd_ext.integrations import graph_runners
+
+    ctl = _controller()
+    ctl.follow(1, True)
+    assert ctl.warmed_up and ctl.links == 1
+    _capture_doubler(ctl, key([4, 4]), 8)
+    ctl.follow(1, True)  # the same links: kept
+    assert ctl.decide(payload(is_graph_replaying=True), key([4, 4])) is StepMode.REPLAY
+    ctl.follow(2, False)
+    assert len(ctl.cache) == 0 and not ctl.warmed_up
+    with pytest.raises(GraphKeyMismatchError, match="no graph captured yet"):
+        ctl.decide(payload(is_graph_replaying=True), key([4, 4]))
+    with pytest.raises(GraphModeError, match="warm-up"):
+        ctl.decide(payload(is_graph_capturing=True), key([4, 4]))
+    # The FFN runner follows the connector's links before every decision.
+    conn = SimpleNamespace(device=torch.device("cpu"), warmup_on_init=True, links_id=1)
+    monkeypatch.setattr(graph_runners, "_step_key", lambda c, p: (key([4, 4]), None))
+    srv = graph_runners.FFNGraphServer(SimpleNamespace(connector=conn), cache_size=2,
+                                       backend=EagerRecordingBackend())
+    srv.ctl.follow(1, True)
+    _capture_doubler(srv.ctl, key([4, 4]), 8)
+    conn.links_id = 2  # close(); init_afd_connector()
+    with pytest.raises(GraphKeyMismatchError):
+        srv.serve_step(payload(is_graph_replaying=True))
+    assert srv.ctl.backend.replays == 0 and len(srv.ctl.cache) == 0
+
+
 def test_capture_refused_before_warmup_with_rows_on_every_peer():
     ctl = _controller()
     with pytest.raises(GraphModeError, match="warm-up"):

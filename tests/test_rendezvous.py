@@ -350,3 +350,79 @@ def test_a_rank_waiting_for_the_store_host_says_so_until_its_deadline(caplog):
     for _, _, msg in lines:
         assert msg.startswith("attention rank 0 (world rank 1) ") and f"store at {HOST}:{port}" in msg, msg
         assert "from FFN rank 0 (world rank 0)" in msg and "gives up in" in msg, msg
+
+
+# ---------------------------------------------------------------- issue 45: one generation in the store
+_HANDSHAKE_CHILD = """
+import sys
+from afd_ext import rendezvous as rdzv
+st = rdzv.connect("127.0.0.1", int(sys.argv[1]), 2, 3, 20.0, num_ffn_ranks=1)
+rdzv.handshake(st, 2, 3, {"x": 1}, 20.0)
+print(st.generation, flush=True)
+"""
+
+
+def _child(port: int):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    return subprocess.Popen([sys.executable, "-c", _HANDSHAKE_CHILD, str(port)], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+
+
+@pytest.mark.timeout(90)
+def test_a_retried_and_a_restarted_rank_meet_their_peers_in_one_generation():
+    """A rank whose init timed out and is retried joins the same, still open generation; a restarted process
+    (a child here, world rank 2) joins the generation its surviving peers re-initialise into; a rank missing
+    from a new generation is named with the generation it last joined."""
+    import concurrent.futures as cf
+
+    port = find_free_port(HOST)
+    pool = cf.ThreadPoolExecutor(2)
+    try:
+        st0 = rdzv.connect(HOST, port, 0, 3, 20.0, num_ffn_ranks=1)
+        st1 = rdzv.connect(HOST, port, 1, 3, 20.0, num_ffn_ranks=1)
+        with pytest.raises(rdzv.RendezvousTimeoutError):  # world rank 2 not started yet
+            rdzv.handshake(st1, 1, 3, {"x": 1}, 0.5)
+        st1 = rdzv.connect(HOST, port, 1, 3, 20.0, num_ffn_ranks=1)  # the retry
+        assert (st0.generation, st1.generation) == (1, 1)
+        for attempt in (1, 2):  # world rank 2 started, then restarted
+            child = _child(port)
+            if attempt == 2:  # the survivors re-initialise (after the restarted one arrived, here)
+                st0 = rdzv.connect(HOST, port, 0, 3, 20.0, num_ffn_ranks=1)
+                st1 = rdzv.connect(HOST, port, 1, 3, 20.0, num_ffn_ranks=1)
+            done = [pool.submit(rdzv.handshake, st, r, 3, {"x": 1}, 20.0) for r, st in ((0, st0), (1, st1))]
+            [f.result(30) for f in done]
+            assert int(child.communicate(timeout=30)[0]) == attempt == st0.generation == st1.generation
+        # world rank 2 does not come back: named with the generation it last joined
+        st0 = rdzv.connect(HOST, port, 0, 3, 20.0, num_ffn_ranks=1)
+        st1 = rdzv.connect(HOST, port, 1, 3, 20.0, num_ffn_ranks=1)
+        late = pool.submit(rdzv.handshake, st1, 1, 3, {"x": 1}, 1.0)
+        with pytest.raises(rdzv.RendezvousTimeoutError) as e:
+            rdzv.handshake(st0, 0, 3, {"x": 1}, 1.0)
+        with pytest.raises(rdzv.RendezvousTimeoutError):
+            late.result(10)
+        assert st0.generation == 3 and e.value.missing == (2,), e.value
+        assert "attention rank 1 (world rank 2) last joined generation 2" in str(e.value), e.value
+        assert "this rank is at 3" in str(e.value) and "restart it" in str(e.value), e.value
+    finally:
+        pool.shutdown()
+        rdzv.forget_cached_stores()
+
+
+def test_a_close_ends_a_wait_for_a_restarting_store_host_at_once():
+    """A survivor reconnecting while FFN rank 0 restarts waits for its port; the connector's close() (the
+    ``stop`` event) ends that wait within one poll, not at init_timeout_s."""
+    import threading
+
+    from afd_ext.errors import AFDClosedError
+
+    stop = threading.Event()
+    threading.Timer(0.5, stop.set).start()
+    t0 = time.monotonic()
+    with pytest.raises(AFDClosedError, match="its connector was closed"):
+        rdzv.connect(HOST, find_free_port(HOST), 1, 2, 30.0, num_ffn_ranks=1, stop=stop)
+    assert time.monotonic() - t0 < 1.5

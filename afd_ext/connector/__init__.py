@@ -166,6 +166,15 @@ class AFDConnector:
         return self._s.initialized
 
     @property
+    def links_id(self) -> int:
+        """Which links this connector runs on: its count of successful inits (0 before the first).
+
+        Every ``init_afd_connector`` after a ``close`` builds new communicators and peer buffers,
+        so a CUDA graph captured under another value must not be replayed (:meth:`afd_ext.graphs.GraphController.follow`).
+        """
+        return self._s.opens
+
+    @property
     def data_timeout_s(self) -> float:
         """Deadline of one data-plane wait or in-flight operation on this rank, seconds.
 
@@ -211,14 +220,20 @@ class AFDConnector:
         """Meet every other rank and build the transport and control channels (collective; idempotent).
 
         Steps: join the rendezvous store hosted by FFN rank 0 at ``host:port``
-        (a new generation after each ``close``), the handshake
+        (the store's current generation, or the next when it is over: docs/internals.md), the handshake
         (:meth:`handshake_fields`), the transport
         (:func:`afd_ext.transport.create_transport`), the control channels,
         then :meth:`warmup` unless ``warmup_on_init=False``.
 
+        Re-initialising is also how a rank meets a restarted peer (docs/internals.md, "Restarting one
+        role"): after a failed step or a peer's goodbye, ``close()`` then ``init_afd_connector()``
+        waits up to ``init_timeout_s`` for the restarted process, naming it at WARNING every interval;
+        a ``close()`` on another thread ends that wait at once (:class:`~afd_ext.errors.AFDClosedError`).
+
         Raises:
             HandshakeMismatchError: a peer disagrees on a field (named, with both values).
             RendezvousTimeoutError / RendezvousError: a rank did not arrive, address problems.
+            AFDClosedError: ``close()`` was called on another thread meanwhile.
             RuntimeError: NCCL failures.
             On any failure everything built so far is released; the call may be retried.
         """

@@ -12,6 +12,7 @@ close mid-step aborts the step on every rank.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable
@@ -61,6 +62,8 @@ class Session:
         self.user_steps = 0  # the steps the caller applied: what messages count ("step 1" is the first)
         self.user_step = -1  # the last started step as the caller counts it (0: a warm-up), -1: none yet
         self.last_call = time.monotonic()
+        self.stop = threading.Event()  # set by close(): ends an init_afd_connector() waiting on another thread
+        self.opens = 0  # successful inits: graphs captured under another count used other links
 
     def reset(self) -> None:
         """Forget the previous generation's failure and step (a new init)."""
@@ -80,6 +83,7 @@ class Session:
             control: the control plane (its channels are closed after the step state, before the transport), or None.
             replies: the FFN side (its replies in flight are delivered when healthy, else dropped), or None.
         """
+        self.stop.set()
         self.closing = True
         st = self.step
         if self.initialized and self.broken is None and st is not None and not st.seq.complete:
@@ -137,9 +141,10 @@ class Session:
 
         extra = conn.extra
         self.reset()
+        self.stop.clear()
         store = rdzv.connect(conn.config.host, conn.config.port, conn.world_rank, conn.world_size,
                              timeout_s=extra.init_timeout_s, num_ffn_ranks=conn.ffn_size,
-                             job_id=extra.job_id)
+                             job_id=extra.job_id, stop=self.stop)
         self.store = store
         rdzv.handshake(store, conn.world_rank, conn.world_size, conn.handshake_fields(), extra.init_timeout_s)
         self.signal = store.abort_signal  # shared with the rendezvous waits: one bounded reader per store
@@ -154,6 +159,9 @@ class Session:
         control.open(store, extra.control_channel, extra.init_timeout_s,
                      options=ChannelOptions.from_env(heartbeat_interval_s=extra.heartbeat_interval_s,
                                                      heartbeat_timeout_s=extra.heartbeat_timeout_s))
+        if self.stop.is_set():  # close() on another thread while a step of init could not see it
+            raise self.closed_error("init_afd_connector")
+        self.opens += 1
         self.initialized = True
 
     # -- usability ---------------------------------------------------------------------

@@ -126,6 +126,7 @@ class AttentionGraphRunner:
             return self.exchange.begin_eager_step(payload, dp_rank=dp_rank, row_mask=row_mask, send=send)
         rows = self.exchange.step_rows(payload, dp_rank, row_mask)
         key, _ = _step_key(self.connector, padded_payload(payload, pad))
+        self.ctl.follow(self.connector.links_id, self.connector.warmup_on_init)
         if key not in self.ctl.cache:
             self._warmup_and_capture(payload, pad, key)
         replay = padded_payload(payload, pad, is_graph_replaying=True)
@@ -250,6 +251,7 @@ class FFNGraphServer:
         """Serve one step in the mode its flags ask for; return the mode."""
         srv, conn = self.server, self.server.connector
         key, sched = _step_key(conn, payload)
+        self.ctl.follow(conn.links_id, conn.warmup_on_init)
         mode = self.ctl.decide(payload, key)
         self.modes[mode.value] += 1
         if mode is StepMode.REPLAY:

@@ -20,12 +20,13 @@ import json
 import logging
 import threading
 import time
-from typing import Any, Iterable, Mapping
+import uuid
+from typing import Any, Mapping
 
 from ..errors import AFDConfigError, DuplicateRankError, HandshakeMismatchError, JobMismatchError, RendezvousError
 from ..errors import RendezvousTimeoutError, StoreTimeoutError
 from ..topology import rank_label
-from .store import (_MAX_POLL_S, _MIN_ROUND_TRIP_S, _OWN_JOINS, _STORES, _STORES_LOCK, DEFAULT_RENDEZVOUS_TIMEOUT_S,
+from .store import (_MAX_POLL_S, _MIN_ROUND_TRIP_S, _STORES, _STORES_LOCK, DEFAULT_RENDEZVOUS_TIMEOUT_S,
                     AFDStore, WaitReport, _left, _open_tcp_store, _process_token, _start_time, _StoreRunner,
                     _timedelta, host_identity)
 
@@ -62,9 +63,10 @@ def _world_record(job_id: str, world_size: int, num_ffn_ranks: int | None) -> di
     return {"job_id": job_id, "world_size": world_size, "num_ffn_ranks": num_ffn_ranks}
 
 
-def _check_world(st: "AFDStore", root: Any, mine: dict[str, Any], job_source: str, deadline: float) -> None:
-    """Compare this rank's job and world shape with the store's (written by FFN rank 0)."""
-    enc = json.dumps(mine, sort_keys=True)
+def _check_world(st: "AFDStore", root: Any, mine: dict[str, Any], job_source: str, deadline: float) -> str:
+    """Compare this rank's job and world shape with the store's (written by FFN rank 0); return the store's
+    instance id (a random id FFN rank 0 writes with the record: a restarted FFN rank 0 has a new one)."""
+    enc = json.dumps(dict(mine, instance=uuid.uuid4().hex[:12]) if st.world_rank == 0 else mine, sort_keys=True)
     if st.world_rank == 0:
         # FFN rank 0 opened the store: its view is the job's (a re-join reads it back).
         raw = st.call(lambda: root.compare_set("world", "", enc), "recording the job", _left(deadline))
@@ -94,14 +96,13 @@ def _check_world(st: "AFDStore", root: Any, mine: dict[str, Any], job_source: st
             job_id=mine["job_id"], store_job_id=str(theirs.get("job_id")))
     diff = _shape_difference(mine, theirs)
     if diff is None:
-        return
+        return str(theirs.get("instance", ""))
     name, a, b = diff
     msg = (f"AFD handshake mismatch in field {name!r}: {st.label()} has {a!r}, FFN rank 0 (world rank 0) "
            f"opened the store at {st.host}:{st.port} with {b!r}. Every attention and FFN rank must be "
            "started with the same num_attention_ranks and num_ffn_ranks.")
     # stop the ranks waiting in FFN rank 0's current handshake, unless that job already runs
-    _abort_waiting_init(st, root, {"reason": msg, "by": st.label()}, int(theirs.get("world_size") or 0), (0,),
-                        deadline)
+    _abort_waiting_init(st, root, {"reason": msg, "by": st.label()}, int(theirs.get("world_size") or 0), deadline)
     raise HandshakeMismatchError(msg, field=name, local_value=a, peer_value=b,
                                  local_rank=st.world_rank, peer_rank=0)
 
@@ -119,12 +120,11 @@ def _shape_difference(mine: Mapping[str, Any], theirs: Mapping[str, Any]) -> tup
 
 
 def _abort_waiting_init(st: "AFDStore", root: Any, record: Mapping[str, Any], world_size: int,
-                        ranks: Iterable[int], deadline: float) -> None:
-    """Post ``record`` as the abort of the generation that ``ranks`` joined last, unless it is past its handshake.
+                        deadline: float) -> None:
+    """Post ``record`` as the abort of the store's current generation, unless it is past its handshake.
 
-    The ranks of one init share a generation; a generation whose handshake
-    every rank has read is a running job, which is not disturbed. A rank that
-    has not joined yet (join count 0) will join generation 1. Each round trip
+    The ranks waiting at init are in the current generation; one past its
+    handshake is a running job, which is not disturbed. Each round trip
     may take until this rank's init ``deadline`` (at least 2 s): the waiting
     ranks learn of the refusal only from this post, and a store thread starved
     on a loaded host must not drop it (they would wait out their init timeout).
@@ -134,13 +134,10 @@ def _abort_waiting_init(st: "AFDStore", root: Any, record: Mapping[str, Any], wo
     value = json.dumps(dict(record))
     bound = lambda: _left(deadline, 2.0)  # noqa: E731
     try:
-        gens = {max(1, int(st.call(lambda r=r: root.add(f"join/{r}", 0), "reading generations", bound())))
-                for r in ranks}
+        g = int(st.call(lambda: root.compare_set("gen", "", "1"), "reading generations", bound()))
         done = [f"barrier/handshake-read/0/{r}" for r in range(world_size)]
-        for g in sorted(gens):
-            gen = dist.PrefixStore(f"g{g}/", root)
-            if done and st.call(lambda: gen.check(done), "reading the handshake", bound()):
-                continue  # that generation is past its handshake: a running job is not disturbed
+        gen = dist.PrefixStore(f"g{g}/", root)
+        if not (done and st.call(lambda: gen.check(done), "reading the handshake", bound())):
             st.call(lambda: gen.compare_set("abort", "", value), "posting the abort", bound())
     except Exception as e:  # noqa: BLE001 - the refusal itself stands; the others then wait out their deadline
         logger.warning("%s: could not stop the job's ranks waiting at init (%s); they wait out their "
@@ -157,7 +154,7 @@ def _refuse_duplicate(st: "AFDStore", root: Any, holder: Mapping[str, Any], dead
         "kind": "duplicate", "world_rank": st.world_rank, "holder": who, "claimant": mine,
         "holder_nonce": holder.get("nonce"), "by": f"a second process started as {st.label()} ({mine})",
         "reason": f"{st.label()} was started twice: {who} holds it, {mine} was refused"},
-        st.world_size, {0, st.world_rank}, deadline)
+        st.world_size, deadline)
     return DuplicateRankError(
         f"{st.label()} is already held by another running process ({who}) on the AFD rendezvous "
         f"store at {st.host}:{st.port}; this process ({mine}) is refused: two processes were started "
@@ -238,13 +235,15 @@ def connect(
     num_ffn_ranks: int | None = None,
     namespace: str = "afd",
     job_id: str | None = None,
+    stop: threading.Event | None = None,
 ) -> AFDStore:
     """Join the AFD rendezvous store at ``host:port`` and open the next generation.
 
     World rank 0 (FFN rank 0) hosts the ``TCPStore`` server, bound to ``host``;
     every other rank connects, retrying until ``timeout_s`` (so the ranks may
     start in any order). A second call in the same process reuses the cached
-    store and returns the next generation's key space (see the module doc).
+    store; the generation joined is the store's current one, or the next when
+    that one is over (see the module doc of :mod:`.store`).
 
     Args:
         host: address of FFN rank 0 (a name or an IPv4/IPv6 address).
@@ -255,6 +254,8 @@ def connect(
         num_ffn_ranks: ``F``, used to name ranks in errors and checked against FFN rank 0's (optional).
         namespace: key namespace; two AFD instances sharing one store use different names.
         job_id: this job's identity (None: :func:`afd_ext.config.resolve_job_id`).
+        stop: when set (the connector's ``close()`` on another thread), every wait on this store raises
+            :class:`AFDClosedError` within one poll.
 
     Returns:
         An :class:`AFDStore` for this rank's new generation.
@@ -308,7 +309,7 @@ def connect(
         if entry is None:
             try:
                 base = _open_tcp_store(host, port, world_rank, timeout_s, deadline,
-                                       rank_label(world_rank, num_ffn_ranks))
+                                       rank_label(world_rank, num_ffn_ranks), stop)
             except RendezvousError as e:
                 if world_rank == 0 and getattr(e, "port_in_use", False):
                     raise _second_store_host(host, port, world_size, num_ffn_ranks, namespace, job, e,
@@ -321,16 +322,28 @@ def connect(
     base.set_timeout(_timedelta(timeout_s))
     root = dist.PrefixStore(f"{namespace}/", base)
     st = handle(base, runner, root)
-    _check_world(st, root, _world_record(job, world_size, num_ffn_ranks), job_source, deadline)
+    st.stop = stop
+    st.instance = _check_world(st, root, _world_record(job, world_size, num_ffn_ranks), job_source, deadline)
     _claim_rank(st, root, deadline)
-    st.generation = int(st.call(lambda: root.add(f"join/{world_rank}", 1), "joining", _left(deadline)))
-    with _STORES_LOCK:
-        own = _OWN_JOINS[(host, port, namespace, world_rank)] = _OWN_JOINS.get((host, port, namespace, world_rank), 0) + 1
-    if own != st.generation:
-        logger.warning("%s joined the AFD rendezvous store at %s:%d at generation %d, but this process joined it "
-                       "%d time(s): earlier processes used this rank there (a restarted rank, a second job or a "
-                       "stale FFN rank 0 on that port); its peers must be in the same generation",
-                       st.label(), host, port, st.generation, own)
+    st.generation = _open_generation(st, root, deadline)
     st.store = dist.PrefixStore(f"g{st.generation}/", root)
     logger.debug("%s joined AFD rendezvous %s:%d generation %d", st.label(), host, port, st.generation)
     return st
+
+
+def _open_generation(st: "AFDStore", root: Any, deadline: float) -> int:
+    """The generation this rank joins: the store's current one (key ``gen``), unless it is over for this rank
+    (its handshake done, or an abort posted after this rank joined it), then the next one, opened by the
+    first rank that finds it over (module doc of :mod:`.store`)."""
+    import torch.distributed as dist
+
+    done = [f"barrier/handshake-read/0/{r}" for r in range(st.world_size)]
+    call = lambda fn: st.call(fn, "opening a generation", _left(deadline))  # noqa: E731
+    g = int(call(lambda: root.compare_set("gen", "", "1")))
+    last = int(call(lambda: root.add(f"join/{st.world_rank}", 0)))  # this rank's last generation, any process
+    while True:
+        gen = dist.PrefixStore(f"g{g}/", root)
+        if not call(lambda: gen.check(done) or (last >= g and gen.check(["abort"]))):
+            call(lambda: root.set(f"join/{st.world_rank}", str(g)))  # for the timeout's hint
+            return g
+        g = int(call(lambda g=g: root.compare_set("gen", str(g), str(g + 1))))

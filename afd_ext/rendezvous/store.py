@@ -13,14 +13,27 @@ routable address, and starting FFN rank 0 on a machine that does not own
 
 Generations
 -----------
-All keys live under ``<namespace>/g<generation>/``. The generation is the
-number of times this rank has joined this store (``<namespace>/join/<world
-rank>`` is incremented on every :func:`connect`), so after a step abort every
-rank that closes and re-initialises its connector lands in the next, empty
-key space without any coordination; stale keys (unique ids, abort flags,
-shared-memory names) of an earlier generation are never read again. The
-TCPStore itself is cached per process and reused across generations, because
-the server lives in FFN rank 0 and its clients must outlive one connector.
+All keys of one meeting of the ranks live under ``<namespace>/g<generation>/``.
+The store holds the current generation (key ``gen``, 1 when FFN rank 0 opened
+it); :func:`connect` joins it unless it is over for the joining rank: its
+handshake is done (every rank read every fingerprint), or an abort was posted
+in it after this rank (any process of this world rank, ``join/<world rank>``)
+had joined it; then it opens the next one (one ``compare_set``: every rank that
+finds ``g`` over moves to ``g + 1``, never further). A rank arriving late in a
+generation aborted before it joined (a refused duplicate or mismatched rank)
+still reads that abort. So the ranks meet however often each re-initialises:
+after a step abort every rank closes and re-initialises into the next, empty
+key space; a restarted process of any role rank joins the generation its
+surviving peers re-initialise into; a rank whose init timed out and is
+retried joins the same, still open generation as before. Stale keys (unique ids, abort
+flags, shared-memory names) of an earlier generation are never read again.
+
+The TCPStore server lives in FFN rank 0 and is cached per process with its
+clients, so it outlives a connector closed and re-initialised. A restarted FFN
+rank 0 opens a new, empty store (generation 1 again, and a new random
+``instance`` id in the job record, part of :attr:`AFDStore.generation_key`);
+the survivors' cached clients find their connection lost at their next
+:func:`connect`, reconnect and join it.
 
 Waits
 -----
@@ -60,7 +73,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
-from ..errors import AFDConfigError, AFDError, DuplicateRankError, HandshakeMismatchError, PeerClosedError
+from ..errors import AFDClosedError, AFDConfigError, AFDError, DuplicateRankError, HandshakeMismatchError, PeerClosedError
 from ..errors import RendezvousError, RendezvousTimeoutError, StepAbortedError, StoreTimeoutError, StoreUnavailableError
 from ..topology import rank_label
 from ..health.abort import AbortSignal
@@ -176,8 +189,10 @@ class AFDStore:
         host, port: the rendezvous address (FFN rank 0's).
         world_rank, world_size: this rank and the AFD world size ``F + A``.
         num_ffn_ranks: ``F`` when known (used to name ranks in errors).
-        generation: 1 for the first :func:`connect` of this rank, then 2, ...
+        generation: the generation joined (module doc), 1 on a new store.
         namespace: key namespace (one AFD instance).
+        instance: the store's random id (FFN rank 0's record; new when FFN rank 0 restarted).
+        stop: an event that ends every wait on this store (the connector's close() on another thread).
         timeout_s: default deadline of waits on this store, in seconds, and
             the default bound of one round trip.
     """
@@ -193,6 +208,8 @@ class AFDStore:
     namespace: str
     timeout_s: float
     _runner: _StoreRunner = field(repr=False)
+    instance: str = ""
+    stop: threading.Event | None = field(default=None, repr=False)
     _barrier_seq: dict[str, int] = field(default_factory=dict, repr=False)
     _abort: AbortSignal | None = field(default=None, repr=False)
 
@@ -281,16 +298,13 @@ class AFDStore:
     @property
     def generation_key(self) -> str:
         """A string unique to this store instance and generation (for naming OS resources)."""
-        return f"{self.namespace}-{self.port}-g{self.generation}"
+        return f"{self.namespace}-{self.port}-{self.instance}-g{self.generation}"
 
 
 # TCPStore clients (with their round-trip thread) cached per process: the server
 # lives in FFN rank 0 and must outlive a connector closed and re-initialised after an abort.
 _STORES: dict[tuple, tuple[Any, _StoreRunner]] = {}
 _STORES_LOCK = threading.Lock()
-# Joins this process made per (host, port, namespace, world rank): a generation above it counts joins of
-# earlier processes to the same store (a second job, or a rank meeting a stale FFN rank 0's store).
-_OWN_JOINS: dict[tuple, int] = {}
 
 
 def forget_cached_stores() -> None:
@@ -299,7 +313,6 @@ def forget_cached_stores() -> None:
         for _, runner in _STORES.values():
             runner.stop()
         _STORES.clear()
-        _OWN_JOINS.clear()
 
 
 def _timedelta(timeout_s: float) -> datetime.timedelta:
@@ -374,7 +387,8 @@ def _listen_socket(host: str, port: int) -> int:
     raise err
 
 
-def _open_tcp_store(host: str, port: int, world_rank: int, timeout_s: float, deadline: float, me: str = ""):
+def _open_tcp_store(host: str, port: int, world_rank: int, timeout_s: float, deadline: float, me: str = "",
+                    stop: threading.Event | None = None):
     import torch.distributed as dist
 
     if world_rank == 0:
@@ -400,7 +414,7 @@ def _open_tcp_store(host: str, port: int, world_rank: int, timeout_s: float, dea
     # timeout by a whole extra attempt.
     report = WaitReport(me or f"world rank {world_rank}", f"the AFD rendezvous store at {host}:{port}",
                         deadline)
-    last = _wait_listening(host, port, deadline, report)
+    last = _wait_listening(host, port, deadline, report, stop)
     if last is not None:
         raise RendezvousTimeoutError(
             f"{where}: {str(last).rstrip('.')}. Check that FFN rank 0 is running, that host/port are the same on every "
@@ -426,10 +440,12 @@ def _open_tcp_store(host: str, port: int, world_rank: int, timeout_s: float, dea
             "the same on every rank.", missing=(0,), what="rendezvous store") from None
 
 
-def _wait_listening(host: str, port: int, deadline: float, report: WaitReport) -> str | None:
+def _wait_listening(host: str, port: int, deadline: float, report: WaitReport,
+                    stop: threading.Event | None = None) -> str | None:
     """Connect to ``host:port`` until something accepts or ``deadline`` passes; None or the last error.
 
-    ``report`` logs the wait (FFN rank 0 not listening yet: it may still be loading its model).
+    ``report`` logs the wait (FFN rank 0 not listening yet: it may still be loading its model, or restarting).
+    ``stop`` set: raise :class:`AFDClosedError` (the connector's close() on another thread).
     """
     sleep = 0.01
     while True:
@@ -443,6 +459,8 @@ def _wait_listening(host: str, port: int, deadline: float, report: WaitReport) -
         left = deadline - time.monotonic()
         if left <= 0:
             return err
+        if stop is not None and stop.is_set():
+            raise AFDClosedError(f"{report.me} stopped waiting for {report.what}: its connector was closed")
         if report.due():
             report.log(f"FFN rank 0 (world rank 0), which hosts it ({err})")
         time.sleep(min(sleep, left))
@@ -471,15 +489,11 @@ def _start_time(pid: int) -> str | None:
 
 
 def _generation_hint(store: AFDStore, missing: Iterable[int]) -> str:
-    """Explain missing ranks that sit in another generation of the store, or ``""``.
+    """Explain missing ranks that last joined another generation of this store, or ``""``.
 
-    A generation counts every join of a world rank to the store since it
-    started, by any process. Ranks of one job that re-initialised a different
-    number of times land in different generations; so do the ranks of a second
-    job (or a restarted rank) that reached a store another job, or a stale FFN
-    rank 0, still holds at ``host:port``. When this rank's generation exceeds
-    the joins its own process made, an earlier process used this rank on the
-    store: that second case is named first.
+    Ranks of one job meet in the store's current generation (module doc), so a
+    missing rank seen at an older one stopped or crashed since, and one at a
+    newer one sits in a job or a stale process that shares ``host:port``.
     """
     import torch.distributed as dist
 
@@ -489,24 +503,15 @@ def _generation_hint(store: AFDStore, missing: Iterable[int]) -> str:
         for r in missing:
             g = int(store.call(lambda r=r: root.add(f"join/{r}", 0), "reading generations", _MIN_ROUND_TRIP_S))
             if g and g != store.generation:  # 0: never joined this store (not started, or crashed before)
-                notes.append(f"{store.label(r)} is at generation {g}")
+                notes.append(f"{store.label(r)} last joined generation {g}")
     except Exception:  # noqa: BLE001 - only a hint
         return ""
     if not notes:
         return ""
-    own = _OWN_JOINS.get((store.host, store.port, store.namespace, store.world_rank), store.generation)
-    addr = f"{store.host}:{store.port}"
-    mine = f"this rank at {store.generation}"
-    if own != store.generation:
-        mine += f", though this process joined only {own} time{'s' if own != 1 else ''}: earlier processes used it"
-    second = (f"A second job, or a stale process of an earlier run (e.g. an FFN rank 0 still holding the port), "
-              f"may be using {addr}: give each job its own port, or its own job id "
-              "(connector_extra_config.job_id or AFD_JOB_ID; then a rank of another job is refused at once), and "
-              "stop stale processes.")
-    reinit = ("If these ranks are one job, every rank must close() and init_afd_connector() the same number of "
-              "times.")
-    order = (second, reinit) if own != store.generation else (reinit, second)
-    return f" ({'; '.join(notes)}, {mine} of the store at {addr}). {order[0]} {order[1]}"
+    return (f" ({'; '.join(notes)}; this rank is at {store.generation} of the store at {store.host}:{store.port}). "
+            "A rank at an older generation stopped or crashed after it: restart it. A second job, or a stale "
+            "process of an earlier run, may be using that port: give each job its own port, or its own job id "
+            "(connector_extra_config.job_id or AFD_JOB_ID; then a rank of another job is refused at once).")
 
 
 def _abort_error(store: AFDStore, found: tuple[str, str], op: str, missing: Iterable[int] = ()) -> AFDError:
@@ -565,6 +570,9 @@ def wait_for_keys(
         if not pending or store.check(list(pending), timeout_s=_left(deadline)):
             report.done()
             return
+        if store.stop is not None and store.stop.is_set():
+            raise AFDClosedError(f"{store.label()} stopped waiting for {what}: its connector was closed "
+                                 "(close() on this rank)")
         found = store.abort_signal.read()
         if found is not None:
             op = f"waiting for {what}"
