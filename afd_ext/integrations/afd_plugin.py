@@ -236,11 +236,7 @@ def _rejoin(owner: Any, e: AFDError) -> bool:
                    "for the %d restarted attention rank(s) to rejoin", inner.peer_map.me, type(e).__name__,
                    str(e).splitlines()[0], inner.extra.init_timeout_s, owner.attn_size)
     inner.close()
-    owner._rejoining = True
-    try:
-        inner.init_afd_connector()
-    finally:
-        owner._rejoining = False
+    inner.init_afd_connector()  # a close() from another thread ends its wait at once (AFDClosedError)
     if owner._closing:  # close() came as the wait ended
         inner.close()
         raise AFDClosedError(f"{inner.peer_map.me}: closed while the attention side rejoined")
@@ -576,7 +572,6 @@ if HAVE_AFD_PLUGIN:
             self._last: tuple[Any, AFDControlPayload] | None = None
             self._spec_ok: Any = None
             self._closing = False
-            self._rejoining = False  # the FFN loop thread waits in _rejoin's init_afd_connector
             self._handle = next(_HANDLES)
             _LIVE[self._handle] = self
 
@@ -620,11 +615,6 @@ if HAVE_AFD_PLUGIN:
             self._closing = True
             self._leave_capture()
             self._last = None
-            store = self._inner._s.store if self._rejoining else None
-            if store is not None:  # end _rejoin's wait now: its rendezvous reads this abort, then releases all
-                store.abort_signal.post(f"{self._inner.peer_map.me} closed its connector while waiting for the "
-                                        "attention side to rejoin", "closed")
-                return
             self._inner.close()
 
         # -- control plane ------------------------------------------------------
