@@ -103,13 +103,10 @@ class _Waiter(CallThread):
 
 
 def _completed_ok(work: Any) -> bool:
-    """Whether a gloo work finished successfully (False while pending or after an error).
-
-    A completed work's ``wait()`` returns at once or raises its error; ``Work.is_success()`` would say the
-    same but torch logs it as deprecated (pytorch#46291)."""
+    """Whether a gloo work finished successfully (False while pending or after an error)."""
     try:
-        return bool(work.is_completed()) and work.wait() is not False
-    except Exception:  # noqa: BLE001 - a failed or unanswerable work is not done
+        return bool(work.is_completed()) and bool(work.is_success())
+    except Exception:  # noqa: BLE001 - treat an unanswerable work as not done
         return False
 
 
