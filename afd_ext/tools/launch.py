@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 from afd_ext import envs
 from afd_ext.errors import AFDConfigError, AFDError
+from afd_ext.tools.cli import ranged
 
 if TYPE_CHECKING:
     from afd_ext.config import AFDConfig
@@ -249,6 +250,24 @@ def _gpu_list(text: str, n: int, name: str) -> list[str]:
 # ---------------------------------------------------------------------------
 
 
+def _extra_config(text: str) -> str:
+    """``--extra-config``: a JSON object of the fields ``AfdExtConnector`` knows (values are the ranks' to check:
+    a transport registered in the rank's own process is named there).
+    """
+    from dataclasses import fields
+
+    from afd_ext.config import _DEPRECATED_EXTRA, AfdExtConnectorConfig
+
+    try:
+        keys = envs.json_object(text)
+    except ValueError as e:  # AFDConfigError (a JSON that is not an object) is a ValueError too
+        raise argparse.ArgumentTypeError(f"must be a JSON object: {e}") from None
+    known = [f.name for f in fields(AfdExtConnectorConfig)]
+    if unknown := sorted(set(keys) - set(known) - set(_DEPRECATED_EXTRA)):
+        raise argparse.ArgumentTypeError(f"unknown connector_extra_config field(s) {unknown}; known fields: {known}")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``afd-ext launch`` parser (its own options; every other option before ``--`` goes to torchrun)."""
     p = argparse.ArgumentParser(
@@ -261,12 +280,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "--nproc-per-node, --rdzv-*, ...) are passed to torchrun.",
         epilog="Example: afd-ext launch -A 2 -F 1 -- python examples/multinode.py",
     )
-    p.add_argument("--num-attention-ranks", "-A", type=int, required=True, help="A >= 1 (all nodes together)")
-    p.add_argument("--num-ffn-ranks", "-F", type=int, required=True, help="F >= 1 (all nodes together)")
+    p.add_argument("--num-attention-ranks", "-A", type=ranged(int, 1), required=True,
+                   help="A >= 1 (all nodes together)")
+    p.add_argument("--num-ffn-ranks", "-F", type=ranged(int, 1), required=True, help="F >= 1 (all nodes together)")
     p.add_argument("--host", default=None,
                    help="AFD rendezvous host, FFN rank 0's address (default: 127.0.0.1 on one node; "
                         "torchrun's MASTER_ADDR on several)")
-    p.add_argument("--port", type=int, default=None,
+    p.add_argument("--port", type=ranged(int, 1, 65535), default=None,
                    help="AFD rendezvous port (default: a free port on one node; 1239 on several)")
     p.add_argument("--attention-gpus", default=None,
                    help="GPU index per attention rank, by role rank, e.g. '0,0' (one entry: all share it). "
@@ -274,8 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "torchrun's LOCAL_RANK (its index among the processes on its host)")
     p.add_argument("--ffn-gpus", default=None,
                    help="GPU index per FFN rank, by role rank, e.g. '1' (one entry: all share it)")
-    p.add_argument("--extra-config", default=None,
-                   help="JSON object exported as AFD_CONNECTOR_EXTRA_CONFIG (connector_extra_config)")
+    p.add_argument("--extra-config", type=_extra_config, default=None,
+                   help="JSON object exported as AFD_CONNECTOR_EXTRA_CONFIG (connector_extra_config); its field "
+                        "names are checked against AfdExtConnector's before any rank starts")
     p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with the rank")
     return p
 
@@ -353,21 +374,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not cmd:
         parser.error("give the command to run after '--', e.g. -- python script.py")
     A, F = args.num_attention_ranks, args.num_ffn_ranks
-    if A < 1 or F < 1:
-        parser.error(f"--num-attention-ranks and --num-ffn-ranks must be >= 1, got {A} and {F}")
     try:
         for text, n, flag in ((args.attention_gpus, A, "--attention-gpus"), (args.ffn_gpus, F, "--ffn-gpus")):
             if text is not None:
                 _gpu_list(text, n, flag)
     except AFDConfigError as e:
         parser.error(str(e))
-    if args.extra_config is not None:
-        try:
-            envs.json_object(args.extra_config)
-        except ValueError as e:
-            parser.error(f"--extra-config must be a JSON object: {e}")
-    if args.port is not None and not 0 < args.port < 65536:
-        parser.error(f"--port must be in 1..65535, got {args.port}")
     if args.port is not None and _max_nodes(torchrun_opts) == 1:
         try:  # FFN rank 0 binds it on this machine; before torch is imported, so it takes well under a second
             check_port_free(args.host or "127.0.0.1", args.port)
@@ -419,6 +431,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(f"got {e.sigval.name}; every rank was stopped", 128 + int(e.sigval))
     return 0
 
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
