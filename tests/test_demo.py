@@ -163,7 +163,7 @@ def test_requests_leave_the_batch_at_different_steps():
 
 @pytest.mark.parametrize("fp8", [None, "fp32", "ue8m0"])
 def test_text_summary_says_when_fp8_is_on_the_wire(fp8):
-    plan = demo.build_plan(demo.parse_args(["--dims", "tiny", "--backend", "gloo", "--no-progress",
+    plan = demo.build_plan(demo.parse_args(["--dims", "small", "--backend", "gloo", "--no-progress",
                                             *(["--fp8", fp8] if fp8 else [])]))
     res = demo.RankResult(rank=0, requests=[], step_counts=[[3, 0]], wall_s=0.1, latency_ns={0: [1000, 900]},
                           bytes_sent=10, bytes_received=10, steps=2)

@@ -71,25 +71,16 @@ def missing_extra(command: str, argv: Sequence[str] = ()) -> str | None:
             f"pip install 'afd_ext[{extra}]'")
 
 
-def _worker_error_line(e: BaseException) -> str | None:
-    """``"<Class> in <worker>: <first line>"`` for a worker's failure (:class:`afd_ext.tools.testing.WorkerError`)."""
+def error_line(command: str, e: BaseException) -> str:
+    """The one line ``afd-ext <command>`` prints for an error: its class and the first line of its message; a
+    worker's failure (:class:`afd_ext.tools.testing.WorkerError`) as ``"<Class> in <worker>: <first line>"``."""
     from afd_ext.tools.testing import WorkerError
 
     line = e.exception_line() if isinstance(e, WorkerError) else None
-    if line is None:
-        return None
-    cls, msg = line
-    who = getattr(e, "label", None) or f"worker rank {e.rank}"
-    return f"{cls} in {who}: {msg}" if msg else f"{cls} in {who}"
-
-
-def error_line(command: str, e: BaseException) -> str:
-    """The one line ``afd-ext <command>`` prints for an error (its class and the first line of its message)."""
-    line = _worker_error_line(e)
-    if line is None:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        line = f"{type(e).__name__}: {first}" if first else type(e).__name__
-    return f"afd-ext {command}: {line}"
+    cls, msg = line or (type(e).__name__, (str(e).strip().splitlines() or [""])[0])
+    if line is not None:
+        cls += f" in {getattr(e, 'label', None) or f'worker rank {e.rank}'}"
+    return f"afd-ext {command}: {cls}: {msg}" if msg else f"afd-ext {command}: {cls}"
 
 
 def ranged(cast: Callable[[str], Any], low: float, high: float | None = None, *, above: bool = False):

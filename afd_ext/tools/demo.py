@@ -115,15 +115,13 @@ def load_model_config(name_or_path: str) -> dict[str, Any]:
     Raises:
         AFDConfigError: unknown name, unreadable or invalid JSON, no ``model_type``.
     """
-    if name_or_path.endswith(".json"):
-        try:
-            text = Path(name_or_path).read_text(encoding="utf-8")
-        except OSError as e:
-            raise AFDConfigError(f"model dims file {name_or_path!r}: cannot read it ({e.strerror or e})") from None
-    elif name_or_path in available_dims():
-        text = _DATA.joinpath("models", f"{name_or_path}.json").read_text(encoding="utf-8")
-    else:
+    shipped = not name_or_path.endswith(".json")
+    if shipped and name_or_path not in available_dims():
         raise AFDConfigError(f"unknown model dims {name_or_path!r}: choose one of {available_dims()} or give a .json path")
+    try:
+        text = (_DATA.joinpath("models", f"{name_or_path}.json") if shipped else Path(name_or_path)).read_text("utf-8")
+    except OSError as e:
+        raise AFDConfigError(f"model dims file {name_or_path!r}: cannot read it ({e.strerror or e})") from None
     try:
         cfg = json.loads(text)
     except ValueError as e:
@@ -325,17 +323,8 @@ class RankResult:
     steps: int
 
 
-def generate_attention_rank(
-    model,
-    exchange,
-    agree: Callable[[list[int]], Any],
-    requests: Sequence[Request],
-    *,
-    rank: int,
-    num_stages: int = 1,
-    device: str = "cpu",
-    progress: Any = None,
-) -> RankResult:
+def generate_attention_rank(model, exchange, agree: Callable[[list[int]], Any], requests: Sequence[Request], *,
+                            rank: int, num_stages: int = 1, device: str = "cpu", progress: Any = None) -> RankResult:
     """Serve ``requests`` on one attention rank of a split model.
 
     Left-padded batch, one prefill step, then one decode step per generated
@@ -443,11 +432,8 @@ class CheckResult:
     failures: list[str] = field(default_factory=list)
 
 
-def self_check(
-    results: Sequence[dict[str, Any]],
-    whole_logits: Callable[[Sequence[int]], Any],
-    tolerance: float,
-) -> CheckResult:
+def self_check(results: Sequence[dict[str, Any]], whole_logits: Callable[[Sequence[int]], Any],
+               tolerance: float) -> CheckResult:
     """Compare the split model's logits with the whole model's, teacher forced.
 
     Args:
@@ -510,7 +496,7 @@ class DemoPlan:
         host / port: rendezvous of the connector; agree_port: the attention
             ranks' count agreement store, hosted by the launching process
             (:func:`run_demo` binds it before any worker starts; 0 until then).
-        step_timeout_s / init_timeout_s: connector deadlines.
+        step_timeout_s: the connector's per-operation deadline (its init deadline: at least 120 s).
         progress: show a progress bar on attention rank 0.
         threads: torch intra-op threads per process.
         connector: a connector registry name, or ``"module:Class"`` for a
@@ -539,7 +525,6 @@ class DemoPlan:
     agree_port: int = 0
     seed: int = 0
     step_timeout_s: float = 60.0
-    init_timeout_s: float = 120.0
     progress: bool = True
     threads: int = 1
     connector: str = "AfdExtConnector"
@@ -551,6 +536,10 @@ class DemoPlan:
     @property
     def device_type(self) -> str:
         return "cpu" if self.backend == "gloo" else "cuda"
+
+    @property
+    def init_timeout_s(self) -> float:
+        return max(self.step_timeout_s, 120.0)
 
     @property
     def max_steps(self) -> int:
@@ -728,9 +717,9 @@ def run_demo(plan: DemoPlan, *, timeout_s: float = 600.0) -> dict[str, Any]:
     """Run the processes of ``plan`` and the self-check; return the summary dict.
 
     Raises:
-        AFDConfigError: a CUDA plan without a placement and no usable GPU.
-        afd_ext.tools.testing.WorkerError / TimeoutError: a process failed or hung; AFDPeerError: a
-            process died without reporting (a signal, an exit).
+        afd_ext.tools.testing.WorkerError: a process failed (``label`` names its role); AFDTimeoutError: the
+            processes still running at ``timeout_s``, by role; AFDPeerError: a process died without reporting
+            (a signal, an exit).
     """
     import torch.distributed as dist
 
@@ -741,8 +730,6 @@ def run_demo(plan: DemoPlan, *, timeout_s: float = 600.0) -> dict[str, Any]:
     agree_store = dist.TCPStore(plan.host, 0, is_master=True, wait_for_workers=False,
                                 timeout=datetime.timedelta(seconds=plan.step_timeout_s))
     plan = dataclasses.replace(plan, agree_port=int(agree_store.port))
-    if plan.device_type == "cuda" and plan.gpu_placement is None:  # a plan not made by build_plan
-        plan = dataclasses.replace(plan, gpu_placement=_gpu_placement(plan.num_attention, plan.num_ffn))
     t0 = time.perf_counter()
     logger.info("starting %d processes", plan.num_attention + plan.num_ffn)
     try:
@@ -990,17 +977,13 @@ def build_plan(args: argparse.Namespace) -> DemoPlan:
             connector, no GPU, a bad --json path or --dims, --fp8 with a hidden size it cannot quantize).
     """
     from afd_ext.tools.launch import check_port_free
-    from afd_ext.tools.testing import find_free_port
+    from afd_ext.tools.testing import find_free_port, visible_gpu_count
 
     # A busy port, or a host that is not this machine's, named now (port 0: the host alone), not
     # when FFN rank 0 binds it seconds later.
     check_port_free(args.host, args.port)
     _connector_class(args.connector)
-    backend = args.backend
-    if backend == "auto":
-        import torch
-
-        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "gloo"
+    backend = args.backend if args.backend != "auto" else "nccl" if visible_gpu_count() >= 2 else "gloo"
     A, F_ = args.topology
     placement = _gpu_placement(A, F_) if backend != "gloo" else None
     if args.json_path:  # checked before the run, not after it: a bad path must not cost the whole demo
@@ -1023,7 +1006,7 @@ def build_plan(args: argparse.Namespace) -> DemoPlan:
         dtype="float32" if backend == "gloo" and not args.fp8 else "bfloat16", stages=args.stages,
         gate_on_attention=args.gate_on_attention, requests=requests, host=args.host,
         port=args.port or find_free_port(args.host), step_timeout_s=args.step_timeout,
-        init_timeout_s=max(args.step_timeout, 120.0), progress=not args.no_progress, threads=args.threads,
+        progress=not args.no_progress, threads=args.threads,
         connector=args.connector, verbose=args.verbose, graph=args.graph, gpu_placement=placement, fp8=args.fp8)
 
 

@@ -74,15 +74,9 @@ class LaunchedRank(NamedTuple):
 def _launcher_int(name: str) -> int | None:
     """torchrun's ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` as an int >= 0, or None when unset."""
     raw = os.environ.get(name)
-    if raw is None:
-        return None
-    try:
-        v = int(raw)
-    except ValueError:
-        v = -1
-    if v < 0:
+    if raw is not None and not raw.strip().isdigit():
         raise AFDConfigError(f"environment variable {name}={raw!r} is not an int >= 0")
-    return v
+    return None if raw is None else int(raw)
 
 
 def _parse_roles(text: str) -> list[str]:
@@ -276,8 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
         usage="afd-ext launch -A N -F M [AFD options] [torchrun options] -- command [args ...]",
         description="Run COMMAND as A attention + F FFN ranks under torchrun (torch.distributed.run), with "
                     "the AFD variables exported; inside, afd_ext.tools.launch.config_from_env() says which rank "
-                    "is which. Options not listed here (--nnodes, --node-rank, --master-addr, "
-                    "--nproc-per-node, --rdzv-*, ...) are passed to torchrun.",
+                    "is which. Options not listed here (--node-rank, --master-addr, --nproc-per-node, "
+                    "--rdzv-*, ...) are passed to torchrun.",
         epilog="Example: afd-ext launch -A 2 -F 1 -- python examples/multinode.py",
     )
     p.add_argument("--num-attention-ranks", "-A", type=ranged(int, 1), required=True,
@@ -297,6 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--extra-config", type=_extra_config, default=None,
                    help="JSON object exported as AFD_CONNECTOR_EXTRA_CONFIG (connector_extra_config); its field "
                         "names are checked against AfdExtConnector's before any rank starts")
+    p.add_argument("--nnodes", default="1", help="nodes, N or MIN:MAX (torchrun's --nnodes, passed on to it)")
     p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with the rank")
     return p
 
@@ -315,20 +310,6 @@ def check_port_free(host: str, port: int) -> None:
     from afd_ext.rendezvous.store import _listen_socket
 
     os.close(_listen_socket(host, port))
-
-
-def _max_nodes(torchrun_opts: Sequence[str]) -> int:
-    """The most nodes torchrun's ``--nnodes`` allows (``"2"``, ``"1:4"``); 1 without it, 0 if unreadable."""
-    value = "1"
-    for i, o in enumerate(torchrun_opts):
-        if o == "--nnodes" and i + 1 < len(torchrun_opts):
-            value = torchrun_opts[i + 1]
-        elif o.startswith("--nnodes="):
-            value = o.split("=", 1)[1]
-    try:
-        return int(value.split(":")[-1])
-    except ValueError:
-        return 0
 
 
 def _fail(msg: str, code: int = 2) -> int:
@@ -364,11 +345,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     is not found; 2 for bad arguments (one line on stderr, no traceback).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--" not in argv:
-        own, cmd = argv, []
-    else:
-        i = argv.index("--")
-        own, cmd = argv[:i], argv[i + 1:]
+    i = argv.index("--") if "--" in argv else len(argv)
+    own, cmd = argv[:i], argv[i + 1:]
     parser = build_parser()
     args, torchrun_opts = parser.parse_known_args(own)
     if not cmd:
@@ -380,7 +358,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _gpu_list(text, n, flag)
     except AFDConfigError as e:
         parser.error(str(e))
-    if args.port is not None and _max_nodes(torchrun_opts) == 1:
+    one_node = args.nnodes.rsplit(":", 1)[-1].strip() == "1"  # torchrun refuses a malformed --nnodes itself
+    if args.port is not None and one_node:
         try:  # FFN rank 0 binds it on this machine; before torch is imported, so it takes well under a second
             check_port_free(args.host or "127.0.0.1", args.port)
         except AFDError as e:
@@ -396,10 +375,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     prefix = [] if args.no_prefix else ["--tee", "3"]
     # Our defaults first: argparse keeps the last occurrence, so the user's torchrun options win.
     tr_parser = torchrun.get_args_parser()
-    tr_parser.prog = "afd-ext launch (torchrun options)"
-    targs = tr_parser.parse_args(["--nproc-per-node", str(A + F), *prefix, *torchrun_opts, "--no-python", *cmd])
-    _, max_nodes = torchrun.parse_min_max_nnodes(targs.nnodes)
-    one_node = max_nodes == 1
+    tr_parser.prog, tr_parser.allow_abbrev = "afd-ext launch (torchrun options)", False  # --nnodes is ours alone
+    targs = tr_parser.parse_args(["--nproc-per-node", str(A + F), "--nnodes", args.nnodes, *prefix, *torchrun_opts,
+                                  "--no-python", *cmd])
     if one_node and int(targs.nproc_per_node) != A + F:
         parser.error(f"on one node --nproc-per-node must be A + F = {A + F}, got {targs.nproc_per_node}")
     host = args.host or ("127.0.0.1" if one_node else None)

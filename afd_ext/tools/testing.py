@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from afd_ext import envs
-from afd_ext.errors import AFDPeerError
+from afd_ext.errors import FOLLOW_ON_ERRORS, AFDPeerError
 
 
 class WorkerError(RuntimeError):
@@ -172,14 +172,12 @@ def visible_gpu_labels(num_gpus: int) -> list[str]:
     Raises:
         ValueError: ``CUDA_VISIBLE_DEVICES`` names fewer GPUs than ``num_gpus``.
     """
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if env is not None and env.strip():
-        labels = [x.strip() for x in env.split(",") if x.strip()]
-        if len(labels) < num_gpus:
-            raise ValueError(f"CUDA_VISIBLE_DEVICES={env!r} names {len(labels)} GPUs but {num_gpus} are visible; "
-                             "set it to a plain comma list of the GPUs to use")
-        return labels[:num_gpus]
-    return [str(i) for i in range(num_gpus)]
+    env = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    labels = [x.strip() for x in env.split(",") if x.strip()] or [str(i) for i in range(num_gpus)]
+    if len(labels) < num_gpus:
+        raise ValueError(f"CUDA_VISIBLE_DEVICES={env!r} names {len(labels)} GPUs but {num_gpus} are visible; "
+                         "set it to a plain comma list of the GPUs to use")
+    return labels[:num_gpus]
 
 
 def visible_gpu_count() -> int:
@@ -270,8 +268,6 @@ def _entry(fn, rank, nprocs, args, q):
         result = fn(rank, nprocs, *args)
         q.put((rank, True, result))
     except BaseException as e:  # noqa: BLE001 - forwarded to the parent verbatim
-        from afd_ext.errors import FOLLOW_ON_ERRORS
-
         q.put((rank, False, (traceback.format_exc(), isinstance(e, FOLLOW_ON_ERRORS))))
         _flush(q)
         raise SystemExit(1)
@@ -323,15 +319,9 @@ def _root_cause(first: WorkerError, q: Any, procs: Sequence[Any], results: dict[
     return first
 
 
-def run_workers(
-    fn: Callable[..., Any],
-    nprocs: int,
-    args: Sequence[Any] = (),
-    *,
-    timeout_s: float = 120.0,
-    env: Mapping[str, str] | None = None,
-    per_rank_env: Sequence[Mapping[str, str]] | None = None,
-) -> list[Any]:
+def run_workers(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, timeout_s: float = 120.0,
+                env: Mapping[str, str] | None = None,
+                per_rank_env: Sequence[Mapping[str, str]] | None = None) -> list[Any]:
     """Run ``fn(rank, nprocs, *args)`` in ``nprocs`` spawned processes.
 
     Args:
