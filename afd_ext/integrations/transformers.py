@@ -472,12 +472,10 @@ class AttentionExchange:
         if self.graph_runner is not None and self.graph_runner.active:
             out = self.graph_runner.exchange_rows(layer_idx, rows, router_logits)
         else:
+            stage_rows = self.rows_for(rows.shape[0])
+            logits = [None] * len(stage_rows) if router_logits is None else router_logits.split(stage_rows)
             outs = []
-            start = 0
-            for s, n in enumerate(self.rows_for(rows.shape[0])):
-                x = rows[start : start + n]
-                lg = router_logits[start : start + n] if router_logits is not None else None
-                start += n
+            for s, (x, lg) in enumerate(zip(rows.split(stage_rows), logits)):
                 with self.timed(layer_idx, rows.device):
                     y = self.send_recv(layer_idx, s, x, lg)
                 if tuple(y.shape) != tuple(x.shape):

@@ -625,7 +625,7 @@ def _worker(rank: int, nprocs: int, plan: DemoPlan) -> dict[str, Any]:
     from afd_ext.integrations import graph_runners
     from afd_ext.integrations.transformers import FFNServer, split_attention_role
 
-    torch.set_num_threads(max(1, plan.threads))
+    torch.set_num_threads(plan.threads)
     role, role_rank = ("ffn", rank) if rank < plan.num_ffn else ("attention", rank - plan.num_ffn)
     logging.basicConfig(level=logging.INFO if plan.verbose else logging.WARNING,
                         format=f"%(asctime)s {role} {role_rank} %(name)s %(levelname)s %(message)s")
@@ -659,8 +659,9 @@ def _worker(rank: int, nprocs: int, plan: DemoPlan) -> dict[str, Any]:
         stack.callback(logger.info, "connector closed")
         stack.callback(connector.close)
         if role == "ffn":
-            graph = stack.enter_context(contextlib.closing(graph_runners.FFNGraphServer(server, **_graph_options(plan)))) \
-                if plan.graph else None
+            graph = graph_runners.FFNGraphServer(server, **_graph_options(plan)) if plan.graph else None
+            if graph is not None:
+                stack.callback(graph.close)
             logger.info("served %d steps", (graph or server).serve())
             return {"role": "ffn", "rank": role_rank, "rows": server.rows_served,
                     **({"graph_modes": dict(graph.modes)} if graph else {})}
@@ -925,7 +926,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stages", type=ranged(int, 1), default=1, help="micro-batches per step (stages), >= 1 (default 1)")
     p.add_argument("--gate-on-attention", action="store_true",
                    help="compute router logits on the attention side and send them with the hidden states")
-    p.add_argument("--requests-per-rank", type=ranged(int, 1), default=3, help="requests per attention rank (default 3)")
+    p.add_argument("--requests-per-rank", type=ranged(int, 1), default=3,
+                   help="requests per attention rank (default 3)")
     p.add_argument("--max-new-tokens", type=ranged(int, 1), default=16,
                    help="most tokens generated per request; requests get different budgets up to it (default 16)")
     p.add_argument("--prompts", default=None, help="prompts file (default: the shipped afd_ext/tools/data/prompts.txt)")

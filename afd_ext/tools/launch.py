@@ -196,12 +196,9 @@ def config_from_env(**overrides) -> LaunchedRank:
             raise AFDConfigError("neither AFD_HOST nor torchrun's MASTER_ADDR is set: set AFD_HOST to the "
                                  "address of FFN rank 0's machine")
     port = overrides.pop("port", None) or envs.get("AFD_PORT")
-    extra = dict(envs.get("AFD_CONNECTOR_EXTRA_CONFIG") or {})
-    extra.update(overrides.pop("connector_extra_config", None) or {})
-    fields = {"role": role, "host": host, "num_attention_ranks": A, "num_ffn_ranks": F,
-              "connector_extra_config": extra, **overrides}
-    if port is not None:
-        fields["port"] = port
+    extra = {**(envs.get("AFD_CONNECTOR_EXTRA_CONFIG") or {}), **(overrides.pop("connector_extra_config", None) or {})}
+    fields = {"role": role, "host": host, "num_attention_ranks": A, "num_ffn_ranks": F, "connector_extra_config": extra,
+              **({} if port is None else {"port": port}), **overrides}  # the overrides win (port is popped above)
     return LaunchedRank(role, role_rank, AFDConfig(**fields))
 
 
