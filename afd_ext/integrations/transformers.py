@@ -534,8 +534,8 @@ class RemoteMLP(nn.Module):
         flat = hidden_states.reshape(-1, h)
         mask = self.exchange._row_mask
         masked = mask is not None and tuple(mask.shape) == tuple(hidden_states.shape[:-1])
-        idx = self.exchange.row_index(hidden_states.device) if masked else slice(None)
-        rows = flat[idx].contiguous()
+        idx = self.exchange.row_index(hidden_states.device) if masked else None
+        rows = (flat.index_select(0, idx) if masked else flat).contiguous()
         logits = router_logits_from_gate(self.gate, rows) if self.gate is not None else None
         y = self.exchange.exchange(self.layer_idx, rows, logits)
         if masked:
@@ -546,8 +546,10 @@ class RemoteMLP(nn.Module):
         if not self.returns_tuple:
             return out
         full_logits = out.new_zeros(flat.shape[0], self.info.num_experts or 1, dtype=torch.float32)
-        if logits is not None:
-            full_logits[idx] = logits
+        if logits is not None and masked:
+            full_logits.index_copy_(0, idx, logits)
+        elif logits is not None:
+            full_logits.copy_(logits)
         return out, full_logits
 
 
