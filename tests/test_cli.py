@@ -325,13 +325,22 @@ def test_launch_names_a_busy_port_before_torch_starts(busy_port):
     assert took < 5.0  # interpreter start included; torch is never imported (its import alone takes longer)
 
 
-def test_launch_max_nodes():
-    from afd_ext.tools.launch import _max_nodes
+@pytest.mark.parametrize("nnodes", ["2", "1:4"])
+def test_launch_on_several_nodes_leaves_the_port_to_ffn_rank_0s_host(busy_port, monkeypatch, nnodes):
+    """The AFD store is bound on FFN rank 0's node, maybe another host: no bind check here, and torchrun gets
+    --nnodes as given (an abbreviation of it is refused, not read as a second --nnodes)."""
+    from torch.distributed import run as torchrun
 
-    assert _max_nodes([]) == 1
-    assert _max_nodes(["--nnodes", "2"]) == 2
-    assert _max_nodes(["--nnodes=1:4"]) == 4
-    assert _max_nodes(["--nnodes=x"]) == 0
+    from afd_ext.tools import launch
+
+    ran = []
+    monkeypatch.setattr(torchrun, "run", ran.append)
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # main() exports the AFD variables
+    assert launch.main(["-A", "1", "-F", "1", f"--nnodes={nnodes}", "--port", str(busy_port), "--", "true"]) == 0
+    assert ran[0].nnodes == nnodes and os.environ["AFD_PORT"] == str(busy_port) and "AFD_HOST" not in os.environ
+    with pytest.raises(SystemExit) as e:
+        launch.main(["-A", "1", "-F", "1", "--nnode", "2", "--", "true"])
+    assert e.value.code == 2
 
 
 # ---------------------------------------------------------------------- topology

@@ -110,6 +110,8 @@ def test_demo_rejects_bad_arguments(capsys):
     (["--connector", "no_such_module_xyz:Cls"], "--connector no_such_module_xyz:Cls"),
     (["--fp8", "--dims", "tiny"], "multiple of 128"),
     (["--prompts", "/nonexistent/prompts.txt"], "--prompts /nonexistent/prompts.txt: cannot read it"),
+    (["--port", "99999"], "argument --port: must be in 0..65535, got 99999"),  # was: a worker's AFDConfigError
+    (["--port", "-1"], "argument --port: must be in 0..65535, got -1"),
 ])
 def test_demo_bad_input_is_a_usage_error_before_any_process_starts(argv, what, capsys, monkeypatch):
     from afd_ext.tools import testing
@@ -157,6 +159,22 @@ def test_requests_leave_the_batch_at_different_steps():
     lens = {len(r.prompt_ids) for rs in reqs.values() for r in rs}
     assert len(lens) > 1  # different prompt lengths
     assert all(r.prompt_ids[0] == demo.BOS_ID for rs in reqs.values() for r in rs)
+
+
+@pytest.mark.parametrize("fp8", [None, "fp32", "ue8m0"])
+def test_text_summary_says_when_fp8_is_on_the_wire(fp8):
+    plan = demo.build_plan(demo.parse_args(["--dims", "small", "--backend", "gloo", "--no-progress",
+                                            *(["--fp8", fp8] if fp8 else [])]))
+    res = demo.RankResult(rank=0, requests=[], step_counts=[[3, 0]], wall_s=0.1, latency_ns={0: [1000, 900]},
+                          bytes_sent=10, bytes_received=10, steps=2)
+    ck = demo.CheckResult(ok=True, tolerance=0.5, max_abs_diff=0.1, positions=3, worst="-")
+    s = demo.summarize(plan, [res], [{"rank": 0, "rows": 3}], ck, 1.0)
+    backend = next(ln for ln in demo.format_summary(s).splitlines() if ln.strip().startswith("backend"))
+    if fp8:
+        assert backend.endswith(f"gloo (cpu); FP8 hidden states attention->FFN ({fp8} scales)"), backend
+        assert s["fp8"] == fp8 and s["model"]["dtype"] == "bfloat16"
+    else:
+        assert backend.endswith("gloo (cpu)") and "FP8" not in backend, backend
 
 
 def test_a_failed_self_check_exits_non_zero_and_says_where(monkeypatch, capsys):

@@ -157,6 +157,8 @@ def test_bad_arguments_are_reported(capsys):
         ["-A", "1", "-F", "1", "--extra-config", "[1]", "--", "true"],
         ["-A", "1", "-F", "1", "--nproc-per-node", "3", "--", "true"],  # one node: must be A + F
         ["-A", "1", "-F", "1", "--no-such-torchrun-option", "--", "true"],
+        ["-A", "1", "-F", "1", "--port", "99999", "--", "true"],
+        ["-A", "1", "-F", "1", "--extra-config", '{"transprot": "gloo"}', "--", "true"],  # was: refused by each rank
     ]
     for argv in bad:
         with pytest.raises(SystemExit) as e:
@@ -164,6 +166,16 @@ def test_bad_arguments_are_reported(capsys):
         assert e.value.code == 2, argv
     err = capsys.readouterr().err
     assert "--attention-gpus has 3 entries" in err and "after '--'" in err and "must be A + F = 2" in err
+    assert "argument --port: must be in 1..65535, got 99999" in err
+    assert "argument --extra-config: unknown connector_extra_config field(s) ['transprot']; known fields: [" in err
+
+
+def test_a_typo_in_extra_config_is_refused_before_torchrun_starts():
+    t0 = time.monotonic()
+    r = _launch(["-A", "1", "-F", "1", "--extra-config", '{"transprot": "gloo"}', "--", PY, "-c", "print('RAN')"])
+    assert r.returncode == 2 and "RAN" not in r.stdout, (r.stdout, r.stderr)
+    assert "unknown connector_extra_config field(s) ['transprot']" in r.stderr
+    assert "[rank" not in r.stderr and time.monotonic() - t0 < 5.0  # no rank started (torch is never imported)
 
 
 # ---------------------------------------------------------------------------

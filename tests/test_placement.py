@@ -259,13 +259,18 @@ def _ffn_fails_at_its_first_step(rank: int, nprocs: int, port: int, how: str) ->
 
 
 @pytest.mark.parametrize("how,cause", [("raise", "TorchMismatchError: afd_ext was built against torch 2.11.0"),
-                                       ("signal", "worker rank 0 died with exit code -9 without reporting"),
-                                       ("exit", "worker rank 0 died with exit code 3 without reporting")])
+                                       ("signal", "worker rank 0 was killed by SIGKILL without reporting"),
+                                       ("exit", "worker rank 0 exited with code 3 without reporting")])
 def test_run_workers_reports_the_failed_process_not_its_peers_follow_on_errors(how, cause):
-    """Issue 41 item 8: a process that raises, is killed or exits names itself, whatever its peers report first."""
+    """Issue 41 item 8: a process that raises, is killed or exits names itself, whatever its peers report first;
+    one that died without a report is an AFDPeerError naming the signal that killed it."""
+    from afd_ext.errors import AFDPeerError
     from afd_ext.tools.testing import find_free_port
 
-    with pytest.raises((testing.WorkerError, RuntimeError)) as ei:
+    with pytest.raises((testing.WorkerError, AFDPeerError)) as ei:
         run_workers(_ffn_fails_at_its_first_step, 3, (find_free_port(), how), timeout_s=120)
     assert cause in str(ei.value), str(ei.value)[-2000:]
     assert ei.value.rank == 0, str(ei.value)[-2000:]
+    assert isinstance(ei.value, testing.WorkerError if how == "raise" else AFDPeerError), type(ei.value)
+    if how != "raise":
+        assert (ei.value.op, ei.value.peer) == ("run_workers", "worker rank 0")

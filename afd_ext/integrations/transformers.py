@@ -47,9 +47,9 @@ Example (FFN rank)::
 from __future__ import annotations
 
 import contextlib
-
 import copy
 import logging
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -60,32 +60,7 @@ from torch import nn
 
 from afd_ext import fp8
 from afd_ext.errors import AFDConfigError, AFDProtocolError, AFDStateError
-from afd_ext.metadata import (
-    AFDControlPayload,
-    AFDExpertRoutingSpec,
-    AFDTransferContext,
-    AFDTransferMetadata,
-)
-
-__all__ = [
-    "MLP_ATTRS",
-    "GATE_ATTRS",
-    "LayerInfo",
-    "decoder_layers",
-    "describe_layers",
-    "remote_layer_indices",
-    "router_logits_from_gate",
-    "stage_split",
-    "make_shutdown_payload",
-    "is_shutdown_payload",
-    "ExchangeStats",
-    "AttentionExchange",
-    "RemoteMLP",
-    "split_attention_role",
-    "extract_ffn_modules",
-    "ReceivedLogitsGate",
-    "FFNServer",
-]
+from afd_ext.metadata import AFDControlPayload, AFDExpertRoutingSpec, AFDTransferContext, AFDTransferMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -101,14 +76,6 @@ _LAYER_PATHS = ("model.layers", "layers", "model.decoder.layers", "transformer.h
 # ---------------------------------------------------------------------------
 
 
-def _get_path(obj: Any, path: str) -> Any:
-    for part in path.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return None
-    return obj
-
-
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """Return the decoder layers of ``model``.
 
@@ -120,23 +87,19 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
             like the transformers decoders or wrap yours so one of them exists.
     """
     for path in _LAYER_PATHS:
-        layers = _get_path(model, path)
-        if isinstance(layers, nn.ModuleList) and len(layers) > 0:
-            return layers
-    raise AFDConfigError(
-        f"cannot find the decoder layers of {type(model).__name__}: looked for "
-        f"{', '.join(_LAYER_PATHS)} (an nn.ModuleList); expose the layers under one of these names"
-    )
+        with contextlib.suppress(AttributeError):
+            layers = operator.attrgetter(path)(model)
+            if isinstance(layers, nn.ModuleList) and len(layers) > 0:
+                return layers
+    raise AFDConfigError(f"cannot find the decoder layers of {type(model).__name__}: looked for "
+                         f"{', '.join(_LAYER_PATHS)} (an nn.ModuleList); expose the layers under one of these names")
 
 
 def _mlp_attr(layer: nn.Module, idx: int) -> str:
-    for name in MLP_ATTRS:
-        m = getattr(layer, name, None)
-        if isinstance(m, nn.Module):
-            return name
-    raise AFDConfigError(
-        f"decoder layer {idx} ({type(layer).__name__}) has no MLP under any of {MLP_ATTRS}"
-    )
+    name = next((n for n in MLP_ATTRS if isinstance(getattr(layer, n, None), nn.Module)), None)
+    if name is None:
+        raise AFDConfigError(f"decoder layer {idx} ({type(layer).__name__}) has no MLP under any of {MLP_ATTRS}")
+    return name
 
 
 def _find_gate(mlp: nn.Module) -> tuple[str, nn.Module] | None:
@@ -203,11 +166,9 @@ def describe_layers(model: nn.Module) -> list[LayerInfo]:
         if isinstance(mlp, RemoteMLP):
             out.append(mlp.info)
             continue
-        g = _find_gate(mlp)
-        if g is None:
-            out.append(LayerInfo(i, attr, False, None, None, hidden))
-        else:
-            out.append(LayerInfo(i, attr, True, g[0], int(g[1].weight.shape[0]), hidden))
+        name, gate = _find_gate(mlp) or (None, None)
+        out.append(LayerInfo(i, attr, gate is not None, name, None if gate is None else int(gate.weight.shape[0]),
+                             hidden))
     return out
 
 
@@ -219,10 +180,7 @@ def remote_layer_indices(model: nn.Module, *, gate_on_attention: bool = False) -
     reference plugin). Both roles call this on the same model description and
     get the same list.
     """
-    infos = describe_layers(model)
-    if gate_on_attention:
-        return [li.index for li in infos if li.is_moe]
-    return [li.index for li in infos]
+    return [li.index for li in describe_layers(model) if li.is_moe or not gate_on_attention]
 
 
 def router_logits_from_gate(gate: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -387,14 +345,8 @@ class AttentionExchange:
             self._mask_index = cached = (mask, device, idx)
         return cached[2]
 
-    def begin_step(
-        self,
-        payload: AFDControlPayload,
-        *,
-        dp_rank: int,
-        row_mask: torch.Tensor | None = None,
-        send: bool = True,
-    ) -> list[int]:
+    def begin_step(self, payload: AFDControlPayload, *, dp_rank: int, row_mask: torch.Tensor | None = None,
+                   send: bool = True) -> list[int]:
         """Start a step: apply ``payload`` locally, send it to the FFN side, set the rows.
 
         With ``graph_runner`` set, the runner pads the step to a capture size
@@ -422,14 +374,8 @@ class AttentionExchange:
             return self.graph_runner.begin_step(payload, dp_rank=dp_rank, row_mask=row_mask, send=send)
         return self.begin_eager_step(payload, dp_rank=dp_rank, row_mask=row_mask, send=send)
 
-    def begin_eager_step(
-        self,
-        payload: AFDControlPayload,
-        *,
-        dp_rank: int,
-        row_mask: torch.Tensor | None = None,
-        send: bool = True,
-    ) -> list[int]:
+    def begin_eager_step(self, payload: AFDControlPayload, *, dp_rank: int, row_mask: torch.Tensor | None = None,
+                         send: bool = True) -> list[int]:
         """:meth:`begin_step` without the graph runner (the runner calls it for the steps it runs eagerly)."""
         rows = self.step_rows(payload, dp_rank, row_mask)
         cp = self.connector.control_plane
@@ -447,23 +393,15 @@ class AttentionExchange:
         """
         stages = sorted(payload.dp_metadata_list)
         if stages != list(range(self.num_stages)):
-            raise AFDConfigError(
-                f"payload stages {stages} do not match num_stages={self.num_stages} "
-                f"(expected {list(range(self.num_stages))})"
-            )
-        rows = []
-        for s in stages:
-            counts = payload.dp_metadata_list[s].counts
-            if not 0 <= dp_rank < len(counts):
-                raise AFDConfigError(f"dp_rank {dp_rank} out of range for stage {s} counts {counts}")
-            rows.append(int(counts[dp_rank]))
-        if row_mask is not None:
-            n = int(row_mask.sum())
-            if n != sum(rows):
-                raise AFDConfigError(
-                    f"row_mask selects {n} rows but the payload gives this rank {sum(rows)} "
-                    f"(per stage {rows})"
-                )
+            raise AFDConfigError(f"payload stages {stages} do not match num_stages={self.num_stages} "
+                                 f"(expected {list(range(self.num_stages))})")
+        counts = [payload.dp_metadata_list[s].counts for s in stages]
+        if bad := [(s, c) for s, c in zip(stages, counts) if not 0 <= dp_rank < len(c)]:
+            raise AFDConfigError(f"dp_rank {dp_rank} out of range for stage {bad[0][0]} counts {bad[0][1]}")
+        rows = [int(c[dp_rank]) for c in counts]
+        if row_mask is not None and int(row_mask.sum()) != sum(rows):
+            raise AFDConfigError(f"row_mask selects {int(row_mask.sum())} rows but the payload gives this rank "
+                                 f"{sum(rows)} (per stage {rows})")
         return rows
 
     def set_step_rows(self, rows: list[int], row_mask: torch.Tensor | None) -> None:
@@ -509,20 +447,14 @@ class AttentionExchange:
             AFDConfigError: ``n`` is not the step's row count (a wrong ``row_mask``).
         """
         if self._stage_rows is None:
-            raise AFDStateError(
-                "RemoteMLP called outside a step: call AttentionExchange.begin_step(payload, ...) "
-                "before the model forward"
-            )
+            raise AFDStateError("RemoteMLP called outside a step: call AttentionExchange.begin_step(payload, ...) "
+                                "before the model forward")
         if sum(self._stage_rows) != n:
-            raise AFDConfigError(
-                f"the forward has {n} rows to send but the step's payload gives this rank "
-                f"{sum(self._stage_rows)} (per stage {self._stage_rows}); pass the right row_mask"
-            )
+            raise AFDConfigError(f"the forward has {n} rows to send but the step's payload gives this rank "
+                                 f"{sum(self._stage_rows)} (per stage {self._stage_rows}); pass the right row_mask")
         return self._stage_rows
 
-    def exchange(
-        self, layer_idx: int, rows: torch.Tensor, router_logits: torch.Tensor | None
-    ) -> torch.Tensor:
+    def exchange(self, layer_idx: int, rows: torch.Tensor, router_logits: torch.Tensor | None) -> torch.Tensor:
         """Send ``rows`` stage by stage and return the FFN output.
 
         Args:
@@ -540,19 +472,15 @@ class AttentionExchange:
         if self.graph_runner is not None and self.graph_runner.active:
             out = self.graph_runner.exchange_rows(layer_idx, rows, router_logits)
         else:
+            stage_rows = self.rows_for(rows.shape[0])
+            logits = [None] * len(stage_rows) if router_logits is None else router_logits.split(stage_rows)
             outs = []
-            start = 0
-            for s, n in enumerate(self.rows_for(rows.shape[0])):
-                x = rows[start : start + n]
-                lg = router_logits[start : start + n] if router_logits is not None else None
-                start += n
+            for s, (x, lg) in enumerate(zip(rows.split(stage_rows), logits)):
                 with self.timed(layer_idx, rows.device):
                     y = self.send_recv(layer_idx, s, x, lg)
                 if tuple(y.shape) != tuple(x.shape):
-                    raise AFDProtocolError(
-                        f"layer {layer_idx} stage {s}: FFN output has shape {tuple(y.shape)}, "
-                        f"expected {tuple(x.shape)}"
-                    )
+                    raise AFDProtocolError(f"layer {layer_idx} stage {s}: FFN output has shape {tuple(y.shape)}, "
+                                           f"expected {tuple(x.shape)}")
                 outs.append(y)
             out = outs[0] if len(outs) == 1 else torch.cat(outs, 0)
         # Wire payload bytes of the real rows (graph padding rows travel too but carry nothing).
@@ -589,14 +517,8 @@ class RemoteMLP(nn.Module):
     blocks) the proxy does too.
     """
 
-    def __init__(
-        self,
-        exchange: AttentionExchange,
-        info: LayerInfo,
-        *,
-        gate: nn.Module | None = None,
-        returns_tuple: bool = False,
-    ):
+    def __init__(self, exchange: AttentionExchange, info: LayerInfo, *, gate: nn.Module | None = None,
+                 returns_tuple: bool = False):
         super().__init__()
         self.exchange = exchange
         self.info = info
@@ -607,35 +529,28 @@ class RemoteMLP(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> Any:  # noqa: D102
         h = hidden_states.shape[-1]
         if h != self.info.hidden_size:
-            raise AFDConfigError(
-                f"layer {self.layer_idx}: hidden_states last dim is {h}, expected {self.info.hidden_size}"
-            )
+            raise AFDConfigError(f"layer {self.layer_idx}: hidden_states last dim is {h}, "
+                                 f"expected {self.info.hidden_size}")
+        flat = hidden_states.reshape(-1, h)
         mask = self.exchange._row_mask
-        lead = hidden_states.shape[:-1]
-        if mask is not None and hidden_states.dim() >= 2 and tuple(mask.shape) == tuple(lead):
-            idx = self.exchange.row_index(hidden_states.device)
-            rows = hidden_states.reshape(-1, h).index_select(0, idx)
-        else:
-            idx = None
-            rows = hidden_states.reshape(-1, h)
-        rows = rows.contiguous()
+        masked = mask is not None and tuple(mask.shape) == tuple(hidden_states.shape[:-1])
+        idx = self.exchange.row_index(hidden_states.device) if masked else None
+        rows = (flat.index_select(0, idx) if masked else flat).contiguous()
         logits = router_logits_from_gate(self.gate, rows) if self.gate is not None else None
         y = self.exchange.exchange(self.layer_idx, rows, logits)
-        if idx is not None:
+        if masked:
             out = hidden_states.new_zeros(hidden_states.shape)
             out.view(-1, h).index_copy_(0, idx, y.to(out.dtype))
         else:
             out = y.reshape(hidden_states.shape)
-        if self.returns_tuple:
-            n_exp = self.info.num_experts or 1
-            full_logits = out.new_zeros(out.reshape(-1, h).shape[0], n_exp, dtype=torch.float32)
-            if logits is not None:
-                if idx is not None:
-                    full_logits.index_copy_(0, idx, logits.to(full_logits.dtype))
-                else:
-                    full_logits.copy_(logits)
-            return out, full_logits
-        return out
+        if not self.returns_tuple:
+            return out
+        full_logits = out.new_zeros(flat.shape[0], self.info.num_experts or 1, dtype=torch.float32)
+        if logits is not None and masked:
+            full_logits.index_copy_(0, idx, logits)
+        elif logits is not None:
+            full_logits.copy_(logits)
+        return out, full_logits
 
 
 def _returns_tuple(mlp: nn.Module, hidden_size: int) -> bool:
@@ -653,14 +568,8 @@ def _returns_tuple(mlp: nn.Module, hidden_size: int) -> bool:
         return False
 
 
-def split_attention_role(
-    model: nn.Module,
-    connector: Any,
-    *,
-    gate_on_attention: bool = False,
-    num_stages: int = 1,
-    timing: bool = False,
-) -> AttentionExchange:
+def split_attention_role(model: nn.Module, connector: Any, *, gate_on_attention: bool = False, num_stages: int = 1,
+                         timing: bool = False) -> AttentionExchange:
     """Turn ``model`` into its attention role, in place.
 
     The MLP / MoE block of every remote layer (:func:`remote_layer_indices`)
@@ -690,9 +599,7 @@ def split_attention_role(
     remote = remote_layer_indices(model, gate_on_attention=gate_on_attention)
     if gate_on_attention and not remote:
         raise AFDConfigError("gate_on_attention=True but the model has no MoE layer (no experts + router)")
-    exchange = AttentionExchange(
-        connector, hidden_size=_hidden_size(model), num_stages=num_stages, timing=timing
-    )
+    exchange = AttentionExchange(connector, hidden_size=_hidden_size(model), num_stages=num_stages, timing=timing)
     layers = decoder_layers(model)
     for i in remote:
         info = infos[i]
@@ -724,21 +631,14 @@ def _identity_router(gate: nn.Module) -> nn.Module:
     r._parameters = dict(gate._parameters)
     r._buffers = dict(gate._buffers)
     r._modules = dict(gate._modules)
-    r._parameters["weight"] = nn.Parameter(
-        torch.eye(e, dtype=gate.weight.dtype, device=gate.weight.device), requires_grad=False
-    )
+    r._parameters["weight"] = nn.Parameter(torch.eye(e, dtype=gate.weight.dtype, device=gate.weight.device),
+                                           requires_grad=False)
     if "bias" in r._parameters:
         r._parameters["bias"] = None
     for attr in ("hidden_dim", "hidden_size", "in_features"):
         if isinstance(getattr(r, attr, None), int):
             setattr(r, attr, e)
     return r
-
-
-def _flatten(x: Any) -> list[Any]:
-    if isinstance(x, (tuple, list)):
-        return [y for v in x for y in _flatten(v)]
-    return [x]
 
 
 class ReceivedLogitsGate(nn.Module):
@@ -769,10 +669,8 @@ class ReceivedLogitsGate(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> Any:  # noqa: D102
         logits = self.pending
         if logits is None:
-            raise AFDStateError(
-                "ReceivedLogitsGate called without received router logits: the FFN side must "
-                "set .pending (recv_attn_output with routing_spec) when the gate runs on attention"
-            )
+            raise AFDStateError("ReceivedLogitsGate called without received router logits: the FFN side must "
+                                "set .pending (recv_attn_output with routing_spec) when the gate runs on attention")
         n = hidden_states.reshape(-1, hidden_states.shape[-1]).shape[0]
         if logits.shape[0] != n:
             raise AFDProtocolError(f"received router logits have {logits.shape[0]} rows, the block has {n}")
@@ -789,27 +687,14 @@ def _check_received_routing(gate: nn.Module) -> None:
     g32 = copy.deepcopy(gate).float().cpu()
     x = torch.randn(7, g32.weight.shape[1], generator=torch.Generator().manual_seed(1234))
     with torch.no_grad():
-        ref = _flatten(g32(x))
         logits = router_logits_from_gate(g32, x)
-        got = _flatten(logits if isinstance(g32, nn.Linear) else _identity_router(g32)(logits))
-    ok = len(ref) == len(got)
-    for a, b in zip(ref, got):
-        if not ok:
-            break
-        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-            ok = a.shape == b.shape and (
-                torch.allclose(a.float(), b.float(), atol=1e-5, rtol=1e-5)
-                if a.is_floating_point()
-                else torch.equal(a, b)
-            )
-        else:
-            ok = a == b
-    if not ok:
-        raise NotImplementedError(
-            f"router {type(gate).__name__} cannot be driven by received router logits "
-            "(its outputs differ from the original's on a probe); run with the gate on the "
-            "FFN side (gate_on_attention=False)"
-        )
+        got = logits if isinstance(g32, nn.Linear) else _identity_router(g32)(logits)
+        try:  # every output (tensors, nested tuples): same shapes, floats within 1e-5, integers (top-k) equal
+            torch.testing.assert_close(got, g32(x), atol=1e-5, rtol=1e-5, check_dtype=False)
+        except (AssertionError, TypeError, ValueError):
+            raise NotImplementedError(f"router {type(gate).__name__} cannot be driven by received router logits (its "
+                                      "outputs differ from the original's on a probe); run with the gate on the FFN "
+                                      "side (gate_on_attention=False)") from None
 
 
 def extract_ffn_modules(model: nn.Module, *, gate_on_attention: bool = False) -> dict[int, nn.Module]:
@@ -845,19 +730,10 @@ class FFNServer:
         gate_on_attention: router logits arrive with the hidden states.
         num_experts: router width (required with ``gate_on_attention``).
         router_logits_dtype: dtype of the received logits (float32).
-        on_step: optional callback ``f(payload)`` after each served step.
     """
 
-    def __init__(
-        self,
-        connector: Any,
-        modules: Mapping[int, nn.Module],
-        *,
-        gate_on_attention: bool = False,
-        num_experts: int | None = None,
-        router_logits_dtype: torch.dtype = torch.float32,
-        on_step: Callable[[AFDControlPayload], None] | None = None,
-    ):
+    def __init__(self, connector: Any, modules: Mapping[int, nn.Module], *, gate_on_attention: bool = False,
+                 num_experts: int | None = None, router_logits_dtype: torch.dtype = torch.float32):
         if not modules:
             raise AFDConfigError("FFNServer needs at least one layer's MLP")
         if gate_on_attention and not num_experts:
@@ -866,21 +742,18 @@ class FFNServer:
         self.modules = dict(sorted(modules.items()))
         self.gate_on_attention = gate_on_attention
         # Each block's ReceivedLogitsGate, found once (compute runs per layer and stage).
-        self._gates = {
-            i: next((g for g in m.children() if isinstance(g, ReceivedLogitsGate)), None)
-            for i, m in self.modules.items()
-        } if gate_on_attention else {}
-        self.routing_spec = (
-            AFDExpertRoutingSpec(int(num_experts), router_logits_dtype) if gate_on_attention else None
-        )
-        self.on_step = on_step
+        self._gates = {i: next((g for g in m.children() if isinstance(g, ReceivedLogitsGate)), None)
+                       for i, m in self.modules.items()} if gate_on_attention else {}
+        if None in self._gates.values():
+            raise AFDConfigError(f"layers {[i for i, g in self._gates.items() if g is None]}: block has no "
+                                 "ReceivedLogitsGate; use extract_ffn_modules")
+        self.routing_spec = AFDExpertRoutingSpec(int(num_experts), router_logits_dtype) if gate_on_attention else None
         self.steps = 0
         self.rows_served = 0
 
     @classmethod
-    def from_model(
-        cls, model: nn.Module, connector: Any, *, gate_on_attention: bool = False, **kw: Any
-    ) -> "FFNServer":
+    def from_model(cls, model: nn.Module, connector: Any, *, gate_on_attention: bool = False,
+                   **kw: Any) -> "FFNServer":
         """Build from a whole model (its attention parts are not used and may be dropped).
 
         Raises:
@@ -888,22 +761,20 @@ class FFNServer:
             NotImplementedError: a block class whose gate cannot move to the attention side.
         """
         modules = extract_ffn_modules(model, gate_on_attention=gate_on_attention)
-        num_experts = None
-        if gate_on_attention:
-            # None when no layer is MoE: the constructor then raises its AFDConfigError.
-            num_experts = next((li.num_experts for li in describe_layers(model) if li.is_moe), None)
-        return cls(connector, modules, gate_on_attention=gate_on_attention, num_experts=num_experts, **kw)
+        # None when no layer is MoE: the constructor then raises its AFDConfigError.
+        num_experts = next((li.num_experts for li in describe_layers(model) if li.is_moe), None)
+        return cls(connector, modules, gate_on_attention=gate_on_attention,
+                   num_experts=num_experts if gate_on_attention else None, **kw)
 
-    def compute(
-        self, layer_idx: int, hidden_states: torch.Tensor, router_logits: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def compute(self, layer_idx: int, hidden_states: torch.Tensor,
+                router_logits: torch.Tensor | None = None) -> torch.Tensor:
         """Run layer ``layer_idx``'s block on ``[n, hidden]`` rows and return ``[n, hidden]``.
 
         Zero rows return an empty tensor without calling the block.
 
         Raises:
             KeyError: ``layer_idx`` is not a remote layer.
-            AFDConfigError: router logits missing or present against the configuration.
+            AFDConfigError: router logits missing while the gate runs on attention.
         """
         mlp = self.modules[layer_idx]
         n, h = hidden_states.shape
@@ -911,30 +782,22 @@ class FFNServer:
             raise AFDConfigError(f"layer {layer_idx}: the gate runs on attention but no router logits arrived")
         if n == 0:
             return hidden_states.new_empty(0, h)
-        x = hidden_states.reshape(1, n, h)
-        gate = None
-        if self.gate_on_attention:
-            gate = self._gates[layer_idx]
-            if gate is None:
-                raise AFDConfigError(f"layer {layer_idx}: block has no ReceivedLogitsGate; use extract_ffn_modules")
+        gate = self._gates.get(layer_idx)
+        if gate is not None:
             gate.pending = router_logits
         try:
             with torch.no_grad():
-                y = mlp(x)
+                y = mlp(hidden_states.reshape(1, n, h))
         finally:
             if gate is not None:
                 gate.pending = None
-        if isinstance(y, tuple):
-            y = y[0]
-        return y.reshape(n, h)
+        return (y[0] if isinstance(y, tuple) else y).reshape(n, h)
 
     def serve_step(self, payload: AFDControlPayload) -> None:
         """Serve one step: every remote layer, every stage of ``payload`` in sorted order."""
         self.connector.control_plane.update_state_from_dp_metadata(payload)
         self.serve_exchanges(payload)
         self.steps += 1
-        if self.on_step is not None:
-            self.on_step(payload)
 
     def serve_exchanges(self, payload: AFDControlPayload) -> None:
         """The step's exchanges only (payload already applied); what a CUDA graph of the step captures."""

@@ -27,12 +27,9 @@ import argparse
 import importlib
 import importlib.util
 import json
-import os
 import sys
 import traceback
-from typing import Callable, Sequence
-
-__all__ = ["main", "SUBCOMMANDS", "EXTRAS", "info_report", "missing_extra", "error_line"]
+from typing import Any, Callable, Sequence
 
 #: subcommand -> (module, function, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
@@ -74,25 +71,33 @@ def missing_extra(command: str, argv: Sequence[str] = ()) -> str | None:
             f"pip install 'afd_ext[{extra}]'")
 
 
-def _worker_error_line(e: BaseException) -> str | None:
-    """``"<Class> in <worker>: <first line>"`` for a worker's failure (:class:`afd_ext.tools.testing.WorkerError`)."""
+def error_line(command: str, e: BaseException) -> str:
+    """The one line ``afd-ext <command>`` prints for an error: its class and the first line of its message; a
+    worker's failure (:class:`afd_ext.tools.testing.WorkerError`) as ``"<Class> in <worker>: <first line>"``."""
     from afd_ext.tools.testing import WorkerError
 
     line = e.exception_line() if isinstance(e, WorkerError) else None
-    if line is None:
-        return None
-    cls, msg = line
-    who = getattr(e, "label", None) or f"worker rank {e.rank}"
-    return f"{cls} in {who}: {msg}" if msg else f"{cls} in {who}"
+    cls, msg = line or (type(e).__name__, (str(e).strip().splitlines() or [""])[0])
+    if line is not None:
+        cls += f" in {getattr(e, 'label', None) or f'worker rank {e.rank}'}"
+    return f"afd-ext {command}: {cls}: {msg}" if msg else f"afd-ext {command}: {cls}"
 
 
-def error_line(command: str, e: BaseException) -> str:
-    """The one line ``afd-ext <command>`` prints for an error (its class and the first line of its message)."""
-    line = _worker_error_line(e)
-    if line is None:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        line = f"{type(e).__name__}: {first}" if first else type(e).__name__
-    return f"afd-ext {command}: {line}"
+def ranged(cast: Callable[[str], Any], low: float, high: float | None = None, *, above: bool = False):
+    """An argparse ``type``: ``cast(text)`` refused below ``low`` (at ``low`` too with ``above``) or above ``high``.
+
+    The subcommands' numeric options use it, so a bad value is argparse's usage error (exit 2) before any
+    process starts, naming the option.
+    """
+    def parse(text: str) -> Any:
+        v = cast(text)
+        if v < low or (above and v == low) or (high is not None and v > high):
+            bound = f"in {low}..{high}" if high is not None else f"{'>' if above else '>='} {low}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+        return v
+
+    parse.__name__ = cast.__name__  # argparse's "invalid int value: 'x'"
+    return parse
 
 
 def _nccl_str(code: int | None) -> str:
@@ -230,6 +235,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     return int(rc or 0)
 
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

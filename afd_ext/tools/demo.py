@@ -23,9 +23,9 @@ What it does, in order:
    within a named tolerance; greedy tokens must be identical wherever the
    gap between the top two logits exceeds it. A mismatch exits non-zero
    and names the rank, request and position.
-5. Prints a summary (topology, backend, model, steps, tokens, tokens/s,
-   per-layer exchange latency p50 / p99, bytes per step); ``--json PATH``
-   writes the same as JSON.
+5. Prints a summary (topology, backend and FP8 wire format, model, steps,
+   tokens, tokens/s, exchange latency p50 / p99, bytes per step);
+   ``--json PATH`` writes the same as JSON.
 
 Run: ``afd-ext demo`` (or ``python -m afd_ext demo``); ``afd-ext demo --help``.
 """
@@ -36,11 +36,11 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import importlib
 import importlib.resources
 import json
 import logging
 import math
-import os
 import re
 import sys
 import time
@@ -50,39 +50,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from afd_ext.errors import AFDConfigError, AFDError, AFDTimeoutError
+from afd_ext.tools.cli import ranged
 from afd_ext.topology import rank_label
 
 if TYPE_CHECKING:
     from afd_ext.tools.testing import GpuPlacement
 
 logger = logging.getLogger("afd_ext.tools.demo")
-
-__all__ = [
-    "LOGIT_ATOL_FP32",
-    "LOGIT_ATOL_BF16",
-    "PAD_ID",
-    "BOS_ID",
-    "EOS_ID",
-    "Request",
-    "DemoPlan",
-    "CheckResult",
-    "available_dims",
-    "load_model_config",
-    "load_prompts",
-    "encode_prompt",
-    "make_requests",
-    "construct_model",
-    "init_weights",
-    "build_model",
-    "generate_attention_rank",
-    "reference_logits",
-    "self_check",
-    "build_plan",
-    "run_demo",
-    "format_summary",
-    "parse_args",
-    "main",
-]
 
 # ---------------------------------------------------------------------------
 # Tolerances of the self-check (absolute, on logits)
@@ -115,7 +89,7 @@ PAD_ID = 256
 BOS_ID = 257
 EOS_ID = 258
 
-_DATA = "afd_ext.tools.data"
+_DATA = importlib.resources.files("afd_ext.tools.data")
 
 
 # ---------------------------------------------------------------------------
@@ -125,49 +99,36 @@ _DATA = "afd_ext.tools.data"
 
 def available_dims() -> list[str]:
     """Names of the model configs shipped in ``afd_ext/tools/data/models`` (without ``.json``)."""
-    root = importlib.resources.files(_DATA).joinpath("models")
-    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".json"))
+    return sorted(p.name[:-5] for p in _DATA.joinpath("models").iterdir() if p.name.endswith(".json"))
 
 
-def load_model_config(name_or_path: str, *, num_layers: int | None = None) -> dict[str, Any]:
+def load_model_config(name_or_path: str) -> dict[str, Any]:
     """Load a model config: a shipped name (``tiny``, ``small``, ``deepseek-v2-lite``) or a JSON path.
 
     Args:
         name_or_path: see :func:`available_dims`, or a path to a JSON file with
             ``model_type`` and the config fields of that transformers class.
-        num_layers: override ``num_hidden_layers`` (>= 1).
 
     Returns:
         The config as a dict (``_comment`` keys dropped), with ``model_type``.
 
     Raises:
-        AFDConfigError: unknown name, unreadable or invalid JSON, no ``model_type``,
-            bad ``num_layers``.
+        AFDConfigError: unknown name, unreadable or invalid JSON, no ``model_type``.
     """
-    p = Path(name_or_path)
-    if p.suffix == ".json" and not p.exists():
-        raise AFDConfigError(f"model dims file {name_or_path!r} not found")
-    if p.suffix == ".json":
-        text = p.read_text(encoding="utf-8")
-        where = str(p)
-    else:
-        names = available_dims()
-        if name_or_path not in names:
-            raise AFDConfigError(f"unknown model dims {name_or_path!r}: choose one of {names} or give a .json path")
-        text = importlib.resources.files(_DATA).joinpath("models").joinpath(f"{name_or_path}.json").read_text("utf-8")
-        where = name_or_path
+    shipped = not name_or_path.endswith(".json")
+    if shipped and name_or_path not in available_dims():
+        raise AFDConfigError(f"unknown model dims {name_or_path!r}: choose one of {available_dims()} or give a .json path")
+    try:
+        text = (_DATA.joinpath("models", f"{name_or_path}.json") if shipped else Path(name_or_path)).read_text("utf-8")
+    except OSError as e:
+        raise AFDConfigError(f"model dims file {name_or_path!r}: cannot read it ({e.strerror or e})") from None
     try:
         cfg = json.loads(text)
     except ValueError as e:
-        raise AFDConfigError(f"model config {where} is not valid JSON: {e}") from None
+        raise AFDConfigError(f"model config {name_or_path} is not valid JSON: {e}") from None
     if not isinstance(cfg, dict) or not isinstance(cfg.get("model_type"), str):
-        raise AFDConfigError(f"model config {where} must be a JSON object with a 'model_type' string")
-    cfg = {k: v for k, v in cfg.items() if not k.startswith("_")}
-    if num_layers is not None:
-        if num_layers < 1:
-            raise AFDConfigError(f"--layers must be >= 1, got {num_layers}")
-        cfg["num_hidden_layers"] = num_layers
-    return cfg
+        raise AFDConfigError(f"model config {name_or_path} must be a JSON object with a 'model_type' string")
+    return {k: v for k, v in cfg.items() if not k.startswith("_")}
 
 
 def load_prompts(path: str | None = None) -> list[str]:
@@ -176,13 +137,10 @@ def load_prompts(path: str | None = None) -> list[str]:
     Raises:
         AFDConfigError: the file cannot be read, or has no prompt.
     """
-    if path is None:
-        text = importlib.resources.files(_DATA).joinpath("prompts.txt").read_text("utf-8")
-    else:
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise AFDConfigError(f"--prompts {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    try:
+        text = (_DATA.joinpath("prompts.txt") if path is None else Path(path)).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise AFDConfigError(f"--prompts {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
     prompts = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
     if not prompts:
         raise AFDConfigError(f"no prompts in {path or 'afd_ext/tools/data/prompts.txt'}")
@@ -213,14 +171,8 @@ class Request:
     max_new_tokens: int
 
 
-def make_requests(
-    num_attention: int,
-    requests_per_rank: int,
-    max_new_tokens: int,
-    *,
-    prompts: Sequence[str],
-    max_prompt_len: int = 32,
-) -> dict[int, list[Request]]:
+def make_requests(num_attention: int, requests_per_rank: int, max_new_tokens: int, *, prompts: Sequence[str],
+                  max_prompt_len: int = 32) -> dict[int, list[Request]]:
     """Deterministic requests for every attention rank.
 
     Request ``j`` of rank ``a`` takes prompt ``(a + j * A) % len(prompts)`` and
@@ -230,21 +182,9 @@ def make_requests(
     """
     if num_attention < 1 or requests_per_rank < 1 or max_new_tokens < 1:
         raise AFDConfigError("num_attention, requests_per_rank and max_new_tokens must be >= 1")
-    out: dict[int, list[Request]] = {}
-    for a in range(num_attention):
-        reqs = []
-        for j in range(requests_per_rank):
-            text = prompts[(a + j * num_attention) % len(prompts)]
-            reqs.append(
-                Request(
-                    rid=f"a{a}r{j}",
-                    rank=a,
-                    prompt_ids=tuple(encode_prompt(text, max_prompt_len)),
-                    max_new_tokens=max(1, max_new_tokens - 2 * j - 3 * a),
-                )
-            )
-        out[a] = reqs
-    return out
+    A = num_attention
+    return {a: [Request(f"a{a}r{j}", a, tuple(encode_prompt(prompts[(a + j * A) % len(prompts)], max_prompt_len)),
+                        max(1, max_new_tokens - 2 * j - 3 * a)) for j in range(requests_per_rank)] for a in range(A)}
 
 
 # ---------------------------------------------------------------------------
@@ -253,15 +193,10 @@ def make_requests(
 
 
 def _no_init_context():
-    """transformers' ``no_init_weights`` when available (skips its random init; ours follows)."""
+    """transformers' ``no_init_weights`` (5.x and 4.x homes) when available: skips its random init; ours follows."""
     for mod in ("transformers.initialization", "transformers.modeling_utils"):
-        try:
-            m = __import__(mod, fromlist=["no_init_weights"])
-        except Exception:  # noqa: BLE001 - optional speed-up only
-            continue
-        ctx = getattr(m, "no_init_weights", None)
-        if ctx is not None:
-            return ctx()
+        with contextlib.suppress(ImportError, AttributeError):
+            return importlib.import_module(mod).no_init_weights()
     return contextlib.nullcontext()
 
 
@@ -280,20 +215,18 @@ def construct_model(model_config: Mapping[str, Any]):
         AFDConfigError: unknown ``model_type`` for the installed transformers.
     """
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    import transformers
 
     cfg = dict(model_config)
     model_type = cfg.pop("model_type")
     try:
-        config = AutoConfig.for_model(model_type, **cfg)
+        config = transformers.AutoConfig.for_model(model_type, **cfg)
     except (KeyError, ValueError) as e:
-        raise AFDConfigError(
-            f"transformers {__import__('transformers').__version__} does not know model_type "
-            f"{model_type!r}: {e}"
-        ) from None
+        raise AFDConfigError(f"transformers {transformers.__version__} does not know model_type {model_type!r}: "
+                             f"{e}") from None
     config.use_cache = True
     with _no_init_context(), torch.no_grad():
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     return model.float().eval()
 
 
@@ -323,25 +256,16 @@ def init_weights(model, seed: int, *, device: str = "cpu", dtype=None) -> None:
     import torch
 
     dev = torch.device(device)
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    emb_w = getattr(emb, "weight", None)
+    emb_w = getattr(model.get_input_embeddings(), "weight", None) if hasattr(model, "get_input_embeddings") else None
     with torch.no_grad():
         for name, p in model.named_parameters():
-            g = torch.Generator(device=dev)
-            g.manual_seed(_param_seed(seed, name))
-            shape = tuple(p.shape)
-            if name.endswith("bias") or "bias" in name.rsplit(".", 1)[-1]:
-                v = torch.zeros(shape, device=dev)
-            elif p.dim() == 1:
-                v = 1.0 + 0.1 * torch.randn(shape, generator=g, device=dev)
-            elif p is emb_w:
-                v = torch.randn(shape, generator=g, device=dev)
-            else:
-                v = torch.randn(shape, generator=g, device=dev) / math.sqrt(shape[-1])
-            p.data = v.to(dtype) if dtype is not None else v
-        model.to(device=dev)
-        if dtype is not None:
-            model.to(dtype=dtype)
+            if "bias" in name.rsplit(".", 1)[-1]:
+                p.data = torch.zeros(p.shape, device=dev)
+                continue
+            v = torch.randn(p.shape, generator=torch.Generator(device=dev).manual_seed(_param_seed(seed, name)),
+                            device=dev)
+            p.data = 1.0 + 0.1 * v if p.dim() == 1 else v if p is emb_w else v / math.sqrt(p.shape[-1])
+        model.to(device=dev, dtype=dtype)
 
 
 def build_model(model_config: Mapping[str, Any], seed: int, *, device: str = "cpu", dtype=None):
@@ -399,17 +323,8 @@ class RankResult:
     steps: int
 
 
-def generate_attention_rank(
-    model,
-    exchange,
-    agree: Callable[[list[int]], Any],
-    requests: Sequence[Request],
-    *,
-    rank: int,
-    num_stages: int = 1,
-    device: str = "cpu",
-    progress: Any = None,
-) -> RankResult:
+def generate_attention_rank(model, exchange, agree: Callable[[list[int]], Any], requests: Sequence[Request], *,
+                            rank: int, num_stages: int = 1, device: str = "cpu", progress: Any = None) -> RankResult:
     """Serve ``requests`` on one attention rank of a split model.
 
     Left-padded batch, one prefill step, then one decode step per generated
@@ -432,37 +347,29 @@ def generate_attention_rank(
 
     Returns:
         :class:`RankResult` with, per request, the prompt, the generated tokens
-        and the logits at every fed position (``[T, vocab]`` float32 CPU).
+        and the logits at every fed position (``[T, vocab]`` float32 CPU; the
+        last generated token is never fed, so T = prompt + generated - 1).
     """
     import torch
+    from torch.nn.utils.rnn import pad_sequence
 
     from afd_ext.integrations.transformers import stage_split
 
-    cache_kw = _cache_kwarg(model)
-    dtype = next(model.parameters()).dtype
-    B = len(requests)
-    lens = [len(r.prompt_ids) for r in requests]
-    L = max(lens) if lens else 0
-    ids = torch.full((B, L), PAD_ID, dtype=torch.long)
-    mask = torch.zeros(B, L, dtype=torch.long)
-    for b, r in enumerate(requests):
-        ids[b, L - lens[b] :] = torch.tensor(r.prompt_ids)
-        mask[b, L - lens[b] :] = 1
+    B, dtype = len(requests), next(model.parameters()).dtype
+    ids = pad_sequence([torch.tensor(r.prompt_ids) for r in requests], batch_first=True, padding_value=PAD_ID,
+                       padding_side="left") if B else torch.empty(0, 0, dtype=torch.long)
+    mask = (ids != PAD_ID).long()
     generated: list[list[int]] = [[] for _ in range(B)]
     logits_rec: list[list[torch.Tensor]] = [[] for _ in range(B)]
-    done = [False] * B
-    cache = _new_cache(model) if B else None
+    forward_kw = {_cache_kwarg(model): _new_cache(model) if B else None, "use_cache": True}
     step_counts: list[list[int]] = []
     t0 = time.perf_counter()
-    step = 0
     with torch.no_grad():
         while True:
-            prefill = step == 0
-            if prefill:
-                row_mask = mask.bool()
-            else:
-                row_mask = torch.tensor([[not d] for d in done], dtype=torch.bool).reshape(B, 1)
-            n_local = int(row_mask.sum()) if B else 0
+            prefill = not step_counts
+            live = [not g or (len(g) < r.max_new_tokens and g[-1] != EOS_ID) for g, r in zip(generated, requests)]
+            row_mask = mask.bool() if prefill else torch.tensor(live, dtype=torch.bool).reshape(B, 1)
+            n_local = int(row_mask.sum())
             payload = agree(stage_split(n_local, num_stages))
             totals = [sum(c) for c in zip(*payload.stage_counts().values())]
             if sum(totals) == 0:
@@ -474,66 +381,29 @@ def generate_attention_rank(
                     exchange.idle_forward(device, dtype)
                 else:
                     if prefill:
-                        inp, am = ids, mask
-                        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+                        inp, pos = ids, (mask.cumsum(-1) - 1).clamp(min=0)
                     else:
-                        last = [g[-1] if (g and not d) else PAD_ID for g, d in zip(generated, done)]
-                        inp = torch.tensor(last, dtype=torch.long).reshape(B, 1)
+                        inp = torch.tensor([g[-1] if ok else PAD_ID for g, ok in zip(generated, live)]).reshape(B, 1)
                         pos = mask.sum(-1, keepdim=True)  # index of the new token among the valid ones
-                        col = row_mask.long()
-                        mask = torch.cat([mask, col], dim=1)
-                        am = mask
-                    out = model(
-                        input_ids=inp.to(device),
-                        attention_mask=am.to(device),
-                        position_ids=pos.to(device),
-                        use_cache=True,
-                        **{cache_kw: cache},
-                    )
-                    logits = out.logits.float().cpu()
-                    for b in range(B):
-                        if done[b]:
-                            continue
-                        if prefill:
-                            lg = logits[b, L - lens[b] :]
-                        else:
-                            lg = logits[b, -1:]
-                        logits_rec[b].append(lg)
-                        tok = int(lg[-1].argmax())
-                        generated[b].append(tok)
-                        if len(generated[b]) >= requests[b].max_new_tokens or tok == EOS_ID:
-                            done[b] = True
+                        mask = torch.cat([mask, row_mask.long()], dim=1)
+                    logits = model(input_ids=inp.to(device), attention_mask=mask.to(device),
+                                   position_ids=pos.to(device), **forward_kw).logits.float().cpu()
+                    for b in (b for b in range(B) if live[b]):
+                        logits_rec[b].append(logits[b, -int(mask[b].sum()):] if prefill else logits[b, -1:])
+                        generated[b].append(int(logits_rec[b][-1][-1].argmax()))
             finally:
                 exchange.end_step()
-            step += 1
             if progress is not None:
                 progress.update(1)
     wall = time.perf_counter() - t0
     exchange.shutdown()
-    reqs_out = []
-    for b, r in enumerate(requests):
-        lg = torch.cat(logits_rec[b], 0) if logits_rec[b] else torch.empty(0)
-        # The last generated token is never fed back, so rows = prompt + generated - 1.
-        reqs_out.append(
-            {
-                "rid": r.rid,
-                "rank": rank,
-                "prompt_ids": list(r.prompt_ids),
-                "generated": generated[b],
-                "logits": lg[: len(r.prompt_ids) + len(generated[b]) - 1].contiguous(),
-            }
-        )
     st = exchange.stats
     return RankResult(
-        rank=rank,
-        requests=reqs_out,
-        step_counts=step_counts,
-        wall_s=wall,
+        rank=rank, step_counts=step_counts, wall_s=wall, steps=len(step_counts),
+        requests=[{"rid": r.rid, "rank": rank, "prompt_ids": list(r.prompt_ids), "generated": g,
+                   "logits": torch.cat(lg, 0)} for r, g, lg in zip(requests, generated, logits_rec)],
         latency_ns={k: list(v) for k, v in st.latency_ns.items()},
-        bytes_sent=st.bytes_sent,
-        bytes_received=st.bytes_received,
-        steps=step,
-    )
+        bytes_sent=st.bytes_sent, bytes_received=st.bytes_received)
 
 
 # ---------------------------------------------------------------------------
@@ -562,11 +432,8 @@ class CheckResult:
     failures: list[str] = field(default_factory=list)
 
 
-def self_check(
-    results: Sequence[dict[str, Any]],
-    whole_logits: Callable[[Sequence[int]], Any],
-    tolerance: float,
-) -> CheckResult:
+def self_check(results: Sequence[dict[str, Any]], whole_logits: Callable[[Sequence[int]], Any],
+               tolerance: float) -> CheckResult:
     """Compare the split model's logits with the whole model's, teacher forced.
 
     Args:
@@ -582,40 +449,29 @@ def self_check(
     """
     import torch
 
-    max_diff = 0.0
-    worst = "-"
-    failures: list[str] = []
-    positions = 0
+    max_diff, worst, failures, positions = 0.0, "-", [], 0
     for r in results:
         seq = list(r["prompt_ids"]) + list(r["generated"][:-1])
         split = torch.as_tensor(r["logits"]).float()
-        where0 = f"attention rank {r['rank']}, request {r['rid']}"
+        where = f"attention rank {r['rank']}, request {r['rid']}"
         if split.shape[0] != len(seq):
-            failures.append(f"{where0}: {split.shape[0]} logit rows for {len(seq)} fed tokens")
+            failures.append(f"{where}: {split.shape[0]} logit rows for {len(seq)} fed tokens")
             continue
         ref = whole_logits(seq).float()
         diff = (split - ref).abs().amax(dim=-1)
         top2 = ref.topk(2, dim=-1).values
         gap = top2[:, 0] - top2[:, 1]
-        same = split.argmax(-1) == ref.argmax(-1)
         positions += len(seq)
-        i = int(diff.argmax())
-        if float(diff[i]) > max_diff:
-            max_diff = float(diff[i])
-            worst = f"{where0}, position {i}"
-        for p in range(len(seq)):
-            d = float(diff[p])
+        if float(diff.max()) > max_diff:
+            max_diff, worst = float(diff.max()), f"{where}, position {int(diff.argmax())}"
+        for p, (d, g, a, b) in enumerate(zip(diff.tolist(), gap.tolist(), split.argmax(-1).tolist(),
+                                             ref.argmax(-1).tolist())):
             if not math.isfinite(d) or d > tolerance:
-                failures.append(f"{where0}, position {p}: max |logit diff| {d:.3g} > tolerance {tolerance:g}")
-            elif not bool(same[p]) and float(gap[p]) > tolerance:
-                failures.append(
-                    f"{where0}, position {p}: greedy token {int(split[p].argmax())} != whole model's "
-                    f"{int(ref[p].argmax())} (top-2 gap {float(gap[p]):.3g})"
-                )
-    return CheckResult(
-        ok=not failures, tolerance=tolerance, max_abs_diff=max_diff, positions=positions,
-        worst=worst, failures=failures[:20],
-    )
+                failures.append(f"{where}, position {p}: max |logit diff| {d:.3g} > tolerance {tolerance:g}")
+            elif a != b and g > tolerance:
+                failures.append(f"{where}, position {p}: greedy token {a} != whole model's {b} (top-2 gap {g:.3g})")
+    return CheckResult(ok=not failures, tolerance=tolerance, max_abs_diff=max_diff, positions=positions,
+                       worst=worst, failures=failures[:20])
 
 
 # ---------------------------------------------------------------------------
@@ -640,7 +496,7 @@ class DemoPlan:
         host / port: rendezvous of the connector; agree_port: the attention
             ranks' count agreement store, hosted by the launching process
             (:func:`run_demo` binds it before any worker starts; 0 until then).
-        step_timeout_s / init_timeout_s: connector deadlines.
+        step_timeout_s: the connector's per-operation deadline (its init deadline: at least 120 s).
         progress: show a progress bar on attention rank 0.
         threads: torch intra-op threads per process.
         connector: a connector registry name, or ``"module:Class"`` for a
@@ -652,6 +508,7 @@ class DemoPlan:
         gpu_placement: the GPU of every process (NCCL only;
             :func:`afd_ext.tools.testing.place_processes`: one GPU per process with
             enough GPUs, else shared, on one GPU with NCCL over sockets).
+        fp8: the scale format of FP8 hidden states on the wire (``"fp32"`` or ``"ue8m0"``), None: off.
     """
 
     num_attention: int
@@ -660,26 +517,29 @@ class DemoPlan:
     dims: str
     model_config: dict[str, Any]
     dtype: str
-    seed: int
     stages: int
     gate_on_attention: bool
     requests: dict[int, list[Request]]
     host: str
     port: int
-    agree_port: int
+    agree_port: int = 0
+    seed: int = 0
     step_timeout_s: float = 60.0
-    init_timeout_s: float = 120.0
     progress: bool = True
     threads: int = 1
     connector: str = "AfdExtConnector"
     gpu_placement: GpuPlacement | None = None
     graph: bool = False
     verbose: bool = False
-    fp8: str | None = None  # FP8 hidden states: their scale format ("fp32" or "ue8m0"); None: off
+    fp8: str | None = None
 
     @property
     def device_type(self) -> str:
         return "cpu" if self.backend == "gloo" else "cuda"
+
+    @property
+    def init_timeout_s(self) -> float:
+        return max(self.step_timeout_s, 120.0)
 
     @property
     def max_steps(self) -> int:
@@ -689,7 +549,7 @@ class DemoPlan:
 def _torch_dtype(name: str):
     import torch
 
-    return getattr(torch, name)  # "float32" / "bfloat16" (argparse's choices)
+    return getattr(torch, name)  # "float32" / "bfloat16"
 
 
 def _connector_class(name: str) -> type:
@@ -701,8 +561,7 @@ def _connector_class(name: str) -> type:
     from afd_ext.factory import get_connector_class, known_connectors, register_connector
 
     if ":" in name and name not in known_connectors():
-        module, _, cls = name.partition(":")
-        register_connector(name, module, cls)
+        register_connector(name, *name.split(":", 1))
     try:
         return get_connector_class(name)
     except (ImportError, TypeError) as e:
@@ -711,41 +570,28 @@ def _connector_class(name: str) -> type:
 
 def _make_connector(plan: DemoPlan, role: str, role_rank: int, world_rank: int, model) -> Any:
     """Create (not initialise) this process's connector through the factory."""
+    import torch
+
     from afd_ext.config import AFDConfig
     from afd_ext.factory import create_connector
     from afd_ext.integrations.transformers import describe_layers, remote_layer_indices
 
-    _connector_class(plan.connector)
-    afd = AFDConfig(
-        connector=plan.connector,
-        role=role,
-        host=plan.host,
-        port=plan.port,
-        num_attention_ranks=plan.num_attention,
-        num_ffn_ranks=plan.num_ffn,
-        compute_gate_on_attention=plan.gate_on_attention,
-        connector_extra_config={
-            "transport": plan.backend,
-            "step_timeout_s": plan.step_timeout_s,
-            "init_timeout_s": plan.init_timeout_s,
-            "max_stages": max(4, plan.stages),
-            **({"hidden_wire_dtype": "fp8_e4m3", "fp8_scale_format": plan.fp8} if plan.fp8 else {}),
-        },
-    )
-    import torch
-
+    _connector_class(plan.connector)  # registers a module:Class connector in this process too
+    extra = {"transport": plan.backend, "step_timeout_s": plan.step_timeout_s, "init_timeout_s": plan.init_timeout_s,
+             "max_stages": max(4, plan.stages)}
+    if plan.fp8:
+        extra.update(hidden_wire_dtype="fp8_e4m3", fp8_scale_format=plan.fp8)
+    afd = AFDConfig(connector=plan.connector, role=role, host=plan.host, port=plan.port,
+                    num_attention_ranks=plan.num_attention, num_ffn_ranks=plan.num_ffn,
+                    compute_gate_on_attention=plan.gate_on_attention, connector_extra_config=extra)
     infos = describe_layers(model)
     moe = [li for li in infos if li.is_moe]
-    remote = remote_layer_indices(model, gate_on_attention=plan.gate_on_attention)
-    facts = {
+    return create_connector(
+        world_rank, 0, afd, role_rank=role_rank, hidden_size=infos[0].hidden_size, dtype=_torch_dtype(plan.dtype),
         # layer exchanges per stage per step: every layer, or only the MoE layers (gate on attention)
-        "num_layers": len(remote),
-        "hidden_size": infos[0].hidden_size,
-        "dtype": _torch_dtype(plan.dtype),
-        "router_logits_width": moe[0].num_experts if (plan.gate_on_attention and moe) else None,
-        "router_logits_dtype": torch.float32,
-    }
-    return create_connector(world_rank, 0, afd, role_rank=role_rank, **facts)
+        num_layers=len(remote_layer_indices(model, gate_on_attention=plan.gate_on_attention)),
+        router_logits_width=moe[0].num_experts if (plan.gate_on_attention and moe) else None,
+        router_logits_dtype=torch.float32)
 
 
 def _progress_bar(total: int, stream=None):
@@ -779,79 +625,61 @@ def _worker(rank: int, nprocs: int, plan: DemoPlan) -> dict[str, Any]:
     from afd_ext.integrations import graph_runners
     from afd_ext.integrations.transformers import FFNServer, split_attention_role
 
-    torch.set_num_threads(max(1, plan.threads))
-    F_ = plan.num_ffn
-    role = "ffn" if rank < F_ else "attention"
-    role_rank = rank if role == "ffn" else rank - F_
+    torch.set_num_threads(plan.threads)
+    role, role_rank = ("ffn", rank) if rank < plan.num_ffn else ("attention", rank - plan.num_ffn)
     logging.basicConfig(level=logging.INFO if plan.verbose else logging.WARNING,
                         format=f"%(asctime)s {role} {role_rank} %(name)s %(levelname)s %(message)s")
-    device = "cuda:0" if plan.device_type == "cuda" else "cpu"
     if plan.device_type == "cuda":
         torch.cuda.set_device(0)  # CUDA_VISIBLE_DEVICES already binds this process to its GPU
-    dtype = _torch_dtype(plan.dtype)
     model = construct_model(plan.model_config)
-    if role == "ffn":
-        init_weights(model, plan.seed, device=plan.device_type, dtype=dtype)
-        connector = _make_connector(plan, role, role_rank, rank, model)
-        server = FFNServer.from_model(model, connector, gate_on_attention=plan.gate_on_attention)
+    connector = _make_connector(plan, role, role_rank, rank, model)
+    with contextlib.ExitStack() as stack:
+        if role == "ffn":
+            init_weights(model, plan.seed, device=plan.device_type, dtype=_torch_dtype(plan.dtype))
+            server = FFNServer.from_model(model, connector, gate_on_attention=plan.gate_on_attention)
+        else:
+            # The attention side never initialises (nor moves to its device) the experts it gives away.
+            exchange = split_attention_role(model, connector, gate_on_attention=plan.gate_on_attention,
+                                            num_stages=plan.stages, timing=True)  # the summary's exchange latency
+            init_weights(model, plan.seed, device=plan.device_type, dtype=_torch_dtype(plan.dtype))
+            import torch.distributed as dist
+
+            from afd_ext.metadata import StepCountAgreement
+
+            # The attention ranks' step-count agreement as a serving engine does it: all_gather_object on a
+            # gloo group (its timeout bounds the wait), over the store the launching process hosts.
+            td = datetime.timedelta(seconds=plan.step_timeout_s)
+            dist.init_process_group("gloo", store=dist.TCPStore(plan.host, plan.agree_port, is_master=False,
+                                                                timeout=td),
+                                    rank=role_rank, world_size=plan.num_attention, timeout=td)
+            stack.callback(dist.destroy_process_group)
+            agreement = StepCountAgreement.from_process_group()
         logger.info("model built; initialising the connector")
         connector.init_afd_connector()
-        logger.info("connector ready; serving")
-        graph_server = graph_runners.FFNGraphServer(server, **_graph_options(plan)) if plan.graph else None
-        try:
-            steps = (graph_server or server).serve()
-            logger.info("served %d steps", steps)
-        finally:
-            if graph_server is not None:
-                graph_server.close()
-            connector.close()
-            logger.info("connector closed")
-        out = {"role": "ffn", "rank": role_rank, "steps": steps, "rows": server.rows_served}
-        if graph_server is not None:
-            out["graph_modes"] = dict(graph_server.modes)
-        return out
-
-    connector = _make_connector(plan, role, role_rank, rank, model)
-    exchange = split_attention_role(
-        model, connector, gate_on_attention=plan.gate_on_attention, num_stages=plan.stages,
-        timing=True,  # the summary's per-layer exchange latency (CUDA events, no device sync)
-    )
-    init_weights(model, plan.seed, device=plan.device_type, dtype=dtype)
-    import torch.distributed as dist
-
-    from afd_ext.metadata import StepCountAgreement
-
-    # The attention ranks' step-count agreement as a serving engine does it: all_gather_object on a
-    # gloo group (its timeout bounds the wait), over the store the launching process hosts.
-    td = datetime.timedelta(seconds=plan.step_timeout_s)
-    dist.init_process_group("gloo", store=dist.TCPStore(plan.host, plan.agree_port, is_master=False, timeout=td),
-                            rank=role_rank, world_size=plan.num_attention, timeout=td)
-    agreement = StepCountAgreement.from_process_group()
-    logger.info("model built; initialising the connector")
-    connector.init_afd_connector()
-    if plan.graph:
-        exchange.graph_runner = graph_runners.AttentionGraphRunner(exchange, connector, **_graph_options(plan))
-    logger.info("connector ready; generating")
-    bar = _progress_bar(plan.max_steps) if plan.progress and role_rank == 0 else None
-    try:
-        res = generate_attention_rank(
-            model, exchange, agreement.agree, plan.requests.get(role_rank, []), rank=role_rank,
-            num_stages=plan.stages, device=device, progress=bar,
-        )
+        stack.callback(logger.info, "connector closed")
+        stack.callback(connector.close)
+        if role == "ffn":
+            graph = graph_runners.FFNGraphServer(server, **_graph_options(plan)) if plan.graph else None
+            if graph is not None:
+                stack.callback(graph.close)
+            logger.info("served %d steps", (graph or server).serve())
+            return {"role": "ffn", "rank": role_rank, "rows": server.rows_served,
+                    **({"graph_modes": dict(graph.modes)} if graph else {})}
+        if plan.graph:
+            exchange.graph_runner = stack.enter_context(contextlib.closing(
+                graph_runners.AttentionGraphRunner(exchange, connector, **_graph_options(plan))))
+        bar = _progress_bar(plan.max_steps) if plan.progress and role_rank == 0 else None
+        if bar is not None:
+            stack.callback(_finish_bar, bar)
+        res = generate_attention_rank(model, exchange, agreement.agree, plan.requests.get(role_rank, []),
+                                      rank=role_rank, num_stages=plan.stages, device=plan.device_type,
+                                      progress=bar)
         logger.info("generated in %.2f s (%d steps)", res.wall_s, res.steps)
         # numpy, not torch: torch tensors cross a multiprocessing queue as shared-memory
         # handles that die with this process.
         for r in res.requests:
             r["logits"] = r["logits"].numpy()
-    finally:
-        if bar is not None:
-            _finish_bar(bar)
-        if exchange.graph_runner is not None:
-            exchange.graph_runner.close()
-        connector.close()
-        dist.destroy_process_group()
-        logger.info("connector closed")
-    return {"role": "attention", "rank": role_rank, "result": res}
+        return {"role": "attention", "rank": role_rank, "result": res}
 
 
 #: Per-peer capture sizes of ``--graph`` (decode batches of the demo are small;
@@ -867,14 +695,33 @@ def _graph_options(plan: DemoPlan) -> dict[str, Any]:
             "backend": None if plan.device_type == "cuda" else graphs.EagerRecordingBackend()}
 
 
+def _round_ffn_inputs(whole, plan: DemoPlan) -> None:
+    """Make the whole model round its FFN inputs as FP8 on the wire does (docs/fp8.md): forward pre-hooks."""
+    from afd_ext import fp8
+    from afd_ext.integrations.transformers import decoder_layers, describe_layers, remote_layer_indices
+
+    def rounded(m, a: tuple) -> tuple:
+        m.afd_unrounded = a[0]  # the gate's input when it runs on the attention side
+        x = fp8.quantize(a[0].reshape(-1, a[0].shape[-1]).cpu(), ue8m0=plan.fp8 == "ue8m0")
+        return (fp8.dequantize(*x).reshape(a[0].shape).to(a[0].device),) + a[1:]
+
+    infos = describe_layers(whole)
+    for i in remote_layer_indices(whole, gate_on_attention=plan.gate_on_attention):
+        mlp = getattr(decoder_layers(whole)[i], infos[i].mlp_attr)
+        mlp.register_forward_pre_hook(rounded)
+        if plan.gate_on_attention:  # the router sees what the attention rank has: the input unrounded
+            getattr(mlp, infos[i].gate_attr).register_forward_pre_hook(
+                lambda g, a, mlp=mlp: (mlp.afd_unrounded.reshape(a[0].shape),) + a[1:])
+
+
 def run_demo(plan: DemoPlan, *, timeout_s: float = 600.0) -> dict[str, Any]:
     """Run the processes of ``plan`` and the self-check; return the summary dict.
 
     Raises:
-        AFDConfigError: a CUDA plan without a placement and no usable GPU.
-        afd_ext.tools.testing.WorkerError / TimeoutError: a process failed or hung.
+        afd_ext.tools.testing.WorkerError: a process failed (``label`` names its role); AFDTimeoutError: the
+            processes still running at ``timeout_s``, by role; AFDPeerError: a process died without reporting
+            (a signal, an exit).
     """
-    import torch
     import torch.distributed as dist
 
     from afd_ext.tools.testing import WorkerError, run_workers
@@ -884,17 +731,12 @@ def run_demo(plan: DemoPlan, *, timeout_s: float = 600.0) -> dict[str, Any]:
     agree_store = dist.TCPStore(plan.host, 0, is_master=True, wait_for_workers=False,
                                 timeout=datetime.timedelta(seconds=plan.step_timeout_s))
     plan = dataclasses.replace(plan, agree_port=int(agree_store.port))
-    if plan.device_type == "cuda" and plan.gpu_placement is None:  # a plan not made by build_plan
-        plan = dataclasses.replace(plan, gpu_placement=_gpu_placement(plan.num_attention, plan.num_ffn))
-    per_rank_env = plan.gpu_placement.env() if plan.gpu_placement is not None else None
-    env = {"OMP_NUM_THREADS": str(plan.threads), "TOKENIZERS_PARALLELISM": "false"}
     t0 = time.perf_counter()
     logger.info("starting %d processes", plan.num_attention + plan.num_ffn)
     try:
-        outs = run_workers(
-            _worker, plan.num_attention + plan.num_ffn, (plan,), timeout_s=timeout_s, env=env,
-            per_rank_env=per_rank_env,
-        )
+        outs = run_workers(_worker, plan.num_attention + plan.num_ffn, (plan,), timeout_s=timeout_s,
+                           env={"OMP_NUM_THREADS": str(plan.threads), "TOKENIZERS_PARALLELISM": "false"},
+                           per_rank_env=plan.gpu_placement.env() if plan.gpu_placement is not None else None)
     except WorkerError as e:
         e.label = rank_label(e.rank, plan.num_ffn)  # the one-line error names the role (afd_ext.tools.cli.error_line)
         raise
@@ -903,34 +745,16 @@ def run_demo(plan: DemoPlan, *, timeout_s: float = 600.0) -> dict[str, Any]:
         raise AFDTimeoutError(f"the demo did not finish within --timeout {timeout_s:g} s; still running: {still}") from None
     run_s = time.perf_counter() - t0
     att = sorted((o["result"] for o in outs if o["role"] == "attention"), key=lambda r: r.rank)
-    ffn = [o for o in outs if o["role"] == "ffn"]
-
     logger.info("processes done in %.1f s; running the whole model for the self-check", run_s)
     # Whole model, one process, same sequences (teacher forcing).
-    ref_device = "cuda:0" if plan.device_type == "cuda" else "cpu"
-    dtype = _torch_dtype(plan.dtype)
-    whole = build_model(plan.model_config, plan.seed, device=plan.device_type, dtype=dtype)
-    tol = LOGIT_ATOL_FP32 if dtype == torch.float32 else LOGIT_ATOL_BF16
-    if plan.fp8:  # the whole model rounds its FFN inputs by the same rule (docs/fp8.md)
-        from afd_ext import fp8
-        from afd_ext.integrations.transformers import decoder_layers, describe_layers, remote_layer_indices
-
-        def rounded(m: torch.nn.Module, a: tuple) -> tuple:
-            m.afd_unrounded = a[0]  # the gate's input when it runs on the attention side
-            x = fp8.quantize(a[0].reshape(-1, a[0].shape[-1]).cpu(), ue8m0=plan.fp8 == "ue8m0")
-            return (fp8.dequantize(*x).reshape(a[0].shape).to(a[0].device),) + a[1:]
-
-        infos = describe_layers(whole)
-        for i in remote_layer_indices(whole, gate_on_attention=plan.gate_on_attention):
-            mlp = getattr(decoder_layers(whole)[i], infos[i].mlp_attr)
-            mlp.register_forward_pre_hook(rounded)
-            if plan.gate_on_attention:  # the router sees what the attention rank has: the input unrounded
-                getattr(mlp, infos[i].gate_attr).register_forward_pre_hook(
-                    lambda g, a, mlp=mlp: (mlp.afd_unrounded.reshape(a[0].shape),) + a[1:])
+    whole = build_model(plan.model_config, plan.seed, device=plan.device_type, dtype=_torch_dtype(plan.dtype))
+    tol = LOGIT_ATOL_FP32 if plan.dtype == "float32" else LOGIT_ATOL_BF16
+    if plan.fp8:
+        _round_ffn_inputs(whole, plan)
         tol *= LOGIT_ATOL_FP8_FACTOR
-    results = [r for a in att for r in a.requests]
-    check = self_check(results, lambda seq: reference_logits(whole, seq, ref_device), tol)
-    return summarize(plan, att, ffn, check, run_s)
+    check = self_check([r for a in att for r in a.requests],
+                       lambda seq: reference_logits(whole, seq, plan.device_type), tol)
+    return summarize(plan, att, [o for o in outs if o["role"] == "ffn"], check, run_s)
 
 
 def _pct(xs: Sequence[float], q: float) -> float:
@@ -946,24 +770,14 @@ def summarize(plan: DemoPlan, att: Sequence[RankResult], ffn: Sequence[Mapping[s
     mc = plan.model_config
     steps = max((a.steps for a in att), default=0)
     gen_tokens = sum(len(r["generated"]) for a in att for r in a.requests)
-    prompt_tokens = sum(len(r["prompt_ids"]) for a in att for r in a.requests)
     wall = max((a.wall_s for a in att), default=0.0)
-    # The first step's exchanges (one per stage and layer, in step order) pay the
-    # lazy set-up (NCCL connections, cuBLAS handles, allocator growth): kept
-    # apart so p50/p99 describe the steady state.
-    per_layer: dict[int, list[float]] = {}
-    first_step_us: list[float] = []
-    for a in att:
-        for layer, v in a.latency_ns.items():
-            us = [ns / 1e3 for ns in v]
-            first_step_us.extend(us[: plan.stages])
-            per_layer.setdefault(int(layer), []).extend(us[plan.stages:])
-    all_us = [x for v in per_layer.values() for x in v]
-    bytes_a2f = sum(a.bytes_sent for a in att)
-    bytes_f2a = sum(a.bytes_received for a in att)
+    # The first step's exchanges (one per stage and layer, in step order) pay the lazy set-up (NCCL
+    # connections, cuBLAS handles, allocator growth): kept apart so p50/p99 describe the steady state.
+    first_us = [ns / 1e3 for a in att for v in a.latency_ns.values() for ns in v[:plan.stages]]
+    steady_us = [ns / 1e3 for a in att for v in a.latency_ns.values() for ns in v[plan.stages:]]
+    bytes_a2f, bytes_f2a = sum(a.bytes_sent for a in att), sum(a.bytes_received for a in att)
     step_counts = att[0].step_counts if att else []
-    zero_rank_steps = sum(1 for c in step_counts if any(x == 0 for x in c))
-    placement = plan.gpu_placement
+    ffn = sorted(ffn, key=lambda o: o["rank"])
     return {
         "topology": f"{plan.num_attention}A{plan.num_ffn}F",
         "num_attention_ranks": plan.num_attention,
@@ -973,47 +787,33 @@ def summarize(plan: DemoPlan, att: Sequence[RankResult], ffn: Sequence[Mapping[s
         "device": plan.device_type,
         "placement": _placement_text(plan),
         # Processes sharing a GPU are time-sliced (and on one GPU NCCL goes over sockets).
-        "latencies_meaningful": placement is None or placement.timings_meaningful,
+        "latencies_meaningful": plan.gpu_placement is None or plan.gpu_placement.timings_meaningful,
         "model": {
-            "model_type": mc.get("model_type"),
-            "dims": plan.dims,
-            "layers": mc.get("num_hidden_layers"),
+            "model_type": mc.get("model_type"), "dims": plan.dims, "layers": mc.get("num_hidden_layers"),
             "hidden_size": mc.get("hidden_size"),
             "num_experts": mc.get("num_experts", mc.get("num_local_experts", mc.get("n_routed_experts"))),
             "top_k": mc.get("num_experts_per_tok"),
             "moe_intermediate_size": mc.get("moe_intermediate_size", mc.get("intermediate_size")),
-            "vocab_size": mc.get("vocab_size"),
-            "dtype": plan.dtype,
+            "vocab_size": mc.get("vocab_size"), "dtype": plan.dtype,
         },
         "stages": plan.stages,
         "gate": "attention" if plan.gate_on_attention else "ffn",
         "requests": sum(len(v) for v in plan.requests.values()),
         "steps": steps,
-        "steps_with_zero_token_rank": zero_rank_steps,
+        "steps_with_zero_token_rank": sum(1 for c in step_counts if 0 in c),
         "step_counts": step_counts,
-        "prompt_tokens": prompt_tokens,
+        "prompt_tokens": sum(len(r["prompt_ids"]) for a in att for r in a.requests),
         "generated_tokens": gen_tokens,
         "generation_s": wall,
         "tokens_per_s": gen_tokens / wall if wall > 0 else float("nan"),
         "total_s": run_s,
-        "exchange_latency_us": {
-            "p50": _pct(all_us, 50),
-            "p99": _pct(all_us, 99),
-            "count": len(all_us),
-            "first_step_max": max(first_step_us, default=float("nan")),
-            "per_layer": {
-                str(k): {"p50": _pct(v, 50), "p99": _pct(v, 99), "count": len(v)}
-                for k, v in sorted(per_layer.items())
-            },
-        },
-        "bytes": {
-            "attention_to_ffn": bytes_a2f,
-            "ffn_to_attention": bytes_f2a,
-            "per_step": (bytes_a2f + bytes_f2a) / steps if steps else 0.0,
-        },
-        "ffn_rows_served": [int(o["rows"]) for o in sorted(ffn, key=lambda o: o["rank"])],
+        "exchange_latency_us": {"p50": _pct(steady_us, 50), "p99": _pct(steady_us, 99), "count": len(steady_us),
+                                "first_step_max": max(first_us, default=float("nan"))},
+        "bytes": {"attention_to_ffn": bytes_a2f, "ffn_to_attention": bytes_f2a,
+                  "per_step": (bytes_a2f + bytes_f2a) / steps if steps else 0.0},
+        "ffn_rows_served": [int(o["rows"]) for o in ffn],
         "graph": plan.graph,
-        "ffn_graph_modes": [o.get("graph_modes") for o in sorted(ffn, key=lambda o: o["rank"])],
+        "ffn_graph_modes": [o.get("graph_modes") for o in ffn],
         "self_check": asdict(check),
     }
 
@@ -1046,15 +846,14 @@ def _fmt_bytes(n: float) -> str:
 
 def format_summary(s: Mapping[str, Any]) -> str:
     """Human-readable summary of :func:`summarize`'s dict."""
-    m = s["model"]
-    lat = s["exchange_latency_us"]
-    ck = s["self_check"]
+    m, lat, ck, b = s["model"], s["exchange_latency_us"], s["self_check"], s["bytes"]
+    wire = f"; FP8 hidden states attention->FFN ({s['fp8']} scales)" if s.get("fp8") else ""
     lines = [
         "afd_ext demo summary",
         f"  topology        {s['topology']} ({s['num_attention_ranks']} attention, {s['num_ffn_ranks']} FFN ranks), "
         f"stages {s['stages']}, gate on {s['gate']}",
-        f"  backend         {s['backend']} ({s['device']})",
-        f"  placement       {s.get('placement', 'not recorded')}",
+        f"  backend         {s['backend']} ({s['device']}){wire}",
+        f"  placement       {s['placement']}",
         f"  model           {m['model_type']} '{m['dims']}': {m['layers']} layers, hidden {m['hidden_size']}, "
         f"{m['num_experts']} experts top-{m['top_k']}, moe_intermediate {m['moe_intermediate_size']}, "
         f"vocab {m['vocab_size']}, {m['dtype']}",
@@ -1064,26 +863,17 @@ def format_summary(s: Mapping[str, Any]) -> str:
         f"{s['generation_s']:.2f} s = {s['tokens_per_s']:.1f} tokens/s",
         f"  layer exchange  p50 {lat['p50']:.1f} us, p99 {lat['p99']:.1f} us over {lat['count']} exchanges "
         "(attention side: send, FFN compute, receive; from step 2 on)",
-        f"                  step 1 (lazy set-up) slowest {lat.get('first_step_max', float('nan')):.1f} us",
+        f"                  step 1 (lazy set-up) slowest {lat['first_step_max']:.1f} us",
     ]
-    if not s.get("latencies_meaningful", True):
+    if not s["latencies_meaningful"]:
         lines.append(f"  NOTE            processes share a GPU (time-sliced; {_shared_gpu_note(s['backend'])}): "
                      "these latencies are not meaningful, only the self-check is")
-    for layer, v in lat["per_layer"].items():
-        lines.append(f"    layer {layer:>3}     p50 {v['p50']:.1f} us, p99 {v['p99']:.1f} us ({v['count']})")
-    b = s["bytes"]
-    lines.append(
-        f"  bytes moved     {_fmt_bytes(b['per_step'])} per step "
-        f"(attention->FFN {_fmt_bytes(b['attention_to_ffn'])}, FFN->attention {_fmt_bytes(b['ffn_to_attention'])} in total)"
-    )
-    verdict = "PASS" if ck["ok"] else "FAIL"
-    lines.append(
-        f"  self-check      {verdict}: max |logit diff| {ck['max_abs_diff']:.3g} (tolerance {ck['tolerance']:g}) "
-        f"over {ck['positions']} positions vs the whole model; worst at {ck['worst']}"
-    )
-    for f in ck["failures"]:
-        lines.append(f"    mismatch: {f}")
-    return "\n".join(lines)
+    lines.append(f"  bytes moved     {_fmt_bytes(b['per_step'])} per step (attention->FFN "
+                 f"{_fmt_bytes(b['attention_to_ffn'])}, FFN->attention {_fmt_bytes(b['ffn_to_attention'])} in total)")
+    lines.append(f"  self-check      {'PASS' if ck['ok'] else 'FAIL'}: max |logit diff| {ck['max_abs_diff']:.3g} "
+                 f"(tolerance {ck['tolerance']:g}) over {ck['positions']} positions vs the whole model; "
+                 f"worst at {ck['worst']}")
+    return "\n".join(lines + [f"    mismatch: {f}" for f in ck["failures"]])
 
 
 # ---------------------------------------------------------------------------
@@ -1117,7 +907,7 @@ def _topology(text: str) -> tuple[int, int]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse ``afd-ext demo`` arguments (see ``--help``)."""
+    """Parse ``afd-ext demo`` arguments (see ``--help``); a bad value is argparse's usage error (exit 2)."""
     p = argparse.ArgumentParser(
         prog="afd-ext demo",
         description="Serve a transformers MoE decoder AFD-style (attention and FFN in separate "
@@ -1126,32 +916,30 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--topology", type=_topology, default=(2, 1), metavar="TOPOLOGY",
                    help="attention and FFN ranks: 2A1F (default), 1A1F, 3A2F; also written 2x1 or 2:1")
     p.add_argument("--backend", choices=("auto", "gloo", "nccl", "peer"), default="auto",
-                   help="gloo: CPU tensors; nccl: CUDA tensors, one GPU per process when there are enough, "
-                   "else attention on GPU 0 and FFN on GPU 1, and on a one-GPU machine every process on GPU 0 "
-                   "(NCCL over sockets: a demo arrangement, latencies not meaningful); "
+                   help="gloo: CPU tensors, float32; nccl: CUDA tensors, bfloat16, one GPU per process when there "
+                   "are enough, else attention on GPU 0 and FFN on GPU 1, and on a one-GPU machine every process "
+                   "on GPU 0 (NCCL over sockets: a demo arrangement, latencies not meaningful); "
                    "peer: CUDA tensors through peer memory (CUDA IPC), placed like nccl; "
                    "auto: nccl when 2 GPUs are visible, else gloo")
     p.add_argument("--dims", default="small",
                    help=f"model config: one of {available_dims()} or a path to a .json config")
-    p.add_argument("--layers", type=int, default=None, help="override the number of decoder layers")
-    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
-                   help="auto: float32 on CPU, bfloat16 on GPU")
-    p.add_argument("--stages", type=int, default=1, help="micro-batches per step (stages), >= 1 (default 1)")
+    p.add_argument("--stages", type=ranged(int, 1), default=1, help="micro-batches per step (stages), >= 1 (default 1)")
     p.add_argument("--gate-on-attention", action="store_true",
                    help="compute router logits on the attention side and send them with the hidden states")
-    p.add_argument("--requests-per-rank", type=int, default=3, help="requests per attention rank (default 3)")
-    p.add_argument("--max-new-tokens", type=int, default=16,
+    p.add_argument("--requests-per-rank", type=ranged(int, 1), default=3,
+                   help="requests per attention rank (default 3)")
+    p.add_argument("--max-new-tokens", type=ranged(int, 1), default=16,
                    help="most tokens generated per request; requests get different budgets up to it (default 16)")
-    p.add_argument("--max-prompt-len", type=int, default=32, help="prompt tokens (bytes + BOS) kept per request")
     p.add_argument("--prompts", default=None, help="prompts file (default: the shipped afd_ext/tools/data/prompts.txt)")
     p.add_argument("--connector", default="AfdExtConnector",
                    help="connector registry name, or module:Class of your own connector")
-    p.add_argument("--seed", type=int, default=0, help="weight seed, identical in every process (default 0)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0, help="rendezvous port (0: pick a free one)")
-    p.add_argument("--timeout", type=float, default=600.0, help="deadline for the whole run, seconds (default 600)")
-    p.add_argument("--step-timeout", type=float, default=60.0, help="connector per-operation deadline, seconds")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--port", type=ranged(int, 0, 65535), default=0, help="rendezvous port (0: pick a free one)")
+    p.add_argument("--timeout", type=ranged(float, 0, above=True), default=600.0,
+                   help="deadline for the whole run, seconds (default 600)")
+    p.add_argument("--step-timeout", type=ranged(float, 0, above=True), default=60.0,
+                   help="connector per-operation deadline, seconds")
+    p.add_argument("--threads", type=ranged(int, 1), default=1, help="torch threads per process")
     p.add_argument("--json", dest="json_path", default=None, help="write the summary as JSON to this path")
     p.add_argument("--graph", action="store_true",
                    help="graph mode: steps whose per-rank counts fit the capture sizes "
@@ -1163,16 +951,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    "rounds its FFN inputs the same way, and the self-check's tolerance doubles")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("-v", "--verbose", action="store_true")
-    args = p.parse_args(argv)
-    if args.stages < 1:
-        p.error("--stages must be >= 1")
-    if args.requests_per_rank < 1 or args.max_new_tokens < 1:
-        p.error("--requests-per-rank and --max-new-tokens must be >= 1")
-    if args.step_timeout <= 0 or args.timeout <= 0:
-        p.error("--step-timeout and --timeout must be > 0 seconds")
-    if args.threads < 1:
-        p.error("--threads must be >= 1")
-    return args
+    return p.parse_args(argv)
 
 
 def _gpu_placement(num_attention: int, num_ffn: int) -> GpuPlacement:
@@ -1193,55 +972,44 @@ def _gpu_placement(num_attention: int, num_ffn: int) -> GpuPlacement:
 
 
 def build_plan(args: argparse.Namespace) -> DemoPlan:
-    """Resolve arguments into a :class:`DemoPlan` (backend, dtype, ports, requests)."""
-    from afd_ext.tools.testing import find_free_port
+    """Resolve arguments into a :class:`DemoPlan` (backend, dtype, ports, requests).
 
+    Raises:
+        AFDError / ValueError: what would fail only after the processes started (a busy port, an unknown
+            connector, no GPU, a bad --json path or --dims, --fp8 with a hidden size it cannot quantize).
+    """
     from afd_ext.tools.launch import check_port_free
+    from afd_ext.tools.testing import find_free_port, visible_gpu_count
 
     # A busy port, or a host that is not this machine's, named now (port 0: the host alone), not
     # when FFN rank 0 binds it seconds later.
     check_port_free(args.host, args.port)
     _connector_class(args.connector)
-    backend = args.backend
-    if backend == "auto":
-        import torch
-
-        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "gloo"
+    backend = args.backend if args.backend != "auto" else "nccl" if visible_gpu_count() >= 2 else "gloo"
     A, F_ = args.topology
     placement = _gpu_placement(A, F_) if backend != "gloo" else None
-    if args.json_path:
-        # Checked before the run, not after it: a bad path must not cost the whole demo.
-        out = Path(args.json_path)
+    if args.json_path:  # checked before the run, not after it: a bad path must not cost the whole demo
         try:
-            out.parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise AFDConfigError(f"--json {args.json_path}: cannot create its folder ({e})") from None
-        if out.is_dir():
+        if Path(args.json_path).is_dir():
             raise AFDConfigError(f"--json {args.json_path} is a folder; give a file path")
-    dtype = args.dtype
-    if dtype == "auto":
-        dtype = "float32" if backend == "gloo" and not args.fp8 else "bfloat16"
-    if args.fp8 and dtype != "bfloat16":
-        raise AFDConfigError("--fp8 quantizes bfloat16 hidden states; drop --dtype float32")
-    model_config = load_model_config(args.dims, num_layers=args.layers)
+    model_config = load_model_config(args.dims)
     if args.fp8:
         import torch
 
         from afd_ext import fp8
 
         fp8.check_hidden(model_config["hidden_size"], torch.bfloat16)
-    prompts = load_prompts(args.prompts)
-    requests = make_requests(A, args.requests_per_rank, args.max_new_tokens, prompts=prompts,
-                             max_prompt_len=args.max_prompt_len)
-    port = args.port or find_free_port(args.host)
+    requests = make_requests(A, args.requests_per_rank, args.max_new_tokens, prompts=load_prompts(args.prompts))
     return DemoPlan(
         num_attention=A, num_ffn=F_, backend=backend, dims=args.dims, model_config=model_config,
-        dtype=dtype, seed=args.seed, stages=args.stages, gate_on_attention=args.gate_on_attention,
-        requests=requests, host=args.host, port=port, agree_port=0,
-        step_timeout_s=args.step_timeout, init_timeout_s=max(args.step_timeout, 120.0),
-        progress=not args.no_progress, threads=args.threads, connector=args.connector,
-        verbose=args.verbose, graph=args.graph, gpu_placement=placement, fp8=args.fp8,
-    )
+        dtype="float32" if backend == "gloo" and not args.fp8 else "bfloat16", stages=args.stages,
+        gate_on_attention=args.gate_on_attention, requests=requests, host=args.host,
+        port=args.port or find_free_port(args.host), step_timeout_s=args.step_timeout,
+        progress=not args.no_progress, threads=args.threads,
+        connector=args.connector, verbose=args.verbose, graph=args.graph, gpu_placement=placement, fp8=args.fp8)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1263,9 +1031,3 @@ def main(argv: Sequence[str] | None = None) -> int:
               "see the mismatches above", file=sys.stderr)
         return 1
     return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    from afd_ext.tools.cli import main as cli_main
-
-    sys.exit(cli_main(["demo", *sys.argv[1:]]))

@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 from afd_ext import envs
 from afd_ext.errors import AFDConfigError, AFDError
+from afd_ext.tools.cli import ranged
 
 if TYPE_CHECKING:
     from afd_ext.config import AFDConfig
@@ -73,15 +74,9 @@ class LaunchedRank(NamedTuple):
 def _launcher_int(name: str) -> int | None:
     """torchrun's ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` as an int >= 0, or None when unset."""
     raw = os.environ.get(name)
-    if raw is None:
-        return None
-    try:
-        v = int(raw)
-    except ValueError:
-        v = -1
-    if v < 0:
+    if raw is not None and not raw.strip().isdigit():
         raise AFDConfigError(f"environment variable {name}={raw!r} is not an int >= 0")
-    return v
+    return None if raw is None else int(raw)
 
 
 def _parse_roles(text: str) -> list[str]:
@@ -201,12 +196,9 @@ def config_from_env(**overrides) -> LaunchedRank:
             raise AFDConfigError("neither AFD_HOST nor torchrun's MASTER_ADDR is set: set AFD_HOST to the "
                                  "address of FFN rank 0's machine")
     port = overrides.pop("port", None) or envs.get("AFD_PORT")
-    extra = dict(envs.get("AFD_CONNECTOR_EXTRA_CONFIG") or {})
-    extra.update(overrides.pop("connector_extra_config", None) or {})
-    fields = {"role": role, "host": host, "num_attention_ranks": A, "num_ffn_ranks": F,
-              "connector_extra_config": extra, **overrides}
-    if port is not None:
-        fields["port"] = port
+    extra = {**(envs.get("AFD_CONNECTOR_EXTRA_CONFIG") or {}), **(overrides.pop("connector_extra_config", None) or {})}
+    fields = {"role": role, "host": host, "num_attention_ranks": A, "num_ffn_ranks": F, "connector_extra_config": extra,
+              **({} if port is None else {"port": port}), **overrides}  # the overrides win (port is popped above)
     return LaunchedRank(role, role_rank, AFDConfig(**fields))
 
 
@@ -249,6 +241,24 @@ def _gpu_list(text: str, n: int, name: str) -> list[str]:
 # ---------------------------------------------------------------------------
 
 
+def _extra_config(text: str) -> str:
+    """``--extra-config``: a JSON object of the fields ``AfdExtConnector`` knows (values are the ranks' to check:
+    a transport registered in the rank's own process is named there).
+    """
+    from dataclasses import fields
+
+    from afd_ext.config import _DEPRECATED_EXTRA, AfdExtConnectorConfig
+
+    try:
+        keys = envs.json_object(text)
+    except ValueError as e:  # AFDConfigError (a JSON that is not an object) is a ValueError too
+        raise argparse.ArgumentTypeError(f"must be a JSON object: {e}") from None
+    known = [f.name for f in fields(AfdExtConnectorConfig)]
+    if unknown := sorted(set(keys) - set(known) - set(_DEPRECATED_EXTRA)):
+        raise argparse.ArgumentTypeError(f"unknown connector_extra_config field(s) {unknown}; known fields: {known}")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``afd-ext launch`` parser (its own options; every other option before ``--`` goes to torchrun)."""
     p = argparse.ArgumentParser(
@@ -257,16 +267,17 @@ def build_parser() -> argparse.ArgumentParser:
         usage="afd-ext launch -A N -F M [AFD options] [torchrun options] -- command [args ...]",
         description="Run COMMAND as A attention + F FFN ranks under torchrun (torch.distributed.run), with "
                     "the AFD variables exported; inside, afd_ext.tools.launch.config_from_env() says which rank "
-                    "is which. Options not listed here (--nnodes, --node-rank, --master-addr, "
-                    "--nproc-per-node, --rdzv-*, ...) are passed to torchrun.",
+                    "is which. Options not listed here (--node-rank, --master-addr, --nproc-per-node, "
+                    "--rdzv-*, ...) are passed to torchrun.",
         epilog="Example: afd-ext launch -A 2 -F 1 -- python examples/multinode.py",
     )
-    p.add_argument("--num-attention-ranks", "-A", type=int, required=True, help="A >= 1 (all nodes together)")
-    p.add_argument("--num-ffn-ranks", "-F", type=int, required=True, help="F >= 1 (all nodes together)")
+    p.add_argument("--num-attention-ranks", "-A", type=ranged(int, 1), required=True,
+                   help="A >= 1 (all nodes together)")
+    p.add_argument("--num-ffn-ranks", "-F", type=ranged(int, 1), required=True, help="F >= 1 (all nodes together)")
     p.add_argument("--host", default=None,
                    help="AFD rendezvous host, FFN rank 0's address (default: 127.0.0.1 on one node; "
                         "torchrun's MASTER_ADDR on several)")
-    p.add_argument("--port", type=int, default=None,
+    p.add_argument("--port", type=ranged(int, 1, 65535), default=None,
                    help="AFD rendezvous port (default: a free port on one node; 1239 on several)")
     p.add_argument("--attention-gpus", default=None,
                    help="GPU index per attention rank, by role rank, e.g. '0,0' (one entry: all share it). "
@@ -274,8 +285,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "torchrun's LOCAL_RANK (its index among the processes on its host)")
     p.add_argument("--ffn-gpus", default=None,
                    help="GPU index per FFN rank, by role rank, e.g. '1' (one entry: all share it)")
-    p.add_argument("--extra-config", default=None,
-                   help="JSON object exported as AFD_CONNECTOR_EXTRA_CONFIG (connector_extra_config)")
+    p.add_argument("--extra-config", type=_extra_config, default=None,
+                   help="JSON object exported as AFD_CONNECTOR_EXTRA_CONFIG (connector_extra_config); its field "
+                        "names are checked against AfdExtConnector's before any rank starts")
+    p.add_argument("--nnodes", default="1", help="nodes, N or MIN:MAX (torchrun's --nnodes, passed on to it)")
     p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with the rank")
     return p
 
@@ -294,20 +307,6 @@ def check_port_free(host: str, port: int) -> None:
     from afd_ext.rendezvous.store import _listen_socket
 
     os.close(_listen_socket(host, port))
-
-
-def _max_nodes(torchrun_opts: Sequence[str]) -> int:
-    """The most nodes torchrun's ``--nnodes`` allows (``"2"``, ``"1:4"``); 1 without it, 0 if unreadable."""
-    value = "1"
-    for i, o in enumerate(torchrun_opts):
-        if o == "--nnodes" and i + 1 < len(torchrun_opts):
-            value = torchrun_opts[i + 1]
-        elif o.startswith("--nnodes="):
-            value = o.split("=", 1)[1]
-    try:
-        return int(value.split(":")[-1])
-    except ValueError:
-        return 0
 
 
 def _fail(msg: str, code: int = 2) -> int:
@@ -343,32 +342,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     is not found; 2 for bad arguments (one line on stderr, no traceback).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--" not in argv:
-        own, cmd = argv, []
-    else:
-        i = argv.index("--")
-        own, cmd = argv[:i], argv[i + 1:]
+    i = argv.index("--") if "--" in argv else len(argv)
+    own, cmd = argv[:i], argv[i + 1:]
     parser = build_parser()
     args, torchrun_opts = parser.parse_known_args(own)
     if not cmd:
         parser.error("give the command to run after '--', e.g. -- python script.py")
     A, F = args.num_attention_ranks, args.num_ffn_ranks
-    if A < 1 or F < 1:
-        parser.error(f"--num-attention-ranks and --num-ffn-ranks must be >= 1, got {A} and {F}")
     try:
         for text, n, flag in ((args.attention_gpus, A, "--attention-gpus"), (args.ffn_gpus, F, "--ffn-gpus")):
             if text is not None:
                 _gpu_list(text, n, flag)
     except AFDConfigError as e:
         parser.error(str(e))
-    if args.extra_config is not None:
-        try:
-            envs.json_object(args.extra_config)
-        except ValueError as e:
-            parser.error(f"--extra-config must be a JSON object: {e}")
-    if args.port is not None and not 0 < args.port < 65536:
-        parser.error(f"--port must be in 1..65535, got {args.port}")
-    if args.port is not None and _max_nodes(torchrun_opts) == 1:
+    one_node = args.nnodes.rsplit(":", 1)[-1].strip() == "1"  # torchrun refuses a malformed --nnodes itself
+    if args.port is not None and one_node:
         try:  # FFN rank 0 binds it on this machine; before torch is imported, so it takes well under a second
             check_port_free(args.host or "127.0.0.1", args.port)
         except AFDError as e:
@@ -384,10 +372,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     prefix = [] if args.no_prefix else ["--tee", "3"]
     # Our defaults first: argparse keeps the last occurrence, so the user's torchrun options win.
     tr_parser = torchrun.get_args_parser()
-    tr_parser.prog = "afd-ext launch (torchrun options)"
-    targs = tr_parser.parse_args(["--nproc-per-node", str(A + F), *prefix, *torchrun_opts, "--no-python", *cmd])
-    _, max_nodes = torchrun.parse_min_max_nnodes(targs.nnodes)
-    one_node = max_nodes == 1
+    tr_parser.prog, tr_parser.allow_abbrev = "afd-ext launch (torchrun options)", False  # --nnodes is ours alone
+    targs = tr_parser.parse_args(["--nproc-per-node", str(A + F), "--nnodes", args.nnodes, *prefix, *torchrun_opts,
+                                  "--no-python", *cmd])
     if one_node and int(targs.nproc_per_node) != A + F:
         parser.error(f"on one node --nproc-per-node must be A + F = {A + F}, got {targs.nproc_per_node}")
     host = args.host or ("127.0.0.1" if one_node else None)
@@ -419,6 +406,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(f"got {e.sigval.name}; every rank was stopped", 128 + int(e.sigval))
     return 0
 
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

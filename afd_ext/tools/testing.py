@@ -27,6 +27,9 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
+from afd_ext import envs
+from afd_ext.errors import FOLLOW_ON_ERRORS, AFDPeerError
+
 
 class WorkerError(RuntimeError):
     """A worker raised; ``rank`` is the failing worker, the message holds its traceback."""
@@ -100,8 +103,6 @@ SHARE_GPU_ENV = "AFD_TEST_SHARE_GPU"
 #: connects them through its socket transport (correct, ~4.5 ms per round trip).
 NCCL_HOSTID_PREFIX = "afdhost"
 
-ARRANGEMENTS = ("own-gpu", "split-roles", "shared-gpu")
-
 
 @dataclass(frozen=True)
 class GpuPlacement:
@@ -122,7 +123,8 @@ class GpuPlacement:
     Attributes:
         num_attention_ranks, num_ffn_ranks: ``A`` and ``F``.
         gpus: ``CUDA_VISIBLE_DEVICES`` label per world rank (length ``A + F``).
-        arrangement: one of :data:`ARRANGEMENTS` (``"cpu"``, no GPU, for the bench's gloo path).
+        arrangement: ``"own-gpu"``, ``"split-roles"`` or ``"shared-gpu"`` (``"cpu"``, no GPU, for the bench's
+            gloo path).
         nccl_hostids: ``NCCL_HOSTID`` per world rank, or ``()`` when NCCL needs none.
     """
 
@@ -170,34 +172,19 @@ def visible_gpu_labels(num_gpus: int) -> list[str]:
     Raises:
         ValueError: ``CUDA_VISIBLE_DEVICES`` names fewer GPUs than ``num_gpus``.
     """
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if env is not None and env.strip():
-        labels = [x.strip() for x in env.split(",") if x.strip()]
-        if len(labels) < num_gpus:
-            raise ValueError(f"CUDA_VISIBLE_DEVICES={env!r} names {len(labels)} GPUs but {num_gpus} are visible; "
-                             "set it to a plain comma list of the GPUs to use")
-        return labels[:num_gpus]
-    return [str(i) for i in range(num_gpus)]
+    env = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    labels = [x.strip() for x in env.split(",") if x.strip()] or [str(i) for i in range(num_gpus)]
+    if len(labels) < num_gpus:
+        raise ValueError(f"CUDA_VISIBLE_DEVICES={env!r} names {len(labels)} GPUs but {num_gpus} are visible; "
+                         "set it to a plain comma list of the GPUs to use")
+    return labels[:num_gpus]
 
 
 def visible_gpu_count() -> int:
     """CUDA devices visible to this process (0 without a CUDA torch)."""
-    try:
-        import torch
-    except ImportError:
-        return 0
+    import torch
+
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def share_gpu_forced() -> bool:
-    """``AFD_TEST_SHARE_GPU`` is set to a true value (``envs.parse_bool``: 1, true, yes, on).
-
-    Raises:
-        AFDConfigError: a value that is not a boolean.
-    """
-    from afd_ext import envs
-
-    return envs.get(SHARE_GPU_ENV)
 
 
 def place_processes(num_attention_ranks: int, num_ffn_ranks: int, num_gpus: int | None = None, *,
@@ -213,13 +200,13 @@ def place_processes(num_attention_ranks: int, num_ffn_ranks: int, num_gpus: int 
             attention rank and an FFN rank on one GPU, every process gets its
             own ``NCCL_HOSTID`` (arrangement ``shared-gpu``).
         share: True forces the ``shared-gpu`` arrangement on several GPUs; None
-            reads ``AFD_TEST_SHARE_GPU``. One visible GPU is always shared.
+            reads ``AFD_TEST_SHARE_GPU`` (1, true, yes, on). One visible GPU is always shared.
 
     Returns:
         The placement; ``placement.env()`` is ``run_workers``' ``per_rank_env``.
 
     Raises:
-        ValueError: no GPU visible, a bad size, or a
+        ValueError: no GPU visible, a bad size, ``AFD_TEST_SHARE_GPU`` not a boolean, or a
             ``gpu_map`` of the wrong length or with an index not below ``num_gpus``.
     """
     A, F = num_attention_ranks, num_ffn_ranks
@@ -230,7 +217,7 @@ def place_processes(num_attention_ranks: int, num_ffn_ranks: int, num_gpus: int 
         raise ValueError("no CUDA GPU is visible: a GPU placement needs at least one")
     labels = visible_gpu_labels(n)
     if share is None:
-        share = share_gpu_forced() and not gpu_map
+        share = envs.get(SHARE_GPU_ENV) and not gpu_map
     if gpu_map:
         if len(gpu_map) != A + F:
             raise ValueError(f"--gpu-map needs {A + F} entries (attention ranks then FFN ranks), got {len(gpu_map)}")
@@ -281,8 +268,6 @@ def _entry(fn, rank, nprocs, args, q):
         result = fn(rank, nprocs, *args)
         q.put((rank, True, result))
     except BaseException as e:  # noqa: BLE001 - forwarded to the parent verbatim
-        from afd_ext.errors import FOLLOW_ON_ERRORS
-
         q.put((rank, False, (traceback.format_exc(), isinstance(e, FOLLOW_ON_ERRORS))))
         _flush(q)
         raise SystemExit(1)
@@ -302,8 +287,11 @@ def _flush(q) -> None:
 ROOT_CAUSE_WAIT_S = 5.0
 
 
-def _died(rank: int, exitcode: int | None) -> RuntimeError:
-    err = RuntimeError(f"worker rank {rank} died with exit code {exitcode} without reporting")
+def _died(rank: int, exitcode: int) -> AFDPeerError:
+    """The error for a worker that ended without a report: killed by a signal (named) or exited."""
+    sig = next((s.name for s in signal.Signals if s == -exitcode), f"signal {-exitcode}")
+    how = f"was killed by {sig}" if exitcode < 0 else f"exited with code {exitcode}"
+    err = AFDPeerError(f"worker rank {rank} {how} without reporting", op="run_workers", peer=f"worker rank {rank}")
     err.rank = rank  # type: ignore[attr-defined]
     return err
 
@@ -331,15 +319,9 @@ def _root_cause(first: WorkerError, q: Any, procs: Sequence[Any], results: dict[
     return first
 
 
-def run_workers(
-    fn: Callable[..., Any],
-    nprocs: int,
-    args: Sequence[Any] = (),
-    *,
-    timeout_s: float = 120.0,
-    env: Mapping[str, str] | None = None,
-    per_rank_env: Sequence[Mapping[str, str]] | None = None,
-) -> list[Any]:
+def run_workers(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, timeout_s: float = 120.0,
+                env: Mapping[str, str] | None = None,
+                per_rank_env: Sequence[Mapping[str, str]] | None = None) -> list[Any]:
     """Run ``fn(rank, nprocs, *args)`` in ``nprocs`` spawned processes.
 
     Args:
@@ -360,11 +342,11 @@ def run_workers(
     Raises:
         WorkerError: the first worker that raised (others are killed); when that error only reports
             another rank's failure (:data:`afd_ext.errors.FOLLOW_ON_ERRORS`), the cause seen within
-            :data:`ROOT_CAUSE_WAIT_S` instead (another worker's error, or the RuntimeError below).
+            :data:`ROOT_CAUSE_WAIT_S` instead (another worker's error, or the AFDPeerError below).
         TimeoutError: the deadline passed; the message names the ranks still running (also in
             its ``ranks`` attribute).
-        RuntimeError: a worker died without reporting (a signal, ``os._exit``, a segfault), named by
-            rank (its ``rank`` attribute) and exit code.
+        afd_ext.errors.AFDPeerError: a worker died without reporting (a signal, ``os._exit``, a segfault),
+            named by rank (its ``rank`` attribute) and by the signal that killed it or its exit code.
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
@@ -376,9 +358,7 @@ def run_workers(
     results: dict[int, Any] = {}
     try:
         for rank in range(nprocs):
-            wenv = dict(env or {})
-            if per_rank_env is not None:
-                wenv.update(per_rank_env[rank])
+            wenv = {**(env or {}), **(per_rank_env[rank] if per_rank_env is not None else {})}
             p = ctx.Process(target=_entry, args=(fn, rank, nprocs, tuple(args), q), daemon=True)
             with patched_env(wenv):  # spawn copies os.environ into the child at start()
                 p.start()
@@ -417,7 +397,7 @@ def run_workers(
 def distinct_gpus_missing(n: int, why: str) -> str | None:
     """Why a test needing ``n`` distinct GPUs cannot run here (None: it can)."""
     have = visible_gpu_count()
-    if share_gpu_forced():
+    if envs.get(SHARE_GPU_ENV):
         return f"needs {n} distinct GPUs ({why}); AFD_TEST_SHARE_GPU=1 puts every process on GPU 0"
     if have < n:
         return f"needs {n} distinct GPUs ({why}); {have} visible, so its processes would share GPU 0"
