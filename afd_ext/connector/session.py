@@ -35,6 +35,21 @@ logger = logging.getLogger(__name__)
 __all__ = ["Session", "RoleSide"]
 
 
+def _release_links(exc: BaseException | None) -> None:
+    """Drop the tracebacks of the failure ``exc`` (its cause/context chain included).
+
+    Their frames hold the failed generation's transfers (gloo works keep the group's
+    connections open); freed, the connections close, so a peer blocked on this rank fails at
+    once with a peer error instead of waiting out its deadline: what ends the step there when
+    the store died with FFN rank 0 and no abort can be posted. The exceptions and texts stay.
+    """
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        exc.__traceback__ = None
+        exc = exc.__cause__ or exc.__context__
+
+
 class Session:
     """One connector's live state: links, the current step, and the failure rules.
 
@@ -113,6 +128,7 @@ class Session:
                 tr.close(buffers=old_bufs)
             except Exception as e:  # noqa: BLE001
                 logger.warning("closing AFD %s transport: %s", tr.kind, e)
+        _release_links(self.broken)
         self.store = None
         self.signal = None
 

@@ -114,6 +114,7 @@ class AbortSignal:
         try:
             found = self.read()
         except StoreUnavailableError as e:
+            e.__traceback__ = None  # a read's future keeps e: its frames would pin a dead generation's transfers
             if not self._lost_logged:
                 self._lost_logged = True
                 logger.info("AFD %s: the rendezvous store (FFN rank 0) is gone while %s (%s); no abort can be "

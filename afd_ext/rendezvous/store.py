@@ -257,12 +257,14 @@ class AFDStore:
         except StoreTimeoutError:
             raise
         except RuntimeError as e:
-            # A lost connection (a TCPStore client never reconnects): every later call fails at once.
+            # A lost connection (a TCPStore client never reconnects): every later call fails at once. The
+            # kept error is never raised: a raised one's traceback would keep the frames of the waits it
+            # crossed alive, and with them the transfers of a dead generation (see Session.close).
             if isinstance(e, StoreUnavailableError):
-                runner.lost = e
+                runner.lost = self.lost_error(what, e)
             elif type(e).__name__ in ("DistNetworkError", "DistStoreError", "DistError"):
                 runner.lost = self.lost_error(what, RuntimeError(error_text(e)))
-                raise runner.lost from None
+                raise self.lost_error(what, runner.lost) from None
             raise
 
     def lost_error(self, what: str, cause: BaseException) -> StoreUnavailableError:
