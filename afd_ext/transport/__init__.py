@@ -35,41 +35,10 @@ import logging
 from typing import Any, NamedTuple
 
 from ..config import TRANSPORTS
-from .base import (
-    AFDPeerError,
-    AFDProtocolError,
-    AFDTimeoutError,
-    AFDTransportClosedError,
-    AFDTransportError,
-    MessageTag,
-    PeerMap,
-    PendingSend,
-    StepProgress,
-    Transport,
-    TransportSetup,
-)
+from .base import Transport, TransportSetup
 
-__all__ = [
-    "AFDPeerError",
-    "AFDProtocolError",
-    "AFDTimeoutError",
-    "AFDTransportClosedError",
-    "AFDTransportError",
-    "MessageTag",
-    "PeerMap",
-    "PendingSend",
-    "StepProgress",
-    "Transport",
-    "TransportSetup",
-    "auto_transport",
-    "AUTO_ORDER",
-    "TransportChoice",
-    "create_transport",
-    "register_transport",
-    "select_transport",
-    "transport_availability",
-    "transport_class",
-]
+__all__ = ["auto_transport", "AUTO_ORDER", "TransportChoice", "create_transport", "register_transport",
+           "select_transport", "transport_availability", "transport_class"]
 
 logger = logging.getLogger(__name__)
 

@@ -282,6 +282,13 @@ class GlooTransport(Transport):
 
     # -- the step's rows, agreed before its first data message ------------------------
 
+    def _link_failed(self, e: RuntimeError, tag: MessageTag, what: str, names: Sequence[str]) -> AFDPeerError:
+        """Close this transport on ``e`` (posting a send or receive failed) and return the error naming the peers."""
+        self._closed = e
+        who = ", ".join(names) or None
+        return AFDPeerError(f"AFD {tag.op}: {what} {who or 'peers'} at {tag.where()} failed: {error_text(e)}",
+                            op=tag.op, peer=who, layer=tag.layer, stage=tag.stage)
+
     def begin_step(self, schedule: Any) -> None:
         """Remember the step's schedule: its first a2f exchange carries (attention) or checks (FFN) the rows."""
         super().begin_step(schedule)
@@ -318,10 +325,7 @@ class GlooTransport(Transport):
         try:
             works = [self._pg.recv([got[i]], self.peers.peer_world_rank(a), _ROWS_TAG) for i, a in enumerate(peers)]
         except RuntimeError as e:
-            self._closed = e
-            raise AFDPeerError(f"AFD {tag.op}: receive of the step's rows from {', '.join(names)} at "
-                               f"{tag.where()} failed: {error_text(e)}", op=tag.op, peer=", ".join(names),
-                               layer=tag.layer, stage=tag.stage) from None
+            raise self._link_failed(e, tag, "receive of the step's rows from", names) from None
         self._wait(works, tag, "receive (the step's rows)", ", ".join(names),
                    [(n, [w]) for n, w in zip(names, works)])
         bad = []
@@ -373,10 +377,7 @@ class GlooTransport(Transport):
                     mine.append(w)
                     works.append(w)
         except RuntimeError as e:
-            self._closed = e
-            raise AFDPeerError(f"AFD {tag.op}: send to {', '.join(names) or 'peers'} at {tag.where()} failed: "
-                               f"{error_text(e)}",
-                               op=tag.op, peer=", ".join(names) or None, layer=tag.layer, stage=tag.stage) from None
+            raise self._link_failed(e, tag, "send to", names) from None
         if not works:
             return PendingSend()
         peer_text = ", ".join(label for label, _ in by_peer)
@@ -407,10 +408,7 @@ class GlooTransport(Transport):
                 by_peer.append((name, mine))
                 works.extend(mine)
         except RuntimeError as e:  # posting a receive on a pair the peer already closed
-            self._closed = e
-            raise AFDPeerError(f"AFD {tag.op}: receive from {', '.join(names)} at {tag.where()} failed: "
-                               f"{error_text(e)}", op=tag.op, peer=", ".join(names), layer=tag.layer,
-                               stage=tag.stage) from None
+            raise self._link_failed(e, tag, "receive from", names) from None
         self._wait(works, tag, "receive", ", ".join(names), by_peer)
 
     # -- collective / lifecycle ----------------------------------------------------
