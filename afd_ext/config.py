@@ -341,9 +341,7 @@ class AFDConfig:
             if v <= 0:
                 raise AFDConfigError(f"{name} must be positive, got {v}")
             set_(name, v)
-        extra = self.connector_extra_config
-        if extra is None:
-            extra = {}
+        extra = {} if self.connector_extra_config is None else self.connector_extra_config
         if not isinstance(extra, Mapping):
             raise AFDTypeError("connector_extra_config must be a mapping")
         set_("connector_extra_config", dict(extra))

@@ -436,10 +436,6 @@ class AFDControlPayload:
 # ---------------------------------------------------------------------------
 
 
-def _is_plain_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 @dataclass(slots=True)
 class AFDTransferMetadata:
     """Rows of one (layer, stage) exchange, one entry per peer.
@@ -470,7 +466,7 @@ class AFDTransferMetadata:
                 "seq_lens cannot be empty: give one entry per peer (0 for a zero-token peer)"
             )
         for i, n in enumerate(self.seq_lens):
-            if _is_plain_int(n):
+            if isinstance(n, int) and not isinstance(n, bool):
                 if n < 0:
                     raise AFDConfigError(f"seq_lens[{i}] must be >= 0, got {n}")
             elif not isinstance(n, torch.SymInt):

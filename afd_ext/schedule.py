@@ -181,13 +181,6 @@ class ScheduleConfig:
         given = {p.arg for p in self.caller_parts}
         return tuple(a for a in declared_args() if a not in given)
 
-    @property
-    def fp8_group(self) -> int:
-        """Channels per FP8 scale (:data:`afd_ext.fp8.GROUP`)."""
-        from .fp8 import GROUP
-
-        return GROUP
-
 
 def stage_buffers(alloc: Callable[[tuple[str, int], tuple[int, ...], torch.dtype], Any], config: ScheduleConfig,
                   stage: int, rows: int, extra: Sequence[str] = (), *, fan_in: bool = False) -> dict[str, Any]:
@@ -496,6 +489,15 @@ class StepSchedule:
         self._check(name, t, shape, dtype, who, device, f"; cast with .to({dtype})")
 
 
+def _stage_counts(topology: Topology, payload: AFDControlPayload, stage: int, clamp_idle_to_one: bool
+                  ) -> tuple[int, ...]:
+    """Stage ``stage``'s counts, one per attention rank (:meth:`Topology.expand_counts`); errors name the stage."""
+    try:
+        return topology.expand_counts(payload.dp_metadata_list[stage].counts, clamp_idle_to_one=clamp_idle_to_one)
+    except ValueError as e:
+        raise AFDConfigError(f"stage {stage}: {e}") from None
+
+
 def build_step_schedule(
     topology: Topology, payload: AFDControlPayload, config: ScheduleConfig
 ) -> StepSchedule:
@@ -526,14 +528,7 @@ def build_step_schedule(
     stages = tuple(sorted(payload.dp_metadata_list))
     if config.max_stages is not None and len(stages) > config.max_stages:
         raise AFDConfigError(f"step has {len(stages)} stages {list(stages)}, more than max_stages={config.max_stages}")
-    counts: dict[int, tuple[int, ...]] = {}
-    for s in stages:
-        try:
-            counts[s] = topology.expand_counts(
-                payload.dp_metadata_list[s].counts, clamp_idle_to_one=config.clamp_idle_to_one
-            )
-        except ValueError as e:
-            raise AFDConfigError(f"stage {s}: {e}") from None
+    counts = {s: _stage_counts(topology, payload, s, config.clamp_idle_to_one) for s in stages}
     if config.pad_to is None:
         rows = counts
     else:
@@ -612,12 +607,7 @@ def pad_sizes(
     sizes = check_capture_sizes(sorted(set(capture_sizes)))
     out = {}
     for s in sorted(payload.dp_metadata_list):
-        try:
-            n = max(topology.expand_counts(payload.dp_metadata_list[s].counts,
-                                           clamp_idle_to_one=clamp_idle_to_one))
-        except ValueError as e:
-            raise AFDConfigError(f"stage {s}: {e}") from None
-        fit = capture_size_for(n, sizes)
+        fit = capture_size_for(max(_stage_counts(topology, payload, s, clamp_idle_to_one)), sizes)
         if fit is None:
             return None
         out[s] = fit

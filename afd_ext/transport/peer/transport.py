@@ -290,10 +290,7 @@ class PeerTransport(Transport):
     @contextlib.contextmanager
     def capture_guard(self) -> Iterator[None]:
         # The plane's poll reads host memory only (no CUDA call), so it may run during a capture.
-        if self.fallback is not None:
-            with self.fallback.capture_guard():
-                yield
-        else:
+        with self.fallback.capture_guard() if self.fallback is not None else contextlib.nullcontext():
             yield
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -315,7 +312,7 @@ class PeerTransport(Transport):
             self._closed = AFDTransportError("closed")
         if self.fallback is None:
             self.watchdog.stop(1.0)
-        if self.fallback is not None:
+        else:
             try:
                 self.fallback.close(buffers)  # first: its kernels must not hold the device sync below
             except Exception as e:  # noqa: BLE001 - close never raises
