@@ -372,7 +372,10 @@ class StepSchedule:
     # -- input checks ------------------------------------------------------------
 
     def _check(self, name: str, t: Any, shape: tuple[int, ...], dtype: torch.dtype, who: str,
-               device: torch.device | str | None, fix: str = "") -> None:
+               device: torch.device | str | None, check_device: Callable[[Any, str], None] | None) -> None:
+        """Raise the error for tensor ``t`` that failed the check (``check_device``: the transport's, for the device)."""
+        if check_device is not None and isinstance(t, torch.Tensor) and t.device != device:
+            check_device(t, name)
         if not isinstance(t, torch.Tensor):
             raise AFDConfigError(f"{name} must be a torch.Tensor {_fmt_shape(shape)} {dtype} for {who}, "
                              f"got {type(t).__name__}")
@@ -380,7 +383,7 @@ class StepSchedule:
             raise AFDConfigError(f"{name} must have shape {_fmt_shape(shape)} for {who} (from the step's "
                              f"control payload), got {_fmt_shape(t.shape)}")
         if t.dtype != dtype:
-            raise AFDConfigError(f"{name} must be {dtype} for {who}, got {t.dtype}{fix}")
+            raise AFDConfigError(f"{name} must be {dtype} for {who}, got {t.dtype}; cast with .to({dtype})")
         if device is not None and t.device != torch.device(device):
             raise AFDConfigError(f"{name} must be on {torch.device(device)} for {who}, got {t.device}")
         if not t.is_contiguous():
@@ -445,9 +448,7 @@ class StepSchedule:
         if t is None:
             raise AFDConfigError(f"{label}{'' if label == p.arg else f' ({p.arg})'} missing for {who}: the "
                                  f"connector is configured to send {_fmt_shape(shape)} {p.dtype} {p.name}")
-        if check_device is not None and isinstance(t, torch.Tensor) and t.device != device:
-            check_device(t, label)
-        self._check(label, t, shape, p.dtype, who, device, f"; cast with .to({p.dtype})")
+        self._check(label, t, shape, p.dtype, who, device, check_device)
 
     def check_attention_reply(self, stage: int, a: int, ref_tensor: Any, *,
                               device: torch.device | str | None = None,
@@ -463,7 +464,8 @@ class StepSchedule:
         t = ref_tensor
         if not (type(t) is torch.Tensor and t.shape == shape and t.dtype == self.config.hidden_dtype  # no call
                 and (device is None or t.device == device) and t.is_contiguous()):
-            self._refuse_output("ref_tensor", t, shape, f"attention rank {a}, stage {stage}", device, check_device)
+            self._check("ref_tensor", t, shape, self.config.hidden_dtype, f"attention rank {a}, stage {stage}", device,
+                        check_device)
 
     def check_ffn_output(self, stage: int, f: int, ffn_output: Any, *,
                          device: torch.device | str | None = None,
@@ -479,14 +481,8 @@ class StepSchedule:
         t = ffn_output
         if not (type(t) is torch.Tensor and t.shape == shape and t.dtype == self.config.hidden_dtype  # no call
                 and (device is None or t.device == device) and t.is_contiguous()):
-            self._refuse_output("ffn_output", t, shape, f"FFN rank {f}, stage {stage}", device, check_device)
-
-    def _refuse_output(self, name: str, t: Any, shape: tuple[int, int], who: str, device: Any,
-                       check_device: Callable[[Any, str], None] | None) -> None:
-        if check_device is not None and isinstance(t, torch.Tensor) and t.device != device:
-            check_device(t, name)
-        dtype = self.config.hidden_dtype
-        self._check(name, t, shape, dtype, who, device, f"; cast with .to({dtype})")
+            self._check("ffn_output", t, shape, self.config.hidden_dtype, f"FFN rank {f}, stage {stage}", device,
+                        check_device)
 
 
 def _stage_counts(topology: Topology, payload: AFDControlPayload, stage: int, clamp_idle_to_one: bool
