@@ -22,19 +22,9 @@ import torch
 
 from .errors import AFDConfigError, AFDProtocolError
 
-__all__ = [
-    "MAX_TOKEN_COUNT",
-    "AFDDPMetadata",
-    "AFDSingleDPMetadata",
-    "AFDControlPayload",
-    "AFDTransferMetadata",
-    "AFDTransferState",
-    "AFDTransferContext",
-    "AFDA2FTransferPayload",
-    "AFDF2ATransferPayload",
-    "AFDExpertRoutingSpec",
-    "StepCountAgreement",
-]
+__all__ = ["MAX_TOKEN_COUNT", "AFDDPMetadata", "AFDSingleDPMetadata", "AFDControlPayload", "AFDTransferMetadata",
+           "AFDTransferState", "AFDTransferContext", "AFDA2FTransferPayload", "AFDF2ATransferPayload",
+           "AFDExpertRoutingSpec", "StepCountAgreement"]
 
 #: Counts travel as int32 (as in the reference); the largest representable count.
 MAX_TOKEN_COUNT = 2**31 - 1

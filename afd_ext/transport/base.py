@@ -60,20 +60,9 @@ from ..errors import (  # noqa: F401  defined once, in errors.py; re-exported fo
 )
 from ..topology import rank_label, step_words
 
-__all__ = [
-    "MessageTag",
-    "AFDTransportError",
-    "AFDTimeoutError",
-    "AFDPeerError",
-    "AFDProtocolError",
-    "AFDTransportClosedError",
-    "Transport",
-    "TransportSetup",
-    "StepProgress",
-    "PeerMap",
-    "PendingSend",
-    "row_offsets",
-]
+__all__ = ["MessageTag", "AFDTransportError", "AFDTimeoutError", "AFDPeerError", "AFDProtocolError",
+           "AFDTransportClosedError", "Transport", "TransportSetup", "StepProgress", "PeerMap", "PendingSend",
+           "row_offsets"]
 
 
 class MessageTag(NamedTuple):

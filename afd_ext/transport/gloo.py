@@ -42,16 +42,8 @@ import torch
 
 from ..health import AbortSignal, CallThread, host_wait, leave
 from .base import (
-    AFDPeerError,
-    AFDProtocolError,
-    AFDTimeoutError,
-    AFDTransportError,
-    MessageTag,
-    PeerMap,
-    PendingSend,
-    Transport,
-    TransportSetup,
-    row_offsets,
+    AFDPeerError, AFDProtocolError, AFDTimeoutError, AFDTransportError, MessageTag, PeerMap, PendingSend, Transport,
+    TransportSetup, row_offsets
 )
 from .. import fp8
 from ..errors import AFDConfigError

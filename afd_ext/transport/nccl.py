@@ -76,22 +76,14 @@ from .. import fp8
 from ..health import AbortSignal, StallReports, Watchdog, host_wait, join_all, spawn, still_running
 from ..errors import AFDConfigError, AFDStateError
 from .base import (
-    AFDPeerError,
-    AFDTimeoutError,
-    AFDTransportError,
-    MessageTag,
-    PeerMap,
-    PendingSend,
-    StepProgress,
-    Transport,
-    TransportSetup,
+    AFDPeerError, AFDTimeoutError, AFDTransportError, MessageTag, PeerMap, PendingSend, StepProgress, Transport,
+    TransportSetup
 )
 from .streams import StageStreams  # noqa: F401 - was defined here; still importable from this module
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NcclTransport", "CommErrors", "DIRECTIONS", "RELEASE_TIMEOUT_S", "WAIT_BACKSTOP_S",
-           "pending_releases"]
+__all__ = ["NcclTransport", "CommErrors", "DIRECTIONS", "RELEASE_TIMEOUT_S", "WAIT_BACKSTOP_S", "pending_releases"]
 
 DIRECTIONS = ("a2f", "f2a")
 

@@ -36,30 +36,16 @@ from torch import Tensor
 
 from ... import ops
 from ...errors import (
-    AFDAbortedError,
-    AFDConfigError,
-    AFDError,
-    AFDProtocolError,
-    AFDStateError,
-    AFDTimeoutError,
-    PeerMemoryUnavailableError,
+    AFDAbortedError, AFDConfigError, AFDError, AFDProtocolError, AFDStateError, AFDTimeoutError,
+    PeerMemoryUnavailableError
 )
 from ...topology import ATTENTION, FFN, ROLES, Topology, rank_label
 from ...wire import layout
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "REGION_ALIGN",
-    "FLAG_STRIDE",
-    "OP_NAMES",
-    "WireSpec",
-    "RegionLayout",
-    "PeerFailure",
-    "failure_error",
-    "PeerPlane",
-    "open_plane",
-]
+__all__ = ["REGION_ALIGN", "FLAG_STRIDE", "OP_NAMES", "WireSpec", "RegionLayout", "PeerFailure", "failure_error",
+           "PeerPlane", "open_plane"]
 
 #: Byte alignment of every part (and of the flag area's end) in a region.
 REGION_ALIGN = 256
