@@ -334,6 +334,7 @@ class NcclTransport(Transport):
         self._comms: dict[tuple[int, int, str], int] = {}  # (a, f, direction) -> handle
         self._event_pool: list[torch.cuda.Event] = []  # list append/pop are atomic in CPython
         self._comm_names: dict[int, str] = {}  # handle -> name, filled by _named_comms
+        self._peer_rank = 1 if peers.role == "ffn" else 0  # the peer's rank in every size-2 communicator
         self._stages = StageStreams(device)
         self._aborted = False
         self._store = store  # the rendezvous store (tests read the posted abort through it)
@@ -445,9 +446,6 @@ class NcclTransport(Transport):
         """The label of the other end of edge (attention rank ``a``, FFN rank ``f``)."""
         return self.peers.peer_label(f if self.peers.role == "attention" else a)
 
-    def _peer_index(self) -> int:
-        return 1 if self.peers.role == "ffn" else 0
-
     def check_health(self, tag: MessageTag | None = None) -> None:
         self.watchdog.check()
         self._check_open(tag)
@@ -548,7 +546,7 @@ class NcclTransport(Transport):
                         torch.empty((h.shape[0], h.shape[1] // fp8.GROUP), dtype=torch.float32, device=h.device)]
                 self._ops.fp8_quantize(h, keep[0], keep[1], self.fp8_ue8m0)
                 tensors = keep + list(tensors[1:])
-            self._ops.split_back(tensors, comms, [self._peer_index()] * len(peers), rows)
+            self._ops.split_back(tensors, comms, [self._peer_rank] * len(peers), rows)
             self._track("send (split-back)", live, tag)
         return PendingSend(keep=keep)
 
@@ -559,7 +557,7 @@ class NcclTransport(Transport):
             return
         comms = [self._comm(p, tag.direction) for p in peers]
         with self._stages.on(tag.stage):
-            self._ops.fan_in(tensors, comms, [self._peer_index()] * len(peers), rows)
+            self._ops.fan_in(tensors, comms, [self._peer_rank] * len(peers), rows)
             if dequant is not None:  # the fan-in's bf16 output: one kernel after the receive, same stream
                 self._ops.fp8_dequantize(tensors[0], tensors[1], dequant)
             if wait:
@@ -601,11 +599,7 @@ class NcclTransport(Transport):
 
     def barrier(self) -> None:
         """Wait until this rank's in-flight NCCL work completed (the connector's store barrier follows)."""
-        self.check_health()
-        self.join()
-        ev = torch.cuda.Event()
-        ev.record()
-        self.wait_event(ev, "drain", ["every peer"], MessageTag("barrier", "a2f", -1, -1, -1))
+        self.synchronize("drain", MessageTag("barrier", "a2f", -1, -1, -1))
 
     def _release(self, *, abort: bool, timeout_s: float) -> list[tuple[threading.Thread, str]]:
         """Release every communicator of this transport, bounded (never raises); see :func:`_release_comms`."""

@@ -110,16 +110,6 @@ class WireSpec:
         return cls(pairs(cfg.wire_parts), pairs(cfg.caller_parts), pairs(layout(cfg, "f2a")),
                    cfg.hidden_wire is not None, cfg.hidden_wire is not None and cfg.fp8_scale_format == "ue8m0")
 
-    @property
-    def fan_in_row_bytes(self) -> tuple[int, ...]:
-        """Bytes per row of each fan-in part (:attr:`fan_in`)."""
-        return _row_bytes(self.fan_in)
-
-    @property
-    def reply_row_bytes(self) -> tuple[int, ...]:
-        """Bytes per row of each reply part."""
-        return _row_bytes(self.reply)
-
     def signature(self) -> str:
         """A string equal on two ranks exactly when their specs are equal (checked at set-up)."""
         return repr((self.fan_in, self.send, self.reply, self.quantize_first, self.ue8m0))
@@ -167,10 +157,10 @@ class RegionLayout:
             raise AFDConfigError(f"max_tokens and num_stages must be >= 1, got {max_tokens} and {num_stages}")
         if role == FFN:
             n = len(topology.ffn_peers(role_rank))
-            return cls(num_stages, n, n * max_tokens, spec.fan_in_row_bytes)
+            return cls(num_stages, n, n * max_tokens, _row_bytes(spec.fan_in))
         if role == ATTENTION:
             n = len(topology.attention_peers(role_rank))
-            return cls(num_stages, n, max_tokens, spec.reply_row_bytes)
+            return cls(num_stages, n, max_tokens, _row_bytes(spec.reply))
         raise AFDConfigError(f"unknown AFD role {role!r}; expected one of {ROLES}")
 
     @property
