@@ -337,6 +337,7 @@ class NcclTransport(Transport):
         self._peer_rank = 1 if peers.role == "ffn" else 0  # the peer's rank in every size-2 communicator
         self._stages = StageStreams(device)
         self._aborted = False
+        self._signal = abort
         self._store = store  # the rendezvous store (tests read the posted abort through it)
         stall = None
         if progress is not None and store is not None:
@@ -344,8 +345,7 @@ class NcclTransport(Transport):
                                  0.4 * timeout_s if publish_after_s is None else publish_after_s)
         self.stall = stall
         self.watchdog = Watchdog(
-            timeout_s, owner=peers.me, on_failure=self._on_watchdog_failure,
-            post=None if abort is None else abort.post,
+            timeout_s, owner=peers.me, on_failure=self._on_watchdog_failure, post=self._post_abort,
             polls=[CommErrors(self._named_comms, ops.comm_async_error)],
             abort_check=None if abort is None else lambda: abort.check("in-flight work"),
             blame=None if stall is None else stall.blame, on_tick=None if stall is None else stall.tick,
@@ -611,6 +611,10 @@ class NcclTransport(Transport):
         if self._closed is None:
             self._closed = exc
         self._release(abort=True, timeout_s=RELEASE_TIMEOUT_S)  # after the watchdog's abort post
+
+    def _post_abort(self, exc: BaseException) -> None:
+        if self._signal is not None:
+            self._signal.post(exc)
 
     def abort(self, reason: str) -> None:
         """Abort every communicator now (concurrently, bounded); later calls raise. Idempotent."""
