@@ -378,9 +378,7 @@ class AFDConfig:
                     f"'connector_extra_config' (known fields: {sorted(_SPELLING_TO_FIELD)})"
                 )
             if canon in seen:
-                raise AFDConfigError(
-                    f"duplicate AFD config field {canon!r}: given as both {seen[canon]!r} and {key!r}"
-                )
+                raise AFDConfigError(f"duplicate AFD config field {canon!r}: given as both {seen[canon]!r} and {key!r}")
             seen[canon] = key
             kwargs[canon] = value
         if "connector_extra_config" in kwargs and not isinstance(kwargs["connector_extra_config"], Mapping):
@@ -449,9 +447,7 @@ class AFDConfig:
             AFDConfigError: the connector is a third-party one and its extra config
                 does not parse as ours.
         """
-        return self.extra if self.extra is not None else AfdExtConnectorConfig.from_mapping(
-            self.connector_extra_config
-        )
+        return self.extra if self.extra is not None else AfdExtConnectorConfig.from_mapping(self.connector_extra_config)
 
 
 _SPELLING_TO_FIELD = {f.name: f.name for f in fields(AFDConfig) if f.init} | _ALIASES

@@ -452,9 +452,7 @@ class AFDTransferMetadata:
 
     def __post_init__(self) -> None:
         if len(self.seq_lens) == 0:
-            raise AFDConfigError(
-                "seq_lens cannot be empty: give one entry per peer (0 for a zero-token peer)"
-            )
+            raise AFDConfigError("seq_lens cannot be empty: give one entry per peer (0 for a zero-token peer)")
         for i, n in enumerate(self.seq_lens):
             if isinstance(n, int) and not isinstance(n, bool):
                 if n < 0:

@@ -618,6 +618,4 @@ def warmup_payload(topology: Topology, num_stages: int = 1, *, is_warmup: bool =
     """
     _pos_int(num_stages, "num_stages")
     per_rank = [len(topology.attention_peers(a)) for a in range(topology.num_attention_ranks)]
-    return AFDControlPayload(
-        dp_metadata_list={s: list(per_rank) for s in range(num_stages)}, is_warmup=is_warmup
-    )
+    return AFDControlPayload(dp_metadata_list={s: list(per_rank) for s in range(num_stages)}, is_warmup=is_warmup)

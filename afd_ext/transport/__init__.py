@@ -214,5 +214,4 @@ def auto_transport(setup: TransportSetup) -> Transport:
             if name == names[-1]:
                 raise
             logger.info("%s: transport auto: %s: %s; trying the next", setup.peers.me, name, e)
-    raise AFDConfigError(f"no AFD transport moves {setup.device.type.upper()} tensors here: "
-                         + "; ".join(why_not))
+    raise AFDConfigError(f"no AFD transport moves {setup.device.type.upper()} tensors here: " + "; ".join(why_not))

@@ -50,14 +50,9 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
-from ..errors import (  # noqa: F401  defined once, in errors.py; re-exported for transports
-    AFDConfigError,
-    AFDPeerError,
-    AFDProtocolError,
-    AFDTimeoutError,
-    AFDTransportClosedError,
-    AFDTransportError,
-)
+# defined once, in errors.py; re-exported for transports
+from ..errors import (AFDConfigError, AFDPeerError, AFDProtocolError, AFDTimeoutError,  # noqa: F401
+                      AFDTransportClosedError, AFDTransportError)
 from ..topology import rank_label, step_words
 
 __all__ = ["MessageTag", "AFDTransportError", "AFDTimeoutError", "AFDPeerError", "AFDProtocolError",

@@ -318,8 +318,7 @@ class GlooTransport(Transport):
             works = [self._pg.recv([got[i]], self.peers.peer_world_rank(a), _ROWS_TAG) for i, a in enumerate(peers)]
         except RuntimeError as e:
             raise self._link_failed(e, tag, "receive of the step's rows from", names) from None
-        self._wait(works, tag, "receive (the step's rows)", ", ".join(names),
-                   [(n, [w]) for n, w in zip(names, works)])
+        self._wait(works, tag, "receive (the step's rows)", ", ".join(names), [(n, [w]) for n, w in zip(names, works)])
         bad = []
         for i, a in enumerate(peers):
             want = _rows_words(sch, a, f)

@@ -313,8 +313,7 @@ class PeerPlane:
         self._region = 0
         self._peer_regions: dict[int, int] = {}
         self._closed = False
-        self._plane = ops.peer_plane_create(self.device.index, self.generation, 2 * self.num_stages,
-                                            len(self.peers))
+        self._plane = ops.peer_plane_create(self.device.index, self.generation, 2 * self.num_stages, len(self.peers))
         try:
             self._region = ops.peer_region_alloc(self._plane, self.layout.nbytes)
             self.ipc_handle: bytes = bytes(ops.peer_region_export(self._region).numpy().tobytes())
@@ -335,8 +334,7 @@ class PeerPlane:
 
     def _part_view(self, stage: int, part: int) -> Tensor:
         rb = self.layout.row_bytes[part]
-        raw = ops.peer_region_view(self._region, self.layout.part_offset(stage, part),
-                                   self.layout.capacity_rows * rb)
+        raw = ops.peer_region_view(self._region, self.layout.part_offset(stage, part), self.layout.capacity_rows * rb)
         dtype, cols = (self.spec.reply if self.role == ATTENTION else self.spec.fan_in)[part]
         return raw.view(dtype).view((self.layout.capacity_rows,) + cols)
 
