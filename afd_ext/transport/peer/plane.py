@@ -520,23 +520,25 @@ def _wait_keys(store, keys: dict[str, int], timeout_s: Optional[float], what: st
         time.sleep(0.002)
 
 
-def _verdicts(store, world_rank: int, topology: Topology, name: str, mine: dict,
-              timeout_s: Optional[float]) -> dict[int, dict]:
-    """Publish this rank's JSON verdict ``name`` and read every world rank's."""
+def _verdicts(store, world_rank: int, topology: Topology, name: str, mine: dict, timeout_s: Optional[float],
+              what: str) -> dict[int, dict]:
+    """Publish this rank's JSON verdict ``name`` and read every world rank's.
+
+    Raises:
+        PeerMemoryUnavailableError: a rank's verdict is not ok (``what`` failed there; every rank raises it).
+    """
+    from ...rendezvous import rank_label
+
     store.set(f"peer/{name}/{world_rank}", json.dumps(mine).encode())
     keys = {f"peer/{name}/{w}": w for w in range(topology.world_size)}
     _wait_keys(store, keys, timeout_s, f"peer-memory {name}", topology)
-    return {w: json.loads(bytes(store.get(k)).decode()) for k, w in keys.items()}
-
-
-def _unanimous(verdicts: dict[int, dict], topology: Topology, what: str) -> None:
-    from ...rendezvous import rank_label
-
+    verdicts = {w: json.loads(bytes(store.get(k)).decode()) for k, w in keys.items()}
     bad = {rank_label(w, topology.F): v.get("why", "?") for w, v in sorted(verdicts.items()) if not v.get("ok")}
     if bad:
         raise PeerMemoryUnavailableError(
             f"the peer-memory plane is unavailable ({what}): "
             + "; ".join(f"{who}: {why}" for who, why in bad.items()), reasons=bad)
+    return verdicts
 
 
 def _probe(plane: PeerPlane, timeout_ns: int) -> None:
@@ -608,8 +610,7 @@ def open_plane(store, topology: Topology, role: str, role_rank: int, spec: WireS
                     "spec": spec.signature()}
         except (RuntimeError, AFDError) as e:
             mine = {"ok": False, "why": f"region not allocated: {e}".splitlines()[0]}
-        regions = _verdicts(store, world_rank, topology, "region", mine, setup_timeout_s)
-        _unanimous(regions, topology, "allocating the regions")
+        regions = _verdicts(store, world_rank, topology, "region", mine, setup_timeout_s, "allocating the regions")
         opened = {"ok": True}
         try:
             for p in plane.peers:
@@ -620,8 +621,7 @@ def open_plane(store, topology: Topology, role: str, role_rank: int, spec: WireS
                 plane.attach(p, bytes.fromhex(v["handle"]), int(v["nbytes"]))
         except (RuntimeError, AFDError) as e:
             opened = {"ok": False, "why": f"peer region not opened: {e}".splitlines()[0]}
-        _unanimous(_verdicts(store, world_rank, topology, "opened", opened, setup_timeout_s), topology,
-                   "opening the regions")
+        _verdicts(store, world_rank, topology, "opened", opened, setup_timeout_s, "opening the regions")
         probed = {"ok": True}
         try:
             _probe(plane, int(probe_timeout_s * 1e9))
@@ -630,8 +630,7 @@ def open_plane(store, topology: Topology, role: str, role_rank: int, spec: WireS
                 raise err
         except (RuntimeError, AFDError) as e:
             probed = {"ok": False, "why": f"flag round trip failed: {e}".splitlines()[0]}
-        _unanimous(_verdicts(store, world_rank, topology, "probe", probed, setup_timeout_s), topology,
-                   "flag round trip")
+        _verdicts(store, world_rank, topology, "probe", probed, setup_timeout_s, "flag round trip")
         return plane
     except BaseException:
         if plane is not None:
