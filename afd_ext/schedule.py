@@ -135,10 +135,9 @@ class ScheduleConfig:
             _pos_int(self.router_logits_width, "router_logits_width")
         if not isinstance(self.router_logits_dtype, torch.dtype) or not self.router_logits_dtype.is_floating_point:
             raise AFDConfigError(f"router_logits_dtype must be a floating torch.dtype, got {self.router_logits_dtype!r}")
-        if not isinstance(self.send_token_ids, bool):
-            raise AFDConfigError(f"send_token_ids must be a bool, got {self.send_token_ids!r}")
-        if not isinstance(self.clamp_idle_to_one, bool):
-            raise AFDConfigError(f"clamp_idle_to_one must be a bool, got {self.clamp_idle_to_one!r}")
+        for name in ("send_token_ids", "clamp_idle_to_one"):
+            if not isinstance(getattr(self, name), bool):
+                raise AFDConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.max_stages is not None:
             _pos_int(self.max_stages, "max_stages")
         if self.pad_to is not None:
