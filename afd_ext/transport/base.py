@@ -314,6 +314,11 @@ class Transport(abc.ABC):
                 layer=None if tag is None else tag.layer, stage=None if tag is None else tag.stage,
             ) from None
 
+    def _mark_closed(self, why: BaseException | str) -> None:
+        """Make later calls raise (:meth:`_check_open`) with ``why``; an earlier reason (a failure) stands."""
+        if self._closed is None:
+            self._closed = why if isinstance(why, BaseException) else AFDTransportError(why)
+
     def check_health(self, tag: MessageTag | None = None) -> None:
         """Raise the pending failure, if any: closed/aborted, an asynchronous error, a posted abort.
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import datetime
 import logging
-import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -415,8 +414,7 @@ class GlooTransport(Transport):
         self._wait([work], tag, "barrier", "every rank")
 
     def abort(self, reason: str) -> None:
-        if self._closed is None:
-            self._closed = AFDTransportError(f"aborted: {reason}")
+        self._mark_closed(f"aborted: {reason}")
         try:
             self._pg.abort()
         except Exception:  # noqa: BLE001 - best effort
@@ -436,8 +434,7 @@ class GlooTransport(Transport):
         ``buffers`` need no retention: a blocked receive's work holds its own tensor.
         """
         aborted = self._closed is not None
-        if self._closed is None:
-            self._closed = AFDTransportError("closed")
+        self._mark_closed("closed")
         waiter, self._waiter = self._waiter, None
         if waiter is not None:
             waiter.keep = self._pg  # a wait left blocked keeps its group (dropped when the thread ends)

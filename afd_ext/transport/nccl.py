@@ -76,7 +76,7 @@ from .. import fp8
 from ..health import AbortSignal, StallReports, Watchdog, host_wait, join_all, spawn, still_running
 from ..errors import AFDConfigError, AFDStateError
 from .base import (
-    AFDPeerError, AFDTimeoutError, AFDTransportError, MessageTag, PeerMap, PendingSend, StepProgress, Transport,
+    AFDPeerError, AFDTimeoutError, MessageTag, PeerMap, PendingSend, StepProgress, Transport,
     TransportSetup
 )
 from .streams import StageStreams  # noqa: F401 - was defined here; still importable from this module
@@ -608,8 +608,7 @@ class NcclTransport(Transport):
 
     def _on_watchdog_failure(self, exc: BaseException) -> None:
         self._aborted = True
-        if self._closed is None:
-            self._closed = exc
+        self._mark_closed(exc)
         self._release(abort=True, timeout_s=RELEASE_TIMEOUT_S)  # after the watchdog's abort post
 
     def _post_abort(self, exc: BaseException) -> None:
@@ -619,8 +618,7 @@ class NcclTransport(Transport):
     def abort(self, reason: str) -> None:
         """Abort every communicator now (concurrently, bounded); later calls raise. Idempotent."""
         self._aborted = True
-        if self._closed is None:
-            self._closed = AFDTransportError(f"aborted: {reason}")
+        self._mark_closed(f"aborted: {reason}")
         self.watchdog.stop()
         self._release(abort=True, timeout_s=RELEASE_TIMEOUT_S)
 
@@ -635,8 +633,7 @@ class NcclTransport(Transport):
         release overran its bound, ``buffers`` (which the stuck kernels may
         still write into) are kept alive for the life of the process.
         """
-        if self._closed is None:
-            self._closed = AFDTransportError("closed")
+        self._mark_closed("closed")
         drain_end = time.monotonic() + min(self.timeout_s, RELEASE_TIMEOUT_S)
         wd = self.watchdog
         while wd.in_flight and wd.failure is None and not self._aborted and time.monotonic() < drain_end:

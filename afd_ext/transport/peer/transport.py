@@ -35,7 +35,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from ...errors import AFDConfigError, AFDTimeoutError, AFDTransportError
+from ...errors import AFDConfigError, AFDTimeoutError
 from ...health import Watchdog
 from ...schedule import stage_buffers
 from .. import nccl
@@ -301,15 +301,13 @@ class PeerTransport(Transport):
             self.fallback.barrier()
 
     def abort(self, reason: str) -> None:
-        if self._closed is None:
-            self._closed = AFDTransportError(f"aborted: {reason}")
+        self._mark_closed(f"aborted: {reason}")
         self.plane.abort()
         if self.fallback is not None:
             self.fallback.abort(reason)
 
     def close(self, buffers: Sequence[torch.Tensor] = ()) -> None:
-        if self._closed is None:
-            self._closed = AFDTransportError("closed")
+        self._mark_closed("closed")
         if self.fallback is None:
             self.watchdog.stop(1.0)
         else:
