@@ -341,9 +341,7 @@ class AFDConfig:
             if v <= 0:
                 raise AFDConfigError(f"{name} must be positive, got {v}")
             set_(name, v)
-        extra = self.connector_extra_config
-        if extra is None:
-            extra = {}
+        extra = {} if self.connector_extra_config is None else self.connector_extra_config
         if not isinstance(extra, Mapping):
             raise AFDTypeError("connector_extra_config must be a mapping")
         set_("connector_extra_config", dict(extra))
@@ -380,9 +378,7 @@ class AFDConfig:
                     f"'connector_extra_config' (known fields: {sorted(_SPELLING_TO_FIELD)})"
                 )
             if canon in seen:
-                raise AFDConfigError(
-                    f"duplicate AFD config field {canon!r}: given as both {seen[canon]!r} and {key!r}"
-                )
+                raise AFDConfigError(f"duplicate AFD config field {canon!r}: given as both {seen[canon]!r} and {key!r}")
             seen[canon] = key
             kwargs[canon] = value
         if "connector_extra_config" in kwargs and not isinstance(kwargs["connector_extra_config"], Mapping):
@@ -451,9 +447,7 @@ class AFDConfig:
             AFDConfigError: the connector is a third-party one and its extra config
                 does not parse as ours.
         """
-        return self.extra if self.extra is not None else AfdExtConnectorConfig.from_mapping(
-            self.connector_extra_config
-        )
+        return self.extra if self.extra is not None else AfdExtConnectorConfig.from_mapping(self.connector_extra_config)
 
 
 _SPELLING_TO_FIELD = {f.name: f.name for f in fields(AFDConfig) if f.init} | _ALIASES

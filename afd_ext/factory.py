@@ -173,9 +173,7 @@ class AFDConnectorFactory:
             raise TypeError(f"{spec.module_path}.{spec.class_name} is not a class (connector {name!r})")
         missing = [m for m in REQUIRED_CONNECTOR_METHODS if not hasattr(klass, m)]
         if missing:
-            raise TypeError(
-                f"{spec.module_path}.{spec.class_name} is not an AFD connector: it lacks {missing}"
-            )
+            raise TypeError(f"{spec.module_path}.{spec.class_name} is not an AFD connector: it lacks {missing}")
         return klass
 
     @classmethod

@@ -22,19 +22,9 @@ import torch
 
 from .errors import AFDConfigError, AFDProtocolError
 
-__all__ = [
-    "MAX_TOKEN_COUNT",
-    "AFDDPMetadata",
-    "AFDSingleDPMetadata",
-    "AFDControlPayload",
-    "AFDTransferMetadata",
-    "AFDTransferState",
-    "AFDTransferContext",
-    "AFDA2FTransferPayload",
-    "AFDF2ATransferPayload",
-    "AFDExpertRoutingSpec",
-    "StepCountAgreement",
-]
+__all__ = ["MAX_TOKEN_COUNT", "AFDDPMetadata", "AFDSingleDPMetadata", "AFDControlPayload", "AFDTransferMetadata",
+           "AFDTransferState", "AFDTransferContext", "AFDA2FTransferPayload", "AFDF2ATransferPayload",
+           "AFDExpertRoutingSpec", "StepCountAgreement"]
 
 #: Counts travel as int32 (as in the reference); the largest representable count.
 MAX_TOKEN_COUNT = 2**31 - 1
@@ -436,10 +426,6 @@ class AFDControlPayload:
 # ---------------------------------------------------------------------------
 
 
-def _is_plain_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 @dataclass(slots=True)
 class AFDTransferMetadata:
     """Rows of one (layer, stage) exchange, one entry per peer.
@@ -466,11 +452,9 @@ class AFDTransferMetadata:
 
     def __post_init__(self) -> None:
         if len(self.seq_lens) == 0:
-            raise AFDConfigError(
-                "seq_lens cannot be empty: give one entry per peer (0 for a zero-token peer)"
-            )
+            raise AFDConfigError("seq_lens cannot be empty: give one entry per peer (0 for a zero-token peer)")
         for i, n in enumerate(self.seq_lens):
-            if _is_plain_int(n):
+            if isinstance(n, int) and not isinstance(n, bool):
                 if n < 0:
                     raise AFDConfigError(f"seq_lens[{i}] must be >= 0, got {n}")
             elif not isinstance(n, torch.SymInt):

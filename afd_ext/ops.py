@@ -93,41 +93,12 @@ from . import _C  # noqa: F401,E402  (loads the library: registers torch.ops.afd
 from . import spec as _spec  # noqa: E402
 from .errors import AFDConfigError, AFDDeviceError, AFDError, AFDPeerError, AFDTypeError  # noqa: E402
 
-__all__ = [
-    "WIRE_DTYPES",
-    "NCCL_UNIQUE_ID_BYTES",
-    "build_info",
-    "is_cuda_built",
-    "nccl_version",
-    "nccl_unique_id",
-    "comm_create",
-    "comm_destroy",
-    "comm_abort",
-    "comm_async_error",
-    "send",
-    "recv",
-    "fan_in",
-    "split_back",
-    "PEER_IPC_HANDLE_BYTES",
-    "PEER_MAX_PEERS",
-    "PEER_MAX_GENERATION",
-    "PEER_ERR_WORDS",
-    "PEER_OK",
-    "PEER_TIMEOUT",
-    "PEER_PROTOCOL",
-    "PEER_ABORTED",
-    "peer_plane_create",
-    "peer_plane_destroy",
-    "peer_plane_error",
-    "peer_plane_abort",
-    "peer_region_alloc",
-    "peer_region_export",
-    "peer_region_open",
-    "peer_region_close",
-    "peer_region_view",
-    "peer_put",
-    "peer_wait",
-]
+__all__ = ["WIRE_DTYPES", "NCCL_UNIQUE_ID_BYTES", "build_info", "is_cuda_built", "nccl_version", "nccl_unique_id",
+           "comm_create", "comm_destroy", "comm_abort", "comm_async_error", "send", "recv", "fan_in", "split_back",
+           "PEER_IPC_HANDLE_BYTES", "PEER_MAX_PEERS", "PEER_MAX_GENERATION", "PEER_ERR_WORDS", "PEER_OK",
+           "PEER_TIMEOUT", "PEER_PROTOCOL", "PEER_ABORTED", "peer_plane_create", "peer_plane_destroy",
+           "peer_plane_error", "peer_plane_abort", "peer_region_alloc", "peer_region_export", "peer_region_open",
+           "peer_region_close", "peer_region_view", "peer_put", "peer_wait"]
 
 _ops = torch.ops.afd_ext
 

@@ -135,10 +135,9 @@ class ScheduleConfig:
             _pos_int(self.router_logits_width, "router_logits_width")
         if not isinstance(self.router_logits_dtype, torch.dtype) or not self.router_logits_dtype.is_floating_point:
             raise AFDConfigError(f"router_logits_dtype must be a floating torch.dtype, got {self.router_logits_dtype!r}")
-        if not isinstance(self.send_token_ids, bool):
-            raise AFDConfigError(f"send_token_ids must be a bool, got {self.send_token_ids!r}")
-        if not isinstance(self.clamp_idle_to_one, bool):
-            raise AFDConfigError(f"clamp_idle_to_one must be a bool, got {self.clamp_idle_to_one!r}")
+        for name in ("send_token_ids", "clamp_idle_to_one"):
+            if not isinstance(getattr(self, name), bool):
+                raise AFDConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.max_stages is not None:
             _pos_int(self.max_stages, "max_stages")
         if self.pad_to is not None:
@@ -180,13 +179,6 @@ class ScheduleConfig:
         """Connector arguments of declared a2f parts that do not travel under this config (must be None)."""
         given = {p.arg for p in self.caller_parts}
         return tuple(a for a in declared_args() if a not in given)
-
-    @property
-    def fp8_group(self) -> int:
-        """Channels per FP8 scale (:data:`afd_ext.fp8.GROUP`)."""
-        from .fp8 import GROUP
-
-        return GROUP
 
 
 def stage_buffers(alloc: Callable[[tuple[str, int], tuple[int, ...], torch.dtype], Any], config: ScheduleConfig,
@@ -379,7 +371,10 @@ class StepSchedule:
     # -- input checks ------------------------------------------------------------
 
     def _check(self, name: str, t: Any, shape: tuple[int, ...], dtype: torch.dtype, who: str,
-               device: torch.device | str | None, fix: str = "") -> None:
+               device: torch.device | str | None, check_device: Callable[[Any, str], None] | None) -> None:
+        """Raise the error for tensor ``t`` that failed the check (``check_device``: the transport's, for the device)."""
+        if check_device is not None and isinstance(t, torch.Tensor) and t.device != device:
+            check_device(t, name)
         if not isinstance(t, torch.Tensor):
             raise AFDConfigError(f"{name} must be a torch.Tensor {_fmt_shape(shape)} {dtype} for {who}, "
                              f"got {type(t).__name__}")
@@ -387,7 +382,7 @@ class StepSchedule:
             raise AFDConfigError(f"{name} must have shape {_fmt_shape(shape)} for {who} (from the step's "
                              f"control payload), got {_fmt_shape(t.shape)}")
         if t.dtype != dtype:
-            raise AFDConfigError(f"{name} must be {dtype} for {who}, got {t.dtype}{fix}")
+            raise AFDConfigError(f"{name} must be {dtype} for {who}, got {t.dtype}; cast with .to({dtype})")
         if device is not None and t.device != torch.device(device):
             raise AFDConfigError(f"{name} must be on {torch.device(device)} for {who}, got {t.device}")
         if not t.is_contiguous():
@@ -452,9 +447,7 @@ class StepSchedule:
         if t is None:
             raise AFDConfigError(f"{label}{'' if label == p.arg else f' ({p.arg})'} missing for {who}: the "
                                  f"connector is configured to send {_fmt_shape(shape)} {p.dtype} {p.name}")
-        if check_device is not None and isinstance(t, torch.Tensor) and t.device != device:
-            check_device(t, label)
-        self._check(label, t, shape, p.dtype, who, device, f"; cast with .to({p.dtype})")
+        self._check(label, t, shape, p.dtype, who, device, check_device)
 
     def check_attention_reply(self, stage: int, a: int, ref_tensor: Any, *,
                               device: torch.device | str | None = None,
@@ -470,7 +463,8 @@ class StepSchedule:
         t = ref_tensor
         if not (type(t) is torch.Tensor and t.shape == shape and t.dtype == self.config.hidden_dtype  # no call
                 and (device is None or t.device == device) and t.is_contiguous()):
-            self._refuse_output("ref_tensor", t, shape, f"attention rank {a}, stage {stage}", device, check_device)
+            self._check("ref_tensor", t, shape, self.config.hidden_dtype, f"attention rank {a}, stage {stage}", device,
+                        check_device)
 
     def check_ffn_output(self, stage: int, f: int, ffn_output: Any, *,
                          device: torch.device | str | None = None,
@@ -486,14 +480,17 @@ class StepSchedule:
         t = ffn_output
         if not (type(t) is torch.Tensor and t.shape == shape and t.dtype == self.config.hidden_dtype  # no call
                 and (device is None or t.device == device) and t.is_contiguous()):
-            self._refuse_output("ffn_output", t, shape, f"FFN rank {f}, stage {stage}", device, check_device)
+            self._check("ffn_output", t, shape, self.config.hidden_dtype, f"FFN rank {f}, stage {stage}", device,
+                        check_device)
 
-    def _refuse_output(self, name: str, t: Any, shape: tuple[int, int], who: str, device: Any,
-                       check_device: Callable[[Any, str], None] | None) -> None:
-        if check_device is not None and isinstance(t, torch.Tensor) and t.device != device:
-            check_device(t, name)
-        dtype = self.config.hidden_dtype
-        self._check(name, t, shape, dtype, who, device, f"; cast with .to({dtype})")
+
+def _stage_counts(topology: Topology, payload: AFDControlPayload, stage: int, clamp_idle_to_one: bool
+                  ) -> tuple[int, ...]:
+    """Stage ``stage``'s counts, one per attention rank (:meth:`Topology.expand_counts`); errors name the stage."""
+    try:
+        return topology.expand_counts(payload.dp_metadata_list[stage].counts, clamp_idle_to_one=clamp_idle_to_one)
+    except ValueError as e:
+        raise AFDConfigError(f"stage {stage}: {e}") from None
 
 
 def build_step_schedule(
@@ -526,14 +523,7 @@ def build_step_schedule(
     stages = tuple(sorted(payload.dp_metadata_list))
     if config.max_stages is not None and len(stages) > config.max_stages:
         raise AFDConfigError(f"step has {len(stages)} stages {list(stages)}, more than max_stages={config.max_stages}")
-    counts: dict[int, tuple[int, ...]] = {}
-    for s in stages:
-        try:
-            counts[s] = topology.expand_counts(
-                payload.dp_metadata_list[s].counts, clamp_idle_to_one=config.clamp_idle_to_one
-            )
-        except ValueError as e:
-            raise AFDConfigError(f"stage {s}: {e}") from None
+    counts = {s: _stage_counts(topology, payload, s, config.clamp_idle_to_one) for s in stages}
     if config.pad_to is None:
         rows = counts
     else:
@@ -612,12 +602,7 @@ def pad_sizes(
     sizes = check_capture_sizes(sorted(set(capture_sizes)))
     out = {}
     for s in sorted(payload.dp_metadata_list):
-        try:
-            n = max(topology.expand_counts(payload.dp_metadata_list[s].counts,
-                                           clamp_idle_to_one=clamp_idle_to_one))
-        except ValueError as e:
-            raise AFDConfigError(f"stage {s}: {e}") from None
-        fit = capture_size_for(n, sizes)
+        fit = capture_size_for(max(_stage_counts(topology, payload, s, clamp_idle_to_one)), sizes)
         if fit is None:
             return None
         out[s] = fit
@@ -632,6 +617,4 @@ def warmup_payload(topology: Topology, num_stages: int = 1, *, is_warmup: bool =
     """
     _pos_int(num_stages, "num_stages")
     per_rank = [len(topology.attention_peers(a)) for a in range(topology.num_attention_ranks)]
-    return AFDControlPayload(
-        dp_metadata_list={s: list(per_rank) for s in range(num_stages)}, is_warmup=is_warmup
-    )
+    return AFDControlPayload(dp_metadata_list={s: list(per_rank) for s in range(num_stages)}, is_warmup=is_warmup)

@@ -80,14 +80,9 @@ def validate_role_rank(role: str, role_rank: int, num_attention_ranks: int, num_
     if role_rank < 0:
         raise AFDConfigError(f"AFD role rank must be non-negative, got {role_rank}")
     if role == ATTENTION and role_rank >= num_attention_ranks:
-        raise AFDConfigError(
-            f"Attention role rank must be within attention size {num_attention_ranks}, "
-            f"got {role_rank}"
-        )
+        raise AFDConfigError(f"Attention role rank must be within attention size {num_attention_ranks}, got {role_rank}")
     if role == FFN and role_rank >= num_ffn_ranks:
-        raise AFDConfigError(
-            f"FFN role rank must be within FFN size {num_ffn_ranks}, got {role_rank}"
-        )
+        raise AFDConfigError(f"FFN role rank must be within FFN size {num_ffn_ranks}, got {role_rank}")
 
 
 def _block(k: int, n_owned: int, n_owners: int) -> range:

@@ -21,6 +21,7 @@ from typing import Any, Callable, NamedTuple, Union
 import torch
 
 from .errors import AFDConfigError
+from .fp8 import GROUP
 from .spec import TOKEN_IDS_DTYPE, WIRE_DTYPES, dtype_name
 
 __all__ = ["Part", "WirePart", "declare_part", "remove_part", "layout", "declared_args", "handshake_field"]
@@ -165,7 +166,7 @@ declare_part("hidden", dtype=lambda c: c.hidden_dtype, cols=lambda c: (c.hidden_
              present=lambda c: not _fp8(c), arg="hidden_states")
 declare_part("hidden_fp8", dtype=torch.float8_e4m3fn, cols=lambda c: (c.hidden_size,), present=_fp8,
              arg="hidden_states")
-declare_part("hidden_scales", dtype=torch.float32, cols=lambda c: (c.hidden_size // c.fp8_group,), present=_fp8, arg=None,
+declare_part("hidden_scales", dtype=torch.float32, cols=lambda c: (c.hidden_size // GROUP,), present=_fp8, arg=None,
              encoding=lambda c: c.fp8_scale_format)
 declare_part("router_logits", dtype=lambda c: c.router_logits_dtype, cols=lambda c: (c.router_logits_width,),
              present=lambda c: c.router_logits_width is not None)

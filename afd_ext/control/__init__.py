@@ -126,35 +126,14 @@ from __future__ import annotations
 from afd_ext.rendezvous import StepAbortedError  # noqa: F401 - re-exported: recv raises it
 
 from .channel import (
-    CHANNEL_KINDS,
-    DEFAULT_HEARTBEAT_INTERVAL_S,
-    DEFAULT_HEARTBEAT_TIMEOUT_S,
-    DEFAULT_IDLE_S,
-    ChannelOptions,
-    ControlChannel,
-    ControlChannelClosed,
-    ControlProtocolError,
-    ControlRecvTimeout,
-    PeerDeadError,
+    CHANNEL_KINDS, DEFAULT_HEARTBEAT_INTERVAL_S, DEFAULT_HEARTBEAT_TIMEOUT_S, DEFAULT_IDLE_S, ChannelOptions,
+    ControlChannel, ControlChannelClosed, ControlProtocolError, ControlRecvTimeout, PeerDeadError
 )
 from .plane import AFDControlPlane, open_control_channels
 from .shm import ShmControlChannel
 from .tcp import TcpControlChannel
 
-__all__ = [
-    "DEFAULT_HEARTBEAT_INTERVAL_S",
-    "DEFAULT_HEARTBEAT_TIMEOUT_S",
-    "DEFAULT_IDLE_S",
-    "CHANNEL_KINDS",
-    "PeerDeadError",
-    "StepAbortedError",
-    "ControlChannelClosed",
-    "ControlRecvTimeout",
-    "ControlProtocolError",
-    "ChannelOptions",
-    "ControlChannel",
-    "ShmControlChannel",
-    "TcpControlChannel",
-    "open_control_channels",
-    "AFDControlPlane",
-]
+__all__ = ["DEFAULT_HEARTBEAT_INTERVAL_S", "DEFAULT_HEARTBEAT_TIMEOUT_S", "DEFAULT_IDLE_S", "CHANNEL_KINDS",
+           "PeerDeadError", "StepAbortedError", "ControlChannelClosed", "ControlRecvTimeout", "ControlProtocolError",
+           "ChannelOptions", "ControlChannel", "ShmControlChannel", "TcpControlChannel", "open_control_channels",
+           "AFDControlPlane"]

@@ -324,16 +324,14 @@ class ControlChannel:
             now = time.monotonic()
             if self._store_lost_at is None:
                 self._store_lost_at = now
-                logger.warning("%s: rendezvous store lost while waiting on the control channel of %s",
-                               op, self.peer)
+                logger.warning("%s: rendezvous store lost while waiting on the control channel of %s", op, self.peer)
             if now - self._store_lost_at > _STORE_LOSS_GRACE_S:
                 raise
 
     def _check_header(self, op: str, sender: int, total: int) -> None:
         """A received message's header: from the expected world rank, within ``max_message_bytes``."""
         if sender != self.peer_rank:
-            raise ControlProtocolError(
-                f"{op}: received AFD DP metadata from world rank {sender}, expected {self.peer}")
+            raise ControlProtocolError(f"{op}: received AFD DP metadata from world rank {sender}, expected {self.peer}")
         if total > self._max_bytes:
             raise ControlProtocolError(
                 f"{op}: {self.peer} announced a {total}-byte control message, above "

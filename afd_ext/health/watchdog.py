@@ -176,13 +176,11 @@ class Watchdog:
 
     # -- lifecycle -------------------------------------------------------------
 
-    def watch(self, poll: Callable[["Watchdog", float], BaseException | None] | None = None,
-              on_failure: Callable[[BaseException], None] | None = None) -> None:
+    def watch(self, poll: Callable[["Watchdog", float], BaseException | None],
+              on_failure: Callable[[BaseException], None]) -> None:
         """Add a transport's poll of its own state and its failure hook (run before the earlier hooks)."""
-        if poll is not None:
-            self._polls.append(poll)
-        if on_failure is not None:
-            self._on_failure.insert(0, on_failure)
+        self._polls.append(poll)
+        self._on_failure.insert(0, on_failure)
 
     @property
     def posts_abort(self) -> bool:
@@ -394,7 +392,6 @@ def host_wait(
     timeout_s: float,
     describe: Callable[[], str],
     abort_check: Callable[[], None] | None = None,
-    slice_s: float = 0.05,
     op: str | None = None,
     peer: str | None = None,
     layer: int | None = None,
@@ -403,15 +400,14 @@ def host_wait(
     """Wait for ``done`` with a deadline, checking the abort signal between slices.
 
     Args:
-        done: ``done(slice_s) -> bool``: wait up to ``slice_s`` seconds and say
+        done: ``done(slice_s) -> bool``: wait up to ``slice_s`` seconds (at most 0.05) and say
             whether the awaited thing completed (it may raise the awaited
             operation's own error, which propagates).
         timeout_s: the deadline, seconds.
         describe: returns the text naming the op, peer, layer and stage.
         abort_check: raises when the abort signal is posted (e.g.
             ``rendezvous.raise_if_aborted``); called between slices, at most
-            every ~``slice_s``.
-        slice_s: slice length, seconds.
+            every ~50 ms (the slice).
         op, peer, layer, stage: copied into the timeout error.
 
     Raises:
@@ -421,7 +417,7 @@ def host_wait(
     deadline = time.monotonic() + timeout_s
     while True:
         left = deadline - time.monotonic()
-        if done(max(0.0, min(slice_s, left))):
+        if done(max(0.0, min(0.05, left))):
             return
         if abort_check is not None:
             abort_check()

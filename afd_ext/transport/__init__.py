@@ -35,41 +35,10 @@ import logging
 from typing import Any, NamedTuple
 
 from ..config import TRANSPORTS
-from .base import (
-    AFDPeerError,
-    AFDProtocolError,
-    AFDTimeoutError,
-    AFDTransportClosedError,
-    AFDTransportError,
-    MessageTag,
-    PeerMap,
-    PendingSend,
-    StepProgress,
-    Transport,
-    TransportSetup,
-)
+from .base import Transport, TransportSetup
 
-__all__ = [
-    "AFDPeerError",
-    "AFDProtocolError",
-    "AFDTimeoutError",
-    "AFDTransportClosedError",
-    "AFDTransportError",
-    "MessageTag",
-    "PeerMap",
-    "PendingSend",
-    "StepProgress",
-    "Transport",
-    "TransportSetup",
-    "auto_transport",
-    "AUTO_ORDER",
-    "TransportChoice",
-    "create_transport",
-    "register_transport",
-    "select_transport",
-    "transport_availability",
-    "transport_class",
-]
+__all__ = ["auto_transport", "AUTO_ORDER", "TransportChoice", "create_transport", "register_transport",
+           "select_transport", "transport_availability", "transport_class"]
 
 logger = logging.getLogger(__name__)
 
@@ -245,5 +214,4 @@ def auto_transport(setup: TransportSetup) -> Transport:
             if name == names[-1]:
                 raise
             logger.info("%s: transport auto: %s: %s; trying the next", setup.peers.me, name, e)
-    raise AFDConfigError(f"no AFD transport moves {setup.device.type.upper()} tensors here: "
-                         + "; ".join(why_not))
+    raise AFDConfigError(f"no AFD transport moves {setup.device.type.upper()} tensors here: " + "; ".join(why_not))

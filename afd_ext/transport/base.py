@@ -50,30 +50,14 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
-from ..errors import (  # noqa: F401  defined once, in errors.py; re-exported for transports
-    AFDConfigError,
-    AFDPeerError,
-    AFDProtocolError,
-    AFDTimeoutError,
-    AFDTransportClosedError,
-    AFDTransportError,
-)
+# defined once, in errors.py; re-exported for transports
+from ..errors import (AFDConfigError, AFDPeerError, AFDProtocolError, AFDTimeoutError,  # noqa: F401
+                      AFDTransportClosedError, AFDTransportError)
 from ..topology import rank_label, step_words
 
-__all__ = [
-    "MessageTag",
-    "AFDTransportError",
-    "AFDTimeoutError",
-    "AFDPeerError",
-    "AFDProtocolError",
-    "AFDTransportClosedError",
-    "Transport",
-    "TransportSetup",
-    "StepProgress",
-    "PeerMap",
-    "PendingSend",
-    "row_offsets",
-]
+__all__ = ["MessageTag", "AFDTransportError", "AFDTimeoutError", "AFDPeerError", "AFDProtocolError",
+           "AFDTransportClosedError", "Transport", "TransportSetup", "StepProgress", "PeerMap", "PendingSend",
+           "row_offsets"]
 
 
 class MessageTag(NamedTuple):
@@ -329,6 +313,11 @@ class Transport(abc.ABC):
                 op=None if tag is None else tag.op,
                 layer=None if tag is None else tag.layer, stage=None if tag is None else tag.stage,
             ) from None
+
+    def _mark_closed(self, why: BaseException | str) -> None:
+        """Make later calls raise (:meth:`_check_open`) with ``why``; an earlier reason (a failure) stands."""
+        if self._closed is None:
+            self._closed = why if isinstance(why, BaseException) else AFDTransportError(why)
 
     def check_health(self, tag: MessageTag | None = None) -> None:
         """Raise the pending failure, if any: closed/aborted, an asynchronous error, a posted abort.

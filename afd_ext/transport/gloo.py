@@ -34,7 +34,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import datetime
 import logging
-import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -42,16 +41,8 @@ import torch
 
 from ..health import AbortSignal, CallThread, host_wait, leave
 from .base import (
-    AFDPeerError,
-    AFDProtocolError,
-    AFDTimeoutError,
-    AFDTransportError,
-    MessageTag,
-    PeerMap,
-    PendingSend,
-    Transport,
-    TransportSetup,
-    row_offsets,
+    AFDPeerError, AFDProtocolError, AFDTimeoutError, AFDTransportError, MessageTag, PeerMap, PendingSend, Transport,
+    TransportSetup, row_offsets
 )
 from .. import fp8
 from ..errors import AFDConfigError
@@ -279,6 +270,13 @@ class GlooTransport(Transport):
 
     # -- the step's rows, agreed before its first data message ------------------------
 
+    def _link_failed(self, e: RuntimeError, tag: MessageTag, what: str, names: Sequence[str]) -> AFDPeerError:
+        """Close this transport on ``e`` (posting a send or receive failed) and return the error naming the peers."""
+        self._closed = e
+        who = ", ".join(names) or None
+        return AFDPeerError(f"AFD {tag.op}: {what} {who or 'peers'} at {tag.where()} failed: {error_text(e)}",
+                            op=tag.op, peer=who, layer=tag.layer, stage=tag.stage)
+
     def begin_step(self, schedule: Any) -> None:
         """Remember the step's schedule: its first a2f exchange carries (attention) or checks (FFN) the rows."""
         super().begin_step(schedule)
@@ -315,12 +313,8 @@ class GlooTransport(Transport):
         try:
             works = [self._pg.recv([got[i]], self.peers.peer_world_rank(a), _ROWS_TAG) for i, a in enumerate(peers)]
         except RuntimeError as e:
-            self._closed = e
-            raise AFDPeerError(f"AFD {tag.op}: receive of the step's rows from {', '.join(names)} at "
-                               f"{tag.where()} failed: {error_text(e)}", op=tag.op, peer=", ".join(names),
-                               layer=tag.layer, stage=tag.stage) from None
-        self._wait(works, tag, "receive (the step's rows)", ", ".join(names),
-                   [(n, [w]) for n, w in zip(names, works)])
+            raise self._link_failed(e, tag, "receive of the step's rows from", names) from None
+        self._wait(works, tag, "receive (the step's rows)", ", ".join(names), [(n, [w]) for n, w in zip(names, works)])
         bad = []
         for i, a in enumerate(peers):
             want = _rows_words(sch, a, f)
@@ -370,10 +364,7 @@ class GlooTransport(Transport):
                     mine.append(w)
                     works.append(w)
         except RuntimeError as e:
-            self._closed = e
-            raise AFDPeerError(f"AFD {tag.op}: send to {', '.join(names) or 'peers'} at {tag.where()} failed: "
-                               f"{error_text(e)}",
-                               op=tag.op, peer=", ".join(names) or None, layer=tag.layer, stage=tag.stage) from None
+            raise self._link_failed(e, tag, "send to", names) from None
         if not works:
             return PendingSend()
         peer_text = ", ".join(label for label, _ in by_peer)
@@ -404,10 +395,7 @@ class GlooTransport(Transport):
                 by_peer.append((name, mine))
                 works.extend(mine)
         except RuntimeError as e:  # posting a receive on a pair the peer already closed
-            self._closed = e
-            raise AFDPeerError(f"AFD {tag.op}: receive from {', '.join(names)} at {tag.where()} failed: "
-                               f"{error_text(e)}", op=tag.op, peer=", ".join(names), layer=tag.layer,
-                               stage=tag.stage) from None
+            raise self._link_failed(e, tag, "receive from", names) from None
         self._wait(works, tag, "receive", ", ".join(names), by_peer)
 
     # -- collective / lifecycle ----------------------------------------------------
@@ -423,8 +411,7 @@ class GlooTransport(Transport):
         self._wait([work], tag, "barrier", "every rank")
 
     def abort(self, reason: str) -> None:
-        if self._closed is None:
-            self._closed = AFDTransportError(f"aborted: {reason}")
+        self._mark_closed(f"aborted: {reason}")
         try:
             self._pg.abort()
         except Exception:  # noqa: BLE001 - best effort
@@ -444,8 +431,7 @@ class GlooTransport(Transport):
         ``buffers`` need no retention: a blocked receive's work holds its own tensor.
         """
         aborted = self._closed is not None
-        if self._closed is None:
-            self._closed = AFDTransportError("closed")
+        self._mark_closed("closed")
         waiter, self._waiter = self._waiter, None
         if waiter is not None:
             waiter.keep = self._pg  # a wait left blocked keeps its group (dropped when the thread ends)

@@ -76,22 +76,14 @@ from .. import fp8
 from ..health import AbortSignal, StallReports, Watchdog, host_wait, join_all, spawn, still_running
 from ..errors import AFDConfigError, AFDStateError
 from .base import (
-    AFDPeerError,
-    AFDTimeoutError,
-    AFDTransportError,
-    MessageTag,
-    PeerMap,
-    PendingSend,
-    StepProgress,
-    Transport,
-    TransportSetup,
+    AFDPeerError, AFDTimeoutError, MessageTag, PeerMap, PendingSend, StepProgress, Transport,
+    TransportSetup
 )
 from .streams import StageStreams  # noqa: F401 - was defined here; still importable from this module
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NcclTransport", "CommErrors", "DIRECTIONS", "RELEASE_TIMEOUT_S", "WAIT_BACKSTOP_S",
-           "pending_releases"]
+__all__ = ["NcclTransport", "CommErrors", "DIRECTIONS", "RELEASE_TIMEOUT_S", "WAIT_BACKSTOP_S", "pending_releases"]
 
 DIRECTIONS = ("a2f", "f2a")
 
@@ -342,6 +334,7 @@ class NcclTransport(Transport):
         self._comms: dict[tuple[int, int, str], int] = {}  # (a, f, direction) -> handle
         self._event_pool: list[torch.cuda.Event] = []  # list append/pop are atomic in CPython
         self._comm_names: dict[int, str] = {}  # handle -> name, filled by _named_comms
+        self._peer_rank = 1 if peers.role == "ffn" else 0  # the peer's rank in every size-2 communicator
         self._stages = StageStreams(device)
         self._aborted = False
         self._signal = abort
@@ -453,9 +446,6 @@ class NcclTransport(Transport):
         """The label of the other end of edge (attention rank ``a``, FFN rank ``f``)."""
         return self.peers.peer_label(f if self.peers.role == "attention" else a)
 
-    def _peer_index(self) -> int:
-        return 1 if self.peers.role == "ffn" else 0
-
     def check_health(self, tag: MessageTag | None = None) -> None:
         self.watchdog.check()
         self._check_open(tag)
@@ -556,7 +546,7 @@ class NcclTransport(Transport):
                         torch.empty((h.shape[0], h.shape[1] // fp8.GROUP), dtype=torch.float32, device=h.device)]
                 self._ops.fp8_quantize(h, keep[0], keep[1], self.fp8_ue8m0)
                 tensors = keep + list(tensors[1:])
-            self._ops.split_back(tensors, comms, [self._peer_index()] * len(peers), rows)
+            self._ops.split_back(tensors, comms, [self._peer_rank] * len(peers), rows)
             self._track("send (split-back)", live, tag)
         return PendingSend(keep=keep)
 
@@ -567,7 +557,7 @@ class NcclTransport(Transport):
             return
         comms = [self._comm(p, tag.direction) for p in peers]
         with self._stages.on(tag.stage):
-            self._ops.fan_in(tensors, comms, [self._peer_index()] * len(peers), rows)
+            self._ops.fan_in(tensors, comms, [self._peer_rank] * len(peers), rows)
             if dequant is not None:  # the fan-in's bf16 output: one kernel after the receive, same stream
                 self._ops.fp8_dequantize(tensors[0], tensors[1], dequant)
             if wait:
@@ -609,11 +599,7 @@ class NcclTransport(Transport):
 
     def barrier(self) -> None:
         """Wait until this rank's in-flight NCCL work completed (the connector's store barrier follows)."""
-        self.check_health()
-        self.join()
-        ev = torch.cuda.Event()
-        ev.record()
-        self.wait_event(ev, "drain", ["every peer"], MessageTag("barrier", "a2f", -1, -1, -1))
+        self.synchronize("drain", MessageTag("barrier", "a2f", -1, -1, -1))
 
     def _release(self, *, abort: bool, timeout_s: float) -> list[tuple[threading.Thread, str]]:
         """Release every communicator of this transport, bounded (never raises); see :func:`_release_comms`."""
@@ -622,8 +608,7 @@ class NcclTransport(Transport):
 
     def _on_watchdog_failure(self, exc: BaseException) -> None:
         self._aborted = True
-        if self._closed is None:
-            self._closed = exc
+        self._mark_closed(exc)
         self._release(abort=True, timeout_s=RELEASE_TIMEOUT_S)  # after the watchdog's abort post
 
     def _post_abort(self, exc: BaseException) -> None:
@@ -633,8 +618,7 @@ class NcclTransport(Transport):
     def abort(self, reason: str) -> None:
         """Abort every communicator now (concurrently, bounded); later calls raise. Idempotent."""
         self._aborted = True
-        if self._closed is None:
-            self._closed = AFDTransportError(f"aborted: {reason}")
+        self._mark_closed(f"aborted: {reason}")
         self.watchdog.stop()
         self._release(abort=True, timeout_s=RELEASE_TIMEOUT_S)
 
@@ -649,8 +633,7 @@ class NcclTransport(Transport):
         release overran its bound, ``buffers`` (which the stuck kernels may
         still write into) are kept alive for the life of the process.
         """
-        if self._closed is None:
-            self._closed = AFDTransportError("closed")
+        self._mark_closed("closed")
         drain_end = time.monotonic() + min(self.timeout_s, RELEASE_TIMEOUT_S)
         wd = self.watchdog
         while wd.in_flight and wd.failure is None and not self._aborted and time.monotonic() < drain_end:

@@ -57,25 +57,14 @@ def encode_headers(tag: MessageTag, sender: int, receiver: int, rows: int,
         messages: the exchange's tensors, in wire order (dtype and columns are read from them).
     """
     # Python lists, one tensor at the end: element-wise tensor writes cost ~90 us per call.
+    step = tag.user_step if tag.user_step >= 0 else tag.step  # as messages name it
     out = []
     for k, t in enumerate(messages):
-        row = [0] * HEADER_WORDS
-        row[_W_MAGIC] = HEADER_MAGIC
-        row[_W_VERSION] = HEADER_VERSION
-        row[_W_DIRECTION] = _DIRECTION_CODES[tag.direction]
-        row[_W_SENDER] = sender
-        row[_W_RECEIVER] = receiver
-        row[_W_STEP] = tag.user_step if tag.user_step >= 0 else tag.step  # as messages name it
-        row[_W_LAYER] = tag.layer
-        row[_W_STAGE] = tag.stage
-        row[_W_TENSOR] = k
-        row[_W_DTYPE] = dtype_code(t.dtype)
-        row[_W_ROWS] = rows
-        row[_W_COLS] = _cols(t)
-        row[_W_INDEX] = k
-        row[_W_COUNT] = len(messages)
-        row[_W_LAYER_IDX] = tag.layer_idx
-        out.append(row)
+        word = {_W_MAGIC: HEADER_MAGIC, _W_VERSION: HEADER_VERSION, _W_DIRECTION: _DIRECTION_CODES[tag.direction],
+                _W_SENDER: sender, _W_RECEIVER: receiver, _W_STEP: step, _W_LAYER: tag.layer, _W_STAGE: tag.stage,
+                _W_TENSOR: k, _W_DTYPE: dtype_code(t.dtype), _W_ROWS: rows, _W_COLS: _cols(t), _W_INDEX: k,
+                _W_COUNT: len(messages), _W_LAYER_IDX: tag.layer_idx}
+        out.append([word.get(i, 0) for i in range(HEADER_WORDS)])
     return torch.tensor(out, dtype=torch.int64).reshape(len(messages), HEADER_WORDS)
 
 

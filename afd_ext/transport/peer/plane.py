@@ -36,30 +36,16 @@ from torch import Tensor
 
 from ... import ops
 from ...errors import (
-    AFDAbortedError,
-    AFDConfigError,
-    AFDError,
-    AFDProtocolError,
-    AFDStateError,
-    AFDTimeoutError,
-    PeerMemoryUnavailableError,
+    AFDAbortedError, AFDConfigError, AFDError, AFDProtocolError, AFDStateError, AFDTimeoutError,
+    PeerMemoryUnavailableError
 )
 from ...topology import ATTENTION, FFN, ROLES, Topology, rank_label
 from ...wire import layout
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "REGION_ALIGN",
-    "FLAG_STRIDE",
-    "OP_NAMES",
-    "WireSpec",
-    "RegionLayout",
-    "PeerFailure",
-    "failure_error",
-    "PeerPlane",
-    "open_plane",
-]
+__all__ = ["REGION_ALIGN", "FLAG_STRIDE", "OP_NAMES", "WireSpec", "RegionLayout", "PeerFailure", "failure_error",
+           "PeerPlane", "open_plane"]
 
 #: Byte alignment of every part (and of the flag area's end) in a region.
 REGION_ALIGN = 256
@@ -124,16 +110,6 @@ class WireSpec:
         return cls(pairs(cfg.wire_parts), pairs(cfg.caller_parts), pairs(layout(cfg, "f2a")),
                    cfg.hidden_wire is not None, cfg.hidden_wire is not None and cfg.fp8_scale_format == "ue8m0")
 
-    @property
-    def fan_in_row_bytes(self) -> tuple[int, ...]:
-        """Bytes per row of each fan-in part (:attr:`fan_in`)."""
-        return _row_bytes(self.fan_in)
-
-    @property
-    def reply_row_bytes(self) -> tuple[int, ...]:
-        """Bytes per row of each reply part."""
-        return _row_bytes(self.reply)
-
     def signature(self) -> str:
         """A string equal on two ranks exactly when their specs are equal (checked at set-up)."""
         return repr((self.fan_in, self.send, self.reply, self.quantize_first, self.ue8m0))
@@ -181,10 +157,10 @@ class RegionLayout:
             raise AFDConfigError(f"max_tokens and num_stages must be >= 1, got {max_tokens} and {num_stages}")
         if role == FFN:
             n = len(topology.ffn_peers(role_rank))
-            return cls(num_stages, n, n * max_tokens, spec.fan_in_row_bytes)
+            return cls(num_stages, n, n * max_tokens, _row_bytes(spec.fan_in))
         if role == ATTENTION:
             n = len(topology.attention_peers(role_rank))
-            return cls(num_stages, n, max_tokens, spec.reply_row_bytes)
+            return cls(num_stages, n, max_tokens, _row_bytes(spec.reply))
         raise AFDConfigError(f"unknown AFD role {role!r}; expected one of {ROLES}")
 
     @property
@@ -337,8 +313,7 @@ class PeerPlane:
         self._region = 0
         self._peer_regions: dict[int, int] = {}
         self._closed = False
-        self._plane = ops.peer_plane_create(self.device.index, self.generation, 2 * self.num_stages,
-                                            len(self.peers))
+        self._plane = ops.peer_plane_create(self.device.index, self.generation, 2 * self.num_stages, len(self.peers))
         try:
             self._region = ops.peer_region_alloc(self._plane, self.layout.nbytes)
             self.ipc_handle: bytes = bytes(ops.peer_region_export(self._region).numpy().tobytes())
@@ -359,8 +334,7 @@ class PeerPlane:
 
     def _part_view(self, stage: int, part: int) -> Tensor:
         rb = self.layout.row_bytes[part]
-        raw = ops.peer_region_view(self._region, self.layout.part_offset(stage, part),
-                                   self.layout.capacity_rows * rb)
+        raw = ops.peer_region_view(self._region, self.layout.part_offset(stage, part), self.layout.capacity_rows * rb)
         dtype, cols = (self.spec.reply if self.role == ATTENTION else self.spec.fan_in)[part]
         return raw.view(dtype).view((self.layout.capacity_rows,) + cols)
 
@@ -546,23 +520,25 @@ def _wait_keys(store, keys: dict[str, int], timeout_s: Optional[float], what: st
         time.sleep(0.002)
 
 
-def _verdicts(store, world_rank: int, topology: Topology, name: str, mine: dict,
-              timeout_s: Optional[float]) -> dict[int, dict]:
-    """Publish this rank's JSON verdict ``name`` and read every world rank's."""
+def _verdicts(store, world_rank: int, topology: Topology, name: str, mine: dict, timeout_s: Optional[float],
+              what: str) -> dict[int, dict]:
+    """Publish this rank's JSON verdict ``name`` and read every world rank's.
+
+    Raises:
+        PeerMemoryUnavailableError: a rank's verdict is not ok (``what`` failed there; every rank raises it).
+    """
+    from ...rendezvous import rank_label
+
     store.set(f"peer/{name}/{world_rank}", json.dumps(mine).encode())
     keys = {f"peer/{name}/{w}": w for w in range(topology.world_size)}
     _wait_keys(store, keys, timeout_s, f"peer-memory {name}", topology)
-    return {w: json.loads(bytes(store.get(k)).decode()) for k, w in keys.items()}
-
-
-def _unanimous(verdicts: dict[int, dict], topology: Topology, what: str) -> None:
-    from ...rendezvous import rank_label
-
+    verdicts = {w: json.loads(bytes(store.get(k)).decode()) for k, w in keys.items()}
     bad = {rank_label(w, topology.F): v.get("why", "?") for w, v in sorted(verdicts.items()) if not v.get("ok")}
     if bad:
         raise PeerMemoryUnavailableError(
             f"the peer-memory plane is unavailable ({what}): "
             + "; ".join(f"{who}: {why}" for who, why in bad.items()), reasons=bad)
+    return verdicts
 
 
 def _probe(plane: PeerPlane, timeout_ns: int) -> None:
@@ -634,8 +610,7 @@ def open_plane(store, topology: Topology, role: str, role_rank: int, spec: WireS
                     "spec": spec.signature()}
         except (RuntimeError, AFDError) as e:
             mine = {"ok": False, "why": f"region not allocated: {e}".splitlines()[0]}
-        regions = _verdicts(store, world_rank, topology, "region", mine, setup_timeout_s)
-        _unanimous(regions, topology, "allocating the regions")
+        regions = _verdicts(store, world_rank, topology, "region", mine, setup_timeout_s, "allocating the regions")
         opened = {"ok": True}
         try:
             for p in plane.peers:
@@ -646,8 +621,7 @@ def open_plane(store, topology: Topology, role: str, role_rank: int, spec: WireS
                 plane.attach(p, bytes.fromhex(v["handle"]), int(v["nbytes"]))
         except (RuntimeError, AFDError) as e:
             opened = {"ok": False, "why": f"peer region not opened: {e}".splitlines()[0]}
-        _unanimous(_verdicts(store, world_rank, topology, "opened", opened, setup_timeout_s), topology,
-                   "opening the regions")
+        _verdicts(store, world_rank, topology, "opened", opened, setup_timeout_s, "opening the regions")
         probed = {"ok": True}
         try:
             _probe(plane, int(probe_timeout_s * 1e9))
@@ -656,8 +630,7 @@ def open_plane(store, topology: Topology, role: str, role_rank: int, spec: WireS
                 raise err
         except (RuntimeError, AFDError) as e:
             probed = {"ok": False, "why": f"flag round trip failed: {e}".splitlines()[0]}
-        _unanimous(_verdicts(store, world_rank, topology, "probe", probed, setup_timeout_s), topology,
-                   "flag round trip")
+        _verdicts(store, world_rank, topology, "probe", probed, setup_timeout_s, "flag round trip")
         return plane
     except BaseException:
         if plane is not None:

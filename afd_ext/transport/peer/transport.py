@@ -35,7 +35,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from ...errors import AFDConfigError, AFDTimeoutError, AFDTransportError
+from ...errors import AFDConfigError, AFDTimeoutError
 from ...health import Watchdog
 from ...schedule import stage_buffers
 from .. import nccl
@@ -290,10 +290,7 @@ class PeerTransport(Transport):
     @contextlib.contextmanager
     def capture_guard(self) -> Iterator[None]:
         # The plane's poll reads host memory only (no CUDA call), so it may run during a capture.
-        if self.fallback is not None:
-            with self.fallback.capture_guard():
-                yield
-        else:
+        with self.fallback.capture_guard() if self.fallback is not None else contextlib.nullcontext():
             yield
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -304,18 +301,16 @@ class PeerTransport(Transport):
             self.fallback.barrier()
 
     def abort(self, reason: str) -> None:
-        if self._closed is None:
-            self._closed = AFDTransportError(f"aborted: {reason}")
+        self._mark_closed(f"aborted: {reason}")
         self.plane.abort()
         if self.fallback is not None:
             self.fallback.abort(reason)
 
     def close(self, buffers: Sequence[torch.Tensor] = ()) -> None:
-        if self._closed is None:
-            self._closed = AFDTransportError("closed")
+        self._mark_closed("closed")
         if self.fallback is None:
             self.watchdog.stop(1.0)
-        if self.fallback is not None:
+        else:
             try:
                 self.fallback.close(buffers)  # first: its kernels must not hold the device sync below
             except Exception as e:  # noqa: BLE001 - close never raises
