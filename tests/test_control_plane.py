@@ -779,7 +779,7 @@ def _wait_key(store, key):
 def _ffn_gone_worker(rank, nprocs, port, how):
     import json
 
-    from afd_ext.control.channel import _proc_start_time
+    from afd_ext.health.process import start_time as _proc_start_time
 
     if rank == 1:
         if how != "exit":

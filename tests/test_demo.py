@@ -112,6 +112,8 @@ def test_demo_rejects_bad_arguments(capsys):
     (["--prompts", "/nonexistent/prompts.txt"], "--prompts /nonexistent/prompts.txt: cannot read it"),
     (["--port", "99999"], "argument --port: must be in 0..65535, got 99999"),  # was: a worker's AFDConfigError
     (["--port", "-1"], "argument --port: must be in 0..65535, got -1"),
+    (["--timeout", "nan"], "argument --timeout: must be > 0, got nan"),  # was: a ValueError after start-up
+    (["--step-timeout", "nan"], "argument --step-timeout: must be > 0, got nan"),
 ])
 def test_demo_bad_input_is_a_usage_error_before_any_process_starts(argv, what, capsys, monkeypatch):
     from afd_ext.tools import testing

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -281,13 +282,13 @@ def test_ranks_run_as_threads_of_one_process_share_one_claim_token(monkeypatch):
     from afd_ext.rendezvous import store
 
     monkeypatch.setattr(store, "_TOKEN", {})
-    slow = store._start_time
+    slow = store.start_time
 
     def start_time(pid):
         time.sleep(0.05)  # widen the window between "no token yet" and the token built
         return slow(pid)
 
-    monkeypatch.setattr(store, "_start_time", start_time)
+    monkeypatch.setattr(store, "start_time", start_time)
     seen = []
     threads = [threading.Thread(target=lambda: seen.append(dict(store._process_token()))) for _ in range(4)]
     for t in threads:
@@ -295,6 +296,31 @@ def test_ranks_run_as_threads_of_one_process_share_one_claim_token(monkeypatch):
     for t in threads:
         t.join(10)
     assert len(seen) == 4 and all(s == seen[0] for s in seen), seen
+
+
+def test_a_killed_rank_not_yet_reaped_holds_its_claim_no_more():
+    # a supervisor that restarts a rank before it reaps the killed process: the zombie's claim is free
+    import signal
+    import subprocess
+
+    from afd_ext.rendezvous import host_identity
+    from afd_ext.rendezvous.join import _holder_alive
+    from afd_ext.health.process import start_time
+
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        claim = {"host": host_identity(), "pid": child.pid, "start": start_time(child.pid)}
+        assert claim["start"] is not None and _holder_alive(claim) is True
+        os.kill(child.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while _holder_alive(claim) and time.monotonic() < deadline:  # not reaped: the child stays a zombie
+            time.sleep(0.01)
+        assert _holder_alive(claim) is False
+        with open(f"/proc/{child.pid}/stat") as f:
+            assert f.read().rsplit(")", 1)[1].split()[0] == "Z"  # what the claim check saw
+    finally:
+        child.kill()
+        child.wait()
 
 
 # ---------------------------------------------------------------- issue 34 item 6: no silent wait

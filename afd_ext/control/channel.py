@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from afd_ext import rendezvous as rdzv
+from afd_ext.health.process import start_time
 from afd_ext.errors import (  # noqa: F401 - ControlChannelClosed, ControlProtocolError: re-exported by the package
     AFDConfigError,
     AFDClosedError,
@@ -107,16 +108,6 @@ class ChannelOptions:
         kw: dict[str, Any] = {"idle_s": envs.get("AFD_CONTROL_IDLE_S")}
         kw.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**kw)
-
-
-def _proc_start_time(pid: int) -> int | None:
-    """Start time (clock ticks since boot) of ``pid``, or None if it is gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            rest = f.read().rsplit(b")", 1)[1].split()
-        return None if rest[0] in (b"Z", b"X", b"x") else int(rest[19])
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 class ControlChannel:

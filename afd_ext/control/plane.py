@@ -10,9 +10,10 @@ from typing import Any, Callable, Mapping
 
 from afd_ext import rendezvous as rdzv
 from afd_ext.errors import AFDConfigError, AFDStateError, ControlChannelClosed, ControlProtocolError, PeerDeadError
+from afd_ext.health.process import start_time
 from afd_ext.rendezvous import AFDStore
 
-from .channel import CHANNEL_KINDS, _OP_RECV, ChannelOptions, ControlChannel, _proc_start_time, logger
+from .channel import CHANNEL_KINDS, _OP_RECV, ChannelOptions, ControlChannel, logger
 from .shm import ShmControlChannel
 from .tcp import TcpControlChannel
 
@@ -114,7 +115,7 @@ def open_control_channels(
                                               options=opts, abort_check=abort_check)
                 try:  # the pid lets the attaching end tell a dead FFN rank from a missing /dev/shm
                     store.set(f"{base}/shm", json.dumps({"name": ch.name, "pid": os.getpid(),
-                                                          "start": _proc_start_time(os.getpid())}).encode("utf-8"))
+                                                          "start": start_time(os.getpid())}).encode("utf-8"))
                     ch.wait_attached(deadline, store)
                 except BaseException:
                     ch.close()
@@ -176,7 +177,7 @@ def _attach_shm(store: AFDStore, info: dict, mine: str, **kw: Any) -> ShmControl
     peer, what = kw["peer"], f"attaching the shared-memory control ring of {kw['peer']}"
     rdzv.raise_if_aborted(store, op=what)
     theirs = store.get(f"ctrl/host/{kw['peer_rank']}").decode("utf-8")  # set before the segment's name
-    if theirs == mine and _proc_start_time(info["pid"]) != info["start"]:
+    if theirs == mine and start_time(info["pid"]) != info["start"]:
         raise PeerDeadError(peer, what, f"it created its control segment, then its process (pid {info['pid']}) "
                             "exited or aborted during init; see its log for the cause")
     if theirs == mine:

@@ -14,11 +14,12 @@ import time
 from typing import Any
 
 from afd_ext import rendezvous as rdzv
+from afd_ext.health.process import start_time
 from afd_ext.errors import ControlChannelClosed, ControlProtocolError, PeerDeadError
 
 from .codec import DEFAULT_MAX_RANKS, DEFAULT_MAX_STAGES, _native
 
-from .channel import _OP_SEND, ControlChannel, _proc_start_time
+from .channel import _OP_SEND, ControlChannel
 
 _SHM_DIR = "/dev/shm"
 _SHM_MAGIC = 0x4C525443_44464141  # b"AAFDCTRL" as little-endian u64
@@ -87,7 +88,7 @@ class ShmControlChannel(ControlChannel):
         hdr[_W_VER_NSLOTS] = (opts.nslots << 32) | _SHM_VERSION
         hdr[_W_SLOT_BYTES] = opts.slot_bytes
         hdr[_W_RECEIVER_PID] = os.getpid()
-        hdr[_W_RECEIVER_START] = _proc_start_time(os.getpid()) or 0
+        hdr[_W_RECEIVER_START] = start_time(os.getpid()) or 0
         hdr[_W_MAGIC] = _SHM_MAGIC  # last: the segment is initialised
         hdr.release()
         return cls(name, mm, owner=True, is_sender=False, **kw)
@@ -114,7 +115,7 @@ class ShmControlChannel(ControlChannel):
         ch = cls(name, mm, owner=False, is_sender=True, **kw)
         ch._peer_pid, ch._peer_start = ch._hdr[_W_RECEIVER_PID], ch._hdr[_W_RECEIVER_START]
         ch._hdr[_W_SENDER_PID] = os.getpid()
-        ch._hdr[_W_SENDER_START] = _proc_start_time(os.getpid()) or 0
+        ch._hdr[_W_SENDER_START] = start_time(os.getpid()) or 0
         ch._hdr[_W_HEARTBEAT] = time.monotonic_ns()
         ch._hdr[_W_SENDER_STATE] = _STATE_ATTACHED
         ch._start_heartbeat()
@@ -146,7 +147,7 @@ class ShmControlChannel(ControlChannel):
     def _peer_gone(self) -> bool:
         if not self._peer_pid:
             return False
-        start = _proc_start_time(int(self._peer_pid))
+        start = start_time(int(self._peer_pid))
         return start is None or bool(self._peer_start and start != self._peer_start)
 
     def _beat(self) -> bool:

@@ -25,9 +25,10 @@ from typing import Any, Mapping
 
 from ..errors import AFDConfigError, DuplicateRankError, HandshakeMismatchError, JobMismatchError, RendezvousError
 from ..errors import RendezvousTimeoutError, StoreTimeoutError
+from ..health.process import start_time
 from ..topology import rank_label
 from .store import (_MAX_POLL_S, _MIN_ROUND_TRIP_S, _STORES, _STORES_LOCK, DEFAULT_RENDEZVOUS_TIMEOUT_S,
-                    AFDStore, WaitReport, _left, _open_tcp_store, _process_token, _start_time, _StoreRunner,
+                    AFDStore, WaitReport, _left, _open_tcp_store, _process_token, _StoreRunner,
                     _timedelta, host_identity)
 
 logger = logging.getLogger("afd_ext.rendezvous")  # the name users configure (docs/troubleshooting.md)
@@ -44,7 +45,7 @@ def _holder_alive(holder: Mapping[str, Any]) -> bool | None:
     pid = holder.get("pid")
     if not isinstance(pid, int):
         return False
-    start = _start_time(pid)
+    start = start_time(pid)
     return start is not None and start == holder.get("start")
 
 

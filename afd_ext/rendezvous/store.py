@@ -78,6 +78,7 @@ from ..errors import RendezvousError, RendezvousTimeoutError, StepAbortedError, 
 from ..topology import rank_label
 from ..health.abort import AbortSignal
 from ..health.links import error_text
+from ..health.process import start_time
 from ..health.watchdog import CallThread
 
 logger = logging.getLogger("afd_ext.rendezvous")  # the name users configure (docs/troubleshooting.md)
@@ -478,16 +479,8 @@ def _process_token() -> dict[str, Any]:
     with _TOKEN_LOCK:  # ranks run as threads of one process (tests): one nonce, never two
         if not _TOKEN:
             _TOKEN.update(host=host_identity(), name=socket.gethostname(), pid=os.getpid(),
-                          start=_start_time(os.getpid()), nonce=uuid.uuid4().hex)
+                          start=start_time(os.getpid()), nonce=uuid.uuid4().hex)
     return _TOKEN
-
-
-def _start_time(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
 
 
 def _generation_hint(store: AFDStore, missing: Iterable[int]) -> str:

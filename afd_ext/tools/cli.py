@@ -91,7 +91,7 @@ def ranged(cast: Callable[[str], Any], low: float, high: float | None = None, *,
     """
     def parse(text: str) -> Any:
         v = cast(text)
-        if v < low or (above and v == low) or (high is not None and v > high):
+        if not ((v > low if above else v >= low) and (high is None or v <= high)):  # NaN too
             bound = f"in {low}..{high}" if high is not None else f"{'>' if above else '>='} {low}"
             raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
         return v
